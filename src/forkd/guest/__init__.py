@@ -1,0 +1,1 @@
+"""Guest side: image builder (kernel, initramfs, root image) and the in-guest agent."""

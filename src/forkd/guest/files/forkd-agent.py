@@ -1,0 +1,895 @@
+"""forkd guest agent: runs inside the VM and executes the host's requests.
+
+Started by the guest's init as root (``python3 /opt/forkd/forkd-agent.py``) and
+respawned if it dies. Standard library only.
+
+Protocol (full reference: docs/guest-agent.md): newline-delimited JSON over a
+byte stream, one UTF-8 object per line.
+
+    host -> guest  {"id": 7, "op": "exec", "argv": ["ls", "/"]}
+    guest -> host  {"id": 7, "ok": true, "result": {...}}
+                   {"id": 7, "ok": false, "error": "message", "kind": "ValueError"}
+
+Every request runs in its own thread, so many can be in flight; answers are
+written in completion order, each as one whole line. Blank lines, lines that
+are not JSON objects and requests without an integer id are ignored (a
+snapshot may leave half a line behind; the host sends a lone newline first).
+
+Transports: the virtio-serial port named "agent" (default), ``--device PATH``,
+``--socket PATH`` (unix socket, for tests) or ``--stdio``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import binascii
+import builtins
+import collections
+import contextlib
+import errno
+import fcntl
+import glob
+import io
+import json
+import linecache
+import math
+import os
+import random
+import select
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+AGENT_VERSION = "1"
+PORT_NAME = "agent"  # name of the virtio-serial port (QEMU: virtserialport,name=agent)
+VIRTIO_PORTS_DIR = "/sys/class/virtio-ports"
+
+MAX_LINE_BYTES = 64 * 1024 * 1024  # longest request line accepted; longer ones are dropped
+# exec keeps this many bytes of stdout and of stderr (the rest is read and dropped);
+# eval keeps this many characters of stdout, of stderr and of the result repr.
+MAX_OUTPUT_BYTES = 1024 * 1024
+MAX_FILE_BYTES = 32 * 1024 * 1024  # file_read / file_write payload (base64 adds a third)
+MAX_LIST_ENTRIES = 100_000  # file_list answers at most this many entries
+READ_CHUNK_BYTES = 1024 * 1024
+
+DEFAULT_EXEC_TIMEOUT_S = 30.0
+EXEC_KILL_GRACE_S = 0.5  # after a timeout kill: how long to wait for the output readers
+EXEC_LINGER_S = 0.5  # after a normal exit: how long background holders of the pipes may keep us
+DEVICE_REOPEN_DELAY_S = 0.02  # after EOF on the port (no host connected)
+DEVICE_RETRY_S = 0.1  # port missing or cannot be opened
+
+EXIT_TIMEOUT = 124
+EXIT_CANNOT_EXECUTE = 126
+EXIT_NOT_FOUND = 127
+
+BASE_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "HOME": "/root",
+    "LANG": "C.UTF-8",
+}
+
+# linux/random.h
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+MIN_ENTROPY_BYTES = 32
+DRY_RESTORE_ENV = "FORKD_AGENT_DRY_RESTORE"  # "1": restore skips clock, kernel RNG, hostname
+
+
+class RequestError(ValueError):
+    """A malformed request (bad or missing parameter)."""
+
+
+# --------------------------------------------------------------------------- logging
+
+
+def log(message: str) -> None:
+    """Write one line to stderr via the fd, so eval's stderr capture never sees it."""
+    with contextlib.suppress(OSError):
+        os.write(2, f"forkd-agent: {message}\n".encode(errors="replace"))
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def _require(req: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    value = req.get(name)
+    if not isinstance(value, kind) or isinstance(value, bool):  # JSON true is not 1
+        raise RequestError(f"{name!r} must be {what}")
+    return value
+
+
+def _optional(req: dict[str, Any], name: str, kind: type, what: str) -> Any:
+    if req.get(name) is None:
+        return None
+    return _require(req, name, kind, what)
+
+
+def _flag(req: dict[str, Any], name: str, default: bool = False) -> bool:
+    value = req.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(f"{name!r} must be a boolean")
+    return value
+
+
+def _path(req: dict[str, Any], name: str = "path") -> str:
+    value = req.get(name)
+    if not isinstance(value, str):
+        raise RequestError(f"{name!r} must be a string")
+    if not value.startswith("/"):
+        raise RequestError(f"{name!r} must be an absolute path, got {value!r}")
+    if "\0" in value:
+        raise RequestError(f"{name!r} must not contain a NUL byte")
+    return value
+
+
+def _base64(req: dict[str, Any], name: str) -> bytes:
+    text = _require(req, name, str, "a base64 string")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise RequestError(f"{name!r} is not valid base64: {exc}") from None
+
+
+# --------------------------------------------------------------------------- ping
+
+
+def op_ping(req: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "pong": True,
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "uptime_s": _uptime(),
+        "agent_version": AGENT_VERSION,
+    }
+
+
+def _uptime() -> float:
+    try:
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return time.monotonic()
+
+
+# --------------------------------------------------------------------------- exec
+
+
+class _Capture:
+    """Drain one pipe in a thread; keep the first ``cap`` bytes, count the rest."""
+
+    def __init__(self, pipe: io.BufferedReader, cap: int = MAX_OUTPUT_BYTES) -> None:
+        self._pipe = pipe
+        self._cap = cap
+        self._data = bytearray()
+        self._lock = threading.Lock()
+        self.truncated = False
+        self.thread = threading.Thread(target=self._run, name="exec-reader", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        fd = self._pipe.fileno()
+        try:
+            while chunk := os.read(fd, 65536):
+                with self._lock:
+                    room = self._cap - len(self._data)
+                    if room > 0:
+                        self._data += chunk[:room]
+                    if len(chunk) > room:
+                        self.truncated = True
+        except OSError as exc:
+            log(f"exec: reading output failed: {exc}")
+        finally:
+            self._pipe.close()
+
+    def text(self) -> str:
+        with self._lock:
+            return self._data.decode("utf-8", errors="replace")
+
+
+def _feed_stdin(pipe: io.BufferedWriter, data: bytes) -> None:
+    try:
+        pipe.write(data)
+    except OSError:  # the program exited or closed its stdin: not our problem
+        pass
+    finally:
+        with contextlib.suppress(OSError):
+            pipe.close()
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _exit_code(returncode: int) -> int:
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _spawn_failure(exc: OSError, argv: list[str], start: float) -> dict[str, Any]:
+    """Answer like a shell does when a program cannot be started."""
+    code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
+    what = exc.filename if exc.filename is not None else argv[0]
+    return {
+        "exit_code": code,
+        "stdout": "",
+        "stderr": f"{what}: {exc.strerror or exc}\n",
+        "timed_out": False,
+        "stdout_truncated": False,
+        "stderr_truncated": False,
+        "duration_ms": (time.monotonic() - start) * 1000.0,
+    }
+
+
+def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, str], Any, float]:
+    argv = req.get("argv")
+    if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
+        raise RequestError("'argv' must be a non-empty list of strings")
+    cwd = _optional(req, "cwd", str, "a string or null")
+    extra = _optional(req, "env", dict, "an object of strings or null") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise RequestError("'env' must map strings to strings")
+    stdin = _optional(req, "stdin", str, "a string or null")
+    timeout = req.get("timeout")
+    if timeout is None:
+        timeout = DEFAULT_EXEC_TIMEOUT_S
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise RequestError("'timeout' must be a number of seconds")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise RequestError("'timeout' must be > 0 and finite")
+    return argv, cwd, {**BASE_ENV, **extra}, stdin, float(timeout)
+
+
+def op_exec(req: dict[str, Any]) -> dict[str, Any]:
+    argv, cwd, env, stdin, timeout = _exec_params(req)
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(
+            argv,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        return _spawn_failure(exc, argv, start)
+
+    assert proc.stdout is not None and proc.stderr is not None
+    out, err = _Capture(proc.stdout), _Capture(proc.stderr)
+    if proc.stdin is not None:
+        data = stdin.encode("utf-8", errors="surrogateescape")
+        threading.Thread(target=_feed_stdin, args=(proc.stdin, data), daemon=True).start()
+
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=EXEC_KILL_GRACE_S)
+
+    # Output written before the exit is already in the pipes; a background
+    # process (or one that escaped the kill) may hold them open for longer,
+    # so wait a bounded time only. The readers keep draining in the background.
+    grace_end = time.monotonic() + (EXEC_KILL_GRACE_S if timed_out else EXEC_LINGER_S)
+    for capture in (out, err):
+        capture.thread.join(max(0.0, grace_end - time.monotonic()))
+
+    if timed_out:
+        exit_code = EXIT_TIMEOUT
+    else:
+        assert proc.returncode is not None
+        exit_code = _exit_code(proc.returncode)
+    return {
+        "exit_code": exit_code,
+        "stdout": out.text(),
+        "stderr": err.text(),
+        "timed_out": timed_out,
+        "stdout_truncated": out.truncated,
+        "stderr_truncated": err.truncated,
+        "duration_ms": (time.monotonic() - start) * 1000.0,
+    }
+
+
+# --------------------------------------------------------------------------- eval
+
+# One warm interpreter namespace shared by all eval calls (and installed as
+# sys.modules["__main__"] by main(), so pickling user classes works).
+_USER_MODULE = types.ModuleType("__main__")
+_USER_MODULE.__dict__["__builtins__"] = builtins
+EVAL_NAMESPACE: dict[str, Any] = _USER_MODULE.__dict__
+_EVAL_LOCK = threading.Lock()
+_EVAL_SOURCES: collections.deque[str] = collections.deque()
+_EVAL_SOURCES_KEPT = 200  # recent eval sources kept in linecache for tracebacks
+_eval_counter = 0
+
+
+class _CappedText(io.TextIOBase):
+    """A text sink that keeps the first ``cap`` characters and flags the rest."""
+
+    def __init__(self, cap: int = MAX_OUTPUT_BYTES) -> None:
+        self._parts: list[str] = []
+        self._room = cap
+        self.truncated = False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, s: str) -> int:
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
+        if len(s) > self._room:
+            self.truncated = True
+        if self._room > 0:
+            kept = s[: self._room]
+            self._parts.append(kept)
+            self._room -= len(kept)
+        return len(s)
+
+    def getvalue(self) -> str:
+        return "".join(self._parts)
+
+
+def _remember_source(code: str) -> str:
+    """Register ``code`` with linecache so tracebacks show the user's lines."""
+    global _eval_counter
+    _eval_counter += 1
+    filename = f"<forkd-eval-{_eval_counter}>"
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+    _EVAL_SOURCES.append(filename)
+    while len(_EVAL_SOURCES) > _EVAL_SOURCES_KEPT:
+        linecache.cache.pop(_EVAL_SOURCES.popleft(), None)
+    return filename
+
+
+def _format_user_error(exc: BaseException, filename: str) -> str:
+    """The traceback from the user's first frame on (the agent's frames are noise)."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _run_user_code(code: str, filename: str) -> Any:
+    """exec the statements; if the last one is an expression, return its value."""
+    tree = ast.parse(code, filename, "exec")
+    last: ast.Expression | None = None
+    if tree.body and isinstance(tree.body[-1], ast.Expr):
+        last = ast.Expression(body=tree.body.pop().value)
+    exec(compile(tree, filename, "exec"), EVAL_NAMESPACE)
+    if last is None:
+        return None
+    return eval(compile(last, filename, "eval"), EVAL_NAMESPACE)
+
+
+def op_eval(req: dict[str, Any]) -> dict[str, Any]:
+    code = _require(req, "code", str, "a string")
+    with _EVAL_LOCK:
+        filename = _remember_source(code)
+        out, err = _CappedText(), _CappedText()
+        result: str | None = None
+        error: str | None = None
+        saved_stdin = sys.stdin
+        sys.stdin = io.StringIO()  # input() must never read the agent's own stdin
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    value = _run_user_code(code, filename)
+                    result = None if value is None else _cap_text(repr(value))
+                except BaseException as exc:  # SystemExit too: the agent must survive
+                    error = _format_user_error(exc, filename)
+        finally:
+            sys.stdin = saved_stdin
+    return {
+        "result": result,
+        "error": error,
+        "exit_code": 0 if error is None else 1,
+        "stdout": out.getvalue(),
+        "stderr": err.getvalue(),
+        "stdout_truncated": out.truncated,
+        "stderr_truncated": err.truncated,
+    }
+
+
+def _cap_text(text: str, cap: int = MAX_OUTPUT_BYTES) -> str:
+    return text if len(text) <= cap else text[:cap] + "... [truncated]"
+
+
+# --------------------------------------------------------------------------- files
+
+
+def op_file_read(req: dict[str, Any]) -> dict[str, Any]:
+    path = _path(req)
+    st = os.stat(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+    if stat.S_ISFIFO(st.st_mode) or stat.S_ISSOCK(st.st_mode):
+        raise RequestError(f"not a regular file: {path}")
+    with open(path, "rb") as f:
+        data = f.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise RequestError(f"{path} is larger than {MAX_FILE_BYTES} bytes")
+    return {"data": base64.b64encode(data).decode("ascii"), "size": len(data)}
+
+
+def op_file_write(req: dict[str, Any]) -> dict[str, Any]:
+    path = _path(req)
+    data = _base64(req, "data")
+    if len(data) > MAX_FILE_BYTES:
+        raise RequestError(f"'data' is larger than {MAX_FILE_BYTES} bytes")
+    mode = req.get("mode", 0o644)
+    if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+        raise RequestError("'mode' must be an integer permission value (0 to 0o7777)")
+    if _flag(req, "append"):
+        _write_append(path, data, mode)
+    else:
+        _write_atomic(path, data, mode)
+    return {"size": len(data)}
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            written = os.write(fd, view)
+        except BlockingIOError:
+            _wait_writable(fd)
+            continue
+        view = view[written:]
+
+
+def _write_append(path: str, data: bytes, mode: int) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    existed = os.path.lexists(path)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, mode)
+    try:
+        if not existed:
+            os.fchmod(fd, mode)  # the umask must not change a new file's mode
+        _write_all(fd, data)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: str, data: bytes, mode: int) -> None:
+    # Write through a symlink, as open() would, instead of replacing the link.
+    target = os.path.realpath(path) if os.path.islink(path) else path
+    parent = os.path.dirname(target)
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".forkd-write-", dir=parent)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            _write_all(fd, data)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _entry_type(mode: int) -> str:
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISREG(mode):
+        return "file"
+    return "other"
+
+
+def op_file_list(req: dict[str, Any]) -> dict[str, Any]:
+    path = _path(req)
+    names = sorted(os.listdir(path))  # NotADirectoryError / FileNotFoundError as they come
+    entries = []
+    for name in names[:MAX_LIST_ENTRIES]:
+        try:
+            st = os.lstat(os.path.join(path, name))
+        except FileNotFoundError:  # removed while we listed
+            continue
+        entries.append(
+            {
+                "name": name,
+                "type": _entry_type(st.st_mode),
+                "size": st.st_size,
+                "mode": stat.S_IMODE(st.st_mode),
+                "mtime": st.st_mtime,
+            }
+        )
+    return {"entries": entries, "truncated": len(names) > MAX_LIST_ENTRIES}
+
+
+def op_file_remove(req: dict[str, Any]) -> dict[str, Any]:
+    path = _path(req)
+    if not os.path.normpath(path).strip("/"):
+        raise RequestError("refusing to remove '/'")
+    st = os.lstat(path)  # FileNotFoundError if missing; symlinks are never followed
+    if stat.S_ISDIR(st.st_mode):
+        if not _flag(req, "recursive"):
+            raise IsADirectoryError(
+                errno.EISDIR, "Is a directory (pass recursive=true to remove it)", path
+            )
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+    return {"removed": True}
+
+
+# --------------------------------------------------------------------------- restore
+
+
+def op_restore(req: dict[str, Any]) -> dict[str, Any]:
+    """Make a VM restored from a snapshot unique again: clock, RNGs, hostname."""
+    time_ns = _require(req, "time_ns", int, "an integer (ns since the epoch)")
+    entropy = _base64(req, "entropy")
+    if len(entropy) < MIN_ENTROPY_BYTES:
+        raise RequestError(f"'entropy' must hold at least {MIN_ENTROPY_BYTES} bytes")
+    hostname = _require(req, "hostname", str, "a string")
+    dry = os.environ.get(DRY_RESTORE_ENV) == "1"
+
+    errors: list[str] = []
+
+    def step(name: str, action: Callable[[], None], skip: bool = False) -> bool:
+        if skip:
+            errors.append(f"{name}: dry run")
+            return False
+        try:
+            action()
+        except Exception as exc:
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            log(f"restore: {name} failed: {exc}")
+            return False
+        return True
+
+    # Order matters: the kernel RNG is reseeded before `random` draws from it.
+    clock_set = step("clock", lambda: time.clock_settime_ns(time.CLOCK_REALTIME, time_ns), dry)
+    rng_reseeded = step("rng", lambda: _reseed_kernel_rng(entropy), dry)
+    random_reseeded = step("random", _reseed_python_rngs)
+    hostname_set = step("hostname", lambda: _set_hostname(hostname), dry)
+    return {
+        "clock_set": clock_set,
+        "rng_reseeded": rng_reseeded,
+        "random_reseeded": random_reseeded,
+        "hostname_set": hostname_set,
+        "errors": errors,
+    }
+
+
+def _reseed_kernel_rng(entropy: bytes) -> None:
+    # struct rand_pool_info { int entropy_count (bits); int buf_size; __u32 buf[]; }
+    info = struct.pack("ii", len(entropy) * 8, len(entropy)) + entropy
+    fd = os.open("/dev/urandom", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, RNDADDENTROPY, info)
+        # Rekey the crng now; otherwise clones of one memory image keep sharing
+        # os.urandom output until the kernel's next periodic reseed.
+        fcntl.ioctl(fd, RNDRESEEDCRNG)
+    finally:
+        os.close(fd)
+
+
+def _reseed_python_rngs() -> None:
+    random.seed(os.urandom(32))  # the module object user code imported too
+    numpy_random = sys.modules.get("numpy.random")  # only if user code loaded it
+    if numpy_random is not None:
+        numpy_random.seed(int.from_bytes(os.urandom(4), "little"))
+
+
+def _set_hostname(hostname: str) -> None:
+    socket.sethostname(hostname)
+    try:
+        with open("/etc/hostname", "w") as f:
+            f.write(hostname + "\n")
+    except OSError as exc:
+        log(f"restore: cannot write /etc/hostname: {exc}")
+
+
+# --------------------------------------------------------------------------- dispatch
+
+OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "ping": op_ping,
+    "exec": op_exec,
+    "eval": op_eval,
+    "file_read": op_file_read,
+    "file_write": op_file_write,
+    "file_list": op_file_list,
+    "file_remove": op_file_remove,
+    "restore": op_restore,
+}
+
+
+def _encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode("ascii") + b"\n"
+
+
+def _error_message(req_id: int, exc: BaseException) -> dict[str, Any]:
+    kind = type(exc).__name__
+    if isinstance(exc, RequestError):
+        kind = "ValueError"
+    return {"id": req_id, "ok": False, "error": str(exc) or kind, "kind": kind}
+
+
+def handle_request(req_id: int, req: dict[str, Any]) -> bytes:
+    """Run one request; always returns an encoded answer line."""
+    try:
+        op = req.get("op")
+        handler = OPS.get(op) if isinstance(op, str) else None
+        if handler is None:
+            raise RequestError(f"unknown op: {op!r}")
+        return _encode({"id": req_id, "ok": True, "result": handler(req)})
+    except BaseException as exc:  # SystemExit, KeyboardInterrupt: still one answer
+        if not isinstance(exc, OSError | RequestError):
+            log(f"request {req_id} failed: {type(exc).__name__}: {exc}")
+        return _encode(_error_message(req_id, exc))
+
+
+def parse_request(line: bytes) -> tuple[int, dict[str, Any]] | None:
+    """The request on ``line``, or None for lines the protocol says to ignore."""
+    line = line.strip()
+    if not line:
+        return None
+    try:
+        req = json.loads(line)
+    except ValueError:  # includes UnicodeDecodeError
+        log(f"ignoring a line that is not JSON ({len(line)} bytes)")
+        return None
+    if not isinstance(req, dict):
+        log("ignoring a JSON line that is not an object")
+        return None
+    req_id = req.get("id")
+    if type(req_id) is not int:
+        log("ignoring a request without an integer id")
+        return None
+    return req_id, req
+
+
+# --------------------------------------------------------------------------- transport
+
+
+def _wait_writable(fd: int) -> None:
+    """Wait until a non-blocking fd accepts data; raise if the peer went away."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    while True:
+        for _, events in poller.poll(1000):
+            if events & select.POLLOUT:
+                return
+            if events & (select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                raise ConnectionError("peer disconnected")
+
+
+def _read_chunk(fd: int) -> bytes:
+    """One read; waits with poll() when the fd is non-blocking and empty."""
+    poller: select.poll | None = None
+    while True:
+        try:
+            return os.read(fd, READ_CHUNK_BYTES)
+        except BlockingIOError:
+            if poller is None:
+                poller = select.poll()
+                poller.register(fd, select.POLLIN)
+            events = poller.poll(1000)
+            if events and not any(ev & select.POLLIN for _, ev in events):
+                time.sleep(DEVICE_REOPEN_DELAY_S)  # HUP without data: do not spin
+
+
+class LineSplitter:
+    """Split a byte stream into lines; drop lines longer than MAX_LINE_BYTES."""
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_line
+        self._discarding = False
+
+    def feed(self, chunk: bytes) -> Iterator[bytes]:
+        scan_from = len(self._buf)
+        self._buf += chunk
+        start = 0
+        while (end := self._buf.find(b"\n", scan_from)) >= 0:
+            if self._discarding:
+                self._discarding = False
+            else:
+                yield bytes(self._buf[start:end])
+            start = scan_from = end + 1
+        del self._buf[:start]
+        if len(self._buf) > self._max:
+            log(f"dropping a request line longer than {self._max} bytes")
+            self._buf.clear()
+            self._discarding = True
+
+
+class Connection:
+    """One host connection: whole-line writes under a lock, in-flight tracking."""
+
+    def __init__(self, fd: int, close: Callable[[], None]) -> None:
+        self.fd = fd
+        self._close = close
+        self._write_lock = threading.Lock()
+        self._closed = False
+        self._inflight = 0
+        self._idle = threading.Condition()
+
+    def send(self, line: bytes, req_id: int) -> None:
+        with self._write_lock:
+            if self._closed:
+                log(f"dropping the answer to {req_id}: connection closed")
+                return
+            try:
+                _write_all(self.fd, line)
+            except OSError as exc:
+                log(f"dropping the answer to {req_id}: {exc}")
+
+    def dispatch(self, line: bytes) -> None:
+        parsed = parse_request(line)
+        if parsed is None:
+            return
+        req_id, req = parsed
+        with self._idle:
+            self._inflight += 1
+        try:
+            threading.Thread(
+                target=self._serve_one, args=(req_id, req), name=f"req-{req_id}", daemon=True
+            ).start()
+        except RuntimeError as exc:  # cannot start a thread: answer inline
+            self._finish(req_id, _encode(_error_message(req_id, exc)))
+
+    def _serve_one(self, req_id: int, req: dict[str, Any]) -> None:
+        self._finish(req_id, handle_request(req_id, req))
+
+    def _finish(self, req_id: int, line: bytes) -> None:
+        try:
+            self.send(line, req_id)
+        finally:
+            with self._idle:
+                self._inflight -= 1
+                self._idle.notify_all()
+
+    def wait_idle(self) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: self._inflight == 0)
+
+    def close(self) -> None:
+        with self._write_lock:
+            if not self._closed:
+                self._closed = True
+                with contextlib.suppress(OSError):
+                    self._close()
+
+
+def serve_stream(conn: Connection, read_fd: int) -> None:
+    """Read requests from ``read_fd`` until EOF or a read error."""
+    splitter = LineSplitter()
+    while True:
+        try:
+            chunk = _read_chunk(read_fd)
+        except OSError as exc:
+            log(f"read failed: {exc}")
+            return
+        if not chunk:
+            return
+        for line in splitter.feed(chunk):
+            conn.dispatch(line)
+
+
+def find_agent_port(name: str = PORT_NAME) -> str | None:
+    """/dev path of the virtio-serial port called ``name``, if it exists yet."""
+    for name_file in sorted(glob.glob(os.path.join(VIRTIO_PORTS_DIR, "*", "name"))):
+        try:
+            with open(name_file) as f:
+                if f.read().strip() != name:
+                    continue
+        except OSError:
+            continue
+        return os.path.join("/dev", os.path.basename(os.path.dirname(name_file)))
+    return None
+
+
+def serve_device(path: str | None) -> None:
+    """Serve the virtio-serial port forever.
+
+    While no host is connected, read() returns EOF at once; the port is then
+    closed and reopened. Answers to requests of a closed connection are dropped.
+    The fd is non-blocking so that an answer written while the host is away is
+    dropped (POLLHUP) instead of blocking until some later host connects.
+    """
+    device = path
+    last_problem: str | None = ""  # "" = nothing logged yet
+    while True:
+        try:
+            if device is None and (device := find_agent_port()) is None:
+                raise FileNotFoundError(f"no virtio-serial port named {PORT_NAME!r} yet")
+            fd = os.open(device, os.O_RDWR | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+        except OSError as exc:
+            if str(exc) != last_problem:
+                log(f"waiting for the port: {exc}")
+                last_problem = str(exc)
+            time.sleep(DEVICE_RETRY_S)
+            continue
+        if last_problem is not None:
+            log(f"serving {device}")
+            last_problem = None
+        conn = Connection(fd, lambda fd=fd: os.close(fd))
+        try:
+            serve_stream(conn, fd)
+        finally:
+            conn.close()
+        time.sleep(DEVICE_REOPEN_DELAY_S)
+
+
+def serve_socket(path: str) -> None:
+    """Listen on a unix socket; each connection is served in its own thread."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(16)
+    log(f"listening on {path}")
+    while True:
+        sock, _ = server.accept()
+        threading.Thread(target=_serve_socket_conn, args=(sock,), daemon=True).start()
+
+
+def _serve_socket_conn(sock: socket.socket) -> None:
+    conn = Connection(sock.fileno(), sock.close)
+    try:
+        serve_stream(conn, sock.fileno())
+        conn.wait_idle()  # the peer may only have shut down its sending side
+    finally:
+        conn.close()
+
+
+def serve_stdio() -> None:
+    """Requests on stdin, answers on stdout; exits at EOF once all are answered."""
+    in_fd, out_fd = os.dup(0), os.dup(1)
+    # Keep stray output (os.system in eval, child processes) off the protocol stream.
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(2, 1)
+    os.close(devnull)
+    conn = Connection(out_fd, lambda: os.close(out_fd))
+    serve_stream(conn, in_fd)
+    conn.wait_idle()
+    conn.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="forkd guest agent")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--device", help="serve this character device instead of the 'agent' port")
+    mode.add_argument("--socket", help="serve a unix socket at this path (host tests)")
+    mode.add_argument("--stdio", action="store_true", help="serve stdin/stdout")
+    args = parser.parse_args(argv)
+
+    sys.modules["__main__"] = _USER_MODULE  # eval's namespace is the __main__ module
+    try:
+        if args.stdio:
+            serve_stdio()
+        elif args.socket:
+            serve_socket(args.socket)
+        else:
+            serve_device(args.device)
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

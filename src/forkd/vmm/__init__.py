@@ -1,0 +1,1 @@
+"""The VM driver: QEMU microVMs that boot, pause, snapshot, resume and fork."""

@@ -1,0 +1,212 @@
+"""Copy a QEMU process's guest RAM into a sparse ``memory.bin``.
+
+Guest RAM is a private mapping of a file (a fresh sparse file for a booted
+VM, the snapshot's ``memory.bin`` for a forked one). Every page of that
+mapping is in one of two states, and ``/proc/PID/pagemap`` tells which:
+
+* written by the guest since the mapping was made: an anonymous page, the
+  only place that content exists;
+* anything else (never touched, or only read): identical to the backing
+  file at the same offset.
+
+So a snapshot is "the backing file, overlaid with the anonymous pages". The
+backing file never changes, so it can be cloned *before* the VM is paused;
+the pause then only covers reading pagemap and copying the written pages.
+Pages that were never touched are never read, so snapshotting does not fault
+the whole range into the QEMU process (which would inflate its RSS).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+from array import array
+from dataclasses import dataclass
+from pathlib import Path
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+ZERO_PAGE = bytes(PAGE)
+PM_PRESENT = 1 << 63
+PM_SWAPPED = 1 << 62
+PM_FILE_OR_SHARED = 1 << 61
+MAX_RUN_BYTES = 8 << 20  # one read from /proc/PID/mem at most
+FICLONE = 0x40049409
+
+
+@dataclass(frozen=True)
+class RamRegion:
+    pid: int
+    start: int
+    end: int
+    path: str
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def map_file(self) -> Path:
+        """The backing file, reachable even if it was unlinked since."""
+        return Path(f"/proc/{self.pid}/map_files/{self.start:x}-{self.end:x}")
+
+
+@dataclass
+class DumpStats:
+    pages_scanned: int = 0
+    pages_written: int = 0  # anonymous pages copied from the process
+    zero_pages_skipped: int = 0
+    base_bytes_cloned: int = 0
+    cloned_by_reflink: bool = False
+
+
+def find_ram_region(pid: int, ram_file: Path, size: int) -> RamRegion:
+    """The mapping of ``ram_file`` in process ``pid`` (guest RAM)."""
+    want = str(ram_file)
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError as exc:
+        raise ProcessLookupError(f"QEMU process {pid} is gone ({exc})") from exc
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) < 6:
+            continue
+        path = parts[5].removesuffix(" (deleted)")
+        if path != want:
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        if hi - lo == size:
+            return RamRegion(pid, lo, hi, path)
+    raise LookupError(f"no {size}-byte mapping of {want} in process {pid}")
+
+
+def clone_base(region: RamRegion, out_fd: int) -> DumpStats:
+    """Make ``out_fd`` a copy of the region's backing file (holes stay holes).
+
+    Tries a reflink first (instant on btrfs/XFS), else copies only the data
+    extents in the kernel with copy_file_range.
+    """
+    stats = DumpStats()
+    src = os.open(region.map_file, os.O_RDONLY)
+    try:
+        size = os.fstat(src).st_size
+        os.ftruncate(out_fd, region.size)
+        try:
+            fcntl.ioctl(out_fd, FICLONE, src)
+            stats.cloned_by_reflink = True
+            stats.base_bytes_cloned = size
+            os.ftruncate(out_fd, region.size)
+            return stats
+        except OSError:
+            pass
+        pos = 0
+        limit = min(size, region.size)
+        while pos < limit:
+            try:
+                data = os.lseek(src, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole remains
+                    break
+                raise
+            hole = min(os.lseek(src, data, os.SEEK_HOLE), limit)
+            off = data
+            while off < hole:
+                n = os.copy_file_range(src, out_fd, hole - off, off, off)
+                if n == 0:
+                    raise OSError(errno.EIO, f"short copy from {region.path} at {off}")
+                off += n
+            stats.base_bytes_cloned += hole - data
+            pos = hole
+    finally:
+        os.close(src)
+    return stats
+
+
+def dump_written_pages(
+    region: RamRegion, out_fd: int, *, base_is_empty: bool, stats: DumpStats | None = None
+) -> DumpStats:
+    """Overlay ``out_fd`` with every page the guest wrote (call while paused).
+
+    ``base_is_empty``: the backing file was all holes (a freshly booted VM),
+    so all-zero pages can be skipped and the file stays sparse. Otherwise a
+    zero page must be written, since the base may hold data there.
+    """
+    stats = stats or DumpStats()
+    npages = region.size // PAGE
+    entries = array("Q")
+    with open(f"/proc/{region.pid}/pagemap", "rb", buffering=0) as pm:
+        raw = os.pread(pm.fileno(), npages * 8, (region.start // PAGE) * 8)
+    if len(raw) != npages * 8:
+        raise OSError(errno.EIO, f"short pagemap read for process {region.pid}")
+    entries.frombytes(raw)
+    stats.pages_scanned += npages
+
+    mem = os.open(f"/proc/{region.pid}/mem", os.O_RDONLY)
+    try:
+        max_run = MAX_RUN_BYTES // PAGE
+        run_start = -1
+        for i, entry in enumerate(entries):
+            written = (entry & PM_SWAPPED) or (
+                (entry & PM_PRESENT) and not (entry & PM_FILE_OR_SHARED)
+            )
+            if written:
+                if run_start < 0:
+                    run_start = i
+                elif i - run_start >= max_run:
+                    _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats)
+                    run_start = i
+            elif run_start >= 0:
+                _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats)
+                run_start = -1
+        if run_start >= 0:
+            _copy_run(region, mem, out_fd, run_start, npages, base_is_empty, stats)
+    finally:
+        os.close(mem)
+    return stats
+
+
+def _copy_run(
+    region: RamRegion,
+    mem: int,
+    out_fd: int,
+    first: int,
+    end: int,
+    skip_zero: bool,
+    stats: DumpStats,
+) -> None:
+    length = (end - first) * PAGE
+    offset = first * PAGE
+    buf = os.pread(mem, length, region.start + offset)
+    if len(buf) != length:
+        raise OSError(errno.EIO, f"short read of guest RAM from process {region.pid}")
+    if not skip_zero:
+        _pwrite_all(out_fd, buf, offset)
+        stats.pages_written += end - first
+        return
+    # Write maximal runs of non-zero pages; leave zero pages as holes.
+    view = memoryview(buf)
+    seg = -1
+    for p in range(end - first):
+        is_zero = buf[p * PAGE : (p + 1) * PAGE] == ZERO_PAGE
+        if is_zero:
+            stats.zero_pages_skipped += 1
+            if seg >= 0:
+                _pwrite_all(out_fd, view[seg * PAGE : p * PAGE], offset + seg * PAGE)
+                stats.pages_written += p - seg
+                seg = -1
+        elif seg < 0:
+            seg = p
+    if seg >= 0:
+        n = end - first
+        _pwrite_all(out_fd, view[seg * PAGE : n * PAGE], offset + seg * PAGE)
+        stats.pages_written += n - seg
+
+
+def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write of memory.bin")
+        view = view[n:]
+        offset += n

@@ -1,0 +1,126 @@
+"""QEMU command lines. One device list serves boots and restores alike.
+
+A restore must present exactly the devices the snapshot was taken with, so
+both paths go through :func:`build_argv`; only the RAM file and
+``-incoming`` differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+QEMU_BINARY = "qemu-system-x86_64"
+KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 reboot=t i8042.noaux i8042.nomux"
+TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    memory_mib: int
+    vcpus: int
+    accel: str  # "kvm" | "tcg"
+    vmlinuz: Path
+    initrd: Path
+    rootfs: Path
+    internet: bool = True
+
+    def to_json(self) -> dict:
+        return {
+            "memory_mib": self.memory_mib,
+            "vcpus": self.vcpus,
+            "accel": self.accel,
+            "vmlinuz": str(self.vmlinuz),
+            "initrd": str(self.initrd),
+            "rootfs": str(self.rootfs),
+            "internet": self.internet,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> MachineConfig:
+        return cls(
+            memory_mib=int(data["memory_mib"]),
+            vcpus=int(data["vcpus"]),
+            accel=str(data["accel"]),
+            vmlinuz=Path(data["vmlinuz"]),
+            initrd=Path(data["initrd"]),
+            rootfs=Path(data["rootfs"]),
+            internet=bool(data.get("internet", True)),
+        )
+
+
+@dataclass(frozen=True)
+class RuntimePaths:
+    """Per-VM files on the host."""
+
+    dir: Path
+
+    @property
+    def qmp(self) -> Path:
+        return self.dir / "qmp.sock"
+
+    @property
+    def agent(self) -> Path:
+        return self.dir / "agent.sock"
+
+    @property
+    def console(self) -> Path:
+        return self.dir / "console.log"
+
+    @property
+    def qemu_log(self) -> Path:
+        return self.dir / "qemu.log"
+
+    @property
+    def ram(self) -> Path:
+        """RAM file of a freshly booted VM (a restored VM maps its snapshot's)."""
+        return self.dir / "ram.bin"
+
+    @property
+    def meta(self) -> Path:
+        return self.dir / "vm.json"
+
+
+def build_argv(
+    cfg: MachineConfig,
+    rt: RuntimePaths,
+    *,
+    ram_file: Path,
+    incoming: bool,
+) -> list[str]:
+    mem = f"{cfg.memory_mib}M"
+    argv = [
+        QEMU_BINARY,
+        "-name", f"forkd,process=forkd-{rt.dir.name}",
+        "-machine", "microvm,memory-backend=mem,suppress-vmdesc=on",
+        "-m", mem,
+        "-smp", str(cfg.vcpus),
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        # RAM is a private mapping of a file: a restored VM shares every page
+        # of its snapshot it has not written, and never writes the file.
+        "-object",
+        # (Not readonly=on: in QEMU 7.2 that maps the RAM read-only as well.)
+        f"memory-backend-file,id=mem,size={mem},mem-path={ram_file},share=off",
+        "-kernel", str(cfg.vmlinuz),
+        "-initrd", str(cfg.initrd),
+        "-append", KERNEL_CMDLINE,
+        "-chardev", f"file,id=console,path={rt.console}",
+        "-serial", "chardev:console",
+        "-drive", f"file={cfg.rootfs},format=raw,if=none,id=root,readonly=on",
+        "-device", "virtio-blk-device,drive=root",
+        "-device", "virtio-serial-device",
+        "-chardev", f"socket,id=agent,path={rt.agent},server=on,wait=off",
+        "-device", "virtserialport,chardev=agent,name=agent",
+        "-object", "rng-random,id=rng,filename=/dev/urandom",
+        "-device", "virtio-rng-device,rng=rng",
+        "-netdev", "user,id=net0" + ("" if cfg.internet else ",restrict=on"),
+        "-device", "virtio-net-device,netdev=net0",
+        "-qmp", f"unix:{rt.qmp},server=on,wait=off",
+    ]  # fmt: skip
+    if cfg.accel == "kvm":
+        argv += ["-accel", "kvm", "-cpu", "host"]
+    else:
+        argv += ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MIB}"]
+    if incoming:
+        argv += ["-incoming", "defer", "-global", "migration.send-configuration=off"]
+    return argv

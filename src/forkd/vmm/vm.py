@@ -1,0 +1,563 @@
+"""One QEMU microVM: boot, restore (fork), pause, snapshot, resume, kill.
+
+Every VM's RAM is a private mapping of a file. A booted VM maps a new sparse
+file; a restored VM maps its snapshot's ``memory.bin`` read-only, so the host
+kernel shares each page among all children until one writes it.
+
+Snapshotting any running VM (template or child, at any depth) is::
+
+    writer = await vm.begin_snapshot(dest)   # stage, clone the base (VM runs)
+    await vm.pause()
+    await writer.capture()                   # vmstate + written pages
+    await vm.resume()
+    await writer.commit()                    # snapshot.json, rename into place
+
+:meth:`VM.snapshot` runs that sequence with the failure handling; the
+daemon's branch handler drives the steps itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient, QMPError
+
+from forkd import __version__, accel, hosttools
+from forkd.errors import AgentError, SnapshotError, VMError
+from forkd.guest.image import Image
+from forkd.vmm import memory, snapshot_files
+from forkd.vmm.agent_client import AgentClient
+from forkd.vmm.qemu_argv import QEMU_BINARY, MachineConfig, RuntimePaths, build_argv
+
+log = logging.getLogger(__name__)
+
+UNIX_PATH_MAX = 107
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def new_vm_id() -> str:
+    return f"vm-{secrets.token_hex(4)}"
+
+
+def _tail(path: Path, limit: int = 1500) -> str:
+    try:
+        data = path.read_bytes()[-limit:]
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()
+
+
+class VM:
+    """A running (or paused, or dead) QEMU process and its agent connection."""
+
+    def __init__(
+        self,
+        vm_id: str,
+        rt: RuntimePaths,
+        machine: MachineConfig,
+        ram_file: Path,
+        image: dict[str, Any],
+        origin: Path | None,
+        proc: subprocess.Popen[bytes] | None,
+        pid: int,
+    ) -> None:
+        self.id = vm_id
+        self.rt = rt
+        self.machine = machine
+        self.ram_file = ram_file
+        self.image = image
+        self.origin = origin  # snapshot directory this VM was forked from
+        self._proc = proc
+        self.pid = pid
+        self.qmp = QMPClient(vm_id)
+        self.agent = AgentClient(rt.agent)
+        self.state = "starting"
+        self.started_at = time.time()
+        self.ready_ms: float | None = None  # process start -> agent answered
+
+    # ---------------------------------------------------------------- start
+
+    @classmethod
+    def _prepare_runtime(cls, run_root: Path, vm_id: str) -> RuntimePaths:
+        rt = RuntimePaths(run_root / vm_id)
+        if len(str(rt.agent)) > UNIX_PATH_MAX:
+            raise VMError(f"run directory {rt.dir} is too long for unix sockets")
+        rt.dir.mkdir(parents=True, exist_ok=False)
+        return rt
+
+    @classmethod
+    def _spawn(
+        cls, argv: list[str], rt: RuntimePaths, detach: bool
+    ) -> subprocess.Popen[bytes]:
+        hosttools.require(QEMU_BINARY)
+        with rt.qemu_log.open("ab") as log_f:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_f,
+                stderr=log_f,
+                close_fds=True,
+                start_new_session=detach,
+                preexec_fn=None if detach else _die_with_parent,
+            )
+
+    @classmethod
+    async def boot(
+        cls,
+        image: Image,
+        *,
+        run_root: Path,
+        memory_mib: int = 256,
+        vcpus: int = 1,
+        accel_name: str | None = None,
+        vm_id: str | None = None,
+        boot_timeout: float = 90.0,
+        internet: bool = True,
+        detach: bool = False,
+    ) -> VM:
+        """Cold-boot a VM from ``image``; returns once its agent answers."""
+        if not 64 <= memory_mib <= 65536:
+            raise VMError(f"memory_mib must be between 64 and 65536, not {memory_mib}")
+        if not 1 <= vcpus <= 64:
+            raise VMError(f"vcpus must be between 1 and 64, not {vcpus}")
+        vm_id = vm_id or new_vm_id()
+        choice = accel.choose(accel_name)
+        machine = MachineConfig(
+            memory_mib=memory_mib,
+            vcpus=vcpus,
+            accel=choice.name,
+            vmlinuz=image.vmlinuz,
+            initrd=image.initrd,
+            rootfs=image.rootfs,
+            internet=internet,
+        )
+        rt = cls._prepare_runtime(run_root, vm_id)
+        with rt.ram.open("wb") as f:  # sparse: costs nothing until written
+            f.truncate(memory_mib << 20)
+        argv = build_argv(machine, rt, ram_file=rt.ram, incoming=False)
+        started = time.monotonic()
+        proc = cls._spawn(argv, rt, detach)
+        image_meta = {"name": image.name, "key": image.key, "dir": str(image.dir)}
+        vm = cls(vm_id, rt, machine, rt.ram, image_meta, None, proc, proc.pid)
+        try:
+            await vm._connect_qmp()
+            await vm.agent.connect()
+            await vm._wait_agent(boot_timeout)
+        except BaseException:
+            await vm.kill()
+            raise
+        vm.ready_ms = (time.monotonic() - started) * 1000
+        vm.state = "running"
+        vm._write_meta()
+        return vm
+
+    @classmethod
+    async def restore(
+        cls,
+        snapshot_dir: Path,
+        *,
+        run_root: Path,
+        vm_id: str | None = None,
+        hostname: str | None = None,
+        timeout: float = 30.0,
+        detach: bool = False,
+    ) -> VM:
+        """Fork a new VM from a snapshot directory; returns once its agent answered.
+
+        After the restore the guest is told the wall-clock time, given fresh
+        entropy (kernel RNG and the warm interpreter's ``random``) and a new
+        hostname, so no two children share random numbers.
+        """
+        snap = snapshot_files.load(snapshot_dir)
+        machine = snap.machine
+        vm_id = vm_id or new_vm_id()
+        rt = cls._prepare_runtime(run_root, vm_id)
+        argv = build_argv(machine, rt, ram_file=snap.memory, incoming=True)
+        started = time.monotonic()
+        proc = cls._spawn(argv, rt, detach)
+        vm = cls(vm_id, rt, machine, snap.memory, snap.meta.get("image", {}), snap.dir, proc,
+                 proc.pid)  # fmt: skip
+        try:
+            await vm._connect_qmp()
+            await vm._load_vmstate(snap.vmstate, timeout)
+            await vm.agent.connect()
+            await vm.qmp.execute("cont")
+            vm.state = "running"
+            await vm._after_restore(hostname or vm_id, timeout, snap)
+        except BaseException:
+            await vm.kill()
+            raise
+        vm.ready_ms = (time.monotonic() - started) * 1000
+        vm._write_meta()
+        return vm
+
+    async def _connect_qmp(self, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_dead("QEMU exited while starting")
+            if self.rt.qmp.exists():
+                try:
+                    await self.qmp.connect(str(self.rt.qmp))
+                    return
+                except QMPError as exc:
+                    if time.monotonic() > deadline:
+                        raise VMError(f"cannot connect to QMP at {self.rt.qmp}: {exc}") from exc
+            if time.monotonic() > deadline:
+                raise VMError(f"QEMU did not open {self.rt.qmp} within {timeout:g} s")
+            await asyncio.sleep(0.002)
+
+    async def _load_vmstate(self, vmstate: Path, timeout: float) -> None:
+        fd = os.open(vmstate, os.O_RDONLY)
+        try:
+            self.qmp.send_fd_scm(fd)
+            await self.qmp.execute("getfd", {"fdname": "vmstate"})
+        finally:
+            os.close(fd)
+        await self.qmp.execute("migrate-incoming", {"uri": "fd:vmstate"})
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = await self.qmp.execute("query-status")
+            except QMPError as exc:
+                raise SnapshotError(
+                    f"loading {vmstate} failed (QEMU: {_tail(self.rt.qemu_log) or exc})"
+                ) from exc
+            assert isinstance(status, dict)
+            if status["status"] != "inmigrate":
+                break
+            if time.monotonic() > deadline:
+                raise SnapshotError(f"loading {vmstate} did not finish within {timeout:g} s")
+            await asyncio.sleep(0.002)
+        mig = await self.qmp.execute("query-migrate")
+        assert isinstance(mig, dict)
+        if mig.get("status") not in (None, "completed"):
+            raise SnapshotError(
+                f"loading {vmstate} failed: migration {mig.get('status')} "
+                f"({mig.get('error-desc') or _tail(self.rt.qemu_log)})"
+            )
+
+    async def _after_restore(
+        self, hostname: str, timeout: float, snap: snapshot_files.SnapshotFiles
+    ) -> None:
+        try:
+            result = await self.agent.call(
+                "restore",
+                {
+                    "time_ns": time.time_ns(),
+                    "entropy": base64.b64encode(os.urandom(64)).decode(),
+                    "hostname": hostname,
+                },
+                wait=timeout,
+            )
+        except AgentError as exc:
+            self._raise_if_dead(f"the guest restored from {snap.memory} died")
+            raise SnapshotError(
+                f"the guest restored from {snap.memory} does not answer ({exc}); "
+                f"memory.bin or vmstate may be corrupt. Console: {_tail(self.rt.console, 500)}"
+            ) from exc
+        if result.get("errors"):
+            log.warning("restore of %s: %s", self.id, "; ".join(result["errors"]))
+
+    async def _wait_agent(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_dead("QEMU exited during boot")
+            try:
+                await self.agent.call("ping", wait=2.0)
+                return
+            except AgentError as exc:
+                if time.monotonic() > deadline:
+                    raise VMError(
+                        f"the guest agent did not answer within {timeout:g} s ({exc}). "
+                        f"Console: {_tail(self.rt.console)}"
+                    ) from exc
+
+    def _write_meta(self) -> None:
+        data = {
+            "id": self.id,
+            "pid": self.pid,
+            "qmp": str(self.rt.qmp),
+            "agent": str(self.rt.agent),
+            "ram_file": str(self.ram_file),
+            "origin_snapshot": str(self.origin) if self.origin else None,
+            "machine": self.machine.to_json(),
+            "image": self.image,
+            "started_at_unix": self.started_at,
+        }
+        tmp = self.rt.meta.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        tmp.replace(self.rt.meta)
+
+    # ------------------------------------------------------------ lifecycle
+
+    def is_alive(self) -> bool:
+        if self._proc is not None:
+            return self._proc.poll() is None
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def _raise_if_dead(self, what: str) -> None:
+        if not self.is_alive():
+            self.state = "dead"
+            code = self._proc.returncode if self._proc else "?"
+            raise VMError(f"{what} (exit status {code}): {_tail(self.rt.qemu_log)}")
+
+    async def pause(self) -> None:
+        """Freeze the vCPUs (QMP ``stop``)."""
+        try:
+            await self.qmp.execute("stop")
+        except (QMPError, OSError) as exc:
+            self._raise_if_dead(f"QEMU of {self.id} died")
+            raise VMError(f"pausing {self.id} failed: {exc}") from exc
+        self.state = "paused"
+
+    async def resume(self) -> None:
+        """Let the vCPUs run again (QMP ``cont``)."""
+        try:
+            await self.qmp.execute("cont")
+        except (QMPError, OSError) as exc:
+            self._raise_if_dead(f"QEMU of {self.id} died")
+            raise VMError(f"resuming {self.id} failed: {exc}") from exc
+        self.state = "running"
+
+    async def kill(self) -> None:
+        """Stop the VM for good and remove its runtime files."""
+        await self.agent.close()
+        with contextlib.suppress(Exception):
+            await self.qmp.disconnect()
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            await asyncio.to_thread(self._proc.wait)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.state = "dead"
+        shutil.rmtree(self.rt.dir, ignore_errors=True)
+
+    # ------------------------------------------------------------- snapshot
+
+    async def begin_snapshot(self, dest: Path) -> SnapshotWriter:
+        """Stage a snapshot of this VM at ``dest`` (which must not exist)."""
+        if dest.exists():
+            raise SnapshotError(f"{dest} already exists")
+        writer = SnapshotWriter(self, dest)
+        await writer.prepare()
+        return writer
+
+    async def snapshot(self, dest: Path, extra_meta: dict[str, Any] | None = None) -> Path:
+        """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
+
+        On failure nothing is left at ``dest`` and the VM is resumed if it is
+        still alive. Returns ``dest``; the pause window is in
+        ``snapshot.json`` as ``pause_ms``.
+        """
+        writer = await self.begin_snapshot(dest)
+        was_running = self.state == "running"
+        try:
+            if was_running:
+                await self.pause()
+            await writer.capture()
+        except BaseException:
+            await writer.abort()
+            if was_running and self.is_alive():
+                with contextlib.suppress(VMError):
+                    await self.resume()
+            raise
+        try:
+            if was_running:
+                await self.resume()
+        finally:
+            await writer.commit(extra_meta)
+        return dest
+
+    # --------------------------------------------------------- guest agent
+
+    async def ping(self) -> dict[str, Any]:
+        return await self.agent.call("ping", wait=10.0)
+
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        timeout: float = 30.0,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | None = None,
+    ) -> dict[str, Any]:
+        params = {"argv": argv, "cwd": cwd, "env": env, "stdin": stdin, "timeout": timeout}
+        return await self.agent.call("exec", params, wait=timeout + 10.0)
+
+    async def eval(self, code: str, timeout: float = 60.0) -> dict[str, Any]:
+        return await self.agent.call("eval", {"code": code}, wait=timeout)
+
+    async def read_file(self, path: str) -> bytes:
+        result = await self.agent.call("file_read", {"path": path})
+        return base64.b64decode(result["data"])
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        params = {"path": path, "data": base64.b64encode(data).decode(), "mode": mode}
+        result = await self.agent.call("file_write", params)
+        return int(result["size"])
+
+    async def list_dir(self, path: str) -> list[dict[str, Any]]:
+        return (await self.agent.call("file_list", {"path": path}))["entries"]
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self.agent.call("file_remove", {"path": path, "recursive": recursive})
+
+    # --------------------------------------------------------------- memory
+
+    def memory_usage(self) -> dict[str, int]:
+        """Host memory of the QEMU process, from /proc/PID/smaps_rollup (bytes)."""
+        out: dict[str, int] = {}
+        with open(f"/proc/{self.pid}/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if len(parts) == 2 and parts[1] == "kB":
+                    out[key.strip().lower()] = int(parts[0]) * 1024
+        out["private"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
+        return out
+
+
+class SnapshotWriter:
+    """A snapshot of one VM being built in a staging directory."""
+
+    def __init__(self, vm: VM, dest: Path) -> None:
+        self.vm = vm
+        self.dest = dest
+        self.staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(3)}"
+        self.stats = memory.DumpStats()
+        self.pause_started: float | None = None
+        self.capture_ms: float | None = None
+        self._mem_fd: int | None = None
+        self._region: memory.RamRegion | None = None
+
+    async def prepare(self) -> None:
+        """Create the staging directory and clone the RAM file's base (VM may run)."""
+        self.dest.parent.mkdir(parents=True, exist_ok=True)
+        self.staging.mkdir()
+        try:
+            vm = self.vm
+            size = vm.machine.memory_mib << 20
+            self._region = memory.find_ram_region(vm.pid, vm.ram_file, size)
+            self._mem_fd = os.open(
+                self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+            )
+            self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
+        except BaseException as exc:
+            await self.abort()
+            raise self._translate(exc, "preparing") from exc
+
+    async def capture(self) -> None:
+        """Write vmstate and the guest's written pages. The VM must be paused."""
+        vm = self.vm
+        assert self._region is not None and self._mem_fd is not None
+        started = time.monotonic()
+        try:
+            await vm.qmp.execute(
+                "xen-save-devices-state",
+                {"filename": str(self.staging / snapshot_files.VMSTATE), "live": False},
+            )
+            await asyncio.to_thread(
+                memory.dump_written_pages,
+                self._region,
+                self._mem_fd,
+                base_is_empty=self.stats.base_bytes_cloned == 0,
+                stats=self.stats,
+            )
+        except BaseException as exc:
+            raise self._translate(exc, "capturing") from exc
+        self.capture_ms = (time.monotonic() - started) * 1000
+
+    def _translate(self, exc: BaseException, step: str) -> BaseException:
+        if not isinstance(exc, Exception):
+            return exc
+        vm = self.vm
+        if not vm.is_alive():
+            vm.state = "dead"
+            return SnapshotError(
+                f"QEMU of {vm.id} died while {step} the snapshot {self.dest.name}: "
+                f"{_tail(vm.rt.qemu_log, 500) or exc}"
+            )
+        if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC
+            return SnapshotError(
+                f"disk full while writing snapshot {self.dest.name} under {self.dest.parent}"
+            )
+        if isinstance(exc, SnapshotError):
+            return exc
+        return SnapshotError(f"{step} snapshot {self.dest.name} of {vm.id} failed: {exc}")
+
+    async def commit(self, extra_meta: dict[str, Any] | None = None) -> Path:
+        """Write snapshot.json, flush, and rename the staging directory to ``dest``."""
+        vm = self.vm
+        try:
+            assert self._mem_fd is not None
+            await asyncio.to_thread(os.fsync, self._mem_fd)
+            os.close(self._mem_fd)
+            self._mem_fd = None
+            vmstate = self.staging / snapshot_files.VMSTATE
+            meta: dict[str, Any] = {
+                "format": snapshot_files.FORMAT,
+                "created_at_unix": int(time.time()),
+                "forkd_version": __version__,
+                "image": vm.image,
+                "machine": vm.machine.to_json(),
+                "memory_bytes": vm.machine.memory_mib << 20,
+                "vmstate_bytes": vmstate.stat().st_size,
+                "source_vm": vm.id,
+                "parent_snapshot": str(vm.origin) if vm.origin else None,
+                "capture_ms": round(self.capture_ms or 0.0, 1),
+                "pages_written": self.stats.pages_written,
+                "base_bytes_cloned": self.stats.base_bytes_cloned,
+                "volumes": [],
+            }
+            meta.update(extra_meta or {})
+            meta_path = self.staging / snapshot_files.META
+            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+            with open(vmstate, "rb") as f:
+                os.fsync(f.fileno())
+            self.staging.rename(self.dest)
+            dir_fd = os.open(self.dest.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+        except BaseException as exc:
+            await self.abort()
+            if isinstance(exc, OSError) and exc.errno == 28:
+                raise SnapshotError(
+                    f"disk full while writing snapshot {self.dest.name} under {self.dest.parent}"
+                ) from exc
+            raise
+        return self.dest
+
+    async def abort(self) -> None:
+        """Remove everything this snapshot wrote."""
+        if self._mem_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._mem_fd)
+            self._mem_fd = None
+        await asyncio.to_thread(shutil.rmtree, self.staging, True)

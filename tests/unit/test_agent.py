@@ -1,0 +1,557 @@
+"""The guest agent (src/forkd/guest/files/forkd-agent.py), run on the host.
+
+The agent is started as a subprocess serving a unix socket (plus one test each
+for --stdio and --device on a pty); FORKD_AGENT_DRY_RESTORE=1 keeps `restore`
+from touching the host's clock, RNG and hostname.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import itertools
+import json
+import os
+import pty
+import random
+import select
+import socket
+import stat
+import subprocess
+import sys
+import time
+import tty
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"
+ENTROPY = base64.b64encode(os.urandom(32)).decode()
+
+
+def _load_agent_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("forkd_agent_under_test", AGENT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+agent_mod = _load_agent_module()
+
+
+def _agent_env() -> dict[str, str]:
+    return {**os.environ, "FORKD_AGENT_DRY_RESTORE": "1"}
+
+
+class Client:
+    """Minimal protocol client: raw line I/O plus request/answer matching by id."""
+
+    def __init__(self, path: Path, timeout: float = 10.0) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(str(path))
+        self._buf = b""
+        self._ids = itertools.count(1000)
+        self._early: dict[int, dict[str, Any]] = {}
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def send(self, op: str, **params: Any) -> int:
+        req_id = next(self._ids)
+        self.send_raw(json.dumps({"id": req_id, "op": op, **params}).encode() + b"\n")
+        return req_id
+
+    def read_line(self) -> bytes:
+        while b"\n" not in self._buf:
+            chunk = self.sock.recv(1 << 20)
+            if not chunk:
+                raise EOFError("agent closed the connection")
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return line
+
+    def read_message(self) -> dict[str, Any]:
+        return json.loads(self.read_line())
+
+    def wait(self, req_id: int) -> dict[str, Any]:
+        while req_id not in self._early:
+            msg = self.read_message()
+            self._early[msg["id"]] = msg
+        return self._early.pop(req_id)
+
+    def call(self, op: str, **params: Any) -> dict[str, Any]:
+        """The whole answer (ok, result / error, kind)."""
+        return self.wait(self.send(op, **params))
+
+    def result(self, op: str, **params: Any) -> dict[str, Any]:
+        msg = self.call(op, **params)
+        assert msg["ok"] is True, msg
+        return msg["result"]
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def agent_socket(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("agent") / "agent.sock"
+    proc = subprocess.Popen([sys.executable, str(AGENT), "--socket", str(path)], env=_agent_env())
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                Client(path).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
+        yield path
+    finally:
+        _stop(proc)
+
+
+@pytest.fixture
+def agent(agent_socket: Path) -> Iterator[Client]:
+    client = Client(agent_socket)
+    yield client
+    client.close()
+
+
+# ----------------------------------------------------------------------------- ping
+
+
+def test_ping(agent: Client) -> None:
+    msg = agent.call("ping")
+    assert msg["ok"] is True
+    result = msg["result"]
+    assert result["pong"] is True
+    assert result["agent_version"] == "1"
+    assert result["hostname"] == socket.gethostname()
+    assert isinstance(result["pid"], int) and result["pid"] != os.getpid()
+    assert isinstance(result["uptime_s"], float) and result["uptime_s"] > 0
+
+
+# ----------------------------------------------------------------------------- exec
+
+
+def test_exec_echo(agent: Client) -> None:
+    result = agent.result("exec", argv=["echo", "hello", "world"])
+    assert result["exit_code"] == 0
+    assert result["stdout"] == "hello world\n"
+    assert result["stderr"] == ""
+    assert result["timed_out"] is False
+    assert result["stdout_truncated"] is False and result["stderr_truncated"] is False
+    assert isinstance(result["duration_ms"], float) and result["duration_ms"] >= 0
+
+
+def test_exec_cwd_env_stdin(agent: Client, tmp_path: Path) -> None:
+    script = 'pwd; echo "$FOO"; cat; echo "$HOME|$LANG|$PATH"; echo oops >&2'
+    result = agent.result(
+        "exec",
+        argv=["sh", "-c", script],
+        cwd=str(tmp_path),
+        env={"FOO": "bar baz"},
+        stdin="line one\nline two\n",
+    )
+    assert result["exit_code"] == 0
+    lines = result["stdout"].splitlines()
+    assert lines[0] == str(tmp_path)
+    assert lines[1] == "bar baz"
+    assert lines[2:4] == ["line one", "line two"]
+    assert lines[4] == f"/root|C.UTF-8|{agent_mod.BASE_ENV['PATH']}"
+    assert result["stderr"] == "oops\n"
+
+
+def test_exec_env_overrides_base_and_stdin_defaults_to_devnull(agent: Client) -> None:
+    result = agent.result("exec", argv=["sh", "-c", 'echo "$HOME"; cat'], env={"HOME": "/tmp"})
+    assert result["stdout"] == "/tmp\n"  # cat read EOF from /dev/null at once
+
+
+def test_exec_nonzero_exit_and_signal(agent: Client) -> None:
+    assert agent.result("exec", argv=["sh", "-c", "exit 7"])["exit_code"] == 7
+    assert agent.result("exec", argv=["sh", "-c", "kill -9 $$"])["exit_code"] == 128 + 9
+
+
+def test_exec_not_found_and_not_executable(agent: Client, tmp_path: Path) -> None:
+    result = agent.result("exec", argv=["forkd-no-such-program"])
+    assert result["exit_code"] == 127
+    assert "forkd-no-such-program" in result["stderr"]
+    assert "No such file" in result["stderr"]
+
+    result = agent.result("exec", argv=["ls"], cwd=str(tmp_path / "missing"))
+    assert result["exit_code"] == 127
+    assert "missing" in result["stderr"]
+
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o644)
+    result = agent.result("exec", argv=[str(script)])
+    assert result["exit_code"] == 126
+    assert "Permission denied" in result["stderr"]
+
+
+def test_exec_bad_params(agent: Client) -> None:
+    for params in (
+        {},
+        {"argv": []},
+        {"argv": "echo hi"},
+        {"argv": ["echo", 1]},
+        {"argv": ["true"], "timeout": 0},
+        {"argv": ["true"], "timeout": "5"},
+        {"argv": ["true"], "env": {"A": 1}},
+    ):
+        msg = agent.call("exec", **params)
+        assert msg["ok"] is False, params
+        assert msg["kind"] == "ValueError", msg
+
+
+def test_exec_timeout_keeps_partial_output(agent: Client) -> None:
+    start = time.monotonic()
+    result = agent.result("exec", argv=["sh", "-c", "echo before; sleep 10"], timeout=0.5)
+    elapsed = time.monotonic() - start
+    assert result["timed_out"] is True
+    assert result["exit_code"] == 124
+    assert result["stdout"] == "before\n"
+    assert elapsed < 2.0
+
+
+def test_exec_timeout_kills_the_process_group(agent: Client) -> None:
+    result = agent.result("exec", argv=["sh", "-c", "sleep 30 & echo $!; wait"], timeout=0.5)
+    assert result["exit_code"] == 124
+    pid = int(result["stdout"])
+    deadline = time.monotonic() + 2
+    while _is_running(pid):
+        assert time.monotonic() < deadline, f"background sleep {pid} survived the timeout"
+        time.sleep(0.02)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_exec_timeout_answers_although_an_escaped_grandchild_holds_the_pipe(
+    agent: Client,
+) -> None:
+    code = (
+        "import subprocess, time\n"
+        "subprocess.Popen(['sleep', '3'], start_new_session=True)\n"  # survives killpg
+        "print('before', flush=True)\n"
+        "time.sleep(10)\n"
+    )
+    start = time.monotonic()
+    result = agent.result("exec", argv=[sys.executable, "-c", code], timeout=0.5)
+    assert time.monotonic() - start < 2.0
+    assert result["exit_code"] == 124
+    assert result["stdout"] == "before\n"
+
+
+def test_exec_background_job_does_not_hold_the_answer(agent: Client) -> None:
+    start = time.monotonic()
+    result = agent.result("exec", argv=["sh", "-c", "sleep 3 & echo done"], timeout=10)
+    assert time.monotonic() - start < 2.0
+    assert result["exit_code"] == 0
+    assert result["timed_out"] is False
+    assert result["stdout"] == "done\n"
+
+
+def test_exec_output_is_capped(agent: Client) -> None:
+    assert agent_mod.MAX_OUTPUT_BYTES == 1024 * 1024
+    code = (  # odd-sized writes, so reads do not line up with the cap
+        "import os\nfor _ in range(700):\n    os.write(1, b'x' * 3001)\nos.write(2, b'small')\n"
+    )
+    result = agent.result("exec", argv=[sys.executable, "-c", code])
+    assert result["exit_code"] == 0
+    assert result["stdout"] == "x" * agent_mod.MAX_OUTPUT_BYTES
+    assert result["stdout_truncated"] is True
+    assert result["stderr"] == "small"
+    assert result["stderr_truncated"] is False
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+def test_eval_statements_expression_and_persistence(agent: Client) -> None:
+    first = agent.result("eval", code="x = 41\ndef inc(v):\n    return v + 1\n")
+    assert first == {
+        "result": None,
+        "error": None,
+        "exit_code": 0,
+        "stdout": "",
+        "stderr": "",
+        "stdout_truncated": False,
+        "stderr_truncated": False,
+    }
+    assert agent.result("eval", code="x + 1")["result"] == "42"
+    assert agent.result("eval", code="y = inc(x)\ny")["result"] == "42"
+    assert agent.result("eval", code="'a' * 3")["result"] == "'aaa'"
+    assert agent.result("eval", code="__name__")["result"] == "'__main__'"
+
+
+def test_eval_exception_gives_traceback(agent: Client) -> None:
+    result = agent.result("eval", code="def boom():\n    raise KeyError('nope')\nboom()")
+    assert result["exit_code"] == 1
+    assert result["result"] is None
+    assert result["error"].startswith("Traceback (most recent call last):")
+    assert "raise KeyError('nope')" in result["error"]  # user source lines are shown
+    assert result["error"].rstrip().endswith("KeyError: 'nope'")
+    assert "forkd-agent.py" not in result["error"]
+
+    result = agent.result("eval", code="x = = 1")
+    assert result["exit_code"] == 1
+    assert "SyntaxError" in result["error"]
+
+    result = agent.result("eval", code="raise SystemExit(3)")
+    assert result["exit_code"] == 1
+    assert "SystemExit: 3" in result["error"]
+    assert agent.result("eval", code="1 + 1")["result"] == "2"  # still serving
+
+
+def test_eval_captures_output(agent: Client) -> None:
+    code = "import sys\nprint('hello')\nprint('warn', file=sys.stderr)\nprint('again')\n7"
+    result = agent.result("eval", code=code)
+    assert result["stdout"] == "hello\nagain\n"
+    assert result["stderr"] == "warn\n"
+    assert result["result"] == "7"
+    assert result["exit_code"] == 0
+
+    result = agent.result("eval", code="print('partial')\n1/0")
+    assert result["stdout"] == "partial\n"
+    assert result["exit_code"] == 1
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def test_file_roundtrip(agent: Client, tmp_path: Path) -> None:
+    blob = bytes(range(256)) * 64 + b"\x00\xff\n\r"
+    path = tmp_path / "sub" / "dir" / "blob.bin"
+    written = agent.result(
+        "file_write", path=str(path), data=base64.b64encode(blob).decode(), mode=0o600
+    )
+    assert written == {"size": len(blob)}
+    assert path.read_bytes() == blob
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert list(path.parent.iterdir()) == [path]  # no temp file left behind
+
+    read = agent.result("file_read", path=str(path))
+    assert read["size"] == len(blob)
+    assert base64.b64decode(read["data"]) == blob
+
+    agent.result("file_write", path=str(path), data=base64.b64encode(b"tail").decode(), append=True)
+    assert path.read_bytes() == blob + b"tail"
+
+    (path.parent / "a-link").symlink_to("blob.bin")
+    (path.parent / "zdir").mkdir()
+    entries = agent.result("file_list", path=str(path.parent))["entries"]
+    assert [(e["name"], e["type"]) for e in entries] == [
+        ("a-link", "symlink"),
+        ("blob.bin", "file"),
+        ("zdir", "dir"),
+    ]
+    blob_entry = entries[1]
+    assert blob_entry["size"] == len(blob) + 4
+    assert blob_entry["mode"] == 0o600
+    assert abs(blob_entry["mtime"] - path.stat().st_mtime) < 1e-3
+
+    assert agent.result("file_remove", path=str(path)) == {"removed": True}
+    assert not path.exists()
+    assert agent.call("file_read", path=str(path))["kind"] == "FileNotFoundError"
+    assert agent.call("file_remove", path=str(path))["kind"] == "FileNotFoundError"
+
+
+def test_file_write_default_mode_and_replaces_existing(agent: Client, tmp_path: Path) -> None:
+    path = tmp_path / "f.txt"
+    path.write_text("old content that is longer")
+    agent.result("file_write", path=str(path), data=base64.b64encode(b"new").decode())
+    assert path.read_bytes() == b"new"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644
+
+
+def test_file_errors(agent: Client, tmp_path: Path) -> None:
+    msg = agent.call("file_read", path=str(tmp_path))
+    assert msg["ok"] is False and msg["kind"] == "IsADirectoryError"
+    (tmp_path / "plain").write_text("x")
+    msg = agent.call("file_list", path=str(tmp_path / "plain"))
+    assert msg["ok"] is False and msg["kind"] == "NotADirectoryError"
+    msg = agent.call("file_write", path=str(tmp_path / "x"), data="not base64!")
+    assert msg["ok"] is False and msg["kind"] == "ValueError"
+
+
+def test_file_remove_directory_needs_recursive(agent: Client, tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "inner").mkdir(parents=True)
+    (tree / "inner" / "f").write_text("x")
+    msg = agent.call("file_remove", path=str(tree))
+    assert msg["ok"] is False
+    assert msg["kind"] == "IsADirectoryError"
+    assert "recursive" in msg["error"]
+    assert tree.exists()
+    assert agent.result("file_remove", path=str(tree), recursive=True) == {"removed": True}
+    assert not tree.exists()
+
+
+@pytest.mark.parametrize("op", ["file_read", "file_write", "file_list", "file_remove"])
+@pytest.mark.parametrize("bad", ["relative/path", "/tmp/nul\x00byte", 42, None])
+def test_file_ops_reject_bad_paths(agent: Client, op: str, bad: object) -> None:
+    msg = agent.call(op, path=bad, data="")
+    assert msg["ok"] is False
+    assert msg["kind"] == "ValueError"
+    assert "path" in msg["error"]
+
+
+def test_file_remove_refuses_root(agent: Client) -> None:
+    for root in ("/", "//", "/./", "/.."):
+        msg = agent.call("file_remove", path=root, recursive=True)
+        assert msg["ok"] is False and msg["kind"] == "ValueError", root
+    assert os.path.isdir("/bin")
+
+
+# ----------------------------------------------------------------------------- transport
+
+
+def test_requests_run_concurrently(agent: Client) -> None:
+    slow = agent.send("exec", argv=["sleep", "1"])
+    fast = agent.send("ping")
+    first = agent.read_message()
+    assert first["id"] == fast and first["ok"] is True
+    second = agent.read_message()
+    assert second["id"] == slow and second["result"]["exit_code"] == 0
+
+
+def test_garbage_and_blank_lines_are_ignored(agent: Client) -> None:
+    agent.send_raw(b"\n   \n")
+    agent.send_raw(b"this is not json\n")
+    agent.send_raw(b"[1, 2, 3]\n")
+    agent.send_raw(b'{"op": "ping"}\n')  # no id
+    agent.send_raw(b'{"id": "7", "op": "ping"}\n')  # id is not an int
+    agent.send_raw(b'{"id": 3, "op": "pi')  # a stale partial line ...
+    agent.send_raw(b"\n")  # ... ended by the host's resync newline
+    agent.send_raw(b"\xff\xfe\n")  # not UTF-8
+    req_id = agent.send("ping")
+    msg = agent.read_message()  # nothing was answered before this
+    assert msg["id"] == req_id
+    assert msg["ok"] is True and msg["result"]["pong"] is True
+
+
+def test_unknown_op_is_an_error_answer(agent: Client) -> None:
+    msg = agent.call("no_such_op")
+    assert msg == {
+        "id": msg["id"],
+        "ok": False,
+        "error": "unknown op: 'no_such_op'",
+        "kind": "ValueError",
+    }
+    assert agent.result("ping")["pong"] is True
+
+
+def test_line_splitter_handles_split_and_oversized_lines() -> None:
+    splitter = agent_mod.LineSplitter(max_line=10)
+    assert list(splitter.feed(b"ab")) == []
+    assert list(splitter.feed(b"c\nde\nf")) == [b"abc", b"de"]
+    assert list(splitter.feed(b"0123456789abc")) == []  # too long: dropped ...
+    assert list(splitter.feed(b"def\nok\n")) == [b"ok"]  # ... up to its newline
+
+
+def test_stdio_mode() -> None:
+    requests = [
+        {"id": 1, "op": "ping"},
+        {"id": 2, "op": "eval", "code": "import os\nos.system('echo stray')\n6 * 7"},
+        {"id": 3, "op": "exec", "argv": ["echo", "hi"]},
+    ]
+    stdin = b"garbage\n" + b"".join(json.dumps(r).encode() + b"\n" for r in requests)
+    proc = subprocess.run(
+        [sys.executable, str(AGENT), "--stdio"],
+        input=stdin,
+        capture_output=True,
+        env=_agent_env(),
+        timeout=10,
+        check=True,
+    )
+    answers = {m["id"]: m for m in map(json.loads, proc.stdout.splitlines())}
+    assert sorted(answers) == [1, 2, 3]  # only protocol lines on stdout: "stray" went elsewhere
+    assert answers[1]["result"]["pong"] is True
+    assert answers[2]["result"]["result"] == "42"
+    assert answers[3]["result"]["stdout"] == "hi\n"
+
+
+def test_device_mode_on_a_pty() -> None:
+    master, slave = pty.openpty()
+    tty.setraw(slave)  # no echo, no newline translation: a plain byte pipe
+    proc = subprocess.Popen(
+        [sys.executable, str(AGENT), "--device", os.ttyname(slave)], env=_agent_env()
+    )
+    try:
+        os.write(master, b"\n" + json.dumps({"id": 9, "op": "ping"}).encode() + b"\n")
+        buf = b""
+        deadline = time.monotonic() + 10
+        while b"\n" not in buf:
+            ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, "no answer from the agent on the pty"
+            buf += os.read(master, 65536)
+        msg = json.loads(buf.split(b"\n", 1)[0])
+        assert msg["id"] == 9 and msg["result"]["pong"] is True
+    finally:
+        _stop(proc)
+        os.close(master)
+        os.close(slave)
+
+
+def test_find_agent_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for dev, name in (("vport1p1", "org.qemu.guest_agent.0"), ("vport1p2", "agent")):
+        (tmp_path / dev).mkdir()
+        (tmp_path / dev / "name").write_text(name + "\n")
+    monkeypatch.setattr(agent_mod, "VIRTIO_PORTS_DIR", str(tmp_path))
+    assert agent_mod.find_agent_port() == "/dev/vport1p2"
+    assert agent_mod.find_agent_port("missing") is None
+
+
+# ----------------------------------------------------------------------------- restore
+
+
+def test_restore_dry_run_reseeds_random(agent: Client) -> None:
+    seeded = repr(random.Random(1).random())
+    # Control: without a restore the seeded sequence is reproduced in the agent.
+    assert (
+        agent.result("eval", code="import random\nrandom.seed(1)\nrandom.random()")["result"]
+        == seeded
+    )
+
+    agent.result("eval", code="random.seed(1)")
+    result = agent.result("restore", time_ns=time.time_ns(), entropy=ENTROPY, hostname="forkd-x")
+    assert result["random_reseeded"] is True
+    assert result["clock_set"] is False
+    assert result["rng_reseeded"] is False
+    assert result["hostname_set"] is False
+    assert sorted(result["errors"]) == ["clock: dry run", "hostname: dry run", "rng: dry run"]
+    assert agent.result("eval", code="random.random()")["result"] != seeded
+    assert agent.result("ping")["hostname"] == socket.gethostname()
+
+
+def test_restore_rejects_bad_params(agent: Client) -> None:
+    short = base64.b64encode(b"x" * 8).decode()
+    for params in (
+        {"time_ns": time.time_ns(), "entropy": short, "hostname": "h"},
+        {"time_ns": "now", "entropy": ENTROPY, "hostname": "h"},
+        {"time_ns": time.time_ns(), "entropy": ENTROPY},
+    ):
+        msg = agent.call("restore", **params)
+        assert msg["ok"] is False and msg["kind"] == "ValueError", params
