@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import json
 import logging
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ class AgentClient:
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future[dict[str, Any]]] = {}
-        self._ids = itertools.count(1)
+        # Random start: an answer to a request made before a snapshot may reach a
+        # restored VM's new connection, and must not match a new request's id.
+        self._ids = itertools.count(secrets.randbelow(1 << 40) + 1)
         self._read_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
         self._closed_reason: str | None = None
