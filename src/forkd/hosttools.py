@@ -51,9 +51,7 @@ def _has_interpreter(path: Path) -> bool:
 def run(argv: list[str], *, what: str, cwd: Path | None = None, input: bytes | None = None) -> str:
     """Run a host program (never through a shell); raise with its output on failure."""
     require(argv[0])
-    proc = subprocess.run(
-        argv, cwd=cwd, input=input, capture_output=True, check=False
-    )
+    proc = subprocess.run(argv, cwd=cwd, input=input, capture_output=True, check=False)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).decode(errors="replace").strip()[-2000:]
         raise ForkdError(f"{what} failed ({argv[0]} exited {proc.returncode}): {tail}")

@@ -124,6 +124,7 @@ def _write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as f:
         f.write(text)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 
@@ -141,7 +142,7 @@ def build(name: str = DEFAULT_IMAGE, progress: Progress | None = None) -> Image:
     root = paths.images_dir()
     root.mkdir(parents=True, exist_ok=True)
     say("resolving the guest kernel")
-    kpkg = kernel.resolve()
+    kpkg = kernel.resolve(cache / "kernel-package.json")
     key = _image_key(spec, kpkg)
     final = root / f"{name}-{key}"
     if (final / "image.json").is_file():

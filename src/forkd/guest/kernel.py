@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from dataclasses import dataclass
@@ -35,8 +36,33 @@ class KernelPackage:
         return f"{self.name}={self.version}"
 
 
-def resolve() -> KernelPackage:
-    """Ask apt which concrete kernel package the cloud meta-package points at."""
+APT_LISTS = Path("/var/lib/apt/lists")
+
+
+def resolve(cache: Path | None = None) -> KernelPackage:
+    """The concrete kernel package the cloud meta-package points at.
+
+    Asking apt takes about a second, so the answer is kept in ``cache``
+    until apt's package lists change.
+    """
+    stamp = str(APT_LISTS.stat().st_mtime_ns) if APT_LISTS.exists() else ""
+    if cache is not None and cache.is_file():
+        try:
+            saved = json.loads(cache.read_text())
+            if saved.get("stamp") == stamp and stamp:
+                return KernelPackage(saved["name"], saved["version"])
+        except (ValueError, KeyError):
+            pass
+    pkg = _ask_apt()
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"stamp": stamp, "name": pkg.name, "version": pkg.version}))
+        tmp.replace(cache)
+    return pkg
+
+
+def _ask_apt() -> KernelPackage:
     out = hosttools.run(["apt-cache", "depends", META_PACKAGE], what="resolving the kernel")
     match = re.search(r"Depends:\s*(linux-image-\S+)", out)
     if not match:
@@ -110,9 +136,7 @@ def module_load_order(modules_root: Path, wanted: tuple[str, ...] = WANTED_MODUL
         path, _, rest = line.partition(":")
         deps[path] = rest.split()
         by_name[_module_name(path)] = path
-    builtin = {
-        _module_name(p) for p in (modules_root / "modules.builtin").read_text().split()
-    }
+    builtin = {_module_name(p) for p in (modules_root / "modules.builtin").read_text().split()}
     order: list[str] = []
 
     def visit(path: str, stack: tuple[str, ...]) -> None:

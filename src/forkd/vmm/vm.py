@@ -104,9 +104,7 @@ class VM:
         return rt
 
     @classmethod
-    def _spawn(
-        cls, argv: list[str], rt: RuntimePaths, detach: bool
-    ) -> subprocess.Popen[bytes]:
+    def _spawn(cls, argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[bytes]:
         hosttools.require(QEMU_BINARY)
         with rt.qemu_log.open("ab") as log_f:
             return subprocess.Popen(
@@ -375,6 +373,7 @@ class VM:
         """
         writer = await self.begin_snapshot(dest)
         was_running = self.state == "running"
+        paused_at = time.monotonic()
         try:
             if was_running:
                 await self.pause()
@@ -385,11 +384,14 @@ class VM:
                 with contextlib.suppress(VMError):
                     await self.resume()
             raise
+        meta = dict(extra_meta or {})
         try:
             if was_running:
                 await self.resume()
         finally:
-            await writer.commit(extra_meta)
+            # A failed resume still leaves a good snapshot: keep it.
+            meta["pause_ms"] = round((time.monotonic() - paused_at) * 1000, 1)
+            await writer.commit(meta)
         return dest
 
     # --------------------------------------------------------- guest agent

@@ -1,0 +1,447 @@
+"""Fork benchmark: cold boot vs. fork from a snapshot, child memory, snapshot pause.
+
+Run from the repository root::
+
+    python bench/fork.py                 # table on stdout, then one JSON line
+    python bench/fork.py --json-only     # only the JSON line
+
+Phases (every VM is killed and the work directory removed at the end, also on
+failure or Ctrl-C):
+
+1. boot a template (``cold_boot_ms``), warm it (``x = 41``, a file), snapshot it;
+2. fork ``--forks`` children one after another, all kept alive; per-child
+   ``ready_ms`` gives p50/p90, and after ~1 s idle each child's host memory is
+   read from smaps_rollup (private / rss / pss);
+3. fork ``--concurrent`` children at once (``fork10_concurrent_wall_ms``);
+4. for each ``--pause-sizes`` size: boot a template of that size, dirty 8 MiB
+   in the guest and time the pause window (pause -> capture -> resume) of 3
+   snapshots; the median is ``snapshot_pause_ms[size]``.
+
+The last line of stdout is always one JSON object (also when a phase failed:
+then it carries ``"error"`` and the process exits non-zero).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from forkd.errors import ImageError
+from forkd.guest import image as guest_image
+from forkd.vmm.vm import VM
+
+MIB = 1 << 20
+DIRTY_MIB = 8
+PAUSE_SNAPSHOTS = 3
+IDLE_BEFORE_MEMORY_S = 1.0
+
+TARGETS = {
+    # name: (metric key, comparison, bound)
+    "fork_p50_ms": ("fork_p50_ms", "<=", 150.0),
+    "fork_vs_boot_ratio": ("fork_vs_boot_ratio", ">=", 20.0),
+    "fork10_concurrent_wall_ms": ("fork10_concurrent_wall_ms", "<=", 1500.0),
+    "snapshot_pause_ms_256": ("snapshot_pause_ms.256", "<=", 300.0),
+}
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def r1(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def allocated_mib(path: Path) -> float:
+    return path.stat().st_blocks * 512 / MIB
+
+
+def parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--pause-sizes: {exc}") from exc
+    if any(not 64 <= s <= 65536 for s in sizes):
+        raise argparse.ArgumentTypeError("--pause-sizes: each size must be 64..65536 MiB")
+    return sizes
+
+
+class Bench:
+    """Owns every VM it starts, so cleanup can kill them all."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, say: Console) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.run_root = workdir / "run"
+        self.snap_root = workdir / "snapshots"
+        self.say = say
+        self.vms: list[VM] = []
+        self.results: dict[str, Any] = {}
+        self.rows: list[tuple[str, str, str]] = []  # detail rows for the table
+        self.pause_rows: list[tuple[str, ...]] = []
+        self._snap_seq = 0
+
+    # -------------------------------------------------------------- plumbing
+
+    def _new_snap_dir(self, label: str) -> Path:
+        self._snap_seq += 1
+        return self.snap_root / f"{self._snap_seq:02d}-{label}"
+
+    async def _boot(self, image: guest_image.Image, memory_mib: int) -> VM:
+        vm = await VM.boot(image, run_root=self.run_root, memory_mib=memory_mib, vcpus=1)
+        self.vms.append(vm)  # no await between boot's return and this: never lost
+        return vm
+
+    async def _fork(self, snap: Path) -> VM:
+        vm = await VM.restore(snap, run_root=self.run_root)
+        self.vms.append(vm)
+        return vm
+
+    async def _kill(self, vms: list[VM]) -> None:
+        await asyncio.gather(*(vm.kill() for vm in vms), return_exceptions=True)
+        for vm in vms:
+            with contextlib.suppress(ValueError):
+                self.vms.remove(vm)
+
+    async def kill_all(self) -> None:
+        await self._kill(list(self.vms))
+
+    async def timed_snapshot(self, vm: VM, dest: Path) -> dict[str, Any]:
+        """Snapshot with the step API; returns the pause window and the driver's stats."""
+        writer = await vm.begin_snapshot(dest)
+        paused = False
+        try:
+            t0 = time.monotonic()
+            await vm.pause()
+            paused = True
+            await writer.capture()
+            await vm.resume()
+            paused = False
+            pause_ms = (time.monotonic() - t0) * 1000
+        except BaseException:
+            await writer.abort()
+            if paused and vm.is_alive():
+                with contextlib.suppress(Exception):
+                    await vm.resume()
+            raise
+        await writer.commit()
+        meta = json.loads((dest / "snapshot.json").read_text())
+        return {
+            "pause_ms": pause_ms,
+            "capture_ms": writer.capture_ms,
+            "meta": meta,
+            "memory_bin_mib": allocated_mib(dest / "memory.bin"),
+            "pages_written": writer.stats.pages_written,
+        }
+
+    # ---------------------------------------------------------------- phases
+
+    async def phase_template(self, image: guest_image.Image) -> Path:
+        mem = self.args.memory
+        self.say.log(f"booting a {mem} MiB template (cold boot)")
+        tpl = await self._boot(image, mem)
+        self.results["cold_boot_ms"] = r1(tpl.ready_ms)
+        out = await tpl.eval("x = 41")
+        if out.get("error"):
+            raise RuntimeError(f"warm-up eval failed: {out['error']}")
+        await tpl.write_file("/tmp/forkd-bench.txt", b"warm\n")
+        snap = self._new_snap_dir(f"template-{mem}")
+        snap_info = await self.timed_snapshot(tpl, snap)
+        machine = snap_info["meta"].get("machine", {})
+        self.results["accel"] = machine.get("accel")
+        self.results["template_snapshot_pause_ms"] = r1(snap_info["pause_ms"])
+        self.results["template_memory_bin_mib"] = r1(snap_info["memory_bin_mib"])
+        self.rows.append(("template snapshot pause", f"{snap_info['pause_ms']:.1f} ms", ""))
+        self.rows.append(
+            ("template memory.bin allocated", f"{snap_info['memory_bin_mib']:.1f} MiB", "")
+        )
+        # Children map memory.bin, not the template: it can go.
+        await self._kill([tpl])
+        return snap
+
+    async def phase_sequential(self, snap: Path) -> None:
+        n = self.args.forks
+        self.say.log(f"forking {n} children one after another")
+        children: list[VM] = []
+        try:
+            for _ in range(n):
+                children.append(await self._fork(snap))
+            ready = [c.ready_ms or 0.0 for c in children]
+            await asyncio.sleep(IDLE_BEFORE_MEMORY_S)
+            usage = [c.memory_usage() for c in children]
+            # Check the children really are the warm template (after reading memory).
+            checks = await asyncio.gather(*(c.eval("x + 1") for c in children))
+            bad = [c.id for c, out in zip(children, checks, strict=True) if out["result"] != "42"]
+            if bad:
+                raise RuntimeError(f"children {bad} did not see the template's x = 41")
+            content = await children[0].read_file("/tmp/forkd-bench.txt")
+            if content != b"warm\n":
+                raise RuntimeError(f"a child read {content!r} from the template's file")
+        finally:
+            await self._kill(children)
+        res = self.results
+        res["fork_ms"] = [r1(x) for x in ready]
+        res["fork_first_ms"] = r1(ready[0])
+        res["fork_p50_ms"] = r1(percentile(ready, 50))
+        res["fork_p90_ms"] = r1(percentile(ready, 90))
+        res["fork_max_ms"] = r1(max(ready))
+        for key in ("private", "rss", "pss"):
+            vals = [u.get(key, 0) / MIB for u in usage]
+            res[f"child_{key}_mib_p50"] = r1(percentile(vals, 50))
+            res[f"child_{key}_mib_max"] = r1(max(vals))
+        res["children_pss_total_mib"] = r1(sum(u.get("pss", 0) for u in usage) / MIB)
+
+    async def phase_concurrent(self, snap: Path) -> None:
+        n = self.args.concurrent
+        self.say.log(f"forking {n} children at once")
+        t0 = time.monotonic()
+        outcomes = await asyncio.gather(
+            *(self._fork(snap) for _ in range(n)), return_exceptions=True
+        )
+        wall = (time.monotonic() - t0) * 1000
+        children = [o for o in outcomes if isinstance(o, VM)]
+        try:
+            for o in outcomes:
+                if isinstance(o, BaseException):
+                    raise o
+            ready = [c.ready_ms or 0.0 for c in children]
+        finally:
+            await self._kill(children)
+        self.results["fork10_concurrent_wall_ms"] = r1(wall)
+        self.results["concurrent_forks"] = n
+        self.results["concurrent_child_ready_p50_ms"] = r1(percentile(ready, 50))
+        self.results["concurrent_child_ready_max_ms"] = r1(max(ready))
+
+    async def phase_pause(self, image: guest_image.Image) -> None:
+        pause: dict[str, float | None] = {}
+        mem_bin: dict[str, float | None] = {}
+        for size in self.args.pause_sizes:
+            self.say.log(f"pause window: {size} MiB template, {DIRTY_MIB} MiB dirtied")
+            vm = await self._boot(image, size)
+            snaps: list[Path] = []
+            try:
+                out = await vm.eval(
+                    f"import os\nblob = bytearray({DIRTY_MIB} << 20)\n"
+                    f"blob[:] = os.urandom({DIRTY_MIB} << 20)\nlen(blob)"
+                )
+                if out.get("error"):
+                    raise RuntimeError(f"dirtying eval failed: {out['error']}")
+                infos = []
+                for _ in range(PAUSE_SNAPSHOTS):
+                    dest = self._new_snap_dir(f"pause-{size}")
+                    snaps.append(dest)
+                    infos.append(await self.timed_snapshot(vm, dest))
+            finally:
+                await self._kill([vm])
+                for d in snaps:
+                    shutil.rmtree(d, ignore_errors=True)
+            windows = [i["pause_ms"] for i in infos]
+            captures = [i["capture_ms"] or 0.0 for i in infos]
+            mib = statistics.median(i["memory_bin_mib"] for i in infos)
+            pages = statistics.median(i["pages_written"] for i in infos)
+            pause[str(size)] = r1(statistics.median(windows))
+            mem_bin[str(size)] = r1(mib)
+            self.pause_rows.append(
+                (
+                    str(size),
+                    ", ".join(f"{w:.0f}" for w in windows),
+                    f"{statistics.median(windows):.1f}",
+                    f"{statistics.median(captures):.1f}",
+                    f"{mib:.1f}",
+                    f"{int(pages)}",
+                )
+            )
+        self.results["snapshot_pause_ms"] = pause
+        self.results["snapshot_memory_bin_mib"] = mem_bin
+
+    async def run(self) -> None:
+        try:
+            image = guest_image.find_image("python")
+        except ImageError:
+            self.say.log("guest image 'python' missing: building it")
+            image = await asyncio.to_thread(guest_image.build, "python")
+        snap = await self.phase_template(image)
+        await self.phase_sequential(snap)
+        await self.phase_concurrent(snap)
+        await self.phase_pause(image)
+
+
+def _lookup(results: dict[str, Any], dotted: str) -> Any:
+    value: Any = results
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    cold, p50 = results.get("cold_boot_ms"), results.get("fork_p50_ms")
+    results["fork_vs_boot_ratio"] = round(cold / p50, 1) if cold and p50 else None
+    results["memory_mib"] = args.memory
+    results["host_cores"] = os.cpu_count()
+    results["host_cores_usable"] = len(os.sched_getaffinity(0))
+    targets = {}
+    for name, (key, op, bound) in TARGETS.items():
+        value = _lookup(results, key)
+        met: bool | None = None
+        if value is not None:
+            met = value <= bound if op == "<=" else value >= bound
+        targets[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    results["targets"] = targets
+    results["all_targets_met"] = all(t["met"] for t in targets.values())
+    return results
+
+
+def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
+    res = results
+    main = Table(title=f"forkd fork benchmark ({res.get('accel')}, {res['host_cores']} cores)")
+    main.add_column("metric")
+    main.add_column("value", justify="right")
+    main.add_column("target", justify="right")
+    main.add_column("met", justify="center")
+    targets = res["targets"]
+
+    def fmt(value: Any, unit: str) -> str:
+        return "-" if value is None else f"{value}{unit}"
+
+    def target_row(label: str, name: str, unit: str) -> None:
+        t = targets[name]
+        mark = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[t["met"]]
+        main.add_row(label, fmt(t["value"], unit), t["target"] + unit, mark)
+
+    main.add_row("cold boot (process start -> agent)", fmt(res.get("cold_boot_ms"), " ms"), "", "")
+    target_row("fork p50", "fork_p50_ms", " ms")
+    main.add_row("fork p90", fmt(res.get("fork_p90_ms"), " ms"), "", "")
+    main.add_row(
+        "fork first / max", f"{res.get('fork_first_ms')} / {res.get('fork_max_ms')} ms", "", ""
+    )
+    target_row("cold boot / fork p50", "fork_vs_boot_ratio", "x")
+    target_row(
+        f"{res.get('concurrent_forks')} concurrent forks, wall", "fork10_concurrent_wall_ms", " ms"
+    )
+    target_row("snapshot pause, 256 MiB (median)", "snapshot_pause_ms_256", " ms")
+    for key, label in (("private", "private"), ("rss", "RSS"), ("pss", "PSS")):
+        main.add_row(
+            f"idle child {label} p50 / max",
+            f"{res.get(f'child_{key}_mib_p50')} / {res.get(f'child_{key}_mib_max')} MiB",
+            "",
+            "",
+        )
+    for label, value, target in bench.rows:
+        main.add_row(label, value, target, "")
+    out.print(main)
+
+    if bench.pause_rows:
+        pt = Table(title=f"snapshot pause window ({DIRTY_MIB} MiB dirtied after boot)")
+        for col in ("RAM MiB", "pauses ms", "median ms", "capture_ms", "memory.bin MiB", "pages"):
+            pt.add_column(col, justify="right")
+        for row in bench.pause_rows:
+            pt.add_row(*row)
+        out.print(pt)
+
+
+def kill_strays(workdir: Path) -> list[int]:
+    """SIGKILL any QEMU whose command line names our work dir (a safety net)."""
+    needle = str(workdir).encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu-system" in cmdline.split(b"\0", 1)[0] and needle in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
+
+
+async def amain(args: argparse.Namespace) -> int:
+    out = Console(quiet=args.json_only, width=max(100, Console().width))
+    say = Console(stderr=True, quiet=args.json_only, log_path=False)
+    base = Path(args.workdir) if args.workdir else Path("/tmp")
+    base.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="forkd-bench-", dir=base))
+    bench = Bench(args, workdir, say)
+
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is not None:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+
+    error: str | None = None
+    started = time.monotonic()
+    try:
+        await bench.run()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        say.log(f"[red]benchmark failed:[/] {error}")
+    finally:
+        await bench.kill_all()
+        strays = kill_strays(workdir)
+        if strays:
+            say.log(f"[yellow]killed leftover QEMU processes {strays}[/]")
+        shutil.rmtree(workdir, ignore_errors=True)
+        loop.remove_signal_handler(signal.SIGTERM)
+
+    results = finish_results(bench.results, args)
+    results["bench_secs"] = round(time.monotonic() - started, 1)
+    if error:
+        results["error"] = error
+    render(out, bench, results)
+    sys.stdout.write(json.dumps(results) + "\n")
+    sys.stdout.flush()
+    return 1 if error else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--memory", type=int, default=256, help="template RAM in MiB (256)")
+    p.add_argument("--forks", type=int, default=10, help="sequential forks for p50/p90 (10)")
+    p.add_argument("--concurrent", type=int, default=10, help="forks started at once (10)")
+    p.add_argument(
+        "--pause-sizes",
+        type=parse_sizes,
+        default=parse_sizes("256,512,1024"),
+        help="template sizes (MiB) for the snapshot pause window (256,512,1024)",
+    )
+    p.add_argument("--workdir", help="where to make the temporary work dir (/tmp)")
+    p.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    args = p.parse_args(argv)
+    if args.forks < 1 or args.concurrent < 1:
+        p.error("--forks and --concurrent must be at least 1")
+    try:
+        return asyncio.run(amain(args))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One entry point for a fresh Debian 12 machine (run as root):
+#   ./dev.sh demo   install what is missing, build the guest image, run the demo
+#   ./dev.sh test   install what is missing, build the guest image, run every test
+# Everything it installs is idempotent and cached: a second run starts at once.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+APT_PACKAGES=(qemu-system-x86 busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
+              ca-certificates)
+VENV=${FORKD_VENV:-.venv}
+
+log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+install_apt() {
+    local missing=()
+    for p in "${APT_PACKAGES[@]}"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" \
+            || missing+=("$p")
+    done
+    python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
+    # The image builder asks apt for the kernel package: the lists must exist.
+    if [ ${#missing[@]} -gt 0 ] || ! ls /var/lib/apt/lists/*Packages* >/dev/null 2>&1; then
+        log "apt-get update"
+        as_root apt-get update -qq
+    fi
+    if [ ${#missing[@]} -gt 0 ]; then
+        log "installing Debian packages: ${missing[*]}"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+}
+
+install_python() {
+    if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "forkd needs Python 3.11 or newer (found $(python3 --version))" >&2
+        exit 1
+    fi
+    local stamp="$VENV/.forkd-installed" want
+    want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    if [ ! -x "$VENV/bin/python" ]; then
+        log "creating $VENV"
+        python3 -m venv "$VENV"
+    fi
+    if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+        log "installing forkd and its Python dependencies into $VENV"
+        "$VENV/bin/python" -m pip install -q --upgrade pip
+        "$VENV/bin/python" -m pip install -q -e '.[dev]'
+        echo "$want" >"$stamp"
+    fi
+}
+
+build_image() {
+    log "guest image (cached after the first build)"
+    "$VENV/bin/forkd" image build python
+}
+
+cmd=${1:-}
+case "$cmd" in
+    demo)
+        install_apt; install_python; build_image
+        shift
+        exec "$VENV/bin/python" -m forkd.demo "$@"
+        ;;
+    test)
+        install_apt; install_python; build_image
+        shift
+        log "ruff"
+        "$VENV/bin/ruff" check src tests bench
+        "$VENV/bin/ruff" format --check src tests bench
+        log "pytest"
+        exec "$VENV/bin/python" -m pytest -ra "$@"
+        ;;
+    *)
+        echo "usage: $0 demo|test [args...]" >&2
+        exit 2
+        ;;
+esac

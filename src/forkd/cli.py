@@ -1,0 +1,136 @@
+"""The ``forkd`` command line."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from forkd import __version__
+from forkd.errors import ForkdError
+
+app = typer.Typer(
+    name="forkd",
+    help="Sandboxes in QEMU microVMs that fork copy-on-write and branch at any depth.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+image_app = typer.Typer(help="Build and list guest images.", no_args_is_help=True)
+app.add_typer(image_app, name="image")
+
+out = Console()
+err = Console(stderr=True)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+def _fail(message: str, code: int = 1) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+@app.command()
+def version() -> None:
+    """Print the forkd version."""
+    out.print(__version__)
+
+
+@image_app.command("build")
+def image_build(
+    name: Annotated[str, typer.Argument(help="Image to build.")] = "python",
+    as_json: JsonOpt = False,
+) -> None:
+    """Build a guest image (cached: a second build with the same inputs is a no-op)."""
+    from forkd.guest import image
+
+    try:
+        with err.status(f"building image {name}") as status:
+
+            def progress(msg: str) -> None:
+                status.update(msg)
+                err.print(f"  {msg}", highlight=False)
+
+            img = image.build(name, progress=progress)
+    except ForkdError as exc:
+        raise _fail(str(exc)) from exc
+    if as_json:
+        print(json.dumps({"name": img.name, "key": img.key, "dir": str(img.dir)}))
+    else:
+        out.print(f"image {img.name} ready: {img.dir}", highlight=False)
+
+
+@image_app.command("ls")
+def image_ls(as_json: JsonOpt = False) -> None:
+    """List built images with their sizes."""
+    from forkd.guest import image
+
+    imgs = image.list_images()
+    current = {}
+    for img in imgs:
+        try:
+            current[img.name] = image.find_image(img.name).key
+        except ForkdError:
+            pass
+    rows = [
+        {
+            "name": img.name,
+            "key": img.key,
+            "current": current.get(img.name) == img.key,
+            "size_bytes": img.size_bytes(),
+            "kernel": img.meta.get("kernel_release"),
+            "built_at_unix": img.meta.get("built_at_unix"),
+            "dir": str(img.dir),
+        }
+        for img in imgs
+    ]
+    if as_json:
+        print(json.dumps(rows))
+        return
+    table = Table("name", "key", "current", "size", "kernel", "dir")
+    for r in rows:
+        table.add_row(
+            r["name"], r["key"], "yes" if r["current"] else "",
+            f"{r['size_bytes'] / (1 << 20):.0f} MiB", r["kernel"] or "?", r["dir"],
+        )  # fmt: skip
+    out.print(table)
+    if not rows:
+        err.print("no images built yet: run 'forkd image build'")
+
+
+@app.command()
+def doctor(as_json: JsonOpt = False) -> None:
+    """Check that this host can run forkd VMs; exit 1 with what to fix if not."""
+    from forkd import doctor as doc
+
+    checks = doc.run_checks()
+    ok = doc.can_run_vms(checks)
+    if as_json:
+        print(json.dumps({"ok": ok, "checks": [c.__dict__ for c in checks]}))
+    else:
+        table = Table("check", "", "detail", "fix")
+        for c in checks:
+            mark = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.fatal else "[yellow]warn[/]")
+            table.add_row(c.name, mark, c.detail, "" if c.ok else c.fix)
+        out.print(table)
+        out.print(
+            "[green]this host can run forkd VMs[/]"
+            if ok
+            else "[red]this host cannot run forkd VMs[/]"
+        )
+    if not ok:
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

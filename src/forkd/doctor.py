@@ -1,0 +1,106 @@
+"""``forkd doctor``: can this host run forkd VMs, and what to fix if not."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkd import accel, hosttools, paths
+from forkd.errors import ForkdError
+from forkd.guest import image
+
+MIN_FREE_BYTES = 2 << 30
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    fatal: bool = True  # a failing fatal check means no VM can run
+
+
+def _qemu_version() -> Check:
+    try:
+        path = hosttools.require("qemu-system-x86_64")
+    except ForkdError as exc:
+        return Check("qemu", False, "qemu-system-x86_64 is not installed", str(exc))
+    out = subprocess.run([path, "--version"], capture_output=True, text=True, check=False)
+    first = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else "?"
+    return Check("qemu", out.returncode == 0, f"{first} ({path})", "reinstall qemu-system-x86")
+
+
+def _accel() -> Check:
+    try:
+        choice = accel.choose()
+    except ValueError as exc:
+        return Check("accelerator", False, str(exc), "set FORKD_ACCEL to auto, kvm or tcg")
+    return Check("accelerator", True, f"{choice.name}: {choice.reason}")
+
+
+def _build_tools() -> Check:
+    missing = []
+    for tool in ("mmdebstrap", "mksquashfs", "cpio", "depmod", "dpkg-deb", "apt-get"):
+        try:
+            hosttools.require(tool)
+        except ForkdError:
+            missing.append(f"{tool} ({hosttools.PACKAGES[tool]})")
+    try:
+        hosttools.require_static_busybox()
+    except ForkdError:
+        missing.append("static busybox (busybox-static)")
+    if missing:
+        return Check(
+            "image tools", False, "missing: " + ", ".join(missing),
+            "apt-get install --no-install-recommends the packages named", fatal=False,
+        )  # fmt: skip
+    return Check("image tools", True, "mmdebstrap, mksquashfs, cpio, kmod, busybox-static")
+
+
+def _images() -> Check:
+    built = image.list_images()
+    try:
+        current = image.find_image(image.DEFAULT_IMAGE)
+    except ForkdError:
+        current = None
+    if current is None:
+        return Check(
+            "images", False, f"{len(built)} built; the default image is not built",
+            f"forkd image build {image.DEFAULT_IMAGE}", fatal=False,
+        )  # fmt: skip
+    size = current.size_bytes() / (1 << 20)
+    return Check(
+        "images", True, f"{len(built)} built in {paths.images_dir()}; default "
+        f"{current.name}-{current.key} ({size:.0f} MiB)",
+    )  # fmt: skip
+
+
+def _free(label: str, where: Path) -> Check:
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    ok = usage.free >= MIN_FREE_BYTES
+    return Check(
+        f"disk ({label})", ok, f"{usage.free / (1 << 30):.1f} GiB free at {where}",
+        f"free space under {probe}: snapshots need up to their memory size each",
+        fatal=False,
+    )  # fmt: skip
+
+
+def run_checks() -> list[Check]:
+    return [
+        _qemu_version(),
+        _accel(),
+        _build_tools(),
+        _images(),
+        _free("cache", paths.cache_dir()),
+        _free("state", paths.state_dir()),
+    ]
+
+
+def can_run_vms(checks: list[Check]) -> bool:
+    return all(c.ok for c in checks if c.fatal)

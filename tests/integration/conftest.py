@@ -1,0 +1,111 @@
+"""Fixtures that boot real QEMU VMs (TCG here, KVM where the host has it).
+
+The image is built once (cached across runs) and one template is booted per
+test session; tests fork children from its snapshot, which takes a fraction
+of a second each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+import threading
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from forkd.guest import image as images
+from forkd.vmm.vm import VM
+
+T = TypeVar("T")
+
+
+class LoopThread:
+    """An asyncio loop in a background thread, so sync tests can share VMs."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 300) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+class Fleet:
+    """Boots and forks VMs, and kills every one of them at the end."""
+
+    def __init__(self, loop: LoopThread, root: Path) -> None:
+        self.loop = loop
+        self.root = root
+        self.run_root = root / "run"
+        self.snap_root = root / "snaps"
+        self.run_root.mkdir()
+        self.snap_root.mkdir()
+        self.vms: list[VM] = []
+
+    def boot(self, img: images.Image, **kw: Any) -> VM:
+        vm = self.loop.run(VM.boot(img, run_root=self.run_root, **kw))
+        self.vms.append(vm)
+        return vm
+
+    def fork(self, snap: Path, **kw: Any) -> VM:
+        vm = self.loop.run(VM.restore(snap, run_root=self.run_root, **kw))
+        self.vms.append(vm)
+        return vm
+
+    def snapshot(self, vm: VM, name: str) -> Path:
+        return self.loop.run(vm.snapshot(self.snap_root / name))
+
+    def kill_all(self) -> None:
+        for vm in self.vms:
+            try:
+                self.loop.run(vm.kill(), timeout=30)
+            except Exception:  # best effort at teardown
+                pass
+        self.vms.clear()
+
+
+@pytest.fixture(scope="session")
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture(scope="session")
+def image() -> images.Image:
+    if shutil.which("qemu-system-x86_64") is None:
+        pytest.skip("qemu-system-x86_64 is not installed (./dev.sh test installs it)")
+    return images.build("python")
+
+
+@pytest.fixture(scope="session")
+def fleet(loop: LoopThread) -> Iterator[Fleet]:
+    # Short path: unix socket paths are limited to 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="forkd-it-", dir="/tmp"))
+    f = Fleet(loop, root)
+    yield f
+    f.kill_all()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def template(fleet: Fleet, image: images.Image) -> VM:
+    """A booted 256 MiB template with ``x = 41`` and ``/work/a.txt``."""
+    vm = fleet.boot(image, memory_mib=256)
+    fleet.loop.run(vm.eval("x = 41"))
+    fleet.loop.run(vm.write_file("/work/a.txt", b"from the template\n"))
+    return vm
+
+
+@pytest.fixture(scope="session")
+def base_snapshot(fleet: Fleet, template: VM) -> Path:
+    return fleet.snapshot(template, "base")
