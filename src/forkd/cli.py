@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from typing import Annotated
@@ -71,10 +72,8 @@ def image_ls(as_json: JsonOpt = False) -> None:
     imgs = image.list_images()
     current = {}
     for img in imgs:
-        try:
+        with contextlib.suppress(ForkdError):
             current[img.name] = image.find_image(img.name).key
-        except ForkdError:
-            pass
     rows = [
         {
             "name": img.name,

@@ -8,6 +8,7 @@ of a second each.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import tempfile
 import threading
@@ -66,10 +67,8 @@ class Fleet:
 
     def kill_all(self) -> None:
         for vm in self.vms:
-            try:
+            with contextlib.suppress(Exception):  # best effort at teardown
                 self.loop.run(vm.kill(), timeout=30)
-            except Exception:  # best effort at teardown
-                pass
         self.vms.clear()
 
 
