@@ -1,0 +1,82 @@
+"""The RAM copy used by snapshots, run against a private file mapping in this process."""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+from forkd.vmm import memory
+
+PAGE = memory.PAGE
+NPAGES = 64
+
+
+def _map_private(path: Path) -> mmap.mmap:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(
+            fd, NPAGES * PAGE, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+        )
+    finally:
+        os.close(fd)
+
+
+def _snapshot(path: Path, out: Path) -> memory.DumpStats:
+    region = memory.find_ram_region(os.getpid(), path, NPAGES * PAGE)
+    fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        stats = memory.clone_base(region, fd)
+        return memory.dump_written_pages(
+            region, fd, base_is_empty=stats.base_bytes_cloned == 0, stats=stats
+        )
+    finally:
+        os.close(fd)
+
+
+def test_child_snapshot_is_base_overlaid_with_written_pages(tmp_path: Path) -> None:
+    base = tmp_path / "memory.bin"
+    data = bytearray(os.urandom(NPAGES * PAGE))
+    data[10 * PAGE : 20 * PAGE] = bytes(10 * PAGE)  # a zero stretch in the base
+    base.write_bytes(data)
+    m = _map_private(base)
+    try:
+        _ = m[3 * PAGE]  # read: page present but still the file's
+        m[5 * PAGE : 6 * PAGE] = b"\x01" * PAGE  # written
+        m[12 * PAGE : 14 * PAGE] = b"\x02" * (2 * PAGE)  # written over a zero stretch
+        m[30 * PAGE : 31 * PAGE] = bytes(PAGE)  # zeroes written over random data
+        expected = bytes(m)
+        stats = _snapshot(base, tmp_path / "snap.bin")
+    finally:
+        m.close()
+    assert (tmp_path / "snap.bin").read_bytes() == expected
+    assert stats.pages_written == 4  # only the written pages were copied from the process
+    assert stats.base_bytes_cloned == NPAGES * PAGE
+    assert base.read_bytes() == bytes(data)  # the base file is never written
+
+
+def test_fresh_vm_snapshot_stays_sparse(tmp_path: Path) -> None:
+    ram = tmp_path / "ram.bin"
+    with ram.open("wb") as f:
+        f.truncate(NPAGES * PAGE)
+    m = _map_private(ram)
+    try:
+        m[7 * PAGE : 9 * PAGE] = b"\x07" * (2 * PAGE)
+        m[40 * PAGE : 41 * PAGE] = bytes(PAGE)  # written, but zero: left as a hole
+        expected = bytes(m)
+        out = tmp_path / "snap.bin"
+        stats = _snapshot(ram, out)
+    finally:
+        m.close()
+    assert out.read_bytes() == expected
+    assert stats.base_bytes_cloned == 0
+    assert stats.pages_written == 2
+    assert stats.zero_pages_skipped == 1
+    assert out.stat().st_blocks * 512 <= 4 * PAGE
+
+
+def test_region_lookup_names_the_missing_mapping(tmp_path: Path) -> None:
+    import pytest
+
+    with pytest.raises(LookupError, match=r"no .* mapping"):
+        memory.find_ram_region(os.getpid(), tmp_path / "nothing", PAGE)

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths, build_argv
+
+CFG = MachineConfig(
+    memory_mib=256,
+    vcpus=1,
+    accel="tcg",
+    vmlinuz=Path("/img/vmlinuz"),
+    initrd=Path("/img/initrd.img"),
+    rootfs=Path("/img/rootfs.sqfs"),
+)
+
+
+def _devices(argv: list[str]) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == "-device"]
+
+
+def test_restore_presents_the_same_devices_as_boot() -> None:
+    rt = RuntimePaths(Path("/run/vm-1"))
+    boot = build_argv(CFG, rt, ram_file=rt.ram, incoming=False)
+    restore = build_argv(CFG, rt, ram_file=Path("/snap/memory.bin"), incoming=True)
+    assert _devices(boot) == _devices(restore)
+    assert "-incoming" not in boot
+    assert restore[restore.index("-incoming") + 1] == "defer"
+    assert "migration.send-configuration=off" in restore
+
+
+def test_ram_is_a_private_file_mapping() -> None:
+    rt = RuntimePaths(Path("/run/vm-1"))
+    argv = build_argv(CFG, rt, ram_file=Path("/snap/memory.bin"), incoming=True)
+    backend = next(a for a in argv if a.startswith("memory-backend-file"))
+    assert "mem-path=/snap/memory.bin" in backend
+    assert "share=off" in backend
+    assert "readonly" not in backend  # QEMU 7.2 would map the RAM read-only too
+
+
+def test_accelerator_flags() -> None:
+    rt = RuntimePaths(Path("/run/vm-1"))
+    tcg = build_argv(CFG, rt, ram_file=rt.ram, incoming=False)
+    assert tcg[tcg.index("-accel") + 1].startswith("tcg,tb-size=")
+    kvm_cfg = MachineConfig(**{**CFG.__dict__, "accel": "kvm"})
+    kvm = build_argv(kvm_cfg, rt, ram_file=rt.ram, incoming=False)
+    assert kvm[kvm.index("-accel") + 1] == "kvm"
+    assert kvm[kvm.index("-cpu") + 1] == "host"
+
+
+def test_no_internet_restricts_the_nat() -> None:
+    rt = RuntimePaths(Path("/run/vm-1"))
+    cfg = MachineConfig(**{**CFG.__dict__, "internet": False})
+    argv = build_argv(cfg, rt, ram_file=rt.ram, incoming=False)
+    assert argv[argv.index("-netdev") + 1] == "user,id=net0,restrict=on"
