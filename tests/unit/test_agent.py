@@ -306,6 +306,17 @@ def test_eval_statements_expression_and_persistence(agent: Client) -> None:
     assert agent.result("eval", code="__name__")["result"] == "'__main__'"
 
 
+def test_eval_objects_with_thread_affinity_survive_between_calls(agent: Client) -> None:
+    """sqlite3 refuses use from another thread: every eval must run on the same one."""
+    agent.result("eval", code="import sqlite3\ndb = sqlite3.connect(':memory:')")
+    agent.result(
+        "eval", code="db.execute('create table t(v)'); db.execute('insert into t values (7)')"
+    )
+    res = agent.result("eval", code="db.execute('select v from t').fetchone()[0]")
+    assert res["error"] is None, res["error"]
+    assert res["result"] == "7"
+
+
 def test_eval_exception_gives_traceback(agent: Client) -> None:
     result = agent.result("eval", code="def boom():\n    raise KeyError('nope')\nboom()")
     assert result["exit_code"] == 1

@@ -27,6 +27,7 @@ import base64
 import binascii
 import builtins
 import collections
+import concurrent.futures
 import contextlib
 import errno
 import fcntl
@@ -316,6 +317,7 @@ _USER_MODULE = types.ModuleType("__main__")
 _USER_MODULE.__dict__["__builtins__"] = builtins
 EVAL_NAMESPACE: dict[str, Any] = _USER_MODULE.__dict__
 _EVAL_LOCK = threading.Lock()
+_EVAL_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
 _EVAL_SOURCES: collections.deque[str] = collections.deque()
 _EVAL_SOURCES_KEPT = 200  # recent eval sources kept in linecache for tracebacks
 _eval_counter = 0
@@ -381,6 +383,13 @@ def _run_user_code(code: str, filename: str) -> Any:
 
 def op_eval(req: dict[str, Any]) -> dict[str, Any]:
     code = _require(req, "code", str, "a string")
+    # Every eval runs on the same thread, like a REPL: objects with thread
+    # affinity (sqlite3 connections, event loops, thread-locals) keep working
+    # from one call to the next.
+    return _EVAL_THREAD.submit(_eval_now, code).result()
+
+
+def _eval_now(code: str) -> dict[str, Any]:
     with _EVAL_LOCK:
         filename = _remember_source(code)
         out, err = _CappedText(), _CappedText()
