@@ -103,6 +103,7 @@ class Bench:
         self.results: dict[str, Any] = {}
         self.rows: list[tuple[str, str, str]] = []  # detail rows for the table
         self.pause_rows: list[tuple[str, ...]] = []
+        self.errors: list[str] = []
         self._snap_seq = 0
 
     # -------------------------------------------------------------- plumbing
@@ -236,29 +237,39 @@ class Bench:
         self.results["concurrent_child_ready_p50_ms"] = r1(percentile(ready, 50))
         self.results["concurrent_child_ready_max_ms"] = r1(max(ready))
 
+    async def _pause_one(self, image: guest_image.Image, size: int) -> list[dict[str, Any]]:
+        vm = await self._boot(image, size)
+        snaps: list[Path] = []
+        try:
+            out = await vm.eval(
+                f"import os\nblob = bytearray({DIRTY_MIB} << 20)\n"
+                f"blob[:] = os.urandom({DIRTY_MIB} << 20)\nlen(blob)"
+            )
+            if out.get("error"):
+                raise RuntimeError(f"dirtying eval failed: {out['error']}")
+            infos = []
+            for _ in range(PAUSE_SNAPSHOTS):
+                dest = self._new_snap_dir(f"pause-{size}")
+                snaps.append(dest)
+                infos.append(await self.timed_snapshot(vm, dest))
+            return infos
+        finally:
+            await self._kill([vm])
+            for d in snaps:
+                shutil.rmtree(d, ignore_errors=True)
+
     async def phase_pause(self, image: guest_image.Image) -> None:
-        pause: dict[str, float | None] = {}
-        mem_bin: dict[str, float | None] = {}
+        # Filled in as sizes finish, so a later failure keeps the earlier figures.
+        pause: dict[str, float | None] = self.results.setdefault("snapshot_pause_ms", {})
+        mem_bin: dict[str, float | None] = self.results.setdefault("snapshot_memory_bin_mib", {})
         for size in self.args.pause_sizes:
             self.say.log(f"pause window: {size} MiB template, {DIRTY_MIB} MiB dirtied")
-            vm = await self._boot(image, size)
-            snaps: list[Path] = []
             try:
-                out = await vm.eval(
-                    f"import os\nblob = bytearray({DIRTY_MIB} << 20)\n"
-                    f"blob[:] = os.urandom({DIRTY_MIB} << 20)\nlen(blob)"
-                )
-                if out.get("error"):
-                    raise RuntimeError(f"dirtying eval failed: {out['error']}")
-                infos = []
-                for _ in range(PAUSE_SNAPSHOTS):
-                    dest = self._new_snap_dir(f"pause-{size}")
-                    snaps.append(dest)
-                    infos.append(await self.timed_snapshot(vm, dest))
-            finally:
-                await self._kill([vm])
-                for d in snaps:
-                    shutil.rmtree(d, ignore_errors=True)
+                infos = await self._pause_one(image, size)
+            except Exception as exc:  # one size failing must not hide the others
+                self.fail(f"pause window at {size} MiB", exc)
+                pause[str(size)] = mem_bin[str(size)] = None
+                continue
             windows = [i["pause_ms"] for i in infos]
             captures = [i["capture_ms"] or 0.0 for i in infos]
             mib = statistics.median(i["memory_bin_mib"] for i in infos)
@@ -275,8 +286,11 @@ class Bench:
                     f"{int(pages)}",
                 )
             )
-        self.results["snapshot_pause_ms"] = pause
-        self.results["snapshot_memory_bin_mib"] = mem_bin
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        message = f"{what}: {type(exc).__name__}: {exc}"
+        self.errors.append(message)
+        self.say.log(f"[red]failed:[/] {message}")
 
     async def run(self) -> None:
         try:
@@ -396,13 +410,11 @@ async def amain(args: argparse.Namespace) -> int:
     if task is not None:
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
 
-    error: str | None = None
     started = time.monotonic()
     try:
         await bench.run()
     except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-        say.log(f"[red]benchmark failed:[/] {error}")
+        bench.fail("benchmark", exc)
     finally:
         await bench.kill_all()
         strays = kill_strays(workdir)
@@ -413,12 +425,12 @@ async def amain(args: argparse.Namespace) -> int:
 
     results = finish_results(bench.results, args)
     results["bench_secs"] = round(time.monotonic() - started, 1)
-    if error:
-        results["error"] = error
+    if bench.errors:
+        results["error"] = "; ".join(bench.errors)
     render(out, bench, results)
     sys.stdout.write(json.dumps(results) + "\n")
     sys.stdout.flush()
-    return 1 if error else 0
+    return 1 if bench.errors else 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,7 +2,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.qemu_argv import (
+    MachineConfig,
+    RuntimePaths,
+    build_argv,
+    host_tsc_khz,
+    kernel_cmdline,
+)
 
 CFG = MachineConfig(
     memory_mib=256,
@@ -52,3 +58,15 @@ def test_no_internet_restricts_the_nat() -> None:
     cfg = MachineConfig(**{**CFG.__dict__, "internet": False})
     argv = build_argv(cfg, rt, ram_file=rt.ram, incoming=False)
     assert argv[argv.index("-netdev") + 1] == "user,id=net0,restrict=on"
+
+
+def test_tcg_guests_are_told_the_tsc_rate(tmp_path: Path) -> None:
+    """Without it a busy host makes PIT calibration fail and the guest hang at boot."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu MHz\t\t: 2596.122\n")
+    assert host_tsc_khz(cpuinfo) == 2596122
+    assert kernel_cmdline("tcg", 2596122).endswith(" tsc_early_khz=2596122")
+    assert "tsc_early_khz" not in kernel_cmdline("kvm", 2596122)
+    cfg = MachineConfig(**{**CFG.__dict__, "cmdline": kernel_cmdline("tcg", 1000)})
+    argv = build_argv(cfg, RuntimePaths(Path("/run/vm-1")), ram_file=Path("/r"), incoming=False)
+    assert argv[argv.index("-append") + 1].endswith("tsc_early_khz=1000")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 QEMU_BINARY = "qemu-system-x86_64"
-KERNEL_CMDLINE = "console=ttyS0 quiet panic=-1 reboot=t i8042.noaux i8042.nomux"
+KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux"
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
 
 
@@ -24,6 +24,7 @@ class MachineConfig:
     initrd: Path
     rootfs: Path
     internet: bool = True
+    cmdline: str = KERNEL_CMDLINE
 
     def to_json(self) -> dict:
         return {
@@ -34,6 +35,7 @@ class MachineConfig:
             "initrd": str(self.initrd),
             "rootfs": str(self.rootfs),
             "internet": self.internet,
+            "cmdline": self.cmdline,
         }
 
     @classmethod
@@ -46,7 +48,33 @@ class MachineConfig:
             initrd=Path(data["initrd"]),
             rootfs=Path(data["rootfs"]),
             internet=bool(data.get("internet", True)),
+            cmdline=str(data.get("cmdline", KERNEL_CMDLINE)),
         )
+
+
+def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
+    """The host's TSC rate in kHz, as /proc/cpuinfo reports it ("cpu MHz")."""
+    try:
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return round(float(line.partition(":")[2]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def kernel_cmdline(accel: str, tsc_khz: int | None = None) -> str:
+    """The guest kernel command line for a VM booted under ``accel``.
+
+    Under TCG the guest's TSC ticks at the host's TSC rate, and microvm offers
+    no HPET or ACPI PM timer to calibrate it against; PIT calibration fails
+    when the host is busy and the guest then hangs early in boot. Telling the
+    kernel the rate (``tsc_early_khz``) skips the calibration altogether.
+    """
+    if accel != "tcg":
+        return KERNEL_CMDLINE
+    khz = tsc_khz if tsc_khz is not None else host_tsc_khz()
+    return f"{KERNEL_CMDLINE} tsc_early_khz={khz}" if khz else KERNEL_CMDLINE
 
 
 @dataclass(frozen=True)
@@ -103,7 +131,7 @@ def build_argv(
         f"memory-backend-file,id=mem,size={mem},mem-path={ram_file},share=off",
         "-kernel", str(cfg.vmlinuz),
         "-initrd", str(cfg.initrd),
-        "-append", KERNEL_CMDLINE,
+        "-append", cfg.cmdline,
         "-chardev", f"file,id=console,path={rt.console}",
         "-serial", "chardev:console",
         "-drive", f"file={cfg.rootfs},format=raw,if=none,id=root,readonly=on",

@@ -40,7 +40,13 @@ from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
 from forkd.vmm import memory, snapshot_files
 from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.qemu_argv import QEMU_BINARY, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.qemu_argv import (
+    QEMU_BINARY,
+    MachineConfig,
+    RuntimePaths,
+    build_argv,
+    kernel_cmdline,
+)
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +152,7 @@ class VM:
             initrd=image.initrd,
             rootfs=image.rootfs,
             internet=internet,
+            cmdline=kernel_cmdline(choice.name),
         )
         rt = cls._prepare_runtime(run_root, vm_id)
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written

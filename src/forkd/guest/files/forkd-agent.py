@@ -556,16 +556,21 @@ def op_restore(req: dict[str, Any]) -> dict[str, Any]:
 
     errors: list[str] = []
 
+    timings: dict[str, float] = {}
+
     def step(name: str, action: Callable[[], None], skip: bool = False) -> bool:
         if skip:
             errors.append(f"{name}: dry run")
             return False
+        started = time.perf_counter()
         try:
             action()
         except Exception as exc:
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             log(f"restore: {name} failed: {exc}")
             return False
+        finally:
+            timings[name] = round((time.perf_counter() - started) * 1000, 2)
         return True
 
     # Order matters: the kernel RNG is reseeded before `random` draws from it.
@@ -579,6 +584,7 @@ def op_restore(req: dict[str, Any]) -> dict[str, Any]:
         "random_reseeded": random_reseeded,
         "hostname_set": hostname_set,
         "errors": errors,
+        "timings_ms": timings,
     }
 
 
@@ -623,6 +629,11 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "file_remove": op_file_remove,
     "restore": op_restore,
 }
+
+
+# Quick ops answered on the reader thread itself. For ``restore`` this also
+# means no request read after it can run before the clock and RNGs are fixed.
+INLINE_OPS = frozenset({"ping", "restore"})
 
 
 def _encode(message: dict[str, Any]) -> bytes:
@@ -753,6 +764,9 @@ class Connection:
         req_id, req = parsed
         with self._idle:
             self._inflight += 1
+        if req.get("op") in INLINE_OPS:
+            self._serve_one(req_id, req)
+            return
         try:
             threading.Thread(
                 target=self._serve_one, args=(req_id, req), name=f"req-{req_id}", daemon=True
