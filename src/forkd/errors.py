@@ -30,4 +30,12 @@ class SnapshotError(VMError):
 
 
 class AgentError(ForkdError):
-    """The guest agent could not be reached or answered with an error."""
+    """The guest agent could not be reached or answered with an error.
+
+    ``kind`` is the guest-side exception class name when the agent answered
+    (``FileNotFoundError``, ``ValueError``, ...), else ``None``.
+    """
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind

@@ -107,7 +107,7 @@ class AgentClient:
         finally:
             self._pending.pop(req_id, None)
         if not msg.get("ok"):
-            raise AgentError(f"agent {op} failed: {msg.get('error', 'unknown error')}")
+            raise AgentError(str(msg.get("error") or f"agent {op} failed"), kind=msg.get("kind"))
         return msg.get("result") or {}
 
     async def close(self) -> None:

@@ -38,7 +38,7 @@ from qemu.qmp import QMPClient, QMPError
 from forkd import __version__, accel, hosttools
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
-from forkd.vmm import memory, snapshot_files
+from forkd.vmm import live_snapshot, memory, snapshot_files
 from forkd.vmm.agent_client import AgentClient
 from forkd.vmm.qemu_argv import (
     QEMU_BINARY,
@@ -57,6 +57,16 @@ PR_SET_PDEATHSIG = 1
 def _die_with_parent() -> None:  # runs in the child between fork and exec
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def qemu_pid_matches(pid: int, run_dir: Path) -> bool:
+    """True when ``pid`` is alive and is the QEMU whose sockets live in ``run_dir``."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    needle = str(run_dir / "qmp.sock").encode()
+    return any(needle in arg for arg in cmdline)
 
 
 def new_vm_id() -> str:
@@ -212,6 +222,44 @@ class VM:
             raise
         vm.ready_ms = (time.monotonic() - started) * 1000
         vm._write_meta()
+        return vm
+
+    @classmethod
+    async def adopt(cls, run_dir: Path, timeout: float = 10.0) -> VM:
+        """Take over a VM that an earlier process started (detached) in ``run_dir``.
+
+        Raises :class:`VMError` when its QEMU is gone, is not the process the
+        metadata names, or its agent does not answer.
+        """
+        rt = RuntimePaths(run_dir)
+        try:
+            data = json.loads(rt.meta.read_text())
+        except (OSError, ValueError) as exc:
+            raise VMError(f"cannot read {rt.meta}: {exc}") from exc
+        pid = int(data["pid"])
+        if not qemu_pid_matches(pid, run_dir):
+            raise VMError(f"QEMU of {data.get('id')} (pid {pid}) is no longer running")
+        origin = data.get("origin_snapshot")
+        vm = cls(
+            data["id"],
+            rt,
+            MachineConfig.from_json(data["machine"]),
+            Path(data["ram_file"]),
+            data.get("image", {}),
+            Path(origin) if origin else None,
+            None,
+            pid,
+        )
+        vm.started_at = float(data.get("started_at_unix", time.time()))
+        await vm._connect_qmp(timeout)
+        status = await vm.qmp.execute("query-status")
+        assert isinstance(status, dict)
+        if status.get("status") == "paused":
+            # A daemon that died mid-branch left it paused: let it run again.
+            await vm.qmp.execute("cont")
+        await vm.agent.connect(timeout)
+        await vm._wait_agent(timeout)
+        vm.state = "running"
         return vm
 
     async def _connect_qmp(self, timeout: float = 15.0) -> None:
@@ -375,31 +423,25 @@ class VM:
         """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
 
         On failure nothing is left at ``dest`` and the VM is resumed if it is
-        still alive. Returns ``dest``; the pause window is in
-        ``snapshot.json`` as ``pause_ms``.
+        still alive (see :mod:`forkd.vmm.live_snapshot`). Returns ``dest``;
+        the pause window is recorded in ``snapshot.json`` as ``pause_ms``.
         """
-        writer = await self.begin_snapshot(dest)
-        was_running = self.state == "running"
-        paused_at = time.monotonic()
+        if self.state == "running":
+            try:
+                result = await live_snapshot.snapshot_running(self, dest, extra_meta or {})
+            except live_snapshot.LiveSnapshotError as exc:
+                cause = exc.__cause__
+                if isinstance(cause, SnapshotError) and not exc.snapshot_kept:
+                    raise cause from None
+                raise SnapshotError(str(exc)) from exc
+            return result.dir
+        writer = await self.begin_snapshot(dest)  # already paused: no pause window
         try:
-            if was_running:
-                await self.pause()
             await writer.capture()
         except BaseException:
             await writer.abort()
-            if was_running and self.is_alive():
-                with contextlib.suppress(VMError):
-                    await self.resume()
             raise
-        meta = dict(extra_meta or {})
-        try:
-            if was_running:
-                await self.resume()
-        finally:
-            # A failed resume still leaves a good snapshot: keep it.
-            meta["pause_ms"] = round((time.monotonic() - paused_at) * 1000, 1)
-            await writer.commit(meta)
-        return dest
+        return await writer.commit(extra_meta)
 
     # --------------------------------------------------------- guest agent
 

@@ -1,0 +1,1 @@
+"""The forkd daemon: HTTP API, state store, snapshot and sandbox managers."""

@@ -1,0 +1,212 @@
+"""The daemon's state in SQLite (WAL): snapshots, sandboxes, branch sequence numbers.
+
+Every write is one transaction. The database is the registry; the snapshot
+directories on disk are the data. ``reconcile`` (in the manager) brings the
+two back in line after a crash.
+"""
+
+from __future__ import annotations
+
+import secrets
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS snapshots (
+    tag             TEXT PRIMARY KEY,
+    dir             TEXT NOT NULL,
+    created_at_unix INTEGER NOT NULL,
+    branched_from   TEXT,
+    pause_ms        REAL,
+    parent_tag      TEXT,
+    image           TEXT,
+    memory_mib      INTEGER NOT NULL,
+    status          TEXT NOT NULL DEFAULT 'ready'
+);
+CREATE TABLE IF NOT EXISTS sandboxes (
+    id               TEXT PRIMARY KEY,
+    snapshot_tag     TEXT NOT NULL,
+    run_dir          TEXT NOT NULL,
+    pid              INTEGER,
+    created_at_unix  INTEGER NOT NULL,
+    memory_limit_mib INTEGER,
+    expires_at_unix  REAL,
+    state            TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS branch_seq (
+    source_id TEXT PRIMARY KEY,
+    seq       INTEGER NOT NULL
+);
+"""
+
+
+@dataclass
+class SnapshotRow:
+    tag: str
+    dir: str
+    created_at_unix: int
+    branched_from: str | None
+    pause_ms: float | None
+    parent_tag: str | None
+    image: str | None
+    memory_mib: int
+    status: str
+
+
+@dataclass
+class SandboxRow:
+    id: str
+    snapshot_tag: str
+    run_dir: str
+    pid: int | None
+    created_at_unix: int
+    memory_limit_mib: int | None
+    expires_at_unix: float | None
+    state: str
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._lock = threading.Lock()
+        with self._lock:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            self._db.executescript(SCHEMA)
+        self.id_prefix = self._meta_default("id_prefix", secrets.token_hex(3))
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                cur = self._db.execute(sql, args)
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            return cur
+
+    def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    def _meta_default(self, key: str, value: str) -> str:
+        self._tx("INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)", (key, value))
+        return self._query("SELECT value FROM meta WHERE key = ?", (key,))[0]["value"]
+
+    # ---------------------------------------------------------- sequences
+
+    def next_sandbox_id(self) -> str:
+        """``sb-<daemon prefix>-<seq>``; the sequence survives restarts."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('sb_seq', '0')")
+                self._db.execute(
+                    "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'sb_seq'"
+                )
+                seq = int(
+                    self._db.execute("SELECT value FROM meta WHERE key = 'sb_seq'").fetchone()[0]
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return f"sb-{self.id_prefix}-{seq:04d}"
+
+    def next_branch_seq(self, source_id: str) -> int:
+        """Monotonic per source sandbox, persisted: a restart never reuses a number."""
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT INTO branch_seq(source_id, seq) VALUES (?, 1) "
+                    "ON CONFLICT(source_id) DO UPDATE SET seq = seq + 1",
+                    (source_id,),
+                )
+                seq = int(
+                    self._db.execute(
+                        "SELECT seq FROM branch_seq WHERE source_id = ?", (source_id,)
+                    ).fetchone()[0]
+                )
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return seq
+
+    # ---------------------------------------------------------- snapshots
+
+    def add_snapshot(self, row: SnapshotRow) -> None:
+        """Register a snapshot; raises sqlite3.IntegrityError if the tag exists."""
+        self._tx(
+            "INSERT INTO snapshots(tag, dir, created_at_unix, branched_from, pause_ms, "
+            "parent_tag, image, memory_mib, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.tag, row.dir, row.created_at_unix, row.branched_from, row.pause_ms,
+                row.parent_tag, row.image, row.memory_mib, row.status,
+            ),
+        )  # fmt: skip
+
+    def get_snapshot(self, tag: str) -> SnapshotRow | None:
+        rows = self._query("SELECT * FROM snapshots WHERE tag = ?", (tag,))
+        return SnapshotRow(**dict(rows[0])) if rows else None
+
+    def list_snapshots(self) -> list[SnapshotRow]:
+        rows = self._query("SELECT * FROM snapshots ORDER BY created_at_unix, tag")
+        return [SnapshotRow(**dict(r)) for r in rows]
+
+    def delete_snapshot(self, tag: str) -> bool:
+        return self._tx("DELETE FROM snapshots WHERE tag = ?", (tag,)).rowcount > 0
+
+    def set_snapshot_status(self, tag: str, status: str) -> None:
+        self._tx("UPDATE snapshots SET status = ? WHERE tag = ?", (status, tag))
+
+    # ---------------------------------------------------------- sandboxes
+
+    def add_sandbox(self, row: SandboxRow) -> None:
+        self._tx(
+            "INSERT INTO sandboxes(id, snapshot_tag, run_dir, pid, created_at_unix, "
+            "memory_limit_mib, expires_at_unix, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.id, row.snapshot_tag, row.run_dir, row.pid, row.created_at_unix,
+                row.memory_limit_mib, row.expires_at_unix, row.state,
+            ),
+        )  # fmt: skip
+
+    def update_sandbox(self, sandbox_id: str, **fields: Any) -> None:
+        if not fields:
+            return
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self._tx(f"UPDATE sandboxes SET {cols} WHERE id = ?", (*fields.values(), sandbox_id))
+
+    def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
+        rows = self._query("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return SandboxRow(**dict(rows[0])) if rows else None
+
+    def list_sandboxes(self) -> list[SandboxRow]:
+        rows = self._query("SELECT * FROM sandboxes ORDER BY created_at_unix, id")
+        return [SandboxRow(**dict(r)) for r in rows]
+
+    def delete_sandbox(self, sandbox_id: str) -> bool:
+        return self._tx("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount > 0
+
+
+def now() -> int:
+    return int(time.time())

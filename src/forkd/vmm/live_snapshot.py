@@ -1,0 +1,115 @@
+"""Snapshot a running VM: pause → snapshot → resume, with the failure table.
+
+Used for templates and branches alike (a branch is a snapshot of a running
+sandbox).
+
+| failure                          | answer | afterwards                               |
+|----------------------------------|--------|------------------------------------------|
+| pause fails                      | 500    | source as it was                         |
+| snapshot write fails (disk full) | 500    | source resumed, partial files removed    |
+| resume fails after good snapshot | 500    | branch kept and valid; source dead       |
+
+The snapshot is committed (renamed into place) only after the source runs
+again, and the caller registers it last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from forkd.errors import ForkdError
+
+
+class Writer(Protocol):
+    async def capture(self) -> None: ...
+    async def commit(self, extra_meta: dict[str, Any] | None = None) -> Path: ...
+    async def abort(self) -> None: ...
+
+
+class SnapshottableVM(Protocol):
+    id: str
+    state: str
+
+    async def begin_snapshot(self, dest: Path) -> Writer: ...
+    async def pause(self) -> None: ...
+    async def resume(self) -> None: ...
+    def is_alive(self) -> bool: ...
+
+
+class LiveSnapshotError(ForkdError):
+    """A live snapshot failed; ``source_alive`` tells whether the source still runs,
+    ``snapshot_kept`` whether a valid snapshot was left at the destination."""
+
+    def __init__(self, message: str, *, source_alive: bool, snapshot_kept: bool) -> None:
+        super().__init__(message)
+        self.source_alive = source_alive
+        self.snapshot_kept = snapshot_kept
+
+
+@dataclass(frozen=True)
+class LiveSnapshot:
+    dir: Path
+    pause_ms: float
+
+
+async def snapshot_running(vm: SnapshottableVM, dest: Path, meta: dict[str, Any]) -> LiveSnapshot:
+    """Snapshot the running ``vm`` into ``dest``; see the module's failure table."""
+    try:
+        writer = await vm.begin_snapshot(dest)  # the VM still runs while this stages
+    except ForkdError as exc:
+        raise LiveSnapshotError(
+            f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
+        ) from exc
+
+    paused_at = time.monotonic()
+    try:
+        await vm.pause()
+    except ForkdError as exc:
+        await writer.abort()
+        raise LiveSnapshotError(
+            f"pausing {vm.id} failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
+        ) from exc
+
+    try:
+        await writer.capture()
+    except ForkdError as exc:
+        await writer.abort()
+        alive = vm.is_alive()
+        if alive:
+            try:
+                await vm.resume()
+            except ForkdError:
+                alive = False
+        raise LiveSnapshotError(str(exc), source_alive=alive, snapshot_kept=False) from exc
+
+    resume_error: ForkdError | None = None
+    try:
+        await vm.resume()
+    except ForkdError as exc:
+        resume_error = exc
+    pause_ms = round((time.monotonic() - paused_at) * 1000, 1)
+
+    try:
+        path = await writer.commit({**meta, "pause_ms": pause_ms})
+    except (ForkdError, OSError) as exc:
+        # commit() removed its files; the source is running unless resume failed.
+        with contextlib.suppress(Exception):
+            await writer.abort()
+        raise LiveSnapshotError(
+            f"writing the snapshot failed: {exc}",
+            source_alive=resume_error is None and vm.is_alive(),
+            snapshot_kept=False,
+        ) from exc
+
+    if resume_error is not None:
+        raise LiveSnapshotError(
+            f"the snapshot succeeded but resuming {vm.id} failed ({resume_error}); "
+            f"the snapshot {dest.name} is kept and valid, the source is dead",
+            source_alive=False,
+            snapshot_kept=True,
+        )
+    return LiveSnapshot(path, pause_ms)
