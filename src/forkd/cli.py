@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -98,6 +99,56 @@ def image_ls(as_json: JsonOpt = False) -> None:
     out.print(table)
     if not rows:
         err.print("no images built yet: run 'forkd image build'")
+
+
+@app.command()
+def serve(
+    bind: Annotated[
+        str, typer.Option(envvar="FORKD_BIND", help="HOST:PORT or unix:/path/to.sock")
+    ] = "127.0.0.1:8889",
+    state_dir: Annotated[
+        Path | None,
+        typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
+    ] = None,
+    snapshot_root: Annotated[
+        Path | None,
+        typer.Option(envvar="FORKD_SNAPSHOT_ROOT", help="Default: <state-dir>/snapshots."),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(envvar="FORKD_TOKEN_FILE", help="Require 'Authorization: Bearer <token>'."),
+    ] = None,
+    branch_concurrency: Annotated[
+        int, typer.Option(envvar="FORKD_BRANCH_CONCURRENCY", min=1, max=64)
+    ] = 4,
+    accel: Annotated[
+        str | None, typer.Option(envvar="FORKD_ACCEL", help="auto, kvm or tcg.")
+    ] = None,
+    kill_on_exit: Annotated[
+        bool, typer.Option(help="Kill every sandbox on shutdown instead of leaving them.")
+    ] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+) -> None:
+    """Run the forkd daemon (HTTP API v1)."""
+    from forkd import paths
+    from forkd.accel import choose
+    from forkd.controller.manager import Settings
+    from forkd.controller.server import serve as run_server
+
+    sd = state_dir or paths.state_dir()
+    try:
+        choose(accel)
+        settings = Settings(
+            state_dir=sd,
+            snapshot_root=snapshot_root or sd / "snapshots",
+            run_dir=sd / "run",
+            branch_concurrency=branch_concurrency,
+            accel=accel,
+            kill_on_exit=kill_on_exit,
+        )
+        run_server(settings, bind, token_file, log_level)
+    except (ForkdError, ValueError) as exc:
+        raise _fail(str(exc)) from exc
 
 
 @app.command()

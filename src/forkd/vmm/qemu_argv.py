@@ -119,7 +119,7 @@ def build_argv(
     mem = f"{cfg.memory_mib}M"
     argv = [
         QEMU_BINARY,
-        "-name", f"forkd,process=forkd-{rt.dir.name}",
+        "-name", f"forkd-{rt.dir.name}",
         "-machine", "microvm,memory-backend=mem,suppress-vmdesc=on",
         "-m", mem,
         "-smp", str(cfg.vcpus),

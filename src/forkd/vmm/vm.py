@@ -22,6 +22,7 @@ import asyncio
 import base64
 import contextlib
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -194,6 +195,7 @@ class VM:
         hostname: str | None = None,
         timeout: float = 30.0,
         detach: bool = False,
+        internet: bool | None = None,
     ) -> VM:
         """Fork a new VM from a snapshot directory; returns once its agent answered.
 
@@ -203,6 +205,9 @@ class VM:
         """
         snap = snapshot_files.load(snapshot_dir)
         machine = snap.machine
+        if internet is not None and internet != machine.internet:
+            # A netdev option, not a device: the restored state still fits.
+            machine = dataclasses.replace(machine, internet=internet)
         vm_id = vm_id or new_vm_id()
         rt = cls._prepare_runtime(run_root, vm_id)
         argv = build_argv(machine, rt, ram_file=snap.memory, incoming=True)
@@ -489,7 +494,11 @@ class VM:
                 parts = rest.split()
                 if len(parts) == 2 and parts[1] == "kB":
                     out[key.strip().lower()] = int(parts[0]) * 1024
-        out["private"] = out.get("private_clean", 0) + out.get("private_dirty", 0)
+        # What this VM alone costs the host: pages only it has written (QEMU's
+        # heap, the TCG cache, guest pages it changed). Private_Clean is left
+        # out: it counts snapshot pages that happen to be mapped by no other
+        # child right now, which are page cache, not owned memory.
+        out["private"] = out.get("private_dirty", 0)
         return out
 
 

@@ -1,0 +1,37 @@
+"""Prometheus metrics of one daemon (its own registry, scraped at /metrics)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+
+from forkd import __version__
+
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
+
+
+class Metrics:
+    def __init__(self, snapshots: Callable[[], int], sandboxes: Callable[[], int]) -> None:
+        self.registry = CollectorRegistry()
+        snap = Gauge("forkd_snapshots_total", "Snapshots registered", registry=self.registry)
+        snap.set_function(snapshots)
+        active = Gauge("forkd_sandboxes_active", "Sandboxes running", registry=self.registry)
+        active.set_function(sandboxes)
+        info = Gauge("forkd_build_info", "forkd build", ["version"], registry=self.registry)
+        info.labels(version=__version__).set(1)
+        self.fork_seconds = Histogram(
+            "forkd_fork_seconds", "Fork latency: QEMU start to agent answering",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.branch_pause_seconds = Histogram(
+            "forkd_branch_pause_seconds", "Pause window of a branch (vCPUs frozen)",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+        self.snapshot_seconds = Histogram(
+            "forkd_template_snapshot_seconds", "Time to snapshot a template",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
