@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 JSON_BODY_LIMIT = 1 << 20  # 1 MiB for JSON routes
 FILE_BODY_LIMIT = 32 << 20  # raw file uploads (the agent's own cap)
 TAG_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+PathQ = Annotated[str, Query(description="absolute path inside the sandbox")]
 
 
 # ------------------------------------------------------------------ bodies
@@ -107,7 +108,15 @@ class GuardMiddleware:
             if not hmac.compare_digest(given, expected):
                 await _error(401, "missing or wrong bearer token")(scope, receive, send)
                 return
-        limit = FILE_BODY_LIMIT if path.endswith("/files") else JSON_BODY_LIMIT
+        is_file_route = path.endswith("/files")
+        limit = FILE_BODY_LIMIT if is_file_route else JSON_BODY_LIMIT
+        if not is_file_route and scope["method"] in ("POST", "PUT", "PATCH"):
+            # Bodies of the JSON routes are JSON whatever the client labelled
+            # them (curl -d sends application/x-www-form-urlencoded).
+            scope = dict(scope)
+            scope["headers"] = [
+                (k, v) for k, v in scope["headers"] if k.lower() != b"content-type"
+            ] + [(b"content-type", b"application/json")]
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > limit:
             await _error(413, f"request body over {limit} bytes")(scope, receive, send)
@@ -296,8 +305,6 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
         return await mgr().branch(sandbox_id, body.tag, body.mode)
 
     # -------------------------------------------------------- files
-
-    PathQ = Annotated[str, Query(description="absolute path inside the sandbox")]
 
     @app.get("/v1/sandboxes/{sandbox_id}/files")
     async def read_file(sandbox_id: str, path: PathQ) -> Response:
