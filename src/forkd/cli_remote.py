@@ -36,7 +36,7 @@ UrlOpt = Annotated[
         "--url",
         envvar="FORKD_URL",
         help="Daemon address: http://HOST:PORT or unix:/path/to.sock "
-        "[default: http://127.0.0.1:8889].",
+        "(default: http://127.0.0.1:8889).",
         show_default=False,
     ),
 ]
@@ -92,6 +92,14 @@ def _print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+def _table(*columns: str) -> Table:
+    """A table whose cells wrap instead of being cut short: ids must stay copyable."""
+    table = Table()
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    return table
+
+
 def _kv_table(info: dict[str, Any]) -> Table:
     table = Table(show_header=False, box=None, pad_edge=False)
     table.add_column(style="bold")
@@ -112,7 +120,7 @@ def _kv_table(info: dict[str, Any]) -> Table:
 
 
 def _sandbox_table(sandboxes: list[dict[str, Any]]) -> Table:
-    table = Table("id", "snapshot", "state", "pid", "created", "memory_limit")
+    table = _table("id", "snapshot", "state", "pid", "created", "memory_limit")
     for sb in sandboxes:
         limit = sb.get("memory_limit_mib")
         table.add_row(
@@ -218,25 +226,25 @@ def lineage_forest(
 def _rich_tree(forest: list[dict[str, Any]], title: str = "forkd") -> Tree:
     root = Tree(f"[bold]{escape(title)}[/]")
 
-    def add(parent: Tree, node: dict[str, Any]) -> None:
+    def add(parent: Tree, node: dict[str, Any], under: dict[str, Any] | None) -> None:
         info = node["info"]
         if node["kind"] == "snapshot":
             label = _snapshot_label(info)
-            gone = info.get("branched_from")
-            if gone and not any(
-                c["kind"] == "sandbox" and c["info"].get("id") == gone for c in node["children"]
+            src = info.get("branched_from")
+            if src and not (
+                under and under["kind"] == "sandbox" and under["info"].get("id") == src
             ):
-                label += f"  [dim](from {escape(str(gone))})[/]"
+                label += f"  [dim](from {escape(str(src))}, gone)[/]"
         elif node["kind"] == "sandbox":
             label = _sandbox_label(info)
         else:
             label = f"[red]{escape(str(info.get('tag')))}[/] [dim](snapshot deleted)[/]"
         branch = parent.add(label)
         for child in node["children"]:
-            add(branch, child)
+            add(branch, child, node)
 
     for node in forest:
-        add(root, node)
+        add(root, node, None)
     return root
 
 
@@ -327,7 +335,8 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
             typer.Option("--from-sandbox", help="Branch this running sandbox into a snapshot."),
         ] = None,
         tag: Annotated[
-            str | None, typer.Option("--tag", help="Tag of the branch [default: chosen by daemon].")
+            str | None,
+            typer.Option("--tag", help="Tag of the branch (default: chosen by the daemon)."),
         ] = None,
         url: UrlOpt = None,
         token_file: TokenFileOpt = None,
@@ -357,7 +366,7 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
         ctx: typer.Context,
         tag: Annotated[str, typer.Option("--tag", help="Name of the new snapshot.")],
         image: Annotated[
-            str | None, typer.Option("--image", help="Guest image [default: python].")
+            str | None, typer.Option("--image", help="Guest image (default: python).")
         ] = None,
         memory: Annotated[
             int | None, typer.Option("--memory", help="Guest RAM in MiB.", min=1)
@@ -413,7 +422,7 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
         if as_json:
             _print_json(snapshots)
             return
-        table = Table("tag", "branched_from", "memory_mib", "image", "pause_ms", "created")
+        table = _table("tag", "branched_from", "memory_mib", "image", "pause_ms", "created")
         for s in snapshots:
             table.add_row(
                 _s(s.get("tag")), _s(s.get("branched_from")), _s(s.get("memory_mib")),
@@ -507,7 +516,8 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
             int, typer.Option("-n", help="Sandboxes to fork from the branch.", min=0, max=1000)
         ] = 1,
         tag: Annotated[
-            str | None, typer.Option("--tag", help="Tag of the branch [default: chosen by daemon].")
+            str | None,
+            typer.Option("--tag", help="Tag of the branch (default: chosen by the daemon)."),
         ] = None,
         url: UrlOpt = None,
         token_file: TokenFileOpt = None,

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
+import signal
+import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -108,3 +112,106 @@ def template(fleet: Fleet, image: images.Image) -> VM:
 @pytest.fixture(scope="session")
 def base_snapshot(fleet: Fleet, template: VM) -> Path:
     return fleet.snapshot(template, "base")
+
+
+# ------------------------------------------------------------------ daemon
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """A real ``forkd serve`` process on a free port, with a token file."""
+
+    token = "test-token-0123456789"
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.state_dir = root / "state"
+        self.token_file = root / "token"
+        self.token_file.write_text(self.token + "\n")
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = root / "daemon.log"
+
+    def start(self, *extra: str) -> None:
+        import sys
+
+        import httpx
+
+        env = {**os.environ, "FORKD_URL": self.url, "FORKD_TOKEN_FILE": str(self.token_file)}
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "forkd.cli", "serve", "--bind", f"127.0.0.1:{self.port}",
+                 "--state-dir", str(self.state_dir), "--token-file", str(self.token_file),
+                 *extra],
+                stdout=log, stderr=log, env=env,
+            )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("daemon did not start within 60 s")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            self.proc.wait(60)
+        self.proc = None
+
+    def qemu_pids(self) -> list[int]:
+        """QEMU processes whose runtime files live under this daemon's state dir."""
+        needle = str(self.state_dir / "run").encode()
+        pids = []
+        for p in Path("/proc").iterdir():
+            if p.name.isdigit():
+                try:
+                    if needle in (p / "cmdline").read_bytes():
+                        pids.append(int(p.name))
+                except OSError:
+                    continue
+        return pids
+
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "FORKD_URL": self.url, "FORKD_TOKEN_FILE": str(self.token_file)}
+
+
+@pytest.fixture(scope="session")
+def daemon(image: images.Image) -> Iterator[Daemon]:
+    root = Path(tempfile.mkdtemp(prefix="forkd-d-", dir="/tmp"))
+    d = Daemon(root)
+    d.start("--kill-on-exit")
+    yield d
+    d.stop()
+    for pid in d.qemu_pids():  # nothing may outlive the suite
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def api_template(daemon: Daemon) -> str:
+    """A 256 MiB template snapshot registered with the daemon, tag ``py``."""
+    import httpx
+
+    r = httpx.post(
+        f"{daemon.url}/v1/snapshots",
+        json={"tag": "py", "memory_mib": 256, "warmup": "import json\nx = 41",
+              "setup": ["mkdir -p /work && echo ready > /work/setup.txt"]},
+        headers={"Authorization": f"Bearer {daemon.token}"},
+        timeout=300,
+    )  # fmt: skip
+    assert r.status_code == 201, r.text
+    return "py"
