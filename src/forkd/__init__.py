@@ -5,3 +5,14 @@ daemon's dependencies (QEMU driver, FastAPI, ...).
 """
 
 __version__ = "0.1.0"
+
+__all__ = ["Controller", "ControllerError", "Sandbox", "Snapshot", "__version__"]
+
+
+def __getattr__(name: str) -> object:
+    # The SDK is imported on first use, so ``import forkd`` stays cheap.
+    if name in ("Controller", "ControllerError", "Sandbox", "Snapshot"):
+        from forkd import client
+
+        return getattr(client, name)
+    raise AttributeError(f"module 'forkd' has no attribute {name!r}")

@@ -176,6 +176,9 @@ def doctor(as_json: JsonOpt = False) -> None:
 
 
 def main() -> None:
+    from forkd import cli_remote
+
+    cli_remote.register(app)
     try:
         app()
     except KeyboardInterrupt:

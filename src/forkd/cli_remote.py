@@ -597,7 +597,10 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
             result = ctl.exec_command(
                 sandbox_id, list(cmd), timeout_secs=timeout, cwd=cwd, env=env_map
             )
-        code = int(result.get("exit_code", 0))
+        from forkd.client import exit_code_of
+
+        code = exit_code_of(result)
+        code = code if 0 <= code <= 255 else 1
         if as_json:
             _print_json(result)
         else:

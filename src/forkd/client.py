@@ -163,6 +163,14 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+def exit_code_of(answer: dict[str, Any]) -> int:
+    """The exit code in an exec/eval answer; 124 for a timeout, -1 when missing."""
+    code = answer.get("exit_code")
+    if code is None:
+        return 124 if answer.get("timed_out") else -1
+    return int(code)
+
+
 def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
@@ -507,6 +515,11 @@ class CommandResult:
     def ok(self) -> bool:
         return self.exit_code == 0
 
+    @property
+    def timed_out(self) -> bool:
+        """True when the command was killed by its timeout."""
+        return bool(self.raw.get("timed_out", self.exit_code == 124))
+
 
 @dataclass
 class EvalResult:
@@ -556,7 +569,7 @@ class Commands:
         return CommandResult(
             stdout=raw.get("stdout") or "",
             stderr=raw.get("stderr") or "",
-            exit_code=int(raw.get("exit_code", 0)),
+            exit_code=exit_code_of(raw),
             raw=raw,
         )
 
@@ -691,7 +704,7 @@ class Sandbox:
         return EvalResult(
             result=raw.get("result"),
             error=raw.get("error"),
-            exit_code=int(raw.get("exit_code", 0)),
+            exit_code=int(raw.get("exit_code") or 0),
             stdout=raw.get("stdout"),
             stderr=raw.get("stderr"),
             raw=raw,

@@ -86,6 +86,11 @@ class FakeVM:
     def is_alive(self) -> bool:
         return self.alive
 
+    async def ping(self) -> dict[str, Any]:
+        if not self.alive:
+            raise VMError("gone")
+        return {"pong": True}
+
     async def kill(self) -> None:
         self.events.append("kill")
         self.alive = False

@@ -419,6 +419,14 @@ class Manager:
             raise ApiError(409, f"sandbox {sandbox_id!r} is dead (its QEMU exited)")
         return vm
 
+    async def _answers(self, vm: VM) -> bool:
+        """Whether a VM whose QEMU may just have died still runs and answers."""
+        try:
+            await asyncio.wait_for(vm.ping(), 3.0)
+        except (ForkdError, TimeoutError):
+            return False
+        return vm.is_alive()
+
     async def _mark_dead(self, sandbox_id: str) -> None:
         vm = self.vms.pop(sandbox_id, None)
         if vm is not None:
@@ -513,7 +521,7 @@ class Manager:
             except live_snapshot.LiveSnapshotError as exc:
                 if exc.snapshot_kept:
                     self._register_branch(tag, dest, sandbox_id, row, None)
-                if not exc.source_alive:
+                if not exc.source_alive or not await self._answers(vm):
                     await self._mark_dead(sandbox_id)
                 raise ApiError(500, f"branch of {sandbox_id} failed: {exc}") from exc
             self._register_branch(tag, result.dir, sandbox_id, row, result.pause_ms)
