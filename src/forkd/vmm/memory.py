@@ -91,6 +91,8 @@ def clone_base(region: RamRegion, out_fd: int) -> DumpStats:
     try:
         size = os.fstat(src).st_size
         os.ftruncate(out_fd, region.size)
+        if not _has_data(src):
+            return stats  # a fresh VM's RAM file: nothing to clone
         try:
             fcntl.ioctl(out_fd, FICLONE, src)
             stats.cloned_by_reflink = True
@@ -120,6 +122,16 @@ def clone_base(region: RamRegion, out_fd: int) -> DumpStats:
     finally:
         os.close(src)
     return stats
+
+
+def _has_data(fd: int) -> bool:
+    try:
+        os.lseek(fd, 0, os.SEEK_DATA)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            return False
+        raise
+    return True
 
 
 def dump_written_pages(
