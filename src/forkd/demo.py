@@ -1,104 +1,138 @@
-"""The forkd demo: template → children → branch → grandchildren, with timings.
+"""The forkd demo: template → children → branch → grandchildren, through the daemon.
 
 Run it with ``./dev.sh demo`` (installs everything first) or
-``python -m forkd.demo`` once forkd is installed.
+``python -m forkd.demo``. It talks to the daemon at ``FORKD_URL`` (default
+``http://127.0.0.1:8889``) and starts one for the duration of the demo if
+none answers there.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
+import contextlib
+import os
+import secrets
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 from rich.tree import Tree
 
-from forkd.guest import image as images
-from forkd.vmm.vm import VM
+from forkd.client import Controller, ControllerError, Sandbox, Snapshot
 
 console = Console()
+DEFAULT_URL = "http://127.0.0.1:8889"
 
 
-def ms(value: float) -> str:
-    return f"{value:,.0f} ms"
+def ms(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.0f} ms"
 
 
-async def val(vm: VM, code: str) -> str | None:
-    """Evaluate ``code`` in the VM's warm interpreter; raise if it failed."""
-    res = await vm.eval(code)
-    if res["error"]:
-        raise RuntimeError(f"eval in {vm.id} failed:\n{res['error']}")
-    return res["result"]
-
-
-async def run_demo(children: int, memory_mib: int, work: Path) -> None:
-    run_root, snap_root = work / "run", work / "snapshots"
-    run_root.mkdir()
-    snap_root.mkdir()
-    vms: list[VM] = []
+@contextlib.contextmanager
+def daemon(url: str) -> Iterator[Controller]:
+    """The daemon at ``url``, or one started here (and stopped afterwards)."""
+    ctl = Controller(url)
     try:
-        with console.status("guest image"):
-            img = await asyncio.to_thread(images.build, "python")
-        console.print(f"[bold]image[/] {img.name}-{img.key} ({img.size_bytes() >> 20} MiB)")
+        ctl.health()
+        console.print(f"[bold]daemon[/] already running at {url}")
+        yield ctl
+        return
+    except ControllerError:
+        pass
+    state = Path(tempfile.mkdtemp(prefix="forkd-demo-", dir="/tmp"))
+    bind = url.removeprefix("http://")
+    log = (state / "daemon.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "forkd.cli", "serve", "--bind", bind, "--state-dir", str(state),
+         "--kill-on-exit"],
+        stdout=log, stderr=log,
+    )  # fmt: skip
+    try:
+        with console.status(f"starting a daemon at {url} (state in {state})"):
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    ctl.health()
+                    break
+                except ControllerError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise SystemExit(
+                            f"the daemon did not start; see {state / 'daemon.log'}"
+                        ) from None
+                    time.sleep(0.1)
+        console.print(f"[bold]daemon[/] started at {url} for this demo")
+        yield ctl
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
+        shutil.rmtree(state, ignore_errors=True)
 
-        with console.status(f"booting a {memory_mib} MiB template VM"):
-            template = await VM.boot(img, run_root=run_root, memory_mib=memory_mib)
-        vms.append(template)
-        accel = template.machine.accel
-        console.print(f"[bold]template[/] booted in {ms(template.ready_ms or 0)} ({accel})")
 
-        await val(
-            template,
-            "import json, sqlite3, statistics\n"
-            "db = sqlite3.connect(':memory:')\n"
-            "db.execute('create table notes(body text)')\n"
-            "db.execute(\"insert into notes values ('warmed up in the template')\")\n"
-            "counter = 0",
+def run(ctl: Controller, children: int, memory_mib: int) -> None:
+    tag = f"demo-{secrets.token_hex(3)}"
+    made: list[Sandbox] = []
+    snaps: list[Snapshot] = []
+    try:
+        started = time.monotonic()
+        with console.status(f"building template {tag}: boot a {memory_mib} MiB VM, warm, snapshot"):
+            template = Snapshot.create(
+                tag,
+                controller=ctl,
+                memory_mib=memory_mib,
+                setup=["mkdir -p /work && echo 'written by setup' > /work/README.txt"],
+                warmup=(
+                    "import json, sqlite3, statistics\n"
+                    "db = sqlite3.connect(':memory:')\n"
+                    "db.execute('create table notes(body text)')\n"
+                    "db.execute(\"insert into notes values ('warmed up in the template')\")\n"
+                    "counter = 0"
+                ),
+            )
+        snaps.append(template)
+        build_ms = (time.monotonic() - started) * 1000
+        console.print(
+            f"[bold]template[/] {tag}: booted, warmed (imports, sqlite, counter = 0) and "
+            f"snapshotted in {ms(build_ms)}"
         )
-        await template.write_file("/work/README.txt", b"written in the template\n")
-        console.print("  warmed: imports, an in-memory database, counter = 0, /work/README.txt")
 
         started = time.monotonic()
-        base = await template.snapshot(snap_root / "template")
-        snap_ms = (time.monotonic() - started) * 1000
-        alloc = (base / "memory.bin").stat().st_blocks * 512 >> 20
-        console.print(
-            f"[bold]snapshot[/] written in {ms(snap_ms)} (memory.bin {alloc} MiB on disk)"
-        )
-
-        kids: list[VM] = []
         with console.status(f"forking {children} children"):
-            for _ in range(children):
-                kids.append(await VM.restore(base, run_root=run_root))
-                vms.append(kids[-1])
+            kids = template.fork(children)
+        made += kids
+        wall = (time.monotonic() - started) * 1000
         table = Table("child", "fork", "counter", "random.random()", "os.urandom(4)")
         for kid in kids:
-            counter = await val(kid, "counter")
-            rnd = await val(kid, "import random; round(random.random(), 6)")
-            urnd = await val(kid, "import os; os.urandom(4).hex()")
-            table.add_row(kid.id, ms(kid.ready_ms or 0), counter, rnd, urnd)
+            table.add_row(
+                kid.id,
+                ms(kid.info.get("fork_ms")),
+                kid.eval("counter").result,
+                kid.eval("import random; round(random.random(), 6)").result,
+                kid.eval("import os; os.urandom(4).hex()").result,
+            )
         console.print(table)
-        fork_ms = sorted(k.ready_ms or 0 for k in kids)[len(kids) // 2]
-        boot_ms = template.ready_ms or 0
+        median = sorted(k.info.get("fork_ms") or 0 for k in kids)[len(kids) // 2]
         console.print(
-            f"  median fork {ms(fork_ms)} vs cold boot {ms(boot_ms)}: "
-            f"[bold]{boot_ms / fork_ms:.0f}x faster[/]"
+            f"  {children} children in {ms(wall)} wall (forked concurrently); median fork "
+            f"{ms(median)} vs {ms(build_ms)} to build the template. Same state, fresh randomness."
         )
 
         source = kids[0]
-        await val(source, "counter += 1; db.execute(\"insert into notes values ('child work')\")")
-        await source.write_file("/work/plan.txt", b"step 1 done in the child\n")
+        source.eval("counter += 1; db.execute(\"insert into notes values ('child work')\")")
+        source.files.write("/work/plan.txt", "step 1 done in the child\n")
         console.print(f"[bold]{source.id}[/] did some work: counter = 1, a row, /work/plan.txt")
 
-        branch = await source.snapshot(snap_root / "branch-1")
-        pause_ms = float(json.loads((branch / "snapshot.json").read_text())["pause_ms"])
+        branch = source.branch()
+        snaps.append(branch)
         console.print(
-            f"[bold]branch[/] of {source.id}: paused {ms(pause_ms)}, then it kept running"
+            f"[bold]branch[/] {branch.tag} of {source.id}: vCPUs frozen for "
+            f"{ms(branch.pause_ms)}, then it kept running"
         )
 
         strategies = {
@@ -106,48 +140,45 @@ async def run_demo(children: int, memory_mib: int, work: Path) -> None:
             "rewrite": "db.execute('delete from notes'); counter = 0; 'rewrote'",
             "explore": "counter += 100; statistics.mean([1, 2, 3, 4])",
         }
-        grandkids: list[tuple[str, VM]] = []
         with console.status("forking 3 grandchildren from the branch"):
-            for name in strategies:
-                g = await VM.restore(branch, run_root=run_root)
-                vms.append(g)
-                grandkids.append((name, g))
-
-        tree = Tree(f"template ({base.name})")
-        child_node = tree.add(f"{source.id} → branch {branch.name} (pause {ms(pause_ms)})")
-        for name, g in grandkids:
-            outcome = await val(g, strategies[name])
-            counter = await val(g, "counter")
-            rows = await val(g, "db.execute('select count(*) from notes').fetchone()[0]")
-            plan = (await g.read_file("/work/plan.txt")).decode().strip()
-            child_node.add(
-                f"{g.id} [{name}] fork {ms(g.ready_ms or 0)}: result={outcome} "
-                f"counter={counter} rows={rows} plan={plan!r}"
+            grandkids = branch.fork(len(strategies))
+        made += grandkids
+        tree = Tree(f"template [bold]{tag}[/]")
+        node = tree.add(f"{source.id} → branch {branch.tag} (pause {ms(branch.pause_ms)})")
+        for (name, code), g in zip(strategies.items(), grandkids, strict=True):
+            outcome = g.eval(code).result
+            rows = g.eval("db.execute('select count(*) from notes').fetchone()[0]").result
+            node.add(
+                f"{g.id} [{name}] fork {ms(g.info.get('fork_ms'))}: result={outcome} "
+                f"counter={g.eval('counter').result} rows={rows} "
+                f"plan={g.files.read_text('/work/plan.txt').strip()!r}"
             )
-        src_counter = await val(source, "counter")
-        child_node.add(f"{source.id} itself, still running: counter={src_counter}")
+        node.add(f"{source.id} itself, still running: counter={source.eval('counter').result}")
         for kid in kids[1:]:
-            tree.add(f"{kid.id}: counter={await val(kid, 'counter')}")
+            tree.add(f"{kid.id}: counter={kid.eval('counter').result}")
         console.print(tree)
         console.print(
-            "Each grandchild started from the child's exact state at the branch and went "
-            "its own way; the child, its siblings and the template are untouched."
+            "Each grandchild started from the child's exact state at the branch and went its "
+            "own way; the child, its siblings and the template are untouched."
         )
     finally:
-        with console.status("stopping VMs"):
-            await asyncio.gather(*(vm.kill() for vm in vms), return_exceptions=True)
+        with console.status("cleaning up"):
+            for sb in made:
+                with contextlib.suppress(ControllerError):
+                    sb.kill()
+            for snap in reversed(snaps):
+                with contextlib.suppress(ControllerError):
+                    snap.delete()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--children", type=int, default=4)
     parser.add_argument("--memory", type=int, default=256, help="guest memory in MiB")
+    parser.add_argument("--url", default=os.environ.get("FORKD_URL", DEFAULT_URL))
     args = parser.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="forkd-demo-", dir="/tmp"))
-    try:
-        asyncio.run(run_demo(args.children, args.memory, work))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    with daemon(args.url) as ctl:
+        run(ctl, args.children, args.memory)
 
 
 if __name__ == "__main__":

@@ -370,7 +370,9 @@ class Manager:
                 )
             self.vms[sid] = vm
             started.append(sid)
-            self.store.update_sandbox(sid, pid=vm.pid, state="running")
+            self.store.update_sandbox(
+                sid, pid=vm.pid, state="running", fork_ms=round(vm.ready_ms or 0, 1)
+            )
             self.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
 
         results = await asyncio.gather(*(one(sid) for sid in ids), return_exceptions=True)
@@ -405,6 +407,7 @@ class Manager:
             "memory_limit_mib": row.memory_limit_mib,
             "state": row.state,
             "expires_at_unix": row.expires_at_unix,
+            "fork_ms": row.fork_ms,
         }
 
     def list_sandboxes(self) -> list[dict[str, Any]]:

@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     created_at_unix  INTEGER NOT NULL,
     memory_limit_mib INTEGER,
     expires_at_unix  REAL,
-    state            TEXT NOT NULL
+    state            TEXT NOT NULL,
+    fork_ms          REAL
 );
 CREATE TABLE IF NOT EXISTS branch_seq (
     source_id TEXT PRIMARY KEY,
@@ -71,6 +72,7 @@ class SandboxRow:
     memory_limit_mib: int | None
     expires_at_unix: float | None
     state: str
+    fork_ms: float | None = None
 
 
 class Store:
@@ -85,7 +87,13 @@ class Store:
             self._db.execute("PRAGMA synchronous=NORMAL")
             self._db.execute("PRAGMA busy_timeout=5000")
             self._db.executescript(SCHEMA)
+            self._migrate()
         self.id_prefix = self._meta_default("id_prefix", secrets.token_hex(3))
+
+    def _migrate(self) -> None:
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
+        if "fork_ms" not in cols:  # added after the first release of the schema
+            self._db.execute("ALTER TABLE sandboxes ADD COLUMN fork_ms REAL")
 
     def close(self) -> None:
         with self._lock:
