@@ -19,8 +19,9 @@ the end, also on failure or Ctrl-C):
    ``first_grandchild_fork_ms``; it must see the child's state at the branch;
 5. record the branch's ``memory.bin`` allocated and logical size.
 
-The last line of stdout is always one JSON object (also when a size failed:
-then it carries ``"error"`` and the process exits non-zero).
+The last line of stdout is one JSON object, also when a size failed: then it
+carries ``"error"`` and the process exits non-zero. Ctrl-C or SIGTERM stops the
+run (VMs killed, work dir removed) without a JSON line, exit status 130.
 """
 
 from __future__ import annotations
@@ -245,6 +246,7 @@ class Bench:
             except Exception as exc:  # one size failing must not hide the others
                 self.fail(f"branching at {size} MiB", exc)
                 pause[key] = wall[key] = grand[key] = alloc[key] = logical[key] = None
+                self.rows.append((key, "[red]failed[/]", *("-",) * 6))
                 continue
             branches = info["branches"]
             pauses = [b["pause_ms"] for b in branches]

@@ -6,6 +6,8 @@ import mmap
 import os
 from pathlib import Path
 
+import pytest
+
 from forkd.vmm import memory
 
 PAGE = memory.PAGE
@@ -22,19 +24,27 @@ def _map_private(path: Path) -> mmap.mmap:
         os.close(fd)
 
 
-def _snapshot(path: Path, out: Path) -> memory.DumpStats:
+def _snapshot(path: Path, out: Path, defer_limit: int | None = None) -> memory.DumpStats:
     region = memory.find_ram_region(os.getpid(), path, NPAGES * PAGE)
     fd = os.open(out, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         stats = memory.clone_base(region, fd)
-        return memory.dump_written_pages(
-            region, fd, base_is_empty=stats.base_bytes_cloned == 0, stats=stats
-        )
+        empty = stats.base_bytes_cloned == 0
+        defer = memory.DeferredWrites(defer_limit) if defer_limit is not None else None
+        memory.dump_written_pages(region, fd, base_is_empty=empty, stats=stats, defer=defer)
+        if defer is not None:
+            # What was deferred is not in the file until flushed.
+            assert defer.size <= defer_limit
+            defer.flush(fd, base_is_empty=empty, stats=stats)
+        return stats
     finally:
         os.close(fd)
 
 
-def test_child_snapshot_is_base_overlaid_with_written_pages(tmp_path: Path) -> None:
+@pytest.mark.parametrize("defer_limit", [None, 0, 2 * PAGE, 1 << 30])
+def test_child_snapshot_is_base_overlaid_with_written_pages(
+    tmp_path: Path, defer_limit: int | None
+) -> None:
     base = tmp_path / "memory.bin"
     data = bytearray(os.urandom(NPAGES * PAGE))
     data[10 * PAGE : 20 * PAGE] = bytes(10 * PAGE)  # a zero stretch in the base
@@ -46,7 +56,7 @@ def test_child_snapshot_is_base_overlaid_with_written_pages(tmp_path: Path) -> N
         m[12 * PAGE : 14 * PAGE] = b"\x02" * (2 * PAGE)  # written over a zero stretch
         m[30 * PAGE : 31 * PAGE] = bytes(PAGE)  # zeroes written over random data
         expected = bytes(m)
-        stats = _snapshot(base, tmp_path / "snap.bin")
+        stats = _snapshot(base, tmp_path / "snap.bin", defer_limit)
     finally:
         m.close()
     assert (tmp_path / "snap.bin").read_bytes() == expected
@@ -55,7 +65,8 @@ def test_child_snapshot_is_base_overlaid_with_written_pages(tmp_path: Path) -> N
     assert base.read_bytes() == bytes(data)  # the base file is never written
 
 
-def test_fresh_vm_snapshot_stays_sparse(tmp_path: Path) -> None:
+@pytest.mark.parametrize("defer_limit", [None, 1 << 30])
+def test_fresh_vm_snapshot_stays_sparse(tmp_path: Path, defer_limit: int | None) -> None:
     ram = tmp_path / "ram.bin"
     with ram.open("wb") as f:
         f.truncate(NPAGES * PAGE)
@@ -65,7 +76,7 @@ def test_fresh_vm_snapshot_stays_sparse(tmp_path: Path) -> None:
         m[40 * PAGE : 41 * PAGE] = bytes(PAGE)  # written, but zero: left as a hole
         expected = bytes(m)
         out = tmp_path / "snap.bin"
-        stats = _snapshot(ram, out)
+        stats = _snapshot(ram, out, defer_limit)
     finally:
         m.close()
     assert out.read_bytes() == expected
@@ -76,7 +87,5 @@ def test_fresh_vm_snapshot_stays_sparse(tmp_path: Path) -> None:
 
 
 def test_region_lookup_names_the_missing_mapping(tmp_path: Path) -> None:
-    import pytest
-
     with pytest.raises(LookupError, match=r"no .* mapping"):
         memory.find_ram_region(os.getpid(), tmp_path / "nothing", PAGE)

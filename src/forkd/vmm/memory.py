@@ -22,7 +22,7 @@ import errno
 import fcntl
 import os
 from array import array
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -134,14 +134,47 @@ def _has_data(fd: int) -> bool:
     return True
 
 
+@dataclass
+class DeferredWrites:
+    """Pages read while the VM is paused, to be written once it runs again.
+
+    Reading guest RAM is fast; writing it into a file is the slow half. Up
+    to ``limit`` bytes are kept in memory and written by :meth:`flush` after
+    the resume; anything beyond is written at once, inside the pause.
+    """
+
+    limit: int
+    runs: list[tuple[int, bytes]] = field(default_factory=list)
+    size: int = 0
+
+    def take(self, offset: int, data: bytes) -> bool:
+        if self.size + len(data) > self.limit:
+            return False
+        self.runs.append((offset, data))
+        self.size += len(data)
+        return True
+
+    def flush(self, out_fd: int, *, base_is_empty: bool, stats: DumpStats) -> None:
+        for offset, data in self.runs:
+            _write_run(out_fd, data, offset, base_is_empty, stats)
+        self.runs.clear()
+        self.size = 0
+
+
 def dump_written_pages(
-    region: RamRegion, out_fd: int, *, base_is_empty: bool, stats: DumpStats | None = None
+    region: RamRegion,
+    out_fd: int,
+    *,
+    base_is_empty: bool,
+    stats: DumpStats | None = None,
+    defer: DeferredWrites | None = None,
 ) -> DumpStats:
     """Overlay ``out_fd`` with every page the guest wrote (call while paused).
 
     ``base_is_empty``: the backing file was all holes (a freshly booted VM),
     so all-zero pages can be skipped and the file stays sparse. Otherwise a
-    zero page must be written, since the base may hold data there.
+    zero page must be written, since the base may hold data there. With
+    ``defer``, pages are only read now and written by ``defer.flush()``.
     """
     stats = stats or DumpStats()
     npages = region.size // PAGE
@@ -165,13 +198,13 @@ def dump_written_pages(
                 if run_start < 0:
                     run_start = i
                 elif i - run_start >= max_run:
-                    _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats)
+                    _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats, defer)
                     run_start = i
             elif run_start >= 0:
-                _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats)
+                _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats, defer)
                 run_start = -1
         if run_start >= 0:
-            _copy_run(region, mem, out_fd, run_start, npages, base_is_empty, stats)
+            _copy_run(region, mem, out_fd, run_start, npages, base_is_empty, stats, defer)
     finally:
         os.close(mem)
     return stats
@@ -185,20 +218,28 @@ def _copy_run(
     end: int,
     skip_zero: bool,
     stats: DumpStats,
+    defer: DeferredWrites | None,
 ) -> None:
     length = (end - first) * PAGE
     offset = first * PAGE
     buf = os.pread(mem, length, region.start + offset)
     if len(buf) != length:
         raise OSError(errno.EIO, f"short read of guest RAM from process {region.pid}")
+    if defer is not None and defer.take(offset, buf):
+        return
+    _write_run(out_fd, buf, offset, skip_zero, stats)
+
+
+def _write_run(out_fd: int, buf: bytes, offset: int, skip_zero: bool, stats: DumpStats) -> None:
+    npages = len(buf) // PAGE
     if not skip_zero:
         _pwrite_all(out_fd, buf, offset)
-        stats.pages_written += end - first
+        stats.pages_written += npages
         return
     # Write maximal runs of non-zero pages; leave zero pages as holes.
     view = memoryview(buf)
     seg = -1
-    for p in range(end - first):
+    for p in range(npages):
         is_zero = buf[p * PAGE : (p + 1) * PAGE] == ZERO_PAGE
         if is_zero:
             stats.zero_pages_skipped += 1
@@ -209,9 +250,8 @@ def _copy_run(
         elif seg < 0:
             seg = p
     if seg >= 0:
-        n = end - first
-        _pwrite_all(out_fd, view[seg * PAGE : n * PAGE], offset + seg * PAGE)
-        stats.pages_written += n - seg
+        _pwrite_all(out_fd, view[seg * PAGE : npages * PAGE], offset + seg * PAGE)
+        stats.pages_written += npages - seg
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:

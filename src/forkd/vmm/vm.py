@@ -52,6 +52,7 @@ from forkd.vmm.qemu_argv import (
 log = logging.getLogger(__name__)
 
 UNIX_PATH_MAX = 107
+DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
 PR_SET_PDEATHSIG = 1
 
 
@@ -514,6 +515,8 @@ class SnapshotWriter:
         self.capture_ms: float | None = None
         self._mem_fd: int | None = None
         self._region: memory.RamRegion | None = None
+        # Pages read during the pause, written after the resume (in commit).
+        self._deferred = memory.DeferredWrites(limit=DEFERRED_WRITE_LIMIT)
 
     async def prepare(self) -> None:
         """Create the staging directory and clone the RAM file's base (VM may run)."""
@@ -547,6 +550,7 @@ class SnapshotWriter:
                 self._mem_fd,
                 base_is_empty=self.stats.base_bytes_cloned == 0,
                 stats=self.stats,
+                defer=self._deferred,
             )
         except BaseException as exc:
             raise self._translate(exc, "capturing") from exc
@@ -575,6 +579,12 @@ class SnapshotWriter:
         vm = self.vm
         try:
             assert self._mem_fd is not None
+            await asyncio.to_thread(
+                self._deferred.flush,
+                self._mem_fd,
+                base_is_empty=self.stats.base_bytes_cloned == 0,
+                stats=self.stats,
+            )
             await asyncio.to_thread(os.fsync, self._mem_fd)
             os.close(self._mem_fd)
             self._mem_fd = None
@@ -616,6 +626,7 @@ class SnapshotWriter:
 
     async def abort(self) -> None:
         """Remove everything this snapshot wrote."""
+        self._deferred.runs.clear()
         if self._mem_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._mem_fd)
