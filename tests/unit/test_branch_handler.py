@@ -232,3 +232,28 @@ def test_unsupported_mode_is_refused(setup: Any) -> None:
     with pytest.raises(ApiError) as exc:
         asyncio.run(manager.branch(vm.id, None, "incremental"))
     assert exc.value.status == 400 and events == []
+
+
+def test_cancellation_mid_capture_resumes_and_cleans_up(setup: Any, tmp_path: Path) -> None:
+    from forkd.vmm.live_snapshot import snapshot_running
+
+    manager, vm, events = setup
+
+    async def cancelled_capture() -> None:
+        events.append("capture")
+        raise asyncio.CancelledError
+
+    async def scenario() -> None:
+        writer = await vm.begin_snapshot(manager.settings.snapshot_root / "c1")
+        writer.capture = cancelled_capture
+        vm.begin_snapshot = lambda dest: _ready(writer)
+        await snapshot_running(vm, manager.settings.snapshot_root / "c1", {})
+
+    async def _ready(w: FakeWriter) -> FakeWriter:
+        return w
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(scenario())
+    assert events[-3:] == ["capture", "abort", "resume"]
+    assert vm.state == "running"
+    assert _on_disk(manager) == []

@@ -89,3 +89,15 @@ def test_fresh_vm_snapshot_stays_sparse(tmp_path: Path, defer_limit: int | None)
 def test_region_lookup_names_the_missing_mapping(tmp_path: Path) -> None:
     with pytest.raises(LookupError, match=r"no .* mapping"):
         memory.find_ram_region(os.getpid(), tmp_path / "nothing", PAGE)
+
+
+def test_written_runs_from_pagemap_flags() -> None:
+    import struct
+
+    present, swapped, file_ = memory.PM_PRESENT, memory.PM_SWAPPED, memory.PM_FILE_OR_SHARED
+    flags = [0, present, present | file_, swapped, present, 0, present | 123, present | 7]
+    raw = b"".join(struct.pack("<Q", f) for f in flags)
+    # pages 1 (anonymous), 3 (swapped), 4, 6, 7 are the guest's; 2 is the file's
+    assert memory.written_runs(raw, 64) == [(1, 2), (3, 5), (6, 8)]
+    assert memory.written_runs(raw, 1) == [(1, 2), (3, 4), (4, 5), (6, 7), (7, 8)]
+    assert memory.written_runs(struct.pack("<Q", 0) * 4, 8) == []

@@ -44,7 +44,7 @@ class SnapshotCreate(_Body):
     image: str | None = None
     kernel: str | None = None
     rootfs: str | None = None
-    memory_mib: int = Field(512, ge=64, le=65536)
+    memory_mib: int = Field(512, ge=128, le=65536)
     vcpus: int = Field(1, ge=1, le=64)
     setup: list[str] = Field(default_factory=list, max_length=100)
     warmup: str | None = None

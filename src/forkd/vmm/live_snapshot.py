@@ -68,15 +68,20 @@ async def snapshot_running(vm: SnapshottableVM, dest: Path, meta: dict[str, Any]
     paused_at = time.monotonic()
     try:
         await vm.pause()
-    except ForkdError as exc:
+    except BaseException as exc:  # cancellation too: never leave staging files
         await writer.abort()
+        if not isinstance(exc, ForkdError):
+            if vm.is_alive():
+                with contextlib.suppress(Exception):
+                    await vm.resume()  # the stop may have gone through
+            raise
         raise LiveSnapshotError(
             f"pausing {vm.id} failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
         ) from exc
 
     try:
         await writer.capture()
-    except ForkdError as exc:
+    except BaseException as exc:  # cancellation too: the source must not stay paused
         await writer.abort()
         alive = vm.is_alive()
         if alive:
@@ -84,6 +89,8 @@ async def snapshot_running(vm: SnapshottableVM, dest: Path, meta: dict[str, Any]
                 await vm.resume()
             except ForkdError:
                 alive = False
+        if not isinstance(exc, ForkdError):
+            raise
         raise LiveSnapshotError(str(exc), source_alive=alive, snapshot_kept=False) from exc
 
     resume_error: ForkdError | None = None

@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,36 +177,48 @@ def dump_written_pages(
     """
     stats = stats or DumpStats()
     npages = region.size // PAGE
-    entries = array("Q")
     with open(f"/proc/{region.pid}/pagemap", "rb", buffering=0) as pm:
         raw = os.pread(pm.fileno(), npages * 8, (region.start // PAGE) * 8)
     if len(raw) != npages * 8:
         raise OSError(errno.EIO, f"short pagemap read for process {region.pid}")
-    entries.frombytes(raw)
     stats.pages_scanned += npages
 
     mem = os.open(f"/proc/{region.pid}/mem", os.O_RDONLY)
     try:
-        max_run = MAX_RUN_BYTES // PAGE
-        run_start = -1
-        for i, entry in enumerate(entries):
-            written = (entry & PM_SWAPPED) or (
-                (entry & PM_PRESENT) and not (entry & PM_FILE_OR_SHARED)
-            )
-            if written:
-                if run_start < 0:
-                    run_start = i
-                elif i - run_start >= max_run:
-                    _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats, defer)
-                    run_start = i
-            elif run_start >= 0:
-                _copy_run(region, mem, out_fd, run_start, i, base_is_empty, stats, defer)
-                run_start = -1
-        if run_start >= 0:
-            _copy_run(region, mem, out_fd, run_start, npages, base_is_empty, stats, defer)
+        for first, end in written_runs(raw, MAX_RUN_BYTES // PAGE):
+            _copy_run(region, mem, out_fd, first, end, base_is_empty, stats, defer)
     finally:
         os.close(mem)
     return stats
+
+
+# The flags live in the top byte of each little-endian pagemap entry.
+# A page was written by the guest if it is swapped out, or present and
+# anonymous (present without the file/shared bit).
+_PRESENT, _SWAPPED, _FILE = (flag >> 56 for flag in (PM_PRESENT, PM_SWAPPED, PM_FILE_OR_SHARED))
+_WRITTEN_BY_TOP_BYTE = bytes(
+    1 if (b & _SWAPPED) or ((b & _PRESENT) and not (b & _FILE)) else 0 for b in range(256)
+)
+
+
+def written_runs(pagemap: bytes, max_run: int) -> list[tuple[int, int]]:
+    """``[first, end)`` page ranges of written pages, each at most ``max_run`` long.
+
+    Works on whole byte strings (C speed): the scan of a 1 GiB guest's
+    262,144 entries costs well under a millisecond per run found instead of
+    a Python loop over every page.
+    """
+    marks = pagemap[7::8].translate(_WRITTEN_BY_TOP_BYTE)
+    runs: list[tuple[int, int]] = []
+    pos = marks.find(1)
+    while pos >= 0:
+        end = marks.find(0, pos)
+        if end < 0:
+            end = len(marks)
+        for first in range(pos, end, max_run):
+            runs.append((first, min(first + max_run, end)))
+        pos = marks.find(1, end)
+    return runs
 
 
 def _copy_run(

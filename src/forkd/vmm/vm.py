@@ -52,6 +52,7 @@ from forkd.vmm.qemu_argv import (
 log = logging.getLogger(__name__)
 
 UNIX_PATH_MAX = 107
+MIN_MEMORY_MIB = 128  # the Debian kernel + Python guest does not boot in less
 DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
 PR_SET_PDEATHSIG = 1
 
@@ -69,6 +70,14 @@ def qemu_pid_matches(pid: int, run_dir: Path) -> bool:
         return False
     needle = str(run_dir / "qmp.sock").encode()
     return any(needle in arg for arg in cmdline)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def new_vm_id() -> str:
@@ -150,8 +159,10 @@ class VM:
         detach: bool = False,
     ) -> VM:
         """Cold-boot a VM from ``image``; returns once its agent answers."""
-        if not 64 <= memory_mib <= 65536:
-            raise VMError(f"memory_mib must be between 64 and 65536, not {memory_mib}")
+        if not MIN_MEMORY_MIB <= memory_mib <= 65536:
+            raise VMError(
+                f"memory_mib must be between {MIN_MEMORY_MIB} and 65536, not {memory_mib}"
+            )
         if not 1 <= vcpus <= 64:
             raise VMError(f"vcpus must be between 1 and 64, not {vcpus}")
         vm_id = vm_id or new_vm_id()
@@ -380,7 +391,11 @@ class VM:
         if not self.is_alive():
             self.state = "dead"
             code = self._proc.returncode if self._proc else "?"
-            raise VMError(f"{what} (exit status {code}): {_tail(self.rt.qemu_log)}")
+            qemu = _tail(self.rt.qemu_log) or "(nothing)"
+            console = _tail(self.rt.console, 800) or "(nothing)"
+            raise VMError(
+                f"{what} (exit status {code}). QEMU said: {qemu} Guest console: {console}"
+            )
 
     async def pause(self) -> None:
         """Freeze the vCPUs (QMP ``stop``)."""
@@ -432,6 +447,8 @@ class VM:
         still alive (see :mod:`forkd.vmm.live_snapshot`). Returns ``dest``;
         the pause window is recorded in ``snapshot.json`` as ``pause_ms``.
         """
+        if self.state == "dead" or not self.is_alive():
+            raise SnapshotError(f"cannot snapshot {self.id}: its QEMU is not running")
         if self.state == "running":
             try:
                 result = await live_snapshot.snapshot_running(self, dest, extra_meta or {})
@@ -607,14 +624,10 @@ class SnapshotWriter:
             meta.update(extra_meta or {})
             meta_path = self.staging / snapshot_files.META
             meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-            with open(vmstate, "rb") as f:
-                os.fsync(f.fileno())
+            for path in (vmstate, meta_path, self.staging):
+                _fsync_path(path)
             self.staging.rename(self.dest)
-            dir_fd = os.open(self.dest.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _fsync_path(self.dest.parent)
         except BaseException as exc:
             await self.abort()
             if isinstance(exc, OSError) and exc.errno == 28:
