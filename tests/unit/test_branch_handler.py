@@ -257,3 +257,18 @@ def test_cancellation_mid_capture_resumes_and_cleans_up(setup: Any, tmp_path: Pa
     assert events[-3:] == ["capture", "abort", "resume"]
     assert vm.state == "running"
     assert _on_disk(manager) == []
+
+
+def test_two_branches_of_one_sandbox_never_interleave(setup: Any) -> None:
+    manager, vm, events = setup
+    vm.capture_delay = 0.1
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(
+            manager.branch(vm.id, "one", None), manager.branch(vm.id, "two", None)
+        )
+
+    infos = asyncio.run(both())
+    assert sorted(i["tag"] for i in infos) == ["one", "two"]
+    step = ["begin", "pause", "capture", "resume", "commit", "register"]
+    assert events == step + step

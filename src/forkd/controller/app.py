@@ -81,10 +81,6 @@ class BranchBody(_Body):
 # ------------------------------------------------------------- middleware
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status)
 
@@ -121,18 +117,35 @@ class GuardMiddleware:
         if length is not None and length.isdigit() and int(length) > limit:
             await _error(413, f"request body over {limit} bytes")(scope, receive, send)
             return
+        if length is not None or scope["method"] not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        # A chunked body (no Content-Length): read it here, within the limit,
+        # then hand it to the app as one message.
+        chunks: list[bytes] = []
         seen = 0
-
-        async def limited_receive() -> Message:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise BodyTooLarge(f"request body over {limit} bytes")
-            return message
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > limit:
+                await _error(413, f"request body over {limit} bytes")(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
 
-        await self.app(scope, limited_receive, send)
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
 _ID_IN_PATH = re.compile(r"^/v1/(sandboxes|snapshots)/([^/]+)")
@@ -212,10 +225,6 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     async def http_error(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _error(exc.status_code, str(exc.detail))
 
-    @app.exception_handler(BodyTooLarge)
-    async def too_large(_r: Request, exc: BodyTooLarge) -> JSONResponse:
-        return _error(413, str(exc))
-
     @app.exception_handler(Exception)
     async def unexpected(_r: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error")
@@ -285,6 +294,8 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
             "stderr": res.get("stderr", ""),
             "exit_code": res.get("exit_code"),
             "timed_out": res.get("timed_out", False),
+            "stdout_truncated": res.get("stdout_truncated", False),
+            "stderr_truncated": res.get("stderr_truncated", False),
             "duration_ms": res.get("duration_ms"),
         }
 

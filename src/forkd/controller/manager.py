@@ -61,6 +61,9 @@ class Manager:
         self.vms: dict[str, VM] = {}
         self._tags_in_flight: set[str] = set()
         self._branches_in_flight = 0
+        # One branch of a given sandbox at a time: a second one must not resume
+        # the source while the first is still capturing it.
+        self._branch_locks: dict[str, asyncio.Lock] = {}
         self._fork_slots = asyncio.Semaphore(FORK_PARALLELISM)
         self._reaper: asyncio.Task[None] | None = None
         settings.snapshot_root.mkdir(parents=True, exist_ok=True)
@@ -505,33 +508,44 @@ class Manager:
             validation.check_tag(tag)
         self._reserve_tag(tag)
         self._branches_in_flight += 1
+        lock = self._branch_locks.setdefault(sandbox_id, asyncio.Lock())
         try:
-            parent = self.store.get_snapshot(row.snapshot_tag)
-            volumes: list[Any] = []
-            if parent is not None:
-                with contextlib.suppress(OSError, ValueError):
-                    pmeta = json.loads((Path(parent.dir) / snapshot_files.META).read_text())
-                    volumes = pmeta.get("volumes") or []
-            meta = {
-                "tag": tag,
-                "branched_from": sandbox_id,
-                "parent_tag": row.snapshot_tag,
-                "volumes": volumes,
-            }
-            dest = self.settings.snapshot_root / tag
-            try:
-                result = await live_snapshot.snapshot_running(vm, dest, meta)
-            except live_snapshot.LiveSnapshotError as exc:
-                if exc.snapshot_kept:
-                    self._register_branch(tag, dest, sandbox_id, row, None)
-                if not exc.source_alive or not await self._answers(vm):
-                    await self._mark_dead(sandbox_id)
-                raise ApiError(500, f"branch of {sandbox_id} failed: {exc}") from exc
-            self._register_branch(tag, result.dir, sandbox_id, row, result.pause_ms)
-            self.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
+            async with lock:
+                return await self._branch_locked(vm, row, sandbox_id, tag)
         finally:
             self._branches_in_flight -= 1
             self._tags_in_flight.discard(tag)
+            if not lock.locked():
+                self._branch_locks.pop(sandbox_id, None)
+
+    async def _branch_locked(
+        self, vm: VM, row: SandboxRow, sandbox_id: str, tag: str
+    ) -> dict[str, Any]:
+        if not vm.is_alive() or self.vms.get(sandbox_id) is not vm:
+            raise ApiError(409, f"sandbox {sandbox_id!r} stopped running")
+        parent = self.store.get_snapshot(row.snapshot_tag)
+        volumes: list[Any] = []
+        if parent is not None:
+            with contextlib.suppress(OSError, ValueError):
+                pmeta = json.loads((Path(parent.dir) / snapshot_files.META).read_text())
+                volumes = pmeta.get("volumes") or []
+        meta = {
+            "tag": tag,
+            "branched_from": sandbox_id,
+            "parent_tag": row.snapshot_tag,
+            "volumes": volumes,
+        }
+        dest = self.settings.snapshot_root / tag
+        try:
+            result = await live_snapshot.snapshot_running(vm, dest, meta)
+        except live_snapshot.LiveSnapshotError as exc:
+            if exc.snapshot_kept:
+                self._register_branch(tag, dest, sandbox_id, row, None)
+            if not exc.source_alive or not await self._answers(vm):
+                await self._mark_dead(sandbox_id)
+            raise ApiError(500, f"branch of {sandbox_id} failed: {exc}") from exc
+        self._register_branch(tag, result.dir, sandbox_id, row, result.pause_ms)
+        self.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
         return self.snapshot_info(tag)
 
     def _register_branch(
