@@ -127,6 +127,15 @@ def serve(
     kill_on_exit: Annotated[
         bool, typer.Option(help="Kill every sandbox on shutdown instead of leaving them.")
     ] = False,
+    pool_size: Annotated[
+        int,
+        typer.Option(
+            envvar="FORKD_POOL_SIZE",
+            min=0,
+            max=64,
+            help="QEMU processes kept started per recently forked snapshot (0: none).",
+        ),
+    ] = 2,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1)."""
@@ -145,6 +154,7 @@ def serve(
             branch_concurrency=branch_concurrency,
             accel=accel,
             kill_on_exit=kill_on_exit,
+            pool_size=pool_size,
         )
         run_server(settings, bind, token_file, log_level)
     except (ForkdError, ValueError) as exc:

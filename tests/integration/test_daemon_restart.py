@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 def own_daemon(image: images.Image) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="forkd-r-", dir="/tmp"))
     d = Daemon(root)
-    d.start()
+    d.start("--pool-size", "0")  # exact process counts below
     yield d
     d.stop()
     for pid in d.qemu_pids():
@@ -56,7 +56,7 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
     assert len(d.qemu_pids()) == 2
     os.kill(pid_b, signal.SIGKILL)  # b dies while no daemon watches
 
-    d.start()
+    d.start("--pool-size", "0")
     with _api(d) as c:
         tags = {s["tag"] for s in c.get("/v1/snapshots").json()}
         assert {"rt", "rt-branch"} <= tags
@@ -71,7 +71,7 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
 
     # kill -9 of the daemon itself: same outcome.
     d.stop(signal.SIGKILL)
-    d.start()
+    d.start("--pool-size", "0")
     with _api(d) as c:
         assert c.post(f"/v1/sandboxes/{a}/eval", json={"code": "y"}).json()["result"] == "7"
         nxt2 = c.post(f"/v1/sandboxes/{a}/branch", json={}).json()["tag"]
@@ -95,3 +95,48 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
         for s in (a, c2):
             assert c.delete(f"/v1/sandboxes/{s}").status_code == 204
     assert d.qemu_pids() == []
+
+
+def test_fork_pool(image: images.Image) -> None:
+    """Forks take a QEMU started ahead of time; the pool never outlives its snapshot."""
+    root = Path(tempfile.mkdtemp(prefix="forkd-p-", dir="/tmp"))
+    d = Daemon(root)
+    try:
+        d.start("--pool-size", "1")
+        with _api(d) as c:
+            assert c.post("/v1/snapshots", json={"tag": "pl", "memory_mib": 256}).status_code == 201
+            (first,) = c.post("/v1/sandboxes", json={"snapshot_tag": "pl"}).json()
+            _wait_for_pool(c, 1)
+            waiting = set(d.qemu_pids()) - {first["pid"]}
+            (second,) = c.post("/v1/sandboxes", json={"snapshot_tag": "pl"}).json()
+            assert {second["pid"]} == waiting  # the pre-started process became the sandbox
+            assert (
+                c.post(f"/v1/sandboxes/{second['id']}/eval", json={"code": "1 + 1"}).json()[
+                    "result"
+                ]
+                == "2"
+            )
+            _wait_for_pool(c, 1)  # refilled
+            assert c.delete("/v1/snapshots/pl").status_code == 204
+            assert set(d.qemu_pids()) == {first["pid"], second["pid"]}  # pool dropped
+        d.stop(signal.SIGTERM)
+        assert set(d.qemu_pids()) == {first["pid"], second["pid"]}
+    finally:
+        d.stop()
+        for pid in d.qemu_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _wait_for_pool(c: httpx.Client, count: int) -> None:
+    import re
+    import time
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = re.search(r"^forkd_pool_waiting (\S+)$", c.get("/metrics").text, re.M)
+        if m and float(m.group(1)) >= count:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the pool never had {count} waiting QEMU")

@@ -164,6 +164,7 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
         metrics = Metrics(
             snapshots=lambda: len(store.list_snapshots()),
             sandboxes=lambda: len(manager_ref[0].vms) if manager_ref else 0,
+            pooled=lambda: manager_ref[0].pool.waiting() if manager_ref else 0,
         )
         manager = Manager(settings, store, metrics)
         manager_ref.append(manager)

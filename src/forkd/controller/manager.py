@@ -22,6 +22,7 @@ from forkd.controller.store import SandboxRow, SnapshotRow, Store, now
 from forkd.errors import AgentError, ForkdError, ImageError, SnapshotError, VMError
 from forkd.guest import image as images
 from forkd.vmm import live_snapshot, snapshot_files
+from forkd.vmm.pool import ForkPool
 from forkd.vmm.vm import VM, qemu_pid_matches
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class Settings:
     branch_concurrency: int = 4
     accel: str | None = None
     kill_on_exit: bool = False
+    pool_size: int = 2  # QEMU processes kept waiting per recently forked snapshot
 
 
 def _agent_status(exc: AgentError) -> ApiError:
@@ -66,6 +68,12 @@ class Manager:
         self._branch_locks: dict[str, asyncio.Lock] = {}
         self._fork_slots = asyncio.Semaphore(FORK_PARALLELISM)
         self._reaper: asyncio.Task[None] | None = None
+        self.pool = ForkPool(
+            settings.run_dir,
+            per_snapshot=settings.pool_size,
+            detach=True,  # a pooled QEMU becomes a sandbox that outlives the daemon
+            new_id=store.next_sandbox_id,
+        )
         settings.snapshot_root.mkdir(parents=True, exist_ok=True)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -83,6 +91,7 @@ class Manager:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        await self.pool.close()
         if self.settings.kill_on_exit:
             await asyncio.gather(*(self._kill(sid) for sid in list(self.vms)))
         else:  # leave them running for the next daemon to adopt
@@ -331,6 +340,7 @@ class Manager:
         if tag in self._tags_in_flight:
             raise ApiError(409, f"snapshot {tag!r} is being created")
         self.store.delete_snapshot(tag)
+        await self.pool.drop(Path(row.dir))
         # Running children keep their mapping of memory.bin; the file goes
         # away from the directory only.
         await asyncio.to_thread(shutil.rmtree, row.dir, True)
@@ -350,7 +360,14 @@ class Manager:
                 "user-mode NAT",
             )  # fmt: skip
         timeout = body.get("timeout_secs")
-        ids = [self.store.next_sandbox_id() for _ in range(n)]
+        snap_dir = Path(row.dir)
+        pooled: list[VM] = []
+        if body.get("internet") is None:
+            while len(pooled) < n and (vm := self.pool.take(snap_dir)) is not None:
+                pooled.append(vm)
+        ids = [vm.id for vm in pooled]
+        ids += [self.store.next_sandbox_id() for _ in range(n - len(pooled))]
+        waiting = {vm.id: vm for vm in pooled}
         started: list[str] = []
 
         async def one(sid: str) -> None:
@@ -364,13 +381,17 @@ class Manager:
                 )
             )  # fmt: skip
             async with self._fork_slots:
-                vm = await VM.restore(
-                    Path(row.dir),
-                    run_root=self.settings.run_dir,
-                    vm_id=sid,
-                    detach=True,
-                    internet=body.get("internet"),
-                )
+                vm = waiting.pop(sid, None)
+                if vm is not None:
+                    await vm.finish_restore()
+                else:
+                    vm = await VM.restore(
+                        snap_dir,
+                        run_root=self.settings.run_dir,
+                        vm_id=sid,
+                        detach=True,
+                        internet=body.get("internet"),
+                    )
             self.vms[sid] = vm
             started.append(sid)
             self.store.update_sandbox(
@@ -379,8 +400,11 @@ class Manager:
             self.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
 
         results = await asyncio.gather(*(one(sid) for sid in ids), return_exceptions=True)
+        self.pool.refill(snap_dir)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
+            for vm in waiting.values():
+                await vm.kill()
             await asyncio.gather(*(self._kill(sid) for sid in ids), return_exceptions=True)
             for sid in ids:
                 self.store.delete_sandbox(sid)

@@ -12,12 +12,22 @@ LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 
 
 class Metrics:
-    def __init__(self, snapshots: Callable[[], int], sandboxes: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        snapshots: Callable[[], int],
+        sandboxes: Callable[[], int],
+        pooled: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.registry = CollectorRegistry()
         snap = Gauge("forkd_snapshots_total", "Snapshots registered", registry=self.registry)
         snap.set_function(snapshots)
         active = Gauge("forkd_sandboxes_active", "Sandboxes running", registry=self.registry)
         active.set_function(sandboxes)
+        pool = Gauge(
+            "forkd_pool_waiting", "QEMU processes started ahead, waiting for a fork",
+            registry=self.registry,
+        )  # fmt: skip
+        pool.set_function(pooled)
         info = Gauge("forkd_build_info", "forkd build", ["version"], registry=self.registry)
         info.labels(version=__version__).set(1)
         self.fork_seconds = Histogram(

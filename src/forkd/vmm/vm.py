@@ -119,6 +119,7 @@ class VM:
         self.state = "starting"
         self.started_at = time.time()
         self.ready_ms: float | None = None  # process start -> agent answered
+        self._incoming: snapshot_files.SnapshotFiles | None = None
 
     # ---------------------------------------------------------------- start
 
@@ -215,6 +216,29 @@ class VM:
         entropy (kernel RNG and the warm interpreter's ``random``) and a new
         hostname, so no two children share random numbers.
         """
+        started = time.monotonic()
+        vm = await cls.spawn_incoming(
+            snapshot_dir, run_root=run_root, vm_id=vm_id, detach=detach, internet=internet
+        )
+        await vm.finish_restore(hostname=hostname, timeout=timeout, started=started)
+        return vm
+
+    @classmethod
+    async def spawn_incoming(
+        cls,
+        snapshot_dir: Path,
+        *,
+        run_root: Path,
+        vm_id: str | None = None,
+        detach: bool = False,
+        internet: bool | None = None,
+    ) -> VM:
+        """Start QEMU for a fork of ``snapshot_dir`` and leave it waiting for its state.
+
+        The first half of :meth:`restore`; :meth:`finish_restore` is the
+        second. Starting QEMU is a good part of a fork's latency, so
+        :class:`forkd.vmm.pool.ForkPool` keeps a few of these ready.
+        """
         snap = snapshot_files.load(snapshot_dir)
         machine = snap.machine
         if internet is not None and internet != machine.internet:
@@ -223,23 +247,42 @@ class VM:
         vm_id = vm_id or new_vm_id()
         rt = cls._prepare_runtime(run_root, vm_id)
         argv = build_argv(machine, rt, ram_file=snap.memory, incoming=True)
-        started = time.monotonic()
         proc = cls._spawn(argv, rt, detach)
         vm = cls(vm_id, rt, machine, snap.memory, snap.meta.get("image", {}), snap.dir, proc,
                  proc.pid)  # fmt: skip
+        vm.state = "incoming"
+        vm._incoming = snap
         try:
             await vm._connect_qmp()
-            await vm._load_vmstate(snap.vmstate, timeout)
-            await vm.agent.connect()
-            await vm.qmp.execute("cont")
-            vm.state = "running"
-            await vm._after_restore(hostname or vm_id, timeout, snap)
         except BaseException:
             await vm.kill()
             raise
-        vm.ready_ms = (time.monotonic() - started) * 1000
-        vm._write_meta()
         return vm
+
+    async def finish_restore(
+        self, *, hostname: str | None = None, timeout: float = 30.0, started: float | None = None
+    ) -> None:
+        """Load the snapshot's state into a VM from :meth:`spawn_incoming` and run it.
+
+        ``ready_ms`` counts from ``started`` (default: now) to the agent's answer.
+        """
+        snap = self._incoming
+        if snap is None or self.state != "incoming":
+            raise VMError(f"{self.id} is not waiting for a snapshot's state")
+        started = time.monotonic() if started is None else started
+        try:
+            self._raise_if_dead("QEMU waiting for the snapshot's state exited")
+            await self._load_vmstate(snap.vmstate, timeout)
+            await self.agent.connect()
+            await self.qmp.execute("cont")
+            self.state = "running"
+            await self._after_restore(hostname or self.id, timeout, snap)
+        except BaseException:
+            await self.kill()
+            raise
+        self._incoming = None
+        self.ready_ms = (time.monotonic() - started) * 1000
+        self._write_meta()
 
     @classmethod
     async def adopt(cls, run_dir: Path, timeout: float = 10.0) -> VM:
