@@ -27,14 +27,10 @@ run (VMs killed, work dir removed) without a JSON line, exit status 130.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -42,11 +38,17 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from forkd.errors import ImageError
 from forkd.guest import image as guest_image
 from forkd.vmm.vm import VM
 
-MIB = 1 << 20
+# These scripts run as `python bench/<name>.py`; the shared helpers live next to
+# them in bench/benchlib.py, which is not an installed package. Put this file's
+# folder first on sys.path so `import benchlib` works from any cwd (Python does
+# that for a script already, but not under -P / PYTHONSAFEPATH).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import benchlib
+from benchlib import MIB, allocated_mib, percentile, r1
+
 PAUSE_TARGET_MS = 300.0  # pause p50 at 256 MiB
 PAUSE_TARGET_SIZE = 256
 LINEAR_BASE_SIZE = 256
@@ -73,36 +75,7 @@ len(blob)
 
 # ------------------------------------------------------------------ helpers
 
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return ordered[0]
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def r1(value: float | None) -> float | None:
-    return None if value is None else round(value, 1)
-
-
-def allocated_mib(path: Path) -> float:
-    return path.stat().st_blocks * 512 / MIB
-
-
-def parse_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--sizes: {exc}") from exc
-    if not sizes:
-        raise argparse.ArgumentTypeError("--sizes: give at least one size")
-    if any(not 64 <= s <= 65536 for s in sizes):
-        raise argparse.ArgumentTypeError("--sizes: each size must be 64..65536 MiB")
-    return sorted(set(sizes))
+parse_sizes = benchlib.sizes_parser("--sizes", at_least_one=True, sort_unique=True)
 
 
 def _check_eval(out: dict[str, Any], what: str) -> str | None:
@@ -111,45 +84,10 @@ def _check_eval(out: dict[str, Any], what: str) -> str | None:
     return out.get("result")
 
 
-class Bench:
-    """Owns every VM it starts, so cleanup can kill them all."""
+class Bench(benchlib.BenchBase):
+    """The branch benchmark, one RAM size after another (VM bookkeeping: BenchBase)."""
 
-    def __init__(self, args: argparse.Namespace, workdir: Path, say: Console) -> None:
-        self.args = args
-        self.workdir = workdir
-        self.run_root = workdir / "run"
-        self.snap_root = workdir / "snapshots"
-        self.say = say
-        self.vms: list[VM] = []
-        self.results: dict[str, Any] = {}
-        self.rows: list[tuple[str, ...]] = []  # one per size, for the table
-        self.errors: list[str] = []
-        self._snap_seq = 0
-
-    # -------------------------------------------------------------- plumbing
-
-    def _new_snap_dir(self, label: str) -> Path:
-        self._snap_seq += 1
-        return self.snap_root / f"{self._snap_seq:03d}-{label}"
-
-    async def _boot(self, image: guest_image.Image, memory_mib: int) -> VM:
-        vm = await VM.boot(image, run_root=self.run_root, memory_mib=memory_mib, vcpus=1)
-        self.vms.append(vm)  # no await between boot's return and this: never lost
-        return vm
-
-    async def _fork(self, snap: Path) -> VM:
-        vm = await VM.restore(snap, run_root=self.run_root)
-        self.vms.append(vm)
-        return vm
-
-    async def _kill(self, vms: list[VM]) -> None:
-        await asyncio.gather(*(vm.kill() for vm in vms), return_exceptions=True)
-        for vm in vms:
-            with contextlib.suppress(ValueError):
-                self.vms.remove(vm)
-
-    async def kill_all(self) -> None:
-        await self._kill(list(self.vms))
+    SNAP_SEQ_DIGITS = 3
 
     # ---------------------------------------------------------------- phases
 
@@ -289,18 +227,8 @@ class Bench:
                 )
             )
 
-    def fail(self, what: str, exc: BaseException) -> None:
-        message = f"{what}: {type(exc).__name__}: {exc}"
-        self.errors.append(message)
-        self.say.log(f"[red]failed:[/] {message}")
-
     async def run(self) -> None:
-        try:
-            image = guest_image.find_image("python")
-        except ImageError:
-            self.say.log("guest image 'python' missing: building it")
-            image = await asyncio.to_thread(guest_image.build, "python")
-        await self.run_sizes(image)
+        await self.run_sizes(await self.python_image())
 
 
 def _p50(results: dict[str, Any], size: int) -> float | None:
@@ -370,60 +298,6 @@ def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
     out.print(f"linear growth {linear['rule']}: {ratios or '-'}, {mark[linear['met']]}")
 
 
-def kill_strays(workdir: Path) -> list[int]:
-    """SIGKILL any QEMU whose command line names our work dir (a safety net)."""
-    needle = str(workdir).encode()
-    killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"qemu-system" in cmdline.split(b"\0", 1)[0] and needle in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
-    return killed
-
-
-async def amain(args: argparse.Namespace) -> int:
-    out = Console(quiet=args.json_only, width=max(100, Console().width))
-    say = Console(stderr=True, quiet=args.json_only, log_path=False)
-    base = Path(args.workdir) if args.workdir else Path("/tmp")
-    base.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="forkd-bbench-", dir=base))
-    bench = Bench(args, workdir, say)
-
-    task = asyncio.current_task()
-    loop = asyncio.get_running_loop()
-    if task is not None:
-        loop.add_signal_handler(signal.SIGTERM, task.cancel)
-
-    started = time.monotonic()
-    try:
-        await bench.run()
-    except Exception as exc:
-        bench.fail("benchmark", exc)
-    finally:
-        await bench.kill_all()
-        strays = kill_strays(workdir)
-        if strays:
-            say.log(f"[yellow]killed leftover QEMU processes {strays}[/]")
-        shutil.rmtree(workdir, ignore_errors=True)
-        loop.remove_signal_handler(signal.SIGTERM)
-
-    results = finish_results(bench.results, args)
-    results["bench_secs"] = round(time.monotonic() - started, 1)
-    if bench.errors:
-        results["error"] = "; ".join(bench.errors)
-    render(out, bench, results)
-    sys.stdout.write(json.dumps(results) + "\n")
-    sys.stdout.flush()
-    return 1 if bench.errors else 0
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -436,17 +310,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dirty-mib", type=int, default=4, help="MiB rewritten in the child before each branch (4)"
     )
-    p.add_argument("--workdir", help="where to make the temporary work dir (/tmp)")
-    p.add_argument("--json-only", action="store_true", help="print only the JSON line")
+    benchlib.add_common_args(p)
     args = p.parse_args(argv)
     if args.branches < 5:
         p.error("--branches must be at least 5")
     if not 1 <= args.dirty_mib <= min(args.sizes) // 4:
         p.error("--dirty-mib must be at least 1 and at most a quarter of the smallest size")
-    try:
-        return asyncio.run(amain(args))
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        return 130
+    return benchlib.run_main(
+        benchlib.amain(args, Bench, finish_results, render, workdir_prefix="forkd-bbench-")
+    )
 
 
 if __name__ == "__main__":

@@ -43,26 +43,48 @@ def version() -> None:
 
 @image_app.command("build")
 def image_build(
-    name: Annotated[str, typer.Argument(help="Image to build.")] = "python",
+    name: Annotated[
+        str, typer.Argument(help="Built-in image: python, python-data, postgres.")
+    ] = "python",
+    recipe: Annotated[
+        Path | None,
+        typer.Option("--recipe", help="Build the recipe in this directory instead."),
+    ] = None,
     as_json: JsonOpt = False,
 ) -> None:
     """Build a guest image (cached: a second build with the same inputs is a no-op)."""
     from forkd.guest import image
 
+    label = str(recipe) if recipe else name
     try:
-        with err.status(f"building image {name}") as status:
+        with err.status(f"building image {label}") as status:
 
             def progress(msg: str) -> None:
                 status.update(msg)
                 err.print(f"  {msg}", highlight=False)
 
-            img = image.build(name, progress=progress)
+            img = image.build(name, progress=progress, recipe_dir=recipe)
     except ForkdError as exc:
         raise _fail(str(exc)) from exc
     if as_json:
         print(json.dumps({"name": img.name, "key": img.key, "dir": str(img.dir)}))
     else:
         out.print(f"image {img.name} ready: {img.dir}", highlight=False)
+
+
+@image_app.command("rm")
+def image_rm(
+    name: Annotated[str, typer.Argument(help="NAME (every build of it) or NAME-KEY.")],
+) -> None:
+    """Delete built images; refused while a snapshot or a running VM uses one."""
+    from forkd.guest import image
+
+    try:
+        removed = image.remove(name)
+    except ForkdError as exc:
+        raise _fail(str(exc)) from exc
+    for d in removed:
+        out.print(f"removed {d}", highlight=False)
 
 
 @image_app.command("ls")

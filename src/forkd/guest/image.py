@@ -10,6 +10,7 @@ complete, so a failed build leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -17,12 +18,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from forkd import hosttools, paths
 from forkd.errors import ImageError
-from forkd.guest import initramfs, kernel, rootfs
+from forkd.guest import initramfs, kernel, recipe, rootfs
+from forkd.guest.recipe import Recipe
 
 BUILDER_VERSION = 1
 GUEST_FILES = ("initramfs-init", "init", "inittab", rootfs.AGENT_FILE)
@@ -30,21 +32,7 @@ GUEST_FILES = ("initramfs-init", "init", "inittab", rootfs.AGENT_FILE)
 Progress = Callable[[str], None]
 
 
-@dataclass(frozen=True)
-class ImageSpec:
-    """What goes into an image. Recipes (later) produce these too."""
-
-    name: str
-    suite: str = "bookworm"
-    variant: str = "minbase"
-    packages: list[str] = field(default_factory=lambda: ["python3"])
-
-    def base_key(self) -> str:
-        blob = json.dumps([self.suite, self.variant, sorted(self.packages)]).encode()
-        return hashlib.sha256(blob).hexdigest()[:16]
-
-
-BUILTIN: dict[str, ImageSpec] = {"python": ImageSpec("python")}
+VARIANT = "minbase"
 DEFAULT_IMAGE = "python"
 
 
@@ -71,9 +59,11 @@ class Image:
         return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
 
 
-def _image_key(spec: ImageSpec, kpkg: kernel.KernelPackage) -> str:
+def _image_key(spec: Recipe, kpkg: kernel.KernelPackage) -> str:
     h = hashlib.sha256()
-    h.update(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\nbase={spec.base_key()}\n".encode())
+    base = spec.base_key(VARIANT)
+    h.update(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\nbase={base}\n".encode())
+    h.update(json.dumps(spec.template, sort_keys=True).encode())
     for name in GUEST_FILES:
         h.update(name.encode() + b"\0" + initramfs.guest_file(name) + b"\0")
     busybox = hosttools.require_static_busybox()
@@ -128,12 +118,19 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def build(name: str = DEFAULT_IMAGE, progress: Progress | None = None) -> Image:
-    """Build image ``name`` unless a build with the same inputs exists."""
+def build(
+    name: str = DEFAULT_IMAGE,
+    progress: Progress | None = None,
+    *,
+    recipe_dir: Path | None = None,
+) -> Image:
+    """Build a built-in image, or the recipe in ``recipe_dir``, unless already built.
+
+    The same inputs give the same key, so a second build is a no-op.
+    """
     say = progress or (lambda _msg: None)
-    spec = BUILTIN.get(name)
-    if spec is None:
-        raise ImageError(f"unknown image {name!r}: built-in images are {', '.join(BUILTIN)}")
+    spec = recipe.load(recipe_dir) if recipe_dir is not None else recipe.builtin(name)
+    name = spec.name
     for tool in ("apt-get", "apt-cache", "dpkg-deb", "depmod", "cpio", "mmdebstrap", "mksquashfs"):
         hosttools.require(tool)
     hosttools.require_static_busybox()
@@ -163,13 +160,14 @@ def build(name: str = DEFAULT_IMAGE, progress: Progress | None = None) -> Image:
         say("building the initramfs")
         modules = initramfs.build(unpacked, staging, out / "initrd.img")
 
-        base = cache / "bases" / f"{spec.suite}-{spec.variant}-{spec.base_key()}.tar"
+        base = cache / "bases" / f"{spec.suite}-{VARIANT}-{spec.base_key(VARIANT)}.tar"
         if not base.is_file():
-            say(f"mmdebstrap {spec.suite} {spec.variant} + {' '.join(spec.packages)}")
+            extras = " ".join([*spec.apt_packages(), *(f"pip:{p}" for p in spec.pip)])
+            say(f"mmdebstrap {spec.suite} {VARIANT} + {extras} (a minute or so)")
             base.parent.mkdir(parents=True, exist_ok=True)
             tmp_tar = base.with_name(f".partial-{base.name}")
             try:
-                rootfs.build_base(spec.suite, spec.variant, spec.packages, tmp_tar)
+                rootfs.build_base(spec, VARIANT, tmp_tar, staging)
                 tmp_tar.rename(base)
             finally:
                 tmp_tar.unlink(missing_ok=True)
@@ -183,7 +181,11 @@ def build(name: str = DEFAULT_IMAGE, progress: Progress | None = None) -> Image:
             "kernel_release": unpacked.release,
             "modules": modules,
             "suite": spec.suite,
-            "packages": spec.packages,
+            "description": spec.description,
+            "packages": spec.apt_packages(),
+            "pip": list(spec.pip),
+            "template": spec.template,
+            "recipe_dir": str(spec.dir) if spec.dir else None,
             "builder_version": BUILDER_VERSION,
             "built_at_unix": int(time.time()),
             "build_secs": round(time.monotonic() - started, 1),
@@ -199,3 +201,49 @@ def build(name: str = DEFAULT_IMAGE, progress: Progress | None = None) -> Image:
         return _load(final)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def users_of(img: Image, roots: list[Path]) -> list[str]:
+    """Snapshots and VMs under ``roots`` whose snapshot.json / vm.json name ``img``."""
+    found = []
+    for root in roots:
+        if not root.is_dir():
+            continue
+        for meta in [*root.glob("*/snapshot.json"), *root.glob("*/vm.json")]:
+            try:
+                data = json.loads(meta.read_text())
+            except (OSError, ValueError):
+                continue
+            if (data.get("image") or {}).get("dir") == str(img.dir):
+                kind = "snapshot" if meta.name == "snapshot.json" else "VM"
+                found.append(f"{kind} {meta.parent.name}")
+    return found
+
+
+def remove(name: str, roots: list[Path] | None = None) -> list[Path]:
+    """Delete image builds named ``name`` (or the one build ``name``-``key``).
+
+    Refused, deleting nothing, while a snapshot or VM under ``roots`` (default:
+    this host's snapshot root and runtime directory) still uses one of them.
+    """
+    if roots is None:
+        snap_root = os.environ.get("FORKD_SNAPSHOT_ROOT")
+        roots = [Path(snap_root) if snap_root else paths.state_dir() / "snapshots", paths.run_dir()]
+    builds = [i for i in list_images() if name in (i.name, f"{i.name}-{i.key}")]
+    if not builds:
+        raise ImageError(f"no image {name!r} is built (see 'forkd image ls')")
+    users = {str(i.dir): users_of(i, roots) for i in builds}
+    busy = {d: u for d, u in users.items() if u}
+    if busy:
+        detail = "; ".join(f"{Path(d).name}: {', '.join(u)}" for d, u in busy.items())
+        raise ImageError(f"image in use, nothing removed ({detail})")
+    root = paths.images_dir()
+    for img in builds:
+        trash = root / f".removing-{img.dir.name}"
+        img.dir.rename(trash)  # atomic: the build vanishes at once, then is deleted
+        shutil.rmtree(trash, ignore_errors=True)
+        pointer = root / f"{img.name}.json"
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            if json.loads(pointer.read_text())["key"] == img.key:
+                pointer.unlink()
+    return [i.dir for i in builds]

@@ -1,0 +1,234 @@
+"""Shared plumbing of the benchmarks in this folder (fork.py, branch.py).
+
+Not a benchmark itself: the scripts import it by name, with their own folder put
+on ``sys.path`` (see the top of either script). It holds the small numeric
+helpers, the VM bookkeeping every benchmark needs (:class:`BenchBase`), the
+options both take (``--workdir``, ``--json-only``) and the run around a
+benchmark (:func:`amain`, :func:`run_main`): work dir, SIGTERM, cleanup of every VM also on
+failure or Ctrl-C, the table, the final JSON line and the exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+from rich.console import Console
+
+from forkd.errors import ImageError
+from forkd.guest import image as guest_image
+from forkd.vmm.vm import VM
+
+MIB = 1 << 20
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100) of a non-empty list."""
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return ordered[0]
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def r1(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def allocated_mib(path: Path) -> float:
+    return path.stat().st_blocks * 512 / MIB
+
+
+def sizes_parser(
+    option: str, *, at_least_one: bool = False, sort_unique: bool = False
+) -> Callable[[str], list[int]]:
+    """An argparse ``type`` for a comma-separated list of RAM sizes in MiB (64..65536).
+
+    ``option`` names the option in error messages; ``at_least_one`` rejects an
+    empty list; ``sort_unique`` returns the sizes sorted, without repeats
+    (otherwise as given).
+    """
+
+    def parse_sizes(text: str) -> list[int]:
+        try:
+            sizes = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{option}: {exc}") from exc
+        if at_least_one and not sizes:
+            raise argparse.ArgumentTypeError(f"{option}: give at least one size")
+        if any(not 64 <= s <= 65536 for s in sizes):
+            raise argparse.ArgumentTypeError(f"{option}: each size must be 64..65536 MiB")
+        return sorted(set(sizes)) if sort_unique else sizes
+
+    return parse_sizes
+
+
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """The options every benchmark takes (added last, after its own)."""
+    p.add_argument("--workdir", help="where to make the temporary work dir (/tmp)")
+    p.add_argument("--json-only", action="store_true", help="print only the JSON line")
+
+
+def kill_strays(workdir: Path) -> list[int]:
+    """SIGKILL any QEMU whose command line names our work dir (a safety net)."""
+    needle = str(workdir).encode()
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"qemu-system" in cmdline.split(b"\0", 1)[0] and needle in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed.append(int(entry.name))
+    return killed
+
+
+# ------------------------------------------------------------------ the bench
+
+
+class BenchBase:
+    """Owns every VM it starts, so cleanup can kill them all.
+
+    A benchmark subclasses it and implements :meth:`run`; it fills
+    ``results`` (the JSON line), ``rows`` (for its table) and, through
+    :meth:`fail`, ``errors``.
+    """
+
+    SNAP_SEQ_DIGITS = 2  # width of the sequence number in snapshot dir names
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, say: Console) -> None:
+        self.args = args
+        self.workdir = workdir
+        self.run_root = workdir / "run"
+        self.snap_root = workdir / "snapshots"
+        self.say = say
+        self.vms: list[VM] = []
+        self.results: dict[str, Any] = {}
+        self.rows: list[tuple[str, ...]] = []  # for the table
+        self.errors: list[str] = []
+        self._snap_seq = 0
+
+    def _new_snap_dir(self, label: str) -> Path:
+        self._snap_seq += 1
+        return self.snap_root / f"{self._snap_seq:0{self.SNAP_SEQ_DIGITS}d}-{label}"
+
+    async def _boot(self, image: guest_image.Image, memory_mib: int) -> VM:
+        vm = await VM.boot(image, run_root=self.run_root, memory_mib=memory_mib, vcpus=1)
+        self.vms.append(vm)  # no await between boot's return and this: never lost
+        return vm
+
+    async def _fork(self, snap: Path) -> VM:
+        vm = await VM.restore(snap, run_root=self.run_root)
+        self.vms.append(vm)
+        return vm
+
+    async def _kill(self, vms: list[VM]) -> None:
+        await asyncio.gather(*(vm.kill() for vm in vms), return_exceptions=True)
+        for vm in vms:
+            with contextlib.suppress(ValueError):
+                self.vms.remove(vm)
+
+    async def kill_all(self) -> None:
+        await self._kill(list(self.vms))
+
+    async def python_image(self) -> guest_image.Image:
+        """The 'python' guest image, built first if it is missing."""
+        try:
+            return guest_image.find_image("python")
+        except ImageError:
+            self.say.log("guest image 'python' missing: building it")
+            return await asyncio.to_thread(guest_image.build, "python")
+
+    def fail(self, what: str, exc: BaseException) -> None:
+        message = f"{what}: {type(exc).__name__}: {exc}"
+        self.errors.append(message)
+        self.say.log(f"[red]failed:[/] {message}")
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+
+# ------------------------------------------------------------------ the run
+
+B = TypeVar("B", bound=BenchBase)
+Results = dict[str, Any]
+
+
+async def amain(
+    args: argparse.Namespace,
+    bench_cls: Callable[[argparse.Namespace, Path, Console], B],
+    finish_results: Callable[[Results, argparse.Namespace], Results],
+    render: Callable[[Console, B, Results], None],
+    *,
+    workdir_prefix: str,
+) -> int:
+    """Run ``bench_cls(...).run()`` in a fresh work dir, then print its table and JSON line.
+
+    Every VM is killed and the work dir removed whatever happens; a failure is
+    recorded in the JSON line (``"error"``) and makes the exit status 1.
+    """
+    out = Console(quiet=args.json_only, width=max(100, Console().width))
+    say = Console(stderr=True, quiet=args.json_only, log_path=False)
+    base = Path(args.workdir) if args.workdir else Path("/tmp")
+    base.mkdir(parents=True, exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix=workdir_prefix, dir=base))
+    bench = bench_cls(args, workdir, say)
+
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    if task is not None:
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)
+
+    started = time.monotonic()
+    try:
+        await bench.run()
+    except Exception as exc:
+        bench.fail("benchmark", exc)
+    finally:
+        await bench.kill_all()
+        strays = kill_strays(workdir)
+        if strays:
+            say.log(f"[yellow]killed leftover QEMU processes {strays}[/]")
+        shutil.rmtree(workdir, ignore_errors=True)
+        loop.remove_signal_handler(signal.SIGTERM)
+
+    results = finish_results(bench.results, args)
+    results["bench_secs"] = round(time.monotonic() - started, 1)
+    if bench.errors:
+        results["error"] = "; ".join(bench.errors)
+    render(out, bench, results)
+    sys.stdout.write(json.dumps(results) + "\n")
+    sys.stdout.flush()
+    return 1 if bench.errors else 0
+
+
+def run_main(main: Coroutine[Any, Any, int]) -> int:
+    """Run ``main`` (an :func:`amain` call) in an event loop and return its exit status.
+
+    Ctrl-C or SIGTERM stop it (VMs killed, work dir removed) with exit status
+    130 and no JSON line.
+    """
+    try:
+        return asyncio.run(main)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        return 130
