@@ -44,8 +44,9 @@ class SnapshotCreate(_Body):
     image: str | None = None
     kernel: str | None = None
     rootfs: str | None = None
-    memory_mib: int = Field(512, ge=128, le=65536)
-    vcpus: int = Field(1, ge=1, le=64)
+    # Unset fields take the image recipe's [template] defaults (then 512 MiB, 1 vCPU).
+    memory_mib: int | None = Field(None, ge=128, le=65536)
+    vcpus: int | None = Field(None, ge=1, le=64)
     setup: list[str] = Field(default_factory=list, max_length=100)
     warmup: str | None = None
     boot_wait_secs: float = Field(90, gt=0, le=3600)

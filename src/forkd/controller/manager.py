@@ -231,25 +231,31 @@ class Manager:
     async def create_snapshot(self, body: dict[str, Any]) -> dict[str, Any]:
         tag = validation.check_tag(body.get("tag"))
         img = self._resolve_image(body)
+        if body.get("volumes"):
+            raise ApiError(400, "volumes are not supported yet: leave 'volumes' empty")
+        # The image recipe's template settings come first; the request adds to them.
+        defaults = img.meta.get("template") or {}
+        setup = [*(defaults.get("setup") or []), *(body.get("setup") or [])]
+        warmups = [w for w in (defaults.get("warmup"), body.get("warmup")) if w]
         self._reserve_tag(tag)
         template: VM | None = None
         try:
             template = await VM.boot(
                 img,
                 run_root=self.settings.run_dir,
-                memory_mib=int(body.get("memory_mib") or 512),
-                vcpus=int(body.get("vcpus") or 1),
+                memory_mib=int(body.get("memory_mib") or defaults.get("memory_mib") or 512),
+                vcpus=int(body.get("vcpus") or defaults.get("vcpus") or 1),
                 accel_name=self.settings.accel,
                 vm_id=f"tpl-{tag}-{os.urandom(2).hex()}",
                 boot_timeout=float(body.get("boot_wait_secs") or 90),
             )
-            for cmd in body.get("setup") or []:
+            for cmd in setup:
                 res = await template.exec(["/bin/sh", "-c", cmd], timeout=SETUP_TIMEOUT_SECS)
                 if res["exit_code"] != 0:
                     tail = (res["stderr"] or res["stdout"]).strip()[-1500:]
                     raise ApiError(500, f"setup command {cmd!r} exited {res['exit_code']}: {tail}")
-            if body.get("warmup"):
-                res = await template.eval(body["warmup"], timeout=SETUP_TIMEOUT_SECS)
+            for warmup in warmups:
+                res = await template.eval(warmup, timeout=SETUP_TIMEOUT_SECS)
                 if res.get("error"):
                     raise ApiError(500, f"warmup failed:\n{res['error']}")
             dest = self.settings.snapshot_root / tag
