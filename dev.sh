@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(qemu-system-x86 busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
+APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
               ca-certificates)
 VENV=${FORKD_VENV:-.venv}
 

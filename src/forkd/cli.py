@@ -75,12 +75,21 @@ def image_build(
 @image_app.command("rm")
 def image_rm(
     name: Annotated[str, typer.Argument(help="NAME (every build of it) or NAME-KEY.")],
+    state_dir: Annotated[
+        Path | None, typer.Option(envvar="FORKD_STATE_DIR", help="The daemon's state dir.")
+    ] = None,
+    snapshot_root: Annotated[
+        Path | None, typer.Option(envvar="FORKD_SNAPSHOT_ROOT", help="Its snapshot root.")
+    ] = None,
 ) -> None:
     """Delete built images; refused while a snapshot or a running VM uses one."""
+    from forkd import paths
     from forkd.guest import image
 
+    sd = state_dir or paths.state_dir()
+    roots = [snapshot_root or sd / "snapshots", sd / "run"]
     try:
-        removed = image.remove(name)
+        removed = image.remove(name, roots)
     except ForkdError as exc:
         raise _fail(str(exc)) from exc
     for d in removed:
@@ -166,7 +175,8 @@ def serve(
     from forkd.controller.manager import Settings
     from forkd.controller.server import serve as run_server
 
-    sd = state_dir or paths.state_dir()
+    sd = (state_dir or paths.state_dir()).resolve()
+    snapshot_root = snapshot_root.resolve() if snapshot_root else None
     try:
         choose(accel)
         settings = Settings(

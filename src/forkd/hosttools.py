@@ -11,6 +11,8 @@ from forkd.errors import ForkdError, HostToolMissing
 # program -> Debian package that ships it
 PACKAGES: dict[str, str] = {
     "qemu-system-x86_64": "qemu-system-x86",
+    "qemu-img": "qemu-utils",
+    "mkfs.ext4": "e2fsprogs",
     "mmdebstrap": "mmdebstrap",
     "mksquashfs": "squashfs-tools",
     "cpio": "cpio",

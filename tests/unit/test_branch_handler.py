@@ -263,12 +263,23 @@ def test_two_branches_of_one_sandbox_never_interleave(setup: Any) -> None:
     manager, vm, events = setup
     vm.capture_delay = 0.1
 
-    async def both() -> list[Any]:
+    manager.settings.branch_concurrency = 3  # all three in flight at once
+
+    async def three() -> list[Any]:
         return await asyncio.gather(
-            manager.branch(vm.id, "one", None), manager.branch(vm.id, "two", None)
+            *(manager.branch(vm.id, tag, None) for tag in ("one", "two", "three"))
         )
 
-    infos = asyncio.run(both())
-    assert sorted(i["tag"] for i in infos) == ["one", "two"]
+    infos = asyncio.run(three())
+    assert sorted(i["tag"] for i in infos) == ["one", "three", "two"]
     step = ["begin", "pause", "capture", "resume", "commit", "register"]
-    assert events == step + step
+    assert events == step * 3
+
+
+def test_a_sandbox_still_starting_is_not_killed(setup: Any) -> None:
+    manager, vm, events = setup
+    manager.store.update_sandbox(vm.id, state="starting")
+    with pytest.raises(ApiError) as exc:
+        asyncio.run(manager.kill(vm.id))
+    assert exc.value.status == 409 and "starting" in exc.value.message
+    assert manager.store.get_sandbox(vm.id) is not None and events == []

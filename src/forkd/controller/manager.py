@@ -141,7 +141,7 @@ class Manager:
             run_dir = Path(row.run_dir)
             try:
                 vm = await VM.adopt(run_dir)
-            except (ForkdError, OSError, KeyError, ValueError) as exc:
+            except Exception as exc:  # one broken VM must not stop the daemon
                 log.info("sandbox %s is gone (%s): removing it", row.id, exc)
                 if row.pid and qemu_pid_matches(row.pid, run_dir):
                     with contextlib.suppress(ProcessLookupError):
@@ -194,6 +194,8 @@ class Manager:
     async def _reap_once(self) -> None:
         t = time.time()
         for row in self.store.list_sandboxes():
+            if row.state == "starting":
+                continue  # its fork request owns it until it runs or fails
             if row.expires_at_unix is not None and row.expires_at_unix <= t:
                 log.info("sandbox %s reached its timeout: killing it", row.id)
                 await self._kill(row.id)
@@ -216,12 +218,15 @@ class Manager:
         kernel, rootfs = body.get("kernel"), body.get("rootfs")
         if kernel or rootfs:
             parents = {Path(p).parent for p in (kernel, rootfs) if p}
-            if len(parents) != 1 or not (next(iter(parents)) / "image.json").is_file():
+            try:
+                if len(parents) != 1:
+                    raise ImageError("they are in different directories")
+                return images.find_image(str(next(iter(parents))))
+            except ImageError as exc:
                 raise ApiError(
-                    400, "kernel/rootfs must name files of one forkd image directory; "
-                    "or pass 'image' (see 'forkd image ls')",
-                )  # fmt: skip
-            return images.find_image(str(next(iter(parents))))
+                    400, "kernel/rootfs must name files of one forkd image directory "
+                    f"({exc}); or pass 'image' (see 'forkd image ls')",
+                ) from exc  # fmt: skip
         name = body.get("image") or images.DEFAULT_IMAGE
         try:
             return images.find_image(name)
@@ -272,6 +277,8 @@ class Manager:
         except (VMError, AgentError) as exc:
             raise ApiError(500, f"building snapshot {tag!r} failed: {exc}") from exc
         finally:
+            if self.store.get_snapshot(tag) is None:  # failed after the commit: no orphan
+                shutil.rmtree(self.settings.snapshot_root / tag, ignore_errors=True)
             self._tags_in_flight.discard(tag)
             if template is not None:
                 await template.kill()
@@ -343,13 +350,16 @@ class Manager:
 
     async def delete_snapshot(self, tag: str) -> None:
         row = self._snapshot_row(tag)
-        if tag in self._tags_in_flight:
-            raise ApiError(409, f"snapshot {tag!r} is being created")
+        d = Path(row.dir)
+        await self.pool.drop(d)
+        # Out of the way first (a crash leaves a staging name that start-up
+        # removes), then unregistered, then deleted. Running children keep
+        # their mapping of memory.bin; only the directory entry goes.
+        trash = d.parent / f".{d.name}.partial-del-{os.urandom(3).hex()}"
+        with contextlib.suppress(FileNotFoundError):
+            d.rename(trash)
         self.store.delete_snapshot(tag)
-        await self.pool.drop(Path(row.dir))
-        # Running children keep their mapping of memory.bin; the file goes
-        # away from the directory only.
-        await asyncio.to_thread(shutil.rmtree, row.dir, True)
+        await asyncio.to_thread(shutil.rmtree, trash, True)
 
     # ------------------------------------------------------------ sandboxes
 
@@ -374,7 +384,6 @@ class Manager:
         ids = [vm.id for vm in pooled]
         ids += [self.store.next_sandbox_id() for _ in range(n - len(pooled))]
         waiting = {vm.id: vm for vm in pooled}
-        started: list[str] = []
 
         async def one(sid: str) -> None:
             run_dir = self.settings.run_dir / sid
@@ -399,14 +408,14 @@ class Manager:
                         internet=body.get("internet"),
                     )
             self.vms[sid] = vm
-            started.append(sid)
             self.store.update_sandbox(
                 sid, pid=vm.pid, state="running", fork_ms=round(vm.ready_ms or 0, 1)
             )
             self.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
 
         results = await asyncio.gather(*(one(sid) for sid in ids), return_exceptions=True)
-        self.pool.refill(snap_dir)
+        if self.store.get_snapshot(tag) is not None:  # not deleted meanwhile
+            self.pool.refill(snap_dir)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
             for vm in waiting.values():
@@ -464,6 +473,7 @@ class Manager:
         return vm.is_alive()
 
     async def _mark_dead(self, sandbox_id: str) -> None:
+        self._branch_locks.pop(sandbox_id, None)
         vm = self.vms.pop(sandbox_id, None)
         if vm is not None:
             await vm.kill()
@@ -471,6 +481,7 @@ class Manager:
             self.store.update_sandbox(sandbox_id, state="dead")
 
     async def _kill(self, sandbox_id: str) -> None:
+        self._branch_locks.pop(sandbox_id, None)
         vm = self.vms.pop(sandbox_id, None)
         if vm is not None:
             await vm.kill()
@@ -481,7 +492,8 @@ class Manager:
         self.store.delete_sandbox(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:
-        self._sandbox_row(sandbox_id)
+        if self._sandbox_row(sandbox_id).state == "starting":
+            raise ApiError(409, f"sandbox {sandbox_id!r} is still starting; retry shortly")
         await self._kill(sandbox_id)
 
     async def _agent(self, sandbox_id: str, coro_fn: Any, *args: Any, **kw: Any) -> Any:
@@ -545,8 +557,6 @@ class Manager:
         finally:
             self._branches_in_flight -= 1
             self._tags_in_flight.discard(tag)
-            if not lock.locked():
-                self._branch_locks.pop(sandbox_id, None)
 
     async def _branch_locked(
         self, vm: VM, row: SandboxRow, sandbox_id: str, tag: str

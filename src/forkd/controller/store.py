@@ -183,9 +183,6 @@ class Store:
     def delete_snapshot(self, tag: str) -> bool:
         return self._tx("DELETE FROM snapshots WHERE tag = ?", (tag,)).rowcount > 0
 
-    def set_snapshot_status(self, tag: str, status: str) -> None:
-        self._tx("UPDATE snapshots SET status = ? WHERE tag = ?", (status, tag))
-
     # ---------------------------------------------------------- sandboxes
 
     def add_sandbox(self, row: SandboxRow) -> None:

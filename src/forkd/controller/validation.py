@@ -7,7 +7,6 @@ import re
 from forkd.controller.errors import ApiError
 
 TAG_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
-SANDBOX_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
 def check_tag(tag: object) -> str:

@@ -95,9 +95,13 @@ def find_image(name_or_dir: str, images: Path | None = None) -> Image:
     root = images or paths.images_dir()
     as_dir = Path(name_or_dir)
     if as_dir.is_absolute():
-        if not (as_dir / "image.json").is_file():
-            raise ImageError(f"{as_dir} is not a forkd image directory")
-        return _load(as_dir)
+        # Only image directories of this cache: never an arbitrary host path.
+        real = Path(os.path.realpath(as_dir))
+        if real.parent != Path(os.path.realpath(root)) or not (real / "image.json").is_file():
+            raise ImageError(f"{as_dir} is not an image directory under {root}")
+        return _load(real)
+    if not recipe.NAME_RE.fullmatch(name_or_dir):
+        raise ImageError(f"invalid image name {name_or_dir!r}")
     pointer = root / f"{name_or_dir}.json"
     if not pointer.is_file():
         raise ImageError(

@@ -98,6 +98,9 @@ async def snapshot_running(vm: SnapshottableVM, dest: Path, meta: dict[str, Any]
         await vm.resume()
     except ForkdError as exc:
         resume_error = exc
+    except BaseException:  # cancelled while resuming: drop the capture, not the files
+        await writer.abort()
+        raise
     pause_ms = round((time.monotonic() - paused_at) * 1000, 1)
 
     try:

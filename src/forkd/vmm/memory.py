@@ -61,7 +61,7 @@ class DumpStats:
 
 def find_ram_region(pid: int, ram_file: Path, size: int) -> RamRegion:
     """The mapping of ``ram_file`` in process ``pid`` (guest RAM)."""
-    want = str(ram_file)
+    want = os.path.realpath(ram_file)  # /proc/PID/maps shows resolved paths
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError as exc:
@@ -86,7 +86,10 @@ def clone_base(region: RamRegion, out_fd: int) -> DumpStats:
     extents in the kernel with copy_file_range.
     """
     stats = DumpStats()
-    src = os.open(region.map_file, os.O_RDONLY)
+    try:
+        src = os.open(region.map_file, os.O_RDONLY)  # works even if the file was unlinked
+    except PermissionError:  # map_files needs CAP_SYS_ADMIN: fall back to the path
+        src = os.open(region.path, os.O_RDONLY)
     try:
         size = os.fstat(src).st_size
         os.ftruncate(out_fd, region.size)

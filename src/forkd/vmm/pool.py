@@ -39,6 +39,7 @@ class ForkPool:
         self.new_id = new_id
         self._ready: OrderedDict[Path, list[VM]] = OrderedDict()
         self._fills: dict[Path, asyncio.Task[None]] = {}
+        self._kills: set[asyncio.Task[None]] = set()  # keep references until done
 
     def take(self, snapshot_dir: Path) -> VM | None:
         """A waiting QEMU for ``snapshot_dir``, or None (then restore as usual)."""
@@ -47,7 +48,7 @@ class ForkPool:
             vm = waiting.pop(0)
             if vm.is_alive():
                 return vm
-            asyncio.get_running_loop().create_task(vm.kill())
+            self._kill_later(vm)
         return None
 
     def refill(self, snapshot_dir: Path) -> None:
@@ -60,12 +61,17 @@ class ForkPool:
             old, vms = self._ready.popitem(last=False)
             self._cancel_fill(old)
             for vm in vms:
-                asyncio.get_running_loop().create_task(vm.kill())
+                self._kill_later(vm)
         task = self._fills.get(snapshot_dir)
         if task is None or task.done():
             self._fills[snapshot_dir] = asyncio.get_running_loop().create_task(
                 self._fill(snapshot_dir), name=f"forkd-pool-fill-{snapshot_dir.name}"
             )
+
+    def _kill_later(self, vm: VM) -> None:
+        task = asyncio.get_running_loop().create_task(vm.kill())
+        self._kills.add(task)
+        task.add_done_callback(self._kills.discard)
 
     async def wait_filled(self, snapshot_dir: Path) -> None:
         task = self._fills.get(snapshot_dir)

@@ -13,6 +13,12 @@ from pathlib import Path
 QEMU_BINARY = "qemu-system-x86_64"
 KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux"
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
+CONSOLE_RING_BYTES = 1 << 20
+
+
+def _opt(path: Path) -> str:
+    """A path inside a QEMU option string: commas are doubled, as QEMU expects."""
+    return str(path).replace(",", ",,")
 
 
 @dataclass(frozen=True)
@@ -128,22 +134,27 @@ def build_argv(
         # of its snapshot it has not written, and never writes the file.
         "-object",
         # (Not readonly=on: in QEMU 7.2 that maps the RAM read-only as well.)
-        f"memory-backend-file,id=mem,size={mem},mem-path={ram_file},share=off",
+        f"memory-backend-file,id=mem,size={mem},mem-path={_opt(ram_file)},share=off",
         "-kernel", str(cfg.vmlinuz),
         "-initrd", str(cfg.initrd),
         "-append", cfg.cmdline,
-        "-chardev", f"file,id=console,path={rt.console}",
+        # A booted VM's console goes to a file (boot diagnostics); a fork's to a
+        # 1 MiB ring (read with QMP ringbuf-read), so no guest can fill the
+        # host's disk through its serial port. The backend is not part of
+        # the saved state, so both fit one snapshot.
+        "-chardev", (f"ringbuf,id=console,size={CONSOLE_RING_BYTES}" if incoming
+                     else f"file,id=console,path={_opt(rt.console)}"),
         "-serial", "chardev:console",
-        "-drive", f"file={cfg.rootfs},format=raw,if=none,id=root,readonly=on",
+        "-drive", f"file={_opt(cfg.rootfs)},format=raw,if=none,id=root,readonly=on",
         "-device", "virtio-blk-device,drive=root",
         "-device", "virtio-serial-device",
-        "-chardev", f"socket,id=agent,path={rt.agent},server=on,wait=off",
+        "-chardev", f"socket,id=agent,path={_opt(rt.agent)},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=agent",
         "-object", "rng-random,id=rng,filename=/dev/urandom",
         "-device", "virtio-rng-device,rng=rng",
         "-netdev", "user,id=net0" + ("" if cfg.internet else ",restrict=on"),
         "-device", "virtio-net-device,netdev=net0",
-        "-qmp", f"unix:{rt.qmp},server=on,wait=off",
+        "-qmp", f"unix:{_opt(rt.qmp)},server=on,wait=off",
     ]  # fmt: skip
     if cfg.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", "host"]

@@ -52,14 +52,17 @@ from forkd.vmm.qemu_argv import (
 log = logging.getLogger(__name__)
 
 UNIX_PATH_MAX = 107
+QMP_TIMEOUT_S = 30.0
 MIN_MEMORY_MIB = 128  # the Debian kernel + Python guest does not boot in less
 DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
 PR_SET_PDEATHSIG = 1
 
 
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now, not in a forked child
+
+
 def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def qemu_pid_matches(pid: int, run_dir: Path) -> bool:
@@ -86,7 +89,9 @@ def new_vm_id() -> str:
 
 def _tail(path: Path, limit: int = 1500) -> str:
     try:
-        data = path.read_bytes()[-limit:]
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            data = f.read(limit)
     except OSError:
         return ""
     return data.decode(errors="replace").strip()
@@ -121,6 +126,15 @@ class VM:
         self.ready_ms: float | None = None  # process start -> agent answered
         self._incoming: snapshot_files.SnapshotFiles | None = None
 
+    async def _qmp(
+        self, cmd: str, args: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT_S
+    ) -> Any:
+        """One QMP command; a QEMU that stops answering is an error, not a hang."""
+        try:
+            return await asyncio.wait_for(self.qmp.execute(cmd, args), timeout)
+        except TimeoutError as exc:
+            raise VMError(f"QEMU of {self.id} did not answer {cmd!r} within {timeout:g} s") from exc
+
     # ---------------------------------------------------------------- start
 
     @classmethod
@@ -133,7 +147,15 @@ class VM:
 
     @classmethod
     def _spawn(cls, argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[bytes]:
-        hosttools.require(QEMU_BINARY)
+        try:
+            hosttools.require(QEMU_BINARY)
+            return cls._popen(argv, rt, detach)
+        except BaseException:
+            shutil.rmtree(rt.dir, ignore_errors=True)
+            raise
+
+    @staticmethod
+    def _popen(argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[bytes]:
         with rt.qemu_log.open("ab") as log_f:
             return subprocess.Popen(
                 argv,
@@ -274,7 +296,7 @@ class VM:
             self._raise_if_dead("QEMU waiting for the snapshot's state exited")
             await self._load_vmstate(snap.vmstate, timeout)
             await self.agent.connect()
-            await self.qmp.execute("cont")
+            await self._qmp("cont")
             self.state = "running"
             await self._after_restore(hostname or self.id, timeout, snap)
         except BaseException:
@@ -312,11 +334,11 @@ class VM:
         )
         vm.started_at = float(data.get("started_at_unix", time.time()))
         await vm._connect_qmp(timeout)
-        status = await vm.qmp.execute("query-status")
+        status = await vm._qmp("query-status")
         assert isinstance(status, dict)
         if status.get("status") == "paused":
             # A daemon that died mid-branch left it paused: let it run again.
-            await vm.qmp.execute("cont")
+            await vm._qmp("cont")
         await vm.agent.connect(timeout)
         await vm._wait_agent(timeout)
         vm.state = "running"
@@ -328,9 +350,9 @@ class VM:
             self._raise_if_dead("QEMU exited while starting")
             if self.rt.qmp.exists():
                 try:
-                    await self.qmp.connect(str(self.rt.qmp))
+                    await asyncio.wait_for(self.qmp.connect(str(self.rt.qmp)), QMP_TIMEOUT_S)
                     return
-                except QMPError as exc:
+                except (QMPError, TimeoutError) as exc:
                     if time.monotonic() > deadline:
                         raise VMError(f"cannot connect to QMP at {self.rt.qmp}: {exc}") from exc
             if time.monotonic() > deadline:
@@ -341,14 +363,14 @@ class VM:
         fd = os.open(vmstate, os.O_RDONLY)
         try:
             self.qmp.send_fd_scm(fd)
-            await self.qmp.execute("getfd", {"fdname": "vmstate"})
+            await self._qmp("getfd", {"fdname": "vmstate"})
         finally:
             os.close(fd)
-        await self.qmp.execute("migrate-incoming", {"uri": "fd:vmstate"})
+        await self._qmp("migrate-incoming", {"uri": "fd:vmstate"})
         deadline = time.monotonic() + timeout
         while True:
             try:
-                status = await self.qmp.execute("query-status")
+                status = await self._qmp("query-status")
             except QMPError as exc:
                 raise SnapshotError(
                     f"loading {vmstate} failed (QEMU: {_tail(self.rt.qemu_log) or exc})"
@@ -359,7 +381,7 @@ class VM:
             if time.monotonic() > deadline:
                 raise SnapshotError(f"loading {vmstate} did not finish within {timeout:g} s")
             await asyncio.sleep(0.002)
-        mig = await self.qmp.execute("query-migrate")
+        mig = await self._qmp("query-migrate")
         assert isinstance(mig, dict)
         if mig.get("status") not in (None, "completed"):
             raise SnapshotError(
@@ -384,7 +406,7 @@ class VM:
             self._raise_if_dead(f"the guest restored from {snap.memory} died")
             raise SnapshotError(
                 f"the guest restored from {snap.memory} does not answer ({exc}); "
-                f"memory.bin or vmstate may be corrupt. Console: {_tail(self.rt.console, 500)}"
+                f"memory.bin or vmstate may be corrupt. Console: {await self.console_tail()}"
             ) from exc
         if result.get("errors"):
             log.warning("restore of %s: %s", self.id, "; ".join(result["errors"]))
@@ -424,11 +446,20 @@ class VM:
     def is_alive(self) -> bool:
         if self._proc is not None:
             return self._proc.poll() is None
+        # Not our child (re-adopted): the pid alone could have been reused.
+        return qemu_pid_matches(self.pid, self.rt.dir)
+
+    async def console_tail(self, limit: int = 800) -> str:
+        """The end of the guest's console: its file, or its ring buffer for a fork."""
+        if self.rt.console.exists():
+            return _tail(self.rt.console, limit)
         try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
+            data = await self._qmp(
+                "ringbuf-read", {"device": "console", "size": limit, "format": "utf8"}, 5.0
+            )
+        except (QMPError, VMError, OSError):
+            return ""
+        return str(data).strip()
 
     def _raise_if_dead(self, what: str) -> None:
         if not self.is_alive():
@@ -443,7 +474,7 @@ class VM:
     async def pause(self) -> None:
         """Freeze the vCPUs (QMP ``stop``)."""
         try:
-            await self.qmp.execute("stop")
+            await self._qmp("stop")
         except (QMPError, OSError) as exc:
             self._raise_if_dead(f"QEMU of {self.id} died")
             raise VMError(f"pausing {self.id} failed: {exc}") from exc
@@ -452,7 +483,7 @@ class VM:
     async def resume(self) -> None:
         """Let the vCPUs run again (QMP ``cont``)."""
         try:
-            await self.qmp.execute("cont")
+            await self._qmp("cont")
         except (QMPError, OSError) as exc:
             self._raise_if_dead(f"QEMU of {self.id} died")
             raise VMError(f"resuming {self.id} failed: {exc}") from exc
@@ -467,7 +498,7 @@ class VM:
             if self._proc.poll() is None:
                 self._proc.kill()
             await asyncio.to_thread(self._proc.wait)
-        else:
+        elif qemu_pid_matches(self.pid, self.rt.dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
         self.state = "dead"
@@ -580,9 +611,9 @@ class SnapshotWriter:
 
     async def prepare(self) -> None:
         """Create the staging directory and clone the RAM file's base (VM may run)."""
-        self.dest.parent.mkdir(parents=True, exist_ok=True)
-        self.staging.mkdir()
         try:
+            self.dest.parent.mkdir(parents=True, exist_ok=True)
+            self.staging.mkdir()
             vm = self.vm
             size = vm.machine.memory_mib << 20
             self._region = memory.find_ram_region(vm.pid, vm.ram_file, size)
@@ -600,7 +631,7 @@ class SnapshotWriter:
         assert self._region is not None and self._mem_fd is not None
         started = time.monotonic()
         try:
-            await vm.qmp.execute(
+            await vm._qmp(
                 "xen-save-devices-state",
                 {"filename": str(self.staging / snapshot_files.VMSTATE), "live": False},
             )

@@ -1,0 +1,207 @@
+"""Persistent volumes that fork and branch copy-on-write, like guest memory.
+
+A volume is an ext4 filesystem in a sparse raw file, ``<root>/<name>/base.img``.
+A VM never writes it: a writable attachment gets its own qcow2 *layer* on
+top (``<root>/<name>/layers/<id>.qcow2``). When a running VM is snapshotted,
+QEMU's ``blockdev-snapshot-sync`` freezes its current layer (the snapshot
+keeps it) and gives the VM a fresh layer above it; every child forked from
+the snapshot then gets its own new layer over the frozen one. So children
+see the volume as it was at the snapshot, write privately, and share every
+block they have not written: the same semantics as memory.
+
+Each attachment records its layer *chain* (top first, base last) so layers
+no snapshot or VM needs any more can be deleted (:meth:`VolumeStore.collect`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forkd import hosttools
+from forkd.errors import ForkdError
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MIN_SIZE = 16 << 20
+MAX_SIZE = 1 << 40
+
+
+class VolumeError(ForkdError):
+    pass
+
+
+@dataclass(frozen=True)
+class Attachment:
+    """One volume as a VM sees it: mounted at ``path``, backed by ``chain``."""
+
+    name: str
+    path: str  # mount point in the guest
+    readonly: bool
+    chain: tuple[str, ...]  # layer files, top first; the last is base.img
+
+    @property
+    def top(self) -> Path:
+        return Path(self.chain[0])
+
+    @property
+    def format(self) -> str:
+        return "raw" if self.top.name == "base.img" else "qcow2"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "path": self.path, "readonly": self.readonly,
+                "chain": list(self.chain)}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Attachment:
+        return cls(str(data["name"]), str(data["path"]), bool(data.get("readonly")),
+                   tuple(data["chain"]))  # fmt: skip
+
+
+def parse_size(text: str | int) -> int:
+    """``1G``, ``512M``, ``300000000`` → bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise VolumeError(f"cannot read size {text!r}: use e.g. 512M or 1G")
+    unit = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+    return int(m.group(1)) * unit
+
+
+def check_guest_mount(path: str) -> str:
+    if not path.startswith("/") or path == "/" or "\0" in path or ".." in path.split("/"):
+        raise VolumeError(f"mount point {path!r} must be an absolute path below /")
+    if not re.fullmatch(r"[A-Za-z0-9_./-]+", path):
+        raise VolumeError(f"mount point {path!r} may hold only letters, digits and _ . / -")
+    return path.rstrip("/")
+
+
+class VolumeStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _dir(self, name: str) -> Path:
+        if not NAME_RE.fullmatch(name):
+            raise VolumeError(f"invalid volume name {name!r}: 1-64 of A-Z a-z 0-9 _ -")
+        return self.root / name
+
+    def get(self, name: str) -> dict[str, Any]:
+        d = self._dir(name)
+        try:
+            info = json.loads((d / "volume.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise VolumeError(f"volume {name!r} not found") from exc
+        base = d / "base.img"
+        layers = list((d / "layers").glob("*.qcow2"))
+        info["allocated_bytes"] = base.stat().st_blocks * 512 + sum(
+            p.stat().st_blocks * 512 for p in layers
+        )
+        info["layers"] = len(layers)
+        return info
+
+    def list(self) -> list[dict[str, Any]]:
+        return [
+            self.get(d.name)
+            for d in sorted(self.root.iterdir())
+            if not d.name.startswith(".") and (d / "volume.json").is_file()
+        ]
+
+    def create(self, name: str, size: int, content_tar: Path | None = None) -> dict[str, Any]:
+        """A new ext4 volume; ``content_tar`` (a tar archive) fills it."""
+        final = self._dir(name)
+        if final.exists():
+            raise VolumeError(f"volume {name!r} already exists")
+        if not MIN_SIZE <= size <= MAX_SIZE:
+            raise VolumeError(f"size must be between {MIN_SIZE >> 20} MiB and 1 TiB")
+        hosttools.require("mkfs.ext4")
+        staging = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.partial-"))
+        try:
+            base = staging / "base.img"
+            with base.open("wb") as f:
+                f.truncate(size)
+            argv = ["mkfs.ext4", "-q", "-F", "-L", name[:16], "-E", "root_owner=0:0"]
+            if content_tar is not None:
+                tree = staging / "content"
+                tree.mkdir()
+                with tarfile.open(content_tar) as tar:
+                    tar.extractall(tree, filter="data")  # no absolute paths, links out, devices
+                argv += ["-d", str(tree)]
+            hosttools.run([*argv, str(base)], what=f"formatting volume {name}")
+            shutil.rmtree(staging / "content", ignore_errors=True)
+            (staging / "layers").mkdir()
+            info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
+            (staging / "volume.json").write_text(json.dumps(info) + "\n")
+            staging.rename(final)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return self.get(name)
+
+    def remove(self, name: str) -> None:
+        d = self._dir(name)
+        if not (d / "volume.json").is_file():
+            raise VolumeError(f"volume {name!r} not found")
+        trash = self.root / f".{name}.removing-{secrets.token_hex(3)}"
+        d.rename(trash)
+        shutil.rmtree(trash, ignore_errors=True)
+
+    def base(self, name: str) -> Path:
+        base = self._dir(name) / "base.img"
+        if not base.is_file():
+            raise VolumeError(f"volume {name!r} not found")
+        return base
+
+    def new_layer(self, name: str, chain: tuple[str, ...]) -> tuple[str, ...]:
+        """A fresh empty qcow2 layer over ``chain``; returns the longer chain."""
+        hosttools.require("qemu-img")
+        below = Path(chain[0])
+        fmt = "raw" if below.name == "base.img" else "qcow2"
+        layer = self._dir(name) / "layers" / f"{secrets.token_hex(8)}.qcow2"
+        proc = subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(below), "-F", fmt, str(layer)],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if proc.returncode != 0:
+            raise VolumeError(f"cannot create a layer for volume {name}: {proc.stderr.strip()}")
+        return (str(layer), *chain)
+
+    def layer_path(self, name: str) -> Path:
+        """Where a layer that QEMU itself creates should go."""
+        return self._dir(name) / "layers" / f"{secrets.token_hex(8)}.qcow2"
+
+    def collect(self, in_use: set[str]) -> int:
+        """Delete layers that no chain in ``in_use`` names; returns how many."""
+        removed = 0
+        for vol in self.root.iterdir():
+            if vol.name.startswith("."):
+                continue
+            for layer in (vol / "layers").glob("*.qcow2"):
+                if str(layer) not in in_use:
+                    layer.unlink(missing_ok=True)
+                    removed += 1
+        return removed
+
+
+def attach_for_boot(store: VolumeStore, name: str, path: str, readonly: bool) -> Attachment:
+    """A template's attachment: the base itself (read-only) or a new layer over it."""
+    chain: tuple[str, ...] = (str(store.base(name)),)
+    if not readonly:
+        chain = store.new_layer(name, chain)
+    return Attachment(name, check_guest_mount(path), readonly, chain)
+
+
+def attach_for_fork(store: VolumeStore, frozen: Attachment) -> Attachment:
+    """A child's attachment: shares a read-only volume, gets a new layer over a writable one."""
+    if frozen.readonly:
+        return frozen
+    return Attachment(frozen.name, frozen.path, False, store.new_layer(frozen.name, frozen.chain))
