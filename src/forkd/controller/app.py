@@ -39,6 +39,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class VolumeAttach(_Body):
+    name: str = Field(pattern=TAG_PATTERN)
+    path: str = Field(min_length=2, max_length=256, pattern=r"^/[A-Za-z0-9_./-]+$")
+    readonly: bool = False
+
+
 class SnapshotCreate(_Body):
     tag: str = Field(pattern=TAG_PATTERN)
     image: str | None = None
@@ -50,7 +56,7 @@ class SnapshotCreate(_Body):
     setup: list[str] = Field(default_factory=list, max_length=100)
     warmup: str | None = None
     boot_wait_secs: float = Field(90, gt=0, le=3600)
-    volumes: list[Any] = Field(default_factory=list)
+    volumes: list[VolumeAttach] = Field(default_factory=list, max_length=8)
 
 
 class SandboxCreate(_Body):
@@ -105,7 +111,8 @@ class GuardMiddleware:
             if not hmac.compare_digest(given, expected):
                 await _error(401, "missing or wrong bearer token")(scope, receive, send)
                 return
-        is_file_route = path.endswith("/files")
+        # Raw bodies: file uploads, and a volume's content as a tar archive.
+        is_file_route = path.endswith("/files") or path == "/v1/volumes"
         limit = FILE_BODY_LIMIT if is_file_route else JSON_BODY_LIMIT
         if not is_file_route and scope["method"] in ("POST", "PUT", "PATCH"):
             # Bodies of the JSON routes are JSON whatever the client labelled
@@ -316,6 +323,30 @@ def create_app(settings: Settings, token: str | None = None) -> FastAPI:
     async def branch(sandbox_id: str, body: BranchBody | None = None) -> dict[str, Any]:
         body = body or BranchBody()
         return await mgr().branch(sandbox_id, body.tag, body.mode)
+
+    # -------------------------------------------------------- volumes
+
+    @app.get("/v1/volumes")
+    async def list_volumes() -> list[dict[str, Any]]:
+        return mgr().list_volumes()
+
+    @app.post("/v1/volumes", status_code=201)
+    async def create_volume(
+        request: Request,
+        name: Annotated[str, Query(pattern=TAG_PATTERN)],
+        size: Annotated[str, Query(max_length=32)] = "1G",
+    ) -> dict[str, Any]:
+        """An ext4 volume of ``size``; a tar archive as the body fills it."""
+        return await mgr().create_volume(name, size, await request.body())
+
+    @app.get("/v1/volumes/{name}")
+    async def volume_info(name: str) -> dict[str, Any]:
+        return mgr().volume_info(name)
+
+    @app.delete("/v1/volumes/{name}", status_code=204)
+    async def delete_volume(name: str) -> Response:
+        await mgr().delete_volume(name)
+        return Response(status_code=204)
 
     # -------------------------------------------------------- files
 

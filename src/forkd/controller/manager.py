@@ -10,6 +10,8 @@ import os
 import shutil
 import signal
 import sqlite3
+import tarfile
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,13 @@ from forkd.guest import image as images
 from forkd.vmm import live_snapshot, snapshot_files
 from forkd.vmm.pool import ForkPool
 from forkd.vmm.vm import VM, qemu_pid_matches
+from forkd.vmm.volumes import (
+    Attachment,
+    VolumeError,
+    VolumeStore,
+    attach_for_boot,
+    parse_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +83,7 @@ class Manager:
             detach=True,  # a pooled QEMU becomes a sandbox that outlives the daemon
             new_id=store.next_sandbox_id,
         )
+        self.volumes = VolumeStore(settings.state_dir / "volumes")
         settings.snapshot_root.mkdir(parents=True, exist_ok=True)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -236,15 +246,22 @@ class Manager:
     async def create_snapshot(self, body: dict[str, Any]) -> dict[str, Any]:
         tag = validation.check_tag(body.get("tag"))
         img = self._resolve_image(body)
-        if body.get("volumes"):
-            raise ApiError(400, "volumes are not supported yet: leave 'volumes' empty")
         # The image recipe's template settings come first; the request adds to them.
         defaults = img.meta.get("template") or {}
         setup = [*(defaults.get("setup") or []), *(body.get("setup") or [])]
         warmups = [w for w in (defaults.get("warmup"), body.get("warmup")) if w]
         self._reserve_tag(tag)
         template: VM | None = None
+        attach: list[Attachment] = []
         try:
+            for spec in body.get("volumes") or []:
+                try:
+                    attach.append(attach_for_boot(
+                        self.volumes, spec["name"], spec["path"], bool(spec.get("readonly"))
+                    ))  # fmt: skip
+                except VolumeError as exc:
+                    status = 404 if "not found" in str(exc) else 400
+                    raise ApiError(status, str(exc)) from exc
             template = await VM.boot(
                 img,
                 run_root=self.settings.run_dir,
@@ -253,7 +270,9 @@ class Manager:
                 accel_name=self.settings.accel,
                 vm_id=f"tpl-{tag}-{os.urandom(2).hex()}",
                 boot_timeout=float(body.get("boot_wait_secs") or 90),
+                attach=attach,
             )
+            attach = []  # the VM owns them now
             for cmd in setup:
                 res = await template.exec(["/bin/sh", "-c", cmd], timeout=SETUP_TIMEOUT_SECS)
                 if res["exit_code"] != 0:
@@ -265,7 +284,7 @@ class Manager:
                     raise ApiError(500, f"warmup failed:\n{res['error']}")
             dest = self.settings.snapshot_root / tag
             started = time.monotonic()
-            await template.snapshot(dest, {"tag": tag, "volumes": body.get("volumes") or []})
+            await template.snapshot(dest, {"tag": tag})
             self.metrics.snapshot_seconds.observe(time.monotonic() - started)
             self.store.add_snapshot(
                 SnapshotRow(
@@ -279,6 +298,9 @@ class Manager:
         finally:
             if self.store.get_snapshot(tag) is None:  # failed after the commit: no orphan
                 shutil.rmtree(self.settings.snapshot_root / tag, ignore_errors=True)
+            for att in attach:  # made, but the VM never took them
+                if not att.readonly:
+                    Path(att.chain[0]).unlink(missing_ok=True)
             self._tags_in_flight.discard(tag)
             if template is not None:
                 await template.kill()
@@ -360,6 +382,7 @@ class Manager:
             d.rename(trash)
         self.store.delete_snapshot(tag)
         await asyncio.to_thread(shutil.rmtree, trash, True)
+        self._collect_layers()
 
     # ------------------------------------------------------------ sandboxes
 
@@ -563,18 +586,9 @@ class Manager:
     ) -> dict[str, Any]:
         if not vm.is_alive() or self.vms.get(sandbox_id) is not vm:
             raise ApiError(409, f"sandbox {sandbox_id!r} stopped running")
-        parent = self.store.get_snapshot(row.snapshot_tag)
-        volumes: list[Any] = []
-        if parent is not None:
-            with contextlib.suppress(OSError, ValueError):
-                pmeta = json.loads((Path(parent.dir) / snapshot_files.META).read_text())
-                volumes = pmeta.get("volumes") or []
-        meta = {
-            "tag": tag,
-            "branched_from": sandbox_id,
-            "parent_tag": row.snapshot_tag,
-            "volumes": volumes,
-        }
+        # The source's volume settings carry over to the branch unchanged: the
+        # VM records them (with the layer chain frozen at the pause).
+        meta = {"tag": tag, "branched_from": sandbox_id, "parent_tag": row.snapshot_tag}
         dest = self.settings.snapshot_root / tag
         try:
             result = await live_snapshot.snapshot_running(vm, dest, meta)
@@ -602,3 +616,71 @@ class Manager:
                 memory_mib=files.machine.memory_mib, status="ready",
             )
         )  # fmt: skip
+
+    # -------------------------------------------------------------- volumes
+
+    def _volume_users(self, name: str) -> list[str]:
+        users = []
+        for row in self.store.list_snapshots():
+            with contextlib.suppress(OSError, ValueError):
+                meta = json.loads((Path(row.dir) / snapshot_files.META).read_text())
+                if any(v.get("name") == name for v in meta.get("volumes") or []):
+                    users.append(f"snapshot {row.tag}")
+        for sid, vm in self.vms.items():
+            if any(v.name == name for v in vm.volumes):
+                users.append(f"sandbox {sid}")
+        return users
+
+    def _collect_layers(self) -> None:
+        """Delete volume layers that no snapshot and no VM (or pooled QEMU) uses."""
+        in_use: set[str] = set()
+        for d in self.settings.snapshot_root.iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                meta = json.loads((d / snapshot_files.META).read_text())
+                for v in meta.get("volumes") or []:
+                    in_use.update(v.get("chain") or [])
+        for vm in [*self.vms.values(), *self.pool.all_vms()]:
+            for att in vm.volumes:
+                in_use.update(att.chain)
+        removed = self.volumes.collect(in_use)
+        if removed:
+            log.info("removed %d volume layers no snapshot or sandbox uses", removed)
+
+    def list_volumes(self) -> list[dict[str, Any]]:
+        return [{**v, "used_by": self._volume_users(v["name"])} for v in self.volumes.list()]
+
+    def volume_info(self, name: str) -> dict[str, Any]:
+        try:
+            return {**self.volumes.get(name), "used_by": self._volume_users(name)}
+        except VolumeError as exc:
+            raise ApiError(404 if "not found" in str(exc) else 400, str(exc)) from exc
+
+    async def create_volume(self, name: str, size: str, content: bytes) -> dict[str, Any]:
+        try:
+            nbytes = parse_size(size)
+            if self.volumes.exists(name):
+                raise ApiError(409, f"volume {name!r} already exists")
+            tar_path: Path | None = None
+            if content:
+                fd, tmp = tempfile.mkstemp(dir=self.volumes.root, prefix=".upload-")
+                with os.fdopen(fd, "wb") as f:
+                    f.write(content)
+                tar_path = Path(tmp)
+            try:
+                info = await asyncio.to_thread(self.volumes.create, name, nbytes, tar_path)
+            finally:
+                if tar_path is not None:
+                    tar_path.unlink(missing_ok=True)
+        except (VolumeError, ForkdError) as exc:
+            raise ApiError(400, str(exc)) from exc
+        except tarfile.TarError as exc:
+            raise ApiError(400, f"the upload is not a usable tar archive: {exc}") from exc
+        return {**info, "used_by": []}
+
+    async def delete_volume(self, name: str) -> None:
+        self.volume_info(name)  # 404 / 400 first
+        users = self._volume_users(name)
+        if users:
+            raise ApiError(409, f"volume {name!r} is in use by {', '.join(users)}")
+        await self.pool.drop_using(name)
+        self.volumes.remove(name)

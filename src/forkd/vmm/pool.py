@@ -111,5 +111,14 @@ class ForkPool:
         for snapshot_dir in {*self._ready, *self._fills}:
             await self.drop(snapshot_dir)
 
+    def all_vms(self) -> list[VM]:
+        return [vm for vms in self._ready.values() for vm in vms]
+
+    async def drop_using(self, volume: str) -> None:
+        """Kill waiting processes whose snapshot attaches ``volume``."""
+        for snapshot_dir, vms in list(self._ready.items()):
+            if any(att.name == volume for vm in vms for att in vm.volumes):
+                await self.drop(snapshot_dir)
+
     def waiting(self) -> int:
         return sum(len(v) for v in self._ready.values())

@@ -7,8 +7,11 @@ both paths go through :func:`build_argv`; only the RAM file and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from forkd.vmm.volumes import Attachment
 
 QEMU_BINARY = "qemu-system-x86_64"
 KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux"
@@ -121,6 +124,7 @@ def build_argv(
     *,
     ram_file: Path,
     incoming: bool,
+    volumes: Sequence[Attachment] = (),
 ) -> list[str]:
     mem = f"{cfg.memory_mib}M"
     argv = [
@@ -146,7 +150,7 @@ def build_argv(
                      else f"file,id=console,path={_opt(rt.console)}"),
         "-serial", "chardev:console",
         "-drive", f"file={_opt(cfg.rootfs)},format=raw,if=none,id=root,readonly=on",
-        "-device", "virtio-blk-device,drive=root",
+        "-device", "virtio-blk-device,drive=root,serial=forkd-root",
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={_opt(rt.agent)},server=on,wait=off",
         "-device", "virtserialport,chardev=agent,name=agent",
@@ -156,6 +160,13 @@ def build_argv(
         "-device", "virtio-net-device,netdev=net0",
         "-qmp", f"unix:{_opt(rt.qmp)},server=on,wait=off",
     ]  # fmt: skip
+    for i, vol in enumerate(volumes):
+        # The guest finds each volume by its serial (forkd-vol<i>), not by name.
+        ro = "on" if vol.readonly else "off"
+        argv += [
+            "-drive", f"file={_opt(vol.top)},format={vol.format},if=none,id=vol{i},readonly={ro}",
+            "-device", f"virtio-blk-device,drive=vol{i},serial=forkd-vol{i}",
+        ]  # fmt: skip
     if cfg.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", "host"]
     else:

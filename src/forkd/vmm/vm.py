@@ -31,6 +31,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from qemu.qmp import QMPClient, QMPError
 from forkd import __version__, accel, hosttools
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
-from forkd.vmm import live_snapshot, memory, snapshot_files
+from forkd.vmm import live_snapshot, memory, snapshot_files, volumes
 from forkd.vmm.agent_client import AgentClient
 from forkd.vmm.qemu_argv import (
     QEMU_BINARY,
@@ -48,6 +49,7 @@ from forkd.vmm.qemu_argv import (
     build_argv,
     kernel_cmdline,
 )
+from forkd.vmm.volumes import Attachment
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +83,20 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _remove_layers(attached: Sequence[Attachment]) -> None:
+    for att in attached:
+        layer = volumes.own_layer(att)
+        if layer is not None:
+            layer.unlink(missing_ok=True)
+
+
+MOUNT_SCRIPT = (
+    'for d in /sys/block/vd*; do if [ "$(cat "$d/serial" 2>/dev/null)" = "$1" ]; then '
+    'mkdir -p "$2" && exec mount -t ext4 -o "$3" "/dev/${d##*/}" "$2"; fi; done; '
+    'echo "no disk with serial $1" >&2; exit 1'
+)
 
 
 def new_vm_id() -> str:
@@ -125,6 +141,7 @@ class VM:
         self.started_at = time.time()
         self.ready_ms: float | None = None  # process start -> agent answered
         self._incoming: snapshot_files.SnapshotFiles | None = None
+        self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
 
     async def _qmp(
         self, cmd: str, args: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT_S
@@ -180,8 +197,13 @@ class VM:
         boot_timeout: float = 90.0,
         internet: bool = True,
         detach: bool = False,
+        attach: Sequence[Attachment] = (),
     ) -> VM:
-        """Cold-boot a VM from ``image``; returns once its agent answers."""
+        """Cold-boot a VM from ``image``; returns once its agent answers.
+
+        ``attach``: volumes (see :mod:`forkd.vmm.volumes`), mounted in the
+        guest before this returns.
+        """
         if not MIN_MEMORY_MIB <= memory_mib <= 65536:
             raise VMError(
                 f"memory_mib must be between {MIN_MEMORY_MIB} and 65536, not {memory_mib}"
@@ -203,15 +225,17 @@ class VM:
         rt = cls._prepare_runtime(run_root, vm_id)
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written
             f.truncate(memory_mib << 20)
-        argv = build_argv(machine, rt, ram_file=rt.ram, incoming=False)
+        argv = build_argv(machine, rt, ram_file=rt.ram, incoming=False, volumes=attach)
         started = time.monotonic()
         proc = cls._spawn(argv, rt, detach)
         image_meta = {"name": image.name, "key": image.key, "dir": str(image.dir)}
         vm = cls(vm_id, rt, machine, rt.ram, image_meta, None, proc, proc.pid)
+        vm.volumes = list(attach)
         try:
             await vm._connect_qmp()
             await vm.agent.connect()
             await vm._wait_agent(boot_timeout)
+            await vm._mount_volumes()
         except BaseException:
             await vm.kill()
             raise
@@ -268,10 +292,24 @@ class VM:
             machine = dataclasses.replace(machine, internet=internet)
         vm_id = vm_id or new_vm_id()
         rt = cls._prepare_runtime(run_root, vm_id)
-        argv = build_argv(machine, rt, ram_file=snap.memory, incoming=True)
-        proc = cls._spawn(argv, rt, detach)
+        frozen = [Attachment.from_json(v) for v in snap.meta.get("volumes") or []]
+        attach: list[Attachment] = []
+        try:
+            for f in frozen:  # a writable volume: this child's own layer over the snapshot's
+                attach.append(volumes.attach_for_fork(f))
+        except BaseException:
+            _remove_layers(attach)
+            shutil.rmtree(rt.dir, ignore_errors=True)
+            raise
+        argv = build_argv(machine, rt, ram_file=snap.memory, incoming=True, volumes=attach)
+        try:
+            proc = cls._spawn(argv, rt, detach)
+        except BaseException:
+            _remove_layers(attach)
+            raise
         vm = cls(vm_id, rt, machine, snap.memory, snap.meta.get("image", {}), snap.dir, proc,
                  proc.pid)  # fmt: skip
+        vm.volumes = attach
         vm.state = "incoming"
         vm._incoming = snap
         try:
@@ -333,6 +371,7 @@ class VM:
             pid,
         )
         vm.started_at = float(data.get("started_at_unix", time.time()))
+        vm.volumes = [Attachment.from_json(v) for v in data.get("volumes") or []]
         await vm._connect_qmp(timeout)
         status = await vm._qmp("query-status")
         assert isinstance(status, dict)
@@ -436,6 +475,7 @@ class VM:
             "machine": self.machine.to_json(),
             "image": self.image,
             "started_at_unix": self.started_at,
+            "volumes": [v.to_json() for v in self.volumes],
         }
         tmp = self.rt.meta.with_suffix(".tmp")
         tmp.write_text(json.dumps(data, indent=2) + "\n")
@@ -448,6 +488,38 @@ class VM:
             return self._proc.poll() is None
         # Not our child (re-adopted): the pid alone could have been reused.
         return qemu_pid_matches(self.pid, self.rt.dir)
+
+    async def _mount_volumes(self) -> None:
+        for i, att in enumerate(self.volumes):
+            opts = "ro,noload" if att.readonly else "rw"
+            # Values travel as positional arguments: no string is pasted into the script.
+            argv = ["/bin/sh", "-c", MOUNT_SCRIPT, "sh", f"forkd-vol{i}", att.path, opts]
+            res = await self.exec(argv, timeout=60)
+            if res["exit_code"] != 0:
+                raise VMError(
+                    f"mounting volume {att.name} at {att.path} failed: {res['stderr'].strip()}"
+                )
+
+    async def _freeze_volumes(self) -> list[Attachment]:
+        """At a pause: freeze each writable volume's layer for a snapshot (VM paused).
+
+        QEMU gives the VM a new empty layer above the current one, which from
+        now on no one writes; the snapshot keeps that frozen chain.
+        """
+        frozen: list[Attachment] = []
+        for i, att in enumerate(self.volumes):
+            frozen.append(att)
+            if att.readonly:
+                continue
+            new = volumes.layer_path(att.chain)
+            await self._qmp(
+                "blockdev-snapshot-sync",
+                {"device": f"vol{i}", "snapshot-file": str(new), "format": "qcow2"},
+            )
+            self.volumes[i] = Attachment(att.name, att.path, False, (str(new), *att.chain))
+        if frozen:
+            self._write_meta()
+        return frozen
 
     async def console_tail(self, limit: int = 800) -> str:
         """The end of the guest's console: its file, or its ring buffer for a fork."""
@@ -502,6 +574,7 @@ class VM:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
         self.state = "dead"
+        _remove_layers(self.volumes)
         shutil.rmtree(self.rt.dir, ignore_errors=True)
 
     # ------------------------------------------------------------- snapshot
@@ -608,6 +681,7 @@ class SnapshotWriter:
         self._region: memory.RamRegion | None = None
         # Pages read during the pause, written after the resume (in commit).
         self._deferred = memory.DeferredWrites(limit=DEFERRED_WRITE_LIMIT)
+        self.volumes: list[Attachment] = []  # as frozen for this snapshot
 
     async def prepare(self) -> None:
         """Create the staging directory and clone the RAM file's base (VM may run)."""
@@ -631,6 +705,7 @@ class SnapshotWriter:
         assert self._region is not None and self._mem_fd is not None
         started = time.monotonic()
         try:
+            self.volumes = await vm._freeze_volumes()
             await vm._qmp(
                 "xen-save-devices-state",
                 {"filename": str(self.staging / snapshot_files.VMSTATE), "live": False},
@@ -693,9 +768,10 @@ class SnapshotWriter:
                 "capture_ms": round(self.capture_ms or 0.0, 1),
                 "pages_written": self.stats.pages_written,
                 "base_bytes_cloned": self.stats.base_bytes_cloned,
-                "volumes": [],
             }
             meta.update(extra_meta or {})
+            # What the guest saw at the pause: name, mount point, mode, frozen chain.
+            meta["volumes"] = [v.to_json() for v in self.volumes]
             meta_path = self.staging / snapshot_files.META
             meta_path.write_text(json.dumps(meta, indent=2) + "\n")
             for path in (vmstate, meta_path, self.staging):

@@ -95,6 +95,9 @@ class VolumeStore:
             raise VolumeError(f"invalid volume name {name!r}: 1-64 of A-Z a-z 0-9 _ -")
         return self.root / name
 
+    def exists(self, name: str) -> bool:
+        return (self._dir(name) / "volume.json").is_file()
+
     def get(self, name: str) -> dict[str, Any]:
         d = self._dir(name)
         try:
@@ -161,24 +164,6 @@ class VolumeStore:
             raise VolumeError(f"volume {name!r} not found")
         return base
 
-    def new_layer(self, name: str, chain: tuple[str, ...]) -> tuple[str, ...]:
-        """A fresh empty qcow2 layer over ``chain``; returns the longer chain."""
-        hosttools.require("qemu-img")
-        below = Path(chain[0])
-        fmt = "raw" if below.name == "base.img" else "qcow2"
-        layer = self._dir(name) / "layers" / f"{secrets.token_hex(8)}.qcow2"
-        proc = subprocess.run(
-            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(below), "-F", fmt, str(layer)],
-            capture_output=True, text=True, check=False,
-        )  # fmt: skip
-        if proc.returncode != 0:
-            raise VolumeError(f"cannot create a layer for volume {name}: {proc.stderr.strip()}")
-        return (str(layer), *chain)
-
-    def layer_path(self, name: str) -> Path:
-        """Where a layer that QEMU itself creates should go."""
-        return self._dir(name) / "layers" / f"{secrets.token_hex(8)}.qcow2"
-
     def collect(self, in_use: set[str]) -> int:
         """Delete layers that no chain in ``in_use`` names; returns how many."""
         removed = 0
@@ -192,16 +177,41 @@ class VolumeStore:
         return removed
 
 
+def layer_path(chain: tuple[str, ...]) -> Path:
+    """A new layer's file for a chain: in its volume's ``layers`` directory."""
+    return Path(chain[-1]).parent / "layers" / f"{secrets.token_hex(8)}.qcow2"
+
+
+def new_layer(chain: tuple[str, ...]) -> tuple[str, ...]:
+    """A fresh empty qcow2 layer over ``chain``; returns the longer chain."""
+    hosttools.require("qemu-img")
+    below = Path(chain[0])
+    fmt = "raw" if below.name == "base.img" else "qcow2"
+    layer = layer_path(chain)
+    proc = subprocess.run(
+        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(below), "-F", fmt, str(layer)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise VolumeError(f"cannot create a volume layer over {below}: {proc.stderr.strip()}")
+    return (str(layer), *chain)
+
+
 def attach_for_boot(store: VolumeStore, name: str, path: str, readonly: bool) -> Attachment:
     """A template's attachment: the base itself (read-only) or a new layer over it."""
     chain: tuple[str, ...] = (str(store.base(name)),)
     if not readonly:
-        chain = store.new_layer(name, chain)
+        chain = new_layer(chain)
     return Attachment(name, check_guest_mount(path), readonly, chain)
 
 
-def attach_for_fork(store: VolumeStore, frozen: Attachment) -> Attachment:
+def attach_for_fork(frozen: Attachment) -> Attachment:
     """A child's attachment: shares a read-only volume, gets a new layer over a writable one."""
     if frozen.readonly:
         return frozen
-    return Attachment(frozen.name, frozen.path, False, store.new_layer(frozen.name, frozen.chain))
+    return Attachment(frozen.name, frozen.path, False, new_layer(frozen.chain))
+
+
+def own_layer(att: Attachment) -> Path | None:
+    """The layer only this attachment's VM writes (deleted with the VM)."""
+    return None if att.readonly or att.format == "raw" else att.top
