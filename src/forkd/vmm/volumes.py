@@ -132,7 +132,11 @@ class VolumeStore:
             base = staging / "base.img"
             with base.open("wb") as f:
                 f.truncate(size)
-            argv = ["mkfs.ext4", "-q", "-F", "-L", name[:16], "-E", "root_owner=0:0"]
+            # Inode tables and journal initialised now, not lazily by the guest
+            # kernel later: that background zeroing would write into every
+            # child's private layer.
+            opts = "root_owner=0:0,lazy_itable_init=0,lazy_journal_init=0"
+            argv = ["mkfs.ext4", "-q", "-F", "-L", name[:16], "-E", opts]
             if content_tar is not None:
                 tree = staging / "content"
                 tree.mkdir()
