@@ -326,6 +326,7 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
         no_args_is_help=False,
     )
     app.add_typer(snapshot_app, name="snapshot")
+    register_volumes(app, connect)
 
     @snapshot_app.callback(invoke_without_command=True)
     def snapshot_main(
@@ -383,11 +384,16 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
         boot_wait_secs: Annotated[
             float | None, typer.Option("--boot-wait-secs", help="How long to wait for the boot.")
         ] = None,
+        volume: Annotated[
+            list[str] | None,
+            typer.Option("--volume", help="Attach NAME:/mnt/path[:ro] (repeatable)."),
+        ] = None,
         url: UrlOpt = None,
         token_file: TokenFileOpt = None,
         as_json: JsonOpt = False,
     ) -> None:
         """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
+        volumes = [_parse_volume(v) for v in volume or []]
         as_json = want_json(ctx, as_json)
         t0 = time.monotonic()
         status = f"building snapshot {escape(tag)}: boot, setup, warm-up, snapshot"
@@ -395,6 +401,7 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
             info = ctl.create_snapshot(
                 tag, image=image, memory_mib=memory, vcpus=vcpus,
                 setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs,
+                **({"volumes": volumes} if volumes else {}),
             )  # fmt: skip
         if as_json:
             _print_json(info)
@@ -668,3 +675,68 @@ def _remove_each(ctl: Controller, names: list[str], what: str, as_json: bool) ->
         _print_json({"removed": done, "failed": failed})
     if failed:
         raise typer.Exit(1)
+
+
+def _parse_volume(text: str) -> dict[str, object]:
+    """``NAME:/mnt/path[:ro]`` → the API's volume attachment."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[1].startswith("/") or parts[2:] not in ([], ["ro"]):
+        raise typer.BadParameter(f"{text!r}: use NAME:/mnt/path or NAME:/mnt/path:ro")
+    return {"name": parts[0], "path": parts[1], "readonly": parts[2:] == ["ro"]}
+
+
+def register_volumes(app: typer.Typer, connect: Any) -> None:
+    """``forkd volume create|ls|rm``; ``connect`` makes the register's Controller."""
+    volume_app = typer.Typer(
+        help="Persistent volumes that fork copy-on-write.", no_args_is_help=True
+    )
+    app.add_typer(volume_app, name="volume")
+
+    @volume_app.command("create")
+    def volume_create(
+        name: Annotated[str, typer.Argument(help="Volume name.")],
+        size: Annotated[str, typer.Option("--size", help="e.g. 512M, 1G.")] = "1G",
+        from_dir: Annotated[
+            Path | None, typer.Option("--from", help="Copy this local directory in.")
+        ] = None,
+        url: UrlOpt = None,
+        token_file: TokenFileOpt = None,
+        as_json: JsonOpt = False,
+    ) -> None:
+        """Create an ext4 volume (empty, or a copy of a local directory)."""
+        with _errors(), connect(None, url, token_file) as ctl:
+            info = ctl.create_volume(name, size, from_dir=from_dir)
+        if as_json:
+            _print_json(info)
+        else:
+            out.print(_kv_table(info))
+
+    @volume_app.command("ls")
+    def volume_ls(
+        url: UrlOpt = None, token_file: TokenFileOpt = None, as_json: JsonOpt = False
+    ) -> None:
+        """List volumes with their size, disk use and users."""
+        with _errors(), connect(None, url, token_file) as ctl:
+            vols = ctl.list_volumes()
+        if as_json:
+            _print_json(vols)
+            return
+        table = Table("name", "size", "on disk", "layers", "used by")
+        for v in vols:
+            table.add_row(
+                v["name"], f"{v['size_bytes'] >> 20} MiB", f"{v['allocated_bytes'] >> 20} MiB",
+                str(v.get("layers", 0)), ", ".join(v.get("used_by") or []),
+            )  # fmt: skip
+        out.print(table)
+
+    @volume_app.command("rm")
+    def volume_rm(
+        names: Annotated[list[str], typer.Argument(help="Volumes to delete.")],
+        url: UrlOpt = None,
+        token_file: TokenFileOpt = None,
+    ) -> None:
+        """Delete volumes (refused while a snapshot or sandbox uses one)."""
+        with _errors(), connect(None, url, token_file) as ctl:
+            for name in names:
+                ctl.delete_volume(name)
+                out.print(f"removed volume {escape(name)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +99,25 @@ def test_cli_happy_path(daemon: Daemon) -> None:
     assert r.returncode == 0, r.stderr
     r = _cli(daemon, "snapshot", "info", "cli-tpl")
     assert r.returncode == 1 and "not found" in r.stderr
+
+
+def test_cli_volumes(daemon: Daemon, tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "hello.txt").write_text("hi from the host\n")
+    r = _cli(daemon, "volume", "create", "cli-vol", "--size", "64M", "--from", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    r = _cli(daemon, "snapshot", "create", "--tag", "cli-vol-tpl", "--memory", "256",
+             "--volume", "cli-vol:/mnt/in:ro", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = _cli(daemon, "fork", "--tag", "cli-vol-tpl", "--json")
+    (sid,) = [s["id"] for s in json.loads(r.stdout)]
+    r = _cli(daemon, "exec", sid, "--", "cat", "/mnt/in/docs/hello.txt")
+    assert (r.returncode, r.stdout) == (0, "hi from the host\n"), r.stderr
+    r = _cli(daemon, "volume", "rm", "cli-vol")
+    assert r.returncode == 1 and "in use" in r.stderr
+    r = _cli(daemon, "volume", "ls", "--json")
+    assert any(v["name"] == "cli-vol" for v in json.loads(r.stdout))
+    assert _cli(daemon, "rm", sid).returncode == 0
+    assert _cli(daemon, "rmi", "cli-vol-tpl").returncode == 0
+    r = _cli(daemon, "volume", "rm", "cli-vol")
+    assert r.returncode == 0, r.stderr
