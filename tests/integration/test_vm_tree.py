@@ -99,3 +99,16 @@ def test_children_get_fresh_randomness_and_clock(fleet: Fleet, base_snapshot: Pa
         guest = float(fleet.loop.run(kid.eval("import time; time.time()"))["result"])
         assert abs(guest - time.time()) < 2.0
         assert fleet.loop.run(kid.ping())["hostname"] == kid.id
+
+
+def test_eval_that_kills_the_interpreter_fails_fast(fleet: Fleet, base_snapshot: Path) -> None:
+    from forkd.errors import AgentError
+
+    kid = fleet.fork(base_snapshot)
+    started = time.monotonic()
+    with pytest.raises(AgentError, match="agent restarted"):
+        fleet.loop.run(kid.eval("import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"))
+    assert time.monotonic() - started < 20  # not the 60 s eval timeout
+    # busybox init started a new agent: the sandbox answers again (fresh interpreter).
+    assert fleet.loop.run(kid.ping())["pong"] is True
+    assert "NameError" in (fleet.loop.run(kid.eval("x"))["error"] or "")

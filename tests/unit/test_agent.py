@@ -514,12 +514,15 @@ def test_device_mode_on_a_pty() -> None:
         os.write(master, b"\n" + json.dumps({"id": 9, "op": "ping"}).encode() + b"\n")
         buf = b""
         deadline = time.monotonic() + 10
-        while b"\n" not in buf:
+        while buf.count(b"\n") < 2:
             ready, _, _ = select.select([master], [], [], max(0.0, deadline - time.monotonic()))
             assert ready, "no answer from the agent on the pty"
             buf += os.read(master, 65536)
-        msg = json.loads(buf.split(b"\n", 1)[0])
-        assert msg["id"] == 9 and msg["result"]["pong"] is True
+        first, second = (json.loads(x) for x in buf.split(b"\n")[:2])
+        # A new agent process announces itself first: the host then knows that
+        # requests sent to a crashed predecessor are lost.
+        assert first == {"event": "started", "pid": proc.pid}
+        assert second["id"] == 9 and second["result"]["pong"] is True
     finally:
         _stop(proc)
         os.close(master)

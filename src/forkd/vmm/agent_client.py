@@ -70,8 +70,14 @@ class AgentClient:
                     break
                 try:
                     msg = json.loads(line)
+                    if msg.get("event") == "started":
+                        self._fail_pending(
+                            f"the guest agent restarted (pid {msg.get('pid')}); requests in "
+                            "flight were lost (did code run by eval crash the interpreter?)"
+                        )
+                        continue
                     fut = self._pending.pop(int(msg["id"]), None)
-                except (ValueError, KeyError, TypeError):
+                except (ValueError, KeyError, TypeError, AttributeError):
                     log.debug("dropping unparseable agent line %r", line[:200])
                     continue
                 if fut is not None and not fut.done():
@@ -80,10 +86,13 @@ class AgentClient:
             reason = f"agent connection broken: {exc}"
         finally:
             self._closed_reason = reason
-            for fut in self._pending.values():
-                if not fut.done():
-                    fut.set_exception(AgentError(reason))
-            self._pending.clear()
+            self._fail_pending(reason)
+
+    def _fail_pending(self, reason: str) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(AgentError(reason))
+        self._pending.clear()
 
     async def call(
         self, op: str, params: dict[str, Any] | None = None, *, wait: float = 30.0

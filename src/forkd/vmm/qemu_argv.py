@@ -17,6 +17,7 @@ QEMU_BINARY = "qemu-system-x86_64"
 KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux"
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
 CONSOLE_RING_BYTES = 1 << 20
+TCG_CPU = "max"  # every feature TCG emulates (x86-64-v3 level on QEMU 7.2)
 
 
 def _opt(path: Path) -> str:
@@ -170,7 +171,9 @@ def build_argv(
     if cfg.accel == "kvm":
         argv += ["-accel", "kvm", "-cpu", "host"]
     else:
-        argv += ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MIB}"]
+        # QEMU's default qemu64 model lacks SSSE3/SSE4.2, which current wheels
+        # (numpy 2 and friends) require: they die with SIGILL at import.
+        argv += ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MIB}", "-cpu", TCG_CPU]
     if incoming:
         argv += ["-incoming", "defer", "-global", "migration.send-configuration=off"]
     return argv

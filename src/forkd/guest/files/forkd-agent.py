@@ -833,6 +833,7 @@ def serve_device(path: str | None) -> None:
     """
     device = path
     last_problem: str | None = ""  # "" = nothing logged yet
+    announced = False
     while True:
         try:
             if device is None and (device := find_agent_port()) is None:
@@ -848,6 +849,11 @@ def serve_device(path: str | None) -> None:
             log(f"serving {device}")
             last_problem = None
         conn = Connection(fd, lambda fd=fd: os.close(fd))
+        if not announced:
+            # Tells the host that requests it sent to an earlier agent process
+            # (one that crashed, e.g. user code in eval hit SIGSEGV) are lost.
+            conn.send(_encode({"event": "started", "pid": os.getpid()}), 0)
+            announced = True
         try:
             serve_stream(conn, fd)
         finally:
