@@ -43,7 +43,8 @@ def _accel() -> Check:
 
 def _build_tools() -> Check:
     missing = []
-    for tool in ("mmdebstrap", "mksquashfs", "cpio", "depmod", "dpkg-deb", "apt-get"):
+    for tool in ("mmdebstrap", "mksquashfs", "cpio", "depmod", "dpkg-deb", "apt-get",
+                 "qemu-img", "mkfs.ext4"):  # fmt: skip
         try:
             hosttools.require(tool)
         except ForkdError:
@@ -57,7 +58,10 @@ def _build_tools() -> Check:
             "image tools", False, "missing: " + ", ".join(missing),
             "apt-get install --no-install-recommends the packages named", fatal=False,
         )  # fmt: skip
-    return Check("image tools", True, "mmdebstrap, mksquashfs, cpio, kmod, busybox-static")
+    return Check(
+        "image tools", True,
+        "mmdebstrap, mksquashfs, cpio, kmod, busybox-static; qemu-img, mkfs.ext4 for volumes",
+    )  # fmt: skip
 
 
 def _images() -> Check:

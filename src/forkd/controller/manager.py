@@ -75,6 +75,9 @@ class Manager:
         # One branch of a given sandbox at a time: a second one must not resume
         # the source while the first is still capturing it.
         self._branch_locks: dict[str, asyncio.Lock] = {}
+        # Templates being built and forks in progress hold volume layers that
+        # no registry entry names yet: no layer collection meanwhile.
+        self._volume_ops = 0
         self._fork_slots = asyncio.Semaphore(FORK_PARALLELISM)
         self._reaper: asyncio.Task[None] | None = None
         self.pool = ForkPool(
@@ -253,6 +256,7 @@ class Manager:
         self._reserve_tag(tag)
         template: VM | None = None
         attach: list[Attachment] = []
+        self._volume_ops += 1
         try:
             for spec in body.get("volumes") or []:
                 try:
@@ -260,8 +264,9 @@ class Manager:
                         self.volumes, spec["name"], spec["path"], bool(spec.get("readonly"))
                     ))  # fmt: skip
                 except VolumeError as exc:
-                    status = 404 if "not found" in str(exc) else 400
-                    raise ApiError(status, str(exc)) from exc
+                    msg = str(exc)
+                    status = 404 if "not found" in msg else 500 if "layer" in msg else 400
+                    raise ApiError(status, msg) from exc
             template = await VM.boot(
                 img,
                 run_root=self.settings.run_dir,
@@ -296,6 +301,7 @@ class Manager:
         except (VMError, AgentError) as exc:
             raise ApiError(500, f"building snapshot {tag!r} failed: {exc}") from exc
         finally:
+            self._volume_ops -= 1
             if self.store.get_snapshot(tag) is None:  # failed after the commit: no orphan
                 shutil.rmtree(self.settings.snapshot_root / tag, ignore_errors=True)
             for att in attach:  # made, but the VM never took them
@@ -436,7 +442,11 @@ class Manager:
             )
             self.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
 
-        results = await asyncio.gather(*(one(sid) for sid in ids), return_exceptions=True)
+        self._volume_ops += 1
+        try:
+            results = await asyncio.gather(*(one(sid) for sid in ids), return_exceptions=True)
+        finally:
+            self._volume_ops -= 1
         if self.store.get_snapshot(tag) is not None:  # not deleted meanwhile
             self.pool.refill(snap_dir)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -633,6 +643,8 @@ class Manager:
 
     def _collect_layers(self) -> None:
         """Delete volume layers that no snapshot and no VM (or pooled QEMU) uses."""
+        if self._volume_ops or self.pool.filling():
+            return  # layers of work in progress are not registered yet; next time
         in_use: set[str] = set()
         for d in self.settings.snapshot_root.iterdir():
             with contextlib.suppress(OSError, ValueError):
@@ -680,6 +692,8 @@ class Manager:
     async def delete_volume(self, name: str) -> None:
         self.volume_info(name)  # 404 / 400 first
         users = self._volume_users(name)
+        if self._volume_ops:
+            users.append("a template build or fork in progress")
         if users:
             raise ApiError(409, f"volume {name!r} is in use by {', '.join(users)}")
         await self.pool.drop_using(name)

@@ -17,7 +17,7 @@ BUILD_DIR = "/forkd-build"  # where a recipe's build script runs from, removed a
 
 
 def build_base(recipe: Recipe, variant: str, out_tar: Path, work: Path) -> None:
-    """mmdebstrap the recipe's Debian tree into ``out_tar`` (uses the host's apt sources).
+    """mmdebstrap the recipe's Debian tree into ``out_tar`` (mmdebstrap's default mirror).
 
     A recipe's files, pip packages and ``run`` commands are applied in
     mmdebstrap's customize phase: the files and a generated script are

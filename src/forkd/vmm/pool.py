@@ -120,5 +120,9 @@ class ForkPool:
             if any(att.name == volume for vm in vms for att in vm.volumes):
                 await self.drop(snapshot_dir)
 
+    def filling(self) -> bool:
+        """Whether QEMU processes are being started (their layers not yet listed)."""
+        return any(not t.done() for t in self._fills.values())
+
     def waiting(self) -> int:
         return sum(len(v) for v in self._ready.values())
