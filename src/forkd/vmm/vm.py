@@ -151,6 +151,8 @@ class VM:
             return await asyncio.wait_for(self.qmp.execute(cmd, args), timeout)
         except TimeoutError as exc:
             raise VMError(f"QEMU of {self.id} did not answer {cmd!r} within {timeout:g} s") from exc
+        except (QMPError, OSError) as exc:  # a refusal, or the connection went (QEMU died)
+            raise VMError(f"QMP {cmd!r} to {self.id} failed: {exc}") from exc
 
     # ---------------------------------------------------------------- start
 
@@ -337,6 +339,17 @@ class VM:
             await self._qmp("cont")
             self.state = "running"
             await self._after_restore(hostname or self.id, timeout, snap)
+        except VMError as exc:
+            # QEMU gone mid-restore: name the files a damaged snapshot could be.
+            dead = await self.gone()
+            said = _tail(self.rt.qemu_log, 500) or "nothing"
+            await self.kill()
+            if dead:
+                raise SnapshotError(
+                    f"QEMU exited while restoring from {snap.dir}: {snap.memory} or "
+                    f"{snap.vmstate} may be corrupt ({exc}; QEMU said: {said})"
+                ) from exc
+            raise
         except BaseException:
             await self.kill()
             raise
@@ -410,7 +423,7 @@ class VM:
         while True:
             try:
                 status = await self._qmp("query-status")
-            except QMPError as exc:
+            except VMError as exc:
                 raise SnapshotError(
                     f"loading {vmstate} failed (QEMU: {_tail(self.rt.qemu_log) or exc})"
                 ) from exc
@@ -529,9 +542,21 @@ class VM:
             data = await self._qmp(
                 "ringbuf-read", {"device": "console", "size": limit, "format": "utf8"}, 5.0
             )
-        except (QMPError, VMError, OSError):
+        except (VMError, OSError):
             return ""
         return str(data).strip()
+
+    async def gone(self, wait: float = 1.0) -> bool:
+        """Whether QEMU has exited, allowing ``wait`` seconds for one that is exiting.
+
+        After QMP's connection drops, the process may still be tearing down.
+        """
+        deadline = time.monotonic() + wait
+        while self.is_alive():
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     def _raise_if_dead(self, what: str) -> None:
         if not self.is_alive():
@@ -547,7 +572,7 @@ class VM:
         """Freeze the vCPUs (QMP ``stop``)."""
         try:
             await self._qmp("stop")
-        except (QMPError, OSError) as exc:
+        except VMError as exc:
             self._raise_if_dead(f"QEMU of {self.id} died")
             raise VMError(f"pausing {self.id} failed: {exc}") from exc
         self.state = "paused"
@@ -556,7 +581,7 @@ class VM:
         """Let the vCPUs run again (QMP ``cont``)."""
         try:
             await self._qmp("cont")
-        except (QMPError, OSError) as exc:
+        except VMError as exc:
             self._raise_if_dead(f"QEMU of {self.id} died")
             raise VMError(f"resuming {self.id} failed: {exc}") from exc
         self.state = "running"
@@ -697,7 +722,7 @@ class SnapshotWriter:
             self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
         except BaseException as exc:
             await self.abort()
-            raise self._translate(exc, "preparing") from exc
+            raise await self._translate(exc, "preparing") from exc
 
     async def capture(self) -> None:
         """Write vmstate and the guest's written pages. The VM must be paused."""
@@ -719,22 +744,23 @@ class SnapshotWriter:
                 defer=self._deferred,
             )
         except BaseException as exc:
-            raise self._translate(exc, "capturing") from exc
+            raise await self._translate(exc, "capturing") from exc
         self.capture_ms = (time.monotonic() - started) * 1000
 
-    def _translate(self, exc: BaseException, step: str) -> BaseException:
+    async def _translate(self, exc: BaseException, step: str) -> BaseException:
         if not isinstance(exc, Exception):
             return exc
         vm = self.vm
-        if not vm.is_alive():
+        if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: the VM is fine
+            return SnapshotError(
+                f"disk full while writing snapshot {self.dest.name} under {self.dest.parent}"
+            )
+        # Anything else may be QEMU dying (SIGKILL): give it a moment to be gone.
+        if await vm.gone(wait=0.5):
             vm.state = "dead"
             return SnapshotError(
                 f"QEMU of {vm.id} died while {step} the snapshot {self.dest.name}: "
                 f"{_tail(vm.rt.qemu_log, 500) or exc}"
-            )
-        if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC
-            return SnapshotError(
-                f"disk full while writing snapshot {self.dest.name} under {self.dest.parent}"
             )
         if isinstance(exc, SnapshotError):
             return exc
