@@ -22,12 +22,9 @@ starts one for the duration of the demo; builds the ``ab-tools`` image from
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import secrets
 import sys
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -36,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forkd import Controller, ControllerError, Sandbox, Snapshot
-from forkd.demo import DEFAULT_URL, daemon
+from forkd.demo import DEFAULT_URL, Checks, cleanup, create_template, ms, run_checks, timed
 from forkd.guest import image as images
 
 console = Console(highlight=False)
@@ -99,33 +96,6 @@ def expected_matches() -> int:
     )
 
 
-class Checks:
-    """Prints one line per check and remembers the failures."""
-
-    def __init__(self) -> None:
-        self.passed = 0
-        self.failed: list[str] = []
-
-    def __call__(self, name: str, ok: bool, detail: str = "") -> bool:
-        if ok:
-            self.passed += 1
-            console.print(f"  [green]PASS[/] {name}")
-        else:
-            self.failed.append(name)
-            console.print(f"  [bold red]FAIL[/] {name}" + (f": {detail}" if detail else ""))
-        return ok
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    started = time.monotonic()
-    value = fn()
-    return value, (time.monotonic() - started) * 1000
-
-
-def ms(value: float | None) -> str:
-    return "?" if value is None else f"{value:,.0f} ms"
-
-
 def bench(sb: Sandbox, tool: str) -> dict[str, Any]:
     """Run one tool RUNS times in ``sb``, timed inside the guest."""
     script = BENCH.format(runs=RUNS, cmd=TOOLS[tool])
@@ -156,11 +126,8 @@ def run(ctl: Controller, check: Checks) -> None:
         )
         console.print(f"  image {img.name} ({img.key}) ready in {ms(img_ms)}")
 
-        with console.status(f"building template {prefix} from image {img.name}"):
-            template, build_ms = timed(
-                lambda: Snapshot.create(prefix, controller=ctl, image=img.name)
-            )
-        snaps.append(template)
+        status = f"building template {prefix} from image {img.name}"
+        template, build_ms = create_template(ctl, prefix, console, status, snaps, image=img.name)
         console.print(
             f"[bold]template[/] {prefix}: image {img.name}, "
             f"{template.info.get('memory_mib', '?')} MiB, ready in {ms(build_ms)}"
@@ -256,35 +223,14 @@ def run(ctl: Controller, check: Checks) -> None:
             f"exit {sub.exit_code}: {sub.stdout!r} {sub.stderr!r}",
         )
     finally:
-        with console.status("cleaning up"):
-            for sb in made:
-                with contextlib.suppress(ControllerError):
-                    sb.kill()
-            for snap in reversed(snaps):
-                with contextlib.suppress(ControllerError):
-                    snap.delete()
-        console.print(f"cleaned up {len(made)} sandboxes and {len(snaps)} snapshots")
+        cleanup(made, snaps, console, report=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=os.environ.get("FORKD_URL", DEFAULT_URL))
     args = parser.parse_args()
-    check = Checks()
-    try:
-        with daemon(args.url) as ctl:
-            run(ctl, check)
-    except Exception as exc:  # report any failure as a failed demo, not a traceback
-        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
-        return 1
-    if check.failed:
-        console.print(
-            f"[bold red]FAILED[/]: {len(check.failed)} of "
-            f"{len(check.failed) + check.passed} checks: {', '.join(check.failed)}"
-        )
-        return 1
-    console.print(f"[bold green]all {check.passed} checks passed[/]")
-    return 0
+    return run_checks(args.url, console, run)
 
 
 if __name__ == "__main__":

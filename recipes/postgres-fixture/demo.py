@@ -15,7 +15,6 @@ FORKD_URL, or starts one). Exits 1 if any isolation check fails.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shlex
@@ -25,8 +24,8 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from forkd.client import Controller, ControllerError, Sandbox, Snapshot
-from forkd.demo import DEFAULT_URL, daemon
+from forkd.client import Controller, Sandbox, Snapshot
+from forkd.demo import DEFAULT_URL, cleanup, daemon
 
 console = Console()
 
@@ -124,12 +123,7 @@ def run(ctl: Controller) -> list[str]:
         check(rows(fresh) == fixture_rows, "the template still has the original fixture")
         check(columns(fresh) == ["email", "id", "name"], "the template's schema is unmigrated")
     finally:
-        for sb in made:
-            with contextlib.suppress(ControllerError):
-                sb.kill()
-        for snap in reversed(snaps):
-            with contextlib.suppress(ControllerError):
-                snap.delete()
+        cleanup(made, snaps)
     return failures
 
 

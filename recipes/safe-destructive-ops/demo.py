@@ -19,20 +19,16 @@ from __future__ import annotations
 
 import argparse
 import ast
-import contextlib
 import hashlib
 import os
 import secrets
 import sys
-import time
-from collections.abc import Callable
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
 from forkd import Controller, ControllerError, Sandbox, Snapshot
-from forkd.demo import DEFAULT_URL, daemon
+from forkd.demo import DEFAULT_URL, Checks, cleanup, create_template, ms, run_checks, timed
 
 console = Console(highlight=False)
 
@@ -69,33 +65,6 @@ def sha256_manifest(files: dict[str, bytes]) -> dict[str, str]:
     return {path: hashlib.sha256(data).hexdigest() for path, data in files.items()}
 
 
-class Checks:
-    """Prints one line per check and remembers the failures."""
-
-    def __init__(self) -> None:
-        self.passed = 0
-        self.failed: list[str] = []
-
-    def __call__(self, name: str, ok: bool, detail: str = "") -> bool:
-        if ok:
-            self.passed += 1
-            console.print(f"  [green]PASS[/] {name}")
-        else:
-            self.failed.append(name)
-            console.print(f"  [bold red]FAIL[/] {name}" + (f": {detail}" if detail else ""))
-        return ok
-
-
-def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
-    started = time.monotonic()
-    value = fn()
-    return value, (time.monotonic() - started) * 1000
-
-
-def ms(value: float | None) -> str:
-    return "?" if value is None else f"{value:,.0f} ms"
-
-
 def guest_manifest(sb: Sandbox) -> dict[str, str] | None:
     res = sb.eval(f"manifest({ROOT!r})")
     if not res.ok or res.result is None:
@@ -124,13 +93,10 @@ def run(ctl: Controller, memory_mib: int, check: Checks) -> None:
     timings = Table("step", "time", title="timings")
     expected = sha256_manifest(PROJECT)
     try:
-        with console.status(f"building template {prefix}: boot a {memory_mib} MiB VM, snapshot"):
-            template, build_ms = timed(
-                lambda: Snapshot.create(
-                    prefix, controller=ctl, image="python", memory_mib=memory_mib, warmup=WARMUP
-                )
-            )
-        snaps.append(template)
+        msg = f"building template {prefix}: boot a {memory_mib} MiB VM, snapshot"
+        template, build_ms = create_template(
+            ctl, prefix, console, msg, snaps, image="python", memory_mib=memory_mib, warmup=WARMUP
+        )
         timings.add_row("template boot + warmup + snapshot", ms(build_ms))
         console.print(f"[bold]template[/] {prefix} ready in {ms(build_ms)}")
 
@@ -241,14 +207,7 @@ def run(ctl: Controller, memory_mib: int, check: Checks) -> None:
         )
         console.print(timings)
     finally:
-        with console.status("cleaning up"):
-            for sb in made:
-                with contextlib.suppress(ControllerError):
-                    sb.kill()
-            for snap in reversed(snaps):
-                with contextlib.suppress(ControllerError):
-                    snap.delete()
-        console.print(f"cleaned up {len(made)} sandboxes and {len(snaps)} snapshots")
+        cleanup(made, snaps, console, report=True)
 
 
 def main() -> int:
@@ -256,21 +215,7 @@ def main() -> int:
     parser.add_argument("--memory", type=int, default=256, help="guest memory in MiB")
     parser.add_argument("--url", default=os.environ.get("FORKD_URL", DEFAULT_URL))
     args = parser.parse_args()
-    check = Checks()
-    try:
-        with daemon(args.url) as ctl:
-            run(ctl, args.memory, check)
-    except Exception as exc:  # report any failure as a failed demo, not a traceback
-        console.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
-        return 1
-    if check.failed:
-        console.print(
-            f"[bold red]FAILED[/]: {len(check.failed)} of "
-            f"{len(check.failed) + check.passed} checks: {', '.join(check.failed)}"
-        )
-        return 1
-    console.print(f"[bold green]all {check.passed} checks passed[/]")
-    return 0
+    return run_checks(args.url, console, lambda ctl, check: run(ctl, args.memory, check))
 
 
 if __name__ == "__main__":

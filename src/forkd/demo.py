@@ -17,8 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -32,6 +33,80 @@ DEFAULT_URL = "http://127.0.0.1:8889"
 
 def ms(value: float | None) -> str:
     return "?" if value is None else f"{value:,.0f} ms"
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """``fn()`` and how long it took, in milliseconds."""
+    started = time.monotonic()
+    value = fn()
+    return value, (time.monotonic() - started) * 1000
+
+
+class Checks:
+    """Prints one line per check and remembers the failures."""
+
+    def __init__(self, out: Console | None = None) -> None:
+        self.console = out or console
+        self.passed = 0
+        self.failed: list[str] = []
+
+    def __call__(self, name: str, ok: bool, detail: str = "") -> bool:
+        if ok:
+            self.passed += 1
+            self.console.print(f"  [green]PASS[/] {name}")
+        else:
+            self.failed.append(name)
+            self.console.print(f"  [bold red]FAIL[/] {name}" + (f": {detail}" if detail else ""))
+        return ok
+
+    def report(self) -> int:
+        """Print the outcome of all checks; the exit status: 0 if all passed, else 1."""
+        if self.failed:
+            self.console.print(
+                f"[bold red]FAILED[/]: {len(self.failed)} of "
+                f"{len(self.failed) + self.passed} checks: {', '.join(self.failed)}"
+            )
+            return 1
+        self.console.print(f"[bold green]all {self.passed} checks passed[/]")
+        return 0
+
+
+def create_template(
+    ctl: Controller, tag: str, out: Console, status: str, snapshots: list[Snapshot], **options: Any
+) -> tuple[Snapshot, float]:
+    """``Snapshot.create(tag, **options)`` with ``status`` showing on ``out``.
+
+    The snapshot is appended to ``snapshots`` (the demo's list for :func:`cleanup`);
+    returns it and how long it took, in milliseconds.
+    """
+    with out.status(status):
+        template, took = timed(lambda: Snapshot.create(tag, controller=ctl, **options))
+    snapshots.append(template)
+    return template, took
+
+
+def cleanup(
+    sandboxes: Iterable[Sandbox],
+    snapshots: Iterable[Snapshot],
+    out: Console | None = None,
+    *,
+    report: bool = False,
+) -> None:
+    """Kill ``sandboxes``, then delete ``snapshots`` newest first, ignoring ControllerError.
+
+    With ``out``, a "cleaning up" status shows on that console meanwhile, and with
+    ``report`` too, a "cleaned up N sandboxes and M snapshots" line follows.
+    """
+    sandboxes, snapshots = list(sandboxes), list(snapshots)
+    with out.status("cleaning up") if out else contextlib.nullcontext():
+        for sb in sandboxes:
+            with contextlib.suppress(ControllerError):
+                sb.kill()
+        for snap in reversed(snapshots):
+            with contextlib.suppress(ControllerError):
+                snap.delete()
+    if out and report:
+        out.print(f"cleaned up {len(sandboxes)} sandboxes and {len(snapshots)} snapshots")
 
 
 @contextlib.contextmanager
@@ -73,6 +148,22 @@ def daemon(url: str) -> Iterator[Controller]:
         proc.wait(60)
         log.close()
         shutil.rmtree(state, ignore_errors=True)
+
+
+def run_checks(url: str, out: Console, body: Callable[[Controller, Checks], None]) -> int:
+    """Run ``body`` against the daemon at ``url`` with a fresh :class:`Checks`.
+
+    Any exception is reported on ``out`` as a failed demo, not a traceback.
+    Returns the exit status: 0 if every check passed, else 1.
+    """
+    check = Checks(out)
+    try:
+        with daemon(url) as ctl:
+            body(ctl, check)
+    except Exception as exc:  # report any failure as a failed demo, not a traceback
+        out.print(f"[bold red]error:[/] {type(exc).__name__}: {exc}")
+        return 1
+    return check.report()
 
 
 def run(ctl: Controller, children: int, memory_mib: int) -> None:
@@ -162,13 +253,7 @@ def run(ctl: Controller, children: int, memory_mib: int) -> None:
             "own way; the child, its siblings and the template are untouched."
         )
     finally:
-        with console.status("cleaning up"):
-            for sb in made:
-                with contextlib.suppress(ControllerError):
-                    sb.kill()
-            for snap in reversed(snaps):
-                with contextlib.suppress(ControllerError):
-                    snap.delete()
+        cleanup(made, snaps, console)
 
 
 def main() -> None:
