@@ -7,10 +7,12 @@ two back in line after a crash.
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,16 +101,21 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def _tx(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: committed on success, rolled back on any error."""
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                cur = self._db.execute(sql, args)
+                yield self._db
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            return cur
+
+    def _tx(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
+        with self._transaction() as db:
+            return db.execute(sql, args)
 
     def _query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
         with self._lock:
@@ -122,42 +129,22 @@ class Store:
 
     def next_sandbox_id(self) -> str:
         """``sb-<daemon prefix>-<seq>``; the sequence survives restarts."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('sb_seq', '0')")
-                self._db.execute(
-                    "UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'sb_seq'"
-                )
-                seq = int(
-                    self._db.execute("SELECT value FROM meta WHERE key = 'sb_seq'").fetchone()[0]
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            db.execute("INSERT OR IGNORE INTO meta(key, value) VALUES ('sb_seq', '0')")
+            db.execute("UPDATE meta SET value = CAST(value AS INTEGER) + 1 WHERE key = 'sb_seq'")
+            seq = int(db.execute("SELECT value FROM meta WHERE key = 'sb_seq'").fetchone()[0])
         return f"sb-{self.id_prefix}-{seq:04d}"
 
     def next_branch_seq(self, source_id: str) -> int:
         """Monotonic per source sandbox, persisted: a restart never reuses a number."""
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT INTO branch_seq(source_id, seq) VALUES (?, 1) "
-                    "ON CONFLICT(source_id) DO UPDATE SET seq = seq + 1",
-                    (source_id,),
-                )
-                seq = int(
-                    self._db.execute(
-                        "SELECT seq FROM branch_seq WHERE source_id = ?", (source_id,)
-                    ).fetchone()[0]
-                )
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-        return seq
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO branch_seq(source_id, seq) VALUES (?, 1) "
+                "ON CONFLICT(source_id) DO UPDATE SET seq = seq + 1",
+                (source_id,),
+            )
+            row = db.execute("SELECT seq FROM branch_seq WHERE source_id = ?", (source_id,))
+            return int(row.fetchone()[0])
 
     # ---------------------------------------------------------- snapshots
 
