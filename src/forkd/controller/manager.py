@@ -629,13 +629,24 @@ class Manager:
 
     # -------------------------------------------------------------- volumes
 
-    def _volume_users(self, name: str) -> list[str]:
-        users = []
-        for row in self.store.list_snapshots():
+    def _snapshot_volumes(self) -> dict[str, list[dict[str, Any]]]:
+        """The volumes each snapshot directory on disk records, by directory name."""
+        found: dict[str, list[dict[str, Any]]] = {}
+        for d in self.settings.snapshot_root.iterdir():
             with contextlib.suppress(OSError, ValueError):
-                meta = json.loads((Path(row.dir) / snapshot_files.META).read_text())
-                if any(v.get("name") == name for v in meta.get("volumes") or []):
-                    users.append(f"snapshot {row.tag}")
+                meta = json.loads((d / snapshot_files.META).read_text())
+                found[d.name] = list(meta.get("volumes") or [])
+        return found
+
+    def _volume_users(
+        self, name: str, recorded: dict[str, list[dict[str, Any]]] | None = None
+    ) -> list[str]:
+        recorded = self._snapshot_volumes() if recorded is None else recorded
+        users = [
+            f"snapshot {row.tag}"
+            for row in self.store.list_snapshots()
+            if any(v.get("name") == name for v in recorded.get(Path(row.dir).name, []))
+        ]
         for sid, vm in self.vms.items():
             if any(v.name == name for v in vm.volumes):
                 users.append(f"sandbox {sid}")
@@ -646,11 +657,9 @@ class Manager:
         if self._volume_ops or self.pool.filling():
             return  # layers of work in progress are not registered yet; next time
         in_use: set[str] = set()
-        for d in self.settings.snapshot_root.iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                meta = json.loads((d / snapshot_files.META).read_text())
-                for v in meta.get("volumes") or []:
-                    in_use.update(v.get("chain") or [])
+        for recorded in self._snapshot_volumes().values():
+            for v in recorded:
+                in_use.update(v.get("chain") or [])
         for vm in [*self.vms.values(), *self.pool.all_vms()]:
             for att in vm.volumes:
                 in_use.update(att.chain)
@@ -659,7 +668,10 @@ class Manager:
             log.info("removed %d volume layers no snapshot or sandbox uses", removed)
 
     def list_volumes(self) -> list[dict[str, Any]]:
-        return [{**v, "used_by": self._volume_users(v["name"])} for v in self.volumes.list()]
+        recorded = self._snapshot_volumes()  # read once for every volume
+        return [
+            {**v, "used_by": self._volume_users(v["name"], recorded)} for v in self.volumes.list()
+        ]
 
     def volume_info(self, name: str) -> dict[str, Any]:
         try:

@@ -570,21 +570,19 @@ class VM:
 
     async def pause(self) -> None:
         """Freeze the vCPUs (QMP ``stop``)."""
-        try:
-            await self._qmp("stop")
-        except VMError as exc:
-            self._raise_if_dead(f"QEMU of {self.id} died")
-            raise VMError(f"pausing {self.id} failed: {exc}") from exc
-        self.state = "paused"
+        await self._run_state("stop", "pausing", "paused")
 
     async def resume(self) -> None:
         """Let the vCPUs run again (QMP ``cont``)."""
+        await self._run_state("cont", "resuming", "running")
+
+    async def _run_state(self, cmd: str, doing: str, state: str) -> None:
         try:
-            await self._qmp("cont")
+            await self._qmp(cmd)
         except VMError as exc:
             self._raise_if_dead(f"QEMU of {self.id} died")
-            raise VMError(f"resuming {self.id} failed: {exc}") from exc
-        self.state = "running"
+            raise VMError(f"{doing} {self.id} failed: {exc}") from exc
+        self.state = state
 
     async def kill(self) -> None:
         """Stop the VM for good and remove its runtime files."""

@@ -19,7 +19,6 @@ import json
 import re
 import secrets
 import shutil
-import subprocess
 import tarfile
 import tempfile
 import time
@@ -188,16 +187,16 @@ def layer_path(chain: tuple[str, ...]) -> Path:
 
 def new_layer(chain: tuple[str, ...]) -> tuple[str, ...]:
     """A fresh empty qcow2 layer over ``chain``; returns the longer chain."""
-    hosttools.require("qemu-img")
     below = Path(chain[0])
     fmt = "raw" if below.name == "base.img" else "qcow2"
     layer = layer_path(chain)
-    proc = subprocess.run(
-        ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(below), "-F", fmt, str(layer)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        raise VolumeError(f"cannot create a volume layer over {below}: {proc.stderr.strip()}")
+    try:
+        hosttools.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(below), "-F", fmt, str(layer)],
+            what=f"creating a volume layer over {below}",
+        )
+    except ForkdError as exc:  # the manager tells layer failures (500) from bad input
+        raise VolumeError(f"cannot create a volume layer: {exc}") from exc
     return (str(layer), *chain)
 
 
