@@ -1,11 +1,57 @@
-"""Exception types shared by the VM driver, the image builder and the daemon."""
+"""Every error forkd raises on purpose, in one tree.
+
+Services raise these and nothing else; the HTTP layer maps each branch of
+the tree to one status (``forkd.controller.http_errors``), never by reading
+the message::
+
+    ForkdError                 anything else that failed (500)
+    ├── Invalid                bad input: the request, a name, a size, a path (400)
+    ├── Forbidden              the guest refused for lack of permission (403)
+    ├── NotFound               unknown snapshot, sandbox, volume or guest path (404)
+    ├── Conflict               exists already, in use, not running, not bootable (409)
+    ├── Busy                   a concurrency cap is reached: retry shortly (503)
+    ├── Unavailable            this host lacks what the request needs (503)
+    │   └── HostToolMissing    a program forkd runs on the host is not installed
+    ├── GuestError             the guest agent did not answer, or failed (502)
+    │   └── AgentError         raised by the agent channel; ``kind`` names the guest's exception
+    ├── StorageFull            the host's disk filled up while writing (500)
+    ├── ImageError             building or reading a guest image failed (500)
+    └── VMError                QEMU could not be started, controlled or snapshotted (500)
+        └── SnapshotError      a snapshot could not be written, or cannot be restored
+"""
+
+from __future__ import annotations
 
 
 class ForkdError(Exception):
     """Base class of every error forkd raises on purpose."""
 
 
-class HostToolMissing(ForkdError):
+class Invalid(ForkdError):
+    """The caller asked for something malformed or out of bounds; nothing changed."""
+
+
+class Forbidden(ForkdError):
+    """The guest refused the request for lack of permission."""
+
+
+class NotFound(ForkdError):
+    """The named snapshot, sandbox, volume or guest path does not exist."""
+
+
+class Conflict(ForkdError):
+    """The request clashes with the current state: exists, in use, not running."""
+
+
+class Busy(ForkdError):
+    """A concurrency cap is reached; the same request may succeed shortly."""
+
+
+class Unavailable(ForkdError):
+    """This host cannot serve the request (a tool or a feature is missing)."""
+
+
+class HostToolMissing(Unavailable):
     """A program forkd needs on the host is not installed."""
 
     def __init__(self, tool: str, package: str) -> None:
@@ -15,6 +61,26 @@ class HostToolMissing(ForkdError):
         )
         self.tool = tool
         self.package = package
+
+
+class GuestError(ForkdError):
+    """The guest did not answer, or answered with a failure forkd did not expect."""
+
+
+class AgentError(GuestError):
+    """The guest agent could not be reached or answered with an error.
+
+    ``kind`` is the guest-side exception class name when the agent answered
+    (``FileNotFoundError``, ``ValueError``, ...), else ``None``.
+    """
+
+    def __init__(self, message: str, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class StorageFull(ForkdError):
+    """The host's disk filled up; what was being written was removed."""
 
 
 class ImageError(ForkdError):
@@ -27,15 +93,3 @@ class VMError(ForkdError):
 
 class SnapshotError(VMError):
     """A snapshot could not be written, or is unusable for a restore."""
-
-
-class AgentError(ForkdError):
-    """The guest agent could not be reached or answered with an error.
-
-    ``kind`` is the guest-side exception class name when the agent answered
-    (``FileNotFoundError``, ``ValueError``, ...), else ``None``.
-    """
-
-    def __init__(self, message: str, kind: str | None = None) -> None:
-        super().__init__(message)
-        self.kind = kind

@@ -1,0 +1,80 @@
+"""Defaults and bounds of every value a user sets, and the checks on names.
+
+One place for what the HTTP models, the services, the VM driver, the image
+recipes and the volume store would otherwise each define for themselves.
+Standard library only: the SDK may import it.
+"""
+
+from __future__ import annotations
+
+import re
+
+from forkd.errors import Invalid
+
+# Names: snapshot tags, volume names, image recipe names.
+NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+NAME_RE = re.compile(NAME_PATTERN)
+NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '_' and '-'"
+
+# Guest machine.
+MIN_MEMORY_MIB = 128  # the Debian kernel + Python guest does not boot in less
+MAX_MEMORY_MIB = 65536
+DEFAULT_MEMORY_MIB = 512
+MAX_VCPUS = 64
+DEFAULT_VCPUS = 1
+
+# Waits, in seconds.
+BOOT_TIMEOUT_SECS = 90.0  # cold boot until the agent answers
+MAX_BOOT_TIMEOUT_SECS = 3600.0
+RESTORE_TIMEOUT_SECS = 30.0  # fork until the agent answers
+SETUP_TIMEOUT_SECS = 900.0  # each template setup command and warm-up
+EXEC_TIMEOUT_SECS = 30.0
+MAX_EXEC_TIMEOUT_SECS = 86400.0
+EVAL_TIMEOUT_SECS = 60.0
+MAX_SANDBOX_TIMEOUT_SECS = 30 * 86400.0
+
+# Counts.
+MAX_FORK_N = 1000
+MAX_SETUP_COMMANDS = 100
+MAX_VOLUMES_PER_VM = 8
+MIN_MEMORY_LIMIT_MIB = 64
+
+# Request bodies.
+JSON_BODY_LIMIT = 1 << 20  # the JSON routes
+FILE_BODY_LIMIT = 32 << 20  # raw file uploads and volume archives (the agent's own cap)
+
+
+def check_name(name: object, what: str = "tag") -> str:
+    """``name`` if it is a valid tag or volume name, else :class:`Invalid`."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise Invalid(f"invalid {what} {name!r}: {what}s are {NAME_RULE}")
+    return name
+
+
+def check_tag(tag: object) -> str:
+    return check_name(tag, "tag")
+
+
+def check_memory_mib(memory_mib: int) -> int:
+    if not MIN_MEMORY_MIB <= memory_mib <= MAX_MEMORY_MIB:
+        raise Invalid(
+            f"memory_mib must be between {MIN_MEMORY_MIB} and {MAX_MEMORY_MIB}, not {memory_mib}"
+        )
+    return memory_mib
+
+
+def check_vcpus(vcpus: int) -> int:
+    if not 1 <= vcpus <= MAX_VCPUS:
+        raise Invalid(f"vcpus must be between 1 and {MAX_VCPUS}, not {vcpus}")
+    return vcpus
+
+
+def check_guest_path(path: object) -> str:
+    """A path inside the sandbox: absolute, no NUL byte."""
+    if not isinstance(path, str) or not path:
+        raise Invalid("path is required")
+    if "\x00" in path:
+        raise Invalid("path must not contain a NUL byte")
+    if not path.startswith("/"):
+        raise Invalid(f"path must be absolute (start with '/'), got {path!r}")
+    return path
