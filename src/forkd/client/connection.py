@@ -1,0 +1,160 @@
+"""How the SDK reaches the daemon: its address, its token, and what a failed request means.
+
+The daemon's address is ``http://host:port`` or ``unix:/path/to.sock``
+(``$FORKD_URL``, default ``http://127.0.0.1:8889``); its token comes from
+``$FORKD_TOKEN`` or the file named by ``$FORKD_TOKEN_FILE``. Every failure on
+the way (no answer, a non-2xx answer, a body that is not JSON) becomes a
+:class:`~forkd.client.errors.ControllerError`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+
+def _import_httpx_light() -> None:
+    """Import httpx without its own command line (``httpx._main``).
+
+    httpx's ``__init__`` imports ``httpx._main`` whenever click, rich and
+    pygments are installed (as they are next to the daemon), which triples the
+    import time of this SDK. Marking that one submodule as absent during the
+    import makes httpx fall back to its stub ``main``; the mark is removed
+    afterwards, so an explicit ``import httpx._main`` later still works.
+    """
+    if "httpx" in sys.modules or "httpx._main" in sys.modules:
+        return
+    sys.modules["httpx._main"] = None  # type: ignore[assignment]
+    try:
+        import httpx  # noqa: F401
+    finally:
+        if sys.modules.get("httpx._main", 0) is None:
+            del sys.modules["httpx._main"]
+
+
+_import_httpx_light()
+
+import httpx  # noqa: E402
+
+from forkd import __version__  # noqa: E402
+from forkd.client.errors import ControllerError  # noqa: E402
+
+DEFAULT_URL = "http://127.0.0.1:8889"
+_UDS_BASE = "http://forkd"
+
+JSONDict = dict[str, Any]
+
+
+def _read_token_file(path: str | os.PathLike[str]) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except OSError as exc:
+        raise ControllerError(0, f"cannot read token file {os.fspath(path)}: {exc}") from exc
+    return token or None
+
+
+def _resolve_token(token: str | None, token_file: str | os.PathLike[str] | None) -> str | None:
+    if token:
+        return token
+    if token_file:
+        return _read_token_file(token_file)
+    env = os.environ.get("FORKD_TOKEN", "").strip()
+    if env:
+        return env
+    env_file = os.environ.get("FORKD_TOKEN_FILE")
+    if env_file:
+        return _read_token_file(env_file)
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class Address:
+    """Where the daemon listens: as given (``url``) and as httpx reaches it."""
+
+    url: str
+    base_url: str
+    socket_path: str | None
+    # Proxy settings from the environment apply only to a daemon off this host.
+    trust_env: bool
+
+    @classmethod
+    def parse(cls, url: str | None) -> Address:
+        """``url``, else ``$FORKD_URL``, else :data:`DEFAULT_URL`; ``host:port`` means http."""
+        url = (url or os.environ.get("FORKD_URL") or DEFAULT_URL).strip()
+        if url.startswith("unix:"):
+            path = url[len("unix:") :]
+            if path.startswith("//"):  # unix:///run/forkd.sock
+                path = path[2:]
+            if not path:
+                raise ValueError(f"no socket path in {url!r}")
+            return cls(url, _UDS_BASE, path, trust_env=False)
+        base = (url if "://" in url else "http://" + url).rstrip("/")
+        return cls(url, base, None, trust_env=not _is_loopback(urlsplit(base).hostname or ""))
+
+    def client(
+        self, token: str | None, timeout: float, transport: httpx.BaseTransport | None = None
+    ) -> httpx.Client:
+        """An HTTP client of the daemon sending ``token`` as its bearer token."""
+        if transport is None and self.socket_path is not None:
+            transport = httpx.HTTPTransport(uds=self.socket_path)
+        headers = {"User-Agent": f"forkd-client/{__version__}", "Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+            trust_env=self.trust_env,
+        )
+
+
+def send(client: httpx.Client, url: str, method: str, path: str, **kw: Any) -> httpx.Response:
+    """``client.request(method, path, **kw)``; a ControllerError unless the answer is 2xx.
+
+    ``url`` is the daemon's address as the caller knows it, for the messages.
+    """
+    try:
+        resp = client.request(method, path, **kw)
+    except httpx.ConnectError as exc:
+        raise ControllerError(
+            0,
+            f"the forkd daemon is not reachable at {url} ({exc}); start it with `forkd serve`",
+        ) from exc
+    except httpx.TimeoutException as exc:
+        raise ControllerError(
+            0, f"no answer from the forkd daemon at {url} in time ({method} {path})"
+        ) from exc
+    except httpx.TransportError as exc:
+        raise ControllerError(0, f"talking to the forkd daemon at {url} failed: {exc!r}") from exc
+    if not resp.is_success:
+        raise ControllerError.from_response(resp)
+    return resp
+
+
+def json_of(resp: httpx.Response, method: str, path: str) -> Any:
+    """The JSON body of a 2xx answer to ``method path``; None when it has none."""
+    if resp.status_code == 204 or not resp.content:
+        return None
+    try:
+        return resp.json()
+    except ValueError as exc:
+        raise ControllerError(
+            resp.status_code,
+            f"the daemon answered {method} {path} with something that is not JSON",
+            resp.text,
+        ) from exc

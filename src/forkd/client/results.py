@@ -1,0 +1,52 @@
+"""What a command or an evaluation in a sandbox answered: output, exit code, result."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from forkd.client.connection import JSONDict
+
+
+def exit_code_of(answer: dict[str, Any]) -> int:
+    """The exit code in an exec/eval answer; 124 for a timeout, -1 when missing."""
+    code = answer.get("exit_code")
+    if code is None:
+        return 124 if answer.get("timed_out") else -1
+    return int(code)
+
+
+@dataclass
+class CommandResult:
+    """What a command printed and how it exited (124: killed by its timeout)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int
+    raw: JSONDict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    @property
+    def timed_out(self) -> bool:
+        """True when the command was killed by its timeout."""
+        return bool(self.raw.get("timed_out", self.exit_code == 124))
+
+
+@dataclass
+class EvalResult:
+    """The repr of the code's final expression (``result``, None for plain
+    statements) or the error text (``error``)."""
+
+    result: str | None
+    error: str | None
+    exit_code: int
+    stdout: str | None = None
+    stderr: str | None = None
+    raw: JSONDict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.exit_code == 0

@@ -1,0 +1,221 @@
+"""A running sandbox as an object: :class:`Sandbox`, with its ``commands`` and ``files``."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from forkd.client.connection import JSONDict
+from forkd.client.controller import Controller
+from forkd.client.errors import ControllerError
+from forkd.client.results import CommandResult, EvalResult, exit_code_of
+
+if TYPE_CHECKING:
+    from forkd.client.snapshot import Snapshot
+
+
+class Commands:
+    """``sandbox.commands``: run programs in the sandbox."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def run(
+        self,
+        cmd: str | list[str],
+        timeout: float = 30,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | bytes | None = None,
+    ) -> CommandResult:
+        """Run ``cmd`` and wait for it; a str runs as ``/bin/sh -c cmd``.
+
+        A non-zero exit is not an exception: check ``result.exit_code``.
+
+        Example::
+
+            r = sb.commands.run("echo $HOME; ls /nope", timeout=10)
+            print(r.stdout, r.stderr, r.exit_code)
+        """
+        args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        sb = self._sandbox
+        raw = sb.controller.exec_command(
+            sb.id, args, timeout_secs=timeout, cwd=cwd, env=env, stdin=stdin
+        )
+        return CommandResult(
+            stdout=raw.get("stdout") or "",
+            stderr=raw.get("stderr") or "",
+            exit_code=exit_code_of(raw),
+            raw=raw,
+        )
+
+
+class Files:
+    """``sandbox.files``: read and write files in the sandbox."""
+
+    def __init__(self, sandbox: Sandbox) -> None:
+        self._sandbox = sandbox
+
+    def read(self, path: str) -> bytes:
+        """The file's contents."""
+        return self._sandbox.controller.read_file(self._sandbox.id, path)
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """The file's contents, decoded."""
+        return self.read(path).decode(encoding)
+
+    def write(self, path: str, data: bytes | str) -> None:
+        """Create or replace a file (a str is written as UTF-8)."""
+        self._sandbox.controller.write_file(self._sandbox.id, path, data)
+
+    def list(self, path: str) -> list[JSONDict]:
+        """Entries of a directory: ``{"name", "type", "size", "mode", "mtime"}``."""
+        return self._sandbox.controller.list_files(self._sandbox.id, path)
+
+    def remove(self, path: str, recursive: bool = False) -> None:
+        """Delete a file (or a directory tree with ``recursive=True``)."""
+        self._sandbox.controller.remove_file(self._sandbox.id, path, recursive=recursive)
+
+
+class Sandbox:
+    """One running sandbox (a forked microVM).
+
+    ``Sandbox(tag)`` forks a new child of snapshot ``tag``;
+    ``Sandbox(sandbox_id=...)`` attaches to a running one. Used as a context
+    manager it is killed on exit. Without ``controller=`` it makes its own
+    :class:`Controller` from the environment (``FORKD_URL``, ``FORKD_TOKEN``).
+
+    Example::
+
+        with Sandbox("py", timeout_secs=600) as sb:
+            r = sb.commands.run("python3 -c 'print(6*7)'")
+            assert r.stdout == "42\\n"
+            sb.files.write("/tmp/data.json", '{"a": 1}')
+            print(sb.eval("import json; json.load(open('/tmp/data.json'))").result)
+            snap = sb.branch()                  # keep this state for later
+        kids = snap.fork(2)                     # two copies of it, after sb is gone
+    """
+
+    def __init__(
+        self,
+        tag: str | None = None,
+        *,
+        controller: Controller | None = None,
+        sandbox_id: str | None = None,
+        **spawn_kwargs: Any,
+    ) -> None:
+        if (tag is None) == (sandbox_id is None):
+            raise ValueError("give a snapshot tag to fork from, or sandbox_id= to attach to")
+        if sandbox_id is not None and spawn_kwargs:
+            raise TypeError(f"spawn options given with sandbox_id: {sorted(spawn_kwargs)}")
+        owns = controller is None
+        ctl = controller if controller is not None else Controller()
+        try:
+            if tag is not None:
+                info = ctl.spawn_sandboxes(tag, n=1, **spawn_kwargs)[0]
+            else:
+                assert sandbox_id is not None
+                info = ctl.get_sandbox(sandbox_id)
+        except BaseException:
+            if owns:
+                ctl.close()
+            raise
+        self._setup(ctl, info, owns)
+
+    def _setup(self, controller: Controller, info: JSONDict, owns: bool) -> None:
+        self._controller = controller
+        self._info = info
+        self._owns_controller = owns
+        self._killed = False
+        self.commands = Commands(self)
+        self.files = Files(self)
+
+    @classmethod
+    def _wrap(cls, controller: Controller, info: JSONDict) -> Sandbox:
+        """A Sandbox for a SandboxInfo the daemon already answered."""
+        sb = cls.__new__(cls)
+        sb._setup(controller, info, owns=False)
+        return sb
+
+    @classmethod
+    def create(cls, tag: str, **kwargs: Any) -> Sandbox:
+        """Fork one new sandbox from snapshot ``tag`` (same as ``Sandbox(tag, ...)``)."""
+        return cls(tag, **kwargs)
+
+    @property
+    def id(self) -> str:
+        return self._info["id"]
+
+    @property
+    def info(self) -> JSONDict:
+        """The last SandboxInfo seen (see :meth:`refresh`)."""
+        return self._info
+
+    @property
+    def controller(self) -> Controller:
+        return self._controller
+
+    @property
+    def snapshot_tag(self) -> str | None:
+        return self._info.get("snapshot_tag")
+
+    def refresh(self) -> JSONDict:
+        """Fetch the SandboxInfo again."""
+        self._info = self._controller.get_sandbox(self.id)
+        return self._info
+
+    def ping(self) -> JSONDict:
+        """Check the guest agent answers: ``{"pong": true, ...}``."""
+        return self._controller.ping_sandbox(self.id)
+
+    def eval(self, code: str) -> EvalResult:
+        """Run Python in the sandbox's persistent interpreter.
+
+        Example::
+
+            sb.eval("import math; r = 2")
+            print(sb.eval("math.pi * r ** 2").result)   # '12.566370614359172'
+        """
+        raw = self._controller.eval_code(self.id, code)
+        return EvalResult(
+            result=raw.get("result"),
+            error=raw.get("error"),
+            exit_code=int(raw.get("exit_code") or 0),
+            stdout=raw.get("stdout"),
+            stderr=raw.get("stderr"),
+            raw=raw,
+        )
+
+    def branch(self, tag: str | None = None, mode: str | None = None) -> Snapshot:
+        """Snapshot this running sandbox (it pauses briefly, then continues)."""
+        from forkd.client.snapshot import Snapshot  # it forks Sandboxes in turn
+
+        info = self._controller.branch_sandbox(self.id, tag=tag, mode=mode)
+        return Snapshot(info["tag"], controller=self._controller, info=info)
+
+    def kill(self) -> None:
+        """Kill the sandbox; killing it again (or one already gone) is a no-op."""
+        if self._killed:
+            return
+        try:
+            self._controller.kill_sandbox(self.id)
+        except ControllerError as exc:
+            if exc.status != 404:
+                raise
+        self._killed = True
+
+    @property
+    def killed(self) -> bool:
+        return self._killed
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.kill()
+        finally:
+            if self._owns_controller:
+                self._controller.close()
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r}, snapshot={self.snapshot_tag!r})"

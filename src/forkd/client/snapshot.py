@@ -1,0 +1,84 @@
+"""A snapshot on the daemon as an object: :class:`Snapshot`, to fork sandboxes from."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from forkd.client.connection import JSONDict
+from forkd.client.controller import Controller
+from forkd.client.sandbox import Sandbox
+
+
+class Snapshot:
+    """A snapshot on the daemon: a template or a branch of a sandbox.
+
+    Example::
+
+        snap = Snapshot.create("py", memory_mib=512, setup=["pip install numpy"],
+                               warmup="import numpy")
+        kids = snap.fork(10, timeout_secs=300)
+        branch = kids[0].branch()
+        print(branch.branched_from, branch.pause_ms)   # 'sb-67a1b3-0001' 212
+        grandkids = branch.fork(3)
+    """
+
+    def __init__(
+        self,
+        tag: str,
+        *,
+        controller: Controller | None = None,
+        info: JSONDict | None = None,
+    ) -> None:
+        self.tag = tag
+        self._controller = controller if controller is not None else Controller()
+        self._info = info
+
+    @classmethod
+    def create(
+        cls, tag: str, controller: Controller | None = None, **create_kwargs: Any
+    ) -> Snapshot:
+        """Build a template snapshot (``POST /v1/snapshots``); keyword arguments
+        as :meth:`Controller.create_snapshot`."""
+        ctl = controller if controller is not None else Controller()
+        info = ctl.create_snapshot(tag, **create_kwargs)
+        return cls(info.get("tag", tag), controller=ctl, info=info)
+
+    @property
+    def controller(self) -> Controller:
+        return self._controller
+
+    @property
+    def info(self) -> JSONDict:
+        """The SnapshotInfo (fetched from the daemon on first use)."""
+        if self._info is None:
+            self.refresh()
+        assert self._info is not None
+        return self._info
+
+    @property
+    def branched_from(self) -> str | None:
+        """The sandbox this was branched from; None for templates."""
+        return self.info.get("branched_from")
+
+    @property
+    def pause_ms(self) -> float | None:
+        """How long the source sandbox was paused for the branch; None for templates."""
+        return self.info.get("pause_ms")
+
+    def refresh(self) -> JSONDict:
+        """Fetch ``GET /v1/snapshots/{tag}/info`` again."""
+        self._info = self._controller.snapshot_info(self.tag)
+        return self._info
+
+    def fork(self, n: int = 1, **spawn_kwargs: Any) -> list[Sandbox]:
+        """Fork ``n`` sandboxes from this snapshot (all or nothing); keyword
+        arguments as :meth:`Controller.spawn_sandboxes`."""
+        infos = self._controller.spawn_sandboxes(self.tag, n=n, **spawn_kwargs)
+        return [Sandbox._wrap(self._controller, info) for info in infos]
+
+    def delete(self) -> None:
+        """Delete the snapshot (sandboxes forked from it keep running)."""
+        self._controller.delete_snapshot(self.tag)
+
+    def __repr__(self) -> str:
+        return f"Snapshot({self.tag!r})"
