@@ -28,6 +28,7 @@ from rich.console import Console
 
 from forkd.errors import ImageError
 from forkd.guest import image as guest_image
+from forkd.vmm.processes import qemu_pids_under
 from forkd.vmm.vm import VM
 
 MIB = 1 << 20
@@ -87,19 +88,11 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 def kill_strays(workdir: Path) -> list[int]:
     """SIGKILL any QEMU whose command line names our work dir (a safety net)."""
-    needle = str(workdir).encode()
     killed = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"qemu-system" in cmdline.split(b"\0", 1)[0] and needle in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                killed.append(int(entry.name))
+    for pid in qemu_pids_under(workdir):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
     return killed
 
 

@@ -10,10 +10,10 @@ the end, also on failure or Ctrl-C):
 
 1. boot a template of that size, snapshot it, kill it;
 2. fork one child from the template and dirty ``--dirty-mib`` MiB in it;
-3. branch the child ``--branches`` times (``child.snapshot(dest)``: stage and
+3. branch the child ``--branches`` times (``child.write_snapshot(dest)``: stage and
    clone the base while it runs, pause, capture, resume, commit), each time
    rewriting the same buffer first, so every branch has similar dirty memory;
-   the pause window is read from each branch's ``snapshot.json`` (``pause_ms``),
+   the pause window is each branch's recorded ``pause_ms`` (its ``snapshot.json``),
    and the whole call is timed as ``branch_wall_ms``;
 4. fork the first grandchild from the last (fresh) branch: its ``ready_ms`` is
    ``first_grandchild_fork_ms``; it must see the child's state at the branch;
@@ -27,7 +27,6 @@ run (VMs killed, work dir removed) without a JSON line, exit status 130.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -95,12 +94,11 @@ class Bench(benchlib.BenchBase):
         tpl = await self._boot(image, size)
         try:
             _check_eval(await tpl.eval("x = 41"), "template warm-up eval")
-            snap = await tpl.snapshot(self._new_snap_dir(f"template-{size}"))
+            snap = await tpl.write_snapshot(self._new_snap_dir(f"template-{size}"))
         finally:
             # Children map memory.bin, not the template: it can go.
             await self._kill([tpl])
-        meta = json.loads((snap / "snapshot.json").read_text())
-        return snap, {"boot_ms": tpl.ready_ms, "meta": meta}
+        return snap.dir, {"boot_ms": tpl.ready_ms, "meta": snap.meta}
 
     async def _branch(self, child: VM, size: int, i: int) -> dict[str, Any]:
         """Re-dirty the child, branch it; returns the branch dir and its figures."""
@@ -108,21 +106,20 @@ class Bench(benchlib.BenchBase):
         expected = _check_eval(await child.eval(f"_forkd_redirty({tag!r})"), "re-dirtying eval")
         dest = self._new_snap_dir(f"branch-{size}-{i}")
         t0 = time.monotonic()
-        await child.snapshot(dest)
+        meta = (await child.write_snapshot(dest)).meta
         wall_ms = (time.monotonic() - t0) * 1000
-        meta = json.loads((dest / "snapshot.json").read_text())
         mem = dest / "memory.bin"
         return {
             "dir": dest,
             "expected_state": expected,
-            "pause_ms": float(meta["pause_ms"]),
+            "pause_ms": float(meta.pause_ms or 0.0),
             "wall_ms": wall_ms,
-            "capture_ms": meta.get("capture_ms"),
-            "pages_written": meta.get("pages_written"),
-            "base_bytes_cloned": meta.get("base_bytes_cloned"),
+            "capture_ms": meta.capture_ms,
+            "pages_written": meta.pages_written,
+            "base_bytes_cloned": meta.base_bytes_cloned,
             "alloc_mib": allocated_mib(mem),
             "logical_mib": mem.stat().st_size / MIB,
-            "accel": meta.get("machine", {}).get("accel"),
+            "accel": meta.machine.accel,
         }
 
     async def _one_size(self, image: guest_image.Image, size: int) -> dict[str, Any]:
@@ -212,7 +209,7 @@ class Bench(benchlib.BenchBase):
                 "grandchild_restore_wall_ms": r1(info["grandchild_wall_ms"]),
                 "grandchild_state_ok": info["grandchild_state_ok"],
                 "template_boot_ms": r1(info["template"]["boot_ms"]),
-                "template_pause_ms": tpl_meta.get("pause_ms"),
+                "template_pause_ms": tpl_meta.pause_ms,
             }
             self.rows.append(
                 (

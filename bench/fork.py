@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import shutil
 import statistics
@@ -96,8 +95,7 @@ class Bench(benchlib.BenchBase):
                 with contextlib.suppress(Exception):
                     await vm.resume()
             raise
-        await writer.commit()
-        meta = json.loads((dest / "snapshot.json").read_text())
+        meta = await writer.commit()
         return {
             "pause_ms": pause_ms,
             "capture_ms": writer.capture_ms,
@@ -119,8 +117,7 @@ class Bench(benchlib.BenchBase):
         await tpl.write_file("/tmp/forkd-bench.txt", b"warm\n")
         snap = self._new_snap_dir(f"template-{mem}")
         snap_info = await self.timed_snapshot(tpl, snap)
-        machine = snap_info["meta"].get("machine", {})
-        self.results["accel"] = machine.get("accel")
+        self.results["accel"] = snap_info["meta"].machine.accel
         self.results["template_snapshot_pause_ms"] = r1(snap_info["pause_ms"])
         self.results["template_memory_bin_mib"] = r1(snap_info["memory_bin_mib"])
         self.rows.append(("template snapshot pause", f"{snap_info['pause_ms']:.1f} ms", ""))

@@ -25,6 +25,7 @@ from forkd import hosttools, paths
 from forkd.errors import ImageError
 from forkd.guest import initramfs, kernel, recipe, rootfs
 from forkd.guest.recipe import Recipe
+from forkd.vmm import runtime_meta, snapshot_files
 
 BUILDER_VERSION = 1
 GUEST_FILES = ("initramfs-init", "init", "inittab", rootfs.AGENT_FILE)
@@ -211,16 +212,11 @@ def users_of(img: Image, roots: list[Path]) -> list[str]:
     """Snapshots and VMs under ``roots`` whose snapshot.json / vm.json name ``img``."""
     found = []
     for root in roots:
-        if not root.is_dir():
-            continue
-        for meta in [*root.glob("*/snapshot.json"), *root.glob("*/vm.json")]:
-            try:
-                data = json.loads(meta.read_text())
-            except (OSError, ValueError):
-                continue
-            if (data.get("image") or {}).get("dir") == str(img.dir):
-                kind = "snapshot" if meta.name == "snapshot.json" else "VM"
-                found.append(f"{kind} {meta.parent.name}")
+        for kind, recorded in (
+            ("snapshot", snapshot_files.recorded_images(root)),
+            ("VM", runtime_meta.recorded_images(root)),
+        ):
+            found += [f"{kind} {name}" for name, ref in recorded.items() if ref.dir == str(img.dir)]
     return found
 
 

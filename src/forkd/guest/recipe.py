@@ -33,10 +33,11 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from forkd import limits
 from forkd.errors import ImageError
 
 RECIPE_FILE = "recipe.toml"
-NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+NAME_RE = limits.NAME_RE
 DEBIAN_PACKAGE_RE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
 PIP_SPEC_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-\[\],<>=!~]*$")
 TEMPLATE_KEYS = {"memory_mib", "vcpus", "setup", "warmup"}

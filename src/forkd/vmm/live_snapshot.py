@@ -16,17 +16,21 @@ again, and the caller registers it last.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from forkd.errors import ForkdError
+from forkd.vmm.snapshot_files import SnapshotLabels, SnapshotMeta
 
 
 class Writer(Protocol):
+    """:class:`forkd.vmm.snapshot_writer.SnapshotWriter`, as this module drives it."""
+
     async def capture(self) -> None: ...
-    async def commit(self, extra_meta: dict[str, Any] | None = None) -> Path: ...
+    async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta: ...
     async def abort(self) -> None: ...
 
 
@@ -52,12 +56,20 @@ class LiveSnapshotError(ForkdError):
 
 @dataclass(frozen=True)
 class LiveSnapshot:
+    """A committed snapshot: its directory, how long the source was paused, its record."""
+
     dir: Path
     pause_ms: float
+    meta: SnapshotMeta
 
 
-async def snapshot_running(vm: SnapshottableVM, dest: Path, meta: dict[str, Any]) -> LiveSnapshot:
-    """Snapshot the running ``vm`` into ``dest``; see the module's failure table."""
+async def snapshot_running(
+    vm: SnapshottableVM, dest: Path, labels: SnapshotLabels | None = None
+) -> LiveSnapshot:
+    """Snapshot the running ``vm`` into ``dest``; see the module's failure table.
+
+    ``labels`` are recorded in ``snapshot.json`` with the pause window (``pause_ms``).
+    """
     try:
         writer = await vm.begin_snapshot(dest)  # the VM still runs while this stages
     except ForkdError as exc:
@@ -104,7 +116,9 @@ async def snapshot_running(vm: SnapshottableVM, dest: Path, meta: dict[str, Any]
     pause_ms = round((time.monotonic() - paused_at) * 1000, 1)
 
     try:
-        path = await writer.commit({**meta, "pause_ms": pause_ms})
+        meta = await writer.commit(
+            dataclasses.replace(labels or SnapshotLabels(), pause_ms=pause_ms)
+        )
     except (ForkdError, OSError) as exc:
         # commit() removed its files; the source is running unless resume failed.
         with contextlib.suppress(Exception):
@@ -122,4 +136,4 @@ async def snapshot_running(vm: SnapshottableVM, dest: Path, meta: dict[str, Any]
             source_alive=False,
             snapshot_kept=True,
         )
-    return LiveSnapshot(path, pause_ms)
+    return LiveSnapshot(dest, pause_ms, meta)

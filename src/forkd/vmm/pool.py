@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from forkd.errors import ForkdError
@@ -31,12 +31,15 @@ class ForkPool:
         max_snapshots: int = 4,
         detach: bool = False,
         new_id: Callable[[], str] = new_vm_id,
+        spawn: Callable[..., Awaitable[VM]] = VM.spawn_incoming,
     ) -> None:
+        """``spawn`` starts one waiting QEMU (:meth:`VM.spawn_incoming`'s signature)."""
         self.run_root = run_root
         self.per_snapshot = per_snapshot
         self.max_snapshots = max_snapshots
         self.detach = detach
         self.new_id = new_id
+        self.spawn = spawn
         self._ready: OrderedDict[Path, list[VM]] = OrderedDict()
         self._fills: dict[Path, asyncio.Task[None]] = {}
         self._kills: set[asyncio.Task[None]] = set()  # keep references until done
@@ -81,7 +84,7 @@ class ForkPool:
     async def _fill(self, snapshot_dir: Path) -> None:
         while snapshot_dir in self._ready and len(self._ready[snapshot_dir]) < self.per_snapshot:
             try:
-                vm = await VM.spawn_incoming(
+                vm = await self.spawn(
                     snapshot_dir, run_root=self.run_root, vm_id=self.new_id(), detach=self.detach
                 )
             except (ForkdError, OSError) as exc:

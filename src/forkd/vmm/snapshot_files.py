@@ -1,8 +1,11 @@
-"""A snapshot directory on disk: ``snapshot.json``, ``vmstate``, ``memory.bin``.
+"""A snapshot directory on disk, and the one reader and writer of its ``snapshot.json``.
 
 ``vmstate`` is QEMU's device and vCPU state without RAM (a few KiB);
 ``memory.bin`` is guest RAM as a sparse file, mapped privately by every VM
-forked from it and never written after the snapshot is committed.
+forked from it and never written after the snapshot is committed;
+``snapshot.json`` (:class:`SnapshotMeta`) records the machine, the image and
+the volumes the snapshot needs, with figures of how it was taken. Nothing
+else in forkd parses ``snapshot.json``: it asks this module.
 """
 
 from __future__ import annotations
@@ -12,8 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forkd import __version__
 from forkd.errors import SnapshotError
 from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.volumes import Attachment
 
 FORMAT = 1
 META = "snapshot.json"
@@ -22,9 +27,138 @@ MEMORY = "memory.bin"
 
 
 @dataclass(frozen=True)
+class ImageRef:
+    """The guest image a VM was booted from, as ``snapshot.json`` and ``vm.json`` name it."""
+
+    name: str
+    key: str | None
+    dir: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "key": self.key, "dir": self.dir}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ImageRef | None:
+        """``None`` for a record without one (``{}`` or ``null``)."""
+        if not data:
+            return None
+        key, image_dir = data.get("key"), data.get("dir")
+        return cls(
+            str(data.get("name") or ""),
+            None if key is None else str(key),
+            None if image_dir is None else str(image_dir),
+        )
+
+
+def image_json(image: ImageRef | None) -> dict[str, Any]:
+    """How a record writes its image: ``{}`` when it has none."""
+    return image.to_json() if image is not None else {}
+
+
+@dataclass(frozen=True)
+class SnapshotLabels:
+    """What the caller of a snapshot records beside what the VM driver knows."""
+
+    tag: str | None = None
+    branched_from: str | None = None  # the source sandbox's id, for a branch
+    parent_tag: str | None = None
+    pause_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class SnapshotMeta:
+    """The contents of ``snapshot.json``."""
+
+    machine: MachineConfig
+    image: ImageRef | None
+    created_at_unix: int
+    memory_bytes: int
+    vmstate_bytes: int
+    source_vm: str | None
+    parent_snapshot: str | None
+    capture_ms: float
+    pages_written: int
+    base_bytes_cloned: int
+    tag: str | None = None
+    branched_from: str | None = None
+    parent_tag: str | None = None
+    pause_ms: float | None = None
+    volumes: tuple[Attachment, ...] = ()  # as the guest saw them at the pause, chains frozen
+    forkd_version: str = __version__
+    format: int = FORMAT
+
+    @property
+    def labels(self) -> SnapshotLabels:
+        return SnapshotLabels(self.tag, self.branched_from, self.parent_tag, self.pause_ms)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "format": self.format,
+            "created_at_unix": self.created_at_unix,
+            "forkd_version": self.forkd_version,
+            "image": image_json(self.image),
+            "machine": self.machine.to_json(),
+            "memory_bytes": self.memory_bytes,
+            "vmstate_bytes": self.vmstate_bytes,
+            "source_vm": self.source_vm,
+            "parent_snapshot": self.parent_snapshot,
+            "capture_ms": self.capture_ms,
+            "pages_written": self.pages_written,
+            "base_bytes_cloned": self.base_bytes_cloned,
+        }
+        # Labels are written only when the caller gave them, as always.
+        labels = {
+            "tag": self.tag,
+            "branched_from": self.branched_from,
+            "parent_tag": self.parent_tag,
+            "pause_ms": self.pause_ms,
+        }
+        data.update({k: v for k, v in labels.items() if v is not None})
+        data["volumes"] = [v.to_json() for v in self.volumes]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SnapshotMeta:
+        """Read a record; keys it does not know are ignored, missing figures read as 0.
+
+        Raises ``KeyError``, ``TypeError`` or ``ValueError`` on a malformed record.
+        """
+        machine = MachineConfig.from_json(data["machine"])
+        return cls(
+            machine=machine,
+            image=ImageRef.from_json(data.get("image")),
+            created_at_unix=int(data.get("created_at_unix") or 0),
+            memory_bytes=int(data.get("memory_bytes") or machine.memory_mib << 20),
+            vmstate_bytes=int(data.get("vmstate_bytes") or 0),
+            source_vm=_opt_str(data.get("source_vm")),
+            parent_snapshot=_opt_str(data.get("parent_snapshot")),
+            capture_ms=float(data.get("capture_ms") or 0.0),
+            pages_written=int(data.get("pages_written") or 0),
+            base_bytes_cloned=int(data.get("base_bytes_cloned") or 0),
+            tag=_opt_str(data.get("tag")),
+            branched_from=_opt_str(data.get("branched_from")),
+            parent_tag=_opt_str(data.get("parent_tag")),
+            pause_ms=None if data.get("pause_ms") is None else float(data["pause_ms"]),
+            volumes=_attachments(data.get("volumes")),
+            forkd_version=str(data.get("forkd_version") or ""),
+            format=int(data.get("format", FORMAT)),
+        )
+
+
+def _opt_str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _attachments(data: Any) -> tuple[Attachment, ...]:
+    return tuple(Attachment.from_json(v) for v in data or [])
+
+
+@dataclass(frozen=True)
 class SnapshotFiles:
+    """A snapshot directory whose files were checked, and its record."""
+
     dir: Path
-    meta: dict[str, Any]
+    meta: SnapshotMeta
 
     @property
     def vmstate(self) -> Path:
@@ -36,7 +170,7 @@ class SnapshotFiles:
 
     @property
     def machine(self) -> MachineConfig:
-        return MachineConfig.from_json(self.meta["machine"])
+        return self.meta.machine
 
 
 def load(snap_dir: Path) -> SnapshotFiles:
@@ -45,27 +179,30 @@ def load(snap_dir: Path) -> SnapshotFiles:
     if not snap_dir.is_dir():
         raise SnapshotError(f"snapshot directory {snap_dir} does not exist")
     try:
-        meta = json.loads(meta_path.read_text())
-        machine = MachineConfig.from_json(meta["machine"])
+        raw = json.loads(meta_path.read_text())
+        machine = MachineConfig.from_json(raw["machine"])
     except FileNotFoundError as exc:
         raise SnapshotError(f"{meta_path} is missing") from exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SnapshotError(f"{meta_path} is unreadable or corrupt: {exc}") from exc
-    if meta.get("format") != FORMAT:
-        raise SnapshotError(f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT}")
-    files = SnapshotFiles(snap_dir, meta)
-    check_files(files, machine)
-    return files
+    if raw.get("format") != FORMAT:
+        raise SnapshotError(f"{meta_path} has format {raw.get('format')!r}, expected {FORMAT}")
+    try:
+        meta = SnapshotMeta.from_json(raw)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SnapshotError(f"{meta_path} is unreadable or corrupt: {exc}") from exc
+    # The recorded size, when there is one: older records may lack it.
+    _check_files(snap_dir, machine, raw.get("vmstate_bytes"))
+    return SnapshotFiles(snap_dir, meta)
 
 
-def check_files(files: SnapshotFiles, machine: MachineConfig) -> None:
-    vmstate, memory = files.vmstate, files.memory
+def _check_files(snap_dir: Path, machine: MachineConfig, vmstate_bytes: Any) -> None:
+    vmstate, memory = snap_dir / VMSTATE, snap_dir / MEMORY
     if not vmstate.is_file():
         raise SnapshotError(f"{vmstate} is missing: the snapshot cannot be restored")
     size = vmstate.stat().st_size
-    expected = files.meta.get("vmstate_bytes")
-    if size == 0 or (expected is not None and expected != size):
-        raise SnapshotError(f"{vmstate} is corrupt: {size} bytes, expected {expected}")
+    if size == 0 or (vmstate_bytes is not None and vmstate_bytes != size):
+        raise SnapshotError(f"{vmstate} is corrupt: {size} bytes, expected {vmstate_bytes}")
     if not memory.is_file():
         raise SnapshotError(f"{memory} is missing: the snapshot cannot be restored")
     want = machine.memory_mib << 20
@@ -75,3 +212,61 @@ def check_files(files: SnapshotFiles, machine: MachineConfig) -> None:
     for path in (machine.vmlinuz, machine.initrd, machine.rootfs):
         if not path.is_file():
             raise SnapshotError(f"the snapshot's image file {path} is missing")
+
+
+def write_meta(snap_dir: Path, meta: SnapshotMeta) -> Path:
+    """Write ``snapshot.json`` into ``snap_dir`` (a staging directory); returns its path.
+
+    The caller flushes it and renames the directory into place.
+    """
+    path = snap_dir / META
+    path.write_text(json.dumps(meta.to_json(), indent=2) + "\n")
+    return path
+
+
+# Readers of every snapshot directory under a root. Each skips directories
+# whose record cannot be read, and reads only the key it needs, so one
+# damaged file neither hides the others nor their use of an image or a layer.
+
+
+def _records(root: Path) -> dict[str, dict[str, Any]]:
+    """The raw ``snapshot.json`` of each directory under ``root``, staging ones too."""
+    found: dict[str, dict[str, Any]] = {}
+    if not root.is_dir():
+        return found
+    for d in root.iterdir():
+        try:
+            data = json.loads((d / META).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            found[d.name] = data
+    return found
+
+
+def recorded_volumes(root: Path) -> dict[str, tuple[Attachment, ...]]:
+    """The volumes (name, mount point, frozen chain) each snapshot under ``root`` records.
+
+    Keyed by directory name. A staging directory counts as soon as its record
+    is written, so layers of a snapshot being committed are never collected.
+    """
+    found: dict[str, tuple[Attachment, ...]] = {}
+    for name, data in _records(root).items():
+        try:
+            found[name] = _attachments(data.get("volumes"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return found
+
+
+def recorded_images(root: Path) -> dict[str, ImageRef]:
+    """The image each snapshot under ``root`` was made from, keyed by directory name."""
+    found: dict[str, ImageRef] = {}
+    for name, data in _records(root).items():
+        try:
+            image = ImageRef.from_json(data.get("image"))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+        if image is not None:
+            found[name] = image
+    return found

@@ -10,20 +10,18 @@ Snapshotting any running VM (template or child, at any depth) is::
     await vm.pause()
     await writer.capture()                   # vmstate + written pages
     await vm.resume()
-    await writer.commit()                    # snapshot.json, rename into place
+    await writer.commit(labels)              # snapshot.json, rename into place
 
 :meth:`VM.snapshot` runs that sequence with the failure handling; the
-daemon's branch handler drives the steps itself.
+daemon's branch handler drives the steps itself
+(:func:`forkd.vmm.live_snapshot.snapshot_running`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
-import ctypes
 import dataclasses
-import json
 import logging
 import os
 import secrets
@@ -33,87 +31,34 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-from qemu.qmp import QMPClient, QMPError
-
-from forkd import __version__, accel, hosttools
-from forkd.errors import AgentError, SnapshotError, VMError
+from forkd import accel, limits
+from forkd.errors import AgentError, SnapshotError, StorageFull, VMError
 from forkd.guest.image import Image
-from forkd.vmm import live_snapshot, memory, snapshot_files, volumes
+from forkd.vmm import launch, live_snapshot, runtime_meta, snapshot_files, volume_mounts, volumes
 from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.qemu_argv import (
-    QEMU_BINARY,
-    MachineConfig,
-    RuntimePaths,
-    build_argv,
-    kernel_cmdline,
-)
+from forkd.vmm.agent_ops import GuestOps
+from forkd.vmm.launch import tail
+from forkd.vmm.processes import qemu_pid_matches
+from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths, build_argv, kernel_cmdline
+from forkd.vmm.qmp_channel import CONNECT_TIMEOUT_SECS, QMPChannel
+from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotLabels
+from forkd.vmm.snapshot_writer import SnapshotWriter
 from forkd.vmm.volumes import Attachment
+
+__all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
 
 log = logging.getLogger(__name__)
 
-UNIX_PATH_MAX = 107
-QMP_TIMEOUT_S = 30.0
-MIN_MEMORY_MIB = 128  # the Debian kernel + Python guest does not boot in less
-DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
-PR_SET_PDEATHSIG = 1
-
-
-_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now, not in a forked child
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def qemu_pid_matches(pid: int, run_dir: Path) -> bool:
-    """True when ``pid`` is alive and is the QEMU whose sockets live in ``run_dir``."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-    except OSError:
-        return False
-    needle = str(run_dir / "qmp.sock").encode()
-    return any(needle in arg for arg in cmdline)
-
-
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _remove_layers(attached: Sequence[Attachment]) -> None:
-    for att in attached:
-        layer = volumes.own_layer(att)
-        if layer is not None:
-            layer.unlink(missing_ok=True)
-
-
-MOUNT_SCRIPT = (
-    'for d in /sys/block/vd*; do if [ "$(cat "$d/serial" 2>/dev/null)" = "$1" ]; then '
-    'mkdir -p "$2" && exec mount -t ext4 -o "$3" "/dev/${d##*/}" "$2"; fi; done; '
-    'echo "no disk with serial $1" >&2; exit 1'
-)
+BOOT_MEMORY_MIB = 256  # VM.boot's default; the daemon passes its own
+ADOPT_TIMEOUT_SECS = 10.0
 
 
 def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
 
 
-def _tail(path: Path, limit: int = 1500) -> str:
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
-            data = f.read(limit)
-    except OSError:
-        return ""
-    return data.decode(errors="replace").strip()
-
-
-class VM:
+class VM(GuestOps):
     """A running (or paused, or dead) QEMU process and its agent connection."""
 
     def __init__(
@@ -122,7 +67,7 @@ class VM:
         rt: RuntimePaths,
         machine: MachineConfig,
         ram_file: Path,
-        image: dict[str, Any],
+        image: ImageRef | None,
         origin: Path | None,
         proc: subprocess.Popen[bytes] | None,
         pid: int,
@@ -135,56 +80,15 @@ class VM:
         self.origin = origin  # snapshot directory this VM was forked from
         self._proc = proc
         self.pid = pid
-        self.qmp = QMPClient(vm_id)
+        self.qmp = QMPChannel(vm_id, rt.qmp)
         self.agent = AgentClient(rt.agent)
         self.state = "starting"
         self.started_at = time.time()
         self.ready_ms: float | None = None  # process start -> agent answered
-        self._incoming: snapshot_files.SnapshotFiles | None = None
+        self._incoming: SnapshotFiles | None = None
         self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
 
-    async def _qmp(
-        self, cmd: str, args: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT_S
-    ) -> Any:
-        """One QMP command; a QEMU that stops answering is an error, not a hang."""
-        try:
-            return await asyncio.wait_for(self.qmp.execute(cmd, args), timeout)
-        except TimeoutError as exc:
-            raise VMError(f"QEMU of {self.id} did not answer {cmd!r} within {timeout:g} s") from exc
-        except (QMPError, OSError) as exc:  # a refusal, or the connection went (QEMU died)
-            raise VMError(f"QMP {cmd!r} to {self.id} failed: {exc}") from exc
-
     # ---------------------------------------------------------------- start
-
-    @classmethod
-    def _prepare_runtime(cls, run_root: Path, vm_id: str) -> RuntimePaths:
-        rt = RuntimePaths(run_root / vm_id)
-        if len(str(rt.agent)) > UNIX_PATH_MAX:
-            raise VMError(f"run directory {rt.dir} is too long for unix sockets")
-        rt.dir.mkdir(parents=True, exist_ok=False)
-        return rt
-
-    @classmethod
-    def _spawn(cls, argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[bytes]:
-        try:
-            hosttools.require(QEMU_BINARY)
-            return cls._popen(argv, rt, detach)
-        except BaseException:
-            shutil.rmtree(rt.dir, ignore_errors=True)
-            raise
-
-    @staticmethod
-    def _popen(argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[bytes]:
-        with rt.qemu_log.open("ab") as log_f:
-            return subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log_f,
-                stderr=log_f,
-                close_fds=True,
-                start_new_session=detach,
-                preexec_fn=None if detach else _die_with_parent,
-            )
 
     @classmethod
     async def boot(
@@ -192,11 +96,11 @@ class VM:
         image: Image,
         *,
         run_root: Path,
-        memory_mib: int = 256,
-        vcpus: int = 1,
+        memory_mib: int = BOOT_MEMORY_MIB,
+        vcpus: int = limits.DEFAULT_VCPUS,
         accel_name: str | None = None,
         vm_id: str | None = None,
-        boot_timeout: float = 90.0,
+        boot_timeout: float = limits.BOOT_TIMEOUT_SECS,
         internet: bool = True,
         detach: bool = False,
         attach: Sequence[Attachment] = (),
@@ -206,12 +110,8 @@ class VM:
         ``attach``: volumes (see :mod:`forkd.vmm.volumes`), mounted in the
         guest before this returns.
         """
-        if not MIN_MEMORY_MIB <= memory_mib <= 65536:
-            raise VMError(
-                f"memory_mib must be between {MIN_MEMORY_MIB} and 65536, not {memory_mib}"
-            )
-        if not 1 <= vcpus <= 64:
-            raise VMError(f"vcpus must be between 1 and 64, not {vcpus}")
+        limits.check_memory_mib(memory_mib)
+        limits.check_vcpus(vcpus)
         vm_id = vm_id or new_vm_id()
         choice = accel.choose(accel_name)
         machine = MachineConfig(
@@ -224,20 +124,20 @@ class VM:
             internet=internet,
             cmdline=kernel_cmdline(choice.name),
         )
-        rt = cls._prepare_runtime(run_root, vm_id)
+        rt = launch.prepare_runtime(run_root, vm_id)
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written
             f.truncate(memory_mib << 20)
         argv = build_argv(machine, rt, ram_file=rt.ram, incoming=False, volumes=attach)
         started = time.monotonic()
-        proc = cls._spawn(argv, rt, detach)
-        image_meta = {"name": image.name, "key": image.key, "dir": str(image.dir)}
-        vm = cls(vm_id, rt, machine, rt.ram, image_meta, None, proc, proc.pid)
+        proc = launch.spawn(argv, rt, detach)
+        image_ref = ImageRef(image.name, image.key, str(image.dir))
+        vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, proc, proc.pid)
         vm.volumes = list(attach)
         try:
             await vm._connect_qmp()
             await vm.agent.connect()
             await vm._wait_agent(boot_timeout)
-            await vm._mount_volumes()
+            await volume_mounts.mount_all(vm.exec, vm.volumes)
         except BaseException:
             await vm.kill()
             raise
@@ -254,7 +154,7 @@ class VM:
         run_root: Path,
         vm_id: str | None = None,
         hostname: str | None = None,
-        timeout: float = 30.0,
+        timeout: float = limits.RESTORE_TIMEOUT_SECS,
         detach: bool = False,
         internet: bool | None = None,
     ) -> VM:
@@ -293,24 +193,23 @@ class VM:
             # A netdev option, not a device: the restored state still fits.
             machine = dataclasses.replace(machine, internet=internet)
         vm_id = vm_id or new_vm_id()
-        rt = cls._prepare_runtime(run_root, vm_id)
-        frozen = [Attachment.from_json(v) for v in snap.meta.get("volumes") or []]
+        rt = launch.prepare_runtime(run_root, vm_id)
         attach: list[Attachment] = []
         try:
-            for f in frozen:  # a writable volume: this child's own layer over the snapshot's
+            # A writable volume: this child's own layer over the snapshot's.
+            for f in snap.meta.volumes:
                 attach.append(volumes.attach_for_fork(f))
         except BaseException:
-            _remove_layers(attach)
+            volume_mounts.remove_own_layers(attach)
             shutil.rmtree(rt.dir, ignore_errors=True)
             raise
         argv = build_argv(machine, rt, ram_file=snap.memory, incoming=True, volumes=attach)
         try:
-            proc = cls._spawn(argv, rt, detach)
+            proc = launch.spawn(argv, rt, detach)
         except BaseException:
-            _remove_layers(attach)
+            volume_mounts.remove_own_layers(attach)
             raise
-        vm = cls(vm_id, rt, machine, snap.memory, snap.meta.get("image", {}), snap.dir, proc,
-                 proc.pid)  # fmt: skip
+        vm = cls(vm_id, rt, machine, snap.memory, snap.meta.image, snap.dir, proc, proc.pid)
         vm.volumes = attach
         vm.state = "incoming"
         vm._incoming = snap
@@ -322,7 +221,11 @@ class VM:
         return vm
 
     async def finish_restore(
-        self, *, hostname: str | None = None, timeout: float = 30.0, started: float | None = None
+        self,
+        *,
+        hostname: str | None = None,
+        timeout: float = limits.RESTORE_TIMEOUT_SECS,
+        started: float | None = None,
     ) -> None:
         """Load the snapshot's state into a VM from :meth:`spawn_incoming` and run it.
 
@@ -334,15 +237,15 @@ class VM:
         started = time.monotonic() if started is None else started
         try:
             self._raise_if_dead("QEMU waiting for the snapshot's state exited")
-            await self._load_vmstate(snap.vmstate, timeout)
+            await self.qmp.load_vmstate(snap.vmstate, timeout, self.rt.qemu_log)
             await self.agent.connect()
-            await self._qmp("cont")
+            await self.qmp.execute("cont")
             self.state = "running"
             await self._after_restore(hostname or self.id, timeout, snap)
         except VMError as exc:
             # QEMU gone mid-restore: name the files a damaged snapshot could be.
             dead = await self.gone()
-            said = _tail(self.rt.qemu_log, 500) or "nothing"
+            said = tail(self.rt.qemu_log, 500) or "nothing"
             await self.kill()
             if dead:
                 raise SnapshotError(
@@ -358,102 +261,40 @@ class VM:
         self._write_meta()
 
     @classmethod
-    async def adopt(cls, run_dir: Path, timeout: float = 10.0) -> VM:
+    async def adopt(cls, run_dir: Path, timeout: float = ADOPT_TIMEOUT_SECS) -> VM:
         """Take over a VM that an earlier process started (detached) in ``run_dir``.
 
         Raises :class:`VMError` when its QEMU is gone, is not the process the
         metadata names, or its agent does not answer.
         """
         rt = RuntimePaths(run_dir)
-        try:
-            data = json.loads(rt.meta.read_text())
-        except (OSError, ValueError) as exc:
-            raise VMError(f"cannot read {rt.meta}: {exc}") from exc
-        pid = int(data["pid"])
-        if not qemu_pid_matches(pid, run_dir):
-            raise VMError(f"QEMU of {data.get('id')} (pid {pid}) is no longer running")
-        origin = data.get("origin_snapshot")
+        rec = runtime_meta.read(rt)
+        if not qemu_pid_matches(rec.pid, run_dir):
+            raise VMError(f"QEMU of {rec.id} (pid {rec.pid}) is no longer running")
         vm = cls(
-            data["id"],
-            rt,
-            MachineConfig.from_json(data["machine"]),
-            Path(data["ram_file"]),
-            data.get("image", {}),
-            Path(origin) if origin else None,
-            None,
-            pid,
+            rec.id, rt, rec.machine, rec.ram_file, rec.image, rec.origin_snapshot, None, rec.pid
         )
-        vm.started_at = float(data.get("started_at_unix", time.time()))
-        vm.volumes = [Attachment.from_json(v) for v in data.get("volumes") or []]
+        vm.started_at = rec.started_at_unix
+        vm.volumes = list(rec.volumes)
         await vm._connect_qmp(timeout)
-        status = await vm._qmp("query-status")
+        status = await vm.qmp.execute("query-status")
         assert isinstance(status, dict)
         if status.get("status") == "paused":
             # A daemon that died mid-branch left it paused: let it run again.
-            await vm._qmp("cont")
+            await vm.qmp.execute("cont")
         await vm.agent.connect(timeout)
         await vm._wait_agent(timeout)
         vm.state = "running"
         return vm
 
-    async def _connect_qmp(self, timeout: float = 15.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self._raise_if_dead("QEMU exited while starting")
-            if self.rt.qmp.exists():
-                try:
-                    await asyncio.wait_for(self.qmp.connect(str(self.rt.qmp)), QMP_TIMEOUT_S)
-                    return
-                except (QMPError, TimeoutError) as exc:
-                    if time.monotonic() > deadline:
-                        raise VMError(f"cannot connect to QMP at {self.rt.qmp}: {exc}") from exc
-            if time.monotonic() > deadline:
-                raise VMError(f"QEMU did not open {self.rt.qmp} within {timeout:g} s")
-            await asyncio.sleep(0.002)
-
-    async def _load_vmstate(self, vmstate: Path, timeout: float) -> None:
-        fd = os.open(vmstate, os.O_RDONLY)
-        try:
-            self.qmp.send_fd_scm(fd)
-            await self._qmp("getfd", {"fdname": "vmstate"})
-        finally:
-            os.close(fd)
-        await self._qmp("migrate-incoming", {"uri": "fd:vmstate"})
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                status = await self._qmp("query-status")
-            except VMError as exc:
-                raise SnapshotError(
-                    f"loading {vmstate} failed (QEMU: {_tail(self.rt.qemu_log) or exc})"
-                ) from exc
-            assert isinstance(status, dict)
-            if status["status"] != "inmigrate":
-                break
-            if time.monotonic() > deadline:
-                raise SnapshotError(f"loading {vmstate} did not finish within {timeout:g} s")
-            await asyncio.sleep(0.002)
-        mig = await self._qmp("query-migrate")
-        assert isinstance(mig, dict)
-        if mig.get("status") not in (None, "completed"):
-            raise SnapshotError(
-                f"loading {vmstate} failed: migration {mig.get('status')} "
-                f"({mig.get('error-desc') or _tail(self.rt.qemu_log)})"
-            )
+    async def _connect_qmp(self, timeout: float = CONNECT_TIMEOUT_SECS) -> None:
+        await self.qmp.connect(self._raise_if_dead, timeout)
 
     async def _after_restore(
         self, hostname: str, timeout: float, snap: snapshot_files.SnapshotFiles
     ) -> None:
         try:
-            result = await self.agent.call(
-                "restore",
-                {
-                    "time_ns": time.time_ns(),
-                    "entropy": base64.b64encode(os.urandom(64)).decode(),
-                    "hostname": hostname,
-                },
-                wait=timeout,
-            )
+            result = await self._make_unique(hostname, timeout)
         except AgentError as exc:
             self._raise_if_dead(f"the guest restored from {snap.memory} died")
             raise SnapshotError(
@@ -474,25 +315,23 @@ class VM:
                 if time.monotonic() > deadline:
                     raise VMError(
                         f"the guest agent did not answer within {timeout:g} s ({exc}). "
-                        f"Console: {_tail(self.rt.console)}"
+                        f"Console: {tail(self.rt.console)}"
                     ) from exc
 
     def _write_meta(self) -> None:
-        data = {
-            "id": self.id,
-            "pid": self.pid,
-            "qmp": str(self.rt.qmp),
-            "agent": str(self.rt.agent),
-            "ram_file": str(self.ram_file),
-            "origin_snapshot": str(self.origin) if self.origin else None,
-            "machine": self.machine.to_json(),
-            "image": self.image,
-            "started_at_unix": self.started_at,
-            "volumes": [v.to_json() for v in self.volumes],
-        }
-        tmp = self.rt.meta.with_suffix(".tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        tmp.replace(self.rt.meta)
+        record = runtime_meta.VMRecord(
+            id=self.id,
+            pid=self.pid,
+            qmp=self.rt.qmp,
+            agent=self.rt.agent,
+            ram_file=self.ram_file,
+            origin_snapshot=self.origin,
+            machine=self.machine,
+            image=self.image,
+            started_at_unix=self.started_at,
+            volumes=tuple(self.volumes),
+        )
+        runtime_meta.write(self.rt, record)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -502,34 +341,13 @@ class VM:
         # Not our child (re-adopted): the pid alone could have been reused.
         return qemu_pid_matches(self.pid, self.rt.dir)
 
-    async def _mount_volumes(self) -> None:
-        for i, att in enumerate(self.volumes):
-            opts = "ro,noload" if att.readonly else "rw"
-            # Values travel as positional arguments: no string is pasted into the script.
-            argv = ["/bin/sh", "-c", MOUNT_SCRIPT, "sh", f"forkd-vol{i}", att.path, opts]
-            res = await self.exec(argv, timeout=60)
-            if res["exit_code"] != 0:
-                raise VMError(
-                    f"mounting volume {att.name} at {att.path} failed: {res['stderr'].strip()}"
-                )
-
-    async def _freeze_volumes(self) -> list[Attachment]:
+    async def freeze_volumes(self) -> list[Attachment]:
         """At a pause: freeze each writable volume's layer for a snapshot (VM paused).
 
-        QEMU gives the VM a new empty layer above the current one, which from
-        now on no one writes; the snapshot keeps that frozen chain.
+        Returns the attachments as the snapshot records them; the VM goes on
+        writing new layers above them (see :func:`volume_mounts.freeze_layers`).
         """
-        frozen: list[Attachment] = []
-        for i, att in enumerate(self.volumes):
-            frozen.append(att)
-            if att.readonly:
-                continue
-            new = volumes.layer_path(att.chain)
-            await self._qmp(
-                "blockdev-snapshot-sync",
-                {"device": f"vol{i}", "snapshot-file": str(new), "format": "qcow2"},
-            )
-            self.volumes[i] = Attachment(att.name, att.path, False, (str(new), *att.chain))
+        frozen = await volume_mounts.freeze_layers(self.qmp, self.volumes)
         if frozen:
             self._write_meta()
         return frozen
@@ -537,9 +355,9 @@ class VM:
     async def console_tail(self, limit: int = 800) -> str:
         """The end of the guest's console: its file, or its ring buffer for a fork."""
         if self.rt.console.exists():
-            return _tail(self.rt.console, limit)
+            return tail(self.rt.console, limit)
         try:
-            data = await self._qmp(
+            data = await self.qmp.execute(
                 "ringbuf-read", {"device": "console", "size": limit, "format": "utf8"}, 5.0
             )
         except (VMError, OSError):
@@ -562,8 +380,8 @@ class VM:
         if not self.is_alive():
             self.state = "dead"
             code = self._proc.returncode if self._proc else "?"
-            qemu = _tail(self.rt.qemu_log) or "(nothing)"
-            console = _tail(self.rt.console, 800) or "(nothing)"
+            qemu = tail(self.rt.qemu_log) or "(nothing)"
+            console = tail(self.rt.console, 800) or "(nothing)"
             raise VMError(
                 f"{what} (exit status {code}). QEMU said: {qemu} Guest console: {console}"
             )
@@ -578,7 +396,7 @@ class VM:
 
     async def _run_state(self, cmd: str, doing: str, state: str) -> None:
         try:
-            await self._qmp(cmd)
+            await self.qmp.execute(cmd)
         except VMError as exc:
             self._raise_if_dead(f"QEMU of {self.id} died")
             raise VMError(f"{doing} {self.id} failed: {exc}") from exc
@@ -597,7 +415,7 @@ class VM:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
         self.state = "dead"
-        _remove_layers(self.volumes)
+        volume_mounts.remove_own_layers(self.volumes)
         shutil.rmtree(self.rt.dir, ignore_errors=True)
 
     # ------------------------------------------------------------- snapshot
@@ -610,66 +428,39 @@ class VM:
         await writer.prepare()
         return writer
 
-    async def snapshot(self, dest: Path, extra_meta: dict[str, Any] | None = None) -> Path:
+    async def write_snapshot(
+        self, dest: Path, labels: SnapshotLabels | None = None
+    ) -> SnapshotFiles:
         """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
 
         On failure nothing is left at ``dest`` and the VM is resumed if it is
-        still alive (see :mod:`forkd.vmm.live_snapshot`). Returns ``dest``;
-        the pause window is recorded in ``snapshot.json`` as ``pause_ms``.
+        still alive (see :mod:`forkd.vmm.live_snapshot`); the error is a
+        :class:`SnapshotError`, or :class:`StorageFull` when the disk filled.
+        Returns the snapshot's files and record; the pause window is recorded
+        as ``pause_ms``.
         """
         if self.state == "dead" or not self.is_alive():
             raise SnapshotError(f"cannot snapshot {self.id}: its QEMU is not running")
         if self.state == "running":
             try:
-                result = await live_snapshot.snapshot_running(self, dest, extra_meta or {})
+                result = await live_snapshot.snapshot_running(self, dest, labels)
             except live_snapshot.LiveSnapshotError as exc:
                 cause = exc.__cause__
-                if isinstance(cause, SnapshotError) and not exc.snapshot_kept:
+                if isinstance(cause, (SnapshotError, StorageFull)) and not exc.snapshot_kept:
                     raise cause from None
                 raise SnapshotError(str(exc)) from exc
-            return result.dir
+            return SnapshotFiles(result.dir, result.meta)
         writer = await self.begin_snapshot(dest)  # already paused: no pause window
         try:
             await writer.capture()
         except BaseException:
             await writer.abort()
             raise
-        return await writer.commit(extra_meta)
+        return SnapshotFiles(dest, await writer.commit(labels))
 
-    # --------------------------------------------------------- guest agent
-
-    async def ping(self) -> dict[str, Any]:
-        return await self.agent.call("ping", wait=10.0)
-
-    async def exec(
-        self,
-        argv: list[str],
-        *,
-        timeout: float = 30.0,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | None = None,
-    ) -> dict[str, Any]:
-        params = {"argv": argv, "cwd": cwd, "env": env, "stdin": stdin, "timeout": timeout}
-        return await self.agent.call("exec", params, wait=timeout + 10.0)
-
-    async def eval(self, code: str, timeout: float = 60.0) -> dict[str, Any]:
-        return await self.agent.call("eval", {"code": code}, wait=timeout)
-
-    async def read_file(self, path: str) -> bytes:
-        result = await self.agent.call("file_read", {"path": path})
-        return base64.b64decode(result["data"])
-
-    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
-        params = {"path": path, "data": base64.b64encode(data).decode(), "mode": mode}
-        result = await self.agent.call("file_write", params)
-        return int(result["size"])
-
-    async def list_dir(self, path: str) -> list[dict[str, Any]]:
-        return (await self.agent.call("file_list", {"path": path}))["entries"]
-
-    async def remove(self, path: str, recursive: bool = False) -> None:
-        await self.agent.call("file_remove", {"path": path, "recursive": recursive})
+    async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
+        """:meth:`write_snapshot`, returning ``dest``."""
+        return (await self.write_snapshot(dest, labels)).dir
 
     # --------------------------------------------------------------- memory
 
@@ -688,134 +479,3 @@ class VM:
         # child right now, which are page cache, not owned memory.
         out["private"] = out.get("private_dirty", 0)
         return out
-
-
-class SnapshotWriter:
-    """A snapshot of one VM being built in a staging directory."""
-
-    def __init__(self, vm: VM, dest: Path) -> None:
-        self.vm = vm
-        self.dest = dest
-        self.staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(3)}"
-        self.stats = memory.DumpStats()
-        self.pause_started: float | None = None
-        self.capture_ms: float | None = None
-        self._mem_fd: int | None = None
-        self._region: memory.RamRegion | None = None
-        # Pages read during the pause, written after the resume (in commit).
-        self._deferred = memory.DeferredWrites(limit=DEFERRED_WRITE_LIMIT)
-        self.volumes: list[Attachment] = []  # as frozen for this snapshot
-
-    async def prepare(self) -> None:
-        """Create the staging directory and clone the RAM file's base (VM may run)."""
-        try:
-            self.dest.parent.mkdir(parents=True, exist_ok=True)
-            self.staging.mkdir()
-            vm = self.vm
-            size = vm.machine.memory_mib << 20
-            self._region = memory.find_ram_region(vm.pid, vm.ram_file, size)
-            self._mem_fd = os.open(
-                self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
-            )
-            self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
-        except BaseException as exc:
-            await self.abort()
-            raise await self._translate(exc, "preparing") from exc
-
-    async def capture(self) -> None:
-        """Write vmstate and the guest's written pages. The VM must be paused."""
-        vm = self.vm
-        assert self._region is not None and self._mem_fd is not None
-        started = time.monotonic()
-        try:
-            self.volumes = await vm._freeze_volumes()
-            await vm._qmp(
-                "xen-save-devices-state",
-                {"filename": str(self.staging / snapshot_files.VMSTATE), "live": False},
-            )
-            await asyncio.to_thread(
-                memory.dump_written_pages,
-                self._region,
-                self._mem_fd,
-                base_is_empty=self.stats.base_bytes_cloned == 0,
-                stats=self.stats,
-                defer=self._deferred,
-            )
-        except BaseException as exc:
-            raise await self._translate(exc, "capturing") from exc
-        self.capture_ms = (time.monotonic() - started) * 1000
-
-    async def _translate(self, exc: BaseException, step: str) -> BaseException:
-        if not isinstance(exc, Exception):
-            return exc
-        vm = self.vm
-        if isinstance(exc, OSError) and exc.errno == 28:  # ENOSPC: the VM is fine
-            return SnapshotError(
-                f"disk full while writing snapshot {self.dest.name} under {self.dest.parent}"
-            )
-        # Anything else may be QEMU dying (SIGKILL): give it a moment to be gone.
-        if await vm.gone(wait=0.5):
-            vm.state = "dead"
-            return SnapshotError(
-                f"QEMU of {vm.id} died while {step} the snapshot {self.dest.name}: "
-                f"{_tail(vm.rt.qemu_log, 500) or exc}"
-            )
-        if isinstance(exc, SnapshotError):
-            return exc
-        return SnapshotError(f"{step} snapshot {self.dest.name} of {vm.id} failed: {exc}")
-
-    async def commit(self, extra_meta: dict[str, Any] | None = None) -> Path:
-        """Write snapshot.json, flush, and rename the staging directory to ``dest``."""
-        vm = self.vm
-        try:
-            assert self._mem_fd is not None
-            await asyncio.to_thread(
-                self._deferred.flush,
-                self._mem_fd,
-                base_is_empty=self.stats.base_bytes_cloned == 0,
-                stats=self.stats,
-            )
-            await asyncio.to_thread(os.fsync, self._mem_fd)
-            os.close(self._mem_fd)
-            self._mem_fd = None
-            vmstate = self.staging / snapshot_files.VMSTATE
-            meta: dict[str, Any] = {
-                "format": snapshot_files.FORMAT,
-                "created_at_unix": int(time.time()),
-                "forkd_version": __version__,
-                "image": vm.image,
-                "machine": vm.machine.to_json(),
-                "memory_bytes": vm.machine.memory_mib << 20,
-                "vmstate_bytes": vmstate.stat().st_size,
-                "source_vm": vm.id,
-                "parent_snapshot": str(vm.origin) if vm.origin else None,
-                "capture_ms": round(self.capture_ms or 0.0, 1),
-                "pages_written": self.stats.pages_written,
-                "base_bytes_cloned": self.stats.base_bytes_cloned,
-            }
-            meta.update(extra_meta or {})
-            # What the guest saw at the pause: name, mount point, mode, frozen chain.
-            meta["volumes"] = [v.to_json() for v in self.volumes]
-            meta_path = self.staging / snapshot_files.META
-            meta_path.write_text(json.dumps(meta, indent=2) + "\n")
-            for path in (vmstate, meta_path, self.staging):
-                _fsync_path(path)
-            self.staging.rename(self.dest)
-            _fsync_path(self.dest.parent)
-        except BaseException as exc:
-            await self.abort()
-            if isinstance(exc, OSError) and exc.errno == 28:
-                raise SnapshotError(
-                    f"disk full while writing snapshot {self.dest.name} under {self.dest.parent}"
-                ) from exc
-            raise
-        return self.dest
-
-    async def abort(self) -> None:
-        """Remove everything this snapshot wrote."""
-        self._deferred.runs.clear()
-        if self._mem_fd is not None:
-            with contextlib.suppress(OSError):
-                os.close(self._mem_fd)
-            self._mem_fd = None
-        await asyncio.to_thread(shutil.rmtree, self.staging, True)

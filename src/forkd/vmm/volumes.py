@@ -27,15 +27,35 @@ from pathlib import Path
 from typing import Any
 
 from forkd import hosttools
-from forkd.errors import ForkdError
+from forkd.errors import Conflict, ForkdError, Invalid, NotFound
+from forkd.limits import NAME_RE
 
-NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MIN_SIZE = 16 << 20
 MAX_SIZE = 1 << 40
 
 
 class VolumeError(ForkdError):
-    pass
+    """Any volume failure; each kind below is also the general error of its kind.
+
+    Callers catch the :mod:`forkd.errors` classes (``NotFound``, ``Conflict``,
+    ``Invalid``); a failure to make a layer is a plain ``ForkdError`` (500).
+    """
+
+
+class VolumeNotFound(VolumeError, NotFound):
+    """No volume of that name."""
+
+
+class VolumeExists(VolumeError, Conflict):
+    """A volume of that name exists already."""
+
+
+class VolumeInvalid(VolumeError, Invalid):
+    """A bad name, size, mount point or content archive."""
+
+
+class LayerError(VolumeError):
+    """``qemu-img`` could not create a copy-on-write layer (a host failure)."""
 
 
 @dataclass(frozen=True)
@@ -71,17 +91,25 @@ def parse_size(text: str | int) -> int:
         return text
     m = re.fullmatch(r"\s*(\d+)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
     if not m:
-        raise VolumeError(f"cannot read size {text!r}: use e.g. 512M or 1G")
+        raise VolumeInvalid(f"cannot read size {text!r}: use e.g. 512M or 1G")
     unit = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
     return int(m.group(1)) * unit
 
 
 def check_guest_mount(path: str) -> str:
     if not path.startswith("/") or path == "/" or "\0" in path or ".." in path.split("/"):
-        raise VolumeError(f"mount point {path!r} must be an absolute path below /")
+        raise VolumeInvalid(f"mount point {path!r} must be an absolute path below /")
     if not re.fullmatch(r"[A-Za-z0-9_./-]+", path):
-        raise VolumeError(f"mount point {path!r} may hold only letters, digits and _ . / -")
+        raise VolumeInvalid(f"mount point {path!r} may hold only letters, digits and _ . / -")
     return path.rstrip("/")
+
+
+def _extract(content_tar: Path, tree: Path) -> None:
+    try:
+        with tarfile.open(content_tar) as tar:
+            tar.extractall(tree, filter="data")  # no absolute paths, links out, devices
+    except tarfile.TarError as exc:
+        raise VolumeInvalid(f"the upload is not a usable tar archive: {exc}") from exc
 
 
 class VolumeStore:
@@ -91,7 +119,7 @@ class VolumeStore:
 
     def _dir(self, name: str) -> Path:
         if not NAME_RE.fullmatch(name):
-            raise VolumeError(f"invalid volume name {name!r}: 1-64 of A-Z a-z 0-9 _ -")
+            raise VolumeInvalid(f"invalid volume name {name!r}: 1-64 of A-Z a-z 0-9 _ -")
         return self.root / name
 
     def exists(self, name: str) -> bool:
@@ -102,7 +130,7 @@ class VolumeStore:
         try:
             info = json.loads((d / "volume.json").read_text())
         except (OSError, ValueError) as exc:
-            raise VolumeError(f"volume {name!r} not found") from exc
+            raise VolumeNotFound(f"volume {name!r} not found") from exc
         base = d / "base.img"
         layers = list((d / "layers").glob("*.qcow2"))
         info["allocated_bytes"] = base.stat().st_blocks * 512 + sum(
@@ -122,9 +150,9 @@ class VolumeStore:
         """A new ext4 volume; ``content_tar`` (a tar archive) fills it."""
         final = self._dir(name)
         if final.exists():
-            raise VolumeError(f"volume {name!r} already exists")
+            raise VolumeExists(f"volume {name!r} already exists")
         if not MIN_SIZE <= size <= MAX_SIZE:
-            raise VolumeError(f"size must be between {MIN_SIZE >> 20} MiB and 1 TiB")
+            raise VolumeInvalid(f"size must be between {MIN_SIZE >> 20} MiB and 1 TiB")
         hosttools.require("mkfs.ext4")
         staging = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.partial-"))
         try:
@@ -139,8 +167,7 @@ class VolumeStore:
             if content_tar is not None:
                 tree = staging / "content"
                 tree.mkdir()
-                with tarfile.open(content_tar) as tar:
-                    tar.extractall(tree, filter="data")  # no absolute paths, links out, devices
+                _extract(content_tar, tree)
                 argv += ["-d", str(tree)]
             hosttools.run([*argv, str(base)], what=f"formatting volume {name}")
             shutil.rmtree(staging / "content", ignore_errors=True)
@@ -156,7 +183,7 @@ class VolumeStore:
     def remove(self, name: str) -> None:
         d = self._dir(name)
         if not (d / "volume.json").is_file():
-            raise VolumeError(f"volume {name!r} not found")
+            raise VolumeNotFound(f"volume {name!r} not found")
         trash = self.root / f".{name}.removing-{secrets.token_hex(3)}"
         d.rename(trash)
         shutil.rmtree(trash, ignore_errors=True)
@@ -164,7 +191,7 @@ class VolumeStore:
     def base(self, name: str) -> Path:
         base = self._dir(name) / "base.img"
         if not base.is_file():
-            raise VolumeError(f"volume {name!r} not found")
+            raise VolumeNotFound(f"volume {name!r} not found")
         return base
 
     def collect(self, in_use: set[str]) -> int:
@@ -195,8 +222,8 @@ def new_layer(chain: tuple[str, ...]) -> tuple[str, ...]:
             ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(below), "-F", fmt, str(layer)],
             what=f"creating a volume layer over {below}",
         )
-    except ForkdError as exc:  # the manager tells layer failures (500) from bad input
-        raise VolumeError(f"cannot create a volume layer: {exc}") from exc
+    except ForkdError as exc:  # a host failure (500), not bad input
+        raise LayerError(f"cannot create a volume layer: {exc}") from exc
     return (str(layer), *chain)
 
 

@@ -1,0 +1,70 @@
+"""Starting a QEMU process in a fresh run directory of its own.
+
+The directory holds the process's sockets and logs (:class:`RuntimePaths`);
+:func:`tail` reads the end of those logs back for error messages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+from pathlib import Path
+
+from forkd import hosttools
+from forkd.errors import VMError
+from forkd.vmm.qemu_argv import QEMU_BINARY, RuntimePaths
+
+UNIX_PATH_MAX = 107
+PR_SET_PDEATHSIG = 1
+
+_prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up now, not in a forked child
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def prepare_runtime(run_root: Path, vm_id: str) -> RuntimePaths:
+    """Create ``<run_root>/<vm_id>``, which must not exist yet."""
+    rt = RuntimePaths(run_root / vm_id)
+    if len(str(rt.agent)) > UNIX_PATH_MAX:
+        raise VMError(f"run directory {rt.dir} is too long for unix sockets")
+    rt.dir.mkdir(parents=True, exist_ok=False)
+    return rt
+
+
+def spawn(argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[bytes]:
+    """Start QEMU with its output in ``qemu.log``; on failure the run directory is removed.
+
+    ``detach``: in a session of its own, to outlive this process (a daemon's
+    sandboxes); otherwise killed when this process dies.
+    """
+    try:
+        hosttools.require(QEMU_BINARY)
+        with rt.qemu_log.open("ab") as log_f:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log_f,
+                stderr=log_f,
+                close_fds=True,
+                start_new_session=detach,
+                preexec_fn=None if detach else _die_with_parent,
+            )
+    except BaseException:
+        shutil.rmtree(rt.dir, ignore_errors=True)
+        raise
+
+
+def tail(path: Path, limit: int = 1500) -> str:
+    """The last ``limit`` bytes of a log, as text; empty when it cannot be read."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - limit))
+            data = f.read(limit)
+    except OSError:
+        return ""
+    return data.decode(errors="replace").strip()

@@ -1,0 +1,83 @@
+"""Finding forkd's QEMU processes on this host by their command lines in ``/proc``.
+
+A QEMU started detached outlives the process that started it; these scans
+find it again (to adopt it, to tell it from a reused pid, or to kill it as a
+stray) from the run directory its command line names.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from forkd.vmm.qemu_argv import QEMU_BINARY
+
+PROC = Path("/proc")
+QEMU_NAME_PREFIX = b"qemu-system"
+QMP_SOCKET = "qmp.sock"
+QMP_OPTION_TAIL = b",server=on,wait=off"  # after the socket path in ``-qmp unix:...``
+
+
+def _cmdline(pid: int | str) -> list[bytes] | None:
+    try:
+        data = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:  # gone, or not ours to read
+        return None
+    return data.split(b"\0")
+
+
+def _is_qemu(argv: list[bytes]) -> bool:
+    return os.path.basename(argv[0]).startswith(QEMU_NAME_PREFIX)
+
+
+def _qemus() -> Iterator[tuple[int, list[bytes]]]:
+    """Every QEMU process visible here, with its argv."""
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        argv = _cmdline(entry.name)
+        if argv is not None and _is_qemu(argv):
+            yield int(entry.name), argv
+
+
+def qemu_pid_matches(pid: int, run_dir: Path) -> bool:
+    """True when ``pid`` is alive and is the QEMU whose sockets live in ``run_dir``."""
+    argv = _cmdline(pid)
+    if argv is None:
+        return False
+    needle = str(run_dir / QMP_SOCKET).encode()
+    return any(needle in arg for arg in argv)
+
+
+def qemu_pids_under(root: Path) -> list[int]:
+    """QEMU processes whose command line names a path under ``root``."""
+    needle = str(root).rstrip("/").encode() + b"/"
+    return sorted(pid for pid, argv in _qemus() if any(needle in arg for arg in argv))
+
+
+def qemu_run_dirs(run_root: Path) -> dict[int, Path]:
+    """pid → run directory, for each QEMU whose QMP socket is in a directory of ``run_root``.
+
+    Only ``<run_root>/<name>/qmp.sock`` counts: the layout
+    :class:`forkd.vmm.qemu_argv.RuntimePaths` gives every VM.
+    """
+    found: dict[int, Path] = {}
+    for pid, argv in _qemus():
+        if not argv[0].endswith(QEMU_BINARY.encode()):
+            continue
+        for arg in argv:
+            run_dir = _qmp_run_dir(arg)
+            if run_dir is not None and run_dir.parent == run_root:
+                found[pid] = run_dir
+                break
+    return found
+
+
+def _qmp_run_dir(arg: bytes) -> Path | None:
+    """The directory of the QMP socket named by a ``-qmp`` value, if ``arg`` is one."""
+    if not arg.startswith(b"unix:") or not arg.endswith(QMP_OPTION_TAIL):
+        return None
+    # QEMU option strings double every comma of a path (qemu_argv._opt).
+    sock = Path(os.fsdecode(arg[len(b"unix:") : -len(QMP_OPTION_TAIL)]).replace(",,", ","))
+    return sock.parent if sock.name == QMP_SOCKET else None

@@ -1,0 +1,103 @@
+"""One VM's QMP connection, where a QEMU that stops answering is an error, not a hang.
+
+Protocol and transport are :mod:`qemu.qmp`'s; this adds the deadlines and
+turns every failure into :class:`forkd.errors.VMError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from qemu.qmp import QMPClient, QMPError
+
+from forkd.errors import SnapshotError, VMError
+from forkd.vmm.launch import tail
+
+QMP_TIMEOUT_SECS = 30.0
+CONNECT_TIMEOUT_SECS = 15.0
+POLL_SECS = 0.002
+
+
+class QMPChannel:
+    def __init__(self, vm_id: str, sock: Path) -> None:
+        self.vm_id = vm_id
+        self.sock = sock
+        self.client = QMPClient(vm_id)
+
+    async def connect(
+        self, raise_if_dead: Callable[[str], None], timeout: float = CONNECT_TIMEOUT_SECS
+    ) -> None:
+        """Connect once QEMU has opened its socket; ``raise_if_dead`` stops the wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            raise_if_dead("QEMU exited while starting")
+            if self.sock.exists():
+                try:
+                    await asyncio.wait_for(self.client.connect(str(self.sock)), QMP_TIMEOUT_SECS)
+                    return
+                except (QMPError, TimeoutError) as exc:
+                    if time.monotonic() > deadline:
+                        raise VMError(f"cannot connect to QMP at {self.sock}: {exc}") from exc
+            if time.monotonic() > deadline:
+                raise VMError(f"QEMU did not open {self.sock} within {timeout:g} s")
+            await asyncio.sleep(POLL_SECS)
+
+    async def execute(
+        self, cmd: str, args: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT_SECS
+    ) -> Any:
+        """One QMP command and its answer."""
+        try:
+            return await asyncio.wait_for(self.client.execute(cmd, args), timeout)
+        except TimeoutError as exc:
+            raise VMError(
+                f"QEMU of {self.vm_id} did not answer {cmd!r} within {timeout:g} s"
+            ) from exc
+        except (QMPError, OSError) as exc:  # a refusal, or the connection went (QEMU died)
+            raise VMError(f"QMP {cmd!r} to {self.vm_id} failed: {exc}") from exc
+
+    def send_fd(self, fd: int) -> None:
+        """Pass a file descriptor to QEMU (named by a following ``getfd``)."""
+        self.client.send_fd_scm(fd)
+
+    async def disconnect(self) -> None:
+        await self.client.disconnect()
+
+    async def load_vmstate(self, vmstate: Path, timeout: float, qemu_log: Path) -> None:
+        """Feed a snapshot's device state to a QEMU started with ``-incoming defer``.
+
+        Returns once QEMU has loaded it (the vCPUs still stopped); a failure is a
+        :class:`SnapshotError` naming ``vmstate`` and what QEMU logged.
+        """
+        fd = os.open(vmstate, os.O_RDONLY)
+        try:
+            self.send_fd(fd)
+            await self.execute("getfd", {"fdname": "vmstate"})
+        finally:
+            os.close(fd)
+        await self.execute("migrate-incoming", {"uri": "fd:vmstate"})
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                status = await self.execute("query-status")
+            except VMError as exc:
+                raise SnapshotError(
+                    f"loading {vmstate} failed (QEMU: {tail(qemu_log) or exc})"
+                ) from exc
+            assert isinstance(status, dict)
+            if status["status"] != "inmigrate":
+                break
+            if time.monotonic() > deadline:
+                raise SnapshotError(f"loading {vmstate} did not finish within {timeout:g} s")
+            await asyncio.sleep(POLL_SECS)
+        mig = await self.execute("query-migrate")
+        assert isinstance(mig, dict)
+        if mig.get("status") not in (None, "completed"):
+            raise SnapshotError(
+                f"loading {vmstate} failed: migration {mig.get('status')} "
+                f"({mig.get('error-desc') or tail(qemu_log)})"
+            )

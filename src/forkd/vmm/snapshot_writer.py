@@ -1,0 +1,177 @@
+"""Writing one snapshot of a VM: staged beside its destination, renamed into place when whole.
+
+The steps are split so the pause covers as little as possible (see
+:mod:`forkd.vmm.vm`): :meth:`SnapshotWriter.prepare` clones the RAM file's
+base while the VM runs, :meth:`~SnapshotWriter.capture` (VM paused) writes the
+device state and the pages the guest wrote, :meth:`~SnapshotWriter.commit`
+(VM running again) writes ``snapshot.json``, flushes and renames.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from forkd.errors import SnapshotError, StorageFull
+from forkd.vmm import memory, snapshot_files
+from forkd.vmm.launch import tail
+from forkd.vmm.snapshot_files import SnapshotLabels, SnapshotMeta
+from forkd.vmm.volumes import Attachment
+
+if TYPE_CHECKING:
+    from forkd.vmm.vm import VM
+
+DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
+
+
+class SnapshotWriter:
+    """A snapshot of one VM being built in a staging directory."""
+
+    def __init__(self, vm: VM, dest: Path) -> None:
+        self.vm = vm
+        self.dest = dest
+        self.staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(3)}"
+        self.stats = memory.DumpStats()
+        self.pause_started: float | None = None
+        self.capture_ms: float | None = None
+        self._mem_fd: int | None = None
+        self._region: memory.RamRegion | None = None
+        # Pages read during the pause, written after the resume (in commit).
+        self._deferred = memory.DeferredWrites(limit=DEFERRED_WRITE_LIMIT)
+        self.volumes: list[Attachment] = []  # as frozen for this snapshot
+
+    def _disk_full(self) -> StorageFull:
+        return StorageFull(
+            f"disk full while writing snapshot {self.dest.name} under {self.dest.parent}"
+        )
+
+    async def prepare(self) -> None:
+        """Create the staging directory and clone the RAM file's base (VM may run)."""
+        try:
+            self.dest.parent.mkdir(parents=True, exist_ok=True)
+            self.staging.mkdir()
+            vm = self.vm
+            size = vm.machine.memory_mib << 20
+            self._region = memory.find_ram_region(vm.pid, vm.ram_file, size)
+            self._mem_fd = os.open(
+                self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+            )
+            self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
+        except BaseException as exc:
+            await self.abort()
+            raise await self._translate(exc, "preparing") from exc
+
+    async def capture(self) -> None:
+        """Write vmstate and the guest's written pages. The VM must be paused."""
+        vm = self.vm
+        assert self._region is not None and self._mem_fd is not None
+        started = time.monotonic()
+        try:
+            self.volumes = await vm.freeze_volumes()
+            await vm.qmp.execute(
+                "xen-save-devices-state",
+                {"filename": str(self.staging / snapshot_files.VMSTATE), "live": False},
+            )
+            await asyncio.to_thread(
+                memory.dump_written_pages,
+                self._region,
+                self._mem_fd,
+                base_is_empty=self.stats.base_bytes_cloned == 0,
+                stats=self.stats,
+                defer=self._deferred,
+            )
+        except BaseException as exc:
+            raise await self._translate(exc, "capturing") from exc
+        self.capture_ms = (time.monotonic() - started) * 1000
+
+    async def _translate(self, exc: BaseException, step: str) -> BaseException:
+        if not isinstance(exc, Exception):
+            return exc
+        vm = self.vm
+        if _is_disk_full(exc):  # the VM is fine
+            return self._disk_full()
+        # Anything else may be QEMU dying (SIGKILL): give it a moment to be gone.
+        if await vm.gone(wait=0.5):
+            vm.state = "dead"
+            return SnapshotError(
+                f"QEMU of {vm.id} died while {step} the snapshot {self.dest.name}: "
+                f"{tail(vm.rt.qemu_log, 500) or exc}"
+            )
+        if isinstance(exc, (SnapshotError, StorageFull)):
+            return exc
+        return SnapshotError(f"{step} snapshot {self.dest.name} of {vm.id} failed: {exc}")
+
+    def _meta(self, labels: SnapshotLabels) -> SnapshotMeta:
+        vm = self.vm
+        return SnapshotMeta(
+            machine=vm.machine,
+            image=vm.image,
+            created_at_unix=int(time.time()),
+            memory_bytes=vm.machine.memory_mib << 20,
+            vmstate_bytes=(self.staging / snapshot_files.VMSTATE).stat().st_size,
+            source_vm=vm.id,
+            parent_snapshot=str(vm.origin) if vm.origin else None,
+            capture_ms=round(self.capture_ms or 0.0, 1),
+            pages_written=self.stats.pages_written,
+            base_bytes_cloned=self.stats.base_bytes_cloned,
+            tag=labels.tag,
+            branched_from=labels.branched_from,
+            parent_tag=labels.parent_tag,
+            pause_ms=labels.pause_ms,
+            # What the guest saw at the pause: name, mount point, mode, frozen chain.
+            volumes=tuple(self.volumes),
+        )
+
+    async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta:
+        """Write snapshot.json, flush, and rename the staging directory to ``dest``."""
+        try:
+            assert self._mem_fd is not None
+            await asyncio.to_thread(
+                self._deferred.flush,
+                self._mem_fd,
+                base_is_empty=self.stats.base_bytes_cloned == 0,
+                stats=self.stats,
+            )
+            await asyncio.to_thread(os.fsync, self._mem_fd)
+            os.close(self._mem_fd)
+            self._mem_fd = None
+            meta = self._meta(labels or SnapshotLabels())
+            meta_path = snapshot_files.write_meta(self.staging, meta)
+            for path in (self.staging / snapshot_files.VMSTATE, meta_path, self.staging):
+                _fsync_path(path)
+            self.staging.rename(self.dest)
+            _fsync_path(self.dest.parent)
+        except BaseException as exc:
+            await self.abort()
+            if _is_disk_full(exc):
+                raise self._disk_full() from exc
+            raise
+        return meta
+
+    async def abort(self) -> None:
+        """Remove everything this snapshot wrote."""
+        self._deferred.runs.clear()
+        if self._mem_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._mem_fd)
+            self._mem_fd = None
+        await asyncio.to_thread(shutil.rmtree, self.staging, True)
