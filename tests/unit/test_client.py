@@ -1,4 +1,4 @@
-"""The SDK (forkd.client) and the daemon CLI (forkd.cli_remote) against a fake daemon.
+"""The SDK (forkd.client) and the daemon CLI (forkd.cli) against a fake daemon.
 
 The fake daemon is an ``httpx.MockTransport`` handler implementing just enough of
 docs/API.md, recording every request it sees.
@@ -19,7 +19,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from forkd import cli_remote
+from forkd import cli
+from forkd.cli import render
 from forkd.client import (
     CommandResult,
     Controller,
@@ -623,7 +624,7 @@ def make_app(daemon: FakeDaemon | None) -> typer.Typer:
     def version() -> None:
         pass
 
-    cli_remote.register(app, transport=daemon.transport if daemon else None)
+    cli.add_daemon_commands(app, transport=daemon.transport if daemon else None)
     return app
 
 
@@ -775,8 +776,8 @@ def test_lineage_forest_dead_source() -> None:
         {"tag": "orphan", "branched_from": "sb-gone2"},
     ]
     sbs = [{"id": "sb-2", "snapshot_tag": "b"}, {"id": "sb-3", "snapshot_tag": "deleted"}]
-    forest = cli_remote.lineage_forest(snaps, sbs)
-    flat = cli_remote._strip_forest(forest)
+    forest = render.lineage_forest(snaps, sbs)
+    flat = render.strip_forest(forest)
     assert [(n["kind"], n.get("tag")) for n in flat] == [
         ("snapshot", "py"),
         ("snapshot", "orphan"),

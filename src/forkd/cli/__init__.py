@@ -1,0 +1,59 @@
+"""The ``forkd`` command line: the typer app and its entry point, :func:`main`.
+
+Each command group lives in its own module: ``images`` (``forkd image``),
+``daemon`` (``serve``, ``doctor``), and the commands that talk to a running
+daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``. Those take
+``--url`` (``$FORKD_URL``), ``--token-file`` (``$FORKD_TOKEN_FILE``) and
+``--json`` (see :mod:`forkd.cli.options`); an error from the daemon prints its
+message and exits 1, exit 2 when the daemon cannot be reached.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import typer
+
+from forkd import __version__
+from forkd.cli import daemon, images, sandboxes, snapshots, volumes
+from forkd.cli.render import out
+
+if TYPE_CHECKING:
+    import httpx
+
+app = typer.Typer(
+    name="forkd",
+    help="Sandboxes in QEMU microVMs that fork copy-on-write and branch at any depth.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+
+
+def version() -> None:
+    """Print the forkd version."""
+    out.print(__version__)
+
+
+def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
+    """Add the commands that talk to a daemon to ``app``.
+
+    ``transport`` (tests only) is handed to every :class:`forkd.client.Controller`
+    the commands make, in place of the network.
+    """
+    snapshots.register(app, transport=transport)
+    volumes.register(app, transport=transport)
+    sandboxes.register(app, transport=transport)
+
+
+app.command()(version)
+images.register(app)
+daemon.register(app)
+add_daemon_commands(app)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,63 @@
+"""How a command fails: a red ``error:`` line on stderr and its exit code.
+
+Exit 1: the daemon (or the host) refused; 2: the daemon could not be reached,
+its token file could not be read, or the command line was wrong.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import typer
+from rich.markup import escape
+
+from forkd.cli.render import err, out, print_json
+
+
+def fail(message: str, code: int = 1) -> typer.Exit:
+    """Print ``message`` (rich markup) as an error; the exit to raise."""
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def daemon_errors() -> Iterator[None]:
+    """Turn a ControllerError into a red message and an exit code."""
+    from forkd.client import ControllerError
+
+    try:
+        yield
+    except ControllerError as exc:
+        raise fail(escape(exc.message), 2 if exc.status == 0 else 1) from None
+
+
+def remove_each(
+    names: list[str], remove: Callable[[str], None], done_verb: str, as_json: bool
+) -> None:
+    """``remove(name)`` for each name; report each, exit 1 if any failed.
+
+    Stops at once with exit 2 when the daemon cannot be reached: the rest
+    would fail the same way.
+    """
+    from forkd.client import ControllerError
+
+    done: list[str] = []
+    failed: dict[str, str] = {}
+    for name in names:
+        try:
+            remove(name)
+        except ControllerError as exc:
+            if exc.status == 0:
+                raise fail(escape(exc.message), 2) from None
+            failed[name] = exc.message
+            if not as_json:
+                err.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False)
+            continue
+        done.append(name)
+        if not as_json:
+            out.print(f"{done_verb} {escape(name)}")
+    if as_json:
+        print_json({"removed": done, "failed": failed})
+    if failed:
+        raise typer.Exit(1)

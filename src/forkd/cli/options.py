@@ -1,0 +1,124 @@
+"""The options every daemon command shares: ``--url``, ``--token-file`` and ``--json``.
+
+They are defined once here. :func:`with_connection` appends them to a
+command's signature and hands the command a :class:`Connection` made from
+them; a group callback that takes them too (``forkd snapshot --json ls``)
+lends its values to its subcommands.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    import httpx
+
+    from forkd.client import Controller
+
+UrlOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--url",
+        envvar="FORKD_URL",
+        help="Daemon address: http://HOST:PORT or unix:/path/to.sock "
+        "(default: http://127.0.0.1:8889).",
+        show_default=False,
+    ),
+]
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--token-file",
+        envvar="FORKD_TOKEN_FILE",
+        help="File holding the daemon's bearer token.",
+        show_default=False,
+    ),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+
+
+@dataclass(frozen=True)
+class Connection:
+    """What a daemon command was told: where the daemon is, and whether to print JSON."""
+
+    url: str | None
+    token_file: Path | None
+    as_json: bool
+    transport: httpx.BaseTransport | None = None  # tests answer for the daemon
+
+    def controller(self) -> Controller:
+        """An SDK client of the daemon; ControllerError when the token file is unreadable."""
+        from forkd.client import Controller, _read_token_file
+
+        token = _read_token_file(self.token_file) if self.token_file else None
+        return Controller(self.url, token=token, transport=self.transport)
+
+
+def parent_param(ctx: typer.Context | None, name: str) -> Any:
+    """The value an enclosing group's callback was given for ``name``, if any was."""
+    while ctx is not None:
+        ctx = ctx.parent
+        if ctx is not None and ctx.params.get(name) not in (None, False):
+            return ctx.params[name]
+    return None
+
+
+def _shared_parameters(json_option: bool) -> list[inspect.Parameter]:
+    shared = [("url", UrlOpt, None), ("token_file", TokenFileOpt, None)]
+    if json_option:
+        shared.append(("as_json", JsonOpt, False))
+    kind = inspect.Parameter.KEYWORD_ONLY
+    return [inspect.Parameter(n, kind, default=d, annotation=a) for n, a, d in shared]
+
+
+def with_connection(
+    command: Callable[..., None],
+    *,
+    transport: httpx.BaseTransport | None = None,
+    json_option: bool = True,
+) -> Callable[..., None]:
+    """``command(conn, *its own parameters)`` as a typer command with the shared options.
+
+    typer reads a command's options from its signature and type hints, so the
+    returned wrapper shows ``command``'s parameters (but the first) followed by
+    ``--url``, ``--token-file`` and, with ``json_option``, ``--json``. An option
+    left unset takes the value an enclosing group was given (``forkd snapshot
+    --json ls``).
+    """
+    hints = typing.get_type_hints(command, include_extras=True)
+    own = list(inspect.signature(command).parameters.values())[1:]
+    params = [p.replace(annotation=hints[p.name]) for p in own]
+    # typer hands its context to the parameter annotated typer.Context; a command
+    # that wants it too must name it ``ctx``.
+    passes_ctx = "ctx" in hints
+    if not passes_ctx:
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        params.insert(0, inspect.Parameter("ctx", kind, annotation=typer.Context))
+    params += _shared_parameters(json_option)
+
+    @functools.wraps(command)
+    def wrapper(
+        *, ctx: typer.Context, url: str | None, token_file: Path | None, **kwargs: Any
+    ) -> None:
+        if passes_ctx:
+            kwargs["ctx"] = ctx
+        as_json = kwargs.pop("as_json", False)
+        conn = Connection(
+            url=url or parent_param(ctx, "url"),
+            token_file=token_file or parent_param(ctx, "token_file"),
+            as_json=bool(as_json or parent_param(ctx, "as_json")),
+            transport=transport,
+        )
+        command(conn, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper

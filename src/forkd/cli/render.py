@@ -1,0 +1,216 @@
+"""How the CLI prints: its two consoles, table cells, tables and the lineage tree."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+from rich.tree import Tree
+
+out = Console()
+err = Console(stderr=True)
+
+
+def cell(value: Any) -> str:
+    """A table cell: '-' for None, escaped for rich markup."""
+    return "-" if value is None else escape(str(value))
+
+
+def age(unix: Any, now: float | None = None) -> str:
+    if not isinstance(unix, int | float):
+        return "-"
+    secs = max(0, int((time.time() if now is None else now) - unix))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if secs >= size:
+            return f"{secs // size}{unit} ago"
+    return f"{secs}s ago"
+
+
+def byte_size(n: Any) -> str:
+    if not isinstance(n, int | float):
+        return "-"
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def millis(value: Any) -> str:
+    if not isinstance(value, int | float):
+        return "-"
+    return f"{value:.0f} ms"
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def wrapping_table(*columns: str) -> Table:
+    """A table whose cells wrap instead of being cut short: ids must stay copyable."""
+    table = Table()
+    for name in columns:
+        table.add_column(name, overflow="fold")
+    return table
+
+
+def kv_table(info: dict[str, Any]) -> Table:
+    table = Table(show_header=False, box=None, pad_edge=False)
+    table.add_column(style="bold")
+    table.add_column()
+    for key, value in info.items():
+        if key.endswith("_bytes"):
+            text = f"{byte_size(value)} ({value})" if value is not None else "-"
+        elif key == "created_at_unix":
+            text = f"{value} ({age(value)})"
+        elif key == "pause_ms":
+            text = millis(value)
+        elif isinstance(value, list | dict):
+            text = escape(json.dumps(value))
+        else:
+            text = cell(value)
+        table.add_row(escape(key), text)
+    return table
+
+
+def sandbox_table(sandboxes: list[dict[str, Any]]) -> Table:
+    table = wrapping_table("id", "snapshot", "state", "pid", "created", "memory_limit")
+    for sb in sandboxes:
+        limit = sb.get("memory_limit_mib")
+        table.add_row(
+            cell(sb.get("id")), cell(sb.get("snapshot_tag")), cell(sb.get("state")),
+            cell(sb.get("pid")), age(sb.get("created_at_unix")),
+            f"{limit} MiB" if limit is not None else "-",
+        )  # fmt: skip
+    return table
+
+
+def snapshot_label(info: dict[str, Any]) -> str:
+    tag = escape(str(info.get("tag")))
+    bits = []
+    if info.get("branched_from"):
+        bits.append(f"[bold magenta]{tag}[/] branch, paused {millis(info.get('pause_ms'))}")
+    else:
+        bits.append(f"[bold cyan]{tag}[/] snapshot")
+    if info.get("memory_mib") is not None:
+        bits.append(f"{info['memory_mib']} MiB")
+    if info.get("image"):
+        bits.append(escape(str(info["image"])))
+    if info.get("status") not in (None, "ready"):
+        bits.append(f"[yellow]{escape(str(info['status']))}[/]")
+    return "  ".join(bits)
+
+
+def sandbox_label(sb: dict[str, Any]) -> str:
+    state = sb.get("state") or "?"
+    color = "green" if state == "running" else "yellow"
+    bits = [f"[{color}]{escape(str(sb.get('id')))}[/] {escape(str(state))}"]
+    if sb.get("pid") is not None:
+        bits.append(f"pid {sb['pid']}")
+    return "  ".join(bits)
+
+
+def lineage_forest(
+    snapshots: list[dict[str, Any]], sandboxes: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Nest snapshots and sandboxes into their lineage.
+
+    A sandbox hangs under the snapshot it was forked from; a branch hangs under
+    the live sandbox it was taken from, or under its parent snapshot when that
+    sandbox is gone. Nodes: ``{"kind": "snapshot"|"sandbox"|"missing", "info",
+    "children"}``.
+    """
+    snaps = {s["tag"]: s for s in snapshots if s.get("tag")}
+    sbs = {s["id"]: s for s in sandboxes if s.get("id")}
+    children: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    roots: list[tuple[str, str]] = []
+    missing: dict[str, dict[str, Any]] = {}
+
+    def attach(parent: tuple[str, str] | None, node: tuple[str, str]) -> None:
+        if parent is None:
+            roots.append(node)
+        else:
+            children.setdefault(parent, []).append(node)
+
+    for tag, info in snaps.items():
+        src, parent_tag = info.get("branched_from"), info.get("parent_tag")
+        if src and src in sbs:
+            attach(("sandbox", src), ("snapshot", tag))
+        elif parent_tag and parent_tag in snaps and parent_tag != tag:
+            attach(("snapshot", parent_tag), ("snapshot", tag))
+        else:
+            attach(None, ("snapshot", tag))
+    for sid, sb in sbs.items():
+        tag = sb.get("snapshot_tag")
+        if tag in snaps:
+            attach(("snapshot", tag), ("sandbox", sid))
+        else:
+            key = str(tag)
+            if key not in missing:
+                missing[key] = {"tag": tag}
+                attach(None, ("missing", key))
+            attach(("missing", key), ("sandbox", sid))
+
+    def build(node: tuple[str, str], seen: set[tuple[str, str]]) -> dict[str, Any]:
+        kind, key = node
+        info = snaps[key] if kind == "snapshot" else sbs[key] if kind == "sandbox" else missing[key]
+        seen = seen | {node}
+        kids = [build(c, seen) for c in children.get(node, []) if c not in seen]
+        return {"kind": kind, "info": info, "children": kids}
+
+    forest = [build(r, set()) for r in roots]
+    # Anything unreachable from a root (a cycle in bad data) still shows up.
+    placed: set[tuple[str, str]] = set()
+
+    def walk(n: dict[str, Any]) -> None:
+        info = n["info"]
+        placed.add((n["kind"], info.get("tag") if n["kind"] != "sandbox" else info.get("id")))
+        for c in n["children"]:
+            walk(c)
+
+    for n in forest:
+        walk(n)
+    for node in [("snapshot", t) for t in snaps] + [("sandbox", i) for i in sbs]:
+        if node not in placed:
+            forest.append(build(node, set()))
+            walk(forest[-1])
+    return forest
+
+
+def rich_tree(forest: list[dict[str, Any]], title: str = "forkd") -> Tree:
+    root = Tree(f"[bold]{escape(title)}[/]")
+
+    def add(parent: Tree, node: dict[str, Any], under: dict[str, Any] | None) -> None:
+        info = node["info"]
+        if node["kind"] == "snapshot":
+            label = snapshot_label(info)
+            src = info.get("branched_from")
+            if src and not (
+                under and under["kind"] == "sandbox" and under["info"].get("id") == src
+            ):
+                label += f"  [dim](from {escape(str(src))}, gone)[/]"
+        elif node["kind"] == "sandbox":
+            label = sandbox_label(info)
+        else:
+            label = f"[red]{escape(str(info.get('tag')))}[/] [dim](snapshot deleted)[/]"
+        branch = parent.add(label)
+        for child in node["children"]:
+            add(branch, child, node)
+
+    for node in forest:
+        add(root, node, None)
+    return root
+
+
+def strip_forest(forest: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The JSON form of a lineage forest."""
+    return [
+        {"kind": n["kind"], **n["info"], "children": strip_forest(n["children"])} for n in forest
+    ]

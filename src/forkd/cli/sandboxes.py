@@ -1,0 +1,187 @@
+"""The commands on sandboxes: ``fork``, ``branch``, ``ps``, ``exec``, ``eval``, ``rm``, ``tree``."""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+from rich.markup import escape
+from rich.tree import Tree
+
+from forkd.cli import render
+from forkd.cli.failures import daemon_errors, remove_each
+from forkd.cli.options import Connection, with_connection
+from forkd.cli.render import err, out
+from forkd.cli.snapshots import TagOpt, show_tree
+
+if TYPE_CHECKING:
+    import httpx
+
+SandboxIdArg = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
+
+
+def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
+    """Add the sandbox commands to ``app``; ``transport`` is for tests."""
+    daemon = functools.partial(with_connection, transport=transport)
+    app.command("rm")(daemon(rm))
+    app.command("fork")(daemon(fork))
+    app.command("branch")(daemon(branch))
+    app.command("tree")(daemon(tree))
+    app.command("ps")(daemon(ps))
+    app.command("exec")(daemon(exec_))
+    app.command("eval")(daemon(eval_))
+
+
+def rm(
+    conn: Connection, ids: Annotated[list[str], typer.Argument(help="Sandbox ids to kill.")]
+) -> None:
+    """Kill sandboxes."""
+    with daemon_errors(), conn.controller() as ctl:
+        remove_each(ids, ctl.kill_sandbox, "killed", conn.as_json)
+
+
+def fork(
+    conn: Connection,
+    tag: Annotated[str, typer.Option("--tag", help="Snapshot to fork from.")],
+    n: Annotated[int, typer.Option("-n", help="How many sandboxes.", min=1, max=1000)] = 1,
+    timeout_secs: Annotated[
+        float | None,
+        typer.Option("--timeout-secs", help="Kill each sandbox after this many seconds."),
+    ] = None,
+    memory_limit: Annotated[
+        int | None, typer.Option("--memory-limit", help="Memory limit per sandbox, MiB.")
+    ] = None,
+    internet: Annotated[
+        bool | None, typer.Option("--internet/--no-internet", help="Network access.")
+    ] = None,
+) -> None:
+    """Fork N sandboxes from a snapshot."""
+    t0 = time.monotonic()
+    status = f"forking {n} sandbox{'es' if n != 1 else ''} from {escape(tag)}"
+    with daemon_errors(), conn.controller() as ctl, err.status(status):
+        sandboxes = ctl.spawn_sandboxes(
+            tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet
+        )
+    if conn.as_json:
+        render.print_json(sandboxes)
+        return
+    out.print(render.sandbox_table(sandboxes))
+    err.print(f"forked {len(sandboxes)} from {escape(tag)} in {time.monotonic() - t0:.2f} s")
+
+
+def branch(
+    conn: Connection,
+    from_sandbox: Annotated[str, typer.Option("--from-sandbox", help="Running sandbox to branch.")],
+    n: Annotated[
+        int, typer.Option("-n", help="Sandboxes to fork from the branch.", min=0, max=1000)
+    ] = 1,
+    tag: TagOpt = None,
+) -> None:
+    """Branch a running sandbox, then fork N sandboxes from the branch."""
+    with daemon_errors(), conn.controller() as ctl:
+        with err.status(f"branching {escape(from_sandbox)}"):
+            info = ctl.branch_sandbox(from_sandbox, tag=tag)
+        kids: list[dict[str, Any]] = []
+        if n > 0:
+            with err.status(f"forking {n} from {escape(str(info['tag']))}"):
+                kids = ctl.spawn_sandboxes(info["tag"], n=n)
+    if conn.as_json:
+        render.print_json({"branch": info, "sandboxes": kids})
+        return
+    lineage = Tree(f"[green]{escape(from_sandbox)}[/] [dim](source)[/]")
+    node = lineage.add(render.snapshot_label(info))
+    for kid in kids:
+        node.add(render.sandbox_label(kid))
+    out.print(lineage)
+
+
+def tree(conn: Connection) -> None:
+    """Draw snapshots, branches and live sandboxes as a lineage tree."""
+    with daemon_errors(), conn.controller() as ctl:
+        show_tree(ctl, conn.as_json)
+
+
+def ps(conn: Connection) -> None:
+    """List sandboxes."""
+    with daemon_errors(), conn.controller() as ctl:
+        sandboxes = ctl.list_sandboxes()
+    if conn.as_json:
+        render.print_json(sandboxes)
+        return
+    out.print(render.sandbox_table(sandboxes))
+    if not sandboxes:
+        err.print("no sandboxes: run 'forkd fork --tag TAG'")
+
+
+def exec_(
+    conn: Connection,
+    sandbox_id: SandboxIdArg,
+    cmd: Annotated[
+        list[str], typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
+    ],
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Kill the command after this many seconds.")
+    ] = 30,
+    cwd: Annotated[str | None, typer.Option("--cwd", help="Working directory.")] = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeatable).")
+    ] = None,
+) -> None:
+    """Run a command in a sandbox; exits with the command's exit code (124: timed out)."""
+    env_map = parse_env(env) if env else None
+    with daemon_errors(), conn.controller() as ctl:
+        result = ctl.exec_command(sandbox_id, list(cmd), timeout_secs=timeout, cwd=cwd, env=env_map)
+    from forkd.client import exit_code_of
+
+    code = exit_code_of(result)
+    code = code if 0 <= code <= 255 else 1
+    if conn.as_json:
+        render.print_json(result)
+    else:
+        sys.stdout.write(result.get("stdout") or "")
+        sys.stdout.flush()
+        sys.stderr.write(result.get("stderr") or "")
+        sys.stderr.flush()
+    raise typer.Exit(code)
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items → a dict; exit 2 on one without ``=`` or a key."""
+    env_map = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            err.print(f"[bold red]error:[/] --env wants KEY=VALUE, not {escape(item)!r}")
+            raise typer.Exit(2)
+        env_map[key] = value
+    return env_map
+
+
+def eval_(
+    conn: Connection,
+    sandbox_id: SandboxIdArg,
+    code: Annotated[str, typer.Argument(help="Python; the repr of a final expression prints.")],
+) -> None:
+    """Evaluate Python in a sandbox's persistent interpreter."""
+    with daemon_errors(), conn.controller() as ctl:
+        result = ctl.eval_code(sandbox_id, code)
+    failed = result.get("error") is not None or int(result.get("exit_code") or 0) != 0
+    if conn.as_json:
+        render.print_json(result)
+        raise typer.Exit(1 if failed else 0)
+    if result.get("stdout"):
+        sys.stdout.write(result["stdout"])
+    if result.get("stderr"):
+        sys.stderr.write(result["stderr"])
+    if failed:
+        sys.stdout.flush()
+        error = result.get("error") or f"exit code {result.get('exit_code')}"
+        sys.stderr.write(str(error).rstrip("\n") + "\n")
+        sys.stderr.flush()
+        raise typer.Exit(1)
+    if result.get("result") is not None:
+        sys.stdout.write(str(result["result"]) + "\n")
+    sys.stdout.flush()

@@ -1,0 +1,190 @@
+"""``forkd snapshot`` (create, ls, info, ``--from-sandbox`` to branch) and ``forkd rmi``."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.markup import escape
+
+from forkd.cli import render
+from forkd.cli.failures import daemon_errors, remove_each
+from forkd.cli.options import Connection, with_connection
+from forkd.cli.render import err, out
+
+if TYPE_CHECKING:
+    import httpx
+
+    from forkd.client import Controller
+
+TagOpt = Annotated[
+    str | None,
+    typer.Option("--tag", help="Tag of the branch (default: chosen by the daemon)."),
+]
+
+
+def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
+    """Add the ``snapshot`` group and ``rmi`` to ``app``; ``transport`` is for tests."""
+    snapshot_app = typer.Typer(
+        help="Build, list and inspect snapshots; branch a running sandbox with --from-sandbox.",
+        invoke_without_command=True,
+        no_args_is_help=False,
+    )
+    app.add_typer(snapshot_app, name="snapshot")
+    daemon = functools.partial(with_connection, transport=transport)
+    snapshot_app.callback(invoke_without_command=True)(daemon(snapshot_main))
+    snapshot_app.command("create")(daemon(snapshot_create))
+    snapshot_app.command("ls")(daemon(snapshot_ls))
+    snapshot_app.command("info")(daemon(snapshot_info))
+    app.command("rmi")(daemon(rmi))
+
+
+def snapshot_main(
+    conn: Connection,
+    ctx: typer.Context,
+    from_sandbox: Annotated[
+        str | None,
+        typer.Option("--from-sandbox", help="Branch this running sandbox into a snapshot."),
+    ] = None,
+    tag: TagOpt = None,
+) -> None:
+    """Build, list and inspect snapshots; `--from-sandbox ID` branches a sandbox."""
+    if ctx.invoked_subcommand is not None:
+        if from_sandbox is not None:
+            err.print("[bold red]error:[/] --from-sandbox takes no subcommand")
+            raise typer.Exit(2)
+        return
+    if from_sandbox is None:
+        out.print(ctx.get_help())
+        raise typer.Exit(0)
+    with daemon_errors(), conn.controller() as ctl:
+        info = ctl.branch_sandbox(from_sandbox, tag=tag)
+    if conn.as_json:
+        render.print_json(info)
+        return
+    out.print(
+        f"branched [green]{escape(from_sandbox)}[/] → [bold magenta]"
+        f"{escape(str(info.get('tag')))}[/] (paused {render.millis(info.get('pause_ms'))})"
+    )
+
+
+def snapshot_create(
+    conn: Connection,
+    tag: Annotated[str, typer.Option("--tag", help="Name of the new snapshot.")],
+    image: Annotated[
+        str | None, typer.Option("--image", help="Guest image (default: python).")
+    ] = None,
+    memory: Annotated[int | None, typer.Option("--memory", help="Guest RAM in MiB.", min=1)] = None,
+    vcpus: Annotated[int | None, typer.Option("--vcpus", help="Virtual CPUs.", min=1)] = None,
+    setup: Annotated[
+        list[str] | None,
+        typer.Option("--setup", help="Shell command to run before the snapshot (repeatable)."),
+    ] = None,
+    warmup: Annotated[
+        str | None,
+        typer.Option("--warmup", help="Python run in the agent's interpreter, e.g. imports."),
+    ] = None,
+    boot_wait_secs: Annotated[
+        float | None, typer.Option("--boot-wait-secs", help="How long to wait for the boot.")
+    ] = None,
+    volume: Annotated[
+        list[str] | None,
+        typer.Option("--volume", help="Attach NAME:/mnt/path[:ro] (repeatable)."),
+    ] = None,
+) -> None:
+    """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
+    volumes = [parse_volume(v) for v in volume or []]
+    t0 = time.monotonic()
+    status = f"building snapshot {escape(tag)}: boot, setup, warm-up, snapshot"
+    with daemon_errors(), conn.controller() as ctl, err.status(status):
+        info = ctl.create_snapshot(
+            tag, image=image, memory_mib=memory, vcpus=vcpus,
+            setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs,
+            **({"volumes": volumes} if volumes else {}),
+        )  # fmt: skip
+    if conn.as_json:
+        render.print_json(info)
+        return
+    err.print(f"snapshot {escape(tag)} ready in {time.monotonic() - t0:.1f} s")
+    out.print(render.kv_table(info))
+
+
+def snapshot_ls(
+    conn: Connection,
+    tree: Annotated[
+        bool, typer.Option("--tree", help="Draw the lineage with live sandboxes.")
+    ] = False,
+) -> None:
+    """List snapshots (templates and branches)."""
+    with daemon_errors(), conn.controller() as ctl:
+        if tree:
+            show_tree(ctl, conn.as_json)
+            return
+        snapshots = ctl.list_snapshots()
+    if conn.as_json:
+        render.print_json(snapshots)
+        return
+    table = render.wrapping_table(
+        "tag", "branched_from", "memory_mib", "image", "pause_ms", "created"
+    )
+    for s in snapshots:
+        table.add_row(
+            render.cell(s.get("tag")), render.cell(s.get("branched_from")),
+            render.cell(s.get("memory_mib")), render.cell(s.get("image")),
+            render.millis(s.get("pause_ms")), render.age(s.get("created_at_unix")),
+        )  # fmt: skip
+    out.print(table)
+    if not snapshots:
+        err.print("no snapshots yet: run 'forkd snapshot create --tag NAME'")
+
+
+def snapshot_info(
+    conn: Connection, tag: Annotated[str, typer.Argument(help="Snapshot tag.")]
+) -> None:
+    """Show a snapshot: files, sizes, lineage."""
+    with daemon_errors(), conn.controller() as ctl:
+        info = ctl.snapshot_info(tag)
+    if conn.as_json:
+        render.print_json(info)
+    else:
+        out.print(render.kv_table(info))
+
+
+def rmi(
+    conn: Connection,
+    tags: Annotated[list[str], typer.Argument(help="Snapshot tags to delete.")],
+) -> None:
+    """Delete snapshots (sandboxes forked from them keep running)."""
+    with daemon_errors(), conn.controller() as ctl:
+        remove_each(tags, ctl.delete_snapshot, "deleted", conn.as_json)
+
+
+def show_tree(ctl: Controller, as_json: bool) -> None:
+    """Print the lineage of every snapshot and live sandbox."""
+    from forkd.client import ControllerError
+
+    infos = []
+    for s in ctl.list_snapshots():
+        try:
+            infos.append({**s, **ctl.snapshot_info(s["tag"])})
+        except ControllerError as exc:
+            if exc.status != 404:  # deleted meanwhile: keep what the list said
+                raise
+            infos.append(s)
+    forest = render.lineage_forest(infos, ctl.list_sandboxes())
+    if as_json:
+        render.print_json(render.strip_forest(forest))
+    elif not forest:
+        err.print("no snapshots or sandboxes yet: run 'forkd snapshot create --tag NAME'")
+    else:
+        out.print(render.rich_tree(forest, title=ctl.url))
+
+
+def parse_volume(text: str) -> dict[str, object]:
+    """``NAME:/mnt/path[:ro]`` → the API's volume attachment."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[1].startswith("/") or parts[2:] not in ([], ["ro"]):
+        raise typer.BadParameter(f"{text!r}: use NAME:/mnt/path or NAME:/mnt/path:ro")
+    return {"name": parts[0], "path": parts[1], "readonly": parts[2:] == ["ro"]}
