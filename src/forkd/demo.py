@@ -13,8 +13,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +24,7 @@ from rich.table import Table
 from rich.tree import Tree
 
 from forkd.client import Controller, ControllerError, Sandbox, Snapshot
+from forkd.launcher import DaemonProcess, DaemonStartError
 
 console = Console()
 DEFAULT_URL = "http://127.0.0.1:8889"
@@ -121,32 +120,17 @@ def daemon(url: str) -> Iterator[Controller]:
     except ControllerError:
         pass
     state = Path(tempfile.mkdtemp(prefix="forkd-demo-", dir="/tmp"))
-    bind = url.removeprefix("http://")
-    log = (state / "daemon.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "forkd.cli", "serve", "--bind", bind, "--state-dir", str(state),
-         "--kill-on-exit"],
-        stdout=log, stderr=log,
-    )  # fmt: skip
+    proc = DaemonProcess(state, bind=url.removeprefix("http://"))
     try:
         with console.status(f"starting a daemon at {url} (state in {state})"):
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    ctl.health()
-                    break
-                except ControllerError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise SystemExit(
-                            f"the daemon did not start; see {state / 'daemon.log'}"
-                        ) from None
-                    time.sleep(0.1)
+            try:
+                proc.start("--kill-on-exit")
+            except DaemonStartError:
+                raise SystemExit(f"the daemon did not start; see {proc.log}") from None
         console.print(f"[bold]daemon[/] started at {url} for this demo")
         yield ctl
     finally:
-        proc.terminate()
-        proc.wait(60)
-        log.close()
+        proc.stop()
         shutil.rmtree(state, ignore_errors=True)
 
 
@@ -166,6 +150,22 @@ def run_checks(url: str, out: Console, body: Callable[[Controller, Checks], None
     return check.report()
 
 
+TEMPLATE_SETUP = ["mkdir -p /work && echo 'written by setup' > /work/README.txt"]
+TEMPLATE_WARMUP = (
+    "import json, sqlite3, statistics\n"
+    "db = sqlite3.connect(':memory:')\n"
+    "db.execute('create table notes(body text)')\n"
+    "db.execute(\"insert into notes values ('warmed up in the template')\")\n"
+    "counter = 0"
+)
+# What each grandchild does from the branch: its name in the tree → Python it evaluates.
+STRATEGIES = {
+    "retry": "counter += 10; 'retried'",
+    "rewrite": "db.execute('delete from notes'); counter = 0; 'rewrote'",
+    "explore": "counter += 100; statistics.mean([1, 2, 3, 4])",
+}
+
+
 def run(ctl: Controller, children: int, memory_mib: int) -> None:
     tag = f"demo-{secrets.token_hex(3)}"
     made: list[Sandbox] = []
@@ -177,14 +177,8 @@ def run(ctl: Controller, children: int, memory_mib: int) -> None:
                 tag,
                 controller=ctl,
                 memory_mib=memory_mib,
-                setup=["mkdir -p /work && echo 'written by setup' > /work/README.txt"],
-                warmup=(
-                    "import json, sqlite3, statistics\n"
-                    "db = sqlite3.connect(':memory:')\n"
-                    "db.execute('create table notes(body text)')\n"
-                    "db.execute(\"insert into notes values ('warmed up in the template')\")\n"
-                    "counter = 0"
-                ),
+                setup=TEMPLATE_SETUP,
+                warmup=TEMPLATE_WARMUP,
             )
         snaps.append(template)
         build_ms = (time.monotonic() - started) * 1000
@@ -197,22 +191,7 @@ def run(ctl: Controller, children: int, memory_mib: int) -> None:
         with console.status(f"forking {children} children"):
             kids = template.fork(children)
         made += kids
-        wall = (time.monotonic() - started) * 1000
-        table = Table("child", "fork", "counter", "random.random()", "os.urandom(4)")
-        for kid in kids:
-            table.add_row(
-                kid.id,
-                ms(kid.info.get("fork_ms")),
-                kid.eval("counter").result,
-                kid.eval("import random; round(random.random(), 6)").result,
-                kid.eval("import os; os.urandom(4).hex()").result,
-            )
-        console.print(table)
-        median = sorted(k.info.get("fork_ms") or 0 for k in kids)[len(kids) // 2]
-        console.print(
-            f"  {children} children in {ms(wall)} wall (forked concurrently); median fork "
-            f"{ms(median)} vs {ms(build_ms)} to build the template. Same state, fresh randomness."
-        )
+        show_children(kids, (time.monotonic() - started) * 1000, build_ms)
 
         source = kids[0]
         source.eval("counter += 1; db.execute(\"insert into notes values ('child work')\")")
@@ -225,35 +204,54 @@ def run(ctl: Controller, children: int, memory_mib: int) -> None:
             f"[bold]branch[/] {branch.tag} of {source.id}: vCPUs frozen for "
             f"{ms(branch.pause_ms)}, then it kept running"
         )
-
-        strategies = {
-            "retry": "counter += 10; 'retried'",
-            "rewrite": "db.execute('delete from notes'); counter = 0; 'rewrote'",
-            "explore": "counter += 100; statistics.mean([1, 2, 3, 4])",
-        }
         with console.status("forking 3 grandchildren from the branch"):
-            grandkids = branch.fork(len(strategies))
+            grandkids = branch.fork(len(STRATEGIES))
         made += grandkids
-        tree = Tree(f"template [bold]{tag}[/]")
-        node = tree.add(f"{source.id} → branch {branch.tag} (pause {ms(branch.pause_ms)})")
-        for (name, code), g in zip(strategies.items(), grandkids, strict=True):
-            outcome = g.eval(code).result
-            rows = g.eval("db.execute('select count(*) from notes').fetchone()[0]").result
-            node.add(
-                f"{g.id} [{name}] fork {ms(g.info.get('fork_ms'))}: result={outcome} "
-                f"counter={g.eval('counter').result} rows={rows} "
-                f"plan={g.files.read_text('/work/plan.txt').strip()!r}"
-            )
-        node.add(f"{source.id} itself, still running: counter={source.eval('counter').result}")
-        for kid in kids[1:]:
-            tree.add(f"{kid.id}: counter={kid.eval('counter').result}")
-        console.print(tree)
-        console.print(
-            "Each grandchild started from the child's exact state at the branch and went its "
-            "own way; the child, its siblings and the template are untouched."
-        )
+        show_lineage(tag, kids, branch, grandkids)
     finally:
         cleanup(made, snaps, console)
+
+
+def show_children(kids: list[Sandbox], wall_ms: float, build_ms: float) -> None:
+    """A table of what each child sees: the template's state, its own randomness."""
+    table = Table("child", "fork", "counter", "random.random()", "os.urandom(4)")
+    for kid in kids:
+        table.add_row(
+            kid.id,
+            ms(kid.info.get("fork_ms")),
+            kid.eval("counter").result,
+            kid.eval("import random; round(random.random(), 6)").result,
+            kid.eval("import os; os.urandom(4).hex()").result,
+        )
+    console.print(table)
+    median = sorted(k.info.get("fork_ms") or 0 for k in kids)[len(kids) // 2]
+    console.print(
+        f"  {len(kids)} children in {ms(wall_ms)} wall (forked concurrently); median fork "
+        f"{ms(median)} vs {ms(build_ms)} to build the template. Same state, fresh randomness."
+    )
+
+
+def show_lineage(tag: str, kids: list[Sandbox], branch: Snapshot, grandkids: list[Sandbox]) -> None:
+    """Run one strategy in each grandchild and draw the tree: template, children, branch."""
+    source = kids[0]
+    tree = Tree(f"template [bold]{tag}[/]")
+    node = tree.add(f"{source.id} → branch {branch.tag} (pause {ms(branch.pause_ms)})")
+    for (name, code), g in zip(STRATEGIES.items(), grandkids, strict=True):
+        outcome = g.eval(code).result
+        rows = g.eval("db.execute('select count(*) from notes').fetchone()[0]").result
+        node.add(
+            f"{g.id} [{name}] fork {ms(g.info.get('fork_ms'))}: result={outcome} "
+            f"counter={g.eval('counter').result} rows={rows} "
+            f"plan={g.files.read_text('/work/plan.txt').strip()!r}"
+        )
+    node.add(f"{source.id} itself, still running: counter={source.eval('counter').result}")
+    for kid in kids[1:]:
+        tree.add(f"{kid.id}: counter={kid.eval('counter').result}")
+    console.print(tree)
+    console.print(
+        "Each grandchild started from the child's exact state at the branch and went its "
+        "own way; the child, its siblings and the template are untouched."
+    )
 
 
 def main() -> None:

@@ -12,10 +12,8 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -23,6 +21,8 @@ from typing import Any, TypeVar
 import pytest
 
 from forkd.guest import image as images
+from forkd.launcher import DaemonProcess
+from forkd.vmm.processes import qemu_pids_under
 from forkd.vmm.vm import VM
 
 T = TypeVar("T")
@@ -117,75 +117,20 @@ def base_snapshot(fleet: Fleet, template: VM) -> Path:
 # ------------------------------------------------------------------ daemon
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Daemon:
+class Daemon(DaemonProcess):
     """A real ``forkd serve`` process on a free port, with a token file."""
 
     token = "test-token-0123456789"
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.state_dir = root / "state"
-        self.token_file = root / "token"
-        self.token_file.write_text(self.token + "\n")
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.log = root / "daemon.log"
-
-    def start(self, *extra: str) -> None:
-        import sys
-
-        import httpx
-
-        env = {**os.environ, "FORKD_URL": self.url, "FORKD_TOKEN_FILE": str(self.token_file)}
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "forkd.cli", "serve", "--bind", f"127.0.0.1:{self.port}",
-                 "--state-dir", str(self.state_dir), "--token-file", str(self.token_file),
-                 *extra],
-                stdout=log, stderr=log, env=env,
-            )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{self.url}/healthz", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("daemon did not start within 60 s")
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            self.proc.wait(60)
-        self.proc = None
+        token_file = root / "token"
+        token_file.write_text(self.token + "\n")
+        super().__init__(root / "state", token_file=token_file, log=root / "daemon.log")
 
     def qemu_pids(self) -> list[int]:
         """QEMU processes whose runtime files live under this daemon's state dir."""
-        needle = str(self.state_dir / "run").encode()
-        pids = []
-        for p in Path("/proc").iterdir():
-            if p.name.isdigit():
-                try:
-                    if needle in (p / "cmdline").read_bytes():
-                        pids.append(int(p.name))
-                except OSError:
-                    continue
-        return pids
-
-    def env(self) -> dict[str, str]:
-        return {**os.environ, "FORKD_URL": self.url, "FORKD_TOKEN_FILE": str(self.token_file)}
+        return qemu_pids_under(self.state_dir / "run")
 
 
 @pytest.fixture(scope="session")
