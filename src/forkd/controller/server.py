@@ -10,7 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from forkd.controller.app import create_app
-from forkd.controller.manager import Settings
+from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
 
 

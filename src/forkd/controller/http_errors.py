@@ -1,0 +1,92 @@
+"""The one table from error type to HTTP status, and the handlers that apply it.
+
+Every error answer is ``{"error": message}``. The status comes from the
+error's type alone (see the tree in :mod:`forkd.errors`), never its text.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from forkd.controller.models import ErrorBody
+from forkd.errors import (
+    Busy,
+    Conflict,
+    Forbidden,
+    ForkdError,
+    GuestError,
+    Invalid,
+    NotFound,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+
+STATUS: dict[type[ForkdError], int] = {
+    Invalid: 400,
+    Forbidden: 403,
+    NotFound: 404,
+    Conflict: 409,
+    GuestError: 502,
+    Busy: 503,
+    Unavailable: 503,
+    ForkdError: 500,
+}
+
+# For /openapi.json: what each route may answer besides its success.
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorBody, "description": description}
+    for status, description in (
+        (400, "bad request: body, name, size or path"),
+        (401, "missing or wrong bearer token"),
+        (404, "unknown snapshot, sandbox, volume or guest path"),
+        (409, "conflicts with the current state"),
+        (413, "request body over the limit"),
+        (500, "the operation failed; the message says what was left behind"),
+    )
+}
+
+
+def status_of(exc: ForkdError) -> int:
+    """The status of the nearest class in ``exc``'s ancestry that the table names."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return 500
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def install(app: FastAPI) -> None:
+    """Register the handlers that turn exceptions into ``{"error": ...}`` answers."""
+
+    @app.exception_handler(ForkdError)
+    async def forkd_error(_r: Request, exc: ForkdError) -> JSONResponse:
+        status = status_of(exc)
+        if status == 500:
+            log.warning("%s: %s", type(exc).__name__, exc)
+        return error_response(status, str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_r: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            problems.append(f"{where or 'body'}: {err.get('msg')}")
+        return error_response(400, "invalid request: " + "; ".join(problems))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(_r: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")

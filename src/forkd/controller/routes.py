@@ -1,0 +1,212 @@
+"""The routes of API v1 (docs/API.md): each translates a request model into one
+service call and the service's answer into a response model."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+
+from forkd import __version__
+from forkd.controller.http_errors import ERROR_RESPONSES
+from forkd.controller.models import (
+    BranchRequest,
+    EvalRequest,
+    EvalResult,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    FileWritten,
+    Health,
+    PingResult,
+    SandboxCreate,
+    SandboxInfo,
+    SnapshotCreate,
+    SnapshotInfo,
+    VersionInfo,
+    VolumeInfo,
+)
+from forkd.controller.services import Services
+from forkd.limits import NAME_PATTERN
+
+
+def _services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]
+
+
+Svc = Annotated[Services, Depends(_services)]
+PathQ = Annotated[str, Query(description="absolute path inside the sandbox")]
+NO_CONTENT = {"status_code": 204, "response_class": Response}
+BYTES = {
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    "description": "the file's bytes",
+}
+SNAPSHOT = {"response_model": SnapshotInfo, "response_model_exclude_unset": True}
+
+discovery = APIRouter(tags=["discovery"])
+snapshots = APIRouter(prefix="/v1/snapshots", tags=["snapshots"], responses=ERROR_RESPONSES)
+sandboxes = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERROR_RESPONSES)
+files = APIRouter(prefix="/v1/sandboxes", tags=["files"], responses=ERROR_RESPONSES)
+volumes = APIRouter(prefix="/v1/volumes", tags=["volumes"], responses=ERROR_RESPONSES)
+
+
+# ------------------------------------------------------------------ discovery
+
+
+@discovery.get("/healthz", response_model=Health)
+async def healthz() -> Health:
+    return Health(ok=True)
+
+
+@discovery.get("/version", response_model=VersionInfo)
+async def version() -> VersionInfo:
+    return VersionInfo(version=__version__, api="v1")
+
+
+@discovery.get(
+    "/metrics",
+    response_class=Response,
+    responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                     "description": "Prometheus text format"}},
+)  # fmt: skip
+async def metrics(request: Request) -> Response:
+    body = request.app.state.metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4")
+
+
+# ------------------------------------------------------------------ snapshots
+
+
+@snapshots.post("", status_code=201, **SNAPSHOT)
+async def create_snapshot(svc: Svc, body: SnapshotCreate) -> SnapshotInfo:
+    return await svc.snapshots.create(body)
+
+
+@snapshots.get("", response_model=list[SnapshotInfo], response_model_exclude_unset=True)
+async def list_snapshots(svc: Svc) -> list[SnapshotInfo]:
+    return svc.snapshots.list()
+
+
+@snapshots.get("/{tag}/info", **SNAPSHOT)
+async def snapshot_info(svc: Svc, tag: str) -> SnapshotInfo:
+    return svc.snapshots.info(tag, detailed=True)
+
+
+@snapshots.delete("/{tag}", **NO_CONTENT)
+async def delete_snapshot(svc: Svc, tag: str) -> Response:
+    await svc.snapshots.delete(tag)
+    return Response(status_code=204)
+
+
+# ------------------------------------------------------------------ sandboxes
+
+
+@sandboxes.post("", status_code=201, response_model=list[SandboxInfo])
+async def create_sandboxes(svc: Svc, body: SandboxCreate) -> list[SandboxInfo]:
+    return await svc.sandboxes.create(body)
+
+
+@sandboxes.get("", response_model=list[SandboxInfo])
+async def list_sandboxes(svc: Svc) -> list[SandboxInfo]:
+    return svc.sandboxes.list()
+
+
+@sandboxes.get("/{sandbox_id}", response_model=SandboxInfo)
+async def get_sandbox(svc: Svc, sandbox_id: str) -> SandboxInfo:
+    return svc.sandboxes.info(sandbox_id)
+
+
+@sandboxes.delete("/{sandbox_id}", **NO_CONTENT)
+async def kill_sandbox(svc: Svc, sandbox_id: str) -> Response:
+    await svc.sandboxes.kill(sandbox_id)
+    return Response(status_code=204)
+
+
+@sandboxes.post("/{sandbox_id}/ping", response_model=PingResult)
+async def ping(svc: Svc, sandbox_id: str) -> PingResult:
+    return await svc.sandboxes.ping(sandbox_id)
+
+
+@sandboxes.post("/{sandbox_id}/exec", response_model=ExecResult)
+async def exec_(svc: Svc, sandbox_id: str, body: ExecRequest) -> ExecResult:
+    return await svc.sandboxes.exec(sandbox_id, body)
+
+
+@sandboxes.post("/{sandbox_id}/eval", response_model=EvalResult)
+async def eval_(svc: Svc, sandbox_id: str, body: EvalRequest) -> EvalResult:
+    return await svc.sandboxes.eval(sandbox_id, body.code)
+
+
+@sandboxes.post("/{sandbox_id}/branch", status_code=201, **SNAPSHOT)
+async def branch(svc: Svc, sandbox_id: str, body: BranchRequest | None = None) -> SnapshotInfo:
+    return await svc.branches.branch(sandbox_id, body or BranchRequest())
+
+
+# ------------------------------------------------------------------ files
+
+
+@files.get("/{sandbox_id}/files", response_class=Response, responses={200: BYTES})
+async def read_file(svc: Svc, sandbox_id: str, path: PathQ) -> Response:
+    data = await svc.sandboxes.read_file(sandbox_id, path)
+    return Response(data, media_type="application/octet-stream")
+
+
+@files.put(
+    "/{sandbox_id}/files",
+    response_model=FileWritten,
+    openapi_extra={"requestBody": {"content": {"application/octet-stream": {
+        "schema": {"type": "string", "format": "binary"}}}, "required": True}},
+)  # fmt: skip
+async def write_file(svc: Svc, sandbox_id: str, path: PathQ, request: Request) -> FileWritten:
+    size = await svc.sandboxes.write_file(sandbox_id, path, await request.body())
+    return FileWritten(path=path, size=size)
+
+
+@files.delete("/{sandbox_id}/files", **NO_CONTENT)
+async def remove_file(svc: Svc, sandbox_id: str, path: PathQ, recursive: bool = False) -> Response:
+    await svc.sandboxes.remove_file(sandbox_id, path, recursive)
+    return Response(status_code=204)
+
+
+@files.get("/{sandbox_id}/files/list", response_model=list[FileEntry])
+async def list_files(svc: Svc, sandbox_id: str, path: PathQ) -> list[FileEntry]:
+    return await svc.sandboxes.list_files(sandbox_id, path)
+
+
+# ------------------------------------------------------------------ volumes
+
+
+@volumes.get("", response_model=list[VolumeInfo])
+async def list_volumes(svc: Svc) -> list[VolumeInfo]:
+    return svc.volumes.list()
+
+
+@volumes.post(
+    "",
+    status_code=201,
+    response_model=VolumeInfo,
+    openapi_extra={"requestBody": {"content": {"application/x-tar": {
+        "schema": {"type": "string", "format": "binary"}}}, "required": False}},
+)  # fmt: skip
+async def create_volume(
+    svc: Svc,
+    request: Request,
+    name: Annotated[str, Query(pattern=NAME_PATTERN)],
+    size: Annotated[str, Query(max_length=32)] = "1G",
+) -> VolumeInfo:
+    """An ext4 volume of ``size``; a tar archive as the body fills it."""
+    return await svc.volumes.create(name, size, await request.body())
+
+
+@volumes.get("/{name}", response_model=VolumeInfo)
+async def volume_info(svc: Svc, name: str) -> VolumeInfo:
+    return svc.volumes.info(name)
+
+
+@volumes.delete("/{name}", **NO_CONTENT)
+async def delete_volume(svc: Svc, name: str) -> Response:
+    await svc.volumes.delete(name)
+    return Response(status_code=204)
+
+
+ROUTERS = (discovery, snapshots, sandboxes, files, volumes)

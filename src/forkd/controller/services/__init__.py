@@ -1,0 +1,48 @@
+"""The daemon's domain services: snapshots, branches, sandboxes, volumes, lifecycle.
+
+Each takes and returns typed objects (:mod:`forkd.controller.models`) and
+raises only errors of :mod:`forkd.errors`; none knows about HTTP.
+:class:`Services` wires them to one shared :class:`~.fleet.Fleet`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from forkd.controller.metrics import Metrics
+from forkd.controller.services.branches import BranchService
+from forkd.controller.services.fleet import Fleet, VMDriver
+from forkd.controller.services.lifecycle import Lifecycle
+from forkd.controller.services.sandboxes import SandboxService
+from forkd.controller.services.snapshots import SnapshotService
+from forkd.controller.services.volumes import VolumeService
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
+
+__all__ = ["Services"]
+
+
+@dataclass
+class Services:
+    fleet: Fleet
+    snapshots: SnapshotService
+    branches: BranchService
+    sandboxes: SandboxService
+    volumes: VolumeService
+    lifecycle: Lifecycle
+
+    @classmethod
+    def create(
+        cls, settings: Settings, store: Store, metrics: Metrics, driver: VMDriver | None = None
+    ) -> Services:
+        fleet = Fleet(settings, store, metrics, driver)
+        volumes = VolumeService(fleet)
+        snapshots = SnapshotService(fleet, volumes)
+        return cls(
+            fleet=fleet,
+            snapshots=snapshots,
+            branches=BranchService(fleet, snapshots),
+            sandboxes=SandboxService(fleet, snapshots),
+            volumes=volumes,
+            lifecycle=Lifecycle(fleet),
+        )

@@ -1,0 +1,155 @@
+"""The daemon's live VMs: which sandbox runs in which VM, and how one stops.
+
+Every service shares one :class:`Fleet`. It also holds what spans services:
+tags being created, the count of operations that hold volume layers no
+registry names yet, and the pool of QEMU processes started ahead of forks.
+The VM driver is a parameter, so unit tests run the real services and the
+real app over a fake driver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+from forkd.controller.metrics import Metrics
+from forkd.controller.settings import Settings
+from forkd.controller.store import SandboxRow, SnapshotRow, Store
+from forkd.errors import Conflict, ForkdError, NotFound
+from forkd.limits import check_tag
+from forkd.vmm.pool import ForkPool
+
+
+class VMDriver(Protocol):
+    """What the services need of :class:`forkd.vmm.vm.VM`'s constructors."""
+
+    async def boot(self, image: Any, **kw: Any) -> Any: ...
+    async def restore(self, snapshot_dir: Path, **kw: Any) -> Any: ...
+    async def spawn_incoming(self, snapshot_dir: Path, **kw: Any) -> Any: ...
+    async def adopt(self, run_dir: Path) -> Any: ...
+
+
+PING_WAIT_SECS = 3.0
+
+
+class Fleet:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        metrics: Metrics,
+        driver: VMDriver | None = None,
+    ) -> None:
+        if driver is None:
+            from forkd.vmm.vm import VM
+
+            driver = VM  # type: ignore[assignment]
+        assert driver is not None
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.driver = driver
+        self.vms: dict[str, Any] = {}  # sandbox id -> its running VM
+        # One branch of a given sandbox at a time: a second one must not resume
+        # the source while the first is still capturing it.
+        self.branch_locks: dict[str, asyncio.Lock] = {}
+        self._tags_in_flight: set[str] = set()
+        # Template builds and forks hold volume layers that no registry entry
+        # names yet: no layer collection while any is in progress.
+        self.volume_ops = 0
+        self.pool = ForkPool(
+            settings.run_dir,
+            per_snapshot=settings.pool_size,
+            detach=True,  # a pooled QEMU becomes a sandbox that outlives the daemon
+            new_id=store.next_sandbox_id,
+            spawn=driver.spawn_incoming,
+        )
+        settings.snapshot_root.mkdir(parents=True, exist_ok=True)
+        settings.run_dir.mkdir(parents=True, exist_ok=True)
+
+    # ------------------------------------------------------------- tags
+
+    @contextlib.contextmanager
+    def reserve_tag(self, tag: str) -> Iterator[str]:
+        """Hold ``tag`` for a snapshot being created; :class:`Conflict` if taken."""
+        if tag in self._tags_in_flight:
+            raise Conflict(f"a snapshot named {tag!r} is being created")
+        if self.store.get_snapshot(tag) is not None or (self.settings.snapshot_root / tag).exists():
+            raise Conflict(f"snapshot {tag!r} already exists")
+        self._tags_in_flight.add(tag)
+        try:
+            yield tag
+        finally:
+            self._tags_in_flight.discard(tag)
+
+    @contextlib.contextmanager
+    def holding_volume_layers(self) -> Iterator[None]:
+        self.volume_ops += 1
+        try:
+            yield
+        finally:
+            self.volume_ops -= 1
+
+    # ------------------------------------------------------------- rows
+
+    def snapshot_row(self, tag: str) -> SnapshotRow:
+        check_tag(tag)
+        row = self.store.get_snapshot(tag)
+        if row is None:
+            raise NotFound(f"snapshot {tag!r} not found")
+        return row
+
+    def sandbox_row(self, sandbox_id: str) -> SandboxRow:
+        row = self.store.get_sandbox(sandbox_id)
+        if row is None:
+            raise NotFound(f"sandbox {sandbox_id!r} not found")
+        return row
+
+    # ------------------------------------------------------------- VMs
+
+    def live(self, sandbox_id: str) -> Any:
+        """The running VM of ``sandbox_id``; :class:`Conflict` when it is not running."""
+        row = self.sandbox_row(sandbox_id)
+        vm = self.vms.get(sandbox_id)
+        if vm is None or row.state == "dead":
+            raise Conflict(f"sandbox {sandbox_id!r} is {row.state}, not running")
+        if not vm.is_alive():
+            raise Conflict(f"sandbox {sandbox_id!r} is dead (its QEMU exited)")
+        return vm
+
+    async def answers(self, vm: Any) -> bool:
+        """Whether a VM whose QEMU may just have died still runs and answers."""
+        try:
+            await asyncio.wait_for(vm.ping(), PING_WAIT_SECS)
+        except (ForkdError, TimeoutError):
+            return False
+        return bool(vm.is_alive())
+
+    async def mark_dead(self, sandbox_id: str) -> None:
+        """The sandbox's VM is gone: keep its record, state ``dead``."""
+        self.branch_locks.pop(sandbox_id, None)
+        vm = self.vms.pop(sandbox_id, None)
+        if vm is not None:
+            await vm.kill()
+        if self.store.get_sandbox(sandbox_id) is not None:
+            self.store.update_sandbox(sandbox_id, state="dead")
+
+    async def remove(self, sandbox_id: str) -> None:
+        """Kill the sandbox's VM (if any), delete its files and its record."""
+        self.branch_locks.pop(sandbox_id, None)
+        vm = self.vms.pop(sandbox_id, None)
+        if vm is not None:
+            await vm.kill()
+        else:
+            row = self.store.get_sandbox(sandbox_id)
+            if row is not None:
+                shutil.rmtree(row.run_dir, ignore_errors=True)
+        self.store.delete_sandbox(sandbox_id)
+
+    def all_vms(self) -> list[Any]:
+        """Every VM the daemon holds: sandboxes and pooled QEMU processes."""
+        return [*self.vms.values(), *self.pool.all_vms()]

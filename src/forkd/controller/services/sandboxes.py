@@ -1,0 +1,222 @@
+"""Sandboxes: fork them from snapshots, describe, kill, and talk to their guests."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from forkd import limits
+from forkd.controller.models import (
+    EvalResult,
+    ExecRequest,
+    ExecResult,
+    FileEntry,
+    PingResult,
+    SandboxCreate,
+    SandboxInfo,
+)
+from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.snapshots import SnapshotService
+from forkd.controller.store import SandboxRow, now
+from forkd.errors import (
+    AgentError,
+    Busy,
+    Conflict,
+    Forbidden,
+    ForkdError,
+    Invalid,
+    NotFound,
+    Unavailable,
+    VMError,
+)
+
+T = TypeVar("T")
+
+FORK_PARALLELISM = 4  # restores in flight at once (each is a QEMU start)
+
+# Failures a fork passes on as they are; any other one is "forking failed" (500).
+_CALLERS_FAULT = (Invalid, NotFound, Conflict, Busy, Unavailable)
+
+# The guest's exception, when the agent answered with one, says whose fault it was.
+_GUEST_REFUSALS: dict[str, type[ForkdError]] = {
+    "FileNotFoundError": NotFound,
+    "IsADirectoryError": Invalid,
+    "NotADirectoryError": Invalid,
+    "FileExistsError": Conflict,
+    "ValueError": Invalid,
+    "PermissionError": Forbidden,
+}
+
+
+class SandboxService:
+    def __init__(self, fleet: Fleet, snapshots: SnapshotService) -> None:
+        self.fleet = fleet
+        self.snapshots = snapshots
+        self._fork_slots = asyncio.Semaphore(FORK_PARALLELISM)
+
+    # ------------------------------------------------------------ fork
+
+    async def create(self, req: SandboxCreate) -> list[SandboxInfo]:
+        """Fork ``req.n`` sandboxes from a snapshot: all of them, or none."""
+        tag = limits.check_tag(req.snapshot_tag)
+        row = self.fleet.snapshot_row(tag)
+        problem = self.snapshots.unbootable_reason(row)
+        if problem is not None:
+            raise Conflict(f"snapshot {tag!r} is not bootable: {problem}")
+        if req.per_child_netns:
+            raise Invalid(
+                "per_child_netns is not supported: every sandbox already has its own user-mode NAT"
+            )
+        snap_dir = Path(row.dir)
+        pooled: list[Any] = []
+        if req.internet is None:
+            while len(pooled) < req.n and (vm := self.fleet.pool.take(snap_dir)) is not None:
+                pooled.append(vm)
+        ids = [vm.id for vm in pooled]
+        ids += [self.fleet.store.next_sandbox_id() for _ in range(req.n - len(pooled))]
+        waiting = {vm.id: vm for vm in pooled}
+        with self.fleet.holding_volume_layers():
+            results = await asyncio.gather(
+                *(self._fork_one(sid, req, snap_dir, waiting) for sid in ids),
+                return_exceptions=True,
+            )
+        if self.fleet.store.get_snapshot(tag) is not None:  # not deleted meanwhile
+            self.fleet.pool.refill(snap_dir)
+        failures = [r for r in results if isinstance(r, BaseException)]
+        if failures:
+            await self._undo(ids, waiting)
+            first = failures[0]
+            if isinstance(first, _CALLERS_FAULT):
+                raise first
+            raise VMError(
+                f"forking {req.n} from {tag!r} failed, none were kept: {first}"
+            ) from first
+        return [self.info(sid) for sid in ids]
+
+    async def _fork_one(
+        self, sid: str, req: SandboxCreate, snap_dir: Path, waiting: dict[str, Any]
+    ) -> None:
+        fleet = self.fleet
+        run_dir = fleet.settings.run_dir / sid
+        fleet.store.add_sandbox(
+            SandboxRow(
+                id=sid, snapshot_tag=req.snapshot_tag, run_dir=str(run_dir), pid=None,
+                created_at_unix=now(), memory_limit_mib=req.memory_limit_mib,
+                expires_at_unix=time.time() + req.timeout_secs if req.timeout_secs else None,
+                state="starting",
+            )
+        )  # fmt: skip
+        async with self._fork_slots:
+            vm = waiting.pop(sid, None)
+            if vm is not None:
+                await vm.finish_restore()
+            else:
+                vm = await fleet.driver.restore(
+                    snap_dir, run_root=fleet.settings.run_dir, vm_id=sid, detach=True,
+                    internet=req.internet,
+                )  # fmt: skip
+        fleet.vms[sid] = vm
+        fleet.store.update_sandbox(
+            sid, pid=vm.pid, state="running", fork_ms=round(vm.ready_ms or 0, 1)
+        )
+        fleet.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
+
+    async def _undo(self, ids: list[str], waiting: dict[str, Any]) -> None:
+        for vm in waiting.values():
+            await vm.kill()
+        await asyncio.gather(*(self.fleet.remove(sid) for sid in ids), return_exceptions=True)
+        for sid in ids:
+            self.fleet.store.delete_sandbox(sid)
+
+    # ------------------------------------------------------------ read, kill
+
+    def info(self, sandbox_id: str) -> SandboxInfo:
+        row = self.fleet.sandbox_row(sandbox_id)
+        return SandboxInfo(
+            id=row.id,
+            snapshot_tag=row.snapshot_tag,
+            netns=None,
+            guest_addr=None,
+            created_at_unix=row.created_at_unix,
+            pid=row.pid,
+            memory_limit_mib=row.memory_limit_mib,
+            state=row.state,
+            expires_at_unix=row.expires_at_unix,
+            fork_ms=row.fork_ms,
+        )
+
+    def list(self) -> list[SandboxInfo]:
+        return [self.info(r.id) for r in self.fleet.store.list_sandboxes()]
+
+    async def kill(self, sandbox_id: str) -> None:
+        if self.fleet.sandbox_row(sandbox_id).state == "starting":
+            raise Conflict(f"sandbox {sandbox_id!r} is still starting; retry shortly")
+        await self.fleet.remove(sandbox_id)
+
+    # ------------------------------------------------------------ guest
+
+    async def _guest(self, sandbox_id: str, call: Callable[[Any], Awaitable[T]]) -> T:
+        """``call(vm)`` on the sandbox's running VM, with agent failures classified."""
+        vm = self.fleet.live(sandbox_id)
+        try:
+            return await call(vm)
+        except AgentError as exc:
+            if not vm.is_alive():
+                await self.fleet.mark_dead(sandbox_id)
+                raise Conflict(f"sandbox {sandbox_id!r} died: {exc}") from exc
+            refusal = _GUEST_REFUSALS.get(exc.kind or "")
+            if refusal is not None:
+                raise refusal(str(exc)) from exc
+            raise
+
+    async def ping(self, sandbox_id: str) -> PingResult:
+        res = await self._guest(sandbox_id, lambda vm: vm.ping())
+        return PingResult(**{**res, "pong": True})
+
+    async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
+        res = await self._guest(
+            sandbox_id,
+            lambda vm: vm.exec(
+                req.args, timeout=req.timeout_secs, cwd=req.cwd, env=req.env or None,
+                stdin=req.stdin,
+            ),
+        )  # fmt: skip
+        return ExecResult(
+            stdout=res.get("stdout", ""),
+            stderr=res.get("stderr", ""),
+            exit_code=res.get("exit_code"),
+            timed_out=res.get("timed_out", False),
+            stdout_truncated=res.get("stdout_truncated", False),
+            stderr_truncated=res.get("stderr_truncated", False),
+            duration_ms=res.get("duration_ms"),
+        )
+
+    async def eval(self, sandbox_id: str, code: str) -> EvalResult:
+        res = await self._guest(sandbox_id, lambda vm: vm.eval(code))
+        return EvalResult(
+            result=res.get("result"),
+            error=res.get("error"),
+            exit_code=res.get("exit_code", 0),
+            stdout=res.get("stdout", ""),
+            stderr=res.get("stderr", ""),
+        )
+
+    async def read_file(self, sandbox_id: str, path: str) -> bytes:
+        path = limits.check_guest_path(path)
+        return await self._guest(sandbox_id, lambda vm: vm.read_file(path))
+
+    async def write_file(self, sandbox_id: str, path: str, data: bytes) -> int:
+        path = limits.check_guest_path(path)
+        return await self._guest(sandbox_id, lambda vm: vm.write_file(path, data))
+
+    async def list_files(self, sandbox_id: str, path: str) -> list[FileEntry]:
+        path = limits.check_guest_path(path)
+        entries = await self._guest(sandbox_id, lambda vm: vm.list_dir(path))
+        return [FileEntry(**e) for e in entries]
+
+    async def remove_file(self, sandbox_id: str, path: str, recursive: bool) -> None:
+        path = limits.check_guest_path(path)
+        await self._guest(sandbox_id, lambda vm: vm.remove(path, recursive))

@@ -1,0 +1,200 @@
+"""Snapshots: build a template, describe, list and delete what the registry holds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from forkd import limits
+from forkd.controller.models import SnapshotCreate, SnapshotInfo
+from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.volumes import VolumeService
+from forkd.controller.store import SnapshotRow, now
+from forkd.errors import AgentError, ImageError, Invalid, SnapshotError, VMError
+from forkd.guest import image as images
+from forkd.vmm import snapshot_files
+from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
+
+
+def snapshot_row(tag: str, files: SnapshotFiles, created_at_unix: int | None = None) -> SnapshotRow:
+    """The registry row of the snapshot whose files are ``files``."""
+    meta = files.meta
+    return SnapshotRow(
+        tag=tag,
+        dir=str(files.dir),
+        created_at_unix=meta.created_at_unix if created_at_unix is None else created_at_unix,
+        branched_from=meta.branched_from,
+        pause_ms=meta.pause_ms if meta.branched_from else None,
+        parent_tag=meta.parent_tag,
+        image=meta.image.name if meta.image else None,
+        memory_mib=files.machine.memory_mib,
+        status="ready",
+    )
+
+
+class SnapshotService:
+    def __init__(self, fleet: Fleet, volumes: VolumeService) -> None:
+        self.fleet = fleet
+        self.volumes = volumes
+        self.root = fleet.settings.snapshot_root
+
+    # ------------------------------------------------------------ create
+
+    async def create(self, req: SnapshotCreate) -> SnapshotInfo:
+        """Boot a template, run its setup and warm-up, snapshot it as ``req.tag``."""
+        tag = limits.check_tag(req.tag)
+        img = self._resolve_image(req)
+        with self.fleet.reserve_tag(tag), self.fleet.holding_volume_layers():
+            try:
+                await self._build(req, img)
+            except (VMError, AgentError) as exc:
+                raise VMError(f"building snapshot {tag!r} failed: {exc}") from exc
+            finally:
+                if self.fleet.store.get_snapshot(tag) is None:  # failed after the commit
+                    shutil.rmtree(self.root / tag, ignore_errors=True)
+        return self.info(tag)
+
+    def _resolve_image(self, req: SnapshotCreate) -> images.Image:
+        if req.kernel or req.rootfs:
+            parents = {Path(p).parent for p in (req.kernel, req.rootfs) if p}
+            try:
+                if len(parents) != 1:
+                    raise ImageError("they are in different directories")
+                return images.find_image(str(next(iter(parents))))
+            except ImageError as exc:
+                raise Invalid(
+                    "kernel/rootfs must name files of one forkd image directory "
+                    f"({exc}); or pass 'image' (see 'forkd image ls')"
+                ) from exc
+        try:
+            return images.find_image(req.image or images.DEFAULT_IMAGE)
+        except ImageError as exc:
+            raise Invalid(str(exc)) from exc
+
+    async def _build(self, req: SnapshotCreate, img: images.Image) -> None:
+        # The image recipe's template settings come first; the request adds to them.
+        defaults: dict[str, Any] = img.meta.get("template") or {}
+        setup = [*(defaults.get("setup") or []), *req.setup]
+        warmups = [w for w in (defaults.get("warmup"), req.warmup) if w]
+        attach = self.volumes.attach_for_boot(req.volumes)
+        try:
+            template = await self.fleet.driver.boot(
+                img,
+                run_root=self.fleet.settings.run_dir,
+                memory_mib=req.memory_mib
+                or defaults.get("memory_mib")
+                or limits.DEFAULT_MEMORY_MIB,
+                vcpus=req.vcpus or defaults.get("vcpus") or limits.DEFAULT_VCPUS,
+                accel_name=self.fleet.settings.accel,
+                vm_id=f"tpl-{req.tag}-{os.urandom(2).hex()}",
+                boot_timeout=req.boot_wait_secs,
+                attach=attach,
+            )
+        except BaseException:
+            self.volumes.discard_unused(attach)  # made, but no VM took them
+            raise
+        try:
+            await self._prepare(template, setup, warmups)
+            started = time.monotonic()
+            await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
+            self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)
+            files = snapshot_files.load(self.root / req.tag)
+            self.fleet.store.add_snapshot(snapshot_row(req.tag, files, now()))
+        finally:
+            await template.kill()
+
+    @staticmethod
+    async def _prepare(template: Any, setup: list[str], warmups: list[str]) -> None:
+        for cmd in setup:
+            res = await template.exec(["/bin/sh", "-c", cmd], timeout=limits.SETUP_TIMEOUT_SECS)
+            if res["exit_code"] != 0:
+                tail = (res["stderr"] or res["stdout"]).strip()[-1500:]
+                raise VMError(f"setup command {cmd!r} exited {res['exit_code']}: {tail}")
+        for warmup in warmups:
+            res = await template.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
+            if res.get("error"):
+                raise VMError(f"warmup failed:\n{res['error']}")
+
+    # ------------------------------------------------------------ read
+
+    def info(self, tag: str, detailed: bool = False) -> SnapshotInfo:
+        row = self.fleet.snapshot_row(tag)
+        d = Path(row.dir)
+        problem = self.unbootable_reason(row)
+        fields: dict[str, Any] = {
+            "tag": row.tag,
+            "dir": row.dir,
+            "vmstate": str(d / snapshot_files.VMSTATE),
+            "memory": str(d / snapshot_files.MEMORY),
+            "created_at_unix": row.created_at_unix,
+        }
+        if row.branched_from is not None:
+            fields.update(branched_from=row.branched_from, pause_ms=row.pause_ms)
+        fields.update(
+            status=row.status if problem is None else "broken",
+            bootable=problem is None,
+            memory_mib=row.memory_mib,
+            image=row.image,
+            parent_tag=row.parent_tag,
+        )
+        if detailed:
+            fields.update(self._detail(row, d))
+            if problem:
+                fields["problem"] = problem
+        return SnapshotInfo(**fields)
+
+    def _detail(self, row: SnapshotRow, d: Path) -> dict[str, Any]:
+        mem, vmstate = d / snapshot_files.MEMORY, d / snapshot_files.VMSTATE
+        mst = mem.stat() if mem.exists() else None
+        ancestors = self._ancestors(row)
+        store = self.fleet.store
+        return {
+            "memory_logical_bytes": mst.st_size if mst else 0,
+            "memory_physical_bytes": mst.st_blocks * 512 if mst else 0,
+            "vmstate_bytes": vmstate.stat().st_size if vmstate.exists() else 0,
+            "chain_depth": len(ancestors),
+            "ancestors": ancestors,
+            "dependents": [r.tag for r in store.list_snapshots() if r.parent_tag == row.tag],
+            "sandboxes": [r.id for r in store.list_sandboxes() if r.snapshot_tag == row.tag],
+        }
+
+    def _ancestors(self, row: SnapshotRow) -> list[str]:
+        out: list[str] = []
+        parent = row.parent_tag
+        while parent and parent not in out:
+            out.append(parent)
+            prow = self.fleet.store.get_snapshot(parent)
+            parent = prow.parent_tag if prow else None
+        return out
+
+    @staticmethod
+    def unbootable_reason(row: SnapshotRow) -> str | None:
+        try:
+            snapshot_files.load(Path(row.dir))
+        except SnapshotError as exc:
+            return str(exc)
+        return None
+
+    def list(self) -> list[SnapshotInfo]:
+        return [self.info(r.tag) for r in self.fleet.store.list_snapshots()]
+
+    # ------------------------------------------------------------ delete
+
+    async def delete(self, tag: str) -> None:
+        row = self.fleet.snapshot_row(tag)
+        d = Path(row.dir)
+        await self.fleet.pool.drop(d)
+        # Out of the way first (a crash leaves a staging name that start-up
+        # removes), then unregistered, then deleted. Running children keep
+        # their mapping of memory.bin; only the directory entry goes.
+        trash = d.parent / f".{d.name}.partial-del-{os.urandom(3).hex()}"
+        with contextlib.suppress(FileNotFoundError):
+            d.rename(trash)
+        self.fleet.store.delete_snapshot(tag)
+        await asyncio.to_thread(shutil.rmtree, trash, True)
+        self.volumes.collect_layers()

@@ -1,0 +1,121 @@
+"""Volumes: create, describe and delete them; attach them to templates; collect layers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from forkd.controller.models import VolumeAttach, VolumeInfo
+from forkd.errors import Conflict
+from forkd.limits import check_name
+from forkd.vmm import snapshot_files
+from forkd.vmm.volumes import Attachment, VolumeStore, attach_for_boot, parse_size
+
+if TYPE_CHECKING:
+    from forkd.controller.services.fleet import Fleet
+
+log = logging.getLogger(__name__)
+
+
+class VolumeService:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.store = VolumeStore(fleet.settings.state_dir / "volumes")
+
+    # ------------------------------------------------------------ users
+
+    def _users(
+        self, name: str, recorded: dict[str, tuple[Attachment, ...]] | None = None
+    ) -> list[str]:
+        if recorded is None:
+            recorded = snapshot_files.recorded_volumes(self.fleet.settings.snapshot_root)
+        users = [
+            f"snapshot {row.tag}"
+            for row in self.fleet.store.list_snapshots()
+            if any(v.name == name for v in recorded.get(Path(row.dir).name, ()))
+        ]
+        for sid, vm in self.fleet.vms.items():
+            if any(v.name == name for v in vm.volumes):
+                users.append(f"sandbox {sid}")
+        return users
+
+    def collect_layers(self) -> None:
+        """Delete volume layers that no snapshot and no VM (or pooled QEMU) uses."""
+        if self.fleet.volume_ops or self.fleet.pool.filling():
+            return  # layers of work in progress are not registered yet; next time
+        in_use: set[str] = set()
+        for recorded in snapshot_files.recorded_volumes(self.fleet.settings.snapshot_root).values():
+            for att in recorded:
+                in_use.update(att.chain)
+        for vm in self.fleet.all_vms():
+            for att in vm.volumes:
+                in_use.update(att.chain)
+        removed = self.store.collect(in_use)
+        if removed:
+            log.info("removed %d volume layers no snapshot or sandbox uses", removed)
+
+    # ------------------------------------------------------------ attach
+
+    def attach_for_boot(self, specs: Sequence[VolumeAttach]) -> list[Attachment]:
+        """A template's attachments; on failure none is left behind."""
+        attached: list[Attachment] = []
+        try:
+            for spec in specs:
+                attached.append(attach_for_boot(self.store, spec.name, spec.path, spec.readonly))
+        except BaseException:
+            self.discard_unused(attached)
+            raise
+        return attached
+
+    @staticmethod
+    def discard_unused(attached: Sequence[Attachment]) -> None:
+        """Delete the layers made for attachments no VM took."""
+        for att in attached:
+            if not att.readonly:
+                Path(att.chain[0]).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------ routes
+
+    def list(self) -> list[VolumeInfo]:
+        recorded = snapshot_files.recorded_volumes(self.fleet.settings.snapshot_root)
+        return [
+            VolumeInfo(**v, used_by=self._users(v["name"], recorded)) for v in self.store.list()
+        ]
+
+    def info(self, name: str) -> VolumeInfo:
+        check_name(name, "volume name")
+        return VolumeInfo(**self.store.get(name), used_by=self._users(name))
+
+    async def create(self, name: str, size: str, content: bytes) -> VolumeInfo:
+        """An ext4 volume of ``size``; ``content``, a tar archive, fills it."""
+        check_name(name, "volume name")
+        nbytes = parse_size(size)
+        if self.store.exists(name):
+            raise Conflict(f"volume {name!r} already exists")
+        tar_path: Path | None = None
+        if content:
+            fd, tmp = tempfile.mkstemp(dir=self.store.root, prefix=".upload-")
+            with os.fdopen(fd, "wb") as f:
+                f.write(content)
+            tar_path = Path(tmp)
+        try:
+            info = await asyncio.to_thread(self.store.create, name, nbytes, tar_path)
+        finally:
+            if tar_path is not None:
+                tar_path.unlink(missing_ok=True)
+        return VolumeInfo(**info, used_by=[])
+
+    async def delete(self, name: str) -> None:
+        self.info(name)  # unknown or invalid first
+        users = self._users(name)
+        if self.fleet.volume_ops:
+            users.append("a template build or fork in progress")
+        if users:
+            raise Conflict(f"volume {name!r} is in use by {', '.join(users)}")
+        await self.fleet.pool.drop_using(name)
+        self.store.remove(name)

@@ -1,0 +1,17 @@
+"""What one daemon is told at start: its directories, caps and accelerator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Settings:
+    state_dir: Path
+    snapshot_root: Path
+    run_dir: Path
+    branch_concurrency: int = 4
+    accel: str | None = None
+    kill_on_exit: bool = False
+    pool_size: int = 2  # QEMU processes kept waiting per recently forked snapshot

@@ -1,0 +1,284 @@
+"""A fake VM driver for unit tests of the services, the app, the SDK and the CLI.
+
+Everything but QEMU is real: snapshots are real directories with a real
+``snapshot.json`` (written by :mod:`forkd.vmm.snapshot_files`), a sparse
+``memory.bin`` and a ``vmstate``, so the registry, reconcile and validation
+code run as they do in production. A fake VM keeps its guest's files in a
+dict, runs ``eval`` in a Python namespace of its own, and copies both into
+its snapshots, so children see what their parent had. Failures are injected
+at an exact step with ``FakeVM.fail``.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import contextlib
+import copy
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forkd.errors import AgentError, SnapshotError, VMError
+from forkd.vmm import snapshot_files
+from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.snapshot_files import ImageRef, SnapshotLabels, SnapshotMeta
+
+GUEST_STATE = "fake-guest.json"  # beside the real files: what the fake guest had
+
+
+def make_image(cache_dir: Path, name: str = "python") -> Path:
+    """A fake built image ``name`` in ``cache_dir`` (what ``FORKD_CACHE_DIR`` names)."""
+    images = cache_dir / "images"
+    d = images / f"{name}-0000000000000000"
+    d.mkdir(parents=True, exist_ok=True)
+    for f in ("vmlinuz", "initrd.img", "rootfs.sqfs"):
+        (d / f).write_bytes(b"fake")
+    (d / "image.json").write_text(json.dumps({"name": name, "key": "0000000000000000"}))
+    (images / f"{name}.json").write_text(json.dumps({"key": "0000000000000000"}))
+    return d
+
+
+@dataclass
+class Runtime:
+    dir: Path
+
+
+@dataclass
+class Guest:
+    """What a fake guest holds: files and the warm interpreter's names."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    names: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        plain = {k: v for k, v in self.names.items() if isinstance(v, int | float | str | bool)}
+        return {"files": {k: v.decode("latin-1") for k, v in self.files.items()}, "names": plain}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Guest:
+        files = {k: v.encode("latin-1") for k, v in data["files"].items()}
+        return cls(files, dict(data["names"]))
+
+
+class FakeWriter:
+    """A snapshot being staged, as :class:`forkd.vmm.snapshot_writer.SnapshotWriter`."""
+
+    def __init__(self, vm: FakeVM, dest: Path) -> None:
+        self.vm, self.dest = vm, dest
+        self.staging = dest.parent / f".{dest.name}.partial-fake"
+        self.staging.mkdir(parents=True)
+        (self.staging / "memory.bin").write_bytes(b"partial")
+        self.guest: Guest | None = None
+
+    async def capture(self) -> None:
+        vm = self.vm
+        vm.events.append("capture")
+        if vm.fail == "capture":
+            raise SnapshotError(f"disk full while writing snapshot {self.dest.name}")
+        if vm.fail == "capture-kill":
+            vm.alive = False
+            raise SnapshotError("QEMU died while capturing")
+        self.guest = copy.deepcopy(vm.guest)
+        await asyncio.sleep(vm.capture_delay)
+
+    async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta:
+        vm = self.vm
+        vm.events.append("commit")
+        labels = labels or SnapshotLabels()
+        with (self.staging / "memory.bin").open("wb") as f:
+            f.truncate(vm.machine.memory_mib << 20)
+        (self.staging / "vmstate").write_bytes(b"state")
+        (self.staging / GUEST_STATE).write_text(json.dumps((self.guest or vm.guest).to_json()))
+        meta = SnapshotMeta(
+            machine=vm.machine, image=ImageRef(vm.image_name, None, None),
+            created_at_unix=int(time.time()), memory_bytes=vm.machine.memory_mib << 20,
+            vmstate_bytes=5, source_vm=vm.id, parent_snapshot=None, capture_ms=1.0,
+            pages_written=0, base_bytes_cloned=0, tag=labels.tag,
+            branched_from=labels.branched_from, parent_tag=labels.parent_tag,
+            pause_ms=labels.pause_ms,
+        )  # fmt: skip
+        snapshot_files.write_meta(self.staging, meta)
+        self.staging.rename(self.dest)
+        return meta
+
+    async def abort(self) -> None:
+        self.vm.events.append("abort")
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+class FakeVM:
+    def __init__(self, vm_id: str, machine: MachineConfig, run_root: Path, guest: Guest) -> None:
+        self.id = vm_id
+        self.machine = machine
+        self.rt = Runtime(run_root / vm_id)
+        self.rt.dir.mkdir(parents=True, exist_ok=True)
+        self.pid = os.getpid()  # never one a test would kill: lifecycle checks it is QEMU
+        self.state = "running"
+        self.alive = True
+        self.fail: str | None = None
+        self.capture_delay = 0.0
+        self.events: list[str] = []
+        self.volumes: list[Any] = []
+        self.ready_ms: float | None = 1.0
+        self.image_name = "python"
+        self.guest = guest
+
+    # lifecycle ---------------------------------------------------------------
+    def is_alive(self) -> bool:
+        return self.alive
+
+    async def kill(self) -> None:
+        self.events.append("kill")
+        self.alive = False
+        self.state = "dead"
+        shutil.rmtree(self.rt.dir, ignore_errors=True)
+
+    async def release(self) -> None:
+        self.events.append("release")
+
+    async def finish_restore(self, **_: Any) -> None:
+        self.state = "running"
+
+    async def pause(self) -> None:
+        self.events.append("pause")
+        if self.fail == "pause":
+            raise VMError("stop refused")
+        self.state = "paused"
+
+    async def resume(self) -> None:
+        self.events.append("resume")
+        if self.fail == "resume":
+            self.alive = False
+            raise VMError("cont failed")
+        self.state = "running"
+
+    async def begin_snapshot(self, dest: Path) -> FakeWriter:
+        self.events.append("begin")
+        if dest.exists():
+            raise SnapshotError(f"{dest} already exists")
+        return FakeWriter(self, dest)
+
+    async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
+        writer = await self.begin_snapshot(dest)
+        await writer.capture()
+        await writer.commit(labels)
+        return dest
+
+    # guest -------------------------------------------------------------------
+    def _agent(self, op: str) -> None:
+        if not self.alive:
+            raise AgentError("agent connection closed")
+        if self.fail == op:
+            raise AgentError(f"agent did not answer {op!r} within 1 s")
+
+    async def ping(self) -> dict[str, Any]:
+        self._agent("ping")
+        return {"pong": True, "pid": 1, "hostname": self.id, "agent_version": "fake"}
+
+    async def exec(self, argv: list[str], *, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
+        self._agent("exec")
+        if argv[:1] == ["exit"]:
+            code = int(argv[1])
+            return {"stdout": "", "stderr": f"exit {code}\n", "exit_code": code,
+                    "timed_out": False, "duration_ms": 1.0}  # fmt: skip
+        return {"stdout": " ".join(argv[1:]) + "\n", "stderr": "", "exit_code": 0,
+                "timed_out": False, "duration_ms": 1.0}  # fmt: skip
+
+    async def eval(self, code: str, timeout: float = 60.0) -> dict[str, Any]:
+        self._agent("eval")
+        out = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(out):
+                result = _run(code, self.guest.names)
+        except Exception as exc:
+            return {"result": None, "error": f"{type(exc).__name__}: {exc}", "exit_code": 1,
+                    "stdout": out.getvalue(), "stderr": ""}  # fmt: skip
+        return {"result": result, "error": None, "exit_code": 0, "stdout": out.getvalue(),
+                "stderr": ""}  # fmt: skip
+
+    async def read_file(self, path: str) -> bytes:
+        self._agent("file_read")
+        if path not in self.guest.files:
+            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
+                             kind="FileNotFoundError")  # fmt: skip
+        return self.guest.files[path]
+
+    async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
+        self._agent("file_write")
+        if path.startswith("/proc/"):
+            raise AgentError(f"[Errno 13] Permission denied: {path!r}", kind="PermissionError")
+        self.guest.files[path] = data
+        return len(data)
+
+    async def list_dir(self, path: str) -> list[dict[str, Any]]:
+        self._agent("file_list")
+        prefix = path.rstrip("/") + "/"
+        names = sorted({p[len(prefix):].split("/")[0] for p in self.guest.files
+                        if p.startswith(prefix)})  # fmt: skip
+        if not names:
+            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
+                             kind="FileNotFoundError")  # fmt: skip
+        return [{"name": n, "type": "file", "size": len(self.guest.files.get(prefix + n, b"")),
+                 "mode": 0o644, "mtime": 0.0} for n in names]  # fmt: skip
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        self._agent("file_remove")
+        if self.guest.files.pop(path, None) is None:
+            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
+                             kind="FileNotFoundError")  # fmt: skip
+
+
+def _run(code: str, names: dict[str, Any]) -> str | None:
+    """Run ``code``; the repr of a final expression, like the agent's eval."""
+    tree = ast.parse(code)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, "<eval>", "exec"), names)
+    if last is None:
+        return None
+    value = eval(compile(ast.Expression(last.value), "<eval>", "eval"), names)
+    return None if value is None else repr(value)
+
+
+class FakeDriver:
+    """Stands where :class:`forkd.vmm.vm.VM`'s constructors stand; records every VM."""
+
+    def __init__(self) -> None:
+        self.vms: list[FakeVM] = []
+        self.fail_restore: Exception | None = None
+        self.boot_delay = 0.0
+
+    async def boot(self, image: Any, *, run_root: Path, memory_mib: int = 256, vcpus: int = 1,
+                   vm_id: str | None = None, attach: Any = (), **_: Any) -> FakeVM:  # fmt: skip
+        await asyncio.sleep(self.boot_delay)
+        machine = MachineConfig(memory_mib, vcpus, "tcg", image.vmlinuz, image.initrd,
+                                image.rootfs)  # fmt: skip
+        vm = FakeVM(vm_id or f"vm-{len(self.vms)}", machine, run_root, Guest())
+        vm.image_name = image.name
+        vm.volumes = list(attach)
+        self.vms.append(vm)
+        return vm
+
+    async def spawn_incoming(self, snapshot_dir: Path, *, run_root: Path,
+                             vm_id: str | None = None, **_: Any) -> FakeVM:  # fmt: skip
+        if self.fail_restore is not None:
+            raise self.fail_restore
+        files = snapshot_files.load(snapshot_dir)
+        guest = Guest.from_json(json.loads((snapshot_dir / GUEST_STATE).read_text()))
+        vm = FakeVM(vm_id or f"vm-{len(self.vms)}", files.machine, run_root, guest)
+        vm.state = "incoming"
+        self.vms.append(vm)
+        return vm
+
+    async def restore(self, snapshot_dir: Path, **kw: Any) -> FakeVM:
+        vm = await self.spawn_incoming(snapshot_dir, **kw)
+        await vm.finish_restore()
+        return vm
+
+    async def adopt(self, run_dir: Path) -> FakeVM:
+        raise VMError(f"no QEMU runs for {run_dir} (fake driver)")

@@ -1,0 +1,62 @@
+"""The SQLite registry: rows round-trip, sequences survive a reopen, writes are atomic."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from forkd.controller.store import SandboxRow, SnapshotRow, Store
+
+
+def snap(tag: str, parent: str | None = None) -> SnapshotRow:
+    return SnapshotRow(tag, f"/s/{tag}", 1, None, None, parent, "python", 256, "ready")
+
+
+def sandbox(sid: str) -> SandboxRow:
+    return SandboxRow(sid, "base", f"/r/{sid}", None, 2, None, None, "starting")
+
+
+def test_snapshot_rows_round_trip_and_tags_are_unique(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    store.add_snapshot(snap("a"))
+    store.add_snapshot(snap("b", parent="a"))
+    assert store.get_snapshot("b") == snap("b", parent="a")
+    assert [r.tag for r in store.list_snapshots()] == ["a", "b"]
+    with pytest.raises(sqlite3.IntegrityError):
+        store.add_snapshot(snap("a"))
+    assert store.delete_snapshot("a") and not store.delete_snapshot("a")
+    assert store.get_snapshot("a") is None
+
+
+def test_sandbox_updates(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    store.add_sandbox(sandbox("sb-1"))
+    store.update_sandbox("sb-1", state="running", pid=42, fork_ms=12.5)
+    row = store.get_sandbox("sb-1")
+    assert row is not None and (row.state, row.pid, row.fork_ms) == ("running", 42, 12.5)
+    assert store.delete_sandbox("sb-1") and store.list_sandboxes() == []
+
+
+def test_sequences_survive_a_reopen(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    ids = [store.next_sandbox_id() for _ in range(2)]
+    seqs = [store.next_branch_seq("sb-1") for _ in range(2)]
+    store.close()
+    again = Store(tmp_path / "db")
+    assert again.id_prefix == store.id_prefix
+    assert again.next_sandbox_id() not in ids
+    assert ids[0].startswith(f"sb-{store.id_prefix}-")
+    assert seqs == [1, 2] and again.next_branch_seq("sb-1") == 3
+    assert again.next_branch_seq("sb-2") == 1
+
+
+def test_a_failed_write_changes_nothing(tmp_path: Path) -> None:
+    store = Store(tmp_path / "db")
+    store.add_snapshot(snap("a"))
+    with pytest.raises(sqlite3.OperationalError):
+        store.update_sandbox("x", no_such_column=1)
+    assert [r.tag for r in store.list_snapshots()] == ["a"]
+    store.add_sandbox(sandbox("sb-1"))  # the store still takes writes
+    assert store.get_sandbox("sb-1") is not None
