@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -31,6 +32,13 @@ def spawn() -> Iterator[Spawn]:
     def start(argv0: str, *args: str) -> int:
         proc = subprocess.Popen([argv0, "-c", SLEEP, *args], executable=sys.executable)
         procs.append(proc)
+        # Popen returns while the kernel may still be setting up the new
+        # command line (/proc shows it empty for a moment): wait for it.
+        cmdline = Path(f"/proc/{proc.pid}/cmdline")
+        deadline = time.monotonic() + 5
+        while not cmdline.read_bytes().startswith(argv0.encode()):
+            assert time.monotonic() < deadline, "the stand-in never showed its command line"
+            time.sleep(0.001)
         return proc.pid
 
     yield start

@@ -123,6 +123,22 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _base_tarball(spec: Recipe, cache: Path, staging: Path, say: Progress) -> Path:
+    """The Debian base of ``spec`` (cached across images: mmdebstrap takes a minute)."""
+    base = cache / "bases" / f"{spec.suite}-{VARIANT}-{spec.base_key(VARIANT)}.tar"
+    if not base.is_file():
+        extras = " ".join([*spec.apt_packages(), *(f"pip:{p}" for p in spec.pip)])
+        say(f"mmdebstrap {spec.suite} {VARIANT} + {extras} (a minute or so)")
+        base.parent.mkdir(parents=True, exist_ok=True)
+        tmp_tar = base.with_name(f".partial-{base.name}")
+        try:
+            rootfs.build_base(spec, VARIANT, tmp_tar, staging)
+            tmp_tar.rename(base)
+        finally:
+            tmp_tar.unlink(missing_ok=True)
+    return base
+
+
 def build(
     name: str = DEFAULT_IMAGE,
     progress: Progress | None = None,
@@ -165,17 +181,7 @@ def build(
         say("building the initramfs")
         modules = initramfs.build(unpacked, staging, out / "initrd.img")
 
-        base = cache / "bases" / f"{spec.suite}-{VARIANT}-{spec.base_key(VARIANT)}.tar"
-        if not base.is_file():
-            extras = " ".join([*spec.apt_packages(), *(f"pip:{p}" for p in spec.pip)])
-            say(f"mmdebstrap {spec.suite} {VARIANT} + {extras} (a minute or so)")
-            base.parent.mkdir(parents=True, exist_ok=True)
-            tmp_tar = base.with_name(f".partial-{base.name}")
-            try:
-                rootfs.build_base(spec, VARIANT, tmp_tar, staging)
-                tmp_tar.rename(base)
-            finally:
-                tmp_tar.unlink(missing_ok=True)
+        base = _base_tarball(spec, cache, staging, say)
         say("assembling the root image (squashfs)")
         rootfs.assemble(base, staging, out / "rootfs.sqfs")
 
