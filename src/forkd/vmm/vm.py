@@ -402,11 +402,15 @@ class VM(GuestOps):
             raise VMError(f"{doing} {self.id} failed: {exc}") from exc
         self.state = state
 
-    async def kill(self) -> None:
-        """Stop the VM for good and remove its runtime files."""
+    async def release(self) -> None:
+        """Let go of the VM and leave it running, for the next daemon to adopt."""
         await self.agent.close()
         with contextlib.suppress(Exception):
             await self.qmp.disconnect()
+
+    async def kill(self) -> None:
+        """Stop the VM for good and remove its runtime files."""
+        await self.release()
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.kill()
