@@ -2,20 +2,27 @@
 
 ``client`` drives the app in-process (Starlette's TestClient); ``server``
 runs it under a real uvicorn on a loopback port, for the SDK and the CLI.
+:class:`RecordingTransport` sends over the network like httpx's own and keeps
+each request, for tests of what a client sent.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import uvicorn
 from fastapi.testclient import TestClient
+from starlette.types import ASGIApp
 
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
@@ -61,13 +68,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture
-def server(settings: Settings, driver: FakeDriver, tmp_path: Path) -> Iterator[Server]:
-    """The app under a real uvicorn on 127.0.0.1, in a thread of this process."""
-    port = _free_port()
-    app = create_app(settings, TOKEN, driver=driver)
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
-    srv = uvicorn.Server(config)
+@contextmanager
+def serving(app: ASGIApp, **config: Any) -> Iterator[None]:
+    """``app`` under a real uvicorn in a thread of this process, for the block.
+
+    ``config`` says where it listens: ``host=`` and ``port=``, or ``uds=``.
+    """
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", **config))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -75,8 +82,48 @@ def server(settings: Settings, driver: FakeDriver, tmp_path: Path) -> Iterator[S
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
+    try:
+        yield
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def server(settings: Settings, driver: FakeDriver, tmp_path: Path) -> Iterator[Server]:
+    """The app under a real uvicorn on 127.0.0.1, in a thread of this process."""
+    port = _free_port()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    yield Server(f"http://127.0.0.1:{port}", TOKEN, token_file, driver)
-    srv.should_exit = True
-    thread.join(10)
+    with serving(create_app(settings, TOKEN, driver=driver), host="127.0.0.1", port=port):
+        yield Server(f"http://127.0.0.1:{port}", TOKEN, token_file, driver)
+
+
+class RecordingTransport(httpx.HTTPTransport):
+    """httpx's network transport that keeps every request it sends.
+
+    The answers come from whatever listens at the client's URL; a client
+    closed with it may hand it to the next one.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.requests: list[httpx.Request] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return super().handle_request(request)
+
+    @property
+    def last(self) -> httpx.Request:
+        return self.requests[-1]
+
+    def body(self, i: int = -1) -> Any:
+        """The JSON body of request ``i`` (default: the last)."""
+        return json.loads(self.requests[i].content)
+
+
+@pytest.fixture
+def sent() -> RecordingTransport:
+    """A transport for an SDK client: the requests it sent, the real app's answers."""
+    return RecordingTransport()

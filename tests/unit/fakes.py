@@ -183,6 +183,9 @@ class FakeVM:
 
     async def exec(self, argv: list[str], *, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
         self._agent("exec")
+        if argv[:1] == ["sleep"] and float(argv[1]) > timeout:  # killed, as the agent does
+            return {"stdout": "", "stderr": "", "exit_code": 124, "timed_out": True,
+                    "duration_ms": timeout * 1000}  # fmt: skip
         if argv[:1] == ["exit"]:
             code = int(argv[1])
             return {"stdout": "", "stderr": f"exit {code}\n", "exit_code": code,
