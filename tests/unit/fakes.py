@@ -14,7 +14,6 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
-import copy
 import io
 import json
 import os
@@ -84,7 +83,7 @@ class FakeWriter:
         if vm.fail == "capture-kill":
             vm.alive = False
             raise SnapshotError("QEMU died while capturing")
-        self.guest = copy.deepcopy(vm.guest)
+        self.guest = Guest.from_json(vm.guest.to_json())  # plain values, as a snapshot keeps
         await asyncio.sleep(vm.capture_delay)
 
     async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta:
