@@ -100,7 +100,7 @@ class FakeWriter:
             vmstate_bytes=5, source_vm=vm.id, parent_snapshot=None, capture_ms=1.0,
             pages_written=0, base_bytes_cloned=0, tag=labels.tag,
             branched_from=labels.branched_from, parent_tag=labels.parent_tag,
-            pause_ms=labels.pause_ms,
+            pause_ms=labels.pause_ms, volumes=tuple(vm.volumes),
         )  # fmt: skip
         snapshot_files.write_meta(self.staging, meta)
         self.staging.rename(self.dest)
@@ -274,6 +274,7 @@ class FakeDriver:
         guest = Guest.from_json(json.loads((snapshot_dir / GUEST_STATE).read_text()))
         vm = FakeVM(vm_id or f"vm-{len(self.vms)}", files.machine, run_root, guest)
         vm.state = "incoming"
+        vm.volumes = list(files.meta.volumes)
         self.vms.append(vm)
         return vm
 

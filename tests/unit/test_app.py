@@ -300,3 +300,47 @@ def test_restart_finds_snapshots_and_drops_dead_sandboxes(
     (settings.state_dir / "forkd.db").unlink()
     with TestClient(create_app(settings, "t", driver=driver), headers=headers) as c:
         assert [s["tag"] for s in c.get("/v1/snapshots").json()] == ["py"]
+
+
+# ------------------------------------------------------------------ volumes
+
+
+def test_a_volume_in_use_is_not_deleted(client: TestClient) -> None:
+    r = client.post("/v1/volumes", params={"name": "data", "size": "16M"})
+    assert r.status_code == 201, r.text
+    assert r.json()["used_by"] == []
+    make_template(client, volumes=[{"name": "data", "path": "/data"}])
+    (sb,) = fork(client)
+    used_by = client.get("/v1/volumes/data").json()["used_by"]
+    assert used_by == ["snapshot py", f"sandbox {sb['id']}"]
+    r = client.delete("/v1/volumes/data")
+    assert r.status_code == 409 and "in use by snapshot py" in r.json()["error"]
+    client.delete(f"/v1/sandboxes/{sb['id']}")
+    client.delete("/v1/snapshots/py")
+    assert client.delete("/v1/volumes/data").status_code == 204
+    assert client.get("/v1/volumes").json() == []
+
+
+def test_a_bad_mount_point_leaves_no_layer(client: TestClient, settings: Any) -> None:
+    client.post("/v1/volumes", params={"name": "data", "size": "16M"})
+    r = client.post(
+        "/v1/snapshots", json={"tag": "t", "volumes": [{"name": "data", "path": "/d/../etc"}]}
+    )
+    assert r.status_code == 400, r.text
+    assert list((settings.state_dir / "volumes" / "data" / "layers").iterdir()) == []
+    assert client.get("/v1/snapshots").json() == []
+
+
+def test_content_larger_than_the_volume_is_a_bad_request(client: TestClient) -> None:
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        blob = b"\1" * (20 << 20)
+        info = tarfile.TarInfo("big.bin")
+        info.size = len(blob)
+        tar.addfile(info, io.BytesIO(blob))
+    r = client.post("/v1/volumes", params={"name": "small", "size": "16M"}, content=buf.getvalue())
+    assert r.status_code == 400, r.text
+    assert client.get("/v1/volumes").json() == []

@@ -71,6 +71,20 @@ def test_run_dirs_are_direct_children_of_the_run_root(tmp_path: Path, spawn: Spa
     assert other_option not in dirs
 
 
+def test_a_run_dir_that_climbs_out_of_the_root_is_not_ours(tmp_path: Path, spawn: Spawn) -> None:
+    # The daemon deletes the run directory of each stray QEMU it finds: a
+    # command line naming <run>/../qmp.sock must not make it delete <run>/..
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "outside").mkdir()
+    (run / "link").symlink_to(tmp_path / "outside")
+    up = spawn("qemu-system-x86_64", "-qmp", f"unix:{run}/../qmp.sock,server=on,wait=off")
+    dot = spawn("qemu-system-x86_64", "-qmp", f"unix:{run}/./qmp.sock,server=on,wait=off")
+    link = spawn("qemu-system-x86_64", "-qmp", _qmp_arg(run / "link"))
+    dirs = qemu_run_dirs(run)
+    assert up not in dirs and dot not in dirs and link not in dirs
+
+
 def test_run_dir_with_a_comma_is_read_back_undoubled(tmp_path: Path, spawn: Spawn) -> None:
     run = tmp_path / "run"
     pid = spawn("qemu-system-x86_64", "-qmp", f"unix:{run}/vm,,1/qmp.sock,server=on,wait=off")

@@ -68,10 +68,17 @@ def qemu_run_dirs(run_root: Path) -> dict[int, Path]:
             continue
         for arg in argv:
             run_dir = _qmp_run_dir(arg)
-            if run_dir is not None and run_dir.parent == run_root:
+            if run_dir is not None and _directly_under(run_dir, run_root):
                 found[pid] = run_dir
                 break
     return found
+
+
+def _directly_under(run_dir: Path, run_root: Path) -> bool:
+    """``run_dir`` is a real child of ``run_root``: no ``..``, no link out of it."""
+    if run_dir.parent != run_root or run_dir.name in ("", ".", ".."):
+        return False
+    return Path(os.path.realpath(run_dir)).parent == Path(os.path.realpath(run_root))
 
 
 def _qmp_run_dir(arg: bytes) -> Path | None:

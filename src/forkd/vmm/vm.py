@@ -347,10 +347,13 @@ class VM(GuestOps):
         Returns the attachments as the snapshot records them; the VM goes on
         writing new layers above them (see :func:`volume_mounts.freeze_layers`).
         """
-        frozen = await volume_mounts.freeze_layers(self.qmp, self.volumes)
-        if frozen:
-            self._write_meta()
-        return frozen
+        try:
+            return await volume_mounts.freeze_layers(self.qmp, self.volumes)
+        finally:
+            # Also after a failure half-way: the record must name every layer
+            # QEMU writes, or a restarted daemon would collect one in use.
+            if self.volumes:
+                self._write_meta()
 
     async def console_tail(self, limit: int = 800) -> str:
         """The end of the guest's console: its file, or its ring buffer for a fork."""

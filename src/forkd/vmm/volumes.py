@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd import hosttools
-from forkd.errors import Conflict, ForkdError, Invalid, NotFound
+from forkd.errors import Conflict, ForkdError, HostToolMissing, Invalid, NotFound
 from forkd.limits import NAME_RE
 
 MIN_SIZE = 16 << 20
@@ -169,7 +169,12 @@ class VolumeStore:
                 tree.mkdir()
                 _extract(content_tar, tree)
                 argv += ["-d", str(tree)]
-            hosttools.run([*argv, str(base)], what=f"formatting volume {name}")
+            try:
+                hosttools.run([*argv, str(base)], what=f"formatting volume {name}")
+            except HostToolMissing:
+                raise
+            except ForkdError as exc:  # e.g. the content does not fit in the size asked for
+                raise VolumeInvalid(str(exc)) from exc
             shutil.rmtree(staging / "content", ignore_errors=True)
             (staging / "layers").mkdir()
             info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
@@ -229,10 +234,11 @@ def new_layer(chain: tuple[str, ...]) -> tuple[str, ...]:
 
 def attach_for_boot(store: VolumeStore, name: str, path: str, readonly: bool) -> Attachment:
     """A template's attachment: the base itself (read-only) or a new layer over it."""
+    mount = check_guest_mount(path)  # before a layer exists: bad input leaves nothing
     chain: tuple[str, ...] = (str(store.base(name)),)
     if not readonly:
         chain = new_layer(chain)
-    return Attachment(name, check_guest_mount(path), readonly, chain)
+    return Attachment(name, mount, readonly, chain)
 
 
 def attach_for_fork(frozen: Attachment) -> Attachment:

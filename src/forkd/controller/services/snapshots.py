@@ -15,10 +15,14 @@ from forkd.controller.models import SnapshotCreate, SnapshotInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.store import SnapshotRow, now
-from forkd.errors import AgentError, ImageError, Invalid, SnapshotError, VMError
+from forkd.errors import AgentError, ImageError, Invalid, SnapshotError, StorageFull, VMError
 from forkd.guest import image as images
 from forkd.vmm import snapshot_files
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
+
+
+class TemplateSetupFailed(VMError):
+    """A template's setup command or warm-up failed (500)."""
 
 
 def snapshot_row(tag: str, files: SnapshotFiles, created_at_unix: int | None = None) -> SnapshotRow:
@@ -52,6 +56,10 @@ class SnapshotService:
         with self.fleet.reserve_tag(tag), self.fleet.holding_volume_layers():
             try:
                 await self._build(req, img)
+            except TemplateSetupFailed:
+                raise  # its message says which command failed
+            except StorageFull as exc:
+                raise StorageFull(f"building snapshot {tag!r} failed: {exc}") from exc
             except (VMError, AgentError) as exc:
                 raise VMError(f"building snapshot {tag!r} failed: {exc}") from exc
             finally:
@@ -114,11 +122,13 @@ class SnapshotService:
             res = await template.exec(["/bin/sh", "-c", cmd], timeout=limits.SETUP_TIMEOUT_SECS)
             if res["exit_code"] != 0:
                 tail = (res["stderr"] or res["stdout"]).strip()[-1500:]
-                raise VMError(f"setup command {cmd!r} exited {res['exit_code']}: {tail}")
+                raise TemplateSetupFailed(
+                    f"setup command {cmd!r} exited {res['exit_code']}: {tail}"
+                )
         for warmup in warmups:
             res = await template.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
             if res.get("error"):
-                raise VMError(f"warmup failed:\n{res['error']}")
+                raise TemplateSetupFailed(f"warmup failed:\n{res['error']}")
 
     # ------------------------------------------------------------ read
 
