@@ -43,6 +43,18 @@ MIN_MEMORY_LIMIT_MIB = 64
 JSON_BODY_LIMIT = 1 << 20  # the JSON routes
 FILE_BODY_LIMIT = 32 << 20  # raw file uploads and volume archives (the agent's own cap)
 
+# Volume content archives (the upload is capped above; what it expands to, here).
+VOLUME_MAX_ENTRIES = 100_000  # files, directories and links in one archive
+VOLUME_BYTES_PER_ENTRY = 4096  # and at most one entry per 4 KiB of volume (ext4's small-fs inode ratio)
+VOLUME_TAR_HEADER_LIMIT = 1 << 20  # one long-name or pax header, read whole into memory
+
+# The audit log.
+AUDIT_LOG_MAX_BYTES = 64 << 20  # then audit.log becomes audit.log.1
+AUDIT_LOG_FILES = 4  # rotated files kept: audit.log.1 .. audit.log.4
+AUDIT_FIELD_LIMIT = 256  # characters of one client-controlled field (path, client)
+AUDIT_401_PER_SEC = 10  # 401 records a second per client address; then one summary line
+AUDIT_WARN_INTERVAL_SECS = 60.0  # at most one daemon-log warning this often about failed writes
+
 
 def check_name(name: object, what: str = "tag") -> str:
     """``name`` if it is a valid tag or volume name, else :class:`Invalid`."""
