@@ -45,7 +45,7 @@ FILE_BODY_LIMIT = 32 << 20  # raw file uploads and volume archives (the agent's 
 
 # Volume content archives (the upload is capped above; what it expands to, here).
 VOLUME_MAX_ENTRIES = 100_000  # files, directories and links in one archive
-VOLUME_BYTES_PER_ENTRY = 4096  # and at most one entry per 4 KiB of volume (ext4's small-fs inode ratio)
+VOLUME_BYTES_PER_ENTRY = 4096  # and one per 4 KiB of volume: ext4's inode ratio for small disks
 VOLUME_TAR_HEADER_LIMIT = 1 << 20  # one long-name or pax header, read whole into memory
 
 # The audit log.
