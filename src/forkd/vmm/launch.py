@@ -11,11 +11,15 @@ import os
 import shutil
 import signal
 import subprocess
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from forkd import hosttools
 from forkd.errors import VMError
-from forkd.vmm.qemu_argv import QEMU_BINARY, RuntimePaths
+from forkd.vmm import network
+from forkd.vmm.egress import Egress
+from forkd.vmm.qemu_argv import QEMU_BINARY, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.volumes import Attachment
 
 UNIX_PATH_MAX = 107
 PR_SET_PDEATHSIG = 1
@@ -36,12 +40,25 @@ def prepare_runtime(run_root: Path, vm_id: str) -> RuntimePaths:
     return rt
 
 
-def spawn(argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[bytes]:
+def spawn(
+    argv: list[str], rt: RuntimePaths, detach: bool, netns: str | None = None
+) -> subprocess.Popen[bytes]:
     """Start QEMU with its output in ``qemu.log``; on failure the run directory is removed.
 
     ``detach``: in a session of its own, to outlive this process (a daemon's
-    sandboxes); otherwise killed when this process dies.
+    sandboxes); otherwise killed when this process dies. ``netns``: the
+    network namespace (under /run/netns) QEMU starts in.
     """
+    steps: list[Callable[[], None]] = []
+    if not detach:
+        steps.append(_die_with_parent)
+    if netns is not None:
+        steps.append(network.enter_netns(netns))
+
+    def child_setup() -> None:  # runs in the child between fork and exec
+        for step in steps:
+            step()
+
     try:
         hosttools.require(QEMU_BINARY)
         with rt.qemu_log.open("ab") as log_f:
@@ -52,7 +69,7 @@ def spawn(argv: list[str], rt: RuntimePaths, detach: bool) -> subprocess.Popen[b
                 stderr=log_f,
                 close_fds=True,
                 start_new_session=detach,
-                preexec_fn=None if detach else _die_with_parent,
+                preexec_fn=child_setup if steps else None,
             )
     except BaseException:
         shutil.rmtree(rt.dir, ignore_errors=True)
@@ -68,3 +85,31 @@ def tail(path: Path, limit: int = 1500) -> str:
     except OSError:
         return ""
     return data.decode(errors="replace").strip()
+
+
+async def start_qemu(
+    machine: MachineConfig,
+    rt: RuntimePaths,
+    ram_file: Path,
+    incoming: bool,
+    attach: Sequence[Attachment],
+    detach: bool,
+    host_network: network.HostNetwork | None,
+    policy: Egress,
+) -> tuple[network.SandboxNet | None, subprocess.Popen[bytes]]:
+    """Make the VM's network namespace (when it gets one), then start QEMU in it.
+
+    On failure nothing is left: no namespace, no run directory.
+    """
+    try:
+        net = await network.attach(host_network, rt.dir.name, policy)
+    except BaseException:
+        shutil.rmtree(rt.dir, ignore_errors=True)
+        raise
+    argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
+                      tap=net is not None)  # fmt: skip
+    try:
+        return net, spawn(argv, rt, detach, netns=net.netns if net else None)
+    except BaseException:
+        await network.detach(net)
+        raise

@@ -88,3 +88,20 @@ def _qmp_run_dir(arg: bytes) -> Path | None:
     # QEMU option strings double every comma of a path (qemu_argv._opt).
     sock = Path(os.fsdecode(arg[len(b"unix:") : -len(QMP_OPTION_TAIL)]).replace(",,", ","))
     return sock.parent if sock.name == QMP_SOCKET else None
+
+
+def memory_usage(pid: int) -> dict[str, int]:
+    """Host memory of process ``pid``, from /proc/PID/smaps_rollup, in bytes."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if len(parts) == 2 and parts[1] == "kB":
+                out[key.strip().lower()] = int(parts[0]) * 1024
+    # What the VM alone costs the host: pages only it has written (QEMU's
+    # heap, the TCG cache, guest pages it changed). Private_Clean is left
+    # out: it counts snapshot pages that happen to be mapped by no other
+    # child right now, which are page cache, not owned memory.
+    out["private"] = out.get("private_dirty", 0)
+    return out

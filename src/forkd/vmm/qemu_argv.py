@@ -35,9 +35,11 @@ class MachineConfig:
     rootfs: Path
     internet: bool = True
     cmdline: str = KERNEL_CMDLINE
+    # The egress policy's JSON form (forkd.vmm.egress); None: from ``internet``.
+    egress: str | dict | None = None
 
     def to_json(self) -> dict:
-        return {
+        data = {
             "memory_mib": self.memory_mib,
             "vcpus": self.vcpus,
             "accel": self.accel,
@@ -47,6 +49,9 @@ class MachineConfig:
             "internet": self.internet,
             "cmdline": self.cmdline,
         }
+        if self.egress is not None:
+            data["egress"] = self.egress
+        return data
 
     @classmethod
     def from_json(cls, data: dict) -> MachineConfig:
@@ -59,7 +64,14 @@ class MachineConfig:
             rootfs=Path(data["rootfs"]),
             internet=bool(data.get("internet", True)),
             cmdline=str(data.get("cmdline", KERNEL_CMDLINE)),
+            egress=data.get("egress"),
         )
+
+
+def _netdev(cfg: MachineConfig, tap: bool) -> str:
+    if tap:
+        return "tap,id=net0,ifname=tap0,script=no,downscript=no"
+    return "user,id=net0" + ("" if cfg.internet else ",restrict=on")
 
 
 def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
@@ -126,7 +138,10 @@ def build_argv(
     ram_file: Path,
     incoming: bool,
     volumes: Sequence[Attachment] = (),
+    tap: bool = False,
 ) -> list[str]:
+    """QEMU's command line. ``tap``: the VM's network is ``tap0`` of the network
+    namespace QEMU starts in (forkd.vmm.network); else user-mode NAT."""
     mem = f"{cfg.memory_mib}M"
     argv = [
         QEMU_BINARY,
@@ -157,7 +172,7 @@ def build_argv(
         "-device", "virtserialport,chardev=agent,name=agent",
         "-object", "rng-random,id=rng,filename=/dev/urandom",
         "-device", "virtio-rng-device,rng=rng",
-        "-netdev", "user,id=net0" + ("" if cfg.internet else ",restrict=on"),
+        "-netdev", _netdev(cfg, tap),
         "-device", "virtio-net-device,netdev=net0",
         "-qmp", f"unix:{_opt(rt.qmp)},server=on,wait=off",
     ]  # fmt: skip

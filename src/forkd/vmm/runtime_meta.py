@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import VMError
+from forkd.vmm.network import SandboxNet
 from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
 from forkd.vmm.snapshot_files import ImageRef, image_json
 from forkd.vmm.volumes import Attachment
@@ -35,9 +36,10 @@ class VMRecord:
     image: ImageRef | None
     started_at_unix: float
     volumes: tuple[Attachment, ...] = ()
+    network: SandboxNet | None = None  # its namespace, when it has one
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        data = {
             "id": self.id,
             "pid": self.pid,
             "qmp": str(self.qmp),
@@ -49,6 +51,9 @@ class VMRecord:
             "started_at_unix": self.started_at_unix,
             "volumes": [v.to_json() for v in self.volumes],
         }
+        if self.network is not None:
+            data["network"] = self.network.to_json()
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any], rt: RuntimePaths) -> VMRecord:
@@ -65,6 +70,7 @@ class VMRecord:
             image=ImageRef.from_json(data.get("image")),
             started_at_unix=float(data.get("started_at_unix", time.time())),
             volumes=tuple(Attachment.from_json(v) for v in data.get("volumes") or []),
+            network=SandboxNet.from_json(data["network"]) if data.get("network") else None,
         )
 
 

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import memory, snapshot_files
+from forkd.vmm import live_snapshot, memory, snapshot_files
 from forkd.vmm.launch import tail
-from forkd.vmm.snapshot_files import SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels, SnapshotMeta
 from forkd.vmm.volumes import Attachment
 
 if TYPE_CHECKING:
@@ -175,3 +175,32 @@ class SnapshotWriter:
                 os.close(self._mem_fd)
             self._mem_fd = None
         await asyncio.to_thread(shutil.rmtree, self.staging, True)
+
+
+async def write_snapshot(vm: VM, dest: Path, labels: SnapshotLabels | None = None) -> SnapshotFiles:
+    """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
+
+    On failure nothing is left at ``dest`` and the VM is resumed if it is
+    still alive (see :mod:`forkd.vmm.live_snapshot`); the error is a
+    :class:`SnapshotError`, or :class:`StorageFull` when the disk filled.
+    Returns the snapshot's files and record; the pause window is recorded
+    as ``pause_ms``.
+    """
+    if vm.state == "dead" or not vm.is_alive():
+        raise SnapshotError(f"cannot snapshot {vm.id}: its QEMU is not running")
+    if vm.state == "running":
+        try:
+            result = await live_snapshot.snapshot_running(vm, dest, labels)
+        except live_snapshot.LiveSnapshotError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, (SnapshotError, StorageFull)) and not exc.snapshot_kept:
+                raise cause from None
+            raise SnapshotError(str(exc)) from exc
+        return SnapshotFiles(result.dir, result.meta)
+    writer = await vm.begin_snapshot(dest)  # already paused: no pause window
+    try:
+        await writer.capture()
+    except BaseException:
+        await writer.abort()
+        raise
+    return SnapshotFiles(dest, await writer.commit(labels))

@@ -33,14 +33,24 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from forkd import accel, limits
-from forkd.errors import AgentError, SnapshotError, StorageFull, VMError
+from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
-from forkd.vmm import launch, live_snapshot, runtime_meta, snapshot_files, volume_mounts, volumes
+from forkd.vmm import (
+    egress,
+    launch,
+    network,
+    processes,
+    runtime_meta,
+    snapshot_files,
+    snapshot_writer,
+    volume_mounts,
+    volumes,
+)
 from forkd.vmm.agent_client import AgentClient
 from forkd.vmm.agent_ops import GuestOps
 from forkd.vmm.launch import tail
 from forkd.vmm.processes import qemu_pid_matches
-from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths, build_argv, kernel_cmdline
+from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths, kernel_cmdline
 from forkd.vmm.qmp_channel import CONNECT_TIMEOUT_SECS, QMPChannel
 from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotLabels
 from forkd.vmm.snapshot_writer import SnapshotWriter
@@ -87,6 +97,7 @@ class VM(GuestOps):
         self.ready_ms: float | None = None  # process start -> agent answered
         self._incoming: SnapshotFiles | None = None
         self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
+        self.net: network.SandboxNet | None = None  # its namespace, if it has one
 
     # ---------------------------------------------------------------- start
 
@@ -104,12 +115,16 @@ class VM(GuestOps):
         internet: bool = True,
         detach: bool = False,
         attach: Sequence[Attachment] = (),
+        host_network: network.HostNetwork | None = None,
+        egress_policy: egress.Egress | None = None,
     ) -> VM:
         """Cold-boot a VM from ``image``; returns once its agent answers.
 
         ``attach``: volumes (see :mod:`forkd.vmm.volumes`), mounted in the
-        guest before this returns.
+        guest before this returns. ``host_network``: gives the VM a network
+        namespace of its own with ``egress_policy`` (default: from ``internet``).
         """
+        policy = egress_policy or egress.Egress.from_internet(internet)
         limits.check_memory_mib(memory_mib)
         limits.check_vcpus(vcpus)
         vm_id = vm_id or new_vm_id()
@@ -121,18 +136,20 @@ class VM(GuestOps):
             vmlinuz=image.vmlinuz,
             initrd=image.initrd,
             rootfs=image.rootfs,
-            internet=internet,
+            internet=policy.mode != "none",
             cmdline=kernel_cmdline(choice.name),
+            egress=policy.to_json(),
         )
         rt = launch.prepare_runtime(run_root, vm_id)
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written
             f.truncate(memory_mib << 20)
-        argv = build_argv(machine, rt, ram_file=rt.ram, incoming=False, volumes=attach)
         started = time.monotonic()
-        proc = launch.spawn(argv, rt, detach)
+        net, proc = await launch.start_qemu(machine, rt, rt.ram, False, attach, detach,
+                                     host_network, policy)  # fmt: skip
         image_ref = ImageRef(image.name, image.key, str(image.dir))
         vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, proc, proc.pid)
         vm.volumes = list(attach)
+        vm.net = net
         try:
             await vm._connect_qmp()
             await vm.agent.connect()
@@ -157,6 +174,8 @@ class VM(GuestOps):
         timeout: float = limits.RESTORE_TIMEOUT_SECS,
         detach: bool = False,
         internet: bool | None = None,
+        host_network: network.HostNetwork | None = None,
+        egress_policy: egress.Egress | None = None,
     ) -> VM:
         """Fork a new VM from a snapshot directory; returns once its agent answered.
 
@@ -166,8 +185,9 @@ class VM(GuestOps):
         """
         started = time.monotonic()
         vm = await cls.spawn_incoming(
-            snapshot_dir, run_root=run_root, vm_id=vm_id, detach=detach, internet=internet
-        )
+            snapshot_dir, run_root=run_root, vm_id=vm_id, detach=detach, internet=internet,
+            host_network=host_network, egress_policy=egress_policy,
+        )  # fmt: skip
         await vm.finish_restore(hostname=hostname, timeout=timeout, started=started)
         return vm
 
@@ -180,18 +200,26 @@ class VM(GuestOps):
         vm_id: str | None = None,
         detach: bool = False,
         internet: bool | None = None,
+        host_network: network.HostNetwork | None = None,
+        egress_policy: egress.Egress | None = None,
     ) -> VM:
         """Start QEMU for a fork of ``snapshot_dir`` and leave it waiting for its state.
 
         The first half of :meth:`restore`; :meth:`finish_restore` is the
         second. Starting QEMU is a good part of a fork's latency, so
-        :class:`forkd.vmm.pool.ForkPool` keeps a few of these ready.
+        :class:`forkd.vmm.pool.ForkPool` keeps a few of these ready. The
+        egress policy is ``egress_policy``, else ``internet``, else the snapshot's.
         """
         snap = snapshot_files.load(snapshot_dir)
         machine = snap.machine
-        if internet is not None and internet != machine.internet:
-            # A netdev option, not a device: the restored state still fits.
-            machine = dataclasses.replace(machine, internet=internet)
+        policy = egress_policy or (
+            egress.Egress.from_internet(internet) if internet is not None
+            else egress.of_machine(machine.egress, machine.internet)
+        )  # fmt: skip
+        # The network is a netdev option, not a device: the restored state still fits.
+        machine = dataclasses.replace(
+            machine, internet=policy.mode != "none", egress=policy.to_json()
+        )
         vm_id = vm_id or new_vm_id()
         rt = launch.prepare_runtime(run_root, vm_id)
         attach: list[Attachment] = []
@@ -203,14 +231,15 @@ class VM(GuestOps):
             volume_mounts.remove_own_layers(attach)
             shutil.rmtree(rt.dir, ignore_errors=True)
             raise
-        argv = build_argv(machine, rt, ram_file=snap.memory, incoming=True, volumes=attach)
         try:
-            proc = launch.spawn(argv, rt, detach)
+            net, proc = await launch.start_qemu(machine, rt, snap.memory, True, attach, detach,
+                                         host_network, policy)  # fmt: skip
         except BaseException:
             volume_mounts.remove_own_layers(attach)
             raise
         vm = cls(vm_id, rt, machine, snap.memory, snap.meta.image, snap.dir, proc, proc.pid)
         vm.volumes = attach
+        vm.net = net
         vm.state = "incoming"
         vm._incoming = snap
         try:
@@ -276,6 +305,7 @@ class VM(GuestOps):
         )
         vm.started_at = rec.started_at_unix
         vm.volumes = list(rec.volumes)
+        vm.net = rec.network
         await vm._connect_qmp(timeout)
         status = await vm.qmp.execute("query-status")
         assert isinstance(status, dict)
@@ -330,6 +360,7 @@ class VM(GuestOps):
             image=self.image,
             started_at_unix=self.started_at,
             volumes=tuple(self.volumes),
+            network=self.net,
         )
         runtime_meta.write(self.rt, record)
 
@@ -423,6 +454,8 @@ class VM(GuestOps):
                 os.kill(self.pid, signal.SIGKILL)
         self.state = "dead"
         volume_mounts.remove_own_layers(self.volumes)
+        await network.detach(self.net)  # QEMU is gone: its namespace can go
+        self.net = None
         shutil.rmtree(self.rt.dir, ignore_errors=True)
 
     # ------------------------------------------------------------- snapshot
@@ -438,32 +471,8 @@ class VM(GuestOps):
     async def write_snapshot(
         self, dest: Path, labels: SnapshotLabels | None = None
     ) -> SnapshotFiles:
-        """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
-
-        On failure nothing is left at ``dest`` and the VM is resumed if it is
-        still alive (see :mod:`forkd.vmm.live_snapshot`); the error is a
-        :class:`SnapshotError`, or :class:`StorageFull` when the disk filled.
-        Returns the snapshot's files and record; the pause window is recorded
-        as ``pause_ms``.
-        """
-        if self.state == "dead" or not self.is_alive():
-            raise SnapshotError(f"cannot snapshot {self.id}: its QEMU is not running")
-        if self.state == "running":
-            try:
-                result = await live_snapshot.snapshot_running(self, dest, labels)
-            except live_snapshot.LiveSnapshotError as exc:
-                cause = exc.__cause__
-                if isinstance(cause, (SnapshotError, StorageFull)) and not exc.snapshot_kept:
-                    raise cause from None
-                raise SnapshotError(str(exc)) from exc
-            return SnapshotFiles(result.dir, result.meta)
-        writer = await self.begin_snapshot(dest)  # already paused: no pause window
-        try:
-            await writer.capture()
-        except BaseException:
-            await writer.abort()
-            raise
-        return SnapshotFiles(dest, await writer.commit(labels))
+        """Pause, snapshot to ``dest``, resume: see :func:`snapshot_writer.write_snapshot`."""
+        return await snapshot_writer.write_snapshot(self, dest, labels)
 
     async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
         """:meth:`write_snapshot`, returning ``dest``."""
@@ -472,17 +481,5 @@ class VM(GuestOps):
     # --------------------------------------------------------------- memory
 
     def memory_usage(self) -> dict[str, int]:
-        """Host memory of the QEMU process, from /proc/PID/smaps_rollup (bytes)."""
-        out: dict[str, int] = {}
-        with open(f"/proc/{self.pid}/smaps_rollup") as f:
-            for line in f:
-                key, _, rest = line.partition(":")
-                parts = rest.split()
-                if len(parts) == 2 and parts[1] == "kB":
-                    out[key.strip().lower()] = int(parts[0]) * 1024
-        # What this VM alone costs the host: pages only it has written (QEMU's
-        # heap, the TCG cache, guest pages it changed). Private_Clean is left
-        # out: it counts snapshot pages that happen to be mapped by no other
-        # child right now, which are page cache, not owned memory.
-        out["private"] = out.get("private_dirty", 0)
-        return out
+        """Host memory of the QEMU process in bytes; ``private`` is what it alone costs."""
+        return processes.memory_usage(self.pid)

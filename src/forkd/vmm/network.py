@@ -1,0 +1,367 @@
+"""Each VM's own network namespace, and the host rules that fence them all in.
+
+Every VM (template or fork) runs QEMU inside a namespace of its own::
+
+    host                         namespace forkd-<vm id>          guest
+    fkh-<n> 10.201.x.1/30 ─veth─ veth0 10.201.x.2/30
+                                 tap0   10.0.2.2/24  ─── QEMU ─── eth0 10.0.2.15
+
+Every guest has the same address (children are memory copies of one
+guest); the namespace keeps the copies apart. The host reaches a guest's
+agent at ``10.201.x.2:8888`` (DNAT inside the namespace). What the guest may
+reach is the namespace's ``egress`` chain (:mod:`forkd.vmm.egress`); the
+host's ``forkd`` table drops anything a sandbox sends to the host itself or
+to another sandbox, whatever the policy.
+
+Links and namespaces are made with pyroute2; filtering and NAT are
+nftables rulesets loaded whole with ``nft -f``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ipaddress
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forkd.errors import Unavailable, VMError
+from forkd.vmm.egress import BLOCKED_RANGES, Egress
+
+log = logging.getLogger(__name__)
+
+GUEST_IP = "10.0.2.15"
+GATEWAY_IP = "10.0.2.2"
+DNS_IP = "10.0.2.3"
+AGENT_PORT = 8888
+DEFAULT_CIDR = "10.201.0.0/16"
+HOST_IF_PREFIX = "fkh-"
+NETNS_PREFIX = "forkd-"
+NETNS_DIR = Path("/run/netns")
+NS_VETH = "veth0"
+NS_TAP = "tap0"
+HOST_TABLE = "forkd"
+CLONE_NEWNET = 0x40000000
+NFT_TIMEOUT_SECS = 10
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def enter_netns(name: str) -> Callable[[], None]:
+    """A ``preexec_fn`` that moves the new process into namespace ``name``."""
+    path = str(NETNS_DIR / name)
+
+    def enter() -> None:  # runs in the child between fork and exec
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if _libc.setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), f"setns({path})")
+        finally:
+            os.close(fd)
+
+    return enter
+
+
+@dataclass(frozen=True)
+class SandboxNet:
+    """One VM's namespace and its addresses."""
+
+    netns: str
+    host_if: str
+    host_ip: str
+    ns_ip: str
+
+    @property
+    def guest_addr(self) -> str:
+        """Where the host reaches the guest's agent port."""
+        return f"{self.ns_ip}:{AGENT_PORT}"
+
+    def to_json(self) -> dict[str, str]:
+        return {"netns": self.netns, "host_if": self.host_if, "host_ip": self.host_ip,
+                "ns_ip": self.ns_ip}  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SandboxNet:
+        return cls(str(data["netns"]), str(data["host_if"]), str(data["host_ip"]),
+                   str(data["ns_ip"]))  # fmt: skip
+
+
+def _nft(ruleset: str, netns: str | None = None, *, forwarding: bool = False) -> None:
+    """Load ``ruleset`` whole (atomically) with ``nft -f -``, in ``netns`` if given."""
+    enter = enter_netns(netns) if netns else None
+
+    def preexec() -> None:
+        if enter is not None:
+            enter()
+        if forwarding:  # /proc/sys/net is the opener's namespace: this one
+            with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
+                f.write("1")
+
+    res = subprocess.run(
+        ["nft", "-f", "-"],
+        input=ruleset.encode(),
+        capture_output=True,
+        timeout=NFT_TIMEOUT_SECS,
+        preexec_fn=preexec if (enter or forwarding) else None,
+        check=False,
+    )
+    if res.returncode != 0:
+        where = f"namespace {netns}" if netns else "the host"
+        raise VMError(f"nft refused the rules for {where}: {res.stderr.decode().strip()}")
+
+
+def upstream_resolver(resolv_conf: Path = Path("/etc/resolv.conf")) -> str | None:
+    """The host's first nameserver a namespace can reach (not a loopback one)."""
+    try:
+        lines = resolv_conf.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "nameserver":
+            try:
+                addr = ipaddress.ip_address(parts[1])
+            except ValueError:
+                continue
+            if addr.version == 4 and not addr.is_loopback:
+                return str(addr)
+    return None
+
+
+def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
+    """The namespace's own rules: agent DNAT, masquerade, and the egress chain."""
+    allowed = egress.resolve() if egress.mode == "allow" else []
+    dns = resolver if egress.mode != "none" else None
+    lines = [
+        "flush ruleset",
+        "table ip forkd {",
+        "  chain prerouting {",
+        "    type nat hook prerouting priority dstnat; policy accept;",
+        f'    iifname "{NS_VETH}" tcp dport {AGENT_PORT} dnat to {GUEST_IP}:{AGENT_PORT}',
+    ]
+    if dns:
+        for proto in ("udp", "tcp"):
+            lines.append(
+                f'    iifname "{NS_TAP}" ip daddr {DNS_IP} {proto} dport 53 dnat to {dns}:53'
+            )
+    lines += [
+        "  }",
+        "  chain postrouting {",
+        "    type nat hook postrouting priority srcnat; policy accept;",
+        f'    oifname "{NS_VETH}" masquerade',
+        "  }",
+        "  chain input {",  # the guest never talks to the namespace itself
+        "    type filter hook input priority filter; policy drop;",
+        "    ct state established,related accept",
+        '    iifname "lo" accept',
+        "  }",
+        "  chain forward {",
+        "    type filter hook forward priority filter; policy drop;",
+        "    ct state established,related accept",
+        f'    iifname "{NS_VETH}" oifname "{NS_TAP}" ip daddr {GUEST_IP} '
+        f"tcp dport {AGENT_PORT} accept",
+        f'    iifname "{NS_TAP}" oifname "{NS_VETH}" jump egress',
+        "  }",
+        "  chain egress {",
+    ]
+    if dns:
+        lines.append(f"    ip daddr {dns} meta l4proto {{ udp, tcp }} th dport 53 accept")
+    if allowed:
+        lines.append(f"    ip daddr {{ {', '.join(str(n) for n in allowed)} }} accept")
+    if egress.mode == "internet":
+        lines.append(f"    ip daddr {{ {', '.join(BLOCKED_RANGES)} }} drop")
+        lines.append("    accept")
+    lines += ["    drop", "  }", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def host_ruleset(cidr: str) -> str:
+    """The host's ``forkd`` table: sandboxes reach neither the host nor each other."""
+    sb = f'"{HOST_IF_PREFIX}*"'
+    return f"""add table ip {HOST_TABLE}
+delete table ip {HOST_TABLE}
+table ip {HOST_TABLE} {{
+  chain input {{
+    type filter hook input priority filter - 10; policy accept;
+    iifname {sb} ct state established,related accept
+    iifname {sb} drop
+  }}
+  chain forward {{
+    type filter hook forward priority filter - 10; policy accept;
+    iifname {sb} oifname {sb} drop
+    oifname {sb} ct state established,related accept
+    oifname {sb} drop
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {cidr} oifname != {sb} masquerade
+  }}
+}}
+"""
+
+
+class HostNetwork:
+    """The daemon's view of sandbox networking: mode, address pool, namespaces."""
+
+    def __init__(self, cidr: str = DEFAULT_CIDR, mode: str = "auto") -> None:
+        try:
+            self.cidr = ipaddress.IPv4Network(cidr)
+        except ValueError as exc:
+            raise VMError(f"--sandbox-cidr {cidr!r} is not an IPv4 network: {exc}") from exc
+        if self.cidr.prefixlen > 29:
+            raise VMError(f"--sandbox-cidr {cidr} is too small: it needs room for /30s")
+        self.mode, self.reason = self._choose(mode)
+        self._lock = threading.Lock()
+        self._host_ready = False
+        self.resolver = upstream_resolver()
+
+    @staticmethod
+    def _choose(mode: str) -> tuple[str, str]:
+        problems = netns_problems()
+        if mode == "user":
+            return "user", "asked for user-mode networking"
+        if not problems:
+            return "netns", "a network namespace per VM (root, nftables, pyroute2)"
+        if mode == "netns":
+            raise Unavailable("network namespaces are not available: " + "; ".join(problems))
+        return "user", "user-mode networking without egress: " + "; ".join(problems)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode == "netns"
+
+    def prepare_host(self) -> None:
+        """Load the host's ``forkd`` table and let it forward sandbox traffic."""
+        if self._host_ready:
+            return
+        _nft(host_ruleset(str(self.cidr)), forwarding=True)
+        self._host_ready = True
+
+    # ------------------------------------------------------------ per VM
+
+    def create(self, vm_id: str, egress: Egress) -> SandboxNet:
+        """Make ``vm_id``'s namespace, links and rules; all or nothing."""
+        from pyroute2 import IPRoute, NetNS, netns
+
+        self.prepare_host()
+        name = NETNS_PREFIX + vm_id
+        with self._lock:
+            index = self._free_index()
+            host_ip = str(self.cidr.network_address + 4 * index + 1)
+            ns_ip = str(self.cidr.network_address + 4 * index + 2)
+            net = SandboxNet(name, f"{HOST_IF_PREFIX}{index}", host_ip, ns_ip)
+            try:
+                if (NETNS_DIR / name).exists():
+                    netns.remove(name)  # a leftover of a crash: this id is ours
+                netns.create(name)
+                with IPRoute() as ipr:
+                    ipr.link("add", ifname=net.host_if, kind="veth",
+                             peer={"ifname": NS_VETH, "net_ns_fd": name})  # fmt: skip
+                    idx = ipr.link_lookup(ifname=net.host_if)[0]
+                    ipr.addr("add", index=idx, address=host_ip, prefixlen=30)
+                    ipr.link("set", index=idx, state="up")
+                with NetNS(name) as ns:
+                    self._inside(ns, net)
+                _nft(namespace_ruleset(egress, self.resolver), name, forwarding=True)
+            except BaseException:
+                destroy(net)
+                raise
+        return net
+
+    @staticmethod
+    def _inside(ns: Any, net: SandboxNet) -> None:
+        veth = ns.link_lookup(ifname=NS_VETH)[0]
+        ns.addr("add", index=veth, address=net.ns_ip, prefixlen=30)
+        ns.link("set", index=veth, state="up")
+        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        ns.link("add", ifname=NS_TAP, kind="tuntap", mode="tap")
+        tap = ns.link_lookup(ifname=NS_TAP)[0]
+        ns.addr("add", index=tap, address=GATEWAY_IP, prefixlen=24)
+        ns.link("set", index=tap, state="up")
+        ns.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
+
+    def set_egress(self, net: SandboxNet, egress: Egress) -> None:
+        """Replace the namespace's rules (before the guest runs, for a fork)."""
+        _nft(namespace_ruleset(egress, self.resolver), net.netns, forwarding=True)
+
+    def _free_index(self) -> int:
+        from pyroute2 import IPRoute
+
+        with IPRoute() as ipr:
+            names = [link.get("ifname") or "" for link in ipr.get_links()]
+        used = {int(n[len(HOST_IF_PREFIX):]) for n in names
+                if n.startswith(HOST_IF_PREFIX) and n[len(HOST_IF_PREFIX):].isdigit()}  # fmt: skip
+        for index in range(self.cidr.num_addresses // 4):
+            if index not in used:
+                return index
+        raise Unavailable(f"no free addresses left in --sandbox-cidr {self.cidr}")
+
+    # ------------------------------------------------------------ leaks
+
+    def leftovers(self, keep: set[str]) -> list[SandboxNet]:
+        """Namespaces of ours that no VM in ``keep`` (namespace names) uses."""
+        if not NETNS_DIR.is_dir():
+            return []
+        return [
+            SandboxNet(p.name, "", "", "")
+            for p in NETNS_DIR.iterdir()
+            if p.name.startswith(NETNS_PREFIX) and p.name not in keep
+        ]
+
+    def remove_leftovers(self, keep: set[str]) -> int:
+        """Remove namespaces of ours (and so their links) that no live VM uses."""
+        # Removing a namespace removes its end of the veth, and with it ours.
+        gone = self.leftovers(keep)
+        for net in gone:
+            destroy(net)
+        return len(gone)
+
+
+def destroy(net: SandboxNet) -> None:
+    """Remove a VM's namespace and its veth pair; what is already gone is skipped."""
+    from pyroute2 import IPRoute, netns
+
+    if net.host_if:
+        with IPRoute() as ipr, contextlib.suppress(Exception):
+            for idx in ipr.link_lookup(ifname=net.host_if):
+                ipr.link("del", index=idx)
+    if (NETNS_DIR / net.netns).exists():
+        with contextlib.suppress(OSError):
+            netns.remove(net.netns)
+
+
+def netns_problems() -> list[str]:
+    """Why this host cannot give each VM a namespace (empty when it can)."""
+    problems = []
+    if os.geteuid() != 0:
+        problems.append("not running as root (needs CAP_NET_ADMIN)")
+    if shutil.which("nft") is None:
+        problems.append("nft is not installed (Debian package 'nftables')")
+    try:
+        import pyroute2  # noqa: F401
+    except ImportError:
+        problems.append("the Python package pyroute2 is not installed")
+    if not Path("/dev/net/tun").exists():
+        problems.append("/dev/net/tun is missing")
+    return problems
+
+
+async def attach(network: HostNetwork | None, vm_id: str, egress: Egress) -> SandboxNet | None:
+    """A namespace for VM ``vm_id`` when ``network`` gives each VM one, else None."""
+    if network is None or not network.enabled:
+        return None
+    return await asyncio.to_thread(network.create, vm_id, egress)
+
+
+async def detach(net: SandboxNet | None) -> None:
+    """Remove a VM's namespace (its QEMU must have exited)."""
+    if net is not None:
+        await asyncio.to_thread(destroy, net)
