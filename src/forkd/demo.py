@@ -108,17 +108,42 @@ def cleanup(
         out.print(f"cleaned up {len(sandboxes)} sandboxes and {len(snapshots)} snapshots")
 
 
-@contextlib.contextmanager
-def daemon(url: str) -> Iterator[Controller]:
-    """The daemon at ``url``, or one started here (and stopped afterwards)."""
-    ctl = Controller(url)
+def _answers(ctl: Controller) -> bool:
+    """Whether a daemon answers ``/healthz`` (which needs no token) through ``ctl``."""
     try:
         ctl.health()
-        console.print(f"[bold]daemon[/] already running at {url}")
-        yield ctl
-        return
     except ControllerError:
-        pass
+        return False
+    return True
+
+
+def _check_token(ctl: Controller, url: str) -> None:
+    """Exit with what to do when the daemon at ``url`` refuses this demo's token."""
+    try:
+        ctl.list_snapshots()
+    except ControllerError as exc:
+        if exc.status != 401:
+            raise
+        raise SystemExit(
+            f"the daemon at {url} wants its token: run the demo with FORKD_TOKEN_FILE=<its "
+            "--token-file>, or FORKD_STATE_DIR=<its --state-dir> to read <state-dir>/token"
+        ) from None
+
+
+@contextlib.contextmanager
+def daemon(url: str) -> Iterator[Controller]:
+    """The daemon at ``url``, or one started here (and stopped afterwards).
+
+    A running daemon's token is found as the SDK finds it (``FORKD_TOKEN``,
+    ``FORKD_TOKEN_FILE``, else ``<state-dir>/token``). A daemon started here
+    writes its own token in its state directory, and the demo reads it there.
+    """
+    with Controller(url) as ctl:
+        if _answers(ctl):
+            console.print(f"[bold]daemon[/] already running at {url}")
+            _check_token(ctl, url)
+            yield ctl
+            return
     state = Path(tempfile.mkdtemp(prefix="forkd-demo-", dir="/tmp"))
     proc = DaemonProcess(state, bind=url.removeprefix("http://"))
     try:
@@ -128,7 +153,8 @@ def daemon(url: str) -> Iterator[Controller]:
             except DaemonStartError:
                 raise SystemExit(f"the daemon did not start; see {proc.log}") from None
         console.print(f"[bold]daemon[/] started at {url} for this demo")
-        yield ctl
+        with Controller(url, token_file=proc.token_path) as ctl:
+            yield ctl
     finally:
         proc.stop()
         shutil.rmtree(state, ignore_errors=True)

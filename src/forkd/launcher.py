@@ -3,11 +3,15 @@
 Like the SDK it imports only the standard library and httpx. The demo starts
 its daemon here when none answers, and so do the integration tests.
 
+The daemon's token is the file given as ``token_file`` (passed as
+``--token-file``) or else the one the daemon writes on its first start,
+``<state_dir>/token``: :attr:`DaemonProcess.token_path` names whichever it is.
+
 Example::
 
-    d = DaemonProcess(Path("/tmp/forkd-x/state"), token_file=Path("/tmp/forkd-x/token"))
+    d = DaemonProcess(Path("/tmp/forkd-x/state"))
     d.start("--kill-on-exit")          # returns once /healthz answers
-    with Controller(d.url, token_file=d.token_file) as ctl:
+    with Controller(d.url, token_file=d.token_path) as ctl:
         ...
     d.stop()
 """
@@ -23,6 +27,7 @@ import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from forkd import paths
 from forkd.client.connection import Address, send
 from forkd.client.errors import ControllerError
 
@@ -49,8 +54,9 @@ class DaemonProcess:
     """A ``forkd serve`` subprocess: its address, state directory, token file and log.
 
     ``bind`` is ``HOST:PORT`` or ``unix:/path/to.sock`` (default: a free port
-    on 127.0.0.1). The daemon's output is appended to ``log`` (default:
-    ``<state_dir>/daemon.log``), across restarts.
+    on 127.0.0.1). ``token_file``: the daemon's token, else it uses (and on
+    its first start writes) ``<state_dir>/token``. The daemon's output is
+    appended to ``log`` (default: ``<state_dir>/daemon.log``), across restarts.
     """
 
     def __init__(
@@ -79,12 +85,35 @@ class DaemonProcess:
             argv += ["--token-file", str(self.token_file)]
         return [*argv, *extra]
 
+    @property
+    def token_path(self) -> Path:
+        """The file holding this daemon's token: ``token_file``, else ``<state_dir>/token``."""
+        return self.token_file if self.token_file is not None else paths.token_file(self.state_dir)
+
+    @property
+    def token(self) -> str | None:
+        """This daemon's token; None before its first start, or when it runs without auth."""
+        try:
+            return self.token_path.read_text().strip() or None
+        except OSError:
+            return None
+
     def env(self) -> dict[str, str]:
-        """This process's environment pointing forkd clients (CLI, SDK) at this daemon."""
-        env = {**os.environ, "FORKD_URL": self.url}
-        if self.token_file is not None:
-            env["FORKD_TOKEN_FILE"] = str(self.token_file)
+        """This process's environment pointing forkd clients (CLI, SDK) at this daemon.
+
+        ``FORKD_TOKEN_FILE`` names :attr:`token_path` once that exists, and a
+        ``FORKD_TOKEN`` of this process is dropped: it belongs to another daemon.
+        """
+        env = {k: v for k, v in os.environ.items() if k not in ("FORKD_TOKEN", "FORKD_TOKEN_FILE")}
+        env["FORKD_URL"] = self.url
+        if self.token_file is not None or self.token_path.exists():
+            env["FORKD_TOKEN_FILE"] = str(self.token_path)
         return env
+
+    def _serve_env(self) -> dict[str, str]:
+        # ``forkd serve`` reads FORKD_TOKEN_FILE as --token-file: one inherited from
+        # this process would make the daemon use another daemon's token.
+        return {k: v for k, v in os.environ.items() if k != "FORKD_TOKEN_FILE"}
 
     def start(self, *extra: str) -> None:
         """Start the daemon with ``extra`` arguments; return once it answers ``/healthz``.
@@ -93,14 +122,18 @@ class DaemonProcess:
         first, or if it does not answer within ``startup_secs``.
         """
         with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(self.argv(*extra), stdout=log, stderr=log, env=self.env())
+            self.proc = subprocess.Popen(
+                self.argv(*extra), stdout=log, stderr=log, env=self._serve_env()
+            )
         self.wait_healthy()
 
     def wait_healthy(self) -> None:
         """Poll ``/healthz`` until it answers 200 (see :meth:`start`)."""
         assert self.proc is not None, "start() the daemon first"
         deadline = time.monotonic() + self.startup_secs
-        with Address.parse(self.url).client(token=None, timeout=1.0) as client:
+        # /healthz needs no token: send none, not even one from the default state dir.
+        address = Address.parse(self.url)
+        with address.client(token=None, timeout=1.0, local_token=False) as client:
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise DaemonStartError(f"daemon exited: {self.log_tail()}")

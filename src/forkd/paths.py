@@ -1,4 +1,4 @@
-"""Where forkd keeps its files: the build cache and the state directory."""
+"""Where forkd keeps its files: the build cache, the state directory and the daemon's token."""
 
 from __future__ import annotations
 
@@ -28,6 +28,14 @@ def state_dir() -> Path:
         return Path("/var/lib/forkd")
     xdg = os.environ.get("XDG_DATA_HOME")
     return (Path(xdg) if xdg else Path.home() / ".local" / "share") / "forkd"
+
+
+def token_file(state: Path | None = None) -> Path:
+    """The bearer token a daemon writes on its first start: ``<state-dir>/token``.
+
+    ``state`` is the daemon's state directory (default: :func:`state_dir`).
+    """
+    return (state_dir() if state is None else state) / "token"
 
 
 def run_dir() -> Path:

@@ -39,8 +39,20 @@ def serve(
     ] = None,
     token_file: Annotated[
         Path | None,
-        typer.Option(envvar="FORKD_TOKEN_FILE", help="Require 'Authorization: Bearer <token>'."),
+        typer.Option(
+            envvar="FORKD_TOKEN_FILE",
+            help="Require the token in this file (default: <state-dir>/token, written "
+            "on the first start, mode 0600).",
+        ),
     ] = None,
+    insecure_no_auth: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-no-auth",
+            help="Answer every request without a token. Anyone who reaches the address "
+            "can run code in every sandbox.",
+        ),
+    ] = False,
     branch_concurrency: Annotated[
         int, typer.Option(envvar="FORKD_BRANCH_CONCURRENCY", min=1, max=64)
     ] = 4,
@@ -61,7 +73,7 @@ def serve(
     ] = 2,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
-    """Run the forkd daemon (HTTP API v1)."""
+    """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
     from forkd import paths
     from forkd.accel import choose
     from forkd.controller.server import serve as run_server
@@ -80,7 +92,7 @@ def serve(
             kill_on_exit=kill_on_exit,
             pool_size=pool_size,
         )
-        run_server(settings, bind, token_file, log_level)
+        run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
 

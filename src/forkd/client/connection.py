@@ -1,9 +1,19 @@
 """How the SDK reaches the daemon: its address, its token, and what a failed request means.
 
 The daemon's address is ``http://host:port`` or ``unix:/path/to.sock``
-(``$FORKD_URL``, default ``http://127.0.0.1:8889``); its token comes from
-``$FORKD_TOKEN`` or the file named by ``$FORKD_TOKEN_FILE``. Every failure on
-the way (no answer, a non-2xx answer, a body that is not JSON) becomes a
+(``$FORKD_URL``, default ``http://127.0.0.1:8889``). Its token is the first of:
+
+1. the ``token=`` argument;
+2. the contents of the ``token_file=`` argument;
+3. ``$FORKD_TOKEN``;
+4. the contents of the file named by ``$FORKD_TOKEN_FILE``;
+5. ``<state-dir>/token``, the token a daemon on this host writes on its first
+   start (the state directory is ``$FORKD_STATE_DIR``, else forkd's default),
+   but only for a loopback or unix-socket address, and skipped without a word
+   when it cannot be read. A token read from disk is never sent off this host.
+
+A file named in 2 or 4 that cannot be read is an error. Every failure on the
+way (no answer, a non-2xx answer, a body that is not JSON) becomes a
 :class:`~forkd.client.errors.ControllerError`.
 """
 
@@ -40,7 +50,7 @@ _import_httpx_light()
 
 import httpx  # noqa: E402
 
-from forkd import __version__  # noqa: E402
+from forkd import __version__, paths  # noqa: E402
 from forkd.client.errors import ControllerError  # noqa: E402
 
 DEFAULT_URL = "http://127.0.0.1:8889"
@@ -70,6 +80,14 @@ def _resolve_token(token: str | None, token_file: str | os.PathLike[str] | None)
     if env_file:
         return _read_token_file(env_file)
     return None
+
+
+def _read_local_token() -> str | None:
+    """The token in ``<state-dir>/token`` (source 5), or None when it cannot be read."""
+    try:
+        return _read_token_file(paths.token_file())
+    except (ControllerError, ValueError, RuntimeError, KeyError):  # ValueError: not text;
+        return None  # RuntimeError, KeyError: no home directory to find the state dir in
 
 
 def _is_loopback(host: str) -> bool:
@@ -105,10 +123,28 @@ class Address:
         base = (url if "://" in url else "http://" + url).rstrip("/")
         return cls(url, base, None, trust_env=not _is_loopback(urlsplit(base).hostname or ""))
 
+    @property
+    def is_local(self) -> bool:
+        """A unix socket or a loopback address: a daemon on this host."""
+        # httpx's own parse: the host it will connect to, not another parser's idea of it.
+        return self.socket_path is not None or _is_loopback(httpx.URL(self.base_url).host)
+
     def client(
-        self, token: str | None, timeout: float, transport: httpx.BaseTransport | None = None
+        self,
+        token: str | None,
+        timeout: float,
+        transport: httpx.BaseTransport | None = None,
+        *,
+        local_token: bool = True,
     ) -> httpx.Client:
-        """An HTTP client of the daemon sending ``token`` as its bearer token."""
+        """An HTTP client of the daemon sending ``token`` as its bearer token.
+
+        Without ``token``, a local address (:attr:`is_local`) gets the token
+        a daemon wrote to ``<state-dir>/token``, if that can be read, unless
+        ``local_token`` is false.
+        """
+        if not token and local_token and self.is_local:
+            token = _read_local_token()
         if transport is None and self.socket_path is not None:
             transport = httpx.HTTPTransport(uds=self.socket_path)
         headers = {"User-Agent": f"forkd-client/{__version__}", "Accept": "application/json"}

@@ -1,17 +1,48 @@
-"""Run the daemon: one per state directory, on TCP or a unix socket."""
+"""Run the daemon: one per state directory, on TCP or a unix socket, owner-only on disk.
+
+Auth is on unless asked off: the token comes from ``--token-file``, else from
+``<state-dir>/token``, written (random, mode 0600) on the first start. The
+daemon runs under umask 077, so every file it and its QEMU processes create
+is readable by its user only, and a unix socket it listens on is mode 0600.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
+import secrets
+import socket
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
 
+from forkd import paths
 from forkd.controller.app import create_app
+from forkd.controller.services.fleet import VMDriver
 from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
+
+log = logging.getLogger(__name__)
+
+# Files the daemon creates are 0600 and its directories 0700, whatever the
+# mode a caller asks for (QEMU, qemu-img, mkfs and SQLite choose their own).
+OWNER_ONLY_UMASK = 0o077
+DIR_MODE = 0o700
+FILE_MODE = 0o600
+SOCKET_MODE = 0o600
+TOKEN_BYTES = 32  # secrets.token_urlsafe(32): 43 characters, 256 bits
+
+INSECURE_WARNING = """
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
+!! AUTH IS OFF (--insecure-no-auth). Every route answers anyone who reaches
+!! {where}: any local user, and any process or sandbox that can connect,
+!! can fork VMs and run code in every sandbox. Drop the flag to use the token
+!! in {token}.
+!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"""
 
 
 def parse_bind(bind: str) -> dict[str, object]:
@@ -39,10 +70,78 @@ def read_token(token_file: Path | None) -> str | None:
     return token
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_state_token(path: Path) -> str:
+    """The token in ``path``, made 0600 if an older forkd or a person left it wider."""
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("%s was mode %04o; making it %04o", path, mode, FILE_MODE)
+        path.chmod(FILE_MODE)
+    token = read_token(path)
+    assert token is not None
+    return token
+
+
+def ensure_token(state_dir: Path) -> str:
+    """The daemon's token: ``<state_dir>/token``, written on the first start and kept.
+
+    A new token is written whole to a temporary name (``O_EXCL``, mode 0600)
+    and then hard-linked to ``token``: unlike a rename, a link never replaces
+    a file already there, so two daemons starting at once (or a daemon and a
+    person writing the file) end with one token, and both use it.
+    """
+    path = paths.token_file(state_dir)
+    with contextlib.suppress(FileNotFoundError):
+        return _read_state_token(path)
+    tmp = path.with_name(f".token.{secrets.token_hex(8)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, FILE_MODE)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as f:
+            f.write(secrets.token_urlsafe(TOKEN_BYTES) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+            log.info("wrote a new token to %s (mode 0600); local clients read it there", path)
+        except FileExistsError:
+            pass  # another start wrote one first: use that
+    finally:
+        tmp.unlink(missing_ok=True)
+    _fsync_dir(state_dir)
+    return _read_state_token(path)
+
+
+def choose_token(state_dir: Path, token_file: Path | None, insecure_no_auth: bool) -> str | None:
+    """The token every request must carry; None only with ``insecure_no_auth``."""
+    if token_file is not None and insecure_no_auth:
+        raise ForkdError("--token-file and --insecure-no-auth contradict each other; pick one")
+    if token_file is not None:
+        return read_token(token_file)
+    if insecure_no_auth:
+        return None
+    return ensure_token(state_dir)
+
+
+def owner_only_dir(path: Path) -> None:
+    """Create ``path`` (mode 0700), or make an existing one 0700."""
+    path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode != DIR_MODE:
+        log.info("%s was mode %04o; making it %04o", path, mode, DIR_MODE)
+        path.chmod(DIR_MODE)
+
+
 def lock_state_dir(state_dir: Path) -> int:
     """Hold an exclusive lock so two daemons never own the same VMs."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "forkd.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    owner_only_dir(state_dir)
+    fd = os.open(state_dir / "forkd.lock", os.O_RDWR | os.O_CREAT, FILE_MODE)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError as exc:
@@ -53,23 +152,94 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
-def serve(settings: Settings, bind: str, token_file: Path | None, log_level: str = "info") -> None:
-    where = parse_bind(bind)
-    token = read_token(token_file)
-    lock_fd = lock_state_dir(settings.state_dir)
+def _remove_stale_socket(path: Path) -> None:
+    """Remove a socket a previous daemon left at ``path``; refuse anything else."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ForkdError(f"{path} exists and is not a unix socket; not removing it")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink(missing_ok=True)  # nobody listens: left by a daemon that died
+            return
+    raise ForkdError(f"something already listens on {path}")
+
+
+def bind_unix_socket(path: Path) -> socket.socket:
+    """A unix socket bound at ``path``, mode 0600, never wider on the way.
+
+    uvicorn's own ``uds`` binding chmods the socket to 0666 after creating it,
+    so the daemon binds it here and hands it over. Bound under the daemon's
+    umask 077 it is born 0700 (owner only) and is then narrowed to exactly 0600.
+    """
+    _remove_stale_socket(path)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        with owner_only_umask():
+            sock.bind(str(path))
+        path.chmod(SOCKET_MODE)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+@contextlib.contextmanager
+def owner_only_umask() -> Iterator[None]:
+    """Run the block under umask 077 (the whole daemon runs under it)."""
+    old = os.umask(OWNER_ONLY_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def serve(
+    settings: Settings,
+    bind: str,
+    token_file: Path | None = None,
+    log_level: str = "info",
+    *,
+    insecure_no_auth: bool = False,
+    driver: VMDriver | None = None,
+) -> None:
+    """Run the daemon until SIGTERM or SIGINT. ``driver`` replaces QEMU (tests only)."""
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    try:
-        if "uds" in where:
-            Path(str(where["uds"])).unlink(missing_ok=True)
-        config = uvicorn.Config(
-            create_app(settings, token),
-            log_level=log_level,
-            timeout_graceful_shutdown=30,
-            access_log=False,
-            **where,  # type: ignore[arg-type]
-        )
-        uvicorn.Server(config).run()
-    finally:
-        os.close(lock_fd)
+    where = parse_bind(bind)
+    with owner_only_umask():
+        lock_fd = lock_state_dir(settings.state_dir)
+        sock: socket.socket | None = None
+        try:
+            token = choose_token(settings.state_dir, token_file, insecure_no_auth)
+            for d in (settings.snapshot_root, settings.run_dir):
+                owner_only_dir(d)
+            if token is None:
+                log.warning(
+                    INSECURE_WARNING.format(where=bind, token=paths.token_file(settings.state_dir))
+                )
+            sockets = None
+            if "uds" in where:
+                # Left in place at exit, like uvicorn's (which re-raises SIGTERM after
+                # its shutdown); the next start removes it once nothing listens on it.
+                path = Path(str(where.pop("uds")))
+                sock = bind_unix_socket(path)
+                sockets = [sock]
+                log.info("listening on unix socket %s (mode 0600)", path)
+            config = uvicorn.Config(
+                create_app(settings, token, driver=driver),
+                log_level=log_level,
+                timeout_graceful_shutdown=30,
+                access_log=False,
+                **where,  # type: ignore[arg-type]
+            )
+            uvicorn.Server(config).run(sockets=sockets)
+        finally:
+            if sock is not None:
+                sock.close()
+            os.close(lock_fd)

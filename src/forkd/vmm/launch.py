@@ -36,7 +36,7 @@ def prepare_runtime(run_root: Path, vm_id: str) -> RuntimePaths:
     rt = RuntimePaths(run_root / vm_id)
     if len(str(rt.agent)) > UNIX_PATH_MAX:
         raise VMError(f"run directory {rt.dir} is too long for unix sockets")
-    rt.dir.mkdir(parents=True, exist_ok=False)
+    rt.dir.mkdir(mode=0o700, parents=True, exist_ok=False)  # sockets, logs, guest RAM
     return rt
 
 
@@ -61,7 +61,8 @@ def spawn(
 
     try:
         hosttools.require(QEMU_BINARY)
-        with rt.qemu_log.open("ab") as log_f:
+        log_fd = os.open(rt.qemu_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with open(log_fd, "ab") as log_f:
             return subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,

@@ -67,13 +67,13 @@ class SnapshotWriter:
     async def prepare(self) -> None:
         """Create the staging directory and clone the RAM file's base (VM may run)."""
         try:
-            self.dest.parent.mkdir(parents=True, exist_ok=True)
-            self.staging.mkdir()
+            self.dest.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.staging.mkdir(mode=0o700)
             vm = self.vm
             size = vm.machine.memory_mib << 20
             self._region = memory.find_ram_region(vm.pid, vm.ram_file, size)
-            self._mem_fd = os.open(
-                self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+            self._mem_fd = os.open(  # guest RAM: for the daemon's user only
+                self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
             )
             self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
         except BaseException as exc:
@@ -156,6 +156,10 @@ class SnapshotWriter:
             self._mem_fd = None
             meta = self._meta(labels or SnapshotLabels())
             meta_path = snapshot_files.write_meta(self.staging, meta)
+            # QEMU wrote vmstate and write_meta snapshot.json with the process
+            # umask's modes: narrow both to the daemon's user.
+            for path in (self.staging / snapshot_files.VMSTATE, meta_path):
+                path.chmod(0o600)
             for path in (self.staging / snapshot_files.VMSTATE, meta_path, self.staging):
                 _fsync_path(path)
             self.staging.rename(self.dest)

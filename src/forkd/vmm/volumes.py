@@ -115,7 +115,7 @@ def _extract(content_tar: Path, tree: Path) -> None:
 class VolumeStore:
     def __init__(self, root: Path) -> None:
         self.root = root
-        root.mkdir(parents=True, exist_ok=True)
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def _dir(self, name: str) -> Path:
         if not NAME_RE.fullmatch(name):
@@ -176,9 +176,11 @@ class VolumeStore:
             except ForkdError as exc:  # e.g. the content does not fit in the size asked for
                 raise VolumeInvalid(str(exc)) from exc
             shutil.rmtree(staging / "content", ignore_errors=True)
-            (staging / "layers").mkdir()
+            (staging / "layers").mkdir(mode=0o700)
             info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
             (staging / "volume.json").write_text(json.dumps(info) + "\n")
+            for f in (base, staging / "volume.json"):  # the staging dir is 0700 already
+                f.chmod(0o600)
             staging.rename(final)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
@@ -229,6 +231,7 @@ def new_layer(chain: tuple[str, ...]) -> tuple[str, ...]:
         )
     except ForkdError as exc:  # a host failure (500), not bad input
         raise LayerError(f"cannot create a volume layer: {exc}") from exc
+    layer.chmod(0o600)  # qemu-img follows the umask; under the daemon's it is 0600 already
     return (str(layer), *chain)
 
 
