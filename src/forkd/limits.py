@@ -43,6 +43,19 @@ MIN_MEMORY_LIMIT_MIB = 64
 JSON_BODY_LIMIT = 1 << 20  # the JSON routes
 FILE_BODY_LIMIT = 32 << 20  # raw file uploads and volume archives (the agent's own cap)
 
+# What a guest may make the daemon read and wait for (forkd.vmm.agent_client).
+# Answer lines, by op, sized from the agent's own caps (docs/guest-agent.md):
+AGENT_LINE_MAX_BYTES = 4 << 20  # ping, restore, file_write, file_remove: a few hundred bytes
+# exec: 2 streams of 1 MiB; JSON escaping makes a byte at most 6 ("\ufffd"): 12 MiB.
+# eval (3 x 1 Mi chars, ASCII or BMP text) and file_list (100 000 entries) fit too.
+AGENT_OUTPUT_LINE_MAX_BYTES = 16 << 20
+AGENT_FILE_LINE_MAX_BYTES = 48 << 20  # file_read: 32 MiB as base64 is 42.7 MiB
+AGENT_READ_LINES_PER_SEC = 2000  # per VM; the agent writes one line per answer
+AGENT_READ_BYTES_PER_SEC = 64 << 20  # per VM; the largest answer passes in one burst
+AGENT_WRITE_STALL_SECS = 10.0  # a guest taking none of a request for this long is aborted
+AGENT_CLOSE_SECS = 2.0  # closing a VM's channels (agent, QMP)
+KILL_WAIT_SECS = 10.0  # for QEMU to exit after SIGKILL
+
 # Volume content archives (the upload is capped above; what it expands to, here).
 VOLUME_MAX_ENTRIES = 100_000  # files, directories and links in one archive
 VOLUME_BYTES_PER_ENTRY = 4096  # and one per 4 KiB of volume: ext4's inode ratio for small disks

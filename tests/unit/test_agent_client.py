@@ -8,14 +8,18 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import sys
 import tempfile
+import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from forkd import limits
 from forkd.errors import AgentError
+from forkd.vmm import agent_client
 from forkd.vmm.agent_client import AgentClient
 
 # The guest's side of one connection: gets each request, may write anything back.
@@ -169,3 +173,280 @@ def test_connect_gives_up_on_a_socket_that_never_appears(sock: Path) -> None:
             await AgentClient(sock).connect(timeout=0.1)
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------ hostile guests
+#
+# The guest below is a raw unix-socket server: it reads (or does not) and writes
+# whatever bytes a hostile agent could.
+
+Raw = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+def _run_raw(sock: Path, guest: Raw, body: Callable[[AgentClient], Awaitable[None]]) -> None:
+    async def main() -> None:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                await guest(reader, writer)
+            except (ConnectionError, asyncio.CancelledError):
+                pass
+            finally:
+                writer.transport.abort()
+
+        server = await asyncio.start_unix_server(handle, path=str(sock))
+        client = AgentClient(sock)
+        try:
+            await client.connect(timeout=2)
+            await body(client)
+        finally:
+            await client.close()
+            server.close()
+
+    asyncio.run(main())
+
+
+async def _next_request(reader: asyncio.StreamReader) -> dict[str, Any]:
+    """The next request line (the lone newline a client sends first is skipped)."""
+    while True:
+        line = await reader.readline()
+        if not line:
+            raise ConnectionError("host went away")
+        if line.strip():
+            return dict(json.loads(line))
+
+
+async def _answer_with(reader: asyncio.StreamReader, w: asyncio.StreamWriter,
+                       make: Callable[[dict[str, Any]], bytes]) -> None:  # fmt: skip
+    """Answer every request with ``make(request)``; a ping with a normal answer."""
+    while True:
+        req = await _next_request(reader)
+        w.write(_ok(req, {"pong": True}) if req["op"] == "ping" else make(req))
+        await w.drain()
+
+
+async def _never_reads(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+    await asyncio.Event().wait()  # SIGSTOPped agent: holds the port, reads nothing
+
+
+BIG = {"path": "/big", "data": "A" * (8 << 20)}  # far more than the socket buffers hold
+
+
+def test_a_guest_that_stops_reading_fails_the_call_and_aborts_the_channel(
+    sock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(limits, "AGENT_WRITE_STALL_SECS", 0.3)
+
+    async def body(client: AgentClient) -> None:
+        loop = asyncio.get_running_loop()
+        in_flight = asyncio.create_task(client.call("ping", wait=30))  # sent, never answered
+        await asyncio.sleep(0.05)
+        started = loop.time()
+        with pytest.raises(AgentError, match="stopped reading: sending 'file_write'"):
+            await client.call("file_write", BIG, wait=30)
+        assert loop.time() - started < 2  # the stall timeout, not the 30 s wait
+        with pytest.raises(AgentError, match="stopped reading"):
+            await in_flight  # failed by the abort, not left to its own 30 s
+        assert not client.connected
+        with pytest.raises(AgentError, match="stopped reading"):
+            await client.call("ping", wait=30)
+
+    _run_raw(sock, _never_reads, body)
+
+
+def test_close_does_not_wait_for_a_guest_that_stopped_reading(sock: Path) -> None:
+    async def body(client: AgentClient) -> None:
+        loop = asyncio.get_running_loop()
+        writing = asyncio.create_task(client.call("file_write", BIG, wait=30))
+        await asyncio.sleep(0.2)  # stuck: the guest takes nothing
+        started = loop.time()
+        await client.close()
+        assert loop.time() - started < 0.5
+        with pytest.raises(AgentError, match="agent connection closed"):
+            await writing
+
+    _run_raw(sock, _never_reads, body)
+
+
+def test_a_slow_reader_is_not_taken_for_a_stopped_one(
+    sock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(limits, "AGENT_WRITE_STALL_SECS", 0.4)
+
+    async def slow_guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await reader.readline()
+        buf = b""
+        while b"\n" not in buf:
+            buf += await reader.read(64 << 10)
+            await asyncio.sleep(0.04)  # 1.6 MiB/s: the request takes several stall periods
+        req = json.loads(buf.split(b"\n")[0])
+        w.write(_ok(req, {"size": len(req["data"])}))
+        await w.drain()
+
+    async def body(client: AgentClient) -> None:
+        request = {"path": "/f", "data": "A" * (2 << 20)}
+        assert await client.call("file_write", request, wait=30) == {"size": 2 << 20}
+
+    _run_raw(sock, slow_guest, body)
+
+
+def test_a_100_mib_line_is_dropped_as_it_streams_and_the_reader_survives(sock: Path) -> None:
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        req = await _next_request(reader)
+        piece = b"x" * (1 << 20)
+        w.write(b'{"id":1,"ok":true,"result":"')  # an id nobody waits for
+        for _ in range(100):
+            w.write(piece)
+            await w.drain()
+        w.write(b'"}\n' + _ok(req, {"after": True}))
+        await w.drain()
+        await _answer_with(reader, w, lambda r: _ok(r, {}))
+
+    async def body(client: AgentClient) -> None:
+        tracemalloc.start()
+        try:
+            assert await client.call("exec", {"argv": ["x"]}, wait=30) == {"after": True}
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak < 16 << 20  # the guest's 1 MiB pieces and read buffers, not the line
+        assert client.dropped_lines == 1
+        assert await client.call("ping", wait=2) == {"pong": True}
+
+    _run_raw(sock, guest, body)
+
+
+def test_an_answer_longer_than_its_op_allows_fails_at_once(sock: Path) -> None:
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        req = await _next_request(reader)
+        w.write(f'{{"id":{req["id"]},"ok":true,"result":{{"junk":"'.encode())
+        for _ in range(10):  # 10 MiB for a file_write, whose answer is {"size": n}
+            w.write(b"y" * (1 << 20))
+            await w.drain()
+        w.write(b'"}}\n')
+        await _answer_with(reader, w, lambda r: _ok(r, {}))
+
+    async def body(client: AgentClient) -> None:
+        with pytest.raises(AgentError, match=r"answer to 'file_write' is longer than 4194304"):
+            await client.call("file_write", {"path": "/f", "data": ""}, wait=30)
+        assert await client.call("ping", wait=2) == {"pong": True}
+
+    _run_raw(sock, guest, body)
+
+
+def test_the_largest_legitimate_answer_passes(sock: Path) -> None:
+    data = "Q" * ((32 << 20) * 4 // 3)  # a 32 MiB file_read, as base64
+
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _answer_with(reader, w, lambda r: _ok(r, {"data": data, "size": 32 << 20}))
+
+    async def body(client: AgentClient) -> None:
+        result = await client.call("file_read", {"path": "/f"}, wait=30)
+        assert result["size"] == 32 << 20 and len(result["data"]) == len(data)
+
+    _run_raw(sock, guest, body)
+
+
+@pytest.mark.parametrize(
+    ("answer", "problem"),
+    [
+        (b'{"id":%d,"ok":true,"result":{"s":"\xff\xfe\xc3"}}', r"not JSON \(UnicodeDecodeError\)"),
+        (b'{"id":%d,"ok":true,"result":' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+         r"not JSON \(RecursionError\)"),
+        (b'{"id":%d,"ok":true,"result":{"a":1', r"not JSON \(JSONDecodeError\)"),
+        (b'{"id":%d,"ok":"yes"}', "'ok' is not true or false"),
+        (b'{"id":%d,"ok":true,"result":[1, 2]}', "'result' is not an object"),
+        (b'{"id":%d,"ok":false,"error":{"no":"str"}}', "'error' or 'kind' is not a string"),
+        (b'{"id":%d,"id":1,"ok":true,"result":{}}', "its id does not match"),
+    ],
+    ids=["invalid-utf8", "nested-200k", "truncated", "ok-not-bool", "result-list",
+         "error-object", "two-ids"],
+)  # fmt: skip
+def test_a_hostile_answer_fails_only_its_request(sock: Path, answer: bytes, problem: str) -> None:
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _answer_with(reader, w, lambda r: answer % r["id"] + b"\n")
+
+    async def body(client: AgentClient) -> None:
+        with pytest.raises(
+            AgentError, match="malformed answer from the agent to 'exec': " + problem
+        ):
+            await client.call("exec", {"argv": ["x"]}, wait=5)
+        assert client.connected
+        assert await client.call("ping", wait=2) == {"pong": True}  # the reader lives on
+
+    _run_raw(sock, guest, body)
+
+
+def test_lines_with_unknown_ids_are_dropped_without_a_json_parse(
+    sock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed: list[int] = []
+    real_loads = json.loads
+
+    def loads(s: Any, **kw: Any) -> Any:
+        if sys._getframe(1).f_globals["__name__"] == agent_client.__name__:
+            parsed.append(len(s))
+        return real_loads(s, **kw)
+
+    monkeypatch.setattr(json, "loads", loads)
+    junk = (
+        b'{"id":7,"ok":true,"result":{}}\n'  # an id nobody waits for
+        b'{"id": 8, "ok": true}\n'
+        b"\xff\xfe not utf-8 at all\n"
+        b"[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[\n"
+        b'"a string"\n'
+        b"\n"
+    )
+
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        req = await _next_request(reader)
+        w.write(junk * 100 + _ok(req, {"fresh": True}))
+        await w.drain()
+
+    async def body(client: AgentClient) -> None:
+        assert await client.call("ping", wait=5) == {"fresh": True}
+        assert client.dropped_lines == 6 * 100
+        assert len(parsed) == 1  # the answer alone
+
+    _run_raw(sock, guest, body)
+
+
+def test_a_flooding_guest_is_throttled_and_the_loop_stays_responsive(
+    sock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(limits, "AGENT_READ_LINES_PER_SEC", 30_000)  # bursts of 3 000
+    lines = 60_000  # ~0.2 s of work if taken in one go
+
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        req = await _next_request(reader)
+        w.write(b"\n" * lines + _ok(req, {"last": True}))
+        await w.drain()
+
+    async def body(client: AgentClient) -> None:
+        loop = asyncio.get_running_loop()
+        lags: list[float] = []
+
+        async def heartbeat() -> None:
+            while True:
+                before = loop.time()
+                await asyncio.sleep(0.01)
+                lags.append(loop.time() - before - 0.01)
+
+        beat = asyncio.create_task(heartbeat())
+        started = loop.time()
+        assert await client.call("ping", wait=30) == {"last": True}
+        took = loop.time() - started
+        beat.cancel()
+        assert took > 1.5  # 60 000 lines at 30 000 a second
+        assert max(lags) < 0.1, f"the event loop stalled for {max(lags):.3f} s"
+
+    _run_raw(sock, guest, body)
+
+
+def test_token_bucket_pays_back_an_overdraft() -> None:
+    now = [0.0]
+    bucket = agent_client.TokenBucket(rate=100, burst=10, clock=lambda: now[0])
+    assert bucket.take(10) == 0
+    assert bucket.take(1) == pytest.approx(0.05)  # 1 token short: at least MIN_PAUSE_SECS
+    now[0] += 0.5  # refills 50, capped at the burst
+    assert bucket.take(10) == 0
+    assert bucket.take(20) == pytest.approx(0.2)
