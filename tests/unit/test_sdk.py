@@ -12,6 +12,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -35,9 +36,11 @@ from tests.unit.fakes import FakeDriver, FakeVM
 
 
 @pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for var in ("FORKD_URL", "FORKD_TOKEN", "FORKD_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
+    # No token of a real daemon on this host: the default state dir is an empty one.
+    monkeypatch.setenv("FORKD_STATE_DIR", str(tmp_path / "no-daemon-state"))
 
 
 @pytest.fixture
@@ -108,6 +111,120 @@ def test_auth_header_sources(
     assert controller(token=server.token).list_snapshots() == []
     assert sent.last.headers["authorization"] == f"Bearer {server.token}"
     assert controller(token_file=server.token_file).list_snapshots() == []
+    assert sent.last.headers["authorization"] == f"Bearer {server.token}"
+
+
+class HeaderTap(httpx.MockTransport):
+    """Answers every request 200 ``[]`` without any traffic, keeping what it was sent."""
+
+    def __init__(self) -> None:
+        self.requests: list[httpx.Request] = []
+        super().__init__(self._answer)
+
+    def _answer(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        return httpx.Response(200, json=[])
+
+    def bearer_sent_to(self, url: str, **kw: Any) -> str | None:
+        """The Authorization header a Controller of ``url`` sends, made with ``kw``."""
+        with Controller(url, transport=self, **kw) as c:
+            c.list_snapshots()
+        return self.requests[-1].headers.get("authorization")
+
+
+def _state_token(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, token: str) -> Path:
+    """``FORKD_STATE_DIR`` pointing at a state dir whose daemon wrote ``token``."""
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    (state / "token").write_text(token + "\n")
+    monkeypatch.setenv("FORKD_STATE_DIR", str(state))
+    return state / "token"
+
+
+def test_token_sources_in_order(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    tap, local = HeaderTap(), "http://127.0.0.1:8889"
+    assert tap.bearer_sent_to(local) is None  # no source at all: no header
+    _state_token(monkeypatch, tmp_path, "from-state-dir")
+    assert tap.bearer_sent_to(local) == "Bearer from-state-dir"  # 5: <state-dir>/token
+    env_file = tmp_path / "env-file"
+    env_file.write_text("from-env-file\n")
+    monkeypatch.setenv("FORKD_TOKEN_FILE", str(env_file))
+    assert tap.bearer_sent_to(local) == "Bearer from-env-file"  # 4 beats 5
+    monkeypatch.setenv("FORKD_TOKEN", "from-env")
+    assert tap.bearer_sent_to(local) == "Bearer from-env"  # 3 beats 4
+    arg_file = tmp_path / "arg-file"
+    arg_file.write_text("from-arg-file")
+    assert tap.bearer_sent_to(local, token_file=arg_file) == "Bearer from-arg-file"  # 2 beats 3
+    assert tap.bearer_sent_to(local, token="from-arg", token_file=arg_file) == "Bearer from-arg"
+
+
+def test_an_unreadable_state_dir_token_is_skipped_without_a_word(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    tap = HeaderTap()
+    monkeypatch.setenv("FORKD_STATE_DIR", str(tmp_path / "missing"))
+    assert tap.bearer_sent_to("http://127.0.0.1:8889") is None
+    (tmp_path / "dir" / "token").mkdir(parents=True)  # not a file: cannot be read
+    monkeypatch.setenv("FORKD_STATE_DIR", str(tmp_path / "dir"))
+    assert tap.bearer_sent_to("http://127.0.0.1:8889") is None
+    _state_token(monkeypatch, tmp_path, "")  # empty
+    assert tap.bearer_sent_to("http://127.0.0.1:8889") is None
+    (tmp_path / "state" / "token").write_bytes(b"\xff\xfe not text")
+    assert tap.bearer_sent_to("http://127.0.0.1:8889") is None
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://127.0.0.1:8889", "http://127.8.9.10:1", "localhost:8889", "http://LOCALHOST:1",
+     "http://[::1]:8889", "unix:/run/forkd.sock", "unix:///run/forkd.sock"],
+)  # fmt: skip
+def test_the_state_dir_token_goes_to_a_daemon_on_this_host(
+    url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _state_token(monkeypatch, tmp_path, "local-secret")
+    assert HeaderTap().bearer_sent_to(url) == "Bearer local-secret"
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["http://10.0.2.2:8889", "http://192.168.1.20:8889", "https://forkd.example.com",
+     "http://127.0.0.1@evil.example:8889", "http://127.0.0.1\\@evil.example:8889",
+     "http://evil.example#@127.0.0.1", "http://localhost.evil.example:8889",
+     "http://127.0.0.1.evil.example", "http://0.0.0.0:8889", "http://[::ffff:10.0.0.1]:1"],
+)  # fmt: skip
+def test_the_state_dir_token_never_leaves_the_host(
+    url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _state_token(monkeypatch, tmp_path, "local-secret")
+    for via in ({"base_url": url}, {"env": url}):
+        tap = HeaderTap()
+        if "env" in via:
+            monkeypatch.setenv("FORKD_URL", url)
+            with Controller(transport=tap) as c:
+                c.list_snapshots()
+        else:
+            tap.bearer_sent_to(url)
+        [request] = tap.requests
+        # (httpx turns user info in a URL into Basic auth: that header is the URL's own.)
+        assert not request.headers.get("authorization", "").startswith("Bearer")
+        assert not any(b"local-secret" in value for _, value in request.headers.raw)
+        assert "local-secret" not in str(request.url)
+        assert request.url.host != "127.0.0.1"  # it went where the URL says: off this host
+    # A token the user gives is theirs to send anywhere.
+    if "@" not in urlsplit(url).netloc:  # (user info in the URL: httpx sends Basic auth)
+        monkeypatch.setenv("FORKD_TOKEN", "given")
+        assert HeaderTap().bearer_sent_to(url) == "Bearer given"
+
+
+def test_a_local_daemon_accepts_the_state_dir_token(
+    server: Server, sent: RecordingTransport, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    with Controller(server.url, transport=sent) as c, pytest.raises(ControllerError) as exc:
+        c.list_snapshots()
+    assert exc.value.status == 401
+    _state_token(monkeypatch, tmp_path, server.token)
+    with Controller(server.url, transport=sent) as c:
+        assert c.list_snapshots() == []
     assert sent.last.headers["authorization"] == f"Bearer {server.token}"
 
 
