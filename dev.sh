@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
-              ca-certificates)
+              ca-certificates nftables)
 VENV=${FORKD_VENV:-.venv}
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }

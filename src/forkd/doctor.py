@@ -41,6 +41,20 @@ def _accel() -> Check:
     return Check("accelerator", True, f"{choice.name}: {choice.reason}")
 
 
+def _network() -> Check:
+    from forkd.vmm import network
+
+    problems = network.netns_problems()
+    if not problems:
+        return Check("network", True, "a network namespace per VM, egress by policy")
+    return Check(
+        "network", False,
+        "user-mode NAT without egress (restrict=on): " + "; ".join(problems),
+        "run the daemon as root with nftables and pyroute2 installed (./dev.sh installs both)",
+        fatal=False,
+    )  # fmt: skip
+
+
 def _build_tools() -> Check:
     missing = []
     for tool in ("mmdebstrap", "mksquashfs", "cpio", "depmod", "dpkg-deb", "apt-get",
@@ -99,6 +113,7 @@ def run_checks() -> list[Check]:
     return [
         _qemu_version(),
         _accel(),
+        _network(),
         _build_tools(),
         _images(),
         _free("cache", paths.cache_dir()),

@@ -71,6 +71,21 @@ def serve(
             help="QEMU processes kept started per recently forked snapshot (0: none).",
         ),
     ] = 2,
+    network: Annotated[
+        str,
+        typer.Option(
+            envvar="FORKD_NETWORK",
+            help="auto: a network namespace per VM when root with nftables, else QEMU's "
+            "user-mode NAT without egress; netns; user.",
+        ),
+    ] = "auto",
+    sandbox_cidr: Annotated[
+        str,
+        typer.Option(
+            envvar="FORKD_SANDBOX_CIDR",
+            help="Host-side addresses of the namespaces, a /30 per VM.",
+        ),
+    ] = "10.201.0.0/16",
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
@@ -91,7 +106,11 @@ def serve(
             accel=accel,
             kill_on_exit=kill_on_exit,
             pool_size=pool_size,
+            network=network,
+            sandbox_cidr=sandbox_cidr,
         )
+        if network not in ("auto", "netns", "user"):
+            raise ValueError(f"--network must be auto, netns or user, not {network!r}")
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc

@@ -9,6 +9,8 @@ receives and a service takes; responses (``SnapshotInfo``, ``SandboxInfo``,
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from forkd import limits
@@ -29,6 +31,14 @@ class VolumeAttach(_Body):
     readonly: bool = False
 
 
+class EgressAllow(_Body):
+    allow: list[str] = Field(max_length=64, description="CIDRs or hostnames (resolved at start)")
+
+
+# What a sandbox may reach beyond the always-dropped addresses (docs/API.md, Networking).
+Egress = Literal["none", "internet"] | EgressAllow
+
+
 class SnapshotCreate(_Body):
     tag: str = TAG
     image: str | None = None
@@ -41,6 +51,7 @@ class SnapshotCreate(_Body):
     warmup: str | None = None
     boot_wait_secs: float = Field(limits.BOOT_TIMEOUT_SECS, gt=0, le=limits.MAX_BOOT_TIMEOUT_SECS)
     volumes: list[VolumeAttach] = Field(default_factory=list, max_length=limits.MAX_VOLUMES_PER_VM)
+    egress: Egress | None = Field(None, description="the template's and its forks' default")
 
 
 class SandboxCreate(_Body):
@@ -51,7 +62,8 @@ class SandboxCreate(_Body):
     )
     per_child_netns: bool = False
     timeout_secs: float | None = Field(None, gt=0, le=limits.MAX_SANDBOX_TIMEOUT_SECS)
-    internet: bool | None = None
+    internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
+    egress: Egress | None = Field(None, description="default: the snapshot's")
 
 
 class ExecRequest(_Body):

@@ -15,3 +15,5 @@ class Settings:
     accel: str | None = None
     kill_on_exit: bool = False
     pool_size: int = 2  # QEMU processes kept waiting per recently forked snapshot
+    network: str = "auto"  # "netns" (a namespace per VM), "user" (QEMU's NAT), or "auto"
+    sandbox_cidr: str = "10.201.0.0/16"  # host-side addresses of the namespaces

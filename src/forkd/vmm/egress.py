@@ -78,6 +78,15 @@ class Egress:
         return nets
 
 
+def requested(egress: Any, internet: bool | None) -> Egress | None:
+    """The policy a request asks for (``egress``, or the older ``internet``); None: default."""
+    if egress is not None and internet is not None:
+        raise Invalid("give 'egress' or 'internet', not both")
+    if egress is not None:
+        return Egress.parse(egress.model_dump() if hasattr(egress, "model_dump") else egress)
+    return None if internet is None else Egress.from_internet(internet)
+
+
 def of_machine(egress_json: Any, internet: bool) -> Egress:
     """The policy a snapshot records (``machine.egress``), or its older ``internet`` flag."""
     return Egress.parse(egress_json) if egress_json is not None else Egress.from_internet(internet)

@@ -306,23 +306,12 @@ class HostNetwork:
 
     # ------------------------------------------------------------ leaks
 
-    def leftovers(self, keep: set[str]) -> list[SandboxNet]:
-        """Namespaces of ours that no VM in ``keep`` (namespace names) uses."""
+    @staticmethod
+    def namespaces() -> list[str]:
+        """Every network namespace named like forkd's (of any daemon on this host)."""
         if not NETNS_DIR.is_dir():
             return []
-        return [
-            SandboxNet(p.name, "", "", "")
-            for p in NETNS_DIR.iterdir()
-            if p.name.startswith(NETNS_PREFIX) and p.name not in keep
-        ]
-
-    def remove_leftovers(self, keep: set[str]) -> int:
-        """Remove namespaces of ours (and so their links) that no live VM uses."""
-        # Removing a namespace removes its end of the veth, and with it ours.
-        gone = self.leftovers(keep)
-        for net in gone:
-            destroy(net)
-        return len(gone)
+        return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(NETNS_PREFIX))
 
 
 def destroy(net: SandboxNet) -> None:

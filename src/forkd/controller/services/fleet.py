@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.limits import check_tag
+from forkd.vmm.network import HostNetwork
 from forkd.vmm.pool import ForkPool
 
 
@@ -61,12 +63,13 @@ class Fleet:
         # Template builds and forks hold volume layers that no registry entry
         # names yet: no layer collection while any is in progress.
         self.volume_ops = 0
+        self.network = HostNetwork(settings.sandbox_cidr, settings.network)
         self.pool = ForkPool(
             settings.run_dir,
             per_snapshot=settings.pool_size,
             detach=True,  # a pooled QEMU becomes a sandbox that outlives the daemon
             new_id=store.next_sandbox_id,
-            spawn=driver.spawn_incoming,
+            spawn=functools.partial(driver.spawn_incoming, host_network=self.network),
         )
         settings.snapshot_root.mkdir(parents=True, exist_ok=True)
         settings.run_dir.mkdir(parents=True, exist_ok=True)

@@ -7,48 +7,70 @@ import asyncio
 import contextlib
 import logging
 import os
+import queue
 import shutil
 import signal
 import sqlite3
+import threading
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import snapshot_row
+from forkd.controller.store import SandboxRow
 from forkd.errors import SnapshotError
 from forkd.limits import NAME_RE
-from forkd.vmm import processes, snapshot_files
+from forkd.vmm import network, processes, snapshot_files
 
 log = logging.getLogger(__name__)
 
 REAP_INTERVAL_SECS = 1.0
+# One sandbox's check, killing it included (a kill is itself bounded: SIGKILL,
+# limits.KILL_WAIT_SECS, channels closed without a flush); the next pass retries.
+REAP_CHECK_SECS = 15.0
+PROBE_SECS = 5.0  # one VM.is_alive()
+PROBE_THREADS = 4
+STOP_VM_SECS = 15.0  # at daemon stop, killing or letting go of one VM
+
+T = TypeVar("T")
 
 
 class Lifecycle:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self._reaper: asyncio.Task[None] | None = None
+        self._checks: dict[str, asyncio.Task[None]] = {}  # sandbox id -> its check in flight
+        self._probes = Probes(PROBE_THREADS)
 
     async def start(self) -> None:
         """Bring the registry in line with the disk and re-adopt live sandboxes."""
         self.reconcile_snapshots()
         await self.adopt_sandboxes()
         self.kill_strays()
+        await asyncio.to_thread(self.remove_stray_networks)
         self._reaper = asyncio.create_task(self._reap_loop(), name="forkd-reaper")
 
     async def stop(self) -> None:
+        """Stop reaping; kill or let go of every VM, each bounded by ``STOP_VM_SECS``."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
+        for task in list(self._checks.values()):
+            task.cancel()
+        if self._checks:
+            await asyncio.wait(list(self._checks.values()), timeout=STOP_VM_SECS)
         fleet = self.fleet
-        await fleet.pool.close()
+        await _bounded("closing the fork pool", fleet.pool.close())
         if fleet.settings.kill_on_exit:
-            await asyncio.gather(*(fleet.remove(sid) for sid in list(fleet.vms)))
+            stops = [_bounded(f"killing {sid}", fleet.remove(sid)) for sid in list(fleet.vms)]
         else:  # leave them running for the next daemon to adopt
-            for vm in fleet.vms.values():
-                await vm.release()
+            stops = [_bounded(f"letting go of {vm.id}", vm.release()) for vm in fleet.vms.values()]
+        await asyncio.gather(*stops)
         fleet.vms.clear()
+        self._probes.close()
 
     # ------------------------------------------------------------ start
 
@@ -109,28 +131,139 @@ class Lifecycle:
             if d.is_dir() and str(d) not in ours and str(d) not in registered:
                 shutil.rmtree(d, ignore_errors=True)
 
+    def remove_stray_networks(self) -> None:
+        """Network namespaces of this daemon's VMs that no live VM uses (a crash's)."""
+        fleet = self.fleet
+        if not fleet.network.enabled:
+            return
+        prefix = fleet.store.id_prefix
+        mine = (f"sb-{prefix}-", f"tpl-{prefix}-")
+        live = {vm.net.netns for vm in fleet.vms.values() if getattr(vm, "net", None)}
+        for name in fleet.network.namespaces():
+            vm_id = name[len(network.NETNS_PREFIX) :]
+            if vm_id.startswith(mine) and name not in live:
+                log.warning("removing network namespace %s that no VM uses", name)
+                network.destroy(network.SandboxNet(name, "", "", ""))
+
     # ------------------------------------------------------------ reaper
 
     async def _reap_loop(self) -> None:
         while True:
             await asyncio.sleep(REAP_INTERVAL_SECS)
             try:
-                await self.reap_once()
+                self._start_checks()  # not awaited: a slow check holds up no later pass
             except Exception:  # keep reaping whatever one pass hit
                 log.exception("reaper pass failed")
 
     async def reap_once(self) -> None:
-        """Kill sandboxes past their timeout; mark those whose QEMU exited dead."""
+        """One pass: kill sandboxes past their timeout, mark those whose QEMU exited dead.
+
+        Each sandbox is checked in a task of its own, bounded by
+        ``REAP_CHECK_SECS``: a VM whose check or kill hangs holds up no other.
+        """
+        started = self._start_checks()
+        if started:
+            await asyncio.wait(started)
+
+    def _start_checks(self) -> list[asyncio.Task[None]]:
+        started = []
+        for row in self.fleet.store.list_sandboxes():
+            if row.state == "starting" or row.id in self._checks:
+                continue  # owned by its fork request, or still checked by an earlier pass
+            task = asyncio.create_task(self._bounded_check(row), name=f"forkd-reap-{row.id}")
+            self._checks[row.id] = task
+            task.add_done_callback(lambda _, sid=row.id: self._checks.pop(sid, None))
+            started.append(task)
+        return started
+
+    async def _bounded_check(self, row: SandboxRow) -> None:
+        try:
+            await asyncio.wait_for(self._check(row), REAP_CHECK_SECS)
+        except TimeoutError:
+            log.warning("reaper: sandbox %s took over %g s; next pass retries", row.id,
+                        REAP_CHECK_SECS)  # fmt: skip
+        except Exception:
+            log.exception("reaper: checking sandbox %s failed", row.id)
+
+    async def _check(self, row: SandboxRow) -> None:
         fleet = self.fleet
-        t = time.time()
-        for row in fleet.store.list_sandboxes():
-            if row.state == "starting":
-                continue  # its fork request owns it until it runs or fails
-            if row.expires_at_unix is not None and row.expires_at_unix <= t:
-                log.info("sandbox %s reached its timeout: killing it", row.id)
-                await fleet.remove(row.id)
+        if row.expires_at_unix is not None and row.expires_at_unix <= time.time():
+            log.info("sandbox %s reached its timeout: killing it", row.id)
+            await fleet.remove(row.id)
+            return
+        vm = fleet.vms.get(row.id)
+        if vm is None or row.state == "dead":
+            return
+        try:
+            alive = await self._probes.run(vm.is_alive, PROBE_SECS)
+        except TimeoutError:
+            log.warning("reaper: is_alive() of sandbox %s hung for %g s", row.id, PROBE_SECS)
+            return
+        if not alive:
+            log.warning("sandbox %s died (QEMU exited)", row.id)
+            await fleet.mark_dead(row.id)
+
+
+class Probes:
+    """Runs blocking calls off the event loop, each awaited with a timeout.
+
+    ``VM.is_alive`` reads ``/proc``, which can block on a process stuck in the
+    kernel. Daemon threads of our own, not an executor's: a call that never
+    returns must hold up neither the loop nor the daemon's exit.
+    """
+
+    def __init__(self, threads: int) -> None:
+        self._threads = threads
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._started: list[threading.Thread] = []
+
+    async def run(self, call: Callable[[], T], timeout: float) -> T:
+        """``call()`` in a probe thread; :class:`TimeoutError` after ``timeout`` s."""
+        if not self._started:
+            for i in range(self._threads):
+                t = threading.Thread(target=self._work, name=f"forkd-probe-{i}", daemon=True)
+                t.start()
+                self._started.append(t)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._queue.put((call, loop, fut))
+        return await asyncio.wait_for(fut, timeout)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for _ in self._started:
+            self._queue.put(None)
+        self._started.clear()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            call, loop, fut = job
+            if fut.cancelled():  # timed out while queued behind a stuck call
                 continue
-            vm = fleet.vms.get(row.id)
-            if vm is not None and not vm.is_alive() and row.state != "dead":
-                log.warning("sandbox %s died (QEMU exited)", row.id)
-                await fleet.mark_dead(row.id)
+            try:
+                outcome: tuple[bool, Any] = (True, call())
+            except BaseException as exc:  # handed to the awaiting task
+                outcome = (False, exc)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_settle, fut, *outcome)
+
+
+_Job = tuple[Callable[[], Any], asyncio.AbstractEventLoop, "asyncio.Future[Any]"]
+
+
+def _settle(fut: asyncio.Future[Any], ok: bool, value: Any) -> None:
+    if fut.done():
+        return
+    if ok:
+        fut.set_result(value)
+    else:
+        fut.set_exception(value)
+
+
+async def _bounded(what: str, step: Awaitable[None]) -> None:
+    """At stop: ``step`` within ``STOP_VM_SECS``; a failure is logged, the others go on."""
+    try:
+        await asyncio.wait_for(step, STOP_VM_SECS)
+    except TimeoutError:
+        log.error("%s took over %g s; left behind", what, STOP_VM_SECS)
+    except Exception:
+        log.exception("%s failed", what)

@@ -32,8 +32,11 @@ from forkd.errors import (
     Unavailable,
     VMError,
 )
+from forkd.vmm import egress
+from forkd.vmm.egress import Egress
 
 T = TypeVar("T")
+
 
 FORK_PARALLELISM = 4  # restores in flight at once (each is a QEMU start)
 
@@ -66,13 +69,14 @@ class SandboxService:
         problem = self.snapshots.unbootable_reason(row)
         if problem is not None:
             raise Conflict(f"snapshot {tag!r} is not bootable: {problem}")
-        if req.per_child_netns:
-            raise Invalid(
-                "per_child_netns is not supported: every sandbox already has its own user-mode NAT"
+        if req.per_child_netns and not self.fleet.network.enabled:
+            raise Unavailable(
+                f"per_child_netns needs network namespaces: {self.fleet.network.reason}"
             )
+        policy = egress.requested(req.egress, req.internet)
         snap_dir = Path(row.dir)
         pooled: list[Any] = []
-        if req.internet is None:
+        if policy is None:  # the snapshot's own policy: what pooled QEMUs were started with
             while len(pooled) < req.n and (vm := self.fleet.pool.take(snap_dir)) is not None:
                 pooled.append(vm)
         ids = [vm.id for vm in pooled]
@@ -80,7 +84,7 @@ class SandboxService:
         waiting = {vm.id: vm for vm in pooled}
         with self.fleet.holding_volume_layers():
             results = await asyncio.gather(
-                *(self._fork_one(sid, req, snap_dir, waiting) for sid in ids),
+                *(self._fork_one(sid, req, snap_dir, waiting, policy) for sid in ids),
                 return_exceptions=True,
             )
         if self.fleet.store.get_snapshot(tag) is not None:  # not deleted meanwhile
@@ -97,7 +101,12 @@ class SandboxService:
         return [self.info(sid) for sid in ids]
 
     async def _fork_one(
-        self, sid: str, req: SandboxCreate, snap_dir: Path, waiting: dict[str, Any]
+        self,
+        sid: str,
+        req: SandboxCreate,
+        snap_dir: Path,
+        waiting: dict[str, Any],
+        policy: Egress | None,
     ) -> None:
         fleet = self.fleet
         run_dir = fleet.settings.run_dir / sid
@@ -116,7 +125,7 @@ class SandboxService:
             else:
                 vm = await fleet.driver.restore(
                     snap_dir, run_root=fleet.settings.run_dir, vm_id=sid, detach=True,
-                    internet=req.internet,
+                    host_network=fleet.network, egress_policy=policy,
                 )  # fmt: skip
         fleet.vms[sid] = vm
         fleet.store.update_sandbox(
@@ -135,11 +144,12 @@ class SandboxService:
 
     def info(self, sandbox_id: str) -> SandboxInfo:
         row = self.fleet.sandbox_row(sandbox_id)
+        net = getattr(self.fleet.vms.get(sandbox_id), "net", None)
         return SandboxInfo(
             id=row.id,
             snapshot_tag=row.snapshot_tag,
-            netns=None,
-            guest_addr=None,
+            netns=net.netns if net else None,
+            guest_addr=net.guest_addr if net else None,
             created_at_unix=row.created_at_unix,
             pid=row.pid,
             memory_limit_mib=row.memory_limit_mib,

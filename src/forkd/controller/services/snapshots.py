@@ -17,7 +17,7 @@ from forkd.controller.services.volumes import VolumeService
 from forkd.controller.store import SnapshotRow, now
 from forkd.errors import AgentError, ImageError, Invalid, SnapshotError, StorageFull, VMError
 from forkd.guest import image as images
-from forkd.vmm import snapshot_files
+from forkd.vmm import egress, snapshot_files
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
 
 
@@ -99,9 +99,12 @@ class SnapshotService:
                 or limits.DEFAULT_MEMORY_MIB,
                 vcpus=req.vcpus or defaults.get("vcpus") or limits.DEFAULT_VCPUS,
                 accel_name=self.fleet.settings.accel,
-                vm_id=f"tpl-{req.tag}-{os.urandom(2).hex()}",
+                # The daemon's id prefix marks its VMs (and their namespaces) as its own.
+                vm_id=f"tpl-{self.fleet.store.id_prefix}-{req.tag[:32]}-{os.urandom(2).hex()}",
                 boot_timeout=req.boot_wait_secs,
                 attach=attach,
+                host_network=self.fleet.network,
+                egress_policy=egress.requested(req.egress, None),
             )
         except BaseException:
             self.volumes.discard_unused(attach)  # made, but no VM took them

@@ -1,0 +1,246 @@
+"""Network isolation, tried from inside real sandboxes as a hostile guest would.
+
+Each sandbox has its own network namespace. From a guest we try every
+address of the host (on the daemon's port and on a listener of the test),
+a sibling sandbox, and an "outside" host that this test builds in a
+namespace of its own (198.51.100.0/24, plus a link-local and a private
+address routed to it), under each egress policy. No packet leaves for any
+address this test did not create.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from forkd.vmm import network
+
+from .conftest import Daemon
+
+pytestmark = pytest.mark.integration
+
+if network.netns_problems():
+    pytest.skip(
+        "no network namespaces here: " + "; ".join(network.netns_problems()),
+        allow_module_level=True,
+    )
+
+OUTSIDE = "198.51.100.1"  # the fake internet host (TEST-NET-2, inside our namespace)
+OUTSIDE_2 = "198.51.100.2"
+METADATA = "169.254.169.254"
+PRIVATE = "10.99.0.1"
+PORT = 18080
+
+# Run in the guest: try each host:port at once; print what happened to each.
+PROBE = """
+import json, socket, sys, threading
+out = {}
+def probe(target):
+    host, port = target.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=2).close()
+        out[target] = "open"
+    except ConnectionRefusedError:
+        out[target] = "refused"
+    except OSError as e:
+        out[target] = type(e).__name__
+ts = [threading.Thread(target=probe, args=(t,)) for t in sys.argv[1:]]
+[t.start() for t in ts]; [t.join() for t in ts]
+print(json.dumps(out))
+"""
+
+LISTEN = (
+    "import socket; s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1);"
+    "s.bind(('0.0.0.0', {port})); s.listen(16)\n"
+    "while True: c, a = s.accept(); c.sendall(b'hello from the guest'); c.close()"
+)
+
+
+def _api(daemon: Daemon) -> httpx.Client:
+    return httpx.Client(
+        base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"}, timeout=120
+    )
+
+
+def _fork(api: httpx.Client, **body: Any) -> dict[str, Any]:
+    r = api.post("/v1/sandboxes", json={"snapshot_tag": "py", **body})
+    assert r.status_code == 201, r.text
+    return r.json()[0]
+
+
+def _probe(api: httpx.Client, sandbox_id: str, targets: list[str]) -> dict[str, str]:
+    r = api.post(f"/v1/sandboxes/{sandbox_id}/exec",
+                 json={"args": ["python3", "-c", PROBE, *targets], "timeout_secs": 60})  # fmt: skip
+    assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
+    return json.loads(r.json()["stdout"])
+
+
+class Listener:
+    """A TCP listener of the test on the host, counting who connects."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("0.0.0.0", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.peers: list[str] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, addr = self.sock.accept()
+                self.peers.append(addr[0])
+                conn.close()
+
+
+def _greeting(host: str, tries: int = 50) -> bytes:
+    """What the guest's listener on port 8888 says, once it is up."""
+    for _ in range(tries):
+        with contextlib.suppress(OSError), socket.create_connection((host, 8888), timeout=2) as s:
+            return s.recv(100)
+        threading.Event().wait(0.1)
+    return b""
+
+
+def _host_addresses() -> list[str]:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        return sorted({a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(family=socket.AF_INET)})
+
+
+@pytest.fixture(scope="module")
+def outside() -> Iterator[str]:
+    """A fake outside host in a namespace of its own, listening on PORT at every address."""
+    from pyroute2 import IPRoute, NetNS, netns
+
+    name = f"fkt-out-{os.getpid()}"
+    host_if = f"fkt{os.getpid() % 100000}"
+    netns.create(name)
+    listeners: list[subprocess.Popen[bytes]] = []
+    try:
+        with IPRoute() as ipr:
+            ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": name})
+            idx = ipr.link_lookup(ifname=host_if)[0]
+            ipr.addr("add", index=idx, address="198.51.100.254", prefixlen=24)
+            ipr.link("set", index=idx, state="up")
+            for extra in (METADATA, PRIVATE):  # reachable only through this test's namespace
+                ipr.route("add", dst=f"{extra}/32", oif=idx)
+        with NetNS(name) as ns:
+            eth = ns.link_lookup(ifname="eth0")[0]
+            for addr in (OUTSIDE, OUTSIDE_2, METADATA, PRIVATE):
+                ns.addr(
+                    "add",
+                    index=eth,
+                    address=addr,
+                    prefixlen=32 if addr in (METADATA, PRIVATE) else 24,
+                )
+            ns.link("set", index=eth, state="up")
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway="198.51.100.254")
+        listeners.append(subprocess.Popen(
+            [sys.executable, "-c", LISTEN.format(port=PORT)],
+            preexec_fn=network.enter_netns(name),
+        ))  # fmt: skip
+        yield name
+    finally:
+        for proc in listeners:
+            proc.kill()
+            proc.wait()
+        with IPRoute() as ipr, contextlib.suppress(Exception):
+            for idx in ipr.link_lookup(ifname=host_if):
+                ipr.link("del", index=idx)
+        netns.remove(name)
+
+
+def test_sandbox_has_its_own_namespace_and_address(daemon: Daemon, api_template: str) -> None:
+    with _api(daemon) as api:
+        sb = _fork(api, per_child_netns=True)  # what original forkd clients send
+        try:
+            assert sb["netns"] == f"forkd-{sb['id']}"
+            assert Path("/run/netns", sb["netns"]).exists()
+            host, port = sb["guest_addr"].rsplit(":", 1)
+            assert port == "8888"
+            # The host reaches the guest there: start a listener in the guest and connect.
+            api.post(
+                f"/v1/sandboxes/{sb['id']}/exec",
+                json={
+                    "args": [
+                        "/bin/sh",
+                        "-c",
+                        f'python3 -c "{LISTEN.format(port=8888)}" >/dev/null 2>&1 &',
+                    ]
+                },
+            )
+            assert _greeting(host) == b"hello from the guest", sb["guest_addr"]
+        finally:
+            api.delete(f"/v1/sandboxes/{sb['id']}")
+        assert not Path("/run/netns", sb["netns"]).exists()  # no leak
+
+
+def test_a_guest_reaches_no_host_address_and_no_sibling(daemon: Daemon, api_template: str) -> None:
+    listener = Listener()
+    with _api(daemon) as api:
+        a = _fork(api, egress="internet")  # the widest policy: still fenced in
+        b = _fork(api)
+        try:
+            api.post(
+                f"/v1/sandboxes/{b['id']}/exec",
+                json={
+                    "args": [
+                        "/bin/sh",
+                        "-c",
+                        f'python3 -c "{LISTEN.format(port=8888)}" >/dev/null 2>&1 &',
+                    ]
+                },
+            )
+            addrs = [*_host_addresses(), network.GATEWAY_IP, network.DNS_IP]
+            targets = [f"{h}:{p}" for h in addrs for p in (daemon.port, listener.port, 22)]
+            b_host = b["guest_addr"].rsplit(":", 1)[0]
+            targets += [b["guest_addr"], f"{b_host}:{listener.port}"]
+            results = _probe(api, a["id"], targets)
+            assert set(results) == set(targets)
+            reached = {t: r for t, r in results.items() if r == "open"}
+            assert not reached, f"a sandbox reached {reached}"
+            assert listener.peers == []
+            # The sibling's listener is up: the host itself reaches it.
+            assert _greeting(b_host) == b"hello from the guest"
+        finally:
+            for sb in (a, b):
+                api.delete(f"/v1/sandboxes/{sb['id']}")
+
+
+@pytest.mark.parametrize(
+    ("egress", "reachable"),
+    [
+        ("none", set()),
+        ("internet", {OUTSIDE, OUTSIDE_2}),
+        ({"allow": [f"{OUTSIDE}/32", PRIVATE]}, {OUTSIDE, PRIVATE}),
+        ({"allow": [METADATA]}, {METADATA}),
+    ],
+)
+def test_egress_policy_decides_what_the_outside_world_sees(
+    daemon: Daemon, api_template: str, outside: str, egress: Any, reachable: set[str]
+) -> None:
+    targets = {h: f"{h}:{PORT}" for h in (OUTSIDE, OUTSIDE_2, METADATA, PRIVATE)}
+    with _api(daemon) as api:
+        sb = _fork(api, egress=egress)
+        try:
+            results = _probe(api, sb["id"], list(targets.values()))
+        finally:
+            api.delete(f"/v1/sandboxes/{sb['id']}")
+    opened = {h for h, t in targets.items() if results[t] == "open"}
+    assert opened == reachable, results
