@@ -60,8 +60,10 @@ def status_of(exc: ForkdError) -> int:
     return 500
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+def error_response(status: int, message: str, *, close: bool = False) -> JSONResponse:
+    """``{"error": message}``; ``close`` ends the connection after it (a body left unread)."""
+    headers = {"connection": "close"} if close else None
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
 def install(app: FastAPI) -> None:

@@ -22,7 +22,14 @@ def _is_raw_body_route(path: str) -> bool:
 
 
 class GuardMiddleware:
-    """Bearer-token auth on every route but /healthz, and request body limits."""
+    """Bearer-token auth on every route but /healthz, and request body limits.
+
+    The body limit counts the bytes that arrive, whatever ``Content-Length``
+    and ``Transfer-Encoding`` claim: uvicorn frames a request that sends both
+    by the chunked encoding and leaves the lying length in the headers. So
+    every body is read here, within the limit, before the app is called; the
+    app is handed at most the limit, and the true length in the headers.
+    """
 
     def __init__(self, app: ASGIApp, token: str | None) -> None:
         self.app = app
@@ -33,53 +40,42 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        headers = {k.decode().lower(): v for k, v in scope["headers"]}
+        headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
         if self.token is not None and path != "/healthz":
             given = headers.get("authorization", b"")
             if not hmac.compare_digest(given, b"Bearer " + self.token):
-                await error_response(401, "missing or wrong bearer token")(scope, receive, send)
+                # The body is left unread; closing stops uvicorn draining it.
+                refusal = error_response(401, "missing or wrong bearer token", close=True)
+                await refusal(scope, receive, send)
                 return
-        raw = _is_raw_body_route(path)
-        limit = FILE_BODY_LIMIT if raw else JSON_BODY_LIMIT
-        has_body = scope["method"] in ("POST", "PUT", "PATCH")
-        if not raw and has_body:
-            # Bodies of the JSON routes are JSON whatever the client labelled
-            # them (curl -d sends application/x-www-form-urlencoded).
-            scope = dict(scope)
-            scope["headers"] = [
-                (k, v) for k, v in scope["headers"] if k.lower() != b"content-type"
-            ] + [(b"content-type", b"application/json")]
-        length = headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
-            await error_response(413, f"request body over {limit} bytes")(scope, receive, send)
+        limit = FILE_BODY_LIMIT if _is_raw_body_route(path) else JSON_BODY_LIMIT
+        too_big = error_response(413, f"request body over {limit} bytes", close=True)
+        length = headers.get("content-length", b"")
+        if length.isdigit() and int(length) > limit:  # honest and too big: no need to read it
+            await too_big(scope, receive, send)
             return
-        if length is not None or not has_body:
-            await self.app(scope, receive, send)
+        try:
+            body = await _read_body(receive, limit)
+        except _ClientGone:
+            return  # nobody to answer
+        if body is None:
+            await too_big(scope, receive, send)
             return
-        body = await _read_chunked(receive, limit)
-        if body is None:  # over the limit, or the client went away
-            await error_response(413, f"request body over {limit} bytes")(scope, receive, send)
-            return
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        await self.app(scope, replay, send)
+        await self.app(_with_body_headers(scope, len(body)), _replay(body, receive), send)
 
 
-async def _read_chunked(receive: Receive, limit: int) -> bytes | None:
-    """A chunked body (no Content-Length), read here within ``limit``; None if over."""
+class _ClientGone(Exception):
+    """The client went away before its body ended."""
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The request body, counted as it arrives; None once it passes ``limit``."""
     chunks: list[bytes] = []
     seen = 0
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            return None  # the client went away
+            raise _ClientGone
         chunk = message.get("body", b"")
         seen += len(chunk)
         if seen > limit:
@@ -87,6 +83,38 @@ async def _read_chunked(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
+
+
+def _with_body_headers(scope: Scope, length: int) -> Scope:
+    """``scope`` with the body's true length as its only framing header.
+
+    Bodies of the JSON routes are JSON whatever the client labelled them
+    (curl -d sends application/x-www-form-urlencoded).
+    """
+    drop = {b"content-length", b"transfer-encoding"}
+    if not _is_raw_body_route(scope["path"]) and scope["method"] in ("POST", "PUT", "PATCH"):
+        drop.add(b"content-type")
+        extra = [(b"content-type", b"application/json")]
+    else:
+        extra = []
+    headers = [(k, v) for k, v in scope["headers"] if k.lower() not in drop]
+    if length or scope["method"] in ("POST", "PUT", "PATCH"):
+        extra.append((b"content-length", str(length).encode()))
+    return {**scope, "headers": headers + extra}
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that hands over ``body`` in one message, then waits as ``receive`` does."""
+    replayed = False
+
+    async def replay() -> Message:
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # http.disconnect, when the client goes away
+
+    return replay
 
 
 class AuditMiddleware:
