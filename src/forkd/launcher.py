@@ -121,7 +121,9 @@ class DaemonProcess:
         Raises :class:`DaemonStartError` with the end of the log if it exits
         first, or if it does not answer within ``startup_secs``.
         """
-        with self.log.open("ab") as log:
+        self.log.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        log_fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        with open(log_fd, "ab") as log:
             self.proc = subprocess.Popen(
                 self.argv(*extra), stdout=log, stderr=log, env=self._serve_env()
             )
