@@ -235,3 +235,19 @@ def test_disk_full_during_branch(tiny_disk_daemon: tuple[Daemon, Path]) -> None:
     assert api.ev(child, "mark") == "'before'"  # resumed and answering
     assert api.c.get(f"/v1/sandboxes/{child}").json()["state"] == "running"
     api.kill(child)
+
+
+def test_a_child_stays_branchable_after_its_snapshot_is_deleted(api: Api) -> None:
+    # The child maps the deleted snapshot's memory.bin: the branch finds that
+    # mapping by inode, not by the path that no longer exists.
+    base = api.branch(api.fork("py")[0], "doomed-base")
+    (child,) = api.fork(base["tag"])
+    api.ev(child, "marker = 'survives'")
+    assert api.c.delete(f"/v1/snapshots/{base['tag']}").status_code == 204
+    grand = api.branch(child)
+    (kid,) = api.fork(grand["tag"])
+    try:
+        assert api.ev(kid, "marker") == "'survives'"
+    finally:
+        api.kill(child, kid)
+        api.c.delete(f"/v1/snapshots/{grand['tag']}")

@@ -101,3 +101,26 @@ def test_written_runs_from_pagemap_flags() -> None:
     assert memory.written_runs(raw, 64) == [(1, 2), (3, 5), (6, 8)]
     assert memory.written_runs(raw, 1) == [(1, 2), (3, 4), (4, 5), (6, 7), (7, 8)]
     assert memory.written_runs(struct.pack("<Q", 0) * 4, 8) == []
+
+
+def test_region_is_found_by_inode_after_its_file_is_renamed_and_deleted(tmp_path: Path) -> None:
+    # A child keeps mapping memory.bin after its snapshot is deleted; it must
+    # stay branchable, so the mapping is found by inode, not by path.
+    path = tmp_path / "snap" / "memory.bin"
+    path.parent.mkdir()
+    path.write_bytes(b"\1" * NPAGES * PAGE)
+    inode = path.stat().st_ino
+    mapping = _map_private(path)
+    try:
+        trash = tmp_path / ".snap.partial-del-x"
+        path.parent.rename(trash)
+        (trash / "memory.bin").unlink()
+        with pytest.raises(LookupError):
+            memory.find_ram_region(os.getpid(), tmp_path / "other" / "ram", NPAGES * PAGE)
+        region = memory.find_ram_region(os.getpid(), path, NPAGES * PAGE, inode)
+        assert region.size == NPAGES * PAGE
+        assert region.path == str(trash / "memory.bin")
+        # Without the inode, the one mapping named memory.bin of that size serves.
+        assert memory.find_ram_region(os.getpid(), path, NPAGES * PAGE).start == region.start
+    finally:
+        mapping.close()

@@ -59,23 +59,38 @@ class DumpStats:
     cloned_by_reflink: bool = False
 
 
-def find_ram_region(pid: int, ram_file: Path, size: int) -> RamRegion:
-    """The mapping of ``ram_file`` in process ``pid`` (guest RAM)."""
+def find_ram_region(pid: int, ram_file: Path, size: int, inode: int | None = None) -> RamRegion:
+    """The mapping of guest RAM (``ram_file``, ``size`` bytes) in process ``pid``.
+
+    Found by the file's ``inode`` when it is known: the snapshot a child
+    maps may have been renamed or deleted since it was forked (its children
+    keep the mapping, and must stay branchable). Else by path; else the one
+    mapping of that size of a file with the same name (a renamed snapshot's).
+    """
     want = os.path.realpath(ram_file)  # /proc/PID/maps shows resolved paths
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError as exc:
         raise ProcessLookupError(f"QEMU process {pid} is gone ({exc})") from exc
+    candidates: list[tuple[int, str, RamRegion]] = []
     for line in maps.splitlines():
         parts = line.split(maxsplit=5)
-        if len(parts) < 6:
-            continue
-        path = parts[5].removesuffix(" (deleted)")
-        if path != want:
+        if len(parts) < 6 or parts[4] == "0":  # anonymous
             continue
         lo, hi = (int(x, 16) for x in parts[0].split("-"))
         if hi - lo == size:
-            return RamRegion(pid, lo, hi, path)
+            path = parts[5].removesuffix(" (deleted)")
+            candidates.append((int(parts[4]), path, RamRegion(pid, lo, hi, path)))
+    for rule in (
+        lambda ino, path: inode is not None and ino == inode,
+        lambda ino, path: path == want,
+    ):
+        found = [region for ino, path, region in candidates if rule(ino, path)]
+        if found:
+            return found[0]
+    same_name = [r for _, path, r in candidates if Path(path).name == Path(want).name]
+    if len(same_name) == 1:
+        return same_name[0]
     raise LookupError(f"no {size}-byte mapping of {want} in process {pid}")
 
 
