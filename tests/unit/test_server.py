@@ -150,6 +150,15 @@ def test_state_directories_are_made_and_narrowed_to_0700(tmp_path: Path, loose_u
     assert mode(old) == 0o700
 
 
+def test_a_shared_sticky_directory_is_refused_not_closed(tmp_path: Path) -> None:
+    shared = tmp_path / "tmp"
+    shared.mkdir()
+    shared.chmod(0o1777)  # like /tmp: forkd --state-dir /tmp must not lock everyone out
+    with pytest.raises(ForkdError, match="sticky"):
+        server.owner_only_dir(shared)
+    assert mode(shared) == 0o1777
+
+
 def test_the_unix_socket_is_0600_whatever_the_umask(tmp_path: Path, loose_umask: None) -> None:
     path = tmp_path / "forkd.sock"
     with server.bind_unix_socket(path):

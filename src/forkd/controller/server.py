@@ -130,9 +130,15 @@ def choose_token(state_dir: Path, token_file: Path | None, insecure_no_auth: boo
 
 
 def owner_only_dir(path: Path) -> None:
-    """Create ``path`` (mode 0700), or make an existing one 0700."""
+    """Create ``path`` (mode 0700), or make an existing one 0700.
+
+    A sticky directory (``/tmp``, ``/var/tmp``) is shared by design: it is
+    refused rather than closed to everyone else.
+    """
     path.mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
     mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & stat.S_ISVTX:
+        raise ForkdError(f"{path} is a shared directory (sticky bit); give forkd one of its own")
     if mode != DIR_MODE:
         log.info("%s was mode %04o; making it %04o", path, mode, DIR_MODE)
         path.chmod(DIR_MODE)
