@@ -37,6 +37,8 @@ def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     make_image(cache)
     monkeypatch.setenv("FORKD_CACHE_DIR", str(cache))
     state = tmp_path / "state"
+    # A client finds no token of a real daemon on this host (/var/lib/forkd/token).
+    monkeypatch.setenv("FORKD_STATE_DIR", str(tmp_path / "client-state"))
     return Settings(
         state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run", pool_size=0
     )

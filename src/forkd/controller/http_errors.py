@@ -7,6 +7,7 @@ error's type alone (see the tree in :mod:`forkd.errors`), never its text.
 from __future__ import annotations
 
 import logging
+import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,6 +25,7 @@ from forkd.errors import (
     NotFound,
     Unavailable,
 )
+from forkd.limits import AUDIT_FIELD_LIMIT
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,19 @@ def error_response(status: int, message: str, *, close: bool = False) -> JSONRes
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
+def internal_error(exc: BaseException, method: str, path: str) -> tuple[str, JSONResponse]:
+    """The answer to an unexpected exception: a generic 500 and a fresh error id.
+
+    A bug's message may carry host paths or guest output, so the client gets
+    only the id to quote; the daemon log gets the traceback under that id.
+    """
+    error_id = secrets.token_hex(4)
+    log.error("internal error (id %s) in %s %s", error_id, method,
+              path[:AUDIT_FIELD_LIMIT], exc_info=exc)  # fmt: skip
+    message = f"internal error (id {error_id}); the daemon log has the details"
+    return error_id, error_response(500, message)
+
+
 def install(app: FastAPI) -> None:
     """Register the handlers that turn exceptions into ``{"error": ...}`` answers."""
 
@@ -89,6 +104,6 @@ def install(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
-    async def unexpected(_r: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # Reached only by what escapes the audit middleware, which answers the rest.
+        return internal_error(exc, request.method, request.url.path)[1]
