@@ -8,6 +8,8 @@ this needs a VM.
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,6 +17,7 @@ import httpx
 import pytest
 
 from forkd.controller.settings import Settings
+from forkd.errors import SnapshotError
 from tests.unit.conftest import Server
 
 
@@ -142,3 +145,83 @@ def test_bad_input_is_refused_and_changes_nothing(
         assert r.status_code == 413 and "error" in r.json()
         assert _state(server, settings) == before
         assert c.delete(f"/v1/sandboxes/{box}").status_code == 204
+
+
+# ------------------------------------------------------------ framing an attacker picks
+
+
+def test_a_smuggled_body_is_refused_and_changes_nothing(
+    server: Server, settings: Settings, py: str
+) -> None:
+    """Content-Length beside chunked framing, and a Content-Length shorter than
+    the body, sent over a raw socket as httpx never would."""
+    from tests.unit.test_middleware import _chunked, _exchange, _plain
+
+    port = int(server.url.rsplit(":", 1)[1])
+    auth = f"Authorization: Bearer {server.token}\r\n"
+    with _client(server) as c:
+        box = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
+    before = _state(server, settings)
+
+    head = (f"PUT /v1/sandboxes/{box}/files?path=/big HTTP/1.1\r\nHost: x\r\n{auth}"
+            "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    ex = _exchange(port, head, _chunked(200 << 20, piece=1 << 20))
+    assert ex.status in (413, None) and ex.closed, ex.answer
+    assert ex.sent < 200 << 20
+
+    def big_json() -> Iterator[bytes]:  # a valid template request of 8 MiB
+        body = b'{"tag": "big", "warmup": "' + b"x" * (8 << 20) + b'"}'
+        yield b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+
+    head = (f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{auth}"
+            "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    ex = _exchange(port, head, big_json())
+    assert ex.status in (413, None) and ex.closed, ex.answer
+
+    head = f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{auth}Content-Length: 10\r\n\r\n"
+    ex = _exchange(port, head, iter([b'{"tag": "big"}', *_plain(8 << 20)]))
+    assert ex.status == 400, ex.answer  # the app got '{"tag": "b': not JSON
+
+    assert _state(server, settings) == before
+    with _client(server) as c:
+        r = c.get(f"/v1/sandboxes/{box}/files", params={"path": "/big"})
+        assert r.status_code == 404, "the smuggled upload reached the guest"
+
+
+# ------------------------------------------------------------ 500s
+
+
+def test_an_unexpected_error_answers_with_an_id_and_logs_the_details(
+    server: Server, py: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with _client(server) as c:
+        box = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
+        vm = server.driver.vms[-1]
+
+        async def broken(*_a: Any, **_k: Any) -> dict[str, Any]:
+            raise RuntimeError("secret detail: /var/lib/forkd/run/x")
+
+        vm.exec = broken  # type: ignore[method-assign]
+        with caplog.at_level(logging.ERROR, logger="forkd.controller.http_errors"):
+            r = c.post(f"/v1/sandboxes/{box}/exec", json={"args": ["true"]})
+        assert r.status_code == 500
+        m = re.fullmatch(
+            r"internal error \(id ([0-9a-f]{8})\); the daemon log has the details",
+            r.json()["error"],
+        )
+        assert m, r.json()
+        assert "secret" not in r.text
+        (record,) = [rec for rec in caplog.records if m.group(1) in rec.getMessage()]
+        assert f"POST /v1/sandboxes/{box}/exec" in record.getMessage()
+        assert record.exc_info and "secret detail" in str(record.exc_info[1])
+        # Another failure, another id.
+        r2 = c.post(f"/v1/sandboxes/{box}/exec", json={"args": ["true"]})
+        assert r2.status_code == 500 and m.group(1) not in r2.json()["error"]
+
+
+def test_a_deliberate_500_keeps_its_message(server: Server, py: str) -> None:
+    server.driver.fail_restore = SnapshotError("memory.bin is corrupt")
+    with _client(server) as c:
+        r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 2})
+    assert r.status_code == 500
+    assert "none were kept" in r.json()["error"] and "memory.bin is corrupt" in r.json()["error"]

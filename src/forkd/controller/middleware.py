@@ -8,8 +8,8 @@ import time
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from forkd.controller.audit import AuditLog
-from forkd.controller.http_errors import error_response
+from forkd.controller.audit import AuditLog, Fields
+from forkd.controller.http_errors import error_response, internal_error
 from forkd.limits import FILE_BODY_LIMIT, JSON_BODY_LIMIT
 
 UNAUDITED = ("/healthz", "/metrics")
@@ -118,7 +118,14 @@ def _replay(body: bytes, receive: Receive) -> Receive:
 
 
 class AuditMiddleware:
-    """One JSON line per API request in the audit log (never the token)."""
+    """One JSON line per API request in the audit log (never the token).
+
+    Outermost of the app's own middleware, it also turns an unexpected
+    exception into the generic 500 with an error id (``http_errors``), so the
+    audit line carries the id the client was given. Handled here, the
+    exception does not reach uvicorn, which would log it a second time without
+    the id and drop the connection.
+    """
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -128,7 +135,8 @@ class AuditMiddleware:
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
-        status = 500
+        status: int | None = None  # stays None if no answer was sent
+        error_id: str | None = None
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
@@ -138,21 +146,33 @@ class AuditMiddleware:
 
         try:
             await self.app(scope, receive, send_and_note)
+        except Exception as exc:
+            if status is not None:
+                raise  # the answer has begun: nothing to do but end the connection
+            error_id, answer = internal_error(exc, scope["method"], scope["path"])
+            await answer(scope, receive, send_and_note)
         finally:
             audit = _audit_log(scope)
-            path: str = scope["path"]
-            if audit is not None and path not in UNAUDITED:
-                m = _ID_IN_PATH.match(path)
-                client = scope.get("client")
-                audit.write(
-                    method=scope["method"],
-                    path=path,
-                    status=status,
-                    sandbox_id=m.group(2) if m and m.group(1) == "sandboxes" else None,
-                    snapshot_tag=m.group(2) if m and m.group(1) == "snapshots" else None,
-                    duration_ms=round((time.monotonic() - started) * 1000, 1),
-                    client=client[0] if client else None,
-                )
+            if audit is not None and scope["path"] not in UNAUDITED:
+                audit.write(**_record(scope, status, started, error_id))
+
+
+def _record(scope: Scope, status: int | None, started: float, error_id: str | None) -> Fields:
+    path: str = scope["path"]
+    m = _ID_IN_PATH.match(path)
+    client = scope.get("client")
+    record: Fields = {
+        "method": scope["method"],
+        "path": path,
+        "status": status,
+        "sandbox_id": m.group(2) if m and m.group(1) == "sandboxes" else None,
+        "snapshot_tag": m.group(2) if m and m.group(1) == "snapshots" else None,
+        "duration_ms": round((time.monotonic() - started) * 1000, 1),
+        "client": client[0] if client else None,
+    }
+    if error_id is not None:
+        record["error_id"] = error_id
+    return record
 
 
 def _audit_log(scope: Scope) -> AuditLog | None:
