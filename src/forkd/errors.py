@@ -10,6 +10,7 @@ the message::
     ├── NotFound               unknown snapshot, sandbox, volume or guest path (404)
     ├── Conflict               exists already, in use, not running, not bootable (409)
     ├── Busy                   a concurrency cap is reached: retry shortly (503)
+    ├── OverCapacity           would pass a capacity cap: sandboxes, guest memory, n (429)
     ├── Unavailable            this host lacks what the request needs (503)
     │   └── HostToolMissing    a program forkd runs on the host is not installed
     ├── GuestError             the guest agent did not answer, or failed (502)
@@ -45,6 +46,10 @@ class Conflict(ForkdError):
 
 class Busy(ForkdError):
     """A concurrency cap is reached; the same request may succeed shortly."""
+
+
+class OverCapacity(ForkdError):
+    """Admitting the request would pass one of the daemon's capacity caps; nothing started."""
 
 
 class Unavailable(ForkdError):

@@ -7,7 +7,9 @@ Standard library only: the SDK may import it.
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 from forkd.errors import Invalid
 
@@ -38,6 +40,13 @@ MAX_FORK_N = 1000
 MAX_SETUP_COMMANDS = 100
 MAX_VOLUMES_PER_VM = 8
 MIN_MEMORY_LIMIT_MIB = 64
+
+# Admission (forkd serve --max-sandboxes, --max-guest-memory): over a cap is a 429.
+MAX_FORK_PER_REQUEST = 100  # children one request may start (n up to MAX_FORK_N is valid input)
+# A busy sandbox takes one core per vCPU; an idle one little. Eight per core
+# keeps a host where every sandbox runs a command responsive enough to fork.
+SANDBOXES_PER_CPU = 8
+HOST_RESERVE_MIB = 1024  # the host, the daemon and the page cache of snapshots
 
 # Request bodies.
 JSON_BODY_LIMIT = 1 << 20  # the JSON routes
@@ -92,6 +101,34 @@ def check_vcpus(vcpus: int) -> int:
     if not 1 <= vcpus <= MAX_VCPUS:
         raise Invalid(f"vcpus must be between 1 and {MAX_VCPUS}, not {vcpus}")
     return vcpus
+
+
+def default_max_sandboxes(cpus: int | None = None) -> int:
+    """``SANDBOXES_PER_CPU`` per CPU of this host."""
+    return SANDBOXES_PER_CPU * (cpus or os.cpu_count() or 1)
+
+
+def host_memory_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
+    """This host's RAM (MemTotal), in MiB."""
+    for line in meminfo.read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) >> 10
+    raise ValueError(f"no MemTotal in {meminfo}")
+
+
+def default_max_guest_memory_mib(
+    max_sandboxes: int, overhead_mib: int, host_mib: int | None = None
+) -> int:
+    """Guest RAM that fits this host even if every guest writes all of it.
+
+    Host RAM less a reserve and less each sandbox's QEMU overhead: the sum
+    of every VM's cgroup cap then fits in RAM, so a full house of sandboxes
+    that all fill their memory is stopped by their caps, never by the host
+    running out. (Forks share their snapshot's pages, so in practice far
+    less is used.)
+    """
+    host = host_memory_mib() if host_mib is None else host_mib
+    return max(MIN_MEMORY_MIB, host - HOST_RESERVE_MIB - max_sandboxes * overhead_mib)
 
 
 def check_guest_path(path: object) -> str:

@@ -23,6 +23,7 @@ from forkd.errors import (
     GuestError,
     Invalid,
     NotFound,
+    OverCapacity,
     Unavailable,
 )
 from forkd.limits import AUDIT_FIELD_LIMIT
@@ -34,6 +35,7 @@ STATUS: dict[type[ForkdError], int] = {
     Forbidden: 403,
     NotFound: 404,
     Conflict: 409,
+    OverCapacity: 429,
     GuestError: 502,
     Busy: 503,
     Unavailable: 503,
@@ -49,6 +51,7 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (404, "unknown snapshot, sandbox, volume or guest path"),
         (409, "conflicts with the current state"),
         (413, "request body over the limit"),
+        (429, "over a capacity cap (sandboxes, guest memory, children per request)"),
         (500, "the operation failed; the message says what was left behind"),
     )
 }

@@ -58,7 +58,11 @@ class SandboxCreate(_Body):
     snapshot_tag: str = TAG
     n: int = Field(1, ge=1, le=limits.MAX_FORK_N)
     memory_limit_mib: int | None = Field(
-        None, ge=limits.MIN_MEMORY_LIMIT_MIB, le=limits.MAX_MEMORY_MIB
+        None,
+        ge=limits.MIN_MEMORY_LIMIT_MIB,
+        le=limits.MAX_MEMORY_MIB,
+        description="host memory cap of the sandbox's QEMU (its cgroup); default: guest RAM "
+        "plus QEMU's overhead. Over it, the sandbox is killed",
     )
     per_child_netns: bool = False
     timeout_secs: float | None = Field(None, gt=0, le=limits.MAX_SANDBOX_TIMEOUT_SECS)

@@ -14,6 +14,12 @@ class Settings:
     branch_concurrency: int = 4
     accel: str | None = None
     kill_on_exit: bool = False
+    # Admission caps (None: no cap); `forkd serve` gives host-sized ones.
+    max_sandboxes: int | None = None
+    max_guest_memory_mib: int | None = None  # guest RAM of sandboxes + template builds
+    # Each VM's cgroup: <cgroup_root>/<cgroup_parent>/<vm id>; None: no cgroups.
+    cgroup_parent: str | None = None
+    cgroup_root: Path = Path("/sys/fs/cgroup")
     pool_size: int = 2  # QEMU processes kept waiting per recently forked snapshot
     network: str = "auto"  # "netns" (a namespace per VM), "user" (QEMU's NAT), or "auto"
     sandbox_cidr: str = "10.201.0.0/16"  # host-side addresses of the namespaces

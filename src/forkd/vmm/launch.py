@@ -6,7 +6,10 @@ The directory holds the process's sockets and logs (:class:`RuntimePaths`);
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import functools
+import logging
 import os
 import shutil
 import signal
@@ -15,11 +18,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from forkd import hosttools
-from forkd.errors import VMError
-from forkd.vmm import network
+from forkd.errors import ForkdError, VMError
+from forkd.vmm import cgroups, network
 from forkd.vmm.egress import Egress
-from forkd.vmm.qemu_argv import QEMU_BINARY, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.qemu_argv import QEMU_BINARY, SANDBOX, MachineConfig, RuntimePaths, build_argv
 from forkd.vmm.volumes import Attachment
+
+log = logging.getLogger(__name__)
 
 UNIX_PATH_MAX = 107
 PR_SET_PDEATHSIG = 1
@@ -41,15 +46,23 @@ def prepare_runtime(run_root: Path, vm_id: str) -> RuntimePaths:
 
 
 def spawn(
-    argv: list[str], rt: RuntimePaths, detach: bool, netns: str | None = None
+    argv: list[str],
+    rt: RuntimePaths,
+    detach: bool,
+    netns: str | None = None,
+    cgroup: cgroups.Group | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start QEMU with its output in ``qemu.log``; on failure the run directory is removed.
 
     ``detach``: in a session of its own, to outlive this process (a daemon's
     sandboxes); otherwise killed when this process dies. ``netns``: the
-    network namespace (under /run/netns) QEMU starts in.
+    network namespace (under /run/netns) QEMU starts in. ``cgroup``: the
+    group QEMU joins before it runs (so before any guest code does).
     """
     steps: list[Callable[[], None]] = []
+    join = cgroups.joiner(cgroup)
+    if join is not None:
+        steps.append(join)
     if not detach:
         steps.append(_die_with_parent)
     if netns is not None:
@@ -88,6 +101,38 @@ def tail(path: Path, limit: int = 1500) -> str:
     return data.decode(errors="replace").strip()
 
 
+@functools.cache
+def seccomp_problem() -> str | None:
+    """Why this host's QEMU cannot run under ``-sandbox``, or None when it can.
+
+    Found once per process by starting QEMU with the filter and no machine:
+    a QEMU built without seccomp, or a kernel without it, fails at once.
+    VMs then start without ``-sandbox``; the daemon logs it, ``forkd doctor``
+    reports it.
+    """
+    try:
+        path = hosttools.require(QEMU_BINARY)
+    except ForkdError as exc:
+        return str(exc)
+    argv = [path, "-sandbox", SANDBOX, "-machine", "none", "-nodefaults", "-display", "none",
+            "-S", "-qmp", "stdio"]  # fmt: skip
+    quit_cmds = b'{"execute": "qmp_capabilities"}\n{"execute": "quit"}\n'
+    try:
+        out = subprocess.run(argv, input=quit_cmds, capture_output=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        problem: str | None = f"QEMU with -sandbox did not start: {exc}"
+    else:
+        said = out.stderr.decode(errors="replace").strip()
+        problem = None if out.returncode == 0 else f"{said or 'exit status'} ({out.returncode})"
+    if problem is not None:
+        log.warning("QEMU runs without -sandbox (seccomp): %s", problem)
+    return problem
+
+
+async def _seccomp_ok() -> bool:
+    return await asyncio.to_thread(seccomp_problem) is None
+
+
 async def start_qemu(
     machine: MachineConfig,
     rt: RuntimePaths,
@@ -97,6 +142,7 @@ async def start_qemu(
     detach: bool,
     host_network: network.HostNetwork | None,
     policy: Egress,
+    cgroup: cgroups.Group | None = None,
 ) -> tuple[network.SandboxNet | None, subprocess.Popen[bytes]]:
     """Make the VM's network namespace (when it gets one), then start QEMU in it.
 
@@ -108,9 +154,9 @@ async def start_qemu(
         shutil.rmtree(rt.dir, ignore_errors=True)
         raise
     argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
-                      tap=net is not None)  # fmt: skip
+                      tap=net is not None, sandbox=await _seccomp_ok())  # fmt: skip
     try:
-        return net, spawn(argv, rt, detach, netns=net.netns if net else None)
+        return net, spawn(argv, rt, detach, netns=net.netns if net else None, cgroup=cgroup)
     except BaseException:
         await network.detach(net)
         raise

@@ -18,6 +18,10 @@ KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i80
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
 CONSOLE_RING_BYTES = 1 << 20
 TCG_CPU = "max"  # every feature TCG emulates (x86-64-v3 level on QEMU 7.2)
+# QEMU's seccomp filter: no obsolete system calls, no setuid/setgid, no
+# fork/exec, no scheduler or affinity changes. Nothing forkd asks of QEMU
+# needs them (boot, fd migration, device-state saves, volume overlays).
+SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
 
 
 def _opt(path: Path) -> str:
@@ -139,6 +143,7 @@ def build_argv(
     incoming: bool,
     volumes: Sequence[Attachment] = (),
     tap: bool = False,
+    sandbox: bool = True,
 ) -> list[str]:
     """QEMU's command line. ``tap``: the VM's network is ``tap0`` of the network
     namespace QEMU starts in (forkd.vmm.network); else user-mode NAT."""
@@ -189,6 +194,8 @@ def build_argv(
         # QEMU's default qemu64 model lacks SSSE3/SSE4.2, which current wheels
         # (numpy 2 and friends) require: they die with SIGILL at import.
         argv += ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MIB}", "-cpu", TCG_CPU]
+    if sandbox:  # False only where this QEMU lacks seccomp (launch.seccomp_problem)
+        argv += ["-sandbox", SANDBOX]
     if incoming:
         argv += ["-incoming", "defer", "-global", "migration.send-configuration=off"]
     return argv

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import VMError
+from forkd.vmm.cgroups import Group
 from forkd.vmm.network import SandboxNet
 from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
 from forkd.vmm.snapshot_files import ImageRef, image_json
@@ -37,6 +38,7 @@ class VMRecord:
     started_at_unix: float
     volumes: tuple[Attachment, ...] = ()
     network: SandboxNet | None = None  # its namespace, when it has one
+    cgroup: Group | None = None  # its cgroup, when the host has them
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -53,6 +55,8 @@ class VMRecord:
         }
         if self.network is not None:
             data["network"] = self.network.to_json()
+        if self.cgroup is not None:
+            data["cgroup"] = self.cgroup.to_json()
         return data
 
     @classmethod
@@ -71,6 +75,7 @@ class VMRecord:
             started_at_unix=float(data.get("started_at_unix", time.time())),
             volumes=tuple(Attachment.from_json(v) for v in data.get("volumes") or []),
             network=SandboxNet.from_json(data["network"]) if data.get("network") else None,
+            cgroup=Group.from_json(data.get("cgroup")),
         )
 
 

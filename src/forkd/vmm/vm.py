@@ -31,11 +31,13 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from forkd import accel, limits
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
 from forkd.vmm import (
+    cgroups,
     egress,
     launch,
     network,
@@ -68,6 +70,30 @@ def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
 
 
+async def _start_qemu(
+    cgroup: cgroups.Placement | None, machine: MachineConfig, rt: RuntimePaths, *args: Any
+) -> tuple[network.SandboxNet | None, subprocess.Popen[bytes], cgroups.Group | None]:
+    """:func:`launch.start_qemu`, in a new cgroup of the VM's own when ``cgroup`` says where.
+
+    On failure nothing is left: no group, no run directory.
+    """
+    group = None
+    try:
+        if cgroup is not None:
+            caps = cgroups.limits_for(
+                machine.memory_mib, machine.vcpus, machine.accel, cgroup.memory_limit_mib
+            )
+            group = await asyncio.to_thread(cgroup.hierarchy.create, rt.dir.name, caps)
+        net, proc = await launch.start_qemu(machine, rt, *args, cgroup=group)
+    except BaseException as exc:
+        shutil.rmtree(rt.dir, ignore_errors=True)
+        await asyncio.to_thread(cgroups.remove, group, 1.0)
+        if isinstance(exc, subprocess.SubprocessError):  # the child's setup failed
+            raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
+        raise
+    return net, proc, group
+
+
 class VM(GuestOps):
     """A running (or paused, or dead) QEMU process and its agent connection."""
 
@@ -98,6 +124,7 @@ class VM(GuestOps):
         self._incoming: SnapshotFiles | None = None
         self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
         self.net: network.SandboxNet | None = None  # its namespace, if it has one
+        self.cgroup: cgroups.Group | None = None  # its caps, if the host has cgroups
 
     # ---------------------------------------------------------------- start
 
@@ -117,12 +144,14 @@ class VM(GuestOps):
         attach: Sequence[Attachment] = (),
         host_network: network.HostNetwork | None = None,
         egress_policy: egress.Egress | None = None,
+        cgroup: cgroups.Placement | None = None,
     ) -> VM:
         """Cold-boot a VM from ``image``; returns once its agent answers.
 
         ``attach``: volumes (see :mod:`forkd.vmm.volumes`), mounted in the
         guest before this returns. ``host_network``: gives the VM a network
         namespace of its own with ``egress_policy`` (default: from ``internet``).
+        ``cgroup``: QEMU runs in a cgroup of its own there, with caps.
         """
         policy = egress_policy or egress.Egress.from_internet(internet)
         limits.check_memory_mib(memory_mib)
@@ -144,12 +173,13 @@ class VM(GuestOps):
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written
             f.truncate(memory_mib << 20)
         started = time.monotonic()
-        net, proc = await launch.start_qemu(machine, rt, rt.ram, False, attach, detach,
-                                     host_network, policy)  # fmt: skip
+        net, proc, group = await _start_qemu(cgroup, machine, rt, rt.ram, False, attach, detach,
+                                             host_network, policy)  # fmt: skip
         image_ref = ImageRef(image.name, image.key, str(image.dir))
         vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, proc, proc.pid)
         vm.volumes = list(attach)
         vm.net = net
+        vm.cgroup = group
         try:
             await vm._connect_qmp()
             await vm.agent.connect()
@@ -176,6 +206,7 @@ class VM(GuestOps):
         internet: bool | None = None,
         host_network: network.HostNetwork | None = None,
         egress_policy: egress.Egress | None = None,
+        cgroup: cgroups.Placement | None = None,
     ) -> VM:
         """Fork a new VM from a snapshot directory; returns once its agent answered.
 
@@ -186,7 +217,7 @@ class VM(GuestOps):
         started = time.monotonic()
         vm = await cls.spawn_incoming(
             snapshot_dir, run_root=run_root, vm_id=vm_id, detach=detach, internet=internet,
-            host_network=host_network, egress_policy=egress_policy,
+            host_network=host_network, egress_policy=egress_policy, cgroup=cgroup,
         )  # fmt: skip
         await vm.finish_restore(hostname=hostname, timeout=timeout, started=started)
         return vm
@@ -202,6 +233,7 @@ class VM(GuestOps):
         internet: bool | None = None,
         host_network: network.HostNetwork | None = None,
         egress_policy: egress.Egress | None = None,
+        cgroup: cgroups.Placement | None = None,
     ) -> VM:
         """Start QEMU for a fork of ``snapshot_dir`` and leave it waiting for its state.
 
@@ -232,14 +264,15 @@ class VM(GuestOps):
             shutil.rmtree(rt.dir, ignore_errors=True)
             raise
         try:
-            net, proc = await launch.start_qemu(machine, rt, snap.memory, True, attach, detach,
-                                         host_network, policy)  # fmt: skip
+            net, proc, group = await _start_qemu(cgroup, machine, rt, snap.memory, True, attach,
+                                                 detach, host_network, policy)  # fmt: skip
         except BaseException:
             volume_mounts.remove_own_layers(attach)
             raise
         vm = cls(vm_id, rt, machine, snap.memory, snap.meta.image, snap.dir, proc, proc.pid)
         vm.volumes = attach
         vm.net = net
+        vm.cgroup = group
         vm.state = "incoming"
         vm._incoming = snap
         try:
@@ -299,6 +332,7 @@ class VM(GuestOps):
         rt = RuntimePaths(run_dir)
         rec = runtime_meta.read(rt)
         if not qemu_pid_matches(rec.pid, run_dir):
+            cgroups.remove(rec.cgroup, 0)  # nothing is left in it (the kernel refuses otherwise)
             raise VMError(f"QEMU of {rec.id} (pid {rec.pid}) is no longer running")
         vm = cls(
             rec.id, rt, rec.machine, rec.ram_file, rec.image, rec.origin_snapshot, None, rec.pid
@@ -306,6 +340,7 @@ class VM(GuestOps):
         vm.started_at = rec.started_at_unix
         vm.volumes = list(rec.volumes)
         vm.net = rec.network
+        vm.cgroup = rec.cgroup  # QEMU stays in its group; kill() removes it
         await vm._connect_qmp(timeout)
         status = await vm.qmp.execute("query-status")
         assert isinstance(status, dict)
@@ -361,6 +396,7 @@ class VM(GuestOps):
             started_at_unix=self.started_at,
             volumes=tuple(self.volumes),
             network=self.net,
+            cgroup=self.cgroup,
         )
         runtime_meta.write(self.rt, record)
 
@@ -440,7 +476,7 @@ class VM(GuestOps):
         """Let go of the VM and leave it running, for the next daemon to adopt."""
         await self.agent.close()
         with contextlib.suppress(Exception):
-            await self.qmp.disconnect()
+            await asyncio.wait_for(self.qmp.disconnect(), limits.AGENT_CLOSE_SECS)
 
     async def kill(self) -> None:
         """Stop the VM for good and remove its runtime files."""
@@ -456,6 +492,9 @@ class VM(GuestOps):
         volume_mounts.remove_own_layers(self.volumes)
         await network.detach(self.net)  # QEMU is gone: its namespace can go
         self.net = None
+        if not await asyncio.to_thread(cgroups.remove, self.cgroup):  # and its group
+            log.warning("cgroup of %s is still in use: left in place", self.id)
+        self.cgroup = None
         shutil.rmtree(self.rt.dir, ignore_errors=True)
 
     # ------------------------------------------------------------- snapshot

@@ -2,7 +2,9 @@
 
 Every service shares one :class:`Fleet`. It also holds what spans services:
 tags being created, the count of operations that hold volume layers no
-registry names yet, and the pool of QEMU processes started ahead of forks.
+registry names yet, the pool of QEMU processes started ahead of forks, the
+cgroup hierarchy VMs run in, and admission: the sandboxes and guest memory
+in use or being started, checked against the daemon's caps.
 The VM driver is a parameter, so unit tests run the real services and the
 real app over a fake driver.
 """
@@ -12,16 +14,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import shutil
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
-from forkd.errors import Conflict, ForkdError, NotFound
-from forkd.limits import check_tag
+from forkd.errors import Conflict, ForkdError, NotFound, OverCapacity
+from forkd.limits import MAX_FORK_PER_REQUEST, check_tag
+from forkd.vmm import cgroups
 from forkd.vmm.network import HostNetwork
 from forkd.vmm.pool import ForkPool
 
@@ -36,6 +41,26 @@ class VMDriver(Protocol):
 
 
 PING_WAIT_SECS = 3.0
+
+log = logging.getLogger(__name__)
+
+
+def _cgroup_hierarchy(settings: Settings) -> cgroups.Hierarchy:
+    if settings.cgroup_parent is None:
+        return cgroups.NoCgroups("turned off (--cgroup-parent none)")
+    found = cgroups.detect(settings.cgroup_root, settings.cgroup_parent)
+    (log.info if found.limits_memory else log.warning)("VM cgroups: %s", found.describe())
+    return found
+
+
+@dataclass
+class Admission:
+    """Room held for VMs one request is starting, until they run or fail."""
+
+    sandboxes: int  # sandboxes it starts, each of sandbox_mib guest RAM
+    sandbox_mib: int
+    template_mib: int = 0  # a template build's guest RAM
+    ids: set[str] = field(default_factory=set)  # its sandboxes' ids, once known
 
 
 class Fleet:
@@ -64,12 +89,16 @@ class Fleet:
         # names yet: no layer collection while any is in progress.
         self.volume_ops = 0
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
+        self.cgroups = _cgroup_hierarchy(settings)
+        self._admitted: list[Admission] = []  # requests starting VMs right now
         self.pool = ForkPool(
             settings.run_dir,
             per_snapshot=settings.pool_size,
             detach=True,  # a pooled QEMU becomes a sandbox that outlives the daemon
             new_id=store.next_sandbox_id,
-            spawn=functools.partial(driver.spawn_incoming, host_network=self.network),
+            spawn=functools.partial(
+                driver.spawn_incoming, host_network=self.network, cgroup=self.placement()
+            ),
         )
         settings.snapshot_root.mkdir(parents=True, exist_ok=True)
         settings.run_dir.mkdir(parents=True, exist_ok=True)
@@ -96,6 +125,60 @@ class Fleet:
             yield
         finally:
             self.volume_ops -= 1
+
+    # ------------------------------------------------------------- admission
+
+    def placement(self, memory_limit_mib: int | None = None) -> cgroups.Placement | None:
+        """Where a new VM's cgroup goes (None: the host has none for us)."""
+        if not self.cgroups.limits_memory:
+            return None
+        return cgroups.Placement(self.cgroups, memory_limit_mib)
+
+    def in_use(self) -> tuple[int, int]:
+        """Sandboxes and guest MiB running or being started (template builds: MiB only)."""
+        running = {sid: vm.machine.memory_mib for sid, vm in self.vms.items()}
+        count, mib = len(running), sum(running.values())
+        for held in self._admitted:
+            pending = held.sandboxes - len(held.ids & running.keys())  # not yet in self.vms
+            count += pending
+            mib += pending * held.sandbox_mib + held.template_mib
+        return count, mib
+
+    @contextlib.contextmanager
+    def admit(
+        self, what: str, sandboxes: int, sandbox_mib: int = 0, template_mib: int = 0
+    ) -> Iterator[Admission]:
+        """Hold room for VMs about to start; :class:`OverCapacity` when a cap would be passed.
+
+        Checked and held in one step (no await between): two requests racing
+        for the last slots cannot both get them. The room is given back when
+        the block ends; by then the sandboxes are in :attr:`vms` or gone.
+        """
+        if sandboxes > MAX_FORK_PER_REQUEST:
+            raise OverCapacity(
+                f"{what}: {sandboxes} sandboxes in one request is over the cap of "
+                f"{MAX_FORK_PER_REQUEST}; ask for at most {MAX_FORK_PER_REQUEST} at a time"
+            )
+        count, mib = self.in_use()
+        cap = self.settings.max_sandboxes
+        if cap is not None and count + sandboxes > cap:
+            raise OverCapacity(
+                f"{what}: {sandboxes} more sandboxes would make {count + sandboxes}, over this "
+                f"daemon's cap of {cap} (--max-sandboxes); {count} are running or starting"
+            )
+        need = sandboxes * sandbox_mib + template_mib
+        mem_cap = self.settings.max_guest_memory_mib
+        if mem_cap is not None and mib + need > mem_cap:
+            raise OverCapacity(
+                f"{what}: needs {need} MiB of guest memory and {mib} of this daemon's "
+                f"{mem_cap} MiB are in use or being started (--max-guest-memory)"
+            )
+        held = Admission(sandboxes, sandbox_mib, template_mib)
+        self._admitted.append(held)
+        try:
+            yield held
+        finally:
+            self._admitted.remove(held)
 
     # ------------------------------------------------------------- rows
 

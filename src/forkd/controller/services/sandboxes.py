@@ -18,7 +18,7 @@ from forkd.controller.models import (
     SandboxCreate,
     SandboxInfo,
 )
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.fleet import Admission, Fleet
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.store import SandboxRow, now
 from forkd.errors import (
@@ -32,7 +32,7 @@ from forkd.errors import (
     Unavailable,
     VMError,
 )
-from forkd.vmm import egress
+from forkd.vmm import cgroups, egress, snapshot_files
 from forkd.vmm.egress import Egress
 
 T = TypeVar("T")
@@ -75,12 +75,24 @@ class SandboxService:
             )
         policy = egress.requested(req.egress, req.internet)
         snap_dir = Path(row.dir)
+        machine = snapshot_files.load(snap_dir).machine
+        if req.memory_limit_mib is not None and self.fleet.cgroups.limits_memory:
+            cgroups.check_memory_limit(req.memory_limit_mib, machine.memory_mib, machine.accel)
+        what = f"forking {req.n} from {tag!r}"
+        with self.fleet.admit(what, req.n, machine.memory_mib) as held:
+            return await self._fork_all(req, tag, snap_dir, policy, held)
+
+    async def _fork_all(
+        self, req: SandboxCreate, tag: str, snap_dir: Path, policy: Egress | None, held: Admission
+    ) -> list[SandboxInfo]:
         pooled: list[Any] = []
-        if policy is None:  # the snapshot's own policy: what pooled QEMUs were started with
+        # Pooled QEMUs were started with the snapshot's policy and the default limit.
+        if policy is None and req.memory_limit_mib is None:
             while len(pooled) < req.n and (vm := self.fleet.pool.take(snap_dir)) is not None:
                 pooled.append(vm)
         ids = [vm.id for vm in pooled]
         ids += [self.fleet.store.next_sandbox_id() for _ in range(req.n - len(pooled))]
+        held.ids.update(ids)
         waiting = {vm.id: vm for vm in pooled}
         with self.fleet.holding_volume_layers():
             results = await asyncio.gather(
@@ -126,6 +138,7 @@ class SandboxService:
                 vm = await fleet.driver.restore(
                     snap_dir, run_root=fleet.settings.run_dir, vm_id=sid, detach=True,
                     host_network=fleet.network, egress_policy=policy,
+                    cgroup=fleet.placement(req.memory_limit_mib),
                 )  # fmt: skip
         fleet.vms[sid] = vm
         fleet.store.update_sandbox(

@@ -41,6 +41,12 @@ def snapshot_row(tag: str, files: SnapshotFiles, created_at_unix: int | None = N
     )
 
 
+def _memory_mib(req: SnapshotCreate, img: images.Image) -> int:
+    """A template's guest RAM: the request's, else its image recipe's, else forkd's default."""
+    defaults: dict[str, Any] = img.meta.get("template") or {}
+    return int(req.memory_mib or defaults.get("memory_mib") or limits.DEFAULT_MEMORY_MIB)
+
+
 class SnapshotService:
     def __init__(self, fleet: Fleet, volumes: VolumeService) -> None:
         self.fleet = fleet
@@ -53,7 +59,11 @@ class SnapshotService:
         """Boot a template, run its setup and warm-up, snapshot it as ``req.tag``."""
         tag = limits.check_tag(req.tag)
         img = self._resolve_image(req)
-        with self.fleet.reserve_tag(tag), self.fleet.holding_volume_layers():
+        with (
+            self.fleet.reserve_tag(tag),
+            self.fleet.admit(f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)),
+            self.fleet.holding_volume_layers(),
+        ):
             try:
                 await self._build(req, img)
             except TemplateSetupFailed:
@@ -94,9 +104,7 @@ class SnapshotService:
             template = await self.fleet.driver.boot(
                 img,
                 run_root=self.fleet.settings.run_dir,
-                memory_mib=req.memory_mib
-                or defaults.get("memory_mib")
-                or limits.DEFAULT_MEMORY_MIB,
+                memory_mib=_memory_mib(req, img),
                 vcpus=req.vcpus or defaults.get("vcpus") or limits.DEFAULT_VCPUS,
                 accel_name=self.fleet.settings.accel,
                 # The daemon's id prefix marks its VMs (and their namespaces) as its own.
@@ -105,6 +113,7 @@ class SnapshotService:
                 attach=attach,
                 host_network=self.fleet.network,
                 egress_policy=egress.requested(req.egress, None),
+                cgroup=self.fleet.placement(),
             )
         except BaseException:
             self.volumes.discard_unused(attach)  # made, but no VM took them
