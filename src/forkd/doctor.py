@@ -55,6 +55,32 @@ def _network() -> Check:
     )  # fmt: skip
 
 
+def _seccomp() -> Check:
+    from forkd.vmm import launch
+
+    problem = launch.seccomp_problem()
+    if problem is None:
+        return Check("qemu sandbox", True, "QEMU runs under -sandbox (seccomp filter)")
+    return Check(
+        "qemu sandbox", False, f"QEMU runs without -sandbox: {problem}",
+        "install a QEMU built with seccomp (Debian's qemu-system-x86 is) on a kernel with "
+        "CONFIG_SECCOMP_FILTER", fatal=False,
+    )  # fmt: skip
+
+
+def _cgroups() -> Check:
+    from forkd.vmm import cgroups
+
+    found = cgroups.probe()
+    if found.limits_memory:
+        return Check("cgroups", True, f"a cgroup per VM: {found.describe()}")
+    return Check(
+        "cgroups", False, found.describe(),
+        "run the daemon as root on a host with a cgroup filesystem (v2, or v1 with the "
+        "memory, cpu and pids controllers)", fatal=False,
+    )  # fmt: skip
+
+
 def _build_tools() -> Check:
     missing = []
     for tool in ("mmdebstrap", "mksquashfs", "cpio", "depmod", "dpkg-deb", "apt-get",
@@ -114,6 +140,8 @@ def run_checks() -> list[Check]:
         _qemu_version(),
         _accel(),
         _network(),
+        _seccomp(),
+        _cgroups(),
         _build_tools(),
         _images(),
         _free("cache", paths.cache_dir()),

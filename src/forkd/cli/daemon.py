@@ -71,6 +71,32 @@ def serve(
             help="QEMU processes kept started per recently forked snapshot (0: none).",
         ),
     ] = 2,
+    max_sandboxes: Annotated[
+        int | None,
+        typer.Option(
+            envvar="FORKD_MAX_SANDBOXES",
+            min=1,
+            help="Sandboxes running or starting at once; more is a 429 (default: 8 per CPU).",
+        ),
+    ] = None,
+    max_guest_memory: Annotated[
+        int | None,
+        typer.Option(
+            envvar="FORKD_MAX_GUEST_MEMORY",
+            min=128,
+            metavar="MIB",
+            help="Guest RAM of sandboxes and template builds together; more is a 429 "
+            "(default: host RAM less 1 GiB and less QEMU's overhead per --max-sandboxes).",
+        ),
+    ] = None,
+    cgroup_parent: Annotated[
+        str,
+        typer.Option(
+            envvar="FORKD_CGROUP_PARENT",
+            help="Each VM's cgroup is <parent>/<vm id> (v2, or v1 per controller); "
+            "'none': no cgroups, no memory, CPU or process caps.",
+        ),
+    ] = "forkd",
     network: Annotated[
         str,
         typer.Option(
@@ -93,12 +119,18 @@ def serve(
     from forkd.accel import choose
     from forkd.controller.server import serve as run_server
     from forkd.controller.settings import Settings
+    from forkd.vmm import cgroups
 
     sd = (state_dir or paths.state_dir()).resolve()
     snapshot_root = snapshot_root.resolve() if snapshot_root else None
     try:
-        choose(accel)
+        chosen = choose(accel)
+        caps = _admission_caps(max_sandboxes, max_guest_memory, chosen.name)
+        parent = None if cgroup_parent == "none" else cgroups.check_parent(cgroup_parent)
         settings = Settings(
+            max_sandboxes=caps[0],
+            max_guest_memory_mib=caps[1],
+            cgroup_parent=parent,
             state_dir=sd,
             snapshot_root=snapshot_root or sd / "snapshots",
             run_dir=sd / "run",
@@ -114,6 +146,20 @@ def serve(
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _admission_caps(
+    max_sandboxes: int | None, max_guest_memory: int | None, accel: str
+) -> tuple[int, int]:
+    """The caps given, else sized for this host (see :mod:`forkd.limits`)."""
+    from forkd import limits
+    from forkd.vmm import cgroups
+
+    count = max_sandboxes or limits.default_max_sandboxes()
+    mib = max_guest_memory or limits.default_max_guest_memory_mib(
+        count, cgroups.overhead_mib(accel)
+    )
+    return count, mib
 
 
 def doctor(as_json: JsonOpt = False) -> None:
