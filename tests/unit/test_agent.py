@@ -8,6 +8,7 @@ from touching the host's clock, RNG and hostname.
 from __future__ import annotations
 
 import base64
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -19,6 +20,7 @@ import socket
 import stat
 import subprocess
 import sys
+import threading
 import time
 import tty
 from collections.abc import Iterator
@@ -50,10 +52,13 @@ def _agent_env() -> dict[str, str]:
 class Client:
     """Minimal protocol client: raw line I/O plus request/answer matching by id."""
 
-    def __init__(self, path: Path, timeout: float = 10.0) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    def __init__(self, path: Path | socket.socket, timeout: float = 10.0) -> None:
+        if isinstance(path, socket.socket):  # already connected
+            self.sock = path
+        else:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(str(path))
         self.sock.settimeout(timeout)
-        self.sock.connect(str(path))
         self._buf = b""
         self._ids = itertools.count(1000)
         self._early: dict[int, dict[str, Any]] = {}
@@ -507,8 +512,9 @@ def test_stdio_mode() -> None:
 def test_device_mode_on_a_pty() -> None:
     master, slave = pty.openpty()
     tty.setraw(slave)  # no echo, no newline translation: a plain byte pipe
-    proc = subprocess.Popen(
-        [sys.executable, str(AGENT), "--device", os.ttyname(slave)], env=_agent_env()
+    proc = subprocess.Popen(  # --tcp off: the guest's default would listen on the host's 8888
+        [sys.executable, str(AGENT), "--device", os.ttyname(slave), "--tcp", "off"],
+        env=_agent_env(),
     )
     try:
         os.write(master, b"\n" + json.dumps({"id": 9, "op": "ping"}).encode() + b"\n")
@@ -569,3 +575,401 @@ def test_restore_rejects_bad_params(agent: Client) -> None:
     ):
         msg = agent.call("restore", **params)
         assert msg["ok"] is False and msg["kind"] == "ValueError", params
+
+
+# ----------------------------------------------------------------------------- TCP (port 8888)
+#
+# The agent's TCP server runs in this process on a free loopback port (8888
+# in the guest); `serial` is the virtio-serial protocol served in this
+# process too, so both reach the same warm interpreter, as in the guest.
+
+
+class TcpAgent:
+    """The agent's TCP server on 127.0.0.1, a free port, with the given limits."""
+
+    def __init__(self, **limits: Any) -> None:
+        self.server = agent_mod.TcpServer("127.0.0.1", 0, **limits)
+        self.addr = self.server.bind()
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def connect(self, timeout: float = 10.0) -> socket.socket:
+        return socket.create_connection(self.addr, timeout=timeout)
+
+    def exchange(self, data: bytes) -> dict[str, Any]:
+        """Send ``data`` as one connection's request; its one answer."""
+        with self.connect() as sock:
+            sock.sendall(data)
+            return _one_answer(sock)
+
+    def call(self, **request: Any) -> dict[str, Any]:
+        return self.exchange(json.dumps(request).encode() + b"\n")
+
+
+def _one_answer(sock: socket.socket) -> dict[str, Any]:
+    """Read to EOF: exactly one JSON line, then the agent closed."""
+    data = b""
+    while chunk := sock.recv(1 << 20):
+        data += chunk
+    assert data.endswith(b"\n") and data.count(b"\n") == 1, data[:300]
+    return json.loads(data)
+
+
+def _ping_once_a_slot_is_free(agent: TcpAgent, within_s: float, refusal: str) -> None:
+    """Ping until the agent takes the connection; until then it must refuse it."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            answer = agent.call(action="ping")
+        except ConnectionResetError:  # refused before our request had arrived
+            answer = {"ok": False, "error": refusal}
+        if answer["ok"] is True:
+            return
+        assert answer["error"] == refusal
+        assert time.monotonic() < deadline, "no connection slot came free"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def tcp() -> Iterator[TcpAgent]:
+    agent = TcpAgent()
+    yield agent
+    agent.server.close()
+
+
+@pytest.fixture
+def serial() -> Iterator[Client]:
+    """The virtio-serial protocol, served in this process over a socketpair."""
+    host_end, guest_end = socket.socketpair()
+    conn = agent_mod.Connection(guest_end.fileno(), guest_end.close)
+
+    def serve() -> None:
+        agent_mod.serve_stream(conn, guest_end.fileno())
+        conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = Client(host_end)
+    yield client
+    client.close()
+
+
+def test_tcp_ping(tcp: TcpAgent) -> None:
+    answer = tcp.call(action="ping")
+    assert answer["ok"] is True and answer["pong"] is True
+    assert answer["pid"] == os.getpid()
+    assert answer["agent_version"] == "1"
+    assert answer["hostname"] == socket.gethostname()
+
+
+def test_tcp_exec_takes_the_http_apis_fields(tcp: TcpAgent, tmp_path: Path) -> None:
+    answer = tcp.call(
+        action="exec",
+        args=["sh", "-c", 'pwd; echo "$FOO"; cat; echo oops >&2; exit 3'],
+        cwd=str(tmp_path),
+        env={"FOO": "bar"},
+        stdin="from stdin\n",
+        timeout_secs=10,
+    )
+    assert answer["ok"] is True, answer
+    assert answer["stdout"] == f"{tmp_path}\nbar\nfrom stdin\n"
+    assert answer["stderr"] == "oops\n"
+    assert answer["exit_code"] == 3
+    assert answer["timed_out"] is False
+    assert answer["stdout_truncated"] is False and answer["stderr_truncated"] is False
+    assert answer["duration_ms"] >= 0
+
+    start = time.monotonic()
+    answer = tcp.call(action="exec", args=["sh", "-c", "echo before; sleep 10"], timeout_secs=0.3)
+    assert time.monotonic() - start < 3
+    assert answer["ok"] is True
+    assert (answer["exit_code"], answer["timed_out"], answer["stdout"]) == (124, True, "before\n")
+
+
+@pytest.mark.parametrize(
+    ("request_fields", "named"),
+    [
+        ({}, "'args'"),
+        ({"args": []}, "'args'"),
+        ({"args": "echo hi"}, "'args'"),
+        ({"argv": ["echo", "hi"]}, "'args'"),  # the serial channel's name is not the contract
+        ({"args": ["true"], "timeout_secs": 0}, "'timeout_secs'"),
+        ({"args": ["true"], "timeout_secs": "5"}, "'timeout_secs'"),
+        ({"args": ["true"], "timeout_secs": 1e9}, "'timeout_secs'"),
+        ({"args": ["true"], "timeout_secs": float("nan")}, "'timeout_secs'"),
+        ({"args": ["true"], "env": {"A": 1}}, "'env'"),
+    ],
+)
+def test_tcp_exec_bad_fields_get_an_error_answer(
+    tcp: TcpAgent, request_fields: dict[str, Any], named: str
+) -> None:
+    answer = tcp.call(action="exec", **request_fields)
+    assert answer.keys() == {"ok", "error"} and answer["ok"] is False
+    assert named in answer["error"]
+
+
+def test_tcp_eval_shares_the_serial_channels_interpreter(tcp: TcpAgent, serial: Client) -> None:
+    serial.result("eval", code="shared_by_channels = 'set over serial'")
+    answer = tcp.call(action="eval", code="shared_by_channels")
+    assert answer == {
+        "ok": True,
+        "result": "'set over serial'",
+        "error": None,
+        "exit_code": 0,
+        "stdout": "",
+        "stderr": "",
+        "stdout_truncated": False,
+        "stderr_truncated": False,
+    }
+    assert tcp.call(action="eval", code="shared_by_channels = 41\nprint('hi')")["stdout"] == "hi\n"
+    assert serial.result("eval", code="shared_by_channels + 1")["result"] == "42"
+
+    answer = tcp.call(action="eval", code="1 / 0")
+    assert answer["ok"] is True and answer["exit_code"] == 1
+    assert "ZeroDivisionError" in answer["error"]
+
+
+def test_tcp_exec_leaves_the_serial_channel_answering(tcp: TcpAgent, serial: Client) -> None:
+    answers: list[dict[str, Any]] = []
+    slow = threading.Thread(
+        target=lambda: answers.append(tcp.call(action="exec", args=["sleep", "1.5"]))
+    )
+    slow.start()
+    time.sleep(0.3)  # the TCP exec is running
+    start = time.monotonic()
+    assert serial.result("ping")["pong"] is True
+    assert tcp.call(action="ping")["ok"] is True
+    assert time.monotonic() - start < 0.5
+    assert slow.is_alive()
+    slow.join(10)
+    assert answers[0]["exit_code"] == 0
+
+
+def test_tcp_request_may_end_with_eof_instead_of_a_newline(tcp: TcpAgent) -> None:
+    with tcp.connect() as sock:
+        sock.sendall(b'{"action": "ping"}')
+        sock.shutdown(socket.SHUT_WR)
+        assert _one_answer(sock)["pong"] is True
+
+
+def test_tcp_serves_one_request_per_connection(tcp: TcpAgent) -> None:
+    second = {"action": "eval", "code": "tcp_second_request_ran = True"}
+    with tcp.connect() as sock:
+        sock.sendall(b'{"action": "ping"}\n' + json.dumps(second).encode() + b"\n")
+        assert _one_answer(sock)["pong"] is True  # then EOF: the second line is never run
+    answer = tcp.call(action="eval", code="'tcp_second_request_ran' in dir()")
+    assert answer["result"] == "False"
+
+
+@pytest.mark.parametrize(
+    ("payload", "error"),
+    [
+        (b"this is not json\n", "not JSON"),
+        (b"\xff\xfe\n", "not JSON"),
+        (b"[1, 2, 3]\n", "JSON object"),
+        (b"\n", "empty request"),
+        (b"", "empty request"),  # connect, close the write side at once
+        (b'{"op": "ping"}\n', "unknown action: None"),
+        (b'{"action": 5}\n', "unknown action: 5"),
+        (b'{"action": "nope"}\n', "unknown action: 'nope'"),
+        # Only ping, exec and eval: no files, and above all no restore (clock, RNG, hostname).
+        (b'{"action": "restore", "time_ns": 0, "entropy": "", "hostname": "x"}\n', "unknown"),
+        (b'{"action": "file_read", "path": "/etc/hostname"}\n', "unknown"),
+    ],
+)
+def test_tcp_malformed_requests_get_an_error_answer(
+    tcp: TcpAgent, payload: bytes, error: str
+) -> None:
+    with tcp.connect() as sock:
+        sock.sendall(payload)
+        sock.shutdown(socket.SHUT_WR)
+        answer = _one_answer(sock)
+    assert answer.keys() == {"ok", "error"} and answer["ok"] is False
+    assert error in answer["error"]
+    assert tcp.call(action="ping")["ok"] is True  # still serving
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    with contextlib.suppress(OSError):  # the agent may close before taking it all
+        sock.sendall(data)
+
+
+def _eval_line(code_padding: int) -> bytes:
+    return json.dumps(
+        {"action": "eval", "code": "tcp_big_ran = True  # " + "x" * code_padding}
+    ).encode()
+
+
+def test_tcp_request_over_the_size_cap_is_refused_unread(tcp: TcpAgent) -> None:
+    cap = agent_mod.TCP_MAX_REQUEST_BYTES
+    assert cap == 1024 * 1024
+    at_cap = _eval_line(cap - len(_eval_line(0)))
+    assert len(at_cap) == cap
+    assert tcp.exchange(at_cap + b"\n")["exit_code"] == 0  # exactly the cap: served
+    tcp.call(action="eval", code="del tcp_big_ran")
+
+    with tcp.connect() as sock:
+        sender = threading.Thread(
+            target=_send_quietly,
+            args=(
+                sock,
+                _eval_line(cap) + b"\n",
+            ),
+        )
+        sender.start()  # the client may still be sending when the answer comes
+        answer = _one_answer(sock)
+        sender.join(10)
+    assert answer == {"ok": False, "error": f"request larger than {cap} bytes"}
+    assert tcp.call(action="eval", code="'tcp_big_ran' in dir()")["result"] == "False"
+
+    # A line that never ends is cut at the cap, not buffered until the read timeout.
+    with tcp.connect() as sock:
+        sender = threading.Thread(
+            target=_send_quietly,
+            args=(
+                sock,
+                b"x" * (2 * cap),
+            ),
+        )
+        start = time.monotonic()
+        sender.start()
+        answer = _one_answer(sock)
+        assert time.monotonic() - start < agent_mod.TCP_READ_TIMEOUT_S / 2
+        sender.join(10)
+    assert answer == {"ok": False, "error": f"request larger than {cap} bytes"}
+
+
+def test_tcp_silent_or_trickling_client_is_answered_and_closed() -> None:
+    agent = TcpAgent(read_timeout_s=0.5)
+    try:
+        with agent.connect() as sock:
+            start = time.monotonic()
+            answer = _one_answer(sock)  # the client sends nothing
+        assert answer == {"ok": False, "error": "no complete request within 0.5 s"}
+        assert 0.4 < time.monotonic() - start < 3
+
+        with agent.connect() as sock:  # a byte every 0.1 s never completes a line
+            stop = threading.Event()
+
+            def trickle() -> None:
+                with contextlib.suppress(OSError):
+                    while not stop.wait(0.1):
+                        sock.send(b" ")
+
+            threading.Thread(target=trickle, daemon=True).start()
+            start = time.monotonic()
+            answer = _one_answer(sock)
+            stop.set()
+        assert answer["error"] == "no complete request within 0.5 s"
+        assert time.monotonic() - start < 3  # the deadline is for the whole request
+    finally:
+        agent.server.close()
+
+
+def test_tcp_connections_beyond_the_cap_are_closed_at_once(serial: Client) -> None:
+    assert agent_mod.TCP_MAX_CONNECTIONS == 16
+    agent = TcpAgent(max_connections=3, read_timeout_s=30)
+    holders = [agent.connect() for _ in range(3)]  # silent: each holds a slot
+    try:
+        with agent.connect() as extra:
+            start = time.monotonic()
+            answer = _one_answer(extra)
+            assert time.monotonic() - start < 1
+        assert answer == {"ok": False, "error": "too many connections (at most 3)"}
+        assert serial.result("ping")["pong"] is True  # the serial channel is not held up
+    finally:
+        for sock in holders:
+            sock.close()
+    try:
+        _ping_once_a_slot_is_free(agent, 5, "too many connections (at most 3)")
+    finally:
+        agent.server.close()
+
+
+def test_tcp_client_that_never_reads_its_answer_gives_its_slot_back() -> None:
+    agent = TcpAgent(max_connections=1, write_timeout_s=0.5)
+    stuck = socket.socket()
+    try:
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        stuck.connect(agent.addr)
+        # Two MiB of control characters: about 12 MiB of JSON, more than the
+        # kernel's buffers hold, so the agent's send would block for good.
+        code = "import sys\nprint('\\x01' * 2**20)\nprint('\\x01' * 2**20, file=sys.stderr)"
+        stuck.sendall(json.dumps({"action": "eval", "code": code}).encode() + b"\n")
+        _ping_once_a_slot_is_free(agent, 10, "too many connections (at most 1)")
+    finally:
+        stuck.close()
+        agent.server.close()
+
+
+def test_tcp_listener_waits_for_a_busy_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_mod, "TCP_BIND_RETRY_S", 0.05)
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    server = agent_mod.TcpServer("127.0.0.1", port)
+    server.start()  # cannot bind yet: retries instead of failing
+    try:
+        time.sleep(0.2)
+        squatter.close()
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                    sock.sendall(b'{"action": "ping"}\n')
+                    assert _one_answer(sock)["pong"] is True
+                    break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+    finally:
+        server.close()
+
+
+def test_tcp_address_defaults_to_port_8888_only_in_the_guest() -> None:
+    parse = agent_mod.parse_args
+    assert parse([]).tcp == ("0.0.0.0", 8888)  # the guest: init runs the agent bare
+    assert parse(["--device", "/dev/vport0p1"]).tcp == ("0.0.0.0", 8888)
+    assert parse(["--socket", "/tmp/a.sock"]).tcp is None
+    assert parse(["--stdio"]).tcp is None
+    assert parse(["--socket", "/tmp/a.sock", "--tcp", "127.0.0.1:9000"]).tcp == ("127.0.0.1", 9000)
+    assert parse(["--tcp", "9000"]).tcp == ("0.0.0.0", 9000)
+    assert parse(["--tcp", "off"]).tcp is None
+    for bad in ("nope", "127.0.0.1:", "70000", "host:-1"):
+        with pytest.raises(SystemExit):
+            parse(["--tcp", bad])
+
+
+def test_agent_process_serves_tcp_beside_its_channel(agent_socket: Path) -> None:
+    """A real agent process: the unix-socket channel and TCP share one interpreter."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    path = agent_socket.parent / "tcp-agent.sock"
+    proc = subprocess.Popen(
+        [sys.executable, str(AGENT), "--socket", str(path), "--tcp", f"127.0.0.1:{port}"],
+        env=_agent_env(),
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                break
+            except ConnectionRefusedError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.02)
+        with sock:
+            sock.sendall(b'{"action": "eval", "code": "over_tcp = 6"}\n')
+            assert _one_answer(sock)["exit_code"] == 0
+        while True:
+            try:
+                channel = Client(path)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        assert channel.result("eval", code="over_tcp * 7")["result"] == "42"
+        assert channel.result("ping")["pid"] == proc.pid
+        channel.close()
+    finally:
+        _stop(proc)
