@@ -973,3 +973,27 @@ def test_agent_process_serves_tcp_beside_its_channel(agent_socket: Path) -> None
         channel.close()
     finally:
         _stop(proc)
+
+
+def test_sdk_guest_agent_speaks_the_tcp_protocol(tcp: TcpAgent, serial: Client) -> None:
+    from forkd.client import ControllerError, GuestAgent
+
+    agent = GuestAgent(f"{tcp.addr[0]}:{tcp.addr[1]}")
+    assert agent.ping()["pong"] is True
+    ran = agent.exec(["sh", "-c", "cat; exit 2"], stdin="in", timeout=5)
+    assert (ran.stdout, ran.exit_code, ran.timed_out) == ("in", 2, False)
+    assert agent.exec(["sleep", "5"], timeout=0.2).timed_out is True
+    serial.result("eval", code="sdk_shared = 20")
+    assert agent.eval("sdk_shared + 22").result == "42"
+    assert agent.eval("1/0").ok is False
+
+    with pytest.raises(ControllerError) as refused:
+        agent.exec([])
+    assert refused.value.status == 400 and "'args'" in refused.value.message
+    with pytest.raises(ValueError, match="HOST:PORT"):
+        GuestAgent("10.201.0.6")
+
+    tcp.server.close()
+    with pytest.raises(ControllerError) as gone:
+        agent.ping()
+    assert gone.value.unreachable

@@ -36,6 +36,7 @@ from forkd.client.connection import _resolve_token as _resolve_token
 from forkd.client.controller import Controller
 from forkd.client.controller import _tar_directory as _tar_directory
 from forkd.client.errors import ControllerError
+from forkd.client.guest_agent import GuestAgent
 from forkd.client.results import CommandResult, EvalResult
 from forkd.client.results import exit_code_of as exit_code_of
 from forkd.client.sandbox import Commands, Files, Sandbox
@@ -49,6 +50,7 @@ __all__ = [
     "ControllerError",
     "EvalResult",
     "Files",
+    "GuestAgent",
     "Sandbox",
     "Snapshot",
 ]
