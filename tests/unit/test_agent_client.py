@@ -7,20 +7,25 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import shutil
+import subprocess
 import sys
 import tempfile
 import tracemalloc
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from forkd import limits
-from forkd.errors import AgentError
+from forkd.errors import AgentError, SnapshotError
 from forkd.vmm import agent_client
 from forkd.vmm.agent_client import AgentClient
+from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
+from forkd.vmm.vm import VM
 
 # The guest's side of one connection: gets each request, may write anything back.
 Guest = Callable[[dict[str, Any], asyncio.StreamWriter], Awaitable[None]]
@@ -197,7 +202,7 @@ def _run_raw(sock: Path, guest: Raw, body: Callable[[AgentClient], Awaitable[Non
         client = AgentClient(sock)
         try:
             await client.connect(timeout=2)
-            await body(client)
+            await asyncio.wait_for(body(client), 20)  # a hang fails the test
         finally:
             await client.close()
             server.close()
@@ -450,3 +455,102 @@ def test_token_bucket_pays_back_an_overdraft() -> None:
     now[0] += 0.5  # refills 50, capped at the burst
     assert bucket.take(10) == 0
     assert bucket.take(20) == pytest.approx(0.2)
+
+
+# ------------------------------------------------------------------ the VM's side of it
+
+
+def _vm(run_dir: Path, proc: subprocess.Popen[bytes] | None = None) -> VM:
+    machine = MachineConfig(
+        4, 1, "tcg", run_dir / "vmlinuz", run_dir / "initrd", run_dir / "rootfs"
+    )
+    pid = proc.pid if proc is not None else 0
+    return VM("child", RuntimePaths(run_dir), machine, run_dir / "ram", None, None, proc, pid)
+
+
+def _restore_answer(**result: Any) -> Raw:
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _answer_with(reader, w, lambda r: _ok(r, result))
+
+    return guest
+
+
+RNG_FAILED = "rng: OSError: [Errno 25] Inappropriate ioctl for device"
+
+
+@pytest.mark.parametrize(
+    ("result", "named"),
+    [
+        ({"rng_reseeded": False, "random_reseeded": True, "errors": [RNG_FAILED]}, "kernel RNG"),
+        ({"rng_reseeded": True, "random_reseeded": False, "errors": ["random: boom"]},
+         "Python random"),
+        ({"errors": []}, "kernel RNG and Python random"),  # an agent that does not say
+    ],
+    ids=["kernel-rng", "python-random", "not-reported"],
+)  # fmt: skip
+def test_a_fork_whose_rng_reseed_failed_is_refused(
+    sock: Path, result: dict[str, Any], named: str
+) -> None:
+    snap = SimpleNamespace(dir=Path("/snaps/base"), memory=Path("/snaps/base/memory.bin"))
+
+    async def body(client: AgentClient) -> None:
+        vm = _vm(sock.parent)
+        vm.agent = client
+        with pytest.raises(SnapshotError, match=f"could not reseed its {named}") as info:
+            await vm._after_restore("child", 2, snap)  # type: ignore[arg-type]
+        assert "/snaps/base" in str(info.value)
+        for error in result["errors"]:
+            assert error in str(info.value)
+
+    _run_raw(sock, _restore_answer(clock_set=True, hostname_set=True, **result), body)
+
+
+def test_a_fork_whose_hostname_failed_is_kept_with_a_warning(
+    sock: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    snap = SimpleNamespace(dir=Path("/snaps/base"), memory=Path("/snaps/base/memory.bin"))
+    answer = _restore_answer(
+        clock_set=True, rng_reseeded=True, random_reseeded=True, hostname_set=False,
+        errors=["hostname: PermissionError: no"],
+    )  # fmt: skip
+
+    async def body(client: AgentClient) -> None:
+        vm = _vm(sock.parent)
+        vm.agent = client
+        await vm._after_restore("child", 2, snap)  # type: ignore[arg-type]
+
+    with caplog.at_level(logging.WARNING, logger="forkd.vmm.vm"):
+        _run_raw(sock, answer, body)
+    assert "hostname: PermissionError: no" in caplog.text
+
+
+def test_kill_takes_qemu_down_first_even_when_the_guest_stopped_reading(sock: Path) -> None:
+    qemu = subprocess.Popen(["sleep", "300"])  # stands for QEMU; the test's server is the port
+    dead_when_channels_closed: list[bool] = []
+
+    async def body(client: AgentClient) -> None:
+        vm = _vm(sock.parent, qemu)
+        vm.agent = client
+        real_close = client.close
+
+        async def close() -> None:
+            dead_when_channels_closed.append(qemu.poll() is not None)
+            await real_close()
+
+        client.close = close  # type: ignore[method-assign]
+        writing = asyncio.create_task(vm.write_file("/big", b"A" * (8 << 20)))
+        await asyncio.sleep(0.2)  # stuck: the guest takes nothing
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await vm.kill()
+        assert loop.time() - started < 2
+        with pytest.raises(AgentError):
+            await writing
+
+    try:
+        _run_raw(sock, _never_reads, body)
+    finally:
+        qemu.kill()
+        qemu.wait()
+    assert dead_when_channels_closed[0] is True  # by kill; the harness closes it again
+    assert not sock.parent.exists()  # the run directory is gone

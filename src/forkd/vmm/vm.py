@@ -366,8 +366,21 @@ class VM(GuestOps):
                 f"the guest restored from {snap.memory} does not answer ({exc}); "
                 f"memory.bin or vmstate may be corrupt. Console: {await self.console_tail()}"
             ) from exc
-        if result.get("errors"):
-            log.warning("restore of %s: %s", self.id, "; ".join(result["errors"]))
+        reported = result.get("errors")
+        errors = "; ".join(map(str, reported)) if isinstance(reported, list) else ""
+        # Children of one snapshot share its RNG state: a child the agent could
+        # not reseed would hand out its siblings' keys, tokens and temp names.
+        # The clock and the hostname are only logged: neither is a secret.
+        steps = {"rng_reseeded": "kernel RNG", "random_reseeded": "Python random"}
+        unseeded = [name for key, name in steps.items() if result.get(key) is not True]
+        if unseeded:
+            raise SnapshotError(
+                f"fork {self.id} refused: the guest restored from {snap.dir} could not reseed "
+                f"its {' and '.join(unseeded)} ({errors or 'no reason given'}), so it would "
+                "share random numbers with every other child of the snapshot"
+            )
+        if errors:
+            log.warning("restore of %s: %s", self.id, errors)
 
     async def _wait_agent(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -473,22 +486,31 @@ class VM(GuestOps):
         self.state = state
 
     async def release(self) -> None:
-        """Let go of the VM and leave it running, for the next daemon to adopt."""
+        """Let go of the VM and leave it running, for the next daemon to adopt.
+
+        Bounded: the agent channel is aborted, not flushed (a guest that
+        stopped reading cannot hold this up), and QMP gets a few seconds.
+        """
         await self.agent.close()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.qmp.disconnect(), limits.AGENT_CLOSE_SECS)
 
     async def kill(self) -> None:
-        """Stop the VM for good and remove its runtime files."""
-        await self.release()
+        """Stop the VM for good: QEMU first, then its channels, then its files.
+
+        QEMU goes first so that nothing the guest does can delay it: once the
+        process is gone its sockets are closed and nothing is left to flush.
+        """
         if self._proc is not None:
             if self._proc.poll() is None:
                 self._proc.kill()
-            await asyncio.to_thread(self._proc.wait)
         elif qemu_pid_matches(self.pid, self.rt.dir):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
+        if not await self.gone(limits.KILL_WAIT_SECS):  # polls: no thread waits on it
+            log.error("QEMU of %s (pid %s) still runs after SIGKILL", self.id, self.pid)
         self.state = "dead"
+        await self.release()
         volume_mounts.remove_own_layers(self.volumes)
         await network.detach(self.net)  # QEMU is gone: its namespace can go
         self.net = None
