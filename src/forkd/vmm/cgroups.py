@@ -340,6 +340,8 @@ def probe(root: Path = CGROUP_ROOT, parent: str = DEFAULT_PARENT) -> Hierarchy:
 def detect(root: Path = CGROUP_ROOT, parent: str = DEFAULT_PARENT) -> Hierarchy:
     """The hierarchy VMs' groups go in, its parent group made; :class:`NoCgroups` if none."""
     h = probe(root, parent)
+    if isinstance(h, NoCgroups):
+        return h
     try:
         h.prepare()
     except OSError as exc:
