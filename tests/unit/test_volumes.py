@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import io
 import shutil
+import subprocess
 import tarfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
-from forkd.errors import Conflict, ForkdError, Invalid, NotFound
+from forkd.client import Controller
+from forkd.controller.settings import Settings
+from forkd.errors import Conflict, ForkdError, Invalid, NotFound, StorageFull
 from forkd.vmm import volumes
 from forkd.vmm.volumes import (
     MIN_SIZE,
@@ -21,6 +27,7 @@ from forkd.vmm.volumes import (
     own_layer,
     parse_size,
 )
+from tests.unit.conftest import RecordingTransport, Server
 
 needs_mkfs = pytest.mark.skipif(shutil.which("mkfs.ext4") is None, reason="needs mkfs.ext4")
 needs_qemu_img = pytest.mark.skipif(shutil.which("qemu-img") is None, reason="needs qemu-img")
@@ -160,3 +167,259 @@ def test_a_layer_that_cannot_be_made_is_a_server_error(tmp_path: Path) -> None:
     # A failure of the host, not of the request: none of the 4xx kinds.
     assert isinstance(info.value, ForkdError)
     assert not isinstance(info.value, Invalid | NotFound | Conflict)
+
+
+# ------------------------------------------------------------ hostile archives
+
+
+class _Zeros:
+    """A file of zeros that is never held in memory whole."""
+
+    def read(self, n: int = -1) -> bytes:
+        return bytes(n if n >= 0 else 0)
+
+
+def _archive(entries: dict[str, int | bytes], gz: bool = True, **tar_kw: Any) -> bytes:
+    """A tar (gzip-compressed when ``gz``) of files given as bytes or as a count of zeros."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w", **tar_kw) as tar:
+        for name, data in entries.items():
+            info = tarfile.TarInfo(name)
+            if isinstance(data, bytes):
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+            else:
+                info.size = data
+                tar.addfile(info, _Zeros())  # type: ignore[arg-type]
+    return buf.getvalue()
+
+
+def _cat(base: Path, path: str) -> bytes:
+    """A file's bytes inside an ext4 image, read by debugfs (no mount needed)."""
+    out = subprocess.run(["debugfs", "-R", f"cat {path}", str(base)],
+                         capture_output=True, check=True)  # fmt: skip
+    return out.stdout
+
+
+@pytest.fixture
+def unpacked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of the files the store writes while unpacking, in order."""
+    written: list[int] = []
+    makefile = tarfile.TarFile.makefile
+
+    def spy(self: tarfile.TarFile, tarinfo: tarfile.TarInfo, targetpath: str) -> None:
+        written.append(tarinfo.size)
+        makefile(self, tarinfo, targetpath)
+
+    monkeypatch.setattr(tarfile.TarFile, "makefile", spy)
+    return written
+
+
+needs_debugfs = pytest.mark.skipif(shutil.which("debugfs") is None, reason="needs debugfs")
+
+
+@needs_mkfs
+@needs_debugfs
+@pytest.mark.parametrize("gz", [False, True], ids=["tar", "tar.gz"])
+def test_a_tar_or_tar_gz_fills_the_volume(store: VolumeStore, gz: bool) -> None:
+    """Told apart by the archive's first bytes: no name, no header says which."""
+    content = _archive({"hello.txt": b"hi\n", "sub/zeros.bin": 1 << 20}, gz=gz)
+    assert content[:2] == (b"\x1f\x8b" if gz else b"he")
+    store.create("data", MIN_SIZE, content)
+    base = store.base("data")
+    assert _cat(base, "/hello.txt") == b"hi\n"
+    assert _cat(base, "/sub/zeros.bin") == bytes(1 << 20)
+
+
+@needs_mkfs
+def test_a_gzip_bomb_is_refused_before_it_passes_the_volume_size(
+    store: VolumeStore, tmp_path: Path, unpacked: list[int]
+) -> None:
+    bomb = _archive({"zeros.bin": 64 << 20})  # 64 MiB of zeros
+    assert len(bomb) < 100 << 10  # in under 100 KiB
+    bomb_file = tmp_path / "bomb.tar"  # the name says nothing of the gzip inside
+    bomb_file.write_bytes(bomb)
+    with pytest.raises(Invalid, match=r"unpacks to more than the volume's size \(16777216"):
+        store.create("data", MIN_SIZE, bomb_file)
+    assert unpacked == []  # refused on its header, before a byte was written
+    assert list(store.root.iterdir()) == []
+
+
+@needs_mkfs
+def test_a_bomb_of_many_files_stops_at_the_volume_size(
+    store: VolumeStore, unpacked: list[int]
+) -> None:
+    bomb = _archive({f"f{i:03}.bin": 1 << 20 for i in range(300)})  # 300 MiB
+    with pytest.raises(Invalid, match="unpacks to more than the volume's size"):
+        store.create("data", MIN_SIZE, bomb)
+    assert sum(unpacked) <= MIN_SIZE and len(unpacked) == 16
+    assert list(store.root.iterdir()) == []
+
+
+@needs_mkfs
+def test_too_many_entries_are_refused_at_the_count(store: VolumeStore, unpacked: list[int]) -> None:
+    most = volumes.max_entries(MIN_SIZE)
+    assert most == MIN_SIZE // 4096
+    many = _archive({f"d/e{i}": b"" for i in range(most + 50)})  # "d" is implied, not an entry
+    with pytest.raises(Invalid, match=f"more than {most} entries"):
+        store.create("data", MIN_SIZE, many)
+    assert len(unpacked) == most
+    assert list(store.root.iterdir()) == []
+    store.create("data", MIN_SIZE, _archive({f"e{i}": b"" for i in range(200)}))
+
+
+@needs_mkfs
+def test_a_huge_pax_header_is_refused_without_reading_it(store: VolumeStore) -> None:
+    """tarfile reads a pax or long-name header's payload whole into memory."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo("././@PaxHeader")
+        info.type = tarfile.XHDTYPE
+        info.size = 2 << 20
+        tar.addfile(info, _Zeros())  # type: ignore[arg-type]
+    with pytest.raises(Invalid, match="2097152-byte header"):
+        store.create("data", MIN_SIZE, buf.getvalue())
+    assert list(store.root.iterdir()) == []
+
+
+@needs_mkfs
+def test_tar_stream_past_what_the_volume_could_hold_is_refused(store: VolumeStore) -> None:
+    """Headers that are not files (global pax records) still count as tar read."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for _ in range(40):  # 40 MiB of global headers, none a member
+            info = tarfile.TarInfo("pax_global_header")
+            info.type = tarfile.XGLTYPE
+            info.size = 1 << 20
+            record = b"%d x=%s\n" % (1 << 20, b"y" * ((1 << 20) - 11))  # its length first
+            tar.addfile(info, io.BytesIO(record))
+    with pytest.raises(Invalid, match=r"unpacks to more than \d+ bytes of tar"):
+        store.create("data", MIN_SIZE, buf.getvalue())
+    assert list(store.root.iterdir()) == []
+
+
+@needs_mkfs
+@pytest.mark.parametrize(
+    "content",
+    [b"\x1f\x8b\x08\x00" + b"garbage" * 100, _archive({"a": b"x"})[:40], b"\x1f\x8b"],
+    ids=["bad-gzip", "truncated-gzip", "magic-only"],
+)
+def test_broken_gzip_is_a_bad_archive(store: VolumeStore, content: bytes) -> None:
+    with pytest.raises(Invalid, match="not a usable tar archive"):
+        store.create("data", MIN_SIZE, content)
+    assert list(store.root.iterdir()) == []
+
+
+def _special(name: str, kind: bytes, linkname: str = "") -> bytes:
+    """A tar.gz of one link or device entry."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        info = tarfile.TarInfo(name)
+        info.type, info.linkname = kind, linkname
+        tar.addfile(info)
+    return buf.getvalue()
+
+
+@needs_mkfs
+@pytest.mark.parametrize(
+    "content",
+    [
+        _archive({"../outside.txt": b"x"}),
+        _special("passwd", tarfile.SYMTYPE, "/etc/passwd"),
+        _special("up", tarfile.SYMTYPE, "../../../etc"),
+        _special("shadow", tarfile.LNKTYPE, "/etc/shadow"),
+        _special("sda", tarfile.BLKTYPE),
+    ],
+    ids=["dotdot", "absolute-symlink", "escaping-symlink", "hardlink-out", "device"],
+)
+def test_the_data_filter_still_holds_inside_gzip(store: VolumeStore, content: bytes) -> None:
+    with pytest.raises(Invalid, match="not a usable tar archive"):
+        store.create("data", MIN_SIZE, content)
+    assert list(store.root.iterdir()) == []
+    assert not (store.root.parent / "outside.txt").exists()
+
+
+# ------------------------------------------------------------ the host's free space
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 24 MiB tmpfs: a real file system that fills up (needs root)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+                       capture_output=True, check=False)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@needs_mkfs
+def test_a_volume_larger_than_the_free_space_is_refused_first(small_disk: Path) -> None:
+    store = VolumeStore(small_disk / "volumes")
+    fits = r"a volume of 32 MiB does not fit: the host's disk has 2\d MiB free"
+    with pytest.raises(Invalid, match=fits):
+        store.create("data", 32 << 20, _archive({"a": b"x"}))
+    assert list(store.root.iterdir()) == []
+    store.create("fits", MIN_SIZE)  # 16 MiB of 24: fits
+
+
+@needs_mkfs
+def test_a_volume_must_fit_beside_its_unpacked_content(small_disk: Path) -> None:
+    store = VolumeStore(small_disk / "volumes")
+    with pytest.raises(Invalid, match="does not fit next to its unpacked content"):
+        store.create("data", MIN_SIZE, _archive({"zeros.bin": 12 << 20}))
+    assert list(store.root.iterdir()) == []
+
+
+@needs_mkfs
+def test_a_disk_that_fills_while_unpacking_is_storage_full(
+    small_disk: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The free-space check passed, then the disk filled (another writer, say)."""
+    store = VolumeStore(small_disk / "volumes")
+    (small_disk / "other-writer").write_bytes(bytes(12 << 20))
+    monkeypatch.setattr(volumes, "free_bytes", lambda _d: 1 << 40)  # the check saw room
+    with pytest.raises(StorageFull, match="filled up while unpacking"):
+        store.create("data", MIN_SIZE, _archive({"zeros.bin": 15 << 20}))
+    assert list(store.root.iterdir()) == []
+
+
+# ------------------------------------------------------------ over HTTP
+
+
+@needs_mkfs
+@needs_debugfs
+def test_the_sdk_uploads_a_directory_gzipped(
+    server: Server, sent: RecordingTransport, settings: Settings, tmp_path: Path
+) -> None:
+    src = tmp_path / "dataset"
+    (src / "sub").mkdir(parents=True)
+    (src / "a.txt").write_text("alpha\n")
+    (src / "sub" / "b.csv").write_text("1,2\n" * 10_000)
+    with Controller(server.url, token=server.token, transport=sent) as ctl:
+        info = ctl.create_volume("data", "16M", from_dir=src)
+    assert info["name"] == "data"
+    body = sent.last.content
+    assert body[:2] == b"\x1f\x8b" and len(body) < 5_000  # 40 KB of CSV, compressed
+    base = settings.state_dir / "volumes" / "data" / "base.img"
+    assert _cat(base, "/a.txt") == b"alpha\n"
+    assert _cat(base, "/sub/b.csv") == b"1,2\n" * 10_000
+
+
+@needs_mkfs
+def test_a_bomb_over_http_is_a_400_and_leaves_nothing(server: Server, settings: Settings) -> None:
+    bomb = _archive({"zeros.bin": 64 << 20})
+    headers = {"Authorization": f"Bearer {server.token}", "Content-Type": "application/x-tar"}
+    with httpx.Client(base_url=server.url, headers=headers, timeout=60) as c:
+        r = c.post("/v1/volumes", params={"name": "data", "size": "16M"}, content=bomb)
+        assert r.status_code == 400, r.text
+        assert "unpacks to more than the volume's size" in r.json()["error"]
+        assert c.get("/v1/volumes").json() == []
+        if volumes.free_bytes(settings.state_dir) < 1 << 40:  # as on any test machine
+            r = c.post("/v1/volumes", params={"name": "big", "size": "1T"})
+            assert r.status_code == 400 and "does not fit" in r.json()["error"], r.text
+    assert list((settings.state_dir / "volumes").iterdir()) == []

@@ -325,14 +325,18 @@ class Controller:
 
 
 def _tar_directory(path: Path) -> bytes:
-    """The contents of a local directory as an uncompressed tar archive."""
+    """The contents of a local directory as a gzip-compressed tar archive.
+
+    Compressed, more fits in the daemon's 32 MiB body limit; the daemon tells
+    gzip from plain tar by its first bytes (and always has).
+    """
     import io
     import tarfile
 
     if not path.is_dir():
         raise ControllerError(0, f"{path} is not a directory")
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w") as tar:
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
         for child in sorted(path.iterdir()):
             tar.add(child, arcname=child.name)
     return buf.getvalue()

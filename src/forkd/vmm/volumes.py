@@ -15,20 +15,31 @@ no snapshot or VM needs any more can be deleted (:meth:`VolumeStore.collect`).
 
 from __future__ import annotations
 
+import errno
+import gzip
+import io
 import json
+import os
 import re
 import secrets
 import shutil
 import tarfile
 import tempfile
 import time
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from forkd import hosttools
-from forkd.errors import Conflict, ForkdError, HostToolMissing, Invalid, NotFound
-from forkd.limits import NAME_RE
+from forkd.errors import Conflict, ForkdError, HostToolMissing, Invalid, NotFound, StorageFull
+from forkd.limits import (
+    NAME_RE,
+    VOLUME_BYTES_PER_ENTRY,
+    VOLUME_MAX_ENTRIES,
+    VOLUME_TAR_HEADER_LIMIT,
+)
 
 MIN_SIZE = 16 << 20
 MAX_SIZE = 1 << 40
@@ -104,12 +115,114 @@ def check_guest_mount(path: str) -> str:
     return path.rstrip("/")
 
 
-def _extract(content_tar: Path, tree: Path) -> None:
+GZIP_MAGIC = b"\x1f\x8b"
+# tarfile reads these headers' payloads (a long name, pax records) whole into memory.
+_META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+               tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)  # fmt: skip
+
+
+def max_entries(size: int) -> int:
+    """How many files, directories and links an archive for a ``size``-byte volume may hold."""
+    return min(VOLUME_MAX_ENTRIES, size // VOLUME_BYTES_PER_ENTRY)
+
+
+class _BoundedTarInfo(tarfile.TarInfo):
+    """A member header; refuses a long-name or pax header too big to hold in memory."""
+
+    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:
+        if self.type in _META_TYPES and self.size > VOLUME_TAR_HEADER_LIMIT:
+            raise VolumeInvalid(
+                f"the archive has a {self.size}-byte header; at most "
+                f"{VOLUME_TAR_HEADER_LIMIT} bytes are accepted"
+            )
+        return super()._proc_member(archive)
+
+
+class _CappedReader:
+    """A read-only stream that refuses to yield more than ``limit`` bytes."""
+
+    def __init__(self, source: BinaryIO, limit: int) -> None:
+        self.source = source
+        self.limit = limit
+        self.seen = 0
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.limit + 1 - self.seen if n < 0 else min(n, self.limit + 1 - self.seen)
+        data = self.source.read(want)
+        self.seen += len(data)
+        if self.seen > self.limit:
+            raise VolumeInvalid(f"the archive unpacks to more than {self.limit} bytes of tar")
+        return data
+
+
+def _members(tar: tarfile.TarFile, size: int) -> Iterator[tarfile.TarInfo]:
+    """``tar``'s members as they stream in, counted: the files' bytes against the
+    volume's ``size``, the entries against :func:`max_entries`. Each is refused
+    before a byte of it is written."""
+    most = max_entries(size)
+    total = 0
+    for count, member in enumerate(tar, 1):
+        if count > most:
+            raise VolumeInvalid(
+                f"the archive has more than {most} entries, the most a volume of "
+                f"{size} bytes takes (one per {VOLUME_BYTES_PER_ENTRY} bytes)"
+            )
+        if member.isreg():
+            total += member.size
+            if total > size:
+                raise VolumeInvalid(
+                    f"the archive unpacks to more than the volume's size ({size} bytes)"
+                )
+        yield member
+
+
+def _extract(content: Path | bytes, tree: Path, size: int) -> None:
+    """Unpack ``content`` into ``tree`` within a volume of ``size`` bytes.
+
+    A plain tar, or a gzip-compressed one, told apart by its first bytes (not
+    by any header the client sent). Members are read as a stream and counted
+    as they come, so a small archive that expands to far more than ``size``
+    is refused after writing at most ``size`` bytes. The ``data`` filter
+    refuses absolute paths, links out of ``tree`` and device files.
+    """
+    raw: BinaryIO = io.BytesIO(content) if isinstance(content, bytes) else content.open("rb")
+    with raw:
+        magic = raw.read(2)
+        raw.seek(0)
+        source = gzip.GzipFile(fileobj=raw, mode="rb") if magic == GZIP_MAGIC else raw
+        # Headers and padding cost at most a few blocks per entry beyond the data.
+        limit = size + max_entries(size) * 3 * tarfile.BLOCKSIZE + (1 << 20)
+        stream = _CappedReader(source, limit)
+        try:
+            with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:
+                tar.extractall(tree, members=_members(tar, size), filter="data")
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, RecursionError) as exc:
+            raise VolumeInvalid(f"the upload is not a usable tar archive: {exc}") from exc
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StorageFull(
+                    "the host's disk filled up while unpacking the volume's content; "
+                    "nothing was kept"
+                ) from exc
+            if exc.errno == errno.EIO:
+                raise
+            # An archive that fights itself: a file where a directory must go, ...
+            where = _inside(exc.filename, tree)
+            raise VolumeInvalid(f"cannot unpack the upload: {exc.strerror}: {where}") from exc
+
+
+def _inside(filename: object, tree: Path) -> str:
+    """``filename`` as a path inside the archive, never the host's staging path."""
     try:
-        with tarfile.open(content_tar) as tar:
-            tar.extractall(tree, filter="data")  # no absolute paths, links out, devices
-    except tarfile.TarError as exc:
-        raise VolumeInvalid(f"the upload is not a usable tar archive: {exc}") from exc
+        return str(Path(str(filename)).relative_to(tree))
+    except ValueError:
+        return "?"
+
+
+def free_bytes(directory: Path) -> int:
+    """Bytes an unprivileged writer may still use on ``directory``'s file system."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
 
 
 class VolumeStore:
@@ -146,13 +259,26 @@ class VolumeStore:
             if not d.name.startswith(".") and (d / "volume.json").is_file()
         ]
 
-    def create(self, name: str, size: int, content_tar: Path | None = None) -> dict[str, Any]:
-        """A new ext4 volume; ``content_tar`` (a tar archive) fills it."""
+    def check_size(self, size: int, beside: str = "") -> None:
+        """``size`` is within bounds, and a volume that fills up to it fits on the host."""
+        if not MIN_SIZE <= size <= MAX_SIZE:
+            raise VolumeInvalid(f"size must be between {MIN_SIZE >> 20} MiB and 1 TiB")
+        free = free_bytes(self.root)
+        if size > free:
+            raise VolumeInvalid(
+                f"a volume of {size >> 20} MiB does not fit{beside}: the host's disk has "
+                f"{free >> 20} MiB free where volumes are kept"
+            )
+
+    def create(
+        self, name: str, size: int, content_tar: Path | bytes | None = None
+    ) -> dict[str, Any]:
+        """A new ext4 volume; ``content_tar`` (a tar or tar.gz archive, as a file or
+        its bytes) fills it, unpacked within ``size`` (:func:`_extract`)."""
         final = self._dir(name)
         if final.exists():
             raise VolumeExists(f"volume {name!r} already exists")
-        if not MIN_SIZE <= size <= MAX_SIZE:
-            raise VolumeInvalid(f"size must be between {MIN_SIZE >> 20} MiB and 1 TiB")
+        self.check_size(size)
         hosttools.require("mkfs.ext4")
         staging = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.partial-"))
         try:
@@ -167,7 +293,8 @@ class VolumeStore:
             if content_tar is not None:
                 tree = staging / "content"
                 tree.mkdir()
-                _extract(content_tar, tree)
+                _extract(content_tar, tree, size)
+                self.check_size(size, beside=" next to its unpacked content")
                 argv += ["-d", str(tree)]
             try:
                 hosttools.run([*argv, str(base)], what=f"formatting volume {name}")
@@ -181,7 +308,12 @@ class VolumeStore:
             (staging / "volume.json").write_text(json.dumps(info) + "\n")
             for f in (base, staging / "volume.json"):  # the staging dir is 0700 already
                 f.chmod(0o600)
-            staging.rename(final)
+            try:
+                staging.rename(final)
+            except OSError as exc:  # another request made the same name meanwhile
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise VolumeExists(f"volume {name!r} already exists") from exc
+                raise
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise

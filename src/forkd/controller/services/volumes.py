@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,22 +90,16 @@ class VolumeService:
         return VolumeInfo(**self.store.get(name), used_by=self._users(name))
 
     async def create(self, name: str, size: str, content: bytes) -> VolumeInfo:
-        """An ext4 volume of ``size``; ``content``, a tar archive, fills it."""
+        """An ext4 volume of ``size``; ``content``, a tar or tar.gz archive, fills it.
+
+        The archive is unpacked from memory (the body limit bounds it) and
+        within ``size`` (the store counts what it unpacks).
+        """
         check_name(name, "volume name")
         nbytes = parse_size(size)
         if self.store.exists(name):
             raise Conflict(f"volume {name!r} already exists")
-        tar_path: Path | None = None
-        if content:
-            fd, tmp = tempfile.mkstemp(dir=self.store.root, prefix=".upload-")
-            with os.fdopen(fd, "wb") as f:
-                f.write(content)
-            tar_path = Path(tmp)
-        try:
-            info = await asyncio.to_thread(self.store.create, name, nbytes, tar_path)
-        finally:
-            if tar_path is not None:
-                tar_path.unlink(missing_ok=True)
+        info = await asyncio.to_thread(self.store.create, name, nbytes, content or None)
         return VolumeInfo(**info, used_by=[])
 
     async def delete(self, name: str) -> None:
