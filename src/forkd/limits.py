@@ -75,6 +75,7 @@ AUDIT_LOG_MAX_BYTES = 64 << 20  # then audit.log becomes audit.log.1
 AUDIT_LOG_FILES = 4  # rotated files kept: audit.log.1 .. audit.log.4
 AUDIT_FIELD_LIMIT = 256  # characters of one client-controlled field (path, client)
 AUDIT_401_PER_SEC = 10  # 401 records a second per client address; then one summary line
+AUDIT_401_CLIENTS = 64  # addresses counted apart in one second; the rest share one count
 AUDIT_WARN_INTERVAL_SECS = 60.0  # at most one daemon-log warning this often about failed writes
 
 

@@ -23,7 +23,12 @@ from forkd.controller import audit as audit_module
 from forkd.controller.app import create_app
 from forkd.controller.audit import AuditLog
 from forkd.controller.settings import Settings
-from forkd.limits import AUDIT_401_PER_SEC, AUDIT_FIELD_LIMIT, AUDIT_LOG_MAX_BYTES
+from forkd.limits import (
+    AUDIT_401_CLIENTS,
+    AUDIT_401_PER_SEC,
+    AUDIT_FIELD_LIMIT,
+    AUDIT_LOG_MAX_BYTES,
+)
 from tests.unit.conftest import TOKEN, Server
 from tests.unit.fakes import FakeDriver
 
@@ -100,6 +105,26 @@ def test_401s_are_rate_limited_per_client_then_summarised(
     log.close()  # the summary of the last second is written at shutdown
     records = _records(tmp_path / "audit.log")
     assert records[-1]["suppressed"] == 5
+
+
+def test_varying_the_address_does_not_escape_the_limit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Addresses are cheap (IPv6, or X-Forwarded-For, which uvicorn trusts from loopback)."""
+    clock = Clock(monkeypatch)
+    log = AuditLog(tmp_path / "audit.log")
+    for i in range(5000):
+        log.write(method="GET", path="/", status=401, client=f"fd00::{i:x}")
+    clock.now += 1
+    log.write(method="GET", path="/", status=200, client="::1")
+    log.close()
+    records = _records(tmp_path / "audit.log")
+    denied = [r for r in records if r["status"] == 401 and "suppressed" not in r]
+    summaries = [r for r in records if "suppressed" in r]
+    assert len(denied) == AUDIT_401_CLIENTS + AUDIT_401_PER_SEC  # 64 apart, the rest as one
+    assert summaries == [{**summaries[0], "client": "other addresses",
+                          "suppressed": 5000 - len(denied)}]  # fmt: skip
+    assert (tmp_path / "audit.log").stat().st_size < 20_000
 
 
 def test_a_flood_of_unauthenticated_requests_writes_little(

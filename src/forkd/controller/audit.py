@@ -4,7 +4,8 @@ Whatever clients send, the log stays bounded and the daemon keeps answering:
 
 - every text field is cut to ``AUDIT_FIELD_LIMIT`` characters (paths and
   addresses come from the client);
-- 401s are recorded at most ``AUDIT_401_PER_SEC`` a second per client address;
+- 401s are recorded at most ``AUDIT_401_PER_SEC`` a second per client address
+  (``AUDIT_401_CLIENTS`` addresses a second; the rest share one allowance);
   the rest of that second is one line, ``"M more 401s suppressed"``, written
   with the next record (or at shutdown);
 - ``audit.log`` is renamed ``audit.log.1`` when the next line would take it
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.limits import (
+    AUDIT_401_CLIENTS,
     AUDIT_401_PER_SEC,
     AUDIT_FIELD_LIMIT,
     AUDIT_LOG_FILES,
@@ -40,7 +42,6 @@ log = logging.getLogger(__name__)
 Fields = dict[str, Any]
 
 _OPEN_FLAGS = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
-_THROTTLED_CLIENTS = 1024  # addresses tracked in one second; the rest share one count
 _OTHERS = "other addresses"
 
 
@@ -64,7 +65,9 @@ class _DenialThrottle:
         if second != self.second:
             self.second = second
             self.admitted.clear()
-        if client not in self.admitted and len(self.admitted) >= _THROTTLED_CLIENTS:
+        # Addresses are cheap to vary (IPv6, X-Forwarded-For from loopback):
+        # past a few in one second, they share one allowance.
+        if client not in self.admitted and len(self.admitted) >= AUDIT_401_CLIENTS:
             client = _OTHERS
         seen = self.admitted.get(client, 0)
         self.admitted[client] = seen + 1
