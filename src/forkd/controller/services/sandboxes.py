@@ -54,6 +54,19 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
 }
 
 
+EXIT_WAIT_SECS = 1.0  # for a QEMU whose agent channel just closed to finish exiting
+
+
+async def _exited(vm: Any, wait: float) -> bool:
+    """Whether ``vm``'s QEMU has exited, polling for ``wait`` seconds."""
+    deadline = time.monotonic() + wait
+    while vm.is_alive():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
 class SandboxService:
     def __init__(self, fleet: Fleet, snapshots: SnapshotService) -> None:
         self.fleet = fleet
@@ -187,7 +200,9 @@ class SandboxService:
         try:
             return await call(vm)
         except AgentError as exc:
-            if not vm.is_alive():
+            # No answer at all (kind None): QEMU may be exiting (killed at its
+            # memory cap, say) and its channel closed first. Give it a moment.
+            if await _exited(vm, EXIT_WAIT_SECS if exc.kind is None else 0):
                 await self.fleet.mark_dead(sandbox_id)
                 raise Conflict(f"sandbox {sandbox_id!r} died: {exc}") from exc
             refusal = _GUEST_REFUSALS.get(exc.kind or "")

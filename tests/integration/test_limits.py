@@ -1,0 +1,176 @@
+"""Enforced limits on real VMs: a cgroup per sandbox, QEMU under -sandbox, admission.
+
+Read from the real cgroup filesystem (v2, or v1 per controller) and from
+/proc, against a real ``forkd serve`` with its default caps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from forkd.vmm import cgroups
+from forkd.vmm.qemu_argv import SANDBOX
+
+ROOT = Path("/sys/fs/cgroup")
+MIB = 1 << 20
+GUEST_MIB = 256  # api_template's
+
+
+@pytest.fixture(scope="module")
+def c(daemon: Any, api_template: str) -> httpx.Client:
+    if not cgroups.probe().limits_memory:
+        pytest.skip("no writable cgroup filesystem here (forkd doctor says why)")
+    return httpx.Client(
+        base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"}, timeout=300
+    )
+
+
+def fork(c: httpx.Client, **body: Any) -> dict[str, Any]:
+    r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 1, **body})
+    assert r.status_code == 201, r.text
+    return r.json()[0]
+
+
+def groups_of(pid: int) -> dict[str, Path]:
+    """The directory of ``pid``'s group for memory, cpu and pids, from /proc/PID/cgroup."""
+    where: dict[str, str] = {}
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for name in controllers.split(",") if controllers else ["unified"]:
+            where[name] = path.lstrip("/")
+    if (ROOT / "cgroup.controllers").is_file():  # v2: one tree
+        return {k: ROOT / where["unified"] for k in ("memory", "cpu", "pids")}
+    return {k: ROOT / k / where[k] for k in ("memory", "cpu", "pids")}
+
+
+def read(path: Path) -> str:
+    return path.read_text().strip()
+
+
+def memory_limit(memory_dir: Path) -> int:
+    f = memory_dir / "memory.max"
+    return int(read(f if f.exists() else memory_dir / "memory.limit_in_bytes"))
+
+
+def memory_usage(memory_dir: Path) -> int:
+    f = memory_dir / "memory.current"
+    return int(read(f if f.exists() else memory_dir / "memory.usage_in_bytes"))
+
+
+def wait_state(c: httpx.Client, sid: str, want: str, secs: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + secs
+    while True:
+        info = c.get(f"/v1/sandboxes/{sid}").json()
+        if info["state"] == want or time.monotonic() > deadline:
+            return info
+        time.sleep(0.2)
+
+
+def test_a_sandboxs_qemu_runs_sandboxed_in_its_own_capped_cgroup(c: httpx.Client) -> None:
+    kid = fork(c)
+    pid = kid["pid"]
+    argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    assert argv[argv.index("-sandbox") + 1] == SANDBOX
+    assert "Seccomp:\t2" in Path(f"/proc/{pid}/status").read_text()  # a filter is on
+    dirs = groups_of(pid)
+    assert all(d.name == kid["id"] and d.parent.name == "forkd" for d in dirs.values()), dirs
+    assert int(read(dirs["memory"] / "cgroup.procs").split()[0]) == pid
+    want = (GUEST_MIB + cgroups.OVERHEAD_MIB["tcg"]) * MIB  # the default: guest RAM + QEMU
+    assert memory_limit(dirs["memory"]) == want
+    memsw = dirs["memory"] / "memory.memsw.limit_in_bytes"
+    swap = dirs["memory"] / "memory.swap.max"
+    if memsw.exists():
+        assert int(read(memsw)) == want  # no swap on top
+    if swap.exists():
+        assert read(swap) == "0"
+    if (dirs["cpu"] / "cpu.max").exists():
+        assert read(dirs["cpu"] / "cpu.max") == "100000 100000"  # one vCPU: one CPU
+    else:
+        assert read(dirs["cpu"] / "cpu.cfs_quota_us") == "100000"
+        assert read(dirs["cpu"] / "cpu.cfs_period_us") == "100000"
+    assert read(dirs["pids"] / "pids.max") == str(cgroups.PIDS_BASE + 1)
+    # Under the filter and the caps, a snapshot (xen-save-devices-state) and a
+    # fork of it (migrate-incoming by fd) still work.
+    r = c.post(f"/v1/sandboxes/{kid['id']}/branch", json={})
+    assert r.status_code == 201, r.text
+    grandchild = fork(c, snapshot_tag=r.json()["tag"])
+    assert (
+        c.post(f"/v1/sandboxes/{grandchild['id']}/exec", json={"args": ["true"]}).json()[
+            "exit_code"
+        ]
+        == 0
+    )
+    for sid in (kid["id"], grandchild["id"]):
+        assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+    assert not any(d.exists() for d in dirs.values())  # the group went with the sandbox
+    assert c.delete(f"/v1/snapshots/{r.json()['tag']}").status_code == 204
+
+
+def test_an_asked_memory_limit_is_the_cgroups_cap(c: httpx.Client) -> None:
+    kid = fork(c, memory_limit_mib=300)
+    try:
+        assert memory_limit(groups_of(kid["pid"])["memory"]) == 300 * MIB
+        assert kid["memory_limit_mib"] == 300
+    finally:
+        c.delete(f"/v1/sandboxes/{kid['id']}")
+
+
+def test_a_guest_over_its_memory_limit_gets_its_qemu_killed_and_marked_dead(
+    c: httpx.Client, daemon: Any
+) -> None:
+    """An explicit limit below guest RAM: the host kernel kills QEMU at the cap.
+
+    (Under the default cap, guest RAM + QEMU's overhead, the guest runs out of
+    its own RAM first and its own kernel deals with it; the host cap is never
+    reached.) The daemon notices, marks the sandbox dead and removes its group;
+    the host and the other sandboxes carry on.
+    """
+    limit_mib = cgroups.min_memory_limit_mib("tcg") + 32
+    bystander = fork(c)
+    hog = fork(c, memory_limit_mib=limit_mib)
+    memory_dir = groups_of(hog["pid"])["memory"]
+    peak = [0]
+    sampling = True
+
+    def sample() -> None:  # what the group holds while the guest allocates
+        while sampling:
+            try:
+                peak[0] = max(peak[0], memory_usage(memory_dir))
+            except OSError:
+                return  # removed
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    # 200 MiB, a MiB at a time (zeroed, so written): within guest RAM, over the cap.
+    grab = "s = [bytearray(1 << 20) for _ in range(200)]\nprint('kept')"
+    try:
+        r = c.post(f"/v1/sandboxes/{hog['id']}/exec",
+                   json={"args": ["python3", "-c", grab], "timeout_secs": 120})  # fmt: skip
+    finally:
+        sampling = False
+        sampler.join(10)
+    assert r.status_code == 409 and "died" in r.json()["error"], r.text
+    assert wait_state(c, hog["id"], "dead")["state"] == "dead"
+    assert 0 < peak[0] <= limit_mib * MIB  # the host never gave it more than its cap
+    assert not memory_dir.exists()  # its group went with its QEMU
+    assert httpx.get(f"{daemon.url}/healthz", timeout=5).status_code == 200
+    r = c.post(f"/v1/sandboxes/{bystander['id']}/exec", json={"args": ["echo", "fine"]})
+    assert r.json()["stdout"] == "fine\n"
+    for sid in (hog["id"], bystander["id"]):
+        assert c.delete(f"/v1/sandboxes/{sid}").status_code == 204
+
+
+def test_requests_over_a_cap_or_under_the_least_limit_start_nothing(c: httpx.Client) -> None:
+    before = c.get("/v1/sandboxes").json()
+    r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 101})
+    assert r.status_code == 429 and "at most 100" in r.json()["error"]
+    r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 1, "memory_limit_mib": 64})
+    assert r.status_code == 400 and "below what this sandbox needs" in r.json()["error"]
+    assert c.get("/v1/sandboxes").json() == before
