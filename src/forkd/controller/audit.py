@@ -91,6 +91,8 @@ class _DenialThrottle:
 
 
 class AuditLog:
+    """``<state-dir>/audit.log``, opened for the daemon's life; see the module docstring."""
+
     def __init__(self, path: Path, max_bytes: int | None = None, files: int | None = None) -> None:
         self.path = path
         env_bytes = _env_int("FORKD_AUDIT_LOG_MAX_MIB", 1 << 20)
@@ -98,7 +100,7 @@ class AuditLog:
         self.files = files or _env_int("FORKD_AUDIT_LOG_FILES", 1) or AUDIT_LOG_FILES
         self.lost = 0  # lines that could not be written, since start
         self._lost_unreported = 0
-        self._warned_at = -AUDIT_WARN_INTERVAL_SECS
+        self._warned_at: float | None = None  # monotonic time of the last warning
         self._lock = threading.Lock()
         self._throttle = _DenialThrottle(AUDIT_401_PER_SEC)
         self._fd: int | None = None
@@ -202,7 +204,7 @@ class AuditLog:
         self.lost += records
         self._lost_unreported += records
         now = time.monotonic()
-        if now - self._warned_at < AUDIT_WARN_INTERVAL_SECS:
+        if self._warned_at is not None and now - self._warned_at < AUDIT_WARN_INTERVAL_SECS:
             return
         self._warned_at = now
         log.warning(
