@@ -12,16 +12,20 @@ import contextlib
 import os
 import shutil
 import signal
+import sqlite3
 import tempfile
 import threading
+import time
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
 
+from forkd.controller.services.lifecycle import vm_id_prefixes
 from forkd.guest import image as images
 from forkd.launcher import DaemonProcess
+from forkd.vmm import network
 from forkd.vmm.processes import qemu_pids_under
 from forkd.vmm.vm import VM
 
@@ -132,6 +136,19 @@ class Daemon(DaemonProcess):
         """QEMU processes whose runtime files live under this daemon's state dir."""
         return qemu_pids_under(self.state_dir / "run")
 
+    def kill_leftovers(self) -> None:
+        """After the daemon stopped: kill its QEMUs and remove their network namespaces."""
+        for pid in self.qemu_pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        db = self.state_dir / "forkd.db"
+        if db.exists():
+            with contextlib.closing(sqlite3.connect(db)) as conn:
+                row = conn.execute("SELECT value FROM meta WHERE key = 'id_prefix'").fetchone()
+            if row and not network.netns_problems():
+                time.sleep(0.2)  # let the killed QEMUs leave their namespaces
+                network.remove_unused(vm_id_prefixes(row[0]), live=set())
+
 
 @pytest.fixture(scope="session")
 def daemon(image: images.Image) -> Iterator[Daemon]:
@@ -140,9 +157,7 @@ def daemon(image: images.Image) -> Iterator[Daemon]:
     d.start("--kill-on-exit")
     yield d
     d.stop()
-    for pid in d.qemu_pids():  # nothing may outlive the suite
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    d.kill_leftovers()  # nothing may outlive the suite
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import shutil
@@ -213,9 +212,7 @@ def tiny_disk_daemon(image: images.Image) -> Iterator[tuple[Daemon, Path]]:
         yield d, snaps
     finally:
         d.stop()
-        for pid in d.qemu_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        d.kill_leftovers()
         subprocess.run(["umount", "-l", str(snaps)], check=False)
         shutil.rmtree(root, ignore_errors=True)
 

@@ -29,9 +29,7 @@ def own_daemon(image: images.Image) -> Iterator[Daemon]:
     d.start("--pool-size", "0")  # exact process counts below
     yield d
     d.stop()
-    for pid in d.qemu_pids():
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+    d.kill_leftovers()
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -314,6 +314,17 @@ class HostNetwork:
         return sorted(p.name for p in NETNS_DIR.iterdir() if p.name.startswith(NETNS_PREFIX))
 
 
+def remove_unused(vm_id_prefixes: tuple[str, ...], live: set[str]) -> list[str]:
+    """Remove the namespaces of VMs whose ids start with one of ``vm_id_prefixes``
+    (one daemon's) and that are not in ``live``; returns their names."""
+    removed = []
+    for name in HostNetwork.namespaces():
+        if name[len(NETNS_PREFIX) :].startswith(vm_id_prefixes) and name not in live:
+            destroy(SandboxNet(name, "", "", ""))
+            removed.append(name)
+    return removed
+
+
 def destroy(net: SandboxNet) -> None:
     """Remove a VM's namespace and its veth pair; what is already gone is skipped."""
     from pyroute2 import IPRoute, netns
@@ -347,7 +358,14 @@ async def attach(network: HostNetwork | None, vm_id: str, egress: Egress) -> San
     """A namespace for VM ``vm_id`` when ``network`` gives each VM one, else None."""
     if network is None or not network.enabled:
         return None
-    return await asyncio.to_thread(network.create, vm_id, egress)
+    making = asyncio.ensure_future(asyncio.to_thread(network.create, vm_id, egress))
+    try:
+        return await asyncio.shield(making)
+    except asyncio.CancelledError:
+        # The thread finishes what it started whatever happens here: undo it.
+        with contextlib.suppress(Exception):
+            await asyncio.to_thread(destroy, await making)
+        raise
 
 
 async def detach(net: SandboxNet | None) -> None:

@@ -71,7 +71,7 @@ class SnapshotWriter:
             self.staging.mkdir(mode=0o700)
             vm = self.vm
             size = vm.machine.memory_mib << 20
-            self._region = memory.find_ram_region(vm.pid, vm.ram_file, size)
+            self._region = memory.find_ram_region(vm.pid, vm.ram_file, size, vm.ram_inode)
             self._mem_fd = os.open(  # guest RAM: for the daemon's user only
                 self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
             )

@@ -112,6 +112,10 @@ class VM(GuestOps):
         self.rt = rt
         self.machine = machine
         self.ram_file = ram_file
+        # Its inode finds the mapping even after the snapshot is renamed or deleted.
+        self.ram_inode: int | None = None
+        with contextlib.suppress(OSError):
+            self.ram_inode = ram_file.stat().st_ino
         self.image = image
         self.origin = origin  # snapshot directory this VM was forked from
         self._proc = proc

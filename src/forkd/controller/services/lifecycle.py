@@ -37,6 +37,11 @@ STOP_VM_SECS = 15.0  # at daemon stop, killing or letting go of one VM
 T = TypeVar("T")
 
 
+def vm_id_prefixes(id_prefix: str) -> tuple[str, ...]:
+    """How the ids of one daemon's VMs start: its sandboxes and its templates."""
+    return (f"sb-{id_prefix}-", f"tpl-{id_prefix}-")
+
+
 class Lifecycle:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
@@ -136,14 +141,9 @@ class Lifecycle:
         fleet = self.fleet
         if not fleet.network.enabled:
             return
-        prefix = fleet.store.id_prefix
-        mine = (f"sb-{prefix}-", f"tpl-{prefix}-")
         live = {vm.net.netns for vm in fleet.vms.values() if getattr(vm, "net", None)}
-        for name in fleet.network.namespaces():
-            vm_id = name[len(network.NETNS_PREFIX) :]
-            if vm_id.startswith(mine) and name not in live:
-                log.warning("removing network namespace %s that no VM uses", name)
-                network.destroy(network.SandboxNet(name, "", "", ""))
+        for name in network.remove_unused(vm_id_prefixes(fleet.store.id_prefix), live):
+            log.warning("removed network namespace %s that no VM used", name)
 
     # ------------------------------------------------------------ reaper
 
