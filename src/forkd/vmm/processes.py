@@ -105,3 +105,11 @@ def memory_usage(pid: int) -> dict[str, int]:
     # child right now, which are page cache, not owned memory.
     out["private"] = out.get("private_dirty", 0)
     return out
+
+
+def owner_uid(pid: int) -> int | None:
+    """The user id process ``pid`` runs as, or None when it is gone."""
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None

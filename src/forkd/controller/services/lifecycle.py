@@ -122,18 +122,27 @@ class Lifecycle:
             log.info("re-adopted sandbox %s (pid %s)", row.id, vm.pid)
 
     def kill_strays(self) -> None:
-        """QEMU processes and run directories of ours that no sandbox owns."""
+        """QEMU processes and run directories of ours that no sandbox owns.
+
+        A process counts as ours only when it runs as this daemon's user and its
+        run directory, directly under ours, is named like one of our VMs' ids;
+        what is deleted is a path we build, never one read from a process.
+        """
         fleet = self.fleet
         ours = {str(vm.rt.dir) for vm in fleet.vms.values()}
+        mine = vm_id_prefixes(fleet.store.id_prefix)
         for pid, run_dir in processes.qemu_run_dirs(fleet.settings.run_dir).items():
-            if str(run_dir) not in ours:
-                log.warning("killing stray QEMU %s (%s)", pid, run_dir)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                shutil.rmtree(run_dir, ignore_errors=True)
+            if str(run_dir) in ours or not run_dir.name.startswith(mine):
+                continue
+            if processes.owner_uid(pid) != os.geteuid():
+                continue
+            log.warning("killing stray QEMU %s (%s)", pid, run_dir)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            shutil.rmtree(fleet.settings.run_dir / run_dir.name, ignore_errors=True)
         registered = {r.run_dir for r in fleet.store.list_sandboxes()}
         for d in fleet.settings.run_dir.iterdir():
-            if d.is_dir() and str(d) not in ours and str(d) not in registered:
+            if d.is_dir() and d.name.startswith(mine) and str(d) not in ours | registered:
                 shutil.rmtree(d, ignore_errors=True)
 
     def remove_stray_networks(self) -> None:

@@ -1,0 +1,54 @@
+"""Start-up cleanup kills only this daemon's stray QEMUs and deletes only its own paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from forkd.controller.metrics import Metrics
+from forkd.controller.services import Services
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
+from tests.unit.fakes import FakeDriver
+
+
+def _fake_qemu(run_dir: Path) -> subprocess.Popen[bytes]:
+    """A process named like QEMU whose QMP socket is in ``run_dir``."""
+    proc = subprocess.Popen(
+        ["qemu-system-x86_64", "-c", "import time; time.sleep(60)", "-qmp",
+         f"unix:{run_dir}/qmp.sock,server=on,wait=off"],
+        executable=sys.executable,
+    )  # fmt: skip
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 5
+    while b"qmp.sock" not in cmdline.read_bytes():
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    return proc
+
+
+def test_only_our_own_strays_are_killed(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    settings = Settings(state, state / "snapshots", state / "run", pool_size=0)
+    store = Store(state / "forkd.db")
+    services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0), FakeDriver())
+    ours = settings.run_dir / f"sb-{store.id_prefix}-0009"
+    theirs = settings.run_dir / "sb-0ther0-0001"  # another daemon's id, same run root
+    for d in (ours, theirs):
+        d.mkdir(parents=True)
+    outside = tmp_path / "precious"
+    outside.mkdir()
+    procs = [_fake_qemu(ours), _fake_qemu(theirs), _fake_qemu(settings.run_dir / ".." / "x")]
+    try:
+        services.lifecycle.kill_strays()
+        procs[0].wait(5)
+        assert procs[0].returncode is not None  # ours: killed
+        assert procs[1].poll() is None and procs[2].poll() is None  # not ours: untouched
+        assert not ours.exists() and theirs.exists()
+        assert outside.exists() and state.exists()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
