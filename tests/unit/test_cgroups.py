@@ -180,6 +180,25 @@ def test_a_group_in_use_is_never_taken_over(v1: FakeCgroupFS) -> None:
         proc.wait()
 
 
+@pytest.mark.parametrize("v2", [False, True])
+def test_a_starting_daemon_removes_only_its_own_groups_that_nothing_runs_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, v2: bool
+) -> None:
+    fs = FakeCgroupFS(tmp_path / "cg", v2=v2).install(monkeypatch)
+    h = cgroups.detect(fs.root, "forkd")
+    caps = cgroups.limits_for(256, 1, "tcg")
+    dead, live, theirs = (h.create(n, caps) for n in ("sb-abc-0001", "sb-abc-0002", "sb-xyz-0001"))
+    assert dead and live and theirs
+    proc = run_in(live)
+    try:
+        assert h.remove_unused(("sb-abc-", "tpl-abc-")) == ["sb-abc-0001"]
+        assert not any(d.exists() for d in dead.dirs)
+        assert all(d.is_dir() for d in (*live.dirs, *theirs.dirs))  # running; another daemon's
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 # ------------------------------------------------------------------ v2
 
 

@@ -176,6 +176,32 @@ class Hierarchy:
         """Make ``<parent>/<name>`` with ``limits``; :class:`VMError` if that fails."""
         raise NotImplementedError
 
+    def parent_dirs(self) -> list[Path]:
+        """The parent group's directory in each hierarchy."""
+        return []
+
+    def remove_unused(self, prefixes: tuple[str, ...]) -> list[str]:
+        """Remove the empty groups whose names start with one of ``prefixes``.
+
+        For a daemon starting up: groups named with its own id prefix that
+        no process is in are what a crash, or VMs killed behind its back,
+        left. A VM that still runs keeps its group: the kernel refuses to
+        remove a group with a process in it.
+        """
+        names = {
+            d.name
+            for parent in self.parent_dirs()
+            if parent.is_dir()
+            for d in parent.iterdir()
+            if d.is_dir() and d.name.startswith(prefixes)
+        }
+        return sorted(
+            n for n in names if remove(Group(self.version, self._dirs_of(n)), 0, quiet=True)
+        )
+
+    def _dirs_of(self, name: str) -> tuple[Path, ...]:
+        return tuple(p / name for p in self.parent_dirs() if (p / name).is_dir())
+
     def _new_dir(self, d: Path) -> None:
         try:
             make_dir(d)
@@ -210,6 +236,9 @@ class V2(Hierarchy):
     @property
     def parent_dir(self) -> Path:
         return self.root / self.parent
+
+    def parent_dirs(self) -> list[Path]:
+        return [self.parent_dir]
 
     def describe(self) -> str:
         used = ", ".join(self.controllers) or "no controllers"
@@ -264,6 +293,9 @@ class V1(Hierarchy):
 
     def parent_dir(self, controller: str) -> Path:
         return self.root / controller / self.parent
+
+    def parent_dirs(self) -> list[Path]:
+        return [self.parent_dir(c) for c in self.controllers]
 
     def describe(self) -> str:
         where = self.root / "<controller>" / self.parent
@@ -373,7 +405,7 @@ def joiner(group: Group | None) -> Callable[[], None] | None:
     return join
 
 
-def remove(group: Group | None, wait: float = 5.0) -> bool:
+def remove(group: Group | None, wait: float = 5.0, quiet: bool = False) -> bool:
     """Remove ``group``'s directories; True once all are gone.
 
     The kernel refuses (``EBUSY``) while a process is still in the group: a
@@ -393,7 +425,8 @@ def remove(group: Group | None, wait: float = 5.0) -> bool:
                 pass
             except OSError as exc:
                 if exc.errno != errno.EBUSY:
-                    log.warning("cannot remove cgroup %s: %s", d, exc)
+                    if not quiet:
+                        log.warning("cannot remove cgroup %s: %s", d, exc)
                     return False
                 continue
             left.remove(d)

@@ -45,11 +45,14 @@ PING_WAIT_SECS = 3.0
 log = logging.getLogger(__name__)
 
 
-def _cgroup_hierarchy(settings: Settings) -> cgroups.Hierarchy:
+def _cgroup_hierarchy(settings: Settings, id_prefix: str) -> cgroups.Hierarchy:
     if settings.cgroup_parent is None:
         return cgroups.NoCgroups("turned off (--cgroup-parent none)")
     found = cgroups.detect(settings.cgroup_root, settings.cgroup_parent)
     (log.info if found.limits_memory else log.warning)("VM cgroups: %s", found.describe())
+    # This daemon's VMs that died while it was not watching left their groups.
+    for name in found.remove_unused((f"sb-{id_prefix}-", f"tpl-{id_prefix}-")):
+        log.info("removed the cgroup of %s, whose QEMU is gone", name)
     return found
 
 
@@ -89,7 +92,7 @@ class Fleet:
         # names yet: no layer collection while any is in progress.
         self.volume_ops = 0
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
-        self.cgroups = _cgroup_hierarchy(settings)
+        self.cgroups = _cgroup_hierarchy(settings, store.id_prefix)
         self._admitted: list[Admission] = []  # requests starting VMs right now
         self.pool = ForkPool(
             settings.run_dir,
