@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 import pytest
 
-from forkd.controller.services.lifecycle import vm_id_prefixes
+from forkd.controller.services.fleet import vm_id_prefixes
 from forkd.guest import image as images
 from forkd.launcher import DaemonProcess
-from forkd.vmm import network
+from forkd.vmm import cgroups, network
 from forkd.vmm.processes import qemu_pids_under
 from forkd.vmm.vm import VM
 
@@ -137,7 +137,7 @@ class Daemon(DaemonProcess):
         return qemu_pids_under(self.state_dir / "run")
 
     def kill_leftovers(self) -> None:
-        """After the daemon stopped: kill its QEMUs and remove their network namespaces."""
+        """After the daemon stopped: kill its QEMUs, remove their namespaces and cgroups."""
         for pid in self.qemu_pids():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
@@ -145,9 +145,11 @@ class Daemon(DaemonProcess):
         if db.exists():
             with contextlib.closing(sqlite3.connect(db)) as conn:
                 row = conn.execute("SELECT value FROM meta WHERE key = 'id_prefix'").fetchone()
-            if row and not network.netns_problems():
-                time.sleep(0.2)  # let the killed QEMUs leave their namespaces
-                network.remove_unused(vm_id_prefixes(row[0]), live=set())
+            if row:
+                time.sleep(0.2)  # let the killed QEMUs leave their namespaces and groups
+                if not network.netns_problems():
+                    network.remove_unused(vm_id_prefixes(row[0]), live=set())
+                cgroups.detect().remove_unused(vm_id_prefixes(row[0]))
 
 
 @pytest.fixture(scope="session")

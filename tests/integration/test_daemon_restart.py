@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import shutil
 import signal
@@ -121,9 +120,7 @@ def test_fork_pool(image: images.Image) -> None:
         assert set(d.qemu_pids()) == {first["pid"], second["pid"]}
     finally:
         d.stop()
-        for pid in d.qemu_pids():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        d.kill_leftovers()
         shutil.rmtree(root, ignore_errors=True)
 
 

@@ -45,13 +45,18 @@ PING_WAIT_SECS = 3.0
 log = logging.getLogger(__name__)
 
 
+def vm_id_prefixes(id_prefix: str) -> tuple[str, ...]:
+    """How the ids of one daemon's VMs start: its sandboxes and its templates."""
+    return (f"sb-{id_prefix}-", f"tpl-{id_prefix}-")
+
+
 def _cgroup_hierarchy(settings: Settings, id_prefix: str) -> cgroups.Hierarchy:
     if settings.cgroup_parent is None:
         return cgroups.NoCgroups("turned off (--cgroup-parent none)")
     found = cgroups.detect(settings.cgroup_root, settings.cgroup_parent)
     (log.info if found.limits_memory else log.warning)("VM cgroups: %s", found.describe())
     # This daemon's VMs that died while it was not watching left their groups.
-    for name in found.remove_unused((f"sb-{id_prefix}-", f"tpl-{id_prefix}-")):
+    for name in found.remove_unused(vm_id_prefixes(id_prefix)):
         log.info("removed the cgroup of %s, whose QEMU is gone", name)
     return found
 

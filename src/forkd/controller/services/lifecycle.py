@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.fleet import Fleet, vm_id_prefixes
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import SnapshotError
@@ -35,11 +35,6 @@ PROBE_THREADS = 4
 STOP_VM_SECS = 15.0  # at daemon stop, killing or letting go of one VM
 
 T = TypeVar("T")
-
-
-def vm_id_prefixes(id_prefix: str) -> tuple[str, ...]:
-    """How the ids of one daemon's VMs start: its sandboxes and its templates."""
-    return (f"sb-{id_prefix}-", f"tpl-{id_prefix}-")
 
 
 class Lifecycle:
