@@ -25,94 +25,121 @@ def register(app: typer.Typer) -> None:
     app.command()(doctor)
 
 
+_BindOpt = Annotated[str, typer.Option(envvar="FORKD_BIND", help="HOST:PORT or unix:/path/to.sock")]
+
+_StateDirOpt = Annotated[
+    Path | None,
+    typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
+]
+
+_SnapshotRootOpt = Annotated[
+    Path | None,
+    typer.Option(envvar="FORKD_SNAPSHOT_ROOT", help="Default: <state-dir>/snapshots."),
+]
+
+_TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_TOKEN_FILE",
+        help="Require the token in this file (default: <state-dir>/token, written "
+        "on the first start, mode 0600).",
+    ),
+]
+
+_InsecureNoAuthOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure-no-auth",
+        help="Answer every request without a token. Anyone who reaches the address "
+        "can run code in every sandbox.",
+    ),
+]
+
+_BranchConcurrencyOpt = Annotated[
+    int, typer.Option(envvar="FORKD_BRANCH_CONCURRENCY", min=1, max=64)
+]
+
+_AccelOpt = Annotated[str | None, typer.Option(envvar="FORKD_ACCEL", help="auto, kvm or tcg.")]
+
+_KillOnExitOpt = Annotated[
+    bool, typer.Option(help="Kill every sandbox on shutdown instead of leaving them.")
+]
+
+_PoolSizeOpt = Annotated[
+    int,
+    typer.Option(
+        envvar="FORKD_POOL_SIZE",
+        min=0,
+        max=64,
+        help="QEMU processes kept started per recently forked snapshot (0: none).",
+    ),
+]
+
+_MaxSandboxesOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MAX_SANDBOXES",
+        min=1,
+        help="Sandboxes running or starting at once; more is a 429 (default: 8 per CPU).",
+    ),
+]
+
+_MaxGuestMemoryOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MAX_GUEST_MEMORY",
+        min=128,
+        metavar="MIB",
+        help="Guest RAM of sandboxes and template builds together; more is a 429 "
+        "(default: host RAM less 1 GiB and less QEMU's overhead per --max-sandboxes).",
+    ),
+]
+
+_CgroupParentOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_CGROUP_PARENT",
+        help="Each VM's cgroup is <parent>/<vm id> (v2, or v1 per controller); "
+        "'none': no cgroups, no memory, CPU or process caps.",
+    ),
+]
+
+_NetworkOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_NETWORK",
+        help="auto: a network namespace per VM when root with nftables, else QEMU's "
+        "user-mode NAT without egress; netns; user.",
+    ),
+]
+
+_SandboxCidrOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_SANDBOX_CIDR",
+        help="Host-side addresses of the namespaces, a /30 per VM.",
+    ),
+]
+
+_LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
+
+
 def serve(
-    bind: Annotated[
-        str, typer.Option(envvar="FORKD_BIND", help="HOST:PORT or unix:/path/to.sock")
-    ] = "127.0.0.1:8889",
-    state_dir: Annotated[
-        Path | None,
-        typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
-    ] = None,
-    snapshot_root: Annotated[
-        Path | None,
-        typer.Option(envvar="FORKD_SNAPSHOT_ROOT", help="Default: <state-dir>/snapshots."),
-    ] = None,
-    token_file: Annotated[
-        Path | None,
-        typer.Option(
-            envvar="FORKD_TOKEN_FILE",
-            help="Require the token in this file (default: <state-dir>/token, written "
-            "on the first start, mode 0600).",
-        ),
-    ] = None,
-    insecure_no_auth: Annotated[
-        bool,
-        typer.Option(
-            "--insecure-no-auth",
-            help="Answer every request without a token. Anyone who reaches the address "
-            "can run code in every sandbox.",
-        ),
-    ] = False,
-    branch_concurrency: Annotated[
-        int, typer.Option(envvar="FORKD_BRANCH_CONCURRENCY", min=1, max=64)
-    ] = 4,
-    accel: Annotated[
-        str | None, typer.Option(envvar="FORKD_ACCEL", help="auto, kvm or tcg.")
-    ] = None,
-    kill_on_exit: Annotated[
-        bool, typer.Option(help="Kill every sandbox on shutdown instead of leaving them.")
-    ] = False,
-    pool_size: Annotated[
-        int,
-        typer.Option(
-            envvar="FORKD_POOL_SIZE",
-            min=0,
-            max=64,
-            help="QEMU processes kept started per recently forked snapshot (0: none).",
-        ),
-    ] = 2,
-    max_sandboxes: Annotated[
-        int | None,
-        typer.Option(
-            envvar="FORKD_MAX_SANDBOXES",
-            min=1,
-            help="Sandboxes running or starting at once; more is a 429 (default: 8 per CPU).",
-        ),
-    ] = None,
-    max_guest_memory: Annotated[
-        int | None,
-        typer.Option(
-            envvar="FORKD_MAX_GUEST_MEMORY",
-            min=128,
-            metavar="MIB",
-            help="Guest RAM of sandboxes and template builds together; more is a 429 "
-            "(default: host RAM less 1 GiB and less QEMU's overhead per --max-sandboxes).",
-        ),
-    ] = None,
-    cgroup_parent: Annotated[
-        str,
-        typer.Option(
-            envvar="FORKD_CGROUP_PARENT",
-            help="Each VM's cgroup is <parent>/<vm id> (v2, or v1 per controller); "
-            "'none': no cgroups, no memory, CPU or process caps.",
-        ),
-    ] = "forkd",
-    network: Annotated[
-        str,
-        typer.Option(
-            envvar="FORKD_NETWORK",
-            help="auto: a network namespace per VM when root with nftables, else QEMU's "
-            "user-mode NAT without egress; netns; user.",
-        ),
-    ] = "auto",
-    sandbox_cidr: Annotated[
-        str,
-        typer.Option(
-            envvar="FORKD_SANDBOX_CIDR",
-            help="Host-side addresses of the namespaces, a /30 per VM.",
-        ),
-    ] = "10.201.0.0/16",
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    bind: _BindOpt = "127.0.0.1:8889",
+    state_dir: _StateDirOpt = None,
+    snapshot_root: _SnapshotRootOpt = None,
+    token_file: _TokenFileOpt = None,
+    insecure_no_auth: _InsecureNoAuthOpt = False,
+    branch_concurrency: _BranchConcurrencyOpt = 4,
+    accel: _AccelOpt = None,
+    kill_on_exit: _KillOnExitOpt = False,
+    pool_size: _PoolSizeOpt = 2,
+    max_sandboxes: _MaxSandboxesOpt = None,
+    max_guest_memory: _MaxGuestMemoryOpt = None,
+    cgroup_parent: _CgroupParentOpt = "forkd",
+    network: _NetworkOpt = "auto",
+    sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
+    log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
     from forkd import paths
