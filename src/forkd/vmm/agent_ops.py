@@ -9,10 +9,15 @@ from __future__ import annotations
 import base64
 import os
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from forkd import limits
+from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm.agent_client import AgentClient
+from forkd.vmm.launch import tail
+from forkd.vmm.qemu_argv import RuntimePaths
 
 PING_WAIT_SECS = 10.0
 EXEC_WAIT_MARGIN_SECS = 10.0  # beyond the command's own timeout, for the agent to answer
@@ -23,6 +28,8 @@ class GuestOps:
     """Mixed into :class:`forkd.vmm.vm.VM`: the calls a sandbox's users make."""
 
     agent: AgentClient
+    rt: RuntimePaths
+    _raise_if_dead: Callable[[str], None]
 
     async def ping(self) -> dict[str, Any]:
         return await self.agent.call("ping", wait=PING_WAIT_SECS)
@@ -57,6 +64,21 @@ class GuestOps:
     async def remove(self, path: str, recursive: bool = False) -> None:
         await self.agent.call("file_remove", {"path": path, "recursive": recursive})
 
+    async def _wait_agent(self, timeout: float) -> None:
+        """Until the agent of a booting VM answers; :class:`VMError` after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._raise_if_dead("QEMU exited during boot")
+            try:
+                await self.agent.call("ping", wait=2.0)
+                return
+            except AgentError as exc:
+                if time.monotonic() > deadline:
+                    raise VMError(
+                        f"the guest agent did not answer within {timeout:g} s ({exc}). "
+                        f"Console: {tail(self.rt.console)}"
+                    ) from exc
+
     async def _make_unique(self, hostname: str, wait: float) -> dict[str, Any]:
         """After a restore: the wall-clock time, fresh entropy and a new hostname."""
         params = {
@@ -65,3 +87,22 @@ class GuestOps:
             "hostname": hostname,
         }
         return await self.agent.call("restore", params, wait=wait)
+
+
+def check_reseeded(result: dict[str, Any], vm_id: str, snapshot_dir: Path) -> str:
+    """The agent's answer to ``restore``: :class:`SnapshotError` unless both RNGs were
+    reseeded; else what else failed (clock, hostname), to be logged, or ``""``."""
+    reported = result.get("errors")
+    errors = "; ".join(map(str, reported)) if isinstance(reported, list) else ""
+    # Children of one snapshot share its RNG state: a child the agent could
+    # not reseed would hand out its siblings' keys, tokens and temp names.
+    # The clock and the hostname are only logged: neither is a secret.
+    steps = {"rng_reseeded": "kernel RNG", "random_reseeded": "Python random"}
+    unseeded = [name for key, name in steps.items() if result.get(key) is not True]
+    if unseeded:
+        raise SnapshotError(
+            f"fork {vm_id} refused: the guest restored from {snapshot_dir} could not reseed "
+            f"its {' and '.join(unseeded)} ({errors or 'no reason given'}), so it would "
+            "share random numbers with every other child of the snapshot"
+        )
+    return errors

@@ -16,6 +16,7 @@ import signal
 import subprocess
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from forkd import hosttools
 from forkd.errors import ForkdError, VMError
@@ -134,6 +135,33 @@ async def _seccomp_ok() -> bool:
 
 
 async def start_qemu(
+    placement: cgroups.Placement | None,
+    machine: MachineConfig,
+    rt: RuntimePaths,
+    *args: Any,
+) -> tuple[network.SandboxNet | None, subprocess.Popen[bytes], cgroups.Group | None]:
+    """:func:`start_in_namespace`, in a new cgroup of the VM's own when ``placement`` says where.
+
+    On failure nothing is left: no group, no namespace, no run directory.
+    """
+    group = None
+    try:
+        if placement is not None:
+            caps = cgroups.limits_for(
+                machine.memory_mib, machine.vcpus, machine.accel, placement.memory_limit_mib
+            )
+            group = await asyncio.to_thread(placement.hierarchy.create, rt.dir.name, caps)
+        net, proc = await start_in_namespace(machine, rt, *args, cgroup=group)
+    except BaseException as exc:
+        shutil.rmtree(rt.dir, ignore_errors=True)
+        await asyncio.to_thread(cgroups.remove, group, 1.0)
+        if isinstance(exc, subprocess.SubprocessError):  # the child's setup failed
+            raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
+        raise
+    return net, proc, group
+
+
+async def start_in_namespace(
     machine: MachineConfig,
     rt: RuntimePaths,
     ram_file: Path,

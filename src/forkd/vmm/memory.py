@@ -59,6 +59,14 @@ class DumpStats:
     cloned_by_reflink: bool = False
 
 
+def inode_of(path: Path) -> int | None:
+    """``path``'s inode number, or None when it cannot be read."""
+    try:
+        return path.stat().st_ino
+    except OSError:
+        return None
+
+
 def find_ram_region(pid: int, ram_file: Path, size: int, inode: int | None = None) -> RamRegion:
     """The mapping of guest RAM (``ram_file``, ``size`` bytes) in process ``pid``.
 

@@ -101,3 +101,13 @@ class QMPChannel:
                 f"loading {vmstate} failed: migration {mig.get('status')} "
                 f"({mig.get('error-desc') or tail(qemu_log)})"
             )
+
+    async def console_ring(self, limit: int) -> str:
+        """The end of the guest console's ring buffer (a fork's console); "" if unreadable."""
+        try:
+            data = await self.execute(
+                "ringbuf-read", {"device": "console", "size": limit, "format": "utf8"}, 5.0
+            )
+        except (VMError, OSError):
+            return ""
+        return str(data).strip()

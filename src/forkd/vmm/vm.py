@@ -31,15 +31,16 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from forkd import accel, limits
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
 from forkd.vmm import (
+    agent_ops,
     cgroups,
     egress,
     launch,
+    memory,
     network,
     processes,
     runtime_meta,
@@ -70,30 +71,6 @@ def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
 
 
-async def _start_qemu(
-    cgroup: cgroups.Placement | None, machine: MachineConfig, rt: RuntimePaths, *args: Any
-) -> tuple[network.SandboxNet | None, subprocess.Popen[bytes], cgroups.Group | None]:
-    """:func:`launch.start_qemu`, in a new cgroup of the VM's own when ``cgroup`` says where.
-
-    On failure nothing is left: no group, no run directory.
-    """
-    group = None
-    try:
-        if cgroup is not None:
-            caps = cgroups.limits_for(
-                machine.memory_mib, machine.vcpus, machine.accel, cgroup.memory_limit_mib
-            )
-            group = await asyncio.to_thread(cgroup.hierarchy.create, rt.dir.name, caps)
-        net, proc = await launch.start_qemu(machine, rt, *args, cgroup=group)
-    except BaseException as exc:
-        shutil.rmtree(rt.dir, ignore_errors=True)
-        await asyncio.to_thread(cgroups.remove, group, 1.0)
-        if isinstance(exc, subprocess.SubprocessError):  # the child's setup failed
-            raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
-        raise
-    return net, proc, group
-
-
 class VM(GuestOps):
     """A running (or paused, or dead) QEMU process and its agent connection."""
 
@@ -113,9 +90,7 @@ class VM(GuestOps):
         self.machine = machine
         self.ram_file = ram_file
         # Its inode finds the mapping even after the snapshot is renamed or deleted.
-        self.ram_inode: int | None = None
-        with contextlib.suppress(OSError):
-            self.ram_inode = ram_file.stat().st_ino
+        self.ram_inode = memory.inode_of(ram_file)
         self.image = image
         self.origin = origin  # snapshot directory this VM was forked from
         self._proc = proc
@@ -177,8 +152,9 @@ class VM(GuestOps):
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written
             f.truncate(memory_mib << 20)
         started = time.monotonic()
-        net, proc, group = await _start_qemu(cgroup, machine, rt, rt.ram, False, attach, detach,
-                                             host_network, policy)  # fmt: skip
+        net, proc, group = await launch.start_qemu(
+            cgroup, machine, rt, rt.ram, False, attach, detach, host_network, policy
+        )
         image_ref = ImageRef(image.name, image.key, str(image.dir))
         vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, proc, proc.pid)
         vm.volumes = list(attach)
@@ -268,8 +244,9 @@ class VM(GuestOps):
             shutil.rmtree(rt.dir, ignore_errors=True)
             raise
         try:
-            net, proc, group = await _start_qemu(cgroup, machine, rt, snap.memory, True, attach,
-                                                 detach, host_network, policy)  # fmt: skip
+            net, proc, group = await launch.start_qemu(
+                cgroup, machine, rt, snap.memory, True, attach, detach, host_network, policy
+            )
         except BaseException:
             volume_mounts.remove_own_layers(attach)
             raise
@@ -370,35 +347,9 @@ class VM(GuestOps):
                 f"the guest restored from {snap.memory} does not answer ({exc}); "
                 f"memory.bin or vmstate may be corrupt. Console: {await self.console_tail()}"
             ) from exc
-        reported = result.get("errors")
-        errors = "; ".join(map(str, reported)) if isinstance(reported, list) else ""
-        # Children of one snapshot share its RNG state: a child the agent could
-        # not reseed would hand out its siblings' keys, tokens and temp names.
-        # The clock and the hostname are only logged: neither is a secret.
-        steps = {"rng_reseeded": "kernel RNG", "random_reseeded": "Python random"}
-        unseeded = [name for key, name in steps.items() if result.get(key) is not True]
-        if unseeded:
-            raise SnapshotError(
-                f"fork {self.id} refused: the guest restored from {snap.dir} could not reseed "
-                f"its {' and '.join(unseeded)} ({errors or 'no reason given'}), so it would "
-                "share random numbers with every other child of the snapshot"
-            )
+        errors = agent_ops.check_reseeded(result, self.id, snap.dir)
         if errors:
             log.warning("restore of %s: %s", self.id, errors)
-
-    async def _wait_agent(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            self._raise_if_dead("QEMU exited during boot")
-            try:
-                await self.agent.call("ping", wait=2.0)
-                return
-            except AgentError as exc:
-                if time.monotonic() > deadline:
-                    raise VMError(
-                        f"the guest agent did not answer within {timeout:g} s ({exc}). "
-                        f"Console: {tail(self.rt.console)}"
-                    ) from exc
 
     def _write_meta(self) -> None:
         record = runtime_meta.VMRecord(
@@ -443,13 +394,7 @@ class VM(GuestOps):
         """The end of the guest's console: its file, or its ring buffer for a fork."""
         if self.rt.console.exists():
             return tail(self.rt.console, limit)
-        try:
-            data = await self.qmp.execute(
-                "ringbuf-read", {"device": "console", "size": limit, "format": "utf8"}, 5.0
-            )
-        except (VMError, OSError):
-            return ""
-        return str(data).strip()
+        return await self.qmp.console_ring(limit)
 
     async def gone(self, wait: float = 1.0) -> bool:
         """Whether QEMU has exited, allowing ``wait`` seconds for one that is exiting.
