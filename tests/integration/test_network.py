@@ -13,9 +13,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -222,3 +224,28 @@ def test_egress_policy_decides_what_the_outside_world_sees(
             api.delete(f"/v1/sandboxes/{sb['id']}")
     opened = {h for h, t in targets.items() if results[t] == "open"}
     assert opened == reachable, results
+
+
+def test_the_user_mode_fallback_reaches_nothing(image: Any, tmp_path_factory: Any) -> None:
+    # Without namespaces the daemon falls back to QEMU's NAT, whose 10.0.2.2 is
+    # the host itself: that fallback must have no egress at all.
+    root = Path(tempfile.mkdtemp(prefix="forkd-u-", dir="/tmp"))
+    d = Daemon(root)
+    listener = Listener()
+    d.start("--network", "user", "--kill-on-exit", "--pool-size", "0")
+    try:
+        with _api(d) as api:
+            r = api.post("/v1/snapshots", json={"tag": "py", "memory_mib": 256}, timeout=300)
+            assert r.status_code == 201, r.text
+            sb = _fork(api, egress="internet")
+            assert sb["netns"] is None and sb["guest_addr"] is None
+            targets = [f"10.0.2.2:{listener.port}", f"10.0.2.2:{d.port}", f"{OUTSIDE}:{PORT}"]
+            results = _probe(api, sb["id"], targets)
+            assert all(v != "open" for v in results.values()), results
+            assert listener.peers == []
+            r = api.post("/v1/sandboxes", json={"snapshot_tag": "py", "per_child_netns": True})
+            assert r.status_code == 503 and "namespaces" in r.json()["error"]
+    finally:
+        d.stop()
+        d.kill_leftovers()
+        shutil.rmtree(root, ignore_errors=True)

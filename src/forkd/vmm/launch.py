@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import dataclasses
 import functools
 import logging
 import os
@@ -181,6 +182,10 @@ async def start_in_namespace(
     except BaseException:
         shutil.rmtree(rt.dir, ignore_errors=True)
         raise
+    if host_network is not None and net is None:
+        # The daemon's fallback: QEMU's NAT would reach the host's loopback
+        # (10.0.2.2 is the host), so no egress at all, whatever the policy.
+        machine = dataclasses.replace(machine, internet=False)
     argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
                       tap=net is not None, sandbox=await _seccomp_ok())  # fmt: skip
     try:
