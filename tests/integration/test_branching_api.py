@@ -200,7 +200,7 @@ def tiny_disk_daemon(image: images.Image) -> Iterator[tuple[Daemon, Path]]:
     snaps = root / "snaps"
     snaps.mkdir()
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=160m", "tmpfs", str(snaps)],
+        ["mount", "-t", "tmpfs", "-o", "size=160m,mode=0700", "tmpfs", str(snaps)],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if mounted.returncode != 0:
