@@ -209,7 +209,7 @@ def test_a_guest_reaches_no_host_address_and_no_sibling(daemon: Daemon, api_temp
         ("none", set()),
         ("internet", {OUTSIDE, OUTSIDE_2}),
         ({"allow": [f"{OUTSIDE}/32", PRIVATE]}, {OUTSIDE, PRIVATE}),
-        ({"allow": [METADATA]}, {METADATA}),
+        ({"allow": [METADATA, "0.0.0.0/0"]}, {OUTSIDE, OUTSIDE_2, PRIVATE}),  # never metadata
     ],
 )
 def test_egress_policy_decides_what_the_outside_world_sees(

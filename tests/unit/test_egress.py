@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
 from forkd.errors import Invalid
 from forkd.vmm import egress
 from forkd.vmm.egress import BLOCKED_RANGES, Egress
-from forkd.vmm.network import AGENT_PORT, GUEST_IP, host_ruleset, namespace_ruleset
+from forkd.vmm.network import (
+    AGENT_PORT,
+    ALWAYS_BLOCKED,
+    GUEST_IP,
+    host_ruleset,
+    namespace_ruleset,
+)
 
 
 def _egress_chain(rules: str) -> str:
@@ -53,8 +61,8 @@ def test_none_drops_every_new_connection_from_the_guest() -> None:
 def test_internet_drops_private_link_local_and_metadata_first() -> None:
     rules = namespace_ruleset(Egress("internet"), resolver=None)
     chain = _egress_chain(rules)
-    drop_at = chain.index("drop")
-    assert all(r in chain[:drop_at] for r in BLOCKED_RANGES)
+    final_accept = chain.rindex("accept")
+    assert all(r in chain[:final_accept] for r in BLOCKED_RANGES)
     assert "169.254.0.0/16" in BLOCKED_RANGES and "10.0.0.0/8" in BLOCKED_RANGES
     assert chain.rstrip().endswith("drop")  # nothing falls through
 
@@ -66,8 +74,38 @@ def test_an_allow_list_opens_only_what_it_names() -> None:
     assert "0.0.0.0/0" not in chain and chain.rstrip().endswith("drop")
 
 
+def test_no_allow_entry_opens_metadata_or_loopback() -> None:
+    rules = namespace_ruleset(Egress("allow", ("0.0.0.0/0", "169.254.169.254")), resolver=None)
+    lines = _egress_chain(rules).splitlines()
+    blocked = next(i for i, line in enumerate(lines) if ALWAYS_BLOCKED[2] in line)
+    allowed = next(i for i, line in enumerate(lines) if "0.0.0.0/0" in line)
+    assert lines[blocked].endswith("drop") and blocked < allowed
+
+
+def test_a_hostname_never_opens_a_private_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only a literal CIDR may open a private range: a DNS answer is not the caller's word.
+    answers = {"evil.example": ["169.254.169.254", "10.1.2.3", "198.51.100.9"]}
+    monkeypatch.setattr(
+        egress, "_lookup",
+        lambda name: [ipaddress.IPv4Network(f"{a}/32") for a in answers[name]],
+    )  # fmt: skip
+    nets = Egress("allow", ("evil.example", "10.5.0.0/16")).resolve()
+    assert [str(n) for n in nets] == ["198.51.100.9/32", "10.5.0.0/16"]
+
+
+def test_the_guest_cannot_spoof_flood_or_smuggle() -> None:
+    rules = namespace_ruleset(Egress("internet"), resolver=None)
+    assert f'iifname "tap0" ip saddr != {GUEST_IP} drop' in rules
+    assert f"arp saddr ip != {GUEST_IP} drop" in rules
+    assert "ct state invalid drop" in rules
+    assert "limit rate over" in rules and "ct count over" in rules
+
+
 def test_the_host_fence_drops_sandbox_to_host_and_sandbox_to_sandbox() -> None:
     rules = host_ruleset("10.201.0.0/16")
     assert 'iifname "fkh-*" drop' in rules  # input: nothing new from a sandbox
     assert 'iifname "fkh-*" oifname "fkh-*" drop' in rules
     assert "ip saddr 10.201.0.0/16" in rules and "masquerade" in rules
+    assert 'iifname "fkh-*" ip saddr != 10.201.0.0/16 drop' in rules
+    # Of the host's users only the daemon's reaches a sandbox's agent port.
+    assert 'oifname "fkh-*" meta skuid != 0 drop' in rules

@@ -71,7 +71,9 @@ class Egress:
             try:
                 net = ipaddress.ip_network(entry, strict=False)
             except ValueError:
-                nets += _lookup(entry)
+                # Only a literal CIDR opens a private range: a name's DNS record
+                # is not the caller's word (it may point at 169.254.169.254).
+                nets += [n for n in _lookup(entry) if not _blocked(n)]
                 continue
             if isinstance(net, ipaddress.IPv4Network):
                 nets.append(net)
@@ -90,6 +92,10 @@ def requested(egress: Any, internet: bool | None) -> Egress | None:
 def of_machine(egress_json: Any, internet: bool) -> Egress:
     """The policy a snapshot records (``machine.egress``), or its older ``internet`` flag."""
     return Egress.parse(egress_json) if egress_json is not None else Egress.from_internet(internet)
+
+
+def _blocked(net: ipaddress.IPv4Network) -> bool:
+    return any(net.overlaps(ipaddress.IPv4Network(r)) for r in BLOCKED_RANGES)
 
 
 def _check_entry(entry: str) -> None:

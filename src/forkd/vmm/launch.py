@@ -177,19 +177,18 @@ async def start_in_namespace(
 
     On failure nothing is left: no namespace, no run directory.
     """
+    net = None
     try:
+        sandbox = await _seccomp_ok()  # before the namespace: nothing to undo if it fails
         net = await network.attach(host_network, rt.dir.name, policy)
-    except BaseException:
-        shutil.rmtree(rt.dir, ignore_errors=True)
-        raise
-    if host_network is not None and net is None:
-        # The daemon's fallback: QEMU's NAT would reach the host's loopback
-        # (10.0.2.2 is the host), so no egress at all, whatever the policy.
-        machine = dataclasses.replace(machine, internet=False)
-    argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
-                      tap=net is not None, sandbox=await _seccomp_ok())  # fmt: skip
-    try:
+        if host_network is not None and net is None:
+            # The daemon's fallback: QEMU's NAT would reach the host's loopback
+            # (10.0.2.2 is the host), so no egress at all, whatever the policy.
+            machine = dataclasses.replace(machine, internet=False)
+        argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
+                          tap=net is not None, sandbox=sandbox)  # fmt: skip
         return net, spawn(argv, rt, detach, netns=net.netns if net else None, cgroup=cgroup)
     except BaseException:
         await network.detach(net)
+        shutil.rmtree(rt.dir, ignore_errors=True)
         raise

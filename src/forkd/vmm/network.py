@@ -22,13 +22,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import ipaddress
 import logging
 import os
 import shutil
 import subprocess
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,9 +52,27 @@ NS_VETH = "veth0"
 NS_TAP = "tap0"
 HOST_TABLE = "forkd"
 CLONE_NEWNET = 0x40000000
+NEW_CONN_RATE = 500  # new connections a guest may open per second (burst below)
+NEW_CONN_BURST = 1000
+MAX_GUEST_CONNS = 4096  # its connections tracked at once: the host's table is shared
+ALWAYS_BLOCKED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3")
 NFT_TIMEOUT_SECS = 10
+HOST_RELOAD_SECS = 5.0  # the host table is loaded again at most this often
+HOST_LOCK = Path("/run/forkd-network.lock")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+@contextlib.contextmanager
+def _host_lock() -> Iterator[None]:
+    """Host-wide: two daemons never allocate the same /30 or interface name."""
+    NETNS_DIR.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(HOST_LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def enter_netns(name: str) -> Callable[[], None]:
@@ -104,6 +124,12 @@ def _nft(ruleset: str, netns: str | None = None, *, forwarding: bool = False) ->
         if forwarding:  # /proc/sys/net is the opener's namespace: this one
             with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
                 f.write("1")
+        if enter is not None:
+            # Nothing in a VM's namespace speaks IPv6: no neighbour discovery or
+            # router advertisements for a guest to play with.
+            for conf in ("all", "default"):
+                with open(f"/proc/sys/net/ipv6/conf/{conf}/disable_ipv6", "w") as f:
+                    f.write("1")
 
     res = subprocess.run(
         ["nft", "-f", "-"],
@@ -137,11 +163,23 @@ def upstream_resolver(resolv_conf: Path = Path("/etc/resolv.conf")) -> str | Non
 
 
 def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
-    """The namespace's own rules: agent DNAT, masquerade, and the egress chain."""
+    """The namespace's own rules: agent DNAT, masquerade, and the egress chain.
+
+    Whatever the policy, the guest may use only its own address (no spoofing),
+    its ARP must claim that address (no neighbour-table flooding), nothing
+    conntrack calls invalid leaves, and new connections are rate-limited and
+    counted, so one guest cannot fill the host's conntrack table.
+    """
     allowed = egress.resolve() if egress.mode == "allow" else []
     dns = resolver if egress.mode != "none" else None
     lines = [
         "flush ruleset",
+        "table arp forkd {",
+        "  chain input {",
+        "    type filter hook input priority filter; policy accept;",
+        f'    iifname "{NS_TAP}" arp saddr ip != {GUEST_IP} drop',
+        "  }",
+        "}",
         "table ip forkd {",
         "  chain prerouting {",
         "    type nat hook prerouting priority dstnat; policy accept;",
@@ -165,7 +203,12 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
         "  }",
         "  chain forward {",
         "    type filter hook forward priority filter; policy drop;",
+        "    ct state invalid drop",
         "    ct state established,related accept",
+        f'    iifname "{NS_TAP}" ip saddr != {GUEST_IP} drop',
+        f'    iifname "{NS_TAP}" ct state new limit rate over {NEW_CONN_RATE}/second '
+        f"burst {NEW_CONN_BURST} packets drop",
+        f'    iifname "{NS_TAP}" ct state new ct count over {MAX_GUEST_CONNS} drop',
         f'    iifname "{NS_VETH}" oifname "{NS_TAP}" ip daddr {GUEST_IP} '
         f"tcp dport {AGENT_PORT} accept",
         f'    iifname "{NS_TAP}" oifname "{NS_VETH}" jump egress',
@@ -174,6 +217,8 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
     ]
     if dns:
         lines.append(f"    ip daddr {dns} meta l4proto {{ udp, tcp }} th dport 53 accept")
+    # Link-local (metadata), loopback and multicast stay shut whatever is allowed.
+    lines.append(f"    ip daddr {{ {', '.join(ALWAYS_BLOCKED)} }} drop")
     if allowed:
         lines.append(f"    ip daddr {{ {', '.join(str(n) for n in allowed)} }} accept")
     if egress.mode == "internet":
@@ -183,8 +228,9 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def host_ruleset(cidr: str) -> str:
-    """The host's ``forkd`` table: sandboxes reach neither the host nor each other."""
+def host_ruleset(cidr: str, daemon_uid: int = 0) -> str:
+    """The host's ``forkd`` table: sandboxes reach neither the host nor each other,
+    and of the host's users only the daemon's reaches them (their agents run code)."""
     sb = f'"{HOST_IF_PREFIX}*"'
     return f"""add table ip {HOST_TABLE}
 delete table ip {HOST_TABLE}
@@ -196,9 +242,15 @@ table ip {HOST_TABLE} {{
   }}
   chain forward {{
     type filter hook forward priority filter - 10; policy accept;
+    iifname {sb} ct state invalid drop
+    iifname {sb} ip saddr != {cidr} drop
     iifname {sb} oifname {sb} drop
     oifname {sb} ct state established,related accept
     oifname {sb} drop
+  }}
+  chain output {{
+    type filter hook output priority filter - 10; policy accept;
+    oifname {sb} meta skuid != {daemon_uid} drop
   }}
   chain postrouting {{
     type nat hook postrouting priority srcnat; policy accept;
@@ -220,7 +272,7 @@ class HostNetwork:
             raise VMError(f"--sandbox-cidr {cidr} is too small: it needs room for /30s")
         self.mode, self.reason = self._choose(mode)
         self._lock = threading.Lock()
-        self._host_ready = False
+        self._host_loaded_at: float | None = None
         self.resolver = upstream_resolver()
 
     @staticmethod
@@ -239,11 +291,16 @@ class HostNetwork:
         return self.mode == "netns"
 
     def prepare_host(self) -> None:
-        """Load the host's ``forkd`` table and let it forward sandbox traffic."""
-        if self._host_ready:
+        """Load the host's ``forkd`` table and let it forward sandbox traffic.
+
+        Loaded again every few seconds (at the next VM start): a host firewall
+        reload (``nft flush ruleset``) must not leave the sandboxes unfenced.
+        """
+        now = time.monotonic()
+        if self._host_loaded_at is not None and now - self._host_loaded_at < HOST_RELOAD_SECS:
             return
-        _nft(host_ruleset(str(self.cidr)), forwarding=True)
-        self._host_ready = True
+        _nft(host_ruleset(str(self.cidr), os.geteuid()), forwarding=True)
+        self._host_loaded_at = now
 
     # ------------------------------------------------------------ per VM
 
@@ -252,8 +309,10 @@ class HostNetwork:
         from pyroute2 import IPRoute, NetNS, netns
 
         self.prepare_host()
+        rules = namespace_ruleset(egress, self.resolver)  # hostnames resolved: no lock held
         name = NETNS_PREFIX + vm_id
-        with self._lock:
+        # One allocation at a time on this host, whichever daemon or thread asks.
+        with self._lock, _host_lock():
             index = self._free_index()
             host_ip = str(self.cidr.network_address + 4 * index + 1)
             ns_ip = str(self.cidr.network_address + 4 * index + 2)
@@ -262,6 +321,10 @@ class HostNetwork:
                 if (NETNS_DIR / name).exists():
                     netns.remove(name)  # a leftover of a crash: this id is ours
                 netns.create(name)
+            except BaseException:
+                destroy(SandboxNet(name, "", "", ""))
+                raise
+            try:
                 with IPRoute() as ipr:
                     ipr.link("add", ifname=net.host_if, kind="veth",
                              peer={"ifname": NS_VETH, "net_ns_fd": name})  # fmt: skip
@@ -270,9 +333,11 @@ class HostNetwork:
                     ipr.link("set", index=idx, state="up")
                 with NetNS(name) as ns:
                     self._inside(ns, net)
-                _nft(namespace_ruleset(egress, self.resolver), name, forwarding=True)
+                _nft(rules, name, forwarding=True)
             except BaseException:
-                destroy(net)
+                # The veth is ours only if it landed in our namespace: removing
+                # the namespace removes it; a name clash never deletes another's.
+                destroy(SandboxNet(name, "", "", ""))
                 raise
         return net
 
