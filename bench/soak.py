@@ -5,26 +5,13 @@ Run from the repository root::
     python bench/soak.py                                       # 1000 forks, 100 branches, 500 execs
     python bench/soak.py --forks 150 --branches 20 --execs 80  # a shorter run
 
-It starts its own ``forkd serve`` (a temporary state dir; the daemon's own
-caps, on two cores at most 16 sandboxes) and ``--burners`` CPU-burning
-processes that run until the end. Then:
-
-1. it builds 3 templates of the ``python`` image, 256 MiB each, with different
-   warm-ups; the third attaches a volume, so forks and branches make layers;
-2. it runs the forks (in batches of 1-10, from a template or a recent branch),
-   the branches (of random running children) and the execs (each checks that
-   the child came from the right template), shuffled with ``--seed`` and run
-   by ``--workers`` clients at once. Children are killed as it goes, so at
-   most ``--max-running`` run at once, and branch snapshots past the newest
-   few are deleted;
-3. it deletes every sandbox, snapshot and the volume through the API, stops
-   the daemon, and counts what is left of it (``bench/leaks.py``): QEMU
-   processes, namespaces, host veths, cgroups, run dir entries, staging dirs,
-   snapshot dirs, volume layers.
-
-Every failure is printed with its error. Failures and leaks must be 0; the
-exit status is 1 otherwise (the daemon's log is then kept, its path in the
-JSON). The last line of stdout is one JSON object with every figure.
+It starts its own ``forkd serve`` (a temporary state dir, the daemon's default
+caps) and ``--burners`` CPU-burning processes, builds 3 templates, runs the
+forks (batches of 1-10), branches and execs shuffled by ``--seed``, killing
+children as it goes, then deletes everything through the API, stops the
+daemon and counts what is left of it (``bench/leaks.py``). bench/README.md
+says what each figure is. Failures and leaks must be 0: the exit status is 1
+otherwise. The last line of stdout is one JSON object with every figure.
 """
 
 from __future__ import annotations
@@ -125,9 +112,6 @@ class Population:
         with self.cond:
             self.slots -= n
             self.cond.notify_all()
-
-    def gone(self, child: Child) -> None:
-        self.release(1)
 
     def checkout(self, rng: random.Random, wait: float = 30.0) -> Child | None:
         """An idle child, or None when none runs (or none came back within ``wait``)."""
@@ -240,7 +224,7 @@ class Soak(benchlib.BenchBase):
             return
         self.record("kill_wall_ms", (time.monotonic() - t0) * 1000)
         self.bump("kills")
-        self.pop.gone(child)
+        self.pop.release(1)
 
     def fork(self, ctl: Controller, n: int, rng: random.Random, *, refill: bool = False) -> None:
         while victims := self.pop.reserve(n, rng):
