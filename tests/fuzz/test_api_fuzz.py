@@ -73,18 +73,6 @@ SPARES_KEPT = 3  # fuzzed forks beyond this are deleted again, so forks keep bei
 _SPEC = json.loads(CONTRACT.read_text())
 
 
-def _phase(name: str) -> schemathesis.Config:
-    """schemathesis's settings with only phase ``name`` on."""
-    phases = {p: {"enabled": p == name} for p in ("examples", "coverage", "fuzzing", "stateful")}
-    return schemathesis.Config.from_dict({"phases": phases})
-
-
-# Random requests, valid and not, some pointed at things that exist (_steer).
-schema = schemathesis.openapi.from_dict(_SPEC, config=_phase("fuzzing"))
-# Each parameter's boundary and just-past-boundary values, one request each, as generated.
-boundaries = schemathesis.openapi.from_dict(_SPEC, config=_phase("coverage"))
-
-
 # The daemon parses JSON bodies in pydantic's lax mode: it takes `true` or "2"
 # where the contract says number or integer
 # (test_a_boolean_where_a_number_is_documented_is_refused). Until that is
@@ -100,8 +88,20 @@ def filter_failure(ctx: Any, failure: Any, case: Any, response: Any) -> bool:
     return not (LAX_BODY_TYPES_BUG_OPEN and lax)
 
 
-for _s in (schema, boundaries):
-    _s.hook(filter_failure)
+def fuzz_schema(phase: str, mode: str = "all") -> Any:
+    """The contract for schemathesis, with only ``phase`` of its phases on, generating
+    requests that are valid (``mode`` "positive"), invalid ("negative") or both."""
+    phases = {p: {"enabled": p == phase} for p in ("examples", "coverage", "fuzzing", "stateful")}
+    config = schemathesis.Config.from_dict({"phases": phases, "generation": {"mode": mode}})
+    loaded = schemathesis.openapi.from_dict(_SPEC, config=config)
+    loaded.hook(filter_failure)
+    return loaded
+
+
+# Random requests, valid and not, most pointed at things that exist (steer).
+schema = fuzz_schema("fuzzing")
+# Each parameter's boundary and just-past-boundary values, one request each, as generated.
+boundaries = fuzz_schema("coverage")
 
 
 # ------------------------------------------------------------------ volume archives
@@ -203,7 +203,7 @@ KNOWN = Known()
 EGRESS = (None, "none", "internet", {"allow": ["10.1.0.0/16", "192.0.2.7"]})
 
 
-def _steer(case: Any, data: st.DataObject) -> None:
+def steer(case: Any, data: st.DataObject, known: Known) -> None:
     """Most of the time, point a valid part of ``case`` at something that exists.
 
     A snapshot, sandbox or volume that exists; a guest path that exists; a
@@ -227,9 +227,9 @@ def _steer(case: Any, data: st.DataObject) -> None:
         (name,) = params
         # Drawn whatever exists now: the same draws each time, as Hypothesis requires.
         pick = data.draw(st.integers(0, 63), label=name)
-        known = KNOWN.for_param(method, name)
-        if known:
-            case.path_parameters = {name: known[pick % len(known)]}
+        names = known.for_param(method, name)
+        if names:
+            case.path_parameters = {name: names[pick % len(names)]}
     query = case.query
     if isinstance(query, dict) and valid(ParameterLocation.QUERY):
         if op.path == "/v1/volumes" and method == "POST":
@@ -240,18 +240,18 @@ def _steer(case: Any, data: st.DataObject) -> None:
                 size = data.draw(st.sampled_from(["16M", "20m", "16777216"]), label="size")
                 case.query = {**query, "size": size}
         elif "path" in query and steer(ParameterLocation.QUERY):
-            case.query = {**query, "path": data.draw(st.sampled_from(KNOWN.guest_paths))}
+            case.query = {**query, "path": data.draw(st.sampled_from(known.guest_paths))}
     body = case.body
     if isinstance(body, dict) and method == "POST" and steer(ParameterLocation.BODY):
         if op.path == "/v1/sandboxes":
             n = data.draw(st.integers(1, 2), label="n")
             egress = data.draw(st.sampled_from(EGRESS), label="egress")
             plain = {k: v for k, v in body.items() if k not in ("egress", "internet")}
-            case.body = {**plain, "snapshot_tag": KNOWN.base, "n": n, "egress": egress}
+            case.body = {**plain, "snapshot_tag": known.base, "n": n, "egress": egress}
         elif op.path == "/v1/snapshots":
             plain = {k: v for k, v in body.items() if k not in ("kernel", "rootfs", "image")}
             if data.draw(st.booleans(), label="with a volume"):
-                plain["volumes"] = [{"name": KNOWN.volume, "path": "/data"}]
+                plain["volumes"] = [{"name": known.volume, "path": "/data"}]
             case.body = plain
 
 
@@ -366,9 +366,10 @@ def check_error_body(response: Any) -> None:
     assert isinstance(body["error"], str) and body["error"], body
 
 
-def call_and_check(case: Any, url: str) -> Any:
-    """Send ``case`` with the token; fail on a 5xx, an undocumented answer or a bad error body."""
-    response = case.call_and_validate(base_url=url, headers=AUTH, checks=CHECKS)
+def call_and_check(case: Any, url: str, token: str = TOKEN) -> Any:
+    """Send ``case`` with ``token``; fail on a 5xx, an undocumented answer or a bad error body."""
+    auth = {"Authorization": f"Bearer {token}"}
+    response = case.call_and_validate(base_url=url, headers=auth, checks=CHECKS)
     check_error_body(response)
     assert response.status_code != 401, "the token was refused"
     return response
@@ -392,7 +393,7 @@ def call_and_check(case: Any, url: str) -> Any:
 def test_every_route_answers_as_documented_without_a_server_error(
     case: Any, data: st.DataObject, fuzzed: FuzzedDaemon
 ) -> None:
-    _steer(case, data)
+    steer(case, data, KNOWN)
     _record(fuzzed, case)
 
 
