@@ -188,16 +188,21 @@ class Hierarchy:
         left. A VM that still runs keeps its group: the kernel refuses to
         remove a group with a process in it.
         """
-        names = {
+        return [
+            n
+            for n in self.names(prefixes)
+            if remove(Group(self.version, self._dirs_of(n)), 0, quiet=True)
+        ]
+
+    def names(self, prefixes: tuple[str, ...]) -> list[str]:
+        """The groups whose names start with one of ``prefixes``."""
+        return sorted({
             d.name
             for parent in self.parent_dirs()
             if parent.is_dir()
             for d in parent.iterdir()
             if d.is_dir() and d.name.startswith(prefixes)
-        }
-        return sorted(
-            n for n in names if remove(Group(self.version, self._dirs_of(n)), 0, quiet=True)
-        )
+        })  # fmt: skip
 
     def _dirs_of(self, name: str) -> tuple[Path, ...]:
         return tuple(p / name for p in self.parent_dirs() if (p / name).is_dir())

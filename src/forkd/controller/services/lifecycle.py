@@ -26,6 +26,8 @@ from forkd.vmm import network, processes, snapshot_files
 
 log = logging.getLogger(__name__)
 
+STRAY_EXIT_SECS = 3.0  # for killed stray QEMUs to leave their cgroups
+
 REAP_INTERVAL_SECS = 1.0
 # One sandbox's check, killing it included (a kill is itself bounded: SIGKILL,
 # limits.KILL_WAIT_SECS, channels closed without a flush); the next pass retries.
@@ -50,6 +52,7 @@ class Lifecycle:
         await self.adopt_sandboxes()
         self.kill_strays()
         await asyncio.to_thread(self.remove_stray_networks)
+        await self.remove_stray_cgroups()
         self._reaper = asyncio.create_task(self._reap_loop(), name="forkd-reaper")
 
     async def stop(self) -> None:
@@ -139,6 +142,22 @@ class Lifecycle:
         for d in fleet.settings.run_dir.iterdir():
             if d.is_dir() and d.name.startswith(mine) and str(d) not in ours | registered:
                 shutil.rmtree(d, ignore_errors=True)
+
+    async def remove_stray_cgroups(self, wait_secs: float = STRAY_EXIT_SECS) -> None:
+        """Groups of this daemon's VMs that no process uses: those of the strays and
+        unadoptable sandboxes just killed, once their QEMUs have left them."""
+        fleet = self.fleet
+        prefixes = vm_id_prefixes(fleet.store.id_prefix)
+        live = {vm.rt.dir.name for vm in fleet.vms.values()}
+        deadline = time.monotonic() + wait_secs
+        while True:
+            for name in await asyncio.to_thread(fleet.cgroups.remove_unused, prefixes):
+                log.info("removed the cgroup of %s, whose QEMU is gone", name)
+            left = [n for n in await asyncio.to_thread(fleet.cgroups.names, prefixes)
+                    if n not in live]  # fmt: skip
+            if not left or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
 
     def remove_stray_networks(self) -> None:
         """Network namespaces of this daemon's VMs that no live VM uses (a crash's)."""
