@@ -75,7 +75,7 @@ KNOWN = Known(base="fz", guest_paths=("/work/a.txt", "/work/d", "/tmp/fz", "/non
 # (test_writing_a_file_over_the_root_directory_is_refused). Until that is
 # fixed, the file routes get another path for those.
 GUEST_OSERROR_BUG_OPEN = True
-MOUNT_POINTS = ("/", "/proc", "/sys", "/dev", "/dev/pts", "/dev/shm", "/run")
+MOUNT_POINTS = ("/", "//", "/proc", "/sys", "/dev", "/dev/pts", "/dev/shm", "/run")  # normalised
 
 
 # ------------------------------------------------------------------ the daemon's things
@@ -139,10 +139,7 @@ def bound(case: Any) -> None:
     query = case.query
     if GUEST_OSERROR_BUG_OPEN and op.path.endswith("/files") and isinstance(query, dict):
         path = query.get("path")
-        if isinstance(path, str) and os.path.normpath(path or ".").rstrip("/") in (
-            "",
-            *MOUNT_POINTS,
-        ):
+        if isinstance(path, str) and path and os.path.normpath(path) in MOUNT_POINTS:
             case.query = {**query, "path": "/tmp/fz"}
     if not isinstance(body, dict):
         return
