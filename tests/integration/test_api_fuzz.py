@@ -74,7 +74,7 @@ KNOWN = Known(base="fz", guest_paths=("/work/a.txt", "/work/d", "/tmp/fz", "/non
 # (EBUSY, EROFS) is not mapped to a refusal
 # (test_writing_a_file_over_the_root_directory_is_refused). Until that is
 # fixed, the file routes get another path for those.
-GUEST_OSERROR_BUG_OPEN = True
+GUEST_OSERROR_BUG_OPEN = False
 MOUNT_POINTS = ("/", "//", "/proc", "/sys", "/dev", "/dev/pts", "/dev/shm", "/run")  # normalised
 
 
@@ -254,12 +254,6 @@ def test_template_builds_answer_the_fuzz_without_a_server_error(
     _send(real, case)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: PUT .../files?path=/ answers 502: the agent's atomic write renames its temp "
-    "file onto '/' (EBUSY, an OSError of no finer class), and services/sandboxes.py "
-    "_GUEST_REFUSALS maps no plain OSError to a refusal; then set GUEST_OSERROR_BUG_OPEN = False",
-)
 def test_writing_a_file_over_the_root_directory_is_refused(real: RealDaemon) -> None:
     sandbox = f"/v1/sandboxes/{KNOWN.sandbox}"
     r = real.client.put(f"{sandbox}/files", params={"path": "/"}, content=b"x")

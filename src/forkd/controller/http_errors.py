@@ -48,11 +48,14 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     for status, description in (
         (400, "bad request: body, name, size or path"),
         (401, "missing or wrong bearer token"),
+        (403, "the guest refused for lack of permission"),
         (404, "unknown snapshot, sandbox, volume or guest path"),
         (409, "conflicts with the current state"),
         (413, "request body over the limit"),
         (429, "over a capacity cap (sandboxes, guest memory, children per request)"),
         (500, "the operation failed; the message says what was left behind"),
+        (502, "the guest agent did not answer, or failed unexpectedly"),
+        (503, "busy (retry shortly), or this host lacks what the request needs"),
     )
 }
 

@@ -196,7 +196,10 @@ def _extract(content: Path | bytes, tree: Path, size: int) -> None:
         try:
             with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:
                 tar.extractall(tree, members=_members(tar, size), filter="data")
-        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, RecursionError) as exc:
+        # KeyError: tarfile's answer to a hard link to a member the archive lacks.
+        except (
+            tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, RecursionError, KeyError
+        ) as exc:  # fmt: skip
             raise VolumeInvalid(f"the upload is not a usable tar archive: {exc}") from exc
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):

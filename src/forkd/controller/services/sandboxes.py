@@ -51,6 +51,8 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
     "FileExistsError": Conflict,
     "ValueError": Invalid,
     "PermissionError": Forbidden,
+    # Any other refusal of the guest's filesystem (busy, read-only, full): its state.
+    "OSError": Conflict,
 }
 
 
