@@ -48,9 +48,10 @@ from schemathesis.specs.openapi.checks import (
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
+from forkd.launcher import free_port
 from forkd.vmm import network, snapshot_files
 from forkd.vmm.volumes import parse_size
-from tests.unit.conftest import TOKEN, _free_port, serving
+from tests.unit.conftest import TOKEN, serving
 from tests.unit.fakes import FakeDriver, FakeVM, make_image
 
 CONTRACT = Path(__file__).resolve().parents[2] / "docs" / "openapi.json"
@@ -324,7 +325,7 @@ def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FuzzedDaemon]:
         )  # fmt: skip
         driver = FakeDriver()
         app = create_app(cfg, TOKEN, driver=driver)
-        port = _free_port()
+        port = free_port()
         server = serving(app, host="127.0.0.1", port=port)
         server.__enter__()
         stopped = False
@@ -502,7 +503,7 @@ def _served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> Itera
     state = tmp_path / "state"
     cfg = Settings(state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run",
                    pool_size=0, **kw)  # fmt: skip
-    port, driver = _free_port(), FakeDriver()
+    port, driver = free_port(), FakeDriver()
     with serving(create_app(cfg, TOKEN, driver=driver), host="127.0.0.1", port=port):
         url = f"http://127.0.0.1:{port}"
         with httpx.Client(base_url=url, headers=AUTH, timeout=30) as c:

@@ -9,7 +9,6 @@ each request, for tests of what a client sent.
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,8 +23,10 @@ import uvicorn
 from fastapi.testclient import TestClient
 from starlette.types import ASGIApp
 
+from forkd.client import Controller
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
+from forkd.launcher import free_port
 from tests.unit.fakes import FakeDriver, make_image
 
 TOKEN = "unit-test-token"
@@ -64,12 +65,6 @@ class Server:
     driver: FakeDriver
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def serving(app: ASGIApp, **config: Any) -> Iterator[None]:
     """``app`` under a real uvicorn in a thread of this process, for the block.
@@ -94,7 +89,7 @@ def serving(app: ASGIApp, **config: Any) -> Iterator[None]:
 @pytest.fixture
 def server(settings: Settings, driver: FakeDriver, tmp_path: Path) -> Iterator[Server]:
     """The app under a real uvicorn on 127.0.0.1, in a thread of this process."""
-    port = _free_port()
+    port = free_port()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     with serving(create_app(settings, TOKEN, driver=driver), host="127.0.0.1", port=port):
@@ -129,3 +124,19 @@ class RecordingTransport(httpx.HTTPTransport):
 def sent() -> RecordingTransport:
     """A transport for an SDK client: the requests it sent, the real app's answers."""
     return RecordingTransport()
+
+
+# ``py`` and ``sid`` use the ``ctl`` (an SDK Controller) of the module that asks.
+
+
+@pytest.fixture
+def py(ctl: Controller) -> str:
+    """A template ``py`` on the daemon."""
+    ctl.create_snapshot("py", memory_mib=128)
+    return "py"
+
+
+@pytest.fixture
+def sid(ctl: Controller, py: str) -> str:
+    """A running sandbox forked from ``py``."""
+    return str(ctl.spawn_sandboxes(py)[0]["id"])

@@ -21,8 +21,9 @@ from fastapi.testclient import TestClient
 from forkd import limits
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
+from forkd.launcher import free_port
 from forkd.vmm import cgroups
-from tests.unit.conftest import TOKEN, _free_port, serving
+from tests.unit.conftest import TOKEN, serving
 from tests.unit.fakes import FakeCgroupFS, FakeDriver
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -158,7 +159,7 @@ def capped_server(settings: Settings, driver: FakeDriver) -> Iterator[str]:
     """The capped app under a real uvicorn, so requests really run side by side."""
     settings.max_sandboxes = 3
     settings.max_guest_memory_mib = 600
-    port = _free_port()
+    port = free_port()
     with serving(create_app(settings, TOKEN, driver=driver), host="127.0.0.1", port=port):
         yield f"http://127.0.0.1:{port}"
 

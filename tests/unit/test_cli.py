@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typer.testing import CliRunner
 from forkd import cli
 from forkd.cli import render
 from forkd.client import Controller
+from forkd.launcher import free_port
 from tests.unit.conftest import RecordingTransport, Server
 
 runner = CliRunner()
@@ -67,25 +67,6 @@ def ctl(server: Server) -> Iterator[Controller]:
     """The SDK, to set the daemon up and look at it."""
     with Controller(server.url, token=server.token) as c:
         yield c
-
-
-@pytest.fixture
-def py(ctl: Controller) -> str:
-    """A template ``py`` on the daemon."""
-    ctl.create_snapshot("py", memory_mib=128)
-    return "py"
-
-
-@pytest.fixture
-def sid(ctl: Controller, py: str) -> str:
-    """A running sandbox forked from ``py``."""
-    return str(ctl.spawn_sandboxes(py)[0]["id"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # -- exec and eval ----------------------------------------------------------------

@@ -18,8 +18,9 @@ import pytest
 from starlette.types import Receive, Scope, Send
 
 from forkd.controller.middleware import GuardMiddleware
+from forkd.launcher import free_port
 from forkd.limits import FILE_BODY_LIMIT, JSON_BODY_LIMIT
-from tests.unit.conftest import _free_port, serving
+from tests.unit.conftest import serving
 
 TOKEN = "t0ken"
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
@@ -54,7 +55,7 @@ class Counter:
 @pytest.fixture
 def guarded() -> Iterator[tuple[int, Counter]]:
     counter = Counter()
-    port = _free_port()
+    port = free_port()
     with serving(GuardMiddleware(counter, TOKEN), host="127.0.0.1", port=port):
         yield port, counter
 

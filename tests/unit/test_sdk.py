@@ -8,7 +8,6 @@ Parsing and addressing that need no daemon are tested on their own.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from forkd.client import (
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
 from forkd.guest.image import find_image
+from forkd.launcher import free_port
 from tests.unit.conftest import TOKEN, RecordingTransport, Server, serving
 from tests.unit.fakes import FakeDriver, FakeVM
 
@@ -47,25 +47,6 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 def ctl(server: Server, sent: RecordingTransport) -> Iterator[Controller]:
     with Controller(server.url, token=server.token, transport=sent) as c:
         yield c
-
-
-@pytest.fixture
-def py(ctl: Controller) -> str:
-    """A template ``py`` on the daemon."""
-    ctl.create_snapshot("py", memory_mib=128)
-    return "py"
-
-
-@pytest.fixture
-def sid(ctl: Controller, py: str) -> str:
-    """A running sandbox forked from ``py``."""
-    return str(ctl.spawn_sandboxes(py)[0]["id"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def vm_of(server: Server, sandbox_id: str) -> FakeVM:
