@@ -318,13 +318,8 @@ class HostNetwork:
             ns_ip = str(self.cidr.network_address + 4 * index + 2)
             net = SandboxNet(name, f"{HOST_IF_PREFIX}{index}", host_ip, ns_ip)
             try:
-                if (NETNS_DIR / name).exists():
-                    netns.remove(name)  # a leftover of a crash: this id is ours
+                remove_namespace(name)  # a leftover of a crash: this id is ours
                 netns.create(name)
-            except BaseException:
-                destroy(SandboxNet(name, "", "", ""))
-                raise
-            try:
                 with IPRoute() as ipr:
                     ipr.link("add", ifname=net.host_if, kind="veth",
                              peer={"ifname": NS_VETH, "net_ns_fd": name})  # fmt: skip
@@ -337,7 +332,7 @@ class HostNetwork:
             except BaseException:
                 # The veth is ours only if it landed in our namespace: removing
                 # the namespace removes it; a name clash never deletes another's.
-                destroy(SandboxNet(name, "", "", ""))
+                remove_namespace(name)
                 raise
         return net
 
@@ -352,10 +347,6 @@ class HostNetwork:
         ns.addr("add", index=tap, address=GATEWAY_IP, prefixlen=24)
         ns.link("set", index=tap, state="up")
         ns.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
-
-    def set_egress(self, net: SandboxNet, egress: Egress) -> None:
-        """Replace the namespace's rules (before the guest runs, for a fork)."""
-        _nft(namespace_ruleset(egress, self.resolver), net.netns, forwarding=True)
 
     def _free_index(self) -> int:
         from pyroute2 import IPRoute
@@ -385,22 +376,24 @@ def remove_unused(vm_id_prefixes: tuple[str, ...], live: set[str]) -> list[str]:
     removed = []
     for name in HostNetwork.namespaces():
         if name[len(NETNS_PREFIX) :].startswith(vm_id_prefixes) and name not in live:
-            destroy(SandboxNet(name, "", "", ""))
+            remove_namespace(name)
             removed.append(name)
     return removed
 
 
 def destroy(net: SandboxNet) -> None:
-    """Remove a VM's namespace and its veth pair; what is already gone is skipped."""
-    from pyroute2 import IPRoute, netns
+    """Remove a VM's namespace, and with it its veth pair (both ends go together)."""
+    remove_namespace(net.netns)
 
-    if net.host_if:
-        with IPRoute() as ipr, contextlib.suppress(Exception):
-            for idx in ipr.link_lookup(ifname=net.host_if):
-                ipr.link("del", index=idx)
-    if (NETNS_DIR / net.netns).exists():
+
+def remove_namespace(name: str) -> None:
+    """Remove namespace ``name``; one already gone is skipped. Links are never deleted
+    by name: a host-side name may since belong to another VM."""
+    from pyroute2 import netns
+
+    if (NETNS_DIR / name).exists():
         with contextlib.suppress(OSError):
-            netns.remove(net.netns)
+            netns.remove(name)
 
 
 def netns_problems() -> list[str]:
