@@ -50,14 +50,13 @@ def vm_id_prefixes(id_prefix: str) -> tuple[str, ...]:
     return (f"sb-{id_prefix}-", f"tpl-{id_prefix}-")
 
 
-def _cgroup_hierarchy(settings: Settings, id_prefix: str) -> cgroups.Hierarchy:
+def _cgroup_hierarchy(settings: Settings) -> cgroups.Hierarchy:
+    """Where VMs' groups go. The groups of VMs that died while no daemon watched are
+    removed by :meth:`Lifecycle.remove_stray_cgroups`, once the strays are killed."""
     if settings.cgroup_parent is None:
         return cgroups.NoCgroups("turned off (--cgroup-parent none)")
     found = cgroups.detect(settings.cgroup_root, settings.cgroup_parent)
     (log.info if found.limits_memory else log.warning)("VM cgroups: %s", found.describe())
-    # This daemon's VMs that died while it was not watching left their groups.
-    for name in found.remove_unused(vm_id_prefixes(id_prefix)):
-        log.info("removed the cgroup of %s, whose QEMU is gone", name)
     return found
 
 
@@ -97,7 +96,7 @@ class Fleet:
         # names yet: no layer collection while any is in progress.
         self.volume_ops = 0
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
-        self.cgroups = _cgroup_hierarchy(settings, store.id_prefix)
+        self.cgroups = _cgroup_hierarchy(settings)
         self._admitted: list[Admission] = []  # requests starting VMs right now
         self.pool = ForkPool(
             settings.run_dir,
