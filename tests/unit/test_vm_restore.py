@@ -1,4 +1,4 @@
-"""VM.restore of a damaged snapshot: refused naming the file, before any QEMU starts.
+"""VM.restore: a damaged snapshot is refused before any QEMU starts; the steps' order.
 
 The snapshot is a real directory written by the fake VM driver's snapshot
 writer; ``launch.prepare_runtime`` and ``launch.spawn`` are replaced, so a
@@ -16,7 +16,10 @@ import pytest
 
 from forkd.errors import SnapshotError
 from forkd.vmm import launch
+from forkd.vmm import vm as vm_module
+from forkd.vmm.agent_client import AgentClient
 from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.qmp_channel import QMPChannel
 from forkd.vmm.vm import VM
 from tests.unit.fakes import FakeVM, Guest, make_image
 
@@ -84,3 +87,81 @@ def test_a_damaged_snapshot_is_named_before_qemu_starts(
     assert str(snapshot) in str(info.value)
     assert started == []
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------ the order of a restore's steps
+
+
+class _Proc:
+    """A QEMU that never exits (nothing is started)."""
+
+    pid = os.getpid()
+    returncode = None
+
+    def poll(self) -> None:
+        return None
+
+
+class _RecordingQMP(QMPChannel):
+    """QMP that logs each command; QEMU accepts the agent socket on the second look."""
+
+    log: list[str]
+
+    async def connect(self, raise_if_dead: object, timeout: float = 0) -> None:
+        self.log.append("qmp connect")
+
+    def send_fd(self, fd: int) -> None:
+        pass
+
+    async def execute(self, cmd: str, args: dict | None = None, timeout: float = 0) -> object:
+        if cmd == "query-chardev":
+            looks = sum(entry.startswith("query-chardev") for entry in self.log)
+            state = "disconnected:" if looks == 0 else ""
+            self.log.append(f"query-chardev {'disconnected' if state else 'connected'}")
+            return [{"label": "agent", "filename": f"{state}unix:/x/agent.sock,server=on"}]
+        self.log.append(cmd)
+        return {
+            "query-status": {"status": "paused"},
+            "query-migrate": {"status": "completed"},
+        }.get(cmd, {})
+
+
+class _RecordingAgent(AgentClient):
+    log: list[str]
+
+    async def connect(self, timeout: float = 10.0) -> None:
+        self.log.append("agent connect")
+
+    async def call(self, op: str, params: object = None, wait: float = 0) -> dict:
+        self.log.append(f"agent {op}")
+        return {"rng_reseeded": True, "random_reseeded": True}
+
+
+def test_qemu_has_accepted_the_agent_connection_before_the_guest_runs(
+    snapshot: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The restore hang (docs/RUNBOOK.md): a guest that runs before QEMU accepted
+    the agent connection is told the host left, and loses the 'restore' request."""
+    log: list[str] = []
+    monkeypatch.setattr(_RecordingQMP, "log", log, raising=False)
+    monkeypatch.setattr(_RecordingAgent, "log", log, raising=False)
+    monkeypatch.setattr(vm_module, "QMPChannel", _RecordingQMP)
+    monkeypatch.setattr(vm_module, "AgentClient", _RecordingAgent)
+
+    async def start_qemu(*args: object) -> tuple[None, _Proc, None]:
+        return None, _Proc(), None
+
+    monkeypatch.setattr(launch, "start_qemu", start_qemu)
+    asyncio.run(VM.restore(snapshot, run_root=tmp_path / "run", vm_id="child"))
+    assert log == [
+        "qmp connect",
+        "agent connect",  # queued before the state is loaded...
+        "getfd",
+        "migrate-incoming",
+        "query-status",
+        "query-migrate",
+        "query-chardev disconnected",
+        "query-chardev connected",  # ...and accepted by QEMU
+        "cont",  # before the guest runs
+        "agent restore",
+    ]

@@ -17,6 +17,7 @@ QEMU_BINARY = "qemu-system-x86_64"
 KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux"
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
 CONSOLE_RING_BYTES = 1 << 20
+AGENT_CHARDEV = "agent"  # the socket chardev behind the agent's virtio-serial port
 TCG_CPU = "max"  # every feature TCG emulates (x86-64-v3 level on QEMU 7.2)
 # QEMU's seccomp filter: no obsolete system calls, no setuid/setgid, no
 # fork/exec, no scheduler or affinity changes. Nothing forkd asks of QEMU
@@ -173,8 +174,8 @@ def build_argv(
         "-drive", f"file={_opt(cfg.rootfs)},format=raw,if=none,id=root,readonly=on",
         "-device", "virtio-blk-device,drive=root,serial=forkd-root",
         "-device", "virtio-serial-device",
-        "-chardev", f"socket,id=agent,path={_opt(rt.agent)},server=on,wait=off",
-        "-device", "virtserialport,chardev=agent,name=agent",
+        "-chardev", f"socket,id={AGENT_CHARDEV},path={_opt(rt.agent)},server=on,wait=off",
+        "-device", f"virtserialport,chardev={AGENT_CHARDEV},name=agent",
         "-object", "rng-random,id=rng,filename=/dev/urandom",
         "-device", "virtio-rng-device,rng=rng",
         "-netdev", _netdev(cfg, tap),

@@ -60,6 +60,30 @@ class QMPChannel:
         except (QMPError, OSError) as exc:  # a refusal, or the connection went (QEMU died)
             raise VMError(f"QMP {cmd!r} to {self.vm_id} failed: {exc}") from exc
 
+    async def wait_accepted(self, chardev: str, timeout: float) -> None:
+        """Until QEMU has accepted a client on its server socket chardev ``chardev``.
+
+        A client's ``connect()`` returns as soon as the kernel queues it; QEMU
+        accepts it later, in its main loop, and until then reports the chardev
+        as ``disconnected:...``. :meth:`forkd.vmm.vm.VM.finish_restore` says why
+        the difference matters.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            chardevs = await self.execute("query-chardev")
+            assert isinstance(chardevs, list)
+            found = [c for c in chardevs if c.get("label") == chardev]
+            if not found:
+                raise VMError(f"QEMU of {self.vm_id} has no chardev {chardev!r}")
+            if not str(found[0].get("filename", "")).startswith("disconnected:"):
+                return
+            if time.monotonic() > deadline:
+                raise VMError(
+                    f"QEMU of {self.vm_id} did not accept the connection to its "
+                    f"{chardev!r} socket within {timeout:g} s"
+                )
+            await asyncio.sleep(POLL_SECS)
+
     def send_fd(self, fd: int) -> None:
         """Pass a file descriptor to QEMU (named by a following ``getfd``)."""
         self.client.send_fd_scm(fd)

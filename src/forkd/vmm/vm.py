@@ -54,7 +54,7 @@ from forkd.vmm.agent_client import AgentClient
 from forkd.vmm.agent_ops import GuestOps
 from forkd.vmm.launch import tail
 from forkd.vmm.processes import qemu_pid_matches
-from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths, kernel_cmdline
+from forkd.vmm.qemu_argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
 from forkd.vmm.qmp_channel import CONNECT_TIMEOUT_SECS, QMPChannel
 from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotLabels
 from forkd.vmm.snapshot_writer import SnapshotWriter
@@ -251,6 +251,8 @@ class VM(GuestOps):
         vm._incoming = snap
         try:
             await vm._connect_qmp()
+            # Connected before the state is loaded: see finish_restore.
+            await vm.agent.connect()
         except BaseException:
             await vm.kill()
             raise
@@ -266,6 +268,15 @@ class VM(GuestOps):
         """Load the snapshot's state into a VM from :meth:`spawn_incoming` and run it.
 
         ``ready_ms`` counts from ``started`` (default: now) to the agent's answer.
+
+        QEMU must have *accepted* the agent connection before ``cont``. The
+        snapshot says a host was connected to the agent's port; at ``cont``
+        QEMU compares that with whether one is connected now and, if not,
+        tells the guest the host went away. The guest agent then reads EOF and
+        closes the port, and the kernel drops whatever arrived in between:
+        the ``restore`` request, when QEMU accepted the connection a moment
+        later. The fork then hung until its timeout with the guest idle
+        (docs/RUNBOOK.md, "A fork times out with 'agent did not answer'").
         """
         snap = self._incoming
         if snap is None or self.state != "incoming":
@@ -274,7 +285,7 @@ class VM(GuestOps):
         try:
             self._raise_if_dead("QEMU waiting for the snapshot's state exited")
             await self.qmp.load_vmstate(snap.vmstate, timeout, self.rt.qemu_log)
-            await self.agent.connect()
+            await self.qmp.wait_accepted(AGENT_CHARDEV, timeout)
             await self.qmp.execute("cont")
             self.state = "running"
             await self._after_restore(hostname or self.id, timeout, snap)
