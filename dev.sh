@@ -54,6 +54,12 @@ install_python() {
     fi
 }
 
+ensure_qemu_user() {
+    # QEMU drops to this user once it has opened its files (forkd.vmm.qemu_user).
+    getent passwd forkd-qemu >/dev/null || as_root useradd --system --user-group \
+        --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin forkd-qemu
+}
+
 build_image() {
     log "guest image (cached after the first build)"
     "$VENV/bin/forkd" image build python
@@ -62,12 +68,12 @@ build_image() {
 cmd=${1:-}
 case "$cmd" in
     demo)
-        install_apt; install_python; build_image
+        install_apt; ensure_qemu_user; install_python; build_image
         shift
         exec "$VENV/bin/python" -m forkd.demo "$@"
         ;;
     test)
-        install_apt; install_python; build_image
+        install_apt; ensure_qemu_user; install_python; build_image
         shift
         log "ruff"
         "$VENV/bin/ruff" check src tests bench

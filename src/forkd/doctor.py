@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -65,6 +66,19 @@ def _seccomp() -> Check:
         "qemu sandbox", False, f"QEMU runs without -sandbox: {problem}",
         "install a QEMU built with seccomp (Debian's qemu-system-x86 is) on a kernel with "
         "CONFIG_SECCOMP_FILTER", fatal=False,
+    )  # fmt: skip
+
+
+def _qemu_user() -> Check:
+    from forkd.vmm import qemu_user
+
+    user, why = qemu_user.current()
+    if user is not None or os.geteuid() != 0:
+        return Check("qemu user", True, why)
+    return Check(
+        "qemu user", False, why,
+        f"start the daemon once as root (it creates {qemu_user.DEFAULT_NAME}), or run "
+        f"{' '.join(qemu_user.create_command(qemu_user.DEFAULT_NAME))}", fatal=False,
     )  # fmt: skip
 
 
@@ -141,6 +155,7 @@ def run_checks() -> list[Check]:
         _accel(),
         _network(),
         _seccomp(),
+        _qemu_user(),
         _cgroups(),
         _build_tools(),
         _images(),

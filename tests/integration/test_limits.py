@@ -6,6 +6,7 @@ Read from the real cgroup filesystem (v2, or v1 per controller) and from
 
 from __future__ import annotations
 
+import pwd
 import threading
 import time
 from pathlib import Path
@@ -14,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.vmm import cgroups
-from forkd.vmm.qemu_argv import SANDBOX
+from forkd.vmm import cgroups, qemu_user
+from forkd.vmm.qemu_argv import SANDBOX_RUNAS
 
 ROOT = Path("/sys/fs/cgroup")
 MIB = 1 << 20
@@ -72,12 +73,20 @@ def wait_state(c: httpx.Client, sid: str, want: str, secs: float = 30) -> dict[s
         time.sleep(0.2)
 
 
-def test_a_sandboxs_qemu_runs_sandboxed_in_its_own_capped_cgroup(c: httpx.Client) -> None:
+def test_a_sandboxs_qemu_runs_unprivileged_in_its_own_capped_cgroup(c: httpx.Client) -> None:
     kid = fork(c)
     pid = kid["pid"]
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-    assert argv[argv.index("-sandbox") + 1] == SANDBOX
-    assert "Seccomp:\t2" in Path(f"/proc/{pid}/status").read_text()  # a filter is on
+    status = Path(f"/proc/{pid}/status").read_text()
+    assert "Seccomp:\t2" in status  # a filter is on
+    # The daemon runs as root: QEMU dropped to its own user (created if missing).
+    user = pwd.getpwnam(qemu_user.DEFAULT_NAME)
+    assert argv[argv.index("-runas") + 1] == user.pw_name
+    assert argv[argv.index("-sandbox") + 1] == SANDBOX_RUNAS
+    uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
+    gids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Gid:"))
+    assert uids == [str(user.pw_uid)] * 4 and gids == [str(user.pw_gid)] * 4
+    assert "CapEff:\t0000000000000000" in status  # no capability left
     dirs = groups_of(pid)
     assert all(d.name == kid["id"] and d.parent.name == "forkd" for d in dirs.values()), dirs
     assert int(read(dirs["memory"] / "cgroup.procs").split()[0]) == pid

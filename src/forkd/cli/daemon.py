@@ -7,6 +7,7 @@ The daemon's own modules (FastAPI, uvicorn, the VM driver) are imported inside
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -121,6 +122,16 @@ _SandboxCidrOpt = Annotated[
     ),
 ]
 
+_QemuUserOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_QEMU_USER",
+        help="The unprivileged user QEMU drops to once it has opened its files (created "
+        "when missing, as a system user without login); 'none': QEMU keeps the daemon's "
+        "user.",
+    ),
+]
+
 _LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
 
 
@@ -139,6 +150,7 @@ def serve(
     cgroup_parent: _CgroupParentOpt = "forkd",
     network: _NetworkOpt = "auto",
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
+    qemu_user: _QemuUserOpt = "forkd-qemu",
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
@@ -170,9 +182,19 @@ def serve(
         )
         if network not in ("auto", "netns", "user"):
             raise ValueError(f"--network must be auto, netns or user, not {network!r}")
+        _use_qemu_user(None if qemu_user == "none" else qemu_user)
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _use_qemu_user(name: str | None) -> None:
+    """QEMU drops to ``name`` from now on; a root daemon creates the user if missing."""
+    from forkd.vmm import qemu_user
+
+    qemu_user.configure(name)
+    if name is not None and os.geteuid() == 0:
+        qemu_user.ensure(name)
 
 
 def _admission_caps(

@@ -21,7 +21,7 @@ from typing import Any
 
 from forkd import hosttools
 from forkd.errors import ForkdError, VMError
-from forkd.vmm import cgroups, network
+from forkd.vmm import cgroups, network, qemu_user
 from forkd.vmm.egress import Egress
 from forkd.vmm.qemu_argv import QEMU_BINARY, SANDBOX, MachineConfig, RuntimePaths, build_argv
 from forkd.vmm.volumes import Attachment
@@ -53,6 +53,7 @@ def spawn(
     detach: bool,
     netns: str | None = None,
     cgroup: cgroups.Group | None = None,
+    pass_fds: Sequence[int] = (),
 ) -> subprocess.Popen[bytes]:
     """Start QEMU with its output in ``qemu.log``; on failure the run directory is removed.
 
@@ -84,6 +85,7 @@ def spawn(
                 stdout=log_f,
                 stderr=log_f,
                 close_fds=True,
+                pass_fds=tuple(pass_fds),
                 start_new_session=detach,
                 preexec_fn=child_setup if steps else None,
             )
@@ -133,6 +135,27 @@ def seccomp_problem() -> str | None:
 
 async def _seccomp_ok() -> bool:
     return await asyncio.to_thread(seccomp_problem) is None
+
+
+def _open_layers(attach: Sequence[Attachment]) -> dict[int, tuple[int, int]]:
+    """Read-only and read-write descriptors of each writable volume's top layer
+    (:func:`forkd.vmm.qemu_argv.layer_fdset` says why QEMU gets them)."""
+    opened: dict[int, tuple[int, int]] = {}
+    try:
+        for i, att in enumerate(attach):
+            if not att.readonly:
+                ro = os.open(att.top, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    opened[i] = (ro, os.open(att.top, os.O_RDWR | os.O_CLOEXEC))
+                except BaseException:
+                    os.close(ro)
+                    raise
+    except BaseException:
+        for pair in opened.values():
+            for fd in pair:
+                os.close(fd)
+        raise
+    return opened
 
 
 async def start_qemu(
@@ -185,9 +208,18 @@ async def start_in_namespace(
             # The daemon's fallback: QEMU's NAT would reach the host's loopback
             # (10.0.2.2 is the host), so no egress at all, whatever the policy.
             machine = dataclasses.replace(machine, internet=False)
-        argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
-                          tap=net is not None, sandbox=sandbox)  # fmt: skip
-        return net, spawn(argv, rt, detach, netns=net.netns if net else None, cgroup=cgroup)
+        layer_fds = _open_layers(attach)
+        try:
+            argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
+                              tap=net is not None, sandbox=sandbox, runas=qemu_user.runas(),
+                              layer_fds=layer_fds)  # fmt: skip
+            netns = net.netns if net else None
+            kept = [fd for pair in layer_fds.values() for fd in pair]
+            return net, spawn(argv, rt, detach, netns=netns, cgroup=cgroup, pass_fds=kept)
+        finally:
+            for pair in layer_fds.values():
+                for fd in pair:
+                    os.close(fd)
     except BaseException:
         await network.detach(net)
         shutil.rmtree(rt.dir, ignore_errors=True)

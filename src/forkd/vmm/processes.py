@@ -108,8 +108,16 @@ def memory_usage(pid: int) -> dict[str, int]:
 
 
 def owner_uid(pid: int) -> int | None:
-    """The user id process ``pid`` runs as, or None when it is gone."""
+    """The real user id process ``pid`` runs as, or None when it is gone.
+
+    Read from ``status``: the owner of ``/proc/<pid>`` is root for a process
+    that changed its user (QEMU after ``-runas``), whatever its user now is.
+    """
     try:
-        return os.stat(f"/proc/{pid}").st_uid
-    except OSError:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
         return None
+    return None

@@ -7,7 +7,7 @@ both paths go through :func:`build_argv`; only the RAM file and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,12 +17,37 @@ QEMU_BINARY = "qemu-system-x86_64"
 KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux"
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
 CONSOLE_RING_BYTES = 1 << 20
+FD_READ_ONLY, FD_READ_WRITE = "ro", "rw"  # the tags of descriptors in QEMU's fd sets
 AGENT_CHARDEV = "agent"  # the socket chardev behind the agent's virtio-serial port
 TCG_CPU = "max"  # every feature TCG emulates (x86-64-v3 level on QEMU 7.2)
 # QEMU's seccomp filter: no obsolete system calls, no setuid/setgid, no
 # fork/exec, no scheduler or affinity changes. Nothing forkd asks of QEMU
 # needs them (boot, fd migration, device-state saves, volume overlays).
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+# With -runas, QEMU itself calls setgid/setuid to drop to the user, after it
+# installed the filter, so elevateprivileges=deny would kill it ("Bad system
+# call" in QEMU 7.2). Once dropped it has no privilege to raise again: its
+# real, effective and saved ids are all the user's, and spawn=deny stops it
+# running a set-user-id program.
+SANDBOX_RUNAS = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
+
+
+def layer_fdset(index: int) -> int:
+    """The fd set holding volume ``index``'s writable top layer.
+
+    QEMU opens that layer again, read-write, when a restored VM first runs
+    (its drives start inactive under ``-incoming``); by then it may have
+    dropped to its user, which cannot open forkd's files by name. From an fd
+    set it takes a copy of a descriptor the daemon opened instead. The
+    layers below are only read and are never opened again.
+
+    The read-write descriptor must leave the set once QEMU holds its copy
+    (:meth:`forkd.vmm.qmp_channel.QMPChannel.release_writers`): QEMU's image
+    locks belong to the open file, which the set's descriptor shares, so
+    while it stays the layer stays write-locked even after a snapshot froze
+    it, and no fork could open it.
+    """
+    return index + 1
 
 
 def _opt(path: Path) -> str:
@@ -145,9 +170,14 @@ def build_argv(
     volumes: Sequence[Attachment] = (),
     tap: bool = False,
     sandbox: bool = True,
+    runas: str | None = None,
+    layer_fds: Mapping[int, tuple[int, int]] | None = None,
 ) -> list[str]:
     """QEMU's command line. ``tap``: the VM's network is ``tap0`` of the network
-    namespace QEMU starts in (forkd.vmm.network); else user-mode NAT."""
+    namespace QEMU starts in (forkd.vmm.network); else user-mode NAT. ``runas``:
+    the user QEMU drops to once it has opened its files (forkd.vmm.qemu_user).
+    ``layer_fds``: volume index → the read-only and read-write descriptors of
+    its writable top layer, which QEMU inherits (see :func:`layer_fdset`)."""
     mem = f"{cfg.memory_mib}M"
     argv = [
         QEMU_BINARY,
@@ -185,8 +215,15 @@ def build_argv(
     for i, vol in enumerate(volumes):
         # The guest finds each volume by its serial (forkd-vol<i>), not by name.
         ro = "on" if vol.readonly else "off"
+        top = _opt(vol.top)
+        if layer_fds and i in layer_fds:
+            fdset = layer_fdset(i)
+            ro_fd, rw_fd = layer_fds[i]
+            argv += ["-add-fd", f"fd={ro_fd},set={fdset},opaque={FD_READ_ONLY}",
+                     "-add-fd", f"fd={rw_fd},set={fdset},opaque={FD_READ_WRITE}"]  # fmt: skip
+            top = f"/dev/fdset/{fdset}"
         argv += [
-            "-drive", f"file={_opt(vol.top)},format={vol.format},if=none,id=vol{i},readonly={ro}",
+            "-drive", f"file={top},format={vol.format},if=none,id=vol{i},readonly={ro}",
             "-device", f"virtio-blk-device,drive=vol{i},serial=forkd-vol{i}",
         ]  # fmt: skip
     if cfg.accel == "kvm":
@@ -196,7 +233,9 @@ def build_argv(
         # (numpy 2 and friends) require: they die with SIGILL at import.
         argv += ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MIB}", "-cpu", TCG_CPU]
     if sandbox:  # False only where this QEMU lacks seccomp (launch.seccomp_problem)
-        argv += ["-sandbox", SANDBOX]
+        argv += ["-sandbox", SANDBOX_RUNAS if runas else SANDBOX]
+    if runas:
+        argv += ["-runas", runas]
     if incoming:
         argv += ["-incoming", "defer", "-global", "migration.send-configuration=off"]
     return argv

@@ -7,9 +7,10 @@ turns every failure into :class:`forkd.errors.VMError`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,10 +18,12 @@ from qemu.qmp import QMPClient, QMPError
 
 from forkd.errors import SnapshotError, VMError
 from forkd.vmm.launch import tail
+from forkd.vmm.qemu_argv import FD_READ_ONLY, FD_READ_WRITE
 
 QMP_TIMEOUT_SECS = 30.0
 CONNECT_TIMEOUT_SECS = 15.0
 POLL_SECS = 0.002
+_FD_TAGS = {os.O_RDONLY: FD_READ_ONLY, os.O_WRONLY: "wo", os.O_RDWR: FD_READ_WRITE}
 
 
 class QMPChannel:
@@ -83,6 +86,53 @@ class QMPChannel:
                     f"{chardev!r} socket within {timeout:g} s"
                 )
             await asyncio.sleep(POLL_SECS)
+
+    async def add_fdset(self, path: Path, modes: Sequence[int]) -> int:
+        """Open ``path`` once per access mode and hand the descriptors to QEMU as a new
+        fd set; QEMU then opens ``/dev/fdset/<id>`` (the id returned).
+
+        QEMU, once it dropped to its user (:mod:`forkd.vmm.qemu_user`), may
+        not open forkd's files by name: this is how it gets one it needs
+        later, such as a snapshot's device state or a new volume layer.
+        """
+        fdset: int | None = None
+        try:
+            for mode in modes:
+                fd = os.open(path, mode | os.O_CLOEXEC)
+                try:
+                    self.send_fd(fd)
+                    args: dict[str, Any] = {"opaque": _FD_TAGS[mode & os.O_ACCMODE]}
+                    if fdset is not None:
+                        args["fdset-id"] = fdset
+                    added = await self.execute("add-fd", args)
+                finally:
+                    os.close(fd)
+                assert isinstance(added, dict)
+                fdset = int(added["fdset-id"])
+        except BaseException:
+            if fdset is not None:
+                await self.remove_fdset(fdset)
+            raise
+        assert fdset is not None
+        return fdset
+
+    async def release_writers(self) -> None:
+        """Take every read-write descriptor out of QEMU's fd sets; QEMU keeps its copies.
+
+        Call it while the VM runs: QEMU closes a removed descriptor at once
+        only then. Why it matters: :func:`forkd.vmm.qemu_argv.layer_fdset`.
+        """
+        fdsets = await self.execute("query-fdsets")
+        assert isinstance(fdsets, list)
+        for fdset in fdsets:
+            for fd in fdset.get("fds", []):
+                if fd.get("opaque") == FD_READ_WRITE:
+                    await self.execute("remove-fd", {"fdset-id": fdset["fdset-id"], "fd": fd["fd"]})
+
+    async def remove_fdset(self, fdset: int) -> None:
+        """Let QEMU close an fd set's descriptors once it no longer uses them."""
+        with contextlib.suppress(VMError):
+            await self.execute("remove-fd", {"fdset-id": fdset})
 
     def send_fd(self, fd: int) -> None:
         """Pass a file descriptor to QEMU (named by a following ``getfd``)."""

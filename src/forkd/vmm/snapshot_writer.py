@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import live_snapshot, memory, snapshot_files
+from forkd.vmm import live_snapshot, memory, snapshot_files, volume_mounts
 from forkd.vmm.launch import tail
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels, SnapshotMeta
 from forkd.vmm.volumes import Attachment
@@ -58,6 +58,9 @@ class SnapshotWriter:
         # Pages read during the pause, written after the resume (in commit).
         self._deferred = memory.DeferredWrites(limit=DEFERRED_WRITE_LIMIT)
         self.volumes: list[Attachment] = []  # as frozen for this snapshot
+        # Handed to QEMU before the pause (it may not open forkd's files itself).
+        self._vmstate_fdset: int | None = None
+        self._layers: list[volume_mounts.NextLayer] = []
 
     def _disk_full(self) -> StorageFull:
         return StorageFull(
@@ -76,6 +79,12 @@ class SnapshotWriter:
                 self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
             )
             self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
+            # Descriptors of layers QEMU writes now: out of the sets, while the VM runs.
+            await vm.qmp.release_writers()
+            vmstate = self.staging / snapshot_files.VMSTATE
+            os.close(os.open(vmstate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            self._vmstate_fdset = await vm.qmp.add_fdset(vmstate, (os.O_WRONLY,))
+            self._layers = await volume_mounts.prepare_layers(vm.qmp, vm.volumes)
         except BaseException as exc:
             await self.abort()
             raise await self._translate(exc, "preparing") from exc
@@ -86,10 +95,10 @@ class SnapshotWriter:
         assert self._region is not None and self._mem_fd is not None
         started = time.monotonic()
         try:
-            self.volumes = await vm.freeze_volumes()
+            self.volumes = await vm.freeze_volumes(self._layers)
             await vm.qmp.execute(
                 "xen-save-devices-state",
-                {"filename": str(self.staging / snapshot_files.VMSTATE), "live": False},
+                {"filename": f"/dev/fdset/{self._vmstate_fdset}", "live": False},
             )
             await asyncio.to_thread(
                 memory.dump_written_pages,
@@ -145,6 +154,7 @@ class SnapshotWriter:
         """Write snapshot.json, flush, and rename the staging directory to ``dest``."""
         try:
             assert self._mem_fd is not None
+            await self._release_qemu_files()
             await asyncio.to_thread(
                 self._deferred.flush,
                 self._mem_fd,
@@ -171,8 +181,20 @@ class SnapshotWriter:
             raise
         return meta
 
+    async def _release_qemu_files(self) -> None:
+        """Give back the fd sets; delete the prepared layers QEMU did not take."""
+        if self._vmstate_fdset is None and not self._layers:
+            return
+        qmp = self.vm.qmp
+        if self._vmstate_fdset is not None:
+            await qmp.remove_fdset(self._vmstate_fdset)
+            self._vmstate_fdset = None
+        layers, self._layers = self._layers, []
+        await volume_mounts.discard_layers(qmp, layers)
+
     async def abort(self) -> None:
         """Remove everything this snapshot wrote."""
+        await self._release_qemu_files()
         self._deferred.runs.clear()
         if self._mem_fd is not None:
             with contextlib.suppress(OSError):

@@ -380,14 +380,15 @@ class VM(GuestOps):
         # Not our child (re-adopted): the pid alone could have been reused.
         return qemu_pid_matches(self.pid, self.rt.dir)
 
-    async def freeze_volumes(self) -> list[Attachment]:
+    async def freeze_volumes(self, prepared: Sequence[volume_mounts.NextLayer]) -> list[Attachment]:
         """At a pause: freeze each writable volume's layer for a snapshot (VM paused).
 
         Returns the attachments as the snapshot records them; the VM goes on
-        writing new layers above them (see :func:`volume_mounts.freeze_layers`).
+        writing the ``prepared`` layers above them (see
+        :func:`volume_mounts.freeze_layers`).
         """
         try:
-            return await volume_mounts.freeze_layers(self.qmp, self.volumes)
+            return await volume_mounts.freeze_layers(self.qmp, self.volumes, prepared)
         finally:
             # Also after a failure half-way: the record must name every layer
             # QEMU writes, or a restarted daemon would collect one in use.

@@ -6,11 +6,14 @@ this module is what a running VM does with them.
 
 from __future__ import annotations
 
+import asyncio
+import os
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forkd.errors import VMError
+from forkd.errors import SnapshotError, VMError
 from forkd.vmm import volumes
 from forkd.vmm.qmp_channel import QMPChannel
 from forkd.vmm.volumes import Attachment
@@ -38,25 +41,79 @@ async def mount_all(exec_in_guest: Exec, attached: Sequence[Attachment]) -> None
             )
 
 
-async def freeze_layers(qmp: QMPChannel, attached: list[Attachment]) -> list[Attachment]:
+@dataclass
+class NextLayer:
+    """A writable volume's next layer, made before a pause and handed to QEMU."""
+
+    index: int  # the volume's drive: vol<index>
+    chain: tuple[str, ...]  # the new layer first, then the chain it will freeze
+    fdset: int  # QEMU opens it as /dev/fdset/<fdset>
+    used: bool = False  # QEMU writes it now: it is the VM's, not the snapshot's leftover
+
+
+async def prepare_layers(qmp: QMPChannel, attached: Sequence[Attachment]) -> list[NextLayer]:
+    """While the VM runs: an empty layer over each writable volume, passed to QEMU.
+
+    QEMU may not create files under forkd's directories (it runs as its own
+    user), and ``qemu-img`` takes too long for the pause: the daemon makes
+    the layers now and :func:`freeze_layers` puts them in place.
+    """
+    prepared: list[NextLayer] = []
+    try:
+        for i, att in enumerate(attached):
+            if att.readonly:
+                continue
+            chain = await asyncio.to_thread(volumes.new_layer, att.chain)
+            try:
+                fdset = await qmp.add_fdset(Path(chain[0]), (os.O_RDONLY, os.O_RDWR))
+            except BaseException:
+                Path(chain[0]).unlink(missing_ok=True)
+                raise
+            prepared.append(NextLayer(i, chain, fdset))
+    except BaseException:
+        await discard_layers(qmp, prepared)
+        raise
+    return prepared
+
+
+async def discard_layers(qmp: QMPChannel, prepared: Sequence[NextLayer]) -> None:
+    """Delete the layers of :func:`prepare_layers` that QEMU did not take, and their fd sets.
+
+    A layer QEMU took keeps its set's read-only descriptor, with which QEMU
+    reopens it read-only when a later snapshot freezes it.
+    """
+    for nxt in prepared:
+        if not nxt.used:
+            await qmp.remove_fdset(nxt.fdset)
+            Path(nxt.chain[0]).unlink(missing_ok=True)
+
+
+async def freeze_layers(
+    qmp: QMPChannel, attached: list[Attachment], prepared: Sequence[NextLayer]
+) -> list[Attachment]:
     """At a pause: freeze each writable volume's layer for a snapshot; returns the frozen set.
 
-    QEMU gives the VM a new empty layer above the current one, which from now
-    on no one writes; the snapshot keeps that frozen chain. ``attached`` is
-    updated in place after each volume, so a failure half-way still leaves
-    the VM's record naming every layer QEMU writes.
+    QEMU puts the prepared layer above the current one, which from now on no
+    one writes; the snapshot keeps that frozen chain. ``attached`` is updated
+    in place after each volume, so a failure half-way still leaves the VM's
+    record naming every layer QEMU writes.
     """
+    by_drive = {nxt.index: nxt for nxt in prepared}
     frozen: list[Attachment] = []
     for i, att in enumerate(attached):
         frozen.append(att)
         if att.readonly:
             continue
-        new = volumes.layer_path(att.chain)
+        nxt = by_drive.get(i)
+        if nxt is None or nxt.chain[1:] != att.chain:
+            raise SnapshotError(f"volume {att.name} changed while its snapshot was prepared")
         await qmp.execute(
             "blockdev-snapshot-sync",
-            {"device": f"vol{i}", "snapshot-file": str(new), "format": "qcow2"},
-        )
-        attached[i] = Attachment(att.name, att.path, False, (str(new), *att.chain))
+            {"device": f"vol{i}", "snapshot-file": f"/dev/fdset/{nxt.fdset}",
+             "format": "qcow2", "mode": "existing"},
+        )  # fmt: skip
+        nxt.used = True
+        attached[i] = Attachment(att.name, att.path, False, nxt.chain)
     return frozen
 
 

@@ -22,7 +22,7 @@ from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import SnapshotError
 from forkd.limits import NAME_RE
-from forkd.vmm import network, processes, snapshot_files
+from forkd.vmm import network, processes, qemu_user, snapshot_files
 
 log = logging.getLogger(__name__)
 
@@ -122,17 +122,19 @@ class Lifecycle:
     def kill_strays(self) -> None:
         """QEMU processes and run directories of ours that no sandbox owns.
 
-        A process counts as ours only when it runs as this daemon's user and its
-        run directory, directly under ours, is named like one of our VMs' ids;
+        A process counts as ours only when it runs as this daemon's user or its
+        QEMU user (:mod:`forkd.vmm.qemu_user`) and its run directory, directly
+        under ours, is named like one of our VMs' ids;
         what is deleted is a path we build, never one read from a process.
         """
         fleet = self.fleet
         ours = {str(vm.rt.dir) for vm in fleet.vms.values()}
         mine = vm_id_prefixes(fleet.store.id_prefix)
+        uids = qemu_user.qemu_uids()
         for pid, run_dir in processes.qemu_run_dirs(fleet.settings.run_dir).items():
             if str(run_dir) in ours or not run_dir.name.startswith(mine):
                 continue
-            if processes.owner_uid(pid) != os.geteuid():
+            if processes.owner_uid(pid) not in uids:
                 continue
             log.warning("killing stray QEMU %s (%s)", pid, run_dir)
             with contextlib.suppress(ProcessLookupError):
