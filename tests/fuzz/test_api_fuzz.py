@@ -36,7 +36,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
-from schemathesis.core.failures import AcceptedNegativeData, FailureGroup
+from schemathesis.core.failures import FailureGroup
 from schemathesis.core.parameters import ParameterLocation
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
@@ -74,28 +74,12 @@ SPARES_KEPT = 3  # fuzzed forks beyond this are deleted again, so forks keep bei
 _SPEC = json.loads(CONTRACT.read_text())
 
 
-# The daemon parses JSON bodies in pydantic's lax mode: it takes `true` or "2"
-# where the contract says number or integer
-# (test_a_boolean_where_a_number_is_documented_is_refused). Until that is
-# fixed, such an accepted body is not reported; any other accepted invalid
-# request is.
-LAX_BODY_TYPES_BUG_OPEN = True
-
-
-def filter_failure(ctx: Any, failure: Any, case: Any, response: Any) -> bool:
-    lax = isinstance(failure, AcceptedNegativeData) and "in body - violates `type`" in str(
-        failure.message
-    )
-    return not (LAX_BODY_TYPES_BUG_OPEN and lax)
-
-
 def fuzz_schema(phase: str, mode: str = "all") -> Any:
     """The contract for schemathesis, with only ``phase`` of its phases on, generating
     requests that are valid (``mode`` "positive"), invalid ("negative") or both."""
     phases = {p: {"enabled": p == phase} for p in ("examples", "coverage", "fuzzing", "stateful")}
     config = schemathesis.Config.from_dict({"phases": phases, "generation": {"mode": mode}})
     loaded = schemathesis.openapi.from_dict(_SPEC, config=config)
-    loaded.hook(filter_failure)
     return loaded
 
 
@@ -530,12 +514,6 @@ def test_a_hard_link_to_a_missing_member_is_refused(
         assert r.status_code == 400, r.text
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: request bodies are parsed in pydantic's lax mode (controller/models.py _Body), "
-    'so true and "2" pass where the contract says number or integer; then set '
-    "LAX_BODY_TYPES_BUG_OPEN = False",
-)
 def test_a_boolean_where_a_number_is_documented_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

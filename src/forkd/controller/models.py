@@ -19,7 +19,8 @@ TAG = Field(pattern=limits.NAME_PATTERN, description=f"a name: {limits.NAME_RULE
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Strict: true is not 1 and "2" is not 2, as the contract (docs/openapi.json) says.
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # ------------------------------------------------------------------ requests
