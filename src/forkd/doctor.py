@@ -56,6 +56,35 @@ def _network() -> Check:
     )  # fmt: skip
 
 
+CONNTRACK_MAX = Path("/proc/sys/net/netfilter/nf_conntrack_max")
+
+
+def _conntrack(conntrack_max: Path = CONNTRACK_MAX) -> Check:
+    """Whether the host's connection-tracking table holds every sandbox's share.
+
+    Each sandbox may keep :data:`forkd.vmm.network.MAX_GUEST_CONNS` connections
+    tracked; the table is the host's, so when it fills the host itself drops
+    new connections.
+    """
+    from forkd import limits
+    from forkd.vmm import network
+
+    sandboxes = limits.default_max_sandboxes()
+    need = sandboxes * network.MAX_GUEST_CONNS
+    try:
+        have = int(conntrack_max.read_text())
+    except (OSError, ValueError):
+        return Check("conntrack", True, "no connection tracking loaded yet (nf_conntrack)")
+    ok = have >= need
+    return Check(
+        "conntrack", ok,
+        f"nf_conntrack_max {have}: room for {have // network.MAX_GUEST_CONNS} sandboxes at "
+        f"{network.MAX_GUEST_CONNS} connections each ({sandboxes} by default here)",
+        f"sysctl -w net.netfilter.nf_conntrack_max={need}, or a lower --max-sandboxes",
+        fatal=False,
+    )  # fmt: skip
+
+
 def _seccomp() -> Check:
     from forkd.vmm import launch
 
@@ -154,6 +183,7 @@ def run_checks() -> list[Check]:
         _qemu_version(),
         _accel(),
         _network(),
+        _conntrack(),
         _seccomp(),
         _qemu_user(),
         _cgroups(),
