@@ -28,6 +28,7 @@ from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm import snapshot_files
 from forkd.vmm.qemu_argv import MachineConfig
 from forkd.vmm.snapshot_files import ImageRef, SnapshotLabels, SnapshotMeta
+from tests.unit.fake_processes import FakeProcesses
 
 GUEST_STATE = "fake-guest.json"  # beside the real files: what the fake guest had
 
@@ -128,6 +129,7 @@ class FakeVM:
         self.ready_ms: float | None = 1.0
         self.image_name = "python"
         self.guest = guest
+        self.processes = FakeProcesses()
 
     # lifecycle ---------------------------------------------------------------
     def is_alive(self) -> bool:
@@ -235,6 +237,36 @@ class FakeVM:
         if self.guest.files.pop(path, None) is None:
             raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
                              kind="FileNotFoundError")  # fmt: skip
+
+    # background processes: played by FakeProcesses ----------------------------
+    async def proc_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:
+        self._agent("proc_start")
+        return self.processes.start(cmd, **kw)
+
+    async def proc_list(self) -> list[dict[str, Any]]:
+        self._agent("proc_list")
+        return self.processes.list()
+
+    async def proc_info(self, pid: int) -> dict[str, Any]:
+        self._agent("proc_info")
+        return self.processes.info(pid)
+
+    async def proc_read(self, pid: int, offset: int, *, wait_s: float = 0.0,
+                        max_bytes: int = 256 << 10) -> dict[str, Any]:  # fmt: skip
+        self._agent("proc_read")
+        return await self.processes.read(pid, offset, wait_s, max_bytes)
+
+    async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int:
+        self._agent("proc_stdin")
+        return self.processes.stdin(pid, data, eof)
+
+    async def proc_signal(self, pid: int, signal: int | str) -> None:
+        self._agent("proc_signal")
+        self.processes.signal(pid, signal)
+
+    async def proc_resize(self, pid: int, cols: int, rows: int) -> None:
+        self._agent("proc_resize")
+        self.processes.resize(pid, cols, rows)
 
 
 def _run(code: str, names: dict[str, Any]) -> str | None:

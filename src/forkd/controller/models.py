@@ -9,7 +9,8 @@ receives and a service takes; responses (``SnapshotInfo``, ``SandboxInfo``,
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -86,6 +87,47 @@ class EvalRequest(_Body):
 class BranchRequest(_Body):
     tag: str | None = Field(None, pattern=limits.NAME_PATTERN)
     mode: str | None = None
+
+
+class PtySize(_Body):
+    cols: int = Field(ge=1, le=1000)
+    rows: int = Field(ge=1, le=1000)
+
+
+Argv = Annotated[list[str], Field(min_length=1, max_length=4096)]
+ShellLine = Annotated[str, Field(min_length=1, description="runs as /bin/sh -c")]
+
+
+class ProcessStart(_Body):
+    cmd: Argv | ShellLine
+    env: dict[str, str] | None = None
+    cwd: str | None = None
+    stdin: bool = Field(False, description="keep stdin open for POST .../stdin; else /dev/null")
+    pty: PtySize | None = Field(None, description="run in a terminal of this size")
+    timeout_s: float | None = Field(
+        None, gt=0, le=limits.MAX_EXEC_TIMEOUT_SECS, description="then SIGKILL, exit code 124"
+    )
+
+
+class ProcessStdin(_Body):
+    data: str = Field("", max_length=limits.JSON_BODY_LIMIT)
+    encoding: Literal["utf-8", "base64"] = "utf-8"
+    eof: bool = Field(False, description="close stdin after data (a terminal gets ^D)")
+
+
+SignalNumber = Annotated[int, Field(ge=1, le=64)]
+SignalName = Annotated[str, Field(pattern=r"^[A-Za-z][A-Za-z0-9+]{0,15}$")]
+
+
+class ProcessSignal(_Body):
+    signal: SignalNumber | SignalName = Field(
+        "SIGTERM", description="a number (1-64) or a name: 'SIGKILL' or 'KILL'"
+    )
+
+
+class ProcessResize(_Body):
+    cols: int = Field(ge=1, le=1000)
+    rows: int = Field(ge=1, le=1000)
 
 
 # ----------------------------------------------------------------- responses
@@ -187,5 +229,54 @@ class VolumeInfo(BaseModel):
     used_by: list[str]
 
 
+class ProcessInfo(BaseModel):
+    pid: int
+    cmd: list[str]
+    pty: bool
+    stdin: bool
+    running: bool
+    exit_code: int | None = Field(description="128+N when killed by signal N; 124: timeout_s")
+    started_at: float = Field(description="guest unix time")
+    ended_at: float | None
+    output_start: int = Field(description="oldest output offset still held (4 MiB ring)")
+    output_end: int = Field(description="offset after the last byte of output")
+
+
+class StdinWritten(BaseModel):
+    written: int
+
+
+class OutputData(BaseModel):
+    """A ``stdout``, ``stderr`` or ``pty`` event of an output stream."""
+
+    data: str
+    encoding: Literal["utf-8", "base64"] = Field(description="base64 when not valid UTF-8")
+    offset: int = Field(description="of the first byte")
+    next_offset: int = Field(description="after the last byte: where to resume")
+
+
+class OutputGap(BaseModel):
+    """A ``gap`` event: output from ``from`` to ``to`` left the ring before it was read."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    from_offset: int = Field(alias="from")
+    to: int
+
+
+class OutputExit(BaseModel):
+    """The last event, ``exit``: the process ended and all its output was sent."""
+
+    exit_code: int | None
+
+
 class ErrorBody(BaseModel):
     error: str
+
+
+@dataclass(frozen=True)
+class OutputEvent:
+    """One event of an output stream; no ``body`` is a keep-alive while nothing happens."""
+
+    event: Literal["stdout", "stderr", "pty", "gap", "exit", "error", "keepalive"]
+    body: OutputData | OutputGap | OutputExit | ErrorBody | None = None
+    next_offset: int | None = None

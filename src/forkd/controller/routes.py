@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
+from fastapi.responses import StreamingResponse
 
 from forkd import __version__
+from forkd.controller import sse
 from forkd.controller.http_errors import ERROR_RESPONSES
 from forkd.controller.models import (
     BranchRequest,
@@ -19,10 +21,16 @@ from forkd.controller.models import (
     FileWritten,
     Health,
     PingResult,
+    ProcessInfo,
+    ProcessResize,
+    ProcessSignal,
+    ProcessStart,
+    ProcessStdin,
     SandboxCreate,
     SandboxInfo,
     SnapshotCreate,
     SnapshotInfo,
+    StdinWritten,
     VersionInfo,
     VolumeInfo,
 )
@@ -42,11 +50,20 @@ BYTES = {
     "description": "the file's bytes",
 }
 SNAPSHOT = {"response_model": SnapshotInfo, "response_model_exclude_unset": True}
+Pid = Annotated[int, Path(ge=1, description="the process id in the guest")]
+EVENTS = {
+    "content": {sse.MEDIA_TYPE: {"schema": {"type": "string"}}},
+    "description": "Server-Sent Events: stdout, stderr, pty ({data, encoding, offset, "
+    "next_offset}), gap ({from, to}), exit ({exit_code}, last), error ({error}, last)",
+}
 
 discovery = APIRouter(tags=["discovery"])
 snapshots = APIRouter(prefix="/v1/snapshots", tags=["snapshots"], responses=ERROR_RESPONSES)
 sandboxes = APIRouter(prefix="/v1/sandboxes", tags=["sandboxes"], responses=ERROR_RESPONSES)
 files = APIRouter(prefix="/v1/sandboxes", tags=["files"], responses=ERROR_RESPONSES)
+processes = APIRouter(
+    prefix="/v1/sandboxes/{sandbox_id}/processes", tags=["processes"], responses=ERROR_RESPONSES
+)
 volumes = APIRouter(prefix="/v1/volumes", tags=["volumes"], responses=ERROR_RESPONSES)
 
 
@@ -173,6 +190,56 @@ async def list_files(svc: Svc, sandbox_id: str, path: PathQ) -> list[FileEntry]:
     return await svc.sandboxes.list_files(sandbox_id, path)
 
 
+# ------------------------------------------------------------------ processes
+
+
+@processes.post("", status_code=201, response_model=ProcessInfo)
+async def start_process(svc: Svc, sandbox_id: str, body: ProcessStart) -> ProcessInfo:
+    return await svc.processes.start(sandbox_id, body)
+
+
+@processes.get("", response_model=list[ProcessInfo])
+async def list_processes(svc: Svc, sandbox_id: str) -> list[ProcessInfo]:
+    return await svc.processes.list(sandbox_id)
+
+
+@processes.get("/{pid}", response_model=ProcessInfo)
+async def process_info(svc: Svc, sandbox_id: str, pid: Pid) -> ProcessInfo:
+    return await svc.processes.info(sandbox_id, pid)
+
+
+@processes.get("/{pid}/output", response_class=StreamingResponse, responses={200: EVENTS})
+async def process_output(
+    svc: Svc,
+    sandbox_id: str,
+    pid: Pid,
+    follow: bool = True,
+    offset: Annotated[int | None, Query(ge=0, description="default: Last-Event-ID, else 0")] = None,
+    last_event_id: Annotated[int | None, Header(ge=0)] = None,
+) -> StreamingResponse:
+    """The process's output from ``offset``; with ``follow``, until it exits."""
+    start = offset if offset is not None else last_event_id or 0
+    events = await svc.processes.output(sandbox_id, pid, start, follow)
+    return StreamingResponse(sse.framed(events), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+
+@processes.post("/{pid}/stdin", response_model=StdinWritten)
+async def process_stdin(svc: Svc, sandbox_id: str, pid: Pid, body: ProcessStdin) -> StdinWritten:
+    return await svc.processes.write_stdin(sandbox_id, pid, body)
+
+
+@processes.post("/{pid}/signal", **NO_CONTENT)
+async def signal_process(svc: Svc, sandbox_id: str, pid: Pid, body: ProcessSignal) -> Response:
+    await svc.processes.signal(sandbox_id, pid, body)
+    return Response(status_code=204)
+
+
+@processes.post("/{pid}/resize", **NO_CONTENT)
+async def resize_process(svc: Svc, sandbox_id: str, pid: Pid, body: ProcessResize) -> Response:
+    await svc.processes.resize(sandbox_id, pid, body)
+    return Response(status_code=204)
+
+
 # ------------------------------------------------------------------ volumes
 
 
@@ -209,4 +276,4 @@ async def delete_volume(svc: Svc, name: str) -> Response:
     return Response(status_code=204)
 
 
-ROUTERS = (discovery, snapshots, sandboxes, files, volumes)
+ROUTERS = (discovery, snapshots, sandboxes, processes, files, volumes)

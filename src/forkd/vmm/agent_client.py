@@ -59,7 +59,9 @@ def answer_cap(op: str) -> int:
     """The longest answer line accepted for a request of ``op``, in bytes."""
     if op == "file_read":
         return limits.AGENT_FILE_LINE_MAX_BYTES
-    if op in ("exec", "eval", "file_list"):
+    # proc_read: 256 KiB of output is 342 KiB as base64, but each chunk adds ~60
+    # bytes of JSON; a process writing a byte at a time makes a chunk per byte.
+    if op in ("exec", "eval", "file_list", "proc_read", "proc_list"):
         return limits.AGENT_OUTPUT_LINE_MAX_BYTES
     return limits.AGENT_LINE_MAX_BYTES
 

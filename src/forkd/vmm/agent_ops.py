@@ -22,6 +22,8 @@ from forkd.vmm.qemu_argv import RuntimePaths
 PING_WAIT_SECS = 10.0
 EXEC_WAIT_MARGIN_SECS = 10.0  # beyond the command's own timeout, for the agent to answer
 RESTORE_ENTROPY_BYTES = 64
+PROC_READ_MAX_BYTES = 256 << 10  # of output in one proc_read answer (the agent allows 1 MiB)
+PROC_STDIN_MAX_BYTES = 1 << 20  # of data in one proc_stdin request (the agent's cap)
 
 
 class GuestOps:
@@ -63,6 +65,53 @@ class GuestOps:
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         await self.agent.call("file_remove", {"path": path, "recursive": recursive})
+
+    # Background processes (docs/guest-agent.md, "Processes"): the agent owns them;
+    # these return its ProcessInfo and proc_read answers as they are.
+
+    async def proc_start(
+        self,
+        cmd: list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bool = False,
+        pty: dict[str, int] | None = None,
+        timeout_s: float | None = None,
+    ) -> dict[str, Any]:
+        params = {"cmd": cmd, "env": env, "cwd": cwd, "stdin": stdin, "pty": pty,
+                  "timeout_s": timeout_s}  # fmt: skip
+        return await self.agent.call("proc_start", params)
+
+    async def proc_list(self) -> list[dict[str, Any]]:
+        return (await self.agent.call("proc_list"))["processes"]
+
+    async def proc_info(self, pid: int) -> dict[str, Any]:
+        return await self.agent.call("proc_info", {"pid": pid})
+
+    async def proc_read(
+        self, pid: int, offset: int, *, wait_s: float = 0.0, max_bytes: int = PROC_READ_MAX_BYTES
+    ) -> dict[str, Any]:
+        """Output after ``offset``, waiting up to ``wait_s`` for some; chunks' data is base64."""
+        params = {"pid": pid, "offset": offset, "wait_s": wait_s, "max_bytes": max_bytes}
+        return await self.agent.call("proc_read", params, wait=wait_s + EXEC_WAIT_MARGIN_SECS)
+
+    async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int:
+        """Write ``data`` to the process's stdin, in pieces the agent accepts; bytes written."""
+        pieces = [data[i : i + PROC_STDIN_MAX_BYTES]
+                  for i in range(0, len(data), PROC_STDIN_MAX_BYTES)] or [b""]  # fmt: skip
+        written = 0
+        for i, piece in enumerate(pieces):
+            params = {"pid": pid, "data": base64.b64encode(piece).decode(),
+                      "eof": eof and i == len(pieces) - 1}  # fmt: skip
+            written += int((await self.agent.call("proc_stdin", params))["written"])
+        return written
+
+    async def proc_signal(self, pid: int, signal: int | str) -> None:
+        await self.agent.call("proc_signal", {"pid": pid, "signal": signal})
+
+    async def proc_resize(self, pid: int, cols: int, rows: int) -> None:
+        await self.agent.call("proc_resize", {"pid": pid, "cols": cols, "rows": rows})
 
     async def _wait_agent(self, timeout: float) -> None:
         """Until the agent of a booting VM answers; :class:`VMError` after ``timeout``."""

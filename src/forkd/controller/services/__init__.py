@@ -1,4 +1,4 @@
-"""The daemon's domain services: snapshots, branches, sandboxes, volumes, lifecycle.
+"""The daemon's domain services: snapshots, branches, sandboxes, processes, volumes, lifecycle.
 
 Each takes and returns typed objects (:mod:`forkd.controller.models`) and
 raises only errors of :mod:`forkd.errors`; none knows about HTTP.
@@ -13,6 +13,7 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.services.branches import BranchService
 from forkd.controller.services.fleet import Fleet, VMDriver
 from forkd.controller.services.lifecycle import Lifecycle
+from forkd.controller.services.processes import ProcessService
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.services.volumes import VolumeService
@@ -28,6 +29,7 @@ class Services:
     snapshots: SnapshotService
     branches: BranchService
     sandboxes: SandboxService
+    processes: ProcessService
     volumes: VolumeService
     lifecycle: Lifecycle
 
@@ -38,11 +40,13 @@ class Services:
         fleet = Fleet(settings, store, metrics, driver)
         volumes = VolumeService(fleet)
         snapshots = SnapshotService(fleet, volumes)
+        sandboxes = SandboxService(fleet, snapshots)
         return cls(
             fleet=fleet,
             snapshots=snapshots,
             branches=BranchService(fleet, snapshots),
-            sandboxes=SandboxService(fleet, snapshots),
+            sandboxes=sandboxes,
+            processes=ProcessService(sandboxes),
             volumes=volumes,
             lifecycle=Lifecycle(fleet),
         )

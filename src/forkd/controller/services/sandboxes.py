@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -29,6 +29,7 @@ from forkd.errors import (
     ForkdError,
     Invalid,
     NotFound,
+    OverCapacity,
     Unavailable,
     VMError,
 )
@@ -51,6 +52,10 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
     "FileExistsError": Conflict,
     "ValueError": Invalid,
     "PermissionError": Forbidden,
+    # Background processes (the proc_* ops): no such pid, exited, too many running.
+    "ProcessLookupError": NotFound,
+    "BrokenPipeError": Conflict,
+    "BlockingIOError": OverCapacity,
     # Any other refusal of the guest's filesystem (busy, read-only, full): its state.
     "OSError": Conflict,
 }
@@ -196,8 +201,17 @@ class SandboxService:
 
     # ------------------------------------------------------------ guest
 
-    async def _guest(self, sandbox_id: str, call: Callable[[Any], Awaitable[T]]) -> T:
-        """``call(vm)`` on the sandbox's running VM, with agent failures classified."""
+    async def guest(
+        self,
+        sandbox_id: str,
+        call: Callable[[Any], Awaitable[T]],
+        refusals: Mapping[str, type[ForkdError]] | None = None,
+    ) -> T:
+        """``call(vm)`` on the sandbox's running VM, with agent failures classified.
+
+        ``refusals`` overrides entries of the table from the guest's exception
+        names to forkd errors, for a call where one name means something else.
+        """
         vm = self.fleet.live(sandbox_id)
         try:
             return await call(vm)
@@ -207,17 +221,17 @@ class SandboxService:
             if await _exited(vm, EXIT_WAIT_SECS if exc.kind is None else 0):
                 await self.fleet.mark_dead(sandbox_id)
                 raise Conflict(f"sandbox {sandbox_id!r} died: {exc}") from exc
-            refusal = _GUEST_REFUSALS.get(exc.kind or "")
+            refusal = {**_GUEST_REFUSALS, **(refusals or {})}.get(exc.kind or "")
             if refusal is not None:
                 raise refusal(str(exc)) from exc
             raise
 
     async def ping(self, sandbox_id: str) -> PingResult:
-        res = await self._guest(sandbox_id, lambda vm: vm.ping())
+        res = await self.guest(sandbox_id, lambda vm: vm.ping())
         return PingResult(**{**res, "pong": True})
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
-        res = await self._guest(
+        res = await self.guest(
             sandbox_id,
             lambda vm: vm.exec(
                 req.args, timeout=req.timeout_secs, cwd=req.cwd, env=req.env or None,
@@ -235,7 +249,7 @@ class SandboxService:
         )
 
     async def eval(self, sandbox_id: str, code: str) -> EvalResult:
-        res = await self._guest(sandbox_id, lambda vm: vm.eval(code))
+        res = await self.guest(sandbox_id, lambda vm: vm.eval(code))
         return EvalResult(
             result=res.get("result"),
             error=res.get("error"),
@@ -246,17 +260,17 @@ class SandboxService:
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         path = limits.check_guest_path(path)
-        return await self._guest(sandbox_id, lambda vm: vm.read_file(path))
+        return await self.guest(sandbox_id, lambda vm: vm.read_file(path))
 
     async def write_file(self, sandbox_id: str, path: str, data: bytes) -> int:
         path = limits.check_guest_path(path)
-        return await self._guest(sandbox_id, lambda vm: vm.write_file(path, data))
+        return await self.guest(sandbox_id, lambda vm: vm.write_file(path, data))
 
     async def list_files(self, sandbox_id: str, path: str) -> list[FileEntry]:
         path = limits.check_guest_path(path)
-        entries = await self._guest(sandbox_id, lambda vm: vm.list_dir(path))
+        entries = await self.guest(sandbox_id, lambda vm: vm.list_dir(path))
         return [FileEntry(**e) for e in entries]
 
     async def remove_file(self, sandbox_id: str, path: str, recursive: bool) -> None:
         path = limits.check_guest_path(path)
-        await self._guest(sandbox_id, lambda vm: vm.remove(path, recursive))
+        await self.guest(sandbox_id, lambda vm: vm.remove(path, recursive))

@@ -1,0 +1,140 @@
+"""The events of a process's output stream, made from the agent's ``proc_read`` answers.
+
+The agent keeps one sequence of bytes per process, stdout, stderr and pty
+chunks interleaved, each byte at a global offset (docs/guest-agent.md). Here
+adjacent chunks of one stream become one event; text that is valid UTF-8 is
+sent as text, anything else as base64. A character cut in two at a chunk's
+end is held back until the rest of it arrives, so it is not sent as base64
+halves. Every event says where the next one starts (``next_offset``), which
+is where a client that reconnects resumes.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import codecs
+from dataclasses import dataclass
+from typing import Any
+
+from forkd.controller.models import OutputData, OutputEvent, OutputExit, OutputGap
+from forkd.errors import GuestError
+
+STREAMS = ("stdout", "stderr", "pty")
+
+
+@dataclass(frozen=True)
+class Chunk:
+    stream: str
+    offset: int
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ReadAnswer:
+    """One ``proc_read`` answer, checked: the guest is not trusted to send what it should."""
+
+    chunks: list[Chunk]
+    next_offset: int
+    gap: tuple[int, int] | None
+    exit_code: int | None
+    eof: bool
+
+    @classmethod
+    def parse(cls, raw: dict[str, Any], offset: int) -> ReadAnswer:
+        try:
+            chunks = [_chunk(c) for c in raw["chunks"]]
+            gap = raw.get("gap")
+            answer = cls(
+                chunks=chunks,
+                next_offset=_int(raw["next_offset"]),
+                gap=(_int(gap["from"]), _int(gap["to"])) if gap is not None else None,
+                exit_code=None if raw.get("exit_code") is None else _int(raw["exit_code"]),
+                eof=raw["eof"] is True,
+            )
+        except (KeyError, TypeError, ValueError, binascii.Error) as exc:
+            raise GuestError(f"malformed proc_read answer from the agent: {exc!r}") from exc
+        if answer.next_offset < offset:
+            raise GuestError(f"the agent's output went back from {offset} to {answer.next_offset}")
+        return answer
+
+
+def _int(value: Any) -> int:
+    if type(value) is not int or value < 0:
+        raise ValueError(f"not an offset or exit code: {value!r}")
+    return value
+
+
+def _chunk(raw: dict[str, Any]) -> Chunk:
+    if raw["stream"] not in STREAMS:
+        raise ValueError(f"unknown stream {raw['stream']!r}")
+    data = base64.b64decode(raw["data"], validate=True)
+    return Chunk(raw["stream"], _int(raw["offset"]), data)
+
+
+def _runs(chunks: list[Chunk]) -> list[Chunk]:
+    """``chunks`` with each run of adjacent chunks of one stream joined."""
+    runs: list[Chunk] = []
+    for chunk in chunks:
+        last = runs[-1] if runs else None
+        if last and last.stream == chunk.stream and last.offset + len(last.data) == chunk.offset:
+            runs[-1] = Chunk(last.stream, last.offset, last.data + chunk.data)
+        else:
+            runs.append(chunk)
+    return runs
+
+
+def _data_event(stream: str, offset: int, data: bytes, text: str | None) -> OutputEvent:
+    end = offset + len(data)
+    body = OutputData(
+        data=text if text is not None else base64.b64encode(data).decode(),
+        encoding="utf-8" if text is not None else "base64",
+        offset=offset,
+        next_offset=end,
+    )
+    return OutputEvent(stream, body, next_offset=end)  # type: ignore[arg-type]
+
+
+class OutputEvents:
+    """Turns successive ``proc_read`` answers of one stream into its events."""
+
+    def __init__(self) -> None:
+        self._held: Chunk | None = None  # the start of a character cut at a chunk's end
+
+    def of(self, answer: ReadAnswer) -> list[OutputEvent]:
+        """The events of ``answer``; the ``exit`` event last when it is the end."""
+        events: list[OutputEvent] = []
+        if answer.gap is not None:
+            events += self.flush()
+            lost_from, lost_to = answer.gap
+            gap = OutputGap(from_offset=lost_from, to=lost_to)
+            events.append(OutputEvent("gap", gap, next_offset=lost_to))
+        for run in _runs(answer.chunks):
+            held = self._held
+            if held and held.stream == run.stream and held.offset + len(held.data) == run.offset:
+                run = Chunk(run.stream, held.offset, held.data + run.data)
+                self._held = None
+            else:
+                events += self.flush()
+            events += self._decoded(run)
+        if answer.eof:
+            events += self.flush()
+            events.append(OutputEvent("exit", OutputExit(exit_code=answer.exit_code)))
+        return events
+
+    def _decoded(self, run: Chunk) -> list[OutputEvent]:
+        decoder = codecs.getincrementaldecoder("utf-8")()
+        try:
+            text = decoder.decode(run.data, final=False)
+        except UnicodeDecodeError:
+            return [_data_event(run.stream, run.offset, run.data, None)]
+        tail = decoder.getstate()[0]
+        whole = run.data[: len(run.data) - len(tail)]
+        if tail:
+            self._held = Chunk(run.stream, run.offset + len(whole), tail)
+        return [_data_event(run.stream, run.offset, whole, text)] if whole else []
+
+    def flush(self) -> list[OutputEvent]:
+        """The bytes held back, as base64: what follows them will not complete them."""
+        held, self._held = self._held, None
+        return [_data_event(held.stream, held.offset, held.data, None)] if held else []

@@ -1,0 +1,149 @@
+"""Background processes in a sandbox: start, list, inspect, stream output, stdin, signals.
+
+The guest agent owns the processes and a ring of each one's output
+(docs/guest-agent.md, "Processes"); the daemon keeps nothing about them. An
+output stream pulls from the agent one ``proc_read`` at a time, and asks for
+the next only once its consumer took the previous events, so a client that
+stops reading stops the pulling: the daemon holds one answer per stream at
+most, and each stream is its own agent request, so one slow reader stalls
+no other process or sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from forkd.controller.models import (
+    ErrorBody,
+    OutputEvent,
+    ProcessInfo,
+    ProcessResize,
+    ProcessSignal,
+    ProcessStart,
+    ProcessStdin,
+    StdinWritten,
+)
+from forkd.controller.services.process_output import OutputEvents, ReadAnswer
+from forkd.controller.services.sandboxes import SandboxService
+from forkd.errors import ForkdError, GuestError, Invalid
+
+FOLLOW_WAIT_SECS = 15.0  # one proc_read waits this long for output; then a keep-alive
+QUICK_EMPTY_SECS = 0.05  # an empty answer sooner than this is paced: the agent should wait
+
+# Starting: a missing program or working directory is the request's fault.
+_START_REFUSALS = {"FileNotFoundError": Invalid, "NotADirectoryError": Invalid}
+
+
+def _info(raw: Any) -> ProcessInfo:
+    try:
+        return ProcessInfo.model_validate(raw)
+    except ValidationError as exc:
+        raise GuestError(
+            f"malformed process info from the agent: {exc.error_count()} errors"
+        ) from exc
+
+
+class ProcessService:
+    def __init__(self, sandboxes: SandboxService) -> None:
+        self.sandboxes = sandboxes
+
+    async def start(self, sandbox_id: str, req: ProcessStart) -> ProcessInfo:
+        pty = req.pty.model_dump() if req.pty else None
+        raw = await self.sandboxes.guest(
+            sandbox_id,
+            lambda vm: vm.proc_start(req.cmd, env=req.env, cwd=req.cwd, stdin=req.stdin,
+                                     pty=pty, timeout_s=req.timeout_s),
+            _START_REFUSALS,
+        )  # fmt: skip
+        return _info(raw)
+
+    async def list(self, sandbox_id: str) -> list[ProcessInfo]:
+        raw = await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_list())
+        if not isinstance(raw, list):
+            raise GuestError("malformed process list from the agent")
+        return [_info(p) for p in raw]
+
+    async def info(self, sandbox_id: str, pid: int) -> ProcessInfo:
+        return _info(await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_info(pid)))
+
+    async def write_stdin(self, sandbox_id: str, pid: int, req: ProcessStdin) -> StdinWritten:
+        if req.encoding == "base64":
+            try:
+                data = base64.b64decode(req.data, validate=True)
+            except binascii.Error as exc:
+                raise Invalid(f"data is not base64: {exc}") from exc
+        else:
+            data = req.data.encode()
+        written = await self.sandboxes.guest(
+            sandbox_id, lambda vm: vm.proc_stdin(pid, data, eof=req.eof)
+        )
+        return StdinWritten(written=written)
+
+    async def signal(self, sandbox_id: str, pid: int, req: ProcessSignal) -> None:
+        await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_signal(pid, req.signal))
+
+    async def resize(self, sandbox_id: str, pid: int, req: ProcessResize) -> None:
+        await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_resize(pid, req.cols, req.rows))
+
+    # ------------------------------------------------------------ output
+
+    async def output(
+        self, sandbox_id: str, pid: int, offset: int, follow: bool
+    ) -> AsyncIterator[OutputEvent]:
+        """The events of ``pid``'s output from ``offset``: what is there now and, with
+        ``follow``, what comes until it exits (``exit`` last).
+
+        An unknown sandbox or process, or an offset past the output's end,
+        raises here, before the first event.
+        """
+        info = await self.info(sandbox_id, pid)
+        if offset > info.output_end:
+            raise Invalid(f"offset {offset} is past the end of the output ({info.output_end})")
+        return self._events(sandbox_id, pid, offset, None if follow else info.output_end)
+
+    async def _events(
+        self, sandbox_id: str, pid: int, offset: int, until: int | None
+    ) -> AsyncIterator[OutputEvent]:
+        """Pull and convert until the exit, or, when ``until`` is set, past ``until``.
+
+        An error after the first event ends the stream with an ``error`` event:
+        the status line was sent long ago.
+        """
+        events = OutputEvents()
+        wait = FOLLOW_WAIT_SECS if until is None else 0.0
+        while True:
+            asked = time.monotonic()
+            try:
+                answer = await self._read(sandbox_id, pid, offset, wait)
+            except ForkdError as exc:
+                for event in events.flush():
+                    yield event
+                yield OutputEvent("error", ErrorBody(error=str(exc)))
+                return
+            for event in events.of(answer):
+                yield event
+            progressed = answer.next_offset > offset or answer.gap is not None
+            offset = answer.next_offset
+            if answer.eof:
+                return
+            if until is not None and (offset >= until or not progressed):
+                for event in events.flush():
+                    yield event
+                return
+            if not progressed:
+                yield OutputEvent("keepalive")
+                if time.monotonic() - asked < QUICK_EMPTY_SECS:
+                    await asyncio.sleep(QUICK_EMPTY_SECS)
+
+    async def _read(self, sandbox_id: str, pid: int, offset: int, wait: float) -> ReadAnswer:
+        raw = await self.sandboxes.guest(
+            sandbox_id, lambda vm: vm.proc_read(pid, offset, wait_s=wait)
+        )
+        return ReadAnswer.parse(raw, offset)

@@ -1,0 +1,31 @@
+"""Server-Sent Events: an output stream's events as ``text/event-stream`` bytes.
+
+Each event is ``event:`` (its kind), ``id:`` (the output offset after it, so
+a client's ``Last-Event-ID`` is where it resumes) and one ``data:`` line of
+JSON. A keep-alive is a comment line, which clients ignore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from forkd.controller.models import OutputEvent
+
+MEDIA_TYPE = "text/event-stream"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer it
+KEEPALIVE = b": keepalive\n\n"
+
+
+def frame(event: OutputEvent) -> bytes:
+    if event.body is None:
+        return KEEPALIVE
+    lines = [f"event: {event.event}"]
+    if event.next_offset is not None:
+        lines.append(f"id: {event.next_offset}")
+    lines.append("data: " + event.body.model_dump_json(by_alias=True))
+    return ("\n".join(lines) + "\n\n").encode()
+
+
+async def framed(events: AsyncIterator[OutputEvent]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield frame(event)

@@ -1,0 +1,85 @@
+"""Output events from proc_read answers: runs joined, text or base64, cut characters held."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import pytest
+
+from forkd.controller.services.process_output import OutputEvents, ReadAnswer
+from forkd.errors import GuestError
+
+
+def answer(*chunks: tuple[str, int, bytes], eof: bool = False, **kw: Any) -> ReadAnswer:
+    raw = [{"stream": s, "offset": o, "data": base64.b64encode(d).decode()} for s, o, d in chunks]
+    end = max((o + len(d) for _, o, d in chunks), default=kw.pop("next_offset", 0))
+    body = {"chunks": raw, "next_offset": end, "gap": None, "running": not eof,
+            "exit_code": 0 if eof else None, "eof": eof, **kw}  # fmt: skip
+    return ReadAnswer.parse(body, 0)
+
+
+def plain(events: OutputEvents, ans: ReadAnswer) -> list[tuple[str, Any]]:
+    out = []
+    for e in events.of(ans):
+        body = e.body.model_dump(by_alias=True) if e.body else None
+        out.append((e.event, body))
+    return out
+
+
+def test_adjacent_chunks_of_a_stream_are_one_event() -> None:
+    got = plain(OutputEvents(), answer(("stdout", 0, b"a"), ("stdout", 1, b"b"),
+                                       ("stderr", 2, b"c"), ("stdout", 3, b"d")))  # fmt: skip
+    assert [(e, b["data"], b["offset"], b["next_offset"]) for e, b in got] == [
+        ("stdout", "ab", 0, 2), ("stderr", "c", 2, 3), ("stdout", "d", 3, 4)]  # fmt: skip
+
+
+def test_a_character_cut_between_answers_is_held_until_whole() -> None:
+    events = OutputEvents()
+    e_acute = "é".encode()
+    first = plain(events, answer(("stdout", 0, b"caf" + e_acute[:1])))
+    assert first == [("stdout", {"data": "caf", "encoding": "utf-8", "offset": 0,
+                                 "next_offset": 3})]  # fmt: skip
+    second = plain(events, answer(("stdout", 4, e_acute[1:] + b"!")))
+    assert second == [("stdout", {"data": "é!", "encoding": "utf-8", "offset": 3,
+                                  "next_offset": 6})]  # fmt: skip
+
+
+def test_a_held_start_that_is_not_continued_goes_out_as_base64() -> None:
+    events = OutputEvents()
+    plain(events, answer(("stdout", 0, b"x\xc3")))
+    got = plain(events, answer(("stderr", 2, b"e"), eof=True))
+    assert got[0] == ("stdout", {"data": base64.b64encode(b"\xc3").decode(),
+                                 "encoding": "base64", "offset": 1, "next_offset": 2})  # fmt: skip
+    assert got[1][0] == "stderr" and got[-1] == ("exit", {"exit_code": 0})
+
+
+def test_a_gap_comes_first() -> None:
+    got = plain(OutputEvents(), answer(("stdout", 10, b"z"), gap={"from": 0, "to": 10}))
+    assert got[0] == ("gap", {"from": 0, "to": 10})
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"chunks": [{"stream": "stdin", "offset": 0, "data": ""}], "next_offset": 0, "eof": False},
+        {
+            "chunks": [{"stream": "stdout", "offset": 0, "data": "!!"}],
+            "next_offset": 0,
+            "eof": False,
+        },
+        {"chunks": [], "next_offset": -1, "eof": False},
+        {"chunks": [], "next_offset": "5", "eof": False},
+        {"chunks": "no", "next_offset": 0, "eof": False},
+        {"chunks": [], "eof": False},
+        {"chunks": [], "next_offset": 3, "eof": False, "gap": {"from": 0}},
+    ],
+)
+def test_a_malformed_answer_is_a_guest_error(body: dict[str, Any]) -> None:
+    with pytest.raises(GuestError):
+        ReadAnswer.parse(body, 0)
+
+
+def test_output_never_goes_back() -> None:
+    with pytest.raises(GuestError, match="went back"):
+        ReadAnswer.parse({"chunks": [], "next_offset": 3, "eof": False}, 5)
