@@ -28,7 +28,7 @@ from forkd.guest.recipe import Recipe
 from forkd.vmm import runtime_meta, snapshot_files
 
 BUILDER_VERSION = 1
-GUEST_FILES = ("initramfs-init", "init", "inittab", rootfs.AGENT_FILE)
+GUEST_FILES = ("initramfs-init", "init", "inittab", rootfs.AGENT_FILE, rootfs.AGENT_PROCS_FILE)
 
 Progress = Callable[[str], None]
 

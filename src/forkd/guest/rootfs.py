@@ -13,6 +13,7 @@ from forkd.guest.initramfs import guest_file
 from forkd.guest.recipe import Recipe
 
 AGENT_FILE = "forkd-agent.py"
+AGENT_PROCS_FILE = "forkd_procs.py"  # the agent's background processes, imported from its directory
 BUILD_DIR = "/forkd-build"  # where a recipe's build script runs from, removed after
 
 
@@ -94,7 +95,7 @@ def assemble(base_tar: Path, work: Path, out: Path) -> None:
     opt = tree / "opt" / "forkd"
     opt.mkdir(parents=True, exist_ok=True)
     shutil.copy2(hosttools.require_static_busybox(), opt / "busybox")
-    for name, mode in (("init", 0o755), (AGENT_FILE, 0o644)):
+    for name, mode in (("init", 0o755), (AGENT_FILE, 0o644), (AGENT_PROCS_FILE, 0o644)):
         (opt / name).write_bytes(guest_file(name))
         (opt / name).chmod(mode)
     (tree / "etc" / "inittab").write_bytes(guest_file("inittab"))

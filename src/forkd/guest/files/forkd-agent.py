@@ -15,6 +15,9 @@ written in completion order, each as one whole line. Blank lines, lines that
 are not JSON objects and requests without an integer id are ignored (a
 snapshot may leave half a line behind; the host sends a lone newline first).
 
+Background processes (ops ``proc_*``) outlive their request and the host
+connection; forkd_procs.py, beside this file, runs them and keeps their output.
+
 Transports: the virtio-serial port named "agent" (default), ``--device PATH``,
 ``--socket PATH`` (unix socket, for tests) or ``--stdio``.
 
@@ -58,6 +61,13 @@ import traceback
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
+
+# forkd_procs.py lives beside the agent; the directory is on sys.path when the
+# agent runs as a script, not when a test loads this file as a module.
+_AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
+if _AGENT_DIR not in sys.path:
+    sys.path.insert(0, _AGENT_DIR)
+import forkd_procs  # noqa: E402
 
 AGENT_VERSION = "1"
 PORT_NAME = "agent"  # name of the virtio-serial port (QEMU: virtserialport,name=agent)
@@ -258,9 +268,7 @@ def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, 
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise RequestError("'argv' must be a non-empty list of strings")
     cwd = _optional(req, "cwd", str, "a string or null")
-    extra = _optional(req, "env", dict, "an object of strings or null") or {}
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
-        raise RequestError("'env' must map strings to strings")
+    env = _env(req)
     stdin = _optional(req, "stdin", str, "a string or null")
     timeout = req.get("timeout")
     if timeout is None:
@@ -269,7 +277,18 @@ def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, 
         raise RequestError("'timeout' must be a number of seconds")
     if not (timeout > 0 and math.isfinite(timeout)):
         raise RequestError("'timeout' must be > 0 and finite")
-    return argv, cwd, {**BASE_ENV, **extra}, stdin, float(timeout)
+    return argv, cwd, env, stdin, float(timeout)
+
+
+def _env(req: dict[str, Any]) -> dict[str, str]:
+    """The base environment with the request's ``env`` merged over it."""
+    extra = _optional(req, "env", dict, "an object of strings or null") or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise RequestError("'env' must map strings to strings")
+    for name, value in extra.items():
+        if not name or "=" in name or "\0" in name + value:
+            raise RequestError(f"'env' has an invalid variable: {name!r}")
+    return {**BASE_ENV, **extra}
 
 
 def op_exec(req: dict[str, Any]) -> dict[str, Any]:
@@ -559,6 +578,198 @@ def op_file_remove(req: dict[str, Any]) -> dict[str, Any]:
     return {"removed": True}
 
 
+# --------------------------------------------------------------------------- background processes
+#
+# The proc_* ops: programs that outlive their request and the host connection,
+# whose output waits in a ring per process. forkd_procs.py runs the processes;
+# here are the parameters and the answers.
+
+PROCESSES = forkd_procs.ProcessTable()
+MAX_PROC_READ_BYTES = 1024 * 1024
+DEFAULT_PROC_READ_BYTES = 256 * 1024
+MAX_PROC_WAIT_S = 30.0
+MAX_PROC_STDIN_BYTES = 1024 * 1024
+MAX_PTY_SIDE = 1000  # columns or rows
+
+
+def _int_param(
+    req: dict[str, Any], name: str, low: int, high: int | None, default: int | None = None
+) -> int:
+    value = req.get(name)
+    if value is None and default is not None:
+        return default
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        bounds = f"from {low} to {high}" if high is not None else f">= {low}"
+        raise RequestError(f"{name!r} must be an integer {bounds}")
+    return value
+
+
+def _seconds_param(req: dict[str, Any], name: str, default: float, high: float) -> float:
+    value = req.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= high:
+        raise RequestError(f"{name!r} must be a number of seconds from 0 to {high:g}")
+    return float(value)
+
+
+def _proc_argv(req: dict[str, Any]) -> list[str]:
+    cmd = req.get("cmd")
+    if isinstance(cmd, str) and cmd:
+        argv = ["/bin/sh", "-c", cmd]
+    elif isinstance(cmd, list) and cmd and all(isinstance(arg, str) for arg in cmd):
+        argv = cmd
+    else:
+        raise RequestError("'cmd' must be a non-empty string or a non-empty list of strings")
+    if any("\0" in arg for arg in argv):
+        raise RequestError("'cmd' must not contain a NUL byte")
+    return argv
+
+
+def _proc_timeout(req: dict[str, Any]) -> float | None:
+    timeout = req.get("timeout_s")
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+        raise RequestError("'timeout_s' must be a number of seconds or null")
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise RequestError("'timeout_s' must be > 0 and finite")
+    return float(timeout)
+
+
+def _pty_size(req: dict[str, Any]) -> tuple[int, int] | None:
+    """(cols, rows) of the requested pseudo-terminal, or None for pipes."""
+    pty = req.get("pty")
+    if pty is None:
+        return None
+    if not isinstance(pty, dict) or set(pty) != {"cols", "rows"}:
+        raise RequestError('\'pty\' must be null or {"cols": int, "rows": int}')
+    return _int_param(pty, "cols", 1, MAX_PTY_SIDE), _int_param(pty, "rows", 1, MAX_PTY_SIDE)
+
+
+def _signal_param(req: dict[str, Any]) -> int:
+    value = req.get("signal")
+    if isinstance(value, str):
+        name = value.upper() if value.upper().startswith("SIG") else "SIG" + value.upper()
+        try:
+            return int(signal.Signals[name])
+        except KeyError:
+            raise RequestError(f"unknown signal: {value!r}") from None
+    if isinstance(value, int) and not isinstance(value, bool) and value in signal.valid_signals():
+        return value
+    raise RequestError('\'signal\' must be a signal number or a name like "SIGTERM" or "TERM"')
+
+
+def _process(req: dict[str, Any]) -> forkd_procs.BackgroundProcess:
+    """The process named by the request's ``pid`` (ProcessLookupError if none)."""
+    return PROCESSES.get(_require(req, "pid", int, "an integer"))
+
+
+@contextlib.contextmanager
+def _request_errors() -> Iterator[None]:
+    """The process manager's ValueErrors are about the request (no pty, offset too far)."""
+    try:
+        yield
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def _proc_info(status: forkd_procs.ProcessStatus) -> dict[str, Any]:
+    exit_code = None
+    if status.returncode is not None:
+        exit_code = EXIT_TIMEOUT if status.timed_out else _exit_code(status.returncode)
+    return {
+        "pid": status.pid,
+        "cmd": status.argv,
+        "pty": status.pty,
+        "stdin": status.stdin,
+        "running": status.returncode is None,
+        "exit_code": exit_code,
+        "started_at": status.started_at,
+        "ended_at": status.ended_at,
+        "output_end": status.output_end,
+        "output_start": status.output_start,
+    }
+
+
+def op_proc_start(req: dict[str, Any]) -> dict[str, Any]:
+    cwd = _optional(req, "cwd", str, "a string or null")
+    if cwd is not None and "\0" in cwd:
+        raise RequestError("'cwd' must not contain a NUL byte")
+    spec = forkd_procs.ProcessSpec(
+        argv=_proc_argv(req),
+        env=_env(req),
+        cwd=cwd,
+        stdin=_flag(req, "stdin"),
+        pty_size=_pty_size(req),
+        timeout_s=_proc_timeout(req),
+    )
+    return _proc_info(PROCESSES.start(spec).status())
+
+
+def op_proc_list(req: dict[str, Any]) -> dict[str, Any]:
+    return {"processes": [_proc_info(proc.status()) for proc in PROCESSES.list()]}
+
+
+def op_proc_info(req: dict[str, Any]) -> dict[str, Any]:
+    return _proc_info(_process(req).status())
+
+
+def op_proc_read(req: dict[str, Any]) -> dict[str, Any]:
+    offset = _int_param(req, "offset", 0, None)
+    wait_s = _seconds_param(req, "wait_s", 0.0, MAX_PROC_WAIT_S)
+    max_bytes = _int_param(req, "max_bytes", 1, MAX_PROC_READ_BYTES, DEFAULT_PROC_READ_BYTES)
+    proc = _process(req)
+    with _request_errors():
+        output = proc.read(offset, max_bytes, wait_s)
+    info = _proc_info(output.status)
+    return {
+        "chunks": [
+            {
+                "stream": piece.stream,
+                "offset": piece.offset,
+                "data": base64.b64encode(piece.data).decode("ascii"),
+            }
+            for piece in output.pieces
+        ],
+        "next_offset": output.next_offset,
+        "gap": None if output.gap is None else {"from": output.gap[0], "to": output.gap[1]},
+        "running": info["running"],
+        "exit_code": info["exit_code"],
+        "eof": output.complete,
+    }
+
+
+def op_proc_stdin(req: dict[str, Any]) -> dict[str, Any]:
+    data = _base64(req, "data")
+    if len(data) > MAX_PROC_STDIN_BYTES:
+        raise RequestError(f"'data' is larger than {MAX_PROC_STDIN_BYTES} bytes")
+    eof = _flag(req, "eof")
+    proc = _process(req)
+    with _request_errors():
+        return {"written": proc.write_stdin(data, eof)}
+
+
+def op_proc_signal(req: dict[str, Any]) -> dict[str, Any]:
+    signum = _signal_param(req)
+    _process(req).send_signal(signum)
+    return {}
+
+
+def op_proc_resize(req: dict[str, Any]) -> dict[str, Any]:
+    cols = _int_param(req, "cols", 1, MAX_PTY_SIDE)
+    rows = _int_param(req, "rows", 1, MAX_PTY_SIDE)
+    proc = _process(req)
+    with _request_errors():
+        proc.resize(cols, rows)
+    return {}
+
+
 # --------------------------------------------------------------------------- restore
 
 
@@ -643,6 +854,13 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "file_list": op_file_list,
     "file_remove": op_file_remove,
     "restore": op_restore,
+    "proc_start": op_proc_start,
+    "proc_list": op_proc_list,
+    "proc_info": op_proc_info,
+    "proc_read": op_proc_read,
+    "proc_stdin": op_proc_stdin,
+    "proc_signal": op_proc_signal,
+    "proc_resize": op_proc_resize,
 }
 
 
