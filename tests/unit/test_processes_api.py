@@ -234,7 +234,8 @@ def test_an_agent_failure_mid_stream_ends_it_with_an_error_event(
     vm_of(server, sid).fail = "proc_read"
     stream = events(http, sid, info["pid"])
     assert [e.event for e in stream] == ["error"]
-    assert "proc_read" in json.loads(stream[0].data)["error"]
+    error = json.loads(stream[0].data)
+    assert "proc_read" in error["error"] and error["status"] == 502
 
 
 # -- stdin and signals ----------------------------------------------------------------

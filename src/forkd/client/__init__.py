@@ -10,6 +10,7 @@ Example::
     snap = Snapshot.create("py", warmup="import json")   # boot, warm up, snapshot
     with Sandbox("py") as sb:                             # fork one child
         print(sb.commands.run("uname -r").stdout)
+        server = sb.commands.run("python3 -m http.server", background=True)
         print(sb.eval("x = 41; x + 1").result)            # '42'
         sb.files.write("/tmp/hello.txt", "hi")
         branch = sb.branch()                              # pause, snapshot, resume
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 # The ``X as X`` imports are not in __all__ but stay importable from here, as
 # they were before the SDK was split into modules.
+from forkd.client.commands import CommandHandle, Commands
 from forkd.client.connection import DEFAULT_URL
 from forkd.client.connection import JSONDict as JSONDict
 from forkd.client.connection import _import_httpx_light as _import_httpx_light
@@ -37,13 +39,14 @@ from forkd.client.controller import Controller
 from forkd.client.controller import _tar_directory as _tar_directory
 from forkd.client.errors import ControllerError
 from forkd.client.guest_agent import GuestAgent
-from forkd.client.results import CommandResult, EvalResult
+from forkd.client.results import CommandResult, EvalResult, OutputEvent
 from forkd.client.results import exit_code_of as exit_code_of
-from forkd.client.sandbox import Commands, Files, Sandbox
+from forkd.client.sandbox import Files, Sandbox
 from forkd.client.snapshot import Snapshot
 
 __all__ = [
     "DEFAULT_URL",
+    "CommandHandle",
     "CommandResult",
     "Commands",
     "Controller",
@@ -51,6 +54,7 @@ __all__ = [
     "EvalResult",
     "Files",
     "GuestAgent",
+    "OutputEvent",
     "Sandbox",
     "Snapshot",
 ]

@@ -11,6 +11,7 @@ import httpx
 
 from forkd.client.connection import Address, JSONDict, _resolve_token, json_of, send
 from forkd.client.errors import ControllerError
+from forkd.client.process_routes import ProcessRoutes
 
 
 def _quote(segment: str) -> str:
@@ -22,7 +23,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-class Controller:
+class Controller(ProcessRoutes):
     """A synchronous client of the forkd daemon: one method per HTTP route.
 
     Arguments:

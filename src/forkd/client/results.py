@@ -50,3 +50,25 @@ class EvalResult:
     @property
     def ok(self) -> bool:
         return self.error is None and self.exit_code == 0
+
+
+@dataclass
+class OutputEvent:
+    """One event of a process's output stream (``GET .../processes/{pid}/output``).
+
+    ``kind`` is ``"stdout"``, ``"stderr"`` or ``"pty"`` (``data`` holds the
+    bytes, from ``offset`` to ``next_offset``), ``"gap"`` (output from
+    ``offset`` to ``next_offset`` was lost before it was read) or ``"exit"``
+    (the last one: ``exit_code``).
+    """
+
+    kind: str
+    data: bytes = b""
+    offset: int | None = None
+    next_offset: int | None = None
+    exit_code: int | None = None
+
+    @property
+    def text(self) -> str:
+        """``data`` as text (bytes that are not UTF-8 become U+FFFD)."""
+        return self.data.decode("utf-8", "replace")

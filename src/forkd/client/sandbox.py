@@ -4,49 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from forkd.client.commands import Commands
 from forkd.client.connection import JSONDict
 from forkd.client.controller import Controller
 from forkd.client.errors import ControllerError
-from forkd.client.results import CommandResult, EvalResult, exit_code_of
+from forkd.client.results import EvalResult
 
 if TYPE_CHECKING:
     from forkd.client.snapshot import Snapshot
-
-
-class Commands:
-    """``sandbox.commands``: run programs in the sandbox."""
-
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._sandbox = sandbox
-
-    def run(
-        self,
-        cmd: str | list[str],
-        timeout: float = 30,
-        cwd: str | None = None,
-        env: dict[str, str] | None = None,
-        stdin: str | bytes | None = None,
-    ) -> CommandResult:
-        """Run ``cmd`` and wait for it; a str runs as ``/bin/sh -c cmd``.
-
-        A non-zero exit is not an exception: check ``result.exit_code``.
-
-        Example::
-
-            r = sb.commands.run("echo $HOME; ls /nope", timeout=10)
-            print(r.stdout, r.stderr, r.exit_code)
-        """
-        args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
-        sb = self._sandbox
-        raw = sb.controller.exec_command(
-            sb.id, args, timeout_secs=timeout, cwd=cwd, env=env, stdin=stdin
-        )
-        return CommandResult(
-            stdout=raw.get("stdout") or "",
-            stderr=raw.get("stderr") or "",
-            exit_code=exit_code_of(raw),
-            raw=raw,
-        )
 
 
 class Files:
@@ -140,6 +105,17 @@ class Sandbox:
     def create(cls, tag: str, **kwargs: Any) -> Sandbox:
         """Fork one new sandbox from snapshot ``tag`` (same as ``Sandbox(tag, ...)``)."""
         return cls(tag, **kwargs)
+
+    @classmethod
+    def connect(cls, sandbox_id: str, *, controller: Controller | None = None) -> Sandbox:
+        """Attach to a running sandbox (same as ``Sandbox(sandbox_id=...)``).
+
+        Example::
+
+            sb = Sandbox.connect("sb-1a2b3c-0001")
+            print(sb.commands.list())
+        """
+        return cls(sandbox_id=sandbox_id, controller=controller)
 
     @property
     def id(self) -> str:

@@ -273,10 +273,17 @@ class ErrorBody(BaseModel):
     error: str
 
 
+class StreamError(BaseModel):
+    """The last event, ``error``, of a stream that failed after it began."""
+
+    error: str
+    status: int = Field(description="the HTTP status the failure would have had")
+
+
 @dataclass(frozen=True)
 class OutputEvent:
     """One event of an output stream; no ``body`` is a keep-alive while nothing happens."""
 
     event: Literal["stdout", "stderr", "pty", "gap", "exit", "error", "keepalive"]
-    body: OutputData | OutputGap | OutputExit | ErrorBody | None = None
+    body: OutputData | OutputGap | OutputExit | StreamError | None = None
     next_offset: int | None = None

@@ -2,14 +2,17 @@
 
 Each event is ``event:`` (its kind), ``id:`` (the output offset after it, so
 a client's ``Last-Event-ID`` is where it resumes) and one ``data:`` line of
-JSON. A keep-alive is a comment line, which clients ignore.
+JSON. A keep-alive is a comment line, which clients ignore. A failure after
+the first event ends the stream with an ``error`` event.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from forkd.controller.models import OutputEvent
+from forkd.controller.http_errors import status_of
+from forkd.controller.models import OutputEvent, StreamError
+from forkd.errors import ForkdError
 
 MEDIA_TYPE = "text/event-stream"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy may buffer it
@@ -27,5 +30,10 @@ def frame(event: OutputEvent) -> bytes:
 
 
 async def framed(events: AsyncIterator[OutputEvent]) -> AsyncIterator[bytes]:
-    async for event in events:
-        yield frame(event)
+    """The events as bytes; a failure after the status line went out is a last
+    ``error`` event carrying the status it would have had."""
+    try:
+        async for event in events:
+            yield frame(event)
+    except ForkdError as exc:
+        yield frame(OutputEvent("error", StreamError(error=str(exc), status=status_of(exc))))

@@ -59,9 +59,10 @@ def answer_cap(op: str) -> int:
     """The longest answer line accepted for a request of ``op``, in bytes."""
     if op == "file_read":
         return limits.AGENT_FILE_LINE_MAX_BYTES
-    # proc_read: 256 KiB of output is 342 KiB as base64, but each chunk adds ~60
-    # bytes of JSON; a process writing a byte at a time makes a chunk per byte.
-    if op in ("exec", "eval", "file_list", "proc_read", "proc_list"):
+    # proc_read fits the default: 1 MiB of output at most (342 KiB as forkd asks
+    # for 256 KiB) as base64, plus ~64 bytes of JSON for each of at most 16384
+    # chunks the agent's ring holds: under 2.5 MiB. proc_list: 128 commands' argv.
+    if op in ("exec", "eval", "file_list", "proc_list"):
         return limits.AGENT_OUTPUT_LINE_MAX_BYTES
     return limits.AGENT_LINE_MAX_BYTES
 

@@ -21,7 +21,6 @@ from typing import Any
 from pydantic import ValidationError
 
 from forkd.controller.models import (
-    ErrorBody,
     OutputEvent,
     ProcessInfo,
     ProcessResize,
@@ -113,8 +112,8 @@ class ProcessService:
     ) -> AsyncIterator[OutputEvent]:
         """Pull and convert until the exit, or, when ``until`` is set, past ``until``.
 
-        An error after the first event ends the stream with an ``error`` event:
-        the status line was sent long ago.
+        A failure raises after the events read before it: the framing ends
+        the stream with it (see :mod:`forkd.controller.sse`).
         """
         events = OutputEvents()
         wait = FOLLOW_WAIT_SECS if until is None else 0.0
@@ -122,11 +121,10 @@ class ProcessService:
             asked = time.monotonic()
             try:
                 answer = await self._read(sandbox_id, pid, offset, wait)
-            except ForkdError as exc:
-                for event in events.flush():
+            except ForkdError:
+                for event in events.flush():  # what was read before the failure
                     yield event
-                yield OutputEvent("error", ErrorBody(error=str(exc)))
-                return
+                raise
             for event in events.of(answer):
                 yield event
             progressed = answer.next_offset > offset or answer.gap is not None
