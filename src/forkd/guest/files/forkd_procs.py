@@ -288,6 +288,8 @@ class BackgroundProcess:
         except RuntimeError:  # no thread for it: do not leave it running unwatched
             self._kill_group(signal.SIGKILL)
             self._popen.wait()
+            if not any(reader.is_alive() for reader in self._readers):
+                _close_fds(fds)  # else a started reader still reads one of them
             raise
 
     @property
