@@ -76,12 +76,12 @@ def test_cli_exec_passes_exit_code(forkd: Invoke, sent: RecordingTransport, sid:
     res = forkd("exec", sid, "--", "echo", "hello", "-n")
     assert res.exit_code == 0, res.output
     assert res.stdout == "hello -n\n"
-    assert sent.body() == {"args": ["echo", "hello", "-n"], "timeout_secs": 30.0}
+    assert sent.body(-2) == {"cmd": ["echo", "hello", "-n"], "stdin": False, "timeout_s": 30.0}
 
     res = forkd("exec", "--timeout", "5", sid, "--", "exit", "7")
     assert res.exit_code == 7
     assert res.stderr == "exit 7\n"
-    assert sent.body()["timeout_secs"] == 5.0
+    assert sent.body(-2)["timeout_s"] == 5.0
 
     res = forkd("exec", sid, "--json", "--", "exit", "3")
     assert res.exit_code == 3

@@ -2,7 +2,7 @@
 
 Each command group lives in its own module: ``images`` (``forkd image``),
 ``daemon`` (``serve``, ``doctor``), and the commands that talk to a running
-daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``. Those take
+daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``, ``processes``. Those take
 ``--url`` (``$FORKD_URL``), ``--token-file`` (``$FORKD_TOKEN_FILE``) and
 ``--json`` (see :mod:`forkd.cli.options`); an error from the daemon prints its
 message and exits 1, exit 2 when the daemon cannot be reached.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from forkd import __version__
-from forkd.cli import daemon, images, sandboxes, snapshots, volumes
+from forkd.cli import daemon, images, processes, sandboxes, snapshots, volumes
 from forkd.cli.render import out
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     snapshots.register(app, transport=transport)
     volumes.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
+    processes.register(app, transport=transport)
 
 
 app.command()(version)

@@ -1,4 +1,4 @@
-"""The commands on sandboxes: ``fork``, ``branch``, ``ps``, ``exec``, ``eval``, ``rm``, ``tree``."""
+"""The commands on sandboxes: ``fork``, ``branch``, ``ps``, ``eval``, ``rm``, ``tree``."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     app.command("branch")(daemon(branch))
     app.command("tree")(daemon(tree))
     app.command("ps")(daemon(ps))
-    app.command("exec")(daemon(exec_))
     app.command("eval")(daemon(eval_))
 
 
@@ -114,50 +113,6 @@ def ps(conn: Connection) -> None:
     out.print(render.sandbox_table(sandboxes))
     if not sandboxes:
         err.print("no sandboxes: run 'forkd fork --tag TAG'")
-
-
-def exec_(
-    conn: Connection,
-    sandbox_id: SandboxIdArg,
-    cmd: Annotated[
-        list[str], typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
-    ],
-    timeout: Annotated[
-        float, typer.Option("--timeout", help="Kill the command after this many seconds.")
-    ] = 30,
-    cwd: Annotated[str | None, typer.Option("--cwd", help="Working directory.")] = None,
-    env: Annotated[
-        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeatable).")
-    ] = None,
-) -> None:
-    """Run a command in a sandbox; exits with the command's exit code (124: timed out)."""
-    env_map = parse_env(env) if env else None
-    with daemon_errors(), conn.controller() as ctl:
-        result = ctl.exec_command(sandbox_id, list(cmd), timeout_secs=timeout, cwd=cwd, env=env_map)
-    from forkd.client import exit_code_of
-
-    code = exit_code_of(result)
-    code = code if 0 <= code <= 255 else 1
-    if conn.as_json:
-        render.print_json(result)
-    else:
-        sys.stdout.write(result.get("stdout") or "")
-        sys.stdout.flush()
-        sys.stderr.write(result.get("stderr") or "")
-        sys.stderr.flush()
-    raise typer.Exit(code)
-
-
-def parse_env(items: list[str]) -> dict[str, str]:
-    """``KEY=VALUE`` items → a dict; exit 2 on one without ``=`` or a key."""
-    env_map = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            err.print(f"[bold red]error:[/] --env wants KEY=VALUE, not {escape(item)!r}")
-            raise typer.Exit(2)
-        env_map[key] = value
-    return env_map
 
 
 def eval_(

@@ -1,0 +1,152 @@
+"""The commands on a sandbox's processes: ``exec`` (output as it comes), ``top``, ``kill``."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
+
+import typer
+from rich.markup import escape
+
+from forkd.cli import render
+from forkd.cli.failures import daemon_errors, fail
+from forkd.cli.options import Connection, with_connection
+from forkd.cli.render import err, out
+
+if TYPE_CHECKING:
+    import httpx
+
+    from forkd.client import Controller
+
+SandboxIdArg = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
+STREAM_RETRIES = 3  # a broken output stream is resumed at its offset this many times
+
+
+def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
+    """Add the process commands to ``app``; ``transport`` is for tests."""
+    daemon = functools.partial(with_connection, transport=transport)
+    app.command("exec")(daemon(exec_))
+    app.command("top")(daemon(top))
+    app.command("kill")(daemon(kill))
+
+
+def exec_(
+    conn: Connection,
+    sandbox_id: SandboxIdArg,
+    cmd: Annotated[
+        list[str], typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
+    ],
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Kill the command after this many seconds.")
+    ] = 30,
+    cwd: Annotated[str | None, typer.Option("--cwd", help="Working directory.")] = None,
+    env: Annotated[
+        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeatable).")
+    ] = None,
+) -> None:
+    """Run a command in a sandbox, printing its output as it comes; exits with its
+    exit code (124: timed out). With --json, prints the whole result at the end."""
+    env_map = parse_env(env) if env else None
+    with daemon_errors(), conn.controller() as ctl:
+        if conn.as_json:
+            from forkd.client import exit_code_of
+
+            result = ctl.exec_command(
+                sandbox_id, list(cmd), timeout_secs=timeout, cwd=cwd, env=env_map
+            )
+            render.print_json(result)
+            code = exit_code_of(result)
+        else:
+            info = ctl.start_process(sandbox_id, list(cmd), env=env_map, cwd=cwd,
+                                     timeout_s=timeout)  # fmt: skip
+            code = _follow(ctl, sandbox_id, int(info["pid"]))
+    raise typer.Exit(code if 0 <= code <= 255 else 1)
+
+
+def _follow(ctl: Controller, sandbox_id: str, pid: int) -> int:
+    """Copy the process's output to ours until it exits; its exit code.
+
+    Ctrl-C sends it SIGINT, as a terminal would, and exits 130.
+    """
+    from forkd.client import ControllerError
+
+    sinks: dict[str, BinaryIO] = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer,
+                                  "pty": sys.stdout.buffer}  # fmt: skip
+    offset, retries = 0, STREAM_RETRIES
+    try:
+        while True:
+            try:
+                for event in ctl.process_output(sandbox_id, pid, offset):
+                    if event.kind in sinks:
+                        sinks[event.kind].write(event.data)
+                        sinks[event.kind].flush()
+                    elif event.kind == "gap":
+                        err.print(f"[yellow]({event.next_offset - (event.offset or 0)} bytes "
+                                  "of output were lost)[/]")  # fmt: skip
+                    elif event.kind == "exit":
+                        return -1 if event.exit_code is None else event.exit_code
+                    offset = event.next_offset if event.next_offset is not None else offset
+                raise ControllerError(0, "the output stream ended before the process did")
+            except ControllerError as exc:
+                if exc.status != 0 or retries == 0:
+                    raise
+                retries -= 1
+    except KeyboardInterrupt:
+        ctl.signal_process(sandbox_id, pid, "SIGINT")
+        raise typer.Exit(130) from None
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items → a dict; exit 2 on one without ``=`` or a key."""
+    env_map = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise fail(f"--env wants KEY=VALUE, not {escape(item)!r}", 2)
+        env_map[key] = value
+    return env_map
+
+
+def top(conn: Connection, sandbox_id: SandboxIdArg) -> None:
+    """List a sandbox's processes: running ones, then recently exited ones."""
+    with daemon_errors(), conn.controller() as ctl:
+        procs = ctl.list_processes(sandbox_id)
+    if conn.as_json:
+        render.print_json(procs)
+        return
+    out.print(process_table(procs))
+    if not procs:
+        err.print(f"no processes in {escape(sandbox_id)}: start one with 'forkd exec'")
+
+
+def process_table(procs: list[dict[str, Any]]) -> Any:
+    table = render.wrapping_table("PID", "STATE", "STARTED", "OUTPUT", "COMMAND")
+    for p in procs:
+        state = "running" if p.get("running") else f"exited {p.get('exit_code')}"
+        table.add_row(
+            render.cell(p.get("pid")),
+            state,
+            render.age(p.get("started_at")),
+            render.byte_size(p.get("output_end")),
+            render.cell(" ".join(map(str, p.get("cmd") or []))),
+        )
+    return table
+
+
+def kill(
+    conn: Connection,
+    sandbox_id: SandboxIdArg,
+    pid: Annotated[int, typer.Argument(metavar="PID", help="Process id in the sandbox.", min=1)],
+    signal: Annotated[
+        str, typer.Option("--signal", "-s", help="Signal name or number (TERM, KILL, 9...).")
+    ] = "TERM",
+) -> None:
+    """Send a signal to a process in a sandbox (and its process group)."""
+    sig: int | str = int(signal) if signal.isdigit() else signal
+    with daemon_errors(), conn.controller() as ctl:
+        ctl.signal_process(sandbox_id, pid, sig)
+    if conn.as_json:
+        render.print_json({"pid": pid, "signal": sig})
+    else:
+        out.print(f"sent {escape(str(sig))} to {pid} in {escape(sandbox_id)}")

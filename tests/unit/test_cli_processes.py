@@ -1,0 +1,99 @@
+"""``forkd exec`` (streaming), ``forkd top`` and ``forkd kill`` against the real app over the
+fake driver, under a real uvicorn on loopback (the fake guest's scripts: fake_processes.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+from typer.testing import CliRunner
+
+from forkd.client import Controller
+from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.test_cli import Invoke, env_of, make_app
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("FORKD_URL", "FORKD_TOKEN", "FORKD_TOKEN_FILE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def forkd(server: Server, sent: RecordingTransport) -> Invoke:
+    app = make_app(sent)
+    return lambda *args: runner.invoke(app, list(args), env=env_of(server))
+
+
+@pytest.fixture
+def ctl(server: Server) -> Iterator[Controller]:
+    with Controller(server.url, token=server.token) as c:
+        yield c
+
+
+def test_exec_prints_output_as_it_comes(server: Server, sid: str) -> None:
+    """The real CLI in a subprocess: the first line is out long before the command ends."""
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "forkd.cli", "exec", sid, "--", "count", "3", "0.5"],
+        stdout=subprocess.PIPE, env={**os.environ, **env_of(server)},
+    )  # fmt: skip
+    assert cli.stdout is not None
+    t0 = time.monotonic()
+    first = cli.stdout.readline()
+    first_at = time.monotonic() - t0
+    rest = cli.stdout.read()
+    assert cli.wait(10) == 0
+    assert (first, rest) == (b"1\n", b"2\n3\n")
+    assert time.monotonic() - t0 - first_at > 0.8  # the rest came a second later
+
+
+def test_exec_streams_stderr_and_bytes_and_exits_with_the_code(forkd: Invoke, sid: str) -> None:
+    res = forkd("exec", sid, "--", "exit", "7")
+    assert (res.exit_code, res.stdout, res.stderr) == (7, "", "exit 7\n")
+    res = forkd("exec", sid, "--", "hex", "ff00")
+    assert res.exit_code == 0 and res.stdout_bytes == b"\xff\x00"
+    res = forkd("exec", "--timeout", "0.2", sid, "--", "sleep", "30")
+    assert res.exit_code == 124
+    res = forkd("exec", sid, "--env", "novalue", "--", "true")
+    assert res.exit_code == 2 and "KEY=VALUE" in res.stderr
+    res = forkd("exec", sid, "--", "nosuch")
+    assert res.exit_code == 1 and "No such file" in res.stderr
+
+
+def test_exec_json_stays_one_buffered_answer(
+    forkd: Invoke, sent: RecordingTransport, sid: str
+) -> None:
+    res = forkd("exec", sid, "--json", "--cwd", "/", "--", "exit", "3")
+    assert res.exit_code == 3 and json.loads(res.stdout)["exit_code"] == 3
+    assert sent.last.url.path.endswith("/exec")
+    assert sent.body() == {"args": ["exit", "3"], "timeout_secs": 30.0, "cwd": "/"}
+
+
+def test_top_and_kill(forkd: Invoke, ctl: Controller, sid: str) -> None:
+    res = forkd("top", sid)
+    assert res.exit_code == 0 and "no processes" in res.stderr
+    sleeper = ctl.start_process(sid, ["sleep", "30"])
+    done = ctl.start_process(sid, ["echo", "x"])
+    res = forkd("top", sid)
+    assert res.exit_code == 0
+    assert "sleep 30" in res.stdout and "running" in res.stdout and "exited 0" in res.stdout
+    listed = json.loads(forkd("top", sid, "--json").stdout)
+    assert [p["pid"] for p in listed] == [sleeper["pid"], done["pid"]]
+
+    res = forkd("kill", sid, str(sleeper["pid"]), "--signal", "KILL")
+    assert res.exit_code == 0 and f"sent KILL to {sleeper['pid']}" in res.stdout
+    assert ctl.get_process(sid, sleeper["pid"])["exit_code"] == 137
+    other = ctl.start_process(sid, ["sleep", "30"])
+    assert forkd("kill", sid, str(other["pid"]), "-s", "2").exit_code == 0
+    assert ctl.get_process(sid, other["pid"])["exit_code"] == 130
+    res = forkd("kill", sid, "4242")
+    assert res.exit_code == 1 and "4242" in res.stderr
+    res = forkd("kill", sid, str(other["pid"]), "--signal", "NOPE!")
+    assert res.exit_code == 1 and "signal" in res.stderr
