@@ -239,18 +239,22 @@ def _write_until_stalled(fd: int, data: bytes, stall_s: float) -> int:
     poller.register(fd, select.POLLOUT)
     view = memoryview(data)
     written = 0
+    writable = True  # the last poll said so (or there was none yet)
     while written < len(data):
         try:
             written += os.write(fd, view[written:])
             continue
         except BlockingIOError:
-            pass
+            if not writable:  # a hang-up or error without room: do not spin
+                break
         except BrokenPipeError:
             if written == 0:
                 raise
             break
-        if not poller.poll(stall_s * 1000):
+        events = poller.poll(stall_s * 1000)
+        if not events:
             break
+        writable = any(ev & select.POLLOUT for _, ev in events)
     return written
 
 
