@@ -34,7 +34,7 @@ class CommandHandle:
 
     Example::
 
-        h = sb.commands.run("python3 -m http.server 8000", background=True)
+        h = sb.commands.run("python3 -u -m http.server 8000", background=True)
         for stdout, stderr, _pty in h:
             if stdout and "Serving" in stdout:
                 break
