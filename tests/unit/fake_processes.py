@@ -136,6 +136,9 @@ async def _run(proc: FakeProcess, timeout_s: float | None) -> None:
         proc.end(await asyncio.wait_for(_script(proc), timeout_s))
     except TimeoutError:
         proc.end(124)
+    except (ValueError, IndexError) as exc:  # a script given arguments it cannot use
+        proc.write("stderr", f"{exc}\n".encode())
+        proc.end(2)
 
 
 class FakeProcesses:

@@ -260,8 +260,9 @@ def test_stdin_feeds_cat(http: httpx.Client, sid: str) -> None:
     assert json.loads(stream[-1].data) == {"exit_code": 0}
     r = http.post(f"{base}/stdin", json={"data": "late"})
     assert r.status_code == 409, r.text
-    r = http.post(f"{base}/stdin", json={"data": "!", "encoding": "base64"})
-    assert r.status_code == 400 and "base64" in r.json()["error"]
+    for bad in ("!", "é==="):
+        r = http.post(f"{base}/stdin", json={"data": bad, "encoding": "base64"})
+        assert r.status_code == 400 and "base64" in r.json()["error"]
 
 
 def test_stdin_of_a_process_without_it_is_a_400(http: httpx.Client, sid: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import binascii
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -76,7 +75,7 @@ class ProcessService:
         if req.encoding == "base64":
             try:
                 data = base64.b64decode(req.data, validate=True)
-            except binascii.Error as exc:
+            except ValueError as exc:  # binascii.Error, or characters past ASCII
                 raise Invalid(f"data is not base64: {exc}") from exc
         else:
             data = req.data.encode()
