@@ -82,6 +82,7 @@ def test_list_inspect_and_signal(sb: Sandbox, ctl: Controller) -> None:
     assert info["running"] and info["cmd"] == ["sleep", "1000"]
     assert info["pid"] in [p["pid"] for p in sb.commands.list()]
     assert ctl.get_process(sb.id, info["pid"])["running"]
+    assert list(ctl.process_output(sb.id, info["pid"], follow=False)) == []  # nothing yet
     ctl.signal_process(sb.id, info["pid"], "SIGTERM")
     done = sb.commands.connect(info["pid"]).wait()
     assert done.exit_code == 143
@@ -108,11 +109,21 @@ def test_a_lost_range_is_a_gap_event(sb: Sandbox, ctl: Controller) -> None:
     assert events[-1].kind == "exit" and events[-1].exit_code == 0
 
 
-def test_a_terminal(sb: Sandbox, ctl: Controller) -> None:
-    info = ctl.start_process(sb.id, "tty; stty size", pty=(100, 30))
-    assert info["pty"]
-    out = b"".join(e.data for e in ctl.process_output(sb.id, info["pid"]) if e.kind == "pty")
-    assert b"/dev/pts/" in out and b"30 100" in out
+def test_a_terminal_and_its_resize(sb: Sandbox, ctl: Controller) -> None:
+    info = ctl.start_process(sb.id, ["sh"], pty=(100, 30))
+    assert info["pty"] and info["stdin"]
+    ctl.send_stdin(sb.id, info["pid"], "tty; stty size\n")
+    seen = b""
+    for event in ctl.process_output(sb.id, info["pid"]):
+        seen += event.data
+        if b"30 100" in seen:
+            break
+    assert b"/dev/pts/" in seen
+    ctl.resize_process(sb.id, info["pid"], 120, 40)
+    ctl.send_stdin(sb.id, info["pid"], "stty size; exit 3\n")
+    rest = list(ctl.process_output(sb.id, info["pid"], offset=len(seen)))
+    assert b"40 120" in b"".join(e.data for e in rest if e.kind == "pty")
+    assert rest[-1].kind == "exit" and rest[-1].exit_code == 3
 
 
 def test_cli_exec_streams_and_exits_with_the_code(daemon: Daemon, sb: Sandbox) -> None:
@@ -128,9 +139,19 @@ def test_cli_exec_streams_and_exits_with_the_code(daemon: Daemon, sb: Sandbox) -
     assert cli.stdout.read() == b"second\n"
     assert cli.wait(30) == 5
     assert time.monotonic() - t0 - first_at > 2.0
-    r = subprocess.run([sys.executable, "-m", "forkd.cli", "top", sb.id, "--json"],
-                       capture_output=True, text=True, env=daemon.env(), timeout=60)  # fmt: skip
+    r = _cli(daemon, "top", sb.id, "--json")
     assert any(p["cmd"][-1].startswith("echo first") for p in json.loads(r.stdout))
+    sleeper = sb.commands.run(["sleep", "1000"], background=True)
+    r = _cli(daemon, "kill", sb.id, str(sleeper.pid), "--signal", "KILL")
+    assert r.returncode == 0, r.stderr
+    assert sleeper.wait().exit_code == 137
+    r = _cli(daemon, "top", sb.id)
+    assert r.returncode == 0 and "sleep 1000" in r.stdout and "exited 137" in r.stdout
+
+
+def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "forkd.cli", *args],
+                          capture_output=True, text=True, env=daemon.env(), timeout=60)  # fmt: skip
 
 
 def test_a_running_process_carries_on_in_every_fork_of_a_branch(

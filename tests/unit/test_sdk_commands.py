@@ -80,6 +80,8 @@ def test_stdin_kill_and_connect(sb: Sandbox) -> None:
     cat.close_stdin()
     assert cat.wait().stdout == "one\ntwo\n"
     assert sb.commands.run(["cat"], stdin="fed\n", on_stdout=lambda _: None).stdout == "fed\n"
+    with pytest.raises(ValueError, match="background"):
+        sb.commands.run(["cat"], stdin=True)
 
     sleeper = sb.commands.run(["sleep", "30"], background=True)
     again = sb.commands.connect(sleeper.pid)

@@ -171,7 +171,7 @@ class Commands:
 
         ``timeout``: seconds until it is killed (exit code 124); by default 30
         in the foreground and none in the background. ``stdin``: data to feed
-        it, then EOF; ``True`` keeps stdin open for ``send_stdin``. ``envs``
+        it, then EOF; ``True`` (background only) keeps it open for ``send_stdin``. ``envs``
         (E2B's name) and ``env`` are merged over the sandbox's environment.
 
         With ``on_stdout``/``on_stderr``, each piece of output is passed to
@@ -183,9 +183,11 @@ class Commands:
             r = sb.commands.run("for i in 1 2 3; do echo $i; sleep 1; done", on_stdout=print)
             h = sb.commands.run("npm run dev", background=True, cwd="/app")
         """
+        if stdin is True and not background:
+            raise ValueError("stdin=True keeps stdin open for send_stdin: it needs background=True")
         merged_env = {**(env or {}), **(envs or {})} or None
         streamed = background or on_stdout is not None or on_stderr is not None
-        if not streamed and stdin is not True:
+        if not streamed:
             return self._exec(cmd, timeout, cwd, merged_env, stdin or None)
         if timeout is None and not background:
             timeout = FOREGROUND_TIMEOUT_SECS
