@@ -238,6 +238,20 @@ def test_an_agent_failure_mid_stream_ends_it_with_an_error_event(
     assert "proc_read" in error["error"] and error["status"] == 502
 
 
+def test_a_sandbox_dying_mid_stream_ends_it_with_a_409_event(
+    server: Server, http: httpx.Client, sid: str
+) -> None:
+    info = start(http, sid, ["count", "1000", "0.05"])
+    url = f"/v1/sandboxes/{sid}/processes/{info['pid']}/output"
+    with connect_sse(http, "GET", url) as source:
+        sse = source.iter_sse()
+        assert next(sse).event == "stdout"
+        vm_of(server, sid).alive = False  # its QEMU exited
+        rest = list(sse)
+    error = json.loads(rest[-1].data)
+    assert rest[-1].event == "error" and error["status"] == 409 and "dead" in error["error"]
+
+
 # -- stdin and signals ----------------------------------------------------------------
 
 
