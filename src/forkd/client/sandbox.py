@@ -1,4 +1,4 @@
-"""A running sandbox as an object: :class:`Sandbox`, with its ``commands`` and ``files``."""
+"""A running sandbox as an object: :class:`Sandbox`, with its ``commands``, ``files``, ``pty``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from forkd.client.commands import Commands
 from forkd.client.connection import JSONDict
 from forkd.client.controller import Controller
 from forkd.client.errors import ControllerError
+from forkd.client.pty import Pty
 from forkd.client.results import EvalResult
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class Sandbox:
         self._killed = False
         self.commands = Commands(self)
         self.files = Files(self)
+        self.pty = Pty(self)
 
     @classmethod
     def _wrap(cls, controller: Controller, info: JSONDict) -> Sandbox:

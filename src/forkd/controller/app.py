@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from forkd import __version__
-from forkd.controller import http_errors, routes
+from forkd.controller import http_errors, pty_ws, routes
 from forkd.controller.audit import AuditLog
 from forkd.controller.metrics import Metrics
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
@@ -58,4 +58,5 @@ def create_app(
     http_errors.install(app)
     for router in routes.ROUTERS:
         app.include_router(router)
+    app.include_router(pty_ws.router)  # a WebSocket: not in the OpenAPI document
     return app

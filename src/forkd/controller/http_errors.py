@@ -13,6 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from forkd.controller.models import ErrorBody
 from forkd.errors import (
@@ -29,6 +30,8 @@ from forkd.errors import (
 from forkd.limits import AUDIT_FIELD_LIMIT
 
 log = logging.getLogger(__name__)
+
+WS_REASON_BYTES = 123  # the most a WebSocket close frame's reason may hold
 
 STATUS: dict[type[ForkdError], int] = {
     Invalid: 400,
@@ -72,6 +75,27 @@ def error_response(status: int, message: str, *, close: bool = False) -> JSONRes
     """``{"error": message}``; ``close`` ends the connection after it (a body left unread)."""
     headers = {"connection": "close"} if close else None
     return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def close_reason(message: str) -> str:
+    """``message`` cut to fit a WebSocket close frame, never inside a character."""
+    return message.encode()[:WS_REASON_BYTES].decode(errors="ignore")
+
+
+async def refuse_websocket(
+    scope: Scope, receive: Receive, send: Send, status: int, message: str
+) -> None:
+    """Refuse a WebSocket handshake with ``status`` and ``{"error": message}``.
+
+    Where the server can answer a handshake with an HTTP response (ASGI's
+    ``websocket.http.response`` extension; uvicorn can), the client gets
+    exactly that; elsewhere the socket is closed before it is accepted, which
+    the server answers with a 403, the reason unsent.
+    """
+    if "websocket.http.response" in (scope.get("extensions") or {}):
+        await error_response(status, message)(scope, receive, send)
+    else:
+        await send({"type": "websocket.close", "code": 1008, "reason": close_reason(message)})
 
 
 def internal_error(exc: BaseException, method: str, path: str) -> tuple[str, JSONResponse]:

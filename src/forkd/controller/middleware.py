@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import re
 import time
@@ -9,10 +10,16 @@ import time
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from forkd.controller.audit import AuditLog, Fields
-from forkd.controller.http_errors import error_response, internal_error
+from forkd.controller.http_errors import (
+    close_reason,
+    error_response,
+    internal_error,
+    refuse_websocket,
+)
 from forkd.limits import FILE_BODY_LIMIT, JSON_BODY_LIMIT
 
 UNAUDITED = ("/healthz", "/metrics")
+UNAUTHORIZED = "missing or wrong bearer token"
 _ID_IN_PATH = re.compile(r"^/v1/(sandboxes|snapshots)/([^/]+)")
 
 
@@ -22,7 +29,7 @@ def _is_raw_body_route(path: str) -> bool:
 
 
 class GuardMiddleware:
-    """Bearer-token auth on every route but /healthz, and request body limits.
+    """Bearer-token auth on every route but /healthz, WebSockets too, and request body limits.
 
     The body limit counts the bytes that arrive, whatever ``Content-Length``
     and ``Transfer-Encoding`` claim: uvicorn frames a request that sends both
@@ -36,18 +43,22 @@ class GuardMiddleware:
         self.token = token.encode() if token else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":
+            # A handshake has no body; its frames are the route's to bound.
+            if self._authorized(scope, scope["path"]):
+                await self.app(scope, receive, send)
+            else:
+                await refuse_websocket(scope, receive, send, 401, UNAUTHORIZED)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v for k, v in scope["headers"]}
-        if self.token is not None and path != "/healthz":
-            given = headers.get("authorization", b"")
-            if not hmac.compare_digest(given, b"Bearer " + self.token):
-                # The body is left unread; closing stops uvicorn draining it.
-                refusal = error_response(401, "missing or wrong bearer token", close=True)
-                await refusal(scope, receive, send)
-                return
+        if not self._authorized(scope, path):
+            # The body is left unread; closing stops uvicorn draining it.
+            await error_response(401, UNAUTHORIZED, close=True)(scope, receive, send)
+            return
         limit = FILE_BODY_LIMIT if _is_raw_body_route(path) else JSON_BODY_LIMIT
         too_big = error_response(413, f"request body over {limit} bytes", close=True)
         length = headers.get("content-length", b"")
@@ -62,6 +73,12 @@ class GuardMiddleware:
             await too_big(scope, receive, send)
             return
         await self.app(_with_body_headers(scope, len(body)), _replay(body, receive), send)
+
+    def _authorized(self, scope: Scope, path: str) -> bool:
+        if self.token is None or path == "/healthz":
+            return True
+        given = {k.lower(): v for k, v in scope["headers"]}.get(b"authorization", b"")
+        return hmac.compare_digest(given, b"Bearer " + self.token)
 
 
 class _ClientGone(Exception):
@@ -131,30 +148,55 @@ class AuditMiddleware:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
         started = time.monotonic()
         status: int | None = None  # stays None if no answer was sent
         error_id: str | None = None
+        method = scope.get("method", "GET")  # a WebSocket handshake is a GET
 
         async def send_and_note(message: Message) -> None:
             nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
+            if status is None:
+                status = _status_of(message)
             await send(message)
 
         try:
             await self.app(scope, receive, send_and_note)
         except Exception as exc:
-            if status is not None:
+            if status not in (None, 101):
                 raise  # the answer has begun: nothing to do but end the connection
-            error_id, answer = internal_error(exc, scope["method"], scope["path"])
-            await answer(scope, receive, send_and_note)
+            error_id, answer = internal_error(exc, method, scope["path"])
+            said = f"internal error (id {error_id})"
+            if scope["type"] == "http":
+                await answer(scope, receive, send_and_note)
+            elif status is None:
+                await refuse_websocket(scope, receive, send_and_note, 500, said)
+            else:  # an accepted WebSocket: close it, saying why
+                with contextlib.suppress(Exception):  # the client may be gone already
+                    await send({"type": "websocket.close", "code": 1011,
+                                "reason": close_reason(said)})  # fmt: skip
         finally:
             audit = _audit_log(scope)
             if audit is not None and scope["path"] not in UNAUDITED:
                 audit.write(**_record(scope, status, started, error_id))
+
+
+def _status_of(message: Message) -> int | None:
+    """The status an answer's first message gives the request, if it is one.
+
+    A WebSocket accepted is 101 (Switching Protocols); closed before it was
+    accepted, the server answers 403.
+    """
+    kind = message["type"]
+    if kind in ("http.response.start", "websocket.http.response.start"):
+        return int(message["status"])
+    if kind == "websocket.accept":
+        return 101
+    if kind == "websocket.close":
+        return 403
+    return None
 
 
 def _record(scope: Scope, status: int | None, started: float, error_id: str | None) -> Fields:
@@ -162,7 +204,7 @@ def _record(scope: Scope, status: int | None, started: float, error_id: str | No
     m = _ID_IN_PATH.match(path)
     client = scope.get("client")
     record: Fields = {
-        "method": scope["method"],
+        "method": scope.get("method", "GET"),
         "path": path,
         "status": status,
         "sandbox_id": m.group(2) if m and m.group(1) == "sandboxes" else None,
@@ -170,6 +212,8 @@ def _record(scope: Scope, status: int | None, started: float, error_id: str | No
         "duration_ms": round((time.monotonic() - started) * 1000, 1),
         "client": client[0] if client else None,
     }
+    if scope["type"] == "websocket":
+        record["websocket"] = True
     if error_id is not None:
         record["error_id"] = error_id
     return record

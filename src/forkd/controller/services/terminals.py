@@ -1,0 +1,105 @@
+"""A background process's terminal as raw bytes: its output from an offset, keystrokes in.
+
+The processes service streams output as events for Server-Sent Events; a
+terminal wants the bytes themselves, both ways (the ``/pty`` WebSocket,
+docs/API.md). Output is pulled from the agent one ``proc_read`` at a time
+and the next is asked for only once the consumer took the previous piece,
+so a client that stops reading stops the pulling: the daemon holds one
+answer (at most ``PROC_READ_MAX_BYTES``) per terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from forkd.controller.models import ProcessInfo
+from forkd.controller.services.process_output import ReadAnswer
+from forkd.controller.services.processes import (
+    FOLLOW_WAIT_SECS,
+    QUICK_EMPTY_SECS,
+    ProcessService,
+)
+from forkd.errors import Invalid
+
+
+@dataclass(frozen=True)
+class TerminalBytes:
+    """Output bytes, ``data``, that start at ``offset``."""
+
+    data: bytes
+    offset: int
+
+
+@dataclass(frozen=True)
+class TerminalGap:
+    """Output from ``lost_from`` to ``lost_to`` left the guest's ring before it was read."""
+
+    lost_from: int
+    lost_to: int
+
+
+@dataclass(frozen=True)
+class TerminalExit:
+    """The process ended and all its output was given; the last piece."""
+
+    exit_code: int | None
+
+
+TerminalPiece = TerminalBytes | TerminalGap | TerminalExit
+
+
+class TerminalService:
+    """Opens the terminal of a process started with ``pty``; writes to it and resizes it."""
+
+    def __init__(self, processes: ProcessService) -> None:
+        self.processes = processes
+
+    async def open(self, sandbox_id: str, pid: int, offset: int) -> AsyncIterator[TerminalPiece]:
+        """The terminal's output from ``offset`` until the process exits (the exit last).
+
+        An unknown sandbox or process, a process without a terminal, or an
+        offset past the output's end raises here, before the first piece.
+        """
+        info = await self.processes.info(sandbox_id, pid)
+        check_terminal(info, offset)
+        return self._pieces(sandbox_id, pid, offset)
+
+    async def _pieces(self, sandbox_id: str, pid: int, offset: int) -> AsyncIterator[TerminalPiece]:
+        while True:
+            asked = time.monotonic()
+            answer = await self._read(sandbox_id, pid, offset)
+            if answer.gap is not None:
+                yield TerminalGap(*answer.gap)
+            for chunk in answer.chunks:
+                yield TerminalBytes(chunk.data, chunk.offset)
+            if answer.eof:
+                yield TerminalExit(answer.exit_code)
+                return
+            progressed = answer.next_offset > offset or answer.gap is not None
+            offset = answer.next_offset
+            if not progressed and time.monotonic() - asked < QUICK_EMPTY_SECS:
+                await asyncio.sleep(QUICK_EMPTY_SECS)  # the agent should have waited
+
+    async def _read(self, sandbox_id: str, pid: int, offset: int) -> ReadAnswer:
+        raw = await self.processes.sandboxes.guest(
+            sandbox_id, lambda vm: vm.proc_read(pid, offset, wait_s=FOLLOW_WAIT_SECS)
+        )
+        return ReadAnswer.parse(raw, offset)
+
+    async def write(self, sandbox_id: str, pid: int, data: bytes) -> None:
+        """Keystrokes: ``data`` to the terminal's input."""
+        await self.processes.sandboxes.guest(sandbox_id, lambda vm: vm.proc_stdin(pid, data))
+
+    async def resize(self, sandbox_id: str, pid: int, cols: int, rows: int) -> None:
+        await self.processes.sandboxes.guest(sandbox_id, lambda vm: vm.proc_resize(pid, cols, rows))
+
+
+def check_terminal(info: ProcessInfo, offset: int) -> None:
+    """Invalid unless ``info`` has a terminal and ``offset`` is not past its output's end."""
+    if not info.pty:
+        raise Invalid(f"process {info.pid} has no terminal: start it with pty={{cols, rows}}")
+    if offset > info.output_end:
+        raise Invalid(f"offset {offset} is past the end of the output ({info.output_end})")
