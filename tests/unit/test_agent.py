@@ -304,6 +304,9 @@ def test_eval_statements_expression_and_persistence(agent: Client) -> None:
         "stderr": "",
         "stdout_truncated": False,
         "stderr_truncated": False,
+        "display": [],
+        "display_truncated": False,
+        "timed_out": False,
     }
     assert agent.result("eval", code="x + 1")["result"] == "42"
     assert agent.result("eval", code="y = inc(x)\ny")["result"] == "42"
@@ -718,6 +721,9 @@ def test_tcp_eval_shares_the_serial_channels_interpreter(tcp: TcpAgent, serial: 
         "stderr": "",
         "stdout_truncated": False,
         "stderr_truncated": False,
+        "display": [],
+        "display_truncated": False,
+        "timed_out": False,
     }
     assert tcp.call(action="eval", code="shared_by_channels = 41\nprint('hi')")["stdout"] == "hi\n"
     assert serial.result("eval", code="shared_by_channels + 1")["result"] == "42"

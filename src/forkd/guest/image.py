@@ -28,7 +28,10 @@ from forkd.guest.recipe import Recipe
 from forkd.vmm import runtime_meta, snapshot_files
 
 BUILDER_VERSION = 1
-GUEST_FILES = ("initramfs-init", "init", "inittab", rootfs.AGENT_FILE, rootfs.AGENT_PROCS_FILE)
+GUEST_FILES = (
+    "initramfs-init", "init", "inittab",
+    rootfs.AGENT_FILE, rootfs.AGENT_PROCS_FILE, rootfs.AGENT_EVAL_FILE,
+)  # fmt: skip
 
 Progress = Callable[[str], None]
 

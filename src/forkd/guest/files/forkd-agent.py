@@ -30,19 +30,14 @@ one JSON answer, then close.
 from __future__ import annotations
 
 import argparse
-import ast
 import base64
 import binascii
-import builtins
-import collections
-import concurrent.futures
 import contextlib
 import errno
 import fcntl
 import glob
 import io
 import json
-import linecache
 import math
 import os
 import random
@@ -57,7 +52,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -67,6 +61,7 @@ from typing import Any
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 if _AGENT_DIR not in sys.path:
     sys.path.insert(0, _AGENT_DIR)
+import forkd_eval  # noqa: E402
 import forkd_procs  # noqa: E402
 
 AGENT_VERSION = "1"
@@ -346,115 +341,24 @@ def op_exec(req: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- eval
+#
+# forkd_eval.py runs the evals: one warm interpreter whose namespace is the
+# __main__ module (installed as sys.modules["__main__"] by main(), so pickling
+# user classes works), every eval on the main thread, where an interrupt
+# (SIGINT) also wakes a blocking call.
 
-# One warm interpreter namespace shared by all eval calls (and installed as
-# sys.modules["__main__"] by main(), so pickling user classes works).
-_USER_MODULE = types.ModuleType("__main__")
-_USER_MODULE.__dict__["__builtins__"] = builtins
-EVAL_NAMESPACE: dict[str, Any] = _USER_MODULE.__dict__
-_EVAL_LOCK = threading.Lock()
-_EVAL_THREAD = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eval")
-_EVAL_SOURCES: collections.deque[str] = collections.deque()
-_EVAL_SOURCES_KEPT = 200  # recent eval sources kept in linecache for tracebacks
-_eval_counter = 0
-
-
-class _CappedText(io.TextIOBase):
-    """A text sink that keeps the first ``cap`` characters and flags the rest."""
-
-    def __init__(self, cap: int = MAX_OUTPUT_BYTES) -> None:
-        self._parts: list[str] = []
-        self._room = cap
-        self.truncated = False
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, s: str) -> int:
-        if not isinstance(s, str):
-            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
-        if len(s) > self._room:
-            self.truncated = True
-        if self._room > 0:
-            kept = s[: self._room]
-            self._parts.append(kept)
-            self._room -= len(kept)
-        return len(s)
-
-    def getvalue(self) -> str:
-        return "".join(self._parts)
-
-
-def _remember_source(code: str) -> str:
-    """Register ``code`` with linecache so tracebacks show the user's lines."""
-    global _eval_counter
-    _eval_counter += 1
-    filename = f"<forkd-eval-{_eval_counter}>"
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    _EVAL_SOURCES.append(filename)
-    while len(_EVAL_SOURCES) > _EVAL_SOURCES_KEPT:
-        linecache.cache.pop(_EVAL_SOURCES.popleft(), None)
-    return filename
-
-
-def _format_user_error(exc: BaseException, filename: str) -> str:
-    """The traceback from the user's first frame on (the agent's frames are noise)."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename != filename:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-def _run_user_code(code: str, filename: str) -> Any:
-    """exec the statements; if the last one is an expression, return its value."""
-    tree = ast.parse(code, filename, "exec")
-    last: ast.Expression | None = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
-        last = ast.Expression(body=tree.body.pop().value)
-    exec(compile(tree, filename, "exec"), EVAL_NAMESPACE)
-    if last is None:
-        return None
-    return eval(compile(last, filename, "eval"), EVAL_NAMESPACE)
+EVAL_MODULE = types.ModuleType("__main__")
+EVAL = forkd_eval.EvalRunner(EVAL_MODULE)
 
 
 def op_eval(req: dict[str, Any]) -> dict[str, Any]:
-    code = _require(req, "code", str, "a string")
-    # Every eval runs on the same thread, like a REPL: objects with thread
-    # affinity (sqlite3 connections, event loops, thread-locals) keep working
-    # from one call to the next.
-    return _EVAL_THREAD.submit(_eval_now, code).result()
+    with _request_errors():
+        code, timeout_s = forkd_eval.eval_params(req)
+    return EVAL.run(code, timeout_s)
 
 
-def _eval_now(code: str) -> dict[str, Any]:
-    with _EVAL_LOCK:
-        filename = _remember_source(code)
-        out, err = _CappedText(), _CappedText()
-        result: str | None = None
-        error: str | None = None
-        saved_stdin = sys.stdin
-        sys.stdin = io.StringIO()  # input() must never read the agent's own stdin
-        try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                try:
-                    value = _run_user_code(code, filename)
-                    result = None if value is None else _cap_text(repr(value))
-                except BaseException as exc:  # SystemExit too: the agent must survive
-                    error = _format_user_error(exc, filename)
-        finally:
-            sys.stdin = saved_stdin
-    return {
-        "result": result,
-        "error": error,
-        "exit_code": 0 if error is None else 1,
-        "stdout": out.getvalue(),
-        "stderr": err.getvalue(),
-        "stdout_truncated": out.truncated,
-        "stderr_truncated": err.truncated,
-    }
-
-
-def _cap_text(text: str, cap: int = MAX_OUTPUT_BYTES) -> str:
-    return text if len(text) <= cap else text[:cap] + "... [truncated]"
+def op_eval_interrupt(req: dict[str, Any]) -> dict[str, Any]:
+    return {"interrupted": EVAL.interrupt()}
 
 
 # --------------------------------------------------------------------------- files
@@ -849,6 +753,7 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "ping": op_ping,
     "exec": op_exec,
     "eval": op_eval,
+    "eval_interrupt": op_eval_interrupt,
     "file_read": op_file_read,
     "file_write": op_file_write,
     "file_list": op_file_list,
@@ -1388,20 +1293,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.modules["__main__"] = _USER_MODULE  # eval's namespace is the __main__ module
+    sys.modules["__main__"] = EVAL_MODULE  # eval's namespace is the __main__ module
+    # Evals run on this, the main thread: only it can be interrupted in a
+    # blocking call. Claimed before any request can arrive.
+    EVAL.claim_thread()
     if args.tcp is not None:
         # From the template's boot on, so every fork inherits a listening socket.
         TcpServer(*args.tcp).start()
+    if args.stdio:
+        serve: Callable[[], None] = serve_stdio
+    elif args.socket:
+        serve = lambda: serve_socket(args.socket)  # noqa: E731
+    else:
+        serve = lambda: serve_device(args.device)  # noqa: E731
+    exit_code: list[int] = []
+    serving = threading.Thread(target=_serve_then_stop, args=(serve, exit_code), name="serve")
+    serving.daemon = True
+    serving.start()
+    EVAL.serve_forever()
+    return exit_code[0] if exit_code else 0
+
+
+def _serve_then_stop(serve: Callable[[], None], exit_code: list[int]) -> None:
+    """Serve the host; when that ends (stdio at EOF) or fails, the agent exits."""
     try:
-        if args.stdio:
-            serve_stdio()
-        elif args.socket:
-            serve_socket(args.socket)
-        else:
-            serve_device(args.device)
-    except KeyboardInterrupt:
-        return 130
-    return 0
+        serve()
+        exit_code.append(0)
+    except BaseException as exc:
+        log(f"serving failed: {type(exc).__name__}: {exc}")
+        exit_code.append(1)
+    finally:
+        EVAL.stop()
 
 
 if __name__ == "__main__":
