@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from forkd import __version__
-from forkd.cli import daemon, images, processes, sandboxes, snapshots, volumes
+from forkd.cli import daemon, images, processes, sandboxes, shell, snapshots, volumes
 from forkd.cli.render import out
 
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     volumes.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
     processes.register(app, transport=transport)
+    shell.register(app, transport=transport)
 
 
 app.command()(version)

@@ -38,16 +38,40 @@ def exec_(
         list[str], typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
     ],
     timeout: Annotated[
-        float, typer.Option("--timeout", help="Kill the command after this many seconds.")
-    ] = 30,
+        float | None,
+        typer.Option(
+            "--timeout",
+            help="Kill the command after this many seconds [default: 30; none with -i or -t]",
+            show_default=False,
+        ),
+    ] = None,
     cwd: Annotated[str | None, typer.Option("--cwd", help="Working directory.")] = None,
     env: Annotated[
         list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeatable).")
     ] = None,
+    interactive: Annotated[
+        bool, typer.Option("--interactive", "-i", help="Pass our stdin to the command.")
+    ] = False,
+    tty: Annotated[
+        bool, typer.Option("--tty", "-t", help="Run it in a terminal joined to ours (raw mode).")
+    ] = False,
 ) -> None:
     """Run a command in a sandbox, printing its output as it comes; exits with its
-    exit code (124: timed out). With --json, prints the whole result at the end."""
+    exit code (124: timed out). With --json, prints the whole result at the end.
+    -it runs it in an interactive terminal, as forkd shell does."""  # fmt: skip
     env_map = parse_env(env) if env else None
+    if interactive or tty:
+        if conn.as_json:
+            raise fail("--json prints one result at the end: it cannot go with -i or -t", 2)
+        from forkd.cli import shell
+
+        if tty:
+            code = shell.run_in_terminal(conn, sandbox_id, list(cmd), cwd=cwd, env=env_map,
+                                         timeout=timeout, keys=interactive)  # fmt: skip
+        else:
+            code = _exec_piped(conn, sandbox_id, list(cmd), cwd, env_map, timeout)
+        raise typer.Exit(code)
+    timeout = 30 if timeout is None else timeout
     with daemon_errors(), conn.controller() as ctl:
         if conn.as_json:
             from forkd.client import exit_code_of
@@ -62,6 +86,25 @@ def exec_(
                                      timeout_s=timeout)  # fmt: skip
             code = _follow(ctl, sandbox_id, int(info["pid"]))
     raise typer.Exit(code if 0 <= code <= 255 else 1)
+
+
+def _exec_piped(
+    conn: Connection,
+    sandbox_id: str,
+    cmd: list[str],
+    cwd: str | None,
+    env: dict[str, str] | None,
+    timeout: float | None,
+) -> int:
+    """``exec -i``: the command reads our stdin (EOF included) and prints as it goes."""
+    from forkd.cli.shell import pipe_stdin
+
+    with daemon_errors(), conn.controller() as ctl:
+        info = ctl.start_process(sandbox_id, cmd, env=env, cwd=cwd, stdin=True,
+                                 timeout_s=timeout)  # fmt: skip
+        pipe_stdin(ctl, sandbox_id, int(info["pid"]))
+        code = _follow(ctl, sandbox_id, int(info["pid"]))
+    return code if 0 <= code <= 255 else 1
 
 
 def _follow(ctl: Controller, sandbox_id: str, pid: int) -> int:
