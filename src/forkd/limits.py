@@ -32,7 +32,8 @@ RESTORE_TIMEOUT_SECS = 30.0  # fork until the agent answers
 SETUP_TIMEOUT_SECS = 900.0  # each template setup command and warm-up
 EXEC_TIMEOUT_SECS = 30.0
 MAX_EXEC_TIMEOUT_SECS = 86400.0
-EVAL_TIMEOUT_SECS = 60.0
+EVAL_TIMEOUT_SECS = 60.0  # an eval's default timeout_s; then it is interrupted
+MAX_EVAL_TIMEOUT_SECS = 86400.0
 MAX_SANDBOX_TIMEOUT_SECS = 30 * 86400.0
 
 # Counts.
@@ -61,6 +62,8 @@ AGENT_OUTPUT_LINE_MAX_BYTES = 16 << 20
 AGENT_FILE_LINE_MAX_BYTES = 48 << 20  # file_read: 32 MiB as base64 is 42.7 MiB
 AGENT_READ_LINES_PER_SEC = 2000  # per VM; the agent writes one line per answer
 AGENT_READ_BYTES_PER_SEC = 64 << 20  # per VM; the largest answer passes in one burst
+EVAL_DISPLAY_MAX_BYTES = 8 << 20  # an eval's display outputs as JSON (the agent's cap)
+AGENT_EVAL_LINE_MAX_BYTES = AGENT_OUTPUT_LINE_MAX_BYTES + EVAL_DISPLAY_MAX_BYTES
 AGENT_WRITE_STALL_SECS = 10.0  # a guest taking none of a request for this long is aborted
 AGENT_CLOSE_SECS = 2.0  # closing a VM's channels (agent, QMP)
 KILL_WAIT_SECS = 10.0  # for QEMU to exit after SIGKILL

@@ -170,7 +170,8 @@ def test_children_inherit_the_template_and_diverge(client: TestClient) -> None:
     for sb in (a, b):
         r = client.post(f"/v1/sandboxes/{sb['id']}/eval", json={"code": "x + 1"})
         assert r.json() == {"result": "42", "error": None, "exit_code": 0, "stdout": "",
-                            "stderr": ""}  # fmt: skip
+                            "stderr": "", "display": [], "display_truncated": False,
+                            "timed_out": False}  # fmt: skip
     client.post(f"/v1/sandboxes/{a['id']}/eval", json={"code": "x = 0"})
     r = client.post(f"/v1/sandboxes/{b['id']}/eval", json={"code": "x"})
     assert r.json()["result"] == "41"

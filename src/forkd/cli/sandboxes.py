@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -12,6 +11,7 @@ from rich.markup import escape
 from rich.tree import Tree
 
 from forkd.cli import render
+from forkd.cli.evals import eval_
 from forkd.cli.failures import daemon_errors, remove_each
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out
@@ -19,8 +19,6 @@ from forkd.cli.snapshots import TagOpt, show_tree
 
 if TYPE_CHECKING:
     import httpx
-
-SandboxIdArg = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
 
 
 def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
@@ -113,30 +111,3 @@ def ps(conn: Connection) -> None:
     out.print(render.sandbox_table(sandboxes))
     if not sandboxes:
         err.print("no sandboxes: run 'forkd fork --tag TAG'")
-
-
-def eval_(
-    conn: Connection,
-    sandbox_id: SandboxIdArg,
-    code: Annotated[str, typer.Argument(help="Python; the repr of a final expression prints.")],
-) -> None:
-    """Evaluate Python in a sandbox's persistent interpreter."""
-    with daemon_errors(), conn.controller() as ctl:
-        result = ctl.eval_code(sandbox_id, code)
-    failed = result.get("error") is not None or int(result.get("exit_code") or 0) != 0
-    if conn.as_json:
-        render.print_json(result)
-        raise typer.Exit(1 if failed else 0)
-    if result.get("stdout"):
-        sys.stdout.write(result["stdout"])
-    if result.get("stderr"):
-        sys.stderr.write(result["stderr"])
-    if failed:
-        sys.stdout.flush()
-        error = result.get("error") or f"exit code {result.get('exit_code')}"
-        sys.stderr.write(str(error).rstrip("\n") + "\n")
-        sys.stderr.flush()
-        raise typer.Exit(1)
-    if result.get("result") is not None:
-        sys.stdout.write(str(result["result"]) + "\n")
-    sys.stdout.flush()

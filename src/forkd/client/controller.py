@@ -9,10 +9,15 @@ from urllib.parse import quote
 
 import httpx
 
+from forkd import limits
 from forkd.client.connection import Address, JSONDict, _resolve_token, json_of, send
 from forkd.client.errors import ControllerError
 from forkd.client.process_routes import ProcessRoutes
 
+
+# An eval's answer comes within its timeout plus the agent's grace to stop it
+# and the daemon's margin (15 s): the HTTP wait allows a little more.
+EVAL_HTTP_MARGIN_SECS = 30.0
 
 def _quote(segment: str) -> str:
     """Percent-encode one URL path segment (``/`` included)."""
@@ -280,10 +285,21 @@ class Controller(ProcessRoutes):
         )
 
     def eval_code(self, sandbox_id: str, code: str) -> JSONDict:
-        """``POST /v1/sandboxes/{id}/eval`` → ``{"result", "error", "exit_code"}``,
-        in the sandbox's persistent warm interpreter."""
-        return self._json("POST", f"{self._sb(sandbox_id)}/eval", json_body={"code": code})
+    def eval_code(self, sandbox_id: str, code: str, timeout_s: float | None = None) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/eval`` → ``{"result", "error", "exit_code", "display",
+        ...}``, in the sandbox's persistent warm interpreter. The guest interrupts the
+        code after ``timeout_s`` (default: the daemon's, 60 s)."""
+        body = _drop_none({"code": code, "timeout_s": timeout_s})
+        wait = limits.EVAL_TIMEOUT_SECS if timeout_s is None else float(timeout_s)
+        return self._json(
+            "POST", f"{self._sb(sandbox_id)}/eval", json_body=body,
+            timeout=max(self.timeout, wait + EVAL_HTTP_MARGIN_SECS),
+        )  # fmt: skip
 
+    def interrupt_eval(self, sandbox_id: str) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/eval/interrupt`` → ``{"interrupted": bool}``:
+        KeyboardInterrupt in the running eval (false when none was running)."""
+        return self._json("POST", f"{self._sb(sandbox_id)}/eval/interrupt")
     def ping_sandbox(self, sandbox_id: str) -> JSONDict:
         """``POST /v1/sandboxes/{id}/ping`` → ``{"pong": true, ...}``."""
         return self._json("POST", f"{self._sb(sandbox_id)}/ping")

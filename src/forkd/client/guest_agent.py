@@ -88,17 +88,12 @@ class GuestAgent:
             raw.get("stdout") or "", raw.get("stderr") or "", exit_code_of(raw), raw
         )
 
-    def eval(self, code: str) -> EvalResult:
-        """Run Python in the sandbox's warm interpreter, the one ``Sandbox.eval`` uses."""
-        raw = self.request("eval", code=code)
-        return EvalResult(
-            result=raw.get("result"),
-            error=raw.get("error"),
-            exit_code=exit_code_of(raw),
-            stdout=raw.get("stdout"),
-            stderr=raw.get("stderr"),
-            raw=raw,
-        )
+    def eval(self, code: str, timeout: float = 60) -> EvalResult:
+        """Run Python in the sandbox's warm interpreter, the one ``Sandbox.eval`` uses;
+        the agent interrupts it after ``timeout`` seconds."""
+        # The agent's grace for stopping an eval past its timeout is 5 s.
+        wait = timeout + 5 + ANSWER_MARGIN_SECS
+        return EvalResult.from_answer(self.request("eval", wait=wait, code=code, timeout_s=timeout))
 
 
 def _read_line(sock: socket.socket) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,9 +37,30 @@ class CommandResult:
 
 
 @dataclass
+class DisplayOutput:
+    """One display output of an eval: ``display(obj)``, a rich last value, a figure.
+
+    ``data`` is base64 for ``image/png`` and ``image/jpeg``, text otherwise.
+    """
+
+    mime: str
+    data: str
+
+    @property
+    def content(self) -> bytes:
+        """The output's bytes: the image decoded, or the text as UTF-8."""
+        if self.mime in BINARY_MIMES:
+            return base64.b64decode(self.data)
+        return self.data.encode("utf-8")
+
+
+BINARY_MIMES = frozenset({"image/png", "image/jpeg"})
+
+
+@dataclass
 class EvalResult:
     """The repr of the code's final expression (``result``, None for plain
-    statements) or the error text (``error``)."""
+    statements) or the error text (``error``), and what the code displayed."""
 
     result: str | None
     error: str | None
@@ -46,10 +68,29 @@ class EvalResult:
     stdout: str | None = None
     stderr: str | None = None
     raw: JSONDict = field(default_factory=dict, repr=False, compare=False)
+    display: list[DisplayOutput] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def from_answer(cls, raw: JSONDict) -> EvalResult:
+        """From the HTTP API's (or the agent's) eval answer."""
+        return cls(
+            result=raw.get("result"),
+            error=raw.get("error"),
+            exit_code=int(raw.get("exit_code") or 0),
+            stdout=raw.get("stdout"),
+            stderr=raw.get("stderr"),
+            raw=raw,
+            display=[DisplayOutput(d["mime"], d["data"]) for d in raw.get("display") or []],
+        )
 
     @property
     def ok(self) -> bool:
         return self.error is None and self.exit_code == 0
+
+    @property
+    def timed_out(self) -> bool:
+        """True when the eval was interrupted at its timeout."""
+        return bool(self.raw.get("timed_out"))
 
 
 @dataclass

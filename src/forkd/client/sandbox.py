@@ -119,23 +119,27 @@ class Sandbox:
         """
         return cls(sandbox_id=sandbox_id, controller=controller)
 
-    @property
+    def eval(self, code: str, timeout: float | None = None) -> EvalResult:
     def id(self) -> str:
         return self._info["id"]
+        After ``timeout`` seconds (default 60) the code is interrupted and the
+        result has ``timed_out``. What it displayed (``display(obj)``, a rich
+        last value, matplotlib figures as PNG) is in ``.display``.
+
 
     @property
     def info(self) -> JSONDict:
         """The last SandboxInfo seen (see :meth:`refresh`)."""
         return self._info
+        return EvalResult.from_answer(self._controller.eval_code(self.id, code, timeout))
 
-    @property
-    def controller(self) -> Controller:
-        return self._controller
+    def interrupt(self) -> bool:
+        """Interrupt the running eval, as Jupyter interrupts its kernel.
 
-    @property
-    def snapshot_tag(self) -> str | None:
-        return self._info.get("snapshot_tag")
-
+        The eval ends with KeyboardInterrupt as its error; the interpreter and
+        its names stay. False when no eval was running.
+        """
+        return bool(self._controller.interrupt_eval(self.id)["interrupted"])
     def refresh(self) -> JSONDict:
         """Fetch the SandboxInfo again."""
         self._info = self._controller.get_sandbox(self.id)

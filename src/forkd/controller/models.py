@@ -82,6 +82,12 @@ class ExecRequest(_Body):
 
 class EvalRequest(_Body):
     code: str
+    timeout_s: float = Field(
+        limits.EVAL_TIMEOUT_SECS,
+        gt=0,
+        le=limits.MAX_EVAL_TIMEOUT_SECS,
+        description="then the eval is interrupted and answers with timed_out",
+    )
 
 
 class BranchRequest(_Body):
@@ -198,12 +204,26 @@ class ExecResult(BaseModel):
     duration_ms: float | None
 
 
+class DisplayOutput(BaseModel):
+    mime: str = Field(description="image/png, image/jpeg: base64; text/plain, text/html, ...")
+    data: str
+
+
 class EvalResult(BaseModel):
     result: str | None
     error: str | None
     exit_code: int
     stdout: str
     stderr: str
+    display: list[DisplayOutput] = Field(
+        default_factory=list, description="display(obj), a rich last value, matplotlib figures"
+    )
+    display_truncated: bool = Field(False, description="outputs past 8 MiB were dropped")
+    timed_out: bool = Field(False, description="interrupted at its timeout_s")
+
+
+class EvalInterrupt(BaseModel):
+    interrupted: bool = Field(description="false when no eval was running")
 
 
 class FileEntry(BaseModel):

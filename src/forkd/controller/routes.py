@@ -14,6 +14,7 @@ from forkd.controller.http_errors import ERROR_RESPONSES
 from forkd.controller.models import (
     BranchRequest,
     EvalRequest,
+    EvalInterrupt,
     EvalResult,
     ExecRequest,
     ExecResult,
@@ -161,7 +162,12 @@ async def branch(svc: Svc, sandbox_id: str, body: BranchRequest | None = None) -
 
 # ------------------------------------------------------------------ files
 
+    return await svc.sandboxes.eval(sandbox_id, body)
 
+
+@sandboxes.post("/{sandbox_id}/eval/interrupt", response_model=EvalInterrupt)
+async def eval_interrupt(svc: Svc, sandbox_id: str) -> EvalInterrupt:
+    return await svc.sandboxes.eval_interrupt(sandbox_id)
 @files.get("/{sandbox_id}/files", response_class=Response, responses={200: BYTES})
 async def read_file(svc: Svc, sandbox_id: str, path: PathQ) -> Response:
     data = await svc.sandboxes.read_file(sandbox_id, path)

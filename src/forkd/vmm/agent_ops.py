@@ -21,12 +21,21 @@ from forkd.vmm.qemu_argv import RuntimePaths
 
 PING_WAIT_SECS = 10.0
 EXEC_WAIT_MARGIN_SECS = 10.0  # beyond the command's own timeout, for the agent to answer
+# An eval past its timeout is interrupted again and again for up to 5 s
+# (forkd_eval.STOP_GRACE_S) before the agent answers without it.
+EVAL_STOP_GRACE_SECS = 5.0
 RESTORE_ENTROPY_BYTES = 64
 PROC_READ_MAX_BYTES = 256 << 10  # of output in one proc_read answer (the agent allows 1 MiB)
 PROC_STDIN_MAX_BYTES = 1 << 20  # of data in one proc_stdin request (the agent's cap)
 
 
 class GuestOps:
+def eval_wait_secs(timeout: float) -> float:
+    """How long the host waits for an eval's answer: its timeout, the agent's
+    grace for stopping it, and the margin every answer gets."""
+    return timeout + EVAL_STOP_GRACE_SECS + EXEC_WAIT_MARGIN_SECS
+
+
     """Mixed into :class:`forkd.vmm.vm.VM`: the calls a sandbox's users make."""
 
     agent: AgentClient
@@ -50,7 +59,13 @@ class GuestOps:
 
     async def eval(self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS) -> dict[str, Any]:
         return await self.agent.call("eval", {"code": code}, wait=timeout)
+        """Run ``code``; the agent interrupts it after ``timeout`` seconds."""
+        params = {"code": code, "timeout_s": timeout}
+        return await self.agent.call("eval", params, wait=eval_wait_secs(timeout))
 
+    async def eval_interrupt(self) -> bool:
+        """KeyboardInterrupt in the running eval; False if none was running."""
+        return bool((await self.agent.call("eval_interrupt", wait=PING_WAIT_SECS))["interrupted"])
     async def read_file(self, path: str) -> bytes:
         result = await self.agent.call("file_read", {"path": path})
         return base64.b64decode(result["data"])

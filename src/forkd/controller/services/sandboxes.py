@@ -10,6 +10,9 @@ from typing import Any, TypeVar
 
 from forkd import limits
 from forkd.controller.models import (
+    DisplayOutput,
+    EvalInterrupt,
+    EvalRequest,
     EvalResult,
     ExecRequest,
     ExecResult,
@@ -248,15 +251,25 @@ class SandboxService:
             duration_ms=res.get("duration_ms"),
         )
 
-    async def eval(self, sandbox_id: str, code: str) -> EvalResult:
-        res = await self.guest(sandbox_id, lambda vm: vm.eval(code))
+    async def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
+        res = await self.guest(sandbox_id, lambda vm: vm.eval(req.code, timeout=req.timeout_s))
         return EvalResult(
             result=res.get("result"),
             error=res.get("error"),
             exit_code=res.get("exit_code", 0),
             stdout=res.get("stdout", ""),
             stderr=res.get("stderr", ""),
+            display=[DisplayOutput(**item) for item in res.get("display", [])],
+            display_truncated=res.get("display_truncated", False),
+            timed_out=res.get("timed_out", False),
         )
+
+    async def eval_interrupt(self, sandbox_id: str) -> EvalInterrupt:
+        # The op takes no parameter: a refusal means an agent older than it.
+        interrupted = await self.guest(
+            sandbox_id, lambda vm: vm.eval_interrupt(), refusals={"ValueError": Conflict}
+        )
+        return EvalInterrupt(interrupted=interrupted)
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         path = limits.check_guest_path(path)
