@@ -16,6 +16,7 @@ the message::
     ├── GuestError             the guest agent did not answer, or failed (502)
     │   └── AgentError         raised by the agent channel; ``kind`` names the guest's exception
     ├── StorageFull            the host's disk filled up while writing (500)
+    ├── GuestStorageFull       the guest's disk filled up; nothing half-written was kept (507)
     ├── ImageError             building or reading a guest image failed (500)
     └── VMError                QEMU could not be started, controlled or snapshotted (500)
         └── SnapshotError      a snapshot could not be written, or cannot be restored
@@ -86,6 +87,10 @@ class AgentError(GuestError):
 
 class StorageFull(ForkdError):
     """The host's disk filled up; what was being written was removed."""
+
+
+class GuestStorageFull(ForkdError):
+    """The guest's disk (or quota) filled up while writing; what was written was removed."""
 
 
 class ImageError(ForkdError):

@@ -28,6 +28,7 @@ from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm import snapshot_files
 from forkd.vmm.qemu_argv import MachineConfig
 from forkd.vmm.snapshot_files import ImageRef, SnapshotLabels, SnapshotMeta
+from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
 
 GUEST_STATE = "fake-guest.json"  # beside the real files: what the fake guest had
@@ -130,6 +131,7 @@ class FakeVM:
         self.image_name = "python"
         self.guest = guest
         self.processes = FakeProcesses()
+        self.transfers = FakeTransfers(guest.files)
 
     # lifecycle ---------------------------------------------------------------
         self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
@@ -246,6 +248,29 @@ class FakeVM:
         if self.guest.files.pop(path, None) is None:
             raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
                              kind="FileNotFoundError")  # fmt: skip
+
+    # chunked transfers: played by FakeTransfers ------------------------------
+    async def upload_open(self, path: str, *, tar: bool = False) -> str:
+        self._agent("file_upload_open")
+        return self.transfers.open(path, tar)
+
+    async def upload_write(self, transfer_id: str, offset: int, data: bytes) -> int:
+        self._agent("file_upload_write")
+        return self.transfers.write(transfer_id, offset, data)
+
+    async def upload_commit(self, transfer_id: str) -> int:
+        self._agent("file_upload_commit")
+        return self.transfers.commit(transfer_id)
+
+    async def transfer_abort(self, transfer_id: str) -> None:
+        self._agent("file_transfer_abort")
+        self.transfers.abort(transfer_id)
+
+    async def read_range(
+        self, path: str, offset: int, length: int
+    ) -> tuple[bytes, int | None, bool]:
+        self._agent("file_read_range")
+        return self.transfers.read(path, offset, length)
 
     # background processes: played by FakeProcesses ----------------------------
     async def proc_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:

@@ -150,11 +150,19 @@ def test_bad_input_is_refused_and_changes_nothing(
 # ------------------------------------------------------------ framing an attacker picks
 
 
+@pytest.fixture
+def small_uploads(settings: Settings) -> Settings:
+    """Uploads capped at 64 MiB; requested before ``server``, which starts the app."""
+    settings.max_upload_bytes = 64 << 20
+    return settings
+
+
 def test_a_smuggled_body_is_refused_and_changes_nothing(
-    server: Server, settings: Settings, py: str
+    small_uploads: Settings, server: Server, settings: Settings, py: str
 ) -> None:
     """Content-Length beside chunked framing, and a Content-Length shorter than
-    the body, sent over a raw socket as httpx never would."""
+    the body, sent over a raw socket as httpx never would. A file upload
+    streams, so its chunked body is cut at the upload limit, not at 10 bytes."""
     from tests.unit.test_middleware import _chunked, _exchange, _plain
 
     port = int(server.url.rsplit(":", 1)[1])

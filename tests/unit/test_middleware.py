@@ -19,10 +19,11 @@ from starlette.types import Receive, Scope, Send
 
 from forkd.controller.middleware import GuardMiddleware
 from forkd.launcher import free_port
-from forkd.limits import FILE_BODY_LIMIT, JSON_BODY_LIMIT
+from forkd.limits import JSON_BODY_LIMIT
 from tests.unit.conftest import serving
 
 TOKEN = "t0ken"
+UPLOAD_LIMIT = 64 << 20  # of a streamed file upload, here; the daemon's default is far larger
 AUTH = f"Authorization: Bearer {TOKEN}\r\n"
 
 
@@ -32,19 +33,22 @@ class Counter:
 
     bodies: list[int] = field(default_factory=list)
     headers: list[dict[bytes, bytes]] = field(default_factory=list)
+    messages: list[int] = field(default_factory=list)  # body messages received, per request
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return
-        seen = 0
+        seen = received = 0
         while True:
             message = await receive()
             if message["type"] != "http.request":
                 break
+            received += 1
             seen += len(message.get("body", b""))
             if not message.get("more_body", False):
                 break
         self.bodies.append(seen)
+        self.messages.append(received)
         self.headers.append(dict(scope["headers"]))
         body = str(seen).encode()
         await send({"type": "http.response.start", "status": 200,
@@ -56,7 +60,7 @@ class Counter:
 def guarded() -> Iterator[tuple[int, Counter]]:
     counter = Counter()
     port = free_port()
-    with serving(GuardMiddleware(counter, TOKEN), host="127.0.0.1", port=port):
+    with serving(GuardMiddleware(counter, TOKEN, UPLOAD_LIMIT), host="127.0.0.1", port=port):
         yield port, counter
 
 
@@ -139,6 +143,16 @@ def test_the_same_on_a_raw_upload_route(guarded: tuple[int, Counter]) -> None:
     head = (f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
             "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
     _refused(_exchange(port, head, _chunked(200 << 20)), 413, 200 << 20)
+    # The upload streams: the app read up to the limit, then saw the body end early.
+    assert len(counter.bodies) == 1 and counter.bodies[0] <= UPLOAD_LIMIT
+
+
+def test_a_volume_archive_is_still_capped_and_read_first(guarded: tuple[int, Counter]) -> None:
+    port, counter = guarded
+    head = (f"POST /v1/volumes HTTP/1.1\r\nHost: x\r\n{AUTH}"
+            "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    total = 200 << 20  # well past FILE_BODY_LIMIT, and past what socket buffers hold
+    _refused(_exchange(port, head, _chunked(total)), 413, total)
     assert counter.bodies == []
 
 
@@ -214,11 +228,24 @@ def test_without_the_token_no_body_is_read(guarded: tuple[int, Counter]) -> None
     assert counter.bodies == []
 
 
-def test_a_raw_upload_at_its_larger_limit_gets_through(guarded: tuple[int, Counter]) -> None:
+def test_a_file_upload_at_its_limit_streams_through(guarded: tuple[int, Counter]) -> None:
+    """Past the 32 MiB of the buffered routes, handed over as it arrives, not in one piece."""
     port, counter = guarded
     head = (f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
             "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n"
             "Connection: close\r\n\r\n")  # fmt: skip
-    ex = _exchange(port, head, _chunked(FILE_BODY_LIMIT, piece=1 << 20))
+    ex = _exchange(port, head, _chunked(UPLOAD_LIMIT, piece=1 << 20))
     assert ex.status == 200, ex.answer
-    assert counter.bodies == [FILE_BODY_LIMIT]
+    assert counter.bodies == [UPLOAD_LIMIT]
+    assert counter.messages[0] > 1
+
+
+def test_an_honest_length_over_the_upload_limit_is_refused_unread(
+    guarded: tuple[int, Counter],
+) -> None:
+    port, counter = guarded
+    head = (f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
+            f"Content-Length: {UPLOAD_LIMIT + 1}\r\n\r\n")  # fmt: skip
+    ex = _exchange(port, head, iter(()))
+    assert ex.status == 413 and ex.closed, ex.answer
+    assert counter.bodies == []

@@ -2,7 +2,8 @@
 
 Each command group lives in its own module: ``images`` (``forkd image``),
 ``daemon`` (``serve``, ``doctor``), and the commands that talk to a running
-daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``, ``processes``. Those take
+daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``, ``processes``, ``files``
+(``forkd cp``). Those take
 ``--url`` (``$FORKD_URL``), ``--token-file`` (``$FORKD_TOKEN_FILE``) and
 ``--json`` (see :mod:`forkd.cli.options`); an error from the daemon prints its
 message and exits 1, exit 2 when the daemon cannot be reached.
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from forkd import __version__
-from forkd.cli import daemon, images, processes, sandboxes, shell, snapshots, volumes
+from forkd.cli import daemon, files, images, processes, sandboxes, shell, snapshots, volumes
 from forkd.cli.render import out
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     volumes.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
     processes.register(app, transport=transport)
+    files.register(app, transport=transport)
     shell.register(app, transport=transport)
 
 

@@ -38,10 +38,11 @@ from forkd.client.connection import _resolve_token as _resolve_token
 from forkd.client.controller import Controller
 from forkd.client.controller import _tar_directory as _tar_directory
 from forkd.client.errors import ControllerError
+from forkd.client.files import Files
 from forkd.client.guest_agent import GuestAgent
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
 from forkd.client.results import exit_code_of as exit_code_of
-from forkd.client.sandbox import Files, Sandbox
+from forkd.client.sandbox import Sandbox
 from forkd.client.snapshot import Snapshot
 
 __all__ = [

@@ -8,38 +8,12 @@ from forkd.client.commands import Commands
 from forkd.client.connection import JSONDict
 from forkd.client.controller import Controller
 from forkd.client.errors import ControllerError
+from forkd.client.files import Files
 from forkd.client.pty import Pty
 from forkd.client.results import EvalResult
 
 if TYPE_CHECKING:
     from forkd.client.snapshot import Snapshot
-
-
-class Files:
-    """``sandbox.files``: read and write files in the sandbox."""
-
-    def __init__(self, sandbox: Sandbox) -> None:
-        self._sandbox = sandbox
-
-    def read(self, path: str) -> bytes:
-        """The file's contents."""
-        return self._sandbox.controller.read_file(self._sandbox.id, path)
-
-    def read_text(self, path: str, encoding: str = "utf-8") -> str:
-        """The file's contents, decoded."""
-        return self.read(path).decode(encoding)
-
-    def write(self, path: str, data: bytes | str) -> None:
-        """Create or replace a file (a str is written as UTF-8)."""
-        self._sandbox.controller.write_file(self._sandbox.id, path, data)
-
-    def list(self, path: str) -> list[JSONDict]:
-        """Entries of a directory: ``{"name", "type", "size", "mode", "mtime"}``."""
-        return self._sandbox.controller.list_files(self._sandbox.id, path)
-
-    def remove(self, path: str, recursive: bool = False) -> None:
-        """Delete a file (or a directory tree with ``recursive=True``)."""
-        self._sandbox.controller.remove_file(self._sandbox.id, path, recursive=recursive)
 
 
 class Sandbox:

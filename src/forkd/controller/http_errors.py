@@ -22,6 +22,7 @@ from forkd.errors import (
     Forbidden,
     ForkdError,
     GuestError,
+    GuestStorageFull,
     Invalid,
     NotFound,
     OverCapacity,
@@ -42,6 +43,7 @@ STATUS: dict[type[ForkdError], int] = {
     GuestError: 502,
     Busy: 503,
     Unavailable: 503,
+    GuestStorageFull: 507,
     ForkdError: 500,
 }
 
@@ -60,6 +62,15 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (502, "the guest agent did not answer, or failed unexpectedly"),
         (503, "busy (retry shortly), or this host lacks what the request needs"),
     )
+}
+
+
+# Only the routes that write to the guest's disk can meet it.
+GUEST_STORAGE_FULL: dict[int | str, dict[str, object]] = {
+    507: {
+        "model": ErrorBody,
+        "description": "the guest's disk is full; nothing half-written was kept",
+    }
 }
 
 

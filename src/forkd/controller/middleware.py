@@ -16,16 +16,22 @@ from forkd.controller.http_errors import (
     internal_error,
     refuse_websocket,
 )
-from forkd.limits import FILE_BODY_LIMIT, JSON_BODY_LIMIT
+from forkd.limits import FILE_BODY_LIMIT, FILE_UPLOAD_LIMIT, JSON_BODY_LIMIT
 
 UNAUDITED = ("/healthz", "/metrics")
 UNAUTHORIZED = "missing or wrong bearer token"
 _ID_IN_PATH = re.compile(r"^/v1/(sandboxes|snapshots)/([^/]+)")
+_FILE_UPLOAD = re.compile(r"^/v1/sandboxes/[^/]+/files$")
 
 
 def _is_raw_body_route(path: str) -> bool:
     """File uploads, and a volume's content as a tar archive."""
     return path.endswith("/files") or path == "/v1/volumes"
+
+
+def _is_streamed_upload(scope: Scope) -> bool:
+    """A file upload: its body streams to the guest, never buffered here."""
+    return scope["method"] == "PUT" and _FILE_UPLOAD.match(scope["path"]) is not None
 
 
 class GuardMiddleware:
@@ -36,11 +42,18 @@ class GuardMiddleware:
     by the chunked encoding and leaves the lying length in the headers. So
     every body is read here, within the limit, before the app is called; the
     app is handed at most the limit, and the true length in the headers.
+
+    A file upload's body is the exception: it streams to the app as it
+    arrives, counted against ``upload_limit``; past it the app reads an end
+    of the body and the client gets the 413.
     """
 
-    def __init__(self, app: ASGIApp, token: str | None) -> None:
+    def __init__(
+        self, app: ASGIApp, token: str | None, upload_limit: int = FILE_UPLOAD_LIMIT
+    ) -> None:
         self.app = app
         self.token = token.encode() if token else None
+        self.upload_limit = upload_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -59,11 +72,16 @@ class GuardMiddleware:
             # The body is left unread; closing stops uvicorn draining it.
             await error_response(401, UNAUTHORIZED, close=True)(scope, receive, send)
             return
+        streamed = _is_streamed_upload(scope)
         limit = FILE_BODY_LIMIT if _is_raw_body_route(path) else JSON_BODY_LIMIT
+        limit = self.upload_limit if streamed else limit
         too_big = error_response(413, f"request body over {limit} bytes", close=True)
         length = headers.get("content-length", b"")
         if length.isdigit() and int(length) > limit:  # honest and too big: no need to read it
             await too_big(scope, receive, send)
+            return
+        if streamed:
+            await _stream_counted(self.app, scope, receive, send, limit)
             return
         try:
             body = await _read_body(receive, limit)
@@ -79,6 +97,41 @@ class GuardMiddleware:
             return True
         given = {k.lower(): v for k, v in scope["headers"]}.get(b"authorization", b"")
         return hmac.compare_digest(given, b"Bearer " + self.token)
+
+
+async def _stream_counted(app: ASGIApp, scope: Scope, receive: Receive, send: Send,
+                          limit: int) -> None:  # fmt: skip
+    """Call ``app`` with the body as it arrives; past ``limit`` bytes the app sees the
+    client go away, its answer is dropped, and the client gets a 413."""
+    seen = 0
+    cut = answered = False
+
+    async def counted() -> Message:
+        nonlocal seen, cut
+        if cut:
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.request":
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                cut = True
+                return {"type": "http.disconnect"}
+        return message
+
+    async def send_unless_cut(message: Message) -> None:
+        nonlocal answered
+        if not cut:
+            answered = True
+            await send(message)
+
+    try:
+        await app(scope, counted, send_unless_cut)
+    except Exception:
+        if not cut:
+            raise
+    if cut and not answered:
+        too_big = error_response(413, f"request body over {limit} bytes", close=True)
+        await too_big(scope, receive, send)
 
 
 class _ClientGone(Exception):

@@ -3,14 +3,15 @@ service call and the service's answer into a response model."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from forkd import __version__
 from forkd.controller import sse
-from forkd.controller.http_errors import ERROR_RESPONSES
+from forkd.controller.bodies import receive_upload, stream_download
+from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL
 from forkd.controller.models import (
     BranchRequest,
     EvalRequest,
@@ -45,11 +46,20 @@ def _services(request: Request) -> Services:
 
 Svc = Annotated[Services, Depends(_services)]
 PathQ = Annotated[str, Query(description="absolute path inside the sandbox")]
+FormatQ = Annotated[
+    Literal["file", "tar"],
+    Query(description="tar: a directory's content as a tar archive (download), or extracted "
+          "into the directory (upload)"),
+]  # fmt: skip
+OCTET_STREAM = "application/octet-stream"
+TAR_MEDIA_TYPE = "application/x-tar"
 NO_CONTENT = {"status_code": 204, "response_class": Response}
 BYTES = {
-    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
-    "description": "the file's bytes",
-}
+    "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
+                "application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
+    "description": "the file's bytes, streamed (with Content-Length), or with format=tar "
+    "a tar archive of the directory's content (chunked)",
+}  # fmt: skip
 SNAPSHOT = {"response_model": SnapshotInfo, "response_model_exclude_unset": True}
 Pid = Annotated[int, Path(ge=1, description="the process id in the guest")]
 EVENTS = {
@@ -169,19 +179,25 @@ async def branch(svc: Svc, sandbox_id: str, body: BranchRequest | None = None) -
 async def eval_interrupt(svc: Svc, sandbox_id: str) -> EvalInterrupt:
     return await svc.sandboxes.eval_interrupt(sandbox_id)
 @files.get("/{sandbox_id}/files", response_class=Response, responses={200: BYTES})
-async def read_file(svc: Svc, sandbox_id: str, path: PathQ) -> Response:
-    data = await svc.sandboxes.read_file(sandbox_id, path)
-    return Response(data, media_type="application/octet-stream")
+async def read_file(svc: Svc, sandbox_id: str, path: PathQ, format: FormatQ = "file") -> Response:
+    if format == "tar":
+        return stream_download(await svc.files.download_tar(sandbox_id, path), TAR_MEDIA_TYPE)
+    return stream_download(await svc.files.download(sandbox_id, path), OCTET_STREAM)
 
 
 @files.put(
     "/{sandbox_id}/files",
     response_model=FileWritten,
+    responses=GUEST_STORAGE_FULL,
     openapi_extra={"requestBody": {"content": {"application/octet-stream": {
         "schema": {"type": "string", "format": "binary"}}}, "required": True}},
 )  # fmt: skip
-async def write_file(svc: Svc, sandbox_id: str, path: PathQ, request: Request) -> FileWritten:
-    size = await svc.sandboxes.write_file(sandbox_id, path, await request.body())
+async def write_file(
+    svc: Svc, sandbox_id: str, path: PathQ, request: Request, format: FormatQ = "file"
+) -> FileWritten:
+    size = await receive_upload(
+        request, lambda body: svc.files.upload(sandbox_id, path, body, tar=format == "tar")
+    )
     return FileWritten(path=path, size=size)
 
 

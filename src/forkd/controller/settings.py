@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkd.limits import FILE_UPLOAD_LIMIT
+
 
 @dataclass
 class Settings:
@@ -23,3 +25,4 @@ class Settings:
     pool_size: int = 2  # QEMU processes kept waiting per recently forked snapshot
     network: str = "auto"  # "netns" (a namespace per VM), "user" (QEMU's NAT), or "auto"
     sandbox_cidr: str = "10.201.0.0/16"  # host-side addresses of the namespaces
+    max_upload_bytes: int = FILE_UPLOAD_LIMIT  # of one streamed file upload

@@ -27,6 +27,7 @@ EVAL_STOP_GRACE_SECS = 5.0
 RESTORE_ENTROPY_BYTES = 64
 PROC_READ_MAX_BYTES = 256 << 10  # of output in one proc_read answer (the agent allows 1 MiB)
 PROC_STDIN_MAX_BYTES = 1 << 20  # of data in one proc_stdin request (the agent's cap)
+COMMIT_WAIT_SECS = 300.0  # an upload's fsync, or a tar member's, may take long on a slow disk
 
 
 class GuestOps:
@@ -80,6 +81,49 @@ def eval_wait_secs(timeout: float) -> float:
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         await self.agent.call("file_remove", {"path": path, "recursive": recursive})
+
+    # Chunked transfers (docs/guest-agent.md, "Chunked transfers"): the agent keeps
+    # each open upload or tar stream under an id until it is finished or idle.
+
+    async def upload_open(self, path: str, *, tar: bool = False) -> str:
+        params = {"path": path, "format": "tar" if tar else "file"}
+        return str((await self.agent.call("file_upload_open", params))["transfer_id"])
+
+    async def upload_write(self, transfer_id: str, offset: int, data: bytes) -> int:
+        params = {"transfer_id": transfer_id, "offset": offset,
+                  "data": base64.b64encode(data).decode()}  # fmt: skip
+        return int((await self.agent.call("file_upload_write", params))["size"])
+
+    async def upload_commit(self, transfer_id: str) -> int:
+        params = {"transfer_id": transfer_id}
+        return int(
+            (await self.agent.call("file_upload_commit", params, wait=COMMIT_WAIT_SECS))["size"]
+        )
+
+    async def transfer_abort(self, transfer_id: str) -> None:
+        await self.agent.call("file_transfer_abort", {"transfer_id": transfer_id})
+
+    async def read_range(
+        self, path: str, offset: int, length: int
+    ) -> tuple[bytes, int | None, bool]:
+        """Up to ``length`` bytes at ``offset``, the file's size (None: unknown), and
+        whether they reach its end."""
+        params = {"path": path, "offset": offset, "length": length}
+        result = await self.agent.call("file_read_range", params)
+        size = result.get("size")
+        return (
+            base64.b64decode(result["data"]),
+            int(size) if size is not None else None,
+            bool(result["eof"]),
+        )
+
+    async def tar_open(self, path: str) -> str:
+        return str((await self.agent.call("file_tar_open", {"path": path}))["transfer_id"])
+
+    async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
+        params = {"transfer_id": transfer_id, "length": length}
+        result = await self.agent.call("file_tar_read", params, wait=COMMIT_WAIT_SECS)
+        return base64.b64decode(result["data"]), bool(result["eof"])
 
     # Background processes (docs/guest-agent.md, "Processes"): the agent owns them;
     # these return its ProcessInfo and proc_read answers as they are.

@@ -1,4 +1,5 @@
-"""The daemon's domain services: snapshots, branches, sandboxes, processes, volumes, lifecycle.
+"""The daemon's domain services: snapshots, branches, sandboxes, processes, files, volumes,
+lifecycle.
 
 Each takes and returns typed objects (:mod:`forkd.controller.models`) and
 raises only errors of :mod:`forkd.errors`; none knows about HTTP.
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.services.branches import BranchService
+from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
 from forkd.controller.services.lifecycle import Lifecycle
 from forkd.controller.services.processes import ProcessService
@@ -30,6 +32,7 @@ class Services:
     branches: BranchService
     sandboxes: SandboxService
     processes: ProcessService
+    files: FileTransferService
     volumes: VolumeService
     lifecycle: Lifecycle
 
@@ -47,6 +50,7 @@ class Services:
             branches=BranchService(fleet, snapshots),
             sandboxes=sandboxes,
             processes=ProcessService(sandboxes),
+            files=FileTransferService(sandboxes),
             volumes=volumes,
             lifecycle=Lifecycle(fleet),
         )

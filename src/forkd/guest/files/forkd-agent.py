@@ -56,12 +56,13 @@ import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
-# forkd_procs.py lives beside the agent; the directory is on sys.path when the
+# forkd_procs.py and forkd_files.py live beside the agent; the directory is on sys.path when the
 # agent runs as a script, not when a test loads this file as a module.
 _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 if _AGENT_DIR not in sys.path:
     sys.path.insert(0, _AGENT_DIR)
 import forkd_eval  # noqa: E402
+import forkd_files  # noqa: E402
 import forkd_procs  # noqa: E402
 
 AGENT_VERSION = "1"
@@ -767,6 +768,7 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "proc_signal": op_proc_signal,
     "proc_resize": op_proc_resize,
 }
+OPS.update(forkd_files.OPS)  # chunked uploads, ranged reads, tar streams
 
 
 # Quick ops answered on the reader thread itself. For ``restore`` this also

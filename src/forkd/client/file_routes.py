@@ -1,0 +1,93 @@
+"""A sandbox's files streamed both ways, as methods of :class:`~forkd.client.Controller`."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import httpx
+
+from forkd.client.connection import JSONDict, json_of
+from forkd.client.errors import ControllerError
+
+CHUNK_BYTES = 1 << 20  # read from a local file per request-body piece
+
+
+class FileRoutes:
+    """Mixed into Controller: ``/v1/sandboxes/{id}/files``, never a whole file in memory."""
+
+    url: str
+    timeout: float
+    _client: httpx.Client
+
+    @staticmethod
+    def _sb(sandbox_id: str) -> str:
+        raise NotImplementedError
+
+    def upload_file(
+        self, sandbox_id: str, path: str, content: bytes | Iterable[bytes], *, tar: bool = False
+    ) -> JSONDict:
+        """``PUT /v1/sandboxes/{id}/files?path=[&format=tar]`` with the body streamed from
+        ``content`` (bytes, or an iterable of byte chunks) → ``{"path", "size"}``.
+
+        With ``tar`` the body is a tar archive, extracted into the directory ``path``.
+        """
+        params = {"path": path, "format": "tar" if tar else "file"}
+        body = content if isinstance(content, bytes) else _nonempty(content)
+        with self._streamed("PUT", f"{self._sb(sandbox_id)}/files", params, body) as resp:
+            resp.read()
+            return json_of(resp, "PUT", "/files")  # type: ignore[no-any-return]
+
+    @contextlib.contextmanager
+    def download_file(
+        self, sandbox_id: str, path: str, *, tar: bool = False
+    ) -> Iterator[tuple[int | None, Iterator[bytes]]]:
+        """``GET /v1/sandboxes/{id}/files?path=[&format=tar]`` as ``(size, chunks)``; the
+        answer stays open until the ``with`` ends. ``size`` is None for a tar."""
+        params = {"path": path, "format": "tar" if tar else "file"}
+        with self._streamed("GET", f"{self._sb(sandbox_id)}/files", params, None) as resp:
+            length = resp.headers.get("content-length")
+            size = int(length) if length is not None and length.isdigit() else None
+            yield size, _checked(resp, size)
+
+    @contextlib.contextmanager
+    def _streamed(
+        self, method: str, path: str, params: dict[str, Any], body: Any
+    ) -> Iterator[httpx.Response]:
+        """An answer whose body is read as it comes; a ControllerError unless it is 2xx."""
+        request = self._client.build_request(
+            method, path, params=params, content=body,
+            headers={"Content-Type": "application/octet-stream"} if body is not None else None,
+            timeout=self.timeout,
+        )  # fmt: skip
+        try:
+            resp = self._client.send(request, stream=True)
+        except httpx.TransportError as exc:
+            raise ControllerError(0, f"{method} {path} to {self.url} failed: {exc!r}") from exc
+        try:
+            if not resp.is_success:
+                resp.read()
+                raise ControllerError.from_response(resp)
+            yield resp
+        finally:
+            resp.close()
+
+
+def _nonempty(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    for chunk in chunks:
+        if chunk:
+            yield bytes(chunk)
+
+
+def _checked(resp: httpx.Response, size: int | None) -> Iterator[bytes]:
+    """The answer's body chunks; a ControllerError if it ends short of ``size``."""
+    got = 0
+    try:
+        for chunk in resp.iter_bytes(CHUNK_BYTES):
+            got += len(chunk)
+            yield chunk
+    except httpx.TransportError as exc:
+        raise ControllerError(0, f"the download broke off after {got} bytes: {exc!r}") from exc
+    if size is not None and got != size:
+        raise ControllerError(0, f"the download ended after {got} of {size} bytes")

@@ -1,0 +1,559 @@
+"""Chunked file transfers of the forkd guest agent: staged uploads, ranged reads, tar streams.
+
+Imported by forkd-agent.py, which merges :data:`OPS` into its own table (ops
+``file_upload_*``, ``file_read_range``, ``file_tar_*``; see
+docs/guest-agent.md). Standard library only, like the agent.
+
+An upload is written to a hidden file beside its target and renamed into
+place by its commit, so a reader sees the old file or the whole new one,
+never a part. A tar upload is extracted as it streams in, member by member,
+and never writes outside its target directory. Every transfer is memory of
+the agent: a host that vanishes, or a fork of the VM mid-transfer, leaves it
+open, so at most :data:`MAX_OPEN` are kept and one idle for
+:data:`IDLE_SECS` is dropped (its staged file removed).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import errno
+import os
+import secrets
+import stat
+import tarfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+MAX_CHUNK_BYTES = 1024 * 1024  # of data in one write or read
+MAX_OPEN = 16  # transfers open at once
+IDLE_SECS = 300.0  # a transfer untouched this long is dropped
+SWEEP_SECS = 30.0  # how often idle transfers are looked for
+STAGED_PREFIX = ".forkd-upload-"
+DEFAULT_MODE = 0o644
+JOIN_SECS = 30.0  # for a tar thread to finish once its pipe is closed
+
+
+class NoSpaceError(OSError):
+    """The guest's disk (or quota) is full; what was being written was removed."""
+
+
+class TransferGone(LookupError):
+    """No open transfer has this id: never opened, finished, or dropped when idle."""
+
+
+class UnsafeArchiveError(ValueError):
+    """A tar member would land outside the target directory, or is a device."""
+
+
+# --------------------------------------------------------------------------- parameters
+
+
+def _path(req: dict[str, Any], name: str = "path") -> str:
+    value = req.get(name)
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
+        raise ValueError(f"{name!r} must be an absolute path without NUL bytes")
+    return value
+
+
+def _int(req: dict[str, Any], name: str, low: int, high: int | None = None) -> int:
+    value = req.get(name)
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name!r} must be an integer >= {low}")
+    if high is not None and value > high:
+        raise ValueError(f"{name!r} must be at most {high}")
+    return value
+
+
+def _mode(req: dict[str, Any]) -> int | None:
+    value = req.get("mode")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
+        raise ValueError("'mode' must be an integer permission value (0 to 0o7777) or null")
+    return value
+
+
+def _chunk(req: dict[str, Any]) -> bytes:
+    text = req.get("data")
+    if not isinstance(text, str):
+        raise ValueError("'data' must be a base64 string")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ValueError(f"'data' is not valid base64: {exc}") from None
+    if len(data) > MAX_CHUNK_BYTES:
+        raise ValueError(f"'data' is larger than {MAX_CHUNK_BYTES} bytes")
+    return data
+
+
+def _out_of_space(exc: OSError) -> bool:
+    return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+# --------------------------------------------------------------------------- transfers
+
+
+class Transfer:
+    """One open transfer; its table serialises calls to it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.used_at = time.monotonic()
+
+    def write(self, offset: int, data: bytes) -> int:
+        raise ValueError("this transfer is not an upload")
+
+    def read(self, length: int) -> tuple[bytes, bool]:
+        raise ValueError("this transfer is not a download")
+
+    def commit(self) -> dict[str, Any]:
+        raise ValueError("this transfer is not an upload")
+
+    def abort(self) -> None:
+        """Drop the transfer and whatever it staged; never raises."""
+
+
+class StagedUpload(Transfer):
+    """A file written to a hidden sibling of its target, renamed into place by the commit.
+
+    The target's mode is kept when it exists and no mode is given; a symlink
+    target is written through, as open() would, not replaced.
+    """
+
+    def __init__(self, path: str, mode: int | None) -> None:
+        super().__init__()
+        target = os.path.realpath(path) if os.path.islink(path) else path
+        if os.path.isdir(target):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        parent = os.path.dirname(target) or "/"
+        os.makedirs(parent, exist_ok=True)
+        if mode is None:
+            try:
+                mode = stat.S_IMODE(os.stat(target).st_mode)
+            except FileNotFoundError:
+                mode = DEFAULT_MODE
+        self.target = target
+        self.size = 0
+        self.staged = os.path.join(parent, f"{STAGED_PREFIX}{secrets.token_hex(8)}")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+        self.fd: int | None = os.open(self.staged, flags, 0o600)
+        try:
+            os.fchmod(self.fd, mode)  # the umask must not change the file's mode
+        except BaseException:
+            self.abort()
+            raise
+
+    def write(self, offset: int, data: bytes) -> int:
+        if self.fd is None:
+            raise TransferGone("this upload is finished")
+        if offset != self.size:
+            raise ValueError(f"'offset' {offset} is not the upload's size so far ({self.size})")
+        try:
+            _write_all(self.fd, data)
+        except OSError as exc:
+            self._fail(exc)
+        self.size += len(data)
+        return self.size
+
+    def commit(self) -> dict[str, Any]:
+        if self.fd is None:
+            raise TransferGone("this upload is finished")
+        try:
+            os.fsync(self.fd)  # a full disk may show only now (delayed allocation)
+            os.close(self.fd)
+            self.fd = None
+            os.replace(self.staged, self.target)
+        except OSError as exc:
+            self._fail(exc)
+        return {"path": self.target, "size": self.size}
+
+    def abort(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.staged)
+
+    def _fail(self, exc: OSError) -> None:
+        self.abort()
+        if _out_of_space(exc):
+            raise NoSpaceError(
+                exc.errno, f"the guest's disk is full writing {self.target}; nothing was kept"
+            ) from None
+        raise exc
+
+
+class _PipeTransfer(Transfer):
+    """A transfer whose other end is a tar thread behind an os.pipe."""
+
+    def __init__(self, work: Callable[[BinaryIO], None], mode: str) -> None:
+        super().__init__()
+        read_fd, write_fd = os.pipe()
+        os.set_inheritable(read_fd, False)
+        os.set_inheritable(write_fd, False)
+        ours, theirs = (write_fd, read_fd) if mode == "rb" else (read_fd, write_fd)
+        self.fd: int | None = ours
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(
+            target=self._run, args=(work, os.fdopen(theirs, mode)), daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, work: Callable[[BinaryIO], None], pipe: BinaryIO) -> None:
+        try:
+            with pipe:
+                work(pipe)
+        except BaseException as exc:  # reported to the host by the next call
+            self.error = exc
+
+    def _close(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
+
+    def _finish(self) -> None:
+        self._close()
+        self.thread.join(JOIN_SECS)
+        if self.error is not None:
+            raise self.error
+
+    def abort(self) -> None:
+        self._close()
+
+
+class TarExtract(_PipeTransfer):
+    """A tar stream extracted into a directory as it arrives."""
+
+    def __init__(self, dest: str) -> None:
+        os.makedirs(dest, exist_ok=True)
+        self.dest = dest
+        self.size = 0
+        super().__init__(lambda pipe: extract_tar(pipe, dest), "rb")
+
+    def write(self, offset: int, data: bytes) -> int:
+        if offset != self.size:
+            raise ValueError(f"'offset' {offset} is not the upload's size so far ({self.size})")
+        if self.fd is None:
+            raise TransferGone("this upload is finished")
+        try:
+            _write_all(self.fd, data)
+        except BrokenPipeError:  # the extraction stopped: say why
+            self._finish()
+            raise
+        self.size += len(data)
+        return self.size
+
+    def commit(self) -> dict[str, Any]:
+        self._finish()
+        return {"path": self.dest, "size": self.size}
+
+
+class TarStream(_PipeTransfer):
+    """A tar stream of a directory's content, read in chunks."""
+
+    def __init__(self, path: str) -> None:
+        if not stat.S_ISDIR(os.stat(path).st_mode):  # FileNotFoundError now, not in the thread
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
+        super().__init__(lambda pipe: write_tar(pipe, path), "wb")
+
+    def read(self, length: int) -> tuple[bytes, bool]:
+        if self.fd is None:
+            raise TransferGone("this download is finished")
+        pieces: list[bytes] = []
+        wanted = length
+        while wanted > 0:
+            piece = os.read(self.fd, wanted)
+            if not piece:
+                self._finish()
+                return b"".join(pieces), True
+            pieces.append(piece)
+            wanted -= len(piece)
+        return b"".join(pieces), False
+
+
+def write_tar(pipe: BinaryIO, path: str) -> None:
+    """The directory ``path`` as a tar stream of its content (members "./..."); links
+    are stored as links, never followed."""
+    with tarfile.open(fileobj=pipe, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        tar.add(path, arcname=".", recursive=True)
+
+
+# --------------------------------------------------------------------------- safe extraction
+
+
+def _member_path(dest: str, name: str) -> str:
+    """Where member ``name`` goes in ``dest``; UnsafeArchiveError if outside it."""
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if name.startswith("/") or ".." in parts:
+        raise UnsafeArchiveError(f"refusing tar member {name!r}: absolute or with '..'")
+    return os.path.join(dest, *parts) if parts else dest
+
+
+def _inside(real_dest: str, path: str) -> bool:
+    return path == real_dest or path.startswith(real_dest.rstrip("/") + "/")
+
+
+def _check_link(real_dest: str, target: str, member: tarfile.TarInfo) -> None:
+    """A symlink's target, resolved from where it is, must stay in the directory."""
+    if member.linkname.startswith("/"):
+        raise UnsafeArchiveError(f"refusing symlink {member.name!r}: absolute target")
+    resolved = os.path.normpath(os.path.join(os.path.dirname(target), member.linkname))
+    if not _inside(real_dest, resolved):
+        raise UnsafeArchiveError(f"refusing symlink {member.name!r}: it points outside")
+
+
+def _clear(path: str) -> None:
+    """Remove a file or link in the way of a new member (a directory stays)."""
+    with contextlib.suppress(FileNotFoundError):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            os.unlink(path)
+
+
+def extract_tar(pipe: BinaryIO, dest: str) -> None:
+    """Extract the tar stream on ``pipe`` into ``dest``, member by member.
+
+    Refused, before anything of them is written: absolute names, '..', links
+    whose target is outside ``dest``, devices, and any member whose parent
+    resolves outside ``dest`` (through a symlink already there).
+    """
+    real_dest = os.path.realpath(dest)
+    with tarfile.open(fileobj=pipe, mode="r|") as tar:
+        for member in tar:
+            target = _member_path(real_dest, member.name)
+            if target != real_dest:
+                parent = os.path.dirname(target)
+                os.makedirs(parent, exist_ok=True)
+                if not _inside(real_dest, os.path.realpath(parent)):
+                    raise UnsafeArchiveError(f"refusing tar member {member.name!r}: outside")
+            _extract_member(tar, member, real_dest, target)
+
+
+def _extract_member(
+    tar: tarfile.TarFile, member: tarfile.TarInfo, real_dest: str, target: str
+) -> None:
+    mode = member.mode & 0o777
+    if member.isdir():
+        if os.path.islink(target):
+            os.unlink(target)
+        os.makedirs(target, exist_ok=True)
+        os.chmod(target, mode | 0o700)  # we must still write into it
+    elif member.issym():
+        _check_link(real_dest, target, member)
+        _clear(target)
+        os.symlink(member.linkname, target)
+    elif member.islnk():
+        source = _member_path(real_dest, member.linkname)
+        if not _inside(real_dest, os.path.realpath(source)):
+            raise UnsafeArchiveError(f"refusing hard link {member.name!r}: it points outside")
+        _clear(target)
+        os.link(source, target, follow_symlinks=False)
+    elif member.isreg():
+        _clear(target)
+        _copy_member(tar, member, target, mode)
+    else:
+        raise UnsafeArchiveError(f"refusing tar member {member.name!r}: not a file, dir or link")
+
+
+def _copy_member(tar: tarfile.TarFile, member: tarfile.TarInfo, target: str, mode: int) -> None:
+    source = tar.extractfile(member)
+    assert source is not None  # a regular member always has content
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(target, flags, 0o600)
+    try:
+        while piece := source.read(MAX_CHUNK_BYTES):
+            _write_all(fd, piece)
+        os.fchmod(fd, mode)
+    except OSError as exc:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(target)
+        if _out_of_space(exc):
+            raise NoSpaceError(exc.errno, f"the guest's disk is full extracting {target}") from None
+        raise
+    os.close(fd)
+    with contextlib.suppress(OSError):
+        os.utime(target, (member.mtime, member.mtime))
+
+
+# --------------------------------------------------------------------------- the table
+
+
+class TransferTable:
+    """Open transfers by id, at most ``max_open``; idle ones are dropped by a sweeper thread."""
+
+    def __init__(
+        self,
+        max_open: int = MAX_OPEN,
+        idle_secs: float = IDLE_SECS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._max_open = max_open
+        self._idle_secs = idle_secs
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._by_id: dict[str, Transfer] = {}
+        self._sweeper: threading.Thread | None = None
+
+    def add(self, make: Callable[[], Transfer]) -> str:
+        self.sweep()
+        with self._lock:
+            if len(self._by_id) >= self._max_open:
+                raise BlockingIOError(f"too many file transfers open (at most {self._max_open})")
+            transfer = make()
+            transfer.used_at = self._clock()
+            transfer_id = secrets.token_hex(8)
+            self._by_id[transfer_id] = transfer
+            if self._sweeper is None or not self._sweeper.is_alive():
+                self._sweeper = threading.Thread(target=self._sweep_forever, daemon=True)
+                self._sweeper.start()
+        return transfer_id
+
+    @contextlib.contextmanager
+    def use(self, transfer_id: object, finish: bool = False) -> Any:
+        """The transfer, locked; with ``finish`` it leaves the table, whatever happens."""
+        if not isinstance(transfer_id, str):
+            raise ValueError("'transfer_id' must be a string")
+        with self._lock:
+            transfer = (
+                self._by_id.pop(transfer_id, None) if finish else self._by_id.get(transfer_id)
+            )
+        if transfer is None:
+            raise TransferGone(f"no open file transfer {transfer_id!r} (finished or expired)")
+        with transfer.lock:
+            try:
+                yield transfer
+            except BaseException:
+                self._drop(transfer_id, transfer)
+                raise
+            finally:
+                transfer.used_at = self._clock()
+
+    def _drop(self, transfer_id: str, transfer: Transfer) -> None:
+        with self._lock:
+            if self._by_id.get(transfer_id) is transfer:
+                del self._by_id[transfer_id]
+        transfer.abort()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._by_id)
+
+    def sweep(self) -> int:
+        """Drop the transfers idle longer than the limit; how many were dropped."""
+        now = self._clock()
+        with self._lock:
+            idle = {k: t for k, t in self._by_id.items() if now - t.used_at > self._idle_secs}
+            for transfer_id in idle:
+                del self._by_id[transfer_id]
+        for transfer in idle.values():
+            transfer.abort()
+        return len(idle)
+
+    def _sweep_forever(self) -> None:
+        while True:
+            time.sleep(SWEEP_SECS)
+            self.sweep()
+            with self._lock:
+                if not self._by_id:
+                    self._sweeper = None
+                    return
+
+
+TRANSFERS = TransferTable()
+
+
+# --------------------------------------------------------------------------- ops
+
+
+def op_file_upload_open(req: dict[str, Any]) -> dict[str, Any]:
+    path = _path(req)
+    kind = req.get("format", "file")
+    if kind == "file":
+        mode = _mode(req)
+        return {"transfer_id": TRANSFERS.add(lambda: StagedUpload(path, mode))}
+    if kind == "tar":
+        return {"transfer_id": TRANSFERS.add(lambda: TarExtract(path))}
+    raise ValueError('\'format\' must be "file" or "tar"')
+
+
+def op_file_upload_write(req: dict[str, Any]) -> dict[str, Any]:
+    data = _chunk(req)
+    offset = _int(req, "offset", 0)
+    with TRANSFERS.use(req.get("transfer_id")) as transfer:
+        return {"size": transfer.write(offset, data)}
+
+
+def op_file_upload_commit(req: dict[str, Any]) -> dict[str, Any]:
+    with TRANSFERS.use(req.get("transfer_id"), finish=True) as transfer:
+        return transfer.commit()
+
+
+def op_file_transfer_abort(req: dict[str, Any]) -> dict[str, Any]:
+    try:
+        with TRANSFERS.use(req.get("transfer_id"), finish=True) as transfer:
+            transfer.abort()
+    except TransferGone:
+        return {"aborted": False}
+    return {"aborted": True}
+
+
+def op_file_read_range(req: dict[str, Any]) -> dict[str, Any]:
+    path = _path(req)
+    offset = _int(req, "offset", 0)
+    length = _int(req, "length", 1, MAX_CHUNK_BYTES)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISCHR(st.st_mode)):
+            raise ValueError(f"not a regular file: {path}")
+        data = os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+    regular = stat.S_ISREG(st.st_mode)
+    eof = len(data) < length or (regular and 0 < st.st_size <= offset + len(data))
+    return {
+        "data": base64.b64encode(data).decode("ascii"),
+        "size": st.st_size if regular else None,
+        "eof": eof,
+    }
+
+
+def op_file_tar_open(req: dict[str, Any]) -> dict[str, Any]:
+    path = _path(req)
+    return {"transfer_id": TRANSFERS.add(lambda: TarStream(path))}
+
+
+def op_file_tar_read(req: dict[str, Any]) -> dict[str, Any]:
+    length = _int(req, "length", 1, MAX_CHUNK_BYTES)
+    transfer_id = req.get("transfer_id")
+    with TRANSFERS.use(transfer_id) as transfer:
+        data, eof = transfer.read(length)
+    if eof:
+        with contextlib.suppress(TransferGone), TRANSFERS.use(transfer_id, finish=True):
+            pass
+    return {"data": base64.b64encode(data).decode("ascii"), "eof": eof}
+
+
+OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "file_upload_open": op_file_upload_open,
+    "file_upload_write": op_file_upload_write,
+    "file_upload_commit": op_file_upload_commit,
+    "file_transfer_abort": op_file_transfer_abort,
+    "file_read_range": op_file_read_range,
+    "file_tar_open": op_file_tar_open,
+    "file_tar_read": op_file_tar_read,
+}
