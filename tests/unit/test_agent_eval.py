@@ -69,26 +69,29 @@ def agent(agent_path: Path) -> Iterator[Client]:
     client.close()
 
 
-def _interrupt_when_running(agent: Client, within_s: float = 10) -> float:
-    """Interrupt the eval in flight as soon as it runs; the monotonic time it took."""
+def _interrupt_once_at(agent: Client, marker: Path, within_s: float = 10) -> float:
+    """Interrupt the eval in flight once it created ``marker`` (it is past its first
+    lines); the monotonic time the interrupt was answered."""
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if agent.result("eval_interrupt")["interrupted"]:
-            return time.monotonic()
-        time.sleep(0.02)
-    raise AssertionError("no eval was running to interrupt")
+    while not marker.exists():
+        assert time.monotonic() < deadline, "the eval never created its marker"
+        time.sleep(0.01)
+    assert agent.result("eval_interrupt") == {"interrupted": True}
+    return time.monotonic()
 
 
 # ----------------------------------------------------------------------------- interrupt
 
 
 def test_interrupt_ends_a_sleep_with_keyboard_interrupt_and_keeps_the_state(
-    agent: Client, agent_path: Path
+    agent: Client, agent_path: Path, tmp_path: Path
 ) -> None:
     agent.result("eval", code="kept_before = 41")
-    req_id = agent.send("eval", code="import time\nset_in_the_eval = 1\ntime.sleep(1000)")
+    marker = tmp_path / "sleeping"
+    code = f"import time\nset_in_the_eval = 1\nopen({str(marker)!r}, 'w').close()\ntime.sleep(1000)"
+    req_id = agent.send("eval", code=code)
     with contextlib.closing(Client(agent_path)) as other:  # another connection
-        interrupted_at = _interrupt_when_running(other)
+        interrupted_at = _interrupt_once_at(other, marker)
     answer = agent.wait(req_id)["result"]
     assert time.monotonic() - interrupted_at < 2
     assert answer["exit_code"] == 1 and answer["timed_out"] is False
@@ -98,10 +101,12 @@ def test_interrupt_ends_a_sleep_with_keyboard_interrupt_and_keeps_the_state(
     assert agent.result("eval", code="kept_before + set_in_the_eval")["result"] == "42"
 
 
-def test_interrupt_ends_a_blocking_socket_read(agent: Client) -> None:
-    code = "import socket\na, b = socket.socketpair()\na.recv(1)"
+def test_interrupt_ends_a_blocking_socket_read(agent: Client, tmp_path: Path) -> None:
+    marker = tmp_path / "reading"
+    code = f"import socket\na, b = socket.socketpair()\nopen({str(marker)!r}, 'w').close()\n"
+    code += "a.recv(1)"
     req_id = agent.send("eval", code=code)
-    _interrupt_when_running(agent)  # the same connection: requests run concurrently
+    _interrupt_once_at(agent, marker)  # the same connection: requests run concurrently
     answer = agent.wait(req_id)["result"]
     assert "KeyboardInterrupt" in answer["error"]
     assert agent.result("eval", code="a.close(); b.close(); 'closed'")["result"] == "'closed'"
