@@ -239,3 +239,19 @@ def test_a_client_that_does_not_read_stops_the_pulling(sb: Sandbox, server: Serv
     finally:
         sock.close()
         sb.controller.signal_process(sb.id, int(info["pid"]), "SIGKILL")
+
+
+def test_a_sandbox_killed_during_the_session_closes_it_with_4000_plus_the_status(
+    sb: Sandbox, ctl: Controller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fake guest's read outlives its VM; a real one fails as the VM dies.
+    monkeypatch.setattr("forkd.controller.services.terminals.FOLLOW_WAIT_SECS", 0.2)
+    term = sb.pty.create(cmd=["cat"])
+    term.send_stdin("before\n")
+    _read_until(term, b"before\n")
+    ctl.kill_sandbox(sb.id)
+    with pytest.raises(ControllerError) as closed:
+        while term.read(timeout=0.5) is not None:
+            pass
+    assert closed.value.status == 404 and sb.id in closed.value.message, closed.value
+    term.close()
