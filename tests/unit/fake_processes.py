@@ -148,6 +148,7 @@ class FakeProcesses:
         self.procs: dict[int, FakeProcess] = {}
         self.ring_bytes = RING_BYTES
         self.reads: list[tuple[int, int]] = []  # (pid, offset) of every proc_read
+        self.asks: list[tuple[int, int, float]] = []  # (max_bytes, min_bytes, linger_s) of each
         self._next_pid = 100
 
     def _get(self, pid: int) -> FakeProcess:

@@ -286,8 +286,10 @@ class FakeVM:
         return self.processes.info(pid)
 
     async def proc_read(self, pid: int, offset: int, *, wait_s: float = 0.0,
-                        max_bytes: int = 256 << 10) -> dict[str, Any]:  # fmt: skip
+                        max_bytes: int = 256 << 10, min_bytes: int = 1,
+                        linger_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
         self._agent("proc_read")
+        self.processes.asks.append((max_bytes, min_bytes, linger_s))
         return await self.processes.read(pid, offset, wait_s, max_bytes)
 
     async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int:

@@ -234,6 +234,32 @@ def test_read_with_wait_returns_as_soon_as_output_arrives(agent: AgentConnection
         agent.ok("proc_signal", pid=pid, signal="SIGKILL")
 
 
+def test_read_with_min_bytes_lingers_for_more_output_up_to_linger_s(agent: AgentConnection) -> None:
+    pid = agent.start("printf a; sleep 0.2; printf b; sleep 30")
+    try:
+        agent.read_until(pid, b"a")
+        started = time.monotonic()
+        both = agent.ok("proc_read", pid=pid, offset=0, wait_s=5, min_bytes=2, linger_s=1)
+        assert time.monotonic() - started < 0.9  # answered when the second byte came
+        assert b"".join(base64.b64decode(c["data"]) for c in both["chunks"]) == b"ab"
+
+        started = time.monotonic()
+        short = agent.ok("proc_read", pid=pid, offset=0, wait_s=5, min_bytes=100, linger_s=0.3)
+        assert 0.25 <= time.monotonic() - started < 4  # what there is, once linger_s passed
+        assert short["next_offset"] == 2
+    finally:
+        agent.ok("proc_signal", pid=pid, signal="SIGKILL")
+
+
+def test_lingering_ends_at_the_end_of_the_output(agent: AgentConnection) -> None:
+    pid = agent.start("printf abc")
+    agent.output_until_eof(pid)
+    started = time.monotonic()
+    done = agent.ok("proc_read", pid=pid, offset=0, min_bytes=1000, linger_s=1.0)
+    assert time.monotonic() - started < 0.9
+    assert (done["next_offset"], done["eof"]) == (3, True)
+
+
 def test_stdout_and_stderr_are_tagged_in_one_offset_sequence(agent: AgentConnection) -> None:
     pid = agent.start("printf out1; sleep 0.2; printf err1 >&2; sleep 0.2; printf out2")
     chunks = agent.read_until_eof(pid)
@@ -423,6 +449,8 @@ def test_unknown_pid_is_process_lookup_error(
         ("proc_read", {"pid": 1, "offset": 0, "wait_s": 31}),
         ("proc_read", {"pid": 1, "offset": 0, "max_bytes": 0}),
         ("proc_read", {"pid": 1, "offset": 0, "max_bytes": 1024 * 1024 + 1}),
+        ("proc_read", {"pid": 1, "offset": 0, "min_bytes": 0}),
+        ("proc_read", {"pid": 1, "offset": 0, "linger_s": 1.5}),
         ("proc_stdin", {"pid": 1, "data": "not base64!"}),
         ("proc_stdin", {"pid": 1, "data": base64.b64encode(bytes(1024 * 1024 + 1)).decode()}),
         ("proc_signal", {"pid": 1, "signal": "NOPE"}),

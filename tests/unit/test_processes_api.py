@@ -338,6 +338,32 @@ def test_a_reader_that_stops_stops_the_pulling(
     assert http.get(f"/v1/sandboxes/{sid}/processes/{flood['pid']}").json()["running"]
 
 
+def test_a_fast_writer_is_read_in_large_lingering_answers(
+    server: Server, http: httpx.Client, sid: str
+) -> None:
+    fake = vm_of(server, sid).processes
+    flood = start(http, sid, ["flood"])
+    time.sleep(0.3)  # more than one answer's worth is written: the first comes back full
+    url = f"/v1/sandboxes/{sid}/processes/{flood['pid']}/output"
+    received = 0
+    with connect_sse(http, "GET", url) as source:
+        for event in source.iter_sse():
+            received += len(json.loads(event.data).get("data", ""))
+            if received >= 4 << 20:
+                break
+    assert fake.asks[0] == (256 << 10, 1, 0.0)
+    assert (1 << 20, 1 << 20, 0.02) in fake.asks
+
+
+def test_output_a_line_at_a_time_is_never_held_back(
+    server: Server, http: httpx.Client, sid: str
+) -> None:
+    fake = vm_of(server, sid).processes
+    info = start(http, sid, ["count", "5", "0.05"])
+    assert text_of(events(http, sid, info["pid"])) == "1\n2\n3\n4\n5\n"
+    assert fake.asks and all(linger == 0.0 for _, _, linger in fake.asks)
+
+
 def test_exec_is_unchanged(http: httpx.Client, sid: str) -> None:
     r = http.post(f"/v1/sandboxes/{sid}/exec", json={"args": ["echo", "a"]})
     assert r.status_code == 200 and r.json()["stdout"] == "a\n"

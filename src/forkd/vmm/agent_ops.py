@@ -149,11 +149,15 @@ def eval_wait_secs(timeout: float) -> float:
         return await self.agent.call("proc_info", {"pid": pid})
 
     async def proc_read(
-        self, pid: int, offset: int, *, wait_s: float = 0.0, max_bytes: int = PROC_READ_MAX_BYTES
-    ) -> dict[str, Any]:
-        """Output after ``offset``, waiting up to ``wait_s`` for some; chunks' data is base64."""
-        params = {"pid": pid, "offset": offset, "wait_s": wait_s, "max_bytes": max_bytes}
-        return await self.agent.call("proc_read", params, wait=wait_s + EXEC_WAIT_MARGIN_SECS)
+        self, pid: int, offset: int, *, wait_s: float = 0.0, max_bytes: int = PROC_READ_MAX_BYTES,
+        min_bytes: int = 1, linger_s: float = 0.0,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Output after ``offset``, waiting up to ``wait_s`` for some, then up to
+        ``linger_s`` more for ``min_bytes`` in all; chunks' data is base64."""
+        params = {"pid": pid, "offset": offset, "wait_s": wait_s, "max_bytes": max_bytes,
+                  "min_bytes": min_bytes, "linger_s": linger_s}  # fmt: skip
+        wait = wait_s + linger_s + EXEC_WAIT_MARGIN_SECS
+        return await self.agent.call("proc_read", params, wait=wait)
 
     async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int:
         """Write ``data`` to the process's stdin, in pieces the agent accepts; bytes written."""

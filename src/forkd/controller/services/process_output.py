@@ -74,14 +74,17 @@ def _chunk(raw: dict[str, Any]) -> Chunk:
 
 def _runs(chunks: list[Chunk]) -> list[Chunk]:
     """``chunks`` with each run of adjacent chunks of one stream joined."""
-    runs: list[Chunk] = []
+    groups: list[list[Chunk]] = []
     for chunk in chunks:
-        last = runs[-1] if runs else None
+        last = groups[-1][-1] if groups else None
         if last and last.stream == chunk.stream and last.offset + len(last.data) == chunk.offset:
-            runs[-1] = Chunk(last.stream, last.offset, last.data + chunk.data)
+            groups[-1].append(chunk)
         else:
-            runs.append(chunk)
-    return runs
+            groups.append([chunk])
+    return [
+        g[0] if len(g) == 1 else Chunk(g[0].stream, g[0].offset, b"".join(c.data for c in g))
+        for g in groups
+    ]
 
 
 def _data_event(stream: str, offset: int, data: bytes, text: str | None) -> OutputEvent:

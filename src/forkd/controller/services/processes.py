@@ -2,11 +2,12 @@
 
 The guest agent owns the processes and a ring of each one's output
 (docs/guest-agent.md, "Processes"); the daemon keeps nothing about them. An
-output stream pulls from the agent one ``proc_read`` at a time, and asks for
-the next only once its consumer took the previous events, so a client that
-stops reading stops the pulling: the daemon holds one answer per stream at
-most, and each stream is its own agent request, so one slow reader stalls
-no other process or sandbox.
+output stream pulls from the agent one ``proc_read`` ahead of its consumer:
+the next is asked for while the previous answer's events go out, and no
+further until the consumer took them, so a client that stops reading stops
+the pulling: the daemon holds two answers per stream at most, and each
+stream is its own agent request, so one slow reader stalls no other process
+or sandbox.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -32,6 +34,13 @@ from forkd.controller.services.process_output import OutputEvents, ReadAnswer
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.errors import ForkdError, GuestError, Invalid
 
+READ_BYTES = 256 << 10  # of output asked for by one proc_read while the reader keeps up
+READ_BYTES_BEHIND = 1 << 20  # ... and once an answer came back full (the agent's cap)
+# After an answer of BULK_BYTES or more, the next one waits up to BULK_LINGER_SECS
+# for a full answer: a fast writer is carried in fewer, larger answers, while
+# output that comes a line at a time is passed on at once.
+BULK_BYTES = 64 << 10
+BULK_LINGER_SECS = 0.02
 FOLLOW_WAIT_SECS = 15.0  # one proc_read waits this long for output; then a keep-alive
 QUICK_EMPTY_SECS = 0.05  # an empty answer sooner than this is paced: the agent should wait
 
@@ -111,36 +120,77 @@ class ProcessService:
     ) -> AsyncIterator[OutputEvent]:
         """Pull and convert until the exit, or, when ``until`` is set, past ``until``.
 
+        While one answer's events go out, the next ``proc_read`` is already
+        asked for, so the guest encodes while the client reads; once an answer
+        comes back full the reader is behind, and the next asks for more.
         A failure raises after the events read before it: the framing ends
         the stream with it (see :mod:`forkd.controller.sse`).
         """
         events = OutputEvents()
         wait = FOLLOW_WAIT_SECS if until is None else 0.0
-        while True:
-            asked = time.monotonic()
-            try:
-                answer = await self._read(sandbox_id, pid, offset, wait)
-            except ForkdError:
-                for event in events.flush():  # what was read before the failure
+        want, linger = READ_BYTES, 0.0
+        pending: _PendingRead | None = self._ask(sandbox_id, pid, offset, wait, want, linger)
+        try:
+            while True:
+                assert pending is not None
+                try:
+                    answer = await pending.task
+                except ForkdError:
+                    for event in events.flush():  # what was read before the failure
+                        yield event
+                    raise
+                asked, pending = pending.asked, None
+                got = answer.next_offset - max(offset, answer.gap[1] if answer.gap else 0)
+                progressed = answer.next_offset > offset or answer.gap is not None
+                offset = answer.next_offset
+                done = answer.eof or (
+                    until is not None and (offset >= until or not progressed)
+                )  # fmt: skip
+                want = READ_BYTES_BEHIND if got >= want else READ_BYTES
+                linger = BULK_LINGER_SECS if until is None and got >= BULK_BYTES else 0.0
+                if progressed and not done:
+                    pending = self._ask(sandbox_id, pid, offset, wait, want, linger)
+                for event in events.of(answer):
                     yield event
-                raise
-            for event in events.of(answer):
-                yield event
-            progressed = answer.next_offset > offset or answer.gap is not None
-            offset = answer.next_offset
-            if answer.eof:
-                return
-            if until is not None and (offset >= until or not progressed):
-                for event in events.flush():
-                    yield event
-                return
-            if not progressed:
-                yield OutputEvent("keepalive")
-                if time.monotonic() - asked < QUICK_EMPTY_SECS:
-                    await asyncio.sleep(QUICK_EMPTY_SECS)
+                if done:
+                    for event in events.flush():
+                        yield event
+                    return
+                if not progressed:
+                    yield OutputEvent("keepalive")
+                    if time.monotonic() - asked < QUICK_EMPTY_SECS:
+                        await asyncio.sleep(QUICK_EMPTY_SECS)
+                    pending = self._ask(sandbox_id, pid, offset, wait, want, linger)
+        finally:
+            if pending is not None:
+                pending.drop()
 
-    async def _read(self, sandbox_id: str, pid: int, offset: int, wait: float) -> ReadAnswer:
+    def _ask(
+        self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
+    ) -> _PendingRead:
+        read = self._read(sandbox_id, pid, offset, wait, want, linger)
+        return _PendingRead(asyncio.ensure_future(read), time.monotonic())
+
+    async def _read(
+        self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
+    ) -> ReadAnswer:
         raw = await self.sandboxes.guest(
-            sandbox_id, lambda vm: vm.proc_read(pid, offset, wait_s=wait)
-        )
+            sandbox_id,
+            lambda vm: vm.proc_read(pid, offset, wait_s=wait, max_bytes=want,
+                                    min_bytes=want if linger else 1, linger_s=linger),
+        )  # fmt: skip
         return ReadAnswer.parse(raw, offset)
+
+
+@dataclass(frozen=True)
+class _PendingRead:
+    """A ``proc_read`` asked for and not yet taken: ``asked`` is when."""
+
+    task: asyncio.Future[ReadAnswer]
+    asked: float
+
+    def drop(self) -> None:
+        """The stream ended first: cancel it, and take any failure it had."""
+        self.task.cancel()
+        if self.task.done() and not self.task.cancelled():
+            self.task.exception()

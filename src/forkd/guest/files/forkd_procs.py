@@ -124,7 +124,7 @@ class OutputRing:
             skip = offset - chunk.offset
             if skip >= len(chunk.data):
                 continue
-            data = bytes(chunk.data[skip : skip + room])
+            data = bytes(memoryview(chunk.data)[skip : skip + room])  # one copy, not two
             pieces.append(OutputPiece(chunk.stream, offset, data))
             offset += len(data)
             room -= len(data)
@@ -320,8 +320,11 @@ class BackgroundProcess:
 
     # ------------------------------------------------------------------ output
 
-    def read(self, offset: int, max_bytes: int, wait_s: float) -> OutputSlice:
-        """Output from ``offset`` on; if there is none yet, wait up to ``wait_s`` for some."""
+    def read(
+        self, offset: int, max_bytes: int, wait_s: float, min_bytes: int = 1, linger_s: float = 0.0
+    ) -> OutputSlice:
+        """Output from ``offset`` on; if there is none yet, wait up to ``wait_s`` for some,
+        then up to ``linger_s`` more for ``min_bytes`` in all (fewer, larger answers)."""
         deadline = time.monotonic() + wait_s
         with self._cond:
             if offset > self._ring.end:
@@ -331,6 +334,12 @@ class BackgroundProcess:
             while self._ring.end <= offset and not self._output_closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            linger_end = time.monotonic() + linger_s
+            while self._ring.end - offset < min_bytes and not self._output_closed:
+                remaining = linger_end - time.monotonic()
+                if remaining <= 0 or self._ring.end <= offset:
                     break
                 self._cond.wait(remaining)
             pieces, next_offset, gap = self._ring.read(offset, max_bytes)
