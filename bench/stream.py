@@ -35,6 +35,7 @@ import contextlib
 import hashlib
 import os
 import queue
+import resource
 import signal
 import socket
 import sys
@@ -51,6 +52,7 @@ from forkd import accel
 from forkd.client import Controller, ControllerError, Sandbox
 from forkd.client.commands import CommandHandle
 from forkd.launcher import DaemonProcess
+from forkd.vmm.processes import qemu_pids_under
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # see bench/fork.py
 import benchlib
@@ -77,6 +79,12 @@ RSS_FLAT_MIB = 32.0  # max - start beyond this is growth, not noise
 def stats_ms(samples: list[float]) -> dict[str, Any]:
     return {"p50": r1(percentile(samples, 50)), "p90": r1(percentile(samples, 90)),
             "max": r1(max(samples)), "n": len(samples)}  # fmt: skip
+
+
+def cpu_secs(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (all its threads)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def daemon_rss_mib(pid: int) -> float:
@@ -156,6 +164,7 @@ class StreamBench(benchlib.BenchBase):
         speed into /dev/null is measured beside it."""
         ctl = sb.controller
         cmd = WRITERS[variant].format(n=self.args.stream_mib)
+        cpu_before = self.cpu_now()
         t0 = time.monotonic()
         pid = int(ctl.start_process(sb.id, cmd)["pid"])
         received = lost = events = 0
@@ -168,12 +177,24 @@ class StreamBench(benchlib.BenchBase):
             elif event.kind == "exit":
                 exit_code = event.exit_code
         secs = time.monotonic() - t0
+        cpu = {k: r1((v - cpu_before[k]) * 1000 / max(received / MIB, 1))
+               for k, v in self.cpu_now().items()}  # fmt: skip
+        self.results.setdefault("cpu_ms_per_mib", {})[variant] = cpu
         if exit_code != 0 or received + lost != self.args.stream_mib * MIB:
             raise RuntimeError(f"{variant}: exit {exit_code}, {received} read, {lost} lost")
         self.results.setdefault("stdout_mib_s", {})[variant] = r1(received / MIB / secs)
         self.results.setdefault("stdout_lost_mib", {})[variant] = r1(lost / MIB)
         self.results.setdefault("stdout_events", {})[variant] = events
         self.results.setdefault("guest_writer_mib_s", {})[variant] = self.writer_speed(sb, cmd)
+
+    def cpu_now(self) -> dict[str, float]:
+        """CPU seconds so far of the daemon, its QEMUs (the guest's vCPU and I/O) and us."""
+        assert self.daemon.proc is not None
+        qemus = qemu_pids_under(self.daemon.state_dir)
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return {"daemon": cpu_secs(self.daemon.proc.pid),
+                "qemu": sum(cpu_secs(pid) for pid in qemus),
+                "client": usage.ru_utime + usage.ru_stime}  # fmt: skip
 
     def writer_speed(self, sb: Sandbox, cmd: str) -> float | None:
         """The guest's own speed of ``cmd`` into /dev/null, timed in the guest."""
@@ -317,7 +338,7 @@ def render(out: Console, bench: StreamBench, res: dict[str, Any]) -> None:
         t.add_row(name, str(tgt["value"]), tgt["target"], met)
     out.print(t)
     for key in ("echo_rtt_ms", "first_output_ms", "stdout_mib_s", "stdout_lost_mib",
-                "stdout_events", "guest_writer_mib_s",
+                "stdout_events", "guest_writer_mib_s", "cpu_ms_per_mib",
                 "daemon_rss_mib", "file_transfer_skipped"):  # fmt: skip
         if key in res:
             out.print(f"{key}: {res[key]}", markup=False)
