@@ -118,3 +118,17 @@ def test_exec_json_refuses_i_and_t(server: Server, sid: str, sent: RecordingTran
     res = CliRunner().invoke(make_app(sent), ["exec", "-it", "--json", sid, "--", "cat"],
                              env=env_of(server))  # fmt: skip
     assert res.exit_code == 2 and "cannot go with -i or -t" in res.stderr
+
+
+def test_keys_typed_before_the_session_is_up_are_not_lost(server: Server, sid: str) -> None:
+    child = pexpect.spawn(sys.executable, ["-m", "forkd.cli", "exec", "-it", sid, "--", "cat"],
+                          env=_env(server), timeout=10)  # fmt: skip
+    try:
+        child.send("early\r")  # long before forkd has its terminal in raw mode
+        proc = _newest(server, sid)
+        deadline = time.monotonic() + 10
+        while b"early" not in b"".join(data for _s, _o, data in proc.ring):
+            assert time.monotonic() < deadline, "the keys typed ahead were flushed"
+            time.sleep(0.05)
+    finally:
+        child.close(force=True)

@@ -8,6 +8,7 @@ in a terminal echoes keystrokes; ``flood`` writes until it is killed.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import secrets
@@ -24,6 +25,8 @@ from starlette.websockets import WebSocketDisconnect
 
 from forkd.client import Controller, ControllerError, Sandbox
 from forkd.client.pty import LOGIN_SHELL, PtyHandle
+from forkd.controller.http_errors import close_reason
+from forkd.controller.middleware import GuardMiddleware
 from tests.unit.conftest import Server
 from tests.unit.fakes import FakeVM
 
@@ -255,3 +258,51 @@ def test_a_sandbox_killed_during_the_session_closes_it_with_4000_plus_the_status
             pass
     assert closed.value.status == 404 and sb.id in closed.value.message, closed.value
     term.close()
+
+
+# -- the guard on a bare ASGI WebSocket scope ----------------------------------------
+
+
+def _ws_scope(token: str | None, extensions: dict[str, Any]) -> dict[str, Any]:
+    headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
+    return {"type": "websocket", "path": "/v1/sandboxes/x/processes/1/pty", "headers": headers,
+            "query_string": b"", "extensions": extensions}  # fmt: skip
+
+
+def _guarded(token: str | None, scope: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+    """What GuardMiddleware sent for ``scope``, and whether it called the app."""
+    sent: list[dict[str, Any]] = []
+    called = False
+
+    async def app(_scope: Any, _receive: Any, _send: Any) -> None:
+        nonlocal called
+        called = True
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "websocket.connect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    asyncio.run(GuardMiddleware(app, token)(scope, receive, send))
+    return sent, called
+
+
+def test_the_guard_closes_a_websocket_before_accepting_it_where_no_http_answer_can_go() -> None:
+    sent, called = _guarded("secret", _ws_scope("wrong", {}))
+    assert not called
+    assert sent == [{"type": "websocket.close", "code": 1008,
+                     "reason": "missing or wrong bearer token"}]  # fmt: skip
+    sent, called = _guarded("secret", _ws_scope(None, {"websocket.http.response": {}}))
+    assert not called and sent[0]["type"] == "websocket.http.response.start"
+    assert sent[0]["status"] == 401
+
+
+def test_the_guard_passes_a_websocket_with_the_token_or_without_auth() -> None:
+    assert _guarded("secret", _ws_scope("secret", {})) == ([], True)
+    assert _guarded(None, _ws_scope(None, {})) == ([], True)
+
+
+def test_a_close_reason_is_cut_to_123_bytes_between_characters() -> None:
+    assert len(close_reason("é" * 100).encode()) == 122
+    assert close_reason("short") == "short"

@@ -144,7 +144,9 @@ def _raw_mode(fd: int | None) -> Iterator[None]:
         yield
         return
     saved = termios.tcgetattr(fd)
-    tty.setraw(fd)
+    # TCSADRAIN, not setraw's default TCSAFLUSH: keys typed ahead (before the
+    # session was up) are kept and go to the guest, not discarded.
+    tty.setraw(fd, termios.TCSADRAIN)
     try:
         yield
     finally:
