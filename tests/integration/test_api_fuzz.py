@@ -35,6 +35,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
+from schemathesis.core.parameters import ParameterLocation
 
 from forkd.controller.services.fleet import vm_id_prefixes
 from forkd.guest import image as images
@@ -64,7 +65,23 @@ GUEST_ROUTES = [
     "GET /v1/sandboxes/{sandbox_id}/files",
     "GET /v1/sandboxes/{sandbox_id}/files/list",
     "DELETE /v1/sandboxes/{sandbox_id}/files",
+    "POST /v1/sandboxes/{sandbox_id}/processes",
+    "GET /v1/sandboxes/{sandbox_id}/processes",
+    "GET /v1/sandboxes/{sandbox_id}/processes/{pid}",
+    "GET /v1/sandboxes/{sandbox_id}/processes/{pid}/output",  # follow=false, see bound()
+    "POST /v1/sandboxes/{sandbox_id}/processes/{pid}/stdin",
+    "POST /v1/sandboxes/{sandbox_id}/processes/{pid}/signal",
+    "POST /v1/sandboxes/{sandbox_id}/processes/{pid}/resize",
 ]
+# Processes seeded in the known sandbox for the routes naming a pid: cat reads the
+# fuzzed stdin (in a terminal, too: what is typed goes to cat, never to a shell);
+# signals go to a sleep of their own, so they do not end the cats early.
+SEEDED_PROCESSES = {
+    "stdin": {"cmd": ["cat"], "stdin": True},
+    "pty": {"cmd": ["cat"], "pty": {"cols": 80, "rows": 24}},
+    "signal": {"cmd": ["sleep", "3600"]},
+}
+SEEDED_PIDS: dict[str, int] = {}
 SPARES_KEPT = 2
 
 routes = fuzz_schema("fuzzing").include(name=VM_ROUTES + GUEST_ROUTES)
@@ -141,8 +158,12 @@ def bound(case: Any) -> None:
         path = query.get("path")
         if isinstance(path, str) and path and os.path.normpath(path) in MOUNT_POINTS:
             case.query = {**query, "path": "/tmp/fz"}
+    if op.path.endswith("/output") and isinstance(query, dict):
+        case.query = {**query, "follow": "false"}  # a followed stream ends only with its process
     if not isinstance(body, dict):
         return
+    if op.path.endswith("/processes"):
+        body = _bound_process(body)
     egress = body.get("egress")
     if isinstance(egress, dict) and isinstance(egress.get("allow"), list):
         allow = [
@@ -158,6 +179,36 @@ def bound(case: Any) -> None:
     if op.path == "/v1/snapshots":
         body = {"tag": body["tag"], "memory_mib": GUEST_MIB}  # valid only: the image as it is
     case.body = body
+
+
+def _bound_process(body: dict[str, Any]) -> dict[str, Any]:
+    """A valid command becomes ``echo`` (fuzzed text is never run) and timeout_s at most
+    EXEC_SECS; an invalid one stays as it is."""
+    cmd, timeout = body.get("cmd"), body.get("timeout_s")
+    if isinstance(cmd, str) and cmd and "\0" not in cmd:
+        body = {**body, "cmd": "echo fz"}
+    elif isinstance(cmd, list) and cmd and all(isinstance(a, str) and "\0" not in a for a in cmd):
+        body = {**body, "cmd": ["echo", *["fz"] * (len(cmd) - 1)]}
+    if isinstance(timeout, int | float) and not isinstance(timeout, bool) and timeout > EXEC_SECS:
+        body = {**body, "timeout_s": type(timeout)(EXEC_SECS)}
+    return body
+
+
+def steer_pid(case: Any, data: st.DataObject) -> None:
+    """Most of the time, point a route naming a pid at a seeded process of the known sandbox
+    (the shared steering points only routes with one path parameter)."""
+    params = case.path_parameters
+    meta = case.meta
+    if not isinstance(params, dict) or "pid" not in params or not SEEDED_PIDS:
+        return
+    if meta is None or meta.is_negative_at(ParameterLocation.PATH):
+        return
+    if data.draw(st.integers(0, 3), label="pid steered") < 3:
+        if case.operation.path.endswith("/signal"):
+            pid = SEEDED_PIDS["signal"]
+        else:
+            pid = SEEDED_PIDS["pty" if data.draw(st.booleans(), label="pty") else "stdin"]
+        case.path_parameters = {"sandbox_id": KNOWN.sandbox, "pid": pid}
 
 
 # ------------------------------------------------------------------ the fuzzed daemon
@@ -202,6 +253,10 @@ def _seeded(d: Daemon, c: httpx.Client) -> RealDaemon:
     r = c.put(f"/v1/sandboxes/{KNOWN.sandbox}/files", params={"path": "/work/a.txt"},
               content=b"seed\n")  # fmt: skip
     assert r.status_code == 200, r.text
+    for purpose, body in SEEDED_PROCESSES.items():
+        r = c.post(f"/v1/sandboxes/{KNOWN.sandbox}/processes", json=body)
+        assert r.status_code == 201, r.text
+        SEEDED_PIDS[purpose] = r.json()["pid"]
     return RealDaemon(d, c, _id_prefix(d.state_dir))
 
 
@@ -241,6 +296,7 @@ def test_real_vms_answer_the_fuzz_without_a_server_error(
     case: Any, data: st.DataObject, real: RealDaemon
 ) -> None:
     steer(case, data, KNOWN)
+    steer_pid(case, data)
     _send(real, case)
 
 
