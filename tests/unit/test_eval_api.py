@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,7 +165,7 @@ def test_display_output_content_decodes_images() -> None:
 
 
 def test_cli_eval_timeout_and_display(
-    server: Server, sent: RecordingTransport, ctl: Controller, tmp_path: Path
+    server: Server, sent: RecordingTransport, ctl: Controller
 ) -> None:
     ctl.create_snapshot("py", memory_mib=128)
     sid = ctl.spawn_sandboxes("py")[0]["id"]
@@ -196,3 +198,30 @@ def test_cli_eval_saves_rich_displays(
                         env=env_of(server))  # fmt: skip
     assert res.exit_code == 0, res.output
     assert (out_dir / "display-1.png").read_bytes() == PNG
+
+
+def test_cli_ctrl_c_interrupts_the_eval_and_prints_its_traceback(
+    server: Server, sent: RecordingTransport, ctl: Controller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ctl.create_snapshot("py", memory_mib=128)
+    sid = ctl.spawn_sandboxes("py")[0]["id"]
+    interrupted = threading.Event()
+
+    def eval_until_interrupted(self: Controller, *args: Any) -> dict[str, Any]:
+        interrupted.wait(10)
+        return {"result": None, "error": "Traceback ...\nKeyboardInterrupt\n", "exit_code": 1,
+                "stdout": "", "stderr": ""}  # fmt: skip
+
+    def interrupt(self: Controller, sandbox_id: str) -> dict[str, Any]:
+        interrupted.set()
+        return {"interrupted": True}
+
+    monkeypatch.setattr(Controller, "eval_code", eval_until_interrupted)
+    monkeypatch.setattr(Controller, "interrupt_eval", interrupt)
+    main_thread = threading.main_thread().ident
+    ctrl_c = threading.Timer(0.5, signal.pthread_kill, (main_thread, signal.SIGINT))
+    ctrl_c.start()
+    res = runner.invoke(make_app(sent), ["eval", sid, "busy()"], env=env_of(server))
+    ctrl_c.join()
+    assert interrupted.is_set()
+    assert res.exit_code == 1 and res.stderr.endswith("KeyboardInterrupt\n"), res.output
