@@ -27,6 +27,7 @@ from forkd.client import Controller, ControllerError, Sandbox
 from forkd.client.pty import LOGIN_SHELL, PtyHandle
 from forkd.controller.http_errors import close_reason
 from forkd.controller.middleware import GuardMiddleware
+from forkd.controller.services.processes import BULK_LINGER_SECS, READ_BYTES
 from tests.unit.conftest import Server
 from tests.unit.fakes import FakeVM
 
@@ -306,3 +307,17 @@ def test_the_guard_passes_a_websocket_with_the_token_or_without_auth() -> None:
 def test_a_close_reason_is_cut_to_123_bytes_between_characters() -> None:
     assert len(close_reason("é" * 100).encode()) == 122
     assert close_reason("short") == "short"
+
+
+def test_a_flood_goes_in_large_frames_and_an_echo_at_once(sb: Sandbox, server: Server) -> None:
+    asks = _vm(server, sb.id).processes.asks
+    with sb.pty.create(cmd=["cat"]) as term:
+        term.send_stdin("k")
+        assert _read_until(term, b"k") == b"k"
+        assert {linger for _max, _min, linger in asks} == {0.0}  # small output: no waiting
+        term.kill()
+    with sb.pty.create(cmd=["flood"]) as term:
+        frames = [term.read(timeout=5) or b"" for _ in range(4)]
+        assert max(len(f) for f in frames) > 64 << 10  # the fake's 64 KiB writes, joined
+        assert (READ_BYTES, READ_BYTES, BULK_LINGER_SECS) in asks  # after a bulk answer
+        term.kill()
