@@ -62,11 +62,11 @@ AGENT_LINE_MAX_BYTES = 4 << 20  # ping, restore, file_write, file_remove: a few 
 # exec: 2 streams of 1 MiB; JSON escaping makes a byte at most 6 ("\ufffd"): 12 MiB.
 # eval (3 x 1 Mi chars, ASCII or BMP text) and file_list (100 000 entries) fit too.
 AGENT_OUTPUT_LINE_MAX_BYTES = 16 << 20
+EVAL_DISPLAY_MAX_BYTES = 8 << 20  # an eval's display outputs as JSON (the agent's cap)
+AGENT_EVAL_LINE_MAX_BYTES = AGENT_OUTPUT_LINE_MAX_BYTES + EVAL_DISPLAY_MAX_BYTES
 AGENT_FILE_LINE_MAX_BYTES = 48 << 20  # file_read: 32 MiB as base64 is 42.7 MiB
 AGENT_READ_LINES_PER_SEC = 2000  # per VM; the agent writes one line per answer
 AGENT_READ_BYTES_PER_SEC = 64 << 20  # per VM; the largest answer passes in one burst
-EVAL_DISPLAY_MAX_BYTES = 8 << 20  # an eval's display outputs as JSON (the agent's cap)
-AGENT_EVAL_LINE_MAX_BYTES = AGENT_OUTPUT_LINE_MAX_BYTES + EVAL_DISPLAY_MAX_BYTES
 AGENT_WRITE_STALL_SECS = 10.0  # a guest taking none of a request for this long is aborted
 AGENT_CLOSE_SECS = 2.0  # closing a VM's channels (agent, QMP)
 KILL_WAIT_SECS = 10.0  # for QEMU to exit after SIGKILL

@@ -132,9 +132,9 @@ class FakeVM:
         self.guest = guest
         self.processes = FakeProcesses()
         self.transfers = FakeTransfers(guest.files)
+        self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
 
     # lifecycle ---------------------------------------------------------------
-        self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
     def is_alive(self) -> bool:
         return self.alive
 
@@ -200,25 +200,25 @@ class FakeVM:
 
     async def eval(self, code: str, timeout: float = 60.0) -> dict[str, Any]:
         self._agent("eval")
-        out = io.StringIO()
-        try:
         self.eval_timeouts.append(timeout)
-            with contextlib.redirect_stdout(out):
+        out = io.StringIO()
         shown: list[dict[str, str]] = []  # display(obj): its repr, as text/plain
         self.guest.names["display"] = lambda obj: shown.append(
             {"mime": "text/plain", "data": repr(obj)})  # fmt: skip
+        try:
+            with contextlib.redirect_stdout(out):
                 result = _run(code, self.guest.names)
         except Exception as exc:
             return {"result": None, "error": f"{type(exc).__name__}: {exc}", "exit_code": 1,
-                    "stdout": out.getvalue(), "stderr": ""}  # fmt: skip
-        return {"result": result, "error": None, "exit_code": 0, "stdout": out.getvalue(),
                     "stdout": out.getvalue(), "stderr": "", "display": shown}  # fmt: skip
-
+        return {"result": result, "error": None, "exit_code": 0, "stdout": out.getvalue(),
                 "stderr": "", "display": shown}  # fmt: skip
 
     async def eval_interrupt(self) -> bool:
         self._agent("eval_interrupt")
         return False  # a fake eval is over before anyone could interrupt it
+
+    async def read_file(self, path: str) -> bytes:
         self._agent("file_read")
         if path not in self.guest.files:
             raise AgentError(f"[Errno 2] No such file or directory: {path!r}",

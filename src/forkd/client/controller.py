@@ -15,10 +15,10 @@ from forkd.client.errors import ControllerError
 from forkd.client.file_routes import FileRoutes
 from forkd.client.process_routes import ProcessRoutes
 
-
 # An eval's answer comes within its timeout plus the agent's grace to stop it
 # and the daemon's margin (15 s): the HTTP wait allows a little more.
 EVAL_HTTP_MARGIN_SECS = 30.0
+
 
 def _quote(segment: str) -> str:
     """Percent-encode one URL path segment (``/`` included)."""
@@ -285,7 +285,6 @@ class Controller(ProcessRoutes, FileRoutes):
             timeout=float(timeout_secs) + 30.0,
         )
 
-    def eval_code(self, sandbox_id: str, code: str) -> JSONDict:
     def eval_code(self, sandbox_id: str, code: str, timeout_s: float | None = None) -> JSONDict:
         """``POST /v1/sandboxes/{id}/eval`` → ``{"result", "error", "exit_code", "display",
         ...}``, in the sandbox's persistent warm interpreter. The guest interrupts the
@@ -301,6 +300,7 @@ class Controller(ProcessRoutes, FileRoutes):
         """``POST /v1/sandboxes/{id}/eval/interrupt`` → ``{"interrupted": bool}``:
         KeyboardInterrupt in the running eval (false when none was running)."""
         return self._json("POST", f"{self._sb(sandbox_id)}/eval/interrupt")
+
     def ping_sandbox(self, sandbox_id: str) -> JSONDict:
         """``POST /v1/sandboxes/{id}/ping`` → ``{"pong": true, ...}``."""
         return self._json("POST", f"{self._sb(sandbox_id)}/ping")

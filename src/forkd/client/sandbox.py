@@ -93,27 +93,23 @@ class Sandbox:
         """
         return cls(sandbox_id=sandbox_id, controller=controller)
 
-    def eval(self, code: str, timeout: float | None = None) -> EvalResult:
+    @property
     def id(self) -> str:
         return self._info["id"]
-        After ``timeout`` seconds (default 60) the code is interrupted and the
-        result has ``timed_out``. What it displayed (``display(obj)``, a rich
-        last value, matplotlib figures as PNG) is in ``.display``.
-
 
     @property
     def info(self) -> JSONDict:
         """The last SandboxInfo seen (see :meth:`refresh`)."""
         return self._info
-        return EvalResult.from_answer(self._controller.eval_code(self.id, code, timeout))
 
-    def interrupt(self) -> bool:
-        """Interrupt the running eval, as Jupyter interrupts its kernel.
+    @property
+    def controller(self) -> Controller:
+        return self._controller
 
-        The eval ends with KeyboardInterrupt as its error; the interpreter and
-        its names stay. False when no eval was running.
-        """
-        return bool(self._controller.interrupt_eval(self.id)["interrupted"])
+    @property
+    def snapshot_tag(self) -> str | None:
+        return self._info.get("snapshot_tag")
+
     def refresh(self) -> JSONDict:
         """Fetch the SandboxInfo again."""
         self._info = self._controller.get_sandbox(self.id)
@@ -123,23 +119,27 @@ class Sandbox:
         """Check the guest agent answers: ``{"pong": true, ...}``."""
         return self._controller.ping_sandbox(self.id)
 
-    def eval(self, code: str) -> EvalResult:
+    def eval(self, code: str, timeout: float | None = None) -> EvalResult:
         """Run Python in the sandbox's persistent interpreter.
+
+        After ``timeout`` seconds (default 60) the code is interrupted and the
+        result has ``timed_out``. What it displayed (``display(obj)``, a rich
+        last value, matplotlib figures as PNG) is in ``.display``.
 
         Example::
 
             sb.eval("import math; r = 2")
             print(sb.eval("math.pi * r ** 2").result)   # '12.566370614359172'
         """
-        raw = self._controller.eval_code(self.id, code)
-        return EvalResult(
-            result=raw.get("result"),
-            error=raw.get("error"),
-            exit_code=int(raw.get("exit_code") or 0),
-            stdout=raw.get("stdout"),
-            stderr=raw.get("stderr"),
-            raw=raw,
-        )
+        return EvalResult.from_answer(self._controller.eval_code(self.id, code, timeout))
+
+    def interrupt(self) -> bool:
+        """Interrupt the running eval, as Jupyter interrupts its kernel.
+
+        The eval ends with KeyboardInterrupt as its error; the interpreter and
+        its names stay. False when no eval was running.
+        """
+        return bool(self._controller.interrupt_eval(self.id)["interrupted"])
 
     def branch(self, tag: str | None = None, mode: str | None = None) -> Snapshot:
         """Snapshot this running sandbox (it pauses briefly, then continues)."""

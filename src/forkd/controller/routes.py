@@ -14,8 +14,8 @@ from forkd.controller.bodies import receive_upload, stream_download
 from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL
 from forkd.controller.models import (
     BranchRequest,
-    EvalRequest,
     EvalInterrupt,
+    EvalRequest,
     EvalResult,
     ExecRequest,
     ExecResult,
@@ -162,7 +162,12 @@ async def exec_(svc: Svc, sandbox_id: str, body: ExecRequest) -> ExecResult:
 
 @sandboxes.post("/{sandbox_id}/eval", response_model=EvalResult)
 async def eval_(svc: Svc, sandbox_id: str, body: EvalRequest) -> EvalResult:
-    return await svc.sandboxes.eval(sandbox_id, body.code)
+    return await svc.sandboxes.eval(sandbox_id, body)
+
+
+@sandboxes.post("/{sandbox_id}/eval/interrupt", response_model=EvalInterrupt)
+async def eval_interrupt(svc: Svc, sandbox_id: str) -> EvalInterrupt:
+    return await svc.sandboxes.eval_interrupt(sandbox_id)
 
 
 @sandboxes.post("/{sandbox_id}/branch", status_code=201, **SNAPSHOT)
@@ -172,12 +177,7 @@ async def branch(svc: Svc, sandbox_id: str, body: BranchRequest | None = None) -
 
 # ------------------------------------------------------------------ files
 
-    return await svc.sandboxes.eval(sandbox_id, body)
 
-
-@sandboxes.post("/{sandbox_id}/eval/interrupt", response_model=EvalInterrupt)
-async def eval_interrupt(svc: Svc, sandbox_id: str) -> EvalInterrupt:
-    return await svc.sandboxes.eval_interrupt(sandbox_id)
 @files.get("/{sandbox_id}/files", response_class=Response, responses={200: BYTES})
 async def read_file(svc: Svc, sandbox_id: str, path: PathQ, format: FormatQ = "file") -> Response:
     if format == "tar":

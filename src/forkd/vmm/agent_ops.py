@@ -30,13 +30,13 @@ PROC_STDIN_MAX_BYTES = 1 << 20  # of data in one proc_stdin request (the agent's
 COMMIT_WAIT_SECS = 300.0  # an upload's fsync, or a tar member's, may take long on a slow disk
 
 
-class GuestOps:
 def eval_wait_secs(timeout: float) -> float:
     """How long the host waits for an eval's answer: its timeout, the agent's
     grace for stopping it, and the margin every answer gets."""
     return timeout + EVAL_STOP_GRACE_SECS + EXEC_WAIT_MARGIN_SECS
 
 
+class GuestOps:
     """Mixed into :class:`forkd.vmm.vm.VM`: the calls a sandbox's users make."""
 
     agent: AgentClient
@@ -59,7 +59,6 @@ def eval_wait_secs(timeout: float) -> float:
         return await self.agent.call("exec", params, wait=timeout + EXEC_WAIT_MARGIN_SECS)
 
     async def eval(self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS) -> dict[str, Any]:
-        return await self.agent.call("eval", {"code": code}, wait=timeout)
         """Run ``code``; the agent interrupts it after ``timeout`` seconds."""
         params = {"code": code, "timeout_s": timeout}
         return await self.agent.call("eval", params, wait=eval_wait_secs(timeout))
@@ -67,6 +66,7 @@ def eval_wait_secs(timeout: float) -> float:
     async def eval_interrupt(self) -> bool:
         """KeyboardInterrupt in the running eval; False if none was running."""
         return bool((await self.agent.call("eval_interrupt", wait=PING_WAIT_SECS))["interrupted"])
+
     async def read_file(self, path: str) -> bytes:
         result = await self.agent.call("file_read", {"path": path})
         return base64.b64decode(result["data"])
