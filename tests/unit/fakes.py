@@ -234,6 +234,8 @@ class FakeVM:
 
     async def list_dir(self, path: str) -> list[dict[str, Any]]:
         self._agent("file_list")
+        if path in self.guest.files:
+            raise AgentError(f"[Errno 20] Not a directory: {path!r}", kind="NotADirectoryError")
         prefix = path.rstrip("/") + "/"
         names = sorted({p[len(prefix):].split("/")[0] for p in self.guest.files
                         if p.startswith(prefix)})  # fmt: skip

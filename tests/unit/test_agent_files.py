@@ -8,11 +8,14 @@ import base64
 import errno
 import importlib.util
 import io
+import json
 import os
 import stat
 import subprocess
 import sys
 import tarfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -53,6 +56,14 @@ def table(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setattr(ff, "TRANSFERS", t)
     yield t
     t.sweep()
+
+
+def _read(op: Any, params: dict[str, Any]) -> dict[str, Any]:
+    """The answer of a read op, which comes pre-encoded, as the host parses it."""
+    result = op(params)
+    assert isinstance(result, ff.EncodedJSON)
+    answer: dict[str, Any] = json.loads(b"".join(result))
+    return answer
 
 
 def _b64(data: bytes) -> str:
@@ -229,7 +240,10 @@ def test_expired_transfers_free_their_slots(table: Any, tmp_path: Path) -> None:
 def test_ranges_say_size_and_eof(tmp_path: Path) -> None:
     f = tmp_path / "f"
     f.write_bytes(b"0123456789")
-    read = ff.op_file_read_range
+
+    def read(params: dict[str, Any]) -> dict[str, Any]:
+        return _read(ff.op_file_read_range, params)
+
     first = read({"path": str(f), "offset": 0, "length": 4})
     assert (base64.b64decode(first["data"]), first["size"], first["eof"]) == (b"0123", 10, False)
     last = read({"path": str(f), "offset": 6, "length": 4})
@@ -239,7 +253,8 @@ def test_ranges_say_size_and_eof(tmp_path: Path) -> None:
 
 
 def test_a_proc_file_has_no_size_but_reads(tmp_path: Path) -> None:
-    answer = ff.op_file_read_range({"path": "/proc/self/status", "offset": 0, "length": 1 << 20})
+    params = {"path": "/proc/self/status", "offset": 0, "length": 1 << 20}
+    answer = _read(ff.op_file_read_range, params)
     assert answer["size"] == 0 and answer["eof"] and b"Name:" in base64.b64decode(answer["data"])
 
 
@@ -267,7 +282,7 @@ def _tar_of(directory: Path) -> bytes:
     tid = ff.op_file_tar_open({"path": str(directory)})["transfer_id"]
     out = b""
     while True:
-        answer = ff.op_file_tar_read({"transfer_id": tid, "length": 4096})
+        answer = _read(ff.op_file_tar_read, {"transfer_id": tid, "length": 4096})
         out += base64.b64decode(answer["data"])
         if answer["eof"]:
             return out
@@ -294,6 +309,14 @@ def test_a_directory_round_trips_as_tar(table: Any, tmp_path: Path) -> None:
     assert (dst / "a.txt").read_text() == "alpha"
     assert stat.S_IMODE((dst / "sub" / "run.sh").stat().st_mode) == 0o755
     assert os.readlink(dst / "link") == "sub/run.sh" and (dst / "sub" / "empty").is_dir()
+    assert len(table) == 0
+
+
+def test_what_is_not_a_tar_archive_is_refused(table: Any, tmp_path: Path) -> None:
+    with pytest.raises(ff.BadArchiveError):
+        _untar(b"this is not a tar archive" * 100, tmp_path / "d")
+    with pytest.raises(ff.BadArchiveError):
+        _untar(_archive(_file("a"), _file("b"))[:700], tmp_path / "d")  # cut in a member
     assert len(table) == 0
 
 
@@ -373,9 +396,10 @@ def test_a_link_already_in_the_directory_is_not_followed_out(table: Any, tmp_pat
     dest.mkdir()
     (tmp_path / "outside").mkdir()
     (dest / "evil").symlink_to(tmp_path / "outside")
-    with pytest.raises(ff.UnsafeArchiveError):
-        _untar(_archive(_file("evil/escaped")), dest)
-    assert list((tmp_path / "outside").iterdir()) == []
+    for name in ("evil/escaped", "evil/made/below/escaped"):
+        with pytest.raises(ff.UnsafeArchiveError):
+            _untar(_archive(_file(name)), dest)
+    assert list((tmp_path / "outside").iterdir()) == []  # not even a directory made there
 
 
 def test_an_abandoned_tar_download_stops_its_thread(table: Any, tmp_path: Path) -> None:
@@ -400,13 +424,52 @@ def test_the_agent_serves_the_ops_and_names_a_full_disk(
     assert set(ff.OPS) <= set(agent.OPS)
     files_mod = agent.forkd_files
     open_line = agent.handle_request(1, {"op": "file_upload_open", "path": str(tmp_path / "f")})
-    tid = __import__("json").loads(open_line)["result"]["transfer_id"]
+    tid = json.loads(open_line)["result"]["transfer_id"]
 
     def full(fd: int, data: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(files_mod.os, "write", full)
     req = {"op": "file_upload_write", "transfer_id": tid, "offset": 0, "data": _b64(b"x")}
-    answer = __import__("json").loads(agent.handle_request(2, req))
+    answer = json.loads(agent.handle_request(2, req))
     assert answer["ok"] is False and answer["kind"] == "NoSpaceError"
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_chunk_that_arrives_early_waits_for_its_turn(table: Any, tmp_path: Path) -> None:
+    """The host keeps two chunks in flight and each request has its own thread."""
+    tid = _upload(tmp_path / "f")
+    second = threading.Thread(
+        target=ff.op_file_upload_write,
+        args=({"transfer_id": tid, "offset": 3, "data": _b64(b"def")},),
+    )
+    second.start()
+    time.sleep(0.1)
+    assert second.is_alive()  # waiting, the lock released
+    ff.op_file_upload_write({"transfer_id": tid, "offset": 0, "data": _b64(b"abc")})
+    second.join(5)
+    ff.op_file_upload_commit({"transfer_id": tid})
+    assert (tmp_path / "f").read_bytes() == b"abcdef"
+
+
+def test_an_early_chunk_gives_up_when_the_upload_is_aborted(table: Any, tmp_path: Path) -> None:
+    tid = _upload(tmp_path / "f")
+    errors: list[BaseException] = []
+
+    def early() -> None:
+        try:
+            ff.op_file_upload_write({"transfer_id": tid, "offset": 3, "data": _b64(b"x")})
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=early)
+    thread.start()
+    time.sleep(0.1)
+    with table._lock:
+        transfer = table._by_id[tid]
+    with transfer.lock:
+        transfer.abort()
+        transfer.lock.notify_all()
+    thread.join(5)
+    assert not thread.is_alive() and isinstance(errors[0], ff.TransferGone)
     assert os.listdir(tmp_path) == []

@@ -789,9 +789,10 @@ def _encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message, separators=(",", ":")).encode("ascii") + b"\n"
 
 
-class EncodedJSON(list[bytes]):
-    """An op's result already encoded as one JSON object, in pieces: answered as it
-    is, joined once with the answer around it (each copy of a large answer costs)."""
+# An op's result already encoded as one JSON object, in pieces: answered as it is,
+# joined once with the answer around it (each copy of a large answer costs).
+# Defined beside the chunked transfers, whose reads answer so too.
+EncodedJSON = forkd_files.EncodedJSON
 
 
 def _error_message(req_id: int, exc: BaseException) -> dict[str, Any]:

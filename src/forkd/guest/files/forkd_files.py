@@ -19,6 +19,7 @@ import base64
 import binascii
 import contextlib
 import errno
+import json
 import os
 import secrets
 import stat
@@ -35,6 +36,19 @@ SWEEP_SECS = 30.0  # how often idle transfers are looked for
 STAGED_PREFIX = ".forkd-upload-"
 DEFAULT_MODE = 0o644
 JOIN_SECS = 30.0  # for a tar thread to finish once its pipe is closed
+TURN_WAIT_SECS = 30.0  # a chunk that arrived early waits this long for the ones before it
+
+
+class EncodedJSON(list[bytes]):
+    """An op's result already encoded as one JSON object, in pieces: answered as it
+    is, joined once with the answer around it (each copy of a large answer costs)."""
+
+
+def _with_data(data: bytes, rest: dict[str, Any]) -> EncodedJSON:
+    """``{"data": <base64>, **rest}``, built by hand: json.dumps would walk every
+    character of the base64 again, which under TCG costs more than reading the file."""
+    tail = json.dumps(rest, separators=(",", ":")).encode("ascii")
+    return EncodedJSON([b'{"data":"', binascii.b2a_base64(data, newline=False), b'",', tail[1:]])
 
 
 class NoSpaceError(OSError):
@@ -43,6 +57,10 @@ class NoSpaceError(OSError):
 
 class TransferGone(LookupError):
     """No open transfer has this id: never opened, finished, or dropped when idle."""
+
+
+class BadArchiveError(ValueError):
+    """A tar upload that is not a tar archive, or ends in the middle of one."""
 
 
 class UnsafeArchiveError(ValueError):
@@ -104,11 +122,28 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 class Transfer:
-    """One open transfer; its table serialises calls to it."""
+    """One open transfer; its table serialises calls to it under ``lock``."""
 
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        self.lock = threading.Condition()
         self.used_at = time.monotonic()
+        self.size = 0  # bytes written so far (uploads)
+        self.fd: int | None = None
+
+    def _wait_turn(self, offset: int) -> None:
+        """Each request runs on its own thread, so a host with two chunks in flight
+        may see the second taken first: it waits, the lock released, for its turn."""
+        if offset > self.size:
+            self.lock.wait_for(lambda: self.size >= offset or self.fd is None, TURN_WAIT_SECS)
+        if self.fd is None:
+            raise TransferGone("this upload is finished")
+        if offset != self.size:
+            raise ValueError(f"'offset' {offset} is not the upload's size so far ({self.size})")
+
+    def _wrote(self, data: bytes) -> int:
+        self.size += len(data)
+        self.lock.notify_all()
+        return self.size
 
     def write(self, offset: int, data: bytes) -> int:
         raise ValueError("this transfer is not an upload")
@@ -143,10 +178,9 @@ class StagedUpload(Transfer):
             except FileNotFoundError:
                 mode = DEFAULT_MODE
         self.target = target
-        self.size = 0
         self.staged = os.path.join(parent, f"{STAGED_PREFIX}{secrets.token_hex(8)}")
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-        self.fd: int | None = os.open(self.staged, flags, 0o600)
+        self.fd = os.open(self.staged, flags, 0o600)
         try:
             os.fchmod(self.fd, mode)  # the umask must not change the file's mode
         except BaseException:
@@ -154,16 +188,13 @@ class StagedUpload(Transfer):
             raise
 
     def write(self, offset: int, data: bytes) -> int:
-        if self.fd is None:
-            raise TransferGone("this upload is finished")
-        if offset != self.size:
-            raise ValueError(f"'offset' {offset} is not the upload's size so far ({self.size})")
+        self._wait_turn(offset)
+        assert self.fd is not None
         try:
             _write_all(self.fd, data)
         except OSError as exc:
             self._fail(exc)
-        self.size += len(data)
-        return self.size
+        return self._wrote(data)
 
     def commit(self) -> dict[str, Any]:
         if self.fd is None:
@@ -203,7 +234,7 @@ class _PipeTransfer(Transfer):
         os.set_inheritable(read_fd, False)
         os.set_inheritable(write_fd, False)
         ours, theirs = (write_fd, read_fd) if mode == "rb" else (read_fd, write_fd)
-        self.fd: int | None = ours
+        self.fd = ours
         self.error: BaseException | None = None
         self.thread = threading.Thread(
             target=self._run, args=(work, os.fdopen(theirs, mode)), daemon=True
@@ -239,21 +270,17 @@ class TarExtract(_PipeTransfer):
     def __init__(self, dest: str) -> None:
         os.makedirs(dest, exist_ok=True)
         self.dest = dest
-        self.size = 0
         super().__init__(lambda pipe: extract_tar(pipe, dest), "rb")
 
     def write(self, offset: int, data: bytes) -> int:
-        if offset != self.size:
-            raise ValueError(f"'offset' {offset} is not the upload's size so far ({self.size})")
-        if self.fd is None:
-            raise TransferGone("this upload is finished")
+        self._wait_turn(offset)
+        assert self.fd is not None
         try:
             _write_all(self.fd, data)
         except BrokenPipeError:  # the extraction stopped: say why
             self._finish()
             raise
-        self.size += len(data)
-        return self.size
+        return self._wrote(data)
 
     def commit(self) -> dict[str, Any]:
         self._finish()
@@ -329,14 +356,22 @@ def extract_tar(pipe: BinaryIO, dest: str) -> None:
     resolves outside ``dest`` (through a symlink already there).
     """
     real_dest = os.path.realpath(dest)
+    try:
+        _extract_members(pipe, real_dest)
+    except tarfile.TarError as exc:
+        raise BadArchiveError(f"not a valid tar archive: {exc}") from None
+
+
+def _extract_members(pipe: BinaryIO, real_dest: str) -> None:
     with tarfile.open(fileobj=pipe, mode="r|") as tar:
         for member in tar:
             target = _member_path(real_dest, member.name)
             if target != real_dest:
                 parent = os.path.dirname(target)
-                os.makedirs(parent, exist_ok=True)
+                # realpath resolves the links that exist, so this holds before any is made
                 if not _inside(real_dest, os.path.realpath(parent)):
                     raise UnsafeArchiveError(f"refusing tar member {member.name!r}: outside")
+                os.makedirs(parent, exist_ok=True)
             _extract_member(tar, member, real_dest, target)
 
 
@@ -509,7 +544,7 @@ def op_file_transfer_abort(req: dict[str, Any]) -> dict[str, Any]:
     return {"aborted": True}
 
 
-def op_file_read_range(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_read_range(req: dict[str, Any]) -> EncodedJSON:
     path = _path(req)
     offset = _int(req, "offset", 0)
     length = _int(req, "length", 1, MAX_CHUNK_BYTES)
@@ -525,11 +560,7 @@ def op_file_read_range(req: dict[str, Any]) -> dict[str, Any]:
         os.close(fd)
     regular = stat.S_ISREG(st.st_mode)
     eof = len(data) < length or (regular and 0 < st.st_size <= offset + len(data))
-    return {
-        "data": base64.b64encode(data).decode("ascii"),
-        "size": st.st_size if regular else None,
-        "eof": eof,
-    }
+    return _with_data(data, {"size": st.st_size if regular else None, "eof": eof})
 
 
 def op_file_tar_open(req: dict[str, Any]) -> dict[str, Any]:
@@ -537,7 +568,7 @@ def op_file_tar_open(req: dict[str, Any]) -> dict[str, Any]:
     return {"transfer_id": TRANSFERS.add(lambda: TarStream(path))}
 
 
-def op_file_tar_read(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_tar_read(req: dict[str, Any]) -> EncodedJSON:
     length = _int(req, "length", 1, MAX_CHUNK_BYTES)
     transfer_id = req.get("transfer_id")
     with TRANSFERS.use(transfer_id) as transfer:
@@ -545,10 +576,10 @@ def op_file_tar_read(req: dict[str, Any]) -> dict[str, Any]:
     if eof:
         with contextlib.suppress(TransferGone), TRANSFERS.use(transfer_id, finish=True):
             pass
-    return {"data": base64.b64encode(data).decode("ascii"), "eof": eof}
+    return _with_data(data, {"eof": eof})
 
 
-OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | EncodedJSON]] = {
     "file_upload_open": op_file_upload_open,
     "file_upload_write": op_file_upload_write,
     "file_upload_commit": op_file_upload_commit,

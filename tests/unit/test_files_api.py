@@ -1,0 +1,216 @@
+"""Streamed file routes, the SDK's ``sb.files`` and ``forkd cp`` against the real app over
+the fake driver, under a real uvicorn on loopback (the fake guest: fake_files.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from forkd.client import Controller, ControllerError, Sandbox
+from forkd.controller.services.file_transfer import CHUNK_BYTES
+from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.fakes import FakeVM
+from tests.unit.test_cli import Invoke, env_of, make_app
+
+runner = CliRunner()
+MIB = 1 << 20
+
+
+@pytest.fixture
+def ctl(server: Server) -> Iterator[Controller]:
+    with Controller(server.url, token=server.token) as c:
+        yield c
+
+
+@pytest.fixture
+def vm(server: Server, sid: str) -> FakeVM:
+    return server.driver.vms[-1]
+
+
+def _http(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, timeout=30,
+                        headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+
+
+def _pieces(data: bytes, size: int) -> Iterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+def test_an_upload_goes_in_whole_chunks_and_lands_at_the_end(
+    server: Server, sid: str, vm: FakeVM
+) -> None:
+    data = os.urandom(5 * MIB + 123)
+    with _http(server) as http:  # chunked: no Content-Length, pieces of 100 000 bytes
+        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/big"},
+                     content=_pieces(data, 100_000))  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json() == {"path": "/big", "size": len(data)}
+    assert vm.guest.files["/big"] == data
+    assert vm.transfers.chunk_sizes == [CHUNK_BYTES] * 5 + [123]
+    assert vm.transfers.staged == {}
+
+
+def test_an_empty_upload_makes_an_empty_file(server: Server, sid: str, vm: FakeVM) -> None:
+    with _http(server) as http:
+        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/empty"}, content=b"")
+    assert r.status_code == 200 and vm.guest.files["/empty"] == b""
+
+
+def test_a_download_streams_with_its_length(server: Server, sid: str, vm: FakeVM) -> None:
+    data = os.urandom(3 * MIB + 5)
+    vm.guest.files["/d"] = data
+    with _http(server) as http, http.stream("GET", f"/v1/sandboxes/{sid}/files",
+                                            params={"path": "/d"}) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        assert resp.headers["content-length"] == str(len(data))
+        assert resp.read() == data
+
+
+def test_a_full_guest_disk_is_507_and_keeps_nothing(server: Server, sid: str, vm: FakeVM) -> None:
+    vm.guest.files["/keep"] = b"old"
+    vm.transfers.disk_bytes = 2 * MIB
+    with _http(server) as http:
+        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/keep"},
+                     content=os.urandom(6 * MIB))  # fmt: skip
+    assert r.status_code == 507, r.text
+    assert "disk is full" in r.json()["error"]
+    assert vm.guest.files["/keep"] == b"old" and vm.transfers.staged == {}
+
+
+def test_a_refused_upload_is_aborted_and_its_body_read_to_the_end(
+    server: Server, sid: str, vm: FakeVM
+) -> None:
+    """403 from the open: the client that sends its whole body first still gets it."""
+    with _http(server) as http:
+        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/proc/x"},
+                     content=_pieces(os.urandom(4 * MIB), 65536))  # fmt: skip
+    assert r.status_code == 403, r.text
+    assert vm.transfers.staged == {}
+
+
+def test_a_guest_failure_mid_upload_aborts_it(server: Server, sid: str, vm: FakeVM) -> None:
+    vm.fail = "file_upload_write"
+    with _http(server) as http:
+        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/x"},
+                     content=os.urandom(3 * MIB))  # fmt: skip
+    assert r.status_code == 502, r.text
+    assert vm.transfers.staged == {} and vm.transfers.aborted
+    assert "/x" not in vm.guest.files
+
+
+def test_a_client_that_goes_away_aborts_the_upload(server: Server, sid: str, vm: FakeVM) -> None:
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall((f"PUT /v1/sandboxes/{sid}/files?path=/gone HTTP/1.1\r\nHost: x\r\n"
+                  f"Authorization: Bearer {server.token}\r\nContent-Length: {64 * MIB}\r\n\r\n"
+                  ).encode() + b"x" * (3 * MIB))  # fmt: skip
+    deadline = time.monotonic() + 10
+    while not vm.transfers.chunk_sizes and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sock.close()
+    while not vm.transfers.aborted and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert vm.transfers.aborted and vm.transfers.staged == {}
+    assert "/gone" not in vm.guest.files
+
+
+def test_a_file_that_shrinks_while_read_ends_the_answer_short(
+    server: Server, sid: str, vm: FakeVM
+) -> None:
+    vm.guest.files["/s"] = os.urandom(4 * MIB)
+    real_read = vm.transfers.read
+
+    def shrinking(path: str, offset: int, length: int) -> tuple[bytes, int | None, bool]:
+        if offset > 0:  # after the answer began with a length of 4 MiB
+            vm.guest.files["/s"] = vm.guest.files["/s"][: 2 * MIB]
+        return real_read(path, offset, length)
+
+    vm.transfers.read = shrinking  # type: ignore[method-assign]
+    with _http(server) as http, pytest.raises(httpx.RemoteProtocolError):
+        http.get(f"/v1/sandboxes/{sid}/files", params={"path": "/s"})
+
+
+# ------------------------------------------------------------ SDK
+
+
+def test_sdk_write_takes_bytes_str_files_and_iterables(ctl: Controller, sid: str) -> None:
+    sb = Sandbox.connect(sid, controller=ctl)
+    big = os.urandom(2 * MIB + 7)
+    assert sb.files.write("/a", big) == {"path": "/a", "size": len(big)}
+    sb.files.write("/b", "héllo")
+    sb.files.write("/c", io.BytesIO(big))
+    sb.files.write("/d", _pieces(big, 300_000))
+    assert sb.files.read("/a") == sb.files.read("/c") == sb.files.read("/d") == big
+    assert sb.files.read("/b", format="text") == "héllo" == sb.files.read_text("/b")
+    chunks = list(sb.files.read("/a", format="stream"))
+    assert b"".join(chunks) == big and max(map(len, chunks)) <= MIB
+    with pytest.raises(ValueError, match="format"):
+        sb.files.read("/a", format="lines")  # type: ignore[call-overload]
+
+
+def test_sdk_upload_and_download_local_files(ctl: Controller, sid: str, tmp_path: Path) -> None:
+    sb = Sandbox.connect(sid, controller=ctl)
+    tmp_path = tmp_path / "local"
+    tmp_path.mkdir()
+    local = tmp_path / "in.bin"
+    local.write_bytes(os.urandom(3 * MIB + 1))
+    seen: list[tuple[int, int | None]] = []
+    sb.files.upload(local, "/up", progress=lambda n, total: seen.append((n, total)))
+    assert seen[-1] == (3 * MIB + 1, 3 * MIB + 1)
+    assert sb.files.download("/up", tmp_path / "out.bin") == 3 * MIB + 1
+    assert (tmp_path / "out.bin").read_bytes() == local.read_bytes()
+    with pytest.raises(ControllerError) as exc:
+        sb.files.download("/none", tmp_path / "none.bin")
+    assert exc.value.status == 404
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.bin", "out.bin"]  # no partial
+
+
+# ------------------------------------------------------------ forkd cp
+
+
+@pytest.fixture
+def forkd(server: Server, sent: RecordingTransport) -> Invoke:
+    app = make_app(sent)
+    return lambda *args: runner.invoke(app, list(args), env=env_of(server))
+
+
+def test_cp_copies_a_file_both_ways(forkd: Invoke, sid: str, vm: FakeVM, tmp_path: Path) -> None:
+    local = tmp_path / "f.bin"
+    local.write_bytes(os.urandom(MIB + 3))
+    vm.guest.files["/dir/other"] = b"makes /dir a directory"
+    res = forkd("cp", str(local), f"{sid}:/dir", "--json")
+    assert res.exit_code == 0, res.stderr
+    assert json.loads(res.stdout) == {"src": str(local), "dst": f"{sid}:/dir/f.bin",
+                                      "bytes": MIB + 3}  # fmt: skip
+    assert vm.guest.files["/dir/f.bin"] == local.read_bytes()
+    res = forkd("cp", "-q", f"{sid}:/dir/f.bin", str(tmp_path / "back"))
+    assert res.exit_code == 0 and res.stdout == "", res.stderr
+    digest = hashlib.sha256(local.read_bytes()).hexdigest()
+    assert hashlib.sha256((tmp_path / "back").read_bytes()).hexdigest() == digest
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "message"),
+    [
+        (["a", "b"], 2, "ID:/path"),
+        (["x:/a", "y:/b"], 2, "ID:/path"),
+        (["/no/such/local", "SID:/x"], 2, "does not exist"),
+        (["SID:/no/such", "."], 1, "does not exist"),
+    ],
+)
+def test_cp_refuses_clearly(
+    forkd: Invoke, sid: str, args: list[str], code: int, message: str
+) -> None:
+    res = forkd("cp", *(a.replace("SID", sid) for a in args))
+    assert res.exit_code == code and message in res.stderr, res.stderr
