@@ -316,8 +316,13 @@ def test_a_flood_goes_in_large_frames_and_an_echo_at_once(sb: Sandbox, server: S
         assert _read_until(term, b"k") == b"k"
         assert {linger for _max, _min, linger in asks} == {0.0}  # small output: no waiting
         term.kill()
-    with sb.pty.create(cmd=["flood"]) as term:
-        frames = [term.read(timeout=5) or b"" for _ in range(4)]
-        assert max(len(f) for f in frames) > 64 << 10  # the fake's 64 KiB writes, joined
+    pid = int(sb.controller.start_process(sb.id, ["flood"], pty=(80, 24))["pid"])
+    deadline = time.monotonic() + 10
+    while sb.controller.get_process(sb.id, pid)["output_end"] < READ_BYTES:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    with sb.pty.connect(pid) as term:  # a full read waits in the ring: four 64 KiB writes
+        assert len(term.read(timeout=5) or b"") == READ_BYTES  # in one frame
+        term.read(timeout=5)
         assert (READ_BYTES, READ_BYTES, BULK_LINGER_SECS) in asks  # after a bulk answer
         term.kill()
