@@ -249,7 +249,7 @@ class StreamBench(benchlib.BenchBase):
             end_info = sb.controller.get_process(sb.id, pid)
         sb.commands.kill(pid)
         rss = {"start": r1(samples[0]), "max": r1(max(samples)), "end": r1(samples[-1]),
-               "samples": len(samples)}  # fmt: skip
+               "samples": [r1(v) for v in samples]}  # fmt: skip
         rss["flat"] = rss["max"] - rss["start"] <= RSS_FLAT_MIB
         rss["guest_output_mib"] = r1(end_info["output_end"] / MIB)
         self.results["daemon_rss_mib"] = rss

@@ -83,3 +83,13 @@ def test_a_malformed_answer_is_a_guest_error(body: dict[str, Any]) -> None:
 def test_output_never_goes_back() -> None:
     with pytest.raises(GuestError, match="went back"):
         ReadAnswer.parse({"chunks": [], "next_offset": 3, "eof": False}, 5)
+
+
+def test_nul_bytes_go_as_base64_where_json_would_escape_them_six_fold() -> None:
+    zeros = plain(OutputEvents(), answer(("stdout", 0, bytes(3000))))
+    assert [(b["encoding"], base64.b64decode(b["data"])) for _, b in zeros] == [
+        ("base64", bytes(3000))]  # fmt: skip
+
+    text = b"line of text with one NUL \0 in it\n" * 20
+    mixed = plain(OutputEvents(), answer(("stdout", 0, text)))
+    assert [(b["encoding"], b["data"]) for _, b in mixed] == [("utf-8", text.decode())]

@@ -3,9 +3,10 @@
 The agent keeps one sequence of bytes per process, stdout, stderr and pty
 chunks interleaved, each byte at a global offset (docs/guest-agent.md). Here
 adjacent chunks of one stream become one event; text that is valid UTF-8 is
-sent as text, anything else as base64. A character cut in two at a chunk's
-end is held back until the rest of it arrives, so it is not sent as base64
-halves. Every event says where the next one starts (``next_offset``), which
+sent as text, anything else as base64, and so is text made mostly of control
+characters that JSON would escape to six times their size (NUL bytes). A
+character cut in two at a chunk's end is held back until the rest of it
+arrives, so it is not sent as base64 halves. Every event says where the next one starts (``next_offset``), which
 is where a client that reconnects resumes.
 """
 
@@ -21,6 +22,9 @@ from forkd.controller.models import OutputData, OutputEvent, OutputExit, OutputG
 from forkd.errors import GuestError
 
 STREAMS = ("stdout", "stderr", "pty")
+# The bytes JSON escapes as \u00XX, six characters each (\t, \n, \r take two).
+_ESCAPED_LONG = bytes(b for b in range(32) if b not in b"\t\n\r")
+_NOT_ESCAPED_LONG = bytes(b for b in range(256) if b not in _ESCAPED_LONG)
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,15 @@ def _runs(chunks: list[Chunk]) -> list[Chunk]:
     ]
 
 
+def _escapes_long(data: bytes) -> bool:
+    """Whether ``data`` is shorter as base64 than as a JSON string: it is mostly
+    control characters (a NUL is the usual one; it is looked for first, cheaply)."""
+    if b"\0" not in data:
+        return False
+    escaped = len(data.translate(None, _NOT_ESCAPED_LONG))
+    return escaped * 5 > len(data) // 3  # 5 extra characters each, base64 adds a third
+
+
 def _data_event(stream: str, offset: int, data: bytes, text: str | None) -> OutputEvent:
     end = offset + len(data)
     body = OutputData(
@@ -135,7 +148,9 @@ class OutputEvents:
         whole = run.data[: len(run.data) - len(tail)]
         if tail:
             self._held = Chunk(run.stream, run.offset + len(whole), tail)
-        return [_data_event(run.stream, run.offset, whole, text)] if whole else []
+        if not whole:
+            return []
+        return [_data_event(run.stream, run.offset, whole, None if _escapes_long(whole) else text)]
 
     def flush(self) -> list[OutputEvent]:
         """The bytes held back, as base64: what follows them will not complete them."""
