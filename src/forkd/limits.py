@@ -53,7 +53,7 @@ HOST_RESERVE_MIB = 1024  # the host, the daemon and the page cache of snapshots
 JSON_BODY_LIMIT = 1 << 20  # the JSON routes
 FILE_BODY_LIMIT = 32 << 20  # volume archives, read whole before the app sees them
 # A file upload streams to the guest in chunks: the guest's free space is the real
-# bound; this one (Settings.max_upload_bytes) only stops an endless body.
+# bound; this one (forkd serve --max-upload-mib) only stops an endless body.
 FILE_UPLOAD_LIMIT = 64 << 30
 
 # What a guest may make the daemon read and wait for (forkd.vmm.agent_client).

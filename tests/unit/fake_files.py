@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 from forkd.errors import AgentError
 
@@ -24,16 +25,22 @@ class FakeTransfers:
     staged: dict[str, tuple[str, bytearray]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)  # of every write, in order
+    opened: list[tuple[int, bool]] = field(default_factory=list)  # (first chunk, commit)
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
-    def open(self, path: str, tar: bool) -> str:
+    def open(self, path: str, tar: bool, first: bytes, commit: bool) -> dict[str, Any]:
+        """Open with the first chunk; with ``commit``, the whole file at once."""
         if tar:
             raise AgentError("tar transfers are not played by the fake guest", kind="ValueError")
         if path.startswith("/proc/"):
             raise AgentError(f"[Errno 13] Permission denied: {path!r}", kind="PermissionError")
         transfer_id = f"t{next(self._ids)}"
         self.staged[transfer_id] = (path, bytearray())
-        return transfer_id
+        self.opened.append((len(first), commit))
+        size = self.write(transfer_id, 0, first) if first else 0
+        if commit:
+            return {"path": path, "size": self.commit(transfer_id)}
+        return {"transfer_id": transfer_id, "size": size}
 
     def _get(self, transfer_id: str) -> tuple[str, bytearray]:
         if transfer_id not in self.staged:

@@ -252,9 +252,11 @@ class FakeVM:
                              kind="FileNotFoundError")  # fmt: skip
 
     # chunked transfers: played by FakeTransfers ------------------------------
-    async def upload_open(self, path: str, *, tar: bool = False) -> str:
+    async def upload_open(
+        self, path: str, first: bytes, *, tar: bool = False, commit: bool = False
+    ) -> dict[str, Any]:
         self._agent("file_upload_open")
-        return self.transfers.open(path, tar)
+        return self.transfers.open(path, tar, first, commit)
 
     async def upload_write(self, transfer_id: str, offset: int, data: bytes) -> int:
         self._agent("file_upload_write")

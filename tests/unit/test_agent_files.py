@@ -473,3 +473,55 @@ def test_an_early_chunk_gives_up_when_the_upload_is_aborted(table: Any, tmp_path
     thread.join(5)
     assert not thread.is_alive() and isinstance(errors[0], ff.TransferGone)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_whole_file_in_the_open_itself(table: Any, tmp_path: Path) -> None:
+    params = {"path": str(tmp_path / "f"), "data": _b64(b"all of it"), "commit": True}
+    assert ff.op_file_upload_open(params) == {"path": str(tmp_path / "f"), "size": 9}
+    assert (tmp_path / "f").read_bytes() == b"all of it" and len(table) == 0
+    empty = {"path": str(tmp_path / "e"), "commit": True}
+    assert ff.op_file_upload_open(empty)["size"] == 0 and (tmp_path / "e").read_bytes() == b""
+
+
+def test_the_first_chunk_rides_with_the_open(table: Any, tmp_path: Path) -> None:
+    opened = ff.op_file_upload_open({"path": str(tmp_path / "f"), "data": _b64(b"abc")})
+    assert opened["size"] == 3
+    tid = opened["transfer_id"]
+    ff.op_file_upload_write({"transfer_id": tid, "offset": 3, "data": _b64(b"def")})
+    ff.op_file_upload_commit({"transfer_id": tid})
+    assert (tmp_path / "f").read_bytes() == b"abcdef"
+
+
+def test_commit_in_the_open_is_for_files_only(table: Any, tmp_path: Path) -> None:
+    for params in ({"format": "tar", "commit": True}, {"commit": "yes"}):
+        with pytest.raises(ValueError, match="commit"):
+            ff.op_file_upload_open({"path": str(tmp_path / "d"), **params})
+    assert len(table) == 0
+
+
+def test_a_full_disk_at_the_open_keeps_nothing(
+    table: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ff.os, "write", full)
+    for commit in (False, True):
+        params = {"path": str(tmp_path / "f"), "data": _b64(b"x"), "commit": commit}
+        with pytest.raises(ff.NoSpaceError):
+            ff.op_file_upload_open(params)
+    assert os.listdir(tmp_path) == [] and len(table) == 0
+
+
+def test_a_full_disk_while_extracting_is_named(
+    table: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tar_mod = sys.modules["forkd_tar"]
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(tar_mod, "write_all", lambda fd, data: full(fd, data))
+    with pytest.raises(ff.NoSpaceError):
+        _untar(_archive(_file("a")), tmp_path / "d")
+    assert list((tmp_path / "d").iterdir()) == [] and len(table) == 0

@@ -58,7 +58,16 @@ def test_an_upload_goes_in_whole_chunks_and_lands_at_the_end(
     assert r.json() == {"path": "/big", "size": len(data)}
     assert vm.guest.files["/big"] == data
     assert vm.transfers.chunk_sizes == [CHUNK_BYTES] * 5 + [123]
+    assert vm.transfers.opened == [(CHUNK_BYTES, False)]  # the first chunk went with the open
     assert vm.transfers.staged == {}
+
+
+def test_a_small_file_is_one_agent_request(server: Server, sid: str, vm: FakeVM) -> None:
+    with _http(server) as http:
+        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/small"},
+                     content=_pieces(b"x" * 5000, 1000))  # fmt: skip
+    assert r.json() == {"path": "/small", "size": 5000}
+    assert vm.transfers.opened == [(5000, True)] and vm.guest.files["/small"] == b"x" * 5000
 
 
 def test_an_empty_upload_makes_an_empty_file(server: Server, sid: str, vm: FakeVM) -> None:

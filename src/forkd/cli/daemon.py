@@ -18,6 +18,7 @@ from forkd.cli.failures import fail
 from forkd.cli.options import JsonOpt
 from forkd.cli.render import out
 from forkd.errors import ForkdError
+from forkd.limits import FILE_UPLOAD_LIMIT
 
 
 def register(app: typer.Typer) -> None:
@@ -132,6 +133,17 @@ _QemuUserOpt = Annotated[
     ),
 ]
 
+_MaxUploadOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-upload-mib",
+        envvar="FORKD_MAX_UPLOAD_MIB",
+        min=1,
+        help="Largest file upload, in MiB; it streams to the guest, whose free space is "
+        "the real bound (507 when full).",
+    ),
+]
+
 _LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
 
 
@@ -151,6 +163,7 @@ def serve(
     network: _NetworkOpt = "auto",
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
     qemu_user: _QemuUserOpt = "forkd-qemu",
+    max_upload_mib: _MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20,
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
@@ -179,6 +192,7 @@ def serve(
             pool_size=pool_size,
             network=network,
             sandbox_cidr=sandbox_cidr,
+            max_upload_bytes=max_upload_mib << 20,
         )
         if network not in ("auto", "netns", "user"):
             raise ValueError(f"--network must be auto, netns or user, not {network!r}")

@@ -15,6 +15,7 @@ from forkd.guest.recipe import Recipe
 AGENT_FILE = "forkd-agent.py"
 AGENT_PROCS_FILE = "forkd_procs.py"  # the agent's background processes, imported from its directory
 AGENT_FILES_FILE = "forkd_files.py"  # the agent's chunked file transfers, imported likewise
+AGENT_TAR_FILE = "forkd_tar.py"  # the tar streams of those transfers, imported likewise
 AGENT_EVAL_FILE = "forkd_eval.py"  # the agent's Python eval, imported likewise
 BUILD_DIR = "/forkd-build"  # where a recipe's build script runs from, removed after
 
@@ -97,7 +98,8 @@ def assemble(base_tar: Path, work: Path, out: Path) -> None:
     opt = tree / "opt" / "forkd"
     opt.mkdir(parents=True, exist_ok=True)
     shutil.copy2(hosttools.require_static_busybox(), opt / "busybox")
-    agent_files = (AGENT_FILE, AGENT_PROCS_FILE, AGENT_FILES_FILE, AGENT_EVAL_FILE)
+    agent_files = (AGENT_FILE, AGENT_PROCS_FILE, AGENT_FILES_FILE, AGENT_TAR_FILE,
+                   AGENT_EVAL_FILE)  # fmt: skip
     for name, mode in (("init", 0o755), *((name, 0o644) for name in agent_files)):
         (opt / name).write_bytes(guest_file(name))
         (opt / name).chmod(mode)

@@ -28,6 +28,9 @@ RESTORE_ENTROPY_BYTES = 64
 PROC_READ_MAX_BYTES = 256 << 10  # of output in one proc_read answer (the agent allows 1 MiB)
 PROC_STDIN_MAX_BYTES = 1 << 20  # of data in one proc_stdin request (the agent's cap)
 COMMIT_WAIT_SECS = 300.0  # an upload's fsync, or a tar member's, may take long on a slow disk
+# An open writes one chunk at most (and with a small file, syncs it): an agent that
+# has not answered in this long is stuck, and the upload's client is told so.
+OPEN_WAIT_SECS = PING_WAIT_SECS + EXEC_WAIT_MARGIN_SECS
 
 
 def eval_wait_secs(timeout: float) -> float:
@@ -85,9 +88,14 @@ class GuestOps:
     # Chunked transfers (docs/guest-agent.md, "Chunked transfers"): the agent keeps
     # each open upload or tar stream under an id until it is finished or idle.
 
-    async def upload_open(self, path: str, *, tar: bool = False) -> str:
-        params = {"path": path, "format": "tar" if tar else "file"}
-        return str((await self.agent.call("file_upload_open", params))["transfer_id"])
+    async def upload_open(
+        self, path: str, first: bytes, *, tar: bool = False, commit: bool = False
+    ) -> dict[str, Any]:
+        """Open an upload with its first chunk: ``{"transfer_id", "size"}``; with
+        ``commit``, the whole file written at once: ``{"path", "size"}``."""
+        params = {"path": path, "format": "tar" if tar else "file", "commit": commit,
+                  "data": base64.b64encode(first).decode()}  # fmt: skip
+        return await self.agent.call("file_upload_open", params, wait=OPEN_WAIT_SECS)
 
     async def upload_write(self, transfer_id: str, offset: int, data: bytes) -> int:
         params = {"transfer_id": transfer_id, "offset": offset,

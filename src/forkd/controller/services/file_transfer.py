@@ -59,35 +59,41 @@ class FileTransferService:
         self, sandbox_id: str, path: str, body: AsyncIterator[bytes], *, tar: bool = False
     ) -> int:
         """Write ``body`` to ``path`` (a tar archive: extract it into the directory
-        ``path``); the bytes taken. All of it lands, or nothing of a file does."""
+        ``path``); the bytes taken. All of it lands, or nothing of a file does.
+
+        The first chunk goes with the open; a file that fits in it is written and
+        committed by that one request.
+        """
         path = limits.check_guest_path(path)
-        transfer_id = await self._guest(sandbox_id, lambda vm: vm.upload_open(path, tar=tar))
+        chunks = _whole_chunks(body)
+        first = await anext(chunks, b"")
+        whole = len(first) < CHUNK_BYTES and not tar  # the body ended within one chunk
+        opened = await self._guest(
+            sandbox_id, lambda vm: vm.upload_open(path, first, tar=tar, commit=whole)
+        )
+        if whole:
+            return int(opened["size"])
+        transfer_id = str(opened["transfer_id"])
         try:
-            sent = await self._forward(sandbox_id, transfer_id, body)
+            sent = await self._forward(sandbox_id, transfer_id, chunks, len(first))
             await self._guest(sandbox_id, lambda vm: vm.upload_commit(transfer_id))
         except BaseException:
             await self._abort(sandbox_id, transfer_id)
             raise
         return sent
 
-    async def _forward(self, sandbox_id: str, transfer_id: str, body: AsyncIterator[bytes]) -> int:
-        """Send ``body`` in whole chunks, up to WRITES_IN_FLIGHT at once: the guest
-        decodes and writes one while the next crosses the channel."""
-        pending = bytearray()
-        sent = 0
+    async def _forward(
+        self, sandbox_id: str, transfer_id: str, chunks: AsyncIterator[bytes], sent: int
+    ) -> int:
+        """Send the chunks from offset ``sent``, WRITES_IN_FLIGHT at once at most; the
+        next chunk is read from the client while one is written."""
         writing: deque[asyncio.Task[int]] = deque()
         try:
-            async for piece in body:
-                pending += piece
-                while len(pending) >= CHUNK_BYTES:
-                    if len(writing) >= WRITES_IN_FLIGHT:
-                        await writing.popleft()
-                    writing.append(self._write_soon(sandbox_id, transfer_id, sent, pending))
-                    sent += CHUNK_BYTES
-            if pending:
-                last = len(pending)
-                writing.append(self._write_soon(sandbox_id, transfer_id, sent, pending))
-                sent += last
+            async for chunk in chunks:
+                if len(writing) >= WRITES_IN_FLIGHT:
+                    await writing.popleft()
+                writing.append(self._write_soon(sandbox_id, transfer_id, sent, chunk))
+                sent += len(chunk)
             while writing:
                 await writing.popleft()
         finally:
@@ -95,11 +101,8 @@ class FileTransferService:
         return sent
 
     def _write_soon(
-        self, sandbox_id: str, transfer_id: str, offset: int, pending: bytearray
+        self, sandbox_id: str, transfer_id: str, offset: int, chunk: bytes
     ) -> asyncio.Task[int]:
-        """Start writing the first chunk of ``pending`` at ``offset``, and take it off."""
-        chunk = bytes(pending[:CHUNK_BYTES])
-        del pending[:CHUNK_BYTES]
         return asyncio.ensure_future(
             self._guest(sandbox_id, lambda vm: vm.upload_write(transfer_id, offset, chunk))
         )
@@ -182,6 +185,18 @@ class FileTransferService:
 
     async def _guest(self, sandbox_id: str, call: Callable[[Any], Awaitable[T]]) -> T:
         return await self.sandboxes.guest(sandbox_id, call, _TRANSFER_REFUSALS)
+
+
+async def _whole_chunks(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``body`` regrouped in chunks of CHUNK_BYTES; only the last may be shorter."""
+    pending = bytearray()
+    async for piece in body:
+        pending += piece
+        while len(pending) >= CHUNK_BYTES:
+            yield bytes(pending[:CHUNK_BYTES])
+            del pending[:CHUNK_BYTES]
+    if pending:
+        yield bytes(pending)
 
 
 async def _cancel(tasks: deque[asyncio.Task[Any]]) -> None:
