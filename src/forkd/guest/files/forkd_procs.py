@@ -53,7 +53,7 @@ Gap = tuple[int, int]  # a lost range of offsets: [from, to)
 class _Chunk:
     stream: str
     offset: int
-    data: bytearray
+    data: bytearray | bytes  # bytes: a whole read of a full chunk's size, kept without a copy
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class OutputRing:
         if last is not None and last.stream == stream and len(last.data) < CHUNK_MERGE_BYTES:
             last.data += data
         else:
-            self._chunks.append(_Chunk(stream, self.end, bytearray(data)))
+            kept = data if len(data) >= CHUNK_MERGE_BYTES else bytearray(data)
+            self._chunks.append(_Chunk(stream, self.end, kept))
         self.end += len(data)
         self._held += len(data)
         self._drop_oldest()
