@@ -223,3 +223,12 @@ def test_cp_refuses_clearly(
 ) -> None:
     res = forkd("cp", *(a.replace("SID", sid) for a in args))
     assert res.exit_code == code and message in res.stderr, res.stderr
+
+
+def test_cp_into_a_missing_local_directory_is_an_error_not_a_traceback(
+    forkd: Invoke, sid: str, vm: FakeVM, tmp_path: Path
+) -> None:
+    vm.guest.files["/f"] = b"data"
+    res = forkd("cp", f"{sid}:/f", str(tmp_path / "no" / "such" / "f"))
+    assert res.exit_code == 1 and "No such file or directory" in res.stderr, res.stderr
+    assert res.exception is None or isinstance(res.exception, SystemExit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import posixpath
 import re
+import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def cp(
         remote = source if isinstance(source, Remote) else dest
         assert isinstance(remote, Remote)
         sb = Sandbox.connect(remote.sandbox_id, controller=ctl)
-        with _progress(quiet or conn.as_json) as progress:
+        with _progress(quiet or conn.as_json) as progress, _local_errors():
             if isinstance(source, Path):
                 assert isinstance(dest, Remote)
                 where, moved = _upload(sb, source, dest.path, progress)
@@ -125,6 +126,16 @@ def _download(sb: Sandbox, path: str, local: Path, progress: ProgressFn) -> tupl
         raise fail(f"{escape(str(target))} is a file, {escape(path)} a directory")
     moved = sb.files.download(path, target, directory=kind == "dir", progress=progress)
     return str(target), moved
+
+
+@contextmanager
+def _local_errors() -> Iterator[None]:
+    """This host's side failing (a directory missing, no permission, a tar member the
+    extraction refuses): a red message and exit 1, not a traceback."""
+    try:
+        yield
+    except (OSError, tarfile.TarError) as exc:
+        raise fail(escape(str(exc))) from None
 
 
 @contextmanager
