@@ -381,6 +381,52 @@ def test_a_hostile_answer_fails_only_its_request(sock: Path, answer: bytes, prob
     _run_raw(sock, guest, body)
 
 
+def _raw_answer(req_id: int, raw: bytes) -> bytes:
+    head = b'{"id":%d,"raw":%d,"ok":true,"result":{"chunks":[{"size":%d}]}}\n'
+    return head % (req_id, len(raw), len(raw)) + raw
+
+
+def test_raw_bytes_after_an_answer_are_its_own_however_they_are_cut() -> None:
+    """Raw bytes may hold newlines and what looks like another answer: they are
+    part of the line that announced them, kept or skipped with it."""
+    forged = b'{"id":8,"ok":true,"result":{"forged":true}}\n'
+    stream = (
+        _raw_answer(7, b"a\nb" + forged)  # for 7, which waits
+        + _raw_answer(9, forged * 2)  # for 9, which nobody waits for: skipped
+        + b'{"id":8,"ok":true,"result":{"real":true}}\n'
+    )
+    waiting = {7: 1 << 20, 8: 1 << 20}
+    for cut in (1, 2, 7, 64, len(stream)):
+        splitter = agent_client.LineSplitter(waiting.get)
+        lines = [
+            line for i in range(0, len(stream), cut) for line in splitter.feed(stream[i : i + cut])
+        ]
+        assert [(line.req_id, line.raw) for line in lines] == [
+            (7, b"a\nb" + forged), (None, None), (8, None)]  # fmt: skip
+        assert json.loads(lines[2].data or b"")["result"] == {"real": True}
+
+
+def test_raw_bytes_beyond_the_cap_fail_the_answer_and_are_skipped() -> None:
+    splitter = agent_client.LineSplitter({7: 100, 8: 100}.get)
+    lines = list(splitter.feed(_raw_answer(7, b"x" * 200) + b'{"id":8,"ok":true}\n'))
+    assert [(line.req_id, line.overlong, line.data) for line in lines] == [
+        (7, True, None), (None, False, None), (8, False, b'{"id":8,"ok":true}')]  # fmt: skip
+
+
+def test_raw_bytes_reach_the_caller_of_proc_read_only(sock: Path) -> None:
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        await _answer_with(reader, w, lambda r: _raw_answer(r["id"], b"out\n"))
+
+    async def body(client: AgentClient) -> None:
+        result = await client.call("proc_read", {"pid": 1, "offset": 0}, wait=5)
+        assert (result["chunks"], result["raw"]) == ([{"size": 4}], b"out\n")
+        with pytest.raises(AgentError, match="raw bytes where none were asked for"):
+            await client.call("exec", {"argv": ["x"]}, wait=5)
+        assert await client.call("ping", wait=2) == {"pong": True}
+
+    _run_raw(sock, guest, body)
+
+
 def test_lines_with_unknown_ids_are_dropped_without_a_json_parse(
     sock: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -51,6 +51,11 @@ class AgentConnection:
                 self._pending += chunk
             line, self._pending = self._pending.split(b"\n", 1)
             answer = json.loads(line)
+            if "raw" in answer:  # that many bytes follow the line, and belong to it
+                while len(self._pending) < answer["raw"]:
+                    self._pending += self.sock.recv(1 << 20)
+                raw, self._pending = self._pending[: answer["raw"]], self._pending[answer["raw"] :]
+                answer["result"]["raw"] = raw
             if answer.get("id") == req_id:  # requests are sequential: no other answers
                 return answer
 
@@ -270,6 +275,18 @@ def test_stdout_and_stderr_are_tagged_in_one_offset_sequence(agent: AgentConnect
     ]
 
 
+def test_a_raw_read_sends_the_bytes_after_the_answer_and_sizes_in_the_chunks(
+    agent: AgentConnection,
+) -> None:
+    pid = agent.start("printf 'out\\n'; sleep 0.2; printf 'err\\0' >&2; sleep 0.2; printf x")
+    assert agent.output_until_eof(pid) == b"out\nerr\0x"
+    read = agent.ok("proc_read", pid=pid, offset=1, raw=True)
+    assert [(c["stream"], c["offset"], c["size"]) for c in read["chunks"]] == [
+        ("stdout", 1, 3), ("stderr", 4, 4), ("stdout", 8, 1)]  # fmt: skip
+    assert "data" not in read["chunks"][0]
+    assert (read["raw"], read["next_offset"], read["eof"]) == (b"ut\nerr\0x", 9, True)
+
+
 def test_read_from_an_offset_cuts_the_chunk_it_falls_in(agent: AgentConnection) -> None:
     pid = agent.start("printf abcdefghij; exit 3")
     assert agent.output_until_eof(pid) == b"abcdefghij"
@@ -451,6 +468,7 @@ def test_unknown_pid_is_process_lookup_error(
         ("proc_read", {"pid": 1, "offset": 0, "max_bytes": 1024 * 1024 + 1}),
         ("proc_read", {"pid": 1, "offset": 0, "min_bytes": 0}),
         ("proc_read", {"pid": 1, "offset": 0, "linger_s": 1.5}),
+        ("proc_read", {"pid": 1, "offset": 0, "raw": 1}),
         ("proc_stdin", {"pid": 1, "data": "not base64!"}),
         ("proc_stdin", {"pid": 1, "data": base64.b64encode(bytes(1024 * 1024 + 1)).decode()}),
         ("proc_signal", {"pid": 1, "signal": "NOPE"}),

@@ -93,3 +93,20 @@ def test_nul_bytes_go_as_base64_where_json_would_escape_them_six_fold() -> None:
     text = b"line of text with one NUL \0 in it\n" * 20
     mixed = plain(OutputEvents(), answer(("stdout", 0, text)))
     assert [(b["encoding"], b["data"]) for _, b in mixed] == [("utf-8", text.decode())]
+
+
+def test_raw_output_is_cut_by_the_chunks_sizes() -> None:
+    body = {"chunks": [{"stream": "stdout", "offset": 5, "size": 3},
+                       {"stream": "stderr", "offset": 8, "size": 2}],
+            "raw": b"abcde", "next_offset": 10, "gap": None, "eof": False}  # fmt: skip
+    parsed = ReadAnswer.parse(body, 5)
+    assert [(c.stream, c.offset, c.data) for c in parsed.chunks] == [
+        ("stdout", 5, b"abc"), ("stderr", 8, b"de")]  # fmt: skip
+
+
+@pytest.mark.parametrize("raw", [b"abcdef", b"abcd", "abcde"], ids=["longer", "shorter", "str"])
+def test_raw_output_that_does_not_match_the_sizes_is_a_guest_error(raw: object) -> None:
+    body = {"chunks": [{"stream": "stdout", "offset": 0, "size": 5}], "raw": raw,
+            "next_offset": 5, "gap": None, "eof": False}  # fmt: skip
+    with pytest.raises(GuestError, match="malformed proc_read answer"):
+        ReadAnswer.parse(body, 0)

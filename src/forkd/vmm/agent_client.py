@@ -12,7 +12,8 @@ The guest is untrusted, so nothing it does may wedge or slow the daemon:
 - a line is classified from its first bytes, before any JSON parse: the agent
   writes ``{"id":<int>,`` first, so a line whose id no request is waiting for
   (a stale answer, a flood, garbage) is dropped as it streams past, unbuffered
-  and unparsed;
+  and unparsed; raw bytes a line announces (``{"id":N,"raw":K,``) go with it,
+  and are never read as lines;
 - an answer may be only as long as its op can legitimately make it
   (:func:`answer_cap`); a longer one fails its request at once;
 - reading is rate-limited per VM, in lines and bytes (:class:`TokenBucket`):
@@ -51,6 +52,10 @@ ERROR_TEXT_MAX_CHARS = 4096  # of a guest's error message, kept for the caller a
 # What the agent writes first on every answer line, and on its one event line.
 _ANSWER_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,20})\s*[,}]')
 _EVENT_HEAD = re.compile(rb'\s*\{\s*"event"\s*:')
+# An answer that says ``"raw":K`` second is followed, after its newline, by K raw
+# bytes that belong to it (proc_read's output: no base64 for the guest to make).
+_RAW_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*\d{1,20}\s*,\s*"raw"\s*:\s*(\d{1,10})\s*[,}]')
+RAW_OPS = frozenset({"proc_read"})  # the ops that ask for raw bytes
 # The one event there is, matched whole: no guest line is JSON-parsed unasked.
 _STARTED = re.compile(rb'\s*\{\s*"event"\s*:\s*"started"\s*,\s*"pid"\s*:\s*(\d{1,10})\s*\}\s*')
 
@@ -105,6 +110,7 @@ class Line:
     req_id: int | None
     data: bytes | None
     overlong: bool = False
+    raw: bytes | None = None  # the raw bytes that followed it, if its head announced some
 
 
 class LineSplitter:
@@ -113,12 +119,17 @@ class LineSplitter:
 
     ``cap_for(req_id)`` is the longest answer accepted for a request still
     waiting, or None when no request with that id waits. Only kept lines are
-    buffered, each up to its cap; everything else streams past.
+    buffered, each up to its cap; everything else streams past. A line whose
+    head announces raw bytes (``{"id":N,"raw":K,``) is followed by K bytes
+    that are part of it, kept or skipped with it, and counted in its cap.
     """
 
     def __init__(self, cap_for: Callable[[int], int | None]) -> None:
         self._cap_for = cap_for
         self._buf = bytearray()
+        self._raw = bytearray()
+        self._raw_left = 0  # raw bytes still to come after the last line
+        self._line: Line | None = None  # that line, given out once its raw bytes came
         self._reset()
 
     def _reset(self) -> None:
@@ -127,37 +138,54 @@ class LineSplitter:
         self._keep = False
         self._cap = 0
         self._req_id: int | None = None
+        self._raw_len = 0
 
     def feed(self, chunk: bytes) -> Iterator[Line]:
         view = memoryview(chunk)
         pos, size = 0, len(chunk)
         while pos < size:
+            if self._raw_left:
+                taken = min(self._raw_left, size - pos)
+                if self._line is not None and self._line.data is not None:
+                    self._raw += view[pos : pos + taken]
+                self._raw_left -= taken
+                pos += taken
+                if not self._raw_left:
+                    yield self._with_raw()
+                continue
             nl = chunk.find(b"\n", pos)
             end = size if nl < 0 else nl
             if self._keep or not self._decided:
                 self._buf += view[pos:end]
                 if not self._decided:
                     self._decide(complete=nl >= 0)
-                if self._keep and len(self._buf) > self._cap:
+                if self._keep and len(self._buf) + self._raw_len > self._cap:
                     if self._req_id is not None:  # fail its request now, not at the line's end
                         yield Line(self._req_id, None, overlong=True)
                     self._keep = False
                     self._buf.clear()
             if nl < 0:
                 return
-            yield self._finish()
+            raw_len = self._raw_len
+            line = self._finish()
             pos = nl + 1
+            if raw_len:
+                self._line, self._raw_left = line, raw_len
+            else:
+                yield line
 
     def _decide(self, complete: bool) -> None:
         head = bytes(self._buf[:PEEK_BYTES])
+        if not complete and len(head) < PEEK_BYTES:
+            return  # too little yet to tell, or to read a "raw" count
+        if raw := _RAW_HEAD.match(head):
+            self._raw_len = int(raw[1])  # skipped with the line if it is not kept
         if m := _ANSWER_HEAD.match(head):
             self._req_id = int(m[1])
             cap = self._cap_for(self._req_id)
             self._keep, self._cap = cap is not None, cap or 0
         elif _EVENT_HEAD.match(head):
             self._keep, self._cap = True, EVENT_LINE_MAX_BYTES
-        elif not complete and len(head) < PEEK_BYTES:
-            return  # too little yet to tell
         self._decided = True
         if not self._keep:
             self._buf.clear()
@@ -165,6 +193,14 @@ class LineSplitter:
     def _finish(self) -> Line:
         line = Line(self._req_id, bytes(self._buf)) if self._keep else Line(None, None)
         self._reset()
+        return line
+
+    def _with_raw(self) -> Line:
+        line, self._line = self._line, None
+        assert line is not None
+        if line.data is not None:
+            line = Line(line.req_id, line.data, raw=bytes(self._raw))
+        self._raw.clear()
         return line
 
 
@@ -274,7 +310,7 @@ class AgentClient:
             elif line.req_id is None:
                 self._event(line.data)
             else:
-                self._answer(line.req_id, line.data)
+                self._answer(line.req_id, line.data, line.raw)
         except Exception:  # a bug here must not stop the reader
             log.exception("agent line not handled")
 
@@ -301,7 +337,7 @@ class AgentClient:
             "in flight were lost (did code run by eval crash the interpreter?)"
         )
 
-    def _answer(self, req_id: int, data: bytes) -> None:
+    def _answer(self, req_id: int, data: bytes, raw: bytes | None) -> None:
         pending = self._pending.pop(req_id, None)
         if pending is None or pending.fut.done():
             self._dropped()
@@ -312,6 +348,11 @@ class AgentClient:
             problem: str | None = f"not JSON ({type(exc).__name__})"
         else:
             problem = _answer_problem(msg, req_id)
+        if problem is None and raw is not None:
+            if pending.op not in RAW_OPS or not isinstance(msg.get("result"), dict):
+                problem = "raw bytes where none were asked for"
+            else:
+                msg["result"]["raw"] = raw
         if problem is not None:
             pending.fut.set_exception(
                 AgentError(f"malformed answer from the agent to {pending.op!r}: {problem}")

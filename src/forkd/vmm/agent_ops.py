@@ -161,9 +161,11 @@ class GuestOps:
         min_bytes: int = 1, linger_s: float = 0.0,
     ) -> dict[str, Any]:  # fmt: skip
         """Output after ``offset``, waiting up to ``wait_s`` for some, then up to
-        ``linger_s`` more for ``min_bytes`` in all; chunks' data is base64."""
+        ``linger_s`` more for ``min_bytes`` in all. The bytes come raw after the
+        answer (``raw``; chunks give their ``size``), or, from an agent older than
+        that, as base64 in each chunk's ``data``."""
         params = {"pid": pid, "offset": offset, "wait_s": wait_s, "max_bytes": max_bytes,
-                  "min_bytes": min_bytes, "linger_s": linger_s}  # fmt: skip
+                  "min_bytes": min_bytes, "linger_s": linger_s, "raw": True}  # fmt: skip
         wait = wait_s + linger_s + EXEC_WAIT_MARGIN_SECS
         return await self.agent.call("proc_read", params, wait=wait)
 

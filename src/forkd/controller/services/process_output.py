@@ -6,8 +6,9 @@ adjacent chunks of one stream become one event; text that is valid UTF-8 is
 sent as text, anything else as base64, and so is text made mostly of control
 characters that JSON would escape to six times their size (NUL bytes). A
 character cut in two at a chunk's end is held back until the rest of it
-arrives, so it is not sent as base64 halves. Every event says where the next one starts (``next_offset``), which
-is where a client that reconnects resumes.
+arrives, so it is not sent as base64 halves. Every event says where the
+next one starts (``next_offset``), which is where a client that reconnects
+resumes.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class ReadAnswer:
     @classmethod
     def parse(cls, raw: dict[str, Any], offset: int) -> ReadAnswer:
         try:
-            chunks = [_chunk(c) for c in raw["chunks"]]
+            tail = raw.get("raw")  # the bytes themselves, when the agent sent them raw
+            chunks = [_chunk(c) for c in raw["chunks"]] if tail is None else _sized(raw, tail)
             gap = raw.get("gap")
             answer = cls(
                 chunks=chunks,
@@ -74,6 +76,22 @@ def _chunk(raw: dict[str, Any]) -> Chunk:
         raise ValueError(f"unknown stream {raw['stream']!r}")
     data = base64.b64decode(raw["data"], validate=True)
     return Chunk(raw["stream"], _int(raw["offset"]), data)
+
+
+def _sized(raw: dict[str, Any], tail: Any) -> list[Chunk]:
+    """Chunks that give their ``size``, cut from the raw bytes after the answer."""
+    if not isinstance(tail, bytes):
+        raise TypeError("raw output is not bytes")
+    chunks, pos = [], 0
+    for c in raw["chunks"]:
+        if c["stream"] not in STREAMS:
+            raise ValueError(f"unknown stream {c['stream']!r}")
+        size = _int(c["size"])
+        chunks.append(Chunk(c["stream"], _int(c["offset"]), tail[pos : pos + size]))
+        pos += size
+    if pos != len(tail):
+        raise ValueError(f"the chunks hold {pos} bytes, the raw output {len(tail)}")
+    return chunks
 
 
 def _runs(chunks: list[Chunk]) -> list[Chunk]:

@@ -635,6 +635,7 @@ def op_proc_read(req: dict[str, Any]) -> EncodedJSON:
     max_bytes = _int_param(req, "max_bytes", 1, MAX_PROC_READ_BYTES, DEFAULT_PROC_READ_BYTES)
     min_bytes = _int_param(req, "min_bytes", 1, MAX_PROC_READ_BYTES, 1)
     linger_s = _seconds_param(req, "linger_s", 0.0, MAX_PROC_LINGER_S)
+    raw = _flag(req, "raw")
     proc = _process(req)
     with contextlib.suppress(OSError):  # this thread only; it ends with its answer
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PROC_READ_NICE)
@@ -642,12 +643,16 @@ def op_proc_read(req: dict[str, Any]) -> EncodedJSON:
         output = proc.read(offset, max_bytes, wait_s, min(min_bytes, max_bytes), linger_s)
     info = _proc_info(output.status)
     # Built by hand: json.dumps would walk every character of the base64 again,
-    # which costs more than the base64 itself on a slow (TCG) guest.
+    # which costs more than the base64 itself on a slow (TCG) guest. With "raw",
+    # the bytes follow the answer's line as they are, and chunks give their size.
     parts = [b'{"chunks":[']
     for i, piece in enumerate(output.pieces):
         head = json.dumps({"stream": piece.stream, "offset": piece.offset}, separators=(",", ":"))
-        parts += [b"," if i else b"", head[:-1].encode("ascii"), b',"data":"',
-                  base64.b64encode(piece.data), b'"}']  # fmt: skip
+        parts += [b"," if i else b"", head[:-1].encode("ascii")]
+        if raw:
+            parts.append(b',"size":%d}' % len(piece.data))
+        else:
+            parts += [b',"data":"', base64.b64encode(piece.data), b'"}']
     rest = {
         "next_offset": output.next_offset,
         "gap": None if output.gap is None else {"from": output.gap[0], "to": output.gap[1]},
@@ -656,6 +661,8 @@ def op_proc_read(req: dict[str, Any]) -> EncodedJSON:
         "eof": output.complete,
     }
     parts += [b"],", json.dumps(rest, separators=(",", ":")).encode("ascii")[1:]]
+    if raw:
+        return WithRawBytes(parts, [piece.data for piece in output.pieces])
     return EncodedJSON(parts)
 
 
@@ -795,6 +802,15 @@ def _encode(message: dict[str, Any]) -> bytes:
 EncodedJSON = forkd_files.EncodedJSON
 
 
+class WithRawBytes(EncodedJSON):
+    """An encoded result whose ``raw`` bytes are sent after the answer's line as they
+    are, announced by ``"raw":K`` second in it (proc_read: no base64 to make)."""
+
+    def __init__(self, parts: list[bytes], raw: list[bytes]) -> None:
+        super().__init__(parts)
+        self.raw = raw
+
+
 def _error_message(req_id: int, exc: BaseException) -> dict[str, Any]:
     kind = type(exc).__name__
     if isinstance(exc, RequestError):
@@ -810,6 +826,9 @@ def handle_request(req_id: int, req: dict[str, Any]) -> bytes:
         if handler is None:
             raise RequestError(f"unknown op: {op!r}")
         result = handler(req)
+        if isinstance(result, WithRawBytes):
+            head = b'{"id":%d,"raw":%d,"ok":true,"result":' % (req_id, sum(map(len, result.raw)))
+            return b"".join([head, *result, b"}\n", *result.raw])
         if isinstance(result, EncodedJSON):
             return b"".join([b'{"id":%d,"ok":true,"result":' % req_id, *result, b"}\n"])
         return _encode({"id": req_id, "ok": True, "result": result})
