@@ -125,7 +125,10 @@ class OutputRing:
             skip = offset - chunk.offset
             if skip >= len(chunk.data):
                 continue
-            data = bytes(memoryview(chunk.data)[skip : skip + room])  # one copy, not two
+            if isinstance(chunk.data, bytes) and skip == 0 and room >= len(chunk.data):
+                data = chunk.data  # a whole read kept as it was: immutable, shared
+            else:
+                data = bytes(memoryview(chunk.data)[skip : skip + room])  # one copy, not two
             pieces.append(OutputPiece(chunk.stream, offset, data))
             offset += len(data)
             room -= len(data)
