@@ -22,6 +22,7 @@ MAX_CHUNK_BYTES = 1 << 20
 class FakeTransfers:
     files: dict[str, bytes]
     disk_bytes: int | None = None  # free space for staged uploads; None: unbounded
+    legacy: bool = False  # an agent older than the chunked ops: it knows none of them
     staged: dict[str, tuple[str, bytearray]] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)  # of every write, in order
@@ -30,6 +31,7 @@ class FakeTransfers:
 
     def open(self, path: str, tar: bool, first: bytes, commit: bool) -> dict[str, Any]:
         """Open with the first chunk; with ``commit``, the whole file at once."""
+        self._known("file_upload_open")
         if tar:
             raise AgentError("tar transfers are not played by the fake guest", kind="ValueError")
         if path.startswith("/proc/"):
@@ -41,6 +43,10 @@ class FakeTransfers:
         if commit:
             return {"path": path, "size": self.commit(transfer_id)}
         return {"transfer_id": transfer_id, "size": size}
+
+    def _known(self, op: str) -> None:
+        if self.legacy:
+            raise AgentError(f"unknown op: {op!r}", kind="ValueError")
 
     def _get(self, transfer_id: str) -> tuple[str, bytearray]:
         if transfer_id not in self.staged:
@@ -66,10 +72,12 @@ class FakeTransfers:
         return len(staged)
 
     def abort(self, transfer_id: str) -> None:
+        self._known("file_transfer_abort")
         self.aborted.append(transfer_id)
         self.staged.pop(transfer_id, None)
 
     def read(self, path: str, offset: int, length: int) -> tuple[bytes, int | None, bool]:
+        self._known("file_read_range")
         if path not in self.files:
             raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
                              kind="FileNotFoundError")  # fmt: skip

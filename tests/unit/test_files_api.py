@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 
 from forkd.client import Controller, ControllerError, Sandbox
 from forkd.controller.services.file_transfer import CHUNK_BYTES
+from forkd.errors import AgentError
 from tests.unit.conftest import RecordingTransport, Server
 from tests.unit.fakes import FakeVM
 from tests.unit.test_cli import Invoke, env_of, make_app
@@ -232,3 +233,41 @@ def test_cp_into_a_missing_local_directory_is_an_error_not_a_traceback(
     res = forkd("cp", f"{sid}:/f", str(tmp_path / "no" / "such" / "f"))
     assert res.exit_code == 1 and "No such file or directory" in res.stderr, res.stderr
     assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+# ------------------------------------------------------------ an agent older than the chunks
+
+
+def test_an_older_agent_still_moves_whole_files(server: Server, sid: str, vm: FakeVM) -> None:
+    """A sandbox of a snapshot taken before streamed files: file_read/file_write, as then."""
+    vm.transfers.legacy = True
+    data = os.urandom(3 * MIB)
+    with _http(server) as http:
+        url = f"/v1/sandboxes/{sid}/files"
+        r = http.put(url, params={"path": "/old"}, content=_pieces(data, 65536))
+        assert r.status_code == 200 and r.json() == {"path": "/old", "size": len(data)}
+        assert vm.guest.files["/old"] == data and vm.transfers.chunk_sizes == []
+        r = http.get(url, params={"path": "/old"})
+        assert r.status_code == 200 and r.content == data
+        assert r.headers["content-length"] == str(len(data))
+        r = http.put(url, params={"path": "/huge"}, content=os.urandom(33 * MIB))
+        assert r.status_code == 400 and "at most" in r.json()["error"], r.text
+        assert "/huge" not in vm.guest.files
+        r = http.put(url, params={"path": "/d", "format": "tar"}, content=b"x" * 10)
+        assert r.status_code == 409 and "newer guest agent" in r.json()["error"], r.text
+        r = http.get(url, params={"path": "/no/such"})
+        assert r.status_code == 404
+
+
+def test_a_malformed_request_to_a_current_agent_is_not_taken_for_an_old_one(
+    server: Server, sid: str, vm: FakeVM
+) -> None:
+    vm.transfers.disk_bytes = None
+
+    def refuse(*args: object) -> None:
+        raise AgentError("'offset' must be an integer >= 0", kind="ValueError")
+
+    vm.transfers.read = refuse  # type: ignore[assignment]
+    with _http(server) as http:
+        r = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "/x"})
+    assert r.status_code == 400 and "offset" in r.json()["error"]

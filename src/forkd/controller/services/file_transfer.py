@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from forkd import limits
+from forkd.controller.services import legacy_files
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.errors import Conflict, ForkdError, GuestError, GuestStorageFull, Invalid
 
@@ -68,9 +69,16 @@ class FileTransferService:
         chunks = _whole_chunks(body)
         first = await anext(chunks, b"")
         whole = len(first) < CHUNK_BYTES and not tar  # the body ended within one chunk
-        opened = await self._guest(
-            sandbox_id, lambda vm: vm.upload_open(path, first, tar=tar, commit=whole)
-        )
+        try:
+            opened = await self._guest(
+                sandbox_id, lambda vm: vm.upload_open(path, first, tar=tar, commit=whole)
+            )
+        except Invalid:
+            if not await legacy_files.predates_chunks(self._guest, sandbox_id):
+                raise
+            if tar:
+                raise legacy_files.too_old("a tar upload") from None
+            return await legacy_files.upload(self._guest, sandbox_id, path, first, chunks)
         if whole:
             return int(opened["size"])
         transfer_id = str(opened["transfer_id"])
@@ -118,7 +126,13 @@ class FileTransferService:
     async def download(self, sandbox_id: str, path: str) -> Download:
         """The file at ``path``; its first chunk is read (and any error raised) here."""
         path = limits.check_guest_path(path)
-        first, size, eof = await self._read(sandbox_id, path, 0)
+        try:
+            first, size, eof = await self._read(sandbox_id, path, 0)
+        except Invalid:
+            if not await legacy_files.predates_chunks(self._guest, sandbox_id):
+                raise
+            data = await legacy_files.download(self._guest, sandbox_id, path)
+            return Download(len(data), _once(data))
         if eof:
             return Download(len(first), _once(first))
         if size is None or size <= len(first):
@@ -167,7 +181,12 @@ class FileTransferService:
     async def download_tar(self, sandbox_id: str, path: str) -> Download:
         """The directory at ``path`` as a tar stream of its content (members ``./...``)."""
         path = limits.check_guest_path(path)
-        transfer_id = await self._guest(sandbox_id, lambda vm: vm.tar_open(path))
+        try:
+            transfer_id = await self._guest(sandbox_id, lambda vm: vm.tar_open(path))
+        except Invalid:
+            if await legacy_files.predates_chunks(self._guest, sandbox_id):
+                raise legacy_files.too_old("a tar download") from None
+            raise
         return Download(None, self._tar_chunks(sandbox_id, transfer_id))
 
     async def _tar_chunks(self, sandbox_id: str, transfer_id: str) -> AsyncIterator[bytes]:
