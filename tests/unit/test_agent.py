@@ -25,10 +25,12 @@ import time
 import tty
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
+
+from forkd.vmm.agent_client import LineSplitter
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"
 ENTROPY = base64.b64encode(os.urandom(32)).decode()
@@ -536,6 +538,30 @@ def test_device_mode_on_a_pty() -> None:
         _stop(proc)
         os.close(master)
         os.close(slave)
+
+
+def test_a_restarted_agent_ends_the_answer_its_predecessor_was_cut_off_in(
+    tmp_path: Path,
+) -> None:
+    """After a crash mid-answer, the new agent's event is still read as a line by
+    the host, wherever the answer was cut: in its line or in its raw bytes."""
+    sent: list[bytes] = []
+    conn = SimpleNamespace(send=lambda line, _req_id: sent.append(line))
+    mark = tmp_path / "started"
+    event = {"event": "started", "pid": os.getpid()}
+    agent_mod.announce(conn, str(mark))
+    assert [json.loads(line) for line in sent] == [event] and mark.exists()  # a boot: no filler
+    sent.clear()
+    agent_mod.announce(conn, str(mark))
+    restart = b"".join(sent)
+
+    raw = b"x\n" * 500
+    cut_off = b'{"id":7,"raw":1000,"ok":true,"result":{"chunks":[{"size":1000}]}}\n' + raw
+    for cut in (10, 40, 80, 500):  # in the id, in the line after the head, in the raw bytes
+        splitter = LineSplitter({7: 4 << 20}.get)
+        lines = list(splitter.feed(cut_off[:cut] + restart))
+        events = [line.data for line in lines if line.req_id is None and line.data]
+        assert [json.loads(data) for data in events] == [event], cut
 
 
 def test_find_agent_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

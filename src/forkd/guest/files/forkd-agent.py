@@ -83,6 +83,9 @@ EXEC_KILL_GRACE_S = 0.5  # after a timeout kill: how long to wait for the output
 EXEC_LINGER_S = 0.5  # after a normal exit: how long background holders of the pipes may keep us
 DEVICE_REOPEN_DELAY_S = 0.02  # after EOF on the port (no host connected)
 DEVICE_RETRY_S = 0.1  # port missing or cannot be opened
+# Exists once an agent of this boot announced itself on the port (tmpfs: a boot
+# starts without it, a fork keeps the running agent and its mark).
+RESTART_MARK = "/run/forkd-agent.started"
 
 # TCP: the original forkd agent protocol, one JSON request per connection
 TCP_HOST = "0.0.0.0"
@@ -1002,6 +1005,24 @@ def find_agent_port(name: str = PORT_NAME) -> str | None:
     return None
 
 
+def announce(conn: Connection, restart_mark: str | None) -> None:
+    """Tell the host that requests it sent to an earlier agent process (one that
+    crashed, e.g. user code in eval hit SIGSEGV) are lost.
+
+    A restarted agent (``restart_mark`` exists) first ends whatever its
+    predecessor was cut off in: the rest of an answer's line and the raw bytes
+    it announced (a proc_read's or a file read's, at most 1 MiB), so the host
+    reads the event as a line. What is left of the filler is blank lines."""
+    if restart_mark is not None and os.path.exists(restart_mark):
+        most_raw = max(MAX_PROC_READ_BYTES, forkd_files.MAX_CHUNK_BYTES)
+        filler = b" " * (most_raw + 1) + b"\n"
+        conn.send(filler * 2, 0)  # a cut line, then its raw bytes
+    conn.send(_encode({"event": "started", "pid": os.getpid()}), 0)
+    if restart_mark is not None:
+        with contextlib.suppress(OSError), open(restart_mark, "w"):
+            pass
+
+
 def serve_device(path: str | None) -> None:
     """Serve the virtio-serial port forever.
 
@@ -1029,9 +1050,7 @@ def serve_device(path: str | None) -> None:
             last_problem = None
         conn = Connection(fd, lambda fd=fd: os.close(fd))
         if not announced:
-            # Tells the host that requests it sent to an earlier agent process
-            # (one that crashed, e.g. user code in eval hit SIGSEGV) are lost.
-            conn.send(_encode({"event": "started", "pid": os.getpid()}), 0)
+            announce(conn, RESTART_MARK if path is None else None)
             announced = True
         try:
             serve_stream(conn, fd)
