@@ -525,3 +525,18 @@ def test_a_full_disk_while_extracting_is_named(
     with pytest.raises(ff.NoSpaceError):
         _untar(_archive(_file("a")), tmp_path / "d")
     assert list((tmp_path / "d").iterdir()) == [] and len(table) == 0
+
+
+def test_reads_answer_raw_bytes_when_asked(table: Any, tmp_path: Path) -> None:
+    """No base64 to make: the bytes follow the answer's line as they are."""
+    (tmp_path / "f").write_bytes(b"0123456789")
+    result = ff.op_file_read_range({"path": str(tmp_path / "f"), "offset": 2, "length": 4,
+                                    "raw": True})  # fmt: skip
+    assert isinstance(result, ff.WithRawBytes) and result.raw == [b"2345"]
+    assert json.loads(b"".join(result)) == {"size": 10, "eof": False, "length": 4}
+    agent = _load("forkd_agent_raw_under_test", "forkd-agent.py")
+    line = agent.handle_request(7, {"op": "file_read_range", "path": str(tmp_path / "f"),
+                                    "offset": 8, "length": 4, "raw": True})  # fmt: skip
+    head, raw = line.split(b"\n", 1)
+    assert head.startswith(b'{"id":7,"raw":2,') and raw == b"89"
+    assert json.loads(head)["result"] == {"size": 10, "eof": True, "length": 2}

@@ -55,7 +55,7 @@ _EVENT_HEAD = re.compile(rb'\s*\{\s*"event"\s*:')
 # An answer that says ``"raw":K`` second is followed, after its newline, by K raw
 # bytes that belong to it (proc_read's output: no base64 for the guest to make).
 _RAW_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*\d{1,20}\s*,\s*"raw"\s*:\s*(\d{1,10})\s*[,}]')
-RAW_OPS = frozenset({"proc_read"})  # the ops that ask for raw bytes
+RAW_OPS = frozenset({"proc_read", "file_read_range", "file_tar_read"})  # ask for raw bytes
 # The one event there is, matched whole: no guest line is JSON-parsed unasked.
 _STARTED = re.compile(rb'\s*\{\s*"event"\s*:\s*"started"\s*,\s*"pid"\s*:\s*(\d{1,10})\s*\}\s*')
 

@@ -116,22 +116,18 @@ class GuestOps:
     ) -> tuple[bytes, int | None, bool]:
         """Up to ``length`` bytes at ``offset``, the file's size (None: unknown), and
         whether they reach its end."""
-        params = {"path": path, "offset": offset, "length": length}
+        params = {"path": path, "offset": offset, "length": length, "raw": True}
         result = await self.agent.call("file_read_range", params)
         size = result.get("size")
-        return (
-            base64.b64decode(result["data"]),
-            int(size) if size is not None else None,
-            bool(result["eof"]),
-        )
+        return _data_of(result), int(size) if size is not None else None, bool(result["eof"])
 
     async def tar_open(self, path: str) -> str:
         return str((await self.agent.call("file_tar_open", {"path": path}))["transfer_id"])
 
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
-        params = {"transfer_id": transfer_id, "length": length}
+        params = {"transfer_id": transfer_id, "length": length, "raw": True}
         result = await self.agent.call("file_tar_read", params, wait=COMMIT_WAIT_SECS)
-        return base64.b64decode(result["data"]), bool(result["eof"])
+        return _data_of(result), bool(result["eof"])
 
     # Background processes (docs/guest-agent.md, "Processes"): the agent owns them;
     # these return its ProcessInfo and proc_read answers as they are.
@@ -209,6 +205,16 @@ class GuestOps:
             "hostname": hostname,
         }
         return await self.agent.call("restore", params, wait=wait)
+
+
+def _data_of(result: dict[str, Any]) -> bytes:
+    """A read's bytes: raw after the answer, or as base64 from an agent older than that."""
+    raw = result.get("raw")
+    if isinstance(raw, bytes):
+        return raw
+    if "data" in result:
+        return base64.b64decode(result["data"])
+    return b""  # raw, of length 0: no bytes followed the line
 
 
 def check_reseeded(result: dict[str, Any], vm_id: str, snapshot_dir: Path) -> str:

@@ -805,13 +805,9 @@ def _encode(message: dict[str, Any]) -> bytes:
 EncodedJSON = forkd_files.EncodedJSON
 
 
-class WithRawBytes(EncodedJSON):
-    """An encoded result whose ``raw`` bytes are sent after the answer's line as they
-    are, announced by ``"raw":K`` second in it (proc_read: no base64 to make)."""
-
-    def __init__(self, parts: list[bytes], raw: list[bytes]) -> None:
-        super().__init__(parts)
-        self.raw = raw
+# An encoded result whose ``raw`` bytes are sent after the answer's line as they are,
+# announced by ``"raw":K`` second in it (proc_read, file reads: no base64 to make).
+WithRawBytes = forkd_files.WithRawBytes
 
 
 def _error_message(req_id: int, exc: BaseException) -> dict[str, Any]:
