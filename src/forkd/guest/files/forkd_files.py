@@ -76,9 +76,6 @@ class TransferGone(LookupError):
     """No open transfer has this id: never opened, finished, or dropped when idle."""
 
 
-# --------------------------------------------------------------------------- parameters
-
-
 def _path(req: dict[str, Any], name: str = "path") -> str:
     value = req.get(name)
     if not isinstance(value, str) or not value.startswith("/") or "\0" in value:
@@ -86,22 +83,18 @@ def _path(req: dict[str, Any], name: str = "path") -> str:
     return value
 
 
-def _int(req: dict[str, Any], name: str, low: int, high: int | None = None) -> int:
+def _int(req: dict[str, Any], name: str, low: int, high: float = float("inf")) -> int:
     value = req.get(name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name!r} must be an integer >= {low}")
-    if high is not None and value > high:
-        raise ValueError(f"{name!r} must be at most {high}")
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        bounds = f">= {low}" if high == float("inf") else f"from {low} to {high}"
+        raise ValueError(f"{name!r} must be an integer {bounds}")
     return value
 
 
 def _mode(req: dict[str, Any]) -> int | None:
-    value = req.get("mode")
-    if value is None:
+    if req.get("mode") is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0o7777:
-        raise ValueError("'mode' must be an integer permission value (0 to 0o7777) or null")
-    return value
+    return _int(req, "mode", 0, 0o7777)
 
 
 def _chunk(req: dict[str, Any]) -> bytes:
