@@ -4,12 +4,16 @@ in-process for FakeVM over its dict of files.
 An upload is staged apart from the files and lands only at its commit, as
 the agent's hidden sibling file does; ``disk_bytes`` plays the guest's disk:
 a write past it fails with the agent's ``NoSpaceError`` and drops the upload.
-Tar transfers are not played (real VMs test them).
+Tar transfers are real tar streams built and read with ``tarfile`` over the same
+dict, with the agent's refusals (not a tar, a member outside the destination).
 """
 
 from __future__ import annotations
 
+import io
 import itertools
+import posixpath
+import tarfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +28,8 @@ class FakeTransfers:
     disk_bytes: int | None = None  # free space for staged uploads; None: unbounded
     legacy: bool = False  # an agent older than the chunked ops: it knows none of them
     staged: dict[str, tuple[str, bytearray]] = field(default_factory=dict)
+    tars: dict[str, tuple[set[str], bytearray]] = field(default_factory=dict)  # staged tars
+    tar_reads: dict[str, io.BytesIO] = field(default_factory=dict)
     aborted: list[str] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)  # of every write, in order
     opened: list[tuple[int, bool]] = field(default_factory=list)  # (first chunk, commit)
@@ -32,12 +38,12 @@ class FakeTransfers:
     def open(self, path: str, tar: bool, first: bytes, commit: bool) -> dict[str, Any]:
         """Open with the first chunk; with ``commit``, the whole file at once."""
         self._known("file_upload_open")
-        if tar:
-            raise AgentError("tar transfers are not played by the fake guest", kind="ValueError")
         if path.startswith("/proc/"):
             raise AgentError(f"[Errno 13] Permission denied: {path!r}", kind="PermissionError")
         transfer_id = f"t{next(self._ids)}"
         self.staged[transfer_id] = (path, bytearray())
+        if tar:
+            self.tars[transfer_id] = (set(), bytearray())
         self.opened.append((len(first), commit))
         size = self.write(transfer_id, 0, first) if first else 0
         if commit:
@@ -68,13 +74,18 @@ class FakeTransfers:
     def commit(self, transfer_id: str) -> int:
         path, staged = self._get(transfer_id)
         del self.staged[transfer_id]
-        self.files[path] = bytes(staged)
+        if self.tars.pop(transfer_id, None) is not None:
+            self.files.update(_extracted(path, bytes(staged)))
+        else:
+            self.files[path] = bytes(staged)
         return len(staged)
 
     def abort(self, transfer_id: str) -> None:
         self._known("file_transfer_abort")
         self.aborted.append(transfer_id)
         self.staged.pop(transfer_id, None)
+        self.tars.pop(transfer_id, None)
+        self.tar_reads.pop(transfer_id, None)
 
     def read(self, path: str, offset: int, length: int) -> tuple[bytes, int | None, bool]:
         self._known("file_read_range")
@@ -84,3 +95,52 @@ class FakeTransfers:
         data = self.files[path][offset : offset + min(length, MAX_CHUNK_BYTES)]
         size = len(self.files[path])
         return data, size, offset + len(data) >= size
+
+    def tar_open(self, path: str) -> str:
+        """A tar of the file at ``path`` or of every file under it, as the agent streams it."""
+        self._known("file_tar_open")
+        prefix = path.rstrip("/") + "/"
+        members = {name: data for name, data in self.files.items()
+                   if name == path or name.startswith(prefix)}  # fmt: skip
+        if not members:
+            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
+                             kind="FileNotFoundError")  # fmt: skip
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            base = posixpath.dirname(path.rstrip("/")) or "/"
+            for name, data in sorted(members.items()):
+                info = tarfile.TarInfo(posixpath.relpath(name, base))
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        out.seek(0)
+        transfer_id = f"t{next(self._ids)}"
+        self.tar_reads[transfer_id] = out
+        return transfer_id
+
+    def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
+        if transfer_id not in self.tar_reads:
+            raise AgentError(f"no open file transfer {transfer_id!r}", kind="TransferGone")
+        stream = self.tar_reads[transfer_id]
+        data = stream.read(min(length, MAX_CHUNK_BYTES))
+        eof = stream.tell() >= len(stream.getbuffer())
+        if eof:
+            del self.tar_reads[transfer_id]
+        return data, eof
+
+
+def _extracted(dest: str, archive: bytes) -> dict[str, bytes]:
+    """The regular files of ``archive`` under ``dest``, refused as the agent refuses."""
+    files: dict[str, bytes] = {}
+    try:
+        with tarfile.open(fileobj=io.BytesIO(archive), mode="r:") as tar:
+            for member in tar:
+                name = posixpath.normpath(member.name)
+                if name.startswith(("/", "..")):
+                    raise AgentError(f"refusing tar member {member.name!r}: absolute or with '..'",
+                                     kind="UnsafeArchiveError")  # fmt: skip
+                if member.isfile():
+                    source = tar.extractfile(member)
+                    files[posixpath.join(dest, name)] = source.read() if source else b""
+    except tarfile.TarError as exc:
+        raise AgentError(f"not a valid tar archive: {exc}", kind="BadArchiveError") from None
+    return files

@@ -276,6 +276,14 @@ class FakeVM:
         self._agent("file_read_range")
         return self.transfers.read(path, offset, length)
 
+    async def tar_open(self, path: str) -> str:
+        self._agent("file_tar_open")
+        return self.transfers.tar_open(path)
+
+    async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
+        self._agent("file_tar_read")
+        return self.transfers.tar_read(transfer_id, length)
+
     # background processes: played by FakeProcesses ----------------------------
     async def proc_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:
         self._agent("proc_start")

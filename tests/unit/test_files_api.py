@@ -8,6 +8,7 @@ import io
 import json
 import os
 import socket
+import tarfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -85,6 +86,33 @@ def test_a_download_streams_with_its_length(server: Server, sid: str, vm: FakeVM
         assert resp.status_code == 200
         assert resp.headers["content-length"] == str(len(data))
         assert resp.read() == data
+
+
+def test_a_tar_goes_both_ways_and_an_escaping_member_is_a_400(
+    server: Server, sid: str, vm: FakeVM
+) -> None:
+    vm.guest.files.update({"/work/a.txt": b"alpha", "/work/sub/b.bin": os.urandom(3 * MIB)})
+    with _http(server) as http:
+        url = f"/v1/sandboxes/{sid}/files"
+        r = http.get(url, params={"path": "/work", "format": "tar"})
+        assert r.status_code == 200 and r.headers["content-type"].startswith("application/x-tar")
+        with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+            got = {m.name: tar.extractfile(m).read() for m in tar if m.isfile()}  # type: ignore[union-attr]
+        assert got == {"work/a.txt": b"alpha", "work/sub/b.bin": vm.guest.files["/work/sub/b.bin"]}
+        r = http.put(url, params={"path": "/copy", "format": "tar"}, content=r.content)
+        assert r.status_code == 200, r.text
+        assert vm.guest.files["/copy/work/a.txt"] == b"alpha"
+        evil = io.BytesIO()
+        with tarfile.open(fileobj=evil, mode="w") as tar:
+            info = tarfile.TarInfo("../etc/passwd")
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"x"))
+        before = dict(vm.guest.files)
+        r = http.put(url, params={"path": "/copy", "format": "tar"}, content=evil.getvalue())
+        assert r.status_code == 400 and "refusing" in r.json()["error"], r.text
+        assert vm.guest.files == before
+        r = http.get(url, params={"path": "/nothing", "format": "tar"})
+        assert r.status_code == 404, r.text
 
 
 def test_a_full_guest_disk_is_507_and_keeps_nothing(server: Server, sid: str, vm: FakeVM) -> None:
