@@ -33,6 +33,7 @@ class FakeTransfers:
     aborted: list[str] = field(default_factory=list)
     chunk_sizes: list[int] = field(default_factory=list)  # of every write, in order
     opened: list[tuple[int, bool]] = field(default_factory=list)  # (first chunk, commit)
+    payloads: list[bool] = field(default_factory=list)  # of every write: sent raw?
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def open(self, path: str, tar: bool, first: bytes, commit: bool) -> dict[str, Any]:
@@ -48,7 +49,7 @@ class FakeTransfers:
         size = self.write(transfer_id, 0, first) if first else 0
         if commit:
             return {"path": path, "size": self.commit(transfer_id)}
-        return {"transfer_id": transfer_id, "size": size}
+        return {"transfer_id": transfer_id, "size": size, "payload": True}
 
     def _known(self, op: str) -> None:
         if self.legacy:

@@ -258,8 +258,11 @@ class FakeVM:
         self._agent("file_upload_open")
         return self.transfers.open(path, tar, first, commit)
 
-    async def upload_write(self, transfer_id: str, offset: int, data: bytes) -> int:
+    async def upload_write(
+        self, transfer_id: str, offset: int, data: bytes, *, payload: bool = False
+    ) -> int:
         self._agent("file_upload_write")
+        self.transfers.payloads.append(payload)
         return self.transfers.write(transfer_id, offset, data)
 
     async def upload_commit(self, transfer_id: str) -> int:

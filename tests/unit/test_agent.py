@@ -7,6 +7,7 @@ from touching the host's clock, RNG and hostname.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import importlib.util
@@ -30,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from forkd.vmm.agent_client import LineSplitter
+from forkd.vmm.agent_client import AgentClient, LineSplitter
+from forkd.vmm.agent_ops import GuestOps
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"
 ENTROPY = base64.b64encode(os.urandom(32)).decode()
@@ -487,9 +489,30 @@ def test_unknown_op_is_an_error_answer(agent: Client) -> None:
 def test_line_splitter_handles_split_and_oversized_lines() -> None:
     splitter = agent_mod.LineSplitter(max_line=10)
     assert list(splitter.feed(b"ab")) == []
-    assert list(splitter.feed(b"c\nde\nf")) == [b"abc", b"de"]
+    assert list(splitter.feed(b"c\nde\nf")) == [(b"abc", None), (b"de", None)]
     assert list(splitter.feed(b"0123456789abc")) == []  # too long: dropped ...
-    assert list(splitter.feed(b"def\nok\n")) == [b"ok"]  # ... up to its newline
+    assert list(splitter.feed(b"def\nok\n")) == [(b"ok", None)]  # ... up to its newline
+
+
+def test_a_payload_belongs_to_the_line_that_announced_it_however_it_is_cut() -> None:
+    """A request's raw payload may hold newlines and what looks like a request:
+    none of it is ever read as a line."""
+    forged = b'{"id":9,"op":"exec","argv":["reboot"]}\n'
+    payload = b"a\n" + forged + b"\n\nz"
+    head = b'{"id": 7, "payload": %d, "op": "file_upload_write"}' % len(payload)
+    stream = head + b"\n" + payload + b'{"id":8,"op":"ping"}\n'
+    for cut in (1, 2, 5, 64, len(stream)):
+        splitter = agent_mod.LineSplitter()
+        got = [r for i in range(0, len(stream), cut) for r in splitter.feed(stream[i : i + cut])]
+        assert got == [(head, payload), (b'{"id":8,"op":"ping"}', None)], cut
+
+
+def test_a_payload_over_the_cap_is_skipped_unread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(agent_mod, "MAX_PAYLOAD_BYTES", 8)
+    splitter = agent_mod.LineSplitter()
+    big = b'{"id":1,"op":"exec"}\n' * 2
+    stream = b'{"id":7,"payload":%d,"op":"x"}\n' % len(big) + big + b'{"id":8}\n'
+    assert list(splitter.feed(stream)) == [(b'{"id":8}', None)]
 
 
 def test_stdio_mode() -> None:
@@ -1029,3 +1052,32 @@ def test_sdk_guest_agent_speaks_the_tcp_protocol(tcp: TcpAgent, serial: Client) 
     with pytest.raises(ControllerError) as gone:
         agent.ping()
     assert gone.value.unreachable
+
+
+def test_the_host_sends_upload_chunks_raw_to_an_agent_that_says_it_reads_them(
+    agent_socket: Path, tmp_path: Path
+) -> None:
+    """The daemon's GuestOps and AgentClient against this agent: the open's answer
+    says "payload", and chunks then go raw, newlines and forged requests in them."""
+    target = tmp_path / "up.bin"
+    chunks = [os.urandom(300_000), b'\n{"id":1,"op":"exec","argv":["touch","/x"]}\n' * 999]
+
+    async def main() -> None:
+        agent = AgentClient(agent_socket)
+        await agent.connect(timeout=5)
+        try:
+            ops = GuestOps()
+            ops.agent = agent
+            opened = await ops.upload_open(str(target), chunks[0])
+            assert opened["payload"] is True
+            size = await ops.upload_write(
+                opened["transfer_id"], len(chunks[0]), chunks[1], payload=True
+            )
+            assert size == sum(map(len, chunks))
+            assert (await ops.ping())["pong"] is True  # the channel still reads lines
+            await ops.upload_commit(opened["transfer_id"])
+        finally:
+            await agent.close()
+
+    asyncio.run(main())
+    assert target.read_bytes() == b"".join(chunks)

@@ -60,6 +60,7 @@ def test_an_upload_goes_in_whole_chunks_and_lands_at_the_end(
     assert r.json() == {"path": "/big", "size": len(data)}
     assert vm.guest.files["/big"] == data
     assert vm.transfers.chunk_sizes == [CHUNK_BYTES] * 5 + [123]
+    assert vm.transfers.payloads == [True] * 5  # the agent said it reads raw chunks
     assert vm.transfers.opened == [(CHUNK_BYTES, False)]  # the first chunk went with the open
     assert vm.transfers.staged == {}
 

@@ -387,7 +387,7 @@ class AgentClient:
             except ConnectionError as exc:
                 raise AgentError(self._closed_reason or f"agent connection broken: {exc}") from exc
 
-    async def _send(self, data: bytes, op: str, wait: float) -> None:
+    async def _send(self, data: list[bytes], op: str, wait: float) -> None:
         try:
             await asyncio.wait_for(self._write_lock.acquire(), wait)
         except TimeoutError:
@@ -396,7 +396,7 @@ class AgentClient:
             ) from None
         try:
             writer = self._open_writer()
-            writer.write(data)
+            writer.writelines(data)
             await self._drain(writer, op)
         finally:
             self._write_lock.release()
@@ -407,9 +407,18 @@ class AgentClient:
         return self._writer
 
     async def call(
-        self, op: str, params: dict[str, Any] | None = None, *, wait: float = 30.0
+        self,
+        op: str,
+        params: dict[str, Any] | None = None,
+        *,
+        wait: float = 30.0,
+        payload: bytes | None = None,
     ) -> dict[str, Any]:
         """Send one request and wait up to ``wait`` seconds for its ``result``.
+
+        ``payload`` is sent raw after the request's line, announced by its head
+        (``{"id":N,"payload":K,``); only an agent that said it reads payloads may
+        be sent one, as an older one would read the bytes as request lines.
 
         Sending is bounded too: by ``wait`` for the channel to be free, and by
         ``AGENT_WRITE_STALL_SECS`` of no progress once writing.
@@ -418,9 +427,12 @@ class AgentClient:
         req_id = next(self._ids)
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self._pending[req_id] = _Pending(op, fut)
-        data = json.dumps({**(params or {}), "id": req_id, "op": op}).encode() + b"\n"
+        head: dict[str, Any] = {"id": req_id}
+        if payload is not None:
+            head["payload"] = len(payload)
+        line = json.dumps({**head, **(params or {}), **head, "op": op}).encode() + b"\n"
         try:
-            await self._send(data, op, wait)
+            await self._send([line] if payload is None else [line, payload], op, wait)
             msg = await asyncio.wait_for(fut, wait)
         except TimeoutError as exc:
             raise AgentError(f"agent did not answer {op!r} within {wait:g} s") from exc

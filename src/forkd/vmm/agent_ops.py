@@ -97,10 +97,18 @@ class GuestOps:
                   "data": base64.b64encode(first).decode()}  # fmt: skip
         return await self.agent.call("file_upload_open", params, wait=OPEN_WAIT_SECS)
 
-    async def upload_write(self, transfer_id: str, offset: int, data: bytes) -> int:
-        params = {"transfer_id": transfer_id, "offset": offset,
-                  "data": base64.b64encode(data).decode()}  # fmt: skip
-        return int((await self.agent.call("file_upload_write", params))["size"])
+    async def upload_write(
+        self, transfer_id: str, offset: int, data: bytes, *, payload: bool = False
+    ) -> int:
+        """Append ``data`` at ``offset``; with ``payload`` (the open's answer said the
+        agent reads them), the bytes go raw after the request's line, not as base64."""
+        params: dict[str, Any] = {"transfer_id": transfer_id, "offset": offset}
+        if not payload:
+            params["data"] = base64.b64encode(data).decode()
+        result = await self.agent.call(
+            "file_upload_write", params, payload=data if payload else None
+        )
+        return int(result["size"])
 
     async def upload_commit(self, transfer_id: str) -> int:
         params = {"transfer_id": transfer_id}

@@ -42,6 +42,14 @@ _TRANSFER_REFUSALS: dict[str, type[ForkdError]] = {
 }
 
 
+@dataclass(frozen=True)
+class _Transfer:
+    """An open upload: its id, and whether its agent takes chunks raw (``payload``)."""
+
+    id: str
+    payload: bool
+
+
 @dataclass
 class Download:
     """A file's bytes as they are read: ``size`` is None when unknown in advance (a tar)."""
@@ -81,9 +89,10 @@ class FileTransferService:
             return await legacy_files.upload(self._guest, sandbox_id, path, first, chunks)
         if whole:
             return int(opened["size"])
-        transfer_id = str(opened["transfer_id"])
+        transfer = _Transfer(str(opened["transfer_id"]), payload=opened.get("payload") is True)
+        transfer_id = transfer.id
         try:
-            sent = await self._forward(sandbox_id, transfer_id, chunks, len(first))
+            sent = await self._forward(sandbox_id, transfer, chunks, len(first))
             await self._guest(sandbox_id, lambda vm: vm.upload_commit(transfer_id))
         except BaseException:
             await self._abort(sandbox_id, transfer_id)
@@ -91,7 +100,7 @@ class FileTransferService:
         return sent
 
     async def _forward(
-        self, sandbox_id: str, transfer_id: str, chunks: AsyncIterator[bytes], sent: int
+        self, sandbox_id: str, transfer: _Transfer, chunks: AsyncIterator[bytes], sent: int
     ) -> int:
         """Send the chunks from offset ``sent``, WRITES_IN_FLIGHT at once at most; the
         next chunk is read from the client while one is written."""
@@ -100,7 +109,7 @@ class FileTransferService:
             async for chunk in chunks:
                 if len(writing) >= WRITES_IN_FLIGHT:
                     await writing.popleft()
-                writing.append(self._write_soon(sandbox_id, transfer_id, sent, chunk))
+                writing.append(self._write_soon(sandbox_id, transfer, sent, chunk))
                 sent += len(chunk)
             while writing:
                 await writing.popleft()
@@ -109,11 +118,12 @@ class FileTransferService:
         return sent
 
     def _write_soon(
-        self, sandbox_id: str, transfer_id: str, offset: int, chunk: bytes
+        self, sandbox_id: str, transfer: _Transfer, offset: int, chunk: bytes
     ) -> asyncio.Task[int]:
-        return asyncio.ensure_future(
-            self._guest(sandbox_id, lambda vm: vm.upload_write(transfer_id, offset, chunk))
-        )
+        def write(vm: Any) -> Awaitable[int]:
+            return vm.upload_write(transfer.id, offset, chunk, payload=transfer.payload)
+
+        return asyncio.ensure_future(self._guest(sandbox_id, write))
 
     async def _abort(self, sandbox_id: str, transfer_id: str) -> None:
         """Tell the guest to drop the transfer; a guest that cannot hear it expires it."""

@@ -41,6 +41,7 @@ import json
 import math
 import os
 import random
+import re
 import select
 import shutil
 import signal
@@ -182,6 +183,7 @@ def op_ping(req: dict[str, Any]) -> dict[str, Any]:
         "hostname": socket.gethostname(),
         "uptime_s": _uptime(),
         "agent_version": AGENT_VERSION,
+        "features": ["payload"],  # reads a chunk sent raw after its request's line
     }
 
 
@@ -887,29 +889,68 @@ def _read_chunk(fd: int) -> bytes:
                 time.sleep(DEVICE_REOPEN_DELAY_S)  # HUP without data: do not spin
 
 
+# A request whose head is ``{"id":N,"payload":K,`` is followed, after its newline,
+# by K bytes that belong to it (an upload's chunk: no base64 for the guest to decode).
+_PAYLOAD_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*\d{1,20}\s*,\s*"payload"\s*:\s*(\d{1,10})\s*[,}]')
+MAX_PAYLOAD_BYTES = forkd_files.MAX_CHUNK_BYTES
+
+
 class LineSplitter:
-    """Split a byte stream into lines; drop lines longer than MAX_LINE_BYTES."""
+    """Split a byte stream into requests: ``(line, payload)``, where ``payload`` is
+    the raw bytes a line's head announced (None when it announced none). Lines
+    longer than MAX_LINE_BYTES are dropped, and so is a payload over
+    MAX_PAYLOAD_BYTES (its bytes are skipped, never read as lines)."""
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._buf = bytearray()
         self._max = max_line
         self._discarding = False
+        self._line: bytes | None = None  # a line whose payload is still coming
+        self._payload = bytearray()
+        self._payload_left = 0
 
-    def feed(self, chunk: bytes) -> Iterator[bytes]:
+    def feed(self, chunk: bytes) -> Iterator[tuple[bytes, bytes | None]]:
+        if self._payload_left:
+            chunk = yield from self._take_payload(chunk)
         scan_from = len(self._buf)
         self._buf += chunk
         start = 0
         while (end := self._buf.find(b"\n", scan_from)) >= 0:
+            line = bytes(self._buf[start:end])
+            start = scan_from = end + 1
             if self._discarding:
                 self._discarding = False
-            else:
-                yield bytes(self._buf[start:end])
-            start = scan_from = end + 1
+                continue
+            announced = _PAYLOAD_HEAD.match(line)
+            if announced is None:
+                yield line, None
+                continue
+            self._line = line if int(announced.group(1)) <= MAX_PAYLOAD_BYTES else None
+            self._payload_left = int(announced.group(1))
+            rest = yield from self._take_payload(bytes(self._buf[start:]))
+            self._buf[:] = rest
+            start = scan_from = 0
         del self._buf[:start]
         if len(self._buf) > self._max:
             log(f"dropping a request line longer than {self._max} bytes")
             self._buf.clear()
             self._discarding = True
+
+    def _take_payload(self, chunk: bytes) -> Iterator[tuple[bytes, bytes | None]]:
+        """Take the awaited payload's bytes from ``chunk``; yield the request when
+        they are all here. Returns what of ``chunk`` follows them."""
+        n = min(self._payload_left, len(chunk))
+        if self._line is not None:
+            self._payload += chunk[:n]
+        self._payload_left -= n
+        if self._payload_left == 0:
+            line, self._line = self._line, None
+            payload, self._payload = bytes(self._payload), bytearray()
+            if line is None:
+                log(f"dropping a request whose payload is over {MAX_PAYLOAD_BYTES} bytes")
+            else:
+                yield line, payload
+        return chunk[n:]
 
 
 class Connection:
@@ -933,11 +974,13 @@ class Connection:
             except OSError as exc:
                 log(f"dropping the answer to {req_id}: {exc}")
 
-    def dispatch(self, line: bytes) -> None:
+    def dispatch(self, line: bytes, payload: bytes | None = None) -> None:
         parsed = parse_request(line)
         if parsed is None:
             return
         req_id, req = parsed
+        if payload is not None:
+            req["data"] = payload  # in place of base64: bytes no JSON line can hold
         with self._idle:
             self._inflight += 1
         if req.get("op") in INLINE_OPS:
@@ -984,8 +1027,8 @@ def serve_stream(conn: Connection, read_fd: int) -> None:
             return
         if not chunk:
             return
-        for line in splitter.feed(chunk):
-            conn.dispatch(line)
+        for line, payload in splitter.feed(chunk):
+            conn.dispatch(line, payload)
 
 
 def find_agent_port(name: str = PORT_NAME) -> str | None:

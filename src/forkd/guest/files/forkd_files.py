@@ -98,13 +98,15 @@ def _mode(req: dict[str, Any]) -> int | None:
 
 
 def _chunk(req: dict[str, Any]) -> bytes:
-    text = req.get("data")
-    if not isinstance(text, str):
+    """The request's chunk: the payload sent raw after its line, or ``data`` in base64."""
+    data = req.get("data")
+    if isinstance(data, str):
+        try:
+            data = base64.b64decode(data, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise ValueError(f"'data' is not valid base64: {exc}") from None
+    elif not isinstance(data, bytes):
         raise ValueError("'data' must be a base64 string")
-    try:
-        data = base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(f"'data' is not valid base64: {exc}") from None
     if len(data) > MAX_CHUNK_BYTES:
         raise ValueError(f"'data' is larger than {MAX_CHUNK_BYTES} bytes")
     return data
@@ -419,7 +421,8 @@ def op_file_upload_open(req: dict[str, Any]) -> dict[str, Any]:
     if first:
         with TRANSFERS.use(transfer_id) as transfer:
             transfer.write(0, first)
-    return {"transfer_id": transfer_id, "size": len(first)}
+    # "payload": this agent reads a chunk sent raw after its request's line.
+    return {"transfer_id": transfer_id, "size": len(first), "payload": True}
 
 
 def _write_whole(upload: StagedUpload, data: bytes) -> dict[str, Any]:
