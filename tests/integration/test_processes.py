@@ -82,6 +82,9 @@ def test_list_inspect_and_signal(sb: Sandbox, ctl: Controller) -> None:
     assert info["running"] and info["cmd"] == ["sleep", "1000"]
     assert info["pid"] in [p["pid"] for p in sb.commands.list()]
     assert ctl.get_process(sb.id, info["pid"])["running"]
+    attached = Sandbox.connect(sb.id, controller=ctl)  # another client, by id, as E2B's
+    assert (attached.id, attached.snapshot_tag) == (sb.id, sb.snapshot_tag)
+    assert info["pid"] in [p["pid"] for p in attached.commands.list()]
     assert list(ctl.process_output(sb.id, info["pid"], follow=False)) == []  # nothing yet
     ctl.signal_process(sb.id, info["pid"], "SIGTERM")
     done = sb.commands.connect(info["pid"]).wait()

@@ -11,6 +11,7 @@ import asyncio
 import base64
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -205,9 +206,10 @@ def test_cli_ctrl_c_interrupts_the_eval_and_prints_its_traceback(
 ) -> None:
     ctl.create_snapshot("py", memory_mib=128)
     sid = ctl.spawn_sandboxes("py")[0]["id"]
-    interrupted = threading.Event()
+    interrupted, started = threading.Event(), threading.Event()
 
     def eval_until_interrupted(self: Controller, *args: Any) -> dict[str, Any]:
+        started.set()
         interrupted.wait(10)
         return {"result": None, "error": "Traceback ...\nKeyboardInterrupt\n", "exit_code": 1,
                 "stdout": "", "stderr": ""}  # fmt: skip
@@ -219,9 +221,15 @@ def test_cli_ctrl_c_interrupts_the_eval_and_prints_its_traceback(
     monkeypatch.setattr(Controller, "eval_code", eval_until_interrupted)
     monkeypatch.setattr(Controller, "interrupt_eval", interrupt)
     main_thread = threading.main_thread().ident
-    ctrl_c = threading.Timer(0.5, signal.pthread_kill, (main_thread, signal.SIGINT))
+
+    def press_ctrl_c() -> None:  # once the eval is asked: a loaded host may be slow to get there
+        if started.wait(30):
+            time.sleep(0.2)
+            signal.pthread_kill(main_thread, signal.SIGINT)
+
+    ctrl_c = threading.Thread(target=press_ctrl_c)
     ctrl_c.start()
     res = runner.invoke(make_app(sent), ["eval", sid, "busy()"], env=env_of(server))
     ctrl_c.join()
-    assert interrupted.is_set()
+    assert interrupted.is_set(), (res.exit_code, res.output, res.exception)
     assert res.exit_code == 1 and res.stderr.endswith("KeyboardInterrupt\n"), res.output

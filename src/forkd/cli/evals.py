@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import signal
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -75,7 +78,12 @@ def eval_(
 def _eval_interruptibly(
     ctl: Controller, sandbox_id: str, code: str, timeout: float | None
 ) -> dict[str, Any]:
-    """The eval's answer; the first Ctrl-C interrupts the eval in the sandbox."""
+    """The eval's answer; the first Ctrl-C interrupts the eval in the sandbox, a
+    second stops waiting.
+
+    Ctrl-C is counted by a SIGINT handler, not caught as KeyboardInterrupt: that
+    can be raised between any two statements, outside the ``try`` meant for it.
+    """
     answers: queue.SimpleQueue[tuple[dict[str, Any] | None, BaseException | None]]
     answers = queue.SimpleQueue()
 
@@ -87,23 +95,43 @@ def _eval_interruptibly(
 
     # A daemon thread: a second Ctrl-C leaves without waiting for it.
     threading.Thread(target=ask, name="eval", daemon=True).start()
-    interrupted = False
-    while True:
-        try:
-            answer, problem = answers.get(timeout=ANSWER_POLL_SECS)
-        except queue.Empty:
-            continue
-        except KeyboardInterrupt:
-            if interrupted:
-                raise fail("stopped waiting; the eval may still run", 130) from None
-            interrupted = True
-            if not ctl.interrupt_eval(sandbox_id)["interrupted"]:
-                err.print("no eval was running to interrupt")
-            continue
-        if problem is not None:
-            raise problem
-        assert answer is not None
-        return answer
+    with _ctrl_c_counted() as presses:
+        handled = 0
+        while True:
+            if presses[0] > handled:
+                if handled:
+                    raise fail("stopped waiting; the eval may still run", 130)
+                handled = 1
+                if not ctl.interrupt_eval(sandbox_id)["interrupted"]:
+                    err.print("no eval was running to interrupt")
+                continue
+            try:
+                answer, problem = answers.get(timeout=ANSWER_POLL_SECS)
+            except queue.Empty:
+                continue
+            if problem is not None:
+                raise problem
+            assert answer is not None
+            return answer
+
+
+@contextlib.contextmanager
+def _ctrl_c_counted() -> Iterator[list[int]]:
+    """``[n]``: how many times Ctrl-C (SIGINT) was pressed inside the block. Off the
+    main thread, where no handler can be set, Ctrl-C stays KeyboardInterrupt."""
+    presses = [0]
+
+    def count(signum: int, frame: object) -> None:
+        presses[0] += 1
+
+    if threading.current_thread() is not threading.main_thread():
+        yield presses
+        return
+    previous = signal.signal(signal.SIGINT, count)
+    try:
+        yield presses
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _print_displays(displays: list[dict[str, str]], display_dir: Path | None) -> None:
