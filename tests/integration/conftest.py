@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from forkd.client import Controller, Sandbox
 from forkd.controller.services.fleet import vm_id_prefixes
 from forkd.guest import image as images
 from forkd.launcher import DaemonProcess
@@ -177,3 +178,17 @@ def api_template(daemon: Daemon) -> str:
     )  # fmt: skip
     assert r.status_code == 201, r.text
     return "py"
+
+
+@pytest.fixture(scope="module")
+def ctl(daemon: Daemon) -> Iterator[Controller]:
+    """An SDK client of the suite's daemon (a long timeout: 100 MiB transfers)."""
+    with Controller(daemon.url, token=daemon.token, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture
+def sb(ctl: Controller, api_template: str) -> Iterator[Sandbox]:
+    """A fresh child of the ``py`` template, killed after the test."""
+    with Sandbox(api_template, controller=ctl) as sandbox:
+        yield sandbox

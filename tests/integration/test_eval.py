@@ -13,8 +13,6 @@ import pytest
 from forkd.client import Controller, EvalResult, Sandbox
 from forkd.guest import image as images
 
-from .conftest import Daemon
-
 pytestmark = pytest.mark.integration
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,18 +30,6 @@ class Dot:
         return (b'\\x89PNG\\r\\n\\x1a\\n' + _chunk(b'IHDR', header) + _chunk(b'IDAT', pixels)
                 + _chunk(b'IEND', b''))
 """
-
-
-@pytest.fixture(scope="module")
-def ctl(daemon: Daemon) -> Iterator[Controller]:
-    with Controller(daemon.url, token=daemon.token) as c:
-        yield c
-
-
-@pytest.fixture
-def sb(ctl: Controller, api_template: str) -> Iterator[Sandbox]:
-    with Sandbox(api_template, controller=ctl) as sandbox:
-        yield sandbox
 
 
 def _interrupt_once_running(sb: Sandbox, marker: str, within_s: float = 60) -> float:

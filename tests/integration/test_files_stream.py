@@ -29,18 +29,6 @@ PIECE = 1 << 20
 
 
 @pytest.fixture(scope="module")
-def ctl(daemon: Daemon) -> Iterator[Controller]:
-    with Controller(daemon.url, token=daemon.token, timeout=300) as c:
-        yield c
-
-
-@pytest.fixture
-def sb(ctl: Controller, api_template: str) -> Iterator[Sandbox]:
-    with Sandbox(api_template, controller=ctl) as sandbox:
-        yield sandbox
-
-
-@pytest.fixture(scope="module")
 def big_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """100 MiB that do not compress: a repeated random MiB would, so each MiB differs."""
     path = tmp_path_factory.mktemp("big") / "big.bin"

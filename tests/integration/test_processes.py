@@ -8,7 +8,6 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -21,18 +20,6 @@ pytestmark = pytest.mark.integration
 
 # Prints "N HOSTNAME" every 0.2 s: the hostname says in which sandbox a line was written.
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i $(cat /proc/sys/kernel/hostname); sleep 0.2; done"
-
-
-@pytest.fixture(scope="module")
-def ctl(daemon: Daemon) -> Iterator[Controller]:
-    with Controller(daemon.url, token=daemon.token) as c:
-        yield c
-
-
-@pytest.fixture
-def sb(ctl: Controller, api_template: str) -> Iterator[Sandbox]:
-    with Sandbox(api_template, controller=ctl) as sandbox:
-        yield sandbox
 
 
 def _lines_until(handle: CommandHandle, done: int, timeout: float = 60) -> list[tuple[int, str]]:

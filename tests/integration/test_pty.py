@@ -7,7 +7,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Iterator
 
 import httpx
 import pexpect
@@ -21,18 +20,6 @@ from forkd.client.pty import PtyHandle
 from .conftest import Daemon
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def ctl(daemon: Daemon) -> Iterator[Controller]:
-    with Controller(daemon.url, token=daemon.token) as c:
-        yield c
-
-
-@pytest.fixture
-def sb(ctl: Controller, api_template: str) -> Iterator[Sandbox]:
-    with Sandbox(api_template, controller=ctl) as sandbox:
-        yield sandbox
 
 
 def _pty_url(daemon: Daemon, sandbox_id: str, pid: int) -> str:

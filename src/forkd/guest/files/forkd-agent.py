@@ -55,7 +55,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 # forkd_procs.py and forkd_files.py live beside the agent; the directory is on sys.path when the
 # agent runs as a script, not when a test loads this file as a module.
@@ -65,6 +65,8 @@ if _AGENT_DIR not in sys.path:
 import forkd_eval  # noqa: E402
 import forkd_files  # noqa: E402
 import forkd_procs  # noqa: E402
+
+T = TypeVar("T")
 
 AGENT_VERSION = "1"
 PORT_NAME = "agent"  # name of the virtio-serial port (QEMU: virtserialport,name=agent)
@@ -876,10 +878,19 @@ def _wait_writable(fd: int) -> None:
 
 def _read_chunk(fd: int) -> bytes:
     """One read; waits with poll() when the fd is non-blocking and empty."""
+    return _read_when_ready(lambda: os.read(fd, READ_CHUNK_BYTES), fd)
+
+
+def _read_into(fd: int, space: memoryview) -> int:
+    """One read into ``space``: how many bytes; waits as :func:`_read_chunk` does."""
+    return _read_when_ready(lambda: os.readv(fd, [space]), fd)
+
+
+def _read_when_ready(read: Callable[[], T], fd: int) -> T:
     poller: select.poll | None = None
     while True:
         try:
-            return os.read(fd, READ_CHUNK_BYTES)
+            return read()
         except BlockingIOError:
             if poller is None:
                 poller = select.poll()
@@ -899,7 +910,11 @@ class LineSplitter:
     """Split a byte stream into requests: ``(line, payload)``, where ``payload`` is
     the raw bytes a line's head announced (None when it announced none). Lines
     longer than MAX_LINE_BYTES are dropped, and so is a payload over
-    MAX_PAYLOAD_BYTES (its bytes are skipped, never read as lines)."""
+    MAX_PAYLOAD_BYTES (its bytes are skipped, never read as lines).
+
+    While a payload is awaited, :meth:`payload_space` is where the next read may
+    go straight (no slices, no per-read bytes objects: a virtio-serial read
+    returns one 4 KiB buffer, so a 1 MiB chunk is 256 reads)."""
 
     def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
         self._buf = bytearray()
@@ -907,9 +922,10 @@ class LineSplitter:
         self._discarding = False
         self._line: bytes | None = None  # a line whose payload is still coming
         self._payload = bytearray()
+        self._filled = 0  # of the payload
         self._payload_left = 0
 
-    def feed(self, chunk: bytes) -> Iterator[tuple[bytes, bytes | None]]:
+    def feed(self, chunk: bytes) -> Iterator[tuple[bytes, bytearray | None]]:
         if self._payload_left:
             chunk = yield from self._take_payload(chunk)
         scan_from = len(self._buf)
@@ -925,8 +941,7 @@ class LineSplitter:
             if announced is None:
                 yield line, None
                 continue
-            self._line = line if int(announced.group(1)) <= MAX_PAYLOAD_BYTES else None
-            self._payload_left = int(announced.group(1))
+            self._await_payload(line, int(announced.group(1)))
             rest = yield from self._take_payload(bytes(self._buf[start:]))
             self._buf[:] = rest
             start = scan_from = 0
@@ -936,21 +951,44 @@ class LineSplitter:
             self._buf.clear()
             self._discarding = True
 
-    def _take_payload(self, chunk: bytes) -> Iterator[tuple[bytes, bytes | None]]:
+    def payload_space(self) -> memoryview | None:
+        """Where the rest of an awaited payload goes; None when none is awaited."""
+        if not self._payload_left or self._line is None:
+            return None
+        return memoryview(self._payload)[self._filled :]
+
+    def payload_read(self, n: int) -> Iterator[tuple[bytes, bytearray | None]]:
+        """``n`` bytes were read into :meth:`payload_space`; the request, once whole."""
+        self._filled += n
+        self._payload_left -= n
+        if not self._payload_left:
+            yield from self._complete()
+
+    def _await_payload(self, line: bytes, size: int) -> None:
+        if size > MAX_PAYLOAD_BYTES:
+            log(f"dropping a request whose payload is over {MAX_PAYLOAD_BYTES} bytes")
+            self._line, self._payload = None, bytearray()
+        else:
+            self._line, self._payload = line, bytearray(size)
+        self._filled, self._payload_left = 0, size
+
+    def _take_payload(self, chunk: bytes) -> Iterator[tuple[bytes, bytearray | None]]:
         """Take the awaited payload's bytes from ``chunk``; yield the request when
         they are all here. Returns what of ``chunk`` follows them."""
         n = min(self._payload_left, len(chunk))
         if self._line is not None:
-            self._payload += chunk[:n]
+            self._payload[self._filled : self._filled + n] = memoryview(chunk)[:n]
+            self._filled += n
         self._payload_left -= n
-        if self._payload_left == 0:
-            line, self._line = self._line, None
-            payload, self._payload = bytes(self._payload), bytearray()
-            if line is None:
-                log(f"dropping a request whose payload is over {MAX_PAYLOAD_BYTES} bytes")
-            else:
-                yield line, payload
+        if not self._payload_left:
+            yield from self._complete()
         return chunk[n:]
+
+    def _complete(self) -> Iterator[tuple[bytes, bytearray | None]]:
+        line, self._line = self._line, None
+        payload, self._payload = self._payload, bytearray()
+        if line is not None:
+            yield line, payload
 
 
 class Connection:
@@ -974,7 +1012,7 @@ class Connection:
             except OSError as exc:
                 log(f"dropping the answer to {req_id}: {exc}")
 
-    def dispatch(self, line: bytes, payload: bytes | None = None) -> None:
+    def dispatch(self, line: bytes, payload: bytearray | None = None) -> None:
         parsed = parse_request(line)
         if parsed is None:
             return
@@ -1020,14 +1058,21 @@ def serve_stream(conn: Connection, read_fd: int) -> None:
     """Read requests from ``read_fd`` until EOF or a read error."""
     splitter = LineSplitter()
     while True:
+        space = splitter.payload_space()
         try:
-            chunk = _read_chunk(read_fd)
+            if space is not None:  # a payload: read straight into its buffer
+                n = _read_into(read_fd, space)
+                requests = splitter.payload_read(n)
+            else:
+                chunk = _read_chunk(read_fd)
+                n = len(chunk)
+                requests = splitter.feed(chunk)
         except OSError as exc:
             log(f"read failed: {exc}")
             return
-        if not chunk:
+        if not n:
             return
-        for line, payload in splitter.feed(chunk):
+        for line, payload in requests:
             conn.dispatch(line, payload)
 
 

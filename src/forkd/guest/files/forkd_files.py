@@ -105,7 +105,7 @@ def _chunk(req: dict[str, Any]) -> bytes:
             data = base64.b64decode(data, validate=True)
         except (binascii.Error, ValueError) as exc:
             raise ValueError(f"'data' is not valid base64: {exc}") from None
-    elif not isinstance(data, bytes):
+    elif not isinstance(data, bytes | bytearray):  # a payload: bytes no JSON line holds
         raise ValueError("'data' must be a base64 string")
     if len(data) > MAX_CHUNK_BYTES:
         raise ValueError(f"'data' is larger than {MAX_CHUNK_BYTES} bytes")
