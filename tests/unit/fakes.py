@@ -163,6 +163,10 @@ class FakeVM:
             raise VMError("cont failed")
         self.state = "running"
 
+    async def after_resume(self) -> None:
+        self._agent("restore")
+        self.events.append("after_resume")
+
     async def begin_snapshot(self, dest: Path) -> FakeWriter:
         self.events.append("begin")
         if dest.exists():
@@ -179,6 +183,8 @@ class FakeVM:
     def _agent(self, op: str) -> None:
         if not self.alive:
             raise AgentError("agent connection closed")
+        if self.state == "paused":  # its vCPUs are stopped: nothing answers
+            raise AgentError(f"agent did not answer {op!r} within 1 s (paused)")
         if self.fail == op:
             raise AgentError(f"agent did not answer {op!r} within 1 s")
 
@@ -371,7 +377,7 @@ class FakeDriver:
         await vm.finish_restore()
         return vm
 
-    async def adopt(self, run_dir: Path) -> FakeVM:
+    async def adopt(self, run_dir: Path, paused: bool = False) -> FakeVM:
         raise VMError(f"no QEMU runs for {run_dir} (fake driver)")
 
 

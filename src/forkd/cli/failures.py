@@ -32,10 +32,15 @@ def daemon_errors() -> Iterator[None]:
         raise fail(escape(exc.message), 2 if exc.status == 0 else 1) from None
 
 
-def remove_each(
-    names: list[str], remove: Callable[[str], None], done_verb: str, as_json: bool
+def act_on_each(
+    names: list[str],
+    act: Callable[[str], object],
+    done_verb: str,
+    as_json: bool,
+    json_key: str = "removed",
 ) -> None:
-    """``remove(name)`` for each name; report each, exit 1 if any failed.
+    """``act(name)`` for each name; report each (as JSON: ``{json_key: [...], "failed":
+    {name: error}}``), exit 1 if any failed.
 
     Stops at once with exit 2 when the daemon cannot be reached: the rest
     would fail the same way.
@@ -46,7 +51,7 @@ def remove_each(
     failed: dict[str, str] = {}
     for name in names:
         try:
-            remove(name)
+            act(name)
         except ControllerError as exc:
             if exc.status == 0:
                 raise fail(escape(exc.message), 2) from None
@@ -58,6 +63,6 @@ def remove_each(
         if not as_json:
             out.print(f"{done_verb} {escape(name)}")
     if as_json:
-        print_json({"removed": done, "failed": failed})
+        print_json({json_key: done, "failed": failed})
     if failed:
         raise typer.Exit(1)

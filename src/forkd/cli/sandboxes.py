@@ -1,4 +1,5 @@
-"""The commands on sandboxes: ``fork``, ``branch``, ``ps``, ``eval``, ``rm``, ``tree``."""
+"""The commands on sandboxes: ``fork``, ``branch``, ``ps``, ``eval``, ``rm``, ``pause``,
+``resume``, ``tree``."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from rich.tree import Tree
 
 from forkd.cli import render
 from forkd.cli.evals import eval_
-from forkd.cli.failures import daemon_errors, remove_each
+from forkd.cli.failures import act_on_each, daemon_errors
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out
 from forkd.cli.snapshots import TagOpt, show_tree
@@ -25,6 +26,8 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     """Add the sandbox commands to ``app``; ``transport`` is for tests."""
     daemon = functools.partial(with_connection, transport=transport)
     app.command("rm")(daemon(rm))
+    app.command("pause")(daemon(pause))
+    app.command("resume")(daemon(resume))
     app.command("fork")(daemon(fork))
     app.command("branch")(daemon(branch))
     app.command("tree")(daemon(tree))
@@ -37,7 +40,24 @@ def rm(
 ) -> None:
     """Kill sandboxes."""
     with daemon_errors(), conn.controller() as ctl:
-        remove_each(ids, ctl.kill_sandbox, "killed", conn.as_json)
+        act_on_each(ids, ctl.kill_sandbox, "killed", conn.as_json)
+
+
+def pause(
+    conn: Connection, ids: Annotated[list[str], typer.Argument(help="Sandbox ids to pause.")]
+) -> None:
+    """Pause sandboxes: their vCPUs stop, their memory stays (resume them with
+    'forkd resume'; 'forkd branch' takes a paused one as it is)."""
+    with daemon_errors(), conn.controller() as ctl:
+        act_on_each(ids, ctl.pause_sandbox, "paused", conn.as_json, json_key="paused")
+
+
+def resume(
+    conn: Connection, ids: Annotated[list[str], typer.Argument(help="Sandbox ids to resume.")]
+) -> None:
+    """Resume paused sandboxes (their clocks are set to the host's)."""
+    with daemon_errors(), conn.controller() as ctl:
+        act_on_each(ids, ctl.resume_sandbox, "resumed", conn.as_json, json_key="resumed")
 
 
 def fork(
@@ -71,7 +91,9 @@ def fork(
 
 def branch(
     conn: Connection,
-    from_sandbox: Annotated[str, typer.Option("--from-sandbox", help="Running sandbox to branch.")],
+    from_sandbox: Annotated[
+        str, typer.Option("--from-sandbox", help="Running or paused sandbox to branch.")
+    ],
     n: Annotated[
         int, typer.Option("-n", help="Sandboxes to fork from the branch.", min=0, max=1000)
     ] = 1,

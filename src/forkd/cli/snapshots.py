@@ -10,7 +10,7 @@ import typer
 from rich.markup import escape
 
 from forkd.cli import render
-from forkd.cli.failures import daemon_errors, remove_each
+from forkd.cli.failures import act_on_each, daemon_errors
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out
 
@@ -158,7 +158,7 @@ def rmi(
 ) -> None:
     """Delete snapshots (sandboxes forked from them keep running)."""
     with daemon_errors(), conn.controller() as ctl:
-        remove_each(tags, ctl.delete_snapshot, "deleted", conn.as_json)
+        act_on_each(tags, ctl.delete_snapshot, "deleted", conn.as_json)
 
 
 def show_tree(ctl: Controller, as_json: bool) -> None:

@@ -245,6 +245,14 @@ class Controller(ProcessRoutes, FileRoutes):
         """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
         self._request("DELETE", self._sb(sandbox_id))
 
+    def pause_sandbox(self, sandbox_id: str) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/pause``: stop its vCPUs, memory kept → SandboxInfo."""
+        return self._json("POST", f"{self._sb(sandbox_id)}/pause")
+
+    def resume_sandbox(self, sandbox_id: str) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/resume``: run it again, clock set → SandboxInfo."""
+        return self._json("POST", f"{self._sb(sandbox_id)}/resume")
+
     def branch_sandbox(
         self, sandbox_id: str, tag: str | None = None, mode: str | None = None
     ) -> JSONDict:

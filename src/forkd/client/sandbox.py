@@ -141,8 +141,20 @@ class Sandbox:
         """
         return bool(self._controller.interrupt_eval(self.id)["interrupted"])
 
+    def pause(self) -> JSONDict:
+        """Stop the sandbox's vCPUs, its memory kept: no CPU used, no command answered
+        until :meth:`resume`. It can still be branched (exactly as paused) or killed."""
+        self._info = self._controller.pause_sandbox(self.id)
+        return self._info
+
+    def resume(self) -> JSONDict:
+        """Run the paused sandbox again; its clock is set to the host's."""
+        self._info = self._controller.resume_sandbox(self.id)
+        return self._info
+
     def branch(self, tag: str | None = None, mode: str | None = None) -> Snapshot:
-        """Snapshot this running sandbox (it pauses briefly, then continues)."""
+        """Snapshot this sandbox (a running one pauses briefly, then continues; a paused
+        one is taken as it is and stays paused)."""
         from forkd.client.snapshot import Snapshot  # it forks Sandboxes in turn
 
         info = self._controller.branch_sandbox(self.id, tag=tag, mode=mode)

@@ -182,7 +182,7 @@ class SandboxInfo(BaseModel):
     created_at_unix: int
     pid: int | None
     memory_limit_mib: int | None
-    state: str = Field(description="'starting', 'running' or 'dead'")
+    state: str = Field(description="'starting', 'running', 'paused' or 'dead'")
     expires_at_unix: float | None
     fork_ms: float | None
 

@@ -170,6 +170,19 @@ async def eval_interrupt(svc: Svc, sandbox_id: str) -> EvalInterrupt:
     return await svc.sandboxes.eval_interrupt(sandbox_id)
 
 
+@sandboxes.post("/{sandbox_id}/pause", response_model=SandboxInfo)
+async def pause(svc: Svc, sandbox_id: str) -> SandboxInfo:
+    """Stop the sandbox's vCPUs, its memory kept: it uses no CPU, answers no guest
+    call (409) and can be branched as it is. 409 unless it is running."""
+    return await svc.pausing.pause(sandbox_id)
+
+
+@sandboxes.post("/{sandbox_id}/resume", response_model=SandboxInfo)
+async def resume(svc: Svc, sandbox_id: str) -> SandboxInfo:
+    """Run the paused sandbox again and set its clock. 409 unless it is paused."""
+    return await svc.pausing.resume(sandbox_id)
+
+
 @sandboxes.post("/{sandbox_id}/branch", status_code=201, **SNAPSHOT)
 async def branch(svc: Svc, sandbox_id: str, body: BranchRequest | None = None) -> SnapshotInfo:
     return await svc.branches.branch(sandbox_id, body or BranchRequest())

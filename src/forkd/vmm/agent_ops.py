@@ -42,6 +42,7 @@ def eval_wait_secs(timeout: float) -> float:
 class GuestOps:
     """Mixed into :class:`forkd.vmm.vm.VM`: the calls a sandbox's users make."""
 
+    id: str
     agent: AgentClient
     rt: RuntimePaths
     _raise_if_dead: Callable[[str], None]
@@ -204,6 +205,12 @@ class GuestOps:
                         f"the guest agent did not answer within {timeout:g} s ({exc}). "
                         f"Console: {tail(self.rt.console)}"
                     ) from exc
+
+    async def after_resume(self, timeout: float = PING_WAIT_SECS) -> None:
+        """After ``cont`` of a paused VM: once its agent answers, set the guest's clock,
+        which stood still while paused, and reseed its RNGs; the hostname stays."""
+        await self._wait_agent(timeout)
+        await self._make_unique(self.id, timeout)
 
     async def _make_unique(self, hostname: str, wait: float) -> dict[str, Any]:
         """After a restore: the wall-clock time, fresh entropy and a new hostname."""

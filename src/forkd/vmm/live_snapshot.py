@@ -69,7 +69,11 @@ async def snapshot_running(
     """Snapshot the running ``vm`` into ``dest``; see the module's failure table.
 
     ``labels`` are recorded in ``snapshot.json`` with the pause window (``pause_ms``).
+    A VM already paused (``state == "paused"``) is snapshotted as it is and left
+    paused: no pause of its own, ``pause_ms`` 0.
     """
+    if vm.state == "paused":
+        return await _snapshot_paused(vm, dest, labels)
     try:
         writer = await vm.begin_snapshot(dest)  # the VM still runs while this stages
     except ForkdError as exc:
@@ -137,3 +141,27 @@ async def snapshot_running(
             snapshot_kept=True,
         )
     return LiveSnapshot(dest, pause_ms, meta)
+
+
+async def _snapshot_paused(
+    vm: SnapshottableVM, dest: Path, labels: SnapshotLabels | None
+) -> LiveSnapshot:
+    """The paused ``vm``'s state exactly as it is; it stays paused whatever happens."""
+    try:
+        writer = await vm.begin_snapshot(dest)
+    except ForkdError as exc:
+        raise LiveSnapshotError(
+            f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
+        ) from exc
+    try:
+        await writer.capture()
+        meta = await writer.commit(dataclasses.replace(labels or SnapshotLabels(), pause_ms=0.0))
+    except BaseException as exc:  # cancellation too: never leave staging files
+        with contextlib.suppress(Exception):
+            await writer.abort()
+        if not isinstance(exc, ForkdError | OSError):
+            raise
+        raise LiveSnapshotError(
+            f"writing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
+        ) from exc
+    return LiveSnapshot(dest, 0.0, meta)

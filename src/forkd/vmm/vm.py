@@ -308,12 +308,12 @@ class VM(GuestOps):
         self._write_meta()
 
     @classmethod
-    async def adopt(cls, run_dir: Path, timeout: float = ADOPT_TIMEOUT_SECS) -> VM:
-        """Take over a VM that an earlier process started (detached) in ``run_dir``.
-
-        Raises :class:`VMError` when its QEMU is gone, is not the process the
-        metadata names, or its agent does not answer.
-        """
+    async def adopt(
+        cls, run_dir: Path, paused: bool = False, timeout: float = ADOPT_TIMEOUT_SECS
+    ) -> VM:
+        """Take over a VM an earlier process started (detached) in ``run_dir``, left
+        running or ``paused``; :class:`VMError` when its QEMU is gone, is not the one
+        the metadata names, or its agent does not answer (not asked when paused)."""
         rt = RuntimePaths(run_dir)
         rec = runtime_meta.read(rt)
         if not qemu_pid_matches(rec.pid, run_dir):
@@ -329,12 +329,12 @@ class VM(GuestOps):
         await vm._connect_qmp(timeout)
         status = await vm.qmp.execute("query-status")
         assert isinstance(status, dict)
-        if status.get("status") == "paused":
-            # A daemon that died mid-branch left it paused: let it run again.
-            await vm.qmp.execute("cont")
+        if (status.get("status") == "paused") != paused:  # a daemon died mid-branch or
+            await vm.qmp.execute("stop" if paused else "cont")  # mid-resume: as it was asked
         await vm.agent.connect(timeout)
-        await vm._wait_agent(timeout)
-        vm.state = "running"
+        if not paused:
+            await vm._wait_agent(timeout)
+        vm.state = "paused" if paused else "running"
         return vm
 
     async def _connect_qmp(self, timeout: float = CONNECT_TIMEOUT_SECS) -> None:

@@ -1,5 +1,5 @@
-"""The daemon's domain services: snapshots, branches, sandboxes, processes, files, volumes,
-lifecycle.
+"""The daemon's domain services: snapshots, branches, sandboxes, pausing, processes,
+files, volumes, lifecycle.
 
 Each takes and returns typed objects (:mod:`forkd.controller.models`) and
 raises only errors of :mod:`forkd.errors`; none knows about HTTP.
@@ -15,6 +15,7 @@ from forkd.controller.services.branches import BranchService
 from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
 from forkd.controller.services.lifecycle import Lifecycle
+from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.processes import ProcessService
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshots import SnapshotService
@@ -31,6 +32,7 @@ class Services:
     snapshots: SnapshotService
     branches: BranchService
     sandboxes: SandboxService
+    pausing: PauseService
     processes: ProcessService
     files: FileTransferService
     volumes: VolumeService
@@ -49,6 +51,7 @@ class Services:
             snapshots=snapshots,
             branches=BranchService(fleet, snapshots),
             sandboxes=sandboxes,
+            pausing=PauseService(fleet, sandboxes),
             processes=ProcessService(sandboxes),
             files=FileTransferService(sandboxes),
             volumes=volumes,

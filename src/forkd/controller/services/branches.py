@@ -35,7 +35,7 @@ class BranchService:
         if req.tag is not None:
             check_tag(req.tag)
         fleet = self.fleet
-        vm = fleet.live(sandbox_id)
+        vm = fleet.live(sandbox_id, paused_ok=True)  # a paused one is taken as it is
         row = fleet.sandbox_row(sandbox_id)
         cap = fleet.settings.branch_concurrency
         if self.in_flight >= cap:
@@ -65,7 +65,8 @@ class BranchService:
         except live_snapshot.LiveSnapshotError as exc:
             if exc.snapshot_kept:
                 self._register(tag, dest)
-            if not exc.source_alive or not await fleet.answers(vm):
+            paused = vm.state == "paused"  # its guest cannot answer: QEMU's life tells
+            if not exc.source_alive or not (vm.is_alive() if paused else await fleet.answers(vm)):
                 await fleet.mark_dead(row.id)
             raise VMError(f"branch of {row.id} failed: {exc}") from exc
         fleet.store.add_snapshot(

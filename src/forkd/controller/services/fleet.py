@@ -37,7 +37,7 @@ class VMDriver(Protocol):
     async def boot(self, image: Any, **kw: Any) -> Any: ...
     async def restore(self, snapshot_dir: Path, **kw: Any) -> Any: ...
     async def spawn_incoming(self, snapshot_dir: Path, **kw: Any) -> Any: ...
-    async def adopt(self, run_dir: Path) -> Any: ...
+    async def adopt(self, run_dir: Path, paused: bool = False) -> Any: ...
 
 
 PING_WAIT_SECS = 3.0
@@ -204,12 +204,15 @@ class Fleet:
 
     # ------------------------------------------------------------- VMs
 
-    def live(self, sandbox_id: str) -> Any:
-        """The running VM of ``sandbox_id``; :class:`Conflict` when it is not running."""
+    def live(self, sandbox_id: str, paused_ok: bool = False) -> Any:
+        """The running VM of ``sandbox_id``; :class:`Conflict` when it is not running
+        (or is paused, unless ``paused_ok``: its guest answers nothing while paused)."""
         row = self.sandbox_row(sandbox_id)
         vm = self.vms.get(sandbox_id)
         if vm is None or row.state == "dead":
             raise Conflict(f"sandbox {sandbox_id!r} is {row.state}, not running")
+        if row.state == "paused" and not paused_ok:
+            raise Conflict(f"sandbox {sandbox_id!r} is paused: resume it first")
         if not vm.is_alive():
             raise Conflict(f"sandbox {sandbox_id!r} is dead (its QEMU exited)")
         return vm

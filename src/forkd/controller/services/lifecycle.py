@@ -105,8 +105,9 @@ class Lifecycle:
             if row.state == "dead":
                 continue
             run_dir = Path(row.run_dir)
+            paused = row.state == "paused"  # adopted as the user left it
             try:
-                vm = await fleet.driver.adopt(run_dir)
+                vm = await fleet.driver.adopt(run_dir, paused=paused)
             except Exception as exc:  # one broken VM must not stop the daemon
                 log.info("sandbox %s is gone (%s): removing it", row.id, exc)
                 if row.pid and processes.qemu_pid_matches(row.pid, run_dir):
@@ -116,8 +117,10 @@ class Lifecycle:
                 fleet.store.delete_sandbox(row.id)
                 continue
             fleet.vms[row.id] = vm
-            fleet.store.update_sandbox(row.id, state="running", pid=vm.pid)
-            log.info("re-adopted sandbox %s (pid %s)", row.id, vm.pid)
+            fleet.store.update_sandbox(row.id, state="paused" if paused else "running", pid=vm.pid)
+            log.info(
+                "re-adopted sandbox %s (pid %s%s)", row.id, vm.pid, ", paused" if paused else ""
+            )
 
     def kill_strays(self) -> None:
         """QEMU processes and run directories of ours that no sandbox owns.

@@ -1,0 +1,129 @@
+"""Pause and resume on real VMs: no CPU while paused, a counter that carries on, the
+clock set again, a branch of the paused state, and a daemon restart in between."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.client import CommandHandle, Controller, ControllerError, Sandbox
+from forkd.guest import image as images
+
+from .conftest import Daemon
+
+pytestmark = pytest.mark.integration
+
+COUNTER = "i=0; while :; do i=$((i+1)); echo $i $(cat /proc/sys/kernel/hostname); sleep 0.2; done"
+
+
+def _lines(handle: CommandHandle, count: int, timeout: float = 60) -> list[tuple[int, str]]:
+    """The next ``count`` whole ``(N, hostname)`` lines of the counter."""
+    lines: list[tuple[int, str]] = []
+    partial = ""
+    deadline = time.monotonic() + timeout
+    for stdout, _stderr, _pty in handle:
+        partial += stdout or ""
+        *whole, partial = partial.split("\n")
+        lines += [(int(n), host) for n, host in (w.split(" ", 1) for w in whole)]
+        if len(lines) >= count:
+            return lines
+        assert time.monotonic() < deadline, f"the counter gave only {lines}"
+    raise AssertionError("the counter's output ended")
+
+
+def _cpu_ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime
+
+
+def test_pause_stops_the_cpu_and_resume_carries_on_with_the_clock_set(sb: Sandbox) -> None:
+    counter = sb.commands.run(COUNTER, background=True)
+    before = _lines(counter, 3)
+    sb.pause()
+    assert sb.refresh()["state"] == "paused"
+    with pytest.raises(ControllerError) as exc:
+        sb.commands.run("true")
+    assert exc.value.status == 409
+    pid = int(sb.info["pid"])
+    ticks = _cpu_ticks(pid)
+    time.sleep(3)
+    assert _cpu_ticks(pid) - ticks <= 10, "a paused sandbox used CPU"  # 0.1 s in 3 s at most
+    sb.resume()
+    guest_now = float(sb.commands.run("date +%s.%N").stdout)
+    assert abs(guest_now - time.time()) < 1.5  # it stood still 3 s: set again on resume
+    after = _lines(counter, 3)  # from where the handle left off before the pause
+    numbers = [n for n, _ in before + after]
+    assert numbers == list(range(1, len(numbers) + 1))  # none lost, none repeated
+    counter.kill()
+
+
+def _until_written_by(handle: CommandHandle, host: str, timeout: float = 60) -> tuple[int, int]:
+    """The bytes of the stream before its first line written in ``host``, and that
+    line's N."""
+    text = ""
+    deadline = time.monotonic() + timeout
+    for stdout, _stderr, _pty in handle:
+        text += stdout or ""
+        done = 0
+        for line in text.split("\n")[:-1]:
+            n, written_in = line.split(" ", 1)
+            if written_in == host:
+                return done, int(n)
+            done += len(line) + 1
+        assert time.monotonic() < deadline, f"no line of {host} in {text[-200:]!r}"
+    raise AssertionError("the counter's output ended")
+
+
+def test_a_branch_of_a_paused_sandbox_holds_exactly_the_paused_state(sb: Sandbox) -> None:
+    counter = sb.commands.run(COUNTER, background=True)
+    _lines(counter, 3)
+    sb.pause()
+    branch = sb.branch()
+    try:
+        assert branch.info["pause_ms"] == 0 and sb.refresh()["state"] == "paused"
+        kid = branch.fork(1)[0]
+        try:
+            # The child has what the parent wrote up to the pause, then its own lines.
+            frozen_bytes, kid_next = _until_written_by(kid.commands.connect(counter.pid), kid.id)
+            sb.resume()
+            # The parent goes on from that same point with that same value.
+            after = _lines(sb.commands.connect(counter.pid, offset=frozen_bytes), 1)
+            assert after[0] == (kid_next, sb.id), (after[0], kid_next)
+        finally:
+            kid.kill()
+    finally:
+        branch.delete()
+        counter.kill()
+
+
+@pytest.fixture
+def own_daemon(image: images.Image) -> Iterator[Daemon]:
+    root = Path(tempfile.mkdtemp(prefix="forkd-p-", dir="/tmp"))
+    d = Daemon(root)
+    d.start("--pool-size", "0")
+    yield d
+    d.stop()
+    d.kill_leftovers()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_paused_sandbox_stays_paused_across_a_daemon_restart(own_daemon: Daemon) -> None:
+    d = own_daemon
+    with Controller(d.url, token=d.token, timeout=300) as ctl:
+        ctl.create_snapshot("pz", memory_mib=256, warmup="x = 5")
+        sid = ctl.spawn_sandboxes("pz")[0]["id"]
+        ctl.eval_code(sid, "x += 1")
+        pid = ctl.pause_sandbox(sid)["pid"]
+    d.stop(signal.SIGTERM)
+    assert d.qemu_pids() == [pid]  # left for the next daemon, still paused
+    d.start("--pool-size", "0")
+    with Controller(d.url, token=d.token, timeout=300) as ctl:
+        assert ctl.get_sandbox(sid)["state"] == "paused"
+        assert ctl.resume_sandbox(sid)["state"] == "running"
+        assert ctl.eval_code(sid, "x")["result"] == "6"

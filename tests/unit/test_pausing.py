@@ -1,0 +1,143 @@
+"""Pause and resume over the real app with a fake VM driver: states, refusals, a
+branch of a paused sandbox, the SDK and the CLI, and adoption after a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forkd.client import Controller, ControllerError, Sandbox
+from forkd.controller.metrics import Metrics
+from forkd.controller.services import Services
+from forkd.controller.settings import Settings
+from forkd.controller.store import SandboxRow, Store
+from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.fakes import FakeDriver, FakeVM
+from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
+
+
+@pytest.fixture
+def ctl(server: Server, sent: RecordingTransport) -> Iterator[Controller]:
+    with Controller(server.url, token=server.token, transport=sent) as c:
+        yield c
+
+
+@pytest.fixture
+def vm(server: Server, sid: str) -> FakeVM:
+    return server.driver.vms[-1]
+
+
+def _status(call: Any, *args: Any) -> int:
+    with pytest.raises(ControllerError) as exc:
+        call(*args)
+    return exc.value.status
+
+
+def test_a_paused_sandbox_answers_nothing_until_resumed(
+    ctl: Controller, sid: str, vm: FakeVM
+) -> None:
+    assert ctl.pause_sandbox(sid)["state"] == "paused"
+    assert vm.state == "paused" and ctl.get_sandbox(sid)["state"] == "paused"
+    with pytest.raises(ControllerError) as exc:
+        ctl.exec_command(sid, ["echo", "hi"])
+    assert exc.value.status == 409 and "paused" in exc.value.message
+    assert _status(ctl.pause_sandbox, sid) == 409  # already paused: nothing changes
+    assert vm.events.count("pause") == 1
+
+    assert ctl.resume_sandbox(sid)["state"] == "running"
+    assert vm.events[-2:] == ["resume", "after_resume"]  # the clock is set once it runs
+    assert ctl.exec_command(sid, ["echo", "hi"])["stdout"] == "hi\n"
+    assert _status(ctl.resume_sandbox, sid) == 409  # not paused
+    assert vm.events.count("resume") == 1
+
+
+def test_unknown_dead_and_failing_sandboxes(ctl: Controller, sid: str, vm: FakeVM) -> None:
+    assert _status(ctl.pause_sandbox, "sb-nope-0001") == 404
+    assert _status(ctl.resume_sandbox, "sb-nope-0001") == 404
+    vm.fail = "pause"
+    assert _status(ctl.pause_sandbox, sid) == 500  # QEMU refused; the VM still runs
+    assert ctl.get_sandbox(sid)["state"] == "running"
+    vm.fail = None
+    ctl.pause_sandbox(sid)
+    vm.fail = "resume"  # cont fails and QEMU is gone
+    assert _status(ctl.resume_sandbox, sid) == 409
+    assert ctl.get_sandbox(sid)["state"] == "dead"
+    assert _status(ctl.pause_sandbox, sid) == 409
+
+
+def test_a_branch_of_a_paused_sandbox_takes_it_as_it_is(
+    ctl: Controller, sid: str, vm: FakeVM
+) -> None:
+    ctl.pause_sandbox(sid)
+    before = len(vm.events)
+    info = ctl.branch_sandbox(sid, tag="held")
+    assert info["pause_ms"] == 0 and info["branched_from"] == sid
+    assert "pause" not in vm.events[before:] and "resume" not in vm.events[before:]
+    assert vm.state == "paused" and ctl.get_sandbox(sid)["state"] == "paused"
+    kid = ctl.spawn_sandboxes("held")[0]
+    assert kid["state"] == "running"  # a child of the branch runs at once
+    assert ctl.resume_sandbox(sid)["state"] == "running"
+
+
+def test_a_paused_sandbox_can_be_killed(ctl: Controller, sid: str, vm: FakeVM) -> None:
+    ctl.pause_sandbox(sid)
+    ctl.kill_sandbox(sid)
+    assert not vm.alive and _status(ctl.get_sandbox, sid) == 404
+
+
+def test_sdk_pause_and_resume(ctl: Controller, sid: str, sent: RecordingTransport) -> None:
+    sb = Sandbox.connect(sid, controller=ctl)
+    assert sb.pause()["state"] == "paused" and sb.info["state"] == "paused"
+    assert sent.last.url.path == f"/v1/sandboxes/{sid}/pause"
+    assert sb.resume()["state"] == "running"
+    assert sent.last.url.path == f"/v1/sandboxes/{sid}/resume"
+
+
+def test_cli_pause_and_resume(forkd: Invoke, ctl: Controller, sid: str) -> None:  # noqa: F811
+    r = forkd("pause", sid, "sb-nope-0001")
+    assert r.exit_code == 1 and f"paused {sid}" in r.stdout
+    assert ctl.get_sandbox(sid)["state"] == "paused"
+    r = forkd("resume", sid, "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout) == {"resumed": [sid], "failed": {}}
+    assert ctl.get_sandbox(sid)["state"] == "running"
+
+
+class AdoptingDriver(FakeDriver):
+    """Adopts whatever is asked, recording whether it was asked to keep it paused."""
+
+    def __init__(self, machine: Any) -> None:
+        super().__init__()
+        self.machine = machine
+        self.asked: dict[str, bool] = {}
+
+    async def adopt(self, run_dir: Path, paused: bool = False) -> FakeVM:
+        from tests.unit.fakes import Guest
+
+        self.asked[run_dir.name] = paused
+        vm = FakeVM(run_dir.name, self.machine, run_dir.parent, Guest())
+        vm.state = "paused" if paused else "running"
+        return vm
+
+
+def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -> None:
+    from forkd.vmm.qemu_argv import MachineConfig
+
+    settings.run_dir.mkdir(parents=True)
+    store = Store(settings.state_dir / "forkd.db")
+    for sid, state in (("sb-t-0001", "paused"), ("sb-t-0002", "running")):
+        store.add_sandbox(SandboxRow(sid, "base", str(settings.run_dir / sid), 1, 1,
+                                     None, None, state))  # fmt: skip
+    machine = MachineConfig(1, 128, "tcg", Path("k"), Path("i"), Path("r"))
+    driver = AdoptingDriver(machine)
+    services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0), driver)
+    asyncio.run(services.lifecycle.adopt_sandboxes())
+    assert driver.asked == {"sb-t-0001": True, "sb-t-0002": False}
+    assert [store.get_sandbox(s).state for s in ("sb-t-0001", "sb-t-0002")] == [  # type: ignore[union-attr]
+        "paused", "running"]  # fmt: skip
+    assert services.fleet.vms["sb-t-0001"].state == "paused"
