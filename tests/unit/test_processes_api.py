@@ -252,6 +252,30 @@ def test_a_sandbox_dying_mid_stream_ends_it_with_a_409_event(
     assert rest[-1].event == "error" and error["status"] == 409 and "dead" in error["error"]
 
 
+def test_a_followed_stream_waits_out_a_pause_and_goes_on(
+    server: Server, http: httpx.Client, sid: str
+) -> None:
+    info = start(http, sid, ["count", "8", "0.1"])
+    url = f"/v1/sandboxes/{sid}/processes/{info['pid']}/output"
+
+    def resume_later() -> None:
+        time.sleep(1.0)
+        with httpx.Client(base_url=server.url, headers=http.headers) as other:
+            assert other.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
+
+    with connect_sse(http, "GET", url) as source:
+        sse = source.iter_sse()
+        first = next(sse)
+        assert http.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+        resumer = threading.Thread(target=resume_later)
+        resumer.start()
+        rest = list(sse)
+        resumer.join()
+    assert rest[-1].event == "exit", rest[-1]
+    assert "error" not in [e.event for e in rest]
+    assert text_of([first, *rest]) == "".join(f"{i}\n" for i in range(1, 9))  # none lost
+
+
 # -- stdin and signals ----------------------------------------------------------------
 
 

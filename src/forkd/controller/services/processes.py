@@ -43,6 +43,7 @@ BULK_BYTES = 64 << 10
 BULK_LINGER_SECS = 0.02
 FOLLOW_WAIT_SECS = 15.0  # one proc_read waits this long for output; then a keep-alive
 QUICK_EMPTY_SECS = 0.05  # an empty answer sooner than this is paced: the agent should wait
+PAUSED_POLL_SECS = 0.25  # a followed stream of a paused sandbox checks this often for resume
 
 # Starting: a missing program or working directory is the request's fault.
 _START_REFUSALS = {"FileNotFoundError": Invalid, "NotADirectoryError": Invalid}
@@ -124,7 +125,9 @@ class ProcessService:
         asked for, so the guest encodes while the client reads; once an answer
         comes back full the reader is behind, and the next asks for more.
         A failure raises after the events read before it: the framing ends
-        the stream with it (see :mod:`forkd.controller.sse`).
+        the stream with it (see :mod:`forkd.controller.sse`). A followed
+        stream of a sandbox that is paused waits, with keep-alives, until it
+        is resumed, then goes on where it was.
         """
         events = OutputEvents()
         wait = FOLLOW_WAIT_SECS if until is None else 0.0
@@ -136,6 +139,11 @@ class ProcessService:
                 try:
                     answer = await pending.task
                 except ForkdError:
+                    if until is None and self._paused(sandbox_id):
+                        async for event in self._while_paused(sandbox_id):
+                            yield event
+                        pending = self._ask(sandbox_id, pid, offset, wait, want, linger)
+                        continue
                     for event in events.flush():  # what was read before the failure
                         yield event
                     raise
@@ -164,6 +172,19 @@ class ProcessService:
         finally:
             if pending is not None:
                 pending.drop()
+
+    def _paused(self, sandbox_id: str) -> bool:
+        row = self.sandboxes.fleet.store.get_sandbox(sandbox_id)
+        return row is not None and row.state == "paused"
+
+    async def _while_paused(self, sandbox_id: str) -> AsyncIterator[OutputEvent]:
+        """Until the sandbox is no longer paused: a keep-alive now and then."""
+        quiet_since = time.monotonic()
+        while self._paused(sandbox_id):
+            await asyncio.sleep(PAUSED_POLL_SECS)
+            if time.monotonic() - quiet_since >= FOLLOW_WAIT_SECS:
+                yield OutputEvent("keepalive")
+                quiet_since = time.monotonic()
 
     def _ask(
         self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
