@@ -40,6 +40,10 @@ MAX_SANDBOX_TIMEOUT_SECS = 30 * 86400.0
 MAX_FORK_N = 1000
 MAX_SETUP_COMMANDS = 100
 MAX_VOLUMES_PER_VM = 8
+# Labels (``metadata``) on snapshots and sandboxes, filtered on by the list routes.
+MAX_METADATA_PAIRS = 64
+METADATA_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
+MAX_METADATA_VALUE_CHARS = 256
 MIN_MEMORY_LIMIT_MIB = 64
 
 # Admission (forkd serve --max-sandboxes, --max-guest-memory): over a cap is a 429.

@@ -14,6 +14,7 @@ from rich.tree import Tree
 from forkd.cli import render
 from forkd.cli.evals import eval_
 from forkd.cli.failures import act_on_each, daemon_errors
+from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out
 from forkd.cli.snapshots import TagOpt, show_tree
@@ -74,14 +75,17 @@ def fork(
     internet: Annotated[
         bool | None, typer.Option("--internet/--no-internet", help="Network access.")
     ] = None,
+    label: LabelOpt = None,
 ) -> None:
-    """Fork N sandboxes from a snapshot."""
+    """Fork N sandboxes from a snapshot (they inherit its labels; --label adds or overrides)."""
+    labels = parse_labels(label)
     t0 = time.monotonic()
     status = f"forking {n} sandbox{'es' if n != 1 else ''} from {escape(tag)}"
     with daemon_errors(), conn.controller() as ctl, err.status(status):
         sandboxes = ctl.spawn_sandboxes(
-            tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet
-        )
+            tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
+            metadata=labels,
+        )  # fmt: skip
     if conn.as_json:
         render.print_json(sandboxes)
         return
@@ -98,11 +102,13 @@ def branch(
         int, typer.Option("-n", help="Sandboxes to fork from the branch.", min=0, max=1000)
     ] = 1,
     tag: TagOpt = None,
+    label: LabelOpt = None,
 ) -> None:
     """Branch a running sandbox, then fork N sandboxes from the branch."""
+    labels = parse_labels(label)
     with daemon_errors(), conn.controller() as ctl:
         with err.status(f"branching {escape(from_sandbox)}"):
-            info = ctl.branch_sandbox(from_sandbox, tag=tag)
+            info = ctl.branch_sandbox(from_sandbox, tag=tag, metadata=labels)
         kids: list[dict[str, Any]] = []
         if n > 0:
             with err.status(f"forking {n} from {escape(str(info['tag']))}"):
@@ -123,10 +129,20 @@ def tree(conn: Connection) -> None:
         show_tree(ctl, conn.as_json)
 
 
-def ps(conn: Connection) -> None:
+def ps(
+    conn: Connection,
+    filter_: FilterOpt = None,
+    state: Annotated[
+        str | None, typer.Option("--state", help="starting, running, paused or dead.")
+    ] = None,
+    snapshot: Annotated[
+        str | None, typer.Option("--snapshot", help="Only those forked from this snapshot.")
+    ] = None,
+) -> None:
     """List sandboxes."""
+    labels = parse_labels(filter_, "--filter")
     with daemon_errors(), conn.controller() as ctl:
-        sandboxes = ctl.list_sandboxes()
+        sandboxes = ctl.list_sandboxes(state=state, snapshot=snapshot, metadata=labels)
     if conn.as_json:
         render.print_json(sandboxes)
         return

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from forkd.cli import render
 from forkd.cli.failures import act_on_each, daemon_errors
+from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out
 
@@ -93,9 +94,11 @@ def snapshot_create(
         list[str] | None,
         typer.Option("--volume", help="Attach NAME:/mnt/path[:ro] (repeatable)."),
     ] = None,
+    label: LabelOpt = None,
 ) -> None:
     """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
     volumes = [parse_volume(v) for v in volume or []]
+    labels = parse_labels(label)
     t0 = time.monotonic()
     status = f"building snapshot {escape(tag)}: boot, setup, warm-up, snapshot"
     with daemon_errors(), conn.controller() as ctl, err.status(status):
@@ -103,6 +106,7 @@ def snapshot_create(
             tag, image=image, memory_mib=memory, vcpus=vcpus,
             setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs,
             **({"volumes": volumes} if volumes else {}),
+            **({"metadata": labels} if labels else {}),
         )  # fmt: skip
     if conn.as_json:
         render.print_json(info)
@@ -116,13 +120,15 @@ def snapshot_ls(
     tree: Annotated[
         bool, typer.Option("--tree", help="Draw the lineage with live sandboxes.")
     ] = False,
+    filter_: FilterOpt = None,
 ) -> None:
     """List snapshots (templates and branches)."""
+    labels = parse_labels(filter_, "--filter")
     with daemon_errors(), conn.controller() as ctl:
         if tree:
             show_tree(ctl, conn.as_json)
             return
-        snapshots = ctl.list_snapshots()
+        snapshots = ctl.list_snapshots(metadata=labels)
     if conn.as_json:
         render.print_json(snapshots)
         return

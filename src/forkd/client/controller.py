@@ -130,9 +130,10 @@ class Controller(ProcessRoutes, FileRoutes):
 
     # -- snapshots ----------------------------------------------------------
 
-    def list_snapshots(self) -> list[JSONDict]:
-        """``GET /v1/snapshots`` → list of SnapshotInfo."""
-        return self._json("GET", "/v1/snapshots")
+    def list_snapshots(self, metadata: dict[str, str] | None = None) -> list[JSONDict]:
+        """``GET /v1/snapshots`` → list of SnapshotInfo, those labelled with every pair
+        of ``metadata`` only."""
+        return self._json("GET", "/v1/snapshots", params=_label_filters(metadata))
 
     def snapshot_info(self, tag: str) -> JSONDict:
         """``GET /v1/snapshots/{tag}/info``: SnapshotInfo plus sizes and lineage
@@ -215,10 +216,12 @@ class Controller(ProcessRoutes, FileRoutes):
         timeout_secs: float | None = None,
         internet: bool | None = None,
         per_child_netns: bool | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> list[JSONDict]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
         nothing) → list of SandboxInfo. ``timeout_secs`` is the sandbox's
-        lifetime on the daemon, not an HTTP timeout."""
+        lifetime on the daemon, not an HTTP timeout; ``metadata`` labels them
+        (over the snapshot's labels, which they inherit)."""
         body = _drop_none(
             {
                 "snapshot_tag": snapshot_tag,
@@ -227,15 +230,23 @@ class Controller(ProcessRoutes, FileRoutes):
                 "timeout_secs": timeout_secs,
                 "internet": internet,
                 "per_child_netns": per_child_netns,
+                "metadata": metadata,
             }
         )
         return self._json(
             "POST", "/v1/sandboxes", json_body=body, timeout=self.timeout + 2.0 * max(n, 0)
         )
 
-    def list_sandboxes(self) -> list[JSONDict]:
-        """``GET /v1/sandboxes`` → list of SandboxInfo."""
-        return self._json("GET", "/v1/sandboxes")
+    def list_sandboxes(
+        self,
+        state: str | None = None,
+        snapshot: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> list[JSONDict]:
+        """``GET /v1/sandboxes`` → list of SandboxInfo: those in ``state``, forked from
+        ``snapshot`` and labelled with every pair of ``metadata``, when given."""
+        params = {**_drop_none({"state": state, "snapshot": snapshot}), **_label_filters(metadata)}
+        return self._json("GET", "/v1/sandboxes", params=params)
 
     def get_sandbox(self, sandbox_id: str) -> JSONDict:
         """``GET /v1/sandboxes/{id}`` → SandboxInfo."""
@@ -254,11 +265,16 @@ class Controller(ProcessRoutes, FileRoutes):
         return self._json("POST", f"{self._sb(sandbox_id)}/resume")
 
     def branch_sandbox(
-        self, sandbox_id: str, tag: str | None = None, mode: str | None = None
+        self,
+        sandbox_id: str,
+        tag: str | None = None,
+        mode: str | None = None,
+        metadata: dict[str, str] | None = None,
     ) -> JSONDict:
         """``POST /v1/sandboxes/{id}/branch``: pause, snapshot, resume →
-        SnapshotInfo with ``branched_from`` and ``pause_ms``."""
-        body = _drop_none({"tag": tag, "mode": mode})
+        SnapshotInfo with ``branched_from`` and ``pause_ms``; ``metadata`` labels
+        the branch (over the sandbox's labels)."""
+        body = _drop_none({"tag": tag, "mode": mode, "metadata": metadata})
         return self._json("POST", f"{self._sb(sandbox_id)}/branch", json_body=body)
 
     def exec_command(
@@ -366,3 +382,8 @@ def _tar_directory(path: Path) -> bytes:
         for child in sorted(path.iterdir()):
             tar.add(child, arcname=child.name)
     return buf.getvalue()
+
+
+def _label_filters(metadata: dict[str, str] | None) -> dict[str, str]:
+    """``metadata`` as the list routes' query parameters: ``metadata.KEY=VALUE``."""
+    return {f"metadata.{key}": value for key, value in (metadata or {}).items()}

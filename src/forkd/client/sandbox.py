@@ -83,6 +83,32 @@ class Sandbox:
         return cls(tag, **kwargs)
 
     @classmethod
+    def list(
+        cls,
+        *,
+        state: str | None = None,
+        snapshot: str | None = None,
+        metadata: dict[str, str] | None = None,
+        controller: Controller | None = None,
+    ) -> list[Sandbox]:
+        """The daemon's sandboxes (attached, not owned: leaving them kills none), those
+        in ``state``, of ``snapshot`` and labelled with every pair of ``metadata``.
+
+        Example::
+
+            for sb in Sandbox.list(metadata={"run": "42"}, state="running"):
+                sb.kill()
+        """
+        ctl = controller if controller is not None else Controller()
+        infos = ctl.list_sandboxes(state=state, snapshot=snapshot, metadata=metadata)
+        return [cls._wrap(ctl, info) for info in infos]
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        """The sandbox's labels (its snapshot's, with those given at the fork over them)."""
+        return dict(self._info.get("metadata") or {})
+
+    @classmethod
     def connect(cls, sandbox_id: str, *, controller: Controller | None = None) -> Sandbox:
         """Attach to a running sandbox (same as ``Sandbox(sandbox_id=...)``).
 
@@ -152,12 +178,17 @@ class Sandbox:
         self._info = self._controller.resume_sandbox(self.id)
         return self._info
 
-    def branch(self, tag: str | None = None, mode: str | None = None) -> Snapshot:
+    def branch(
+        self,
+        tag: str | None = None,
+        mode: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> Snapshot:
         """Snapshot this sandbox (a running one pauses briefly, then continues; a paused
         one is taken as it is and stays paused)."""
         from forkd.client.snapshot import Snapshot  # it forks Sandboxes in turn
 
-        info = self._controller.branch_sandbox(self.id, tag=tag, mode=mode)
+        info = self._controller.branch_sandbox(self.id, tag=tag, mode=mode, metadata=metadata)
         return Snapshot(info["tag"], controller=self._controller, info=info)
 
     def kill(self) -> None:

@@ -12,11 +12,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from forkd import limits
 
 TAG = Field(pattern=limits.NAME_PATTERN, description=f"a name: {limits.NAME_RULE}")
+
+MetadataKey = Annotated[str, StringConstraints(pattern=limits.METADATA_KEY_PATTERN)]
+MetadataValue = Annotated[str, StringConstraints(max_length=limits.MAX_METADATA_VALUE_CHARS)]
+Metadata = Annotated[
+    dict[MetadataKey, MetadataValue],
+    Field(
+        max_length=limits.MAX_METADATA_PAIRS,
+        description="labels: up to 64 pairs; keys letters, digits and _.- (63 at most), "
+        "values up to 256 characters. The list routes filter on them (metadata.KEY=VALUE)",
+    ),
+]
 
 
 class _Body(BaseModel):
@@ -54,6 +65,7 @@ class SnapshotCreate(_Body):
     boot_wait_secs: float = Field(limits.BOOT_TIMEOUT_SECS, gt=0, le=limits.MAX_BOOT_TIMEOUT_SECS)
     volumes: list[VolumeAttach] = Field(default_factory=list, max_length=limits.MAX_VOLUMES_PER_VM)
     egress: Egress | None = Field(None, description="the template's and its forks' default")
+    metadata: Metadata = Field(default_factory=dict)
 
 
 class SandboxCreate(_Body):
@@ -70,6 +82,7 @@ class SandboxCreate(_Body):
     timeout_secs: float | None = Field(None, gt=0, le=limits.MAX_SANDBOX_TIMEOUT_SECS)
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
+    metadata: Metadata | None = Field(None, description="merged over the snapshot's labels")
 
 
 class ExecRequest(_Body):
@@ -93,6 +106,7 @@ class EvalRequest(_Body):
 class BranchRequest(_Body):
     tag: str | None = Field(None, pattern=limits.NAME_PATTERN)
     mode: str | None = None
+    metadata: Metadata | None = Field(None, description="merged over the source's labels")
 
 
 class PtySize(_Body):
@@ -163,6 +177,7 @@ class SnapshotInfo(BaseModel):
     memory_mib: int
     image: str | None
     parent_tag: str | None
+    metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
     # Detail: GET /v1/snapshots/{tag}/info only.
     memory_logical_bytes: int | None = None
     memory_physical_bytes: int | None = None
@@ -185,6 +200,7 @@ class SandboxInfo(BaseModel):
     state: str = Field(description="'starting', 'running', 'paused' or 'dead'")
     expires_at_unix: float | None
     fork_ms: float | None
+    metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
 
 
 class PingResult(BaseModel):

@@ -110,9 +110,23 @@ async def create_snapshot(svc: Svc, body: SnapshotCreate) -> SnapshotInfo:
     return await svc.snapshots.create(body)
 
 
-@snapshots.get("", response_model=list[SnapshotInfo], response_model_exclude_unset=True)
-async def list_snapshots(svc: Svc) -> list[SnapshotInfo]:
-    return svc.snapshots.list()
+# The list routes filter on labels with any number of ``metadata.KEY=VALUE`` parameters.
+LABEL_FILTERS = {"description": "any number of metadata.KEY=VALUE parameters filter on labels"}
+
+
+def _metadata_filter(request: Request) -> dict[str, str]:
+    prefix = "metadata."
+    return {k[len(prefix) :]: v for k, v in request.query_params.items() if k.startswith(prefix)}
+
+
+@snapshots.get(
+    "",
+    response_model=list[SnapshotInfo],
+    response_model_exclude_unset=True,
+    openapi_extra=LABEL_FILTERS,
+)
+async def list_snapshots(svc: Svc, request: Request) -> list[SnapshotInfo]:
+    return svc.snapshots.list(metadata=_metadata_filter(request))
 
 
 @snapshots.get("/{tag}/info", **SNAPSHOT)
@@ -134,9 +148,16 @@ async def create_sandboxes(svc: Svc, body: SandboxCreate) -> list[SandboxInfo]:
     return await svc.sandboxes.create(body)
 
 
-@sandboxes.get("", response_model=list[SandboxInfo])
-async def list_sandboxes(svc: Svc) -> list[SandboxInfo]:
-    return svc.sandboxes.list()
+@sandboxes.get("", response_model=list[SandboxInfo], openapi_extra=LABEL_FILTERS)
+async def list_sandboxes(
+    svc: Svc,
+    request: Request,
+    state: Annotated[
+        str | None, Query(description="starting, running, paused or dead; another is a 400")
+    ] = None,
+    snapshot: Annotated[str | None, Query(description="forked from this snapshot")] = None,
+) -> list[SandboxInfo]:
+    return svc.sandboxes.list(state, snapshot, _metadata_filter(request))
 
 
 @sandboxes.get("/{sandbox_id}", response_model=SandboxInfo)

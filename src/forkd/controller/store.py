@@ -8,12 +8,13 @@ two back in line after a crash.
 from __future__ import annotations
 
 import contextlib
+import json
 import secrets
 import sqlite3
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,8 @@ CREATE TABLE IF NOT EXISTS snapshots (
     parent_tag      TEXT,
     image           TEXT,
     memory_mib      INTEGER NOT NULL,
-    status          TEXT NOT NULL DEFAULT 'ready'
+    status          TEXT NOT NULL DEFAULT 'ready',
+    metadata        TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS sandboxes (
     id               TEXT PRIMARY KEY,
@@ -42,7 +44,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     memory_limit_mib INTEGER,
     expires_at_unix  REAL,
     state            TEXT NOT NULL,
-    fork_ms          REAL
+    fork_ms          REAL,
+    metadata         TEXT NOT NULL DEFAULT '{}'
 );
 CREATE TABLE IF NOT EXISTS branch_seq (
     source_id TEXT PRIMARY KEY,
@@ -62,6 +65,7 @@ class SnapshotRow:
     image: str | None
     memory_mib: int
     status: str
+    metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
 
 
 @dataclass
@@ -75,6 +79,7 @@ class SandboxRow:
     expires_at_unix: float | None
     state: str
     fork_ms: float | None = None
+    metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
 
 
 class Store:
@@ -93,9 +98,16 @@ class Store:
         self.id_prefix = self._meta_default("id_prefix", secrets.token_hex(3))
 
     def _migrate(self) -> None:
-        cols = {r[1] for r in self._db.execute("PRAGMA table_info(sandboxes)")}
-        if "fork_ms" not in cols:  # added after the first release of the schema
-            self._db.execute("ALTER TABLE sandboxes ADD COLUMN fork_ms REAL")
+        """Columns added after the first release of the schema."""
+        added = {
+            "sandboxes": {"fork_ms": "REAL", "metadata": "TEXT NOT NULL DEFAULT '{}'"},
+            "snapshots": {"metadata": "TEXT NOT NULL DEFAULT '{}'"},
+        }
+        for table, columns in added.items():
+            have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         with self._lock:
@@ -152,20 +164,21 @@ class Store:
         """Register a snapshot; raises sqlite3.IntegrityError if the tag exists."""
         self._tx(
             "INSERT INTO snapshots(tag, dir, created_at_unix, branched_from, pause_ms, "
-            "parent_tag, image, memory_mib, status) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "parent_tag, image, memory_mib, status, metadata) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.tag, row.dir, row.created_at_unix, row.branched_from, row.pause_ms,
-                row.parent_tag, row.image, row.memory_mib, row.status,
+                row.parent_tag, row.image, row.memory_mib, row.status, json.dumps(row.metadata),
             ),
         )  # fmt: skip
 
     def get_snapshot(self, tag: str) -> SnapshotRow | None:
         rows = self._query("SELECT * FROM snapshots WHERE tag = ?", (tag,))
-        return SnapshotRow(**dict(rows[0])) if rows else None
+        return SnapshotRow(**_fields(rows[0])) if rows else None
 
     def list_snapshots(self) -> list[SnapshotRow]:
         rows = self._query("SELECT * FROM snapshots ORDER BY created_at_unix, tag")
-        return [SnapshotRow(**dict(r)) for r in rows]
+        return [SnapshotRow(**_fields(r)) for r in rows]
 
     def delete_snapshot(self, tag: str) -> bool:
         return self._tx("DELETE FROM snapshots WHERE tag = ?", (tag,)).rowcount > 0
@@ -175,10 +188,11 @@ class Store:
     def add_sandbox(self, row: SandboxRow) -> None:
         self._tx(
             "INSERT INTO sandboxes(id, snapshot_tag, run_dir, pid, created_at_unix, "
-            "memory_limit_mib, expires_at_unix, state) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            "memory_limit_mib, expires_at_unix, state, metadata) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.id, row.snapshot_tag, row.run_dir, row.pid, row.created_at_unix,
-                row.memory_limit_mib, row.expires_at_unix, row.state,
+                row.memory_limit_mib, row.expires_at_unix, row.state, json.dumps(row.metadata),
             ),
         )  # fmt: skip
 
@@ -190,11 +204,11 @@ class Store:
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
         rows = self._query("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))
-        return SandboxRow(**dict(rows[0])) if rows else None
+        return SandboxRow(**_fields(rows[0])) if rows else None
 
     def list_sandboxes(self) -> list[SandboxRow]:
         rows = self._query("SELECT * FROM sandboxes ORDER BY created_at_unix, id")
-        return [SandboxRow(**dict(r)) for r in rows]
+        return [SandboxRow(**_fields(r)) for r in rows]
 
     def delete_sandbox(self, sandbox_id: str) -> bool:
         return self._tx("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount > 0
@@ -202,3 +216,15 @@ class Store:
 
 def now() -> int:
     return int(time.time())
+
+
+def labelled(labels: dict[str, str], wanted: dict[str, str] | None) -> bool:
+    """Whether ``labels`` (a row's ``metadata``) hold every pair of ``wanted``."""
+    return all(labels.get(key) == value for key, value in (wanted or {}).items())
+
+
+def _fields(row: sqlite3.Row) -> dict[str, Any]:
+    """A row's columns as its dataclass takes them (``metadata`` is stored as JSON)."""
+    fields = dict(row)
+    fields["metadata"] = json.loads(fields.get("metadata") or "{}")
+    return fields

@@ -47,12 +47,16 @@ class BranchService:
             self.in_flight += 1
             try:
                 async with fleet.branch_locks.setdefault(sandbox_id, asyncio.Lock()):
-                    await self._branch_locked(vm, row, tag)
+                    await self._branch_locked(
+                        vm, row, tag, {**row.metadata, **(req.metadata or {})}
+                    )
             finally:
                 self.in_flight -= 1
         return self.snapshots.info(tag)
 
-    async def _branch_locked(self, vm: Any, row: SandboxRow, tag: str) -> None:
+    async def _branch_locked(
+        self, vm: Any, row: SandboxRow, tag: str, metadata: dict[str, str]
+    ) -> None:
         fleet = self.fleet
         if not vm.is_alive() or fleet.vms.get(row.id) is not vm:
             raise Conflict(f"sandbox {row.id!r} stopped running")
@@ -64,20 +68,22 @@ class BranchService:
             result = await live_snapshot.snapshot_running(vm, dest, labels)
         except live_snapshot.LiveSnapshotError as exc:
             if exc.snapshot_kept:
-                self._register(tag, dest)
+                self._register(tag, dest, metadata)
             paused = vm.state == "paused"  # its guest cannot answer: QEMU's life tells
             if not exc.source_alive or not (vm.is_alive() if paused else await fleet.answers(vm)):
                 await fleet.mark_dead(row.id)
             raise VMError(f"branch of {row.id} failed: {exc}") from exc
         fleet.store.add_snapshot(
-            snapshot_row(tag, snapshot_files.SnapshotFiles(result.dir, result.meta), now())
+            snapshot_row(
+                tag, snapshot_files.SnapshotFiles(result.dir, result.meta), now(), metadata
+            )
         )
         fleet.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
 
-    def _register(self, tag: str, snapshot_dir: Path) -> None:
+    def _register(self, tag: str, snapshot_dir: Path, metadata: dict[str, str]) -> None:
         """Register a snapshot the driver kept although the branch failed."""
         try:
             files = snapshot_files.load(snapshot_dir)
         except SnapshotError:
             return
-        self.fleet.store.add_snapshot(snapshot_row(tag, files, now()))
+        self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata))

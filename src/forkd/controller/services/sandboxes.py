@@ -23,7 +23,7 @@ from forkd.controller.models import (
 )
 from forkd.controller.services.fleet import Admission, Fleet
 from forkd.controller.services.snapshots import SnapshotService
-from forkd.controller.store import SandboxRow, now
+from forkd.controller.store import SandboxRow, labelled, now
 from forkd.errors import (
     AgentError,
     Busy,
@@ -65,6 +65,7 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
 
 
 EXIT_WAIT_SECS = 1.0  # for a QEMU whose agent channel just closed to finish exiting
+SANDBOX_STATES = ("starting", "running", "paused", "dead")
 
 
 async def _exited(vm: Any, wait: float) -> bool:
@@ -151,6 +152,7 @@ class SandboxService:
                 created_at_unix=now(), memory_limit_mib=req.memory_limit_mib,
                 expires_at_unix=time.time() + req.timeout_secs if req.timeout_secs else None,
                 state="starting",
+                metadata={**fleet.snapshot_row(req.snapshot_tag).metadata, **(req.metadata or {})},
             )
         )  # fmt: skip
         async with self._fork_slots:
@@ -192,10 +194,25 @@ class SandboxService:
             state=row.state,
             expires_at_unix=row.expires_at_unix,
             fork_ms=row.fork_ms,
+            metadata=row.metadata,
         )
 
-    def list(self) -> list[SandboxInfo]:
-        return [self.info(r.id) for r in self.fleet.store.list_sandboxes()]
+    def list(
+        self,
+        state: str | None = None,
+        snapshot: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> list[SandboxInfo]:
+        """The sandboxes in ``state``, of ``snapshot``, labelled with all of ``metadata``."""
+        if state is not None and state not in SANDBOX_STATES:
+            raise Invalid(f"unknown state {state!r}: one of {', '.join(SANDBOX_STATES)}")
+        return [
+            self.info(r.id)
+            for r in self.fleet.store.list_sandboxes()
+            if (state is None or r.state == state)
+            and (snapshot is None or r.snapshot_tag == snapshot)
+            and labelled(r.metadata, metadata)
+        ]
 
     async def kill(self, sandbox_id: str) -> None:
         if self.fleet.sandbox_row(sandbox_id).state == "starting":

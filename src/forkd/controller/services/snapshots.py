@@ -14,7 +14,7 @@ from forkd import limits
 from forkd.controller.models import SnapshotCreate, SnapshotInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.volumes import VolumeService
-from forkd.controller.store import SnapshotRow, now
+from forkd.controller.store import SnapshotRow, labelled, now
 from forkd.errors import AgentError, ImageError, Invalid, SnapshotError, StorageFull, VMError
 from forkd.guest import image as images
 from forkd.vmm import egress, snapshot_files
@@ -25,8 +25,13 @@ class TemplateSetupFailed(VMError):
     """A template's setup command or warm-up failed (500)."""
 
 
-def snapshot_row(tag: str, files: SnapshotFiles, created_at_unix: int | None = None) -> SnapshotRow:
-    """The registry row of the snapshot whose files are ``files``."""
+def snapshot_row(
+    tag: str,
+    files: SnapshotFiles,
+    created_at_unix: int | None = None,
+    metadata: dict[str, str] | None = None,
+) -> SnapshotRow:
+    """The registry row of the snapshot whose files are ``files``, labelled ``metadata``."""
     meta = files.meta
     return SnapshotRow(
         tag=tag,
@@ -38,6 +43,7 @@ def snapshot_row(tag: str, files: SnapshotFiles, created_at_unix: int | None = N
         image=meta.image.name if meta.image else None,
         memory_mib=files.machine.memory_mib,
         status="ready",
+        metadata=dict(metadata or {}),
     )
 
 
@@ -124,7 +130,7 @@ class SnapshotService:
             await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
             self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)
             files = snapshot_files.load(self.root / req.tag)
-            self.fleet.store.add_snapshot(snapshot_row(req.tag, files, now()))
+            self.fleet.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
         finally:
             await template.kill()
 
@@ -163,6 +169,7 @@ class SnapshotService:
             memory_mib=row.memory_mib,
             image=row.image,
             parent_tag=row.parent_tag,
+            metadata=row.metadata,
         )
         if detailed:
             fields.update(self._detail(row, d))
@@ -202,8 +209,10 @@ class SnapshotService:
             return str(exc)
         return None
 
-    def list(self) -> list[SnapshotInfo]:
-        return [self.info(r.tag) for r in self.fleet.store.list_snapshots()]
+    def list(self, metadata: dict[str, str] | None = None) -> list[SnapshotInfo]:
+        """The snapshots labelled with all of ``metadata``."""
+        rows = self.fleet.store.list_snapshots()
+        return [self.info(r.tag) for r in rows if labelled(r.metadata, metadata)]
 
     # ------------------------------------------------------------ delete
 
