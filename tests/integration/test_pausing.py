@@ -127,3 +127,31 @@ def test_a_paused_sandbox_stays_paused_across_a_daemon_restart(own_daemon: Daemo
         assert ctl.get_sandbox(sid)["state"] == "paused"
         assert ctl.resume_sandbox(sid)["state"] == "running"
         assert ctl.eval_code(sid, "x")["result"] == "6"
+
+
+@pytest.mark.parametrize("action", ["kill", "pause", "branch"])
+def test_a_timeout_fires_within_2_s_with_its_action(
+    ctl: Controller, api_template: str, action: str
+) -> None:
+    kid = ctl.spawn_sandboxes(api_template, timeout_s=1, on_timeout=action)[0]
+    sid, expiry = kid["id"], kid["expires_at_unix"]
+    done = {"kill": None, "pause": "paused", "branch": "dead"}[action]
+    while True:
+        try:
+            state = ctl.get_sandbox(sid)["state"]
+        except ControllerError as exc:
+            assert exc.status == 404
+            state = None
+        if state == done:
+            break
+        assert time.time() - expiry < 10, f"{action} did not happen"
+        time.sleep(0.05)
+    assert time.time() - expiry < 2.0, f"{action} came {time.time() - expiry:.2f} s late"
+    if action == "branch":
+        tag = ctl.get_sandbox(sid)["timeout_branch"]
+        child = ctl.spawn_sandboxes(tag)[0]["id"]
+        assert ctl.eval_code(child, "x")["result"] == "41"  # the template's warm state
+        ctl.kill_sandbox(child)
+        ctl.delete_snapshot(tag)
+    if state is not None:
+        ctl.kill_sandbox(sid)

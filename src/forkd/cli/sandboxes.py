@@ -27,6 +27,7 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     """Add the sandbox commands to ``app``; ``transport`` is for tests."""
     daemon = functools.partial(with_connection, transport=transport)
     app.command("rm")(daemon(rm))
+    app.command("timeout")(daemon(set_timeout))
     app.command("pause")(daemon(pause))
     app.command("resume")(daemon(resume))
     app.command("fork")(daemon(fork))
@@ -42,6 +43,28 @@ def rm(
     """Kill sandboxes."""
     with daemon_errors(), conn.controller() as ctl:
         act_on_each(ids, ctl.kill_sandbox, "killed", conn.as_json)
+
+
+def set_timeout(
+    conn: Connection,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")],
+    seconds: Annotated[str, typer.Argument(help="Seconds from now until its timeout, or 'none'.")],
+) -> None:
+    """Extend or shorten a sandbox's timeout ('none' removes it)."""
+    if seconds == "none":
+        timeout_s = None
+    else:
+        try:
+            timeout_s = float(seconds)
+        except ValueError:
+            raise typer.BadParameter(f"{seconds!r} is not a number or 'none'") from None
+    with daemon_errors(), conn.controller() as ctl:
+        info = ctl.set_sandbox_timeout(sandbox_id, timeout_s)
+    if conn.as_json:
+        render.print_json(info)
+        return
+    when = info.get("expires_at") or "never"
+    out.print(f"{escape(sandbox_id)}: {escape(str(info.get('on_timeout')))} at {escape(when)}")
 
 
 def pause(
@@ -76,6 +99,10 @@ def fork(
         bool | None, typer.Option("--internet/--no-internet", help="Network access.")
     ] = None,
     label: LabelOpt = None,
+    on_timeout: Annotated[
+        str | None,
+        typer.Option("--on-timeout", help="At --timeout-secs: kill (default), pause or branch."),
+    ] = None,
 ) -> None:
     """Fork N sandboxes from a snapshot (they inherit its labels; --label adds or overrides)."""
     labels = parse_labels(label)
@@ -84,7 +111,7 @@ def fork(
     with daemon_errors(), conn.controller() as ctl, err.status(status):
         sandboxes = ctl.spawn_sandboxes(
             tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
-            metadata=labels,
+            metadata=labels, on_timeout=on_timeout,
         )  # fmt: skip
     if conn.as_json:
         render.print_json(sandboxes)

@@ -217,11 +217,14 @@ class Controller(ProcessRoutes, FileRoutes):
         internet: bool | None = None,
         per_child_netns: bool | None = None,
         metadata: dict[str, str] | None = None,
+        on_timeout: str | None = None,
+        timeout_s: float | None = None,
     ) -> list[JSONDict]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
-        nothing) → list of SandboxInfo. ``timeout_secs`` is the sandbox's
-        lifetime on the daemon, not an HTTP timeout; ``metadata`` labels them
-        (over the snapshot's labels, which they inherit)."""
+        nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
+        lifetime on the daemon, not an HTTP timeout, and ``on_timeout`` what it
+        does then (``"kill"``, ``"pause"`` or ``"branch"``); ``metadata`` labels
+        them (over the snapshot's labels, which they inherit)."""
         body = _drop_none(
             {
                 "snapshot_tag": snapshot_tag,
@@ -231,6 +234,8 @@ class Controller(ProcessRoutes, FileRoutes):
                 "internet": internet,
                 "per_child_netns": per_child_netns,
                 "metadata": metadata,
+                "on_timeout": on_timeout,
+                "timeout_s": timeout_s,
             }
         )
         return self._json(
@@ -255,6 +260,12 @@ class Controller(ProcessRoutes, FileRoutes):
     def kill_sandbox(self, sandbox_id: str) -> None:
         """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
         self._request("DELETE", self._sb(sandbox_id))
+
+    def set_sandbox_timeout(self, sandbox_id: str, timeout_s: float | None) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/timeout``: its timeout ``timeout_s`` from now (None:
+        none) → SandboxInfo with ``expires_at``."""
+        body = {"timeout_s": timeout_s}
+        return self._json("POST", f"{self._sb(sandbox_id)}/timeout", json_body=body)
 
     def pause_sandbox(self, sandbox_id: str) -> JSONDict:
         """``POST /v1/sandboxes/{id}/pause``: stop its vCPUs, memory kept → SandboxInfo."""

@@ -167,6 +167,12 @@ class Sandbox:
         """
         return bool(self._controller.interrupt_eval(self.id)["interrupted"])
 
+    def set_timeout(self, timeout_s: float | None) -> JSONDict:
+        """End the sandbox (its ``on_timeout``: kill by default) ``timeout_s`` seconds
+        from now, sooner or later than before; None: never."""
+        self._info = self._controller.set_sandbox_timeout(self.id, timeout_s)
+        return self._info
+
     def pause(self) -> JSONDict:
         """Stop the sandbox's vCPUs, its memory kept: no CPU used, no command answered
         until :meth:`resume`. It can still be branched (exactly as paused) or killed."""

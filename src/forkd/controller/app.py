@@ -40,6 +40,7 @@ def create_app(
         app.state.services = services
         app.state.metrics = metrics
         app.state.audit = AuditLog(settings.state_dir / "audit.log")
+        services.expiry.audit = app.state.audit.write
         await services.lifecycle.start()
         log.info("forkd ready: %d snapshots, %d sandboxes adopted",
                  len(store.list_snapshots()), len(services.fleet.vms))  # fmt: skip
@@ -47,6 +48,7 @@ def create_app(
             yield
         finally:
             await services.lifecycle.stop()
+            services.expiry.audit = None
             app.state.audit.close()
             app.state.audit = None
             store.close()

@@ -52,6 +52,11 @@ class EgressAllow(_Body):
 Egress = Literal["none", "internet"] | EgressAllow
 
 
+# What a sandbox's timeout does: kill it; pause it; branch it (a snapshot), then kill
+# it; hibernate is named by the contract but not built yet (a 400).
+OnTimeout = Literal["kill", "pause", "branch", "hibernate"]
+
+
 class SnapshotCreate(_Body):
     tag: str = TAG
     image: str | None = None
@@ -80,9 +85,21 @@ class SandboxCreate(_Body):
     )
     per_child_netns: bool = False
     timeout_secs: float | None = Field(None, gt=0, le=limits.MAX_SANDBOX_TIMEOUT_SECS)
+    timeout_s: float | None = Field(
+        None, gt=0, le=limits.MAX_SANDBOX_TIMEOUT_SECS, description="the same as timeout_secs"
+    )
+    on_timeout: OnTimeout = Field("kill", description="what the timeout does to the sandbox")
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
     metadata: Metadata | None = Field(None, description="merged over the snapshot's labels")
+
+
+class TimeoutRequest(_Body):
+    timeout_s: float | None = Field(
+        gt=0,
+        le=limits.MAX_SANDBOX_TIMEOUT_SECS,
+        description="seconds from now until the sandbox's timeout; null: none",
+    )
 
 
 class ExecRequest(_Body):
@@ -199,6 +216,11 @@ class SandboxInfo(BaseModel):
     memory_limit_mib: int | None
     state: str = Field(description="'starting', 'running', 'paused' or 'dead'")
     expires_at_unix: float | None
+    expires_at: str | None = Field(None, description="the timeout, ISO 8601 UTC; null: none")
+    on_timeout: str = Field("kill", description="what the timeout does: kill, pause or branch")
+    timeout_branch: str | None = Field(
+        None, description="on_timeout branch: the tag of the branch the timeout made"
+    )
     fork_ms: float | None
     metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
 

@@ -33,6 +33,7 @@ from forkd.controller.models import (
     SnapshotCreate,
     SnapshotInfo,
     StdinWritten,
+    TimeoutRequest,
     VersionInfo,
     VolumeInfo,
 )
@@ -189,6 +190,13 @@ async def eval_(svc: Svc, sandbox_id: str, body: EvalRequest) -> EvalResult:
 @sandboxes.post("/{sandbox_id}/eval/interrupt", response_model=EvalInterrupt)
 async def eval_interrupt(svc: Svc, sandbox_id: str) -> EvalInterrupt:
     return await svc.sandboxes.eval_interrupt(sandbox_id)
+
+
+@sandboxes.post("/{sandbox_id}/timeout", response_model=SandboxInfo)
+async def set_timeout(svc: Svc, sandbox_id: str, body: TimeoutRequest) -> SandboxInfo:
+    """Set the sandbox's timeout to ``timeout_s`` from now (extend or shorten it), or
+    remove it with null. What it does then is the fork's ``on_timeout``."""
+    return svc.sandboxes.set_timeout(sandbox_id, body)
 
 
 @sandboxes.post("/{sandbox_id}/pause", response_model=SandboxInfo)

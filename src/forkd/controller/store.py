@@ -45,7 +45,9 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     expires_at_unix  REAL,
     state            TEXT NOT NULL,
     fork_ms          REAL,
-    metadata         TEXT NOT NULL DEFAULT '{}'
+    metadata         TEXT NOT NULL DEFAULT '{}',
+    on_timeout       TEXT NOT NULL DEFAULT 'kill',
+    timeout_branch   TEXT
 );
 CREATE TABLE IF NOT EXISTS branch_seq (
     source_id TEXT PRIMARY KEY,
@@ -80,6 +82,8 @@ class SandboxRow:
     state: str
     fork_ms: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
+    on_timeout: str = "kill"  # what expiry does: kill, pause or branch
+    timeout_branch: str | None = None  # the tag an expiry's branch made
 
 
 class Store:
@@ -100,7 +104,12 @@ class Store:
     def _migrate(self) -> None:
         """Columns added after the first release of the schema."""
         added = {
-            "sandboxes": {"fork_ms": "REAL", "metadata": "TEXT NOT NULL DEFAULT '{}'"},
+            "sandboxes": {
+                "fork_ms": "REAL",
+                "metadata": "TEXT NOT NULL DEFAULT '{}'",
+                "on_timeout": "TEXT NOT NULL DEFAULT 'kill'",
+                "timeout_branch": "TEXT",
+            },
             "snapshots": {"metadata": "TEXT NOT NULL DEFAULT '{}'"},
         }
         for table, columns in added.items():
@@ -188,11 +197,12 @@ class Store:
     def add_sandbox(self, row: SandboxRow) -> None:
         self._tx(
             "INSERT INTO sandboxes(id, snapshot_tag, run_dir, pid, created_at_unix, "
-            "memory_limit_mib, expires_at_unix, state, metadata) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "memory_limit_mib, expires_at_unix, state, metadata, on_timeout) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.id, row.snapshot_tag, row.run_dir, row.pid, row.created_at_unix,
                 row.memory_limit_mib, row.expires_at_unix, row.state, json.dumps(row.metadata),
+                row.on_timeout,
             ),
         )  # fmt: skip
 

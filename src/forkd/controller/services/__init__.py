@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.services.branches import BranchService
+from forkd.controller.services.expiry import Expiry
 from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
 from forkd.controller.services.lifecycle import Lifecycle
@@ -36,6 +37,7 @@ class Services:
     processes: ProcessService
     files: FileTransferService
     volumes: VolumeService
+    expiry: Expiry
     lifecycle: Lifecycle
 
     @classmethod
@@ -46,14 +48,18 @@ class Services:
         volumes = VolumeService(fleet)
         snapshots = SnapshotService(fleet, volumes)
         sandboxes = SandboxService(fleet, snapshots)
+        branches = BranchService(fleet, snapshots)
+        pausing = PauseService(fleet, sandboxes)
+        expiry = Expiry(fleet, pausing, branches)
         return cls(
             fleet=fleet,
             snapshots=snapshots,
-            branches=BranchService(fleet, snapshots),
+            branches=branches,
             sandboxes=sandboxes,
-            pausing=PauseService(fleet, sandboxes),
+            pausing=pausing,
             processes=ProcessService(sandboxes),
             files=FileTransferService(sandboxes),
             volumes=volumes,
-            lifecycle=Lifecycle(fleet),
+            expiry=expiry,
+            lifecycle=Lifecycle(fleet, expiry.expire),
         )

@@ -40,8 +40,11 @@ T = TypeVar("T")
 
 
 class Lifecycle:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(
+        self, fleet: Fleet, expire: Callable[[SandboxRow], Awaitable[None]] | None = None
+    ) -> None:
         self.fleet = fleet
+        self._expire = expire  # a sandbox's on_timeout; None: kill it
         self._reaper: asyncio.Task[None] | None = None
         self._checks: dict[str, asyncio.Task[None]] = {}  # sandbox id -> its check in flight
         self._probes = Probes(PROBE_THREADS)
@@ -216,8 +219,11 @@ class Lifecycle:
     async def _check(self, row: SandboxRow) -> None:
         fleet = self.fleet
         if row.expires_at_unix is not None and row.expires_at_unix <= time.time():
-            log.info("sandbox %s reached its timeout: killing it", row.id)
-            await fleet.remove(row.id)
+            if self._expire is not None:
+                await self._expire(row)
+            else:
+                log.info("sandbox %s reached its timeout: killing it", row.id)
+                await fleet.remove(row.id)
             return
         vm = fleet.vms.get(row.id)
         if vm is None or row.state == "dead":

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -20,6 +21,7 @@ from forkd.controller.models import (
     PingResult,
     SandboxCreate,
     SandboxInfo,
+    TimeoutRequest,
 )
 from forkd.controller.services.fleet import Admission, Fleet
 from forkd.controller.services.snapshots import SnapshotService
@@ -78,6 +80,26 @@ async def _exited(vm: Any, wait: float) -> bool:
     return True
 
 
+def _lifetime(req: SandboxCreate) -> float | None:
+    """The fork's timeout in seconds (``timeout_s``, or its older name ``timeout_secs``)."""
+    if req.on_timeout == "hibernate":
+        raise Invalid("on_timeout 'hibernate' needs hibernation, which is not built yet")
+    given = {t for t in (req.timeout_s, req.timeout_secs) if t is not None}
+    if len(given) > 1:
+        raise Invalid("timeout_s and timeout_secs differ: give one")
+    return given.pop() if given else None
+
+
+def _expiry(timeout_s: float | None) -> float | None:
+    return time.time() + timeout_s if timeout_s is not None else None
+
+
+def _iso(unix: float | None) -> str | None:
+    if unix is None:
+        return None
+    return datetime.fromtimestamp(unix, tz=UTC).isoformat(timespec="milliseconds")
+
+
 class SandboxService:
     def __init__(self, fleet: Fleet, snapshots: SnapshotService) -> None:
         self.fleet = fleet
@@ -97,6 +119,7 @@ class SandboxService:
             raise Unavailable(
                 f"per_child_netns needs network namespaces: {self.fleet.network.reason}"
             )
+        _lifetime(req)  # refused here, before anything is made
         policy = egress.requested(req.egress, req.internet)
         snap_dir = Path(row.dir)
         machine = snapshot_files.load(snap_dir).machine
@@ -150,8 +173,9 @@ class SandboxService:
             SandboxRow(
                 id=sid, snapshot_tag=req.snapshot_tag, run_dir=str(run_dir), pid=None,
                 created_at_unix=now(), memory_limit_mib=req.memory_limit_mib,
-                expires_at_unix=time.time() + req.timeout_secs if req.timeout_secs else None,
+                expires_at_unix=_expiry(_lifetime(req)),
                 state="starting",
+                on_timeout=req.on_timeout,
                 metadata={**fleet.snapshot_row(req.snapshot_tag).metadata, **(req.metadata or {})},
             )
         )  # fmt: skip
@@ -193,6 +217,9 @@ class SandboxService:
             memory_limit_mib=row.memory_limit_mib,
             state=row.state,
             expires_at_unix=row.expires_at_unix,
+            expires_at=_iso(row.expires_at_unix),
+            on_timeout=row.on_timeout,
+            timeout_branch=row.timeout_branch,
             fork_ms=row.fork_ms,
             metadata=row.metadata,
         )
@@ -213,6 +240,15 @@ class SandboxService:
             and (snapshot is None or r.snapshot_tag == snapshot)
             and labelled(r.metadata, metadata)
         ]
+
+    def set_timeout(self, sandbox_id: str, req: TimeoutRequest) -> SandboxInfo:
+        """The sandbox's timeout, ``req.timeout_s`` from now (longer or shorter than it
+        was), or none; :class:`Conflict` for a dead one."""
+        row = self.fleet.sandbox_row(sandbox_id)
+        if row.state == "dead":
+            raise Conflict(f"sandbox {sandbox_id!r} is dead")
+        self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=_expiry(req.timeout_s))
+        return self.info(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:
         if self.fleet.sandbox_row(sandbox_id).state == "starting":

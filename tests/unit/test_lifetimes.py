@@ -1,0 +1,126 @@
+"""Sandbox lifetimes over the real app (its reaper running) with a fake VM driver: the
+timeout route, expires_at, and each on_timeout action firing at expiry."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime
+from typing import Any
+
+import pytest
+
+from forkd.client import Controller, ControllerError
+from forkd.controller.settings import Settings
+from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
+
+FIRE_WITHIN_SECS = 2.0  # the issue's bound, from expires_at to the action done
+
+
+@pytest.fixture
+def ctl(server: Server, sent: RecordingTransport) -> Iterator[Controller]:
+    with Controller(server.url, token=server.token, transport=sent) as c:
+        c.create_snapshot("py", memory_mib=128)
+        yield c
+
+
+def _until(done: Callable[[], Any], within: float) -> float:
+    """Seconds until ``done()`` is true; fails after ``within``."""
+    t0 = time.monotonic()
+    while not done():
+        assert time.monotonic() - t0 < within, "not in time"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _gone(ctl: Controller, sid: str) -> bool:
+    try:
+        ctl.get_sandbox(sid)
+    except ControllerError as exc:
+        return exc.status == 404
+    return False
+
+
+def test_expires_at_is_reported_and_the_timeout_can_be_extended_or_removed(
+    ctl: Controller,
+) -> None:
+    kid = ctl.spawn_sandboxes("py", timeout_s=1)[0]
+    assert kid["on_timeout"] == "kill"
+    at = datetime.fromisoformat(kid["expires_at"]).timestamp()
+    assert abs(at - kid["expires_at_unix"]) < 0.01 and 0 < at - time.time() <= 1
+    longer = ctl.set_sandbox_timeout(kid["id"], 30)
+    assert longer["expires_at_unix"] > time.time() + 29
+    time.sleep(2)  # past the first timeout: the extension holds
+    assert ctl.get_sandbox(kid["id"])["state"] == "running"
+    assert ctl.set_sandbox_timeout(kid["id"], None)["expires_at"] is None
+
+
+@pytest.mark.parametrize("body", [{"timeout_s": 0}, {"timeout_s": -1}, {"timeout_s": "5"}, {}])
+def test_a_bad_timeout_is_a_400_and_changes_nothing(
+    ctl: Controller, server: Server, body: dict[str, Any]
+) -> None:
+    import httpx
+
+    sid = ctl.spawn_sandboxes("py", timeout_s=60)[0]["id"]
+    before = ctl.get_sandbox(sid)["expires_at_unix"]
+    r = httpx.post(f"{server.url}/v1/sandboxes/{sid}/timeout", json=body,
+                   headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    assert r.status_code == 400, r.text
+    assert ctl.get_sandbox(sid)["expires_at_unix"] == before
+
+
+def test_fork_refuses_hibernate_and_two_different_timeouts(ctl: Controller) -> None:
+    for kwargs in ({"on_timeout": "hibernate"}, {"timeout_s": 5, "timeout_secs": 6}):
+        with pytest.raises(ControllerError) as exc:
+            ctl._json("POST", "/v1/sandboxes", json_body={"snapshot_tag": "py", **kwargs})
+        assert exc.value.status == 400
+    assert ctl.list_sandboxes() == []
+
+
+def test_on_timeout_kill_fires_in_time(ctl: Controller) -> None:
+    kid = ctl.spawn_sandboxes("py", timeout_s=0.5)[0]
+    _until(lambda: _gone(ctl, kid["id"]), 5)
+    assert time.time() - kid["expires_at_unix"] < FIRE_WITHIN_SECS
+
+
+def test_on_timeout_pause_pauses_and_clears_the_timeout(ctl: Controller) -> None:
+    kid = ctl.spawn_sandboxes("py", timeout_s=0.5, on_timeout="pause")[0]
+    t_expiry = kid["expires_at_unix"]
+    _until(lambda: ctl.get_sandbox(kid["id"])["state"] == "paused", 5)
+    assert time.time() - t_expiry < FIRE_WITHIN_SECS
+    info = ctl.get_sandbox(kid["id"])
+    assert info["expires_at"] is None
+    assert ctl.resume_sandbox(kid["id"])["state"] == "running"
+
+
+def test_on_timeout_branch_keeps_a_snapshot_and_ends_the_sandbox(
+    ctl: Controller, settings: Settings
+) -> None:
+    kid = ctl.spawn_sandboxes("py", timeout_s=0.5, on_timeout="branch")[0]
+    _until(lambda: ctl.get_sandbox(kid["id"])["state"] == "dead", 5)
+    info = ctl.get_sandbox(kid["id"])
+    tag = info["timeout_branch"]
+    assert tag and ctl.snapshot_info(tag)["branched_from"] == kid["id"]
+    assert ctl.spawn_sandboxes(tag)[0]["state"] == "running"  # the state lives on
+    audit = (settings.state_dir / "audit.log").read_text().splitlines()
+    records = [json.loads(line) for line in audit if '"timeout"' in line]
+    assert {
+        "event": "timeout",
+        "sandbox": kid["id"],
+        "on_timeout": "branch",
+        "branch": tag,
+    }.items() <= records[-1].items()
+
+
+def test_cli_timeout_and_on_timeout(forkd: Invoke, ctl: Controller) -> None:  # noqa: F811
+    r = forkd("fork", "--tag", "py", "--timeout-secs", "60", "--on-timeout", "pause", "--json")
+    assert r.exit_code == 0, r.output
+    sid = json.loads(r.stdout)[0]["id"]
+    assert ctl.get_sandbox(sid)["on_timeout"] == "pause"
+    r = forkd("timeout", sid, "120", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["expires_at_unix"] > time.time() + 119
+    r = forkd("timeout", sid, "none")
+    assert r.exit_code == 0 and "never" in r.stdout
+    assert forkd("timeout", sid, "soon").exit_code == 2
