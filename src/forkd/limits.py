@@ -71,6 +71,9 @@ AGENT_EVAL_LINE_MAX_BYTES = AGENT_OUTPUT_LINE_MAX_BYTES + EVAL_DISPLAY_MAX_BYTES
 AGENT_FILE_LINE_MAX_BYTES = 48 << 20  # file_read: 32 MiB as base64 is 42.7 MiB
 AGENT_READ_LINES_PER_SEC = 2000  # per VM; the agent writes one line per answer
 AGENT_READ_BYTES_PER_SEC = 64 << 20  # per VM; the largest answer passes in one burst
+# A pause or snapshot waits this long for a request or an upload chunk still crossing
+# the agent channel (a 1 MiB chunk takes ~25 ms under TCG); then it is a 503 to retry.
+AGENT_HOLD_SECS = 10.0
 AGENT_WRITE_STALL_SECS = 10.0  # a guest taking none of a request for this long is aborted
 AGENT_CLOSE_SECS = 2.0  # closing a VM's channels (agent, QMP)
 KILL_WAIT_SECS = 10.0  # for QEMU to exit after SIGKILL

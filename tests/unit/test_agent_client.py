@@ -600,3 +600,49 @@ def test_kill_takes_qemu_down_first_even_when_the_guest_stopped_reading(sock: Pa
         qemu.wait()
     assert dead_when_channels_closed[0] is True  # by kill; the harness closes it again
     assert not sock.parent.exists()  # the run directory is gone
+
+
+def test_hold_waits_for_a_payload_to_be_answered_and_holds_requests_back(sock: Path) -> None:
+    """A pause or snapshot holds the channel: not while an upload chunk is still being
+    read by the guest (its answer has not come), and nothing is sent until release."""
+    seen: list[str] = []
+    answer_upload = asyncio.Event()
+
+    async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        while True:
+            req = await _next_request(reader)
+            seen.append(req["op"])
+            if "payload" in req:
+                await reader.readexactly(req["payload"])
+                await answer_upload.wait()  # the guest is still busy with the chunk
+            w.write(_ok(req, {"size": 3} if "payload" in req else {"pong": True}))
+            await w.drain()
+
+    async def body(client: AgentClient) -> None:
+        upload = asyncio.ensure_future(
+            client.call("file_upload_write", {"transfer_id": "t"}, payload=b"abc", wait=5)
+        )
+        await asyncio.sleep(0.1)
+        holding = asyncio.ensure_future(client.hold(5))
+        await asyncio.sleep(0.2)
+        assert not holding.done()  # the chunk's answer has not come
+        answer_upload.set()
+        await upload
+        await asyncio.wait_for(holding, 2)
+        ping = asyncio.ensure_future(client.call("ping", wait=5))
+        await asyncio.sleep(0.2)
+        assert seen == ["file_upload_write"]  # held back
+        client.release()
+        assert (await ping) == {"pong": True} and seen[-1] == "ping"
+        with pytest.raises(AgentError, match="still being read"):
+            never = asyncio.ensure_future(
+                client.call("file_upload_write", {"transfer_id": "t"}, payload=b"x", wait=5)
+            )
+            answer_upload.clear()
+            await asyncio.sleep(0.1)
+            await client.hold(0.2)
+        client.release()  # nothing held after a failed hold: a no-op
+        answer_upload.set()
+        await never
+
+    _run_raw(sock, guest, body)

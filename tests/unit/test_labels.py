@@ -123,3 +123,26 @@ def test_an_older_database_gains_the_label_columns(tmp_path: Path) -> None:
     assert store.get_snapshot("old").metadata == {}  # type: ignore[union-attr]
     sandbox = store.get_sandbox("sb-1")
     assert sandbox is not None and sandbox.metadata == {} and sandbox.fork_ms is None
+
+
+@pytest.mark.parametrize("query", ["metdata.run=42", "state=running&state=dead",
+                                   "metadata.run=1&metadata.run=2", "metadata.=x"])  # fmt: skip
+def test_a_filter_that_would_be_ignored_is_a_400(
+    server: Server, ctl: Controller, query: str
+) -> None:
+    import httpx
+
+    ctl.create_snapshot("py", memory_mib=128)
+    ctl.spawn_sandboxes("py")
+    auth = {"Authorization": f"Bearer {server.token}"}
+    for route in ("/v1/sandboxes", "/v1/snapshots"):
+        r = httpx.get(f"{server.url}{route}?{query}", headers=auth)
+        assert r.status_code == 400, (route, query, r.text)
+
+
+def test_labels_past_the_cap_with_those_inherited_are_a_400(ctl: Controller) -> None:
+    ctl.create_snapshot("py", memory_mib=128, metadata={f"a{i}": "v" for i in range(40)})
+    with pytest.raises(ControllerError) as exc:
+        ctl.spawn_sandboxes("py", metadata={f"b{i}": "v" for i in range(30)})
+    assert exc.value.status == 400 and "inherited" in exc.value.message
+    assert ctl.list_sandboxes() == []

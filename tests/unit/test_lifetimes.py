@@ -124,3 +124,22 @@ def test_cli_timeout_and_on_timeout(forkd: Invoke, ctl: Controller) -> None:  # 
     r = forkd("timeout", sid, "none")
     assert r.exit_code == 0 and "never" in r.stdout
     assert forkd("timeout", sid, "soon").exit_code == 2
+
+
+def test_a_branch_that_fails_at_the_timeout_pauses_the_sandbox_instead(
+    ctl: Controller, server: Server
+) -> None:
+    kid = ctl.spawn_sandboxes("py", timeout_s=60, on_timeout="branch")[0]
+    next(vm for vm in server.driver.vms if vm.id == kid["id"]).fail = "capture"
+    ctl.set_sandbox_timeout(kid["id"], 0.3)
+    _until(lambda: ctl.get_sandbox(kid["id"])["state"] == "paused", 5)
+    info = ctl.get_sandbox(kid["id"])
+    assert info["timeout_branch"] is None and info["expires_at"] is None  # its state kept
+
+
+def test_the_timeout_route_changes_on_timeout(ctl: Controller) -> None:
+    sid = ctl.spawn_sandboxes("py", timeout_s=60)[0]["id"]
+    r = ctl._json("POST", f"/v1/sandboxes/{sid}/timeout",
+                  json_body={"timeout_s": 0.3, "on_timeout": "pause"})  # fmt: skip
+    assert r["on_timeout"] == "pause"
+    _until(lambda: ctl.get_sandbox(sid)["state"] == "paused", 5)

@@ -101,7 +101,16 @@ class Sandbox:
         """
         ctl = controller if controller is not None else Controller()
         infos = ctl.list_sandboxes(state=state, snapshot=snapshot, metadata=metadata)
-        return [cls._wrap(ctl, info) for info in infos]
+
+        def matches(info: JSONDict) -> bool:  # checked here too: an older daemon ignores them
+            labels = info.get("metadata") or {}
+            return (
+                state in (None, info.get("state"))
+                and snapshot in (None, info.get("snapshot_tag"))
+                and all(labels.get(key) == value for key, value in (metadata or {}).items())
+            )
+
+        return [cls._wrap(ctl, info) for info in infos if matches(info)]
 
     @property
     def metadata(self) -> dict[str, str]:

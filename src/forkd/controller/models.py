@@ -100,6 +100,7 @@ class TimeoutRequest(_Body):
         le=limits.MAX_SANDBOX_TIMEOUT_SECS,
         description="seconds from now until the sandbox's timeout; null: none",
     )
+    on_timeout: OnTimeout | None = Field(None, description="change what it does; null: keep")
 
 
 class ExecRequest(_Body):

@@ -38,6 +38,7 @@ from forkd.controller.models import (
     VolumeInfo,
 )
 from forkd.controller.services import Services
+from forkd.errors import Invalid
 from forkd.limits import NAME_PATTERN
 
 
@@ -115,9 +116,20 @@ async def create_snapshot(svc: Svc, body: SnapshotCreate) -> SnapshotInfo:
 LABEL_FILTERS = {"description": "any number of metadata.KEY=VALUE parameters filter on labels"}
 
 
-def _metadata_filter(request: Request) -> dict[str, str]:
+def _metadata_filter(request: Request, *named: str) -> dict[str, str]:
+    """The ``metadata.KEY=VALUE`` filters; any parameter but those and ``named`` is a
+    400, and so is one given twice: a filter ignored would list (and maybe have the
+    caller act on) everything."""
     prefix = "metadata."
-    return {k[len(prefix) :]: v for k, v in request.query_params.items() if k.startswith(prefix)}
+    labels: dict[str, str] = {}
+    for key in request.query_params:
+        if len(request.query_params.getlist(key)) > 1:
+            raise Invalid(f"query parameter {key!r} is given more than once")
+        if key.startswith(prefix) and len(key) > len(prefix):
+            labels[key[len(prefix) :]] = request.query_params[key]
+        elif key not in named:
+            raise Invalid(f"unknown query parameter {key!r}: filter with metadata.KEY=VALUE")
+    return labels
 
 
 @snapshots.get(
@@ -158,7 +170,7 @@ async def list_sandboxes(
     ] = None,
     snapshot: Annotated[str | None, Query(description="forked from this snapshot")] = None,
 ) -> list[SandboxInfo]:
-    return svc.sandboxes.list(state, snapshot, _metadata_filter(request))
+    return svc.sandboxes.list(state, snapshot, _metadata_filter(request, "state", "snapshot"))
 
 
 @sandboxes.get("/{sandbox_id}", response_model=SandboxInfo)

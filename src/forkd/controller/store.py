@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from forkd import limits
+from forkd.errors import Invalid
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
     key   TEXT PRIMARY KEY,
@@ -238,3 +241,13 @@ def _fields(row: sqlite3.Row) -> dict[str, Any]:
     fields = dict(row)
     fields["metadata"] = json.loads(fields.get("metadata") or "{}")
     return fields
+
+
+def merged_labels(inherited: dict[str, str], given: dict[str, str] | None) -> dict[str, str]:
+    """``given`` over ``inherited``; :class:`~forkd.errors.Invalid` past the cap."""
+    merged = {**inherited, **(given or {})}
+    if len(merged) > limits.MAX_METADATA_PAIRS:
+        raise Invalid(
+            f"{len(merged)} labels with those inherited: at most {limits.MAX_METADATA_PAIRS}"
+        )
+    return merged

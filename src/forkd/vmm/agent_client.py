@@ -31,30 +31,20 @@ import json
 import logging
 import re
 import secrets
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from forkd import limits
 from forkd.errors import AgentError
+from forkd.vmm.agent_lines import Line, LineSplitter, TokenBucket
 
 log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 256 * 1024  # one read from the socket; also the reader's buffer limit
-PEEK_BYTES = 64  # an answer's id is within its first bytes
-EVENT_LINE_MAX_BYTES = 128  # {"event":"started","pid":N}
-MIN_PAUSE_SECS = 0.05  # a throttled reader sleeps at least this long: few wake-ups
 LINE_BURST_SECS = 0.1  # lines handled without a pause: 0.1 s of the rate, ~0.5 ms of work
 ERROR_TEXT_MAX_CHARS = 4096  # of a guest's error message, kept for the caller and the log
 
-# What the agent writes first on every answer line, and on its one event line.
-_ANSWER_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*(\d{1,20})\s*[,}]')
-_EVENT_HEAD = re.compile(rb'\s*\{\s*"event"\s*:')
-# An answer that says ``"raw":K`` second is followed, after its newline, by K raw
-# bytes that belong to it (proc_read's output: no base64 for the guest to make).
-_RAW_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*\d{1,20}\s*,\s*"raw"\s*:\s*(\d{1,10})\s*[,}]')
 RAW_OPS = frozenset({"proc_read", "file_read_range", "file_tar_read"})  # ask for raw bytes
 # The one event there is, matched whole: no guest line is JSON-parsed unasked.
 _STARTED = re.compile(rb'\s*\{\s*"event"\s*:\s*"started"\s*,\s*"pid"\s*:\s*(\d{1,10})\s*\}\s*')
@@ -72,136 +62,6 @@ def answer_cap(op: str) -> int:
     if op in ("exec", "file_list", "proc_list"):
         return limits.AGENT_OUTPUT_LINE_MAX_BYTES
     return limits.AGENT_LINE_MAX_BYTES
-
-
-class TokenBucket:
-    """``rate`` tokens a second, at most ``burst`` saved up.
-
-    :meth:`take` never refuses: it returns how long the taker should pause
-    to pay back an overdraft (0 when there was enough).
-    """
-
-    def __init__(
-        self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._clock = clock
-        self._tokens = burst
-        self._at = clock()
-
-    def take(self, n: float) -> float:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate) - n
-        self._at = now
-        if self._tokens >= 0:
-            return 0.0
-        return max(-self._tokens / self.rate, MIN_PAUSE_SECS)
-
-
-@dataclass(frozen=True, slots=True)
-class Line:
-    """One line from the guest, or the notice that an answer outgrew its cap.
-
-    ``data`` is None for a line dropped unread. ``req_id`` is the answer's id
-    (None for an event or a dropped line).
-    """
-
-    req_id: int | None
-    data: bytes | None
-    overlong: bool = False
-    raw: bytes | None = None  # the raw bytes that followed it, if its head announced some
-
-
-class LineSplitter:
-    """Splits the guest's byte stream into lines, deciding from each line's head
-    whether to keep it.
-
-    ``cap_for(req_id)`` is the longest answer accepted for a request still
-    waiting, or None when no request with that id waits. Only kept lines are
-    buffered, each up to its cap; everything else streams past. A line whose
-    head announces raw bytes (``{"id":N,"raw":K,``) is followed by K bytes
-    that are part of it, kept or skipped with it, and counted in its cap.
-    """
-
-    def __init__(self, cap_for: Callable[[int], int | None]) -> None:
-        self._cap_for = cap_for
-        self._buf = bytearray()
-        self._raw = bytearray()
-        self._raw_left = 0  # raw bytes still to come after the last line
-        self._line: Line | None = None  # that line, given out once its raw bytes came
-        self._reset()
-
-    def _reset(self) -> None:
-        self._buf.clear()
-        self._decided = False
-        self._keep = False
-        self._cap = 0
-        self._req_id: int | None = None
-        self._raw_len = 0
-
-    def feed(self, chunk: bytes) -> Iterator[Line]:
-        view = memoryview(chunk)
-        pos, size = 0, len(chunk)
-        while pos < size:
-            if self._raw_left:
-                taken = min(self._raw_left, size - pos)
-                if self._line is not None and self._line.data is not None:
-                    self._raw += view[pos : pos + taken]
-                self._raw_left -= taken
-                pos += taken
-                if not self._raw_left:
-                    yield self._with_raw()
-                continue
-            nl = chunk.find(b"\n", pos)
-            end = size if nl < 0 else nl
-            if self._keep or not self._decided:
-                self._buf += view[pos:end]
-                if not self._decided:
-                    self._decide(complete=nl >= 0)
-                if self._keep and len(self._buf) + self._raw_len > self._cap:
-                    if self._req_id is not None:  # fail its request now, not at the line's end
-                        yield Line(self._req_id, None, overlong=True)
-                    self._keep = False
-                    self._buf.clear()
-            if nl < 0:
-                return
-            raw_len = self._raw_len
-            line = self._finish()
-            pos = nl + 1
-            if raw_len:
-                self._line, self._raw_left = line, raw_len
-            else:
-                yield line
-
-    def _decide(self, complete: bool) -> None:
-        head = bytes(self._buf[:PEEK_BYTES])
-        if not complete and len(head) < PEEK_BYTES:
-            return  # too little yet to tell, or to read a "raw" count
-        if raw := _RAW_HEAD.match(head):
-            self._raw_len = int(raw[1])  # skipped with the line if it is not kept
-        if m := _ANSWER_HEAD.match(head):
-            self._req_id = int(m[1])
-            cap = self._cap_for(self._req_id)
-            self._keep, self._cap = cap is not None, cap or 0
-        elif _EVENT_HEAD.match(head):
-            self._keep, self._cap = True, EVENT_LINE_MAX_BYTES
-        self._decided = True
-        if not self._keep:
-            self._buf.clear()
-
-    def _finish(self) -> Line:
-        line = Line(self._req_id, bytes(self._buf)) if self._keep else Line(None, None)
-        self._reset()
-        return line
-
-    def _with_raw(self) -> Line:
-        line, self._line = self._line, None
-        assert line is not None
-        if line.data is not None:
-            line = Line(line.req_id, line.data, raw=bytes(self._raw))
-        self._raw.clear()
-        return line
 
 
 @dataclass
@@ -241,6 +101,10 @@ class AgentClient:
         self._ids = itertools.count(secrets.randbelow(1 << 40) + 1)
         self._read_task: asyncio.Task[None] | None = None
         self._write_lock = asyncio.Lock()
+        self._held = False  # by hold(): no request is sent until release()
+        self._payloads_in_flight = 0  # sent, their answers not come: the guest may still read
+        self._payloads_done = asyncio.Event()
+        self._payloads_done.set()
         self._closed_reason: str | None = None
         # Per VM, across reconnects: what the guest may make the daemon read.
         lines = limits.AGENT_READ_LINES_PER_SEC
@@ -430,13 +294,22 @@ class AgentClient:
         head: dict[str, Any] = {"id": req_id}
         if payload is not None:
             head["payload"] = len(payload)
+        elif params and "payload" in params:
+            raise ValueError("'payload' is the framing's key, not a parameter")
         line = json.dumps({**head, **(params or {}), **head, "op": op}).encode() + b"\n"
+        if payload is not None:
+            self._payloads_in_flight += 1
+            self._payloads_done.clear()
         try:
             await self._send([line] if payload is None else [line, payload], op, wait)
             msg = await asyncio.wait_for(fut, wait)
         except TimeoutError as exc:
             raise AgentError(f"agent did not answer {op!r} within {wait:g} s") from exc
         finally:
+            if payload is not None:
+                self._payloads_in_flight -= 1
+                if not self._payloads_in_flight:
+                    self._payloads_done.set()
             self._pending.pop(req_id, None)
             if not fut.done():  # sending failed: no answer is awaited any more
                 fut.cancel()
@@ -446,6 +319,41 @@ class AgentClient:
             error = _short(msg.get("error") or f"agent {op} failed")
             raise AgentError(error, kind=msg.get("kind"))
         return msg.get("result") or {}
+
+    # ------------------------------------------------------------ holding
+
+    async def hold(self, wait: float) -> None:
+        """Stop sending until :meth:`release`: for a pause or a snapshot of the VM.
+
+        Waits until no request is half sent (a stopped guest would never take
+        the rest, and the stalled write would abort the channel) and no payload
+        is still being read by the guest (a snapshot would leave the guest
+        waiting for the rest of it, taking what its forks are sent as payload
+        bytes). :class:`AgentError` when that takes over ``wait`` seconds;
+        nothing is held then.
+        """
+        if self._writer is None or self._closed_reason is not None:
+            return  # nothing can be sent anyway
+        try:
+            await asyncio.wait_for(self._write_lock.acquire(), wait)
+        except TimeoutError:
+            raise AgentError(
+                f"a request to the agent is still being sent after {wait:g} s"
+            ) from None
+        try:
+            await asyncio.wait_for(self._payloads_done.wait(), wait)
+        except TimeoutError:
+            self._write_lock.release()
+            raise AgentError(
+                f"an upload to the guest is still being read after {wait:g} s"
+            ) from None
+        self._held = True
+
+    def release(self) -> None:
+        """Let requests be sent again after :meth:`hold` (nothing when not held)."""
+        if self._held:
+            self._held = False
+            self._write_lock.release()
 
     # ------------------------------------------------------------ closing
 

@@ -58,6 +58,7 @@ from forkd.vmm.qemu_argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kern
 from forkd.vmm.qmp_channel import CONNECT_TIMEOUT_SECS, QMPChannel
 from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotLabels
 from forkd.vmm.snapshot_writer import SnapshotWriter
+from forkd.vmm.vcpu_control import VcpuControl
 from forkd.vmm.volumes import Attachment
 
 __all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
@@ -72,7 +73,7 @@ def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
 
 
-class VM(GuestOps):
+class VM(GuestOps, VcpuControl):
     """A running (or paused, or dead) QEMU process and its agent connection."""
 
     def __init__(
@@ -422,22 +423,6 @@ class VM(GuestOps):
             raise VMError(
                 f"{what} (exit status {code}). QEMU said: {qemu} Guest console: {console}"
             )
-
-    async def pause(self) -> None:
-        """Freeze the vCPUs (QMP ``stop``)."""
-        await self._run_state("stop", "pausing", "paused")
-
-    async def resume(self) -> None:
-        """Let the vCPUs run again (QMP ``cont``)."""
-        await self._run_state("cont", "resuming", "running")
-
-    async def _run_state(self, cmd: str, doing: str, state: str) -> None:
-        try:
-            await self.qmp.execute(cmd)
-        except VMError as exc:
-            self._raise_if_dead(f"QEMU of {self.id} died")
-            raise VMError(f"{doing} {self.id} failed: {exc}") from exc
-        self.state = state
 
     async def release(self) -> None:
         """Let go of the VM and leave it running, for the next daemon to adopt.

@@ -14,7 +14,7 @@ from typing import Any
 from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
-from forkd.controller.store import SandboxRow, now
+from forkd.controller.store import SandboxRow, merged_labels, now
 from forkd.errors import Busy, Conflict, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
 from forkd.vmm import live_snapshot, snapshot_files
@@ -48,7 +48,7 @@ class BranchService:
             try:
                 async with fleet.branch_locks.setdefault(sandbox_id, asyncio.Lock()):
                     await self._branch_locked(
-                        vm, row, tag, {**row.metadata, **(req.metadata or {})}
+                        vm, row, tag, merged_labels(row.metadata, req.metadata)
                     )
             finally:
                 self.in_flight -= 1
@@ -72,6 +72,8 @@ class BranchService:
             paused = vm.state == "paused"  # its guest cannot answer: QEMU's life tells
             if not exc.source_alive or not (vm.is_alive() if paused else await fleet.answers(vm)):
                 await fleet.mark_dead(row.id)
+            if isinstance(exc.__cause__, Busy):  # the pause waited on the agent channel
+                raise Busy(f"branch of {row.id}: {exc.__cause__}") from exc
             raise VMError(f"branch of {row.id} failed: {exc}") from exc
         fleet.store.add_snapshot(
             snapshot_row(

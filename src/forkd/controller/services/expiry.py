@@ -4,14 +4,18 @@
 - ``pause``: it is paused (a paused one stays so); its timeout is cleared.
 - ``branch``: it is branched (a snapshot of it as it was, ``timeout_branch``
   on its last info), then its VM is killed; the sandbox stays listed as
-  ``dead`` until it is deleted. A branch that fails still ends the sandbox.
+  ``dead`` until it is deleted. A branch refused for now (``Busy``: the
+  branch cap, an upload crossing) is tried again at the next pass; one that
+  fails otherwise leaves the sandbox paused, its state kept, not killed.
 
 Each expiry is written to the audit log, with the branch's tag.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +24,7 @@ from forkd.controller.services.branches import BranchService
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.store import SandboxRow
-from forkd.errors import ForkdError
+from forkd.errors import Busy, ForkdError
 
 log = logging.getLogger(__name__)
 
@@ -35,27 +39,39 @@ class Expiry:
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
 
     async def expire(self, row: SandboxRow) -> None:
-        """Carry out ``row.on_timeout`` for the sandbox whose timeout has passed."""
-        action = row.on_timeout if row.state != "dead" else "kill"
+        """Carry out ``row.on_timeout`` for the sandbox whose timeout has passed (unless
+        it was moved meanwhile)."""
+        now = self.fleet.store.get_sandbox(row.id)
+        if now is None or now.expires_at_unix is None or now.expires_at_unix > time.time():
+            return  # killed, or its timeout moved, since the reaper read it
+        action = now.on_timeout if now.state != "dead" else "kill"
         log.info("sandbox %s reached its timeout: %s", row.id, action)
         record: dict[str, Any] = {"event": "timeout", "sandbox": row.id, "on_timeout": action}
         if action == "pause":
+            if now.state == "running":
+                await self.pausing.pause(row.id)  # on failure the next pass tries again
             self.fleet.store.update_sandbox(row.id, expires_at_unix=None)
-            if row.state == "running":
-                await self.pausing.pause(row.id)
         elif action == "branch":
-            record["branch"] = await self._branch_then_end(row)
+            try:
+                tag = (await self.branches.branch(row.id, BranchRequest())).tag
+            except Busy:
+                return  # a cap or a crossing upload: the next pass tries again
+            except ForkdError as exc:  # keep its state rather than lose it: pause it
+                log.warning("sandbox %s: the branch at its timeout failed: %s", row.id, exc)
+                record.update(branch=None, error=str(exc)[:500])
+                await self._pause_instead(row.id)
+            else:
+                record["branch"] = tag
+                await self.fleet.mark_dead(row.id)
+                self.fleet.store.update_sandbox(row.id, expires_at_unix=None, timeout_branch=tag)
         else:
             await self.fleet.remove(row.id)
         if self.audit is not None:
             self.audit(**record)
 
-    async def _branch_then_end(self, row: SandboxRow) -> str | None:
-        tag: str | None = None
-        try:
-            tag = (await self.branches.branch(row.id, BranchRequest())).tag
-        except ForkdError as exc:
-            log.warning("sandbox %s: the branch at its timeout failed: %s", row.id, exc)
-        await self.fleet.mark_dead(row.id)
-        self.fleet.store.update_sandbox(row.id, expires_at_unix=None, timeout_branch=tag)
-        return tag
+    async def _pause_instead(self, sandbox_id: str) -> None:
+        row = self.fleet.store.get_sandbox(sandbox_id)
+        if row is not None and row.state == "running":
+            with contextlib.suppress(ForkdError):
+                await self.pausing.pause(sandbox_id)
+        self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=None)

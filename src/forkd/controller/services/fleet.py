@@ -91,6 +91,8 @@ class Fleet:
         # One branch of a given sandbox at a time: a second one must not resume
         # the source while the first is still capturing it.
         self.branch_locks: dict[str, asyncio.Lock] = {}
+        # How many times each sandbox was paused: a call that failed across a pause is retried.
+        self.pauses: dict[str, int] = {}
         self._tags_in_flight: set[str] = set()
         # Template builds and forks hold volume layers that no registry entry
         # names yet: no layer collection while any is in progress.
@@ -237,6 +239,7 @@ class Fleet:
     async def remove(self, sandbox_id: str) -> None:
         """Kill the sandbox's VM (if any), delete its files and its record."""
         self.branch_locks.pop(sandbox_id, None)
+        self.pauses.pop(sandbox_id, None)
         vm = self.vms.pop(sandbox_id, None)
         if vm is not None:
             await vm.kill()

@@ -32,6 +32,7 @@ REAP_INTERVAL_SECS = 1.0
 # One sandbox's check, killing it included (a kill is itself bounded: SIGKILL,
 # limits.KILL_WAIT_SECS, channels closed without a flush); the next pass retries.
 REAP_CHECK_SECS = 15.0
+EXPIRY_SECS = 600.0  # one sandbox's on_timeout, a branch of its whole memory included
 PROBE_SECS = 5.0  # one VM.is_alive()
 PROBE_THREADS = 4
 STOP_VM_SECS = 15.0  # at daemon stop, killing or letting go of one VM
@@ -208,8 +209,10 @@ class Lifecycle:
         return started
 
     async def _bounded_check(self, row: SandboxRow) -> None:
-        try:
-            await asyncio.wait_for(self._check(row), REAP_CHECK_SECS)
+        expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
+        branching = expired and row.on_timeout == "branch" and row.state != "dead"
+        try:  # a branch at the timeout copies the sandbox's memory: it gets longer
+            await asyncio.wait_for(self._check(row), EXPIRY_SECS if branching else REAP_CHECK_SECS)
         except TimeoutError:
             log.warning("reaper: sandbox %s took over %g s; next pass retries", row.id,
                         REAP_CHECK_SECS)  # fmt: skip

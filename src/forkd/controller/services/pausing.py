@@ -15,7 +15,7 @@ from typing import Any
 from forkd.controller.models import SandboxInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandboxes import SandboxService
-from forkd.errors import Conflict, ForkdError, VMError
+from forkd.errors import Busy, Conflict, ForkdError, VMError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,7 @@ class PauseService:
             except ForkdError as exc:
                 raise await self._failed(sandbox_id, vm, "pausing", exc) from exc
             self.fleet.store.update_sandbox(sandbox_id, state="paused")
+            self.fleet.pauses[sandbox_id] = self.fleet.pauses.get(sandbox_id, 0) + 1
         return self.sandboxes.info(sandbox_id)
 
     async def resume(self, sandbox_id: str) -> SandboxInfo:
@@ -64,6 +65,8 @@ class PauseService:
         return vm
 
     async def _failed(self, sandbox_id: str, vm: Any, doing: str, exc: ForkdError) -> ForkdError:
+        if isinstance(exc, Busy):  # an upload still crossing the agent channel: retry
+            return exc
         if not vm.is_alive():
             await self.fleet.mark_dead(sandbox_id)
             return Conflict(f"sandbox {sandbox_id!r} died while {doing}: {exc}")

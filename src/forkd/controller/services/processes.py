@@ -139,7 +139,7 @@ class ProcessService:
                 try:
                     answer = await pending.task
                 except ForkdError:
-                    if until is None and self._paused(sandbox_id):
+                    if until is None and self._paused_since(sandbox_id, pending.pauses):
                         async for event in self._while_paused(sandbox_id):
                             yield event
                         pending = self._ask(sandbox_id, pid, offset, wait, want, linger)
@@ -177,6 +177,11 @@ class ProcessService:
         row = self.sandboxes.fleet.store.get_sandbox(sandbox_id)
         return row is not None and row.state == "paused"
 
+    def _paused_since(self, sandbox_id: str, pauses: int) -> bool:
+        """Whether the sandbox is paused, or was since its pause count was ``pauses``
+        (a read that ran out its time across a pause failed for it, not for good)."""
+        return self._paused(sandbox_id) or self.sandboxes.fleet.pauses.get(sandbox_id, 0) != pauses
+
     async def _while_paused(self, sandbox_id: str) -> AsyncIterator[OutputEvent]:
         """Until the sandbox is no longer paused: a keep-alive now and then."""
         quiet_since = time.monotonic()
@@ -190,7 +195,8 @@ class ProcessService:
         self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
     ) -> _PendingRead:
         read = self._read(sandbox_id, pid, offset, wait, want, linger)
-        return _PendingRead(asyncio.ensure_future(read), time.monotonic())
+        pauses = self.sandboxes.fleet.pauses.get(sandbox_id, 0)
+        return _PendingRead(asyncio.ensure_future(read), time.monotonic(), pauses)
 
     async def _read(
         self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
@@ -209,6 +215,7 @@ class _PendingRead:
 
     task: asyncio.Future[ReadAnswer]
     asked: float
+    pauses: int  # the sandbox's pause count when it was asked
 
     def drop(self) -> None:
         """The stream ended first: cancel it, and take any failure it had."""

@@ -25,7 +25,7 @@ from forkd.controller.models import (
 )
 from forkd.controller.services.fleet import Admission, Fleet
 from forkd.controller.services.snapshots import SnapshotService
-from forkd.controller.store import SandboxRow, labelled, now
+from forkd.controller.store import SandboxRow, labelled, merged_labels, now
 from forkd.errors import (
     AgentError,
     Busy,
@@ -80,10 +80,14 @@ async def _exited(vm: Any, wait: float) -> bool:
     return True
 
 
+def _check_on_timeout(on_timeout: str) -> None:
+    if on_timeout == "hibernate":
+        raise Invalid("on_timeout 'hibernate' needs hibernation, which is not built yet")
+
+
 def _lifetime(req: SandboxCreate) -> float | None:
     """The fork's timeout in seconds (``timeout_s``, or its older name ``timeout_secs``)."""
-    if req.on_timeout == "hibernate":
-        raise Invalid("on_timeout 'hibernate' needs hibernation, which is not built yet")
+    _check_on_timeout(req.on_timeout)
     given = {t for t in (req.timeout_s, req.timeout_secs) if t is not None}
     if len(given) > 1:
         raise Invalid("timeout_s and timeout_secs differ: give one")
@@ -176,7 +180,9 @@ class SandboxService:
                 expires_at_unix=_expiry(_lifetime(req)),
                 state="starting",
                 on_timeout=req.on_timeout,
-                metadata={**fleet.snapshot_row(req.snapshot_tag).metadata, **(req.metadata or {})},
+                metadata=merged_labels(
+                    fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata
+                ),
             )
         )  # fmt: skip
         async with self._fork_slots:
@@ -247,7 +253,11 @@ class SandboxService:
         row = self.fleet.sandbox_row(sandbox_id)
         if row.state == "dead":
             raise Conflict(f"sandbox {sandbox_id!r} is dead")
-        self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=_expiry(req.timeout_s))
+        fields: dict[str, Any] = {"expires_at_unix": _expiry(req.timeout_s)}
+        if req.on_timeout is not None:
+            _check_on_timeout(req.on_timeout)
+            fields["on_timeout"] = req.on_timeout
+        self.fleet.store.update_sandbox(sandbox_id, **fields)
         return self.info(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:

@@ -1,0 +1,53 @@
+"""Stopping and starting a VM's vCPUs (QMP ``stop``/``cont``), mixed into
+:class:`forkd.vmm.vm.VM`.
+
+A pause first holds the agent channel (:meth:`AgentClient.hold`): nothing is
+half sent to a guest that cannot read it any more, and no upload payload is
+half read by a guest about to be snapshotted. The channel is released at the
+resume, or when the pause fails.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from forkd import limits
+from forkd.errors import AgentError, Busy, VMError
+from forkd.vmm.agent_client import AgentClient
+from forkd.vmm.qmp_channel import QMPChannel
+
+
+class VcpuControl:
+    id: str
+    state: str
+    agent: AgentClient
+    qmp: QMPChannel
+    _raise_if_dead: Callable[[str], None]
+
+    async def pause(self) -> None:
+        """Freeze the vCPUs, the agent channel held; :class:`Busy` when a request
+        or an upload is still crossing it after ``AGENT_HOLD_SECS``."""
+        try:
+            await self.agent.hold(limits.AGENT_HOLD_SECS)
+        except AgentError as exc:
+            raise Busy(f"pausing {self.id}: {exc}; retry shortly") from exc
+        try:
+            await self._run_state("stop", "pausing", "paused")
+        except BaseException:
+            self.agent.release()
+            raise
+
+    async def resume(self) -> None:
+        """Let the vCPUs run again, and requests cross the agent channel."""
+        try:
+            await self._run_state("cont", "resuming", "running")
+        finally:
+            self.agent.release()
+
+    async def _run_state(self, cmd: str, doing: str, state: str) -> None:
+        try:
+            await self.qmp.execute(cmd)
+        except VMError as exc:
+            self._raise_if_dead(f"QEMU of {self.id} died")
+            raise VMError(f"{doing} {self.id} failed: {exc}") from exc
+        self.state = state
