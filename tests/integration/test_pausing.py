@@ -16,25 +16,14 @@ from forkd.client import CommandHandle, Controller, ControllerError, Sandbox
 from forkd.guest import image as images
 
 from .conftest import Daemon
+from .counter import COUNTER, Lines, read_until
 
 pytestmark = pytest.mark.integration
 
-COUNTER = "i=0; while :; do i=$((i+1)); echo $i $(cat /proc/sys/kernel/hostname); sleep 0.2; done"
 
-
-def _lines(handle: CommandHandle, count: int, timeout: float = 60) -> list[tuple[int, str]]:
-    """The next ``count`` whole ``(N, hostname)`` lines of the counter."""
-    lines: list[tuple[int, str]] = []
-    partial = ""
-    deadline = time.monotonic() + timeout
-    for stdout, _stderr, _pty in handle:
-        partial += stdout or ""
-        *whole, partial = partial.split("\n")
-        lines += [(int(n), host) for n, host in (w.split(" ", 1) for w in whole)]
-        if len(lines) >= count:
-            return lines
-        assert time.monotonic() < deadline, f"the counter gave only {lines}"
-    raise AssertionError("the counter's output ended")
+def _lines(handle: CommandHandle, count: int, timeout: float = 60) -> Lines:
+    """The next ``count`` whole lines of the counter."""
+    return read_until(handle, lambda lines: len(lines) >= count, timeout)
 
 
 def _cpu_ticks(pid: int) -> int:

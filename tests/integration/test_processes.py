@@ -15,26 +15,14 @@ import forkd
 from forkd.client import CommandHandle, Controller, Sandbox
 
 from .conftest import Daemon
+from .counter import COUNTER, Lines, read_until
 
 pytestmark = pytest.mark.integration
 
-# Prints "N HOSTNAME" every 0.2 s: the hostname says in which sandbox a line was written.
-COUNTER = "i=0; while :; do i=$((i+1)); echo $i $(cat /proc/sys/kernel/hostname); sleep 0.2; done"
 
-
-def _lines_until(handle: CommandHandle, done: int, timeout: float = 60) -> list[tuple[int, str]]:
-    """The counter's ``(N, hostname)`` lines from the handle's offset until N reaches ``done``."""
-    lines: list[tuple[int, str]] = []
-    partial = ""
-    deadline = time.monotonic() + timeout
-    for stdout, _stderr, _pty in handle:
-        partial += stdout or ""
-        *whole, partial = partial.split("\n")
-        lines += [(int(n), host) for n, host in (w.split(" ", 1) for w in whole)]
-        if lines and lines[-1][0] >= done:
-            return lines
-        assert time.monotonic() < deadline, f"the counter reached only {lines[-1:]}"
-    raise AssertionError("the counter's output ended")
+def _lines_until(handle: CommandHandle, done: int, timeout: float = 60) -> Lines:
+    """The counter's lines from the handle's offset until N reaches ``done``."""
+    return read_until(handle, lambda lines: bool(lines) and lines[-1][0] >= done, timeout)
 
 
 def test_output_is_streamed_as_it_is_written(sb: Sandbox) -> None:
