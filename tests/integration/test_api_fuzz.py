@@ -323,7 +323,9 @@ def _settled(real: RealDaemon) -> tuple[Census, set[str], int]:
     deadline = time.monotonic() + 20
     while True:
         listed = {
-            s["id"] for s in real.client.get("/v1/sandboxes").json() if s["state"] == "running"
+            s["id"]
+            for s in real.client.get("/v1/sandboxes").json()
+            if s["state"] in ("running", "paused")  # each has its QEMU
         }
         metrics = real.client.get("/metrics").text
         pooled = int(float(next(line.split()[1] for line in metrics.splitlines()

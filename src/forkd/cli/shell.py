@@ -88,26 +88,29 @@ def run_in_terminal(
 ) -> int:
     """Start ``cmd`` in a terminal in the sandbox, join it to ours until it exits;
     its exit code (0-255; 1 when it has none). ``keys``: pass our stdin on."""
-    with daemon_errors(), conn.controller() as ctl:
-        from forkd.client.pty import PtyHandle
-
-        info = ctl.start_process(sandbox_id, cmd, env=_with_term(env), cwd=cwd,
-                                 pty=terminal_size(), timeout_s=timeout)  # fmt: skip
-        with PtyHandle(ctl, sandbox_id, int(info["pid"])) as term:
-            code = _join(term, keys)
-    return code if code is not None and 0 <= code <= 255 else 1
-
-
-def _join(term: PtyHandle, keys: bool) -> int | None:
-    """Copy the terminal to our stdout, and our stdin to it, until the process exits."""
     stdin_fd = sys.stdin.fileno()
     local_tty = keys and os.isatty(stdin_fd)
     if keys and not local_tty:
         err.print("[yellow]stdin is not a terminal: its bytes are typed as they come, "
                   "then Ctrl-D[/]")  # fmt: skip
+    # Raw before the process starts: a Ctrl-C typed while it starts is a key for
+    # the guest, not a SIGINT here (the terminal is restored before any error shows).
+    with daemon_errors(), conn.controller() as ctl, _raw_mode(stdin_fd if local_tty else None):
+        from forkd.client.pty import PtyHandle
+
+        info = ctl.start_process(sandbox_id, cmd, env=_with_term(env), cwd=cwd,
+                                 pty=terminal_size(), timeout_s=timeout)  # fmt: skip
+        with PtyHandle(ctl, sandbox_id, int(info["pid"])) as term:
+            code = _join(term, keys, stdin_fd)
+    return code if code is not None and 0 <= code <= 255 else 1
+
+
+def _join(term: PtyHandle, keys: bool, stdin_fd: int) -> int | None:
+    """Copy the terminal to our stdout, and our stdin to it, until the process exits
+    (our terminal is already raw)."""
     resized = threading.Event()
     out_fd = sys.stdout.fileno()
-    with _raw_mode(stdin_fd if local_tty else None), _on_sigwinch(resized.set):
+    with _on_sigwinch(resized.set):
         if keys:
             threading.Thread(target=_type_keys, args=(term, stdin_fd), daemon=True).start()
         while True:
