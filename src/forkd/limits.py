@@ -78,6 +78,12 @@ AGENT_WRITE_STALL_SECS = 10.0  # a guest taking none of a request for this long 
 AGENT_CLOSE_SECS = 2.0  # closing a VM's channels (agent, QMP)
 KILL_WAIT_SECS = 10.0  # for QEMU to exit after SIGKILL
 
+# Lifecycle events (GET /v1/events). A stream holds only its place in the ring, so a
+# client that stops reading costs nothing; one that falls this far behind gets a gap.
+EVENT_RING_SIZE = 1000  # recent events kept for replay (Last-Event-ID)
+MAX_EVENT_SUBSCRIBERS = 64  # event streams open at once; one more is a 429
+EVENT_HEARTBEAT_SECS = 15.0  # a comment on a quiet stream, so proxies keep it open
+
 # Volume content archives (the upload is capped above; what it expands to, here).
 VOLUME_MAX_ENTRIES = 100_000  # files, directories and links in one archive
 VOLUME_BYTES_PER_ENTRY = 4096  # and one per 4 KiB of volume: ext4's inode ratio for small disks

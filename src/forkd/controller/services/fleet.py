@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from forkd.controller.metrics import Metrics
+from forkd.controller.services.events import EventBus
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import Conflict, ForkdError, NotFound, OverCapacity
@@ -97,6 +98,7 @@ class Fleet:
         # Template builds and forks hold volume layers that no registry entry
         # names yet: no layer collection while any is in progress.
         self.volume_ops = 0
+        self.events = EventBus()  # lifecycle events: every service publishes here
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
         self.cgroups = _cgroup_hierarchy(settings)
         self._admitted: list[Admission] = []  # requests starting VMs right now
@@ -231,10 +233,14 @@ class Fleet:
         """The sandbox's VM is gone: keep its record, state ``dead``."""
         self.branch_locks.pop(sandbox_id, None)
         vm = self.vms.pop(sandbox_id, None)
+        exited = vm is None or not vm.is_alive()  # on its own, or stopped by us now
         if vm is not None:
             await vm.kill()
-        if self.store.get_sandbox(sandbox_id) is not None:
+        row = self.store.get_sandbox(sandbox_id)
+        if row is not None:
             self.store.update_sandbox(sandbox_id, state="dead")
+            if row.state != "dead":
+                self.events.publish("died" if exited else "killed", sandbox_id=sandbox_id)
 
     async def remove(self, sandbox_id: str) -> None:
         """Kill the sandbox's VM (if any), delete its files and its record."""
@@ -247,7 +253,10 @@ class Fleet:
             row = self.store.get_sandbox(sandbox_id)
             if row is not None:
                 shutil.rmtree(row.run_dir, ignore_errors=True)
+        row = self.store.get_sandbox(sandbox_id)
         self.store.delete_sandbox(sandbox_id)
+        if row is not None and row.state not in ("starting", "dead"):  # a failed fork: none
+            self.events.publish("killed", sandbox_id=sandbox_id)
 
     def all_vms(self) -> list[Any]:
         """Every VM the daemon holds: sandboxes and pooled QEMU processes."""
