@@ -35,6 +35,10 @@ MAX_EXEC_TIMEOUT_SECS = 86400.0
 EVAL_TIMEOUT_SECS = 60.0  # an eval's default timeout_s; then it is interrupted
 MAX_EVAL_TIMEOUT_SECS = 86400.0
 MAX_SANDBOX_TIMEOUT_SECS = 30 * 86400.0
+DEFAULT_PREVIEW_TTL_SECS = 3600  # a preview URL's life
+MAX_PREVIEW_TTL_SECS = 7 * 86400
+PORT_CONNECT_SECS = 10.0  # the daemon's connection to a guest port
+PORT_HEAD_SECS = 60.0  # a proxied request's answer head, once its body was sent
 
 # Counts.
 MAX_FORK_N = 1000

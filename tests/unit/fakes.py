@@ -32,6 +32,7 @@ from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
 
 GUEST_STATE = "fake-guest.json"  # beside the real files: what the fake guest had
+CLOSED_PORT = 9  # discard: nothing listens on a test host's loopback there
 
 
 def make_image(cache_dir: Path, name: str = "python") -> Path:
@@ -127,12 +128,15 @@ class FakeVM:
         self.capture_delay = 0.0
         self.events: list[str] = []
         self.volumes: list[Any] = []
+        self.net: Any = None  # no namespace: user-mode networking
         self.ready_ms: float | None = 1.0
         self.image_name = "python"
         self.guest = guest
         self.processes = FakeProcesses()
         self.transfers = FakeTransfers(guest.files)
         self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
+        # Guest TCP port -> a loopback port where a test's server plays the guest's service.
+        self.ports: dict[int, int] = {}
 
     # lifecycle ---------------------------------------------------------------
     def is_alive(self) -> bool:
@@ -187,6 +191,13 @@ class FakeVM:
             raise AgentError(f"agent did not answer {op!r} within 1 s (paused)")
         if self.fail == op:
             raise AgentError(f"agent did not answer {op!r} within 1 s")
+
+    async def guest_port_address(self, port: int) -> tuple[str, int]:
+        """As VM's: where the daemon connects for guest ``port`` (none listening: a closed one)."""
+        from forkd.vmm.guest_ports import check_guest_port
+
+        check_guest_port(port)
+        return "127.0.0.1", self.ports.get(port, CLOSED_PORT)
 
     async def ping(self) -> dict[str, Any]:
         self._agent("ping")

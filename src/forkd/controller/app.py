@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from forkd import __version__
-from forkd.controller import http_errors, pty_ws, routes
+from forkd.controller import http_errors, port_proxy, port_ws, pty_ws, routes
 from forkd.controller.audit import AuditLog
 from forkd.controller.metrics import Metrics
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
@@ -47,6 +47,7 @@ def create_app(
         try:
             yield
         finally:
+            services.fleet.events.close()
             await services.lifecycle.stop()
             services.expiry.audit = None
             app.state.audit.close()
@@ -61,4 +62,15 @@ def create_app(
     for router in routes.ROUTERS:
         app.include_router(router)
     app.include_router(pty_ws.router)  # a WebSocket: not in the OpenAPI document
+    app.include_router(port_proxy.router)  # the guest's answers: not in the document
+    app.include_router(port_ws.router)
     return app
+
+
+def end_streams(app: FastAPI) -> None:
+    """The daemon stops: end its event streams, which end on nothing else. The server
+    calls this before it waits for open connections (and only then runs the lifespan's
+    end), so an open stream does not hold the daemon up."""
+    services = getattr(app.state, "services", None)
+    if services is not None:
+        services.fleet.events.close()

@@ -22,6 +22,11 @@ UNAUDITED = ("/healthz", "/metrics")
 UNAUTHORIZED = "missing or wrong bearer token"
 _ID_IN_PATH = re.compile(r"^/v1/(sandboxes|snapshots)/([^/]+)")
 _FILE_UPLOAD = re.compile(r"^/v1/sandboxes/[^/]+/files$")
+# The guest port proxy (controller.port_proxy): bodies are the guest's, streamed both ways.
+_PROXIED = re.compile(r"^/v1/(sandboxes/[^/]+/ports/[^/]+/|preview/[^/]+/)")
+# A preview URL's token is its credential: the route checks its HMAC, and the
+# audit log never records it.
+_PREVIEW = re.compile(r"^/v1/preview/([^/]+)/")
 
 
 def _is_raw_body_route(path: str) -> bool:
@@ -45,7 +50,11 @@ class GuardMiddleware:
 
     A file upload's body is the exception: it streams to the app as it
     arrives, counted against ``upload_limit``; past it the app reads an end
-    of the body and the client gets the 413.
+    of the body and the client gets the 413. A body for a guest's port
+    (``/ports/``, ``/v1/preview/``) streams uncounted: the daemon never holds it.
+
+    ``/v1/preview/{token}/...`` needs no bearer token: its route checks the
+    token's HMAC (constant time) before anything reaches a guest.
     """
 
     def __init__(
@@ -72,6 +81,9 @@ class GuardMiddleware:
             # The body is left unread; closing stops uvicorn draining it.
             await error_response(401, UNAUTHORIZED, close=True)(scope, receive, send)
             return
+        if _PROXIED.match(path):  # the daemon keeps none of it: a piece at a time
+            await self.app(scope, receive, send)
+            return
         streamed = _is_streamed_upload(scope)
         limit = FILE_BODY_LIMIT if _is_raw_body_route(path) else JSON_BODY_LIMIT
         limit = self.upload_limit if streamed else limit
@@ -93,7 +105,7 @@ class GuardMiddleware:
         await self.app(_with_body_headers(scope, len(body)), _replay(body, receive), send)
 
     def _authorized(self, scope: Scope, path: str) -> bool:
-        if self.token is None or path == "/healthz":
+        if self.token is None or path == "/healthz" or _PREVIEW.match(path):
             return True
         given = {k.lower(): v for k, v in scope["headers"]}.get(b"authorization", b"")
         return hmac.compare_digest(given, b"Bearer " + self.token)
@@ -258,7 +270,7 @@ def _record(scope: Scope, status: int | None, started: float, error_id: str | No
     client = scope.get("client")
     record: Fields = {
         "method": scope.get("method", "GET"),
-        "path": path,
+        "path": _PREVIEW.sub("/v1/preview/<token>/", path, count=1),
         "status": status,
         "sandbox_id": m.group(2) if m and m.group(1) == "sandboxes" else None,
         "snapshot_tag": m.group(2) if m and m.group(1) == "snapshots" else None,

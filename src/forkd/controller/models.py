@@ -10,7 +10,7 @@ receives and a service takes; responses (``SnapshotInfo``, ``SandboxInfo``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -52,9 +52,13 @@ class EgressAllow(_Body):
 Egress = Literal["none", "internet"] | EgressAllow
 
 
-# What a sandbox's timeout does: kill it; pause it; branch it (a snapshot), then kill
-# it; hibernate is named by the contract but not built yet (a 400).
+# What a sandbox's timeout does: kill it; pause it; hibernate it (to disk, its QEMU
+# ended); branch it (a snapshot), then kill it.
 OnTimeout = Literal["kill", "pause", "branch", "hibernate"]
+
+# Where a sandbox is in its life; the one list of them.
+SandboxState = Literal["starting", "running", "paused", "hibernated", "dead"]
+SANDBOX_STATES: tuple[str, ...] = get_args(SandboxState)
 
 
 class SnapshotCreate(_Body):
@@ -88,6 +92,13 @@ class SandboxCreate(_Body):
     timeout_s: float | None = Field(
         None, gt=0, le=limits.MAX_SANDBOX_TIMEOUT_SECS, description="the same as timeout_secs"
     )
+    idle_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=limits.MAX_SANDBOX_TIMEOUT_SECS,
+        description="seconds with no API call touching the sandbox and no process output, "
+        "after which on_timeout happens (running sandboxes only); null: none",
+    )
     on_timeout: OnTimeout = Field("kill", description="what the timeout does to the sandbox")
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
@@ -100,7 +111,30 @@ class TimeoutRequest(_Body):
         le=limits.MAX_SANDBOX_TIMEOUT_SECS,
         description="seconds from now until the sandbox's timeout; null: none",
     )
+    idle_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=limits.MAX_SANDBOX_TIMEOUT_SECS,
+        description="the idle timeout; null removes it; left out: kept",
+    )
     on_timeout: OnTimeout | None = Field(None, description="change what it does; null: keep")
+
+
+class PauseRequest(_Body):
+    hibernate: bool = Field(
+        False,
+        description="write the sandbox to disk and end its QEMU (its memory is given "
+        "back); resume restores it with the same id, address, volumes and processes",
+    )
+
+
+class ResumeRequest(_Body):
+    timeout_s: float | None = Field(
+        None,
+        gt=0,
+        le=limits.MAX_SANDBOX_TIMEOUT_SECS,
+        description="a new timeout, seconds from now; null: keep it (a woken sandbox has none)",
+    )
 
 
 class ExecRequest(_Body):
@@ -215,10 +249,18 @@ class SandboxInfo(BaseModel):
     created_at_unix: int
     pid: int | None
     memory_limit_mib: int | None
-    state: str = Field(description="'starting', 'running', 'paused' or 'dead'")
+    state: SandboxState = Field(
+        description="paused: vCPUs stopped, memory kept; hibernated: on disk, no QEMU"
+    )
     expires_at_unix: float | None
     expires_at: str | None = Field(None, description="the timeout, ISO 8601 UTC; null: none")
-    on_timeout: str = Field("kill", description="what the timeout does: kill, pause or branch")
+    idle_timeout_s: float | None = Field(
+        None, description="seconds of no API call and no process output before on_timeout"
+    )
+    last_active_at: str | None = Field(
+        None, description="its last API call or process output seen, ISO 8601 UTC"
+    )
+    on_timeout: OnTimeout = Field("kill", description="what the timeout does")
     timeout_branch: str | None = Field(
         None, description="on_timeout branch: the tag of the branch the timeout made"
     )
@@ -330,6 +372,26 @@ class OutputExit(BaseModel):
 
 class ErrorBody(BaseModel):
     error: str
+
+
+class PreviewRequest(_Body):
+    port: int = Field(ge=1, le=65535, description="the guest's TCP port (not 8888, the agent's)")
+    ttl_s: int = Field(
+        limits.DEFAULT_PREVIEW_TTL_SECS,
+        ge=1,
+        le=limits.MAX_PREVIEW_TTL_SECS,
+        description="seconds until the URL stops working (it also stops when the sandbox dies)",
+    )
+
+
+class PreviewInfo(BaseModel):
+    """A signed URL for a browser: the sandbox's port without the bearer token."""
+
+    url: str = Field(description="absolute, for this daemon as the request reached it")
+    token: str = Field(description="p1.<sandbox id>.<port>.<expires at, unix s>.<HMAC-SHA256>")
+    expires_at: str = Field(description="ISO 8601 UTC")
+    expires_at_unix: int
+    port: int
 
 
 class StreamError(BaseModel):

@@ -13,6 +13,7 @@ from forkd.controller import sse
 from forkd.controller.bodies import receive_upload, stream_download
 from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL
 from forkd.controller.models import (
+    SANDBOX_STATES,
     BranchRequest,
     EvalInterrupt,
     EvalRequest,
@@ -22,12 +23,16 @@ from forkd.controller.models import (
     FileEntry,
     FileWritten,
     Health,
+    PauseRequest,
     PingResult,
+    PreviewInfo,
+    PreviewRequest,
     ProcessInfo,
     ProcessResize,
     ProcessSignal,
     ProcessStart,
     ProcessStdin,
+    ResumeRequest,
     SandboxCreate,
     SandboxInfo,
     SnapshotCreate,
@@ -166,7 +171,7 @@ async def list_sandboxes(
     svc: Svc,
     request: Request,
     state: Annotated[
-        str | None, Query(description="starting, running, paused or dead; another is a 400")
+        str | None, Query(description=f"one of {', '.join(SANDBOX_STATES)}; another is a 400")
     ] = None,
     snapshot: Annotated[str | None, Query(description="forked from this snapshot")] = None,
 ) -> list[SandboxInfo]:
@@ -212,21 +217,33 @@ async def set_timeout(svc: Svc, sandbox_id: str, body: TimeoutRequest) -> Sandbo
 
 
 @sandboxes.post("/{sandbox_id}/pause", response_model=SandboxInfo)
-async def pause(svc: Svc, sandbox_id: str) -> SandboxInfo:
+async def pause(svc: Svc, sandbox_id: str, body: PauseRequest | None = None) -> SandboxInfo:
     """Stop the sandbox's vCPUs, its memory kept: it uses no CPU, answers no guest
-    call (409) and can be branched as it is. 409 unless it is running."""
-    return await svc.pausing.pause(sandbox_id)
+    call (409) and can be branched as it is. 409 unless it is running. With
+    ``hibernate``, a running or paused sandbox is written to disk and its QEMU ends
+    (409 when it is already hibernated)."""
+    return await svc.pausing.pause(sandbox_id, hibernate=bool(body and body.hibernate))
 
 
 @sandboxes.post("/{sandbox_id}/resume", response_model=SandboxInfo)
-async def resume(svc: Svc, sandbox_id: str) -> SandboxInfo:
-    """Run the paused sandbox again and set its clock. 409 unless it is paused."""
-    return await svc.pausing.resume(sandbox_id)
+async def resume(svc: Svc, sandbox_id: str, body: ResumeRequest | None = None) -> SandboxInfo:
+    """Run the paused sandbox again and set its clock, or restore the hibernated one
+    into a new QEMU. 409 unless it is paused or hibernated."""
+    return await svc.pausing.resume(sandbox_id, body.timeout_s if body else None)
 
 
 @sandboxes.post("/{sandbox_id}/branch", status_code=201, **SNAPSHOT)
 async def branch(svc: Svc, sandbox_id: str, body: BranchRequest | None = None) -> SnapshotInfo:
     return await svc.branches.branch(sandbox_id, body or BranchRequest())
+
+
+@sandboxes.post("/{sandbox_id}/preview-urls", status_code=201, response_model=PreviewInfo)
+async def preview_url(
+    svc: Svc, sandbox_id: str, body: PreviewRequest, request: Request
+) -> PreviewInfo:
+    """A signed URL to a guest port for a browser, no bearer token: it works until it
+    expires or the sandbox dies (docs/API.md, "Ports")."""
+    return svc.ports.create_preview(sandbox_id, body, str(request.base_url))
 
 
 # ------------------------------------------------------------------ files
@@ -352,4 +369,44 @@ async def delete_volume(svc: Svc, name: str) -> Response:
     return Response(status_code=204)
 
 
-ROUTERS = (discovery, snapshots, sandboxes, processes, files, volumes)
+# ------------------------------------------------------------------ events
+
+events = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
+LIFECYCLE_EVENTS = {
+    "content": {sse.MEDIA_TYPE: {"schema": {"type": "string"}}},
+    "description": "Server-Sent Events, one per lifecycle event (docs/API.md, Events): event "
+    "(its type), id, data ({id, type, time, sandbox_id?, snapshot_tag?, ...}); a gap "
+    "({after, missed, reason}) when events it would have had were lost",
+}
+
+SINCE = "replay after this id (0: all kept); default: Last-Event-ID, else from now"
+
+
+def _only_named(request: Request, *named: str) -> None:
+    """Any query parameter but ``named``, or one given twice, is a 400: a filter
+    ignored would stream everything."""
+    for key in request.query_params:
+        if len(request.query_params.getlist(key)) > 1:
+            raise Invalid(f"query parameter {key!r} is given more than once")
+        if key not in named:
+            raise Invalid(f"unknown query parameter {key!r}: one of {', '.join(named)}")
+
+
+@events.get("", response_class=StreamingResponse, responses={200: LIFECYCLE_EVENTS})
+async def lifecycle_events(
+    svc: Svc,
+    request: Request,
+    type: Annotated[str | None, Query(description="event types, comma-separated")] = None,
+    sandbox_id: Annotated[str | None, Query(description="this sandbox's events only")] = None,
+    since: Annotated[int | None, Query(ge=0, description=SINCE)] = None,
+    last_event_id: Annotated[int | None, Header(ge=0)] = None,
+) -> StreamingResponse:
+    """Lifecycle events as they happen, until the daemon stops."""
+    _only_named(request, "type", "sandbox_id", "since")
+    types = None if type is None else type.split(",")
+    start = since if since is not None else last_event_id
+    stream = svc.fleet.events.subscribe(types, sandbox_id, start)
+    return StreamingResponse(sse.lifecycle(stream), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
+
+
+ROUTERS = (discovery, snapshots, sandboxes, processes, files, volumes, events)

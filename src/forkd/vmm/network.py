@@ -8,7 +8,9 @@ Every VM (template or fork) runs QEMU inside a namespace of its own::
 
 Every guest has the same address (children are memory copies of one
 guest); the namespace keeps the copies apart. The host reaches a guest's
-agent at ``10.201.x.2:8888`` (DNAT inside the namespace). What the guest may
+agent at ``10.201.x.2:8888``, and any other TCP port of the guest at the same
+address (DNAT inside the namespace; namespaces made before forkd proxied
+ports forward only 8888). What the guest may
 reach is the namespace's ``egress`` chain (:mod:`forkd.vmm.egress`); the
 host's ``forkd`` table drops anything a sandbox sends to the host itself or
 to another sandbox, whatever the policy.
@@ -100,6 +102,12 @@ class SandboxNet:
     ns_ip: str
 
     @property
+    def index(self) -> int | None:
+        """Its /30's place in the sandbox range (from the host-side name)."""
+        suffix = self.host_if[len(HOST_IF_PREFIX) :]
+        return int(suffix) if suffix.isdigit() else None
+
+    @property
     def guest_addr(self) -> str:
         """Where the host reaches the guest's agent port."""
         return f"{self.ns_ip}:{AGENT_PORT}"
@@ -183,7 +191,9 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
         "table ip forkd {",
         "  chain prerouting {",
         "    type nat hook prerouting priority dstnat; policy accept;",
-        f'    iifname "{NS_VETH}" tcp dport {AGENT_PORT} dnat to {GUEST_IP}:{AGENT_PORT}',
+        # From the host (only the daemon's uid may send here): any TCP port of the
+        # guest, its agent's and the ports the daemon proxies (forkd.vmm.guest_ports).
+        f'    iifname "{NS_VETH}" meta l4proto tcp dnat to {GUEST_IP}',
     ]
     if dns:
         for proto in ("udp", "tcp"):
@@ -209,8 +219,7 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
         f'    iifname "{NS_TAP}" ct state new limit rate over {NEW_CONN_RATE}/second '
         f"burst {NEW_CONN_BURST} packets drop",
         f'    iifname "{NS_TAP}" ct state new ct count over {MAX_GUEST_CONNS} drop',
-        f'    iifname "{NS_VETH}" oifname "{NS_TAP}" ip daddr {GUEST_IP} '
-        f"tcp dport {AGENT_PORT} accept",
+        f'    iifname "{NS_VETH}" oifname "{NS_TAP}" ip daddr {GUEST_IP} meta l4proto tcp accept',
         f'    iifname "{NS_TAP}" oifname "{NS_VETH}" jump egress',
         "  }",
         "  chain egress {",
@@ -274,6 +283,8 @@ class HostNetwork:
         self._lock = threading.Lock()
         self._host_loaded_at: float | None = None
         self.resolver = upstream_resolver()
+        # vm id -> the /30 it should get if free: a woken sandbox keeps its address.
+        self._preferred: dict[str, int] = {}
 
     @staticmethod
     def _choose(mode: str) -> tuple[str, str]:
@@ -289,6 +300,10 @@ class HostNetwork:
     @property
     def enabled(self) -> bool:
         return self.mode == "netns"
+
+    def prefer(self, vm_id: str, index: int) -> None:
+        """Give ``vm_id``'s next namespace the /30 ``index`` when it is free."""
+        self._preferred[vm_id] = index
 
     def prepare_host(self) -> None:
         """Load the host's ``forkd`` table and let it forward sandbox traffic.
@@ -313,7 +328,7 @@ class HostNetwork:
         name = NETNS_PREFIX + vm_id
         # One allocation at a time on this host, whichever daemon or thread asks.
         with self._lock, _host_lock():
-            index = self._free_index()
+            index = self._free_index(self._preferred.pop(vm_id, None))
             host_ip = str(self.cidr.network_address + 4 * index + 1)
             ns_ip = str(self.cidr.network_address + 4 * index + 2)
             net = SandboxNet(name, f"{HOST_IF_PREFIX}{index}", host_ip, ns_ip)
@@ -348,14 +363,17 @@ class HostNetwork:
         ns.link("set", index=tap, state="up")
         ns.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
 
-    def _free_index(self) -> int:
+    def _free_index(self, preferred: int | None = None) -> int:
         from pyroute2 import IPRoute
 
         with IPRoute() as ipr:
             names = [link.get("ifname") or "" for link in ipr.get_links()]
         used = {int(n[len(HOST_IF_PREFIX):]) for n in names
                 if n.startswith(HOST_IF_PREFIX) and n[len(HOST_IF_PREFIX):].isdigit()}  # fmt: skip
-        for index in range(self.cidr.num_addresses // 4):
+        slots = self.cidr.num_addresses // 4
+        if preferred is not None and 0 <= preferred < slots and preferred not in used:
+            return preferred
+        for index in range(slots):
             if index not in used:
                 return index
         raise Unavailable(f"no free addresses left in --sandbox-cidr {self.cidr}")

@@ -98,10 +98,13 @@ class MachineConfig:
         )
 
 
+NETDEV_ID = "net0"  # QMP names it: forkd.vmm.guest_ports adds host forwards to it
+
+
 def _netdev(cfg: MachineConfig, tap: bool) -> str:
     if tap:
-        return "tap,id=net0,ifname=tap0,script=no,downscript=no"
-    return "user,id=net0" + ("" if cfg.internet else ",restrict=on")
+        return f"tap,id={NETDEV_ID},ifname=tap0,script=no,downscript=no"
+    return f"user,id={NETDEV_ID}" + ("" if cfg.internet else ",restrict=on")
 
 
 def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
@@ -209,7 +212,7 @@ def build_argv(
         "-object", "rng-random,id=rng,filename=/dev/urandom",
         "-device", "virtio-rng-device,rng=rng",
         "-netdev", _netdev(cfg, tap),
-        "-device", "virtio-net-device,netdev=net0",
+        "-device", f"virtio-net-device,netdev={NETDEV_ID}",
         "-qmp", f"unix:{_opt(rt.qmp)},server=on,wait=off",
     ]  # fmt: skip
     for i, vol in enumerate(volumes):

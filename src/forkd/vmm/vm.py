@@ -52,6 +52,7 @@ from forkd.vmm import (
 )
 from forkd.vmm.agent_client import AgentClient
 from forkd.vmm.agent_ops import GuestOps
+from forkd.vmm.guest_ports import GuestPorts
 from forkd.vmm.launch import tail
 from forkd.vmm.processes import qemu_pid_matches
 from forkd.vmm.qemu_argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
@@ -73,7 +74,7 @@ def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
 
 
-class VM(GuestOps, VcpuControl):
+class VM(GuestOps, VcpuControl, GuestPorts):
     """A running (or paused, or dead) QEMU process and its agent connection."""
 
     def __init__(

@@ -17,6 +17,7 @@ from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
 from forkd.controller.services.lifecycle import Lifecycle
 from forkd.controller.services.pausing import PauseService
+from forkd.controller.services.ports import PortService
 from forkd.controller.services.processes import ProcessService
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshots import SnapshotService
@@ -35,6 +36,7 @@ class Services:
     sandboxes: SandboxService
     pausing: PauseService
     processes: ProcessService
+    ports: PortService
     files: FileTransferService
     volumes: VolumeService
     expiry: Expiry
@@ -58,6 +60,7 @@ class Services:
             sandboxes=sandboxes,
             pausing=pausing,
             processes=ProcessService(sandboxes),
+            ports=PortService(fleet),
             files=FileTransferService(sandboxes),
             volumes=volumes,
             expiry=expiry,

@@ -1,0 +1,112 @@
+"""A sandbox's TCP ports: connections to them for the proxy and tunnel, and preview URLs.
+
+The HTTP side (:mod:`forkd.controller.port_proxy`, :mod:`forkd.controller.port_ws`)
+asks here for a :class:`GuestLink` to a port: where to connect, held as one
+of the sandbox's at most :data:`MAX_CONNECTIONS_PER_SANDBOX` proxied
+connections, and a way to learn that the sandbox has gone (a namespace
+removed under an open socket leaves its reads waiting forever).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from forkd.controller.models import PreviewInfo, PreviewRequest
+from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.preview_tokens import PreviewKey, parse
+from forkd.errors import Busy, Forbidden, NotFound
+from forkd.vmm.guest_ports import check_guest_port
+
+MAX_CONNECTIONS_PER_SANDBOX = 64
+
+
+@dataclass
+class GuestLink:
+    """Where one proxied connection goes, and whether its sandbox still runs."""
+
+    sandbox_id: str
+    port: int
+    host: str
+    host_port: int
+    _fleet: Fleet
+    _vm: Any
+
+    def alive(self) -> bool:
+        """False once the sandbox was killed, died or left its VM (hibernated)."""
+        return self._fleet.vms.get(self.sandbox_id) is self._vm and bool(self._vm.is_alive())
+
+
+class PortService:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self.key = PreviewKey(fleet.settings.state_dir)
+        self._open: dict[str, int] = {}  # sandbox id -> its proxied connections now
+
+    @contextlib.asynccontextmanager
+    async def link(self, sandbox_id: str, port: int) -> AsyncIterator[GuestLink]:
+        """Hold one of the sandbox's proxied connections to guest ``port`` for the block.
+
+        :class:`Invalid` for a port no one may reach, :class:`Conflict` unless
+        the sandbox runs (paused too), :class:`Busy` at the cap.
+        """
+        check_guest_port(port)
+        vm = self.fleet.live(sandbox_id)
+        held = self._open.get(sandbox_id, 0)
+        if held >= MAX_CONNECTIONS_PER_SANDBOX:
+            raise Busy(f"sandbox {sandbox_id!r} has {held} proxied connections open, the most "
+                       "it may have: close some and retry")  # fmt: skip
+        self._open[sandbox_id] = held + 1
+        try:
+            host, host_port = await vm.guest_port_address(port)
+            yield GuestLink(sandbox_id, port, host, host_port, self.fleet, vm)
+        finally:
+            left = self._open.get(sandbox_id, 1) - 1
+            if left > 0:
+                self._open[sandbox_id] = left
+            else:
+                self._open.pop(sandbox_id, None)
+
+    def connections(self, sandbox_id: str) -> int:
+        return self._open.get(sandbox_id, 0)
+
+    # ------------------------------------------------------------ preview URLs
+
+    def create_preview(self, sandbox_id: str, req: PreviewRequest, base_url: str) -> PreviewInfo:
+        """A signed URL to guest ``req.port`` for ``req.ttl_s`` seconds."""
+        port = req.port
+        check_guest_port(port)
+        self.fleet.live(sandbox_id, paused_ok=True)
+        row = self.fleet.sandbox_row(sandbox_id)
+        expires = int(time.time()) + req.ttl_s
+        token = self.key.sign(sandbox_id, row.created_at_unix, port, expires)
+        return PreviewInfo(
+            url=f"{base_url.rstrip('/')}/v1/preview/{token}/",
+            token=token,
+            expires_at=datetime.fromtimestamp(expires, tz=UTC).isoformat(),
+            expires_at_unix=expires,
+            port=port,
+        )
+
+    def resolve_preview(self, token: str) -> tuple[str, int]:
+        """The sandbox and port a valid, unexpired token grants.
+
+        :class:`Forbidden` for anything but a token this daemon's key signed for a
+        sandbox that still has its record (so a wrong MAC and an unknown sandbox
+        read the same), or one that expired; :class:`NotFound` once its sandbox
+        is dead. Nothing about the sandbox is told before the MAC is checked.
+        """
+        claim = parse(token)
+        row = self.fleet.store.get_sandbox(claim.sandbox_id)
+        if row is None:
+            raise Forbidden("not a valid preview URL")
+        self.key.verify(claim, row.created_at_unix)
+        if claim.expires_at_unix <= time.time():
+            raise Forbidden("this preview URL has expired")
+        if row.state == "dead":
+            raise NotFound(f"sandbox {claim.sandbox_id!r} of this preview URL is dead")
+        return claim.sandbox_id, claim.port

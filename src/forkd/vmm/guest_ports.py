@@ -1,0 +1,71 @@
+"""Where the host reaches a TCP port of a VM's guest, mixed into :class:`forkd.vmm.vm.VM`.
+
+With a network namespace the guest's ports are at the namespace's address
+(DNAT to the guest inside it: :func:`forkd.vmm.network.namespace_ruleset`).
+With user-mode networking QEMU forwards a loopback port the daemon picks to
+the guest port (HMP ``hostfwd_add`` over QMP), added on first use and kept
+for the VM's life. Either way the connection starts on the host: nothing in
+the guest can open one back to the daemon.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from forkd.errors import Invalid, VMError
+from forkd.vmm.network import AGENT_PORT, SandboxNet
+from forkd.vmm.qemu_argv import NETDEV_ID
+from forkd.vmm.qmp_channel import QMPChannel
+
+LOOPBACK = "127.0.0.1"
+HOSTFWD_ATTEMPTS = 5  # a port picked free may be taken before QEMU binds it
+
+
+def check_guest_port(port: int) -> None:
+    """:class:`Invalid` unless ``port`` is a TCP port a caller may reach in a guest."""
+    if not 1 <= port <= 65535:
+        raise Invalid(f"port {port} is not a TCP port (1-65535)")
+    if port == AGENT_PORT:
+        raise Invalid(
+            f"port {AGENT_PORT} is the forkd guest agent's, not a service of yours: it speaks "
+            "forkd's own protocol and is never proxied (use the sandbox routes instead)"
+        )
+
+
+def _free_loopback_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return int(s.getsockname()[1])
+
+
+class GuestPorts:
+    id: str
+    net: SandboxNet | None
+    qmp: QMPChannel
+
+    async def guest_port_address(self, port: int) -> tuple[str, int]:
+        """The host and port the daemon connects to for guest TCP port ``port``."""
+        check_guest_port(port)
+        if self.net is not None:
+            return self.net.ns_ip, port
+        forwards: dict[int, int] = self.__dict__.setdefault("_host_forwards", {})
+        lock: asyncio.Lock = self.__dict__.setdefault("_host_forwards_lock", asyncio.Lock())
+        async with lock:
+            if port not in forwards:
+                forwards[port] = await self._add_host_forward(port)
+        return LOOPBACK, forwards[port]
+
+    async def _add_host_forward(self, port: int) -> int:
+        """A new loopback port that QEMU forwards to guest ``port``."""
+        said = ""
+        for _ in range(HOSTFWD_ATTEMPTS):
+            host_port = _free_loopback_port()
+            rule = f"tcp:{LOOPBACK}:{host_port}-:{port}"
+            said = await self.qmp.execute(
+                "human-monitor-command", {"command-line": f"hostfwd_add {NETDEV_ID} {rule}"}
+            )
+            if not str(said).strip():  # HMP says nothing when it worked
+                return host_port
+        raise VMError(f"QEMU of {self.id} could not forward a host port to guest port "
+                      f"{port}: {str(said).strip()}")  # fmt: skip

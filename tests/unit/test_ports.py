@@ -1,0 +1,220 @@
+"""The port proxy (``/v1/sandboxes/{id}/ports/{port}/...``) over the fake driver.
+
+The fake guest's port is a real web service on loopback
+(tests/integration/guest_web.py, the one the integration tests run in a
+guest), and the app runs under a real uvicorn, so framing, streaming and
+headers are those of real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from forkd.controller.services import ports as port_service
+from forkd.launcher import free_port
+from tests.integration import guest_web
+from tests.unit.conftest import TOKEN, Server
+from tests.unit.fakes import FakeVM
+
+GUEST_PORT = 8000
+
+
+@pytest.fixture
+def web() -> Iterator[int]:
+    """A loopback web service playing the guest's; its port."""
+    port = free_port()
+    srv = guest_web.make_server("127.0.0.1", port, "the fake guest")
+    thread = threading.Thread(target=srv.serve_forever, daemon=True)
+    thread.start()
+    yield port
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture
+def http(server: Server) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
+                      timeout=10) as c:  # fmt: skip
+        yield c
+
+
+@pytest.fixture
+def sid(http: httpx.Client, server: Server, web: int) -> str:
+    """A running sandbox whose guest port 8000 is the ``web`` service."""
+    assert http.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128}).status_code == 201
+    sandbox_id = str(http.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"])
+    _vm(server, sandbox_id).ports[GUEST_PORT] = web
+    return sandbox_id
+
+
+def _vm(server: Server, sandbox_id: str) -> FakeVM:
+    return next(vm for vm in server.driver.vms if vm.id == sandbox_id)
+
+
+def _url(sandbox_id: str, path: str = "/", port: int = GUEST_PORT) -> str:
+    return f"/v1/sandboxes/{sandbox_id}/ports/{port}{path}"
+
+
+# -- the proxy --------------------------------------------------------------------
+
+
+def test_a_guest_port_answers_through_the_proxy_with_its_path_and_query(
+    http: httpx.Client, sid: str
+) -> None:
+    r = http.get(_url(sid, "/some/where?q=1&r=%2F"))
+    assert r.status_code == 200
+    assert r.text == "hello from the fake guest at /some/where?q=1&r=%2F\n"
+
+
+def test_hop_by_hop_headers_are_dropped_both_ways_and_the_token_never_reaches_the_guest(
+    http: httpx.Client, sid: str
+) -> None:
+    r = http.get(_url(sid, "/headers"), headers={
+        "X-Forwarded-Host": "evil.example", "Forwarded": "for=6.6.6.6", "Connection": "X-Secret",
+        "X-Secret": "not for the guest", "Keep-Alive": "timeout=1", "X-Kept": "yes",
+    })  # fmt: skip
+    sent = dict(r.json())
+    assert "authorization" not in sent and "forwarded" not in sent
+    assert "x-secret" not in sent and "keep-alive" not in sent
+    assert sent["x-kept"] == "yes"
+    assert sent["x-forwarded-for"] == "127.0.0.1"
+    assert sent["x-forwarded-host"] == http.base_url.netloc.decode()
+    assert sent["x-forwarded-proto"] == "http"
+    assert sent["x-forwarded-prefix"] == f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}"
+    assert sent["host"] == f"localhost:{GUEST_PORT}"
+    answer = http.get(_url(sid, "/"))
+    assert "x-private" not in answer.headers and "keep-alive" not in answer.headers
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_request_body_streams_to_the_guest_and_its_answer_back(
+    http: httpx.Client, sid: str, chunked: bool
+) -> None:
+    payload = bytes(range(256)) * 8192  # 2 MiB
+    if chunked:
+        content: Any = (payload[i : i + 65536] for i in range(0, len(payload), 65536))
+    else:
+        content = payload
+    r = http.post(_url(sid, "/echo"), content=content)
+    assert r.status_code == 200
+    assert r.headers["x-received"] == str(len(payload))
+    assert r.content == payload
+
+
+def test_a_chunked_answer_streams_as_the_guest_writes_it(http: httpx.Client, sid: str) -> None:
+    arrivals = []
+    with http.stream("GET", _url(sid, "/drip?n=10")) as r:
+        for line in r.iter_lines():
+            arrivals.append((time.monotonic(), line))
+    assert [line for _, line in arrivals] == [f"line {i}" for i in range(10)]
+    assert arrivals[-1][0] - arrivals[0][0] > 0.2  # pieces came as written, not at the end
+
+
+def test_a_head_request_gets_the_head_only(http: httpx.Client, sid: str) -> None:
+    r = http.head(_url(sid, "/"))
+    assert r.status_code == 200 and r.content == b""
+    assert int(r.headers["content-length"]) > 0
+
+
+def test_a_port_nothing_listens_on_is_a_502_that_says_so(http: httpx.Client, sid: str) -> None:
+    r = http.get(_url(sid, "/", port=8001))
+    assert r.status_code == 502
+    assert "nothing listens on port 8001" in r.json()["error"]
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "-1", "http", "8888"])
+def test_a_port_outside_the_range_or_the_agents_is_a_400(
+    http: httpx.Client, sid: str, port: str
+) -> None:
+    r = http.get(f"/v1/sandboxes/{sid}/ports/{port}/")
+    assert r.status_code == 400, r.text
+    if port == "8888":
+        assert "agent" in r.json()["error"]
+
+
+def test_a_paused_sandbox_is_a_409_and_an_unknown_one_a_404(http: httpx.Client, sid: str) -> None:
+    assert http.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+    assert http.get(_url(sid)).status_code == 409
+    assert http.get(_url("sb-nope-0001")).status_code == 404
+
+
+def test_the_proxy_needs_the_bearer_token(server: Server, sid: str) -> None:
+    r = httpx.get(server.url + _url(sid), headers={"Authorization": "Bearer wrong"})
+    assert r.status_code == 401
+
+
+def test_a_guest_that_never_answers_is_a_502_within_the_head_bound(
+    http: httpx.Client, server: Server, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    from forkd import limits
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (backlog), never answers
+    _vm(server, sid).ports[8002] = silent.getsockname()[1]
+    monkeypatch.setattr(limits, "PORT_HEAD_SECS", 0.5)
+    started = time.monotonic()
+    r = http.get(_url(sid, port=8002))
+    silent.close()
+    assert r.status_code == 502 and "no answer within" in r.json()["error"]
+    assert time.monotonic() - started < 5
+
+
+def test_a_stream_ends_when_its_sandbox_is_killed(
+    http: httpx.Client, server: Server, sid: str
+) -> None:
+    import socket
+
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+
+    def answer_head_then_hang() -> None:
+        conn, _ = silent.accept()
+        accepted.append(conn)
+        conn.recv(65536)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nhi\n\r\n")
+
+    threading.Thread(target=answer_head_then_hang, daemon=True).start()
+    _vm(server, sid).ports[8003] = silent.getsockname()[1]
+    with http.stream("GET", _url(sid, port=8003)) as r:
+        assert r.status_code == 200
+        pieces = r.iter_raw()
+        assert next(pieces) == b"hi\n"
+        assert http.delete(f"/v1/sandboxes/{sid}").status_code == 204
+        started = time.monotonic()
+        with pytest.raises(httpx.HTTPError):  # cut short: never taken for a whole body
+            for _ in pieces:
+                pass
+        assert time.monotonic() - started < 5
+    silent.close()
+    for conn in accepted:
+        conn.close()
+
+
+def test_each_sandbox_has_a_cap_on_proxied_connections(
+    http: httpx.Client, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(port_service, "MAX_CONNECTIONS_PER_SANDBOX", 1)
+    with http.stream("GET", _url(sid, "/drip?n=20")) as first:
+        assert first.status_code == 200
+        second = http.get(_url(sid))
+        assert second.status_code == 503 and "proxied connections" in second.json()["error"]
+        first.read()
+    assert http.get(_url(sid)).status_code == 200  # the slot was given back
+
+
+def test_the_audit_log_records_proxied_requests(
+    http: httpx.Client, server: Server, sid: str, settings: Any
+) -> None:
+    assert http.get(_url(sid, "/x")).status_code == 200
+    lines = (settings.state_dir / "audit.log").read_text().splitlines()
+    record = json.loads(lines[-1])
+    assert record["path"] == _url(sid, "/x") and record["status"] == 200
+    assert record["sandbox_id"] == sid
