@@ -3,7 +3,7 @@
 Each command group lives in its own module: ``images`` (``forkd image``),
 ``daemon`` (``serve``, ``doctor``), and the commands that talk to a running
 daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``, ``processes``, ``files``
-(``forkd cp``). Those take
+(``forkd cp``), ``events``. Those take
 ``--url`` (``$FORKD_URL``), ``--token-file`` (``$FORKD_TOKEN_FILE``) and
 ``--json`` (see :mod:`forkd.cli.options`); an error from the daemon prints its
 message and exits 1, exit 2 when the daemon cannot be reached.
@@ -17,7 +17,17 @@ from typing import TYPE_CHECKING
 import typer
 
 from forkd import __version__
-from forkd.cli import daemon, files, images, processes, sandboxes, shell, snapshots, volumes
+from forkd.cli import (
+    daemon,
+    events,
+    files,
+    images,
+    processes,
+    sandboxes,
+    shell,
+    snapshots,
+    volumes,
+)
 from forkd.cli.render import out
 
 if TYPE_CHECKING:
@@ -48,6 +58,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     processes.register(app, transport=transport)
     files.register(app, transport=transport)
     shell.register(app, transport=transport)
+    events.register(app, transport=transport)
 
 
 app.command()(version)

@@ -12,6 +12,7 @@ import httpx
 from forkd import limits
 from forkd.client.connection import Address, JSONDict, _resolve_token, json_of, send
 from forkd.client.errors import ControllerError
+from forkd.client.event_routes import EventRoutes
 from forkd.client.file_routes import FileRoutes
 from forkd.client.process_routes import ProcessRoutes
 
@@ -29,7 +30,7 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-class Controller(ProcessRoutes, FileRoutes):
+class Controller(ProcessRoutes, FileRoutes, EventRoutes):
     """A synchronous client of the forkd daemon: one method per HTTP route.
 
     Arguments:

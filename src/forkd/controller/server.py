@@ -19,9 +19,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import uvicorn
+from fastapi import FastAPI
 
 from forkd import paths
-from forkd.controller.app import create_app
+from forkd.controller.app import create_app, end_streams
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
@@ -43,6 +44,16 @@ INSECURE_WARNING = """
 !! can fork VMs and run code in every sandbox. Drop the flag to use the token
 !! in {token}.
 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"""
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, which ends the app's event streams as it starts to shut down:
+    it waits for every open connection to close before it ends the app's lifespan."""
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if isinstance(self.config.app, FastAPI):
+            end_streams(self.config.app)
+        await super().shutdown(sockets)
 
 
 def parse_bind(bind: str) -> dict[str, object]:
@@ -244,7 +255,7 @@ def serve(
                 access_log=False,
                 **where,  # type: ignore[arg-type]
             )
-            uvicorn.Server(config).run(sockets=sockets)
+            Server(config).run(sockets=sockets)
         finally:
             if sock is not None:
                 sock.close()

@@ -1,4 +1,4 @@
-"""Server-Sent Events: an output stream's events as ``text/event-stream`` bytes.
+"""Server-Sent Events: output and lifecycle event streams as ``text/event-stream`` bytes.
 
 Each event is ``event:`` (its kind), ``id:`` (the output offset after it, so
 a client's ``Last-Event-ID`` is where it resumes) and one ``data:`` line of
@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 from forkd.controller.http_errors import status_of
 from forkd.controller.models import OutputEvent, StreamError
+from forkd.controller.services.events import Event
 from forkd.errors import ForkdError
 
 MEDIA_TYPE = "text/event-stream"
@@ -37,3 +38,16 @@ async def framed(events: AsyncIterator[OutputEvent]) -> AsyncIterator[bytes]:
             yield frame(event)
     except ForkdError as exc:
         yield frame(OutputEvent("error", StreamError(error=str(exc), status=status_of(exc))))
+
+
+async def lifecycle(events: AsyncIterator[Event | None]) -> AsyncIterator[bytes]:
+    """Lifecycle events (:mod:`forkd.controller.services.events`) as bytes; ``None``
+    is a keep-alive, and an event without a type only an ``id:`` (a client's
+    ``Last-Event-ID`` from then on, no event)."""
+    async for event in events:
+        if event is None:
+            yield KEEPALIVE
+        elif not event.type:
+            yield f"id: {event.id}\n\n".encode()
+        else:
+            yield f"event: {event.type}\nid: {event.id}\ndata: {event.data}\n\n".encode()

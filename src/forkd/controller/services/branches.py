@@ -52,7 +52,11 @@ class BranchService:
                     )
             finally:
                 self.in_flight -= 1
-        return self.snapshots.info(tag)
+        info = self.snapshots.info(tag)
+        fleet.events.publish(
+            "branched", sandbox_id=sandbox_id, snapshot_tag=tag, pause_ms=info.pause_ms
+        )
+        return info
 
     async def _branch_locked(
         self, vm: Any, row: SandboxRow, tag: str, metadata: dict[str, str]

@@ -59,6 +59,7 @@ EVENT_TYPES = (
     "snapshot_deleted",
 )
 GAP = "gap"  # not published: what a stream gets when events it would have had are lost
+POSITION = ""  # not published: a stream's first item, its place (the id it follows)
 BATCH = 100  # events a stream takes from the ring at a time
 
 
@@ -160,7 +161,8 @@ class EventBus:
     ) -> AsyncIterator[Event | None]:
         """The events after id ``since`` (none: from now; 0: all the ring holds), then
         each as it is published, of ``types`` (all, if none) about ``sandbox_id`` (any,
-        if none); ``None`` is a heartbeat. The slot is held from this call until the
+        if none). The first item is a :data:`POSITION` (its ``id`` only: where
+        the stream starts); ``None`` is a heartbeat. The slot is held from this call until the
         iterator ends; it ends when the daemon stops.
 
         :class:`Invalid` for an unknown type; :class:`OverCapacity` when
@@ -195,6 +197,7 @@ class EventBus:
     ) -> AsyncIterator[Event | None]:
         sent = time.monotonic()
         try:
+            yield Event(cursor, POSITION, None, "")  # where a client that reconnects resumes
             while not self._closed:
                 gap, batch = self._after(cursor)
                 if gap is not None:

@@ -46,6 +46,7 @@ class Expiry:
             return  # killed, or its timeout moved, since the reaper read it
         action = now.on_timeout if now.state != "dead" else "kill"
         log.info("sandbox %s reached its timeout: %s", row.id, action)
+        self.fleet.events.publish("expired", sandbox_id=row.id, action=action)
         record: dict[str, Any] = {"event": "timeout", "sandbox": row.id, "on_timeout": action}
         if action == "pause":
             if now.state == "running":

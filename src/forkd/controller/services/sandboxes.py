@@ -200,6 +200,10 @@ class SandboxService:
             sid, pid=vm.pid, state="running", fork_ms=round(vm.ready_ms or 0, 1)
         )
         fleet.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
+        fork_ms = round(vm.ready_ms or 0, 1)
+        fleet.events.publish(
+            "created", sandbox_id=sid, snapshot_tag=req.snapshot_tag, fork_ms=fork_ms
+        )
 
     async def _undo(self, ids: list[str], waiting: dict[str, Any]) -> None:
         for vm in waiting.values():

@@ -131,6 +131,7 @@ class SnapshotService:
             self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)
             files = snapshot_files.load(self.root / req.tag)
             self.fleet.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
+            self.fleet.events.publish("snapshot_created", snapshot_tag=req.tag)
         finally:
             await template.kill()
 
@@ -227,5 +228,6 @@ class SnapshotService:
         with contextlib.suppress(FileNotFoundError):
             d.rename(trash)
         self.fleet.store.delete_snapshot(tag)
+        self.fleet.events.publish("snapshot_deleted", snapshot_tag=tag)
         await asyncio.to_thread(shutil.rmtree, trash, True)
         self.volumes.collect_layers()
