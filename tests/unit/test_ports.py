@@ -8,54 +8,20 @@ headers are those of real sockets.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
 from forkd.controller.services import ports as port_service
-from forkd.launcher import free_port
-from tests.integration import guest_web
-from tests.unit.conftest import TOKEN, Server
-from tests.unit.fakes import FakeVM
+from tests.unit import port_fixtures
+from tests.unit.conftest import Server
 
-GUEST_PORT = 8000
-
-
-@pytest.fixture
-def web() -> Iterator[int]:
-    """A loopback web service playing the guest's; its port."""
-    port = free_port()
-    srv = guest_web.make_server("127.0.0.1", port, "the fake guest")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield port
-    srv.shutdown()
-    srv.server_close()
-
-
-@pytest.fixture
-def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                      timeout=10) as c:  # fmt: skip
-        yield c
-
-
-@pytest.fixture
-def sid(http: httpx.Client, server: Server, web: int) -> str:
-    """A running sandbox whose guest port 8000 is the ``web`` service."""
-    assert http.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128}).status_code == 201
-    sandbox_id = str(http.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"])
-    _vm(server, sandbox_id).ports[GUEST_PORT] = web
-    return sandbox_id
-
-
-def _vm(server: Server, sandbox_id: str) -> FakeVM:
-    return next(vm for vm in server.driver.vms if vm.id == sandbox_id)
+GUEST_PORT = port_fixtures.GUEST_PORT
+last_audit_record = port_fixtures.last_audit_record
+web, http, sid, _vm = port_fixtures.web, port_fixtures.http, port_fixtures.sid, port_fixtures.vm
 
 
 def _url(sandbox_id: str, path: str = "/", port: int = GUEST_PORT) -> str:
@@ -207,14 +173,16 @@ def test_each_sandbox_has_a_cap_on_proxied_connections(
         second = http.get(_url(sid))
         assert second.status_code == 503 and "proxied connections" in second.json()["error"]
         first.read()
-    assert http.get(_url(sid)).status_code == 200  # the slot was given back
+    deadline = time.monotonic() + 5  # the slot is given back once the server's side ended
+    while http.get(_url(sid)).status_code != 200:
+        assert time.monotonic() < deadline, "the connection slot was never given back"
+        time.sleep(0.05)
 
 
 def test_the_audit_log_records_proxied_requests(
     http: httpx.Client, server: Server, sid: str, settings: Any
 ) -> None:
     assert http.get(_url(sid, "/x")).status_code == 200
-    lines = (settings.state_dir / "audit.log").read_text().splitlines()
-    record = json.loads(lines[-1])
+    record = last_audit_record(settings.state_dir, "GET")
     assert record["path"] == _url(sid, "/x") and record["status"] == 200
     assert record["sandbox_id"] == sid

@@ -3,7 +3,7 @@
 Each command group lives in its own module: ``images`` (``forkd image``),
 ``daemon`` (``serve``, ``doctor``), and the commands that talk to a running
 daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``, ``processes``, ``files``
-(``forkd cp``), ``events``. Those take
+(``forkd cp``), ``events``, ``ports`` (``port-forward``, ``url``). Those take
 ``--url`` (``$FORKD_URL``), ``--token-file`` (``$FORKD_TOKEN_FILE``) and
 ``--json`` (see :mod:`forkd.cli.options`); an error from the daemon prints its
 message and exits 1, exit 2 when the daemon cannot be reached.
@@ -22,6 +22,7 @@ from forkd.cli import (
     events,
     files,
     images,
+    ports,
     processes,
     sandboxes,
     shell,
@@ -59,6 +60,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     files.register(app, transport=transport)
     shell.register(app, transport=transport)
     events.register(app, transport=transport)
+    ports.register(app, transport=transport)
 
 
 app.command()(version)

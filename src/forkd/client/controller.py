@@ -14,6 +14,7 @@ from forkd.client.connection import Address, JSONDict, _resolve_token, json_of, 
 from forkd.client.errors import ControllerError
 from forkd.client.event_routes import EventRoutes
 from forkd.client.file_routes import FileRoutes
+from forkd.client.port_routes import PortRoutes
 from forkd.client.process_routes import ProcessRoutes
 
 # An eval's answer comes within its timeout plus the agent's grace to stop it
@@ -30,7 +31,10 @@ def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in d.items() if v is not None}
 
 
-class Controller(ProcessRoutes, FileRoutes, EventRoutes):
+KEEP: Any = object()  # an optional setting left as the daemon has it
+
+
+class Controller(ProcessRoutes, FileRoutes, EventRoutes, PortRoutes):
     """A synchronous client of the forkd daemon: one method per HTTP route.
 
     Arguments:
@@ -220,12 +224,14 @@ class Controller(ProcessRoutes, FileRoutes, EventRoutes):
         metadata: dict[str, str] | None = None,
         on_timeout: str | None = None,
         timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
     ) -> list[JSONDict]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
         nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
         lifetime on the daemon, not an HTTP timeout, and ``on_timeout`` what it
-        does then (``"kill"``, ``"pause"`` or ``"branch"``); ``metadata`` labels
-        them (over the snapshot's labels, which they inherit)."""
+        does then (``"kill"``, ``"pause"``, ``"hibernate"`` or ``"branch"``), also
+        after ``idle_timeout_s`` seconds with no API call and no process output;
+        ``metadata`` labels them (over the snapshot's labels, which they inherit)."""
         body = _drop_none(
             {
                 "snapshot_tag": snapshot_tag,
@@ -237,6 +243,7 @@ class Controller(ProcessRoutes, FileRoutes, EventRoutes):
                 "metadata": metadata,
                 "on_timeout": on_timeout,
                 "timeout_s": timeout_s,
+                "idle_timeout_s": idle_timeout_s,
             }
         )
         return self._json(
@@ -262,19 +269,28 @@ class Controller(ProcessRoutes, FileRoutes, EventRoutes):
         """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
         self._request("DELETE", self._sb(sandbox_id))
 
-    def set_sandbox_timeout(self, sandbox_id: str, timeout_s: float | None) -> JSONDict:
+    def set_sandbox_timeout(
+        self, sandbox_id: str, timeout_s: float | None, idle_timeout_s: Any = KEEP
+    ) -> JSONDict:
         """``POST /v1/sandboxes/{id}/timeout``: its timeout ``timeout_s`` from now (None:
-        none) → SandboxInfo with ``expires_at``."""
-        body = {"timeout_s": timeout_s}
+        none), and its idle timeout when given (None removes it) → SandboxInfo with
+        ``expires_at``."""
+        body: JSONDict = {"timeout_s": timeout_s}
+        if idle_timeout_s is not KEEP:
+            body["idle_timeout_s"] = idle_timeout_s
         return self._json("POST", f"{self._sb(sandbox_id)}/timeout", json_body=body)
 
-    def pause_sandbox(self, sandbox_id: str) -> JSONDict:
-        """``POST /v1/sandboxes/{id}/pause``: stop its vCPUs, memory kept → SandboxInfo."""
-        return self._json("POST", f"{self._sb(sandbox_id)}/pause")
+    def pause_sandbox(self, sandbox_id: str, hibernate: bool = False) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/pause``: stop its vCPUs, memory kept; with
+        ``hibernate``, write it to disk and end its QEMU → SandboxInfo."""
+        body = {"hibernate": True} if hibernate else None
+        return self._json("POST", f"{self._sb(sandbox_id)}/pause", json_body=body)
 
-    def resume_sandbox(self, sandbox_id: str) -> JSONDict:
-        """``POST /v1/sandboxes/{id}/resume``: run it again, clock set → SandboxInfo."""
-        return self._json("POST", f"{self._sb(sandbox_id)}/resume")
+    def resume_sandbox(self, sandbox_id: str, timeout_s: float | None = None) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/resume``: run it again, clock set, or wake it from
+        hibernation; ``timeout_s`` a new timeout from now → SandboxInfo."""
+        body = {"timeout_s": timeout_s} if timeout_s is not None else None
+        return self._json("POST", f"{self._sb(sandbox_id)}/resume", json_body=body)
 
     def branch_sandbox(
         self,

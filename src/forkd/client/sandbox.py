@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 from forkd.client.commands import Commands
 from forkd.client.connection import JSONDict
-from forkd.client.controller import Controller
+from forkd.client.controller import KEEP, Controller
 from forkd.client.errors import ControllerError
 from forkd.client.files import Files
 from forkd.client.pty import Pty
@@ -176,21 +176,31 @@ class Sandbox:
         """
         return bool(self._controller.interrupt_eval(self.id)["interrupted"])
 
-    def set_timeout(self, timeout_s: float | None) -> JSONDict:
+    def set_timeout(self, timeout_s: float | None, idle_timeout_s: Any = KEEP) -> JSONDict:
         """End the sandbox (its ``on_timeout``: kill by default) ``timeout_s`` seconds
-        from now, sooner or later than before; None: never."""
-        self._info = self._controller.set_sandbox_timeout(self.id, timeout_s)
+        from now, sooner or later than before; None: never. ``idle_timeout_s``, when
+        given: after that long with no API call and no process output (None: never)."""
+        self._info = self._controller.set_sandbox_timeout(self.id, timeout_s, idle_timeout_s)
         return self._info
 
-    def pause(self) -> JSONDict:
+    def pause(self, hibernate: bool = False) -> JSONDict:
         """Stop the sandbox's vCPUs, its memory kept: no CPU used, no command answered
-        until :meth:`resume`. It can still be branched (exactly as paused) or killed."""
-        self._info = self._controller.pause_sandbox(self.id)
+        until :meth:`resume`. It can still be branched (exactly as paused) or killed.
+
+        ``hibernate``: write it to disk and end its QEMU instead, giving its memory
+        back; :meth:`resume` restores it, same id, address, files and processes.
+        """
+        self._info = self._controller.pause_sandbox(self.id, hibernate=hibernate)
         return self._info
 
-    def resume(self) -> JSONDict:
-        """Run the paused sandbox again; its clock is set to the host's."""
-        self._info = self._controller.resume_sandbox(self.id)
+    def hibernate(self) -> JSONDict:
+        """``pause(hibernate=True)``."""
+        return self.pause(hibernate=True)
+
+    def resume(self, timeout_s: float | None = None) -> JSONDict:
+        """Run the paused sandbox again (its clock set to the host's), or wake the
+        hibernated one; ``timeout_s``: a new timeout from now."""
+        self._info = self._controller.resume_sandbox(self.id, timeout_s=timeout_s)
         return self._info
 
     def branch(
@@ -205,6 +215,20 @@ class Sandbox:
 
         info = self._controller.branch_sandbox(self.id, tag=tag, mode=mode, metadata=metadata)
         return Snapshot(info["tag"], controller=self._controller, info=info)
+
+    def get_url(self, port: int, path: str = "/") -> str:
+        """The daemon's proxy URL of guest TCP ``port`` at ``path``; every request to it
+        needs the bearer token (``sb.controller``'s client sends it)."""
+        return self._controller.port_url(self.id, port, path)
+
+    def preview_url(self, port: int, ttl_s: int | None = None) -> str:
+        """A signed URL of guest ``port`` for a browser, no token needed, until ``ttl_s``
+        seconds pass (default one hour) or the sandbox dies."""
+        return str(self._controller.create_preview_url(self.id, port, ttl_s)["url"])
+
+    def websocket(self, port: int, path: str = "/", subprotocols: list[str] | None = None) -> Any:
+        """A context manager: an httpx-ws ``WebSocketSession`` to ``path`` on guest ``port``."""
+        return self._controller.port_websocket(self.id, port, path, subprotocols)
 
     def kill(self) -> None:
         """Kill the sandbox; killing it again (or one already gone) is a no-op."""

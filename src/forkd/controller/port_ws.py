@@ -31,7 +31,6 @@ from forkd.controller.port_proxy import (
     PREVIEW_PATH,
     PROXY_PATH,
     GuestGone,
-    Port,
     connect_guest,
     guest_headers,
     guest_target,
@@ -39,7 +38,7 @@ from forkd.controller.port_proxy import (
     read_watching,
 )
 from forkd.controller.services import Services
-from forkd.controller.services.ports import GuestLink
+from forkd.controller.services.ports import GuestLink, parse_port
 from forkd.errors import ForkdError, GuestError
 
 TUNNEL_PATH = "/v1/sandboxes/{sandbox_id}/tunnels/{port}"
@@ -64,9 +63,14 @@ async def _refuse(websocket: WebSocket, exc: ForkdError) -> None:
 
 
 @router.websocket(PROXY_PATH)
-async def proxy_socket(websocket: WebSocket, sandbox_id: str, port: Port, path: str) -> None:
-    prefix = f"/v1/sandboxes/{sandbox_id}/ports/{port}"
-    await _proxy(websocket, sandbox_id, port, prefix, 5)
+async def proxy_socket(websocket: WebSocket, sandbox_id: str, port: str, path: str) -> None:
+    try:  # checked here: FastAPI's check of a WebSocket's path closes it with a bare 403
+        number = parse_port(port)
+    except ForkdError as exc:
+        await _refuse(websocket, exc)
+        return
+    prefix = f"/v1/sandboxes/{sandbox_id}/ports/{number}"
+    await _proxy(websocket, sandbox_id, number, prefix, 5)
 
 
 @router.websocket(PREVIEW_PATH)
@@ -138,10 +142,10 @@ async def _relay_messages(websocket: WebSocket, guest: Any, link: GuestLink) -> 
 
 
 @router.websocket(TUNNEL_PATH)
-async def tunnel_socket(websocket: WebSocket, sandbox_id: str, port: Port) -> None:
+async def tunnel_socket(websocket: WebSocket, sandbox_id: str, port: str) -> None:
     """Raw TCP to guest ``port``, its bytes in binary frames."""
     try:
-        async with _services(websocket).ports.link(sandbox_id, port) as link:
+        async with _services(websocket).ports.link(sandbox_id, parse_port(port)) as link:
             reader, writer = await open_guest(link)
             await websocket.accept()
             try:

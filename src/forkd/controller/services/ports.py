@@ -41,6 +41,13 @@ class GuestLink:
         return self._fleet.vms.get(self.sandbox_id) is self._vm and bool(self._vm.is_alive())
 
 
+def parse_port(text: str) -> int:
+    """A guest port from a path segment; :class:`Invalid` unless one a caller may reach."""
+    number = int(text) if text.isdigit() and len(text) <= 5 else 0
+    check_guest_port(number)
+    return number
+
+
 class PortService:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet

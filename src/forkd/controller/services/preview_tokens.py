@@ -83,13 +83,13 @@ class PreviewKey:
         except FileNotFoundError:
             self._create()
             st = self.path.stat()
-        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
-        if self._cached is not None and self._cached[0] == seen:
-            return self._cached[1]
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise ForkdError(f"{self.path} may be read by others (mode "
                              f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it, or delete it to "
                              "make a new one (that ends every preview URL)")  # fmt: skip
+        seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if self._cached is not None and self._cached[0] == seen:
+            return self._cached[1]
         key = self.path.read_bytes()
         if len(key) != KEY_BYTES:
             raise ForkdError(f"{self.path} holds {len(key)} bytes, not {KEY_BYTES}: delete "
