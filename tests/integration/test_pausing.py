@@ -1,5 +1,7 @@
 """Pause and resume on real VMs: no CPU while paused, a counter that carries on, the
-clock set again, a branch of the paused state, and a daemon restart in between."""
+clock set again, a branch of the paused state, and a daemon restart in between;
+hibernation: the QEMU gone, a branch of the state on disk, and the sandbox woken
+after a daemon restart with its id, address and processes."""
 
 from __future__ import annotations
 
@@ -118,13 +120,50 @@ def test_a_paused_sandbox_stays_paused_across_a_daemon_restart(own_daemon: Daemo
         assert ctl.eval_code(sid, "x")["result"] == "6"
 
 
-@pytest.mark.parametrize("action", ["kill", "pause", "branch"])
+def test_a_hibernated_sandbox_wakes_with_its_processes_after_a_daemon_restart(
+    own_daemon: Daemon,
+) -> None:
+    d = own_daemon
+    with Controller(d.url, token=d.token, timeout=300) as ctl:
+        ctl.create_snapshot("hz", memory_mib=256)
+        sb = Sandbox.connect(ctl.spawn_sandboxes("hz")[0]["id"], controller=ctl)
+        addr = sb.info["guest_addr"]
+        counter = sb.commands.run(COUNTER, background=True)
+        before = _lines(counter, 3)
+        info = sb.hibernate()
+        assert info["state"] == "hibernated" and info["pid"] is None
+        assert d.qemu_pids() == []  # its QEMU is gone: its memory is given back
+        # A branch of it is its state on disk: no pause, and the counter runs in a fork.
+        branch = sb.branch()
+        assert branch.info["pause_ms"] == 0
+        kid = branch.fork(1)[0]
+        kid_lines = _lines(kid.commands.connect(counter.pid), len(before) + 3)
+        assert [n for n, _ in kid_lines] == list(range(1, len(kid_lines) + 1))
+        kid.kill()
+        branch.delete()
+    d.stop(signal.SIGTERM)
+    d.start("--pool-size", "0")
+    with Controller(d.url, token=d.token, timeout=300) as ctl:
+        assert ctl.get_sandbox(sb.id)["state"] == "hibernated"
+        woken = ctl.resume_sandbox(sb.id)
+        assert woken["state"] == "running" and woken["guest_addr"] == addr
+        assert len(d.qemu_pids()) == 1
+        sb = Sandbox.connect(sb.id, controller=ctl)
+        assert [p["pid"] for p in sb.commands.list() if p["running"]] == [counter.pid]
+        lines = _lines(sb.commands.connect(counter.pid), len(before) + 3)
+        numbers = [n for n, _ in lines]
+        assert numbers == list(range(1, len(numbers) + 1))  # none lost, none repeated
+        assert {host for _, host in lines} == {sb.id}
+        sb.kill()
+
+
+@pytest.mark.parametrize("action", ["kill", "pause", "hibernate", "branch"])
 def test_a_timeout_fires_within_2_s_with_its_action(
     ctl: Controller, api_template: str, action: str
 ) -> None:
     kid = ctl.spawn_sandboxes(api_template, timeout_s=1, on_timeout=action)[0]
     sid, expiry = kid["id"], kid["expires_at_unix"]
-    done = {"kill": None, "pause": "paused", "branch": "dead"}[action]
+    done = {"kill": None, "pause": "paused", "hibernate": "hibernated", "branch": "dead"}[action]
     while True:
         try:
             state = ctl.get_sandbox(sid)["state"]
@@ -144,3 +183,18 @@ def test_a_timeout_fires_within_2_s_with_its_action(
         ctl.delete_snapshot(tag)
     if state is not None:
         ctl.kill_sandbox(sid)
+
+
+def test_an_idle_timeout_spares_a_sandbox_whose_process_writes(
+    ctl: Controller, api_template: str
+) -> None:
+    quiet, chatty = (s["id"] for s in ctl.spawn_sandboxes(api_template, n=2, idle_timeout_s=2))
+    ctl.start_process(chatty, "while :; do echo tick; sleep 0.5; done")
+    t0 = time.monotonic()
+    while quiet in (listed := {s["id"] for s in ctl.list_sandboxes()}):  # a listing is no use
+        assert chatty in listed
+        assert time.monotonic() - t0 < 2 + 2.0 + 1, "the idle sandbox was not killed in time"
+        time.sleep(0.1)
+    time.sleep(3)  # nobody calls it, but its process writes: it is not idle
+    assert {s["id"]: s["state"] for s in ctl.list_sandboxes()}.get(chatty) == "running"
+    ctl.kill_sandbox(chatty)

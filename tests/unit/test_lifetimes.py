@@ -71,8 +71,8 @@ def test_a_bad_timeout_is_a_400_and_changes_nothing(
     assert ctl.get_sandbox(sid)["expires_at_unix"] == before
 
 
-def test_fork_refuses_hibernate_and_two_different_timeouts(ctl: Controller) -> None:
-    for kwargs in ({"on_timeout": "hibernate"}, {"timeout_s": 5, "timeout_secs": 6}):
+def test_fork_refuses_an_unknown_action_and_two_different_timeouts(ctl: Controller) -> None:
+    for kwargs in ({"on_timeout": "sleep"}, {"timeout_s": 5, "timeout_secs": 6}):
         with pytest.raises(ControllerError) as exc:
             ctl._json("POST", "/v1/sandboxes", json_body={"snapshot_tag": "py", **kwargs})
         assert exc.value.status == 400
@@ -83,6 +83,14 @@ def test_on_timeout_kill_fires_in_time(ctl: Controller) -> None:
     kid = ctl.spawn_sandboxes("py", timeout_s=0.5)[0]
     _until(lambda: _gone(ctl, kid["id"]), 5)
     assert time.time() - kid["expires_at_unix"] < FIRE_WITHIN_SECS
+
+
+def test_on_timeout_hibernate_hibernates_in_time(ctl: Controller) -> None:
+    kid = ctl.spawn_sandboxes("py", timeout_s=0.5, on_timeout="hibernate")[0]
+    _until(lambda: ctl.get_sandbox(kid["id"])["state"] == "hibernated", 5)
+    assert time.time() - kid["expires_at_unix"] < FIRE_WITHIN_SECS
+    assert ctl.get_sandbox(kid["id"])["expires_at"] is None
+    assert ctl.resume_sandbox(kid["id"])["state"] == "running"
 
 
 def test_on_timeout_pause_pauses_and_clears_the_timeout(ctl: Controller) -> None:
@@ -115,10 +123,14 @@ def test_on_timeout_branch_keeps_a_snapshot_and_ends_the_sandbox(
 
 
 def test_cli_timeout_and_on_timeout(forkd: Invoke, ctl: Controller) -> None:  # noqa: F811
-    r = forkd("fork", "--tag", "py", "--timeout-secs", "60", "--on-timeout", "pause", "--json")
+    r = forkd("fork", "--tag", "py", "--timeout-secs", "60", "--on-timeout", "pause",
+              "--idle-timeout", "300", "--json")  # fmt: skip
     assert r.exit_code == 0, r.output
     sid = json.loads(r.stdout)[0]["id"]
     assert ctl.get_sandbox(sid)["on_timeout"] == "pause"
+    assert ctl.get_sandbox(sid)["idle_timeout_s"] == 300
+    r = forkd("timeout", sid, "120", "--idle", "none", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["idle_timeout_s"] is None
     r = forkd("timeout", sid, "120", "--json")
     assert r.exit_code == 0 and json.loads(r.stdout)["expires_at_unix"] > time.time() + 119
     r = forkd("timeout", sid, "none")
@@ -143,3 +155,49 @@ def test_the_timeout_route_changes_on_timeout(ctl: Controller) -> None:
                   json_body={"timeout_s": 0.3, "on_timeout": "pause"})  # fmt: skip
     assert r["on_timeout"] == "pause"
     _until(lambda: ctl.get_sandbox(sid)["state"] == "paused", 5)
+
+
+# ---------------------------------------------------------------- idle timeouts
+
+
+def _listed(ctl: Controller) -> dict[str, dict[str, Any]]:
+    """The sandboxes by id, from the listing, which touches none of them."""
+    return {s["id"]: s for s in ctl.list_sandboxes()}
+
+
+def test_an_idle_sandbox_times_out_and_api_calls_keep_one_alive(ctl: Controller) -> None:
+    idle, busy = (s["id"] for s in ctl.spawn_sandboxes("py", n=2, idle_timeout_s=1))
+    assert ctl.get_sandbox(idle)["idle_timeout_s"] == 1
+    t0 = time.monotonic()
+    while idle in _listed(ctl):
+        ctl.exec_command(busy, ["echo", "still here"])  # each call is activity
+        assert time.monotonic() - t0 < 1 + FIRE_WITHIN_SECS + 1, "the idle one did not go"
+        time.sleep(0.2)
+    assert time.monotonic() - t0 >= 0.9  # not before its idle timeout
+    info = _listed(ctl)[busy]
+    assert info["state"] == "running" and info["last_active_at"] is not None
+
+
+def test_a_listing_is_not_activity_but_process_output_is(ctl: Controller) -> None:
+    quiet, chatty = (s["id"] for s in ctl.spawn_sandboxes("py", n=2, idle_timeout_s=1))
+    ctl.start_process(chatty, ["count", "100", "0.1"])  # writes a line every 0.1 s
+    t0 = time.monotonic()
+    while quiet in (listed := _listed(ctl)):
+        assert chatty in listed
+        assert time.monotonic() - t0 < 1 + FIRE_WITHIN_SECS + 1, "listing kept it alive"
+        time.sleep(0.1)
+    time.sleep(1.5)  # past the idle timeout with no call to it: its output is activity
+    assert _listed(ctl)[chatty]["state"] == "running"
+
+
+def test_idle_on_timeout_pause_keeps_the_lifetime_and_idle_can_be_changed(
+    ctl: Controller,
+) -> None:
+    kid = ctl.spawn_sandboxes("py", timeout_s=600, idle_timeout_s=0.5, on_timeout="pause")[0]
+    _until(lambda: _listed(ctl)[kid["id"]]["state"] == "paused", 5)
+    assert _listed(ctl)[kid["id"]]["expires_at_unix"] == kid["expires_at_unix"]
+    ctl.resume_sandbox(kid["id"])
+    info = ctl.set_sandbox_timeout(kid["id"], 600, idle_timeout_s=None)
+    assert info["idle_timeout_s"] is None
+    time.sleep(1.5)
+    assert _listed(ctl)[kid["id"]]["state"] == "running"

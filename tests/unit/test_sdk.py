@@ -543,7 +543,9 @@ def test_sandbox_attach_and_errors(ctl: Controller, sent: RecordingTransport, si
     n = len(sent.requests)
     sb = Sandbox(sandbox_id=sid, controller=ctl)
     assert [(r.method, r.url.path) for r in sent.requests[n:]] == [("GET", f"/v1/sandboxes/{sid}")]
-    assert sb.id == sid and sb.info == ctl.get_sandbox(sid)
+    now = ctl.get_sandbox(sid)  # the same but for its last use, which that call was
+    assert sb.id == sid and sb.info["last_active_at"] <= now.pop("last_active_at")
+    assert {k: v for k, v in sb.info.items() if k != "last_active_at"} == now
     with pytest.raises(ControllerError) as exc:
         Sandbox(sandbox_id="sb-nope", controller=ctl)
     assert exc.value.status == 404

@@ -49,17 +49,18 @@ def set_timeout(
     conn: Connection,
     sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")],
     seconds: Annotated[str, typer.Argument(help="Seconds from now until its timeout, or 'none'.")],
+    idle: Annotated[
+        str | None,
+        typer.Option("--idle", help="Its idle timeout: seconds with no use, or 'none'."),
+    ] = None,
 ) -> None:
-    """Extend or shorten a sandbox's timeout ('none' removes it)."""
-    if seconds == "none":
-        timeout_s = None
-    else:
-        try:
-            timeout_s = float(seconds)
-        except ValueError:
-            raise typer.BadParameter(f"{seconds!r} is not a number or 'none'") from None
+    """Extend or shorten a sandbox's timeout ('none' removes it), and its idle timeout."""
+    from forkd.client.controller import KEEP
+
+    timeout_s = _seconds_or_none(seconds)
+    idle_s = KEEP if idle is None else _seconds_or_none(idle)
     with daemon_errors(), conn.controller() as ctl:
-        info = ctl.set_sandbox_timeout(sandbox_id, timeout_s)
+        info = ctl.set_sandbox_timeout(sandbox_id, timeout_s, idle_timeout_s=idle_s)
     if conn.as_json:
         render.print_json(info)
         return
@@ -67,21 +68,49 @@ def set_timeout(
     out.print(f"{escape(sandbox_id)}: {escape(str(info.get('on_timeout')))} at {escape(when)}")
 
 
+def _seconds_or_none(text: str) -> float | None:
+    if text == "none":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a number or 'none'") from None
+
+
 def pause(
-    conn: Connection, ids: Annotated[list[str], typer.Argument(help="Sandbox ids to pause.")]
+    conn: Connection,
+    ids: Annotated[list[str], typer.Argument(help="Sandbox ids to pause.")],
+    hibernate: Annotated[
+        bool,
+        typer.Option(
+            "--hibernate", help="Write each to disk and end its QEMU: its memory is freed."
+        ),
+    ] = False,
 ) -> None:
     """Pause sandboxes: their vCPUs stop, their memory stays (resume them with
-    'forkd resume'; 'forkd branch' takes a paused one as it is)."""
+    'forkd resume'; 'forkd branch' takes a paused one as it is). With --hibernate
+    they go to disk and survive a daemon restart or a reboot."""
+    verb, key = ("hibernated", "hibernated") if hibernate else ("paused", "paused")
     with daemon_errors(), conn.controller() as ctl:
-        act_on_each(ids, ctl.pause_sandbox, "paused", conn.as_json, json_key="paused")
+        act_on_each(
+            ids, lambda sid: ctl.pause_sandbox(sid, hibernate=hibernate), verb, conn.as_json,
+            json_key=key,
+        )  # fmt: skip
 
 
 def resume(
-    conn: Connection, ids: Annotated[list[str], typer.Argument(help="Sandbox ids to resume.")]
+    conn: Connection,
+    ids: Annotated[list[str], typer.Argument(help="Sandbox ids to resume.")],
+    timeout: Annotated[
+        float | None, typer.Option("--timeout", help="A new timeout, seconds from now.")
+    ] = None,
 ) -> None:
-    """Resume paused sandboxes (their clocks are set to the host's)."""
+    """Resume paused sandboxes (their clocks are set to the host's) or wake hibernated ones."""
     with daemon_errors(), conn.controller() as ctl:
-        act_on_each(ids, ctl.resume_sandbox, "resumed", conn.as_json, json_key="resumed")
+        act_on_each(
+            ids, lambda sid: ctl.resume_sandbox(sid, timeout_s=timeout), "resumed", conn.as_json,
+            json_key="resumed",
+        )  # fmt: skip
 
 
 def fork(
@@ -101,7 +130,13 @@ def fork(
     label: LabelOpt = None,
     on_timeout: Annotated[
         str | None,
-        typer.Option("--on-timeout", help="At --timeout-secs: kill (default), pause or branch."),
+        typer.Option(
+            "--on-timeout", help="At --timeout-secs: kill (default), pause, hibernate or branch."
+        ),
+    ] = None,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option("--idle-timeout", help="Do --on-timeout after this many seconds with no use."),
     ] = None,
 ) -> None:
     """Fork N sandboxes from a snapshot (they inherit its labels; --label adds or overrides)."""
@@ -111,7 +146,7 @@ def fork(
     with daemon_errors(), conn.controller() as ctl, err.status(status):
         sandboxes = ctl.spawn_sandboxes(
             tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
-            metadata=labels, on_timeout=on_timeout,
+            metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout,
         )  # fmt: skip
     if conn.as_json:
         render.print_json(sandboxes)
@@ -123,7 +158,7 @@ def fork(
 def branch(
     conn: Connection,
     from_sandbox: Annotated[
-        str, typer.Option("--from-sandbox", help="Running or paused sandbox to branch.")
+        str, typer.Option("--from-sandbox", help="Sandbox to branch (running, paused, hibernated).")
     ],
     n: Annotated[
         int, typer.Option("-n", help="Sandboxes to fork from the branch.", min=0, max=1000)
@@ -160,7 +195,7 @@ def ps(
     conn: Connection,
     filter_: FilterOpt = None,
     state: Annotated[
-        str | None, typer.Option("--state", help="starting, running, paused or dead.")
+        str | None, typer.Option("--state", help="starting, running, paused, hibernated or dead.")
     ] = None,
     snapshot: Annotated[
         str | None, typer.Option("--snapshot", help="Only those forked from this snapshot.")

@@ -50,7 +50,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     fork_ms          REAL,
     metadata         TEXT NOT NULL DEFAULT '{}',
     on_timeout       TEXT NOT NULL DEFAULT 'kill',
-    timeout_branch   TEXT
+    timeout_branch   TEXT,
+    idle_timeout_s   REAL
 );
 CREATE TABLE IF NOT EXISTS branch_seq (
     source_id TEXT PRIMARY KEY,
@@ -87,6 +88,7 @@ class SandboxRow:
     metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
     on_timeout: str = "kill"  # what expiry does: kill, pause or branch
     timeout_branch: str | None = None  # the tag an expiry's branch made
+    idle_timeout_s: float | None = None  # on_timeout after this long without activity
 
 
 class Store:
@@ -112,6 +114,7 @@ class Store:
                 "metadata": "TEXT NOT NULL DEFAULT '{}'",
                 "on_timeout": "TEXT NOT NULL DEFAULT 'kill'",
                 "timeout_branch": "TEXT",
+                "idle_timeout_s": "REAL",
             },
             "snapshots": {"metadata": "TEXT NOT NULL DEFAULT '{}'"},
         }
@@ -200,12 +203,12 @@ class Store:
     def add_sandbox(self, row: SandboxRow) -> None:
         self._tx(
             "INSERT INTO sandboxes(id, snapshot_tag, run_dir, pid, created_at_unix, "
-            "memory_limit_mib, expires_at_unix, state, metadata, on_timeout) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "memory_limit_mib, expires_at_unix, state, metadata, on_timeout, idle_timeout_s) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.id, row.snapshot_tag, row.run_dir, row.pid, row.created_at_unix,
                 row.memory_limit_mib, row.expires_at_unix, row.state, json.dumps(row.metadata),
-                row.on_timeout,
+                row.on_timeout, row.idle_timeout_s,
             ),
         )  # fmt: skip
 

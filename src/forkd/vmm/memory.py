@@ -103,50 +103,56 @@ def find_ram_region(pid: int, ram_file: Path, size: int, inode: int | None = Non
 
 
 def clone_base(region: RamRegion, out_fd: int) -> DumpStats:
-    """Make ``out_fd`` a copy of the region's backing file (holes stay holes).
-
-    Tries a reflink first (instant on btrfs/XFS), else copies only the data
-    extents in the kernel with copy_file_range.
-    """
+    """Make ``out_fd`` a copy of the region's backing file (holes stay holes)."""
     stats = DumpStats()
     try:
         src = os.open(region.map_file, os.O_RDONLY)  # works even if the file was unlinked
     except PermissionError:  # map_files needs CAP_SYS_ADMIN: fall back to the path
         src = os.open(region.path, os.O_RDONLY)
     try:
-        size = os.fstat(src).st_size
         os.ftruncate(out_fd, region.size)
-        if not _has_data(src):
-            return stats  # a fresh VM's RAM file: nothing to clone
-        try:
-            fcntl.ioctl(out_fd, FICLONE, src)
-            stats.cloned_by_reflink = True
-            stats.base_bytes_cloned = size
-            os.ftruncate(out_fd, region.size)
-            return stats
-        except OSError:
-            pass
-        pos = 0
-        limit = min(size, region.size)
-        while pos < limit:
-            try:
-                data = os.lseek(src, pos, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # only a hole remains
-                    break
-                raise
-            hole = min(os.lseek(src, data, os.SEEK_HOLE), limit)
-            off = data
-            while off < hole:
-                n = os.copy_file_range(src, out_fd, hole - off, off, off)
-                if n == 0:
-                    raise OSError(errno.EIO, f"short copy from {region.path} at {off}")
-                off += n
-            stats.base_bytes_cloned += hole - data
-            pos = hole
+        stats.base_bytes_cloned, stats.cloned_by_reflink = copy_sparse(
+            src, out_fd, region.size, region.path
+        )
     finally:
         os.close(src)
     return stats
+
+
+def copy_sparse(src: int, out_fd: int, size: int, name: str = "the source") -> tuple[int, bool]:
+    """Copy the first ``size`` bytes of ``src`` into ``out_fd`` (already ``size`` long),
+    holes staying holes; returns the bytes copied and whether it was a reflink.
+
+    Tries a reflink first (instant on btrfs/XFS), else copies only the data
+    extents in the kernel with copy_file_range.
+    """
+    if not _has_data(src):
+        return 0, False  # a fresh VM's RAM file: nothing to copy
+    src_size = os.fstat(src).st_size
+    try:
+        fcntl.ioctl(out_fd, FICLONE, src)
+        os.ftruncate(out_fd, size)
+        return src_size, True
+    except OSError:
+        pass
+    copied, pos, limit = 0, 0, min(src_size, size)
+    while pos < limit:
+        try:
+            data = os.lseek(src, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole remains
+                break
+            raise
+        hole = min(os.lseek(src, data, os.SEEK_HOLE), limit)
+        off = data
+        while off < hole:
+            n = os.copy_file_range(src, out_fd, hole - off, off, off)
+            if n == 0:
+                raise OSError(errno.EIO, f"short copy from {name} at {off}")
+            off += n
+        copied += hole - data
+        pos = hole
+    return copied, False
 
 
 def _has_data(fd: int) -> bool:

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from forkd.controller.models import BranchRequest, SnapshotInfo
+from forkd.controller.services import hibernated_files
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SandboxRow, merged_labels, now
 from forkd.errors import Busy, Conflict, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
-from forkd.vmm import live_snapshot, snapshot_files
+from forkd.vmm import live_snapshot, snapshot_copy, snapshot_files
 from forkd.vmm.snapshot_files import SnapshotLabels
 
 MODES = (None, "full")
@@ -35,8 +36,9 @@ class BranchService:
         if req.tag is not None:
             check_tag(req.tag)
         fleet = self.fleet
-        vm = fleet.live(sandbox_id, paused_ok=True)  # a paused one is taken as it is
         row = fleet.sandbox_row(sandbox_id)
+        # A paused one is taken as it is; a hibernated one is its state on disk.
+        vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
         cap = fleet.settings.branch_concurrency
         if self.in_flight >= cap:
             raise Busy(f"{self.in_flight} branches are in flight (the cap is {cap}); retry shortly")
@@ -47,9 +49,11 @@ class BranchService:
             self.in_flight += 1
             try:
                 async with fleet.branch_locks.setdefault(sandbox_id, asyncio.Lock()):
-                    await self._branch_locked(
-                        vm, row, tag, merged_labels(row.metadata, req.metadata)
-                    )
+                    labels = merged_labels(row.metadata, req.metadata)
+                    if vm is None:
+                        await self._branch_hibernated(row, tag, labels)
+                    else:
+                        await self._branch_locked(vm, row, tag, labels)
             finally:
                 self.in_flight -= 1
         info = self.snapshots.info(tag)
@@ -85,6 +89,22 @@ class BranchService:
             )
         )
         fleet.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
+
+    async def _branch_hibernated(self, row: SandboxRow, tag: str, metadata: dict[str, str]) -> None:
+        """The hibernated sandbox's state, copied: no VM, no pause (``pause_ms`` 0)."""
+        fleet = self.fleet
+        src = fleet.hibernated.latest(row.id)
+        if fleet.sandbox_row(row.id).state != "hibernated" or src is None:
+            raise Conflict(f"sandbox {row.id!r} is no longer hibernated; retry")
+        labels = SnapshotLabels(
+            tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag, pause_ms=0.0
+        )
+        dest = fleet.settings.snapshot_root / tag
+        files = await asyncio.to_thread(
+            snapshot_copy.copy_snapshot, src, dest, labels, (hibernated_files.NETWORK_FILE,)
+        )
+        fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata))
+        fleet.metrics.branch_pause_seconds.observe(0.0)
 
     def _register(self, tag: str, snapshot_dir: Path, metadata: dict[str, str]) -> None:
         """Register a snapshot the driver kept although the branch failed."""

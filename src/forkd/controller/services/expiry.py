@@ -2,13 +2,18 @@
 
 - ``kill``: the sandbox is killed and forgotten, as ``DELETE`` does.
 - ``pause``: it is paused (a paused one stays so); its timeout is cleared.
+- ``hibernate``: it is written to disk and its QEMU ended (a hibernated one
+  stays so); its timeout is cleared.
 - ``branch``: it is branched (a snapshot of it as it was, ``timeout_branch``
   on its last info), then its VM is killed; the sandbox stays listed as
   ``dead`` until it is deleted. A branch refused for now (``Busy``: the
   branch cap, an upload crossing) is tried again at the next pass; one that
   fails otherwise leaves the sandbox paused, its state kept, not killed.
 
-Each expiry is written to the audit log, with the branch's tag.
+An idle timeout (``idle_timeout_s``: no API call touching the sandbox and no
+process output for that long, while it runs) does the same ``on_timeout``.
+Each expiry is written to the audit log, with the branch's tag (and
+``"reason": "idle"`` for an idle one).
 """
 
 from __future__ import annotations
@@ -38,20 +43,32 @@ class Expiry:
         self.branches = branches
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
 
-    async def expire(self, row: SandboxRow) -> None:
-        """Carry out ``row.on_timeout`` for the sandbox whose timeout has passed (unless
-        it was moved meanwhile)."""
+    async def expire(self, row: SandboxRow, idle: bool = False) -> None:
+        """Carry out ``row.on_timeout`` for the sandbox whose timeout has passed, or,
+        with ``idle``, whose idle timeout has (unless it moved meanwhile)."""
         now = self.fleet.store.get_sandbox(row.id)
-        if now is None or now.expires_at_unix is None or now.expires_at_unix > time.time():
-            return  # killed, or its timeout moved, since the reaper read it
+        if now is None:
+            return  # killed since the reaper read it
+        if idle:
+            if not self.fleet.idle_expired(now):
+                return  # used, or paused, since
+        elif now.expires_at_unix is None or now.expires_at_unix > time.time():
+            return  # its timeout moved since the reaper read it
         action = now.on_timeout if now.state != "dead" else "kill"
-        log.info("sandbox %s reached its timeout: %s", row.id, action)
-        self.fleet.events.publish("expired", sandbox_id=row.id, action=action)
+        log.info("sandbox %s reached its %stimeout: %s", row.id, "idle " if idle else "", action)
+        self.fleet.events.publish(
+            "expired", sandbox_id=row.id, action=action, reason="idle" if idle else "timeout"
+        )
         record: dict[str, Any] = {"event": "timeout", "sandbox": row.id, "on_timeout": action}
-        if action == "pause":
-            if now.state == "running":
-                await self.pausing.pause(row.id)  # on failure the next pass tries again
-            self.fleet.store.update_sandbox(row.id, expires_at_unix=None)
+        if idle:
+            record["reason"] = "idle"
+        if action in ("pause", "hibernate"):
+            hibernate = action == "hibernate"
+            if now.state == "running" or (hibernate and now.state == "paused"):
+                # On failure the next pass tries again.
+                await self.pausing.pause(row.id, hibernate=hibernate)
+            if not idle:  # an idle one keeps its lifetime (idleness stops while paused)
+                self.fleet.store.update_sandbox(row.id, expires_at_unix=None)
         elif action == "branch":
             try:
                 tag = (await self.branches.branch(row.id, BranchRequest())).tag

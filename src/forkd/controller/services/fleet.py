@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import shutil
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Any, Protocol
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.services.events import EventBus
+from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import Conflict, ForkdError, NotFound, OverCapacity
@@ -99,6 +101,12 @@ class Fleet:
         # names yet: no layer collection while any is in progress.
         self.volume_ops = 0
         self.events = EventBus()  # lifecycle events: every service publishes here
+        self.hibernated = HibernatedFiles(settings.snapshot_root)
+        self.waking: set[str] = set()  # hibernated sandboxes being restored: not killed
+        # Idle timeouts: when each sandbox was last touched by an API call or seen
+        # writing output, and how much output its processes had written then.
+        self.last_active: dict[str, float] = {}
+        self.output_seen: dict[str, int] = {}
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
         self.cgroups = _cgroup_hierarchy(settings)
         self._admitted: list[Admission] = []  # requests starting VMs right now
@@ -201,10 +209,28 @@ class Fleet:
         return row
 
     def sandbox_row(self, sandbox_id: str) -> SandboxRow:
+        """The sandbox's record, for a call touching it (its idle clock starts again)."""
         row = self.store.get_sandbox(sandbox_id)
         if row is None:
             raise NotFound(f"sandbox {sandbox_id!r} not found")
+        self.touch(sandbox_id)
         return row
+
+    # ------------------------------------------------------------- idleness
+
+    def touch(self, sandbox_id: str) -> None:
+        """Something used the sandbox now: its idle timeout counts from here."""
+        self.last_active[sandbox_id] = time.time()
+
+    def idle_since(self, row: SandboxRow) -> float:
+        """When the sandbox was last active (a daemon's start counts as activity)."""
+        return self.last_active.setdefault(row.id, time.time())
+
+    def idle_expired(self, row: SandboxRow) -> bool:
+        """Whether the running sandbox has been idle past its idle timeout."""
+        if row.idle_timeout_s is None or row.state != "running":
+            return False
+        return time.time() - self.idle_since(row) >= row.idle_timeout_s
 
     # ------------------------------------------------------------- VMs
 
@@ -213,6 +239,8 @@ class Fleet:
         (or is paused, unless ``paused_ok``: its guest answers nothing while paused)."""
         row = self.sandbox_row(sandbox_id)
         vm = self.vms.get(sandbox_id)
+        if row.state == "hibernated":
+            raise Conflict(f"sandbox {sandbox_id!r} is hibernated: resume it first")
         if vm is None or row.state == "dead":
             raise Conflict(f"sandbox {sandbox_id!r} is {row.state}, not running")
         if row.state == "paused" and not paused_ok:
@@ -232,10 +260,14 @@ class Fleet:
     async def mark_dead(self, sandbox_id: str) -> None:
         """The sandbox's VM is gone: keep its record, state ``dead``."""
         self.branch_locks.pop(sandbox_id, None)
+        self.pauses.pop(sandbox_id, None)
+        self.last_active.pop(sandbox_id, None)
+        self.output_seen.pop(sandbox_id, None)
         vm = self.vms.pop(sandbox_id, None)
         exited = vm is None or not vm.is_alive()  # on its own, or stopped by us now
         if vm is not None:
             await vm.kill()
+        self.hibernated.discard(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
         if row is not None:
             self.store.update_sandbox(sandbox_id, state="dead")
@@ -246,6 +278,8 @@ class Fleet:
         """Kill the sandbox's VM (if any), delete its files and its record."""
         self.branch_locks.pop(sandbox_id, None)
         self.pauses.pop(sandbox_id, None)
+        self.last_active.pop(sandbox_id, None)
+        self.output_seen.pop(sandbox_id, None)
         vm = self.vms.pop(sandbox_id, None)
         if vm is not None:
             await vm.kill()
@@ -253,6 +287,7 @@ class Fleet:
             row = self.store.get_sandbox(sandbox_id)
             if row is not None:
                 shutil.rmtree(row.run_dir, ignore_errors=True)
+        self.hibernated.discard(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
         self.store.delete_sandbox(sandbox_id)
         if row is not None and row.state not in ("starting", "dead"):  # a failed fork: none

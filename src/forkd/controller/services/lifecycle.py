@@ -15,12 +15,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from forkd.controller.services.fleet import Fleet, vm_id_prefixes
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
-from forkd.errors import SnapshotError
+from forkd.errors import ForkdError, SnapshotError
 from forkd.limits import NAME_RE
 from forkd.vmm import network, processes, qemu_user, snapshot_files
 
@@ -40,10 +40,14 @@ STOP_VM_SECS = 15.0  # at daemon stop, killing or letting go of one VM
 T = TypeVar("T")
 
 
+class Expire(Protocol):
+    """:meth:`forkd.controller.services.expiry.Expiry.expire`."""
+
+    def __call__(self, row: SandboxRow, idle: bool = False) -> Awaitable[None]: ...
+
+
 class Lifecycle:
-    def __init__(
-        self, fleet: Fleet, expire: Callable[[SandboxRow], Awaitable[None]] | None = None
-    ) -> None:
+    def __init__(self, fleet: Fleet, expire: Expire | None = None) -> None:
         self.fleet = fleet
         self._expire = expire  # a sandbox's on_timeout; None: kill it
         self._reaper: asyncio.Task[None] | None = None
@@ -88,6 +92,10 @@ class Lifecycle:
             log.info("removing staging directory %s left by a crash", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
         store = self.fleet.store
+        kept = {r.id for r in store.list_sandboxes() if r.state != "dead"}
+        for sid in self.fleet.hibernated.sleepers() - kept:
+            log.info("removing the hibernated state of sandbox %s, which is gone", sid)
+            self.fleet.hibernated.discard(sid)
         known = {row.tag for row in store.list_snapshots()}
         for d in sorted(root.iterdir()):
             if d.name.startswith(".") or d.name in known or not NAME_RE.fullmatch(d.name):
@@ -108,6 +116,11 @@ class Lifecycle:
         for row in fleet.store.list_sandboxes():
             if row.state == "dead":
                 continue
+            if row.state == "hibernated":  # on disk, no QEMU: woken by resume
+                if fleet.hibernated.latest(row.id) is None:
+                    log.warning("hibernated sandbox %s lost its state: marked dead", row.id)
+                    fleet.store.update_sandbox(row.id, state="dead")
+                continue
             run_dir = Path(row.run_dir)
             paused = row.state == "paused"  # adopted as the user left it
             try:
@@ -118,6 +131,7 @@ class Lifecycle:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(row.pid, signal.SIGKILL)
                 shutil.rmtree(run_dir, ignore_errors=True)
+                fleet.hibernated.discard(row.id)  # a woken one's state it no longer needs
                 fleet.store.delete_sandbox(row.id)
                 continue
             fleet.vms[row.id] = vm
@@ -210,7 +224,10 @@ class Lifecycle:
 
     async def _bounded_check(self, row: SandboxRow) -> None:
         expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
-        branching = expired and row.on_timeout == "branch" and row.state != "dead"
+        expired = expired or self.fleet.idle_expired(row)
+        branching = (
+            expired and row.on_timeout in ("branch", "hibernate") and row.state != "dead"
+        )
         try:  # a branch at the timeout copies the sandbox's memory: it gets longer
             await asyncio.wait_for(self._check(row), EXPIRY_SECS if branching else REAP_CHECK_SECS)
         except TimeoutError:
@@ -231,6 +248,9 @@ class Lifecycle:
         vm = fleet.vms.get(row.id)
         if vm is None or row.state == "dead":
             return
+        if self._expire is not None and fleet.idle_expired(row) and await self._quiet(row, vm):
+            await self._expire(row, idle=True)
+            return
         try:
             alive = await self._probes.run(vm.is_alive, PROBE_SECS)
         except TimeoutError:
@@ -239,6 +259,22 @@ class Lifecycle:
         if not alive:
             log.warning("sandbox %s died (QEMU exited)", row.id)
             await fleet.mark_dead(row.id)
+
+
+    async def _quiet(self, row: SandboxRow, vm: Any) -> bool:
+        """Whether the sandbox's processes wrote nothing since the last look (if they
+        did, that is activity: its idle clock starts again)."""
+        fleet = self.fleet
+        try:
+            listed = await vm.proc_list()
+        except ForkdError:
+            return True  # a guest that does not answer is doing nothing for anyone
+        written = sum(int(p.get("output_end") or 0) for p in listed)
+        if fleet.output_seen.get(row.id, 0) == written:
+            return True
+        fleet.output_seen[row.id] = written
+        fleet.touch(row.id)
+        return False
 
 
 class Probes:

@@ -1,4 +1,6 @@
-"""Pause and resume: a sandbox's vCPUs stopped and started again, its memory kept.
+"""Pause and resume: a sandbox's vCPUs stopped and started again, its memory kept;
+or, with ``hibernate``, its state written to disk and its QEMU ended
+(:mod:`.hibernation`).
 
 A paused sandbox uses no CPU and answers no guest call (409 until it is
 resumed); it can be branched as it is (no pause of its own, ``pause_ms`` 0)
@@ -14,7 +16,8 @@ from typing import Any
 
 from forkd.controller.models import SandboxInfo
 from forkd.controller.services.fleet import Fleet
-from forkd.controller.services.sandboxes import SandboxService
+from forkd.controller.services.hibernation import HibernateService
+from forkd.controller.services.sandboxes import SandboxService, expiry_in
 from forkd.errors import Busy, Conflict, ForkdError, VMError
 
 log = logging.getLogger(__name__)
@@ -24,9 +27,16 @@ class PauseService:
     def __init__(self, fleet: Fleet, sandboxes: SandboxService) -> None:
         self.fleet = fleet
         self.sandboxes = sandboxes
+        self.hibernation = HibernateService(fleet)
 
-    async def pause(self, sandbox_id: str) -> SandboxInfo:
-        """Stop the sandbox's vCPUs; :class:`Conflict` unless it is running."""
+    async def pause(self, sandbox_id: str, hibernate: bool = False) -> SandboxInfo:
+        """Stop the sandbox's vCPUs; :class:`Conflict` unless it is running. With
+        ``hibernate``, a running or paused sandbox is written to disk and its QEMU ended."""
+        if hibernate:
+            async with self._lock(sandbox_id):
+                await self.hibernation.hibernate(sandbox_id)
+            self.fleet.events.publish("hibernated", sandbox_id=sandbox_id)
+            return self.sandboxes.info(sandbox_id)
         async with self._lock(sandbox_id):
             vm = self._vm_in(sandbox_id, "running", "already paused")
             try:
@@ -35,23 +45,35 @@ class PauseService:
                 raise await self._failed(sandbox_id, vm, "pausing", exc) from exc
             self.fleet.store.update_sandbox(sandbox_id, state="paused")
             self.fleet.pauses[sandbox_id] = self.fleet.pauses.get(sandbox_id, 0) + 1
+        self.fleet.events.publish("paused", sandbox_id=sandbox_id)
         return self.sandboxes.info(sandbox_id)
 
-    async def resume(self, sandbox_id: str) -> SandboxInfo:
-        """Start the paused sandbox's vCPUs again and set its clock; :class:`Conflict`
-        unless it is paused."""
+    async def resume(self, sandbox_id: str, timeout_s: float | None = None) -> SandboxInfo:
+        """Run the paused sandbox again and set its clock, or wake the hibernated one;
+        :class:`Conflict` unless it is paused or hibernated. ``timeout_s``: its new
+        timeout from now (none: as it was; a woken one has none)."""
         async with self._lock(sandbox_id):
-            vm = self._vm_in(sandbox_id, "paused", "not paused")
-            try:
-                await vm.resume()
-            except ForkdError as exc:
-                raise await self._failed(sandbox_id, vm, "resuming", exc) from exc
-            self.fleet.store.update_sandbox(sandbox_id, state="running")
-            try:
-                await vm.after_resume()
-            except ForkdError as exc:  # it runs; only its clock may lag
-                log.warning("sandbox %s resumed, but its clock was not set: %s", sandbox_id, exc)
+            woke = self.fleet.sandbox_row(sandbox_id).state == "hibernated"
+            if woke:
+                await self.hibernation.wake(sandbox_id)
+            else:
+                await self._resume_paused(sandbox_id)
+            if timeout_s is not None:
+                self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=expiry_in(timeout_s))
+        self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
         return self.sandboxes.info(sandbox_id)
+
+    async def _resume_paused(self, sandbox_id: str) -> None:
+        vm = self._vm_in(sandbox_id, "paused", "not paused")
+        try:
+            await vm.resume()
+        except ForkdError as exc:
+            raise await self._failed(sandbox_id, vm, "resuming", exc) from exc
+        self.fleet.store.update_sandbox(sandbox_id, state="running")
+        try:
+            await vm.after_resume()
+        except ForkdError as exc:  # it runs; only its clock may lag
+            log.warning("sandbox %s resumed, but its clock was not set: %s", sandbox_id, exc)
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         """The sandbox's branch lock: a branch in flight resumes what it paused."""

@@ -126,8 +126,8 @@ class ProcessService:
         comes back full the reader is behind, and the next asks for more.
         A failure raises after the events read before it: the framing ends
         the stream with it (see :mod:`forkd.controller.sse`). A followed
-        stream of a sandbox that is paused waits, with keep-alives, until it
-        is resumed, then goes on where it was.
+        stream of a sandbox that is paused or hibernated waits, with keep-alives,
+        until it is resumed, then goes on where it was.
         """
         events = OutputEvents()
         wait = FOLLOW_WAIT_SECS if until is None else 0.0
@@ -175,7 +175,7 @@ class ProcessService:
 
     def _paused(self, sandbox_id: str) -> bool:
         row = self.sandboxes.fleet.store.get_sandbox(sandbox_id)
-        return row is not None and row.state == "paused"
+        return row is not None and row.state in ("paused", "hibernated")
 
     def _paused_since(self, sandbox_id: str, pauses: int) -> bool:
         """Whether the sandbox is paused, or was since its pause count was ``pauses``

@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 from forkd import limits
 from forkd.controller.models import (
+    SANDBOX_STATES,
     DisplayOutput,
     EvalInterrupt,
     EvalRequest,
@@ -67,7 +68,6 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
 
 
 EXIT_WAIT_SECS = 1.0  # for a QEMU whose agent channel just closed to finish exiting
-SANDBOX_STATES = ("starting", "running", "paused", "dead")
 
 
 async def _exited(vm: Any, wait: float) -> bool:
@@ -80,21 +80,16 @@ async def _exited(vm: Any, wait: float) -> bool:
     return True
 
 
-def _check_on_timeout(on_timeout: str) -> None:
-    if on_timeout == "hibernate":
-        raise Invalid("on_timeout 'hibernate' needs hibernation, which is not built yet")
-
-
 def _lifetime(req: SandboxCreate) -> float | None:
     """The fork's timeout in seconds (``timeout_s``, or its older name ``timeout_secs``)."""
-    _check_on_timeout(req.on_timeout)
     given = {t for t in (req.timeout_s, req.timeout_secs) if t is not None}
     if len(given) > 1:
         raise Invalid("timeout_s and timeout_secs differ: give one")
     return given.pop() if given else None
 
 
-def _expiry(timeout_s: float | None) -> float | None:
+def expiry_in(timeout_s: float | None) -> float | None:
+    """The time ``timeout_s`` seconds from now (None: no timeout)."""
     return time.time() + timeout_s if timeout_s is not None else None
 
 
@@ -177,9 +172,10 @@ class SandboxService:
             SandboxRow(
                 id=sid, snapshot_tag=req.snapshot_tag, run_dir=str(run_dir), pid=None,
                 created_at_unix=now(), memory_limit_mib=req.memory_limit_mib,
-                expires_at_unix=_expiry(_lifetime(req)),
+                expires_at_unix=expiry_in(_lifetime(req)),
                 state="starting",
                 on_timeout=req.on_timeout,
+                idle_timeout_s=req.idle_timeout_s,
                 metadata=merged_labels(
                     fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata
                 ),
@@ -215,7 +211,10 @@ class SandboxService:
     # ------------------------------------------------------------ read, kill
 
     def info(self, sandbox_id: str) -> SandboxInfo:
-        row = self.fleet.sandbox_row(sandbox_id)
+        return self._info(self.fleet.sandbox_row(sandbox_id))
+
+    def _info(self, row: SandboxRow) -> SandboxInfo:
+        sandbox_id = row.id
         net = getattr(self.fleet.vms.get(sandbox_id), "net", None)
         return SandboxInfo(
             id=row.id,
@@ -229,6 +228,8 @@ class SandboxService:
             expires_at_unix=row.expires_at_unix,
             expires_at=_iso(row.expires_at_unix),
             on_timeout=row.on_timeout,
+            idle_timeout_s=row.idle_timeout_s,
+            last_active_at=_iso(self.fleet.last_active.get(sandbox_id)),
             timeout_branch=row.timeout_branch,
             fork_ms=row.fork_ms,
             metadata=row.metadata,
@@ -244,7 +245,7 @@ class SandboxService:
         if state is not None and state not in SANDBOX_STATES:
             raise Invalid(f"unknown state {state!r}: one of {', '.join(SANDBOX_STATES)}")
         return [
-            self.info(r.id)
+            self._info(r)  # a listing touches none of them
             for r in self.fleet.store.list_sandboxes()
             if (state is None or r.state == state)
             and (snapshot is None or r.snapshot_tag == snapshot)
@@ -257,16 +258,19 @@ class SandboxService:
         row = self.fleet.sandbox_row(sandbox_id)
         if row.state == "dead":
             raise Conflict(f"sandbox {sandbox_id!r} is dead")
-        fields: dict[str, Any] = {"expires_at_unix": _expiry(req.timeout_s)}
+        fields: dict[str, Any] = {"expires_at_unix": expiry_in(req.timeout_s)}
         if req.on_timeout is not None:
-            _check_on_timeout(req.on_timeout)
             fields["on_timeout"] = req.on_timeout
+        if "idle_timeout_s" in req.model_fields_set:
+            fields["idle_timeout_s"] = req.idle_timeout_s
         self.fleet.store.update_sandbox(sandbox_id, **fields)
         return self.info(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:
         if self.fleet.sandbox_row(sandbox_id).state == "starting":
             raise Conflict(f"sandbox {sandbox_id!r} is still starting; retry shortly")
+        if sandbox_id in self.fleet.waking:
+            raise Conflict(f"sandbox {sandbox_id!r} is waking from hibernation; retry shortly")
         await self.fleet.remove(sandbox_id)
 
     # ------------------------------------------------------------ guest

@@ -16,6 +16,7 @@ from forkd.vmm.volumes import Attachment, VolumeStore, attach_for_boot, parse_si
 
 if TYPE_CHECKING:
     from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.hibernated_files import HibernatedFiles
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,10 @@ class VolumeService:
         for sid, vm in self.fleet.vms.items():
             if any(v.name == name for v in vm.volumes):
                 users.append(f"sandbox {sid}")
+        for dir_name, attached in recorded.items():  # asleep, its state on disk
+            sleeper = HibernatedFiles.owner(dir_name)
+            if sleeper and sleeper not in self.fleet.vms and any(v.name == name for v in attached):
+                users.append(f"sandbox {sleeper} (hibernated)")
         return users
 
     def collect_layers(self) -> None:

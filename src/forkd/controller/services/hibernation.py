@@ -1,0 +1,141 @@
+"""Hibernate and wake: a sandbox snapshotted to disk, its QEMU ended, and later
+restored into a new QEMU with the same id, address, volumes and processes.
+
+Hibernating is a snapshot of the sandbox as it is (paused first when it
+runs; see :mod:`forkd.vmm.live_snapshot`), written to the sandbox's own
+directory (:mod:`.hibernated_files`); once it is committed the store says
+``hibernated`` and the QEMU is killed, which gives its memory back. Waking
+restores that snapshot the way a fork does, under the sandbox's id, with
+the address it had when that is still free. Whatever fails, the sandbox is
+left as it was: running (or paused) when hibernating failed, hibernated
+when waking failed.
+
+A hibernated sandbox's timeout is cleared: like a snapshot, it costs only
+disk until someone wakes it (``resume`` may set a new one). It survives a
+daemon restart and a host reboot: nothing of it lives outside the state
+directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.hibernated_files import HibernatedFiles
+from forkd.errors import Busy, Conflict, ForkdError, StorageFull, VMError
+from forkd.vmm import live_snapshot, snapshot_files
+from forkd.vmm.network import SandboxNet
+from forkd.vmm.snapshot_files import SnapshotLabels
+
+log = logging.getLogger(__name__)
+
+
+class HibernateService:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    async def hibernate(self, sandbox_id: str) -> None:
+        """Snapshot the running or paused sandbox to disk and end its QEMU.
+
+        The caller holds the sandbox's branch lock.
+        """
+        fleet = self.fleet
+        row = fleet.sandbox_row(sandbox_id)
+        if row.state == "hibernated":
+            raise Conflict(f"sandbox {sandbox_id!r} is already hibernated")
+        vm = fleet.live(sandbox_id, paused_ok=True)
+        was_running = row.state == "running"
+        if was_running:  # the snapshot then holds exactly this moment
+            try:
+                await vm.pause()
+            except ForkdError as exc:
+                if isinstance(exc, Busy) or vm.is_alive():
+                    raise
+                await fleet.mark_dead(sandbox_id)
+                raise Conflict(f"sandbox {sandbox_id!r} died while hibernating: {exc}") from exc
+            fleet.pauses[sandbox_id] = fleet.pauses.get(sandbox_id, 0) + 1
+        dest = fleet.hibernated.next_dir(sandbox_id)
+        labels = SnapshotLabels(branched_from=sandbox_id, parent_tag=row.snapshot_tag)
+        try:
+            await live_snapshot.snapshot_running(vm, dest, labels)
+        except live_snapshot.LiveSnapshotError as exc:
+            raise await self._not_hibernated(sandbox_id, vm, was_running, exc) from exc
+        if fleet.vms.get(sandbox_id) is not vm:  # killed meanwhile: nothing to keep
+            fleet.hibernated.discard(sandbox_id)
+            raise Conflict(f"sandbox {sandbox_id!r} was killed while hibernating")
+        HibernatedFiles.save_network(dest, vm.net.to_json() if vm.net else None)
+        fleet.store.update_sandbox(sandbox_id, state="hibernated", pid=None, expires_at_unix=None)
+        fleet.vms.pop(sandbox_id, None)
+        await vm.kill()  # its memory is given back; its namespace goes with it
+        fleet.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
+        log.info("sandbox %s hibernated to %s", sandbox_id, dest)
+
+    async def _not_hibernated(
+        self, sandbox_id: str, vm: Any, was_running: bool, exc: live_snapshot.LiveSnapshotError
+    ) -> ForkdError:
+        """Put the sandbox back as it was; the error to answer with."""
+        if not exc.source_alive or not vm.is_alive():
+            await self.fleet.mark_dead(sandbox_id)
+            return Conflict(f"sandbox {sandbox_id!r} died while hibernating: {exc}")
+        if was_running:
+            try:
+                await vm.resume()
+            except ForkdError as again:
+                log.warning("sandbox %s stays paused: %s", sandbox_id, again)
+                self.fleet.store.update_sandbox(sandbox_id, state="paused")
+        cause = exc.__cause__
+        if isinstance(cause, (StorageFull, Busy)):
+            return type(cause)(f"hibernating {sandbox_id}: {cause}")
+        return VMError(f"hibernating sandbox {sandbox_id!r} failed: {exc}")
+
+    async def wake(self, sandbox_id: str) -> None:
+        """Restore the hibernated sandbox into a new QEMU, running.
+
+        The caller holds the sandbox's branch lock and has checked it is hibernated.
+        """
+        fleet = self.fleet
+        row = fleet.sandbox_row(sandbox_id)
+        state_dir = fleet.hibernated.latest(sandbox_id)
+        if state_dir is None:
+            raise Conflict(f"sandbox {sandbox_id!r} is hibernated but its state is missing")
+        machine = (await asyncio.to_thread(snapshot_files.load, state_dir)).machine
+        with fleet.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
+            held.ids.add(sandbox_id)
+            fleet.waking.add(sandbox_id)
+            try:
+                vm = await self._restore(sandbox_id, state_dir, row.memory_limit_mib)
+            finally:
+                fleet.waking.discard(sandbox_id)
+            fleet.vms[sandbox_id] = vm
+        fleet.store.update_sandbox(sandbox_id, state="running", pid=vm.pid)
+        # Older generations are no longer mapped by anything.
+        fleet.hibernated.discard(sandbox_id, keep=state_dir)
+        log.info("sandbox %s woke from %s in %.0f ms", sandbox_id, state_dir, vm.ready_ms or 0)
+
+    async def _restore(self, sandbox_id: str, state_dir: Path, memory_limit_mib: int | None) -> Any:
+        fleet = self.fleet
+        net = HibernatedFiles.saved_network(state_dir)
+        if net is not None and fleet.network.enabled:
+            with contextlib.suppress(KeyError, ValueError, TypeError):
+                index = SandboxNet.from_json(net).index
+                if index is not None:
+                    fleet.network.prefer(sandbox_id, index)
+        # A crash between a wake's restore and its record leaves a run directory.
+        shutil.rmtree(fleet.settings.run_dir / sandbox_id, ignore_errors=True)
+        try:
+            return await fleet.driver.restore(
+                state_dir, run_root=fleet.settings.run_dir, vm_id=sandbox_id, detach=True,
+                host_network=fleet.network, cgroup=fleet.placement(memory_limit_mib),
+                hostname=sandbox_id,
+            )  # fmt: skip
+        except ForkdError as exc:
+            if isinstance(exc, (Busy, Conflict, StorageFull)):
+                raise
+            raise VMError(
+                f"waking sandbox {sandbox_id!r} failed, it stays hibernated: {exc}"
+            ) from exc

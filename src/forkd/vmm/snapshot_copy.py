@@ -1,0 +1,89 @@
+"""Copy a committed snapshot directory under a new name, with new labels.
+
+A branch of a hibernated sandbox is its hibernation snapshot as it is: no VM
+to pause, only files to copy. The copy is staged beside ``dest`` and renamed
+into place when whole; ``memory.bin`` keeps its holes (a reflink where the
+filesystem has one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import secrets
+import shutil
+import time
+from pathlib import Path
+
+from forkd.errors import SnapshotError, StorageFull
+from forkd.vmm import memory, snapshot_files
+from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
+
+
+def copy_snapshot(
+    src: Path, dest: Path, labels: SnapshotLabels, skip: tuple[str, ...] = ()
+) -> SnapshotFiles:
+    """Copy the snapshot at ``src`` to ``dest`` (which must not exist), relabelled;
+    its other files too, but those named in ``skip``.
+
+    On failure nothing is left at ``dest`` or in staging; a full disk is
+    :class:`StorageFull`.
+    """
+    if dest.exists():
+        raise SnapshotError(f"{dest} already exists")
+    files = snapshot_files.load(src)
+    staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(3)}"
+    try:
+        staging.mkdir(mode=0o700)
+        _copy_memory(files.memory, staging / snapshot_files.MEMORY, files.meta.memory_bytes)
+        for path in src.iterdir():
+            if path.is_file() and path.name not in (
+                snapshot_files.META,
+                snapshot_files.MEMORY,
+                *skip,
+            ):
+                shutil.copyfile(path, staging / path.name)
+        meta = dataclasses.replace(
+            files.meta,
+            created_at_unix=int(time.time()),
+            tag=labels.tag,
+            branched_from=labels.branched_from,
+            parent_tag=labels.parent_tag,
+            pause_ms=labels.pause_ms,
+        )
+        meta_path = snapshot_files.write_meta(staging, meta)
+        for path in (staging / snapshot_files.VMSTATE, meta_path):
+            path.chmod(0o600)
+            _fsync(path)
+        _fsync(staging)
+        staging.rename(dest)
+        _fsync(dest.parent)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise StorageFull(f"disk full while copying snapshot {src.name} to {dest}") from exc
+        raise
+    return SnapshotFiles(dest, meta)
+
+
+def _copy_memory(src: Path, out: Path, size: int) -> None:
+    src_fd = os.open(src, os.O_RDONLY)
+    try:
+        out_fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(out_fd, size)
+            memory.copy_sparse(src_fd, out_fd, size, str(src))
+            os.fsync(out_fd)
+        finally:
+            os.close(out_fd)
+    finally:
+        os.close(src_fd)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
