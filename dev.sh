@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
-              ca-certificates nftables)
+              ca-certificates nftables
+              chromium curl)  # tests/integration/test_ports.py: a preview URL in a real browser
 VENV=${FORKD_VENV:-.venv}
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
