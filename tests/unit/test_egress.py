@@ -10,7 +10,6 @@ from forkd.errors import Invalid
 from forkd.vmm import egress
 from forkd.vmm.egress import BLOCKED_RANGES, Egress
 from forkd.vmm.network import (
-    AGENT_PORT,
     ALWAYS_BLOCKED,
     GUEST_IP,
     host_ruleset,
@@ -54,8 +53,19 @@ def test_none_drops_every_new_connection_from_the_guest() -> None:
     chain = _egress_chain(rules)
     assert "accept" not in chain  # nothing is let out, not even DNS
     assert "dport 53" not in rules
-    # The host still reaches the agent through the DNAT.
-    assert f"dnat to {GUEST_IP}:{AGENT_PORT}" in rules
+    # The host still reaches the agent (and any guest port) through the DNAT.
+    assert f'iifname "veth0" meta l4proto tcp dnat to {GUEST_IP}' in rules
+
+
+def test_only_tcp_from_the_host_side_is_forwarded_to_any_guest_port() -> None:
+    """The port proxy reaches every guest TCP port from the veth; nothing arriving
+    from the guest's tap is turned back into the guest or to the host."""
+    rules = namespace_ruleset(Egress("none"), resolver=None)
+    dnats = [line.strip() for line in rules.splitlines() if "dnat to" in line]
+    assert dnats == [f'iifname "veth0" meta l4proto tcp dnat to {GUEST_IP}']
+    forward = rules[rules.index("chain forward") : rules.index("chain egress")]
+    assert f'iifname "veth0" oifname "tap0" ip daddr {GUEST_IP} meta l4proto tcp accept' in forward
+    assert 'iifname "tap0" oifname "veth0" jump egress' in forward  # the guest: egress only
 
 
 def test_internet_drops_private_link_local_and_metadata_first() -> None:
