@@ -121,6 +121,20 @@ def test_the_default_ttl_is_an_hour_and_ttls_are_bounded(http: httpx.Client, sid
     assert r.status_code == 404
 
 
+def test_the_port_url_route_is_the_same_with_the_port_in_the_path(
+    http: httpx.Client, anon: httpx.Client, sid: str
+) -> None:
+    r = http.post(f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/url", json={"ttl_s": 60})
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["port"] == GUEST_PORT and info["expires_at_unix"] <= time.time() + 61
+    assert anon.get(info["url"] + "x").status_code == 200
+    assert http.post(f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/url").status_code == 201
+    for port, body in ((0, {}), (65536, {}), (8888, {}), (GUEST_PORT, {"ttl_s": 0})):
+        r = http.post(f"/v1/sandboxes/{sid}/ports/{port}/url", json=body)
+        assert r.status_code == 400, (port, r.text)
+
+
 def test_a_tampered_token_is_refused_and_never_reaches_a_guest(
     http: httpx.Client, anon: httpx.Client, sid: str, server: Server, web: int
 ) -> None:

@@ -384,6 +384,15 @@ class PreviewRequest(_Body):
     )
 
 
+class PortUrlRequest(_Body):
+    ttl_s: int = Field(
+        limits.DEFAULT_PREVIEW_TTL_SECS,
+        ge=1,
+        le=limits.MAX_PREVIEW_TTL_SECS,
+        description="seconds until the URL stops working (it also stops when the sandbox dies)",
+    )
+
+
 class PreviewInfo(BaseModel):
     """A signed URL for a browser: the sandbox's port without the bearer token."""
 

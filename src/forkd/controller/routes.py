@@ -25,6 +25,7 @@ from forkd.controller.models import (
     Health,
     PauseRequest,
     PingResult,
+    PortUrlRequest,
     PreviewInfo,
     PreviewRequest,
     ProcessInfo,
@@ -246,6 +247,21 @@ async def preview_url(
     return svc.ports.create_preview(sandbox_id, body, str(request.base_url))
 
 
+@sandboxes.post("/{sandbox_id}/ports/{port}/url", status_code=201, response_model=PreviewInfo)
+async def port_url(
+    svc: Svc,
+    sandbox_id: str,
+    port: Annotated[int, Path(ge=1, le=65535, description="the guest's TCP port")],
+    request: Request,
+    body: PortUrlRequest | None = None,
+) -> PreviewInfo:
+    """The same as ``POST /v1/sandboxes/{id}/preview-urls`` with ``port`` in the path
+    (the issue's form). It shadows a guest app's own ``POST /url`` on the proxy route;
+    that one stays reachable through a preview URL or a tunnel."""
+    req = PreviewRequest(port=port, ttl_s=(body or PortUrlRequest()).ttl_s)
+    return svc.ports.create_preview(sandbox_id, req, str(request.base_url))
+
+
 # ------------------------------------------------------------------ files
 
 
@@ -372,8 +388,13 @@ async def delete_volume(svc: Svc, name: str) -> Response:
 # ------------------------------------------------------------------ events
 
 events = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
+SSE_EVENT = {  # each event of the stream, as a client's SSE parser gives it
+    "type": "object",
+    "properties": {"event": {"type": "string"}, "id": {"type": "string"},
+                   "data": {"type": "string", "description": "a JSON object"}},
+}  # fmt: skip
 LIFECYCLE_EVENTS = {
-    "content": {sse.MEDIA_TYPE: {"schema": {"type": "string"}}},
+    "content": {sse.MEDIA_TYPE: {"schema": SSE_EVENT}},
     "description": "Server-Sent Events, one per lifecycle event (docs/API.md, Events): event "
     "(its type), id, data ({id, type, time, sandbox_id?, snapshot_tag?, ...}); a gap "
     "({after, missed, reason}) when events it would have had were lost",

@@ -253,6 +253,9 @@ def serve(
                 log_level=log_level,
                 timeout_graceful_shutdown=30,
                 access_log=False,
+                # X-Forwarded-For from a local client would otherwise stand for its
+                # address in the audit log and in what a guest's port sees.
+                proxy_headers=False,
                 **where,  # type: ignore[arg-type]
             )
             Server(config).run(sockets=sockets)

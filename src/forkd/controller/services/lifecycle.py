@@ -225,9 +225,7 @@ class Lifecycle:
     async def _bounded_check(self, row: SandboxRow) -> None:
         expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
         expired = expired or self.fleet.idle_expired(row)
-        branching = (
-            expired and row.on_timeout in ("branch", "hibernate") and row.state != "dead"
-        )
+        branching = expired and row.on_timeout in ("branch", "hibernate") and row.state != "dead"
         try:  # a branch at the timeout copies the sandbox's memory: it gets longer
             await asyncio.wait_for(self._check(row), EXPIRY_SECS if branching else REAP_CHECK_SECS)
         except TimeoutError:
@@ -259,7 +257,6 @@ class Lifecycle:
         if not alive:
             log.warning("sandbox %s died (QEMU exited)", row.id)
             await fleet.mark_dead(row.id)
-
 
     async def _quiet(self, row: SandboxRow, vm: Any) -> bool:
         """Whether the sandbox's processes wrote nothing since the last look (if they
