@@ -154,6 +154,17 @@ class FakeVM:
     async def finish_restore(self, **_: Any) -> None:
         self.state = "running"
 
+    async def prewarm(self) -> None:  # a pooled VM restored ahead of time, stopped
+        self.events.append("prewarm")
+        self.state = "warm"
+
+    async def claim(self) -> None:
+        self.events.append("claim")
+        if self.fail == "claim":
+            self.alive = False
+            raise VMError("cont failed")
+        self.state = "running"
+
     async def pause(self) -> None:
         self.events.append("pause")
         if self.fail == "pause":

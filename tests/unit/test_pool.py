@@ -20,6 +20,14 @@ class FakeVM:
         self.volumes = volumes
         self.alive = True
         self.killed = False
+        self.state = "incoming"
+        self.fail_prewarm = False
+
+    async def prewarm(self) -> None:
+        if self.fail_prewarm:
+            self.killed = True  # as VM.prewarm does when the restore fails
+            raise VMError("the restore failed")
+        self.state = "warm"
 
     def is_alive(self) -> bool:
         return self.alive and not self.killed
@@ -177,5 +185,33 @@ def test_a_pool_of_size_zero_starts_nothing() -> None:
         pool.refill(A)
         await pool.wait_filled(A)
         assert spawner.calls == [] and pool.take(A) is None
+
+    asyncio.run(scenario())
+
+
+def test_a_warm_pool_restores_ahead_and_a_failed_warm_up_is_not_handed_out() -> None:
+    async def scenario() -> None:
+        spawner = Spawner()
+        pool = _pool(spawner, per_snapshot=2, warm=True)
+        pool.refill(A)
+        await pool.wait_filled(A)
+        assert [vm.state for vm in spawner.vms] == ["warm", "warm"]
+        taken = pool.take(A)
+        assert taken is not None and taken.state == "warm"
+        original = FakeVM.prewarm
+
+        async def failing(self: FakeVM) -> None:
+            self.fail_prewarm = True
+            await original(self)
+
+        FakeVM.prewarm = failing  # type: ignore[method-assign]
+        try:
+            pool.refill(A)
+            await pool.wait_filled(A)
+        finally:
+            FakeVM.prewarm = original  # type: ignore[method-assign]
+        assert pool.waiting() == 1 and spawner.vms[-1].killed  # the failed one is gone
+        assert pool.take(A) is spawner.vms[1]
+        await pool.close()
 
     asyncio.run(scenario())

@@ -1,10 +1,13 @@
-"""QEMU processes started ahead of time, waiting for a snapshot's state.
+"""QEMU processes started ahead of time for a snapshot's forks.
 
 Starting QEMU (until its QMP socket answers) is a third of a fork's latency
-under TCG. A pool keeps, for the snapshots forked most recently, a few QEMU
-processes already mapped to the snapshot's ``memory.bin`` and waiting in
-``-incoming defer``; a fork then only loads the device state, continues the
-vCPUs and waits for the agent.
+under TCG, and translating the guest code of the first request most of the
+rest. A pool keeps, for the snapshots forked most recently, a few QEMU
+processes already mapped to the snapshot's ``memory.bin``. With ``warm``
+(the daemon's choice) each is restored in the background and stopped again
+(:mod:`forkd.vmm.warm_start`): a fork is then ``cont`` and one agent call
+(:meth:`VM.claim`). Without it, each waits in ``-incoming defer`` and a fork
+loads the device state, continues the vCPUs and waits for the agent.
 """
 
 from __future__ import annotations
@@ -32,14 +35,17 @@ class ForkPool:
         detach: bool = False,
         new_id: Callable[[], str] = new_vm_id,
         spawn: Callable[..., Awaitable[VM]] = VM.spawn_incoming,
+        warm: bool = False,
     ) -> None:
-        """``spawn`` starts one waiting QEMU (:meth:`VM.spawn_incoming`'s signature)."""
+        """``spawn`` starts one waiting QEMU (:meth:`VM.spawn_incoming`'s signature);
+        ``warm``: restore it too and stop it (hand it out with :meth:`VM.claim`)."""
         self.run_root = run_root
         self.per_snapshot = per_snapshot
         self.max_snapshots = max_snapshots
         self.detach = detach
         self.new_id = new_id
         self.spawn = spawn
+        self.warm = warm
         self._ready: OrderedDict[Path, list[VM]] = OrderedDict()
         self._fills: dict[Path, asyncio.Task[None]] = {}
         self._kills: set[asyncio.Task[None]] = set()  # keep references until done
@@ -87,6 +93,8 @@ class ForkPool:
                 vm = await self.spawn(
                     snapshot_dir, run_root=self.run_root, vm_id=self.new_id(), detach=self.detach
                 )
+                if self.warm:
+                    await vm.prewarm()  # killed there if it fails
             except (ForkdError, OSError) as exc:
                 log.warning("cannot pre-start a QEMU for %s: %s", snapshot_dir, exc)
                 return

@@ -61,6 +61,7 @@ from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotLabels
 from forkd.vmm.snapshot_writer import SnapshotWriter
 from forkd.vmm.vcpu_control import VcpuControl
 from forkd.vmm.volumes import Attachment
+from forkd.vmm.warm_start import WarmStart
 
 __all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
 
@@ -74,7 +75,7 @@ def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
 
 
-class VM(GuestOps, VcpuControl, GuestPorts):
+class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
     """A running (or paused, or dead) QEMU process and its agent connection."""
 
     def __init__(

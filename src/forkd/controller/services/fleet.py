@@ -118,6 +118,7 @@ class Fleet:
             spawn=functools.partial(
                 driver.spawn_incoming, host_network=self.network, cgroup=self.placement()
             ),
+            warm=True,  # restored ahead and stopped: a fork is cont + one agent call
         )
         settings.snapshot_root.mkdir(parents=True, exist_ok=True)
         settings.run_dir.mkdir(parents=True, exist_ok=True)

@@ -183,7 +183,9 @@ class SandboxService:
         )  # fmt: skip
         async with self._fork_slots:
             vm = waiting.pop(sid, None)
-            if vm is not None:
+            if vm is not None and vm.state == "warm":
+                await vm.claim()  # restored ahead of time: cont and a fresh identity
+            elif vm is not None:
                 await vm.finish_restore()
             else:
                 vm = await fleet.driver.restore(

@@ -1,0 +1,92 @@
+"""Warm forks: a pooled QEMU restored and run once ahead of time, then stopped.
+
+Under TCG most of a fork's latency is translating the guest code its first
+request runs (the agent's ``restore`` path, its socket loop) in a QEMU that
+has translated nothing yet. A pooled VM (:class:`forkd.vmm.pool.ForkPool`)
+therefore does the whole restore in the background, under the sandbox id it
+will have, and stops its vCPUs (:meth:`WarmStart.prewarm`). Handing it out
+(:meth:`WarmStart.claim`) is ``cont`` and one more ``restore``: the clock set
+to now and the RNGs reseeded again, on code already translated.
+
+What a pooled child has executed before it is handed out: from the
+snapshot's instant, the agent's ``restore`` (clock, kernel RNG and Python
+``random`` reseeded with fresh entropy, hostname set to its own id), plus
+whatever else the guest did in those few milliseconds of guest time (its
+processes ran on for as long). Its clock is set again at the claim. Output
+its processes wrote meanwhile is in its output rings like any other.
+
+While it warms up, the QEMU runs at a lower CPU priority (when the daemon
+may raise it again), so filling the pool never starves running sandboxes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from forkd import limits
+from forkd.errors import ForkdError, VMError
+
+POOL_NICE = 10  # while a pooled QEMU restores; back to 0 when it is claimed
+
+
+def renice(pid: int, nice: int) -> None:
+    """Set the CPU priority of every thread of process ``pid`` (QEMU's vCPU threads
+    too); does nothing when the daemon could not set it back (not root)."""
+    if os.geteuid() != 0:
+        return
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError, ValueError):
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+
+
+class WarmStart:
+    """Mixed into :class:`forkd.vmm.vm.VM`."""
+
+    id: str
+    pid: int
+    state: str
+    ready_ms: float | None
+    qmp: Any
+    # VM's own and GuestOps's, declared only (a mixin's stubs would shadow nothing).
+    finish_restore: Callable[..., Awaitable[None]]
+    _make_unique: Callable[[str, float], Awaitable[dict[str, Any]]]
+    kill: Callable[[], Awaitable[None]]
+
+    async def prewarm(self, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:
+        """Restore this VM from :meth:`VM.spawn_incoming` under its own id, then stop its
+        vCPUs: state ``warm``, ready for :meth:`claim`."""
+        renice(self.pid, POOL_NICE)
+        await self.finish_restore(hostname=self.id, timeout=timeout)
+        try:
+            await self.qmp.execute("stop")
+        except BaseException:
+            await self.kill()
+            raise
+        self.state = "warm"
+
+    async def claim(self, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:
+        """Hand out a warm VM: its vCPUs run again and its clock and RNGs are set anew.
+        ``ready_ms`` is the claim's own latency. On failure the VM is killed."""
+        if self.state != "warm":
+            raise VMError(f"{self.id} is not a warm pooled VM (it is {self.state})")
+        started = time.monotonic()
+        try:
+            renice(self.pid, 0)
+            await self.qmp.execute("cont")
+            self.state = "running"
+            result = await self._make_unique(self.id, timeout)
+        except BaseException as exc:
+            await self.kill()
+            if isinstance(exc, ForkdError) and not isinstance(exc, VMError):
+                raise VMError(f"claiming pooled VM {self.id} failed: {exc}") from exc
+            raise
+        if result.get("rng_reseeded") is not True or result.get("random_reseeded") is not True:
+            await self.kill()
+            raise VMError(f"pooled VM {self.id} could not reseed its RNGs: {result}")
+        self.ready_ms = (time.monotonic() - started) * 1000
