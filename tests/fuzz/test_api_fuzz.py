@@ -46,6 +46,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from forkd.controller.app import create_app
+from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
 from forkd.launcher import free_port
@@ -428,9 +429,15 @@ def _layers_on_disk(d: FuzzedDaemon) -> set[str]:
     return {str(p) for p in (d.settings.state_dir / "volumes").glob("*/layers/*")}
 
 
-def _staging(d: FuzzedDaemon) -> list[str]:
+def _staging(d: FuzzedDaemon, sandboxes: set[str]) -> list[str]:
+    """Staged or trashed files; a hibernation's state counts while its sandbox is listed."""
     roots = (d.settings.snapshot_root, d.settings.state_dir / "volumes")
-    return sorted(p.name for r in roots for p in r.glob(".*"))  # staged, or trash
+    return sorted(
+        p.name
+        for r in roots
+        for p in r.glob(".*")
+        if HibernatedFiles.owner(p.name) not in sandboxes
+    )
 
 
 def test_the_fuzz_leaves_nothing_behind(fuzzed: FuzzedDaemon) -> None:
@@ -444,19 +451,22 @@ def test_the_fuzz_leaves_nothing_behind(fuzzed: FuzzedDaemon) -> None:
     alive = {vm.id for vm in d.driver.vms if vm.is_alive()}
     assert alive == held, f"VMs alive that the daemon does not hold: {alive - held}"
     live = {s["id"] for s in listed if s["state"] in ("running", "paused")}  # a VM each
+    sleeping = {s["id"] for s in listed if s["state"] == "hibernated"}
+    assert all(fleet.hibernated.latest(sid) for sid in sleeping), "a hibernation lost its state"
     assert live == set(fleet.vms), "the list and the daemon's VMs disagree"
     assert all(s["state"] != "starting" for s in listed), listed
     assert {p.name for p in d.settings.run_dir.iterdir()} == held, "run dirs of no VM"
     on_disk = {p.name for p in d.settings.snapshot_root.iterdir() if not p.name.startswith(".")}
     assert on_disk == tags, "snapshot directories and the registry disagree"
-    assert _staging(d) == [], "staging directories left"
+    assert _staging(d, {s["id"] for s in listed}) == [], "staging directories left"
     assert _layers_on_disk(d) <= _layers_in_use(d), "volume layers no one uses"
     assert not fleet._admitted and fleet.volume_ops == 0, "admission or layer holds left"
 
     d.stop()  # kill_on_exit: every sandbox and pooled VM is killed
     assert [vm.id for vm in d.driver.vms if vm.is_alive()] == [], "VMs alive after stop"
     assert list(d.settings.run_dir.iterdir()) == [], "run dirs left after stop"
-    assert _staging(d) == [], "staging directories left after stop"
+    # Hibernated sandboxes have no VM to kill: they stay, on disk, for the next daemon.
+    assert _staging(d, sleeping) == [], "staging directories left after stop"
     assert _layers_on_disk(d) <= _layers_in_use(d), "volume layers no one uses after stop"
 
     total = sum(d.counts.values())
