@@ -10,7 +10,9 @@ sandbox).
 | resume fails after good snapshot | 500    | branch kept and valid; source dead       |
 
 The snapshot is committed (renamed into place) only after the source runs
-again, and the caller registers it last.
+again, and the caller registers it last. The table holds for a full snapshot
+and a diff (``base`` given) alike: a diff only stages, captures and commits
+different files.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from forkd.errors import ForkdError
-from forkd.vmm.snapshot_files import SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels, SnapshotMeta
 
 
 class Writer(Protocol):
@@ -38,7 +40,7 @@ class SnapshottableVM(Protocol):
     id: str
     state: str
 
-    async def begin_snapshot(self, dest: Path) -> Writer: ...
+    async def begin_snapshot(self, dest: Path, base: BaseRef | None = None) -> Writer: ...
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
     def is_alive(self) -> bool: ...
@@ -63,19 +65,27 @@ class LiveSnapshot:
     meta: SnapshotMeta
 
 
+async def _begin(vm: SnapshottableVM, dest: Path, base: BaseRef | None) -> Writer:
+    return await (vm.begin_snapshot(dest) if base is None else vm.begin_snapshot(dest, base))
+
+
 async def snapshot_running(
-    vm: SnapshottableVM, dest: Path, labels: SnapshotLabels | None = None
+    vm: SnapshottableVM,
+    dest: Path,
+    labels: SnapshotLabels | None = None,
+    base: BaseRef | None = None,
 ) -> LiveSnapshot:
     """Snapshot the running ``vm`` into ``dest``; see the module's failure table.
 
     ``labels`` are recorded in ``snapshot.json`` with the pause window (``pause_ms``).
     A VM already paused (``state == "paused"``) is snapshotted as it is and left
-    paused: no pause of its own, ``pause_ms`` 0.
+    paused: no pause of its own, ``pause_ms`` 0. With ``base`` (the snapshot the
+    VM was forked from) the snapshot is a diff over it.
     """
     if vm.state == "paused":
-        return await _snapshot_paused(vm, dest, labels)
+        return await _snapshot_paused(vm, dest, labels, base)
     try:
-        writer = await vm.begin_snapshot(dest)  # the VM still runs while this stages
+        writer = await _begin(vm, dest, base)  # the VM still runs while this stages
     except ForkdError as exc:
         raise LiveSnapshotError(
             f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
@@ -144,11 +154,11 @@ async def snapshot_running(
 
 
 async def _snapshot_paused(
-    vm: SnapshottableVM, dest: Path, labels: SnapshotLabels | None
+    vm: SnapshottableVM, dest: Path, labels: SnapshotLabels | None, base: BaseRef | None
 ) -> LiveSnapshot:
     """The paused ``vm``'s state exactly as it is; it stays paused whatever happens."""
     try:
-        writer = await vm.begin_snapshot(dest)
+        writer = await _begin(vm, dest, base)
     except ForkdError as exc:
         raise LiveSnapshotError(
             f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False

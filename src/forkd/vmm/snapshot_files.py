@@ -2,7 +2,9 @@
 
 ``vmstate`` is QEMU's device and vCPU state without RAM (a few KiB);
 ``memory.bin`` is guest RAM as a sparse file, mapped privately by every VM
-forked from it and never written after the snapshot is committed;
+forked from it and never written after the snapshot is committed (a *diff*
+snapshot has ``memory.diff`` and ``memory.runs`` instead: only the pages that
+differ from its base snapshot, see :mod:`forkd.vmm.memory_diff`);
 ``snapshot.json`` (:class:`SnapshotMeta`) records the machine, the image and
 the volumes the snapshot needs, with figures of how it was taken. Nothing
 else in forkd parses ``snapshot.json``: it asks this module.
@@ -20,10 +22,14 @@ from forkd.errors import SnapshotError
 from forkd.vmm.qemu_argv import MachineConfig
 from forkd.vmm.volumes import Attachment
 
-FORMAT = 1
+FORMAT = 1  # a full snapshot: what every forkd reads
+DIFF_FORMAT = 2  # a diff snapshot: a forkd without diffs refuses it by its format
 META = "snapshot.json"
 VMSTATE = "vmstate"
 MEMORY = "memory.bin"
+MEMORY_DIFF = "memory.diff"
+MEMORY_RUNS = "memory.runs"
+MODES = ("full", "diff")
 
 
 @dataclass(frozen=True)
@@ -53,6 +59,21 @@ class ImageRef:
 def image_json(image: ImageRef | None) -> dict[str, Any]:
     """How a record writes its image: ``{}`` when it has none."""
     return image.to_json() if image is not None else {}
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """A snapshot another one is a diff over: its tag and its directory."""
+
+    tag: str
+    dir: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"tag": self.tag, "dir": self.dir}
+
+    @classmethod
+    def from_json(cls, data: Any) -> BaseRef:
+        return cls(str(data["tag"]), str(data["dir"]))
 
 
 @dataclass(frozen=True)
@@ -86,6 +107,9 @@ class SnapshotMeta:
     volumes: tuple[Attachment, ...] = ()  # as the guest saw them at the pause, chains frozen
     forkd_version: str = __version__
     format: int = FORMAT
+    mode: str = "full"  # "diff": only the pages that differ from ``base``
+    base: BaseRef | None = None  # a diff's base snapshot
+    chain: tuple[BaseRef, ...] = ()  # a diff's bases at the branch, the full root first
 
     @property
     def labels(self) -> SnapshotLabels:
@@ -115,6 +139,11 @@ class SnapshotMeta:
         }
         data.update({k: v for k, v in labels.items() if v is not None})
         data["volumes"] = [v.to_json() for v in self.volumes]
+        if self.mode != "full":
+            data["format"] = DIFF_FORMAT
+            data["mode"] = self.mode
+            data["base"] = self.base.to_json() if self.base else None
+            data["chain"] = [link.to_json() for link in self.chain]
         return data
 
     @classmethod
@@ -142,6 +171,9 @@ class SnapshotMeta:
             volumes=_attachments(data.get("volumes")),
             forkd_version=str(data.get("forkd_version") or ""),
             format=int(data.get("format", FORMAT)),
+            mode=str(data.get("mode") or "full"),
+            base=BaseRef.from_json(data["base"]) if data.get("base") else None,
+            chain=tuple(BaseRef.from_json(link) for link in data.get("chain") or []),
         )
 
 
@@ -172,6 +204,10 @@ class SnapshotFiles:
     def machine(self) -> MachineConfig:
         return self.meta.machine
 
+    @property
+    def is_diff(self) -> bool:
+        return self.meta.mode == "diff"
+
 
 def load(snap_dir: Path) -> SnapshotFiles:
     """Read and check a snapshot directory; errors name the file at fault."""
@@ -185,19 +221,24 @@ def load(snap_dir: Path) -> SnapshotFiles:
         raise SnapshotError(f"{meta_path} is missing") from exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SnapshotError(f"{meta_path} is unreadable or corrupt: {exc}") from exc
-    if raw.get("format") != FORMAT:
-        raise SnapshotError(f"{meta_path} has format {raw.get('format')!r}, expected {FORMAT}")
+    want = DIFF_FORMAT if raw.get("mode") == "diff" else FORMAT
+    if raw.get("format") != want:
+        raise SnapshotError(f"{meta_path} has format {raw.get('format')!r}, expected {want}")
     try:
         meta = SnapshotMeta.from_json(raw)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SnapshotError(f"{meta_path} is unreadable or corrupt: {exc}") from exc
+    if meta.mode not in MODES or (meta.mode == "diff") != (meta.base is not None):
+        raise SnapshotError(f"{meta_path} is corrupt: mode {meta.mode!r} with base {meta.base}")
     # The recorded size, when there is one: older records may lack it.
-    _check_files(snap_dir, machine, raw.get("vmstate_bytes"))
+    _check_files(snap_dir, machine, raw.get("vmstate_bytes"), meta.mode == "diff")
     return SnapshotFiles(snap_dir, meta)
 
 
-def _check_files(snap_dir: Path, machine: MachineConfig, vmstate_bytes: Any) -> None:
-    vmstate, memory = snap_dir / VMSTATE, snap_dir / MEMORY
+def _check_files(snap_dir: Path, machine: MachineConfig, vmstate_bytes: Any, diff: bool) -> None:
+    vmstate, memory = snap_dir / VMSTATE, snap_dir / (MEMORY_DIFF if diff else MEMORY)
+    if diff and not (snap_dir / MEMORY_RUNS).is_file():
+        raise SnapshotError(f"{snap_dir / MEMORY_RUNS} is missing: the snapshot cannot be restored")
     if not vmstate.is_file():
         raise SnapshotError(f"{vmstate} is missing: the snapshot cannot be restored")
     size = vmstate.stat().st_size

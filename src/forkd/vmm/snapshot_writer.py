@@ -5,6 +5,10 @@ The steps are split so the pause covers as little as possible (see
 base while the VM runs, :meth:`~SnapshotWriter.capture` (VM paused) writes the
 device state and the pages the guest wrote, :meth:`~SnapshotWriter.commit`
 (VM running again) writes ``snapshot.json``, flushes and renames.
+
+With a ``base`` (the snapshot the VM was forked from) the snapshot is a diff:
+no clone, only the written pages that differ from the base's memory
+(:mod:`forkd.vmm.memory_diff`), compared after the resume.
 """
 
 from __future__ import annotations
@@ -20,9 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import live_snapshot, memory, snapshot_files, volume_mounts
+from forkd.vmm import live_snapshot, memory, memory_diff, snapshot_files, volume_mounts
 from forkd.vmm.launch import tail
-from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
 from forkd.vmm.volumes import Attachment
 
 if TYPE_CHECKING:
@@ -46,9 +50,13 @@ def _is_disk_full(exc: BaseException) -> bool:
 class SnapshotWriter:
     """A snapshot of one VM being built in a staging directory."""
 
-    def __init__(self, vm: VM, dest: Path) -> None:
+    def __init__(self, vm: VM, dest: Path, base: BaseRef | None = None) -> None:
         self.vm = vm
         self.dest = dest
+        self.base = base  # a diff over this snapshot; None: a full snapshot
+        self._base_chain: memory_diff.Chain | None = None
+        self._base_links: tuple[BaseRef, ...] = ()
+        self._diff: memory_diff.DiffCapture | None = None
         self.staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(3)}"
         self.stats = memory.DumpStats()
         self.pause_started: float | None = None
@@ -75,10 +83,14 @@ class SnapshotWriter:
             vm = self.vm
             size = vm.machine.memory_mib << 20
             self._region = memory.find_ram_region(vm.pid, vm.ram_file, size, vm.ram_inode)
+            name = snapshot_files.MEMORY if self.base is None else snapshot_files.MEMORY_DIFF
             self._mem_fd = os.open(  # guest RAM: for the daemon's user only
-                self.staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+                self.staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
             )
-            self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
+            if self.base is None:
+                self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
+            else:
+                await asyncio.to_thread(self._open_base, size)
             # Descriptors of layers QEMU writes now: out of the sets, while the VM runs.
             await vm.qmp.release_writers()
             vmstate = self.staging / snapshot_files.VMSTATE
@@ -88,6 +100,20 @@ class SnapshotWriter:
         except BaseException as exc:
             await self.abort()
             raise await self._translate(exc, "preparing") from exc
+
+    def _open_base(self, size: int) -> None:
+        """Open the base's chain (held by descriptors: a compaction may swap its files)."""
+        assert self.base is not None and self._mem_fd is not None
+        origin = self.vm.origin
+        if origin is None or os.path.realpath(origin) != os.path.realpath(self.base.dir):
+            raise SnapshotError(
+                f"{self.vm.id} was not forked from {self.base.tag!r}: no diff over it"
+            )
+        base_files = snapshot_files.load(Path(self.base.dir))
+        self._base_chain = memory_diff.resolve(base_files)
+        self._base_links = (*base_files.meta.chain, self.base)
+        os.ftruncate(self._mem_fd, size)
+        self._diff = memory_diff.DiffCapture(self._mem_fd, limit=DEFERRED_WRITE_LIMIT)
 
     async def capture(self) -> None:
         """Write vmstate and the guest's written pages. The VM must be paused."""
@@ -100,14 +126,17 @@ class SnapshotWriter:
                 "xen-save-devices-state",
                 {"filename": f"/dev/fdset/{self._vmstate_fdset}", "live": False},
             )
-            await asyncio.to_thread(
-                memory.dump_written_pages,
-                self._region,
-                self._mem_fd,
-                base_is_empty=self.stats.base_bytes_cloned == 0,
-                stats=self.stats,
-                defer=self._deferred,
-            )
+            if self._diff is not None:
+                await asyncio.to_thread(self._diff.capture, self._region)
+            else:
+                await asyncio.to_thread(
+                    memory.dump_written_pages,
+                    self._region,
+                    self._mem_fd,
+                    base_is_empty=self.stats.base_bytes_cloned == 0,
+                    stats=self.stats,
+                    defer=self._deferred,
+                )
         except BaseException as exc:
             raise await self._translate(exc, "capturing") from exc
         self.capture_ms = (time.monotonic() - started) * 1000
@@ -148,6 +177,9 @@ class SnapshotWriter:
             pause_ms=labels.pause_ms,
             # What the guest saw at the pause: name, mount point, mode, frozen chain.
             volumes=tuple(self.volumes),
+            mode="full" if self.base is None else "diff",
+            base=self.base,
+            chain=self._base_links,
         )
 
     async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta:
@@ -155,12 +187,19 @@ class SnapshotWriter:
         try:
             assert self._mem_fd is not None
             await self._release_qemu_files()
-            await asyncio.to_thread(
-                self._deferred.flush,
-                self._mem_fd,
-                base_is_empty=self.stats.base_bytes_cloned == 0,
-                stats=self.stats,
-            )
+            if self._diff is not None:
+                assert self._base_chain is not None
+                runs = self.staging / snapshot_files.MEMORY_RUNS
+                await asyncio.to_thread(self._diff.finish, self._base_chain, runs)
+                self.stats.pages_written = self._diff.pages_kept
+                runs.chmod(0o600)
+            else:
+                await asyncio.to_thread(
+                    self._deferred.flush,
+                    self._mem_fd,
+                    base_is_empty=self.stats.base_bytes_cloned == 0,
+                    stats=self.stats,
+                )
             await asyncio.to_thread(os.fsync, self._mem_fd)
             os.close(self._mem_fd)
             self._mem_fd = None
@@ -174,6 +213,7 @@ class SnapshotWriter:
                 _fsync_path(path)
             self.staging.rename(self.dest)
             _fsync_path(self.dest.parent)
+            self._close_base()
         except BaseException as exc:
             await self.abort()
             if _is_disk_full(exc):
@@ -192,10 +232,17 @@ class SnapshotWriter:
         layers, self._layers = self._layers, []
         await volume_mounts.discard_layers(qmp, layers)
 
+    def _close_base(self) -> None:
+        if self._base_chain is not None:
+            self._base_chain.close()
+            self._base_chain = None
+        self._diff = None
+
     async def abort(self) -> None:
         """Remove everything this snapshot wrote."""
         await self._release_qemu_files()
         self._deferred.runs.clear()
+        self._close_base()
         if self._mem_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._mem_fd)
@@ -203,8 +250,11 @@ class SnapshotWriter:
         await asyncio.to_thread(shutil.rmtree, self.staging, True)
 
 
-async def write_snapshot(vm: VM, dest: Path, labels: SnapshotLabels | None = None) -> SnapshotFiles:
+async def write_snapshot(
+    vm: VM, dest: Path, labels: SnapshotLabels | None = None, base: BaseRef | None = None
+) -> SnapshotFiles:
     """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
+    With ``base``, a diff over that snapshot (the one ``vm`` was forked from).
 
     On failure nothing is left at ``dest`` and the VM is resumed if it is
     still alive (see :mod:`forkd.vmm.live_snapshot`); the error is a
@@ -216,14 +266,14 @@ async def write_snapshot(vm: VM, dest: Path, labels: SnapshotLabels | None = Non
         raise SnapshotError(f"cannot snapshot {vm.id}: its QEMU is not running")
     if vm.state == "running":
         try:
-            result = await live_snapshot.snapshot_running(vm, dest, labels)
+            result = await live_snapshot.snapshot_running(vm, dest, labels, base)
         except live_snapshot.LiveSnapshotError as exc:
             cause = exc.__cause__
             if isinstance(cause, (SnapshotError, StorageFull)) and not exc.snapshot_kept:
                 raise cause from None
             raise SnapshotError(str(exc)) from exc
         return SnapshotFiles(result.dir, result.meta)
-    writer = await vm.begin_snapshot(dest)  # already paused: no pause window
+    writer = await vm.begin_snapshot(dest, base)  # already paused: no pause window
     try:
         await writer.capture()
     except BaseException:

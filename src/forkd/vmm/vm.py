@@ -42,6 +42,7 @@ from forkd.vmm import (
     egress,
     launch,
     memory,
+    memory_diff,
     network,
     processes,
     runtime_meta,
@@ -57,7 +58,7 @@ from forkd.vmm.launch import tail
 from forkd.vmm.processes import qemu_pid_matches
 from forkd.vmm.qemu_argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
 from forkd.vmm.qmp_channel import CONNECT_TIMEOUT_SECS, QMPChannel
-from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotLabels
+from forkd.vmm.snapshot_files import BaseRef, ImageRef, SnapshotFiles, SnapshotLabels
 from forkd.vmm.snapshot_writer import SnapshotWriter
 from forkd.vmm.vcpu_control import VcpuControl
 from forkd.vmm.volumes import Attachment
@@ -240,25 +241,36 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             shutil.rmtree(rt.dir, ignore_errors=True)
             raise
         try:
-            net, proc, group = await launch.start_qemu(
-                cgroup, machine, rt, snap.memory, True, attach, detach, host_network, policy
-            )
+            # A diff maps its chain's full root; its layers are written in below.
+            chain = memory_diff.resolve(snap)
         except BaseException:
             volume_mounts.remove_own_layers(attach)
+            shutil.rmtree(rt.dir, ignore_errors=True)
             raise
-        vm = cls(vm_id, rt, machine, snap.memory, snap.meta.image, snap.dir, proc, proc.pid)
+        try:
+            net, proc, group = await launch.start_qemu(
+                cgroup, machine, rt, chain.root, True, attach, detach, host_network, policy
+            )
+        except BaseException:
+            chain.close()
+            volume_mounts.remove_own_layers(attach)
+            raise
+        vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)
         vm.volumes = attach
         vm.net = net
         vm.cgroup = group
         vm.state = "incoming"
         vm._incoming = snap
         try:
-            await vm._connect_qmp()
+            await vm._connect_qmp()  # QEMU has mapped guest RAM by now
+            await asyncio.to_thread(memory_diff.apply, chain, vm.pid)
             # Connected before the state is loaded: see finish_restore.
             await vm.agent.connect()
         except BaseException:
             await vm.kill()
             raise
+        finally:
+            chain.close()
         return vm
 
     async def finish_restore(
@@ -462,19 +474,20 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
 
     # ------------------------------------------------------------- snapshot
 
-    async def begin_snapshot(self, dest: Path) -> SnapshotWriter:
-        """Stage a snapshot of this VM at ``dest`` (which must not exist)."""
+    async def begin_snapshot(self, dest: Path, base: BaseRef | None = None) -> SnapshotWriter:
+        """Stage a snapshot of this VM at ``dest`` (which must not exist); with ``base``,
+        a diff over that snapshot (the one this VM was forked from)."""
         if dest.exists():
             raise SnapshotError(f"{dest} already exists")
-        writer = SnapshotWriter(self, dest)
+        writer = SnapshotWriter(self, dest, base)
         await writer.prepare()
         return writer
 
     async def write_snapshot(
-        self, dest: Path, labels: SnapshotLabels | None = None
+        self, dest: Path, labels: SnapshotLabels | None = None, base: BaseRef | None = None
     ) -> SnapshotFiles:
         """Pause, snapshot to ``dest``, resume: see :func:`snapshot_writer.write_snapshot`."""
-        return await snapshot_writer.write_snapshot(self, dest, labels)
+        return await snapshot_writer.write_snapshot(self, dest, labels, base)
 
     async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
         """:meth:`write_snapshot`, returning ``dest``."""
