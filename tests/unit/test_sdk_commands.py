@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from forkd.client import CommandHandle, CommandResult, Controller, ControllerError, Sandbox
@@ -128,3 +129,21 @@ def test_controller_process_routes(ctl: Controller, sid: str) -> None:
     with pytest.raises(ControllerError) as exc:
         list(ctl.process_output(sid, 4242))
     assert exc.value.status == 404
+
+
+def test_a_keepalive_after_an_event_with_an_id_is_no_event() -> None:
+    # httpx-sse turns a comment after an ``id:`` into an event with no data.
+    body = (
+        b'event: stdout\nid: 3\ndata: {"data":"hi\\n","encoding":"utf-8","offset":0,'
+        b'"next_offset":3}\n\n: keepalive\n\nevent: exit\ndata: {"exit_code":0}\n\n'
+    )
+
+    def answer(_request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=body, headers={"Content-Type": "text/event-stream"})
+
+    with Controller("http://127.0.0.1:1", token="t", transport=httpx.MockTransport(answer)) as c:
+        events = list(c.process_output("sb-1", 7))
+    assert [(e.kind, e.data, e.exit_code) for e in events] == [
+        ("stdout", b"hi\n", None),
+        ("exit", b"", 0),
+    ]

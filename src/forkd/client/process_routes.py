@@ -130,7 +130,11 @@ class ProcessRoutes:
                     resp.read()
                     raise ControllerError.from_response(resp)
                 for sse in EventSource(resp).iter_sse():
-                    yield _event(sse)
+                    # httpx-sse makes an event of a keep-alive (a comment) once an
+                    # earlier event set an id; the SSE spec dispatches no event
+                    # without data.
+                    if sse.data:
+                        yield _event(sse)
         except httpx.TransportError as exc:
             raise ControllerError(
                 0, f"the output stream of the forkd daemon at {self.url} failed: {exc!r}"
