@@ -19,6 +19,19 @@ the end, also on failure or Ctrl-C):
    ``first_grandchild_fork_ms``; it must see the child's state at the branch;
 5. record the branch's ``memory.bin`` allocated and logical size.
 
+Then the branch modes, at the smallest size (``--chain-depth`` levels, default 5;
+``--chain-only`` skips the sizes above):
+
+6. fork a child from the template, dirty ``--dirty-mib`` MiB, branch it as a diff
+   over the template; fork the diff and do the same again, ``--chain-depth`` times;
+   a full branch of the last child is taken too (the same guest state);
+7. fork each of the full branch, the depth-1 diff and the deepest diff
+   ``--chain-forks`` times: ``ready_ms`` p50 each, and the deepest's ratio to the
+   full one (the target: at most 1.5); each fork must see its level's state;
+8. the disk cost: a diff's allocated ``memory.diff`` against a full ``memory.bin``,
+   and what a full branch's copy of the base costs on this filesystem (timed
+   ``memory.copy_sparse`` of the template's ``memory.bin``, reflink or not).
+
 The last line of stdout is one JSON object, also when a size failed: then it
 carries ``"error"`` and the process exits non-zero. Ctrl-C or SIGTERM stops the
 run (VMs killed, work dir removed) without a JSON line, exit status 130.
@@ -38,6 +51,8 @@ from rich.console import Console
 from rich.table import Table
 
 from forkd.guest import image as guest_image
+from forkd.vmm import memory
+from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
 from forkd.vmm.vm import VM
 
 # These scripts run as `python bench/<name>.py`; the shared helpers live next to
@@ -52,6 +67,15 @@ PAUSE_TARGET_MS = 300.0  # pause p50 at 256 MiB
 PAUSE_TARGET_SIZE = 256
 LINEAR_BASE_SIZE = 256
 LINEAR_SLACK = 1.25
+CHAIN_FORK_RATIO_TARGET = 1.5  # deepest diff's fork p50 over a full snapshot's
+
+# Each chain level: fresh pages of its own, and a marker the forks must see.
+LEVEL_CODE = """\
+import os
+level_blob_{i} = bytearray(os.urandom({n} << 20))
+marker = {i}
+(marker, level_blob_{i}[:8].hex())
+"""
 
 # Run once in the child: the buffer is allocated once and rewritten in place in
 # 64 KiB pieces, so each branch dirties the same guest pages (no big temporaries).
@@ -225,7 +249,94 @@ class Bench(benchlib.BenchBase):
             )
 
     async def run(self) -> None:
-        await self.run_sizes(await self.python_image())
+        image = await self.python_image()
+        if not self.args.chain_only:
+            await self.run_sizes(image)
+        try:
+            self.results["modes"] = await self._modes(image, min(self.args.sizes))
+        except Exception as exc:
+            self.fail("the branch modes", exc)
+
+    # ---------------------------------------------------------------- modes
+
+    async def _level(self, child: VM, i: int, base: Path | None) -> tuple[Path, Any]:
+        """Dirty ``child`` as level ``i``; branch it, a diff over ``base`` (None: full)."""
+        code = LEVEL_CODE.format(i=i, n=self.args.dirty_mib)
+        state = _check_eval(await child.eval(code), f"level {i} eval")
+        dest = self._new_snap_dir(f"{'diff' if base else 'full'}-{i}")
+        ref = BaseRef(base.name, str(base)) if base else None
+        await child.write_snapshot(dest, SnapshotLabels(tag=dest.name), ref)
+        return dest, state
+
+    async def _timed_forks(self, snap: Path, level: int, expected: Any) -> list[float]:
+        out = []
+        for _ in range(self.args.chain_forks):
+            vm = await self._fork(snap)
+            try:
+                code = f"(marker, level_blob_{level}[:8].hex())"
+                seen = _check_eval(await vm.eval(code), "fork state eval")
+                if seen != expected:
+                    raise RuntimeError(f"a fork of {snap.name} sees {seen}, expected {expected}")
+                out.append(float(vm.ready_ms or 0.0))
+            finally:
+                await self._kill([vm])
+        return out
+
+    async def _modes(self, image: guest_image.Image, size: int) -> dict[str, Any]:
+        self.say.log(f"modes at {size} MiB: a chain of {self.args.chain_depth} diffs")
+        tpl, _ = await self._template(image, size)
+        snaps: list[tuple[Path, Any]] = []
+        try:
+            base, child = tpl, await self._fork(tpl)
+            for i in range(1, self.args.chain_depth + 1):
+                d, state = await self._level(child, i, base)
+                snaps.append((d, state))
+                if i == self.args.chain_depth:
+                    snaps.append(await self._level(child, i, None))  # a full one beside
+                await self._kill([child])
+                if i < self.args.chain_depth:
+                    base, child = d, await self._fork(d)
+            depth = self.args.chain_depth
+            forks = {
+                "full": await self._timed_forks(snaps[-1][0], depth, snaps[-1][1]),
+                "diff_depth_1": await self._timed_forks(snaps[0][0], 1, snaps[0][1]),
+                f"diff_depth_{depth}": await self._timed_forks(snaps[-2][0], depth, snaps[-2][1]),
+            }
+            return self._mode_figures(tpl, snaps, forks)
+        finally:
+            for d in [tpl, *(s[0] for s in snaps)]:
+                shutil.rmtree(d, ignore_errors=True)
+
+    def _mode_figures(
+        self, tpl: Path, snaps: list[tuple[Path, Any]], forks: dict[str, list[float]]
+    ) -> dict[str, Any]:
+        p50 = {k: r1(percentile(v, 50)) for k, v in forks.items()}
+        deep = p50[f"diff_depth_{self.args.chain_depth}"]
+        ratio = round(deep / p50["full"], 2) if deep and p50["full"] else None
+        out = tpl.parent / ".copy-probe"
+        fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        src = os.open(tpl / "memory.bin", os.O_RDONLY)
+        try:
+            size = os.fstat(src).st_size
+            t0 = time.monotonic()
+            os.ftruncate(fd, size)
+            copied, reflink = memory.copy_sparse(src, fd, size)
+            os.fsync(fd)
+            copy_ms = (time.monotonic() - t0) * 1000
+        finally:
+            os.close(src)
+            os.close(fd)
+            out.unlink()
+        return {
+            "fork_ready_ms_p50": p50,
+            "fork_ready_ms_all": {k: [r1(x) for x in v] for k, v in forks.items()},
+            "deepest_over_full": ratio,
+            "target": {"name": f"deepest/full <= {CHAIN_FORK_RATIO_TARGET}",
+                       "met": None if ratio is None else ratio <= CHAIN_FORK_RATIO_TARGET},
+            "diff_alloc_mib": [r1(allocated_mib(d / "memory.diff")) for d, _ in snaps[:-1]],
+            "full_alloc_mib": r1(allocated_mib(snaps[-1][0] / "memory.bin")),
+            "full_copy": {"ms": r1(copy_ms), "mib": r1(copied / MIB), "reflink": reflink},
+        }  # fmt: skip
 
 
 def _p50(results: dict[str, Any], size: int) -> float | None:
@@ -293,6 +404,15 @@ def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
         f"{size}: {r['ratio']} (<= {r['bound']})" for size, r in linear["ratios"].items()
     )
     out.print(f"linear growth {linear['rule']}: {ratios or '-'}, {mark[linear['met']]}")
+    modes = res.get("modes")
+    if modes:
+        forks = ", ".join(f"{k} {v} ms" for k, v in modes["fork_ready_ms_p50"].items())
+        out.print(f"fork ready p50: {forks}; deepest/full {modes['deepest_over_full']} "
+                  f"({modes['target']['name']}: {mark[modes['target']['met']]})")  # fmt: skip
+        copy = modes["full_copy"]
+        out.print(f"disk: diffs {modes['diff_alloc_mib']} MiB vs full {modes['full_alloc_mib']} "
+                  f"MiB; a full branch's base copy: {copy['mib']} MiB in {copy['ms']} ms "
+                  f"(reflink: {copy['reflink']})")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -307,8 +427,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dirty-mib", type=int, default=4, help="MiB rewritten in the child before each branch (4)"
     )
+    p.add_argument("--chain-depth", type=int, default=5, help="diff levels in the chain (5)")
+    p.add_argument("--chain-forks", type=int, default=3, help="timed forks per mode (3)")
+    p.add_argument("--chain-only", action="store_true", help="only the branch modes")
     benchlib.add_common_args(p)
     args = p.parse_args(argv)
+    if args.chain_depth < 1 or args.chain_forks < 1:
+        p.error("--chain-depth and --chain-forks must be at least 1")
     if args.branches < 5:
         p.error("--branches must be at least 5")
     if not 1 <= args.dirty_mib <= min(args.sizes) // 4:
