@@ -155,6 +155,13 @@ def default_max_guest_memory_mib(
     return max(MIN_MEMORY_MIB, host - HOST_RESERVE_MIB - max_sandboxes * overhead_mib)
 
 
+def default_pool_memory_mib(host_mib: int | None = None) -> int:
+    """Host memory the fork pool's waiting QEMUs may hold: a sixteenth of the host's
+    RAM, between 256 MiB and 4 GiB."""
+    host = host_memory_mib() if host_mib is None else host_mib
+    return min(4096, max(256, host // 16))
+
+
 def check_guest_path(path: object) -> str:
     """A path inside the sandbox: absolute, no NUL byte."""
     if not isinstance(path, str) or not path:

@@ -22,6 +22,10 @@ class FakeVM:
         self.killed = False
         self.state = "incoming"
         self.fail_prewarm = False
+        self.private_mib = 40
+
+    def memory_usage(self) -> dict[str, int]:
+        return {"private": self.private_mib << 20}
 
     async def prewarm(self) -> None:
         if self.fail_prewarm:
@@ -57,9 +61,14 @@ class Spawner:
         return vm
 
 
-def _pool(spawner: Spawner, **kw: Any) -> ForkPool:
+def _pool(spawner: Spawner, demand: int | None = None, **kw: Any) -> ForkPool:
+    """A pool whose snapshots A, B and C each had a request for ``demand`` children
+    (default: as many as ``per_snapshot``)."""
     ids = iter(range(1, 1000))
-    return ForkPool(Path("/run"), new_id=lambda: f"sb-{next(ids)}", spawn=spawner, **kw)
+    pool = ForkPool(Path("/run"), new_id=lambda: f"sb-{next(ids)}", spawn=spawner, **kw)
+    for snap in (A, B, C):
+        pool.record_demand(snap, demand or pool.per_snapshot)
+    return pool
 
 
 async def _settle() -> None:
@@ -212,6 +221,41 @@ def test_a_warm_pool_restores_ahead_and_a_failed_warm_up_is_not_handed_out() -> 
             FakeVM.prewarm = original  # type: ignore[method-assign]
         assert pool.waiting() == 1 and spawner.vms[-1].killed  # the failed one is gone
         assert pool.take(A) is spawner.vms[1]
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_pool_follows_recent_demand_up_to_its_maximum() -> None:
+    async def scenario() -> None:
+        spawner = Spawner()
+        pool = ForkPool(Path("/run"), per_snapshot=5, spawn=spawner, new_id=lambda: "sb-x")
+        pool.refill(A)  # no request seen yet: one
+        await pool.wait_filled(A)
+        assert pool.waiting() == 1
+        pool.record_demand(A, 3)
+        pool.refill(A)
+        await pool.wait_filled(A)
+        assert pool.waiting() == 3
+        pool.record_demand(A, 50)  # more than the maximum
+        pool.refill(A)
+        await pool.wait_filled(A)
+        assert pool.waiting() == 5
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_pool_stays_under_its_memory_cap() -> None:
+    async def scenario() -> None:
+        spawner = Spawner()
+        pool = _pool(spawner, per_snapshot=8, memory_cap_mib=130)
+        pool.refill(A)
+        await pool.wait_filled(A)
+        assert pool.waiting() == 3  # 40 MiB each: a fourth would pass 130
+        pool.refill(B)
+        await pool.wait_filled(B)
+        assert pool.waiting() == 3  # the cap is for all snapshots together
         await pool.close()
 
     asyncio.run(scenario())

@@ -73,7 +73,19 @@ _PoolSizeOpt = Annotated[
         envvar="FORKD_POOL_SIZE",
         min=0,
         max=64,
-        help="QEMU processes kept started per recently forked snapshot (0: none).",
+        help="The most QEMU processes kept warm per recently forked snapshot, as many as "
+        "its largest recent fork request (0: none).",
+    ),
+]
+
+_PoolMemoryOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--pool-memory",
+        envvar="FORKD_POOL_MEMORY_MIB",
+        min=0,
+        help="Host memory (MiB) all waiting pooled QEMUs may hold (default: 1/16 of RAM, "
+        "256 to 4096).",
     ),
 ]
 
@@ -156,7 +168,8 @@ def serve(
     branch_concurrency: _BranchConcurrencyOpt = 4,
     accel: _AccelOpt = None,
     kill_on_exit: _KillOnExitOpt = False,
-    pool_size: _PoolSizeOpt = 2,
+    pool_size: _PoolSizeOpt = 4,
+    pool_memory: _PoolMemoryOpt = None,
     max_sandboxes: _MaxSandboxesOpt = None,
     max_guest_memory: _MaxGuestMemoryOpt = None,
     cgroup_parent: _CgroupParentOpt = "forkd",
@@ -167,7 +180,7 @@ def serve(
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
-    from forkd import paths
+    from forkd import limits, paths
     from forkd.accel import choose
     from forkd.controller.server import serve as run_server
     from forkd.controller.settings import Settings
@@ -190,6 +203,9 @@ def serve(
             accel=accel,
             kill_on_exit=kill_on_exit,
             pool_size=pool_size,
+            pool_memory_mib=(
+                limits.default_pool_memory_mib() if pool_memory is None else pool_memory
+            ),
             network=network,
             sandbox_cidr=sandbox_cidr,
             max_upload_bytes=max_upload_mib << 20,

@@ -22,7 +22,8 @@ class Settings:
     # Each VM's cgroup: <cgroup_root>/<cgroup_parent>/<vm id>; None: no cgroups.
     cgroup_parent: str | None = None
     cgroup_root: Path = Path("/sys/fs/cgroup")
-    pool_size: int = 2  # QEMU processes kept waiting per recently forked snapshot
+    pool_size: int = 4  # the most QEMU processes kept warm per recently forked snapshot
+    pool_memory_mib: int | None = None  # host memory all of them may hold; None: no cap
     network: str = "auto"  # "netns" (a namespace per VM), "user" (QEMU's NAT), or "auto"
     sandbox_cidr: str = "10.201.0.0/16"  # host-side addresses of the namespaces
     max_upload_bytes: int = FILE_UPLOAD_LIMIT  # of one streamed file upload

@@ -15,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import OrderedDict
+import time
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from forkd.errors import ForkdError
 from forkd.vmm.vm import VM, new_vm_id
 
 log = logging.getLogger(__name__)
+
+DEMAND_WINDOW_SECS = 300.0  # fork requests this recent size a snapshot's pool
+POOLED_VM_MIB_GUESS = 64  # a pooled QEMU's private memory before one was measured
 
 
 class ForkPool:
@@ -36,9 +40,12 @@ class ForkPool:
         new_id: Callable[[], str] = new_vm_id,
         spawn: Callable[..., Awaitable[VM]] = VM.spawn_incoming,
         warm: bool = False,
+        memory_cap_mib: int | None = None,
     ) -> None:
         """``spawn`` starts one waiting QEMU (:meth:`VM.spawn_incoming`'s signature);
-        ``warm``: restore it too and stop it (hand it out with :meth:`VM.claim`)."""
+        ``warm``: restore it too and stop it (hand it out with :meth:`VM.claim`).
+        ``per_snapshot``: the most kept for one snapshot; ``memory_cap_mib``: the most
+        host memory all pooled QEMUs may hold (None: no cap)."""
         self.run_root = run_root
         self.per_snapshot = per_snapshot
         self.max_snapshots = max_snapshots
@@ -46,6 +53,8 @@ class ForkPool:
         self.new_id = new_id
         self.spawn = spawn
         self.warm = warm
+        self.memory_cap_mib = memory_cap_mib
+        self._demand: dict[Path, deque[tuple[float, int]]] = {}  # (when, children asked)
         self._ready: OrderedDict[Path, list[VM]] = OrderedDict()
         self._fills: dict[Path, asyncio.Task[None]] = {}
         self._kills: set[asyncio.Task[None]] = set()  # keep references until done
@@ -59,6 +68,28 @@ class ForkPool:
                 return vm
             self._kill_later(vm)
         return None
+
+    def record_demand(self, snapshot_dir: Path, children: int) -> None:
+        """A fork request for ``children`` of ``snapshot_dir`` came (sizes its pool)."""
+        now = time.monotonic()
+        recent = self._demand.setdefault(snapshot_dir, deque())
+        recent.append((now, children))
+        while recent and now - recent[0][0] > DEMAND_WINDOW_SECS:
+            recent.popleft()
+
+    def target(self, snapshot_dir: Path) -> int:
+        """How many should wait for ``snapshot_dir``: its recent peak demand, capped."""
+        now = time.monotonic()
+        recent = [n for t, n in self._demand.get(snapshot_dir, ()) if now - t <= DEMAND_WINDOW_SECS]
+        return min(self.per_snapshot, max(recent, default=1))
+
+    def _room_for_one(self) -> bool:
+        """Whether one more pooled QEMU stays under the memory cap."""
+        if self.memory_cap_mib is None:
+            return True
+        held = [vm.memory_usage().get("private", 0) >> 20 for vm in self.all_vms()]
+        each = max(held) if held else POOLED_VM_MIB_GUESS
+        return sum(held) + each <= self.memory_cap_mib
 
     def refill(self, snapshot_dir: Path) -> None:
         """Top up ``snapshot_dir``'s waiting processes in the background."""
@@ -88,7 +119,13 @@ class ForkPool:
             await asyncio.shield(task)
 
     async def _fill(self, snapshot_dir: Path) -> None:
-        while snapshot_dir in self._ready and len(self._ready[snapshot_dir]) < self.per_snapshot:
+        while snapshot_dir in self._ready and len(self._ready[snapshot_dir]) < self.target(
+            snapshot_dir
+        ):
+            if not self._room_for_one():
+                log.info("fork pool at its memory cap (%s MiB): not topping up %s",
+                         self.memory_cap_mib, snapshot_dir.name)  # fmt: skip
+                return
             try:
                 vm = await self.spawn(
                     snapshot_dir, run_root=self.run_root, vm_id=self.new_id(), detach=self.detach

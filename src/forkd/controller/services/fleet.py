@@ -119,6 +119,7 @@ class Fleet:
                 driver.spawn_incoming, host_network=self.network, cgroup=self.placement()
             ),
             warm=True,  # restored ahead and stopped: a fork is cont + one agent call
+            memory_cap_mib=settings.pool_memory_mib,
         )
         settings.snapshot_root.mkdir(parents=True, exist_ok=True)
         settings.run_dir.mkdir(parents=True, exist_ok=True)

@@ -134,6 +134,7 @@ class SandboxService:
         pooled: list[Any] = []
         # Pooled QEMUs were started with the snapshot's policy and the default limit.
         if policy is None and req.memory_limit_mib is None:
+            self.fleet.pool.record_demand(snap_dir, req.n)
             while len(pooled) < req.n and (vm := self.fleet.pool.take(snap_dir)) is not None:
                 pooled.append(vm)
         ids = [vm.id for vm in pooled]
