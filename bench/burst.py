@@ -1,0 +1,202 @@
+"""Burst and density benchmark: many children in one request, then many idle ones.
+
+Run from the repository root::
+
+    python bench/burst.py                 # table on stdout, then one JSON line
+    python bench/burst.py --json-only     # only the JSON line
+
+It starts its own ``forkd serve`` (a temporary state dir, caps raised to fit
+the run), builds a template of the ``python`` image and measures through the
+SDK:
+
+1. ``burst_wall_s``: one ``POST /v1/sandboxes`` for ``--burst`` children, from
+   the request until every child has answered an ``exec`` (the fork request
+   answers once each agent answered ``restore``; the execs, run 8 at a time,
+   prove each runs a command). A fresh snapshot: its pool holds one child.
+2. ``idle_*``: forks up to ``--idle`` children in all, lets them settle
+   ``--settle-secs``, then samples for ``--idle-secs``: the host CPU their
+   QEMUs and the daemon used (``idle_cpu_pct_of_one_core``), each child's
+   private memory (``idle_private_mib_p50``, what it alone costs: its written
+   guest pages, QEMU itself, TCG's translation cache) and how much the host's
+   available memory fell (``host_mib_used``).
+
+bench/README.md says what each figure is. The last line of stdout is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from forkd import accel
+from forkd.client import Controller
+from forkd.launcher import DaemonProcess
+from forkd.vmm import processes
+from forkd.vmm.processes import qemu_pids_under
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # see bench/fork.py
+import benchlib
+import leaks
+from benchlib import MIB, percentile, r1
+
+TEMPLATE = "burst-bench"
+EXEC_THREADS = 8
+TARGETS = {  # name: (metric key, comparison, bound)
+    "burst_wall_s": ("burst_wall_s", "<=", 12.0),
+    "idle_cpu_pct_of_one_core": ("idle_cpu_pct_of_one_core", "<=", 50.0),
+    "idle_private_mib_p50": ("idle_private_mib_p50", "<=", 20.0),
+}
+
+
+def cpu_secs(pid: int) -> float:
+    """User + system CPU seconds of ``pid`` (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def available_mib() -> float:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class BurstBench(benchlib.BenchBase):
+    def __init__(self, args: argparse.Namespace, workdir: Path, say: Console) -> None:
+        super().__init__(args, workdir, say)
+        self.daemon = DaemonProcess(workdir / "state")
+
+    def controller(self) -> Controller:
+        return Controller(self.daemon.url, token_file=self.daemon.token_path, timeout=900)
+
+    def burst(self, ctl: Controller) -> list[str]:
+        n = self.args.burst
+        self.say.log(f"one request for {n} children")
+        t0 = time.monotonic()
+        kids = ctl.spawn_sandboxes(TEMPLATE, n=n)
+        forked = time.monotonic() - t0
+        with ThreadPoolExecutor(EXEC_THREADS) as pool:
+            outs = list(pool.map(lambda k: ctl.exec_command(k["id"], ["true"]), kids))
+        wall = time.monotonic() - t0
+        if any(o["exit_code"] != 0 for o in outs):
+            raise RuntimeError("a child of the burst did not run `true`")
+        fork_ms = [k.get("fork_ms") or 0.0 for k in kids]
+        self.results.update(
+            burst_children=n,
+            burst_request_s=r1(forked),
+            burst_wall_s=r1(wall),
+            burst_fork_ms_p50=r1(percentile(fork_ms, 50)),
+            burst_fork_ms_max=r1(max(fork_ms)),
+        )
+        return [k["id"] for k in kids]
+
+    def idle(self, ctl: Controller, have: list[str], mib_before: float) -> None:
+        more = self.args.idle - len(have)
+        while more > 0:  # at most 100 a request
+            step = min(more, 100)
+            self.say.log(f"forking {step} more idle children")
+            have += [k["id"] for k in ctl.spawn_sandboxes(TEMPLATE, n=step)]
+            more -= step
+        self.say.log(f"{len(have)} idle children: settling {self.args.settle_secs} s")
+        time.sleep(self.args.settle_secs)
+        qemus = qemu_pids_under(self.daemon.state_dir)
+        assert self.daemon.proc is not None
+        watched = [*qemus, self.daemon.proc.pid]
+        self.say.log(f"sampling host CPU for {self.args.idle_secs} s")
+        before = sum(cpu_secs(p) for p in watched)
+        t0 = time.monotonic()
+        time.sleep(self.args.idle_secs)
+        used = sum(cpu_secs(p) for p in watched) - before
+        secs = time.monotonic() - t0
+        private = [processes.memory_usage(p).get("private", 0) / MIB for p in qemus]
+        self.results.update(
+            idle_children=len(have),
+            idle_qemu_processes=len(qemus),
+            idle_cpu_pct_of_one_core=r1(100 * used / secs),
+            idle_private_mib_p50=r1(percentile(private, 50)),
+            idle_private_mib_max=r1(max(private)),
+            host_mib_used=r1(mib_before - available_mib()),
+        )
+
+    def bench(self) -> None:
+        caps = ["--max-sandboxes", str(self.args.idle + 10),
+                "--max-guest-memory", str((self.args.idle + 10) * self.args.memory)]  # fmt: skip
+        self.daemon.start(*caps)
+        self.say.log(f"daemon {self.daemon.url}, building template {TEMPLATE!r}")
+        mib_before = available_mib()
+        with self.controller() as ctl:
+            ctl.create_snapshot(TEMPLATE, image="python", memory_mib=self.args.memory)
+            kids = self.burst(ctl)
+            if self.args.idle:
+                self.idle(ctl, kids, mib_before)
+
+    async def run(self) -> None:
+        self.results["accel"] = accel.choose().name
+        await asyncio.to_thread(self.bench)
+
+    async def kill_all(self) -> None:
+        await asyncio.to_thread(self._stop_daemon)
+
+    def _stop_daemon(self) -> None:
+        with contextlib.suppress(Exception):
+            self.daemon.stop(signal.SIGKILL)
+        leaks.remove_leftovers(self.daemon.state_dir, leaks.id_prefix(self.daemon.state_dir))
+
+
+def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    targets = {}
+    for name, (key, op, bound) in TARGETS.items():
+        value = results.get(key)
+        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        targets[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    results["targets"] = targets
+    results["memory_mib"] = args.memory
+    results["host_cores"] = os.cpu_count()
+    return results
+
+
+def render(out: Console, bench: BurstBench, res: dict[str, Any]) -> None:
+    t = Table(title=f"forkd burst and density ({res.get('accel')}, {res['host_cores']} cores)")
+    for col in ("figure", "value", "target", "met"):
+        t.add_column(col)
+    for name, tgt in res["targets"].items():
+        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[tgt["met"]]
+        t.add_row(name, str(tgt["value"]), tgt["target"], met)
+    for key in ("burst_request_s", "burst_fork_ms_p50", "burst_fork_ms_max",
+                "idle_private_mib_max", "host_mib_used", "idle_children"):  # fmt: skip
+        t.add_row(key, str(res.get(key)), "", "")
+    out.print(t)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--burst", type=int, default=100, help="children in the one request (100)")
+    p.add_argument("--idle", type=int, default=200, help="idle children in all (200; 0: skip)")
+    p.add_argument("--settle-secs", type=int, default=10, help="before sampling (10)")
+    p.add_argument("--idle-secs", type=int, default=60, help="CPU sampled this long (60)")
+    p.add_argument("--memory", type=int, default=256, help="template RAM in MiB (256)")
+    benchlib.add_common_args(p)
+    args = p.parse_args(argv)
+    if not 1 <= args.burst <= 100 or args.idle < 0 or args.idle_secs < 1:
+        p.error("--burst must be 1..100, --idle at least 0, --idle-secs at least 1")
+    return benchlib.run_main(
+        benchlib.amain(args, BurstBench, finish_results, render, workdir_prefix="forkd-burst-")
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
