@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import AgentError, SnapshotError, VMError
-from forkd.vmm import snapshot_files
+from forkd.vmm import memory_diff, snapshot_files
 from forkd.vmm.qemu_argv import MachineConfig
-from forkd.vmm.snapshot_files import ImageRef, SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot_files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
 from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
 
@@ -72,8 +72,8 @@ class Guest:
 class FakeWriter:
     """A snapshot being staged, as :class:`forkd.vmm.snapshot_writer.SnapshotWriter`."""
 
-    def __init__(self, vm: FakeVM, dest: Path) -> None:
-        self.vm, self.dest = vm, dest
+    def __init__(self, vm: FakeVM, dest: Path, base: BaseRef | None = None) -> None:
+        self.vm, self.dest, self.base = vm, dest, base
         self.staging = dest.parent / f".{dest.name}.partial-fake"
         self.staging.mkdir(parents=True)
         (self.staging / "memory.bin").write_bytes(b"partial")
@@ -94,8 +94,14 @@ class FakeWriter:
         vm = self.vm
         vm.events.append("commit")
         labels = labels or SnapshotLabels()
-        with (self.staging / "memory.bin").open("wb") as f:
-            f.truncate(vm.machine.memory_mib << 20)
+        if self.base is not None:  # a diff: no pages of its own (the guest is in GUEST_STATE)
+            (self.staging / "memory.bin").unlink()
+            with (self.staging / snapshot_files.MEMORY_DIFF).open("wb") as f:
+                f.truncate(vm.machine.memory_mib << 20)
+            memory_diff.write_runs(self.staging / snapshot_files.MEMORY_RUNS, [])
+        else:
+            with (self.staging / "memory.bin").open("wb") as f:
+                f.truncate(vm.machine.memory_mib << 20)
         (self.staging / "vmstate").write_bytes(b"state")
         (self.staging / GUEST_STATE).write_text(json.dumps((self.guest or vm.guest).to_json()))
         meta = SnapshotMeta(
@@ -105,6 +111,8 @@ class FakeWriter:
             pages_written=0, base_bytes_cloned=0, tag=labels.tag,
             branched_from=labels.branched_from, parent_tag=labels.parent_tag,
             pause_ms=labels.pause_ms, volumes=tuple(vm.volumes),
+            mode="diff" if self.base else "full", base=self.base,
+            chain=(self.base,) if self.base else (),
         )  # fmt: skip
         snapshot_files.write_meta(self.staging, meta)
         self.staging.rename(self.dest)
@@ -119,6 +127,7 @@ class FakeVM:
     def __init__(self, vm_id: str, machine: MachineConfig, run_root: Path, guest: Guest) -> None:
         self.id = vm_id
         self.machine = machine
+        self.origin: Path | None = None  # the snapshot directory it was forked from
         self.rt = Runtime(run_root / vm_id)
         self.rt.dir.mkdir(parents=True, exist_ok=True)
         self.pid = os.getpid()  # never one a test would kill: lifecycle checks it is QEMU
@@ -182,11 +191,13 @@ class FakeVM:
         self._agent("restore")
         self.events.append("after_resume")
 
-    async def begin_snapshot(self, dest: Path) -> FakeWriter:
-        self.events.append("begin")
+    async def begin_snapshot(self, dest: Path, base: BaseRef | None = None) -> FakeWriter:
+        self.events.append("begin" if base is None else "begin-diff")
         if dest.exists():
             raise SnapshotError(f"{dest} already exists")
-        return FakeWriter(self, dest)
+        if self.fail == "begin":
+            raise SnapshotError("staging the snapshot failed")
+        return FakeWriter(self, dest, base)
 
     async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
         writer = await self.begin_snapshot(dest)
@@ -387,6 +398,7 @@ class FakeDriver:
         files = snapshot_files.load(snapshot_dir)
         guest = Guest.from_json(json.loads((snapshot_dir / GUEST_STATE).read_text()))
         vm = FakeVM(vm_id or f"vm-{len(self.vms)}", files.machine, run_root, guest)
+        vm.origin = snapshot_dir
         vm.state = "incoming"
         vm.volumes = list(files.meta.volumes)
         self.vms.append(vm)

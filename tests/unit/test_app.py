@@ -252,7 +252,7 @@ def test_branch_then_grandchildren(client: TestClient) -> None:
     assert r.json()["result"] == "7"
     detail = client.get(f"/v1/snapshots/{br['tag']}/info").json()
     assert detail["ancestors"] == ["py"] and detail["sandboxes"] == [kid["id"]]
-    r = client.post(f"/v1/sandboxes/{sb['id']}/branch", json={"mode": "diff"})
+    r = client.post(f"/v1/sandboxes/{sb['id']}/branch", json={"mode": "copy-on-read"})
     assert r.status_code == 400
 
 

@@ -61,9 +61,9 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Harness, Fak
     services.fleet.vms[vm.id] = vm
     real_add = store.add_snapshot
 
-    def add_and_log(row: SnapshotRow) -> None:
+    def add_and_log(row: SnapshotRow, replace: bool = False) -> None:
         vm.events.append("register")
-        real_add(row)
+        real_add(row, replace)
 
     store.add_snapshot = add_and_log  # type: ignore[method-assign]
     return Harness(services, store, settings), vm, vm.events

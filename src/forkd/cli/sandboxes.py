@@ -17,7 +17,7 @@ from forkd.cli.failures import act_on_each, daemon_errors
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out
-from forkd.cli.snapshots import TagOpt, show_tree
+from forkd.cli.snapshots import ModeOpt, TagOpt, WaitOpt, show_tree
 
 if TYPE_CHECKING:
     import httpx
@@ -165,14 +165,17 @@ def branch(
     ] = 1,
     tag: TagOpt = None,
     label: LabelOpt = None,
+    mode: ModeOpt = None,
+    wait: WaitOpt = True,
 ) -> None:
-    """Branch a running sandbox, then fork N sandboxes from the branch."""
+    """Branch a running sandbox, then fork N sandboxes from the branch (none with
+    --no-wait: the branch is pending; 'forkd snapshot info TAG' shows when it is ready)."""
     labels = parse_labels(label)
     with daemon_errors(), conn.controller() as ctl:
         with err.status(f"branching {escape(from_sandbox)}"):
-            info = ctl.branch_sandbox(from_sandbox, tag=tag, metadata=labels)
+            info = ctl.branch_sandbox(from_sandbox, tag=tag, metadata=labels, mode=mode, wait=wait)
         kids: list[dict[str, Any]] = []
-        if n > 0:
+        if n > 0 and info.get("status") != "pending":
             with err.status(f"forking {n} from {escape(str(info['tag']))}"):
                 kids = ctl.spawn_sandboxes(info["tag"], n=n)
     if conn.as_json:

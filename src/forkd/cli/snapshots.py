@@ -1,4 +1,5 @@
-"""``forkd snapshot`` (create, ls, info, ``--from-sandbox`` to branch) and ``forkd rmi``."""
+"""``forkd snapshot`` (create, ls, info, compact, rm, ``--from-sandbox`` to branch) and
+``forkd rmi``."""
 
 from __future__ import annotations
 
@@ -24,6 +25,25 @@ TagOpt = Annotated[
     str | None,
     typer.Option("--tag", help="Tag of the branch (default: chosen by the daemon)."),
 ]
+ModeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mode",
+        help="full (default), diff (only the pages that differ from the sandbox's "
+        "snapshot) or live (taken as full).",
+    ),
+]
+WaitOpt = Annotated[
+    bool,
+    typer.Option("--wait/--no-wait", help="--no-wait: return at once, the branch pending."),
+]
+CascadeOpt = Annotated[
+    bool, typer.Option("--cascade", help="Delete the diff snapshots over it too.")
+]
+ForceOpt = Annotated[
+    bool,
+    typer.Option("--force", help="Compact the diff snapshots over it into full ones, keep them."),
+]
 
 
 def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
@@ -39,6 +59,8 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     snapshot_app.command("create")(daemon(snapshot_create))
     snapshot_app.command("ls")(daemon(snapshot_ls))
     snapshot_app.command("info")(daemon(snapshot_info))
+    snapshot_app.command("compact")(daemon(snapshot_compact))
+    snapshot_app.command("rm")(daemon(rmi))
     app.command("rmi")(daemon(rmi))
 
 
@@ -50,6 +72,8 @@ def snapshot_main(
         typer.Option("--from-sandbox", help="Branch this running sandbox into a snapshot."),
     ] = None,
     tag: TagOpt = None,
+    mode: ModeOpt = None,
+    wait: WaitOpt = True,
 ) -> None:
     """Build, list and inspect snapshots; `--from-sandbox ID` branches a sandbox."""
     if ctx.invoked_subcommand is not None:
@@ -61,9 +85,13 @@ def snapshot_main(
         out.print(ctx.get_help())
         raise typer.Exit(0)
     with daemon_errors(), conn.controller() as ctl:
-        info = ctl.branch_sandbox(from_sandbox, tag=tag)
+        info = ctl.branch_sandbox(from_sandbox, tag=tag, mode=mode, wait=wait)
     if conn.as_json:
         render.print_json(info)
+        return
+    if info.get("status") == "pending":
+        out.print(f"branching [green]{escape(from_sandbox)}[/] → [bold magenta]"
+                  f"{escape(str(info.get('tag')))}[/] in the background (pending)")  # fmt: skip
         return
     out.print(
         f"branched [green]{escape(from_sandbox)}[/] → [bold magenta]"
@@ -158,13 +186,31 @@ def snapshot_info(
         out.print(render.kv_table(info))
 
 
+def snapshot_compact(
+    conn: Connection, tag: Annotated[str, typer.Argument(help="Snapshot tag.")]
+) -> None:
+    """Flatten a diff snapshot into a full one in place (its forks keep working)."""
+    with daemon_errors(), conn.controller() as ctl, err.status(f"compacting {escape(tag)}"):
+        info = ctl.compact_snapshot(tag)
+    if conn.as_json:
+        render.print_json(info)
+    else:
+        out.print(f"compacted [bold magenta]{escape(tag)}[/]: mode {info.get('mode')}")
+
+
 def rmi(
     conn: Connection,
     tags: Annotated[list[str], typer.Argument(help="Snapshot tags to delete.")],
+    cascade: CascadeOpt = False,
+    force: ForceOpt = False,
 ) -> None:
     """Delete snapshots (sandboxes forked from them keep running)."""
+
+    def delete(tag: str) -> None:
+        ctl.delete_snapshot(tag, cascade=cascade, force=force)
+
     with daemon_errors(), conn.controller() as ctl:
-        act_on_each(tags, ctl.delete_snapshot, "deleted", conn.as_json)
+        act_on_each(tags, delete, "deleted", conn.as_json)
 
 
 def show_tree(ctl: Controller, as_json: bool) -> None:

@@ -178,9 +178,23 @@ class Controller(ProcessRoutes, FileRoutes, EventRoutes, PortRoutes):
         )
         return self._json("POST", "/v1/snapshots", json_body=body, timeout=max(self.timeout, 1800))
 
-    def delete_snapshot(self, tag: str) -> None:
-        """``DELETE /v1/snapshots/{tag}`` (running children keep running)."""
-        self._request("DELETE", f"/v1/snapshots/{_quote(tag)}")
+    def delete_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> None:
+        """``DELETE /v1/snapshots/{tag}`` (running children keep running). A snapshot that
+        diff snapshots are over is a 409 unless ``cascade`` (they are deleted too) or
+        ``force`` (they are compacted into full snapshots and kept)."""
+        params = {k: "true" for k, v in (("cascade", cascade), ("force", force)) if v}
+        self._request("DELETE", f"/v1/snapshots/{_quote(tag)}", params=params or None)
+
+    def compact_snapshot(self, tag: str) -> JSONDict:
+        """``POST /v1/snapshots/{tag}/compact``: flatten a diff snapshot's chain into a full
+        ``memory.bin`` in place → SnapshotInfo (``mode`` ``"full"``)."""
+        return self._json(
+            "POST", f"/v1/snapshots/{_quote(tag)}/compact", timeout=max(self.timeout, 600)
+        )
+
+    def snapshot(self, tag: str) -> JSONDict:
+        """``GET /v1/snapshots/{tag}``: the SnapshotInfo without /info's detail."""
+        return self._json("GET", f"/v1/snapshots/{_quote(tag)}")
 
     # -- volumes ------------------------------------------------------------
 
@@ -298,11 +312,17 @@ class Controller(ProcessRoutes, FileRoutes, EventRoutes, PortRoutes):
         tag: str | None = None,
         mode: str | None = None,
         metadata: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> JSONDict:
         """``POST /v1/sandboxes/{id}/branch``: pause, snapshot, resume →
         SnapshotInfo with ``branched_from`` and ``pause_ms``; ``metadata`` labels
-        the branch (over the sandbox's labels)."""
+        the branch (over the sandbox's labels). ``mode``: ``"full"`` (default),
+        ``"diff"`` (only the pages that differ from the sandbox's snapshot) or
+        ``"live"`` (taken as full). ``wait=False``: answered at once with ``status``
+        ``"pending"``; poll :meth:`snapshot` until ``"ready"`` or ``"failed"``."""
         body = _drop_none({"tag": tag, "mode": mode, "metadata": metadata})
+        if not wait:
+            body["wait"] = False
         return self._json("POST", f"{self._sb(sandbox_id)}/branch", json_body=body)
 
     def exec_command(

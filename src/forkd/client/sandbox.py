@@ -208,12 +208,16 @@ class Sandbox:
         tag: str | None = None,
         mode: str | None = None,
         metadata: dict[str, str] | None = None,
+        wait: bool = True,
     ) -> Snapshot:
         """Snapshot this sandbox (a running one pauses briefly, then continues; a paused
-        one is taken as it is and stays paused)."""
+        one is taken as it is and stays paused). ``mode``: ``"full"``, ``"diff"`` or
+        ``"live"``; ``wait=False``: the Snapshot is ``pending`` (see ``Snapshot.wait()``)."""
         from forkd.client.snapshot import Snapshot  # it forks Sandboxes in turn
 
-        info = self._controller.branch_sandbox(self.id, tag=tag, mode=mode, metadata=metadata)
+        info = self._controller.branch_sandbox(
+            self.id, tag=tag, mode=mode, metadata=metadata, wait=wait
+        )
         return Snapshot(info["tag"], controller=self._controller, info=info)
 
     def get_url(self, port: int, path: str = "/") -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from forkd.client.connection import JSONDict
@@ -76,9 +77,37 @@ class Snapshot:
         infos = self._controller.spawn_sandboxes(self.tag, n=n, **spawn_kwargs)
         return [Sandbox._wrap(self._controller, info) for info in infos]
 
-    def delete(self) -> None:
-        """Delete the snapshot (sandboxes forked from it keep running)."""
-        self._controller.delete_snapshot(self.tag)
+    @property
+    def status(self) -> str:
+        """``ready``, ``pending`` (a branch still being written), ``failed`` or ``broken``."""
+        return str(self.info.get("status"))
+
+    @property
+    def mode(self) -> str:
+        """``full``, or ``diff`` (the pages that differ from ``info["base_tag"]``)."""
+        return str(self.info.get("mode") or "full")
+
+    def wait(self, timeout: float = 600.0, interval: float = 0.2) -> Snapshot:
+        """Poll until the snapshot is no longer ``pending``; :class:`TimeoutError` after
+        ``timeout`` seconds. Returns itself (check :attr:`status`)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._info = self._controller.snapshot(self.tag)
+            if self.status != "pending":
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"snapshot {self.tag!r} still pending after {timeout:g} s")
+            time.sleep(interval)
+
+    def compact(self) -> JSONDict:
+        """Flatten this diff snapshot into a full one in place (``POST .../compact``)."""
+        self._info = self._controller.compact_snapshot(self.tag)
+        return self._info
+
+    def delete(self, cascade: bool = False, force: bool = False) -> None:
+        """Delete the snapshot (sandboxes forked from it keep running); ``cascade`` and
+        ``force`` as :meth:`Controller.delete_snapshot`."""
+        self._controller.delete_snapshot(self.tag, cascade=cascade, force=force)
 
     def __repr__(self) -> str:
         return f"Snapshot({self.tag!r})"

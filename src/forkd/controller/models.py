@@ -157,7 +157,12 @@ class EvalRequest(_Body):
 
 class BranchRequest(_Body):
     tag: str | None = Field(None, pattern=limits.NAME_PATTERN)
-    mode: str | None = None
+    mode: str | None = Field(
+        None,
+        description="full (default), diff (only the pages that differ from the source's "
+        "snapshot) or live (taken as full: recorded as mode full)",
+    )
+    wait: bool = Field(True, description="false: answer 202 at once, status pending")
     metadata: Metadata | None = Field(None, description="merged over the source's labels")
 
 
@@ -224,12 +229,18 @@ class SnapshotInfo(BaseModel):
     created_at_unix: int
     branched_from: str | None = Field(None, description="branches only: the source sandbox")
     pause_ms: float | None = Field(None, description="branches only: vCPUs frozen, ms")
-    status: str = Field(description="'ready', or 'broken' when a file is missing or corrupt")
+    status: str = Field(
+        description="'ready'; 'broken' when a file is missing or corrupt; 'pending' while a "
+        "branch with wait false is written; 'failed' when that branch failed (see error)"
+    )
     bootable: bool
     memory_mib: int
     image: str | None
     parent_tag: str | None
     metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
+    mode: str = Field("full", description="full, or diff: the pages that differ from base_tag's")
+    base_tag: str | None = Field(None, description="a diff's base snapshot (a dependency)")
+    error: str | None = Field(None, description="why a branch with wait false failed")
     # Detail: GET /v1/snapshots/{tag}/info only.
     memory_logical_bytes: int | None = None
     memory_physical_bytes: int | None = None
@@ -239,6 +250,10 @@ class SnapshotInfo(BaseModel):
     dependents: list[str] | None = None
     sandboxes: list[str] | None = None
     problem: str | None = Field(None, description="detail, broken snapshots only: why")
+    diff_chain: list[str] | None = Field(None, description="detail: bases, nearest first")
+    diff_dependents: list[str] | None = Field(
+        None, description="detail: diff snapshots whose base is this one"
+    )
 
 
 class SandboxInfo(BaseModel):

@@ -153,9 +153,26 @@ async def snapshot_info(svc: Svc, tag: str) -> SnapshotInfo:
     return svc.snapshots.info(tag, detailed=True)
 
 
+@snapshots.get("/{tag}", **SNAPSHOT)
+async def snapshot(svc: Svc, tag: str) -> SnapshotInfo:
+    """The SnapshotInfo (without /info's detail): poll a pending branch here."""
+    return svc.snapshots.info(tag)
+
+
+@snapshots.post("/{tag}/compact", **SNAPSHOT)
+async def compact_snapshot(svc: Svc, tag: str) -> SnapshotInfo:
+    """Flatten a diff snapshot's chain into a full memory.bin in place (a full one: as is)."""
+    return await svc.snapshots.compact(tag)
+
+
 @snapshots.delete("/{tag}", **NO_CONTENT)
-async def delete_snapshot(svc: Svc, tag: str) -> Response:
-    await svc.snapshots.delete(tag)
+async def delete_snapshot(
+    svc: Svc,
+    tag: str,
+    cascade: Annotated[bool, Query(description="delete the diff snapshots over it too")] = False,
+    force: Annotated[bool, Query(description="compact them into full ones and keep them")] = False,
+) -> Response:
+    await svc.snapshots.delete(tag, cascade=cascade, force=force)
     return Response(status_code=204)
 
 
@@ -233,9 +250,19 @@ async def resume(svc: Svc, sandbox_id: str, body: ResumeRequest | None = None) -
     return await svc.pausing.resume(sandbox_id, body.timeout_s if body else None)
 
 
-@sandboxes.post("/{sandbox_id}/branch", status_code=201, **SNAPSHOT)
-async def branch(svc: Svc, sandbox_id: str, body: BranchRequest | None = None) -> SnapshotInfo:
-    return await svc.branches.branch(sandbox_id, body or BranchRequest())
+@sandboxes.post(
+    "/{sandbox_id}/branch",
+    status_code=201,
+    responses={202: {"model": SnapshotInfo, "description": "wait false: status pending"}},
+    **SNAPSHOT,
+)
+async def branch(
+    svc: Svc, sandbox_id: str, response: Response, body: BranchRequest | None = None
+) -> SnapshotInfo:
+    info = await svc.branches.branch(sandbox_id, body or BranchRequest())
+    if info.status == "pending":
+        response.status_code = 202
+    return info
 
 
 @sandboxes.post("/{sandbox_id}/preview-urls", status_code=201, response_model=PreviewInfo)

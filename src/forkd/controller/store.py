@@ -36,7 +36,10 @@ CREATE TABLE IF NOT EXISTS snapshots (
     image           TEXT,
     memory_mib      INTEGER NOT NULL,
     status          TEXT NOT NULL DEFAULT 'ready',
-    metadata        TEXT NOT NULL DEFAULT '{}'
+    metadata        TEXT NOT NULL DEFAULT '{}',
+    mode            TEXT NOT NULL DEFAULT 'full',
+    base_tag        TEXT,
+    error           TEXT
 );
 CREATE TABLE IF NOT EXISTS sandboxes (
     id               TEXT PRIMARY KEY,
@@ -70,8 +73,11 @@ class SnapshotRow:
     parent_tag: str | None
     image: str | None
     memory_mib: int
-    status: str
+    status: str  # ready, pending (a branch in the background) or failed
     metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
+    mode: str = "full"  # "diff": its memory is the pages that differ from base_tag's
+    base_tag: str | None = None  # a diff's base: a dependency, unlike parent_tag
+    error: str | None = None  # why a background branch failed (or what failed after it)
 
 
 @dataclass
@@ -116,7 +122,12 @@ class Store:
                 "timeout_branch": "TEXT",
                 "idle_timeout_s": "REAL",
             },
-            "snapshots": {"metadata": "TEXT NOT NULL DEFAULT '{}'"},
+            "snapshots": {
+                "metadata": "TEXT NOT NULL DEFAULT '{}'",
+                "mode": "TEXT NOT NULL DEFAULT 'full'",
+                "base_tag": "TEXT",
+                "error": "TEXT",
+            },
         }
         for table, columns in added.items():
             have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
@@ -175,17 +186,24 @@ class Store:
 
     # ---------------------------------------------------------- snapshots
 
-    def add_snapshot(self, row: SnapshotRow) -> None:
-        """Register a snapshot; raises sqlite3.IntegrityError if the tag exists."""
+    def add_snapshot(self, row: SnapshotRow, replace: bool = False) -> None:
+        """Register a snapshot; raises sqlite3.IntegrityError if the tag exists, unless
+        ``replace`` (a pending branch settling, a compacted snapshot: one transaction)."""
         self._tx(
-            "INSERT INTO snapshots(tag, dir, created_at_unix, branched_from, pause_ms, "
-            "parent_tag, image, memory_mib, status, metadata) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            f"INSERT {'OR REPLACE ' if replace else ''}INTO snapshots(tag, dir, "
+            "created_at_unix, branched_from, pause_ms, parent_tag, image, memory_mib, status, "
+            "metadata, mode, base_tag, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.tag, row.dir, row.created_at_unix, row.branched_from, row.pause_ms,
                 row.parent_tag, row.image, row.memory_mib, row.status, json.dumps(row.metadata),
+                row.mode, row.base_tag, row.error,
             ),
         )  # fmt: skip
+
+    def update_snapshot(self, tag: str, **fields: Any) -> None:
+        if fields:
+            cols = ", ".join(f"{k} = ?" for k in fields)
+            self._tx(f"UPDATE snapshots SET {cols} WHERE tag = ?", (*fields.values(), tag))
 
     def get_snapshot(self, tag: str) -> SnapshotRow | None:
         rows = self._query("SELECT * FROM snapshots WHERE tag = ?", (tag,))

@@ -3,7 +3,8 @@
 A branch of a hibernated sandbox is its hibernation snapshot as it is: no VM
 to pause, only files to copy. The copy is staged beside ``dest`` and renamed
 into place when whole; ``memory.bin`` keeps its holes (a reflink where the
-filesystem has one).
+filesystem has one). With a ``base``, the copy is a diff over that snapshot:
+only the pages that differ from its memory (:mod:`forkd.vmm.memory_diff`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,20 @@ import time
 from pathlib import Path
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import memory, snapshot_files
-from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
+from forkd.vmm import memory, memory_diff, snapshot_files
+from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles, SnapshotLabels
 
 
 def copy_snapshot(
-    src: Path, dest: Path, labels: SnapshotLabels, skip: tuple[str, ...] = ()
+    src: Path,
+    dest: Path,
+    labels: SnapshotLabels,
+    skip: tuple[str, ...] = (),
+    base: BaseRef | None = None,
 ) -> SnapshotFiles:
-    """Copy the snapshot at ``src`` to ``dest`` (which must not exist), relabelled;
-    its other files too, but those named in ``skip``.
+    """Copy the snapshot at ``src`` (a full one) to ``dest`` (which must not exist),
+    relabelled; its other files too, but those named in ``skip``. With ``base``,
+    the copy's memory is a diff over that snapshot.
 
     On failure nothing is left at ``dest`` or in staging; a full disk is
     :class:`StorageFull`.
@@ -36,7 +42,11 @@ def copy_snapshot(
     staging = dest.parent / f".{dest.name}.partial-{secrets.token_hex(3)}"
     try:
         staging.mkdir(mode=0o700)
-        _copy_memory(files.memory, staging / snapshot_files.MEMORY, files.meta.memory_bytes)
+        if base is None:
+            _copy_memory(files.memory, staging / snapshot_files.MEMORY, files.meta.memory_bytes)
+            diff: dict[str, object] = {}
+        else:
+            diff = _diff_memory(files, staging, base)
         for path in src.iterdir():
             if path.is_file() and path.name not in (
                 snapshot_files.META,
@@ -51,6 +61,7 @@ def copy_snapshot(
             branched_from=labels.branched_from,
             parent_tag=labels.parent_tag,
             pause_ms=labels.pause_ms,
+            **diff,  # type: ignore[arg-type]
         )
         meta_path = snapshot_files.write_meta(staging, meta)
         for path in (staging / snapshot_files.VMSTATE, meta_path):
@@ -65,6 +76,32 @@ def copy_snapshot(
             raise StorageFull(f"disk full while copying snapshot {src.name} to {dest}") from exc
         raise
     return SnapshotFiles(dest, meta)
+
+
+def _diff_memory(files: SnapshotFiles, staging: Path, base: BaseRef) -> dict[str, object]:
+    """Write ``files``' memory as a diff over ``base`` into ``staging``; the record's fields."""
+    base_files = snapshot_files.load(Path(base.dir))
+    if base_files.meta.memory_bytes != files.meta.memory_bytes:
+        raise SnapshotError(f"{base.tag!r} has another memory size: no diff over it")
+    out_fd = os.open(
+        staging / snapshot_files.MEMORY_DIFF, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
+    )
+    try:
+        os.ftruncate(out_fd, files.meta.memory_bytes)
+        with memory_diff.resolve(base_files) as chain:
+            cap = memory_diff.diff_of_file(
+                files.memory, chain, out_fd, staging / snapshot_files.MEMORY_RUNS
+            )
+        os.fsync(out_fd)
+    finally:
+        os.close(out_fd)
+    return {
+        "mode": "diff",
+        "base": base,
+        "chain": (*base_files.meta.chain, base),
+        "pages_written": cap.pages_kept,
+        "format": snapshot_files.DIFF_FORMAT,
+    }
 
 
 def _copy_memory(src: Path, out: Path, size: int) -> None:

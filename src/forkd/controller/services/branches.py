@@ -1,13 +1,23 @@
 """Branches: pause a running sandbox, snapshot it, resume it, register the snapshot.
 
 The order and the failure table are :mod:`forkd.vmm.live_snapshot`'s; this
-service adds what the daemon owns: the tag, the concurrency cap, one branch
-of a sandbox at a time, and the registry.
+service adds what the daemon owns: the tag, the mode, the concurrency cap, one
+branch of a sandbox at a time, the registry, and branches that finish in the
+background (``wait: false``: registered ``pending`` at once, then ``ready`` or
+``failed`` with the error, the failure table's other columns unchanged).
+
+Modes: ``full`` copies the whole memory; ``diff`` stores only the pages that
+differ from the snapshot the source was forked from (its base, a dependency);
+``live`` would copy while the source runs, which needs dirty-page tracking
+this host lacks, so it is taken as ``full`` (and recorded as such).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,13 +25,15 @@ from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services import hibernated_files
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
-from forkd.controller.store import SandboxRow, merged_labels, now
-from forkd.errors import Busy, Conflict, Invalid, SnapshotError, VMError
+from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
+from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
 from forkd.vmm import live_snapshot, snapshot_copy, snapshot_files
-from forkd.vmm.snapshot_files import SnapshotLabels
+from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
 
-MODES = (None, "full")
+log = logging.getLogger(__name__)
+
+MODES = (None, "full", "diff", "live")
 
 
 class BranchService:
@@ -29,41 +41,122 @@ class BranchService:
         self.fleet = fleet
         self.snapshots = snapshots
         self.in_flight = 0
+        self.background: set[asyncio.Task[None]] = set()  # branches with wait false
 
     async def branch(self, sandbox_id: str, req: BranchRequest) -> SnapshotInfo:
         if req.mode not in MODES:
-            raise Invalid(f"branch mode {req.mode!r} is not supported (only 'full')")
+            raise Invalid(f"branch mode {req.mode!r} is not supported (full, diff or live)")
         if req.tag is not None:
             check_tag(req.tag)
         fleet = self.fleet
         row = fleet.sandbox_row(sandbox_id)
         # A paused one is taken as it is; a hibernated one is its state on disk.
         vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
+        base = self._diff_base(row, vm) if req.mode == "diff" else None
         cap = fleet.settings.branch_concurrency
         if self.in_flight >= cap:
             raise Busy(f"{self.in_flight} branches are in flight (the cap is {cap}); retry shortly")
         tag = req.tag
         if tag is None:
             tag = check_tag(f"branch-{sandbox_id}-{fleet.store.next_branch_seq(sandbox_id)}")
-        with fleet.reserve_tag(tag):
-            self.in_flight += 1
-            try:
-                async with fleet.branch_locks.setdefault(sandbox_id, asyncio.Lock()):
-                    labels = merged_labels(row.metadata, req.metadata)
-                    if vm is None:
-                        await self._branch_hibernated(row, tag, labels)
-                    else:
-                        await self._branch_locked(vm, row, tag, labels)
-            finally:
-                self.in_flight -= 1
+        labels = merged_labels(row.metadata, req.metadata)
+        with contextlib.ExitStack() as held:
+            held.enter_context(fleet.reserve_tag(tag))
+            held.enter_context(self._counted(base))
+            if req.wait:
+                await self._run(vm, row, tag, labels, base)
+                return self._branched(row.id, tag)
+            fleet.store.add_snapshot(self._pending_row(vm, row, tag, labels, base))
+            task = asyncio.create_task(
+                self._settle(held.pop_all(), vm, row, tag, labels, base), name=f"branch-{tag}"
+            )
+            self.background.add(task)
+            task.add_done_callback(self.background.discard)
+        return self.snapshots.info(tag)
+
+    def _diff_base(self, row: SandboxRow, vm: Any) -> BaseRef:
+        """The snapshot a diff of this sandbox is over: the registered one its memory maps."""
+        brow = self.fleet.store.get_snapshot(row.snapshot_tag)
+        origin = getattr(vm, "origin", None) if vm is not None else None
+        mapped = vm is None or (
+            origin is not None and brow is not None
+            and os.path.realpath(origin) == os.path.realpath(brow.dir)
+        )  # fmt: skip
+        if brow is None or brow.status != "ready" or not mapped:
+            raise Conflict(
+                f"sandbox {row.id!r} has no registered snapshot to be a diff over (its snapshot "
+                f"{row.snapshot_tag!r} was deleted, replaced, or it was resumed from "
+                "hibernation): branch it with mode full"
+            )
+        return BaseRef(brow.tag, brow.dir)
+
+    @contextlib.contextmanager
+    def _counted(self, base: BaseRef | None) -> Any:
+        """In flight (the cap) and, for a diff, its base held against deletion."""
+        self.in_flight += 1
+        if base is not None:
+            self.snapshots.bases_in_use[base.tag] += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if base is not None:
+                self.snapshots.bases_in_use[base.tag] -= 1
+
+    async def _run(
+        self, vm: Any, row: SandboxRow, tag: str, labels: dict[str, str], base: BaseRef | None
+    ) -> None:
+        async with self.fleet.branch_locks.setdefault(row.id, asyncio.Lock()):
+            if vm is None:
+                await self._branch_hibernated(row, tag, labels, base)
+            else:
+                await self._branch_locked(vm, row, tag, labels, base)
+
+    def _branched(self, sandbox_id: str, tag: str) -> SnapshotInfo:
         info = self.snapshots.info(tag)
-        fleet.events.publish(
+        self.fleet.events.publish(
             "branched", sandbox_id=sandbox_id, snapshot_tag=tag, pause_ms=info.pause_ms
         )
         return info
 
+    def _pending_row(
+        self, vm: Any, row: SandboxRow, tag: str, labels: dict[str, str], base: BaseRef | None
+    ) -> SnapshotRow:
+        parent = self.fleet.store.get_snapshot(row.snapshot_tag)
+        memory_mib = vm.machine.memory_mib if vm is not None else parent.memory_mib if parent else 0
+        return SnapshotRow(
+            tag=tag, dir=str(self.fleet.settings.snapshot_root / tag), created_at_unix=now(),
+            branched_from=row.id, pause_ms=None, parent_tag=row.snapshot_tag,
+            image=parent.image if parent else None, memory_mib=memory_mib, status="pending",
+            metadata=labels, mode="diff" if base else "full", base_tag=base.tag if base else None,
+        )  # fmt: skip
+
+    async def _settle(
+        self,
+        held: contextlib.ExitStack,
+        vm: Any,
+        row: SandboxRow,
+        tag: str,
+        labels: dict[str, str],
+        base: BaseRef | None,
+    ) -> None:
+        """A branch with wait false: ``pending`` → ``ready``, or ``failed`` with the error."""
+        store = self.fleet.store
+        with held:
+            try:
+                await self._run(vm, row, tag, labels, base)
+            except Exception as exc:  # the error is the answer: kept in the registry
+                kept = store.get_snapshot(tag)
+                if kept is not None and kept.status == "ready":  # resume failed after a good one
+                    store.update_snapshot(tag, error=str(exc))
+                elif kept is not None:
+                    store.update_snapshot(tag, status="failed", error=str(exc))
+                log.warning("branch %s of %s failed in the background: %s", tag, row.id, exc)
+                return
+            self._branched(row.id, tag)
+
     async def _branch_locked(
-        self, vm: Any, row: SandboxRow, tag: str, metadata: dict[str, str]
+        self, vm: Any, row: SandboxRow, tag: str, metadata: dict[str, str], base: BaseRef | None
     ) -> None:
         fleet = self.fleet
         if not vm.is_alive() or fleet.vms.get(row.id) is not vm:
@@ -73,7 +166,7 @@ class BranchService:
         labels = SnapshotLabels(tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag)
         dest = fleet.settings.snapshot_root / tag
         try:
-            result = await live_snapshot.snapshot_running(vm, dest, labels)
+            result = await live_snapshot.snapshot_running(vm, dest, labels, base)
         except live_snapshot.LiveSnapshotError as exc:
             if exc.snapshot_kept:
                 self._register(tag, dest, metadata)
@@ -83,15 +176,15 @@ class BranchService:
             if isinstance(exc.__cause__, Busy):  # the pause waited on the agent channel
                 raise Busy(f"branch of {row.id}: {exc.__cause__}") from exc
             raise VMError(f"branch of {row.id} failed: {exc}") from exc
-        fleet.store.add_snapshot(
-            snapshot_row(
-                tag, snapshot_files.SnapshotFiles(result.dir, result.meta), now(), metadata
-            )
-        )
+        files = snapshot_files.SnapshotFiles(result.dir, result.meta)
+        fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
         fleet.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
 
-    async def _branch_hibernated(self, row: SandboxRow, tag: str, metadata: dict[str, str]) -> None:
-        """The hibernated sandbox's state, copied: no VM, no pause (``pause_ms`` 0)."""
+    async def _branch_hibernated(
+        self, row: SandboxRow, tag: str, metadata: dict[str, str], base: BaseRef | None
+    ) -> None:
+        """The hibernated sandbox's state, copied (or diffed over ``base``): no VM, no
+        pause (``pause_ms`` 0)."""
         fleet = self.fleet
         src = fleet.hibernated.latest(row.id)
         if fleet.sandbox_row(row.id).state != "hibernated" or src is None:
@@ -100,10 +193,16 @@ class BranchService:
             tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag, pause_ms=0.0
         )
         dest = fleet.settings.snapshot_root / tag
-        files = await asyncio.to_thread(
-            snapshot_copy.copy_snapshot, src, dest, labels, (hibernated_files.NETWORK_FILE,)
-        )
-        fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata))
+        try:
+            files = await asyncio.to_thread(
+                snapshot_copy.copy_snapshot, src, dest, labels,
+                (hibernated_files.NETWORK_FILE,), base,
+            )  # fmt: skip
+        except ForkdError:
+            raise
+        except OSError as exc:
+            raise SnapshotError(f"branch of {row.id} failed: {exc}") from exc
+        fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
         fleet.metrics.branch_pause_seconds.observe(0.0)
 
     def _register(self, tag: str, snapshot_dir: Path, metadata: dict[str, str]) -> None:
@@ -112,4 +211,4 @@ class BranchService:
             files = snapshot_files.load(snapshot_dir)
         except SnapshotError:
             return
-        self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata))
+        self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)

@@ -92,6 +92,13 @@ class Lifecycle:
             log.info("removing staging directory %s left by a crash", leftover)
             shutil.rmtree(leftover, ignore_errors=True)
         store = self.fleet.store
+        for row in store.list_snapshots():  # pending work survives no restart
+            if row.status == "pending":
+                log.info("branch %s was pending when the daemon stopped: failed", row.tag)
+                shutil.rmtree(row.dir, ignore_errors=True)  # committed, maybe, never settled
+                store.update_snapshot(
+                    row.tag, status="failed", error="the daemon stopped before the branch finished"
+                )
         kept = {r.id for r in store.list_sandboxes() if r.state != "dead"}
         for sid in self.fleet.hibernated.sleepers() - kept:
             log.info("removing the hibernated state of sandbox %s, which is gone", sid)

@@ -1,8 +1,16 @@
-"""Snapshots: build a template, describe, list and delete what the registry holds."""
+"""Snapshots: build a template, describe, list, compact and delete what the registry holds.
+
+A diff snapshot (a branch with mode diff) depends on its base (``base_tag``):
+the base cannot be deleted while a diff over it exists, unless the delete
+cascades (the dependents go first, deepest first) or is forced (the
+dependents are compacted into full snapshots first, then only it goes).
+``parent_tag`` is lineage only and never blocks a delete.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import shutil
@@ -15,9 +23,17 @@ from forkd.controller.models import SnapshotCreate, SnapshotInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.store import SnapshotRow, labelled, now
-from forkd.errors import AgentError, ImageError, Invalid, SnapshotError, StorageFull, VMError
+from forkd.errors import (
+    AgentError,
+    Conflict,
+    ImageError,
+    Invalid,
+    SnapshotError,
+    StorageFull,
+    VMError,
+)
 from forkd.guest import image as images
-from forkd.vmm import egress, snapshot_files
+from forkd.vmm import egress, memory_diff, snapshot_compact, snapshot_files
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
 
 
@@ -44,7 +60,15 @@ def snapshot_row(
         memory_mib=files.machine.memory_mib,
         status="ready",
         metadata=dict(metadata or {}),
+        mode=meta.mode,
+        base_tag=meta.base.tag if meta.base else None,
     )
+
+
+def memory_file(row: SnapshotRow) -> Path:
+    """The file holding a snapshot's memory: ``memory.bin``, or a diff's ``memory.diff``."""
+    name = snapshot_files.MEMORY_DIFF if row.mode == "diff" else snapshot_files.MEMORY
+    return Path(row.dir) / name
 
 
 def _memory_mib(req: SnapshotCreate, img: images.Image) -> int:
@@ -58,6 +82,10 @@ class SnapshotService:
         self.fleet = fleet
         self.volumes = volumes
         self.root = fleet.settings.snapshot_root
+        # Tags that a diff branch in flight is written over: not deletable meanwhile.
+        self.bases_in_use: collections.Counter[str] = collections.Counter()
+        # Compaction and deletion change files under the root: one at a time.
+        self._disk_lock = asyncio.Lock()
 
     # ------------------------------------------------------------ create
 
@@ -159,19 +187,22 @@ class SnapshotService:
             "tag": row.tag,
             "dir": row.dir,
             "vmstate": str(d / snapshot_files.VMSTATE),
-            "memory": str(d / snapshot_files.MEMORY),
+            "memory": str(memory_file(row)),
             "created_at_unix": row.created_at_unix,
         }
         if row.branched_from is not None:
             fields.update(branched_from=row.branched_from, pause_ms=row.pause_ms)
+        settled = row.status not in ("pending", "failed")
         fields.update(
-            status=row.status if problem is None else "broken",
+            status=row.status if problem is None or not settled else "broken",
             bootable=problem is None,
             memory_mib=row.memory_mib,
             image=row.image,
             parent_tag=row.parent_tag,
             metadata=row.metadata,
+            mode=row.mode,
         )
+        fields.update({k: v for k, v in (("base_tag", row.base_tag), ("error", row.error)) if v})
         if detailed:
             fields.update(self._detail(row, d))
             if problem:
@@ -179,7 +210,7 @@ class SnapshotService:
         return SnapshotInfo(**fields)
 
     def _detail(self, row: SnapshotRow, d: Path) -> dict[str, Any]:
-        mem, vmstate = d / snapshot_files.MEMORY, d / snapshot_files.VMSTATE
+        mem, vmstate = memory_file(row), d / snapshot_files.VMSTATE
         mst = mem.stat() if mem.exists() else None
         ancestors = self._ancestors(row)
         store = self.fleet.store
@@ -191,7 +222,22 @@ class SnapshotService:
             "ancestors": ancestors,
             "dependents": [r.tag for r in store.list_snapshots() if r.parent_tag == row.tag],
             "sandboxes": [r.id for r in store.list_sandboxes() if r.snapshot_tag == row.tag],
+            "diff_chain": self._bases(row),
+            "diff_dependents": self._diff_dependents(row.tag),
         }
+
+    def _bases(self, row: SnapshotRow) -> list[str]:
+        """A diff's bases in the registry, nearest first (empty for a full snapshot)."""
+        out: list[str] = []
+        base = row.base_tag
+        while base and base not in out:
+            out.append(base)
+            brow = self.fleet.store.get_snapshot(base)
+            base = brow.base_tag if brow else None
+        return out
+
+    def _diff_dependents(self, tag: str) -> list[str]:
+        return [r.tag for r in self.fleet.store.list_snapshots() if r.base_tag == tag]
 
     def _ancestors(self, row: SnapshotRow) -> list[str]:
         out: list[str] = []
@@ -204,8 +250,14 @@ class SnapshotService:
 
     @staticmethod
     def unbootable_reason(row: SnapshotRow) -> str | None:
+        if row.status == "pending":
+            return "it is pending: a branch in the background is still writing it"
+        if row.status == "failed":
+            return f"its branch failed: {row.error}"
         try:
-            snapshot_files.load(Path(row.dir))
+            files = snapshot_files.load(Path(row.dir))
+            if files.is_diff:  # every base down to the full root must be whole
+                memory_diff.resolve(files).close()
         except SnapshotError as exc:
             return str(exc)
         return None
@@ -217,7 +269,69 @@ class SnapshotService:
 
     # ------------------------------------------------------------ delete
 
-    async def delete(self, tag: str) -> None:
+    async def compact(self, tag: str) -> SnapshotInfo:
+        """Flatten the diff ``tag`` into a full snapshot in place (a full one: as it is)."""
+        async with self._disk_lock:
+            await self._compact_locked(self.fleet.snapshot_row(tag))
+        return self.info(tag, detailed=True)
+
+    async def _compact_locked(self, row: SnapshotRow) -> None:
+        if row.status in ("pending", "failed"):
+            raise Conflict(f"snapshot {row.tag!r} is {row.status}: nothing to compact")
+        if row.mode != "diff":
+            return
+        problem = self.unbootable_reason(row)
+        if problem is not None:
+            raise Conflict(f"snapshot {row.tag!r} cannot be compacted: {problem}")
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(snapshot_compact.compact, Path(row.dir))
+        except StorageFull as exc:
+            raise StorageFull(f"compacting {row.tag!r}: {exc}") from exc
+        self.fleet.store.update_snapshot(row.tag, mode="full", base_tag=None)
+        self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)
+
+    async def delete(self, tag: str, cascade: bool = False, force: bool = False) -> None:
+        """Delete ``tag``; with ``cascade`` the diff snapshots over it first (deepest first),
+        with ``force`` those are compacted and kept. :class:`Conflict` naming them when it
+        has dependents and neither is given, or when any of them is pending."""
+        if cascade and force:
+            raise Invalid("cascade and force exclude each other: delete dependents or keep them")
+        async with self._disk_lock:
+            order = self._deletion_order(self.fleet.snapshot_row(tag), cascade, force)
+            if force:
+                for dep in self._diff_dependents(tag):
+                    await self._compact_locked(self.fleet.snapshot_row(dep))
+            for victim in order:
+                await self._delete_one(victim)
+
+    def _deletion_order(self, row: SnapshotRow, cascade: bool, force: bool) -> list[str]:
+        """``row``'s tag last, after its diff dependents (all of them, deepest first) when
+        ``cascade``; every check is made before anything is deleted."""
+        order: list[str] = []
+
+        def visit(r: SnapshotRow, path: tuple[str, ...]) -> None:
+            if r.status == "pending":
+                raise Conflict(f"snapshot {r.tag!r} is pending: retry when its branch settles")
+            if self.bases_in_use[r.tag]:
+                raise Conflict(f"a diff branch over snapshot {r.tag!r} is being written; retry")
+            deps = self._diff_dependents(r.tag)
+            if deps and not (cascade or force):
+                raise Conflict(
+                    f"snapshot {r.tag!r} is the base of diff snapshots {', '.join(deps)}: "
+                    "delete them first, or pass cascade=true (delete them too) or "
+                    "force=true (compact them into full snapshots and keep them)"
+                )
+            if cascade:
+                for dep in deps:
+                    if dep not in path and dep not in order:
+                        visit(self.fleet.snapshot_row(dep), (*path, dep))
+            order.append(r.tag)
+
+        visit(row, (row.tag,))
+        return order
+
+    async def _delete_one(self, tag: str) -> None:
         row = self.fleet.snapshot_row(tag)
         d = Path(row.dir)
         await self.fleet.pool.drop(d)

@@ -1,0 +1,99 @@
+"""Compact a diff snapshot in place: flatten its chain into a full ``memory.bin``.
+
+The full copy is staged beside the snapshot (``.<name>.partial-compact-*``) and
+swapped with it in one ``renameat2(RENAME_EXCHANGE)``: the directory always
+holds either the diff or the full snapshot, never neither. The diff's files
+then go; no VM maps them (a fork of a diff maps the chain's root and has
+copied the layers into its own memory before it runs, and a fork in flight
+holds their descriptors), and the root ``memory.bin`` is not touched.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import errno
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from forkd.errors import SnapshotError, StorageFull
+from forkd.vmm import memory_diff, snapshot_files
+from forkd.vmm.snapshot_files import SnapshotFiles
+
+AT_FDCWD = -100
+RENAME_EXCHANGE = 1 << 1
+_DIFF_FILES = (snapshot_files.META, snapshot_files.MEMORY_DIFF, snapshot_files.MEMORY_RUNS)
+
+
+def exchange(a: Path, b: Path) -> None:
+    """Swap the directory entries ``a`` and ``b`` atomically."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fn = getattr(libc, "renameat2", None)
+    if fn is None:
+        raise SnapshotError("this C library has no renameat2: cannot swap a snapshot atomically")
+    if fn(AT_FDCWD, os.fsencode(a), AT_FDCWD, os.fsencode(b), RENAME_EXCHANGE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"swapping {a} and {b}: {os.strerror(err)}")
+
+
+def compact(snap_dir: Path) -> SnapshotFiles:
+    """Make the diff snapshot at ``snap_dir`` a full one with the same content.
+
+    A full snapshot is returned as it is. On failure the diff is left as it was
+    and the staging directory removed; a full disk is :class:`StorageFull`.
+    """
+    files = snapshot_files.load(snap_dir)
+    if not files.is_diff:
+        return files
+    staging = snap_dir.parent / f".{snap_dir.name}.partial-compact-{secrets.token_hex(3)}"
+    try:
+        staging.mkdir(mode=0o700)
+        meta = _write_full(files, staging)
+        exchange(staging, snap_dir)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise StorageFull(f"disk full while compacting {snap_dir.name}") from exc
+        if isinstance(exc, OSError):
+            raise SnapshotError(f"compacting {snap_dir.name} failed: {exc}") from exc
+        raise
+    _fsync(snap_dir.parent)
+    shutil.rmtree(staging, ignore_errors=True)  # the diff's files, now under the staging name
+    return SnapshotFiles(snap_dir, meta)
+
+
+def _write_full(files: SnapshotFiles, staging: Path) -> snapshot_files.SnapshotMeta:
+    out = os.open(staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with memory_diff.resolve(files) as chain:
+            copied = memory_diff.flatten(chain, out)
+        os.fsync(out)
+    finally:
+        os.close(out)
+    for path in files.dir.iterdir():
+        if path.is_file() and path.name not in _DIFF_FILES:
+            shutil.copyfile(path, staging / path.name)
+            (staging / path.name).chmod(0o600)
+    meta = dataclasses.replace(
+        files.meta,
+        mode="full",
+        base=None,
+        chain=(),
+        base_bytes_cloned=copied,
+        format=snapshot_files.FORMAT,
+    )
+    meta_path = snapshot_files.write_meta(staging, meta)
+    meta_path.chmod(0o600)
+    for path in (*staging.iterdir(), staging):
+        _fsync(path)
+    return meta
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,267 @@
+"""Branch modes over the real app with a fake VM driver: full, diff and live; the
+failure table in each mode, waiting or not; pending snapshots; compaction; the
+delete rules of diff chains (409, cascade, force); a restart with a branch pending."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from forkd.controller.app import create_app
+from forkd.controller.settings import Settings
+from tests.unit.conftest import TOKEN
+from tests.unit.fakes import FakeDriver
+
+MODES = ["full", "diff", "live"]
+
+
+def _fork(client: TestClient, tag: str) -> str:
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": tag})
+    assert r.status_code == 201, r.text
+    return str(r.json()[0]["id"])
+
+
+@pytest.fixture
+def sid(client: TestClient) -> str:
+    r = client.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
+    assert r.status_code == 201, r.text
+    return _fork(client, "base")
+
+
+def _branch(client: TestClient, sid: str, **body: Any) -> Any:
+    return client.post(f"/v1/sandboxes/{sid}/branch", json=body)
+
+
+def _settle(client: TestClient, tag: str, timeout: float = 5.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.get(f"/v1/snapshots/{tag}").json()
+        if info["status"] != "pending" or time.monotonic() > deadline:
+            return dict(info)
+        time.sleep(0.02)
+
+
+def _files(settings: Settings, tag: str) -> list[str]:
+    d = settings.snapshot_root / tag
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def _leftovers(settings: Settings) -> list[str]:
+    return [p.name for p in settings.snapshot_root.iterdir() if ".partial" in p.name]
+
+
+# ------------------------------------------------------------------ modes
+
+
+def test_diff_branch_stores_pages_and_a_base_reference_and_chains_grow(
+    client: TestClient, driver: FakeDriver, settings: Settings, sid: str
+) -> None:
+    r = _branch(client, sid, tag="d1", mode="diff")
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["mode"] == "diff" and info["base_tag"] == "base" and info["bootable"]
+    assert info["memory"].endswith("memory.diff")
+    assert _files(settings, "d1") == ["fake-guest.json", "memory.diff", "memory.runs",
+                                      "snapshot.json", "vmstate"]  # fmt: skip
+    assert driver.vms[-1].events[:2] == ["begin-diff", "pause"]
+    # A child of the diff, branched as a diff: depth 2, over d1.
+    child = _fork(client, "d1")
+    assert _branch(client, child, tag="d2", mode="diff").status_code == 201
+    detail = client.get("/v1/snapshots/d2/info").json()
+    assert detail["base_tag"] == "d1" and detail["diff_chain"] == ["d1", "base"]
+    assert client.get("/v1/snapshots/base/info").json()["diff_dependents"] == ["d1"]
+    assert client.get("/v1/snapshots/d1").json()["mode"] == "diff"
+    # A full branch of the same child is independent of the chain.
+    full = _branch(client, child, tag="f2").json()
+    assert full["mode"] == "full" and "base_tag" not in full
+
+
+def test_live_is_taken_as_full_and_recorded_so(client: TestClient, sid: str) -> None:
+    info = _branch(client, sid, tag="l1", mode="live").json()
+    assert info["mode"] == "full" and info["status"] == "ready" and "pause_ms" in info
+
+
+def test_diff_needs_the_registered_snapshot_its_memory_maps(
+    client: TestClient, driver: FakeDriver, sid: str
+) -> None:
+    assert client.delete("/v1/snapshots/base").status_code == 204  # children keep running
+    r = _branch(client, sid, tag="d1", mode="diff")
+    assert r.status_code == 409 and "mode full" in r.json()["error"]
+    assert driver.vms[-1].events == []  # nothing touched
+    assert _branch(client, sid, tag="f1", mode="full").status_code == 201
+
+
+def test_unknown_mode_is_400_before_anything(client: TestClient, sid: str) -> None:
+    r = _branch(client, sid, tag="x", mode="incremental")
+    assert r.status_code == 400 and "full, diff or live" in r.json()["error"]
+
+
+# ------------------------------------------------------------------ failure table
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("fail", "source_state", "kept"),
+    [
+        ("begin", "running", False),  # preparing fails before the pause
+        ("pause", "running", False),
+        ("capture", "running", False),  # snapshot write fails (disk full): source resumed
+        ("capture-kill", "dead", False),  # QEMU died during the snapshot
+        ("resume", "dead", True),  # resume fails after a good snapshot: branch kept
+    ],
+)
+@pytest.mark.parametrize("wait", [True, False])
+def test_failure_table_holds_in_every_mode(
+    client: TestClient, driver: FakeDriver, settings: Settings, sid: str,
+    mode: str, fail: str, source_state: str, kept: bool, wait: bool,
+) -> None:  # fmt: skip
+    vm = driver.vms[-1]
+    vm.fail = fail
+    r = _branch(client, sid, tag="b1", mode=mode, wait=wait)
+    if wait:
+        assert r.status_code == 500, r.text
+        error = r.json()["error"]
+    else:
+        assert r.status_code == 202 and r.json()["status"] == "pending"
+        info = _settle(client, "b1")
+        assert info["status"] == ("ready" if kept else "failed")
+        error = info["error"]
+    assert error and ("kept and valid" in error) == kept
+    assert client.get(f"/v1/sandboxes/{sid}").json()["state"] == source_state
+    assert not _leftovers(settings)
+    if kept:
+        info = client.get("/v1/snapshots/b1").json()
+        assert info["bootable"] and info["mode"] == ("diff" if mode == "diff" else "full")
+    elif wait:
+        assert client.get("/v1/snapshots/b1").status_code == 404 and _files(settings, "b1") == []
+    else:  # the failed record stays, with its error, until deleted; no files
+        assert _files(settings, "b1") == []
+        assert client.delete("/v1/snapshots/b1").status_code == 204
+    if fail in ("pause", "begin"):
+        assert "resume" not in vm.events  # never paused, or the stop did not go through
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_refusals_change_nothing_in_every_mode(
+    client: TestClient, driver: FakeDriver, settings: Settings, sid: str, mode: str
+) -> None:
+    vm = driver.vms[-1]
+    assert _branch(client, sid, tag="b1", mode=mode).status_code == 201
+    vm.events.clear()
+    assert _branch(client, sid, tag="b1", mode=mode, wait=False).status_code == 409
+    assert _branch(client, "sb-none-0001", tag="b2", mode=mode).status_code == 404
+    assert _branch(client, sid, tag="bad tag", mode=mode).status_code == 400
+    client.app.state.services.branches.in_flight = settings.branch_concurrency  # type: ignore[attr-defined]
+    assert _branch(client, sid, tag="b3", mode=mode, wait=False).status_code == 503
+    client.app.state.services.branches.in_flight = 0  # type: ignore[attr-defined]
+    assert vm.events == [] and client.get("/v1/snapshots/b3").status_code == 404
+
+
+# ------------------------------------------------------------------ wait false
+
+
+def test_pending_cannot_be_forked_or_deleted_until_it_settles(
+    client: TestClient, driver: FakeDriver, sid: str
+) -> None:
+    driver.vms[-1].capture_delay = 0.5
+    r = _branch(client, sid, tag="p1", mode="diff", wait=False)
+    assert r.status_code == 202 and r.json()["status"] == "pending" and not r.json()["bootable"]
+    assert client.get("/v1/snapshots/p1/info").json()["status"] == "pending"
+    fork = client.post("/v1/sandboxes", json={"snapshot_tag": "p1"})
+    assert fork.status_code == 409 and "pending" in fork.json()["error"]
+    assert client.delete("/v1/snapshots/p1").status_code == 409
+    assert client.delete("/v1/snapshots/base?cascade=true").status_code == 409
+    info = _settle(client, "p1")
+    assert info["status"] == "ready" and info["bootable"] and info["mode"] == "diff"
+    _fork(client, "p1")
+    assert client.delete("/v1/snapshots/p1").status_code == 204
+
+
+def test_a_restart_fails_pending_branches_and_removes_their_files(
+    settings: Settings, tmp_path: Path
+) -> None:
+    driver = FakeDriver()
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(settings, TOKEN, driver=driver), headers=headers) as c:
+        assert c.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128}).status_code == 201
+        sid = _fork(c, "base")
+        driver.vms[-1].capture_delay = 30.0  # still pending when the daemon stops
+        assert _branch(c, sid, tag="p1", wait=False).status_code == 202
+    with TestClient(create_app(settings, TOKEN, driver=FakeDriver()), headers=headers) as c:
+        info = c.get("/v1/snapshots/p1").json()
+        assert info["status"] == "failed" and "daemon stopped" in info["error"]
+        assert not _leftovers(settings) and _files(settings, "p1") == []
+        assert c.delete("/v1/snapshots/p1").status_code == 204
+
+
+# ------------------------------------------------------------------ compact and delete
+
+
+@pytest.fixture
+def chain(client: TestClient, sid: str) -> list[str]:
+    """base <- d1 <- d2 (diffs), each with a running child."""
+    assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
+    c1 = _fork(client, "d1")
+    assert _branch(client, c1, tag="d2", mode="diff").status_code == 201
+    _fork(client, "d2")
+    return ["base", "d1", "d2"]
+
+
+def test_compact_flattens_in_place_and_dependents_stay_bootable(
+    client: TestClient, settings: Settings, chain: list[str]
+) -> None:
+    ino = (settings.snapshot_root / "d1").stat().st_ino
+    r = client.post("/v1/snapshots/d1/compact")
+    assert r.status_code == 200, r.text
+    assert r.json()["mode"] == "full" and "base_tag" not in r.json()
+    assert _files(settings, "d1") == ["fake-guest.json", "memory.bin", "snapshot.json", "vmstate"]
+    assert (settings.snapshot_root / "d1").stat().st_ino != ino  # swapped, not rewritten
+    assert not _leftovers(settings)
+    d2 = client.get("/v1/snapshots/d2/info").json()
+    assert d2["bootable"] and d2["diff_chain"] == ["d1"]
+    _fork(client, "d2")
+    _fork(client, "d1")
+    # Compacting a full snapshot answers it as it is; the base is now deletable alone.
+    assert client.post("/v1/snapshots/base/compact").json()["mode"] == "full"
+    assert client.delete("/v1/snapshots/base").status_code == 204
+    assert client.get("/v1/snapshots/d2/info").json()["bootable"]
+
+
+def test_delete_with_dependents_is_409_naming_them(client: TestClient, chain: list[str]) -> None:
+    r = client.delete("/v1/snapshots/base")
+    assert r.status_code == 409 and "d1" in r.json()["error"]
+    r = client.delete("/v1/snapshots/d1")
+    assert r.status_code == 409 and "d2" in r.json()["error"]
+    assert client.delete("/v1/snapshots/d2").status_code == 204
+    assert client.delete("/v1/snapshots/d1").status_code == 204
+
+
+def test_cascade_deletes_dependents_deepest_first_and_children_keep_running(
+    client: TestClient, settings: Settings, chain: list[str]
+) -> None:
+    assert client.delete("/v1/snapshots/base?cascade=true").status_code == 204
+    assert [s["tag"] for s in client.get("/v1/snapshots").json()] == []
+    running = [s for s in client.get("/v1/sandboxes").json() if s["state"] == "running"]
+    assert len(running) == 3  # the forks of base, d1 and d2
+    assert not [p for p in settings.snapshot_root.iterdir() if not p.name.startswith(".")]
+
+
+def test_force_compacts_dependents_and_keeps_them(
+    client: TestClient, settings: Settings, chain: list[str]
+) -> None:
+    assert client.delete("/v1/snapshots/base?force=true").status_code == 204
+    d1 = client.get("/v1/snapshots/d1/info").json()
+    assert d1["mode"] == "full" and d1["bootable"] and "base_tag" not in d1
+    assert client.get("/v1/snapshots/d2/info").json()["diff_chain"] == ["d1"]
+    _fork(client, "d2")
+    r = client.delete("/v1/snapshots/d1?cascade=true&force=true")
+    assert r.status_code == 400
+
+
+def test_delete_query_values_are_checked(client: TestClient, chain: list[str]) -> None:
+    assert client.delete("/v1/snapshots/d2?cascade=maybe").status_code in (400, 422)
+    assert client.get("/v1/snapshots/d2").status_code == 200
