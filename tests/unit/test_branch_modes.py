@@ -265,3 +265,18 @@ def test_force_compacts_dependents_and_keeps_them(
 def test_delete_query_values_are_checked(client: TestClient, chain: list[str]) -> None:
     assert client.delete("/v1/snapshots/d2?cascade=maybe").status_code in (400, 422)
     assert client.get("/v1/snapshots/d2").status_code == 200
+
+
+def test_a_hibernated_sandbox_branches_as_a_diff_of_its_state_on_disk(
+    client: TestClient, settings: Settings, sid: str
+) -> None:
+    r = client.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True})
+    assert r.status_code == 200, r.text
+    info = _branch(client, sid, tag="h1", mode="diff").json()
+    assert info["mode"] == "diff" and info["base_tag"] == "base" and info["pause_ms"] == 0
+    assert "memory.bin" not in _files(settings, "h1")
+    _fork(client, "h1")
+    # Woken, it maps its hibernation state, not a registered snapshot: no diff.
+    assert client.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
+    r = _branch(client, sid, tag="h2", mode="diff")
+    assert r.status_code == 409 and "hibernation" in r.json()["error"]

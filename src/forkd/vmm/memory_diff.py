@@ -178,9 +178,10 @@ def resolve(files: SnapshotFiles) -> Chain:
     compaction that swapped ``files.dir`` since it was read is read again.
     """
     try:
-        return _resolve(files)
-    except FileNotFoundError:
-        return _resolve(snapshot_files.load(files.dir))
+        try:
+            return _resolve(files)
+        except FileNotFoundError:
+            return _resolve(snapshot_files.load(files.dir))
     except OSError as exc:
         raise SnapshotError(f"reading the memory of {files.dir} failed: {exc}") from exc
 
