@@ -322,10 +322,12 @@ class SnapshotService:
                     "delete them first, or pass cascade=true (delete them too) or "
                     "force=true (compact them into full snapshots and keep them)"
                 )
-            if cascade:
-                for dep in deps:
-                    if dep not in path and dep not in order:
-                        visit(self.fleet.snapshot_row(dep), (*path, dep))
+            for dep in deps:
+                drow = self.fleet.snapshot_row(dep)
+                if cascade and dep not in path and dep not in order:
+                    visit(drow, (*path, dep))
+                elif force and drow.status != "ready":  # to be compacted: must be whole
+                    raise Conflict(f"diff snapshot {dep!r} over {r.tag!r} is {drow.status}")
             order.append(r.tag)
 
         visit(row, (row.tag,))
