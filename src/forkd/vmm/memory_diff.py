@@ -31,7 +31,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkd.errors import SnapshotError
+from forkd.errors import SnapshotError, VMError
 from forkd.vmm import memory, snapshot_files
 from forkd.vmm.snapshot_files import SnapshotFiles
 
@@ -244,8 +244,11 @@ def apply(chain: Chain, pid: int) -> int:
     the pages written. Call before the guest runs (QEMU waiting for its state)."""
     if not chain.layers:
         return 0
-    region = memory.find_ram_region(pid, chain.root, chain.size, memory.inode_of(chain.root))
-    mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+    try:
+        region = memory.find_ram_region(pid, chain.root, chain.size, memory.inode_of(chain.root))
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+    except (OSError, LookupError) as exc:  # QEMU gone, or its RAM not mapped
+        raise VMError(f"cannot write the diff chain into QEMU {pid}: {exc}") from exc
     written = 0
     try:
         for layer, first, end in chain.newest_first_runs():
@@ -254,6 +257,8 @@ def apply(chain: Chain, pid: int) -> int:
                 data = _pread_all(layer.fd, (hi - lo) * PAGE, lo * PAGE, layer.dir)
                 memory._pwrite_all(mem, data, region.start + lo * PAGE)
                 written += hi - lo
+    except OSError as exc:
+        raise VMError(f"writing the diff chain into QEMU {pid} failed: {exc}") from exc
     finally:
         os.close(mem)
     return written
