@@ -283,13 +283,11 @@ class SnapshotService:
         problem = self.unbootable_reason(row)
         if problem is not None:
             raise Conflict(f"snapshot {row.tag!r} cannot be compacted: {problem}")
-        started = time.monotonic()
         try:
             await asyncio.to_thread(snapshot_compact.compact, Path(row.dir))
         except StorageFull as exc:
             raise StorageFull(f"compacting {row.tag!r}: {exc}") from exc
         self.fleet.store.update_snapshot(row.tag, mode="full", base_tag=None)
-        self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)
 
     async def delete(self, tag: str, cascade: bool = False, force: bool = False) -> None:
         """Delete ``tag``; with ``cascade`` the diff snapshots over it first (deepest first),
