@@ -8,6 +8,7 @@ processes of this machine.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import itertools
 import json
 import socket
@@ -287,6 +288,23 @@ def test_a_raw_read_sends_the_bytes_after_the_answer_and_sizes_in_the_chunks(
     assert (read["raw"], read["next_offset"], read["eof"]) == (b"ut\nerr\0x", 9, True)
 
 
+def test_a_raw_read_sends_one_chunk_for_a_run_of_reads_of_one_stream(
+    agent: AgentConnection,
+) -> None:
+    writer = (
+        "import sys, time\n"
+        "for i in range(3):\n"
+        "    sys.stdout.buffer.write(bytes([65 + i]) * 40000); sys.stdout.flush(); time.sleep(0.1)"
+    )
+    pid = agent.start([sys.executable, "-c", writer])
+    assert agent.output_until_eof(pid) == b"A" * 40000 + b"B" * 40000 + b"C" * 40000
+    read = agent.ok("proc_read", pid=pid, offset=100, max_bytes=1 << 20, raw=True)
+    assert [(c["stream"], c["offset"], c["size"]) for c in read["chunks"]] == [
+        ("stdout", 100, 119900)
+    ]
+    assert read["raw"] == (b"A" * 40000 + b"B" * 40000 + b"C" * 40000)[100:]
+
+
 def test_read_from_an_offset_cuts_the_chunk_it_falls_in(agent: AgentConnection) -> None:
     pid = agent.start("printf abcdefghij; exit 3")
     assert agent.output_until_eof(pid) == b"abcdefghij"
@@ -502,3 +520,43 @@ def test_only_the_64_most_recent_exited_processes_are_kept(fresh_agent: AgentCon
     assert [p["pid"] for p in listed] == pids[6:]
     assert fresh_agent.error_kind("proc_info", pid=pids[0]) == "ProcessLookupError"
     assert fresh_agent.ok("proc_info", pid=pids[6])["exit_code"] == 0
+
+
+# ----------------------------------------------------------------------------- the ring itself
+
+
+def _procs_module() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "forkd_procs_under_test", FILES / "forkd_procs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_ring_keeps_long_reads_as_they_came_and_merges_short_ones() -> None:
+    procs = _procs_module()
+    ring = procs.OutputRing(capacity=64 * 1024)
+    long_reads = [bytes([i]) * procs.SMALL_READ_BYTES for i in range(3)]
+    for data in long_reads:
+        ring.append("stdout", data)
+    for _ in range(100):
+        ring.append("stdout", b"0123456789")
+    ring.append("stderr", b"e")
+    chunks = ring._chunks[ring._first :]
+    assert [c.data is data for c, data in zip(chunks, long_reads, strict=False)] == [True] * 3
+    assert [(c.stream, c.offset, len(c.data)) for c in chunks[3:]] == [
+        ("stdout", 3 * procs.SMALL_READ_BYTES, 1000),
+        ("stderr", 3 * procs.SMALL_READ_BYTES + 1000, 1),
+    ]
+    pieces, next_offset, gap = ring.read(0, 1 << 20)
+    assert pieces[0].data is long_reads[0]  # a whole read is passed on without a copy
+    assert b"".join(p.data for p in pieces) == b"".join(long_reads) + b"0123456789" * 100 + b"e"
+    assert (next_offset, gap) == (ring.end, None)
+    for _ in range(20):  # 80 KiB more through a 64 KiB ring: the oldest go
+        ring.append("stdout", b"x" * procs.SMALL_READ_BYTES)
+    assert ring.end - ring.start <= 64 * 1024
+    pieces, next_offset, gap = ring.read(0, 1 << 20)
+    assert gap == (0, ring.start) and next_offset == ring.end

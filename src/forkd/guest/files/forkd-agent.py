@@ -636,6 +636,20 @@ def op_proc_info(req: dict[str, Any]) -> dict[str, Any]:
     return _proc_info(_process(req).status())
 
 
+_STREAM_BYTES = {"stdout": b"stdout", "stderr": b"stderr", "pty": b"pty"}
+
+
+def _runs(pieces: list[forkd_procs.OutputPiece]) -> list[list[forkd_procs.OutputPiece]]:
+    """``pieces`` in runs of one stream (each piece starts where the one before ended)."""
+    runs: list[list[forkd_procs.OutputPiece]] = []
+    for piece in pieces:
+        if runs and runs[-1][-1].stream == piece.stream:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+    return runs
+
+
 def op_proc_read(req: dict[str, Any]) -> EncodedJSON:
     offset = _int_param(req, "offset", 0, None)
     wait_s = _seconds_param(req, "wait_s", 0.0, MAX_PROC_WAIT_S)
@@ -651,15 +665,19 @@ def op_proc_read(req: dict[str, Any]) -> EncodedJSON:
     info = _proc_info(output.status)
     # Built by hand: json.dumps would walk every character of the base64 again,
     # which costs more than the base64 itself on a slow (TCG) guest. With "raw",
-    # the bytes follow the answer's line as they are, and chunks give their size.
+    # the bytes follow the answer's line as they are, and chunks give their size:
+    # one chunk for each run of one stream's pieces (the ring keeps each read apart).
     parts = [b'{"chunks":[']
-    for i, piece in enumerate(output.pieces):
-        head = json.dumps({"stream": piece.stream, "offset": piece.offset}, separators=(",", ":"))
-        parts += [b"," if i else b"", head[:-1].encode("ascii")]
+    for i, run in enumerate(_runs(output.pieces)):
+        parts += [
+            b"," if i else b"",
+            b'{"stream":"%s","offset":%d' % (_STREAM_BYTES[run[0].stream], run[0].offset),
+        ]
         if raw:
-            parts.append(b',"size":%d}' % len(piece.data))
+            parts.append(b',"size":%d}' % sum(len(piece.data) for piece in run))
         else:
-            parts += [b',"data":"', base64.b64encode(piece.data), b'"}']
+            data = b"".join(piece.data for piece in run)
+            parts += [b',"data":"', base64.b64encode(data), b'"}']
     rest = {
         "next_offset": output.next_offset,
         "gap": None if output.gap is None else {"from": output.gap[0], "to": output.gap[1]},

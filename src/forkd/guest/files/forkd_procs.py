@@ -33,8 +33,21 @@ RING_BYTES = 4 * 1024 * 1024  # output kept per process; the oldest is dropped f
 # Tiny writes alternating between stdout and stderr make one chunk each: bounding
 # the chunk count bounds the memory they take beside their bytes.
 RING_MAX_CHUNKS = 16384
-CHUNK_MERGE_BYTES = 64 * 1024  # consecutive reads of one stream grow one chunk up to this size
-READ_BYTES = 64 * 1024
+# Reads shorter than this are copied into a chunk that grows up to CHUNK_MERGE_BYTES
+# with the next short reads of its stream; longer ones are kept as they came, without
+# a copy (a copy costs on a TCG guest), so at most RING_BYTES / this of them.
+SMALL_READ_BYTES = 4 * 1024
+CHUNK_MERGE_BYTES = 64 * 1024
+READ_BYTES = 256 * 1024  # as big as the pipe: one read takes what a nap let in
+PIPE_BYTES = 256 * 1024  # each output pipe's size (the kernel's default is 64 KiB)
+# After a read of at least NAP_AFTER_BYTES (a writer in full flow), a reader thread
+# sleeps NAP_S before the next, so the pipe fills meanwhile: on a guest whose one
+# vCPU the writer keeps busy, each read, wakeup and switch between the writer and
+# the agent costs much, and fewer, larger reads leave more of it to the writer and
+# to the answers (under TCG: 8 reads a MiB instead of 25). Short output (a line,
+# an echo) is read at once, never held.
+NAP_AFTER_BYTES = SMALL_READ_BYTES
+NAP_S = 0.001
 MAX_RUNNING = 64
 MAX_EXITED_KEPT = 64
 # After the exit: how long output from leftover holders of the pipes (a background
@@ -44,6 +57,7 @@ STDIN_STALL_S = 5.0  # a stdin write returns what was taken once the process tak
 PTY_TERM = "xterm-256color"
 PTY_EOF = b"\x04"  # ^D: end of input at the start of a line, in canonical mode
 POLL_IDLE_S = 0.05  # a poll that reports no data and no end: do not spin
+WAKE_NONE = 1 << 62  # no reader waits
 
 
 Gap = tuple[int, int]  # a lost range of offsets: [from, to)
@@ -53,7 +67,7 @@ Gap = tuple[int, int]  # a lost range of offsets: [from, to)
 class _Chunk:
     stream: str
     offset: int
-    data: bytearray | bytes  # bytes: a whole read of a full chunk's size, kept without a copy
+    data: bytearray | bytes  # bytes: one read of SMALL_READ_BYTES or more, kept without a copy
 
 
 @dataclass(frozen=True)
@@ -83,17 +97,24 @@ class OutputRing:
 
     def append(self, stream: str, data: bytes) -> None:
         last = self._chunks[-1] if len(self._chunks) > self._first else None
-        if last is not None and last.stream == stream and len(last.data) < CHUNK_MERGE_BYTES:
+        if len(data) >= SMALL_READ_BYTES:
+            self._chunks.append(_Chunk(stream, self.end, data))
+        elif (
+            last is not None
+            and last.stream == stream
+            and isinstance(last.data, bytearray)
+            and len(last.data) < CHUNK_MERGE_BYTES
+        ):
             last.data += data
         else:
-            kept = data if len(data) >= CHUNK_MERGE_BYTES else bytearray(data)
-            self._chunks.append(_Chunk(stream, self.end, kept))
+            self._chunks.append(_Chunk(stream, self.end, bytearray(data)))
         self.end += len(data)
         self._held += len(data)
         self._drop_oldest()
 
     def _drop_oldest(self) -> None:
-        # Never the newest chunk: it is at most two reads long, far below the capacity.
+        # Never the newest chunk: it is at most one read or CHUNK_MERGE_BYTES and a
+        # short read long, far below the capacity.
         while self._held > self._capacity or len(self._chunks) - self._first > self._max_chunks:
             self._held -= len(self._chunks[self._first].data)
             self._first += 1
@@ -188,6 +209,10 @@ def _pipe_fds(spec: ProcessSpec) -> tuple[dict[str, int], list[int]]:
         out_read, out_write = os.pipe()
         opened += [out_read, out_write]
         err_read, err_write = os.pipe()
+        opened += [err_read, err_write]
+        for fd in (out_read, err_read):
+            with contextlib.suppress(OSError):  # over the system's limits: the default size
+                fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
     except BaseException:
         _close_fds(opened)
         raise
@@ -275,6 +300,9 @@ class BackgroundProcess:
         self._timed_out = False
         self._ended_at: float | None = None
         self._output_closed = False
+        # The end of output that a waiting reader needs: a reader thread wakes readers
+        # only once the output reaches it, not at each read (a switch each).
+        self._wake_at = 0
         self._stdin_lock = threading.Lock()  # one writer at a time; guards the fd below
         self._popen, fds = _spawn(spec)
         self.pid = self._popen.pid
@@ -339,12 +367,14 @@ class BackgroundProcess:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
+                self._wake_at = min(self._wake_at, offset + 1)
                 self._cond.wait(remaining)
             linger_end = time.monotonic() + linger_s
             while self._ring.end - offset < min_bytes and not self._output_closed:
                 remaining = linger_end - time.monotonic()
                 if remaining <= 0 or self._ring.end <= offset:
                     break
+                self._wake_at = min(self._wake_at, offset + min_bytes)
                 self._cond.wait(remaining)
             pieces, next_offset, gap = self._ring.read(offset, max_bytes)
             return OutputSlice(
@@ -377,7 +407,11 @@ class BackgroundProcess:
                 with self._cond:
                     if not self._output_closed:
                         self._ring.append(stream, data)
-                        self._cond.notify_all()
+                        if self._ring.end >= self._wake_at:
+                            self._wake_at = WAKE_NONE  # each woken reader sets it again
+                            self._cond.notify_all()
+                if len(data) >= NAP_AFTER_BYTES:
+                    time.sleep(NAP_S)
         finally:
             if not self.pty:  # the pty master stays open for stdin and resize until the reaper
                 os.close(fd)
