@@ -402,6 +402,13 @@ def test_shutdown_with_open_streams_does_not_hang(settings: Settings, driver: Fa
     assert isinstance(watch.error, ControllerError) and watch.error.status == 0
 
 
+def _sigint_default() -> None:
+    """In the child: Ctrl-C as in a terminal. A suite started in the background by a
+    shell (``./dev.sh test &``) ignores SIGINT, and an ignored SIGINT is inherited:
+    Python would then not turn it into KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_cli_prints_one_line_per_event_and_exits_0_on_ctrl_c(url: str, tmp_path: Path) -> None:
     token_file = tmp_path / "cli-token"
     token_file.write_text(TOKEN)
@@ -410,7 +417,8 @@ def test_cli_prints_one_line_per_event_and_exits_0_on_ctrl_c(url: str, tmp_path:
         ctl.create_snapshot("py", memory_mib=128)
         procs = [
             subprocess.Popen([sys.executable, "-m", "forkd.cli", "events", "--since", "0", *extra],
-                             env=env, stdout=subprocess.PIPE, text=True)
+                             env=env, stdout=subprocess.PIPE, text=True,
+                             preexec_fn=_sigint_default)
             for extra in ([], ["--json", "--type", "created"])
         ]  # fmt: skip
         sid = ctl.spawn_sandboxes("py")[0]["id"]
