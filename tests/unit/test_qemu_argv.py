@@ -67,6 +67,9 @@ def test_tcg_guests_are_told_the_tsc_rate(tmp_path: Path) -> None:
     assert host_tsc_khz(cpuinfo) == 2596122
     assert kernel_cmdline("tcg", 2596122).endswith(" tsc_early_khz=2596122")
     assert "tsc_early_khz" not in kernel_cmdline("kvm", 2596122)
+    # TCG runs rep movsb a byte at a time: the guest kernel must not copy with it.
+    assert "clearcpuid=erms" in kernel_cmdline("tcg", 2596122).split()
+    assert "clearcpuid" not in kernel_cmdline("kvm", 2596122)
     cfg = MachineConfig(**{**CFG.__dict__, "cmdline": kernel_cmdline("tcg", 1000)})
     argv = build_argv(cfg, RuntimePaths(Path("/run/vm-1")), ram_file=Path("/r"), incoming=False)
     assert argv[argv.index("-append") + 1].endswith("tsc_early_khz=1000")
