@@ -59,7 +59,7 @@ def compact(snap_dir: Path) -> SnapshotFiles:
         if isinstance(exc, OSError):
             raise SnapshotError(f"compacting {snap_dir.name} failed: {exc}") from exc
         raise
-    _fsync(snap_dir.parent)
+    snapshot_files.fsync_path(snap_dir.parent)
     shutil.rmtree(staging, ignore_errors=True)  # the diff's files, now under the staging name
     return SnapshotFiles(snap_dir, meta)
 
@@ -87,13 +87,5 @@ def _write_full(files: SnapshotFiles, staging: Path) -> snapshot_files.SnapshotM
     meta_path = snapshot_files.write_meta(staging, meta)
     meta_path.chmod(0o600)
     for path in (*staging.iterdir(), staging):
-        _fsync(path)
+        snapshot_files.fsync_path(path)
     return meta
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -66,10 +66,10 @@ def copy_snapshot(
         meta_path = snapshot_files.write_meta(staging, meta)
         for path in (staging / snapshot_files.VMSTATE, meta_path):
             path.chmod(0o600)
-            _fsync(path)
-        _fsync(staging)
+            snapshot_files.fsync_path(path)
+        snapshot_files.fsync_path(staging)
         staging.rename(dest)
-        _fsync(dest.parent)
+        snapshot_files.fsync_path(dest.parent)
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
@@ -116,11 +116,3 @@ def _copy_memory(src: Path, out: Path, size: int) -> None:
             os.close(out_fd)
     finally:
         os.close(src_fd)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

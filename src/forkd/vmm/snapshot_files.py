@@ -13,6 +13,7 @@ else in forkd parses ``snapshot.json``: it asks this module.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -253,6 +254,15 @@ def _check_files(snap_dir: Path, machine: MachineConfig, vmstate_bytes: Any, dif
     for path in (machine.vmlinuz, machine.initrd, machine.rootfs):
         if not path.is_file():
             raise SnapshotError(f"the snapshot's image file {path} is missing")
+
+
+def fsync_path(path: Path) -> None:
+    """Flush a file or a directory (a rename in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_meta(snap_dir: Path, meta: SnapshotMeta) -> Path:

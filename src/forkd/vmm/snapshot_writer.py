@@ -35,14 +35,6 @@ if TYPE_CHECKING:
 DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
 
@@ -210,9 +202,9 @@ class SnapshotWriter:
             for path in (self.staging / snapshot_files.VMSTATE, meta_path):
                 path.chmod(0o600)
             for path in (self.staging / snapshot_files.VMSTATE, meta_path, self.staging):
-                _fsync_path(path)
+                snapshot_files.fsync_path(path)
             self.staging.rename(self.dest)
-            _fsync_path(self.dest.parent)
+            snapshot_files.fsync_path(self.dest.parent)
             self._close_base()
         except BaseException as exc:
             await self.abort()

@@ -15,6 +15,7 @@ import contextlib
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -228,24 +229,24 @@ class SnapshotService:
 
     def _bases(self, row: SnapshotRow) -> list[str]:
         """A diff's bases in the registry, nearest first (empty for a full snapshot)."""
-        out: list[str] = []
-        base = row.base_tag
-        while base and base not in out:
-            out.append(base)
-            brow = self.fleet.store.get_snapshot(base)
-            base = brow.base_tag if brow else None
-        return out
+        return self._walk(row, lambda r: r.base_tag)
 
     def _diff_dependents(self, tag: str) -> list[str]:
         return [r.tag for r in self.fleet.store.list_snapshots() if r.base_tag == tag]
 
     def _ancestors(self, row: SnapshotRow) -> list[str]:
+        """Its lineage (parent_tag), nearest first."""
+        return self._walk(row, lambda r: r.parent_tag)
+
+    def _walk(self, row: SnapshotRow, up: Callable[[SnapshotRow], str | None]) -> list[str]:
+        """The tags from ``up(row)`` on, following ``up`` through the registry, nearest
+        first; a cycle or a tag no longer registered ends it."""
         out: list[str] = []
-        parent = row.parent_tag
-        while parent and parent not in out:
-            out.append(parent)
-            prow = self.fleet.store.get_snapshot(parent)
-            parent = prow.parent_tag if prow else None
+        tag = up(row)
+        while tag and tag not in out:
+            out.append(tag)
+            nxt = self.fleet.store.get_snapshot(tag)
+            tag = up(nxt) if nxt else None
         return out
 
     @staticmethod
