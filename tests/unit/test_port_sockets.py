@@ -81,9 +81,9 @@ def test_a_websocket_through_a_preview_url_needs_no_token(
 
 
 def _headers() -> dict[str, str]:
-    from forkd.client.port_routes import _upgrade_headers
+    from forkd.client.websockets import upgrade_headers
 
-    return _upgrade_headers()
+    return upgrade_headers()
 
 
 def test_a_websocket_to_a_port_nothing_listens_on_is_refused_with_a_502(sb: Sandbox) -> None:

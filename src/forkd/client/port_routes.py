@@ -8,10 +8,8 @@ listener whose every connection gets a tunnel of its own.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import queue
-import secrets
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -23,20 +21,9 @@ from httpx_ws import HTTPXWSException, WebSocketDisconnect, WebSocketSession
 
 from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
+from forkd.client.websockets import open_websocket, upgrade_headers
 
 READ_BYTES = 64 * 1024
-
-
-def _upgrade_headers(protocols: list[str] | None = None) -> dict[str, str]:
-    headers = {
-        "Connection": "Upgrade",
-        "Upgrade": "websocket",
-        "Sec-WebSocket-Key": base64.b64encode(secrets.token_bytes(16)).decode(),
-        "Sec-WebSocket-Version": "13",
-    }
-    if protocols:
-        headers["Sec-WebSocket-Protocol"] = ", ".join(protocols)
-    return headers
 
 
 class PortRoutes:
@@ -73,29 +60,18 @@ class PortRoutes:
     ) -> Iterator[WebSocketSession]:
         """A WebSocket to ``path`` on guest ``port``, through the proxy."""
         route = f"{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
-        with self._websocket(route, _upgrade_headers(subprotocols)) as ws:
+        with self._websocket(route, upgrade_headers(subprotocols)) as ws:
             yield ws
 
     @contextlib.contextmanager
     def open_tunnel(self, sandbox_id: str, port: int) -> Iterator[WebSocketSession]:
         """A raw TCP connection to guest ``port``: send and receive binary messages."""
         with self._websocket(f"{self._sb(sandbox_id)}/tunnels/{int(port)}",
-                             _upgrade_headers()) as ws:  # fmt: skip
+                             upgrade_headers()) as ws:  # fmt: skip
             yield ws
 
-    @contextlib.contextmanager
-    def _websocket(self, route: str, headers: dict[str, str]) -> Iterator[WebSocketSession]:
-        try:
-            with self._client.stream("GET", route, headers=headers,
-                                     timeout=self.timeout) as resp:  # fmt: skip
-                if resp.status_code != 101:
-                    resp.read()
-                    raise ControllerError.from_response(resp)
-                with WebSocketSession(resp.extensions["network_stream"], response=resp) as ws:
-                    yield ws
-        except httpx.TransportError as exc:
-            raise ControllerError(0, f"the WebSocket to the forkd daemon at {self.url} "
-                                  f"failed: {exc!r}") from exc  # fmt: skip
+    def _websocket(self, route: str, headers: dict[str, str]) -> Any:
+        return open_websocket(self._client, self.url, route, headers, timeout=self.timeout)
 
 
 def bridge(conn: socket.socket, ws: WebSocketSession) -> None:

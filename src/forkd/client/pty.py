@@ -10,11 +10,9 @@ client, or in a fork of the sandbox). The socket is the route
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import queue
-import secrets
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +26,7 @@ from httpx_ws import (
 )
 
 from forkd.client.errors import ControllerError
+from forkd.client.websockets import open_websocket, upgrade_headers
 
 if TYPE_CHECKING:
     from forkd.client.controller import Controller
@@ -50,26 +49,10 @@ def open_socket(controller: Controller, sandbox_id: str, pid: int, offset: int) 
     return _connect(controller, f"{controller._procs(sandbox_id, pid)}/pty", offset)
 
 
-@contextlib.contextmanager
-def _connect(controller: Controller, path: str, offset: int) -> Iterator[WebSocketSession]:
-    headers = {
-        "Connection": "Upgrade",
-        "Upgrade": "websocket",
-        "Sec-WebSocket-Key": base64.b64encode(secrets.token_bytes(16)).decode(),
-        "Sec-WebSocket-Version": "13",
-    }
-    client: httpx.Client = controller._client
-    try:
-        with client.stream("GET", path, params={"offset": offset}, headers=headers) as resp:
-            if resp.status_code != 101:
-                resp.read()
-                raise ControllerError.from_response(resp)
-            with WebSocketSession(resp.extensions["network_stream"], response=resp) as ws:
-                yield ws
-    except httpx.TransportError as exc:
-        raise ControllerError(
-            0, f"the terminal socket of the forkd daemon at {controller.url} failed: {exc!r}"
-        ) from exc
+def _connect(controller: Controller, path: str, offset: int) -> Any:
+    return open_websocket(
+        controller._client, controller.url, path, upgrade_headers(), params={"offset": offset}
+    )
 
 
 class PtyHandle:
