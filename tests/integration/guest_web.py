@@ -71,7 +71,10 @@ class Handler(BaseHTTPRequestHandler):
             name = self.server.name  # type: ignore[attr-defined]
             self._send(200, f"hello from {name} at {self.path}\n".encode(),
                        extra={"Keep-Alive": "timeout=5", "Connection": "keep-alive, X-Private",
-                              "X-Private": "hop"})  # fmt: skip
+                              "X-Private": "hop",
+                              # reaching past its prefix on a shared browser origin
+                              "Service-Worker-Allowed": "/",
+                              "Clear-Site-Data": '"*"'})  # fmt: skip
 
     def do_POST(self) -> None:
         length = self.headers.get("Content-Length")

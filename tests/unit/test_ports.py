@@ -57,6 +57,9 @@ def test_hop_by_hop_headers_are_dropped_both_ways_and_the_token_never_reaches_th
     assert sent["host"] == f"localhost:{GUEST_PORT}"
     answer = http.get(_url(sid, "/"))
     assert "x-private" not in answer.headers and "keep-alive" not in answer.headers
+    # A guest's page may not act on the daemon's whole origin (all previews share it).
+    assert "service-worker-allowed" not in answer.headers
+    assert "clear-site-data" not in answer.headers
 
 
 @pytest.mark.parametrize("chunked", [False, True])
@@ -177,6 +180,17 @@ def test_each_sandbox_has_a_cap_on_proxied_connections(
     while http.get(_url(sid)).status_code != 200:
         assert time.monotonic() < deadline, "the connection slot was never given back"
         time.sleep(0.05)
+
+
+def test_the_daemon_has_a_cap_on_proxied_connections_of_all_sandboxes(
+    http: httpx.Client, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(port_service, "MAX_CONNECTIONS", 1)
+    with http.stream("GET", _url(sid, "/drip?n=20")) as first:
+        assert first.status_code == 200
+        other = http.get(_url(sid))  # under the sandbox's cap, over the daemon's
+        assert other.status_code == 503 and "the most it keeps" in other.json()["error"]
+        first.read()
 
 
 def test_the_audit_log_records_proxied_requests(

@@ -133,6 +133,10 @@ def test_the_port_url_route_is_the_same_with_the_port_in_the_path(
     for port, body in ((0, {}), (65536, {}), (8888, {}), (GUEST_PORT, {"ttl_s": 0})):
         r = http.post(f"/v1/sandboxes/{sid}/ports/{port}/url", json=body)
         assert r.status_code == 400, (port, r.text)
+    # Under the proxy's prefix, but the daemon's route: its body is bounded like any JSON.
+    chunks = (b" " * (1 << 20) for _ in range(4))  # chunked: no length to refuse up front
+    r = http.post(f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/url", content=chunks)
+    assert r.status_code == 413, r.text
 
 
 def test_a_tampered_token_is_refused_and_never_reaches_a_guest(

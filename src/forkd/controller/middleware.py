@@ -24,6 +24,8 @@ _ID_IN_PATH = re.compile(r"^/v1/(sandboxes|snapshots)/([^/]+)")
 _FILE_UPLOAD = re.compile(r"^/v1/sandboxes/[^/]+/files$")
 # The guest port proxy (controller.port_proxy): bodies are the guest's, streamed both ways.
 _PROXIED = re.compile(r"^/v1/(sandboxes/[^/]+/ports/[^/]+/|preview/[^/]+/)")
+# The daemon's own route under the proxy's prefix: its body is JSON, read and bounded.
+_PORT_URL = re.compile(r"^/v1/sandboxes/[^/]+/ports/[^/]+/url$")
 # A preview URL's token is its credential: the route checks its HMAC, and the
 # audit log never records it.
 _PREVIEW = re.compile(r"^/v1/preview/([^/]+)/")
@@ -81,7 +83,9 @@ class GuardMiddleware:
             # The body is left unread; closing stops uvicorn draining it.
             await error_response(401, UNAUTHORIZED, close=True)(scope, receive, send)
             return
-        if _PROXIED.match(path):  # the daemon keeps none of it: a piece at a time
+        if _PROXIED.match(path) and not (
+            scope["method"] == "POST" and _PORT_URL.match(path)
+        ):  # the daemon keeps none of it: a piece at a time
             await self.app(scope, receive, send)
             return
         streamed = _is_streamed_upload(scope)

@@ -45,6 +45,11 @@ NOT_TO_GUEST = frozenset(
     ("authorization", "host", "forwarded", "x-forwarded-for", "x-forwarded-host",
      "x-forwarded-proto", "x-forwarded-prefix")
 )  # fmt: skip
+# Never passed from the guest to a browser: all sandboxes' previews share the daemon's
+# origin, and these would reach past the guest's own prefix. Service-Worker-Allowed
+# would let a guest's service worker control the whole origin (other sandboxes'
+# preview URLs, their tokens); Clear-Site-Data would wipe what the origin stores.
+NOT_FROM_GUEST = frozenset(("service-worker-allowed", "clear-site-data"))
 Port = Annotated[int, Path(ge=1, le=65535, description="a TCP port of the guest")]
 
 router = APIRouter(tags=["ports"])
@@ -78,13 +83,14 @@ def guest_headers(scope: Scope, port: int, prefix: str) -> list[tuple[bytes, byt
 
 
 def client_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """The guest's answer headers as the client gets them: no hop-by-hop headers."""
+    """The guest's answer headers as the client gets them: no hop-by-hop headers, none
+    that would act on the daemon's whole origin (``NOT_FROM_GUEST``)."""
     named_in_connection = {
         token.strip().lower().encode()
         for k, v in headers if k.lower() == b"connection"
         for token in v.decode("latin-1").split(",")
     }  # fmt: skip
-    drop = {h.encode() for h in HOP_BY_HOP} | named_in_connection
+    drop = {h.encode() for h in HOP_BY_HOP | NOT_FROM_GUEST} | named_in_connection
     return [(k, v) for k, v in headers if k.lower() not in drop]
 
 

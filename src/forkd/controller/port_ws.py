@@ -42,7 +42,8 @@ from forkd.controller.services.ports import GuestLink, parse_port
 from forkd.errors import ForkdError, GuestError
 
 TUNNEL_PATH = "/v1/sandboxes/{sandbox_id}/tunnels/{port}"
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024  # uvicorn's own bound on the client's side
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024  # a message either way (uvicorn: ws_max_size)
+WS_QUEUE = 1  # messages read ahead of the relay, either way (uvicorn: ws_max_queue)
 CLOSE_NORMAL = 1000
 CLOSE_GONE = 1001  # going away: the sandbox stopped
 APP_CLOSE_BASE = 4000  # a failure after the handshake: 4000 + its HTTP status
@@ -98,6 +99,7 @@ async def _proxy(websocket: WebSocket, sandbox_id: str, port: int, prefix: str,
                                         for k, v in headers if k != b"host"],
                     subprotocols=scope.get("subprotocols") or None, compression=None,
                     open_timeout=limits.PORT_HEAD_SECS, max_size=MAX_MESSAGE_BYTES,
+                    max_queue=WS_QUEUE,  # a client that does not read holds back the guest
                     user_agent_header=None,
                 )  # fmt: skip
             except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:

@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from forkd import paths
+from forkd.controller import port_ws
 from forkd.controller.app import create_app, end_streams
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.settings import Settings
@@ -256,6 +257,10 @@ def serve(
                 # X-Forwarded-For from a local client would otherwise stand for its
                 # address in the audit log and in what a guest's port sees.
                 proxy_headers=False,
+                # WebSockets (terminals, guest ports, tunnels): what the daemon holds of
+                # a peer that sends faster than the other side reads is bounded.
+                ws_max_size=port_ws.MAX_MESSAGE_BYTES,
+                ws_max_queue=port_ws.WS_QUEUE,
                 **where,  # type: ignore[arg-type]
             )
             Server(config).run(sockets=sockets)

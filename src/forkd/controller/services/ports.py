@@ -23,6 +23,7 @@ from forkd.errors import Busy, Forbidden, NotFound
 from forkd.vmm.guest_ports import check_guest_port
 
 MAX_CONNECTIONS_PER_SANDBOX = 64
+MAX_CONNECTIONS = 1024  # all sandboxes together: each holds two sockets and some buffer
 
 
 @dataclass
@@ -67,6 +68,9 @@ class PortService:
         if held >= MAX_CONNECTIONS_PER_SANDBOX:
             raise Busy(f"sandbox {sandbox_id!r} has {held} proxied connections open, the most "
                        "it may have: close some and retry")  # fmt: skip
+        if sum(self._open.values()) >= MAX_CONNECTIONS:
+            raise Busy(f"this daemon has {MAX_CONNECTIONS} proxied connections open, the most "
+                       "it keeps: retry shortly")  # fmt: skip
         self._open[sandbox_id] = held + 1
         try:
             host, host_port = await vm.guest_port_address(port)
