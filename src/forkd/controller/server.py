@@ -22,7 +22,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from forkd import paths
-from forkd.controller import port_ws
+from forkd.controller import log_redaction, port_ws
 from forkd.controller.app import create_app, end_streams
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.settings import Settings
@@ -263,6 +263,7 @@ def serve(
                 ws_max_queue=port_ws.WS_QUEUE,
                 **where,  # type: ignore[arg-type]
             )
+            log_redaction.install("uvicorn", "uvicorn.error", "uvicorn.access")  # set up by Config
             Server(config).run(sockets=sockets)
         finally:
             if sock is not None:
