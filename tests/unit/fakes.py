@@ -112,7 +112,8 @@ class FakeWriter:
             branched_from=labels.branched_from, parent_tag=labels.parent_tag,
             pause_ms=labels.pause_ms, volumes=tuple(vm.volumes),
             mode="diff" if self.base else "full", base=self.base,
-            chain=(self.base,) if self.base else (),
+            chain=(self.base,) if self.base else (), id=snapshot_files.new_id(),
+            parent_id=vm.origin_id,
         )  # fmt: skip
         snapshot_files.write_meta(self.staging, meta)
         self.staging.rename(self.dest)
@@ -128,6 +129,7 @@ class FakeVM:
         self.id = vm_id
         self.machine = machine
         self.origin: Path | None = None  # the snapshot directory it was forked from
+        self.origin_id: str | None = None  # and that snapshot's id
         self.rt = Runtime(run_root / vm_id)
         self.rt.dir.mkdir(parents=True, exist_ok=True)
         self.pid = os.getpid()  # never one a test would kill: lifecycle checks it is QEMU
@@ -197,6 +199,8 @@ class FakeVM:
             raise SnapshotError(f"{dest} already exists")
         if self.fail == "begin":
             raise SnapshotError("staging the snapshot failed")
+        if base is not None and (base.id is None or base.id != self.origin_id):
+            raise SnapshotError(f"{self.id} was not forked from {base.tag!r}: no diff over it")
         return FakeWriter(self, dest, base)
 
     async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
@@ -398,7 +402,7 @@ class FakeDriver:
         files = snapshot_files.load(snapshot_dir)
         guest = Guest.from_json(json.loads((snapshot_dir / GUEST_STATE).read_text()))
         vm = FakeVM(vm_id or f"vm-{len(self.vms)}", files.machine, run_root, guest)
-        vm.origin = snapshot_dir
+        vm.origin, vm.origin_id = snapshot_dir, files.meta.id
         vm.state = "incoming"
         vm.volumes = list(files.meta.volumes)
         self.vms.append(vm)

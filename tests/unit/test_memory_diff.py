@@ -6,6 +6,7 @@ test_memory_dump.py does: /proc/self/pagemap and /proc/self/mem stand for QEMU's
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 from pathlib import Path
@@ -176,3 +177,23 @@ def test_diff_of_a_file_over_its_base(tmp_path: Path, image_dir: Path) -> None:
         memory_diff.diff_of_file(tmp_path / "full.bin", chain, fd, tmp_path / "out.runs")
     os.close(fd)
     assert memory_diff.read_runs(tmp_path / "out.runs", NPAGES) == [(5, 6)]
+
+
+def test_a_base_made_again_under_the_same_tag_is_not_the_base(
+    tmp_path: Path, image_dir: Path
+) -> None:
+    root = _full(tmp_path, image_dir, "root", bytes(SIZE))
+    root_id = snapshot_files.load(root).meta.id
+    m = _map(root / "memory.bin")
+    m[1 * PAGE : 2 * PAGE] = b"\x01" * PAGE
+    _diff_of_mapping(m, root / "memory.bin", root, tmp_path / "d1", image_dir)
+    m.close()
+    meta = snapshot_files.load(tmp_path / "d1").meta
+    snapshot_files.write_meta(
+        tmp_path / "d1", dataclasses.replace(meta, base=BaseRef("root", str(root), root_id))
+    )
+    memory_diff.resolve(snapshot_files.load(tmp_path / "d1")).close()
+    # The tag deleted and made again: same tag, same directory, another snapshot.
+    snapshot_files.write_meta(root, dataclasses.replace(_meta(image_dir, "root"), id="new"))
+    with pytest.raises(SnapshotError, match="replaced by another snapshot"):
+        memory_diff.resolve(snapshot_files.load(tmp_path / "d1"))

@@ -29,7 +29,7 @@ SNAPSHOT_KEYS = [
 LABEL_KEYS = ["tag", "branched_from", "parent_tag", "pause_ms"]
 VM_KEYS = [
     "id", "pid", "qmp", "agent", "ram_file", "origin_snapshot", "machine", "image",
-    "started_at_unix", "volumes",
+    "started_at_unix", "volumes", "origin_id",
 ]  # fmt: skip
 MEMORY_MIB = 1
 
@@ -124,7 +124,8 @@ def test_older_records_with_unknown_or_missing_keys_still_read(image_dir: Path) 
 def test_load_returns_files_and_the_typed_record(tmp_path: Path, image_dir: Path) -> None:
     meta = _meta(image_dir, tag="t")
     snap = snapshot_files.load(_write_snapshot(tmp_path / "t", meta))
-    assert snap.meta == meta
+    assert snap.meta.id and snap.meta.id.startswith("legacy-")  # a record without an id
+    assert snap.meta == dataclasses.replace(meta, id=snap.meta.id)
     assert snap.machine == meta.machine
     assert snap.vmstate == tmp_path / "t" / "vmstate"
     assert snap.memory == tmp_path / "t" / "memory.bin"
@@ -241,7 +242,12 @@ def test_disk_full_at_commit_is_storage_full_and_leaves_nothing(
     tmp_path: Path, image_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     vm = SimpleNamespace(
-        id="vm-1", machine=_machine(image_dir), image=None, origin=None, volumes=[]
+        id="vm-1",
+        machine=_machine(image_dir),
+        image=None,
+        origin=None,
+        volumes=[],
+        origin_id=None,
     )
     dest = tmp_path / "snaps" / "full"
     dest.parent.mkdir()

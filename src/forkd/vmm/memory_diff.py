@@ -33,7 +33,7 @@ from pathlib import Path
 
 from forkd.errors import SnapshotError, VMError
 from forkd.vmm import memory, snapshot_files
-from forkd.vmm.snapshot_files import SnapshotFiles
+from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles
 
 PAGE = memory.PAGE
 RUNS_MAGIC = b"FKRUNS1\n"
@@ -204,10 +204,7 @@ def _resolve(files: SnapshotFiles) -> Chain:
                 raise SnapshotError(
                     f"base {base.tag!r} of {cur.dir.name} is unusable: {exc}"
                 ) from exc
-            if nxt.meta.tag not in (None, base.tag):
-                raise SnapshotError(
-                    f"base {base.tag!r} of {cur.dir.name} was replaced by {nxt.meta.tag!r}"
-                )
+            _check_base(cur, base, nxt)
             cur = nxt
         root_fd = os.open(cur.memory, os.O_RDONLY)
     except BaseException:
@@ -216,6 +213,19 @@ def _resolve(files: SnapshotFiles) -> Chain:
         raise
     layers.reverse()
     return Chain(cur.memory, root_fd, files.meta.memory_bytes, layers)
+
+
+def _check_base(cur: SnapshotFiles, base: BaseRef, found: SnapshotFiles) -> None:
+    """``found`` (at ``base.dir``) must be the snapshot ``cur`` was taken over: same tag,
+    and same id when ``cur`` recorded one (a tag deleted and made again is another)."""
+    if found.meta.tag not in (None, base.tag):
+        raise SnapshotError(
+            f"base {base.tag!r} of {cur.dir.name} was replaced by {found.meta.tag!r}"
+        )
+    if base.id is not None and found.meta.id != base.id:
+        raise SnapshotError(
+            f"base {base.tag!r} of {cur.dir.name} was replaced by another snapshot of that tag"
+        )
 
 
 def _open_layer(files: SnapshotFiles) -> Layer:

@@ -39,6 +39,7 @@ class VMRecord:
     volumes: tuple[Attachment, ...] = ()
     network: SandboxNet | None = None  # its namespace, when it has one
     cgroup: Group | None = None  # its cgroup, when the host has them
+    origin_id: str | None = None  # the id of the snapshot it was forked from
 
     def to_json(self) -> dict[str, Any]:
         data = {
@@ -52,6 +53,7 @@ class VMRecord:
             "image": image_json(self.image),
             "started_at_unix": self.started_at_unix,
             "volumes": [v.to_json() for v in self.volumes],
+            "origin_id": self.origin_id,
         }
         if self.network is not None:
             data["network"] = self.network.to_json()
@@ -76,6 +78,7 @@ class VMRecord:
             volumes=tuple(Attachment.from_json(v) for v in data.get("volumes") or []),
             network=SandboxNet.from_json(data["network"]) if data.get("network") else None,
             cgroup=Group.from_json(data.get("cgroup")),
+            origin_id=None if data.get("origin_id") is None else str(data["origin_id"]),
         )
 
 

@@ -61,6 +61,7 @@ def copy_snapshot(
             branched_from=labels.branched_from,
             parent_tag=labels.parent_tag,
             pause_ms=labels.pause_ms,
+            id=snapshot_files.new_id(),  # another snapshot: the compaction alone keeps an id
             **diff,  # type: ignore[arg-type]
         )
         meta_path = snapshot_files.write_meta(staging, meta)
@@ -81,6 +82,8 @@ def copy_snapshot(
 def _diff_memory(files: SnapshotFiles, staging: Path, base: BaseRef) -> dict[str, object]:
     """Write ``files``' memory as a diff over ``base`` into ``staging``; the record's fields."""
     base_files = snapshot_files.load(Path(base.dir))
+    if base.id is not None and base_files.meta.id != base.id:
+        raise SnapshotError(f"{base.tag!r} was replaced by another snapshot of that tag")
     if base_files.meta.memory_bytes != files.meta.memory_bytes:
         raise SnapshotError(f"{base.tag!r} has another memory size: no diff over it")
     out_fd = os.open(

@@ -12,8 +12,10 @@ else in forkd parses ``snapshot.json``: it asks this module.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,19 +64,28 @@ def image_json(image: ImageRef | None) -> dict[str, Any]:
     return image.to_json() if image is not None else {}
 
 
+def new_id() -> str:
+    """A new snapshot's id: what tells two snapshots that had the same tag apart."""
+    return secrets.token_hex(8)
+
+
 @dataclass(frozen=True)
 class BaseRef:
-    """A snapshot another one is a diff over: its tag and its directory."""
+    """A snapshot another one is a diff over: its tag, its directory and its id (``None``
+    in records written before snapshots had ids: then only the tag is checked)."""
 
     tag: str
     dir: str
+    id: str | None = None
 
     def to_json(self) -> dict[str, str]:
-        return {"tag": self.tag, "dir": self.dir}
+        data = {"tag": self.tag, "dir": self.dir}
+        return data if self.id is None else {**data, "id": self.id}
 
     @classmethod
     def from_json(cls, data: Any) -> BaseRef:
-        return cls(str(data["tag"]), str(data["dir"]))
+        sid = data.get("id")
+        return cls(str(data["tag"]), str(data["dir"]), None if sid is None else str(sid))
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,9 @@ class SnapshotMeta:
     mode: str = "full"  # "diff": only the pages that differ from ``base``
     base: BaseRef | None = None  # a diff's base snapshot
     chain: tuple[BaseRef, ...] = ()  # a diff's bases at the branch, the full root first
+    # Unique per snapshot: kept by a compaction (same content), new for a copy.
+    id: str | None = None
+    parent_id: str | None = None  # the id of the snapshot its VM was forked from
 
     @property
     def labels(self) -> SnapshotLabels:
@@ -137,6 +151,8 @@ class SnapshotMeta:
             "branched_from": self.branched_from,
             "parent_tag": self.parent_tag,
             "pause_ms": self.pause_ms,
+            "id": self.id,
+            "parent_id": self.parent_id,
         }
         data.update({k: v for k, v in labels.items() if v is not None})
         data["volumes"] = [v.to_json() for v in self.volumes]
@@ -175,6 +191,8 @@ class SnapshotMeta:
             mode=str(data.get("mode") or "full"),
             base=BaseRef.from_json(data["base"]) if data.get("base") else None,
             chain=tuple(BaseRef.from_json(link) for link in data.get("chain") or []),
+            id=_opt_str(data.get("id")),
+            parent_id=_opt_str(data.get("parent_id")),
         )
 
 
@@ -233,7 +251,15 @@ def load(snap_dir: Path) -> SnapshotFiles:
         raise SnapshotError(f"{meta_path} is corrupt: mode {meta.mode!r} with base {meta.base}")
     # The recorded size, when there is one: older records may lack it.
     _check_files(snap_dir, machine, raw.get("vmstate_bytes"), meta.mode == "diff")
+    if meta.id is None:
+        meta = dataclasses.replace(meta, id=legacy_id(meta_path, meta.created_at_unix))
     return SnapshotFiles(snap_dir, meta)
+
+
+def legacy_id(meta_path: Path, created_at_unix: int) -> str:
+    """The id of a snapshot recorded before ids: its ``snapshot.json``'s inode and its
+    creation time, stable while that file is (a compaction writes the id down)."""
+    return f"legacy-{meta_path.stat().st_ino:x}-{created_at_unix:x}"
 
 
 def _check_files(snap_dir: Path, machine: MachineConfig, vmstate_bytes: Any, diff: bool) -> None:

@@ -96,12 +96,17 @@ class SnapshotWriter:
     def _open_base(self, size: int) -> None:
         """Open the base's chain (held by descriptors: a compaction may swap its files)."""
         assert self.base is not None and self._mem_fd is not None
-        origin = self.vm.origin
-        if origin is None or os.path.realpath(origin) != os.path.realpath(self.base.dir):
-            raise SnapshotError(
-                f"{self.vm.id} was not forked from {self.base.tag!r}: no diff over it"
-            )
-        base_files = snapshot_files.load(Path(self.base.dir))
+        origin, base = self.vm.origin, self.base
+        if (
+            origin is None
+            or os.path.realpath(origin) != os.path.realpath(base.dir)
+            or base.id is None
+            or self.vm.origin_id != base.id
+        ):
+            raise SnapshotError(f"{self.vm.id} was not forked from {base.tag!r}: no diff over it")
+        base_files = snapshot_files.load(Path(base.dir))
+        if base_files.meta.id != base.id:  # its tag was deleted and made again
+            raise SnapshotError(f"{base.tag!r} was replaced since {self.vm.id} was forked from it")
         self._base_chain = memory_diff.resolve(base_files)
         self._base_links = (*base_files.meta.chain, self.base)
         os.ftruncate(self._mem_fd, size)
@@ -160,6 +165,8 @@ class SnapshotWriter:
             vmstate_bytes=(self.staging / snapshot_files.VMSTATE).stat().st_size,
             source_vm=vm.id,
             parent_snapshot=str(vm.origin) if vm.origin else None,
+            parent_id=vm.origin_id,
+            id=snapshot_files.new_id(),
             capture_ms=round(self.capture_ms or 0.0, 1),
             pages_written=self.stats.pages_written,
             base_bytes_cloned=self.stats.base_bytes_cloned,

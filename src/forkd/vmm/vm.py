@@ -98,6 +98,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         self.ram_inode = memory.inode_of(ram_file)
         self.image = image
         self.origin = origin  # snapshot directory this VM was forked from
+        self.origin_id: str | None = None  # and that snapshot's id (snapshot.json)
         self._proc = proc
         self.pid = pid
         self.qmp = QMPChannel(vm_id, rt.qmp)
@@ -256,11 +257,8 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             volume_mounts.remove_own_layers(attach)
             raise
         vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)
-        vm.volumes = attach
-        vm.net = net
-        vm.cgroup = group
-        vm.state = "incoming"
-        vm._incoming = snap
+        vm.volumes, vm.net, vm.cgroup, vm.origin_id = attach, net, group, snap.meta.id
+        vm.state, vm._incoming = "incoming", snap
         try:
             await vm._connect_qmp()  # QEMU has mapped guest RAM by now
             await asyncio.to_thread(memory_diff.apply, chain, vm.pid)
@@ -337,7 +335,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         vm = cls(
             rec.id, rt, rec.machine, rec.ram_file, rec.image, rec.origin_snapshot, None, rec.pid
         )
-        vm.started_at = rec.started_at_unix
+        vm.started_at, vm.origin_id = rec.started_at_unix, rec.origin_id
         vm.volumes = list(rec.volumes)
         vm.net = rec.network
         vm.cgroup = rec.cgroup  # QEMU stays in its group; kill() removes it
@@ -378,6 +376,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             agent=self.rt.agent,
             ram_file=self.ram_file,
             origin_snapshot=self.origin,
+            origin_id=self.origin_id,
             machine=self.machine,
             image=self.image,
             started_at_unix=self.started_at,

@@ -75,20 +75,22 @@ class BranchService:
         return self.snapshots.info(tag)
 
     def _diff_base(self, row: SandboxRow, vm: Any) -> BaseRef:
-        """The snapshot a diff of this sandbox is over: the registered one its memory maps."""
+        """The snapshot a diff of this sandbox is over: the registered one its memory maps,
+        the same snapshot (its id), not only one of the same tag. A hibernated sandbox's
+        whole memory is on disk: its diff is over whatever its snapshot's tag holds."""
         brow = self.fleet.store.get_snapshot(row.snapshot_tag)
-        origin = getattr(vm, "origin", None) if vm is not None else None
-        mapped = vm is None or (
-            origin is not None and brow is not None
-            and os.path.realpath(origin) == os.path.realpath(brow.dir)
-        )  # fmt: skip
-        if brow is None or brow.status != "ready" or not mapped:
+        files = _loaded(brow) if brow is not None and brow.status == "ready" else None
+        mapped = files is not None and (vm is None or (
+            vm.origin is not None and files.meta.id == vm.origin_id
+            and os.path.realpath(vm.origin) == os.path.realpath(files.dir)
+        ))  # fmt: skip
+        if brow is None or files is None or not mapped:
             raise Conflict(
                 f"sandbox {row.id!r} has no registered snapshot to be a diff over (its snapshot "
                 f"{row.snapshot_tag!r} was deleted, replaced, or it was resumed from "
                 "hibernation): branch it with mode full"
             )
-        return BaseRef(brow.tag, brow.dir)
+        return BaseRef(brow.tag, brow.dir, files.meta.id)
 
     @contextlib.contextmanager
     def _counted(self, base: BaseRef | None) -> Any:
@@ -212,3 +214,11 @@ class BranchService:
         except SnapshotError:
             return
         self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
+
+
+def _loaded(row: SnapshotRow) -> snapshot_files.SnapshotFiles | None:
+    """The snapshot's files and record; ``None`` when they are unreadable."""
+    try:
+        return snapshot_files.load(Path(row.dir))
+    except SnapshotError:
+        return None

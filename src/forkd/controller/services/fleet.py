@@ -133,6 +133,12 @@ class Fleet:
             raise Conflict(f"a snapshot named {tag!r} is being created")
         if self.store.get_snapshot(tag) is not None or (self.settings.snapshot_root / tag).exists():
             raise Conflict(f"snapshot {tag!r} already exists")
+        over = [r.tag for r in self.store.list_snapshots() if r.base_tag == tag]
+        if over:  # a new snapshot of that tag would not be what they are diffs over
+            raise Conflict(
+                f"snapshot {tag!r} was deleted but diff snapshots {', '.join(over)} are still "
+                "recorded over it: delete them first"
+            )
         self._tags_in_flight.add(tag)
         try:
             yield tag

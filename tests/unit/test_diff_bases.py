@@ -1,0 +1,119 @@
+"""What a diff snapshot is over, over the real app with a fake VM driver: the base is
+one snapshot (its id), not a tag; a base being deleted takes no new diff; the
+depth of a chain is capped; a hibernated sandbox's state is not discarded under a
+branch copying it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from forkd.controller.settings import Settings
+from forkd.vmm import snapshot_files
+from tests.unit.fakes import FakeDriver
+
+
+def _fork(client: TestClient, tag: str) -> str:
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": tag})
+    assert r.status_code == 201, r.text
+    return str(r.json()[0]["id"])
+
+
+def _branch(client: TestClient, sid: str, **body: Any) -> Any:
+    return client.post(f"/v1/sandboxes/{sid}/branch", json=body)
+
+
+def _services(client: TestClient) -> Any:
+    return client.app.state.services  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def sid(client: TestClient) -> str:
+    r = client.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
+    assert r.status_code == 201, r.text
+    return _fork(client, "base")
+
+
+def _meta(settings: Settings, tag: str) -> dict[str, Any]:
+    return dict(json.loads((settings.snapshot_root / tag / "snapshot.json").read_text()))
+
+
+# ------------------------------------------------------------------ identity
+
+
+def test_a_diff_is_never_over_another_snapshot_of_the_same_tag(
+    client: TestClient, driver: FakeDriver, settings: Settings, sid: str
+) -> None:
+    old_id = _meta(settings, "base")["id"]
+    assert client.delete("/v1/snapshots/base").status_code == 204  # its child runs on
+    assert client.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128}).status_code == 201
+    assert _meta(settings, "base")["id"] != old_id
+    r = _branch(client, sid, tag="d1", mode="diff")
+    assert r.status_code == 409 and "mode full" in r.json()["error"]
+    assert driver.vms[1].events == []  # the source was never touched
+    # A child of the new one is over it; the diff names its base's id.
+    d1 = _branch(client, _fork(client, "base"), tag="d1", mode="diff")
+    assert d1.status_code == 201, d1.text
+    assert _meta(settings, "d1")["base"]["id"] == _meta(settings, "base")["id"]
+
+
+def test_a_tag_diffs_are_still_recorded_over_cannot_be_made_again(
+    client: TestClient, settings: Settings, sid: str
+) -> None:
+    assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
+    # The base gone behind the daemon's back (a crash, a race): d1 still names it.
+    _services(client).fleet.store.delete_snapshot("base")
+    (settings.snapshot_root / "base").rename(settings.snapshot_root / ".base-gone")
+    r = client.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
+    assert r.status_code == 409 and "d1" in r.json()["error"]
+    r = _branch(client, sid, tag="base", mode="full")
+    assert r.status_code == 409 and "d1" in r.json()["error"]
+
+
+def test_the_vm_record_and_snapshots_carry_the_ids(
+    client: TestClient, driver: FakeDriver, settings: Settings, sid: str
+) -> None:
+    base_id = _meta(settings, "base")["id"]
+    assert driver.vms[1].origin_id == base_id
+    assert _branch(client, sid, tag="f1", mode="full").status_code == 201
+    f1 = _meta(settings, "f1")
+    assert f1["parent_id"] == base_id and f1["id"] not in (None, base_id)
+    assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
+    d1 = _meta(settings, "d1")
+    assert d1["base"]["id"] == base_id and d1["chain"][-1]["id"] == base_id
+    assert client.post("/v1/snapshots/d1/compact").status_code == 200
+    assert "mode" not in _meta(settings, "d1") and _meta(settings, "d1")["id"] == d1["id"]
+
+
+def test_vm_record_round_trips_origin_id(tmp_path: Path) -> None:
+    from forkd.vmm import runtime_meta
+    from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
+
+    machine = MachineConfig(128, 1, "tcg", tmp_path / "k", tmp_path / "i", tmp_path / "r")
+    rt = RuntimePaths(tmp_path)
+    rec = runtime_meta.VMRecord("vm-1", 1, rt.qmp, rt.agent, tmp_path / "m", tmp_path / "s",
+                                machine, None, 1.0, origin_id="abc")  # fmt: skip
+    runtime_meta.write(rt, rec)
+    assert runtime_meta.read(rt).origin_id == "abc"
+    data = json.loads(rt.meta.read_text())
+    del data["origin_id"]  # a VM started by an older forkd: no id, so no diff over anything
+    rt.meta.write_text(json.dumps(data))
+    assert runtime_meta.read(rt).origin_id is None
+
+
+def test_legacy_snapshots_get_a_stable_id_that_compaction_keeps(
+    client: TestClient, settings: Settings, sid: str
+) -> None:
+    assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
+    path = settings.snapshot_root / "d1" / "snapshot.json"
+    data = json.loads(path.read_text())
+    del data["id"]
+    path.write_text(json.dumps(data))
+    legacy = snapshot_files.load(settings.snapshot_root / "d1").meta.id
+    assert legacy and legacy == snapshot_files.load(settings.snapshot_root / "d1").meta.id
+    assert client.post("/v1/snapshots/d1/compact").status_code == 200
+    assert _meta(settings, "d1")["id"] == legacy  # written down by the compaction
