@@ -117,3 +117,54 @@ def test_legacy_snapshots_get_a_stable_id_that_compaction_keeps(
     assert legacy and legacy == snapshot_files.load(settings.snapshot_root / "d1").meta.id
     assert client.post("/v1/snapshots/d1/compact").status_code == 200
     assert _meta(settings, "d1")["id"] == legacy  # written down by the compaction
+
+
+# ------------------------------------------------------------------ deletes
+
+
+def test_no_diff_branch_over_a_base_a_delete_is_removing(
+    client: TestClient, settings: Settings, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from forkd.vmm import snapshot_compact
+
+    assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
+    real = snapshot_compact.compact
+
+    def slow(d: Path) -> Any:
+        time.sleep(0.6)  # the delete awaits this compaction of d1
+        return real(d)
+
+    monkeypatch.setattr(snapshot_compact, "compact", slow)
+    out: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: out.update(d=client.delete("/v1/snapshots/base?force=true"))
+    )
+    t.start()
+    time.sleep(0.2)
+    r = _branch(client, sid, tag="d2", mode="diff")
+    t.join()
+    assert out["d"].status_code == 204
+    assert r.status_code == 409 and "being deleted" in r.json()["error"]
+    assert client.get("/v1/snapshots/d2").status_code == 404
+    assert client.get("/v1/snapshots/d1").json()["mode"] == "full"
+    assert not _services(client).snapshots.deleting  # given back
+
+
+def test_a_delete_checks_again_just_before_the_files_go(
+    client: TestClient, settings: Settings, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    snaps = _services(client).snapshots
+    real = snaps.fleet.pool.drop
+
+    async def drop(d: Path) -> None:
+        await real(d)
+        snaps.bases_in_use["base"] += 1  # a diff branch that slipped in meanwhile
+
+    monkeypatch.setattr(snaps.fleet.pool, "drop", drop)
+    r = client.delete("/v1/snapshots/base")
+    assert r.status_code == 409 and "being written" in r.json()["error"]
+    assert (settings.snapshot_root / "base" / "snapshot.json").is_file()
+    assert client.get("/v1/snapshots/base").json()["status"] == "ready"

@@ -79,6 +79,8 @@ class BranchService:
         the same snapshot (its id), not only one of the same tag. A hibernated sandbox's
         whole memory is on disk: its diff is over whatever its snapshot's tag holds."""
         brow = self.fleet.store.get_snapshot(row.snapshot_tag)
+        if brow is not None and brow.tag in self.snapshots.deleting:
+            raise Conflict(f"snapshot {brow.tag!r} is being deleted: branch with mode full")
         files = _loaded(brow) if brow is not None and brow.status == "ready" else None
         mapped = files is not None and (vm is None or (
             vm.origin is not None and files.meta.id == vm.origin_id

@@ -85,6 +85,8 @@ class SnapshotService:
         self.root = fleet.settings.snapshot_root
         # Tags that a diff branch in flight is written over: not deletable meanwhile.
         self.bases_in_use: collections.Counter[str] = collections.Counter()
+        # Tags a delete has checked and is removing: no new diff over them (409).
+        self.deleting: set[str] = set()
         # Compaction and deletion change files under the root: one at a time.
         self._disk_lock = asyncio.Lock()
 
@@ -298,11 +300,15 @@ class SnapshotService:
             raise Invalid("cascade and force exclude each other: delete dependents or keep them")
         async with self._disk_lock:
             order = self._deletion_order(self.fleet.snapshot_row(tag), cascade, force)
-            if force:
-                for dep in self._diff_dependents(tag):
-                    await self._compact_locked(self.fleet.snapshot_row(dep))
-            for victim in order:
-                await self._delete_one(victim)
+            self.deleting.update(order)  # before any await: no diff branch over them now
+            try:
+                if force:
+                    for dep in self._diff_dependents(tag):
+                        await self._compact_locked(self.fleet.snapshot_row(dep))
+                for victim in order:
+                    await self._delete_one(victim)
+            finally:
+                self.deleting.difference_update(order)
 
     def _deletion_order(self, row: SnapshotRow, cascade: bool, force: bool) -> list[str]:
         """``row``'s tag last, after its diff dependents (all of them, deepest first) when
@@ -336,6 +342,12 @@ class SnapshotService:
         row = self.fleet.snapshot_row(tag)
         d = Path(row.dir)
         await self.fleet.pool.drop(d)
+        # Checked again after the awaits, just before the files go.
+        if self.bases_in_use[tag]:
+            raise Conflict(f"a diff branch over snapshot {tag!r} is being written; retry")
+        deps = self._diff_dependents(tag)
+        if deps:
+            raise Conflict(f"snapshot {tag!r} is the base of diff snapshots {', '.join(deps)}")
         # Out of the way first (a crash leaves a staging name that start-up
         # removes), then unregistered, then deleted. Running children keep
         # their mapping of memory.bin; only the directory entry goes.
