@@ -197,3 +197,37 @@ def test_a_base_made_again_under_the_same_tag_is_not_the_base(
     snapshot_files.write_meta(root, dataclasses.replace(_meta(image_dir, "root"), id="new"))
     with pytest.raises(SnapshotError, match="replaced by another snapshot"):
         memory_diff.resolve(snapshot_files.load(tmp_path / "d1"))
+
+
+def test_a_compaction_landing_inside_resolve_is_read_again(
+    tmp_path: Path, image_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.vmm import snapshot_compact
+
+    root = _full(tmp_path, image_dir, "root", bytes(SIZE))
+    m = _map(root / "memory.bin")
+    m[3 * PAGE : 4 * PAGE] = b"\x07" * PAGE
+    _diff_of_mapping(m, root / "memory.bin", root, tmp_path / "d1", image_dir)
+    m.close()
+    files = snapshot_files.load(tmp_path / "d1")
+    real = memory_diff.read_runs
+
+    def racing(path: Path, npages: int) -> list[tuple[int, int]]:
+        if path.parent == tmp_path / "d1" and files.is_diff and not racing.done:  # type: ignore[attr-defined]
+            racing.done = True  # type: ignore[attr-defined]
+            snapshot_compact.compact(tmp_path / "d1")  # memory.diff is open, memory.runs gone
+        return real(path, npages)
+
+    racing.done = False  # type: ignore[attr-defined]
+    monkeypatch.setattr(memory_diff, "read_runs", racing)
+    with memory_diff.resolve(files) as chain:  # the diff it was given is a full one now
+        assert chain.layers == [] and chain.read(3, 4) == b"\x07" * PAGE
+    # A damaged index with nothing moved is not read again: the error stands.
+    monkeypatch.setattr(memory_diff, "read_runs", real)
+    d2 = tmp_path / "d2"
+    m = _map(root / "memory.bin")
+    _diff_of_mapping(m, root / "memory.bin", root, d2, image_dir)
+    m.close()
+    (d2 / "memory.runs").write_bytes(b"junk")
+    with pytest.raises(SnapshotError, match="corrupt"):
+        memory_diff.resolve(snapshot_files.load(d2))

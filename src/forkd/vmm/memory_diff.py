@@ -175,18 +175,33 @@ def resolve(files: SnapshotFiles) -> Chain:
 
     :class:`SnapshotError` names the snapshot whose base is missing, replaced
     (its tag differs) or damaged, or a chain deeper than ``MAX_CHAIN``. A
-    compaction that swapped ``files.dir`` since it was read is read again.
+    compaction that swapped ``files.dir`` (or a level under it) while it was read is
+    read again, once: a file missing, or an error after a level's directory changed.
     """
+    visited: dict[Path, int] = {}
     try:
         try:
-            return _resolve(files)
-        except FileNotFoundError:
-            return _resolve(snapshot_files.load(files.dir))
+            return _resolve(files, visited)
+        except (FileNotFoundError, SnapshotError) as exc:
+            if isinstance(exc, SnapshotError) and not _moved(visited):
+                raise
+            return _resolve(snapshot_files.load(files.dir), {})
     except OSError as exc:
         raise SnapshotError(f"reading the memory of {files.dir} failed: {exc}") from exc
 
 
-def _resolve(files: SnapshotFiles) -> Chain:
+def _moved(visited: dict[Path, int]) -> bool:
+    """Whether a directory read is no longer the one it was (swapped, or gone)."""
+    for d, ino in visited.items():
+        try:
+            if os.stat(d).st_ino != ino:
+                return True
+        except OSError:
+            return True
+    return False
+
+
+def _resolve(files: SnapshotFiles, visited: dict[Path, int]) -> Chain:
     layers: list[Layer] = []
     seen: set[Path] = set()
     cur = files
@@ -195,6 +210,7 @@ def _resolve(files: SnapshotFiles) -> Chain:
             if cur.dir in seen or len(seen) >= MAX_CHAIN:
                 raise SnapshotError(f"the diff chain under {files.dir} loops or is too deep")
             seen.add(cur.dir)
+            visited[cur.dir] = os.stat(cur.dir).st_ino
             layers.append(_open_layer(cur))
             base = cur.meta.base
             assert base is not None  # load() checks a diff names its base
