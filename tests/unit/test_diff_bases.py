@@ -168,3 +168,28 @@ def test_a_delete_checks_again_just_before_the_files_go(
     assert r.status_code == 409 and "being written" in r.json()["error"]
     assert (settings.snapshot_root / "base" / "snapshot.json").is_file()
     assert client.get("/v1/snapshots/base").json()["status"] == "ready"
+
+
+def test_a_restart_takes_mode_and_base_from_snapshot_json(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.controller.app import create_app
+    from forkd.controller.store import Store
+    from tests.unit.conftest import TOKEN
+
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    with TestClient(create_app(settings, TOKEN, driver=FakeDriver()), headers=headers) as c:
+        assert c.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128}).status_code == 201
+        assert _branch(c, _fork(c, "base"), tag="d1", mode="diff").status_code == 201
+        # A crash between the compaction's swap and its registry update.
+        real, lost = Store.update_snapshot, [True]
+        monkeypatch.setattr(
+            Store, "update_snapshot", lambda *a, **k: None if lost[0] else real(*a, **k)
+        )
+        assert c.post("/v1/snapshots/d1/compact").status_code == 200
+        assert c.get("/v1/snapshots/d1").json()["mode"] == "diff"
+        lost[0] = False
+    with TestClient(create_app(settings, TOKEN, driver=FakeDriver()), headers=headers) as c:
+        info = c.get("/v1/snapshots/d1").json()
+        assert info["mode"] == "full" and "base_tag" not in info
+        assert c.delete("/v1/snapshots/base").status_code == 204  # no dependent left

@@ -99,6 +99,7 @@ class Lifecycle:
                 store.update_snapshot(
                     row.tag, status="failed", error="the daemon stopped before the branch finished"
                 )
+        self._refresh_modes()
         kept = {r.id for r in store.list_sandboxes() if r.state != "dead"}
         for sid in self.fleet.hibernated.sleepers() - kept:
             log.info("removing the hibernated state of sandbox %s, which is gone", sid)
@@ -117,6 +118,22 @@ class Lifecycle:
             log.info("registering snapshot %s found on disk", d.name)
             with contextlib.suppress(sqlite3.IntegrityError):
                 store.add_snapshot(snapshot_row(d.name, files))
+
+    def _refresh_modes(self) -> None:
+        """Each ready row's mode and base as its ``snapshot.json`` says: a crash between a
+        compaction's swap and its registry update leaves the row saying diff."""
+        store = self.fleet.store
+        for row in store.list_snapshots():
+            if row.status != "ready":
+                continue
+            try:
+                meta = snapshot_files.load(Path(row.dir)).meta
+            except SnapshotError:
+                continue  # shown broken, as it is
+            base_tag = meta.base.tag if meta.base else None
+            if (row.mode, row.base_tag) != (meta.mode, base_tag):
+                log.info("snapshot %s is %s on disk: registry updated", row.tag, meta.mode)
+                store.update_snapshot(row.tag, mode=meta.mode, base_tag=base_tag)
 
     async def adopt_sandboxes(self) -> None:
         fleet = self.fleet
