@@ -44,6 +44,9 @@ PORT_HEAD_SECS = 60.0  # a proxied request's answer head, once its body was sent
 MAX_FORK_N = 1000
 MAX_SETUP_COMMANDS = 100
 MAX_VOLUMES_PER_VM = 8
+# Diff layers over a full snapshot that a fork resolves; a deeper diff branch is a 409
+# (compact the chain first). Deeper on disk: the chain is called broken (a loop).
+MAX_DIFF_DEPTH = 64
 # Labels (``metadata``) on snapshots and sandboxes, filtered on by the list routes.
 MAX_METADATA_PAIRS = 64
 METADATA_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"

@@ -193,3 +193,23 @@ def test_a_restart_takes_mode_and_base_from_snapshot_json(
         info = c.get("/v1/snapshots/d1").json()
         assert info["mode"] == "full" and "base_tag" not in info
         assert c.delete("/v1/snapshots/base").status_code == 204  # no dependent left
+
+
+# ------------------------------------------------------------------ depth
+
+
+def test_a_diff_deeper_than_the_cap_is_409_compact_first(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch, sid: str
+) -> None:
+    from forkd import limits
+
+    monkeypatch.setattr(limits, "MAX_DIFF_DEPTH", 2)
+    assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
+    c1 = _fork(client, "d1")
+    assert _branch(client, c1, tag="d2", mode="diff").status_code == 201
+    c2 = _fork(client, "d2")
+    r = _branch(client, c2, tag="d3", mode="diff")
+    assert r.status_code == 409 and "compact 'd2' first" in r.json()["error"]
+    assert _branch(client, c2, tag="f3", mode="full").status_code == 201
+    assert client.post("/v1/snapshots/d2/compact").status_code == 200
+    assert _branch(client, _fork(client, "d2"), tag="d3", mode="diff").status_code == 201

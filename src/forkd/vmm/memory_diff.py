@@ -31,6 +31,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from forkd import limits
 from forkd.errors import SnapshotError, VMError
 from forkd.vmm import memory, snapshot_files
 from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles
@@ -39,7 +40,6 @@ PAGE = memory.PAGE
 RUNS_MAGIC = b"FKRUNS1\n"
 _HEADER = struct.Struct("<8sQQ")  # magic, page size, number of runs
 _RUN = struct.Struct("<QQ")  # first page, end page (exclusive)
-MAX_CHAIN = 64  # bases followed before a chain is called a loop
 CHUNK_PAGES = memory.MAX_RUN_BYTES // PAGE
 
 
@@ -174,7 +174,7 @@ def resolve(files: SnapshotFiles) -> Chain:
     """Open the chain under ``files``: follow base references down to a full snapshot.
 
     :class:`SnapshotError` names the snapshot whose base is missing, replaced
-    (its tag differs) or damaged, or a chain deeper than ``MAX_CHAIN``. A
+    (its tag differs) or damaged, or a chain deeper than ``limits.MAX_DIFF_DEPTH``. A
     compaction that swapped ``files.dir`` (or a level under it) while it was read is
     read again, once: a file missing, or an error after a level's directory changed.
     """
@@ -207,7 +207,7 @@ def _resolve(files: SnapshotFiles, visited: dict[Path, int]) -> Chain:
     cur = files
     try:
         while cur.meta.mode == "diff":
-            if cur.dir in seen or len(seen) >= MAX_CHAIN:
+            if cur.dir in seen or len(seen) >= limits.MAX_DIFF_DEPTH:
                 raise SnapshotError(f"the diff chain under {files.dir} loops or is too deep")
             seen.add(cur.dir)
             visited[cur.dir] = os.stat(cur.dir).st_ino

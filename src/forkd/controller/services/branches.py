@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from forkd import limits
 from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services import hibernated_files
 from forkd.controller.services.fleet import Fleet
@@ -91,6 +92,12 @@ class BranchService:
                 f"sandbox {row.id!r} has no registered snapshot to be a diff over (its snapshot "
                 f"{row.snapshot_tag!r} was deleted, replaced, or it was resumed from "
                 "hibernation): branch it with mode full"
+            )
+        depth = self.snapshots.diff_depth(brow) + 1
+        if depth > limits.MAX_DIFF_DEPTH:
+            raise Conflict(
+                f"a diff over {brow.tag!r} would be {depth} levels deep, over the cap of "
+                f"{limits.MAX_DIFF_DEPTH}: compact {brow.tag!r} first, or branch with mode full"
             )
         return BaseRef(brow.tag, brow.dir, files.meta.id)
 

@@ -229,6 +229,10 @@ class SnapshotService:
             "diff_dependents": self._diff_dependents(row.tag),
         }
 
+    def diff_depth(self, row: SnapshotRow) -> int:
+        """The diff layers a fork of ``row`` applies over its full root (0: a full one)."""
+        return len(self._bases(row))
+
     def _bases(self, row: SnapshotRow) -> list[str]:
         """A diff's bases in the registry, nearest first (empty for a full snapshot)."""
         return self._walk(row, lambda r: r.base_tag)
