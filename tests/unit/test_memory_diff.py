@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.errors import SnapshotError
+from forkd.errors import SnapshotError, VMError
 from forkd.vmm import memory, memory_diff, snapshot_files
 from forkd.vmm.qemu_argv import MachineConfig
 from forkd.vmm.snapshot_files import BaseRef, SnapshotMeta
@@ -231,3 +231,22 @@ def test_a_compaction_landing_inside_resolve_is_read_again(
     (d2 / "memory.runs").write_bytes(b"junk")
     with pytest.raises(SnapshotError, match="corrupt"):
         memory_diff.resolve(snapshot_files.load(d2))
+
+
+def test_every_level_of_a_chain_has_the_same_memory_size(tmp_path: Path, image_dir: Path) -> None:
+    root = _full(tmp_path, image_dir, "root", bytes(SIZE))
+    m = _map(root / "memory.bin")
+    m[2 * PAGE : 3 * PAGE] = b"\x05" * PAGE
+    _diff_of_mapping(m, root / "memory.bin", root, tmp_path / "d1", image_dir)
+    # The same chain cannot be written past the RAM it is applied into.
+    with memory_diff.resolve(snapshot_files.load(tmp_path / "d1")) as chain:
+        chain.layers[0].runs = [(2, 3), (NPAGES - 1, NPAGES + 1)]
+        before = bytes(m)
+        with pytest.raises(VMError, match="past QEMU"):
+            memory_diff.apply(chain, os.getpid())
+        assert bytes(m) == before  # nothing written at all
+    m.close()
+    half = dataclasses.replace(_meta(image_dir, "root"), memory_bytes=SIZE // 2)
+    snapshot_files.write_meta(root, half)
+    with pytest.raises(SnapshotError, match="not one chain"):
+        memory_diff.resolve(snapshot_files.load(tmp_path / "d1"))

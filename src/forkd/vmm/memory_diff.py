@@ -221,6 +221,11 @@ def _resolve(files: SnapshotFiles, visited: dict[Path, int]) -> Chain:
                     f"base {base.tag!r} of {cur.dir.name} is unusable: {exc}"
                 ) from exc
             _check_base(cur, base, nxt)
+            if nxt.meta.memory_bytes != files.meta.memory_bytes:  # one guest RAM size
+                raise SnapshotError(
+                    f"base {base.tag!r} of {cur.dir.name} holds {nxt.meta.memory_bytes} bytes "
+                    f"of memory, {files.dir.name} {files.meta.memory_bytes}: not one chain"
+                )
             cur = nxt
         root_fd = os.open(cur.memory, os.O_RDONLY)
     except BaseException:
@@ -272,12 +277,19 @@ def apply(chain: Chain, pid: int) -> int:
         return 0
     try:
         region = memory.find_ram_region(pid, chain.root, chain.size, memory.inode_of(chain.root))
-        mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
     except (OSError, LookupError) as exc:  # QEMU gone, or its RAM not mapped
+        raise VMError(f"cannot write the diff chain into QEMU {pid}: {exc}") from exc
+    runs = chain.newest_first_runs()
+    past = [(first, end) for _, first, end in runs if end * PAGE > region.size]
+    if past:  # never written past QEMU's RAM (resolve() checks every layer's size)
+        raise VMError(f"the diff chain holds pages {past[0]} past QEMU {pid}'s RAM")
+    try:
+        mem = os.open(f"/proc/{pid}/mem", os.O_RDWR)
+    except OSError as exc:  # QEMU gone
         raise VMError(f"cannot write the diff chain into QEMU {pid}: {exc}") from exc
     written = 0
     try:
-        for layer, first, end in chain.newest_first_runs():
+        for layer, first, end in runs:
             for lo in range(first, end, CHUNK_PAGES):
                 hi = min(lo + CHUNK_PAGES, end)
                 data = _pread_all(layer.fd, (hi - lo) * PAGE, lo * PAGE, layer.dir)
