@@ -213,3 +213,51 @@ def test_a_diff_deeper_than_the_cap_is_409_compact_first(
     assert _branch(client, c2, tag="f3", mode="full").status_code == 201
     assert client.post("/v1/snapshots/d2/compact").status_code == 200
     assert _branch(client, _fork(client, "d2"), tag="d3", mode="diff").status_code == 201
+
+
+# ------------------------------------------------------------------ hibernated sources
+
+
+def test_a_delete_waits_for_a_branch_copying_the_hibernated_state(
+    client: TestClient, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+    import time
+
+    from forkd.vmm import snapshot_copy
+
+    assert client.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
+    real, copying, most = snapshot_copy.copy_snapshot, [0], [0]
+
+    def slow(*args: Any) -> Any:
+        copying[0] += 1
+        most[0] = max(most[0], copying[0])
+        try:
+            time.sleep(0.5)  # the DELETE comes in here
+            return real(*args)
+        finally:
+            copying[0] -= 1
+
+    monkeypatch.setattr(snapshot_copy, "copy_snapshot", slow)
+    assert _branch(client, sid, tag="h1", mode="diff", wait=False).status_code == 202
+    time.sleep(0.1)
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(d=client.delete(f"/v1/sandboxes/{sid}")))
+    t.start()
+    time.sleep(0.1)
+    second = _branch(client, sid, tag="h2", mode="full", wait=False)  # queued, not concurrent
+    t.join()
+    assert out["d"].status_code == 204
+    deadline = time.monotonic() + 5
+    while client.get("/v1/snapshots/h1").json()["status"] == "pending":
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert client.get("/v1/snapshots/h1").json()["status"] == "ready"  # copied whole
+    assert most[0] == 1
+    if second.status_code == 202:  # its sandbox was gone when its turn came
+        while client.get("/v1/snapshots/h2").json()["status"] == "pending":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert client.get("/v1/snapshots/h2").json()["status"] == "failed"
+    assert sid not in _services(client).fleet.branch_locks
+    assert client.get(f"/v1/sandboxes/{sid}").status_code == 404

@@ -64,12 +64,15 @@ class BranchService:
         with contextlib.ExitStack() as held:
             held.enter_context(fleet.reserve_tag(tag))
             held.enter_context(self._counted(base))
+            # Taken now and held: an entry dropped meanwhile must not let a second run.
+            lock = fleet.branch_locks.setdefault(row.id, asyncio.Lock())
             if req.wait:
-                await self._run(vm, row, tag, labels, base)
+                await self._run(lock, vm, row, tag, labels, base)
                 return self._branched(row.id, tag)
             fleet.store.add_snapshot(self._pending_row(vm, row, tag, labels, base))
             task = asyncio.create_task(
-                self._settle(held.pop_all(), vm, row, tag, labels, base), name=f"branch-{tag}"
+                self._settle(held.pop_all(), lock, vm, row, tag, labels, base),
+                name=f"branch-{tag}",
             )
             self.background.add(task)
             task.add_done_callback(self.background.discard)
@@ -115,9 +118,15 @@ class BranchService:
                 self.snapshots.bases_in_use[base.tag] -= 1
 
     async def _run(
-        self, vm: Any, row: SandboxRow, tag: str, labels: dict[str, str], base: BaseRef | None
+        self,
+        lock: asyncio.Lock,
+        vm: Any,
+        row: SandboxRow,
+        tag: str,
+        labels: dict[str, str],
+        base: BaseRef | None,
     ) -> None:
-        async with self.fleet.branch_locks.setdefault(row.id, asyncio.Lock()):
+        async with lock:
             if vm is None:
                 await self._branch_hibernated(row, tag, labels, base)
             else:
@@ -145,6 +154,7 @@ class BranchService:
     async def _settle(
         self,
         held: contextlib.ExitStack,
+        lock: asyncio.Lock,
         vm: Any,
         row: SandboxRow,
         tag: str,
@@ -155,7 +165,7 @@ class BranchService:
         store = self.fleet.store
         with held:
             try:
-                await self._run(vm, row, tag, labels, base)
+                await self._run(lock, vm, row, tag, labels, base)
             except Exception as exc:  # the error is the answer: kept in the registry
                 kept = store.get_snapshot(tag)
                 if kept is not None and kept.status == "ready":  # resume failed after a good one
@@ -205,10 +215,11 @@ class BranchService:
         )
         dest = fleet.settings.snapshot_root / tag
         try:
-            files = await asyncio.to_thread(
-                snapshot_copy.copy_snapshot, src, dest, labels,
-                (hibernated_files.NETWORK_FILE,), base,
-            )  # fmt: skip
+            with fleet.reading_hibernated(row.id):  # not discarded under the copy
+                files = await asyncio.to_thread(
+                    snapshot_copy.copy_snapshot, src, dest, labels,
+                    (hibernated_files.NETWORK_FILE,), base,
+                )  # fmt: skip
         except ForkdError:
             raise
         except OSError as exc:

@@ -93,7 +93,10 @@ class Fleet:
         self.vms: dict[str, Any] = {}  # sandbox id -> its running VM
         # One branch of a given sandbox at a time: a second one must not resume
         # the source while the first is still capturing it.
+        # A branch holds its lock object itself; the entry goes once the sandbox is gone.
         self.branch_locks: dict[str, asyncio.Lock] = {}
+        # Branches copying a hibernated sandbox's state: it is not discarded under them.
+        self._reading_hibernated: dict[str, list[asyncio.Event]] = {}
         # How many times each sandbox was paused: a call that failed across a pause is retried.
         self.pauses: dict[str, int] = {}
         self._tags_in_flight: set[str] = set()
@@ -265,9 +268,28 @@ class Fleet:
             return False
         return bool(vm.is_alive())
 
+    @contextlib.contextmanager
+    def reading_hibernated(self, sandbox_id: str) -> Iterator[None]:
+        """A branch copies the hibernated state of ``sandbox_id`` meanwhile."""
+        done = asyncio.Event()
+        self._reading_hibernated.setdefault(sandbox_id, []).append(done)
+        try:
+            yield
+        finally:
+            done.set()
+            readers = self._reading_hibernated[sandbox_id]
+            readers.remove(done)
+            if not readers:
+                del self._reading_hibernated[sandbox_id]
+
+    async def _discard_hibernated(self, sandbox_id: str) -> None:
+        """Delete the sandbox's hibernated state once no branch is copying it."""
+        for done in list(self._reading_hibernated.get(sandbox_id, ())):
+            await done.wait()
+        self.hibernated.discard(sandbox_id)
+
     async def mark_dead(self, sandbox_id: str) -> None:
         """The sandbox's VM is gone: keep its record, state ``dead``."""
-        self.branch_locks.pop(sandbox_id, None)
         self.pauses.pop(sandbox_id, None)
         self.last_active.pop(sandbox_id, None)
         self.output_seen.pop(sandbox_id, None)
@@ -275,16 +297,18 @@ class Fleet:
         exited = vm is None or not vm.is_alive()  # on its own, or stopped by us now
         if vm is not None:
             await vm.kill()
-        self.hibernated.discard(sandbox_id)
+        await self._discard_hibernated(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
         if row is not None:
             self.store.update_sandbox(sandbox_id, state="dead")
             if row.state != "dead":
                 self.events.publish("died" if exited else "killed", sandbox_id=sandbox_id)
+        # Only now: a branch that started meanwhile queued on this lock (no new one can
+        # start on a dead sandbox); one in flight holds the object itself.
+        self.branch_locks.pop(sandbox_id, None)
 
     async def remove(self, sandbox_id: str) -> None:
         """Kill the sandbox's VM (if any), delete its files and its record."""
-        self.branch_locks.pop(sandbox_id, None)
         self.pauses.pop(sandbox_id, None)
         self.last_active.pop(sandbox_id, None)
         self.output_seen.pop(sandbox_id, None)
@@ -295,9 +319,10 @@ class Fleet:
             row = self.store.get_sandbox(sandbox_id)
             if row is not None:
                 shutil.rmtree(row.run_dir, ignore_errors=True)
-        self.hibernated.discard(sandbox_id)
+        await self._discard_hibernated(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
         self.store.delete_sandbox(sandbox_id)
+        self.branch_locks.pop(sandbox_id, None)  # as in mark_dead: once it is gone
         if row is not None and row.state not in ("starting", "dead"):  # a failed fork: none
             self.events.publish("killed", sandbox_id=sandbox_id)
 
