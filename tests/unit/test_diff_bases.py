@@ -261,3 +261,33 @@ def test_a_delete_waits_for_a_branch_copying_the_hibernated_state(
         assert client.get("/v1/snapshots/h2").json()["status"] == "failed"
     assert sid not in _services(client).fleet.branch_locks
     assert client.get(f"/v1/sandboxes/{sid}").status_code == 404
+
+
+def test_the_writer_opens_only_the_base_its_vm_was_forked_from(
+    client: TestClient, settings: Settings, sid: str, tmp_path: Path
+) -> None:
+    import os
+    from types import SimpleNamespace
+
+    from forkd.errors import SnapshotError
+    from forkd.vmm.snapshot_files import BaseRef
+    from forkd.vmm.snapshot_writer import SnapshotWriter
+
+    base = settings.snapshot_root / "base"
+    base_id = _meta(settings, "base")["id"]
+
+    def open_base(origin_id: str, ref_id: str) -> None:
+        vm = SimpleNamespace(id="vm-x", origin=base, origin_id=origin_id)
+        writer = SnapshotWriter(vm, tmp_path / "out", BaseRef("base", str(base), ref_id))  # type: ignore[arg-type]
+        writer._mem_fd = os.open(tmp_path / "mem", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            writer._open_base(128 << 20)
+        finally:
+            writer._close_base()
+            os.close(writer._mem_fd)
+
+    open_base(base_id, base_id)
+    with pytest.raises(SnapshotError, match="was not forked from"):
+        open_base("an-older-one", base_id)
+    with pytest.raises(SnapshotError, match="was replaced"):
+        open_base("an-older-one", "an-older-one")  # the tag holds another one now
