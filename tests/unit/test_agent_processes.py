@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+import tracemalloc
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -560,3 +561,28 @@ def test_the_ring_keeps_long_reads_as_they_came_and_merges_short_ones() -> None:
     assert ring.end - ring.start <= 64 * 1024
     pieces, next_offset, gap = ring.read(0, 1 << 20)
     assert gap == (0, ring.start) and next_offset == ring.end
+
+
+def test_the_ring_lets_go_of_the_output_it_drops() -> None:
+    # A dropped chunk's entry leaves the list only in a batch (over 1024 of them),
+    # but its bytes must go at once: a 128 MiB stream read in ~128 KiB pieces never
+    # made a batch, so the ring of each process (kept after the exit too) held all
+    # of it, and a few such streams ran a 512 MiB guest out of memory (OOM-killed
+    # or thrashing agent: the agent channel stopped answering).
+    procs = _procs_module()
+    capacity, read = 1 << 20, 64 * 1024
+    ring = procs.OutputRing(capacity=capacity)
+    tracemalloc.start()
+    try:
+        for i in range(256):  # 16 MiB through a 1 MiB ring, in long reads kept as they came
+            ring.append("stdout", bytes([i % 251]) * read)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert ring.end - ring.start <= capacity
+    assert held < 2 * capacity, f"the ring holds {held} bytes for {capacity} of output"
+    pieces, next_offset, gap = ring.read(0, 1 << 20)
+    assert gap == (0, ring.start) and next_offset == ring.end
+    assert b"".join(p.data for p in pieces) == b"".join(
+        bytes([i % 251]) * read for i in range(256 - capacity // read, 256)
+    )

@@ -90,7 +90,9 @@ class OutputRing:
         self._capacity = capacity
         self._max_chunks = max_chunks
         self._chunks: list[_Chunk] = []
-        self._first = 0  # index of the oldest chunk held; dropped ones are deleted in batches
+        # Index of the oldest chunk held. Dropped entries leave the list in batches
+        # (one del of many, not one of each), but their bytes are let go at once.
+        self._first = 0
         self._held = 0
         self.start = 0  # oldest offset held
         self.end = 0  # offset after the last byte appended
@@ -116,7 +118,13 @@ class OutputRing:
         # Never the newest chunk: it is at most one read or CHUNK_MERGE_BYTES and a
         # short read long, far below the capacity.
         while self._held > self._capacity or len(self._chunks) - self._first > self._max_chunks:
-            self._held -= len(self._chunks[self._first].data)
+            dropped = self._chunks[self._first]
+            self._held -= len(dropped.data)
+            # Its bytes go now, not with its entry: a batch waits for over 1024
+            # entries, and at up to one read (256 KiB) each, a ring (kept after the
+            # exit too) held hundreds of MiB it had dropped, enough to run the agent
+            # out of memory after a few large outputs.
+            dropped.data = b""
             self._first += 1
         self.start = self._chunks[self._first].offset
         if self._first > 1024 and self._first * 2 > len(self._chunks):
