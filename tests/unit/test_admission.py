@@ -24,7 +24,8 @@ from forkd.controller.settings import Settings
 from forkd.launcher import free_port
 from forkd.vmm import cgroups
 from tests.unit.conftest import TOKEN, serving
-from tests.unit.fakes import FakeCgroupFS, FakeDriver
+from tests.unit.fake_cgroups import FakeCgroupFS
+from tests.unit.fakes import FakeDriver
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 

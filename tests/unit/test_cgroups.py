@@ -18,7 +18,7 @@ import pytest
 from forkd.errors import Invalid, VMError
 from forkd.vmm import cgroups, launch, runtime_meta
 from forkd.vmm.qemu_argv import SANDBOX, MachineConfig, RuntimePaths, build_argv
-from tests.unit.fakes import FakeCgroupFS
+from tests.unit.fake_cgroups import FakeCgroupFS
 
 MIB = 1 << 20
 
