@@ -414,4 +414,3 @@ class FakeDriver:
 
     async def adopt(self, run_dir: Path, paused: bool = False) -> FakeVM:
         raise VMError(f"no QEMU runs for {run_dir} (fake driver)")
-
