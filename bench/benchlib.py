@@ -1,8 +1,10 @@
-"""Shared plumbing of the benchmarks in this folder (fork.py, branch.py).
+"""Shared plumbing of the benchmarks in this folder (fork.py, branch.py, stream.py, burst.py).
 
 Not a benchmark itself: the scripts import it by name, with their own folder put
 on ``sys.path`` (see the top of either script). It holds the small numeric
-helpers, the VM bookkeeping every benchmark needs (:class:`BenchBase`), the
+helpers and the judging of targets (:func:`judge`), the VM bookkeeping every
+benchmark needs (:class:`BenchBase`; :class:`DaemonBench` for one run through a
+``forkd serve`` of its own), the
 options both take (``--workdir``, ``--json-only``) and the run around a
 benchmark (:func:`amain`, :func:`run_main`): work dir, SIGTERM, cleanup of every VM also on
 failure or Ctrl-C, the table, the final JSON line and the exit status.
@@ -26,8 +28,12 @@ from typing import Any, TypeVar
 
 from rich.console import Console
 
+import leaks  # this folder is on sys.path: see the module docstring
+from forkd import accel
+from forkd.client import Controller
 from forkd.errors import ImageError
 from forkd.guest import image as guest_image
+from forkd.launcher import DaemonProcess
 from forkd.vmm.processes import qemu_pids_under
 from forkd.vmm.vm import VM
 
@@ -50,6 +56,36 @@ def percentile(values: list[float], q: float) -> float:
 
 def r1(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
+
+
+def cpu_secs(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads); 0 once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def lookup(results: dict[str, Any], dotted: str) -> Any:
+    """``results["a"]["b"]`` for ``"a.b"``; None where a part is missing."""
+    value: Any = results
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+Targets = dict[str, tuple[str, str, float]]  # name: (dotted metric key, "<=" or ">=", bound)
+
+
+def judge(results: dict[str, Any], targets: Targets) -> dict[str, dict[str, Any]]:
+    """Each target with its value, its bound and whether it was met (None: not measured)."""
+    judged = {}
+    for name, (key, op, bound) in targets.items():
+        value = lookup(results, key)
+        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        judged[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    return judged
 
 
 def allocated_mib(path: Path) -> float:
@@ -159,6 +195,35 @@ class BenchBase:
 
     async def run(self) -> None:
         raise NotImplementedError
+
+
+class DaemonBench(BenchBase):
+    """A benchmark run through a ``forkd serve`` of its own (stream.py, burst.py): it
+    implements :meth:`bench` (blocking, with the SDK); the daemon and whatever it left
+    are removed at the end, also on failure or Ctrl-C."""
+
+    def __init__(self, args: argparse.Namespace, workdir: Path, say: Console) -> None:
+        super().__init__(args, workdir, say)
+        self.daemon = DaemonProcess(workdir / "state")
+
+    def controller(self, timeout: float = 600) -> Controller:
+        return Controller(self.daemon.url, token_file=self.daemon.token_path, timeout=timeout)
+
+    def bench(self) -> None:
+        raise NotImplementedError
+
+    async def run(self) -> None:
+        self.results["accel"] = accel.choose().name
+        await asyncio.to_thread(self.bench)
+
+    async def kill_all(self) -> None:
+        await asyncio.to_thread(self._stop_daemon)
+
+    def _stop_daemon(self) -> None:
+        """The daemon, then whatever of its VMs, namespaces and groups it left."""
+        with contextlib.suppress(Exception):
+            self.daemon.stop(signal.SIGKILL)
+        leaks.remove_leftovers(self.daemon.state_dir, leaks.id_prefix(self.daemon.state_dir))
 
 
 # ------------------------------------------------------------------ the run

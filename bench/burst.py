@@ -26,10 +26,7 @@ bench/README.md says what each figure is. The last line of stdout is one JSON ob
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import os
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -39,16 +36,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from forkd import accel
 from forkd.client import Controller
-from forkd.launcher import DaemonProcess
 from forkd.vmm import processes
 from forkd.vmm.processes import qemu_pids_under
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # see bench/fork.py
 import benchlib
-import leaks
-from benchlib import MIB, percentile, r1
+from benchlib import MIB, cpu_secs, judge, percentile, r1
 
 TEMPLATE = "burst-bench"
 EXEC_THREADS = 8
@@ -59,15 +53,6 @@ TARGETS = {  # name: (metric key, comparison, bound)
 }
 
 
-def cpu_secs(pid: int) -> float:
-    """User + system CPU seconds of ``pid`` (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def available_mib() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():
         if line.startswith("MemAvailable:"):
@@ -75,14 +60,7 @@ def available_mib() -> float:
     return 0.0
 
 
-class BurstBench(benchlib.BenchBase):
-    def __init__(self, args: argparse.Namespace, workdir: Path, say: Console) -> None:
-        super().__init__(args, workdir, say)
-        self.daemon = DaemonProcess(workdir / "state")
-
-    def controller(self) -> Controller:
-        return Controller(self.daemon.url, token_file=self.daemon.token_path, timeout=900)
-
+class BurstBench(benchlib.DaemonBench):
     def burst(self, ctl: Controller) -> list[str]:
         n = self.args.burst
         self.say.log(f"one request for {n} children")
@@ -138,32 +116,15 @@ class BurstBench(benchlib.BenchBase):
         self.daemon.start(*caps)
         self.say.log(f"daemon {self.daemon.url}, building template {TEMPLATE!r}")
         mib_before = available_mib()
-        with self.controller() as ctl:
+        with self.controller(timeout=900) as ctl:
             ctl.create_snapshot(TEMPLATE, image="python", memory_mib=self.args.memory)
             kids = self.burst(ctl)
             if self.args.idle:
                 self.idle(ctl, kids, mib_before)
 
-    async def run(self) -> None:
-        self.results["accel"] = accel.choose().name
-        await asyncio.to_thread(self.bench)
-
-    async def kill_all(self) -> None:
-        await asyncio.to_thread(self._stop_daemon)
-
-    def _stop_daemon(self) -> None:
-        with contextlib.suppress(Exception):
-            self.daemon.stop(signal.SIGKILL)
-        leaks.remove_leftovers(self.daemon.state_dir, leaks.id_prefix(self.daemon.state_dir))
-
 
 def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    targets = {}
-    for name, (key, op, bound) in TARGETS.items():
-        value = results.get(key)
-        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
-        targets[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
-    results["targets"] = targets
+    results["targets"] = judge(results, TARGETS)
     results["memory_mib"] = args.memory
     results["host_cores"] = os.cpu_count()
     return results

@@ -47,7 +47,7 @@ from forkd.vmm.vm import VM
 # that for a script already, but not under -P / PYTHONSAFEPATH).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from benchlib import MIB, allocated_mib, percentile, r1
+from benchlib import MIB, allocated_mib, judge, percentile, r1
 
 DIRTY_MIB = 8
 PAUSE_SNAPSHOTS = 3
@@ -272,28 +272,13 @@ class Bench(benchlib.BenchBase):
         await self.phase_pause(image)
 
 
-def _lookup(results: dict[str, Any], dotted: str) -> Any:
-    value: Any = results
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
-
-
 def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     cold, p50 = results.get("cold_boot_ms"), results.get("fork_p50_ms")
     results["fork_vs_boot_ratio"] = round(cold / p50, 1) if cold and p50 else None
     results["memory_mib"] = args.memory
     results["host_cores"] = os.cpu_count()
     results["host_cores_usable"] = len(os.sched_getaffinity(0))
-    targets = {}
-    for name, (key, op, bound) in TARGETS.items():
-        value = _lookup(results, key)
-        met: bool | None = None
-        if value is not None:
-            met = value <= bound if op == "<=" else value >= bound
-        targets[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    targets = judge(results, TARGETS)
     results["targets"] = targets
     results["all_targets_met"] = all(t["met"] for t in targets.values())
     return results

@@ -30,13 +30,11 @@ bench/README.md says what each figure is. The last line of stdout is one JSON ob
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import hashlib
 import os
 import queue
 import resource
-import signal
 import socket
 import sys
 import threading
@@ -48,16 +46,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from forkd import accel
-from forkd.client import Controller, ControllerError, Sandbox
+from forkd.client import ControllerError, Sandbox
 from forkd.client.commands import CommandHandle
-from forkd.launcher import DaemonProcess
 from forkd.vmm.processes import qemu_pids_under
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # see bench/fork.py
 import benchlib
-import leaks
-from benchlib import MIB, percentile, r1
+from benchlib import MIB, cpu_secs, judge, percentile, r1
 
 TEMPLATE = "stream-bench"
 TEXT_LINE = "the quick brown fox jumps over the lazy dog 0123456789"
@@ -79,12 +74,6 @@ RSS_FLAT_MIB = 32.0  # max - start beyond this is growth, not noise
 def stats_ms(samples: list[float]) -> dict[str, Any]:
     return {"p50": r1(percentile(samples, 50)), "p90": r1(percentile(samples, 90)),
             "max": r1(max(samples)), "n": len(samples)}  # fmt: skip
-
-
-def cpu_secs(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def daemon_rss_mib(pid: int) -> float:
@@ -118,15 +107,8 @@ class OutputReader:
         return at
 
 
-class StreamBench(benchlib.BenchBase):
+class StreamBench(benchlib.DaemonBench):
     """The run: the daemon, the template, one sandbox, the four measurements."""
-
-    def __init__(self, args: argparse.Namespace, workdir: Path, say: Console) -> None:
-        super().__init__(args, workdir, say)
-        self.daemon = DaemonProcess(workdir / "state")
-
-    def controller(self) -> Controller:
-        return Controller(self.daemon.url, token_file=self.daemon.token_path, timeout=600)
 
     # ------------------------------------------------------------ latency
 
@@ -298,36 +280,12 @@ class StreamBench(benchlib.BenchBase):
                 if self.args.rss_secs:
                     self.phase("non-reader RSS", lambda: self.non_reader_rss(sb))
 
-    async def run(self) -> None:
-        self.results["accel"] = accel.choose().name
-        await asyncio.to_thread(self.bench)
-
-    async def kill_all(self) -> None:
-        await asyncio.to_thread(self._stop_daemon)
-
-    def _stop_daemon(self) -> None:
-        """The daemon, then whatever of its VMs, namespaces and groups it left."""
-        with contextlib.suppress(Exception):
-            self.daemon.stop(signal.SIGKILL)
-        leaks.remove_leftovers(self.daemon.state_dir, leaks.id_prefix(self.daemon.state_dir))
-
 
 # ------------------------------------------------------------------ report
 
 
-def lookup(results: dict[str, Any], key: str) -> Any:
-    value: Any = results
-    for part in key.split("."):
-        value = value.get(part) if isinstance(value, dict) else None
-    return value
-
-
 def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    targets = {}
-    for name, (key, op, bound) in TARGETS.items():
-        value = lookup(results, key)
-        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
-        targets[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
+    targets = judge(results, TARGETS)
     rss = results.get("daemon_rss_mib")
     targets["daemon_rss_flat"] = {"value": rss and rss["max"] - rss["start"],
                                   "target": f"<= {RSS_FLAT_MIB:g} MiB growth",
