@@ -227,6 +227,11 @@ class Fleet:
         self.touch(sandbox_id)
         return row
 
+    def count_pause(self, sandbox_id: str) -> None:
+        """The sandbox's vCPUs were just stopped: a guest call that failed across this
+        pause is retried (see :attr:`pauses`)."""
+        self.pauses[sandbox_id] = self.pauses.get(sandbox_id, 0) + 1
+
     # ------------------------------------------------------------- idleness
 
     def touch(self, sandbox_id: str) -> None:

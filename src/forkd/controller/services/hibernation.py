@@ -58,7 +58,7 @@ class HibernateService:
                     raise
                 await fleet.mark_dead(sandbox_id)
                 raise Conflict(f"sandbox {sandbox_id!r} died while hibernating: {exc}") from exc
-            fleet.pauses[sandbox_id] = fleet.pauses.get(sandbox_id, 0) + 1
+            fleet.count_pause(sandbox_id)
         dest = fleet.hibernated.next_dir(sandbox_id)
         labels = SnapshotLabels(branched_from=sandbox_id, parent_tag=row.snapshot_tag)
         try:

@@ -44,7 +44,7 @@ class PauseService:
             except ForkdError as exc:
                 raise await self._failed(sandbox_id, vm, "pausing", exc) from exc
             self.fleet.store.update_sandbox(sandbox_id, state="paused")
-            self.fleet.pauses[sandbox_id] = self.fleet.pauses.get(sandbox_id, 0) + 1
+            self.fleet.count_pause(sandbox_id)
         self.fleet.events.publish("paused", sandbox_id=sandbox_id)
         return self.sandboxes.info(sandbox_id)
 
