@@ -192,8 +192,10 @@ class FakeVM:
         self._agent("restore")
         self.events.append("after_resume")
 
-    async def begin_snapshot(self, dest: Path, base: BaseRef | None = None) -> FakeWriter:
-        self.events.append("begin" if base is None else "begin-diff")
+    async def begin_snapshot(
+        self, dest: Path, base: BaseRef | None = None, *, live: bool = False
+    ) -> FakeWriter:
+        self.events.append("begin-diff" if base is not None else "begin-live" if live else "begin")
         if dest.exists():
             raise SnapshotError(f"{dest} already exists")
         if self.fail == "begin":

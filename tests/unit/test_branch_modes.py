@@ -80,9 +80,14 @@ def test_diff_branch_stores_pages_and_a_base_reference_and_chains_grow(
     assert full["mode"] == "full" and "base_tag" not in full
 
 
-def test_live_is_taken_as_full_and_recorded_so(client: TestClient, sid: str) -> None:
+def test_live_is_staged_live_and_recorded_as_full(
+    client: TestClient, driver: FakeDriver, sid: str
+) -> None:
     info = _branch(client, sid, tag="l1", mode="live").json()
     assert info["mode"] == "full" and info["status"] == "ready" and "pause_ms" in info
+    assert driver.vms[-1].events[:2] == ["begin-live", "pause"]
+    _branch(client, sid, tag="f1", mode="full")
+    assert driver.vms[-1].events.count("begin") == 1  # full stays the pause-copy
 
 
 def test_diff_needs_the_registered_snapshot_its_memory_maps(

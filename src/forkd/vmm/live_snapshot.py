@@ -40,7 +40,9 @@ class SnapshottableVM(Protocol):
     id: str
     state: str
 
-    async def begin_snapshot(self, dest: Path, base: BaseRef | None = None) -> Writer: ...
+    async def begin_snapshot(
+        self, dest: Path, base: BaseRef | None = None, *, live: bool = False
+    ) -> Writer: ...
     async def pause(self) -> None: ...
     async def resume(self) -> None: ...
     def is_alive(self) -> bool: ...
@@ -65,8 +67,12 @@ class LiveSnapshot:
     meta: SnapshotMeta
 
 
-async def _begin(vm: SnapshottableVM, dest: Path, base: BaseRef | None) -> Writer:
-    return await (vm.begin_snapshot(dest) if base is None else vm.begin_snapshot(dest, base))
+async def _begin(
+    vm: SnapshottableVM, dest: Path, base: BaseRef | None, live: bool = False
+) -> Writer:
+    if base is not None:
+        return await vm.begin_snapshot(dest, base)
+    return await (vm.begin_snapshot(dest, live=True) if live else vm.begin_snapshot(dest))
 
 
 async def snapshot_running(
@@ -74,18 +80,21 @@ async def snapshot_running(
     dest: Path,
     labels: SnapshotLabels | None = None,
     base: BaseRef | None = None,
+    *,
+    live: bool = False,
 ) -> LiveSnapshot:
     """Snapshot the running ``vm`` into ``dest``; see the module's failure table.
 
     ``labels`` are recorded in ``snapshot.json`` with the pause window (``pause_ms``).
     A VM already paused (``state == "paused"``) is snapshotted as it is and left
     paused: no pause of its own, ``pause_ms`` 0. With ``base`` (the snapshot the
-    VM was forked from) the snapshot is a diff over it.
+    VM was forked from) the snapshot is a diff over it. ``live``: the guest's pages
+    are copied before the pause too, and the pause only copies what changed since.
     """
     if vm.state == "paused":
         return await _snapshot_paused(vm, dest, labels, base)
     try:
-        writer = await _begin(vm, dest, base)  # the VM still runs while this stages
+        writer = await _begin(vm, dest, base, live)  # the VM still runs while this stages
     except ForkdError as exc:
         raise LiveSnapshotError(
             f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False

@@ -208,20 +208,39 @@ def dump_written_pages(
     ``defer``, pages are only read now and written by ``defer.flush()``.
     """
     stats = stats or DumpStats()
+    marks = written_marks(region)
+    stats.pages_scanned += len(marks)
+    copy_runs(region, out_fd, runs_of(marks, MAX_RUN_BYTES // PAGE), base_is_empty, stats, defer)
+    return stats
+
+
+def written_marks(region: RamRegion) -> bytes:
+    """One byte per page of ``region``: 1 where the guest wrote it (see the module)."""
     npages = region.size // PAGE
     with open(f"/proc/{region.pid}/pagemap", "rb", buffering=0) as pm:
         raw = os.pread(pm.fileno(), npages * 8, (region.start // PAGE) * 8)
     if len(raw) != npages * 8:
         raise OSError(errno.EIO, f"short pagemap read for process {region.pid}")
-    stats.pages_scanned += npages
+    return pagemap_marks(raw)
 
+
+def copy_runs(
+    region: RamRegion,
+    out_fd: int,
+    runs: list[tuple[int, int]],
+    skip_zero: bool,
+    stats: DumpStats,
+    defer: DeferredWrites | None = None,
+) -> None:
+    """Copy the pages ``[first, end)`` of each run from the process into ``out_fd``."""
+    if not runs:
+        return
     mem = os.open(f"/proc/{region.pid}/mem", os.O_RDONLY)
     try:
-        for first, end in written_runs(raw, MAX_RUN_BYTES // PAGE):
-            _copy_run(region, mem, out_fd, first, end, base_is_empty, stats, defer)
+        for first, end in runs:
+            _copy_run(region, mem, out_fd, first, end, skip_zero, stats, defer)
     finally:
         os.close(mem)
-    return stats
 
 
 # The flags live in the top byte of each little-endian pagemap entry.
@@ -231,6 +250,26 @@ _PRESENT, _SWAPPED, _FILE = (flag >> 56 for flag in (PM_PRESENT, PM_SWAPPED, PM_
 _WRITTEN_BY_TOP_BYTE = bytes(
     1 if (b & _SWAPPED) or ((b & _PRESENT) and not (b & _FILE)) else 0 for b in range(256)
 )
+_SWAPPED_BY_TOP_BYTE = bytes(1 if b & _SWAPPED else 0 for b in range(256))
+# A "swapped" entry of swap type 31 (the low 5 bits) is no page at all but a
+# marker the kernel leaves where a write-protected page is not populated
+# (write tracking, forkd.vmm.write_tracking): it reads as the backing file.
+# The type is shown to CAP_SYS_ADMIN only; without it a marker counts as
+# written, which only costs a needless copy.
+_PTE_MARKER_TYPE = 31
+_MARKER_BY_LOW_BYTE = bytes(1 if b & 0x1F == _PTE_MARKER_TYPE else 0 for b in range(256))
+
+
+def pagemap_marks(pagemap: bytes) -> bytes:
+    """One byte per ``/proc/PID/pagemap`` entry: 1 where the guest wrote the page."""
+    written = pagemap[7::8].translate(_WRITTEN_BY_TOP_BYTE)
+    low = pagemap[0::8].translate(_MARKER_BY_LOW_BYTE)
+    if 1 not in low:
+        return written
+    swapped = pagemap[7::8].translate(_SWAPPED_BY_TOP_BYTE)
+    n = len(written)
+    markers = int.from_bytes(swapped, "little") & int.from_bytes(low, "little")
+    return (int.from_bytes(written, "little") & ~markers).to_bytes(n, "little")
 
 
 def written_runs(pagemap: bytes, max_run: int) -> list[tuple[int, int]]:
@@ -240,7 +279,11 @@ def written_runs(pagemap: bytes, max_run: int) -> list[tuple[int, int]]:
     262,144 entries costs well under a millisecond per run found instead of
     a Python loop over every page.
     """
-    marks = pagemap[7::8].translate(_WRITTEN_BY_TOP_BYTE)
+    return runs_of(pagemap_marks(pagemap), max_run)
+
+
+def runs_of(marks: bytes, max_run: int) -> list[tuple[int, int]]:
+    """``[first, end)`` ranges of the 1 bytes in ``marks``, each at most ``max_run`` long."""
     runs: list[tuple[int, int]] = []
     pos = marks.find(1)
     while pos >= 0:

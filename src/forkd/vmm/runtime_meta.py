@@ -11,7 +11,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forkd.errors import VMError
 from forkd.vmm.cgroups import Group
@@ -19,6 +19,9 @@ from forkd.vmm.network import SandboxNet
 from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
 from forkd.vmm.snapshot_files import ImageRef, image_json
 from forkd.vmm.volumes import Attachment
+
+if TYPE_CHECKING:
+    from forkd.vmm.vm import VM
 
 META = "vm.json"  # RuntimePaths.meta
 
@@ -114,3 +117,23 @@ def recorded_images(run_root: Path) -> dict[str, ImageRef]:
         if image is not None:
             found[d.name] = image
     return found
+
+
+def write_for(vm: VM) -> None:
+    """Record what a later daemon needs to adopt ``vm`` (see :func:`write`)."""
+    record = VMRecord(
+        id=vm.id,
+        pid=vm.pid,
+        qmp=vm.rt.qmp,
+        agent=vm.rt.agent,
+        ram_file=vm.ram_file,
+        origin_snapshot=vm.origin,
+        origin_id=vm.origin_id,
+        machine=vm.machine,
+        image=vm.image,
+        started_at_unix=vm.started_at,
+        volumes=tuple(vm.volumes),
+        network=vm.net,
+        cgroup=vm.cgroup,
+    )
+    write(vm.rt, record)

@@ -125,6 +125,8 @@ class SnapshotMeta:
     # Unique per snapshot: kept by a compaction (same content), new for a copy.
     id: str | None = None
     parent_id: str | None = None  # the id of the snapshot its VM was forked from
+    # Pages copied before the pause (a live snapshot); pages_written counts all.
+    precopied_pages: int = 0
 
     @property
     def labels(self) -> SnapshotLabels:
@@ -145,6 +147,8 @@ class SnapshotMeta:
             "pages_written": self.pages_written,
             "base_bytes_cloned": self.base_bytes_cloned,
         }
+        if self.precopied_pages:
+            data["precopied_pages"] = self.precopied_pages
         # Labels are written only when the caller gave them, as always.
         labels = {
             "tag": self.tag,
@@ -193,6 +197,7 @@ class SnapshotMeta:
             chain=tuple(BaseRef.from_json(link) for link in data.get("chain") or []),
             id=_opt_str(data.get("id")),
             parent_id=_opt_str(data.get("parent_id")),
+            precopied_pages=int(data.get("precopied_pages") or 0),
         )
 
 

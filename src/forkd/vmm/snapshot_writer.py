@@ -8,7 +8,10 @@ device state and the pages the guest wrote, :meth:`~SnapshotWriter.commit`
 
 With a ``base`` (the snapshot the VM was forked from) the snapshot is a diff:
 no clone, only the written pages that differ from the base's memory
-(:mod:`forkd.vmm.memory_diff`), compared after the resume.
+(:mod:`forkd.vmm.memory_diff`), compared after the resume. With ``live`` a
+full snapshot copies the written pages before the pause too, and the pause
+only what changed since (:mod:`forkd.vmm.live_copy`), where the host can
+track writes; elsewhere it is taken the pause-copy way.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import secrets
 import shutil
@@ -24,7 +28,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import live_snapshot, memory, memory_diff, snapshot_files, volume_mounts
+from forkd.vmm import (
+    live_copy,
+    live_snapshot,
+    memory,
+    memory_diff,
+    snapshot_files,
+    volume_mounts,
+    write_tracking,
+)
 from forkd.vmm.launch import tail
 from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
 from forkd.vmm.volumes import Attachment
@@ -34,6 +46,8 @@ if TYPE_CHECKING:
 
 DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
 
+log = logging.getLogger(__name__)
+
 
 def _is_disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno == errno.ENOSPC
@@ -42,10 +56,14 @@ def _is_disk_full(exc: BaseException) -> bool:
 class SnapshotWriter:
     """A snapshot of one VM being built in a staging directory."""
 
-    def __init__(self, vm: VM, dest: Path, base: BaseRef | None = None) -> None:
+    def __init__(
+        self, vm: VM, dest: Path, base: BaseRef | None = None, *, live: bool = False
+    ) -> None:
         self.vm = vm
         self.dest = dest
         self.base = base  # a diff over this snapshot; None: a full snapshot
+        self.live = live and base is None  # copy before the pause where the host can
+        self._live: live_copy.LiveCopy | None = None
         self._base_chain: memory_diff.Chain | None = None
         self._base_links: tuple[BaseRef, ...] = ()
         self._diff: memory_diff.DiffCapture | None = None
@@ -81,6 +99,8 @@ class SnapshotWriter:
             )
             if self.base is None:
                 self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
+                if self.live:
+                    await self._precopy()
             else:
                 await asyncio.to_thread(self._open_base, size)
             # Descriptors of layers QEMU writes now: out of the sets, while the VM runs.
@@ -92,6 +112,31 @@ class SnapshotWriter:
         except BaseException as exc:
             await self.abort()
             raise await self._translate(exc, "preparing") from exc
+
+    async def _precopy(self) -> None:
+        """Copy the written pages now, while the VM runs (see :mod:`live_copy`)."""
+        assert self._region is not None and self._mem_fd is not None
+        reason = write_tracking.problem()
+        if reason is not None:
+            log.debug("live snapshot of %s taken with a pause-copy: %s", self.vm.id, reason)
+            return
+        vm, region = self.vm, self._region
+        try:
+            vm.write_tracker = await asyncio.to_thread(
+                live_copy.tracker_for, vm.pid, region, vm.write_tracker
+            )
+        except OSError as exc:
+            log.warning("cannot track the writes of %s (%s): pause-copy instead", vm.id, exc)
+            return
+        copy = live_copy.LiveCopy(
+            vm.write_tracker,
+            region,
+            self._mem_fd,
+            base_is_empty=self.stats.base_bytes_cloned == 0,
+            stats=self.stats,
+        )
+        await asyncio.to_thread(copy.precopy)
+        self._live = copy
 
     def _open_base(self, size: int) -> None:
         """Open the base's chain (held by descriptors: a compaction may swap its files)."""
@@ -125,6 +170,8 @@ class SnapshotWriter:
             )
             if self._diff is not None:
                 await asyncio.to_thread(self._diff.capture, self._region)
+            elif self._live is not None:
+                await asyncio.to_thread(self._live.capture, self._deferred)
             else:
                 await asyncio.to_thread(
                     memory.dump_written_pages,
@@ -169,6 +216,7 @@ class SnapshotWriter:
             id=snapshot_files.new_id(),
             capture_ms=round(self.capture_ms or 0.0, 1),
             pages_written=self.stats.pages_written,
+            precopied_pages=self._live.precopy_pages if self._live is not None else 0,
             base_bytes_cloned=self.stats.base_bytes_cloned,
             tag=labels.tag,
             branched_from=labels.branched_from,
@@ -196,9 +244,12 @@ class SnapshotWriter:
                 await asyncio.to_thread(
                     self._deferred.flush,
                     self._mem_fd,
-                    base_is_empty=self.stats.base_bytes_cloned == 0,
+                    # After a precopy a zero page may overwrite a copied one.
+                    base_is_empty=self.stats.base_bytes_cloned == 0 and self._live is None,
                     stats=self.stats,
                 )
+                if self._live is not None:
+                    await asyncio.to_thread(self._live.finish)
             await asyncio.to_thread(os.fsync, self._mem_fd)
             os.close(self._mem_fd)
             self._mem_fd = None
@@ -250,7 +301,12 @@ class SnapshotWriter:
 
 
 async def write_snapshot(
-    vm: VM, dest: Path, labels: SnapshotLabels | None = None, base: BaseRef | None = None
+    vm: VM,
+    dest: Path,
+    labels: SnapshotLabels | None = None,
+    base: BaseRef | None = None,
+    *,
+    live: bool = False,
 ) -> SnapshotFiles:
     """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
     With ``base``, a diff over that snapshot (the one ``vm`` was forked from).
@@ -265,7 +321,7 @@ async def write_snapshot(
         raise SnapshotError(f"cannot snapshot {vm.id}: its QEMU is not running")
     if vm.state == "running":
         try:
-            result = await live_snapshot.snapshot_running(vm, dest, labels, base)
+            result = await live_snapshot.snapshot_running(vm, dest, labels, base, live=live)
         except live_snapshot.LiveSnapshotError as exc:
             cause = exc.__cause__
             if isinstance(cause, (SnapshotError, StorageFull)) and not exc.snapshot_kept:

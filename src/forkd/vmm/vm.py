@@ -63,6 +63,7 @@ from forkd.vmm.snapshot_writer import SnapshotWriter
 from forkd.vmm.vcpu_control import VcpuControl
 from forkd.vmm.volumes import Attachment
 from forkd.vmm.warm_start import WarmStart
+from forkd.vmm.write_tracking import WriteTracker
 
 __all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
 
@@ -110,6 +111,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
         self.net: network.SandboxNet | None = None  # its namespace, if it has one
         self.cgroup: cgroups.Group | None = None  # its caps, if the host has cgroups
+        self.write_tracker: WriteTracker | None = None  # made by its first live snapshot
 
     # ---------------------------------------------------------------- start
 
@@ -176,7 +178,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             raise
         vm.ready_ms = (time.monotonic() - started) * 1000
         vm.state = "running"
-        vm._write_meta()
+        runtime_meta.write_for(vm)
         return vm
 
     @classmethod
@@ -318,7 +320,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             raise
         self._incoming = None
         self.ready_ms = (time.monotonic() - started) * 1000
-        self._write_meta()
+        runtime_meta.write_for(self)
 
     @classmethod
     async def adopt(
@@ -368,24 +370,6 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         if errors:
             log.warning("restore of %s: %s", self.id, errors)
 
-    def _write_meta(self) -> None:
-        record = runtime_meta.VMRecord(
-            id=self.id,
-            pid=self.pid,
-            qmp=self.rt.qmp,
-            agent=self.rt.agent,
-            ram_file=self.ram_file,
-            origin_snapshot=self.origin,
-            origin_id=self.origin_id,
-            machine=self.machine,
-            image=self.image,
-            started_at_unix=self.started_at,
-            volumes=tuple(self.volumes),
-            network=self.net,
-            cgroup=self.cgroup,
-        )
-        runtime_meta.write(self.rt, record)
-
     # ------------------------------------------------------------ lifecycle
 
     def is_alive(self) -> bool:
@@ -407,7 +391,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             # Also after a failure half-way: the record must name every layer
             # QEMU writes, or a restarted daemon would collect one in use.
             if self.volumes:
-                self._write_meta()
+                runtime_meta.write_for(self)
 
     async def console_tail(self, limit: int = 800) -> str:
         """The end of the guest's console: its file, or its ring buffer for a fork."""
@@ -444,6 +428,9 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         stopped reading cannot hold this up), and QMP gets a few seconds.
         """
         await self.agent.close()
+        if self.write_tracker is not None:  # its protection ends with the descriptor
+            self.write_tracker.close()
+            self.write_tracker = None
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.qmp.disconnect(), limits.AGENT_CLOSE_SECS)
 
@@ -473,24 +460,32 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
 
     # ------------------------------------------------------------- snapshot
 
-    async def begin_snapshot(self, dest: Path, base: BaseRef | None = None) -> SnapshotWriter:
+    async def begin_snapshot(
+        self, dest: Path, base: BaseRef | None = None, *, live: bool = False
+    ) -> SnapshotWriter:
         """Stage a snapshot of this VM at ``dest`` (which must not exist); with ``base``,
-        a diff over that snapshot (the one this VM was forked from)."""
+        a diff over that snapshot (the one this VM was forked from); ``live``: copy
+        the guest's pages before the pause too (:mod:`forkd.vmm.live_copy`)."""
         if dest.exists():
             raise SnapshotError(f"{dest} already exists")
-        writer = SnapshotWriter(self, dest, base)
+        writer = SnapshotWriter(self, dest, base, live=live)
         await writer.prepare()
         return writer
 
     async def write_snapshot(
-        self, dest: Path, labels: SnapshotLabels | None = None, base: BaseRef | None = None
+        self,
+        dest: Path,
+        labels: SnapshotLabels | None = None,
+        base: BaseRef | None = None,
+        *,
+        live: bool = False,
     ) -> SnapshotFiles:
         """Pause, snapshot to ``dest``, resume: see :func:`snapshot_writer.write_snapshot`."""
-        return await snapshot_writer.write_snapshot(self, dest, labels, base)
+        return await snapshot_writer.write_snapshot(self, dest, labels, base, live=live)
 
     async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
-        """:meth:`write_snapshot`, returning ``dest``."""
-        return (await self.write_snapshot(dest, labels)).dir
+        """:meth:`write_snapshot` the live way (templates), returning ``dest``."""
+        return (await self.write_snapshot(dest, labels, live=True)).dir
 
     # --------------------------------------------------------------- memory
 

@@ -54,6 +54,7 @@ class BranchService:
         # A paused one is taken as it is; a hibernated one is its state on disk.
         vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
         base = self._diff_base(row, vm) if req.mode == "diff" else None
+        live = req.mode == "live"
         cap = fleet.settings.branch_concurrency
         if self.in_flight >= cap:
             raise Busy(f"{self.in_flight} branches are in flight (the cap is {cap}); retry shortly")
@@ -67,11 +68,11 @@ class BranchService:
             # Taken now and held: an entry dropped meanwhile must not let a second run.
             lock = fleet.branch_locks.setdefault(row.id, asyncio.Lock())
             if req.wait:
-                await self._run(lock, vm, row, tag, labels, base)
+                await self._run(lock, vm, row, tag, labels, base, live=live)
                 return self._branched(row.id, tag)
             fleet.store.add_snapshot(self._pending_row(vm, row, tag, labels, base))
             task = asyncio.create_task(
-                self._settle(held.pop_all(), lock, vm, row, tag, labels, base),
+                self._settle(held.pop_all(), lock, vm, row, tag, labels, base, live=live),
                 name=f"branch-{tag}",
             )
             self.background.add(task)
@@ -125,12 +126,14 @@ class BranchService:
         tag: str,
         labels: dict[str, str],
         base: BaseRef | None,
+        *,
+        live: bool = False,
     ) -> None:
         async with lock:
             if vm is None:
                 await self._branch_hibernated(row, tag, labels, base)
             else:
-                await self._branch_locked(vm, row, tag, labels, base)
+                await self._branch_locked(vm, row, tag, labels, base, live=live)
 
     def _branched(self, sandbox_id: str, tag: str) -> SnapshotInfo:
         info = self.snapshots.info(tag)
@@ -160,12 +163,14 @@ class BranchService:
         tag: str,
         labels: dict[str, str],
         base: BaseRef | None,
+        *,
+        live: bool = False,
     ) -> None:
         """A branch with wait false: ``pending`` → ``ready``, or ``failed`` with the error."""
         store = self.fleet.store
         with held:
             try:
-                await self._run(lock, vm, row, tag, labels, base)
+                await self._run(lock, vm, row, tag, labels, base, live=live)
             except Exception as exc:  # the error is the answer: kept in the registry
                 kept = store.get_snapshot(tag)
                 if kept is not None and kept.status == "ready":  # resume failed after a good one
@@ -177,7 +182,14 @@ class BranchService:
             self._branched(row.id, tag)
 
     async def _branch_locked(
-        self, vm: Any, row: SandboxRow, tag: str, metadata: dict[str, str], base: BaseRef | None
+        self,
+        vm: Any,
+        row: SandboxRow,
+        tag: str,
+        metadata: dict[str, str],
+        base: BaseRef | None,
+        *,
+        live: bool = False,
     ) -> None:
         fleet = self.fleet
         if not vm.is_alive() or fleet.vms.get(row.id) is not vm:
@@ -187,7 +199,7 @@ class BranchService:
         labels = SnapshotLabels(tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag)
         dest = fleet.settings.snapshot_root / tag
         try:
-            result = await live_snapshot.snapshot_running(vm, dest, labels, base)
+            result = await live_snapshot.snapshot_running(vm, dest, labels, base, live=live)
         except live_snapshot.LiveSnapshotError as exc:
             if exc.snapshot_kept:
                 self._register(tag, dest, metadata)
