@@ -1,40 +1,26 @@
-"""Branch benchmark: pause window of snapshotting a running forked child, per RAM size.
+"""Branch benchmark: the pause of snapshotting a running VM, live against full, per RAM size.
 
-Run from the repository root::
+``python bench/branch.py`` (``--json-only``: only the JSON line) times *full*
+snapshots (pause, copy the pages written since the fork, resume) against *live*
+ones (``live=True``: copy them while the VM runs, pause only for the pages written
+since; ``precopied_pages`` 0: the host could not track writes, it paused to copy),
+alternating, in the same run. Per ``--sizes`` size (256,1024): a running template
+snapshotted ``--template-snapshots`` times per mode (3), the last (live) snapshot
+being what the children fork from; per ``--written-mib`` amount (4,200, capped at
+size - 112 MiB: 144 at 256 MiB) a child fills a buffer and is branched
+``--branches`` times per mode (5), the whole buffer rewritten before each; a
+grandchild of the last live branch must see the child's state. Then at the
+smallest size (``--chain-only``: only this) a ``--chain-depth`` (5) diff chain, each
+level a fork of the previous writing the smallest amount, and a full branch beside
+the deepest, each forked ``--chain-forks`` times (3).
 
-    python bench/branch.py                 # table on stdout, then one JSON line
-    python bench/branch.py --json-only     # only the JSON line
-
-For each ``--sizes`` size (every VM is killed and the work directory removed at
-the end, also on failure or Ctrl-C):
-
-1. boot a template of that size, snapshot it, kill it;
-2. fork one child from the template and dirty ``--dirty-mib`` MiB in it;
-3. branch the child ``--branches`` times (``child.write_snapshot(dest)``: stage and
-   clone the base while it runs, pause, capture, resume, commit), each time
-   rewriting the same buffer first, so every branch has similar dirty memory;
-   the pause window is each branch's recorded ``pause_ms`` (its ``snapshot.json``),
-   and the whole call is timed as ``branch_wall_ms``;
-4. fork the first grandchild from the last (fresh) branch: its ``ready_ms`` is
-   ``first_grandchild_fork_ms``; it must see the child's state at the branch;
-5. record the branch's ``memory.bin`` allocated and logical size.
-
-Then the branch modes, at the smallest size (``--chain-depth`` levels, default 5;
-``--chain-only`` skips the sizes above):
-
-6. fork a child from the template, dirty ``--dirty-mib`` MiB, branch it as a diff
-   over the template; fork the diff and do the same again, ``--chain-depth`` times;
-   a full branch of the last child is taken too (the same guest state);
-7. fork each of the full branch, the depth-1 diff and the deepest diff
-   ``--chain-forks`` times: ``ready_ms`` p50 each, and the deepest's ratio to the
-   full one (the target: at most 1.5); each fork must see its level's state;
-8. the disk cost: a diff's allocated ``memory.diff`` against a full ``memory.bin``,
-   and what a full branch's copy of the base costs on this filesystem (timed
-   ``memory.copy_sparse`` of the template's ``memory.bin``, reflink or not).
-
-The last line of stdout is one JSON object, also when a size failed: then it
-carries ``"error"`` and the process exits non-zero. Ctrl-C or SIGTERM stops the
-run (VMs killed, work dir removed) without a JSON line, exit status 130.
+Targets (``targets``; ``met`` on top: all met, None if one was not measured):
+live pause p50 <= 15 ms with 4 MiB written and <= 40 ms with 200 MiB, template
+live pause p50 <= 50 ms, at every size; fork ready p50 from the deepest diff <=
+1.5x from the full one; each diff's ``memory.diff`` + ``memory.runs`` <= the pages
+its child wrote since its fork (pagemap) + 1 MiB. VMs killed and the work dir
+removed at the end, also on failure or Ctrl-C; the last stdout line is one JSON
+object (``"error"`` and exit 1 if something failed; Ctrl-C: none, exit 130).
 """
 
 from __future__ import annotations
@@ -51,28 +37,32 @@ from rich.console import Console
 from rich.table import Table
 
 from forkd.guest import image as guest_image
-from forkd.vmm import memory
-from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
+from forkd.vmm import memory, write_tracking
+from forkd.vmm.snapshot_files import MEMORY_DIFF, MEMORY_RUNS, BaseRef, SnapshotLabels, load
 from forkd.vmm.vm import VM
 
-# These scripts run as `python bench/<name>.py`; the shared helpers live next to
-# them in bench/benchlib.py, which is not an installed package. Put this file's
-# folder first on sys.path so `import benchlib` works from any cwd (Python does
-# that for a script already, but not under -P / PYTHONSAFEPATH).
+# Run as `python bench/branch.py`: bench/benchlib.py (not an installed package) is
+# found through this folder, put first on sys.path (also under -P / PYTHONSAFEPATH).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
-from benchlib import MIB, allocated_mib, percentile, r1
+from benchlib import MIB, allocated_mib, lookup, percentile, r1
 
-PAUSE_TARGET_MS = 300.0  # pause p50 at 256 MiB
-PAUSE_TARGET_SIZE = 256
-LINEAR_BASE_SIZE = 256
-LINEAR_SLACK = 1.25
+MODES = ("full", "live")  # taken alternating, in this order
+TEMPLATE_PAUSE_TARGET_MS = 50.0  # template live pause p50, every size
+LIVE_PAUSE_TARGETS_MS = {4: 15.0, 200: 40.0}  # live branch pause p50 by MiB written asked for
 CHAIN_FORK_RATIO_TARGET = 1.5  # deepest diff's fork p50 over a full snapshot's
+DIFF_SLACK_MIB = 1.0  # a diff's disk beyond the pages its child wrote
+# A buffer gets at most size - this: a 256 MiB guest has ~168 MiB available; with
+# 160 MiB it thrashes (its page cache evicted and re-read), 144 takes 2 s.
+GUEST_HEADROOM_MIB = 112
+BIG_EVAL_SECS = 600.0  # an eval that fills or rewrites the buffer (~2 s per 144 MiB, TCG)
 
-# Each chain level: fresh pages of its own, and a marker the forks must see.
+# Each chain level: fresh pages of its own (64 KiB pieces), and a marker the forks must see.
 LEVEL_CODE = """\
 import os
-level_blob_{i} = bytearray(os.urandom({n} << 20))
+level_blob_{i} = bytearray({n} << 20)
+for _off in range(0, len(level_blob_{i}), 1 << 16):
+    level_blob_{i}[_off:_off + (1 << 16)] = os.urandom(1 << 16)
 marker = {i}
 (marker, level_blob_{i}[:8].hex())
 """
@@ -81,7 +71,7 @@ marker = {i}
 # 64 KiB pieces, so each branch dirties the same guest pages (no big temporaries).
 SETUP_CODE = """\
 import os
-blob = bytearray(os.urandom({n} << 20))
+blob = bytearray({n} << 20)
 def _forkd_redirty(tag):
     global marker
     step = 1 << 16
@@ -92,7 +82,7 @@ def _forkd_redirty(tag):
 def _forkd_state():
     return (marker, len(blob), blob[:16].hex() + blob[-16:].hex())
 marker = None
-len(blob)
+_forkd_redirty(None)[1]
 """
 
 
@@ -101,7 +91,37 @@ len(blob)
 parse_sizes = benchlib.sizes_parser("--sizes", at_least_one=True, sort_unique=True)
 
 
-def _check_eval(out: dict[str, Any], what: str) -> str | None:
+def parse_mib_list(text: str) -> list[int]:
+    """``--written-mib``: comma-separated MiB amounts, each >= 1; sorted, no repeats."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--written-mib: {exc}") from exc
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError("--written-mib: give amounts of at least 1 MiB")
+    return values
+
+
+def used_mib(size: int, asked: int) -> int:
+    """What a ``size`` MiB guest can hold of ``asked`` MiB (see GUEST_HEADROOM_MIB)."""
+    return min(asked, size - GUEST_HEADROOM_MIB)
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """p50, p90, max and all of ``values``, rounded."""
+    out: dict[str, Any] = {f"p{q}": r1(percentile(values, q)) for q in (50, 90)}
+    return {**out, "max": r1(max(values)), "all": [r1(v) for v in values]}
+
+
+def pages_written_since_fork(vm: VM) -> int:
+    """Pages of ``vm``'s RAM it wrote since its mapping was made (its fork), per pagemap."""
+    size = vm.machine.memory_mib << 20
+    region = memory.find_ram_region(vm.pid, vm.ram_file, size, vm.ram_inode)
+    return sum(e - f for f, e in memory.runs_of(memory.written_marks(region), 1 << 30))
+
+
+async def checked_eval(vm: VM, code: str, what: str, timeout: float = BIG_EVAL_SECS) -> Any:
+    out = await vm.eval(code, timeout=timeout)
     if out.get("error"):
         raise RuntimeError(f"{what} failed: {out['error']}")
     return out.get("result")
@@ -112,146 +132,137 @@ class Bench(benchlib.BenchBase):
 
     SNAP_SEQ_DIGITS = 3
 
-    # ---------------------------------------------------------------- phases
+    # ---------------------------------------------------------------- templates
 
-    async def _template(self, image: guest_image.Image, size: int) -> tuple[Path, dict[str, Any]]:
+    async def _templates(self, image: guest_image.Image, size: int) -> tuple[Path, dict[str, Any]]:
+        """Snapshot one running template, full and live alternating; keep the last one."""
         tpl = await self._boot(image, size)
+        pauses: dict[str, list[float]] = {mode: [] for mode in MODES}
+        precopied: list[int] = []
+        kept: Path | None = None
         try:
-            _check_eval(await tpl.eval("x = 41"), "template warm-up eval")
-            snap = await tpl.write_snapshot(self._new_snap_dir(f"template-{size}"))
+            await checked_eval(tpl, "x = 41", "template warm-up eval")
+            for i in range(self.args.template_snapshots):
+                for mode in MODES:
+                    dest = self._new_snap_dir(f"template-{size}-{mode}-{i}")
+                    meta = (await tpl.write_snapshot(dest, live=mode == "live")).meta
+                    pauses[mode].append(float(meta.pause_ms or 0.0))
+                    if mode == "live":
+                        precopied.append(meta.precopied_pages)
+                    if kept is not None:
+                        shutil.rmtree(kept, ignore_errors=True)
+                    kept = dest
         finally:
-            # Children map memory.bin, not the template: it can go.
+            # Children map the snapshot's memory.bin, not the template: it can go.
             await self._kill([tpl])
-        return snap.dir, {"boot_ms": tpl.ready_ms, "meta": snap.meta}
-
-    async def _branch(self, child: VM, size: int, i: int) -> dict[str, Any]:
-        """Re-dirty the child, branch it; returns the branch dir and its figures."""
-        tag = f"branch-{size}-{i}"
-        expected = _check_eval(await child.eval(f"_forkd_redirty({tag!r})"), "re-dirtying eval")
-        dest = self._new_snap_dir(f"branch-{size}-{i}")
-        t0 = time.monotonic()
-        meta = (await child.write_snapshot(dest)).meta
-        wall_ms = (time.monotonic() - t0) * 1000
-        mem = dest / "memory.bin"
-        return {
-            "dir": dest,
-            "expected_state": expected,
-            "pause_ms": float(meta.pause_ms or 0.0),
-            "wall_ms": wall_ms,
-            "capture_ms": meta.capture_ms,
-            "pages_written": meta.pages_written,
-            "base_bytes_cloned": meta.base_bytes_cloned,
-            "alloc_mib": allocated_mib(mem),
-            "logical_mib": mem.stat().st_size / MIB,
-            "accel": meta.machine.accel,
+        assert kept is not None
+        self.results.setdefault("accel", tpl.machine.accel)
+        return kept, {
+            "full_pause_ms": spread(pauses["full"]),
+            "live_pause_ms": spread(pauses["live"]),
+            "live_precopied_pages": precopied,
+            "boot_ms": r1(tpl.ready_ms),
         }
 
-    async def _one_size(self, image: guest_image.Image, size: int) -> dict[str, Any]:
-        n_dirty, n_branches = self.args.dirty_mib, self.args.branches
-        self.say.log(f"{size} MiB: booting and snapshotting a template")
-        tpl_snap, tpl_info = await self._template(image, size)
-        kept: list[Path] = [tpl_snap]
+    # ---------------------------------------------------------------- branches
+
+    async def _branch(self, child: VM, label: str, live: bool) -> dict[str, Any]:
+        """Rewrite the child's buffer, branch it; returns the branch dir and its figures."""
+        expected = await checked_eval(child, f"_forkd_redirty({label!r})", "re-dirtying eval")
+        dest = self._new_snap_dir(label)
+        t0 = time.monotonic()
+        meta = (await child.write_snapshot(dest, live=live)).meta
+        wall_ms = (time.monotonic() - t0) * 1000
+        alloc = allocated_mib(dest / "memory.bin")
+        return {"dir": dest, "state": expected, "meta": meta, "wall_ms": wall_ms, "alloc": alloc}
+
+    async def _amount(self, tpl_snap: Path, size: int, asked: int) -> dict[str, Any]:
+        """One child writing ``asked`` MiB (capped), branched full and live alternating."""
+        n_mib = used_mib(size, asked)
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in MODES}
+        kept: Path | None = None
         child: VM | None = None
         grandchild: VM | None = None
         try:
-            self.say.log(f"{size} MiB: forking a child, dirtying {n_dirty} MiB")
+            self.say.log(f"{size} MiB, {n_mib} MiB written: forking a child, filling its buffer")
             child = await self._fork(tpl_snap)
-            _check_eval(await child.eval(SETUP_CODE.format(n=n_dirty)), "dirtying eval")
-
-            self.say.log(f"{size} MiB: branching the child {n_branches} times")
-            infos: list[dict[str, Any]] = []
-            for i in range(n_branches):
-                info = await self._branch(child, size, i)
-                kept.append(info["dir"])
-                if infos:  # only the newest branch is forked from: drop the older ones
-                    shutil.rmtree(infos[-1]["dir"], ignore_errors=True)
-                infos.append(info)
-            last = infos[-1]
-
-            self.say.log(f"{size} MiB: forking the first grandchild from the last branch")
-            t0 = time.monotonic()
+            await checked_eval(child, SETUP_CODE.format(n=n_mib), "buffer setup eval")
+            self.say.log(f"{size} MiB, {n_mib} MiB written: {self.args.branches} branches/mode")
+            for i in range(self.args.branches):
+                for mode in MODES:
+                    info = await self._branch(
+                        child, f"branch-{size}-{asked}-{mode}-{i}", mode == "live"
+                    )
+                    if kept is not None:  # only the newest branch is forked from
+                        shutil.rmtree(kept, ignore_errors=True)
+                    kept = info["dir"]
+                    runs[mode].append(info)
+            last = runs["live"][-1]  # live is taken last: ``kept``
             grandchild = await self._fork(last["dir"])
-            grand_wall_ms = (time.monotonic() - t0) * 1000
-            seen = _check_eval(await grandchild.eval("_forkd_state()"), "grandchild state eval")
-            if seen != last["expected_state"]:
-                raise RuntimeError(
-                    f"the grandchild sees {seen}, the child had {last['expected_state']}"
-                )
+            seen = await checked_eval(grandchild, "_forkd_state()", "grandchild state eval")
+            if seen != last["state"]:
+                raise RuntimeError(f"the grandchild sees {seen}, the child had {last['state']}")
         finally:
             await self._kill([vm for vm in (grandchild, child) if vm is not None])
-            for d in kept:
-                shutil.rmtree(d, ignore_errors=True)
-        return {
-            "template": tpl_info,
-            "branches": infos,
-            "grandchild_ready_ms": grandchild.ready_ms,
-            "grandchild_wall_ms": grand_wall_ms,
-            "grandchild_state_ok": True,
-        }
+            if kept is not None:
+                shutil.rmtree(kept, ignore_errors=True)
+        out: dict[str, Any] = {"asked_mib": asked, "written_mib": n_mib}
+        for mode, infos in runs.items():
+            metas = [b["meta"] for b in infos]
+            out[mode] = {
+                "pause_ms": spread([float(m.pause_ms or 0.0) for m in metas]),
+                "capture_ms_p50": r1(percentile([float(m.capture_ms) for m in metas], 50)),
+                "wall_ms_p50": r1(percentile([b["wall_ms"] for b in infos], 50)),
+                "precopied_pages": [m.precopied_pages for m in metas],
+                "pages_written": [m.pages_written for m in metas],
+                "memory_bin_alloc_mib": r1(infos[-1]["alloc"]),
+            }
+        out["grandchild_ready_ms"] = r1(grandchild.ready_ms)
+        out["grandchild_state_ok"] = True
+        return out
 
-    async def run_sizes(self, image: guest_image.Image) -> None:
-        res = self.results
-        # Filled in as sizes finish, so a later failure keeps the earlier figures.
-        pause = res.setdefault("pause_ms", {})
-        wall = res.setdefault("branch_wall_ms", {})
-        grand = res.setdefault("first_grandchild_fork_ms", {})
-        alloc = res.setdefault("memory_bin_alloc_mib", {})
-        logical = res.setdefault("memory_bin_logical_mib", {})
-        detail = res.setdefault("detail", {})
-        for size in self.args.sizes:
-            key = str(size)
-            try:
-                info = await self._one_size(image, size)
-            except Exception as exc:  # one size failing must not hide the others
-                self.fail(f"branching at {size} MiB", exc)
-                pause[key] = wall[key] = grand[key] = alloc[key] = logical[key] = None
-                self.rows.append((key, "[red]failed[/]", *("-",) * 6))
-                continue
-            branches = info["branches"]
-            pauses = [b["pause_ms"] for b in branches]
-            walls = [b["wall_ms"] for b in branches]
-            captures = [b["capture_ms"] or 0.0 for b in branches]
-            last = branches[-1]
-            res.setdefault("accel", last["accel"])
-            pause[key] = {
-                "p50": r1(percentile(pauses, 50)),
-                "p90": r1(percentile(pauses, 90)),
-                "max": r1(max(pauses)),
-                "all": [r1(p) for p in pauses],
-            }
-            wall[key] = r1(percentile(walls, 50))
-            grand[key] = r1(info["grandchild_ready_ms"])
-            alloc[key] = r1(last["alloc_mib"])
-            logical[key] = r1(last["logical_mib"])
-            tpl_meta = info["template"]["meta"]
-            detail[key] = {
-                "branch_wall_ms_all": [r1(w) for w in walls],
-                "capture_ms_p50": r1(percentile(captures, 50)),
-                "pages_written": [b["pages_written"] for b in branches],
-                "base_mib_cloned": r1((last["base_bytes_cloned"] or 0) / MIB),
-                "memory_bin_alloc_mib_all": [r1(b["alloc_mib"]) for b in branches],
-                "grandchild_restore_wall_ms": r1(info["grandchild_wall_ms"]),
-                "grandchild_state_ok": info["grandchild_state_ok"],
-                "template_boot_ms": r1(info["template"]["boot_ms"]),
-                "template_pause_ms": tpl_meta.pause_ms,
-            }
+    def _branch_rows(self, size: int, entry: dict[str, Any]) -> None:
+        used, asked = entry["written_mib"], entry["asked_mib"]
+        written = f"{used}" if used == asked else f"{used} of {asked}"
+        for mode in MODES:
+            m = entry[mode]
+            pre = m["precopied_pages"]
+            pause = (f"{m['pause_ms'][k]:.1f}" for k in ("p50", "p90", "max"))
             self.rows.append(
-                (
-                    key,
-                    f"{pause[key]['p50']:.1f}",
-                    f"{pause[key]['p90']:.1f}",
-                    f"{pause[key]['max']:.1f}",
-                    f"{percentile(captures, 50):.1f}",
-                    f"{wall[key]:.1f}",
-                    f"{grand[key]:.1f}",
-                    f"{alloc[key]:.1f} / {logical[key]:.0f}",
-                )
-            )
+                (str(size), written, mode, *pause, f"{m['capture_ms_p50']:.1f}",
+                 f"{m['wall_ms_p50']:.1f}", f"{min(pre)}",
+                 f"{m['memory_bin_alloc_mib']:.1f}")
+            )  # fmt: skip
+
+    async def _one_size(self, image: guest_image.Image, size: int) -> None:
+        """Fill ``results["templates"][size]`` and ``results["branch"][size]`` as it goes."""
+        key = str(size)
+        self.say.log(f"{size} MiB: a template, {self.args.template_snapshots} snapshots/mode")
+        try:
+            tpl_snap, tpl = await self._templates(image, size)
+        except Exception as exc:
+            self.fail(f"the template snapshots at {size} MiB", exc)
+            return
+        self.results["templates"][key] = tpl
+        branch = self.results["branch"].setdefault(key, {})
+        try:
+            for asked in self.args.written_mib:
+                try:
+                    branch[str(asked)] = entry = await self._amount(tpl_snap, size, asked)
+                except Exception as exc:  # one amount failing must not hide the others
+                    self.fail(f"branching at {size} MiB, {asked} MiB written", exc)
+                    self.rows.append((key, str(asked), "[red]failed[/]", *("-",) * 7))
+                    continue
+                self._branch_rows(size, entry)
+        finally:
+            shutil.rmtree(tpl_snap, ignore_errors=True)
 
     async def run(self) -> None:
+        self.results.update(templates={}, branch={})
         image = await self.python_image()
         if not self.args.chain_only:
-            await self.run_sizes(image)
+            for size in self.args.sizes:
+                await self._one_size(image, size)
         try:
             self.results["modes"] = await self._modes(image, min(self.args.sizes))
         except Exception as exc:
@@ -259,14 +270,16 @@ class Bench(benchlib.BenchBase):
 
     # ---------------------------------------------------------------- modes
 
-    async def _level(self, child: VM, i: int, base: Path | None) -> tuple[Path, Any]:
-        """Dirty ``child`` as level ``i``; branch it, a diff over ``base`` (None: full)."""
-        code = LEVEL_CODE.format(i=i, n=self.args.dirty_mib)
-        state = _check_eval(await child.eval(code), f"level {i} eval")
+    async def _level(self, child: VM, i: int, base: Path | None) -> tuple[Path, Any, int]:
+        """Write level ``i`` in ``child``; branch it, a diff over ``base`` (None: full).
+        Returns the branch, the state forks must see and the pages written since the fork."""
+        code = LEVEL_CODE.format(i=i, n=min(self.args.written_mib))
+        state = await checked_eval(child, code, f"level {i} eval")
+        pages = pages_written_since_fork(child)
         dest = self._new_snap_dir(f"{'diff' if base else 'full'}-{i}")
-        ref = BaseRef(base.name, str(base)) if base else None
+        ref = BaseRef(base.name, str(base), load(base).meta.id) if base else None
         await child.write_snapshot(dest, SnapshotLabels(tag=dest.name), ref)
-        return dest, state
+        return dest, state, pages
 
     async def _timed_forks(self, snap: Path, level: int, expected: Any) -> list[float]:
         out = []
@@ -274,7 +287,7 @@ class Bench(benchlib.BenchBase):
             vm = await self._fork(snap)
             try:
                 code = f"(marker, level_blob_{level}[:8].hex())"
-                seen = _check_eval(await vm.eval(code), "fork state eval")
+                seen = await checked_eval(vm, code, "fork state eval")
                 if seen != expected:
                     raise RuntimeError(f"a fork of {snap.name} sees {seen}, expected {expected}")
                 out.append(float(vm.ready_ms or 0.0))
@@ -283,32 +296,36 @@ class Bench(benchlib.BenchBase):
         return out
 
     async def _modes(self, image: guest_image.Image, size: int) -> dict[str, Any]:
-        self.say.log(f"modes at {size} MiB: a chain of {self.args.chain_depth} diffs")
-        tpl, _ = await self._template(image, size)
-        snaps: list[tuple[Path, Any]] = []
+        depth = self.args.chain_depth
+        self.say.log(f"modes at {size} MiB: a chain of {depth} diffs")
+        tpl = await self._boot(image, size)
         try:
-            base, child = tpl, await self._fork(tpl)
-            for i in range(1, self.args.chain_depth + 1):
-                d, state = await self._level(child, i, base)
-                snaps.append((d, state))
-                if i == self.args.chain_depth:
+            await checked_eval(tpl, "x = 41", "template warm-up eval")
+            tpl_snap = (await tpl.write_snapshot(self._new_snap_dir(f"template-{size}"))).dir
+        finally:
+            await self._kill([tpl])
+        snaps: list[tuple[Path, Any, int]] = []
+        try:
+            base, child = tpl_snap, await self._fork(tpl_snap)
+            for i in range(1, depth + 1):
+                snaps.append(await self._level(child, i, base))
+                if i == depth:
                     snaps.append(await self._level(child, i, None))  # a full one beside
                 await self._kill([child])
-                if i < self.args.chain_depth:
-                    base, child = d, await self._fork(d)
-            depth = self.args.chain_depth
+                if i < depth:
+                    base, child = snaps[-1][0], await self._fork(snaps[-1][0])
             forks = {
                 "full": await self._timed_forks(snaps[-1][0], depth, snaps[-1][1]),
                 "diff_depth_1": await self._timed_forks(snaps[0][0], 1, snaps[0][1]),
                 f"diff_depth_{depth}": await self._timed_forks(snaps[-2][0], depth, snaps[-2][1]),
             }
-            return self._mode_figures(tpl, snaps, forks)
+            return self._mode_figures(tpl_snap, snaps, forks)
         finally:
-            for d in [tpl, *(s[0] for s in snaps)]:
+            for d in [tpl_snap, *(s[0] for s in snaps)]:
                 shutil.rmtree(d, ignore_errors=True)
 
     def _mode_figures(
-        self, tpl: Path, snaps: list[tuple[Path, Any]], forks: dict[str, list[float]]
+        self, tpl: Path, snaps: list[tuple[Path, Any, int]], forks: dict[str, list[float]]
     ) -> dict[str, Any]:
         p50 = {k: r1(percentile(v, 50)) for k, v in forks.items()}
         deep = p50[f"diff_depth_{self.args.chain_depth}"]
@@ -327,117 +344,152 @@ class Bench(benchlib.BenchBase):
             os.close(src)
             os.close(fd)
             out.unlink()
+        diffs = snaps[:-1]
         return {
+            "written_mib_per_level": min(self.args.written_mib),
             "fork_ready_ms_p50": p50,
             "fork_ready_ms_all": {k: [r1(x) for x in v] for k, v in forks.items()},
             "deepest_over_full": ratio,
-            "target": {"name": f"deepest/full <= {CHAIN_FORK_RATIO_TARGET}",
-                       "met": None if ratio is None else ratio <= CHAIN_FORK_RATIO_TARGET},
-            "diff_alloc_mib": [r1(allocated_mib(d / "memory.diff")) for d, _ in snaps[:-1]],
+            "diff_pages_written": [pages for _, _, pages in diffs],
+            "diff_written_mib": [round(pages * memory.PAGE / MIB, 2) for _, _, pages in diffs],
+            "diff_alloc_mib": [round(allocated_mib(d / MEMORY_DIFF)
+                                     + allocated_mib(d / MEMORY_RUNS), 2) for d, _, _ in diffs],
             "full_alloc_mib": r1(allocated_mib(snaps[-1][0] / "memory.bin")),
             "full_copy": {"ms": r1(copy_ms), "mib": r1(copied / MIB), "reflink": reflink},
         }  # fmt: skip
 
 
-def _p50(results: dict[str, Any], size: int) -> float | None:
-    entry = results.get("pause_ms", {}).get(str(size))
-    return entry["p50"] if entry else None
+# ------------------------------------------------------------------ judging
+
+
+def _target(name: str, value: float | None, bound: float | None) -> dict[str, Any]:
+    met = None if value is None or bound is None else value <= bound
+    return {"name": name, "value": value, "bound": bound, "met": met}
+
+
+def targets(res: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    out = []
+    for size in args.sizes:
+        for asked in args.written_mib:
+            bound = LIVE_PAUSE_TARGETS_MS.get(asked)
+            if bound is not None:
+                value = lookup(res, f"branch.{size}.{asked}.live.pause_ms.p50")
+                name = f"live pause p50 ms, {size} MiB, {asked} MiB written"
+                if used_mib(size, asked) != asked:
+                    name += f" ({used_mib(size, asked)} used)"
+                out.append(_target(name, value, bound))
+        value = lookup(res, f"templates.{size}.live_pause_ms.p50")
+        out.append(
+            _target(f"template live pause p50 ms, {size} MiB", value, TEMPLATE_PAUSE_TARGET_MS)
+        )
+    modes = res.get("modes") or {}
+    depth = args.chain_depth
+    name = f"fork from a depth-{depth} diff / from a full snapshot (ready p50)"
+    out.append(_target(name, modes.get("deepest_over_full"), CHAIN_FORK_RATIO_TARGET))
+    written = modes.get("diff_written_mib") or [None] * depth
+    alloc = modes.get("diff_alloc_mib") or [None] * depth
+    for i, (w, a) in enumerate(zip(written, alloc, strict=True), 1):
+        bound = None if w is None else round(w + DIFF_SLACK_MIB, 2)
+        name = f"diff level {i} disk MiB <= written since its fork + 1 MiB"
+        out.append(_target(name, a, bound))
+    return out
 
 
 def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     results["sizes"] = args.sizes
-    results["dirty_mib"] = args.dirty_mib
-    results["branches"] = args.branches
+    results["written_mib_asked"] = args.written_mib
+    results["written_mib_used"] = {
+        str(s): {str(a): used_mib(s, a) for a in args.written_mib} for s in args.sizes
+    }
+    results["branches_per_mode"] = args.branches
+    results["template_snapshots_per_mode"] = args.template_snapshots
     results["host_cores"] = os.cpu_count()
     results["host_cores_usable"] = len(os.sched_getaffinity(0))
-    value = _p50(results, PAUSE_TARGET_SIZE)
-    results["target"] = {
-        "name": f"pause p50 <= {PAUSE_TARGET_MS:g} ms at {PAUSE_TARGET_SIZE} MiB",
-        "value": value,
-        "met": None if value is None else value <= PAUSE_TARGET_MS,
-    }
-    base = _p50(results, LINEAR_BASE_SIZE)
-    ratios: dict[str, Any] = {}
-    for size in args.sizes:
-        p50 = _p50(results, size)
-        if size == LINEAR_BASE_SIZE or base is None or p50 is None or base <= 0:
-            continue
-        bound = size / LINEAR_BASE_SIZE * LINEAR_SLACK
-        ratio = p50 / base
-        ok = ratio <= bound
-        ratios[str(size)] = {"ratio": round(ratio, 2), "bound": round(bound, 2), "ok": ok}
-    results["linear_growth"] = {
-        "rule": f"p50(size)/p50({LINEAR_BASE_SIZE}) <= size/{LINEAR_BASE_SIZE} * {LINEAR_SLACK}",
-        "ratios": ratios,
-        "met": all(r["ok"] for r in ratios.values()) if ratios else None,
-    }
+    results["write_tracking"] = write_tracking.problem() or "ok"
+    live_pre = [p for t in results.get("templates", {}).values() for p in t["live_precopied_pages"]]
+    for per_size in results.get("branch", {}).values():
+        live_pre += [p for e in per_size.values() for p in e["live"]["precopied_pages"]]
+    results["live_fallback"] = any(p == 0 for p in live_pre)
+    judged = targets(results, args)
+    results["targets"] = judged
+    values_in = all(t["value"] is not None and t["bound"] is not None for t in judged)
+    results["met"] = all(t["met"] for t in judged) if values_in else None
     return results
+
+
+def _table(title: str, cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> Table:
+    table = Table(title=title)
+    for col in cols:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
 
 
 def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
     res = results
-    table = Table(
-        title=(
-            f"forkd branch benchmark ({res.get('accel')}, {res['host_cores']} cores, "
-            f"{res['branches']} branches, {res['dirty_mib']} MiB re-dirtied per branch; "
-            "times in ms, sizes in MiB)"
-        )
+    head = f"{res.get('accel')}, {res['host_cores']} cores, write tracking: {res['write_tracking']}"
+    n_tpl = res["template_snapshots_per_mode"]
+    title = f"template pause, ms ({n_tpl}/mode)"
+    tpls = [(str(s), res["templates"].get(str(s))) for s in res["sizes"]]
+    rows = [
+        (s, *(f"{t[f'{m}_pause_ms']['p50']:.1f}" if t else "-" for m in MODES)) for s, t in tpls
+    ]
+    out.print(_table(title, ("RAM MiB", "full pause p50", "live pause p50"), rows))
+    title = (
+        f"branches of a forked child ({head}; {res['branches_per_mode']} per mode, "
+        f"alternating, the buffer rewritten before each; written capped at RAM - "
+        f"{GUEST_HEADROOM_MIB}; precopied: pages; times in ms, sizes in MiB)"
     )
-    for col in (
-        "RAM",
-        "pause p50",
-        "p90",
-        "max",
-        "capture p50",
-        "branch wall p50",
-        "1st grandchild fork",
-        "memory.bin alloc / size",
-    ):
-        table.add_column(col, justify="right")
-    for row in bench.rows:
-        table.add_row(*row)
-    out.print(table)
-    target, linear = res["target"], res["linear_growth"]
-    mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "-"}
-    out.print(f"target {target['name']}: {target['value']} ms, {mark[target['met']]}")
-    ratios = ", ".join(
-        f"{size}: {r['ratio']} (<= {r['bound']})" for size, r in linear["ratios"].items()
-    )
-    out.print(f"linear growth {linear['rule']}: {ratios or '-'}, {mark[linear['met']]}")
+    cols = ("RAM", "written", "mode", "pause p50", "p90", "max", "capture p50", "wall p50",
+            "precopied min", "alloc")  # fmt: skip
+    out.print(_table(title, cols, bench.rows))
+    used = res["written_mib_used"]
+    caps = [f"{a} -> {u} at {s}" for s, c in used.items() for a, u in c.items() if int(a) != u]
+    if caps:
+        out.print(f"note: MiB written capped (no room for more beside the guest's kernel and "
+                  f"agent): {', '.join(caps)} MiB RAM")  # fmt: skip
+    if res["live_fallback"]:
+        out.print("[yellow]note: some live snapshots copied nothing before the pause[/]")
     modes = res.get("modes")
     if modes:
         forks = ", ".join(f"{k} {v} ms" for k, v in modes["fork_ready_ms_p50"].items())
-        out.print(f"fork ready p50: {forks}; deepest/full {modes['deepest_over_full']} "
-                  f"({modes['target']['name']}: {mark[modes['target']['met']]})")  # fmt: skip
+        out.print(f"fork ready p50: {forks}; deepest/full {modes['deepest_over_full']}")
         copy = modes["full_copy"]
-        out.print(f"disk: diffs {modes['diff_alloc_mib']} MiB vs full {modes['full_alloc_mib']} "
-                  f"MiB; a full branch's base copy: {copy['mib']} MiB in {copy['ms']} ms "
+        out.print(f"disk: diffs {modes['diff_alloc_mib']} MiB (written since their forks "
+                  f"{modes['diff_written_mib']} MiB) vs full {modes['full_alloc_mib']} MiB; "
+                  f"a full branch's base copy: {copy['mib']} MiB in {copy['ms']} ms "
                   f"(reflink: {copy['reflink']})")  # fmt: skip
+    mark = {True: "[green]met[/]", False: "[red]not met[/]", None: "-"}
+    for t in res["targets"]:
+        out.print(f"target {t['name']}: {t['value']} (<= {t['bound']}), {mark[t['met']]}")
+    out.print(f"all targets: {mark[res['met']]}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--sizes",
-        type=parse_sizes,
-        default=parse_sizes("256,512,1024"),
-        help="template/child RAM sizes in MiB (256,512,1024)",
-    )
-    p.add_argument("--branches", type=int, default=6, help="branches per size, >= 5 (6)")
-    p.add_argument(
-        "--dirty-mib", type=int, default=4, help="MiB rewritten in the child before each branch (4)"
-    )
-    p.add_argument("--chain-depth", type=int, default=5, help="diff levels in the chain (5)")
-    p.add_argument("--chain-forks", type=int, default=3, help="timed forks per mode (3)")
+    for opt, parse, text, what in (
+        ("--sizes", parse_sizes, "256,1024", "template/child RAM sizes in MiB"),
+        ("--written-mib", parse_mib_list, "4,200", "MiB rewritten per branch, <= RAM - 112"),
+    ):
+        p.add_argument(opt, type=parse, default=parse(text), help=f"{what} ({text})")
+    for opt, default, what in (
+        ("--branches", 5, "branches per size, written amount and mode"),
+        ("--template-snapshots", 3, "template snapshots per size and mode"),
+        ("--chain-depth", 5, "diff levels in the chain"),
+        ("--chain-forks", 3, "timed forks per chain snapshot"),
+    ):
+        p.add_argument(opt, type=int, default=default, help=f"{what} ({default})")
     p.add_argument("--chain-only", action="store_true", help="only the branch modes")
     benchlib.add_common_args(p)
     args = p.parse_args(argv)
-    if args.chain_depth < 1 or args.chain_forks < 1:
-        p.error("--chain-depth and --chain-forks must be at least 1")
-    if args.branches < 5:
-        p.error("--branches must be at least 5")
-    if not 1 <= args.dirty_mib <= min(args.sizes) // 4:
-        p.error("--dirty-mib must be at least 1 and at most a quarter of the smallest size")
+    if min(args.chain_depth, args.chain_forks, args.branches, args.template_snapshots) < 1:
+        p.error("--chain-depth, --chain-forks, --branches, --template-snapshots must be >= 1")
+    room = min(args.sizes) - GUEST_HEADROOM_MIB
+    if room < 1:
+        p.error(f"each size must be above {GUEST_HEADROOM_MIB} MiB")
+    if args.chain_depth * min(args.written_mib) > room:
+        p.error(f"--chain-depth x the smallest --written-mib must fit in {room} MiB")
     return benchlib.run_main(
         benchlib.amain(args, Bench, finish_results, render, workdir_prefix="forkd-bbench-")
     )

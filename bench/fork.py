@@ -13,7 +13,14 @@ failure or Ctrl-C):
    ``ready_ms`` gives p50/p90, and after ~1 s idle each child's host memory is
    read from smaps_rollup (private / rss / pss);
 3. fork ``--concurrent`` children at once (``fork10_concurrent_wall_ms``);
-4. for each ``--pause-sizes`` size: boot a template of that size, dirty 8 MiB
+4. plain QEMU save/restore, what a QEMU user would do instead of a fork
+   (bench/qemu_baseline.py): a second template, booted and warmed the same way,
+   ``--baseline-runs`` times ``stop`` + ``migrate`` (RAM included) to a file
+   (``qemu_save_ms``, ``qemu_save_file_mib``), then a new QEMU restoring it with
+   ``-incoming`` + ``cont`` until the agent answers (``qemu_restore_ms``); beside
+   forkd's snapshot disk (``forkd_snapshot_disk_mib``: memory.bin + vmstate
+   allocated) and ``fork_vs_qemu_restore_ratio`` (restore p50 / fork p50);
+5. for each ``--pause-sizes`` size: boot a template of that size, dirty 8 MiB
    in the guest and time the pause window (pause -> capture -> resume) of 3
    snapshots; the median is ``snapshot_pause_ms[size]``.
 
@@ -38,6 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forkd.guest import image as guest_image
+from forkd.vmm import snapshot_files
 from forkd.vmm.pool import ForkPool
 from forkd.vmm.vm import VM
 
@@ -47,6 +55,7 @@ from forkd.vmm.vm import VM
 # that for a script already, but not under -P / PYTHONSAFEPATH).
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import benchlib
+import qemu_baseline
 from benchlib import MIB, allocated_mib, judge, percentile, r1
 
 DIRTY_MIB = 8
@@ -107,20 +116,34 @@ class Bench(benchlib.BenchBase):
 
     # ---------------------------------------------------------------- phases
 
+    async def _warm_template(self, image: guest_image.Image) -> VM:
+        """A booted template of ``--memory`` MiB, warmed: ``x = 41`` and a file."""
+        tpl = await self._boot(image, self.args.memory)
+        try:
+            out = await tpl.eval("x = 41")
+            if out.get("error"):
+                raise RuntimeError(f"warm-up eval failed: {out['error']}")
+            await tpl.write_file("/tmp/forkd-bench.txt", b"warm\n")
+        except BaseException:
+            await self._kill([tpl])
+            raise
+        return tpl
+
     async def phase_template(self, image: guest_image.Image) -> Path:
         mem = self.args.memory
         self.say.log(f"booting a {mem} MiB template (cold boot)")
-        tpl = await self._boot(image, mem)
+        tpl = await self._warm_template(image)
         self.results["cold_boot_ms"] = r1(tpl.ready_ms)
-        out = await tpl.eval("x = 41")
-        if out.get("error"):
-            raise RuntimeError(f"warm-up eval failed: {out['error']}")
-        await tpl.write_file("/tmp/forkd-bench.txt", b"warm\n")
         snap = self._new_snap_dir(f"template-{mem}")
         snap_info = await self.timed_snapshot(tpl, snap)
         self.results["accel"] = snap_info["meta"].machine.accel
         self.results["template_snapshot_pause_ms"] = r1(snap_info["pause_ms"])
         self.results["template_memory_bin_mib"] = r1(snap_info["memory_bin_mib"])
+        # What a fork needs on disk (snapshot.json aside): to set beside QEMU's save file.
+        disk = allocated_mib(snap / snapshot_files.MEMORY) + allocated_mib(
+            snap / snapshot_files.VMSTATE
+        )
+        self.results["forkd_snapshot_disk_mib"] = r1(disk)
         self.rows.append(("template snapshot pause", f"{snap_info['pause_ms']:.1f} ms", ""))
         self.rows.append(
             ("template memory.bin allocated", f"{snap_info['memory_bin_mib']:.1f} MiB", "")
@@ -212,6 +235,56 @@ class Bench(benchlib.BenchBase):
         self.results["concurrent_child_ready_p50_ms"] = r1(percentile(ready, 50))
         self.results["concurrent_child_ready_max_ms"] = r1(max(ready))
 
+    async def _qemu_restore(self, tpl: VM, src: Path) -> float:
+        """One plain-QEMU restore of ``src``: ms from the process start to the agent's
+        answer; the restored guest must hold the template's ``x``. Killed after."""
+        started = time.monotonic()
+        vm = await qemu_baseline.start_incoming(tpl.machine, self.run_root)
+        self.vms.append(vm)  # no await since start_incoming returned: never lost
+        try:
+            await qemu_baseline.restore_from_file(vm, src)
+            ms = (time.monotonic() - started) * 1000
+            out = await vm.eval("x + 1")
+            if out.get("result") != "42":
+                raise RuntimeError(f"the QEMU-restored guest did not see x = 41: {out}")
+        finally:
+            await self._kill([vm])
+        return ms
+
+    async def phase_qemu_baseline(self, image: guest_image.Image) -> None:
+        """What a QEMU user would do instead of a fork: save to a file, restore it."""
+        runs = self.args.baseline_runs
+        self.say.log(f"plain QEMU save/restore: {runs} runs from a warm {self.args.memory} MiB VM")
+        saves: list[float] = []
+        restores: list[float] = []
+        sizes: list[float] = []
+        tpl = await self._warm_template(image)
+        try:
+            for i in range(runs):
+                dest = self.workdir / f"qemu-save-{i}.bin"
+                try:
+                    saves.append(await qemu_baseline.save_to_file(tpl, dest))
+                    sizes.append(dest.stat().st_size / MIB)
+                    restores.append(await self._qemu_restore(tpl, dest))
+                finally:
+                    dest.unlink(missing_ok=True)
+                if i + 1 < runs:  # the template runs again before the next save
+                    await tpl.qmp.execute("cont")
+                    tpl.state = "running"
+        finally:
+            await self._kill([tpl])
+        res = self.results
+        res["qemu_baseline_runs"] = runs
+        res["qemu_save_ms_all"] = [r1(x) for x in saves]
+        res["qemu_restore_ms_all"] = [r1(x) for x in restores]
+        res["qemu_save_ms"] = r1(statistics.median(saves))
+        res["qemu_restore_ms"] = r1(statistics.median(restores))
+        res["qemu_save_file_mib"] = r1(statistics.median(sizes))
+        self.say.log(
+            f"QEMU save file {res['qemu_save_file_mib']} MiB; forkd's template memory.bin "
+            f"{res.get('template_memory_bin_mib')} MiB allocated (the guest's written pages)"
+        )
+
     async def _pause_one(self, image: guest_image.Image, size: int) -> list[dict[str, Any]]:
         vm = await self._boot(image, size)
         snaps: list[Path] = []
@@ -269,12 +342,22 @@ class Bench(benchlib.BenchBase):
         await self.phase_pooled(snap, warm=False)
         await self.phase_pooled(snap, warm=True)
         await self.phase_concurrent(snap)
+        if self.args.baseline_runs:
+            try:  # a failure here must not hide the pause windows
+                await self.phase_qemu_baseline(image)
+            except Exception as exc:
+                self.fail("plain QEMU save/restore", exc)
         await self.phase_pause(image)
 
 
 def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     cold, p50 = results.get("cold_boot_ms"), results.get("fork_p50_ms")
     results["fork_vs_boot_ratio"] = round(cold / p50, 1) if cold and p50 else None
+    qemu = results.get("qemu_restore_ms")
+    hit = results.get("fork_pool_hit_p50_ms")
+    # How many times faster than a plain QEMU restore a fork (a pool hit) is.
+    results["fork_vs_qemu_restore_ratio"] = round(qemu / p50, 1) if qemu and p50 else None
+    results["pool_hit_vs_qemu_restore_ratio"] = round(qemu / hit, 1) if qemu and hit else None
     results["memory_mib"] = args.memory
     results["host_cores"] = os.cpu_count()
     results["host_cores_usable"] = len(os.sched_getaffinity(0))
@@ -314,6 +397,8 @@ def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
         "fork first / max", f"{res.get('fork_first_ms')} / {res.get('fork_max_ms')} ms", "", ""
     )
     target_row("cold boot / fork p50", "fork_vs_boot_ratio", "x")
+    for label, value in qemu_baseline.table_rows(res):
+        main.add_row(label, value, "", "")
     target_row(
         f"{res.get('concurrent_forks')} concurrent forks, wall", "fork10_concurrent_wall_ms", " ms"
     )
@@ -349,10 +434,18 @@ def main(argv: list[str] | None = None) -> int:
         default=parse_sizes("256,512,1024"),
         help="template sizes (MiB) for the snapshot pause window (256,512,1024)",
     )
+    p.add_argument(
+        "--baseline-runs",
+        type=int,
+        default=3,
+        help="plain QEMU save/restore runs, for their p50 (3; 0 skips them)",
+    )
     benchlib.add_common_args(p)
     args = p.parse_args(argv)
     if args.forks < 1 or args.concurrent < 1:
         p.error("--forks and --concurrent must be at least 1")
+    if args.baseline_runs < 0:
+        p.error("--baseline-runs must be 0 or more")
     return benchlib.run_main(
         benchlib.amain(args, Bench, finish_results, render, workdir_prefix="forkd-bench-")
     )
