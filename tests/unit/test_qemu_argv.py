@@ -73,3 +73,13 @@ def test_tcg_guests_are_told_the_tsc_rate(tmp_path: Path) -> None:
     cfg = MachineConfig(**{**CFG.__dict__, "cmdline": kernel_cmdline("tcg", 1000)})
     argv = build_argv(cfg, RuntimePaths(Path("/run/vm-1")), ram_file=Path("/r"), incoming=False)
     assert argv[argv.index("-append") + 1].endswith("tsc_early_khz=1000")
+
+
+def test_new_vms_have_no_pit_and_older_records_keep_theirs() -> None:
+    rt = RuntimePaths(Path("/run/vm-1"))
+    machine = lambda cfg: build_argv(cfg, rt, ram_file=rt.ram, incoming=False)[4]  # noqa: E731
+    assert machine(CFG).endswith(",pit=off")  # its ticking woke QEMU 40 times a second
+    assert MachineConfig.from_json(CFG.to_json()) == CFG
+    old = {k: v for k, v in CFG.to_json().items() if k != "pit"}  # a snapshot made before
+    restored = MachineConfig.from_json(old)
+    assert restored.pit and "pit=off" not in machine(restored)  # its vmstate has a PIT
