@@ -290,3 +290,34 @@ def run_main(main: Coroutine[Any, Any, int]) -> int:
         return asyncio.run(main)
     except (KeyboardInterrupt, asyncio.CancelledError):
         return 130
+
+
+def private_breakdown(
+    pid: int, ram_file_names: tuple[str, ...] = ("memory.bin", "ram.bin")
+) -> dict[str, float]:
+    """Where a QEMU process's private dirty memory goes (MiB), from its smaps: the guest
+    pages it wrote, TCG's translation cache (the one anonymous mapping of about
+    tb-size), the heap, the data of QEMU and its libraries, and other anonymous
+    memory (thread stacks, device buffers, allocator arenas)."""
+    from forkd.vmm.qemu_argv import TCG_TB_SIZE_MIB
+
+    parts = dict.fromkeys(("guest_written", "tcg_cache", "heap", "binaries", "other"), 0.0)
+    kind = "other"
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            name = head[5] if len(head) > 5 else ""
+            if Path(name).name in ram_file_names:
+                kind = "guest_written"
+            elif not name and abs((hi - lo) - (TCG_TB_SIZE_MIB << 20)) <= 1 << 20:
+                kind = "tcg_cache"
+            elif name == "[heap]":
+                kind = "heap"
+            elif name.startswith("/"):
+                kind = "binaries"
+            else:
+                kind = "other"
+        elif head[0] == "Private_Dirty:":
+            parts[kind] += int(head[1]) / 1024
+    return {k: round(v, 1) for k, v in parts.items()}

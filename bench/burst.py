@@ -101,6 +101,7 @@ class BurstBench(benchlib.DaemonBench):
         used = sum(cpu_secs(p) for p in watched) - before
         secs = time.monotonic() - t0
         private = [processes.memory_usage(p).get("private", 0) / MIB for p in qemus]
+        median = sorted(zip(private, qemus, strict=True))[len(qemus) // 2][1]
         self.results.update(
             idle_children=len(have),
             idle_qemu_processes=len(qemus),
@@ -108,6 +109,7 @@ class BurstBench(benchlib.DaemonBench):
             idle_private_mib_p50=r1(percentile(private, 50)),
             idle_private_mib_max=r1(max(private)),
             host_mib_used=r1(mib_before - available_mib()),
+            idle_private_mib_by_part=benchlib.private_breakdown(median),  # the median child
         )
 
     def bench(self) -> None:
@@ -140,6 +142,8 @@ def render(out: Console, bench: BurstBench, res: dict[str, Any]) -> None:
     for key in ("burst_request_s", "burst_fork_ms_p50", "burst_fork_ms_max",
                 "idle_private_mib_max", "host_mib_used", "idle_children"):  # fmt: skip
         t.add_row(key, str(res.get(key)), "", "")
+    for part, mib in (res.get("idle_private_mib_by_part") or {}).items():
+        t.add_row(f"  median idle child: {part} (MiB)", str(mib), "", "")
     out.print(t)
 
 

@@ -95,6 +95,7 @@ def incoming_argv(machine: MachineConfig, vm_dir: Path, ram: Path, sandbox: bool
         incoming=True,
         sandbox=sandbox,
         runas=qemu_user.runas(),
+        boot_files=True,  # the stream's ROMs (the kernel loader's) must be there
     )
     for i in range(len(argv) - 1):
         if (argv[i], argv[i + 1]) == SEND_CONFIG_OFF:

@@ -83,3 +83,11 @@ def test_new_vms_have_no_pit_and_older_records_keep_theirs() -> None:
     old = {k: v for k, v in CFG.to_json().items() if k != "pit"}  # a snapshot made before
     restored = MachineConfig.from_json(old)
     assert restored.pit and "pit=off" not in machine(restored)  # its vmstate has a PIT
+
+
+def test_a_restore_does_not_load_the_kernel() -> None:
+    rt = RuntimePaths(Path("/run/vm-1"))
+    boot = build_argv(CFG, rt, ram_file=rt.ram, incoming=False)
+    restore = build_argv(CFG, rt, ram_file=Path("/snap/memory.bin"), incoming=True)
+    assert boot[boot.index("-kernel") + 1] == "/img/vmlinuz" and "-initrd" in boot
+    assert not {"-kernel", "-initrd", "-append"} & set(restore)  # 17 MiB QEMU would hold

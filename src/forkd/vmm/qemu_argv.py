@@ -192,12 +192,15 @@ def build_argv(
     sandbox: bool = True,
     runas: str | None = None,
     layer_fds: Mapping[int, tuple[int, int]] | None = None,
+    boot_files: bool | None = None,
 ) -> list[str]:
     """QEMU's command line. ``tap``: the VM's network is ``tap0`` of the network
     namespace QEMU starts in (forkd.vmm.network); else user-mode NAT. ``runas``:
     the user QEMU drops to once it has opened its files (forkd.vmm.qemu_user).
     ``layer_fds``: volume index → the read-only and read-write descriptors of
-    its writable top layer, which QEMU inherits (see :func:`layer_fdset`)."""
+    its writable top layer, which QEMU inherits (see :func:`layer_fdset`).
+    ``boot_files``: pass the kernel and initrd (default: only when booting; a
+    full migration stream, whose ROMs must match, needs them on restore too)."""
     mem = f"{cfg.memory_mib}M"
     argv = [
         QEMU_BINARY,
@@ -211,9 +214,6 @@ def build_argv(
         "-object",
         # (Not readonly=on: in QEMU 7.2 that maps the RAM read-only as well.)
         f"memory-backend-file,id=mem,size={mem},mem-path={_opt(ram_file)},share=off",
-        "-kernel", str(cfg.vmlinuz),
-        "-initrd", str(cfg.initrd),
-        "-append", cfg.cmdline,
         # A booted VM's console goes to a file (boot diagnostics); a fork's to a
         # 1 MiB ring (read with QMP ringbuf-read), so no guest can fill the
         # host's disk through its serial port. The backend is not part of
@@ -232,6 +232,11 @@ def build_argv(
         "-device", f"virtio-net-device,netdev={NETDEV_ID}",
         "-qmp", f"unix:{_opt(rt.qmp)},server=on,wait=off",
     ]  # fmt: skip
+    if boot_files if boot_files is not None else not incoming:
+        # QEMU holds the kernel (14 MiB) and initrd in its own memory for as long
+        # as it runs. A restored guest has its kernel in RAM already and never
+        # reads them; its device state loads without them.
+        argv += ["-kernel", str(cfg.vmlinuz), "-initrd", str(cfg.initrd), "-append", cfg.cmdline]
     for i, vol in enumerate(volumes):
         # The guest finds each volume by its serial (forkd-vol<i>), not by name.
         ro = "on" if vol.readonly else "off"
