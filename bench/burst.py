@@ -96,9 +96,11 @@ class BurstBench(benchlib.DaemonBench):
         watched = [*qemus, self.daemon.proc.pid]
         self.say.log(f"sampling host CPU for {self.args.idle_secs} s")
         before = sum(cpu_secs(p) for p in watched)
+        daemon_before = cpu_secs(self.daemon.proc.pid)
         t0 = time.monotonic()
         time.sleep(self.args.idle_secs)
         used = sum(cpu_secs(p) for p in watched) - before
+        daemon_used = cpu_secs(self.daemon.proc.pid) - daemon_before
         secs = time.monotonic() - t0
         private = [processes.memory_usage(p).get("private", 0) / MIB for p in qemus]
         median = sorted(zip(private, qemus, strict=True))[len(qemus) // 2][1]
@@ -106,6 +108,7 @@ class BurstBench(benchlib.DaemonBench):
             idle_children=len(have),
             idle_qemu_processes=len(qemus),
             idle_cpu_pct_of_one_core=r1(100 * used / secs),
+            idle_cpu_pct_daemon=r1(100 * daemon_used / secs),  # of the above
             idle_private_mib_p50=r1(percentile(private, 50)),
             idle_private_mib_max=r1(max(private)),
             host_mib_used=r1(mib_before - available_mib()),
@@ -140,7 +143,8 @@ def render(out: Console, bench: BurstBench, res: dict[str, Any]) -> None:
         met = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[tgt["met"]]
         t.add_row(name, str(tgt["value"]), tgt["target"], met)
     for key in ("burst_request_s", "burst_fork_ms_p50", "burst_fork_ms_max",
-                "idle_private_mib_max", "host_mib_used", "idle_children"):  # fmt: skip
+                "idle_cpu_pct_daemon", "idle_private_mib_max", "host_mib_used",
+                "idle_children"):  # fmt: skip
         t.add_row(key, str(res.get(key)), "", "")
     for part, mib in (res.get("idle_private_mib_by_part") or {}).items():
         t.add_row(f"  median idle child: {part} (MiB)", str(mib), "", "")

@@ -69,6 +69,9 @@ def test_tcg_guests_are_told_the_tsc_rate(tmp_path: Path) -> None:
     assert "tsc_early_khz" not in kernel_cmdline("kvm", 2596122)
     # TCG runs rep movsb a byte at a time: the guest kernel must not copy with it.
     assert "clearcpuid=erms" in kernel_cmdline("tcg", 2596122).split()
+    # Idle guests: no TSC watchdog (TCG's TSC is the host's), no PSI averaging.
+    assert {"tsc=reliable", "psi=0"} <= set(kernel_cmdline("tcg", 2596122).split())
+    assert "tsc=reliable" not in kernel_cmdline("kvm") and "psi=0" in kernel_cmdline("kvm")
     assert "clearcpuid" not in kernel_cmdline("kvm", 2596122)
     cfg = MachineConfig(**{**CFG.__dict__, "cmdline": kernel_cmdline("tcg", 1000)})
     argv = build_argv(cfg, RuntimePaths(Path("/run/vm-1")), ram_file=Path("/r"), incoming=False)

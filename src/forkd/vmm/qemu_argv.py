@@ -14,9 +14,10 @@ from pathlib import Path
 from forkd.vmm.volumes import Attachment
 
 QEMU_BINARY = "qemu-system-x86_64"
-KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux"
+# psi=0: pressure stall accounting would wake an idle guest every 2 s to average.
+KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux psi=0"
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
-TCG_CMDLINE = "clearcpuid=erms"  # see kernel_cmdline
+TCG_CMDLINE = "clearcpuid=erms tsc=reliable"  # see kernel_cmdline
 CONSOLE_RING_BYTES = 1 << 20
 FD_READ_ONLY, FD_READ_WRITE = "ro", "rw"  # the tags of descriptors in QEMU's fd sets
 AGENT_CHARDEV = "agent"  # the socket chardev behind the agent's virtio-serial port
@@ -139,7 +140,10 @@ def kernel_cmdline(accel: str, tsc_khz: int | None = None) -> str:
     memory with ``rep movsb``, which TCG runs a byte at a time: every pipe,
     socket and virtio-serial copy cost 6-8 ms a MiB. ``clearcpuid=erms`` makes
     it use its word-sized copies instead (a process's output through the agent
-    goes from ~55 to ~28 ms of guest CPU a MiB). Only new boots take it: a
+    goes from ~55 to ~28 ms of guest CPU a MiB). ``tsc=reliable``: that TSC is
+    the host's, so the kernel need not check it against the jiffies twice a
+    second (the clocksource watchdog was a fifth of an idle guest's wakeups).
+    Only new boots take it: a
     snapshot keeps the kernel state it was taken with.
     """
     if accel != "tcg":

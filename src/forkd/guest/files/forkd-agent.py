@@ -920,7 +920,7 @@ def _read_when_ready(read: Callable[[], T], fd: int) -> T:
             if poller is None:
                 poller = select.poll()
                 poller.register(fd, select.POLLIN)
-            events = poller.poll(1000)
+            events = poller.poll()  # no timeout: an idle guest wakes for nothing here
             if events and not any(ev & select.POLLIN for _, ev in events):
                 time.sleep(DEVICE_REOPEN_DELAY_S)  # HUP without data: do not spin
 
