@@ -14,6 +14,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from forkd.cli.extras import require_server
 from forkd.cli.failures import fail
 from forkd.cli.options import JsonOpt
 from forkd.cli.render import out
@@ -180,6 +181,7 @@ def serve(
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
+    require_server("serve")
     from forkd import limits, paths
     from forkd.accel import choose
     from forkd.controller.server import serve as run_server
@@ -243,6 +245,7 @@ def _admission_caps(
 
 def doctor(as_json: JsonOpt = False) -> None:
     """Check that this host can run forkd VMs; exit 1 with what to fix if not."""
+    require_server("doctor")
     from forkd import doctor as doc
 
     checks = doc.run_checks()

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from forkd.cli.extras import require_server
 from forkd.cli.failures import fail
 from forkd.cli.options import JsonOpt
 from forkd.cli.render import err, out
@@ -20,6 +21,7 @@ def register(app: typer.Typer) -> None:
     """Add the ``image`` group to ``app``."""
     image_app = typer.Typer(help="Build and list guest images.", no_args_is_help=True)
     app.add_typer(image_app, name="image")
+    image_app.callback()(lambda: require_server("image"))
     image_app.command("build")(image_build)
     image_app.command("rm")(image_rm)
     image_app.command("ls")(image_ls)
