@@ -88,7 +88,7 @@ def test_tree_of_branches(api: Api) -> None:
         assert api.sh(gg, "cat /work/g0")["stdout"] == "g0\n"
         api.sh(gg, f"echo {i} > /work/gg")
     info = api.c.get("/v1/snapshots/deep/info").json()
-    assert info["parent_tag"] == b1["tag"] and info["ancestors"] == [b1["tag"], "py"]
+    assert info["parent_tag"] == b1["tag"] and info["ancestors"] == ["py", b1["tag"]]
     assert info["chain_depth"] == 2 and b2["branched_from"] == grand[0]
 
     # Writes at one node are invisible at its siblings, parent and children.

@@ -582,7 +582,7 @@ def test_snapshot_fork_and_branch(ctl: Controller, sent: RecordingTransport) -> 
     assert isinstance(branch, Snapshot)
     assert branch.tag == f"branch-{kids[0].id}-1"
     assert branch.branched_from == kids[0].id
-    assert isinstance(branch.pause_ms, float) and branch.pause_ms >= 0
+    assert isinstance(branch.pause_ms, int) and branch.pause_ms >= 0
     named = kids[1].branch(tag="b2")
     assert named.tag == "b2" and sent.body() == {"tag": "b2"}
 

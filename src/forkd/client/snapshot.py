@@ -62,7 +62,7 @@ class Snapshot:
         return self.info.get("branched_from")
 
     @property
-    def pause_ms(self) -> float | None:
+    def pause_ms(self) -> int | None:
         """How long the source sandbox was paused for the branch; None for templates."""
         return self.info.get("pause_ms")
 

@@ -34,6 +34,8 @@ def create_app(
             snapshots=lambda: len(store.list_snapshots()),
             sandboxes=lambda: len(holder[0].fleet.vms) if holder else 0,
             pooled=lambda: holder[0].fleet.pool.waiting() if holder else 0,
+            branches_in_flight=lambda: holder[0].branches.in_flight if holder else 0,
+            branch_cap=lambda: settings.branch_concurrency,
         )
         services = Services.create(settings, store, metrics, driver)
         holder.append(services)

@@ -17,6 +17,8 @@ class Metrics:
         snapshots: Callable[[], int],
         sandboxes: Callable[[], int],
         pooled: Callable[[], int] = lambda: 0,
+        branches_in_flight: Callable[[], int] = lambda: 0,
+        branch_cap: Callable[[], int] = lambda: 0,
     ) -> None:
         self.registry = CollectorRegistry()
         snap = Gauge("forkd_snapshots_total", "Snapshots registered", registry=self.registry)
@@ -28,6 +30,16 @@ class Metrics:
             registry=self.registry,
         )  # fmt: skip
         pool.set_function(pooled)
+        # The original contract's two branch gauges.
+        in_flight = Gauge(
+            "forkd_branches_in_flight", "Branches being taken now", registry=self.registry
+        )
+        in_flight.set_function(branches_in_flight)
+        cap = Gauge(
+            "forkd_branch_concurrency_cap", "Branches that may be in flight at once (the cap)",
+            registry=self.registry,
+        )  # fmt: skip
+        cap.set_function(branch_cap)
         info = Gauge("forkd_build_info", "forkd build", ["version"], registry=self.registry)
         info.labels(version=__version__).set(1)
         self.fork_seconds = Histogram(

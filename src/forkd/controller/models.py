@@ -228,7 +228,9 @@ class SnapshotInfo(BaseModel):
     memory: str
     created_at_unix: int
     branched_from: str | None = Field(None, description="branches only: the source sandbox")
-    pause_ms: float | None = Field(None, description="branches only: vCPUs frozen, ms")
+    pause_ms: int | None = Field(
+        None, description="branches only: vCPUs frozen, whole ms (the original contract's type)"
+    )
     status: str = Field(
         description="'ready'; 'broken' when a file is missing or corrupt; 'pending' while a "
         "branch with wait false is written; 'failed' when that branch failed (see error)"
@@ -246,7 +248,9 @@ class SnapshotInfo(BaseModel):
     memory_physical_bytes: int | None = None
     vmstate_bytes: int | None = None
     chain_depth: int | None = None
-    ancestors: list[str] | None = None
+    ancestors: list[str] | None = Field(
+        None, description="detail: the lineage (parent_tag, its parent_tag, ...), the root first"
+    )
     dependents: list[str] | None = None
     sandboxes: list[str] | None = None
     problem: str | None = Field(None, description="detail, broken snapshots only: why")
@@ -281,6 +285,8 @@ class SandboxInfo(BaseModel):
     )
     fork_ms: float | None
     metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
+    has_branched: bool = Field(False, description="whether any branch of it was taken")
+    branch_count: int = Field(0, description="branches taken of it (those that succeeded)")
 
 
 class PingResult(BaseModel):

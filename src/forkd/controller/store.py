@@ -60,6 +60,10 @@ CREATE TABLE IF NOT EXISTS branch_seq (
     source_id TEXT PRIMARY KEY,
     seq       INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS branch_counts (
+    source_id TEXT PRIMARY KEY,
+    branches  INTEGER NOT NULL
+);
 """
 
 
@@ -184,6 +188,19 @@ class Store:
             row = db.execute("SELECT seq FROM branch_seq WHERE source_id = ?", (source_id,))
             return int(row.fetchone()[0])
 
+    def count_branch(self, source_id: str) -> None:
+        """One more branch taken of sandbox ``source_id`` (SandboxInfo's branch_count)."""
+        self._tx(
+            "INSERT INTO branch_counts(source_id, branches) VALUES (?, 1) "
+            "ON CONFLICT(source_id) DO UPDATE SET branches = branches + 1",
+            (source_id,),
+        )
+
+    def branch_counts(self) -> dict[str, int]:
+        """Branches taken, per sandbox that has any."""
+        rows = self._query("SELECT source_id, branches FROM branch_counts")
+        return {str(row[0]): int(row[1]) for row in rows}
+
     # ---------------------------------------------------------- snapshots
 
     def add_snapshot(self, row: SnapshotRow, replace: bool = False) -> None:
@@ -245,6 +262,7 @@ class Store:
         return [SandboxRow(**_fields(r)) for r in rows]
 
     def delete_sandbox(self, sandbox_id: str) -> bool:
+        self._tx("DELETE FROM branch_counts WHERE source_id = ?", (sandbox_id,))
         return self._tx("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount > 0
 
 

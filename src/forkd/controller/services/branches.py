@@ -136,6 +136,7 @@ class BranchService:
                 await self._branch_locked(vm, row, tag, labels, base, live=live)
 
     def _branched(self, sandbox_id: str, tag: str) -> SnapshotInfo:
+        self.fleet.store.count_branch(sandbox_id)
         info = self.snapshots.info(tag)
         self.fleet.events.publish(
             "branched", sandbox_id=sandbox_id, snapshot_tag=tag, pause_ms=info.pause_ms

@@ -214,11 +214,12 @@ class SandboxService:
     # ------------------------------------------------------------ read, kill
 
     def info(self, sandbox_id: str) -> SandboxInfo:
-        return self._info(self.fleet.sandbox_row(sandbox_id))
+        return self._info(self.fleet.sandbox_row(sandbox_id), self.fleet.store.branch_counts())
 
-    def _info(self, row: SandboxRow) -> SandboxInfo:
+    def _info(self, row: SandboxRow, branch_counts: dict[str, int]) -> SandboxInfo:
         sandbox_id = row.id
         net = getattr(self.fleet.vms.get(sandbox_id), "net", None)
+        branches = branch_counts.get(sandbox_id, 0)
         return SandboxInfo(
             id=row.id,
             snapshot_tag=row.snapshot_tag,
@@ -236,6 +237,8 @@ class SandboxService:
             timeout_branch=row.timeout_branch,
             fork_ms=row.fork_ms,
             metadata=row.metadata,
+            has_branched=branches > 0,
+            branch_count=branches,
         )
 
     def list(
@@ -247,8 +250,9 @@ class SandboxService:
         """The sandboxes in ``state``, of ``snapshot``, labelled with all of ``metadata``."""
         if state is not None and state not in SANDBOX_STATES:
             raise Invalid(f"unknown state {state!r}: one of {', '.join(SANDBOX_STATES)}")
+        counts = self.fleet.store.branch_counts()
         return [
-            self._info(r)  # a listing touches none of them
+            self._info(r, counts)  # a listing touches none of them
             for r in self.fleet.store.list_sandboxes()
             if (state is None or r.state == state)
             and (snapshot is None or r.snapshot_tag == snapshot)

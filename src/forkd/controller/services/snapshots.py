@@ -194,7 +194,8 @@ class SnapshotService:
             "created_at_unix": row.created_at_unix,
         }
         if row.branched_from is not None:
-            fields.update(branched_from=row.branched_from, pause_ms=row.pause_ms)
+            pause = None if row.pause_ms is None else round(row.pause_ms)
+            fields.update(branched_from=row.branched_from, pause_ms=pause)
         settled = row.status not in ("pending", "failed")
         fields.update(
             status=row.status if problem is None or not settled else "broken",
@@ -215,7 +216,7 @@ class SnapshotService:
     def _detail(self, row: SnapshotRow, d: Path) -> dict[str, Any]:
         mem, vmstate = memory_file(row), d / snapshot_files.VMSTATE
         mst = mem.stat() if mem.exists() else None
-        ancestors = self._ancestors(row)
+        ancestors = self._ancestors(row)[::-1]  # the root first, as the original contract
         store = self.fleet.store
         return {
             "memory_logical_bytes": mst.st_size if mst else 0,

@@ -1,0 +1,78 @@
+"""What the original forkd clients (its Controller, TypeScript SDK and MCP server)
+read from this daemon, each gap they tripped on: pause_ms an integer, the two branch
+gauges, has_branched and branch_count, ancestors root first, and DELETE with
+?cascade=true or ?force=true."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from forkd.controller.settings import Settings
+
+
+def _fork(client: TestClient, tag: str) -> str:
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": tag})
+    assert r.status_code == 201, r.text
+    return str(r.json()[0]["id"])
+
+
+@pytest.fixture
+def sid(client: TestClient) -> str:
+    assert client.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128}).status_code == 201
+    return _fork(client, "py")
+
+
+def _branch(client: TestClient, sid: str, **body: Any) -> dict[str, Any]:
+    r = client.post(f"/v1/sandboxes/{sid}/branch", json=body)
+    assert r.status_code == 201, r.text
+    return dict(r.json())
+
+
+def test_pause_ms_is_an_integer(client: TestClient, sid: str) -> None:
+    info = _branch(client, sid, tag="b1")
+    assert type(info["pause_ms"]) is int
+    assert type(client.get("/v1/snapshots/b1").json()["pause_ms"]) is int
+    listed = {s["tag"]: s for s in client.get("/v1/snapshots").json()}
+    assert type(listed["b1"]["pause_ms"]) is int and listed["py"].get("pause_ms") is None
+
+
+def test_branch_gauges(client: TestClient, settings: Settings, sid: str) -> None:
+    metrics = client.get("/metrics").text
+    assert "forkd_branches_in_flight 0.0" in metrics
+    assert f"forkd_branch_concurrency_cap {float(settings.branch_concurrency)}" in metrics
+
+
+def test_has_branched_and_branch_count(client: TestClient, sid: str) -> None:
+    info = client.get(f"/v1/sandboxes/{sid}").json()
+    assert info["has_branched"] is False and info["branch_count"] == 0
+    _branch(client, sid, tag="b1")
+    _branch(client, sid)  # a default tag counts the same
+    info = client.get(f"/v1/sandboxes/{sid}").json()
+    assert info["has_branched"] is True and info["branch_count"] == 2
+    (listed,) = [s for s in client.get("/v1/sandboxes").json() if s["id"] == sid]
+    assert listed["branch_count"] == 2
+    r = client.post(f"/v1/sandboxes/{sid}/branch", json={"tag": "b1"})  # taken: refused
+    assert r.status_code == 409
+    assert client.get(f"/v1/sandboxes/{sid}").json()["branch_count"] == 2
+
+
+def test_ancestors_are_listed_root_first(client: TestClient, sid: str) -> None:
+    _branch(client, sid, tag="b1")
+    grandchild = _fork(client, "b1")
+    _branch(client, grandchild, tag="b2")
+    detail = client.get("/v1/snapshots/b2/info").json()
+    assert detail["ancestors"] == ["py", "b1"] and detail["chain_depth"] == 2
+    assert detail["parent_tag"] == "b1"
+
+
+@pytest.mark.parametrize("how", ["cascade", "force"])
+def test_delete_with_cascade_or_force(client: TestClient, sid: str, how: str) -> None:
+    _branch(client, sid, tag="d1", mode="diff")  # a diff over py: py has a dependent
+    assert client.delete("/v1/snapshots/py").status_code == 409
+    assert client.delete(f"/v1/snapshots/py?{how}=true").status_code == 204
+    tags = {s["tag"] for s in client.get("/v1/snapshots").json()}
+    # cascade deletes the diff with its base; force compacts it first and keeps it.
+    assert "py" not in tags and ("d1" in tags) == (how == "force")
