@@ -58,13 +58,15 @@ def r1(value: float | None) -> float | None:
     return None if value is None else round(value, 1)
 
 
-def cpu_secs(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` (all its threads); 0 once it is gone."""
+def cpu_secs(pid: int, waited_children: bool = False) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads); 0 once it is gone.
+    ``waited_children``: those of the children it waited for instead (helper programs)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    first = 13 if waited_children else 11
+    return (int(fields[first]) + int(fields[first + 1])) / os.sysconf("SC_CLK_TCK")
 
 
 def lookup(results: dict[str, Any], dotted: str) -> Any:
