@@ -6,12 +6,16 @@ daemon's dependencies (QEMU driver, FastAPI, ...).
 
 __version__ = "0.1.0"
 
-__all__ = ["Controller", "ControllerError", "Sandbox", "Snapshot", "__version__"]
+_SDK = (
+    "AsyncController", "AsyncSandbox", "AsyncSnapshot", "Controller", "ControllerError",
+    "Sandbox", "Snapshot",
+)  # fmt: skip
+__all__ = [*_SDK, "__version__"]
 
 
 def __getattr__(name: str) -> object:
     # The SDK is imported on first use, so ``import forkd`` stays cheap.
-    if name in ("Controller", "ControllerError", "Sandbox", "Snapshot"):
+    if name in _SDK:
         from forkd import client
 
         return getattr(client, name)

@@ -219,12 +219,7 @@ class Commands:
             sb.id, args, timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS, cwd=cwd, env=env,
             stdin=stdin,
         )  # fmt: skip
-        return CommandResult(
-            stdout=raw.get("stdout") or "",
-            stderr=raw.get("stderr") or "",
-            exit_code=exit_code_of(raw),
-            raw=raw,
-        )
+        return CommandResult.from_answer(raw)
 
     def list(self) -> list[JSONDict]:
         """The sandbox's processes: running ones, then recently exited ones (ProcessInfo)."""

@@ -129,6 +129,18 @@ class Address:
         # httpx's own parse: the host it will connect to, not another parser's idea of it.
         return self.socket_path is not None or _is_loopback(httpx.URL(self.base_url).host)
 
+    def _client_args(self, token: str | None, local_token: bool) -> dict[str, Any]:
+        """What both HTTP clients are made with: the bearer token (without ``token``, a
+        local address (:attr:`is_local`) gets the one a daemon wrote to
+        ``<state-dir>/token``, if that can be read, unless ``local_token`` is false),
+        the User-Agent, the base URL and whether proxies from the environment apply."""
+        if not token and local_token and self.is_local:
+            token = _read_local_token()
+        headers = {"User-Agent": f"forkd-client/{__version__}", "Accept": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        return {"base_url": self.base_url, "headers": headers, "trust_env": self.trust_env}
+
     def client(
         self,
         token: str | None,
@@ -137,26 +149,45 @@ class Address:
         *,
         local_token: bool = True,
     ) -> httpx.Client:
-        """An HTTP client of the daemon sending ``token`` as its bearer token.
-
-        Without ``token``, a local address (:attr:`is_local`) gets the token
-        a daemon wrote to ``<state-dir>/token``, if that can be read, unless
-        ``local_token`` is false.
-        """
-        if not token and local_token and self.is_local:
-            token = _read_local_token()
+        """A synchronous HTTP client of the daemon sending ``token`` as its bearer token."""
         if transport is None and self.socket_path is not None:
             transport = httpx.HTTPTransport(uds=self.socket_path)
-        headers = {"User-Agent": f"forkd-client/{__version__}", "Accept": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        return httpx.Client(
-            base_url=self.base_url,
-            headers=headers,
-            timeout=timeout,
-            transport=transport,
-            trust_env=self.trust_env,
+        args = self._client_args(token, local_token)
+        return httpx.Client(timeout=timeout, transport=transport, **args)
+
+    def async_client(
+        self,
+        token: str | None,
+        timeout: float,
+        transport: httpx.AsyncBaseTransport | None = None,
+        *,
+        local_token: bool = True,
+    ) -> httpx.AsyncClient:
+        """The same, for asyncio (:class:`forkd.client.AsyncController`)."""
+        if transport is None and self.socket_path is not None:
+            transport = httpx.AsyncHTTPTransport(uds=self.socket_path)
+        args = self._client_args(token, local_token)
+        return httpx.AsyncClient(timeout=timeout, transport=transport, **args)
+
+
+def _failure(exc: httpx.TransportError, url: str, method: str, path: str) -> ControllerError:
+    """What a request that got no answer means, for the messages of both clients."""
+    if isinstance(exc, httpx.ConnectError):
+        return ControllerError(
+            0,
+            f"the forkd daemon is not reachable at {url} ({exc}); start it with `forkd serve`",
         )
+    if isinstance(exc, httpx.TimeoutException):
+        return ControllerError(
+            0, f"no answer from the forkd daemon at {url} in time ({method} {path})"
+        )
+    return ControllerError(0, f"talking to the forkd daemon at {url} failed: {exc!r}")
+
+
+def _checked(resp: httpx.Response) -> httpx.Response:
+    if not resp.is_success:
+        raise ControllerError.from_response(resp)
+    return resp
 
 
 def send(client: httpx.Client, url: str, method: str, path: str, **kw: Any) -> httpx.Response:
@@ -166,20 +197,20 @@ def send(client: httpx.Client, url: str, method: str, path: str, **kw: Any) -> h
     """
     try:
         resp = client.request(method, path, **kw)
-    except httpx.ConnectError as exc:
-        raise ControllerError(
-            0,
-            f"the forkd daemon is not reachable at {url} ({exc}); start it with `forkd serve`",
-        ) from exc
-    except httpx.TimeoutException as exc:
-        raise ControllerError(
-            0, f"no answer from the forkd daemon at {url} in time ({method} {path})"
-        ) from exc
     except httpx.TransportError as exc:
-        raise ControllerError(0, f"talking to the forkd daemon at {url} failed: {exc!r}") from exc
-    if not resp.is_success:
-        raise ControllerError.from_response(resp)
-    return resp
+        raise _failure(exc, url, method, path) from exc
+    return _checked(resp)
+
+
+async def asend(
+    client: httpx.AsyncClient, url: str, method: str, path: str, **kw: Any
+) -> httpx.Response:
+    """:func:`send` for an async client."""
+    try:
+        resp = await client.request(method, path, **kw)
+    except httpx.TransportError as exc:
+        raise _failure(exc, url, method, path) from exc
+    return _checked(resp)
 
 
 def json_of(resp: httpx.Response, method: str, path: str) -> Any:

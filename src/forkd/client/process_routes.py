@@ -10,7 +10,6 @@ from typing import Any
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 
-from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
 from forkd.client.results import OutputEvent
 
@@ -34,7 +33,7 @@ def _event(sse: ServerSentEvent) -> OutputEvent:
 
 
 class ProcessRoutes:
-    """Mixed into Controller: ``/v1/sandboxes/{id}/processes...``."""
+    """Mixed into Controller: a process's output stream (its other routes: Routes)."""
 
     url: str
     timeout: float
@@ -51,59 +50,7 @@ class ProcessRoutes:
         raise NotImplementedError
 
     def _procs(self, sandbox_id: str, pid: int | None = None) -> str:
-        base = f"{self._sb(sandbox_id)}/processes"
-        return base if pid is None else f"{base}/{int(pid)}"
-
-    def start_process(
-        self,
-        sandbox_id: str,
-        cmd: list[str] | str,
-        env: dict[str, str] | None = None,
-        cwd: str | None = None,
-        stdin: bool = False,
-        pty: tuple[int, int] | None = None,
-        timeout_s: float | None = None,
-    ) -> JSONDict:
-        """``POST /v1/sandboxes/{id}/processes`` → ProcessInfo (``pid``, ``running``, ...).
-
-        A str ``cmd`` runs as ``/bin/sh -c cmd``; ``pty`` is ``(cols, rows)``;
-        ``timeout_s`` kills it (exit code 124). It keeps running after this returns.
-        """
-        body: JSONDict = {"cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd],
-                          "stdin": stdin}  # fmt: skip
-        for key, value in (("env", env), ("cwd", cwd), ("timeout_s", timeout_s)):
-            if value is not None:
-                body[key] = value
-        if pty is not None:
-            body["pty"] = {"cols": pty[0], "rows": pty[1]}
-        return self._json("POST", self._procs(sandbox_id), json_body=body)
-
-    def list_processes(self, sandbox_id: str) -> list[JSONDict]:
-        """``GET /v1/sandboxes/{id}/processes``: running ones and recently exited ones."""
-        return self._json("GET", self._procs(sandbox_id))
-
-    def get_process(self, sandbox_id: str, pid: int) -> JSONDict:
-        """``GET /v1/sandboxes/{id}/processes/{pid}`` → ProcessInfo."""
-        return self._json("GET", self._procs(sandbox_id, pid))
-
-    def send_stdin(self, sandbox_id: str, pid: int, data: str | bytes, eof: bool = False) -> int:
-        """``POST .../processes/{pid}/stdin``; the bytes written. ``eof`` closes stdin after."""
-        if isinstance(data, bytes):
-            body = {"data": base64.b64encode(data).decode(), "encoding": "base64", "eof": eof}
-        else:
-            body = {"data": data, "eof": eof}
-        return int(self._json("POST", f"{self._procs(sandbox_id, pid)}/stdin",
-                              json_body=body)["written"])  # fmt: skip
-
-    def signal_process(self, sandbox_id: str, pid: int, signal: int | str = "SIGTERM") -> None:
-        """``POST .../processes/{pid}/signal``: to its whole process group."""
-        self._request("POST", f"{self._procs(sandbox_id, pid)}/signal",
-                      json_body={"signal": signal})  # fmt: skip
-
-    def resize_process(self, sandbox_id: str, pid: int, cols: int, rows: int) -> None:
-        """``POST .../processes/{pid}/resize``: its terminal's size."""
-        self._request("POST", f"{self._procs(sandbox_id, pid)}/resize",
-                      json_body={"cols": cols, "rows": rows})  # fmt: skip
+        raise NotImplementedError  # forkd.client.routes.Routes
 
     def process_output(
         self, sandbox_id: str, pid: int, offset: int = 0, follow: bool = True

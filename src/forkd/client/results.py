@@ -35,6 +35,11 @@ class CommandResult:
         """True when the command was killed by its timeout."""
         return bool(self.raw.get("timed_out", self.exit_code == 124))
 
+    @classmethod
+    def from_answer(cls, raw: JSONDict) -> CommandResult:
+        """The result of an ``/exec`` answer."""
+        return cls(raw.get("stdout") or "", raw.get("stderr") or "", exit_code_of(raw), raw)
+
 
 @dataclass
 class DisplayOutput:

@@ -1,0 +1,287 @@
+"""Sandboxes and snapshots as asyncio objects: :class:`AsyncSandbox`, :class:`AsyncSnapshot`.
+
+They mirror :class:`~forkd.client.Sandbox` and :class:`~forkd.client.Snapshot`
+method for method, awaited, over an :class:`~forkd.client.AsyncController`; the
+answers are the same result types (``CommandResult``, ``EvalResult``, SandboxInfo
+dicts). Commands run in the foreground here (``/exec``); background processes,
+streamed output and terminals are the sync objects' for now.
+
+Example::
+
+    async with AsyncController() as ctl:
+        snap = await AsyncSnapshot.create("py", controller=ctl, warmup="x = 41")
+        async with await AsyncSandbox.create("py", controller=ctl) as sb:
+            print((await sb.commands.run("uname -r")).stdout)
+            print((await sb.eval("x + 1")).result)                # '42'
+            branch = await sb.branch()
+            kids = await branch.fork(3)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from forkd.client.async_controller import AsyncController
+from forkd.client.commands import FOREGROUND_TIMEOUT_SECS
+from forkd.client.connection import JSONDict
+from forkd.client.errors import ControllerError
+from forkd.client.results import CommandResult, EvalResult
+from forkd.client.routes import KEEP
+
+
+class AsyncCommands:
+    """``sandbox.commands``: run programs in the sandbox and wait for them."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def run(
+        self,
+        cmd: str | list[str],
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | bytes | None = None,
+        *,
+        envs: dict[str, str] | None = None,
+    ) -> CommandResult:
+        """As :meth:`forkd.client.Commands.run` in the foreground: a str runs as
+        ``/bin/sh -c cmd``; killed after ``timeout`` seconds (30) with exit code 124."""
+        args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
+        sb = self._sandbox
+        raw = await sb.controller.exec_command(
+            sb.id, args, timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS, cwd=cwd,
+            env={**(env or {}), **(envs or {})} or None, stdin=stdin,
+        )  # fmt: skip
+        return CommandResult.from_answer(raw)
+
+    async def list(self) -> list[JSONDict]:
+        """The sandbox's processes (ProcessInfo), running ones first."""
+        return await self._sandbox.controller.list_processes(self._sandbox.id)
+
+
+class AsyncFiles:
+    """``sandbox.files``: whole files in and out of the sandbox."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def read(self, path: str) -> bytes:
+        return await self._sandbox.controller.read_file(self._sandbox.id, path)
+
+    async def read_text(self, path: str) -> str:
+        return (await self.read(path)).decode("utf-8")
+
+    async def write(self, path: str, data: bytes | str) -> None:
+        await self._sandbox.controller.write_file(self._sandbox.id, path, data)
+
+    async def list(self, path: str) -> list[JSONDict]:
+        return await self._sandbox.controller.list_files(self._sandbox.id, path)
+
+    async def remove(self, path: str, recursive: bool = False) -> None:
+        await self._sandbox.controller.remove_file(self._sandbox.id, path, recursive)
+
+
+class AsyncSandbox:
+    """One running sandbox; ``await AsyncSandbox.create(tag)`` forks one,
+    ``await AsyncSandbox.connect(id)`` attaches. ``async with`` kills it at the end."""
+
+    def __init__(self, controller: AsyncController, info: JSONDict, *, owns: bool = False) -> None:
+        self._controller = controller
+        self._info = info
+        self._owns_controller = owns
+        self._killed = False
+        self.commands = AsyncCommands(self)
+        self.files = AsyncFiles(self)
+
+    @classmethod
+    async def create(
+        cls, tag: str, *, controller: AsyncController | None = None, **spawn_kwargs: Any
+    ) -> AsyncSandbox:
+        """Fork a child of snapshot ``tag`` (keywords as ``spawn_sandboxes``). Without
+        ``controller`` it makes its own from the environment and closes it at the end."""
+        ctl = controller or AsyncController()
+        try:
+            [info] = await ctl.spawn_sandboxes(tag, n=1, **spawn_kwargs)
+        except BaseException:
+            if controller is None:
+                await ctl.aclose()
+            raise
+        return cls(ctl, info, owns=controller is None)
+
+    @classmethod
+    async def connect(
+        cls, sandbox_id: str, *, controller: AsyncController | None = None
+    ) -> AsyncSandbox:
+        """The running sandbox ``sandbox_id``."""
+        ctl = controller or AsyncController()
+        try:
+            info = await ctl.get_sandbox(sandbox_id)
+        except BaseException:
+            if controller is None:
+                await ctl.aclose()
+            raise
+        return cls(ctl, info, owns=controller is None)
+
+    @property
+    def id(self) -> str:
+        return str(self._info["id"])
+
+    @property
+    def info(self) -> JSONDict:
+        """The SandboxInfo as last fetched."""
+        return self._info
+
+    @property
+    def controller(self) -> AsyncController:
+        return self._controller
+
+    @property
+    def snapshot_tag(self) -> str | None:
+        return self._info.get("snapshot_tag")
+
+    async def refresh(self) -> JSONDict:
+        self._info = await self._controller.get_sandbox(self.id)
+        return self._info
+
+    async def ping(self) -> JSONDict:
+        return await self._controller.ping_sandbox(self.id)
+
+    async def eval(self, code: str, timeout: float | None = None) -> EvalResult:
+        """Python in the sandbox's persistent interpreter (see ``Sandbox.eval``)."""
+        return EvalResult.from_answer(await self._controller.eval_code(self.id, code, timeout))
+
+    async def interrupt(self) -> bool:
+        return bool((await self._controller.interrupt_eval(self.id))["interrupted"])
+
+    async def set_timeout(self, timeout_s: float | None, idle_timeout_s: Any = KEEP) -> JSONDict:
+        self._info = await self._controller.set_sandbox_timeout(self.id, timeout_s, idle_timeout_s)
+        return self._info
+
+    async def pause(self, hibernate: bool = False) -> JSONDict:
+        self._info = await self._controller.pause_sandbox(self.id, hibernate=hibernate)
+        return self._info
+
+    async def hibernate(self) -> JSONDict:
+        return await self.pause(hibernate=True)
+
+    async def resume(self, timeout_s: float | None = None) -> JSONDict:
+        self._info = await self._controller.resume_sandbox(self.id, timeout_s=timeout_s)
+        return self._info
+
+    async def branch(
+        self,
+        tag: str | None = None,
+        mode: str | None = None,
+        metadata: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> AsyncSnapshot:
+        """Snapshot this sandbox (see ``Sandbox.branch``)."""
+        info = await self._controller.branch_sandbox(
+            self.id, tag=tag, mode=mode, metadata=metadata, wait=wait
+        )
+        return AsyncSnapshot(info["tag"], controller=self._controller, info=info)
+
+    async def kill(self) -> None:
+        """Kill the sandbox; again (or one already gone) is a no-op."""
+        if self._killed:
+            return
+        try:
+            await self._controller.kill_sandbox(self.id)
+        except ControllerError as exc:
+            if exc.status != 404:
+                raise
+        self._killed = True
+
+    @property
+    def killed(self) -> bool:
+        return self._killed
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            await self.kill()
+        finally:
+            if self._owns_controller:
+                await self._controller.aclose()
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.id!r}, snapshot={self.snapshot_tag!r})"
+
+
+class AsyncSnapshot:
+    """A snapshot on the daemon, to fork :class:`AsyncSandbox` children from."""
+
+    def __init__(
+        self, tag: str, *, controller: AsyncController, info: JSONDict | None = None
+    ) -> None:
+        self.tag = tag
+        self._controller = controller
+        self._info = info or {"tag": tag}
+
+    @classmethod
+    async def create(cls, tag: str, *, controller: AsyncController, **kwargs: Any) -> AsyncSnapshot:
+        """Build a template (keywords as ``create_snapshot``)."""
+        return cls(tag, controller=controller, info=await controller.create_snapshot(tag, **kwargs))
+
+    @classmethod
+    async def get(cls, tag: str, *, controller: AsyncController) -> AsyncSnapshot:
+        return cls(tag, controller=controller, info=await controller.snapshot(tag))
+
+    @property
+    def controller(self) -> AsyncController:
+        return self._controller
+
+    @property
+    def info(self) -> JSONDict:
+        return self._info
+
+    @property
+    def branched_from(self) -> str | None:
+        return self._info.get("branched_from")
+
+    @property
+    def pause_ms(self) -> int | None:
+        return self._info.get("pause_ms")
+
+    @property
+    def status(self) -> str:
+        return str(self._info.get("status"))
+
+    @property
+    def mode(self) -> str:
+        return str(self._info.get("mode") or "full")
+
+    async def refresh(self) -> JSONDict:
+        self._info = await self._controller.snapshot_info(self.tag)
+        return self._info
+
+    async def fork(self, n: int = 1, **spawn_kwargs: Any) -> list[AsyncSandbox]:
+        """Fork ``n`` sandboxes (all or nothing)."""
+        infos = await self._controller.spawn_sandboxes(self.tag, n=n, **spawn_kwargs)
+        return [AsyncSandbox(self._controller, info) for info in infos]
+
+    async def wait(self, timeout: float = 600.0, interval: float = 0.2) -> AsyncSnapshot:
+        """Poll until no longer ``pending``; TimeoutError after ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._info = await self._controller.snapshot(self.tag)
+            if self.status != "pending":
+                return self
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"snapshot {self.tag!r} still pending after {timeout:g} s")
+            await asyncio.sleep(interval)
+
+    async def compact(self) -> JSONDict:
+        self._info = await self._controller.compact_snapshot(self.tag)
+        return self._info
+
+    async def delete(self, cascade: bool = False, force: bool = False) -> None:
+        await self._controller.delete_snapshot(self.tag, cascade=cascade, force=force)
+
+    def __repr__(self) -> str:
+        return f"AsyncSnapshot({self.tag!r})"

@@ -1,0 +1,453 @@
+"""The HTTP API's JSON routes, written once for the sync and the async client.
+
+:class:`Routes` holds one method per route: it builds the request and says what
+to make of the answer. It never waits for one itself: ``_request`` and ``_json``
+return the answer in the sync :class:`~forkd.client.Controller` and an awaitable
+of it in :class:`~forkd.client.AsyncController`, and a method that turns the
+answer into something else does it through ``_then``, which applies a function
+now or once the awaitable is done. So both clients speak the same wire format
+from the same code. (The streaming routes, with bodies that are iterated, live
+in their own modules.)
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from forkd import limits
+from forkd.client.connection import JSONDict
+from forkd.client.errors import ControllerError
+
+# An eval's answer comes within its timeout plus the agent's grace to stop it
+# and the daemon's margin (15 s): the HTTP wait allows a little more.
+EVAL_HTTP_MARGIN_SECS = 30.0
+
+KEEP: Any = object()  # an optional setting left as the daemon has it
+
+
+def _quote(segment: str) -> str:
+    """Percent-encode one URL path segment (``/`` included)."""
+    return quote(str(segment), safe="")
+
+
+def _drop_none(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _none(_: object) -> None:
+    return None
+
+
+def _content(resp: httpx.Response) -> bytes:
+    return resp.content
+
+
+def _written(answer: Any) -> int:
+    return int(answer["written"])
+
+
+def _entries(body: Any) -> Any:
+    """A listing's entries (older daemons answered the bare list)."""
+    if isinstance(body, dict) and isinstance(body.get("entries"), list):
+        return body["entries"]
+    return body
+
+
+class Routes:
+    """The JSON routes; see the module. The client supplies the four below."""
+
+    timeout: float
+
+    def _request(self, method: str, path: str, **kw: Any) -> Any:
+        raise NotImplementedError
+
+    def _json(self, method: str, path: str, **kw: Any) -> Any:
+        raise NotImplementedError
+
+    def _then(self, answer: Any, then: Callable[[Any], Any]) -> Any:
+        raise NotImplementedError
+
+    @staticmethod
+    def _sb(sandbox_id: str) -> str:
+        return f"/v1/sandboxes/{_quote(sandbox_id)}"
+
+    # -- discovery ----------------------------------------------------------
+
+    def health(self) -> JSONDict:
+        """``GET /healthz`` → ``{"ok": true}`` (needs no token)."""
+        return self._json("GET", "/healthz")
+
+    def version(self) -> JSONDict:
+        """``GET /version`` → ``{"version": "...", "api": "v1"}``."""
+        return self._json("GET", "/version")
+
+    # -- snapshots ----------------------------------------------------------
+
+    def list_snapshots(self, metadata: dict[str, str] | None = None) -> list[JSONDict]:
+        """``GET /v1/snapshots`` → list of SnapshotInfo, those labelled with every pair
+        of ``metadata`` only."""
+        return self._json("GET", "/v1/snapshots", params=_label_filters(metadata))
+
+    def snapshot_info(self, tag: str) -> JSONDict:
+        """``GET /v1/snapshots/{tag}/info``: SnapshotInfo plus sizes and lineage
+        (``parent_tag``, ``chain_depth``, ``ancestors``, ``dependents``)."""
+        return self._json("GET", f"/v1/snapshots/{_quote(tag)}/info")
+
+    def create_snapshot(
+        self,
+        tag: str,
+        image: str | None = None,
+        memory_mib: int | None = None,
+        vcpus: int | None = None,
+        setup: list[str] | str | None = None,
+        warmup: str | None = None,
+        boot_wait_secs: float | None = None,
+        **extra: Any,
+    ) -> JSONDict:
+        """``POST /v1/snapshots``: boot a template VM, warm it, snapshot it.
+
+        Fields left as None are not sent (the daemon's defaults apply); extra
+        keyword arguments (e.g. ``kernel=``, ``rootfs=``) are sent as given.
+        Waits at least 30 minutes for the answer: setup commands may be slow.
+        """
+        if isinstance(setup, str):
+            setup = [setup]
+        body = _drop_none(
+            {
+                "tag": tag,
+                "image": image,
+                "memory_mib": memory_mib,
+                "vcpus": vcpus,
+                "setup": setup,
+                "warmup": warmup,
+                "boot_wait_secs": boot_wait_secs,
+                **extra,
+            }
+        )
+        return self._json("POST", "/v1/snapshots", json_body=body, timeout=max(self.timeout, 1800))
+
+    def delete_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> None:
+        """``DELETE /v1/snapshots/{tag}`` (running children keep running). A snapshot that
+        diff snapshots are over is a 409 unless ``cascade`` (they are deleted too) or
+        ``force`` (they are compacted into full snapshots and kept)."""
+        params = {k: "true" for k, v in (("cascade", cascade), ("force", force)) if v}
+        return self._then(
+            self._request("DELETE", f"/v1/snapshots/{_quote(tag)}", params=params or None), _none
+        )
+
+    def compact_snapshot(self, tag: str) -> JSONDict:
+        """``POST /v1/snapshots/{tag}/compact``: flatten a diff snapshot's chain into a full
+        ``memory.bin`` in place → SnapshotInfo (``mode`` ``"full"``)."""
+        return self._json(
+            "POST", f"/v1/snapshots/{_quote(tag)}/compact", timeout=max(self.timeout, 600)
+        )
+
+    def snapshot(self, tag: str) -> JSONDict:
+        """``GET /v1/snapshots/{tag}``: the SnapshotInfo without /info's detail."""
+        return self._json("GET", f"/v1/snapshots/{_quote(tag)}")
+
+    # -- volumes ------------------------------------------------------------
+
+    def create_volume(
+        self, name: str, size: str | int = "1G", from_dir: str | os.PathLike[str] | None = None
+    ) -> JSONDict:
+        """``POST /v1/volumes``: an ext4 volume; ``from_dir`` (local) is copied into it.
+
+        Example::
+
+            ctl.create_volume("data", "2G", from_dir="./dataset")
+            ctl.create_snapshot("py", volumes=[{"name": "data", "path": "/mnt/data"}])
+        """
+        content = _tar_directory(Path(from_dir)) if from_dir is not None else b""
+        return self._json(
+            "POST", "/v1/volumes", params={"name": name, "size": str(size)}, content=content,
+            headers={"Content-Type": "application/x-tar"}, timeout=max(self.timeout, 600),
+        )  # fmt: skip
+
+    def list_volumes(self) -> list[JSONDict]:
+        """``GET /v1/volumes``: each with ``size_bytes``, ``allocated_bytes``, ``used_by``."""
+        return self._json("GET", "/v1/volumes")
+
+    def volume_info(self, name: str) -> JSONDict:
+        return self._json("GET", f"/v1/volumes/{_quote(name)}")
+
+    def delete_volume(self, name: str) -> None:
+        """``DELETE /v1/volumes/{name}``; 409 while a snapshot or sandbox uses it."""
+        return self._then(self._request("DELETE", f"/v1/volumes/{_quote(name)}"), _none)
+
+    # -- sandboxes ----------------------------------------------------------
+
+    def spawn_sandboxes(
+        self,
+        snapshot_tag: str,
+        n: int = 1,
+        memory_limit_mib: int | None = None,
+        timeout_secs: float | None = None,
+        internet: bool | None = None,
+        per_child_netns: bool | None = None,
+        metadata: dict[str, str] | None = None,
+        on_timeout: str | None = None,
+        timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
+    ) -> list[JSONDict]:
+        """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
+        nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
+        lifetime on the daemon, not an HTTP timeout, and ``on_timeout`` what it
+        does then (``"kill"``, ``"pause"``, ``"hibernate"`` or ``"branch"``), also
+        after ``idle_timeout_s`` seconds with no API call and no process output;
+        ``metadata`` labels them (over the snapshot's labels, which they inherit)."""
+        body = _drop_none(
+            {
+                "snapshot_tag": snapshot_tag,
+                "n": n,
+                "memory_limit_mib": memory_limit_mib,
+                "timeout_secs": timeout_secs,
+                "internet": internet,
+                "per_child_netns": per_child_netns,
+                "metadata": metadata,
+                "on_timeout": on_timeout,
+                "timeout_s": timeout_s,
+                "idle_timeout_s": idle_timeout_s,
+            }
+        )
+        return self._json(
+            "POST", "/v1/sandboxes", json_body=body, timeout=self.timeout + 2.0 * max(n, 0)
+        )
+
+    def list_sandboxes(
+        self,
+        state: str | None = None,
+        snapshot: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> list[JSONDict]:
+        """``GET /v1/sandboxes`` → list of SandboxInfo: those in ``state``, forked from
+        ``snapshot`` and labelled with every pair of ``metadata``, when given."""
+        params = {**_drop_none({"state": state, "snapshot": snapshot}), **_label_filters(metadata)}
+        return self._json("GET", "/v1/sandboxes", params=params)
+
+    def get_sandbox(self, sandbox_id: str) -> JSONDict:
+        """``GET /v1/sandboxes/{id}`` → SandboxInfo."""
+        return self._json("GET", self._sb(sandbox_id))
+
+    def kill_sandbox(self, sandbox_id: str) -> None:
+        """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
+        return self._then(self._request("DELETE", self._sb(sandbox_id)), _none)
+
+    def set_sandbox_timeout(
+        self, sandbox_id: str, timeout_s: float | None, idle_timeout_s: Any = KEEP
+    ) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/timeout``: its timeout ``timeout_s`` from now (None:
+        none), and its idle timeout when given (None removes it) → SandboxInfo with
+        ``expires_at``."""
+        body: JSONDict = {"timeout_s": timeout_s}
+        if idle_timeout_s is not KEEP:
+            body["idle_timeout_s"] = idle_timeout_s
+        return self._json("POST", f"{self._sb(sandbox_id)}/timeout", json_body=body)
+
+    def pause_sandbox(self, sandbox_id: str, hibernate: bool = False) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/pause``: stop its vCPUs, memory kept; with
+        ``hibernate``, write it to disk and end its QEMU → SandboxInfo."""
+        body = {"hibernate": True} if hibernate else None
+        return self._json("POST", f"{self._sb(sandbox_id)}/pause", json_body=body)
+
+    def resume_sandbox(self, sandbox_id: str, timeout_s: float | None = None) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/resume``: run it again, clock set, or wake it from
+        hibernation; ``timeout_s`` a new timeout from now → SandboxInfo."""
+        body = {"timeout_s": timeout_s} if timeout_s is not None else None
+        return self._json("POST", f"{self._sb(sandbox_id)}/resume", json_body=body)
+
+    def branch_sandbox(
+        self,
+        sandbox_id: str,
+        tag: str | None = None,
+        mode: str | None = None,
+        metadata: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/branch``: pause, snapshot, resume →
+        SnapshotInfo with ``branched_from`` and ``pause_ms``; ``metadata`` labels
+        the branch (over the sandbox's labels). ``mode``: ``"full"`` (default),
+        ``"diff"`` (only the pages that differ from the sandbox's snapshot) or
+        ``"live"`` (taken as full). ``wait=False``: answered at once with ``status``
+        ``"pending"``; poll :meth:`snapshot` until ``"ready"`` or ``"failed"``."""
+        body = _drop_none({"tag": tag, "mode": mode, "metadata": metadata})
+        if not wait:
+            body["wait"] = False
+        return self._json("POST", f"{self._sb(sandbox_id)}/branch", json_body=body)
+
+    def exec_command(
+        self,
+        sandbox_id: str,
+        args: list[str],
+        timeout_secs: float = 30,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: str | bytes | None = None,
+    ) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/exec`` → ``{"stdout", "stderr", "exit_code"}``.
+
+        ``timeout_secs`` bounds the command in the guest (exit code 124 when it
+        runs out); the HTTP request waits 30 s longer than that.
+        """
+        if isinstance(stdin, bytes):
+            stdin = stdin.decode("utf-8")
+        body = _drop_none(
+            {
+                "args": list(args),
+                "timeout_secs": timeout_secs,
+                "cwd": cwd,
+                "env": env,
+                "stdin": stdin,
+            }
+        )
+        return self._json(
+            "POST",
+            f"{self._sb(sandbox_id)}/exec",
+            json_body=body,
+            timeout=float(timeout_secs) + 30.0,
+        )
+
+    def eval_code(self, sandbox_id: str, code: str, timeout_s: float | None = None) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/eval`` → ``{"result", "error", "exit_code", "display",
+        ...}``, in the sandbox's persistent warm interpreter. The guest interrupts the
+        code after ``timeout_s`` (default: the daemon's, 60 s)."""
+        body = _drop_none({"code": code, "timeout_s": timeout_s})
+        wait = limits.EVAL_TIMEOUT_SECS if timeout_s is None else float(timeout_s)
+        return self._json(
+            "POST", f"{self._sb(sandbox_id)}/eval", json_body=body,
+            timeout=max(self.timeout, wait + EVAL_HTTP_MARGIN_SECS),
+        )  # fmt: skip
+
+    def interrupt_eval(self, sandbox_id: str) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/eval/interrupt`` → ``{"interrupted": bool}``:
+        KeyboardInterrupt in the running eval (false when none was running)."""
+        return self._json("POST", f"{self._sb(sandbox_id)}/eval/interrupt")
+
+    def ping_sandbox(self, sandbox_id: str) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/ping`` → ``{"pong": true, ...}``."""
+        return self._json("POST", f"{self._sb(sandbox_id)}/ping")
+
+    # -- files --------------------------------------------------------------
+
+    def read_file(self, sandbox_id: str, path: str) -> bytes:
+        """``GET /v1/sandboxes/{id}/files?path=`` → the file's bytes."""
+        resp = self._request("GET", f"{self._sb(sandbox_id)}/files", params={"path": path})
+        return self._then(resp, _content)
+
+    def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> None:
+        """``PUT /v1/sandboxes/{id}/files?path=`` with the raw bytes (a str is
+        written as UTF-8)."""
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        resp = self._request(
+            "PUT",
+            f"{self._sb(sandbox_id)}/files",
+            params={"path": path},
+            content=bytes(data),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        return self._then(resp, _none)
+
+    def list_files(self, sandbox_id: str, path: str) -> list[JSONDict]:
+        """``GET /v1/sandboxes/{id}/files/list?path=`` → entries
+        ``{"name", "type", "size", "mode", "mtime"}``."""
+        body = self._json("GET", f"{self._sb(sandbox_id)}/files/list", params={"path": path})
+        return self._then(body, _entries)
+
+    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+        """``DELETE /v1/sandboxes/{id}/files?path=&recursive=true|false``."""
+        resp = self._request(
+            "DELETE",
+            f"{self._sb(sandbox_id)}/files",
+            params={"path": path, "recursive": "true" if recursive else "false"},
+        )
+        return self._then(resp, _none)
+
+    # -- processes (their output streams: ProcessRoutes) ----------------------
+
+    def _procs(self, sandbox_id: str, pid: int | None = None) -> str:
+        base = f"{self._sb(sandbox_id)}/processes"
+        return base if pid is None else f"{base}/{int(pid)}"
+
+    def start_process(
+        self,
+        sandbox_id: str,
+        cmd: list[str] | str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bool = False,
+        pty: tuple[int, int] | None = None,
+        timeout_s: float | None = None,
+    ) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/processes`` → ProcessInfo (``pid``, ``running``, ...).
+
+        A str ``cmd`` runs as ``/bin/sh -c cmd``; ``pty`` is ``(cols, rows)``;
+        ``timeout_s`` kills it (exit code 124). It keeps running after this returns.
+        """
+        body: JSONDict = {"cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd],
+                          "stdin": stdin}  # fmt: skip
+        for key, value in (("env", env), ("cwd", cwd), ("timeout_s", timeout_s)):
+            if value is not None:
+                body[key] = value
+        if pty is not None:
+            body["pty"] = {"cols": pty[0], "rows": pty[1]}
+        return self._json("POST", self._procs(sandbox_id), json_body=body)
+
+    def list_processes(self, sandbox_id: str) -> list[JSONDict]:
+        """``GET /v1/sandboxes/{id}/processes``: running ones and recently exited ones."""
+        return self._json("GET", self._procs(sandbox_id))
+
+    def get_process(self, sandbox_id: str, pid: int) -> JSONDict:
+        """``GET /v1/sandboxes/{id}/processes/{pid}`` → ProcessInfo."""
+        return self._json("GET", self._procs(sandbox_id, pid))
+
+    def send_stdin(self, sandbox_id: str, pid: int, data: str | bytes, eof: bool = False) -> int:
+        """``POST .../processes/{pid}/stdin``; the bytes written. ``eof`` closes stdin after."""
+        if isinstance(data, bytes):
+            body = {"data": base64.b64encode(data).decode(), "encoding": "base64", "eof": eof}
+        else:
+            body = {"data": data, "eof": eof}
+        answer = self._json("POST", f"{self._procs(sandbox_id, pid)}/stdin", json_body=body)
+        return self._then(answer, _written)
+
+    def signal_process(self, sandbox_id: str, pid: int, signal: int | str = "SIGTERM") -> None:
+        """``POST .../processes/{pid}/signal``: to its whole process group."""
+        path = f"{self._procs(sandbox_id, pid)}/signal"
+        return self._then(self._request("POST", path, json_body={"signal": signal}), _none)
+
+    def resize_process(self, sandbox_id: str, pid: int, cols: int, rows: int) -> None:
+        """``POST .../processes/{pid}/resize``: its terminal's size."""
+        path = f"{self._procs(sandbox_id, pid)}/resize"
+        return self._then(
+            self._request("POST", path, json_body={"cols": cols, "rows": rows}), _none
+        )
+
+
+def _tar_directory(path: Path) -> bytes:
+    """The contents of a local directory as a gzip-compressed tar archive.
+
+    Compressed, more fits in the daemon's 32 MiB body limit; the daemon tells
+    gzip from plain tar by its first bytes (and always has).
+    """
+    import io
+    import tarfile
+
+    if not path.is_dir():
+        raise ControllerError(0, f"{path} is not a directory")
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz", compresslevel=6) as tar:
+        for child in sorted(path.iterdir()):
+            tar.add(child, arcname=child.name)
+    return buf.getvalue()
+
+
+def _label_filters(metadata: dict[str, str] | None) -> dict[str, str]:
+    """``metadata`` as the list routes' query parameters: ``metadata.KEY=VALUE``."""
+    return {f"metadata.{key}": value for key, value in (metadata or {}).items()}
