@@ -1,7 +1,7 @@
 """The ``forkd`` command line: the typer app and its entry point, :func:`main`.
 
 Each command group lives in its own module: ``images`` (``forkd image``),
-``daemon`` (``serve``, ``doctor``), and the commands that talk to a running
+``daemon`` (``serve``, ``doctor``), ``mcp`` (an MCP server), and the commands that talk to a running
 daemon through the SDK: ``snapshots``, ``volumes``, ``sandboxes``, ``processes``, ``files``
 (``forkd cp``), ``events``, ``ports`` (``port-forward``, ``url``). Those take
 ``--url`` (``$FORKD_URL``), ``--token-file`` (``$FORKD_TOKEN_FILE``) and
@@ -22,6 +22,7 @@ from forkd.cli import (
     events,
     files,
     images,
+    mcp,
     ports,
     processes,
     sandboxes,
@@ -67,6 +68,7 @@ app.command()(version)
 images.register(app)
 daemon.register(app)
 add_daemon_commands(app)
+mcp.register(app)
 
 
 def main() -> None:

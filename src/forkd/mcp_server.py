@@ -1,0 +1,180 @@
+"""``forkd mcp``: the daemon's sandboxes as tools of an MCP server (the official ``mcp``).
+
+Agent frameworks reach tools through the Model Context Protocol. This server is a
+client of a forkd daemon (through :class:`forkd.client.AsyncController`) that
+offers: create a sandbox from a snapshot, fork several, run a command, run Python
+in the warm interpreter, read and write files, branch, list sandboxes and
+snapshots, kill; and the lineage tree as the resource ``forkd://tree``.
+
+It speaks stdio (the default: the agent starts it) or streamable HTTP
+(``--http HOST:PORT``). Over HTTP it asks every request for the same bearer
+token the daemon wants, when the daemon has one: the server acts with the
+daemon's authority, so reaching it must need that authority too.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+
+from forkd.client import AsyncController, ControllerError, EvalResult
+from forkd.client.results import CommandResult
+
+INSTRUCTIONS = (
+    "forkd runs code in isolated microVMs that fork copy-on-write from snapshots. "
+    "create_sandbox gives you a running sandbox of a snapshot (list_snapshots shows them); "
+    "exec and run_python run code in it; branch_sandbox saves its state as a new snapshot "
+    "you can fork again, to try several things from one point. Kill sandboxes you are done with."
+)
+TREE_URI = "forkd://tree"
+FILE_READ_LIMIT = 1 << 20  # what a tool answer carries: larger files are cut, and say so
+
+
+async def _daemon(call: Awaitable[Any]) -> Any:
+    """The daemon's answer, or its error as the tool's error (the agent reads it)."""
+    try:
+        return await call
+    except ControllerError as exc:
+        raise ToolError(str(exc)) from exc
+
+
+def lineage_tree(snapshots: list[dict[str, Any]], sandboxes: list[dict[str, Any]]) -> list[Any]:
+    """Snapshots nested under their parents, each with the sandboxes forked from it."""
+    nodes = {
+        s["tag"]: {
+            "tag": s["tag"], "mode": s.get("mode", "full"), "status": s.get("status"),
+            "branched_from": s.get("branched_from"), "pause_ms": s.get("pause_ms"),
+            "sandboxes": [], "children": [],
+        }
+        for s in snapshots
+    }  # fmt: skip
+    for sb in sandboxes:
+        node = nodes.get(sb.get("snapshot_tag"))
+        if node is not None:
+            node["sandboxes"].append({"id": sb["id"], "state": sb.get("state")})
+    roots = []
+    for s in snapshots:
+        parent = nodes.get(s.get("parent_tag") or "")
+        (parent["children"] if parent is not None else roots).append(nodes[s["tag"]])
+    return roots
+
+
+def build(connect: Callable[[], AsyncController]) -> MCPServer:
+    """The MCP server; ``connect`` makes the daemon client each call uses."""
+    server = MCPServer("forkd", instructions=INSTRUCTIONS)
+
+    async def with_daemon(use: Callable[[AsyncController], Awaitable[Any]]) -> Any:
+        async with connect() as ctl:
+            return await _daemon(use(ctl))
+
+    @server.tool()
+    async def create_sandbox(
+        snapshot_tag: str, timeout_s: float | None = None, metadata: dict[str, str] | None = None
+    ) -> dict[str, Any]:
+        """Start a sandbox from a snapshot (a fork: tens of milliseconds). ``timeout_s``:
+        it is killed after that many seconds. Returns its SandboxInfo (its ``id``)."""
+        infos = await with_daemon(
+            lambda c: c.spawn_sandboxes(snapshot_tag, n=1, timeout_s=timeout_s, metadata=metadata)
+        )
+        return dict(infos[0])
+
+    @server.tool()
+    async def fork_sandboxes(
+        snapshot_tag: str, n: int, timeout_s: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Start ``n`` sandboxes from one snapshot, all or none (1 to 100)."""
+        if not 1 <= n <= 100:
+            raise ToolError("n must be between 1 and 100")
+        infos = await with_daemon(
+            lambda c: c.spawn_sandboxes(snapshot_tag, n=n, timeout_s=timeout_s)
+        )
+        return list(infos)
+
+    @server.tool()
+    async def exec(sandbox_id: str, command: str, timeout_s: float = 60) -> dict[str, Any]:
+        """Run a shell command (``/bin/sh -c``) in the sandbox and wait for it:
+        stdout, stderr, exit_code (124: it ran past ``timeout_s`` and was killed)."""
+        argv = ["/bin/sh", "-c", command]
+        raw = await with_daemon(lambda c: c.exec_command(sandbox_id, argv, timeout_secs=timeout_s))
+        result = CommandResult.from_answer(raw)
+        return {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
+
+    @server.tool()
+    async def run_python(sandbox_id: str, code: str, timeout_s: float = 60) -> dict[str, Any]:
+        """Run Python in the sandbox's warm interpreter; names persist between calls.
+        Returns the last expression's repr (``result``), printed output and any error."""
+        raw = await with_daemon(lambda c: c.eval_code(sandbox_id, code, timeout_s))
+        result = EvalResult.from_answer(raw)
+        return {"result": result.result, "stdout": result.stdout, "stderr": result.stderr,
+                "error": result.error}  # fmt: skip
+
+    @server.tool()
+    async def read_file(sandbox_id: str, path: str) -> dict[str, Any]:
+        """Read a file of the sandbox as text (undecodable bytes replaced; the first MiB)."""
+        data = await with_daemon(lambda c: c.read_file(sandbox_id, path))
+        return {"path": path, "size": len(data), "truncated": len(data) > FILE_READ_LIMIT,
+                "content": data[:FILE_READ_LIMIT].decode("utf-8", "replace")}  # fmt: skip
+
+    @server.tool()
+    async def write_file(sandbox_id: str, path: str, content: str) -> dict[str, Any]:
+        """Write text to a file of the sandbox (created, or replaced)."""
+        await with_daemon(lambda c: c.write_file(sandbox_id, path, content))
+        return {"path": path, "size": len(content.encode())}
+
+    @server.tool()
+    async def branch_sandbox(
+        sandbox_id: str, tag: str | None = None, mode: str | None = None
+    ) -> dict[str, Any]:
+        """Save the running sandbox's whole state as a new snapshot (it pauses for
+        milliseconds, then goes on). Fork the snapshot to get copies of that moment.
+        ``mode``: full (default), diff or live."""
+        return dict(await with_daemon(lambda c: c.branch_sandbox(sandbox_id, tag=tag, mode=mode)))
+
+    @server.tool()
+    async def list_sandboxes(state: str | None = None) -> list[dict[str, Any]]:
+        """The sandboxes (``state``: running, paused, hibernated or dead)."""
+        return list(await with_daemon(lambda c: c.list_sandboxes(state=state)))
+
+    @server.tool()
+    async def list_snapshots() -> list[dict[str, Any]]:
+        """The snapshots sandboxes can be created from: templates and branches."""
+        return list(await with_daemon(lambda c: c.list_snapshots()))
+
+    @server.tool()
+    async def kill_sandbox(sandbox_id: str) -> dict[str, Any]:
+        """Kill the sandbox and free what it held."""
+        await with_daemon(lambda c: c.kill_sandbox(sandbox_id))
+        return {"id": sandbox_id, "killed": True}
+
+    @server.resource(TREE_URI, name="lineage", mime_type="application/json")
+    async def tree() -> str:
+        """Snapshots nested under the snapshots they were branched from, each with the
+        sandboxes running from it."""
+        async with connect() as ctl:
+            snaps, sandboxes = await ctl.list_snapshots(), await ctl.list_sandboxes()
+        return json.dumps(lineage_tree(snaps, sandboxes))
+
+    return server
+
+
+def bearer_only(app: Any, token: str) -> Any:
+    """``app`` (ASGI), answering 401 to HTTP requests without ``Bearer <token>``."""
+    want = f"Bearer {token}".encode()
+
+    async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, want):
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"text/plain"),
+                                        (b"www-authenticate", b"Bearer")]})  # fmt: skip
+                await send({"type": "http.response.body", "body": b"bearer token required\n"})
+                return
+        await app(scope, receive, send)
+
+    return guarded
