@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -42,11 +43,13 @@ def image_build(
 
     label = str(recipe) if recipe else name
     try:
+        started = time.monotonic()
         with err.status(f"building image {label}") as status:
 
-            def progress(msg: str) -> None:
-                status.update(msg)
-                err.print(f"  {msg}", highlight=False)
+            def progress(msg: str) -> None:  # each step, with the time since the start
+                took = time.monotonic() - started
+                status.update(f"{msg} ({took:.0f} s)")
+                err.print(f"  [{took:6.1f} s] {msg}", highlight=False)
 
             img = image.build(name, progress=progress, recipe_dir=recipe)
     except ForkdError as exc:

@@ -14,6 +14,7 @@ from rich.tree import Tree
 from forkd.cli import render
 from forkd.cli.evals import eval_
 from forkd.cli.failures import act_on_each, daemon_errors
+from forkd.cli.fork_progress import fork_progress
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out
@@ -142,8 +143,7 @@ def fork(
     """Fork N sandboxes from a snapshot (they inherit its labels; --label adds or overrides)."""
     labels = parse_labels(label)
     t0 = time.monotonic()
-    status = f"forking {n} sandbox{'es' if n != 1 else ''} from {escape(tag)}"
-    with daemon_errors(), conn.controller() as ctl, err.status(status):
+    with daemon_errors(), conn.controller() as ctl, fork_progress(conn, tag, n, conn.as_json):
         sandboxes = ctl.spawn_sandboxes(
             tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
             metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout,
