@@ -55,6 +55,22 @@ install_python() {
     fi
 }
 
+install_node() {
+    # tests/integration/test_typescript_sdk.py builds and tests sdk/typescript: node 20+.
+    # Debian 12 ships node 18; the npm registry's "node" package carries node 20.
+    local major
+    major=$(node --version 2>/dev/null | sed -E 's/^v([0-9]+).*/\1/') || major=0
+    [ "${major:-0}" -ge 20 ] && return
+    if ! command -v npm >/dev/null; then
+        log "installing nodejs and npm (Debian)"
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            --no-install-recommends nodejs npm >/dev/null
+    fi
+    log "installing node 20 from the npm registry"
+    as_root npm install -g --no-audit --no-fund node@20 >/dev/null
+    hash -r
+}
+
 ensure_qemu_user() {
     # QEMU drops to this user once it has opened its files (forkd.vmm.qemu_user).
     getent passwd forkd-qemu >/dev/null || as_root useradd --system --user-group \
@@ -74,7 +90,7 @@ case "$cmd" in
         exec "$VENV/bin/python" -m forkd.demo "$@"
         ;;
     test)
-        install_apt; ensure_qemu_user; install_python; build_image
+        install_apt; install_node; ensure_qemu_user; install_python; build_image
         shift
         log "ruff"
         "$VENV/bin/ruff" check src tests bench

@@ -1,0 +1,496 @@
+/**
+ * forkd TypeScript SDK: a client of the forkd daemon's HTTP API (docs/API.md).
+ *
+ * Only the platform's `fetch` is used (Node 20+, Deno, Bun, browsers): no runtime
+ * dependencies. `Client` maps one method to each route; `Sandbox` and `Snapshot`
+ * are the objects most code wants.
+ *
+ *     const snap = await Snapshot.create("py", { warmup: "x = 41" });
+ *     const sb = await Sandbox.create("py");
+ *     console.log((await sb.commands.run("uname -r")).stdout);
+ *     console.log((await sb.eval("x + 1")).result);            // '42'
+ *     const branch = await sb.branch();                        // pause, snapshot, resume
+ *     const kids = await branch.fork(3);
+ *     await sb.kill();
+ */
+
+export type JSONValue = null | boolean | number | string | JSONValue[] | { [key: string]: JSONValue };
+export type JSONObject = { [key: string]: any };
+
+export interface ClientOptions {
+  /** `http://host:port`; default `$FORKD_URL`, else `http://127.0.0.1:8889`. */
+  baseUrl?: string;
+  /** Bearer token; default `$FORKD_TOKEN`. */
+  token?: string;
+  /** Milliseconds to wait for an answer (exec, eval and builds wait longer). */
+  timeoutMs?: number;
+  /** A fetch to use instead of the global one (tests, proxies). */
+  fetch?: typeof fetch;
+}
+
+/** Every failure: the daemon's answer (`status`, its `error` text) or, with status 0, no answer. */
+export class ForkdError extends Error {
+  constructor(
+    readonly status: number,
+    message: string,
+    readonly body?: unknown,
+  ) {
+    super(message);
+    this.name = "ForkdError";
+  }
+}
+
+/** The daemon could not be reached, or did not answer in time (status 0). */
+export class ForkdConnectionError extends ForkdError {
+  constructor(message: string, readonly cause?: unknown) {
+    super(0, message);
+    this.name = "ForkdConnectionError";
+  }
+}
+
+export interface SandboxInfo extends JSONObject {
+  id: string;
+  snapshot_tag: string;
+  state: "starting" | "running" | "paused" | "hibernated" | "dead";
+  has_branched: boolean;
+  branch_count: number;
+}
+
+export interface SnapshotInfo extends JSONObject {
+  tag: string;
+  status: "ready" | "pending" | "failed" | "broken";
+  branched_from?: string | null;
+  pause_ms?: number | null;
+  parent_tag?: string | null;
+  mode?: "full" | "diff";
+}
+
+export interface CommandResult {
+  stdout: string;
+  stderr: string;
+  exitCode: number;
+  timedOut: boolean;
+}
+
+export interface EvalResult {
+  result: string | null;
+  error: string | null;
+  stdout: string | null;
+  stderr: string | null;
+  exitCode: number;
+}
+
+/** One piece of a process's output stream (`stdout`, `stderr`, `pty`, `gap`, `exit`). */
+export interface OutputEvent {
+  kind: string;
+  data?: Uint8Array;
+  text?: string;
+  offset?: number;
+  nextOffset?: number;
+  exitCode?: number | null;
+}
+
+export interface TreeNode {
+  tag: string;
+  mode: string;
+  status: string;
+  branched_from: string | null;
+  pause_ms: number | null;
+  sandboxes: { id: string; state: string }[];
+  children: TreeNode[];
+}
+
+interface RequestOptions {
+  body?: unknown;
+  raw?: BodyInit;
+  contentType?: string;
+  query?: Record<string, string | number | boolean | undefined | null>;
+  timeoutMs?: number;
+  accept?: string;
+}
+
+const env = (name: string): string | undefined =>
+  (globalThis as any).process?.env?.[name] || undefined;
+
+const q = (segment: string): string => encodeURIComponent(segment);
+
+function dropUndefined(obj: JSONObject): JSONObject {
+  return Object.fromEntries(Object.entries(obj).filter(([, v]) => v !== undefined && v !== null));
+}
+
+/** The daemon, one method per route of its HTTP API. */
+export class Client {
+  readonly baseUrl: string;
+  readonly timeoutMs: number;
+  #token: string | undefined;
+  #fetch: typeof fetch;
+
+  constructor(options: ClientOptions = {}) {
+    const url = options.baseUrl ?? env("FORKD_URL") ?? "http://127.0.0.1:8889";
+    this.baseUrl = (url.includes("://") ? url : `http://${url}`).replace(/\/+$/, "");
+    this.timeoutMs = options.timeoutMs ?? 120_000;
+    this.#token = options.token ?? env("FORKD_TOKEN");
+    this.#fetch = options.fetch ?? globalThis.fetch.bind(globalThis);
+  }
+
+  /** One request; a ForkdError unless the answer is 2xx. */
+  async request(method: string, path: string, opts: RequestOptions = {}): Promise<Response> {
+    const url = new URL(this.baseUrl + path);
+    for (const [k, v] of Object.entries(opts.query ?? {})) {
+      if (v !== undefined && v !== null) url.searchParams.set(k, String(v));
+    }
+    const headers: Record<string, string> = { Accept: opts.accept ?? "application/json" };
+    if (this.#token) headers.Authorization = `Bearer ${this.#token}`;
+    let body: BodyInit | undefined = opts.raw;
+    if (opts.body !== undefined) {
+      body = JSON.stringify(opts.body);
+      headers["Content-Type"] = "application/json";
+    } else if (opts.raw !== undefined) {
+      headers["Content-Type"] = opts.contentType ?? "application/octet-stream";
+    }
+    let resp: Response;
+    try {
+      resp = await this.#fetch(url, {
+        method, headers, body, signal: AbortSignal.timeout(opts.timeoutMs ?? this.timeoutMs),
+      });
+    } catch (err) {
+      const timedOut = (err as Error)?.name === "TimeoutError";
+      throw new ForkdConnectionError(
+        timedOut
+          ? `no answer from the forkd daemon at ${this.baseUrl} in time (${method} ${path})`
+          : `the forkd daemon is not reachable at ${this.baseUrl} (${(err as Error)?.message ?? err})`,
+        err,
+      );
+    }
+    if (!resp.ok) {
+      const text = await resp.text();
+      let parsed: unknown = text;
+      try { parsed = JSON.parse(text); } catch { /* not JSON: keep the text */ }
+      const message = (parsed as JSONObject)?.error ?? (text || resp.statusText);
+      throw new ForkdError(resp.status, `HTTP ${resp.status}: ${message}`, parsed);
+    }
+    return resp;
+  }
+
+  async json<T = any>(method: string, path: string, opts: RequestOptions = {}): Promise<T> {
+    const resp = await this.request(method, path, opts);
+    if (resp.status === 204) return undefined as T;
+    const text = await resp.text();
+    if (!text) return undefined as T;
+    try {
+      return JSON.parse(text) as T;
+    } catch {
+      throw new ForkdError(resp.status, `the daemon answered ${method} ${path} with something that is not JSON`, text);
+    }
+  }
+
+  #sb(id: string): string {
+    return `/v1/sandboxes/${q(id)}`;
+  }
+
+  // -- discovery, snapshots ---------------------------------------------------
+
+  health(): Promise<JSONObject> { return this.json("GET", "/healthz"); }
+  version(): Promise<JSONObject> { return this.json("GET", "/version"); }
+
+  listSnapshots(): Promise<SnapshotInfo[]> { return this.json("GET", "/v1/snapshots"); }
+  snapshot(tag: string): Promise<SnapshotInfo> { return this.json("GET", `/v1/snapshots/${q(tag)}`); }
+  snapshotInfo(tag: string): Promise<SnapshotInfo> { return this.json("GET", `/v1/snapshots/${q(tag)}/info`); }
+
+  createSnapshot(tag: string, opts: JSONObject = {}): Promise<SnapshotInfo> {
+    const body = dropUndefined({ tag, ...opts });
+    return this.json("POST", "/v1/snapshots", { body, timeoutMs: Math.max(this.timeoutMs, 1_800_000) });
+  }
+
+  async deleteSnapshot(tag: string, opts: { cascade?: boolean; force?: boolean } = {}): Promise<void> {
+    const query = { cascade: opts.cascade ? "true" : undefined, force: opts.force ? "true" : undefined };
+    await this.request("DELETE", `/v1/snapshots/${q(tag)}`, { query });
+  }
+
+  compactSnapshot(tag: string): Promise<SnapshotInfo> {
+    return this.json("POST", `/v1/snapshots/${q(tag)}/compact`, { timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
+  // -- sandboxes --------------------------------------------------------------
+
+  spawnSandboxes(snapshotTag: string, opts: JSONObject & { n?: number } = {}): Promise<SandboxInfo[]> {
+    const body = dropUndefined({ snapshot_tag: snapshotTag, n: 1, ...opts });
+    return this.json("POST", "/v1/sandboxes", { body, timeoutMs: this.timeoutMs + 2_000 * (body.n as number) });
+  }
+
+  listSandboxes(opts: { state?: string; snapshot?: string } = {}): Promise<SandboxInfo[]> {
+    return this.json("GET", "/v1/sandboxes", { query: opts });
+  }
+
+  getSandbox(id: string): Promise<SandboxInfo> { return this.json("GET", this.#sb(id)); }
+  async killSandbox(id: string): Promise<void> { await this.request("DELETE", this.#sb(id)); }
+
+  pauseSandbox(id: string, opts: { hibernate?: boolean } = {}): Promise<SandboxInfo> {
+    return this.json("POST", `${this.#sb(id)}/pause`, { body: opts.hibernate ? { hibernate: true } : {} });
+  }
+
+  resumeSandbox(id: string, opts: { timeout_s?: number } = {}): Promise<SandboxInfo> {
+    return this.json("POST", `${this.#sb(id)}/resume`, { body: dropUndefined(opts) });
+  }
+
+  setSandboxTimeout(id: string, timeoutS: number | null, idleTimeoutS?: number | null): Promise<SandboxInfo> {
+    const body: JSONObject = { timeout_s: timeoutS };
+    if (idleTimeoutS !== undefined) body.idle_timeout_s = idleTimeoutS;
+    return this.json("POST", `${this.#sb(id)}/timeout`, { body });
+  }
+
+  branchSandbox(id: string, opts: { tag?: string; mode?: "full" | "diff" | "live"; wait?: boolean; metadata?: Record<string, string> } = {}): Promise<SnapshotInfo> {
+    const body = dropUndefined({ tag: opts.tag, mode: opts.mode, metadata: opts.metadata });
+    if (opts.wait === false) body.wait = false;
+    return this.json("POST", `${this.#sb(id)}/branch`, { body });
+  }
+
+  exec(id: string, args: string[], opts: { timeoutSecs?: number; cwd?: string; env?: Record<string, string>; stdin?: string } = {}): Promise<JSONObject> {
+    const timeout = opts.timeoutSecs ?? 30;
+    const body = dropUndefined({ args, timeout_secs: timeout, cwd: opts.cwd, env: opts.env, stdin: opts.stdin });
+    return this.json("POST", `${this.#sb(id)}/exec`, { body, timeoutMs: (timeout + 30) * 1000 });
+  }
+
+  eval(id: string, code: string, timeoutS?: number): Promise<JSONObject> {
+    const wait = (timeoutS ?? 60) + 30;
+    return this.json("POST", `${this.#sb(id)}/eval`, { body: dropUndefined({ code, timeout_s: timeoutS }), timeoutMs: Math.max(this.timeoutMs, wait * 1000) });
+  }
+
+  ping(id: string): Promise<JSONObject> { return this.json("POST", `${this.#sb(id)}/ping`); }
+
+  // -- files --------------------------------------------------------------------
+
+  async readFile(id: string, path: string): Promise<Uint8Array> {
+    const resp = await this.request("GET", `${this.#sb(id)}/files`, { query: { path }, accept: "application/octet-stream" });
+    return new Uint8Array(await resp.arrayBuffer());
+  }
+
+  async writeFile(id: string, path: string, data: string | Uint8Array): Promise<void> {
+    const bytes = typeof data === "string" ? new TextEncoder().encode(data) : data;
+    const raw = new Blob([bytes as Uint8Array<ArrayBuffer>]);
+    await this.request("PUT", `${this.#sb(id)}/files`, { query: { path }, raw });
+  }
+
+  async listFiles(id: string, path: string): Promise<JSONObject[]> {
+    const body = await this.json("GET", `${this.#sb(id)}/files/list`, { query: { path } });
+    return Array.isArray(body?.entries) ? body.entries : body;
+  }
+
+  async removeFile(id: string, path: string, recursive = false): Promise<void> {
+    await this.request("DELETE", `${this.#sb(id)}/files`, { query: { path, recursive: recursive ? "true" : "false" } });
+  }
+
+  // -- background processes -----------------------------------------------------
+
+  startProcess(id: string, cmd: string | string[], opts: { env?: Record<string, string>; cwd?: string; stdin?: boolean; timeout_s?: number } = {}): Promise<JSONObject> {
+    return this.json("POST", `${this.#sb(id)}/processes`, { body: dropUndefined({ cmd, stdin: opts.stdin ?? false, env: opts.env, cwd: opts.cwd, timeout_s: opts.timeout_s }) });
+  }
+
+  listProcesses(id: string): Promise<JSONObject[]> { return this.json("GET", `${this.#sb(id)}/processes`); }
+
+  /** A process's output from `offset` as it comes; with `follow` it ends with `exit`. */
+  async *processOutput(id: string, pid: number, opts: { offset?: number; follow?: boolean } = {}): AsyncGenerator<OutputEvent> {
+    const query = { offset: opts.offset ?? 0, follow: opts.follow === false ? "false" : "true" };
+    const resp = await this.request("GET", `${this.#sb(id)}/processes/${pid}/output`, { query, accept: "text/event-stream", timeoutMs: 24 * 3600_000 });
+    for await (const sse of readSSE(resp)) {
+      const body = JSON.parse(sse.data);
+      if (sse.event === "error") throw new ForkdError(Number(body.status ?? 502), String(body.error), body);
+      if (sse.event === "exit") { yield { kind: "exit", exitCode: body.exit_code ?? null }; return; }
+      if (sse.event === "gap") { yield { kind: "gap", offset: body.from, nextOffset: body.to }; continue; }
+      const data = body.encoding === "base64" ? base64Bytes(body.data) : new TextEncoder().encode(body.data);
+      yield { kind: sse.event, data, text: new TextDecoder().decode(data), offset: body.offset, nextOffset: body.next_offset };
+    }
+  }
+
+  /** Lifecycle events (`created`, `branched`, `killed`, ...) as they happen, until `signal` aborts. */
+  async *events(opts: { types?: string[]; sandboxId?: string; signal?: AbortSignal } = {}): AsyncGenerator<JSONObject> {
+    const url = new URL(`${this.baseUrl}/v1/events`);
+    if (opts.types) url.searchParams.set("type", opts.types.join(","));
+    if (opts.sandboxId) url.searchParams.set("sandbox_id", opts.sandboxId);
+    const headers: Record<string, string> = { Accept: "text/event-stream" };
+    if (this.#token) headers.Authorization = `Bearer ${this.#token}`;
+    let resp: Response;
+    try {
+      resp = await this.#fetch(url, { headers, signal: opts.signal });
+    } catch (err) {
+      if ((err as Error)?.name === "AbortError") return;
+      throw new ForkdConnectionError(`the forkd daemon is not reachable at ${this.baseUrl}`, err);
+    }
+    if (!resp.ok) throw new ForkdError(resp.status, `HTTP ${resp.status}: ${await resp.text()}`);
+    try {
+      for await (const sse of readSSE(resp)) yield JSON.parse(sse.data);
+    } catch (err) {
+      if ((err as Error)?.name !== "AbortError") throw err;
+    }
+  }
+
+  /** Snapshots nested under their parents, with the sandboxes forked from each. */
+  async tree(): Promise<TreeNode[]> {
+    const [snaps, sandboxes] = await Promise.all([this.listSnapshots(), this.listSandboxes()]);
+    const nodes = new Map<string, TreeNode>(snaps.map((s) => [s.tag, {
+      tag: s.tag, mode: s.mode ?? "full", status: s.status, branched_from: s.branched_from ?? null,
+      pause_ms: s.pause_ms ?? null, sandboxes: [], children: [],
+    }]));
+    for (const sb of sandboxes) nodes.get(sb.snapshot_tag)?.sandboxes.push({ id: sb.id, state: sb.state });
+    const roots: TreeNode[] = [];
+    for (const s of snaps) {
+      const parent = s.parent_tag ? nodes.get(s.parent_tag) : undefined;
+      (parent ? parent.children : roots).push(nodes.get(s.tag)!);
+    }
+    return roots;
+  }
+}
+
+function base64Bytes(text: string): Uint8Array {
+  const bin = atob(text);
+  return Uint8Array.from(bin, (c) => c.charCodeAt(0));
+}
+
+/** Server-sent events of a streaming answer; comments (keep-alives) and empty events skipped. */
+async function* readSSE(resp: Response): AsyncGenerator<{ event: string; data: string }> {
+  if (!resp.body) return;
+  const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buffer = "";
+  let event = "message";
+  let data: string[] = [];
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      buffer += value;
+      let nl: number;
+      while ((nl = buffer.indexOf("\n")) >= 0) {
+        const line = buffer.slice(0, nl).replace(/\r$/, "");
+        buffer = buffer.slice(nl + 1);
+        if (line === "") {
+          if (data.length) yield { event, data: data.join("\n") };
+          event = "message";
+          data = [];
+        } else if (line.startsWith(":")) {
+          continue;
+        } else {
+          const colon = line.indexOf(":");
+          const field = colon < 0 ? line : line.slice(0, colon);
+          const val = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
+          if (field === "event") event = val;
+          else if (field === "data") data.push(val);
+        }
+      }
+    }
+  } finally {
+    reader.releaseLock();
+  }
+}
+
+function commandResult(raw: JSONObject): CommandResult {
+  const exitCode = raw.exit_code ?? (raw.timed_out ? 124 : -1);
+  return { stdout: raw.stdout ?? "", stderr: raw.stderr ?? "", exitCode, timedOut: Boolean(raw.timed_out ?? exitCode === 124) };
+}
+
+/** One running sandbox. */
+export class Sandbox {
+  readonly commands: {
+    run: (cmd: string | string[], opts?: { timeoutSecs?: number; cwd?: string; env?: Record<string, string>; stdin?: string }) => Promise<CommandResult>;
+    start: (cmd: string | string[], opts?: { env?: Record<string, string>; cwd?: string; timeout_s?: number }) => Promise<JSONObject>;
+    output: (pid: number, opts?: { offset?: number; follow?: boolean }) => AsyncGenerator<OutputEvent>;
+    list: () => Promise<JSONObject[]>;
+  };
+  readonly files: {
+    read: (path: string) => Promise<Uint8Array>;
+    readText: (path: string) => Promise<string>;
+    write: (path: string, data: string | Uint8Array) => Promise<void>;
+    list: (path: string) => Promise<JSONObject[]>;
+    remove: (path: string, recursive?: boolean) => Promise<void>;
+  };
+
+  constructor(readonly client: Client, public info: SandboxInfo) {
+    const id = info.id;
+    this.commands = {
+      run: async (cmd, opts = {}) => commandResult(await client.exec(id, typeof cmd === "string" ? ["/bin/sh", "-c", cmd] : cmd, opts)),
+      start: (cmd, opts = {}) => client.startProcess(id, cmd, opts),
+      output: (pid, opts = {}) => client.processOutput(id, pid, opts),
+      list: () => client.listProcesses(id),
+    };
+    this.files = {
+      read: (path) => client.readFile(id, path),
+      readText: async (path) => new TextDecoder().decode(await client.readFile(id, path)),
+      write: (path, data) => client.writeFile(id, path, data),
+      list: (path) => client.listFiles(id, path),
+      remove: (path, recursive = false) => client.removeFile(id, path, recursive),
+    };
+  }
+
+  /** Fork a sandbox from snapshot `tag` (options as the API's: timeout_s, metadata, ...). */
+  static async create(tag: string, opts: JSONObject & { client?: Client } = {}): Promise<Sandbox> {
+    const { client = new Client(), ...spawn } = opts;
+    const [info] = await client.spawnSandboxes(tag, { ...spawn, n: 1 });
+    return new Sandbox(client, info!);
+  }
+
+  static async connect(id: string, client: Client = new Client()): Promise<Sandbox> {
+    return new Sandbox(client, await client.getSandbox(id));
+  }
+
+  get id(): string { return this.info.id; }
+
+  async refresh(): Promise<SandboxInfo> { return (this.info = await this.client.getSandbox(this.id)); }
+
+  async eval(code: string, timeoutS?: number): Promise<EvalResult> {
+    const raw = await this.client.eval(this.id, code, timeoutS);
+    return { result: raw.result ?? null, error: raw.error ?? null, stdout: raw.stdout ?? null, stderr: raw.stderr ?? null, exitCode: raw.exit_code ?? 0 };
+  }
+
+  async branch(opts: { tag?: string; mode?: "full" | "diff" | "live"; wait?: boolean } = {}): Promise<Snapshot> {
+    const info = await this.client.branchSandbox(this.id, opts);
+    return new Snapshot(this.client, info);
+  }
+
+  async pause(opts: { hibernate?: boolean } = {}): Promise<SandboxInfo> { return (this.info = await this.client.pauseSandbox(this.id, opts)); }
+  async resume(opts: { timeout_s?: number } = {}): Promise<SandboxInfo> { return (this.info = await this.client.resumeSandbox(this.id, opts)); }
+
+  /** Kill it; a sandbox already gone is not an error. */
+  async kill(): Promise<void> {
+    try {
+      await this.client.killSandbox(this.id);
+    } catch (err) {
+      if (!(err instanceof ForkdError && err.status === 404)) throw err;
+    }
+  }
+}
+
+/** A snapshot: a template or a branch, to fork sandboxes from. */
+export class Snapshot {
+  constructor(readonly client: Client, public info: SnapshotInfo) {}
+
+  static async create(tag: string, opts: JSONObject & { client?: Client } = {}): Promise<Snapshot> {
+    const { client = new Client(), ...body } = opts;
+    return new Snapshot(client, await client.createSnapshot(tag, body));
+  }
+
+  static async get(tag: string, client: Client = new Client()): Promise<Snapshot> {
+    return new Snapshot(client, await client.snapshot(tag));
+  }
+
+  get tag(): string { return this.info.tag; }
+  get pauseMs(): number | null { return this.info.pause_ms ?? null; }
+  get branchedFrom(): string | null { return this.info.branched_from ?? null; }
+
+  async fork(n = 1, opts: JSONObject = {}): Promise<Sandbox[]> {
+    const infos = await this.client.spawnSandboxes(this.tag, { ...opts, n });
+    return infos.map((info) => new Sandbox(this.client, info));
+  }
+
+  /** Poll until no longer `pending` (a branch with wait: false). */
+  async wait(timeoutMs = 600_000, intervalMs = 200): Promise<Snapshot> {
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      this.info = await this.client.snapshot(this.tag);
+      if (this.info.status !== "pending") return this;
+      if (Date.now() > deadline) throw new ForkdError(0, `snapshot ${this.tag} still pending after ${timeoutMs} ms`);
+      await new Promise((r) => setTimeout(r, intervalMs));
+    }
+  }
+
+  async refresh(): Promise<SnapshotInfo> { return (this.info = await this.client.snapshotInfo(this.tag)); }
+  async delete(opts: { cascade?: boolean; force?: boolean } = {}): Promise<void> { await this.client.deleteSnapshot(this.tag, opts); }
+}

@@ -1,0 +1,115 @@
+// The TypeScript SDK against a real forkd daemon (node's own test runner).
+// FORKD_URL, FORKD_TOKEN and FORKD_TEMPLATE (a snapshot whose warm-up set x = 41)
+// name it; tests/integration/test_typescript_sdk.py runs this file with them.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+
+import { Client, ForkdConnectionError, ForkdError, Sandbox, Snapshot } from "../dist/index.js";
+
+const template = process.env.FORKD_TEMPLATE;
+const client = new Client();
+
+test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_TEMPLATE not set" }, async (t) => {
+  const made = [];
+  t.after(async () => {
+    for (const sb of made) await sb.kill();
+  });
+
+  await t.test("snapshots", async () => {
+    const snap = await Snapshot.get(template, client);
+    assert.equal(snap.tag, template);
+    assert.equal(snap.info.status, "ready");
+    assert.equal(snap.pauseMs, null);
+    const listed = await client.listSnapshots();
+    assert.ok(listed.some((s) => s.tag === template));
+  });
+
+  await t.test("fork, exec, eval, files", async () => {
+    const kids = await (await Snapshot.get(template, client)).fork(2);
+    made.push(...kids);
+    assert.equal(kids.length, 2);
+    assert.notEqual(kids[0].id, kids[1].id);
+    const sb = kids[0];
+    const run = await sb.commands.run("echo hello; exit 3");
+    assert.equal(run.stdout, "hello\n");
+    assert.equal(run.exitCode, 3);
+    const ev = await sb.eval("x + 1");
+    assert.equal(ev.result, "42");
+    assert.equal(ev.error, null);
+    await sb.files.write("/tmp/ts.txt", "from typescript");
+    assert.equal(await sb.files.readText("/tmp/ts.txt"), "from typescript");
+    const bytes = Uint8Array.from([0, 255, 1, 254]);
+    await sb.files.write("/tmp/bin", bytes);
+    assert.deepEqual(await sb.files.read("/tmp/bin"), bytes);
+    const names = (await sb.files.list("/tmp")).map((e) => e.name);
+    assert.ok(names.includes("ts.txt") && names.includes("bin"));
+    await sb.files.remove("/tmp/bin");
+    assert.ok(!(await sb.files.list("/tmp")).some((e) => e.name === "bin"));
+  });
+
+  await t.test("branch, fork the branch, tree", async () => {
+    const sb = await Sandbox.create(template, { client });
+    made.push(sb);
+    await sb.eval("marker = 'before branch'");
+    const branch = await sb.branch({ tag: "ts-branch" });
+    assert.equal(branch.branchedFrom, sb.id);
+    assert.equal(typeof branch.pauseMs, "number");
+    assert.ok(Number.isInteger(branch.pauseMs));
+    await sb.eval("marker = 'after branch'");
+    const [grandchild] = await branch.fork(1);
+    made.push(grandchild);
+    assert.equal((await grandchild.eval("marker")).result, "'before branch'");
+    assert.equal((await sb.refresh()).branch_count, 1);
+    const tree = await client.tree();
+    const root = tree.find((n) => n.tag === template);
+    const node = root.children.find((n) => n.tag === "ts-branch");
+    assert.ok(node.sandboxes.some((s) => s.id === grandchild.id));
+    assert.deepEqual((await client.snapshotInfo("ts-branch")).ancestors, [template]);
+    await grandchild.kill();
+    await branch.delete();
+  });
+
+  await t.test("background process and its output stream", async () => {
+    const sb = made[0];
+    const proc = await sb.commands.start("for i in 1 2 3; do echo line $i; done; exit 7");
+    let text = "";
+    let exitCode;
+    for await (const ev of sb.commands.output(proc.pid)) {
+      if (ev.kind === "stdout") text += ev.text;
+      if (ev.kind === "exit") exitCode = ev.exitCode;
+    }
+    assert.equal(text, "line 1\nline 2\nline 3\n");
+    assert.equal(exitCode, 7);
+  });
+
+  await t.test("events", async () => {
+    const abort = new AbortController();
+    const seen = [];
+    const reading = (async () => {
+      for await (const ev of client.events({ types: ["created"], signal: abort.signal })) {
+        seen.push(ev);
+        if (seen.length === 1) abort.abort();
+      }
+    })();
+    await new Promise((r) => setTimeout(r, 300)); // the stream is open before the fork
+    const sb = await Sandbox.create(template, { client });
+    made.push(sb);
+    await reading;
+    assert.equal(seen[0].type, "created");
+    assert.equal(seen[0].sandbox_id, sb.id);
+  });
+
+  await t.test("typed errors", async () => {
+    await assert.rejects(client.getSandbox("sb-nope-0000"), (err) => err instanceof ForkdError && err.status === 404);
+    await assert.rejects(client.spawnSandboxes(template, { n: 0 }), (err) => err instanceof ForkdError && err.status === 400);
+    const nowhere = new Client({ baseUrl: "http://127.0.0.1:9", timeoutMs: 2000 });
+    await assert.rejects(nowhere.health(), (err) => err instanceof ForkdConnectionError && err.status === 0);
+  });
+
+  await t.test("kill", async () => {
+    const sb = made.pop();
+    await sb.kill();
+    await assert.rejects(client.getSandbox(sb.id), (err) => err.status === 404);
+    await sb.kill(); // again: no error
+  });
+});

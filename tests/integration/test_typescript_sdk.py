@@ -1,0 +1,42 @@
+"""The TypeScript SDK (sdk/typescript) against the suite's daemon: built with tsc from a
+clean install (npm ci), then its own tests run under node's test runner."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+SDK = Path(__file__).resolve().parents[2] / "sdk" / "typescript"
+
+
+def _node_major() -> int:
+    node = shutil.which("node")
+    if node is None:
+        return 0
+    out = subprocess.run([node, "--version"], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().lstrip("v").split(".")[0])
+
+
+@pytest.mark.skipif(_node_major() < 20, reason="needs node 20 or later (./dev.sh installs it)")
+def test_typescript_sdk_against_a_real_daemon(daemon: Any, api_template: str) -> None:
+    npm = shutil.which("npm")
+    assert npm is not None, "npm is missing beside node"
+    for step in (["ci", "--no-audit", "--no-fund"], ["run", "build"]):
+        done = subprocess.run([npm, *step], cwd=SDK, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+    env = {
+        **os.environ, "FORKD_URL": daemon.url, "FORKD_TOKEN": daemon.token,
+        "FORKD_TEMPLATE": api_template,
+    }  # fmt: skip
+    run = subprocess.run(
+        ["node", "--test", "test/"], cwd=SDK, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    assert "# fail 0" in run.stdout and "# skipped 0" in run.stdout
