@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from forkd import __version__
-from forkd.controller import http_errors, port_proxy, port_ws, pty_ws, routes
+from forkd.controller import console, http_errors, port_proxy, port_ws, pty_ws, routes
 from forkd.controller.audit import AuditLog
 from forkd.controller.metrics import Metrics
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
@@ -66,6 +66,7 @@ def create_app(
     app.include_router(pty_ws.router)  # a WebSocket: not in the OpenAPI document
     app.include_router(port_proxy.router)  # the guest's answers: not in the document
     app.include_router(port_ws.router)
+    app.include_router(console.router)  # the web console's static files (/ui)
     return app
 
 

@@ -1,0 +1,136 @@
+// forkd web console: the lineage of snapshots, branches and sandboxes, polled every
+// second from the HTTP API with the daemon's token (kept in this module's memory only),
+// and the actions fork N, branch, kill, delete and exec. Plain DOM, no framework.
+
+let token = null;
+let timer = null;
+const $ = (id) => document.getElementById(id);
+
+async function api(method, path, body) {
+  const headers = { Authorization: `Bearer ${token}`, Accept: "application/json" };
+  if (body !== undefined) headers["Content-Type"] = "application/json";
+  const resp = await fetch(path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+  const text = await resp.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!resp.ok) throw new Error(`${resp.status}: ${data?.error ?? text}`);
+  return data;
+}
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  return node;
+}
+
+function age(unix) {
+  const s = Math.max(0, Math.round(Date.now() / 1000 - unix));
+  return s < 90 ? `${s} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${Math.round(s / 3600)} h`;
+}
+
+function say(text, isError = false) {
+  const status = $("status");
+  status.textContent = text;
+  status.classList.toggle("error", isError);
+}
+
+async function act(label, fn) {
+  try {
+    say(`${label}…`);
+    await fn();
+    say(`${label}: done`);
+  } catch (err) {
+    say(`${label}: ${err.message}`, true);
+  }
+  await refresh();
+}
+
+function sandboxNode(sb) {
+  return el("li", { class: "node sandbox", "data-sandbox": sb.id },
+    el("div", { class: "row" },
+      el("span", { class: "tag" }, sb.id),
+      el("span", { class: `badge state-${sb.state}` }, sb.state),
+      el("span", { class: "meta" }, `fork ${sb.fork_ms ?? "–"} ms · ${age(sb.created_at_unix)} old` +
+        (sb.memory_limit_mib ? ` · ≤ ${sb.memory_limit_mib} MiB` : "") +
+        (sb.branch_count ? ` · ${sb.branch_count} branch${sb.branch_count > 1 ? "es" : ""}` : "")),
+      el("button", { onclick: () => act(`branch ${sb.id}`, () => api("POST", `/v1/sandboxes/${encodeURIComponent(sb.id)}/branch`, {})) }, "branch"),
+      el("button", { class: "danger", onclick: () => act(`kill ${sb.id}`, () => api("DELETE", `/v1/sandboxes/${encodeURIComponent(sb.id)}`)) }, "kill"),
+    ));
+}
+
+function snapshotNode(node) {
+  const s = node.snapshot;
+  const n = el("input", { class: "n", type: "number", min: "1", max: "100", value: "1", "aria-label": `children of ${s.tag}` });
+  const meta = [s.mode ?? "full", s.status, `${s.memory_mib} MiB`, `${age(s.created_at_unix)} old`];
+  if (s.pause_ms !== undefined && s.pause_ms !== null) meta.push(`paused ${s.pause_ms} ms`);
+  return el("li", { class: "node snapshot", "data-snapshot": s.tag },
+    el("div", { class: "row" },
+      el("span", { class: "tag" }, s.tag),
+      el("span", { class: "meta" }, meta.join(" · ")),
+      n,
+      el("button", { onclick: () => act(`fork ${n.value} from ${s.tag}`, () => api("POST", "/v1/sandboxes", { snapshot_tag: s.tag, n: Number(n.value) })) }, "fork"),
+      el("button", { class: "danger", onclick: () => act(`delete ${s.tag}`, () => api("DELETE", `/v1/snapshots/${encodeURIComponent(s.tag)}`)) }, "delete"),
+    ),
+    el("ul", {}, ...node.sandboxes.map(sandboxNode), ...node.children.map(snapshotNode)));
+}
+
+function lineage(snapshots, sandboxes) {
+  const nodes = new Map(snapshots.map((s) => [s.tag, { snapshot: s, sandboxes: [], children: [] }]));
+  for (const sb of sandboxes) nodes.get(sb.snapshot_tag)?.sandboxes.push(sb);
+  const roots = [];
+  for (const s of snapshots) (nodes.get(s.parent_tag ?? "")?.children ?? roots).push(nodes.get(s.tag));
+  return roots;
+}
+
+async function refresh() {
+  if (!token) return;
+  try {
+    const [snapshots, sandboxes] = await Promise.all([api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes")]);
+    $("tree").replaceChildren(...lineage(snapshots, sandboxes).map(snapshotNode));
+    const select = $("exec-sandbox");
+    const chosen = select.value;
+    select.replaceChildren(...sandboxes.filter((s) => s.state === "running").map((s) => el("option", { value: s.id }, s.id)));
+    if ([...select.options].some((o) => o.value === chosen)) select.value = chosen;
+    if (!$("status").classList.contains("error") && $("status").textContent === "not connected") say("connected");
+  } catch (err) {
+    say(err.message, true);
+  }
+}
+
+$("login").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  token = $("token").value.trim();
+  $("token").value = "";
+  try {
+    await api("GET", "/v1/snapshots");
+  } catch (err) {
+    token = null;
+    say(`cannot connect: ${err.message}`, true);
+    return;
+  }
+  $("login").hidden = true;
+  $("console").hidden = false;
+  say("connected");
+  await refresh();
+  timer = setInterval(refresh, 1000);
+});
+
+$("exec-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const id = $("exec-sandbox").value;
+  const command = $("exec-command").value;
+  if (!id || !command) return;
+  $("exec-output").textContent = "running…";
+  try {
+    const r = await api("POST", `/v1/sandboxes/${encodeURIComponent(id)}/exec`, { args: ["/bin/sh", "-c", command], timeout_secs: 60 });
+    $("exec-output").textContent = `${r.stdout}${r.stderr}\n[exit ${r.exit_code}]`;
+  } catch (err) {
+    $("exec-output").textContent = err.message;
+  }
+});
+
+window.addEventListener("pagehide", () => { token = null; clearInterval(timer); });

@@ -1,0 +1,90 @@
+"""The web console in a real browser (Debian's chromium, headless, driven by Playwright)
+against the suite's daemon: connect with the token, fork two children from the template,
+branch one, and watch the lineage tree show both and then the branch under the template.
+A screenshot is kept in test-artifacts/ (or $FORKD_ARTIFACTS_DIR)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forkd.client import Controller, ControllerError
+
+pytestmark = pytest.mark.integration
+
+CHROMIUM = "/usr/bin/chromium"
+ARTIFACTS = Path(
+    os.environ.get("FORKD_ARTIFACTS_DIR", Path(__file__).parents[2] / "test-artifacts")
+)
+
+
+def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) -> None:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (./dev.sh installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    ctl = Controller(daemon.url, token=daemon.token)
+    before = {s["id"] for s in ctl.list_sandboxes()}
+    new: list[str] = []
+    branch_tag = None
+    try:
+        with sync_api.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            try:
+                page = browser.new_page(viewport={"width": 1200, "height": 800})
+                page.goto(f"{daemon.url}/ui")
+                page.fill("#token", daemon.token)
+                page.click("#login button[type=submit]")
+                row = page.locator(f'li[data-snapshot="{api_template}"]').first
+                row.wait_for(timeout=15_000)
+                assert page.locator("#login").is_hidden()  # the token field is gone
+
+                row.locator("> .row input.n").fill("2")
+                row.locator("> .row button", has_text="fork").click()
+                page.wait_for_function(
+                    """([tag, before]) => [...document.querySelectorAll(
+                        `li[data-snapshot="${tag}"] > ul > li.sandbox`)]
+                        .filter(li => !before.includes(li.dataset.sandbox)).length === 2""",
+                    arg=[api_template, sorted(before)],
+                    timeout=60_000,
+                )
+                new = sorted({s["id"] for s in ctl.list_sandboxes()} - before)
+                assert len(new) == 2
+
+                kid = page.locator(f'li[data-sandbox="{new[0]}"]')
+                kid.locator("button", has_text="branch").click()
+                branch_tag = f"branch-{new[0]}-1"
+                nested = row.locator(f'> ul > li[data-snapshot="{branch_tag}"]')
+                nested.wait_for(timeout=60_000)  # the tree updated: the branch sits under py
+                assert "paused" in nested.locator("> .row .meta").inner_text()
+                page.wait_for_function(  # and its source counts the branch
+                    'id => document.querySelector(`li[data-sandbox="${id}"] .meta`)'
+                    "?.textContent.includes('1 branch')",
+                    arg=new[0],
+                    timeout=10_000,
+                )
+                page.select_option("#exec-sandbox", new[1])
+                page.fill("#exec-command", "echo from the console")
+                page.click("#exec-form button[type=submit]")
+                page.wait_for_function(
+                    "() => document.querySelector('#exec-output').textContent.includes('[exit 0]')",
+                    timeout=30_000,
+                )
+                assert "from the console" in page.inner_text("#exec-output")
+                ARTIFACTS.mkdir(parents=True, exist_ok=True)
+                shot = ARTIFACTS / "console.png"
+                page.screenshot(path=str(shot), full_page=True)
+                assert shot.stat().st_size > 10_000
+            finally:
+                browser.close()
+    finally:
+        for sid in new:
+            with contextlib.suppress(ControllerError):
+                ctl.kill_sandbox(sid)
+        if branch_tag:
+            with contextlib.suppress(ControllerError):
+                ctl.delete_snapshot(branch_tag)
+        ctl.close()
