@@ -5,6 +5,7 @@ branch, delete), and the same bytes on the wire as the sync client, route by rou
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -55,6 +56,29 @@ def test_async_lifecycle(server: Server) -> None:
             assert exc.value.status == 404
 
     asyncio.run(lifecycle())
+
+
+def test_async_streams_background_process_and_events(server: Server) -> None:
+    async def streams() -> None:
+        async with AsyncController(server.url, token=server.token) as ctl:
+            await AsyncSnapshot.create("tpl", controller=ctl, memory_mib=128)
+            async with contextlib.aclosing(ctl.events(types="created")) as events:
+                first = asyncio.ensure_future(anext(events))
+                await asyncio.sleep(0.2)  # the stream is open before the fork
+                sb = await AsyncSandbox.create("tpl", controller=ctl)
+                created = await asyncio.wait_for(first, 10)
+            assert created.type == "created" and created.sandbox_id == sb.id
+            async with sb:
+                handle = await sb.commands.start(["printf", "one"])
+                result = await handle.wait()
+                assert result.exit_code == 0 and "one" in result.stdout
+                again = await sb.commands.connect(handle.pid)
+                kinds = [ev.kind async for ev in again.events()]
+                assert kinds[-1] == "exit" and again.stdout == result.stdout
+                assert (await sb.preview_url(8000)).startswith(f"{server.url}/v1/preview/")
+                assert sb.get_url(8000, "/x") == f"{server.url}/v1/sandboxes/{sb.id}/ports/8000/x"
+
+    asyncio.run(streams())
 
 
 # Each route, called the same way on both clients: the requests must be identical.

@@ -3,8 +3,9 @@
 
 The routes themselves are :class:`~forkd.client.routes.Routes`, the same code the
 sync client runs: here ``_request`` and ``_json`` return awaitables and ``_then``
-chains onto them. The streaming routes (process output, file streams, events,
-terminals, port tunnels) are the sync client's only, for now.
+chains onto them. A process's output and the lifecycle events are async
+iterators (:mod:`forkd.client.async_streams`); streamed file transfers,
+terminals and port tunnels are the sync client's only.
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from typing import Any
 
 import httpx
 
+from forkd.client.async_streams import AsyncStreams
 from forkd.client.connection import Address, _resolve_token, asend, json_of
 from forkd.client.routes import Routes
 
 
-class AsyncController(Routes):
+class AsyncController(Routes, AsyncStreams):
     """An asyncio client of the forkd daemon: the methods of :class:`Controller`'s
     JSON routes, each a coroutine with the same arguments and answer.
 

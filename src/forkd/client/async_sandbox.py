@@ -3,8 +3,9 @@
 They mirror :class:`~forkd.client.Sandbox` and :class:`~forkd.client.Snapshot`
 method for method, awaited, over an :class:`~forkd.client.AsyncController`; the
 answers are the same result types (``CommandResult``, ``EvalResult``, SandboxInfo
-dicts). Commands run in the foreground here (``/exec``); background processes,
-streamed output and terminals are the sync objects' for now.
+dicts); a background command is an :class:`AsyncCommandHandle`, its output an
+async iterator. Terminals, port tunnels and streamed file transfers are the sync
+objects' only.
 
 Example::
 
@@ -21,14 +22,62 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from forkd.client.async_controller import AsyncController
-from forkd.client.commands import FOREGROUND_TIMEOUT_SECS
+from forkd.client.commands import FOREGROUND_TIMEOUT_SECS, HandleOutput
 from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
-from forkd.client.results import CommandResult, EvalResult
+from forkd.client.results import CommandResult, EvalResult, OutputEvent
 from forkd.client.routes import KEEP
+
+
+class AsyncCommandHandle(HandleOutput):
+    """A process running in a sandbox (see ``CommandHandle``), read asynchronously."""
+
+    def __init__(
+        self, controller: AsyncController, sandbox_id: str, pid: int, offset: int = 0
+    ) -> None:
+        super().__init__(sandbox_id, pid, offset)
+        self._controller = controller
+
+    async def events(self) -> AsyncIterator[OutputEvent]:
+        """The output's events from :attr:`offset` until it exits (``exit`` last)."""
+        if self.exit_code is not None:
+            return
+        stream = self._controller.process_output(self.sandbox_id, self.pid, self.offset)
+        async for event in stream:
+            self._take(event)
+            yield event
+
+    async def wait(self) -> CommandResult:
+        """Read the output until the process exits; what it printed and its exit code."""
+        async for _ in self.events():
+            pass
+        return self._result()
+
+    async def send_stdin(self, data: str | bytes) -> None:
+        await self._controller.send_stdin(self.sandbox_id, self.pid, data)
+
+    async def close_stdin(self) -> None:
+        await self._controller.send_stdin(self.sandbox_id, self.pid, b"", eof=True)
+
+    async def signal(self, signal: int | str = "SIGTERM") -> None:
+        await self._controller.signal_process(self.sandbox_id, self.pid, signal)
+
+    async def kill(self) -> bool:
+        """SIGKILL its process group; False when no such process is known."""
+        try:
+            await self.signal("SIGKILL")
+        except ControllerError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
+
+    async def info(self) -> JSONDict:
+        return await self._controller.get_process(self.sandbox_id, self.pid)
 
 
 class AsyncCommands:
@@ -56,6 +105,28 @@ class AsyncCommands:
             env={**(env or {}), **(envs or {})} or None, stdin=stdin,
         )  # fmt: skip
         return CommandResult.from_answer(raw)
+
+    async def start(
+        self,
+        cmd: str | list[str],
+        timeout: float | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        stdin: bool = False,
+    ) -> AsyncCommandHandle:
+        """Start ``cmd`` in the background (``run(..., background=True)`` of the sync
+        SDK); ``stdin=True`` keeps its stdin open for ``send_stdin``."""
+        sb = self._sandbox
+        info = await sb.controller.start_process(
+            sb.id, cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout
+        )
+        return AsyncCommandHandle(sb.controller, sb.id, int(info["pid"]))
+
+    async def connect(self, pid: int, offset: int = 0) -> AsyncCommandHandle:
+        """A handle on process ``pid`` (a 404 now if there is none)."""
+        sb = self._sandbox
+        await sb.controller.get_process(sb.id, pid)
+        return AsyncCommandHandle(sb.controller, sb.id, pid, offset)
 
     async def list(self) -> list[JSONDict]:
         """The sandbox's processes (ProcessInfo), running ones first."""
@@ -183,6 +254,14 @@ class AsyncSandbox:
             self.id, tag=tag, mode=mode, metadata=metadata, wait=wait
         )
         return AsyncSnapshot(info["tag"], controller=self._controller, info=info)
+
+    def get_url(self, port: int, path: str = "/") -> str:
+        """The daemon's proxy URL of guest TCP ``port`` (it needs the bearer token)."""
+        return str(self._controller.port_url(self.id, port, path))
+
+    async def preview_url(self, port: int, ttl_s: int | None = None) -> str:
+        """A signed URL of guest ``port`` for a browser, no token needed."""
+        return str((await self._controller.create_preview_url(self.id, port, ttl_s))["url"])
 
     async def kill(self) -> None:
         """Kill the sandbox; again (or one already gone) is a no-op."""

@@ -24,25 +24,11 @@ OutputCallback = Callable[[str], object]
 Stdin = str | bytes | bool | None
 
 
-class CommandHandle:
-    """A process running in a sandbox, its output read as it comes.
+class HandleOutput:
+    """What a handle has read of a process's output so far: where reading resumes,
+    stdout and stderr, the exit code; shared by the sync and the async handle."""
 
-    Output is read from where the handle left off, each event once: iterate
-    over the handle, or call :meth:`wait`; ``stdout`` and ``stderr`` hold what
-    was read so far. A broken connection raises ControllerError; reading
-    again resumes without loss while the output is in the guest's 4 MiB ring.
-
-    Example::
-
-        h = sb.commands.run("python3 -u -m http.server 8000", background=True)
-        for stdout, stderr, _pty in h:
-            if stdout and "Serving" in stdout:
-                break
-        h.kill()
-    """
-
-    def __init__(self, controller: Controller, sandbox_id: str, pid: int, offset: int = 0) -> None:
-        self._controller = controller
+    def __init__(self, sandbox_id: str, pid: int, offset: int = 0) -> None:
         self.sandbox_id = sandbox_id
         self.pid = pid
         self.offset = offset  # where reading resumes
@@ -60,23 +46,56 @@ class CommandHandle:
     def stderr(self) -> str:
         return "".join(self._stderr)
 
+    def _take(self, event: OutputEvent) -> None:
+        """Account for one event of the stream (and call the output callbacks)."""
+        if event.next_offset is not None:
+            self.offset = event.next_offset
+        if event.kind == "stdout":
+            self._stdout.append(event.text)
+            if self._on_stdout is not None:
+                self._on_stdout(event.text)
+        elif event.kind == "stderr":
+            self._stderr.append(event.text)
+            if self._on_stderr is not None:
+                self._on_stderr(event.text)
+        elif event.kind == "exit":
+            self.exit_code = event.exit_code
+
+    def _result(self) -> CommandResult:
+        raw = {"pid": self.pid, "exit_code": self.exit_code}
+        return CommandResult(self.stdout, self.stderr, exit_code_of(raw), raw)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(sandbox={self.sandbox_id!r}, pid={self.pid})"
+
+
+class CommandHandle(HandleOutput):
+    """A process running in a sandbox, its output read as it comes.
+
+    Output is read from where the handle left off, each event once: iterate
+    over the handle, or call :meth:`wait`; ``stdout`` and ``stderr`` hold what
+    was read so far. A broken connection raises ControllerError; reading
+    again resumes without loss while the output is in the guest's 4 MiB ring.
+
+    Example::
+
+        h = sb.commands.run("python3 -u -m http.server 8000", background=True)
+        for stdout, stderr, _pty in h:
+            if stdout and "Serving" in stdout:
+                break
+        h.kill()
+    """
+
+    def __init__(self, controller: Controller, sandbox_id: str, pid: int, offset: int = 0) -> None:
+        super().__init__(sandbox_id, pid, offset)
+        self._controller = controller
+
     def events(self) -> Iterator[OutputEvent]:
         """The output's events from :attr:`offset` until it exits (``exit`` last)."""
         if self.exit_code is not None:
             return
         for event in self._controller.process_output(self.sandbox_id, self.pid, self.offset):
-            if event.next_offset is not None:
-                self.offset = event.next_offset
-            if event.kind == "stdout":
-                self._stdout.append(event.text)
-                if self._on_stdout is not None:
-                    self._on_stdout(event.text)
-            elif event.kind == "stderr":
-                self._stderr.append(event.text)
-                if self._on_stderr is not None:
-                    self._on_stderr(event.text)
-            elif event.kind == "exit":
-                self.exit_code = event.exit_code
+            self._take(event)
             yield event
 
     def __iter__(self) -> Iterator[tuple[str | None, str | None, bytes | None]]:
@@ -100,8 +119,7 @@ class CommandHandle:
         self._on_stderr = on_stderr or self._on_stderr
         for _ in self.events():
             pass
-        raw = {"pid": self.pid, "exit_code": self.exit_code}
-        return CommandResult(self.stdout, self.stderr, exit_code_of(raw), raw)
+        return self._result()
 
     def send_stdin(self, data: str | bytes) -> None:
         """Write to its stdin (started with ``stdin=True``, or in a terminal)."""
@@ -127,9 +145,6 @@ class CommandHandle:
     def info(self) -> JSONDict:
         """Its ProcessInfo now: ``running``, ``exit_code``, ``output_end``, ..."""
         return self._controller.get_process(self.sandbox_id, self.pid)
-
-    def __repr__(self) -> str:
-        return f"CommandHandle(sandbox={self.sandbox_id!r}, pid={self.pid})"
 
 
 class Commands:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpx
-from httpx_sse import EventSource
+from httpx_sse import EventSource, ServerSentEvent
 
 from forkd.client.errors import ControllerError
 
@@ -43,6 +43,39 @@ class Event(dict[str, Any]):
         return self.get("snapshot_tag")
 
 
+def event_params(types: Iterable[str] | str | None, sandbox_id: str | None) -> dict[str, Any]:
+    """The query of ``/v1/events`` for these filters (both clients)."""
+    params: dict[str, Any] = {}
+    if types is not None:
+        params["type"] = types if isinstance(types, str) else ",".join(types)
+    if sandbox_id is not None:
+        params["sandbox_id"] = sandbox_id
+    return params
+
+
+def stream_request(params: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """The keywords of one connection to ``/v1/events`` (resuming after ``since``)."""
+    headers = {"Accept": "text/event-stream"}
+    if "since" in params:
+        headers["Last-Event-ID"] = str(params["since"])
+    return {
+        "params": params, "headers": headers,
+        "timeout": httpx.Timeout(timeout, read=max(timeout, STREAM_READ_TIMEOUT_SECS)),
+    }  # fmt: skip
+
+
+def parse(sse: ServerSentEvent) -> tuple[int, Event | None] | None:
+    """An event and its id; ``(id, None)`` for an id alone; None for no id (a keep-alive)."""
+    if not sse.id:
+        return None
+    return int(sse.id), Event(json.loads(sse.data)) if sse.data else None
+
+
+def next_wait(wait: float) -> float:
+    """The pause before the next reconnection: doubled, up to RECONNECT_MAX_WAIT_SECS."""
+    return min(wait * 2, RECONNECT_MAX_WAIT_SECS)
+
+
 class EventRoutes:
     """Mixed into Controller: ``/v1/events``."""
 
@@ -72,11 +105,7 @@ class EventRoutes:
             for ev in ctl.events(types=["created", "killed"]):
                 print(ev.time, ev.type, ev.sandbox_id)
         """
-        params: dict[str, Any] = {}
-        if types is not None:
-            params["type"] = types if isinstance(types, str) else ",".join(types)
-        if sandbox_id is not None:
-            params["sandbox_id"] = sandbox_id
+        params = event_params(types, sandbox_id)
         position = since
         failing_since: float | None = None
         wait = RECONNECT_FIRST_WAIT_SECS
@@ -97,20 +126,17 @@ class EventRoutes:
                         0, f"the event stream of the forkd daemon at {self.url} failed: {exc!r}"
                     ) from exc
             time.sleep(wait)  # ended (the daemon restarts) or failed: connect again
-            wait = min(wait * 2, RECONNECT_MAX_WAIT_SECS)
+            wait = next_wait(wait)
 
     def _event_stream(self, params: dict[str, Any]) -> Iterator[tuple[int, Event | None]]:
         """One connection's events, each with its id; ``None`` for an id alone."""
-        timeout = httpx.Timeout(self.timeout, read=max(self.timeout, STREAM_READ_TIMEOUT_SECS))
-        headers = {"Accept": "text/event-stream"}
-        if "since" in params:
-            headers["Last-Event-ID"] = str(params["since"])
-        with self._client.stream("GET", "/v1/events", params=params, headers=headers,
-                                 timeout=timeout) as resp:  # fmt: skip
+        with self._client.stream(
+            "GET", "/v1/events", **stream_request(params, self.timeout)
+        ) as resp:
             if not resp.is_success:
                 resp.read()
                 raise ControllerError.from_response(resp)
             for sse in EventSource(resp).iter_sse():
-                if not sse.id:
-                    continue
-                yield int(sse.id), Event(json.loads(sse.data)) if sse.data else None
+                parsed = parse(sse)
+                if parsed is not None:
+                    yield parsed

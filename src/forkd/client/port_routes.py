@@ -19,7 +19,6 @@ import httpx
 import wsproto.events
 from httpx_ws import HTTPXWSException, WebSocketDisconnect, WebSocketSession
 
-from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
 from forkd.client.websockets import open_websocket, upgrade_headers
 
@@ -42,17 +41,7 @@ class PortRoutes:
         raise NotImplementedError
 
     def port_url(self, sandbox_id: str, port: int, path: str = "/") -> str:
-        """The proxy URL of guest ``port`` at ``path`` (it needs the bearer token)."""
-        return f"{self.base_url}{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
-
-    def create_preview_url(self, sandbox_id: str, port: int, ttl_s: int | None = None) -> JSONDict:
-        """``POST /v1/sandboxes/{id}/preview-urls`` → ``{url, token, expires_at, port}``."""
-        body: JSONDict = {"port": port}
-        if ttl_s is not None:
-            body["ttl_s"] = ttl_s
-        return self._json(  # type: ignore[no-any-return]
-            "POST", f"{self._sb(sandbox_id)}/preview-urls", json_body=body
-        )
+        raise NotImplementedError  # forkd.client.routes.Routes
 
     @contextlib.contextmanager
     def port_websocket(

@@ -64,6 +64,7 @@ class Routes:
     """The JSON routes; see the module. The client supplies the four below."""
 
     timeout: float
+    base_url: str
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
         raise NotImplementedError
@@ -428,6 +429,19 @@ class Routes:
         return self._then(
             self._request("POST", path, json_body={"cols": cols, "rows": rows}), _none
         )
+
+    # -- guest ports (their WebSockets and tunnels: PortRoutes) -----------------
+
+    def port_url(self, sandbox_id: str, port: int, path: str = "/") -> str:
+        """The proxy URL of guest ``port`` at ``path`` (it needs the bearer token)."""
+        return f"{self.base_url}{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
+
+    def create_preview_url(self, sandbox_id: str, port: int, ttl_s: int | None = None) -> JSONDict:
+        """``POST /v1/sandboxes/{id}/preview-urls`` → ``{url, token, expires_at, port}``."""
+        body: JSONDict = {"port": port}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return self._json("POST", f"{self._sb(sandbox_id)}/preview-urls", json_body=body)
 
 
 def _tar_directory(path: Path) -> bytes:
