@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 
 from forkd.client.async_streams import AsyncStreams
-from forkd.client.connection import Address, _resolve_token, asend, json_of
+from forkd.client.connection import asend, json_of
 from forkd.client.routes import Routes
 
 
@@ -45,12 +45,7 @@ class AsyncController(Routes, AsyncStreams):
         token_file: str | os.PathLike[str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        address = Address.parse(base_url)
-        self.url: str = address.url
-        self.timeout = float(timeout)
-        self.socket_path: str | None = address.socket_path
-        self.base_url: str = address.base_url
-        token = _resolve_token(token, token_file)
+        address, token = self._address(base_url, timeout, token, token_file)
         self._client = address.async_client(token, self.timeout, transport)
 
     async def aclose(self) -> None:

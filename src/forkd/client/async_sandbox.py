@@ -31,6 +31,7 @@ from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
 from forkd.client.routes import KEEP
+from forkd.client.views import SandboxView, SnapshotView
 
 
 class AsyncCommandHandle(HandleOutput):
@@ -155,7 +156,7 @@ class AsyncFiles:
         await self._sandbox.controller.remove_file(self._sandbox.id, path, recursive)
 
 
-class AsyncSandbox:
+class AsyncSandbox(SandboxView):
     """One running sandbox; ``await AsyncSandbox.create(tag)`` forks one,
     ``await AsyncSandbox.connect(id)`` attaches. ``async with`` kills it at the end."""
 
@@ -197,21 +198,8 @@ class AsyncSandbox:
         return cls(ctl, info, owns=controller is None)
 
     @property
-    def id(self) -> str:
-        return str(self._info["id"])
-
-    @property
-    def info(self) -> JSONDict:
-        """The SandboxInfo as last fetched."""
-        return self._info
-
-    @property
     def controller(self) -> AsyncController:
         return self._controller
-
-    @property
-    def snapshot_tag(self) -> str | None:
-        return self._info.get("snapshot_tag")
 
     async def refresh(self) -> JSONDict:
         self._info = await self._controller.get_sandbox(self.id)
@@ -292,7 +280,7 @@ class AsyncSandbox:
         return f"AsyncSandbox({self.id!r}, snapshot={self.snapshot_tag!r})"
 
 
-class AsyncSnapshot:
+class AsyncSnapshot(SnapshotView):
     """A snapshot on the daemon, to fork :class:`AsyncSandbox` children from."""
 
     def __init__(
@@ -318,22 +306,6 @@ class AsyncSnapshot:
     @property
     def info(self) -> JSONDict:
         return self._info
-
-    @property
-    def branched_from(self) -> str | None:
-        return self._info.get("branched_from")
-
-    @property
-    def pause_ms(self) -> int | None:
-        return self._info.get("pause_ms")
-
-    @property
-    def status(self) -> str:
-        return str(self._info.get("status"))
-
-    @property
-    def mode(self) -> str:
-        return str(self._info.get("mode") or "full")
 
     async def refresh(self) -> JSONDict:
         self._info = await self._controller.snapshot_info(self.tag)

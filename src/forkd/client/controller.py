@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from forkd.client.connection import Address, _resolve_token, json_of, send
+from forkd.client.connection import json_of, send
 from forkd.client.event_routes import EventRoutes
 from forkd.client.file_routes import FileRoutes
 from forkd.client.port_routes import PortRoutes
@@ -59,12 +59,7 @@ class Controller(Routes, ProcessRoutes, FileRoutes, EventRoutes, PortRoutes):
         token_file: str | os.PathLike[str] | None = None,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        address = Address.parse(base_url)
-        self.url: str = address.url
-        self.timeout = float(timeout)
-        self.socket_path: str | None = address.socket_path
-        self.base_url: str = address.base_url
-        token = _resolve_token(token, token_file)
+        address, token = self._address(base_url, timeout, token, token_file)
         self._client = address.client(token, self.timeout, transport)
 
     # -- plumbing -----------------------------------------------------------

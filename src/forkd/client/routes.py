@@ -22,7 +22,7 @@ from urllib.parse import quote
 import httpx
 
 from forkd import limits
-from forkd.client.connection import JSONDict
+from forkd.client.connection import Address, JSONDict, _resolve_token
 from forkd.client.errors import ControllerError
 
 # An eval's answer comes within its timeout plus the agent's grace to stop it
@@ -63,8 +63,24 @@ def _entries(body: Any) -> Any:
 class Routes:
     """The JSON routes; see the module. The client supplies the four below."""
 
+    url: str
     timeout: float
     base_url: str
+    socket_path: str | None
+
+    def _address(
+        self,
+        base_url: str | None,
+        timeout: float,
+        token: str | None,
+        token_file: str | os.PathLike[str] | None,
+    ) -> tuple[Address, str | None]:
+        """Where the daemon is and the token to send it (both clients' constructors)."""
+        address = Address.parse(base_url)
+        self.url, self.base_url = address.url, address.base_url
+        self.socket_path = address.socket_path
+        self.timeout = float(timeout)
+        return address, _resolve_token(token, token_file)
 
     def _request(self, method: str, path: str, **kw: Any) -> Any:
         raise NotImplementedError

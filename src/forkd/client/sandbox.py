@@ -11,12 +11,13 @@ from forkd.client.errors import ControllerError
 from forkd.client.files import Files
 from forkd.client.pty import Pty
 from forkd.client.results import EvalResult
+from forkd.client.views import SandboxView
 
 if TYPE_CHECKING:
     from forkd.client.snapshot import Snapshot
 
 
-class Sandbox:
+class Sandbox(SandboxView):
     """One running sandbox (a forked microVM).
 
     ``Sandbox(tag)`` forks a new child of snapshot ``tag``;
@@ -112,11 +113,6 @@ class Sandbox:
 
         return [cls._wrap(ctl, info) for info in infos if matches(info)]
 
-    @property
-    def metadata(self) -> dict[str, str]:
-        """The sandbox's labels (its snapshot's, with those given at the fork over them)."""
-        return dict(self._info.get("metadata") or {})
-
     @classmethod
     def connect(cls, sandbox_id: str, *, controller: Controller | None = None) -> Sandbox:
         """Attach to a running sandbox (same as ``Sandbox(sandbox_id=...)``).
@@ -129,21 +125,8 @@ class Sandbox:
         return cls(sandbox_id=sandbox_id, controller=controller)
 
     @property
-    def id(self) -> str:
-        return self._info["id"]
-
-    @property
-    def info(self) -> JSONDict:
-        """The last SandboxInfo seen (see :meth:`refresh`)."""
-        return self._info
-
-    @property
     def controller(self) -> Controller:
         return self._controller
-
-    @property
-    def snapshot_tag(self) -> str | None:
-        return self._info.get("snapshot_tag")
 
     def refresh(self) -> JSONDict:
         """Fetch the SandboxInfo again."""

@@ -8,9 +8,10 @@ from typing import Any
 from forkd.client.connection import JSONDict
 from forkd.client.controller import Controller
 from forkd.client.sandbox import Sandbox
+from forkd.client.views import SnapshotView
 
 
-class Snapshot:
+class Snapshot(SnapshotView):
     """A snapshot on the daemon: a template or a branch of a sandbox.
 
     Example::
@@ -56,16 +57,6 @@ class Snapshot:
         assert self._info is not None
         return self._info
 
-    @property
-    def branched_from(self) -> str | None:
-        """The sandbox this was branched from; None for templates."""
-        return self.info.get("branched_from")
-
-    @property
-    def pause_ms(self) -> int | None:
-        """How long the source sandbox was paused for the branch; None for templates."""
-        return self.info.get("pause_ms")
-
     def refresh(self) -> JSONDict:
         """Fetch ``GET /v1/snapshots/{tag}/info`` again."""
         self._info = self._controller.snapshot_info(self.tag)
@@ -76,16 +67,6 @@ class Snapshot:
         arguments as :meth:`Controller.spawn_sandboxes`."""
         infos = self._controller.spawn_sandboxes(self.tag, n=n, **spawn_kwargs)
         return [Sandbox._wrap(self._controller, info) for info in infos]
-
-    @property
-    def status(self) -> str:
-        """``ready``, ``pending`` (a branch still being written), ``failed`` or ``broken``."""
-        return str(self.info.get("status"))
-
-    @property
-    def mode(self) -> str:
-        """``full``, or ``diff`` (the pages that differ from ``info["base_tag"]``)."""
-        return str(self.info.get("mode") or "full")
 
     def wait(self, timeout: float = 600.0, interval: float = 0.2) -> Snapshot:
         """Poll until the snapshot is no longer ``pending``; :class:`TimeoutError` after
