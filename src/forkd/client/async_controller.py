@@ -4,8 +4,8 @@
 The routes themselves are :class:`~forkd.client.routes.Routes`, the same code the
 sync client runs: here ``_request`` and ``_json`` return awaitables and ``_then``
 chains onto them. A process's output and the lifecycle events are async
-iterators (:mod:`forkd.client.async_streams`); streamed file transfers,
-terminals and port tunnels are the sync client's only.
+iterators (:mod:`forkd.client.async_streams`); terminals, guest-port WebSockets,
+tunnels and streamed file transfers are in :mod:`forkd.client.async_sockets`.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from typing import Any
 
 import httpx
 
+from forkd.client.async_sockets import AsyncSockets
 from forkd.client.async_streams import AsyncStreams
 from forkd.client.connection import asend, json_of
 from forkd.client.routes import Routes
 
 
-class AsyncController(Routes, AsyncStreams):
+class AsyncController(Routes, AsyncStreams, AsyncSockets):
     """An asyncio client of the forkd daemon: the methods of :class:`Controller`'s
     JSON routes, each a coroutine with the same arguments and answer.
 

@@ -3,9 +3,8 @@
 They mirror :class:`~forkd.client.Sandbox` and :class:`~forkd.client.Snapshot`
 method for method, awaited, over an :class:`~forkd.client.AsyncController`; the
 answers are the same result types (``CommandResult``, ``EvalResult``, SandboxInfo
-dicts); a background command is an :class:`AsyncCommandHandle`, its output an
-async iterator. Terminals, port tunnels and streamed file transfers are the sync
-objects' only.
+dicts); a background command is an :class:`AsyncCommandHandle`, a terminal an
+``AsyncPtyHandle``, output and file contents async iterators.
 
 Example::
 
@@ -21,16 +20,23 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from forkd.client.async_controller import AsyncController
+from forkd.client.async_sockets import AsyncPtyHandle
 from forkd.client.commands import FOREGROUND_TIMEOUT_SECS, HandleOutput
 from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
+from forkd.client.files import WriteData, _body, _file_chunks
+from forkd.client.pty import LOGIN_SHELL, DataCallback
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
 from forkd.client.routes import KEEP
+from forkd.client.tar_stream import extract_chunks, tar_chunks
 from forkd.client.views import SandboxView, SnapshotView
 
 
@@ -135,25 +141,100 @@ class AsyncCommands:
 
 
 class AsyncFiles:
-    """``sandbox.files``: whole files in and out of the sandbox."""
+    """``sandbox.files``: files in and out of the sandbox, streamed (see ``Files``)."""
 
     def __init__(self, sandbox: AsyncSandbox) -> None:
         self._sandbox = sandbox
 
+    @property
+    def _ctl(self) -> AsyncController:
+        return self._sandbox.controller
+
+    async def stream(self, path: str, tar: bool = False) -> AsyncIterator[bytes]:
+        """The file's chunks as they come (one in memory at a time)."""
+        async with self._ctl.download_file(self._sandbox.id, path, tar=tar) as (_, chunks):
+            async for chunk in chunks:
+                yield chunk
+
     async def read(self, path: str) -> bytes:
-        return await self._sandbox.controller.read_file(self._sandbox.id, path)
+        return b"".join([chunk async for chunk in self.stream(path)])
 
-    async def read_text(self, path: str) -> str:
-        return (await self.read(path)).decode("utf-8")
+    async def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        return (await self.read(path)).decode(encoding)
 
-    async def write(self, path: str, data: bytes | str) -> None:
-        await self._sandbox.controller.write_file(self._sandbox.id, path, data)
+    async def write(self, path: str, data: WriteData | AsyncIterable[bytes]) -> JSONDict:
+        """Create or replace a file, atomically (see ``Files.write``); ``data`` may also
+        be an async iterable of chunks."""
+        body = data if isinstance(data, AsyncIterable) else _body(data)
+        return await self._ctl.upload_file(self._sandbox.id, path, body)
+
+    async def upload(self, local_path: str | os.PathLike[str], path: str) -> JSONDict:
+        """Copy a local file, or a local directory's content (a tar stream), to ``path``."""
+        local = Path(local_path)
+        if local.is_dir():
+            return await self._ctl.upload_file(self._sandbox.id, path, tar_chunks(local), tar=True)
+        with local.open("rb") as f:
+            return await self._ctl.upload_file(self._sandbox.id, path, _file_chunks(f))
+
+    async def download(
+        self, path: str, local_path: str | os.PathLike[str], *, directory: bool = False
+    ) -> int:
+        """Copy the file ``path`` to ``local_path`` (replaced once all of it came), or
+        with ``directory`` the directory's content into ``local_path`` → bytes received."""
+        local = Path(local_path)
+        moved = 0
+        spool = local.with_name(f".{local.name}.forkd-part")
+        try:
+            with spool.open("wb") as f:
+                async for chunk in self.stream(path, tar=directory):
+                    f.write(chunk)
+                    moved += len(chunk)
+            if directory:  # a tar stream, unpacked once it is all here
+                with spool.open("rb") as f:
+                    await asyncio.to_thread(extract_chunks, _file_chunks(f), local)
+            else:
+                spool.replace(local)
+        finally:
+            spool.unlink(missing_ok=True)
+        return moved
 
     async def list(self, path: str) -> list[JSONDict]:
-        return await self._sandbox.controller.list_files(self._sandbox.id, path)
+        return await self._ctl.list_files(self._sandbox.id, path)
 
     async def remove(self, path: str, recursive: bool = False) -> None:
-        await self._sandbox.controller.remove_file(self._sandbox.id, path, recursive)
+        await self._ctl.remove_file(self._sandbox.id, path, recursive)
+
+
+class AsyncPty:
+    """``sandbox.pty``: terminals in the sandbox (see ``Pty``)."""
+
+    def __init__(self, sandbox: AsyncSandbox) -> None:
+        self._sandbox = sandbox
+
+    async def create(
+        self,
+        cols: int = 80,
+        rows: int = 24,
+        cmd: str | list[str] | None = None,
+        cwd: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_data: DataCallback | None = None,
+    ) -> AsyncPtyHandle:
+        """Start ``cmd`` (default: a login shell) in a ``cols`` x ``rows`` terminal."""
+        sb = self._sandbox
+        info = await sb.controller.start_process(
+            sb.id, LOGIN_SHELL if cmd is None else cmd, env=env, cwd=cwd,
+            pty=(cols, rows), timeout_s=timeout,
+        )  # fmt: skip
+        return await AsyncPtyHandle(sb.controller, sb.id, int(info["pid"]), 0, on_data)._open()
+
+    async def connect(
+        self, pid: int, offset: int = 0, on_data: DataCallback | None = None
+    ) -> AsyncPtyHandle:
+        """The terminal of running process ``pid``, its output from ``offset``."""
+        sb = self._sandbox
+        return await AsyncPtyHandle(sb.controller, sb.id, pid, offset, on_data)._open()
 
 
 class AsyncSandbox(SandboxView):
@@ -167,6 +248,7 @@ class AsyncSandbox(SandboxView):
         self._killed = False
         self.commands = AsyncCommands(self)
         self.files = AsyncFiles(self)
+        self.pty = AsyncPty(self)
 
     @classmethod
     async def create(
@@ -246,6 +328,12 @@ class AsyncSandbox(SandboxView):
     def get_url(self, port: int, path: str = "/") -> str:
         """The daemon's proxy URL of guest TCP ``port`` (it needs the bearer token)."""
         return str(self._controller.port_url(self.id, port, path))
+
+    def websocket(
+        self, port: int, path: str = "/", subprotocols: list[str] | None = None
+    ) -> contextlib.AbstractAsyncContextManager[Any]:
+        """``async with``: an httpx-ws ``AsyncWebSocketSession`` to ``path`` on guest ``port``."""
+        return self._controller.port_websocket(self.id, port, path, subprotocols)
 
     async def preview_url(self, port: int, ttl_s: int | None = None) -> str:
         """A signed URL of guest ``port`` for a browser, no token needed."""

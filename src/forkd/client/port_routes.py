@@ -25,6 +25,14 @@ from forkd.client.websockets import open_websocket, upgrade_headers
 READ_BYTES = 64 * 1024
 
 
+def port_route(sandbox_path: str, port: int, path: str) -> str:
+    return f"{sandbox_path}/ports/{int(port)}/{path.lstrip('/')}"
+
+
+def tunnel_route(sandbox_path: str, port: int) -> str:
+    return f"{sandbox_path}/tunnels/{int(port)}"
+
+
 class PortRoutes:
     """Mixed into Controller: ``/v1/sandboxes/{id}/ports``, ``preview-urls``, ``tunnels``."""
 
@@ -48,15 +56,14 @@ class PortRoutes:
         self, sandbox_id: str, port: int, path: str = "/", subprotocols: list[str] | None = None
     ) -> Iterator[WebSocketSession]:
         """A WebSocket to ``path`` on guest ``port``, through the proxy."""
-        route = f"{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
-        with self._websocket(route, upgrade_headers(subprotocols)) as ws:
+        with self._websocket(port_route(self._sb(sandbox_id), port, path),
+                             upgrade_headers(subprotocols)) as ws:  # fmt: skip
             yield ws
 
     @contextlib.contextmanager
     def open_tunnel(self, sandbox_id: str, port: int) -> Iterator[WebSocketSession]:
         """A raw TCP connection to guest ``port``: send and receive binary messages."""
-        with self._websocket(f"{self._sb(sandbox_id)}/tunnels/{int(port)}",
-                             upgrade_headers()) as ws:  # fmt: skip
+        with self._websocket(tunnel_route(self._sb(sandbox_id), port), upgrade_headers()) as ws:
             yield ws
 
     def _websocket(self, route: str, headers: dict[str, str]) -> Any:

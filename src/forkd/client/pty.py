@@ -55,7 +55,60 @@ def _connect(controller: Controller, path: str, offset: int) -> Any:
     )
 
 
-class PtyHandle:
+class PtyState:
+    """What a terminal handle tracks of its socket's frames (the sync and async handle):
+    where the output resumes, whether the process exited and with what code."""
+
+    def __init__(
+        self, sandbox_id: str, pid: int, offset: int, on_data: DataCallback | None
+    ) -> None:
+        self.sandbox_id = sandbox_id
+        self.pid = pid
+        self.offset = offset
+        self.on_data = on_data
+        self.exit_code: int | None = None
+        self.exited = False
+
+    def _frame(self, event: wsproto.events.Event) -> bytes | None:
+        """The output bytes of one frame; None for a control frame (acted upon)."""
+        if isinstance(event, wsproto.events.BytesMessage):
+            data = bytes(event.data)
+            self.offset += len(data)
+            if self.on_data is not None:
+                self.on_data(data)
+            return data
+        if isinstance(event, wsproto.events.TextMessage):
+            self._control(json.loads(event.data))
+        return None
+
+    def _control(self, message: dict[str, Any]) -> None:
+        kind = message.get("type")
+        if kind == "exit":
+            self.exit_code = message.get("exit_code")
+            self.exited = True
+        elif kind == "gap":
+            self.offset = int(message["to"])
+        elif kind == "error":  # a keystroke or resize the daemon could not pass on
+            raise ControllerError(int(message.get("status") or 400), str(message.get("error")),
+                                  message)  # fmt: skip
+
+    def _closed(self, code: int, reason: str | None) -> ControllerError:
+        """The error of a socket the daemon closed before the exit frame."""
+        status = code - APP_CLOSE_BASE if code >= APP_CLOSE_BASE else 0
+        return ControllerError(status, reason or f"the terminal socket closed ({code})")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(sandbox={self.sandbox_id!r}, pid={self.pid})"
+
+
+def resize_message(cols: int, rows: int) -> str:
+    """The frame asking for a new terminal size (checked against the daemon's bound)."""
+    if not (1 <= cols <= MAX_SIDE and 1 <= rows <= MAX_SIDE):
+        raise ValueError(f"a terminal is 1 to {MAX_SIDE} columns and rows, not {cols}x{rows}")
+    return json.dumps({"type": "resize", "cols": int(cols), "rows": int(rows)})
+
+
+class PtyHandle(PtyState):
     """A process in a terminal in a sandbox, connected over a WebSocket.
 
     Iterating gives the terminal's output bytes as they come, until the
@@ -80,13 +133,8 @@ class PtyHandle:
         offset: int = 0,
         on_data: DataCallback | None = None,
     ) -> None:
+        super().__init__(sandbox_id, pid, offset, on_data)
         self._controller = controller
-        self.sandbox_id = sandbox_id
-        self.pid = pid
-        self.offset = offset
-        self.on_data = on_data
-        self.exit_code: int | None = None
-        self.exited = False
         self._stack = contextlib.ExitStack()
         self._ws: WebSocketSession = self._stack.enter_context(
             open_socket(controller, sandbox_id, pid, offset)
@@ -110,31 +158,10 @@ class PtyHandle:
                 raise self._closed(exc.code, exc.reason) from None
             except HTTPXWSException as exc:
                 raise ControllerError(0, f"the terminal socket broke: {exc!r}") from exc
-            if isinstance(event, wsproto.events.BytesMessage):
-                data = bytes(event.data)
-                self.offset += len(data)
-                if self.on_data is not None:
-                    self.on_data(data)
+            data = self._frame(event)
+            if data is not None:
                 return data
-            if isinstance(event, wsproto.events.TextMessage):
-                self._control(json.loads(event.data))
         return None
-
-    def _control(self, message: dict[str, Any]) -> None:
-        kind = message.get("type")
-        if kind == "exit":
-            self.exit_code = message.get("exit_code")
-            self.exited = True
-        elif kind == "gap":
-            self.offset = int(message["to"])
-        elif kind == "error":  # a keystroke or resize the daemon could not pass on
-            raise ControllerError(int(message.get("status") or 400), str(message.get("error")),
-                                  message)  # fmt: skip
-
-    def _closed(self, code: int, reason: str | None) -> ControllerError:
-        """The error of a socket the daemon closed before the exit frame."""
-        status = code - APP_CLOSE_BASE if code >= APP_CLOSE_BASE else 0
-        return ControllerError(status, reason or f"the terminal socket closed ({code})")
 
     def wait(self) -> int | None:
         """Read (and hand to ``on_data``) the output until the process exits; its exit code."""
@@ -148,10 +175,8 @@ class PtyHandle:
 
     def resize(self, cols: int, rows: int) -> None:
         """The terminal's new size; the process gets SIGWINCH."""
-        if not (1 <= cols <= MAX_SIDE and 1 <= rows <= MAX_SIDE):
-            raise ValueError(f"a terminal is 1 to {MAX_SIDE} columns and rows, not {cols}x{rows}")
-        message = {"type": "resize", "cols": int(cols), "rows": int(rows)}
-        self._send(lambda: self._ws.send_text(json.dumps(message)))
+        message = resize_message(cols, rows)
+        self._send(lambda: self._ws.send_text(message))
 
     def _send(self, sending: Callable[[], None]) -> None:
         try:
@@ -178,9 +203,6 @@ class PtyHandle:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"PtyHandle(sandbox={self.sandbox_id!r}, pid={self.pid})"
 
 
 class Pty:

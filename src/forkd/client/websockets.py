@@ -11,11 +11,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
-from httpx_ws import WebSocketSession
+from httpx_ws import AsyncWebSocketSession, WebSocketSession
 
 from forkd.client.errors import ControllerError
 
@@ -55,3 +55,35 @@ def open_websocket(
         raise ControllerError(
             0, f"the WebSocket to the forkd daemon at {daemon_url} ({route}) failed: {exc!r}"
         ) from exc
+
+
+@contextlib.asynccontextmanager
+async def aopen_websocket(
+    client: httpx.AsyncClient,
+    daemon_url: str,
+    route: str,
+    headers: dict[str, str],
+    params: dict[str, Any] | None = None,
+    timeout: Any = httpx.USE_CLIENT_DEFAULT,
+) -> AsyncIterator[AsyncWebSocketSession]:
+    """:func:`open_websocket` for an async client. httpx-ws runs the session in a task
+    group, which wraps what the block raises in an ExceptionGroup: a single exception
+    comes out as itself."""
+    try:
+        async with client.stream("GET", route, params=params, headers=headers,
+                                 timeout=timeout) as resp:  # fmt: skip
+            if resp.status_code != 101:
+                await resp.aread()
+                raise ControllerError.from_response(resp)
+            async with AsyncWebSocketSession(
+                resp.extensions["network_stream"], response=resp
+            ) as ws:
+                yield ws
+    except httpx.TransportError as exc:
+        raise ControllerError(
+            0, f"the WebSocket to the forkd daemon at {daemon_url} ({route}) failed: {exc!r}"
+        ) from exc
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
