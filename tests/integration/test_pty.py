@@ -68,8 +68,14 @@ def test_the_socket_refuses_a_missing_or_wrong_token(
         ):
             pass
         assert refused.value.response.status_code == 401
-    audit = [json.loads(line) for line in (daemon.state_dir / "audit.log").read_text().splitlines()]
-    mine = [r for r in audit if r.get("websocket") and r["sandbox_id"] == sb.id]
+    # The daemon writes each record once the refusal is sent: give the second a moment.
+    deadline = time.monotonic() + 5
+    while True:
+        log = (daemon.state_dir / "audit.log").read_text().splitlines()
+        mine = [r for r in map(json.loads, log) if r.get("websocket") and r["sandbox_id"] == sb.id]
+        if len(mine) >= 2 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert [r["status"] for r in mine[-2:]] == [401, 401]
     ctl.signal_process(sb.id, pid, "SIGKILL")
 
