@@ -41,6 +41,11 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
                 row = page.locator(f'li[data-snapshot="{api_template}"]').first
                 row.wait_for(timeout=15_000)
                 assert page.locator("#login").is_hidden()  # the token field is gone
+                # A fork by another client shows up too: the page follows the event stream.
+                [outside] = ctl.spawn_sandboxes(api_template)
+                new.append(outside["id"])
+                page.locator(f'li[data-sandbox="{outside["id"]}"]').wait_for(timeout=10_000)
+                before.add(outside["id"])
 
                 row.locator("> .row input.n").fill("2")
                 row.locator("> .row button", has_text="fork").click()
@@ -51,22 +56,23 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
                     arg=[api_template, sorted(before)],
                     timeout=60_000,
                 )
-                new = sorted({s["id"] for s in ctl.list_sandboxes()} - before)
-                assert len(new) == 2
+                mine = sorted({s["id"] for s in ctl.list_sandboxes()} - before)
+                assert len(mine) == 2
+                new += mine
 
-                kid = page.locator(f'li[data-sandbox="{new[0]}"]')
+                kid = page.locator(f'li[data-sandbox="{mine[0]}"]')
                 kid.locator("button", has_text="branch").click()
-                branch_tag = f"branch-{new[0]}-1"
+                branch_tag = f"branch-{mine[0]}-1"
                 nested = row.locator(f'> ul > li[data-snapshot="{branch_tag}"]')
                 nested.wait_for(timeout=60_000)  # the tree updated: the branch sits under py
                 assert "paused" in nested.locator("> .row .meta").inner_text()
                 page.wait_for_function(  # and its source counts the branch
                     'id => document.querySelector(`li[data-sandbox="${id}"] .meta`)'
                     "?.textContent.includes('1 branch')",
-                    arg=new[0],
+                    arg=mine[0],
                     timeout=10_000,
                 )
-                page.select_option("#exec-sandbox", new[1])
+                page.select_option("#exec-sandbox", mine[1])
                 page.fill("#exec-command", "echo from the console")
                 page.click("#exec-form button[type=submit]")
                 page.wait_for_function(

@@ -1,9 +1,15 @@
-// forkd web console: the lineage of snapshots, branches and sandboxes, polled every
-// second from the HTTP API with the daemon's token (kept in this module's memory only),
-// and the actions fork N, branch, kill, delete and exec. Plain DOM, no framework.
+// forkd web console: the lineage of snapshots, branches and sandboxes from the HTTP API,
+// with the daemon's token (kept in this module's memory only), and the actions fork N,
+// branch, kill, delete and exec. Plain DOM, no framework.
+//
+// The lists are fetched again when the daemon's event stream says something changed
+// (one long request, not a poll a second: every request is a line in the audit log),
+// and every 30 s in case the stream missed something; ages are redrawn locally.
 
 let token = null;
-let timer = null;
+let timers = [];
+let lists = { snapshots: [], sandboxes: [] };
+let pending = null;
 const $ = (id) => document.getElementById(id);
 
 async function api(method, path, body) {
@@ -86,18 +92,54 @@ function lineage(snapshots, sandboxes) {
   return roots;
 }
 
+function render() {
+  const { snapshots, sandboxes } = lists;
+  $("tree").replaceChildren(...lineage(snapshots, sandboxes).map(snapshotNode));
+  const select = $("exec-sandbox");
+  const chosen = select.value;
+  select.replaceChildren(...sandboxes.filter((s) => s.state === "running").map((s) => el("option", { value: s.id }, s.id)));
+  if ([...select.options].some((o) => o.value === chosen)) select.value = chosen;
+}
+
 async function refresh() {
   if (!token) return;
   try {
     const [snapshots, sandboxes] = await Promise.all([api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes")]);
-    $("tree").replaceChildren(...lineage(snapshots, sandboxes).map(snapshotNode));
-    const select = $("exec-sandbox");
-    const chosen = select.value;
-    select.replaceChildren(...sandboxes.filter((s) => s.state === "running").map((s) => el("option", { value: s.id }, s.id)));
-    if ([...select.options].some((o) => o.value === chosen)) select.value = chosen;
-    if (!$("status").classList.contains("error") && $("status").textContent === "not connected") say("connected");
+    lists = { snapshots, sandboxes };
+    render();
   } catch (err) {
     say(err.message, true);
+  }
+}
+
+function soon() {  // a burst of events: one refresh
+  clearTimeout(pending);
+  pending = setTimeout(refresh, 150);
+}
+
+async function follow() {
+  while (token) {
+    try {
+      const resp = await fetch("/v1/events", { headers: { Authorization: `Bearer ${token}`, Accept: "text/event-stream" } });
+      if (!resp.ok) throw new Error(`events: ${resp.status}`);
+      const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done || !token) break;
+        buffer += value;
+        let end;
+        while ((end = buffer.indexOf("\n\n")) >= 0) {
+          const block = buffer.slice(0, end);
+          buffer = buffer.slice(end + 2);
+          if (block.split("\n").some((line) => line.startsWith("data:"))) soon();
+        }
+      }
+    } catch {
+      // the stream broke (a daemon restart): connect again below
+    }
+    await new Promise((resolve) => setTimeout(resolve, 2000));
+    soon();
   }
 }
 
@@ -116,7 +158,8 @@ $("login").addEventListener("submit", async (event) => {
   $("console").hidden = false;
   say("connected");
   await refresh();
-  timer = setInterval(refresh, 1000);
+  follow();
+  timers = [setInterval(refresh, 30_000), setInterval(render, 5_000)];
 });
 
 $("exec-form").addEventListener("submit", async (event) => {
@@ -133,4 +176,4 @@ $("exec-form").addEventListener("submit", async (event) => {
   }
 });
 
-window.addEventListener("pagehide", () => { token = null; clearInterval(timer); });
+window.addEventListener("pagehide", () => { token = null; timers.forEach(clearInterval); });
