@@ -153,3 +153,17 @@ def test_a_remote_call_leaves_the_process_running(child: tuple[Child, Path]) -> 
     assert remote_syscall.call(proc.pid, remote_syscall.SYS_CLOSE, 987) == -9  # -EBADF
     proc.do("w", 0, 1)  # its main thread was blocked reading stdin: it still is, and answers
     assert proc.proc.poll() is None
+
+
+def test_the_syscall_instruction_comes_from_the_vdso(child: tuple[Child, Path]) -> None:
+    proc, _ = child
+    maps = Path(f"/proc/{proc.pid}/maps").read_text().splitlines()
+    (vdso,) = [line.split()[0] for line in maps if line.endswith("[vdso]")]
+    lo, hi = (int(x, 16) for x in vdso.split("-"))
+    assert lo <= remote_syscall._syscall_address(proc.pid) < hi  # never a mapping it named
+
+
+def test_unprivileged_daemons_do_not_track(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(write_tracking, "_problem", False)
+    monkeypatch.setattr(write_tracking.os, "geteuid", lambda: 1000)
+    assert "root" in str(write_tracking.problem())  # markers would read as written pages

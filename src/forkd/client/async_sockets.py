@@ -72,7 +72,10 @@ class AsyncSockets:
     ) -> JSONDict:
         """As ``Controller.upload_file``; ``content`` may be an async iterable of chunks."""
         params = {"path": path, "format": "tar" if tar else "file"}
-        body = content if isinstance(content, bytes) else _async_chunks(content)
+        if isinstance(content, bytes | bytearray | memoryview):  # not iterated: ints
+            body: bytes | AsyncIterator[bytes] = bytes(content)
+        else:
+            body = _async_chunks(content)
         async with self._streamed("PUT", f"{self._sb(sandbox_id)}/files", params, body) as resp:
             await resp.aread()
             return json_of(resp, "PUT", "/files")  # type: ignore[no-any-return]

@@ -34,7 +34,10 @@ class FileRoutes:
         With ``tar`` the body is a tar archive, extracted into the directory ``path``.
         """
         params = {"path": path, "format": "tar" if tar else "file"}
-        body = content if isinstance(content, bytes) else _nonempty(content)
+        if isinstance(content, bytes | bytearray | memoryview):  # not iterated: ints
+            body: bytes | Iterator[bytes] = bytes(content)
+        else:
+            body = _nonempty(content)
         with self._streamed("PUT", f"{self._sb(sandbox_id)}/files", params, body) as resp:
             resp.read()
             return json_of(resp, "PUT", "/files")  # type: ignore[no-any-return]

@@ -37,7 +37,9 @@ _PTRACE_SEIZE = 0x4206
 _PTRACE_INTERRUPT = 0x4207
 _WALL = 0x40000000
 _SYSCALL_INSN = b"\x0f\x05"
-_STOP_WAIT_SECS = 2.0
+_STOP_WAIT_SECS = 30.0  # a thread in uninterruptible sleep stops when it leaves it
+_MAX_SCAN = 4 << 20
+_PTRACE_EVENT_STOP = 128
 
 SYS_USERFAULTFD = 323
 SYS_CLOSE = 3
@@ -115,18 +117,25 @@ def _pick_thread(pid: int) -> int:
 
 
 def _syscall_address(pid: int) -> int:
-    """The address of a ``syscall`` instruction in ``pid``'s C library code."""
+    """The address of a ``syscall`` instruction in ``pid``'s code: its vDSO's (the
+    kernel's, two pages), else its C library's. Reads at most _MAX_SCAN bytes of a
+    mapping: a hostile QEMU could name a huge one after libc."""
     with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", buffering=0) as mem:
+        candidates: list[tuple[int, int, int]] = []
         for line in maps:
             parts = line.split()
-            if len(parts) < 6 or "x" not in parts[1] or "libc" not in Path(parts[5]).name:
+            if len(parts) < 6 or "x" not in parts[1]:
                 continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            chunk = os.pread(mem.fileno(), hi - lo, lo)
-            at = chunk.find(_SYSCALL_INSN)
+            name = parts[5]
+            rank = 0 if name == "[vdso]" else 1 if Path(name).name.startswith("libc.so") else -1
+            if rank >= 0:
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                candidates.append((rank, lo, min(hi, lo + _MAX_SCAN)))
+        for _, lo, hi in sorted(candidates):
+            at = os.pread(mem.fileno(), hi - lo, lo).find(_SYSCALL_INSN)
             if at >= 0:
                 return lo + at
-    raise RemoteSyscallUnsupported(errno.ENOEXEC, f"no syscall instruction in process {pid}'s libc")
+    raise RemoteSyscallUnsupported(errno.ENOEXEC, f"no syscall instruction in process {pid}")
 
 
 def call(pid: int, number: int, *args: int) -> int:
@@ -149,15 +158,29 @@ def call(pid: int, number: int, *args: int) -> int:
     try:
         result = _call_stopped(tid, insn, number, args)
     finally:
-        with contextlib.suppress(OSError):  # it died: nothing holds it
+        try:
             _ptrace(_PTRACE_DETACH, tid)
+        except OSError:
+            _reap(tid)  # it died while traced: only its tracer can reap it
     return result - 2**64 if result >= 2**63 else result
+
+
+def _reap(tid: int) -> None:
+    """Collect a traced thread that exited, so its process can be reaped in turn."""
+    with contextlib.suppress(ChildProcessError, OSError):
+        for _ in range(50):
+            if os.waitpid(tid, os.WNOHANG | _WALL)[0] == tid:
+                return
+            time.sleep(0.002)
 
 
 def _call_stopped(tid: int, insn: int, number: int, args: tuple[int, ...]) -> int:
     """Stop the seized thread ``tid``, make the call, put its registers back."""
     _ptrace(_PTRACE_INTERRUPT, tid)
-    _wait_stop(tid)
+    status = _wait_stop(tid)
+    if status >> 16 != _PTRACE_EVENT_STOP:  # a signal stopped it first: let it go on
+        _ptrace(_PTRACE_DETACH, tid, 0, os.WSTOPSIG(status))
+        raise InterruptedError(f"thread {tid} got a signal; the call was not made")
     saved = _Regs()
     _ptrace(_PTRACE_GETREGS, tid, 0, saved)
     regs = _Regs.from_buffer_copy(saved)
@@ -169,12 +192,15 @@ def _call_stopped(tid: int, insn: int, number: int, args: tuple[int, ...]) -> in
     try:
         _ptrace(_PTRACE_SINGLESTEP, tid)
         status = _wait_stop(tid)
-        if os.WSTOPSIG(status) != signal.SIGTRAP:  # a signal came first: the call did not run
-            _ptrace(_PTRACE_SETREGS, tid, 0, saved)
-            _ptrace(_PTRACE_DETACH, tid, 0, os.WSTOPSIG(status))  # delivered as it would be
-            raise InterruptedError(f"thread {tid} got a signal; the call was not made")
         after = _Regs()
         _ptrace(_PTRACE_GETREGS, tid, 0, after)
+        # Only a thread that stepped over the instruction made the call; any other stop
+        # (a signal, another ptrace stop) means it did not, and its rax is no answer.
+        if after.rip != insn + len(_SYSCALL_INSN):
+            _ptrace(_PTRACE_SETREGS, tid, 0, saved)
+            signal_ = os.WSTOPSIG(status) if status >> 16 == 0 else 0
+            _ptrace(_PTRACE_DETACH, tid, 0, 0 if signal_ == signal.SIGTRAP else signal_)
+            raise InterruptedError(f"thread {tid} stopped before the call")
     finally:
         # Whatever happened, the thread must go on from where it was: the call it
         # was blocked in restarts. (Fails only if it is gone, or runs on already.)

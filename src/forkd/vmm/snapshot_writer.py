@@ -24,8 +24,9 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from forkd.errors import SnapshotError, StorageFull
 from forkd.vmm import (
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
 DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -79,6 +81,15 @@ class SnapshotWriter:
         # Handed to QEMU before the pause (it may not open forkd's files itself).
         self._vmstate_fdset: int | None = None
         self._layers: list[volume_mounts.NextLayer] = []
+        # The worker thread copying pages now, if any: abort() waits for it before it
+        # closes the descriptors it writes (a cancelled await leaves it running).
+        self._busy: asyncio.Future[Any] | None = None
+
+    async def _thread(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` in a worker thread, tracked for :meth:`abort`."""
+        busy = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        self._busy = busy
+        return await asyncio.shield(busy)
 
     def _disk_full(self) -> StorageFull:
         return StorageFull(
@@ -98,11 +109,11 @@ class SnapshotWriter:
                 self.staging / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600
             )
             if self.base is None:
-                self.stats = await asyncio.to_thread(memory.clone_base, self._region, self._mem_fd)
+                self.stats = await self._thread(memory.clone_base, self._region, self._mem_fd)
                 if self.live:
                     await self._precopy()
             else:
-                await asyncio.to_thread(self._open_base, size)
+                await self._thread(self._open_base, size)
             # Descriptors of layers QEMU writes now: out of the sets, while the VM runs.
             await vm.qmp.release_writers()
             vmstate = self.staging / snapshot_files.VMSTATE
@@ -122,7 +133,7 @@ class SnapshotWriter:
             return
         vm, region = self.vm, self._region
         try:
-            vm.write_tracker = await asyncio.to_thread(
+            vm.write_tracker = await self._thread(
                 live_copy.tracker_for, vm.pid, region, vm.write_tracker
             )
         except OSError as exc:
@@ -135,7 +146,7 @@ class SnapshotWriter:
             base_is_empty=self.stats.base_bytes_cloned == 0,
             stats=self.stats,
         )
-        await asyncio.to_thread(copy.precopy)
+        await self._thread(copy.precopy)
         self._live = copy
 
     def _open_base(self, size: int) -> None:
@@ -169,11 +180,11 @@ class SnapshotWriter:
                 {"filename": f"/dev/fdset/{self._vmstate_fdset}", "live": False},
             )
             if self._diff is not None:
-                await asyncio.to_thread(self._diff.capture, self._region)
+                await self._thread(self._diff.capture, self._region)
             elif self._live is not None:
-                await asyncio.to_thread(self._live.capture, self._deferred)
+                await self._thread(self._live.capture, self._deferred)
             else:
-                await asyncio.to_thread(
+                await self._thread(
                     memory.dump_written_pages,
                     self._region,
                     self._mem_fd,
@@ -237,11 +248,11 @@ class SnapshotWriter:
             if self._diff is not None:
                 assert self._base_chain is not None
                 runs = self.staging / snapshot_files.MEMORY_RUNS
-                await asyncio.to_thread(self._diff.finish, self._base_chain, runs)
+                await self._thread(self._diff.finish, self._base_chain, runs)
                 self.stats.pages_written = self._diff.pages_kept
                 runs.chmod(0o600)
             else:
-                await asyncio.to_thread(
+                await self._thread(
                     self._deferred.flush,
                     self._mem_fd,
                     # After a precopy a zero page may overwrite a copied one.
@@ -249,8 +260,8 @@ class SnapshotWriter:
                     stats=self.stats,
                 )
                 if self._live is not None:
-                    await asyncio.to_thread(self._live.finish)
-            await asyncio.to_thread(os.fsync, self._mem_fd)
+                    await self._thread(self._live.finish)
+            await self._thread(os.fsync, self._mem_fd)
             os.close(self._mem_fd)
             self._mem_fd = None
             meta = self._meta(labels or SnapshotLabels())
@@ -290,6 +301,9 @@ class SnapshotWriter:
 
     async def abort(self) -> None:
         """Remove everything this snapshot wrote."""
+        if self._busy is not None and not self._busy.done():
+            with contextlib.suppress(BaseException):
+                await asyncio.wait({self._busy})
         await self._release_qemu_files()
         self._deferred.runs.clear()
         self._close_base()

@@ -28,7 +28,8 @@ import errno
 import fcntl
 import os
 import struct
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from forkd.vmm import remote_syscall
 
@@ -81,6 +82,10 @@ def problem() -> str | None:
 def _probe() -> str | None:
     if not remote_syscall.supported():
         return "write tracking needs an x86-64 host"
+    if os.geteuid() != 0:
+        # Unprivileged, pagemap hides swap types: the markers the tracker leaves
+        # would read as written pages (see forkd.vmm.memory.pagemap_marks).
+        return "write tracking needs the daemon to run as root"
     fd = _libc.syscall(remote_syscall.SYS_USERFAULTFD, os.O_CLOEXEC | _UFFD_USER_MODE_ONLY)
     if fd < 0:
         return f"userfaultfd is not available ({os.strerror(ctypes.get_errno())})"
@@ -115,6 +120,9 @@ class WriteTracker:
     end: int
     _uffd: int = -1
     _pagemap: int = -1
+    # A scan (a worker thread) and a close (the VM being killed) never overlap: a
+    # closed descriptor's number could be reused for another file meanwhile.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def attach(cls, pid: int, start: int, end: int) -> WriteTracker:
@@ -133,9 +141,11 @@ class WriteTracker:
             raise OSError(-remote, f"userfaultfd in QEMU {pid}: {os.strerror(-remote)}")
         try:
             tracker._uffd = remote_syscall.take_fd(pid, remote)
-        finally:
             remote_syscall.call(pid, remote_syscall.SYS_CLOSE, remote)
-        try:
+            # QEMU could have put anything at that number meanwhile: only ever touch
+            # a userfaultfd (of its address space: the registration checks that).
+            if os.readlink(f"/proc/self/fd/{tracker._uffd}") != "anon_inode:[userfaultfd]":
+                raise OSError(errno.EBADF, f"QEMU {pid} handed over something else")
             tracker._register()
             tracker._pagemap = os.open(f"/proc/{pid}/pagemap", os.O_RDONLY | os.O_CLOEXEC)
         except BaseException:
@@ -155,6 +165,12 @@ class WriteTracker:
 
         The first call reports every page: nothing was protected before it.
         """
+        with self._lock:
+            if self._pagemap < 0:
+                raise OSError(errno.EBADF, f"the write tracker of QEMU {self.pid} is closed")
+            return self._scan()
+
+    def _scan(self) -> list[tuple[int, int]]:
         vec = (_PageRegion * _VEC_LEN)()
         runs: list[tuple[int, int]] = []
         start = self.start
@@ -181,8 +197,9 @@ class WriteTracker:
 
     def close(self) -> None:
         """Stop tracking (the kernel drops the protection with the last descriptor)."""
-        for name in ("_uffd", "_pagemap"):
-            fd = getattr(self, name)
-            if fd >= 0:
-                os.close(fd)
-                setattr(self, name, -1)
+        with self._lock:
+            for name in ("_uffd", "_pagemap"):
+                fd = getattr(self, name)
+                if fd >= 0:
+                    os.close(fd)
+                    setattr(self, name, -1)
