@@ -67,7 +67,10 @@ install_node() {
             --no-install-recommends nodejs npm >/dev/null
     fi
     log "installing node 20 from the npm registry"
-    as_root npm install -g --no-audit --no-fund node@20 >/dev/null
+    if ! as_root npm install -g --no-audit --no-fund node@20 >/dev/null; then
+        # Not fatal: the TypeScript SDK's tests then skip, saying node 20 is missing.
+        log "could not install node 20: the TypeScript SDK tests will be skipped"
+    fi
     hash -r
 }
 
