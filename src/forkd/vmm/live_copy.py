@@ -53,15 +53,6 @@ def _mask(npages: int, runs: list[tuple[int, int]]) -> bytearray:
     return marks
 
 
-def _and(a: bytes, b: bytes) -> bytes:
-    """Per-byte AND of two 0/1 strings of equal length."""
-    return (int.from_bytes(a, "little") & int.from_bytes(b, "little")).to_bytes(len(a), "little")
-
-
-def _and_not(a: bytes, b: bytes) -> bytes:
-    return (int.from_bytes(a, "little") & ~int.from_bytes(b, "little")).to_bytes(len(a), "little")
-
-
 @dataclass
 class LiveCopy:
     """The pages of one full snapshot of ``region``'s guest, copied into ``out_fd``
@@ -89,7 +80,7 @@ class LiveCopy:
         npages = self.region.size // PAGE
         now = memory.written_marks(self.region)
         self.stats.pages_scanned += npages
-        changed = _and(_mask(npages, self.tracker.written_since_last()), now)
+        changed = memory.marks_and(_mask(npages, self.tracker.written_since_last()), now)
         # A zero page written over a copied one must be written: never skipped.
         memory.copy_runs(
             self.region,
@@ -99,7 +90,9 @@ class LiveCopy:
             self.stats,
             defer,
         )
-        self._reverted = memory.runs_of(_and_not(self._copied, now), memory.MAX_RUN_BYTES // PAGE)
+        self._reverted = memory.runs_of(
+            memory.marks_and_not(self._copied, now), memory.MAX_RUN_BYTES // PAGE
+        )
 
     def finish(self) -> None:
         """Step 3 (VM running, blocking): pages the guest no longer owns read as the base."""
@@ -122,11 +115,8 @@ class _Base:
 
     def restore(self, out_fd: int, offset: int, length: int, base_is_empty: bool) -> None:
         data = b"" if base_is_empty else os.pread(self.fd, length, offset)
-        data = data.ljust(length, b"\0")  # beyond the file's end it reads as zeros
-        view = memoryview(data)
-        while view:
-            n = os.pwrite(out_fd, view, offset)
-            view, offset = view[n:], offset + n
+        # Beyond the file's end it reads as zeros.
+        memory._pwrite_all(out_fd, data.ljust(length, b"\0"), offset)
 
     def close(self) -> None:
         os.close(self.fd)

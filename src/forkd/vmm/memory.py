@@ -254,8 +254,8 @@ _SWAPPED_BY_TOP_BYTE = bytes(1 if b & _SWAPPED else 0 for b in range(256))
 # A "swapped" entry of swap type 31 (the low 5 bits) is no page at all but a
 # marker the kernel leaves where a write-protected page is not populated
 # (write tracking, forkd.vmm.write_tracking): it reads as the backing file.
-# The type is shown to CAP_SYS_ADMIN only; without it a marker counts as
-# written, which only costs a needless copy.
+# The type is shown to CAP_SYS_ADMIN only: without it a marker would count as
+# written, so only a root daemon tracks writes (write_tracking.problem).
 _PTE_MARKER_TYPE = 31
 _MARKER_BY_LOW_BYTE = bytes(1 if b & 0x1F == _PTE_MARKER_TYPE else 0 for b in range(256))
 
@@ -266,10 +266,18 @@ def pagemap_marks(pagemap: bytes) -> bytes:
     low = pagemap[0::8].translate(_MARKER_BY_LOW_BYTE)
     if 1 not in low:
         return written
-    swapped = pagemap[7::8].translate(_SWAPPED_BY_TOP_BYTE)
-    n = len(written)
-    markers = int.from_bytes(swapped, "little") & int.from_bytes(low, "little")
-    return (int.from_bytes(written, "little") & ~markers).to_bytes(n, "little")
+    markers = marks_and(pagemap[7::8].translate(_SWAPPED_BY_TOP_BYTE), low)
+    return marks_and_not(written, markers)
+
+
+def marks_and(a: bytes, b: bytes) -> bytes:
+    """Per-byte AND of two equally long 0/1 strings (C speed, through big integers)."""
+    return (int.from_bytes(a, "little") & int.from_bytes(b, "little")).to_bytes(len(a), "little")
+
+
+def marks_and_not(a: bytes, b: bytes) -> bytes:
+    """The 1 bytes of ``a`` where ``b`` has 0."""
+    return (int.from_bytes(a, "little") & ~int.from_bytes(b, "little")).to_bytes(len(a), "little")
 
 
 def written_runs(pagemap: bytes, max_run: int) -> list[tuple[int, int]]:
