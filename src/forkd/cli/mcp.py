@@ -32,12 +32,9 @@ def register(app: typer.Typer) -> None:
 
 def _token(conn: Connection) -> str | None:
     """The token this server sends the daemon (and wants from its HTTP clients)."""
-    from forkd.client.connection import Address, _read_local_token, _resolve_token
+    from forkd.client.connection import Address, _resolve_token
 
-    token = _resolve_token(None, conn.token_file)
-    if token is None and Address.parse(conn.url).is_local:
-        token = _read_local_token()
-    return token
+    return Address.parse(conn.url).bearer(_resolve_token(None, conn.token_file))
 
 
 def mcp(conn: Connection, http: HttpOpt = None) -> None:

@@ -129,13 +129,18 @@ class Address:
         # httpx's own parse: the host it will connect to, not another parser's idea of it.
         return self.socket_path is not None or _is_loopback(httpx.URL(self.base_url).host)
 
-    def _client_args(self, token: str | None, local_token: bool) -> dict[str, Any]:
-        """What both HTTP clients are made with: the bearer token (without ``token``, a
-        local address (:attr:`is_local`) gets the one a daemon wrote to
-        ``<state-dir>/token``, if that can be read, unless ``local_token`` is false),
-        the User-Agent, the base URL and whether proxies from the environment apply."""
+    def bearer(self, token: str | None, local_token: bool = True) -> str | None:
+        """The token to send: ``token``; without it, for a local address (:attr:`is_local`),
+        the one a daemon wrote to ``<state-dir>/token`` if that can be read (unless
+        ``local_token`` is false)."""
         if not token and local_token and self.is_local:
-            token = _read_local_token()
+            return _read_local_token()
+        return token
+
+    def _client_args(self, token: str | None, local_token: bool) -> dict[str, Any]:
+        """What both HTTP clients are made with: the bearer token (:meth:`bearer`), the
+        User-Agent, the base URL and whether proxies from the environment apply."""
+        token = self.bearer(token, local_token)
         headers = {"User-Agent": f"forkd-client/{__version__}", "Accept": "application/json"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
