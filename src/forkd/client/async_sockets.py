@@ -17,7 +17,7 @@ from httpx_ws import AsyncWebSocketSession, HTTPXWSException, WebSocketDisconnec
 
 from forkd.client.connection import JSONDict, json_of
 from forkd.client.errors import ControllerError
-from forkd.client.file_routes import CHUNK_BYTES
+from forkd.client.file_routes import CHUNK_BYTES, file_request
 from forkd.client.port_routes import port_route, tunnel_route
 from forkd.client.pty import DataCallback, PtyState, resize_message
 from forkd.client.websockets import aopen_websocket, upgrade_headers
@@ -95,11 +95,7 @@ class AsyncSockets:
     async def _streamed(
         self, method: str, path: str, params: dict[str, Any], body: Any
     ) -> AsyncIterator[httpx.Response]:
-        request = self._client.build_request(
-            method, path, params=params, content=body,
-            headers={"Content-Type": "application/octet-stream"} if body is not None else None,
-            timeout=self.timeout,
-        )  # fmt: skip
+        request = file_request(self._client, method, path, params, body, self.timeout)
         try:
             resp = await self._client.send(request, stream=True)
         except httpx.TransportError as exc:

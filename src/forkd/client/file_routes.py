@@ -59,11 +59,7 @@ class FileRoutes:
         self, method: str, path: str, params: dict[str, Any], body: Any
     ) -> Iterator[httpx.Response]:
         """An answer whose body is read as it comes; a ControllerError unless it is 2xx."""
-        request = self._client.build_request(
-            method, path, params=params, content=body,
-            headers={"Content-Type": "application/octet-stream"} if body is not None else None,
-            timeout=self.timeout,
-        )  # fmt: skip
+        request = file_request(self._client, method, path, params, body, self.timeout)
         try:
             resp = self._client.send(request, stream=True)
         except httpx.TransportError as exc:
@@ -75,6 +71,18 @@ class FileRoutes:
             yield resp
         finally:
             resp.close()
+
+
+def file_request(
+    client: httpx.Client | httpx.AsyncClient,
+    method: str, path: str, params: dict[str, Any], body: Any, timeout: float,
+) -> httpx.Request:  # fmt: skip
+    """The request of a streamed file transfer (either client's)."""
+    return client.build_request(
+        method, path, params=params, content=body,
+        headers={"Content-Type": "application/octet-stream"} if body is not None else None,
+        timeout=timeout,
+    )  # fmt: skip
 
 
 def _nonempty(chunks: Iterable[bytes]) -> Iterator[bytes]:
