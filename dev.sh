@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
-              ca-certificates nftables
+              ca-certificates nftables docker-registry
               chromium curl)  # tests/integration/test_ports.py: a preview URL in a real browser
 VENV=${FORKD_VENV:-.venv}
 
@@ -33,6 +33,11 @@ install_apt() {
         log "installing Debian packages: ${missing[*]}"
         as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
             --no-install-recommends "${missing[@]}" >/dev/null
+        # The tests start their own registries on loopback; the package's service
+        # (every address, port 5000) is not wanted running on a systemd host.
+        if [[ " ${missing[*]} " == *" docker-registry "* ]] && [ -d /run/systemd/system ]; then
+            as_root systemctl disable --now docker-registry >/dev/null 2>&1 || true
+        fi
     fi
 }
 

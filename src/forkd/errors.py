@@ -69,6 +69,14 @@ class HostToolMissing(Unavailable):
         self.package = package
 
 
+class UpstreamError(ForkdError):
+    """A registry (or another daemon) answered wrongly or not at all (502)."""
+
+
+class UpstreamRefused(Forbidden):
+    """A registry refused the credentials forkd had for it (403)."""
+
+
 class GuestError(ForkdError):
     """The guest did not answer, or answered with a failure forkd did not expect."""
 

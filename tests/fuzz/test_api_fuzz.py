@@ -199,6 +199,14 @@ KNOWN = Known()
 EGRESS = (None, "none", "internet", {"allow": ["10.1.0.0/16", "192.0.2.7"]})
 
 
+LOOPBACK_REGISTRY = "127.0.0.1:1/"
+
+
+def _repository(text: str) -> str:
+    """A repository name made of ``text``: lower-case letters and digits, never empty."""
+    return "".join(c for c in text.lower() if c.isascii() and c.isalnum())[:40] or "fuzz"
+
+
 def steer(case: Any, data: st.DataObject, known: Known) -> None:
     """Most of the time, point a valid part of ``case`` at something that exists.
 
@@ -237,6 +245,11 @@ def steer(case: Any, data: st.DataObject, known: Known) -> None:
                 case.query = {**query, "size": size}
         elif "path" in query and steer(ParameterLocation.QUERY):
             case.query = {**query, "path": data.draw(st.sampled_from(known.guest_paths))}
+    body = case.body
+    if isinstance(body, dict) and isinstance(body.get("ref"), str):
+        # Push and pull reach the registry a reference names: only ever a closed port on
+        # loopback here (the references' grammar has its own tests).
+        case.body = body = {**body, "ref": LOOPBACK_REGISTRY + _repository(body["ref"])}
     body = case.body
     if isinstance(body, dict) and method == "POST" and steer(ParameterLocation.BODY):
         if op.path == "/v1/sandboxes":

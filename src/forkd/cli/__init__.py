@@ -21,6 +21,7 @@ from forkd.cli import (
     daemon,
     events,
     files,
+    gateway,
     images,
     mcp,
     ports,
@@ -67,6 +68,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
 app.command()(version)
 images.register(app)
 daemon.register(app)
+gateway.register(app)
 add_daemon_commands(app)
 mcp.register(app)
 

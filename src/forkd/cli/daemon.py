@@ -157,6 +157,25 @@ _MaxUploadOpt = Annotated[
     ),
 ]
 
+_InsecureRegistryOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--insecure-registry",
+        envvar="FORKD_INSECURE_REGISTRIES",
+        help="An OCI registry (HOST[:PORT]) spoken to over plain HTTP; repeatable. "
+        "Loopback registries always may be.",
+    ),
+]
+
+_RegistryAuthOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_REGISTRY_AUTH",
+        help="docker's config.json with registry credentials (auths). Default: "
+        "$DOCKER_CONFIG/config.json, else ~/.docker/config.json.",
+    ),
+]
+
 _LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
 
 
@@ -178,6 +197,8 @@ def serve(
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
     qemu_user: _QemuUserOpt = "forkd-qemu",
     max_upload_mib: _MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20,
+    insecure_registry: _InsecureRegistryOpt = None,
+    registry_auth: _RegistryAuthOpt = None,
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
@@ -211,6 +232,8 @@ def serve(
             network=network,
             sandbox_cidr=sandbox_cidr,
             max_upload_bytes=max_upload_mib << 20,
+            insecure_registries=tuple(insecure_registry or ()),
+            registry_auth=registry_auth,
         )
         if network not in ("auto", "netns", "user"):
             raise ValueError(f"--network must be auto, netns or user, not {network!r}")

@@ -60,6 +60,8 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     snapshot_app.command("ls")(daemon(snapshot_ls))
     snapshot_app.command("info")(daemon(snapshot_info))
     snapshot_app.command("compact")(daemon(snapshot_compact))
+    snapshot_app.command("push")(daemon(snapshot_push))
+    snapshot_app.command("pull")(daemon(snapshot_pull))
     snapshot_app.command("rm")(daemon(rmi))
     app.command("rmi")(daemon(rmi))
 
@@ -196,6 +198,72 @@ def snapshot_compact(
         render.print_json(info)
     else:
         out.print(f"compacted [bold magenta]{escape(tag)}[/]: mode {info.get('mode')}")
+
+
+RefArg = Annotated[
+    str, typer.Argument(help="OCI reference: registry[:port]/repository[:tag][@digest].")
+]
+RegistryTokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--registry-token", envvar="FORKD_REGISTRY_TOKEN",
+        help="Bearer token for the registry (default: the daemon's docker config.json).",
+    ),
+]  # fmt: skip
+InsecureRegistryOpt = Annotated[
+    bool,
+    typer.Option("--insecure-registry", help="Plain HTTP to this registry (loopback always)."),
+]
+
+
+def _transfer_note(conn: Connection, verb: str, what: str, started: float) -> None:
+    if not conn.as_json:
+        err.print(f"{verb} {what} in {time.monotonic() - started:.1f} s")
+
+
+def snapshot_push(
+    conn: Connection,
+    tag: Annotated[str, typer.Argument(help="Snapshot tag.")],
+    ref: RefArg,
+    token: RegistryTokenOpt = None,
+    insecure: InsecureRegistryOpt = False,
+    flatten: Annotated[
+        bool, typer.Option("--flatten", help="Send all its memory, never a delta.")
+    ] = False,
+) -> None:
+    """Send a snapshot to an OCI registry (only what the repository lacks goes up)."""
+    started = time.monotonic()
+    options = {"token": token, "insecure": insecure or None, "flatten": flatten or None}
+    with daemon_errors(), conn.controller() as ctl, err.status(f"pushing {escape(tag)}"):
+        result = ctl.push_snapshot(tag, ref, **options)
+    if conn.as_json:
+        render.print_json(result)
+        return
+    sent, total = result["bytes_uploaded"], result["bytes_total"]
+    out.print(f"{escape(result['ref'])}@{result['digest']}")
+    _transfer_note(conn, "pushed", f"{sent / 2**20:.1f} of {total / 2**20:.1f} MiB "
+                   f"({result['encoding']})", started)  # fmt: skip
+
+
+def snapshot_pull(
+    conn: Connection,
+    ref: RefArg,
+    tag: Annotated[
+        str | None, typer.Option("--tag", help="Local tag (default: its pushed name).")
+    ] = None,
+    token: RegistryTokenOpt = None,
+    insecure: InsecureRegistryOpt = False,
+) -> None:
+    """Fetch a snapshot from an OCI registry (409 if this host cannot restore it)."""
+    started = time.monotonic()
+    options = {"token": token, "insecure": insecure or None}
+    with daemon_errors(), conn.controller() as ctl, err.status(f"pulling {escape(ref)}"):
+        info = ctl.pull_snapshot(ref, tag, **options)
+    if conn.as_json:
+        render.print_json(info)
+        return
+    out.print(info["tag"])
+    _transfer_note(conn, "pulled", escape(ref), started)
 
 
 def rmi(

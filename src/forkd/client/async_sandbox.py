@@ -419,6 +419,18 @@ class AsyncSnapshot(SnapshotView):
         self._info = await self._controller.compact_snapshot(self.tag)
         return self._info
 
+    async def push(self, ref: str, **options: Any) -> JSONDict:
+        """As :meth:`Snapshot.push`."""
+        return await self._controller.push_snapshot(self.tag, ref, **options)
+
+    @classmethod
+    async def pull(
+        cls, ref: str, tag: str | None = None, *, controller: AsyncController, **options: Any
+    ) -> AsyncSnapshot:
+        """As :meth:`Snapshot.pull`."""
+        info = await controller.pull_snapshot(ref, tag, **options)
+        return cls(info["tag"], controller=controller, info=info)
+
     async def delete(self, cascade: bool = False, force: bool = False) -> None:
         await self._controller.delete_snapshot(self.tag, cascade=cascade, force=force)
 

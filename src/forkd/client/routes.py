@@ -170,6 +170,21 @@ class Routes:
         """``GET /v1/snapshots/{tag}``: the SnapshotInfo without /info's detail."""
         return self._json("GET", f"/v1/snapshots/{_quote(tag)}")
 
+    def push_snapshot(self, tag: str, ref: str, **options: Any) -> JSONDict:
+        """``POST /v1/snapshots/{tag}/push``: send it to the OCI registry ``ref``
+        (``registry/repository:tag``) → ``{digest, bytes_uploaded, bytes_total, ...}``.
+        Options: ``token``, ``insecure``, ``flatten`` (never a delta over its parent)."""
+        body = _drop_none({"ref": ref, **options})
+        path = f"/v1/snapshots/{_quote(tag)}/push"
+        return self._json("POST", path, json_body=body, timeout=max(self.timeout, 1800))
+
+    def pull_snapshot(self, ref: str, tag: str | None = None, **options: Any) -> JSONDict:
+        """``POST /v1/snapshots/pull``: fetch ``ref`` as snapshot ``tag`` (default: the name
+        it was pushed under) → SnapshotInfo. Options: ``token``, ``insecure``, ``metadata``."""
+        body = _drop_none({"ref": ref, "tag": tag, **options})
+        return self._json("POST", "/v1/snapshots/pull", json_body=body,
+                          timeout=max(self.timeout, 1800))  # fmt: skip
+
     # -- volumes ------------------------------------------------------------
 
     def create_volume(

@@ -85,6 +85,25 @@ class Snapshot(SnapshotView):
         self._info = self._controller.compact_snapshot(self.tag)
         return self._info
 
+    def push(self, ref: str, **options: Any) -> JSONDict:
+        """Send this snapshot to the OCI registry ``ref`` (``registry/repository:tag``);
+        options as :meth:`Controller.push_snapshot`. Returns the digest and byte counts."""
+        return self._controller.push_snapshot(self.tag, ref, **options)
+
+    @classmethod
+    def pull(
+        cls,
+        ref: str,
+        tag: str | None = None,
+        controller: Controller | None = None,
+        **options: Any,
+    ) -> Snapshot:
+        """Fetch the snapshot ``ref`` names from its registry onto the daemon, as ``tag``
+        (default: the name it was pushed under); 409 if this host cannot restore it."""
+        ctl = controller if controller is not None else Controller()
+        info = ctl.pull_snapshot(ref, tag, **options)
+        return cls(info["tag"], controller=ctl, info=info)
+
     def delete(self, cascade: bool = False, force: bool = False) -> None:
         """Delete the snapshot (sandboxes forked from it keep running); ``cascade`` and
         ``force`` as :meth:`Controller.delete_snapshot`."""

@@ -27,6 +27,7 @@ from forkd.errors import (
     NotFound,
     OverCapacity,
     Unavailable,
+    UpstreamError,
 )
 from forkd.limits import AUDIT_FIELD_LIMIT
 
@@ -41,6 +42,7 @@ STATUS: dict[type[ForkdError], int] = {
     Conflict: 409,
     OverCapacity: 429,
     GuestError: 502,
+    UpstreamError: 502,
     Busy: 503,
     Unavailable: 503,
     GuestStorageFull: 507,
@@ -53,13 +55,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
     for status, description in (
         (400, "bad request: body, name, size or path"),
         (401, "missing or wrong bearer token"),
-        (403, "the guest refused for lack of permission"),
+        (403, "the guest, or a registry, refused for lack of permission"),
         (404, "unknown snapshot, sandbox, volume or guest path"),
         (409, "conflicts with the current state"),
         (413, "request body over the limit"),
         (429, "over a capacity cap (sandboxes, guest memory, children per request)"),
         (500, "the operation failed; the message says what was left behind"),
-        (502, "the guest agent did not answer, or failed unexpectedly"),
+        (502, "the guest agent or a registry did not answer, or failed unexpectedly"),
         (503, "busy (retry shortly), or this host lacks what the request needs"),
     )
 }

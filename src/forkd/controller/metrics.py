@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from forkd import __version__
 
@@ -53,6 +53,11 @@ class Metrics:
         self.snapshot_seconds = Histogram(
             "forkd_template_snapshot_seconds", "Time to snapshot a template",
             buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
+
+        self.registry_bytes = Counter(
+            "forkd_registry_bytes", "Bytes sent to (push) and fetched from (pull) OCI registries",
+            ["direction"], registry=self.registry,
         )  # fmt: skip
 
     def render(self) -> bytes:

@@ -77,6 +77,51 @@ class SnapshotCreate(_Body):
     metadata: Metadata = Field(default_factory=dict)
 
 
+REGISTRY_REF = Field(
+    min_length=1, max_length=512,
+    description="an OCI reference: registry[:port]/repository[:tag][@digest]",
+)  # fmt: skip
+REGISTRY_TOKEN = Field(
+    None, max_length=8192,
+    description="a bearer token for the registry; default: the daemon's docker config.json",
+)  # fmt: skip
+INSECURE = Field(False, description="allow plain HTTP to this registry (loopback always may)")
+
+
+class SnapshotPush(_Body):
+    ref: str = REGISTRY_REF
+    token: str | None = REGISTRY_TOKEN
+    insecure: bool = INSECURE
+    flatten: bool = Field(
+        False, description="send the whole memory, never a delta over a pushed parent"
+    )
+
+
+class SnapshotPull(_Body):
+    ref: str = REGISTRY_REF
+    tag: str | None = Field(
+        None, pattern=limits.NAME_PATTERN,
+        description="the local name; default: the name it was pushed under, else the ref's tag",
+    )  # fmt: skip
+    token: str | None = REGISTRY_TOKEN
+    insecure: bool = INSECURE
+    metadata: Metadata = Field(default_factory=dict)
+
+
+class PushResult(BaseModel):
+    ref: str
+    digest: str = Field(description="the manifest's digest: pull ref@digest for exactly this")
+    bytes_uploaded: int = Field(description="bytes the registry did not have yet")
+    bytes_total: int = Field(description="bytes of every blob and the manifest")
+    layers: int
+    layers_uploaded: int
+    encoding: Literal["chunks", "delta"] = Field(
+        description="chunks: the whole memory; delta: the pages that differ from base_digest"
+    )
+    base_digest: str | None = None
+    seconds: float
+
+
 class SandboxCreate(_Body):
     snapshot_tag: str = TAG
     n: int = Field(1, ge=1, le=limits.MAX_FORK_N)
@@ -217,6 +262,20 @@ class Health(BaseModel):
 class VersionInfo(BaseModel):
     version: str
     api: str
+
+
+class CapacityInfo(BaseModel):
+    """What this daemon can still take: a gateway places children by it."""
+
+    node_id: str = Field(description="the prefix of every sandbox id this daemon gives")
+    version: str
+    accel: Literal["kvm", "tcg"]
+    qemu: str = Field(description="QEMU release (major.minor): snapshots move between equals")
+    sandboxes: int = Field(description="running or being started")
+    max_sandboxes: int | None
+    guest_memory_mib: int = Field(description="guest RAM of those, and of template builds")
+    max_guest_memory_mib: int | None
+    snapshots: list[str] = Field(description="tags of the ready snapshots")
 
 
 class SnapshotInfo(BaseModel):

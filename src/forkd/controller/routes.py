@@ -15,6 +15,7 @@ from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL
 from forkd.controller.models import (
     SANDBOX_STATES,
     BranchRequest,
+    CapacityInfo,
     EvalInterrupt,
     EvalRequest,
     EvalResult,
@@ -33,11 +34,14 @@ from forkd.controller.models import (
     ProcessSignal,
     ProcessStart,
     ProcessStdin,
+    PushResult,
     ResumeRequest,
     SandboxCreate,
     SandboxInfo,
     SnapshotCreate,
     SnapshotInfo,
+    SnapshotPull,
+    SnapshotPush,
     StdinWritten,
     TimeoutRequest,
     VersionInfo,
@@ -110,6 +114,12 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
+@discovery.get("/v1/capacity", response_model=CapacityInfo)
+async def capacity(svc: Svc) -> CapacityInfo:
+    """Room left for sandboxes, and the snapshots held: what a gateway places by."""
+    return svc.snapshots.capacity()
+
+
 # ------------------------------------------------------------------ snapshots
 
 
@@ -163,6 +173,18 @@ async def snapshot(svc: Svc, tag: str) -> SnapshotInfo:
 async def compact_snapshot(svc: Svc, tag: str) -> SnapshotInfo:
     """Flatten a diff snapshot's chain into a full memory.bin in place (a full one: as is)."""
     return await svc.snapshots.compact(tag)
+
+
+@snapshots.post("/{tag}/push")
+async def push_snapshot(svc: Svc, tag: str, body: SnapshotPush) -> PushResult:
+    """Send the snapshot to an OCI registry; only what the repository lacks goes up."""
+    return await svc.transfer.push(tag, body)
+
+
+@snapshots.post("/pull", status_code=201, **SNAPSHOT)
+async def pull_snapshot(svc: Svc, body: SnapshotPull) -> SnapshotInfo:
+    """Fetch a pushed snapshot; 409 naming every reason this host cannot restore it."""
+    return await svc.transfer.pull(body)
 
 
 @snapshots.delete("/{tag}", **NO_CONTENT)

@@ -229,6 +229,8 @@ def serve(
     logging.basicConfig(
         level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    # One line per registry request (a push makes hundreds): only when debugging.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     where = parse_bind(bind)
     with owner_only_umask():
         lock_fd = lock_state_dir(settings.state_dir)

@@ -27,3 +27,6 @@ class Settings:
     network: str = "auto"  # "netns" (a namespace per VM), "user" (QEMU's NAT), or "auto"
     sandbox_cidr: str = "10.201.0.0/16"  # host-side addresses of the namespaces
     max_upload_bytes: int = FILE_UPLOAD_LIMIT  # of one streamed file upload
+    # OCI registries (host[:port]) spoken to over plain HTTP; loopback ones always may be.
+    insecure_registries: tuple[str, ...] = ()
+    registry_auth: Path | None = None  # docker's config.json; None: $DOCKER_CONFIG or ~/.docker

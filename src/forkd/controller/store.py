@@ -64,6 +64,12 @@ CREATE TABLE IF NOT EXISTS branch_counts (
     source_id TEXT PRIMARY KEY,
     branches  INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS registry_digests (
+    snapshot_id TEXT NOT NULL,
+    repository  TEXT NOT NULL,
+    digest      TEXT NOT NULL,
+    PRIMARY KEY (snapshot_id, repository)
+);
 """
 
 
@@ -232,6 +238,31 @@ class Store:
 
     def delete_snapshot(self, tag: str) -> bool:
         return self._tx("DELETE FROM snapshots WHERE tag = ?", (tag,)).rowcount > 0
+
+    # ---------------------------------------------------------- registries
+
+    def record_digest(self, snapshot_id: str, repository: str, digest: str) -> None:
+        """Snapshot ``snapshot_id`` is manifest ``digest`` in ``repository`` (pushed or pulled)."""
+        self._tx(
+            "INSERT OR REPLACE INTO registry_digests(snapshot_id, repository, digest) "
+            "VALUES (?, ?, ?)",
+            (snapshot_id, repository, digest),
+        )
+
+    def digests_of(self, snapshot_id: str) -> list[str]:
+        """The manifest digests snapshot ``snapshot_id`` is known by, in any repository."""
+        rows = self._query(
+            "SELECT DISTINCT digest FROM registry_digests WHERE snapshot_id = ?", (snapshot_id,)
+        )
+        return [str(r[0]) for r in rows]
+
+    def snapshots_of_digest(self, digest: str) -> list[str]:
+        """The ids of the snapshots known as manifest ``digest`` (content-addressed: the
+        same in every repository)."""
+        rows = self._query(
+            "SELECT DISTINCT snapshot_id FROM registry_digests WHERE digest = ?", (digest,)
+        )
+        return [str(r[0]) for r in rows]
 
     # ---------------------------------------------------------- sandboxes
 

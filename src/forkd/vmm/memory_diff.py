@@ -46,12 +46,17 @@ CHUNK_PAGES = memory.MAX_RUN_BYTES // PAGE
 # ------------------------------------------------------------------ the index
 
 
+def runs_bytes(runs: list[tuple[int, int]]) -> bytes:
+    """The index ``runs`` (sorted, disjoint ``[first, end)`` pages) as ``memory.runs`` holds it."""
+    body = b"".join(_RUN.pack(first, end) for first, end in runs)
+    return _HEADER.pack(RUNS_MAGIC, PAGE, len(runs)) + body
+
+
 def write_runs(path: Path, runs: list[tuple[int, int]]) -> None:
     """Write the index ``runs`` (sorted, disjoint ``[first, end)`` pages) to ``path``."""
-    body = b"".join(_RUN.pack(first, end) for first, end in runs)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        memory._pwrite_all(fd, _HEADER.pack(RUNS_MAGIC, PAGE, len(runs)) + body, 0)
+        memory._pwrite_all(fd, runs_bytes(runs), 0)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -63,17 +68,23 @@ def read_runs(path: Path, npages: int) -> list[tuple[int, int]]:
         raw = path.read_bytes()
     except OSError as exc:
         raise SnapshotError(f"{path} is unreadable: {exc}") from exc
+    return parse_runs(raw, npages, str(path))
+
+
+def parse_runs(raw: bytes, npages: int, where: str) -> list[tuple[int, int]]:
+    """An index read from ``where``: :class:`SnapshotError` naming it when it is damaged
+    (runs out of order, overlapping, empty or past ``npages``)."""
     try:
         magic, page, count = _HEADER.unpack_from(raw)
     except struct.error as exc:
-        raise SnapshotError(f"{path} is corrupt: {exc}") from exc
+        raise SnapshotError(f"{where} is corrupt: {exc}") from exc
     if magic != RUNS_MAGIC or page != PAGE or len(raw) != _HEADER.size + count * _RUN.size:
-        raise SnapshotError(f"{path} is corrupt (magic, page size or length)")
+        raise SnapshotError(f"{where} is corrupt (magic, page size or length)")
     runs = [_RUN.unpack_from(raw, _HEADER.size + i * _RUN.size) for i in range(count)]
     last = 0
     for first, end in runs:
         if first < last or end <= first or end > npages:
-            raise SnapshotError(f"{path} is corrupt: run {first}-{end} out of order or range")
+            raise SnapshotError(f"{where} is corrupt: run {first}-{end} out of order or range")
         last = end
     return runs
 

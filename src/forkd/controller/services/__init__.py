@@ -20,6 +20,7 @@ from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.ports import PortService
 from forkd.controller.services.processes import ProcessService
 from forkd.controller.services.sandboxes import SandboxService
+from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.settings import Settings
@@ -32,6 +33,7 @@ __all__ = ["Services"]
 class Services:
     fleet: Fleet
     snapshots: SnapshotService
+    transfer: SnapshotTransfer
     branches: BranchService
     sandboxes: SandboxService
     pausing: PauseService
@@ -56,6 +58,7 @@ class Services:
         return cls(
             fleet=fleet,
             snapshots=snapshots,
+            transfer=SnapshotTransfer(fleet, snapshots),
             branches=branches,
             sandboxes=sandboxes,
             pausing=pausing,

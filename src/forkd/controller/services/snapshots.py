@@ -15,12 +15,12 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from forkd import limits
-from forkd.controller.models import SnapshotCreate, SnapshotInfo
+from forkd import __version__, accel, limits
+from forkd.controller.models import CapacityInfo, SnapshotCreate, SnapshotInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.store import SnapshotRow, labelled, now
@@ -34,6 +34,7 @@ from forkd.errors import (
     VMError,
 )
 from forkd.guest import image as images
+from forkd.oci import host_needs
 from forkd.vmm import egress, memory_diff, snapshot_compact, snapshot_files
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
 
@@ -85,6 +86,8 @@ class SnapshotService:
         self.root = fleet.settings.snapshot_root
         # Tags that a diff branch in flight is written over: not deletable meanwhile.
         self.bases_in_use: collections.Counter[str] = collections.Counter()
+        # Tags being read whole (a push): not deletable meanwhile.
+        self.being_read: collections.Counter[str] = collections.Counter()
         # Tags a delete has checked and is removing: no new diff over them (409).
         self.deleting: set[str] = set()
         # Compaction and deletion change files under the root: one at a time.
@@ -182,6 +185,19 @@ class SnapshotService:
 
     # ------------------------------------------------------------ read
 
+    @contextlib.contextmanager
+    def reading(self, tag: str) -> Iterator[None]:
+        """Hold ``tag`` against deletion while its files are read (409 for a delete)."""
+        if tag in self.deleting:
+            raise Conflict(f"snapshot {tag!r} is being deleted")
+        self.being_read[tag] += 1
+        try:
+            yield
+        finally:
+            self.being_read[tag] -= 1
+            if not self.being_read[tag]:
+                del self.being_read[tag]
+
     def info(self, tag: str, detailed: bool = False) -> SnapshotInfo:
         row = self.fleet.snapshot_row(tag)
         d = Path(row.dir)
@@ -270,6 +286,21 @@ class SnapshotService:
             return str(exc)
         return None
 
+    def capacity(self) -> CapacityInfo:
+        fleet = self.fleet
+        count, mib = fleet.in_use()
+        return CapacityInfo(
+            node_id=fleet.store.id_prefix,
+            version=__version__,
+            accel=accel.choose(fleet.settings.accel).name,  # type: ignore[arg-type]
+            qemu=host_needs.qemu_release(),
+            sandboxes=count,
+            max_sandboxes=fleet.settings.max_sandboxes,
+            guest_memory_mib=mib,
+            max_guest_memory_mib=fleet.settings.max_guest_memory_mib,
+            snapshots=[r.tag for r in fleet.store.list_snapshots() if r.status == "ready"],
+        )
+
     def list(self, metadata: dict[str, str] | None = None) -> list[SnapshotInfo]:
         """The snapshots labelled with all of ``metadata``."""
         rows = self.fleet.store.list_snapshots()
@@ -325,6 +356,8 @@ class SnapshotService:
                 raise Conflict(f"snapshot {r.tag!r} is pending: retry when its branch settles")
             if self.bases_in_use[r.tag]:
                 raise Conflict(f"a diff branch over snapshot {r.tag!r} is being written; retry")
+            if self.being_read[r.tag]:
+                raise Conflict(f"snapshot {r.tag!r} is being pushed; retry when it is done")
             deps = self._diff_dependents(r.tag)
             if deps and not (cascade or force):
                 raise Conflict(
@@ -350,6 +383,8 @@ class SnapshotService:
         # Checked again after the awaits, just before the files go.
         if self.bases_in_use[tag]:
             raise Conflict(f"a diff branch over snapshot {tag!r} is being written; retry")
+        if self.being_read[tag]:
+            raise Conflict(f"snapshot {tag!r} is being pushed; retry when it is done")
         deps = self._diff_dependents(tag)
         if deps:
             raise Conflict(f"snapshot {tag!r} is the base of diff snapshots {', '.join(deps)}")

@@ -1,0 +1,83 @@
+"""``forkd gateway``: the v1 API over many daemons (see :mod:`forkd.gateway`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from forkd.cli.extras import require_server
+from forkd.cli.failures import fail
+from forkd.errors import ForkdError
+
+
+def gateway(
+    bind: Annotated[str, typer.Option(envvar="FORKD_GATEWAY_BIND", help="HOST:PORT")] = (
+        "127.0.0.1:8890"
+    ),
+    node: Annotated[
+        list[str] | None,
+        typer.Option("--node", envvar="FORKD_NODES", help="A daemon's URL; repeatable."),
+    ] = None,
+    nodes_dns: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FORKD_NODES_DNS",
+            help="A DNS name whose addresses are the daemons (a headless Service).",
+        ),
+    ] = None,
+    node_port: Annotated[
+        int, typer.Option(envvar="FORKD_NODE_PORT", help="The daemons' port (with --nodes-dns).")
+    ] = 8889,
+    node_token_file: Annotated[
+        Path | None,
+        typer.Option(envvar="FORKD_NODE_TOKEN_FILE", help="The daemons' bearer token."),
+    ] = None,
+    registry: Annotated[
+        str | None,
+        typer.Option(
+            envvar="FORKD_GATEWAY_REGISTRY",
+            help="registry/repository snapshots move through between nodes.",
+        ),
+    ] = None,
+    insecure_registry: Annotated[
+        bool, typer.Option(help="Plain HTTP to that registry (loopback always).")
+    ] = False,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(envvar="FORKD_TOKEN_FILE", help="The token clients give the gateway."),
+    ] = None,
+    insecure_no_auth: Annotated[
+        bool, typer.Option(help="No token for clients: anyone who reaches it forks VMs.")
+    ] = False,
+    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+) -> None:
+    """Serve the v1 API over many forkd daemons: placement, routing, snapshots moved
+    between them through an OCI registry. Stateless: run two behind a Service."""
+    require_server("gateway")
+    from forkd.controller.server import read_token
+    from forkd.gateway.app import create_app, serve
+    from forkd.gateway.nodes import NodeSet
+    from forkd.oci import reference
+
+    try:
+        if not node and not nodes_dns:
+            raise ForkdError("give the daemons: --node URL (repeatable) or --nodes-dns NAME")
+        token = read_token(token_file)
+        if token is None and not insecure_no_auth:
+            raise ForkdError("give --token-file (clients' token), or --insecure-no-auth")
+        if registry is not None:
+            parsed = reference.parse(registry)
+            if parsed.tag or parsed.digest:
+                raise ForkdError("--registry is registry/repository, without a tag")
+            registry = f"{parsed.registry}/{parsed.repository}"
+        nodes = NodeSet(list(node or []), read_token(node_token_file),
+                        dns_name=nodes_dns, dns_port=node_port)  # fmt: skip
+        serve(create_app(nodes, token, registry, insecure_registry), bind, log_level)
+    except ForkdError as exc:
+        raise fail(str(exc)) from exc
+
+
+def register(app: typer.Typer) -> None:
+    app.command("gateway")(gateway)

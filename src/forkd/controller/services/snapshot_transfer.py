@@ -1,0 +1,348 @@
+"""Snapshots to and from OCI registries: ``push`` and ``pull`` (see :mod:`forkd.oci`).
+
+A push reads a ready snapshot (a delete meanwhile is refused with 409) and
+sends it as an OCI artifact. When its diff base, or the snapshot it was
+branched from, is already that repository's manifest (this daemon pushed or
+pulled it), only the pages that differ go up: the base is pushed first when
+it is a diff's and missing, so a chain always travels whole.
+
+A pull reads the manifest and config, checks everything this host needs to
+restore it (QEMU, accelerator, CPU, memory limits, image build) and answers
+409 naming every mismatch before writing anything; then writes the
+snapshot into a staging directory, renames it into place and registers it.
+Any failure removes the staging directory: a partial pull leaves nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Any
+
+from forkd import accel, limits, paths
+from forkd.controller.models import PushResult, SnapshotInfo, SnapshotPull, SnapshotPush
+from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.snapshots import SnapshotService, snapshot_row
+from forkd.controller.store import SnapshotRow, now
+from forkd.errors import Conflict, Invalid, SnapshotError, StorageFull, UpstreamError
+from forkd.oci import artifact, auth, host_needs, image_files, pull, push, reference
+from forkd.oci.reference import Reference
+from forkd.oci.registry import Registry
+from forkd.vmm import egress, memory_diff, snapshot_files
+from forkd.vmm.memory_diff import Chain
+from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotMeta
+
+log = logging.getLogger(__name__)
+_HOST_PATHS = ("vmlinuz", "initrd", "rootfs")  # a machine's files on this host: not sent
+
+
+class SnapshotTransfer:
+    def __init__(self, fleet: Fleet, snapshots: SnapshotService) -> None:
+        self.fleet = fleet
+        self.snapshots = snapshots
+        self.root = fleet.settings.snapshot_root
+
+    # ------------------------------------------------------------ plumbing
+
+    def _registry(self, ref: Reference, token: str | None, insecure: bool) -> Registry:
+        settings = self.fleet.settings
+        creds = (
+            auth.Credentials(bearer=token)
+            if token
+            else auth.from_docker_config(ref.registry, settings.registry_auth)
+        )
+        plain = insecure or ref.registry in settings.insecure_registries
+        return Registry(ref, credentials=creds, insecure=plain)
+
+    def _local(self, snapshot_id: str) -> tuple[SnapshotRow, SnapshotFiles] | None:
+        """The ready snapshot on this host whose id is ``snapshot_id``."""
+        for row in self.fleet.store.list_snapshots():
+            if row.status != "ready":
+                continue
+            try:
+                files = snapshot_files.load(Path(row.dir))
+            except SnapshotError:
+                continue
+            if files.meta.id == snapshot_id:
+                return row, files
+        return None
+
+    # ------------------------------------------------------------ push
+
+    async def push(self, tag: str, req: SnapshotPush) -> PushResult:
+        ref = reference.parse(req.ref)
+        if ref.digest:
+            raise Invalid("push to a tag (registry/repository:tag), not to a digest")
+        row = self.fleet.snapshot_row(tag)
+        if row.status != "ready":
+            raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to push")
+        with self.snapshots.reading(tag):
+            try:
+                files = snapshot_files.load(Path(row.dir))
+            except SnapshotError as exc:
+                raise Conflict(f"snapshot {tag!r} cannot be pushed: {exc}") from exc
+            registry = self._registry(ref, req.token, req.insecure)
+            try:
+                pushed = await asyncio.to_thread(
+                    self._push_one, registry, files, row, ref.tag or "latest", req.flatten
+                )
+            finally:
+                registry.close()
+        self.fleet.metrics.registry_bytes.labels(direction="push").inc(pushed.bytes_uploaded)
+        log.info("pushed %s to %s@%s: %d of %d bytes sent (%s)", tag, ref, pushed.digest,
+                 pushed.bytes_uploaded, pushed.bytes_total, pushed.encoding)  # fmt: skip
+        return PushResult(ref=str(ref), **vars(pushed))
+
+    def _push_one(
+        self,
+        registry: Registry,
+        files: SnapshotFiles,
+        row: SnapshotRow,
+        reference_: str | None,
+        flatten: bool,
+        depth: int = 0,
+    ) -> push.Pushed:
+        """Push ``files``, a diff's bases first when the repository lacks them (in a thread)."""
+        if files.meta.volumes:
+            raise Conflict(
+                f"snapshot {row.tag!r} has volumes attached: pushing volumes is not supported "
+                "yet; push a snapshot taken without volumes"
+            )
+        repo = f"{registry.ref.registry}/{registry.ref.repository}"
+        base = None if flatten else self._base(registry, files, row, depth)
+        config = _config(files, row)
+        image_dir = files.machine.rootfs.parent
+        try:
+            pushed = push.push(files, image_dir, config, registry, reference_, base, log.debug)
+        finally:
+            if base is not None:
+                base.chain.close()
+        assert files.meta.id is not None  # load() gives every snapshot one
+        self.fleet.store.record_digest(files.meta.id, repo, pushed.digest)
+        return pushed
+
+    def _base(
+        self, registry: Registry, files: SnapshotFiles, row: SnapshotRow, depth: int
+    ) -> push.Base | None:
+        """What to push ``files`` as a delta over: its diff base (pushed first if the
+        repository lacks it), else the snapshot it came from if the repository has it."""
+        store = self.fleet.store
+        if files.is_diff and files.meta.base is not None and depth < limits.MAX_DIFF_DEPTH:
+            base_files = snapshot_files.load(Path(files.meta.base.dir))
+            assert base_files.meta.id is not None
+            digest = self._pushed_as(registry, base_files.meta.id)
+            if digest is None:
+                base_row = store.get_snapshot(files.meta.base.tag) or row
+                pushed = self._push_one(registry, base_files, base_row, None, False, depth + 1)
+                digest = pushed.digest
+            with memory_diff.resolve(files) as own:
+                candidates = list(own.layers[-1].runs)
+            chain = memory_diff.resolve(base_files)
+            return push.Base(digest, files.meta.base.tag, chain, candidates)
+        parent = self._local(files.meta.parent_id) if files.meta.parent_id else None
+        if parent is None:
+            return None
+        digest = self._pushed_as(registry, files.meta.parent_id or "")
+        if digest is None:
+            return None
+        return push.Base(digest, parent[0].tag, memory_diff.resolve(parent[1]))
+
+    def _pushed_as(self, registry: Registry, snapshot_id: str) -> str | None:
+        """A digest snapshot ``snapshot_id`` is known by that this repository has."""
+        for digest in self.fleet.store.digests_of(snapshot_id):
+            if registry.has_manifest(digest):
+                return digest
+        return None
+
+    # ------------------------------------------------------------ pull
+
+    async def pull(self, req: SnapshotPull) -> SnapshotInfo:
+        ref = reference.parse(req.ref)
+        if req.tag is not None and self.fleet.store.get_snapshot(req.tag) is not None:
+            raise Conflict(f"snapshot {req.tag!r} already exists")  # before any request
+        registry = self._registry(ref, req.token, req.insecure)
+        try:
+            remote = await asyncio.to_thread(pull.open_remote, registry, ref.reference)
+            tag = req.tag or _pushed_tag(remote.config) or ref.tag
+            if not tag:
+                raise Invalid("give a tag: the reference and the snapshot name none")
+            limits.check_tag(tag)
+            with self.fleet.reserve_tag(tag):
+                image_dir = await asyncio.to_thread(self._check, remote)
+                await self._pull_into(registry, ref, remote, tag, image_dir, req)
+        finally:
+            registry.close()
+        return self.snapshots.info(tag)
+
+    def _check(self, remote: pull.Remote) -> Path | None:
+        """Every reason this host cannot restore ``remote`` (409 naming them all); the
+        image directory it would use, ``None`` when the image must be pulled too."""
+        kvm = accel.choose(self.fleet.settings.accel).name == "kvm"
+        problems = host_needs.mismatches(remote.config["needs"], kvm)
+        machine = remote.config["machine"]
+        if machine.get("memory_mib") != remote.memory_bytes >> 20:
+            problems.append("its machine and its memory disagree on the guest's size")
+        try:
+            egress.of_machine(machine.get("egress"), bool(machine.get("internet", True)))
+        except Invalid as exc:
+            problems.append(f"its egress policy is invalid here: {exc}")
+        files = image_files.wanted(remote.manifest)
+        name, key = image_files.image_dir_name(remote.config)
+        image_dir = paths.images_dir() / f"{name}-{key}"
+        if (image_dir / "image.json").is_file():
+            differences = image_files.differences(image_dir, files)
+            problems += [f"image {image_dir.name}: {d}" for d in differences]
+        else:
+            image_dir = None
+        if problems:
+            why = "; ".join(problems)
+            raise Conflict(f"{remote.where} cannot be restored on this host: {why}")
+        return image_dir
+
+    async def _pull_into(
+        self,
+        registry: Registry,
+        ref: Reference,
+        remote: pull.Remote,
+        tag: str,
+        image_dir: Path | None,
+        req: SnapshotPull,
+    ) -> None:
+        staging = self.root / f".{tag}.partial-pull-{secrets.token_hex(3)}"
+        final = self.root / tag
+        repo = f"{ref.registry}/{ref.repository}"
+        downloads = pull.Downloads(registry)
+        try:
+            staging.mkdir(mode=0o700, parents=True)
+            files = await asyncio.to_thread(
+                self._write, registry, remote, downloads, staging, image_dir
+            )
+            staging.rename(final)
+            snapshot_files.fsync_path(self.root)
+            files = snapshot_files.load(final)
+            self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), req.metadata))
+        except BaseException as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if self.fleet.store.get_snapshot(tag) is None:
+                shutil.rmtree(final, ignore_errors=True)
+            if isinstance(exc, OSError):
+                if exc.errno == errno.ENOSPC:
+                    raise StorageFull(f"disk full while pulling {remote.where}") from exc
+                raise UpstreamError(f"pulling {remote.where} failed: {exc}") from exc
+            raise
+        assert files.meta.id is not None
+        self.fleet.store.record_digest(files.meta.id, repo, remote.digest)
+        self.fleet.metrics.registry_bytes.labels(direction="pull").inc(downloads.bytes)
+        self.fleet.events.publish("snapshot_created", snapshot_tag=tag)
+        log.info("pulled %s as %s: %d bytes fetched", remote.where, tag, downloads.bytes)
+
+    def _write(
+        self,
+        registry: Registry,
+        remote: pull.Remote,
+        downloads: pull.Downloads,
+        staging: Path,
+        image_dir: Path | None,
+    ) -> SnapshotFiles:
+        """The snapshot's files in ``staging`` (in a thread); the image first if missing."""
+        if image_dir is None:
+            wanted = image_files.wanted(remote.manifest)
+            image_dir = image_files.install(
+                paths.images_dir(), remote.config, wanted, downloads.fetch
+            )
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        fd = os.open(staging / snapshot_files.VMSTATE, flags, 0o600)
+        try:
+            vmstate_bytes = pull.write_vmstate(remote, downloads, fd)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fd = os.open(staging / snapshot_files.MEMORY, flags, 0o600)
+        try:
+            pull.write_memory(registry, remote, downloads, fd, self._chain_of)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        meta = _meta(remote, image_dir, vmstate_bytes)
+        snapshot_files.fsync_path(snapshot_files.write_meta(staging, meta))
+        return SnapshotFiles(staging, meta)
+
+    def _chain_of(self, digest: str) -> Chain | None:
+        """The memory of a snapshot on this host known as manifest ``digest``."""
+        for snapshot_id in self.fleet.store.snapshots_of_digest(digest):
+            found = self._local(snapshot_id)
+            if found is not None:
+                with contextlib.suppress(SnapshotError):
+                    return memory_diff.resolve(found[1])
+        return None
+
+
+def _pushed_tag(config: dict[str, Any]) -> str | None:
+    tag = config["snapshot"].get("tag")
+    return tag if isinstance(tag, str) and limits.NAME_RE.fullmatch(tag) else None
+
+
+def _config(files: SnapshotFiles, row: SnapshotRow) -> dict[str, Any]:
+    """A snapshot's config blob, but its memory (the push adds that)."""
+    meta, machine = files.meta, files.machine
+    image = meta.image
+    image_meta = image_files.local_meta(machine.rootfs.parent)
+    return {
+        "format": artifact.CONFIG_FORMAT,
+        "snapshot": {
+            "tag": row.tag,
+            "id": meta.id,
+            "parent_id": meta.parent_id,
+            "parent_tag": meta.parent_tag,
+            "created_at_unix": meta.created_at_unix,
+            "pause_ms": meta.pause_ms,
+            "capture_ms": meta.capture_ms,
+            "pages_written": meta.pages_written,
+            "forkd_version": meta.forkd_version,
+            "metadata": row.metadata,
+        },
+        "machine": {k: v for k, v in machine.to_json().items() if k not in _HOST_PATHS},
+        "image": {  # the build whose files go with it: its image.json says which
+            "name": image_meta.get("name") or (image.name if image else None),
+            "key": image_meta.get("key") or (image.key if image else None),
+            "meta": image_meta,
+        },
+        "needs": host_needs.of_machine(machine),
+        "vmstate_bytes": meta.vmstate_bytes,
+    }
+
+
+def _meta(remote: pull.Remote, image_dir: Path, vmstate_bytes: int) -> SnapshotMeta:
+    """The record of a pulled snapshot: its machine on this host's image files, a new id."""
+    conf, snap = remote.config["machine"], remote.config["snapshot"]
+    name, key = image_files.image_dir_name(remote.config)
+    try:
+        machine = MachineConfig.from_json({
+            **conf,
+            "vmlinuz": str(image_dir / "vmlinuz"),
+            "initrd": str(image_dir / "initrd.img"),
+            "rootfs": str(image_dir / "rootfs.sqfs"),
+        })  # fmt: skip
+        return SnapshotMeta(
+            machine=machine,
+            image=ImageRef(name, key, str(image_dir)),
+            created_at_unix=int(snap.get("created_at_unix") or now()),
+            memory_bytes=remote.memory_bytes,
+            vmstate_bytes=vmstate_bytes,
+            source_vm=None,
+            parent_snapshot=None,
+            capture_ms=float(snap.get("capture_ms") or 0.0),
+            pages_written=int(snap.get("pages_written") or 0),
+            base_bytes_cloned=0,
+            pause_ms=None if snap.get("pause_ms") is None else float(snap["pause_ms"]),
+            id=snapshot_files.new_id(),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise UpstreamError(f"{remote.where} has a malformed machine: {exc}") from exc

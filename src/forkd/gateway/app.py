@@ -1,0 +1,62 @@
+"""The gateway's ASGI app and its server: the daemon's auth and body limits, the routes of
+:mod:`forkd.gateway.routes`, the node poller for the app's lifetime."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import uvicorn
+from fastapi import FastAPI
+
+from forkd import __version__
+from forkd.controller import http_errors
+from forkd.controller.middleware import GuardMiddleware
+from forkd.controller.server import parse_bind
+from forkd.gateway import routes
+from forkd.gateway.fleet_ops import FleetOps
+from forkd.gateway.nodes import NodeSet
+from forkd.gateway.proxy import MAX_MESSAGE_BYTES, Forwarder
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    nodes: NodeSet,
+    token: str | None,
+    registry: str | None = None,
+    insecure_registry: bool = False,
+) -> FastAPI:
+    forward = Forwarder(nodes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await nodes.start()
+        up = nodes.up()
+        log.info("forkd gateway ready: %d of %d nodes up", len(up), len(nodes.nodes))
+        try:
+            yield
+        finally:
+            await forward.close()
+            await nodes.close()
+
+    app = FastAPI(title="forkd gateway", version=__version__, lifespan=lifespan)
+    app.state.ops = FleetOps(nodes, forward, registry, insecure_registry)
+    app.add_middleware(GuardMiddleware, token=token)
+    http_errors.install(app)
+    app.include_router(routes.router)
+    return app
+
+
+def serve(app: FastAPI, bind: str, log_level: str = "info") -> None:
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    config = uvicorn.Config(
+        app, log_level=log_level, access_log=False, proxy_headers=False,
+        ws_max_size=MAX_MESSAGE_BYTES, timeout_graceful_shutdown=10,
+        **parse_bind(bind),  # type: ignore[arg-type]
+    )  # fmt: skip
+    uvicorn.Server(config).run()

@@ -1,0 +1,272 @@
+"""The gateway's v1 API: the daemon's routes, each sent where it belongs.
+
+| route | goes to |
+|---|---|
+| ``/v1/sandboxes/{id}...`` (HTTP and WebSocket) | the node the id names |
+| ``POST /v1/sandboxes`` | placed (:mod:`.placement`), moved if needed, all or nothing |
+| ``GET /v1/sandboxes``, ``/v1/snapshots``, ``/v1/volumes`` | every node up, merged |
+| ``/v1/snapshots/{tag}...`` | the nodes holding it (``DELETE``: all of them) |
+| ``POST /v1/snapshots``, ``/pull``, ``POST /v1/volumes`` | ``node`` if given, else the roomiest |
+| ``/v1/volumes/{name}...`` | the node holding the volume |
+| ``GET /v1/events`` | the sandbox's node, or every node merged |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, WebSocket
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from forkd import __version__, limits
+from forkd.controller.http_errors import refuse_websocket, status_of
+from forkd.errors import Invalid, NotFound, Unavailable
+from forkd.gateway.fleet_ops import FleetOps, _passed_on
+from forkd.gateway.nodes import Node
+
+router = APIRouter()
+ANY = ["GET", "POST", "PUT", "DELETE", "PATCH"]
+
+
+def _ops(request: Request | WebSocket) -> FleetOps:
+    return request.app.state.ops  # type: ignore[no-any-return]
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body() or b"{}")
+    except ValueError as exc:
+        raise Invalid(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise Invalid("the body must be a JSON object")
+    return body
+
+
+def _roomiest(ops: FleetOps, pinned: Any) -> Node:
+    if pinned is not None:
+        return ops.node(str(pinned))
+    up = ops.nodes.up()
+    if not up:
+        raise Unavailable("no node is up")
+    return max(up, key=lambda n: (n.free(limits.DEFAULT_MEMORY_MIB), n.url))
+
+
+# ------------------------------------------------------------------ discovery
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, bool]:
+    return {"ok": True}
+
+
+@router.get("/version")
+async def version() -> dict[str, Any]:
+    return {"version": __version__, "api": "v1", "gateway": True}
+
+
+@router.get("/v1/nodes")
+async def nodes(request: Request) -> list[dict[str, Any]]:
+    """Every node: its state, what it reported of its room, and its snapshots."""
+    return [n.view() for n in _ops(request).nodes.nodes.values()]
+
+
+# ------------------------------------------------------------------ merged lists
+
+
+async def _merged(request: Request, path: str) -> list[Any]:
+    ops = _ops(request)
+    up = ops.nodes.up()
+    params = request.query_params.multi_items()
+    answers = await asyncio.gather(
+        *(ops.forward.json(n, "GET", path, params=params) for n in up), return_exceptions=True
+    )
+    merged: list[Any] = []
+    for node, answer in zip(up, answers, strict=True):
+        if isinstance(answer, BaseException):
+            continue  # down meanwhile: its part is missing, as GET /v1/nodes shows
+        if answer.status_code != 200:
+            raise _Relayed(_passed_on(answer))  # a bad filter: every node says the same
+        merged += [{**item, "node": node.node_id} for item in answer.json()]
+    return merged
+
+
+class _Relayed(Exception):
+    def __init__(self, response: Response) -> None:
+        self.response = response
+
+
+@router.get("/v1/sandboxes")
+async def list_sandboxes(request: Request) -> Response:
+    try:
+        return JSONResponse(await _merged(request, "/v1/sandboxes"))
+    except _Relayed as r:
+        return r.response
+
+
+@router.get("/v1/snapshots")
+async def list_snapshots(request: Request) -> Response:
+    """One entry per tag; ``nodes`` lists every node holding a snapshot of that tag."""
+    try:
+        items = await _merged(request, "/v1/snapshots")
+    except _Relayed as r:
+        return r.response
+    by_tag: dict[str, dict[str, Any]] = {}
+    for item in items:
+        first = by_tag.setdefault(item["tag"], {**item, "nodes": []})
+        first["nodes"].append(item.pop("node"))
+    return JSONResponse(list(by_tag.values()))
+
+
+@router.get("/v1/volumes")
+async def list_volumes(request: Request) -> Response:
+    try:
+        return JSONResponse(await _merged(request, "/v1/volumes"))
+    except _Relayed as r:
+        return r.response
+
+
+# ------------------------------------------------------------------ snapshots
+
+
+@router.post("/v1/snapshots")
+async def create_snapshot(request: Request) -> Response:
+    ops = _ops(request)
+    body = await _body(request)
+    node = _roomiest(ops, body.pop("node", None))
+    answer = await ops.forward.json(node, "POST", "/v1/snapshots", json=body, timeout=3600)
+    if answer.status_code == 201:
+        await ops.nodes.refresh_one(node)
+    return _passed_on(answer)
+
+
+@router.post("/v1/snapshots/pull")
+async def pull_snapshot(request: Request) -> Response:
+    ops = _ops(request)
+    body = await _body(request)
+    node = _roomiest(ops, body.pop("node", None))
+    answer = await ops.forward.json(node, "POST", "/v1/snapshots/pull", json=body, timeout=3600)
+    if answer.status_code == 201:
+        await ops.nodes.refresh_one(node)
+    return _passed_on(answer)
+
+
+@router.delete("/v1/snapshots/{tag}")
+async def delete_snapshot(request: Request, tag: str) -> Response:
+    """Deleted on every node holding it; the first refusal is the answer."""
+    ops = _ops(request)
+    holders = ops.nodes.holders(tag)
+    if not holders:
+        raise NotFound(f"snapshot {tag!r} not found on any node that is up")
+    params = request.query_params.multi_items()
+    for node in holders:
+        answer = await ops.forward.json(node, "DELETE", f"/v1/snapshots/{tag}", params=params)
+        if answer.status_code != 204:
+            return _passed_on(answer)
+        with contextlib.suppress(ValueError):
+            node.capacity.get("snapshots", []).remove(tag)
+    return Response(status_code=204)
+
+
+@router.api_route("/v1/snapshots/{tag}", methods=["GET"])
+@router.api_route("/v1/snapshots/{tag}/{rest:path}", methods=ANY)
+async def snapshot_route(request: Request, tag: str, rest: str = "") -> Response:
+    ops = _ops(request)
+    holders = ops.nodes.holders(tag)
+    if not holders:
+        raise NotFound(f"snapshot {tag!r} not found on any node that is up")
+    return await ops.forward.request(request, holders[0])
+
+
+# ------------------------------------------------------------------ sandboxes
+
+
+@router.post("/v1/sandboxes")
+async def fork(request: Request) -> Response:
+    return await _ops(request).fork(await _body(request))
+
+
+@router.api_route("/v1/sandboxes/{sandbox_id}", methods=ANY)
+@router.api_route("/v1/sandboxes/{sandbox_id}/{rest:path}", methods=ANY)
+async def sandbox_route(request: Request, sandbox_id: str, rest: str = "") -> Response:
+    ops = _ops(request)
+    node = ops.owner(sandbox_id)
+    answer = await ops.forward.request(request, node)
+    if rest == "branch" and answer.status_code in (201, 202):
+        await ops.nodes.refresh_one(node)  # it holds the branch now
+    return answer
+
+
+@router.websocket("/v1/sandboxes/{sandbox_id}/{rest:path}")
+async def sandbox_socket(websocket: WebSocket, sandbox_id: str, rest: str) -> None:
+    ops = _ops(websocket)
+    try:
+        node = ops.owner(sandbox_id)
+    except (NotFound, Unavailable) as exc:
+        await refuse_websocket(websocket.scope, websocket.receive, websocket.send,
+                               status_of(exc), str(exc))  # fmt: skip
+        return
+    await ops.forward.websocket(websocket, node)
+
+
+# ------------------------------------------------------------------ volumes
+
+
+@router.post("/v1/volumes")
+async def create_volume(request: Request) -> Response:
+    ops = _ops(request)
+    return await ops.forward.request(request, _roomiest(ops, request.query_params.get("node")))
+
+
+@router.api_route("/v1/volumes/{name}", methods=ANY)
+@router.api_route("/v1/volumes/{name}/{rest:path}", methods=ANY)
+async def volume_route(request: Request, name: str, rest: str = "") -> Response:
+    ops = _ops(request)
+    for node in ops.nodes.up():
+        answer = await ops.forward.json(node, "GET", f"/v1/volumes/{name}")
+        if answer.status_code == 200:
+            return await ops.forward.request(request, node)
+    raise NotFound(f"volume {name!r} not found on any node that is up")
+
+
+# ------------------------------------------------------------------ events
+
+
+@router.get("/v1/events")
+async def events(request: Request) -> Response:
+    """One sandbox's events from its node (resumable); else every node's, merged (from now:
+    ``since`` is per node and is not passed on)."""
+    ops = _ops(request)
+    sandbox_id = request.query_params.get("sandbox_id")
+    if sandbox_id:
+        return await ops.forward.request(request, ops.owner(sandbox_id))
+    params = [(k, v) for k, v in request.query_params.multi_items() if k != "since"]
+    queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1024)
+
+    async def follow(node: Node) -> None:
+        with contextlib.suppress(Exception):
+            async with ops.forward.client.stream(
+                "GET", f"{node.url}/v1/events", params=params,
+                headers={"Accept": "text/event-stream"},
+            ) as answer:  # fmt: skip
+                pending = b""
+                async for piece in answer.aiter_bytes():
+                    pending += piece
+                    while b"\n\n" in pending:
+                        block, pending = pending.split(b"\n\n", 1)
+                        await queue.put(block + b"\n\n")
+
+    async def stream() -> AsyncIterator[bytes]:
+        tasks = [asyncio.create_task(follow(n)) for n in ops.nodes.up()]
+        try:
+            yield b": merged from every node\n\n"
+            while True:
+                yield await queue.get()
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")

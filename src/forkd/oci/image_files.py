@@ -1,0 +1,147 @@
+"""A guest image's files as registry pieces: their digests, a check of a local build, an install.
+
+Images are keyed by their inputs (:mod:`forkd.guest.image`), so two hosts can
+hold builds of one key whose bytes differ; a restored guest's page cache
+would then not match its disk. A pulled snapshot therefore brings its image
+files, in :data:`~forkd.oci.artifact.IMAGE_PIECE` pieces, uncompressed (a
+squashfs is compressed already), and a host that has the image key already
+has every piece checked against them. Digests of local files are cached by
+path, size and modification time: an image file is never rewritten in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from forkd.errors import Conflict, UpstreamError
+from forkd.guest import recipe
+from forkd.oci import artifact
+from forkd.oci.artifact import IMAGE_FILES, IMAGE_PIECE, Manifest
+
+Piece = tuple[int, int, str]  # offset, length, digest
+_cache: dict[tuple[str, int, int], list[Piece]] = {}
+_cache_lock = threading.Lock()
+
+
+def pieces(path: Path) -> list[Piece]:
+    """``path`` cut in image pieces, each with its digest (cached while the file is unchanged)."""
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns)
+    with _cache_lock:
+        if key in _cache:
+            return _cache[key]
+    found: list[Piece] = []
+    with path.open("rb") as f:
+        offset = 0
+        while piece := f.read(IMAGE_PIECE):
+            found.append((offset, len(piece), "sha256:" + hashlib.sha256(piece).hexdigest()))
+            offset += len(piece)
+    with _cache_lock:
+        _cache[key] = found
+    return found
+
+
+def local_meta(image_dir: Path) -> dict[str, Any]:
+    """A local image's ``image.json`` (``{}`` when unreadable)."""
+    try:
+        data = json.loads((image_dir / "image.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def read_piece(path: Path, offset: int, length: int) -> bytes:
+    with path.open("rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+def wanted(manifest: Manifest) -> dict[str, list[Piece]]:
+    """The pieces of each image file a manifest carries, checked to tile each file."""
+    files: dict[str, list[Piece]] = {}
+    for name in IMAGE_FILES:
+        layers = manifest.of_part(name)
+        if not layers:
+            raise UpstreamError(f"the snapshot carries no {name} of its guest image")
+        at = 0
+        for layer in layers:
+            if layer.offset != at or layer.media_type != artifact.IMAGE_FILE_TYPE:
+                raise UpstreamError(f"the snapshot's {name} pieces do not follow each other")
+            at += layer.length
+        files[name] = [(la.offset, la.length, la.digest) for la in layers]
+    return files
+
+
+def image_dir_name(config: dict[str, Any]) -> tuple[str, str]:
+    """The image's name and key from a config, checked to be safe as a directory name."""
+    image = config["image"]
+    name, key = str(image.get("name") or ""), str(image.get("key") or "")
+    if not recipe.NAME_RE.fullmatch(name) or not key.isalnum() or not 0 < len(key) <= 64:
+        raise UpstreamError(f"the snapshot names an invalid image {name!r} ({key!r})")
+    return name, key
+
+
+def differences(image_dir: Path, files: dict[str, list[Piece]]) -> list[str]:
+    """How the local build at ``image_dir`` differs from the pieces a snapshot carries."""
+    found = []
+    for name, want in files.items():
+        path = image_dir / name
+        try:
+            have = pieces(path)
+        except OSError:
+            found.append(f"{name} is missing")
+            continue
+        if have != want:
+            at = next((w[0] for h, w in zip(have, want, strict=False) if h != w), None)
+            where = f"from byte {at}" if at is not None else "in length"
+            found.append(f"{name} differs {where}")
+    return found
+
+
+def install(
+    images_root: Path,
+    config: dict[str, Any],
+    files: dict[str, list[Piece]],
+    fetch: Callable[[str, int], bytes],
+) -> Path:
+    """Write the image the snapshot carries under ``images_root``: staged, then renamed.
+
+    ``fetch(digest, size)`` returns a checked blob. Returns the image directory.
+    """
+    name, key = image_dir_name(config)
+    final = images_root / f"{name}-{key}"
+    images_root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=images_root, prefix=f".staging-pull-{name}-"))
+    try:
+        for fname, want in files.items():
+            with (staging / fname).open("wb") as out:
+                for _offset, length, digest in want:
+                    out.write(fetch(digest, length))
+                out.flush()
+                os.fsync(out.fileno())
+            (staging / fname).chmod(0o644)
+        meta = config["image"].get("meta")
+        meta = dict(meta) if isinstance(meta, dict) else {}
+        meta.update(name=name, key=key, pulled=True)
+        (staging / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            staging.rename(final)
+        except OSError:
+            if not (final / "image.json").is_file():
+                raise
+            problems = differences(final, files)  # another pull put it there first
+            if problems:
+                raise Conflict(
+                    f"image {final.name} appeared meanwhile and differs: {problems[0]}"
+                ) from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final

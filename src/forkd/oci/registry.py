@@ -1,0 +1,216 @@
+"""The OCI distribution API, the part forkd needs: blobs and manifests of one repository.
+
+Plain HTTP only for a loopback registry or one named insecure by the caller;
+every other registry is spoken to over HTTPS, its certificate checked. Every
+answer is bounded before it is read (manifests, blobs of a known size), and
+every blob is checked against its digest before it is used.
+
+Errors are forkd's: :class:`~forkd.errors.Invalid` never reaches here (the
+reference was parsed), a missing manifest is :class:`~forkd.errors.NotFound`,
+credentials refused are :class:`~forkd.errors.UpstreamRefused` (403), and a
+registry that cannot be reached or answers wrongly is
+:class:`~forkd.errors.UpstreamError` (502). Each names the registry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import httpx
+
+from forkd.errors import NotFound, UpstreamError, UpstreamRefused
+from forkd.oci import auth
+from forkd.oci.reference import Reference, is_loopback
+
+MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
+MANIFEST_BYTES_LIMIT = 4 << 20
+TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+
+
+def sha256(data: bytes | memoryview) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+class Registry:
+    """One repository of one registry. Not thread-safe: one per thread, or a lock."""
+
+    def __init__(
+        self,
+        ref: Reference,
+        *,
+        credentials: auth.Credentials | None = None,
+        insecure: bool = False,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.ref = ref
+        plain = insecure or is_loopback(ref)
+        self.scheme = "http" if plain else "https"
+        self.base = f"{self.scheme}://{ref.registry}/v2/{ref.repository}"
+        self._client = httpx.Client(
+            auth=auth.RegistryAuth(credentials, plain_http_realm=plain),
+            timeout=TIMEOUT,
+            follow_redirects=True,  # blob storage behind a redirect; httpx drops the
+            transport=transport,  # Authorization header when the origin changes
+            headers={"User-Agent": "forkd"},
+        )
+
+    def close(self) -> None:
+        self._client.close()
+
+    def __enter__(self) -> Registry:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ blobs
+
+    def has_blob(self, digest: str) -> bool:
+        r = self._send("HEAD", f"{self.base}/blobs/{digest}")
+        if r.status_code == 404:
+            return False
+        self._check(r, f"blob {digest}")
+        return True
+
+    def put_blob(self, data: bytes, digest: str) -> None:
+        """Upload ``data`` as ``digest`` (a monolithic upload: a session, then one PUT)."""
+        r = self._send("POST", f"{self.base}/blobs/uploads/")
+        self._check(r, "starting an upload", (202,))
+        location = r.headers.get("Location")
+        if not location:
+            raise UpstreamError(f"registry {self.ref.registry} gave an upload no Location")
+        url = httpx.URL(self.base).join(location)
+        r = self._send(
+            "PUT",
+            url.copy_merge_params({"digest": digest}),
+            content=data,
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        self._check(r, f"uploading blob {digest}", (201, 204))
+
+    def get_blob(self, digest: str, size: int) -> bytes:
+        """The blob ``digest`` of ``size`` bytes (the manifest's word), checked against both."""
+        with self._stream("GET", f"{self.base}/blobs/{digest}") as r:
+            self._check(r, f"blob {digest}")
+            data = _read_at_most(r, size, f"blob {digest}")
+        if len(data) != size or sha256(data) != digest:
+            raise UpstreamError(
+                f"registry {self.ref.registry} sent blob {digest} with the wrong content "
+                f"({len(data)} bytes, expected {size}): refusing it"
+            )
+        return data
+
+    # ------------------------------------------------------------ manifests
+
+    def put_manifest(self, body: bytes, reference: str) -> str:
+        """Store a manifest under ``reference`` (a tag or its digest); returns its digest."""
+        r = self._send(
+            "PUT",
+            f"{self.base}/manifests/{reference}",
+            content=body,
+            headers={"Content-Type": MANIFEST_TYPE},
+        )
+        self._check(r, f"storing manifest {reference}", (201, 200))
+        return sha256(body)
+
+    def has_manifest(self, reference: str) -> bool:
+        r = self._send("HEAD", f"{self.base}/manifests/{reference}",
+                       headers={"Accept": MANIFEST_TYPE})  # fmt: skip
+        if r.status_code == 404:
+            return False
+        self._check(r, f"manifest {reference}")
+        return True
+
+    def get_manifest(self, reference: str) -> tuple[bytes, str]:
+        """A manifest's bytes and digest; by digest, the bytes are checked against it."""
+        with self._stream("GET", f"{self.base}/manifests/{reference}",
+                          headers={"Accept": MANIFEST_TYPE}) as r:  # fmt: skip
+            if r.status_code == 404:
+                raise NotFound(f"{self._where(reference)} does not exist in the registry")
+            self._check(r, f"manifest {reference}")
+            body = _read_at_most(r, MANIFEST_BYTES_LIMIT, f"manifest {reference}")
+            kind = r.headers.get("Content-Type", "").split(";")[0].strip()
+        digest = sha256(body)
+        if reference.startswith("sha256:") and digest != reference:
+            raise UpstreamError(f"registry {self.ref.registry} sent a manifest not {reference}")
+        if kind and kind != MANIFEST_TYPE:
+            raise UpstreamError(f"{self._where(reference)} is a {kind}, not a forkd snapshot")
+        return body, digest
+
+    # ------------------------------------------------------------ plumbing
+
+    def _where(self, reference: str) -> str:
+        sep = "@" if reference.startswith("sha256:") else ":"
+        return f"{self.ref.registry}/{self.ref.repository}{sep}{reference}"
+
+    def _send(self, method: str, url: Any, **kwargs: Any) -> httpx.Response:
+        try:
+            return self._client.request(method, url, **kwargs)
+        except httpx.HTTPError as exc:
+            raise self._unreachable(exc) from exc
+
+    def _stream(self, method: str, url: Any, **kwargs: Any) -> Any:
+        try:
+            return _Stream(self._client.stream(method, url, **kwargs), self)
+        except httpx.HTTPError as exc:  # pragma: no cover - stream() is lazy
+            raise self._unreachable(exc) from exc
+
+    def _unreachable(self, exc: Exception) -> UpstreamError:
+        where = f"registry {self.ref.registry}"
+        return UpstreamError(f"{where} is unreachable over {self.scheme}: {exc}")
+
+    def _check(self, r: httpx.Response, doing: str, ok: tuple[int, ...] = (200,)) -> None:
+        if r.status_code in ok:
+            return
+        detail = _error_text(r)
+        if r.status_code in (401, 403):
+            raise UpstreamRefused(
+                f"registry {self.ref.registry} refused {doing} in {self.ref.repository} "
+                f"({r.status_code}{detail}): give a token, or credentials in "
+                f"{auth.docker_config_path()}"
+            )
+        if r.status_code == 404:
+            raise NotFound(f"registry {self.ref.registry}: {doing} in {self.ref.repository}: none")
+        raise UpstreamError(
+            f"registry {self.ref.registry} answered {r.status_code} to {doing}{detail}"
+        )
+
+
+class _Stream:
+    """``client.stream()`` whose connection errors become :class:`UpstreamError`."""
+
+    def __init__(self, ctx: Any, registry: Registry) -> None:
+        self._ctx, self._registry = ctx, registry
+
+    def __enter__(self) -> httpx.Response:
+        try:
+            return self._ctx.__enter__()
+        except httpx.HTTPError as exc:
+            raise self._registry._unreachable(exc) from exc
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def _read_at_most(r: httpx.Response, limit: int, what: str) -> bytes:
+    buf = bytearray()
+    try:
+        for piece in r.iter_bytes():
+            buf += piece
+            if len(buf) > limit:
+                raise UpstreamError(f"the registry sent more than {limit} bytes for {what}")
+    except httpx.HTTPError as exc:
+        raise UpstreamError(f"reading {what} from the registry failed: {exc}") from exc
+    return bytes(buf)
+
+
+def _error_text(r: httpx.Response) -> str:
+    """The registry's own error words, short: ``: MANIFEST_INVALID manifest invalid``."""
+    try:
+        r.read()
+        errors = r.json().get("errors") or []
+        words = [f"{e.get('code', '')} {e.get('message', '')}".strip() for e in errors[:3]]
+        return ": " + "; ".join(words)[:300] if words else ""
+    except (ValueError, AttributeError, httpx.HTTPError):
+        return ""

@@ -1,0 +1,229 @@
+"""Snapshots through a real OCI registry between two real daemons (Debian's docker-registry
+on loopback): push, pull onto the other daemon, fork there; a branch taken on one node
+forked on the other; a diff chain that travels whole; and every bad reference, host
+mismatch and corrupt blob answered clearly with nothing left behind."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forkd import paths
+from forkd.client import Controller, ControllerError, Sandbox, Snapshot
+from forkd.oci import artifact, reference
+from forkd.oci.registry import Registry
+from forkd.vmm import memory_diff, snapshot_files
+from tests.integration.conftest import Daemon
+from tests.registry_server import RegistryServer
+
+pytestmark = pytest.mark.integration
+
+BLOB = "import hashlib, os\nblob = os.urandom(4 << 20)\nhashlib.sha256(blob).hexdigest()"
+
+
+@pytest.fixture(scope="module")
+def registry() -> Iterator[RegistryServer]:
+    server = RegistryServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def other() -> Iterator[Daemon]:
+    """A second daemon: another host, as far as snapshots go (its own state directory)."""
+    root = Path(tempfile.mkdtemp(prefix="forkd-d2-", dir="/tmp"))
+    d = Daemon(root)
+    d.start("--kill-on-exit", "--registry-auth", str(root / "docker.json"))
+    yield d
+    d.stop()
+    d.kill_leftovers()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ctl2(other: Daemon) -> Iterator[Controller]:
+    with Controller(other.url, token=other.token, timeout=600) as c:
+        yield c
+
+
+def _memory_digest(info: dict[str, Any]) -> str:
+    """sha256 of a snapshot's whole memory, every diff layer applied."""
+    files = snapshot_files.load(Path(info["dir"]))
+    digest = hashlib.sha256()
+    with memory_diff.resolve(files) as chain:
+        npages = chain.size // memory_diff.PAGE
+        for first in range(0, npages, 2048):
+            digest.update(chain.read(first, min(first + 2048, npages)))
+    return digest.hexdigest()
+
+
+def _state(d: Daemon, ctl: Controller) -> tuple[set[str], list[str], set[str]]:
+    """What a failed pull must not change: the tags, the files under the snapshot root,
+    the image directories."""
+    root = d.state_dir / "snapshots"
+    images = {p.name for p in paths.images_dir().iterdir()}
+    return {s["tag"] for s in ctl.list_snapshots()}, sorted(p.name for p in root.iterdir()), images
+
+
+def test_push_pull_and_fork_on_another_daemon(
+    ctl: Controller, ctl2: Controller, api_template: str, registry: RegistryServer, other: Daemon
+) -> None:
+    ref = registry.ref("forkd/it", "py")
+    first = Snapshot(api_template, controller=ctl).push(ref)
+    assert first["encoding"] == "chunks" and first["bytes_uploaded"] > 10 << 20
+    again = ctl.push_snapshot(api_template, ref)
+    assert again["digest"] == first["digest"]  # the same snapshot is the same manifest
+    assert again["layers_uploaded"] == 0 and again["bytes_uploaded"] < 100_000
+    # The CLI pulls it on the other daemon, under another name.
+    r = subprocess.run(
+        [sys.executable, "-m", "forkd.cli", "snapshot", "pull", ref, "--tag", "py-pulled",
+         "--json"], capture_output=True, text=True, timeout=600, env=other.env(),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    pulled = json.loads(r.stdout)
+    assert pulled["tag"] == "py-pulled" and pulled["status"] == "ready"
+    assert _memory_digest(pulled) == _memory_digest(ctl.snapshot_info(api_template))
+    with Sandbox("py-pulled", controller=ctl2) as kid:
+        out = kid.eval("open('/work/setup.txt').read().strip(), x + 1")
+        assert out.error is None and out.result == "('ready', 42)"
+    with pytest.raises(ControllerError) as exc:  # the tag is taken now
+        ctl2.pull_snapshot(ref, "py-pulled")
+    assert exc.value.status == 409
+
+
+def test_a_branch_taken_on_one_node_forks_on_another(
+    ctl: Controller, ctl2: Controller, sb: Sandbox, registry: RegistryServer
+) -> None:
+    ref = registry.ref("forkd/it", "py")
+    Snapshot("py", controller=ctl).push(ref)  # the parent is in the repository
+    if "py-pulled" not in {s["tag"] for s in ctl2.list_snapshots()}:
+        ctl2.pull_snapshot(ref, "py-pulled")
+    want = sb.eval(BLOB).result
+    branch = sb.branch(tag="it-branch")
+    pushed = branch.push(registry.ref("forkd/it", "branch"))
+    assert pushed["encoding"] == "delta" and pushed["layers"] > 0
+    # Only the pages that differ went up: 4 MiB of random bytes and the kernel's own.
+    assert pushed["bytes_uploaded"] <= (4 << 20) * 1.05 + (2 << 20), pushed
+    assert pushed["bytes_uploaded"] < pushed["bytes_total"] / 10
+    pulled = Snapshot.pull(registry.ref("forkd/it", "branch"), controller=ctl2)
+    assert pulled.tag == "it-branch"
+    assert _memory_digest(pulled.info) == _memory_digest(ctl.snapshot_info("it-branch"))
+    with Sandbox("it-branch", controller=ctl2) as kid:
+        assert kid.eval("hashlib.sha256(blob).hexdigest()").result == want
+
+
+def test_a_diff_chain_travels_whole(
+    ctl: Controller, ctl2: Controller, sb: Sandbox, registry: RegistryServer
+) -> None:
+    sb.eval(BLOB)
+    sb.branch(tag="it-d1", mode="diff")
+    with Sandbox("it-d1", controller=ctl) as kid:
+        want = kid.eval(BLOB.replace("blob =", "blob2 =").replace("(blob)", "(blob2)")).result
+        kid.branch(tag="it-d2", mode="diff")
+    ref = registry.ref("forkd/chain", "top")  # a repository with nothing in it yet
+    pushed = ctl.push_snapshot("it-d2", ref)
+    assert pushed["encoding"] == "delta"
+    with Registry(reference.parse(ref)) as reg:
+        assert reg.has_manifest(pushed["base_digest"])  # its base went up first
+    pulled = ctl2.pull_snapshot(ref)
+    assert pulled["tag"] == "it-d2" and pulled["mode"] == "full"
+    assert _memory_digest(pulled) == _memory_digest(ctl.snapshot_info("it-d2"))
+    with Sandbox("it-d2", controller=ctl2) as kid:
+        assert kid.eval("hashlib.sha256(blob2).hexdigest()").result == want
+
+
+def test_bad_references_change_nothing(
+    ctl2: Controller, other: Daemon, registry: RegistryServer
+) -> None:
+    private = RegistryServer(user="ann", password="s3cret")
+    try:
+        before = _state(other, ctl2)
+        cases = [
+            ("Not A Ref", 400),
+            (registry.ref("forkd/it", "no-such-tag"), 404),
+            (registry.ref("forkd/nothing-here", "v1"), 404),
+            ("127.0.0.1:1/forkd/it:py", 502),
+            (private.ref("forkd/it", "py"), 403),
+        ]
+        for ref, status in cases:
+            with pytest.raises(ControllerError) as exc:
+                ctl2.pull_snapshot(ref, "never")
+            assert exc.value.status == status, (ref, exc.value)
+            assert _state(other, ctl2) == before, ref
+        with pytest.raises(ControllerError) as exc:
+            ctl2.push_snapshot("never", registry.ref("forkd/it", "x"))
+        assert exc.value.status == 404
+        # With credentials in the daemon's docker config.json, the same registry answers.
+        (other.root / "docker.json").write_text(
+            json.dumps({"auths": {private.address: {"username": "ann", "password": "s3cret"}}})
+        )
+        ctl2.push_snapshot("py-pulled", private.ref("forkd/it", "py"))
+        assert ctl2.pull_snapshot(private.ref("forkd/it", "py"), "py-private")["tag"]
+        ctl2.delete_snapshot("py-private")
+    finally:
+        (other.root / "docker.json").unlink(missing_ok=True)
+        private.stop()
+
+
+def _republish(registry: RegistryServer, change: Any, tag: str) -> str:
+    """The pushed ``py`` manifest, changed by ``change(manifest, config)``, under ``tag``."""
+    ref = reference.parse(registry.ref("forkd/it", "py"))
+    with Registry(ref) as reg:
+        body, _ = reg.get_manifest("py")
+        manifest = artifact.parse_manifest(body, "py")
+        config = json.loads(reg.get_blob(manifest.config_digest, manifest.config_size))
+        manifest = change(manifest, config) or manifest
+        raw = artifact.config_bytes(config)
+        digest = "sha256:" + hashlib.sha256(raw).hexdigest()
+        reg.put_blob(raw, digest)
+        body = dataclasses.replace(manifest, config_digest=digest, config_size=len(raw)).to_bytes()
+        reg.put_manifest(body, tag)
+    return registry.ref("forkd/it", tag)
+
+
+def test_a_host_that_cannot_restore_it_answers_409_before_writing(
+    ctl: Controller, ctl2: Controller, other: Daemon, registry: RegistryServer, api_template: str
+) -> None:
+    ctl.push_snapshot(api_template, registry.ref("forkd/it", "py"))
+
+    def foreign(_m: Any, config: dict[str, Any]) -> None:
+        config["needs"].update(qemu="1.0", accel="kvm", cpu_flags=["no_such_flag"])
+
+    ref = _republish(registry, foreign, "foreign")
+    before = _state(other, ctl2)
+    with pytest.raises(ControllerError) as exc:
+        ctl2.pull_snapshot(ref, "never")
+    assert exc.value.status == 409
+    assert "QEMU 1.0" in str(exc.value) and "KVM" in str(exc.value)
+    assert _state(other, ctl2) == before
+
+
+def test_a_corrupt_piece_leaves_nothing_behind(
+    ctl: Controller, ctl2: Controller, other: Daemon, registry: RegistryServer, api_template: str
+) -> None:
+    ctl.push_snapshot(api_template, registry.ref("forkd/it", "py"))
+
+    def swap_last_chunk(manifest: artifact.Manifest, _c: Any) -> artifact.Manifest:
+        chunk = manifest.of_part("memory")[-1]  # fails late: most of the memory is written
+        wrong = manifest.of_part("vmstate")[0].digest
+        layers = tuple(
+            dataclasses.replace(la, digest=wrong) if la == chunk else la for la in manifest.layers
+        )
+        return dataclasses.replace(manifest, layers=layers)
+
+    ref = _republish(registry, swap_last_chunk, "corrupt")
+    before = _state(other, ctl2)
+    with pytest.raises(ControllerError) as exc:
+        ctl2.pull_snapshot(ref, "never")
+    assert exc.value.status == 502 and "wrong content" in str(exc.value)
+    assert _state(other, ctl2) == before

@@ -1,0 +1,149 @@
+"""OCI references and registry credentials: parsed and checked before any request."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from forkd.errors import Invalid
+from forkd.oci import auth, reference
+
+
+@pytest.mark.parametrize(
+    ("text", "registry", "repository", "tag", "digest"),
+    [
+        ("127.0.0.1:5000/forkd/py:v1", "127.0.0.1:5000", "forkd/py", "v1", None),
+        ("ghcr.io/acme/snaps/py", "ghcr.io", "acme/snaps/py", None, None),
+        ("localhost/py:latest", "localhost", "py", "latest", None),
+        ("[::1]:5000/a/b:c", "[::1]:5000", "a/b", "c", None),
+        ("acme/py:v2", reference.DOCKER_HUB, "acme/py", "v2", None),
+        ("py", reference.DOCKER_HUB, "library/py", None, None),
+        ("r.io/a_b/c-d.e:t@sha256:" + "a" * 64, "r.io", "a_b/c-d.e", "t", "sha256:" + "a" * 64),
+    ],
+)
+def test_valid_references(text: str, registry: str, repository: str, tag, digest) -> None:
+    ref = reference.parse(text)
+    want = (registry, repository, tag, digest)
+    assert (ref.registry, ref.repository, ref.tag, ref.digest) == want
+    assert ref.reference == (digest or tag or "latest")
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "Bad Ref",
+        "http://r.io/a:b",
+        "r.io/UPPER:tag",
+        "r.io/a:bad tag",
+        "r.io/a:" + "t" * 129,
+        "r.io/a@sha256:short",
+        "r.io/a@md5:" + "a" * 32,
+        "r.io:99999/a:b",
+        "r.io/a//b",
+        "r.io/-a",
+        "r.io/a:b:c",
+        "x" * 600,
+    ],
+)
+def test_invalid_references_are_400(text: str) -> None:
+    with pytest.raises(Invalid):
+        reference.parse(text)
+
+
+def test_only_loopback_registries_are_plain_http_by_default() -> None:
+    for text, loopback in [
+        ("127.0.0.1:5000/a", True),
+        ("127.8.9.1/a", True),
+        ("localhost:5000/a", True),
+        ("[::1]:5000/a", True),
+        ("10.0.0.1:5000/a", False),
+        ("registry.local/a", False),
+        ("ghcr.io/a", False),
+    ]:
+        assert reference.is_loopback(reference.parse(text)) is loopback, text
+
+
+def test_docker_config_credentials(tmp_path: Path) -> None:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"auths": {
+        "https://r.io": {"auth": base64.b64encode(b"ann:s3cret").decode()},
+        "127.0.0.1:5000": {"username": "bob", "password": "pw"},
+        "tok.io": {"identitytoken": "refresh-me"},
+        "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:pw").decode()},
+        "broken.io": {"auth": "!!!"},
+    }}))  # fmt: skip
+    assert auth.from_docker_config("r.io", config) == auth.Credentials("ann", "s3cret")
+    assert auth.from_docker_config("127.0.0.1:5000", config) == auth.Credentials("bob", "pw")
+    assert auth.from_docker_config("tok.io", config) == auth.Credentials(None, None, "refresh-me")
+    assert auth.from_docker_config(reference.DOCKER_HUB, config) == auth.Credentials("hub", "pw")
+    assert auth.from_docker_config("broken.io", config) is None
+    assert auth.from_docker_config("other.io", config) is None
+    assert auth.from_docker_config("r.io", tmp_path / "missing.json") is None
+
+
+def test_challenge_parsing() -> None:
+    scheme, params = auth.parse_challenge(
+        'Bearer realm="https://auth.r.io/token",service="r.io",scope="repository:a:pull,push"'
+    )
+    assert scheme == "bearer"
+    assert params == {"realm": "https://auth.r.io/token", "service": "r.io",
+                      "scope": "repository:a:pull,push"}  # fmt: skip
+
+
+def _token_registry(seen: list[httpx.Request]) -> httpx.MockTransport:
+    """A registry that wants a bearer token from its realm, which wants Basic credentials."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if request.url.host == "auth.r.io":
+            if (
+                request.headers.get("Authorization")
+                != "Basic " + base64.b64encode(b"ann:pw").decode()
+            ):
+                return httpx.Response(401)
+            return httpx.Response(200, json={"token": "T0K"})
+        if request.headers.get("Authorization") == "Bearer T0K":
+            return httpx.Response(200, json={})
+        challenge = (
+            'Bearer realm="https://auth.r.io/token",service="r.io",scope="repository:a:pull"'
+        )
+        return httpx.Response(401, headers={"WWW-Authenticate": challenge})
+
+    return httpx.MockTransport(handle)
+
+
+def test_bearer_challenge_is_answered_once_and_remembered() -> None:
+    seen: list[httpx.Request] = []
+    flow = auth.RegistryAuth(auth.Credentials("ann", "pw"))
+    with httpx.Client(transport=_token_registry(seen), auth=flow) as client:
+        assert client.get("https://r.io/v2/a/manifests/x").status_code == 200
+        assert [r.url.host for r in seen] == ["r.io", "auth.r.io", "r.io"]
+        assert seen[1].url.params["scope"] == "repository:a:pull"
+        seen.clear()
+        assert client.get("https://r.io/v2/a/manifests/y").status_code == 200
+        assert len(seen) == 1  # the token is kept
+
+
+def test_wrong_credentials_leave_the_401() -> None:
+    seen: list[httpx.Request] = []
+    flow = auth.RegistryAuth(auth.Credentials("ann", "wrong"))
+    with httpx.Client(transport=_token_registry(seen), auth=flow) as client:
+        assert client.get("https://r.io/v2/a/manifests/x").status_code == 401
+
+
+def test_a_plain_http_realm_gets_no_password_from_a_tls_registry() -> None:
+    seen: list[httpx.Request] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(401, headers={"WWW-Authenticate": 'Bearer realm="http://evil/t"'})
+
+    flow = auth.RegistryAuth(auth.Credentials("ann", "pw"))
+    with httpx.Client(transport=httpx.MockTransport(handle), auth=flow) as client:
+        assert client.get("https://r.io/v2/").status_code == 401
+    assert [r.url.host for r in seen] == ["r.io"]

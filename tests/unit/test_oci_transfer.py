@@ -1,0 +1,220 @@
+"""Push and pull of snapshot files through a real registry (Debian's docker-registry), no VM.
+
+A snapshot here is files on disk, as a VM driver would leave them: memory
+with data, zero pages and holes; a child whose memory differs in a few pages.
+What is pulled must be byte for byte what was pushed, holes kept as holes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.errors import NotFound, UpstreamError, UpstreamRefused
+from forkd.oci import artifact, auth, image_files, pull, push, reference
+from forkd.oci.registry import Registry, sha256
+from forkd.vmm import memory_diff, snapshot_files
+from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotMeta
+from tests.registry_server import RegistryServer
+
+PAGE = 4096
+MIB = 8
+SIZE = MIB << 20
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RegistryServer]:
+    s = RegistryServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def image_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "images" / "python-0123456789abcdef"
+    d.mkdir(parents=True)
+    (d / "vmlinuz").write_bytes(os.urandom(300_000))
+    (d / "initrd.img").write_bytes(os.urandom(100_000))
+    (d / "rootfs.sqfs").write_bytes(os.urandom(artifact.IMAGE_PIECE + 5000))  # two pieces
+    (d / "image.json").write_text(json.dumps({"name": "python", "key": "0123456789abcdef"}))
+    return d
+
+
+def _snapshot(root: Path, image_dir: Path, tag: str, pages: dict[int, bytes]) -> SnapshotFiles:
+    d = root / tag
+    d.mkdir(parents=True)
+    (d / "vmstate").write_bytes(b"device state " * 100)
+    with (d / "memory.bin").open("wb") as f:
+        f.truncate(SIZE)
+        for page, data in pages.items():
+            f.seek(page * PAGE)
+            f.write(data)
+    machine = MachineConfig(MIB, 1, "tcg", image_dir / "vmlinuz", image_dir / "initrd.img",
+                            image_dir / "rootfs.sqfs")  # fmt: skip
+    meta = SnapshotMeta(
+        machine=machine, image=None, created_at_unix=1_800_000_000, memory_bytes=SIZE,
+        vmstate_bytes=1300, source_vm=None, parent_snapshot=None, capture_ms=0.0,
+        pages_written=0, base_bytes_cloned=0, tag=tag, id=secrets.token_hex(8),
+    )  # fmt: skip
+    snapshot_files.write_meta(d, meta)
+    return snapshot_files.load(d)
+
+
+def _config() -> dict:
+    return {"format": 1, "snapshot": {"tag": "t"}, "machine": {}, "needs": {},
+            "image": {"name": "python", "key": "0123456789abcdef", "meta": {}}}  # fmt: skip
+
+
+PARENT_PAGES = {
+    0: os.urandom(PAGE),
+    1: b"\x00" * PAGE,  # a zero page written: stays a hole after the pull
+    300: os.urandom(PAGE) * 1,
+    301: b"a" * PAGE,
+    1500: os.urandom(PAGE),
+}
+
+
+def _pull_memory(registry: Registry, ref: str, out: Path, local=lambda _d: None) -> pull.Downloads:
+    remote = pull.open_remote(registry, ref)
+    downloads = pull.Downloads(registry)
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        pull.write_memory(registry, remote, downloads, fd, local)
+    finally:
+        os.close(fd)
+    return downloads
+
+
+def test_round_trip_keeps_every_byte_and_the_holes(server, tmp_path, image_dir) -> None:
+    snap = _snapshot(tmp_path / "a", image_dir, "parent", PARENT_PAGES)
+    ref = reference.parse(server.ref("forkd/rt", "v1"))
+    with Registry(ref) as reg:
+        first = push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        again = push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        out = tmp_path / "pulled.bin"
+        downloads = _pull_memory(reg, "v1", out)
+    assert first.encoding == "chunks" and first.layers_uploaded > 0
+    assert again.digest == first.digest  # the same snapshot is the same manifest
+    assert again.layers_uploaded == 0  # nothing new: only the manifest is sent again
+    assert again.bytes_uploaded < 10_000
+    assert out.read_bytes() == snap.memory.read_bytes()
+    assert out.stat().st_blocks * 512 <= 5 * PAGE * 2  # the data pages, the rest holes
+    assert downloads.bytes < 200_000  # two compressed chunks, not 8 MiB
+
+
+def test_a_child_goes_up_as_the_pages_that_differ(server, tmp_path, image_dir) -> None:
+    parent = _snapshot(tmp_path / "a", image_dir, "parent", PARENT_PAGES)
+    changed = {5: os.urandom(PAGE), 6: os.urandom(PAGE), 300: b"\x00" * PAGE, 2000: b"z" * PAGE}
+    child = _snapshot(tmp_path / "a", image_dir, "child", {**PARENT_PAGES, **changed})
+    ref = reference.parse(server.ref("forkd/delta", "parent"))
+    with Registry(ref) as reg:
+        base = push.push(parent, image_dir, _config(), reg, "parent", None, lambda _m: None)
+        with memory_diff.resolve(parent) as chain:
+            over = push.Base(base.digest, "parent", chain)
+            pushed = push.push(child, image_dir, _config(), reg, "child", over, lambda _m: None)
+        assert pushed.encoding == "delta" and pushed.base_digest == base.digest
+        assert pushed.memory_pages == len(changed)
+        assert pushed.bytes_uploaded < len(changed) * PAGE + 20_000  # pages, index, manifest
+        # A host without the parent pulls the chain; one with it pulls the pages only.
+        cold = _pull_memory(reg, "child", tmp_path / "cold.bin")
+        with memory_diff.resolve(parent) as chain:
+            warm = _pull_memory(
+                reg, "child", tmp_path / "warm.bin", lambda d: chain if d == base.digest else None
+            )
+    want = child.memory.read_bytes()
+    assert (tmp_path / "cold.bin").read_bytes() == want
+    assert (tmp_path / "warm.bin").read_bytes() == want
+    assert warm.bytes < cold.bytes
+
+
+def test_image_pieces_install_and_check(server, tmp_path, image_dir) -> None:
+    snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
+    ref = reference.parse(server.ref("forkd/img", "v1"))
+    with Registry(ref) as reg:
+        push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        remote = pull.open_remote(reg, "v1")
+        wanted = image_files.wanted(remote.manifest)
+        assert image_files.differences(image_dir, wanted) == []
+        installed = image_files.install(tmp_path / "other", remote.config, wanted,
+                                        pull.Downloads(reg).fetch)  # fmt: skip
+    for name in artifact.IMAGE_FILES:
+        assert (installed / name).read_bytes() == (image_dir / name).read_bytes()
+    assert not [p for p in (tmp_path / "other").iterdir() if p.name.startswith(".")]
+    (image_dir / "initrd.img").write_bytes(os.urandom(100_000))  # another build, same key
+    assert image_files.differences(image_dir, wanted) == ["initrd.img differs from byte 0"]
+
+
+def test_registry_errors_are_clear(server, tmp_path) -> None:
+    missing = reference.parse(server.ref("forkd/none", "v1"))
+    with Registry(missing) as reg, pytest.raises(NotFound, match="does not exist"):
+        pull.open_remote(reg, "v1")
+    closed = reference.parse("127.0.0.1:1/forkd/x:v1")
+    with Registry(closed) as reg, pytest.raises(UpstreamError, match="unreachable"):
+        pull.open_remote(reg, "v1")
+
+
+def test_a_blob_of_the_wrong_content_is_refused(server, tmp_path, image_dir) -> None:
+    snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
+    ref = reference.parse(server.ref("forkd/tamper", "v1"))
+    with Registry(ref) as reg:
+        push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        remote = pull.open_remote(reg, "v1")
+        chunk = remote.manifest.of_part("memory")[0]
+        other = remote.manifest.of_part("vmstate")[0]
+        # A manifest naming a real blob in the wrong place, with the right size claimed.
+        swapped = tuple(
+            dataclasses.replace(la, digest=other.digest) if la == chunk else la
+            for la in remote.manifest.layers
+        )
+        body = dataclasses.replace(remote.manifest, layers=swapped).to_bytes()
+        reg.put_manifest(body, "evil")
+        with pytest.raises(UpstreamError, match="wrong content"):
+            _pull_memory(reg, "evil", tmp_path / "evil.bin")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m.update(mediaType="application/vnd.docker.distribution.manifest.v2+json"),
+        lambda m: m["config"].update(mediaType="application/vnd.oci.image.config.v1+json"),
+        lambda m: m["layers"][0].update(mediaType="application/x-unknown"),
+        lambda m: m["layers"][0].update(digest="sha256:nothex"),
+        lambda m: m["layers"][0]["annotations"].update({artifact.LENGTH: str(1 << 40)}),
+        lambda m: m["layers"][0]["annotations"].update({artifact.OFFSET: "-5"}),
+        lambda m: m["config"].update(size=1 << 30),
+        lambda m: m.update(layers="nope"),
+    ],
+)
+def test_malformed_manifests_are_refused(change) -> None:
+    layer = artifact.Layer(artifact.CHUNK_TYPE, sha256(b"x"), 10, "memory", 0, PAGE)
+    good = artifact.Manifest(sha256(b"{}"), 2, (layer,)).to_bytes()
+    assert artifact.parse_manifest(good, "r").layers == (layer,)
+    data = json.loads(good)
+    change(data)
+    with pytest.raises(UpstreamError, match="not a forkd snapshot"):
+        artifact.parse_manifest(json.dumps(data).encode(), "r")
+
+
+def test_credentials_from_docker_config_and_refusal(tmp_path, image_dir) -> None:
+    server = RegistryServer(user="ann", password="s3cret")
+    try:
+        ref = reference.parse(server.ref("forkd/private", "v1"))
+        snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
+        with Registry(ref) as reg, pytest.raises(UpstreamRefused, match="refused"):
+            push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        wrong = auth.Credentials("ann", "nope")
+        with Registry(ref, credentials=wrong) as reg, pytest.raises(UpstreamRefused):
+            pull.open_remote(reg, "v1")
+        right = auth.Credentials("ann", "s3cret")
+        with Registry(ref, credentials=right) as reg:
+            pushed = push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+            assert pull.open_remote(reg, "v1").digest == pushed.digest
+    finally:
+        server.stop()
