@@ -72,8 +72,19 @@ def invalid_data_refused(ctx: Any, response: Any, case: Any) -> bool | None:
     return negative_data_rejection(ctx, response, case)  # type: ignore[no-any-return]
 
 
+REGISTRY_ROUTES = ("/v1/snapshots/pull", "/v1/snapshots/{tag}/push")
+
+
+def no_server_error(ctx: Any, response: Any, case: Any) -> bool | None:
+    """not_a_server_error, but for the registry routes' documented 502: every registry
+    they are pointed at here is a closed port on loopback."""
+    if case.operation.path in REGISTRY_ROUTES and response.status_code == 502:
+        return None
+    return not_a_server_error(ctx, response, case)  # type: ignore[no-any-return]
+
+
 CHECKS = [
-    not_a_server_error,
+    no_server_error,
     status_code_conformance,
     content_type_conformance,
     response_schema_conformance,
@@ -246,10 +257,6 @@ def steer(case: Any, data: st.DataObject, known: Known) -> None:
         elif "path" in query and steer(ParameterLocation.QUERY):
             case.query = {**query, "path": data.draw(st.sampled_from(known.guest_paths))}
     body = case.body
-    if isinstance(body, dict) and isinstance(body.get("ref"), str):
-        # Push and pull reach the registry a reference names: only ever a closed port on
-        # loopback here (the references' grammar has its own tests).
-        case.body = body = {**body, "ref": LOOPBACK_REGISTRY + _repository(body["ref"])}
     body = case.body
     if isinstance(body, dict) and method == "POST" and steer(ParameterLocation.BODY):
         if op.path == "/v1/sandboxes":
@@ -408,6 +415,10 @@ def test_every_route_answers_as_documented_without_a_server_error(
 
 def _record(fuzzed: FuzzedDaemon, case: Any) -> None:
     """Send ``case``, check the answer, note what it made or deleted."""
+    if isinstance(case.body, dict) and isinstance(case.body.get("ref"), str):
+        # Push and pull reach the registry a reference names: only ever a closed port on
+        # loopback here (the references' grammar has its own tests).
+        case.body = {**case.body, "ref": LOOPBACK_REGISTRY + _repository(case.body["ref"])}
     response = call_and_check(case, fuzzed.url)
     op = case.operation
     fuzzed.counts[op.label] += 1

@@ -171,9 +171,8 @@ class Routes:
         return self._json("GET", f"/v1/snapshots/{_quote(tag)}")
 
     def push_snapshot(self, tag: str, ref: str, **options: Any) -> JSONDict:
-        """``POST /v1/snapshots/{tag}/push``: send it to the OCI registry ``ref``
-        (``registry/repository:tag``) → ``{digest, bytes_uploaded, bytes_total, ...}``.
-        Options: ``token``, ``insecure``, ``flatten`` (never a delta over its parent)."""
+        """``POST /v1/snapshots/{tag}/push`` to the OCI registry ``ref`` → ``{digest,
+        bytes_uploaded, ...}``. Options: ``token``, ``insecure``, ``flatten`` (no delta)."""
         body = _drop_none({"ref": ref, **options})
         path = f"/v1/snapshots/{_quote(tag)}/push"
         return self._json("POST", path, json_body=body, timeout=max(self.timeout, 1800))
@@ -228,13 +227,15 @@ class Routes:
         on_timeout: str | None = None,
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
+        node: str | None = None,
     ) -> list[JSONDict]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
         nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
         lifetime on the daemon, not an HTTP timeout, and ``on_timeout`` what it
         does then (``"kill"``, ``"pause"``, ``"hibernate"`` or ``"branch"``), also
         after ``idle_timeout_s`` seconds with no API call and no process output;
-        ``metadata`` labels them (over the snapshot's labels, which they inherit)."""
+        ``metadata`` labels them (over the snapshot's labels, which they inherit);
+        ``node`` pins them to one node of a ``forkd gateway``."""
         body = _drop_none(
             {
                 "snapshot_tag": snapshot_tag,
@@ -247,6 +248,7 @@ class Routes:
                 "on_timeout": on_timeout,
                 "timeout_s": timeout_s,
                 "idle_timeout_s": idle_timeout_s,
+                "node": node,
             }
         )
         return self._json(
