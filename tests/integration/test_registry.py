@@ -227,3 +227,35 @@ def test_a_corrupt_piece_leaves_nothing_behind(
         ctl2.pull_snapshot(ref, "never")
     assert exc.value.status == 502 and "wrong content" in str(exc.value)
     assert _state(other, ctl2) == before
+
+
+def test_a_snapshot_with_a_volume_travels_with_its_disk(
+    ctl: Controller, ctl2: Controller, registry: RegistryServer, tmp_path: Path
+) -> None:
+    (tmp_path / "seed").mkdir()
+    (tmp_path / "seed" / "hello.txt").write_text("from the volume\n")
+    ctl.create_volume("it-vol", "64M", from_dir=str(tmp_path / "seed"))
+    setup = ["echo written-by-the-template > /data/setup.txt"]
+    ctl.create_snapshot("it-vol-tpl", memory_mib=256, setup=setup,
+                        volumes=[{"name": "it-vol", "path": "/data"}])  # fmt: skip
+    try:
+        ref = registry.ref("forkd/vol", "tpl")
+        pushed = ctl.push_snapshot("it-vol-tpl", ref)
+        assert pushed["layers"] > 0
+        pulled = ctl2.pull_snapshot(ref)
+        volumes = {v["name"] for v in ctl2.list_volumes()}
+        assert "it-vol" in volumes  # made on the other daemon, with the disk as it was
+        with Sandbox(pulled["tag"], controller=ctl2) as kid:
+            run = kid.commands.run(["cat", "/data/hello.txt", "/data/setup.txt"])
+            assert run.stdout.split() == ["from", "the", "volume", "written-by-the-template"]
+            kid.commands.run(["sh", "-c", "echo child > /data/child.txt"])
+        # The pull made a new volume; the pushed one is untouched on its daemon.
+        with Sandbox("it-vol-tpl", controller=ctl) as kid:
+            assert kid.commands.run(["ls", "/data"]).stdout.split() == [
+                "hello.txt", "lost+found", "setup.txt",
+            ]  # fmt: skip
+        ctl2.delete_snapshot(pulled["tag"])
+        ctl2.delete_volume("it-vol")
+    finally:
+        ctl.delete_snapshot("it-vol-tpl")
+        ctl.delete_volume("it-vol")

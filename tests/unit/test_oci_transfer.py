@@ -218,3 +218,46 @@ def test_credentials_from_docker_config_and_refusal(tmp_path, image_dir) -> None
             assert pull.open_remote(reg, "v1").digest == pushed.digest
     finally:
         server.stop()
+
+
+def test_volume_disks_travel_as_their_non_zero_chunks(tmp_path: Path) -> None:
+    from forkd.oci import volume_files
+    from forkd.vmm.volumes import VolumeStore
+
+    disk = tmp_path / "disk.raw"
+    size = 64 << 20
+    with disk.open("wb") as f:
+        f.truncate(size)
+        f.seek(5 << 20)
+        f.write(b"data" * 1024)
+        f.seek(9 << 20)
+        f.write(bytes(1 << 20))  # written zeroes: no chunk either
+        f.seek(size - PAGE)
+        f.write(b"end!" * 1024)
+    got = list(volume_files.chunks(disk))
+    assert [off for off, _ in got] == [5 << 20, size - (1 << 20)]
+    layers = tuple(
+        artifact.Layer(artifact.VOLUME_TYPE, sha256(d), len(d), "volume.0", off, len(d))
+        for off, d in got
+    )
+    manifest = artifact.Manifest(sha256(b"{}"), 2, layers)
+    config = {"volumes": [{"name": "data", "path": "/data", "size_bytes": size}]}
+    (vol,) = volume_files.wanted(manifest, config)
+    pieces = dict(zip(layers, (d for _, d in got), strict=True))
+    store = VolumeStore(tmp_path / "volumes")
+    names = [
+        store.create_filled(
+            "data", size, lambda fd: volume_files.write(manifest, vol, pieces.get, fd)
+        )
+        for _ in range(2)
+    ]
+    assert names[0] == "data" and names[1].startswith("data-")  # the name was taken
+    base = store.base(names[1])
+    assert base.read_bytes() == disk.read_bytes()
+    assert base.stat().st_blocks * 512 <= 3 * PAGE * 2  # the rest are holes
+    bad = {"volumes": [{"name": "../x", "path": "/data", "size_bytes": size}]}
+    with pytest.raises(UpstreamError):
+        volume_files.wanted(manifest, bad)
+    outside = {"volumes": [{"name": "data", "path": "/data", "size_bytes": 1 << 20}]}
+    with pytest.raises(UpstreamError):  # pieces past its end (and a size under the minimum)
+        volume_files.wanted(manifest, outside)

@@ -17,6 +17,9 @@
                          (``memory.base``), and
                          application/vnd.forkd.snapshot.memory.pages.v1+zstd
                          those pages packed in run order, in 4 MiB pieces
+               application/vnd.forkd.snapshot.volume.chunk.v1+zstd
+                         each attached volume's disk at the snapshot, flattened
+                         to raw, in 1 MiB chunks (part ``volume.N``)
 
 Every piece is its own content-addressed blob, so a snapshot pushed after
 its parent uploads only what changed, and the image once per repository.
@@ -43,8 +46,9 @@ VMSTATE_TYPE = "application/vnd.forkd.snapshot.vmstate.v1+zstd"
 CHUNK_TYPE = "application/vnd.forkd.snapshot.memory.chunk.v1+zstd"
 RUNS_TYPE = "application/vnd.forkd.snapshot.memory.runs.v1"
 PAGES_TYPE = "application/vnd.forkd.snapshot.memory.pages.v1+zstd"
-LAYER_TYPES = (IMAGE_FILE_TYPE, VMSTATE_TYPE, CHUNK_TYPE, RUNS_TYPE, PAGES_TYPE)
-COMPRESSED_TYPES = (VMSTATE_TYPE, CHUNK_TYPE, PAGES_TYPE)
+VOLUME_TYPE = "application/vnd.forkd.snapshot.volume.chunk.v1+zstd"
+LAYER_TYPES = (IMAGE_FILE_TYPE, VMSTATE_TYPE, CHUNK_TYPE, RUNS_TYPE, PAGES_TYPE, VOLUME_TYPE)
+COMPRESSED_TYPES = (VMSTATE_TYPE, CHUNK_TYPE, PAGES_TYPE, VOLUME_TYPE)
 
 PART, OFFSET, LENGTH = "org.forkd.part", "org.forkd.offset", "org.forkd.length"
 CONFIG_FORMAT = 1

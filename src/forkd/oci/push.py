@@ -18,7 +18,7 @@ from typing import Any
 
 import zstandard
 
-from forkd.oci import artifact, image_files
+from forkd.oci import artifact, image_files, volume_files
 from forkd.oci.artifact import Layer, Manifest
 from forkd.oci.registry import Registry, sha256
 from forkd.vmm import memory, memory_diff
@@ -86,9 +86,11 @@ def push(
     reference: str | None,
     base: Base | None,
     progress: Progress,
+    volumes: tuple[Path, ...] = (),
 ) -> Pushed:
     """Push ``files`` (its memory a delta over ``base`` when given) as ``reference``, a tag
-    (``None``: by digest only). ``config`` is completed here with the memory's encoding."""
+    (``None``: by digest only). ``config`` is completed here with the memory's encoding.
+    ``volumes``: each attached volume's disk as a raw file (:mod:`.volume_files`)."""
     started = time.monotonic()
     result = Pushed("", "delta" if base else "chunks", base.digest if base else None)
     up = _Uploader(registry, result)
@@ -96,6 +98,10 @@ def push(
     _image(up, image_dir)
     progress("device state")
     up.layer(artifact.VMSTATE_TYPE, files.vmstate.read_bytes(), "vmstate", 0)
+    for index, disk in enumerate(volumes):
+        progress(f"volume {index}")
+        for offset, data in volume_files.chunks(disk):
+            up.layer(artifact.VOLUME_TYPE, data, volume_files.part(index), offset)
     with memory_diff.resolve(files) as chain:
         progress(f"memory ({result.encoding})")
         if base is None:

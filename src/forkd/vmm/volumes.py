@@ -27,7 +27,7 @@ import tarfile
 import tempfile
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -321,6 +321,34 @@ class VolumeStore:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return self.get(name)
+
+    def create_filled(self, name: str, size: int, fill: Callable[[int], None]) -> str:
+        """A new volume whose ``base.img`` ``fill(fd)`` writes (a disk pulled from a
+        registry): named ``name``, or ``name-<hex>`` when that is taken. Staged and
+        renamed into place; returns the name it got."""
+        self.check_size(size)
+        staging = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.partial-"))
+        try:
+            fd = os.open(staging / "base.img", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                fill(fd)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            (staging / "layers").mkdir(mode=0o700)
+            for _ in range(8):
+                info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
+                (staging / "volume.json").write_text(json.dumps(info) + "\n")
+                try:
+                    staging.rename(self._dir(name))
+                    return name
+                except OSError as exc:
+                    if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                        raise
+                name = f"{name[:56]}-{secrets.token_hex(3)}"
+            raise VolumeExists(f"no free name for volume {name!r}")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def remove(self, name: str) -> None:
         d = self._dir(name)

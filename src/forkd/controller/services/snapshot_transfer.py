@@ -31,13 +31,23 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SnapshotRow, now
 from forkd.errors import Conflict, Invalid, SnapshotError, StorageFull, UpstreamError
-from forkd.oci import artifact, auth, host_needs, image_files, pull, push, reference
+from forkd.oci import (
+    artifact,
+    auth,
+    host_needs,
+    image_files,
+    pull,
+    push,
+    reference,
+    volume_files,
+)
 from forkd.oci.reference import Reference
 from forkd.oci.registry import Registry
 from forkd.vmm import egress, memory_diff, snapshot_files
 from forkd.vmm.memory_diff import Chain
 from forkd.vmm.qemu_argv import MachineConfig
 from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotMeta
+from forkd.vmm.volumes import Attachment
 
 log = logging.getLogger(__name__)
 _HOST_PATHS = ("vmlinuz", "initrd", "rootfs")  # a machine's files on this host: not sent
@@ -110,18 +120,25 @@ class SnapshotTransfer:
         depth: int = 0,
     ) -> push.Pushed:
         """Push ``files``, a diff's bases first when the repository lacks them (in a thread)."""
-        if files.meta.volumes:
-            raise Conflict(
-                f"snapshot {row.tag!r} has volumes attached: pushing volumes is not supported "
-                "yet; push a snapshot taken without volumes"
-            )
         repo = f"{registry.ref.registry}/{registry.ref.repository}"
         base = None if flatten else self._base(registry, files, row, depth)
         config = _config(files, row)
         image_dir = files.machine.rootfs.parent
+        scratch = self.root / f".{row.tag}.partial-push-{secrets.token_hex(3)}"
         try:
-            pushed = push.push(files, image_dir, config, registry, reference_, base, log.debug)
+            scratch.mkdir(mode=0o700)
+            disks = tuple(volume_files.raw_disk(att, scratch, i)
+                          for i, att in enumerate(files.meta.volumes))  # fmt: skip
+            config["volumes"] = [
+                {"name": att.name, "path": att.path, "readonly": att.readonly,
+                 "size_bytes": disk.stat().st_size}
+                for att, disk in zip(files.meta.volumes, disks, strict=True)
+            ]  # fmt: skip
+            pushed = push.push(
+                files, image_dir, config, registry, reference_, base, log.debug, disks
+            )
         finally:
+            shutil.rmtree(scratch, ignore_errors=True)
             if base is not None:
                 base.chain.close()
         assert files.meta.id is not None  # load() gives every snapshot one
@@ -193,6 +210,7 @@ class SnapshotTransfer:
             egress.of_machine(machine.get("egress"), bool(machine.get("internet", True)))
         except Invalid as exc:
             problems.append(f"its egress policy is invalid here: {exc}")
+        volume_files.wanted(remote.manifest, remote.config)  # malformed: 502, nothing written
         files = image_files.wanted(remote.manifest)
         name, key = image_files.image_dir_name(remote.config)
         image_dir = paths.images_dir() / f"{name}-{key}"
@@ -219,10 +237,11 @@ class SnapshotTransfer:
         final = self.root / tag
         repo = f"{ref.registry}/{ref.repository}"
         downloads = pull.Downloads(registry)
+        made: list[str] = []  # volumes made for it: removed again if the pull fails
         try:
             staging.mkdir(mode=0o700, parents=True)
             files = await asyncio.to_thread(
-                self._write, registry, remote, downloads, staging, image_dir
+                self._write, registry, remote, downloads, staging, image_dir, made
             )
             staging.rename(final)
             snapshot_files.fsync_path(self.root)
@@ -232,6 +251,7 @@ class SnapshotTransfer:
             shutil.rmtree(staging, ignore_errors=True)
             if self.fleet.store.get_snapshot(tag) is None:
                 shutil.rmtree(final, ignore_errors=True)
+                self._remove_volumes(made)
             if isinstance(exc, OSError):
                 if exc.errno == errno.ENOSPC:
                     raise StorageFull(f"disk full while pulling {remote.where}") from exc
@@ -250,6 +270,7 @@ class SnapshotTransfer:
         downloads: pull.Downloads,
         staging: Path,
         image_dir: Path | None,
+        made: list[str],
     ) -> SnapshotFiles:
         """The snapshot's files in ``staging`` (in a thread); the image first if missing."""
         if image_dir is None:
@@ -270,9 +291,35 @@ class SnapshotTransfer:
             os.fsync(fd)
         finally:
             os.close(fd)
-        meta = _meta(remote, image_dir, vmstate_bytes)
+        attachments = self._write_volumes(remote, downloads, made)
+        meta = _meta(remote, image_dir, vmstate_bytes, attachments)
         snapshot_files.fsync_path(snapshot_files.write_meta(staging, meta))
         return SnapshotFiles(staging, meta)
+
+    def _write_volumes(
+        self, remote: pull.Remote, downloads: pull.Downloads, made: list[str]
+    ) -> tuple[Attachment, ...]:
+        """Each volume the snapshot carries, as a new volume of this daemon (its name, or
+        the name with a suffix when taken); they go again if the pull fails."""
+        store = self.snapshots.volumes.store
+        attachments = []
+        for vol in volume_files.wanted(remote.manifest, remote.config):
+
+            def fill(fd: int, vol: dict[str, Any] = vol) -> None:
+                volume_files.write(remote.manifest, vol, downloads.piece, fd)
+
+            name = store.create_filled(vol["name"], vol["size_bytes"], fill)
+            made.append(name)
+            base = (str(store.base(name)),)
+            attachments.append(Attachment(name, vol["path"], vol["readonly"], base))
+        return tuple(attachments)
+
+    def _remove_volumes(self, names: list[str]) -> None:
+        store = self.snapshots.volumes.store
+        for name in names:
+            with contextlib.suppress(Exception):
+                store.remove(name)
+        names.clear()
 
     def _chain_of(self, digest: str) -> Chain | None:
         """The memory of a snapshot on this host known as manifest ``digest``."""
@@ -319,7 +366,9 @@ def _config(files: SnapshotFiles, row: SnapshotRow) -> dict[str, Any]:
     }
 
 
-def _meta(remote: pull.Remote, image_dir: Path, vmstate_bytes: int) -> SnapshotMeta:
+def _meta(
+    remote: pull.Remote, image_dir: Path, vmstate_bytes: int, volumes: tuple[Attachment, ...]
+) -> SnapshotMeta:
     """The record of a pulled snapshot: its machine on this host's image files, a new id."""
     conf, snap = remote.config["machine"], remote.config["snapshot"]
     name, key = image_files.image_dir_name(remote.config)
@@ -342,6 +391,7 @@ def _meta(remote: pull.Remote, image_dir: Path, vmstate_bytes: int) -> SnapshotM
             pages_written=int(snap.get("pages_written") or 0),
             base_bytes_cloned=0,
             pause_ms=None if snap.get("pause_ms") is None else float(snap["pause_ms"]),
+            volumes=volumes,
             id=snapshot_files.new_id(),
         )
     except (KeyError, TypeError, ValueError) as exc:

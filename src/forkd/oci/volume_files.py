@@ -1,0 +1,102 @@
+"""A snapshot's volumes as registry pieces: each attachment's disk as it was at the
+snapshot, flattened to raw and cut in 1 MiB chunks (holes and zero chunks left out).
+
+A writable attachment's frozen chain (qcow2 layers over the volume's raw
+``base.img``) is read through ``qemu-img convert`` into a sparse raw file in
+a scratch directory; a read-only one is its ``base.img`` itself. On the far
+side each becomes a new volume whose base is that content, so a fork there
+gets its own layer over it, as over any snapshot's volume.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from forkd import hosttools, limits
+from forkd.errors import UpstreamError
+from forkd.oci import artifact
+from forkd.oci.artifact import Manifest
+from forkd.vmm import memory
+from forkd.vmm.volumes import MAX_SIZE, MIN_SIZE, Attachment, VolumeInvalid, check_guest_mount
+
+PAGE = memory.PAGE
+ZERO_PAGE = bytes(PAGE)
+
+
+def part(index: int) -> str:
+    return f"volume.{index}"
+
+
+def raw_disk(att: Attachment, scratch: Path, index: int) -> Path:
+    """The attachment's disk as one raw file: its base itself, or its chain flattened."""
+    if att.format == "raw":
+        return att.top
+    out = scratch / f"volume-{index}.raw"
+    hosttools.run(
+        ["qemu-img", "convert", "-q", "-f", "qcow2", "-O", "raw", str(att.top), str(out)],
+        what=f"reading volume {att.name}",
+    )
+    return out
+
+
+def chunks(path: Path) -> Iterator[tuple[int, bytes]]:
+    """``(offset, data)`` of each non-zero chunk of ``path``, skipping holes."""
+    step = artifact.MEMORY_CHUNK
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        pos = 0
+        while pos < size:
+            try:
+                data_at = os.lseek(fd, pos, os.SEEK_DATA)
+            except OSError as exc:
+                if exc.errno == errno.ENXIO:  # only a hole remains
+                    return
+                raise
+            start = data_at - data_at % step
+            hole = os.lseek(fd, data_at, os.SEEK_HOLE)
+            for off in range(start, min(hole, size), step):
+                data = os.pread(fd, min(step, size - off), off)
+                if data.count(0) != len(data):
+                    yield off, data
+            pos = max(hole, start + step)
+    finally:
+        os.close(fd)
+
+
+def wanted(manifest: Manifest, config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The volumes a config lists, each checked: a name, a mount point, a size."""
+    found = []
+    for i, vol in enumerate(config.get("volumes") or []):
+        try:
+            name, path, size = str(vol["name"]), str(vol["path"]), int(vol["size_bytes"])
+            check_guest_mount(path)
+        except (KeyError, TypeError, ValueError, VolumeInvalid) as exc:
+            raise UpstreamError(f"the snapshot lists a volume forkd refuses: {exc}") from exc
+        if not limits.NAME_RE.fullmatch(name) or not MIN_SIZE <= size <= MAX_SIZE or size % PAGE:
+            raise UpstreamError(f"the snapshot lists volume {name!r} of {size} bytes")
+        end = 0
+        for layer in manifest.of_part(part(i)):
+            if layer.media_type != artifact.VOLUME_TYPE or layer.offset < end:
+                raise UpstreamError(f"volume {name!r}'s pieces overlap or are of the wrong type")
+            end = layer.offset + layer.length
+            if end > size:
+                raise UpstreamError(f"volume {name!r} has a piece past its end")
+        found.append({"name": name, "path": path, "readonly": bool(vol.get("readonly")),
+                      "size_bytes": size, "part": part(i)})  # fmt: skip
+    return found
+
+
+def write(remote_manifest: Manifest, volume: dict[str, Any], piece: Any, fd: int) -> None:
+    """Volume ``volume``'s disk into ``fd`` (an empty file), zero pages left as holes;
+    ``piece(layer)`` returns a layer's checked, uncompressed content."""
+    os.ftruncate(fd, volume["size_bytes"])
+    for layer in remote_manifest.of_part(volume["part"]):
+        data = memoryview(piece(layer))
+        for p in range(0, len(data), PAGE):
+            if data[p : p + PAGE] != ZERO_PAGE:
+                memory._pwrite_all(fd, data[p : p + PAGE], layer.offset + p)
