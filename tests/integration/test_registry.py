@@ -259,3 +259,19 @@ def test_a_snapshot_with_a_volume_travels_with_its_disk(
     finally:
         ctl.delete_snapshot("it-vol-tpl")
         ctl.delete_volume("it-vol")
+
+
+def test_a_snapshot_claiming_more_than_the_disk_holds_is_refused_before_writing(
+    ctl: Controller, ctl2: Controller, other: Daemon, registry: RegistryServer, api_template: str
+) -> None:
+    ctl.push_snapshot(api_template, registry.ref("forkd/it", "py"))
+
+    def huge_volume(_m: Any, config: dict[str, Any]) -> None:
+        config["volumes"] = [{"name": "huge", "path": "/data", "size_bytes": 1 << 40}]
+
+    ref = _republish(registry, huge_volume, "huge")
+    before = _state(other, ctl2)
+    with pytest.raises(ControllerError) as exc:
+        ctl2.pull_snapshot(ref, "never")
+    assert exc.value.status == 500 and "may need" in str(exc.value)
+    assert _state(other, ctl2) == before

@@ -51,6 +51,7 @@ from forkd.vmm.volumes import Attachment
 
 log = logging.getLogger(__name__)
 _HOST_PATHS = ("vmlinuz", "initrd", "rootfs")  # a machine's files on this host: not sent
+PULL_RESERVE_BYTES = 256 << 20  # a pull leaves this much of the disk free
 
 
 class SnapshotTransfer:
@@ -210,7 +211,7 @@ class SnapshotTransfer:
             egress.of_machine(machine.get("egress"), bool(machine.get("internet", True)))
         except Invalid as exc:
             problems.append(f"its egress policy is invalid here: {exc}")
-        volume_files.wanted(remote.manifest, remote.config)  # malformed: 502, nothing written
+        volumes = volume_files.wanted(remote.manifest, remote.config)  # malformed: 502
         files = image_files.wanted(remote.manifest)
         name, key = image_files.image_dir_name(remote.config)
         image_dir = paths.images_dir() / f"{name}-{key}"
@@ -222,6 +223,8 @@ class SnapshotTransfer:
         if problems:
             why = "; ".join(problems)
             raise Conflict(f"{remote.where} cannot be restored on this host: {why}")
+        image_bytes = 0 if image_dir else sum(n for f in files.values() for _o, n, _d in f)
+        _check_room(self.root, remote, image_bytes + sum(v["size_bytes"] for v in volumes))
         return image_dir
 
     async def _pull_into(
@@ -329,6 +332,20 @@ class SnapshotTransfer:
                 with contextlib.suppress(SnapshotError):
                     return memory_diff.resolve(found[1])
         return None
+
+
+def _check_room(root: Path, remote: pull.Remote, other_bytes: int) -> None:
+    """The most a pull can write (its memory, device state, image and volumes, all
+    allocated) must fit on the disk, with the reserve left: a registry's claim of a huge
+    image or volume is refused before anything is written."""
+    vmstate = sum(la.length for la in remote.manifest.of_part("vmstate"))
+    need = remote.memory_bytes + vmstate + other_bytes
+    free = shutil.disk_usage(root).free - PULL_RESERVE_BYTES
+    if need > free:
+        raise StorageFull(
+            f"pulling {remote.where} may need {need >> 20} MiB on disk and "
+            f"{max(free, 0) >> 20} MiB are free (beside a {PULL_RESERVE_BYTES >> 20} MiB reserve)"
+        )
 
 
 def _pushed_tag(config: dict[str, Any]) -> str | None:
