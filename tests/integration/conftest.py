@@ -26,7 +26,7 @@ from forkd.client import Controller, Sandbox
 from forkd.controller.services.fleet import vm_id_prefixes
 from forkd.guest import image as images
 from forkd.launcher import DaemonProcess
-from forkd.vmm import cgroups, network
+from forkd.vmm import cgroups, memory_diff, network, snapshot_files
 from forkd.vmm.processes import qemu_pids_under
 from forkd.vmm.vm import VM
 
@@ -192,3 +192,17 @@ def sb(ctl: Controller, api_template: str) -> Iterator[Sandbox]:
     """A fresh child of the ``py`` template, killed after the test."""
     with Sandbox(api_template, controller=ctl) as sandbox:
         yield sandbox
+
+
+def memory_digest(info: dict[str, Any]) -> str:
+    """sha256 of a snapshot's whole memory (SnapshotInfo with its ``dir``), every diff
+    layer applied: two snapshots that hold the same guest RAM have the same digest."""
+    import hashlib
+
+    files = snapshot_files.load(Path(info["dir"]))
+    digest = hashlib.sha256()
+    with memory_diff.resolve(files) as chain:
+        npages = chain.size // memory_diff.PAGE
+        for first in range(0, npages, 2048):
+            digest.update(chain.read(first, min(first + 2048, npages)))
+    return digest.hexdigest()

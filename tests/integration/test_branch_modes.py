@@ -6,14 +6,14 @@ that finishes in the background."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from forkd.client import Controller, ControllerError, Sandbox
-from forkd.vmm import memory_diff, snapshot_files
+from forkd.vmm import snapshot_files
+from tests.integration.conftest import memory_digest
 
 pytestmark = pytest.mark.integration
 
@@ -40,17 +40,6 @@ def _state(sb: Sandbox, k: int) -> Any:
     return out.result
 
 
-def _memory_digest(info: dict[str, Any]) -> str:
-    """sha256 of a snapshot's whole memory, every diff layer applied."""
-    files = snapshot_files.load(Path(info["dir"]))
-    digest = hashlib.sha256()
-    with memory_diff.resolve(files) as chain:
-        npages = chain.size // memory_diff.PAGE
-        for first in range(0, npages, 2048):
-            digest.update(chain.read(first, min(first + 2048, npages)))
-    return digest.hexdigest()
-
-
 def _fork(ctl: Controller, tag: str) -> Sandbox:
     return Sandbox(tag, controller=ctl)
 
@@ -65,7 +54,7 @@ def test_diff_chain_compact_and_cascade(ctl: Controller, sb: Sandbox) -> None:
         d1 = ctl.branch_sandbox(sb.id, tag="m-d1", mode="diff")
         sb.resume()
         assert d1["mode"] == "diff" and d1["base_tag"] == "py" and full["mode"] == "full"
-        assert _memory_digest(d1) == _memory_digest(full)
+        assert memory_digest(d1) == memory_digest(full)
         d1_info = ctl.snapshot_info("m-d1")
         full_info = ctl.snapshot_info("m-full1")
         assert d1_info["memory_physical_bytes"] < full_info["memory_physical_bytes"] / 4
@@ -92,9 +81,9 @@ def test_diff_chain_compact_and_cascade(ctl: Controller, sb: Sandbox) -> None:
         assert exc.value.status == 409 and "m-d1" in str(exc.value)
 
         # Compact the middle of the chain while its child c2 runs.
-        before = _memory_digest(ctl.snapshot_info("m-d2"))
+        before = memory_digest(ctl.snapshot_info("m-d2"))
         assert ctl.compact_snapshot("m-d2")["mode"] == "full"
-        assert _memory_digest(ctl.snapshot_info("m-d2")) == before
+        assert memory_digest(ctl.snapshot_info("m-d2")) == before
         assert ctl.snapshot_info("m-d3")["diff_chain"] == ["m-d2"]
         assert _state(c2, 3) == want3  # its child still runs
         c3 = _fork(ctl, "m-d3")

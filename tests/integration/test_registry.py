@@ -22,8 +22,7 @@ from forkd import paths
 from forkd.client import Controller, ControllerError, Sandbox, Snapshot
 from forkd.oci import artifact, reference
 from forkd.oci.registry import Registry
-from forkd.vmm import memory_diff, snapshot_files
-from tests.integration.conftest import Daemon
+from tests.integration.conftest import Daemon, memory_digest
 from tests.registry_server import RegistryServer
 
 pytestmark = pytest.mark.integration
@@ -56,17 +55,6 @@ def ctl2(other: Daemon) -> Iterator[Controller]:
         yield c
 
 
-def _memory_digest(info: dict[str, Any]) -> str:
-    """sha256 of a snapshot's whole memory, every diff layer applied."""
-    files = snapshot_files.load(Path(info["dir"]))
-    digest = hashlib.sha256()
-    with memory_diff.resolve(files) as chain:
-        npages = chain.size // memory_diff.PAGE
-        for first in range(0, npages, 2048):
-            digest.update(chain.read(first, min(first + 2048, npages)))
-    return digest.hexdigest()
-
-
 def _state(d: Daemon, ctl: Controller) -> tuple[set[str], list[str], set[str]]:
     """What a failed pull must not change: the tags, the files under the snapshot root,
     the image directories."""
@@ -92,7 +80,7 @@ def test_push_pull_and_fork_on_another_daemon(
     assert r.returncode == 0, r.stderr
     pulled = json.loads(r.stdout)
     assert pulled["tag"] == "py-pulled" and pulled["status"] == "ready"
-    assert _memory_digest(pulled) == _memory_digest(ctl.snapshot_info(api_template))
+    assert memory_digest(pulled) == memory_digest(ctl.snapshot_info(api_template))
     with Sandbox("py-pulled", controller=ctl2) as kid:
         out = kid.eval("open('/work/setup.txt').read().strip(), x + 1")
         assert out.error is None and out.result == "('ready', 42)"
@@ -117,7 +105,7 @@ def test_a_branch_taken_on_one_node_forks_on_another(
     assert pushed["bytes_uploaded"] < pushed["bytes_total"] / 10
     pulled = Snapshot.pull(registry.ref("forkd/it", "branch"), controller=ctl2)
     assert pulled.tag == "it-branch"
-    assert _memory_digest(pulled.info) == _memory_digest(ctl.snapshot_info("it-branch"))
+    assert memory_digest(pulled.info) == memory_digest(ctl.snapshot_info("it-branch"))
     with Sandbox("it-branch", controller=ctl2) as kid:
         assert kid.eval("hashlib.sha256(blob).hexdigest()").result == want
 
@@ -137,7 +125,7 @@ def test_a_diff_chain_travels_whole(
         assert reg.has_manifest(pushed["base_digest"])  # its base went up first
     pulled = ctl2.pull_snapshot(ref)
     assert pulled["tag"] == "it-d2" and pulled["mode"] == "full"
-    assert _memory_digest(pulled) == _memory_digest(ctl.snapshot_info("it-d2"))
+    assert memory_digest(pulled) == memory_digest(ctl.snapshot_info("it-d2"))
     with Sandbox("it-d2", controller=ctl2) as kid:
         assert kid.eval("hashlib.sha256(blob2).hexdigest()").result == want
 

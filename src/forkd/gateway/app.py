@@ -45,6 +45,7 @@ def create_app(
     app.state.ops = FleetOps(nodes, forward, registry, insecure_registry)
     app.add_middleware(GuardMiddleware, token=token)
     http_errors.install(app)
+    app.add_exception_handler(routes.Relayed, routes.relayed)
     app.include_router(routes.router)
     return app
 

@@ -89,31 +89,32 @@ async def _merged(request: Request, path: str) -> list[Any]:
         if isinstance(answer, BaseException):
             continue  # down meanwhile: its part is missing, as GET /v1/nodes shows
         if answer.status_code != 200:
-            raise _Relayed(_passed_on(answer))  # a bad filter: every node says the same
+            raise Relayed(_passed_on(answer))  # a bad filter: every node says the same
         merged += [{**item, "node": node.node_id} for item in answer.json()]
     return merged
 
 
-class _Relayed(Exception):
+class Relayed(Exception):
+    """A node's own answer, to send as it is (the app's handler does)."""
+
     def __init__(self, response: Response) -> None:
         self.response = response
 
 
+async def relayed(_request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Relayed)
+    return exc.response
+
+
 @router.get("/v1/sandboxes")
 async def list_sandboxes(request: Request) -> Response:
-    try:
-        return JSONResponse(await _merged(request, "/v1/sandboxes"))
-    except _Relayed as r:
-        return r.response
+    return JSONResponse(await _merged(request, "/v1/sandboxes"))
 
 
 @router.get("/v1/snapshots")
 async def list_snapshots(request: Request) -> Response:
     """One entry per tag; ``nodes`` lists every node holding a snapshot of that tag."""
-    try:
-        items = await _merged(request, "/v1/snapshots")
-    except _Relayed as r:
-        return r.response
+    items = await _merged(request, "/v1/snapshots")
     by_tag: dict[str, dict[str, Any]] = {}
     for item in items:
         first = by_tag.setdefault(item["tag"], {**item, "nodes": []})
@@ -123,35 +124,32 @@ async def list_snapshots(request: Request) -> Response:
 
 @router.get("/v1/volumes")
 async def list_volumes(request: Request) -> Response:
-    try:
-        return JSONResponse(await _merged(request, "/v1/volumes"))
-    except _Relayed as r:
-        return r.response
+    return JSONResponse(await _merged(request, "/v1/volumes"))
 
 
 # ------------------------------------------------------------------ snapshots
 
 
-@router.post("/v1/snapshots")
-async def create_snapshot(request: Request) -> Response:
+async def _made_on_a_node(request: Request) -> Response:
+    """A request that makes a snapshot: sent to ``node`` (from the body) or the roomiest;
+    that node is polled again at once, so it is known to hold the snapshot."""
     ops = _ops(request)
     body = await _body(request)
     node = _roomiest(ops, body.pop("node", None))
-    answer = await ops.forward.json(node, "POST", "/v1/snapshots", json=body, timeout=3600)
+    answer = await ops.forward.json(node, "POST", request.url.path, json=body, timeout=3600)
     if answer.status_code == 201:
         await ops.nodes.refresh_one(node)
     return _passed_on(answer)
+
+
+@router.post("/v1/snapshots")
+async def create_snapshot(request: Request) -> Response:
+    return await _made_on_a_node(request)
 
 
 @router.post("/v1/snapshots/pull")
 async def pull_snapshot(request: Request) -> Response:
-    ops = _ops(request)
-    body = await _body(request)
-    node = _roomiest(ops, body.pop("node", None))
-    answer = await ops.forward.json(node, "POST", "/v1/snapshots/pull", json=body, timeout=3600)
-    if answer.status_code == 201:
-        await ops.nodes.refresh_one(node)
-    return _passed_on(answer)
+    return await _made_on_a_node(request)
 
 
 @router.delete("/v1/snapshots/{tag}")

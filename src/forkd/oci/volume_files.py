@@ -10,7 +10,6 @@ gets its own layer over it, as over any snapshot's volume.
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,21 +48,13 @@ def chunks(path: Path) -> Iterator[tuple[int, bytes]]:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        pos = 0
-        while pos < size:
-            try:
-                data_at = os.lseek(fd, pos, os.SEEK_DATA)
-            except OSError as exc:
-                if exc.errno == errno.ENXIO:  # only a hole remains
-                    return
-                raise
-            start = data_at - data_at % step
-            hole = os.lseek(fd, data_at, os.SEEK_HOLE)
-            for off in range(start, min(hole, size), step):
-                data = os.pread(fd, min(step, size - off), off)
-                if data.count(0) != len(data):
-                    yield off, data
-            pos = max(hole, start + step)
+        done = 0  # chunks before this offset were read already
+        for data, hole in memory.data_extents(fd, size):
+            for off in range(max(data - data % step, done), hole, step):
+                piece = os.pread(fd, min(step, size - off), off)
+                if piece.count(0) != len(piece):
+                    yield off, piece
+                done = off + step
     finally:
         os.close(fd)
 

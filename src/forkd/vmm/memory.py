@@ -21,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,15 +136,8 @@ def copy_sparse(src: int, out_fd: int, size: int, name: str = "the source") -> t
         return src_size, True
     except OSError:
         pass
-    copied, pos, limit = 0, 0, min(src_size, size)
-    while pos < limit:
-        try:
-            data = os.lseek(src, pos, os.SEEK_DATA)
-        except OSError as exc:
-            if exc.errno == errno.ENXIO:  # only a hole remains
-                break
-            raise
-        hole = min(os.lseek(src, data, os.SEEK_HOLE), limit)
+    copied = 0
+    for data, hole in data_extents(src, min(src_size, size)):
         off = data
         while off < hole:
             n = os.copy_file_range(src, out_fd, hole - off, off, off)
@@ -151,8 +145,24 @@ def copy_sparse(src: int, out_fd: int, size: int, name: str = "the source") -> t
                 raise OSError(errno.EIO, f"short copy from {name} at {off}")
             off += n
         copied += hole - data
-        pos = hole
     return copied, False
+
+
+def data_extents(fd: int, limit: int) -> Iterator[tuple[int, int]]:
+    """``[start, end)`` of each data extent of ``fd`` before ``limit``: holes skipped."""
+    pos = 0
+    while pos < limit:
+        try:
+            data = os.lseek(fd, pos, os.SEEK_DATA)
+        except OSError as exc:
+            if exc.errno == errno.ENXIO:  # only a hole remains
+                return
+            raise
+        if data >= limit:
+            return
+        hole = min(os.lseek(fd, data, os.SEEK_HOLE), limit)
+        yield data, hole
+        pos = hole
 
 
 def _has_data(fd: int) -> bool:
