@@ -164,6 +164,9 @@ def test_a_node_killed_mid_run_is_down_within_10_s_and_only_its_sandboxes_fail(
         while next(n for n in fleet.get("/v1/nodes") if n["node_id"] == c)["state"] != "down":
             assert time.monotonic() - killed < 10, "the node was not marked down within 10 s"
             time.sleep(0.2)
+        metrics = httpx.get(f"{fleet.gateway.url}/metrics",
+                            headers={"Authorization": f"Bearer {GATEWAY_TOKEN}"}).text  # fmt: skip
+        assert 'forkd_gateway_nodes{state="down"} 1' in metrics
         with pytest.raises(ControllerError) as exc:
             ctl.exec_command(on_c.id, ["true"])
         assert exc.value.status == 503 and c in str(exc.value)

@@ -68,6 +68,21 @@ async def version() -> dict[str, Any]:
     return {"version": __version__, "api": "v1", "gateway": True}
 
 
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Prometheus text: the nodes by state (each node's own /metrics has the rest)."""
+    nodes = list(_ops(request).nodes.nodes.values())
+    up = sum(1 for n in nodes if n.up)
+    lines = [
+        "# HELP forkd_gateway_nodes Nodes behind this gateway, by state",
+        "# TYPE forkd_gateway_nodes gauge",
+        f'forkd_gateway_nodes{{state="up"}} {up}',
+        f'forkd_gateway_nodes{{state="down"}} {len(nodes) - up}',
+        "",
+    ]
+    return Response("\n".join(lines), media_type="text/plain; version=0.0.4")
+
+
 @router.get("/v1/nodes")
 async def nodes(request: Request) -> list[dict[str, Any]]:
     """Every node: its state, what it reported of its room, and its snapshots."""
