@@ -1,7 +1,7 @@
 """Whether ``pip install 'forkd[server]'`` is there, for the verbs that need it.
 
-``pip install forkd`` is the SDK and the client CLI; ``serve``, ``image`` and
-``doctor`` run the daemon or work on this host's VMs and images, and need the
+``pip install forkd`` is the SDK and the client CLI; ``serve``, ``gateway``, ``image``
+and ``doctor`` run the daemon or work on this host's VMs and images, and need the
 server extra (FastAPI, uvicorn, qemu.qmp, pyroute2, ...). Without it they say
 so in one line instead of a traceback.
 """
@@ -16,7 +16,7 @@ import typer
 # One module of each distribution the server extra adds (pyproject.toml).
 SERVER_MODULES = (
     "fastapi", "uvicorn", "qemu.qmp", "pydantic", "prometheus_client", "anyio",
-    "pyroute2", "websockets",
+    "pyroute2", "websockets", "zstandard",
 )  # fmt: skip
 
 
