@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 from pathlib import Path
 
 import httpx
 import pytest
 
-from forkd.errors import Invalid
-from forkd.oci import auth, reference
+from forkd.errors import Invalid, UpstreamError
+from forkd.oci import artifact, auth, reference
+from forkd.oci.registry import Registry
 
 
 @pytest.mark.parametrize(
@@ -147,3 +149,60 @@ def test_a_plain_http_realm_gets_no_password_from_a_tls_registry() -> None:
     with httpx.Client(transport=httpx.MockTransport(handle), auth=flow) as client:
         assert client.get("https://r.io/v2/").status_code == 401
     assert [r.url.host for r in seen] == ["r.io"]
+
+
+def _hostile(handle) -> Registry:  # type: ignore[no-untyped-def]
+    ref = reference.parse("r.io/forkd/x:v1")
+    return Registry(ref, credentials=auth.Credentials(bearer="T0K"),
+                    transport=httpx.MockTransport(handle))  # fmt: skip
+
+
+def test_a_compressed_answer_is_never_inflated() -> None:
+    import gzip
+
+    bomb = gzip.compress(bytes(200 << 20))  # 200 MiB of zeroes in ~200 KiB
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.headers["Accept-Encoding"] == "identity"
+        raw = httpx.ByteStream(bomb)  # streamed, as from the network
+        return httpx.Response(200, headers={"Content-Encoding": "gzip"}, stream=raw)
+
+    with _hostile(handle) as reg, pytest.raises(UpstreamError, match="not a forkd snapshot"):
+        body, _ = reg.get_manifest("v1")
+        artifact.parse_manifest(body, "x")  # the raw gzip bytes: not JSON
+
+
+def test_an_upload_sent_elsewhere_gets_no_credentials() -> None:
+    seen: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(f"{request.url.scheme}://{request.url.host}")
+        return httpx.Response(202, headers={"Location": "http://collector.example/up"})
+
+    with _hostile(handle) as reg, pytest.raises(UpstreamError, match="elsewhere"):
+        reg.put_blob(b"x", "sha256:" + "0" * 64)
+    assert seen == ["https://r.io"]
+
+
+def test_a_redirect_drops_credentials_and_never_goes_down_to_http() -> None:
+    seen: list[tuple[str, str | None]] = []
+    blob = b"content"
+    digest = "sha256:" + hashlib.sha256(blob).hexdigest()
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append((str(request.url), request.headers.get("Authorization")))
+        if request.url.host == "r.io":
+            return httpx.Response(307, headers={"Location": "https://storage.example/b"})
+        if request.url.host == "storage.example":
+            return httpx.Response(200, content=blob)
+        return httpx.Response(404)
+
+    with _hostile(handle) as reg:
+        assert reg.get_blob(digest, len(blob)) == blob
+    assert seen[0][1] == "Bearer T0K" and seen[1] == ("https://storage.example/b", None)
+
+    def downgrade(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(307, headers={"Location": "http://storage.example/b"})
+
+    with _hostile(downgrade) as reg, pytest.raises(UpstreamError, match="from HTTPS to http"):
+        reg.get_blob(digest, len(blob))

@@ -95,7 +95,6 @@ class RegistryAuth(httpx.Auth):
             self._header = self._basic()
         elif scheme == "bearer" and self._realm_ok(params.get("realm", "")):
             token_response = yield self._token_request(params)
-            token_response.read()
             token = _token_of(token_response)
             if token is None:
                 return  # the 401 stands: the caller reports it
@@ -134,11 +133,27 @@ def parse_challenge(header: str) -> tuple[str, dict[str, str]]:
 
 
 def _token_of(response: httpx.Response) -> str | None:
-    if response.status_code != 200 or len(response.content) > TOKEN_BYTES_LIMIT:
+    """The token a realm answered, read raw and bounded (a realm may be hostile too)."""
+    body = bytearray()
+    try:
+        body += response.content  # read already (a transport that is not streamed)
+    except httpx.ResponseNotRead:
+        try:
+            for piece in response.iter_raw():
+                body += piece
+                if len(body) > TOKEN_BYTES_LIMIT:
+                    return None
+        except httpx.HTTPError:
+            return None
+        finally:
+            response.close()
+    if len(body) > TOKEN_BYTES_LIMIT:
+        return None
+    if response.status_code != 200:
         return None
     try:
-        body = response.json()
-    except ValueError:
+        data = json.loads(body)
+    except (ValueError, RecursionError):
         return None
-    token = body.get("token") or body.get("access_token") if isinstance(body, dict) else None
+    token = data.get("token") or data.get("access_token") if isinstance(data, dict) else None
     return token if isinstance(token, str) and token else None

@@ -1,12 +1,20 @@
 """The OCI distribution API, the part forkd needs: blobs and manifests of one repository.
 
 Plain HTTP only for a loopback registry or one named insecure by the caller;
-every other registry is spoken to over HTTPS, its certificate checked. Every
-answer is bounded before it is read (manifests, blobs of a known size), and
-every blob is checked against its digest before it is used.
+every other registry is spoken to over HTTPS, its certificate checked. A
+registry may be hostile, so:
 
-Errors are forkd's: :class:`~forkd.errors.Invalid` never reaches here (the
-reference was parsed), a missing manifest is :class:`~forkd.errors.NotFound`,
+- every answer is read raw (``Accept-Encoding: identity``; a body the server
+  compressed anyway is never inflated: its digest then fails) and bounded
+  before it is read: manifests, blobs of a known size, error bodies;
+- a blob must arrive within a deadline that grows with its size (no registry
+  holds a transfer open by trickling bytes);
+- an upload goes only to the registry's own origin (its ``Location`` may not
+  send credentials elsewhere), and a redirect (blob storage) is followed
+  without credentials and never from HTTPS down to HTTP;
+- every blob is checked against its digest before it is used.
+
+Errors are forkd's: a missing manifest is :class:`~forkd.errors.NotFound`,
 credentials refused are :class:`~forkd.errors.UpstreamRefused` (403), and a
 registry that cannot be reached or answers wrongly is
 :class:`~forkd.errors.UpstreamError` (502). Each names the registry.
@@ -15,6 +23,8 @@ registry that cannot be reached or answers wrongly is
 from __future__ import annotations
 
 import hashlib
+import json
+import time
 from typing import Any
 
 import httpx
@@ -25,7 +35,10 @@ from forkd.oci.reference import Reference, is_loopback
 
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 MANIFEST_BYTES_LIMIT = 4 << 20
+SMALL_BODY_LIMIT = 64 << 10  # what is read of an error or an upload's answer
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
+BLOB_DEADLINE_SECS = 60.0  # plus a second per MiB (1 MiB/s at least)
+MAX_REDIRECTS = 3
 
 
 def sha256(data: bytes | memoryview) -> str:
@@ -47,16 +60,21 @@ class Registry:
         plain = insecure or is_loopback(ref)
         self.scheme = "http" if plain else "https"
         self.base = f"{self.scheme}://{ref.registry}/v2/{ref.repository}"
+        self.origin = httpx.URL(self.base).copy_with(path="/", query=None)
+        common: dict[str, Any] = {
+            "timeout": TIMEOUT,
+            "follow_redirects": False,  # followed by hand: see get_blob
+            "transport": transport,
+            "headers": {"User-Agent": "forkd", "Accept-Encoding": "identity"},
+        }
         self._client = httpx.Client(
-            auth=auth.RegistryAuth(credentials, plain_http_realm=plain),
-            timeout=TIMEOUT,
-            follow_redirects=True,  # blob storage behind a redirect; httpx drops the
-            transport=transport,  # Authorization header when the origin changes
-            headers={"User-Agent": "forkd"},
+            auth=auth.RegistryAuth(credentials, plain_http_realm=plain), **common
         )
+        self._anonymous = httpx.Client(**common)  # for redirects to blob storage
 
     def close(self) -> None:
         self._client.close()
+        self._anonymous.close()
 
     def __enter__(self) -> Registry:
         return self
@@ -81,6 +99,12 @@ class Registry:
         if not location:
             raise UpstreamError(f"registry {self.ref.registry} gave an upload no Location")
         url = httpx.URL(self.base).join(location)
+        if (url.scheme, url.host, url.port) != (self.origin.scheme, self.origin.host,
+                                                  self.origin.port):  # fmt: skip
+            raise UpstreamError(
+                f"registry {self.ref.registry} sent the upload elsewhere ({url.scheme}://"
+                f"{url.host}): refused, credentials go only to the registry itself"
+            )
         r = self._send(
             "PUT",
             url.copy_merge_params({"digest": digest}),
@@ -91,9 +115,25 @@ class Registry:
 
     def get_blob(self, digest: str, size: int) -> bytes:
         """The blob ``digest`` of ``size`` bytes (the manifest's word), checked against both."""
-        with self._stream("GET", f"{self.base}/blobs/{digest}") as r:
-            self._check(r, f"blob {digest}")
-            data = _read_at_most(r, size, f"blob {digest}")
+        deadline = time.monotonic() + BLOB_DEADLINE_SECS + size / (1 << 20)
+        url = httpx.URL(f"{self.base}/blobs/{digest}")
+        client = self._client
+        for _ in range(MAX_REDIRECTS + 1):
+            with self._stream(client, "GET", url) as r:
+                if r.status_code in (301, 302, 303, 307, 308) and r.headers.get("Location"):
+                    nxt = url.join(r.headers["Location"])
+                    if url.scheme == "https" and nxt.scheme != "https":
+                        raise UpstreamError(
+                            f"registry {self.ref.registry} redirected blob {digest} "
+                            f"from HTTPS to {nxt.scheme}"
+                        )
+                    url, client = nxt, self._anonymous  # no credentials past a redirect
+                    continue
+                self._check(r, f"blob {digest}")
+                data = _read_at_most(r, size, f"blob {digest}", deadline)
+                break
+        else:
+            raise UpstreamError(f"registry {self.ref.registry} redirected blob {digest} too often")
         if len(data) != size or sha256(data) != digest:
             raise UpstreamError(
                 f"registry {self.ref.registry} sent blob {digest} with the wrong content "
@@ -124,12 +164,13 @@ class Registry:
 
     def get_manifest(self, reference: str) -> tuple[bytes, str]:
         """A manifest's bytes and digest; by digest, the bytes are checked against it."""
-        with self._stream("GET", f"{self.base}/manifests/{reference}",
-                          headers={"Accept": MANIFEST_TYPE}) as r:  # fmt: skip
+        deadline = time.monotonic() + BLOB_DEADLINE_SECS
+        url = f"{self.base}/manifests/{reference}"
+        with self._stream(self._client, "GET", url, headers={"Accept": MANIFEST_TYPE}) as r:
             if r.status_code == 404:
                 raise NotFound(f"{self._where(reference)} does not exist in the registry")
             self._check(r, f"manifest {reference}")
-            body = _read_at_most(r, MANIFEST_BYTES_LIMIT, f"manifest {reference}")
+            body = _read_at_most(r, MANIFEST_BYTES_LIMIT, f"manifest {reference}", deadline)
             kind = r.headers.get("Content-Type", "").split(";")[0].strip()
         digest = sha256(body)
         if reference.startswith("sha256:") and digest != reference:
@@ -145,16 +186,15 @@ class Registry:
         return f"{self.ref.registry}/{self.ref.repository}{sep}{reference}"
 
     def _send(self, method: str, url: Any, **kwargs: Any) -> httpx.Response:
-        try:
-            return self._client.request(method, url, **kwargs)
-        except httpx.HTTPError as exc:
-            raise self._unreachable(exc) from exc
+        """A request whose answer's body is read only up to :data:`SMALL_BODY_LIMIT`."""
+        deadline = time.monotonic() + BLOB_DEADLINE_SECS
+        with self._stream(self._client, method, url, **kwargs) as r:
+            body = _read_at_most(r, SMALL_BODY_LIMIT, "an answer", deadline, cut=True)
+            return httpx.Response(r.status_code, headers=r.headers, content=body,
+                                  request=r.request)  # fmt: skip
 
-    def _stream(self, method: str, url: Any, **kwargs: Any) -> Any:
-        try:
-            return _Stream(self._client.stream(method, url, **kwargs), self)
-        except httpx.HTTPError as exc:  # pragma: no cover - stream() is lazy
-            raise self._unreachable(exc) from exc
+    def _stream(self, client: httpx.Client, method: str, url: Any, **kwargs: Any) -> Any:
+        return _Stream(client.stream(method, url, **kwargs), self)
 
     def _unreachable(self, exc: Exception) -> UpstreamError:
         where = f"registry {self.ref.registry}"
@@ -193,13 +233,25 @@ class _Stream:
         self._ctx.__exit__(*exc)
 
 
-def _read_at_most(r: httpx.Response, limit: int, what: str) -> bytes:
+def _read_at_most(
+    r: httpx.Response, limit: int, what: str, deadline: float, cut: bool = False
+) -> bytes:
+    """The raw body, at most ``limit`` bytes (more is an error, or with ``cut`` dropped),
+    all of it before ``deadline``."""
     buf = bytearray()
     try:
-        for piece in r.iter_bytes():
+        pieces = [r.content]  # read already: a transport that does not stream
+    except httpx.ResponseNotRead:
+        pieces = r.iter_raw()  # type: ignore[assignment]
+    try:
+        for piece in pieces:
             buf += piece
             if len(buf) > limit:
+                if cut:
+                    return bytes(buf[:limit])
                 raise UpstreamError(f"the registry sent more than {limit} bytes for {what}")
+            if time.monotonic() > deadline:
+                raise UpstreamError(f"the registry was too slow sending {what}")
     except httpx.HTTPError as exc:
         raise UpstreamError(f"reading {what} from the registry failed: {exc}") from exc
     return bytes(buf)
@@ -208,9 +260,15 @@ def _read_at_most(r: httpx.Response, limit: int, what: str) -> bytes:
 def _error_text(r: httpx.Response) -> str:
     """The registry's own error words, short: ``: MANIFEST_INVALID manifest invalid``."""
     try:
-        r.read()
-        errors = r.json().get("errors") or []
+        body = r.content
+    except httpx.ResponseNotRead:  # a streamed answer: only its start is read
+        try:
+            body = _read_at_most(r, SMALL_BODY_LIMIT, "an error", time.monotonic() + 10, True)
+        except UpstreamError:
+            return ""
+    try:
+        errors = json.loads(body).get("errors") or []
         words = [f"{e.get('code', '')} {e.get('message', '')}".strip() for e in errors[:3]]
         return ": " + "; ".join(words)[:300] if words else ""
-    except (ValueError, AttributeError, httpx.HTTPError):
+    except (ValueError, AttributeError, TypeError, httpx.HTTPError, RecursionError):
         return ""
