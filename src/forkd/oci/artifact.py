@@ -131,7 +131,7 @@ def parse_manifest(body: bytes, where: str) -> Manifest:
         if csize > CONFIG_BYTES_LIMIT:
             raise _bad(where, f"its config is {csize} bytes")
         annotations = data.get("annotations") or {}
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
         raise _bad(where, f"malformed manifest ({exc})") from exc
     return Manifest(cdigest, csize, layers, {str(k): str(v) for k, v in annotations.items()})
 
@@ -184,6 +184,6 @@ def parse_config(body: bytes, where: str) -> dict[str, Any]:
         for key in ("machine", "needs", "image", "snapshot"):
             if not isinstance(config[key], dict):
                 raise _bad(where, f"config {key!r} is not an object")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
         raise _bad(where, f"malformed config ({exc})") from exc
     return config

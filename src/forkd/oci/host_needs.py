@@ -81,7 +81,10 @@ def mismatches(needs: dict[str, Any], kvm: bool, host_flags: list[str] | None = 
         found.append("it was taken under KVM, and KVM cannot run guests on this host")
     elif accel == "kvm":
         have = set(cpu_flags() if host_flags is None else host_flags)
-        missing = sorted(set(needs.get("cpu_flags") or []) - have)
+        wanted = needs.get("cpu_flags") or []
+        if not isinstance(wanted, list) or not all(isinstance(f, str) for f in wanted):
+            wanted = ["<unreadable cpu_flags>"]
+        missing = sorted(set(wanted) - have)
         if missing:
             found.append(f"this host's CPU lacks {', '.join(missing[:12])}")
     elif accel != "tcg":

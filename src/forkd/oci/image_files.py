@@ -4,8 +4,11 @@ Images are keyed by their inputs (:mod:`forkd.guest.image`), so two hosts can
 hold builds of one key whose bytes differ; a restored guest's page cache
 would then not match its disk. A pulled snapshot therefore brings its image
 files, in :data:`~forkd.oci.artifact.IMAGE_PIECE` pieces, uncompressed (a
-squashfs is compressed already), and a host that has the image key already
-has every piece checked against them. Digests of local files are cached by
+squashfs is compressed already). A host whose build of that name and key has
+every piece the same uses it; otherwise the pulled files go into a directory
+of their own, named by their content (``<name>-<key>-pulled-<id>``), never
+the build's: a later ``forkd image build`` must not take a registry's files
+for its own. Digests of local files are cached by
 path, size and modification time: an image file is never rewritten in place.
 """
 
@@ -106,6 +109,35 @@ def differences(image_dir: Path, files: dict[str, list[Piece]]) -> list[str]:
     return found
 
 
+def content_id(files: dict[str, list[Piece]]) -> str:
+    """What names an image's bytes: a digest over every piece's digest."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        for offset, length, digest in files[name]:
+            h.update(f"{name} {offset} {length} {digest}\n".encode())
+    return h.hexdigest()[:16]
+
+
+def local_dir(
+    images_root: Path, config: dict[str, Any], files: dict[str, list[Piece]]
+) -> Path | None:
+    """An image directory on this host holding exactly the snapshot's image files: the
+    local build of that name and key if its bytes are the same, else an earlier pull of
+    them; ``None`` when the image must be pulled too."""
+    name, key = image_dir_name(config)
+    for d in (images_root / f"{name}-{key}", pulled_dir(images_root, config, files)):
+        if (d / "image.json").is_file() and not differences(d, files):
+            return d
+    return None
+
+
+def pulled_dir(images_root: Path, config: dict[str, Any], files: dict[str, list[Piece]]) -> Path:
+    """Where a pulled image goes: never a local build's directory (``forkd image build``
+    would take a directory of its name and key for its own), but one named by content."""
+    name, key = image_dir_name(config)
+    return images_root / f"{name}-{key}-pulled-{content_id(files)}"
+
+
 def install(
     images_root: Path,
     config: dict[str, Any],
@@ -117,7 +149,7 @@ def install(
     ``fetch(digest, size)`` returns a checked blob. Returns the image directory.
     """
     name, key = image_dir_name(config)
-    final = images_root / f"{name}-{key}"
+    final = pulled_dir(images_root, config, files)
     images_root.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=images_root, prefix=f".staging-pull-{name}-"))
     try:

@@ -104,10 +104,15 @@ def push(
             up.layer(artifact.VOLUME_TYPE, data, volume_files.part(index), offset)
     with memory_diff.resolve(files) as chain:
         progress(f"memory ({result.encoding})")
+        if base is not None:
+            mark = len(up.layers)
+            try:
+                _delta(up, chain, base)
+            except _TooScattered:  # an index no puller would take: the whole memory
+                del up.layers[mark:]
+                base, result.encoding, result.base_digest = None, "chunks", None
         if base is None:
             _chunks(up, chain)
-        else:
-            _delta(up, chain, base)
     config["memory"] = {
         "bytes": files.meta.memory_bytes,
         "encoding": result.encoding,
@@ -183,5 +188,12 @@ def _delta(up: _Uploader, chain: Chain, base: Base) -> None:
                 sent += artifact.PAGES_PIECE
     if packed:
         up.layer(artifact.PAGES_TYPE, bytes(packed), "pages", sent)
+    index = memory_diff.runs_bytes(runs)
+    if len(index) > artifact.MAX_PIECE:
+        raise _TooScattered
     up.result.memory_pages = sum(end - first for first, end in runs)
-    up.layer(artifact.RUNS_TYPE, memory_diff.runs_bytes(runs), "runs", 0)
+    up.layer(artifact.RUNS_TYPE, index, "runs", 0)
+
+
+class _TooScattered(Exception):
+    """A delta's index of runs would be over the largest piece a pull accepts."""

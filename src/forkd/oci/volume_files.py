@@ -62,7 +62,10 @@ def chunks(path: Path) -> Iterator[tuple[int, bytes]]:
 def wanted(manifest: Manifest, config: dict[str, Any]) -> list[dict[str, Any]]:
     """The volumes a config lists, each checked: a name, a mount point, a size."""
     found = []
-    for i, vol in enumerate(config.get("volumes") or []):
+    listed = config.get("volumes") or []
+    if not isinstance(listed, list) or len(listed) > limits.MAX_VOLUMES_PER_VM:
+        raise UpstreamError(f"the snapshot lists more than {limits.MAX_VOLUMES_PER_VM} volumes")
+    for i, vol in enumerate(listed):
         try:
             name, path, size = str(vol["name"]), str(vol["path"]), int(vol["size_bytes"])
             check_guest_mount(path)

@@ -22,15 +22,18 @@ import logging
 import os
 import secrets
 import shutil
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from forkd import accel, limits, paths
 from forkd.controller.models import PushResult, SnapshotInfo, SnapshotPull, SnapshotPush
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SnapshotRow, now
-from forkd.errors import Conflict, Invalid, SnapshotError, StorageFull, UpstreamError
+from forkd.errors import Busy, Conflict, Invalid, SnapshotError, StorageFull, UpstreamError
 from forkd.oci import (
     artifact,
     auth,
@@ -47,11 +50,13 @@ from forkd.vmm import egress, memory_diff, snapshot_files
 from forkd.vmm.memory_diff import Chain
 from forkd.vmm.qemu_argv import MachineConfig
 from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotMeta
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.volumes import Attachment, VolumeStore
 
 log = logging.getLogger(__name__)
 _HOST_PATHS = ("vmlinuz", "initrd", "rootfs")  # a machine's files on this host: not sent
 PULL_RESERVE_BYTES = 256 << 20  # a pull leaves this much of the disk free
+MAX_TRANSFERS = 3  # pushes and pulls at once
+T = TypeVar("T")
 
 
 class SnapshotTransfer:
@@ -59,8 +64,23 @@ class SnapshotTransfer:
         self.fleet = fleet
         self.snapshots = snapshots
         self.root = fleet.settings.snapshot_root
+        # Transfers take minutes: their own threads, never the default pool's that forks,
+        # branches and networks need; past the cap a transfer is a 503 to retry.
+        self._pool = ThreadPoolExecutor(MAX_TRANSFERS, thread_name_prefix="forkd-transfer")
+        self._running = 0
 
     # ------------------------------------------------------------ plumbing
+
+    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on a transfer thread. A cancelled caller does not stop it: the
+        thread finishes, or cleans up after itself (a pull commits or removes all)."""
+        if self._running >= MAX_TRANSFERS:
+            raise Busy(f"{MAX_TRANSFERS} pushes and pulls are running: retry shortly")
+        self._running += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        finally:
+            self._running -= 1
 
     def _registry(self, ref: Reference, token: str | None, insecure: bool) -> Registry:
         settings = self.fleet.settings
@@ -100,16 +120,19 @@ class SnapshotTransfer:
             except SnapshotError as exc:
                 raise Conflict(f"snapshot {tag!r} cannot be pushed: {exc}") from exc
             registry = self._registry(ref, req.token, req.insecure)
-            try:
-                pushed = await asyncio.to_thread(
-                    self._push_one, registry, files, row, ref.tag or "latest", req.flatten
-                )
-            finally:
-                registry.close()
+            pushed = await self._in_thread(
+                self._push_closing, registry, files, row, ref.tag or "latest", req.flatten
+            )
         self.fleet.metrics.registry_bytes.labels(direction="push").inc(pushed.bytes_uploaded)
         log.info("pushed %s to %s@%s: %d of %d bytes sent (%s)", tag, ref, pushed.digest,
                  pushed.bytes_uploaded, pushed.bytes_total, pushed.encoding)  # fmt: skip
         return PushResult(ref=str(ref), **vars(pushed))
+
+    def _push_closing(self, registry: Registry, *args: Any) -> push.Pushed:
+        try:
+            return self._push_one(registry, *args)
+        finally:
+            registry.close()
 
     def _push_one(
         self,
@@ -122,8 +145,8 @@ class SnapshotTransfer:
     ) -> push.Pushed:
         """Push ``files``, a diff's bases first when the repository lacks them (in a thread)."""
         repo = f"{registry.ref.registry}/{registry.ref.repository}"
+        config = _config(files, row)  # first: nothing to close if it fails
         base = None if flatten else self._base(registry, files, row, depth)
-        config = _config(files, row)
         image_dir = files.machine.rootfs.parent
         scratch = self.root / f".{row.tag}.partial-push-{secrets.token_hex(3)}"
         try:
@@ -183,20 +206,27 @@ class SnapshotTransfer:
 
     async def pull(self, req: SnapshotPull) -> SnapshotInfo:
         ref = reference.parse(req.ref)
-        if req.tag is not None and self.fleet.store.get_snapshot(req.tag) is not None:
-            raise Conflict(f"snapshot {req.tag!r} already exists")  # before any request
+        if req.tag is not None:
+            limits.check_tag(req.tag)
+            if self.fleet.store.get_snapshot(req.tag) is not None:
+                raise Conflict(f"snapshot {req.tag!r} already exists")  # before any request
         registry = self._registry(ref, req.token, req.insecure)
         try:
-            remote = await asyncio.to_thread(pull.open_remote, registry, ref.reference)
+            remote = await self._in_thread(pull.open_remote, registry, ref.reference)
             tag = req.tag or _pushed_tag(remote.config) or ref.tag
             if not tag:
                 raise Invalid("give a tag: the reference and the snapshot name none")
             limits.check_tag(tag)
             with self.fleet.reserve_tag(tag):
-                image_dir = await asyncio.to_thread(self._check, remote)
-                await self._pull_into(registry, ref, remote, tag, image_dir, req)
+                image_dir = await self._in_thread(self._check, remote)
+                fetched = await self._in_thread(
+                    self._pull_sync, registry, ref, remote, tag, image_dir, req.metadata
+                )
         finally:
             registry.close()
+        self.fleet.metrics.registry_bytes.labels(direction="pull").inc(fetched)
+        self.fleet.events.publish("snapshot_created", snapshot_tag=tag)
+        log.info("pulled %s as %s: %d bytes fetched", remote.where, tag, fetched)
         return self.snapshots.info(tag)
 
     def _check(self, remote: pull.Remote) -> Path | None:
@@ -204,7 +234,10 @@ class SnapshotTransfer:
         image directory it would use, ``None`` when the image must be pulled too."""
         kvm = accel.choose(self.fleet.settings.accel).name == "kvm"
         problems = host_needs.mismatches(remote.config["needs"], kvm)
-        machine = remote.config["machine"]
+        machine, needs = remote.config["machine"], remote.config["needs"]
+        for key in ("memory_mib", "vcpus", "accel"):  # the checked needs are the machine
+            if machine.get(key) != needs.get(key):
+                problems.append(f"its machine and its needs disagree on {key}")
         if machine.get("memory_mib") != remote.memory_bytes >> 20:
             problems.append("its machine and its memory disagree on the guest's size")
         try:
@@ -213,13 +246,7 @@ class SnapshotTransfer:
             problems.append(f"its egress policy is invalid here: {exc}")
         volumes = volume_files.wanted(remote.manifest, remote.config)  # malformed: 502
         files = image_files.wanted(remote.manifest)
-        name, key = image_files.image_dir_name(remote.config)
-        image_dir = paths.images_dir() / f"{name}-{key}"
-        if (image_dir / "image.json").is_file():
-            differences = image_files.differences(image_dir, files)
-            problems += [f"image {image_dir.name}: {d}" for d in differences]
-        else:
-            image_dir = None
+        image_dir = image_files.local_dir(paths.images_dir(), remote.config, files)
         if problems:
             why = "; ".join(problems)
             raise Conflict(f"{remote.where} cannot be restored on this host: {why}")
@@ -227,44 +254,42 @@ class SnapshotTransfer:
         _check_room(self.root, remote, image_bytes + sum(v["size_bytes"] for v in volumes))
         return image_dir
 
-    async def _pull_into(
+    def _pull_sync(
         self,
         registry: Registry,
         ref: Reference,
         remote: pull.Remote,
         tag: str,
         image_dir: Path | None,
-        req: SnapshotPull,
-    ) -> None:
+        metadata: dict[str, str],
+    ) -> int:
+        """Write, commit and register the snapshot (in a transfer thread); on any failure
+        remove everything it made. Returns the bytes fetched."""
         staging = self.root / f".{tag}.partial-pull-{secrets.token_hex(3)}"
         final = self.root / tag
-        repo = f"{ref.registry}/{ref.repository}"
         downloads = pull.Downloads(registry)
-        made: list[str] = []  # volumes made for it: removed again if the pull fails
+        made = _Made()
         try:
             staging.mkdir(mode=0o700, parents=True)
-            files = await asyncio.to_thread(
-                self._write, registry, remote, downloads, staging, image_dir, made
-            )
+            self._write(registry, remote, downloads, staging, image_dir, made)
             staging.rename(final)
             snapshot_files.fsync_path(self.root)
             files = snapshot_files.load(final)
-            self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), req.metadata))
+            self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata))
         except BaseException as exc:
             shutil.rmtree(staging, ignore_errors=True)
             if self.fleet.store.get_snapshot(tag) is None:
                 shutil.rmtree(final, ignore_errors=True)
-                self._remove_volumes(made)
+                made.remove(self.snapshots.volumes.store)
             if isinstance(exc, OSError):
                 if exc.errno == errno.ENOSPC:
                     raise StorageFull(f"disk full while pulling {remote.where}") from exc
                 raise UpstreamError(f"pulling {remote.where} failed: {exc}") from exc
             raise
         assert files.meta.id is not None
-        self.fleet.store.record_digest(files.meta.id, repo, remote.digest)
-        self.fleet.metrics.registry_bytes.labels(direction="pull").inc(downloads.bytes)
-        self.fleet.events.publish("snapshot_created", snapshot_tag=tag)
-        log.info("pulled %s as %s: %d bytes fetched", remote.where, tag, downloads.bytes)
+        self.fleet.store.record_digest(files.meta.id, f"{ref.registry}/{ref.repository}",
+                                       remote.digest)  # fmt: skip
+        return downloads.bytes
 
     def _write(
         self,
@@ -273,7 +298,7 @@ class SnapshotTransfer:
         downloads: pull.Downloads,
         staging: Path,
         image_dir: Path | None,
-        made: list[str],
+        made: _Made,
     ) -> SnapshotFiles:
         """The snapshot's files in ``staging`` (in a thread); the image first if missing."""
         if image_dir is None:
@@ -281,6 +306,7 @@ class SnapshotTransfer:
             image_dir = image_files.install(
                 paths.images_dir(), remote.config, wanted, downloads.fetch
             )
+            made.images.append(image_dir)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         fd = os.open(staging / snapshot_files.VMSTATE, flags, 0o600)
         try:
@@ -300,7 +326,7 @@ class SnapshotTransfer:
         return SnapshotFiles(staging, meta)
 
     def _write_volumes(
-        self, remote: pull.Remote, downloads: pull.Downloads, made: list[str]
+        self, remote: pull.Remote, downloads: pull.Downloads, made: _Made
     ) -> tuple[Attachment, ...]:
         """Each volume the snapshot carries, as a new volume of this daemon (its name, or
         the name with a suffix when taken); they go again if the pull fails."""
@@ -312,17 +338,10 @@ class SnapshotTransfer:
                 volume_files.write(remote.manifest, vol, downloads.piece, fd)
 
             name = store.create_filled(vol["name"], vol["size_bytes"], fill)
-            made.append(name)
+            made.volumes.append(name)
             base = (str(store.base(name)),)
             attachments.append(Attachment(name, vol["path"], vol["readonly"], base))
         return tuple(attachments)
-
-    def _remove_volumes(self, names: list[str]) -> None:
-        store = self.snapshots.volumes.store
-        for name in names:
-            with contextlib.suppress(Exception):
-                store.remove(name)
-        names.clear()
 
     def _chain_of(self, digest: str) -> Chain | None:
         """The memory of a snapshot on this host known as manifest ``digest``."""
@@ -332,6 +351,21 @@ class SnapshotTransfer:
                 with contextlib.suppress(SnapshotError):
                     return memory_diff.resolve(found[1])
         return None
+
+
+@dataclass
+class _Made:
+    """What a pull made outside its staging directory: removed again if it fails."""
+
+    volumes: list[str] = field(default_factory=list)
+    images: list[Path] = field(default_factory=list)
+
+    def remove(self, store: VolumeStore) -> None:
+        for name in self.volumes:
+            with contextlib.suppress(Exception):
+                store.remove(name)
+        for image_dir in self.images:
+            shutil.rmtree(image_dir, ignore_errors=True)
 
 
 def _check_room(root: Path, remote: pull.Remote, other_bytes: int) -> None:
