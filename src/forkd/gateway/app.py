@@ -7,8 +7,10 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import httpx
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from starlette.responses import Response
 
 from forkd import __version__
 from forkd.controller import http_errors
@@ -17,7 +19,7 @@ from forkd.controller.server import parse_bind
 from forkd.gateway import routes
 from forkd.gateway.fleet_ops import FleetOps
 from forkd.gateway.nodes import NodeSet
-from forkd.gateway.proxy import MAX_MESSAGE_BYTES, Forwarder
+from forkd.gateway.proxy import MAX_MESSAGE_BYTES, Forwarder, NodeUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +29,9 @@ def create_app(
     token: str | None,
     registry: str | None = None,
     insecure_registry: bool = False,
+    transport: httpx.AsyncBaseTransport | None = None,  # tests: fake nodes
 ) -> FastAPI:
-    forward = Forwarder(nodes)
+    forward = Forwarder(nodes, transport=transport)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -46,8 +49,13 @@ def create_app(
     app.add_middleware(GuardMiddleware, token=token)
     http_errors.install(app)
     app.add_exception_handler(routes.Relayed, routes.relayed)
+    app.add_exception_handler(NodeUnreachable, _unreachable)
     app.include_router(routes.router)
     return app
+
+
+async def _unreachable(_request: Request, exc: Exception) -> Response:
+    return http_errors.error_response(503, str(exc))
 
 
 def serve(app: FastAPI, bind: str, log_level: str = "info") -> None:

@@ -65,9 +65,7 @@ class FleetOps:
         info = await self.forward.json(holders[0], "GET", f"/v1/snapshots/{tag}")
         if info.status_code != 200:
             return _passed_on(info)
-        memory_mib = int(info.json().get("memory_mib") or 0)
-        if body.get("memory_limit_mib"):
-            memory_mib = int(body["memory_limit_mib"])
+        memory_mib = int(info.json().get("memory_mib") or 0)  # what admission counts
         plan = placement.place(self.nodes.up(), holders, n, memory_mib, pinned)
         for target, _count in plan:
             if tag not in target.snapshots:

@@ -1,10 +1,12 @@
 """The daemons behind a gateway, and whether each answers.
 
-Each node is polled (``GET /v1/capacity``) every :data:`POLL_SECS`. A node is
-``up`` while it answers, and ``down`` once it has not for :data:`DOWN_AFTER_SECS`
-(or was never reached): a node that stops answering is down within
-``DOWN_AFTER_SECS + POLL_SECS + TIMEOUT`` (10 s). Requests for its sandboxes
-then get a 503 naming it, and placement skips it until it answers again.
+Each node is polled (``GET /v1/capacity``) by a task of its own, every
+:data:`POLL_SECS` and at once when a request to it failed, so one slow node
+or a slow resolver never ages the others. A node is ``up`` once it answered
+and ``down`` after :data:`FAILURES_DOWN` polls in a row failed: a node that
+stops answering is down within ``2 * (POLL_SECS + TIMEOUT)`` (9 s). Requests
+for its sandboxes then get a 503 naming it, and placement skips it until it
+answers again.
 
 Nodes are given as URLs, or found in DNS: every poll, a name (a Kubernetes
 headless Service) is resolved and each address is a node on ``port``.
@@ -26,8 +28,9 @@ import httpx
 log = logging.getLogger(__name__)
 
 POLL_SECS = 2.0
-DOWN_AFTER_SECS = 5.0
+FAILURES_DOWN = 2
 TIMEOUT = httpx.Timeout(2.5, connect=2.0)
+RESOLVE_TIMEOUT_SECS = 2.0
 Resolver = Callable[[str], list[str]]
 
 
@@ -39,10 +42,12 @@ class Node:
     last_ok: float | None = None  # monotonic time of the last answer
     error: str | None = None
     discovered: bool = False  # found in DNS (dropped when the name no longer holds it)
+    failures: int = 0  # polls failed in a row
+    wake: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     @property
     def up(self) -> bool:
-        return self.last_ok is not None and time.monotonic() - self.last_ok < DOWN_AFTER_SECS
+        return self.last_ok is not None and self.failures < FAILURES_DOWN
 
     @property
     def name(self) -> str:
@@ -99,7 +104,7 @@ class NodeSet:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.client = httpx.AsyncClient(headers=headers, timeout=TIMEOUT, transport=transport)
         self._task: asyncio.Task[None] | None = None
-        self._wake = asyncio.Event()
+        self._pollers: dict[str, asyncio.Task[None]] = {}
 
     # ------------------------------------------------------------ lookups
 
@@ -119,30 +124,50 @@ class NodeSet:
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._loop())
+        self._task = asyncio.create_task(self._discovery_loop())
+        self._start_pollers()
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        tasks = [t for t in (self._task, *self._pollers.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.client.aclose()
 
-    def poke(self) -> None:
-        """Poll now (a request to a node just failed)."""
-        self._wake.set()
+    def poke(self, node: Node | None = None) -> None:
+        """Poll ``node`` (every node: ``None``) now: a request to it just failed."""
+        for n in [node] if node is not None else list(self.nodes.values()):
+            n.wake.set()
 
-    async def _loop(self) -> None:
+    def _start_pollers(self) -> None:
+        for url, node in self.nodes.items():
+            if url not in self._pollers:
+                self._pollers[url] = asyncio.create_task(self._poll_loop(node))
+        for url in [u for u in self._pollers if u not in self.nodes]:
+            self._pollers.pop(url).cancel()
+
+    async def _poll_loop(self, node: Node) -> None:
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), POLL_SECS)
-            self._wake.clear()
+                await asyncio.wait_for(node.wake.wait(), POLL_SECS)
+            node.wake.clear()
             try:
-                await self.refresh()
-            except Exception:  # never let the poller die
-                log.exception("polling the nodes failed")
+                await self._poll(node)
+            except Exception:  # never let a poller die
+                log.exception("polling node %s failed", node.url)
+
+    async def _discovery_loop(self) -> None:
+        while True:
+            await asyncio.sleep(POLL_SECS)
+            if self.dns_name:
+                try:
+                    await self._discover()
+                except Exception:
+                    log.exception("finding the nodes in DNS failed")
+                self._start_pollers()
 
     async def refresh(self) -> None:
+        """Find the nodes (DNS) and poll each once, now."""
         if self.dns_name:
             await self._discover()
         await asyncio.gather(*(self._poll(n) for n in list(self.nodes.values())))
@@ -153,8 +178,10 @@ class NodeSet:
 
     async def _discover(self) -> None:
         try:
-            found = await asyncio.to_thread(self.resolver, self.dns_name or "")
-        except OSError as exc:
+            found = await asyncio.wait_for(
+                asyncio.to_thread(self.resolver, self.dns_name or ""), RESOLVE_TIMEOUT_SECS
+            )
+        except (OSError, TimeoutError) as exc:
             log.warning("resolving %s failed: %s", self.dns_name, exc)
             return  # keep what we had: a DNS blip is not every node gone
         urls = {_url(address, self.dns_port) for address in found}
@@ -171,15 +198,17 @@ class NodeSet:
             r.raise_for_status()
             capacity = r.json()
         except (httpx.HTTPError, ValueError) as exc:
-            if node.up or node.error is None:
-                log.warning("node %s does not answer: %s", node.name, exc)
+            was_up = node.up
+            node.failures += 1
             node.error = str(exc) or type(exc).__name__
+            if was_up and not node.up:
+                log.warning("node %s is down: %s", node.name, node.error)
             return
-        if node.error is not None or node.last_ok is None:
+        if not node.up:
             log.info("node %s is up", node.url)
         node.capacity = capacity if isinstance(capacity, dict) else {}
         node.node_id = str(node.capacity.get("node_id") or "") or None
-        node.last_ok, node.error = time.monotonic(), None
+        node.last_ok, node.error, node.failures = time.monotonic(), None, 0
 
 
 def _url(address: str, port: int) -> str:

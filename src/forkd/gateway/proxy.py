@@ -51,33 +51,42 @@ class Forwarder:
         """``request`` as it came, sent to ``node``; its answer streamed back."""
         if not node.up:
             return node_down(node)
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP]
+        headers = [(k, v) for k, v in request.headers.raw
+                   if k.decode("latin-1").lower() not in HOP_BY_HOP]  # fmt: skip
+        if not any(k.lower() == b"accept-encoding" for k, _ in headers):
+            headers.append((b"accept-encoding", b"identity"))  # not httpx's own default
         upstream = self.client.build_request(
             request.method,
-            node.url + request.url.path,
-            params=request.query_params.multi_items(),
+            node.url,
             headers=headers,
             content=request.stream() if request.method in ("POST", "PUT", "PATCH") else None,
         )
+        # The path and query exactly as they came: never decoded and encoded again.
+        query = request.scope.get("query_string") or b""
+        raw = request.scope.get("raw_path") or request.url.path.encode()
+        upstream.url = upstream.url.copy_with(raw_path=raw + (b"?" + query if query else b""))
         try:
             answer = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
-            self.nodes.poke()
+            self.nodes.poke(node)
             return error_response(503, f"node {node.name} did not answer: {exc}")
-        kept = [(k, v) for k, v in answer.headers.items() if k.lower() not in HOP_BY_HOP]
-        return StreamingResponse(
+        response = StreamingResponse(
             answer.aiter_raw(),
             status_code=answer.status_code,
-            headers=dict(kept),
             background=BackgroundTask(answer.aclose),
         )
+        # Every header as the node sent it, repeated ones (Set-Cookie) too.
+        response.raw_headers = [
+            (k, v) for k, v in answer.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP
+        ]
+        return response
 
     async def json(self, node: Node, method: str, path: str, **kw: Any) -> httpx.Response:
         """A request of the gateway's own to ``node`` (not streamed)."""
         try:
             return await self.client.request(method, node.url + path, **kw)
         except httpx.HTTPError as exc:
-            self.nodes.poke()
+            self.nodes.poke(node)
             raise NodeUnreachable(node, exc) from exc
 
     async def websocket(self, websocket: WebSocket, node: Node) -> None:
@@ -106,7 +115,7 @@ class Forwarder:
                                    _error_text(body) or f"node {node.name} refused")  # fmt: skip
             return
         except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
-            self.nodes.poke()
+            self.nodes.poke(node)
             await refuse_websocket(websocket.scope, websocket.receive, websocket.send, 503,
                                    f"node {node.name} did not answer: {exc}")  # fmt: skip
             return

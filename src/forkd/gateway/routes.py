@@ -24,7 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from forkd import __version__, limits
 from forkd.controller.http_errors import refuse_websocket, status_of
-from forkd.errors import Invalid, NotFound, Unavailable
+from forkd.errors import Conflict, Invalid, NotFound, Unavailable
 from forkd.gateway.fleet_ops import FleetOps, _passed_on
 from forkd.gateway.nodes import Node
 
@@ -150,6 +150,10 @@ async def _made_on_a_node(request: Request) -> Response:
     that node is polled again at once, so it is known to hold the snapshot."""
     ops = _ops(request)
     body = await _body(request)
+    tag = body.get("tag")
+    held = ops.nodes.holders(tag) if isinstance(tag, str) else []
+    if held:  # one tag, one snapshot, across the nodes
+        raise Conflict(f"snapshot {tag!r} already exists on node {held[0].name}")
     node = _roomiest(ops, body.pop("node", None))
     answer = await ops.forward.json(node, "POST", request.url.path, json=body, timeout=3600)
     if answer.status_code == 201:
@@ -257,29 +261,45 @@ async def events(request: Request) -> Response:
     if sandbox_id:
         return await ops.forward.request(request, ops.owner(sandbox_id))
     params = [(k, v) for k, v in request.query_params.multi_items() if k != "since"]
-    queue: asyncio.Queue[bytes] = asyncio.Queue(maxsize=1024)
+    client = ops.forward.client
+    answers: list[Any] = []
+    try:  # every node's stream open first: a filter one refuses is its answer, as it is
+        for node in ops.nodes.up():
+            upstream = client.build_request("GET", f"{node.url}/v1/events", params=params,
+                                            headers={"Accept": "text/event-stream"})  # fmt: skip
+            answer = await client.send(upstream, stream=True)
+            answers.append(answer)
+            if answer.status_code != 200:
+                await answer.aread()
+                return _passed_on(answer)
+    except Exception:
+        await asyncio.gather(*(a.aclose() for a in answers), return_exceptions=True)
+        raise
+    return StreamingResponse(_merged_events(answers), media_type="text/event-stream")
 
-    async def follow(node: Node) -> None:
+
+async def _merged_events(answers: list[Any]) -> AsyncIterator[bytes]:
+    """Each node's events as they come. When one node's stream ends (it stopped, or went
+    away) the merged one ends too: the client reconnects, and gets every node up then."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=1024)
+
+    async def follow(answer: Any) -> None:
+        pending = b""
         with contextlib.suppress(Exception):
-            async with ops.forward.client.stream(
-                "GET", f"{node.url}/v1/events", params=params,
-                headers={"Accept": "text/event-stream"},
-            ) as answer:  # fmt: skip
-                pending = b""
-                async for piece in answer.aiter_bytes():
-                    pending += piece
-                    while b"\n\n" in pending:
-                        block, pending = pending.split(b"\n\n", 1)
-                        await queue.put(block + b"\n\n")
+            async for piece in answer.aiter_bytes():
+                pending += piece
+                while b"\n\n" in pending:
+                    block, pending = pending.split(b"\n\n", 1)
+                    await queue.put(block + b"\n\n")
+        await queue.put(None)
 
-    async def stream() -> AsyncIterator[bytes]:
-        tasks = [asyncio.create_task(follow(n)) for n in ops.nodes.up()]
-        try:
-            yield b": merged from every node\n\n"
-            while True:
-                yield await queue.get()
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    tasks = [asyncio.create_task(follow(a)) for a in answers]
+    try:
+        yield b": merged from every node\n\n"
+        while (block := await queue.get()) is not None:
+            yield block
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(a.aclose() for a in answers), return_exceptions=True)
