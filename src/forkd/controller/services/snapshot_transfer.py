@@ -84,13 +84,15 @@ class SnapshotTransfer:
 
     def _registry(self, ref: Reference, token: str | None, insecure: bool) -> Registry:
         settings = self.fleet.settings
-        creds = (
-            auth.Credentials(bearer=token)
-            if token
-            else auth.from_docker_config(ref.registry, settings.registry_auth)
-        )
-        plain = insecure or ref.registry in settings.insecure_registries
-        return Registry(ref, credentials=creds, insecure=plain)
+        trusted_plain = reference.is_loopback(ref) or ref.registry in settings.insecure_registries
+        creds = None
+        if token:
+            creds = auth.Credentials(bearer=token)
+        elif trusted_plain or not insecure:
+            # The host's stored credentials cross plain HTTP only where the operator
+            # allowed it, never because one request asked for plain HTTP.
+            creds = auth.from_docker_config(ref.registry, settings.registry_auth)
+        return Registry(ref, credentials=creds, insecure=insecure or trusted_plain)
 
     def _local(self, snapshot_id: str) -> tuple[SnapshotRow, SnapshotFiles] | None:
         """The ready snapshot on this host whose id is ``snapshot_id``."""
