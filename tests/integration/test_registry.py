@@ -108,6 +108,7 @@ def test_a_branch_taken_on_one_node_forks_on_another(
     assert memory_digest(pulled.info) == memory_digest(ctl.snapshot_info("it-branch"))
     with Sandbox("it-branch", controller=ctl2) as kid:
         assert kid.eval("hashlib.sha256(blob).hexdigest()").result == want
+    ctl.delete_snapshot("it-branch")  # its fork pool too: the suite's daemon is shared
 
 
 def test_a_diff_chain_travels_whole(
@@ -128,6 +129,7 @@ def test_a_diff_chain_travels_whole(
     assert memory_digest(pulled) == memory_digest(ctl.snapshot_info("it-d2"))
     with Sandbox("it-d2", controller=ctl2) as kid:
         assert kid.eval("hashlib.sha256(blob2).hexdigest()").result == want
+    ctl.delete_snapshot("it-d1", cascade=True)
 
 
 def test_bad_references_change_nothing(

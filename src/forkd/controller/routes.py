@@ -114,7 +114,7 @@ async def metrics(request: Request) -> Response:
     return Response(body, media_type="text/plain; version=0.0.4")
 
 
-@discovery.get("/v1/capacity", response_model=CapacityInfo)
+@discovery.get("/v1/capacity", response_model=CapacityInfo, responses=ERROR_RESPONSES)
 async def capacity(svc: Svc) -> CapacityInfo:
     """Room left for sandboxes, and the snapshots held: what a gateway places by."""
     return svc.snapshots.capacity()
