@@ -266,3 +266,30 @@ def test_lineage_forest_dead_source() -> None:
     b = flat[0]["children"][0]
     assert b["tag"] == "b" and b["children"][0]["id"] == "sb-2"
     assert flat[2]["children"][0]["id"] == "sb-3"
+
+
+# -- snapshot push and pull ---------------------------------------------------------
+
+
+def test_cli_snapshot_push_and_pull_through_a_real_registry(
+    forkd: Invoke, ctl: Controller, py: str
+) -> None:
+    from tests.registry_server import RegistryServer
+
+    registry = RegistryServer()
+    try:
+        ref = registry.ref("forkd/cli", "py")
+        pushed = forkd("snapshot", "push", py, ref, "--json")
+        assert pushed.exit_code == 0, pushed.output
+        result = json.loads(pushed.stdout)
+        assert result["digest"].startswith("sha256:") and result["encoding"] == "chunks"
+        human = forkd("snapshot", "push", py, ref)  # again: nothing new goes up
+        assert human.exit_code == 0 and result["digest"] in human.stdout
+        pulled = forkd("snapshot", "pull", ref, "--tag", "py-again", "--json")
+        assert pulled.exit_code == 0, pulled.output
+        assert json.loads(pulled.stdout)["tag"] == "py-again"
+        assert "py-again" in {s["tag"] for s in ctl.list_snapshots()}
+        bad = forkd("snapshot", "pull", "Not A Ref")
+        assert bad.exit_code != 0 and "invalid registry reference" in bad.output
+    finally:
+        registry.stop()

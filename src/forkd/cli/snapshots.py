@@ -240,7 +240,7 @@ def snapshot_push(
         render.print_json(result)
         return
     sent, total = result["bytes_uploaded"], result["bytes_total"]
-    out.print(f"{escape(result['ref'])}@{result['digest']}")
+    out.print(f"{escape(result['ref'])}@{result['digest']}", soft_wrap=True)  # one line
     _transfer_note(conn, "pushed", f"{sent / 2**20:.1f} of {total / 2**20:.1f} MiB "
                    f"({result['encoding']})", started)  # fmt: skip
 
