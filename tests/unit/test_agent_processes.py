@@ -106,10 +106,16 @@ class AgentConnection:
 def _start_agent(path: Path) -> subprocess.Popen[bytes]:
     proc = subprocess.Popen([sys.executable, str(AGENT), "--socket", str(path)])
     deadline = time.monotonic() + 10
-    while not path.exists():
+    while True:  # listening, not only bound: the socket file exists between the two
         assert proc.poll() is None and time.monotonic() < deadline, "the agent did not start"
-        time.sleep(0.02)
-    return proc
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+            return proc
+        except (FileNotFoundError, ConnectionRefusedError):
+            time.sleep(0.02)
+        finally:
+            probe.close()
 
 
 def _stop_agent(proc: subprocess.Popen[bytes], path: Path) -> None:
