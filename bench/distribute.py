@@ -97,7 +97,8 @@ class DistributeBench(benchlib.BenchBase):
         self.b.stop()
         self.b.token_file = self.a.token_path
         self.b.start("--kill-on-exit")
-        self.gateway.start("--registry", f"{self.registry.address}/forkd/gateway")
+        # The repository the template went through: the branch then moves as a delta.
+        self.gateway.start("--registry", f"{self.registry.address}/forkd/bench")
 
     def transfer(self, a: Controller, b: Controller) -> None:
         assert self.registry is not None
