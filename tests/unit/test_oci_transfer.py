@@ -243,12 +243,14 @@ def test_volume_disks_travel_as_their_non_zero_chunks(tmp_path: Path) -> None:
     manifest = artifact.Manifest(sha256(b"{}"), 2, layers)
     config = {"volumes": [{"name": "data", "path": "/data", "size_bytes": size}]}
     (vol,) = volume_files.wanted(manifest, config)
-    pieces = dict(zip(layers, (d for _, d in got), strict=True))
+    contents = dict(zip(layers, (d for _, d in got), strict=True))
+
+    def pieces(wanted: list[artifact.Layer]) -> list[tuple[artifact.Layer, bytes]]:
+        return [(la, contents[la]) for la in wanted]
+
     store = VolumeStore(tmp_path / "volumes")
     names = [
-        store.create_filled(
-            "data", size, lambda fd: volume_files.write(manifest, vol, pieces.get, fd)
-        )
+        store.create_filled("data", size, lambda fd: volume_files.write(manifest, vol, pieces, fd))
         for _ in range(2)
     ]
     assert names[0] == "data" and names[1].startswith("data-")  # the name was taken

@@ -12,9 +12,13 @@ The snapshot lands as a full one: its memory is written whole.
 
 from __future__ import annotations
 
+import collections
 import io
+import itertools
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +33,8 @@ from forkd.vmm import memory, memory_diff
 from forkd.vmm.memory_diff import Chain
 
 PAGE = memory.PAGE
-ZERO_PAGE = bytes(PAGE)
 LocalBase = Callable[[str], Chain | None]
+FETCH_AHEAD = 4  # blobs in flight at once in one pull
 
 
 @dataclass(frozen=True)
@@ -67,11 +71,31 @@ class Downloads:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
         self.bytes = 0
+        self._lock = threading.Lock()
 
     def fetch(self, digest: str, size: int) -> bytes:
         data = self.registry.get_blob(digest, size)
-        self.bytes += len(data)
+        with self._lock:
+            self.bytes += len(data)
         return data
+
+    def pieces(self, layers: list[Layer]) -> Iterator[tuple[Layer, bytes]]:
+        """Each layer's content, in order, with up to :data:`FETCH_AHEAD` fetched and
+        inflated ahead on threads (the network and zstd overlap the writes)."""
+        pool = ThreadPoolExecutor(FETCH_AHEAD, thread_name_prefix="forkd-fetch")
+        ahead: collections.deque[Future[bytes]] = collections.deque()
+        todo = iter(layers)
+        try:
+            for layer in itertools.islice(todo, FETCH_AHEAD):
+                ahead.append(pool.submit(self.piece, layer))
+            for layer in layers:
+                data = ahead.popleft().result()
+                nxt = next(todo, None)
+                if nxt is not None:
+                    ahead.append(pool.submit(self.piece, nxt))
+                yield layer, data
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
 
     def piece(self, layer: Layer) -> bytes:
         """A layer's content, uncompressed and exactly as long as the manifest says."""
@@ -143,10 +167,13 @@ def _write_chunks(remote: Remote, downloads: Downloads, fd: int) -> None:
         if layer.offset < end_of_last or layer.offset + layer.length > remote.memory_bytes:
             raise UpstreamError(f"{remote.where} has memory chunks overlapping or out of range")
         end_of_last = layer.offset + layer.length
-        data = downloads.piece(layer)
-        for p in range(0, len(data), PAGE):  # zero pages stay holes
-            if data[p : p + PAGE] != ZERO_PAGE:
-                memory._pwrite_all(fd, memoryview(data)[p : p + PAGE], layer.offset + p)
+    for layer, data in downloads.pieces(remote.manifest.of_part("memory")):
+        write_nonzero(fd, data, layer.offset)
+
+
+def write_nonzero(fd: int, data: bytes, offset: int) -> None:
+    """``data`` at ``offset``, its runs of non-zero pages only: zero pages stay holes."""
+    memory._write_run(fd, data, offset, True, memory.DumpStats())
 
 
 def _write_delta(remote: Remote, downloads: Downloads, fd: int) -> None:
@@ -169,7 +196,7 @@ def _write_delta(remote: Remote, downloads: Downloads, fd: int) -> None:
     if at != want:
         raise UpstreamError(f"{remote.where} indexes {want} bytes of pages and carries {at}")
     targets = (p for first, end in runs for p in range(first, end))
-    for layer in pieces:
-        data = memoryview(downloads.piece(layer))
+    for _layer, raw in downloads.pieces(pieces):
+        data = memoryview(raw)
         for p in range(0, len(data), PAGE):
             memory._pwrite_all(fd, data[p : p + PAGE], next(targets) * PAGE)

@@ -23,7 +23,6 @@ from forkd.vmm import memory
 from forkd.vmm.volumes import MAX_SIZE, MIN_SIZE, Attachment, VolumeInvalid, check_guest_mount
 
 PAGE = memory.PAGE
-ZERO_PAGE = bytes(PAGE)
 
 
 def part(index: int) -> str:
@@ -85,12 +84,9 @@ def wanted(manifest: Manifest, config: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
-def write(remote_manifest: Manifest, volume: dict[str, Any], piece: Any, fd: int) -> None:
+def write(remote_manifest: Manifest, volume: dict[str, Any], pieces: Any, fd: int) -> None:
     """Volume ``volume``'s disk into ``fd`` (an empty file), zero pages left as holes;
-    ``piece(layer)`` returns a layer's checked, uncompressed content."""
+    ``pieces(layers)`` yields each layer with its checked, uncompressed content."""
     os.ftruncate(fd, volume["size_bytes"])
-    for layer in remote_manifest.of_part(volume["part"]):
-        data = memoryview(piece(layer))
-        for p in range(0, len(data), PAGE):
-            if data[p : p + PAGE] != ZERO_PAGE:
-                memory._pwrite_all(fd, data[p : p + PAGE], layer.offset + p)
+    for layer, data in pieces(remote_manifest.of_part(volume["part"])):
+        memory._write_run(fd, data, layer.offset, True, memory.DumpStats())

@@ -337,7 +337,7 @@ class SnapshotTransfer:
         for vol in volume_files.wanted(remote.manifest, remote.config):
 
             def fill(fd: int, vol: dict[str, Any] = vol) -> None:
-                volume_files.write(remote.manifest, vol, downloads.piece, fd)
+                volume_files.write(remote.manifest, vol, downloads.pieces, fd)
 
             name = store.create_filled(vol["name"], vol["size_bytes"], fill)
             made.volumes.append(name)
