@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from rich.console import Console
+from rich.table import Table
 
 import leaks  # this folder is on sys.path: see the module docstring
 from forkd import accel
@@ -88,6 +89,20 @@ def judge(results: dict[str, Any], targets: Targets) -> dict[str, dict[str, Any]
         met = None if value is None else (value <= bound if op == "<=" else value >= bound)
         judged[name] = {"value": value, "target": f"{op} {bound:g}", "met": met}
     return judged
+
+
+MET_MARK = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}  # a target's ``met``
+
+
+def targets_table(title: str, targets: dict[str, dict[str, Any]]) -> Table:
+    """A table of figure, value, target and met, a row per target :func:`judge` judged;
+    the caller adds rows of its other figures."""
+    t = Table(title=title)
+    for col in ("figure", "value", "target", "met"):
+        t.add_column(col)
+    for name, tgt in targets.items():
+        t.add_row(name, str(tgt["value"]), tgt["target"], MET_MARK[tgt["met"]])
+    return t
 
 
 def allocated_mib(path: Path) -> float:

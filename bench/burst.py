@@ -34,7 +34,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from forkd.client import Controller
 from forkd.vmm import processes
@@ -147,12 +146,8 @@ def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[st
 
 
 def render(out: Console, bench: BurstBench, res: dict[str, Any]) -> None:
-    t = Table(title=f"forkd burst and density ({res.get('accel')}, {res['host_cores']} cores)")
-    for col in ("figure", "value", "target", "met"):
-        t.add_column(col)
-    for name, tgt in res["targets"].items():
-        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[tgt["met"]]
-        t.add_row(name, str(tgt["value"]), tgt["target"], met)
+    title = f"forkd burst and density ({res.get('accel')}, {res['host_cores']} cores)"
+    t = benchlib.targets_table(title, res["targets"])
     for key in ("burst_request_s", "burst_fork_ms_p50", "burst_fork_ms_max",
                 "burst_cpu_s_daemon_forking", "burst_cpu_s_daemon", "burst_cpu_s_qemus",
                 "burst_cpu_s_helpers",

@@ -44,7 +44,6 @@ from typing import Any
 
 import httpx
 from rich.console import Console
-from rich.table import Table
 
 from forkd.client import Controller
 from forkd.launcher import DaemonProcess, GatewayProcess
@@ -228,12 +227,8 @@ def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[st
 
 
 def render(out: Console, bench: DistributeBench, res: dict[str, Any]) -> None:
-    t = Table(title=f"forkd distribution ({res.get('accel')}, {res['host_cores']} cores)")
-    for col in ("figure", "value", "target", "met"):
-        t.add_column(col)
-    for name, tgt in res["targets"].items():
-        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[tgt["met"]]
-        t.add_row(name, str(tgt["value"]), tgt["target"], met)
+    title = f"forkd distribution ({res.get('accel')}, {res['host_cores']} cores)"
+    t = benchlib.targets_table(title, res["targets"])
     for key in ("push_bytes", "push_s", "push_mib_s", "push_again_s", "pull_bytes", "pull_s",
                 "pull_mib_s", "remote_fork_s", "local_fork_ms_p50", "branch_pages_written",
                 "branch_bytes_uploaded", "branch_encoding", "branch_full_bytes",

@@ -381,7 +381,7 @@ def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
 
     def target_row(label: str, name: str, unit: str) -> None:
         t = targets[name]
-        mark = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[t["met"]]
+        mark = benchlib.MET_MARK[t["met"]]
         main.add_row(label, fmt(t["value"], unit), t["target"] + unit, mark)
 
     main.add_row("cold boot (process start -> agent)", fmt(res.get("cold_boot_ms"), " ms"), "", "")

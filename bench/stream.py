@@ -44,7 +44,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from forkd.client import ControllerError, Sandbox
 from forkd.client.commands import CommandHandle
@@ -297,12 +296,8 @@ def finish_results(results: dict[str, Any], args: argparse.Namespace) -> dict[st
 
 
 def render(out: Console, bench: StreamBench, res: dict[str, Any]) -> None:
-    t = Table(title=f"forkd streaming ({res.get('accel')}, {res['host_cores']} cores)")
-    for col in ("figure", "value", "target", "met"):
-        t.add_column(col)
-    for name, tgt in res["targets"].items():
-        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "-"}[tgt["met"]]
-        t.add_row(name, str(tgt["value"]), tgt["target"], met)
+    title = f"forkd streaming ({res.get('accel')}, {res['host_cores']} cores)"
+    t = benchlib.targets_table(title, res["targets"])
     out.print(t)
     for key in ("echo_rtt_ms", "first_output_ms", "stdout_mib_s", "stdout_lost_mib",
                 "stdout_events", "guest_writer_mib_s", "cpu_ms_per_mib",

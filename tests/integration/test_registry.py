@@ -63,6 +63,15 @@ def _state(d: Daemon, ctl: Controller) -> tuple[set[str], list[str], set[str]]:
     return {s["tag"] for s in ctl.list_snapshots()}, sorted(p.name for p in root.iterdir()), images
 
 
+def _pull_refused(other: Daemon, ctl2: Controller, ref: str) -> ControllerError:
+    """Pull ``ref`` as a tag nobody has: it must fail, and change nothing on the daemon."""
+    before = _state(other, ctl2)
+    with pytest.raises(ControllerError) as exc:
+        ctl2.pull_snapshot(ref, "never")
+    assert _state(other, ctl2) == before, ref
+    return exc.value
+
+
 def test_push_pull_and_fork_on_another_daemon(
     ctl: Controller, ctl2: Controller, api_template: str, registry: RegistryServer, other: Daemon
 ) -> None:
@@ -137,7 +146,6 @@ def test_bad_references_change_nothing(
 ) -> None:
     private = RegistryServer(user="ann", password="s3cret")
     try:
-        before = _state(other, ctl2)
         cases = [
             ("Not A Ref", 400),
             (registry.ref("forkd/it", "no-such-tag"), 404),
@@ -146,10 +154,8 @@ def test_bad_references_change_nothing(
             (private.ref("forkd/it", "py"), 403),
         ]
         for ref, status in cases:
-            with pytest.raises(ControllerError) as exc:
-                ctl2.pull_snapshot(ref, "never")
-            assert exc.value.status == status, (ref, exc.value)
-            assert _state(other, ctl2) == before, ref
+            refused = _pull_refused(other, ctl2, ref)
+            assert refused.status == status, (ref, refused)
         with pytest.raises(ControllerError) as exc:
             ctl2.push_snapshot("never", registry.ref("forkd/it", "x"))
         assert exc.value.status == 404
@@ -190,12 +196,9 @@ def test_a_host_that_cannot_restore_it_answers_409_before_writing(
         config["needs"].update(qemu="1.0", accel="kvm", cpu_flags=["no_such_flag"])
 
     ref = _republish(registry, foreign, "foreign")
-    before = _state(other, ctl2)
-    with pytest.raises(ControllerError) as exc:
-        ctl2.pull_snapshot(ref, "never")
-    assert exc.value.status == 409
-    assert "QEMU 1.0" in str(exc.value) and "KVM" in str(exc.value)
-    assert _state(other, ctl2) == before
+    refused = _pull_refused(other, ctl2, ref)
+    assert refused.status == 409
+    assert "QEMU 1.0" in str(refused) and "KVM" in str(refused)
 
 
 def test_a_corrupt_piece_leaves_nothing_behind(
@@ -212,11 +215,8 @@ def test_a_corrupt_piece_leaves_nothing_behind(
         return dataclasses.replace(manifest, layers=layers)
 
     ref = _republish(registry, swap_last_chunk, "corrupt")
-    before = _state(other, ctl2)
-    with pytest.raises(ControllerError) as exc:
-        ctl2.pull_snapshot(ref, "never")
-    assert exc.value.status == 502 and "wrong content" in str(exc.value)
-    assert _state(other, ctl2) == before
+    refused = _pull_refused(other, ctl2, ref)
+    assert refused.status == 502 and "wrong content" in str(refused)
 
 
 def test_a_snapshot_with_a_volume_travels_with_its_disk(
@@ -260,8 +260,5 @@ def test_a_snapshot_claiming_more_than_the_disk_holds_is_refused_before_writing(
         config["volumes"] = [{"name": "huge", "path": "/data", "size_bytes": 1 << 40}]
 
     ref = _republish(registry, huge_volume, "huge")
-    before = _state(other, ctl2)
-    with pytest.raises(ControllerError) as exc:
-        ctl2.pull_snapshot(ref, "never")
-    assert exc.value.status == 500 and "may need" in str(exc.value)
-    assert _state(other, ctl2) == before
+    refused = _pull_refused(other, ctl2, ref)
+    assert refused.status == 500 and "may need" in str(refused)

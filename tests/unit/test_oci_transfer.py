@@ -72,6 +72,11 @@ def _config() -> dict:
             "image": {"name": "python", "key": "0123456789abcdef", "meta": {}}}  # fmt: skip
 
 
+def _push(reg: Registry, snap: SnapshotFiles, tag: str, base: push.Base | None = None):
+    """Push ``snap`` (its image beside it) as ``tag``, over ``base`` when given."""
+    return push.push(snap, snap.machine.rootfs.parent, _config(), reg, tag, base, lambda _m: None)
+
+
 PARENT_PAGES = {
     0: os.urandom(PAGE),
     1: b"\x00" * PAGE,  # a zero page written: stays a hole after the pull
@@ -96,8 +101,8 @@ def test_round_trip_keeps_every_byte_and_the_holes(server, tmp_path, image_dir) 
     snap = _snapshot(tmp_path / "a", image_dir, "parent", PARENT_PAGES)
     ref = reference.parse(server.ref("forkd/rt", "v1"))
     with Registry(ref) as reg:
-        first = push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
-        again = push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        first = _push(reg, snap, "v1")
+        again = _push(reg, snap, "v1")
         out = tmp_path / "pulled.bin"
         downloads = _pull_memory(reg, "v1", out)
     assert first.encoding == "chunks" and first.layers_uploaded > 0
@@ -115,10 +120,10 @@ def test_a_child_goes_up_as_the_pages_that_differ(server, tmp_path, image_dir) -
     child = _snapshot(tmp_path / "a", image_dir, "child", {**PARENT_PAGES, **changed})
     ref = reference.parse(server.ref("forkd/delta", "parent"))
     with Registry(ref) as reg:
-        base = push.push(parent, image_dir, _config(), reg, "parent", None, lambda _m: None)
+        base = _push(reg, parent, "parent")
         with memory_diff.resolve(parent) as chain:
             over = push.Base(base.digest, "parent", chain)
-            pushed = push.push(child, image_dir, _config(), reg, "child", over, lambda _m: None)
+            pushed = _push(reg, child, "child", over)
         assert pushed.encoding == "delta" and pushed.base_digest == base.digest
         assert pushed.memory_pages == len(changed)
         assert pushed.bytes_uploaded < len(changed) * PAGE + 20_000  # pages, index, manifest
@@ -138,7 +143,7 @@ def test_image_pieces_install_and_check(server, tmp_path, image_dir) -> None:
     snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
     ref = reference.parse(server.ref("forkd/img", "v1"))
     with Registry(ref) as reg:
-        push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        _push(reg, snap, "v1")
         remote = pull.open_remote(reg, "v1")
         wanted = image_files.wanted(remote.manifest)
         assert image_files.differences(image_dir, wanted) == []
@@ -164,7 +169,7 @@ def test_a_blob_of_the_wrong_content_is_refused(server, tmp_path, image_dir) -> 
     snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
     ref = reference.parse(server.ref("forkd/tamper", "v1"))
     with Registry(ref) as reg:
-        push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+        _push(reg, snap, "v1")
         remote = pull.open_remote(reg, "v1")
         chunk = remote.manifest.of_part("memory")[0]
         other = remote.manifest.of_part("vmstate")[0]
@@ -208,13 +213,13 @@ def test_credentials_from_docker_config_and_refusal(tmp_path, image_dir) -> None
         ref = reference.parse(server.ref("forkd/private", "v1"))
         snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
         with Registry(ref) as reg, pytest.raises(UpstreamRefused, match="refused"):
-            push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+            _push(reg, snap, "v1")
         wrong = auth.Credentials("ann", "nope")
         with Registry(ref, credentials=wrong) as reg, pytest.raises(UpstreamRefused):
             pull.open_remote(reg, "v1")
         right = auth.Credentials("ann", "s3cret")
         with Registry(ref, credentials=right) as reg:
-            pushed = push.push(snap, image_dir, _config(), reg, "v1", None, lambda _m: None)
+            pushed = _push(reg, snap, "v1")
             assert pull.open_remote(reg, "v1").digest == pushed.digest
     finally:
         server.stop()

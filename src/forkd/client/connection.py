@@ -90,7 +90,8 @@ def _read_local_token() -> str | None:
         return None  # RuntimeError, KeyError: no home directory to find the state dir in
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """``localhost``, a loopback address (IPv6 in brackets or not), or no host at all."""
     if host in ("localhost", ""):
         return True
     try:
@@ -121,13 +122,13 @@ class Address:
                 raise ValueError(f"no socket path in {url!r}")
             return cls(url, _UDS_BASE, path, trust_env=False)
         base = (url if "://" in url else "http://" + url).rstrip("/")
-        return cls(url, base, None, trust_env=not _is_loopback(urlsplit(base).hostname or ""))
+        return cls(url, base, None, trust_env=not is_loopback_host(urlsplit(base).hostname or ""))
 
     @property
     def is_local(self) -> bool:
         """A unix socket or a loopback address: a daemon on this host."""
         # httpx's own parse: the host it will connect to, not another parser's idea of it.
-        return self.socket_path is not None or _is_loopback(httpx.URL(self.base_url).host)
+        return self.socket_path is not None or is_loopback_host(httpx.URL(self.base_url).host)
 
     def bearer(self, token: str | None, local_token: bool = True) -> str | None:
         """The token to send: ``token``; without it, for a local address (:attr:`is_local`),

@@ -70,6 +70,15 @@ def parse_bind(bind: str) -> dict[str, object]:
     return {"host": host.strip("[]") or "127.0.0.1", "port": int(port)}
 
 
+def configure_logging(log_level: str) -> None:
+    """The log format of the daemon and the gateway, at ``log_level``."""
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    # One line per registry or node request (a push makes hundreds): only when debugging.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+
+
 def read_token(token_file: Path | None) -> str | None:
     if token_file is None:
         return None
@@ -226,11 +235,7 @@ def serve(
     driver: VMDriver | None = None,
 ) -> None:
     """Run the daemon until SIGTERM or SIGINT. ``driver`` replaces QEMU (tests only)."""
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    # One line per registry request (a push makes hundreds): only when debugging.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(log_level)
     where = parse_bind(bind)
     with owner_only_umask():
         lock_fd = lock_state_dir(settings.state_dir)

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from forkd import __version__
 from forkd.controller import http_errors
 from forkd.controller.middleware import GuardMiddleware
-from forkd.controller.server import parse_bind
+from forkd.controller.server import configure_logging, parse_bind
 from forkd.gateway import routes
 from forkd.gateway.fleet_ops import FleetOps
 from forkd.gateway.nodes import NodeSet
@@ -59,10 +59,7 @@ async def _unreachable(_request: Request, exc: Exception) -> Response:
 
 
 def serve(app: FastAPI, bind: str, log_level: str = "info") -> None:
-    logging.basicConfig(
-        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    configure_logging(log_level)
     config = uvicorn.Config(
         app, log_level=log_level, access_log=False, proxy_headers=False,
         ws_max_size=MAX_MESSAGE_BYTES, timeout_graceful_shutdown=10,

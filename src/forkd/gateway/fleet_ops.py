@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from forkd.errors import Conflict, Invalid, NotFound, Unavailable
 from forkd.gateway import placement
 from forkd.gateway.nodes import Node, NodeSet
-from forkd.gateway.proxy import Forwarder, NodeUnreachable
+from forkd.gateway.proxy import Forwarder, NodeUnreachable, error_text
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class FleetOps:
             raise NotFound(f"snapshot {tag!r} is on no node that is up")
         info = await self.forward.json(holders[0], "GET", f"/v1/snapshots/{tag}")
         if info.status_code != 200:
-            return _passed_on(info)
+            return passed_on(info)
         memory_mib = int(info.json().get("memory_mib") or 0)  # what admission counts
         plan = placement.place(self.nodes.up(), holders, n, memory_mib, pinned)
         for target, _count in plan:
@@ -81,7 +81,7 @@ class FleetOps:
             if isinstance(answer, BaseException):
                 failure = failure or _unreachable(answer)
             elif answer.status_code != 201:
-                failure = failure or _passed_on(answer)
+                failure = failure or passed_on(answer)
             else:
                 made += [(node, sb) for sb in answer.json()]
         if failure is not None:  # all or nothing, as one daemon's fork is
@@ -99,7 +99,7 @@ class FleetOps:
         up = self.nodes.up()
         if not up:
             raise Unavailable("no node is up")
-        return _passed_on(await self.forward.json(up[0], method, path, json=body))
+        return passed_on(await self.forward.json(up[0], method, path, json=body))
 
     # ------------------------------------------------------------ moving snapshots
 
@@ -142,13 +142,10 @@ def _ref_tag(source: Node, tag: str) -> str:
 
 
 def _error(answer: Any) -> str:
-    try:
-        return str(answer.json().get("error") or answer.text)
-    except ValueError:
-        return answer.text[:300]
+    return error_text(answer.text) or answer.text[:300]
 
 
-def _passed_on(answer: Any) -> Response:
+def passed_on(answer: Any) -> Response:
     return Response(answer.content, status_code=answer.status_code,
                     media_type=answer.headers.get("content-type", "application/json"))  # fmt: skip
 

@@ -112,7 +112,7 @@ class Forwarder:
             status = exc.response.status_code
             body = exc.response.body.decode(errors="replace")[:300] if exc.response.body else ""
             await refuse_websocket(websocket.scope, websocket.receive, websocket.send, status,
-                                   _error_text(body) or f"node {node.name} refused")  # fmt: skip
+                                   error_text(body) or f"node {node.name} refused")  # fmt: skip
             return
         except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
             self.nodes.poke(node)
@@ -130,7 +130,8 @@ class NodeUnreachable(Exception):
         self.node = node
 
 
-def _error_text(body: str) -> str:
+def error_text(body: str) -> str:
+    """A node's error words from its ``{"error": ...}`` body ("" when it is not one)."""
     with contextlib.suppress(ValueError, AttributeError):
         return str(json.loads(body).get("error") or "")
     return ""

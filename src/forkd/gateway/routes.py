@@ -25,7 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from forkd import __version__, limits
 from forkd.controller.http_errors import refuse_websocket, status_of
 from forkd.errors import Conflict, Invalid, NotFound, Unavailable
-from forkd.gateway.fleet_ops import FleetOps, _passed_on
+from forkd.gateway.fleet_ops import FleetOps, passed_on
 from forkd.gateway.nodes import Node
 
 router = APIRouter()
@@ -104,7 +104,7 @@ async def _merged(request: Request, path: str) -> list[Any]:
         if isinstance(answer, BaseException):
             continue  # down meanwhile: its part is missing, as GET /v1/nodes shows
         if answer.status_code != 200:
-            raise Relayed(_passed_on(answer))  # a bad filter: every node says the same
+            raise Relayed(passed_on(answer))  # a bad filter: every node says the same
         merged += [{**item, "node": node.node_id} for item in answer.json()]
     return merged
 
@@ -158,7 +158,7 @@ async def _made_on_a_node(request: Request) -> Response:
     answer = await ops.forward.json(node, "POST", request.url.path, json=body, timeout=3600)
     if answer.status_code == 201:
         await ops.nodes.refresh_one(node)
-    return _passed_on(answer)
+    return passed_on(answer)
 
 
 @router.post("/v1/snapshots")
@@ -182,7 +182,7 @@ async def delete_snapshot(request: Request, tag: str) -> Response:
     for node in holders:
         answer = await ops.forward.json(node, "DELETE", f"/v1/snapshots/{tag}", params=params)
         if answer.status_code != 204:
-            return _passed_on(answer)
+            return passed_on(answer)
         with contextlib.suppress(ValueError):
             node.capacity.get("snapshots", []).remove(tag)
     return Response(status_code=204)
@@ -271,7 +271,7 @@ async def events(request: Request) -> Response:
             answers.append(answer)
             if answer.status_code != 200:
                 await answer.aread()
-                return _passed_on(answer)
+                return passed_on(answer)
     except Exception:
         await asyncio.gather(*(a.aclose() for a in answers), return_exceptions=True)
         raise

@@ -106,6 +106,34 @@ class Manifest:
         return sorted((la for la in self.layers if la.part == part), key=lambda la: la.offset)
 
 
+def check_placed(
+    layers: list[Layer],
+    media_type: str,
+    what: str,
+    *,
+    limit: int | None = None,
+    contiguous: bool = False,
+    align: int = 1,
+) -> int:
+    """The pieces of one file, as a manifest places them (:meth:`Manifest.of_part`),
+    checked: all of ``media_type``; offset and length multiples of ``align``; each after
+    the one before (right after it when ``contiguous``, the first then at 0); none past
+    ``limit``. :class:`UpstreamError` naming ``what`` otherwise; returns where the last
+    ends."""
+    end = 0
+    for layer in layers:
+        if layer.media_type != media_type:
+            raise UpstreamError(f"{what} has a piece of type {layer.media_type}")
+        if layer.offset % align or layer.length % align:
+            raise UpstreamError(f"{what} has a piece off {align}-byte bounds")
+        if layer.offset != end if contiguous else layer.offset < end:
+            raise UpstreamError(f"{what}'s pieces overlap or do not follow each other")
+        end = layer.offset + layer.length
+        if limit is not None and end > limit:
+            raise UpstreamError(f"{what} has a piece past its end")
+    return end
+
+
 def config_bytes(config: dict[str, Any]) -> bytes:
     return json.dumps(config, separators=(",", ":"), sort_keys=True).encode()
 

@@ -74,11 +74,8 @@ def wanted(manifest: Manifest) -> dict[str, list[Piece]]:
         layers = manifest.of_part(name)
         if not layers:
             raise UpstreamError(f"the snapshot carries no {name} of its guest image")
-        at = 0
-        for layer in layers:
-            if layer.offset != at or layer.media_type != artifact.IMAGE_FILE_TYPE:
-                raise UpstreamError(f"the snapshot's {name} pieces do not follow each other")
-            at += layer.length
+        what = f"the snapshot's {name}"
+        artifact.check_placed(layers, artifact.IMAGE_FILE_TYPE, what, contiguous=True)
         files[name] = [(la.offset, la.length, la.digest) for la in layers]
     return files
 

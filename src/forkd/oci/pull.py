@@ -160,20 +160,11 @@ def _materialize(
 
 
 def _write_chunks(remote: Remote, downloads: Downloads, fd: int) -> None:
-    end_of_last = 0
-    for layer in remote.manifest.of_part("memory"):
-        if layer.media_type != artifact.CHUNK_TYPE or layer.offset % PAGE or layer.length % PAGE:
-            raise UpstreamError(f"{remote.where} has a memory chunk off page bounds")
-        if layer.offset < end_of_last or layer.offset + layer.length > remote.memory_bytes:
-            raise UpstreamError(f"{remote.where} has memory chunks overlapping or out of range")
-        end_of_last = layer.offset + layer.length
-    for layer, data in downloads.pieces(remote.manifest.of_part("memory")):
-        write_nonzero(fd, data, layer.offset)
-
-
-def write_nonzero(fd: int, data: bytes, offset: int) -> None:
-    """``data`` at ``offset``, its runs of non-zero pages only: zero pages stay holes."""
-    memory._write_run(fd, data, offset, True, memory.DumpStats())
+    chunks = remote.manifest.of_part("memory")
+    artifact.check_placed(chunks, artifact.CHUNK_TYPE, f"{remote.where}'s memory",
+                          limit=remote.memory_bytes, align=PAGE)  # fmt: skip
+    for layer, data in downloads.pieces(chunks):
+        memory.write_nonzero(fd, data, layer.offset)
 
 
 def _write_delta(remote: Remote, downloads: Downloads, fd: int) -> None:
@@ -188,11 +179,8 @@ def _write_delta(remote: Remote, downloads: Downloads, fd: int) -> None:
         raise UpstreamError(str(exc)) from exc
     pieces = remote.manifest.of_part("pages")
     want = sum(end - first for first, end in runs) * PAGE
-    at = 0
-    for layer in pieces:
-        if layer.media_type != artifact.PAGES_TYPE or layer.offset != at or layer.length % PAGE:
-            raise UpstreamError(f"{remote.where}'s page pieces do not follow each other")
-        at += layer.length
+    at = artifact.check_placed(pieces, artifact.PAGES_TYPE, f"{remote.where}'s pages",
+                               contiguous=True, align=PAGE)  # fmt: skip
     if at != want:
         raise UpstreamError(f"{remote.where} indexes {want} bytes of pages and carries {at}")
     targets = (p for first, end in runs for p in range(first, end))

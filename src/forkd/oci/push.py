@@ -170,18 +170,13 @@ def _delta(up: _Uploader, chain: Chain, base: Base) -> None:
         for first in range(lo, hi, step):
             end = min(first + step, hi)
             new, old = chain.read(first, end), base.chain.read(first, end)
-            if new == old:
-                continue
-            for p in range(end - first):
-                page = new[p * PAGE : (p + 1) * PAGE]
-                if page == old[p * PAGE : (p + 1) * PAGE]:
-                    continue
-                at = first + p
-                if runs and runs[-1][1] == at:
-                    runs[-1] = (runs[-1][0], at + 1)
+            for at, pages in memory_diff.differing(first, new, old):
+                stop = at + len(pages) // PAGE
+                if runs and runs[-1][1] == at:  # a run going on from the previous chunk
+                    runs[-1] = (runs[-1][0], stop)
                 else:
-                    runs.append((at, at + 1))
-                packed += page
+                    runs.append((at, stop))
+                packed += pages
             while len(packed) >= artifact.PAGES_PIECE:
                 up.layer(artifact.PAGES_TYPE, bytes(packed[: artifact.PAGES_PIECE]), "pages", sent)
                 del packed[: artifact.PAGES_PIECE]

@@ -8,10 +8,10 @@ registry host means Docker Hub, as ``docker pull`` reads it.
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from dataclasses import dataclass
 
+from forkd.client.connection import is_loopback_host
 from forkd.errors import Invalid
 
 DOCKER_HUB = "registry-1.docker.io"
@@ -98,9 +98,4 @@ def _port_ok(registry: str) -> bool:
 
 def is_loopback(ref: Reference) -> bool:
     """A registry on this host's loopback: plain HTTP is allowed there without asking."""
-    if ref.host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(ref.host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback_host(ref.host)

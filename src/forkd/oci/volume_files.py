@@ -72,13 +72,8 @@ def wanted(manifest: Manifest, config: dict[str, Any]) -> list[dict[str, Any]]:
             raise UpstreamError(f"the snapshot lists a volume forkd refuses: {exc}") from exc
         if not limits.NAME_RE.fullmatch(name) or not MIN_SIZE <= size <= MAX_SIZE or size % PAGE:
             raise UpstreamError(f"the snapshot lists volume {name!r} of {size} bytes")
-        end = 0
-        for layer in manifest.of_part(part(i)):
-            if layer.media_type != artifact.VOLUME_TYPE or layer.offset < end:
-                raise UpstreamError(f"volume {name!r}'s pieces overlap or are of the wrong type")
-            end = layer.offset + layer.length
-            if end > size:
-                raise UpstreamError(f"volume {name!r} has a piece past its end")
+        artifact.check_placed(manifest.of_part(part(i)), artifact.VOLUME_TYPE,
+                              f"volume {name!r}", limit=size)  # fmt: skip
         found.append({"name": name, "path": path, "readonly": bool(vol.get("readonly")),
                       "size_bytes": size, "part": part(i)})  # fmt: skip
     return found
@@ -89,4 +84,4 @@ def write(remote_manifest: Manifest, volume: dict[str, Any], pieces: Any, fd: in
     ``pieces(layers)`` yields each layer with its checked, uncompressed content."""
     os.ftruncate(fd, volume["size_bytes"])
     for layer, data in pieces(remote_manifest.of_part(volume["part"])):
-        memory._write_run(fd, data, layer.offset, True, memory.DumpStats())
+        memory.write_nonzero(fd, data, layer.offset)

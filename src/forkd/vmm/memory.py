@@ -358,6 +358,12 @@ def _write_run(out_fd: int, buf: bytes, offset: int, skip_zero: bool, stats: Dum
         stats.pages_written += npages - seg
 
 
+def write_nonzero(fd: int, data: bytes, offset: int) -> None:
+    """``data`` at ``offset`` in a fresh sparse file: its runs of non-zero pages only,
+    zero pages left as holes."""
+    _write_run(fd, data, offset, True, DumpStats())
+
+
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
     view = memoryview(data)
     while view:

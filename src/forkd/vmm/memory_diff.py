@@ -28,6 +28,7 @@ import contextlib
 import errno
 import os
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -329,6 +330,23 @@ def flatten(chain: Chain, out_fd: int) -> int:
 # ------------------------------------------------------------------ capture
 
 
+def differing(first: int, data: bytes, old: bytes) -> Iterator[tuple[int, memoryview]]:
+    """The runs of ``data``'s pages (page ``first`` on) that differ from ``old``, the same
+    pages before: ``(first page of the run, its bytes)``, each run as long as it goes."""
+    if data == old:
+        return
+    view = memoryview(data)
+    npages = len(data) // PAGE
+    seg = -1
+    for p in range(npages + 1):
+        same = p == npages or data[p * PAGE : (p + 1) * PAGE] == old[p * PAGE : (p + 1) * PAGE]
+        if not same and seg < 0:
+            seg = p
+        elif same and seg >= 0:
+            yield first + seg, view[seg * PAGE : p * PAGE]
+            seg = -1
+
+
 @dataclass
 class DiffCapture:
     """The pages of one diff snapshot: read while the VM is paused, filtered and written
@@ -378,19 +396,9 @@ class DiffCapture:
         write_runs(runs_path, merge_runs(self.kept))
 
     def _filter(self, first: int, data: bytes, base: Chain) -> None:
-        npages = len(data) // PAGE
-        old = base.read(first, first + npages)
-        if old == data:
-            return
-        view = memoryview(data)
-        seg = -1
-        for p in range(npages + 1):
-            same = p == npages or data[p * PAGE : (p + 1) * PAGE] == old[p * PAGE : (p + 1) * PAGE]
-            if not same and seg < 0:
-                seg = p
-            elif same and seg >= 0:
-                self._keep(first + seg, view[seg * PAGE : p * PAGE])
-                seg = -1
+        old = base.read(first, first + len(data) // PAGE)
+        for at, pages in differing(first, data, old):
+            self._keep(at, pages)
 
     def _keep(self, first: int, data: bytes | memoryview) -> None:
         memory._pwrite_all(self.out_fd, data, first * PAGE)

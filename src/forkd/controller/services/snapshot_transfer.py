@@ -50,7 +50,7 @@ from forkd.vmm import egress, memory_diff, snapshot_files
 from forkd.vmm.memory_diff import Chain
 from forkd.vmm.qemu_argv import MachineConfig
 from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotMeta
-from forkd.vmm.volumes import Attachment, VolumeStore
+from forkd.vmm.volumes import Attachment, VolumeStore, free_bytes
 
 log = logging.getLogger(__name__)
 _HOST_PATHS = ("vmlinuz", "initrd", "rootfs")  # a machine's files on this host: not sent
@@ -220,9 +220,9 @@ class SnapshotTransfer:
                 raise Invalid("give a tag: the reference and the snapshot name none")
             limits.check_tag(tag)
             with self.fleet.reserve_tag(tag):
-                image_dir = await self._in_thread(self._check, remote)
+                plan = await self._in_thread(self._check, remote)
                 fetched = await self._in_thread(
-                    self._pull_sync, registry, ref, remote, tag, image_dir, req.metadata
+                    self._pull_sync, registry, ref, remote, tag, plan, req.metadata
                 )
         finally:
             registry.close()
@@ -231,9 +231,9 @@ class SnapshotTransfer:
         log.info("pulled %s as %s: %d bytes fetched", remote.where, tag, fetched)
         return self.snapshots.info(tag)
 
-    def _check(self, remote: pull.Remote) -> Path | None:
-        """Every reason this host cannot restore ``remote`` (409 naming them all); the
-        image directory it would use, ``None`` when the image must be pulled too."""
+    def _check(self, remote: pull.Remote) -> _Plan:
+        """Every reason this host cannot restore ``remote`` (409 naming them all); else
+        what the pull will write."""
         kvm = accel.choose(self.fleet.settings.accel).name == "kvm"
         problems = host_needs.mismatches(remote.config["needs"], kvm)
         machine, needs = remote.config["machine"], remote.config["needs"]
@@ -254,7 +254,7 @@ class SnapshotTransfer:
             raise Conflict(f"{remote.where} cannot be restored on this host: {why}")
         image_bytes = 0 if image_dir else sum(n for f in files.values() for _o, n, _d in f)
         _check_room(self.root, remote, image_bytes + sum(v["size_bytes"] for v in volumes))
-        return image_dir
+        return _Plan(image_dir, files, volumes)
 
     def _pull_sync(
         self,
@@ -262,7 +262,7 @@ class SnapshotTransfer:
         ref: Reference,
         remote: pull.Remote,
         tag: str,
-        image_dir: Path | None,
+        plan: _Plan,
         metadata: dict[str, str],
     ) -> int:
         """Write, commit and register the snapshot (in a transfer thread); on any failure
@@ -273,7 +273,7 @@ class SnapshotTransfer:
         made = _Made()
         try:
             staging.mkdir(mode=0o700, parents=True)
-            self._write(registry, remote, downloads, staging, image_dir, made)
+            self._write(registry, remote, downloads, staging, plan, made)
             staging.rename(final)
             snapshot_files.fsync_path(self.root)
             files = snapshot_files.load(final)
@@ -299,14 +299,14 @@ class SnapshotTransfer:
         remote: pull.Remote,
         downloads: pull.Downloads,
         staging: Path,
-        image_dir: Path | None,
+        plan: _Plan,
         made: _Made,
     ) -> SnapshotFiles:
         """The snapshot's files in ``staging`` (in a thread); the image first if missing."""
+        image_dir = plan.image_dir
         if image_dir is None:
-            wanted = image_files.wanted(remote.manifest)
             image_dir = image_files.install(
-                paths.images_dir(), remote.config, wanted, downloads.fetch
+                paths.images_dir(), remote.config, plan.image_pieces, downloads.fetch
             )
             made.images.append(image_dir)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
@@ -322,19 +322,23 @@ class SnapshotTransfer:
             os.fsync(fd)
         finally:
             os.close(fd)
-        attachments = self._write_volumes(remote, downloads, made)
+        attachments = self._write_volumes(remote, plan.volumes, downloads, made)
         meta = _meta(remote, image_dir, vmstate_bytes, attachments)
         snapshot_files.fsync_path(snapshot_files.write_meta(staging, meta))
         return SnapshotFiles(staging, meta)
 
     def _write_volumes(
-        self, remote: pull.Remote, downloads: pull.Downloads, made: _Made
+        self,
+        remote: pull.Remote,
+        volumes: list[dict[str, Any]],
+        downloads: pull.Downloads,
+        made: _Made,
     ) -> tuple[Attachment, ...]:
         """Each volume the snapshot carries, as a new volume of this daemon (its name, or
         the name with a suffix when taken); they go again if the pull fails."""
         store = self.snapshots.volumes.store
         attachments = []
-        for vol in volume_files.wanted(remote.manifest, remote.config):
+        for vol in volumes:
 
             def fill(fd: int, vol: dict[str, Any] = vol) -> None:
                 volume_files.write(remote.manifest, vol, downloads.pieces, fd)
@@ -353,6 +357,16 @@ class SnapshotTransfer:
                 with contextlib.suppress(SnapshotError):
                     return memory_diff.resolve(found[1])
         return None
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a checked pull will write: the image directory it uses (``None``: the
+    image's pieces are pulled too) and the volumes it makes."""
+
+    image_dir: Path | None
+    image_pieces: dict[str, list[image_files.Piece]]
+    volumes: list[dict[str, Any]]
 
 
 @dataclass
@@ -376,7 +390,7 @@ def _check_room(root: Path, remote: pull.Remote, other_bytes: int) -> None:
     image or volume is refused before anything is written."""
     vmstate = sum(la.length for la in remote.manifest.of_part("vmstate"))
     need = remote.memory_bytes + vmstate + other_bytes
-    free = shutil.disk_usage(root).free - PULL_RESERVE_BYTES
+    free = free_bytes(root) - PULL_RESERVE_BYTES
     if need > free:
         raise StorageFull(
             f"pulling {remote.where} may need {need >> 20} MiB on disk and "
