@@ -268,3 +268,34 @@ def test_volume_disks_travel_as_their_non_zero_chunks(tmp_path: Path) -> None:
     outside = {"volumes": [{"name": "data", "path": "/data", "size_bytes": 1 << 20}]}
     with pytest.raises(UpstreamError):  # pieces past its end (and a size under the minimum)
         volume_files.wanted(manifest, outside)
+
+
+def test_a_volume_of_a_size_off_page_bounds_travels_whole(tmp_path: Path) -> None:
+    """Volumes are made of any size (``--size 300000000``): the last part-page too."""
+    from forkd.oci import volume_files
+    from forkd.vmm.volumes import VolumeStore
+
+    size = (16 << 20) + 1000
+    disk = tmp_path / "odd.raw"
+    with disk.open("wb") as f:
+        f.truncate(size)
+        f.seek(size - 10)
+        f.write(b"last bytes")
+    got = list(volume_files.chunks(disk))
+    layers = tuple(
+        artifact.Layer(artifact.VOLUME_TYPE, sha256(d), len(d), "volume.0", off, len(d))
+        for off, d in got
+    )
+    manifest = artifact.Manifest(sha256(b"{}"), 2, layers)
+    config = {"volumes": [{"name": "odd", "path": "/data", "size_bytes": size}]}
+    (vol,) = volume_files.wanted(manifest, config)
+    contents = dict(zip(layers, (d for _, d in got), strict=True))
+
+    def pieces(wanted: list[artifact.Layer]) -> list[tuple[artifact.Layer, bytes]]:
+        return [(la, contents[la]) for la in wanted]
+
+    store = VolumeStore(tmp_path / "volumes")
+    name = store.create_filled(
+        "odd", size, lambda fd: volume_files.write(manifest, vol, pieces, fd)
+    )
+    assert store.base(name).read_bytes() == disk.read_bytes()

@@ -22,8 +22,6 @@ from forkd.oci.artifact import Manifest
 from forkd.vmm import memory
 from forkd.vmm.volumes import MAX_SIZE, MIN_SIZE, Attachment, VolumeInvalid, check_guest_mount
 
-PAGE = memory.PAGE
-
 
 def part(index: int) -> str:
     return f"volume.{index}"
@@ -70,7 +68,7 @@ def wanted(manifest: Manifest, config: dict[str, Any]) -> list[dict[str, Any]]:
             check_guest_mount(path)
         except (KeyError, TypeError, ValueError, VolumeInvalid) as exc:
             raise UpstreamError(f"the snapshot lists a volume forkd refuses: {exc}") from exc
-        if not limits.NAME_RE.fullmatch(name) or not MIN_SIZE <= size <= MAX_SIZE or size % PAGE:
+        if not limits.NAME_RE.fullmatch(name) or not MIN_SIZE <= size <= MAX_SIZE:
             raise UpstreamError(f"the snapshot lists volume {name!r} of {size} bytes")
         artifact.check_placed(manifest.of_part(part(i)), artifact.VOLUME_TYPE,
                               f"volume {name!r}", limit=size)  # fmt: skip

@@ -360,8 +360,12 @@ def _write_run(out_fd: int, buf: bytes, offset: int, skip_zero: bool, stats: Dum
 
 def write_nonzero(fd: int, data: bytes, offset: int) -> None:
     """``data`` at ``offset`` in a fresh sparse file: its runs of non-zero pages only,
-    zero pages left as holes."""
-    _write_run(fd, data, offset, True, DumpStats())
+    zero pages left as holes (and a last part-page the same, a file's end)."""
+    whole = len(data) - len(data) % PAGE
+    _write_run(fd, data[:whole], offset, True, DumpStats())
+    tail = data[whole:]
+    if tail.count(0) != len(tail):
+        _pwrite_all(fd, tail, offset + whole)
 
 
 def _pwrite_all(fd: int, data: memoryview | bytes, offset: int) -> None:
