@@ -282,6 +282,42 @@ def test_exec_background_job_does_not_hold_the_answer(agent: Client) -> None:
     assert result["stdout"] == "done\n"
 
 
+def test_exec_background_writer_lives_on_after_the_answer(agent: Client, tmp_path: Path) -> None:
+    # The background job writes to the exec's stdout long after the answer: its
+    # pipe is still read (and dropped), so it is neither blocked nor killed by SIGPIPE.
+    done = tmp_path / "done"
+    job = f"(for i in $(seq 1 40); do echo line $i; sleep 0.02; done; echo ok > {done}) &"
+    result = agent.result("exec", argv=["sh", "-c", f"{job} echo started"], timeout=10)
+    assert result["stdout"].startswith("started\n")
+    deadline = time.monotonic() + 10
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.read_text() == "ok\n"
+
+
+def test_exec_stdin_larger_than_a_pipe_while_output_flows(agent: Client) -> None:
+    # cat echoes stdin while it is still being written: both pipes must be
+    # served at once, or the writer and cat block on each other.
+    data = "".join(f"{i:07d}\n" for i in range(40_000))  # 320 KB, 5 pipe buffers
+    result = agent.result("exec", argv=["cat"], stdin=data, timeout=20)
+    assert result["exit_code"] == 0
+    assert result["stdout"] == data
+
+
+def test_exec_starts_no_thread_once_a_request_thread_is_idle(agent: Client) -> None:
+    # A fork inherits the template's idle request threads; under TCG each new
+    # guest thread is costly, so execs reuse them and start no thread of their own.
+    count = "import threading\n_n = [0]\n_start = threading.Thread.start\n"
+    count += "def _counted(self):\n    _n[0] += 1\n    return _start(self)\n"
+    count += "threading.Thread.start = _counted\n"
+    assert agent.result("eval", code=count)["error"] is None
+    before = agent.result("eval", code="_n[0]")["result"]
+    for _ in range(5):
+        assert agent.result("exec", argv=["sh", "-c", "echo hi; echo ho >&2"])["stdout"] == "hi\n"
+    assert agent.result("exec", argv=["cat"], stdin="in\n", timeout=5)["stdout"] == "in\n"
+    assert agent.result("eval", code="_n[0]")["result"] == before
+
+
 def test_exec_output_is_capped(agent: Client) -> None:
     assert agent_mod.MAX_OUTPUT_BYTES == 1024 * 1024
     code = (  # odd-sized writes, so reads do not line up with the cap

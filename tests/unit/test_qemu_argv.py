@@ -32,6 +32,9 @@ def test_restore_presents_the_same_devices_as_boot() -> None:
     assert "-incoming" not in boot
     assert restore[restore.index("-incoming") + 1] == "defer"
     assert "migration.send-configuration=off" in restore
+    # No RARPs or guest-sent gratuitous ARPs after the load: a fork's link is new.
+    assert "migration.announce-rounds=0" in restore
+    assert not any("announce" in a for a in boot)
 
 
 def test_ram_is_a_private_file_mapping() -> None:

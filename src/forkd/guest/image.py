@@ -31,7 +31,7 @@ BUILDER_VERSION = 1
 GUEST_FILES = (
     "initramfs-init", "init", "inittab",
     rootfs.AGENT_FILE, rootfs.AGENT_PROCS_FILE, rootfs.AGENT_FILES_FILE, rootfs.AGENT_TAR_FILE,
-    rootfs.AGENT_EVAL_FILE,
+    rootfs.AGENT_EVAL_FILE, rootfs.AGENT_EXEC_FILE,
 )  # fmt: skip
 
 Progress = Callable[[str], None]

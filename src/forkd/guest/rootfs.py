@@ -17,6 +17,7 @@ AGENT_PROCS_FILE = "forkd_procs.py"  # the agent's background processes, importe
 AGENT_FILES_FILE = "forkd_files.py"  # the agent's chunked file transfers, imported likewise
 AGENT_TAR_FILE = "forkd_tar.py"  # the tar streams of those transfers, imported likewise
 AGENT_EVAL_FILE = "forkd_eval.py"  # the agent's Python eval, imported likewise
+AGENT_EXEC_FILE = "forkd_exec.py"  # the agent's exec, imported likewise
 BUILD_DIR = "/forkd-build"  # where a recipe's build script runs from, removed after
 
 
@@ -99,7 +100,7 @@ def assemble(base_tar: Path, work: Path, out: Path) -> None:
     opt.mkdir(parents=True, exist_ok=True)
     shutil.copy2(hosttools.require_static_busybox(), opt / "busybox")
     agent_files = (AGENT_FILE, AGENT_PROCS_FILE, AGENT_FILES_FILE, AGENT_TAR_FILE,
-                   AGENT_EVAL_FILE)  # fmt: skip
+                   AGENT_EVAL_FILE, AGENT_EXEC_FILE)  # fmt: skip
     for name, mode in (("init", 0o755), *((name, 0o644) for name in agent_files)):
         (opt / name).write_bytes(guest_file(name))
         (opt / name).chmod(mode)

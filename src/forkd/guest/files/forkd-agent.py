@@ -36,10 +36,10 @@ import contextlib
 import errno
 import fcntl
 import glob
-import io
 import json
 import math
 import os
+import queue
 import random
 import re
 import select
@@ -48,7 +48,6 @@ import signal
 import socket
 import stat
 import struct
-import subprocess
 import sys
 import tempfile
 import threading
@@ -63,6 +62,7 @@ _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 if _AGENT_DIR not in sys.path:
     sys.path.insert(0, _AGENT_DIR)
 import forkd_eval  # noqa: E402
+import forkd_exec  # noqa: E402
 import forkd_files  # noqa: E402
 import forkd_procs  # noqa: E402
 
@@ -75,15 +75,13 @@ VIRTIO_PORTS_DIR = "/sys/class/virtio-ports"
 MAX_LINE_BYTES = 64 * 1024 * 1024  # longest request line accepted; longer ones are dropped
 # exec keeps this many bytes of stdout and of stderr (the rest is read and dropped);
 # eval keeps this many characters of stdout, of stderr and of the result repr.
-MAX_OUTPUT_BYTES = 1024 * 1024
+MAX_OUTPUT_BYTES = forkd_exec.MAX_OUTPUT_BYTES
 MAX_FILE_BYTES = 32 * 1024 * 1024  # file_read / file_write payload (base64 adds a third)
 MAX_LIST_ENTRIES = 100_000  # file_list answers at most this many entries
 READ_CHUNK_BYTES = 1024 * 1024
 
 DEFAULT_EXEC_TIMEOUT_S = 30.0
 MAX_EXEC_TIMEOUT_S = 86400.0  # as the HTTP API's (forkd.limits.MAX_EXEC_TIMEOUT_SECS)
-EXEC_KILL_GRACE_S = 0.5  # after a timeout kill: how long to wait for the output readers
-EXEC_LINGER_S = 0.5  # after a normal exit: how long background holders of the pipes may keep us
 DEVICE_REOPEN_DELAY_S = 0.02  # after EOF on the port (no host connected)
 DEVICE_RETRY_S = 0.1  # port missing or cannot be opened
 # Exists once an agent of this boot announced itself on the port (tmpfs: a boot
@@ -101,9 +99,7 @@ TCP_BACKLOG = 64
 TCP_DRAIN_S = 0.5  # after answering: how long to read and drop what the client still sends
 TCP_BIND_RETRY_S = 1.0
 
-EXIT_TIMEOUT = 124
-EXIT_CANNOT_EXECUTE = 126
-EXIT_NOT_FOUND = 127
+EXIT_TIMEOUT = forkd_exec.EXIT_TIMEOUT
 
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -200,72 +196,6 @@ def _uptime() -> float:
 # --------------------------------------------------------------------------- exec
 
 
-class _Capture:
-    """Drain one pipe in a thread; keep the first ``cap`` bytes, count the rest."""
-
-    def __init__(self, pipe: io.BufferedReader, cap: int = MAX_OUTPUT_BYTES) -> None:
-        self._pipe = pipe
-        self._cap = cap
-        self._data = bytearray()
-        self._lock = threading.Lock()
-        self.truncated = False
-        self.thread = threading.Thread(target=self._run, name="exec-reader", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        fd = self._pipe.fileno()
-        try:
-            while chunk := os.read(fd, 65536):
-                with self._lock:
-                    room = self._cap - len(self._data)
-                    if room > 0:
-                        self._data += chunk[:room]
-                    if len(chunk) > room:
-                        self.truncated = True
-        except OSError as exc:
-            log(f"exec: reading output failed: {exc}")
-        finally:
-            self._pipe.close()
-
-    def text(self) -> str:
-        with self._lock:
-            return self._data.decode("utf-8", errors="replace")
-
-
-def _feed_stdin(pipe: io.BufferedWriter, data: bytes) -> None:
-    try:
-        pipe.write(data)
-    except OSError:  # the program exited or closed its stdin: not our problem
-        pass
-    finally:
-        with contextlib.suppress(OSError):
-            pipe.close()
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _exit_code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _spawn_failure(exc: OSError, argv: list[str], start: float) -> dict[str, Any]:
-    """Answer like a shell does when a program cannot be started."""
-    code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
-    what = exc.filename if exc.filename is not None else argv[0]
-    return {
-        "exit_code": code,
-        "stdout": "",
-        "stderr": f"{what}: {exc.strerror or exc}\n",
-        "timed_out": False,
-        "stdout_truncated": False,
-        "stderr_truncated": False,
-        "duration_ms": (time.monotonic() - start) * 1000.0,
-    }
-
-
 def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, str], Any, float]:
     argv = req.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
@@ -296,63 +226,7 @@ def _env(req: dict[str, Any]) -> dict[str, str]:
 
 def op_exec(req: dict[str, Any]) -> dict[str, Any]:
     argv, cwd, env, stdin, timeout = _exec_params(req)
-    start = time.monotonic()
-    try:
-        proc = subprocess.Popen(
-            argv,
-            cwd=cwd,
-            env=env,
-            stdin=subprocess.DEVNULL if stdin is None else subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-    except OSError as exc:
-        return _spawn_failure(exc, argv, start)
-
-    assert proc.stdout is not None and proc.stderr is not None
-    out, err = _Capture(proc.stdout), _Capture(proc.stderr)
-    if proc.stdin is not None:
-        data = stdin.encode("utf-8", errors="surrogateescape")
-        threading.Thread(target=_feed_stdin, args=(proc.stdin, data), daemon=True).start()
-
-    # A timer kills it at the deadline: Popen.wait(timeout=) would instead wake
-    # every 50 ms to poll, which an idle guest under TCG pays for in host CPU.
-    killed = threading.Event()
-
-    def _time_out() -> None:
-        if proc.returncode is None:
-            killed.set()
-            _kill_group(proc.pid)
-
-    timer = threading.Timer(timeout, _time_out)
-    timer.daemon = True
-    timer.start()
-    proc.wait()
-    timer.cancel()
-    timed_out = killed.is_set()
-
-    # Output written before the exit is already in the pipes; a background
-    # process (or one that escaped the kill) may hold them open for longer,
-    # so wait a bounded time only. The readers keep draining in the background.
-    grace_end = time.monotonic() + (EXEC_KILL_GRACE_S if timed_out else EXEC_LINGER_S)
-    for capture in (out, err):
-        capture.thread.join(max(0.0, grace_end - time.monotonic()))
-
-    if timed_out:
-        exit_code = EXIT_TIMEOUT
-    else:
-        assert proc.returncode is not None
-        exit_code = _exit_code(proc.returncode)
-    return {
-        "exit_code": exit_code,
-        "stdout": out.text(),
-        "stderr": err.text(),
-        "timed_out": timed_out,
-        "stdout_truncated": out.truncated,
-        "stderr_truncated": err.truncated,
-        "duration_ms": (time.monotonic() - start) * 1000.0,
-    }
+    return forkd_exec.run(argv, cwd, env, stdin, timeout)
 
 
 # --------------------------------------------------------------------------- eval
@@ -605,7 +479,7 @@ def _request_errors() -> Iterator[None]:
 def _proc_info(status: forkd_procs.ProcessStatus) -> dict[str, Any]:
     exit_code = None
     if status.returncode is not None:
-        exit_code = EXIT_TIMEOUT if status.timed_out else _exit_code(status.returncode)
+        exit_code = EXIT_TIMEOUT if status.timed_out else forkd_exec.exit_code(status.returncode)
     return {
         "pid": status.pid,
         "cmd": status.argv,
@@ -783,7 +657,9 @@ def _reseed_kernel_rng(entropy: bytes) -> None:
 
 
 def _reseed_python_rngs() -> None:
-    random.seed(os.urandom(32))  # the module object user code imported too
+    # The module object user code imported too. An int seed: a bytes one is
+    # first hashed with SHA-512, which a fresh TCG fork pays to translate.
+    random.seed(int.from_bytes(os.urandom(32), "little"))
     numpy_random = sys.modules.get("numpy.random")  # only if user code loaded it
     if numpy_random is not None:
         numpy_random.seed(int.from_bytes(os.urandom(4), "little"))
@@ -1016,6 +892,54 @@ class LineSplitter:
             yield line, payload
 
 
+class Workers:
+    """Threads for requests, kept for the next request once done.
+
+    Every request gets a thread at once (a slow eval never holds up an exec),
+    but an idle thread is reused rather than a new one started: a forked VM
+    inherits the template's idle threads, so its first requests start none.
+    Under TCG each new guest thread costs a fresh VM thousands of translated
+    blocks. At most ``keep`` idle threads wait, blocked, costing no wakeups.
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._idle = 0  # threads waiting for work and not yet promised any
+        self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+
+    def submit(self, work: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # this one is promised to the work put below
+                self._work.put(work)
+                return
+        threading.Thread(target=self._run, args=(work,), name="request", daemon=True).start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        while True:
+            try:
+                work()
+            except Exception as exc:  # a request's own errors are answered; this is a bug
+                log(f"request worker: {type(exc).__name__}: {exc}")
+            with self._lock:
+                if self._idle >= self._keep:
+                    return
+                self._idle += 1
+            work = self._work.get()
+
+    def idle(self) -> int:
+        with self._lock:
+            return self._idle
+
+    def prestart(self) -> None:
+        """One idle thread now, so a snapshot taken before any request has one."""
+        self.submit(lambda: None)
+
+
+WORKERS = Workers()
+
+
 class Connection:
     """One host connection: whole-line writes under a lock, in-flight tracking."""
 
@@ -1050,9 +974,7 @@ class Connection:
             self._serve_one(req_id, req)
             return
         try:
-            threading.Thread(
-                target=self._serve_one, args=(req_id, req), name=f"req-{req_id}", daemon=True
-            ).start()
+            WORKERS.submit(lambda: self._serve_one(req_id, req))
         except RuntimeError as exc:  # cannot start a thread: answer inline
             self._finish(req_id, _encode(_error_message(req_id, exc)))
 
@@ -1464,6 +1386,7 @@ def main(argv: list[str] | None = None) -> int:
     # Evals run on this, the main thread: only it can be interrupted in a
     # blocking call. Claimed before any request can arrive.
     EVAL.claim_thread()
+    WORKERS.prestart()  # every snapshot, even one taken before a request, has an idle one
     if args.tcp is not None:
         # From the template's boot on, so every fork inherits a listening socket.
         TcpServer(*args.tcp).start()
