@@ -15,8 +15,9 @@ reach is the namespace's ``egress`` chain (:mod:`forkd.vmm.egress`); the
 host's ``forkd`` table drops anything a sandbox sends to the host itself or
 to another sandbox, whatever the policy.
 
-Links and namespaces are made with pyroute2; filtering and NAT are
-nftables rulesets loaded whole with ``nft -f``.
+Namespaces are made and entered on short-lived threads (:mod:`forkd.vmm.netns_ops`),
+links with pyroute2; filtering and NAT are nftables rulesets, each loaded whole
+through libnftables.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ import fcntl
 import ipaddress
 import logging
 import os
-import shutil
-import subprocess
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import Unavailable, VMError
+from forkd.vmm import netns_ops
 from forkd.vmm.egress import BLOCKED_RANGES, Egress
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ AGENT_PORT = 8888
 DEFAULT_CIDR = "10.201.0.0/16"
 HOST_IF_PREFIX = "fkh-"
 NETNS_PREFIX = "forkd-"
-NETNS_DIR = Path("/run/netns")
+NETNS_DIR = netns_ops.NETNS_DIR
 NS_VETH = "veth0"
 NS_TAP = "tap0"
 HOST_TABLE = "forkd"
@@ -58,11 +59,19 @@ NEW_CONN_RATE = 500  # new connections a guest may open per second (burst below)
 NEW_CONN_BURST = 1000
 MAX_GUEST_CONNS = 4096  # its connections tracked at once: the host's table is shared
 ALWAYS_BLOCKED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3")
-NFT_TIMEOUT_SECS = 10
 HOST_RELOAD_SECS = 5.0  # the host table is loaded again at most this often
 HOST_LOCK = Path("/run/forkd-network.lock")
 
 _libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _link_exists(index: int) -> bool:
+    """Whether this namespace has the host-side link of /30 ``index``."""
+    try:
+        socket.if_nametoindex(f"{HOST_IF_PREFIX}{index}")
+    except OSError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
@@ -122,34 +131,16 @@ class SandboxNet:
                    str(data["ns_ip"]))  # fmt: skip
 
 
-def _nft(ruleset: str, netns: str | None = None, *, forwarding: bool = False) -> None:
-    """Load ``ruleset`` whole (atomically) with ``nft -f -``, in ``netns`` if given."""
-    enter = enter_netns(netns) if netns else None
-
-    def preexec() -> None:
-        if enter is not None:
-            enter()
-        if forwarding:  # /proc/sys/net is the opener's namespace: this one
-            with open("/proc/sys/net/ipv4/ip_forward", "w") as f:
-                f.write("1")
-        if enter is not None:
-            # Nothing in a VM's namespace speaks IPv6: no neighbour discovery or
-            # router advertisements for a guest to play with.
-            for conf in ("all", "default"):
-                with open(f"/proc/sys/net/ipv6/conf/{conf}/disable_ipv6", "w") as f:
-                    f.write("1")
-
-    res = subprocess.run(
-        ["nft", "-f", "-"],
-        input=ruleset.encode(),
-        capture_output=True,
-        timeout=NFT_TIMEOUT_SECS,
-        preexec_fn=preexec if (enter or forwarding) else None,
-        check=False,
-    )
-    if res.returncode != 0:
-        where = f"namespace {netns}" if netns else "the host"
-        raise VMError(f"nft refused the rules for {where}: {res.stderr.decode().strip()}")
+def _load_rules(ruleset: str, where: str, *, inside: bool) -> None:
+    """Turn forwarding on and load ``ruleset`` in the calling thread's namespace:
+    the host's, or (``inside``) a VM's, where IPv6 is also switched off."""
+    netns_ops.write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+    if inside:
+        # Nothing in a VM's namespace speaks IPv6: no neighbour discovery or
+        # router advertisements for a guest to play with.
+        for conf in ("all", "default"):
+            netns_ops.write_sysctl(f"/proc/sys/net/ipv6/conf/{conf}/disable_ipv6", "1")
+    netns_ops.load_ruleset(ruleset, where)
 
 
 def upstream_resolver(resolv_conf: Path = Path("/etc/resolv.conf")) -> str | None:
@@ -314,19 +305,20 @@ class HostNetwork:
         now = time.monotonic()
         if self._host_loaded_at is not None and now - self._host_loaded_at < HOST_RELOAD_SECS:
             return
-        _nft(host_ruleset(str(self.cidr), os.geteuid()), forwarding=True)
+        _load_rules(host_ruleset(str(self.cidr), os.geteuid()), "the host", inside=False)
         self._host_loaded_at = now
 
     # ------------------------------------------------------------ per VM
 
     def create(self, vm_id: str, egress: Egress) -> SandboxNet:
         """Make ``vm_id``'s namespace, links and rules; all or nothing."""
-        from pyroute2 import IPRoute, NetNS, netns
+        from pyroute2 import IPRoute
 
         self.prepare_host()
         rules = namespace_ruleset(egress, self.resolver)  # hostnames resolved: no lock held
         name = NETNS_PREFIX + vm_id
-        # One allocation at a time on this host, whichever daemon or thread asks.
+        # One allocation at a time on this host, whichever daemon or thread asks:
+        # the host-side link's name claims the /30.
         with self._lock, _host_lock():
             index = self._free_index(self._preferred.pop(vm_id, None))
             host_ip = str(self.cidr.network_address + 4 * index + 1)
@@ -334,47 +326,52 @@ class HostNetwork:
             net = SandboxNet(name, f"{HOST_IF_PREFIX}{index}", host_ip, ns_ip)
             try:
                 remove_namespace(name)  # a leftover of a crash: this id is ours
-                netns.create(name)
+                netns_ops.create(name)
                 with IPRoute() as ipr:
                     ipr.link("add", ifname=net.host_if, kind="veth",
                              peer={"ifname": NS_VETH, "net_ns_fd": name})  # fmt: skip
                     idx = ipr.link_lookup(ifname=net.host_if)[0]
                     ipr.addr("add", index=idx, address=host_ip, prefixlen=30)
                     ipr.link("set", index=idx, state="up")
-                with NetNS(name) as ns:
-                    self._inside(ns, net)
-                _nft(rules, name, forwarding=True)
             except BaseException:
                 # The veth is ours only if it landed in our namespace: removing
                 # the namespace removes it; a name clash never deletes another's.
                 remove_namespace(name)
                 raise
+        try:
+            netns_ops.run_inside(name, lambda: self._inside(net, rules))
+        except BaseException:
+            remove_namespace(name)
+            raise
         return net
 
     @staticmethod
-    def _inside(ns: Any, net: SandboxNet) -> None:
-        veth = ns.link_lookup(ifname=NS_VETH)[0]
-        ns.addr("add", index=veth, address=net.ns_ip, prefixlen=30)
-        ns.link("set", index=veth, state="up")
-        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-        ns.link("add", ifname=NS_TAP, kind="tuntap", mode="tap")
-        tap = ns.link_lookup(ifname=NS_TAP)[0]
-        ns.addr("add", index=tap, address=GATEWAY_IP, prefixlen=24)
-        ns.link("set", index=tap, state="up")
-        ns.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
-
-    def _free_index(self, preferred: int | None = None) -> int:
+    def _inside(net: SandboxNet, rules: str) -> None:
+        """The namespace's side (run on a thread inside it): links, route, rules."""
         from pyroute2 import IPRoute
 
-        with IPRoute() as ipr:
-            names = [link.get("ifname") or "" for link in ipr.get_links()]
-        used = {int(n[len(HOST_IF_PREFIX):]) for n in names
-                if n.startswith(HOST_IF_PREFIX) and n[len(HOST_IF_PREFIX):].isdigit()}  # fmt: skip
+        with IPRoute() as ns:
+            veth = ns.link_lookup(ifname=NS_VETH)[0]
+            ns.addr("add", index=veth, address=net.ns_ip, prefixlen=30)
+            ns.link("set", index=veth, state="up")
+            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+            ns.link("add", ifname=NS_TAP, kind="tuntap", mode="tap")
+            tap = ns.link_lookup(ifname=NS_TAP)[0]
+            ns.addr("add", index=tap, address=GATEWAY_IP, prefixlen=24)
+            ns.link("set", index=tap, state="up")
+            ns.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
+        _load_rules(rules, f"namespace {net.netns}", inside=True)
+
+    def _free_index(self, preferred: int | None = None) -> int:
+        """The lowest /30 whose host-side link does not exist (``preferred`` first).
+
+        Each name is looked up by itself: dumping every link of the host would
+        cost each fork time in proportion to the sandboxes already running."""
         slots = self.cidr.num_addresses // 4
-        if preferred is not None and 0 <= preferred < slots and preferred not in used:
+        if preferred is not None and 0 <= preferred < slots and not _link_exists(preferred):
             return preferred
         for index in range(slots):
-            if index not in used:
+            if not _link_exists(index):
                 return index
         raise Unavailable(f"no free addresses left in --sandbox-cidr {self.cidr}")
 
@@ -407,11 +404,8 @@ def destroy(net: SandboxNet) -> None:
 def remove_namespace(name: str) -> None:
     """Remove namespace ``name``; one already gone is skipped. Links are never deleted
     by name: a host-side name may since belong to another VM."""
-    from pyroute2 import netns
-
-    if (NETNS_DIR / name).exists():
-        with contextlib.suppress(OSError):
-            netns.remove(name)
+    with contextlib.suppress(OSError):
+        netns_ops.remove(name)
 
 
 def netns_problems() -> list[str]:
@@ -419,8 +413,8 @@ def netns_problems() -> list[str]:
     problems = []
     if os.geteuid() != 0:
         problems.append("not running as root (needs CAP_NET_ADMIN)")
-    if shutil.which("nft") is None:
-        problems.append("nft is not installed (Debian package 'nftables')")
+    if (problem := netns_ops.nftables_problem()) is not None:
+        problems.append(problem)
     try:
         import pyroute2  # noqa: F401
     except ImportError:
