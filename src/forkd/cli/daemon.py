@@ -73,9 +73,9 @@ _PoolSizeOpt = Annotated[
     typer.Option(
         envvar="FORKD_POOL_SIZE",
         min=0,
-        max=64,
+        max=1024,
         help="The most QEMU processes kept warm per recently forked snapshot, as many as "
-        "its largest recent fork request (0: none).",
+        "its largest recent fork request (0: none); --pool-memory caps them all.",
     ),
 ]
 

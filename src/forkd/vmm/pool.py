@@ -58,12 +58,14 @@ class ForkPool:
         self._ready: OrderedDict[Path, list[VM]] = OrderedDict()
         self._fills: dict[Path, asyncio.Task[None]] = {}
         self._kills: set[asyncio.Task[None]] = set()  # keep references until done
+        self._sizes: dict[str, int] = {}  # vm id -> private MiB, measured once
 
     def take(self, snapshot_dir: Path) -> VM | None:
         """A waiting QEMU for ``snapshot_dir``, or None (then restore as usual)."""
         waiting = self._ready.get(snapshot_dir, [])
         while waiting:
             vm = waiting.pop(0)
+            self._sizes.pop(vm.id, None)
             if vm.is_alive():
                 return vm
             self._kill_later(vm)
@@ -87,7 +89,7 @@ class ForkPool:
         """Whether one more pooled QEMU stays under the memory cap."""
         if self.memory_cap_mib is None:
             return True
-        held = [vm.memory_usage().get("private", 0) >> 20 for vm in self.all_vms()]
+        held = [self._size_mib(vm) for vm in self.all_vms()]
         each = max(held) if held else POOLED_VM_MIB_GUESS
         return sum(held) + each <= self.memory_cap_mib
 
@@ -109,6 +111,7 @@ class ForkPool:
             )
 
     def _kill_later(self, vm: VM) -> None:
+        self._sizes.pop(vm.id, None)
         task = asyncio.get_running_loop().create_task(vm.kill())
         self._kills.add(task)
         task.add_done_callback(self._kills.discard)
@@ -153,11 +156,20 @@ class ForkPool:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
         for vm in self._ready.pop(snapshot_dir, []):
+            self._sizes.pop(vm.id, None)
             await vm.kill()
 
     async def close(self) -> None:
         for snapshot_dir in {*self._ready, *self._fills}:
             await self.drop(snapshot_dir)
+
+    def _size_mib(self, vm: VM) -> int:
+        """A pooled VM's private memory, read once: a warm one is stopped and does
+        not grow (a pre-started one barely does), and reading smaps of every pooled
+        VM at each top-up would cost a large pool a second of CPU."""
+        if vm.id not in self._sizes:
+            self._sizes[vm.id] = vm.memory_usage().get("private", 0) >> 20
+        return self._sizes[vm.id]
 
     def all_vms(self) -> list[VM]:
         return [vm for vms in self._ready.values() for vm in vms]

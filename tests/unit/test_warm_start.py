@@ -1,0 +1,56 @@
+"""A pooled VM's warm-up (:meth:`WarmStart.prewarm`), in order, on a stub VM: restore,
+one exec (so a claimed child's first command finds its path translated), stop;
+a warm-up that fails leaves nothing running."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from forkd.errors import VMError
+from forkd.vmm.warm_start import WARM_EXEC, WarmStart
+
+
+class _QMP:
+    def __init__(self, calls: list[str]) -> None:
+        self.calls = calls
+
+    async def execute(self, cmd: str, args: Any = None) -> None:
+        self.calls.append(cmd)
+
+
+class _StubVM(WarmStart):
+    def __init__(self, exit_code: int = 0) -> None:
+        self.id, self.pid, self.state, self.ready_ms = "sb-1", 0, "incoming", None
+        self.calls: list[str] = []
+        self.qmp = _QMP(self.calls)
+        self._exit_code = exit_code
+
+    async def finish_restore(self, **kw: Any) -> None:
+        self.calls.append("restore")
+        self.state = "running"
+
+    async def exec(self, argv: list[str], **kw: Any) -> dict[str, Any]:
+        self.calls.append("exec " + " ".join(argv))
+        return {"exit_code": self._exit_code}
+
+    async def kill(self) -> None:
+        self.calls.append("kill")
+        self.state = "dead"
+
+
+def test_prewarm_restores_runs_one_command_then_stops() -> None:
+    vm = _StubVM()
+    asyncio.run(vm.prewarm())
+    assert vm.calls == ["restore", "exec " + " ".join(WARM_EXEC), "stop"]
+    assert vm.state == "warm"
+
+
+def test_a_failed_warm_up_command_kills_it_and_is_never_handed_out() -> None:
+    vm = _StubVM(exit_code=127)
+    with pytest.raises(VMError, match="warming the exec path"):
+        asyncio.run(vm.prewarm())
+    assert vm.calls[-1] == "kill" and "stop" not in vm.calls
+    assert vm.state == "dead"
