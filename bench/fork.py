@@ -162,6 +162,7 @@ class Bench(benchlib.BenchBase):
             ready = [c.ready_ms or 0.0 for c in children]
             await asyncio.sleep(IDLE_BEFORE_MEMORY_S)
             usage = [c.memory_usage() for c in children]
+            first_exec = [await self._first_exec_ms(c) for c in children]  # after: it grows them
             # Check the children really are the warm template (after reading memory).
             checks = await asyncio.gather(*(c.eval("x + 1") for c in children))
             bad = [c.id for c, out in zip(children, checks, strict=True) if out["result"] != "42"]
@@ -173,6 +174,7 @@ class Bench(benchlib.BenchBase):
         finally:
             await self._kill(children)
         res = self.results
+        res["first_exec_after_miss_ms_p50"] = r1(percentile(first_exec, 50))
         res["fork_ms"] = [r1(x) for x in ready]
         res["fork_first_ms"] = r1(ready[0])
         res["fork_p50_ms"] = r1(percentile(ready, 50))
@@ -202,6 +204,7 @@ class Bench(benchlib.BenchBase):
                     raise RuntimeError("the pool had no QEMU waiting")
                 children.append(vm)
                 await (vm.claim() if warm else vm.finish_restore())
+            first_exec = [await self._first_exec_ms(c) for c in children]
             checks = await asyncio.gather(*(c.eval("x + 1") for c in children))
             if any(out["result"] != "42" for out in checks):
                 raise RuntimeError("a pooled child did not see the template's x = 41")
@@ -210,9 +213,21 @@ class Bench(benchlib.BenchBase):
             await pool.close()
             await self._kill(children)
         key = "fork_pool_hit" if warm else "fork_pooled"
+        self.results[f"first_exec_after_{'pool_hit' if warm else 'pooled'}_ms_p50"] = r1(
+            percentile(first_exec, 50)
+        )
         self.results[f"{key}_ms"] = [r1(x) for x in ready]
         self.results[f"{key}_p50_ms"] = r1(percentile(ready, 50))
         self.results[f"{key}_p90_ms"] = r1(percentile(ready, 90))
+
+    @staticmethod
+    async def _first_exec_ms(vm: VM) -> float:
+        """How long a child's first command (``true``) takes, through the agent."""
+        t0 = time.monotonic()
+        out = await vm.exec(["true"])
+        if out.get("exit_code") != 0:
+            raise RuntimeError(f"`true` failed in {vm.id}: {out}")
+        return (time.monotonic() - t0) * 1000
 
     async def phase_concurrent(self, snap: Path) -> None:
         n = self.args.concurrent
@@ -393,6 +408,11 @@ def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
     )  # fmt: skip
     target_row("fork p50, warm pool hit (the daemon's pool)", "fork_pool_hit_p50_ms", " ms")
     main.add_row("fork p90, warm pool hit", fmt(res.get("fork_pool_hit_p90_ms"), " ms"), "", "")
+    main.add_row(
+        "first command after the fork p50: miss / pool hit",
+        f"{res.get('first_exec_after_miss_ms_p50')} / "
+        f"{res.get('first_exec_after_pool_hit_ms_p50')} ms", "", "",
+    )  # fmt: skip
     main.add_row(
         "fork first / max", f"{res.get('fork_first_ms')} / {res.get('fork_max_ms')} ms", "", ""
     )
