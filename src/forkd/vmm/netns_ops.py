@@ -36,6 +36,10 @@ LIBNFTABLES = "libnftables.so.1"
 _libc = ctypes.CDLL(None, use_errno=True)
 _dir_shared = threading.Lock()
 _dir_ready = False
+# One ruleset at a time in this process (about a millisecond each): contexts are
+# separate, but libnftables keeps some state process-wide (its bignum library's
+# setup, the parser's), and its documentation promises no more.
+_nft_lock = threading.Lock()
 
 
 def _check(rc: int, what: str) -> None:
@@ -151,6 +155,11 @@ def nftables_problem() -> str | None:
 def load_ruleset(ruleset: str, where: str) -> None:
     """Load ``ruleset`` whole, atomically, into the calling thread's namespace."""
     lib = _nftables()
+    with _nft_lock:
+        _load(lib, ruleset, where)
+
+
+def _load(lib: Any, ruleset: str, where: str) -> None:
     ctx = lib.nft_ctx_new(NFT_CTX_DEFAULT)
     if not ctx:
         raise VMError(f"nftables could not start for {where}")
