@@ -223,6 +223,8 @@ def test_exec_bad_params(agent: Client) -> None:
         {"argv": ["true"], "timeout": 0},
         {"argv": ["true"], "timeout": "5"},
         {"argv": ["true"], "env": {"A": 1}},
+        {"argv": ["echo", "a\0b"]},
+        {"argv": ["true"], "cwd": "/\0tmp"},
     ):
         msg = agent.call("exec", **params)
         assert msg["ok"] is False, params
@@ -316,6 +318,43 @@ def test_exec_starts_no_thread_once_a_request_thread_is_idle(agent: Client) -> N
         assert agent.result("exec", argv=["sh", "-c", "echo hi; echo ho >&2"])["stdout"] == "hi\n"
     assert agent.result("exec", argv=["cat"], stdin="in\n", timeout=5)["stdout"] == "in\n"
     assert agent.result("eval", code="_n[0]")["result"] == before
+
+
+def test_exec_stdin_that_cannot_be_encoded_starts_nothing_and_leaks_nothing(agent: Client) -> None:
+    fds = "import os\nlen(os.listdir('/proc/self/fd'))"
+    before = agent.result("eval", code=fds)["result"]
+    for _ in range(3):
+        msg = agent.call("exec", argv=["cat"], stdin="abc\ud800", timeout=2)
+        assert msg["ok"] is False and "surrogate" in msg["error"], msg
+    assert agent.result("eval", code=fds)["result"] == before
+    # and no `cat` was left waiting for a stdin nobody closes
+    assert agent.result("exec", argv=["sh", "-c", "pgrep -x cat || true"])["stdout"] == ""
+
+
+def test_request_threads_keep_no_finished_request_alive() -> None:
+    # An idle request thread must not pin the last request it ran (a file write's
+    # payload can be tens of MiB, and a template's snapshot would keep it).
+    import gc
+    import weakref
+
+    class Payload(bytearray):
+        pass
+
+    workers = agent_mod.Workers(keep=2)
+    done = threading.Event()
+    refs = []
+    for _ in range(3):
+        payload = Payload(1 << 20)
+        refs.append(weakref.ref(payload))
+        done.clear()
+        workers.submit(lambda p=payload: (len(p), done.set()))
+        del payload
+        assert done.wait(5)
+        deadline = time.monotonic() + 5
+        while workers.idle() == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]
 
 
 def test_exec_output_is_capped(agent: Client) -> None:

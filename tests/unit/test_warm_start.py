@@ -1,6 +1,7 @@
 """A pooled VM's warm-up (:meth:`WarmStart.prewarm`), in order, on a stub VM: restore,
 one exec (so a claimed child's first command finds its path translated), stop;
-a warm-up that fails leaves nothing running."""
+a warm-up that fails leaves nothing running; an image without the command is only
+less warm."""
 
 from __future__ import annotations
 
@@ -22,11 +23,12 @@ class _QMP:
 
 
 class _StubVM(WarmStart):
-    def __init__(self, exit_code: int = 0) -> None:
+    def __init__(self, exit_code: int = 0, exec_fails: bool = False) -> None:
         self.id, self.pid, self.state, self.ready_ms = "sb-1", 0, "incoming", None
         self.calls: list[str] = []
         self.qmp = _QMP(self.calls)
         self._exit_code = exit_code
+        self._exec_fails = exec_fails
 
     async def finish_restore(self, **kw: Any) -> None:
         self.calls.append("restore")
@@ -34,6 +36,8 @@ class _StubVM(WarmStart):
 
     async def exec(self, argv: list[str], **kw: Any) -> dict[str, Any]:
         self.calls.append("exec " + " ".join(argv))
+        if self._exec_fails:
+            raise VMError("agent gone")
         return {"exit_code": self._exit_code}
 
     async def kill(self) -> None:
@@ -48,9 +52,16 @@ def test_prewarm_restores_runs_one_command_then_stops() -> None:
     assert vm.state == "warm"
 
 
-def test_a_failed_warm_up_command_kills_it_and_is_never_handed_out() -> None:
-    vm = _StubVM(exit_code=127)
-    with pytest.raises(VMError, match="warming the exec path"):
+def test_an_image_without_the_warm_up_command_is_only_less_warm() -> None:
+    vm = _StubVM(exit_code=127)  # no `true` on its PATH
+    asyncio.run(vm.prewarm())
+    assert vm.calls == ["restore", "exec " + " ".join(WARM_EXEC), "stop"]
+    assert vm.state == "warm"
+
+
+def test_a_warm_up_that_fails_kills_it_and_it_is_never_handed_out() -> None:
+    vm = _StubVM(exec_fails=True)  # the agent does not answer
+    with pytest.raises(VMError, match="agent gone"):
         asyncio.run(vm.prewarm())
     assert vm.calls[-1] == "kill" and "stop" not in vm.calls
     assert vm.state == "dead"

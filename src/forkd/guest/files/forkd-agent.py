@@ -200,7 +200,11 @@ def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, 
     argv = req.get("argv")
     if not isinstance(argv, list) or not argv or not all(isinstance(a, str) for a in argv):
         raise RequestError("'argv' must be a non-empty list of strings")
+    if any("\0" in arg for arg in argv):
+        raise RequestError("'argv' must not contain a NUL byte")
     cwd = _optional(req, "cwd", str, "a string or null")
+    if cwd is not None and "\0" in cwd:
+        raise RequestError("'cwd' must not contain a NUL byte")
     env = _env(req)
     stdin = _optional(req, "stdin", str, "a string or null")
     timeout = req.get("timeout")
@@ -910,23 +914,28 @@ class Workers:
 
     def submit(self, work: Callable[[], None]) -> None:
         with self._lock:
+            self._work.put(work)
             if self._idle:
-                self._idle -= 1  # this one is promised to the work put below
-                self._work.put(work)
+                self._idle -= 1  # an idle thread is promised to the work just put
                 return
-        threading.Thread(target=self._run, args=(work,), name="request", daemon=True).start()
+        # No idle thread: a new one takes the work (this one, or an equal one put
+        # meanwhile). Passed through the queue, not the thread's arguments, which
+        # would keep the request (and its payload) alive as long as the thread.
+        threading.Thread(target=self._run, name="request", daemon=True).start()
 
-    def _run(self, work: Callable[[], None]) -> None:
+    def _run(self) -> None:
         while True:
+            work: Callable[[], None] | None = self._work.get()
             try:
+                assert work is not None
                 work()
             except Exception as exc:  # a request's own errors are answered; this is a bug
                 log(f"request worker: {type(exc).__name__}: {exc}")
+            work = None  # an idle thread holds no finished request
             with self._lock:
                 if self._idle >= self._keep:
                     return
                 self._idle += 1
-            work = self._work.get()
 
     def idle(self) -> int:
         with self._lock:

@@ -73,11 +73,19 @@ def run(
 ) -> dict[str, Any]:
     """Run ``argv`` in a session of its own; after ``timeout`` seconds its group is killed."""
     start = time.monotonic()
+    # Before anything is made: a lone surrogate cannot be encoded.
+    data = b"" if stdin is None else stdin.encode("utf-8", errors="surrogateescape")
     # Our own pipes, so that their read ends are plain fds this module owns
     # (and may hand to the drainer), not Popen's file objects.
-    out_r, out_w = os.pipe2(os.O_CLOEXEC)
-    err_r, err_w = os.pipe2(os.O_CLOEXEC)
-    in_r, in_w = os.pipe2(os.O_CLOEXEC) if stdin is not None else (-1, -1)
+    fds: list[int] = []
+    try:
+        fds += os.pipe2(os.O_CLOEXEC)
+        fds += os.pipe2(os.O_CLOEXEC)
+        fds += os.pipe2(os.O_CLOEXEC) if stdin is not None else (-1, -1)
+    except BaseException:
+        _close(*fds)
+        raise
+    out_r, out_w, err_r, err_w, in_r, in_w = fds
     try:
         proc = subprocess.Popen(
             argv,
@@ -88,12 +96,13 @@ def run(
             stderr=err_w,
             start_new_session=True,
         )
-    except OSError as exc:
+    except BaseException as exc:
         _close(out_r, err_r, in_w)
-        return spawn_failure(exc, argv, start)
+        if isinstance(exc, OSError):
+            return spawn_failure(exc, argv, start)
+        raise
     finally:
         _close(out_w, err_w, in_r)  # the program has its copies
-    data = b"" if stdin is None else stdin.encode("utf-8", errors="surrogateescape")
     return _Run(proc, (out_r, err_r, in_w), data, start + timeout).wait(start)
 
 
