@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 
 from forkd.errors import Invalid, UpstreamError
 from forkd.oci import artifact, auth, reference
+from forkd.oci import registry as registry_mod
 from forkd.oci.registry import Registry
 
 
@@ -182,6 +184,59 @@ def test_an_upload_sent_elsewhere_gets_no_credentials() -> None:
     with _hostile(handle) as reg, pytest.raises(UpstreamError, match="elsewhere"):
         reg.put_blob(b"x", "sha256:" + "0" * 64)
     assert seen == ["https://r.io"]
+
+
+class _UploadTarget(httpx.BaseTransport):
+    """A registry that takes an upload's body piece by piece, ``pause`` s a piece
+    (httpx's MockTransport reads a body whole before its handler sees it)."""
+
+    def __init__(self, pause: float = 0.0) -> None:
+        self.pause = pause
+        self.bodies: list[tuple[bytes, httpx.Headers]] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            return httpx.Response(202, headers={"Location": "/v2/forkd/x/blobs/uploads/u1"})
+        body = bytearray()
+        for piece in request.stream:  # type: ignore[union-attr]
+            time.sleep(self.pause)
+            body += piece
+        self.bodies.append((bytes(body), request.headers))
+        return httpx.Response(201)
+
+
+def _uploading_to(target: _UploadTarget) -> Registry:
+    ref = reference.parse("r.io/forkd/x:v1")
+    return Registry(ref, credentials=auth.Credentials(bearer="T0K"), transport=target)
+
+
+def test_an_upload_goes_whole_with_its_length() -> None:
+    target = _UploadTarget()
+    blob = bytes(range(256)) * 5000  # 1.2 MiB: several pieces
+    with _uploading_to(target) as reg:
+        reg.put_blob(blob, "sha256:" + hashlib.sha256(blob).hexdigest())
+    [(body, headers)] = target.bodies
+    assert body == blob
+    assert headers["Content-Length"] == str(len(blob)) and "Transfer-Encoding" not in headers
+
+
+def test_an_upload_the_registry_takes_too_slowly_is_given_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Each piece is taken well within any per-write timeout, but the whole upload
+    # passes its deadline: the transfer is given up, not held for as long as the
+    # registry likes. (Deadline here: 0.1 s + 64 KiB at 1 s a MiB.)
+    monkeypatch.setattr(registry_mod, "BLOB_DEADLINE_SECS", 0.1)
+    monkeypatch.setattr(registry_mod, "UPLOAD_PIECE_BYTES", 4096)
+    target = _UploadTarget(pause=0.03)
+    started = time.monotonic()
+    with (
+        _uploading_to(target) as reg,
+        pytest.raises(UpstreamError, match="too slow taking blob"),
+    ):
+        reg.put_blob(bytes(64 << 10), "sha256:" + "0" * 64)  # 16 pieces: 0.48 s
+    assert target.bodies == []  # the PUT never completed
+    assert time.monotonic() - started < 0.45
 
 
 def test_a_redirect_drops_credentials_and_never_goes_down_to_http() -> None:

@@ -7,8 +7,8 @@ registry may be hostile, so:
 - every answer is read raw (``Accept-Encoding: identity``; a body the server
   compressed anyway is never inflated: its digest then fails) and bounded
   before it is read: manifests, blobs of a known size, error bodies;
-- a blob must arrive within a deadline that grows with its size (no registry
-  holds a transfer open by trickling bytes);
+- a blob must arrive, or be taken, within a deadline that grows with its size
+  (no registry holds a transfer open by trickling bytes either way);
 - an upload goes only to the registry's own origin (its ``Location`` may not
   send credentials elsewhere), and a redirect (blob storage) is followed
   without credentials and never from HTTPS down to HTTP;
@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -37,7 +38,8 @@ MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 MANIFEST_BYTES_LIMIT = 4 << 20
 SMALL_BODY_LIMIT = 64 << 10  # what is read of an error or an upload's answer
 TIMEOUT = httpx.Timeout(30.0, connect=5.0)
-BLOB_DEADLINE_SECS = 60.0  # plus a second per MiB (1 MiB/s at least)
+BLOB_DEADLINE_SECS = 60.0  # plus a second per MiB (1 MiB/s at least), either way
+UPLOAD_PIECE_BYTES = 256 << 10  # an upload is written in pieces this big, its deadline checked
 MAX_REDIRECTS = 3
 
 
@@ -105,11 +107,19 @@ class Registry:
                 f"registry {self.ref.registry} sent the upload elsewhere ({url.scheme}://"
                 f"{url.host}): refused, credentials go only to the registry itself"
             )
+        # The whole upload has a deadline, like a download's: a registry that takes
+        # the bytes slowly enough never to trip a per-write timeout would otherwise
+        # hold a transfer slot for as long as it likes.
+        deadline = time.monotonic() + BLOB_DEADLINE_SECS + len(data) / (1 << 20)
         r = self._send(
             "PUT",
             url.copy_merge_params({"digest": digest}),
-            content=data,
-            headers={"Content-Type": "application/octet-stream"},
+            content=_paced(data, deadline, f"blob {digest}"),
+            headers={
+                "Content-Type": "application/octet-stream",
+                "Content-Length": str(len(data)),
+            },
+            deadline=deadline,
         )
         self._check(r, f"uploading blob {digest}", (201, 204))
 
@@ -185,9 +195,13 @@ class Registry:
         sep = "@" if reference.startswith("sha256:") else ":"
         return f"{self.ref.registry}/{self.ref.repository}{sep}{reference}"
 
-    def _send(self, method: str, url: Any, **kwargs: Any) -> httpx.Response:
-        """A request whose answer's body is read only up to :data:`SMALL_BODY_LIMIT`."""
-        deadline = time.monotonic() + BLOB_DEADLINE_SECS
+    def _send(
+        self, method: str, url: Any, deadline: float | None = None, **kwargs: Any
+    ) -> httpx.Response:
+        """A request whose answer's body is read only up to :data:`SMALL_BODY_LIMIT`,
+        by ``deadline`` (default: :data:`BLOB_DEADLINE_SECS` from now)."""
+        if deadline is None:
+            deadline = time.monotonic() + BLOB_DEADLINE_SECS
         with self._stream(self._client, method, url, **kwargs) as r:
             body = _read_at_most(r, SMALL_BODY_LIMIT, "an answer", deadline, cut=True)
             return httpx.Response(r.status_code, headers=r.headers, content=body,
@@ -231,6 +245,15 @@ class _Stream:
 
     def __exit__(self, *exc: object) -> None:
         self._ctx.__exit__(*exc)
+
+
+def _paced(data: bytes, deadline: float, what: str) -> Iterator[bytes]:
+    """``data`` in pieces for a request body; past ``deadline`` the upload stops."""
+    view = memoryview(data)
+    for start in range(0, len(view), UPLOAD_PIECE_BYTES):
+        if time.monotonic() > deadline:
+            raise UpstreamError(f"the registry was too slow taking {what}")
+        yield bytes(view[start : start + UPLOAD_PIECE_BYTES])
 
 
 def _read_at_most(
