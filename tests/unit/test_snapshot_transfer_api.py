@@ -3,10 +3,17 @@ before any registry is asked, and a snapshot being pushed cannot be deleted."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import threading
+import time
 from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+
+from forkd.controller.models import SnapshotPush
+from forkd.errors import UpstreamError
 
 
 @pytest.fixture
@@ -61,4 +68,43 @@ def test_a_snapshot_being_pushed_cannot_be_deleted(client: TestClient, base: str
         r = client.delete(f"/v1/snapshots/{base}")
         assert r.status_code == 409 and "being pushed" in r.json()["error"]
     assert not snaps.being_read
+    assert client.delete(f"/v1/snapshots/{base}").status_code == 204
+
+
+def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends(
+    client: TestClient, base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The push thread cannot be stopped; it reads the snapshot's files to its end.
+    # So the hold against deletion, and its place under the transfers cap, last as
+    # long as the thread, not as long as the request that started it.
+    services = client.app.state.services  # type: ignore[attr-defined]
+    transfer, snaps = services.transfer, services.snapshots
+    started, finish = threading.Event(), threading.Event()
+
+    def slow_push(registry: Any, *args: Any) -> Any:
+        started.set()
+        finish.wait(10)
+        raise UpstreamError("the registry went away")
+
+    monkeypatch.setattr(transfer, "_push_one", slow_push)
+
+    async def push_then_give_up() -> None:
+        req = SnapshotPush(ref="127.0.0.1:1/forkd/x:v1")
+        task = asyncio.create_task(transfer.push(base, req))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    portal = client.portal  # type: ignore[attr-defined]
+    portal.call(push_then_give_up)
+    assert snaps.being_read[base] == 1 and transfer._running == 1  # the thread still reads
+    r = client.delete(f"/v1/snapshots/{base}")
+    assert r.status_code == 409 and "being pushed" in r.json()["error"]
+    finish.set()
+    deadline = time.monotonic() + 5
+    while (snaps.being_read or transfer._running) and time.monotonic() < deadline:
+        portal.call(asyncio.sleep, 0.02)
+    assert not snaps.being_read and transfer._running == 0
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204

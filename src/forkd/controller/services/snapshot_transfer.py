@@ -71,16 +71,26 @@ class SnapshotTransfer:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _in_thread(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on a transfer thread. A cancelled caller does not stop it: the
-        thread finishes, or cleans up after itself (a pull commits or removes all)."""
+    async def _in_thread(
+        self, fn: Callable[..., T], *args: Any, then: Callable[[], None] | None = None
+    ) -> T:
+        """``fn(*args)`` on a transfer thread, then ``then()``. A cancelled caller does
+        not stop the thread: it finishes, or cleans up after itself (a pull commits or
+        removes all), and it counts toward the cap, and ``then`` waits, until it has."""
         if self._running >= MAX_TRANSFERS:
+            if then is not None:
+                then()
             raise Busy(f"{MAX_TRANSFERS} pushes and pulls are running: retry shortly")
         self._running += 1
-        try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
-        finally:
+        work = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+        def finished(_: object) -> None:
             self._running -= 1
+            if then is not None:
+                then()
+
+        work.add_done_callback(finished)
+        return await asyncio.shield(work)
 
     def _registry(self, ref: Reference, token: str | None, insecure: bool) -> Registry:
         settings = self.fleet.settings
@@ -116,15 +126,25 @@ class SnapshotTransfer:
         row = self.fleet.snapshot_row(tag)
         if row.status != "ready":
             raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to push")
-        with self.snapshots.reading(tag):
-            try:
-                files = snapshot_files.load(Path(row.dir))
-            except SnapshotError as exc:
-                raise Conflict(f"snapshot {tag!r} cannot be pushed: {exc}") from exc
+        # Held against deletion until the push thread is done with the files, even
+        # when the request goes away first.
+        release = self.snapshots.hold_for_reading(tag)
+        try:
+            files = snapshot_files.load(Path(row.dir))
             registry = self._registry(ref, req.token, req.insecure)
+        except BaseException as exc:
+            release()
+            if isinstance(exc, SnapshotError):
+                raise Conflict(f"snapshot {tag!r} cannot be pushed: {exc}") from exc
+            raise
+        try:
             pushed = await self._in_thread(
-                self._push_closing, registry, files, row, ref.tag or "latest", req.flatten
-            )
+                self._push_closing, registry, files, row, ref.tag or "latest", req.flatten,
+                then=release,
+            )  # fmt: skip
+        except Busy:
+            registry.close()  # never handed to a thread
+            raise
         self.fleet.metrics.registry_bytes.labels(direction="push").inc(pushed.bytes_uploaded)
         log.info("pushed %s to %s@%s: %d of %d bytes sent (%s)", tag, ref, pushed.digest,
                  pushed.bytes_uploaded, pushed.bytes_total, pushed.encoding)  # fmt: skip

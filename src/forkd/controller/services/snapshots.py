@@ -188,15 +188,27 @@ class SnapshotService:
     @contextlib.contextmanager
     def reading(self, tag: str) -> Iterator[None]:
         """Hold ``tag`` against deletion while its files are read (409 for a delete)."""
-        if tag in self.deleting:
-            raise Conflict(f"snapshot {tag!r} is being deleted")
-        self.being_read[tag] += 1
+        release = self.hold_for_reading(tag)
         try:
             yield
         finally:
-            self.being_read[tag] -= 1
-            if not self.being_read[tag]:
-                del self.being_read[tag]
+            release()
+
+    def hold_for_reading(self, tag: str) -> Callable[[], None]:
+        """:meth:`reading` for a hold that ends elsewhere: the function returned ends
+        it (once, however often it is called)."""
+        if tag in self.deleting:
+            raise Conflict(f"snapshot {tag!r} is being deleted")
+        self.being_read[tag] += 1
+        held = [True]
+
+        def release() -> None:
+            if held.pop() if held else False:
+                self.being_read[tag] -= 1
+                if not self.being_read[tag]:
+                    del self.being_read[tag]
+
+        return release
 
     def info(self, tag: str, detailed: bool = False) -> SnapshotInfo:
         row = self.fleet.snapshot_row(tag)
