@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from forkd.controller.models import SnapshotPush
+from forkd.controller.models import SnapshotPull, SnapshotPush
 from forkd.errors import UpstreamError
 
 
@@ -108,3 +108,47 @@ def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends
         portal.call(asyncio.sleep, 0.02)
     assert not snaps.being_read and transfer._running == 0
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
+
+
+def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The thread writing a pulled snapshot goes on after its request is gone: the tag
+    # stays reserved (no second pull or create may take it meanwhile) until it ends.
+    from forkd.controller.services import snapshot_transfer
+
+    services = client.app.state.services  # type: ignore[attr-defined]
+    transfer, fleet = services.transfer, services.fleet
+    started, finish = threading.Event(), threading.Event()
+
+    class Remote:
+        config: dict[str, Any] = {}
+
+    def slow_write(*args: Any) -> Any:
+        started.set()
+        finish.wait(10)
+        raise UpstreamError("the registry went away")
+
+    monkeypatch.setattr(snapshot_transfer.pull, "open_remote", lambda *a: Remote())
+    monkeypatch.setattr(transfer, "_check", lambda remote: None)
+    monkeypatch.setattr(transfer, "_pull_sync", slow_write)
+
+    async def pull_then_give_up() -> None:
+        req = SnapshotPull(ref="127.0.0.1:1/forkd/x:v1", tag="pulled")
+        task = asyncio.create_task(transfer.pull(req))
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    portal = client.portal  # type: ignore[attr-defined]
+    portal.call(pull_then_give_up)
+    assert "pulled" in fleet._tags_in_flight and transfer._running == 1
+    r = client.post("/v1/snapshots", json={"tag": "pulled", "memory_mib": 128})
+    assert r.status_code == 409 and "being created" in r.json()["error"]
+    finish.set()
+    deadline = time.monotonic() + 5
+    while (fleet._tags_in_flight or transfer._running) and time.monotonic() < deadline:
+        portal.call(asyncio.sleep, 0.02)
+    assert not fleet._tags_in_flight and transfer._running == 0

@@ -233,19 +233,27 @@ class SnapshotTransfer:
             if self.fleet.store.get_snapshot(req.tag) is not None:
                 raise Conflict(f"snapshot {req.tag!r} already exists")  # before any request
         registry = self._registry(ref, req.token, req.insecure)
+        # The registry client and the tag's reservation last until the thread that
+        # writes the snapshot is done, even when the request goes away first.
+        held = contextlib.ExitStack()
+        held.callback(registry.close)
+        handed = False
         try:
             remote = await self._in_thread(pull.open_remote, registry, ref.reference)
             tag = req.tag or _pushed_tag(remote.config) or ref.tag
             if not tag:
                 raise Invalid("give a tag: the reference and the snapshot name none")
             limits.check_tag(tag)
-            with self.fleet.reserve_tag(tag):
-                plan = await self._in_thread(self._check, remote)
-                fetched = await self._in_thread(
-                    self._pull_sync, registry, ref, remote, tag, plan, req.metadata
-                )
+            held.enter_context(self.fleet.reserve_tag(tag))
+            plan = await self._in_thread(self._check, remote)
+            handed = True
+            fetched = await self._in_thread(
+                self._pull_sync, registry, ref, remote, tag, plan, req.metadata,
+                then=held.close,
+            )  # fmt: skip
         finally:
-            registry.close()
+            if not handed:
+                held.close()
         self.fleet.metrics.registry_bytes.labels(direction="pull").inc(fetched)
         self.fleet.events.publish("snapshot_created", snapshot_tag=tag)
         log.info("pulled %s as %s: %d bytes fetched", remote.where, tag, fetched)
