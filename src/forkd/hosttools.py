@@ -21,6 +21,9 @@ PACKAGES: dict[str, str] = {
     "apt-get": "apt",
     "apt-cache": "apt",
     "tar": "tar",
+    "setpriv": "util-linux",
+    "nsenter": "util-linux",
+    "sh": "dash",
 }
 
 BUSYBOX_STATIC = Path("/bin/busybox")

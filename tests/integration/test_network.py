@@ -153,8 +153,8 @@ def outside() -> Iterator[str]:
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
             ns.route("add", dst="0.0.0.0/0", gateway="198.51.100.254")
         listeners.append(subprocess.Popen(
-            [sys.executable, "-c", LISTEN.format(port=PORT)],
-            preexec_fn=network.enter_netns(name),
+            ["nsenter", f"--net={network.NETNS_DIR / name}", "--",
+             sys.executable, "-c", LISTEN.format(port=PORT)],
         ))  # fmt: skip
         yield name
     finally:

@@ -38,8 +38,10 @@ def read(path: Path) -> str:
 
 
 def run_in(group: cgroups.Group) -> subprocess.Popen[bytes]:
-    """A process that joined ``group`` between fork and exec, as QEMU does."""
-    return subprocess.Popen(["sleep", "30"], preexec_fn=cgroups.joiner(group))
+    """A process moved into ``group`` as QEMU is (right after it started)."""
+    proc = subprocess.Popen(["sleep", "30"])
+    cgroups.move(group, proc.pid)
+    return proc
 
 
 # ------------------------------------------------------------------ limits
@@ -132,7 +134,8 @@ def test_the_process_joins_every_hierarchy_before_exec_and_the_group_goes_after_
 def test_a_group_is_removed_once_its_process_exits_within_the_wait(v1: FakeCgroupFS) -> None:
     group = cgroups.detect(v1.root, "forkd").create("sb-1", cgroups.limits_for(256, 1, "tcg"))
     assert group is not None
-    proc = subprocess.Popen(["sleep", "0.3"], preexec_fn=cgroups.joiner(group))
+    proc = subprocess.Popen(["sleep", "0.3"])
+    cgroups.move(group, proc.pid)
     try:
         assert cgroups.remove(group, wait=5.0) is True  # retried while it exits
     finally:

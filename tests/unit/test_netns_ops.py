@@ -84,8 +84,8 @@ def test_a_ruleset_lands_in_the_namespace_only(name: str) -> None:
     table = f"forkdtest{uuid.uuid4().hex[:6]}"
     netns_ops.run_inside(name, lambda: netns_ops.load_ruleset(f"table ip {table} {{}}\n", name))
     inside = subprocess.run(
-        ["nft", "list", "tables"], capture_output=True, text=True,
-        preexec_fn=network.enter_netns(name), check=True,
+        ["nsenter", f"--net={netns_ops.NETNS_DIR / name}", "--", "nft", "list", "tables"],
+        capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     host = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     assert f"table ip {table}" in inside

@@ -8,11 +8,12 @@ exists) and :class:`V1` where it mounts each controller apart
 (not root): VMs then run without caps, and ``forkd doctor`` says so.
 
 A VM's group is ``<parent>/<vm id>`` in each hierarchy (``forkd/sb-...``).
-Its QEMU joins it in the child between fork and exec (:func:`joiner`), so
-every page and thread QEMU ever has is charged to the group, and no guest
-code runs outside it. The group is removed once QEMU has exited
-(:func:`remove`); a :class:`Group` is a plain record, kept in ``vm.json``, so
-a daemon that adopts a VM can remove its group without a :class:`Hierarchy`.
+Its QEMU is moved into it (:func:`move`) while it waits at its start, before
+it is QEMU (:func:`forkd.vmm.launch.spawn`), so every page and thread QEMU
+ever has is charged to the group, and no guest code runs outside it. The
+group is removed once QEMU has exited (:func:`remove`); a :class:`Group` is a
+plain record, kept in ``vm.json``, so a daemon that adopts a VM can remove its
+group without a :class:`Hierarchy`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import logging
 import os
 import re
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -388,26 +388,19 @@ def detect(root: Path = CGROUP_ROOT, parent: str = DEFAULT_PARENT) -> Hierarchy:
     return h
 
 
-def joiner(group: Group | None) -> Callable[[], None] | None:
-    """What a new process runs between fork and exec to enter ``group``.
+def move(group: Group, pid: int) -> None:
+    """Put process ``pid`` (all its threads) into ``group``, in each hierarchy.
 
-    Only system calls on paths prepared here: the daemon has other threads,
-    so the child must take no lock they could hold.
+    QEMU is moved while it waits at its start (:func:`forkd.vmm.launch.spawn`),
+    before it has allocated anything or run any guest code.
     """
-    if group is None:
-        return None
-    procs = [os.fsencode(d / "cgroup.procs") for d in group.dirs]
-
-    def join() -> None:
-        pid = str(os.getpid()).encode()
-        for path in procs:
-            fd = os.open(path, os.O_WRONLY)
-            try:
-                os.write(fd, pid)
-            finally:
-                os.close(fd)
-
-    return join
+    data = str(pid).encode()
+    for d in group.dirs:
+        fd = os.open(d / "cgroup.procs", os.O_WRONLY)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
 
 def remove(group: Group | None, wait: float = 5.0, quiet: bool = False) -> bool:

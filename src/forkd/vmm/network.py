@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import fcntl
 import ipaddress
 import logging
@@ -32,7 +31,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,15 +53,12 @@ NETNS_DIR = netns_ops.NETNS_DIR
 NS_VETH = "veth0"
 NS_TAP = "tap0"
 HOST_TABLE = "forkd"
-CLONE_NEWNET = 0x40000000
 NEW_CONN_RATE = 500  # new connections a guest may open per second (burst below)
 NEW_CONN_BURST = 1000
 MAX_GUEST_CONNS = 4096  # its connections tracked at once: the host's table is shared
 ALWAYS_BLOCKED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3")
 HOST_RELOAD_SECS = 5.0  # the host table is loaded again at most this often
 HOST_LOCK = Path("/run/forkd-network.lock")
-
-_libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _link_exists(index: int) -> bool:
@@ -84,21 +80,6 @@ def _host_lock() -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def enter_netns(name: str) -> Callable[[], None]:
-    """A ``preexec_fn`` that moves the new process into namespace ``name``."""
-    path = str(NETNS_DIR / name)
-
-    def enter() -> None:  # runs in the child between fork and exec
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if _libc.setns(fd, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), f"setns({path})")
-        finally:
-            os.close(fd)
-
-    return enter
 
 
 @dataclass(frozen=True)

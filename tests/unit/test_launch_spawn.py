@@ -1,0 +1,116 @@
+"""How QEMU is started (:func:`forkd.vmm.launch.spawn`), with a stand-in command.
+
+No Python runs between fork and exec: the cgroup is joined at a gate before
+the command runs, the namespace is entered by ``nsenter`` and the parent-death
+signal set by ``setpriv``. Each is checked from the command's own point of
+view: it must already be in its group, in its namespace, and die with its
+parent.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from forkd.vmm import cgroups, launch, netns_ops, network
+from tests.unit.fake_cgroups import FakeCgroupFS
+
+
+def _rt(tmp_path: Path) -> launch.RuntimePaths:
+    return launch.prepare_runtime(tmp_path / "run", f"vm-{uuid.uuid4().hex[:6]}")
+
+
+def _wait_for(path: Path, timeout: float = 10.0) -> str:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and path.read_text().endswith("\n")):
+        assert time.monotonic() < deadline, f"{path} was never written"
+        time.sleep(0.02)
+    return path.read_text().strip()
+
+
+def test_the_command_runs_only_once_it_is_in_its_group(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeCgroupFS(tmp_path / "cg", v2=True).install(monkeypatch)
+    group = cgroups.detect(fake.root, "forkd").create("sb-1", cgroups.limits_for(256, 1, "tcg"))
+    assert group is not None
+    procs = group.dirs[0] / "cgroup.procs"
+    out = tmp_path / "seen"
+    # The command looks itself up in the group's (fake) cgroup.procs as it starts.
+    check = f'grep -qx "$$" {procs} && echo in-group > {out} || echo outside > {out}'
+    proc = launch.spawn(["sh", "-c", check], _rt(tmp_path), detach=True, cgroup=group)
+    assert _wait_for(out) == "in-group"
+    assert proc.wait(10) == 0
+
+
+def test_a_command_whose_group_cannot_be_joined_never_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = FakeCgroupFS(tmp_path / "cg", v2=True).install(monkeypatch)
+    group = cgroups.detect(fake.root, "forkd").create("sb-1", cgroups.limits_for(256, 1, "tcg"))
+    assert group is not None
+    (group.dirs[0] / "cgroup.procs").unlink()  # the kernel refuses the move
+    out = tmp_path / "ran"
+    rt = _rt(tmp_path)
+    with pytest.raises(OSError):
+        launch.spawn(["sh", "-c", f"echo ran > {out}"], rt, detach=True, cgroup=group)
+    time.sleep(0.3)
+    assert not out.exists()
+    assert not rt.dir.exists()  # its run directory is removed
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or network.netns_problems() != [],
+    reason=f"needs root and network namespaces: {network.netns_problems()}",
+)
+def test_the_command_starts_inside_its_namespace(tmp_path: Path) -> None:
+    name = f"forkd-test-{uuid.uuid4().hex[:8]}"
+    netns_ops.create(name)
+    try:
+        out = tmp_path / "ns"
+        cmd = ["sh", "-c", f"readlink /proc/self/ns/net > {out}"]
+        proc = launch.spawn(cmd, _rt(tmp_path), detach=True, netns=name)
+        assert proc.wait(10) == 0
+        expected = netns_ops.run_inside(name, lambda: os.readlink("/proc/thread-self/ns/net"))
+        assert _wait_for(out) == expected
+        assert expected != os.readlink("/proc/self/ns/net")
+    finally:
+        netns_ops.remove(name)
+
+
+def test_a_command_not_detached_dies_with_the_process_that_started_it(tmp_path: Path) -> None:
+    # A parent that starts one and is then killed with SIGKILL: no cleanup of its
+    # own runs, the parent-death signal alone ends the command.
+    parent = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from forkd.vmm import launch\n"
+            f"rt = launch.prepare_runtime(Path({str(tmp_path)!r}), 'vm-orphan')\n"
+            "p = launch.spawn(['sleep', '60'], rt, detach=False)\n"
+            "print(p.pid, flush=True)\n"
+            "time.sleep(60)\n"
+        )],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    pid = int(parent.stdout.readline())
+    os.kill(pid, 0)  # running
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    pytest.fail("the command outlived the process that started it")
