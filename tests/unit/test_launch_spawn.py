@@ -35,12 +35,18 @@ def _wait_for(path: Path, timeout: float = 10.0) -> str:
     return path.read_text().strip()
 
 
-def test_the_command_runs_only_once_it_is_in_its_group(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.fixture
+def group(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> cgroups.Group:
+    """A VM's group on a fake cgroup v2 filesystem (tests/unit/fake_cgroups.py)."""
     fake = FakeCgroupFS(tmp_path / "cg", v2=True).install(monkeypatch)
-    group = cgroups.detect(fake.root, "forkd").create("sb-1", cgroups.limits_for(256, 1, "tcg"))
-    assert group is not None
+    made = cgroups.detect(fake.root, "forkd").create("sb-1", cgroups.limits_for(256, 1, "tcg"))
+    assert made is not None
+    return made
+
+
+def test_the_command_runs_only_once_it_is_in_its_group(
+    tmp_path: Path, group: cgroups.Group
+) -> None:
     procs = group.dirs[0] / "cgroup.procs"
     out = tmp_path / "seen"
     # The command looks itself up in the group's (fake) cgroup.procs as it starts.
@@ -51,11 +57,8 @@ def test_the_command_runs_only_once_it_is_in_its_group(
 
 
 def test_a_command_whose_group_cannot_be_joined_never_runs(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, group: cgroups.Group
 ) -> None:
-    fake = FakeCgroupFS(tmp_path / "cg", v2=True).install(monkeypatch)
-    group = cgroups.detect(fake.root, "forkd").create("sb-1", cgroups.limits_for(256, 1, "tcg"))
-    assert group is not None
     (group.dirs[0] / "cgroup.procs").unlink()  # the kernel refuses the move
     out = tmp_path / "ran"
     rt = _rt(tmp_path)

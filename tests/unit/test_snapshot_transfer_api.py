@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -71,6 +72,29 @@ def test_a_snapshot_being_pushed_cannot_be_deleted(client: TestClient, base: str
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
 
 
+def _give_up_once_started(
+    client: TestClient, start: Callable[[], Awaitable[Any]], started: threading.Event
+) -> None:
+    """Run ``start()`` on the app's loop and cancel it once its thread has started,
+    as a client that goes away does."""
+
+    async def give_up() -> None:
+        task = asyncio.ensure_future(start())
+        while not started.is_set():
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    client.portal.call(give_up)  # type: ignore[attr-defined]
+
+
+def _wait_until(client: TestClient, done: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 5
+    while not done() and time.monotonic() < deadline:
+        client.portal.call(asyncio.sleep, 0.02)  # type: ignore[attr-defined]
+
+
 def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends(
     client: TestClient, base: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -88,24 +112,13 @@ def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends
 
     monkeypatch.setattr(transfer, "_push_one", slow_push)
 
-    async def push_then_give_up() -> None:
-        req = SnapshotPush(ref="127.0.0.1:1/forkd/x:v1")
-        task = asyncio.create_task(transfer.push(base, req))
-        while not started.is_set():
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    portal = client.portal  # type: ignore[attr-defined]
-    portal.call(push_then_give_up)
+    req = SnapshotPush(ref="127.0.0.1:1/forkd/x:v1")
+    _give_up_once_started(client, lambda: transfer.push(base, req), started)
     assert snaps.being_read[base] == 1 and transfer._running == 1  # the thread still reads
     r = client.delete(f"/v1/snapshots/{base}")
     assert r.status_code == 409 and "being pushed" in r.json()["error"]
     finish.set()
-    deadline = time.monotonic() + 5
-    while (snaps.being_read or transfer._running) and time.monotonic() < deadline:
-        portal.call(asyncio.sleep, 0.02)
+    _wait_until(client, lambda: not (snaps.being_read or transfer._running))
     assert not snaps.being_read and transfer._running == 0
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
 
@@ -133,22 +146,11 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
     monkeypatch.setattr(transfer, "_check", lambda remote: None)
     monkeypatch.setattr(transfer, "_pull_sync", slow_write)
 
-    async def pull_then_give_up() -> None:
-        req = SnapshotPull(ref="127.0.0.1:1/forkd/x:v1", tag="pulled")
-        task = asyncio.create_task(transfer.pull(req))
-        while not started.is_set():
-            await asyncio.sleep(0.01)
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    portal = client.portal  # type: ignore[attr-defined]
-    portal.call(pull_then_give_up)
+    req = SnapshotPull(ref="127.0.0.1:1/forkd/x:v1", tag="pulled")
+    _give_up_once_started(client, lambda: transfer.pull(req), started)
     assert "pulled" in fleet._tags_in_flight and transfer._running == 1
     r = client.post("/v1/snapshots", json={"tag": "pulled", "memory_mib": 128})
     assert r.status_code == 409 and "being created" in r.json()["error"]
     finish.set()
-    deadline = time.monotonic() + 5
-    while (fleet._tags_in_flight or transfer._running) and time.monotonic() < deadline:
-        portal.call(asyncio.sleep, 0.02)
+    _wait_until(client, lambda: not (fleet._tags_in_flight or transfer._running))
     assert not fleet._tags_in_flight and transfer._running == 0
