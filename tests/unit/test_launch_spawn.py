@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from forkd.errors import HostToolMissing
 from forkd.vmm import cgroups, launch, netns_ops, network
 from tests.unit.fake_cgroups import FakeCgroupFS
 
@@ -117,3 +118,20 @@ def test_a_command_not_detached_dies_with_the_process_that_started_it(tmp_path: 
         time.sleep(0.05)
     os.kill(pid, signal.SIGKILL)
     pytest.fail("the command outlived the process that started it")
+
+
+def test_a_missing_helper_program_leaves_no_run_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = launch.hosttools.require
+
+    def without_setpriv(tool: str) -> str:
+        if tool == "setpriv":
+            raise HostToolMissing(tool, "util-linux")
+        return real(tool)
+
+    monkeypatch.setattr(launch.hosttools, "require", without_setpriv)
+    rt = _rt(tmp_path)
+    with pytest.raises(HostToolMissing):
+        launch.spawn(["true"], rt, detach=False)
+    assert not rt.dir.exists()

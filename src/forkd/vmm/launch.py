@@ -65,17 +65,10 @@ def spawn(
     gate until this process has written its pid into the cgroup,
     ``nsenter`` enters the namespace, ``setpriv`` sets the parent-death signal.
     """
-    command = list(argv)
-    if not detach:
-        command = [hosttools.require("setpriv"), "--pdeathsig", "KILL", "--", *command]
-    if netns is not None:
-        command = [hosttools.require("nsenter"), f"--net={network.NETNS_DIR / netns}", "--",
-                   *command]  # fmt: skip
     gate_r = gate_w = -1
-    if cgroup is not None:
-        command = [hosttools.require("sh"), "-c", CGROUP_GATE, "forkd-cgroup-gate", *command]
     try:
         hosttools.require(QEMU_BINARY)
+        command = _wrapped(argv, detach, netns, cgroup)
         if cgroup is not None:
             gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
         log_fd = os.open(rt.qemu_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -106,6 +99,21 @@ def spawn(
         finally:
             os.close(gate_w)
     return proc
+
+
+def _wrapped(
+    argv: list[str], detach: bool, netns: str | None, cgroup: cgroups.Group | None
+) -> list[str]:
+    """``argv`` behind the programs that do what would otherwise run before exec."""
+    command = list(argv)
+    if not detach:
+        command = [hosttools.require("setpriv"), "--pdeathsig", "KILL", "--", *command]
+    if netns is not None:
+        command = [hosttools.require("nsenter"), f"--net={network.NETNS_DIR / netns}", "--",
+                   *command]  # fmt: skip
+    if cgroup is not None:
+        command = [hosttools.require("sh"), "-c", CGROUP_GATE, "forkd-cgroup-gate", *command]
+    return command
 
 
 def _close_fds(*fds: int) -> None:
