@@ -299,13 +299,14 @@ class HostNetwork:
         rules = namespace_ruleset(egress, self.resolver)  # hostnames resolved: no lock held
         name = NETNS_PREFIX + vm_id
         # One allocation at a time on this host, whichever daemon or thread asks:
-        # the host-side link's name claims the /30.
-        with self._lock, _host_lock():
-            index = self._free_index(self._preferred.pop(vm_id, None))
-            host_ip = str(self.cidr.network_address + 4 * index + 1)
-            ns_ip = str(self.cidr.network_address + 4 * index + 2)
-            net = SandboxNet(name, f"{HOST_IF_PREFIX}{index}", host_ip, ns_ip)
-            try:
+        # the host-side link's name claims the /30. The namespace's inside is set
+        # up after the lock is let go.
+        try:
+            with self._lock, _host_lock():
+                index = self._free_index(self._preferred.pop(vm_id, None))
+                host_ip = str(self.cidr.network_address + 4 * index + 1)
+                ns_ip = str(self.cidr.network_address + 4 * index + 2)
+                net = SandboxNet(name, f"{HOST_IF_PREFIX}{index}", host_ip, ns_ip)
                 remove_namespace(name)  # a leftover of a crash: this id is ours
                 netns_ops.create(name)
                 with IPRoute() as ipr:
@@ -314,14 +315,10 @@ class HostNetwork:
                     idx = ipr.link_lookup(ifname=net.host_if)[0]
                     ipr.addr("add", index=idx, address=host_ip, prefixlen=30)
                     ipr.link("set", index=idx, state="up")
-            except BaseException:
-                # The veth is ours only if it landed in our namespace: removing
-                # the namespace removes it; a name clash never deletes another's.
-                remove_namespace(name)
-                raise
-        try:
             netns_ops.run_inside(name, lambda: self._inside(net, rules))
         except BaseException:
+            # The veth is ours only if it landed in our namespace: removing the
+            # namespace removes it; a name clash never deletes another's.
             remove_namespace(name)
             raise
         return net

@@ -200,13 +200,16 @@ class SnapshotService:
         if tag in self.deleting:
             raise Conflict(f"snapshot {tag!r} is being deleted")
         self.being_read[tag] += 1
-        held = [True]
+        released = False
 
         def release() -> None:
-            if held.pop() if held else False:
-                self.being_read[tag] -= 1
-                if not self.being_read[tag]:
-                    del self.being_read[tag]
+            nonlocal released
+            if released:
+                return
+            released = True
+            self.being_read[tag] -= 1
+            if not self.being_read[tag]:
+                del self.being_read[tag]
 
         return release
 

@@ -193,8 +193,9 @@ class _Run:
                 self.timed_out = True
                 kill_group(self.proc.pid)
             wake = None if self.timed_out else self.deadline
-            if self.pidfd is None:
-                wake = min(wake or now + NO_PIDFD_POLL_S, now + NO_PIDFD_POLL_S)
+            if self.pidfd is None:  # nothing wakes us at the exit: look again soon
+                soon = now + NO_PIDFD_POLL_S
+                wake = soon if wake is None else min(wake, soon)
         else:
             wake = self.end_by
         wait_ms = None if wake is None else max(0, int((wake - now) * 1000) + 1)
