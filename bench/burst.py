@@ -116,9 +116,8 @@ class BurstBench(benchlib.DaemonBench):
         n = self.args.burst
         self._stop_daemon()  # the cold phases' daemon and all its VMs
         self.daemon = DaemonProcess(self.workdir / "state-pooled")
-        self.daemon.start("--max-sandboxes", str(n + 10),
-                          "--max-guest-memory", str((n + 10) * self.args.memory),
-                          "--pool-size", str(n), "--pool-memory", str(n * POOLED_MIB))  # fmt: skip
+        pool = ["--pool-size", str(n), "--pool-memory", str(n * POOLED_MIB)]
+        self.daemon.start(*self._caps(n), *pool)
         with self.controller(timeout=900) as ctl:
             ctl.create_snapshot(TEMPLATE, image="python", memory_mib=self.args.memory)
             self.qemu_cpu_before = 0.0
@@ -138,6 +137,11 @@ class BurstBench(benchlib.DaemonBench):
                 percentile([processes.memory_usage(p).get("private", 0) / MIB for p in pooled], 50)
             )
             self.burst(ctl, key="burst_pooled")
+
+    def _caps(self, children: int) -> list[str]:
+        """The daemon's caps, raised to fit ``children`` and a few more."""
+        most = children + 10
+        return ["--max-sandboxes", str(most), "--max-guest-memory", str(most * self.args.memory)]
 
     def _pool_waiting(self) -> int:
         token = self.daemon.token_path.read_text().strip()
@@ -198,10 +202,7 @@ class BurstBench(benchlib.DaemonBench):
         )
 
     def bench(self) -> None:
-        most = max(self.args.idle, self.args.burst) + 10
-        caps = ["--max-sandboxes", str(most),
-                "--max-guest-memory", str(most * self.args.memory)]  # fmt: skip
-        self.daemon.start(*caps)
+        self.daemon.start(*self._caps(max(self.args.idle, self.args.burst)))
         self.say.log(f"daemon {self.daemon.url}, building template {TEMPLATE!r}")
         mib_before = available_mib()
         with self.controller(timeout=900) as ctl:

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -225,6 +225,28 @@ def test_credentials_from_docker_config_and_refusal(tmp_path, image_dir) -> None
         server.stop()
 
 
+def _pushed_volume(
+    chunks: list[tuple[int, bytes]], name: str, size: int
+) -> tuple[artifact.Manifest, Callable[[int], None]]:
+    """A manifest carrying a volume of ``size`` bytes as ``chunks`` (what a push
+    made of its disk), and what fills a new volume's disk from it, as a pull does."""
+    from forkd.oci import volume_files
+
+    layers = tuple(
+        artifact.Layer(artifact.VOLUME_TYPE, sha256(d), len(d), "volume.0", off, len(d))
+        for off, d in chunks
+    )
+    manifest = artifact.Manifest(sha256(b"{}"), 2, layers)
+    config = {"volumes": [{"name": name, "path": "/data", "size_bytes": size}]}
+    (vol,) = volume_files.wanted(manifest, config)
+    contents = dict(zip(layers, (d for _, d in chunks), strict=True))
+
+    def pieces(wanted: list[artifact.Layer]) -> list[tuple[artifact.Layer, bytes]]:
+        return [(la, contents[la]) for la in wanted]
+
+    return manifest, lambda fd: volume_files.write(manifest, vol, pieces, fd)
+
+
 def test_volume_disks_travel_as_their_non_zero_chunks(tmp_path: Path) -> None:
     from forkd.oci import volume_files
     from forkd.vmm.volumes import VolumeStore
@@ -241,23 +263,9 @@ def test_volume_disks_travel_as_their_non_zero_chunks(tmp_path: Path) -> None:
         f.write(b"end!" * 1024)
     got = list(volume_files.chunks(disk))
     assert [off for off, _ in got] == [5 << 20, size - (1 << 20)]
-    layers = tuple(
-        artifact.Layer(artifact.VOLUME_TYPE, sha256(d), len(d), "volume.0", off, len(d))
-        for off, d in got
-    )
-    manifest = artifact.Manifest(sha256(b"{}"), 2, layers)
-    config = {"volumes": [{"name": "data", "path": "/data", "size_bytes": size}]}
-    (vol,) = volume_files.wanted(manifest, config)
-    contents = dict(zip(layers, (d for _, d in got), strict=True))
-
-    def pieces(wanted: list[artifact.Layer]) -> list[tuple[artifact.Layer, bytes]]:
-        return [(la, contents[la]) for la in wanted]
-
+    manifest, fill = _pushed_volume(got, "data", size)
     store = VolumeStore(tmp_path / "volumes")
-    names = [
-        store.create_filled("data", size, lambda fd: volume_files.write(manifest, vol, pieces, fd))
-        for _ in range(2)
-    ]
+    names = [store.create_filled("data", size, fill) for _ in range(2)]
     assert names[0] == "data" and names[1].startswith("data-")  # the name was taken
     base = store.base(names[1])
     assert base.read_bytes() == disk.read_bytes()
@@ -281,21 +289,7 @@ def test_a_volume_of_a_size_off_page_bounds_travels_whole(tmp_path: Path) -> Non
         f.truncate(size)
         f.seek(size - 10)
         f.write(b"last bytes")
-    got = list(volume_files.chunks(disk))
-    layers = tuple(
-        artifact.Layer(artifact.VOLUME_TYPE, sha256(d), len(d), "volume.0", off, len(d))
-        for off, d in got
-    )
-    manifest = artifact.Manifest(sha256(b"{}"), 2, layers)
-    config = {"volumes": [{"name": "odd", "path": "/data", "size_bytes": size}]}
-    (vol,) = volume_files.wanted(manifest, config)
-    contents = dict(zip(layers, (d for _, d in got), strict=True))
-
-    def pieces(wanted: list[artifact.Layer]) -> list[tuple[artifact.Layer, bytes]]:
-        return [(la, contents[la]) for la in wanted]
-
+    _, fill = _pushed_volume(list(volume_files.chunks(disk)), "odd", size)
     store = VolumeStore(tmp_path / "volumes")
-    name = store.create_filled(
-        "odd", size, lambda fd: volume_files.write(manifest, vol, pieces, fd)
-    )
+    name = store.create_filled("odd", size, fill)
     assert store.base(name).read_bytes() == disk.read_bytes()
