@@ -1,0 +1,522 @@
+"""Unpacking an untrusted tar stream beneath one directory, and nowhere else.
+
+Every archive forkd unpacks goes through :func:`extract`: a volume's content
+on the daemon's host, a directory copied out of a sandbox on the client's,
+an upload into a sandbox in its guest, and an image's layers.
+
+How it stays beneath its target, on any Python and without ``tarfile``'s
+filters:
+
+- Names are checked before anything is done with them: no absolute name, no
+  ``..``, no NUL, no empty component; within the reader's bounds on length,
+  depth, entries and bytes.
+- Every operation is relative to a directory descriptor, reached from the
+  target one component at a time with ``O_NOFOLLOW | O_DIRECTORY``: a symlink
+  (or a file) where a directory must be is refused, never followed, whoever
+  put it there and whatever its target. Nothing is ever written through an
+  existing name: a file is unlinked and created anew with ``O_EXCL``.
+- A hard link's source is found the same way, beneath the target, and linked
+  without following it.
+- Under the ``DATA`` policy a symlink must point inside the tree: checked as
+  written (no absolute target, no ``..`` climbing above the root), then again
+  at the end by resolving every symlink made, through the links as they now
+  stand, beneath the root (a later link can change where an earlier one
+  leads). Devices and fifos are refused; owners, setuid/setgid/sticky bits,
+  group/other write bits and extended attributes are not applied.
+- Under the ``ROOTFS`` policy (an image's root file system) symlinks are
+  stored as written, whatever their target: they are meant for the guest's
+  root, and nothing here follows them. Owners, modes, devices and the
+  extended attributes a root file system needs are applied.
+
+Directories' modes and times are applied last, deepest first, so a read-only
+directory in the archive does not stop its own content from being written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkd.archive.errors import ArchiveError, BadArchive, UnsafeEntry, shown
+from forkd.archive.tar_format import Kind, Limits, Member, ReadFn, TarReader
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+# What an archive can bring about by itself (a name too long for the file system, a
+# file where its own directory must go, ...), as opposed to the host's own failures.
+_ARCHIVE_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EMLINK, errno.EINVAL, errno.ENOTDIR,
+                             errno.EEXIST, errno.EISDIR, errno.ELOOP, errno.ENOTEMPTY})  # fmt: skip
+MAX_LINK_HOPS = 40  # symlinks followed resolving one path, as Linux allows
+# The extended attributes a root file system may carry; others are not applied.
+ROOTFS_XATTR_PREFIXES = ("user.", "security.capability")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What an archive's entries may be and keep beyond plain files, directories and
+    links inside the tree."""
+
+    name: str
+    symlinks_inside: bool  # a symlink must lead inside the tree
+    devices: bool  # character and block devices, fifos
+    owners: bool  # the archive's uid and gid (the extracting process must be root)
+    all_mode_bits: bool  # setuid, setgid, sticky and group/other write kept
+    xattrs: bool  # ROOTFS_XATTR_PREFIXES applied
+
+
+DATA = Policy("data", True, False, False, False, False)
+ROOTFS = Policy("rootfs", False, True, True, True, True)
+DEFAULT_LIMITS = Limits()
+
+
+@dataclass(frozen=True)
+class Extracted:
+    entries: int
+    bytes: int  # regular files' sizes, summed
+
+
+def extract(
+    read: ReadFn,
+    dest: str | os.PathLike[str],
+    policy: Policy = DATA,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Extracted:
+    """Unpack the tar stream that ``read(n)`` yields into the existing directory
+    ``dest``; raises an :class:`~forkd.archive.errors.ArchiveError` for an archive
+    refused (what was written before stays: unpack into a fresh directory and
+    remove it on failure, as :func:`extract_new` does)."""
+    root = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        return _Unpacker(root, policy, TarReader(read, limits)).run()
+    finally:
+        os.close(root)
+
+
+def extract_new(
+    read: ReadFn,
+    dest: str | os.PathLike[str],
+    policy: Policy = DATA,
+    limits: Limits = DEFAULT_LIMITS,
+) -> Extracted:
+    """Unpack into ``dest``, which must not exist yet: the archive is unpacked into
+    a hidden directory beside it and renamed into place when whole, so a refused or
+    broken archive leaves nothing behind."""
+    target = Path(dest)
+    staging = target.parent / f".{target.name}.forkd-partial-{os.getpid()}"
+    _remove_tree(staging)
+    os.mkdir(staging, 0o700)
+    try:
+        done = extract(read, staging, policy, limits)
+        os.rename(staging, target)  # refuses to replace an existing directory that is not empty
+    except BaseException:
+        _remove_tree(staging)
+        raise
+    return done
+
+
+class ChunkReader:
+    """A ``read(n)`` over an iterable of byte chunks, holding at most one chunk."""
+
+    def __init__(self, chunks: Iterable[bytes]) -> None:
+        self._chunks: Iterator[bytes] = iter(chunks)
+        self._buffer = memoryview(b"")
+
+    def read(self, n: int) -> bytes:
+        while not self._buffer:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return b""
+            self._buffer = memoryview(chunk)
+        piece, self._buffer = self._buffer[:n], self._buffer[n:]
+        return bytes(piece)
+
+
+def _remove_tree(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        if path.is_symlink() or not path.is_dir():
+            path.unlink()
+        else:
+            import shutil  # only on failure
+
+            shutil.rmtree(path)  # never follows a symlink (fd-based on Linux)
+
+
+# ---------------------------------------------------------------------- names
+
+
+def split_name(name: str) -> tuple[str, ...]:
+    """An entry's name as components beneath the root; UnsafeEntry for one that is
+    absolute, climbs with '..', or holds a NUL."""
+    if "\0" in name:
+        raise UnsafeEntry(f"refusing entry {shown(name)}: its name holds a NUL byte")
+    if name.startswith("/"):
+        raise UnsafeEntry(f"refusing entry {shown(name)}: an absolute name")
+    parts = tuple(p for p in name.split("/") if p not in ("", "."))
+    if ".." in parts:
+        raise UnsafeEntry(f"refusing entry {shown(name)}: its name climbs with '..'")
+    return parts
+
+
+def _link_stays_inside(parent: tuple[str, ...], target: str) -> bool:
+    """A relative symlink target read from the link's directory, lexically: never
+    above the root."""
+    depth = len(parent)
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return False
+        elif part not in ("", "."):
+            depth += 1
+    return True
+
+
+# ---------------------------------------------------------------------- unpacking
+
+
+class _Unpacker:
+    def __init__(self, root: int, policy: Policy, reader: TarReader) -> None:
+        self.root = root
+        self.policy = policy
+        self.reader = reader
+        self.directories: dict[tuple[str, ...], Member] = {}  # modes and times applied last
+        self.symlinks: list[tuple[str, ...]] = []
+        self._cached: tuple[tuple[str, ...], int] | None = None  # the last parent opened
+
+    def run(self) -> Extracted:
+        try:
+            for member in self.reader:
+                try:
+                    self._one(member)
+                except OSError as exc:
+                    if exc.errno not in _ARCHIVE_ERRNOS:
+                        raise  # the host's: a full disk, no permission, an I/O error
+                    raise BadArchive(
+                        f"cannot unpack entry {shown(member.name)}: {exc.strerror}"
+                    ) from None
+            if self.policy.symlinks_inside:
+                try:
+                    for parts in self.symlinks:
+                        self._check_resolves_inside(parts)
+                except UnsafeEntry:
+                    self._remove_symlinks()  # none is left to lead out, even unstaged
+                    raise
+            self._finish_directories()
+        finally:
+            self._forget_parent()
+        return Extracted(self.reader.entries, self.reader.bytes)
+
+    def _one(self, member: Member) -> None:
+        parts = split_name(member.name)
+        if not parts:
+            if member.kind is not Kind.DIRECTORY:
+                raise UnsafeEntry(f"refusing entry {shown(member.name)}: not a directory")
+            if self.policy.owners:  # the root's own mode and owner, for an image's /
+                self.directories[()] = member
+            return
+        parent = self._parent(member, parts[:-1])
+        name = parts[-1]
+        kind = member.kind
+        if kind is Kind.DIRECTORY:
+            self._directory(parent, name, member)
+            self.directories[parts] = member
+        elif kind is Kind.FILE:
+            self._clear(parent, parts, member)
+            self._file(parent, name, member)
+        elif kind is Kind.SYMLINK:
+            self._symlink(parent, name, member, parts)
+        elif kind is Kind.HARDLINK:
+            self._hardlink(parent, parts, member)
+        else:
+            self._device(parent, parts, member)
+
+    # -------------------------------------------------------------- directories to walk
+
+    def _parent(self, member: Member, parts: tuple[str, ...]) -> int:
+        """A descriptor of the directory ``parts`` beneath the root, made where missing;
+        UnsafeEntry where a component is a symlink or not a directory."""
+        if self._cached is not None and self._cached[0] == parts:
+            return self._cached[1]
+        self._forget_parent()
+        fd = self._walk(parts, member, create=True)
+        self._cached = (parts, fd)
+        return fd
+
+    def _forget_parent(self) -> None:
+        if self._cached is not None:
+            if self._cached[1] != self.root:
+                os.close(self._cached[1])
+            self._cached = None
+
+    def _walk(self, parts: tuple[str, ...], member: Member, create: bool) -> int:
+        fd = self.root
+        try:
+            for part in parts:
+                nxt = self._open_dir(fd, part, member, create)
+                if fd != self.root:
+                    os.close(fd)
+                fd = nxt
+        except BaseException:
+            if fd != self.root:
+                os.close(fd)
+            raise
+        return fd
+
+    def _open_dir(self, fd: int, part: str, member: Member, create: bool) -> int:
+        try:
+            return os.open(part, _DIR_FLAGS, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise UnsafeEntry(
+                    f"refusing entry {shown(member.name)}: it links to a path that does not exist"
+                ) from None
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                # O_DIRECTORY | O_NOFOLLOW on a symlink says ENOTDIR: look again.
+                what = "a symlink" if _is_symlink(fd, part) else "a file"
+                raise UnsafeEntry(
+                    f"refusing entry {shown(member.name)}: {shown(part)} on its path is {what}, "
+                    "not a directory"
+                ) from None
+            raise
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, 0o700, dir_fd=fd)
+        return os.open(part, _DIR_FLAGS, dir_fd=fd)
+
+    # -------------------------------------------------------------- entries
+
+    def _clear(self, parent: int, parts: tuple[str, ...], member: Member) -> None:
+        """Whatever has ``name`` goes before a new entry takes it; a directory only when
+        empty. Nothing is ever written through an existing name."""
+        name = parts[-1]
+        try:
+            st = os.lstat(name, dir_fd=parent)
+        except FileNotFoundError:
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=parent)
+            return
+        try:
+            os.rmdir(name, dir_fd=parent)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                raise BadArchive(
+                    f"entry {shown(member.name)} would replace a directory that is not empty"
+                ) from None
+            raise
+        self.directories.pop(parts, None)
+
+    def _directory(self, parent: int, name: str, member: Member) -> None:
+        try:
+            st = os.lstat(name, dir_fd=parent)
+        except FileNotFoundError:
+            os.mkdir(name, 0o700, dir_fd=parent)
+            return
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(name, dir_fd=parent)
+            os.mkdir(name, 0o700, dir_fd=parent)
+
+    def _file(self, parent: int, name: str, member: Member) -> None:
+        fd = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=parent)
+        try:
+            end = 0
+            for offset, piece in self.reader.chunks():
+                if offset != end:
+                    os.lseek(fd, offset, os.SEEK_SET)
+                _write_all(fd, piece)
+                end = offset + len(piece)
+            if member.sparse is not None:
+                os.ftruncate(fd, member.size)
+            self._attributes(fd, member)
+            os.utime(fd, (member.mtime, member.mtime))
+        finally:
+            os.close(fd)
+
+    def _attributes(self, fd: int, member: Member) -> None:
+        """Owner, then mode (a chown clears setuid), then extended attributes."""
+        if self.policy.owners:
+            os.fchown(fd, member.uid, member.gid)
+        os.fchmod(fd, self._mode(member))
+        if self.policy.xattrs:
+            for key, value in member.xattrs.items():
+                if key.startswith(ROOTFS_XATTR_PREFIXES):
+                    os.setxattr(fd, key, value)
+
+    def _mode(self, member: Member) -> int:
+        if self.policy.all_mode_bits:
+            return member.mode & 0o7777
+        mode = member.mode & 0o755
+        return mode | (0o700 if member.kind is Kind.DIRECTORY else 0o600)
+
+    def _symlink(self, parent: int, name: str, member: Member, parts: tuple[str, ...]) -> None:
+        target = member.linkname
+        if not target or "\0" in target:
+            raise UnsafeEntry(f"refusing symlink {shown(member.name)}: an empty or NUL target")
+        if self.policy.symlinks_inside:
+            if target.startswith("/"):
+                raise UnsafeEntry(
+                    f"refusing symlink {shown(member.name)}: its target is an absolute path"
+                )
+            if not _link_stays_inside(parts[:-1], target):
+                raise UnsafeEntry(
+                    f"refusing symlink {shown(member.name)}: it points outside the directory"
+                )
+            self.symlinks.append(parts)
+        self._clear(parent, parts, member)
+        os.symlink(target, name, dir_fd=parent)
+        if self.policy.owners:
+            os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
+        with contextlib.suppress(OSError):
+            os.utime(name, (member.mtime, member.mtime), dir_fd=parent, follow_symlinks=False)
+
+    def _hardlink(self, parent: int, parts: tuple[str, ...], member: Member) -> None:
+        source = split_name(member.linkname) if member.linkname else ()
+        if not source:
+            raise UnsafeEntry(f"refusing hard link {shown(member.name)}: no target")
+        if source == parts:
+            return  # a link to itself: already there
+        source_dir = self._walk(source[:-1], member, create=False)
+        try:
+            try:
+                st = os.lstat(source[-1], dir_fd=source_dir)
+            except FileNotFoundError:
+                raise UnsafeEntry(
+                    f"refusing hard link {shown(member.name)}: its target "
+                    f"{shown(member.linkname)} does not exist"
+                ) from None
+            if stat.S_ISDIR(st.st_mode):
+                raise UnsafeEntry(f"refusing hard link {shown(member.name)}: to a directory")
+            if not self.policy.devices and not stat.S_ISREG(st.st_mode):
+                raise UnsafeEntry(
+                    f"refusing hard link {shown(member.name)}: to something not a regular file"
+                )
+            self._clear(parent, parts, member)
+            os.link(source[-1], parts[-1], src_dir_fd=source_dir, dst_dir_fd=parent,
+                    follow_symlinks=False)  # fmt: skip
+        finally:
+            if source_dir != self.root:
+                os.close(source_dir)
+
+    def _device(self, parent: int, parts: tuple[str, ...], member: Member) -> None:
+        if not self.policy.devices:
+            raise UnsafeEntry(
+                f"refusing entry {shown(member.name)}: a {member.kind.value} "
+                "(only files, directories and links are unpacked here)"
+            )
+        self._clear(parent, parts, member)
+        name = parts[-1]
+        kind = {Kind.CHAR_DEVICE: stat.S_IFCHR, Kind.BLOCK_DEVICE: stat.S_IFBLK,
+                Kind.FIFO: stat.S_IFIFO}[member.kind]  # fmt: skip
+        device = os.makedev(member.devmajor, member.devminor) if kind != stat.S_IFIFO else 0
+        os.mknod(name, kind | (member.mode & 0o777), device, dir_fd=parent)
+        if self.policy.owners:
+            os.chown(name, member.uid, member.gid, dir_fd=parent, follow_symlinks=False)
+        # Permission bits through a descriptor that cannot be a device's open:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+        try:
+            os.chmod(f"/proc/self/fd/{fd}", member.mode & 0o7777)
+        finally:
+            os.close(fd)
+        with contextlib.suppress(OSError):
+            os.utime(name, (member.mtime, member.mtime), dir_fd=parent, follow_symlinks=False)
+
+    # -------------------------------------------------------------- the end
+
+    def _check_resolves_inside(self, parts: tuple[str, ...]) -> None:
+        """Follow the symlink at ``parts`` through the tree as it now stands; refuse it
+        if it leads above the root (one component at a time, never by the kernel)."""
+        link = self._readlink(parts)
+        if link is None:
+            return
+        # The link's own directories are resolved like its target's components.
+        target = [p for p in link.split("/") if p not in ("", ".")]
+        pending = list(reversed([*parts[:-1], *target]))
+        stack: list[str] = []
+        hops = 0
+        while pending:
+            part = pending.pop()
+            if part == "..":
+                if not stack:
+                    raise UnsafeEntry(
+                        f"refusing symlink {shown('/'.join(parts))}: through the links "
+                        "around it, it leads outside the directory"
+                    )
+                stack.pop()
+                continue
+            try:
+                st = os.lstat("/".join([*stack, part]), dir_fd=self.root)
+            except (FileNotFoundError, NotADirectoryError):
+                # Nothing there: the rest resolves to nothing, wherever it names.
+                return
+            if stat.S_ISLNK(st.st_mode):
+                hops += 1
+                if hops > MAX_LINK_HOPS:
+                    return  # a loop: the kernel refuses to follow it (ELOOP)
+                target = os.readlink("/".join([*stack, part]), dir_fd=self.root)
+                if target.startswith("/"):
+                    raise UnsafeEntry(
+                        f"refusing symlink {shown('/'.join(parts))}: it leads to an absolute path"
+                    )
+                pending.extend(reversed([p for p in target.split("/") if p not in ("", ".")]))
+                continue
+            stack.append(part)
+
+    def _remove_symlinks(self) -> None:
+        self._forget_parent()
+        for parts in self.symlinks:
+            with contextlib.suppress(ArchiveError, OSError):
+                if self._readlink(parts) is not None:
+                    fd = self._walk(parts[:-1], Member("", Kind.SYMLINK, 0, 0, 0, 0, 0), False)
+                    try:
+                        os.unlink(parts[-1], dir_fd=fd)
+                    finally:
+                        if fd != self.root:
+                            os.close(fd)
+
+    def _readlink(self, parts: tuple[str, ...]) -> str | None:
+        """The target of the symlink at ``parts`` (its directories walked without
+        following any); None once a later entry put something else there."""
+        fd = self._walk(parts[:-1], Member("/".join(parts), Kind.SYMLINK, 0, 0, 0, 0, 0), False)
+        try:
+            if not stat.S_ISLNK(os.lstat(parts[-1], dir_fd=fd).st_mode):
+                return None
+            return os.readlink(parts[-1], dir_fd=fd)
+        finally:
+            if fd != self.root:
+                os.close(fd)
+
+    def _finish_directories(self) -> None:
+        """Each directory's mode, owner and time, the deepest first."""
+        for parts in sorted(self.directories, key=len, reverse=True):
+            member = self.directories[parts]
+            fd = self._walk(parts, member, create=False) if parts else os.dup(self.root)
+            try:
+                if self.policy.owners:
+                    os.fchown(fd, member.uid, member.gid)
+                if parts or self.policy.all_mode_bits:
+                    os.fchmod(fd, self._mode(member))
+                if self.policy.xattrs:
+                    for key, value in member.xattrs.items():
+                        if key.startswith(ROOTFS_XATTR_PREFIXES):
+                            os.setxattr(fd, key, value)
+                os.utime(fd, (member.mtime, member.mtime))
+            finally:
+                os.close(fd)
+
+
+def _is_symlink(fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode)
+    except OSError:
+        return False
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]

@@ -1,0 +1,95 @@
+"""Random damage to real archives: the extractor answers with an ArchiveError or
+unpacks, and never writes outside its target."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from forkd.archive import DATA, ROOTFS, ArchiveError, Limits, extract
+from tests.archive.hostile import archive, directory, file, hardlink, pax_header, symlink
+
+SEED = archive(
+    directory("d"),
+    file("d/a.txt", b"alpha" * 100),
+    symlink("d/l", "a.txt"),
+    hardlink("d/h", "d/a.txt"),
+    pax_header("p" * 150, {"comment": "long", "SCHILY.xattr.user.k": "v"}),
+    file("e", b""),
+)
+LIMITS = Limits(max_entries=50, max_bytes=1 << 20, max_header_bytes=1 << 16)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    edits=st.lists(
+        st.tuples(st.integers(0, len(SEED) - 1), st.integers(0, 255)), min_size=1, max_size=8
+    ),
+    cut=st.integers(0, len(SEED)),
+    rootfs=st.booleans(),
+)
+def test_damaged_archives_are_refused_or_unpacked_never_escaping(
+    edits: list[tuple[int, int]], cut: int, rootfs: bool
+) -> None:
+    data = bytearray(SEED)
+    for pos, value in edits:
+        data[pos] = value
+    base = Path(tempfile.mkdtemp(prefix="forkd-fuzz-"))
+    try:
+        dest = base / "dest"
+        dest.mkdir()
+        (base / "sentinel").write_text("untouched")
+        try:
+            extract(io.BytesIO(bytes(data[:cut])).read, dest, ROOTFS if rootfs else DATA, LIMITS)
+        except ArchiveError:
+            pass
+        except PermissionError:
+            assert rootfs  # owners from a damaged header, as a user who is not root
+        assert sorted(p.name for p in base.iterdir()) == ["dest", "sentinel"]
+        assert (base / "sentinel").read_text() == "untouched"
+    finally:
+        shutil.rmtree(base)
+
+
+_PARTS = st.sampled_from(["a", "b", "l", "..", ".", "", "outside"])
+_PATHS = st.lists(_PARTS, min_size=1, max_size=5).map("/".join)
+_ENTRY = st.tuples(
+    st.sampled_from(["file", "dir", "symlink", "hardlink"]),
+    _PATHS,
+    st.one_of(_PATHS, _PATHS.map(lambda p: "/" + p)),
+)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(entries=st.lists(_ENTRY, min_size=1, max_size=10), rootfs=st.booleans())
+def test_any_mix_of_names_and_links_stays_beneath(
+    entries: list[tuple[str, str, str]], rootfs: bool
+) -> None:
+    builders = {"file": lambda n, t: file(n, b"evil"), "dir": lambda n, t: directory(n),
+                "symlink": symlink, "hardlink": hardlink}  # fmt: skip
+    data = archive(*(builders[kind](name, target) for kind, name, target in entries))
+    base = Path(tempfile.mkdtemp(prefix="forkd-fuzz-"))
+    try:
+        dest = base / "dest"
+        dest.mkdir()
+        (base / "outside").mkdir()
+        (base / "outside" / "a").write_text("untouched")
+        with contextlib.suppress(ArchiveError):
+            extract(io.BytesIO(data).read, dest, ROOTFS if rootfs else DATA, LIMITS)
+        assert sorted(p.name for p in base.iterdir()) == ["dest", "outside"]
+        assert [p.name for p in (base / "outside").iterdir()] == ["a"]
+        assert (base / "outside" / "a").read_text() == "untouched"
+        if not rootfs:  # every link the data policy kept resolves inside
+            for path in dest.rglob("*"):
+                if path.is_symlink():
+                    real = Path(os.path.realpath(path))
+                    assert real == dest.resolve() or dest.resolve() in real.parents, path
+    finally:
+        shutil.rmtree(base)
