@@ -1,4 +1,4 @@
-"""The one extractor (forkd.archive.extract) against hostile archives: nothing lands,
+"""The one extractor (forkd.archive.unpack) against hostile archives: nothing lands,
 points or links outside the target, whatever the archive says."""
 
 from __future__ import annotations
@@ -447,3 +447,20 @@ def test_extract_new_renames_a_whole_tree_into_place(tmp_path: Path) -> None:
     extract_new(io.BytesIO(archive(file("a/b", b"c"))).read, tmp_path / "new")
     assert (tmp_path / "new/a/b").read_bytes() == b"c"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["new"]
+
+
+def test_content_hidden_in_entries_without_any_is_counted(dest: Path) -> None:
+    # A directory whose header claims content: skipped, but not for free.
+    from tests.archive.hostile import raw_header
+
+    body = raw_header(b"d/", kind=b"5", size_field=b"00000010000\0") + bytes(4096)
+    with pytest.raises(ArchiveTooLarge):
+        unpack(body + bytes(1024), dest, limits=Limits(max_bytes=1000))
+
+
+def test_a_stream_of_padding_past_its_entries_is_cut_off(dest: Path) -> None:
+    # Blocks of headers that each replace the last (a compressed bomb of them).
+    one = archive(pax_header("f", {"comment": "x"}))[:1024]
+    limits = Limits(max_entries=2, max_bytes=1024, max_header_bytes=1024)
+    with pytest.raises((ArchiveTooLarge, BadArchive)):
+        unpack(one * 1000, dest, limits=limits)

@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 
+from forkd.archive import unpack as archive_unpack
+
 FILES = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files"
 
 
@@ -516,12 +518,10 @@ def test_a_full_disk_at_the_open_keeps_nothing(
 def test_a_full_disk_while_extracting_is_named(
     table: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tar_mod = sys.modules["forkd_tar"]
-
     def full(fd: int, data: Any) -> int:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(tar_mod, "write_all", lambda fd, data: full(fd, data))
+    monkeypatch.setattr(archive_unpack, "_write_all", full)
     with pytest.raises(ff.NoSpaceError):
         _untar(_archive(_file("a")), tmp_path / "d")
     assert list((tmp_path / "d").iterdir()) == [] and len(table) == 0

@@ -1,13 +1,13 @@
 """Untrusted tar archives, read and unpacked beneath one directory (standard library only).
 
 The one extractor every archive forkd unpacks goes through: see
-:mod:`forkd.archive.extract` for how it stays beneath its target and
+:mod:`forkd.archive.unpack` for how it stays beneath its target and
 :mod:`forkd.archive.tar_format` for what it reads.
 """
 
 from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, UnsafeEntry
-from forkd.archive.extract import DATA, ROOTFS, ChunkReader, Extracted, Policy, extract, extract_new
 from forkd.archive.tar_format import Limits
+from forkd.archive.unpack import DATA, ROOTFS, ChunkReader, Extracted, Policy, extract, extract_new
 
 __all__ = [
     "DATA",

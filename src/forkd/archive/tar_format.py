@@ -9,7 +9,7 @@ sparse files, base-256 numbers) and pax (paths, sizes, owners, times, extended
 attributes, sparse formats 0.0, 0.1 and 1.0) from a forward-only stream, and
 bounds every length it is told before it reads a byte of it.
 
-The reader only parses; :mod:`forkd.archive.extract` decides what an entry
+The reader only parses; :mod:`forkd.archive.unpack` decides what an entry
 may do on disk.
 """
 
@@ -24,6 +24,7 @@ from forkd.archive.errors import ArchiveTooLarge, BadArchive, shown
 
 BLOCK = 512
 MAX_META_HEADERS = 8  # long-name, long-link and pax headers before one entry
+HEADER_BLOCKS_PER_ENTRY = 8  # a header, a pax header and its records, a long name: room to spare
 MAX_SPARSE_SEGMENTS = 1 << 16
 MAX_XATTRS = 64
 MAX_XATTR_VALUE = 64 * 1024  # Linux's own limit on one attribute's value
@@ -88,8 +89,15 @@ class TarReader:
     before moving on (what is left unread is skipped)."""
 
     def __init__(self, read: ReadFn, limits: Limits) -> None:
-        self._read_raw = read
+        self._read = read
         self.limits = limits
+        # Headers cost a few blocks an entry beyond the content: a stream longer than
+        # this is padding or headers piled up (a compressed bomb of them), not content.
+        self.max_stream = (
+            limits.max_bytes + limits.max_entries * HEADER_BLOCKS_PER_ENTRY * BLOCK
+            + MAX_META_HEADERS * limits.max_header_bytes
+        )  # fmt: skip
+        self.stream = 0
         self.entries = 0
         self.bytes = 0  # apparent sizes of the files so far
         self._left = 0  # stored bytes of the current member not yet read
@@ -98,6 +106,16 @@ class TarReader:
         self._ended = False
 
     # ------------------------------------------------------------------ raw bytes
+
+    def _read_raw(self, n: int) -> bytes:
+        data = self._read(n)
+        self.stream += len(data)
+        if self.stream > self.max_stream:
+            raise ArchiveTooLarge(
+                f"the archive is longer than {self.max_stream} bytes, more than its "
+                "entries and content can take"
+            )
+        return data
 
     def _exactly(self, n: int, what: str) -> bytes:
         parts = []
@@ -212,6 +230,12 @@ class TarReader:
                 )
         else:  # no content to unpack, but a size may still say some follows: skipped
             self._left, self._padding = stored, _padded(stored) - stored
+            self.bytes += stored
+            if self.bytes > self.limits.max_bytes:
+                raise ArchiveTooLarge(
+                    f"the archive holds more than {self.limits.max_bytes} bytes "
+                    f"(at entry {shown(member.name)})"
+                )
         return member
 
     def _check_bounds(self, member: Member) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import posixpath
 import re
-import tarfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+from forkd.archive import ArchiveError
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors, fail
 from forkd.cli.options import Connection, with_connection
@@ -134,7 +134,7 @@ def _local_errors() -> Iterator[None]:
     extraction refuses): a red message and exit 1, not a traceback."""
     try:
         yield
-    except (OSError, tarfile.TarError) as exc:
+    except (OSError, ArchiveError) as exc:
         raise fail(escape(str(exc))) from None
 
 

@@ -2,9 +2,10 @@
 
 :func:`tar_chunks` packs a directory as the daemon's ``format=tar`` upload
 expects (members ``./...``), writing from a thread into a pipe so only a
-pipe's worth is held at once. :func:`extract_chunks` unpacks a download with
-the standard library's ``data`` filter: no absolute names, no ``..``, no
-links out of the directory, no devices.
+pipe's worth is held at once. :func:`extract_chunks` unpacks a download, which
+a hostile guest may have crafted, with forkd's one extractor
+(:mod:`forkd.archive`): no absolute names, no ``..``, nothing written through
+a link, no links out of the directory, no devices.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import tarfile
 import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from forkd.archive import DATA, ChunkReader, Limits, extract, extract_new
 
 CHUNK_BYTES = 1 << 20
 
@@ -44,28 +47,21 @@ def tar_chunks(directory: Path) -> Iterator[bytes]:
         raise failure[0]
 
 
-class _ChunkReader:
-    """A read()-able file over an iterator of byte chunks."""
-
-    def __init__(self, chunks: Iterable[bytes]) -> None:
-        self._chunks = iter(chunks)
-        self._buf = b""
-
-    def read(self, size: int = -1) -> bytes:
-        while size < 0 or len(self._buf) < size:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                break
-            self._buf += chunk
-        if size < 0:
-            size = len(self._buf)
-        data, self._buf = self._buf[:size], self._buf[size:]
-        return data
+# A directory copied out of a sandbox: the guest chooses what is in it.
+DOWNLOAD_LIMITS = Limits(max_entries=1_000_000, max_bytes=1 << 40)
 
 
 def extract_chunks(chunks: Iterable[bytes], directory: Path) -> None:
-    """Unpack a tar stream into ``directory`` (created if missing), refusing members
-    that would land outside it."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=_ChunkReader(chunks), mode="r|") as tar:  # type: ignore[call-overload]
-        tar.extractall(directory, filter="data")
+    """Unpack a tar stream that a sandbox sent into ``directory`` with forkd's one
+    extractor: nothing lands, points or links outside it (:mod:`forkd.archive`).
+
+    A directory that does not exist yet is made whole or not at all (staged beside
+    it, renamed into place); one that exists is unpacked into, keeping what it held,
+    and an archive refused half-way leaves what it had written.
+    """
+    read = ChunkReader(chunks).read
+    if directory.is_dir():
+        extract(read, directory, DATA, DOWNLOAD_LIMITS)
+    else:
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        extract_new(read, directory, DATA, DOWNLOAD_LIMITS)

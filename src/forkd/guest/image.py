@@ -71,6 +71,8 @@ def _image_key(spec: Recipe, kpkg: kernel.KernelPackage) -> str:
     h.update(json.dumps(spec.template, sort_keys=True).encode())
     for name in GUEST_FILES:
         h.update(name.encode() + b"\0" + initramfs.guest_file(name) + b"\0")
+    for name in rootfs.AGENT_PACKAGE_FILES:
+        h.update(name.encode() + b"\0" + rootfs.package_file(name) + b"\0")
     busybox = hosttools.require_static_busybox()
     h.update(hashlib.sha256(busybox.read_bytes()).digest())
     return h.hexdigest()[:16]

@@ -6,6 +6,7 @@ import os
 import shlex
 import shutil
 import ssl
+from importlib import resources
 from pathlib import Path
 
 from forkd import hosttools
@@ -18,7 +19,16 @@ AGENT_FILES_FILE = "forkd_files.py"  # the agent's chunked file transfers, impor
 AGENT_TAR_FILE = "forkd_tar.py"  # the tar streams of those transfers, imported likewise
 AGENT_EVAL_FILE = "forkd_eval.py"  # the agent's Python eval, imported likewise
 AGENT_EXEC_FILE = "forkd_exec.py"  # the agent's exec, imported likewise
+# Modules of the forkd package the agent imports from beside it (the one tar extractor),
+# standard library only; placed as /opt/forkd/forkd/<name> with an empty forkd/__init__.py.
+AGENT_PACKAGE_FILES = ("archive/__init__.py", "archive/errors.py", "archive/tar_format.py",
+                       "archive/unpack.py")  # fmt: skip
 BUILD_DIR = "/forkd-build"  # where a recipe's build script runs from, removed after
+
+
+def package_file(name: str) -> bytes:
+    """A module of the forkd package, as the agent gets it (``archive/unpack.py``)."""
+    return resources.files("forkd").joinpath(name).read_bytes()
 
 
 def build_base(recipe: Recipe, variant: str, out_tar: Path, work: Path) -> None:
@@ -104,6 +114,12 @@ def assemble(base_tar: Path, work: Path, out: Path) -> None:
     for name, mode in (("init", 0o755), *((name, 0o644) for name in agent_files)):
         (opt / name).write_bytes(guest_file(name))
         (opt / name).chmod(mode)
+    package = opt / "forkd"
+    (package / "archive").mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text('"""The parts of forkd its guest agent imports."""\n')
+    for name in AGENT_PACKAGE_FILES:
+        (package / name).write_bytes(package_file(name))
+        (package / name).chmod(0o644)
     (tree / "etc" / "inittab").write_bytes(guest_file("inittab"))
     (tree / "etc" / "hostname").write_text("forkd\n")
     resolv = tree / "etc" / "resolv.conf"

@@ -23,16 +23,16 @@ import os
 import re
 import secrets
 import shutil
-import tarfile
 import tempfile
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from forkd import hosttools
+from forkd.archive import DATA, ArchiveError, ArchiveTooLarge, Limits, extract
 from forkd.errors import Conflict, ForkdError, HostToolMissing, Invalid, NotFound, StorageFull
 from forkd.limits import (
     NAME_RE,
@@ -116,9 +116,6 @@ def check_guest_mount(path: str) -> str:
 
 
 GZIP_MAGIC = b"\x1f\x8b"
-# tarfile reads these headers' payloads (a long name, pax records) whole into memory.
-_META_TYPES = (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
-               tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE)  # fmt: skip
 
 
 def max_entries(size: int) -> int:
@@ -126,100 +123,44 @@ def max_entries(size: int) -> int:
     return min(VOLUME_MAX_ENTRIES, size // VOLUME_BYTES_PER_ENTRY)
 
 
-class _BoundedTarInfo(tarfile.TarInfo):
-    """A member header; refuses a long-name or pax header too big to hold in memory."""
-
-    def _proc_member(self, archive: tarfile.TarFile) -> tarfile.TarInfo:
-        if self.type in _META_TYPES and self.size > VOLUME_TAR_HEADER_LIMIT:
-            raise VolumeInvalid(
-                f"the archive has a {self.size}-byte header; at most "
-                f"{VOLUME_TAR_HEADER_LIMIT} bytes are accepted"
-            )
-        return super()._proc_member(archive)
-
-
-class _CappedReader:
-    """A read-only stream that refuses to yield more than ``limit`` bytes."""
-
-    def __init__(self, source: BinaryIO, limit: int) -> None:
-        self.source = source
-        self.limit = limit
-        self.seen = 0
-
-    def read(self, n: int = -1) -> bytes:
-        want = self.limit + 1 - self.seen if n < 0 else min(n, self.limit + 1 - self.seen)
-        data = self.source.read(want)
-        self.seen += len(data)
-        if self.seen > self.limit:
-            raise VolumeInvalid(f"the archive unpacks to more than {self.limit} bytes of tar")
-        return data
-
-
-def _members(tar: tarfile.TarFile, size: int) -> Iterator[tarfile.TarInfo]:
-    """``tar``'s members as they stream in, counted: the files' bytes against the
-    volume's ``size``, the entries against :func:`max_entries`. Each is refused
-    before a byte of it is written."""
-    most = max_entries(size)
-    total = 0
-    for count, member in enumerate(tar, 1):
-        if count > most:
-            raise VolumeInvalid(
-                f"the archive has more than {most} entries, the most a volume of "
-                f"{size} bytes takes (one per {VOLUME_BYTES_PER_ENTRY} bytes)"
-            )
-        if member.isreg():
-            total += member.size
-            if total > size:
-                raise VolumeInvalid(
-                    f"the archive unpacks to more than the volume's size ({size} bytes)"
-                )
-        yield member
+def content_limits(size: int) -> Limits:
+    """What an archive may hold to fill a volume of ``size`` bytes."""
+    return Limits(max_entries=max_entries(size), max_bytes=size,
+                  max_header_bytes=VOLUME_TAR_HEADER_LIMIT)  # fmt: skip
 
 
 def _extract(content: Path | bytes, tree: Path, size: int) -> None:
     """Unpack ``content`` into ``tree`` within a volume of ``size`` bytes.
 
     A plain tar, or a gzip-compressed one, told apart by its first bytes (not
-    by any header the client sent). Members are read as a stream and counted
-    as they come, so a small archive that expands to far more than ``size``
-    is refused after writing at most ``size`` bytes. The ``data`` filter
-    refuses absolute paths, links out of ``tree`` and device files.
+    by any header the client sent), unpacked by forkd's one extractor
+    (:mod:`forkd.archive`, the ``data`` policy): entries are counted as they
+    stream in, so a small archive that expands to far more than ``size`` is
+    refused after writing at most ``size`` bytes; nothing is written outside
+    ``tree`` or through a link, and devices are refused.
     """
     raw: BinaryIO = io.BytesIO(content) if isinstance(content, bytes) else content.open("rb")
     with raw:
         magic = raw.read(2)
         raw.seek(0)
         source = gzip.GzipFile(fileobj=raw, mode="rb") if magic == GZIP_MAGIC else raw
-        # Headers and padding cost at most a few blocks per entry beyond the data.
-        limit = size + max_entries(size) * 3 * tarfile.BLOCKSIZE + (1 << 20)
-        stream = _CappedReader(source, limit)
         try:
-            with tarfile.open(fileobj=stream, mode="r|", tarinfo=_BoundedTarInfo) as tar:
-                tar.extractall(tree, members=_members(tar, size), filter="data")
-        # KeyError: tarfile's answer to a hard link to a member the archive lacks.
-        except (
-            tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, RecursionError, KeyError
-        ) as exc:  # fmt: skip
+            extract(source.read, tree, DATA, content_limits(size))
+        except ArchiveTooLarge as exc:
+            raise VolumeInvalid(
+                f"the archive is too large for a volume of {size} bytes: {exc}"
+            ) from exc
+        except ArchiveError as exc:
             raise VolumeInvalid(f"the upload is not a usable tar archive: {exc}") from exc
+        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+            raise VolumeInvalid(f"the upload is not a usable tar archive (gzip: {exc})") from exc
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StorageFull(
                     "the host's disk filled up while unpacking the volume's content; "
                     "nothing was kept"
                 ) from exc
-            if exc.errno == errno.EIO:
-                raise
-            # An archive that fights itself: a file where a directory must go, ...
-            where = _inside(exc.filename, tree)
-            raise VolumeInvalid(f"cannot unpack the upload: {exc.strerror}: {where}") from exc
-
-
-def _inside(filename: object, tree: Path) -> str:
-    """``filename`` as a path inside the archive, never the host's staging path."""
-    try:
-        return str(Path(str(filename)).relative_to(tree))
-    except ValueError:
-        return "?"
+            raise
 
 
 def free_bytes(directory: Path) -> int:

@@ -39,6 +39,9 @@ _TRANSFER_REFUSALS: dict[str, type[ForkdError]] = {
     "TransferGone": Conflict,  # dropped when idle, or by a fork of the sandbox
     "UnsafeArchiveError": Invalid,
     "BadArchiveError": Invalid,
+    "UnsafeEntry": Invalid,  # forkd.archive's names, which the agent's answers carry now
+    "BadArchive": Invalid,
+    "ArchiveTooLarge": Invalid,
 }
 
 

@@ -324,18 +324,25 @@ class _Unpacker:
     def _file(self, parent: int, name: str, member: Member) -> None:
         fd = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=parent)
         try:
-            end = 0
-            for offset, piece in self.reader.chunks():
-                if offset != end:
-                    os.lseek(fd, offset, os.SEEK_SET)
-                _write_all(fd, piece)
-                end = offset + len(piece)
-            if member.sparse is not None:
-                os.ftruncate(fd, member.size)
-            self._attributes(fd, member)
-            os.utime(fd, (member.mtime, member.mtime))
+            self._fill(fd, member)
+        except BaseException:  # a full disk among them: no half-written file is left
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=parent)
+            raise
         finally:
             os.close(fd)
+
+    def _fill(self, fd: int, member: Member) -> None:
+        end = 0
+        for offset, piece in self.reader.chunks():
+            if offset != end:
+                os.lseek(fd, offset, os.SEEK_SET)
+            _write_all(fd, piece)
+            end = offset + len(piece)
+        if member.sparse is not None:
+            os.ftruncate(fd, member.size)
+        self._attributes(fd, member)
+        os.utime(fd, (member.mtime, member.mtime))
 
     def _attributes(self, fd: int, member: Member) -> None:
         """Owner, then mode (a chown clears setuid), then extended attributes."""
