@@ -382,7 +382,13 @@ class _Unpacker:
             os.utime(name, (member.mtime, member.mtime), dir_fd=parent, follow_symlinks=False)
 
     def _hardlink(self, parent: int, parts: tuple[str, ...], member: Member) -> None:
-        source = split_name(member.linkname) if member.linkname else ()
+        try:
+            source = split_name(member.linkname) if member.linkname else ()
+        except UnsafeEntry:
+            raise UnsafeEntry(
+                f"refusing hard link {shown(member.name)}: its target is absolute, climbs "
+                "with '..' or holds a NUL"
+            ) from None
         if not source:
             raise UnsafeEntry(f"refusing hard link {shown(member.name)}: no target")
         if source == parts:

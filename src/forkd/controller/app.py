@@ -8,9 +8,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from forkd import __version__
+from forkd import __version__, paths
 from forkd.controller import console, http_errors, port_proxy, port_ws, pty_ws, routes
 from forkd.controller.audit import AuditLog
+from forkd.controller.connection_limits import ConnectionLimiter
 from forkd.controller.metrics import Metrics
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
 from forkd.controller.services import Services
@@ -22,9 +23,13 @@ log = logging.getLogger(__name__)
 
 
 def create_app(
-    settings: Settings, token: str | None = None, driver: VMDriver | None = None
+    settings: Settings,
+    token: str | None = None,
+    driver: VMDriver | None = None,
+    connections: ConnectionLimiter | None = None,
 ) -> FastAPI:
-    """The app of one daemon. ``driver`` replaces the QEMU VM driver (tests only)."""
+    """The app of one daemon. ``driver`` replaces the QEMU VM driver (tests only);
+    ``connections``, the server's count of client connections, is shown in /metrics."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -36,6 +41,7 @@ def create_app(
             pooled=lambda: holder[0].fleet.pool.waiting() if holder else 0,
             branches_in_flight=lambda: holder[0].branches.in_flight if holder else 0,
             branch_cap=lambda: settings.branch_concurrency,
+            connections=connections.counts if connections is not None else None,
         )
         services = Services.create(settings, store, metrics, driver)
         holder.append(services)
@@ -61,6 +67,9 @@ def create_app(
     app.add_middleware(GuardMiddleware, token=token, upload_limit=settings.max_upload_bytes)
     app.add_middleware(AuditMiddleware)
     http_errors.install(app)
+    http_errors.hide_paths_under(
+        [settings.state_dir, settings.snapshot_root, settings.run_dir, paths.cache_dir()]
+    )
     for router in routes.ROUTERS:
         app.include_router(router)
     app.include_router(pty_ws.router)  # a WebSocket: not in the OpenAPI document

@@ -2,12 +2,19 @@
 
 Every error answer is ``{"error": message}``. The status comes from the
 error's type alone (see the tree in :mod:`forkd.errors`), never its text.
+No answer names a path under the daemon's own directories (state, snapshots,
+run files, image cache): errors name the entry and the reason, and whatever
+a host tool's message carried is cut out here, at the one place answers are
+made (:func:`error_response`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
 import secrets
+from collections.abc import Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -84,15 +91,41 @@ def status_of(exc: ForkdError) -> int:
     return 500
 
 
+# The daemon's own directories, which no answer may name (hide_host_paths).
+_hidden_roots: set[str] = set()
+_hidden_pattern: re.Pattern[str] | None = None
+HIDDEN_PATH = "<daemon path>"
+
+
+def hide_paths_under(roots: Iterable[str | os.PathLike[str]]) -> None:
+    """From now on, answers show no path under ``roots`` (this process's directories)."""
+    global _hidden_pattern
+    for root in roots:
+        text = os.fspath(root).rstrip("/")
+        if len(text) > 1:
+            _hidden_roots.add(text)
+            _hidden_roots.add(os.path.realpath(text))
+    # A root and whatever follows it up to a space, quote or bracket: the whole path goes.
+    alternatives = "|".join(re.escape(r) for r in sorted(_hidden_roots, key=len, reverse=True))
+    _hidden_pattern = re.compile(f"(?:{alternatives})(?=[/\\s'\",:;)\\]]|$)[^\\s'\",:;)\\]]*")
+
+
+def hide_host_paths(message: str) -> str:
+    """``message`` with every path under the daemon's directories replaced."""
+    if _hidden_pattern is None:
+        return message
+    return _hidden_pattern.sub(HIDDEN_PATH, message)
+
+
 def error_response(status: int, message: str, *, close: bool = False) -> JSONResponse:
     """``{"error": message}``; ``close`` ends the connection after it (a body left unread)."""
     headers = {"connection": "close"} if close else None
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
+    return JSONResponse({"error": hide_host_paths(message)}, status_code=status, headers=headers)
 
 
 def close_reason(message: str) -> str:
     """``message`` cut to fit a WebSocket close frame, never inside a character."""
-    return message.encode()[:WS_REASON_BYTES].decode(errors="ignore")
+    return hide_host_paths(message).encode()[:WS_REASON_BYTES].decode(errors="ignore")
 
 
 async def refuse_websocket(
