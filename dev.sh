@@ -10,6 +10,16 @@ APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tool
               ca-certificates nftables docker-registry
               chromium curl)  # tests/integration/test_ports.py: a preview URL in a real browser
 VENV=${FORKD_VENV:-.venv}
+# The interpreter forkd's venv is made with: Debian 12's own Python (3.11.2, the
+# oldest forkd supports) wherever it is, so that the suite runs on the floor;
+# FORKD_PYTHON picks another.
+if [ -n "${FORKD_PYTHON:-}" ]; then
+    PYTHON=$FORKD_PYTHON
+elif /usr/bin/python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    PYTHON=/usr/bin/python3
+else
+    PYTHON=python3
+fi
 
 log() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 
@@ -23,7 +33,7 @@ install_apt() {
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" \
             || missing+=("$p")
     done
-    python3 -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
+    "$PYTHON" -c 'import ensurepip' 2>/dev/null || missing+=(python3-venv)
     # The image builder asks apt for the kernel package: the lists must exist.
     if [ ${#missing[@]} -gt 0 ] || ! ls /var/lib/apt/lists/*Packages* >/dev/null 2>&1; then
         log "apt-get update"
@@ -42,15 +52,20 @@ install_apt() {
 }
 
 install_python() {
-    if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
-        echo "forkd needs Python 3.11 or newer (found $(python3 --version))" >&2
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "forkd needs Python 3.11 or newer (found $("$PYTHON" --version))" >&2
         exit 1
     fi
-    local stamp="$VENV/.forkd-installed" want
-    want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+    local stamp="$VENV/.forkd-installed" want version
+    version=$("$PYTHON" -c 'import sys; print(sys.version)')
+    want=$( (cat pyproject.toml; echo "$version") | sha256sum | cut -d' ' -f1)
+    if [ -x "$VENV/bin/python" ] && [ "$("$VENV/bin/python" -c 'import sys; print(sys.version)')" != "$version" ]; then
+        log "$VENV was made with another Python: making it anew with $PYTHON"
+        rm -rf "$VENV"
+    fi
     if [ ! -x "$VENV/bin/python" ]; then
-        log "creating $VENV"
-        python3 -m venv "$VENV"
+        log "creating $VENV with $PYTHON ($("$PYTHON" --version))"
+        "$PYTHON" -m venv "$VENV"
     fi
     if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         log "installing forkd and its Python dependencies into $VENV"
@@ -85,6 +100,38 @@ ensure_qemu_user() {
         --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin forkd-qemu
 }
 
+newest_python() {
+    # The newest CPython on this machine newer than the venv's (PATH, then pyenv's), if any.
+    local candidate best="" best_version=0 version
+    for candidate in python3.14 python3.13 python3.12 \
+        "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3; do
+        command -v "$candidate" >/dev/null 2>&1 || continue
+        version=$("$candidate" -c 'import sys; print(sys.version_info[0] * 100 + sys.version_info[1])' \
+            2>/dev/null) || continue
+        if [ "$version" -gt "$best_version" ]; then best=$candidate; best_version=$version; fi
+    done
+    echo "$best"
+}
+
+test_archives_on_newest_python() {
+    # The untrusted-archive suite (standard library only) on the newest Python too: the
+    # extractor must hold on the oldest supported (the venv's) and the newest alike.
+    local newest venv=.venv-newest
+    newest=$(newest_python)
+    if [ -z "$newest" ]; then
+        log "no Python newer than $("$PYTHON" --version) here: tests/archive ran on it alone"
+        return
+    fi
+    if [ ! -x "$venv/bin/python" ] || [ "$("$venv/bin/python" -c 'import sys; print(sys.version)')" \
+            != "$("$newest" -c 'import sys; print(sys.version)')" ]; then
+        rm -rf "$venv"
+        "$newest" -m venv "$venv"
+        "$venv/bin/python" -m pip install -q 'pytest>=8.0' 'pytest-timeout>=2.3' 'hypothesis>=6.100'
+    fi
+    log "tests/archive on $("$venv/bin/python" --version)"
+    PYTHONPATH=src "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/archive
+}
+
 build_image() {
     log "guest image (cached after the first build)"
     "$VENV/bin/forkd" image build python
@@ -103,7 +150,8 @@ case "$cmd" in
         log "ruff"
         "$VENV/bin/ruff" check src tests bench
         "$VENV/bin/ruff" format --check src tests bench
-        log "pytest"
+        test_archives_on_newest_python
+        log "pytest on $("$VENV/bin/python" --version)"
         exec "$VENV/bin/python" -m pytest -ra "$@"
         ;;
     *)
