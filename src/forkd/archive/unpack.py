@@ -349,6 +349,9 @@ class _Unpacker:
         if self.policy.owners:
             os.fchown(fd, member.uid, member.gid)
         os.fchmod(fd, self._mode(member))
+        self._xattrs(fd, member)
+
+    def _xattrs(self, fd: int, member: Member) -> None:
         if self.policy.xattrs:
             for key, value in member.xattrs.items():
                 if key.startswith(ROOTFS_XATTR_PREFIXES):
@@ -513,10 +516,7 @@ class _Unpacker:
                     os.fchown(fd, member.uid, member.gid)
                 if parts or self.policy.all_mode_bits:
                     os.fchmod(fd, self._mode(member))
-                if self.policy.xattrs:
-                    for key, value in member.xattrs.items():
-                        if key.startswith(ROOTFS_XATTR_PREFIXES):
-                            os.setxattr(fd, key, value)
+                self._xattrs(fd, member)
                 os.utime(fd, (member.mtime, member.mtime))
             finally:
                 os.close(fd)
