@@ -94,12 +94,6 @@ install_node() {
     hash -r
 }
 
-ensure_qemu_user() {
-    # QEMU drops to this user once it has opened its files (forkd.vmm.qemu_user).
-    getent passwd forkd-qemu >/dev/null || as_root useradd --system --user-group \
-        --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin forkd-qemu
-}
-
 newest_python() {
     # The newest CPython on this machine newer than the venv's (PATH, then pyenv's), if any.
     local candidate best="" best_version=0 version
@@ -140,12 +134,12 @@ build_image() {
 cmd=${1:-}
 case "$cmd" in
     demo)
-        install_apt; ensure_qemu_user; install_python; build_image
+        install_apt; install_python; build_image
         shift
         exec "$VENV/bin/python" -m forkd.demo "$@"
         ;;
     test)
-        install_apt; install_node; ensure_qemu_user; install_python; build_image
+        install_apt; install_node; install_python; build_image
         shift
         log "ruff"
         "$VENV/bin/ruff" check src tests bench

@@ -85,7 +85,9 @@ async def save_to_file(vm: VM, dest: Path) -> float:
     return (time.monotonic() - started) * 1000
 
 
-def incoming_argv(machine: MachineConfig, vm_dir: Path, ram: Path, sandbox: bool) -> list[str]:
+def incoming_argv(
+    machine: MachineConfig, vm_dir: Path, ram: Path, sandbox: bool, runas: str | None = None
+) -> list[str]:
     """forkd's QEMU command line for a restore of ``machine``, less the option that
     makes QEMU expect device state without a configuration section."""
     argv = build_argv(
@@ -94,7 +96,7 @@ def incoming_argv(machine: MachineConfig, vm_dir: Path, ram: Path, sandbox: bool
         ram_file=ram,
         incoming=True,
         sandbox=sandbox,
-        runas=qemu_user.runas(),
+        runas=runas,
         boot_files=True,  # the stream's ROMs (the kernel loader's) must be there
     )
     for i in range(len(argv) - 1):
@@ -113,16 +115,21 @@ async def start_incoming(machine: MachineConfig, run_root: Path) -> VM:
     vm_id = f"qemu-{secrets.token_hex(4)}"
     rt = launch.prepare_runtime(run_root, vm_id)
     proc: subprocess.Popen[bytes] | None = None
+    uid = None
     try:
         with rt.ram.open("wb") as f:  # sparse, as for a boot: the stream fills it
             f.truncate(machine.memory_mib << 20)
-        argv = incoming_argv(machine, rt.dir, rt.ram, sandbox)
-        proc = launch.spawn(argv, rt, detach=False)
+        uid = await asyncio.to_thread(qemu_user.reserve)  # a uid of its own, as forkd's
+        argv = incoming_argv(machine, rt.dir, rt.ram, sandbox, uid.runas if uid else None)
+        proc = launch.spawn(argv, rt, detach=False, uid=uid)
         vm = VM(vm_id, rt, machine, rt.ram, None, None, proc, proc.pid)
+        vm.uid = uid  # given back by vm.kill()
     except BaseException:
         if proc is not None:
             proc.kill()
             proc.wait()
+        if uid is not None:
+            uid.release()
         shutil.rmtree(rt.dir, ignore_errors=True)
         raise
     vm.state = "incoming"

@@ -99,16 +99,27 @@ def _seccomp() -> Check:
 
 
 def _qemu_user() -> Check:
+    """What the daemon's --qemu-user and --vm-uid-range (as their variables say) give here."""
     from forkd.vmm import qemu_user
 
-    user, why = qemu_user.current()
-    if user is not None or os.geteuid() != 0:
-        return Check("qemu user", True, why)
-    return Check(
-        "qemu user", False, why,
-        f"start the daemon once as root (it creates {qemu_user.DEFAULT_NAME}), or run "
-        f"{' '.join(qemu_user.create_command(qemu_user.DEFAULT_NAME))}", fatal=False,
-    )  # fmt: skip
+    try:
+        uids = qemu_user.UidRange.parse(
+            os.environ.get("FORKD_VM_UID_RANGE", str(qemu_user.DEFAULT_RANGE))
+        )
+    except ForkdError as exc:
+        return Check("qemu user", False, str(exc), "FORKD_VM_UID_RANGE=START-END", fatal=False)
+    qemu_user.configure(None if os.environ.get("FORKD_QEMU_USER") == "none" else uids)
+    found, why = qemu_user.current()
+    if found is None:
+        return Check("qemu user", os.geteuid() != 0, why,
+                     "run the daemon without --qemu-user none", fatal=False)  # fmt: skip
+    named = qemu_user.users_in(found)
+    if named:
+        return Check(
+            "qemu user", False, f"{why}; but this host has {', '.join(named[:3])} in that range",
+            "give --vm-uid-range a range no user or group has", fatal=False,
+        )  # fmt: skip
+    return Check("qemu user", True, why)
 
 
 def _cgroups() -> Check:

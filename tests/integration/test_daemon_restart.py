@@ -15,17 +15,20 @@ import httpx
 import pytest
 
 from forkd.guest import image as images
+from forkd.vmm import processes, qemu_user
 
 from .conftest import Daemon
 
 pytestmark = pytest.mark.integration
+# This test's own QEMU uids: it rewrites their entries in the host's registry.
+UIDS = "99900-99903"
 
 
 @pytest.fixture
 def own_daemon(image: images.Image) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="forkd-r-", dir="/tmp"))
     d = Daemon(root)
-    d.start("--pool-size", "0")  # exact process counts below
+    d.start("--pool-size", "0", "--vm-uid-range", UIDS)  # exact process counts below
     yield d
     d.stop()
     d.kill_leftovers()
@@ -53,7 +56,7 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
     assert len(d.qemu_pids()) == 2
     os.kill(pid_b, signal.SIGKILL)  # b dies while no daemon watches
 
-    d.start("--pool-size", "0")
+    d.start("--pool-size", "0", "--vm-uid-range", UIDS)
     with _api(d) as c:
         tags = {s["tag"] for s in c.get("/v1/snapshots").json()}
         assert {"rt", "rt-branch"} <= tags
@@ -65,16 +68,23 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
         # The branch number is persisted: the next default tag does not reuse 1.
         nxt = c.post(f"/v1/sandboxes/{a}/branch", json={}).json()["tag"]
         assert nxt == f"branch-{a}-1"
+        uid_a = processes.owner_uid(c.get(f"/v1/sandboxes/{a}").json()["pid"])
 
-    # kill -9 of the daemon itself: same outcome.
+    # kill -9 of the daemon itself: same outcome. And the registry of QEMU uids
+    # lost a's entry meanwhile (a wiped /run, say), with a's uid next in turn:
+    # the next daemon takes it back from a's live QEMU as it adopts it.
     d.stop(signal.SIGKILL)
-    d.start("--pool-size", "0")
+    (qemu_user.REGISTRY_DIR / str(uid_a)).unlink()
+    (qemu_user.REGISTRY_DIR / f".next.{UIDS}").write_text(f"{uid_a}\n")
+    d.start("--pool-size", "0", "--vm-uid-range", UIDS)
     with _api(d) as c:
         assert c.post(f"/v1/sandboxes/{a}/eval", json={"code": "y"}).json()["result"] == "7"
         nxt2 = c.post(f"/v1/sandboxes/{a}/branch", json={}).json()["tag"]
         assert nxt2 == f"branch-{a}-2"
         c2 = c.post("/v1/sandboxes", json={"snapshot_tag": "rt-branch"}).json()[0]["id"]
         assert c.post(f"/v1/sandboxes/{c2}/eval", json={"code": "y"}).json()["result"] == "7"
+        uid_c2 = processes.owner_uid(c.get(f"/v1/sandboxes/{c2}").json()["pid"])
+        assert uid_c2 != uid_a and uid_c2 in qemu_user.UidRange.parse(UIDS)
         assert sorted(d.qemu_pids()) == sorted(
             c.get(f"/v1/sandboxes/{s}").json()["pid"] for s in (a, c2)
         )

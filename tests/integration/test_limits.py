@@ -6,7 +6,9 @@ Read from the real cgroup filesystem (v2, or v1 per controller) and from
 
 from __future__ import annotations
 
-import pwd
+import errno
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -73,20 +75,75 @@ def wait_state(c: httpx.Client, sid: str, want: str, secs: float = 30) -> dict[s
         time.sleep(0.2)
 
 
+def proc_status(pid: int) -> dict[str, str]:
+    lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    return dict(line.split(":", 1) for line in lines if ":" in line)
+
+
+def credentials(pid: int) -> tuple[int, int]:
+    """The one uid and the one gid process ``pid`` holds: real, effective, saved,
+    filesystem and its only supplementary group all the same."""
+    status = proc_status(pid)
+    (uid,), (gid,) = set(status["Uid"].split()), set(status["Gid"].split())
+    assert status["Groups"].split() == [gid]
+    return int(uid), int(gid)
+
+
+# A process as another uid and gid with no other group, sending signal 0 to a pid:
+# 0 when it may signal it, else the errno (EPERM: another uid's process).
+_SIGNAL_PROBE = (
+    "import os, sys\n"
+    "try:\n    os.kill(int(sys.argv[1]), 0)\nexcept OSError as e:\n    print(e.errno)\n"
+    "else:\n    print(0)\n"
+)
+
+
+def signal_errno(uid: int, gid: int, pid: int) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_PROBE, str(pid)], user=uid, group=gid, extra_groups=[],
+        cwd="/", capture_output=True, text=True, check=True, timeout=30,
+    )  # fmt: skip
+    return int(out.stdout)
+
+
+def test_each_qemu_runs_as_a_uid_of_its_own_with_no_capability_and_cannot_signal_another(
+    c: httpx.Client,
+) -> None:
+    kids = [fork(c), fork(c)]
+    try:
+        (pid_a, pid_b) = (k["pid"] for k in kids)
+        (uid_a, gid_a), (uid_b, gid_b) = credentials(pid_a), credentials(pid_b)
+        assert uid_a != uid_b and gid_a != gid_b
+        for pid, uid, gid in ((pid_a, uid_a, gid_a), (pid_b, uid_b, gid_b)):
+            assert uid in qemu_user.DEFAULT_RANGE and gid == uid
+            status = proc_status(pid)
+            for caps in ("CapPrm", "CapEff", "CapBnd", "CapAmb"):
+                assert int(status[caps], 16) == 0, (caps, status[caps])
+            # What -runas spent on the drop stays inheritable only: with no permitted
+            # capability, no bounding set and no_new_privs, nothing can raise it.
+            assert int(status["CapInh"], 16) & ~((1 << 6) | (1 << 7)) == 0
+            assert status["NoNewPrivs"].strip() == "1"
+            holder = qemu_user.Registry(qemu_user.DEFAULT_RANGE).holder(uid)
+            assert holder is not None and holder.pid == pid  # the daemon handed it over
+        assert signal_errno(uid_a, gid_a, pid_b) == errno.EPERM
+        assert signal_errno(uid_a, gid_a, pid_a) == 0  # the probe itself can signal
+    finally:
+        for k in kids:
+            assert c.delete(f"/v1/sandboxes/{k['id']}").status_code == 204
+    # Each uid is free again once its QEMU is gone.
+    assert qemu_user.Registry(qemu_user.DEFAULT_RANGE).holder(uid_a) is None
+
+
 def test_a_sandboxs_qemu_runs_unprivileged_in_its_own_capped_cgroup(c: httpx.Client) -> None:
     kid = fork(c)
     pid = kid["pid"]
     argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
     status = Path(f"/proc/{pid}/status").read_text()
     assert "Seccomp:\t2" in status  # a filter is on
-    # The daemon runs as root: QEMU dropped to its own user (created if missing).
-    user = pwd.getpwnam(qemu_user.DEFAULT_NAME)
-    assert argv[argv.index("-runas") + 1] == user.pw_name
+    # The daemon runs as root: QEMU dropped to a uid of its own (see below).
+    uid = credentials(pid)[0]
+    assert argv[argv.index("-runas") + 1] == f"{uid}:{uid}"
     assert argv[argv.index("-sandbox") + 1] == SANDBOX_RUNAS
-    uids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Uid:"))
-    gids = next(line.split()[1:] for line in status.splitlines() if line.startswith("Gid:"))
-    assert uids == [str(user.pw_uid)] * 4 and gids == [str(user.pw_gid)] * 4
-    assert "CapEff:\t0000000000000000" in status  # no capability left
     dirs = groups_of(pid)
     assert all(d.name == kid["id"] and d.parent.name == "forkd" for d in dirs.values()), dirs
     assert int(read(dirs["memory"] / "cgroup.procs").split()[0]) == pid

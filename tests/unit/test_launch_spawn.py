@@ -2,9 +2,9 @@
 
 No Python runs between fork and exec: the cgroup is joined at a gate before
 the command runs, the namespace is entered by ``nsenter`` and the parent-death
-signal set by ``setpriv``. Each is checked from the command's own point of
-view: it must already be in its group, in its namespace, and die with its
-parent.
+signal and the capabilities set by ``setpriv``. Each is checked from the
+command's own point of view: it must already be in its group, in its
+namespace, hold only what it needs, and die with its parent.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import HostToolMissing
-from forkd.vmm import cgroups, launch, netns_ops, network
+from forkd.vmm import cgroups, launch, netns_ops, network, qemu_user
 from tests.unit.fake_cgroups import FakeCgroupFS
 
 
@@ -135,3 +135,33 @@ def test_a_missing_helper_program_leaves_no_run_directory(
     with pytest.raises(HostToolMissing):
         launch.spawn(["true"], rt, detach=False)
     assert not rt.dir.exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root has capabilities to drop")
+def test_a_command_that_drops_starts_with_only_the_capabilities_of_the_drop(
+    tmp_path: Path,
+) -> None:
+    """CAP_SETUID and CAP_SETGID for -runas, an empty bounding set, no new privileges;
+    and the uid is handed to the process as soon as it exists."""
+    registry = qemu_user.Registry(qemu_user.UidRange(70000, 70000), tmp_path / "uids")
+    lease = registry.reserve()
+    out = tmp_path / "status"
+    cmd = ["sh", "-c", f"grep -E '^(Cap|NoNewPrivs)' /proc/self/status > {out}.tmp && "
+           f"mv {out}.tmp {out} && sleep 60"]  # fmt: skip
+    proc = launch.spawn(cmd, _rt(tmp_path), detach=True, uid=lease)
+    try:
+        assert registry.holder(70000) == qemu_user.Holder.of(proc.pid)
+        deadline = time.monotonic() + 10
+        while not out.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        status = dict(line.split(":\t") for line in out.read_text().splitlines())
+        setuid_setgid = (1 << 6) | (1 << 7)
+        assert int(status["CapPrm"], 16) == int(status["CapEff"], 16) == setuid_setgid
+        assert int(status["CapInh"], 16) == setuid_setgid  # what -runas needs, kept past exec
+        assert int(status["CapBnd"], 16) == int(status["CapAmb"], 16) == 0
+        assert status["NoNewPrivs"] == "1"
+    finally:
+        proc.kill()
+        proc.wait()
+    assert registry.holder(70000) is None

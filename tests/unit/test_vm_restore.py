@@ -148,8 +148,8 @@ def test_qemu_has_accepted_the_agent_connection_before_the_guest_runs(
     monkeypatch.setattr(vm_module, "QMPChannel", _RecordingQMP)
     monkeypatch.setattr(vm_module, "AgentClient", _RecordingAgent)
 
-    async def start_qemu(*args: object) -> tuple[None, _Proc, None]:
-        return None, _Proc(), None
+    async def start_qemu(*args: object) -> launch.Launched:
+        return launch.Launched(_Proc(), None, None, None)  # type: ignore[arg-type]
 
     monkeypatch.setattr(launch, "start_qemu", start_qemu)
     asyncio.run(VM.restore(snapshot, run_root=tmp_path / "run", vm_id="child"))

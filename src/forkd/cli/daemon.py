@@ -20,6 +20,7 @@ from forkd.cli.options import JsonOpt
 from forkd.cli.render import out
 from forkd.errors import ForkdError
 from forkd.limits import FILE_UPLOAD_LIMIT
+from forkd.vmm.qemu_user import DEFAULT_RANGE
 
 
 def register(app: typer.Typer) -> None:
@@ -140,9 +141,19 @@ _QemuUserOpt = Annotated[
     str,
     typer.Option(
         envvar="FORKD_QEMU_USER",
-        help="The unprivileged user QEMU drops to once it has opened its files (created "
-        "when missing, as a system user without login); 'none': QEMU keeps the daemon's "
-        "user.",
+        help="per-vm: once it has opened its files, each QEMU drops to a uid and gid of "
+        "its own from --vm-uid-range; none: QEMU keeps the daemon's user. A user name "
+        "(the old form) is taken as per-vm, with a warning.",
+    ),
+]
+
+_VmUidRangeOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_VM_UID_RANGE",
+        metavar="START-END",
+        help="The uids (and gids, the same numbers) QEMUs drop to, one per running VM; "
+        "no passwd entries needed. Give it to forkd alone: no user, no subuid range.",
     ),
 ]
 
@@ -195,7 +206,8 @@ def serve(
     cgroup_parent: _CgroupParentOpt = "forkd",
     network: _NetworkOpt = "auto",
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
-    qemu_user: _QemuUserOpt = "forkd-qemu",
+    qemu_user: _QemuUserOpt = "per-vm",
+    vm_uid_range: _VmUidRangeOpt = str(DEFAULT_RANGE),
     max_upload_mib: _MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20,
     insecure_registry: _InsecureRegistryOpt = None,
     registry_auth: _RegistryAuthOpt = None,
@@ -237,19 +249,40 @@ def serve(
         )
         if network not in ("auto", "netns", "user"):
             raise ValueError(f"--network must be auto, netns or user, not {network!r}")
-        _use_qemu_user(None if qemu_user == "none" else qemu_user)
+        _use_qemu_user(qemu_user, vm_uid_range)
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
 
 
-def _use_qemu_user(name: str | None) -> None:
-    """QEMU drops to ``name`` from now on; a root daemon creates the user if missing."""
+def _use_qemu_user(choice: str, uid_range: str) -> None:
+    """From now on each QEMU drops to a uid of its own from ``uid_range``, or keeps the
+    daemon's user (``choice`` none).
+
+    A user name was the old form: every QEMU dropped to that one user, so a guest
+    that escaped into its QEMU could signal every other. It now means per-vm: no
+    file QEMU opens after the drop needs the user, and keeping the shared user
+    behind an option would keep that hole open.
+    """
+    from forkd.cli.render import err
     from forkd.vmm import qemu_user
 
-    qemu_user.configure(name)
-    if name is not None and os.geteuid() == 0:
-        qemu_user.ensure(name)
+    if choice == "none":
+        qemu_user.configure(None)
+        return
+    uids = qemu_user.UidRange.parse(uid_range)
+    if choice != "per-vm":
+        err.print(
+            f"[yellow]warning:[/] --qemu-user {choice} is deprecated: each QEMU drops to a "
+            f"uid of its own from --vm-uid-range {uids} instead (say --qemu-user per-vm)",
+            highlight=False, markup=True,
+        )  # fmt: skip
+    if os.geteuid() == 0:
+        for name in qemu_user.users_in(uids):
+            err.print(f"[yellow]warning:[/] {name} is in --vm-uid-range {uids}: a QEMU "
+                      "given that id could signal its processes and read its files",
+                      highlight=False, markup=True)  # fmt: skip
+    qemu_user.configure(uids)
 
 
 def _admission_caps(

@@ -1,7 +1,9 @@
 """Starting a QEMU process in a fresh run directory of its own.
 
 The directory holds the process's sockets and logs (:class:`RuntimePaths`);
-:func:`tail` reads the end of those logs back for error messages.
+:func:`tail` reads the end of those logs back for error messages. What
+confines the process is decided here: its cgroup, its network namespace, its
+seccomp filter, the uid it drops to and the capabilities it keeps until then.
 """
 
 from __future__ import annotations
@@ -31,6 +33,23 @@ UNIX_PATH_MAX = 107
 # line from stdin (a pipe), then become the rest of the command line. Nothing
 # is interpreted: the command is passed as the script's positional parameters.
 CGROUP_GATE = 'read -r _ && exec "$@" </dev/null'
+# A QEMU that drops to its uid starts as root holding only the two
+# capabilities -runas spends on the drop, under no_new_privs and with an empty
+# bounding set: once dropped it holds none and can gain none. At exec, root's
+# permitted set is its bounding set and its inheritable set together, so with
+# the bounding set empty the two must be inheritable; and setpriv empties the
+# bounding set before it sets inheritable ones, so it takes two setprivs.
+RUNAS_CAPS = "-all,+setuid,+setgid"
+
+
+@dataclasses.dataclass(frozen=True)
+class Launched:
+    """A started QEMU and what it was given, each undone once it is gone."""
+
+    proc: subprocess.Popen[bytes]
+    net: network.SandboxNet | None
+    cgroup: cgroups.Group | None
+    uid: qemu_user.Lease | None  # the uid it drops to; None: it keeps the daemon's
 
 
 def prepare_runtime(run_root: Path, vm_id: str) -> RuntimePaths:
@@ -49,6 +68,7 @@ def spawn(
     netns: str | None = None,
     cgroup: cgroups.Group | None = None,
     pass_fds: Sequence[int] = (),
+    uid: qemu_user.Lease | None = None,
 ) -> subprocess.Popen[bytes]:
     """Start QEMU with its output in ``qemu.log``; on failure the run directory is removed.
 
@@ -56,19 +76,22 @@ def spawn(
     sandboxes); otherwise killed when this process dies. ``netns``: the
     network namespace (under /run/netns) QEMU starts in. ``cgroup``: the
     group QEMU joins before it runs (so before any guest code does, and
-    before QEMU allocates anything).
+    before QEMU allocates anything). ``uid``: the uid ``argv`` drops to
+    (``-runas``), handed to the process as soon as it exists; QEMU then keeps
+    only the capabilities the drop needs (:data:`RUNAS_CAPS`).
 
     No Python runs between fork and exec, so ``subprocess`` can use vfork: a
     ``preexec_fn`` makes it copy the whole daemon instead, 10 ms and more for a
     daemon holding many VMs, on its event loop. What such a function did is
     done by small programs the command runs through instead: ``sh`` waits at a
     gate until this process has written its pid into the cgroup,
-    ``nsenter`` enters the namespace, ``setpriv`` sets the parent-death signal.
+    ``nsenter`` enters the namespace, ``setpriv`` sets the parent-death signal
+    and the capabilities.
     """
     gate_r = gate_w = -1
     try:
         hosttools.require(QEMU_BINARY)
-        command = _wrapped(argv, detach, netns, cgroup)
+        command = _wrapped(argv, detach, netns, cgroup, drop=uid is not None)
         if cgroup is not None:
             gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
         log_fd = os.open(rt.qemu_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -86,28 +109,36 @@ def spawn(
         _close_fds(gate_r, gate_w)
         shutil.rmtree(rt.dir, ignore_errors=True)
         raise
-    if cgroup is not None:
-        os.close(gate_r)
-        try:
+    _close_fds(gate_r)
+    try:
+        if uid is not None:
+            uid.bind(proc.pid)  # from now on held for as long as this process lives
+        if cgroup is not None:
             cgroups.move(cgroup, proc.pid)
             os.write(gate_w, b"\n")  # through the gate: it becomes QEMU, in its group
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            shutil.rmtree(rt.dir, ignore_errors=True)
-            raise
-        finally:
-            os.close(gate_w)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(rt.dir, ignore_errors=True)
+        raise
+    finally:
+        _close_fds(gate_w)
     return proc
 
 
 def _wrapped(
-    argv: list[str], detach: bool, netns: str | None, cgroup: cgroups.Group | None
+    argv: list[str], detach: bool, netns: str | None, cgroup: cgroups.Group | None, drop: bool
 ) -> list[str]:
-    """``argv`` behind the programs that do what would otherwise run before exec."""
+    """``argv`` behind the programs that do what would otherwise run before exec
+    (``drop``: ``argv`` drops to a uid, see :data:`RUNAS_CAPS`)."""
     command = list(argv)
-    if not detach:
-        command = [hosttools.require("setpriv"), "--pdeathsig", "KILL", "--", *command]
+    if drop or not detach:
+        setpriv = hosttools.require("setpriv")
+        inner = ["--bounding-set", "-all"] if drop else []
+        inner += [] if detach else ["--pdeathsig", "KILL"]
+        command = [setpriv, *inner, "--", *command]
+        if drop:
+            command = [setpriv, "--no-new-privs", "--inh-caps", RUNAS_CAPS, "--", *command]
     if netns is not None:
         command = [hosttools.require("nsenter"), f"--net={network.NETNS_DIR / netns}", "--",
                    *command]  # fmt: skip
@@ -191,10 +222,10 @@ async def start_qemu(
     machine: MachineConfig,
     rt: RuntimePaths,
     *args: Any,
-) -> tuple[network.SandboxNet | None, subprocess.Popen[bytes], cgroups.Group | None]:
+) -> Launched:
     """:func:`start_in_namespace`, in a new cgroup of the VM's own when ``placement`` says where.
 
-    On failure nothing is left: no group, no namespace, no run directory.
+    On failure nothing is left: no group, no namespace, no uid, no run directory.
     """
     group = None
     try:
@@ -203,14 +234,13 @@ async def start_qemu(
                 machine.memory_mib, machine.vcpus, machine.accel, placement.memory_limit_mib
             )
             group = await asyncio.to_thread(placement.hierarchy.create, rt.dir.name, caps)
-        net, proc = await start_in_namespace(machine, rt, *args, cgroup=group)
+        return await start_in_namespace(machine, rt, *args, cgroup=group)
     except BaseException as exc:
         shutil.rmtree(rt.dir, ignore_errors=True)
         await asyncio.to_thread(cgroups.remove, group, 1.0)
         if isinstance(exc, subprocess.SubprocessError):  # the child's setup failed
             raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
         raise
-    return net, proc, group
 
 
 async def start_in_namespace(
@@ -223,14 +253,16 @@ async def start_in_namespace(
     host_network: network.HostNetwork | None,
     policy: Egress,
     cgroup: cgroups.Group | None = None,
-) -> tuple[network.SandboxNet | None, subprocess.Popen[bytes]]:
-    """Make the VM's network namespace (when it gets one), then start QEMU in it.
+) -> Launched:
+    """Make the VM's network namespace (when it gets one), then start QEMU in it,
+    dropping to a uid of its own (:mod:`forkd.vmm.qemu_user`).
 
-    On failure nothing is left: no namespace, no run directory.
+    On failure nothing is left: no namespace, no uid, no run directory.
     """
-    net = None
+    net = uid = None
     try:
         sandbox = await _seccomp_ok()  # before the namespace: nothing to undo if it fails
+        uid = await asyncio.to_thread(qemu_user.reserve)
         net = await network.attach(host_network, rt.dir.name, policy)
         if host_network is not None and net is None:
             # The daemon's fallback: QEMU's NAT would reach the host's loopback
@@ -239,16 +271,19 @@ async def start_in_namespace(
         layer_fds = _open_layers(attach)
         try:
             argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
-                              tap=net is not None, sandbox=sandbox, runas=qemu_user.runas(),
-                              layer_fds=layer_fds)  # fmt: skip
+                              tap=net is not None, sandbox=sandbox,
+                              runas=uid.runas if uid else None, layer_fds=layer_fds)  # fmt: skip
             netns = net.netns if net else None
             kept = [fd for pair in layer_fds.values() for fd in pair]
-            return net, spawn(argv, rt, detach, netns=netns, cgroup=cgroup, pass_fds=kept)
+            proc = spawn(argv, rt, detach, netns=netns, cgroup=cgroup, pass_fds=kept, uid=uid)
+            return Launched(proc, net, cgroup, uid)
         finally:
             for pair in layer_fds.values():
                 for fd in pair:
                     os.close(fd)
     except BaseException:
+        if uid is not None:
+            await asyncio.to_thread(uid.release)
         await network.detach(net)
         shutil.rmtree(rt.dir, ignore_errors=True)
         raise

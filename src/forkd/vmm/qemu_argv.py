@@ -26,11 +26,12 @@ TCG_CPU = "max"  # every feature TCG emulates (x86-64-v3 level on QEMU 7.2)
 # fork/exec, no scheduler or affinity changes. Nothing forkd asks of QEMU
 # needs them (boot, fd migration, device-state saves, volume overlays).
 SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
-# With -runas, QEMU itself calls setgid/setuid to drop to the user, after it
+# With -runas, QEMU itself calls setgid/setuid to drop to its uid, after it
 # installed the filter, so elevateprivileges=deny would kill it ("Bad system
 # call" in QEMU 7.2). Once dropped it has no privilege to raise again: its
-# real, effective and saved ids are all the user's, and spawn=deny stops it
-# running a set-user-id program.
+# real, effective and saved ids are all that uid, it holds no capability and
+# its bounding set is empty (forkd.vmm.launch.RUNAS_CAPS), no_new_privs is
+# set, and spawn=deny stops it running any program.
 SANDBOX_RUNAS = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
 
 
@@ -200,7 +201,7 @@ def build_argv(
 ) -> list[str]:
     """QEMU's command line. ``tap``: the VM's network is ``tap0`` of the network
     namespace QEMU starts in (forkd.vmm.network); else user-mode NAT. ``runas``:
-    the user QEMU drops to once it has opened its files (forkd.vmm.qemu_user).
+    the ``UID:GID`` QEMU drops to once it has opened its files (forkd.vmm.qemu_user).
     ``layer_fds``: volume index → the read-only and read-write descriptors of
     its writable top layer, which QEMU inherits (see :func:`layer_fdset`).
     ``boot_files``: pass the kernel and initrd (default: only when booting; a

@@ -91,7 +91,7 @@ class QMPChannel:
         """Open ``path`` once per access mode and hand the descriptors to QEMU as a new
         fd set; QEMU then opens ``/dev/fdset/<id>`` (the id returned).
 
-        QEMU, once it dropped to its user (:mod:`forkd.vmm.qemu_user`), may
+        QEMU, once it dropped to its uid (:mod:`forkd.vmm.qemu_user`), may
         not open forkd's files by name: this is how it gets one it needs
         later, such as a snapshot's device state or a new volume layer.
         """

@@ -45,6 +45,7 @@ from forkd.vmm import (
     memory_diff,
     network,
     processes,
+    qemu_user,
     runtime_meta,
     snapshot_files,
     snapshot_writer,
@@ -111,6 +112,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
         self.net: network.SandboxNet | None = None  # its namespace, if it has one
         self.cgroup: cgroups.Group | None = None  # its caps, if the host has cgroups
+        self.uid: qemu_user.Lease | None = None  # the uid QEMU dropped to, if it did
         self.write_tracker: WriteTracker | None = None  # made by its first live snapshot
 
     # ---------------------------------------------------------------- start
@@ -160,14 +162,13 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written
             f.truncate(memory_mib << 20)
         started = time.monotonic()
-        net, proc, group = await launch.start_qemu(
+        launched = await launch.start_qemu(
             cgroup, machine, rt, rt.ram, False, attach, detach, host_network, policy
         )
         image_ref = ImageRef(image.name, image.key, str(image.dir))
-        vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, proc, proc.pid)
+        vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, launched.proc, launched.proc.pid)
         vm.volumes = list(attach)
-        vm.net = net
-        vm.cgroup = group
+        vm.net, vm.cgroup, vm.uid = launched.net, launched.cgroup, launched.uid
         try:
             await vm._connect_qmp()
             await vm.agent.connect()
@@ -251,15 +252,17 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             shutil.rmtree(rt.dir, ignore_errors=True)
             raise
         try:
-            net, proc, group = await launch.start_qemu(
+            launched = await launch.start_qemu(
                 cgroup, machine, rt, chain.root, True, attach, detach, host_network, policy
             )
         except BaseException:
             chain.close()
             volume_mounts.remove_own_layers(attach)
             raise
+        proc = launched.proc
         vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)
-        vm.volumes, vm.net, vm.cgroup, vm.origin_id = attach, net, group, snap.meta.id
+        vm.volumes, vm.origin_id = attach, snap.meta.id
+        vm.net, vm.cgroup, vm.uid = launched.net, launched.cgroup, launched.uid
         vm.state, vm._incoming = "incoming", snap
         try:
             await vm._connect_qmp()  # QEMU has mapped guest RAM by now
@@ -341,6 +344,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         vm.volumes = list(rec.volumes)
         vm.net = rec.network
         vm.cgroup = rec.cgroup  # QEMU stays in its group; kill() removes it
+        vm.uid = qemu_user.adopt(rec.pid, processes.owner_uid(rec.pid))  # and keeps its uid
         await vm._connect_qmp(timeout)
         status = await vm.qmp.execute("query-status")
         assert isinstance(status, dict)
@@ -450,6 +454,8 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             log.error("QEMU of %s (pid %s) still runs after SIGKILL", self.id, self.pid)
         self.state = "dead"
         await self.release()
+        if self.uid is not None:  # free for another VM (unless QEMU outlived SIGKILL)
+            await asyncio.to_thread(self.uid.release)
         volume_mounts.remove_own_layers(self.volumes)
         await network.detach(self.net)  # QEMU is gone: its namespace can go
         self.net = None

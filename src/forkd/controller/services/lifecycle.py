@@ -167,9 +167,9 @@ class Lifecycle:
     def kill_strays(self) -> None:
         """QEMU processes and run directories of ours that no sandbox owns.
 
-        A process counts as ours only when it runs as this daemon's user or its
-        QEMU user (:mod:`forkd.vmm.qemu_user`) and its run directory, directly
-        under ours, is named like one of our VMs' ids;
+        A process counts as ours only when it runs as this daemon's user or a
+        uid of its QEMUs' range (:mod:`forkd.vmm.qemu_user`) and its run
+        directory, directly under ours, is named like one of our VMs' ids;
         what is deleted is a path we build, never one read from a process.
         """
         fleet = self.fleet
