@@ -91,6 +91,16 @@ EVENT_RING_SIZE = 1000  # recent events kept for replay (Last-Event-ID)
 MAX_EVENT_SUBSCRIBERS = 64  # event streams open at once; one more is a 429
 EVENT_HEARTBEAT_SECS = 15.0  # a comment on a quiet stream, so proxies keep it open
 
+# Client connections to the daemon and the gateway (forkd.controller.connection_limits).
+# A client sends its request head in one write: 10 s is room for a stalled link, and
+# more than httpx's 5 s keep-alive expiry, so an idle client closes before the server.
+REQUEST_HEADER_TIMEOUT_SECS = 10.0  # connect, or the end of an answer, to a whole request head
+REQUEST_BODY_IDLE_TIMEOUT_SECS = 30.0  # no byte of a body being read (its source may stall)
+MAX_CONNECTIONS = 1024  # open at once (WebSockets too); less when descriptors are few
+# A quarter of the total: one host never holds more, yet one SDK client's pool (100),
+# its event streams and terminals fit. Behind a proxy every client has its address.
+MAX_CONNECTIONS_PER_ADDRESS = 256
+
 # Volume content archives (the upload is capped above; what it expands to, here).
 VOLUME_MAX_ENTRIES = 100_000  # files, directories and links in one archive
 VOLUME_BYTES_PER_ENTRY = 4096  # and one per 4 KiB of volume: ext4's inode ratio for small disks
@@ -163,6 +173,18 @@ def default_pool_memory_mib(host_mib: int | None = None) -> int:
     RAM, between 256 MiB and 4 GiB."""
     host = host_memory_mib() if host_mib is None else host_mib
     return min(4096, max(256, host // 16))
+
+
+def default_max_connections(descriptors: int | None = None) -> int:
+    """``MAX_CONNECTIONS``, or half this process's descriptor limit when that is less:
+    the other half stays for the VMs' sockets, pipes and files, which a flood of
+    connections would otherwise starve (``accept`` itself fails at the limit)."""
+    if descriptors is None:
+        import resource  # Unix only; the SDK, which imports this module, may run elsewhere
+
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        descriptors = MAX_CONNECTIONS * 2 if soft == resource.RLIM_INFINITY else soft
+    return max(1, min(MAX_CONNECTIONS, descriptors // 2))
 
 
 def check_guest_path(path: object) -> str:

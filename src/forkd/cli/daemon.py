@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -19,8 +19,16 @@ from forkd.cli.failures import fail
 from forkd.cli.options import JsonOpt
 from forkd.cli.render import out
 from forkd.errors import ForkdError
-from forkd.limits import FILE_UPLOAD_LIMIT
+from forkd.limits import (
+    FILE_UPLOAD_LIMIT,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    REQUEST_BODY_IDLE_TIMEOUT_SECS,
+    REQUEST_HEADER_TIMEOUT_SECS,
+)
 from forkd.vmm.qemu_user import DEFAULT_RANGE
+
+if TYPE_CHECKING:
+    from forkd.controller.connection_limits import ConnectionLimits
 
 
 def register(app: typer.Typer) -> None:
@@ -187,6 +195,50 @@ _RegistryAuthOpt = Annotated[
     ),
 ]
 
+HeaderTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_HEADER_TIMEOUT",
+        min=0.1,
+        metavar="SECS",
+        help="A connection sends a whole request head within this long of opening, or of "
+        "its last answer (the idle keep-alive wait), or it is closed.",
+    ),
+]
+
+BodyIdleTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_BODY_IDLE_TIMEOUT",
+        min=0.1,
+        metavar="SECS",
+        help="While a request body is being read, this long without a byte closes the "
+        "connection. Never while an answer streams or a WebSocket is open.",
+    ),
+]
+
+MaxConnectionsPerAddressOpt = Annotated[
+    int,
+    typer.Option(
+        envvar="FORKD_MAX_CONNECTIONS_PER_ADDRESS",
+        min=1,
+        help="Connections open at once from one client IP address; more are refused (503). "
+        "Unix-socket clients count against --max-connections only. Behind a proxy, every "
+        "client has the proxy's address.",
+    ),
+]
+
+MaxConnectionsOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MAX_CONNECTIONS",
+        min=1,
+        help="Client connections open at once, WebSockets included; more are refused (503) "
+        "(default: 1024, or half the open-file limit when that is less).",
+        show_default=False,
+    ),
+]
+
 _LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
 
 
@@ -211,6 +263,10 @@ def serve(
     max_upload_mib: _MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20,
     insecure_registry: _InsecureRegistryOpt = None,
     registry_auth: _RegistryAuthOpt = None,
+    header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
+    body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
+    max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
+    max_connections: MaxConnectionsOpt = None,
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
@@ -246,6 +302,9 @@ def serve(
             max_upload_bytes=max_upload_mib << 20,
             insecure_registries=tuple(insecure_registry or ()),
             registry_auth=registry_auth,
+            connection_limits=connection_limits(
+                header_timeout, body_idle_timeout, max_connections_per_address, max_connections
+            ),
         )
         if network not in ("auto", "netns", "user"):
             raise ValueError(f"--network must be auto, netns or user, not {network!r}")
@@ -253,6 +312,25 @@ def serve(
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def connection_limits(
+    header_timeout: float,
+    body_idle_timeout: float,
+    max_per_address: int,
+    max_total: int | None,
+) -> ConnectionLimits:
+    """The connection options of ``forkd serve`` and ``forkd gateway``; the total sized
+    for this process's open-file limit when not given."""
+    from forkd import limits
+    from forkd.controller.connection_limits import ConnectionLimits
+
+    return ConnectionLimits(
+        header_timeout_secs=header_timeout,
+        body_idle_timeout_secs=body_idle_timeout,
+        max_per_address=max_per_address,
+        max_total=limits.default_max_connections() if max_total is None else max_total,
+    )
 
 
 def _use_qemu_user(choice: str, uid_range: str) -> None:

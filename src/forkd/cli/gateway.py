@@ -7,9 +7,21 @@ from typing import Annotated
 
 import typer
 
+from forkd.cli.daemon import (
+    BodyIdleTimeoutOpt,
+    HeaderTimeoutOpt,
+    MaxConnectionsOpt,
+    MaxConnectionsPerAddressOpt,
+    connection_limits,
+)
 from forkd.cli.extras import require_server
 from forkd.cli.failures import fail
 from forkd.errors import ForkdError
+from forkd.limits import (
+    MAX_CONNECTIONS_PER_ADDRESS,
+    REQUEST_BODY_IDLE_TIMEOUT_SECS,
+    REQUEST_HEADER_TIMEOUT_SECS,
+)
 
 
 def gateway(
@@ -51,6 +63,10 @@ def gateway(
     insecure_no_auth: Annotated[
         bool, typer.Option(help="No token for clients: anyone who reaches it forks VMs.")
     ] = False,
+    header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
+    body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
+    max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
+    max_connections: MaxConnectionsOpt = None,
     log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
 ) -> None:
     """Serve the v1 API over many forkd daemons: placement, routing, snapshots moved
@@ -74,7 +90,10 @@ def gateway(
             registry = f"{parsed.registry}/{parsed.repository}"
         nodes = NodeSet(list(node or []), read_token(node_token_file),
                         dns_name=nodes_dns, dns_port=node_port)  # fmt: skip
-        serve(create_app(nodes, token, registry, insecure_registry), bind, log_level)
+        limits = connection_limits(
+            header_timeout, body_idle_timeout, max_connections_per_address, max_connections
+        )
+        serve(create_app(nodes, token, registry, insecure_registry), bind, log_level, limits)
     except ForkdError as exc:
         raise fail(str(exc)) from exc
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from forkd import __version__
+from forkd.controller.connection_limits import ConnectionCounts
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 
@@ -19,8 +22,11 @@ class Metrics:
         pooled: Callable[[], int] = lambda: 0,
         branches_in_flight: Callable[[], int] = lambda: 0,
         branch_cap: Callable[[], int] = lambda: 0,
+        connections: Callable[[], ConnectionCounts] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
+        if connections is not None:
+            self.registry.register(_ConnectionCollector(connections))
         snap = Gauge("forkd_snapshots_total", "Snapshots registered", registry=self.registry)
         snap.set_function(snapshots)
         active = Gauge("forkd_sandboxes_active", "Sandboxes running", registry=self.registry)
@@ -62,3 +68,32 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ConnectionCollector(Collector):
+    """The server's client connections: open, refused over a cap, closed for a request
+    that did not come in time (:mod:`forkd.controller.connection_limits`)."""
+
+    def __init__(self, counts: Callable[[], ConnectionCounts]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        yield GaugeMetricFamily(
+            "forkd_connections_open", "Client connections open (WebSockets too)", counts.open
+        )
+        refused = CounterMetricFamily(
+            "forkd_connections_refused", "Connections refused at once: over a cap",
+            labels=["cap"],
+        )  # fmt: skip
+        for cap, n in counts.refused.items():
+            refused.add_metric([cap], n)
+        yield refused
+        timed_out = CounterMetricFamily(
+            "forkd_connections_timed_out",
+            "Connections closed: a request head, or a byte of its body, did not come in time",
+            labels=["wait"],
+        )
+        for wait, n in counts.timed_out.items():
+            timed_out.add_metric([wait], n)
+        yield timed_out

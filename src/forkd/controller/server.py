@@ -24,6 +24,7 @@ from fastapi import FastAPI
 from forkd import paths
 from forkd.controller import log_redaction, port_ws
 from forkd.controller.app import create_app, end_streams
+from forkd.controller.connection_limits import ConnectionLimiter, uvicorn_options
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
@@ -256,8 +257,9 @@ def serve(
                 sock = bind_unix_socket(path)
                 sockets = [sock]
                 log.info("listening on unix socket %s (mode 0600)", path)
+            connections = ConnectionLimiter(settings.connection_limits)
             config = uvicorn.Config(
-                create_app(settings, token, driver=driver),
+                create_app(settings, token, driver=driver, connections=connections),
                 log_level=log_level,
                 timeout_graceful_shutdown=30,
                 access_log=False,
@@ -268,6 +270,9 @@ def serve(
                 # a peer that sends faster than the other side reads is bounded.
                 ws_max_size=port_ws.MAX_MESSAGE_BYTES,
                 ws_max_queue=port_ws.WS_QUEUE,
+                # A request head or body that does not come in time, and connections
+                # over the caps, are closed: no local process can pile them up.
+                **uvicorn_options(connections),
                 **where,  # type: ignore[arg-type]
             )
             log_redaction.install("uvicorn", "uvicorn.error", "uvicorn.access")  # set up by Config

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from forkd.controller.connection_limits import ConnectionLimits
 from forkd.limits import FILE_UPLOAD_LIMIT
 
 
@@ -30,3 +31,5 @@ class Settings:
     # OCI registries (host[:port]) spoken to over plain HTTP; loopback ones always may be.
     insecure_registries: tuple[str, ...] = ()
     registry_auth: Path | None = None  # docker's config.json; None: $DOCKER_CONFIG or ~/.docker
+    # Clients' connections: how long a request may take to arrive, how many may be open.
+    connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)

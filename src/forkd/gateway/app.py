@@ -14,6 +14,7 @@ from starlette.responses import Response
 
 from forkd import __version__
 from forkd.controller import http_errors
+from forkd.controller.connection_limits import ConnectionLimiter, ConnectionLimits, uvicorn_options
 from forkd.controller.middleware import GuardMiddleware
 from forkd.controller.server import configure_logging, parse_bind
 from forkd.gateway import routes
@@ -58,11 +59,20 @@ async def _unreachable(_request: Request, exc: Exception) -> Response:
     return http_errors.error_response(503, str(exc))
 
 
-def serve(app: FastAPI, bind: str, log_level: str = "info") -> None:
+def serve(
+    app: FastAPI,
+    bind: str,
+    log_level: str = "info",
+    connection_limits: ConnectionLimits | None = None,
+) -> None:
+    """Run the gateway until SIGTERM or SIGINT; clients' connections under the limits
+    (the daemon's defaults when None)."""
     configure_logging(log_level)
+    connections = ConnectionLimiter(connection_limits or ConnectionLimits())
     config = uvicorn.Config(
         app, log_level=log_level, access_log=False, proxy_headers=False,
         ws_max_size=MAX_MESSAGE_BYTES, timeout_graceful_shutdown=10,
+        **uvicorn_options(connections),
         **parse_bind(bind),  # type: ignore[arg-type]
     )  # fmt: skip
     uvicorn.Server(config).run()

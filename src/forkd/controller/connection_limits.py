@@ -1,0 +1,304 @@
+"""What a client's connections may hold of a server: how long, and how many.
+
+uvicorn waits for a request as long as a client likes: a connection that sends
+half a request head, or a body a byte a minute, keeps its socket forever, and
+any local process may open thousands. :func:`uvicorn_options` gives the daemon
+and the gateway uvicorn's h11 protocol with two timers and a count:
+
+* **The request head.** From a connection's start, and again from the end of
+  each answer (the idle wait between keep-alive requests), a whole head must
+  arrive within ``header_timeout_secs``; bytes trickling in do not restart it.
+* **The request body.** While one is being read, ``body_idle_timeout_secs``
+  without a byte closes the connection. The wait holds while the server
+  itself stops reading (the app has not yet taken what came, so the client
+  cannot send) and while the client waits for ``100 Continue``.
+* **The count.** At most ``max_per_address`` connections from one client
+  address and ``max_total`` in all, WebSockets included. A unix-socket client
+  has no address (all would share one), so it counts against the total only.
+  One over a cap is answered 503 with ``Connection: close`` and closed at once.
+
+Neither timer runs while an answer streams (event streams, downloads) or once a
+connection is a WebSocket: the server then waits for nothing from the client.
+A timed-out connection is closed without an answer; an app still reading its
+body sees the client gone. The protocol is h11 even where httptools is
+installed (uvicorn's ``auto`` would pick httptools): one parser to watch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import h11
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from forkd import limits
+from forkd.errors import Invalid
+
+log = logging.getLogger(__name__)
+
+Wait = Literal["header", "body"]  # what a timed-out connection did not send in time
+Cap = Literal["address", "total"]  # which cap refused a connection
+
+REFUSED_WARN_INTERVAL_SECS = 60.0  # a flood of refusals is one log line a minute
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """The limits of one server (``forkd serve``, ``forkd gateway``)."""
+
+    header_timeout_secs: float = limits.REQUEST_HEADER_TIMEOUT_SECS
+    body_idle_timeout_secs: float = limits.REQUEST_BODY_IDLE_TIMEOUT_SECS
+    max_per_address: int = limits.MAX_CONNECTIONS_PER_ADDRESS
+    max_total: int = limits.MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        for secs in (self.header_timeout_secs, self.body_idle_timeout_secs):
+            if not (secs > 0 and math.isfinite(secs)):
+                raise Invalid(f"a connection timeout must be a positive number, not {secs}")
+        if min(self.max_per_address, self.max_total) < 1:
+            raise Invalid("connection caps must be at least 1")
+
+
+@dataclass(frozen=True)
+class ConnectionCounts:
+    """A limiter's figures, for ``/metrics``."""
+
+    open: int
+    refused: dict[Cap, int]
+    timed_out: dict[Wait, int]
+
+
+class Slot:
+    """One admitted connection's place under the caps, given back once."""
+
+    def __init__(self, limiter: ConnectionLimiter, address: str | None) -> None:
+        self._limiter: ConnectionLimiter | None = limiter
+        self.address = address
+
+    def release(self) -> None:
+        limiter, self._limiter = self._limiter, None
+        if limiter is not None:
+            limiter._give_back(self.address)
+
+
+class ConnectionLimiter:
+    """The open connections of one server, admitted under its caps, and what it refused
+    or timed out. Used from the event loop's thread only."""
+
+    def __init__(self, connection_limits: ConnectionLimits) -> None:
+        self.limits = connection_limits
+        self._open = 0
+        self._open_from: Counter[str] = Counter()
+        self._refused: Counter[Cap] = Counter()
+        self._timed_out: Counter[Wait] = Counter()
+        self._warned_at = -math.inf
+
+    def admit(self, address: str | None) -> Slot | Cap:
+        """A slot for a new connection from ``address``, or the cap it is over."""
+        cap: Cap | None = None
+        if self._open >= self.limits.max_total:
+            cap = "total"
+        elif address is not None and self._open_from[address] >= self.limits.max_per_address:
+            cap = "address"
+        if cap is not None:
+            self._refused[cap] += 1
+            self._warn_refused(cap, address)
+            return cap
+        self._open += 1
+        if address is not None:
+            self._open_from[address] += 1
+        return Slot(self, address)
+
+    def count_timeout(self, wait: Wait) -> None:
+        self._timed_out[wait] += 1
+
+    def counts(self) -> ConnectionCounts:
+        return ConnectionCounts(
+            open=self._open,
+            refused={"address": self._refused["address"], "total": self._refused["total"]},
+            timed_out={"header": self._timed_out["header"], "body": self._timed_out["body"]},
+        )
+
+    def _give_back(self, address: str | None) -> None:
+        self._open -= 1
+        if address is not None:
+            self._open_from[address] -= 1
+            if self._open_from[address] <= 0:
+                del self._open_from[address]
+
+    def _warn_refused(self, cap: Cap, address: str | None) -> None:
+        now = time.monotonic()
+        if now - self._warned_at < REFUSED_WARN_INTERVAL_SECS:
+            return
+        self._warned_at = now
+        refused = sum(self._refused.values())
+        if cap == "total":
+            log.warning("refusing connections: %d open, the cap (--max-connections); "
+                        "%d refused so far", self._open, refused)  # fmt: skip
+        else:
+            log.warning("refusing connections from %s: %d open from it, the cap "
+                        "(--max-connections-per-address); %d refused so far",
+                        address, self._open_from[address], refused)  # fmt: skip
+
+
+def client_address(transport: asyncio.BaseTransport) -> str | None:
+    """The peer's IP address; None for a unix-socket peer."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer and isinstance(peer[0], str):
+        return peer[0]
+    return None
+
+
+def _refusal(cap: Cap) -> bytes:
+    why = "too many connections" + (" from this address" if cap == "address" else "")
+    body = json.dumps({"error": f"{why}: close one and retry"}).encode()
+    head = ("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+    return head.encode() + body
+
+
+class _WatchedFlow(FlowControl):
+    """uvicorn's flow control, which says when the server stops or starts reading."""
+
+    def __init__(self, transport: asyncio.Transport, changed: Callable[[], None]) -> None:
+        super().__init__(transport)
+        self._changed = changed
+
+    def pause_reading(self) -> None:
+        super().pause_reading()
+        self._changed()
+
+    def resume_reading(self) -> None:
+        super().resume_reading()
+        self._changed()
+
+
+class _HoldsSlot:
+    """Mixed into uvicorn's WebSocket protocol: a connection upgraded to a WebSocket
+    keeps its slot until it closes."""
+
+    slot: Slot | None = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        try:
+            super().connection_lost(exc)  # type: ignore[misc]
+        finally:
+            if self.slot is not None:
+                self.slot.release()
+
+
+@functools.cache
+def _holding_slot(ws_protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
+    return type(ws_protocol.__name__, (_HoldsSlot, ws_protocol), {})
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol under a :class:`ConnectionLimiter` (see the module docstring)."""
+
+    limiter: ClassVar[ConnectionLimiter]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slot: Slot | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._waiting_for: Wait | None = None  # what the running timer waits for
+        self._upgraded = False
+        if self.ws_protocol_class is not None:
+            self.ws_protocol_class = _holding_slot(self.ws_protocol_class)  # type: ignore[arg-type]
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        admitted = self.limiter.admit(client_address(transport))
+        if not isinstance(admitted, Slot):
+            transport.write(_refusal(admitted))
+            transport.close()
+            return
+        self._slot = admitted
+        super().connection_made(transport)
+        self.flow = _WatchedFlow(transport, self._rearm)
+        self._rearm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        if self._slot is None:
+            return  # refused in connection_made: uvicorn never knew it
+        try:
+            super().connection_lost(exc)
+        finally:
+            self._slot.release()
+
+    def data_received(self, data: bytes) -> None:
+        if self._waiting_for == "body":
+            self._stop_timer()  # a byte of the body: the idle wait starts over
+        super().data_received(data)
+        self._rearm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._rearm()  # keep-alive: the next request's head is awaited
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._stop_timer()
+        self._upgraded = True
+        super().handle_websocket_upgrade(event)
+        websocket = self.transport.get_protocol()
+        assert isinstance(websocket, _HoldsSlot)
+        websocket.slot, self._slot = self._slot, None
+
+    def _awaited(self) -> Wait | None:
+        """What the server now waits for from the client, if anything."""
+        if self._upgraded or self.transport.is_closing():
+            return None
+        if self.conn.their_state is h11.IDLE:
+            return "header"
+        if (
+            self.conn.their_state is h11.SEND_BODY
+            and self.transport.is_reading()
+            and not self.conn.they_are_waiting_for_100_continue
+        ):
+            return "body"
+        return None
+
+    def _rearm(self) -> None:
+        """Run the timer of what the server now waits for; stop one it no longer waits for."""
+        awaited = self._awaited()
+        if awaited == self._waiting_for:
+            return
+        self._stop_timer()
+        if awaited is not None:
+            caps = self.limiter.limits
+            secs = caps.header_timeout_secs if awaited == "header" else caps.body_idle_timeout_secs
+            self._timer = self.loop.call_later(secs, self._expire, awaited)
+            self._waiting_for = awaited
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._waiting_for = None
+
+    def _expire(self, wait: Wait) -> None:
+        self._timer = self._waiting_for = None
+        self.limiter.count_timeout(wait)
+        log.debug("closing the connection of %s: its request %s did not come in time",
+                  self.client, wait)  # fmt: skip
+        self.transport.close()
+
+
+def uvicorn_options(limiter: ConnectionLimiter) -> dict[str, Any]:
+    """The arguments of ``uvicorn.Config`` that put its connections under ``limiter``."""
+    protocol = type(LimitedH11Protocol.__name__, (LimitedH11Protocol,), {"limiter": limiter})
+    return {
+        "http": protocol,
+        # uvicorn's own idle keep-alive timer: the same wait as the head's, which rules
+        # (uvicorn's restarts at any byte).
+        "timeout_keep_alive": limiter.limits.header_timeout_secs,
+    }
