@@ -18,7 +18,7 @@ from forkd.archive.tar_format import Member
 from forkd.client import Controller
 from forkd.controller.settings import Settings
 from forkd.errors import Conflict, ForkdError, Invalid, NotFound, StorageFull
-from forkd.vmm import volumes
+from forkd.vmm import archive_jail, volumes
 from forkd.vmm.volumes import (
     MIN_SIZE,
     Attachment,
@@ -214,6 +214,8 @@ def unpacked(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         write_file(self, parent, name, member)
 
     monkeypatch.setattr(archive_unpack._Unpacker, "_file", spy)
+    # Seen only in this process: the same extractor, not in its unprivileged child.
+    monkeypatch.setattr(archive_jail.qemu_user, "reserve", lambda: None)
     return written
 
 

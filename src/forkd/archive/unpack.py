@@ -82,15 +82,19 @@ class Extracted:
 
 def extract(
     read: ReadFn,
-    dest: str | os.PathLike[str],
+    dest: str | os.PathLike[str] | int,
     policy: Policy = DATA,
     limits: Limits = DEFAULT_LIMITS,
 ) -> Extracted:
     """Unpack the tar stream that ``read(n)`` yields into the existing directory
-    ``dest``; raises an :class:`~forkd.archive.errors.ArchiveError` for an archive
-    refused (what was written before stays: unpack into a fresh directory and
-    remove it on failure, as :func:`extract_new` does)."""
-    root = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    ``dest`` (a path, or an open descriptor of it); raises an
+    :class:`~forkd.archive.errors.ArchiveError` for an archive refused (what was
+    written before stays: unpack into a fresh directory and remove it on failure,
+    as :func:`extract_new` does)."""
+    if isinstance(dest, int):
+        root = os.dup(dest)
+    else:
+        root = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         return _Unpacker(root, policy, TarReader(read, limits)).run()
     finally:

@@ -16,8 +16,6 @@ no snapshot or VM needs any more can be deleted (:meth:`VolumeStore.collect`).
 from __future__ import annotations
 
 import errno
-import gzip
-import io
 import json
 import os
 import re
@@ -25,14 +23,13 @@ import secrets
 import shutil
 import tempfile
 import time
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from forkd import hosttools
-from forkd.archive import DATA, ArchiveError, ArchiveTooLarge, Limits, extract
+from forkd.archive import ArchiveError, ArchiveTooLarge, Limits
 from forkd.errors import Conflict, ForkdError, HostToolMissing, Invalid, NotFound, StorageFull
 from forkd.limits import (
     NAME_RE,
@@ -40,6 +37,7 @@ from forkd.limits import (
     VOLUME_MAX_ENTRIES,
     VOLUME_TAR_HEADER_LIMIT,
 )
+from forkd.vmm import archive_jail
 
 MIN_SIZE = 16 << 20
 MAX_SIZE = 1 << 40
@@ -134,33 +132,24 @@ def _extract(content: Path | bytes, tree: Path, size: int) -> None:
 
     A plain tar, or a gzip-compressed one, told apart by its first bytes (not
     by any header the client sent), unpacked by forkd's one extractor
-    (:mod:`forkd.archive`, the ``data`` policy): entries are counted as they
+    (:mod:`forkd.archive`, the ``data`` policy), as a uid of its own when the
+    daemon is root (:mod:`forkd.vmm.archive_jail`): entries are counted as they
     stream in, so a small archive that expands to far more than ``size`` is
     refused after writing at most ``size`` bytes; nothing is written outside
     ``tree`` or through a link, and devices are refused.
     """
-    raw: BinaryIO = io.BytesIO(content) if isinstance(content, bytes) else content.open("rb")
-    with raw:
-        magic = raw.read(2)
-        raw.seek(0)
-        source = gzip.GzipFile(fileobj=raw, mode="rb") if magic == GZIP_MAGIC else raw
-        try:
-            extract(source.read, tree, DATA, content_limits(size))
-        except ArchiveTooLarge as exc:
-            raise VolumeInvalid(
-                f"the archive is too large for a volume of {size} bytes: {exc}"
+    try:
+        archive_jail.unpack(content, tree, content_limits(size))
+    except ArchiveTooLarge as exc:
+        raise VolumeInvalid(f"too large for a volume of {size} bytes: {exc}") from exc
+    except ArchiveError as exc:
+        raise VolumeInvalid(f"the upload is not a usable tar archive: {exc}") from exc
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFull(
+                "the host's disk filled up while unpacking the volume's content; nothing was kept"
             ) from exc
-        except ArchiveError as exc:
-            raise VolumeInvalid(f"the upload is not a usable tar archive: {exc}") from exc
-        except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-            raise VolumeInvalid(f"the upload is not a usable tar archive (gzip: {exc})") from exc
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StorageFull(
-                    "the host's disk filled up while unpacking the volume's content; "
-                    "nothing was kept"
-                ) from exc
-            raise
+        raise
 
 
 def free_bytes(directory: Path) -> int:
