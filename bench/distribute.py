@@ -85,8 +85,10 @@ class DistributeBench(benchlib.BenchBase):
 
     def start(self) -> None:
         self.registry = RegistryServer()
+        # A registry on loopback is reached only when the daemon lists it.
+        listed = ("--insecure-registry", self.registry.address)
         for d in (self.a, self.b):
-            d.start("--kill-on-exit")
+            d.start("--kill-on-exit", *listed)
         token = self.workdir / "gateway-token"
         token.write_text(GATEWAY_TOKEN + "\n")
         (self.workdir / "gw").mkdir()
@@ -95,7 +97,7 @@ class DistributeBench(benchlib.BenchBase):
         # Both daemons must take the same node token: b is given a's.
         self.b.stop()
         self.b.token_file = self.a.token_path
-        self.b.start("--kill-on-exit")
+        self.b.start("--kill-on-exit", *listed)
         # The repository the template went through: the branch then moves as a delta.
         self.gateway.start("--registry", f"{self.registry.address}/forkd/bench")
 

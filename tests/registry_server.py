@@ -1,5 +1,10 @@
 """A real OCI registry for tests: Debian's ``docker-registry`` on 127.0.0.1, its storage
-in a temporary directory, optionally asking for a user and password (htpasswd)."""
+in a temporary directory, optionally asking for a user and password (htpasswd).
+
+A daemon reaches a registry on loopback only when it lists it: start one with
+``--insecure-registry`` :attr:`RegistryServer.address` (or put the address in
+``Settings.insecure_registries``), and give a :class:`~forkd.oci.registry.Registry`
+of a test :meth:`RegistryServer.policy`."""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forkd.oci.policy import RegistryPolicy
+
 BINARY = "docker-registry"
 
 
@@ -23,14 +30,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def free_address() -> str:
+    """A free ``127.0.0.1:PORT``: where a registry started later listens (a daemon
+    started first can list it with ``--insecure-registry``)."""
+    return f"127.0.0.1:{_free_port()}"
+
+
 class RegistryServer:
-    def __init__(self, user: str | None = None, password: str | None = None) -> None:
+    def __init__(
+        self, user: str | None = None, password: str | None = None, address: str | None = None
+    ) -> None:
         path = shutil.which(BINARY)
         if path is None:
             pytest.skip(f"{BINARY} is not installed (apt-get install docker-registry; dev.sh does)")
         self.root = Path(tempfile.mkdtemp(prefix="forkd-registry-", dir="/tmp"))
-        self.port = _free_port()
-        self.address = f"127.0.0.1:{self.port}"
+        self.address = address or free_address()
+        self.port = int(self.address.rsplit(":", 1)[1])
         config = [
             "version: 0.1",
             "log:",
@@ -70,6 +85,10 @@ class RegistryServer:
 
     def ref(self, repository: str, tag: str | None = None) -> str:
         return f"{self.address}/{repository}" + (f":{tag}" if tag else "")
+
+    def policy(self) -> RegistryPolicy:
+        """A registry policy that lists this registry, as ``--insecure-registry`` does."""
+        return RegistryPolicy.of([self.address])
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -29,6 +29,7 @@ from forkd.launcher import DaemonProcess
 from forkd.vmm import cgroups, memory_diff, network, snapshot_files
 from forkd.vmm.processes import qemu_pids_under
 from forkd.vmm.vm import VM
+from tests.registry_server import free_address
 
 T = TypeVar("T")
 
@@ -154,10 +155,17 @@ class Daemon(DaemonProcess):
 
 
 @pytest.fixture(scope="session")
-def daemon(image: images.Image) -> Iterator[Daemon]:
+def registry_address() -> str:
+    """Where a test's registry listens (tests/registry_server.py): the suite's daemon
+    lists it with --insecure-registry, as an operator lists a registry on loopback."""
+    return free_address()
+
+
+@pytest.fixture(scope="session")
+def daemon(image: images.Image, registry_address: str) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="forkd-d-", dir="/tmp"))
     d = Daemon(root)
-    d.start("--kill-on-exit")
+    d.start("--kill-on-exit", "--insecure-registry", registry_address)
     yield d
     d.stop()
     d.kill_leftovers()  # nothing may outlive the suite

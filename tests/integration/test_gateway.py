@@ -55,7 +55,8 @@ def fleet() -> Iterator[Fleet]:
     for i in range(3):
         (root / f"node{i}").mkdir()
         nodes.append(Daemon(root / f"node{i}"))
-        nodes[-1].start("--kill-on-exit", "--max-sandboxes", str(NODE_CAP))
+        nodes[-1].start("--kill-on-exit", "--max-sandboxes", str(NODE_CAP),
+                        "--insecure-registry", registry.address)  # fmt: skip
     (root / "gateway-token").write_text(GATEWAY_TOKEN + "\n")
     (root / "gw").mkdir()
     gateway = GatewayProcess(root / "gw", [d.url for d in nodes], nodes[0].root / "token",

@@ -23,26 +23,32 @@ from forkd.client import Controller, ControllerError, Sandbox, Snapshot
 from forkd.oci import artifact, reference
 from forkd.oci.registry import Registry
 from tests.integration.conftest import Daemon, memory_digest
-from tests.registry_server import RegistryServer
+from tests.registry_server import RegistryServer, free_address
 
 pytestmark = pytest.mark.integration
 
 BLOB = "import hashlib, os\nblob = os.urandom(4 << 20)\nhashlib.sha256(blob).hexdigest()"
 
 
+CLOSED = "127.0.0.1:1"  # listed with --insecure-registry: nothing listens there
+PRIVATE = free_address()  # the registry that asks for a password, started by a test
+
+
 @pytest.fixture(scope="module")
-def registry() -> Iterator[RegistryServer]:
-    server = RegistryServer()
+def registry(registry_address: str) -> Iterator[RegistryServer]:
+    server = RegistryServer(address=registry_address)  # the suite's daemon lists it
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def other() -> Iterator[Daemon]:
+def other(registry: RegistryServer) -> Iterator[Daemon]:
     """A second daemon: another host, as far as snapshots go (its own state directory)."""
     root = Path(tempfile.mkdtemp(prefix="forkd-d2-", dir="/tmp"))
     d = Daemon(root)
-    d.start("--kill-on-exit", "--registry-auth", str(root / "docker.json"))
+    listed = [arg for address in (registry.address, PRIVATE, CLOSED)
+              for arg in ("--insecure-registry", address)]  # fmt: skip
+    d.start("--kill-on-exit", "--registry-auth", str(root / "docker.json"), *listed)
     yield d
     d.stop()
     d.kill_leftovers()
@@ -131,7 +137,7 @@ def test_a_diff_chain_travels_whole(
     ref = registry.ref("forkd/chain", "top")  # a repository with nothing in it yet
     pushed = ctl.push_snapshot("it-d2", ref)
     assert pushed["encoding"] == "delta"
-    with Registry(reference.parse(ref)) as reg:
+    with Registry(reference.parse(ref), policy=registry.policy()) as reg:
         assert reg.has_manifest(pushed["base_digest"])  # its base went up first
     pulled = ctl2.pull_snapshot(ref)
     assert pulled["tag"] == "it-d2" and pulled["mode"] == "full"
@@ -144,13 +150,15 @@ def test_a_diff_chain_travels_whole(
 def test_bad_references_change_nothing(
     ctl2: Controller, other: Daemon, registry: RegistryServer
 ) -> None:
-    private = RegistryServer(user="ann", password="s3cret")
+    private = RegistryServer(user="ann", password="s3cret", address=PRIVATE)
     try:
         cases = [
             ("Not A Ref", 400),
+            ("python:3.12", 400),  # no --default-registry: nothing is looked up
+            ("127.0.0.1:2/forkd/it:py", 400),  # on loopback, not listed: never contacted
             (registry.ref("forkd/it", "no-such-tag"), 404),
             (registry.ref("forkd/nothing-here", "v1"), 404),
-            ("127.0.0.1:1/forkd/it:py", 502),
+            (f"{CLOSED}/forkd/it:py", 502),
             (private.ref("forkd/it", "py"), 403),
         ]
         for ref, status in cases:
@@ -174,7 +182,7 @@ def test_bad_references_change_nothing(
 def _republish(registry: RegistryServer, change: Any, tag: str) -> str:
     """The pushed ``py`` manifest, changed by ``change(manifest, config)``, under ``tag``."""
     ref = reference.parse(registry.ref("forkd/it", "py"))
-    with Registry(ref) as reg:
+    with Registry(ref, policy=registry.policy()) as reg:
         body, _ = reg.get_manifest("py")
         manifest = artifact.parse_manifest(body, "py")
         config = json.loads(reg.get_blob(manifest.config_digest, manifest.config_size))

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from forkd import cli
 from forkd.cli import render
 from forkd.client import Controller
+from forkd.controller.settings import Settings
 from forkd.launcher import free_port
 from tests.unit.conftest import RecordingTransport, Server
 
@@ -272,11 +273,12 @@ def test_lineage_forest_dead_source() -> None:
 
 
 def test_cli_snapshot_push_and_pull_through_a_real_registry(
-    forkd: Invoke, ctl: Controller, py: str
+    forkd: Invoke, ctl: Controller, py: str, settings: Settings
 ) -> None:
     from tests.registry_server import RegistryServer
 
     registry = RegistryServer()
+    settings.insecure_registries = (registry.address,)  # as forkd serve --insecure-registry
     try:
         ref = registry.ref("forkd/cli", "py")
         pushed = forkd("snapshot", "push", py, ref, "--json")

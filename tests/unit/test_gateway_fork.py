@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.errors import OverCapacity
+from forkd.errors import Conflict, OverCapacity
 from forkd.gateway.fleet_ops import FleetOps
 from forkd.gateway.nodes import Node, NodeSet
 from forkd.gateway.proxy import Forwarder
@@ -100,3 +100,21 @@ def test_a_fork_no_set_of_nodes_has_room_for_starts_nothing() -> None:
     with pytest.raises(OverCapacity, match="room for 3 more"):
         _run(_ops(fake, {"a": 1, "b": 2}), {"snapshot_tag": "py", "n": 4})
     assert not [c for c in fake.calls if c[1] == "POST"]
+
+
+class NodesBehindAProxy(FakeNodes):
+    """A push answered by something that is not a forkd daemon: a proxy's error page."""
+
+    def handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/snapshots/py/push":
+            self.calls.append((request.url.host, request.method, request.url.path))
+            return httpx.Response(502, text="<h1>SECRET-upstream-3b7e</h1>")
+        return super().handle(request)
+
+
+def test_a_move_that_fails_says_the_nodes_error_or_its_status_never_another_body() -> None:
+    fake = NodesBehindAProxy()
+    with pytest.raises(Conflict) as exc:
+        _run(_ops(fake, {"a": 2, "b": 5}), {"snapshot_tag": "py", "n": 4})
+    assert str(exc.value) == "moving 'py' from aaa (http://a): push: answered 502"
+    assert not [c for c in fake.calls if c[2] == "/v1/snapshots/pull"]

@@ -30,7 +30,7 @@ from forkd.oci.registry import Registry
     ],
 )
 def test_valid_references(text: str, registry: str, repository: str, tag, digest) -> None:
-    ref = reference.parse(text)
+    ref = reference.parse(text, default_registry=reference.DOCKER_HUB)
     want = (registry, repository, tag, digest)
     assert (ref.registry, ref.repository, ref.tag, ref.digest) == want
     assert ref.reference == (digest or tag or "latest")
@@ -59,17 +59,14 @@ def test_invalid_references_are_400(text: str) -> None:
         reference.parse(text)
 
 
-def test_only_loopback_registries_are_plain_http_by_default() -> None:
-    for text, loopback in [
-        ("127.0.0.1:5000/a", True),
-        ("127.8.9.1/a", True),
-        ("localhost:5000/a", True),
-        ("[::1]:5000/a", True),
-        ("10.0.0.1:5000/a", False),
-        ("registry.local/a", False),
-        ("ghcr.io/a", False),
-    ]:
-        assert reference.is_loopback(reference.parse(text)) is loopback, text
+def test_a_reference_without_a_registry_host_needs_a_default() -> None:
+    for text in ("0", "py", "acme/py:v2", "py@sha256:" + "a" * 64):
+        with pytest.raises(reference.NoRegistry, match="names no registry host"):
+            reference.parse(text)
+    assert reference.parse("acme/py", "127.0.0.1:5000") == reference.Reference(
+        "127.0.0.1:5000", "acme/py"
+    )
+    assert reference.parse("py", "127.0.0.1:5000").repository == "py"  # library/: Hub only
 
 
 def test_docker_config_credentials(tmp_path: Path) -> None:
@@ -181,7 +178,7 @@ def test_an_upload_sent_elsewhere_gets_no_credentials() -> None:
         seen.append(f"{request.url.scheme}://{request.url.host}")
         return httpx.Response(202, headers={"Location": "http://collector.example/up"})
 
-    with _hostile(handle) as reg, pytest.raises(UpstreamError, match="elsewhere"):
+    with _hostile(handle) as reg, pytest.raises(UpstreamError, match="another origin"):
         reg.put_blob(b"x", "sha256:" + "0" * 64)
     assert seen == ["https://r.io"]
 
@@ -259,5 +256,58 @@ def test_a_redirect_drops_credentials_and_never_goes_down_to_http() -> None:
     def downgrade(request: httpx.Request) -> httpx.Response:
         return httpx.Response(307, headers={"Location": "http://storage.example/b"})
 
-    with _hostile(downgrade) as reg, pytest.raises(UpstreamError, match="from HTTPS to http"):
+    with (
+        _hostile(downgrade) as reg,
+        pytest.raises(UpstreamError, match="from HTTPS to another scheme"),
+    ):
         reg.get_blob(digest, len(blob))
+
+
+def test_an_error_answer_is_told_by_its_status_and_the_specs_codes_only() -> None:
+    marker = "SECRET-5c1e"
+    errors = [{"code": "MANIFEST_INVALID", "message": marker}, {"code": marker},
+              {"code": "DENIED", "detail": marker}]  # fmt: skip
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(500, json={"errors": errors}, headers={"X-Note": marker})
+
+    with _hostile(handle) as reg, pytest.raises(UpstreamError) as exc:
+        reg.put_manifest(b"{}", "v1")
+    assert str(exc.value) == (
+        "registry r.io answered 500 Internal Server Error (MANIFEST_INVALID, DENIED) "
+        "to PUT manifest v1 in forkd/x"
+    )
+
+    def not_json(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(599, text=marker, headers={"Content-Type": marker})
+
+    with _hostile(not_json) as reg, pytest.raises(UpstreamError) as exc:
+        reg.get_manifest("v1")
+    assert str(exc.value) == "registry r.io answered 599 to GET manifest v1 in forkd/x"
+
+
+OTHER_INDEX = "application/vnd.oci.image.index.v1+json"
+
+
+def test_a_manifest_of_another_kind_is_named_by_forkd_not_by_the_registry() -> None:
+    marker = "SECRET-9d2b"
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        kind = marker if "odd" in request.url.path else OTHER_INDEX
+        return httpx.Response(200, content=b"{}", headers={"Content-Type": kind})
+
+    with _hostile(handle) as reg:
+        with pytest.raises(UpstreamError, match="is an OCI image index, not a forkd snapshot"):
+            reg.get_manifest("v1")
+        with pytest.raises(UpstreamError) as exc:
+            reg.get_manifest("odd")
+    assert marker not in str(exc.value) and "of another media type" in str(exc.value)
+    bad = {"schemaVersion": 2, "config": {"mediaType": marker}, "layers": []}
+    with pytest.raises(UpstreamError) as exc:
+        artifact.parse_manifest(json.dumps(bad).encode(), "r.io/forkd/x:v1")
+    assert marker not in str(exc.value)
+    bad = {"schemaVersion": 2, "config": {"mediaType": artifact.CONFIG_TYPE,
+           "digest": "sha256:" + "a" * 64, "size": marker}, "layers": []}  # fmt: skip
+    with pytest.raises(UpstreamError) as exc:
+        artifact.parse_manifest(json.dumps(bad).encode(), "r.io/forkd/x:v1")
+    assert marker not in str(exc.value) and "malformed manifest (ValueError)" in str(exc.value)

@@ -18,6 +18,7 @@ import pytest
 
 from forkd.errors import NotFound, UpstreamError, UpstreamRefused
 from forkd.oci import artifact, auth, image_files, pull, push, reference
+from forkd.oci.policy import RegistryPolicy
 from forkd.oci.registry import Registry, sha256
 from forkd.vmm import memory_diff, snapshot_files
 from forkd.vmm.qemu_argv import MachineConfig
@@ -100,7 +101,7 @@ def _pull_memory(registry: Registry, ref: str, out: Path, local=lambda _d: None)
 def test_round_trip_keeps_every_byte_and_the_holes(server, tmp_path, image_dir) -> None:
     snap = _snapshot(tmp_path / "a", image_dir, "parent", PARENT_PAGES)
     ref = reference.parse(server.ref("forkd/rt", "v1"))
-    with Registry(ref) as reg:
+    with Registry(ref, policy=server.policy()) as reg:
         first = _push(reg, snap, "v1")
         again = _push(reg, snap, "v1")
         out = tmp_path / "pulled.bin"
@@ -119,7 +120,7 @@ def test_a_child_goes_up_as_the_pages_that_differ(server, tmp_path, image_dir) -
     changed = {5: os.urandom(PAGE), 6: os.urandom(PAGE), 300: b"\x00" * PAGE, 2000: b"z" * PAGE}
     child = _snapshot(tmp_path / "a", image_dir, "child", {**PARENT_PAGES, **changed})
     ref = reference.parse(server.ref("forkd/delta", "parent"))
-    with Registry(ref) as reg:
+    with Registry(ref, policy=server.policy()) as reg:
         base = _push(reg, parent, "parent")
         with memory_diff.resolve(parent) as chain:
             over = push.Base(base.digest, "parent", chain)
@@ -142,7 +143,7 @@ def test_a_child_goes_up_as_the_pages_that_differ(server, tmp_path, image_dir) -
 def test_image_pieces_install_and_check(server, tmp_path, image_dir) -> None:
     snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
     ref = reference.parse(server.ref("forkd/img", "v1"))
-    with Registry(ref) as reg:
+    with Registry(ref, policy=server.policy()) as reg:
         _push(reg, snap, "v1")
         remote = pull.open_remote(reg, "v1")
         wanted = image_files.wanted(remote.manifest)
@@ -158,17 +159,21 @@ def test_image_pieces_install_and_check(server, tmp_path, image_dir) -> None:
 
 def test_registry_errors_are_clear(server, tmp_path) -> None:
     missing = reference.parse(server.ref("forkd/none", "v1"))
-    with Registry(missing) as reg, pytest.raises(NotFound, match="does not exist"):
+    with (
+        Registry(missing, policy=server.policy()) as reg,
+        pytest.raises(NotFound, match="does not exist"),
+    ):
         pull.open_remote(reg, "v1")
     closed = reference.parse("127.0.0.1:1/forkd/x:v1")
-    with Registry(closed) as reg, pytest.raises(UpstreamError, match="unreachable"):
+    listed = RegistryPolicy.of(["127.0.0.1:1"])
+    with Registry(closed, policy=listed) as reg, pytest.raises(UpstreamError, match="unreachable"):
         pull.open_remote(reg, "v1")
 
 
 def test_a_blob_of_the_wrong_content_is_refused(server, tmp_path, image_dir) -> None:
     snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
     ref = reference.parse(server.ref("forkd/tamper", "v1"))
-    with Registry(ref) as reg:
+    with Registry(ref, policy=server.policy()) as reg:
         _push(reg, snap, "v1")
         remote = pull.open_remote(reg, "v1")
         chunk = remote.manifest.of_part("memory")[0]
@@ -212,13 +217,19 @@ def test_credentials_from_docker_config_and_refusal(tmp_path, image_dir) -> None
     try:
         ref = reference.parse(server.ref("forkd/private", "v1"))
         snap = _snapshot(tmp_path / "a", image_dir, "s", PARENT_PAGES)
-        with Registry(ref) as reg, pytest.raises(UpstreamRefused, match="refused"):
+        with (
+            Registry(ref, policy=server.policy()) as reg,
+            pytest.raises(UpstreamRefused, match="refused"),
+        ):
             _push(reg, snap, "v1")
         wrong = auth.Credentials("ann", "nope")
-        with Registry(ref, credentials=wrong) as reg, pytest.raises(UpstreamRefused):
+        with (
+            Registry(ref, policy=server.policy(), credentials=wrong) as reg,
+            pytest.raises(UpstreamRefused),
+        ):
             pull.open_remote(reg, "v1")
         right = auth.Credentials("ann", "s3cret")
-        with Registry(ref, credentials=right) as reg:
+        with Registry(ref, policy=server.policy(), credentials=right) as reg:
             pushed = _push(reg, snap, "v1")
             assert pull.open_remote(reg, "v1").digest == pushed.digest
     finally:

@@ -1,20 +1,28 @@
 """The push and pull routes over the real app (fake VM driver): bad input is a clear 4xx
-before any registry is asked, and a snapshot being pushed cannot be deleted."""
+before any registry is asked; a registry the operator did not allow is never looked up
+or contacted; what a registry answers goes back as its status alone; and a snapshot
+being pushed cannot be deleted."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from http import HTTPStatus
 from typing import Any
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from forkd.controller.models import SnapshotPull, SnapshotPush
+from forkd.controller.settings import Settings
 from forkd.errors import UpstreamError
+from tests.unit.listening_registry import Answer, listening
 
 
 @pytest.fixture
@@ -28,8 +36,8 @@ def base(client: TestClient) -> str:
     ("body", "status", "words"),
     [
         ({"ref": "Not A Ref"}, 400, "invalid registry reference"),
-        ({"ref": "127.0.0.1:5000/a@sha256:" + "a" * 64}, 400, "not to a digest"),
-        ({"ref": "127.0.0.1:5000/a:b", "flatten": "yes"}, 400, "flatten"),
+        ({"ref": "registry.invalid/a@sha256:" + "a" * 64}, 400, "not to a digest"),
+        ({"ref": "registry.invalid/a:b", "flatten": "yes"}, 400, "flatten"),
         ({}, 400, "ref"),
     ],
 )
@@ -39,7 +47,7 @@ def test_bad_push_requests(client: TestClient, base: str, body: Any, status: int
 
 
 def test_push_of_an_unknown_snapshot_is_404(client: TestClient) -> None:
-    r = client.post("/v1/snapshots/nope/push", json={"ref": "127.0.0.1:1/a:b"})
+    r = client.post("/v1/snapshots/nope/push", json={"ref": "registry.invalid/a:b"})
     assert r.status_code == 404
 
 
@@ -47,8 +55,8 @@ def test_push_of_an_unknown_snapshot_is_404(client: TestClient) -> None:
     ("body", "words"),
     [
         ({"ref": "a b"}, "invalid registry reference"),
-        ({"ref": "127.0.0.1:5000/a:b", "tag": "../etc"}, "tag"),
-        ({"ref": "127.0.0.1:5000/a:b", "token": 5}, "token"),
+        ({"ref": "registry.invalid/a:b", "tag": "../etc"}, "tag"),
+        ({"ref": "registry.invalid/a:b", "token": 5}, "token"),
     ],
 )
 def test_bad_pull_requests(client: TestClient, body: Any, words: str) -> None:
@@ -56,11 +64,134 @@ def test_bad_pull_requests(client: TestClient, body: Any, words: str) -> None:
     assert r.status_code == 400 and words in r.json()["error"], r.text
 
 
-def test_a_pull_into_a_taken_tag_is_409_before_the_registry(client: TestClient, base: str) -> None:
+def test_a_pull_into_a_taken_tag_is_409_before_the_registry(
+    client: TestClient, settings: Settings, base: str
+) -> None:
+    settings.insecure_registries = ("127.0.0.1:1",)
     r = client.post("/v1/snapshots/pull", json={"ref": "127.0.0.1:1/a:b", "tag": base})
     assert r.status_code == 409 and "already exists" in r.json()["error"]
     r = client.post("/v1/snapshots/pull", json={"ref": "127.0.0.1:1/a:b"})
-    assert r.status_code == 502 and "unreachable" in r.json()["error"]
+    assert r.status_code == 502  # nothing listens there: said, but not how it failed
+    assert r.json()["error"] == "registry 127.0.0.1:1 is unreachable over http"
+
+
+def _no_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every name lookup of the process fails, and is recorded: returned."""
+    looked_up: list[str] = []
+
+    def getaddrinfo(host: Any, *args: Any, **kwargs: Any) -> Any:
+        looked_up.append(str(host))
+        raise socket.gaierror("no name is looked up in this test")
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return looked_up
+
+
+def _both(client: TestClient, tag: str, ref: str, **body: Any) -> list[httpx.Response]:
+    """A pull of ``ref`` and a push of ``tag`` to it."""
+    return [
+        client.post("/v1/snapshots/pull", json={"ref": ref, **body}),
+        client.post(f"/v1/snapshots/{tag}/push", json={"ref": ref, **body}),
+    ]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "0.0.0.0", "127.0.0.2"])
+def test_a_registry_on_this_host_not_listed_is_refused_and_never_contacted(
+    client: TestClient, base: str, host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with listening() as srv:
+        ref = f"{host}:{srv.address.rsplit(':', 1)[1]}/forkd/x:v1"
+        looked_up = _no_lookups(monkeypatch)
+        answers = _both(client, base, ref) + _both(client, base, ref, insecure=True)
+        assert srv.accepted == 0 and looked_up == []
+    for r in answers:
+        assert r.status_code == 400 and "--insecure-registry" in r.json()["error"], r.text
+
+
+def test_a_listed_registry_on_this_host_is_reached_over_plain_http(
+    client: TestClient, settings: Settings, base: str
+) -> None:
+    with listening() as srv:  # answers 404 to everything
+        settings.insecure_registries = (srv.address,)
+        ref = f"{srv.address}/forkd/x:v1"
+        assert [r.status_code for r in _both(client, base, ref)] == [404, 404]
+        asked = _both(client, base, ref, insecure=True)  # asks for what is allowed: fine
+        assert [r.status_code for r in asked] == [404, 404]
+        assert srv.paths[0] == "GET /v2/forkd/x/manifests/v1" and srv.accepted >= 4
+
+
+def test_plain_http_to_a_registry_not_listed_is_400_before_any_lookup(
+    client: TestClient, base: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looked_up = _no_lookups(monkeypatch)
+    for r in _both(client, base, "registry.example.com/forkd/x:v1", insecure=True):
+        assert r.status_code == 400, r.text
+        assert "plain HTTP to registry registry.example.com is refused" in r.json()["error"]
+        assert "--insecure-registry" in r.json()["error"]
+    assert looked_up == []
+
+
+@pytest.mark.parametrize("ref", ["0", "python:3.12", "acme/py:v2", "py@sha256:" + "a" * 64])
+def test_a_short_reference_without_a_default_registry_is_400_without_a_lookup(
+    client: TestClient, base: str, ref: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    looked_up = _no_lookups(monkeypatch)
+    for r in _both(client, base, ref):
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert "names no registry host" in error and "--default-registry" in error
+    assert looked_up == []
+
+
+def test_a_short_reference_goes_to_the_default_registry(
+    client: TestClient, settings: Settings
+) -> None:
+    with listening() as srv:
+        settings.insecure_registries = (srv.address,)
+        settings.default_registry = srv.address
+        for ref in ("forkd/x:v1", "0"):
+            r = client.post("/v1/snapshots/pull", json={"ref": ref})
+            assert r.status_code == 404, r.text
+    # Not Docker Hub: no library/ before a one-part name.
+    assert srv.paths == ["GET /v2/forkd/x/manifests/v1", "GET /v2/0/manifests/latest"]
+
+
+MARKER = "SECRET-4f1d7a"  # anywhere in what a registry answers; never in what the API says
+_HOSTILE_BODY = json.dumps({"errors": [
+    {"code": "MANIFEST_UNKNOWN", "message": MARKER, "detail": {"x": MARKER}},
+    {"code": MARKER, "message": MARKER},
+]}).encode()  # fmt: skip
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 429, 500, 502, 503])
+def test_what_a_registry_answers_is_never_echoed_to_the_client(
+    client: TestClient, settings: Settings, base: str, status: int
+) -> None:
+    answer = Answer(status, _HOSTILE_BODY, {"Content-Type": MARKER, "X-Note": MARKER}, MARKER)
+    with listening(answer) as srv:
+        settings.insecure_registries = (srv.address,)
+        pulled, pushed = _both(client, base, f"{srv.address}/forkd/x:v1")
+    for r in (pulled, pushed):
+        assert r.status_code in (403, 404, 502), r.text
+        assert MARKER not in r.text, r.text
+    phrase = f"answered {status} {HTTPStatus(status).phrase}"
+    if status == 404:  # a push's HEAD (no body) is "missing": its upload's POST is read
+        assert f"{phrase} (MANIFEST_UNKNOWN) to POST blob upload" in pushed.json()["error"]
+    else:  # a missing manifest is said in forkd's words; the rest by the status
+        assert f"{phrase} to HEAD blob sha256:" in pushed.json()["error"], pushed.text
+        assert f"{phrase} (MANIFEST_UNKNOWN) to GET manifest v1" in pulled.json()["error"]
+
+
+def test_a_manifest_a_registry_sends_is_never_echoed_either(
+    client: TestClient, settings: Settings
+) -> None:
+    body = json.dumps({"schemaVersion": 2, "config": {"mediaType": MARKER}}).encode()
+    for content_type in (MARKER, "application/vnd.oci.image.manifest.v1+json"):
+        with listening(Answer(200, body, {"Content-Type": content_type})) as srv:
+            settings.insecure_registries = (srv.address,)
+            r = client.post("/v1/snapshots/pull", json={"ref": f"{srv.address}/forkd/x:v1"})
+        assert r.status_code == 502 and "not a forkd snapshot" in r.json()["error"], r.text
+        assert MARKER not in r.text, r.text
 
 
 def test_a_snapshot_being_pushed_cannot_be_deleted(client: TestClient, base: str) -> None:
@@ -112,7 +243,7 @@ def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends
 
     monkeypatch.setattr(transfer, "_push_one", slow_push)
 
-    req = SnapshotPush(ref="127.0.0.1:1/forkd/x:v1")
+    req = SnapshotPush(ref="registry.invalid/forkd/x:v1")
     _give_up_once_started(client, lambda: transfer.push(base, req), started)
     assert snaps.being_read[base] == 1 and transfer._running == 1  # the thread still reads
     r = client.delete(f"/v1/snapshots/{base}")
@@ -146,7 +277,7 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
     monkeypatch.setattr(transfer, "_check", lambda remote: None)
     monkeypatch.setattr(transfer, "_pull_sync", slow_write)
 
-    req = SnapshotPull(ref="127.0.0.1:1/forkd/x:v1", tag="pulled")
+    req = SnapshotPull(ref="registry.invalid/forkd/x:v1", tag="pulled")
     _give_up_once_started(client, lambda: transfer.pull(req), started)
     assert "pulled" in fleet._tags_in_flight and transfer._running == 1
     r = client.post("/v1/snapshots", json={"tag": "pulled", "memory_mib": 128})

@@ -181,8 +181,21 @@ _InsecureRegistryOpt = Annotated[
     typer.Option(
         "--insecure-registry",
         envvar="FORKD_INSECURE_REGISTRIES",
-        help="An OCI registry (HOST[:PORT]) spoken to over plain HTTP; repeatable. "
-        "Loopback registries always may be.",
+        metavar="HOST[:PORT]",
+        help="An OCI registry spoken to over plain HTTP; repeatable. The only registries "
+        "plain HTTP goes to, and the only ones on this host (loopback) a push or pull may "
+        "reach: list a local registry here.",
+    ),
+]
+
+_DefaultRegistryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--default-registry",
+        envvar="FORKD_DEFAULT_REGISTRY",
+        metavar="HOST[:PORT]",
+        help="Where a reference without a registry host (python:3.12) points; docker.io "
+        "adds Docker Hub's library/. Default: none, such references are refused.",
     ),
 ]
 
@@ -262,6 +275,7 @@ def serve(
     vm_uid_range: _VmUidRangeOpt = str(DEFAULT_RANGE),
     max_upload_mib: _MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20,
     insecure_registry: _InsecureRegistryOpt = None,
+    default_registry: _DefaultRegistryOpt = None,
     registry_auth: _RegistryAuthOpt = None,
     header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
@@ -275,6 +289,7 @@ def serve(
     from forkd.accel import choose
     from forkd.controller.server import serve as run_server
     from forkd.controller.settings import Settings
+    from forkd.oci.policy import RegistryPolicy
     from forkd.vmm import cgroups
 
     sd = (state_dir or paths.state_dir()).resolve()
@@ -283,6 +298,7 @@ def serve(
         chosen = choose(accel)
         caps = _admission_caps(max_sandboxes, max_guest_memory, chosen.name)
         parent = None if cgroup_parent == "none" else cgroups.check_parent(cgroup_parent)
+        RegistryPolicy.of(insecure_registry or (), default_registry)  # refused at start if bad
         settings = Settings(
             max_sandboxes=caps[0],
             max_guest_memory_mib=caps[1],
@@ -301,6 +317,7 @@ def serve(
             sandbox_cidr=sandbox_cidr,
             max_upload_bytes=max_upload_mib << 20,
             insecure_registries=tuple(insecure_registry or ()),
+            default_registry=default_registry,
             registry_auth=registry_auth,
             connection_limits=connection_limits(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections

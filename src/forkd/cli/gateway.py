@@ -54,7 +54,11 @@ def gateway(
         ),
     ] = None,
     insecure_registry: Annotated[
-        bool, typer.Option(help="Plain HTTP to that registry (loopback always).")
+        bool,
+        typer.Option(
+            help="Ask the daemons for plain HTTP to that registry; each must list it with "
+            "its own --insecure-registry (a listed one is plain HTTP anyway)."
+        ),
     ] = False,
     token_file: Annotated[
         Path | None,

@@ -201,7 +201,11 @@ def snapshot_compact(
 
 
 RefArg = Annotated[
-    str, typer.Argument(help="OCI reference: registry[:port]/repository[:tag][@digest].")
+    str,
+    typer.Argument(
+        help="OCI reference: registry[:port]/repository[:tag][@digest] (without the "
+        "registry only when the daemon has a --default-registry)."
+    ),
 ]
 RegistryTokenOpt = Annotated[
     str | None,
@@ -212,7 +216,11 @@ RegistryTokenOpt = Annotated[
 ]  # fmt: skip
 InsecureRegistryOpt = Annotated[
     bool,
-    typer.Option("--insecure-registry", help="Plain HTTP to this registry (loopback always)."),
+    typer.Option(
+        "--insecure-registry",
+        help="Ask for plain HTTP; refused unless the daemon lists the registry with its "
+        "--insecure-registry (a listed one is plain HTTP anyway).",
+    ),
 ]
 
 

@@ -82,10 +82,14 @@ REGISTRY_REF = Field(
     description="an OCI reference: registry[:port]/repository[:tag][@digest]",
 )  # fmt: skip
 REGISTRY_TOKEN = Field(
-    None, max_length=8192,
+    None, max_length=8192, pattern=r"^[A-Za-z0-9._~+/-]+=*$",  # RFC 6750's b64token
     description="a bearer token for the registry; default: the daemon's docker config.json",
 )  # fmt: skip
-INSECURE = Field(False, description="allow plain HTTP to this registry (loopback always may)")
+INSECURE = Field(
+    False,
+    description="ask for plain HTTP: allowed only to a registry the daemon lists with "
+    "--insecure-registry (which is plain HTTP anyway); else 400",
+)
 
 
 class SnapshotPush(_Body):

@@ -28,8 +28,10 @@ class Settings:
     network: str = "auto"  # "netns" (a namespace per VM), "user" (QEMU's NAT), or "auto"
     sandbox_cidr: str = "10.201.0.0/16"  # host-side addresses of the namespaces
     max_upload_bytes: int = FILE_UPLOAD_LIMIT  # of one streamed file upload
-    # OCI registries (host[:port]) spoken to over plain HTTP; loopback ones always may be.
+    # OCI registries (host[:port]) spoken to over plain HTTP; the only ones on this host
+    # that a push or a pull may reach (forkd.oci.policy).
     insecure_registries: tuple[str, ...] = ()
+    default_registry: str | None = None  # host[:port] a short reference names; None: refused
     registry_auth: Path | None = None  # docker's config.json; None: $DOCKER_CONFIG or ~/.docker
     # Clients' connections: how long a request may take to arrive, how many may be open.
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)

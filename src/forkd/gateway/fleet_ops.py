@@ -142,7 +142,8 @@ def _ref_tag(source: Node, tag: str) -> str:
 
 
 def _error(answer: Any) -> str:
-    return error_text(answer.text) or answer.text[:300]
+    """A node's ``{"error": ...}`` words; of any other answer, only its status."""
+    return error_text(answer.text) or f"answered {answer.status_code}"
 
 
 def passed_on(answer: Any) -> Response:

@@ -1,6 +1,9 @@
 """Snapshots as OCI artifacts: push a snapshot to any OCI registry, pull it on another host.
 
 * :mod:`.reference` parses ``registry/repository[:tag][@digest]``;
+* :mod:`.policy` is the operator's word on which registries are reached and how
+  (``--insecure-registry``, ``--default-registry``), and :mod:`.connect` holds
+  every connection to it;
 * :mod:`.auth` finds credentials (docker's ``config.json`` or a token) and
   answers the registry's challenges;
 * :mod:`.registry` speaks the distribution API over httpx;

@@ -150,7 +150,7 @@ def parse_manifest(body: bytes, where: str) -> Manifest:
             raise _bad(where, "not an OCI image manifest")
         config = data["config"]
         if config.get("mediaType") != CONFIG_TYPE:
-            raise _bad(where, f"its config is {config.get('mediaType')!r}")
+            raise _bad(where, "its config is not a forkd snapshot's")
         raw_layers = data["layers"]
         if not isinstance(raw_layers, list) or len(raw_layers) > MAX_LAYERS:
             raise _bad(where, "its layers are not a list of a sane length")
@@ -160,14 +160,14 @@ def parse_manifest(body: bytes, where: str) -> Manifest:
             raise _bad(where, f"its config is {csize} bytes")
         annotations = data.get("annotations") or {}
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
-        raise _bad(where, f"malformed manifest ({exc})") from exc
+        raise _bad(where, f"malformed manifest ({_why(exc)})") from exc
     return Manifest(cdigest, csize, layers, {str(k): str(v) for k, v in annotations.items()})
 
 
 def _layer(raw: dict[str, Any], where: str) -> Layer:
     kind = raw["mediaType"]
     if kind not in LAYER_TYPES:
-        raise _bad(where, f"unknown layer type {kind!r}")
+        raise _bad(where, "a layer of a type forkd does not know")
     notes = raw.get("annotations") or {}
     layer = Layer(
         kind,
@@ -186,14 +186,14 @@ def _layer(raw: dict[str, Any], where: str) -> Layer:
 
 def _digest(value: Any, where: str) -> str:
     if not isinstance(value, str) or not DIGEST.fullmatch(value):
-        raise _bad(where, f"bad digest {value!r}")
+        raise _bad(where, "a malformed digest")
     return value
 
 
 def _int(value: Any, where: str) -> int:
     number = int(value)
     if number < 0 or number > 1 << 48:
-        raise _bad(where, f"number {value!r} out of range")
+        raise _bad(where, "a number out of range")
     return number
 
 
@@ -201,11 +201,12 @@ def parse_config(body: bytes, where: str) -> dict[str, Any]:
     """A snapshot's config: the fields :mod:`forkd.oci.pull` reads must be there and typed."""
     try:
         config = json.loads(body)
-        if config.get("format") != CONFIG_FORMAT:
-            raise _bad(where, f"config format {config.get('format')!r}, this forkd reads 1")
+        if (version := config.get("format")) != CONFIG_FORMAT:
+            shown = version if type(version) is int else "unknown"
+            raise _bad(where, f"config format {shown}, this forkd reads {CONFIG_FORMAT}")
         memory = config["memory"]
         if memory["encoding"] not in ("chunks", "delta"):
-            raise _bad(where, f"unknown memory encoding {memory['encoding']!r}")
+            raise _bad(where, "a memory encoding forkd does not know")
         _int(memory["bytes"], where)
         if memory["encoding"] == "delta":
             _digest(memory["base"]["digest"], where)
@@ -213,5 +214,13 @@ def parse_config(body: bytes, where: str) -> dict[str, Any]:
             if not isinstance(config[key], dict):
                 raise _bad(where, f"config {key!r} is not an object")
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
-        raise _bad(where, f"malformed config ({exc})") from exc
+        raise _bad(where, f"malformed config ({_why(exc)})") from exc
     return config
+
+
+def _why(exc: Exception) -> str:
+    """What was malformed, in forkd's words: a missing key (named by this module) or the
+    kind of error. Never the exception's text, which may quote the registry's bytes."""
+    if isinstance(exc, KeyError) and exc.args and isinstance(exc.args[0], str):
+        return f"no {exc.args[0]!r}"
+    return type(exc).__name__

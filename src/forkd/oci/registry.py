@@ -1,8 +1,9 @@
 """The OCI distribution API, the part forkd needs: blobs and manifests of one repository.
 
-Plain HTTP only for a loopback registry or one named insecure by the caller;
-every other registry is spoken to over HTTPS, its certificate checked. A
-registry may be hostile, so:
+Plain HTTP only to a registry the operator listed, and a registry on this host
+only when listed (:mod:`forkd.oci.policy`, enforced on every connection by
+:mod:`forkd.oci.connect`); every other registry is spoken to over HTTPS, its
+certificate checked. A registry may be hostile, so:
 
 - every answer is read raw (``Accept-Encoding: identity``; a body the server
   compressed anyway is never inflated: its digest then fails) and bounded
@@ -17,23 +18,31 @@ registry may be hostile, so:
 Errors are forkd's: a missing manifest is :class:`~forkd.errors.NotFound`,
 credentials refused are :class:`~forkd.errors.UpstreamRefused` (403), and a
 registry that cannot be reached or answers wrongly is
-:class:`~forkd.errors.UpstreamError` (502). Each names the registry.
+:class:`~forkd.errors.UpstreamError` (502). Each names the registry and says
+what it answered by its status alone (and an error code of the OCI spec's
+list): nothing of a body, a header or a connection error goes back to the
+client, whose reference may name any service. The daemon log has the details.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Iterator
+from http import HTTPStatus
 from typing import Any
 
 import httpx
 
 from forkd.errors import NotFound, UpstreamError, UpstreamRefused
 from forkd.oci import auth
-from forkd.oci.reference import Reference, is_loopback
+from forkd.oci.connect import CheckedTransport
+from forkd.oci.policy import RegistryPolicy
+from forkd.oci.reference import Reference
 
+log = logging.getLogger(__name__)
 MANIFEST_TYPE = "application/vnd.oci.image.manifest.v1+json"
 MANIFEST_BYTES_LIMIT = 4 << 20
 SMALL_BODY_LIMIT = 64 << 10  # what is read of an error or an upload's answer
@@ -41,6 +50,20 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 BLOB_DEADLINE_SECS = 60.0  # plus a second per MiB (1 MiB/s at least), either way
 UPLOAD_PIECE_BYTES = 256 << 10  # an upload is written in pieces this big, its deadline checked
 MAX_REDIRECTS = 3
+# The error codes of the OCI distribution spec: the only words of a registry's that
+# go back to the client (anything else in an error body may be any service's text).
+OCI_ERROR_CODES = frozenset({
+    "BLOB_UNKNOWN", "BLOB_UPLOAD_INVALID", "BLOB_UPLOAD_UNKNOWN", "DIGEST_INVALID",
+    "MANIFEST_BLOB_UNKNOWN", "MANIFEST_INVALID", "MANIFEST_UNKNOWN", "NAME_INVALID",
+    "NAME_UNKNOWN", "SIZE_INVALID", "UNAUTHORIZED", "DENIED", "UNSUPPORTED",
+    "TOOMANYREQUESTS",
+})  # fmt: skip
+# Manifest types a reference may name by mistake, by the name a user knows them.
+OTHER_MANIFESTS = {
+    "application/vnd.oci.image.index.v1+json": "an OCI image index",
+    "application/vnd.docker.distribution.manifest.v2+json": "a Docker image",
+    "application/vnd.docker.distribution.manifest.list.v2+json": "a Docker image list",
+}
 
 
 def sha256(data: bytes | memoryview) -> str:
@@ -54,25 +77,32 @@ class Registry:
         self,
         ref: Reference,
         *,
+        policy: RegistryPolicy | None = None,
         credentials: auth.Credentials | None = None,
-        insecure: bool = False,
-        transport: httpx.BaseTransport | None = None,
+        transport: httpx.BaseTransport | None = None,  # tests: a fake registry
     ) -> None:
+        """:class:`~forkd.errors.Invalid` when ``policy`` (default: HTTPS only, nothing
+        on this host) refuses the registry; nothing is contacted before a request."""
         self.ref = ref
-        plain = insecure or is_loopback(ref)
-        self.scheme = "http" if plain else "https"
+        policy = policy or RegistryPolicy()
+        self.scheme = policy.scheme(ref)
+        plain = self.scheme == "http"
         self.base = f"{self.scheme}://{ref.registry}/v2/{ref.repository}"
         self.origin = httpx.URL(self.base).copy_with(path="/", query=None)
         common: dict[str, Any] = {
             "timeout": TIMEOUT,
             "follow_redirects": False,  # followed by hand: see get_blob
-            "transport": transport,
             "headers": {"User-Agent": "forkd", "Accept-Encoding": "identity"},
         }
         self._client = httpx.Client(
-            auth=auth.RegistryAuth(credentials, plain_http_realm=plain), **common
+            auth=auth.RegistryAuth(credentials, plain_http_realm=plain),
+            transport=transport or CheckedTransport(policy, ref.registry),
+            **common,
         )
-        self._anonymous = httpx.Client(**common)  # for redirects to blob storage
+        # For redirects to blob storage.
+        self._anonymous = httpx.Client(
+            transport=transport or CheckedTransport(policy, ref.registry), **common
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -96,16 +126,21 @@ class Registry:
     def put_blob(self, data: bytes, digest: str) -> None:
         """Upload ``data`` as ``digest`` (a monolithic upload: a session, then one PUT)."""
         r = self._send("POST", f"{self.base}/blobs/uploads/")
-        self._check(r, "starting an upload", (202,))
+        self._check(r, "blob upload", (202,))
         location = r.headers.get("Location")
         if not location:
             raise UpstreamError(f"registry {self.ref.registry} gave an upload no Location")
-        url = httpx.URL(self.base).join(location)
+        try:
+            url = httpx.URL(self.base).join(location)
+        except httpx.InvalidURL as exc:
+            raise UpstreamError(
+                f"registry {self.ref.registry} gave an upload a bad Location"
+            ) from exc
         if (url.scheme, url.host, url.port) != (self.origin.scheme, self.origin.host,
                                                   self.origin.port):  # fmt: skip
             raise UpstreamError(
-                f"registry {self.ref.registry} sent the upload elsewhere ({url.scheme}://"
-                f"{url.host}): refused, credentials go only to the registry itself"
+                f"registry {self.ref.registry} sent the upload to another origin: refused, "
+                "credentials go only to the registry itself"
             )
         # The whole upload has a deadline, like a download's: a registry that takes
         # the bytes slowly enough never to trip a per-write timeout would otherwise
@@ -121,7 +156,7 @@ class Registry:
             },
             deadline=deadline,
         )
-        self._check(r, f"uploading blob {digest}", (201, 204))
+        self._check(r, f"blob {digest}", (201, 204))
 
     def get_blob(self, digest: str, size: int) -> bytes:
         """The blob ``digest`` of ``size`` bytes (the manifest's word), checked against both."""
@@ -131,11 +166,16 @@ class Registry:
         for _ in range(MAX_REDIRECTS + 1):
             with self._stream(client, "GET", url) as r:
                 if r.status_code in (301, 302, 303, 307, 308) and r.headers.get("Location"):
-                    nxt = url.join(r.headers["Location"])
+                    try:
+                        nxt = url.join(r.headers["Location"])
+                    except httpx.InvalidURL as exc:
+                        raise UpstreamError(
+                            f"registry {self.ref.registry} redirected blob {digest} nowhere"
+                        ) from exc
                     if url.scheme == "https" and nxt.scheme != "https":
                         raise UpstreamError(
                             f"registry {self.ref.registry} redirected blob {digest} "
-                            f"from HTTPS to {nxt.scheme}"
+                            "from HTTPS to another scheme: refused"
                         )
                     url, client = nxt, self._anonymous  # no credentials past a redirect
                     continue
@@ -146,8 +186,8 @@ class Registry:
             raise UpstreamError(f"registry {self.ref.registry} redirected blob {digest} too often")
         if len(data) != size or sha256(data) != digest:
             raise UpstreamError(
-                f"registry {self.ref.registry} sent blob {digest} with the wrong content "
-                f"({len(data)} bytes, expected {size}): refusing it"
+                f"registry {self.ref.registry} sent blob {digest} with the wrong content: "
+                "refusing it"
             )
         return data
 
@@ -161,7 +201,7 @@ class Registry:
             content=body,
             headers={"Content-Type": MANIFEST_TYPE},
         )
-        self._check(r, f"storing manifest {reference}", (201, 200))
+        self._check(r, f"manifest {reference}", (201, 200))
         return sha256(body)
 
     def has_manifest(self, reference: str) -> bool:
@@ -186,7 +226,8 @@ class Registry:
         if reference.startswith("sha256:") and digest != reference:
             raise UpstreamError(f"registry {self.ref.registry} sent a manifest not {reference}")
         if kind and kind != MANIFEST_TYPE:
-            raise UpstreamError(f"{self._where(reference)} is a {kind}, not a forkd snapshot")
+            what = OTHER_MANIFESTS.get(kind, "of another media type")
+            raise UpstreamError(f"{self._where(reference)} is {what}, not a forkd snapshot")
         return body, digest
 
     # ------------------------------------------------------------ plumbing
@@ -211,24 +252,28 @@ class Registry:
         return _Stream(client.stream(method, url, **kwargs), self)
 
     def _unreachable(self, exc: Exception) -> UpstreamError:
-        where = f"registry {self.ref.registry}"
-        return UpstreamError(f"{where} is unreachable over {self.scheme}: {exc}")
+        # Refused, timed out, no such name, a certificate: all one to the client, who
+        # may not map the network through a registry's name. The operator gets it.
+        log.warning("registry %s unreachable over %s: %r", self.ref.registry, self.scheme, exc)
+        return UpstreamError(f"registry {self.ref.registry} is unreachable over {self.scheme}")
 
     def _check(self, r: httpx.Response, doing: str, ok: tuple[int, ...] = (200,)) -> None:
+        """Nothing when ``r`` has an ``ok`` status; else the error that says so: the status
+        and ``doing`` (``manifest v1``), never the registry's own words."""
         if r.status_code in ok:
             return
-        detail = _error_text(r)
+        answered = (
+            f"registry {self.ref.registry} answered {status_line(r.status_code)}"
+            f"{_error_codes(r)} to {r.request.method} {doing} in {self.ref.repository}"
+        )
         if r.status_code in (401, 403):
             raise UpstreamRefused(
-                f"registry {self.ref.registry} refused {doing} in {self.ref.repository} "
-                f"({r.status_code}{detail}): give a token, or credentials in "
-                f"{auth.docker_config_path()}"
+                f"{answered}: credentials refused or missing; give a token, or credentials "
+                f"in {auth.docker_config_path()}"
             )
         if r.status_code == 404:
-            raise NotFound(f"registry {self.ref.registry}: {doing} in {self.ref.repository}: none")
-        raise UpstreamError(
-            f"registry {self.ref.registry} answered {r.status_code} to {doing}{detail}"
-        )
+            raise NotFound(answered)
+        raise UpstreamError(answered)
 
 
 class _Stream:
@@ -276,12 +321,22 @@ def _read_at_most(
             if time.monotonic() > deadline:
                 raise UpstreamError(f"the registry was too slow sending {what}")
     except httpx.HTTPError as exc:
-        raise UpstreamError(f"reading {what} from the registry failed: {exc}") from exc
+        log.warning("reading %s from a registry failed: %r", what, exc)
+        raise UpstreamError(f"the registry stopped sending {what}") from exc
     return bytes(buf)
 
 
-def _error_text(r: httpx.Response) -> str:
-    """The registry's own error words, short: ``: MANIFEST_INVALID manifest invalid``."""
+def status_line(status: int) -> str:
+    """``404 Not Found``: the status and its standard phrase (never the server's own)."""
+    try:
+        return f"{status} {HTTPStatus(status).phrase}"
+    except ValueError:
+        return str(status)
+
+
+def _error_codes(r: httpx.Response) -> str:
+    """`` (MANIFEST_UNKNOWN)``: the codes of the answer's OCI error body that the spec
+    lists, at most three; "" for any other body."""
     try:
         body = r.content
     except httpx.ResponseNotRead:  # a streamed answer: only its start is read
@@ -290,8 +345,9 @@ def _error_text(r: httpx.Response) -> str:
         except UpstreamError:
             return ""
     try:
-        errors = json.loads(body).get("errors") or []
-        words = [f"{e.get('code', '')} {e.get('message', '')}".strip() for e in errors[:3]]
-        return ": " + "; ".join(words)[:300] if words else ""
-    except (ValueError, AttributeError, TypeError, httpx.HTTPError, RecursionError):
+        errors = json.loads(body).get("errors")
+        codes = [e.get("code") for e in errors[:3]] if isinstance(errors, list) else []
+    except (ValueError, AttributeError, TypeError, RecursionError):
         return ""
+    known = [c for c in dict.fromkeys(codes) if isinstance(c, str) and c in OCI_ERROR_CODES]
+    return f" ({', '.join(known)})" if known else ""

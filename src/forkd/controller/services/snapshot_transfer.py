@@ -41,9 +41,9 @@ from forkd.oci import (
     image_files,
     pull,
     push,
-    reference,
     volume_files,
 )
+from forkd.oci.policy import RegistryPolicy
 from forkd.oci.reference import Reference
 from forkd.oci.registry import Registry
 from forkd.vmm import egress, memory_diff, snapshot_files
@@ -92,17 +92,20 @@ class SnapshotTransfer:
         work.add_done_callback(finished)
         return await asyncio.shield(work)
 
-    def _registry(self, ref: Reference, token: str | None, insecure: bool) -> Registry:
+    def _target(self, text: str, plain_asked: bool) -> tuple[Reference, RegistryPolicy]:
+        """The reference ``text`` names, checked against the operator's registry policy:
+        :class:`Invalid` (400) before any name is looked up or anything contacted."""
         settings = self.fleet.settings
-        trusted_plain = reference.is_loopback(ref) or ref.registry in settings.insecure_registries
-        creds = None
-        if token:
-            creds = auth.Credentials(bearer=token)
-        elif trusted_plain or not insecure:
-            # The host's stored credentials cross plain HTTP only where the operator
-            # allowed it, never because one request asked for plain HTTP.
-            creds = auth.from_docker_config(ref.registry, settings.registry_auth)
-        return Registry(ref, credentials=creds, insecure=insecure or trusted_plain)
+        policy = RegistryPolicy.of(settings.insecure_registries, settings.default_registry)
+        ref = policy.parse(text)
+        policy.scheme(ref, plain_asked)  # a request may ask only for what the operator allowed
+        return ref, policy
+
+    def _registry(self, ref: Reference, policy: RegistryPolicy, token: str | None) -> Registry:
+        creds = auth.Credentials(bearer=token) if token else None
+        if creds is None:
+            creds = auth.from_docker_config(ref.registry, self.fleet.settings.registry_auth)
+        return Registry(ref, policy=policy, credentials=creds)
 
     def _local(self, snapshot_id: str) -> tuple[SnapshotRow, SnapshotFiles] | None:
         """The ready snapshot on this host whose id is ``snapshot_id``."""
@@ -120,7 +123,7 @@ class SnapshotTransfer:
     # ------------------------------------------------------------ push
 
     async def push(self, tag: str, req: SnapshotPush) -> PushResult:
-        ref = reference.parse(req.ref)
+        ref, policy = self._target(req.ref, req.insecure)
         if ref.digest:
             raise Invalid("push to a tag (registry/repository:tag), not to a digest")
         row = self.fleet.snapshot_row(tag)
@@ -131,7 +134,7 @@ class SnapshotTransfer:
         release = self.snapshots.hold_for_reading(tag)
         try:
             files = snapshot_files.load(Path(row.dir))
-            registry = self._registry(ref, req.token, req.insecure)
+            registry = self._registry(ref, policy, req.token)
         except BaseException as exc:
             release()
             if isinstance(exc, SnapshotError):
@@ -227,12 +230,12 @@ class SnapshotTransfer:
     # ------------------------------------------------------------ pull
 
     async def pull(self, req: SnapshotPull) -> SnapshotInfo:
-        ref = reference.parse(req.ref)
+        ref, policy = self._target(req.ref, req.insecure)
         if req.tag is not None:
             limits.check_tag(req.tag)
             if self.fleet.store.get_snapshot(req.tag) is not None:
                 raise Conflict(f"snapshot {req.tag!r} already exists")  # before any request
-        registry = self._registry(ref, req.token, req.insecure)
+        registry = self._registry(ref, policy, req.token)
         # The registry client and the tag's reservation last until the thread that
         # writes the snapshot is done, even when the request goes away first.
         held = contextlib.ExitStack()
