@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 
 APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
-              ca-certificates nftables docker-registry
+              ca-certificates nftables docker-registry docker.io
               chromium curl)  # tests/integration/test_ports.py: a preview URL in a real browser
 VENV=${FORKD_VENV:-.venv}
 # The interpreter forkd's venv is made with: Debian 12's own Python (3.11.2, the
@@ -47,6 +47,11 @@ install_apt() {
         # (every address, port 5000) is not wanted running on a systemd host.
         if [[ " ${missing[*]} " == *" docker-registry "* ]] && [ -d /run/systemd/system ]; then
             as_root systemctl disable --now docker-registry >/dev/null 2>&1 || true
+        fi
+        # Nor the Docker Engine's (root's socket, /var/lib/docker): tests/docker_daemon.py
+        # starts a dockerd of its own on a private socket and data root.
+        if [[ " ${missing[*]} " == *" docker.io "* ]] && [ -d /run/systemd/system ]; then
+            as_root systemctl disable --now docker.socket docker.service >/dev/null 2>&1 || true
         fi
     fi
 }
