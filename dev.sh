@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 
-APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools cpio kmod e2fsprogs
+APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools squashfs-tools-ng cpio kmod e2fsprogs
               ca-certificates nftables docker-registry docker.io
               chromium curl)  # tests/integration/test_ports.py: a preview URL in a real browser
 VENV=${FORKD_VENV:-.venv}
