@@ -26,11 +26,12 @@ client, whose reference may name any service. The daemon log has the details.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http import HTTPStatus
 from typing import Any
 
@@ -50,6 +51,15 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 BLOB_DEADLINE_SECS = 60.0  # plus a second per MiB (1 MiB/s at least), either way
 UPLOAD_PIECE_BYTES = 256 << 10  # an upload is written in pieces this big, its deadline checked
 MAX_REDIRECTS = 3
+STREAM_PIECE_BYTES = 1 << 20  # what a streamed blob is handed on in
+# What a container image's manifest may be, for an image import (forkd's own snapshots
+# are OCI image manifests of an artifact type: get_manifest).
+IMAGE_MANIFEST_TYPES = (
+    "application/vnd.oci.image.manifest.v1+json",
+    "application/vnd.oci.image.index.v1+json",
+    "application/vnd.docker.distribution.manifest.v2+json",
+    "application/vnd.docker.distribution.manifest.list.v2+json",
+)
 # The error codes of the OCI distribution spec: the only words of a registry's that
 # go back to the client (anything else in an error body may be any service's text).
 OCI_ERROR_CODES = frozenset({
@@ -161,6 +171,44 @@ class Registry:
     def get_blob(self, digest: str, size: int) -> bytes:
         """The blob ``digest`` of ``size`` bytes (the manifest's word), checked against both."""
         deadline = time.monotonic() + BLOB_DEADLINE_SECS + size / (1 << 20)
+        with self._open_blob(digest) as r:
+            data = _read_at_most(r, size, f"blob {digest}", deadline)
+        if len(data) != size or sha256(data) != digest:
+            raise UpstreamError(
+                f"registry {self.ref.registry} sent blob {digest} with the wrong content: "
+                "refusing it"
+            )
+        return data
+
+    def stream_blob(self, digest: str, size: int, write: Callable[[bytes], None]) -> None:
+        """The blob ``digest`` of ``size`` bytes handed to ``write`` piece by piece, as it
+        arrives (a layer may be GiBs); checked against both at its end, so a caller that
+        keeps what it was given only once this returns keeps nothing wrong."""
+        deadline = time.monotonic() + BLOB_DEADLINE_SECS + size / (1 << 20)
+        what = f"blob {digest}"
+        h, got = hashlib.sha256(), 0
+        with self._open_blob(digest) as r:
+            try:
+                for piece in r.iter_raw(STREAM_PIECE_BYTES):
+                    got += len(piece)
+                    if got > size:
+                        raise UpstreamError(f"the registry sent more than {size} bytes for {what}")
+                    if time.monotonic() > deadline:
+                        raise UpstreamError(f"the registry was too slow sending {what}")
+                    h.update(piece)
+                    write(piece)
+            except httpx.HTTPError as exc:
+                log.warning("reading %s from a registry failed: %r", what, exc)
+                raise UpstreamError(f"the registry stopped sending {what}") from exc
+        if got != size or "sha256:" + h.hexdigest() != digest:
+            raise UpstreamError(
+                f"registry {self.ref.registry} sent blob {digest} with the wrong content: "
+                "refusing it"
+            )
+
+    @contextlib.contextmanager
+    def _open_blob(self, digest: str) -> Iterator[httpx.Response]:
+        """The answer to a blob GET, past the redirects to blob storage, its status 200."""
         url = httpx.URL(f"{self.base}/blobs/{digest}")
         client = self._client
         for _ in range(MAX_REDIRECTS + 1):
@@ -180,16 +228,9 @@ class Registry:
                     url, client = nxt, self._anonymous  # no credentials past a redirect
                     continue
                 self._check(r, f"blob {digest}")
-                data = _read_at_most(r, size, f"blob {digest}", deadline)
-                break
-        else:
-            raise UpstreamError(f"registry {self.ref.registry} redirected blob {digest} too often")
-        if len(data) != size or sha256(data) != digest:
-            raise UpstreamError(
-                f"registry {self.ref.registry} sent blob {digest} with the wrong content: "
-                "refusing it"
-            )
-        return data
+                yield r
+                return
+        raise UpstreamError(f"registry {self.ref.registry} redirected blob {digest} too often")
 
     # ------------------------------------------------------------ manifests
 
@@ -229,6 +270,30 @@ class Registry:
             what = OTHER_MANIFESTS.get(kind, "of another media type")
             raise UpstreamError(f"{self._where(reference)} is {what}, not a forkd snapshot")
         return body, digest
+
+    def get_image_manifest(self, reference: str) -> tuple[bytes, str, str]:
+        """A container image's manifest or index (OCI or Docker): its bytes, digest and
+        the media type the registry served it as ("" if none); by digest, the bytes are
+        checked against it. What the body holds is the caller's to check."""
+        deadline = time.monotonic() + BLOB_DEADLINE_SECS
+        url = f"{self.base}/manifests/{reference}"
+        accept = ", ".join(IMAGE_MANIFEST_TYPES)
+        with self._stream(self._client, "GET", url, headers={"Accept": accept}) as r:
+            if r.status_code == 404:
+                raise NotFound(f"{self._where(reference)} does not exist in the registry")
+            self._check(r, f"manifest {reference}")
+            declared = r.headers.get("Content-Length", "")
+            if declared.isdigit() and int(declared) > MANIFEST_BYTES_LIMIT:
+                raise UpstreamError(
+                    f"registry {self.ref.registry} offered a manifest of {declared} bytes for "
+                    f"{reference}; at most {MANIFEST_BYTES_LIMIT} are read"
+                )
+            body = _read_at_most(r, MANIFEST_BYTES_LIMIT, f"manifest {reference}", deadline)
+            kind = r.headers.get("Content-Type", "").split(";")[0].strip()
+        digest = sha256(body)
+        if reference.startswith("sha256:") and digest != reference:
+            raise UpstreamError(f"registry {self.ref.registry} sent a manifest not {reference}")
+        return body, digest, kind
 
     # ------------------------------------------------------------ plumbing
 

@@ -1,0 +1,242 @@
+"""The blob cache images are imported into: one file per blob, named by its sha256 digest.
+
+``<root>/sha256/<hex>`` holds a blob whose content was checked against ``<hex>``
+before it was put there; nothing else is ever written under that name. A blob
+is written to a temporary file of its own in ``<root>/tmp/`` (created with
+``O_EXCL``: two imports of the same blob at once each write their own), fsynced,
+checked against its digest and size, and renamed into place: a second writer
+of the same blob renames identical bytes over the first, and a reader never
+sees half a blob. A blob refused (a wrong digest, too long or too short, the
+disk full) leaves nothing behind.
+
+The store holds blobs of images already imported or being imported; which
+ones an image needs is the caller's to say (:meth:`BlobStore.remove_unreferenced`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+
+from forkd.errors import ForkdError, Invalid, StorageFull
+from forkd.oci.reference import DIGEST
+
+STALE_TEMP_SECS = 24 * 3600  # a temporary file this old belongs to no live import
+
+
+class BlobStore:
+    """Blobs by digest under ``root`` (created when first written)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.blobs_dir = self.root / "sha256"
+        self.tmp_dir = self.root / "tmp"
+
+    # ------------------------------------------------------------ reading
+
+    def path(self, digest: str) -> Path | None:
+        """Where the blob ``digest`` is, or None when the store does not hold it."""
+        path = self._file(digest)
+        try:
+            return path if path.is_file() and not path.is_symlink() else None
+        except OSError:
+            return None
+
+    def has(self, digest: str) -> bool:
+        return self.path(digest) is not None
+
+    def size(self, digest: str) -> int | None:
+        path = self.path(digest)
+        return None if path is None else path.stat().st_size
+
+    def read(self, digest: str, limit: int) -> bytes | None:
+        """The blob's bytes when it is held and at most ``limit`` bytes long, else None."""
+        path = self.path(digest)
+        if path is None:
+            return None
+        with path.open("rb") as f:
+            data = f.read(limit + 1)
+        return data if len(data) <= limit else None
+
+    def digests(self) -> Iterator[str]:
+        """The digest of every blob held."""
+        try:
+            names = os.listdir(self.blobs_dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            digest = f"sha256:{name}"
+            if DIGEST.fullmatch(digest):
+                yield digest
+
+    def total_bytes(self) -> int:
+        """The sizes of the blobs held, summed."""
+        total = 0
+        for digest in self.digests():
+            with contextlib.suppress(FileNotFoundError):
+                total += (self.blobs_dir / digest[7:]).stat().st_size
+        return total
+
+    # ------------------------------------------------------------ writing
+
+    def writer(
+        self, digest: str | None, size: int, *, error: type[ForkdError] = Invalid
+    ) -> BlobWriter:
+        """A writer of one blob of exactly ``size`` bytes whose sha256 must be ``digest``
+        (None: whatever it turns out to be); ``error`` is what a blob that breaks either
+        raises. Use it as a context manager and call :meth:`BlobWriter.commit`."""
+        if digest is not None:
+            self._file(digest)  # checks its syntax
+        if size < 0:
+            raise Invalid(f"a blob cannot be {size} bytes long")
+        return BlobWriter(self, digest, size, error)
+
+    def put(
+        self, data: bytes, digest: str | None = None, *, error: type[ForkdError] = Invalid
+    ) -> str:
+        """Store ``data`` (checked against ``digest`` when given); its digest."""
+        with self.writer(digest, len(data), error=error) as w:
+            w.write(data)
+            return w.commit()[0]
+
+    def remove_unreferenced(self, keep: set[str]) -> int:
+        """Remove every blob not in ``keep`` (and temporary files no import can still be
+        writing); the bytes freed."""
+        freed = 0
+        for digest in list(self.digests()):
+            if digest in keep:
+                continue
+            path = self.blobs_dir / digest[7:]
+            with contextlib.suppress(FileNotFoundError):
+                size = path.stat().st_size
+                path.unlink()
+                freed += size
+        try:
+            names = os.listdir(self.tmp_dir)
+        except FileNotFoundError:
+            names = []
+        cutoff = time.time() - STALE_TEMP_SECS
+        for name in names:
+            path = self.tmp_dir / name
+            with contextlib.suppress(FileNotFoundError):
+                st = path.lstat()
+                if st.st_mtime < cutoff:
+                    path.unlink()
+                    freed += st.st_size
+        return freed
+
+    def temp_file(self, suffix: str) -> tuple[int, Path]:
+        """A new empty file of the store's (descriptor and path), for data on its way in:
+        remove it when done."""
+        self.tmp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.blobs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for _ in range(16):
+            path = self.tmp_dir / f"{secrets.token_hex(8)}{suffix}"
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            except FileExistsError:
+                continue
+            return fd, path
+        raise ForkdError(f"no free temporary name in the blob store {self.tmp_dir}")
+
+    def _file(self, digest: str) -> Path:
+        if not isinstance(digest, str) or not DIGEST.fullmatch(digest):
+            raise Invalid(f"not a sha256 digest: {str(digest)[:80]!r}")
+        return self.blobs_dir / digest[7:]
+
+
+class BlobWriter:
+    """One blob on its way into the store: written, then checked and renamed into place
+    by :meth:`commit`; closed without a commit (or refused), it leaves nothing."""
+
+    def __init__(
+        self, store: BlobStore, digest: str | None, size: int, error: type[ForkdError]
+    ) -> None:
+        self.store, self.digest, self.size, self.error = store, digest, size, error
+        self.written = 0
+        self._hash = hashlib.sha256()
+        self._fd: int | None = None
+        self._path: Path | None = None
+
+    def __enter__(self) -> BlobWriter:
+        self._fd, self._path = self.store.temp_file(".blob")
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._discard()
+
+    def write(self, data: bytes | memoryview) -> None:
+        if self._fd is None:
+            raise RuntimeError("BlobWriter used outside its with block")
+        if self.written + len(data) > self.size:
+            raise self.error(f"{self._what()} is longer than its {self.size} bytes: refused")
+        self._hash.update(data)
+        self.written += len(data)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view) :]
+        except OSError as exc:
+            raise _write_error(exc) from exc
+
+    def commit(self) -> tuple[str, Path]:
+        """Check the blob and rename it into place; its digest and path in the store."""
+        if self._fd is None or self._path is None:
+            raise RuntimeError("BlobWriter committed outside its with block")
+        digest = "sha256:" + self._hash.hexdigest()
+        if self.written != self.size:
+            raise self.error(
+                f"{self._what()} has {self.written} bytes where {self.size} were stated: refused"
+            )
+        if self.digest is not None and digest != self.digest:
+            raise self.error(f"{self._what()} has the digest {digest}: refused")
+        final = self.store.blobs_dir / digest[7:]
+        try:
+            os.fsync(self._fd)
+            os.close(self._fd)
+            self._fd = None
+            os.replace(self._path, final)  # the same bytes as any other writer's
+            self._path = None
+            _fsync_dir(self.store.blobs_dir)
+        except OSError as exc:
+            raise _write_error(exc) from exc
+        return digest, final
+
+    def _what(self) -> str:
+        return f"blob {self.digest}" if self.digest else "a blob"
+
+    def _discard(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        if self._path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._path.unlink()
+            self._path = None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_error(exc: OSError) -> ForkdError:
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull("the disk of the blob store filled up: the blob was not kept")
+    return ForkdError(f"writing to the blob store failed: {exc.strerror or exc}")
