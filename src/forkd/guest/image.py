@@ -30,8 +30,7 @@ from forkd.vmm import runtime_meta, snapshot_files
 BUILDER_VERSION = 1
 GUEST_FILES = (
     "initramfs-init", "init", "inittab",
-    rootfs.AGENT_FILE, rootfs.AGENT_PROCS_FILE, rootfs.AGENT_FILES_FILE, rootfs.AGENT_TAR_FILE,
-    rootfs.AGENT_EVAL_FILE, rootfs.AGENT_EXEC_FILE,
+    rootfs.AGENT_FILE, *rootfs.AGENT_MODULES,
 )  # fmt: skip
 
 Progress = Callable[[str], None]
@@ -59,6 +58,12 @@ class Image:
     @property
     def rootfs(self) -> Path:
         return self.dir / "rootfs.sqfs"
+
+    @property
+    def runtime(self) -> Path | None:
+        """An imported container image's runtime disk (forkd's agent and its Python)."""
+        path = self.dir / "runtime.sqfs"
+        return path if path.is_file() else None
 
     def size_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.dir.iterdir() if p.is_file())
@@ -129,7 +134,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _base_tarball(spec: Recipe, cache: Path, staging: Path, say: Progress) -> Path:
+def base_tarball(spec: Recipe, cache: Path, staging: Path, say: Progress) -> Path:
     """The Debian base of ``spec`` (cached across images: mmdebstrap takes a minute)."""
     base = cache / "bases" / f"{spec.suite}-{VARIANT}-{spec.base_key(VARIANT)}.tar"
     if not base.is_file():
@@ -143,6 +148,20 @@ def _base_tarball(spec: Recipe, cache: Path, staging: Path, say: Progress) -> Pa
         finally:
             tmp_tar.unlink(missing_ok=True)
     return base
+
+
+def boot_files(
+    kpkg: kernel.KernelPackage, cache: Path, staging: Path, out: Path, say: Progress
+) -> dict:
+    """Write ``vmlinuz`` and ``initrd.img`` into ``out``; return what image.json says of them."""
+    say(f"fetching {kpkg.name} {kpkg.version}")
+    deb = kernel.fetch(kpkg, cache / "downloads")
+    say("unpacking the kernel and resolving modules")
+    unpacked = kernel.unpack(deb, staging / "kernel")
+    shutil.copy2(unpacked.vmlinuz, out / "vmlinuz")
+    say("building the initramfs")
+    modules = initramfs.build(unpacked, staging, out / "initrd.img")
+    return {"kernel_package": kpkg.key, "kernel_release": unpacked.release, "modules": modules}
 
 
 def build(
@@ -179,24 +198,16 @@ def build(
     try:
         out = staging / "image"
         out.mkdir()
-        say(f"fetching {kpkg.name} {kpkg.version}")
-        deb = kernel.fetch(kpkg, cache / "downloads")
-        say("unpacking the kernel and resolving modules")
-        unpacked = kernel.unpack(deb, staging / "kernel")
-        shutil.copy2(unpacked.vmlinuz, out / "vmlinuz")
-        say("building the initramfs")
-        modules = initramfs.build(unpacked, staging, out / "initrd.img")
+        boot = boot_files(kpkg, cache, staging, out, say)
 
-        base = _base_tarball(spec, cache, staging, say)
+        base = base_tarball(spec, cache, staging, say)
         say("assembling the root image (squashfs)")
         rootfs.assemble(base, staging, out / "rootfs.sqfs")
 
         meta = {
             "name": name,
             "key": key,
-            "kernel_package": kpkg.key,
-            "kernel_release": unpacked.release,
-            "modules": modules,
+            **boot,
             "suite": spec.suite,
             "description": spec.description,
             "packages": spec.apt_packages(),

@@ -14,11 +14,10 @@ from forkd.guest.initramfs import guest_file
 from forkd.guest.recipe import Recipe
 
 AGENT_FILE = "forkd-agent.py"
-AGENT_PROCS_FILE = "forkd_procs.py"  # the agent's background processes, imported from its directory
-AGENT_FILES_FILE = "forkd_files.py"  # the agent's chunked file transfers, imported likewise
-AGENT_TAR_FILE = "forkd_tar.py"  # the tar streams of those transfers, imported likewise
-AGENT_EVAL_FILE = "forkd_eval.py"  # the agent's Python eval, imported likewise
-AGENT_EXEC_FILE = "forkd_exec.py"  # the agent's exec, imported likewise
+# The modules the agent imports from its own directory: background processes, chunked
+# file transfers, their tar streams, Python eval, exec, and who a command runs as.
+AGENT_MODULES = ("forkd_procs.py", "forkd_files.py", "forkd_tar.py", "forkd_eval.py",
+                 "forkd_exec.py", "forkd_identity.py")  # fmt: skip
 # Modules of the forkd package the agent imports from beside it (the one tar extractor),
 # standard library only; placed as /opt/forkd/forkd/<name> with an empty forkd/__init__.py.
 AGENT_PACKAGE_FILES = ("archive/__init__.py", "archive/errors.py", "archive/tar_format.py",
@@ -97,6 +96,22 @@ def _build_script(recipe: Recipe, host_ca: bool) -> str:
     return "\n".join(lines) + "\n"
 
 
+def install_agent(opt: Path) -> None:
+    """Put forkd's guest pieces in ``opt`` (the guest's /opt/forkd): static busybox,
+    stage-2 init, the agent, its modules and the parts of forkd it imports."""
+    opt.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(hosttools.require_static_busybox(), opt / "busybox")
+    for name, mode in (("init", 0o755), *((name, 0o644) for name in (AGENT_FILE, *AGENT_MODULES))):
+        (opt / name).write_bytes(guest_file(name))
+        (opt / name).chmod(mode)
+    package = opt / "forkd"
+    (package / "archive").mkdir(parents=True, exist_ok=True)
+    (package / "__init__.py").write_text('"""The parts of forkd its guest agent imports."""\n')
+    for name in AGENT_PACKAGE_FILES:
+        (package / name).write_bytes(package_file(name))
+        (package / name).chmod(0o644)
+
+
 def assemble(base_tar: Path, work: Path, out: Path) -> None:
     """Unpack ``base_tar``, add forkd's init and agent, squash to ``out``."""
     hosttools.require("mksquashfs")
@@ -106,20 +121,7 @@ def assemble(base_tar: Path, work: Path, out: Path) -> None:
         ["tar", "-x", "--numeric-owner", "-f", str(base_tar), "-C", str(tree)],
         what="unpacking the base root filesystem",
     )
-    opt = tree / "opt" / "forkd"
-    opt.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(hosttools.require_static_busybox(), opt / "busybox")
-    agent_files = (AGENT_FILE, AGENT_PROCS_FILE, AGENT_FILES_FILE, AGENT_TAR_FILE,
-                   AGENT_EVAL_FILE, AGENT_EXEC_FILE)  # fmt: skip
-    for name, mode in (("init", 0o755), *((name, 0o644) for name in agent_files)):
-        (opt / name).write_bytes(guest_file(name))
-        (opt / name).chmod(mode)
-    package = opt / "forkd"
-    (package / "archive").mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text('"""The parts of forkd its guest agent imports."""\n')
-    for name in AGENT_PACKAGE_FILES:
-        (package / name).write_bytes(package_file(name))
-        (package / name).chmod(0o644)
+    install_agent(tree / "opt" / "forkd")
     (tree / "etc" / "inittab").write_bytes(guest_file("inittab"))
     (tree / "etc" / "hostname").write_text("forkd\n")
     resolv = tree / "etc" / "resolv.conf"

@@ -58,9 +58,17 @@ class GuestOps:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         stdin: str | None = None,
+        user: str | None = None,
     ) -> dict[str, Any]:
+        """Run ``argv`` (as ``user``: default the image's, else root)."""
         params = {"argv": argv, "cwd": cwd, "env": env, "stdin": stdin, "timeout": timeout}
+        if user is not None:
+            params["user"] = user
         return await self.agent.call("exec", params, wait=timeout + EXEC_WAIT_MARGIN_SECS)
+
+    async def configure(self, *, env: dict[str, str], cwd: str | None, user: str | None) -> None:
+        """Give the agent an image's defaults for every command that does not set its own."""
+        await self.agent.call("configure", {"env": env, "cwd": cwd, "user": user})
 
     async def eval(self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS) -> dict[str, Any]:
         """Run ``code``; the agent interrupts it after ``timeout`` seconds."""
@@ -150,9 +158,12 @@ class GuestOps:
         stdin: bool = False,
         pty: dict[str, int] | None = None,
         timeout_s: float | None = None,
+        user: str | None = None,
     ) -> dict[str, Any]:
         params = {"cmd": cmd, "env": env, "cwd": cwd, "stdin": stdin, "pty": pty,
                   "timeout_s": timeout_s}  # fmt: skip
+        if user is not None:
+            params["user"] = user
         return await self.agent.call("proc_start", params)
 
     async def proc_list(self) -> list[dict[str, Any]]:

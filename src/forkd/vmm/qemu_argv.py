@@ -19,6 +19,7 @@ KERNEL_CMDLINE = "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i80
 TCG_TB_SIZE_MIB = 64  # bounded translation cache per VM
 TCG_CMDLINE = "clearcpuid=erms tsc=reliable"  # see kernel_cmdline
 CONSOLE_RING_BYTES = 1 << 20
+RUNTIME_CMDLINE = "forkd.runtime=1"  # stage 1 waits for the runtime disk and mounts it
 FD_READ_ONLY, FD_READ_WRITE = "ro", "rw"  # the tags of descriptors in QEMU's fd sets
 AGENT_CHARDEV = "agent"  # the socket chardev behind the agent's virtio-serial port
 TCG_CPU = "max"  # every feature TCG emulates (x86-64-v3 level on QEMU 7.2)
@@ -76,6 +77,14 @@ class MachineConfig:
     # new VMs; snapshots and VMs recorded without the key had it (and keep it:
     # their device state includes it).
     pit: bool = False
+    # An imported container image's second disk (forkd's agent and its Python,
+    # mounted at /opt/forkd): the kernel is told with RUNTIME_CMDLINE.
+    runtime: Path | None = None
+
+    def files(self) -> tuple[Path, ...]:
+        """The host files the machine boots from and reads while it runs."""
+        disks = (self.rootfs,) if self.runtime is None else (self.rootfs, self.runtime)
+        return (self.vmlinuz, self.initrd, *disks)
 
     def to_json(self) -> dict:
         data = {
@@ -91,6 +100,8 @@ class MachineConfig:
         }
         if self.egress is not None:
             data["egress"] = self.egress
+        if self.runtime is not None:
+            data["runtime"] = str(self.runtime)
         return data
 
     @classmethod
@@ -106,6 +117,7 @@ class MachineConfig:
             cmdline=str(data.get("cmdline", KERNEL_CMDLINE)),
             egress=data.get("egress"),
             pit=bool(data.get("pit", True)),
+            runtime=Path(data["runtime"]) if data.get("runtime") else None,
         )
 
 
@@ -129,7 +141,7 @@ def host_tsc_khz(cpuinfo: Path = Path("/proc/cpuinfo")) -> int | None:
     return None
 
 
-def kernel_cmdline(accel: str, tsc_khz: int | None = None) -> str:
+def kernel_cmdline(accel: str, tsc_khz: int | None = None, *, runtime: bool = False) -> str:
     """The guest kernel command line for a VM booted under ``accel``.
 
     Under TCG the guest's TSC ticks at the host's TSC rate, and microvm offers
@@ -145,12 +157,14 @@ def kernel_cmdline(accel: str, tsc_khz: int | None = None) -> str:
     the host's, so the kernel need not check it against the jiffies twice a
     second (the clocksource watchdog was a fifth of an idle guest's wakeups).
     Only new boots take it: a
-    snapshot keeps the kernel state it was taken with.
+    snapshot keeps the kernel state it was taken with. ``runtime``: the machine
+    has a runtime disk (an imported container image's).
     """
+    base = f"{KERNEL_CMDLINE} {RUNTIME_CMDLINE}" if runtime else KERNEL_CMDLINE
     if accel != "tcg":
-        return KERNEL_CMDLINE
+        return base
     khz = tsc_khz if tsc_khz is not None else host_tsc_khz()
-    cmdline = f"{KERNEL_CMDLINE} {TCG_CMDLINE}"
+    cmdline = f"{base} {TCG_CMDLINE}"
     return f"{cmdline} tsc_early_khz={khz}" if khz else cmdline
 
 
@@ -228,6 +242,9 @@ def build_argv(
         "-serial", "chardev:console",
         "-drive", f"file={_opt(cfg.rootfs)},format=raw,if=none,id=root,readonly=on",
         "-device", "virtio-blk-device,drive=root,serial=forkd-root",
+        *(() if cfg.runtime is None else (
+            "-drive", f"file={_opt(cfg.runtime)},format=raw,if=none,id=runtime,readonly=on",
+            "-device", "virtio-blk-device,drive=runtime,serial=forkd-runtime")),
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id={AGENT_CHARDEV},path={_opt(rt.agent)},server=on,wait=off",
         "-device", f"virtserialport,chardev={AGENT_CHARDEV},name=agent",

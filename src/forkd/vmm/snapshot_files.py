@@ -282,7 +282,7 @@ def _check_files(snap_dir: Path, machine: MachineConfig, vmstate_bytes: Any, dif
     got = memory.stat().st_size
     if got != want:
         raise SnapshotError(f"{memory} is corrupt: {got} bytes, expected {want}")
-    for path in (machine.vmlinuz, machine.initrd, machine.rootfs):
+    for path in machine.files():
         if not path.is_file():
             raise SnapshotError(f"the snapshot's image file {path} is missing")
 

@@ -155,8 +155,9 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             initrd=image.initrd,
             rootfs=image.rootfs,
             internet=policy.mode != "none",
-            cmdline=kernel_cmdline(choice.name),
+            cmdline=kernel_cmdline(choice.name, runtime=image.runtime is not None),
             egress=policy.to_json(),
+            runtime=image.runtime,
         )
         rt = launch.prepare_runtime(run_root, vm_id)
         with rt.ram.open("wb") as f:  # sparse: costs nothing until written

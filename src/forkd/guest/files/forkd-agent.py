@@ -64,6 +64,7 @@ if _AGENT_DIR not in sys.path:
 import forkd_eval  # noqa: E402
 import forkd_exec  # noqa: E402
 import forkd_files  # noqa: E402
+import forkd_identity  # noqa: E402
 import forkd_procs  # noqa: E402
 
 T = TypeVar("T")
@@ -103,9 +104,16 @@ EXIT_TIMEOUT = forkd_exec.EXIT_TIMEOUT
 
 BASE_ENV = {
     "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/root",
     "LANG": "C.UTF-8",
 }
+# A command's HOME, unless its environment (the image's or the request's) sets one,
+# is its user's home directory from the image's /etc/passwd.
+SHELL = "/bin/sh"
+FALLBACK_SHELL = ("/opt/forkd/busybox", "sh")  # for an image without /bin/sh
+# What the image (a container image's config) sets for every command that does
+# not say otherwise: set by the host's ``configure`` op once, at the template's
+# boot, and so held by every snapshot and fork of it.
+IMAGE_DEFAULTS = forkd_identity.ImageDefaults()
 
 # linux/random.h
 RNDADDENTROPY = 0x40085203
@@ -202,9 +210,7 @@ def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, 
         raise RequestError("'argv' must be a non-empty list of strings")
     if any("\0" in arg for arg in argv):
         raise RequestError("'argv' must not contain a NUL byte")
-    cwd = _optional(req, "cwd", str, "a string or null")
-    if cwd is not None and "\0" in cwd:
-        raise RequestError("'cwd' must not contain a NUL byte")
+    cwd = _cwd(req)
     env = _env(req)
     stdin = _optional(req, "stdin", str, "a string or null")
     timeout = req.get("timeout")
@@ -217,20 +223,59 @@ def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, 
     return argv, cwd, env, stdin, float(timeout)
 
 
-def _env(req: dict[str, Any]) -> dict[str, str]:
-    """The base environment with the request's ``env`` merged over it."""
+def _env(req: dict[str, Any], home: str = "/root") -> dict[str, str]:
+    """The base environment, the image's over it, then the request's ``env``."""
     extra = _optional(req, "env", dict, "an object of strings or null") or {}
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
         raise RequestError("'env' must map strings to strings")
     for name, value in extra.items():
         if not name or "=" in name or "\0" in name + value:
             raise RequestError(f"'env' has an invalid variable: {name!r}")
-    return {**BASE_ENV, **extra}
+    return {**BASE_ENV, "HOME": home, **IMAGE_DEFAULTS.env, **extra}
+
+
+def _identity(req: dict[str, Any]) -> forkd_identity.Identity:
+    """Who the request's command runs as: its ``user``, else the image's, else root."""
+    user = _optional(req, "user", str, "a string or null") or IMAGE_DEFAULTS.user
+    if user is None:
+        return forkd_identity.ROOT
+    try:
+        return forkd_identity.resolve(user)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+
+
+def _cwd(req: dict[str, Any]) -> str | None:
+    cwd = _optional(req, "cwd", str, "a string or null")
+    if cwd is not None and "\0" in cwd:
+        raise RequestError("'cwd' must not contain a NUL byte")
+    return cwd if cwd is not None else IMAGE_DEFAULTS.cwd
+
+
+def _with_shell(argv: list[str]) -> list[str]:
+    """``argv``, its /bin/sh swapped for forkd's own where the image has none."""
+    if argv[0] == SHELL and not os.path.lexists(SHELL):
+        return [*FALLBACK_SHELL, *argv[1:]]
+    return argv
+
+
+def op_configure(req: dict[str, Any]) -> dict[str, Any]:
+    """Take the image's defaults (environment, working directory, user)."""
+    global IMAGE_DEFAULTS
+    try:
+        defaults = forkd_identity.parse_defaults(req)
+    except ValueError as exc:
+        raise RequestError(str(exc)) from None
+    forkd_identity.save_defaults(defaults)  # a respawned agent reads it back
+    IMAGE_DEFAULTS = defaults
+    return {}
 
 
 def op_exec(req: dict[str, Any]) -> dict[str, Any]:
-    argv, cwd, env, stdin, timeout = _exec_params(req)
-    return forkd_exec.run(argv, cwd, env, stdin, timeout)
+    argv, cwd, _, stdin, timeout = _exec_params(req)
+    who = _identity(req)
+    env = _env(req, who.home)
+    return forkd_exec.run(_with_shell(argv), cwd, env, stdin, timeout, who)
 
 
 # --------------------------------------------------------------------------- eval
@@ -499,13 +544,12 @@ def _proc_info(status: forkd_procs.ProcessStatus) -> dict[str, Any]:
 
 
 def op_proc_start(req: dict[str, Any]) -> dict[str, Any]:
-    cwd = _optional(req, "cwd", str, "a string or null")
-    if cwd is not None and "\0" in cwd:
-        raise RequestError("'cwd' must not contain a NUL byte")
+    who = _identity(req)
     spec = forkd_procs.ProcessSpec(
-        argv=_proc_argv(req),
-        env=_env(req),
-        cwd=cwd,
+        argv=_with_shell(_proc_argv(req)),
+        env=_env(req, who.home),
+        cwd=_cwd(req),
+        identity=who,
         stdin=_flag(req, "stdin"),
         pty_size=_pty_size(req),
         timeout_s=_proc_timeout(req),
@@ -688,6 +732,7 @@ OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "file_list": op_file_list,
     "file_remove": op_file_remove,
     "restore": op_restore,
+    "configure": op_configure,
     "proc_start": op_proc_start,
     "proc_list": op_proc_list,
     "proc_info": op_proc_info,
@@ -1155,7 +1200,7 @@ def _tcp_exec(req: dict[str, Any]) -> dict[str, Any]:
         raise RequestError("'timeout_secs' must be a number of seconds")
     if not (0 < timeout <= MAX_EXEC_TIMEOUT_S):  # NaN fails this too
         raise RequestError(f"'timeout_secs' must be > 0 and at most {MAX_EXEC_TIMEOUT_S:g}")
-    params = {k: req.get(k) for k in ("cwd", "env", "stdin")}
+    params = {k: req.get(k) for k in ("cwd", "env", "stdin", "user")}
     return op_exec({"argv": args, "timeout": timeout, **params})
 
 
@@ -1390,7 +1435,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global IMAGE_DEFAULTS
     args = parse_args(argv)
+    IMAGE_DEFAULTS = forkd_identity.load_defaults()  # a respawned agent: what it was told
     sys.modules["__main__"] = EVAL_MODULE  # eval's namespace is the __main__ module
     # Evals run on this, the main thread: only it can be interrupted in a
     # blocking call. Claimed before any request can arrive.

@@ -70,8 +70,10 @@ def run(
     env: dict[str, str],
     stdin: str | None,
     timeout: float,
+    identity: Any = None,
 ) -> dict[str, Any]:
-    """Run ``argv`` in a session of its own; after ``timeout`` seconds its group is killed."""
+    """Run ``argv`` in a session of its own (as ``identity``, a forkd_identity.Identity:
+    default the agent's own); after ``timeout`` seconds its group is killed."""
     start = time.monotonic()
     # Before anything is made: a lone surrogate cannot be encoded.
     data = b"" if stdin is None else stdin.encode("utf-8", errors="surrogateescape")
@@ -95,6 +97,7 @@ def run(
             stdout=out_w,
             stderr=err_w,
             start_new_session=True,
+            **as_user(identity),
         )
     except BaseException as exc:
         _close(out_r, err_r, in_w)
@@ -104,6 +107,13 @@ def run(
     finally:
         _close(out_w, err_w, in_r)  # the program has its copies
     return _Run(proc, (out_r, err_r, in_w), data, start + timeout).wait(start)
+
+
+def as_user(identity: Any) -> dict[str, Any]:
+    """Popen's arguments that run a program as ``identity`` (none for root or None)."""
+    if identity is None or (identity.uid == 0 and identity.gid == 0 and not identity.groups):
+        return {}
+    return {"user": identity.uid, "group": identity.gid, "extra_groups": list(identity.groups)}
 
 
 def _close(*fds: int) -> None:

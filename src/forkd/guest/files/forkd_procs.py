@@ -28,6 +28,9 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import forkd_exec
 
 RING_BYTES = 4 * 1024 * 1024  # output kept per process; the oldest is dropped first
 # Tiny writes alternating between stdout and stderr make one chunk each: bounding
@@ -174,6 +177,7 @@ class ProcessSpec:
     stdin: bool = False
     pty_size: tuple[int, int] | None = None
     timeout_s: float | None = None
+    identity: Any = None  # a forkd_identity.Identity; None: the agent's own (root)
 
 
 @dataclass(frozen=True)
@@ -250,6 +254,7 @@ def _spawn(spec: ProcessSpec) -> tuple[subprocess.Popen[bytes], list[int]]:
             env=env,
             start_new_session=True,
             preexec_fn=_take_controlling_terminal if spec.pty_size is not None else None,
+            **forkd_exec.as_user(spec.identity),
             **child_fds,
         )
     except BaseException:

@@ -1,0 +1,179 @@
+"""Guest images made from container images: the image's layers as the root disk, forkd's
+runtime disk beside it, forkd's kernel and initramfs.
+
+An imported image is a directory ``<cache>/images/<name>-<key>/`` like a recipe's
+(``vmlinuz``, ``initrd.img``, ``rootfs.sqfs``, ``image.json``) plus
+``runtime.sqfs`` (hard-linked from the one runtime, see :mod:`forkd.guest.runtime`).
+``name`` is ``oci-`` and the first 12 hex digits of the image's config digest
+(its image id, as ``docker images`` shows it); ``key`` hashes that digest, the
+kernel and the runtime, so importing the same image again finds it built. The
+reference it was imported as, its config and its layers' digests are in
+``image.json``. Built in a staging directory renamed into place only when
+complete, like a recipe image.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from forkd import hosttools, paths
+from forkd.guest import image as images
+from forkd.guest import initramfs, kernel, recipe, runtime
+from forkd.image_import.model import FetchedImage, ImageConfig, RootfsStats
+
+BUILDER_VERSION = 1
+KIND = "container"  # image.json's "kind" for an imported image (a recipe image has none)
+RUNTIME_FILE = "runtime.sqfs"
+
+Progress = Callable[[str], None]
+# Writes the root disk (a squashfs image) at its first argument, using the second as
+# scratch space: the layers flattened, or (tests) any tree.
+RootfsWriter = Callable[[Path, Path], RootfsStats]
+
+
+def image_name(config_digest: str) -> str:
+    return "oci-" + config_digest.removeprefix("sha256:")[:12]
+
+
+def is_container(img: images.Image) -> bool:
+    return img.meta.get("kind") == KIND
+
+
+def config_of(img: images.Image) -> ImageConfig:
+    """An imported image's config (empty for a recipe image)."""
+    return ImageConfig.from_json(img.meta.get("config") or {})
+
+
+def find(reference: str, manifest_digest: str | None = None) -> images.Image | None:
+    """The newest import of ``reference`` (of that manifest, when given), if any."""
+    found = [
+        img
+        for img in images.list_images()
+        if is_container(img)
+        and reference in img.meta.get("references", ())
+        and (manifest_digest is None or img.meta.get("manifest_digest") == manifest_digest)
+    ]
+    return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
+
+
+def build(fetched: FetchedImage, progress: Progress | None = None) -> images.Image:
+    """The guest image of ``fetched``, its layers flattened (unless built already)."""
+    from forkd.image_import import layers  # the flattener: only where an image is made
+
+    def write(out: Path, work: Path) -> RootfsStats:
+        return layers.build_rootfs(fetched.layers, out, work, progress=progress)
+
+    identity = {
+        "reference": fetched.reference,
+        "manifest_digest": fetched.manifest_digest,
+        "config_digest": fetched.config_digest,
+        "layers": [layer.digest for layer in fetched.layers],
+    }
+    return assemble(fetched.config_digest, fetched.config, identity, write, progress)
+
+
+def assemble(
+    config_digest: str,
+    config: ImageConfig,
+    identity: dict,
+    write_rootfs: RootfsWriter,
+    progress: Progress | None = None,
+) -> images.Image:
+    """Build (or find) the image directory whose root disk ``write_rootfs`` makes.
+
+    ``identity`` goes into image.json as it is (reference, digests); its
+    ``reference`` is added to an existing build's references.
+    """
+    say = progress or (lambda _msg: None)
+    for tool in ("apt-get", "apt-cache", "dpkg-deb", "depmod", "cpio", "mmdebstrap", "mksquashfs"):
+        hosttools.require(tool)
+    cache = paths.cache_dir()
+    root = paths.images_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    kpkg = kernel.resolve(cache / "kernel-package.json")
+    spec = recipe.builtin(images.DEFAULT_IMAGE)  # the Debian base the runtime's Python is of
+    base_key = spec.base_key(images.VARIANT)
+    h = hashlib.sha256()
+    for part in (BUILDER_VERSION, kpkg.key, runtime.key(base_key), config_digest):
+        h.update(f"{part}\n".encode())
+    h.update(initramfs.guest_file("initramfs-init"))  # stage 1, in the initramfs
+    key = h.hexdigest()[:16]
+    name = image_name(config_digest)
+    final = root / f"{name}-{key}"
+    if (final / "image.json").is_file():
+        _add_reference(final, identity.get("reference"))
+        say(f"image {name} is up to date ({key})")
+        return images.find_image(str(final), root)
+
+    started = time.monotonic()
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-"))
+    try:
+        out = staging / "image"
+        out.mkdir()
+        boot = images.boot_files(kpkg, cache, staging, out, say)
+        base = images.base_tarball(spec, cache, staging, say)
+        _link(runtime.build(base, base_key, cache, say), out / RUNTIME_FILE)
+        say("flattening the image's layers into the root disk")
+        (staging / "layers").mkdir()
+        stats = write_rootfs(out / "rootfs.sqfs", staging / "layers")
+        reference = identity.get("reference")
+        meta = {
+            "name": name,
+            "key": key,
+            "kind": KIND,
+            **identity,
+            "references": [reference] if reference else [],
+            "config": config.to_json(),
+            **boot,
+            "rootfs": {"layers": stats.layers, "entries": stats.entries,
+                       "file_bytes": stats.file_bytes, "image_bytes": stats.image_bytes},
+            "template": {},
+            "builder_version": BUILDER_VERSION,
+            "built_at_unix": int(time.time()),
+            "build_secs": round(time.monotonic() - started, 1),
+        }  # fmt: skip
+        (out / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            out.rename(final)
+        except OSError:
+            if not (final / "image.json").is_file():  # lost a race to an identical build
+                raise
+        say(f"built image {name} ({key}) in {meta['build_secs']} s")
+        return images.find_image(str(final), root)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _link(source: Path, target: Path) -> None:
+    """``target`` as a hard link of ``source`` (one copy on disk), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def _add_reference(image_dir: Path, reference: str | None) -> None:
+    """Record that ``reference`` names the build in ``image_dir`` too (image.json, atomically)."""
+    if not reference:
+        return
+    path = image_dir / "image.json"
+    meta = json.loads(path.read_text())
+    if reference in meta.get("references", []):
+        return
+    meta["references"] = [*meta.get("references", []), reference]
+    fd, tmp = tempfile.mkstemp(dir=image_dir, prefix=".image.json.")
+    with contextlib.ExitStack() as undo:
+        undo.callback(lambda: Path(tmp).unlink(missing_ok=True))
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(meta, indent=2) + "\n")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+        undo.pop_all()
