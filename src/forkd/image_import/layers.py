@@ -1,0 +1,407 @@
+"""An image's layers merged into one tree in memory, as a container runtime applies them.
+
+Each layer is read once, as a stream, through :class:`forkd.archive.tar_format.TarReader`
+while it is decompressed (gzip, zstd or none, told apart by magic bytes). Nothing of
+it is unpacked onto the host: the tree holds names and metadata, and a regular
+file's content is copied into one data file per layer in the caller's scratch
+directory, where :mod:`forkd.image_import.squash` reads it back by offset. Runs of
+zeros a whole chunk long are not copied but kept as holes, so a sparse or a
+zero-filled file costs no scratch disk.
+
+The rules are Docker's (OCI image-spec ``layer.md``, as moby and containerd apply it):
+
+- ``./`` prefixes, empty components and leading ``/`` are dropped: a container
+  runtime confines an absolute name to the image's root, and so does this. A name
+  that climbs with ``..`` is refused (:class:`UnsafeEntry`).
+- ``.wh.NAME`` deletes NAME and what lies beneath it; ``.wh..wh..opq`` hides every
+  child of its directory. Either applies only to what LOWER layers put there:
+  entries of the same layer stay, wherever the marker sits in the tar. Entries at
+  the root named ``.wh..wh.*`` are AUFS metadata and skipped, as Docker does.
+- A later entry replaces an earlier one of the same path: a directory over a
+  directory keeps the children and takes the new metadata; anything else replaces
+  the old entry and its subtree. Missing parents are made 0755 root:root.
+- A parent that is a symlink in the tree so far is followed as a runtime would
+  inside the image's root: absolute targets start at the root, ``..`` stops at
+  the root, at most :data:`MAX_LINK_HOPS` links per name (a loop is
+  :class:`BadArchive`). The last component is never followed.
+- A hard link shares its target's inode (so a later layer that whites out or
+  replaces the first name leaves the link's content as it was); its target must
+  already be a non-directory in the tree, or the layer is :class:`BadArchive`.
+- Extended attributes other than ``security.capability`` and ``user.*`` are
+  dropped, as forkd.archive's ROOTFS policy drops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, BinaryIO
+
+import zstandard
+
+from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, UnsafeEntry, shown
+from forkd.archive.tar_format import Kind, Limits, Member, ReadFn, TarReader
+from forkd.archive.unpack import MAX_LINK_HOPS, ROOTFS_XATTR_PREFIXES
+from forkd.image_import.model import LayerBlob
+
+IMAGE_LIMITS = Limits(
+    max_entries=1_000_000,  # per layer, and in the merged tree
+    max_bytes=64 << 30,  # apparent bytes per layer and merged; stored bytes of all layers
+    max_header_bytes=1 << 20,
+    max_path_bytes=4096,
+    max_depth=256,
+)
+CHUNK = 256 << 10  # a file's content is copied, and checked for zeros, this much at a time
+MAX_ZERO_HOLES = 4096  # holes made of zero chunks in one file (a sparse map stays small)
+NAME_MAX = 255  # bytes in one component, as Linux and squashfs allow
+MAX_DEV_MAJOR = (1 << 12) - 1
+MAX_DEV_MINOR = (1 << 20) - 1
+MAX_ID = (1 << 32) - 2  # uid/gid; (1 << 32) - 1 is "no owner"
+ZSTD_MAX_WINDOW = 1 << 27  # zstd's default limit: a frame asking for more memory is refused
+OPAQUE = ".wh..wh..opq"
+WHITEOUT = ".wh."
+AUFS_META = ".wh..wh."
+_ZERO_CHUNK = bytes(CHUNK)
+_GZIP_MAGIC = b"\x1f\x8b"
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+_REFUSED_MAGIC = {b"\xfd7zXZ": "xz", b"BZh": "bzip2"}
+
+Progress = Callable[[str], None]
+
+
+class Node:
+    """One name in the tree. A directory, file, symlink, device or fifo is its own
+    inode; a hard link is a name whose ``extra`` is the inode it shares."""
+
+    __slots__ = ("extra", "gid", "kind", "layer", "mode", "mtime", "offset", "size", "uid",
+                 "xattrs")  # fmt: skip
+
+    def __init__(self, kind: Kind, layer: int, mode: int = 0o755, uid: int = 0, gid: int = 0,
+                 mtime: int = 0) -> None:  # fmt: skip
+        self.kind = kind
+        self.layer = layer  # the layer that wrote this name (-1: made implicitly before any)
+        self.mode = mode
+        self.uid = uid
+        self.gid = gid
+        self.mtime = mtime
+        self.xattrs: dict[str, bytes] | None = None
+        # DIRECTORY: dict of children; SYMLINK: target; devices: (major, minor);
+        # FILE: the data runs (offset in file, length) when sparse, else None;
+        # HARDLINK: the Node of the inode it names.
+        self.extra: object = {} if kind is Kind.DIRECTORY else None
+        self.size = 0  # a file's apparent size
+        self.offset = 0  # where a file's stored content starts in its layer's data file
+
+    @property
+    def children(self) -> dict[str, Node]:
+        assert self.kind is Kind.DIRECTORY
+        return self.extra  # type: ignore[return-value]
+
+    def inode(self) -> Node:
+        return self.extra if self.kind is Kind.HARDLINK else self  # type: ignore[return-value]
+
+
+class Tree:
+    """The merged image: its root, and the data files its regular files are read from."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.root = Node(Kind.DIRECTORY, -1)
+        self.entries = 0  # names beneath the root
+        self.data_paths: list[Path] = []  # one per layer, by index
+        self.stored_bytes = 0  # content copied into the data files, all layers
+        self._ints: dict[int, int] = {}  # one object per distinct mode, owner and time
+
+    def _int(self, value: int) -> int:
+        return self._ints.setdefault(value, value)
+
+    # ------------------------------------------------------------------ resolving
+
+    def resolve_dir(self, parts: Sequence[str], layer: int, create: bool) -> Node | None:
+        """The directory ``parts`` names, symlinks followed inside the root; missing ones
+        are made (``create``) or end the walk with None. A file where a directory must
+        be is :class:`BadArchive` when creating, None otherwise."""
+        pending = list(reversed(parts))
+        stack = [self.root]  # the directories walked, for '..'
+        hops = 0
+        while pending:
+            part = pending.pop()
+            if part in ("", "."):
+                continue
+            if part == "..":
+                if len(stack) > 1:
+                    stack.pop()
+                continue
+            here = stack[-1]
+            child = here.children.get(part)
+            if child is None:
+                if not create:
+                    return None
+                if len(stack) > self.limits.max_depth:
+                    raise ArchiveTooLarge(
+                        f"a path resolves more than {self.limits.max_depth} directories deep"
+                    )
+                _check_component(part)
+                child = Node(Kind.DIRECTORY, layer)
+                self._add(here, part, child)
+            inode = child.inode()
+            if inode.kind is Kind.SYMLINK:
+                hops += 1
+                if hops > MAX_LINK_HOPS:
+                    raise BadArchive(
+                        f"more than {MAX_LINK_HOPS} symbolic links resolving a path "
+                        f"(at {shown(part)}, a loop?)"
+                    )
+                target: str = inode.extra  # type: ignore[assignment]
+                if target.startswith("/"):
+                    del stack[1:]
+                pending.extend(reversed(target.split("/")))
+                continue
+            if inode.kind is not Kind.DIRECTORY:
+                if not create:
+                    return None
+                raise BadArchive(f"{shown(part)} is used as a directory but is not one")
+            if len(stack) > self.limits.max_depth:
+                raise ArchiveTooLarge(
+                    f"a path resolves more than {self.limits.max_depth} directories deep"
+                )
+            stack.append(child)
+        return stack[-1]
+
+    # ------------------------------------------------------------------ changing
+
+    def _add(self, parent: Node, name: str, node: Node) -> None:
+        old = parent.children.get(name)
+        if old is not None:
+            self._remove(parent, name)
+        self.entries += 1
+        if self.entries > self.limits.max_entries:
+            raise ArchiveTooLarge(f"the image has more than {self.limits.max_entries} entries")
+        parent.children[name] = node
+
+    def _remove(self, parent: Node, name: str) -> None:
+        removed = 0
+        todo = [parent.children.pop(name)]
+        while todo:
+            node = todo.pop()
+            removed += 1
+            if node.kind is Kind.DIRECTORY:
+                todo.extend(node.children.values())
+        self.entries -= removed
+
+    def hide_lower(self, parent: Node, name: str, layer: int) -> None:
+        """Delete what layers below ``layer`` put at ``parent/name``, keeping what
+        ``layer`` itself wrote there (and the directories leading to it)."""
+        node = parent.children[name]
+        if node.kind is Kind.DIRECTORY:
+            for child in list(node.children):
+                self.hide_lower(node, child, layer)
+            if node.layer == layer or node.children:
+                return
+        elif node.layer == layer:
+            return
+        self._remove(parent, name)
+
+    def _meta(self, node: Node, member: Member, layer: int) -> Node:
+        node.layer = layer
+        node.mode = self._int(member.mode)
+        node.uid = self._int(member.uid)
+        node.gid = self._int(member.gid)
+        node.mtime = self._int(member.mtime)
+        kept = {k: v for k, v in member.xattrs.items() if k.startswith(ROOTFS_XATTR_PREFIXES)}
+        node.xattrs = kept or None
+        return node
+
+    # ------------------------------------------------------------------ one entry
+
+    def apply(self, member: Member, reader: TarReader, layer: int, data: IO[bytes]) -> None:
+        """Merge one entry of layer number ``layer`` (its content copied into ``data``)."""
+        parts = entry_parts(member.name)
+        if member.uid > MAX_ID or member.gid > MAX_ID:
+            raise BadArchive(f"entry {shown(member.name)} has an owner out of range")
+        if not parts:
+            if member.kind is not Kind.DIRECTORY:
+                raise BadArchive(
+                    f"entry {shown(member.name)} names the root but is not a directory"
+                )
+            self._meta(self.root, member, layer)
+            return
+        if parts[0].startswith(AUFS_META) and parts != [OPAQUE]:
+            return  # AUFS's own bookkeeping (hard link stash, its metadata), not content
+        base = parts[-1]
+        if base.startswith(WHITEOUT):
+            self._whiteout(member.name, parts[:-1], base, layer)
+            return
+        parent = self.resolve_dir(parts[:-1], layer, create=True)
+        assert parent is not None
+        _check_component(base)
+        kind = member.kind
+        if kind is Kind.DIRECTORY:
+            old = parent.children.get(base)
+            if old is not None and old.kind is Kind.DIRECTORY:
+                self._meta(old, member, layer)
+                return
+            self._add(parent, base, self._meta(Node(kind, layer), member, layer))
+            return
+        if kind is Kind.HARDLINK:
+            self._add(parent, base, self._hardlink(member, layer))
+            return
+        node = self._meta(Node(kind, layer), member, layer)
+        if kind is Kind.FILE:
+            self._store(node, member, reader, data)
+        elif kind is Kind.SYMLINK:
+            if not member.linkname or "\0" in member.linkname:
+                raise BadArchive(f"entry {shown(member.name)} is a symlink with a bad target")
+            node.extra = member.linkname
+        elif kind in (Kind.CHAR_DEVICE, Kind.BLOCK_DEVICE):
+            if member.devmajor > MAX_DEV_MAJOR or member.devminor > MAX_DEV_MINOR:
+                raise BadArchive(f"entry {shown(member.name)} has a device number out of range")
+            node.extra = (member.devmajor, member.devminor)
+        self._add(parent, base, node)
+
+    def _whiteout(self, name: str, dir_parts: list[str], base: str, layer: int) -> None:
+        parent = self.resolve_dir(dir_parts, layer, create=False)
+        if base == OPAQUE:
+            if parent is not None:
+                for child in list(parent.children):
+                    self.hide_lower(parent, child, layer)
+            return
+        victim = base[len(WHITEOUT) :]
+        if victim in ("", ".", ".."):
+            raise UnsafeEntry(f"refusing whiteout {shown(name)}: it names no sibling")
+        if parent is not None and victim in parent.children:
+            self.hide_lower(parent, victim, layer)
+
+    def _hardlink(self, member: Member, layer: int) -> Node:
+        target_parts = entry_parts(member.linkname)
+        parent = self.resolve_dir(target_parts[:-1], layer, create=False) if target_parts else None
+        target = parent.children.get(target_parts[-1]) if parent is not None else None
+        if target is None:
+            raise BadArchive(
+                f"entry {shown(member.name)} is a hard link to {shown(member.linkname)}, "
+                "which is not in the image"
+            )
+        inode = target.inode()
+        if inode.kind is Kind.DIRECTORY:
+            raise BadArchive(f"entry {shown(member.name)} is a hard link to a directory")
+        link = Node(Kind.HARDLINK, layer)
+        link.extra = inode
+        return link
+
+    def _store(self, node: Node, member: Member, reader: TarReader, data: IO[bytes]) -> None:
+        """Copy a file's content into the layer's data file; whole chunks of zeros
+        become holes."""
+        node.size = member.size
+        node.offset = data.tell()
+        runs: list[tuple[int, int]] = []
+        holes = 0
+        for offset, piece in reader.chunks(CHUNK):
+            if len(piece) == CHUNK and holes < MAX_ZERO_HOLES and piece == _ZERO_CHUNK:
+                holes += 1
+                continue
+            self.stored_bytes += len(piece)
+            if self.stored_bytes > self.limits.max_bytes:
+                raise ArchiveTooLarge(
+                    f"the layers hold more than {self.limits.max_bytes} bytes of content "
+                    f"(at entry {shown(member.name)})"
+                )
+            data.write(piece)
+            if runs and sum(runs[-1]) == offset:
+                runs[-1] = (runs[-1][0], runs[-1][1] + len(piece))
+            else:
+                runs.append((offset, len(piece)))
+        dense = runs == [(0, member.size)] or (not runs and member.size == 0)
+        node.extra = None if dense else runs
+
+
+# ---------------------------------------------------------------------- names
+
+
+def entry_parts(name: str) -> list[str]:
+    """A name as components beneath the image's root: leading '/' and './', empty and
+    '.' components dropped (a container runtime confines them to the root too);
+    '..' or a NUL is refused."""
+    if "\0" in name:
+        raise BadArchive(f"refusing entry {shown(name)}: its name holds a NUL byte")
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeEntry(f"refusing entry {shown(name)}: its name climbs with '..'")
+    return parts
+
+
+def _check_component(part: str) -> None:
+    if len(part.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise BadArchive(f"a name component is longer than {NAME_MAX} bytes: {shown(part)}")
+
+
+# ---------------------------------------------------------------------- reading layers
+
+
+@contextlib.contextmanager
+def open_layer(path: Path, cap: int) -> Iterator[ReadFn]:
+    """A ``read(n)`` of the layer's tar stream, decompressed by what its first bytes say;
+    more than ``cap`` decompressed bytes is :class:`ArchiveTooLarge`."""
+    with open(path, "rb") as raw:
+        magic = raw.read(6)
+        raw.seek(0)
+        stream: BinaryIO
+        if magic.startswith(_GZIP_MAGIC):
+            stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
+        elif magic.startswith(_ZSTD_MAGIC):
+            decompressor = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+            stream = decompressor.stream_reader(raw, read_across_frames=True)  # type: ignore[assignment]
+        else:
+            for prefix, what in _REFUSED_MAGIC.items():
+                if magic.startswith(prefix):
+                    raise BadArchive(f"the layer is compressed with {what}, not gzip or zstd")
+            stream = raw
+        total = 0
+
+        def read(n: int) -> bytes:
+            nonlocal total
+            try:
+                piece = stream.read(n)
+            except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as exc:
+                raise BadArchive(f"the layer does not decompress: {exc}") from None
+            total += len(piece)
+            if total > cap:
+                raise ArchiveTooLarge(f"the layer decompresses to more than {cap} bytes")
+            return piece
+
+        with stream:
+            yield read
+
+
+def read_layers(
+    layers: Sequence[LayerBlob], work: Path, limits: Limits, progress: Progress | None = None
+) -> Tree:
+    """Merge ``layers`` (bottom first) into one tree; their content goes to data files in
+    ``work``. Errors name the layer's digest and the entry."""
+    tree = Tree(limits)
+    for index, layer in enumerate(layers):
+        if progress is not None:
+            progress(f"layer {index + 1}/{len(layers)} {_short(layer.digest)} {_mib(layer.size)}")
+        data_path = work / f"layer-{index}.data"
+        tree.data_paths.append(data_path)
+        try:
+            with open(data_path, "wb") as data:
+                reader = TarReader(lambda n: b"", limits)  # for its bound on the stream
+                with open_layer(layer.path, reader.max_stream) as read:
+                    reader = TarReader(read, limits)
+                    for member in reader:
+                        tree.apply(member, reader, index, data)
+        except ArchiveError as exc:
+            raise type(exc)(f"layer {index + 1}/{len(layers)} ({layer.digest}): {exc}") from None
+    return tree
+
+
+def _short(digest: str) -> str:
+    algorithm, _, hex_part = digest.partition(":")
+    return f"{algorithm}:{hex_part[:12]}…" if hex_part else digest[:20]
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):.0f} MiB" if n >= 1 << 20 else f"{n / 1024:.0f} KiB"

@@ -1,0 +1,297 @@
+"""An image's merged layers written as one squashfs root image, through ``tar2sqfs``.
+
+:func:`build_rootfs` is the door: the layers are merged in memory
+(:mod:`forkd.image_import.layers`), then the tree is written as one trusted tar
+stream, piped straight into ``tar2sqfs`` (Debian's squashfs-tools-ng), never onto
+the host's file system. The stream is pax: names in sorted order with every
+directory before its children, the first name of a hard-linked inode carrying its
+content and the others hard links to it, extended attributes as
+``SCHILY.xattr.*`` records (binary values as they are), devices and fifos, any
+owner and mode. A sparse file (or one with whole chunks of zeros) is written in
+GNU's pax sparse format 0.1 (``GNU.sparse.map``), which tar2sqfs reads, so its
+holes cross the pipe as a map, not as zeros; squashfs stores them as sparse
+blocks.
+
+The image is lz4-compressed, as forkd's own recipe images are (``mksquashfs -comp
+lz4``): the fastest of squashfs's compressors to read back in the guest. It is
+written under a temporary name beside ``out`` and renamed into place when whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import secrets
+import subprocess
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from forkd import hosttools
+from forkd.archive.errors import ArchiveTooLarge
+from forkd.archive.tar_format import Kind, Limits
+from forkd.errors import HostToolMissing, ImageError
+from forkd.image_import.layers import IMAGE_LIMITS, Node, Progress, Tree, read_layers
+from forkd.image_import.model import LayerBlob, RootfsStats
+
+TOOL = "tar2sqfs"
+PACKAGE = "squashfs-tools-ng"
+COMPRESSOR = "lz4"
+MAX_JOBS = 8  # tar2sqfs compressor threads
+BLOCK = 512
+FLUSH_AT = 1 << 20  # headers and small files are gathered into writes this large
+PIPE_SIZE = 1 << 20
+_TYPE = {
+    Kind.FILE: b"0", Kind.HARDLINK: b"1", Kind.SYMLINK: b"2", Kind.CHAR_DEVICE: b"3",
+    Kind.BLOCK_DEVICE: b"4", Kind.DIRECTORY: b"5", Kind.FIFO: b"6",
+}  # fmt: skip
+_OCTAL_MAX = {8: 0o7777777, 12: 0o77777777777}
+
+
+def build_rootfs(
+    layers: Sequence[LayerBlob],
+    out: Path,
+    work: Path,
+    *,
+    limits: Limits = IMAGE_LIMITS,
+    progress: Progress | None = None,
+) -> RootfsStats:
+    """Flatten ``layers`` (bottom first) into the squashfs image ``out``, using ``work``
+    (the caller's, removed by the caller) for scratch. Raises forkd.archive's errors
+    for a hostile or broken layer, :class:`HostToolMissing` without tar2sqfs; on any
+    failure ``out`` is not created."""
+    tool = _require_tool()
+    tree = read_layers(layers, work, limits, progress)
+    staged = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        entries, file_bytes = _write_image(tree, tool, staged, work, progress)
+        image_bytes = staged.stat().st_size
+        os.rename(staged, out)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            staged.unlink()
+        raise
+    if progress is not None:
+        progress(f"squashfs: {entries} entries, {image_bytes / (1 << 20):.0f} MiB")
+    return RootfsStats(
+        layers=len(layers), entries=entries, file_bytes=file_bytes, image_bytes=image_bytes
+    )
+
+
+def _require_tool() -> str:
+    try:
+        return hosttools.require(TOOL)
+    except HostToolMissing:
+        raise HostToolMissing(TOOL, PACKAGE) from None
+
+
+def _write_image(
+    tree: Tree, tool: str, staged: Path, work: Path, progress: Progress | None
+) -> tuple[int, int]:
+    """Run tar2sqfs on the tree's tar stream; (entries written, files' apparent bytes)."""
+    argv = [tool, "--compressor", COMPRESSOR, "--no-skip", "--quiet",
+            "--num-jobs", str(max(1, min(MAX_JOBS, os.cpu_count() or 1))), str(staged)]  # fmt: skip
+    log = work / "tar2sqfs.log"
+    with open(log, "w+b") as log_file:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, close_fds=True
+        )
+        assert proc.stdin is not None
+        counts: tuple[int, int] | None = None
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+            writer = _TarWriter(proc.stdin.fileno(), tree)
+            try:
+                counts = writer.write_all()
+            except BrokenPipeError:
+                pass  # tar2sqfs stopped reading: its exit status and log say why
+            finally:
+                writer.close()
+                proc.stdin.close()
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if code != 0 or counts is None:
+            log_file.seek(0)
+            tail = log_file.read()[-2000:].decode(errors="replace").strip()
+            raise ImageError(f"{TOOL} failed (exit {code}): {tail or 'it stopped reading'}")
+    return counts
+
+
+class _TarWriter:
+    """The tree as a pax tar stream on a descriptor: small pieces gathered, a large
+    file's content sent from its data file by the kernel (sendfile)."""
+
+    def __init__(self, fd: int, tree: Tree) -> None:
+        self.fd = fd
+        self.tree = tree
+        self.buffer = bytearray()
+        self.data_fds = [os.open(p, os.O_RDONLY | os.O_CLOEXEC) for p in tree.data_paths]
+
+    def close(self) -> None:
+        for fd in self.data_fds:
+            os.close(fd)
+
+    def write_all(self) -> tuple[int, int]:
+        first_name: dict[int, bytes] = {}  # id(inode) -> the name that carries it
+        entries = file_bytes = 0
+        self._entry(b"./", self.tree.root)
+        for path, node in walk(self.tree.root):
+            entries += 1
+            inode = node.inode()
+            if inode.kind is not Kind.DIRECTORY:
+                seen = first_name.get(id(inode))
+                if seen is not None:
+                    self._put(_header(path, b"1", 0o644, 0, 0, 0, 0, seen))
+                    continue
+                first_name[id(inode)] = path
+                if inode.kind is Kind.FILE:
+                    file_bytes += inode.size
+                    if file_bytes > self.tree.limits.max_bytes:
+                        raise ArchiveTooLarge(
+                            f"the image's files add up to more than "
+                            f"{self.tree.limits.max_bytes} bytes"
+                        )
+            self._entry(path, inode)
+        self._put(bytes(2 * BLOCK))
+        self._flush()
+        return entries, file_bytes
+
+    def _entry(self, path: bytes, node: Node) -> None:
+        kind = node.kind
+        records = [
+            (b"SCHILY.xattr." + key.encode("utf-8", "surrogateescape"), value)
+            for key, value in (node.xattrs or {}).items()
+        ]
+        link = b""
+        major = minor = stored = 0
+        if kind is Kind.SYMLINK:
+            link = node.extra.encode("utf-8", "surrogateescape")  # type: ignore[attr-defined]
+        elif kind in (Kind.CHAR_DEVICE, Kind.BLOCK_DEVICE):
+            major, minor = node.extra  # type: ignore[misc]
+        elif kind is Kind.FILE:
+            runs = _runs(node)
+            stored = sum(length for _, length in runs)
+            if node.extra is not None:
+                sparse_map = ",".join(f"{o},{n}" for o, n in [*runs, (node.size, 0)])
+                records += [(b"GNU.sparse.map", sparse_map.encode()),
+                            (b"GNU.sparse.size", str(node.size).encode())]  # fmt: skip
+        header = _header(path, _TYPE[kind], node.mode, node.uid, node.gid, node.mtime, stored,
+                         link, major, minor, records)  # fmt: skip
+        self._put(header)
+        if stored:
+            self._content(node, stored)
+
+    def _content(self, node: Node, stored: int) -> None:
+        fd = self.data_fds[node.layer]
+        if stored < FLUSH_AT:
+            piece = os.pread(fd, stored, node.offset)
+            if len(piece) != stored:
+                raise ImageError("a layer's data file is shorter than what was copied into it")
+            self._put(piece)
+        else:
+            self._flush()
+            offset, left = node.offset, stored
+            while left:
+                sent = os.sendfile(self.fd, fd, offset, min(left, 1 << 30))
+                if sent == 0:
+                    raise ImageError("a layer's data file is shorter than what was copied into it")
+                offset += sent
+                left -= sent
+        self._put(bytes(-stored % BLOCK))
+
+    def _put(self, data: bytes) -> None:
+        self.buffer += data
+        if len(self.buffer) >= FLUSH_AT:
+            self._flush()
+
+    def _flush(self) -> None:
+        done = 0
+        with memoryview(self.buffer) as view:
+            while done < len(view):
+                done += os.write(self.fd, view[done:])
+        self.buffer.clear()
+
+
+def walk(root: Node) -> Iterator[tuple[bytes, Node]]:
+    """Every name beneath ``root`` as (path, node): names sorted, each directory
+    before its children."""
+    stack: list[tuple[bytes, Iterator[tuple[str, Node]]]] = [
+        (b"", iter(sorted(root.children.items())))
+    ]
+    while stack:
+        prefix, children = stack[-1]
+        item = next(children, None)
+        if item is None:
+            stack.pop()
+            continue
+        name, node = item
+        path = prefix + name.encode("utf-8", "surrogateescape")
+        yield path, node
+        if node.kind is Kind.DIRECTORY:
+            stack.append((path + b"/", iter(sorted(node.children.items()))))
+
+
+def _runs(node: Node) -> list[tuple[int, int]]:
+    if node.extra is None:
+        return [(0, node.size)]
+    return node.extra  # type: ignore[return-value]
+
+
+# ---------------------------------------------------------------------- tar headers
+
+
+def _header(path: bytes, kind: bytes, mode: int, uid: int, gid: int, mtime: int, size: int,
+            link: bytes = b"", major: int = 0, minor: int = 0,
+            records: list[tuple[bytes, bytes]] | None = None) -> bytes:  # fmt: skip
+    """A ustar header, preceded by a pax header for what ustar cannot hold."""
+    pax = list(records or ())
+    if len(path) > 100:
+        pax.append((b"path", path))
+    if len(link) > 100:
+        pax.append((b"linkpath", link))
+    for key, value, width in ((b"uid", uid, 8), (b"gid", gid, 8), (b"size", size, 12),
+                              (b"mtime", mtime, 12)):  # fmt: skip
+        if value > _OCTAL_MAX[width]:
+            pax.append((key, str(value).encode()))
+    out = b""
+    if pax:
+        payload = b"".join(_record(key, value) for key, value in pax)
+        out = _block(b"././@PaxHeader", b"x", 0o644, 0, 0, 0, len(payload))
+        out += payload + bytes(-len(payload) % BLOCK)
+    return out + _block(path, kind, mode, uid, gid, mtime, size, link, major, minor)
+
+
+def _record(key: bytes, value: bytes) -> bytes:
+    """``LEN key=value\\n``, LEN counting the whole record, its own digits included."""
+    body = len(key) + len(value) + 3  # " ", "=", "\n"
+    length = body + len(str(body))
+    if len(str(length)) != len(str(body)):
+        length += 1
+    return b"%d %s=%s\n" % (length, key, value)
+
+
+def _block(path: bytes, kind: bytes, mode: int, uid: int, gid: int, mtime: int, size: int,
+           link: bytes = b"", major: int = 0, minor: int = 0) -> bytes:  # fmt: skip
+    block = bytearray(BLOCK)
+    block[0:100] = path[:100].ljust(100, b"\0")
+    block[100:108] = _octal(mode & 0o7777, 8)
+    block[108:116] = _octal(min(uid, _OCTAL_MAX[8]), 8)
+    block[116:124] = _octal(min(gid, _OCTAL_MAX[8]), 8)
+    block[124:136] = _octal(min(size, _OCTAL_MAX[12]), 12)
+    block[136:148] = _octal(min(mtime, _OCTAL_MAX[12]), 12)
+    block[148:156] = b" " * 8
+    block[156:157] = kind
+    block[157:257] = link[:100].ljust(100, b"\0")
+    block[257:265] = b"ustar\x0000"
+    block[329:337] = _octal(major, 8)
+    block[337:345] = _octal(minor, 8)
+    block[148:156] = b"%06o\0 " % sum(block)
+    return bytes(block)
+
+
+def _octal(value: int, width: int) -> bytes:
+    return b"%0*o\0" % (width - 1, value)
