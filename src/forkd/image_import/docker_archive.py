@@ -1,0 +1,178 @@
+"""Images in ``docker save`` archives (from a file, or as the local Docker Engine exports
+them): ``manifest.json``'s image, its config, and its layers checked against the config.
+
+``manifest.json`` gives a layer by its place in the archive, with no digest: each
+is hashed as it is copied into the store (through its decompression, when it
+is gzip or zstd, as newer Docker saves may hold) and must match the config's
+``rootfs.diff_ids``; a config named by its digest must match that too. The
+archive is read through :class:`~forkd.image_import.local_sources.TarFiles`,
+never unpacked. A layer the store holds already as its plain tar is not read
+again.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import posixpath
+import zlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import zstandard
+
+from forkd.errors import Invalid, NotFound
+from forkd.image_import import manifests
+from forkd.image_import.blob_store import BlobStore
+from forkd.image_import.fetch import Meter, Say, short_digest
+from forkd.image_import.local_sources import PIECE, TarFiles, read_small
+from forkd.image_import.model import FetchedImage, LayerBlob
+from forkd.oci.reference import DIGEST
+
+MAX_UNPACKED_LAYER = 1 << 40  # a layer hashed through its decompression
+
+
+def import_docker_archive(
+    files: TarFiles, tag: str | None, store: BlobStore, reference: str, say: Say
+) -> FetchedImage:
+    """The image of a ``docker save`` archive (the one it holds, or the one tagged ``tag``)."""
+    say("manifest")
+    entry = _docker_entry(files, tag, reference)
+    config_name, layer_names = entry["Config"], entry["Layers"]
+    config_data = read_small(files, config_name)
+    config_digest = "sha256:" + hashlib.sha256(config_data).hexdigest()
+    named = _named_digest(config_name)
+    if named is not None and named != config_digest:
+        raise Invalid(f"{reference}: the config {config_name} does not match its name")
+    parsed = manifests.parse_config(config_data, len(layer_names), f"the config of {reference}")
+    fetched = reused = 0
+    layers: list[LayerBlob] = []
+    for i, (name, diff_id) in enumerate(zip(layer_names, parsed.diff_ids, strict=True), 1):
+        label = f"layer {i}/{len(layer_names)} {short_digest(diff_id)}"
+        held = store.path(diff_id)  # the plain tar, whatever the archive holds it as
+        if held is not None:
+            size = held.stat().st_size
+            say(f"{label} cached ({size / (1 << 20):.1f} MiB)")
+            layers.append(LayerBlob(diff_id, size, manifests.OCI_LAYER, held))
+            reused += size
+            continue
+        with files.open(name) as (size, chunks), store.writer(_named_digest(name), size) as w:
+            media_type = copy_checking_diff_id(chunks, Meter(w, label, say).write, diff_id,
+                                               f"{reference}'s layer {i} ({name})")  # fmt: skip
+            digest, held = w.commit()
+        layers.append(LayerBlob(digest, size, media_type, held))
+        fetched += size
+    if not store.has(config_digest):
+        store.put(config_data, config_digest)
+        fetched += len(config_data)
+    manifest = json.dumps({
+        "schemaVersion": 2, "mediaType": manifests.OCI_MANIFEST,
+        "config": {"mediaType": manifests.OCI_CONFIG, "digest": config_digest,
+                   "size": len(config_data)},
+        "layers": [{"mediaType": b.media_type, "digest": b.digest, "size": b.size}
+                   for b in layers],
+    }, sort_keys=True, separators=(",", ":")).encode()  # fmt: skip
+    return FetchedImage(
+        reference=reference,
+        manifest_digest=store.put(manifest),
+        config_digest=config_digest,
+        config=parsed.config,
+        layers=tuple(layers),
+        bytes_fetched=fetched,
+        bytes_reused=reused,
+    )
+
+
+def _docker_entry(files: TarFiles, tag: str | None, reference: str) -> dict[str, Any]:
+    what = f"the manifest.json of {reference}"
+    doc = manifests.load_json(read_small(files, "manifest.json"), what)
+    if not isinstance(doc, list) or not doc or len(doc) > manifests.MAX_INDEX_ENTRIES:
+        raise Invalid(f"{what} is not a list of 1 to {manifests.MAX_INDEX_ENTRIES} images")
+    for entry in doc:
+        ok = isinstance(entry, dict) and isinstance(entry.get("Config"), str)
+        layers = entry.get("Layers") if ok else None
+        if not isinstance(layers, list) or not all(isinstance(n, str) for n in layers):
+            raise Invalid(f"{what} has an image without a Config and a list of Layers")
+        if len(layers) > manifests.MAX_LAYERS:
+            raise Invalid(f"{what} has an image of {len(layers)} layers; at most 256")
+    tags = [t for e in doc if isinstance(e.get("RepoTags"), list)
+            for t in e["RepoTags"] if isinstance(t, str)]  # fmt: skip
+    if tag is None:
+        if len(doc) == 1:
+            return doc[0]
+        raise Invalid(f"{reference} holds {len(doc)} images: name one with :IMAGE:TAG "
+                      f"(tags: {', '.join(tags[:20]) or 'none'})")  # fmt: skip
+    wanted = {tag} if ":" in tag.rsplit("/", 1)[-1] else {tag, f"{tag}:latest"}
+    for entry in doc:
+        if wanted & set(t for t in entry.get("RepoTags") or () if isinstance(t, str)):
+            return entry
+    raise NotFound(f"{reference}: no image tagged {tag!r} (tags: {', '.join(tags[:20]) or 'none'})")
+
+
+def _named_digest(name: str) -> str | None:
+    """The digest a member's name states: ``blobs/sha256/<hex>``, ``<hex>.json``."""
+    base = posixpath.basename(name).removesuffix(".json")
+    parent = posixpath.basename(posixpath.dirname(name))
+    if parent == "sha256" or name.endswith(".json"):
+        digest = f"sha256:{base}"
+        return digest if DIGEST.fullmatch(digest) else None
+    return None
+
+
+class _Tee:
+    """A file-like reader of chunks that hands every byte read to ``write`` as well."""
+
+    def __init__(self, chunks: Iterator[bytes], write: Callable[[bytes], None]) -> None:
+        self._chunks, self._write = chunks, write
+        self._buffer = b""
+
+    def peek(self, n: int) -> bytes:
+        while len(self._buffer) < n:
+            piece = next(self._chunks, b"")
+            if not piece:
+                break
+            self._buffer += piece
+        return self._buffer[:n]
+
+    def read(self, n: int = -1) -> bytes:
+        if not self._buffer:
+            self._buffer = next(self._chunks, b"")
+        n = len(self._buffer) if n is None or n < 0 else n
+        piece, self._buffer = self._buffer[:n], self._buffer[n:]
+        if piece:
+            self._write(piece)
+        return piece
+
+    def drain(self) -> None:
+        while self.read(PIECE):
+            pass
+
+
+def copy_checking_diff_id(
+    chunks: Iterator[bytes], write: Callable[[bytes], None], diff_id: str, what: str
+) -> str:
+    """Copy a layer to ``write``, hashing it as the tar it holds (decompressed); its media
+    type. :class:`Invalid` when that tar is not ``diff_id``."""
+    tee = _Tee(chunks, write)
+    head = tee.peek(4)
+    stream: Any = tee
+    media_type = manifests.OCI_LAYER
+    if head.startswith(b"\x1f\x8b"):
+        stream, media_type = gzip.GzipFile(fileobj=tee, mode="rb"), f"{manifests.OCI_LAYER}+gzip"
+    elif head.startswith(b"\x28\xb5\x2f\xfd"):
+        stream = zstandard.ZstdDecompressor().stream_reader(tee, read_across_frames=True)
+        media_type = f"{manifests.OCI_LAYER}+zstd"
+    h, total = hashlib.sha256(), 0
+    try:
+        while piece := stream.read(PIECE):
+            h.update(piece)
+            total += len(piece)
+            if total > MAX_UNPACKED_LAYER:
+                raise Invalid(f"{what} unpacks to more than {MAX_UNPACKED_LAYER} bytes")
+        tee.drain()
+    except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
+        raise Invalid(f"{what} is not a valid compressed tar ({exc})") from None
+    if "sha256:" + h.hexdigest() != diff_id:
+        raise Invalid(f"{what} does not match the config's diff_id {diff_id}: refused")
+    return media_type

@@ -1,0 +1,200 @@
+"""Getting an image from wherever its reference says into the blob store, every byte checked:
+:func:`fetch_image`.
+
+A registry, an OCI layout (a directory or an archive) and a ``docker save``
+archive (from a file or from the Docker Engine) each answer the same few
+questions (:class:`Source`): the manifest the reference names, a small blob,
+a layer streamed. One flow (:func:`import_manifest`) then walks an index to
+its linux/amd64 manifest, checks the manifest and its config, and copies into
+the store only the blobs it lacks: a layer held already is not fetched again,
+so a second import of an image reads its manifest alone and an image that
+shares base layers with another reads only its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from forkd.errors import ForkdError, Invalid, UpstreamError
+from forkd.image_import import manifests, references
+from forkd.image_import.blob_store import BlobStore, BlobWriter
+from forkd.image_import.manifests import Descriptor, ImageIndex, ImageManifest
+from forkd.image_import.model import FetchedImage, LayerBlob
+from forkd.oci import auth
+from forkd.oci.policy import RegistryPolicy
+from forkd.oci.registry import Registry
+
+MAX_INDEX_HOPS = 2  # an index may name an index (an OCI layout's index.json, then a list)
+PROGRESS_EVERY_BYTES = 16 << 20
+PROGRESS_EVERY_SECS = 1.0
+MIB = 1 << 20
+
+Say = Callable[[str], None]
+CredentialsFor = Callable[[str], auth.Credentials | None]
+
+
+def fetch_image(
+    text: str,
+    store: BlobStore,
+    *,
+    policy: RegistryPolicy,
+    credentials_for: CredentialsFor = auth.from_docker_config,
+    docker_host: str | None = None,
+    progress: Say | None = None,
+) -> FetchedImage:
+    """Fetch the image ``text`` names into ``store``, checked; what it holds and what the
+    import read. Raises :class:`Invalid` (a malformed reference or image),
+    :class:`NotFound` (no such image, repository, tag or file), ``UpstreamRefused``
+    (credentials), :class:`UpstreamError` (a registry unreachable or lying),
+    :class:`Unavailable` (no Docker Engine); a failed import leaves nothing behind but
+    whole, checked blobs."""
+    say: Say = progress or (lambda _msg: None)
+    source = references.parse(text, policy)
+    if isinstance(source, references.RegistryImage):
+        ref = source.ref
+        with Registry(ref, policy=policy, credentials=credentials_for(ref.registry)) as reg:
+            return import_manifest(RegistrySource(reg), store, str(source), say)
+    from forkd.image_import import local_sources  # files on this host, and the Docker Engine
+
+    return local_sources.fetch(source, store, say, docker_host=docker_host)
+
+
+class Source(Protocol):
+    """Where an image's manifests and blobs are read from."""
+
+    # What a blob that is not what its descriptor says raises: a registry's lie is
+    # UpstreamError (502), a file's is Invalid (400).
+    error: type[ForkdError]
+
+    def top(self) -> tuple[bytes, str, str]:
+        """The manifest or index the reference names: bytes, digest, media type ("" if
+        the source does not say)."""
+        ...
+
+    def read(self, desc: Descriptor) -> bytes:
+        """A small blob (a manifest, a config), checked against ``desc``."""
+        ...
+
+    def copy(self, desc: Descriptor, write: Callable[[bytes], None]) -> None:
+        """A blob handed to ``write`` piece by piece; ``write`` checks it."""
+        ...
+
+
+class RegistrySource:
+    error = UpstreamError
+
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    def top(self) -> tuple[bytes, str, str]:
+        return self.registry.get_image_manifest(self.registry.ref.reference)
+
+    def read(self, desc: Descriptor) -> bytes:
+        if desc.media_type in manifests.ACCEPTED:
+            data, _, _ = self.registry.get_image_manifest(desc.digest)  # checked by digest
+            if len(data) != desc.size:
+                raise UpstreamError(
+                    f"registry {self.registry.ref.registry} sent manifest {desc.digest} "
+                    f"of {len(data)} bytes where {desc.size} were stated: refusing it"
+                )
+            return data
+        return self.registry.get_blob(desc.digest, desc.size)
+
+    def copy(self, desc: Descriptor, write: Callable[[bytes], None]) -> None:
+        self.registry.stream_blob(desc.digest, desc.size, write)
+
+
+def import_manifest(source: Source, store: BlobStore, reference: str, say: Say) -> FetchedImage:
+    """The image the source's reference names, into ``store``: its index walked to the
+    linux/amd64 manifest, that manifest, its config and its layers checked and stored."""
+    say("manifest")
+    data, digest, media_type = source.top()
+    fetched = len(data)
+    what = f"the manifest of {reference}"
+    doc = manifests.parse_manifest(data, media_type, what)
+    for _ in range(MAX_INDEX_HOPS + 1):
+        if not isinstance(doc, ImageIndex):
+            break
+        desc = manifests.pick_platform(doc, what)
+        data, digest = source.read(desc), desc.digest
+        fetched += len(data)
+        what = f"manifest {desc.digest} of {reference}"
+        doc = manifests.parse_manifest(data, desc.media_type, what)
+    if not isinstance(doc, ImageManifest):
+        raise Invalid(f"{reference} names indexes more than {MAX_INDEX_HOPS} deep")
+    config_data = store.read(doc.config.digest, manifests.MAX_DOCUMENT_BYTES)
+    config_held = config_data is not None and len(config_data) == doc.config.size
+    reused = 0
+    if config_data is None or not config_held:
+        say("config")
+        config_data = source.read(doc.config)
+        fetched += len(config_data)
+    else:
+        reused += len(config_data)
+    parsed = manifests.parse_config(config_data, len(doc.layers), f"the config of {reference}")
+    layers, layer_fetched, layer_reused = copy_layers(source, store, doc.layers, say)
+    # Kept last: a manifest in the store is one whose config and layers are there too.
+    if not config_held:
+        store.put(config_data, doc.config.digest, error=source.error)
+    store.put(data, digest, error=source.error)
+    return FetchedImage(
+        reference=reference,
+        manifest_digest=digest,
+        config_digest=doc.config.digest,
+        config=parsed.config,
+        layers=layers,
+        bytes_fetched=fetched + layer_fetched,
+        bytes_reused=reused + layer_reused,
+    )
+
+
+def copy_layers(
+    source: Source, store: BlobStore, descs: tuple[Descriptor, ...], say: Say
+) -> tuple[tuple[LayerBlob, ...], int, int]:
+    """Each layer the store lacks copied into it; the layers, bytes fetched, bytes reused."""
+    layers: list[LayerBlob] = []
+    fetched = reused = 0
+    for i, desc in enumerate(descs, 1):
+        label = f"layer {i}/{len(descs)} {short_digest(desc.digest)}"
+        held = store.path(desc.digest)
+        if held is not None and held.stat().st_size == desc.size:
+            say(f"{label} cached ({desc.size / MIB:.1f} MiB)")
+            reused += desc.size
+        else:
+            with store.writer(desc.digest, desc.size, error=source.error) as w:
+                source.copy(desc, Meter(w, label, say).write)
+                _, held = w.commit()
+            fetched += desc.size
+        layers.append(LayerBlob(desc.digest, desc.size, desc.media_type, held))
+    return tuple(layers), fetched, reused
+
+
+class Meter:
+    """A blob writer that says how far it got, every few MiB or seconds and at the end."""
+
+    def __init__(self, writer: BlobWriter, label: str, say: Say) -> None:
+        self.writer, self.label, self.say = writer, label, say
+        self._said_bytes, self._said_at = 0, time.monotonic()
+        say(self._line())
+
+    def write(self, data: bytes) -> None:
+        self.writer.write(data)
+        now = time.monotonic()
+        done = self.writer.written
+        if (
+            done == self.writer.size
+            or done - self._said_bytes >= PROGRESS_EVERY_BYTES
+            or now - self._said_at >= PROGRESS_EVERY_SECS
+        ):
+            self._said_bytes, self._said_at = done, now
+            self.say(self._line())
+
+    def _line(self) -> str:
+        w = self.writer
+        return f"{self.label} {w.written / MIB:.1f}/{w.size / MIB:.1f} MiB"
+
+
+def short_digest(digest: str) -> str:
+    return digest[:19] + "…"
