@@ -276,7 +276,7 @@ class Tree:
             self.hide_lower(parent, victim, layer)
 
     def _hardlink(self, member: Member, layer: int) -> Node:
-        target_parts = entry_parts(member.linkname)
+        target_parts = entry_parts(member.linkname, link_of=member.name)
         parent = self.resolve_dir(target_parts[:-1], layer, create=False) if target_parts else None
         target = parent.children.get(target_parts[-1]) if parent is not None else None
         if target is None:
@@ -320,15 +320,16 @@ class Tree:
 # ---------------------------------------------------------------------- names
 
 
-def entry_parts(name: str) -> list[str]:
-    """A name as components beneath the image's root: leading '/' and './', empty and
-    '.' components dropped (a container runtime confines them to the root too);
-    '..' or a NUL is refused."""
+def entry_parts(name: str, link_of: str = "") -> list[str]:
+    """A name (or ``link_of``'s hard link target) as components beneath the image's
+    root: leading '/' and './', empty and '.' components dropped (a container runtime
+    confines them to the root too); '..' or a NUL is refused."""
+    what = f"entry {shown(link_of)}: its hard link target" if link_of else "entry"
     if "\0" in name:
-        raise BadArchive(f"refusing entry {shown(name)}: its name holds a NUL byte")
+        raise BadArchive(f"refusing {what} {shown(name)}: it holds a NUL byte")
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
-        raise UnsafeEntry(f"refusing entry {shown(name)}: its name climbs with '..'")
+        raise UnsafeEntry(f"refusing {what} {shown(name)}: it climbs with '..'")
     return parts
 
 
