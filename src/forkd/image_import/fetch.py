@@ -138,7 +138,8 @@ def import_manifest(source: Source, store: BlobStore, reference: str, say: Say) 
     # Kept last: a manifest in the store is one whose config and layers are there too.
     if not config_held:
         store.put(config_data, doc.config.digest, error=source.error)
-    store.put(data, digest, error=source.error)
+    if not store.has(digest):
+        store.put(data, digest, error=source.error)
     return FetchedImage(
         reference=reference,
         manifest_digest=digest,
@@ -193,6 +194,8 @@ class Meter:
 
     def _line(self) -> str:
         w = self.writer
+        if w.size < MIB:
+            return f"{self.label} {w.written / 1024:.1f}/{w.size / 1024:.1f} KiB"
         return f"{self.label} {w.written / MIB:.1f}/{w.size / MIB:.1f} MiB"
 
 
