@@ -453,6 +453,10 @@ def _stop(root: Path, run_dir: Path) -> None:
         _signal_and_wait(stray, signal.SIGKILL, 10)
     for target in _mounts_under(root / "data", run_dir):
         subprocess.run(["umount", "-l", target], capture_output=True, check=False)
+    if not _mounts_under(run_dir):
+        # Its pid files would name processes gone (or zombies nobody reaped yet), which a
+        # new dockerd would wait on for ever; a stopped daemon needs none of its run state.
+        shutil.rmtree(run_dir / "exec", ignore_errors=True)
     for name in ("docker.sock", "dockerd.pid"):
         (run_dir / name).unlink(missing_ok=True)
 
@@ -467,10 +471,18 @@ def _signal_and_wait(pid: int, sig: int, seconds: float) -> bool:
         if child is not None and child.poll() is not None:
             _children.pop(pid, None)
             return True
-        if child is None and not Path(f"/proc/{pid}").exists():
+        if child is None and _gone(pid):
             return True
         time.sleep(0.05)
     return False
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only a zombie its parent has not reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def _processes_naming(text: str) -> list[int]:
