@@ -113,6 +113,7 @@ class Tree:
         self.entries = 0  # names beneath the root
         self.data_paths: list[Path] = []  # one per layer, by index
         self.stored_bytes = 0  # content copied into the data files, all layers
+        self.linked: set[Node] = set()  # inodes some hard link names (by identity)
         self._ints: dict[int, int] = {}  # one object per distinct mode, owner and time
 
     def _int(self, value: int) -> int:
@@ -289,6 +290,7 @@ class Tree:
             raise BadArchive(f"entry {shown(member.name)} is a hard link to a directory")
         link = Node(Kind.HARDLINK, layer)
         link.extra = inode
+        self.linked.add(inode)
         return link
 
     def _store(self, node: Node, member: Member, reader: TarReader, data: IO[bytes]) -> None:

@@ -136,25 +136,25 @@ class _TarWriter:
             os.close(fd)
 
     def write_all(self) -> tuple[int, int]:
-        first_name: dict[int, bytes] = {}  # id(inode) -> the name that carries it
+        linked = self.tree.linked
+        first_name: dict[Node, bytes] = {}  # a hard-linked inode -> the name carrying it
         entries = file_bytes = 0
         self._entry(b"./", self.tree.root)
         for path, node in walk(self.tree.root):
             entries += 1
             inode = node.inode()
-            if inode.kind is not Kind.DIRECTORY:
-                seen = first_name.get(id(inode))
+            if inode in linked:
+                seen = first_name.get(inode)
                 if seen is not None:
                     self._put(_header(path, b"1", 0o644, 0, 0, 0, 0, seen))
                     continue
-                first_name[id(inode)] = path
-                if inode.kind is Kind.FILE:
-                    file_bytes += inode.size
-                    if file_bytes > self.tree.limits.max_bytes:
-                        raise ArchiveTooLarge(
-                            f"the image's files add up to more than "
-                            f"{self.tree.limits.max_bytes} bytes"
-                        )
+                first_name[inode] = path
+            if inode.kind is Kind.FILE:
+                file_bytes += inode.size
+                if file_bytes > self.tree.limits.max_bytes:
+                    raise ArchiveTooLarge(
+                        f"the image's files add up to more than {self.tree.limits.max_bytes} bytes"
+                    )
             self._entry(path, inode)
         self._put(bytes(2 * BLOCK))
         self._flush()
@@ -219,20 +219,20 @@ class _TarWriter:
 def walk(root: Node) -> Iterator[tuple[bytes, Node]]:
     """Every name beneath ``root`` as (path, node): names sorted, each directory
     before its children."""
-    stack: list[tuple[bytes, Iterator[tuple[str, Node]]]] = [
-        (b"", iter(sorted(root.children.items())))
+    stack: list[tuple[bytes, dict[str, Node], Iterator[str]]] = [
+        (b"", root.children, iter(sorted(root.children)))
     ]
     while stack:
-        prefix, children = stack[-1]
-        item = next(children, None)
-        if item is None:
+        prefix, children, names = stack[-1]
+        name = next(names, None)
+        if name is None:
             stack.pop()
             continue
-        name, node = item
+        node = children[name]
         path = prefix + name.encode("utf-8", "surrogateescape")
         yield path, node
         if node.kind is Kind.DIRECTORY:
-            stack.append((path + b"/", iter(sorted(node.children.items()))))
+            stack.append((path + b"/", node.children, iter(sorted(node.children))))
 
 
 def _runs(node: Node) -> list[tuple[int, int]]:
