@@ -208,7 +208,7 @@ class DockerDaemon:
         for base in re.findall(r"(?im)^\s*FROM\s+(?:--\S+\s+)*(\S+)", dockerfile.read_text()):
             if base in BASE_IMAGES:
                 self.base_image(base)
-        argv = ["build", "--network", "none", "--tag", tag, "--file", str(dockerfile)]
+        argv = ["build", "--network", "none", "--force-rm", "--tag", tag, "--file", str(dockerfile)]
         for key, value in (build_args or {}).items():
             argv += ["--build-arg", f"{key}={value}"]
         self.check(*argv, str(context_dir))

@@ -117,6 +117,16 @@ def test_an_archive_over_the_cap_is_refused_and_leaves_nothing(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_without_docker_io_the_fixture_skips_saying_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(docker_daemon, "_docker_cli", lambda: None)
+    with pytest.raises(pytest.skip.Exception, match=r"apt-get install docker\.io"):
+        next(docker_daemon.daemon_or_skip(tmp_path / "root"))
+    assert not (tmp_path / "root").exists()
+
+
 def test_a_missing_socket_is_unavailable_naming_it(tmp_path: Path) -> None:
     sock = tmp_path / "docker.sock"
     with pytest.raises(Unavailable, match=f"unix://{sock}: the socket does not exist"):
