@@ -260,6 +260,7 @@ class Served:
     routes: dict[str, tuple[int, str, bytes]] = field(default_factory=dict)
     requests: list[str] = field(default_factory=list)
     length: dict[str, int] = field(default_factory=dict)  # a Content-Length that lies
+    headers: list[dict[str, str]] = field(default_factory=list)  # of each request
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -267,8 +268,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         self.served.requests.append(self.path)
+        self.served.headers.append(dict(self.headers))
         status, kind, body = self.served.routes.get(self.path, (404, "text/plain", b"{}"))
         self.send_response(status)
+        if status == 307:  # the body names where to
+            self.send_header("Location", body.decode())
+            body = b""
         self.send_header("Content-Type", kind)
         self.send_header("Content-Length", str(self.served.length.get(self.path, len(body))))
         self.end_headers()
@@ -430,3 +435,20 @@ def test_a_config_whose_diff_ids_do_not_count_the_layers_is_refused(
     _serve(served, img)
     assert "diff_ids" in _fails(address, store, Invalid)
     assert not store.has(lay.digest)
+
+
+def test_a_layer_redirected_to_blob_storage_is_streamed_from_there_without_credentials(
+    liar: tuple[str, Served], store: BlobStore
+) -> None:
+    address, served = liar
+    lay = oi.layer({"big": bytes(3 << 20)}, "none")
+    img = oi.image([lay])
+    _serve(served, img)
+    served.routes["/storage/blob?signed=1"] = served.routes[f"/v2/lie/blobs/{lay.digest}"]
+    served.routes[f"/v2/lie/blobs/{lay.digest}"] = (307, "x", b"/storage/blob?signed=1")
+    got = fetch_image(f"{address}/lie:1", store, policy=RegistryPolicy.of([address]),
+                      credentials_for=lambda _r: Credentials(bearer="tok"))  # fmt: skip
+    assert got.layers[0].path.read_bytes() == lay.data
+    asked = dict(zip(served.requests, served.headers, strict=True))
+    assert asked[f"/v2/lie/blobs/{lay.digest}"].get("Authorization") == "Bearer tok"
+    assert "Authorization" not in asked["/storage/blob?signed=1"]
