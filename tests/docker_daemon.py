@@ -2,17 +2,11 @@
 data root and exec root, touching no host networking, shared by the test processes
 that use it at once, with base images made once and kept (there is no Docker Hub here).
 
-Use it from a test module as a session fixture::
-
-    @pytest.fixture(scope="session")
-    def dockerd() -> Iterator[DockerDaemon]:
-        yield from docker_daemon.daemon_or_skip()
-
-and ``dockerd.base_image("forkd-test/debian:12")``, ``dockerd.build(context, "app:1")``.
+A test module takes it as a session fixture (``yield from daemon_or_skip()``), then
+``dockerd.base_image("forkd-test/debian:12")``, ``dockerd.build(context, "app:1")``.
 Where dockerd cannot run (docker.io missing, not root, no cgroups, or it fails to
-start) the test is skipped with the reason. The data root is
-``$FORKD_TEST_DOCKER_ROOT`` or ``~/.cache/forkd/test-docker``; the daemon's own log,
-the storage driver it chose among them, is ``dockerd.log`` there.
+start) the test is skipped saying why. The data root is ``$FORKD_TEST_DOCKER_ROOT``
+or ``~/.cache/forkd/test-docker``; ``dockerd.log`` there names the storage driver used.
 
 Sharing: starting happens under ``start.lock``; each user holds ``users.lock`` shared
 while it uses the daemon, and the last to leave (the one that then gets it exclusive)
@@ -160,7 +154,8 @@ class DockerDaemon:
     def check(self, *args: str, stdin: IO[bytes] | None = None) -> str:
         proc = self.run(*args, stdin=stdin)
         if proc.returncode != 0:
-            raise RuntimeError(f"docker {' '.join(args)} exited {proc.returncode}: {_tail(proc)}")
+            tail = (proc.stderr + proc.stdout).strip()[-3000:]
+            raise RuntimeError(f"docker {' '.join(args)} exited {proc.returncode}: {tail}")
         return proc.stdout
 
     def image_label(self, name: str, label: str) -> str | None:
@@ -221,10 +216,6 @@ def _cli_env(root: Path) -> dict[str, str]:
     return env
 
 
-def _tail(proc: subprocess.CompletedProcess[str]) -> str:
-    return ((proc.stderr or "") + (proc.stdout or "")).strip()[-3000:]
-
-
 def _mmdebstrap(base: BaseImage, out: IO[bytes]) -> None:
     """Debian 12 minbase with ``base.include``, as a tar, into ``out`` (the Debian mirror)."""
     tool = shutil.which("mmdebstrap")
@@ -232,12 +223,10 @@ def _mmdebstrap(base: BaseImage, out: IO[bytes]) -> None:
         raise DockerUnavailable("mmdebstrap not found: apt-get install mmdebstrap")
     argv = [tool, "--quiet", "--variant=minbase", f"--include={base.include}", "--format=tar"]
     argv += [*base.options, "bookworm", "-"]
-    with tempfile.TemporaryFile() as errors:
-        proc = subprocess.run(argv, stdout=out, stderr=errors, timeout=BUILD_SECS, check=False)
-        if proc.returncode != 0:
-            errors.seek(0)
-            tail = errors.read().decode(errors="replace")[-3000:]
-            raise RuntimeError(f"mmdebstrap exited {proc.returncode}: {tail}")
+    proc = subprocess.run(argv, stdout=out, stderr=subprocess.PIPE, timeout=BUILD_SECS)
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace")[-3000:]
+        raise RuntimeError(f"mmdebstrap exited {proc.returncode}: {tail}")
 
 
 _BUSYBOX = Path("/bin/busybox")
@@ -457,8 +446,10 @@ def _stop(root: Path, run_dir: Path) -> None:
         # Its pid files would name processes gone (or zombies nobody reaped yet), which a
         # new dockerd would wait on for ever; a stopped daemon needs none of its run state.
         shutil.rmtree(run_dir / "exec", ignore_errors=True)
-    for name in ("docker.sock", "dockerd.pid"):
+    for name in ("docker.sock", "dockerd.pid", "daemon.json"):
         (run_dir / name).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        run_dir.rmdir()
 
 
 def _signal_and_wait(pid: int, sig: int, seconds: float) -> bool:
