@@ -185,7 +185,10 @@ class TarFiles:
     def _chunks(self, offset: int, size: int, name: str) -> Iterator[bytes]:
         end = offset + size
         while offset < end:
-            piece = os.pread(self._fd, min(PIECE, end - offset), offset)
+            try:
+                piece = os.pread(self._fd, min(PIECE, end - offset), offset)
+            except OSError as exc:
+                raise Invalid(f"{self.what} cannot be read ({exc.strerror})") from None
             if not piece:
                 raise Invalid(f"{self.what} ends in the middle of {name!r}")
             offset += len(piece)
