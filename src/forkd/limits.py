@@ -30,6 +30,7 @@ BOOT_TIMEOUT_SECS = 90.0  # cold boot until the agent answers
 MAX_BOOT_TIMEOUT_SECS = 3600.0
 RESTORE_TIMEOUT_SECS = 30.0  # fork until the agent answers
 SETUP_TIMEOUT_SECS = 900.0  # each template setup command and warm-up
+READY_TIMEOUT_SECS = 120.0  # a container image's started service until it is ready
 EXEC_TIMEOUT_SECS = 30.0
 MAX_EXEC_TIMEOUT_SECS = 86400.0
 EVAL_TIMEOUT_SECS = 60.0  # an eval's default timeout_s; then it is interrupted

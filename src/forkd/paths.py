@@ -19,6 +19,11 @@ def images_dir() -> Path:
     return cache_dir() / "images"
 
 
+def blobs_dir() -> Path:
+    """Imported container images' layers and manifests, by digest (``<cache>/blobs``)."""
+    return cache_dir() / "blobs"
+
+
 def state_dir() -> Path:
     """Daemon state (database, snapshots, audit log): ``FORKD_STATE_DIR``."""
     env = os.environ.get("FORKD_STATE_DIR")

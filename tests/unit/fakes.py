@@ -260,6 +260,10 @@ class FakeVM:
         self._agent("eval_interrupt")
         return False  # a fake eval is over before anyone could interrupt it
 
+    async def configure(self, *, env: dict[str, str], cwd: str | None, user: str | None) -> None:
+        self._agent("configure")
+        self.image_defaults = {"env": env, "cwd": cwd, "user": user}
+
     async def read_file(self, path: str) -> bytes:
         self._agent("file_read")
         if path not in self.guest.files:

@@ -10,16 +10,18 @@ from forkd.cli import app, extras
 
 
 @pytest.mark.parametrize(
-    "verb", [["serve"], ["doctor"], ["image", "ls"], ["image", "build", "python"]]
-)
+    ("verb", "named"),
+    [(["serve"], "serve"), (["doctor"], "doctor"), (["image", "ls"], "image ls"),
+     (["image", "build", "python"], "image build"), (["image", "rm", "x"], "image rm")],
+)  # fmt: skip
 def test_server_verbs_say_which_extra_is_missing(
-    verb: list[str], monkeypatch: pytest.MonkeyPatch
+    verb: list[str], named: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(extras, "SERVER_MODULES", ("fastapi", "forkd_absent.module", "nope_mod"))
     result = CliRunner().invoke(app, verb)
     assert result.exit_code == 1
     lines = result.output.strip().splitlines()
-    assert lines == [f"forkd {verb[0]} needs the server extra: pip install 'forkd[server]'"]
+    assert lines == [f"forkd {named} needs the server extra: pip install 'forkd[server]'"]
 
 
 def test_with_the_extra_nothing_is_missing() -> None:

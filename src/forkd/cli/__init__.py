@@ -56,6 +56,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     the commands make, in place of the network.
     """
     snapshots.register(app, transport=transport)
+    images.register(app, transport=transport)
     volumes.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
     processes.register(app, transport=transport)
@@ -66,7 +67,6 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
 
 
 app.command()(version)
-images.register(app)
 daemon.register(app)
 gateway.register(app)
 add_daemon_commands(app)

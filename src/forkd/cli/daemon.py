@@ -208,6 +208,17 @@ _RegistryAuthOpt = Annotated[
     ),
 ]
 
+_DockerHostOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--docker-host",
+        envvar="FORKD_DOCKER_HOST",
+        metavar="unix://PATH",
+        help="The Docker Engine docker-daemon: image references are exported from. "
+        "Default: $DOCKER_HOST (unix:// only), else /var/run/docker.sock.",
+    ),
+]
+
 HeaderTimeoutOpt = Annotated[
     float,
     typer.Option(
@@ -277,6 +288,7 @@ def serve(
     insecure_registry: _InsecureRegistryOpt = None,
     default_registry: _DefaultRegistryOpt = None,
     registry_auth: _RegistryAuthOpt = None,
+    docker_host: _DockerHostOpt = None,
     header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
     max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
@@ -319,6 +331,7 @@ def serve(
             insecure_registries=tuple(insecure_registry or ()),
             default_registry=default_registry,
             registry_auth=registry_auth,
+            docker_host=docker_host,
             connection_limits=connection_limits(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),

@@ -1,63 +1,175 @@
-"""``forkd image build|rm|ls``: the guest images snapshots boot from, built on this host."""
+"""``forkd image build|import|rm|ls``: the guest images snapshots boot from: forkd's
+recipes built on this host, and container images imported into the daemon."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
+from rich.status import Status
 from rich.table import Table
 
+from forkd.cli import render
 from forkd.cli.extras import require_server
-from forkd.cli.failures import fail
-from forkd.cli.options import JsonOpt
+from forkd.cli.failures import daemon_errors, fail
+from forkd.cli.options import Connection, JsonOpt, with_connection
 from forkd.cli.render import err, out
 from forkd.errors import ForkdError
 
+if TYPE_CHECKING:
+    import httpx
 
-def register(app: typer.Typer) -> None:
-    """Add the ``image`` group to ``app``."""
-    image_app = typer.Typer(help="Build and list guest images.", no_args_is_help=True)
+
+def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
+    """Add the ``image`` group to ``app``; ``transport`` is for tests."""
+    image_app = typer.Typer(
+        help="Build, import and list guest images: forkd's recipes and container images.",
+        no_args_is_help=True,
+    )
     app.add_typer(image_app, name="image")
-    image_app.callback()(lambda: require_server("image"))
-    image_app.command("build")(image_build)
+    daemon = functools.partial(with_connection, transport=transport)
+    image_app.command("build")(daemon(image_build))
+    image_app.command("import")(daemon(image_import))
     image_app.command("rm")(image_rm)
     image_app.command("ls")(image_ls)
 
 
 def image_build(
+    conn: Connection,
     name: Annotated[
-        str, typer.Argument(help="Built-in image: python, python-data, postgres.")
+        str,
+        typer.Argument(
+            help="A built-in image (python, python-data, postgres), or with -t/-f or a "
+            "directory: the Dockerfile build CONTEXT."
+        ),
     ] = "python",
     recipe: Annotated[
         Path | None,
         typer.Option("--recipe", help="Build the recipe in this directory instead."),
     ] = None,
-    as_json: JsonOpt = False,
+    tag: Annotated[
+        str | None, typer.Option("-t", "--tag", help="Name the built container image (NAME:TAG).")
+    ] = None,
+    dockerfile: Annotated[
+        Path | None,
+        typer.Option("-f", "--file", help="The Dockerfile (CONTEXT/Dockerfile)."),
+    ] = None,
+    builder: Annotated[
+        str | None,
+        typer.Option("--builder", help="docker, podman or buildah (default: the first present)."),
+    ] = None,
+    build_arg: Annotated[
+        list[str] | None, typer.Option("--build-arg", help="KEY=VALUE for the build (repeatable).")
+    ] = None,
+    network: Annotated[
+        str | None, typer.Option("--network", help="The build's network (e.g. none).")
+    ] = None,
 ) -> None:
-    """Build a guest image (cached: a second build with the same inputs is a no-op)."""
+    """Build a guest image: a forkd recipe (cached: the same inputs are a no-op), or a
+    Dockerfile with the host's Docker, Podman or Buildah, then imported into the daemon."""
+    if tag is not None or dockerfile is not None or Path(name).is_dir():
+        args = dict(a.split("=", 1) for a in build_arg or [] if "=" in a)
+        _dockerfile_build(conn, Path(name), tag, dockerfile, builder, args, network)
+        return
+    require_server("image build")
     from forkd.guest import image
 
     label = str(recipe) if recipe else name
     try:
         started = time.monotonic()
         with err.status(f"building image {label}") as status:
-
-            def progress(msg: str) -> None:  # each step, with the time since the start
-                took = time.monotonic() - started
-                status.update(f"{msg} ({took:.0f} s)")
-                err.print(f"  [{took:6.1f} s] {msg}", highlight=False)
-
-            img = image.build(name, progress=progress, recipe_dir=recipe)
+            img = image.build(name, progress=_progress(status, started), recipe_dir=recipe)
     except ForkdError as exc:
         raise fail(str(exc)) from exc
-    if as_json:
+    if conn.as_json:
         print(json.dumps({"name": img.name, "key": img.key, "dir": str(img.dir)}))
     else:
         out.print(f"image {img.name} ready: {img.dir}", highlight=False)
+
+
+def _progress(status: Status, started: float) -> Callable[[str], None]:
+    """Each step, on its own line with the time since the start, and in the status line."""
+
+    def say(msg: str) -> None:
+        took = time.monotonic() - started
+        status.update(f"{escape(msg)} ({took:.0f} s)")
+        err.print(f"  [{took:6.1f} s] {msg}", highlight=False, markup=False)
+
+    return say
+
+
+def _dockerfile_build(
+    conn: Connection,
+    context: Path,
+    tag: str | None,
+    dockerfile: Path | None,
+    builder: str | None,
+    build_args: dict[str, str],
+    network: str | None,
+) -> None:
+    from forkd.image_import import builders
+
+    base = re.sub(r"[^a-z0-9]+", "-", context.resolve().name.lower()).strip("-") or "image"
+    name = tag or f"forkd-build/{base}:latest"
+    started = time.monotonic()
+    try:
+        with err.status(f"building {name} from {context}") as status:
+            chosen = builders.find_builder(builder)
+            ref = chosen.build(
+                context, tag=name, dockerfile=dockerfile, build_args=build_args,
+                network=network, docker_host=None, progress=_progress(status, started),
+            )  # fmt: skip
+    except ForkdError as exc:
+        raise fail(str(exc)) from exc
+    try:
+        import_with_progress(conn, ref, started)
+    finally:
+        builders.remove_export(ref)  # podman and buildah export to a file of ours
+
+
+def image_import(
+    conn: Connection,
+    ref: Annotated[
+        str,
+        typer.Argument(
+            help="registry[:port]/repo[:tag][@digest], docker-daemon:IMAGE, "
+            "docker-archive:PATH, oci-archive:PATH[:tag] or oci:DIR[:tag] (paths on the "
+            "daemon's host)"
+        ),
+    ],
+) -> None:
+    """Import a container image into the daemon (only the layers it lacks are fetched)."""
+    import_with_progress(conn, ref, time.monotonic())
+
+
+def import_with_progress(
+    conn: Connection, ref: str, started: float, *, quiet: bool = False
+) -> dict:
+    """Import ``ref`` into the daemon, showing each step; ``quiet``: no JSON answer
+    (another follows)."""
+    with daemon_errors(), conn.controller() as ctl, err.status(f"importing {ref}") as status:
+        info = ctl.import_image_progress(ref, _progress(status, started))
+    if conn.as_json and not quiet:
+        render.print_json(info)
+    else:
+        err.print(
+            f"imported {escape(ref)} as [bold]{escape(info['name'])}[/] in "
+            f"{time.monotonic() - started:.1f} s: fetched {_mib(info.get('bytes_fetched'))}, "
+            f"reused {_mib(info.get('bytes_reused'))}"
+        )
+    return info
+
+
+def _mib(n: int | None) -> str:
+    return "?" if n is None else f"{n / (1 << 20):.1f} MiB"
 
 
 def image_rm(
@@ -69,9 +181,11 @@ def image_rm(
         Path | None, typer.Option(envvar="FORKD_SNAPSHOT_ROOT", help="Its snapshot root.")
     ] = None,
 ) -> None:
-    """Delete built images; refused while a snapshot or a running VM uses one."""
+    """Delete built images (and the layers no other image needs); refused while a
+    snapshot or a running VM uses one."""
+    require_server("image rm")
     from forkd import paths
-    from forkd.guest import image
+    from forkd.guest import container_image, image
 
     sd = state_dir or paths.state_dir()
     roots = [snapshot_root or sd / "snapshots", sd / "run"]
@@ -81,11 +195,15 @@ def image_rm(
         raise fail(str(exc)) from exc
     for d in removed:
         out.print(f"removed {d}", highlight=False)
+    freed = container_image.collect_unused_layers()
+    if freed:
+        out.print(f"freed {_mib(freed)} of layers no image needs", highlight=False)
 
 
 def image_ls(as_json: JsonOpt = False) -> None:
-    """List built images with their sizes."""
-    from forkd.guest import image
+    """List built images: recipes and imported container images, their size on disk."""
+    require_server("image ls")
+    from forkd.guest import container_image, image
 
     imgs = image.list_images()
     current = {}
@@ -96,8 +214,11 @@ def image_ls(as_json: JsonOpt = False) -> None:
         {
             "name": img.name,
             "key": img.key,
+            "kind": "container" if container_image.is_container(img) else "recipe",
+            "references": img.meta.get("references") or [],
             "current": current.get(img.name) == img.key,
             "size_bytes": img.size_bytes(),
+            "layers": len(img.meta.get("layers") or []) or None,
             "kernel": img.meta.get("kernel_release"),
             "built_at_unix": img.meta.get("built_at_unix"),
             "dir": str(img.dir),
@@ -107,12 +228,13 @@ def image_ls(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(rows))
         return
-    table = Table("name", "key", "current", "size", "kernel", "dir")
+    table = Table("name", "key", "kind", "from", "current", "size", "layers", "kernel")
     for r in rows:
         table.add_row(
-            r["name"], r["key"], "yes" if r["current"] else "",
-            f"{r['size_bytes'] / (1 << 20):.0f} MiB", r["kernel"] or "?", r["dir"],
+            r["name"], r["key"], r["kind"], ", ".join(r["references"]) or "recipe",
+            "yes" if r["current"] else "", f"{r['size_bytes'] / (1 << 20):.0f} MiB",
+            str(r["layers"] or ""), r["kernel"] or "?",
         )  # fmt: skip
     out.print(table)
     if not rows:
-        err.print("no images built yet: run 'forkd image build'")
+        err.print("no images yet: run 'forkd image build' or 'forkd image import REF'")

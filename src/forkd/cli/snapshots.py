@@ -105,7 +105,13 @@ def snapshot_create(
     conn: Connection,
     tag: Annotated[str, typer.Option("--tag", help="Name of the new snapshot.")],
     image: Annotated[
-        str | None, typer.Option("--image", help="Guest image (default: python).")
+        str | None,
+        typer.Option(
+            "--image",
+            help="A built image (default: python), or a container image to import first: "
+            "registry/repo:tag, docker-daemon:IMAGE, docker-archive:PATH, oci-archive:PATH, "
+            "oci:DIR.",
+        ),
     ] = None,
     memory: Annotated[int | None, typer.Option("--memory", help="Guest RAM in MiB.", min=1)] = None,
     vcpus: Annotated[int | None, typer.Option("--vcpus", help="Virtual CPUs.", min=1)] = None,
@@ -125,11 +131,37 @@ def snapshot_create(
         typer.Option("--volume", help="Attach NAME:/mnt/path[:ro] (repeatable)."),
     ] = None,
     label: LabelOpt = None,
+    start: Annotated[
+        bool,
+        typer.Option("--start", help="Run the image's Entrypoint+Cmd before the snapshot."),
+    ] = False,
+    ready_port: Annotated[
+        int | None,
+        typer.Option(
+            "--ready-port", help="With --start: wait until this port listens.", min=1, max=65535
+        ),
+    ] = None,
+    ready_cmd: Annotated[
+        str | None,
+        typer.Option("--ready-cmd", help="With --start: wait until this shell line exits 0."),
+    ] = None,
+    ready_timeout: Annotated[
+        float | None, typer.Option("--ready-timeout", help="Seconds --start may take.")
+    ] = None,
 ) -> None:
     """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
     volumes = [parse_volume(v) for v in volume or []]
     labels = parse_labels(label)
     t0 = time.monotonic()
+    started = {
+        "start": start or None, "ready_port": ready_port,
+        "ready_cmd": ["/bin/sh", "-c", ready_cmd] if ready_cmd else None,
+        "ready_timeout_secs": ready_timeout,
+    }  # fmt: skip
+    if image is not None and _is_container_ref(image):
+        from forkd.cli.images import import_with_progress
+
+        image = str(import_with_progress(conn, image, t0, quiet=True)["name"])
     status = f"building snapshot {escape(tag)}: boot, setup, warm-up, snapshot"
     with daemon_errors(), conn.controller() as ctl, err.status(status):
         info = ctl.create_snapshot(
@@ -137,12 +169,18 @@ def snapshot_create(
             setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs,
             **({"volumes": volumes} if volumes else {}),
             **({"metadata": labels} if labels else {}),
+            **{k: v for k, v in started.items() if v is not None},
         )  # fmt: skip
     if conn.as_json:
         render.print_json(info)
         return
     err.print(f"snapshot {escape(tag)} ready in {time.monotonic() - t0:.1f} s")
     out.print(render.kv_table(info))
+
+
+def _is_container_ref(image: str) -> bool:
+    """A container image reference rather than the name of a built image."""
+    return any(c in image for c in ":/@")
 
 
 def snapshot_ls(

@@ -16,6 +16,7 @@ import httpx
 from forkd.client.connection import json_of, send
 from forkd.client.event_routes import EventRoutes
 from forkd.client.file_routes import FileRoutes
+from forkd.client.image_routes import ImageRoutes
 from forkd.client.port_routes import PortRoutes
 from forkd.client.process_routes import ProcessRoutes
 from forkd.client.routes import EVAL_HTTP_MARGIN_SECS, KEEP, Routes, _tar_directory
@@ -23,7 +24,7 @@ from forkd.client.routes import EVAL_HTTP_MARGIN_SECS, KEEP, Routes, _tar_direct
 __all__ = ["EVAL_HTTP_MARGIN_SECS", "KEEP", "Controller", "_tar_directory"]
 
 
-class Controller(Routes, ProcessRoutes, FileRoutes, EventRoutes, PortRoutes):
+class Controller(Routes, ProcessRoutes, FileRoutes, EventRoutes, PortRoutes, ImageRoutes):
     """A synchronous client of the forkd daemon: one method per HTTP route.
 
     Arguments:

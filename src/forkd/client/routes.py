@@ -213,6 +213,28 @@ class Routes:
         """``DELETE /v1/volumes/{name}``; 409 while a snapshot or sandbox uses it."""
         return self._then(self._request("DELETE", f"/v1/volumes/{_quote(name)}"), _none)
 
+    # -- images -------------------------------------------------------------
+
+    def import_image(self, ref: str, token: str | None = None) -> JSONDict:
+        """``POST /v1/images``: import a container image (a registry reference,
+        ``docker-daemon:IMAGE``, ``docker-archive:PATH``, ``oci-archive:PATH[:tag]``,
+        ``oci:DIR[:tag]``); its info with ``bytes_fetched`` and ``bytes_reused``.
+        Waits up to an hour: a first import of a big image takes minutes."""
+        body = _drop_none({"ref": ref, "token": token})
+        return self._json("POST", "/v1/images", json_body=body, timeout=max(self.timeout, 3600))
+
+    def list_images(self) -> list[JSONDict]:
+        """``GET /v1/images``: recipe and container images, sizes, shared layers, users."""
+        return self._json("GET", "/v1/images")
+
+    def image_info(self, name: str) -> JSONDict:
+        return self._json("GET", f"/v1/images/{_quote(name)}")
+
+    def delete_image(self, name: str) -> None:
+        """``DELETE /v1/images/{name}``; 409 while a snapshot or sandbox uses it. Frees
+        the layers no other image needs."""
+        return self._then(self._request("DELETE", f"/v1/images/{_quote(name)}"), _none)
+
     # -- sandboxes ----------------------------------------------------------
 
     def spawn_sandboxes(
@@ -324,11 +346,13 @@ class Routes:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         stdin: str | bytes | None = None,
+        user: str | None = None,
     ) -> JSONDict:
         """``POST /v1/sandboxes/{id}/exec`` → ``{"stdout", "stderr", "exit_code"}``.
 
         ``timeout_secs`` bounds the command in the guest (exit code 124 when it
-        runs out); the HTTP request waits 30 s longer than that.
+        runs out); the HTTP request waits 30 s longer than that. ``user``: run as
+        this user (default: the image's USER, else root).
         """
         if isinstance(stdin, bytes):
             stdin = stdin.decode("utf-8")
@@ -339,6 +363,7 @@ class Routes:
                 "cwd": cwd,
                 "env": env,
                 "stdin": stdin,
+                "user": user,
             }
         )
         return self._json(
@@ -419,6 +444,7 @@ class Routes:
         stdin: bool = False,
         pty: tuple[int, int] | None = None,
         timeout_s: float | None = None,
+        user: str | None = None,
     ) -> JSONDict:
         """``POST /v1/sandboxes/{id}/processes`` → ProcessInfo (``pid``, ``running``, ...).
 
@@ -427,7 +453,7 @@ class Routes:
         """
         body: JSONDict = {"cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd],
                           "stdin": stdin}  # fmt: skip
-        for key, value in (("env", env), ("cwd", cwd), ("timeout_s", timeout_s)):
+        for key, value in (("env", env), ("cwd", cwd), ("timeout_s", timeout_s), ("user", user)):
             if value is not None:
                 body[key] = value
         if pty is not None:

@@ -61,9 +61,21 @@ SandboxState = Literal["starting", "running", "paused", "hibernated", "dead"]
 SANDBOX_STATES: tuple[str, ...] = get_args(SandboxState)
 
 
+IMAGE_REF = Field(
+    min_length=1, max_length=4096,
+    description="a container image: registry[:port]/repository[:tag][@digest] (a short name "
+    "needs the daemon's --default-registry), docker-daemon:IMAGE, docker-archive:PATH, "
+    "oci-archive:PATH[:tag] or oci:DIR[:tag] (paths on the daemon's host)",
+)  # fmt: skip
+
+
 class SnapshotCreate(_Body):
     tag: str = TAG
-    image: str | None = None
+    image: str | None = Field(
+        None, max_length=4096,
+        description="a built image's name (see GET /v1/images; default python), or a "
+        "container image reference, imported first (see POST /v1/images)",
+    )  # fmt: skip
     kernel: str | None = None
     rootfs: str | None = None
     # Unset fields take the image recipe's [template] defaults, then forkd's.
@@ -75,6 +87,30 @@ class SnapshotCreate(_Body):
     volumes: list[VolumeAttach] = Field(default_factory=list, max_length=limits.MAX_VOLUMES_PER_VM)
     egress: Egress | None = Field(None, description="the template's and its forks' default")
     metadata: Metadata = Field(default_factory=dict)
+    # A container image's service, started and ready before the snapshot: every fork
+    # of it starts with the service running and warm.
+    start: bool = Field(
+        False, description="run the image's Entrypoint+Cmd as a background process first"
+    )
+    ready_port: int | None = Field(
+        None, ge=1, le=65535, description="with start: wait until a guest TCP port listens"
+    )
+    ready_cmd: list[str] | None = Field(
+        None, min_length=1, max_length=256,
+        description="with start: wait until this command exits 0 (run again every 0.5 s)",
+    )  # fmt: skip
+    ready_timeout_secs: float = Field(
+        limits.READY_TIMEOUT_SECS, gt=0, le=limits.MAX_BOOT_TIMEOUT_SECS,
+        description="how long start may take to be ready",
+    )  # fmt: skip
+
+
+class ImageImport(_Body):
+    ref: str = IMAGE_REF
+    token: str | None = Field(
+        None, max_length=8192, pattern=r"^[A-Za-z0-9._~+/-]+=*$",
+        description="a bearer token for the registry; default: the daemon's docker config.json",
+    )  # fmt: skip
 
 
 REGISTRY_REF = Field(
@@ -192,6 +228,11 @@ class ExecRequest(_Body):
     cwd: str | None = None
     env: dict[str, str] | None = None
     stdin: str | None = None
+    user: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="run as this user: name, uid, name:group or uid:gid (Docker's USER forms); "
+        "default the image's USER, else root",
+    )  # fmt: skip
 
 
 class EvalRequest(_Body):
@@ -233,6 +274,11 @@ class ProcessStart(_Body):
     timeout_s: float | None = Field(
         None, gt=0, le=limits.MAX_EXEC_TIMEOUT_SECS, description="then SIGKILL, exit code 124"
     )
+    user: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="run as this user: name, uid, name:group or uid:gid (Docker's USER forms); "
+        "default the image's USER, else root",
+    )  # fmt: skip
 
 
 class ProcessStdin(_Body):
@@ -280,6 +326,43 @@ class CapacityInfo(BaseModel):
     guest_memory_mib: int = Field(description="guest RAM of those, and of template builds")
     max_guest_memory_mib: int | None
     snapshots: list[str] = Field(description="tags of the ready snapshots")
+
+
+class ImageConfigInfo(BaseModel):
+    """What a container image sets, as Docker honours it."""
+
+    env: list[str]
+    working_dir: str
+    user: str
+    entrypoint: list[str]
+    cmd: list[str]
+    exposed_ports: list[str]
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class ImageInfo(BaseModel):
+    """A guest image: built from a recipe, or imported from a container image."""
+
+    name: str
+    key: str
+    kind: Literal["recipe", "container"]
+    references: list[str] = Field(
+        default_factory=list, description="container: the references it was imported as"
+    )
+    id: str | None = Field(None, description="container: the config's digest (the image id)")
+    digest: str | None = Field(None, description="container: the manifest's digest")
+    layers: int | None = None
+    size_bytes: int = Field(description="its own files on disk (the runtime disk not counted)")
+    layer_bytes: int | None = Field(None, description="container: its layers in the blob cache")
+    shared_layer_bytes: int | None = Field(
+        None, description="container: of layer_bytes, what another image uses too"
+    )
+    created_at_unix: int
+    config: ImageConfigInfo | None = None
+    used_by: list[str] = Field(default_factory=list, description="snapshots and VMs using it")
+    bytes_fetched: int | None = Field(None, description="an import's answer: bytes it fetched")
+    bytes_reused: int | None = Field(None, description="an import's answer: bytes it had")
+    import_secs: float | None = Field(None, description="an import's answer: how long it took")
 
 
 class SnapshotInfo(BaseModel):
@@ -494,10 +577,21 @@ class StreamError(BaseModel):
     status: int = Field(description="the HTTP status the failure would have had")
 
 
+class ImportProgress(BaseModel):
+    """A step of an image import (``progress`` events of POST /v1/images as SSE)."""
+
+    message: str
+
+
 @dataclass(frozen=True)
 class OutputEvent:
-    """One event of an output stream; no ``body`` is a keep-alive while nothing happens."""
+    """One event of an output stream; no ``body`` is a keep-alive while nothing happens.
+    An image import's stream has ``progress`` events, then ``image`` (or ``error``)."""
 
-    event: Literal["stdout", "stderr", "pty", "gap", "exit", "error", "keepalive"]
-    body: OutputData | OutputGap | OutputExit | StreamError | None = None
+    event: Literal[
+        "stdout", "stderr", "pty", "gap", "exit", "error", "keepalive", "progress", "image"
+    ]
+    body: OutputData | OutputGap | OutputExit | StreamError | ImportProgress | ImageInfo | None = (
+        None
+    )
     next_offset: int | None = None

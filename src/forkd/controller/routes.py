@@ -3,6 +3,7 @@ service call and the service's answer into a response model."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
@@ -24,6 +25,8 @@ from forkd.controller.models import (
     FileEntry,
     FileWritten,
     Health,
+    ImageImport,
+    ImageInfo,
     PauseRequest,
     PingResult,
     PortUrlRequest,
@@ -88,6 +91,12 @@ processes = APIRouter(
     prefix="/v1/sandboxes/{sandbox_id}/processes", tags=["processes"], responses=ERROR_RESPONSES
 )
 volumes = APIRouter(prefix="/v1/volumes", tags=["volumes"], responses=ERROR_RESPONSES)
+images = APIRouter(prefix="/v1/images", tags=["images"], responses=ERROR_RESPONSES)
+IMPORT_EVENTS = {
+    "content": {sse.MEDIA_TYPE: {"schema": {"type": "string"}}},
+    "description": "with Accept: text/event-stream, Server-Sent Events: progress "
+    "({message}), then image (the ImageInfo), or error ({error, status}, last)",
+}
 
 
 # ------------------------------------------------------------------ discovery
@@ -398,6 +407,39 @@ async def resize_process(svc: Svc, sandbox_id: str, pid: Pid, body: ProcessResiz
     return Response(status_code=204)
 
 
+# ------------------------------------------------------------------ images
+
+
+@images.post("", status_code=201, response_model=ImageInfo, responses={200: IMPORT_EVENTS})
+async def import_image(
+    svc: Svc, body: ImageImport, accept: Annotated[str | None, Header()] = None
+) -> ImageInfo | Response:
+    """Import a container image as a guest image (fetching only what the cache lacks)."""
+    if accept and sse.MEDIA_TYPE in accept:
+        return StreamingResponse(
+            sse.framed(svc.images.import_events(body)),
+            media_type=sse.MEDIA_TYPE,
+            headers=sse.HEADERS,
+        )
+    return await svc.images.import_(body)
+
+
+@images.get("", response_model=list[ImageInfo], response_model_exclude_none=True)
+async def list_images(svc: Svc) -> list[ImageInfo]:
+    return await asyncio.to_thread(svc.images.list)
+
+
+@images.get("/{name}", response_model=ImageInfo, response_model_exclude_none=True)
+async def image_info(svc: Svc, name: str) -> ImageInfo:
+    return await asyncio.to_thread(svc.images.get, name)
+
+
+@images.delete("/{name}", **NO_CONTENT)
+async def delete_image(svc: Svc, name: str) -> Response:
+    await svc.images.remove(name)
+    return Response(status_code=204)
+
+
 # ------------------------------------------------------------------ volumes
 
 
@@ -479,4 +521,4 @@ async def lifecycle_events(
     return StreamingResponse(sse.lifecycle(stream), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
 
-ROUTERS = (discovery, snapshots, sandboxes, processes, files, volumes, events)
+ROUTERS = (discovery, snapshots, sandboxes, processes, files, volumes, images, events)

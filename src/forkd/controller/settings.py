@@ -33,5 +33,6 @@ class Settings:
     insecure_registries: tuple[str, ...] = ()
     default_registry: str | None = None  # host[:port] a short reference names; None: refused
     registry_auth: Path | None = None  # docker's config.json; None: $DOCKER_CONFIG or ~/.docker
+    docker_host: str | None = None  # docker-daemon: references; None: $DOCKER_HOST, the default
     # Clients' connections: how long a request may take to arrive, how many may be open.
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)

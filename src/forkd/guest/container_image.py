@@ -66,10 +66,10 @@ def find(reference: str, manifest_digest: str | None = None) -> images.Image | N
 
 def build(fetched: FetchedImage, progress: Progress | None = None) -> images.Image:
     """The guest image of ``fetched``, its layers flattened (unless built already)."""
-    from forkd.image_import import layers  # the flattener: only where an image is made
+    from forkd.image_import import squash  # the flattener: only where an image is made
 
     def write(out: Path, work: Path) -> RootfsStats:
-        return layers.build_rootfs(fetched.layers, out, work, progress=progress)
+        return squash.build_rootfs(fetched.layers, out, work, progress=progress)
 
     identity = {
         "reference": fetched.reference,
@@ -177,3 +177,19 @@ def _add_reference(image_dir: Path, reference: str | None) -> None:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         undo.pop_all()
+
+
+def collect_unused_layers() -> int:
+    """Free the blobs (layers, configs, manifests) no imported image needs; bytes freed."""
+    from forkd.image_import.blob_store import BlobStore
+
+    root = paths.blobs_dir()
+    if not root.is_dir():
+        return 0
+    keep: set[str] = set()
+    for img in images.list_images():
+        if is_container(img):
+            keep.update(img.meta.get("layers") or [])
+            digests = (img.meta.get("manifest_digest"), img.meta.get("config_digest"))
+            keep.update(d for d in digests if d)
+    return BlobStore(root).remove_unreferenced(keep)

@@ -1,4 +1,4 @@
-"""The daemon's domain services: snapshots, branches, sandboxes, pausing, processes,
+"""The daemon's domain services: snapshots, images, branches, sandboxes, pausing, processes,
 files, volumes, lifecycle.
 
 Each takes and returns typed objects (:mod:`forkd.controller.models`) and
@@ -15,6 +15,7 @@ from forkd.controller.services.branches import BranchService
 from forkd.controller.services.expiry import Expiry
 from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
+from forkd.controller.services.images import ImageService
 from forkd.controller.services.lifecycle import Lifecycle
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.ports import PortService
@@ -33,6 +34,7 @@ __all__ = ["Services"]
 class Services:
     fleet: Fleet
     snapshots: SnapshotService
+    images: ImageService
     transfer: SnapshotTransfer
     branches: BranchService
     sandboxes: SandboxService
@@ -50,7 +52,8 @@ class Services:
     ) -> Services:
         fleet = Fleet(settings, store, metrics, driver)
         volumes = VolumeService(fleet)
-        snapshots = SnapshotService(fleet, volumes)
+        image_service = ImageService(fleet)
+        snapshots = SnapshotService(fleet, volumes, image_service)
         sandboxes = SandboxService(fleet, snapshots)
         branches = BranchService(fleet, snapshots)
         pausing = PauseService(fleet, sandboxes)
@@ -58,6 +61,7 @@ class Services:
         return cls(
             fleet=fleet,
             snapshots=snapshots,
+            images=image_service,
             transfer=SnapshotTransfer(fleet, snapshots),
             branches=branches,
             sandboxes=sandboxes,

@@ -67,7 +67,7 @@ class ProcessService:
         raw = await self.sandboxes.guest(
             sandbox_id,
             lambda vm: vm.proc_start(req.cmd, env=req.env, cwd=req.cwd, stdin=req.stdin,
-                                     pty=pty, timeout_s=req.timeout_s),
+                                     pty=pty, timeout_s=req.timeout_s, user=req.user),
             _START_REFUSALS,
         )  # fmt: skip
         return _info(raw)

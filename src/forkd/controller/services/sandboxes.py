@@ -316,7 +316,7 @@ class SandboxService:
             sandbox_id,
             lambda vm: vm.exec(
                 req.args, timeout=req.timeout_secs, cwd=req.cwd, env=req.env or None,
-                stdin=req.stdin,
+                stdin=req.stdin, user=req.user,
             ),
         )  # fmt: skip
         return ExecResult(

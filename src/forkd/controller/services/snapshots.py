@@ -21,7 +21,10 @@ from typing import Any
 
 from forkd import __version__, accel, limits
 from forkd.controller.models import CapacityInfo, SnapshotCreate, SnapshotInfo
+from forkd.controller.services import template_start
 from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.images import ImageService
+from forkd.controller.services.template_start import TemplateSetupFailed
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.store import SnapshotRow, labelled, now
 from forkd.errors import (
@@ -37,10 +40,6 @@ from forkd.guest import image as images
 from forkd.oci import host_needs
 from forkd.vmm import egress, memory_diff, snapshot_compact, snapshot_files
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
-
-
-class TemplateSetupFailed(VMError):
-    """A template's setup command or warm-up failed (500)."""
 
 
 def snapshot_row(
@@ -80,9 +79,12 @@ def _memory_mib(req: SnapshotCreate, img: images.Image) -> int:
 
 
 class SnapshotService:
-    def __init__(self, fleet: Fleet, volumes: VolumeService) -> None:
+    def __init__(
+        self, fleet: Fleet, volumes: VolumeService, images: ImageService | None = None
+    ) -> None:
         self.fleet = fleet
         self.volumes = volumes
+        self.images = images or ImageService(fleet)
         self.root = fleet.settings.snapshot_root
         # Tags that a diff branch in flight is written over: not deletable meanwhile.
         self.bases_in_use: collections.Counter[str] = collections.Counter()
@@ -98,26 +100,29 @@ class SnapshotService:
     async def create(self, req: SnapshotCreate) -> SnapshotInfo:
         """Boot a template, run its setup and warm-up, snapshot it as ``req.tag``."""
         tag = limits.check_tag(req.tag)
-        img = self._resolve_image(req)
-        with (
-            self.fleet.reserve_tag(tag),
-            self.fleet.admit(f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)),
-            self.fleet.holding_volume_layers(),
-        ):
-            try:
-                await self._build(req, img)
-            except TemplateSetupFailed:
-                raise  # its message says which command failed
-            except StorageFull as exc:
-                raise StorageFull(f"building snapshot {tag!r} failed: {exc}") from exc
-            except (VMError, AgentError) as exc:
-                raise VMError(f"building snapshot {tag!r} failed: {exc}") from exc
-            finally:
-                if self.fleet.store.get_snapshot(tag) is None:  # failed after the commit
-                    shutil.rmtree(self.root / tag, ignore_errors=True)
+        template_start.check(req)
+        with self.fleet.reserve_tag(tag):  # before an import that may take minutes
+            img = await self._resolve_image(req)
+            with (
+                self.fleet.admit(
+                    f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)
+                ),
+                self.fleet.holding_volume_layers(),
+            ):
+                try:
+                    await self._build(req, img)
+                except TemplateSetupFailed:
+                    raise  # its message says which command failed
+                except StorageFull as exc:
+                    raise StorageFull(f"building snapshot {tag!r} failed: {exc}") from exc
+                except (VMError, AgentError) as exc:
+                    raise VMError(f"building snapshot {tag!r} failed: {exc}") from exc
+                finally:
+                    if self.fleet.store.get_snapshot(tag) is None:  # failed after the commit
+                        shutil.rmtree(self.root / tag, ignore_errors=True)
         return self.info(tag)
 
-    def _resolve_image(self, req: SnapshotCreate) -> images.Image:
+    async def _resolve_image(self, req: SnapshotCreate) -> images.Image:
         if req.kernel or req.rootfs:
             parents = {Path(p).parent for p in (req.kernel, req.rootfs) if p}
             try:
@@ -129,10 +134,7 @@ class SnapshotService:
                     "kernel/rootfs must name files of one forkd image directory "
                     f"({exc}); or pass 'image' (see 'forkd image ls')"
                 ) from exc
-        try:
-            return images.find_image(req.image or images.DEFAULT_IMAGE)
-        except ImageError as exc:
-            raise Invalid(str(exc)) from exc
+        return await self.images.resolve(req.image)
 
     async def _build(self, req: SnapshotCreate, img: images.Image) -> None:
         # The image recipe's template settings come first; the request adds to them.
@@ -159,7 +161,9 @@ class SnapshotService:
             self.volumes.discard_unused(attach)  # made, but no VM took them
             raise
         try:
+            await template_start.configure(template, img, req)
             await self._prepare(template, setup, warmups)
+            await template_start.start(template, img, req)
             started = time.monotonic()
             await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
             self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)

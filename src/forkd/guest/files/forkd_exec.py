@@ -111,7 +111,7 @@ def run(
 
 def as_user(identity: Any) -> dict[str, Any]:
     """Popen's arguments that run a program as ``identity`` (none for root or None)."""
-    if identity is None or (identity.uid == 0 and identity.gid == 0 and not identity.groups):
+    if identity is None or (identity.uid == 0 and identity.gid == 0 and identity.groups == (0,)):
         return {}
     return {"user": identity.uid, "group": identity.gid, "extra_groups": list(identity.groups)}
 

@@ -30,7 +30,7 @@ class Identity:
     home: str
 
 
-ROOT = Identity(0, 0, (), "/root")
+ROOT = Identity(0, 0, (0,), "/root")
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,14 @@ def _group_id(name: str) -> int:
 
 
 def _supplementary(user_name: str | None, primary: int) -> tuple[int, ...]:
+    """The primary group, then the groups /etc/group lists the user in (as runc sets them)."""
+    found = [primary]
     if user_name is None:
-        return ()
-    found = []
+        return tuple(found)
     for entry in _entries(GROUP):
         if len(entry) >= 4 and user_name in entry[3].split(","):
             gid = _number(entry[2])
-            if gid is not None and gid != primary and gid not in found:
+            if gid is not None and gid not in found:
                 found.append(gid)
     return tuple(found)
 

@@ -1,0 +1,246 @@
+"""Images: container images imported as guest images (from a registry, a Docker Engine
+or an archive), every guest image listed, and removed when nothing needs it.
+
+An import fetches the image into the blob cache (layers by digest: what the
+cache holds is not fetched again), flattens its layers into a root disk and
+builds the guest image beside the recipe images; importing an image already
+built fetches its manifest and finds the build. Imports run on threads of
+their own, at most :data:`MAX_IMPORTS` at once (past that a 503 to retry), and
+one reference is imported once at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forkd import paths
+from forkd.archive.errors import ArchiveError
+from forkd.controller.models import (
+    ImageConfigInfo,
+    ImageImport,
+    ImageInfo,
+    ImportProgress,
+    OutputEvent,
+)
+from forkd.controller.services.fleet import Fleet
+from forkd.errors import Busy, Conflict, ImageError, Invalid, NotFound
+from forkd.guest import container_image, recipe
+from forkd.guest import image as images
+from forkd.image_import.model import FetchedImage
+
+MAX_IMPORTS = 2
+KEEPALIVE_SECS = 15.0  # an import's event stream is never quiet longer than this
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Imported:
+    image: images.Image
+    fetched: FetchedImage
+    seconds: float
+
+
+# Runs on an import thread: (request, progress) -> the built image and what was fetched.
+Importer = Callable[[ImageImport, Progress], Imported]
+
+
+class ImageService:
+    def __init__(self, fleet: Fleet, importer: Importer | None = None) -> None:
+        self.fleet = fleet
+        self._importer = importer or self._import_sync
+        self._pool = ThreadPoolExecutor(MAX_IMPORTS, thread_name_prefix="forkd-import")
+        self._running = 0
+        self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
+            asyncio.Lock
+        )
+        self._removing = asyncio.Lock()  # a removal and an import's build never overlap
+
+    # ------------------------------------------------------------ import
+
+    async def import_(self, req: ImageImport, progress: Progress | None = None) -> ImageInfo:
+        """Import ``req.ref``; the image's info with what was fetched and reused."""
+        done = await self._import(req, progress or (lambda _msg: None))
+        info = self._info(done.image)
+        return info.model_copy(
+            update={
+                "bytes_fetched": done.fetched.bytes_fetched,
+                "bytes_reused": done.fetched.bytes_reused,
+                "import_secs": round(done.seconds, 2),
+            }
+        )
+
+    async def import_events(self, req: ImageImport) -> AsyncIterator[OutputEvent]:
+        """:meth:`import_` as events: ``progress`` as it goes (a keep-alive when quiet),
+        then ``image``. A failure is raised (the stream's last event says it)."""
+        loop = asyncio.get_running_loop()
+        steps: asyncio.Queue[str] = asyncio.Queue()
+        work = asyncio.ensure_future(
+            self.import_(req, lambda msg: loop.call_soon_threadsafe(steps.put_nowait, msg))
+        )
+        try:
+            while not work.done():
+                step = asyncio.ensure_future(steps.get())
+                await asyncio.wait({work, step}, timeout=KEEPALIVE_SECS,
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if step.done():
+                    yield OutputEvent("progress", ImportProgress(message=step.result()))
+                else:
+                    step.cancel()
+                    if not work.done():
+                        yield OutputEvent("keepalive")
+            while not steps.empty():
+                yield OutputEvent("progress", ImportProgress(message=steps.get_nowait()))
+            yield OutputEvent("image", work.result())
+        finally:
+            work.cancel()  # a client gone: the import thread still finishes on its own
+
+    async def resolve(self, name_or_ref: str | None) -> images.Image:
+        """The guest image a template boots: a built image's name (default python), else
+        a container image reference, imported now (fetching what changed)."""
+        name = name_or_ref or images.DEFAULT_IMAGE
+        if recipe.NAME_RE.fullmatch(name):
+            try:
+                return images.find_image(name)
+            except ImageError as exc:
+                if not self.fleet.settings.default_registry:
+                    raise Invalid(str(exc)) from exc  # a short name reaches no registry
+        done = await self._import(ImageImport(ref=name), lambda _msg: None)
+        return done.image
+
+    async def _import(self, req: ImageImport, progress: Progress) -> Imported:
+        if self._running >= MAX_IMPORTS:
+            raise Busy(f"{MAX_IMPORTS} image imports are running: retry shortly")
+        async with self._locks[req.ref]:
+            if self._running >= MAX_IMPORTS:
+                raise Busy(f"{MAX_IMPORTS} image imports are running: retry shortly")
+            self._running += 1
+            try:
+                async with self._removing:
+                    loop = asyncio.get_running_loop()
+                    work = loop.run_in_executor(self._pool, self._importer, req, progress)
+                    # A cancelled caller does not stop the thread: it finishes (or cleans
+                    # up after itself) and still counts, until it has.
+                    return await asyncio.shield(work)
+            finally:
+                self._running -= 1
+                if not self._locks[req.ref].locked():
+                    self._locks.pop(req.ref, None)
+
+    def _import_sync(self, req: ImageImport, progress: Progress) -> Imported:
+        from forkd.image_import.blob_store import BlobStore  # only where an import runs
+        from forkd.image_import.fetch import fetch_image
+        from forkd.oci import auth
+        from forkd.oci.policy import RegistryPolicy
+
+        settings = self.fleet.settings
+        started = time.monotonic()
+
+        def credentials(registry: str) -> auth.Credentials | None:
+            if req.token:
+                return auth.Credentials(bearer=req.token)
+            return auth.from_docker_config(registry, settings.registry_auth)
+
+        fetched = fetch_image(
+            req.ref,
+            BlobStore(paths.blobs_dir()),
+            policy=RegistryPolicy.of(settings.insecure_registries, settings.default_registry),
+            credentials_for=credentials,
+            docker_host=settings.docker_host,
+            progress=progress,
+        )
+        try:
+            img = container_image.build(fetched, progress)
+        except ArchiveError as exc:
+            raise Invalid(f"image {req.ref}: a layer cannot be used: {exc}") from exc
+        return Imported(img, fetched, time.monotonic() - started)
+
+    # ------------------------------------------------------------ read
+
+    def list(self) -> list[ImageInfo]:
+        built = images.list_images()
+        layer_users = _layer_users(built)
+        return [self._info(img, layer_users) for img in built]
+
+    def get(self, name: str) -> ImageInfo:
+        return self._info(self._find(name))
+
+    def _find(self, name: str) -> images.Image:
+        for img in images.list_images():
+            if name in (img.name, f"{img.name}-{img.key}"):
+                return img  # newest last is not promised: names are unique per build key
+        raise NotFound(f"no image {name!r} (see GET /v1/images)")
+
+    def _info(self, img: images.Image, layer_users: dict[str, int] | None = None) -> ImageInfo:
+        meta = img.meta
+        container = container_image.is_container(img)
+        own = sum(
+            p.stat().st_size
+            for p in img.dir.iterdir()
+            if p.is_file() and p.name != container_image.RUNTIME_FILE
+        )
+        info: dict[str, Any] = {
+            "name": img.name,
+            "key": img.key,
+            "kind": "container" if container else "recipe",
+            "size_bytes": own,
+            "created_at_unix": int(meta.get("built_at_unix", 0)),
+            "used_by": images.users_of(img, self._roots()),
+        }
+        if container:
+            config = container_image.config_of(img)
+            layers = list(meta.get("layers") or [])
+            users = layer_users if layer_users is not None else _layer_users(images.list_images())
+            sizes = _blob_sizes(layers)
+            info |= {
+                "references": list(meta.get("references") or []),
+                "id": meta.get("config_digest"),
+                "digest": meta.get("manifest_digest"),
+                "layers": len(layers),
+                "layer_bytes": sum(sizes.values()),
+                "shared_layer_bytes": sum(n for d, n in sizes.items() if users.get(d, 0) > 1),
+                "config": ImageConfigInfo(**config.to_json()),
+            }
+        return ImageInfo(**info)
+
+    def _roots(self) -> list[Path]:
+        return [self.fleet.settings.snapshot_root, self.fleet.settings.run_dir]
+
+    # ------------------------------------------------------------ remove
+
+    async def remove(self, name: str) -> None:
+        """Delete an image (every build of a name, or NAME-KEY) and the layers nothing
+        else needs; 409 while a snapshot or VM uses it, deleting nothing."""
+        self._find(name)
+        async with self._removing:
+            try:
+                await asyncio.to_thread(images.remove, name, self._roots())
+            except ImageError as exc:
+                raise Conflict(str(exc)) from exc
+            await asyncio.to_thread(container_image.collect_unused_layers)
+
+
+def _layer_users(built: list[images.Image]) -> dict[str, int]:
+    """How many imported images use each layer blob."""
+    counts: collections.Counter[str] = collections.Counter()
+    for img in built:
+        if container_image.is_container(img):
+            counts.update(set(img.meta.get("layers") or []))
+    return dict(counts)
+
+
+def _blob_sizes(digests: list[str]) -> dict[str, int]:
+    root = paths.blobs_dir() / "sha256"
+    sizes = {}
+    for digest in digests:
+        with contextlib.suppress(OSError):
+            sizes[digest] = (root / digest.removeprefix("sha256:")).stat().st_size
+    return sizes

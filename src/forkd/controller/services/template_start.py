@@ -1,0 +1,128 @@
+"""A container image's template before its snapshot: the image's defaults given to the
+agent, and (``start``) the image's service started and waited for until it is ready.
+
+Every fork restores the template's memory, so a service started here runs,
+warm, in each fork from its first instruction: that is the point of ``start``.
+Readiness is a guest TCP port that listens (read from the guest's
+``/proc/net/tcp`` and ``tcp6`` through the agent, so the image needs no tool of
+its own) or a command that exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from forkd.controller.models import SnapshotCreate
+from forkd.controller.services.process_output import ReadAnswer
+from forkd.errors import AgentError, GuestError, Invalid, VMError
+from forkd.guest import container_image
+from forkd.guest import image as images
+
+POLL_SECS = 0.5
+READY_CMD_TIMEOUT_SECS = 30.0  # one run of ready_cmd
+OUTPUT_TAIL_BYTES = 2000  # of the service's output, in the error when it is not ready
+TCP_LISTEN = "0A"  # the state column of /proc/net/tcp for LISTEN
+
+
+class TemplateSetupFailed(VMError):
+    """A template's setup command, warm-up or started service failed (500)."""
+
+
+def check(req: SnapshotCreate) -> None:
+    """Refuse, before anything is fetched or booted, what ``start`` cannot mean."""
+    if not req.start and (req.ready_port is not None or req.ready_cmd is not None):
+        raise Invalid("ready_port and ready_cmd need start: true")
+
+
+def _env(config_env: tuple[str, ...]) -> dict[str, str]:
+    env = {}
+    for item in config_env:
+        name, sep, value = item.partition("=")
+        if sep and name:
+            env[name] = value
+    return env
+
+
+async def configure(template: Any, img: images.Image, req: SnapshotCreate) -> None:
+    """Give the agent the image's environment, working directory and user."""
+    if not container_image.is_container(img):
+        return
+    config = container_image.config_of(img)
+    await template.configure(
+        env=_env(config.env), cwd=config.working_dir or None, user=config.user or None
+    )
+
+
+async def start(template: Any, img: images.Image, req: SnapshotCreate) -> None:
+    """Run the image's Entrypoint+Cmd in the background and wait until it is ready."""
+    if not req.start:
+        return
+    config = container_image.config_of(img)
+    argv = [*config.entrypoint, *config.cmd]
+    if not argv:
+        raise Invalid(f"image {img.name} has no Entrypoint or Cmd to start")
+    proc = await template.proc_start(argv)
+    pid = int(proc["pid"])
+    deadline = time.monotonic() + req.ready_timeout_secs
+    while True:
+        info = await template.proc_info(pid)
+        if not info["running"]:
+            tail = await _output_tail(template, pid)
+            raise TemplateSetupFailed(
+                f"the image's command {argv!r} exited {info['exit_code']} before it was "
+                f"ready; its last output:\n{tail}"
+            )
+        if await _ready(template, req):
+            return
+        if time.monotonic() >= deadline:
+            tail = await _output_tail(template, pid)
+            what = (
+                f"port {req.ready_port} did not listen" if req.ready_port is not None
+                else f"{req.ready_cmd!r} did not exit 0" if req.ready_cmd is not None
+                else "it did not stay up"
+            )  # fmt: skip
+            raise TemplateSetupFailed(
+                f"the image's command {argv!r} was not ready within "
+                f"{req.ready_timeout_secs:g} s ({what}); its last output:\n{tail}"
+            )
+        await asyncio.sleep(POLL_SECS)
+
+
+async def _ready(template: Any, req: SnapshotCreate) -> bool:
+    if req.ready_port is not None and not await listening(template, req.ready_port):
+        return False
+    if req.ready_cmd is not None:
+        res = await template.exec(req.ready_cmd, timeout=READY_CMD_TIMEOUT_SECS)
+        return bool(res["exit_code"] == 0)
+    return True
+
+
+async def listening(template: Any, port: int) -> bool:
+    """Whether a TCP socket in the guest listens on ``port`` (any address)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            text = (await template.read_file(table)).decode("ascii", "replace")
+        except (AgentError, GuestError):
+            continue  # no IPv6 in the guest: no tcp6
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) > 3 and fields[3] == TCP_LISTEN:
+                _, _, hex_port = fields[1].rpartition(":")
+                if int(hex_port, 16) == port:
+                    return True
+    return False
+
+
+async def _output_tail(template: Any, pid: int) -> str:
+    """The last :data:`OUTPUT_TAIL_BYTES` of a background process's output, as text."""
+    try:
+        info = await template.proc_info(pid)
+        end = int(info["output_end"])
+        offset = max(int(info["output_start"]), end - OUTPUT_TAIL_BYTES)
+        answer = ReadAnswer.parse(await template.proc_read(pid, offset), offset)
+    except (AgentError, GuestError, KeyError, TypeError, ValueError) as exc:
+        return f"(its output could not be read: {exc})"
+    data = b"".join(chunk.data for chunk in answer.chunks)
+    return data.decode("utf-8", "replace").strip() or "(none)"
