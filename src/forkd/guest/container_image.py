@@ -140,12 +140,7 @@ def assemble(
             "built_at_unix": int(time.time()),
             "build_secs": round(time.monotonic() - started, 1),
         }  # fmt: skip
-        (out / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            out.rename(final)
-        except OSError:
-            if not (final / "image.json").is_file():  # lost a race to an identical build
-                raise
+        images.commit_build(out, final, meta)
         say(f"built image {name} ({key}) in {meta['build_secs']} s")
         return images.find_image(str(final), root)
     finally:

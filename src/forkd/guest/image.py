@@ -164,6 +164,17 @@ def boot_files(
     return {"kernel_package": kpkg.key, "kernel_release": unpacked.release, "modules": modules}
 
 
+def commit_build(out: Path, final: Path, meta: dict) -> None:
+    """Write ``image.json`` into the staged build ``out`` and rename it to ``final``: the
+    image appears whole or not at all (an identical build that won a race is kept)."""
+    (out / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
+    try:
+        out.rename(final)
+    except OSError:
+        if not (final / "image.json").is_file():  # lost a race to an identical build
+            raise
+
+
 def build(
     name: str = DEFAULT_IMAGE,
     progress: Progress | None = None,
@@ -218,12 +229,7 @@ def build(
             "built_at_unix": int(time.time()),
             "build_secs": round(time.monotonic() - started, 1),
         }
-        (out / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            out.rename(final)
-        except OSError:
-            if not (final / "image.json").is_file():  # lost a race to an identical build
-                raise
+        commit_build(out, final, meta)
         _write_atomic(root / f"{name}.json", json.dumps({"key": key}))
         say(f"built image {name} ({key}) in {meta['build_secs']} s")
         return _load(final)
