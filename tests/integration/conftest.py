@@ -165,7 +165,9 @@ def registry_address() -> str:
 def daemon(image: images.Image, registry_address: str) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="forkd-d-", dir="/tmp"))
     d = Daemon(root)
-    d.start("--kill-on-exit", "--insecure-registry", registry_address)
+    # Image archives the tests import are written under /tmp (pytest's tmp_path).
+    d.start("--kill-on-exit", "--insecure-registry", registry_address,
+            "--image-archive-dir", "/tmp")  # fmt: skip
     yield d
     d.stop()
     d.kill_leftovers()  # nothing may outlive the suite

@@ -104,7 +104,7 @@ class FakeWriter:
         (self.staging / "vmstate").write_bytes(b"state")
         (self.staging / GUEST_STATE).write_text(json.dumps((self.guest or vm.guest).to_json()))
         meta = SnapshotMeta(
-            machine=vm.machine, image=ImageRef(vm.image_name, None, None),
+            machine=vm.machine, image=vm.image_ref,
             created_at_unix=int(time.time()), memory_bytes=vm.machine.memory_mib << 20,
             vmstate_bytes=5, source_vm=vm.id, parent_snapshot=None, capture_ms=1.0,
             pages_written=0, base_bytes_cloned=0, tag=labels.tag,
@@ -141,6 +141,7 @@ class FakeVM:
         self.net: Any = None  # no namespace: user-mode networking
         self.ready_ms: float | None = 1.0
         self.image_name = "python"
+        self.image_ref = ImageRef("python", None, None)  # a booted VM's: its image's dir too
         self.guest = guest
         self.processes = FakeProcesses()
         self.transfers = FakeTransfers(guest.files)
@@ -394,6 +395,7 @@ class FakeDriver:
                                 image.rootfs)  # fmt: skip
         vm = FakeVM(vm_id or f"vm-{len(self.vms)}", machine, run_root, Guest())
         vm.image_name = image.name
+        vm.image_ref = ImageRef(image.name, image.key, str(image.dir))
         vm.volumes = list(attach)
         self.vms.append(vm)
         return vm

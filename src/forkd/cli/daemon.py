@@ -214,8 +214,21 @@ _DockerHostOpt = Annotated[
         "--docker-host",
         envvar="FORKD_DOCKER_HOST",
         metavar="unix://PATH",
-        help="The Docker Engine docker-daemon: image references are exported from. "
-        "Default: $DOCKER_HOST (unix:// only), else /var/run/docker.sock.",
+        help="The Docker Engine docker-daemon: image references are exported from; "
+        "'none': such references are refused. Default: $DOCKER_HOST (unix:// only), "
+        "else /var/run/docker.sock.",
+    ),
+]
+
+_ImageArchiveDirOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--image-archive-dir",
+        envvar="FORKD_IMAGE_ARCHIVE_DIRS",
+        metavar="DIR",
+        help="A directory whose image archives and OCI layouts clients may import "
+        "(docker-archive:, oci-archive:, oci: references); repeatable. The daemon reads "
+        "them with its own rights, so none is allowed unless listed.",
     ),
 ]
 
@@ -289,6 +302,7 @@ def serve(
     default_registry: _DefaultRegistryOpt = None,
     registry_auth: _RegistryAuthOpt = None,
     docker_host: _DockerHostOpt = None,
+    image_archive_dir: _ImageArchiveDirOpt = None,
     header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
     max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
@@ -332,6 +346,7 @@ def serve(
             default_registry=default_registry,
             registry_auth=registry_auth,
             docker_host=docker_host,
+            image_archive_dirs=tuple(d.resolve() for d in image_archive_dir or ()),
             connection_limits=connection_limits(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),

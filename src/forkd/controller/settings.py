@@ -34,5 +34,8 @@ class Settings:
     default_registry: str | None = None  # host[:port] a short reference names; None: refused
     registry_auth: Path | None = None  # docker's config.json; None: $DOCKER_CONFIG or ~/.docker
     docker_host: str | None = None  # docker-daemon: references; None: $DOCKER_HOST, the default
+    # The directories a client may name image archives and layouts under (docker-archive:,
+    # oci-archive:, oci:): the daemon reads them with its own rights. None listed: refused.
+    image_archive_dirs: tuple[Path, ...] = ()
     # Clients' connections: how long a request may take to arrive, how many may be open.
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)

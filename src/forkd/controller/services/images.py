@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,7 @@ from forkd.controller.models import (
     OutputEvent,
 )
 from forkd.controller.services.fleet import Fleet
+from forkd.controller.settings import Settings
 from forkd.errors import Busy, Conflict, ImageError, Invalid, NotFound
 from forkd.guest import container_image, recipe
 from forkd.guest import image as images
@@ -136,6 +138,7 @@ class ImageService:
                     self._locks.pop(req.ref, None)
 
     def _import_sync(self, req: ImageImport, progress: Progress) -> Imported:
+        from forkd.image_import import references
         from forkd.image_import.blob_store import BlobStore  # only where an import runs
         from forkd.image_import.fetch import fetch_image
         from forkd.oci import auth
@@ -149,10 +152,12 @@ class ImageService:
                 return auth.Credentials(bearer=req.token)
             return auth.from_docker_config(registry, settings.registry_auth)
 
+        policy = RegistryPolicy.of(settings.insecure_registries, settings.default_registry)
+        check_allowed(references.parse(req.ref, policy), req.ref, settings)
         fetched = fetch_image(
             req.ref,
             BlobStore(paths.blobs_dir()),
-            policy=RegistryPolicy.of(settings.insecure_registries, settings.default_registry),
+            policy=policy,
             credentials_for=credentials,
             docker_host=settings.docker_host,
             progress=progress,
@@ -226,6 +231,33 @@ class ImageService:
             except ImageError as exc:
                 raise Conflict(str(exc)) from exc
             await asyncio.to_thread(container_image.collect_unused_layers)
+
+
+def check_allowed(source: Any, text: str, settings: Settings) -> None:
+    """Refuse what the operator did not open to clients: an archive or layout outside
+    every ``--image-archive-dir`` (the daemon would read it with its own rights: any host
+    file that is a tar), a Docker Engine with ``--docker-host none``. Said before the
+    path is looked at, so the answer tells nothing of what exists on the host."""
+    from forkd.image_import import references
+
+    if isinstance(source, references.DaemonImage) and settings.docker_host == "none":
+        raise Invalid("docker-daemon: references are off on this daemon (--docker-host none)")
+    if not isinstance(
+        source, (references.DockerArchive, references.OciArchive, references.OciLayout)
+    ):
+        return
+    kind = text.partition(":")[0]
+    if not settings.image_archive_dirs:
+        raise Invalid(
+            f"{kind}: references are off on this daemon: the operator allows directories "
+            "with --image-archive-dir (or push the image to a registry)"
+        )
+    real = os.path.realpath(source.path)
+    for allowed in settings.image_archive_dirs:
+        root = os.path.realpath(allowed)
+        if real == root or real.startswith(root.rstrip("/") + "/"):
+            return
+    raise Invalid(f"{kind}: references must name a path under the daemon's --image-archive-dir")
 
 
 def _layer_users(built: list[images.Image]) -> dict[str, int]:

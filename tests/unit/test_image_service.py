@@ -1,0 +1,216 @@
+"""The images API over the fake VM driver: an import's answer and its progress events,
+the list and its users, removal refused while a snapshot needs an image, templates from a
+container image (its config given to the agent, its command started and waited for), and
+the references a client may not name (archives outside --image-archive-dir)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from forkd import paths
+from forkd.controller.models import ImageImport
+from forkd.controller.services import images as image_service
+from forkd.controller.services import template_start
+from forkd.controller.settings import Settings
+from forkd.errors import Invalid
+from forkd.guest import image as images
+from forkd.image_import import references
+from forkd.image_import.model import FetchedImage, ImageConfig
+from forkd.oci.policy import RegistryPolicy
+from tests.unit.fakes import FakeDriver
+
+CONFIG = ImageConfig(
+    env=("PATH=/usr/bin:/bin", "PGDATA=/var/lib/pg"),
+    working_dir="/srv",
+    user="postgres",
+    entrypoint=("sleep",),  # the fake guest's sleep: a service that stays up
+    cmd=("600",),
+    exposed_ports=("5432/tcp",),
+)
+LAYER = "sha256:" + "1" * 64
+
+
+def fake_container_image(config: ImageConfig = CONFIG, ref: str = "reg.test/pg:16") -> images.Image:
+    """A built container image as container_image.build leaves one (fake disk files)."""
+    digest = "sha256:" + "c" * 64
+    d = paths.images_dir() / f"oci-{'c' * 12}-{'0' * 16}"
+    d.mkdir(parents=True, exist_ok=True)
+    for name in ("vmlinuz", "initrd.img", "rootfs.sqfs", "runtime.sqfs"):
+        (d / name).write_bytes(b"fake")
+    blob = paths.blobs_dir() / "sha256" / LAYER.removeprefix("sha256:")
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(b"x" * 1000)
+    meta = {
+        "name": f"oci-{'c' * 12}", "key": "0" * 16, "kind": "container",
+        "reference": ref, "references": [ref], "manifest_digest": "sha256:" + "d" * 64,
+        "config_digest": digest, "layers": [LAYER], "config": config.to_json(),
+        "built_at_unix": 1,
+    }  # fmt: skip
+    (d / "image.json").write_text(json.dumps(meta))
+    return images.find_image(str(d))
+
+
+def importer(
+    config: ImageConfig = CONFIG, calls: list[str] | None = None
+) -> Callable[[ImageImport, Callable[[str], None]], image_service.Imported]:
+    def run(req: ImageImport, progress: Callable[[str], None]) -> image_service.Imported:
+        if calls is not None:
+            calls.append(req.ref)
+        progress("layer 1/1 sha256:111111111111… 0.0/0.0 MiB")
+        progress("flattening the image's layers into the root disk")
+        img = fake_container_image(config, req.ref)
+        fetched = FetchedImage(req.ref, "sha256:" + "d" * 64, "sha256:" + "c" * 64, config,
+                               (), bytes_fetched=1234, bytes_reused=5678)  # fmt: skip
+        return image_service.Imported(img, fetched, 0.5)
+
+    return run
+
+
+@pytest.fixture
+def api(client: TestClient) -> TestClient:
+    client.app.state.services.images._importer = importer()  # type: ignore[attr-defined]
+    return client
+
+
+def test_an_import_answers_what_it_fetched_and_lists_with_the_recipes(api: TestClient) -> None:
+    r = api.post("/v1/images", json={"ref": "reg.test/pg:16"})
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["kind"] == "container" and info["references"] == ["reg.test/pg:16"]
+    assert (info["bytes_fetched"], info["bytes_reused"]) == (1234, 5678)
+    assert info["config"]["exposed_ports"] == ["5432/tcp"] and info["layer_bytes"] == 1000
+    listed = {i["name"]: i for i in api.get("/v1/images").json()}
+    assert listed["python"]["kind"] == "recipe"
+    assert listed[info["name"]]["used_by"] == []
+    assert api.get(f"/v1/images/{info['name']}").json()["id"] == "sha256:" + "c" * 64
+    assert api.get("/v1/images/nope").status_code == 404
+
+
+def test_an_import_streams_its_progress_then_the_image(api: TestClient) -> None:
+    with api.stream(
+        "POST", "/v1/images", json={"ref": "reg.test/pg:16"},
+        headers={"Accept": "text/event-stream"},
+    ) as r:  # fmt: skip
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = "".join(r.iter_text())
+    events = [
+        line.removeprefix("event: ") for line in body.splitlines() if line.startswith("event:")
+    ]
+    assert events == ["progress", "progress", "image"], body
+    assert "flattening" in body and '"bytes_fetched":1234' in body
+
+
+def test_a_template_from_an_image_takes_its_config_and_starts_its_command(
+    api: TestClient, driver: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    polls: list[int] = []
+
+    async def listening(template: Any, port: int) -> bool:
+        polls.append(port)
+        return len(polls) >= 2  # the second poll finds it ready
+
+    monkeypatch.setattr(template_start, "listening", listening)
+    monkeypatch.setattr(template_start, "POLL_SECS", 0.01)
+    r = api.post("/v1/snapshots", json={"tag": "pg", "image": "reg.test/pg:16",
+                                        "start": True, "ready_port": 5432})  # fmt: skip
+    assert r.status_code == 201, r.text
+    vm = driver.vms[-1]
+    assert vm.image_defaults == {
+        "env": {"PATH": "/usr/bin:/bin", "PGDATA": "/var/lib/pg"}, "cwd": "/srv",
+        "user": "postgres",
+    }  # fmt: skip
+    started = vm.processes.list()  # type: ignore[attr-defined]
+    assert [p["cmd"] for p in started] == [["sleep", "600"]]
+    assert polls == [5432, 5432]
+    name = r.json()["image"]
+    used = {i["name"]: i for i in api.get("/v1/images").json()}[name]["used_by"]
+    assert used == ["snapshot pg"]
+    assert api.delete(f"/v1/images/{name}").status_code == 409  # the snapshot needs it
+    assert api.delete("/v1/snapshots/pg").status_code == 204
+    assert api.delete(f"/v1/images/{name}").status_code == 204
+    assert not (paths.blobs_dir() / "sha256" / LAYER.removeprefix("sha256:")).exists()
+
+
+@pytest.mark.parametrize(
+    ("cmd", "timeout", "said"),
+    [(("echo", "bad", "config"), 5.0, "exited 0 before it was ready"),
+     (("sleep", "600"), 0.1, "not ready within 0.1 s (port 5432 did not listen)")],
+)  # fmt: skip
+def test_a_service_that_is_not_ready_fails_the_template_with_its_reason(
+    client: TestClient, cmd: tuple[str, ...], timeout: float, said: str
+) -> None:
+    config = ImageConfig(cmd=cmd)
+    client.app.state.services.images._importer = importer(config)  # type: ignore[attr-defined]
+    body = {"tag": "t", "image": "reg.test/x:1", "start": True, "ready_port": 5432,
+            "ready_timeout_secs": timeout}  # fmt: skip
+    r = client.post("/v1/snapshots", json=body)
+    assert r.status_code == 500 and said in r.json()["error"], r.text
+    assert "bad config" in r.json()["error"] or cmd[0] == "sleep"  # the output comes along
+    assert client.get("/v1/snapshots").json() == []
+
+
+def test_start_needs_a_command_and_ready_needs_start(client: TestClient) -> None:
+    client.app.state.services.images._importer = importer(ImageConfig())  # type: ignore[attr-defined]
+    r = client.post("/v1/snapshots", json={"tag": "t", "image": "reg.test/x:1", "start": True})
+    assert r.status_code == 400 and "no Entrypoint or Cmd" in r.json()["error"]
+    r = client.post("/v1/snapshots", json={"tag": "t", "image": "python", "ready_port": 80})
+    assert r.status_code == 400 and "need start" in r.json()["error"]
+    assert client.get("/v1/snapshots").json() == []
+
+
+def test_a_taken_tag_is_refused_before_anything_is_imported(client: TestClient) -> None:
+    calls: list[str] = []
+    client.app.state.services.images._importer = importer(calls=calls)  # type: ignore[attr-defined]
+    assert client.post("/v1/snapshots", json={"tag": "t"}).status_code == 201
+    r = client.post("/v1/snapshots", json={"tag": "t", "image": "reg.test/pg:16"})
+    assert r.status_code == 409 and calls == []
+
+
+POLICY = RegistryPolicy.of((), None)
+
+
+def settings_of(tmp_path: Path, **kw: Any) -> Settings:
+    return Settings(state_dir=tmp_path, snapshot_root=tmp_path / "s", run_dir=tmp_path / "r", **kw)
+
+
+@pytest.mark.parametrize("kind", ["docker-archive", "oci-archive", "oci"])
+def test_archives_are_refused_unless_the_operator_lists_their_directory(
+    kind: str, tmp_path: Path
+) -> None:
+    allowed, elsewhere = tmp_path / "allowed", tmp_path / "elsewhere"
+    allowed.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "real.tar").write_bytes(b"")
+    os.symlink(elsewhere / "real.tar", allowed / "link.tar")
+    closed = settings_of(tmp_path)
+    opened = settings_of(tmp_path, image_archive_dirs=(allowed,))
+
+    def check(text: str, settings: Settings) -> None:
+        image_service.check_allowed(references.parse(text, POLICY), text, settings)
+
+    messages = set()
+    for path in (elsewhere / "real.tar", tmp_path / "missing.tar"):
+        with pytest.raises(Invalid) as exc:
+            check(f"{kind}:{path}", closed)
+        messages.add(str(exc.value))
+    assert len(messages) == 1  # the same answer whether the path exists or not
+    for path in (elsewhere / "real.tar", allowed / "link.tar", allowed / ".." / "elsewhere"):
+        with pytest.raises(Invalid, match="--image-archive-dir"):
+            check(f"{kind}:{path}", opened)
+    check(f"{kind}:{allowed / 'image.tar'}", opened)
+
+
+def test_docker_engine_references_can_be_switched_off(tmp_path: Path) -> None:
+    off = settings_of(tmp_path, docker_host="none")
+    with pytest.raises(Invalid, match="--docker-host none"):
+        image_service.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", off)
+    on = settings_of(tmp_path)
+    image_service.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", on)
