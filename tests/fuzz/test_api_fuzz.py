@@ -50,6 +50,7 @@ from forkd.controller.app import create_app
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
+from forkd.guest.recipe import NAME_RE
 from forkd.launcher import free_port
 from forkd.oci.reference import DIGEST
 from forkd.vmm import network, snapshot_files
@@ -436,9 +437,13 @@ def test_every_route_answers_as_documented_without_a_server_error(
 def _record(fuzzed: FuzzedDaemon, case: Any) -> None:
     """Send ``case``, check the answer, note what it made or deleted."""
     if isinstance(case.body, dict) and isinstance(case.body.get("ref"), str):
-        # Push and pull reach the registry a reference names: the test's own, or one
-        # on loopback the daemon does not list.
+        # Push, pull and image imports reach the registry a reference names: the test's
+        # own, or one on loopback the daemon does not list.
         case.body = {**case.body, "ref": registry_ref(case.body["ref"], fuzzed.registry)}
+    image = case.body.get("image") if isinstance(case.body, dict) else None
+    if isinstance(image, str) and not NAME_RE.fullmatch(image):
+        # A snapshot's image that is no built image's name is a container image to import.
+        case.body = {**case.body, "image": registry_ref(image, fuzzed.registry)}
     response = call_and_check(case, fuzzed.url)
     op = case.operation
     fuzzed.counts[op.label] += 1
