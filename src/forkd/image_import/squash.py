@@ -12,9 +12,14 @@ GNU's pax sparse format 0.1 (``GNU.sparse.map``), which tar2sqfs reads, so its
 holes cross the pipe as a map, not as zeros; squashfs stores them as sparse
 blocks.
 
-The image is lz4-compressed, as forkd's own recipe images are (``mksquashfs -comp
-lz4``): the fastest of squashfs's compressors to read back in the guest. It is
-written under a temporary name beside ``out`` and renamed into place when whole.
+The image is lz4-compressed, as forkd's recipe images are (``mksquashfs -comp
+lz4``). Measured on bench/image_layers.py's ~300 MiB image (2 cores): tar2sqfs
+writes it in 4.1 s with lz4 against 23 s with zstd (level 15); zstd's image is
+half the size, and reading every file back through the host's kernel took
+2.8-2.9 s against lz4's 3.1 s. (Debian 12's ``unsquashfs`` 4.5.1 misreads
+tar2sqfs's lz4 images whose id table is one tiny block; the kernel and
+``rdsquashfs`` read them.) It is written under a temporary name beside ``out``
+and renamed into place when whole.
 """
 
 from __future__ import annotations
