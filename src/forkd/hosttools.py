@@ -15,6 +15,7 @@ PACKAGES: dict[str, str] = {
     "mkfs.ext4": "e2fsprogs",
     "mmdebstrap": "mmdebstrap",
     "mksquashfs": "squashfs-tools",
+    "tar2sqfs": "squashfs-tools-ng",
     "cpio": "cpio",
     "depmod": "kmod",
     "dpkg-deb": "dpkg",

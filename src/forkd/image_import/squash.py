@@ -35,7 +35,7 @@ from pathlib import Path
 from forkd import hosttools
 from forkd.archive.errors import ArchiveTooLarge
 from forkd.archive.tar_format import Kind, Limits
-from forkd.errors import HostToolMissing, ImageError
+from forkd.errors import HostToolMissing, ImageError, StorageFull
 from forkd.image_import.layers import IMAGE_LIMITS, Node, Progress, Tree, read_layers
 from forkd.image_import.model import LayerBlob, RootfsStats
 
@@ -83,6 +83,15 @@ def build_rootfs(
     )
 
 
+def _disk_full(path: Path) -> bool:
+    """Whether the filesystem holding ``path`` has (next to) no room left."""
+    try:
+        st = os.statvfs(path.parent)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < 16 << 20
+
+
 def _require_tool() -> str:
     try:
         return hosttools.require(TOOL)
@@ -122,6 +131,8 @@ def _write_image(
         if code != 0 or counts is None:
             log_file.seek(0)
             tail = log_file.read()[-2000:].decode(errors="replace").strip()
+            if _disk_full(staged):
+                raise StorageFull(f"the image cache's disk is full: {TOOL} could not write")
             raise ImageError(f"{TOOL} failed (exit {code}): {tail or 'it stopped reading'}")
     return counts
 
