@@ -56,7 +56,7 @@ def test_pooled_children_are_each_their_own(
             out = ctl.exec_command(kid["id"], ["sh", "-c", PROBE])
             host, now, rand, urandom = out["stdout"].split("\n")
             assert host == kid["id"]
-            assert abs(float(now) - time.time()) < 1.5  # set when it was handed out
+            assert abs(float(now) - time.time()) < 3.0  # set when it was handed out (a loaded host)
             seen.append((rand, urandom))
             assert ctl.eval_code(kid["id"], "x")["result"] == "41"  # the template's state
         assert seen[0][0] != seen[1][0] and seen[0][1] != seen[1][1]

@@ -309,15 +309,20 @@ def test_exec_stdin_larger_than_a_pipe_while_output_flows(agent: Client) -> None
 def test_exec_starts_no_thread_once_a_request_thread_is_idle(agent: Client) -> None:
     # A fork inherits the template's idle request threads; under TCG each new
     # guest thread is costly, so execs reuse them and start no thread of their own.
+    # The request thread goes idle before its answer is out, so the next request finds
+    # it; the one exec-drainer (pipes a finished command's children still hold) is the
+    # agent's, started once in its life when a command is reaped before its pipes close.
     count = "import threading\n_n = [0]\n_start = threading.Thread.start\n"
-    count += "def _counted(self):\n    _n[0] += 1\n    return _start(self)\n"
+    count += "_names = []\ndef _counted(self):\n    _names.append(self.name)\n"
+    count += "    _n[0] += self.name != 'exec-drainer'\n    return _start(self)\n"
     count += "threading.Thread.start = _counted\n"
     assert agent.result("eval", code=count)["error"] is None
     before = agent.result("eval", code="_n[0]")["result"]
     for _ in range(5):
         assert agent.result("exec", argv=["sh", "-c", "echo hi; echo ho >&2"])["stdout"] == "hi\n"
     assert agent.result("exec", argv=["cat"], stdin="in\n", timeout=5)["stdout"] == "in\n"
-    assert agent.result("eval", code="_n[0]")["result"] == before
+    started = agent.result("eval", code="_names")["result"]
+    assert agent.result("eval", code="_n[0]")["result"] == before, started
 
 
 def test_exec_stdin_that_cannot_be_encoded_starts_nothing_and_leaks_nothing(agent: Client) -> None:

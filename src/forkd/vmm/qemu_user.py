@@ -318,6 +318,8 @@ class QemuUids:
     legacy: int | None
 
     def __contains__(self, uid: object) -> bool:
+        if not isinstance(uid, int):  # a process whose owner could not be read: not ours
+            return False
         return uid in (self.daemon, self.legacy) or (self.drop is not None and uid in self.drop)
 
 

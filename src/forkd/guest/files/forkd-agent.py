@@ -956,6 +956,7 @@ class Workers:
         self._lock = threading.Lock()
         self._idle = 0  # threads waiting for work and not yet promised any
         self._work: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._local = threading.local()
 
     def submit(self, work: Callable[[], None]) -> None:
         with self._lock:
@@ -968,15 +969,36 @@ class Workers:
         # would keep the request (and its payload) alive as long as the thread.
         threading.Thread(target=self._run, name="request", daemon=True).start()
 
+    def release(self) -> None:
+        """Count the calling worker idle now, just before its answer goes out: the host
+        sends the next request as soon as it reads the answer, and that request must
+        find this thread, not start one. (The thread takes it once its answer is sent.)
+        A no-op outside a worker, or called twice."""
+        state = getattr(self._local, "state", None)
+        if state is None or state[0]:
+            return
+        with self._lock:
+            kept = self._idle < self._keep
+            if kept:
+                self._idle += 1
+        self._local.state = (True, kept)
+
     def _run(self) -> None:
         while True:
             work: Callable[[], None] | None = self._work.get()
+            self._local.state = (False, False)  # (released, kept as idle)
             try:
                 assert work is not None
                 work()
             except Exception as exc:  # a request's own errors are answered; this is a bug
                 log(f"request worker: {type(exc).__name__}: {exc}")
             work = None  # an idle thread holds no finished request
+            released, kept = self._local.state
+            self._local.state = None
+            if released:
+                if kept:
+                    continue
+                return
             with self._lock:
                 if self._idle >= self._keep:
                     return
@@ -1033,7 +1055,9 @@ class Connection:
             self._finish(req_id, _encode(_error_message(req_id, exc)))
 
     def _serve_one(self, req_id: int, req: dict[str, Any]) -> None:
-        self._finish(req_id, handle_request(req_id, req))
+        line = handle_request(req_id, req)
+        WORKERS.release()  # idle before the answer is out: the next request finds this thread
+        self._finish(req_id, line)
 
     def _finish(self, req_id: int, line: bytes) -> None:
         try:
