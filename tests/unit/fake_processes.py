@@ -9,7 +9,8 @@ global offsets, as the agent's reader threads do (docs/guest-agent.md,
 - ``sleep S``: sleeps; ``cat``: copies stdin to stdout until EOF;
 - ``count N SECS``: prints 1..N, one line every SECS;
 - ``hex HEX``: writes those bytes; ``flood``: writes 64 KiB blocks until killed;
-- ``nosuch``: does not exist (FileNotFoundError); ``whoami``: prints the user it runs as;
+- ``nosuch``: does not exist (FileNotFoundError);
+- ``whoami`` (or ``/bin/sh -c 'id -un'``): prints the user it runs as;
 - ``serve PORT``: says it serves on PORT, then runs until killed (an image's service);
 - anything else (``/bin/sh -c LINE`` among them): prints its arguments, like FakeVM's exec.
 """
@@ -108,6 +109,8 @@ class FakeProcess:
 
 async def _script(proc: FakeProcess) -> int:
     name, args = proc.cmd[0], proc.cmd[1:]
+    if proc.cmd == ["/bin/sh", "-c", "id -un"]:
+        name = "whoami"
     if name == "echo":
         proc.write("stdout", (" ".join(args) + "\n").encode())
     elif name == "exit":

@@ -240,7 +240,7 @@ class FakeVM:
         if argv[:1] == ["sleep"] and float(argv[1]) > timeout:  # killed, as the agent does
             return {"stdout": "", "stderr": "", "exit_code": 124, "timed_out": True,
                     "duration_ms": timeout * 1000}  # fmt: skip
-        if argv in (["whoami"], ["/bin/sh", "-c", "whoami"]):
+        if argv in (["whoami"], ["id", "-un"], ["/bin/sh", "-c", "id -un"]):
             return {"stdout": self.guest.user(kw.get("user")) + "\n", "stderr": "",
                     "exit_code": 0, "timed_out": False, "duration_ms": 1.0}  # fmt: skip
         if argv[:1] == ["exit"]:
