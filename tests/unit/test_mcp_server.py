@@ -99,10 +99,10 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
 async def exercise_the_image_tools(
     client: Client, ref: str, missing_ref: str, tag: str, ready_port: int, user: str
 ) -> None:
-    """Import ``ref`` (its steps as progress), list it, make snapshot ``tag`` of it with
-    its service started and ready on ``ready_port``, and run a command in a sandbox of
-    it: as the image's USER, ``user``, by default. ``missing_ref`` is a 404 (also run on
-    real VMs by tests/integration/test_mcp.py)."""
+    """Import ``ref`` (its steps as progress), list it, make snapshot ``tag`` of the
+    imported image with its service started and ready on ``ready_port``, and run a
+    command in a sandbox of it: as the image's USER, ``user``, by default.
+    ``missing_ref`` is a 404 (also run on real VMs by tests/integration/test_mcp.py)."""
     steps: list[str | None] = []
 
     async def progress(done: float, total: float | None, message: str | None) -> None:
@@ -112,7 +112,8 @@ async def exercise_the_image_tools(
     image = _value(result)
     assert image["kind"] == "container" and steps and all(steps)
     assert image["name"] in {i["name"] for i in _value(await client.call_tool("list_images", {}))}
-    args = {"tag": tag, "image": ref, "start": True, "ready_port": ready_port}
+    # By the name the import answered with (the CLI does so too), not the reference.
+    args = {"tag": tag, "image": image["name"], "start": True, "ready_port": ready_port}
     snap = _value(await client.call_tool("create_snapshot", args))
     assert snap["tag"] == tag and snap["image"] == image["name"]
     sid = _value(await client.call_tool("create_sandbox", {"snapshot_tag": tag}))["id"]
@@ -157,7 +158,7 @@ def test_the_image_tools(settings: Settings, importer: FakeImporter, tmp_path: P
                 assert refused.is_error and "400" in refused.content[0].text
 
         asyncio.run(session())
-    assert importer.calls == [WEB, WEB, MISSING]  # create_snapshot imports too
+    assert importer.calls == [WEB, MISSING]
 
 
 def test_stdio_transport(server: Server, template: str) -> None:
