@@ -2,9 +2,11 @@
 
 Agent frameworks reach tools through the Model Context Protocol. This server is a
 client of a forkd daemon (through :class:`forkd.client.AsyncController`) that
-offers: create a sandbox from a snapshot, fork several, run a command, run Python
-in the warm interpreter, read and write files, branch, list sandboxes and
-snapshots, kill; and the lineage tree as the resource ``forkd://tree``.
+offers: create a sandbox from a snapshot, fork several, run a command (as a
+user), run Python in the warm interpreter, read and write files, branch, list
+sandboxes and snapshots, kill; import a container image, list images, create a
+snapshot (from a built or a container image, its service started); and the
+lineage tree as the resource ``forkd://tree``.
 
 It speaks stdio (the default: the agent starts it) or streamable HTTP
 (``--http HOST:PORT``). Over HTTP it asks every request for the same bearer
@@ -19,7 +21,7 @@ import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
 from forkd.client import AsyncController, ControllerError, EvalResult
@@ -29,7 +31,8 @@ INSTRUCTIONS = (
     "forkd runs code in isolated microVMs that fork copy-on-write from snapshots. "
     "create_sandbox gives you a running sandbox of a snapshot (list_snapshots shows them); "
     "exec and run_python run code in it; branch_sandbox saves its state as a new snapshot "
-    "you can fork again, to try several things from one point. Kill sandboxes you are done with."
+    "you can fork again, to try several things from one point. Kill sandboxes you are done with. "
+    "create_snapshot makes a new template from a container image (import_image, list_images)."
 )
 TREE_URI = "forkd://tree"
 FILE_READ_LIMIT = 1 << 20  # what a tool answer carries: larger files are cut, and say so
@@ -96,11 +99,17 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         return list(infos)
 
     @server.tool()
-    async def exec(sandbox_id: str, command: str, timeout_s: float = 60) -> dict[str, Any]:
+    async def exec(
+        sandbox_id: str, command: str, timeout_s: float = 60, user: str | None = None
+    ) -> dict[str, Any]:
         """Run a shell command (``/bin/sh -c``) in the sandbox and wait for it:
-        stdout, stderr, exit_code (124: it ran past ``timeout_s`` and was killed)."""
+        stdout, stderr, exit_code (124: it ran past ``timeout_s`` and was killed).
+        ``user``: run as this user (name, uid, name:group or uid:gid); default the
+        image's USER, else root."""
         argv = ["/bin/sh", "-c", command]
-        raw = await with_daemon(lambda c: c.exec_command(sandbox_id, argv, timeout_secs=timeout_s))
+        raw = await with_daemon(
+            lambda c: c.exec_command(sandbox_id, argv, timeout_secs=timeout_s, user=user)
+        )
         result = CommandResult.from_answer(raw)
         return {"stdout": result.stdout, "stderr": result.stderr, "exit_code": result.exit_code}
 
@@ -150,6 +159,53 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         """Kill the sandbox and free what it held."""
         await with_daemon(lambda c: c.kill_sandbox(sandbox_id))
         return {"id": sandbox_id, "killed": True}
+
+    @server.tool()
+    async def import_image(ref: str, ctx: Context) -> dict[str, Any]:
+        """Import a container image so snapshots can be made from it: a registry
+        reference (``registry.example.com/team/app:1``), ``docker-daemon:IMAGE``,
+        ``docker-archive:PATH``, ``oci-archive:PATH[:tag]`` or ``oci:DIR[:tag]`` (paths
+        on the daemon's host). Reports each step as progress; returns the image's
+        info (its ``name``, config, ``bytes_fetched`` and ``bytes_reused``)."""
+        steps = 0
+
+        async def report(message: str) -> None:
+            nonlocal steps
+            steps += 1
+            await ctx.report_progress(steps, None, message)
+
+        return dict(await with_daemon(lambda c: c.import_image_progress(ref, report)))
+
+    @server.tool()
+    async def list_images() -> list[dict[str, Any]]:
+        """The images snapshots can be made from: built from recipes (``kind``
+        recipe) and imported container images (``kind`` container, with their config
+        and the references they were imported as)."""
+        return list(await with_daemon(lambda c: c.list_images()))
+
+    @server.tool()
+    async def create_snapshot(
+        tag: str,
+        image: str | None = None,
+        start: bool = False,
+        ready_port: int | None = None,
+        ready_cmd: str | None = None,
+        warmup: str | None = None,
+        memory_mib: int | None = None,
+    ) -> dict[str, Any]:
+        """Make a new snapshot ``tag`` to create sandboxes from. ``image``: a built
+        image's name (list_images; default python) or a container image reference,
+        imported first. ``start``: run the image's Entrypoint+Cmd before the snapshot
+        and wait until guest TCP ``ready_port`` listens or the shell line ``ready_cmd``
+        exits 0, so every sandbox starts with that service already running.
+        ``warmup``: Python run in the warm interpreter first. Takes seconds to minutes."""
+        answer = await with_daemon(
+            lambda c: c.create_snapshot(
+                tag, image=image, warmup=warmup, memory_mib=memory_mib, start=start or None,
+                ready_port=ready_port, ready_cmd=ready_cmd,
+            )
+        )  # fmt: skip
+        return dict(answer)
 
     @server.resource(TREE_URI, name="lineage", mime_type="application/json")
     async def tree() -> str:

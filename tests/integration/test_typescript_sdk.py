@@ -1,5 +1,6 @@
 """The TypeScript SDK (sdk/typescript) against the suite's daemon: built with tsc from a
-clean install (npm ci), then its own tests run under node's test runner."""
+clean install (npm ci), then its own tests run under node's test runner, a busybox-only
+container image (an OCI archive) among what they import and start."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests import oci_images
+from tests.integration.test_container_images import CONFIG, busybox_image
 
 pytestmark = pytest.mark.integration
 
@@ -25,15 +29,20 @@ def _node_major() -> int:
 
 
 @pytest.mark.skipif(_node_major() < 20, reason="needs node 20 or later (./dev.sh installs it)")
-def test_typescript_sdk_against_a_real_daemon(daemon: Any, api_template: str) -> None:
+def test_typescript_sdk_against_a_real_daemon(
+    daemon: Any, api_template: str, tmp_path: Path
+) -> None:
     npm = shutil.which("npm")
     assert npm is not None, "npm is missing beside node"
     for step in (["ci", "--no-audit", "--no-fund"], ["run", "build"]):
         done = subprocess.run([npm, *step], cwd=SDK, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
+    archive = oci_images.write_oci_archive(tmp_path / "busybox.tar", {"1": busybox_image()})
     env = {
         **os.environ, "FORKD_URL": daemon.url, "FORKD_TOKEN": daemon.token,
-        "FORKD_TEMPLATE": api_template,
+        "FORKD_TEMPLATE": api_template, "FORKD_IMAGE_REF": f"oci-archive:{archive}:1",
+        "FORKD_IMAGE_USER": str(CONFIG["User"]), "FORKD_IMAGE_PORT": "8080",
+        "FORKD_IMAGE_MISSING": f"oci-archive:{archive}:nosuch",
     }  # fmt: skip
     run = subprocess.run(
         ["node", "--test", "test/"], cwd=SDK, env=env, capture_output=True, text=True, timeout=600

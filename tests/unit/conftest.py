@@ -27,6 +27,7 @@ from forkd.client import Controller
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
 from forkd.launcher import free_port
+from tests.unit.fake_images import FakeImporter
 from tests.unit.fakes import FakeDriver, make_image
 
 TOKEN = "unit-test-token"
@@ -51,8 +52,14 @@ def driver() -> FakeDriver:
 
 
 @pytest.fixture
-def client(settings: Settings, driver: FakeDriver) -> Iterator[TestClient]:
-    app = create_app(settings, TOKEN, driver=driver)
+def importer() -> FakeImporter:
+    """The daemon's container image importer: a fake one, never the network."""
+    return FakeImporter()
+
+
+@pytest.fixture
+def client(settings: Settings, driver: FakeDriver, importer: FakeImporter) -> Iterator[TestClient]:
+    app = create_app(settings, TOKEN, driver=driver, importer=importer)
     with TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
         yield c
 
@@ -63,6 +70,7 @@ class Server:
     token: str
     token_file: Path
     driver: FakeDriver
+    importer: FakeImporter
 
 
 @contextmanager
@@ -87,13 +95,16 @@ def serving(app: ASGIApp, **config: Any) -> Iterator[None]:
 
 
 @pytest.fixture
-def server(settings: Settings, driver: FakeDriver, tmp_path: Path) -> Iterator[Server]:
+def server(
+    settings: Settings, driver: FakeDriver, importer: FakeImporter, tmp_path: Path
+) -> Iterator[Server]:
     """The app under a real uvicorn on 127.0.0.1, in a thread of this process."""
     port = free_port()
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    with serving(create_app(settings, TOKEN, driver=driver), host="127.0.0.1", port=port):
-        yield Server(f"http://127.0.0.1:{port}", TOKEN, token_file, driver)
+    app = create_app(settings, TOKEN, driver=driver, importer=importer)
+    with serving(app, host="127.0.0.1", port=port):
+        yield Server(f"http://127.0.0.1:{port}", TOKEN, token_file, driver, importer)
 
 
 class RecordingTransport(httpx.HTTPTransport):

@@ -10,6 +10,8 @@ global offsets, as the agent's reader threads do (docs/guest-agent.md,
 - ``count N SECS``: prints 1..N, one line every SECS;
 - ``hex HEX``: writes those bytes; ``flood``: writes 64 KiB blocks until killed;
 - ``nosuch``: does not exist (FileNotFoundError);
+- ``whoami`` (or ``/bin/sh -c 'id -un'``): prints the user it runs as;
+- ``serve PORT``: says it serves on PORT, then runs until killed (an image's service);
 - anything else (``/bin/sh -c LINE`` among them): prints its arguments, like FakeVM's exec.
 """
 
@@ -52,6 +54,7 @@ class FakeProcess:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     size: tuple[int, int] | None = None
+    user: str = "root"
 
     @property
     def running(self) -> bool:
@@ -106,6 +109,8 @@ class FakeProcess:
 
 async def _script(proc: FakeProcess) -> int:
     name, args = proc.cmd[0], proc.cmd[1:]
+    if proc.cmd == ["/bin/sh", "-c", "id -un"]:
+        name = "whoami"
     if name == "echo":
         proc.write("stdout", (" ".join(args) + "\n").encode())
     elif name == "exit":
@@ -120,6 +125,11 @@ async def _script(proc: FakeProcess) -> int:
         for i in range(1, int(args[0]) + 1):
             proc.write("stdout", f"{i}\n".encode())
             await asyncio.sleep(float(args[1]))
+    elif name == "serve":
+        proc.write("stdout", f"serving on port {args[0]}\n".encode())
+        await asyncio.Event().wait()
+    elif name == "whoami":
+        proc.write("stdout", f"{proc.user}\n".encode())
     elif name == "hex":
         proc.write("stdout", bytes.fromhex(args[0]))
     elif name == "flood":
@@ -158,7 +168,7 @@ class FakeProcesses:
 
     def start(self, cmd: list[str] | str, *, stdin: bool = False,
               pty: dict[str, int] | None = None, timeout_s: float | None = None,
-              **_: Any) -> dict[str, Any]:  # fmt: skip
+              user: str = "root", **_: Any) -> dict[str, Any]:  # fmt: skip
         argv = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
         if argv[0] == "nosuch":
             raise refusal("FileNotFoundError", "[Errno 2] No such file or directory: 'nosuch'")
@@ -166,7 +176,7 @@ class FakeProcesses:
             raise refusal("BlockingIOError", f"more than {MAX_RUNNING} processes running")
         self._next_pid += 1
         proc = FakeProcess(self._next_pid, argv, pty is not None, stdin or pty is not None,
-                           self.ring_bytes)  # fmt: skip
+                           self.ring_bytes, user=user)  # fmt: skip
         if pty is not None:
             proc.size = (pty["cols"], pty["rows"])
         if not proc.stdin_open:

@@ -53,19 +53,26 @@ class Runtime:
 
 @dataclass
 class Guest:
-    """What a fake guest holds: files and the warm interpreter's names."""
+    """What a fake guest holds: files, the warm interpreter's names and the agent's
+    image defaults (``configure``: env, cwd, user), all kept in a snapshot."""
 
     files: dict[str, bytes] = field(default_factory=dict)
     names: dict[str, Any] = field(default_factory=dict)
+    defaults: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         plain = {k: v for k, v in self.names.items() if isinstance(v, int | float | str | bool)}
-        return {"files": {k: v.decode("latin-1") for k, v in self.files.items()}, "names": plain}
+        return {"files": {k: v.decode("latin-1") for k, v in self.files.items()}, "names": plain,
+                "defaults": self.defaults}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Guest:
         files = {k: v.encode("latin-1") for k, v in data["files"].items()}
-        return cls(files, dict(data["names"]))
+        return cls(files, dict(data["names"]), dict(data.get("defaults") or {}))
+
+    def user(self, asked: str | None) -> str:
+        """Who a command runs as: the one asked for, else the image's USER, else root."""
+        return asked or self.defaults.get("user") or "root"
 
 
 class FakeWriter:
@@ -234,6 +241,9 @@ class FakeVM:
         if argv[:1] == ["sleep"] and float(argv[1]) > timeout:  # killed, as the agent does
             return {"stdout": "", "stderr": "", "exit_code": 124, "timed_out": True,
                     "duration_ms": timeout * 1000}  # fmt: skip
+        if argv in (["whoami"], ["id", "-un"], ["/bin/sh", "-c", "id -un"]):
+            return {"stdout": self.guest.user(kw.get("user")) + "\n", "stderr": "",
+                    "exit_code": 0, "timed_out": False, "duration_ms": 1.0}  # fmt: skip
         if argv[:1] == ["exit"]:
             code = int(argv[1])
             return {"stdout": "", "stderr": f"exit {code}\n", "exit_code": code,
@@ -264,6 +274,7 @@ class FakeVM:
     async def configure(self, *, env: dict[str, str], cwd: str | None, user: str | None) -> None:
         self._agent("configure")
         self.image_defaults = {"env": env, "cwd": cwd, "user": user}
+        self.guest.defaults = dict(self.image_defaults)
 
     async def read_file(self, path: str) -> bytes:
         self._agent("file_read")
@@ -337,7 +348,7 @@ class FakeVM:
     # background processes: played by FakeProcesses ----------------------------
     async def proc_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:
         self._agent("proc_start")
-        return self.processes.start(cmd, **kw)
+        return self.processes.start(cmd, **{**kw, "user": self.guest.user(kw.get("user"))})
 
     async def proc_list(self) -> list[dict[str, Any]]:
         self._agent("proc_list")

@@ -84,10 +84,26 @@ def test_async_streams_background_process_and_events(server: Server) -> None:
 # Each route, called the same way on both clients: the requests must be identical.
 CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("create_snapshot", ("py",), {"memory_mib": 256, "setup": "pip install x"}),
+    (
+        "create_snapshot",
+        ("pg",),
+        {
+            "image": "127.0.0.1:5000/pg:16",
+            "start": True,
+            "ready_port": 5432,
+            "ready_cmd": "pg_isready",
+            "ready_timeout_secs": 60,
+        },
+    ),
+    ("import_image", ("oci-archive:/tmp/a b.tar:1",), {"token": "tok"}),
+    ("list_images", (), {}),
+    ("image_info", ("oci-0123456789ab",), {}),
+    ("delete_image", ("oci-0123456789ab",), {}),
     ("delete_snapshot", ("py",), {"cascade": True}),
     ("spawn_sandboxes", ("py",), {"n": 3, "metadata": {"a": "b"}, "idle_timeout_s": 5}),
     ("list_sandboxes", (), {"state": "running", "metadata": {"run": "1"}}),
     ("exec_command", ("sb-1", ["ls", "/"]), {"timeout_secs": 5, "stdin": b"x"}),
+    ("exec_command", ("sb-1", ["id"]), {"user": "postgres"}),
     ("eval_code", ("sb-1", "1 + 1"), {"timeout_s": 3}),
     ("branch_sandbox", ("sb-1",), {"tag": "b", "mode": "live", "wait": False}),
     ("set_sandbox_timeout", ("sb-1", 60), {"idle_timeout_s": None}),
@@ -95,6 +111,7 @@ CALLS: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = [
     ("read_file", ("sb-1", "/tmp/x"), {}),
     ("remove_file", ("sb-1", "/tmp/x"), {"recursive": True}),
     ("start_process", ("sb-1", "sleep 1"), {"stdin": True, "timeout_s": 9}),
+    ("start_process", ("sb-1", ["id"]), {"user": "1000:1000"}),
     ("send_stdin", ("sb-1", 7, b"\x00\xff"), {"eof": True}),
     ("signal_process", ("sb-1", 7, "SIGINT"), {}),
     ("kill_sandbox", ("sb/odd id",), {}),
@@ -106,7 +123,9 @@ def _answer(request: httpx.Request) -> httpx.Response:
     return httpx.Response(200, json=body)
 
 
-@pytest.mark.parametrize(("method", "args", "kwargs"), CALLS, ids=[c[0] for c in CALLS])
+@pytest.mark.parametrize(
+    ("method", "args", "kwargs"), CALLS, ids=[f"{c[0]}-{i}" for i, c in enumerate(CALLS)]
+)
 def test_both_clients_send_the_same_request(
     method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:

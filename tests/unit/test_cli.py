@@ -198,6 +198,19 @@ def test_cli_tree_hangs_a_branch_of_a_killed_sandbox_under_its_parent(
     assert f"(from {sid}, gone)" in res.stdout
 
 
+def test_snapshot_create_from_a_container_image(
+    forkd: Invoke, sent: RecordingTransport, ctl: Controller
+) -> None:
+    """The CLI imports the reference, then names the imported image: the daemon finds it."""
+    ref = "127.0.0.1:5000/team/web:1"  # one tests/unit/fake_images.py knows
+    res = forkd("snapshot", "create", "--tag", "web", "--image", ref, "--start",
+                "--ready-cmd", "true")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    [image] = [i for i in ctl.list_images() if i["kind"] == "container"]
+    assert sent.body()["image"] == image["name"] and sent.body()["start"] is True
+    assert ctl.snapshot("web")["image"] == image["name"]
+
+
 def test_cli_human_output(
     forkd: Invoke, sent: RecordingTransport, ctl: Controller, server: Server
 ) -> None:

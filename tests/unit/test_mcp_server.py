@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -23,11 +24,19 @@ from mcp.client.streamable_http import streamable_http_client
 
 from forkd import mcp_server
 from forkd.client import AsyncController, Controller
-from tests.unit.conftest import Server, free_port
+from forkd.controller.app import create_app
+from forkd.controller.settings import Settings
+from tests.unit.conftest import TOKEN, Server, free_port, serving
+from tests.unit.fake_images import FakeImporter
+from tests.unit.fakes import FakeDriver, FakeVM
+
+WEB = "127.0.0.1:5000/team/web:1"  # an image the fake importer knows
+MISSING = "127.0.0.1:5000/team/web:404"  # and one it does not
 
 TOOLS = {
     "create_sandbox", "fork_sandboxes", "exec", "run_python", "read_file", "write_file",
     "branch_sandbox", "list_sandboxes", "list_snapshots", "kill_sandbox",
+    "import_image", "list_images", "create_snapshot",
 }  # fmt: skip
 
 
@@ -47,7 +56,8 @@ def template(server: Server) -> str:
 
 
 async def exercise_every_tool(client: Client, template: str, branch_tag: str) -> None:
-    """List the tools and call each one, and read the tree (also run on real VMs by
+    """List the tools and call each one but the images' (see
+    :func:`exercise_the_image_tools`), and read the tree (also run on real VMs by
     tests/integration/test_mcp.py, on a daemon other tests share)."""
     tools = {t.name for t in (await client.list_tools()).tools}
     assert tools == TOOLS
@@ -57,6 +67,8 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     assert len(kids) == 2
     ran = _value(await client.call_tool("exec", {"sandbox_id": sid, "command": "echo hi"}))
     assert ran["exit_code"] == 0
+    args = {"sandbox_id": sid, "command": "id -un", "user": "nobody"}
+    assert _value(await client.call_tool("exec", args))["stdout"] == "nobody\n"
     py = _value(await client.call_tool("run_python", {"sandbox_id": sid, "code": "x + 1"}))
     assert py["result"] == "42" and py["error"] is None
     args = {"sandbox_id": sid, "path": "/tmp/n", "content": "hello"}
@@ -84,6 +96,34 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     assert bad.is_error
 
 
+async def exercise_the_image_tools(
+    client: Client, ref: str, missing_ref: str, tag: str, ready_port: int, user: str
+) -> None:
+    """Import ``ref`` (its steps as progress), list it, make snapshot ``tag`` of the
+    imported image with its service started and ready on ``ready_port``, and run a
+    command in a sandbox of it: as the image's USER, ``user``, by default.
+    ``missing_ref`` is a 404 (also run on real VMs by tests/integration/test_mcp.py)."""
+    steps: list[str | None] = []
+
+    async def progress(done: float, total: float | None, message: str | None) -> None:
+        steps.append(message)
+
+    result = await client.call_tool("import_image", {"ref": ref}, progress_callback=progress)
+    image = _value(result)
+    assert image["kind"] == "container" and steps and all(steps)
+    assert image["name"] in {i["name"] for i in _value(await client.call_tool("list_images", {}))}
+    # By the name the import answered with (the CLI does so too), not the reference.
+    args = {"tag": tag, "image": image["name"], "start": True, "ready_port": ready_port}
+    snap = _value(await client.call_tool("create_snapshot", args))
+    assert snap["tag"] == tag and snap["image"] == image["name"]
+    sid = _value(await client.call_tool("create_sandbox", {"snapshot_tag": tag}))["id"]
+    args = {"sandbox_id": sid, "command": "id -un"}
+    assert _value(await client.call_tool("exec", args))["stdout"] == f"{user}\n"
+    assert _value(await client.call_tool("kill_sandbox", {"sandbox_id": sid}))["killed"]
+    missing = await client.call_tool("import_image", {"ref": missing_ref})
+    assert missing.is_error and "404" in missing.content[0].text
+
+
 def test_every_tool_and_the_tree(server: Server, template: str) -> None:
     built = mcp_server.build(lambda: AsyncController(server.url, token=server.token))
 
@@ -92,6 +132,33 @@ def test_every_tool_and_the_tree(server: Server, template: str) -> None:
             await exercise_every_tool(client, template, "b1")
 
     asyncio.run(session())
+
+
+class ListeningDriver(FakeDriver):
+    """Guests with a TCP socket listening on 8080 (what the fake image serves on)."""
+
+    async def boot(self, image: Any, **kw: Any) -> FakeVM:
+        vm = await super().boot(image, **kw)
+        vm.guest.files["/proc/net/tcp"] = b"sl local rem st\n 0: 00000000:1F90 00000000:0000 0A\n"
+        return vm
+
+
+def test_the_image_tools(settings: Settings, importer: FakeImporter, tmp_path: Path) -> None:
+    port = free_port()
+    app = create_app(settings, TOKEN, driver=ListeningDriver(), importer=importer)
+    with serving(app, host="127.0.0.1", port=port):
+        url = f"http://127.0.0.1:{port}"
+        built = mcp_server.build(lambda: AsyncController(url, token=TOKEN))
+
+        async def session() -> None:
+            async with Client(built) as client:
+                await exercise_the_image_tools(client, WEB, MISSING, "web", 8080, "app")
+                args = {"tag": "web2", "image": WEB, "ready_port": 8080}  # without start
+                refused = await client.call_tool("create_snapshot", args)
+                assert refused.is_error and "400" in refused.content[0].text
+
+        asyncio.run(session())
+    assert importer.calls == [WEB, MISSING]
 
 
 def test_stdio_transport(server: Server, template: str) -> None:
@@ -106,6 +173,8 @@ def test_stdio_transport(server: Server, template: str) -> None:
             "--token-file",
             str(server.token_file),
         ],
+        # The stdio client passes on only a few variables: this checkout's forkd too.
+        env={"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else None,
     )
 
     async def session() -> None:

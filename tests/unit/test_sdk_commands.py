@@ -3,6 +3,7 @@ against the real app under uvicorn over the fake driver (tests/unit/fake_process
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -147,3 +148,28 @@ def test_a_keepalive_after_an_event_with_an_id_is_no_event() -> None:
         ("stdout", b"hi\n", None),
         ("exit", b"", 0),
     ]
+
+
+def test_run_as_a_user_in_the_foreground_and_the_background(
+    sb: Sandbox, sent: RecordingTransport
+) -> None:
+    assert sb.commands.run(["whoami"]).stdout == "root\n"  # no image USER: root
+    assert "user" not in sent.body()  # none asked: none sent (the image's default)
+    r = sb.commands.run(["whoami"], user="nobody")
+    assert sent.body()["user"] == "nobody" and r.stdout == "nobody\n"
+    streamed: list[str] = []
+    r = sb.commands.run(["whoami"], user="1000:1000", on_stdout=streamed.append)
+    assert sent.body(-2)["user"] == "1000:1000" and streamed == ["1000:1000\n"]
+    h = sb.commands.run(["whoami"], background=True, user="daemon")
+    assert sent.body()["user"] == "daemon" and h.wait().stdout == "daemon\n"
+
+
+def test_a_terminal_as_a_user(sb: Sandbox, sent: RecordingTransport) -> None:
+    pty = sb.pty.create(cmd=["whoami"], user="app")
+    [started] = [
+        r for r in sent.requests if r.method == "POST" and r.url.path.endswith("/processes")
+    ]
+    assert json.loads(started.content) == {"cmd": ["whoami"], "stdin": False, "user": "app",
+                                           "pty": {"cols": 80, "rows": 24}}  # fmt: skip
+    screen = [ev.data for ev in sb.commands.connect(pty.pid).events() if ev.kind == "pty"]
+    assert screen == [b"app\n"]

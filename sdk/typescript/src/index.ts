@@ -12,21 +12,29 @@
  *     const branch = await sb.branch();                        // pause, snapshot, resume
  *     const kids = await branch.fork(3);
  *     await sb.kill();
+ *
+ *     // A template from a container image, its service started before the snapshot:
+ *     const pg = await Snapshot.create("pg", { image: "registry.example.com/team/postgres:16", start: true, ready_port: 5432 });
  */
 
-export type JSONValue = null | boolean | number | string | JSONValue[] | { [key: string]: JSONValue };
-export type JSONObject = { [key: string]: any };
+import type {
+  JSONObject,
+  ClientOptions,
+  SandboxInfo,
+  SnapshotInfo,
+  ImageInfo,
+  SnapshotCreateOptions,
+  ImportOptions,
+  CommandResult,
+  EvalResult,
+  OutputEvent,
+  TreeNode,
+  ExecOptions,
+  ProcessOptions,
+} from "./types.js";
+import { base64Bytes, readSSE } from "./sse.js";
 
-export interface ClientOptions {
-  /** `http://host:port`; default `$FORKD_URL`, else `http://127.0.0.1:8889`. */
-  baseUrl?: string;
-  /** Bearer token; default `$FORKD_TOKEN`. */
-  token?: string;
-  /** Milliseconds to wait for an answer (exec, eval and builds wait longer). */
-  timeoutMs?: number;
-  /** A fetch to use instead of the global one (tests, proxies). */
-  fetch?: typeof fetch;
-}
+export type * from "./types.js";
 
 /** Every failure: the daemon's answer (`status`, its `error` text) or, with status 0, no answer. */
 export class ForkdError extends Error {
@@ -46,58 +54,6 @@ export class ForkdConnectionError extends ForkdError {
     super(0, message);
     this.name = "ForkdConnectionError";
   }
-}
-
-export interface SandboxInfo extends JSONObject {
-  id: string;
-  snapshot_tag: string;
-  state: "starting" | "running" | "paused" | "hibernated" | "dead";
-  has_branched: boolean;
-  branch_count: number;
-}
-
-export interface SnapshotInfo extends JSONObject {
-  tag: string;
-  status: "ready" | "pending" | "failed" | "broken";
-  branched_from?: string | null;
-  pause_ms?: number | null;
-  parent_tag?: string | null;
-  mode?: "full" | "diff";
-}
-
-export interface CommandResult {
-  stdout: string;
-  stderr: string;
-  exitCode: number;
-  timedOut: boolean;
-}
-
-export interface EvalResult {
-  result: string | null;
-  error: string | null;
-  stdout: string | null;
-  stderr: string | null;
-  exitCode: number;
-}
-
-/** One piece of a process's output stream (`stdout`, `stderr`, `pty`, `gap`, `exit`). */
-export interface OutputEvent {
-  kind: string;
-  data?: Uint8Array;
-  text?: string;
-  offset?: number;
-  nextOffset?: number;
-  exitCode?: number | null;
-}
-
-export interface TreeNode {
-  tag: string;
-  mode: string;
-  status: string;
-  branched_from: string | null;
-  pause_ms: number | null;
-  sandboxes: { id: string; state: string }[];
-  children: TreeNode[];
 }
 
 interface RequestOptions {
@@ -197,8 +153,10 @@ export class Client {
   snapshot(tag: string): Promise<SnapshotInfo> { return this.json("GET", `/v1/snapshots/${q(tag)}`); }
   snapshotInfo(tag: string): Promise<SnapshotInfo> { return this.json("GET", `/v1/snapshots/${q(tag)}/info`); }
 
-  createSnapshot(tag: string, opts: JSONObject = {}): Promise<SnapshotInfo> {
-    const body = dropUndefined({ tag, ...opts });
+  /** Boot a template VM (from `opts.image`, a built image or a container image), warm it, snapshot it. */
+  createSnapshot(tag: string, opts: SnapshotCreateOptions = {}): Promise<SnapshotInfo> {
+    const readyCmd = typeof opts.ready_cmd === "string" ? ["/bin/sh", "-c", opts.ready_cmd] : opts.ready_cmd;
+    const body = dropUndefined({ tag, ...opts, ready_cmd: readyCmd });
     return this.json("POST", "/v1/snapshots", { body, timeoutMs: Math.max(this.timeoutMs, 1_800_000) });
   }
 
@@ -210,6 +168,35 @@ export class Client {
   compactSnapshot(tag: string): Promise<SnapshotInfo> {
     return this.json("POST", `/v1/snapshots/${q(tag)}/compact`, { timeoutMs: Math.max(this.timeoutMs, 600_000) });
   }
+
+  // -- images -----------------------------------------------------------------
+
+  /**
+   * Import a container image: a registry reference (`host[:port]/repo:tag`, `...@sha256:...`),
+   * `docker-daemon:IMAGE`, `docker-archive:PATH`, `oci-archive:PATH[:tag]` or `oci:DIR[:tag]`
+   * (paths on the daemon's host). Its info, with `bytes_fetched` and `bytes_reused`. With
+   * `onProgress`, the import is streamed and each step reported as it happens.
+   */
+  async importImage(ref: string, opts: ImportOptions = {}): Promise<ImageInfo> {
+    const body = dropUndefined({ ref, token: opts.token });
+    const timeoutMs = Math.max(this.timeoutMs, 3_600_000);
+    if (!opts.onProgress) return this.json("POST", "/v1/images", { body, timeoutMs });
+    const resp = await this.request("POST", "/v1/images", { body, timeoutMs, accept: "text/event-stream" });
+    for await (const sse of readSSE(resp)) {
+      const data = JSON.parse(sse.data);
+      if (sse.event === "progress") opts.onProgress(String(data.message ?? ""));
+      else if (sse.event === "image") return data as ImageInfo;
+      else if (sse.event === "error") throw new ForkdError(Number(data.status ?? 500), `HTTP ${data.status ?? 500}: ${data.error}`, data);
+    }
+    throw new ForkdConnectionError(`the forkd daemon at ${this.baseUrl} ended the import unanswered`);
+  }
+
+  /** Recipe and container images: sizes, shared layers, who uses each. */
+  listImages(): Promise<ImageInfo[]> { return this.json("GET", "/v1/images"); }
+  imageInfo(name: string): Promise<ImageInfo> { return this.json("GET", `/v1/images/${q(name)}`); }
+
+  /** Delete an image (409 while a snapshot or sandbox uses it), freeing layers no other image needs. */
+  async deleteImage(name: string): Promise<void> { await this.request("DELETE", `/v1/images/${q(name)}`); }
 
   // -- sandboxes --------------------------------------------------------------
 
@@ -245,9 +232,10 @@ export class Client {
     return this.json("POST", `${this.#sb(id)}/branch`, { body });
   }
 
-  exec(id: string, args: string[], opts: { timeoutSecs?: number; cwd?: string; env?: Record<string, string>; stdin?: string } = {}): Promise<JSONObject> {
+  /** Run `args` and wait; `user`: as this user (name, uid, name:group, uid:gid; default the image's USER, else root). */
+  exec(id: string, args: string[], opts: ExecOptions = {}): Promise<JSONObject> {
     const timeout = opts.timeoutSecs ?? 30;
-    const body = dropUndefined({ args, timeout_secs: timeout, cwd: opts.cwd, env: opts.env, stdin: opts.stdin });
+    const body = dropUndefined({ args, timeout_secs: timeout, cwd: opts.cwd, env: opts.env, stdin: opts.stdin, user: opts.user });
     return this.json("POST", `${this.#sb(id)}/exec`, { body, timeoutMs: (timeout + 30) * 1000 });
   }
 
@@ -282,8 +270,9 @@ export class Client {
 
   // -- background processes -----------------------------------------------------
 
-  startProcess(id: string, cmd: string | string[], opts: { env?: Record<string, string>; cwd?: string; stdin?: boolean; timeout_s?: number } = {}): Promise<JSONObject> {
-    return this.json("POST", `${this.#sb(id)}/processes`, { body: dropUndefined({ cmd, stdin: opts.stdin ?? false, env: opts.env, cwd: opts.cwd, timeout_s: opts.timeout_s }) });
+  /** Start `cmd` in the background (a string runs as `/bin/sh -c`); `user` as `exec`'s. */
+  startProcess(id: string, cmd: string | string[], opts: ProcessOptions = {}): Promise<JSONObject> {
+    return this.json("POST", `${this.#sb(id)}/processes`, { body: dropUndefined({ cmd, stdin: opts.stdin ?? false, env: opts.env, cwd: opts.cwd, timeout_s: opts.timeout_s, user: opts.user }) });
   }
 
   listProcesses(id: string): Promise<JSONObject[]> { return this.json("GET", `${this.#sb(id)}/processes`); }
@@ -341,47 +330,6 @@ export class Client {
   }
 }
 
-function base64Bytes(text: string): Uint8Array {
-  const bin = atob(text);
-  return Uint8Array.from(bin, (c) => c.charCodeAt(0));
-}
-
-/** Server-sent events of a streaming answer; comments (keep-alives) and empty events skipped. */
-async function* readSSE(resp: Response): AsyncGenerator<{ event: string; data: string }> {
-  if (!resp.body) return;
-  const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
-  let buffer = "";
-  let event = "message";
-  let data: string[] = [];
-  try {
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) return;
-      buffer += value;
-      let nl: number;
-      while ((nl = buffer.indexOf("\n")) >= 0) {
-        const line = buffer.slice(0, nl).replace(/\r$/, "");
-        buffer = buffer.slice(nl + 1);
-        if (line === "") {
-          if (data.length) yield { event, data: data.join("\n") };
-          event = "message";
-          data = [];
-        } else if (line.startsWith(":")) {
-          continue;
-        } else {
-          const colon = line.indexOf(":");
-          const field = colon < 0 ? line : line.slice(0, colon);
-          const val = colon < 0 ? "" : line.slice(colon + 1).replace(/^ /, "");
-          if (field === "event") event = val;
-          else if (field === "data") data.push(val);
-        }
-      }
-    }
-  } finally {
-    reader.releaseLock();
-  }
-}
-
 function commandResult(raw: JSONObject): CommandResult {
   const exitCode = raw.exit_code ?? (raw.timed_out ? 124 : -1);
   return { stdout: raw.stdout ?? "", stderr: raw.stderr ?? "", exitCode, timedOut: Boolean(raw.timed_out ?? exitCode === 124) };
@@ -390,8 +338,8 @@ function commandResult(raw: JSONObject): CommandResult {
 /** One running sandbox. */
 export class Sandbox {
   readonly commands: {
-    run: (cmd: string | string[], opts?: { timeoutSecs?: number; cwd?: string; env?: Record<string, string>; stdin?: string }) => Promise<CommandResult>;
-    start: (cmd: string | string[], opts?: { env?: Record<string, string>; cwd?: string; timeout_s?: number }) => Promise<JSONObject>;
+    run: (cmd: string | string[], opts?: ExecOptions) => Promise<CommandResult>;
+    start: (cmd: string | string[], opts?: ProcessOptions) => Promise<JSONObject>;
     output: (pid: number, opts?: { offset?: number; follow?: boolean }) => AsyncGenerator<OutputEvent>;
     list: () => Promise<JSONObject[]>;
   };
@@ -462,7 +410,12 @@ export class Sandbox {
 export class Snapshot {
   constructor(readonly client: Client, public info: SnapshotInfo) {}
 
-  static async create(tag: string, opts: JSONObject & { client?: Client } = {}): Promise<Snapshot> {
+  /**
+   * Build a template snapshot: `image` a built image's name or a container image reference
+   * (imported first); `start` runs its Entrypoint+Cmd until `ready_port` listens or `ready_cmd`
+   * exits 0, so every fork starts with the service running.
+   */
+  static async create(tag: string, opts: SnapshotCreateOptions & { client?: Client } = {}): Promise<Snapshot> {
     const { client = new Client(), ...body } = opts;
     return new Snapshot(client, await client.createSnapshot(tag, body));
   }

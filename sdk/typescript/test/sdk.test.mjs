@@ -1,13 +1,28 @@
 // The TypeScript SDK against a real forkd daemon (node's own test runner).
 // FORKD_URL, FORKD_TOKEN and FORKD_TEMPLATE (a snapshot whose warm-up set x = 41)
-// name it; tests/integration/test_typescript_sdk.py runs this file with them.
+// name it; FORKD_IMAGE_REF a container image it can import (FORKD_IMAGE_USER its
+// USER, FORKD_IMAGE_PORT the port its command listens on, FORKD_IMAGE_MISSING a
+// reference of the same kind that is not there); tests/integration/test_typescript_sdk.py
+// runs this file with them.
 import { test } from "node:test";
 import assert from "node:assert/strict";
 
 import { Client, ForkdConnectionError, ForkdError, Sandbox, Snapshot } from "../dist/index.js";
 
 const template = process.env.FORKD_TEMPLATE;
+const image = {
+  ref: process.env.FORKD_IMAGE_REF,
+  user: process.env.FORKD_IMAGE_USER,
+  port: Number(process.env.FORKD_IMAGE_PORT),
+  missing: process.env.FORKD_IMAGE_MISSING,
+};
 const client = new Client();
+
+async function output(sb, pid) {
+  let text = "";
+  for await (const ev of sb.commands.output(pid)) if (ev.kind === "stdout") text += ev.text;
+  return text;
+}
 
 test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_TEMPLATE not set" }, async (t) => {
   const made = [];
@@ -33,6 +48,7 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     const run = await sb.commands.run("echo hello; exit 3");
     assert.equal(run.stdout, "hello\n");
     assert.equal(run.exitCode, 3);
+    assert.equal((await sb.commands.run("id -un", { user: "nobody" })).stdout, "nobody\n");
     const ev = await sb.eval("x + 1");
     assert.equal(ev.result, "42");
     assert.equal(ev.error, null);
@@ -111,5 +127,54 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     await sb.kill();
     await assert.rejects(client.getSandbox(sb.id), (err) => err.status === 404);
     await sb.kill(); // again: no error
+  });
+});
+
+test("container images", { skip: image.ref ? false : "FORKD_IMAGE_REF not set" }, async (t) => {
+  const made = [];
+  t.after(async () => {
+    for (const sb of made) await sb.kill();
+    await client.deleteSnapshot("ts-image").catch(() => {});
+  });
+
+  await t.test("import with progress, again from the cache, list, info", async () => {
+    const steps = [];
+    const first = await client.importImage(image.ref, { onProgress: (m) => steps.push(m) });
+    assert.equal(first.kind, "container");
+    assert.ok(steps.length > 0 && steps.every((m) => typeof m === "string" && m.length > 0));
+    const again = await client.importImage(image.ref);
+    assert.equal(again.name, first.name);
+    assert.ok(again.bytes_reused > 0 && again.bytes_fetched < again.bytes_reused);
+    assert.ok((await client.listImages()).some((i) => i.name === first.name));
+    const info = await client.imageInfo(first.name);
+    assert.ok(info.references.includes(image.ref));
+    assert.equal(info.config.user, image.user);
+  });
+
+  await t.test("a template from the image, its service started, commands as its user", async () => {
+    const snap = await Snapshot.create("ts-image", { client, image: image.ref, start: true, ready_port: image.port });
+    assert.equal(snap.info.status, "ready");
+    assert.equal(snap.info.image, (await client.importImage(image.ref)).name);
+    const [kid] = await snap.fork(1);
+    made.push(kid);
+    assert.equal((await kid.commands.run("id -un")).stdout, `${image.user}\n`);
+    assert.equal((await kid.commands.run(["id", "-un"], { user: "root" })).stdout, "root\n");
+    const proc = await kid.commands.start("id -un", { user: "root" });
+    assert.equal(await output(kid, proc.pid), "root\n");
+    const mine = await kid.commands.start("id -un");
+    assert.equal(await output(kid, mine.pid), `${image.user}\n`);
+  });
+
+  await t.test("errors", async () => {
+    await assert.rejects(client.importImage(image.missing), (err) => err instanceof ForkdError && err.status === 404);
+    await assert.rejects(
+      client.importImage(image.missing, { onProgress: () => {} }),
+      (err) => err instanceof ForkdError && err.status === 404,
+    );
+    await assert.rejects(
+      Snapshot.create("ts-never", { client, image: image.ref, ready_port: image.port }),
+      (err) => err instanceof ForkdError && err.status === 400,
+    );
+    await assert.rejects(client.imageInfo("oci-000000000000"), (err) => err.status === 404);
   });
 });

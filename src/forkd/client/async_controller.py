@@ -5,7 +5,8 @@ The routes themselves are :class:`~forkd.client.routes.Routes`, the same code th
 sync client runs: here ``_request`` and ``_json`` return awaitables and ``_then``
 chains onto them. A process's output and the lifecycle events are async
 iterators (:mod:`forkd.client.async_streams`); terminals, guest-port WebSockets,
-tunnels and streamed file transfers are in :mod:`forkd.client.async_sockets`.
+tunnels and streamed file transfers are in :mod:`forkd.client.async_sockets`; an
+image import with its progress in :mod:`forkd.client.image_routes`.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import httpx
 from forkd.client.async_sockets import AsyncSockets
 from forkd.client.async_streams import AsyncStreams
 from forkd.client.connection import asend, json_of
+from forkd.client.image_routes import AsyncImageRoutes
 from forkd.client.routes import Routes
 
 
-class AsyncController(Routes, AsyncStreams, AsyncSockets):
+class AsyncController(Routes, AsyncStreams, AsyncSockets, AsyncImageRoutes):
     """An asyncio client of the forkd daemon: the methods of :class:`Controller`'s
     JSON routes, each a coroutine with the same arguments and answer.
 

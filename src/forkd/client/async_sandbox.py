@@ -102,14 +102,16 @@ class AsyncCommands:
         stdin: str | bytes | None = None,
         *,
         envs: dict[str, str] | None = None,
+        user: str | None = None,
     ) -> CommandResult:
         """As :meth:`forkd.client.Commands.run` in the foreground: a str runs as
-        ``/bin/sh -c cmd``; killed after ``timeout`` seconds (30) with exit code 124."""
+        ``/bin/sh -c cmd``; killed after ``timeout`` seconds (30) with exit code 124.
+        ``user``: run as this user (default: the image's USER, else root)."""
         args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         sb = self._sandbox
         raw = await sb.controller.exec_command(
             sb.id, args, timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS, cwd=cwd,
-            env={**(env or {}), **(envs or {})} or None, stdin=stdin,
+            env={**(env or {}), **(envs or {})} or None, stdin=stdin, user=user,
         )  # fmt: skip
         return CommandResult.from_answer(raw)
 
@@ -120,12 +122,15 @@ class AsyncCommands:
         cwd: str | None = None,
         env: dict[str, str] | None = None,
         stdin: bool = False,
+        *,
+        user: str | None = None,
     ) -> AsyncCommandHandle:
         """Start ``cmd`` in the background (``run(..., background=True)`` of the sync
-        SDK); ``stdin=True`` keeps its stdin open for ``send_stdin``."""
+        SDK); ``stdin=True`` keeps its stdin open for ``send_stdin``; ``user`` as
+        :meth:`run`."""
         sb = self._sandbox
         info = await sb.controller.start_process(
-            sb.id, cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout
+            sb.id, cmd, env=env, cwd=cwd, stdin=stdin, timeout_s=timeout, user=user
         )
         return AsyncCommandHandle(sb.controller, sb.id, int(info["pid"]))
 
@@ -220,12 +225,15 @@ class AsyncPty:
         env: dict[str, str] | None = None,
         timeout: float | None = None,
         on_data: DataCallback | None = None,
+        *,
+        user: str | None = None,
     ) -> AsyncPtyHandle:
-        """Start ``cmd`` (default: a login shell) in a ``cols`` x ``rows`` terminal."""
+        """Start ``cmd`` (default: a login shell) in a ``cols`` x ``rows`` terminal,
+        as ``user`` (default: the image's USER, else root)."""
         sb = self._sandbox
         info = await sb.controller.start_process(
             sb.id, LOGIN_SHELL if cmd is None else cmd, env=env, cwd=cwd,
-            pty=(cols, rows), timeout_s=timeout,
+            pty=(cols, rows), timeout_s=timeout, user=user,
         )  # fmt: skip
         return await AsyncPtyHandle(sb.controller, sb.id, int(info["pid"]), 0, on_data)._open()
 
@@ -379,9 +387,33 @@ class AsyncSnapshot(SnapshotView):
         self._info = info or {"tag": tag}
 
     @classmethod
-    async def create(cls, tag: str, *, controller: AsyncController, **kwargs: Any) -> AsyncSnapshot:
-        """Build a template (keywords as ``create_snapshot``)."""
-        return cls(tag, controller=controller, info=await controller.create_snapshot(tag, **kwargs))
+    async def create(
+        cls,
+        tag: str,
+        *,
+        controller: AsyncController,
+        image: str | None = None,
+        start: bool | None = None,
+        ready_port: int | None = None,
+        ready_cmd: list[str] | str | None = None,
+        ready_timeout_secs: float | None = None,
+        **kwargs: Any,
+    ) -> AsyncSnapshot:
+        """Build a template, as :meth:`Snapshot.create`: ``image`` a built image's name
+        or a container image reference (imported first); ``start`` runs its
+        Entrypoint+Cmd until ``ready_port`` listens or ``ready_cmd`` exits 0 (within
+        ``ready_timeout_secs``); other keywords as ``create_snapshot``.
+
+        Example::
+
+            pg = await AsyncSnapshot.create("pg", controller=ctl, image="oci:/srv/pg:16",
+                                            start=True, ready_port=5432)
+        """
+        info = await controller.create_snapshot(
+            tag, image=image, start=start, ready_port=ready_port, ready_cmd=ready_cmd,
+            ready_timeout_secs=ready_timeout_secs, **kwargs,
+        )  # fmt: skip
+        return cls(info.get("tag", tag), controller=controller, info=info)
 
     @classmethod
     async def get(cls, tag: str, *, controller: AsyncController) -> AsyncSnapshot:

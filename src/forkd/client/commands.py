@@ -159,6 +159,7 @@ class Commands:
         env: dict[str, str] | None = ..., stdin: Stdin = ..., *,
         background: Literal[False] = ..., on_stdout: OutputCallback | None = ...,
         on_stderr: OutputCallback | None = ..., envs: dict[str, str] | None = ...,
+        user: str | None = ...,
     ) -> CommandResult: ...  # fmt: skip
 
     @overload
@@ -167,6 +168,7 @@ class Commands:
         env: dict[str, str] | None = ..., stdin: Stdin = ..., *,
         background: Literal[True], on_stdout: OutputCallback | None = ...,
         on_stderr: OutputCallback | None = ..., envs: dict[str, str] | None = ...,
+        user: str | None = ...,
     ) -> CommandHandle: ...  # fmt: skip
 
     def run(
@@ -181,13 +183,16 @@ class Commands:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         envs: dict[str, str] | None = None,
+        user: str | None = None,
     ) -> CommandResult | CommandHandle:
         """Run ``cmd`` (a str runs as ``/bin/sh -c cmd``) and wait for it, or not.
 
         ``timeout``: seconds until it is killed (exit code 124); by default 30
         in the foreground and none in the background. ``stdin``: data to feed
         it, then EOF; ``True`` (background only) keeps it open for ``send_stdin``. ``envs``
-        (E2B's name) and ``env`` are merged over the sandbox's environment.
+        (E2B's name) and ``env`` are merged over the sandbox's environment. ``user``:
+        run as this user (a name, uid, ``name:group`` or ``uid:gid``); by default the
+        image's USER, else root.
 
         With ``on_stdout``/``on_stderr``, each piece of output is passed to
         them as it arrives; ``background=True`` returns a
@@ -197,19 +202,20 @@ class Commands:
 
             r = sb.commands.run("for i in 1 2 3; do echo $i; sleep 1; done", on_stdout=print)
             h = sb.commands.run("npm run dev", background=True, cwd="/app")
+            sb.commands.run("id -un", user="postgres").stdout      # 'postgres\n'
         """
         if stdin is True and not background:
             raise ValueError("stdin=True keeps stdin open for send_stdin: it needs background=True")
         merged_env = {**(env or {}), **(envs or {})} or None
         streamed = background or on_stdout is not None or on_stderr is not None
         if not streamed:
-            return self._exec(cmd, timeout, cwd, merged_env, stdin or None)
+            return self._exec(cmd, timeout, cwd, merged_env, stdin or None, user)
         if timeout is None and not background:
             timeout = FOREGROUND_TIMEOUT_SECS
         sb = self._sandbox
         info = sb.controller.start_process(
             sb.id, cmd, env=merged_env, cwd=cwd, stdin=stdin not in (None, False),
-            timeout_s=timeout or None,
+            timeout_s=timeout or None, user=user,
         )  # fmt: skip
         handle = CommandHandle(sb.controller, sb.id, int(info["pid"]))
         if isinstance(stdin, str | bytes):
@@ -226,13 +232,14 @@ class Commands:
         cwd: str | None,
         env: dict[str, str] | None,
         stdin: str | bytes | None,
+        user: str | None,
     ) -> CommandResult:
         """Through ``/exec``: one request, the output whole when the command ends."""
         args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         sb = self._sandbox
         raw = sb.controller.exec_command(
             sb.id, args, timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS, cwd=cwd, env=env,
-            stdin=stdin,
+            stdin=stdin, user=user,
         )  # fmt: skip
         return CommandResult.from_answer(raw)
 

@@ -220,17 +220,20 @@ class Pty:
         env: dict[str, str] | None = None,
         timeout: float | None = None,
         on_data: DataCallback | None = None,
+        *,
+        user: str | None = None,
     ) -> PtyHandle:
         """Start ``cmd`` (default: a login shell, bash where there is one) in a
         ``cols`` x ``rows`` terminal, and connect to it.
 
         ``timeout``: seconds until it is killed (exit code 124); none by
         default. ``on_data`` is called with each piece of output as it is read.
+        ``user``: run as this user (default: the image's USER, else root).
         """
         sb = self._sandbox
         info = sb.controller.start_process(
             sb.id, LOGIN_SHELL if cmd is None else cmd, env=env, cwd=cwd,
-            pty=(cols, rows), timeout_s=timeout,
+            pty=(cols, rows), timeout_s=timeout, user=user,
         )  # fmt: skip
         return PtyHandle(sb.controller, sb.id, int(info["pid"]), 0, on_data)
 

@@ -126,16 +126,40 @@ class Routes:
         setup: list[str] | str | None = None,
         warmup: str | None = None,
         boot_wait_secs: float | None = None,
+        *,
+        start: bool | None = None,
+        ready_port: int | None = None,
+        ready_cmd: list[str] | str | None = None,
+        ready_timeout_secs: float | None = None,
         **extra: Any,
     ) -> JSONDict:
         """``POST /v1/snapshots``: boot a template VM, warm it, snapshot it.
 
+        ``image``: a built image's name (``python`` by default, see
+        :meth:`list_images`), or a container image reference, imported first as
+        :meth:`import_image` does (``registry/repo:tag``, ``docker-daemon:IMAGE``,
+        ``docker-archive:PATH``, ``oci-archive:PATH[:tag]``, ``oci:DIR[:tag]``).
+        A container image's Env, WorkingDir and User become the defaults of every
+        command in the template and its forks. ``start``: run its Entrypoint+Cmd
+        in the background before the snapshot, until ``ready_port`` (a guest TCP
+        port) listens or ``ready_cmd`` (an argv, or a str run as ``/bin/sh -c``)
+        exits 0, within ``ready_timeout_secs``; every fork then starts with the
+        service running and warm.
+
         Fields left as None are not sent (the daemon's defaults apply); extra
-        keyword arguments (e.g. ``kernel=``, ``rootfs=``) are sent as given.
-        Waits at least 30 minutes for the answer: setup commands may be slow.
+        keyword arguments (e.g. ``kernel=``, ``volumes=``, ``metadata=``) are sent
+        as given. Waits at least 30 minutes for the answer: setup commands, and a
+        first import of a big image, may be slow.
+
+        Example::
+
+            ctl.create_snapshot("pg", image="registry.example.com/team/postgres:16",
+                                start=True, ready_port=5432)
         """
         if isinstance(setup, str):
             setup = [setup]
+        if isinstance(ready_cmd, str):
+            ready_cmd = ["/bin/sh", "-c", ready_cmd]
         body = _drop_none(
             {
                 "tag": tag,
@@ -145,6 +169,10 @@ class Routes:
                 "setup": setup,
                 "warmup": warmup,
                 "boot_wait_secs": boot_wait_secs,
+                "start": start,
+                "ready_port": ready_port,
+                "ready_cmd": ready_cmd,
+                "ready_timeout_secs": ready_timeout_secs,
                 **extra,
             }
         )

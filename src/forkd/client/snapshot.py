@@ -37,12 +37,37 @@ class Snapshot(SnapshotView):
 
     @classmethod
     def create(
-        cls, tag: str, controller: Controller | None = None, **create_kwargs: Any
+        cls,
+        tag: str,
+        controller: Controller | None = None,
+        *,
+        image: str | None = None,
+        start: bool | None = None,
+        ready_port: int | None = None,
+        ready_cmd: list[str] | str | None = None,
+        ready_timeout_secs: float | None = None,
+        **create_kwargs: Any,
     ) -> Snapshot:
-        """Build a template snapshot (``POST /v1/snapshots``); keyword arguments
-        as :meth:`Controller.create_snapshot`."""
+        """Build a template snapshot (``POST /v1/snapshots``).
+
+        ``image``: a built image's name, or a container image reference (imported
+        first); ``start``: run the image's Entrypoint+Cmd before the snapshot, until
+        ``ready_port`` listens or ``ready_cmd`` exits 0 (within
+        ``ready_timeout_secs``), so every fork starts with it running. Other keyword
+        arguments (``memory_mib``, ``setup``, ``warmup``, ``volumes``, ...) as
+        :meth:`Controller.create_snapshot`.
+
+        Example::
+
+            pg = Snapshot.create("pg", image="registry.example.com/team/postgres:16",
+                                 start=True, ready_port=5432)
+            dbs = pg.fork(10)        # ten running databases, each its own copy
+        """
         ctl = controller if controller is not None else Controller()
-        info = ctl.create_snapshot(tag, **create_kwargs)
+        info = ctl.create_snapshot(
+            tag, image=image, start=start, ready_port=ready_port, ready_cmd=ready_cmd,
+            ready_timeout_secs=ready_timeout_secs, **create_kwargs,
+        )  # fmt: skip
         return cls(info.get("tag", tag), controller=ctl, info=info)
 
     @property

@@ -16,6 +16,7 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
 from forkd.controller.services import Services
 from forkd.controller.services.fleet import VMDriver
+from forkd.controller.services.images import Importer
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 
@@ -27,9 +28,11 @@ def create_app(
     token: str | None = None,
     driver: VMDriver | None = None,
     connections: ConnectionLimiter | None = None,
+    importer: Importer | None = None,
 ) -> FastAPI:
-    """The app of one daemon. ``driver`` replaces the QEMU VM driver (tests only);
-    ``connections``, the server's count of client connections, is shown in /metrics."""
+    """The app of one daemon. ``driver`` replaces the QEMU VM driver and ``importer``
+    the container image importer (tests only); ``connections``, the server's count
+    of client connections, is shown in /metrics."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -43,7 +46,7 @@ def create_app(
             branch_cap=lambda: settings.branch_concurrency,
             connections=connections.counts if connections is not None else None,
         )
-        services = Services.create(settings, store, metrics, driver)
+        services = Services.create(settings, store, metrics, driver, importer)
         holder.append(services)
         app.state.services = services
         app.state.metrics = metrics

@@ -15,7 +15,7 @@ from forkd.controller.services.branches import BranchService
 from forkd.controller.services.expiry import Expiry
 from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
-from forkd.controller.services.images import ImageService
+from forkd.controller.services.images import ImageService, Importer
 from forkd.controller.services.lifecycle import Lifecycle
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.ports import PortService
@@ -48,11 +48,16 @@ class Services:
 
     @classmethod
     def create(
-        cls, settings: Settings, store: Store, metrics: Metrics, driver: VMDriver | None = None
+        cls,
+        settings: Settings,
+        store: Store,
+        metrics: Metrics,
+        driver: VMDriver | None = None,
+        importer: Importer | None = None,
     ) -> Services:
         fleet = Fleet(settings, store, metrics, driver)
         volumes = VolumeService(fleet)
-        image_service = ImageService(fleet)
+        image_service = ImageService(fleet, importer)
         snapshots = SnapshotService(fleet, volumes, image_service)
         sandboxes = SandboxService(fleet, snapshots)
         branches = BranchService(fleet, snapshots)

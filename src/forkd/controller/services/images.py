@@ -113,6 +113,9 @@ class ImageService:
             try:
                 return images.find_image(name)
             except ImageError as exc:
+                imported = _newest_import(name)  # the name an import answered with
+                if imported is not None:
+                    return imported
                 if not self.fleet.settings.default_registry:
                     raise Invalid(str(exc)) from exc  # a short name reaches no registry
         done = await self._import(ImageImport(ref=name), lambda _msg: None)
@@ -258,6 +261,16 @@ def check_allowed(source: Any, text: str, settings: Settings) -> None:
         if real == root or real.startswith(root.rstrip("/") + "/"):
             return
     raise Invalid(f"{kind}: references must name a path under the daemon's --image-archive-dir")
+
+
+def _newest_import(name: str) -> images.Image | None:
+    """The newest build of the imported image ``name`` (``oci-<id>``, as GET /v1/images
+    lists it; an import writes no pointer file for find_image), if there is one."""
+    found = [
+        img for img in images.list_images()
+        if container_image.is_container(img) and name in (img.name, f"{img.name}-{img.key}")
+    ]  # fmt: skip
+    return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
 
 
 def _layer_users(built: list[images.Image]) -> dict[str, int]:

@@ -1,0 +1,142 @@
+/** The shapes the forkd daemon's HTTP API sends and takes (docs/API.md), as TypeScript types. */
+
+export type JSONValue = null | boolean | number | string | JSONValue[] | { [key: string]: JSONValue };
+export type JSONObject = { [key: string]: any };
+
+export interface ClientOptions {
+  /** `http://host:port`; default `$FORKD_URL`, else `http://127.0.0.1:8889`. */
+  baseUrl?: string;
+  /** Bearer token; default `$FORKD_TOKEN`. */
+  token?: string;
+  /** Milliseconds to wait for an answer (exec, eval and builds wait longer). */
+  timeoutMs?: number;
+  /** A fetch to use instead of the global one (tests, proxies). */
+  fetch?: typeof fetch;
+}
+
+export interface SandboxInfo extends JSONObject {
+  id: string;
+  snapshot_tag: string;
+  state: "starting" | "running" | "paused" | "hibernated" | "dead";
+  has_branched: boolean;
+  branch_count: number;
+}
+
+export interface SnapshotInfo extends JSONObject {
+  tag: string;
+  status: "ready" | "pending" | "failed" | "broken";
+  branched_from?: string | null;
+  pause_ms?: number | null;
+  parent_tag?: string | null;
+  mode?: "full" | "diff";
+}
+
+/** What a container image sets, as Docker honours it. */
+export interface ImageConfig {
+  env: string[];
+  working_dir: string;
+  user: string;
+  entrypoint: string[];
+  cmd: string[];
+  exposed_ports: string[];
+  labels: Record<string, string>;
+}
+
+/** A guest image: built from a recipe, or imported from a container image. */
+export interface ImageInfo extends JSONObject {
+  name: string;
+  key: string;
+  kind: "recipe" | "container";
+  references?: string[];
+  id?: string | null;
+  digest?: string | null;
+  layers?: number | null;
+  size_bytes: number;
+  layer_bytes?: number | null;
+  shared_layer_bytes?: number | null;
+  created_at_unix: number;
+  config?: ImageConfig | null;
+  used_by?: string[];
+  /** An import's answer only: bytes it fetched, bytes the cache had, seconds it took. */
+  bytes_fetched?: number | null;
+  bytes_reused?: number | null;
+  import_secs?: number | null;
+}
+
+/** `POST /v1/snapshots` fields (as the API names them); others are sent as given. */
+export interface SnapshotCreateOptions extends JSONObject {
+  /** A built image's name (`listImages`; default `python`), or a container image reference, imported first. */
+  image?: string;
+  memory_mib?: number;
+  vcpus?: number;
+  setup?: string[];
+  warmup?: string;
+  /** Run the image's Entrypoint+Cmd in the background before the snapshot. */
+  start?: boolean;
+  /** With `start`: wait until this guest TCP port listens. */
+  ready_port?: number;
+  /** With `start`: wait until this exits 0 (an argv, or a string run as `/bin/sh -c`). */
+  ready_cmd?: string | string[];
+  ready_timeout_secs?: number;
+  metadata?: Record<string, string>;
+}
+
+export interface ImportOptions {
+  /** A bearer token for the registry (default: the daemon's docker config.json). */
+  token?: string;
+  /** Called with each step of the import as the daemon takes it (the import is then streamed). */
+  onProgress?: (message: string) => void;
+}
+
+export interface CommandResult {
+  stdout: string;
+  stderr: string;
+  exitCode: number;
+  timedOut: boolean;
+}
+
+export interface EvalResult {
+  result: string | null;
+  error: string | null;
+  stdout: string | null;
+  stderr: string | null;
+  exitCode: number;
+}
+
+/** One piece of a process's output stream (`stdout`, `stderr`, `pty`, `gap`, `exit`). */
+export interface OutputEvent {
+  kind: string;
+  data?: Uint8Array;
+  text?: string;
+  offset?: number;
+  nextOffset?: number;
+  exitCode?: number | null;
+}
+
+export interface TreeNode {
+  tag: string;
+  mode: string;
+  status: string;
+  branched_from: string | null;
+  pause_ms: number | null;
+  sandboxes: { id: string; state: string }[];
+  children: TreeNode[];
+}
+
+export interface ExecOptions {
+  timeoutSecs?: number;
+  cwd?: string;
+  env?: Record<string, string>;
+  stdin?: string;
+  /** Run as this user: name, uid, name:group or uid:gid; default the image's USER, else root. */
+  user?: string;
+}
+
+export interface ProcessOptions {
+  env?: Record<string, string>;
+  cwd?: string;
+  stdin?: boolean;
+  timeout_s?: number;
+  /** As `ExecOptions.user`. */
+  user?: string;
+}
