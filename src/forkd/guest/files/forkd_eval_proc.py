@@ -154,6 +154,7 @@ class _Worker:
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
         self._stderr_tail = b""
+        self._stderr_ended = threading.Event()
         self.gone: str | None = None  # why the worker is no more, once it is not
         self.hello = _Pending()
         try:
@@ -273,6 +274,7 @@ class _Worker:
         with contextlib.suppress(OSError):
             while chunk := os.read(fd, READ_CHUNK_BYTES):
                 self._stderr_tail = (self._stderr_tail + chunk)[-STDERR_TAIL_BYTES:]
+        self._stderr_ended.set()
 
     def _ended(self) -> None:
         """The worker closed its answers: it is exiting (or user code closed the pipe,
@@ -299,6 +301,9 @@ class _Worker:
         return f"exit status {code}"
 
     def _tail(self) -> str:
+        """The end of the worker's stderr (once it is closed, or a second has passed:
+        a child of user code may hold it open)."""
+        self._stderr_ended.wait(1.0)
         text = self._stderr_tail.decode("utf-8", errors="replace").strip()
         return f":\n{text}" if text else ""
 
