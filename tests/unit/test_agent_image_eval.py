@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -287,3 +288,17 @@ def test_a_forged_answer_is_capped_or_refused() -> None:
     for bad in (None, [], {"result": 1}, {"stdout": None}, {"display": [{"mime": 1}]}):
         with pytest.raises(ValueError):
             eval_proc.checked_answer(bad)
+
+
+def test_pipe_lines_are_joined_across_reads_and_an_overlong_one_is_dropped() -> None:
+    read_lines = eval_proc.forkd_eval_worker.read_lines
+    r, w = os.pipe()
+    data = b"a" * 10 + b"\n" + b"x" * 300_000 + b"\nkept" + b"y" * 200_000 + b"\n\nlast"
+    writer = threading.Thread(target=lambda: (os.write(w, data), os.close(w)))
+    writer.start()
+    try:
+        lines = list(read_lines(r, 250_000))
+    finally:
+        writer.join()
+        os.close(r)
+    assert lines == [b"a" * 10, b"kept" + b"y" * 200_000, b""]  # an unended last line: none

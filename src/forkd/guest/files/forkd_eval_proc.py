@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import forkd_eval
+import forkd_eval_worker  # the pipes' framing
 import forkd_exec
 
 RUNTIME_PREFIX = "/opt/forkd/rt"  # forkd's own Python, on the runtime disk
@@ -217,7 +218,7 @@ class _Worker:
                 return None
             req_id = next(self._ids)
             self._pending[req_id] = pending
-        data = json.dumps({**message, "id": req_id}, separators=(",", ":")).encode() + b"\n"
+        data = forkd_eval_worker.encode({**message, "id": req_id})
         try:
             with self._write_lock:
                 assert self.proc.stdin is not None
@@ -233,21 +234,9 @@ class _Worker:
 
     def _read_answers(self) -> None:
         assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        buf = b""
-        dropping = False
-        try:
-            while chunk := os.read(fd, READ_CHUNK_BYTES):
-                buf += chunk
-                while (end := buf.find(b"\n")) >= 0:
-                    line, buf = buf[:end], buf[end + 1 :]
-                    if not dropping:
-                        self._take(line)
-                    dropping = False
-                if len(buf) > MAX_ANSWER_BYTES:
-                    buf, dropping = b"", True
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            for line in forkd_eval_worker.read_lines(self.proc.stdout.fileno(), MAX_ANSWER_BYTES):
+                self._take(line)
         self._ended()
 
     def _take(self, line: bytes) -> None:

@@ -34,6 +34,30 @@ MAX_REQUEST_BYTES = 64 * 1024 * 1024  # a longer line is dropped (the agent send
 READ_CHUNK_BYTES = 1024 * 1024
 
 
+def read_lines(fd: int, max_bytes: int) -> Iterator[bytes]:
+    """Each line read from ``fd`` (without its newline) until its end; a line longer
+    than ``max_bytes`` is dropped whole. Both ends of the pipe frame lines so."""
+    parts: list[bytes] = []  # of the line so far: joined once, at its newline
+    size = 0
+    dropping = False
+    while chunk := os.read(fd, READ_CHUNK_BYTES):
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            if not dropping:
+                yield b"".join([*parts, chunk[start:end]])
+            parts, size, dropping, start = [], 0, False, end + 1
+        rest = chunk[start:]
+        if not dropping and rest:
+            parts.append(rest)
+            size += len(rest)
+            if size > max_bytes:
+                parts, size, dropping = [], 0, True
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    return json.dumps(message, separators=(",", ":")).encode("ascii") + b"\n"
+
+
 class Pipes:
     """Lines in from the agent, whole answers out to it (one writer at a time)."""
 
@@ -43,27 +67,10 @@ class Pipes:
         self._write_lock = threading.Lock()
 
     def lines(self) -> Iterator[bytes]:
-        """Each request line (without its newline) until the end of ``in_fd``."""
-        buf = b""
-        dropping = False
-        while True:
-            chunk = os.read(self.in_fd, READ_CHUNK_BYTES)
-            if not chunk:
-                return
-            buf += chunk
-            while True:
-                end = buf.find(b"\n")
-                if end < 0:
-                    break
-                line, buf = buf[:end], buf[end + 1 :]
-                if not dropping:
-                    yield line
-                dropping = False
-            if len(buf) > MAX_REQUEST_BYTES:
-                buf, dropping = b"", True
+        return read_lines(self.in_fd, MAX_REQUEST_BYTES)
 
     def answer(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode("ascii") + b"\n"
+        data = encode(message)
         with self._write_lock:
             view = memoryview(data)
             while view:
