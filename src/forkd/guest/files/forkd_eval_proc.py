@@ -40,10 +40,11 @@ MIN_PYTHON = "3.8"  # as forkd-eval-worker.py's MIN_PYTHON
 CONTROL_WAIT_S = 5.0  # for an interrupt's or a reseed's answer
 # Past an eval's timeout and forkd_eval's own grace of interrupts, how long more the
 # worker's start and answer are waited for (its interpreter may be held by C code).
-# The host waits 10 s more than that (forkd.vmm.agent_ops.eval_wait_secs): the agent
+# The host waits 2 s more than that (forkd.vmm.agent_ops.eval_wait_secs): the agent
 # answers first, saying why.
 ANSWER_GRACE_S = 8.0
-START_TIMEOUT_S = 8.0  # for the worker's ready line; measured: ~0.1 s native, ~1 s TCG
+# For the worker's ready line: at most this, and never past the eval's own deadline.
+START_TIMEOUT_S = 60.0
 MAX_ANSWER_BYTES = 64 * 1024 * 1024  # a longer line from the worker is dropped
 STDERR_TAIL_BYTES = 4096  # of the worker's stderr, quoted when it exits
 READ_CHUNK_BYTES = 1024 * 1024
@@ -182,13 +183,12 @@ class _Worker:
 
     # -- starting
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, wait_s: float) -> None:
         """Wait for the worker's first line; the reason as an exception if it is no ready."""
-        if not self.hello.done.wait(START_TIMEOUT_S):
+        if not self.hello.done.wait(wait_s):
             self.kill()
             raise ImagePythonUnsupported(
-                f"the image's {self.python} did not start forkd's eval worker within "
-                f"{START_TIMEOUT_S:g} s"
+                f"the image's {self.python} did not start forkd's eval worker within {wait_s:.0f} s"
             )
         hello = self.hello.message
         if hello is None:
@@ -324,7 +324,7 @@ class ImagePython:
         worker = self._worker
         return worker if worker is not None and worker.gone is None else None
 
-    def _ensure(self) -> _Worker:
+    def _ensure(self, deadline: float) -> _Worker:
         with self._start_lock:
             worker = self._running()
             if worker is not None:
@@ -338,14 +338,14 @@ class ImagePython:
                     "use exec"
                 )
             worker = _Worker(python, launch)
-            worker.wait_ready()
+            worker.wait_ready(min(START_TIMEOUT_S, max(1.0, deadline - time.monotonic())))
             self._worker = worker
             return worker
 
     def run(self, code: str, timeout_s: float) -> dict[str, Any]:
         """forkd_eval's answer to ``code``, from the worker (started if none runs)."""
         deadline = time.monotonic() + timeout_s + forkd_eval.STOP_GRACE_S + ANSWER_GRACE_S
-        worker = self._ensure()
+        worker = self._ensure(deadline)
         wait_s = max(0.0, deadline - time.monotonic())
         message = worker.call({"op": "eval", "code": code, "timeout_s": timeout_s}, wait_s)
         if message is None:
