@@ -95,6 +95,37 @@ def test_interrupt_of_an_agent_older_than_the_op_is_a_conflict(
     assert "eval_interrupt" in r.json()["error"]
 
 
+@pytest.mark.parametrize("kind", ["NoImagePython", "ImagePythonUnsupported"])
+def test_eval_in_an_image_without_a_usable_python_is_a_conflict(
+    client: TestClient, driver: FakeDriver, sandbox_id: str, monkeypatch: pytest.MonkeyPatch,
+    kind: str,
+) -> None:  # fmt: skip
+    why = "this sandbox's image has no python3 on its PATH: eval runs Python in the image"
+
+    async def refused(code: str, timeout: float = 60.0) -> dict[str, Any]:
+        raise AgentError(why, kind=kind)
+
+    monkeypatch.setattr(vm_of(driver, sandbox_id), "eval", refused)
+    r = client.post(f"/v1/sandboxes/{sandbox_id}/eval", json={"code": "1"})
+    assert r.status_code == 409
+    assert why in r.json()["error"]
+    assert client.get(f"/v1/sandboxes/{sandbox_id}").json()["state"] == "running"
+
+
+def test_a_warmup_the_image_cannot_run_is_a_conflict_and_leaves_no_snapshot(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def refused(self: FakeVM, code: str, timeout: float = 60.0) -> dict[str, Any]:
+        raise AgentError("this sandbox's image has no python3 on its PATH", kind="NoImagePython")
+
+    monkeypatch.setattr(FakeVM, "eval", refused)
+    body = {"tag": "nopy", "memory_mib": 128, "warmup": "import json"}
+    r = client.post("/v1/snapshots", json=body)
+    assert r.status_code == 409, r.text
+    assert "warmup cannot run" in r.json()["error"] and "no python3" in r.json()["error"]
+    assert client.get("/v1/snapshots/nopy").status_code == 404
+
+
 # ------------------------------------------------------------------ the host's wait
 
 

@@ -15,9 +15,12 @@ from forkd.guest.recipe import Recipe
 
 AGENT_FILE = "forkd-agent.py"
 # The modules the agent imports from its own directory: background processes, chunked
-# file transfers, their tar streams, Python eval, exec, and who a command runs as.
+# file transfers, their tar streams, Python eval, exec, and who a command runs as; then
+# eval in a container image: the agent's handle on its worker, and the worker (a script
+# the image's python3 runs, and its module), which import forkd_eval from here too.
 AGENT_MODULES = ("forkd_procs.py", "forkd_files.py", "forkd_tar.py", "forkd_eval.py",
-                 "forkd_exec.py", "forkd_identity.py")  # fmt: skip
+                 "forkd_exec.py", "forkd_identity.py", "forkd_eval_proc.py",
+                 "forkd-eval-worker.py", "forkd_eval_worker.py")  # fmt: skip
 # Modules of the forkd package the agent imports from beside it (the one tar extractor),
 # standard library only; placed as /opt/forkd/forkd/<name> with an empty forkd/__init__.py.
 AGENT_PACKAGE_FILES = ("archive/__init__.py", "archive/errors.py", "archive/tar_format.py",

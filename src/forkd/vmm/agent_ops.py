@@ -24,6 +24,10 @@ EXEC_WAIT_MARGIN_SECS = 10.0  # beyond the command's own timeout, for the agent 
 # An eval past its timeout is interrupted again and again for up to 5 s
 # (forkd_eval.STOP_GRACE_S) before the agent answers without it.
 EVAL_STOP_GRACE_SECS = 5.0
+# The guest's exception names (AgentError.kind) when eval cannot run in a container
+# image: it has no python3 on its PATH, or one too old (or broken) to run forkd's
+# eval. Something of the sandbox's image, not of the request.
+EVAL_IMAGE_REFUSALS = frozenset({"NoImagePython", "ImagePythonUnsupported"})
 RESTORE_ENTROPY_BYTES = 64
 PROC_READ_MAX_BYTES = 256 << 10  # of output in one proc_read answer (the agent allows 1 MiB)
 PROC_STDIN_MAX_BYTES = 1 << 20  # of data in one proc_stdin request (the agent's cap)

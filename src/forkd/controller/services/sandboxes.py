@@ -40,6 +40,7 @@ from forkd.errors import (
     VMError,
 )
 from forkd.vmm import cgroups, egress, snapshot_files
+from forkd.vmm.agent_ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.egress import Egress
 
 T = TypeVar("T")
@@ -66,6 +67,10 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
     "OSError": Conflict,
 }
 
+
+# Eval in a container image without a usable python3: a 409, like any request the
+# sandbox's state (here its image) cannot serve; the same body succeeds elsewhere.
+EVAL_REFUSALS: dict[str, type[ForkdError]] = dict.fromkeys(EVAL_IMAGE_REFUSALS, Conflict)
 
 EXIT_WAIT_SECS = 1.0  # for a QEMU whose agent channel just closed to finish exiting
 
@@ -330,7 +335,11 @@ class SandboxService:
         )
 
     async def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
-        res = await self.guest(sandbox_id, lambda vm: vm.eval(req.code, timeout=req.timeout_s))
+        res = await self.guest(
+            sandbox_id,
+            lambda vm: vm.eval(req.code, timeout=req.timeout_s),
+            refusals=EVAL_REFUSALS,
+        )
         return EvalResult(
             result=res.get("result"),
             error=res.get("error"),

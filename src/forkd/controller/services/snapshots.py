@@ -39,6 +39,7 @@ from forkd.errors import (
 from forkd.guest import image as images
 from forkd.oci import host_needs
 from forkd.vmm import egress, memory_diff, snapshot_compact, snapshot_files
+from forkd.vmm.agent_ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
 
 
@@ -183,7 +184,12 @@ class SnapshotService:
                     f"setup command {cmd!r} exited {res['exit_code']}: {tail}"
                 )
         for warmup in warmups:
-            res = await template.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
+            try:
+                res = await template.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
+            except AgentError as exc:
+                if exc.kind in EVAL_IMAGE_REFUSALS:  # the image cannot run it: 409
+                    raise Conflict(f"warmup cannot run: {exc}") from exc
+                raise
             if res.get("error"):
                 raise TemplateSetupFailed(f"warmup failed:\n{res['error']}")
 

@@ -40,7 +40,6 @@ import json
 import math
 import os
 import queue
-import random
 import re
 import select
 import shutil
@@ -62,6 +61,7 @@ _AGENT_DIR = os.path.dirname(os.path.abspath(__file__))
 if _AGENT_DIR not in sys.path:
     sys.path.insert(0, _AGENT_DIR)
 import forkd_eval  # noqa: E402
+import forkd_eval_proc  # noqa: E402
 import forkd_exec  # noqa: E402
 import forkd_files  # noqa: E402
 import forkd_identity  # noqa: E402
@@ -268,6 +268,8 @@ def op_configure(req: dict[str, Any]) -> dict[str, Any]:
         raise RequestError(str(exc)) from None
     forkd_identity.save_defaults(defaults)  # a respawned agent reads it back
     IMAGE_DEFAULTS = defaults
+    if IMAGE_EVAL is not None:  # started under the old defaults: the next eval starts anew
+        IMAGE_EVAL.stop()
     return {}
 
 
@@ -283,20 +285,33 @@ def op_exec(req: dict[str, Any]) -> dict[str, Any]:
 # forkd_eval.py runs the evals: one warm interpreter whose namespace is the
 # __main__ module (installed as sys.modules["__main__"] by main(), so pickling
 # user classes works), every eval on the main thread, where an interrupt
-# (SIGINT) also wakes a blocking call.
+# (SIGINT) also wakes a blocking call. In a recipe image that interpreter is
+# the agent's own, which is the image's Python. In a container image the agent's
+# Python is forkd's (the runtime disk): evals go to IMAGE_EVAL, a worker in the
+# image's own python3 that runs the same forkd_eval (forkd_eval_proc.py).
 
 EVAL_MODULE = types.ModuleType("__main__")
 EVAL = forkd_eval.EvalRunner(EVAL_MODULE)
+IMAGE_EVAL: forkd_eval_proc.ImagePython | None = None  # set by main() in a container image
+
+
+def _eval_launch() -> forkd_eval_proc.Launch:
+    """The image's worker starts as its commands do: the image's env, directory, user."""
+    who = _identity({})
+    return forkd_eval_proc.Launch(env=_env({}, who.home), cwd=_cwd({}), identity=who)
 
 
 def op_eval(req: dict[str, Any]) -> dict[str, Any]:
     with _request_errors():
         code, timeout_s = forkd_eval.eval_params(req)
+    if IMAGE_EVAL is not None:
+        return IMAGE_EVAL.run(code, timeout_s)
     return EVAL.run(code, timeout_s)
 
 
 def op_eval_interrupt(req: dict[str, Any]) -> dict[str, Any]:
-    return {"interrupted": EVAL.interrupt()}
+    runner = IMAGE_EVAL if IMAGE_EVAL is not None else EVAL
+    return {"interrupted": runner.interrupt()}
 
 
 # --------------------------------------------------------------------------- files
@@ -705,12 +720,12 @@ def _reseed_kernel_rng(entropy: bytes) -> None:
 
 
 def _reseed_python_rngs() -> None:
-    # The module object user code imported too. An int seed: a bytes one is
-    # first hashed with SHA-512, which a fresh TCG fork pays to translate.
-    random.seed(int.from_bytes(os.urandom(32), "little"))
-    numpy_random = sys.modules.get("numpy.random")  # only if user code loaded it
-    if numpy_random is not None:
-        numpy_random.seed(int.from_bytes(os.urandom(4), "little"))
+    # An int seed: a bytes one is first hashed with SHA-512, which a fresh TCG
+    # fork pays to translate. The image's eval worker, if one runs, too: sibling
+    # forks must not draw the same numbers there either.
+    forkd_eval.reseed_python_rngs(int.from_bytes(os.urandom(32), "little"))
+    if IMAGE_EVAL is not None:
+        IMAGE_EVAL.reseed(int.from_bytes(os.urandom(32), "little"))
 
 
 def _set_hostname(hostname: str) -> None:
@@ -1448,6 +1463,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"also serve the TCP protocol here (default: {TCP_HOST}:{TCP_PORT} when "
         "serving the virtio port, off with --socket and --stdio)",
     )
+    parser.add_argument(
+        "--eval-in",
+        choices=("auto", "agent", "image"),
+        default="auto",
+        help="where eval runs: this interpreter ('agent', a recipe image), a worker in the "
+        "image's python3 ('image', a container image), or 'auto': 'image' when this agent "
+        f"runs from forkd's runtime ({forkd_eval_proc.RUNTIME_PREFIX})",
+    )
+    parser.add_argument(
+        "--defaults-file",
+        default=forkd_identity.DEFAULTS_FILE,
+        help="where the image's defaults (the configure op) are kept (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     if args.tcp is None:
         args.tcp = "off" if (args.socket or args.stdio) else f"{TCP_HOST}:{TCP_PORT}"
@@ -1459,9 +1487,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    global IMAGE_DEFAULTS
+    global IMAGE_DEFAULTS, IMAGE_EVAL
     args = parse_args(argv)
+    forkd_identity.DEFAULTS_FILE = args.defaults_file
     IMAGE_DEFAULTS = forkd_identity.load_defaults()  # a respawned agent: what it was told
+    if args.eval_in == "image" or (args.eval_in == "auto" and forkd_eval_proc.in_runtime()):
+        IMAGE_EVAL = forkd_eval_proc.ImagePython(_eval_launch)
     sys.modules["__main__"] = EVAL_MODULE  # eval's namespace is the __main__ module
     # Evals run on this, the main thread: only it can be interrupted in a
     # blocking call. Claimed before any request can arrive.

@@ -1,8 +1,10 @@
 """Python eval of the forkd guest agent: one warm interpreter, interruptible, with rich output.
 
 Imported by forkd-agent.py, which owns the protocol (ops ``eval`` and
-``eval_interrupt``, see docs/guest-agent.md). Standard library only, like the
-agent.
+``eval_interrupt``, see docs/guest-agent.md), and in a container image by
+forkd_eval_worker.py in the image's own Python. Standard library only, and
+running on Python 3.8 and later: an image may have an old one (no syntax or
+call newer than 3.8 outside annotations, which ``annotations`` keeps unevaluated).
 
 Every eval runs on one thread, like a REPL, so objects with thread affinity
 (sqlite3 connections, event loops, thread-locals) keep working from one call
@@ -29,6 +31,7 @@ import linecache
 import math
 import os
 import queue
+import random
 import signal
 import sys
 import threading
@@ -80,11 +83,20 @@ def eval_params(req: dict[str, Any]) -> tuple[str, float]:
     timeout = req.get("timeout_s")
     if timeout is None:
         return code, DEFAULT_TIMEOUT_S
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ValueError("'timeout_s' must be a number of seconds or null")
     if not (0 < timeout <= MAX_TIMEOUT_S and math.isfinite(timeout)):
         raise ValueError(f"'timeout_s' must be > 0 and at most {MAX_TIMEOUT_S:g}")
     return code, float(timeout)
+
+
+def reseed_python_rngs(seed: int) -> None:
+    """Reseed ``random`` (the module object user code imported too) and, if user code
+    loaded it, numpy's global RNG: a fork made unique draws its own numbers."""
+    random.seed(seed)
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed(seed & 0xFFFFFFFF)
 
 
 # --------------------------------------------------------------------------- output
@@ -204,7 +216,7 @@ def rich_repr(obj: Any) -> tuple[str, str] | None:
             data = data[0]
         if data is None:
             continue
-        if mime in BINARY_MIMES and isinstance(data, bytes | bytearray):
+        if mime in BINARY_MIMES and isinstance(data, (bytes, bytearray)):
             return mime, base64.b64encode(data).decode("ascii")
         if isinstance(data, str):
             return mime, data
