@@ -24,19 +24,22 @@ PAGE = ["wget", "-qO-", "http://127.0.0.1:8080/index.html"]
 SERVED = "served by the image\n"
 
 
-@pytest.fixture(scope="module")
-def archive(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    d = tmp_path_factory.mktemp("life")
+def shell_less_image() -> oci_images.Image:
+    """One layer: busybox as ``cat`` and ``ls`` only (no shell, no mount, no Python)."""
     bare: dict[str, oci_images.Entry] = {
         "bin": oci_images.Dir(),
         "bin/busybox": oci_images.File(require_static_busybox().read_bytes(), 0o755),
         "bin/cat": oci_images.Symlink("busybox"),
         "bin/ls": oci_images.Symlink("busybox"),
     }
-    shell_less = oci_images.image([oci_images.layer(bare)], {"Env": ["PATH=/bin"]})
-    yield oci_images.write_oci_archive(
-        d / "images.tar", {"web": busybox_image(), "bare": shell_less}
-    )
+    return oci_images.image([oci_images.layer(bare)], {"Env": ["PATH=/bin"]})
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    d = tmp_path_factory.mktemp("life")
+    images = {"web": busybox_image(), "bare": shell_less_image()}
+    yield oci_images.write_oci_archive(d / "images.tar", images)
     shutil.rmtree(d, ignore_errors=True)
 
 

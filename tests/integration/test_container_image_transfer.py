@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from forkd.client import Controller
@@ -21,6 +22,7 @@ from forkd.oci.registry import Registry
 from forkd.vmm import snapshot_files
 from tests import oci_images
 from tests.integration.conftest import Daemon
+from tests.integration.test_container_image_lifecycle import shell_less_image
 from tests.integration.test_container_images import busybox_image
 from tests.registry_server import RegistryServer
 
@@ -129,4 +131,67 @@ def test_a_container_template_pushed_here_forks_there_with_its_service_warm(
     assert snapshot_files.load(Path(again["dir"])).machine.runtime == files.machine.runtime
     assert sorted(p.name for p in images_dir.iterdir()) == before
     for tag in ("bb-again", "bb-there"):
+        ctl2.delete_snapshot(tag)
+
+
+def _pulled_bytes(d: Daemon) -> float:
+    """The daemon's count of bytes fetched from registries."""
+    r = httpx.get(f"{d.url}/metrics", headers={"Authorization": f"Bearer {d.token}"})
+    for line in r.text.splitlines():
+        if line.startswith('forkd_registry_bytes_total{direction="pull"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_a_second_container_image_brings_only_its_root_disk(
+    ctl: Controller,
+    ctl2: Controller,
+    other: OtherHost,
+    registry: RegistryServer,
+    web_template: str,
+    tmp_path: Path,
+) -> None:
+    """The kernel, initramfs and runtime disk are every container image's of one forkd:
+    a host that pulled one image links them for the next, and fetches its root disk."""
+    first_ref, second_ref = registry.ref("forkd/bb", "web"), registry.ref("forkd/bare", "v1")
+    ctl.push_snapshot(web_template, first_ref)
+    archive = oci_images.write_oci_archive(tmp_path / "bare.tar", {"1": shell_less_image()})
+    ctl.create_snapshot("bare-xfer", image=f"oci-archive:{archive}:1", memory_mib=256)
+    try:
+        ctl.push_snapshot("bare-xfer", second_ref)
+    finally:
+        ctl.delete_snapshot("bare-xfer")
+    first = snapshot_files.load(Path(ctl2.pull_snapshot(first_ref, "web-first")["dir"]))
+    fetched = _pulled_bytes(other)
+    started = time.monotonic()
+    second = snapshot_files.load(Path(ctl2.pull_snapshot(second_ref, "bare-second")["dir"]))
+    (kid,) = ctl2.spawn_sandboxes("bare-second", n=1)
+    try:
+        assert ctl2.exec_command(kid["id"], ["ls", "/bin"])["stdout"].split() == [
+            "busybox", "cat", "ls",
+        ]  # fmt: skip
+    finally:
+        ctl2.kill_sandbox(kid["id"])
+    seconds = time.monotonic() - started
+    fetched = _pulled_bytes(other) - fetched
+    assert first.machine.runtime is not None and second.machine.runtime is not None
+    assert second.machine.runtime.parent != first.machine.runtime.parent  # two images
+
+    def linked(a: Path, b: Path) -> bool:
+        return a.stat().st_ino == b.stat().st_ino
+
+    # The runtime disk and the kernel are the same bytes in every container image of one
+    # forkd: linked. (Each import builds its own initramfs, whose bytes differ: fetched.)
+    assert linked(first.machine.runtime, second.machine.runtime)
+    assert linked(first.machine.vmlinuz, second.machine.vmlinuz)
+    reused = {p.name for p in (second.machine.initrd, second.machine.rootfs)
+              if linked(p, first.machine.runtime.parent / p.name)}  # fmt: skip
+    reused |= {"vmlinuz", artifact.RUNTIME_FILE}
+    with Registry(reference.parse(second_ref), policy=registry.policy()) as reg:
+        layers = pull.open_remote(reg, "v1").manifest.layers
+    assert fetched == sum(la.size for la in layers if la.part not in reused)
+    shared = sum(la.size for la in layers if la.part in reused)
+    print(f"\nsecond image's snapshot pulled and forked in {seconds:.1f} s: fetched "
+          f"{fetched / 2**20:.1f} MiB, linked {shared / 2**20:.1f} MiB")  # fmt: skip
+    for tag in ("bare-second", "web-first"):
         ctl2.delete_snapshot(tag)
