@@ -25,7 +25,7 @@ from typing import Any
 
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm import memory_diff, snapshot_files
-from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.qemu_argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
 from forkd.vmm.snapshot_files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
 from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
@@ -402,8 +402,10 @@ class FakeDriver:
     async def boot(self, image: Any, *, run_root: Path, memory_mib: int = 256, vcpus: int = 1,
                    vm_id: str | None = None, attach: Any = (), **_: Any) -> FakeVM:  # fmt: skip
         await asyncio.sleep(self.boot_delay)
+        runtime = getattr(image, "runtime", None)  # a container image's disk, as VM.boot
+        cmdline = f"{KERNEL_CMDLINE} {RUNTIME_CMDLINE}" if runtime else KERNEL_CMDLINE
         machine = MachineConfig(memory_mib, vcpus, "tcg", image.vmlinuz, image.initrd,
-                                image.rootfs)  # fmt: skip
+                                image.rootfs, cmdline=cmdline, runtime=runtime)  # fmt: skip
         vm = FakeVM(vm_id or f"vm-{len(self.vms)}", machine, run_root, Guest())
         vm.image_name = image.name
         vm.image_ref = ImageRef(image.name, image.key, str(image.dir))
@@ -416,7 +418,8 @@ class FakeDriver:
         if self.fail_restore is not None:
             raise self.fail_restore
         files = snapshot_files.load(snapshot_dir)
-        guest = Guest.from_json(json.loads((snapshot_dir / GUEST_STATE).read_text()))
+        state = snapshot_dir / GUEST_STATE  # a pulled snapshot has none: an empty guest
+        guest = Guest.from_json(json.loads(state.read_text())) if state.exists() else Guest()
         vm = FakeVM(vm_id or f"vm-{len(self.vms)}", files.machine, run_root, guest)
         vm.origin, vm.origin_id = snapshot_dir, files.meta.id
         vm.state = "incoming"

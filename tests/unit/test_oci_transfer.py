@@ -21,7 +21,7 @@ from forkd.oci import artifact, auth, image_files, pull, push, reference
 from forkd.oci.policy import RegistryPolicy
 from forkd.oci.registry import Registry, sha256
 from forkd.vmm import memory_diff, snapshot_files
-from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.qemu_argv import RUNTIME_CMDLINE, MachineConfig
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotMeta
 from tests.registry_server import RegistryServer
 
@@ -146,10 +146,10 @@ def test_image_pieces_install_and_check(server, tmp_path, image_dir) -> None:
     with Registry(ref, policy=server.policy()) as reg:
         _push(reg, snap, "v1")
         remote = pull.open_remote(reg, "v1")
-        wanted = image_files.wanted(remote.manifest)
+        wanted = image_files.wanted(remote.manifest, artifact.IMAGE_FILES)
         assert image_files.differences(image_dir, wanted) == []
         installed = image_files.install(tmp_path / "other", remote.config, wanted,
-                                        pull.Downloads(reg).fetch)  # fmt: skip
+                                        pull.Downloads(reg).fetch, {})  # fmt: skip
     for name in artifact.IMAGE_FILES:
         assert (installed / name).read_bytes() == (image_dir / name).read_bytes()
     assert not [p for p in (tmp_path / "other").iterdir() if p.name.startswith(".")]
@@ -304,3 +304,131 @@ def test_a_volume_of_a_size_off_page_bounds_travels_whole(tmp_path: Path) -> Non
     store = VolumeStore(tmp_path / "volumes")
     name = store.create_filled("odd", size, fill)
     assert store.base(name).read_bytes() == disk.read_bytes()
+
+
+# -- a container image's runtime disk (config format 2) ------------------------------
+
+
+@pytest.fixture
+def container_dir(tmp_path: Path, image_dir: Path) -> Path:
+    """An imported container image's directory: a recipe image's files and runtime.sqfs."""
+    d = tmp_path / "images" / "oci-0123456789ab-fedcba9876543210"
+    d.mkdir(parents=True)
+    for name in artifact.IMAGE_FILES:
+        os.link(image_dir / name, d / name)  # the same kernel and initramfs, one rootfs
+    (d / artifact.RUNTIME_FILE).write_bytes(os.urandom(artifact.IMAGE_PIECE + 300))
+    (d / "image.json").write_text(
+        json.dumps({"name": "oci-0123456789ab", "key": "fedcba9876543210", "kind": "container"})
+    )
+    return d
+
+
+def _container_config(names: tuple[str, ...] | list[str] | None = None) -> dict:
+    carried = list(names if names is not None else (*artifact.IMAGE_FILES, artifact.RUNTIME_FILE))
+    return {"format": 2, "snapshot": {"tag": "t"}, "needs": {},
+            "machine": {"cmdline": f"console=ttyS0 {RUNTIME_CMDLINE}"},
+            "image": {"name": "oci-0123456789ab", "key": "fedcba9876543210", "meta": {},
+                      "files": carried}}  # fmt: skip
+
+
+def test_a_runtime_disk_travels_with_its_image_and_only_format_2_readers_take_it(
+    server, tmp_path, container_dir, monkeypatch
+) -> None:
+    snap = _snapshot(tmp_path / "a", container_dir, "c", PARENT_PAGES)
+    ref = reference.parse(server.ref("forkd/container", "v1"))
+    with Registry(ref, policy=server.policy()) as reg:
+        push.push(snap, container_dir, _container_config(), reg, "v1", None, lambda _m: None)
+        remote = pull.open_remote(reg, "v1")
+        names = artifact.image_file_names(remote.config)
+        assert names == (*artifact.IMAGE_FILES, artifact.RUNTIME_FILE)
+        wanted = image_files.wanted(remote.manifest, names)
+        assert len(wanted[artifact.RUNTIME_FILE]) == 2  # in image pieces, like the rootfs
+        downloads = pull.Downloads(reg)
+        installed = image_files.install(tmp_path / "other", remote.config, wanted,
+                                        downloads.fetch, {"kind": "container"})  # fmt: skip
+        # A forkd that reads format 1 only (every forkd before this one) refuses it by
+        # its format, before it writes anything, instead of restoring a guest whose
+        # second disk is missing.
+        monkeypatch.setattr(artifact, "CONFIG_FORMATS", (1,))
+        with pytest.raises(UpstreamError, match=r"config format 2, this forkd reads 1$"):
+            pull.open_remote(reg, "v1")
+    for name in names:
+        assert (installed / name).read_bytes() == (container_dir / name).read_bytes()
+    assert json.loads((installed / "image.json").read_text())["kind"] == "container"
+    assert installed.name.startswith("oci-0123456789ab-fedcba9876543210-pulled-")
+
+
+def test_a_recipe_snapshot_stays_format_1_for_older_readers() -> None:
+    assert artifact.config_format(artifact.IMAGE_FILES) == 1
+    assert artifact.config_format((*artifact.IMAGE_FILES, artifact.RUNTIME_FILE)) == 2
+    assert artifact.image_file_names(_config()) == artifact.IMAGE_FILES
+    body = artifact.config_bytes({**_config(), "memory": {"encoding": "chunks", "bytes": 4096}})
+    assert artifact.parse_config(body, "r")["format"] == 1
+
+
+@pytest.mark.parametrize(
+    ("config", "words"),
+    [
+        (_container_config(["vmlinuz", "initrd.img", "runtime.sqfs"]), "are not vmlinuz"),
+        (_container_config([*artifact.IMAGE_FILES, "runtime.sqfs", "runtime.sqfs"]), "are not"),
+        (_container_config([*artifact.IMAGE_FILES, "runtime.sqfs", "../x"]), "does not know"),
+        ({**_container_config(), "image": {"name": "x", "key": "y", "files": "vmlinuz"}},
+         "not a list of names"),
+        ({**_container_config(), "image": {"name": "x", "key": "y"}}, "no 'files'"),
+        # A runtime disk carried for a guest not booted with one, and the reverse: what
+        # an older forkd pushed of a container image (its machine named a host path).
+        ({**_container_config(), "machine": {"cmdline": "console=ttyS0"}}, "not booted with"),
+        ({**_config(), "machine": {"cmdline": f"a {RUNTIME_CMDLINE}", "runtime": "/x"}},
+         "needs a runtime disk the artifact does not carry"),
+        ({**_container_config(artifact.IMAGE_FILES)}, "needs a runtime disk"),
+        ({**_config(), "format": 3}, "config format 3, this forkd reads 1 and 2"),
+        ({**_config(), "format": True}, "config format unknown"),
+    ],
+)  # fmt: skip
+def test_configs_whose_image_files_do_not_fit_their_guest_are_refused(
+    config: dict, words: str
+) -> None:
+    body = artifact.config_bytes({**config, "memory": {"encoding": "chunks", "bytes": 4096}})
+    with pytest.raises(UpstreamError, match="not a forkd snapshot this forkd can read") as exc:
+        artifact.parse_config(body, "r")
+    assert words in str(exc.value)
+    assert "../x" not in str(exc.value)  # what a registry wrote is not echoed
+
+
+def test_an_image_file_the_config_does_not_name_is_refused() -> None:
+    def piece(part: str) -> artifact.Layer:
+        return artifact.Layer(artifact.IMAGE_FILE_TYPE, sha256(part.encode()), 4, part, 0, 4)
+
+    manifest = artifact.Manifest(
+        sha256(b"{}"), 2, tuple(piece(n) for n in (*artifact.IMAGE_FILES, artifact.RUNTIME_FILE))
+    )
+    assert len(image_files.wanted(manifest, (*artifact.IMAGE_FILES, artifact.RUNTIME_FILE))) == 4
+    with pytest.raises(UpstreamError, match="an image file its config does not name"):
+        image_files.wanted(manifest, artifact.IMAGE_FILES)
+
+
+def test_files_another_image_here_has_are_linked_not_fetched(
+    server, tmp_path, container_dir, image_dir
+) -> None:
+    """A host that has the kernel, initramfs and runtime disk (any container image of
+    this forkd) fetches only the root disk of a pulled container image."""
+    snap = _snapshot(tmp_path / "a", container_dir, "c", PARENT_PAGES)
+    ref = reference.parse(server.ref("forkd/linked", "v1"))
+    other = tmp_path / "other"
+    neighbour = other / "oci-aaaaaaaaaaaa-1111111111111111"
+    neighbour.mkdir(parents=True)
+    for name in ("vmlinuz", "initrd.img", artifact.RUNTIME_FILE):
+        os.link(container_dir / name, neighbour / name)
+    (neighbour / "rootfs.sqfs").write_bytes(os.urandom(1000))
+    (neighbour / "image.json").write_text("{}")
+    with Registry(ref, policy=server.policy()) as reg:
+        push.push(snap, container_dir, _container_config(), reg, "v1", None, lambda _m: None)
+        remote = pull.open_remote(reg, "v1")
+        wanted = image_files.wanted(remote.manifest, artifact.image_file_names(remote.config))
+        downloads = pull.Downloads(reg)
+        installed = image_files.install(other, remote.config, wanted, downloads.fetch, {})
+    rootfs = (container_dir / "rootfs.sqfs").stat().st_size
+    assert downloads.bytes == rootfs  # the root disk's pieces, nothing else
+    for name in ("vmlinuz", "initrd.img", artifact.RUNTIME_FILE):
+        assert (installed / name).stat().st_ino == (neighbour / name).stat().st_ino
+    assert (installed / "rootfs.sqfs").read_bytes() == (container_dir / "rootfs.sqfs").read_bytes()

@@ -7,21 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from forkd import paths
 from forkd.controller.models import SnapshotPull, SnapshotPush
 from forkd.controller.settings import Settings
 from forkd.errors import UpstreamError
+from forkd.oci import artifact, pull, reference
+from forkd.oci.registry import Registry, sha256
+from forkd.vmm import snapshot_files
+from tests.registry_server import RegistryServer
+from tests.unit.fakes import FakeDriver
 from tests.unit.listening_registry import Answer, listening
 
 
@@ -285,3 +293,110 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
     finish.set()
     _wait_until(client, lambda: not (fleet._tags_in_flight or transfer._running))
     assert not fleet._tags_in_flight and transfer._running == 0
+
+
+# -- a container image's template, pushed and pulled -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def registry() -> Iterator[RegistryServer]:
+    server = RegistryServer()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def container_template(client: TestClient, settings: Settings, registry: RegistryServer) -> str:
+    """Snapshot ``pg`` of a (fake) imported container image, pushed: its reference."""
+    from tests.unit.test_image_service import importer
+
+    client.app.state.services.images._importer = importer()  # type: ignore[attr-defined]
+    settings.insecure_registries = (registry.address,)
+    r = client.post("/v1/snapshots", json={"tag": "pg", "image": "reg.test/pg:16"})
+    assert r.status_code == 201, r.text
+    ref = registry.ref("forkd/pg", "v1")
+    r = client.post("/v1/snapshots/pg/push", json={"ref": ref})
+    assert r.status_code == 200, r.text
+    return ref
+
+
+def _pulled_machine(client: TestClient, ref: str, tag: str) -> tuple[Any, Path]:
+    r = client.post("/v1/snapshots/pull", json={"ref": ref, "tag": tag})
+    assert r.status_code == 201, r.text
+    files = snapshot_files.load(Path(r.json()["dir"]))
+    assert files.meta.image is not None and files.meta.image.dir is not None
+    return files.machine, Path(files.meta.image.dir)
+
+
+def test_a_container_template_pulled_where_its_image_is_not_brings_its_runtime_disk(
+    client: TestClient,
+    driver: FakeDriver,
+    registry: RegistryServer,
+    container_template: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    ref = container_template
+    with Registry(reference.parse(ref), policy=registry.policy()) as reg:
+        config = pull.open_remote(reg, "v1").config
+    assert config["format"] == 2 and config["image"]["files"][-1] == "runtime.sqfs"
+    assert "runtime" not in config["machine"]  # no host path travels
+    built = paths.images_dir() / f"oci-{'c' * 12}-{'0' * 16}"
+    # Here, where the image was imported: the pull uses that build.
+    machine, image_dir = _pulled_machine(client, ref, "pg-here")
+    assert image_dir == built and machine.runtime == built / "runtime.sqfs"
+    # Another host, as far as images go: an empty cache. The image comes along.
+    monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path / "other-cache"))
+    machine, image_dir = _pulled_machine(client, ref, "pg-there")
+    assert image_dir.parent == paths.images_dir() and "-pulled-" in image_dir.name
+    assert machine.runtime == image_dir / "runtime.sqfs"
+    assert machine.runtime.read_bytes() == (built / "runtime.sqfs").read_bytes()
+    listed = {i["name"]: i for i in client.get("/v1/images").json()}
+    pulled = listed[f"oci-{'c' * 12}"]  # a container image, with its config, in use
+    assert pulled["kind"] == "container" and pulled["id"] == "sha256:" + "c" * 64
+    assert pulled["config"]["user"] == "postgres" and pulled["config"]["exposed_ports"] == [
+        "5432/tcp"
+    ]
+    assert pulled["used_by"] == ["snapshot pg-there"]
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": "pg-there"})
+    assert r.status_code == 201, r.text
+    assert driver.vms[-1].machine.runtime == image_dir / "runtime.sqfs"  # the fork's 2nd disk
+    # Pulled again: the image pulled before is used, nothing is added.
+    before = sorted(p.name for p in paths.images_dir().iterdir())
+    machine, again = _pulled_machine(client, ref, "pg-again")
+    assert again == image_dir and sorted(p.name for p in paths.images_dir().iterdir()) == before
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        {"layers": ["sha256:../../../etc/passwd"]},  # would name a file outside the blob cache
+        {"config": {"env": [5]}},  # would break GET /v1/images and the agent's configure
+        {"config": "nope"},
+        {"built_at_unix": "yesterday"},
+        {"kind": "something-else"},
+    ],
+)
+def test_a_pulled_image_record_that_is_not_forkds_is_refused_leaving_nothing(
+    client: TestClient,
+    registry: RegistryServer,
+    container_template: str,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    hostile: dict[str, Any],
+) -> None:
+    with Registry(reference.parse(container_template), policy=registry.policy()) as reg:
+        remote = pull.open_remote(reg, "v1")
+        config = dict(remote.config)
+        config["image"] = {**config["image"], "meta": {**config["image"]["meta"], **hostile}}
+        raw = artifact.config_bytes(config)
+        reg.put_blob(raw, sha256(raw))
+        manifest = dataclasses.replace(remote.manifest, config_digest=sha256(raw),
+                                       config_size=len(raw))  # fmt: skip
+        reg.put_manifest(manifest.to_bytes(), "hostile")
+    monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path / "other-cache"))
+    hostile_ref = container_template.removesuffix("v1") + "hostile"
+    r = client.post("/v1/snapshots/pull", json={"ref": hostile_ref, "tag": "never"})
+    assert r.status_code == 502 and "not a snapshot this forkd can use" in r.json()["error"]
+    assert not (tmp_path / "other-cache" / "images").exists()
+    assert [s["tag"] for s in client.get("/v1/snapshots").json()] == ["pg"]

@@ -21,6 +21,14 @@
                          each attached volume's disk at the snapshot, flattened
                          to raw, in 1 MiB chunks (part ``volume.N``)
 
+The config's ``format`` says which of these a reader must understand. Format 1:
+the image is ``vmlinuz``, ``initrd.img`` and ``rootfs.sqfs``. Format 2 adds the
+config's ``image.files``, the image files carried, which may include
+``runtime.sqfs`` (an imported container image's runtime disk, its guest's second
+disk). A push writes format 1 whenever the snapshot fits it, so a forkd that
+reads only format 1 still pulls every recipe snapshot, and refuses by the format
+alone a snapshot it could not restore.
+
 Every piece is its own content-addressed blob, so a snapshot pushed after
 its parent uploads only what changed, and the image once per repository.
 Layer annotations place each piece: ``org.forkd.part`` (which file),
@@ -38,6 +46,7 @@ from typing import Any
 from forkd.errors import UpstreamError
 from forkd.oci.reference import DIGEST
 from forkd.oci.registry import MANIFEST_TYPE
+from forkd.vmm.qemu_argv import RUNTIME_CMDLINE
 
 ARTIFACT_TYPE = "application/vnd.forkd.snapshot.v1"
 CONFIG_TYPE = "application/vnd.forkd.snapshot.config.v1+json"
@@ -51,11 +60,14 @@ LAYER_TYPES = (IMAGE_FILE_TYPE, VMSTATE_TYPE, CHUNK_TYPE, RUNS_TYPE, PAGES_TYPE,
 COMPRESSED_TYPES = (VMSTATE_TYPE, CHUNK_TYPE, PAGES_TYPE, VOLUME_TYPE)
 
 PART, OFFSET, LENGTH = "org.forkd.part", "org.forkd.offset", "org.forkd.length"
-CONFIG_FORMAT = 1
+CONFIG_FORMAT = 2  # the newest format this forkd writes (only when it must) and reads
+CONFIG_FORMATS = (1, 2)
 MEMORY_CHUNK = 1 << 20
 PAGES_PIECE = 4 << 20
 IMAGE_PIECE = 16 << 20
-IMAGE_FILES = ("vmlinuz", "initrd.img", "rootfs.sqfs")
+IMAGE_FILES = ("vmlinuz", "initrd.img", "rootfs.sqfs")  # every snapshot's image has these
+RUNTIME_FILE = "runtime.sqfs"  # an imported container image's runtime disk (format 2)
+OPTIONAL_IMAGE_FILES = (RUNTIME_FILE,)
 CONFIG_BYTES_LIMIT = 1 << 20
 MAX_LAYERS = 20000
 MAX_PIECE = 64 << 20  # no piece is longer, uncompressed; zstd adds little on top
@@ -197,13 +209,27 @@ def _int(value: Any, where: str) -> int:
     return number
 
 
+def config_format(image_files: tuple[str, ...]) -> int:
+    """The oldest format that describes a snapshot whose image is ``image_files``."""
+    return 1 if image_files == IMAGE_FILES else CONFIG_FORMAT
+
+
+def image_file_names(config: dict[str, Any]) -> tuple[str, ...]:
+    """The image files a config (checked by :func:`parse_config`, or being written) says
+    the snapshot carries."""
+    if config.get("format") == 1:
+        return IMAGE_FILES
+    return tuple(config["image"]["files"])
+
+
 def parse_config(body: bytes, where: str) -> dict[str, Any]:
     """A snapshot's config: the fields :mod:`forkd.oci.pull` reads must be there and typed."""
     try:
         config = json.loads(body)
-        if (version := config.get("format")) != CONFIG_FORMAT:
+        if (version := config.get("format")) not in CONFIG_FORMATS or type(version) is not int:
             shown = version if type(version) is int else "unknown"
-            raise _bad(where, f"config format {shown}, this forkd reads {CONFIG_FORMAT}")
+            reads = " and ".join(str(f) for f in CONFIG_FORMATS)
+            raise _bad(where, f"config format {shown}, this forkd reads {reads}")
         memory = config["memory"]
         if memory["encoding"] not in ("chunks", "delta"):
             raise _bad(where, "a memory encoding forkd does not know")
@@ -213,9 +239,37 @@ def parse_config(body: bytes, where: str) -> dict[str, Any]:
         for key in ("machine", "needs", "image", "snapshot"):
             if not isinstance(config[key], dict):
                 raise _bad(where, f"config {key!r} is not an object")
+        _check_image_files(config, where)
     except (ValueError, KeyError, TypeError, AttributeError, OverflowError, RecursionError) as exc:
         raise _bad(where, f"malformed config ({_why(exc)})") from exc
     return config
+
+
+def _check_image_files(config: dict[str, Any], where: str) -> None:
+    """Format 2's list of image files: every required one, known optional ones, once each;
+    and a runtime disk carried exactly when the guest's kernel was told to wait for one
+    (a snapshot whose guest needs a disk it lacks would hang at its first read of it)."""
+    if config["format"] == 1:
+        names: tuple[str, ...] = IMAGE_FILES
+    else:
+        listed = config["image"]["files"]
+        if not isinstance(listed, list) or not all(isinstance(n, str) for n in listed):
+            raise _bad(where, "its image files are not a list of names")
+        names = tuple(listed)
+        if set(names) - set(IMAGE_FILES) - set(OPTIONAL_IMAGE_FILES):
+            raise _bad(where, "an image file forkd does not know")  # never echoed: theirs
+        if len(set(names)) != len(names) or not set(IMAGE_FILES) <= set(names):
+            raise _bad(where, f"its image files are not {', '.join(IMAGE_FILES)} and extras")
+    cmdline = config["machine"].get("cmdline", "")
+    needs_runtime = isinstance(cmdline, str) and RUNTIME_CMDLINE in cmdline.split()
+    if needs_runtime and RUNTIME_FILE not in names:
+        raise _bad(
+            where,
+            "its guest needs a runtime disk the artifact does not carry (pushed by a forkd "
+            "that did not send it: push the snapshot again with this one)",
+        )
+    if RUNTIME_FILE in names and not needs_runtime:
+        raise _bad(where, "it carries a runtime disk its guest was not booted with")
 
 
 def _why(exc: Exception) -> str:

@@ -8,7 +8,10 @@ squashfs is compressed already). A host whose build of that name and key has
 every piece the same uses it; otherwise the pulled files go into a directory
 of their own, named by their content (``<name>-<key>-pulled-<id>``), never
 the build's: a later ``forkd image build`` must not take a registry's files
-for its own. Digests of local files are cached by
+for its own. A file the pulled image shares with another image on this host
+(the kernel and initramfs of one build, the runtime disk every imported
+container image of one forkd has) is hard-linked from it, not fetched: pieces
+equal, bytes equal. Digests of local files are cached by
 path, size and modification time: an image file is never rewritten in place.
 """
 
@@ -27,7 +30,7 @@ from typing import Any
 from forkd.errors import Conflict, UpstreamError
 from forkd.guest import recipe
 from forkd.oci import artifact
-from forkd.oci.artifact import IMAGE_FILES, IMAGE_PIECE, Manifest
+from forkd.oci.artifact import IMAGE_PIECE, Manifest
 
 Piece = tuple[int, int, str]  # offset, length, digest
 _cache: dict[tuple[str, int, int], list[Piece]] = {}
@@ -67,16 +70,21 @@ def read_piece(path: Path, offset: int, length: int) -> bytes:
         return f.read(length)
 
 
-def wanted(manifest: Manifest) -> dict[str, list[Piece]]:
-    """The pieces of each image file a manifest carries, checked to tile each file."""
+def wanted(manifest: Manifest, names: tuple[str, ...]) -> dict[str, list[Piece]]:
+    """The pieces of each image file ``names`` (the config's, see
+    :func:`forkd.oci.artifact.image_file_names`) a manifest carries, checked to tile
+    each file; an image file the config does not name is refused, not ignored."""
     files: dict[str, list[Piece]] = {}
-    for name in IMAGE_FILES:
+    for name in names:
         layers = manifest.of_part(name)
         if not layers:
             raise UpstreamError(f"the snapshot carries no {name} of its guest image")
         what = f"the snapshot's {name}"
         artifact.check_placed(layers, artifact.IMAGE_FILE_TYPE, what, contiguous=True)
         files[name] = [(la.offset, la.length, la.digest) for la in layers]
+    stray = {la.part for la in manifest.layers if la.media_type == artifact.IMAGE_FILE_TYPE}
+    if stray - set(names):
+        raise UpstreamError("the snapshot carries an image file its config does not name")
     return files
 
 
@@ -140,10 +148,14 @@ def install(
     config: dict[str, Any],
     files: dict[str, list[Piece]],
     fetch: Callable[[str, int], bytes],
+    meta: dict[str, Any],
 ) -> Path:
     """Write the image the snapshot carries under ``images_root``: staged, then renamed.
 
-    ``fetch(digest, size)`` returns a checked blob. Returns the image directory.
+    ``fetch(digest, size)`` returns a checked blob. A file another image here has
+    with the same pieces is hard-linked from it instead. ``meta``: what its
+    ``image.json`` says beside its name and key (checked by the caller: it came
+    from the registry too). Returns the image directory.
     """
     name, key = image_dir_name(config)
     final = pulled_dir(images_root, config, files)
@@ -151,16 +163,16 @@ def install(
     staging = Path(tempfile.mkdtemp(dir=images_root, prefix=f".staging-pull-{name}-"))
     try:
         for fname, want in files.items():
+            if _link_same(images_root, fname, want, staging / fname):
+                continue
             with (staging / fname).open("wb") as out:
                 for _offset, length, digest in want:
                     out.write(fetch(digest, length))
                 out.flush()
                 os.fsync(out.fileno())
             (staging / fname).chmod(0o644)
-        meta = config["image"].get("meta")
-        meta = dict(meta) if isinstance(meta, dict) else {}
-        meta.update(name=name, key=key, pulled=True)
-        (staging / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
+        record = {**meta, "name": name, "key": key, "pulled": True}
+        (staging / "image.json").write_text(json.dumps(record, indent=2) + "\n")
         try:
             staging.rename(final)
         except OSError:
@@ -174,3 +186,24 @@ def install(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+def _link_same(images_root: Path, fname: str, want: list[Piece], target: Path) -> bool:
+    """Hard-link ``target`` to a file ``fname`` of another image under ``images_root``
+    whose pieces are ``want``; whether one was found. Only files of the same length are
+    hashed (once per file while it is unchanged: :func:`pieces` caches)."""
+    length = sum(n for _o, n, _d in want)
+    for d in sorted(images_root.iterdir()):
+        if d.name.startswith(".") or not (d / "image.json").is_file():
+            continue  # a staging or half-removed directory: not an image
+        path = d / fname
+        try:
+            if path.is_symlink() or not path.is_file() or path.stat().st_size != length:
+                continue
+            if pieces(path) != want:
+                continue
+            os.link(path, target)
+        except OSError:
+            continue
+        return True
+    return False

@@ -89,13 +89,14 @@ def push(
     volumes: tuple[Path, ...] = (),
 ) -> Pushed:
     """Push ``files`` (its memory a delta over ``base`` when given) as ``reference``, a tag
-    (``None``: by digest only). ``config`` is completed here with the memory's encoding.
+    (``None``: by digest only), with the image files in ``image_dir`` that ``config``
+    names. ``config`` is completed here with the memory's encoding.
     ``volumes``: each attached volume's disk as a raw file (:mod:`.volume_files`)."""
     started = time.monotonic()
     result = Pushed("", "delta" if base else "chunks", base.digest if base else None)
     up = _Uploader(registry, result)
     progress("image files")
-    _image(up, image_dir)
+    _image(up, image_dir, artifact.image_file_names(config))
     progress("device state")
     up.layer(artifact.VMSTATE_TYPE, files.vmstate.read_bytes(), "vmstate", 0)
     for index, disk in enumerate(volumes):
@@ -134,8 +135,8 @@ def push(
     return result
 
 
-def _image(up: _Uploader, image_dir: Path) -> None:
-    for name in artifact.IMAGE_FILES:
+def _image(up: _Uploader, image_dir: Path, names: tuple[str, ...]) -> None:
+    for name in names:
         path = image_dir / name
         for offset, length, digest in image_files.pieces(path):
             if up.registry.has_blob(digest):

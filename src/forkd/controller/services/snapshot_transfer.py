@@ -30,10 +30,12 @@ from typing import Any, TypeVar
 
 from forkd import accel, limits, paths
 from forkd.controller.models import PushResult, SnapshotInfo, SnapshotPull, SnapshotPush
+from forkd.controller.services import transfer_records
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SnapshotRow, now
 from forkd.errors import Busy, Conflict, Invalid, SnapshotError, StorageFull, UpstreamError
+from forkd.guest import pulled_image
 from forkd.oci import (
     artifact,
     auth,
@@ -48,12 +50,10 @@ from forkd.oci.reference import Reference
 from forkd.oci.registry import Registry
 from forkd.vmm import egress, memory_diff, snapshot_files
 from forkd.vmm.memory_diff import Chain
-from forkd.vmm.qemu_argv import MachineConfig
-from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotMeta
+from forkd.vmm.snapshot_files import SnapshotFiles
 from forkd.vmm.volumes import Attachment, VolumeStore, free_bytes
 
 log = logging.getLogger(__name__)
-_HOST_PATHS = ("vmlinuz", "initrd", "rootfs")  # a machine's files on this host: not sent
 PULL_RESERVE_BYTES = 256 << 20  # a pull leaves this much of the disk free
 MAX_TRANSFERS = 3  # pushes and pulls at once
 T = TypeVar("T")
@@ -170,7 +170,7 @@ class SnapshotTransfer:
     ) -> push.Pushed:
         """Push ``files``, a diff's bases first when the repository lacks them (in a thread)."""
         repo = f"{registry.ref.registry}/{registry.ref.repository}"
-        config = _config(files, row)  # first: nothing to close if it fails
+        config = transfer_records.config(files, row)  # first: nothing to close if it fails
         base = None if flatten else self._base(registry, files, row, depth)
         image_dir = files.machine.rootfs.parent
         scratch = self.root / f".{row.tag}.partial-push-{secrets.token_hex(3)}"
@@ -243,7 +243,7 @@ class SnapshotTransfer:
         handed = False
         try:
             remote = await self._in_thread(pull.open_remote, registry, ref.reference)
-            tag = req.tag or _pushed_tag(remote.config) or ref.tag
+            tag = req.tag or transfer_records.pushed_tag(remote.config) or ref.tag
             if not tag:
                 raise Invalid("give a tag: the reference and the snapshot name none")
             limits.check_tag(tag)
@@ -278,14 +278,20 @@ class SnapshotTransfer:
         except Invalid as exc:
             problems.append(f"its egress policy is invalid here: {exc}")
         volumes = volume_files.wanted(remote.manifest, remote.config)  # malformed: 502
-        files = image_files.wanted(remote.manifest)
+        files = image_files.wanted(remote.manifest, artifact.image_file_names(remote.config))
+        try:
+            image_meta = pulled_image.checked(remote.config["image"].get("meta") or {})
+        except pulled_image.PulledImageInvalid as exc:
+            raise UpstreamError(
+                f"{remote.where} is not a snapshot this forkd can use: {exc}"
+            ) from exc
         image_dir = image_files.local_dir(paths.images_dir(), remote.config, files)
         if problems:
             why = "; ".join(problems)
             raise Conflict(f"{remote.where} cannot be restored on this host: {why}")
         image_bytes = 0 if image_dir else sum(n for f in files.values() for _o, n, _d in f)
         _check_room(self.root, remote, image_bytes + sum(v["size_bytes"] for v in volumes))
-        return _Plan(image_dir, files, volumes)
+        return _Plan(image_dir, files, image_meta, volumes)
 
     def _pull_sync(
         self,
@@ -337,8 +343,9 @@ class SnapshotTransfer:
         image_dir = plan.image_dir
         if image_dir is None:
             image_dir = image_files.install(
-                paths.images_dir(), remote.config, plan.image_pieces, downloads.fetch
-            )
+                paths.images_dir(), remote.config, plan.image_pieces, downloads.fetch,
+                plan.image_meta,
+            )  # fmt: skip
             made.images.append(image_dir)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         fd = os.open(staging / snapshot_files.VMSTATE, flags, 0o600)
@@ -354,7 +361,7 @@ class SnapshotTransfer:
         finally:
             os.close(fd)
         attachments = self._write_volumes(remote, plan.volumes, downloads, made)
-        meta = _meta(remote, image_dir, vmstate_bytes, attachments)
+        meta = transfer_records.pulled_meta(remote, image_dir, vmstate_bytes, attachments)
         snapshot_files.fsync_path(snapshot_files.write_meta(staging, meta))
         return SnapshotFiles(staging, meta)
 
@@ -397,6 +404,7 @@ class _Plan:
 
     image_dir: Path | None
     image_pieces: dict[str, list[image_files.Piece]]
+    image_meta: dict[str, Any]  # a pulled image's image.json (checked)
     volumes: list[dict[str, Any]]
 
 
@@ -427,70 +435,3 @@ def _check_room(root: Path, remote: pull.Remote, other_bytes: int) -> None:
             f"pulling {remote.where} may need {need >> 20} MiB on disk and "
             f"{max(free, 0) >> 20} MiB are free (beside a {PULL_RESERVE_BYTES >> 20} MiB reserve)"
         )
-
-
-def _pushed_tag(config: dict[str, Any]) -> str | None:
-    tag = config["snapshot"].get("tag")
-    return tag if isinstance(tag, str) and limits.NAME_RE.fullmatch(tag) else None
-
-
-def _config(files: SnapshotFiles, row: SnapshotRow) -> dict[str, Any]:
-    """A snapshot's config blob, but its memory (the push adds that)."""
-    meta, machine = files.meta, files.machine
-    image = meta.image
-    image_meta = image_files.local_meta(machine.rootfs.parent)
-    return {
-        "format": artifact.CONFIG_FORMAT,
-        "snapshot": {
-            "tag": row.tag,
-            "id": meta.id,
-            "parent_id": meta.parent_id,
-            "parent_tag": meta.parent_tag,
-            "created_at_unix": meta.created_at_unix,
-            "pause_ms": meta.pause_ms,
-            "capture_ms": meta.capture_ms,
-            "pages_written": meta.pages_written,
-            "forkd_version": meta.forkd_version,
-            "metadata": row.metadata,
-        },
-        "machine": {k: v for k, v in machine.to_json().items() if k not in _HOST_PATHS},
-        "image": {  # the build whose files go with it: its image.json says which
-            "name": image_meta.get("name") or (image.name if image else None),
-            "key": image_meta.get("key") or (image.key if image else None),
-            "meta": image_meta,
-        },
-        "needs": host_needs.of_machine(machine),
-        "vmstate_bytes": meta.vmstate_bytes,
-    }
-
-
-def _meta(
-    remote: pull.Remote, image_dir: Path, vmstate_bytes: int, volumes: tuple[Attachment, ...]
-) -> SnapshotMeta:
-    """The record of a pulled snapshot: its machine on this host's image files, a new id."""
-    conf, snap = remote.config["machine"], remote.config["snapshot"]
-    name, key = image_files.image_dir_name(remote.config)
-    try:
-        machine = MachineConfig.from_json({
-            **conf,
-            "vmlinuz": str(image_dir / "vmlinuz"),
-            "initrd": str(image_dir / "initrd.img"),
-            "rootfs": str(image_dir / "rootfs.sqfs"),
-        })  # fmt: skip
-        return SnapshotMeta(
-            machine=machine,
-            image=ImageRef(name, key, str(image_dir)),
-            created_at_unix=int(snap.get("created_at_unix") or now()),
-            memory_bytes=remote.memory_bytes,
-            vmstate_bytes=vmstate_bytes,
-            source_vm=None,
-            parent_snapshot=None,
-            capture_ms=float(snap.get("capture_ms") or 0.0),
-            pages_written=int(snap.get("pages_written") or 0),
-            base_bytes_cloned=0,
-            pause_ms=None if snap.get("pause_ms") is None else float(snap["pause_ms"]),
-            volumes=volumes,
-            id=snapshot_files.new_id(),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise UpstreamError(f"{remote.where} has a malformed machine: {exc}") from exc
