@@ -117,6 +117,7 @@ def assemble(
     final = root / f"{name}-{key}"
     if (final / "image.json").is_file():
         _add_reference(final, identity.get("reference"))
+        images.make_current(root, name, key)
         say(f"image {name} is up to date ({key})")
         return images.find_image(str(final), root)
 
