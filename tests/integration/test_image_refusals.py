@@ -4,19 +4,23 @@ tags, repositories and Docker Engine images (404 naming the reference), a regist
 wants a password (403, and an import once the daemon has the right one), an unreachable
 registry (502), malformed references and archives outside ``--image-archive-dir`` (400);
 and hostile images (a layer climbing out with ``../``, hard links to host files, a gzip
-bomb) refused with nothing written outside the cache, while names a container runtime
-confines (absolute paths, symlinks out of the root) are confined inside the image."""
+bomb past ``--max-image-mib``, descriptors that lie about a blob's size or digest, a huge
+manifest, a deeply nested config) refused with nothing written outside the cache, while
+names a container runtime confines (absolute paths, symlinks out of the root) are
+confined inside the image."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import tarfile
 import time
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,7 +81,9 @@ def raw_image(tar: bytes) -> oci_images.Image:
     return oci_images.image([layer], {"Cmd": ["true"]})
 
 
-def refused(ctl: Controller, ref: str, *, via_snapshot: bool = False) -> ControllerError:
+def refused(
+    ctl: Controller, ref: str, *, via_snapshot: bool = False, what: str = ""
+) -> ControllerError:
     """Import ``ref`` (or make a snapshot of it): it must fail and leave the cache and
     the daemon's snapshots as they were."""
     before = CacheState.now()
@@ -85,7 +91,7 @@ def refused(ctl: Controller, ref: str, *, via_snapshot: bool = False) -> Control
         if via_snapshot:
             ctl.create_snapshot("never", image=ref, start=True, ready_port=80)
         else:
-            ctl.import_image(ref)
+            print("imported", what or ref, ctl.import_image(ref))
     assert CacheState.now() == before, ref
     assert "never" not in {s["tag"] for s in ctl.list_snapshots()}
     return exc.value
@@ -205,3 +211,34 @@ def test_names_a_runtime_confines_stay_inside_the_image(
         assert cat.returncode == 0 and cat.stdout == data, (name, cat.stderr)
     ctl.delete_image(info["name"])
     assert not rootfs.exists()
+
+
+def image_with(config: bytes, layer: oci_images.Layer, **manifest: Any) -> oci_images.Image:
+    """An image whose config is ``config`` as it is, its manifest's fields ``manifest``."""
+    cfg = oci_images.Blob(config, oci_images.OCI_CONFIG)
+    doc = {"schemaVersion": 2, "mediaType": oci_images.OCI_MANIFEST, "config": cfg.descriptor(),
+           "layers": [layer.descriptor()], **manifest}  # fmt: skip
+    body = oci_images.Blob(json.dumps(doc).encode(), oci_images.OCI_MANIFEST)
+    return oci_images.Image(cfg, (layer,), body)
+
+
+def test_lying_huge_and_deep_documents_are_refused(ctl: Controller, archive_dir: Path) -> None:
+    good = small_image({"srv/nonce": os.urandom(16)})  # a layer no earlier run left held
+    layer, config = good.layers[0], good.config.data
+    nested: Any = "deep"
+    for _ in range(200):
+        nested = {"x": nested}
+    deep = json.dumps({**json.loads(config), "deep": nested}).encode()
+    cases = {
+        "wrong-size": image_with(config, layer, layers=[layer.descriptor(size=layer.size + 1)]),
+        "huge-manifest": image_with(config, layer, annotations={"pad": "x" * (5 << 20)}),
+        "deep-config": image_with(deep, layer),
+        "not-its-digest": good,
+    }
+    for name, img in cases.items():
+        layout = oci_images.write_oci_layout(archive_dir / f"lies-{name}", {"1": img})
+        if name == "not-its-digest":  # a blob whose bytes are not what its name says
+            blob = layout / "blobs" / "sha256" / layer.digest.removeprefix("sha256:")
+            blob.write_bytes(bytes(len(layer.data)))
+        error = refused(ctl, f"oci:{layout}:1", what=name)
+        assert error.status == 400, (name, error)
