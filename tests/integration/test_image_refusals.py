@@ -91,7 +91,8 @@ def refused(
         if via_snapshot:
             ctl.create_snapshot("never", image=ref, start=True, ready_port=80)
         else:
-            print("imported", what or ref, ctl.import_image(ref))
+            imported = ctl.import_image(ref)
+            pytest.fail(f"{what or ref} was imported: {imported}")
     assert CacheState.now() == before, ref
     assert "never" not in {s["tag"] for s in ctl.list_snapshots()}
     return exc.value
