@@ -285,3 +285,26 @@ def write_docker_archive(path: Path, tagged: dict[str, Image], *, oci_blobs: boo
     files["manifest.json"] = json.dumps(entries).encode()
     path.write_bytes(tar_of(files))
     return path
+
+
+def from_docker_save(path: Path) -> Image:
+    """The image of a one-image ``docker save`` archive as an OCI image: its config's bytes
+    as they are (so the image id stays the same), its layers uncompressed (each layer's
+    digest is then its diff_id, as a ``docker-archive:`` import stores it)."""
+    with tarfile.open(path) as tar:
+
+        def member(name: str) -> bytes:
+            f = tar.extractfile(name)
+            assert f is not None, name
+            return f.read()
+
+        (entry,) = json.loads(member("manifest.json"))
+        config = Blob(member(entry["Config"]), OCI_CONFIG)
+        layers = tuple(Layer(t, OCI_LAYER, t) for t in map(member, entry["Layers"]))
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": config.descriptor(),
+        "layers": [lay.descriptor() for lay in layers],
+    }
+    return Image(config, layers, Blob(json.dumps(manifest).encode(), OCI_MANIFEST))

@@ -67,6 +67,9 @@ FILE_BODY_LIMIT = 32 << 20  # volume archives, read whole before the app sees th
 # A file upload streams to the guest in chunks: the guest's free space is the real
 # bound; this one (forkd serve --max-upload-mib) only stops an endless body.
 FILE_UPLOAD_LIMIT = 64 << 30
+# An imported container image's files, expanded (forkd serve --max-image-mib): what one
+# layer, and all of them merged, may unpack to; a gzip bomb stops here.
+MAX_IMAGE_BYTES = 64 << 30
 
 # What a guest may make the daemon read and wait for (forkd.vmm.agent_client).
 # Answer lines, by op, sized from the agent's own caps (docs/guest-agent.md):

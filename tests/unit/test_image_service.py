@@ -1,7 +1,8 @@
 """The images API over the fake VM driver: an import's answer and its progress events,
 the list and its users, removal refused while a snapshot needs an image, templates from a
 container image (its config given to the agent, its command started and waited for), and
-the references a client may not name (archives outside --image-archive-dir)."""
+the references a client may not name (archives outside --image-archive-dir), and an image
+refused while flattened (a hostile layer, past --max-image-mib) leaving no blob."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ from forkd.controller.services import images as image_service
 from forkd.controller.services import template_start
 from forkd.controller.settings import Settings
 from forkd.errors import Invalid
+from forkd.guest import container_image
 from forkd.guest import image as images
 from forkd.image_import import references
 from forkd.image_import.model import FetchedImage, ImageConfig
 from forkd.oci.policy import RegistryPolicy
+from tests import oci_images
 from tests.unit.fakes import FakeDriver
 
 CONFIG = ImageConfig(
@@ -214,3 +217,45 @@ def test_docker_engine_references_can_be_switched_off(tmp_path: Path) -> None:
         image_service.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", off)
     on = settings_of(tmp_path)
     image_service.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", on)
+
+
+def flatten_only(tmp_path: Path) -> Callable[..., images.Image]:
+    """container_image.assemble without a kernel or runtime: the layers flattened, then
+    the test fails (every image it is given must be refused while flattened)."""
+
+    def assemble(config_digest: str, config: ImageConfig, identity: dict, write_rootfs: Any,
+                 progress: Any = None) -> images.Image:  # fmt: skip
+        (tmp_path / "work").mkdir(exist_ok=True)
+        write_rootfs(tmp_path / "rootfs.sqfs", tmp_path / "work")
+        raise AssertionError(f"{identity['reference']} was flattened whole")
+
+    return assemble
+
+
+def test_an_image_refused_while_flattened_leaves_none_of_its_blobs(
+    client: TestClient, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(container_image, "assemble", flatten_only(tmp_path))
+    fake_container_image()  # a built image: its layer stays
+    settings.image_archive_dirs = (tmp_path,)
+    climbs = oci_images.image([oci_images.layer({"../../etc/cron.d/x": b"* * * * * root id"})])
+    path = oci_images.write_oci_archive(tmp_path / "climbs.tar", {"1": climbs})
+    r = client.post("/v1/images", json={"ref": f"oci-archive:{path}:1"})
+    assert r.status_code == 400 and "cannot be used" in r.json()["error"], r.text
+    held = sorted(os.listdir(paths.blobs_dir() / "sha256"))
+    assert held == [LAYER.removeprefix("sha256:")]  # not its layer, config or manifest
+    assert os.listdir(paths.blobs_dir() / "tmp") == []
+
+
+def test_the_operator_caps_what_an_image_expands_to(
+    client: TestClient, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(container_image, "assemble", flatten_only(tmp_path))
+    settings.image_archive_dirs = (tmp_path,)
+    settings.max_image_bytes = 1 << 20  # forkd serve --max-image-mib 1
+    zeros = oci_images.layer({"zeros.bin": bytes(2 << 20)})  # 2 MiB in a few KiB of gzip
+    assert zeros.size < 16 << 10
+    path = oci_images.write_oci_archive(tmp_path / "zeros.tar", {"1": oci_images.image([zeros])})
+    r = client.post("/v1/images", json={"ref": f"oci-archive:{path}:1"})
+    assert r.status_code == 400 and f"more than {1 << 20} bytes" in r.json()["error"], r.text
+    assert os.listdir(paths.blobs_dir() / "sha256") == []

@@ -22,6 +22,7 @@ from forkd.errors import ForkdError
 from forkd.limits import (
     FILE_UPLOAD_LIMIT,
     MAX_CONNECTIONS_PER_ADDRESS,
+    MAX_IMAGE_BYTES,
     REQUEST_BODY_IDLE_TIMEOUT_SECS,
     REQUEST_HEADER_TIMEOUT_SECS,
 )
@@ -232,6 +233,17 @@ _ImageArchiveDirOpt = Annotated[
     ),
 ]
 
+_MaxImageOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-image-mib",
+        envvar="FORKD_MAX_IMAGE_MIB",
+        min=1,
+        help="What an imported container image's files may expand to, in MiB (one layer, "
+        "and all merged); an import past it is refused (400), however small its layers.",
+    ),
+]
+
 HeaderTimeoutOpt = Annotated[
     float,
     typer.Option(
@@ -303,6 +315,7 @@ def serve(
     registry_auth: _RegistryAuthOpt = None,
     docker_host: _DockerHostOpt = None,
     image_archive_dir: _ImageArchiveDirOpt = None,
+    max_image_mib: _MaxImageOpt = MAX_IMAGE_BYTES >> 20,
     header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
     max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
@@ -347,6 +360,7 @@ def serve(
             registry_auth=registry_auth,
             docker_host=docker_host,
             image_archive_dirs=tuple(d.resolve() for d in image_archive_dir or ()),
+            max_image_bytes=max_image_mib << 20,
             connection_limits=connection_limits(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forkd.controller.connection_limits import ConnectionLimits
-from forkd.limits import FILE_UPLOAD_LIMIT
+from forkd.limits import FILE_UPLOAD_LIMIT, MAX_IMAGE_BYTES
 
 
 @dataclass
@@ -37,5 +37,6 @@ class Settings:
     # The directories a client may name image archives and layouts under (docker-archive:,
     # oci-archive:, oci:): the daemon reads them with its own rights. None listed: refused.
     image_archive_dirs: tuple[Path, ...] = ()
+    max_image_bytes: int = MAX_IMAGE_BYTES  # an imported image's files, expanded
     # Clients' connections: how long a request may take to arrive, how many may be open.
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)

@@ -15,6 +15,7 @@ complete, like a recipe image.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -64,12 +65,18 @@ def find(reference: str, manifest_digest: str | None = None) -> images.Image | N
     return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
 
 
-def build(fetched: FetchedImage, progress: Progress | None = None) -> images.Image:
-    """The guest image of ``fetched``, its layers flattened (unless built already)."""
+def build(
+    fetched: FetchedImage, progress: Progress | None = None, max_bytes: int | None = None
+) -> images.Image:
+    """The guest image of ``fetched``, its layers flattened (unless built already);
+    ``max_bytes`` caps what its files expand to (default ``forkd.limits.MAX_IMAGE_BYTES``)."""
     from forkd.image_import import squash  # the flattener: only where an image is made
+    from forkd.image_import.layers import IMAGE_LIMITS
+
+    limits = dataclasses.replace(IMAGE_LIMITS, max_bytes=max_bytes or IMAGE_LIMITS.max_bytes)
 
     def write(out: Path, work: Path) -> RootfsStats:
-        return squash.build_rootfs(fetched.layers, out, work, progress=progress)
+        return squash.build_rootfs(fetched.layers, out, work, limits=limits, progress=progress)
 
     identity = {
         "reference": fetched.reference,
@@ -110,6 +117,7 @@ def assemble(
     final = root / f"{name}-{key}"
     if (final / "image.json").is_file():
         _add_reference(final, identity.get("reference"))
+        images.make_current(root, name, key)
         say(f"image {name} is up to date ({key})")
         return images.find_image(str(final), root)
 
@@ -181,10 +189,25 @@ def collect_unused_layers() -> int:
     root = paths.blobs_dir()
     if not root.is_dir():
         return 0
+    return BlobStore(root).remove_unreferenced(_needed_blobs())
+
+
+def forget(fetched: FetchedImage) -> int:
+    """Remove the blobs of ``fetched`` (an image refused after its fetch) that no built
+    image needs: whole and checked as they are, nothing would ever list or free them.
+    The caller makes sure no other import is between its fetch and its build."""
+    from forkd.image_import.blob_store import BlobStore
+
+    mine = {fetched.manifest_digest, fetched.config_digest}
+    mine.update(layer.digest for layer in fetched.layers)
+    return BlobStore(paths.blobs_dir()).remove(mine - _needed_blobs())
+
+
+def _needed_blobs() -> set[str]:
     keep: set[str] = set()
     for img in images.list_images():
         if is_container(img):
             keep.update(img.meta.get("layers") or [])
             digests = (img.meta.get("manifest_digest"), img.meta.get("config_digest"))
             keep.update(d for d in digests if d)
-    return BlobStore(root).remove_unreferenced(keep)
+    return keep

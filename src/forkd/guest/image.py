@@ -166,13 +166,21 @@ def boot_files(
 
 def commit_build(out: Path, final: Path, meta: dict) -> None:
     """Write ``image.json`` into the staged build ``out`` and rename it to ``final``: the
-    image appears whole or not at all (an identical build that won a race is kept)."""
+    image appears whole or not at all (an identical build that won a race is kept).
+    It becomes the build its name finds (:func:`make_current`)."""
     (out / "image.json").write_text(json.dumps(meta, indent=2) + "\n")
     try:
         out.rename(final)
     except OSError:
         if not (final / "image.json").is_file():  # lost a race to an identical build
             raise
+    make_current(final.parent, meta["name"], meta["key"])
+
+
+def make_current(root: Path, name: str, key: str) -> None:
+    """Make build ``key`` the one :func:`find_image` finds for ``name``: recipe and
+    container images alike, so a snapshot names either by the name the list shows."""
+    _write_atomic(root / f"{name}.json", json.dumps({"key": key}))
 
 
 def build(
@@ -200,7 +208,7 @@ def build(
     key = _image_key(spec, kpkg)
     final = root / f"{name}-{key}"
     if (final / "image.json").is_file():
-        _write_atomic(root / f"{name}.json", json.dumps({"key": key}))
+        make_current(root, name, key)
         say(f"image {name} is up to date ({key})")
         return _load(final)
 
@@ -230,7 +238,6 @@ def build(
             "build_secs": round(time.monotonic() - started, 1),
         }
         commit_build(out, final, meta)
-        _write_atomic(root / f"{name}.json", json.dumps({"key": key}))
         say(f"built image {name} ({key}) in {meta['build_secs']} s")
         return _load(final)
     finally:

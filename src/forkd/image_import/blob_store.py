@@ -106,18 +106,21 @@ class BlobStore:
             w.write(data)
             return w.commit()[0]
 
-    def remove_unreferenced(self, keep: set[str]) -> int:
-        """Remove every blob not in ``keep`` (and temporary files no import can still be
-        writing); the bytes freed."""
+    def remove(self, digests: set[str]) -> int:
+        """Remove the blobs ``digests`` the store holds; the bytes freed."""
         freed = 0
-        for digest in list(self.digests()):
-            if digest in keep:
-                continue
-            path = self.blobs_dir / digest[7:]
+        for digest in digests:
+            path = self._file(digest)
             with contextlib.suppress(FileNotFoundError):
                 size = path.stat().st_size
                 path.unlink()
                 freed += size
+        return freed
+
+    def remove_unreferenced(self, keep: set[str]) -> int:
+        """Remove every blob not in ``keep`` (and temporary files no import can still be
+        writing); the bytes freed."""
+        freed = self.remove(set(self.digests()) - keep)
         try:
             names = os.listdir(self.tmp_dir)
         except FileNotFoundError:

@@ -46,10 +46,11 @@ from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, Unsa
 from forkd.archive.tar_format import Kind, Limits, Member, ReadFn, TarReader
 from forkd.archive.unpack import MAX_LINK_HOPS, ROOTFS_XATTR_PREFIXES
 from forkd.image_import.model import LayerBlob
+from forkd.limits import MAX_IMAGE_BYTES
 
 IMAGE_LIMITS = Limits(
     max_entries=1_000_000,  # per layer, and in the merged tree
-    max_bytes=64 << 30,  # apparent bytes per layer and merged; stored bytes of all layers
+    max_bytes=MAX_IMAGE_BYTES,  # apparent bytes per layer and merged; stored bytes of all layers
     max_header_bytes=1 << 20,
     max_path_bytes=4096,
     max_depth=256,

@@ -166,8 +166,10 @@ class ImageService:
             progress=progress,
         )
         try:
-            img = container_image.build(fetched, progress)
+            img = container_image.build(fetched, progress, settings.max_image_bytes)
         except ArchiveError as exc:
+            # No other import runs meanwhile: imports and removals share self._removing.
+            container_image.forget(fetched)
             raise Invalid(f"image {req.ref}: a layer cannot be used: {exc}") from exc
         return Imported(img, fetched, time.monotonic() - started)
 
