@@ -310,6 +310,27 @@ def test_devices_fifos_modes_owners_and_times_are_kept(image: Image) -> None:
     assert image.stat("/home/pg/db")["Last modified"].endswith("(1600000000)")
 
 
+def test_a_time_past_2106_is_squashfs_last_second_and_the_image_still_imports(
+    image: Image,
+) -> None:
+    image.layer(directory("./", mtime=1 << 36), file("future", mtime=5_000_000_000),
+                file("far", mtime=1 << 40), directory("dir", mtime=1 << 36),
+                file("now", mtime=1_700_000_000))  # fmt: skip
+    image.build()
+    for path in ("/", "/future", "/far", "/dir"):
+        assert image.stat(path)["Last modified"].endswith(f"({squash.MAX_TIME})"), path
+    assert image.stat("/now")["Last modified"].endswith("(1700000000)")
+
+
+def test_a_layer_gnu_tar_wrote_with_a_file_from_1960_imports_dated_0(image: Image) -> None:
+    """GNU tar writes a time before 1970 in base-256; Docker takes such a layer."""
+    image.raw(archive(file("old", mtime=-315_619_200), file("new", mtime=1_700_000_000),
+                      fmt=tarfile.GNU_FORMAT))  # fmt: skip
+    image.build()
+    assert image.stat("/old")["Last modified"].endswith("(0)")
+    assert image.stat("/new")["Last modified"].endswith("(1700000000)")
+
+
 def test_file_capabilities_survive_byte_for_byte_and_other_namespaces_do_not(image: Image) -> None:
     records = {
         "SCHILY.xattr.security.capability": CAPABILITY.decode("utf-8", "surrogateescape"),

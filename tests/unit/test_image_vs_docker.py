@@ -389,7 +389,7 @@ class HandMade:
     """Layers no Dockerfile build makes (a hand-written tool's, a hostile one's), put
     into Docker with ``docker load``."""
 
-    layers: tuple[dict[str, oci_images.Entry], ...]
+    layers: tuple[dict[str, oci_images.Entry] | bytes, ...]  # files, or a tar as it is
     docker_differs: frozenset[tuple[str, str]] = frozenset()  # (path, field), documented
     docker_refuses: str = ""  # in what ``docker load`` says
     forkd_root: Callable[[RootTree], bool] = field(default=lambda _tree: True)
@@ -440,6 +440,12 @@ HAND_MADE = {
             | {("lib", f) for f in ("kind", "mode", "mtime", "target")}
         ),
     ),
+    # GNU tar writes a time before 1970 in base-256: both read it as 0 (forkd's image
+    # cannot hold it; Docker's export is read by forkd's reader).
+    "gnu-tar-1960": HandMade(
+        (archive(file("old", mtime=-315_619_200), fmt=tarfile.GNU_FORMAT),),
+        forkd_root=lambda tree: tree.entries["old"].mtime == 0,
+    ),
     # Docker refuses these two; forkd applies them as the OCI layer spec says: a
     # whiteout hides only lower layers' entries, and a hard link may name one.
     "whiteout-after-own-entry": HandMade(
@@ -461,7 +467,12 @@ def test_hand_made_layers_match_docker_load_but_for_the_documented_differences(
 ) -> None:
     made = HAND_MADE[case]
     tag = f"forkd-test/vs-docker-hand-made:{case}"
-    layers = [oci_images.layer(files, "none") for files in made.layers]
+    layers = [
+        oci_images.Layer(files, oci_images.OCI_LAYER, files)
+        if isinstance(files, bytes)
+        else oci_images.layer(files, "none")
+        for files in made.layers
+    ]
     image = oci_images.image(layers, {"Cmd": ["never-run"]}, docker=True)
     saved = oci_images.write_docker_archive(tmp_path / "image.tar", {tag: image})
     forkd = squashfs_view(forkd_import(f"docker-archive:{saved}", tmp_path / "forkd").squashfs)

@@ -12,6 +12,11 @@ GNU's pax sparse format 0.1 (``GNU.sparse.map``), which tar2sqfs reads, so its
 holes cross the pipe as a map, not as zeros; squashfs stores them as sparse
 blocks.
 
+squashfs keeps an inode's time as unsigned 32-bit seconds: a time past its last
+second (2106-02-07) is written as that second, and one before 1970 as 0
+(forkd.archive's reader already reads it so), where Docker would show the time the
+layer states. An image that states one still imports.
+
 The image is lz4-compressed, as forkd's own recipe images are (``mksquashfs -comp
 lz4``): the fastest of squashfs's compressors to read back in the guest. It is
 written under a temporary name beside ``out`` and renamed into place when whole.
@@ -46,6 +51,7 @@ _TYPE = {
     Kind.BLOCK_DEVICE: b"4", Kind.DIRECTORY: b"5", Kind.FIFO: b"6",
 }  # fmt: skip
 _OCTAL_MAX = {8: 0o7777777, 12: 0o77777777777}
+MAX_TIME = (1 << 32) - 1  # squashfs's last second
 
 
 def build_rootfs(
@@ -179,7 +185,8 @@ class _TarWriter:
                 sparse_map = ",".join(f"{o},{n}" for o, n in [*runs, (node.size, 0)])
                 records += [(b"GNU.sparse.map", sparse_map.encode()),
                             (b"GNU.sparse.size", str(node.size).encode())]  # fmt: skip
-        header = _header(path, _TYPE[kind], node.mode, node.uid, node.gid, node.mtime, stored,
+        mtime = min(node.mtime, MAX_TIME)
+        header = _header(path, _TYPE[kind], node.mode, node.uid, node.gid, mtime, stored,
                          link, major, minor, records)  # fmt: skip
         self._put(header)
         if stored:
