@@ -511,6 +511,11 @@ def test_gzip_zstd_and_uncompressed_layers_give_the_same_root(
                               for k in kinds}  # fmt: skip
         differences = compare(expected, squashfs_view(imported.squashfs))
         assert not differences, f"{name}:\n{_shown(differences)}"
+        stored = sum(layer.size for layer in imported.fetched.layers)
+        print(f"\n{name}: layers {stored / MIB:.0f} MiB ({sum(map(len, tars)) / MIB:.0f} MiB "
+              f"as tar), flattened in {imported.flatten_secs:.1f} s "
+              f"({sum(map(len, tars)) / MIB / imported.flatten_secs:.0f} MiB/s of tar), "
+              f"squashfs {imported.stats.image_bytes / MIB:.0f} MiB")  # fmt: skip
 
 
 def _recompress(tar: bytes, kind: str) -> oci_images.Layer:

@@ -29,6 +29,16 @@ The rules are Docker's (OCI image-spec ``layer.md``, as moby and containerd appl
   already be a non-directory in the tree, or the layer is :class:`BadArchive`.
 - Extended attributes other than ``security.capability`` and ``user.*`` are
   dropped, as forkd.archive's ROOTFS policy drops them.
+
+For every image a Dockerfile build makes, the result is the root ``docker export``
+shows (tests/unit/test_image_vs_docker.py compares them field by field). Layers
+no build makes are where Docker's overlay2 graph driver differs, because it
+unpacks each layer apart from the ones below and lets overlayfs merge them: a
+parent the layer does not name covers a lower directory's owner and mode (0755
+root) or replaces a lower symlink with a directory, a whiteout after its layer's
+own entry or a hard link to a lower layer's file is refused. Here, as in
+containerd, a layer lands on the layers below it. Times outside squashfs's range
+are :mod:`forkd.image_import.squash`'s to clamp.
 """
 
 from __future__ import annotations
