@@ -258,11 +258,12 @@ def test_symlinks_keep_their_targets_absolute_and_relative(image: Image) -> None
     assert listing["out"][-1] == "/../../etc/passwd"  # the guest's root, not the host's
 
 
-def test_a_file_written_through_a_symlinked_parent_lands_inside_the_root(image: Image) -> None:
+def test_a_symlink_of_the_same_layer_is_followed_inside_the_root(image: Image) -> None:
     passwd = Path("/etc/passwd").read_bytes()
-    image.layer(directory("usr/lib"), symlink("lib", "/usr/lib"), symlink("up", "../../../.."),
-                symlink("host-etc", "/../../etc"), symlink("chain", "lib"))  # fmt: skip
-    image.layer(file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
+    image.layer(directory("usr/lib"))
+    image.layer(symlink("lib", "/usr/lib"), symlink("up", "../../../.."),
+                symlink("host-etc", "/../../etc"), symlink("chain", "lib"),
+                file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
                 file("host-etc/shadow", b"s"), file("chain/deeper/x", b"x"))  # fmt: skip
     image.build()
     listing = image.listing()
@@ -272,6 +273,41 @@ def test_a_file_written_through_a_symlinked_parent_lands_inside_the_root(image: 
     assert image.cat("/usr/lib/deeper/x") == b"x"
     assert listing["lib"][0] == listing["up"][0] == "slink"  # the links themselves stay
     assert Path("/etc/passwd").read_bytes() == passwd
+
+
+def test_a_lower_layers_symlink_or_file_in_an_entrys_path_is_covered_by_a_directory(
+    image: Image,
+) -> None:
+    """As Docker and containerd show it: they unpack a layer apart from the ones below,
+    and overlayfs shows the directory made there over the lower symlink or file."""
+    image.layer(directory("usr/lib"), file("usr/lib/keep"), symlink("lib", "/usr/lib"),
+                symlink("up", "../../../.."), symlink("chain", "lib"),
+                file("f", b"file"))  # fmt: skip
+    image.layer(file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
+                file("chain/deeper/x", b"x"), file("f/x", b"under"))  # fmt: skip
+    image.build()
+    listing = image.listing()
+    assert listing["lib"][:4] == listing["up"][:4] == ["dir", "0755", "0", "0"]
+    assert image.cat("/lib/libc.so") == b"libc" and image.cat("/up/etc/passwd") == b"image's own"
+    assert image.cat("/chain/deeper/x") == b"x" and image.cat("/f/x") == b"under"
+    assert {p for p in listing if p.startswith("usr/lib/")} == {"usr/lib/keep"}
+    assert "etc/passwd" not in listing
+
+
+def test_a_whiteout_makes_its_parents_and_never_follows_a_lower_symlink(image: Image) -> None:
+    image.layer(directory("usr/lib"), file("usr/lib/foo"), symlink("lib", "usr/lib"))
+    image.layer(file("lib/.wh.foo", b""), file("a/b/.wh.c", b""), file("n/.wh..wh..opq", b""))
+    image.build()
+    listing = image.listing()
+    assert "usr/lib/foo" in listing
+    for made in ("lib", "a", "a/b", "n"):
+        assert listing[made] == ["dir", "0755", "0", "0"], made
+    assert not [p for p in listing if p.startswith(("lib/", "a/b/", "n/"))]
+
+
+def test_a_file_of_the_same_layer_used_as_a_directory_is_refused(image: Image) -> None:
+    image.layer(file("f"), file("f/x"))
+    assert "not one" in image.refused(BadArchive)
 
 
 def test_absolute_and_dot_slash_names_are_confined_to_the_root(image: Image) -> None:

@@ -397,16 +397,14 @@ class HandMade:
 
 _DIR, _LINK, _HARD = oci_images.Dir, oci_images.Symlink, oci_images.Hardlink
 
-# Docker (its overlay2 graph driver, Docker 20.10 to 28) unpacks each layer into a
-# directory of its own, without the layers below, and lets overlayfs merge them. So a
-# parent a layer does not name is made there 0755 root:root, dated when the image was
-# loaded, and in the merged root it covers the lower layer's: a lower directory takes
-# its owner and mode, a lower symlink is replaced by a directory (/lib -> usr/lib,
-# merged-/usr's, would lose everything else in usr/lib). forkd applies a layer onto the
-# layers below it, as containerd does (Docker's containerd image store, Kubernetes):
-# the lower directory and symlink stay, and the file lands inside the image's
-# /usr/lib. Implicit parents are dated 0, not the import's time, so the same layers
-# make the same image.
+# Docker (its overlay2 graph driver) and containerd (its overlayfs snapshotter) both
+# unpack a layer into a directory of its own, without the layers below, and let
+# overlayfs merge them; forkd's tree gives the same root (forkd.image_import.layers).
+# Where they are not deterministic or refuse, forkd differs: a parent a layer makes is
+# dated 0, not when the image was loaded, so the same layers make the same image; a
+# lower directory such a parent covers keeps its owner and mode (containerd copies
+# them; Docker shows 0755 root:root); what both refuse is applied as the OCI layer
+# spec reads.
 HAND_MADE = {
     "whiteout-before-own-entry": HandMade(
         ({"f": b"old", "g": b"g"}, {".wh.f": b"", "f": b"new", ".wh.g": b""})
@@ -435,10 +433,24 @@ HAND_MADE = {
     ),
     "lower-symlink-as-parent": HandMade(
         ({"usr": _DIR(), "usr/lib": _DIR(), "lib": _LINK("usr/lib")}, {"lib/x": b"x"}),
-        docker_differs=frozenset(
-            {("lib/x", "missing"), ("usr/lib/x", "extra")}
-            | {("lib", f) for f in ("kind", "mode", "mtime", "target")}
+        docker_differs=frozenset({("lib", "mtime")}),
+    ),
+    "lower-file-as-parent": HandMade(
+        ({"f": b"file"}, {"f/x": b"x"}), docker_differs=frozenset({("f", "mtime")})
+    ),
+    "whiteout-in-missing-dir": HandMade(
+        ({"f": b""}, {"a/b/.wh.c": b""}),
+        docker_differs=frozenset({("a", "mtime"), ("a/b", "mtime")}),
+    ),
+    "whiteout-through-lower-symlink": HandMade(
+        (
+            {"usr": _DIR(), "usr/lib": _DIR(), "usr/lib/foo": b"", "lib": _LINK("usr/lib")},
+            {"lib/.wh.foo": b""},
         ),
+        docker_differs=frozenset({("lib", "mtime")}),
+    ),
+    "opaque-in-missing-dir": HandMade(
+        ({"f": b""}, {"n/.wh..wh..opq": b""}), docker_differs=frozenset({("n", "mtime")})
     ),
     # GNU tar writes a time before 1970 in base-256: both read it as 0 (forkd's image
     # cannot hold it; Docker's export is read by forkd's reader).
@@ -446,8 +458,9 @@ HAND_MADE = {
         (archive(file("old", mtime=-315_619_200), fmt=tarfile.GNU_FORMAT),),
         forkd_root=lambda tree: tree.entries["old"].mtime == 0,
     ),
-    # Docker refuses these two; forkd applies them as the OCI layer spec says: a
-    # whiteout hides only lower layers' entries, and a hard link may name one.
+    # Docker refuses these; forkd applies them as the OCI layer spec says: a whiteout
+    # hides only lower layers' entries, a hard link may name one, and a layer's own
+    # symlink leads where it points.
     "whiteout-after-own-entry": HandMade(
         ({"f": b"old"}, {"f": b"new", ".wh.f": b""}),
         docker_refuses="file exists",
@@ -457,6 +470,11 @@ HAND_MADE = {
         ({"f": b"old"}, {"g": _HARD("f")}),
         docker_refuses="no such file",
         forkd_root=lambda tree: tree.link_groups() == {frozenset({"f", "g"})},
+    ),
+    "own-symlink-to-lower-dir-as-parent": HandMade(
+        ({"usr": _DIR(), "usr/lib": _DIR()}, {"lib": _LINK("usr/lib"), "lib/x": b"x"}),
+        docker_refuses="no such file",
+        forkd_root=lambda tree: "usr/lib/x" in tree.entries and tree.entries["lib"].target,
     ),
 }
 
