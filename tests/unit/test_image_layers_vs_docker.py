@@ -158,8 +158,8 @@ HAND_MADE = {
     "opaque-in-missing-dir": HandMade(
         ({"f": b""}, {"n/.wh..wh..opq": b""}), docker_differs=frozenset({("n", "mtime")})
     ),
-    # GNU tar writes a time before 1970 in base-256: both read it as 0 (forkd's image
-    # cannot hold it; Docker's export is read by forkd's reader).
+    # GNU tar writes a time before 1970 in base-256; Docker sets such a time to the
+    # epoch as it unpacks, and forkd reads it as 0 (it used to refuse the layer).
     "gnu-tar-1960": HandMade(
         (archive(file("old", mtime=-315_619_200), fmt=tarfile.GNU_FORMAT),),
         forkd_root=lambda tree: tree.entries["old"].mtime == 0,
