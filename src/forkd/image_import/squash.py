@@ -13,9 +13,9 @@ holes cross the pipe as a map, not as zeros; squashfs stores them as sparse
 blocks.
 
 squashfs keeps an inode's time as unsigned 32-bit seconds: a time past its last
-second (2106-02-07) is written as that second, and one before 1970 as 0
-(forkd.archive's reader already reads it so), where Docker would show the time the
-layer states. An image that states one still imports.
+second (2106-02-07) is written as that second, where Docker shows the time the
+layer states, and one before 1970 is 0 (forkd.archive's reader reads it so), as
+Docker shows it. An image that states either still imports.
 
 The image is lz4-compressed, as forkd's own recipe images are (``mksquashfs -comp
 lz4``): the fastest of squashfs's compressors to read back in the guest. It is
