@@ -151,6 +151,16 @@ class DockerDaemon:
             check=False,
         )
 
+    def popen(self, *args: str) -> subprocess.Popen[bytes]:
+        """``docker -H <this daemon> ARGS`` started, its output a pipe to read as it comes
+        (``docker export`` of a large root), its errors to the caller's stderr."""
+        return subprocess.Popen(
+            [self.docker, "-H", self.host, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            env=_cli_env(self.root),
+        )
+
     def check(self, *args: str, stdin: IO[bytes] | None = None) -> str:
         proc = self.run(*args, stdin=stdin)
         if proc.returncode != 0:

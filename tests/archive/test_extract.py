@@ -26,6 +26,7 @@ from forkd.archive import (
     extract,
     extract_new,
 )
+from forkd.archive.tar_format import TarReader
 from tests.archive.hostile import (
     archive,
     chunks,
@@ -424,6 +425,20 @@ def test_a_negative_size_is_refused(dest: Path) -> None:
 
     with pytest.raises(BadArchive, match="negative"):
         unpack(raw_header(b"f", size_field=b"\xff" * 12) + bytes(1024), dest)
+
+
+@pytest.mark.parametrize("fmt", [tarfile.GNU_FORMAT, tarfile.PAX_FORMAT], ids=["gnu", "pax"])
+def test_a_time_before_1970_reads_as_0(fmt: int) -> None:
+    """GNU tar writes it in base-256 (a first byte of 0xff), pax as a negative record."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tar:
+        for name, mtime in (("old", -315_619_200), ("just-before", -1), ("new", 1_700_000_000)):
+            info = tarfile.TarInfo(name)
+            info.mtime = mtime
+            tar.addfile(info, io.BytesIO(b""))
+    reader = TarReader(io.BytesIO(out.getvalue()).read, Limits())
+    assert [(m.name, m.mtime) for m in reader] == [("old", 0), ("just-before", 0),
+                                                   ("new", 1_700_000_000)]  # fmt: skip
 
 
 def test_an_unknown_entry_type_is_refused(dest: Path) -> None:

@@ -259,11 +259,12 @@ def test_symlinks_keep_their_targets_absolute_and_relative(image: Image) -> None
     assert listing["out"][-1] == "/../../etc/passwd"  # the guest's root, not the host's
 
 
-def test_a_file_written_through_a_symlinked_parent_lands_inside_the_root(image: Image) -> None:
+def test_a_symlink_of_the_same_layer_is_followed_inside_the_root(image: Image) -> None:
     passwd = Path("/etc/passwd").read_bytes()
-    image.layer(directory("usr/lib"), symlink("lib", "/usr/lib"), symlink("up", "../../../.."),
-                symlink("host-etc", "/../../etc"), symlink("chain", "lib"))  # fmt: skip
-    image.layer(file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
+    image.layer(directory("usr/lib"))
+    image.layer(symlink("lib", "/usr/lib"), symlink("up", "../../../.."),
+                symlink("host-etc", "/../../etc"), symlink("chain", "lib"),
+                file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
                 file("host-etc/shadow", b"s"), file("chain/deeper/x", b"x"))  # fmt: skip
     image.build()
     listing = image.listing()
@@ -273,6 +274,41 @@ def test_a_file_written_through_a_symlinked_parent_lands_inside_the_root(image: 
     assert image.cat("/usr/lib/deeper/x") == b"x"
     assert listing["lib"][0] == listing["up"][0] == "slink"  # the links themselves stay
     assert Path("/etc/passwd").read_bytes() == passwd
+
+
+def test_a_lower_layers_symlink_or_file_in_an_entrys_path_is_covered_by_a_directory(
+    image: Image,
+) -> None:
+    """As Docker and containerd show it: they unpack a layer apart from the ones below,
+    and overlayfs shows the directory made there over the lower symlink or file."""
+    image.layer(directory("usr/lib"), file("usr/lib/keep"), symlink("lib", "/usr/lib"),
+                symlink("up", "../../../.."), symlink("chain", "lib"),
+                file("f", b"file"))  # fmt: skip
+    image.layer(file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
+                file("chain/deeper/x", b"x"), file("f/x", b"under"))  # fmt: skip
+    image.build()
+    listing = image.listing()
+    assert listing["lib"][:4] == listing["up"][:4] == ["dir", "0755", "0", "0"]
+    assert image.cat("/lib/libc.so") == b"libc" and image.cat("/up/etc/passwd") == b"image's own"
+    assert image.cat("/chain/deeper/x") == b"x" and image.cat("/f/x") == b"under"
+    assert {p for p in listing if p.startswith("usr/lib/")} == {"usr/lib/keep"}
+    assert "etc/passwd" not in listing
+
+
+def test_a_whiteout_makes_its_parents_and_never_follows_a_lower_symlink(image: Image) -> None:
+    image.layer(directory("usr/lib"), file("usr/lib/foo"), symlink("lib", "usr/lib"))
+    image.layer(file("lib/.wh.foo", b""), file("a/b/.wh.c", b""), file("n/.wh..wh..opq", b""))
+    image.build()
+    listing = image.listing()
+    assert "usr/lib/foo" in listing
+    for made in ("lib", "a", "a/b", "n"):
+        assert listing[made] == ["dir", "0755", "0", "0"], made
+    assert not [p for p in listing if p.startswith(("lib/", "a/b/", "n/"))]
+
+
+def test_a_file_of_the_same_layer_used_as_a_directory_is_refused(image: Image) -> None:
+    image.layer(file("f"), file("f/x"))
+    assert "not one" in image.refused(BadArchive)
 
 
 def test_absolute_and_dot_slash_names_are_confined_to_the_root(image: Image) -> None:
@@ -309,6 +345,27 @@ def test_devices_fifos_modes_owners_and_times_are_kept(image: Image) -> None:
     assert listing["nobody"][2:4] == ["65534", "65534"]
     assert listing["big-ids"][2:4] == ["1000000", "3000000"]
     assert image.stat("/home/pg/db")["Last modified"].endswith("(1600000000)")
+
+
+def test_a_time_past_2106_is_squashfs_last_second_and_the_image_still_imports(
+    image: Image,
+) -> None:
+    image.layer(directory("./", mtime=1 << 36), file("future", mtime=5_000_000_000),
+                file("far", mtime=1 << 40), directory("dir", mtime=1 << 36),
+                file("now", mtime=1_700_000_000))  # fmt: skip
+    image.build()
+    for path in ("/", "/future", "/far", "/dir"):
+        assert image.stat(path)["Last modified"].endswith(f"({squash.MAX_TIME})"), path
+    assert image.stat("/now")["Last modified"].endswith("(1700000000)")
+
+
+def test_a_layer_gnu_tar_wrote_with_a_file_from_1960_imports_dated_0(image: Image) -> None:
+    """GNU tar writes a time before 1970 in base-256; Docker takes such a layer."""
+    image.raw(archive(file("old", mtime=-315_619_200), file("new", mtime=1_700_000_000),
+                      fmt=tarfile.GNU_FORMAT))  # fmt: skip
+    image.build()
+    assert image.stat("/old")["Last modified"].endswith("(0)")
+    assert image.stat("/new")["Last modified"].endswith("(1700000000)")
 
 
 def test_file_capabilities_survive_byte_for_byte_and_other_namespaces_do_not(image: Image) -> None:

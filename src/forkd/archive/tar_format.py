@@ -211,7 +211,9 @@ class TarReader:
             mode=_number(block[100:108], "a mode") & 0o7777,
             uid=_pax_int(pax, b"uid", _number(block[108:116], "an owner")),
             gid=_pax_int(pax, b"gid", _number(block[116:124], "a group")),
-            mtime=_pax_time(pax, _number(block[136:148], "a time")),
+            # A time before 1970 reads as 0, in GNU's base-256 as in pax: GNU tar
+            # writes one for any file dated so, and Docker takes such a layer.
+            mtime=_pax_time(pax, _number(block[136:148], "a time", negative=0)),
             linkname=linkname,
             devmajor=_number(block[329:337], "a device number"),
             devminor=_number(block[337:345], "a device number"),
@@ -368,11 +370,14 @@ def _header_name(block: bytes) -> str:
     return _text(name)
 
 
-def _number(raw: bytes, what: str) -> int:
-    """An octal field, or GNU's base-256 (first byte 0x80; 0xff, negative, is refused)."""
+def _number(raw: bytes, what: str, *, negative: int | None = None) -> int:
+    """An octal field, or GNU's base-256 (first byte 0x80; 0xff, negative, is refused,
+    or read as ``negative`` when given)."""
     if raw[:1] == b"\x80":
         return int.from_bytes(raw[1:], "big")
     if raw[:1] == b"\xff":
+        if negative is not None:
+            return negative
         raise BadArchive(f"the archive has a negative number for {what}")
     text = raw.split(b"\0", 1)[0].strip(b" ")
     if not text:

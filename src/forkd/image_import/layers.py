@@ -19,16 +19,31 @@ The rules are Docker's (OCI image-spec ``layer.md``, as moby and containerd appl
   the root named ``.wh..wh.*`` are AUFS metadata and skipped, as Docker does.
 - A later entry replaces an earlier one of the same path: a directory over a
   directory keeps the children and takes the new metadata; anything else replaces
-  the old entry and its subtree. Missing parents are made 0755 root:root.
-- A parent that is a symlink in the tree so far is followed as a runtime would
-  inside the image's root: absolute targets start at the root, ``..`` stops at
-  the root, at most :data:`MAX_LINK_HOPS` links per name (a loop is
+  the old entry and its subtree. Missing parents are made 0755 root:root, dated 0,
+  for a whiteout or an opaque marker too.
+- A layer is applied as Docker and containerd apply it: unpacked apart from the
+  layers below, then merged by overlayfs. So where an entry's parent is a symlink,
+  a file or anything but a directory that a LOWER layer made, it is covered by a
+  new directory (0755 root:root), never followed: ``lib/x`` over a lower ``lib ->
+  usr/lib`` makes ``/lib`` a directory holding ``x``. A symlink the same layer made
+  is followed inside the image's root: absolute targets start at the root, ``..``
+  stops at the root, at most :data:`MAX_LINK_HOPS` links per name (a loop is
   :class:`BadArchive`). The last component is never followed.
 - A hard link shares its target's inode (so a later layer that whites out or
   replaces the first name leaves the link's content as it was); its target must
   already be a non-directory in the tree, or the layer is :class:`BadArchive`.
 - Extended attributes other than ``security.capability`` and ``user.*`` are
   dropped, as forkd.archive's ROOTFS policy drops them.
+
+The result is the root ``docker export`` shows (tests/unit/test_image_vs_docker.py
+compares them field by field, for Dockerfile builds and hand-made layers), but
+where Docker is not deterministic or refuses: a parent a layer does not name
+keeps a lower directory's owner, mode and time (containerd's way; Docker's
+overlay2 driver shows it 0755 root:root) and a made parent is dated 0 (Docker and
+containerd date it when they unpack); a whiteout after its layer's own entry of
+that name and a hard link to a lower layer's file, which both refuse, are applied
+as the OCI layer spec reads. Times outside squashfs's range are
+:mod:`forkd.image_import.squash`'s to clamp.
 """
 
 from __future__ import annotations
@@ -124,8 +139,9 @@ class Tree:
 
     def resolve_dir(self, parts: Sequence[str], layer: int, create: bool) -> Node | None:
         """The directory ``parts`` names, symlinks followed inside the root; missing ones
-        are made (``create``) or end the walk with None. A file where a directory must
-        be is :class:`BadArchive` when creating, None otherwise."""
+        are made (``create``) or end the walk with None. Creating, a non-directory that
+        a layer below ``layer`` made is covered by a new directory, and one ``layer``
+        made is :class:`BadArchive`; otherwise a non-directory ends the walk with None."""
         pending = list(reversed(parts))
         stack = [self.root]  # the directories walked, for '..'
         hops = 0
@@ -150,6 +166,11 @@ class Tree:
                 child = Node(Kind.DIRECTORY, layer)
                 self._add(here, part, child)
             inode = child.inode()
+            if create and inode.kind is not Kind.DIRECTORY and child.layer != layer:
+                # The runtimes unpack this layer on its own, where the lower symlink or
+                # file is not: overlayfs then shows the directory made there over it.
+                child = inode = Node(Kind.DIRECTORY, layer)
+                self._add(here, part, child)
             if inode.kind is Kind.SYMLINK:
                 hops += 1
                 if hops > MAX_LINK_HOPS:
@@ -265,16 +286,16 @@ class Tree:
         self._add(parent, base, node)
 
     def _whiteout(self, name: str, dir_parts: list[str], base: str, layer: int) -> None:
-        parent = self.resolve_dir(dir_parts, layer, create=False)
+        parent = self.resolve_dir(dir_parts, layer, create=True)  # as any entry's
+        assert parent is not None
         if base == OPAQUE:
-            if parent is not None:
-                for child in list(parent.children):
-                    self.hide_lower(parent, child, layer)
+            for child in list(parent.children):
+                self.hide_lower(parent, child, layer)
             return
         victim = base[len(WHITEOUT) :]
         if victim in ("", ".", ".."):
             raise UnsafeEntry(f"refusing whiteout {shown(name)}: it names no sibling")
-        if parent is not None and victim in parent.children:
+        if victim in parent.children:
             self.hide_lower(parent, victim, layer)
 
     def _hardlink(self, member: Member, layer: int) -> Node:

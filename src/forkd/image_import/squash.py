@@ -12,6 +12,11 @@ GNU's pax sparse format 0.1 (``GNU.sparse.map``), which tar2sqfs reads, so its
 holes cross the pipe as a map, not as zeros; squashfs stores them as sparse
 blocks.
 
+squashfs keeps an inode's time as unsigned 32-bit seconds: a time past its last
+second (2106-02-07) is written as that second, where Docker shows the time the
+layer states, and one before 1970 is 0 (forkd.archive's reader reads it so), as
+Docker shows it. An image that states either still imports.
+
 The image is lz4-compressed, as forkd's recipe images are (``mksquashfs -comp
 lz4``). Measured on bench/image_layers.py's ~300 MiB image (2 cores): tar2sqfs
 writes it in 4.1 s with lz4 against 23 s with zstd (level 15); zstd's image is
@@ -51,6 +56,7 @@ _TYPE = {
     Kind.BLOCK_DEVICE: b"4", Kind.DIRECTORY: b"5", Kind.FIFO: b"6",
 }  # fmt: skip
 _OCTAL_MAX = {8: 0o7777777, 12: 0o77777777777}
+MAX_TIME = (1 << 32) - 1  # squashfs's last second
 
 
 def build_rootfs(
@@ -195,7 +201,8 @@ class _TarWriter:
                 sparse_map = ",".join(f"{o},{n}" for o, n in [*runs, (node.size, 0)])
                 records += [(b"GNU.sparse.map", sparse_map.encode()),
                             (b"GNU.sparse.size", str(node.size).encode())]  # fmt: skip
-        header = _header(path, _TYPE[kind], node.mode, node.uid, node.gid, node.mtime, stored,
+        mtime = min(node.mtime, MAX_TIME)
+        header = _header(path, _TYPE[kind], node.mode, node.uid, node.gid, mtime, stored,
                          link, major, minor, records)  # fmt: skip
         self._put(header)
         if stored:
