@@ -232,9 +232,17 @@ def flatten_only(tmp_path: Path) -> Callable[..., images.Image]:
     return assemble
 
 
+def real_importer(client: TestClient) -> None:
+    """The daemon's own importer (the conftest's client has a fake one): these archives
+    are on loopback's host, never on the network."""
+    service = client.app.state.services.images  # type: ignore[attr-defined]
+    service._importer = service._import_sync
+
+
 def test_an_image_refused_while_flattened_leaves_none_of_its_blobs(
     client: TestClient, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    real_importer(client)
     monkeypatch.setattr(container_image, "assemble", flatten_only(tmp_path))
     fake_container_image()  # a built image: its layer stays
     settings.image_archive_dirs = (tmp_path,)
@@ -250,6 +258,7 @@ def test_an_image_refused_while_flattened_leaves_none_of_its_blobs(
 def test_the_operator_caps_what_an_image_expands_to(
     client: TestClient, settings: Settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    real_importer(client)
     monkeypatch.setattr(container_image, "assemble", flatten_only(tmp_path))
     settings.image_archive_dirs = (tmp_path,)
     settings.max_image_bytes = 1 << 20  # forkd serve --max-image-mib 1
