@@ -85,8 +85,9 @@ class LayerWriter:
         self._tar_stream = _Hashing(self._compressor)
         self.tar = tarfile.open(fileobj=self._tar_stream, mode="w|", format=tarfile.PAX_FORMAT)  # noqa: SIM115
 
-    def add(self, name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE,
-            mode: int = 0o644) -> None:  # fmt: skip
+    def add(
+        self, name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, mode: int = 0o644
+    ) -> None:
         info = tarfile.TarInfo(name)
         info.type, info.mode, info.mtime = kind, mode, 1_700_000_000
         info.size = len(data) if kind == tarfile.REGTYPE else 0
@@ -186,21 +187,23 @@ def _chunks(path: Path) -> Iterator[bytes]:
             yield chunk
 
 
-def _push_blob(client: httpx.Client, base: str, digest: str, size: int,
-               content: bytes | Iterator[bytes]) -> None:  # fmt: skip
+def _push_blob(
+    client: httpx.Client, base: str, digest: str, size: int, content: bytes | Iterator[bytes]
+) -> None:
     if client.head(f"{base}/blobs/{digest}").status_code == 200:
         return  # the registry holds it (a layer both images share)
     started = client.post(f"{base}/blobs/uploads/")
     started.raise_for_status()
     location = httpx.URL(base).join(started.headers["Location"])
-    done = client.put(location.copy_merge_params({"digest": digest}), content=content,
-                      headers={"Content-Type": "application/octet-stream",
-                               "Content-Length": str(size)})  # fmt: skip
+    done = client.put(
+        location.copy_merge_params({"digest": digest}),
+        content=content,
+        headers={"Content-Type": "application/octet-stream", "Content-Length": str(size)},
+    )
     done.raise_for_status()
 
 
-def push_image(address: str, repo: str, tag: str, layers: list[Layer], run: str,
-               port: int) -> str:  # fmt: skip
+def push_image(address: str, repo: str, tag: str, layers: list[Layer], run: str, port: int) -> str:
     """Push an image of ``layers`` (bottom first) as ``repo:tag``; its reference."""
     config = config_for(layers, run, port)
     config_digest = "sha256:" + hashlib.sha256(config).hexdigest()
@@ -215,7 +218,10 @@ def push_image(address: str, repo: str, tag: str, layers: list[Layer], run: str,
         for lay in layers:
             _push_blob(client, base, lay.digest, lay.size, _chunks(lay.path))
         _push_blob(client, base, config_digest, len(config), config)
-        put = client.put(f"{base}/manifests/{tag}", content=json.dumps(manifest).encode(),
-                         headers={"Content-Type": OCI_MANIFEST})  # fmt: skip
+        put = client.put(
+            f"{base}/manifests/{tag}",
+            content=json.dumps(manifest).encode(),
+            headers={"Content-Type": OCI_MANIFEST},
+        )
         put.raise_for_status()
     return f"{address}/{repo}:{tag}"
