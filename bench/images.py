@@ -32,7 +32,9 @@ the same steps the daemon runs (``snapshot create --image REF --start
    after its first command: ``fork_{image,recipe}_ms_p50/p95`` (QEMU start to the
    agent's answer after the restore) and their ratio
    ``fork_image_vs_recipe_p50`` (target ≤ 1.2: an image must not make forks
-   slower). The first fork of each is checked to serve its page.
+   slower); ``fork_{image,recipe}_cpu_ms_p50``, the CPU its QEMU used until
+   then (in clock ticks of 10 ms, but barely moved by other work on the host),
+   and their ratio. The first fork of each is checked to serve its page.
 
 Every VM is killed, the registry stopped, the images built here removed and the
 work dir deleted at the end, also on failure or Ctrl-C. The last line of stdout
