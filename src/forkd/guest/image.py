@@ -4,6 +4,8 @@ An image is a directory ``<cache>/images/<name>-<key>/`` holding ``vmlinuz``,
 ``initrd.img``, ``rootfs.sqfs`` and ``image.json``. ``key`` hashes every input
 (kernel package, Debian packages, forkd's guest files), so a second build with
 the same inputs is a no-op; ``<name>.json`` beside it names the newest build.
+``vmlinuz`` and ``initrd.img`` are hard links of the pair made once per kernel
+and initramfs in ``<cache>/boot/<key>/`` (:func:`boot_files`).
 Builds happen in a staging directory that is renamed into place only when
 complete, so a failed build leaves nothing behind.
 """
@@ -150,18 +152,67 @@ def base_tarball(spec: Recipe, cache: Path, staging: Path, say: Progress) -> Pat
     return base
 
 
+BOOT_FILES = ("vmlinuz", "initrd.img")
+
+
+def _boot_key(kpkg: kernel.KernelPackage) -> str:
+    """What a kernel and initramfs are made of: the kernel package, stage 1, busybox,
+    and the code that assembles the initramfs (its modules, its layout)."""
+    h = hashlib.sha256(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\n".encode())
+    h.update(initramfs.guest_file("initramfs-init") + b"\0")
+    h.update(Path(initramfs.__file__).read_bytes() + b"\0")
+    h.update(hashlib.sha256(hosttools.require_static_busybox().read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
 def boot_files(
     kpkg: kernel.KernelPackage, cache: Path, staging: Path, out: Path, say: Progress
 ) -> dict:
-    """Write ``vmlinuz`` and ``initrd.img`` into ``out``; return what image.json says of them."""
-    say(f"fetching {kpkg.name} {kpkg.version}")
-    deb = kernel.fetch(kpkg, cache / "downloads")
-    say("unpacking the kernel and resolving modules")
-    unpacked = kernel.unpack(deb, staging / "kernel")
-    shutil.copy2(unpacked.vmlinuz, out / "vmlinuz")
-    say("building the initramfs")
-    modules = initramfs.build(unpacked, staging, out / "initrd.img")
-    return {"kernel_package": kpkg.key, "kernel_release": unpacked.release, "modules": modules}
+    """Put ``vmlinuz`` and ``initrd.img`` into ``out``; return what image.json says of them.
+
+    They are made once per kernel and initramfs, in ``<cache>/boot/<key>/``
+    (unpacking the kernel package takes seconds), and hard-linked into each image.
+    """
+    built = cache / "boot" / _boot_key(kpkg)
+    if not (built / "boot.json").is_file():
+        _make_boot_files(kpkg, cache, staging, built, say)
+    for name in BOOT_FILES:
+        _link(built / name, out / name)
+    return dict(json.loads((built / "boot.json").read_text()))
+
+
+def _make_boot_files(
+    kpkg: kernel.KernelPackage, cache: Path, staging: Path, built: Path, say: Progress
+) -> None:
+    """Make ``built``: staged beside it, renamed in when whole (an identical one that won a
+    race is kept)."""
+    built.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=built.parent, prefix=f".staging-{built.name}-"))
+    try:
+        say(f"fetching {kpkg.name} {kpkg.version}")
+        deb = kernel.fetch(kpkg, cache / "downloads")
+        say("unpacking the kernel and resolving modules")
+        unpacked = kernel.unpack(deb, staging / "kernel")
+        shutil.copy2(unpacked.vmlinuz, stage / "vmlinuz")
+        say("building the initramfs")
+        modules = initramfs.build(unpacked, staging, stage / "initrd.img")
+        meta = {"kernel_package": kpkg.key, "kernel_release": unpacked.release, "modules": modules}
+        (stage / "boot.json").write_text(json.dumps(meta, indent=2) + "\n")
+        try:
+            stage.rename(built)
+        except OSError:
+            if not (built / "boot.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _link(source: Path, target: Path) -> None:
+    """``target`` as a hard link of ``source`` (one copy on disk), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def commit_build(out: Path, final: Path, meta: dict) -> None:
