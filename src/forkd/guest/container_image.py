@@ -66,17 +66,24 @@ def find(reference: str, manifest_digest: str | None = None) -> images.Image | N
 
 
 def build(
-    fetched: FetchedImage, progress: Progress | None = None, max_bytes: int | None = None
+    fetched: FetchedImage,
+    progress: Progress | None = None,
+    max_bytes: int | None = None,
+    *,
+    run_as: tuple[int, int] | None = None,
 ) -> images.Image:
     """The guest image of ``fetched``, its layers flattened (unless built already);
-    ``max_bytes`` caps what its files expand to (default ``forkd.limits.MAX_IMAGE_BYTES``)."""
+    ``max_bytes`` caps what its files expand to (default ``forkd.limits.MAX_IMAGE_BYTES``);
+    ``run_as`` (uid, gid): the squashfs writer runs as that user, not the daemon's."""
     from forkd.image_import import squash  # the flattener: only where an image is made
     from forkd.image_import.layers import IMAGE_LIMITS
 
     limits = dataclasses.replace(IMAGE_LIMITS, max_bytes=max_bytes or IMAGE_LIMITS.max_bytes)
 
     def write(out: Path, work: Path) -> RootfsStats:
-        return squash.build_rootfs(fetched.layers, out, work, limits=limits, progress=progress)
+        return squash.build_rootfs(
+            fetched.layers, out, work, limits=limits, progress=progress, run_as=run_as
+        )
 
     identity = {
         "reference": fetched.reference,

@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import stat
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -66,22 +67,38 @@ def build_rootfs(
     *,
     limits: Limits = IMAGE_LIMITS,
     progress: Progress | None = None,
+    run_as: tuple[int, int] | None = None,
 ) -> RootfsStats:
     """Flatten ``layers`` (bottom first) into the squashfs image ``out``, using ``work``
     (the caller's, removed by the caller) for scratch. Raises forkd.archive's errors
     for a hostile or broken layer, :class:`HostToolMissing` without tar2sqfs; on any
-    failure ``out`` is not created."""
+    failure ``out`` is not created.
+
+    ``run_as`` (uid, gid): tar2sqfs, which parses the image's names and attributes in
+    C, runs as that user with no groups, no capability and ``no_new_privs`` (a root
+    daemon passes a uid of its own), writing only into a directory of ``work`` it is
+    given; the image is handed back to root before it is renamed into place."""
     tool = _require_tool()
     tree = read_layers(layers, work, limits, progress)
-    staged = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    jail: _Jail | None = None
+    if run_as is not None:
+        jail = _Jail(work / "squashfs-out", out.name, *run_as)
+        staged = jail.staged
+    else:
+        staged = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        entries, file_bytes = _write_image(tree, tool, staged, work, progress)
+        entries, file_bytes = _write_image(tree, tool, staged, work, progress, jail)
         image_bytes = staged.stat().st_size
+        if jail is not None:
+            jail.hand_back()
         os.rename(staged, out)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             staged.unlink()
         raise
+    finally:
+        if jail is not None:
+            jail.close()
     if progress is not None:
         progress(f"squashfs: {entries} entries, {image_bytes / (1 << 20):.0f} MiB")
     return RootfsStats(
@@ -105,16 +122,59 @@ def _require_tool() -> str:
         raise HostToolMissing(TOOL, PACKAGE) from None
 
 
+class _Jail:
+    """Where tar2sqfs runs as a uid of its own: a directory of ``work`` it owns, reached
+    through a descriptor it inherits (``/proc/self/fd/N``: the directories above are
+    root's and closed to it), and the setpriv prefix that drops it there."""
+
+    def __init__(self, directory: Path, name: str, uid: int, gid: int) -> None:
+        directory.mkdir(mode=0o700)
+        os.chown(directory, uid, gid)
+        self.staged = directory / name
+        self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self.output = f"/proc/self/fd/{self.fd}/{name}"
+        self.prefix = [hosttools.require("setpriv"), f"--reuid={uid}", f"--regid={gid}",
+                       "--clear-groups", "--no-new-privs", "--bounding-set=-all",
+                       "--inh-caps=-all", "--"]  # fmt: skip
+
+    def hand_back(self) -> None:
+        """The finished image, the daemon's own (it was the jailed uid's)."""
+        fd = os.open(self.staged, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ImageError(f"{TOOL} left something other than a file")
+            os.fchown(fd, os.getuid(), os.getgid())
+            os.fchmod(fd, 0o644)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
 def _write_image(
-    tree: Tree, tool: str, staged: Path, work: Path, progress: Progress | None
+    tree: Tree,
+    tool: str,
+    staged: Path,
+    work: Path,
+    progress: Progress | None,
+    jail: _Jail | None = None,
 ) -> tuple[int, int]:
-    """Run tar2sqfs on the tree's tar stream; (entries written, files' apparent bytes)."""
-    argv = [tool, "--compressor", COMPRESSOR, "--no-skip", "--quiet",
-            "--num-jobs", str(max(1, min(MAX_JOBS, os.cpu_count() or 1))), str(staged)]  # fmt: skip
+    """Run tar2sqfs on the tree's tar stream (in ``jail``, when given); (entries written,
+    files' apparent bytes)."""
+    output = jail.output if jail is not None else str(staged)
+    argv = [*(jail.prefix if jail is not None else ()), tool, "--compressor", COMPRESSOR,
+            "--no-skip", "--quiet", "--num-jobs", str(max(1, min(MAX_JOBS, os.cpu_count() or 1))),
+            output]  # fmt: skip
     log = work / "tar2sqfs.log"
     with open(log, "w+b") as log_file:
         proc = subprocess.Popen(
-            argv, stdin=subprocess.PIPE, stdout=log_file, stderr=log_file, close_fds=True
+            argv,
+            stdin=subprocess.PIPE,
+            stdout=log_file,
+            stderr=log_file,
+            close_fds=True,
+            pass_fds=(jail.fd,) if jail is not None else (),
         )
         assert proc.stdin is not None
         counts: tuple[int, int] | None = None

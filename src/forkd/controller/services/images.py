@@ -37,6 +37,7 @@ from forkd.errors import Busy, Conflict, ImageError, Invalid, NotFound
 from forkd.guest import container_image, recipe
 from forkd.guest import image as images
 from forkd.image_import.model import FetchedImage
+from forkd.vmm import qemu_user
 
 MAX_IMPORTS = 2
 KEEPALIVE_SECS = 15.0  # an import's event stream is never quiet longer than this
@@ -166,7 +167,17 @@ class ImageService:
             progress=progress,
         )
         try:
-            img = container_image.build(fetched, progress, settings.max_image_bytes)
+            # tar2sqfs parses the image's names in C: as a uid of its own (the registry the
+            # QEMUs drop into), not as root, when the daemon has one to give.
+            lease = qemu_user.reserve()
+            try:
+                run_as = (lease.uid, lease.gid) if lease is not None else None
+                img = container_image.build(
+                    fetched, progress, settings.max_image_bytes, run_as=run_as
+                )
+            finally:
+                if lease is not None:
+                    lease.release()
         except ArchiveError as exc:
             # No other import runs meanwhile: imports and removals share self._removing.
             container_image.forget(fetched)
