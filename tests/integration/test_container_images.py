@@ -105,6 +105,22 @@ def test_an_image_without_python_or_libc_serves_from_every_fork(
             ctl.kill_sandbox(kid["id"])
 
 
+def test_a_terminal_in_an_image_without_bash_is_its_users_busybox_shell(
+    ctl: Controller, busybox_template: str
+) -> None:
+    (kid,) = ctl.spawn_sandboxes(busybox_template, n=1)
+    sid = kid["id"]
+    try:
+        proc = ctl.start_process(sid, ["/bin/sh"], pty=(80, 24))
+        ctl.send_stdin(sid, proc["pid"], "id -un; pwd; exit 7\n")
+        events = list(ctl.process_output(sid, proc["pid"]))
+        text = "".join(ev.text or "" for ev in events if ev.data)
+        assert "app" in text and "/srv" in text, text  # the image's user and directory
+        assert events[-1].exit_code == 7
+    finally:
+        ctl.kill_sandbox(sid)
+
+
 def test_a_fork_of_an_image_branches_and_its_files_work(
     ctl: Controller, busybox_template: str
 ) -> None:

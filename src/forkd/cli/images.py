@@ -206,6 +206,10 @@ def image_ls(as_json: JsonOpt = False) -> None:
     from forkd.guest import container_image, image
 
     imgs = image.list_images()
+    users: dict[str, int] = {}  # layer digest -> how many imported images hold it
+    for img in imgs:
+        for digest in set(img.meta.get("layers") or []):
+            users[digest] = users.get(digest, 0) + 1
     current = {}
     for img in imgs:
         with contextlib.suppress(ForkdError):
@@ -219,6 +223,7 @@ def image_ls(as_json: JsonOpt = False) -> None:
             "current": current.get(img.name) == img.key,
             "size_bytes": img.size_bytes(),
             "layers": len(img.meta.get("layers") or []) or None,
+            "shared_layers": sum(users[d] > 1 for d in set(img.meta.get("layers") or [])),
             "kernel": img.meta.get("kernel_release"),
             "built_at_unix": img.meta.get("built_at_unix"),
             "dir": str(img.dir),
@@ -228,12 +233,13 @@ def image_ls(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps(rows))
         return
-    table = Table("name", "key", "kind", "from", "current", "size", "layers", "kernel")
+    table = Table("name", "key", "kind", "from", "current", "size", "layers (shared)", "kernel")
     for r in rows:
+        layers = f"{r['layers']} ({r['shared_layers']})" if r["layers"] else ""
         table.add_row(
             r["name"], r["key"], r["kind"], ", ".join(r["references"]) or "recipe",
             "yes" if r["current"] else "", f"{r['size_bytes'] / (1 << 20):.0f} MiB",
-            str(r["layers"] or ""), r["kernel"] or "?",
+            layers, r["kernel"] or "?",
         )  # fmt: skip
     out.print(table)
     if not rows:
