@@ -352,7 +352,10 @@ class ImageInfo(BaseModel):
     id: str | None = Field(None, description="container: the config's digest (the image id)")
     digest: str | None = Field(None, description="container: the manifest's digest")
     layers: int | None = None
-    size_bytes: int = Field(description="its own files on disk (the runtime disk not counted)")
+    size_bytes: int = Field(
+        description="its own files on disk (shared ones, hard-linked: the runtime disk, the "
+        "kernel and initramfs, not counted)"
+    )
     layer_bytes: int | None = Field(None, description="container: its layers in the blob cache")
     shared_layer_bytes: int | None = Field(
         None, description="container: of layer_bytes, what another image uses too"

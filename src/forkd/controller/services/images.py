@@ -203,10 +203,10 @@ class ImageService:
     def _info(self, img: images.Image, layer_users: dict[str, int] | None = None) -> ImageInfo:
         meta = img.meta
         container = container_image.is_container(img)
-        own = sum(
-            p.stat().st_size
-            for p in img.dir.iterdir()
-            if p.is_file() and p.name != container_image.RUNTIME_FILE
+        own = sum(  # files hard-linked from elsewhere (runtime disk, kernel) are shared
+            st.st_size
+            for st in (p.stat() for p in img.dir.iterdir() if p.is_file())
+            if st.st_nlink == 1
         )
         info: dict[str, Any] = {
             "name": img.name,
