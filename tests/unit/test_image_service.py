@@ -268,3 +268,19 @@ def test_the_operator_caps_what_an_image_expands_to(
     r = client.post("/v1/images", json={"ref": f"oci-archive:{path}:1"})
     assert r.status_code == 400 and f"more than {1 << 20} bytes" in r.json()["error"], r.text
     assert os.listdir(paths.blobs_dir() / "sha256") == []
+
+
+def test_a_name_with_several_builds_shows_its_current_one(api: TestClient) -> None:
+    older = fake_container_image(ref="reg.test/old:1")
+    meta = json.loads((older.dir / "image.json").read_text())
+    newer_dir = older.dir.with_name(f"{older.name}-{'f' * 16}")  # sorts after the older one
+    newer_dir.mkdir()
+    for f in older.dir.iterdir():
+        (newer_dir / f.name).write_bytes(f.read_bytes())
+    meta.update(key="f" * 16, references=["reg.test/new:1"], built_at_unix=2)
+    (newer_dir / "image.json").write_text(json.dumps(meta))
+    images.make_current(paths.images_dir(), older.name, "f" * 16)
+    shown = api.get(f"/v1/images/{older.name}").json()
+    assert (shown["key"], shown["references"]) == ("f" * 16, ["reg.test/new:1"])
+    exact = api.get(f"/v1/images/{older.name}-{older.key}").json()
+    assert exact["references"] == ["reg.test/old:1"]

@@ -195,10 +195,17 @@ class ImageService:
         return self._info(self._find(name))
 
     def _find(self, name: str) -> images.Image:
-        for img in images.list_images():
-            if name in (img.name, f"{img.name}-{img.key}"):
-                return img  # newest last is not promised: names are unique per build key
-        raise NotFound(f"no image {name!r} (see GET /v1/images)")
+        """The build ``NAME-KEY`` names, or NAME's current build (the one snapshots made
+        from NAME now boot), else its newest: a name has a build for each forkd that
+        made it."""
+        builds = [i for i in images.list_images() if name in (i.name, f"{i.name}-{i.key}")]
+        if not builds:
+            raise NotFound(f"no image {name!r} (see GET /v1/images)")
+        with contextlib.suppress(ImageError):
+            current = images.find_image(name)
+            if any(b.dir == current.dir for b in builds):
+                return current
+        return max(builds, key=lambda i: i.meta.get("built_at_unix", 0))
 
     def _info(self, img: images.Image, layer_users: dict[str, int] | None = None) -> ImageInfo:
         meta = img.meta
