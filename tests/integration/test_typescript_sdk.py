@@ -43,6 +43,7 @@ def test_typescript_sdk_against_a_real_daemon(
         "FORKD_TEMPLATE": api_template, "FORKD_IMAGE_REF": f"oci-archive:{archive}:1",
         "FORKD_IMAGE_USER": str(CONFIG["User"]), "FORKD_IMAGE_PORT": "8080",
         "FORKD_IMAGE_MISSING": f"oci-archive:{archive}:nosuch",
+        "FORKD_IMAGE_ARCHIVE": str(archive),  # sent by the SDK: POST /v1/images/load
     }  # fmt: skip
     run = subprocess.run(
         ["node", "--test", "test/"], cwd=SDK, env=env, capture_output=True, text=True, timeout=600

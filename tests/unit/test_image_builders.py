@@ -31,10 +31,12 @@ if f"{{name}}:{{verb}}" in os.environ.get("FAKE_BUILDER_FAILS", "").split(","):
 if verb == "build":
     print("STEP 1/2: FROM forkd-test/debian:12")
     print("STEP 2/2: COPY app.py /app.py")
+made = Path(os.environ.get("FAKE_BUILDER_ARCHIVE", "/nonexistent"))
+archive = made.read_bytes() if made.is_file() else b"oci archive"
 if verb == "save":
-    Path(args[args.index("--output") + 1]).write_bytes(b"oci archive")
+    Path(args[args.index("--output") + 1]).write_bytes(archive)
 if verb == "push":
-    Path(args[-1].removeprefix("oci-archive:")).write_bytes(b"oci archive")
+    Path(args[-1].removeprefix("oci-archive:")).write_bytes(archive)
 """
 
 

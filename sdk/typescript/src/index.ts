@@ -25,6 +25,7 @@ import type {
   ImageInfo,
   SnapshotCreateOptions,
   ImportOptions,
+  LoadOptions,
   CommandResult,
   EvalResult,
   OutputEvent,
@@ -182,9 +183,27 @@ export class Client {
     const timeoutMs = Math.max(this.timeoutMs, 3_600_000);
     if (!opts.onProgress) return this.json("POST", "/v1/images", { body, timeoutMs });
     const resp = await this.request("POST", "/v1/images", { body, timeoutMs, accept: "text/event-stream" });
+    return this.#imageEvents(resp, opts.onProgress);
+  }
+
+  /**
+   * Send an image archive (`docker save`, `podman save`, an OCI archive) and import it, as
+   * `docker load` does. In Node, `await fs.openAsBlob(path)` sends a file without reading it
+   * into memory. `opts.tag` picks the image among several and names it: `createSnapshot(t,
+   * { image: tag })` finds it afterwards. Steps go to `opts.onProgress` once the archive has arrived.
+   */
+  async loadImage(archive: Blob | Uint8Array, opts: LoadOptions = {}): Promise<ImageInfo> {
+    const resp = await this.request("POST", "/v1/images/load", {
+      raw: archive as BodyInit, contentType: "application/x-tar", query: { tag: opts.tag },
+      timeoutMs: Math.max(this.timeoutMs, 3_600_000), accept: "text/event-stream",
+    });
+    return this.#imageEvents(resp, opts.onProgress ?? (() => {}));
+  }
+
+  async #imageEvents(resp: Response, onProgress: (message: string) => void): Promise<ImageInfo> {
     for await (const sse of readSSE(resp)) {
       const data = JSON.parse(sse.data);
-      if (sse.event === "progress") opts.onProgress(String(data.message ?? ""));
+      if (sse.event === "progress") onProgress(String(data.message ?? ""));
       else if (sse.event === "image") return data as ImageInfo;
       else if (sse.event === "error") throw new ForkdError(Number(data.status ?? 500), `HTTP ${data.status ?? 500}: ${data.error}`, data);
     }

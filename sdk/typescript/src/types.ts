@@ -88,6 +88,13 @@ export interface ImportOptions {
   onProgress?: (message: string) => void;
 }
 
+export interface LoadOptions {
+  /** NAME[:TAG]: picks the image among several in the archive, and names it. */
+  tag?: string;
+  /** Called with each step of the import once the archive has arrived. */
+  onProgress?: (message: string) => void;
+}
+
 export interface CommandResult {
   stdout: string;
   stderr: string;

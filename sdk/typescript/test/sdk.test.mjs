@@ -2,7 +2,8 @@
 // FORKD_URL, FORKD_TOKEN and FORKD_TEMPLATE (a snapshot whose warm-up set x = 41)
 // name it; FORKD_IMAGE_REF a container image it can import (FORKD_IMAGE_USER its
 // USER, FORKD_IMAGE_PORT the port its command listens on, FORKD_IMAGE_MISSING a
-// reference of the same kind that is not there); tests/integration/test_typescript_sdk.py
+// reference of the same kind that is not there, FORKD_IMAGE_ARCHIVE the same image as
+// an archive file on this host); tests/integration/test_typescript_sdk.py
 // runs this file with them.
 import { test } from "node:test";
 import assert from "node:assert/strict";
@@ -15,6 +16,7 @@ const image = {
   user: process.env.FORKD_IMAGE_USER,
   port: Number(process.env.FORKD_IMAGE_PORT),
   missing: process.env.FORKD_IMAGE_MISSING,
+  archive: process.env.FORKD_IMAGE_ARCHIVE,
 };
 const client = new Client();
 
@@ -149,6 +151,18 @@ test("container images", { skip: image.ref ? false : "FORKD_IMAGE_REF not set" }
     const info = await client.imageInfo(first.name);
     assert.ok(info.references.includes(image.ref));
     assert.equal(info.config.user, image.user);
+  });
+
+  await t.test("an archive sent from this host (docker load), found by its tag", async () => {
+    const { openAsBlob } = await import("node:fs");
+    const steps = [];
+    const loaded = await client.loadImage(await openAsBlob(image.archive), {
+      tag: "ts/busybox:1", onProgress: (m) => steps.push(m),
+    });
+    assert.equal(loaded.name, (await client.importImage(image.ref)).name); // the same image
+    assert.ok(loaded.references.includes("loaded:ts/busybox:1"));
+    assert.ok(steps.some((m) => m.startsWith("received the archive")), steps.join("\n"));
+    await assert.rejects(client.loadImage(new Uint8Array(4096)), (err) => err instanceof ForkdError && err.status === 400);
   });
 
   await t.test("a template from the image, its service started, commands as its user", async () => {

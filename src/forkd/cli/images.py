@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, BinaryIO
 
 import typer
 from rich.markup import escape
@@ -38,6 +38,7 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     daemon = functools.partial(with_connection, transport=transport)
     image_app.command("build")(daemon(image_build))
     image_app.command("import")(daemon(image_import))
+    image_app.command("load")(daemon(image_load))
     image_app.command("rm")(image_rm)
     image_app.command("ls")(image_ls)
 
@@ -72,12 +73,20 @@ def image_build(
     network: Annotated[
         str | None, typer.Option("--network", help="The build's network (e.g. none).")
     ] = None,
+    upload: Annotated[
+        bool,
+        typer.Option(
+            "--upload",
+            help="Send a Docker build's image to the daemon as an archive, even when the "
+            "daemon is on this host (it reads this host's Docker Engine otherwise).",
+        ),
+    ] = False,
 ) -> None:
     """Build a guest image: a forkd recipe (cached: the same inputs are a no-op), or a
     Dockerfile with the host's Docker, Podman or Buildah, then imported into the daemon."""
     if tag is not None or dockerfile is not None or Path(name).is_dir():
         args = dict(a.split("=", 1) for a in build_arg or [] if "=" in a)
-        _dockerfile_build(conn, Path(name), tag, dockerfile, builder, args, network)
+        _dockerfile_build(conn, Path(name), tag, dockerfile, builder, args, network, upload)
         return
     require_server("image build")
     from forkd.guest import image
@@ -114,6 +123,7 @@ def _dockerfile_build(
     builder: str | None,
     build_args: dict[str, str],
     network: str | None,
+    upload: bool,
 ) -> None:
     from forkd.image_import import builders
 
@@ -130,9 +140,49 @@ def _dockerfile_build(
     except ForkdError as exc:
         raise fail(str(exc)) from exc
     try:
-        import_with_progress(conn, ref, started)
+        if ref.startswith("oci-archive:"):  # podman, buildah: their export, sent
+            load_with_progress(conn, Path(ref.removeprefix("oci-archive:")), name, started)
+        elif upload or not _daemon_on_this_host(conn):  # docker: its engine is not the daemon's
+            _save_and_load(conn, name, started)
+        else:
+            import_with_progress(conn, ref, started)
     finally:
         builders.remove_export(ref)  # podman and buildah export to a file of ours
+
+
+def _daemon_on_this_host(conn: Connection) -> bool:
+    """Whether the daemon is reached over loopback (it can read this host's Docker Engine)."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    with conn.controller() as ctl:
+        host = urlsplit(ctl.url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _save_and_load(conn: Connection, image: str, started: float) -> None:
+    """``docker save IMAGE`` from this host's engine, sent to the daemon."""
+    import tempfile
+
+    from forkd.image_import import docker_engine
+
+    with tempfile.TemporaryDirectory(prefix="forkd-save-") as workdir:
+        saved = Path(workdir) / "image.tar"
+        try:
+            with err.status(f"saving {image} from Docker") as status:
+                say = _progress(status, started)
+                docker_engine.save(
+                    image, saved, progress=lambda n: status.update(f"saved {_mib(n)}")
+                )
+                say(f"saved {image} ({_mib(saved.stat().st_size)})")
+        except ForkdError as exc:
+            raise fail(str(exc)) from exc
+        load_with_progress(conn, saved, image, started)
 
 
 def image_import(
@@ -148,6 +198,51 @@ def image_import(
 ) -> None:
     """Import a container image into the daemon (only the layers it lacks are fetched)."""
     import_with_progress(conn, ref, time.monotonic())
+
+
+def image_load(
+    conn: Connection,
+    archive: Annotated[
+        str,
+        typer.Argument(
+            help="A docker save, podman save or OCI archive on this host; - reads it from "
+            "standard input (docker save app:1 | forkd image load -)."
+        ),
+    ],
+    tag: Annotated[
+        str | None,
+        typer.Option(
+            "-t", "--tag",
+            help="NAME[:TAG]: picks the image among several, and names it (snapshot create "
+            "--image NAME finds it).",
+        ),
+    ] = None,
+) -> None:  # fmt: skip
+    """Send an image archive from this host to the daemon and import it (as docker load)."""
+    import sys
+
+    source: Path | BinaryIO = sys.stdin.buffer if archive == "-" else Path(archive)
+    if isinstance(source, Path) and not source.is_file():
+        raise fail(f"there is no file {archive}")
+    load_with_progress(conn, source, tag, time.monotonic())
+
+
+def load_with_progress(
+    conn: Connection, archive: Path | BinaryIO, tag: str | None, started: float
+) -> dict:
+    """Send ``archive`` to the daemon (``POST /v1/images/load``), showing each step."""
+    shown = str(archive) if isinstance(archive, Path) else "standard input"
+    with daemon_errors(), conn.controller() as ctl, err.status(f"sending {shown}") as status:
+        info = ctl.load_image(archive, tag, on_progress=_progress(status, started))
+    if conn.as_json:
+        render.print_json(info)
+    else:
+        err.print(
+            f"loaded {escape(shown)} as [bold]{escape(info['name'])}[/]"
+            f"{f' ({escape(tag)})' if tag else ''} in {time.monotonic() - started:.1f} s: "
+            f"stored {_mib(info.get('bytes_fetched'))}, reused {_mib(info.get('bytes_reused'))}"
+        )
+    return info
 
 
 def import_with_progress(

@@ -1,17 +1,22 @@
-"""An image import with its progress (``POST /v1/images`` as Server-Sent Events), as a
-method of :class:`~forkd.client.Controller` and of :class:`~forkd.client.AsyncController`.
+"""An image import with its progress (``POST /v1/images`` as Server-Sent Events), and
+an image archive sent to the daemon (``POST /v1/images/load``), as methods of
+:class:`~forkd.client.Controller` and of :class:`~forkd.client.AsyncController`.
 
-Both clients send the same request (:func:`import_request`) and read the same
-events (:func:`import_event`): ``progress`` events, then the image's info
-(``image``), or an ``error`` last; only the reading differs.
+Both clients send the same requests (:func:`import_request`, :func:`load_request`)
+and read the same events (:func:`import_event`): ``progress`` events, then the
+image's info (``image``), or an ``error`` last; only the reading differs.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
@@ -19,6 +24,8 @@ from httpx_sse import EventSource, ServerSentEvent
 from forkd.client.errors import ControllerError
 
 IMPORT_TIMEOUT_SECS = 3600.0
+UPLOAD_PIECE = 1 << 20
+SAY_EVERY = 32 << 20  # an upload's progress: a step every this many bytes sent
 STREAM_READ_TIMEOUT_SECS = 60.0  # the daemon sends a keep-alive every 15 s of silence
 
 # Called with each step's message; the async client awaits what an async one returns.
@@ -33,6 +40,52 @@ def import_request(ref: str, token: str | None) -> dict[str, Any]:
         "timeout": httpx.Timeout(IMPORT_TIMEOUT_SECS, read=STREAM_READ_TIMEOUT_SECS),
         "headers": {"Accept": "text/event-stream"},
     }
+
+
+def load_request(tag: str | None) -> dict[str, Any]:
+    """The keywords of ``POST /v1/images/load`` but its body (both clients)."""
+    return {
+        "params": {"tag": tag} if tag else {},
+        "timeout": httpx.Timeout(IMPORT_TIMEOUT_SECS, read=STREAM_READ_TIMEOUT_SECS),
+        "headers": {"Accept": "text/event-stream", "Content-Type": "application/x-tar"},
+    }
+
+
+def _sent(total: int | None, done: int) -> str:
+    of = f" of {total / (1 << 20):.1f}" if total else ""
+    return f"sent {done / (1 << 20):.1f}{of} MiB of the archive"
+
+
+def _size(f: BinaryIO) -> int | None:
+    try:
+        return os.fstat(f.fileno()).st_size - f.tell()
+    except (OSError, AttributeError, ValueError):
+        return None
+
+
+def archive_pieces(f: BinaryIO, on_progress: ProgressCallback) -> Iterator[bytes]:
+    """``f``'s bytes from where it stands, a piece at a time, saying how much is sent."""
+    total, done, said = _size(f), 0, 0
+    while piece := f.read(UPLOAD_PIECE):
+        yield piece
+        done += len(piece)
+        if done - said >= SAY_EVERY:
+            on_progress(_sent(total, done))
+            said = done
+    on_progress(_sent(total, done))
+
+
+async def aarchive_pieces(f: BinaryIO, on_progress: AsyncProgressCallback) -> AsyncIterator[bytes]:
+    """:func:`archive_pieces` for the async client: the file is read off the event loop."""
+    total, done, said = _size(f), 0, 0
+    while piece := await asyncio.to_thread(f.read, UPLOAD_PIECE):
+        yield piece
+        done += len(piece)
+        if done - said >= SAY_EVERY or done == total:
+            said = done
+            called = on_progress(_sent(total, done))
+            if inspect.isawaitable(called):
+                await called
 
 
 def import_event(sse: ServerSentEvent) -> tuple[str | None, dict[str, Any] | None]:
@@ -72,8 +125,29 @@ class ImageRoutes:
         A failure, before or during the import, raises :class:`ControllerError` with
         the status the daemon gave it (404 for an unknown reference, ...); a lost
         connection, status 0."""
+        return self._stream_image("/v1/images", import_request(ref, token), on_progress)
+
+    def load_image(
+        self,
+        archive: str | os.PathLike[str] | BinaryIO,
+        tag: str | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        """``POST /v1/images/load``: send an image archive (``docker save``, ``podman save``,
+        an OCI archive: a path, or a file open for reading in binary) and import it,
+        as ``docker load`` does; the image's info. ``tag`` picks the image among several
+        and names it: ``Snapshot.create(..., image=tag)`` finds it afterwards.
+        ``on_progress`` hears the upload (``sent ... MiB``), then the import's steps."""
+        say = on_progress or (lambda _msg: None)
+        with _opened(archive) as f:
+            kwargs = load_request(tag) | {"content": archive_pieces(f, say)}
+            return self._stream_image("/v1/images/load", kwargs, say)
+
+    def _stream_image(
+        self, path: str, kwargs: dict[str, Any], on_progress: ProgressCallback
+    ) -> dict[str, Any]:
         try:
-            with self._client.stream("POST", "/v1/images", **import_request(ref, token)) as resp:
+            with self._client.stream("POST", path, **kwargs) as resp:
                 if not resp.is_success:
                     resp.read()
                     raise ControllerError.from_response(resp)
@@ -105,10 +179,25 @@ class AsyncImageRoutes:
             info = await ctl.import_image_progress("oci-archive:/tmp/app.tar", print)
             await AsyncSnapshot.create("app", controller=ctl, image=info["name"])
         """
+        return await self._stream_image("/v1/images", import_request(ref, token), on_progress)
+
+    async def load_image(
+        self,
+        archive: str | os.PathLike[str] | BinaryIO,
+        tag: str | None = None,
+        on_progress: AsyncProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`Controller.load_image`; ``on_progress`` may be a coroutine function."""
+        say = on_progress or (lambda _msg: None)
+        with _opened(archive) as f:
+            kwargs = load_request(tag) | {"content": aarchive_pieces(f, say)}
+            return await self._stream_image("/v1/images/load", kwargs, say)
+
+    async def _stream_image(
+        self, path: str, kwargs: dict[str, Any], on_progress: AsyncProgressCallback
+    ) -> dict[str, Any]:
         try:
-            async with self._client.stream(
-                "POST", "/v1/images", **import_request(ref, token)
-            ) as resp:
+            async with self._client.stream("POST", path, **kwargs) as resp:
                 if not resp.is_success:
                     await resp.aread()
                     raise ControllerError.from_response(resp)
@@ -123,3 +212,13 @@ class AsyncImageRoutes:
         except httpx.TransportError as exc:
             raise _broken(self.url, exc) from exc
         raise _unanswered(self.url)
+
+
+@contextlib.contextmanager
+def _opened(archive: str | os.PathLike[str] | BinaryIO) -> Iterator[BinaryIO]:
+    """A path opened for reading (closed after), or a file object as it is."""
+    if isinstance(archive, (str, os.PathLike)):
+        with Path(archive).open("rb") as f:
+            yield f
+    else:
+        yield archive

@@ -67,7 +67,12 @@ def create_app(
 
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan)
     # Added last, the audit log is outermost: it records 401s and 413s too.
-    app.add_middleware(GuardMiddleware, token=token, upload_limit=settings.max_upload_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        token=token,
+        upload_limit=settings.max_upload_bytes,
+        image_limit=settings.max_image_bytes,
+    )
     app.add_middleware(AuditMiddleware)
     http_errors.install(app)
     http_errors.hide_paths_under(

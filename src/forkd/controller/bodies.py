@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -15,6 +16,8 @@ from starlette.requests import ClientDisconnect
 
 from forkd.controller.services.file_transfer import Download
 from forkd.errors import ForkdError, Invalid
+
+T = TypeVar("T")
 
 
 async def _pieces(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -27,8 +30,8 @@ async def _pieces(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 async def receive_upload(
-    request: Request, take: Callable[[AsyncIterator[bytes]], Awaitable[int]]
-) -> int:
+    request: Request, take: Callable[[AsyncIterator[bytes]], Awaitable[T]]
+) -> T:
     """``take(body)``, the request body as it arrives; its answer.
 
     When ``take`` fails, the rest of the body is read and dropped before the

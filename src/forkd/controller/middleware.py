@@ -17,12 +17,13 @@ from forkd.controller.http_errors import (
     internal_error,
     refuse_websocket,
 )
-from forkd.limits import FILE_BODY_LIMIT, FILE_UPLOAD_LIMIT, JSON_BODY_LIMIT
+from forkd.limits import FILE_BODY_LIMIT, FILE_UPLOAD_LIMIT, JSON_BODY_LIMIT, MAX_IMAGE_BYTES
 
 UNAUDITED = ("/healthz", "/metrics")
 UNAUTHORIZED = "missing or wrong bearer token"
 _ID_IN_PATH = re.compile(r"^/v1/(sandboxes|snapshots)/([^/]+)")
 _FILE_UPLOAD = re.compile(r"^/v1/sandboxes/[^/]+/files$")
+IMAGE_LOAD = "/v1/images/load"  # an image archive a client sends: streamed to disk
 # The guest port proxy (controller.port_proxy): bodies are the guest's, streamed both ways.
 _PROXIED = re.compile(r"^/v1/(sandboxes/[^/]+/ports/[^/]+/|preview/[^/]+/)")
 # The daemon's own route under the proxy's prefix: its body is JSON, read and bounded.
@@ -33,13 +34,18 @@ _PREVIEW = re.compile(r"^/v1/preview/([^/]+)/")
 
 
 def _is_raw_body_route(path: str) -> bool:
-    """File uploads, and a volume's content as a tar archive."""
-    return path.endswith("/files") or path == "/v1/volumes"
+    """File uploads, a volume's content and an image as tar archives."""
+    return path.endswith("/files") or path in ("/v1/volumes", IMAGE_LOAD)
 
 
 def _is_streamed_upload(scope: Scope) -> bool:
     """A file upload: its body streams to the guest, never buffered here."""
     return scope["method"] == "PUT" and _FILE_UPLOAD.match(scope["path"]) is not None
+
+
+def _is_image_load(scope: Scope) -> bool:
+    """An image archive: its body streams to a file of the daemon's, never buffered."""
+    return scope["method"] == "POST" and scope["path"] == IMAGE_LOAD
 
 
 class GuardMiddleware:
@@ -53,7 +59,8 @@ class GuardMiddleware:
 
     A file upload's body is the exception: it streams to the app as it
     arrives, counted against ``upload_limit``; past it the app reads an end
-    of the body and the client gets the 413. A body for a guest's port
+    of the body and the client gets the 413. An image archive streams the
+    same way, counted against ``image_limit``. A body for a guest's port
     (``/ports/``, ``/v1/preview/``) streams uncounted: the daemon never holds it.
 
     ``/v1/preview/{token}/...`` needs no bearer token: its route checks the
@@ -61,11 +68,16 @@ class GuardMiddleware:
     """
 
     def __init__(
-        self, app: ASGIApp, token: str | None, upload_limit: int = FILE_UPLOAD_LIMIT
+        self,
+        app: ASGIApp,
+        token: str | None,
+        upload_limit: int = FILE_UPLOAD_LIMIT,
+        image_limit: int = MAX_IMAGE_BYTES,
     ) -> None:
         self.app = app
         self.token = token.encode() if token else None
         self.upload_limit = upload_limit
+        self.image_limit = image_limit
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -89,9 +101,12 @@ class GuardMiddleware:
         ):  # the daemon keeps none of it: a piece at a time
             await self.app(scope, receive, send)
             return
-        streamed = _is_streamed_upload(scope)
+        streamed = _is_streamed_upload(scope) or _is_image_load(scope)
         limit = FILE_BODY_LIMIT if _is_raw_body_route(path) else JSON_BODY_LIMIT
-        limit = self.upload_limit if streamed else limit
+        if _is_streamed_upload(scope):
+            limit = self.upload_limit
+        elif _is_image_load(scope):
+            limit = self.image_limit
         too_big = error_response(413, f"request body over {limit} bytes", close=True)
         length = headers.get("content-length", b"")
         if length.isdigit() and int(length) > limit:  # honest and too big: no need to read it

@@ -51,6 +51,7 @@ from forkd.controller.models import (
     VolumeInfo,
 )
 from forkd.controller.services import Services
+from forkd.controller.services.images import check_loaded_tag
 from forkd.errors import Invalid
 from forkd.limits import NAME_PATTERN
 
@@ -422,6 +423,40 @@ async def import_image(
             headers=sse.HEADERS,
         )
     return await svc.images.import_(body)
+
+
+@images.post(
+    "/load",
+    status_code=201,
+    response_model=ImageInfo,
+    responses={200: IMPORT_EVENTS},
+    openapi_extra={"requestBody": {"content": {"application/x-tar": {
+        "schema": {"type": "string", "format": "binary"}}}, "required": True}},
+)  # fmt: skip
+async def load_image(
+    svc: Svc,
+    request: Request,
+    tag: Annotated[
+        str | None,
+        Query(
+            max_length=255,
+            description="the image's name (NAME[:TAG]): picks it among "
+            "several in the archive, and image=NAME finds it afterwards",
+        ),
+    ] = None,
+    accept: Annotated[str | None, Header()] = None,
+) -> ImageInfo | Response:
+    """Import the image of an archive sent as the body (``docker save``, ``podman save``,
+    an OCI archive), as ``docker load`` does; at most the daemon's --max-image-mib."""
+    tag = check_loaded_tag(tag)
+    archive = await receive_upload(request, svc.images.receive)
+    if accept and sse.MEDIA_TYPE in accept:
+        return StreamingResponse(
+            sse.framed(svc.images.load_events(archive, tag)),
+            media_type=sse.MEDIA_TYPE,
+            headers=sse.HEADERS,
+        )
+    return await svc.images.load(archive, tag)
 
 
 @images.get("", response_model=list[ImageInfo], response_model_exclude_none=True)

@@ -74,6 +74,40 @@ def fetch(
     raise Invalid(f"{reference} is not an image on this host")
 
 
+def fetch_loaded(
+    path: Path, tag: str | None, store: BlobStore, say: Say, *, shown: str
+) -> FetchedImage:
+    """The image of an archive a client sent (``POST /v1/images/load``): a ``docker save``
+    archive or an OCI archive, told apart by what it holds (``manifest.json``, or
+    ``oci-layout``; a ``docker save`` of Docker 25 holds both and reads as either).
+
+    ``tag`` picks one image of several; an archive of one image is that image whatever
+    ``tag`` says (Podman writes ``localhost/app:1`` where Docker writes ``app:1``)."""
+    from forkd.image_import.docker_archive import import_docker_archive
+
+    with TarFiles(path, shown=shown) as files:
+
+        def load(chosen: str | None) -> FetchedImage:
+            if files.has("manifest.json"):
+                return import_docker_archive(files, chosen, store, shown, say)
+            if files.has("oci-layout") and files.has("index.json"):
+                return import_manifest(LayoutSource(files, chosen, shown), store, shown, say)
+            raise Invalid(
+                f"{shown} is neither a docker save archive (no manifest.json) nor an OCI "
+                "archive (no oci-layout and index.json)"
+            )
+
+        try:
+            return load(tag)
+        except NotFound as missing:
+            if tag is None:
+                raise
+            try:
+                return load(None)
+            except Invalid:
+                raise missing from None
+
+
 def _from_engine(
     source: references.DaemonImage, store: BlobStore, say: Say, docker_host: str | None
 ) -> FetchedImage:
@@ -166,6 +200,10 @@ class TarFiles:
                 self._links[key] = target
         elif kind is Kind.HARDLINK and (target := _norm(link)) is not None:
             self._links[key] = target
+
+    def has(self, name: str) -> bool:
+        key = _norm(name)
+        return key is not None and (key in self._files or key in self._links)
 
     @contextlib.contextmanager
     def open(self, name: str) -> Iterator[tuple[int, Iterator[bytes]]]:

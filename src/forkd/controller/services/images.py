@@ -16,11 +16,11 @@ import collections
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from forkd import paths
 from forkd.archive.errors import ArchiveError
@@ -41,6 +41,8 @@ from forkd.vmm import qemu_user
 
 MAX_IMPORTS = 2
 KEEPALIVE_SECS = 15.0  # an import's event stream is never quiet longer than this
+LOADED = "loaded:"  # the references of images clients sent as archives: loaded:TAG
+WRITE_PIECE = 1 << 20  # an upload is written to disk, off the event loop, this much at once
 
 Progress = Callable[[str], None]
 
@@ -71,9 +73,17 @@ class ImageService:
 
     async def import_(self, req: ImageImport, progress: Progress | None = None) -> ImageInfo:
         """Import ``req.ref``; the image's info with what was fetched and reused."""
-        done = await self._import(req, progress or (lambda _msg: None))
-        info = self._info(done.image)
-        return info.model_copy(
+        say = progress or (lambda _msg: None)
+        loaded = await asyncio.to_thread(_loaded, req.ref)  # sent here: no registry is asked
+        if loaded is not None:
+            say(f"{req.ref} was loaded into this daemon ({loaded.name}): nothing to fetch")
+            info = self._info(loaded)
+            update = {"bytes_fetched": 0, "bytes_reused": info.layer_bytes or 0, "import_secs": 0.0}
+            return info.model_copy(update=update)
+        return self._answer(await self._import(req, say))
+
+    def _answer(self, done: Imported) -> ImageInfo:
+        return self._info(done.image).model_copy(
             update={
                 "bytes_fetched": done.fetched.bytes_fetched,
                 "bytes_reused": done.fetched.bytes_reused,
@@ -84,27 +94,51 @@ class ImageService:
     async def import_events(self, req: ImageImport) -> AsyncIterator[OutputEvent]:
         """:meth:`import_` as events: ``progress`` as it goes (a keep-alive when quiet),
         then ``image``. A failure is raised (the stream's last event says it)."""
-        loop = asyncio.get_running_loop()
-        steps: asyncio.Queue[str] = asyncio.Queue()
-        work = asyncio.ensure_future(
-            self.import_(req, lambda msg: loop.call_soon_threadsafe(steps.put_nowait, msg))
-        )
+        async for event in _as_events(lambda progress: self.import_(req, progress)):
+            yield event
+
+    async def receive(self, body: AsyncIterator[bytes]) -> Path:
+        """An image archive a client sends, written to a file of the blob store's as it
+        arrives (at most --max-image-mib); :meth:`load` imports it, then removes it."""
+        self._check_room()  # a busy daemon says so before the upload, not after it
+        from forkd.image_import.blob_store import BlobStore
+
+        fd, path = BlobStore(paths.blobs_dir()).temp_file(".load.tar")
         try:
-            while not work.done():
-                step = asyncio.ensure_future(steps.get())
-                await asyncio.wait({work, step}, timeout=KEEPALIVE_SECS,
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                if step.done():
-                    yield OutputEvent("progress", ImportProgress(message=step.result()))
-                else:
-                    step.cancel()
-                    if not work.done():
-                        yield OutputEvent("keepalive")
-            while not steps.empty():
-                yield OutputEvent("progress", ImportProgress(message=steps.get_nowait()))
-            yield OutputEvent("image", work.result())
+            with os.fdopen(fd, "wb") as out:
+                await _receive(body, out, self.fleet.settings.max_image_bytes)
+        except BaseException:
+            path.unlink(missing_ok=True)
+            raise
+        return path
+
+    async def load(
+        self, archive: Path, tag: str | None, progress: Progress | None = None
+    ) -> ImageInfo:
+        """Import the image of an archive :meth:`receive` kept (``docker save``, ``podman
+        save`` or an OCI archive) and remove the archive. Its reference is ``loaded:TAG``:
+        ``image=TAG`` then finds it before any registry, as ``docker run`` does."""
+        say = progress or (lambda _msg: None)
+        try:
+            say(f"received the archive ({archive.stat().st_size / (1 << 20):.1f} MiB)")
+            reference = f"{LOADED}{tag}" if tag else f"{LOADED}archive"
+            done = await self._run(
+                f"{LOADED}{tag or archive.name}",
+                lambda progress: self._load_sync(archive, tag, reference, progress),
+                say,
+            )
         finally:
-            work.cancel()  # a client gone: the import thread still finishes on its own
+            archive.unlink(missing_ok=True)
+        return self._answer(done)
+
+    async def load_events(self, archive: Path, tag: str | None) -> AsyncIterator[OutputEvent]:
+        """:meth:`load` as events, as :meth:`import_events` (they begin once the archive
+        has arrived: a client shows its own upload's progress)."""
+        try:
+            async for event in _as_events(lambda progress: self.load(archive, tag, progress)):
+                yield event
+        finally:
+            archive.unlink(missing_ok=True)  # a stream never started or cut short
 
     async def resolve(self, name_or_ref: str | None) -> images.Image:
         """The guest image a template boots: a built image's name (default python), else
@@ -119,27 +153,38 @@ class ImageService:
                     return imported
                 if not self.fleet.settings.default_registry:
                     raise Invalid(str(exc)) from exc  # a short name reaches no registry
+        loaded = await asyncio.to_thread(_loaded, name)  # a local image first, as Docker's
+        if loaded is not None:
+            return loaded
         done = await self._import(ImageImport(ref=name), lambda _msg: None)
         return done.image
 
     async def _import(self, req: ImageImport, progress: Progress) -> Imported:
+        return await self._run(req.ref, lambda say: self._importer(req, say), progress)
+
+    def _check_room(self) -> None:
         if self._running >= MAX_IMPORTS:
             raise Busy(f"{MAX_IMPORTS} image imports are running: retry shortly")
-        async with self._locks[req.ref]:
-            if self._running >= MAX_IMPORTS:
-                raise Busy(f"{MAX_IMPORTS} image imports are running: retry shortly")
+
+    async def _run(
+        self, key: str, job: Callable[[Progress], Imported], progress: Progress
+    ) -> Imported:
+        """``job`` on an import thread, one at a time per ``key``, at most MAX_IMPORTS."""
+        self._check_room()
+        async with self._locks[key]:
+            self._check_room()
             self._running += 1
             try:
                 async with self._removing:
                     loop = asyncio.get_running_loop()
-                    work = loop.run_in_executor(self._pool, self._importer, req, progress)
+                    work = loop.run_in_executor(self._pool, job, progress)
                     # A cancelled caller does not stop the thread: it finishes (or cleans
                     # up after itself) and still counts, until it has.
                     return await asyncio.shield(work)
             finally:
                 self._running -= 1
-                if not self._locks[req.ref].locked():
-                    self._locks.pop(req.ref, None)
+                if not self._locks[key].locked():
+                    self._locks.pop(key, None)
 
     def _import_sync(self, req: ImageImport, progress: Progress) -> Imported:
         from forkd.image_import import references
@@ -166,6 +211,21 @@ class ImageService:
             docker_host=settings.docker_host,
             progress=progress,
         )
+        return self._build(fetched, progress, started)
+
+    def _load_sync(self, archive: Path, tag: str | None, reference: str,
+                   progress: Progress) -> Imported:  # fmt: skip
+        from forkd.image_import.blob_store import BlobStore
+        from forkd.image_import.local_sources import fetch_loaded
+
+        started = time.monotonic()
+        store = BlobStore(paths.blobs_dir())
+        fetched = fetch_loaded(archive, tag, store, progress, shown=reference)
+        return self._build(fetched, progress, started)
+
+    def _build(self, fetched: FetchedImage, progress: Progress, started: float) -> Imported:
+        """The guest image of ``fetched``; a layer refused while flattened leaves no blob."""
+        settings = self.fleet.settings
         try:
             # tar2sqfs parses the image's names in C: as a uid of its own (the registry the
             # QEMUs drop into), not as root, when the daemon has one to give.
@@ -181,7 +241,7 @@ class ImageService:
         except ArchiveError as exc:
             # No other import runs meanwhile: imports and removals share self._removing.
             container_image.forget(fetched)
-            raise Invalid(f"image {req.ref}: a layer cannot be used: {exc}") from exc
+            raise Invalid(f"image {fetched.reference}: a layer cannot be used: {exc}") from exc
         return Imported(img, fetched, time.monotonic() - started)
 
     # ------------------------------------------------------------ read
@@ -254,6 +314,80 @@ class ImageService:
             except ImageError as exc:
                 raise Conflict(str(exc)) from exc
             await asyncio.to_thread(container_image.collect_unused_layers)
+
+
+async def _as_events(
+    start: Callable[[Progress], Awaitable[ImageInfo]],
+) -> AsyncIterator[OutputEvent]:
+    """``start(progress)``'s steps as ``progress`` events (a keep-alive when quiet), then
+    its answer as ``image``; its failure is raised (the stream's last event says it)."""
+    loop = asyncio.get_running_loop()
+    steps: asyncio.Queue[str] = asyncio.Queue()
+    work = asyncio.ensure_future(
+        start(lambda msg: loop.call_soon_threadsafe(steps.put_nowait, msg))
+    )
+    try:
+        while not work.done():
+            step = asyncio.ensure_future(steps.get())
+            await asyncio.wait({work, step}, timeout=KEEPALIVE_SECS,
+                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if step.done():
+                yield OutputEvent("progress", ImportProgress(message=step.result()))
+            else:
+                step.cancel()
+                if not work.done():
+                    yield OutputEvent("keepalive")
+        while not steps.empty():
+            yield OutputEvent("progress", ImportProgress(message=steps.get_nowait()))
+        yield OutputEvent("image", work.result())
+    finally:
+        work.cancel()  # a client gone: the import thread still finishes on its own
+
+
+async def _receive(body: AsyncIterator[bytes], out: BinaryIO, cap: int) -> int:
+    """Write ``body`` to ``out`` as it arrives; its size. 413 past ``cap`` bytes (the
+    guard middleware cuts the body there too)."""
+    size = held = 0
+    pending: list[bytes] = []
+    async for piece in body:
+        size += len(piece)
+        if size > cap:
+            raise Invalid(f"the archive is over {cap} bytes (the daemon's --max-image-mib)")
+        pending.append(piece)
+        held += len(piece)
+        if held >= WRITE_PIECE:
+            await asyncio.to_thread(out.write, b"".join(pending))
+            pending, held = [], 0
+    await asyncio.to_thread(out.write, b"".join(pending))
+    if size == 0:
+        raise Invalid("the request has no body: send the archive (docker save, podman save)")
+    return size
+
+
+def _with_tag(name: str) -> str:
+    """``name`` with ``:latest`` when it has no tag, as Docker reads it."""
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def _loaded(name: str) -> images.Image | None:
+    """The newest image a client sent as an archive tagged ``name``, if there is one."""
+    if "@" in name:
+        return None
+    wanted = f"{LOADED}{_with_tag(name)}"
+    found = [
+        img for img in images.list_images()
+        if container_image.is_container(img) and wanted in (img.meta.get("references") or ())
+    ]  # fmt: skip
+    return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
+
+
+def check_loaded_tag(tag: str | None) -> str | None:
+    """``tag`` when it is a name an image can be tagged with (Docker's grammar)."""
+    if tag is None:
+        return None
+    from forkd.image_import.docker_engine import check_image_name
+
+    return _with_tag(check_image_name(tag, allow_digest=False))
 
 
 def check_allowed(source: Any, text: str, settings: Settings) -> None:
