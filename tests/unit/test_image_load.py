@@ -7,6 +7,7 @@ Through the HTTP app, and through both Python SDK clients against a real uvicorn
 from __future__ import annotations
 
 import asyncio
+import errno
 import gzip
 import io
 import os
@@ -22,6 +23,7 @@ from typer.testing import CliRunner
 from forkd import cli, paths
 from forkd.client import AsyncController, Controller, ControllerError, Snapshot
 from forkd.controller.app import create_app
+from forkd.controller.services import images as image_service
 from forkd.controller.settings import Settings
 from forkd.guest import container_image
 from forkd.guest import image as images
@@ -312,3 +314,26 @@ def test_an_import_of_a_loaded_name_answers_the_loaded_image(
     assert importer.calls == []
     r = client.post("/v1/images", json={"ref": "app:2"})  # not loaded: asks as before
     assert r.status_code == 404 and importer.calls == ["app:2"], r.text
+
+
+def test_archives_arriving_at_once_are_capped(client: TestClient, tmp_path: Path) -> None:
+    service = client.app.state.services.images  # type: ignore[attr-defined]
+    service._receiving = image_service.MAX_IMPORTS  # that many uploads under way
+    r = _load(client, _docker_save(tmp_path, {"app:1": APP}), "app:1")
+    assert r.status_code == 503 and "retry shortly" in r.json()["error"], r.text
+    service._receiving = 0
+    assert _load(client, _docker_save(tmp_path, {"app:1": APP}), "app:1").status_code == 201
+
+
+def test_a_full_disk_while_an_archive_arrives_says_so_and_keeps_nothing(
+    client: TestClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def full(*_: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(image_service, "_receive", full)
+    r = _load(client, _docker_save(tmp_path, {"app:1": APP}), "app:1")
+    assert r.status_code == 500 and "filled up" in r.json()["error"], r.text
+    assert _left_behind() == []
+    service = client.app.state.services.images  # type: ignore[attr-defined]
+    assert service._receiving == 0

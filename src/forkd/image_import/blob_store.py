@@ -192,7 +192,7 @@ class BlobWriter:
             while view:
                 view = view[os.write(self._fd, view) :]
         except OSError as exc:
-            raise _write_error(exc) from exc
+            raise write_error(exc) from exc
 
     def commit(self) -> tuple[str, Path]:
         """Check the blob and rename it into place; its digest and path in the store."""
@@ -214,7 +214,7 @@ class BlobWriter:
             self._path = None
             _fsync_dir(self.store.blobs_dir)
         except OSError as exc:
-            raise _write_error(exc) from exc
+            raise write_error(exc) from exc
         return digest, final
 
     def _what(self) -> str:
@@ -239,7 +239,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_error(exc: OSError) -> ForkdError:
+def write_error(exc: OSError) -> ForkdError:
+    """The error a failed write into the store is reported as (a full disk says so)."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageFull("the disk of the blob store filled up: the blob was not kept")
     return ForkdError(f"writing to the blob store failed: {exc.strerror or exc}")

@@ -64,6 +64,7 @@ class ImageService:
         self._importer = importer or self._import_sync
         self._pool = ThreadPoolExecutor(MAX_IMPORTS, thread_name_prefix="forkd-import")
         self._running = 0
+        self._receiving = 0  # image archives on their way in (POST /v1/images/load)
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
         )
@@ -101,15 +102,23 @@ class ImageService:
         """An image archive a client sends, written to a file of the blob store's as it
         arrives (at most --max-image-mib); :meth:`load` imports it, then removes it."""
         self._check_room()  # a busy daemon says so before the upload, not after it
-        from forkd.image_import.blob_store import BlobStore
+        if self._receiving >= MAX_IMPORTS:
+            raise Busy(f"{MAX_IMPORTS} image archives are arriving: retry shortly")
+        from forkd.image_import.blob_store import BlobStore, write_error
 
+        self._receiving += 1
         fd, path = BlobStore(paths.blobs_dir()).temp_file(".load.tar")
         try:
             with os.fdopen(fd, "wb") as out:
                 await _receive(body, out, self.fleet.settings.max_image_bytes)
+        except OSError as exc:  # the disk filled up: a 500 that says so, nothing kept
+            path.unlink(missing_ok=True)
+            raise write_error(exc) from exc
         except BaseException:
             path.unlink(missing_ok=True)
             raise
+        finally:
+            self._receiving -= 1
         return path
 
     async def load(
