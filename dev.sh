@@ -9,6 +9,8 @@ cd "$(dirname "$0")"
 APT_PACKAGES=(qemu-system-x86 qemu-utils busybox-static mmdebstrap squashfs-tools squashfs-tools-ng cpio kmod e2fsprogs
               ca-certificates nftables docker-registry docker.io
               chromium curl)  # tests/integration/test_ports.py: a preview URL in a real browser
+# For the suite only: musl-gcc links the musl program a container image test runs.
+TEST_APT_PACKAGES=(musl-tools)
 VENV=${FORKD_VENV:-.venv}
 # The interpreter forkd's venv is made with: Debian 12's own Python (3.11.2, the
 # oldest forkd supports) wherever it is, so that the suite runs on the floor;
@@ -27,9 +29,9 @@ as_root() {
     if [ "$(id -u)" -eq 0 ]; then "$@"; else sudo "$@"; fi
 }
 
-install_apt() {
+install_apt() {  # the packages every command needs, and "$@"
     local missing=()
-    for p in "${APT_PACKAGES[@]}"; do
+    for p in "${APT_PACKAGES[@]}" "$@"; do
         dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" \
             || missing+=("$p")
     done
@@ -144,7 +146,7 @@ case "$cmd" in
         exec "$VENV/bin/python" -m forkd.demo "$@"
         ;;
     test)
-        install_apt; install_node; install_python; build_image
+        install_apt "${TEST_APT_PACKAGES[@]}"; install_node; install_python; build_image
         shift
         log "ruff"
         "$VENV/bin/ruff" check src tests bench

@@ -1,12 +1,14 @@
 """Container images as templates, on the real daemon: an image with nothing but a static
-busybox (no Python, no libc) imported from an OCI archive, its service started before the
-snapshot and running warm in every fork, its config (Env, WorkingDir, User, Cmd) honoured,
-branched like any sandbox; a second import fetches nothing; an image in use is not removed."""
+busybox (no Python, no glibc) and a program linked against musl (as Alpine's are)
+imported from an OCI archive, its service started before the snapshot and running warm
+in every fork, its config (Env, WorkingDir, User, Cmd) honoured, branched like any
+sandbox; a second import fetches nothing; an image in use is not removed."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,10 +59,42 @@ def busybox_image() -> oci_images.Image:
     return oci_images.image(layers, CONFIG)
 
 
+MUSL_GCC = shutil.which("musl-gcc")  # ./dev.sh test installs musl-tools
+NO_MUSL = "musl-gcc is missing (./dev.sh test installs musl-tools)"
+MUSL_LOADER = Path("/lib/ld-musl-x86_64.so.1")  # Debian's musl: the loader is its libc
+HELLO_C = b"""#include <stdio.h>
+#include <stdlib.h>
+int main(void) {
+    const char *greeting = getenv("GREETING");
+    printf("musl says: %s\\n", greeting ? greeting : "(no GREETING)");
+    return 0;
+}
+"""
+
+
+def musl_layer(work: Path) -> oci_images.Layer:
+    """Alpine's layout: musl's loader (which is its libc) in /lib, and a program linked
+    dynamically against it; no glibc anywhere."""
+    assert MUSL_GCC is not None
+    (work / "hello.c").write_bytes(HELLO_C)
+    out = work / "hello-musl"
+    subprocess.run([MUSL_GCC, "-O2", "-o", str(out), str(work / "hello.c")], check=True)
+    return oci_images.layer({
+        "lib": oci_images.Dir(),
+        "lib/ld-musl-x86_64.so.1": oci_images.File(MUSL_LOADER.resolve().read_bytes(), 0o755),
+        "lib/libc.musl-x86_64.so.1": oci_images.Symlink("ld-musl-x86_64.so.1"),
+        "bin/hello-musl": oci_images.File(out.read_bytes(), 0o755),
+    })  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def archive(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     d = tmp_path_factory.mktemp("images")
-    path = oci_images.write_oci_archive(d / "busybox.tar", {"1": busybox_image()})
+    image = busybox_image()
+    if MUSL_GCC is not None:
+        layers = [*image.layers, musl_layer(d)]
+        image = oci_images.image(layers, CONFIG)
+    path = oci_images.write_oci_archive(d / "busybox.tar", {"1": image})
     yield path
     shutil.rmtree(d, ignore_errors=True)
 
@@ -103,6 +137,28 @@ def test_an_image_without_python_or_libc_serves_from_every_fork(
     finally:
         for kid in kids:
             ctl.kill_sandbox(kid["id"])
+
+
+@pytest.mark.skipif(
+    MUSL_GCC is None, reason="musl-gcc is missing (./dev.sh test installs musl-tools)"
+)
+def test_a_program_linked_against_musl_runs_as_in_alpine(
+    ctl: Controller, busybox_template: str
+) -> None:
+    """Nothing of forkd's runtime (its own loader and glibc) leaks into what the image runs."""
+    (kid,) = ctl.spawn_sandboxes(busybox_template, n=1)
+    sid = kid["id"]
+    try:
+        ran = ctl.exec_command(sid, ["hello-musl"])
+        assert (ran["exit_code"], ran["stdout"]) == (0, "musl says: hello from the image\n"), ran
+        as_root = ctl.exec_command(sid, ["/bin/hello-musl"], user="root")
+        assert as_root["stdout"] == "musl says: hello from the image\n", as_root
+        proc = ctl.start_process(sid, ["/bin/sh", "-c", "hello-musl && ls /lib"])
+        text = "".join(ev.text or "" for ev in ctl.process_output(sid, proc["pid"]) if ev.data)
+        assert text.split() == ["musl", "says:", "hello", "from", "the", "image",
+                                "ld-musl-x86_64.so.1", "libc.musl-x86_64.so.1"], text  # fmt: skip
+    finally:
+        ctl.kill_sandbox(sid)
 
 
 def test_a_terminal_in_an_image_without_bash_is_its_users_busybox_shell(
