@@ -111,11 +111,10 @@ class ImageService:
         try:
             with os.fdopen(fd, "wb") as out:
                 await _receive(body, out, self.fleet.settings.max_image_bytes)
-        except OSError as exc:  # the disk filled up: a 500 that says so, nothing kept
+        except BaseException as exc:
             path.unlink(missing_ok=True)
-            raise write_error(exc) from exc
-        except BaseException:
-            path.unlink(missing_ok=True)
+            if isinstance(exc, OSError):  # the disk filled up: a 500 that says so
+                raise write_error(exc) from exc
             raise
         finally:
             self._receiving -= 1
@@ -383,11 +382,7 @@ def _loaded(name: str) -> images.Image | None:
     if "@" in name:
         return None
     wanted = f"{LOADED}{_with_tag(name)}"
-    found = [
-        img for img in images.list_images()
-        if container_image.is_container(img) and wanted in (img.meta.get("references") or ())
-    ]  # fmt: skip
-    return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
+    return _newest_container(lambda img: wanted in (img.meta.get("references") or ()))
 
 
 def check_loaded_tag(tag: str | None) -> str | None:
@@ -429,10 +424,14 @@ def check_allowed(source: Any, text: str, settings: Settings) -> None:
 def _newest_import(name: str) -> images.Image | None:
     """The newest build of the imported image ``name`` (``oci-<id>``, as GET /v1/images
     lists it; an import writes no pointer file for find_image), if there is one."""
+    return _newest_container(lambda img: name in (img.name, f"{img.name}-{img.key}"))
+
+
+def _newest_container(matches: Callable[[images.Image], bool]) -> images.Image | None:
+    """The newest imported (container) build that ``matches``, if there is one."""
     found = [
-        img for img in images.list_images()
-        if container_image.is_container(img) and name in (img.name, f"{img.name}-{img.key}")
-    ]  # fmt: skip
+        img for img in images.list_images() if container_image.is_container(img) and matches(img)
+    ]
     return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
 
 
