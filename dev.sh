@@ -133,6 +133,21 @@ test_archives_on_newest_python() {
     PYTHONPATH=src "$venv/bin/python" -m pytest -q -p no:cacheprovider tests/archive
 }
 
+run_suite() {
+    # The tests that boot no VM spend most of their time waiting (timeouts, sockets,
+    # subprocesses): two workers, one test file each at a time, halve their time. The
+    # VM tests then run one at a time: each guest wants a core under TCG, and some
+    # measure the daemon's latency beside a busy guest.
+    local unit=0 vms=0
+    log "tests without VMs, on 2 workers"
+    "$VENV/bin/python" -m pytest -ra -n 2 --dist loadfile tests/unit tests/fuzz tests/archive \
+        || unit=$?
+    log "tests with real VMs"
+    "$VENV/bin/python" -m pytest -ra tests/integration || vms=$?
+    [ "$unit" -eq 0 ] || { log "tests without VMs failed (exit $unit)"; exit "$unit"; }
+    exit "$vms"
+}
+
 build_image() {
     log "guest image (cached after the first build)"
     "$VENV/bin/forkd" image build python
@@ -153,7 +168,8 @@ case "$cmd" in
         "$VENV/bin/ruff" format --check src tests bench
         test_archives_on_newest_python
         log "pytest on $("$VENV/bin/python" --version)"
-        exec "$VENV/bin/python" -m pytest -ra "$@"
+        [ $# -gt 0 ] && exec "$VENV/bin/python" -m pytest -ra "$@"
+        run_suite
         ;;
     *)
         echo "usage: $0 demo|test [args...]" >&2

@@ -2,8 +2,9 @@
 Dockerfile (ENV, WORKDIR, COPY, RUN useradd, USER, EXPOSE, CMD) made a template by the CLI
 (``snapshot create --image docker-daemon:... --start --ready-port``) and forked by it,
 every fork serving warm as the image's user in its directory with its environment, each
-fork's writes its own; and Debian's PostgreSQL image started, forked three ways, each
-fork its own database."""
+fork's writes its own; and Debian's PostgreSQL image through the postgres-image recipe
+(the SDK's ``Snapshot.create(image=..., start=True, ready_port=5432)``): started, a
+fixture loaded and branched, forked three ways, each fork its own database."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.client import Controller, Sandbox, Snapshot
+from forkd.client import Controller
 from tests import docker_daemon
 from tests.docker_daemon import DockerDaemon
 from tests.integration.conftest import Daemon
@@ -148,36 +149,6 @@ def test_a_python_app_image_serves_from_every_fork_as_its_user(
         for sid in ids:
             ctl.kill_sandbox(sid)
         ctl.delete_snapshot("pyapp")
-
-
-def psql(sb: Sandbox, sql: str) -> str:
-    res = sb.commands.run(["psql", "-d", "postgres", "-v", "ON_ERROR_STOP=1", "-Atc", sql],
-                          timeout=60)  # fmt: skip
-    assert res.exit_code == 0, (sb.id, sql, res.stderr)
-    return res.stdout.strip()
-
-
-def test_postgres_from_an_image_forks_into_separate_databases(
-    docker: DockerDaemon, ctl: Controller
-) -> None:
-    ref = f"docker-daemon:{docker.base_image('forkd-test/postgres:15')}"
-    template = Snapshot.create("pg", controller=ctl, image=ref, start=True, ready_port=5432,
-                               memory_mib=512)  # fmt: skip
-    kids = template.fork(3)
-    try:
-        first, *others = kids
-        assert all(psql(k, "SELECT current_user") == "postgres" for k in kids)  # the image's USER
-        psql(first, "CREATE TABLE only_here (id int); INSERT INTO only_here VALUES (7)")
-        assert psql(first, "SELECT id FROM only_here") == "7"
-        for kid in others:
-            assert psql(kid, "SELECT to_regclass('only_here') IS NULL") == "t", kid.id
-            psql(kid, f"CREATE TABLE mine_{kid.id.replace('-', '_')} (id int)")
-        tables = psql(first, "SELECT count(*) FROM pg_tables WHERE tablename LIKE 'mine_%'")
-        assert tables == "0"  # nor did the others' tables reach the first
-    finally:
-        for kid in kids:
-            kid.kill()
-        template.delete()
 
 
 def test_the_postgres_image_recipe(docker: DockerDaemon, daemon: Daemon) -> None:
