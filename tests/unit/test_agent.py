@@ -790,6 +790,54 @@ def test_tcp_ping(tcp: TcpAgent) -> None:
     assert answer["pid"] == os.getpid()
     assert answer["agent_version"] == "1"
     assert answer["hostname"] == socket.gethostname()
+    # The original forkd agent's fields, which its clients read.
+    assert answer["agent_lang"] == "python"
+    assert answer["numpy_version"] == _installed("numpy")
+    assert isinstance(answer["warmup_ready"], bool)
+    assert "error" not in answer
+
+
+def _installed(name: str) -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not-installed"
+
+
+def test_tcp_ping_says_warmup_ready_once_an_eval_ran(tcp: TcpAgent) -> None:
+    agent_mod.WARMED_UP.clear()
+    assert tcp.call(action="ping")["warmup_ready"] is False
+    assert tcp.call(action="eval", code="1 / 0")["exit_code"] == 1  # a failed one does not count
+    assert tcp.call(action="ping")["warmup_ready"] is False
+    assert tcp.call(action="eval", code="import json")["exit_code"] == 0
+    assert tcp.call(action="ping")["warmup_ready"] is True
+
+
+def test_image_package_version_reads_metadata_directories(tmp_path: Path, monkeypatch) -> None:
+    site = tmp_path / "site-packages"
+    for meta in ("numpy_financial-1.0.dist-info", "numpy-1.24.2-py3.11.egg-info"):
+        (site / meta).mkdir(parents=True)
+    monkeypatch.setattr(agent_mod, "IMAGE_SITE_GLOBS", (str(tmp_path / "nothing*"), str(site)))
+    assert agent_mod._image_package_version("numpy") == "1.24.2"
+    (site / "numpy-1.24.2-py3.11.egg-info").rmdir()
+    (site / "numpy-2.1.0.dist-info").mkdir()
+    assert agent_mod._image_package_version("numpy") == "2.1.0"
+    assert agent_mod._image_package_version("pandas") is None
+
+
+def test_tcp_exec_takes_the_original_sdks_timeout(tcp: TcpAgent) -> None:
+    # The original forkd SDK sends 'timeout', not 'timeout_secs': it is honoured.
+    answer = tcp.call(action="exec", args=["sh", "-c", "echo before; sleep 10"], timeout=0.3)
+    assert (answer["exit_code"], answer["timed_out"], answer["stdout"]) == (124, True, "before\n")
+    answer = tcp.call(action="exec", args=["sleep", "0.5"], timeout=5)  # past the 0.3 above
+    assert (answer["exit_code"], answer["timed_out"]) == (0, False)
+    assert "error" not in answer
+    same = tcp.call(action="exec", args=["true"], timeout=5, timeout_secs=5)
+    assert same["exit_code"] == 0
+    differ = tcp.call(action="exec", args=["true"], timeout=5, timeout_secs=6)
+    assert differ["ok"] is False and "'timeout' differ" in differ["error"]
 
 
 def test_tcp_exec_takes_the_http_apis_fields(tcp: TcpAgent, tmp_path: Path) -> None:
@@ -828,6 +876,8 @@ def test_tcp_exec_takes_the_http_apis_fields(tcp: TcpAgent, tmp_path: Path) -> N
         ({"args": ["true"], "timeout_secs": 1e9}, "'timeout_secs'"),
         ({"args": ["true"], "timeout_secs": float("nan")}, "'timeout_secs'"),
         ({"args": ["true"], "env": {"A": 1}}, "'env'"),
+        ({"args": ["true"], "timeout": 0}, "'timeout'"),
+        ({"args": ["true"], "timeout": True}, "'timeout'"),
     ],
 )
 def test_tcp_exec_bad_fields_get_an_error_answer(
@@ -841,10 +891,9 @@ def test_tcp_exec_bad_fields_get_an_error_answer(
 def test_tcp_eval_shares_the_serial_channels_interpreter(tcp: TcpAgent, serial: Client) -> None:
     serial.result("eval", code="shared_by_channels = 'set over serial'")
     answer = tcp.call(action="eval", code="shared_by_channels")
-    assert answer == {
+    assert answer == {  # no 'error' key: the original forkd client takes one as a failure
         "ok": True,
         "result": "'set over serial'",
-        "error": None,
         "exit_code": 0,
         "stdout": "",
         "stderr": "",
@@ -859,7 +908,10 @@ def test_tcp_eval_shares_the_serial_channels_interpreter(tcp: TcpAgent, serial: 
 
     answer = tcp.call(action="eval", code="1 / 0")
     assert answer["ok"] is True and answer["exit_code"] == 1
-    assert "ZeroDivisionError" in answer["error"]
+    # As the original agent answered: one line, the whole traceback beside it.
+    assert answer["error"] == "ZeroDivisionError: division by zero"
+    assert answer["traceback"].startswith("Traceback (most recent call last):")
+    assert answer["traceback"].rstrip().endswith(answer["error"])
 
 
 def test_tcp_exec_leaves_the_serial_channel_answering(tcp: TcpAgent, serial: Client) -> None:

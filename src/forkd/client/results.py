@@ -80,7 +80,9 @@ class EvalResult:
         """From the HTTP API's (or the agent's) eval answer."""
         return cls(
             result=raw.get("result"),
-            error=raw.get("error"),
+            # Over the agent's TCP protocol 'error' is the last line, the whole text
+            # in 'traceback' (as the original forkd agent answered).
+            error=raw.get("traceback") or raw.get("error"),
             exit_code=int(raw.get("exit_code") or 0),
             stdout=raw.get("stdout"),
             stderr=raw.get("stderr"),

@@ -190,7 +190,53 @@ def op_ping(req: dict[str, Any]) -> dict[str, Any]:
         "uptime_s": _uptime(),
         "agent_version": AGENT_VERSION,
         "features": ["payload"],  # reads a chunk sent raw after its request's line
+        # What the original forkd agent's ping said too (docs/guest-agent.md):
+        "agent_lang": "python",
+        "numpy_version": _numpy_version(),
+        "warmup_ready": WARMED_UP.is_set(),
     }
+
+
+# Set once an eval has run without an error in this interpreter: a template's
+# warmup is such an eval, so every fork of a warmed template starts with it set.
+WARMED_UP = threading.Event()
+# Where a container image's python3 keeps its packages (eval runs there, not in
+# this interpreter): numpy's version is read from its metadata directory.
+IMAGE_SITE_GLOBS = (
+    "/usr/lib/python3/dist-packages",
+    "/usr/lib/python3*/site-packages",
+    "/usr/local/lib/python3*/site-packages",
+    "/usr/local/lib/python3*/dist-packages",
+    "/opt/*/lib/python3*/site-packages",
+    "/opt/conda/lib/python3*/site-packages",
+)
+_numpy: list[str] = []  # the version found at the first ping, kept for this process
+
+
+def _numpy_version() -> str:
+    """numpy's version where eval runs (``not-installed`` without it), looked up once:
+    the metadata it was installed with, nothing is imported."""
+    if not _numpy:
+        if IMAGE_EVAL is None:
+            import importlib.metadata
+
+            try:
+                _numpy.append(importlib.metadata.version("numpy"))
+            except importlib.metadata.PackageNotFoundError:
+                _numpy.append("not-installed")
+        else:
+            _numpy.append(_image_package_version("numpy") or "not-installed")
+    return _numpy[0]
+
+
+def _image_package_version(name: str) -> str | None:
+    for pattern in IMAGE_SITE_GLOBS:
+        for site in sorted(glob.glob(pattern)):
+            for meta in sorted(glob.glob(os.path.join(site, f"{name}-*.*-info"))):
+                version = os.path.basename(meta)[len(name) + 1 :].rsplit(".", 1)[0]
+                if version[:1].isdigit():  # not numpy-financial-1.0.egg-info
+                    return version.split("-py", 1)[0]  # numpy-1.24.2-py3.11.egg-info
+    return None
 
 
 def _uptime() -> float:
@@ -305,8 +351,12 @@ def op_eval(req: dict[str, Any]) -> dict[str, Any]:
     with _request_errors():
         code, timeout_s = forkd_eval.eval_params(req)
     if IMAGE_EVAL is not None:
-        return IMAGE_EVAL.run(code, timeout_s)
-    return EVAL.run(code, timeout_s)
+        answer = IMAGE_EVAL.run(code, timeout_s)
+    else:
+        answer = EVAL.run(code, timeout_s)
+    if answer.get("error") is None:
+        WARMED_UP.set()
+    return answer
 
 
 def op_eval_interrupt(req: dict[str, Any]) -> dict[str, Any]:
@@ -1228,25 +1278,41 @@ def serve_stdio() -> None:
 
 
 def _tcp_exec(req: dict[str, Any]) -> dict[str, Any]:
-    """``exec`` in the HTTP API's words (``args``, ``timeout_secs``)."""
+    """``exec`` in the HTTP API's words (``args``, ``timeout_secs``), or the original
+    forkd SDK's (``timeout``)."""
     args = req.get("args")
     if not isinstance(args, list) or not args or not all(isinstance(a, str) for a in args):
         raise RequestError("'args' must be a non-empty list of strings")
-    timeout = req.get("timeout_secs")
-    if timeout is None:
-        timeout = DEFAULT_EXEC_TIMEOUT_S
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise RequestError("'timeout_secs' must be a number of seconds")
-    if not (0 < timeout <= MAX_EXEC_TIMEOUT_S):  # NaN fails this too
-        raise RequestError(f"'timeout_secs' must be > 0 and at most {MAX_EXEC_TIMEOUT_S:g}")
+    given = {k: req[k] for k in ("timeout_secs", "timeout") if req.get(k) is not None}
+    for field, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise RequestError(f"'{field}' must be a number of seconds")
+        if not (0 < value <= MAX_EXEC_TIMEOUT_S):  # NaN fails this too
+            raise RequestError(f"'{field}' must be > 0 and at most {MAX_EXEC_TIMEOUT_S:g}")
+    if len(set(given.values())) > 1:
+        raise RequestError("'timeout_secs' and 'timeout' differ: give one of them")
+    timeout = next(iter(given.values()), DEFAULT_EXEC_TIMEOUT_S)
     params = {k: req.get(k) for k in ("cwd", "env", "stdin", "user")}
     return op_exec({"argv": args, "timeout": timeout, **params})
+
+
+def _tcp_eval(req: dict[str, Any]) -> dict[str, Any]:
+    """``eval`` answered as the original forkd agent did: a failure's ``error`` is its
+    last line (``NameError: name 'x' is not defined``), the whole text in
+    ``traceback``."""
+    answer = op_eval(req)
+    error = answer.get("error")
+    if error:
+        lines = [line for line in error.splitlines() if line.strip()]
+        answer["traceback"] = error
+        answer["error"] = lines[-1].strip() if lines else error
+    return answer
 
 
 TCP_ACTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "ping": op_ping,
     "exec": _tcp_exec,
-    "eval": op_eval,  # the same warm interpreter as the virtio-serial channel's
+    "eval": _tcp_eval,  # the same warm interpreter as the virtio-serial channel's
 }
 
 
@@ -1269,7 +1335,11 @@ def handle_tcp_request(data: bytes) -> dict[str, Any]:
     if handler is None:
         return _tcp_error(f"unknown action: {action!r} (expected one of {', '.join(TCP_ACTIONS)})")
     try:
-        return {"ok": True, **handler(req)}
+        answer = handler(req)
+        # The original forkd client takes an 'error' key, even a null one, as a failure.
+        if "error" in answer and answer["error"] is None:
+            del answer["error"]
+        return {"ok": True, **answer}
     except BaseException as exc:  # the connection still gets its one answer
         if not isinstance(exc, OSError | RequestError):
             log(f"tcp {action} failed: {type(exc).__name__}: {exc}")
