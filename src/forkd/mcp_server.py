@@ -16,8 +16,10 @@ daemon's authority, so reaching it must need that authority too.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -36,6 +38,8 @@ INSTRUCTIONS = (
 )
 TREE_URI = "forkd://tree"
 FILE_READ_LIMIT = 1 << 20  # what a tool answer carries: larger files are cut, and say so
+WAIT_FOR_TEXT_TAIL = 4096  # wait_for_text reads a file's last 4 KiB, as the original did
+MAX_WAIT_FOR_TEXT_SECS = 3600
 
 
 async def _daemon(call: Awaitable[Any]) -> Any:
@@ -137,12 +141,25 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
 
     @server.tool()
     async def branch_sandbox(
-        sandbox_id: str, tag: str | None = None, mode: str | None = None
+        sandbox_id: str,
+        tag: str | None = None,
+        mode: str | None = None,
+        diff: bool = False,
+        measure_diff: bool = False,
+        wait: bool = True,
     ) -> dict[str, Any]:
         """Save the running sandbox's whole state as a new snapshot (it pauses for
         milliseconds, then goes on). Fork the snapshot to get copies of that moment.
-        ``mode``: full (default), diff or live."""
-        return dict(await with_daemon(lambda c: c.branch_sandbox(sandbox_id, tag=tag, mode=mode)))
+        ``mode``: full (default), diff or live (``diff=True`` is mode diff);
+        ``measure_diff``: a full branch that reports what a diff would store;
+        ``wait=False``: answer at once (status pending) and write in the background."""
+        return dict(
+            await with_daemon(
+                lambda c: c.branch_sandbox(
+                    sandbox_id, tag=tag, mode=mode, wait=wait, diff=diff, measure_diff=measure_diff
+                )
+            )
+        )
 
     @server.tool()
     async def list_sandboxes(state: str | None = None) -> list[dict[str, Any]]:
@@ -192,20 +209,31 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         ready_cmd: str | None = None,
         warmup: str | None = None,
         memory_mib: int | None = None,
+        kernel: str | None = None,
+        rootfs: str | None = None,
+        rw: bool = False,
+        tap: str | None = None,
+        boot_wait_secs: float | None = None,
     ) -> dict[str, Any]:
         """Make a new snapshot ``tag`` to create sandboxes from. ``image``: a built
         image's name (list_images; default python) or a container image reference,
         imported first. ``start``: run the image's Entrypoint+Cmd before the snapshot
         and wait until guest TCP ``ready_port`` listens or the shell line ``ready_cmd``
         exits 0, so every sandbox starts with that service already running.
-        ``warmup``: Python run in the warm interpreter first. Takes seconds to minutes."""
+        ``warmup``: Python run in the warm interpreter first. Takes seconds to minutes.
+        The original forkd's ``kernel`` and ``rootfs`` (files of a built image on the
+        daemon's host), ``rw``, ``tap`` and ``boot_wait_secs`` are taken too."""
+        extra = {k: v for k, v in (("kernel", kernel), ("rootfs", rootfs), ("tap", tap)) if v}
         answer = await with_daemon(
             lambda c: c.create_snapshot(
                 tag, image=image, warmup=warmup, memory_mib=memory_mib, start=start or None,
-                ready_port=ready_port, ready_cmd=ready_cmd,
+                ready_port=ready_port, ready_cmd=ready_cmd, boot_wait_secs=boot_wait_secs,
+                **extra, **({"rw": True} if rw else {}),
             )
         )  # fmt: skip
         return dict(answer)
+
+    _original_tools(server, with_daemon)
 
     @server.resource(TREE_URI, name="lineage", mime_type="application/json")
     async def tree() -> str:
@@ -216,6 +244,87 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         return json.dumps(lineage_tree(snaps, sandboxes))
 
     return server
+
+
+def _original_tools(
+    server: MCPServer, with_daemon: Callable[[Callable[[AsyncController], Any]], Any]
+) -> None:
+    """The original forkd MCP server's tools, by its names and arguments, beside ours: a
+    client configured for ``forkd-mcp`` keeps working (list_sandboxes, list_snapshots,
+    kill_sandbox, branch_sandbox and create_snapshot are shared by both sets)."""
+
+    @server.tool()
+    async def spawn_sandboxes(
+        snapshot_tag: str,
+        n: int = 1,
+        per_child_netns: bool = False,
+        memory_limit_mib: int | None = None,
+        prewarm: bool = False,
+        live_fork: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Fork ``n`` sandboxes from a snapshot, all or none (the original forkd's name
+        for fork_sandboxes). ``memory_limit_mib``: a host memory cap per sandbox (default:
+        its guest RAM and QEMU's overhead). Returns their SandboxInfo."""
+        return list(
+            await with_daemon(
+                lambda c: c.spawn_sandboxes(
+                    snapshot_tag, n=n, memory_limit_mib=memory_limit_mib,
+                    per_child_netns=per_child_netns or None, prewarm=prewarm or None,
+                    live_fork=live_fork or None,
+                )
+            )
+        )  # fmt: skip
+
+    @server.tool()
+    async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
+        """One sandbox's SandboxInfo."""
+        return dict(await with_daemon(lambda c: c.get_sandbox(sandbox_id)))
+
+    @server.tool()
+    async def exec_command(
+        sandbox_id: str, args: list[str], timeout_secs: float = 30
+    ) -> dict[str, Any]:
+        """Run a program (``args``, no shell) in the sandbox and wait for it: the
+        answer of POST /v1/sandboxes/{id}/exec (stdout, stderr, exit_code)."""
+        return dict(await with_daemon(lambda c: c.exec_command(sandbox_id, args, timeout_secs)))
+
+    @server.tool()
+    async def eval_code(sandbox_id: str, code: str) -> dict[str, Any]:
+        """Evaluate Python in the sandbox's warm interpreter: the answer of
+        POST /v1/sandboxes/{id}/eval (result, error, exit_code, ...)."""
+        return dict(await with_daemon(lambda c: c.eval_code(sandbox_id, code)))
+
+    @server.tool()
+    async def ping_sandbox(sandbox_id: str) -> dict[str, Any]:
+        """Ask the sandbox's guest agent whether it answers."""
+        return dict(await with_daemon(lambda c: c.ping_sandbox(sandbox_id)))
+
+    @server.tool()
+    async def wait_for_text(
+        sandbox_id: str,
+        path: str,
+        marker: str,
+        timeout_secs: float = 60,
+        poll_interval_ms: int = 200,
+    ) -> dict[str, Any]:
+        """Wait until the file ``path`` in the sandbox ends with text containing
+        ``marker`` (its last 4 KiB are read every ``poll_interval_ms``), at most
+        ``timeout_secs``: ``{"found", "elapsed_ms", "last_excerpt"}``."""
+        if not 0 < timeout_secs <= MAX_WAIT_FOR_TEXT_SECS:
+            raise ToolError(f"timeout_secs must be > 0 and at most {MAX_WAIT_FOR_TEXT_SECS}")
+        interval = min(max(poll_interval_ms, 10), 10_000) / 1000
+        started = time.monotonic()
+        argv = ["tail", "-c", str(WAIT_FOR_TEXT_TAIL), "--", path]
+        excerpt = ""
+        while True:
+            raw = await with_daemon(lambda c: c.exec_command(sandbox_id, argv, 5))
+            if raw.get("exit_code") == 0:
+                excerpt = str(raw.get("stdout") or "")
+            elapsed = time.monotonic() - started
+            if marker in excerpt or elapsed >= timeout_secs:
+                return {"found": marker in excerpt, "elapsed_ms": round(elapsed * 1000),
+                        "last_excerpt": excerpt[-256:]}  # fmt: skip
+            await asyncio.sleep(min(interval, timeout_secs - elapsed))
 
 
 def bearer_only(app: Any, token: str) -> Any:

@@ -18,7 +18,11 @@ from forkd import mcp_server
 from forkd.client import AsyncController, ControllerError
 from tests import oci_images
 from tests.integration.test_container_images import busybox_image
-from tests.unit.test_mcp_server import exercise_every_tool, exercise_the_image_tools
+from tests.unit.test_mcp_server import (
+    exercise_every_tool,
+    exercise_the_image_tools,
+    exercise_the_original_tools,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -31,6 +35,19 @@ def test_every_tool_on_real_vms(daemon: Any, api_template: str) -> None:
             await exercise_every_tool(client, api_template, "mcp-branch")
         async with AsyncController(daemon.url, token=daemon.token) as ctl:
             await ctl.delete_snapshot("mcp-branch")
+
+    asyncio.run(session())
+
+
+def test_the_original_forkd_tools_on_real_vms(daemon: Any, api_template: str) -> None:
+    built = mcp_server.build(lambda: AsyncController(daemon.url, token=daemon.token))
+
+    async def session() -> None:
+        async with Client(built) as client:
+            await exercise_the_original_tools(client, api_template, "mcp-original")
+        async with AsyncController(daemon.url, token=daemon.token) as ctl:
+            for tag in ("mcp-original-m", "mcp-original"):
+                await ctl.delete_snapshot(tag)
 
     asyncio.run(session())
 

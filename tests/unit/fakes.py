@@ -244,6 +244,10 @@ class FakeVM:
         if argv in (["whoami"], ["id", "-un"], ["/bin/sh", "-c", "id -un"]):
             return {"stdout": self.guest.user(kw.get("user")) + "\n", "stderr": "",
                     "exit_code": 0, "timed_out": False, "duration_ms": 1.0}  # fmt: skip
+        if argv[:2] == ["tail", "-c"] and argv[-1] in self.guest.files:  # tail -c N -- PATH
+            data = self.guest.files[argv[-1]][-int(argv[2]) :]
+            return {"stdout": data.decode(), "stderr": "", "exit_code": 0, "timed_out": False,
+                    "duration_ms": 1.0}  # fmt: skip
         if argv[:1] == ["exit"]:
             code = int(argv[1])
             return {"stdout": "", "stderr": f"exit {code}\n", "exit_code": code,

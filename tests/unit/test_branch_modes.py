@@ -285,3 +285,83 @@ def test_a_hibernated_sandbox_branches_as_a_diff_of_its_state_on_disk(
     assert client.post(f"/v1/sandboxes/{sid}/resume").status_code == 200
     r = _branch(client, sid, tag="h2", mode="diff")
     assert r.status_code == 409 and "hibernation" in r.json()["error"]
+
+
+# ------------------------------------------------------------------ the original forkd's forms
+
+
+def test_the_original_diff_flag_is_a_diff_branch_with_its_figures(
+    client: TestClient, settings: Settings, sid: str
+) -> None:
+    r = _branch(client, sid, tag="od", diff=True)
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["mode"] == "diff" and info["base_tag"] == "base"
+    assert info["diff_logical_bytes"] == 128 << 20
+    data = settings.snapshot_root / "od" / "memory.diff"
+    assert info["diff_physical_bytes"] == data.stat().st_blocks * 512
+    assert isinstance(info["diff_ms"], int) and info["diff_ms"] >= 0
+    # A full branch says nothing of diffs.
+    full = _branch(client, sid, tag="of").json()
+    assert not {"diff_ms", "diff_physical_bytes", "diff_logical_bytes"} & full.keys()
+
+
+def test_the_original_live_flag_is_a_live_branch(client: TestClient, sid: str) -> None:
+    r = _branch(client, sid, tag="ol", live=True)
+    assert r.status_code == 201, r.text
+    assert r.json()["mode"] == "full"  # live is taken as full, as mode live is
+
+
+def test_measure_diff_is_a_full_branch_reporting_what_a_diff_would_store(
+    client: TestClient, sid: str
+) -> None:
+    r = _branch(client, sid, tag="om", measure_diff=True)
+    assert r.status_code == 201, r.text
+    info = r.json()
+    assert info["mode"] == "full" and "base_tag" not in info
+    assert info["diff_logical_bytes"] == 128 << 20
+    assert info["diff_physical_bytes"] % 4096 == 0
+    assert 0 <= info["diff_physical_bytes"] <= info["diff_logical_bytes"]
+    assert client.delete("/v1/snapshots/base?cascade=true").status_code == 204  # no dependency
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        ({"mode": "full", "diff": True}, "not both"),
+        ({"mode": "diff", "live": True}, "not both"),
+        ({"diff": True, "live": True}, "at most one"),
+        ({"measure_diff": True, "diff": True}, "measure_diff"),
+        ({"measure_diff": True, "mode": "live"}, "measure_diff"),
+        ({"diff": True, "wait": False}, "wait: false needs mode live"),
+        ({"measure_diff": True, "wait": False}, "wait: false needs mode live"),
+        ({"parent_tag": "base"}, "parent_tag names a diff's base"),
+        ({"parent_tag": "other", "diff": True}, "is not the snapshot"),
+        ({"difff": True}, "difff: unknown field"),
+        ({"diff": "yes"}, "diff"),
+    ],
+)
+def test_the_original_forms_refused_as_it_refused_them_change_nothing(
+    client: TestClient, settings: Settings, sid: str, body: dict[str, Any], named: str
+) -> None:
+    before = client.get("/v1/snapshots").json()
+    r = _branch(client, sid, tag="nope", **body)
+    assert r.status_code == 400, r.text
+    assert named in r.json()["error"], r.text
+    assert client.get("/v1/snapshots").json() == before
+    assert not (settings.snapshot_root / "nope").exists()
+
+
+def test_the_original_forms_that_hold_are_served(client: TestClient, sid: str) -> None:
+    # parent_tag naming the source's own snapshot, with diff: the diff is over it anyway.
+    r = _branch(client, sid, tag="pt", diff=True, parent_tag="base")
+    assert r.status_code == 201 and r.json()["base_tag"] == "base", r.text
+    # mode with diff: false is no conflict; the live form may answer early.
+    assert _branch(client, sid, tag="mf", mode="full", diff=False).status_code == 201
+    r = _branch(client, sid, tag="lw", live=True, wait=False)
+    assert r.status_code == 202, r.text
+    assert _settle(client, "lw")["status"] == "ready"
+    # Ours: mode full and diff may answer early too (documented).
+    r = _branch(client, sid, tag="fw", mode="full", wait=False)
+    assert r.status_code == 202, r.text
+    assert _settle(client, "fw")["status"] == "ready"

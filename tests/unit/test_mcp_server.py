@@ -37,6 +37,9 @@ TOOLS = {
     "create_sandbox", "fork_sandboxes", "exec", "run_python", "read_file", "write_file",
     "branch_sandbox", "list_sandboxes", "list_snapshots", "kill_sandbox",
     "import_image", "list_images", "create_snapshot",
+    # The original forkd MCP server's names (forkd-mcp), beside ours.
+    "spawn_sandboxes", "get_sandbox", "exec_command", "eval_code", "ping_sandbox",
+    "wait_for_text",
 }  # fmt: skip
 
 
@@ -96,6 +99,45 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     assert bad.is_error
 
 
+async def exercise_the_original_tools(client: Client, template: str, branch_tag: str) -> None:
+    """The original forkd MCP server's tools, called with its argument names as its
+    users' agents call them (also run on real VMs by tests/integration/test_mcp.py)."""
+    args: dict[str, Any] = {"snapshot_tag": template, "n": 2, "per_child_netns": False,
+                            "prewarm": False}  # fmt: skip
+    kids = _value(await client.call_tool("spawn_sandboxes", args))
+    assert len(kids) == 2
+    sid = kids[0]["id"]
+    assert _value(await client.call_tool("get_sandbox", {"sandbox_id": sid}))["id"] == sid
+    args = {"sandbox_id": sid, "args": ["echo", "hi"], "timeout_secs": 30}
+    ran = _value(await client.call_tool("exec_command", args))
+    assert (ran["stdout"], ran["exit_code"]) == ("hi\n", 0)
+    evaluated = _value(await client.call_tool("eval_code", {"sandbox_id": sid, "code": "x + 1"}))
+    assert evaluated["result"] == "42" and evaluated["exit_code"] == 0
+    assert _value(await client.call_tool("ping_sandbox", {"sandbox_id": sid}))["pong"] is True
+
+    args = {"sandbox_id": sid, "path": "/tmp/app.log", "content": "starting\nserver ready\n"}
+    assert _value(await client.call_tool("write_file", args))["size"] == 22
+    args = {"sandbox_id": sid, "path": "/tmp/app.log", "marker": "ready", "timeout_secs": 10}
+    waited = _value(await client.call_tool("wait_for_text", args))
+    assert waited["found"] is True and "server ready" in waited["last_excerpt"], waited
+    args = {"sandbox_id": sid, "path": "/tmp/app.log", "marker": "never", "timeout_secs": 0.5,
+            "poll_interval_ms": 100}  # fmt: skip
+    waited = _value(await client.call_tool("wait_for_text", args))
+    assert waited["found"] is False and waited["elapsed_ms"] >= 500, waited
+
+    args = {"sandbox_id": sid, "tag": branch_tag, "diff": True}
+    branch = _value(await client.call_tool("branch_sandbox", args))
+    assert branch["mode"] == "diff" and branch["diff_physical_bytes"] >= 0, branch
+    args = {"sandbox_id": sid, "tag": f"{branch_tag}-m", "measure_diff": True}
+    measured = _value(await client.call_tool("branch_sandbox", args))
+    assert measured["mode"] == "full" and "diff_logical_bytes" in measured, measured
+    refused = await client.call_tool("branch_sandbox", {"sandbox_id": sid, "diff": True,
+                                                        "wait": False})  # fmt: skip
+    assert refused.is_error and "400" in refused.content[0].text
+    for kid in kids:
+        assert _value(await client.call_tool("kill_sandbox", {"sandbox_id": kid["id"]}))["killed"]
+
+
 async def exercise_the_image_tools(
     client: Client, ref: str, missing_ref: str, tag: str, ready_port: int, user: str
 ) -> None:
@@ -130,6 +172,39 @@ def test_every_tool_and_the_tree(server: Server, template: str) -> None:
     async def session() -> None:
         async with Client(built) as client:
             await exercise_every_tool(client, template, "b1")
+
+    asyncio.run(session())
+
+
+def test_the_original_forkd_tools(server: Server, template: str) -> None:
+    built = mcp_server.build(lambda: AsyncController(server.url, token=server.token))
+
+    async def session() -> None:
+        async with Client(built) as client:
+            await exercise_the_original_tools(client, template, "ob")
+            # create_snapshot takes the original's arguments too.
+            args = {"tag": "made", "rw": False, "boot_wait_secs": 30}
+            assert _value(await client.call_tool("create_snapshot", args))["tag"] == "made"
+
+    asyncio.run(session())
+
+
+def test_forkd_mcp_is_the_original_command_name(server: Server, template: str) -> None:
+    """``forkd-mcp`` (the original's command, the console script) serves the same tools
+    over stdio, reaching the daemon by FORKD_URL and FORKD_TOKEN as the original did."""
+    script = Path(sys.executable).with_name("forkd-mcp")
+    if not script.exists():
+        pytest.skip(f"{script} is not installed: pip install -e . makes it")
+    env = {"FORKD_URL": server.url, "FORKD_TOKEN": server.token}
+    if "PYTHONPATH" in os.environ:
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    params = StdioServerParameters(command=str(script), args=[], env=env)
+
+    async def session() -> None:
+        async with Client(params) as client:
+            assert {t.name for t in (await client.list_tools()).tools} == TOOLS
+            snaps = _value(await client.call_tool("list_snapshots", {}))
+            assert [s["tag"] for s in snaps] == [template]
 
     asyncio.run(session())
 

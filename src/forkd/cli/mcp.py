@@ -61,3 +61,12 @@ def mcp(conn: Connection, http: HttpOpt = None) -> None:
     if token:
         app = mcp_server.bearer_only(app, token)
     uvicorn.run(app, host=host, port=int(port), log_level="warning")
+
+
+def original_main() -> None:
+    """``forkd-mcp``: the original forkd MCP server's command, for client configs that name
+    it. Serves stdio, reaching the daemon at ``FORKD_URL`` with ``FORKD_TOKEN`` (or the
+    token file), as ``forkd mcp`` does; takes ``forkd mcp``'s options too."""
+    app = typer.Typer(add_completion=False)
+    app.command()(with_connection(mcp, json_option=False))
+    app(prog_name="forkd-mcp")

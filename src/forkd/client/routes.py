@@ -278,6 +278,9 @@ class Routes:
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         node: str | None = None,
+        prewarm: bool | None = None,
+        live_fork: bool | None = None,
+        hugepages: bool | None = None,
     ) -> list[JSONDict]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
         nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
@@ -285,7 +288,9 @@ class Routes:
         does then (``"kill"``, ``"pause"``, ``"hibernate"`` or ``"branch"``), also
         after ``idle_timeout_s`` seconds with no API call and no process output;
         ``metadata`` labels them (over the snapshot's labels, which they inherit);
-        ``node`` pins them to one node of a ``forkd gateway``."""
+        ``node`` pins them to one node of a ``forkd gateway``. ``prewarm``,
+        ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
+        without effect here."""
         body = _drop_none(
             {
                 "snapshot_tag": snapshot_tag,
@@ -299,6 +304,9 @@ class Routes:
                 "timeout_s": timeout_s,
                 "idle_timeout_s": idle_timeout_s,
                 "node": node,
+                "prewarm": prewarm,
+                "live_fork": live_fork,
+                "hugepages": hugepages,
             }
         )
         return self._json(
@@ -354,14 +362,23 @@ class Routes:
         mode: str | None = None,
         metadata: dict[str, str] | None = None,
         wait: bool = True,
+        diff: bool = False,
+        measure_diff: bool = False,
     ) -> JSONDict:
         """``POST /v1/sandboxes/{id}/branch``: pause, snapshot, resume →
         SnapshotInfo with ``branched_from`` and ``pause_ms``; ``metadata`` labels
         the branch (over the sandbox's labels). ``mode``: ``"full"`` (default),
         ``"diff"`` (only the pages that differ from the sandbox's snapshot) or
         ``"live"`` (taken as full). ``wait=False``: answered at once with ``status``
-        ``"pending"``; poll :meth:`snapshot` until ``"ready"`` or ``"failed"``."""
+        ``"pending"``; poll :meth:`snapshot` until ``"ready"`` or ``"failed"``.
+        The original forkd's ``diff=True`` is ``mode="diff"``; ``measure_diff=True``
+        takes a full branch and reports what a diff would have stored (``diff_ms``,
+        ``diff_physical_bytes``, ``diff_logical_bytes``, as a diff branch does)."""
         body = _drop_none({"tag": tag, "mode": mode, "metadata": metadata})
+        if diff:
+            body["diff"] = True
+        if measure_diff:
+            body["measure_diff"] = True
         if not wait:
             body["wait"] = False
         return self._json("POST", f"{self._sb(sandbox_id)}/branch", json_body=body)

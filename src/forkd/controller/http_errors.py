@@ -172,6 +172,9 @@ def install(app: FastAPI) -> None:
         problems = []
         for err in exc.errors():
             where = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
+            if err.get("type") == "extra_forbidden":
+                problems.append(f"{where}: unknown field, not supported here")
+                continue
             problems.append(f"{where or 'body'}: {err.get('msg')}")
         return error_response(400, "invalid request: " + "; ".join(problems))
 

@@ -10,7 +10,7 @@ receives and a service takes; responses (``SnapshotInfo``, ``SandboxInfo``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -32,7 +32,15 @@ Metadata = Annotated[
 
 class _Body(BaseModel):
     # Strict: true is not 1 and "2" is not 2, as the contract (docs/openapi.json) says.
-    model_config = ConfigDict(extra="ignore", strict=True)
+    # A field the daemon does not know is a 400 naming it, never silently dropped: a
+    # client that asked for something gets it or is told. Fields the original forkd's
+    # clients send that have no effect here are declared where they arrive (ORIGINAL).
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _original(default: Any, what: str) -> Any:
+    """A field the original forkd's clients send, accepted and without effect here."""
+    return Field(default, description=f"the original forkd's; no effect here: {what}")
 
 
 # ------------------------------------------------------------------ requests
@@ -78,6 +86,8 @@ class SnapshotCreate(_Body):
     )  # fmt: skip
     kernel: str | None = None
     rootfs: str | None = None
+    rw: bool = _original(False, "the guest's root is always writable (an overlay per VM)")
+    tap: str | None = _original(None, "the daemon makes each VM's network")
     # Unset fields take the image recipe's [template] defaults, then forkd's.
     memory_mib: int | None = Field(None, ge=limits.MIN_MEMORY_MIB, le=limits.MAX_MEMORY_MIB)
     vcpus: int | None = Field(None, ge=1, le=limits.MAX_VCPUS)
@@ -188,6 +198,9 @@ class SandboxCreate(_Body):
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
     metadata: Metadata | None = Field(None, description="merged over the snapshot's labels")
+    prewarm: bool = _original(False, "a fork restores its template's warm memory")
+    live_fork: bool = _original(False, "every child can be branched with any mode")
+    hugepages: bool = _original(False, "guest memory is the snapshot's file, mapped")
 
 
 class TimeoutRequest(_Body):
@@ -254,6 +267,19 @@ class BranchRequest(_Body):
     )
     wait: bool = Field(True, description="false: answer 202 at once, status pending")
     metadata: Metadata | None = Field(None, description="merged over the source's labels")
+    # The original forkd's forms (its SDKs, MCP server and CLI send them).
+    diff: bool | None = Field(None, description="the original's form of mode diff")
+    live: bool | None = Field(None, description="the original's form of mode live")
+    measure_diff: bool = Field(
+        False,
+        description="a full branch that also reports what a diff would have stored "
+        "(diff_ms, diff_physical_bytes, diff_logical_bytes)",
+    )
+    parent_tag: str | None = Field(
+        None,
+        pattern=limits.NAME_PATTERN,
+        description="the original's diff-chain edge: must be the source's snapshot, with diff",
+    )
 
 
 class PtySize(_Body):
@@ -392,6 +418,14 @@ class SnapshotInfo(BaseModel):
     mode: str = Field("full", description="full, or diff: the pages that differ from base_tag's")
     base_tag: str | None = Field(None, description="a diff's base snapshot (a dependency)")
     error: str | None = Field(None, description="why a branch with wait false failed")
+    # A branch's answer, for mode diff (or diff: true) and measure_diff, as the original forkd.
+    diff_ms: int | None = Field(
+        None, description="diff branches: ms to capture the pages (measure_diff: to count them)"
+    )
+    diff_physical_bytes: int | None = Field(
+        None, description="diff branches: bytes the pages take (measure_diff: would take)"
+    )
+    diff_logical_bytes: int | None = Field(None, description="diff branches: guest RAM bytes")
     # Detail: GET /v1/snapshots/{tag}/info only.
     memory_logical_bytes: int | None = None
     memory_physical_bytes: int | None = None

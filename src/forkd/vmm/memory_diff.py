@@ -407,6 +407,24 @@ class DiffCapture:
         self.pages_kept += npages
 
 
+def count_differing(full: Path, base: Chain) -> int:
+    """How many pages of the full memory file ``full`` differ from ``base``'s: what a diff
+    of it over ``base`` would store. Nothing is written."""
+    npages = base.size // PAGE
+    count = 0
+    fd = os.open(full, os.O_RDONLY)
+    try:
+        for first in range(0, npages, CHUNK_PAGES):
+            end = min(first + CHUNK_PAGES, npages)
+            data = os.pread(fd, (end - first) * PAGE, first * PAGE)
+            data += bytes((end - first) * PAGE - len(data))
+            old = base.read(first, end)
+            count += sum(len(run) // PAGE for _, run in differing(first, data, old))
+    finally:
+        os.close(fd)
+    return count
+
+
 def diff_of_file(full: Path, base: Chain, out_fd: int, runs_path: Path) -> DiffCapture:
     """A diff of the full memory file ``full`` over ``base`` (a snapshot on disk, no VM)."""
     cap = DiffCapture(out_fd, limit=0)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
-from forkd.vmm import live_snapshot, snapshot_copy, snapshot_files
+from forkd.vmm import live_snapshot, memory_diff, snapshot_copy, snapshot_files
 from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
 
 log = logging.getLogger(__name__)
@@ -45,16 +46,21 @@ class BranchService:
         self.background: set[asyncio.Task[None]] = set()  # branches with wait false
 
     async def branch(self, sandbox_id: str, req: BranchRequest) -> SnapshotInfo:
-        if req.mode not in MODES:
-            raise Invalid(f"branch mode {req.mode!r} is not supported (full, diff or live)")
+        mode = requested_mode(req)
         if req.tag is not None:
             check_tag(req.tag)
         fleet = self.fleet
         row = fleet.sandbox_row(sandbox_id)
+        if req.parent_tag is not None and req.parent_tag != row.snapshot_tag:
+            raise Invalid(
+                f"parent_tag {req.parent_tag!r} is not the snapshot sandbox {row.id!r} was "
+                f"forked from ({row.snapshot_tag!r}): a diff is over that one"
+            )
         # A paused one is taken as it is; a hibernated one is its state on disk.
         vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
-        base = self._diff_base(row, vm) if req.mode == "diff" else None
-        live = req.mode == "live"
+        measure = req.measure_diff
+        base = self._diff_base(row, vm) if mode == "diff" or measure else None
+        live = mode == "live"
         cap = fleet.settings.branch_concurrency
         if self.in_flight >= cap:
             raise Busy(f"{self.in_flight} branches are in flight (the cap is {cap}); retry shortly")
@@ -67,9 +73,15 @@ class BranchService:
             held.enter_context(self._counted(base))
             # Taken now and held: an entry dropped meanwhile must not let a second run.
             lock = fleet.branch_locks.setdefault(row.id, asyncio.Lock())
+            if measure:  # a full branch, then what a diff over the base would have stored
+                assert base is not None
+                await self._run(lock, vm, row, tag, labels, None, live=live)
+                info = self._branched(row.id, tag)
+                return _with(info, await asyncio.to_thread(_measured_diff, tag, info, base))
             if req.wait:
                 await self._run(lock, vm, row, tag, labels, base, live=live)
-                return self._branched(row.id, tag)
+                info = self._branched(row.id, tag)
+                return _with(info, _diff_figures(info)) if base is not None else info
             fleet.store.add_snapshot(self._pending_row(vm, row, tag, labels, base))
             task = asyncio.create_task(
                 self._settle(held.pop_all(), lock, vm, row, tag, labels, base, live=live),
@@ -247,6 +259,69 @@ class BranchService:
         except SnapshotError:
             return
         self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
+
+
+def requested_mode(req: BranchRequest) -> str | None:
+    """The mode a branch request asks for: ``mode``, or the original forkd's ``diff`` and
+    ``live`` booleans, checked as the original checked them (400s)."""
+    if req.mode not in MODES:
+        raise Invalid(f"branch mode {req.mode!r} is not supported (full, diff or live)")
+    legacy = [name for name in ("diff", "live") if getattr(req, name)]
+    if req.mode is not None and legacy:
+        raise Invalid(
+            f"set either mode or the older {' and '.join(legacy)}: true, not both "
+            f"(mode {req.mode!r})"
+        )
+    if len(legacy) > 1:
+        raise Invalid("set at most one of diff and live")
+    mode = req.mode or (legacy[0] if legacy else None)
+    if req.measure_diff and mode in ("diff", "live"):
+        raise Invalid(f"measure_diff reports what a diff would store beside a full branch: "
+                      f"not with mode {mode!r}")  # fmt: skip
+    if req.parent_tag is not None and mode != "diff":
+        raise Invalid("parent_tag names a diff's base: it needs mode diff (or diff: true)")
+    # The original's forms keep the original's rule: only a live branch may answer early.
+    if not req.wait and mode != "live" and (legacy or req.measure_diff):
+        raise Invalid("wait: false needs mode live (or live: true) in this form of the request; "
+                      "or send mode full/diff with wait false")  # fmt: skip
+    return mode
+
+
+def _with(info: SnapshotInfo, extra: dict[str, int]) -> SnapshotInfo:
+    """``info`` with fields added (and so sent: answers leave out what was never set)."""
+    return SnapshotInfo(**info.model_dump(exclude_unset=True), **extra)
+
+
+def _diff_figures(info: SnapshotInfo) -> dict[str, int]:
+    """A diff branch's figures, as the original forkd reported them: the capture's time
+    inside the pause, the bytes its pages take on disk, and the RAM they cover."""
+    files = snapshot_files.load(Path(info.dir))
+    data = Path(info.memory)
+    return {
+        "diff_ms": round(files.meta.capture_ms),
+        "diff_physical_bytes": data.stat().st_blocks * 512,
+        "diff_logical_bytes": files.meta.memory_bytes,
+    }
+
+
+def _measured_diff(tag: str, info: SnapshotInfo, base: BaseRef) -> dict[str, int]:
+    """What a diff over ``base`` would have stored for the full branch ``tag``: its pages
+    that differ from the base's, counted after the source runs again."""
+    files = snapshot_files.load(Path(info.dir))
+    started = time.monotonic()
+    try:
+        base_files = snapshot_files.load(Path(base.dir))
+        with memory_diff.resolve(base_files) as chain:
+            pages = memory_diff.count_differing(Path(info.memory), chain)
+    except (OSError, SnapshotError) as exc:
+        raise SnapshotError(
+            f"branch {tag} was taken, but measuring its diff failed: {exc}"
+        ) from exc
+    return {
+        "diff_ms": round((time.monotonic() - started) * 1000),
+        "diff_physical_bytes": pages * memory_diff.PAGE,
+        "diff_logical_bytes": files.meta.memory_bytes,
+    }
 
 
 def _loaded(row: SnapshotRow) -> snapshot_files.SnapshotFiles | None:
