@@ -236,6 +236,46 @@ def test_compact_flattens_in_place_and_dependents_stay_bootable(
     assert client.get("/v1/snapshots/d2/info").json()["bootable"]
 
 
+def test_compact_to_makes_a_new_full_snapshot_and_leaves_the_source(
+    client: TestClient, settings: Settings, chain: list[str]
+) -> None:
+    before = sorted(p.name for p in (settings.snapshot_root / "d2").iterdir())
+    r = client.post("/v1/snapshots/d2/compact", json={"to": "flat"})
+    assert r.status_code == 200, r.text
+    flat = r.json()
+    assert (flat["tag"], flat["mode"], flat["parent_tag"]) == ("flat", "full", "d2")
+    assert "base_tag" not in flat and flat["bootable"]
+    assert _files(settings, "flat") == ["fake-guest.json", "memory.bin", "snapshot.json",
+                                        "vmstate"]  # fmt: skip
+    assert sorted(p.name for p in (settings.snapshot_root / "d2").iterdir()) == before
+    assert client.get("/v1/snapshots/d2").json()["mode"] == "diff"
+    _fork(client, "flat")
+    # The new one is independent: the whole chain can go.
+    assert client.delete("/v1/snapshots/base?cascade=true").status_code == 204
+    assert client.get("/v1/snapshots/flat/info").json()["bootable"]
+    _fork(client, "flat")
+    # A full source is copied the same way.
+    assert client.post("/v1/snapshots/flat/compact", json={"to": "flat2"}).status_code == 200
+    assert not _leftovers(settings)
+
+
+@pytest.mark.parametrize(
+    ("to", "status", "named"),
+    [("d2", 400, "must differ"), ("d1", 409, "already exists"), ("no/pe", 400, "to"),
+     ("x" * 65, 400, "to")],
+)  # fmt: skip
+def test_compact_to_refusals_change_nothing(
+    client: TestClient, settings: Settings, chain: list[str], to: str, status: int, named: str
+) -> None:
+    before = client.get("/v1/snapshots").json()
+    r = client.post("/v1/snapshots/d2/compact", json={"to": to})
+    assert r.status_code == status, r.text
+    assert named in r.json()["error"]
+    assert client.get("/v1/snapshots").json() == before
+    assert not _leftovers(settings)
+    assert client.post("/v1/snapshots/nope/compact", json={"to": "x"}).status_code == 404
+
+
 def test_delete_with_dependents_is_409_naming_them(client: TestClient, chain: list[str]) -> None:
     r = client.delete("/v1/snapshots/base")
     assert r.status_code == 409 and "d1" in r.json()["error"]

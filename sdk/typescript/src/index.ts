@@ -166,8 +166,10 @@ export class Client {
     await this.request("DELETE", `/v1/snapshots/${q(tag)}`, { query });
   }
 
-  compactSnapshot(tag: string): Promise<SnapshotInfo> {
-    return this.json("POST", `/v1/snapshots/${q(tag)}/compact`, { timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  /** Flatten a diff snapshot in place; with `to`, into a new full snapshot of that tag (the source kept). */
+  compactSnapshot(tag: string, opts: { to?: string } = {}): Promise<SnapshotInfo> {
+    const body = opts.to === undefined ? undefined : { to: opts.to };
+    return this.json("POST", `/v1/snapshots/${q(tag)}/compact`, { body, timeoutMs: Math.max(this.timeoutMs, 600_000) });
   }
 
   // -- images -----------------------------------------------------------------
@@ -245,8 +247,11 @@ export class Client {
     return this.json("POST", `${this.#sb(id)}/timeout`, { body });
   }
 
-  branchSandbox(id: string, opts: { tag?: string; mode?: "full" | "diff" | "live"; wait?: boolean; metadata?: Record<string, string> } = {}): Promise<SnapshotInfo> {
+  /** `diff: true` is the original forkd's form of mode diff; `measure_diff` a full branch reporting what a diff would store. */
+  branchSandbox(id: string, opts: { tag?: string; mode?: "full" | "diff" | "live"; wait?: boolean; metadata?: Record<string, string>; diff?: boolean; measure_diff?: boolean } = {}): Promise<SnapshotInfo> {
     const body = dropUndefined({ tag: opts.tag, mode: opts.mode, metadata: opts.metadata });
+    if (opts.diff) body.diff = true;
+    if (opts.measure_diff) body.measure_diff = true;
     if (opts.wait === false) body.wait = false;
     return this.json("POST", `${this.#sb(id)}/branch`, { body });
   }

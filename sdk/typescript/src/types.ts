@@ -29,6 +29,10 @@ export interface SnapshotInfo extends JSONObject {
   pause_ms?: number | null;
   parent_tag?: string | null;
   mode?: "full" | "diff";
+  /** A diff (or measure_diff) branch's answer, as the original forkd's. */
+  diff_ms?: number;
+  diff_physical_bytes?: number;
+  diff_logical_bytes?: number;
 }
 
 /** What a container image sets, as Docker honours it. */

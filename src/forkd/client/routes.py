@@ -187,12 +187,15 @@ class Routes:
             self._request("DELETE", f"/v1/snapshots/{_quote(tag)}", params=params or None), _none
         )
 
-    def compact_snapshot(self, tag: str) -> JSONDict:
+    def compact_snapshot(self, tag: str, to: str | None = None) -> JSONDict:
         """``POST /v1/snapshots/{tag}/compact``: flatten a diff snapshot's chain into a full
-        ``memory.bin`` in place → SnapshotInfo (``mode`` ``"full"``)."""
+        ``memory.bin`` in place → SnapshotInfo (``mode`` ``"full"``). With ``to``: a new
+        full snapshot of that tag instead, ``tag`` left as it is → ``to``'s SnapshotInfo."""
+        body = {"to": to} if to is not None else None
         return self._json(
-            "POST", f"/v1/snapshots/{_quote(tag)}/compact", timeout=max(self.timeout, 600)
-        )
+            "POST", f"/v1/snapshots/{_quote(tag)}/compact", json_body=body,
+            timeout=max(self.timeout, 600),
+        )  # fmt: skip
 
     def snapshot(self, tag: str) -> JSONDict:
         """``GET /v1/snapshots/{tag}``: the SnapshotInfo without /info's detail."""

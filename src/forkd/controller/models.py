@@ -282,6 +282,15 @@ class BranchRequest(_Body):
     )
 
 
+class CompactRequest(_Body):
+    to: str | None = Field(
+        None,
+        pattern=limits.NAME_PATTERN,
+        description="make a new full snapshot with this tag, leaving the source as it is "
+        "(the original forkd's form); without it the diff is flattened in place",
+    )
+
+
 class PtySize(_Body):
     cols: int = Field(ge=1, le=1000)
     rows: int = Field(ge=1, le=1000)

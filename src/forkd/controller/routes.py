@@ -17,6 +17,7 @@ from forkd.controller.models import (
     SANDBOX_STATES,
     BranchRequest,
     CapacityInfo,
+    CompactRequest,
     EvalInterrupt,
     EvalRequest,
     EvalResult,
@@ -180,8 +181,11 @@ async def snapshot(svc: Svc, tag: str) -> SnapshotInfo:
 
 
 @snapshots.post("/{tag}/compact", **SNAPSHOT)
-async def compact_snapshot(svc: Svc, tag: str) -> SnapshotInfo:
-    """Flatten a diff snapshot's chain into a full memory.bin in place (a full one: as is)."""
+async def compact_snapshot(svc: Svc, tag: str, body: CompactRequest | None = None) -> SnapshotInfo:
+    """Flatten a diff snapshot's chain into a full memory.bin in place (a full one: as is);
+    with ``to``, into a new full snapshot of that tag, the source untouched."""
+    if body is not None and body.to is not None:
+        return await svc.snapshots.compact_to(tag, body.to)
     return await svc.snapshots.compact(tag)
 
 

@@ -17,6 +17,7 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Any
 
 from forkd.errors import SnapshotError, StorageFull
 from forkd.vmm import memory_diff, snapshot_files
@@ -64,7 +65,35 @@ def compact(snap_dir: Path) -> SnapshotFiles:
     return SnapshotFiles(snap_dir, meta)
 
 
-def _write_full(files: SnapshotFiles, staging: Path) -> snapshot_files.SnapshotMeta:
+def compact_to(snap_dir: Path, dest: Path, labels: snapshot_files.SnapshotLabels) -> SnapshotFiles:
+    """A new full snapshot at ``dest`` with the content of the one at ``snap_dir`` (its diff
+    chain flattened, a full one copied), labelled ``labels``, with its own id; the source
+    is not touched. Staged beside ``dest`` and renamed into place: on failure nothing is
+    left, and a full disk is :class:`StorageFull`."""
+    if dest.exists():
+        raise SnapshotError(f"{dest.name} already exists")
+    files = snapshot_files.load(snap_dir)
+    staging = dest.parent / f".{dest.name}.partial-compact-{secrets.token_hex(3)}"
+    try:
+        staging.mkdir(mode=0o700)
+        meta = _write_full(
+            files, staging, id=snapshot_files.new_id(), tag=labels.tag,
+            branched_from=labels.branched_from, parent_tag=labels.parent_tag,
+            pause_ms=labels.pause_ms, parent_id=files.meta.id,
+        )  # fmt: skip
+        os.rename(staging, dest)
+    except BaseException as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            raise StorageFull(f"disk full while compacting {snap_dir.name} to {dest.name}") from exc
+        if isinstance(exc, OSError):
+            raise SnapshotError(f"compacting {snap_dir.name} to {dest.name} failed: {exc}") from exc
+        raise
+    snapshot_files.fsync_path(dest.parent)
+    return SnapshotFiles(dest, meta)
+
+
+def _write_full(files: SnapshotFiles, staging: Path, **relabel: Any) -> snapshot_files.SnapshotMeta:
     out = os.open(staging / snapshot_files.MEMORY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with memory_diff.resolve(files) as chain:
@@ -73,7 +102,7 @@ def _write_full(files: SnapshotFiles, staging: Path) -> snapshot_files.SnapshotM
     finally:
         os.close(out)
     for path in files.dir.iterdir():
-        if path.is_file() and path.name not in _DIFF_FILES:
+        if path.is_file() and path.name not in (*_DIFF_FILES, snapshot_files.MEMORY):
             shutil.copyfile(path, staging / path.name)
             (staging / path.name).chmod(0o600)
     meta = dataclasses.replace(
@@ -83,6 +112,7 @@ def _write_full(files: SnapshotFiles, staging: Path) -> snapshot_files.SnapshotM
         chain=(),
         base_bytes_cloned=copied,
         format=snapshot_files.FORMAT,
+        **relabel,
     )
     meta_path = snapshot_files.write_meta(staging, meta)
     meta_path.chmod(0o600)

@@ -339,6 +339,33 @@ class SnapshotService:
             await self._compact_locked(self.fleet.snapshot_row(tag))
         return self.info(tag, detailed=True)
 
+    async def compact_to(self, tag: str, to: str) -> SnapshotInfo:
+        """A new full snapshot ``to`` with ``tag``'s content (a diff's chain flattened),
+        its lineage child; ``tag`` is left as it is."""
+        limits.check_tag(to)
+        if to == tag:
+            raise Invalid(f"compact to {to!r}: the new tag must differ from the source's")
+        row = self.fleet.snapshot_row(tag)
+        if row.status in ("pending", "failed"):
+            raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to compact")
+        problem = self.unbootable_reason(row)
+        if problem is not None:
+            raise Conflict(f"snapshot {tag!r} cannot be compacted: {problem}")
+        dest = self.fleet.settings.snapshot_root / to
+        with self.fleet.reserve_tag(to):
+            if dest.exists():
+                raise Conflict(f"a snapshot directory named {to!r} already exists")
+            labels = SnapshotLabels(tag=to, parent_tag=tag)
+            async with self._disk_lock:
+                try:
+                    files = await asyncio.to_thread(
+                        snapshot_compact.compact_to, Path(row.dir), dest, labels
+                    )
+                except StorageFull as exc:
+                    raise StorageFull(f"compacting {tag!r} to {to!r}: {exc}") from exc
+            self.fleet.store.add_snapshot(snapshot_row(to, files, now(), row.metadata))
+        return self.info(to, detailed=True)
+
     async def _compact_locked(self, row: SnapshotRow) -> None:
         if row.status in ("pending", "failed"):
             raise Conflict(f"snapshot {row.tag!r} is {row.status}: nothing to compact")
