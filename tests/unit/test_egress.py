@@ -13,6 +13,7 @@ from forkd.vmm.network import (
     ALWAYS_BLOCKED,
     GUEST_IP,
     host_ruleset,
+    inside_clients_ruleset,
     namespace_ruleset,
 )
 
@@ -119,3 +120,12 @@ def test_the_host_fence_drops_sandbox_to_host_and_sandbox_to_sandbox() -> None:
     assert 'iifname "fkh-*" ip saddr != 10.201.0.0/16 drop' in rules
     # Of the host's users only the daemon's reaches a sandbox's agent port.
     assert 'oifname "fkh-*" meta skuid != 0 drop' in rules
+
+
+def test_a_client_inside_the_namespace_reaches_the_guest_at_guest_addr() -> None:
+    # ip netns exec forkd-<id> psql -h 10.201.0.2: the namespace's own packets, sent on
+    # by the output hook; the guest's traffic never passes that hook.
+    rules = inside_clients_ruleset("10.201.0.2")
+    assert "type nat hook output priority -100" in rules
+    assert "ip daddr 10.201.0.2 meta l4proto tcp dnat to 10.0.2.15" in rules
+    assert "iifname" not in rules  # nothing keyed on the tap: the guest gains nothing

@@ -209,6 +209,27 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def inside_clients_ruleset(ns_ip: str) -> str:
+    """Rules added to the namespace's: a client started inside it (``ip netns exec
+    forkd-<id> psql -h <ns_ip>``, as the original forkd's recipes do) reaches the guest
+    at ``guest_addr``'s host, any TCP port, as the host does.
+
+    Its packets are the namespace's own: they never pass prerouting (whose DNAT takes
+    what the host sends), so the output hook sends them on. Only processes in the
+    namespace make such packets (root with ``ip netns exec``, or the daemon); the
+    guest's traffic enters through the tap and never meets this hook, so it opens
+    nothing to the guest.
+    """
+    return "\n".join([
+        "table ip forkd {",
+        "  chain output {",
+        "    type nat hook output priority -100; policy accept;",  # dstnat, by number for nft 1.0
+        f"    ip daddr {ns_ip} meta l4proto tcp dnat to {GUEST_IP}",
+        "  }",
+        "}",
+    ]) + "\n"  # fmt: skip
+
+
 def host_ruleset(cidr: str, daemon_uid: int = 0) -> str:
     """The host's ``forkd`` table: sandboxes reach neither the host nor each other,
     and of the host's users only the daemon's reaches them (their agents run code)."""
@@ -315,6 +336,7 @@ class HostNetwork:
                     idx = ipr.link_lookup(ifname=net.host_if)[0]
                     ipr.addr("add", index=idx, address=host_ip, prefixlen=30)
                     ipr.link("set", index=idx, state="up")
+            rules += inside_clients_ruleset(net.ns_ip)
             netns_ops.run_inside(name, lambda: self._inside(net, rules))
         except BaseException:
             # The veth is ours only if it landed in our namespace: removing the
