@@ -139,9 +139,35 @@ def fork(
         float | None,
         typer.Option("--idle-timeout", help="Do --on-timeout after this many seconds with no use."),
     ] = None,
+    settle_secs: Annotated[
+        float | None,
+        typer.Option(
+            "--settle-secs",
+            min=0,
+            help="Hold the sandboxes this long (or until Ctrl-C or SIGTERM), then remove "
+            "them, as the original forkd's fork did. With --agent-address (FORKD_TARGET), "
+            "the first one answers the original agent protocol there: the original SDK's "
+            "Sandbox().",
+        ),
+    ] = None,
+    agent_address: Annotated[
+        str | None,
+        typer.Option(
+            "--agent-address",
+            envvar="FORKD_TARGET",
+            help="With --settle-secs: serve the original agent protocol at HOST:PORT.",
+        ),
+    ] = None,
 ) -> None:
     """Fork N sandboxes from a snapshot (they inherit its labels; --label adds or overrides)."""
     labels = parse_labels(label)
+    if settle_secs is not None:
+        from forkd.cli.fork_hold import Hold
+
+        hold = Hold(conn, tag, n, settle_secs, agent_address)
+        hold.run(memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
+                 metadata=labels)  # fmt: skip
+        return
     t0 = time.monotonic()
     with daemon_errors(), conn.controller() as ctl, fork_progress(conn, tag, n, conn.as_json):
         sandboxes = ctl.spawn_sandboxes(
