@@ -291,6 +291,45 @@ class CompactRequest(_Body):
     )
 
 
+class WorkspaceCreate(_Body):
+    name: str = Field(pattern=limits.NAME_PATTERN, description="the workspace's name, as a tag")
+    snapshot_tag: str = TAG
+    per_child_netns: bool = False
+    memory_limit_mib: int | None = Field(None, ge=limits.MIN_MEMORY_LIMIT_MIB,
+                                         le=limits.MAX_MEMORY_MIB)  # fmt: skip
+
+
+class WorkspaceSuspend(_Body):
+    diff: bool = _original(False, "a suspend writes the sandbox's whole state (hibernation)")
+
+
+class WorkspaceResume(_Body):
+    pass
+
+
+class WorkspaceInfo(BaseModel):
+    """A workspace (the original forkd's): a named sandbox that is suspended to disk and
+    resumed, its state kept in between. Fields that do not apply are left out."""
+
+    id: str
+    name: str
+    source_snapshot_tag: str
+    status: Literal["running", "suspended", "stale"] = Field(
+        description="running (also while paused); suspended: hibernated to disk; stale: "
+        "its sandbox is gone (resume forks a new one from source_snapshot_tag)"
+    )
+    live_sandbox_id: str | None = Field(None, description="running only: its sandbox")
+    sandbox_id: str | None = Field(
+        None, description="the sandbox holding its state, running or hibernated (ours)"
+    )
+    current_state_tag: str | None = Field(
+        None, description="the original's state snapshot: none here, the state is the "
+        "hibernated sandbox itself",
+    )  # fmt: skip
+    created_at_unix: int
+    last_active_unix: int
+
+
 class PtySize(_Body):
     cols: int = Field(ge=1, le=1000)
     rows: int = Field(ge=1, le=1000)

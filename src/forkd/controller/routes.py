@@ -50,6 +50,10 @@ from forkd.controller.models import (
     TimeoutRequest,
     VersionInfo,
     VolumeInfo,
+    WorkspaceCreate,
+    WorkspaceInfo,
+    WorkspaceResume,
+    WorkspaceSuspend,
 )
 from forkd.controller.services import Services
 from forkd.controller.services.images import check_loaded_tag
@@ -517,6 +521,52 @@ async def delete_volume(svc: Svc, name: str) -> Response:
 
 # ------------------------------------------------------------------ events
 
+workspaces = APIRouter(prefix="/v1/workspaces", tags=["workspaces"], responses=ERROR_RESPONSES)
+WORKSPACE = {"response_model": WorkspaceInfo, "response_model_exclude_none": True}
+
+
+@workspaces.get("", response_model=list[WorkspaceInfo], response_model_exclude_none=True)
+async def list_workspaces(svc: Svc) -> list[WorkspaceInfo]:
+    """The workspaces (the original forkd's), by name."""
+    return svc.workspaces.list()
+
+
+@workspaces.post("", status_code=201, **WORKSPACE)
+async def create_workspace(svc: Svc, body: WorkspaceCreate) -> WorkspaceInfo:
+    """Fork one sandbox from ``snapshot_tag`` as the workspace ``name``."""
+    return await svc.workspaces.create(body)
+
+
+@workspaces.get("/{name}", **WORKSPACE)
+async def workspace(svc: Svc, name: str) -> WorkspaceInfo:
+    return svc.workspaces.info(name)
+
+
+@workspaces.delete("/{name}", status_code=204)
+async def delete_workspace(svc: Svc, name: str) -> Response:
+    """Kill its sandbox, whatever its state, and forget it (the source snapshot stays)."""
+    await svc.workspaces.delete(name)
+    return Response(status_code=204)
+
+
+@workspaces.post("/{name}/suspend", **WORKSPACE)
+async def suspend_workspace(
+    svc: Svc, name: str, body: WorkspaceSuspend | None = None
+) -> WorkspaceInfo:
+    """Hibernate its sandbox: its whole state to disk, its memory given back. 400 unless
+    it is running."""
+    return await svc.workspaces.suspend(name)
+
+
+@workspaces.post("/{name}/resume", **WORKSPACE)
+async def resume_workspace(
+    svc: Svc, name: str, body: WorkspaceResume | None = None
+) -> WorkspaceInfo:
+    """Wake its sandbox (the same id), or fork a new one from its source when it is stale.
+    400 when it is running."""
+    return await svc.workspaces.resume(name)
+
+
 events = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
 SSE_EVENT = {  # each event of the stream, as a client's SSE parser gives it
     "type": "object",
@@ -560,4 +610,6 @@ async def lifecycle_events(
     return StreamingResponse(sse.lifecycle(stream), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)
 
 
-ROUTERS = (discovery, snapshots, sandboxes, processes, files, volumes, images, events)
+ROUTERS = (
+    discovery, snapshots, sandboxes, processes, files, volumes, images, workspaces, events,
+)  # fmt: skip

@@ -64,6 +64,16 @@ CREATE TABLE IF NOT EXISTS branch_counts (
     source_id TEXT PRIMARY KEY,
     branches  INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS workspaces (
+    name                TEXT PRIMARY KEY,
+    id                  TEXT NOT NULL,
+    source_snapshot_tag TEXT NOT NULL,
+    sandbox_id          TEXT,
+    created_at_unix     INTEGER NOT NULL,
+    last_active_unix    INTEGER NOT NULL,
+    per_child_netns     INTEGER NOT NULL DEFAULT 0,
+    memory_limit_mib    INTEGER
+);
 CREATE TABLE IF NOT EXISTS registry_digests (
     snapshot_id TEXT NOT NULL,
     repository  TEXT NOT NULL,
@@ -105,6 +115,18 @@ class SandboxRow:
     on_timeout: str = "kill"  # what expiry does: kill, pause or branch
     timeout_branch: str | None = None  # the tag an expiry's branch made
     idle_timeout_s: float | None = None  # on_timeout after this long without activity
+
+
+@dataclass
+class WorkspaceRow:
+    name: str
+    id: str
+    source_snapshot_tag: str
+    sandbox_id: str | None  # the sandbox holding its state: running, paused or hibernated
+    created_at_unix: int
+    last_active_unix: int
+    per_child_netns: bool = False  # kept for a stale workspace's new sandbox
+    memory_limit_mib: int | None = None
 
 
 class Store:
@@ -295,6 +317,38 @@ class Store:
     def delete_sandbox(self, sandbox_id: str) -> bool:
         self._tx("DELETE FROM branch_counts WHERE source_id = ?", (sandbox_id,))
         return self._tx("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount > 0
+
+    # ---------------------------------------------------------- workspaces
+
+    def add_workspace(self, row: WorkspaceRow) -> None:
+        self._tx(
+            "INSERT INTO workspaces(name, id, source_snapshot_tag, sandbox_id, created_at_unix, "
+            "last_active_unix, per_child_netns, memory_limit_mib) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                row.name, row.id, row.source_snapshot_tag, row.sandbox_id, row.created_at_unix,
+                row.last_active_unix, int(row.per_child_netns), row.memory_limit_mib,
+            ),
+        )  # fmt: skip
+
+    def update_workspace(self, name: str, **fields: Any) -> None:
+        cols = ", ".join(f"{k} = ?" for k in fields)
+        self._tx(f"UPDATE workspaces SET {cols} WHERE name = ?", (*fields.values(), name))
+
+    def get_workspace(self, name: str) -> WorkspaceRow | None:
+        rows = self._query("SELECT * FROM workspaces WHERE name = ?", (name,))
+        return _workspace(rows[0]) if rows else None
+
+    def list_workspaces(self) -> list[WorkspaceRow]:
+        return [_workspace(r) for r in self._query("SELECT * FROM workspaces ORDER BY name")]
+
+    def delete_workspace(self, name: str) -> bool:
+        return self._tx("DELETE FROM workspaces WHERE name = ?", (name,)).rowcount > 0
+
+
+def _workspace(row: sqlite3.Row) -> WorkspaceRow:
+    fields = dict(row)
+    fields["per_child_netns"] = bool(fields["per_child_netns"])
+    return WorkspaceRow(**fields)
 
 
 def now() -> int:

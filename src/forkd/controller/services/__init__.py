@@ -24,6 +24,7 @@ from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.services.volumes import VolumeService
+from forkd.controller.services.workspaces import WorkspaceService
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 
@@ -45,6 +46,7 @@ class Services:
     volumes: VolumeService
     expiry: Expiry
     lifecycle: Lifecycle
+    workspaces: WorkspaceService
 
     @classmethod
     def create(
@@ -77,4 +79,5 @@ class Services:
             volumes=volumes,
             expiry=expiry,
             lifecycle=Lifecycle(fleet, expiry.expire),
+            workspaces=WorkspaceService(fleet, sandboxes, pausing),
         )
