@@ -55,7 +55,6 @@ MAX_METADATA_VALUE_CHARS = 256
 MIN_MEMORY_LIMIT_MIB = 64
 
 # Admission (forkd serve --max-sandboxes, --max-guest-memory): over a cap is a 429.
-MAX_FORK_PER_REQUEST = 100  # children one request may start (n up to MAX_FORK_N is valid input)
 # A busy sandbox takes one core per vCPU; an idle one little. Eight per core
 # keeps a host where every sandbox runs a command responsive enough to fork.
 SANDBOXES_PER_CPU = 8

@@ -28,7 +28,7 @@ from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import Conflict, ForkdError, NotFound, OverCapacity
-from forkd.limits import MAX_FORK_PER_REQUEST, check_tag
+from forkd.limits import check_tag
 from forkd.vmm import cgroups
 from forkd.vmm.network import HostNetwork
 from forkd.vmm.pool import ForkPool
@@ -184,11 +184,6 @@ class Fleet:
         for the last slots cannot both get them. The room is given back when
         the block ends; by then the sandboxes are in :attr:`vms` or gone.
         """
-        if sandboxes > MAX_FORK_PER_REQUEST:
-            raise OverCapacity(
-                f"{what}: {sandboxes} sandboxes in one request is over the cap of "
-                f"{MAX_FORK_PER_REQUEST}; ask for at most {MAX_FORK_PER_REQUEST} at a time"
-            )
         count, mib = self.in_use()
         cap = self.settings.max_sandboxes
         if cap is not None and count + sandboxes > cap:
