@@ -485,10 +485,10 @@ def test_the_daemons_metrics_count_open_refused_and_timed_out_connections(
         sock.sendall(b"GET /metrics HTTP/1.1\r\n")
         read_until_closed(sock, TIMEOUT + SLACK)
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
-    assert 'forkd_connections_timed_out_total{wait="header"} 1.0' in text
-    assert 'forkd_connections_timed_out_total{wait="body"} 0.0' in text
-    assert 'forkd_connections_refused_total{cap="total"} 0.0' in text
-    assert "forkd_connections_open 1.0" in text  # the scrape's own
+    assert 'forkd_connections_timed_out_total{wait="header"} 1\n' in text
+    assert 'forkd_connections_timed_out_total{wait="body"} 0\n' in text
+    assert 'forkd_connections_refused_total{cap="total"} 0\n' in text
+    assert "forkd_connections_open 1\n" in text  # the scrape's own
 
 
 # ------------------------------------------------------------------ the servers and options

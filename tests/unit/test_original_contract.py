@@ -41,8 +41,8 @@ def test_pause_ms_is_an_integer(client: TestClient, sid: str) -> None:
 
 def test_branch_gauges(client: TestClient, settings: Settings, sid: str) -> None:
     metrics = client.get("/metrics").text
-    assert "forkd_branches_in_flight 0.0" in metrics
-    assert f"forkd_branch_concurrency_cap {float(settings.branch_concurrency)}" in metrics
+    assert "forkd_branches_in_flight 0\n" in metrics
+    assert f"forkd_branch_concurrency_cap {settings.branch_concurrency}\n" in metrics
 
 
 def test_has_branched_and_branch_count(client: TestClient, sid: str) -> None:
@@ -76,3 +76,20 @@ def test_delete_with_cascade_or_force(client: TestClient, sid: str, how: str) ->
     tags = {s["tag"] for s in client.get("/v1/snapshots").json()}
     # cascade deletes the diff with its base; force compacts it first and keeps it.
     assert "py" not in tags and ("d1" in tags) == (how == "force")
+
+
+def test_counts_print_as_integers_and_seconds_as_floats() -> None:
+    from forkd.controller.metrics import integral_counts
+
+    text = b"\n".join([
+        b"# TYPE forkd_snapshots_total gauge", b"forkd_snapshots_total 3.0",
+        b'forkd_fork_seconds_bucket{le="0.025"} 2.0', b"forkd_fork_seconds_count 2.0",
+        b"forkd_fork_seconds_sum 1.0", b"forkd_fork_seconds_created 1.7e+09",
+        b"forkd_pool_waiting 0.5",
+    ])  # fmt: skip
+    assert integral_counts(text).split(b"\n") == [
+        b"# TYPE forkd_snapshots_total gauge", b"forkd_snapshots_total 3",
+        b'forkd_fork_seconds_bucket{le="0.025"} 2', b"forkd_fork_seconds_count 2",
+        b"forkd_fork_seconds_sum 1.0", b"forkd_fork_seconds_created 1.7e+09",
+        b"forkd_pool_waiting 0.5",
+    ]  # fmt: skip

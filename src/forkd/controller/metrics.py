@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -67,7 +68,24 @@ class Metrics:
         )  # fmt: skip
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return integral_counts(generate_latest(self.registry))
+
+
+_WHOLE = re.compile(rb"^(?P<sample>[a-zA-Z_:][\w:]*(?:\{.*\})?) (?P<value>-?\d+)\.0$")
+
+
+def integral_counts(text: bytes) -> bytes:
+    """``text`` (the exposition format) with counts as integers (``forkd_snapshots_total 3``,
+    as the original forkd printed them, not prometheus_client's ``3.0``). Every metric
+    here is a count but the histograms' sums (seconds) and creation times."""
+    lines = []
+    for line in text.split(b"\n"):
+        match = _WHOLE.match(line)
+        name = match["sample"].split(b"{", 1)[0] if match else b""
+        if match and not name.endswith((b"_sum", b"_created")):
+            line = match["sample"] + b" " + match["value"]
+        lines.append(line)
+    return b"\n".join(lines)
 
 
 class _ConnectionCollector(Collector):
