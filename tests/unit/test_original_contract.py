@@ -1,6 +1,7 @@
 """What the original forkd clients (its Controller, TypeScript SDK and MCP server)
 read from this daemon, each gap they tripped on: pause_ms an integer, the two branch
-gauges, has_branched and branch_count, ancestors root first, and DELETE with
+gauges, has_branched, branch_count and last_branch_memory_path, warning, counts as
+integers, ancestors root first, and DELETE with
 ?cascade=true or ?force=true."""
 
 from __future__ import annotations
@@ -93,3 +94,26 @@ def test_counts_print_as_integers_and_seconds_as_floats() -> None:
         b"forkd_fork_seconds_sum 1.0", b"forkd_fork_seconds_created 1.7e+09",
         b"forkd_pool_waiting 0.5",
     ]  # fmt: skip
+
+
+def test_last_branch_memory_path_names_the_latest_branchs_memory(
+    client: TestClient, sid: str
+) -> None:
+    assert client.get(f"/v1/sandboxes/{sid}").json()["last_branch_memory_path"] is None
+    first = _branch(client, sid, tag="b1")
+    assert client.get(f"/v1/sandboxes/{sid}").json()["last_branch_memory_path"] == first["memory"]
+    second = _branch(client, sid, tag="b2", mode="diff")
+    (listed,) = [s for s in client.get("/v1/sandboxes").json() if s["id"] == sid]
+    assert listed["last_branch_memory_path"] == second["memory"]  # the diff's memory file
+    assert second["memory"].endswith("memory.diff")
+
+
+def test_a_snapshot_that_cannot_be_forked_says_why_in_warning(client: TestClient, sid: str) -> None:
+    from pathlib import Path
+
+    info = _branch(client, sid, tag="b1")
+    assert "warning" not in info
+    (Path(info["dir"]) / "vmstate").unlink()
+    listed = {s["tag"]: s for s in client.get("/v1/snapshots").json()}
+    assert listed["b1"]["warning"].startswith("snapshot is not bootable: ")
+    assert "vmstate" in listed["b1"]["warning"] and "warning" not in listed["py"]

@@ -466,6 +466,9 @@ class SnapshotInfo(BaseModel):
     mode: str = Field("full", description="full, or diff: the pages that differ from base_tag's")
     base_tag: str | None = Field(None, description="a diff's base snapshot (a dependency)")
     error: str | None = Field(None, description="why a branch with wait false failed")
+    warning: str | None = Field(
+        None, description="why it cannot be forked (failed or broken), as the original forkd said"
+    )
     # A branch's answer, for mode diff (or diff: true) and measure_diff, as the original forkd.
     diff_ms: int | None = Field(
         None, description="diff branches: ms to capture the pages (measure_diff: to count them)"
@@ -518,6 +521,10 @@ class SandboxInfo(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
     has_branched: bool = Field(False, description="whether any branch of it was taken")
     branch_count: int = Field(0, description="branches taken of it (those that succeeded)")
+    last_branch_memory_path: str | None = Field(
+        None, description="the memory file of its latest branch still registered (the "
+        "original forkd's field); null before any",
+    )  # fmt: skip
 
 
 class PingResult(BaseModel):

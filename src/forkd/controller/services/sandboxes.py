@@ -25,8 +25,8 @@ from forkd.controller.models import (
     TimeoutRequest,
 )
 from forkd.controller.services.fleet import Admission, Fleet
-from forkd.controller.services.snapshots import SnapshotService
-from forkd.controller.store import SandboxRow, labelled, merged_labels, now
+from forkd.controller.services.snapshots import SnapshotService, memory_file
+from forkd.controller.store import SandboxRow, SnapshotRow, labelled, merged_labels, now
 from forkd.errors import (
     AgentError,
     Busy,
@@ -219,11 +219,25 @@ class SandboxService:
     # ------------------------------------------------------------ read, kill
 
     def info(self, sandbox_id: str) -> SandboxInfo:
-        return self._info(self.fleet.sandbox_row(sandbox_id), self.fleet.store.branch_counts())
+        return self._info(self.fleet.sandbox_row(sandbox_id), self._branch_facts())
 
-    def _info(self, row: SandboxRow, branch_counts: dict[str, int]) -> SandboxInfo:
+    def _branch_facts(self) -> tuple[dict[str, int], dict[str, str]]:
+        """Per sandbox: how many branches it took, and the memory file of its latest one
+        still registered (the original forkd's ``last_branch_memory_path``)."""
+        latest: dict[str, SnapshotRow] = {}
+        for snap in self.fleet.store.list_snapshots():
+            source = snap.branched_from
+            if source is None or snap.status != "ready":
+                continue
+            if source not in latest or snap.created_at_unix >= latest[source].created_at_unix:
+                latest[source] = snap
+        paths = {source: str(memory_file(snap)) for source, snap in latest.items()}
+        return self.fleet.store.branch_counts(), paths
+
+    def _info(self, row: SandboxRow, facts: tuple[dict[str, int], dict[str, str]]) -> SandboxInfo:
         sandbox_id = row.id
         net = getattr(self.fleet.vms.get(sandbox_id), "net", None)
+        branch_counts, last_branch = facts
         branches = branch_counts.get(sandbox_id, 0)
         return SandboxInfo(
             id=row.id,
@@ -244,6 +258,7 @@ class SandboxService:
             metadata=row.metadata,
             has_branched=branches > 0,
             branch_count=branches,
+            last_branch_memory_path=last_branch.get(sandbox_id),
         )
 
     def list(
@@ -255,9 +270,9 @@ class SandboxService:
         """The sandboxes in ``state``, of ``snapshot``, labelled with all of ``metadata``."""
         if state is not None and state not in SANDBOX_STATES:
             raise Invalid(f"unknown state {state!r}: one of {', '.join(SANDBOX_STATES)}")
-        counts = self.fleet.store.branch_counts()
+        facts = self._branch_facts()
         return [
-            self._info(r, counts)  # a listing touches none of them
+            self._info(r, facts)  # a listing touches none of them
             for r in self.fleet.store.list_sandboxes()
             if (state is None or r.state == state)
             and (snapshot is None or r.snapshot_tag == snapshot)

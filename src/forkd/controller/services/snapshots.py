@@ -248,6 +248,11 @@ class SnapshotService:
             mode=row.mode,
         )
         fields.update({k: v for k, v in (("base_tag", row.base_tag), ("error", row.error)) if v})
+        # The original forkd's 'warning': why the snapshot cannot be forked.
+        if row.status == "failed" and row.error:
+            fields["warning"] = row.error
+        elif problem is not None and settled:
+            fields["warning"] = f"snapshot is not bootable: {problem}"
         if detailed:
             fields.update(self._detail(row, d))
             if problem:
