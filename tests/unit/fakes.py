@@ -99,6 +99,7 @@ class FakeWriter:
     async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta:
         vm = self.vm
         vm.events.append("commit")
+        await asyncio.sleep(vm.commit_delay)  # the source already runs again
         labels = labels or SnapshotLabels()
         if self.base is not None:  # a diff: no pages of its own (the guest is in GUEST_STATE)
             (self.staging / "memory.bin").unlink()
@@ -142,7 +143,8 @@ class FakeVM:
         self.state = "running"
         self.alive = True
         self.fail: str | None = None
-        self.capture_delay = 0.0
+        self.capture_delay = 0.0  # inside the pause
+        self.commit_delay = 0.0  # after it: a branch with wait false is pending meanwhile
         self.events: list[str] = []
         self.volumes: list[Any] = []
         self.net: Any = None  # no namespace: user-mode networking

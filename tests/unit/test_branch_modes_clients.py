@@ -22,7 +22,7 @@ def ctl(server: Server, sent: RecordingTransport) -> Iterator[Controller]:
 def test_sdk_diff_branch_without_waiting_then_compact_and_cascade(
     ctl: Controller, sent: RecordingTransport, sid: str, server: Server
 ) -> None:
-    server.driver.vms[-1].capture_delay = 0.3
+    server.driver.vms[-1].commit_delay = 0.3
     sb = Sandbox(sandbox_id=sid, controller=ctl)
     snap = sb.branch(tag="d1", mode="diff", wait=False)
     assert sent.body() == {"tag": "d1", "mode": "diff", "wait": False}

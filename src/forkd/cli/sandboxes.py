@@ -201,7 +201,7 @@ def branch(
         with err.status(f"branching {escape(from_sandbox)}"):
             info = ctl.branch_sandbox(from_sandbox, tag=tag, metadata=labels, mode=mode, wait=wait)
         kids: list[dict[str, Any]] = []
-        if n > 0 and info.get("status") != "pending":
+        if n > 0 and wait and info.get("status") == "ready":
             with err.status(f"forking {n} from {escape(str(info['tag']))}"):
                 kids = ctl.spawn_sandboxes(info["tag"], n=n)
     if conn.as_json:

@@ -299,8 +299,9 @@ async def resume(svc: Svc, sandbox_id: str, body: ResumeRequest | None = None) -
 async def branch(
     svc: Svc, sandbox_id: str, response: Response, body: BranchRequest | None = None
 ) -> SnapshotInfo:
-    info = await svc.branches.branch(sandbox_id, body or BranchRequest())
-    if info.status == "pending":
+    req = body or BranchRequest()
+    info = await svc.branches.branch(sandbox_id, req)
+    if not req.wait:  # answered once the source runs again; written in the background
         response.status_code = 202
     return info
 

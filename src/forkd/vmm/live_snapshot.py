@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -82,8 +83,12 @@ async def snapshot_running(
     base: BaseRef | None = None,
     *,
     live: bool = False,
+    on_resumed: Callable[[float], None] | None = None,
 ) -> LiveSnapshot:
     """Snapshot the running ``vm`` into ``dest``; see the module's failure table.
+
+    ``on_resumed(pause_ms)`` is called once the source runs again (the pause window is
+    over), before the snapshot's files are written out.
 
     ``labels`` are recorded in ``snapshot.json`` with the pause window (``pause_ms``).
     A VM already paused (``state == "paused"``) is snapshotted as it is and left
@@ -92,6 +97,8 @@ async def snapshot_running(
     are copied before the pause too, and the pause only copies what changed since.
     """
     if vm.state == "paused":
+        if on_resumed is not None:
+            on_resumed(0.0)  # no pause of its own
         return await _snapshot_paused(vm, dest, labels, base)
     try:
         writer = await _begin(vm, dest, base, live)  # the VM still runs while this stages
@@ -137,6 +144,8 @@ async def snapshot_running(
         await writer.abort()
         raise
     pause_ms = round((time.monotonic() - paused_at) * 1000, 1)
+    if on_resumed is not None and resume_error is None:
+        on_resumed(pause_ms)
 
     try:
         meta = await writer.commit(

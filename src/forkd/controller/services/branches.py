@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,12 +84,23 @@ class BranchService:
                 info = self._branched(row.id, tag)
                 return _with(info, _diff_figures(info)) if base is not None else info
             fleet.store.add_snapshot(self._pending_row(vm, row, tag, labels, base))
+            resumed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+
+            def on_resumed(pause_ms: float) -> None:  # the answer waits for the pause only
+                fleet.store.update_snapshot(tag, pause_ms=pause_ms)
+                if not resumed.done():
+                    resumed.set_result(pause_ms)
+
             task = asyncio.create_task(
-                self._settle(held.pop_all(), lock, vm, row, tag, labels, base, live=live),
+                self._settle(held.pop_all(), lock, vm, row, tag, labels, base, live=live,
+                             on_resumed=on_resumed),
                 name=f"branch-{tag}",
-            )
+            )  # fmt: skip
             self.background.add(task)
             task.add_done_callback(self.background.discard)
+        # As the original answered: once the source runs again, with its pause_ms; the
+        # files are written in the background (or it already failed, or finished).
+        await asyncio.wait({resumed, task}, return_when=asyncio.FIRST_COMPLETED)
         return self.snapshots.info(tag)
 
     def _diff_base(self, row: SandboxRow, vm: Any) -> BaseRef:
@@ -140,12 +152,16 @@ class BranchService:
         base: BaseRef | None,
         *,
         live: bool = False,
+        on_resumed: Callable[[float], None] | None = None,
     ) -> None:
         async with lock:
             if vm is None:
+                if on_resumed is not None:
+                    on_resumed(0.0)  # nothing runs: no pause
                 await self._branch_hibernated(row, tag, labels, base)
             else:
-                await self._branch_locked(vm, row, tag, labels, base, live=live)
+                await self._branch_locked(vm, row, tag, labels, base, live=live,
+                                          on_resumed=on_resumed)  # fmt: skip
 
     def _branched(self, sandbox_id: str, tag: str) -> SnapshotInfo:
         self.fleet.store.count_branch(sandbox_id)
@@ -178,12 +194,14 @@ class BranchService:
         base: BaseRef | None,
         *,
         live: bool = False,
+        on_resumed: Callable[[float], None] | None = None,
     ) -> None:
         """A branch with wait false: ``pending`` → ``ready``, or ``failed`` with the error."""
         store = self.fleet.store
         with held:
             try:
-                await self._run(lock, vm, row, tag, labels, base, live=live)
+                await self._run(lock, vm, row, tag, labels, base, live=live,
+                                on_resumed=on_resumed)  # fmt: skip
             except Exception as exc:  # the error is the answer: kept in the registry
                 kept = store.get_snapshot(tag)
                 if kept is not None and kept.status == "ready":  # resume failed after a good one
@@ -203,6 +221,7 @@ class BranchService:
         base: BaseRef | None,
         *,
         live: bool = False,
+        on_resumed: Callable[[float], None] | None = None,
     ) -> None:
         fleet = self.fleet
         if not vm.is_alive() or fleet.vms.get(row.id) is not vm:
@@ -212,7 +231,9 @@ class BranchService:
         labels = SnapshotLabels(tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag)
         dest = fleet.settings.snapshot_root / tag
         try:
-            result = await live_snapshot.snapshot_running(vm, dest, labels, base, live=live)
+            result = await live_snapshot.snapshot_running(
+                vm, dest, labels, base, live=live, on_resumed=on_resumed
+            )
         except live_snapshot.LiveSnapshotError as exc:
             if exc.snapshot_kept:
                 self._register(tag, dest, metadata)
