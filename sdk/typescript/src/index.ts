@@ -172,6 +172,21 @@ export class Client {
     return this.json("POST", `/v1/snapshots/${q(tag)}/compact`, { body, timeoutMs: Math.max(this.timeoutMs, 600_000) });
   }
 
+  // -- workspaces (the original forkd's) ---------------------------------------
+
+  listWorkspaces(): Promise<JSONObject[]> { return this.json("GET", "/v1/workspaces"); }
+  createWorkspace(name: string, snapshotTag: string, opts: { per_child_netns?: boolean; memory_limit_mib?: number } = {}): Promise<JSONObject> {
+    return this.json("POST", "/v1/workspaces", { body: dropUndefined({ name, snapshot_tag: snapshotTag, ...opts }) });
+  }
+  getWorkspace(name: string): Promise<JSONObject> { return this.json("GET", `/v1/workspaces/${q(name)}`); }
+  async deleteWorkspace(name: string): Promise<void> { await this.request("DELETE", `/v1/workspaces/${q(name)}`); }
+  suspendWorkspace(name: string): Promise<JSONObject> {
+    return this.json("POST", `/v1/workspaces/${q(name)}/suspend`, { body: {}, timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+  resumeWorkspace(name: string): Promise<JSONObject> {
+    return this.json("POST", `/v1/workspaces/${q(name)}/resume`, { body: {}, timeoutMs: Math.max(this.timeoutMs, 600_000) });
+  }
+
   // -- images -----------------------------------------------------------------
 
   /**

@@ -441,6 +441,43 @@ class Routes:
         """``POST /v1/sandboxes/{id}/ping`` → ``{"pong": true, ...}``."""
         return self._json("POST", f"{self._sb(sandbox_id)}/ping")
 
+    # -- workspaces (the original forkd's) -----------------------------------
+
+    def list_workspaces(self) -> list[JSONDict]:
+        """``GET /v1/workspaces`` → list of WorkspaceInfo, by name."""
+        return self._json("GET", "/v1/workspaces")
+
+    def create_workspace(
+        self,
+        name: str,
+        snapshot_tag: str,
+        per_child_netns: bool | None = None,
+        memory_limit_mib: int | None = None,
+    ) -> JSONDict:
+        """``POST /v1/workspaces``: fork one sandbox of ``snapshot_tag`` as workspace
+        ``name`` → WorkspaceInfo (``status`` ``"running"``, ``live_sandbox_id``)."""
+        body = _drop_none({"name": name, "snapshot_tag": snapshot_tag,
+                           "per_child_netns": per_child_netns,
+                           "memory_limit_mib": memory_limit_mib})  # fmt: skip
+        return self._json("POST", "/v1/workspaces", json_body=body)
+
+    def get_workspace(self, name: str) -> JSONDict:
+        return self._json("GET", f"/v1/workspaces/{_quote(name)}")
+
+    def delete_workspace(self, name: str) -> None:
+        """``DELETE /v1/workspaces/{name}``: its sandbox is killed, whatever its state."""
+        return self._then(self._request("DELETE", f"/v1/workspaces/{_quote(name)}"), _none)
+
+    def suspend_workspace(self, name: str) -> JSONDict:
+        """Hibernate the workspace's sandbox (``status`` ``"suspended"``)."""
+        return self._json("POST", f"/v1/workspaces/{_quote(name)}/suspend", json_body={},
+                          timeout=max(self.timeout, 600))  # fmt: skip
+
+    def resume_workspace(self, name: str) -> JSONDict:
+        """Wake it (the same sandbox), or fork anew from its source when it is stale."""
+        return self._json("POST", f"/v1/workspaces/{_quote(name)}/resume", json_body={},
+                          timeout=max(self.timeout, 600))  # fmt: skip
+
     # -- files --------------------------------------------------------------
 
     def read_file(self, sandbox_id: str, path: str) -> bytes:
