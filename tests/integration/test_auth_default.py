@@ -108,6 +108,7 @@ def test_insecure_no_auth_is_explicit_and_loud(root: Path, started: list[DaemonP
     with httpx.Client(base_url=d.url) as c:
         assert c.get("/v1/snapshots").status_code == 200
     assert "AUTH IS OFF" in d.log_tail(5000)
+    assert f"listening on {d.url} (clients send no token)" in d.log_tail(5000)
     assert not (root / "state" / "token").exists()
 
 

@@ -41,10 +41,10 @@ TOKEN_BYTES = 32  # secrets.token_urlsafe(32): 43 characters, 256 bits
 
 INSECURE_WARNING = """
 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!
-!! AUTH IS OFF (--insecure-no-auth). Every route answers anyone who reaches
-!! {where}: any local user, and any process or sandbox that can connect,
-!! can fork VMs and run code in every sandbox. Drop the flag to use the token
-!! in {token}.
+!! AUTH IS OFF (--insecure-no-auth), listening on {where} (clients send no token).
+!! Every route answers anyone who reaches it: any local user, and any process
+!! or sandbox that can connect, can fork VMs and run code in every sandbox.
+!! Drop the flag to use the token in {token}.
 !!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!!"""
 
 
@@ -69,6 +69,14 @@ def parse_bind(bind: str) -> dict[str, object]:
     if not sep or not port.isdigit() or not 0 < int(port) < 65536:
         raise ForkdError(f"--bind must be HOST:PORT or unix:/path, not {bind!r}")
     return {"host": host.strip("[]") or "127.0.0.1", "port": int(port)}
+
+
+def listening_url(where: dict[str, object]) -> str:
+    """Where clients reach the daemon (``FORKD_URL``): ``http://HOST:PORT`` or ``unix:PATH``."""
+    if "uds" in where:
+        return f"unix:{where['uds']}"
+    host = str(where["host"])
+    return f"http://[{host}]:{where['port']}" if ":" in host else f"http://{host}:{where['port']}"
 
 
 def configure_logging(log_level: str) -> None:
@@ -246,9 +254,9 @@ def serve(
             for d in (settings.snapshot_root, settings.run_dir):
                 owner_only_dir(d)
             if token is None:
-                log.warning(
-                    INSECURE_WARNING.format(where=bind, token=paths.token_file(settings.state_dir))
-                )
+                log.warning(INSECURE_WARNING.format(
+                    where=listening_url(where), token=paths.token_file(settings.state_dir)
+                ))  # fmt: skip
             sockets = None
             if "uds" in where:
                 # Left in place at exit, like uvicorn's (which re-raises SIGTERM after
