@@ -280,12 +280,12 @@ def show_lineage(tag: str, kids: list[Sandbox], branch: Snapshot, grandkids: lis
     )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--children", type=int, default=4)
     parser.add_argument("--memory", type=int, default=256, help="guest memory in MiB")
     parser.add_argument("--url", default=os.environ.get("FORKD_URL", DEFAULT_URL))
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with daemon(args.url) as ctl:
         run(ctl, args.children, args.memory)
 

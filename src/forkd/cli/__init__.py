@@ -24,6 +24,7 @@ from forkd.cli import (
     gateway,
     images,
     mcp,
+    original_verbs,
     ports,
     processes,
     sandboxes,
@@ -64,6 +65,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     shell.register(app, transport=transport)
     events.register(app, transport=transport)
     ports.register(app, transport=transport)
+    original_verbs.register(app, transport=transport)
 
 
 app.command()(version)
