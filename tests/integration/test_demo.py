@@ -21,7 +21,7 @@ def test_the_demo_forks_branches_and_says_how_long_each_step_took(daemon: Daemon
                        headers={"Authorization": f"Bearer {daemon.token}"}).json()  # fmt: skip
     proc = subprocess.run(
         [sys.executable, "-m", "forkd.demo", "--children", "2", "--url", daemon.url],
-        env={**daemon.env(), "COLUMNS": "200"}, capture_output=True, text=True, timeout=600,
+        env={**daemon.env(), "COLUMNS": "400"}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
