@@ -157,7 +157,7 @@ def test_the_agent_protocol_at_guest_addr_and_from_inside_the_namespace(
 
         # ip netns exec NS client -h GUEST, as the original's postgres recipe does.
         r = api.post(f"/v1/sandboxes/{sb['id']}/processes",
-                     json={"args": ["python3", "-c", GUEST_SERVER]})  # fmt: skip
+                     json={"cmd": ["python3", "-c", GUEST_SERVER]})  # fmt: skip
         assert r.status_code == 201, r.text
         host = addr.rpartition(":")[0]
         deadline = time.monotonic() + 30

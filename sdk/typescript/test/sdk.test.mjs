@@ -87,6 +87,29 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     await branch.delete();
   });
 
+  await t.test("the original forkd's forms: diff: true, compact to a new tag, workspaces", async () => {
+    const [sb] = await client.spawnSandboxes(template, { n: 1 });
+    const diff = await client.branchSandbox(sb.id, { tag: "ts-diff", diff: true });
+    assert.equal(diff.mode, "diff");
+    assert.ok(Number.isInteger(diff.diff_physical_bytes) && diff.diff_logical_bytes > 0);
+    const flat = await client.compactSnapshot("ts-diff", { to: "ts-flat" });
+    assert.equal(flat.tag, "ts-flat");
+    assert.equal(flat.mode, "full");
+    assert.equal((await client.snapshot("ts-diff")).mode, "diff"); // the source is kept
+    await client.killSandbox(sb.id);
+    await client.deleteSnapshot("ts-flat");
+    await client.deleteSnapshot("ts-diff");
+
+    const ws = await client.createWorkspace("ts-ws", template);
+    assert.equal(ws.status, "running");
+    assert.equal((await client.suspendWorkspace("ts-ws")).status, "suspended");
+    const back = await client.resumeWorkspace("ts-ws");
+    assert.equal(back.live_sandbox_id, ws.live_sandbox_id);
+    assert.ok((await client.listWorkspaces()).some((w) => w.name === "ts-ws"));
+    await client.deleteWorkspace("ts-ws");
+    await assert.rejects(client.getWorkspace("ts-ws"), (err) => err.status === 404);
+  });
+
   await t.test("background process and its output stream", async () => {
     const sb = made[0];
     const proc = await sb.commands.start("for i in 1 2 3; do echo line $i; done; exit 7");
