@@ -87,6 +87,7 @@ MAX_SANDBOXES = 8  # the daemon's cap: forks past it answer 429
 # The fuzzed daemon's directories (state, cache): no answer may name a path in them.
 HOST_ROOTS: list[str] = []
 STREAM_READ_SECS = 1.0  # how long an event stream is read before the fuzz moves on
+WORK_SECS = 900.0  # a request that does real work: a template build, an import, a fork
 SPARES_KEPT = 3  # fuzzed forks beyond this are deleted again, so forks keep being admitted
 
 _SPEC = json.loads(CONTRACT.read_text())
@@ -410,7 +411,11 @@ def call_and_check(case: Any, url: str, token: str = TOKEN) -> Any:
     # An event stream never ends: schemathesis reads one until the request's timeout
     # (10 s by default), which made GET /v1/events most of this module's minutes. Its
     # head and first events come at once; a second is plenty.
-    wait = {"timeout": STREAM_READ_SECS} if case.operation.path == "/v1/events" else {}
+    # Every other request gets a timeout that fits real work (a template build under TCG
+    # takes 10-13 s, past schemathesis's default): the test never depends on host speed,
+    # and the daemon's own limits bound each route.
+    events = case.operation.path == "/v1/events"
+    wait = {"timeout": STREAM_READ_SECS if events else WORK_SECS}
     response = case.call_and_validate(base_url=url, headers=auth, checks=CHECKS, **wait)
     check_error_body(response)
     assert response.status_code != 401, "the token was refused"
