@@ -146,10 +146,14 @@ def test_the_agent_protocol_at_guest_addr_and_from_inside_the_namespace(
         assert pong["pong"] is True and pong["agent_lang"] == "python"
         assert pong["warmup_ready"] is True  # the template's warmup ran
         assert isinstance(pong["numpy_version"], str) and "error" not in pong
-        # The original SDK's exec sends 'timeout': a command past 30 s is not cut at 30.
-        ran = original_call(addr, {"action": "exec", "args": ["sh", "-c", "sleep 31; echo done"],
-                                   "timeout": 60}, wait=65)  # fmt: skip
+        # The original SDK's exec sends 'timeout' (not timeout_secs): it is the one obeyed.
+        ran = original_call(addr, {"action": "exec", "args": ["echo", "done"], "timeout": 60})
         assert (ran["stdout"], ran["exit_code"]) == ("done\n", 0) and "error" not in ran, ran
+        started = time.monotonic()
+        cut = original_call(addr, {"action": "exec", "args": ["sh", "-c", "echo so far; sleep 20"],
+                                   "timeout": 1})  # fmt: skip
+        assert (cut["stdout"], cut["exit_code"]) == ("so far\n", 124), cut
+        assert time.monotonic() - started < 15  # not the default 30 s
         evaluated = original_call(addr, {"action": "eval", "code": "x + 1"})
         assert evaluated["result"] == "42" and "error" not in evaluated  # its eval raises on one
         failed = original_call(addr, {"action": "eval", "code": "undefined_name"})
