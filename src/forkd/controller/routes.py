@@ -4,7 +4,7 @@ service call and the service's answer into a response model."""
 from __future__ import annotations
 
 import asyncio
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
@@ -74,14 +74,26 @@ FormatQ = Annotated[
 ]  # fmt: skip
 OCTET_STREAM = "application/octet-stream"
 TAR_MEDIA_TYPE = "application/x-tar"
-NO_CONTENT = {"status_code": 204, "response_class": Response}
+# Keyword arguments shared by route decorators, typed so that each splat is checked.
+class AnswerModel(TypedDict, total=False):
+    response_model: Any
+    response_model_exclude_unset: bool
+    response_model_exclude_none: bool
+
+
+class NoContent(TypedDict):
+    status_code: int
+    response_class: type[Response]
+
+
+NO_CONTENT: NoContent = {"status_code": 204, "response_class": Response}
 BYTES = {
     "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}},
                 "application/x-tar": {"schema": {"type": "string", "format": "binary"}}},
     "description": "the file's bytes, streamed (with Content-Length), or with format=tar "
     "a tar archive of the directory's content (chunked)",
 }  # fmt: skip
-SNAPSHOT = {"response_model": SnapshotInfo, "response_model_exclude_unset": True}
+SNAPSHOT: AnswerModel = {"response_model": SnapshotInfo, "response_model_exclude_unset": True}
 Pid = Annotated[int, Path(ge=1, description="the process id in the guest")]
 EVENTS = {
     "content": {sse.MEDIA_TYPE: {"schema": {"type": "string"}}},
@@ -523,7 +535,7 @@ async def delete_volume(svc: Svc, name: str) -> Response:
 # ------------------------------------------------------------------ events
 
 workspaces = APIRouter(prefix="/v1/workspaces", tags=["workspaces"], responses=ERROR_RESPONSES)
-WORKSPACE = {"response_model": WorkspaceInfo, "response_model_exclude_none": True}
+WORKSPACE: AnswerModel = {"response_model": WorkspaceInfo, "response_model_exclude_none": True}
 
 
 @workspaces.get("", response_model=list[WorkspaceInfo], response_model_exclude_none=True)
