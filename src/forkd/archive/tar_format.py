@@ -148,7 +148,7 @@ class TarReader:
     def _next(self) -> Member | None:
         long_name: str | None = None
         long_link: str | None = None
-        pax: dict[str, bytes] = {}
+        pax: dict[bytes, bytes] = {}
         for _ in range(MAX_META_HEADERS + 1):
             block = self._read_block()
             if block is None:
@@ -187,7 +187,7 @@ class TarReader:
         return block
 
     def _member(
-        self, block: bytes, long_name: str | None, long_link: str | None, pax: dict[str, bytes]
+        self, block: bytes, long_name: str | None, long_link: str | None, pax: dict[bytes, bytes]
     ) -> Member:
         kind_flag = block[156:157]
         name = long_name if long_name is not None else _header_name(block)
@@ -259,7 +259,7 @@ class TarReader:
     # ------------------------------------------------------------------ sparse files
 
     def _sparse_map(
-        self, block: bytes, kind_flag: bytes, pax: dict[str, bytes], member: Member
+        self, block: bytes, kind_flag: bytes, pax: dict[bytes, bytes], member: Member
     ) -> list[tuple[int, int]] | None:
         if kind_flag == _OLD_GNU_SPARSE:
             runs = self._old_gnu_runs(block)

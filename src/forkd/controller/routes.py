@@ -74,6 +74,8 @@ FormatQ = Annotated[
 ]  # fmt: skip
 OCTET_STREAM = "application/octet-stream"
 TAR_MEDIA_TYPE = "application/x-tar"
+
+
 # Keyword arguments shared by route decorators, typed so that each splat is checked.
 class AnswerModel(TypedDict, total=False):
     response_model: Any

@@ -46,6 +46,8 @@ from forkd.oci import (
     volume_files,
 )
 from forkd.oci.policy import RegistryPolicy
+from forkd.oci.pull import Downloads, Remote
+from forkd.oci.push import Base, Pushed
 from forkd.oci.reference import Reference
 from forkd.oci.registry import Registry
 from forkd.vmm import egress, memory_diff, snapshot_files
@@ -153,7 +155,7 @@ class SnapshotTransfer:
                  pushed.bytes_uploaded, pushed.bytes_total, pushed.encoding)  # fmt: skip
         return PushResult(ref=str(ref), **vars(pushed))
 
-    def _push_closing(self, registry: Registry, *args: Any) -> push.Pushed:
+    def _push_closing(self, registry: Registry, *args: Any) -> Pushed:
         try:
             return self._push_one(registry, *args)
         finally:
@@ -167,7 +169,7 @@ class SnapshotTransfer:
         reference_: str | None,
         flatten: bool,
         depth: int = 0,
-    ) -> push.Pushed:
+    ) -> Pushed:
         """Push ``files``, a diff's bases first when the repository lacks them (in a thread)."""
         repo = f"{registry.ref.registry}/{registry.ref.repository}"
         config = transfer_records.config(files, row)  # first: nothing to close if it fails
@@ -196,7 +198,7 @@ class SnapshotTransfer:
 
     def _base(
         self, registry: Registry, files: SnapshotFiles, row: SnapshotRow, depth: int
-    ) -> push.Base | None:
+    ) -> Base | None:
         """What to push ``files`` as a delta over: its diff base (pushed first if the
         repository lacks it), else the snapshot it came from if the repository has it."""
         store = self.fleet.store
@@ -262,7 +264,7 @@ class SnapshotTransfer:
         log.info("pulled %s as %s: %d bytes fetched", remote.where, tag, fetched)
         return self.snapshots.info(tag)
 
-    def _check(self, remote: pull.Remote) -> _Plan:
+    def _check(self, remote: Remote) -> _Plan:
         """Every reason this host cannot restore ``remote`` (409 naming them all); else
         what the pull will write."""
         kvm = accel.choose(self.fleet.settings.accel).name == "kvm"
@@ -297,7 +299,7 @@ class SnapshotTransfer:
         self,
         registry: Registry,
         ref: Reference,
-        remote: pull.Remote,
+        remote: Remote,
         tag: str,
         plan: _Plan,
         metadata: dict[str, str],
@@ -333,8 +335,8 @@ class SnapshotTransfer:
     def _write(
         self,
         registry: Registry,
-        remote: pull.Remote,
-        downloads: pull.Downloads,
+        remote: Remote,
+        downloads: Downloads,
         staging: Path,
         plan: _Plan,
         made: _Made,
@@ -367,9 +369,9 @@ class SnapshotTransfer:
 
     def _write_volumes(
         self,
-        remote: pull.Remote,
+        remote: Remote,
         volumes: list[dict[str, Any]],
-        downloads: pull.Downloads,
+        downloads: Downloads,
         made: _Made,
     ) -> tuple[Attachment, ...]:
         """Each volume the snapshot carries, as a new volume of this daemon (its name, or
@@ -423,7 +425,7 @@ class _Made:
             shutil.rmtree(image_dir, ignore_errors=True)
 
 
-def _check_room(root: Path, remote: pull.Remote, other_bytes: int) -> None:
+def _check_room(root: Path, remote: Remote, other_bytes: int) -> None:
     """The most a pull can write (its memory, device state, image and volumes, all
     allocated) must fit on the disk, with the reserve left: a registry's claim of a huge
     image or volume is refused before anything is written."""
