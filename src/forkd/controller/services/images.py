@@ -12,6 +12,7 @@ one reference is imported once at a time.
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import contextlib
 import os
@@ -254,7 +255,7 @@ class ImageService:
 
     # ------------------------------------------------------------ read
 
-    def list(self) -> list[ImageInfo]:
+    def list(self) -> builtins.list[ImageInfo]:
         built = images.list_images()
         layer_users = _layer_users(built)
         return [self._info(img, layer_users) for img in built]
@@ -307,7 +308,7 @@ class ImageService:
             }
         return ImageInfo(**info)
 
-    def _roots(self) -> list[Path]:
+    def _roots(self) -> builtins.list[Path]:
         return [self.fleet.settings.snapshot_root, self.fleet.settings.run_dir]
 
     # ------------------------------------------------------------ remove

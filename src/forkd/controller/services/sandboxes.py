@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import builtins
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
@@ -266,7 +267,7 @@ class SandboxService:
         state: str | None = None,
         snapshot: str | None = None,
         metadata: dict[str, str] | None = None,
-    ) -> list[SandboxInfo]:
+    ) -> builtins.list[SandboxInfo]:
         """The sandboxes in ``state``, of ``snapshot``, labelled with all of ``metadata``."""
         if state is not None and state not in SANDBOX_STATES:
             raise Invalid(f"unknown state {state!r}: one of {', '.join(SANDBOX_STATES)}")
@@ -381,7 +382,7 @@ class SandboxService:
         path = limits.check_guest_path(path)
         return await self.guest(sandbox_id, lambda vm: vm.write_file(path, data))
 
-    async def list_files(self, sandbox_id: str, path: str) -> list[FileEntry]:
+    async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         path = limits.check_guest_path(path)
         entries = await self.guest(sandbox_id, lambda vm: vm.list_dir(path))
         return [FileEntry(**e) for e in entries]

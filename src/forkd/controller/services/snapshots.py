@@ -10,6 +10,7 @@ dependents are compacted into full snapshots first, then only it goes).
 from __future__ import annotations
 
 import asyncio
+import builtins
 import collections
 import contextlib
 import os
@@ -331,7 +332,7 @@ class SnapshotService:
             snapshots=[r.tag for r in fleet.store.list_snapshots() if r.status == "ready"],
         )
 
-    def list(self, metadata: dict[str, str] | None = None) -> list[SnapshotInfo]:
+    def list(self, metadata: dict[str, str] | None = None) -> builtins.list[SnapshotInfo]:
         """The snapshots labelled with all of ``metadata``."""
         rows = self.fleet.store.list_snapshots()
         return [self.info(r.tag) for r in rows if labelled(r.metadata, metadata)]
@@ -403,10 +404,10 @@ class SnapshotService:
             finally:
                 self.deleting.difference_update(order)
 
-    def _deletion_order(self, row: SnapshotRow, cascade: bool, force: bool) -> list[str]:
+    def _deletion_order(self, row: SnapshotRow, cascade: bool, force: bool) -> builtins.list[str]:
         """``row``'s tag last, after its diff dependents (all of them, deepest first) when
         ``cascade``; every check is made before anything is deleted."""
-        order: list[str] = []
+        order: builtins.list[str] = []
 
         def visit(r: SnapshotRow, path: tuple[str, ...]) -> None:
             if r.status == "pending":

@@ -12,6 +12,7 @@ with. The registry row survives daemon restarts, as the sandboxes do.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 
 from forkd import limits
@@ -32,7 +33,7 @@ class WorkspaceService:
         self.pausing = pausing
         self._creating: set[str] = set()
 
-    def list(self) -> list[WorkspaceInfo]:
+    def list(self) -> builtins.list[WorkspaceInfo]:
         return [self._info(row) for row in self.fleet.store.list_workspaces()]
 
     def info(self, name: str) -> WorkspaceInfo:
