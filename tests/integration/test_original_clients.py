@@ -14,9 +14,7 @@ VMs in tests/integration/test_mcp.py.)
 
 from __future__ import annotations
 
-import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +26,7 @@ import pytest
 
 from forkd.launcher import free_port
 from forkd.vmm import network
+from tests.original_forkd import original_call
 
 from .conftest import Daemon
 
@@ -46,19 +45,6 @@ DIAL = (
     "with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10) as s:\n"
     "    print(s.recv(100).decode().strip())\n"
 )
-
-
-def original_call(address: str, message: dict[str, Any], wait: float = 35) -> dict[str, Any]:
-    """One request as the original SDK sends it to ``address`` (HOST:PORT); its answer."""
-    host, _, port = address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=5) as sock:
-        sock.settimeout(wait)
-        sock.sendall(json.dumps(message).encode() + b"\n")
-        sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    return dict(json.loads(data))
 
 
 @pytest.fixture(scope="module")

@@ -14,25 +14,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 import pytest
 
 from forkd.client import Controller
+from tests.original_forkd import original_call
 from tests.unit.conftest import Server, free_port
-
-
-def original_call(target: tuple[str, int], message: dict[str, Any]) -> dict[str, Any]:
-    """One request as the original SDK sends it; its answer."""
-    with socket.create_connection(target, timeout=5) as sock:
-        sock.settimeout(35)
-        sock.sendall(json.dumps(message).encode() + b"\n")
-        sock.shutdown(socket.SHUT_WR)
-        data = b""
-        while chunk := sock.recv(65536):
-            data += chunk
-    return dict(json.loads(data))
 
 
 def _env(server: Server, target: str) -> dict[str, str]:
@@ -83,17 +71,20 @@ def test_the_original_sdks_sandbox_speaks_to_a_held_fork(
     server: Server, held: tuple[tuple[str, int], subprocess.Popen[str]]
 ) -> None:
     target, proc = held
+    address = f"{target[0]}:{target[1]}"
     (sid,) = _sandboxes(server)
-    pong = original_call(target, {"action": "ping"})
+    pong = original_call(address, {"action": "ping"})
     assert pong["pong"] is True and "error" not in pong
-    ran = original_call(target, {"action": "exec", "args": ["echo", "hi"], "timeout": 60})
+    ran = original_call(
+        f"{target[0]}:{target[1]}", {"action": "exec", "args": ["echo", "hi"], "timeout": 60}
+    )
     assert (ran["stdout"], ran["exit_code"]) == ("hi\n", 0) and "error" not in ran
     # The original SDK's eval raises on any 'error' key: a success has none.
-    evaluated = original_call(target, {"action": "eval", "code": "x + 1"})
+    evaluated = original_call(address, {"action": "eval", "code": "x + 1"})
     assert evaluated["result"] == "42" and "error" not in evaluated
-    failed = original_call(target, {"action": "eval", "code": "nope"})
+    failed = original_call(address, {"action": "eval", "code": "nope"})
     assert failed["error"] == "NameError: name 'nope' is not defined", failed
-    refused = original_call(target, {"action": "restore"})
+    refused = original_call(address, {"action": "restore"})
     assert "unknown action" in refused["error"]
 
     # The SDK's kill(): SIGTERM, and 5 s before a SIGKILL.

@@ -106,7 +106,13 @@ def test_a_command_not_detached_dies_with_the_process_that_started_it(tmp_path: 
     )  # fmt: skip
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
-    os.kill(pid, 0)  # running
+    # setpriv sets the parent-death signal, then execs the command: once the command
+    # runs, the signal is armed. (Before that, a parent killed in the window leaves no
+    # signal: the daemon's restart reaps such a process; see RUNBOOK.)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/comm").read_text().strip() != "sleep":
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.01)
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 5

@@ -10,12 +10,14 @@ holds their descriptors), and the root ``memory.bin`` is not touched.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import errno
 import os
 import secrets
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,18 +50,10 @@ def compact(snap_dir: Path) -> SnapshotFiles:
     files = snapshot_files.load(snap_dir)
     if not files.is_diff:
         return files
-    staging = snap_dir.parent / f".{snap_dir.name}.partial-compact-{secrets.token_hex(3)}"
-    try:
-        staging.mkdir(mode=0o700)
+    staging = _staging_beside(snap_dir)
+    with _staged(staging, f"compacting {snap_dir.name}"):
         meta = _write_full(files, staging)
         exchange(staging, snap_dir)
-    except BaseException as exc:
-        shutil.rmtree(staging, ignore_errors=True)
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise StorageFull(f"disk full while compacting {snap_dir.name}") from exc
-        if isinstance(exc, OSError):
-            raise SnapshotError(f"compacting {snap_dir.name} failed: {exc}") from exc
-        raise
     snapshot_files.fsync_path(snap_dir.parent)
     shutil.rmtree(staging, ignore_errors=True)  # the diff's files, now under the staging name
     return SnapshotFiles(snap_dir, meta)
@@ -73,24 +67,36 @@ def compact_to(snap_dir: Path, dest: Path, labels: snapshot_files.SnapshotLabels
     if dest.exists():
         raise SnapshotError(f"{dest.name} already exists")
     files = snapshot_files.load(snap_dir)
-    staging = dest.parent / f".{dest.name}.partial-compact-{secrets.token_hex(3)}"
-    try:
-        staging.mkdir(mode=0o700)
+    staging = _staging_beside(dest)
+    with _staged(staging, f"compacting {snap_dir.name} to {dest.name}"):
         meta = _write_full(
             files, staging, id=snapshot_files.new_id(), tag=labels.tag,
             branched_from=labels.branched_from, parent_tag=labels.parent_tag,
             pause_ms=labels.pause_ms, parent_id=files.meta.id,
         )  # fmt: skip
         os.rename(staging, dest)
+    snapshot_files.fsync_path(dest.parent)
+    return SnapshotFiles(dest, meta)
+
+
+def _staging_beside(snap_dir: Path) -> Path:
+    return snap_dir.parent / f".{snap_dir.name}.partial-compact-{secrets.token_hex(3)}"
+
+
+@contextlib.contextmanager
+def _staged(staging: Path, doing: str) -> Iterator[None]:
+    """Make ``staging``; if the block fails, remove it and say what failed (a full disk is
+    :class:`StorageFull`)."""
+    try:
+        staging.mkdir(mode=0o700)
+        yield
     except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
         if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
-            raise StorageFull(f"disk full while compacting {snap_dir.name} to {dest.name}") from exc
+            raise StorageFull(f"disk full while {doing}") from exc
         if isinstance(exc, OSError):
-            raise SnapshotError(f"compacting {snap_dir.name} to {dest.name} failed: {exc}") from exc
+            raise SnapshotError(f"{doing} failed: {exc}") from exc
         raise
-    snapshot_files.fsync_path(dest.parent)
-    return SnapshotFiles(dest, meta)
 
 
 def _write_full(files: SnapshotFiles, staging: Path, **relabel: Any) -> snapshot_files.SnapshotMeta:
