@@ -377,7 +377,7 @@ def open_layer(path: Path, cap: int) -> Iterator[ReadFn]:
             stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
         elif magic.startswith(_ZSTD_MAGIC):
             decompressor = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
-            stream = decompressor.stream_reader(raw, read_across_frames=True)  # type: ignore[assignment]
+            stream = decompressor.stream_reader(raw, read_across_frames=True)
         else:
             for prefix, what in _REFUSED_MAGIC.items():
                 if magic.startswith(prefix):

@@ -21,6 +21,7 @@ import re
 from collections.abc import Generator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -59,7 +60,7 @@ def from_docker_config(registry: str, path: Path | None = None) -> Credentials |
     return None
 
 
-def _entry(entry: dict) -> Credentials | None:
+def _entry(entry: dict[str, Any]) -> Credentials | None:
     user, password = entry.get("username"), entry.get("password")
     if entry.get("auth"):
         try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from forkd.vmm.volumes import Attachment
 
@@ -70,7 +71,7 @@ class MachineConfig:
     internet: bool = True
     cmdline: str = KERNEL_CMDLINE
     # The egress policy's JSON form (forkd.vmm.egress); None: from ``internet``.
-    egress: str | dict | None = None
+    egress: str | dict[str, Any] | None = None
     # The legacy i8254 timer. The guest never uses it (it has the LAPIC timer and
     # is told the TSC rate), yet QEMU's PIT keeps ticking on after boot and wakes
     # QEMU's main loop ~40 times a second: 85 % of an idle VM's wakeups. Off for
@@ -86,7 +87,7 @@ class MachineConfig:
         disks = (self.rootfs,) if self.runtime is None else (self.rootfs, self.runtime)
         return (self.vmlinuz, self.initrd, *disks)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         data = {
             "memory_mib": self.memory_mib,
             "vcpus": self.vcpus,
@@ -105,7 +106,7 @@ class MachineConfig:
         return data
 
     @classmethod
-    def from_json(cls, data: dict) -> MachineConfig:
+    def from_json(cls, data: dict[str, Any]) -> MachineConfig:
         return cls(
             memory_mib=int(data["memory_mib"]),
             vcpus=int(data["vcpus"]),

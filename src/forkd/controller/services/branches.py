@@ -310,7 +310,7 @@ def requested_mode(req: BranchRequest) -> str | None:
 
 def _with(info: SnapshotInfo, extra: dict[str, int]) -> SnapshotInfo:
     """``info`` with fields added (and so sent: answers leave out what was never set)."""
-    return SnapshotInfo(**info.model_dump(exclude_unset=True), **extra)
+    return info.model_copy(update=extra)
 
 
 def _diff_figures(info: SnapshotInfo) -> dict[str, int]:

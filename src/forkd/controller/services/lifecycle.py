@@ -321,7 +321,7 @@ class Probes:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self._queue.put((call, loop, fut))
-        return await asyncio.wait_for(fut, timeout)  # type: ignore[no-any-return]
+        return await asyncio.wait_for(fut, timeout)
 
     def close(self) -> None:
         for _ in self._started:
