@@ -454,8 +454,8 @@ class _Unpacker:
         if link is None:
             return
         # The link's own directories are resolved like its target's components.
-        target = [p for p in link.split("/") if p not in ("", ".")]
-        pending = list(reversed([*parts[:-1], *target]))
+        link_parts = [p for p in link.split("/") if p not in ("", ".")]
+        pending = list(reversed([*parts[:-1], *link_parts]))
         stack: list[str] = []
         hops = 0
         while pending:

@@ -45,7 +45,7 @@ def _is_streamed_upload(scope: Scope) -> bool:
 
 def _is_image_load(scope: Scope) -> bool:
     """An image archive: its body streams to a file of the daemon's, never buffered."""
-    return scope["method"] == "POST" and scope["path"] == IMAGE_LOAD
+    return bool(scope["method"] == "POST" and scope["path"] == IMAGE_LOAD)
 
 
 class GuardMiddleware:

@@ -193,7 +193,7 @@ class Store:
 
     def _meta_default(self, key: str, value: str) -> str:
         self._tx("INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)", (key, value))
-        return self._query("SELECT value FROM meta WHERE key = ?", (key,))[0]["value"]
+        return str(self._query("SELECT value FROM meta WHERE key = ?", (key,))[0]["value"])
 
     # ---------------------------------------------------------- sequences
 

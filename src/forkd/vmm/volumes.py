@@ -239,8 +239,8 @@ class VolumeStore:
             (staging / "layers").mkdir(mode=0o700)
             info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
             (staging / "volume.json").write_text(json.dumps(info) + "\n")
-            for f in (base, staging / "volume.json"):  # the staging dir is 0700 already
-                f.chmod(0o600)
+            for made in (base, staging / "volume.json"):  # the staging dir is 0700 already
+                made.chmod(0o600)
             try:
                 staging.rename(final)
             except OSError as exc:  # another request made the same name meanwhile

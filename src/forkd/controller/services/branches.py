@@ -100,7 +100,8 @@ class BranchService:
             task.add_done_callback(self.background.discard)
         # As the original answered: once the source runs again, with its pause_ms; the
         # files are written in the background (or it already failed, or finished).
-        await asyncio.wait({resumed, task}, return_when=asyncio.FIRST_COMPLETED)
+        either: set[asyncio.Future[Any]] = {resumed, task}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         return self.snapshots.info(tag)
 
     def _diff_base(self, row: SandboxRow, vm: Any) -> BaseRef:
