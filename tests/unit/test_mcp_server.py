@@ -189,6 +189,18 @@ def test_the_original_forkd_tools(server: Server, template: str) -> None:
     asyncio.run(session())
 
 
+def _serves_every_tool_over_stdio(params: StdioServerParameters, template: str) -> None:
+    """The server ``params`` starts lists every tool and answers list_snapshots."""
+
+    async def session() -> None:
+        async with Client(params) as client:
+            assert {t.name for t in (await client.list_tools()).tools} == TOOLS
+            snaps = _value(await client.call_tool("list_snapshots", {}))
+            assert [s["tag"] for s in snaps] == [template]
+
+    asyncio.run(session())
+
+
 def test_forkd_mcp_is_the_original_command_name(server: Server, template: str) -> None:
     """``forkd-mcp`` (the original's command, the console script) serves the same tools
     over stdio, reaching the daemon by FORKD_URL and FORKD_TOKEN as the original did."""
@@ -200,13 +212,7 @@ def test_forkd_mcp_is_the_original_command_name(server: Server, template: str) -
         env["PYTHONPATH"] = os.environ["PYTHONPATH"]
     params = StdioServerParameters(command=str(script), args=[], env=env)
 
-    async def session() -> None:
-        async with Client(params) as client:
-            assert {t.name for t in (await client.list_tools()).tools} == TOOLS
-            snaps = _value(await client.call_tool("list_snapshots", {}))
-            assert [s["tag"] for s in snaps] == [template]
-
-    asyncio.run(session())
+    _serves_every_tool_over_stdio(params, template)
 
 
 class ListeningDriver(FakeDriver):
@@ -252,13 +258,7 @@ def test_stdio_transport(server: Server, template: str) -> None:
         env={"PYTHONPATH": os.environ["PYTHONPATH"]} if "PYTHONPATH" in os.environ else None,
     )
 
-    async def session() -> None:
-        async with Client(params) as client:
-            assert {t.name for t in (await client.list_tools()).tools} == TOOLS
-            snaps = _value(await client.call_tool("list_snapshots", {}))
-            assert [s["tag"] for s in snaps] == [template]
-
-    asyncio.run(session())
+    _serves_every_tool_over_stdio(params, template)
 
 
 def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:

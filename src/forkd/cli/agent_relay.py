@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from forkd.client import Controller, ControllerError
+from forkd.client.guest_agent import LineTooLong, read_line
 
 MAX_REQUEST_BYTES = 1 << 20  # as the guest agent's TCP_MAX_REQUEST_BYTES
 READ_TIMEOUT_SECS = 5.0  # the whole request, as the guest agent
@@ -133,15 +134,9 @@ class _Handler(socketserver.BaseRequestHandler):
 def _read_request(sock: socket.socket) -> bytes:
     """The bytes before the first newline (or EOF), within the size and time caps."""
     sock.settimeout(READ_TIMEOUT_SECS)
-    buf = bytearray()
-    while b"\n" not in buf:
-        try:
-            chunk = sock.recv(65536)
-        except TimeoutError as exc:
-            raise RelayError(f"no complete request within {READ_TIMEOUT_SECS:g} s") from exc
-        if not chunk:
-            break
-        buf += chunk
-        if len(buf) > MAX_REQUEST_BYTES:
-            raise RelayError(f"request larger than {MAX_REQUEST_BYTES} bytes")
-    return bytes(buf).split(b"\n", 1)[0]
+    try:
+        return read_line(sock, MAX_REQUEST_BYTES, "request")
+    except TimeoutError as exc:
+        raise RelayError(f"no complete request within {READ_TIMEOUT_SECS:g} s") from exc
+    except LineTooLong as exc:
+        raise RelayError(str(exc)) from exc

@@ -49,7 +49,7 @@ class GuestAgent:
             with socket.create_connection(self.address, timeout=CONNECT_TIMEOUT_SECS) as sock:
                 sock.settimeout(wait if wait is not None else self.timeout)
                 sock.sendall(line)
-                data = _read_line(sock)
+                data = read_line(sock)
         except OSError as exc:
             raise ControllerError(0, f"{where}: {exc}") from exc
         try:
@@ -96,14 +96,19 @@ class GuestAgent:
         return EvalResult.from_answer(self.request("eval", wait=wait, code=code, timeout_s=timeout))
 
 
-def _read_line(sock: socket.socket) -> bytes:
-    """Everything up to the first newline, or to EOF."""
+class LineTooLong(ConnectionError):
+    """A message of the agent protocol past its size cap."""
+
+
+def read_line(sock: socket.socket, limit: int = MAX_ANSWER_BYTES, what: str = "answer") -> bytes:
+    """Everything up to the first newline, or to EOF: one message of the agent protocol.
+    :class:`LineTooLong` past ``limit`` bytes (``what`` names it in the message)."""
     buf = bytearray()
     while b"\n" not in buf:
         chunk = sock.recv(1 << 20)
         if not chunk:
             break
         buf += chunk
-        if len(buf) > MAX_ANSWER_BYTES:
-            raise ConnectionError(f"answer longer than {MAX_ANSWER_BYTES} bytes")
+        if len(buf) > limit:
+            raise LineTooLong(f"{what} longer than {limit} bytes")
     return bytes(buf).split(b"\n", 1)[0]

@@ -407,36 +407,34 @@ class DiffCapture:
         self.pages_kept += npages
 
 
-def count_differing(full: Path, base: Chain) -> int:
-    """How many pages of the full memory file ``full`` differ from ``base``'s: what a diff
-    of it over ``base`` would store. Nothing is written."""
-    npages = base.size // PAGE
-    count = 0
+def _chunks(full: Path, npages: int) -> Iterator[tuple[int, bytes]]:
+    """The memory file ``full`` as ``(first page, its bytes)`` chunks of ``npages`` pages;
+    past a short file, zeroes."""
     fd = os.open(full, os.O_RDONLY)
     try:
         for first in range(0, npages, CHUNK_PAGES):
-            end = min(first + CHUNK_PAGES, npages)
-            data = os.pread(fd, (end - first) * PAGE, first * PAGE)
-            data += bytes((end - first) * PAGE - len(data))
-            old = base.read(first, end)
-            count += sum(len(run) // PAGE for _, run in differing(first, data, old))
+            length = (min(first + CHUNK_PAGES, npages) - first) * PAGE
+            data = os.pread(fd, length, first * PAGE)
+            yield first, data + bytes(length - len(data))
     finally:
         os.close(fd)
+
+
+def count_differing(full: Path, base: Chain) -> int:
+    """How many pages of the full memory file ``full`` differ from ``base``'s: what a diff
+    of it over ``base`` would store. Nothing is written."""
+    count = 0
+    for first, data in _chunks(full, base.size // PAGE):
+        old = base.read(first, first + len(data) // PAGE)
+        count += sum(len(run) // PAGE for _, run in differing(first, data, old))
     return count
 
 
 def diff_of_file(full: Path, base: Chain, out_fd: int, runs_path: Path) -> DiffCapture:
     """A diff of the full memory file ``full`` over ``base`` (a snapshot on disk, no VM)."""
     cap = DiffCapture(out_fd, limit=0)
-    fd = os.open(full, os.O_RDONLY)
-    try:
-        for first in range(0, base.size // PAGE, CHUNK_PAGES):
-            end = min(first + CHUNK_PAGES, base.size // PAGE)
-            data = os.pread(fd, (end - first) * PAGE, first * PAGE)
-            data += bytes((end - first) * PAGE - len(data))
-            cap.pages_read += end - first
-            cap._filter(first, data, base)
-    finally:
-        os.close(fd)
+    for first, data in _chunks(full, base.size // PAGE):
+        cap.pages_read += len(data) // PAGE
+        cap._filter(first, data, base)
     write_runs(runs_path, merge_runs(cap.kept))
     return cap

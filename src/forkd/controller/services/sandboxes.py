@@ -163,7 +163,8 @@ class SandboxService:
             raise VMError(
                 f"forking {req.n} from {tag!r} failed, none were kept: {first}"
             ) from first
-        return [self.info(sid) for sid in ids]
+        facts = self._branch_facts()  # once for all of them: it reads every snapshot
+        return [self._info(self.fleet.sandbox_row(sid), facts) for sid in ids]
 
     async def _fork_one(
         self,

@@ -358,9 +358,7 @@ class SnapshotService:
         if problem is not None:
             raise Conflict(f"snapshot {tag!r} cannot be compacted: {problem}")
         dest = self.fleet.settings.snapshot_root / to
-        with self.fleet.reserve_tag(to):
-            if dest.exists():
-                raise Conflict(f"a snapshot directory named {to!r} already exists")
+        with self.fleet.reserve_tag(to):  # 409 when the tag or its directory exists
             labels = SnapshotLabels(tag=to, parent_tag=tag)
             async with self._disk_lock:
                 try:

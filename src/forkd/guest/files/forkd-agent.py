@@ -35,6 +35,7 @@ import binascii
 import contextlib
 import errno
 import fcntl
+import functools
 import glob
 import json
 import math
@@ -210,23 +211,20 @@ IMAGE_SITE_GLOBS = (
     "/opt/*/lib/python3*/site-packages",
     "/opt/conda/lib/python3*/site-packages",
 )
-_numpy: list[str] = []  # the version found at the first ping, kept for this process
 
 
+@functools.cache  # looked up at the first ping (a template's boot), kept in its memory
 def _numpy_version() -> str:
-    """numpy's version where eval runs (``not-installed`` without it), looked up once:
-    the metadata it was installed with, nothing is imported."""
-    if not _numpy:
-        if IMAGE_EVAL is None:
-            import importlib.metadata
+    """numpy's version where eval runs (``not-installed`` without it): the metadata it was
+    installed with, nothing is imported."""
+    if IMAGE_EVAL is not None:
+        return _image_package_version("numpy") or "not-installed"
+    import importlib.metadata
 
-            try:
-                _numpy.append(importlib.metadata.version("numpy"))
-            except importlib.metadata.PackageNotFoundError:
-                _numpy.append("not-installed")
-        else:
-            _numpy.append(_image_package_version("numpy") or "not-installed")
-    return _numpy[0]
+    try:
+        return importlib.metadata.version("numpy")
+    except importlib.metadata.PackageNotFoundError:
+        return "not-installed"
 
 
 def _image_package_version(name: str) -> str | None:
