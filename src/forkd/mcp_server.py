@@ -64,7 +64,7 @@ def lineage_tree(snapshots: list[dict[str, Any]], sandboxes: list[dict[str, Any]
         node = nodes.get(sb.get("snapshot_tag"))
         if node is not None:
             node["sandboxes"].append({"id": sb["id"], "state": sb.get("state")})
-    roots = []
+    roots: list[dict[str, Any]] = []
     for s in snapshots:
         parent = nodes.get(s.get("parent_tag") or "")
         (parent["children"] if parent is not None else roots).append(nodes[s["tag"]])
@@ -223,12 +223,16 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         ``warmup``: Python run in the warm interpreter first. Takes seconds to minutes.
         The original forkd's ``kernel`` and ``rootfs`` (files of a built image on the
         daemon's host), ``rw``, ``tap`` and ``boot_wait_secs`` are taken too."""
-        extra = {k: v for k, v in (("kernel", kernel), ("rootfs", rootfs), ("tap", tap)) if v}
+        extra: dict[str, Any] = {
+            k: v for k, v in (("kernel", kernel), ("rootfs", rootfs), ("tap", tap)) if v
+        }
+        if rw:
+            extra["rw"] = True
         answer = await with_daemon(
             lambda c: c.create_snapshot(
                 tag, image=image, warmup=warmup, memory_mib=memory_mib, start=start or None,
                 ready_port=ready_port, ready_cmd=ready_cmd, boot_wait_secs=boot_wait_secs,
-                **extra, **({"rw": True} if rw else {}),
+                **extra,
             )
         )  # fmt: skip
         return dict(answer)

@@ -74,7 +74,7 @@ def test_a_bad_timeout_is_a_400_and_changes_nothing(
 def test_fork_refuses_an_unknown_action_and_two_different_timeouts(ctl: Controller) -> None:
     for kwargs in ({"on_timeout": "sleep"}, {"timeout_s": 5, "timeout_secs": 6}):
         with pytest.raises(ControllerError) as exc:
-            ctl._json("POST", "/v1/sandboxes", json_body={"snapshot_tag": "py", **kwargs})
+            ctl._run(ctl._json("POST", "/v1/sandboxes", json_body={"snapshot_tag": "py", **kwargs}))
         assert exc.value.status == 400
     assert ctl.list_sandboxes() == []
 
@@ -151,8 +151,8 @@ def test_a_branch_that_fails_at_the_timeout_pauses_the_sandbox_instead(
 
 def test_the_timeout_route_changes_on_timeout(ctl: Controller) -> None:
     sid = ctl.spawn_sandboxes("py", timeout_s=60)[0]["id"]
-    r = ctl._json("POST", f"/v1/sandboxes/{sid}/timeout",
-                  json_body={"timeout_s": 0.3, "on_timeout": "pause"})  # fmt: skip
+    r = ctl._run(ctl._json("POST", f"/v1/sandboxes/{sid}/timeout",
+                           json_body={"timeout_s": 0.3, "on_timeout": "pause"}))  # fmt: skip
     assert r["on_timeout"] == "pause"
     _until(lambda: ctl.get_sandbox(sid)["state"] == "paused", 5)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -163,13 +163,15 @@ def snapshot_create(
 
         image = str(import_with_progress(conn, image, t0, quiet=True)["name"])
     status = f"building snapshot {escape(tag)}: boot, setup, warm-up, snapshot"
+    extra: dict[str, Any] = {k: v for k, v in started.items() if v is not None}
+    if volumes:
+        extra["volumes"] = volumes
+    if labels:
+        extra["metadata"] = labels
     with daemon_errors(), conn.controller() as ctl, err.status(status):
         info = ctl.create_snapshot(
             tag, image=image, memory_mib=memory, vcpus=vcpus,
-            setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs,
-            **({"volumes": volumes} if volumes else {}),
-            **({"metadata": labels} if labels else {}),
-            **{k: v for k, v in started.items() if v is not None},
+            setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs, **extra,
         )  # fmt: skip
     if conn.as_json:
         render.print_json(info)

@@ -2,29 +2,30 @@
 :class:`~forkd.client.Controller` as coroutines, on ``httpx.AsyncClient``.
 
 The routes themselves are :class:`~forkd.client.routes.Routes`, the same code the
-sync client runs: here ``_request`` and ``_json`` return awaitables and ``_then``
-chains onto them. A process's output and the lifecycle events are async
-iterators (:mod:`forkd.client.async_streams`); terminals, guest-port WebSockets,
-tunnels and streamed file transfers are in :mod:`forkd.client.async_sockets`; an
-image import with its progress in :mod:`forkd.client.image_routes`.
+sync client runs: here each route's call is awaited (``_run``). A process's
+output and the lifecycle events are async iterators
+(:mod:`forkd.client.async_streams`); terminals, guest-port WebSockets, tunnels and
+streamed file transfers are in :mod:`forkd.client.async_sockets`; an image import
+with its progress in :mod:`forkd.client.image_routes`.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 import httpx
 
 from forkd.client.async_sockets import AsyncSockets
 from forkd.client.async_streams import AsyncStreams
-from forkd.client.connection import asend, json_of
+from forkd.client.connection import asend
 from forkd.client.image_routes import AsyncImageRoutes
-from forkd.client.routes import Routes
+from forkd.client.routes import AsyncRunner, Call, Routes
+
+T = TypeVar("T")
 
 
-class AsyncController(Routes, AsyncStreams, AsyncSockets, AsyncImageRoutes):
+class AsyncController(AsyncRunner, Routes, AsyncStreams, AsyncSockets, AsyncImageRoutes):
     """An asyncio client of the forkd daemon: the methods of :class:`Controller`'s
     JSON routes, each a coroutine with the same arguments and answer.
 
@@ -64,28 +65,11 @@ class AsyncController(Routes, AsyncStreams, AsyncSockets, AsyncImageRoutes):
     def __repr__(self) -> str:
         return f"AsyncController({self.url!r})"
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json_body: Any = None,
-        params: dict[str, Any] | None = None,
-        content: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> Awaitable[httpx.Response]:
-        return asend(
-            self._client, self.url, method, path, json=json_body, params=params,
-            content=content, headers=headers,
-            timeout=self.timeout if timeout is None else timeout,
+    async def _run(self, call: Call[T]) -> T:
+        """Send ``call`` and decode its answer (every JSON route goes through here)."""
+        resp = await asend(
+            self._client, self.url, call.method, call.path, json=call.json_body,
+            params=call.params, content=call.content, headers=call.headers,
+            timeout=self.timeout if call.timeout is None else call.timeout,
         )  # fmt: skip
-
-    def _json(self, method: str, path: str, **kw: Any) -> Awaitable[Any]:
-        return self._then(self._request(method, path, **kw), lambda r: json_of(r, method, path))
-
-    def _then(self, answer: Awaitable[Any], then: Callable[[Any], Any]) -> Awaitable[Any]:
-        async def chained() -> Any:
-            return then(await answer)
-
-        return chained()
+        return call.decode(resp)

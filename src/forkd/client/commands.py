@@ -209,7 +209,8 @@ class Commands:
         merged_env = {**(env or {}), **(envs or {})} or None
         streamed = background or on_stdout is not None or on_stderr is not None
         if not streamed:
-            return self._exec(cmd, timeout, cwd, merged_env, stdin or None, user)
+            piped = None if isinstance(stdin, bool) else stdin or None  # True raised above
+            return self._exec(cmd, timeout, cwd, merged_env, piped, user)
         if timeout is None and not background:
             timeout = FOREGROUND_TIMEOUT_SECS
         sb = self._sandbox

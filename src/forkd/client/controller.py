@@ -8,23 +8,33 @@ from their own modules.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 import httpx
 
-from forkd.client.connection import json_of, send
+from forkd.client.connection import send
 from forkd.client.event_routes import EventRoutes
 from forkd.client.file_routes import FileRoutes
 from forkd.client.image_routes import ImageRoutes
 from forkd.client.port_routes import PortRoutes
 from forkd.client.process_routes import ProcessRoutes
-from forkd.client.routes import EVAL_HTTP_MARGIN_SECS, KEEP, Routes, _tar_directory
+from forkd.client.routes import (
+    EVAL_HTTP_MARGIN_SECS,
+    KEEP,
+    Call,
+    Routes,
+    SyncRunner,
+    _tar_directory,
+)
 
 __all__ = ["EVAL_HTTP_MARGIN_SECS", "KEEP", "Controller", "_tar_directory"]
 
+T = TypeVar("T")
 
-class Controller(Routes, ProcessRoutes, FileRoutes, EventRoutes, PortRoutes, ImageRoutes):
+
+class Controller(
+    SyncRunner, Routes, ProcessRoutes, FileRoutes, EventRoutes, PortRoutes, ImageRoutes
+):
     """A synchronous client of the forkd daemon: one method per HTTP route.
 
     Arguments:
@@ -78,31 +88,11 @@ class Controller(Routes, ProcessRoutes, FileRoutes, EventRoutes, PortRoutes, Ima
     def __repr__(self) -> str:
         return f"Controller({self.url!r})"
 
-    def _request(
-        self,
-        method: str,
-        path: str,
-        *,
-        json_body: Any = None,
-        params: dict[str, Any] | None = None,
-        content: bytes | None = None,
-        headers: dict[str, str] | None = None,
-        timeout: float | None = None,
-    ) -> httpx.Response:
-        return send(
-            self._client,
-            self.url,
-            method,
-            path,
-            json=json_body,
-            params=params,
-            content=content,
-            headers=headers,
-            timeout=self.timeout if timeout is None else timeout,
-        )
-
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        return json_of(self._request(method, path, **kw), method, path)
-
-    def _then(self, answer: Any, then: Callable[[Any], Any]) -> Any:
-        return then(answer)
+    def _run(self, call: Call[T]) -> T:
+        """Send ``call`` and decode its answer (every JSON route goes through here)."""
+        resp = send(
+            self._client, self.url, call.method, call.path, json=call.json_body,
+            params=call.params, content=call.content, headers=call.headers,
+            timeout=self.timeout if call.timeout is None else call.timeout,
+        )  # fmt: skip
+        return call.decode(resp)

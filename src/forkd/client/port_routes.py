@@ -45,9 +45,6 @@ class PortRoutes:
     def _sb(sandbox_id: str) -> str:
         raise NotImplementedError
 
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        raise NotImplementedError
-
     def port_url(self, sandbox_id: str, port: int, path: str = "/") -> str:
         raise NotImplementedError  # forkd.client.routes.Routes
 

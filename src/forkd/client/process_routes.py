@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import Iterator
-from typing import Any
 
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
@@ -38,12 +37,6 @@ class ProcessRoutes:
     url: str
     timeout: float
     _client: httpx.Client
-
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        raise NotImplementedError
-
-    def _request(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        raise NotImplementedError
 
     @staticmethod
     def _sb(sandbox_id: str) -> str:

@@ -1,28 +1,31 @@
 """The HTTP API's JSON routes, written once for the sync and the async client.
 
-:class:`Routes` holds one method per route: it builds the request and says what
-to make of the answer. It never waits for one itself: ``_request`` and ``_json``
-return the answer in the sync :class:`~forkd.client.Controller` and an awaitable
-of it in :class:`~forkd.client.AsyncController`, and a method that turns the
-answer into something else does it through ``_then``, which applies a function
-now or once the awaitable is done. So both clients speak the same wire format
-from the same code. (The streaming routes, with bodies that are iterated, live
-in their own modules.)
+Each method of :class:`Routes` builds a :class:`Call`: the request and what to
+make of its answer. It never sends one itself. The :func:`route` decorator hands
+the call to the client it is read from: the sync :class:`~forkd.client.Controller`
+sends it and returns the answer, the async :class:`~forkd.client.AsyncController`
+returns an awaitable of it. So both clients speak the same wire format from the
+same code, and the type checker knows ``ctl.health()`` is a ``JSONDict`` on one
+and an ``Awaitable[JSONDict]`` on the other. (The streaming routes, with bodies
+that are iterated, live in their own modules.)
 """
 
 from __future__ import annotations
 
 import base64
+import functools
+import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from urllib.parse import quote
 
 import httpx
 
 from forkd import limits
-from forkd.client.connection import Address, JSONDict, _resolve_token
+from forkd.client.connection import Address, JSONDict, _resolve_token, json_of
 from forkd.client.errors import ControllerError
 
 # An eval's answer comes within its timeout plus the agent's grace to stop it
@@ -30,6 +33,89 @@ from forkd.client.errors import ControllerError
 EVAL_HTTP_MARGIN_SECS = 30.0
 
 KEEP: Any = object()  # an optional setting left as the daemon has it
+
+T = TypeVar("T")
+U = TypeVar("U")
+P = ParamSpec("P")
+
+
+def _response(resp: httpx.Response) -> httpx.Response:
+    return resp
+
+
+@dataclass(frozen=True)
+class Call(Generic[T]):
+    """One request to the daemon and what to make of its answer: ``decode``."""
+
+    method: str
+    path: str
+    decode: Callable[[httpx.Response], T]
+    json_body: Any = None
+    params: dict[str, Any] | None = None
+    content: bytes | None = None
+    headers: dict[str, str] | None = None
+    timeout: float | None = None
+
+    def then(self, then: Callable[[T], U]) -> Call[U]:
+        """The same request, its decoded answer passed through ``then``."""
+        decode = self.decode
+        return Call(
+            self.method, self.path, lambda resp: then(decode(resp)), self.json_body,
+            self.params, self.content, self.headers, self.timeout,
+        )  # fmt: skip
+
+
+class SyncRunner:
+    """A client that sends a :class:`Call` and returns its answer (Controller)."""
+
+    def _run(self, call: Call[T]) -> T:
+        raise NotImplementedError
+
+
+class AsyncRunner:
+    """A client whose :class:`Call` s are awaited (AsyncController)."""
+
+    def _run(self, call: Call[T]) -> Awaitable[T]:
+        raise NotImplementedError
+
+
+class route(Generic[P, T]):
+    """A route method: ``build`` makes its :class:`Call`; read from a client, the
+    method sends it there (see the module)."""
+
+    def __init__(self, build: Callable[Concatenate[Any, P], Call[T]]) -> None:
+        self._build = build
+        self.__doc__, self.__wrapped__ = build.__doc__, build  # help() and Sphinx read these
+
+    @overload
+    def __get__(self, client: None, owner: type | None = None) -> route[P, T]: ...
+    @overload
+    def __get__(self, client: SyncRunner, owner: type | None = None) -> Callable[P, T]: ...
+    @overload
+    def __get__(
+        self, client: AsyncRunner, owner: type | None = None
+    ) -> Callable[P, Awaitable[T]]: ...
+    def __get__(self, client: SyncRunner | AsyncRunner | None, owner: type | None = None) -> Any:
+        if client is None:
+            return self
+        build, run = self._build, client._run
+
+        @functools.wraps(build)
+        def send(*args: P.args, **kwargs: P.kwargs) -> Any:
+            return run(build(client, *args, **kwargs))
+
+        send.__signature__ = self._signature(isinstance(client, AsyncRunner))  # type: ignore[attr-defined]
+        return send
+
+    @functools.cache  # noqa: B019 - one per route and client kind, for the life of the class
+    def _signature(self, awaited: bool) -> inspect.Signature:
+        """What ``help()`` shows of the bound method: no ``self``, the answer's type."""
+        built = inspect.signature(self._build)
+        answer = str(built.return_annotation).removeprefix("Call[").removesuffix("]")
+        return built.replace(
+            parameters=list(built.parameters.values())[1:],
+            return_annotation=f"Awaitable[{answer}]" if awaited else answer,
+        )
 
 
 def _quote(segment: str) -> str:
@@ -82,14 +168,19 @@ class Routes:
         self.timeout = float(timeout)
         return address, _resolve_token(token, token_file)
 
-    def _request(self, method: str, path: str, **kw: Any) -> Any:
-        raise NotImplementedError
+    @staticmethod
+    def _request(method: str, path: str, **kw: Any) -> Call[httpx.Response]:
+        """The call whose answer is the response itself."""
+        return Call(method, path, _response, **kw)
 
-    def _json(self, method: str, path: str, **kw: Any) -> Any:
-        raise NotImplementedError
+    @staticmethod
+    def _json(method: str, path: str, **kw: Any) -> Call[Any]:
+        """The call whose answer is the response's JSON (an error status raises)."""
+        return Call(method, path, lambda resp: json_of(resp, method, path), **kw)
 
-    def _then(self, answer: Any, then: Callable[[Any], Any]) -> Any:
-        raise NotImplementedError
+    @staticmethod
+    def _then(call: Call[T], then: Callable[[T], U]) -> Call[U]:
+        return call.then(then)
 
     @staticmethod
     def _sb(sandbox_id: str) -> str:
@@ -97,26 +188,31 @@ class Routes:
 
     # -- discovery ----------------------------------------------------------
 
-    def health(self) -> JSONDict:
+    @route
+    def health(self) -> Call[JSONDict]:
         """``GET /healthz`` → ``{"ok": true}`` (needs no token)."""
         return self._json("GET", "/healthz")
 
-    def version(self) -> JSONDict:
+    @route
+    def version(self) -> Call[JSONDict]:
         """``GET /version`` → ``{"version": "...", "api": "v1"}``."""
         return self._json("GET", "/version")
 
     # -- snapshots ----------------------------------------------------------
 
-    def list_snapshots(self, metadata: dict[str, str] | None = None) -> list[JSONDict]:
+    @route
+    def list_snapshots(self, metadata: dict[str, str] | None = None) -> Call[list[JSONDict]]:
         """``GET /v1/snapshots`` → list of SnapshotInfo, those labelled with every pair
         of ``metadata`` only."""
         return self._json("GET", "/v1/snapshots", params=_label_filters(metadata))
 
-    def snapshot_info(self, tag: str) -> JSONDict:
+    @route
+    def snapshot_info(self, tag: str) -> Call[JSONDict]:
         """``GET /v1/snapshots/{tag}/info``: SnapshotInfo plus sizes and lineage
         (``parent_tag``, ``chain_depth``, ``ancestors``, ``dependents``)."""
         return self._json("GET", f"/v1/snapshots/{_quote(tag)}/info")
 
+    @route
     def create_snapshot(
         self,
         tag: str,
@@ -132,7 +228,7 @@ class Routes:
         ready_cmd: list[str] | str | None = None,
         ready_timeout_secs: float | None = None,
         **extra: Any,
-    ) -> JSONDict:
+    ) -> Call[JSONDict]:
         """``POST /v1/snapshots``: boot a template VM, warm it, snapshot it.
 
         ``image``: a built image's name (``python`` by default, see
@@ -178,7 +274,8 @@ class Routes:
         )
         return self._json("POST", "/v1/snapshots", json_body=body, timeout=max(self.timeout, 1800))
 
-    def delete_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> None:
+    @route
+    def delete_snapshot(self, tag: str, cascade: bool = False, force: bool = False) -> Call[None]:
         """``DELETE /v1/snapshots/{tag}`` (running children keep running). A snapshot that
         diff snapshots are over is a 409 unless ``cascade`` (they are deleted too) or
         ``force`` (they are compacted into full snapshots and kept)."""
@@ -187,7 +284,8 @@ class Routes:
             self._request("DELETE", f"/v1/snapshots/{_quote(tag)}", params=params or None), _none
         )
 
-    def compact_snapshot(self, tag: str, to: str | None = None) -> JSONDict:
+    @route
+    def compact_snapshot(self, tag: str, to: str | None = None) -> Call[JSONDict]:
         """``POST /v1/snapshots/{tag}/compact``: flatten a diff snapshot's chain into a full
         ``memory.bin`` in place → SnapshotInfo (``mode`` ``"full"``). With ``to``: a new
         full snapshot of that tag instead, ``tag`` left as it is → ``to``'s SnapshotInfo."""
@@ -197,18 +295,21 @@ class Routes:
             timeout=max(self.timeout, 600),
         )  # fmt: skip
 
-    def snapshot(self, tag: str) -> JSONDict:
+    @route
+    def snapshot(self, tag: str) -> Call[JSONDict]:
         """``GET /v1/snapshots/{tag}``: the SnapshotInfo without /info's detail."""
         return self._json("GET", f"/v1/snapshots/{_quote(tag)}")
 
-    def push_snapshot(self, tag: str, ref: str, **options: Any) -> JSONDict:
+    @route
+    def push_snapshot(self, tag: str, ref: str, **options: Any) -> Call[JSONDict]:
         """``POST /v1/snapshots/{tag}/push`` to the OCI registry ``ref`` → ``{digest,
         bytes_uploaded, ...}``. Options: ``token``, ``insecure``, ``flatten`` (no delta)."""
         body = _drop_none({"ref": ref, **options})
         path = f"/v1/snapshots/{_quote(tag)}/push"
         return self._json("POST", path, json_body=body, timeout=max(self.timeout, 1800))
 
-    def pull_snapshot(self, ref: str, tag: str | None = None, **options: Any) -> JSONDict:
+    @route
+    def pull_snapshot(self, ref: str, tag: str | None = None, **options: Any) -> Call[JSONDict]:
         """``POST /v1/snapshots/pull``: fetch ``ref`` as snapshot ``tag`` (default: the name
         it was pushed under) → SnapshotInfo. Options: ``token``, ``insecure``, ``metadata``."""
         body = _drop_none({"ref": ref, "tag": tag, **options})
@@ -217,9 +318,10 @@ class Routes:
 
     # -- volumes ------------------------------------------------------------
 
+    @route
     def create_volume(
         self, name: str, size: str | int = "1G", from_dir: str | os.PathLike[str] | None = None
-    ) -> JSONDict:
+    ) -> Call[JSONDict]:
         """``POST /v1/volumes``: an ext4 volume; ``from_dir`` (local) is copied into it.
 
         Example::
@@ -233,20 +335,24 @@ class Routes:
             headers={"Content-Type": "application/x-tar"}, timeout=max(self.timeout, 600),
         )  # fmt: skip
 
-    def list_volumes(self) -> list[JSONDict]:
+    @route
+    def list_volumes(self) -> Call[list[JSONDict]]:
         """``GET /v1/volumes``: each with ``size_bytes``, ``allocated_bytes``, ``used_by``."""
         return self._json("GET", "/v1/volumes")
 
-    def volume_info(self, name: str) -> JSONDict:
+    @route
+    def volume_info(self, name: str) -> Call[JSONDict]:
         return self._json("GET", f"/v1/volumes/{_quote(name)}")
 
-    def delete_volume(self, name: str) -> None:
+    @route
+    def delete_volume(self, name: str) -> Call[None]:
         """``DELETE /v1/volumes/{name}``; 409 while a snapshot or sandbox uses it."""
         return self._then(self._request("DELETE", f"/v1/volumes/{_quote(name)}"), _none)
 
     # -- images -------------------------------------------------------------
 
-    def import_image(self, ref: str, token: str | None = None) -> JSONDict:
+    @route
+    def import_image(self, ref: str, token: str | None = None) -> Call[JSONDict]:
         """``POST /v1/images``: import a container image (a registry reference,
         ``docker-daemon:IMAGE``, ``docker-archive:PATH``, ``oci-archive:PATH[:tag]``,
         ``oci:DIR[:tag]``); its info with ``bytes_fetched`` and ``bytes_reused``.
@@ -254,20 +360,24 @@ class Routes:
         body = _drop_none({"ref": ref, "token": token})
         return self._json("POST", "/v1/images", json_body=body, timeout=max(self.timeout, 3600))
 
-    def list_images(self) -> list[JSONDict]:
+    @route
+    def list_images(self) -> Call[list[JSONDict]]:
         """``GET /v1/images``: recipe and container images, sizes, shared layers, users."""
         return self._json("GET", "/v1/images")
 
-    def image_info(self, name: str) -> JSONDict:
+    @route
+    def image_info(self, name: str) -> Call[JSONDict]:
         return self._json("GET", f"/v1/images/{_quote(name)}")
 
-    def delete_image(self, name: str) -> None:
+    @route
+    def delete_image(self, name: str) -> Call[None]:
         """``DELETE /v1/images/{name}``; 409 while a snapshot or sandbox uses it. Frees
         the layers no other image needs."""
         return self._then(self._request("DELETE", f"/v1/images/{_quote(name)}"), _none)
 
     # -- sandboxes ----------------------------------------------------------
 
+    @route
     def spawn_sandboxes(
         self,
         snapshot_tag: str,
@@ -284,7 +394,7 @@ class Routes:
         prewarm: bool | None = None,
         live_fork: bool | None = None,
         hugepages: bool | None = None,
-    ) -> list[JSONDict]:
+    ) -> Call[list[JSONDict]]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
         nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
         lifetime on the daemon, not an HTTP timeout, and ``on_timeout`` what it
@@ -316,28 +426,32 @@ class Routes:
             "POST", "/v1/sandboxes", json_body=body, timeout=self.timeout + 2.0 * max(n, 0)
         )
 
+    @route
     def list_sandboxes(
         self,
         state: str | None = None,
         snapshot: str | None = None,
         metadata: dict[str, str] | None = None,
-    ) -> list[JSONDict]:
+    ) -> Call[list[JSONDict]]:
         """``GET /v1/sandboxes`` → list of SandboxInfo: those in ``state``, forked from
         ``snapshot`` and labelled with every pair of ``metadata``, when given."""
         params = {**_drop_none({"state": state, "snapshot": snapshot}), **_label_filters(metadata)}
         return self._json("GET", "/v1/sandboxes", params=params)
 
-    def get_sandbox(self, sandbox_id: str) -> JSONDict:
+    @route
+    def get_sandbox(self, sandbox_id: str) -> Call[JSONDict]:
         """``GET /v1/sandboxes/{id}`` → SandboxInfo."""
         return self._json("GET", self._sb(sandbox_id))
 
-    def kill_sandbox(self, sandbox_id: str) -> None:
+    @route
+    def kill_sandbox(self, sandbox_id: str) -> Call[None]:
         """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
         return self._then(self._request("DELETE", self._sb(sandbox_id)), _none)
 
+    @route
     def set_sandbox_timeout(
         self, sandbox_id: str, timeout_s: float | None, idle_timeout_s: Any = KEEP
-    ) -> JSONDict:
+    ) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/timeout``: its timeout ``timeout_s`` from now (None:
         none), and its idle timeout when given (None removes it) → SandboxInfo with
         ``expires_at``."""
@@ -346,18 +460,21 @@ class Routes:
             body["idle_timeout_s"] = idle_timeout_s
         return self._json("POST", f"{self._sb(sandbox_id)}/timeout", json_body=body)
 
-    def pause_sandbox(self, sandbox_id: str, hibernate: bool = False) -> JSONDict:
+    @route
+    def pause_sandbox(self, sandbox_id: str, hibernate: bool = False) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/pause``: stop its vCPUs, memory kept; with
         ``hibernate``, write it to disk and end its QEMU → SandboxInfo."""
         body = {"hibernate": True} if hibernate else None
         return self._json("POST", f"{self._sb(sandbox_id)}/pause", json_body=body)
 
-    def resume_sandbox(self, sandbox_id: str, timeout_s: float | None = None) -> JSONDict:
+    @route
+    def resume_sandbox(self, sandbox_id: str, timeout_s: float | None = None) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/resume``: run it again, clock set, or wake it from
         hibernation; ``timeout_s`` a new timeout from now → SandboxInfo."""
         body = {"timeout_s": timeout_s} if timeout_s is not None else None
         return self._json("POST", f"{self._sb(sandbox_id)}/resume", json_body=body)
 
+    @route
     def branch_sandbox(
         self,
         sandbox_id: str,
@@ -367,7 +484,7 @@ class Routes:
         wait: bool = True,
         diff: bool = False,
         measure_diff: bool = False,
-    ) -> JSONDict:
+    ) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/branch``: pause, snapshot, resume →
         SnapshotInfo with ``branched_from`` and ``pause_ms``; ``metadata`` labels
         the branch (over the sandbox's labels). ``mode``: ``"full"`` (default),
@@ -386,6 +503,7 @@ class Routes:
             body["wait"] = False
         return self._json("POST", f"{self._sb(sandbox_id)}/branch", json_body=body)
 
+    @route
     def exec_command(
         self,
         sandbox_id: str,
@@ -395,7 +513,7 @@ class Routes:
         env: dict[str, str] | None = None,
         stdin: str | bytes | None = None,
         user: str | None = None,
-    ) -> JSONDict:
+    ) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/exec`` → ``{"stdout", "stderr", "exit_code"}``.
 
         ``timeout_secs`` bounds the command in the guest (exit code 124 when it
@@ -421,7 +539,10 @@ class Routes:
             timeout=float(timeout_secs) + 30.0,
         )
 
-    def eval_code(self, sandbox_id: str, code: str, timeout_s: float | None = None) -> JSONDict:
+    @route
+    def eval_code(
+        self, sandbox_id: str, code: str, timeout_s: float | None = None
+    ) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/eval`` → ``{"result", "error", "exit_code", "display",
         ...}``, in the sandbox's persistent warm interpreter. The guest interrupts the
         code after ``timeout_s`` (default: the daemon's, 60 s)."""
@@ -432,28 +553,32 @@ class Routes:
             timeout=max(self.timeout, wait + EVAL_HTTP_MARGIN_SECS),
         )  # fmt: skip
 
-    def interrupt_eval(self, sandbox_id: str) -> JSONDict:
+    @route
+    def interrupt_eval(self, sandbox_id: str) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/eval/interrupt`` → ``{"interrupted": bool}``:
         KeyboardInterrupt in the running eval (false when none was running)."""
         return self._json("POST", f"{self._sb(sandbox_id)}/eval/interrupt")
 
-    def ping_sandbox(self, sandbox_id: str) -> JSONDict:
+    @route
+    def ping_sandbox(self, sandbox_id: str) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/ping`` → ``{"pong": true, ...}``."""
         return self._json("POST", f"{self._sb(sandbox_id)}/ping")
 
     # -- workspaces (the original forkd's) -----------------------------------
 
-    def list_workspaces(self) -> list[JSONDict]:
+    @route
+    def list_workspaces(self) -> Call[list[JSONDict]]:
         """``GET /v1/workspaces`` → list of WorkspaceInfo, by name."""
         return self._json("GET", "/v1/workspaces")
 
+    @route
     def create_workspace(
         self,
         name: str,
         snapshot_tag: str,
         per_child_netns: bool | None = None,
         memory_limit_mib: int | None = None,
-    ) -> JSONDict:
+    ) -> Call[JSONDict]:
         """``POST /v1/workspaces``: fork one sandbox of ``snapshot_tag`` as workspace
         ``name`` → WorkspaceInfo (``status`` ``"running"``, ``live_sandbox_id``)."""
         body = _drop_none({"name": name, "snapshot_tag": snapshot_tag,
@@ -461,31 +586,37 @@ class Routes:
                            "memory_limit_mib": memory_limit_mib})  # fmt: skip
         return self._json("POST", "/v1/workspaces", json_body=body)
 
-    def get_workspace(self, name: str) -> JSONDict:
+    @route
+    def get_workspace(self, name: str) -> Call[JSONDict]:
         return self._json("GET", f"/v1/workspaces/{_quote(name)}")
 
-    def delete_workspace(self, name: str) -> None:
+    @route
+    def delete_workspace(self, name: str) -> Call[None]:
         """``DELETE /v1/workspaces/{name}``: its sandbox is killed, whatever its state."""
         return self._then(self._request("DELETE", f"/v1/workspaces/{_quote(name)}"), _none)
 
-    def suspend_workspace(self, name: str) -> JSONDict:
+    @route
+    def suspend_workspace(self, name: str) -> Call[JSONDict]:
         """Hibernate the workspace's sandbox (``status`` ``"suspended"``)."""
         return self._json("POST", f"/v1/workspaces/{_quote(name)}/suspend", json_body={},
                           timeout=max(self.timeout, 600))  # fmt: skip
 
-    def resume_workspace(self, name: str) -> JSONDict:
+    @route
+    def resume_workspace(self, name: str) -> Call[JSONDict]:
         """Wake it (the same sandbox), or fork anew from its source when it is stale."""
         return self._json("POST", f"/v1/workspaces/{_quote(name)}/resume", json_body={},
                           timeout=max(self.timeout, 600))  # fmt: skip
 
     # -- files --------------------------------------------------------------
 
-    def read_file(self, sandbox_id: str, path: str) -> bytes:
+    @route
+    def read_file(self, sandbox_id: str, path: str) -> Call[bytes]:
         """``GET /v1/sandboxes/{id}/files?path=`` → the file's bytes."""
         resp = self._request("GET", f"{self._sb(sandbox_id)}/files", params={"path": path})
         return self._then(resp, _content)
 
-    def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> None:
+    @route
+    def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> Call[None]:
         """``PUT /v1/sandboxes/{id}/files?path=`` with the raw bytes (a str is
         written as UTF-8)."""
         if isinstance(data, str):
@@ -499,13 +630,15 @@ class Routes:
         )
         return self._then(resp, _none)
 
-    def list_files(self, sandbox_id: str, path: str) -> list[JSONDict]:
+    @route
+    def list_files(self, sandbox_id: str, path: str) -> Call[list[JSONDict]]:
         """``GET /v1/sandboxes/{id}/files/list?path=`` → entries
         ``{"name", "type", "size", "mode", "mtime"}``."""
         body = self._json("GET", f"{self._sb(sandbox_id)}/files/list", params={"path": path})
         return self._then(body, _entries)
 
-    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> None:
+    @route
+    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Call[None]:
         """``DELETE /v1/sandboxes/{id}/files?path=&recursive=true|false``."""
         resp = self._request(
             "DELETE",
@@ -520,6 +653,7 @@ class Routes:
         base = f"{self._sb(sandbox_id)}/processes"
         return base if pid is None else f"{base}/{int(pid)}"
 
+    @route
     def start_process(
         self,
         sandbox_id: str,
@@ -530,7 +664,7 @@ class Routes:
         pty: tuple[int, int] | None = None,
         timeout_s: float | None = None,
         user: str | None = None,
-    ) -> JSONDict:
+    ) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/processes`` → ProcessInfo (``pid``, ``running``, ...).
 
         A str ``cmd`` runs as ``/bin/sh -c cmd``; ``pty`` is ``(cols, rows)``;
@@ -545,15 +679,20 @@ class Routes:
             body["pty"] = {"cols": pty[0], "rows": pty[1]}
         return self._json("POST", self._procs(sandbox_id), json_body=body)
 
-    def list_processes(self, sandbox_id: str) -> list[JSONDict]:
+    @route
+    def list_processes(self, sandbox_id: str) -> Call[list[JSONDict]]:
         """``GET /v1/sandboxes/{id}/processes``: running ones and recently exited ones."""
         return self._json("GET", self._procs(sandbox_id))
 
-    def get_process(self, sandbox_id: str, pid: int) -> JSONDict:
+    @route
+    def get_process(self, sandbox_id: str, pid: int) -> Call[JSONDict]:
         """``GET /v1/sandboxes/{id}/processes/{pid}`` → ProcessInfo."""
         return self._json("GET", self._procs(sandbox_id, pid))
 
-    def send_stdin(self, sandbox_id: str, pid: int, data: str | bytes, eof: bool = False) -> int:
+    @route
+    def send_stdin(
+        self, sandbox_id: str, pid: int, data: str | bytes, eof: bool = False
+    ) -> Call[int]:
         """``POST .../processes/{pid}/stdin``; the bytes written. ``eof`` closes stdin after."""
         if isinstance(data, bytes):
             body = {"data": base64.b64encode(data).decode(), "encoding": "base64", "eof": eof}
@@ -562,12 +701,16 @@ class Routes:
         answer = self._json("POST", f"{self._procs(sandbox_id, pid)}/stdin", json_body=body)
         return self._then(answer, _written)
 
-    def signal_process(self, sandbox_id: str, pid: int, signal: int | str = "SIGTERM") -> None:
+    @route
+    def signal_process(
+        self, sandbox_id: str, pid: int, signal: int | str = "SIGTERM"
+    ) -> Call[None]:
         """``POST .../processes/{pid}/signal``: to its whole process group."""
         path = f"{self._procs(sandbox_id, pid)}/signal"
         return self._then(self._request("POST", path, json_body={"signal": signal}), _none)
 
-    def resize_process(self, sandbox_id: str, pid: int, cols: int, rows: int) -> None:
+    @route
+    def resize_process(self, sandbox_id: str, pid: int, cols: int, rows: int) -> Call[None]:
         """``POST .../processes/{pid}/resize``: its terminal's size."""
         path = f"{self._procs(sandbox_id, pid)}/resize"
         return self._then(
@@ -580,7 +723,10 @@ class Routes:
         """The proxy URL of guest ``port`` at ``path`` (it needs the bearer token)."""
         return f"{self.base_url}{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
 
-    def create_preview_url(self, sandbox_id: str, port: int, ttl_s: int | None = None) -> JSONDict:
+    @route
+    def create_preview_url(
+        self, sandbox_id: str, port: int, ttl_s: int | None = None
+    ) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/preview-urls`` → ``{url, token, expires_at, port}``."""
         body: JSONDict = {"port": port}
         if ttl_s is not None:

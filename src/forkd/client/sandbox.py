@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 from typing import TYPE_CHECKING, Any
 
 from forkd.client.commands import Commands
@@ -213,7 +214,9 @@ class Sandbox(SandboxView):
         seconds pass (default one hour) or the sandbox dies."""
         return str(self._controller.create_preview_url(self.id, port, ttl_s)["url"])
 
-    def websocket(self, port: int, path: str = "/", subprotocols: list[str] | None = None) -> Any:
+    def websocket(
+        self, port: int, path: str = "/", subprotocols: builtins.list[str] | None = None
+    ) -> Any:
         """A context manager: an httpx-ws ``WebSocketSession`` to ``path`` on guest ``port``."""
         return self._controller.port_websocket(self.id, port, path, subprotocols)
 
