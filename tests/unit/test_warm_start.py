@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from forkd.errors import VMError
+from forkd.states import VMState
 from forkd.vmm.warm_start import WARM_EXEC, WarmStart
 
 
@@ -24,7 +25,8 @@ class _QMP:
 
 class _StubVM(WarmStart):
     def __init__(self, exit_code: int = 0, exec_fails: bool = False) -> None:
-        self.id, self.pid, self.state, self.ready_ms = "sb-1", 0, "incoming", None
+        self.id, self.pid, self.ready_ms = "sb-1", 0, None
+        self._set_state(VMState.INCOMING)
         self.calls: list[str] = []
         self.qmp = _QMP(self.calls)
         self._exit_code = exit_code
@@ -32,7 +34,7 @@ class _StubVM(WarmStart):
 
     async def finish_restore(self, **kw: Any) -> None:
         self.calls.append("restore")
-        self.state = "running"
+        self._set_state(VMState.RUNNING)
 
     async def exec(self, argv: list[str], **kw: Any) -> dict[str, Any]:
         self.calls.append("exec " + " ".join(argv))
@@ -42,7 +44,7 @@ class _StubVM(WarmStart):
 
     async def kill(self) -> None:
         self.calls.append("kill")
-        self.state = "dead"
+        self._set_state(VMState.DEAD)
 
 
 def test_prewarm_restores_runs_one_command_then_stops() -> None:

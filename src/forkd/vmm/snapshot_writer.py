@@ -203,8 +203,7 @@ class SnapshotWriter:
         if _is_disk_full(exc):  # the VM is fine
             return self._disk_full()
         # Anything else may be QEMU dying (SIGKILL): give it a moment to be gone.
-        if await vm.gone(wait=0.5):
-            vm.state = "dead"
+        if await vm.gone(wait=0.5):  # marks it dead
             return SnapshotError(
                 f"QEMU of {vm.id} died while {step} the snapshot {self.dest.name}: "
                 f"{tail(vm.rt.qemu_log, 500) or exc}"

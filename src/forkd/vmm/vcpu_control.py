@@ -13,13 +13,14 @@ from collections.abc import Callable
 
 from forkd import limits
 from forkd.errors import AgentError, Busy, VMError
+from forkd.states import VMState
 from forkd.vmm.agent_client import AgentClient
 from forkd.vmm.qmp_channel import QMPChannel
+from forkd.vmm.vm_state import VMLifecycle
 
 
-class VcpuControl:
+class VcpuControl(VMLifecycle):
     id: str
-    state: str
     agent: AgentClient
     qmp: QMPChannel
     _raise_if_dead: Callable[[str], None]
@@ -32,7 +33,7 @@ class VcpuControl:
         except AgentError as exc:
             raise Busy(f"pausing {self.id}: {exc}; retry shortly") from exc
         try:
-            await self._run_state("stop", "pausing", "paused")
+            await self._run_state("stop", "pausing", VMState.PAUSED)
         except BaseException:
             self.agent.release()
             raise
@@ -40,14 +41,14 @@ class VcpuControl:
     async def resume(self) -> None:
         """Let the vCPUs run again, and requests cross the agent channel."""
         try:
-            await self._run_state("cont", "resuming", "running")
+            await self._run_state("cont", "resuming", VMState.RUNNING)
         finally:
             self.agent.release()
 
-    async def _run_state(self, cmd: str, doing: str, state: str) -> None:
+    async def _run_state(self, cmd: str, doing: str, state: VMState) -> None:
         try:
             await self.qmp.execute(cmd)
         except VMError as exc:
             self._raise_if_dead(f"QEMU of {self.id} died")
             raise VMError(f"{doing} {self.id} failed: {exc}") from exc
-        self.state = state
+        self._set_state(state)

@@ -36,6 +36,7 @@ from typing import Any
 from forkd import accel, limits
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
+from forkd.states import VMState
 from forkd.vmm import (
     agent_ops,
     cgroups,
@@ -105,7 +106,6 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         self.pid = pid
         self.qmp = QMPChannel(vm_id, rt.qmp)
         self.agent = AgentClient(rt.agent)
-        self.state = "starting"
         self.started_at = time.time()
         self.ready_ms: float | None = None  # process start -> agent answered
         self._incoming: SnapshotFiles | None = None
@@ -179,7 +179,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             await vm.kill()
             raise
         vm.ready_ms = (time.monotonic() - started) * 1000
-        vm.state = "running"
+        vm._set_state(VMState.RUNNING)
         runtime_meta.write_for(vm)
         return vm
 
@@ -264,7 +264,8 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)
         vm.volumes, vm.origin_id = attach, snap.meta.id
         vm.net, vm.cgroup, vm.uid = launched.net, launched.cgroup, launched.uid
-        vm.state, vm._incoming = "incoming", snap
+        vm._set_state(VMState.INCOMING)
+        vm._incoming = snap
         try:
             await vm._connect_qmp()  # QEMU has mapped guest RAM by now
             await asyncio.to_thread(memory_diff.apply, chain, vm.pid)
@@ -298,7 +299,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         (docs/RUNBOOK.md, "A fork times out with 'agent did not answer'").
         """
         snap = self._incoming
-        if snap is None or self.state != "incoming":
+        if snap is None or self.state != VMState.INCOMING:
             raise VMError(f"{self.id} is not waiting for a snapshot's state")
         started = time.monotonic() if started is None else started
         try:
@@ -306,7 +307,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             await self.qmp.load_vmstate(snap.vmstate, timeout, self.rt.qemu_log)
             await self.qmp.wait_accepted(AGENT_CHARDEV, timeout)
             await self.qmp.execute("cont")
-            self.state = "running"
+            self._set_state(VMState.RUNNING)
             await self._after_restore(hostname or self.id, timeout, snap)
         except VMError as exc:
             # QEMU gone mid-restore: name the files a damaged snapshot could be.
@@ -354,7 +355,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         await vm.agent.connect(timeout)
         if not paused:
             await vm._wait_agent(timeout)
-        vm.state = "paused" if paused else "running"
+        vm._set_state(VMState.PAUSED if paused else VMState.RUNNING)
         return vm
 
     async def _connect_qmp(self, timeout: float = CONNECT_TIMEOUT_SECS) -> None:
@@ -414,11 +415,12 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             if time.monotonic() > deadline:
                 return False
             await asyncio.sleep(0.01)
+        self._set_state(VMState.DEAD)
         return True
 
     def _raise_if_dead(self, what: str) -> None:
         if not self.is_alive():
-            self.state = "dead"
+            self._set_state(VMState.DEAD)
             code = self._proc.returncode if self._proc else "?"
             qemu = tail(self.rt.qemu_log) or "(nothing)"
             console = tail(self.rt.console, 800) or "(nothing)"
@@ -453,7 +455,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
                 os.kill(self.pid, signal.SIGKILL)
         if not await self.gone(limits.KILL_WAIT_SECS):  # polls: no thread waits on it
             log.error("QEMU of %s (pid %s) still runs after SIGKILL", self.id, self.pid)
-        self.state = "dead"
+        self._set_state(VMState.DEAD)
         await self.release()
         if self.uid is not None:  # free for another VM (unless QEMU outlived SIGKILL)
             await asyncio.to_thread(self.uid.release)

@@ -34,6 +34,8 @@ from typing import Any
 
 from forkd import limits
 from forkd.errors import ForkdError, VMError
+from forkd.states import VMState
+from forkd.vmm.vm_state import VMLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +54,11 @@ def renice(pid: int, nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
 
-class WarmStart:
+class WarmStart(VMLifecycle):
     """Mixed into :class:`forkd.vmm.vm.VM`."""
 
     id: str
     pid: int
-    state: str
     ready_ms: float | None
     qmp: Any
     # VM's own and GuestOps's, declared only (a mixin's stubs would shadow nothing).
@@ -79,18 +80,18 @@ class WarmStart:
         except BaseException:
             await self.kill()
             raise
-        self.state = "warm"
+        self._set_state(VMState.WARM)
 
     async def claim(self, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:
         """Hand out a warm VM: its vCPUs run again and its clock and RNGs are set anew.
         ``ready_ms`` is the claim's own latency. On failure the VM is killed."""
-        if self.state != "warm":
+        if self.state != VMState.WARM:
             raise VMError(f"{self.id} is not a warm pooled VM (it is {self.state})")
         started = time.monotonic()
         try:
             renice(self.pid, 0)
             await self.qmp.execute("cont")
-            self.state = "running"
+            self._set_state(VMState.RUNNING)
             result = await self._make_unique(self.id, timeout)
         except BaseException as exc:
             await self.kill()
