@@ -9,7 +9,6 @@ count with their guest memory.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -189,13 +188,21 @@ def test_a_template_build_in_flight_holds_its_guest_memory(
     r = httpx.post(f"{url}/v1/snapshots", json={"tag": "py", "memory_mib": 256}, headers=AUTH)
     assert r.status_code == 201
     driver.boot_delay = 1.0
+    booting = threading.Event()
+    boot = driver.boot
+
+    async def boot_and_say(*args: Any, **kwargs: Any) -> Any:
+        booting.set()
+        return await boot(*args, **kwargs)
+
+    driver.boot = boot_and_say  # type: ignore[method-assign]
     build = threading.Thread(
         target=httpx.post,
         args=(f"{url}/v1/snapshots",),
         kwargs={"json": {"tag": "tpl2", "memory_mib": 512}, "headers": AUTH, "timeout": 30},
     )
     build.start()
-    time.sleep(0.3)  # the build is booting its 512 MiB template
+    assert booting.wait(10)  # the build is booting its 512 MiB template
     r = httpx.post(f"{url}/v1/sandboxes", json={"snapshot_tag": "py", "n": 1}, headers=AUTH)
     build.join(30)
     assert r.status_code == 429 and "512 of this daemon's 600 MiB" in r.json()["error"]

@@ -221,7 +221,8 @@ def test_two_branches_of_one_sandbox_never_interleave(setup: Any) -> None:
 
 def test_a_sandbox_still_starting_is_not_killed(setup: Any) -> None:
     manager, vm, events = setup
-    manager.store.update_sandbox(vm.id, state="starting")
+    with manager.store._transaction() as db:  # as it was before its VM answered
+        db.execute("UPDATE sandboxes SET state = 'starting' WHERE id = ?", (vm.id,))
     with pytest.raises(ForkdError) as exc:
         asyncio.run(manager.services.sandboxes.kill(vm.id))
     assert status_of(exc.value) == 409 and "starting" in str(exc.value)

@@ -10,11 +10,11 @@ receives and a service takes; responses (``SnapshotInfo``, ``SandboxInfo``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from forkd import limits
+from forkd import limits, states
 
 TAG = Field(pattern=limits.NAME_PATTERN, description=f"a name: {limits.NAME_RULE}")
 
@@ -61,12 +61,22 @@ Egress = Literal["none", "internet"] | EgressAllow
 
 
 # What a sandbox's timeout does: kill it; pause it; hibernate it (to disk, its QEMU
-# ended); branch it (a snapshot), then kill it.
+# ended); branch it (a snapshot), then kill it. A request's words (forkd.states.OnTimeout
+# has them; tests/unit/test_states.py holds the two together).
 OnTimeout = Literal["kill", "pause", "branch", "hibernate"]
 
-# Where a sandbox is in its life; the one list of them.
+# Where a sandbox is in its life, as the API says it (forkd.states.SandboxState).
 SandboxState = Literal["starting", "running", "paused", "hibernated", "dead"]
-SANDBOX_STATES: tuple[str, ...] = get_args(SandboxState)
+SANDBOX_STATES: tuple[str, ...] = tuple(states.SandboxState)
+
+
+def state_word(state: states.SandboxState) -> SandboxState:
+    """The API's word for ``state`` (the two lists are one: tests/unit/test_states.py)."""
+    return state.value
+
+
+def on_timeout_word(action: states.OnTimeout) -> OnTimeout:
+    return action.value
 
 
 IMAGE_REF = Field(

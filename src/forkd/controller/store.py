@@ -15,11 +15,21 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from forkd import limits
-from forkd.errors import Invalid
+from forkd.errors import Invalid, NotFound
+from forkd.states import (
+    SANDBOX_MOVES,
+    SNAPSHOT_MOVES,
+    OnTimeout,
+    SandboxState,
+    SnapshotMode,
+    SnapshotStatus,
+    check_move,
+)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -93,9 +103,9 @@ class SnapshotRow:
     parent_tag: str | None
     image: str | None
     memory_mib: int
-    status: str  # ready, pending (a branch in the background) or failed
+    status: SnapshotStatus  # pending: a branch in the background (set_snapshot_status)
     metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
-    mode: str = "full"  # "diff": its memory is the pages that differ from base_tag's
+    mode: SnapshotMode = SnapshotMode.FULL  # diff: the pages that differ from base_tag's
     base_tag: str | None = None  # a diff's base: a dependency, unlike parent_tag
     error: str | None = None  # why a background branch failed (or what failed after it)
 
@@ -109,12 +119,37 @@ class SandboxRow:
     created_at_unix: int
     memory_limit_mib: int | None
     expires_at_unix: float | None
-    state: str
+    state: SandboxState  # changed by Store.set_sandbox_state only
     fork_ms: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
-    on_timeout: str = "kill"  # what expiry does: kill, pause or branch
+    on_timeout: OnTimeout = OnTimeout.KILL  # what expiry does
     timeout_branch: str | None = None  # the tag an expiry's branch made
     idle_timeout_s: float | None = None  # on_timeout after this long without activity
+
+
+class SnapshotChanges(TypedDict, total=False):
+    """The columns ``update_snapshot`` may change (status: ``set_snapshot_status``)."""
+
+    pause_ms: float | None
+    mode: SnapshotMode
+    base_tag: str | None
+    error: str | None
+
+
+class SandboxChanges(TypedDict, total=False):
+    """The columns ``update_sandbox`` may change (state: ``set_sandbox_state``)."""
+
+    pid: int | None
+    fork_ms: float | None
+    expires_at_unix: float | None
+    on_timeout: OnTimeout
+    idle_timeout_s: float | None
+    timeout_branch: str | None
+
+
+class WorkspaceChanges(TypedDict, total=False):
+    sandbox_id: str | None
+    last_active_unix: int
 
 
 @dataclass
@@ -191,6 +226,26 @@ class Store:
         with self._lock:
             return self._db.execute(sql, args).fetchall()
 
+    @staticmethod
+    def _update(
+        db: sqlite3.Connection,
+        table: str,
+        key: str,
+        value: str,
+        changes: dict[str, Any],
+        state: str | None = None,
+    ) -> None:
+        """``UPDATE table SET ... WHERE key = value``. The column names are the keys of
+        ``table``'s ``*Changes`` type (checked by the type checker, and here), and
+        ``state`` only when the caller is the one that checked its move."""
+        allowed = _CHANGEABLE[table] | ({state} if state else set())
+        for name in changes:
+            if name not in allowed:
+                raise ValueError(f"{table} has no changeable column {name!r}")
+        if changes:
+            cols = ", ".join(f"{name} = ?" for name in changes)
+            db.execute(f"UPDATE {table} SET {cols} WHERE {key} = ?", (*changes.values(), value))
+
     def _meta_default(self, key: str, value: str) -> str:
         self._tx("INSERT OR IGNORE INTO meta(key, value) VALUES (?, ?)", (key, value))
         return str(self._query("SELECT value FROM meta WHERE key = ?", (key,))[0]["value"])
@@ -233,8 +288,21 @@ class Store:
 
     def add_snapshot(self, row: SnapshotRow, replace: bool = False) -> None:
         """Register a snapshot; raises sqlite3.IntegrityError if the tag exists, unless
-        ``replace`` (a pending branch settling, a compacted snapshot: one transaction)."""
-        self._tx(
+        ``replace`` (a pending branch settling, a compacted snapshot: one transaction),
+        and then only along the status table."""
+        with self._transaction() as db:
+            if replace:
+                found = db.execute(
+                    "SELECT status FROM snapshots WHERE tag = ?", (row.tag,)
+                ).fetchone()
+                if found is not None:
+                    old = SnapshotStatus(found[0])
+                    check_move(f"snapshot {row.tag!r}", SNAPSHOT_MOVES, old, row.status)
+            self._insert_snapshot(db, row, replace)
+
+    @staticmethod
+    def _insert_snapshot(db: sqlite3.Connection, row: SnapshotRow, replace: bool) -> None:
+        db.execute(
             f"INSERT {'OR REPLACE ' if replace else ''}INTO snapshots(tag, dir, "
             "created_at_unix, branched_from, pause_ms, parent_tag, image, memory_mib, status, "
             "metadata, mode, base_tag, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -245,10 +313,21 @@ class Store:
             ),
         )  # fmt: skip
 
-    def update_snapshot(self, tag: str, **fields: Any) -> None:
-        if fields:
-            cols = ", ".join(f"{k} = ?" for k in fields)
-            self._tx(f"UPDATE snapshots SET {cols} WHERE tag = ?", (*fields.values(), tag))
+    def update_snapshot(self, tag: str, **changes: Unpack[SnapshotChanges]) -> None:
+        with self._transaction() as db:
+            self._update(db, "snapshots", "tag", tag, dict(changes))
+
+    def set_snapshot_status(
+        self, tag: str, status: SnapshotStatus, **changes: Unpack[SnapshotChanges]
+    ) -> None:
+        """Move snapshot ``tag`` to ``status`` (and change ``changes`` with it), in one
+        transaction; :class:`~forkd.states.IllegalTransition` when its table forbids it."""
+        with self._transaction() as db:
+            found = db.execute("SELECT status FROM snapshots WHERE tag = ?", (tag,)).fetchone()
+            if found is None:
+                raise NotFound(f"snapshot {tag!r} not found")
+            check_move(f"snapshot {tag!r}", SNAPSHOT_MOVES, SnapshotStatus(found[0]), status)
+            self._update(db, "snapshots", "tag", tag, {"status": status, **changes}, "status")
 
     def get_snapshot(self, tag: str) -> SnapshotRow | None:
         rows = self._query("SELECT * FROM snapshots WHERE tag = ?", (tag,))
@@ -300,11 +379,25 @@ class Store:
             ),
         )  # fmt: skip
 
-    def update_sandbox(self, sandbox_id: str, **fields: Any) -> None:
-        if not fields:
-            return
-        cols = ", ".join(f"{k} = ?" for k in fields)
-        self._tx(f"UPDATE sandboxes SET {cols} WHERE id = ?", (*fields.values(), sandbox_id))
+    def update_sandbox(self, sandbox_id: str, **changes: Unpack[SandboxChanges]) -> None:
+        with self._transaction() as db:
+            self._update(db, "sandboxes", "id", sandbox_id, dict(changes))
+
+    def set_sandbox_state(
+        self, sandbox_id: str, state: SandboxState, **changes: Unpack[SandboxChanges]
+    ) -> SandboxState:
+        """Move sandbox ``sandbox_id`` to ``state`` (and change ``changes`` with it), in
+        one transaction; :class:`~forkd.states.IllegalTransition` when its table forbids
+        it. The state it was in."""
+        with self._transaction() as db:
+            found = db.execute("SELECT state FROM sandboxes WHERE id = ?", (sandbox_id,))
+            old = found.fetchone()
+            if old is None:
+                raise NotFound(f"sandbox {sandbox_id!r} not found")
+            was = SandboxState(old[0])
+            check_move(f"sandbox {sandbox_id!r}", SANDBOX_MOVES, was, state)
+            self._update(db, "sandboxes", "id", sandbox_id, {"state": state, **changes}, "state")
+        return was
 
     def get_sandbox(self, sandbox_id: str) -> SandboxRow | None:
         rows = self._query("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))
@@ -330,9 +423,9 @@ class Store:
             ),
         )  # fmt: skip
 
-    def update_workspace(self, name: str, **fields: Any) -> None:
-        cols = ", ".join(f"{k} = ?" for k in fields)
-        self._tx(f"UPDATE workspaces SET {cols} WHERE name = ?", (*fields.values(), name))
+    def update_workspace(self, name: str, **changes: Unpack[WorkspaceChanges]) -> None:
+        with self._transaction() as db:
+            self._update(db, "workspaces", "name", name, dict(changes))
 
     def get_workspace(self, name: str) -> WorkspaceRow | None:
         rows = self._query("SELECT * FROM workspaces WHERE name = ?", (name,))
@@ -361,10 +454,29 @@ def labelled(labels: dict[str, str], wanted: dict[str, str] | None) -> bool:
 
 
 def _fields(row: sqlite3.Row) -> dict[str, Any]:
-    """A row's columns as its dataclass takes them (``metadata`` is stored as JSON)."""
+    """A row's columns as its dataclass takes them (``metadata`` is stored as JSON, the
+    states as their words)."""
     fields = dict(row)
     fields["metadata"] = json.loads(fields.get("metadata") or "{}")
+    for column, kind in _STATE_COLUMNS.items():
+        if column in fields:
+            fields[column] = kind(fields[column])
     return fields
+
+
+_STATE_COLUMNS: dict[str, type[StrEnum]] = {
+    "state": SandboxState,
+    "on_timeout": OnTimeout,
+    "status": SnapshotStatus,
+    "mode": SnapshotMode,
+}
+
+# The only column names an UPDATE is ever built from.
+_CHANGEABLE: dict[str, frozenset[str]] = {
+    "snapshots": SnapshotChanges.__optional_keys__,
+    "sandboxes": SandboxChanges.__optional_keys__,
+    "workspaces": WorkspaceChanges.__optional_keys__,
+}
 
 
 def merged_labels(inherited: dict[str, str], given: dict[str, str] | None) -> dict[str, str]:

@@ -31,6 +31,7 @@ from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
+from forkd.states import SnapshotMode, SnapshotStatus
 from forkd.vmm import live_snapshot, memory_diff, snapshot_copy, snapshot_files
 from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
 
@@ -180,8 +181,10 @@ class BranchService:
         return SnapshotRow(
             tag=tag, dir=str(self.fleet.settings.snapshot_root / tag), created_at_unix=now(),
             branched_from=row.id, pause_ms=None, parent_tag=row.snapshot_tag,
-            image=parent.image if parent else None, memory_mib=memory_mib, status="pending",
-            metadata=labels, mode="diff" if base else "full", base_tag=base.tag if base else None,
+            image=parent.image if parent else None, memory_mib=memory_mib,
+            status=SnapshotStatus.PENDING, metadata=labels,
+            mode=SnapshotMode.DIFF if base else SnapshotMode.FULL,
+            base_tag=base.tag if base else None,
         )  # fmt: skip
 
     async def _settle(
@@ -205,10 +208,12 @@ class BranchService:
                                 on_resumed=on_resumed)  # fmt: skip
             except Exception as exc:  # the error is the answer: kept in the registry
                 kept = store.get_snapshot(tag)
-                if kept is not None and kept.status == "ready":  # resume failed after a good one
+                if (
+                    kept is not None and kept.status == SnapshotStatus.READY
+                ):  # resume failed after a good one
                     store.update_snapshot(tag, error=str(exc))
                 elif kept is not None:
-                    store.update_snapshot(tag, status="failed", error=str(exc))
+                    store.set_snapshot_status(tag, SnapshotStatus.FAILED, error=str(exc))
                 log.warning("branch %s of %s failed in the background: %s", tag, row.id, exc)
                 return
             self._branched(row.id, tag)

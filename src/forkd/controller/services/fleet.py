@@ -29,6 +29,7 @@ from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import Conflict, ForkdError, NotFound, OverCapacity
 from forkd.limits import check_tag
+from forkd.states import SandboxState
 from forkd.vmm import cgroups
 from forkd.vmm.network import HostNetwork
 from forkd.vmm.pool import ForkPool
@@ -299,10 +300,9 @@ class Fleet:
             await vm.kill()
         await self._discard_hibernated(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
-        if row is not None:
-            self.store.update_sandbox(sandbox_id, state="dead")
-            if row.state != "dead":
-                self.events.publish("died" if exited else "killed", sandbox_id=sandbox_id)
+        was = None if row is None else self.store.set_sandbox_state(sandbox_id, SandboxState.DEAD)
+        if was is not None and was != SandboxState.DEAD:
+            self.events.publish("died" if exited else "killed", sandbox_id=sandbox_id)
         # Only now: a branch that started meanwhile queued on this lock (no new one can
         # start on a dead sandbox); one in flight holds the object itself.
         self.branch_locks.pop(sandbox_id, None)

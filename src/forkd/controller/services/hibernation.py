@@ -28,6 +28,7 @@ from typing import Any
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.errors import Busy, Conflict, ForkdError, StorageFull, VMError
+from forkd.states import SandboxState
 from forkd.vmm import live_snapshot, snapshot_files
 from forkd.vmm.network import SandboxNet
 from forkd.vmm.snapshot_files import SnapshotLabels
@@ -69,7 +70,9 @@ class HibernateService:
             fleet.hibernated.discard(sandbox_id)
             raise Conflict(f"sandbox {sandbox_id!r} was killed while hibernating")
         HibernatedFiles.save_network(dest, vm.net.to_json() if vm.net else None)
-        fleet.store.update_sandbox(sandbox_id, state="hibernated", pid=None, expires_at_unix=None)
+        fleet.store.set_sandbox_state(
+            sandbox_id, SandboxState.HIBERNATED, pid=None, expires_at_unix=None
+        )
         fleet.vms.pop(sandbox_id, None)
         await vm.kill()  # its memory is given back; its namespace goes with it
         fleet.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
@@ -87,7 +90,7 @@ class HibernateService:
                 await vm.resume()
             except ForkdError as again:
                 log.warning("sandbox %s stays paused: %s", sandbox_id, again)
-                self.fleet.store.update_sandbox(sandbox_id, state="paused")
+                self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
         cause = exc.__cause__
         if isinstance(cause, (StorageFull, Busy)):
             return type(cause)(f"hibernating {sandbox_id}: {cause}")
@@ -112,7 +115,7 @@ class HibernateService:
             finally:
                 fleet.waking.discard(sandbox_id)
             fleet.vms[sandbox_id] = vm
-        fleet.store.update_sandbox(sandbox_id, state="running", pid=vm.pid)
+        fleet.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING, pid=vm.pid)
         # Older generations are no longer mapped by anything.
         fleet.hibernated.discard(sandbox_id, keep=state_dir)
         log.info("sandbox %s woke from %s in %.0f ms", sandbox_id, state_dir, vm.ready_ms or 0)

@@ -22,6 +22,7 @@ from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, SnapshotError
 from forkd.limits import NAME_RE
+from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
 from forkd.vmm import network, processes, qemu_user, snapshot_files
 
 log = logging.getLogger(__name__)
@@ -96,9 +97,10 @@ class Lifecycle:
             if row.status == "pending":
                 log.info("branch %s was pending when the daemon stopped: failed", row.tag)
                 shutil.rmtree(row.dir, ignore_errors=True)  # committed, maybe, never settled
-                store.update_snapshot(
-                    row.tag, status="failed", error="the daemon stopped before the branch finished"
-                )
+                store.set_snapshot_status(
+                    row.tag, SnapshotStatus.FAILED,
+                    error="the daemon stopped before the branch finished",
+                )  # fmt: skip
         self._refresh_modes()
         kept = {r.id for r in store.list_sandboxes() if r.state != "dead"}
         for sid in self.fleet.hibernated.sleepers() - kept:
@@ -133,7 +135,7 @@ class Lifecycle:
             base_tag = meta.base.tag if meta.base else None
             if (row.mode, row.base_tag) != (meta.mode, base_tag):
                 log.info("snapshot %s is %s on disk: registry updated", row.tag, meta.mode)
-                store.update_snapshot(row.tag, mode=meta.mode, base_tag=base_tag)
+                store.update_snapshot(row.tag, mode=SnapshotMode(meta.mode), base_tag=base_tag)
 
     async def adopt_sandboxes(self) -> None:
         fleet = self.fleet
@@ -143,7 +145,7 @@ class Lifecycle:
             if row.state == "hibernated":  # on disk, no QEMU: woken by resume
                 if fleet.hibernated.latest(row.id) is None:
                     log.warning("hibernated sandbox %s lost its state: marked dead", row.id)
-                    fleet.store.update_sandbox(row.id, state="dead")
+                    fleet.store.set_sandbox_state(row.id, SandboxState.DEAD)
                 continue
             run_dir = Path(row.run_dir)
             paused = row.state == "paused"  # adopted as the user left it
@@ -159,7 +161,7 @@ class Lifecycle:
                 fleet.store.delete_sandbox(row.id)
                 continue
             fleet.vms[row.id] = vm
-            fleet.store.update_sandbox(row.id, state="paused" if paused else "running", pid=vm.pid)
+            fleet.store.update_sandbox(row.id, pid=vm.pid)  # its state is as it was
             log.info(
                 "re-adopted sandbox %s (pid %s%s)", row.id, vm.pid, ", paused" if paused else ""
             )

@@ -19,6 +19,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernation import HibernateService
 from forkd.controller.services.sandboxes import SandboxService, expiry_in
 from forkd.errors import Busy, Conflict, ForkdError, VMError
+from forkd.states import SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ class PauseService:
                 await vm.pause()
             except ForkdError as exc:
                 raise await self._failed(sandbox_id, vm, "pausing", exc) from exc
-            self.fleet.store.update_sandbox(sandbox_id, state="paused")
+            self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
             self.fleet.count_pause(sandbox_id)
         self.fleet.events.publish("paused", sandbox_id=sandbox_id)
         return self.sandboxes.info(sandbox_id)
@@ -69,7 +70,7 @@ class PauseService:
             await vm.resume()
         except ForkdError as exc:
             raise await self._failed(sandbox_id, vm, "resuming", exc) from exc
-        self.fleet.store.update_sandbox(sandbox_id, state="running")
+        self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING)
         try:
             await vm.after_resume()
         except ForkdError as exc:  # it runs; only its clock may lag

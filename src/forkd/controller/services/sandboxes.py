@@ -24,10 +24,19 @@ from forkd.controller.models import (
     SandboxCreate,
     SandboxInfo,
     TimeoutRequest,
+    on_timeout_word,
+    state_word,
 )
 from forkd.controller.services.fleet import Admission, Fleet
 from forkd.controller.services.snapshots import SnapshotService, memory_file
-from forkd.controller.store import SandboxRow, SnapshotRow, labelled, merged_labels, now
+from forkd.controller.store import (
+    SandboxChanges,
+    SandboxRow,
+    SnapshotRow,
+    labelled,
+    merged_labels,
+    now,
+)
 from forkd.errors import (
     AgentError,
     Busy,
@@ -40,6 +49,7 @@ from forkd.errors import (
     Unavailable,
     VMError,
 )
+from forkd.states import OnTimeout, SandboxState
 from forkd.vmm import cgroups, egress, snapshot_files
 from forkd.vmm.agent_ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.egress import Egress
@@ -181,8 +191,8 @@ class SandboxService:
                 id=sid, snapshot_tag=req.snapshot_tag, run_dir=str(run_dir), pid=None,
                 created_at_unix=now(), memory_limit_mib=req.memory_limit_mib,
                 expires_at_unix=expiry_in(_lifetime(req)),
-                state="starting",
-                on_timeout=req.on_timeout,
+                state=SandboxState.STARTING,
+                on_timeout=OnTimeout(req.on_timeout),
                 idle_timeout_s=req.idle_timeout_s,
                 metadata=merged_labels(
                     fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata
@@ -202,8 +212,8 @@ class SandboxService:
                     cgroup=fleet.placement(req.memory_limit_mib),
                 )  # fmt: skip
         fleet.vms[sid] = vm
-        fleet.store.update_sandbox(
-            sid, pid=vm.pid, state="running", fork_ms=round(vm.ready_ms or 0, 1)
+        fleet.store.set_sandbox_state(
+            sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=round(vm.ready_ms or 0, 1)
         )
         fleet.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
         fork_ms = round(vm.ready_ms or 0, 1)
@@ -249,10 +259,10 @@ class SandboxService:
             created_at_unix=row.created_at_unix,
             pid=row.pid,
             memory_limit_mib=row.memory_limit_mib,
-            state=row.state,
+            state=state_word(row.state),
             expires_at_unix=row.expires_at_unix,
             expires_at=_iso(row.expires_at_unix),
-            on_timeout=row.on_timeout,
+            on_timeout=on_timeout_word(row.on_timeout),
             idle_timeout_s=row.idle_timeout_s,
             last_active_at=_iso(self.fleet.last_active.get(sandbox_id)),
             timeout_branch=row.timeout_branch,
@@ -287,12 +297,12 @@ class SandboxService:
         row = self.fleet.sandbox_row(sandbox_id)
         if row.state == "dead":
             raise Conflict(f"sandbox {sandbox_id!r} is dead")
-        fields: dict[str, Any] = {"expires_at_unix": expiry_in(req.timeout_s)}
+        changes: SandboxChanges = {"expires_at_unix": expiry_in(req.timeout_s)}
         if req.on_timeout is not None:
-            fields["on_timeout"] = req.on_timeout
+            changes["on_timeout"] = OnTimeout(req.on_timeout)
         if "idle_timeout_s" in req.model_fields_set:
-            fields["idle_timeout_s"] = req.idle_timeout_s
-        self.fleet.store.update_sandbox(sandbox_id, **fields)
+            changes["idle_timeout_s"] = req.idle_timeout_s
+        self.fleet.store.update_sandbox(sandbox_id, **changes)
         return self.info(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:

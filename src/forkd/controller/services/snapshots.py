@@ -39,6 +39,7 @@ from forkd.errors import (
 )
 from forkd.guest import image as images
 from forkd.oci import host_needs
+from forkd.states import SnapshotMode, SnapshotStatus
 from forkd.vmm import egress, memory_diff, snapshot_compact, snapshot_files
 from forkd.vmm.agent_ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
@@ -61,9 +62,9 @@ def snapshot_row(
         parent_tag=meta.parent_tag,
         image=meta.image.name if meta.image else None,
         memory_mib=files.machine.memory_mib,
-        status="ready",
+        status=SnapshotStatus.READY,
         metadata=dict(metadata or {}),
-        mode=meta.mode,
+        mode=SnapshotMode(meta.mode),
         base_tag=meta.base.tag if meta.base else None,
     )
 
@@ -382,7 +383,7 @@ class SnapshotService:
             await asyncio.to_thread(snapshot_compact.compact, Path(row.dir))
         except StorageFull as exc:
             raise StorageFull(f"compacting {row.tag!r}: {exc}") from exc
-        self.fleet.store.update_snapshot(row.tag, mode="full", base_tag=None)
+        self.fleet.store.update_snapshot(row.tag, mode=SnapshotMode.FULL, base_tag=None)
 
     async def delete(self, tag: str, cascade: bool = False, force: bool = False) -> None:
         """Delete ``tag``; with ``cascade`` the diff snapshots over it first (deepest first),
