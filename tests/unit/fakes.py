@@ -32,6 +32,7 @@ from tests.unit.fake_processes import FakeProcesses
 
 GUEST_STATE = "fake-guest.json"  # beside the real files: what the fake guest had
 CLOSED_PORT = 9  # discard: nothing listens on a test host's loopback there
+PRIVATE_MIB = 64  # a fake QEMU's own memory, as VM.memory_usage measures a real one's
 
 
 def make_image(cache_dir: Path, name: str = "python") -> Path:
@@ -170,6 +171,10 @@ class FakeVM:
 
     async def release(self) -> None:
         self.events.append("release")
+
+    def memory_usage(self) -> dict[str, int]:  # what a pool under its memory cap reads
+        held = PRIVATE_MIB << 20
+        return {"rss": held, "pss": held, "private_dirty": held, "private": held}
 
     async def finish_restore(self, **_: Any) -> None:
         self.state = "running"

@@ -223,7 +223,7 @@ def test_a_terminal_streams_pty_and_resizes(server: Server, http: httpx.Client, 
     plain = start(http, sid, ["sleep", "30"])
     r = http.post(f"/v1/sandboxes/{sid}/processes/{plain['pid']}/resize",
                   json={"cols": 120, "rows": 40})  # fmt: skip
-    assert r.status_code == 400 and "terminal" in r.json()["error"]
+    assert r.status_code == 400 and "has no pty" in r.json()["error"]  # the agent's words
     assert http.post(url, json={"cols": 1001, "rows": 40}).status_code == 400
 
 

@@ -108,7 +108,7 @@ def test_the_right_token_opens_the_socket_and_the_audit_log_says_101(
     ("target", "status", "message"),
     [
         ("unknown-sandbox", 404, "not found"),
-        ("unknown-pid", 404, "no process"),
+        ("unknown-pid", 404, "no background process with pid 999"),
         ("no-terminal", 400, "has no terminal"),
         ("past-the-end", 400, "past the end of the output"),
     ],

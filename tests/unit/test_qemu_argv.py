@@ -9,6 +9,7 @@ from forkd.vmm.qemu_argv import (
     host_tsc_khz,
     kernel_cmdline,
 )
+from forkd.vmm.volumes import Attachment
 
 CFG = MachineConfig(
     memory_mib=256,
@@ -97,3 +98,117 @@ def test_a_restore_does_not_load_the_kernel() -> None:
     restore = build_argv(CFG, rt, ram_file=Path("/snap/memory.bin"), incoming=True)
     assert boot[boot.index("-kernel") + 1] == "/img/vmlinuz" and "-initrd" in boot
     assert not {"-kernel", "-initrd", "-append"} & set(restore)  # 17 MiB QEMU would hold
+
+
+# The whole command line, pinned for two machines far apart: any change to what
+# QEMU is given must show up here (a restore must match its snapshot's devices).
+_COMMON_HEAD = [
+    "qemu-system-x86_64",
+    "-name", "forkd-vm,1",
+]  # fmt: skip
+_COMMON_DEVICES = [
+    "-device", "virtio-serial-device",
+    "-chardev", "socket,id=agent,path=/run/vm,,1/agent.sock,server=on,wait=off",
+    "-device", "virtserialport,chardev=agent,name=agent",
+    "-object", "rng-random,id=rng,filename=/dev/urandom",
+    "-device", "virtio-rng-device,rng=rng",
+]  # fmt: skip
+
+
+def test_full_argv_of_a_tcg_boot_with_a_runtime_disk_and_no_internet() -> None:
+    rt = RuntimePaths(Path("/run/vm,1"))  # a comma QEMU must see doubled
+    cfg = MachineConfig(
+        memory_mib=512,
+        vcpus=2,
+        accel="tcg",
+        vmlinuz=Path("/img/vmlinuz"),
+        initrd=Path("/img/initrd.img"),
+        rootfs=Path("/img/rootfs.sqfs"),
+        internet=False,
+        cmdline="console=ttyS0 x=1",
+        runtime=Path("/img/runtime.sqfs"),
+    )
+    assert build_argv(cfg, rt, ram_file=rt.ram, incoming=False) == [
+        *_COMMON_HEAD,
+        "-machine", "microvm,memory-backend=mem,suppress-vmdesc=on,pit=off",
+        "-m", "512M",
+        "-smp", "2",
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-object", "memory-backend-file,id=mem,size=512M,mem-path=/run/vm,,1/ram.bin,share=off",
+        "-chardev", "file,id=console,path=/run/vm,,1/console.log",
+        "-serial", "chardev:console",
+        "-drive", "file=/img/rootfs.sqfs,format=raw,if=none,id=root,readonly=on",
+        "-device", "virtio-blk-device,drive=root,serial=forkd-root",
+        "-drive", "file=/img/runtime.sqfs,format=raw,if=none,id=runtime,readonly=on",
+        "-device", "virtio-blk-device,drive=runtime,serial=forkd-runtime",
+        *_COMMON_DEVICES,
+        "-netdev", "user,id=net0,restrict=on",
+        "-device", "virtio-net-device,netdev=net0",
+        "-qmp", "unix:/run/vm,,1/qmp.sock,server=on,wait=off",
+        "-kernel", "/img/vmlinuz",
+        "-initrd", "/img/initrd.img",
+        "-append", "console=ttyS0 x=1",
+        "-accel", "tcg,tb-size=64",
+        "-cpu", "max",
+        "-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny",
+    ]  # fmt: skip
+
+
+def test_full_argv_of_a_kvm_restore_with_volumes_tap_and_runas() -> None:
+    rt = RuntimePaths(Path("/run/vm,1"))
+    cfg = MachineConfig(256, 1, "kvm", Path("/k"), Path("/i"), Path("/r"), pit=True)
+    vols = [Attachment("ro", "/ro", True, ("/v/ro/base.img",)),
+            Attachment("rw", "/rw", False, ("/v/rw/layers/a.qcow2", "/v/rw/base.img"))]  # fmt: skip
+    argv = build_argv(cfg, rt, ram_file=Path("/snap/memory.bin"), incoming=True,
+                      volumes=vols, tap=True, runas="70000:70000", layer_fds={1: (7, 8)},
+                      boot_files=True)  # fmt: skip
+    head = [
+        *_COMMON_HEAD,
+        "-machine", "microvm,memory-backend=mem,suppress-vmdesc=on",
+        "-m", "256M",
+        "-smp", "1",
+        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-object", "memory-backend-file,id=mem,size=256M,mem-path=/snap/memory.bin,share=off",
+        "-chardev", "ringbuf,id=console,size=1048576",
+        "-serial", "chardev:console",
+        "-drive", "file=/r,format=raw,if=none,id=root,readonly=on",
+        "-device", "virtio-blk-device,drive=root,serial=forkd-root",
+        *_COMMON_DEVICES,
+    ]  # fmt: skip
+    tail = [
+        "-accel", "kvm",
+        "-cpu", "host",
+    ]  # fmt: skip
+    incoming = [
+        "-incoming", "defer",
+        "-global", "migration.send-configuration=off",
+        "-global", "migration.announce-rounds=0",
+    ]  # fmt: skip
+    assert argv == [
+        *head,
+        "-netdev", "tap,id=net0,ifname=tap0,script=no,downscript=no",
+        "-device", "virtio-net-device,netdev=net0",
+        "-qmp", "unix:/run/vm,,1/qmp.sock,server=on,wait=off",
+        "-kernel", "/k",
+        "-initrd", "/i",
+        "-append", "console=ttyS0 panic=-1 reboot=t no_timer_check i8042.noaux i8042.nomux psi=0",
+        "-drive", "file=/v/ro/base.img,format=raw,if=none,id=vol0,readonly=on",
+        "-device", "virtio-blk-device,drive=vol0,serial=forkd-vol0",
+        "-add-fd", "fd=7,set=2,opaque=ro",
+        "-add-fd", "fd=8,set=2,opaque=rw",
+        "-drive", "file=/dev/fdset/2,format=qcow2,if=none,id=vol1,readonly=off",
+        "-device", "virtio-blk-device,drive=vol1,serial=forkd-vol1",
+        *tail,
+        "-sandbox", "on,obsolete=deny,spawn=deny,resourcecontrol=deny",
+        "-runas", "70000:70000",
+        *incoming,
+    ]  # fmt: skip
+    plain = build_argv(cfg, rt, ram_file=Path("/snap/memory.bin"), incoming=True, sandbox=False)
+    assert plain == [
+        *head,
+        "-netdev", "user,id=net0",
+        "-device", "virtio-net-device,netdev=net0",
+        "-qmp", "unix:/run/vm,,1/qmp.sock,server=on,wait=off",
+        *tail,
+        *incoming,
+    ]  # fmt: skip

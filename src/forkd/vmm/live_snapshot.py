@@ -73,9 +73,15 @@ class LiveSnapshot:
 async def _begin(
     vm: SnapshottableVM, dest: Path, base: BaseRef | None, live: bool = False
 ) -> Writer:
-    if base is not None:
-        return await vm.begin_snapshot(dest, base)
-    return await (vm.begin_snapshot(dest, live=True) if live else vm.begin_snapshot(dest))
+    """Stage the snapshot (the VM still runs); a failure leaves the source as it was."""
+    try:
+        if base is not None:
+            return await vm.begin_snapshot(dest, base)
+        return await (vm.begin_snapshot(dest, live=True) if live else vm.begin_snapshot(dest))
+    except ForkdError as exc:
+        raise LiveSnapshotError(
+            f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
+        ) from exc
 
 
 async def snapshot_running(
@@ -102,14 +108,29 @@ async def snapshot_running(
         if on_resumed is not None:
             on_resumed(0.0)  # no pause of its own
         return await _snapshot_paused(vm, dest, labels, base)
-    try:
-        writer = await _begin(vm, dest, base, live)  # the VM still runs while this stages
-    except ForkdError as exc:
-        raise LiveSnapshotError(
-            f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
-        ) from exc
+    writer = await _begin(vm, dest, base, live)
 
     paused_at = time.monotonic()
+    await _pause(vm, writer)
+    await _capture(vm, writer)
+    resume_error = await _resume(vm, writer)
+    pause_ms = round((time.monotonic() - paused_at) * 1000, 1)
+    if on_resumed is not None and resume_error is None:
+        on_resumed(pause_ms)
+
+    meta = await _commit(vm, writer, labels, pause_ms, resumed=resume_error is None)
+    if resume_error is not None:
+        raise LiveSnapshotError(
+            f"the snapshot succeeded but resuming {vm.id} failed ({resume_error}); "
+            f"the snapshot {dest.name} is kept and valid, the source is dead",
+            source_alive=False,
+            snapshot_kept=True,
+        )
+    return LiveSnapshot(dest, pause_ms, meta)
+
+
+async def _pause(vm: SnapshottableVM, writer: Writer) -> None:
+    """Pause the source; on failure drop the staged files and leave it running."""
     try:
         await vm.pause()
     except BaseException as exc:  # cancellation too: never leave staging files
@@ -123,6 +144,9 @@ async def snapshot_running(
             f"pausing {vm.id} failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
         ) from exc
 
+
+async def _capture(vm: SnapshottableVM, writer: Writer) -> None:
+    """Capture the paused source; on failure drop the capture and resume the source."""
     try:
         await writer.capture()
     except BaseException as exc:  # cancellation too: the source must not stay paused
@@ -137,20 +161,31 @@ async def snapshot_running(
             raise
         raise LiveSnapshotError(str(exc), source_alive=alive, snapshot_kept=False) from exc
 
-    resume_error: ForkdError | None = None
+
+async def _resume(vm: SnapshottableVM, writer: Writer) -> ForkdError | None:
+    """Resume the source after a good capture: its failure is returned, since the
+    snapshot is still committed (the table's last row)."""
     try:
         await vm.resume()
     except ForkdError as exc:
-        resume_error = exc
+        return exc
     except BaseException:  # cancelled while resuming: drop the capture, not the files
         await writer.abort()
         raise
-    pause_ms = round((time.monotonic() - paused_at) * 1000, 1)
-    if on_resumed is not None and resume_error is None:
-        on_resumed(pause_ms)
+    return None
 
+
+async def _commit(
+    vm: SnapshottableVM,
+    writer: Writer,
+    labels: SnapshotLabels | None,
+    pause_ms: float,
+    *,
+    resumed: bool,
+) -> SnapshotMeta:
+    """Write the captured snapshot into place, its pause window recorded."""
     try:
-        meta = await writer.commit(
+        return await writer.commit(
             dataclasses.replace(labels or SnapshotLabels(), pause_ms=pause_ms)
         )
     except (ForkdError, OSError) as exc:
@@ -159,30 +194,16 @@ async def snapshot_running(
             await writer.abort()
         raise LiveSnapshotError(
             f"writing the snapshot failed: {exc}",
-            source_alive=resume_error is None and vm.is_alive(),
+            source_alive=resumed and vm.is_alive(),
             snapshot_kept=False,
         ) from exc
-
-    if resume_error is not None:
-        raise LiveSnapshotError(
-            f"the snapshot succeeded but resuming {vm.id} failed ({resume_error}); "
-            f"the snapshot {dest.name} is kept and valid, the source is dead",
-            source_alive=False,
-            snapshot_kept=True,
-        )
-    return LiveSnapshot(dest, pause_ms, meta)
 
 
 async def _snapshot_paused(
     vm: SnapshottableVM, dest: Path, labels: SnapshotLabels | None, base: BaseRef | None
 ) -> LiveSnapshot:
     """The paused ``vm``'s state exactly as it is; it stays paused whatever happens."""
-    try:
-        writer = await _begin(vm, dest, base)
-    except ForkdError as exc:
-        raise LiveSnapshotError(
-            f"preparing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
-        ) from exc
+    writer = await _begin(vm, dest, base)
     try:
         await writer.capture()
         meta = await writer.commit(dataclasses.replace(labels or SnapshotLabels(), pause_ms=0.0))

@@ -201,6 +201,15 @@ class RuntimePaths:
         return self.dir / "vm.json"
 
 
+# announce-rounds=0: no self-announcement once the state is loaded. After a
+# migration QEMU sends RARPs and has a virtio NIC make its guest send
+# gratuitous ARPs and IPv6 neighbour adverts, so switches learn the VM moved.
+# A fork's link is new and point to point: nobody needs them, and under TCG
+# they cost each fork about 1,200 freshly translated blocks.
+_INCOMING_ARGS = ("-incoming", "defer", "-global", "migration.send-configuration=off",
+                  "-global", "migration.announce-rounds=0")  # fmt: skip
+
+
 def build_argv(
     cfg: MachineConfig,
     rt: RuntimePaths,
@@ -221,8 +230,30 @@ def build_argv(
     its writable top layer, which QEMU inherits (see :func:`layer_fdset`).
     ``boot_files``: pass the kernel and initrd (default: only when booting; a
     full migration stream, whose ROMs must match, needs them on restore too)."""
+    argv = _machine_args(cfg, rt, ram_file=ram_file, incoming=incoming, tap=tap)
+    if boot_files if boot_files is not None else not incoming:
+        # QEMU holds the kernel (14 MiB) and initrd in its own memory for as long
+        # as it runs. A restored guest has its kernel in RAM already and never
+        # reads them; its device state loads without them.
+        argv += ["-kernel", str(cfg.vmlinuz), "-initrd", str(cfg.initrd), "-append", cfg.cmdline]
+    argv += _volume_args(volumes, layer_fds)
+    argv += _accel_args(cfg.accel)
+    if sandbox:  # False only where this QEMU lacks seccomp (launch.seccomp_problem)
+        argv += ["-sandbox", SANDBOX_RUNAS if runas else SANDBOX]
+    if runas:
+        argv += ["-runas", runas]
+    if incoming:
+        argv += _INCOMING_ARGS
+    return argv
+
+
+def _machine_args(
+    cfg: MachineConfig, rt: RuntimePaths, *, ram_file: Path, incoming: bool, tap: bool
+) -> list[str]:
+    """The machine and its fixed devices: identical for a boot and a restore but
+    for the RAM file and the console's backend (neither is in the saved state)."""
     mem = f"{cfg.memory_mib}M"
-    argv = [
+    return [
         QEMU_BINARY,
         "-name", f"forkd-{rt.dir.name}",
         "-machine", f"microvm,memory-backend=mem,suppress-vmdesc=on{'' if cfg.pit else ',pit=off'}",
@@ -255,11 +286,13 @@ def build_argv(
         "-device", f"virtio-net-device,netdev={NETDEV_ID}",
         "-qmp", f"unix:{_opt(rt.qmp)},server=on,wait=off",
     ]  # fmt: skip
-    if boot_files if boot_files is not None else not incoming:
-        # QEMU holds the kernel (14 MiB) and initrd in its own memory for as long
-        # as it runs. A restored guest has its kernel in RAM already and never
-        # reads them; its device state loads without them.
-        argv += ["-kernel", str(cfg.vmlinuz), "-initrd", str(cfg.initrd), "-append", cfg.cmdline]
+
+
+def _volume_args(
+    volumes: Sequence[Attachment], layer_fds: Mapping[int, tuple[int, int]] | None
+) -> list[str]:
+    """One drive and one disk per volume; a top layer with descriptors is read from its fd set."""
+    argv: list[str] = []
     for i, vol in enumerate(volumes):
         # The guest finds each volume by its serial (forkd-vol<i>), not by name.
         ro = "on" if vol.readonly else "off"
@@ -274,22 +307,12 @@ def build_argv(
             "-drive", f"file={top},format={vol.format},if=none,id=vol{i},readonly={ro}",
             "-device", f"virtio-blk-device,drive=vol{i},serial=forkd-vol{i}",
         ]  # fmt: skip
-    if cfg.accel == "kvm":
-        argv += ["-accel", "kvm", "-cpu", "host"]
-    else:
-        # QEMU's default qemu64 model lacks SSSE3/SSE4.2, which current wheels
-        # (numpy 2 and friends) require: they die with SIGILL at import.
-        argv += ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MIB}", "-cpu", TCG_CPU]
-    if sandbox:  # False only where this QEMU lacks seccomp (launch.seccomp_problem)
-        argv += ["-sandbox", SANDBOX_RUNAS if runas else SANDBOX]
-    if runas:
-        argv += ["-runas", runas]
-    if incoming:
-        # announce-rounds=0: no self-announcement once the state is loaded. After
-        # a migration QEMU sends RARPs and has a virtio NIC make its guest send
-        # gratuitous ARPs and IPv6 neighbour adverts, so switches learn the VM
-        # moved. A fork's link is new and point to point: nobody needs them, and
-        # under TCG they cost each fork about 1,200 freshly translated blocks.
-        argv += ["-incoming", "defer", "-global", "migration.send-configuration=off",
-                 "-global", "migration.announce-rounds=0"]  # fmt: skip
     return argv
+
+
+def _accel_args(accel: str) -> list[str]:
+    if accel == "kvm":
+        return ["-accel", "kvm", "-cpu", "host"]
+    # QEMU's default qemu64 model lacks SSSE3/SSE4.2, which current wheels
+    # (numpy 2 and friends) require: they die with SIGILL at import.
+    return ["-accel", f"tcg,tb-size={TCG_TB_SIZE_MIB}", "-cpu", TCG_CPU]
