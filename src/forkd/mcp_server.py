@@ -79,6 +79,29 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         async with connect() as ctl:
             return await _daemon(use(ctl))
 
+    _command_tools(server, with_daemon)
+    _lifecycle_tools(server, with_daemon)
+    _image_tools(server, with_daemon)
+    _original_tools(server, with_daemon)
+
+    @server.resource(TREE_URI, name="lineage", mime_type="application/json")
+    async def tree() -> str:
+        """Snapshots nested under the snapshots they were branched from, each with the
+        sandboxes running from it."""
+        async with connect() as ctl:
+            snaps, sandboxes = await ctl.list_snapshots(), await ctl.list_sandboxes()
+        return json.dumps(lineage_tree(snaps, sandboxes))
+
+    return server
+
+
+# How a tool reaches the daemon: a client for the call, its errors as tool errors.
+WithDaemon = Callable[[Callable[[AsyncController], Awaitable[Any]]], Awaitable[Any]]
+
+
+def _command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Sandboxes made, and used: commands, Python, files."""
+
     @server.tool()
     async def create_sandbox(
         snapshot_tag: str, timeout_s: float | None = None, metadata: dict[str, str] | None = None
@@ -139,6 +162,10 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         await with_daemon(lambda c: c.write_file(sandbox_id, path, content))
         return {"path": path, "size": len(content.encode())}
 
+
+def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Branch, list, kill."""
+
     @server.tool()
     async def branch_sandbox(
         sandbox_id: str,
@@ -176,6 +203,10 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         """Kill the sandbox and free what it held."""
         await with_daemon(lambda c: c.kill_sandbox(sandbox_id))
         return {"id": sandbox_id, "killed": True}
+
+
+def _image_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Images, and the snapshots made from them."""
 
     @server.tool()
     async def import_image(ref: str, ctx: Context) -> dict[str, Any]:
@@ -237,22 +268,8 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
         )  # fmt: skip
         return dict(answer)
 
-    _original_tools(server, with_daemon)
 
-    @server.resource(TREE_URI, name="lineage", mime_type="application/json")
-    async def tree() -> str:
-        """Snapshots nested under the snapshots they were branched from, each with the
-        sandboxes running from it."""
-        async with connect() as ctl:
-            snaps, sandboxes = await ctl.list_snapshots(), await ctl.list_sandboxes()
-        return json.dumps(lineage_tree(snaps, sandboxes))
-
-    return server
-
-
-def _original_tools(
-    server: MCPServer, with_daemon: Callable[[Callable[[AsyncController], Any]], Any]
-) -> None:
+def _original_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
     """The original forkd MCP server's tools, by its names and arguments, beside ours: a
     client configured for ``forkd-mcp`` keeps working (list_sandboxes, list_snapshots,
     kill_sandbox, branch_sandbox and create_snapshot are shared by both sets)."""

@@ -12,15 +12,6 @@ from pathlib import Path
 SOURCE_ROOT = Path(__file__).resolve().parents[2] / "src" / "forkd"
 MAX_FUNCTION_LINES = 80  # issue 25: no function over 80 lines (the house style)
 
-# Functions known to be too long, each awaiting its split. Empty this as they
-# are split: the test fails for an entry that is no longer too long (or gone),
-# so the list cannot outlive its reason.
-ALLOWED_TOO_LONG: frozenset[str] = frozenset(
-    {
-        "mcp_server.py::build",  # being split into per-family tool registrations (issue 25)
-    }
-)
-
 _Function = ast.FunctionDef | ast.AsyncFunctionDef
 
 
@@ -57,20 +48,12 @@ def _too_long(lengths: dict[str, int]) -> dict[str, int]:
 
 
 def test_no_function_is_longer_than_80_lines() -> None:
-    offenders = {n: c for n, c in _too_long(_all_lengths()).items() if n not in ALLOWED_TOO_LONG}
+    offenders = _too_long(_all_lengths())
     assert offenders == {}, (
         f"functions over {MAX_FUNCTION_LINES} lines (split them into named helpers): "
         + ", ".join(
             f"src/forkd/{name} ({count} lines)" for name, count in sorted(offenders.items())
         )
-    )
-
-
-def test_the_allow_list_names_only_functions_still_too_long() -> None:
-    lengths = _all_lengths()
-    stale = sorted(name for name in ALLOWED_TOO_LONG if lengths.get(name, 0) <= MAX_FUNCTION_LINES)
-    assert stale == [], (
-        "no longer over the limit (or gone): remove from ALLOWED_TOO_LONG: " + ", ".join(stale)
     )
 
 
