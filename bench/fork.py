@@ -45,6 +45,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forkd.guest import image as guest_image
+from forkd.states import VMState
 from forkd.vmm import snapshot_files
 from forkd.vmm.pool import ForkPool
 from forkd.vmm.vm import VM
@@ -285,7 +286,7 @@ class Bench(benchlib.BenchBase):
                     dest.unlink(missing_ok=True)
                 if i + 1 < runs:  # the template runs again before the next save
                     await tpl.qmp.execute("cont")
-                    tpl.state = "running"
+                    tpl._set_state(VMState.RUNNING)
         finally:
             await self._kill([tpl])
         res = self.results

@@ -37,6 +37,7 @@ from typing import Any
 
 from forkd import limits
 from forkd.errors import VMError
+from forkd.states import VMState
 from forkd.vmm import launch, qemu_user
 from forkd.vmm.launch import tail
 from forkd.vmm.qemu_argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, build_argv
@@ -79,7 +80,7 @@ async def save_to_file(vm: VM, dest: Path) -> float:
         os.close(fd)  # QEMU holds its own copy
     started = time.monotonic()
     await vm.qmp.execute("stop")
-    vm.state = "paused"
+    vm._set_state(VMState.PAUSED)
     await vm.qmp.execute("migrate", {"uri": f"fd:{SAVE_FD_NAME}"})
     await wait_migration(vm, f"saving {vm.id} to {dest}")
     return (time.monotonic() - started) * 1000
@@ -132,7 +133,7 @@ async def start_incoming(machine: MachineConfig, run_root: Path) -> VM:
             uid.release()
         shutil.rmtree(rt.dir, ignore_errors=True)
         raise
-    vm.state = "incoming"
+    vm._set_state(VMState.INCOMING)
     return vm
 
 
@@ -149,7 +150,7 @@ async def restore_from_file(vm: VM, src: Path, timeout: float = TIMEOUT_SECS) ->
     await vm.qmp.load_vmstate(src, timeout, vm.rt.qemu_log)
     await vm.qmp.wait_accepted(AGENT_CHARDEV, timeout)
     await vm.qmp.execute("cont")
-    vm.state = "running"
+    vm._set_state(VMState.RUNNING)
     await vm.agent.call("ping", wait=timeout)
 
 

@@ -9,15 +9,14 @@ seccomp filter, the uid it drops to and the capabilities it keeps until then.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import functools
 import logging
 import os
-import shutil
 import subprocess
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 from forkd import hosttools
 from forkd.errors import ForkdError, VMError
@@ -70,7 +69,8 @@ def spawn(
     pass_fds: Sequence[int] = (),
     uid: qemu_user.Lease | None = None,
 ) -> subprocess.Popen[bytes]:
-    """Start QEMU with its output in ``qemu.log``; on failure the run directory is removed.
+    """Start QEMU with its output in ``qemu.log``; on failure no process is left (the
+    run directory is the caller's).
 
     ``detach``: in a session of its own, to outlive this process (a daemon's
     sandboxes); otherwise killed when this process dies. ``netns``: the
@@ -107,7 +107,6 @@ def spawn(
             )
     except BaseException:
         _close_fds(gate_r, gate_w)
-        shutil.rmtree(rt.dir, ignore_errors=True)
         raise
     _close_fds(gate_r)
     try:
@@ -119,7 +118,6 @@ def spawn(
     except BaseException:
         proc.kill()
         proc.wait()
-        shutil.rmtree(rt.dir, ignore_errors=True)
         raise
     finally:
         _close_fds(gate_w)
@@ -196,94 +194,80 @@ async def _seccomp_ok() -> bool:
     return await asyncio.to_thread(seccomp_problem) is None
 
 
-def _open_layers(attach: Sequence[Attachment]) -> dict[int, tuple[int, int]]:
+@contextlib.contextmanager
+def _layer_fds(attach: Sequence[Attachment]) -> Iterator[dict[int, tuple[int, int]]]:
     """Read-only and read-write descriptors of each writable volume's top layer
-    (:func:`forkd.vmm.qemu_argv.layer_fdset` says why QEMU gets them)."""
-    opened: dict[int, tuple[int, int]] = {}
-    try:
+    (:func:`forkd.vmm.qemu_argv.layer_fdset` says why QEMU gets them), closed on exit:
+    QEMU has its own copies by then."""
+    with contextlib.ExitStack() as opened:
+        fds: dict[int, tuple[int, int]] = {}
         for i, att in enumerate(attach):
             if not att.readonly:
                 ro = os.open(att.top, os.O_RDONLY | os.O_CLOEXEC)
-                try:
-                    opened[i] = (ro, os.open(att.top, os.O_RDWR | os.O_CLOEXEC))
-                except BaseException:
-                    os.close(ro)
-                    raise
-    except BaseException:
-        for pair in opened.values():
-            for fd in pair:
-                os.close(fd)
-        raise
-    return opened
+                opened.callback(os.close, ro)
+                rw = os.open(att.top, os.O_RDWR | os.O_CLOEXEC)
+                opened.callback(os.close, rw)
+                fds[i] = (ro, rw)
+        yield fds
 
 
-async def start_qemu(
-    placement: cgroups.Placement | None,
-    machine: MachineConfig,
-    rt: RuntimePaths,
-    *args: Any,
-) -> Launched:
-    """:func:`start_in_namespace`, in a new cgroup of the VM's own when ``placement`` says where.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """What a QEMU starts with, every part named where it is made."""
 
-    On failure nothing is left: no group, no namespace, no uid, no run directory.
+    machine: MachineConfig
+    rt: RuntimePaths
+    ram_file: Path  # guest RAM: a file QEMU maps shared (a fork's: its snapshot's)
+    incoming: bool  # a fork's QEMU, waiting for its snapshot's state
+    policy: Egress
+    attach: Sequence[Attachment] = ()
+    detach: bool = False  # outlives this process (a daemon's sandboxes)
+    host_network: network.HostNetwork | None = None  # a network namespace of its own
+    placement: cgroups.Placement | None = None  # a cgroup of its own, there
+
+
+async def start_qemu(spec: LaunchSpec, undo: contextlib.AsyncExitStack) -> Launched:
+    """Start QEMU as ``spec`` says: in a cgroup of its own when ``placement`` says
+    where, in a network namespace of its own when it gets one, dropped to a uid of its
+    own (:mod:`forkd.vmm.qemu_user`).
+
+    ``undo`` is the start's one undo stack: each thing is pushed onto it as soon as it
+    is made (group, uid, namespace, process), so whoever unwinds it after a failure,
+    here or later in the start, leaves nothing behind.
     """
+    machine, rt = spec.machine, spec.rt
     group = None
-    try:
-        if placement is not None:
-            caps = cgroups.limits_for(
-                machine.memory_mib, machine.vcpus, machine.accel, placement.memory_limit_mib
-            )
-            group = await asyncio.to_thread(placement.hierarchy.create, rt.dir.name, caps)
-        return await start_in_namespace(machine, rt, *args, cgroup=group)
-    except BaseException as exc:
-        shutil.rmtree(rt.dir, ignore_errors=True)
-        await asyncio.to_thread(cgroups.remove, group, 1.0)
-        if isinstance(exc, subprocess.SubprocessError):  # the child's setup failed
-            raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
-        raise
-
-
-async def start_in_namespace(
-    machine: MachineConfig,
-    rt: RuntimePaths,
-    ram_file: Path,
-    incoming: bool,
-    attach: Sequence[Attachment],
-    detach: bool,
-    host_network: network.HostNetwork | None,
-    policy: Egress,
-    cgroup: cgroups.Group | None = None,
-) -> Launched:
-    """Make the VM's network namespace (when it gets one), then start QEMU in it,
-    dropping to a uid of its own (:mod:`forkd.vmm.qemu_user`).
-
-    On failure nothing is left: no namespace, no uid, no run directory.
-    """
-    net = uid = None
-    try:
-        sandbox = await _seccomp_ok()  # before the namespace: nothing to undo if it fails
-        uid = await asyncio.to_thread(qemu_user.reserve)
-        net = await network.attach(host_network, rt.dir.name, policy)
-        if host_network is not None and net is None:
-            # The daemon's fallback: QEMU's NAT would reach the host's loopback
-            # (10.0.2.2 is the host), so no egress at all, whatever the policy.
-            machine = dataclasses.replace(machine, internet=False)
-        layer_fds = _open_layers(attach)
+    if spec.placement is not None:
+        caps = cgroups.limits_for(
+            machine.memory_mib, machine.vcpus, machine.accel, spec.placement.memory_limit_mib
+        )
+        group = await asyncio.to_thread(spec.placement.hierarchy.create, rt.dir.name, caps)
+        undo.push_async_callback(asyncio.to_thread, cgroups.remove, group, 1.0)
+    sandbox = await _seccomp_ok()
+    uid = await asyncio.to_thread(qemu_user.reserve)
+    if uid is not None:
+        undo.push_async_callback(asyncio.to_thread, uid.release)
+    net = await network.attach(spec.host_network, rt.dir.name, spec.policy)
+    undo.push_async_callback(network.detach, net)
+    if spec.host_network is not None and net is None:
+        # The daemon's fallback: QEMU's NAT would reach the host's loopback
+        # (10.0.2.2 is the host), so no egress at all, whatever the policy.
+        machine = dataclasses.replace(machine, internet=False)
+    with _layer_fds(spec.attach) as layer_fds:
+        argv = build_argv(machine, rt, ram_file=spec.ram_file, incoming=spec.incoming,
+                          volumes=spec.attach, tap=net is not None, sandbox=sandbox,
+                          runas=uid.runas if uid else None, layer_fds=layer_fds)  # fmt: skip
+        kept = [fd for pair in layer_fds.values() for fd in pair]
         try:
-            argv = build_argv(machine, rt, ram_file=ram_file, incoming=incoming, volumes=attach,
-                              tap=net is not None, sandbox=sandbox,
-                              runas=uid.runas if uid else None, layer_fds=layer_fds)  # fmt: skip
-            netns = net.netns if net else None
-            kept = [fd for pair in layer_fds.values() for fd in pair]
-            proc = spawn(argv, rt, detach, netns=netns, cgroup=cgroup, pass_fds=kept, uid=uid)
-            return Launched(proc, net, cgroup, uid)
-        finally:
-            for pair in layer_fds.values():
-                for fd in pair:
-                    os.close(fd)
-    except BaseException:
-        if uid is not None:
-            await asyncio.to_thread(uid.release)
-        await network.detach(net)
-        shutil.rmtree(rt.dir, ignore_errors=True)
-        raise
+            proc = spawn(argv, rt, spec.detach, netns=net.netns if net else None,
+                         cgroup=group, pass_fds=kept, uid=uid)  # fmt: skip
+        except subprocess.SubprocessError as exc:  # the child's setup failed
+            raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
+    undo.callback(_reap, proc)
+    return Launched(proc, net, group, uid)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """A QEMU whose start failed later on: gone before its uid, namespace and group are."""
+    proc.kill()
+    proc.wait()

@@ -75,6 +75,13 @@ BOOT_MEMORY_MIB = 256  # VM.boot's default; the daemon passes its own
 ADOPT_TIMEOUT_SECS = 10.0
 
 
+def _run_dir(run_root: Path, vm_id: str, undo: contextlib.AsyncExitStack) -> RuntimePaths:
+    """The new VM's run directory, the first thing its start makes and the last it undoes."""
+    rt = launch.prepare_runtime(run_root, vm_id)
+    undo.callback(shutil.rmtree, rt.dir, ignore_errors=True)
+    return rt
+
+
 def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
 
@@ -159,25 +166,24 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             egress=policy.to_json(),
             runtime=image.runtime,
         )
-        rt = launch.prepare_runtime(run_root, vm_id)
-        with rt.ram.open("wb") as f:  # sparse: costs nothing until written
-            f.truncate(memory_mib << 20)
-        started = time.monotonic()
-        launched = await launch.start_qemu(
-            cgroup, machine, rt, rt.ram, False, attach, detach, host_network, policy
-        )
-        image_ref = ImageRef(image.name, image.key, str(image.dir))
-        vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, launched.proc, launched.proc.pid)
-        vm.volumes = list(attach)
-        vm.net, vm.cgroup, vm.uid = launched.net, launched.cgroup, launched.uid
-        try:
+        async with contextlib.AsyncExitStack() as undo:  # unwound unless the boot succeeds
+            rt = _run_dir(run_root, vm_id, undo)
+            with rt.ram.open("wb") as f:  # sparse: costs nothing until written
+                f.truncate(memory_mib << 20)
+            started = time.monotonic()
+            spec = launch.LaunchSpec(
+                machine=machine, rt=rt, ram_file=rt.ram, incoming=False, policy=policy,
+                attach=attach, detach=detach, host_network=host_network, placement=cgroup,
+            )  # fmt: skip
+            launched = await launch.start_qemu(spec, undo)
+            image_ref = ImageRef(image.name, image.key, str(image.dir))
+            vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, launched.proc, launched.proc.pid)
+            vm._own(launched, list(attach), undo)
             await vm._connect_qmp()
             await vm.agent.connect()
             await vm._wait_agent(boot_timeout)
             await volume_mounts.mount_all(vm.exec, vm.volumes)
-        except BaseException:
-            await vm.kill()
-            raise
+            undo.pop_all()
         vm.ready_ms = (time.monotonic() - started) * 1000
         vm._set_state(VMState.RUNNING)
         runtime_meta.write_for(vm)
@@ -235,48 +241,42 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             machine, internet=policy.mode != "none", egress=policy.to_json()
         )
         vm_id = vm_id or new_vm_id()
-        rt = launch.prepare_runtime(run_root, vm_id)
-        attach: list[Attachment] = []
-        try:
-            # A writable volume: this child's own layer over the snapshot's.
-            for f in snap.meta.volumes:
+        async with contextlib.AsyncExitStack() as undo:  # unwound unless the start succeeds
+            rt = _run_dir(run_root, vm_id, undo)
+            attach: list[Attachment] = []
+            undo.callback(volume_mounts.remove_own_layers, attach)
+            for f in snap.meta.volumes:  # a writable volume: this child's layer over its own
                 attach.append(volumes.attach_for_fork(f))
-        except BaseException:
-            volume_mounts.remove_own_layers(attach)
-            shutil.rmtree(rt.dir, ignore_errors=True)
-            raise
-        try:
             # A diff maps its chain's full root; its layers are written in below.
             chain = memory_diff.resolve(snap)
-        except BaseException:
-            volume_mounts.remove_own_layers(attach)
-            shutil.rmtree(rt.dir, ignore_errors=True)
-            raise
-        try:
-            launched = await launch.start_qemu(
-                cgroup, machine, rt, chain.root, True, attach, detach, host_network, policy
-            )
-        except BaseException:
-            chain.close()
-            volume_mounts.remove_own_layers(attach)
-            raise
-        proc = launched.proc
-        vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)
-        vm.volumes, vm.origin_id = attach, snap.meta.id
-        vm.net, vm.cgroup, vm.uid = launched.net, launched.cgroup, launched.uid
-        vm._set_state(VMState.INCOMING)
-        vm._incoming = snap
-        try:
-            await vm._connect_qmp()  # QEMU has mapped guest RAM by now
-            await asyncio.to_thread(memory_diff.apply, chain, vm.pid)
-            # Connected before the state is loaded: see finish_restore.
-            await vm.agent.connect()
-        except BaseException:
-            await vm.kill()
-            raise
-        finally:
-            chain.close()
+            with contextlib.closing(chain):
+                spec = launch.LaunchSpec(
+                    machine=machine, rt=rt, ram_file=chain.root, incoming=True, policy=policy,
+                    attach=attach, detach=detach, host_network=host_network, placement=cgroup,
+                )  # fmt: skip
+                launched = await launch.start_qemu(spec, undo)
+                proc = launched.proc
+                vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)
+                vm._own(launched, attach, undo)
+                vm.origin_id = snap.meta.id
+                vm._set_state(VMState.INCOMING)
+                vm._incoming = snap
+                await vm._connect_qmp()  # QEMU has mapped guest RAM by now
+                await asyncio.to_thread(memory_diff.apply, chain, vm.pid)
+                # Connected before the state is loaded: see finish_restore.
+                await vm.agent.connect()
+            undo.pop_all()
         return vm
+
+    def _own(
+        self, launched: launch.Launched, attach: list[Attachment], undo: contextlib.AsyncExitStack
+    ) -> None:
+        """Take over what the start made: from now on undoing the start is killing
+        this VM, which lets go of every one of them (:meth:`kill`)."""
+        self.net, self.cgroup, self.uid = launched.net, launched.cgroup, launched.uid
+        self.volumes = attach
+        undo.pop_all()
+        undo.push_async_callback(self.kill)
 
     async def finish_restore(
         self,
