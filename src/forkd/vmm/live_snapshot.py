@@ -1,7 +1,11 @@
-"""Snapshot a running VM: pause → snapshot → resume, with the failure table.
+"""Snapshot a VM: pause → snapshot → resume, with the failure table.
 
-Used for templates and branches alike (a branch is a snapshot of a running
-sandbox).
+The one way a VM is snapshotted, for templates, branches and hibernation alike
+(a branch is a snapshot of a running sandbox). How the memory is written is the
+writer's strategy (:mod:`forkd.vmm.snapshot_writer`: full, live or diff); a VM
+already paused is snapshotted as it is, in one place (:func:`_snapshot_paused`);
+and a failure is wrapped once, in :class:`LiveSnapshotError`, whose ``reason``
+is the error the snapshot failed with.
 
 | failure                          | answer | afterwards                               |
 |----------------------------------|--------|------------------------------------------|
@@ -25,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from forkd.errors import ForkdError
-from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels, SnapshotMeta
+from forkd.errors import ForkdError, SnapshotError, StorageFull
+from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
 
 
 class Writer(Protocol):
@@ -59,6 +63,13 @@ class LiveSnapshotError(ForkdError):
         super().__init__(message)
         self.source_alive = source_alive
         self.snapshot_kept = snapshot_kept
+
+    @property
+    def reason(self) -> ForkdError | None:
+        """The error the snapshot failed with (a full disk, a busy agent channel, QEMU
+        gone), when forkd raised it; None for anything else (an OSError)."""
+        cause = self.__cause__
+        return cause if isinstance(cause, ForkdError) else None
 
 
 @dataclass(frozen=True)
@@ -216,3 +227,26 @@ async def _snapshot_paused(
             f"writing the snapshot failed: {exc}", source_alive=vm.is_alive(), snapshot_kept=False
         ) from exc
     return LiveSnapshot(dest, 0.0, meta)
+
+
+async def write(
+    vm: SnapshottableVM,
+    dest: Path,
+    labels: SnapshotLabels | None = None,
+    base: BaseRef | None = None,
+    *,
+    live: bool = False,
+) -> SnapshotFiles:
+    """:func:`snapshot_running` for a caller with no sandbox to keep in line (a
+    template, a benchmark): the error is a :class:`SnapshotError`, or
+    :class:`StorageFull` when the disk filled; nothing is left at ``dest``."""
+    if vm.state == "dead" or not vm.is_alive():
+        raise SnapshotError(f"cannot snapshot {vm.id}: its QEMU is not running")
+    try:
+        result = await snapshot_running(vm, dest, labels, base, live=live)
+    except LiveSnapshotError as exc:
+        reason = exc.reason
+        if isinstance(reason, SnapshotError | StorageFull) and not exc.snapshot_kept:
+            raise reason from None
+        raise SnapshotError(str(exc)) from exc
+    return SnapshotFiles(result.dir, result.meta)

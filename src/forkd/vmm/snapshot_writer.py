@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from forkd.errors import SnapshotError, StorageFull
 from forkd.vmm import (
     live_copy,
-    live_snapshot,
     memory,
     memory_diff,
     snapshot_files,
@@ -39,7 +38,7 @@ from forkd.vmm import (
     write_tracking,
 )
 from forkd.vmm.launch import tail
-from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels, SnapshotMeta
 from forkd.vmm.volumes import Attachment
 
 if TYPE_CHECKING:
@@ -311,40 +310,3 @@ class SnapshotWriter:
                 os.close(self._mem_fd)
             self._mem_fd = None
         await asyncio.to_thread(shutil.rmtree, self.staging, True)
-
-
-async def write_snapshot(
-    vm: VM,
-    dest: Path,
-    labels: SnapshotLabels | None = None,
-    base: BaseRef | None = None,
-    *,
-    live: bool = False,
-) -> SnapshotFiles:
-    """Pause, snapshot to ``dest``, resume. The VM keeps running afterwards.
-    With ``base``, a diff over that snapshot (the one ``vm`` was forked from).
-
-    On failure nothing is left at ``dest`` and the VM is resumed if it is
-    still alive (see :mod:`forkd.vmm.live_snapshot`); the error is a
-    :class:`SnapshotError`, or :class:`StorageFull` when the disk filled.
-    Returns the snapshot's files and record; the pause window is recorded
-    as ``pause_ms``.
-    """
-    if vm.state == "dead" or not vm.is_alive():
-        raise SnapshotError(f"cannot snapshot {vm.id}: its QEMU is not running")
-    if vm.state == "running":
-        try:
-            result = await live_snapshot.snapshot_running(vm, dest, labels, base, live=live)
-        except live_snapshot.LiveSnapshotError as exc:
-            cause = exc.__cause__
-            if isinstance(cause, (SnapshotError, StorageFull)) and not exc.snapshot_kept:
-                raise cause from None
-            raise SnapshotError(str(exc)) from exc
-        return SnapshotFiles(result.dir, result.meta)
-    writer = await vm.begin_snapshot(dest, base)  # already paused: no pause window
-    try:
-        await writer.capture()
-    except BaseException:
-        await writer.abort()
-        raise
-    return SnapshotFiles(dest, await writer.commit(labels))

@@ -12,9 +12,8 @@ Snapshotting any running VM (template or child, at any depth) is::
     await vm.resume()
     await writer.commit(labels)              # snapshot.json, rename into place
 
-:meth:`VM.snapshot` runs that sequence with the failure handling; the
-daemon's branch handler drives the steps itself
-(:func:`forkd.vmm.live_snapshot.snapshot_running`).
+:func:`forkd.vmm.live_snapshot.snapshot_running` runs that sequence with the
+failure table, for :meth:`VM.snapshot` and the daemon's branches alike.
 """
 
 from __future__ import annotations
@@ -42,6 +41,7 @@ from forkd.vmm import (
     cgroups,
     egress,
     launch,
+    live_snapshot,
     memory,
     memory_diff,
     network,
@@ -49,7 +49,6 @@ from forkd.vmm import (
     qemu_user,
     runtime_meta,
     snapshot_files,
-    snapshot_writer,
     volume_mounts,
     volumes,
 )
@@ -489,8 +488,8 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         *,
         live: bool = False,
     ) -> SnapshotFiles:
-        """Pause, snapshot to ``dest``, resume: see :func:`snapshot_writer.write_snapshot`."""
-        return await snapshot_writer.write_snapshot(self, dest, labels, base, live=live)
+        """Pause, snapshot to ``dest``, resume: see :func:`live_snapshot.write`."""
+        return await live_snapshot.write(self, dest, labels, base, live=live)
 
     async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
         """:meth:`write_snapshot` the live way (templates), returning ``dest``."""

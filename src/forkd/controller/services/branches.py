@@ -246,8 +246,8 @@ class BranchService:
             paused = vm.state == "paused"  # its guest cannot answer: QEMU's life tells
             if not exc.source_alive or not (vm.is_alive() if paused else await fleet.answers(vm)):
                 await fleet.mark_dead(row.id)
-            if isinstance(exc.__cause__, Busy):  # the pause waited on the agent channel
-                raise Busy(f"branch of {row.id}: {exc.__cause__}") from exc
+            if isinstance(exc.reason, Busy):  # the pause waited on the agent channel
+                raise Busy(f"branch of {row.id}: {exc.reason}") from exc
             raise VMError(f"branch of {row.id} failed: {exc}") from exc
         files = snapshot_files.SnapshotFiles(result.dir, result.meta)
         fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)

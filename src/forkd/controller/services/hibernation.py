@@ -91,9 +91,9 @@ class HibernateService:
             except ForkdError as again:
                 log.warning("sandbox %s stays paused: %s", sandbox_id, again)
                 self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
-        cause = exc.__cause__
-        if isinstance(cause, (StorageFull, Busy)):
-            return type(cause)(f"hibernating {sandbox_id}: {cause}")
+        reason = exc.reason
+        if isinstance(reason, StorageFull | Busy):
+            return type(reason)(f"hibernating {sandbox_id}: {reason}")
         return VMError(f"hibernating sandbox {sandbox_id!r} failed: {exc}")
 
     async def wake(self, sandbox_id: str) -> None:
