@@ -16,10 +16,13 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forkd import limits
 from forkd.errors import Invalid
+
+if TYPE_CHECKING:
+    from forkd.controller.models import OnTimeout, SandboxState
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (
@@ -109,10 +112,10 @@ class SandboxRow:
     created_at_unix: int
     memory_limit_mib: int | None
     expires_at_unix: float | None
-    state: str
+    state: SandboxState
     fork_ms: float | None = None
     metadata: dict[str, str] = field(default_factory=dict)  # the user's labels
-    on_timeout: str = "kill"  # what expiry does: kill, pause or branch
+    on_timeout: OnTimeout = "kill"  # what expiry does: kill, pause, branch or hibernate
     timeout_branch: str | None = None  # the tag an expiry's branch made
     idle_timeout_s: float | None = None  # on_timeout after this long without activity
 

@@ -17,7 +17,6 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from forkd import hosttools
 from forkd.errors import ForkdError, VMError
@@ -221,7 +220,12 @@ async def start_qemu(
     placement: cgroups.Placement | None,
     machine: MachineConfig,
     rt: RuntimePaths,
-    *args: Any,
+    ram_file: Path,
+    incoming: bool,
+    attach: Sequence[Attachment],
+    detach: bool,
+    host_network: network.HostNetwork | None,
+    policy: Egress,
 ) -> Launched:
     """:func:`start_in_namespace`, in a new cgroup of the VM's own when ``placement`` says where.
 
@@ -234,7 +238,9 @@ async def start_qemu(
                 machine.memory_mib, machine.vcpus, machine.accel, placement.memory_limit_mib
             )
             group = await asyncio.to_thread(placement.hierarchy.create, rt.dir.name, caps)
-        return await start_in_namespace(machine, rt, *args, cgroup=group)
+        return await start_in_namespace(
+            machine, rt, ram_file, incoming, attach, detach, host_network, policy, cgroup=group
+        )
     except BaseException as exc:
         shutil.rmtree(rt.dir, ignore_errors=True)
         await asyncio.to_thread(cgroups.remove, group, 1.0)

@@ -332,9 +332,11 @@ async def _as_events(
     its answer as ``image``; its failure is raised (the stream's last event says it)."""
     loop = asyncio.get_running_loop()
     steps: asyncio.Queue[str] = asyncio.Queue()
-    work = asyncio.ensure_future(
-        start(lambda msg: loop.call_soon_threadsafe(steps.put_nowait, msg))
-    )
+
+    def progress(msg: str) -> None:  # may be called from another thread
+        loop.call_soon_threadsafe(steps.put_nowait, msg)
+
+    work = asyncio.ensure_future(start(progress))
     try:
         while not work.done():
             step = asyncio.ensure_future(steps.get())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -242,9 +243,12 @@ class Lifecycle:
                 continue  # owned by its fork request, or still checked by an earlier pass
             task = asyncio.create_task(self._bounded_check(row), name=f"forkd-reap-{row.id}")
             self._checks[row.id] = task
-            task.add_done_callback(lambda _, sid=row.id: self._checks.pop(sid, None))
+            task.add_done_callback(functools.partial(self._checked, row.id))
             started.append(task)
         return started
+
+    def _checked(self, sandbox_id: str, _: asyncio.Task[None]) -> None:
+        self._checks.pop(sandbox_id, None)
 
     async def _bounded_check(self, row: SandboxRow) -> None:
         expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
