@@ -38,8 +38,10 @@ class Writer(Protocol):
 
 
 class SnapshottableVM(Protocol):
-    id: str
-    state: str
+    @property
+    def id(self) -> str: ...
+    @property
+    def state(self) -> str: ...
 
     async def begin_snapshot(
         self, dest: Path, base: BaseRef | None = None, *, live: bool = False

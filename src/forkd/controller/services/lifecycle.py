@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from forkd.controller.services.fleet import Fleet, vm_id_prefixes
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, SnapshotError
@@ -212,7 +213,7 @@ class Lifecycle:
         fleet = self.fleet
         if not fleet.network.enabled:
             return
-        live = {vm.net.netns for vm in fleet.vms.values() if getattr(vm, "net", None)}
+        live = {vm.net.netns for vm in fleet.vms.values() if vm.net is not None}
         for name in network.remove_unused(vm_id_prefixes(fleet.store.id_prefix), live):
             log.warning("removed network namespace %s that no VM used", name)
 
@@ -286,7 +287,7 @@ class Lifecycle:
             log.warning("sandbox %s died (QEMU exited)", row.id)
             await fleet.mark_dead(row.id)
 
-    async def _quiet(self, row: SandboxRow, vm: Any) -> bool:
+    async def _quiet(self, row: SandboxRow, vm: SandboxVM) -> bool:
         """Whether the sandbox's processes wrote nothing since the last look (if they
         did, that is activity: its idle clock starts again)."""
         fleet = self.fleet
