@@ -194,7 +194,7 @@ class Bench(benchlib.BenchBase):
         n = self.args.forks
         kind = "warm" if warm else "pre-started"
         self.say.log(f"forking {n} children through a pool of {kind} QEMUs")
-        pool = ForkPool(self.run_root, per_snapshot=1, warm=warm)
+        pool = ForkPool(self.run_root, spawn=VM.spawn_incoming, per_snapshot=1, warm=warm)
         children: list[VM] = []
         try:
             for _ in range(n):

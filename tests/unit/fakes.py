@@ -21,12 +21,14 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm import memory_diff, snapshot_files
+from forkd.vmm.network import SandboxNet
 from forkd.vmm.qemu_argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
 from forkd.vmm.snapshot_files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
+from forkd.vmm.volumes import Attachment
 from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
 
@@ -147,8 +149,8 @@ class FakeVM:
         self.capture_delay = 0.0  # inside the pause
         self.commit_delay = 0.0  # after it: a branch with wait false is pending meanwhile
         self.events: list[str] = []
-        self.volumes: list[Any] = []
-        self.net: Any = None  # no namespace: user-mode networking
+        self.volumes: list[Attachment] = []
+        self.net: SandboxNet | None = None  # no namespace: user-mode networking
         self.ready_ms: float | None = 1.0
         self.image_name = "python"
         self.image_ref = ImageRef("python", None, None)  # a booted VM's: its image's dir too
@@ -392,7 +394,10 @@ class FakeVM:
 def _run(code: str, names: dict[str, Any]) -> str | None:
     """Run ``code``; the repr of a final expression, like the agent's eval."""
     tree = ast.parse(code)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    final = tree.body[-1] if tree.body else None
+    last = final if isinstance(final, ast.Expr) else None
+    if last is not None:
+        tree.body.pop()
     exec(compile(tree, "<eval>", "exec"), names)
     if last is None:
         return None
@@ -447,3 +452,14 @@ class FakeDriver:
 
     async def adopt(self, run_dir: Path, paused: bool = False) -> FakeVM:
         raise VMError(f"no QEMU runs for {run_dir} (fake driver)")
+
+
+if TYPE_CHECKING:  # mypy proves the fakes stand where VM and its constructors do
+    from forkd.controller.services.fleet import VMDriver
+    from forkd.controller.services.sandbox_vm import SandboxVM
+
+    def _fake_vm_is_a_sandbox_vm(vm: FakeVM) -> SandboxVM:
+        return vm
+
+    def _fake_driver_is_a_vm_driver(driver: FakeDriver) -> VMDriver:
+        return driver

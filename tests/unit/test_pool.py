@@ -14,6 +14,8 @@ A, B, C = Path("/snaps/a"), Path("/snaps/b"), Path("/snaps/c")
 
 
 class FakeVM:
+    """A pooled QEMU: what :class:`forkd.vmm.pool.PooledVM` asks of one, and no more."""
+
     def __init__(self, vm_id: str, snapshot_dir: Path, volumes: list[Attachment]) -> None:
         self.id = vm_id
         self.snapshot_dir = snapshot_dir
@@ -61,7 +63,7 @@ class Spawner:
         return vm
 
 
-def _pool(spawner: Spawner, demand: int | None = None, **kw: Any) -> ForkPool:
+def _pool(spawner: Spawner, demand: int | None = None, **kw: Any) -> ForkPool[FakeVM]:
     """A pool whose snapshots A, B and C each had a request for ``demand`` children
     (default: as many as ``per_snapshot``)."""
     ids = iter(range(1, 1000))

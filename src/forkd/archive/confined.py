@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gzip
+import io
 import json
 import os
 import resource
@@ -59,6 +60,8 @@ def drop_privileges(uid: int, gid: int) -> None:
 def unpack_stdin(root_fd: int, limits: Limits) -> dict[str, Any]:
     """Unpack standard input (tar, or gzip of a tar) beneath ``root_fd``; the answer."""
     stdin = sys.stdin.buffer
+    if not isinstance(stdin, io.BufferedReader):  # what Python makes of a process's stdin
+        raise TypeError(f"standard input is a {type(stdin).__name__}, not a buffered reader")
     source: Any = (
         gzip.GzipFile(fileobj=stdin, mode="rb") if stdin.peek(2)[:2] == GZIP_MAGIC else stdin
     )

@@ -10,7 +10,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, BinaryIO
+from typing import TYPE_CHECKING, Annotated, BinaryIO, TypedDict
 
 import typer
 from rich.markup import escape
@@ -295,6 +295,22 @@ def image_rm(
         out.print(f"freed {_mib(freed)} of layers no image needs", highlight=False)
 
 
+class _ImageRow(TypedDict):
+    """One image of ``image ls``: a table row, or an object of its ``--json``."""
+
+    name: str
+    key: str
+    kind: str
+    references: list[str]
+    current: bool
+    size_bytes: int
+    layers: int | None
+    shared_layers: int
+    kernel: str | None
+    built_at_unix: int | None
+    dir: str
+
+
 def image_ls(as_json: JsonOpt = False) -> None:
     """List built images: recipes and imported container images, their size on disk."""
     require_server("image ls")
@@ -309,7 +325,7 @@ def image_ls(as_json: JsonOpt = False) -> None:
     for img in imgs:
         with contextlib.suppress(ForkdError):
             current[img.name] = image.find_image(img.name).key
-    rows = [
+    rows: list[_ImageRow] = [
         {
             "name": img.name,
             "key": img.key,

@@ -64,15 +64,19 @@ class Connection:
 
 def parent_param(ctx: typer.Context | None, name: str) -> Any:
     """The value an enclosing group's callback was given for ``name``, if any was."""
-    while ctx is not None:
-        ctx = ctx.parent
-        if ctx is not None and ctx.params.get(name) not in (None, False):
-            return ctx.params[name]
+    parent = ctx.parent if ctx is not None else None
+    while parent is not None:
+        if parent.params.get(name) not in (None, False):
+            return parent.params[name]
+        parent = parent.parent
     return None
 
 
 def _shared_parameters(json_option: bool) -> list[inspect.Parameter]:
-    shared = [("url", UrlOpt, None), ("token_file", TokenFileOpt, None)]
+    shared: list[tuple[str, object, object]] = [
+        ("url", UrlOpt, None),
+        ("token_file", TokenFileOpt, None),
+    ]
     if json_option:
         shared.append(("as_json", JsonOpt, False))
     kind = inspect.Parameter.KEYWORD_ONLY

@@ -125,8 +125,9 @@ def _follow(ctl: Controller, sandbox_id: str, pid: int) -> int:
                         sinks[event.kind].write(event.data)
                         sinks[event.kind].flush()
                     elif event.kind == "gap":
-                        err.print(f"[yellow]({event.next_offset - (event.offset or 0)} bytes "
-                                  "of output were lost)[/]")  # fmt: skip
+                        end = event.next_offset
+                        lost = "some" if end is None else end - (event.offset or 0)
+                        err.print(f"[yellow]({lost} bytes of output were lost)[/]")
                     elif event.kind == "exit":
                         return -1 if event.exit_code is None else event.exit_code
                     offset = event.next_offset if event.next_offset is not None else offset

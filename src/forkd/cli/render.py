@@ -149,7 +149,7 @@ def lineage_forest(
             attach(None, ("snapshot", tag))
     for sid, sb in sbs.items():
         tag = sb.get("snapshot_tag")
-        if tag in snaps:
+        if tag is not None and tag in snaps:
             attach(("snapshot", tag), ("sandbox", sid))
         else:
             key = str(tag)

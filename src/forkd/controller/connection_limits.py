@@ -146,6 +146,7 @@ class ConnectionLimiter:
             log.warning("refusing connections: %d open, the cap (--max-connections); "
                         "%d refused so far", self._open, refused)  # fmt: skip
         else:
+            assert address is not None, "only an address is over the per-address cap"
             log.warning("refusing connections from %s: %d open from it, the cap "
                         "(--max-connections-per-address); %d refused so far",
                         address, self._open_from[address], refused)  # fmt: skip

@@ -19,11 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable
-from typing import Any
 
 import websockets
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
+from websockets.asyncio.client import ClientConnection
 
 from forkd import limits
 from forkd.controller.http_errors import close_reason, refuse_websocket, status_of
@@ -116,7 +116,7 @@ async def _proxy(websocket: WebSocket, sandbox_id: str, port: int, prefix: str,
             await _close(websocket, APP_CLOSE_BASE + status_of(exc), str(exc))
 
 
-async def _relay_messages(websocket: WebSocket, guest: Any, link: GuestLink) -> None:
+async def _relay_messages(websocket: WebSocket, guest: ClientConnection, link: GuestLink) -> None:
     async def to_guest() -> None:
         while True:
             message = await websocket.receive()
@@ -137,8 +137,9 @@ async def _relay_messages(websocket: WebSocket, guest: Any, link: GuestLink) -> 
             pass
         code = guest.close_code
         # 1005 (no code), 1006 (no close frame), 1015 (TLS) may not be sent in a frame.
-        sendable = code is not None and 1000 <= code <= 4999 and code not in (1005, 1006, 1015)
-        await _close(websocket, code if sendable else CLOSE_NORMAL, guest.close_reason or "")
+        if code is None or not 1000 <= code <= 4999 or code in (1005, 1006, 1015):
+            code = CLOSE_NORMAL
+        await _close(websocket, code, guest.close_reason or "")
 
     await _until_first(to_guest(), to_client(), _watch(link))
 

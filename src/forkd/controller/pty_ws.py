@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query, WebSocket, WebSocketDisconnect
@@ -75,7 +76,7 @@ class _Session:
         self.sandbox_id = sandbox_id
         self.pid = pid
 
-    async def run(self, output: Any) -> None:
+    async def run(self, output: AsyncIterator[TerminalPiece]) -> None:
         sending = asyncio.create_task(self._send_output(output))
         receiving = asyncio.create_task(self._receive_input())
         done, pending = await asyncio.wait({sending, receiving},
@@ -88,7 +89,7 @@ class _Session:
         for task in done:
             task.result()  # a bug surfaces here, for the audit middleware's 500 close
 
-    async def _send_output(self, output: Any) -> None:
+    async def _send_output(self, output: AsyncIterator[TerminalPiece]) -> None:
         """Output until the exit; a guest failure closes with 4000 + its status."""
         try:
             async for piece in output:

@@ -260,7 +260,7 @@ async def events(request: Request) -> Response:
     sandbox_id = request.query_params.get("sandbox_id")
     if sandbox_id:
         return await ops.forward.request(request, ops.owner(sandbox_id))
-    params = [(k, v) for k, v in request.query_params.multi_items() if k != "since"]
+    params = tuple((k, v) for k, v in request.query_params.multi_items() if k != "since")
     client = ops.forward.client
     answers: list[Any] = []
     try:  # every node's stream open first: a filter one refuses is its answer, as it is

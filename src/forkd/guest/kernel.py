@@ -152,10 +152,10 @@ def module_load_order(modules_root: Path, wanted: tuple[str, ...] = WANTED_MODUL
         norm = name.replace("-", "_")
         if norm in builtin:
             continue
-        path = by_name.get(norm)
-        if path is None:
+        module = by_name.get(norm)
+        if module is None:
             raise ImageError(f"kernel module {name} is neither built in nor shipped")
-        visit(path, ())
+        visit(module, ())
     return order
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import json
 import posixpath
 import zlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import IO, Any, Protocol, cast
 
 import zstandard
 
@@ -144,9 +145,17 @@ class _Tee:
             self._write(piece)
         return piece
 
+    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
+        """A stream: not seekable (GzipFile only seeks to rewind, which nothing here asks)."""
+        raise io.UnsupportedOperation("seek")
+
     def drain(self) -> None:
         while self.read(PIECE):
             pass
+
+
+class _Reader(Protocol):
+    def read(self, n: int = ..., /) -> bytes: ...
 
 
 def copy_checking_diff_id(
@@ -156,12 +165,15 @@ def copy_checking_diff_id(
     type. :class:`Invalid` when that tar is not ``diff_id``."""
     tee = _Tee(chunks, write)
     head = tee.peek(4)
-    stream: Any = tee
+    stream: _Reader = tee
     media_type = manifests.OCI_LAYER
     if head.startswith(b"\x1f\x8b"):
         stream, media_type = gzip.GzipFile(fileobj=tee, mode="rb"), f"{manifests.OCI_LAYER}+gzip"
     elif head.startswith(b"\x28\xb5\x2f\xfd"):
-        stream = zstandard.ZstdDecompressor().stream_reader(tee, read_across_frames=True)
+        # zstandard's stub asks for IO[bytes]; it reads any object with read(size)
+        # (its documentation says so), which is all a _Tee is.
+        source = cast(IO[bytes], tee)
+        stream = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
         media_type = f"{manifests.OCI_LAYER}+zstd"
     h, total = hashlib.sha256(), 0
     try:

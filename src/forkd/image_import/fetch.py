@@ -64,9 +64,11 @@ def fetch_image(
 class Source(Protocol):
     """Where an image's manifests and blobs are read from."""
 
-    # What a blob that is not what its descriptor says raises: a registry's lie is
-    # UpstreamError (502), a file's is Invalid (400).
-    error: type[ForkdError]
+    @property
+    def error(self) -> type[ForkdError]:
+        """What a blob that is not what its descriptor says raises: a registry's lie is
+        UpstreamError (502), a file's is Invalid (400)."""
+        ...
 
     def top(self) -> tuple[bytes, str, str]:
         """The manifest or index the reference names: bytes, digest, media type ("" if

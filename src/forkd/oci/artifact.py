@@ -225,7 +225,8 @@ def image_file_names(config: dict[str, Any]) -> tuple[str, ...]:
 def parse_config(body: bytes, where: str) -> dict[str, Any]:
     """A snapshot's config: the fields :mod:`forkd.oci.pull` reads must be there and typed."""
     try:
-        config = json.loads(body)
+        # Anything but an object fails at .get (AttributeError, caught below).
+        config: dict[str, Any] = json.loads(body)
         if (version := config.get("format")) not in CONFIG_FORMATS or type(version) is not int:
             shown = version if type(version) is int else "unknown"
             reads = " and ".join(str(f) for f in CONFIG_FORMATS)

@@ -92,8 +92,9 @@ class RegistryAuth(httpx.Auth):
         if response.status_code != 401 or (self.credentials and self.credentials.bearer):
             return
         scheme, params = parse_challenge(response.headers.get("WWW-Authenticate", ""))
-        if scheme == "basic" and self._basic():
-            self._header = self._basic()
+        basic = self._basic()
+        if scheme == "basic" and basic:
+            self._header = basic
         elif scheme == "bearer" and self._realm_ok(params.get("realm", "")):
             token_response = yield self._token_request(params)
             token = _token_of(token_response)
@@ -123,7 +124,8 @@ class RegistryAuth(httpx.Auth):
             form = {**query, "grant_type": "refresh_token", "refresh_token": c.identity_token,
                     "client_id": "forkd"}  # fmt: skip
             return httpx.Request("POST", params["realm"], data=form)
-        headers = {"Authorization": self._basic()} if self._basic() else {}
+        basic = self._basic()
+        headers = {"Authorization": basic} if basic else {}
         return httpx.Request("GET", params["realm"], params=query, headers=headers)
 
 

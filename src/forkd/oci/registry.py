@@ -33,6 +33,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from http import HTTPStatus
+from types import TracebackType
 from typing import Any
 
 import httpx
@@ -313,7 +314,7 @@ class Registry:
             return httpx.Response(r.status_code, headers=r.headers, content=body,
                                   request=r.request)  # fmt: skip
 
-    def _stream(self, client: httpx.Client, method: str, url: Any, **kwargs: Any) -> Any:
+    def _stream(self, client: httpx.Client, method: str, url: Any, **kwargs: Any) -> _Stream:
         return _Stream(client.stream(method, url, **kwargs), self)
 
     def _unreachable(self, exc: Exception) -> UpstreamError:
@@ -344,7 +345,9 @@ class Registry:
 class _Stream:
     """``client.stream()`` whose connection errors become :class:`UpstreamError`."""
 
-    def __init__(self, ctx: Any, registry: Registry) -> None:
+    def __init__(
+        self, ctx: contextlib.AbstractContextManager[httpx.Response], registry: Registry
+    ) -> None:
         self._ctx, self._registry = ctx, registry
 
     def __enter__(self) -> httpx.Response:
@@ -353,8 +356,13 @@ class _Stream:
         except httpx.HTTPError as exc:
             raise self._registry._unreachable(exc) from exc
 
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._ctx.__exit__(exc_type, exc, tb)
 
 
 def _paced(data: bytes, deadline: float, what: str) -> Iterator[bytes]:

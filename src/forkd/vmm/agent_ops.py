@@ -93,7 +93,9 @@ class GuestOps:
         return int(result["size"])
 
     async def list_dir(self, path: str) -> list[dict[str, Any]]:
-        return (await self.agent.call("file_list", {"path": path}))["entries"]
+        result = await self.agent.call("file_list", {"path": path})
+        entries: list[dict[str, Any]] = result["entries"]
+        return entries
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         await self.agent.call("file_remove", {"path": path, "recursive": recursive})
@@ -171,7 +173,8 @@ class GuestOps:
         return await self.agent.call("proc_start", params)
 
     async def proc_list(self) -> list[dict[str, Any]]:
-        return (await self.agent.call("proc_list"))["processes"]
+        listed: list[dict[str, Any]] = (await self.agent.call("proc_list"))["processes"]
+        return listed
 
     async def proc_info(self, pid: int) -> dict[str, Any]:
         return await self.agent.call("proc_info", {"pid": pid})

@@ -42,8 +42,8 @@ class Writer(Protocol):
 
 
 class SnapshottableVM(Protocol):
-    id: str
-
+    @property
+    def id(self) -> str: ...
     @property
     def state(self) -> str: ...
 

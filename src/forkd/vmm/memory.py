@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,10 +90,11 @@ def find_ram_region(pid: int, ram_file: Path, size: int, inode: int | None = Non
         if hi - lo == size:
             path = parts[5].removesuffix(" (deleted)")
             candidates.append((int(parts[4]), path, RamRegion(pid, lo, hi, path)))
-    for rule in (
+    rules: tuple[Callable[[int, str], bool], ...] = (
         lambda ino, path: inode is not None and ino == inode,
         lambda ino, path: path == want,
-    ):
+    )
+    for rule in rules:
         found = [region for ino, path, region in candidates if rule(ino, path)]
         if found:
             return found[0]
@@ -280,7 +281,7 @@ def pagemap_marks(pagemap: bytes) -> bytes:
     return marks_and_not(written, markers)
 
 
-def marks_and(a: bytes, b: bytes) -> bytes:
+def marks_and(a: bytes | bytearray, b: bytes | bytearray) -> bytes:
     """Per-byte AND of two equally long 0/1 strings (C speed, through big integers)."""
     return (int.from_bytes(a, "little") & int.from_bytes(b, "little")).to_bytes(len(a), "little")
 

@@ -17,11 +17,13 @@ import contextlib
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Generic, Protocol, TypeVar
 
 from forkd.errors import ForkdError
-from forkd.vmm.vm import VM, new_vm_id
+from forkd.vmm.vm import new_vm_id
+from forkd.vmm.volumes import Attachment
 
 log = logging.getLogger(__name__)
 
@@ -29,16 +31,34 @@ DEMAND_WINDOW_SECS = 300.0  # fork requests this recent size a snapshot's pool
 POOLED_VM_MIB_GUESS = 64  # a pooled QEMU's private memory before one was measured
 
 
-class ForkPool:
+class PooledVM(Protocol):
+    """What the pool uses of the VMs it holds (:class:`forkd.vmm.vm.VM`'s)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def volumes(self) -> Sequence[Attachment]: ...
+    def is_alive(self) -> bool: ...
+    def memory_usage(self) -> dict[str, int]: ...
+    async def prewarm(self) -> None: ...
+    async def kill(self) -> None: ...
+
+
+V = TypeVar("V", bound=PooledVM)
+
+
+class ForkPool(Generic[V]):
+    """Waiting QEMU processes of type ``V``: whatever ``spawn`` makes."""
+
     def __init__(
         self,
         run_root: Path,
         *,
+        spawn: Callable[..., Awaitable[V]],
         per_snapshot: int = 2,
         max_snapshots: int = 4,
         detach: bool = False,
         new_id: Callable[[], str] = new_vm_id,
-        spawn: Callable[..., Awaitable[VM]] = VM.spawn_incoming,
         warm: bool = False,
         memory_cap_mib: int | None = None,
     ) -> None:
@@ -55,12 +75,12 @@ class ForkPool:
         self.warm = warm
         self.memory_cap_mib = memory_cap_mib
         self._demand: dict[Path, deque[tuple[float, int]]] = {}  # (when, children asked)
-        self._ready: OrderedDict[Path, list[VM]] = OrderedDict()
+        self._ready: OrderedDict[Path, list[V]] = OrderedDict()
         self._fills: dict[Path, asyncio.Task[None]] = {}
         self._kills: set[asyncio.Task[None]] = set()  # keep references until done
         self._sizes: dict[str, int] = {}  # vm id -> private MiB, measured once
 
-    def take(self, snapshot_dir: Path) -> VM | None:
+    def take(self, snapshot_dir: Path) -> V | None:
         """A waiting QEMU for ``snapshot_dir``, or None (then restore as usual)."""
         waiting = self._ready.get(snapshot_dir, [])
         while waiting:
@@ -110,7 +130,7 @@ class ForkPool:
                 self._fill(snapshot_dir), name=f"forkd-pool-fill-{snapshot_dir.name}"
             )
 
-    def _kill_later(self, vm: VM) -> None:
+    def _kill_later(self, vm: V) -> None:
         self._sizes.pop(vm.id, None)
         task = asyncio.get_running_loop().create_task(vm.kill())
         self._kills.add(task)
@@ -163,7 +183,7 @@ class ForkPool:
         for snapshot_dir in {*self._ready, *self._fills}:
             await self.drop(snapshot_dir)
 
-    def _size_mib(self, vm: VM) -> int:
+    def _size_mib(self, vm: V) -> int:
         """A pooled VM's private memory, read once: a warm one is stopped and does
         not grow (a pre-started one barely does), and reading smaps of every pooled
         VM at each top-up would cost a large pool a second of CPU."""
@@ -171,7 +191,7 @@ class ForkPool:
             self._sizes[vm.id] = vm.memory_usage().get("private", 0) >> 20
         return self._sizes[vm.id]
 
-    def all_vms(self) -> list[VM]:
+    def all_vms(self) -> list[V]:
         return [vm for vms in self._ready.values() for vm in vms]
 
     async def drop_using(self, volume: str) -> None:

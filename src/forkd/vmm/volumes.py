@@ -174,7 +174,7 @@ class VolumeStore:
     def get(self, name: str) -> dict[str, Any]:
         d = self._dir(name)
         try:
-            info = json.loads((d / "volume.json").read_text())
+            info: dict[str, Any] = json.loads((d / "volume.json").read_text())
         except (OSError, ValueError) as exc:
             raise VolumeNotFound(f"volume {name!r} not found") from exc
         base = d / "base.img"

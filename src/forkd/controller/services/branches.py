@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from forkd import limits
 from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services import hibernated_files
 from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
@@ -105,7 +106,7 @@ class BranchService:
         await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         return self.snapshots.info(tag)
 
-    def _diff_base(self, row: SandboxRow, vm: Any) -> BaseRef:
+    def _diff_base(self, row: SandboxRow, vm: SandboxVM | None) -> BaseRef:
         """The snapshot a diff of this sandbox is over: the registered one its memory maps,
         the same snapshot (its id), not only one of the same tag. A hibernated sandbox's
         whole memory is on disk: its diff is over whatever its snapshot's tag holds."""
@@ -132,7 +133,7 @@ class BranchService:
         return BaseRef(brow.tag, brow.dir, files.meta.id)
 
     @contextlib.contextmanager
-    def _counted(self, base: BaseRef | None) -> Any:
+    def _counted(self, base: BaseRef | None) -> Iterator[None]:
         """In flight (the cap) and, for a diff, its base held against deletion."""
         self.in_flight += 1
         if base is not None:
@@ -147,7 +148,7 @@ class BranchService:
     async def _run(
         self,
         lock: asyncio.Lock,
-        vm: Any,
+        vm: SandboxVM | None,
         row: SandboxRow,
         tag: str,
         labels: dict[str, str],
@@ -174,7 +175,12 @@ class BranchService:
         return info
 
     def _pending_row(
-        self, vm: Any, row: SandboxRow, tag: str, labels: dict[str, str], base: BaseRef | None
+        self,
+        vm: SandboxVM | None,
+        row: SandboxRow,
+        tag: str,
+        labels: dict[str, str],
+        base: BaseRef | None,
     ) -> SnapshotRow:
         parent = self.fleet.store.get_snapshot(row.snapshot_tag)
         memory_mib = vm.machine.memory_mib if vm is not None else parent.memory_mib if parent else 0
@@ -191,7 +197,7 @@ class BranchService:
         self,
         held: contextlib.ExitStack,
         lock: asyncio.Lock,
-        vm: Any,
+        vm: SandboxVM | None,
         row: SandboxRow,
         tag: str,
         labels: dict[str, str],
@@ -220,7 +226,7 @@ class BranchService:
 
     async def _branch_locked(
         self,
-        vm: Any,
+        vm: SandboxVM,
         row: SandboxRow,
         tag: str,
         metadata: dict[str, str],

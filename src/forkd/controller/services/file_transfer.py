@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 from forkd import limits
 from forkd.controller.services import legacy_files
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.errors import Conflict, ForkdError, GuestError, GuestStorageFull, Invalid
 
@@ -123,7 +124,7 @@ class FileTransferService:
     def _write_soon(
         self, sandbox_id: str, transfer: _Transfer, offset: int, chunk: bytes
     ) -> asyncio.Task[int]:
-        def write(vm: Any) -> Awaitable[int]:
+        def write(vm: SandboxVM) -> Awaitable[int]:
             return vm.upload_write(transfer.id, offset, chunk, payload=transfer.payload)
 
         return asyncio.ensure_future(self._guest(sandbox_id, write))
@@ -215,7 +216,7 @@ class FileTransferService:
             if not eof:
                 await self._abort(sandbox_id, transfer_id)
 
-    async def _guest(self, sandbox_id: str, call: Callable[[Any], Awaitable[T]]) -> T:
+    async def _guest(self, sandbox_id: str, call: Callable[[SandboxVM], Awaitable[T]]) -> T:
         return await self.sandboxes.guest(sandbox_id, call, _TRANSFER_REFUSALS)
 
 

@@ -17,31 +17,70 @@ import functools
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.services.events import EventBus
 from forkd.controller.services.hibernated_files import HibernatedFiles
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import Conflict, ForkdError, NotFound, OverCapacity
+from forkd.guest.image import Image
 from forkd.limits import check_tag
 from forkd.states import SandboxState
 from forkd.vmm import cgroups
+from forkd.vmm.egress import Egress
 from forkd.vmm.network import HostNetwork
 from forkd.vmm.pool import ForkPool
+from forkd.vmm.volumes import Attachment
 
 
 class VMDriver(Protocol):
-    """What the services need of :class:`forkd.vmm.vm.VM`'s constructors."""
+    """What the services need of :class:`forkd.vmm.vm.VM`'s constructors: the keywords
+    they pass, and a :class:`SandboxVM` back."""
 
-    async def boot(self, image: Any, **kw: Any) -> Any: ...
-    async def restore(self, snapshot_dir: Path, **kw: Any) -> Any: ...
-    async def spawn_incoming(self, snapshot_dir: Path, **kw: Any) -> Any: ...
-    async def adopt(self, run_dir: Path, paused: bool = False) -> Any: ...
+    async def boot(
+        self,
+        image: Image,
+        *,
+        run_root: Path,
+        memory_mib: int = ...,
+        vcpus: int = ...,
+        accel_name: str | None = ...,
+        vm_id: str | None = ...,
+        boot_timeout: float = ...,
+        attach: Sequence[Attachment] = ...,
+        host_network: HostNetwork | None = ...,
+        egress_policy: Egress | None = ...,
+        cgroup: cgroups.Placement | None = ...,
+    ) -> SandboxVM: ...
+    async def restore(
+        self,
+        snapshot_dir: Path,
+        *,
+        run_root: Path,
+        vm_id: str | None = ...,
+        detach: bool = ...,
+        host_network: HostNetwork | None = ...,
+        egress_policy: Egress | None = ...,
+        cgroup: cgroups.Placement | None = ...,
+        hostname: str | None = ...,
+    ) -> SandboxVM: ...
+    async def spawn_incoming(
+        self,
+        snapshot_dir: Path,
+        *,
+        run_root: Path,
+        vm_id: str | None = ...,
+        detach: bool = ...,
+        host_network: HostNetwork | None = ...,
+        cgroup: cgroups.Placement | None = ...,
+    ) -> SandboxVM: ...
+    async def adopt(self, run_dir: Path, paused: bool = False) -> SandboxVM: ...
 
 
 PING_WAIT_SECS = 3.0
@@ -85,13 +124,12 @@ class Fleet:
         if driver is None:
             from forkd.vmm.vm import VM
 
-            driver = VM  # type: ignore[assignment]
-        assert driver is not None
+            driver = VM  # its classmethods are the constructors: mypy checks they fit
         self.settings = settings
         self.store = store
         self.metrics = metrics
         self.driver = driver
-        self.vms: dict[str, Any] = {}  # sandbox id -> its running VM
+        self.vms: dict[str, SandboxVM] = {}  # sandbox id -> its running VM
         # One branch of a given sandbox at a time: a second one must not resume
         # the source while the first is still capturing it.
         # A branch holds its lock object itself; the entry goes once the sandbox is gone.
@@ -114,7 +152,7 @@ class Fleet:
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
         self.cgroups = _cgroup_hierarchy(settings)
         self._admitted: list[Admission] = []  # requests starting VMs right now
-        self.pool = ForkPool(
+        self.pool: ForkPool[SandboxVM] = ForkPool(
             settings.run_dir,
             per_snapshot=settings.pool_size,
             detach=True,  # a pooled QEMU becomes a sandbox that outlives the daemon
@@ -246,7 +284,7 @@ class Fleet:
 
     # ------------------------------------------------------------- VMs
 
-    def live(self, sandbox_id: str, paused_ok: bool = False) -> Any:
+    def live(self, sandbox_id: str, paused_ok: bool = False) -> SandboxVM:
         """The running VM of ``sandbox_id``; :class:`Conflict` when it is not running
         (or is paused, unless ``paused_ok``: its guest answers nothing while paused)."""
         row = self.sandbox_row(sandbox_id)
@@ -261,13 +299,13 @@ class Fleet:
             raise Conflict(f"sandbox {sandbox_id!r} is dead (its QEMU exited)")
         return vm
 
-    async def answers(self, vm: Any) -> bool:
+    async def answers(self, vm: SandboxVM) -> bool:
         """Whether a VM whose QEMU may just have died still runs and answers."""
         try:
             await asyncio.wait_for(vm.ping(), PING_WAIT_SECS)
         except (ForkdError, TimeoutError):
             return False
-        return bool(vm.is_alive())
+        return vm.is_alive()
 
     @contextlib.contextmanager
     def reading_hibernated(self, sandbox_id: str) -> Iterator[None]:
@@ -326,6 +364,6 @@ class Fleet:
         if row is not None and row.state not in ("starting", "dead"):  # a failed fork: none
             self.events.publish("killed", sandbox_id=sandbox_id)
 
-    def all_vms(self) -> list[Any]:
+    def all_vms(self) -> list[SandboxVM]:
         """Every VM the daemon holds: sandboxes and pooled QEMU processes."""
         return [*self.vms.values(), *self.pool.all_vms()]

@@ -23,10 +23,10 @@ import contextlib
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
 
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Busy, Conflict, ForkdError, StorageFull, VMError
 from forkd.states import SandboxState
 from forkd.vmm import live_snapshot, snapshot_files
@@ -79,7 +79,11 @@ class HibernateService:
         log.info("sandbox %s hibernated to %s", sandbox_id, dest)
 
     async def _not_hibernated(
-        self, sandbox_id: str, vm: Any, was_running: bool, exc: live_snapshot.LiveSnapshotError
+        self,
+        sandbox_id: str,
+        vm: SandboxVM,
+        was_running: bool,
+        exc: live_snapshot.LiveSnapshotError,
     ) -> ForkdError:
         """Put the sandbox back as it was; the error to answer with."""
         if not exc.source_alive or not vm.is_alive():
@@ -120,7 +124,9 @@ class HibernateService:
         fleet.hibernated.discard(sandbox_id, keep=state_dir)
         log.info("sandbox %s woke from %s in %.0f ms", sandbox_id, state_dir, vm.ready_ms or 0)
 
-    async def _restore(self, sandbox_id: str, state_dir: Path, memory_limit_mib: int | None) -> Any:
+    async def _restore(
+        self, sandbox_id: str, state_dir: Path, memory_limit_mib: int | None
+    ) -> SandboxVM:
         fleet = self.fleet
         net = HibernatedFiles.saved_network(state_dir)
         if net is not None and fleet.network.enabled:

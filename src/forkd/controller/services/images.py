@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from forkd import paths
 from forkd.archive.errors import ArchiveError
@@ -39,6 +39,9 @@ from forkd.guest import container_image, recipe
 from forkd.guest import image as images
 from forkd.image_import.model import FetchedImage
 from forkd.vmm import qemu_user
+
+if TYPE_CHECKING:
+    from forkd.image_import.references import ImageSource
 
 MAX_IMPORTS = 2
 KEEPALIVE_SECS = 15.0  # an import's event stream is never quiet longer than this
@@ -332,9 +335,11 @@ async def _as_events(
     its answer as ``image``; its failure is raised (the stream's last event says it)."""
     loop = asyncio.get_running_loop()
     steps: asyncio.Queue[str] = asyncio.Queue()
-    work = asyncio.ensure_future(
-        start(lambda msg: loop.call_soon_threadsafe(steps.put_nowait, msg))
-    )
+
+    def progress(msg: str) -> None:  # may be called from another thread
+        loop.call_soon_threadsafe(steps.put_nowait, msg)
+
+    work = asyncio.ensure_future(start(progress))
     try:
         while not work.done():
             step = asyncio.ensure_future(steps.get())
@@ -395,7 +400,7 @@ def check_loaded_tag(tag: str | None) -> str | None:
     return _with_tag(check_image_name(tag, allow_digest=False))
 
 
-def check_allowed(source: Any, text: str, settings: Settings) -> None:
+def check_allowed(source: ImageSource, text: str, settings: Settings) -> None:
     """Refuse what the operator did not open to clients: an archive or layout outside
     every ``--image-archive-dir`` (the daemon would read it with its own rights: any host
     file that is a tar), a Docker Engine with ``--docker-host none``. Said before the

@@ -9,14 +9,24 @@ move a whole file of up to 32 MiB in one request, as forkd did then.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Protocol, TypeVar
 
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Conflict, Invalid
 
 MAX_BYTES = 32 << 20  # the older agent's MAX_FILE_BYTES
 PROBE_ID = "forkd-probe"  # a transfer id no agent hands out (they are 16 hex digits)
 
-GuestCall = Callable[[str, Callable[[Any], Awaitable[Any]]], Awaitable[Any]]
+T = TypeVar("T")
+
+
+class GuestCall(Protocol):
+    """``call(vm)`` on the sandbox's VM, its agent's refusals classified
+    (:meth:`forkd.controller.services.file_transfer.FileTransferService._guest`)."""
+
+    def __call__(
+        self, sandbox_id: str, call: Callable[[SandboxVM], Awaitable[T]], /
+    ) -> Awaitable[T]: ...
 
 
 async def predates_chunks(guest: GuestCall, sandbox_id: str) -> bool:
@@ -49,9 +59,9 @@ async def upload(
                 f"this sandbox's guest agent takes files of at most {MAX_BYTES} bytes "
                 "(its snapshot predates streamed files); nothing was written"
             )
-    return int(await guest(sandbox_id, lambda vm: vm.write_file(path, bytes(data))))
+    return await guest(sandbox_id, lambda vm: vm.write_file(path, bytes(data)))
 
 
 async def download(guest: GuestCall, sandbox_id: str, path: str) -> bytes:
     """The whole file by one ``file_read`` (the agent refuses one over MAX_BYTES)."""
-    return bytes(await guest(sandbox_id, lambda vm: vm.read_file(path)))
+    return await guest(sandbox_id, lambda vm: vm.read_file(path))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import queue
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from forkd.controller.services.fleet import Fleet, vm_id_prefixes
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, SnapshotError
@@ -213,7 +215,7 @@ class Lifecycle:
         fleet = self.fleet
         if not fleet.network.enabled:
             return
-        live = {vm.net.netns for vm in fleet.vms.values() if getattr(vm, "net", None)}
+        live = {vm.net.netns for vm in fleet.vms.values() if vm.net is not None}
         for name in network.remove_unused(vm_id_prefixes(fleet.store.id_prefix), live):
             log.warning("removed network namespace %s that no VM used", name)
 
@@ -244,9 +246,12 @@ class Lifecycle:
                 continue  # owned by its fork request, or still checked by an earlier pass
             task = asyncio.create_task(self._bounded_check(row), name=f"forkd-reap-{row.id}")
             self._checks[row.id] = task
-            task.add_done_callback(lambda _, sid=row.id: self._checks.pop(sid, None))
+            task.add_done_callback(functools.partial(self._checked, row.id))
             started.append(task)
         return started
+
+    def _checked(self, sandbox_id: str, _: asyncio.Task[None]) -> None:
+        self._checks.pop(sandbox_id, None)
 
     async def _bounded_check(self, row: SandboxRow) -> None:
         expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
@@ -284,7 +289,7 @@ class Lifecycle:
             log.warning("sandbox %s died (QEMU exited)", row.id)
             await fleet.mark_dead(row.id)
 
-    async def _quiet(self, row: SandboxRow, vm: Any) -> bool:
+    async def _quiet(self, row: SandboxRow, vm: SandboxVM) -> bool:
         """Whether the sandbox's processes wrote nothing since the last look (if they
         did, that is activity: its idle clock starts again)."""
         fleet = self.fleet

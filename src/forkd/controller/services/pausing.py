@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from forkd.controller.models import SandboxInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernation import HibernateService
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService, expiry_in
 from forkd.errors import Busy, Conflict, ForkdError, VMError
 from forkd.states import SandboxState
@@ -81,13 +81,15 @@ class PauseService:
         self.fleet.sandbox_row(sandbox_id)  # 404 before anything is made for it
         return self.fleet.branch_locks.setdefault(sandbox_id, asyncio.Lock())
 
-    def _vm_in(self, sandbox_id: str, state: str, otherwise: str) -> Any:
+    def _vm_in(self, sandbox_id: str, state: str, otherwise: str) -> SandboxVM:
         vm = self.fleet.live(sandbox_id, paused_ok=True)
         if self.fleet.sandbox_row(sandbox_id).state != state:
             raise Conflict(f"sandbox {sandbox_id!r} is {otherwise}")
         return vm
 
-    async def _failed(self, sandbox_id: str, vm: Any, doing: str, exc: ForkdError) -> ForkdError:
+    async def _failed(
+        self, sandbox_id: str, vm: SandboxVM, doing: str, exc: ForkdError
+    ) -> ForkdError:
         if isinstance(exc, Busy):  # an upload still crossing the agent channel: retry
             return exc
         if not vm.is_alive():

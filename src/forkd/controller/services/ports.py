@@ -14,11 +14,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
 from forkd.controller.models import PreviewInfo, PreviewRequest
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.preview_tokens import PreviewKey, parse
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Busy, Forbidden, NotFound
 from forkd.vmm.guest_ports import check_guest_port
 
@@ -35,11 +35,11 @@ class GuestLink:
     host: str
     host_port: int
     _fleet: Fleet
-    _vm: Any
+    _vm: SandboxVM
 
     def alive(self) -> bool:
         """False once the sandbox was killed, died or left its VM (hibernated)."""
-        return self._fleet.vms.get(self.sandbox_id) is self._vm and bool(self._vm.is_alive())
+        return self._fleet.vms.get(self.sandbox_id) is self._vm and self._vm.is_alive()
 
 
 def parse_port(text: str) -> int:

@@ -17,7 +17,6 @@ import base64
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import ValidationError
 
@@ -49,7 +48,7 @@ PAUSED_POLL_SECS = 0.25  # a followed stream of a paused sandbox checks this oft
 _START_REFUSALS = {"FileNotFoundError": Invalid, "NotADirectoryError": Invalid}
 
 
-def _info(raw: Any) -> ProcessInfo:
+def _info(raw: object) -> ProcessInfo:
     try:
         return ProcessInfo.model_validate(raw)
     except ValidationError as exc:

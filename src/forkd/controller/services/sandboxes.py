@@ -28,6 +28,7 @@ from forkd.controller.models import (
     state_word,
 )
 from forkd.controller.services.fleet import Admission, Fleet
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, memory_file
 from forkd.controller.store import (
     SandboxChanges,
@@ -86,7 +87,7 @@ EVAL_REFUSALS: dict[str, type[ForkdError]] = dict.fromkeys(EVAL_IMAGE_REFUSALS, 
 EXIT_WAIT_SECS = 1.0  # for a QEMU whose agent channel just closed to finish exiting
 
 
-async def _exited(vm: Any, wait: float) -> bool:
+async def _exited(vm: SandboxVM, wait: float) -> bool:
     """Whether ``vm``'s QEMU has exited, polling for ``wait`` seconds."""
     deadline = time.monotonic() + wait
     while vm.is_alive():
@@ -147,7 +148,7 @@ class SandboxService:
     async def _fork_all(
         self, req: SandboxCreate, tag: str, snap_dir: Path, policy: Egress | None, held: Admission
     ) -> list[SandboxInfo]:
-        pooled: list[Any] = []
+        pooled: list[SandboxVM] = []
         # Pooled QEMUs were started with the snapshot's policy and the default limit.
         if policy is None and req.memory_limit_mib is None:
             self.fleet.pool.record_demand(snap_dir, req.n)
@@ -181,7 +182,7 @@ class SandboxService:
         sid: str,
         req: SandboxCreate,
         snap_dir: Path,
-        waiting: dict[str, Any],
+        waiting: dict[str, SandboxVM],
         policy: Egress | None,
     ) -> None:
         fleet = self.fleet
@@ -221,7 +222,7 @@ class SandboxService:
             "created", sandbox_id=sid, snapshot_tag=req.snapshot_tag, fork_ms=fork_ms
         )
 
-    async def _undo(self, ids: list[str], waiting: dict[str, Any]) -> None:
+    async def _undo(self, ids: list[str], waiting: dict[str, SandboxVM]) -> None:
         for vm in waiting.values():
             await vm.kill()
         await asyncio.gather(*(self.fleet.remove(sid) for sid in ids), return_exceptions=True)
@@ -248,7 +249,8 @@ class SandboxService:
 
     def _info(self, row: SandboxRow, facts: tuple[dict[str, int], dict[str, str]]) -> SandboxInfo:
         sandbox_id = row.id
-        net = getattr(self.fleet.vms.get(sandbox_id), "net", None)
+        vm = self.fleet.vms.get(sandbox_id)
+        net = vm.net if vm is not None else None
         branch_counts, last_branch = facts
         branches = branch_counts.get(sandbox_id, 0)
         return SandboxInfo(
@@ -317,7 +319,7 @@ class SandboxService:
     async def guest(
         self,
         sandbox_id: str,
-        call: Callable[[Any], Awaitable[T]],
+        call: Callable[[SandboxVM], Awaitable[T]],
         refusals: Mapping[str, type[ForkdError]] | None = None,
     ) -> T:
         """``call(vm)`` on the sandbox's running VM, with agent failures classified.

@@ -25,6 +25,7 @@ from forkd.controller.models import CapacityInfo, SnapshotCreate, SnapshotInfo
 from forkd.controller.services import template_start
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.images import ImageService
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.template_start import TemplateSetupFailed
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.store import SnapshotRow, labelled, now
@@ -177,7 +178,7 @@ class SnapshotService:
             await template.kill()
 
     @staticmethod
-    async def _prepare(template: Any, setup: list[str], warmups: list[str]) -> None:
+    async def _prepare(template: SandboxVM, setup: list[str], warmups: list[str]) -> None:
         for cmd in setup:
             res = await template.exec(["/bin/sh", "-c", cmd], timeout=limits.SETUP_TIMEOUT_SECS)
             if res["exit_code"] != 0:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
 
 from forkd.controller.models import SnapshotCreate
 from forkd.controller.services.process_output import ReadAnswer
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import AgentError, GuestError, Invalid, VMError
 from forkd.guest import container_image
 from forkd.guest import image as images
@@ -45,7 +45,7 @@ def _env(config_env: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-async def configure(template: Any, img: images.Image, req: SnapshotCreate) -> None:
+async def configure(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> None:
     """Give the agent the image's environment, working directory and user."""
     if not container_image.is_container(img):
         return
@@ -55,7 +55,7 @@ async def configure(template: Any, img: images.Image, req: SnapshotCreate) -> No
     )
 
 
-async def start(template: Any, img: images.Image, req: SnapshotCreate) -> None:
+async def start(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> None:
     """Run the image's Entrypoint+Cmd in the background and wait until it is ready."""
     if not req.start:
         return
@@ -90,7 +90,7 @@ async def start(template: Any, img: images.Image, req: SnapshotCreate) -> None:
         await asyncio.sleep(POLL_SECS)
 
 
-async def _ready(template: Any, req: SnapshotCreate) -> bool:
+async def _ready(template: SandboxVM, req: SnapshotCreate) -> bool:
     if req.ready_port is not None and not await listening(template, req.ready_port):
         return False
     if req.ready_cmd is not None:
@@ -99,7 +99,7 @@ async def _ready(template: Any, req: SnapshotCreate) -> bool:
     return True
 
 
-async def listening(template: Any, port: int) -> bool:
+async def listening(template: SandboxVM, port: int) -> bool:
     """Whether a TCP socket in the guest listens on ``port`` (any address)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -115,7 +115,7 @@ async def listening(template: Any, port: int) -> bool:
     return False
 
 
-async def _output_tail(template: Any, pid: int) -> str:
+async def _output_tail(template: SandboxVM, pid: int) -> str:
     """The last :data:`OUTPUT_TAIL_BYTES` of a background process's output, as text."""
     try:
         info = await template.proc_info(pid)
