@@ -519,7 +519,8 @@ def test_the_fuzz_leaves_nothing_behind(fuzzed: FuzzedDaemon) -> None:
     assert on_disk == tags, "snapshot directories and the registry disagree"
     assert _staging(d, {s["id"] for s in listed}) == [], "staging directories left"
     assert _layers_on_disk(d) <= _layers_in_use(d), "volume layers no one uses"
-    assert not fleet._admitted and fleet.volume_ops == 0, "admission or layer holds left"
+    assert fleet.admission.holding() == 0, "admission held after the requests ended"
+    assert fleet.holds.held() == [], "holds left after the requests ended"
 
     d.stop()  # kill_on_exit: every sandbox and pooled VM is killed
     assert [vm.id for vm in d.driver.vms if vm.is_alive()] == [], "VMs alive after stop"

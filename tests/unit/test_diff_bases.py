@@ -5,6 +5,7 @@ branch copying it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -150,7 +151,7 @@ def test_no_diff_branch_over_a_base_a_delete_is_removing(
     assert r.status_code == 409 and "being deleted" in r.json()["error"]
     assert client.get("/v1/snapshots/d2").status_code == 404
     assert client.get("/v1/snapshots/d1").json()["mode"] == "full"
-    assert not _services(client).snapshots.deleting  # given back
+    assert _services(client).fleet.holds.held() == []  # given back
 
 
 def test_a_delete_checks_again_just_before_the_files_go(
@@ -158,16 +159,18 @@ def test_a_delete_checks_again_just_before_the_files_go(
 ) -> None:
     snaps = _services(client).snapshots
     real = snaps.fleet.pool.drop
+    slipped_in = contextlib.ExitStack()
 
     async def drop(d: Path) -> None:
         await real(d)
-        snaps.bases_in_use["base"] += 1  # a diff branch that slipped in meanwhile
+        slipped_in.enter_context(snaps.fleet.holds.diff_base("base"))  # a diff branch
 
     monkeypatch.setattr(snaps.fleet.pool, "drop", drop)
     r = client.delete("/v1/snapshots/base")
     assert r.status_code == 409 and "being written" in r.json()["error"]
     assert (settings.snapshot_root / "base" / "snapshot.json").is_file()
     assert client.get("/v1/snapshots/base").json()["status"] == "ready"
+    slipped_in.close()
 
 
 def test_a_restart_takes_mode_and_base_from_snapshot_json(
@@ -259,7 +262,7 @@ def test_a_delete_waits_for_a_branch_copying_the_hibernated_state(
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert client.get("/v1/snapshots/h2").json()["status"] == "failed"
-    assert sid not in _services(client).fleet.branch_locks
+    assert sid not in _services(client).fleet.holds._sandbox_locks  # forgotten
     assert client.get(f"/v1/sandboxes/{sid}").status_code == 404
 
 

@@ -207,7 +207,7 @@ def test_a_snapshot_being_pushed_cannot_be_deleted(client: TestClient, base: str
     with snaps.reading(base):
         r = client.delete(f"/v1/snapshots/{base}")
         assert r.status_code == 409 and "being pushed" in r.json()["error"]
-    assert not snaps.being_read
+    assert not snaps.fleet.holds.being_read(base)
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
 
 
@@ -253,12 +253,12 @@ def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends
 
     req = SnapshotPush(ref="registry.invalid/forkd/x:v1")
     _give_up_once_started(client, lambda: transfer.push(base, req), started)
-    assert snaps.being_read[base] == 1 and transfer._running == 1  # the thread still reads
+    assert snaps.fleet.holds.being_read(base) and transfer._running == 1  # the thread still reads
     r = client.delete(f"/v1/snapshots/{base}")
     assert r.status_code == 409 and "being pushed" in r.json()["error"]
     finish.set()
-    _wait_until(client, lambda: not (snaps.being_read or transfer._running))
-    assert not snaps.being_read and transfer._running == 0
+    _wait_until(client, lambda: not (snaps.fleet.holds.being_read(base) or transfer._running))
+    assert not snaps.fleet.holds.being_read(base) and transfer._running == 0
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
 
 
@@ -287,12 +287,12 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
 
     req = SnapshotPull(ref="registry.invalid/forkd/x:v1", tag="pulled")
     _give_up_once_started(client, lambda: transfer.pull(req), started)
-    assert "pulled" in fleet._tags_in_flight and transfer._running == 1
+    assert "tag pulled" in fleet.holds.held() and transfer._running == 1
     r = client.post("/v1/snapshots", json={"tag": "pulled", "memory_mib": 128})
     assert r.status_code == 409 and "being created" in r.json()["error"]
     finish.set()
-    _wait_until(client, lambda: not (fleet._tags_in_flight or transfer._running))
-    assert not fleet._tags_in_flight and transfer._running == 0
+    _wait_until(client, lambda: not (fleet.holds.held() or transfer._running))
+    assert fleet.holds.held() == [] and transfer._running == 0
 
 
 # -- a container image's template, pushed and pulled -----------------------------------

@@ -29,6 +29,10 @@ class AdmissionControl:
         self._running = running
         self._admitted: list[Admission] = []  # requests starting VMs right now
 
+    def holding(self) -> int:
+        """How many requests hold room now."""
+        return len(self._admitted)
+
     def in_use(self) -> tuple[int, int]:
         """Sandboxes and guest MiB running or being started (template builds: MiB only)."""
         running = self._running()

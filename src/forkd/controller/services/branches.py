@@ -75,7 +75,7 @@ class BranchService:
             held.enter_context(fleet.reserve_tag(tag))
             held.enter_context(self._counted(base))
             # Taken now and held: an entry dropped meanwhile must not let a second run.
-            lock = fleet.branch_locks.setdefault(row.id, asyncio.Lock())
+            lock = fleet.holds.sandbox_lock(row.id)
             if measure:  # a full branch, then what a diff over the base would have stored
                 assert base is not None
                 await self._run(lock, vm, row, tag, labels, None, live=live)
@@ -111,7 +111,7 @@ class BranchService:
         the same snapshot (its id), not only one of the same tag. A hibernated sandbox's
         whole memory is on disk: its diff is over whatever its snapshot's tag holds."""
         brow = self.fleet.store.get_snapshot(row.snapshot_tag)
-        if brow is not None and brow.tag in self.snapshots.deleting:
+        if brow is not None and self.fleet.holds.is_deleting(brow.tag):
             raise Conflict(f"snapshot {brow.tag!r} is being deleted: branch with mode full")
         files = _loaded(brow) if brow is not None and brow.status == "ready" else None
         mapped = files is not None and (vm is None or (
@@ -136,14 +136,11 @@ class BranchService:
     def _counted(self, base: BaseRef | None) -> Iterator[None]:
         """In flight (the cap) and, for a diff, its base held against deletion."""
         self.in_flight += 1
-        if base is not None:
-            self.snapshots.bases_in_use[base.tag] += 1
         try:
-            yield
+            with self.fleet.holds.diff_base(base.tag if base is not None else None):
+                yield
         finally:
             self.in_flight -= 1
-            if base is not None:
-                self.snapshots.bases_in_use[base.tag] -= 1
 
     async def _run(
         self,
@@ -273,7 +270,7 @@ class BranchService:
         )
         dest = fleet.settings.snapshot_root / tag
         try:
-            with fleet.reading_hibernated(row.id):  # not discarded under the copy
+            with fleet.holds.reading_hibernated(row.id):  # not discarded under the copy
                 files = await asyncio.to_thread(
                     snapshot_copy.copy_snapshot, src, dest, labels,
                     (hibernated_files.NETWORK_FILE,), base,

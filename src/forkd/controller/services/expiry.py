@@ -50,7 +50,7 @@ class Expiry:
         if now is None:
             return  # killed since the reaper read it
         if idle:
-            if not self.fleet.idle_expired(now):
+            if not self.fleet.activity.idle_expired(now):
                 return  # used, or paused, since
         elif now.expires_at_unix is None or now.expires_at_unix > time.time():
             return  # its timeout moved since the reaper read it

@@ -1,12 +1,12 @@
-"""The daemon's live VMs: which sandbox runs in which VM, and how one stops.
+"""The daemon's registry of live VMs: which sandbox runs in which VM, its record,
+and how one stops.
 
-Every service shares one :class:`Fleet`. It also holds what spans services:
-tags being created, the count of operations that hold volume layers no
-registry names yet, the pool of QEMU processes started ahead of forks, the
-cgroup hierarchy VMs run in, and admission: the sandboxes and guest memory
-in use or being started, checked against the daemon's caps.
-The VM driver is a parameter, so unit tests run the real services and the
-real app over a fake driver.
+Every service shares one :class:`Fleet`. What spans services has a home of its
+own beside it: :class:`~forkd.controller.services.admission.AdmissionControl`
+(the caps), :class:`~forkd.controller.services.holds.Holds` (the named guards one
+request takes against another) and :class:`~forkd.controller.services.activity.Activity`
+(idle clocks and pause counts). The VM driver is a parameter, so unit tests run
+the real services and the real app over a fake driver.
 """
 
 from __future__ import annotations
@@ -16,19 +16,20 @@ import contextlib
 import functools
 import logging
 import shutil
-import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 from forkd.controller.metrics import Metrics
+from forkd.controller.services.activity import Activity
+from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.events import EventBus
 from forkd.controller.services.hibernated_files import HibernatedFiles
+from forkd.controller.services.holds import Holds
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
-from forkd.errors import Conflict, ForkdError, NotFound, OverCapacity
+from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.guest.image import Image
 from forkd.limits import check_tag
 from forkd.states import SandboxState
@@ -103,16 +104,6 @@ def _cgroup_hierarchy(settings: Settings) -> cgroups.Hierarchy:
     return found
 
 
-@dataclass
-class Admission:
-    """Room held for VMs one request is starting, until they run or fail."""
-
-    sandboxes: int  # sandboxes it starts, each of sandbox_mib guest RAM
-    sandbox_mib: int
-    template_mib: int = 0  # a template build's guest RAM
-    ids: set[str] = field(default_factory=set)  # its sandboxes' ids, once known
-
-
 class Fleet:
     def __init__(
         self,
@@ -130,28 +121,15 @@ class Fleet:
         self.metrics = metrics
         self.driver = driver
         self.vms: dict[str, SandboxVM] = {}  # sandbox id -> its running VM
-        # One branch of a given sandbox at a time: a second one must not resume
-        # the source while the first is still capturing it.
-        # A branch holds its lock object itself; the entry goes once the sandbox is gone.
-        self.branch_locks: dict[str, asyncio.Lock] = {}
-        # Branches copying a hibernated sandbox's state: it is not discarded under them.
-        self._reading_hibernated: dict[str, list[asyncio.Event]] = {}
-        # How many times each sandbox was paused: a call that failed across a pause is retried.
-        self.pauses: dict[str, int] = {}
-        self._tags_in_flight: set[str] = set()
-        # Template builds and forks hold volume layers that no registry entry
-        # names yet: no layer collection while any is in progress.
-        self.volume_ops = 0
+        self.holds = Holds()
+        self.activity = Activity()
+        self.admission = AdmissionControl(
+            settings, lambda: {sid: vm.machine.memory_mib for sid, vm in self.vms.items()}
+        )
         self.events = EventBus()  # lifecycle events: every service publishes here
         self.hibernated = HibernatedFiles(settings.snapshot_root)
-        self.waking: set[str] = set()  # hibernated sandboxes being restored: not killed
-        # Idle timeouts: when each sandbox was last touched by an API call or seen
-        # writing output, and how much output its processes had written then.
-        self.last_active: dict[str, float] = {}
-        self.output_seen: dict[str, int] = {}
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
         self.cgroups = _cgroup_hierarchy(settings)
-        self._admitted: list[Admission] = []  # requests starting VMs right now
         self.pool: ForkPool[SandboxVM] = ForkPool(
             settings.run_dir,
             per_snapshot=settings.pool_size,
@@ -171,8 +149,6 @@ class Fleet:
     @contextlib.contextmanager
     def reserve_tag(self, tag: str) -> Iterator[str]:
         """Hold ``tag`` for a snapshot being created; :class:`Conflict` if taken."""
-        if tag in self._tags_in_flight:
-            raise Conflict(f"a snapshot named {tag!r} is being created")
         if self.store.get_snapshot(tag) is not None or (self.settings.snapshot_root / tag).exists():
             raise Conflict(f"snapshot {tag!r} already exists")
         over = [r.tag for r in self.store.list_snapshots() if r.base_tag == tag]
@@ -181,19 +157,8 @@ class Fleet:
                 f"snapshot {tag!r} was deleted but diff snapshots {', '.join(over)} are still "
                 "recorded over it: delete them first"
             )
-        self._tags_in_flight.add(tag)
-        try:
+        with self.holds.new_tag(tag):
             yield tag
-        finally:
-            self._tags_in_flight.discard(tag)
-
-    @contextlib.contextmanager
-    def holding_volume_layers(self) -> Iterator[None]:
-        self.volume_ops += 1
-        try:
-            yield
-        finally:
-            self.volume_ops -= 1
 
     # ------------------------------------------------------------- admission
 
@@ -202,47 +167,6 @@ class Fleet:
         if not self.cgroups.limits_memory:
             return None
         return cgroups.Placement(self.cgroups, memory_limit_mib)
-
-    def in_use(self) -> tuple[int, int]:
-        """Sandboxes and guest MiB running or being started (template builds: MiB only)."""
-        running = {sid: vm.machine.memory_mib for sid, vm in self.vms.items()}
-        count, mib = len(running), sum(running.values())
-        for held in self._admitted:
-            pending = held.sandboxes - len(held.ids & running.keys())  # not yet in self.vms
-            count += pending
-            mib += pending * held.sandbox_mib + held.template_mib
-        return count, mib
-
-    @contextlib.contextmanager
-    def admit(
-        self, what: str, sandboxes: int, sandbox_mib: int = 0, template_mib: int = 0
-    ) -> Iterator[Admission]:
-        """Hold room for VMs about to start; :class:`OverCapacity` when a cap would be passed.
-
-        Checked and held in one step (no await between): two requests racing
-        for the last slots cannot both get them. The room is given back when
-        the block ends; by then the sandboxes are in :attr:`vms` or gone.
-        """
-        count, mib = self.in_use()
-        cap = self.settings.max_sandboxes
-        if cap is not None and count + sandboxes > cap:
-            raise OverCapacity(
-                f"{what}: {sandboxes} more sandboxes would make {count + sandboxes}, over this "
-                f"daemon's cap of {cap} (--max-sandboxes); {count} are running or starting"
-            )
-        need = sandboxes * sandbox_mib + template_mib
-        mem_cap = self.settings.max_guest_memory_mib
-        if mem_cap is not None and mib + need > mem_cap:
-            raise OverCapacity(
-                f"{what}: needs {need} MiB of guest memory and {mib} of this daemon's "
-                f"{mem_cap} MiB are in use or being started (--max-guest-memory)"
-            )
-        held = Admission(sandboxes, sandbox_mib, template_mib)
-        self._admitted.append(held)
-        try:
-            yield held
-        finally:
-            self._admitted.remove(held)
 
     # ------------------------------------------------------------- rows
 
@@ -258,29 +182,8 @@ class Fleet:
         row = self.store.get_sandbox(sandbox_id)
         if row is None:
             raise NotFound(f"sandbox {sandbox_id!r} not found")
-        self.touch(sandbox_id)
+        self.activity.touch(sandbox_id)
         return row
-
-    def count_pause(self, sandbox_id: str) -> None:
-        """The sandbox's vCPUs were just stopped: a guest call that failed across this
-        pause is retried (see :attr:`pauses`)."""
-        self.pauses[sandbox_id] = self.pauses.get(sandbox_id, 0) + 1
-
-    # ------------------------------------------------------------- idleness
-
-    def touch(self, sandbox_id: str) -> None:
-        """Something used the sandbox now: its idle timeout counts from here."""
-        self.last_active[sandbox_id] = time.time()
-
-    def idle_since(self, row: SandboxRow) -> float:
-        """When the sandbox was last active (a daemon's start counts as activity)."""
-        return self.last_active.setdefault(row.id, time.time())
-
-    def idle_expired(self, row: SandboxRow) -> bool:
-        """Whether the running sandbox has been idle past its idle timeout."""
-        if row.idle_timeout_s is None or row.state != "running":
-            return False
-        return time.time() - self.idle_since(row) >= row.idle_timeout_s
 
     # ------------------------------------------------------------- VMs
 
@@ -307,31 +210,14 @@ class Fleet:
             return False
         return vm.is_alive()
 
-    @contextlib.contextmanager
-    def reading_hibernated(self, sandbox_id: str) -> Iterator[None]:
-        """A branch copies the hibernated state of ``sandbox_id`` meanwhile."""
-        done = asyncio.Event()
-        self._reading_hibernated.setdefault(sandbox_id, []).append(done)
-        try:
-            yield
-        finally:
-            done.set()
-            readers = self._reading_hibernated[sandbox_id]
-            readers.remove(done)
-            if not readers:
-                del self._reading_hibernated[sandbox_id]
-
     async def _discard_hibernated(self, sandbox_id: str) -> None:
         """Delete the sandbox's hibernated state once no branch is copying it."""
-        for done in list(self._reading_hibernated.get(sandbox_id, ())):
-            await done.wait()
+        await self.holds.hibernated_unread(sandbox_id)
         self.hibernated.discard(sandbox_id)
 
     async def mark_dead(self, sandbox_id: str) -> None:
         """The sandbox's VM is gone: keep its record, state ``dead``."""
-        self.pauses.pop(sandbox_id, None)
-        self.last_active.pop(sandbox_id, None)
-        self.output_seen.pop(sandbox_id, None)
+        self.activity.forget(sandbox_id)
         vm = self.vms.pop(sandbox_id, None)
         exited = vm is None or not vm.is_alive()  # on its own, or stopped by us now
         if vm is not None:
@@ -341,15 +227,11 @@ class Fleet:
         was = None if row is None else self.store.set_sandbox_state(sandbox_id, SandboxState.DEAD)
         if was is not None and was != SandboxState.DEAD:
             self.events.publish("died" if exited else "killed", sandbox_id=sandbox_id)
-        # Only now: a branch that started meanwhile queued on this lock (no new one can
-        # start on a dead sandbox); one in flight holds the object itself.
-        self.branch_locks.pop(sandbox_id, None)
+        self.holds.forget_sandbox(sandbox_id)  # only now: see forget_sandbox
 
     async def remove(self, sandbox_id: str) -> None:
         """Kill the sandbox's VM (if any), delete its files and its record."""
-        self.pauses.pop(sandbox_id, None)
-        self.last_active.pop(sandbox_id, None)
-        self.output_seen.pop(sandbox_id, None)
+        self.activity.forget(sandbox_id)
         vm = self.vms.pop(sandbox_id, None)
         if vm is not None:
             await vm.kill()
@@ -360,7 +242,7 @@ class Fleet:
         await self._discard_hibernated(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
         self.store.delete_sandbox(sandbox_id)
-        self.branch_locks.pop(sandbox_id, None)  # as in mark_dead: once it is gone
+        self.holds.forget_sandbox(sandbox_id)  # as in mark_dead: once it is gone
         if row is not None and row.state not in ("starting", "dead"):  # a failed fork: none
             self.events.publish("killed", sandbox_id=sandbox_id)
 

@@ -59,7 +59,7 @@ class HibernateService:
                     raise
                 await fleet.mark_dead(sandbox_id)
                 raise Conflict(f"sandbox {sandbox_id!r} died while hibernating: {exc}") from exc
-            fleet.count_pause(sandbox_id)
+            fleet.activity.count_pause(sandbox_id)
         dest = fleet.hibernated.next_dir(sandbox_id)
         labels = SnapshotLabels(branched_from=sandbox_id, parent_tag=row.snapshot_tag)
         try:
@@ -111,13 +111,10 @@ class HibernateService:
         if state_dir is None:
             raise Conflict(f"sandbox {sandbox_id!r} is hibernated but its state is missing")
         machine = (await asyncio.to_thread(snapshot_files.load, state_dir)).machine
-        with fleet.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
+        with fleet.admission.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
             held.ids.add(sandbox_id)
-            fleet.waking.add(sandbox_id)
-            try:
+            with fleet.holds.waking(sandbox_id):
                 vm = await self._restore(sandbox_id, state_dir, row.memory_limit_mib)
-            finally:
-                fleet.waking.discard(sandbox_id)
             fleet.vms[sandbox_id] = vm
         fleet.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING, pid=vm.pid)
         # Older generations are no longer mapped by anything.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from forkd.errors import Conflict
 
@@ -57,14 +57,22 @@ class Holds:
     def base_in_use(self, tag: str) -> bool:
         return self._bases[tag] > 0
 
-    @contextlib.contextmanager
-    def reading(self, tag: str) -> Iterator[None]:
-        """Snapshot ``tag`` is being read whole (a push): it is not deleted."""
+    def hold_reading(self, tag: str) -> Callable[[], None]:
+        """Snapshot ``tag`` is being read whole (a push): it is not deleted until the
+        function returned is called (once; later calls do nothing). :class:`Conflict`
+        when it is being deleted."""
+        if tag in self._deleting:
+            raise Conflict(f"snapshot {tag!r} is being deleted")
         self._read[tag] += 1
-        try:
-            yield
-        finally:
-            self._read[tag] -= 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self._read[tag] -= 1
+
+        return release
 
     def being_read(self, tag: str) -> bool:
         return self._read[tag] > 0
@@ -138,3 +146,16 @@ class Holds:
 
     def volume_layers_held(self) -> bool:
         return self._volume_layer_ops > 0
+
+    def held(self) -> list[str]:
+        """Every hold taken now, by name (empty when the daemon is idle)."""
+        return sorted(
+            [f"tag {t}" for t in self._tags]
+            + [f"diff base {t}" for t, n in self._bases.items() if n]
+            + [f"read {t}" for t, n in self._read.items() if n]
+            + [f"deleting {t}" for t in self._deleting]
+            + [f"reading hibernated {s}" for s in self._hibernated_readers]
+            + [f"waking {s}" for s in self._waking]
+            + [f"lock {s}" for s, lock in self._sandbox_locks.items() if lock.locked()]
+            + (["volume layers"] if self._volume_layer_ops else [])
+        )

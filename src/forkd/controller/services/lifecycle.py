@@ -255,7 +255,7 @@ class Lifecycle:
 
     async def _bounded_check(self, row: SandboxRow) -> None:
         expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
-        expired = expired or self.fleet.idle_expired(row)
+        expired = expired or self.fleet.activity.idle_expired(row)
         branching = expired and row.on_timeout in ("branch", "hibernate") and row.state != "dead"
         try:  # a branch at the timeout copies the sandbox's memory: it gets longer
             await asyncio.wait_for(self._check(row), EXPIRY_SECS if branching else REAP_CHECK_SECS)
@@ -277,7 +277,11 @@ class Lifecycle:
         vm = fleet.vms.get(row.id)
         if vm is None or row.state == "dead":
             return
-        if self._expire is not None and fleet.idle_expired(row) and await self._quiet(row, vm):
+        if (
+            self._expire is not None
+            and fleet.activity.idle_expired(row)
+            and await self._quiet(row, vm)
+        ):
             await self._expire(row, idle=True)
             return
         try:
@@ -298,11 +302,7 @@ class Lifecycle:
         except ForkdError:
             return True  # a guest that does not answer is doing nothing for anyone
         written = sum(int(p.get("output_end") or 0) for p in listed)
-        if fleet.output_seen.get(row.id, 0) == written:
-            return True
-        fleet.output_seen[row.id] = written
-        fleet.touch(row.id)
-        return False
+        return not fleet.activity.output_written(row.id, written)
 
 
 class Probes:

@@ -45,7 +45,7 @@ class PauseService:
             except ForkdError as exc:
                 raise await self._failed(sandbox_id, vm, "pausing", exc) from exc
             self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
-            self.fleet.count_pause(sandbox_id)
+            self.fleet.activity.count_pause(sandbox_id)
         self.fleet.events.publish("paused", sandbox_id=sandbox_id)
         return self.sandboxes.info(sandbox_id)
 
@@ -79,7 +79,7 @@ class PauseService:
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         """The sandbox's branch lock: a branch in flight resumes what it paused."""
         self.fleet.sandbox_row(sandbox_id)  # 404 before anything is made for it
-        return self.fleet.branch_locks.setdefault(sandbox_id, asyncio.Lock())
+        return self.fleet.holds.sandbox_lock(sandbox_id)
 
     def _vm_in(self, sandbox_id: str, state: str, otherwise: str) -> SandboxVM:
         vm = self.fleet.live(sandbox_id, paused_ok=True)

@@ -179,7 +179,9 @@ class ProcessService:
     def _paused_since(self, sandbox_id: str, pauses: int) -> bool:
         """Whether the sandbox is paused, or was since its pause count was ``pauses``
         (a read that ran out its time across a pause failed for it, not for good)."""
-        return self._paused(sandbox_id) or self.sandboxes.fleet.pauses.get(sandbox_id, 0) != pauses
+        return (
+            self._paused(sandbox_id) or self.sandboxes.fleet.activity.pauses(sandbox_id) != pauses
+        )
 
     async def _while_paused(self, sandbox_id: str) -> AsyncIterator[OutputEvent]:
         """Until the sandbox is no longer paused: a keep-alive now and then."""
@@ -194,7 +196,7 @@ class ProcessService:
         self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
     ) -> _PendingRead:
         read = self._read(sandbox_id, pid, offset, wait, want, linger)
-        pauses = self.sandboxes.fleet.pauses.get(sandbox_id, 0)
+        pauses = self.sandboxes.fleet.activity.pauses(sandbox_id)
         return _PendingRead(asyncio.ensure_future(read), time.monotonic(), pauses)
 
     async def _read(

@@ -27,7 +27,8 @@ from forkd.controller.models import (
     on_timeout_word,
     state_word,
 )
-from forkd.controller.services.fleet import Admission, Fleet
+from forkd.controller.services.admission import Admission
+from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, memory_file
 from forkd.controller.store import (
@@ -142,7 +143,7 @@ class SandboxService:
         if req.memory_limit_mib is not None and self.fleet.cgroups.limits_memory:
             cgroups.check_memory_limit(req.memory_limit_mib, machine.memory_mib, machine.accel)
         what = f"forking {req.n} from {tag!r}"
-        with self.fleet.admit(what, req.n, machine.memory_mib) as held:
+        with self.fleet.admission.admit(what, req.n, machine.memory_mib) as held:
             return await self._fork_all(req, tag, snap_dir, policy, held)
 
     async def _fork_all(
@@ -158,7 +159,7 @@ class SandboxService:
         ids += [self.fleet.store.next_sandbox_id() for _ in range(req.n - len(pooled))]
         held.ids.update(ids)
         waiting = {vm.id: vm for vm in pooled}
-        with self.fleet.holding_volume_layers():
+        with self.fleet.holds.volume_layers():
             results = await asyncio.gather(
                 *(self._fork_one(sid, req, snap_dir, waiting, policy) for sid in ids),
                 return_exceptions=True,
@@ -266,7 +267,7 @@ class SandboxService:
             expires_at=_iso(row.expires_at_unix),
             on_timeout=on_timeout_word(row.on_timeout),
             idle_timeout_s=row.idle_timeout_s,
-            last_active_at=_iso(self.fleet.last_active.get(sandbox_id)),
+            last_active_at=_iso(self.fleet.activity.last_active(sandbox_id)),
             timeout_branch=row.timeout_branch,
             fork_ms=row.fork_ms,
             metadata=row.metadata,
@@ -310,7 +311,7 @@ class SandboxService:
     async def kill(self, sandbox_id: str) -> None:
         if self.fleet.sandbox_row(sandbox_id).state == "starting":
             raise Conflict(f"sandbox {sandbox_id!r} is still starting; retry shortly")
-        if sandbox_id in self.fleet.waking:
+        if self.fleet.holds.is_waking(sandbox_id):
             raise Conflict(f"sandbox {sandbox_id!r} is waking from hibernation; retry shortly")
         await self.fleet.remove(sandbox_id)
 

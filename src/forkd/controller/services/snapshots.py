@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import collections
 import contextlib
 import os
 import shutil
@@ -90,12 +89,6 @@ class SnapshotService:
         self.volumes = volumes
         self.images = images or ImageService(fleet)
         self.root = fleet.settings.snapshot_root
-        # Tags that a diff branch in flight is written over: not deletable meanwhile.
-        self.bases_in_use: collections.Counter[str] = collections.Counter()
-        # Tags being read whole (a push): not deletable meanwhile.
-        self.being_read: collections.Counter[str] = collections.Counter()
-        # Tags a delete has checked and is removing: no new diff over them (409).
-        self.deleting: set[str] = set()
         # Compaction and deletion change files under the root: one at a time.
         self._disk_lock = asyncio.Lock()
 
@@ -108,10 +101,10 @@ class SnapshotService:
         with self.fleet.reserve_tag(tag):  # before an import that may take minutes
             img = await self._resolve_image(req)
             with (
-                self.fleet.admit(
+                self.fleet.admission.admit(
                     f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)
                 ),
-                self.fleet.holding_volume_layers(),
+                self.fleet.holds.volume_layers(),
             ):
                 try:
                     await self._build(req, img)
@@ -210,21 +203,7 @@ class SnapshotService:
     def hold_for_reading(self, tag: str) -> Callable[[], None]:
         """:meth:`reading` for a hold that ends elsewhere: the function returned ends
         it (once, however often it is called)."""
-        if tag in self.deleting:
-            raise Conflict(f"snapshot {tag!r} is being deleted")
-        self.being_read[tag] += 1
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if released:
-                return
-            released = True
-            self.being_read[tag] -= 1
-            if not self.being_read[tag]:
-                del self.being_read[tag]
-
-        return release
+        return self.fleet.holds.hold_reading(tag)
 
     def info(self, tag: str, detailed: bool = False) -> SnapshotInfo:
         row = self.fleet.snapshot_row(tag)
@@ -321,7 +300,7 @@ class SnapshotService:
 
     def capacity(self) -> CapacityInfo:
         fleet = self.fleet
-        count, mib = fleet.in_use()
+        count, mib = fleet.admission.in_use()
         return CapacityInfo(
             node_id=fleet.store.id_prefix,
             version=__version__,
@@ -394,15 +373,12 @@ class SnapshotService:
             raise Invalid("cascade and force exclude each other: delete dependents or keep them")
         async with self._disk_lock:
             order = self._deletion_order(self.fleet.snapshot_row(tag), cascade, force)
-            self.deleting.update(order)  # before any await: no diff branch over them now
-            try:
+            with self.fleet.holds.deleting(order):  # before any await: no new diff over them
                 if force:
                     for dep in self._diff_dependents(tag):
                         await self._compact_locked(self.fleet.snapshot_row(dep))
                 for victim in order:
                     await self._delete_one(victim)
-            finally:
-                self.deleting.difference_update(order)
 
     def _deletion_order(self, row: SnapshotRow, cascade: bool, force: bool) -> builtins.list[str]:
         """``row``'s tag last, after its diff dependents (all of them, deepest first) when
@@ -412,9 +388,9 @@ class SnapshotService:
         def visit(r: SnapshotRow, path: tuple[str, ...]) -> None:
             if r.status == "pending":
                 raise Conflict(f"snapshot {r.tag!r} is pending: retry when its branch settles")
-            if self.bases_in_use[r.tag]:
+            if self.fleet.holds.base_in_use(r.tag):
                 raise Conflict(f"a diff branch over snapshot {r.tag!r} is being written; retry")
-            if self.being_read[r.tag]:
+            if self.fleet.holds.being_read(r.tag):
                 raise Conflict(f"snapshot {r.tag!r} is being pushed; retry when it is done")
             deps = self._diff_dependents(r.tag)
             if deps and not (cascade or force):
@@ -439,9 +415,9 @@ class SnapshotService:
         d = Path(row.dir)
         await self.fleet.pool.drop(d)
         # Checked again after the awaits, just before the files go.
-        if self.bases_in_use[tag]:
+        if self.fleet.holds.base_in_use(tag):
             raise Conflict(f"a diff branch over snapshot {tag!r} is being written; retry")
-        if self.being_read[tag]:
+        if self.fleet.holds.being_read(tag):
             raise Conflict(f"snapshot {tag!r} is being pushed; retry when it is done")
         deps = self._diff_dependents(tag)
         if deps:

@@ -49,7 +49,7 @@ class VolumeService:
 
     def collect_layers(self) -> None:
         """Delete volume layers that no snapshot and no VM (or pooled QEMU) uses."""
-        if self.fleet.volume_ops or self.fleet.pool.filling():
+        if self.fleet.holds.volume_layers_held() or self.fleet.pool.filling():
             return  # layers of work in progress are not registered yet; next time
         in_use: set[str] = set()
         for recorded in snapshot_files.recorded_volumes(self.fleet.settings.snapshot_root).values():
@@ -110,7 +110,7 @@ class VolumeService:
     async def delete(self, name: str) -> None:
         self.info(name)  # unknown or invalid first
         users = self._users(name)
-        if self.fleet.volume_ops:
+        if self.fleet.holds.volume_layers_held():
             users.append("a template build or fork in progress")
         if users:
             raise Conflict(f"volume {name!r} is in use by {', '.join(users)}")
