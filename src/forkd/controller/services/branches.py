@@ -32,13 +32,11 @@ from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
-from forkd.states import SnapshotMode, SnapshotStatus
+from forkd.states import BranchMode, SnapshotMode, SnapshotStatus
 from forkd.vmm import live_snapshot, memory_diff, snapshot_copy, snapshot_files
 from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
 
 log = logging.getLogger(__name__)
-
-MODES = (None, "full", "diff", "live")
 
 
 class BranchService:
@@ -62,8 +60,8 @@ class BranchService:
         # A paused one is taken as it is; a hibernated one is its state on disk.
         vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
         measure = req.measure_diff
-        base = self._diff_base(row, vm) if mode == "diff" or measure else None
-        live = mode == "live"
+        base = self._diff_base(row, vm) if mode == BranchMode.DIFF or measure else None
+        live = mode == BranchMode.LIVE
         cap = fleet.settings.branch_concurrency
         if self.in_flight >= cap:
             raise Busy(f"{self.in_flight} branches are in flight (the cap is {cap}); retry shortly")
@@ -291,12 +289,12 @@ class BranchService:
         self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
 
 
-def requested_mode(req: BranchRequest) -> str | None:
+def requested_mode(req: BranchRequest) -> BranchMode | None:
     """The mode a branch request asks for: ``mode``, or the original forkd's ``diff`` and
     ``live`` booleans, checked as the original checked them (400s)."""
-    if req.mode not in MODES:
+    if req.mode is not None and req.mode not in tuple(BranchMode):
         raise Invalid(f"branch mode {req.mode!r} is not supported (full, diff or live)")
-    legacy = [name for name in ("diff", "live") if getattr(req, name)]
+    legacy = [BranchMode(name) for name in ("diff", "live") if getattr(req, name)]
     if req.mode is not None and legacy:
         raise Invalid(
             f"set either mode or the older {' and '.join(legacy)}: true, not both "
@@ -304,14 +302,14 @@ def requested_mode(req: BranchRequest) -> str | None:
         )
     if len(legacy) > 1:
         raise Invalid("set at most one of diff and live")
-    mode = req.mode or (legacy[0] if legacy else None)
-    if req.measure_diff and mode in ("diff", "live"):
+    mode = BranchMode(req.mode) if req.mode else (legacy[0] if legacy else None)
+    if req.measure_diff and mode in (BranchMode.DIFF, BranchMode.LIVE):
         raise Invalid(f"measure_diff reports what a diff would store beside a full branch: "
-                      f"not with mode {mode!r}")  # fmt: skip
-    if req.parent_tag is not None and mode != "diff":
+                      f"not with mode {mode.value!r}")  # fmt: skip
+    if req.parent_tag is not None and mode != BranchMode.DIFF:
         raise Invalid("parent_tag names a diff's base: it needs mode diff (or diff: true)")
     # The original's forms keep the original's rule: only a live branch may answer early.
-    if not req.wait and mode != "live" and (legacy or req.measure_diff):
+    if not req.wait and mode != BranchMode.LIVE and (legacy or req.measure_diff):
         raise Invalid("wait: false needs mode live (or live: true) in this form of the request; "
                       "or send mode full/diff with wait false")  # fmt: skip
     return mode
