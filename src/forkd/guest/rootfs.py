@@ -14,11 +14,17 @@ from forkd.guest.initramfs import guest_file
 from forkd.guest.recipe import Recipe
 
 AGENT_FILE = "forkd-agent.py"
-# The modules the agent imports from its own directory: background processes, chunked
-# file transfers, their tar streams, Python eval, exec, and who a command runs as; then
-# eval in a container image: the agent's handle on its worker, and the worker (a script
-# the image's python3 runs, and its module), which import forkd_eval from here too.
-AGENT_MODULES = ("forkd_procs.py", "forkd_files.py", "forkd_tar.py", "forkd_eval.py",
+# The modules the agent imports from its own directory: its own parts (transport,
+# protocol, handlers, parameters, a command's context, the TCP protocol, its log);
+# background processes, chunked file transfers, their tar streams, Python eval, exec,
+# and who a command runs as; then eval in a container image: the agent's handle on
+# its worker, and the worker (a script the image's python3 runs, and its module),
+# which import forkd_eval from here too.
+AGENT_MODULES = ("forkd_agent_transport.py", "forkd_agent_protocol.py",
+                 "forkd_agent_handlers.py", "forkd_agent_proc_handlers.py",
+                 "forkd_agent_params.py", "forkd_agent_command.py", "forkd_agent_legacy.py",
+                 "forkd_agent_log.py",
+                 "forkd_procs.py", "forkd_files.py", "forkd_tar.py", "forkd_eval.py",
                  "forkd_exec.py", "forkd_identity.py", "forkd_eval_proc.py",
                  "forkd-eval-worker.py", "forkd_eval_worker.py")  # fmt: skip
 # Modules of the forkd package the agent imports from beside it (the one tar extractor),

@@ -1,6 +1,6 @@
 """Chunked file transfers of the forkd guest agent: staged uploads, ranged reads, tar streams.
 
-Imported by forkd-agent.py, which merges :data:`OPS` into its own table (ops
+Imported by forkd_agent_protocol.py, which merges :data:`OPS` into its table (ops
 ``file_upload_*``, ``file_read_range``, ``file_tar_*``; see
 docs/guest-agent.md). Standard library only, like the agent.
 

@@ -1,6 +1,6 @@
 """Background processes of the forkd guest agent: spawned, drained into output rings, reaped.
 
-Imported by forkd-agent.py, which owns the protocol (ops ``proc_*``, see
+Imported by forkd_agent_proc_handlers.py, which owns the ops (``proc_*``, see
 docs/guest-agent.md) and turns what this module returns into answers. This
 module knows processes only. Standard library only, like the agent.
 
