@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -180,3 +181,13 @@ def test_the_digest_covers_path_mode_and_content() -> None:
         guest_files.digest(h, (variant,))
         digests.add(base64.b64encode(h.digest()))
     assert len(digests) == 3
+
+
+def test_every_module_beside_the_agent_is_type_checked_strictly() -> None:
+    """pyproject.toml names the guest's modules for mypy's strict checks, by the names
+    the guest imports them by: a new one is named there too."""
+    config = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["tool"]["mypy"]
+    assert "src/forkd/guest/files" in config["mypy_path"]
+    strict = [o for o in config["overrides"] if "forkd-agent" in o["module"]]
+    assert len(strict) == 1 and strict[0]["disallow_untyped_defs"] is True
+    assert sorted(strict[0]["module"]) == sorted(p.stem for p in FILES.glob("*.py"))

@@ -139,7 +139,8 @@ class TcpServer:
             sock.close()
             raise
         self._listener = sock
-        return sock.getsockname()[:2]
+        host, port = sock.getsockname()[:2]
+        return str(host), int(port)
 
     def start(self) -> threading.Thread:
         """Bind (retrying until it works) and serve, in a background thread."""

@@ -381,8 +381,9 @@ class EvalRunner:
         """exec the statements; if the last one is an expression, return its value."""
         tree = ast.parse(code, filename, "exec")
         last: ast.Expression | None = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(body=tree.body.pop().value)
+        if tree.body and isinstance(final := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(body=final.value)
         exec(compile(tree, filename, "exec"), self.namespace)
         if last is None:
             return None

@@ -254,8 +254,10 @@ def _spawn(spec: ProcessSpec) -> tuple[subprocess.Popen[bytes], list[int]]:
             env=env,
             start_new_session=True,
             preexec_fn=_take_controlling_terminal if spec.pty_size is not None else None,
+            stdin=child_fds["stdin"],
+            stdout=child_fds["stdout"],
+            stderr=child_fds["stderr"],
             **forkd_exec.as_user(spec.identity),
-            **child_fds,
         )
     except BaseException:
         _close_fds(kept_fds)
