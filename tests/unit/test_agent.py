@@ -47,6 +47,10 @@ def _load_agent_module() -> ModuleType:
 
 
 agent_mod = _load_agent_module()
+# The modules beside it (on sys.path once it is loaded), each holding its own part.
+transport = agent_mod.transport
+handlers = agent_mod.handlers
+legacy = agent_mod.legacy
 
 
 def _agent_env() -> dict[str, str]:
@@ -182,7 +186,7 @@ def test_exec_cwd_env_stdin(agent: Client, tmp_path: Path) -> None:
     assert lines[0] == str(tmp_path)
     assert lines[1] == "bar baz"
     assert lines[2:4] == ["line one", "line two"]
-    assert lines[4] == f"/root|C.UTF-8|{agent_mod.BASE_ENV['PATH']}"
+    assert lines[4] == f"/root|C.UTF-8|{agent_mod.forkd_agent_command.BASE_ENV['PATH']}"
     assert result["stderr"] == "oops\n"
 
 
@@ -345,7 +349,7 @@ def test_request_threads_keep_no_finished_request_alive() -> None:
     class Payload(bytearray):
         pass
 
-    workers = agent_mod.Workers(keep=2)
+    workers = transport.Workers(keep=2)
     done = threading.Event()
     refs = []
     for _ in range(3):
@@ -363,13 +367,13 @@ def test_request_threads_keep_no_finished_request_alive() -> None:
 
 
 def test_exec_output_is_capped(agent: Client) -> None:
-    assert agent_mod.MAX_OUTPUT_BYTES == 1024 * 1024
+    assert handlers.forkd_exec.MAX_OUTPUT_BYTES == 1024 * 1024
     code = (  # odd-sized writes, so reads do not line up with the cap
         "import os\nfor _ in range(700):\n    os.write(1, b'x' * 3001)\nos.write(2, b'small')\n"
     )
     result = agent.result("exec", argv=[sys.executable, "-c", code])
     assert result["exit_code"] == 0
-    assert result["stdout"] == "x" * agent_mod.MAX_OUTPUT_BYTES
+    assert result["stdout"] == "x" * handlers.forkd_exec.MAX_OUTPUT_BYTES
     assert result["stdout_truncated"] is True
     assert result["stderr"] == "small"
     assert result["stderr_truncated"] is False
@@ -567,7 +571,7 @@ def test_unknown_op_is_an_error_answer(agent: Client) -> None:
 
 
 def test_line_splitter_handles_split_and_oversized_lines() -> None:
-    splitter = agent_mod.LineSplitter(max_line=10)
+    splitter = transport.LineSplitter(max_line=10)
     assert list(splitter.feed(b"ab")) == []
     assert list(splitter.feed(b"c\nde\nf")) == [(b"abc", None), (b"de", None)]
     assert list(splitter.feed(b"0123456789abc")) == []  # too long: dropped ...
@@ -582,14 +586,14 @@ def test_a_payload_belongs_to_the_line_that_announced_it_however_it_is_cut() -> 
     head = b'{"id": 7, "payload": %d, "op": "file_upload_write"}' % len(payload)
     stream = head + b"\n" + payload + b'{"id":8,"op":"ping"}\n'
     for cut in (1, 2, 5, 64, len(stream)):
-        splitter = agent_mod.LineSplitter()
+        splitter = transport.LineSplitter()
         got = [r for i in range(0, len(stream), cut) for r in splitter.feed(stream[i : i + cut])]
         assert got == [(head, payload), (b'{"id":8,"op":"ping"}', None)], cut
 
 
 def test_a_payload_over_the_cap_is_skipped_unread(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(agent_mod, "MAX_PAYLOAD_BYTES", 8)
-    splitter = agent_mod.LineSplitter()
+    monkeypatch.setattr(transport, "MAX_PAYLOAD_BYTES", 8)
+    splitter = transport.LineSplitter()
     big = b'{"id":1,"op":"exec"}\n' * 2
     stream = b'{"id":7,"payload":%d,"op":"x"}\n' % len(big) + big + b'{"id":8}\n'
     assert list(splitter.feed(stream)) == [(b'{"id":8}', None)]
@@ -652,10 +656,10 @@ def test_a_restarted_agent_ends_the_answer_its_predecessor_was_cut_off_in(
     conn = SimpleNamespace(send=lambda line, _req_id: sent.append(line))
     mark = tmp_path / "started"
     event = {"event": "started", "pid": os.getpid()}
-    agent_mod.announce(conn, str(mark))
+    transport.announce(conn, str(mark))
     assert [json.loads(line) for line in sent] == [event] and mark.exists()  # a boot: no filler
     sent.clear()
-    agent_mod.announce(conn, str(mark))
+    transport.announce(conn, str(mark))
     restart = b"".join(sent)
 
     raw = b"x\n" * 500
@@ -671,9 +675,9 @@ def test_find_agent_port(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     for dev, name in (("vport1p1", "org.qemu.guest_agent.0"), ("vport1p2", "agent")):
         (tmp_path / dev).mkdir()
         (tmp_path / dev / "name").write_text(name + "\n")
-    monkeypatch.setattr(agent_mod, "VIRTIO_PORTS_DIR", str(tmp_path))
-    assert agent_mod.find_agent_port() == "/dev/vport1p2"
-    assert agent_mod.find_agent_port("missing") is None
+    monkeypatch.setattr(transport, "VIRTIO_PORTS_DIR", str(tmp_path))
+    assert transport.find_agent_port() == "/dev/vport1p2"
+    assert transport.find_agent_port("missing") is None
 
 
 # ----------------------------------------------------------------------------- restore
@@ -720,7 +724,7 @@ class TcpAgent:
     """The agent's TCP server on 127.0.0.1, a free port, with the given limits."""
 
     def __init__(self, **limits: Any) -> None:
-        self.server = agent_mod.TcpServer("127.0.0.1", 0, **limits)
+        self.server = legacy.TcpServer("127.0.0.1", 0, **limits)
         self.addr = self.server.bind()
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -772,10 +776,10 @@ def tcp() -> Iterator[TcpAgent]:
 def serial() -> Iterator[Client]:
     """The virtio-serial protocol, served in this process over a socketpair."""
     host_end, guest_end = socket.socketpair()
-    conn = agent_mod.Connection(guest_end.fileno(), guest_end.close)
+    conn = transport.Connection(guest_end.fileno(), guest_end.close)
 
     def serve() -> None:
-        agent_mod.serve_stream(conn, guest_end.fileno())
+        transport.serve_stream(conn, guest_end.fileno())
         conn.close()
 
     threading.Thread(target=serve, daemon=True).start()
@@ -807,7 +811,7 @@ def _installed(name: str) -> str:
 
 
 def test_tcp_ping_says_warmup_ready_once_an_eval_ran(tcp: TcpAgent) -> None:
-    agent_mod.WARMED_UP.clear()
+    handlers.WARMED_UP.clear()
     assert tcp.call(action="ping")["warmup_ready"] is False
     assert tcp.call(action="eval", code="1 / 0")["exit_code"] == 1  # a failed one does not count
     assert tcp.call(action="ping")["warmup_ready"] is False
@@ -819,12 +823,12 @@ def test_image_package_version_reads_metadata_directories(tmp_path: Path, monkey
     site = tmp_path / "site-packages"
     for meta in ("numpy_financial-1.0.dist-info", "numpy-1.24.2-py3.11.egg-info"):
         (site / meta).mkdir(parents=True)
-    monkeypatch.setattr(agent_mod, "IMAGE_SITE_GLOBS", (str(tmp_path / "nothing*"), str(site)))
-    assert agent_mod._image_package_version("numpy") == "1.24.2"
+    monkeypatch.setattr(handlers, "IMAGE_SITE_GLOBS", (str(tmp_path / "nothing*"), str(site)))
+    assert handlers._image_package_version("numpy") == "1.24.2"
     (site / "numpy-1.24.2-py3.11.egg-info").rmdir()
     (site / "numpy-2.1.0.dist-info").mkdir()
-    assert agent_mod._image_package_version("numpy") == "2.1.0"
-    assert agent_mod._image_package_version("pandas") is None
+    assert handlers._image_package_version("numpy") == "2.1.0"
+    assert handlers._image_package_version("pandas") is None
 
 
 def test_tcp_exec_takes_the_original_sdks_timeout(tcp: TcpAgent) -> None:
@@ -986,7 +990,7 @@ def _eval_line(code_padding: int) -> bytes:
 
 
 def test_tcp_request_over_the_size_cap_is_refused_unread(tcp: TcpAgent) -> None:
-    cap = agent_mod.TCP_MAX_REQUEST_BYTES
+    cap = legacy.TCP_MAX_REQUEST_BYTES
     assert cap == 1024 * 1024
     at_cap = _eval_line(cap - len(_eval_line(0)))
     assert len(at_cap) == cap
@@ -1019,7 +1023,7 @@ def test_tcp_request_over_the_size_cap_is_refused_unread(tcp: TcpAgent) -> None:
         start = time.monotonic()
         sender.start()
         answer = _one_answer(sock)
-        assert time.monotonic() - start < agent_mod.TCP_READ_TIMEOUT_S / 2
+        assert time.monotonic() - start < legacy.TCP_READ_TIMEOUT_S / 2
         sender.join(10)
     assert answer == {"ok": False, "error": f"request larger than {cap} bytes"}
 
@@ -1052,7 +1056,7 @@ def test_tcp_silent_or_trickling_client_is_answered_and_closed() -> None:
 
 
 def test_tcp_connections_beyond_the_cap_are_closed_at_once(serial: Client) -> None:
-    assert agent_mod.TCP_MAX_CONNECTIONS == 16
+    assert legacy.TCP_MAX_CONNECTIONS == 16
     agent = TcpAgent(max_connections=3, read_timeout_s=30)
     holders = [agent.connect() for _ in range(3)]  # silent: each holds a slot
     try:
@@ -1088,12 +1092,12 @@ def test_tcp_client_that_never_reads_its_answer_gives_its_slot_back() -> None:
 
 
 def test_tcp_listener_waits_for_a_busy_port(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(agent_mod, "TCP_BIND_RETRY_S", 0.05)
+    monkeypatch.setattr(legacy, "TCP_BIND_RETRY_S", 0.05)
     squatter = socket.socket()
     squatter.bind(("127.0.0.1", 0))
     squatter.listen()
     port = squatter.getsockname()[1]
-    server = agent_mod.TcpServer("127.0.0.1", port)
+    server = legacy.TcpServer("127.0.0.1", port)
     server.start()  # cannot bind yet: retries instead of failing
     try:
         time.sleep(0.2)

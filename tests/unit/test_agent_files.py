@@ -422,10 +422,10 @@ def test_an_abandoned_tar_download_stops_its_thread(table: Any, tmp_path: Path) 
 def test_the_agent_serves_the_ops_and_names_a_full_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    agent = _load("forkd_agent_files_under_test", "forkd-agent.py")
-    assert set(ff.OPS) <= set(agent.OPS)
-    files_mod = agent.forkd_files
-    open_line = agent.handle_request(1, {"op": "file_upload_open", "path": str(tmp_path / "f")})
+    protocol = _load("forkd_agent_files_under_test", "forkd_agent_protocol.py")
+    assert set(ff.OPS) <= set(protocol.OPS)
+    files_mod = protocol.forkd_files
+    open_line = protocol.handle_request(1, {"op": "file_upload_open", "path": str(tmp_path / "f")})
     tid = json.loads(open_line)["result"]["transfer_id"]
 
     def full(fd: int, data: Any) -> int:
@@ -433,7 +433,7 @@ def test_the_agent_serves_the_ops_and_names_a_full_disk(
 
     monkeypatch.setattr(files_mod.os, "write", full)
     req = {"op": "file_upload_write", "transfer_id": tid, "offset": 0, "data": _b64(b"x")}
-    answer = json.loads(agent.handle_request(2, req))
+    answer = json.loads(protocol.handle_request(2, req))
     assert answer["ok"] is False and answer["kind"] == "NoSpaceError"
     assert os.listdir(tmp_path) == []
 
@@ -534,9 +534,9 @@ def test_reads_answer_raw_bytes_when_asked(table: Any, tmp_path: Path) -> None:
                                     "raw": True})  # fmt: skip
     assert isinstance(result, ff.WithRawBytes) and result.raw == [b"2345"]
     assert json.loads(b"".join(result)) == {"size": 10, "eof": False, "length": 4}
-    agent = _load("forkd_agent_raw_under_test", "forkd-agent.py")
-    line = agent.handle_request(7, {"op": "file_read_range", "path": str(tmp_path / "f"),
-                                    "offset": 8, "length": 4, "raw": True})  # fmt: skip
+    protocol = _load("forkd_agent_raw_under_test", "forkd_agent_protocol.py")
+    line = protocol.handle_request(7, {"op": "file_read_range", "path": str(tmp_path / "f"),
+                                       "offset": 8, "length": 4, "raw": True})  # fmt: skip
     head, raw = line.split(b"\n", 1)
     assert head.startswith(b'{"id":7,"raw":2,') and raw == b"89"
     assert json.loads(head)["result"] == {"size": 10, "eof": True, "length": 2}

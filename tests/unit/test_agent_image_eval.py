@@ -277,7 +277,7 @@ def test_find_python_prefers_python3_and_never_forkds_own(tmp_path: Path) -> Non
 
 
 def test_a_forged_answer_is_capped_or_refused() -> None:
-    cap = agent_mod.forkd_eval.MAX_OUTPUT_CHARS
+    cap = agent_mod.handlers.forkd_eval.MAX_OUTPUT_CHARS
     answer = eval_proc.checked_answer({"result": "r", "stdout": "x" * (cap + 5), "extra": 1})
     assert answer["stdout_truncated"] is True and len(answer["stdout"]) == cap
     assert "extra" not in answer and answer["exit_code"] == 0 and answer["error"] is None

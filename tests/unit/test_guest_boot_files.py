@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from forkd.guest import guest_files, initramfs, kernel
 from forkd.guest import image as images
-from forkd.guest import initramfs, kernel
 
 KPKG = kernel.KernelPackage("linux-image-6.1.0-57-cloud-amd64", "6.1.192-3")
 
@@ -83,8 +83,8 @@ def test_another_kernel_or_stage_one_makes_its_own(
     make(tmp_path, "a")
     make(tmp_path, "b", kernel.KernelPackage(KPKG.name, "6.1.193-1"))
     assert tools.unpacked == 2
-    real = initramfs.guest_file
-    monkeypatch.setattr(initramfs, "guest_file", lambda name: real(name) + b"\n# changed")
+    real = guest_files.GuestFile.read
+    monkeypatch.setattr(guest_files.GuestFile, "read", lambda file: real(file) + b"\n# changed")
     make(tmp_path, "c")
     assert tools.unpacked == 3
     assert len(list((tmp_path / "boot").iterdir())) == 3

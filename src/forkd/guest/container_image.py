@@ -26,8 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forkd import hosttools, paths
+from forkd.guest import guest_files, kernel, recipe, runtime
 from forkd.guest import image as images
-from forkd.guest import initramfs, kernel, recipe, runtime
 from forkd.image_import.model import FetchedImage, ImageConfig, RootfsStats
 
 BUILDER_VERSION = 1
@@ -118,7 +118,7 @@ def assemble(
     h = hashlib.sha256()
     for part in (BUILDER_VERSION, kpkg.key, runtime.key(base_key), config_digest):
         h.update(f"{part}\n".encode())
-    h.update(initramfs.guest_file("initramfs-init"))  # stage 1, in the initramfs
+    guest_files.digest(h, guest_files.INITRAMFS_FILES)  # stage 1, in the initramfs
     key = h.hexdigest()[:16]
     name = image_name(config_digest)
     final = root / f"{name}-{key}"

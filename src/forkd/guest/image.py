@@ -25,15 +25,11 @@ from pathlib import Path
 
 from forkd import hosttools, paths
 from forkd.errors import ImageError
-from forkd.guest import initramfs, kernel, recipe, rootfs
+from forkd.guest import guest_files, initramfs, kernel, recipe, rootfs
 from forkd.guest.recipe import Recipe
 from forkd.vmm import runtime_meta, snapshot_files
 
 BUILDER_VERSION = 1
-GUEST_FILES = (
-    "initramfs-init", "init", "inittab",
-    rootfs.AGENT_FILE, *rootfs.AGENT_MODULES,
-)  # fmt: skip
 
 Progress = Callable[[str], None]
 
@@ -76,10 +72,7 @@ def _image_key(spec: Recipe, kpkg: kernel.KernelPackage) -> str:
     base = spec.base_key(VARIANT)
     h.update(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\nbase={base}\n".encode())
     h.update(json.dumps(spec.template, sort_keys=True).encode())
-    for name in GUEST_FILES:
-        h.update(name.encode() + b"\0" + initramfs.guest_file(name) + b"\0")
-    for name in rootfs.AGENT_PACKAGE_FILES:
-        h.update(name.encode() + b"\0" + rootfs.package_file(name) + b"\0")
+    guest_files.digest(h, guest_files.GUEST_FILES)
     busybox = hosttools.require_static_busybox()
     h.update(hashlib.sha256(busybox.read_bytes()).digest())
     return h.hexdigest()[:16]
@@ -159,7 +152,7 @@ def _boot_key(kpkg: kernel.KernelPackage) -> str:
     """What a kernel and initramfs are made of: the kernel package, stage 1, busybox,
     and the code that assembles the initramfs (its modules, its layout)."""
     h = hashlib.sha256(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\n".encode())
-    h.update(initramfs.guest_file("initramfs-init") + b"\0")
+    guest_files.digest(h, guest_files.INITRAMFS_FILES)
     h.update(Path(initramfs.__file__).read_bytes() + b"\0")
     h.update(hashlib.sha256(hosttools.require_static_busybox().read_bytes()).digest())
     return h.hexdigest()[:16]

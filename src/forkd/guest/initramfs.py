@@ -6,17 +6,12 @@ import lzma
 import os
 import shutil
 import subprocess
-from importlib import resources
 from pathlib import Path
 
 from forkd import hosttools
 from forkd.errors import ImageError
+from forkd.guest import guest_files
 from forkd.guest.kernel import UnpackedKernel, module_load_order
-
-
-def guest_file(name: str) -> bytes:
-    """A file shipped in ``forkd/guest/files`` (init scripts, the agent)."""
-    return resources.files("forkd.guest").joinpath("files").joinpath(name).read_bytes()
 
 
 def build(kernel: UnpackedKernel, work: Path, out: Path) -> list[str]:
@@ -27,9 +22,7 @@ def build(kernel: UnpackedKernel, work: Path, out: Path) -> list[str]:
     for sub in ("bin", "etc", "lib/modules", "dev", "proc", "sys"):
         (tree / sub).mkdir(parents=True, exist_ok=True)
     shutil.copy2(busybox, tree / "bin" / "busybox")
-    init = tree / "init"
-    init.write_bytes(guest_file("initramfs-init"))
-    init.chmod(0o755)
+    guest_files.install(guest_files.INITRAMFS_FILES, tree)  # stage one, /init
 
     order = module_load_order(kernel.modules_root)
     names = []

@@ -6,31 +6,15 @@ import os
 import shlex
 import shutil
 import ssl
-from importlib import resources
 from pathlib import Path
 
 from forkd import hosttools
-from forkd.guest.initramfs import guest_file
+from forkd.guest import guest_files
 from forkd.guest.recipe import Recipe
 
-AGENT_FILE = "forkd-agent.py"
-# The modules the agent imports from its own directory: background processes, chunked
-# file transfers, their tar streams, Python eval, exec, and who a command runs as; then
-# eval in a container image: the agent's handle on its worker, and the worker (a script
-# the image's python3 runs, and its module), which import forkd_eval from here too.
-AGENT_MODULES = ("forkd_procs.py", "forkd_files.py", "forkd_tar.py", "forkd_eval.py",
-                 "forkd_exec.py", "forkd_identity.py", "forkd_eval_proc.py",
-                 "forkd-eval-worker.py", "forkd_eval_worker.py")  # fmt: skip
-# Modules of the forkd package the agent imports from beside it (the one tar extractor),
-# standard library only; placed as /opt/forkd/forkd/<name> with an empty forkd/__init__.py.
-AGENT_PACKAGE_FILES = ("archive/__init__.py", "archive/errors.py", "archive/tar_format.py",
-                       "archive/unpack.py")  # fmt: skip
+# /opt/forkd/forkd/__init__.py: the guest's forkd package holds only what the agent imports.
+PACKAGE_INIT = '"""The parts of forkd its guest agent imports."""\n'
 BUILD_DIR = "/forkd-build"  # where a recipe's build script runs from, removed after
-
-
-def package_file(name: str) -> bytes:
-    """A module of the forkd package, as the agent gets it (``archive/unpack.py``)."""
-    return resources.files("forkd").joinpath(name).read_bytes()
 
 
 def build_base(recipe: Recipe, variant: str, out_tar: Path, work: Path) -> None:
@@ -104,15 +88,8 @@ def install_agent(opt: Path) -> None:
     stage-2 init, the agent, its modules and the parts of forkd it imports."""
     opt.mkdir(parents=True, exist_ok=True)
     shutil.copy2(hosttools.require_static_busybox(), opt / "busybox")
-    for name, mode in (("init", 0o755), *((name, 0o644) for name in (AGENT_FILE, *AGENT_MODULES))):
-        (opt / name).write_bytes(guest_file(name))
-        (opt / name).chmod(mode)
-    package = opt / "forkd"
-    (package / "archive").mkdir(parents=True, exist_ok=True)
-    (package / "__init__.py").write_text('"""The parts of forkd its guest agent imports."""\n')
-    for name in AGENT_PACKAGE_FILES:
-        (package / name).write_bytes(package_file(name))
-        (package / name).chmod(0o644)
+    guest_files.install(guest_files.OPT_FILES, opt, guest_files.OPT)
+    (opt / "forkd" / "__init__.py").write_text(PACKAGE_INIT)
 
 
 def assemble(base_tar: Path, work: Path, out: Path) -> None:
@@ -125,7 +102,7 @@ def assemble(base_tar: Path, work: Path, out: Path) -> None:
         what="unpacking the base root filesystem",
     )
     install_agent(tree / "opt" / "forkd")
-    (tree / "etc" / "inittab").write_bytes(guest_file("inittab"))
+    guest_files.install(guest_files.ROOT_IMAGE_FILES, tree)  # /etc/inittab
     (tree / "etc" / "hostname").write_text("forkd\n")
     resolv = tree / "etc" / "resolv.conf"
     if resolv.is_symlink() or resolv.exists():

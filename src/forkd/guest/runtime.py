@@ -26,8 +26,7 @@ from pathlib import Path
 
 from forkd import hosttools
 from forkd.errors import ImageError
-from forkd.guest import rootfs
-from forkd.guest.initramfs import guest_file
+from forkd.guest import guest_files, rootfs
 
 RUNTIME_VERSION = 1
 LIBDIR = "usr/lib/x86_64-linux-gnu"
@@ -42,10 +41,7 @@ DROP = ("perl-base", "perl5", "gconv")  # in LIBDIR: nothing the agent's Python 
 def key(base_key: str) -> str:
     """The runtime's key: the base it takes Python from, forkd's guest files, busybox."""
     h = hashlib.sha256(f"runtime={RUNTIME_VERSION}\nbase={base_key}\n".encode())
-    for name in ("init", rootfs.AGENT_FILE, *rootfs.AGENT_MODULES):
-        h.update(name.encode() + b"\0" + guest_file(name) + b"\0")
-    for name in rootfs.AGENT_PACKAGE_FILES:
-        h.update(name.encode() + b"\0" + rootfs.package_file(name) + b"\0")
+    guest_files.digest(h, guest_files.OPT_FILES)
     h.update(hashlib.sha256(hosttools.require_static_busybox().read_bytes()).digest())
     return h.hexdigest()[:16]
 

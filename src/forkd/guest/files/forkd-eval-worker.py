@@ -12,25 +12,28 @@ putting this directory on sys.path, and serves (forkd_eval_worker.serve).
 import json
 import os
 import sys
+import types  # noqa: F401 (named in the type comments)
 
 MIN_PYTHON = (3, 8)
 
 
-def _say(message):
+def _say(message):  # type: (dict[str, object]) -> None
     os.write(1, (json.dumps(message) + "\n").encode("ascii"))
 
 
-def _load(name, directory):
+def _load(name, directory):  # type: (str, str) -> types.ModuleType
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(name, os.path.join(directory, name + ".py"))
+    if spec is None or spec.loader is None:
+        raise ImportError("cannot load " + name + " from " + directory)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def main():
+def main():  # type: () -> int
     version = ".".join(str(part) for part in sys.version_info[:3])
     if tuple(sys.version_info[:2]) < MIN_PYTHON:
         _say({"error": "python_too_old", "python": version, "executable": sys.executable})

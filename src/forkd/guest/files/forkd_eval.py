@@ -1,6 +1,6 @@
 """Python eval of the forkd guest agent: one warm interpreter, interruptible, with rich output.
 
-Imported by forkd-agent.py, which owns the protocol (ops ``eval`` and
+Imported by forkd_agent_handlers.py, which owns the ops (``eval`` and
 ``eval_interrupt``, see docs/guest-agent.md), and in a container image by
 forkd_eval_worker.py in the image's own Python. Standard library only, and
 running on Python 3.8 and later: an image may have an old one (no syntax or
@@ -381,8 +381,9 @@ class EvalRunner:
         """exec the statements; if the last one is an expression, return its value."""
         tree = ast.parse(code, filename, "exec")
         last: ast.Expression | None = None
-        if tree.body and isinstance(tree.body[-1], ast.Expr):
-            last = ast.Expression(body=tree.body.pop().value)
+        if tree.body and isinstance(final := tree.body[-1], ast.Expr):
+            tree.body.pop()
+            last = ast.Expression(body=final.value)
         exec(compile(tree, filename, "exec"), self.namespace)
         if last is None:
             return None

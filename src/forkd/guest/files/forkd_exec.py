@@ -1,6 +1,6 @@
 """The agent's ``exec``: run a program to its end and answer with its output.
 
-Imported by forkd-agent.py from its own directory. Standard library only.
+Imported by forkd_agent_handlers.py from its own directory. Standard library only.
 
 One request thread does all of an exec's waiting in one ``poll``: the
 program's stdout and stderr, its stdin (written as the pipe takes it), its exit

@@ -1,6 +1,6 @@
 """Chunked file transfers of the forkd guest agent: staged uploads, ranged reads, tar streams.
 
-Imported by forkd-agent.py, which merges :data:`OPS` into its own table (ops
+Imported by forkd_agent_protocol.py, which merges :data:`OPS` into its table (ops
 ``file_upload_*``, ``file_read_range``, ``file_tar_*``; see
 docs/guest-agent.md). Standard library only, like the agent.
 
@@ -25,7 +25,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 # The tar errors are answered by their names (docs/guest-agent.md): re-exported here.
@@ -97,7 +97,7 @@ def _mode(req: dict[str, Any]) -> int | None:
     return _int(req, "mode", 0, 0o7777)
 
 
-def _chunk(req: dict[str, Any]) -> bytes:
+def _chunk(req: dict[str, Any]) -> bytes | bytearray:
     """The request's chunk: the payload sent raw after its line, or ``data`` in base64."""
     data = req.get("data")
     if isinstance(data, str):
@@ -138,12 +138,12 @@ class Transfer:
         if offset != self.size:
             raise ValueError(f"'offset' {offset} is not the upload's size so far ({self.size})")
 
-    def _wrote(self, data: bytes) -> int:
+    def _wrote(self, data: bytes | bytearray) -> int:
         self.size += len(data)
         self.lock.notify_all()
         return self.size
 
-    def write(self, offset: int, data: bytes) -> int:
+    def write(self, offset: int, data: bytes | bytearray) -> int:
         raise ValueError("this transfer is not an upload")
 
     def read(self, length: int) -> tuple[bytes, bool]:
@@ -185,7 +185,7 @@ class StagedUpload(Transfer):
             self.abort()
             raise
 
-    def write(self, offset: int, data: bytes) -> int:
+    def write(self, offset: int, data: bytes | bytearray) -> int:
         self._wait_turn(offset)
         assert self.fd is not None
         try:
@@ -272,7 +272,7 @@ class TarExtract(_PipeTransfer):
         self.dest = dest
         super().__init__(lambda pipe: extract_tar(pipe, dest), "rb")
 
-    def write(self, offset: int, data: bytes) -> int:
+    def write(self, offset: int, data: bytes | bytearray) -> int:
         self._wait_turn(offset)
         assert self.fd is not None
         try:
@@ -344,7 +344,7 @@ class TransferTable:
         return transfer_id
 
     @contextlib.contextmanager
-    def use(self, transfer_id: object, finish: bool = False) -> Any:
+    def use(self, transfer_id: object, finish: bool = False) -> Iterator[Transfer]:
         """The transfer, locked; with ``finish`` it leaves the table, whatever happens."""
         if not isinstance(transfer_id, str):
             raise ValueError("'transfer_id' must be a string")
@@ -425,7 +425,7 @@ def op_file_upload_open(req: dict[str, Any]) -> dict[str, Any]:
     return {"transfer_id": transfer_id, "size": len(first), "payload": True}
 
 
-def _write_whole(upload: StagedUpload, data: bytes) -> dict[str, Any]:
+def _write_whole(upload: StagedUpload, data: bytes | bytearray) -> dict[str, Any]:
     with upload.lock:
         try:
             upload.write(0, data)

@@ -1,6 +1,6 @@
 """Background processes of the forkd guest agent: spawned, drained into output rings, reaped.
 
-Imported by forkd-agent.py, which owns the protocol (ops ``proc_*``, see
+Imported by forkd_agent_proc_handlers.py, which owns the ops (``proc_*``, see
 docs/guest-agent.md) and turns what this module returns into answers. This
 module knows processes only. Standard library only, like the agent.
 
@@ -254,8 +254,10 @@ def _spawn(spec: ProcessSpec) -> tuple[subprocess.Popen[bytes], list[int]]:
             env=env,
             start_new_session=True,
             preexec_fn=_take_controlling_terminal if spec.pty_size is not None else None,
+            stdin=child_fds["stdin"],
+            stdout=child_fds["stdout"],
+            stderr=child_fds["stderr"],
             **forkd_exec.as_user(spec.identity),
-            **child_fds,
         )
     except BaseException:
         _close_fds(kept_fds)

@@ -22,7 +22,7 @@ __all__ = ["ArchiveTooLarge", "BadArchiveError", "UnsafeArchiveError", "extract_
            "write_tar"]  # fmt: skip
 
 
-def write_all(fd: int, data: bytes) -> None:
+def write_all(fd: int, data: bytes | bytearray) -> None:
     """All of ``data`` to ``fd``, however many writes it takes."""
     view = memoryview(data)
     while view:
