@@ -12,7 +12,8 @@ size - 112 MiB: 144 at 256 MiB) a child fills a buffer and is branched
 grandchild of the last live branch must see the child's state. Then at the
 smallest size (``--chain-only``: only this) a ``--chain-depth`` (5) diff chain, each
 level a fork of the previous writing the smallest amount, and a full branch beside
-the deepest, each forked ``--chain-forks`` times (3).
+the deepest, each forked ``--chain-forks`` times (3); the source's pause of each
+diff and of that full branch is reported too (``diff_pause_ms``, ``full_pause_ms``).
 
 Targets (``targets``; ``met`` on top: all met, None if one was not measured):
 live pause p50 <= 15 ms with 4 MiB written and <= 40 ms with 200 MiB, template
@@ -354,6 +355,9 @@ class Bench(benchlib.BenchBase):
             "diff_written_mib": [round(pages * memory.PAGE / MIB, 2) for _, _, pages in diffs],
             "diff_alloc_mib": [round(allocated_mib(d / MEMORY_DIFF)
                                      + allocated_mib(d / MEMORY_RUNS), 2) for d, _, _ in diffs],
+            # The source's pause for each diff level and for the full branch beside the deepest.
+            "diff_pause_ms": [load(d).meta.pause_ms for d, _, _ in diffs],
+            "full_pause_ms": load(snaps[-1][0]).meta.pause_ms,
             "full_alloc_mib": r1(allocated_mib(snaps[-1][0] / "memory.bin")),
             "full_copy": {"ms": r1(copy_ms), "mib": r1(copied / MIB), "reflink": reflink},
         }  # fmt: skip
@@ -455,6 +459,8 @@ def render(out: Console, bench: Bench, results: dict[str, Any]) -> None:
     if modes:
         forks = ", ".join(f"{k} {v} ms" for k, v in modes["fork_ready_ms_p50"].items())
         out.print(f"fork ready p50: {forks}; deepest/full {modes['deepest_over_full']}")
+        out.print(f"chain pause: diffs {modes['diff_pause_ms']} ms (level 1 first) vs a full "
+                  f"branch beside the deepest {modes['full_pause_ms']} ms")  # fmt: skip
         copy = modes["full_copy"]
         out.print(f"disk: diffs {modes['diff_alloc_mib']} MiB (written since their forks "
                   f"{modes['diff_written_mib']} MiB) vs full {modes['full_alloc_mib']} MiB; "

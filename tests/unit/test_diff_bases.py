@@ -274,6 +274,7 @@ def test_the_writer_opens_only_the_base_its_vm_was_forked_from(
 
     from forkd.errors import SnapshotError
     from forkd.vmm.snapshot_files import BaseRef
+    from forkd.vmm.snapshot_memory import DiffMemory
     from forkd.vmm.snapshot_writer import SnapshotWriter
 
     base = settings.snapshot_root / "base"
@@ -282,12 +283,13 @@ def test_the_writer_opens_only_the_base_its_vm_was_forked_from(
     def open_base(origin_id: str, ref_id: str) -> None:
         vm = SimpleNamespace(id="vm-x", origin=base, origin_id=origin_id)
         writer = SnapshotWriter(vm, tmp_path / "out", BaseRef("base", str(base), ref_id))  # type: ignore[arg-type]
-        writer._mem_fd = os.open(tmp_path / "mem", os.O_RDWR | os.O_CREAT, 0o600)
+        assert isinstance(writer.memory_strategy, DiffMemory)
+        mem_fd = os.open(tmp_path / "mem", os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            writer._open_base(128 << 20)
+            writer.memory_strategy.open_base(mem_fd, 128 << 20)
         finally:
-            writer._close_base()
-            os.close(writer._mem_fd)
+            writer.memory_strategy.close()
+            os.close(mem_fd)
 
     open_base(base_id, base_id)
     with pytest.raises(SnapshotError, match="was not forked from"):

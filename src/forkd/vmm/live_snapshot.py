@@ -2,7 +2,7 @@
 
 The one way a VM is snapshotted, for templates, branches and hibernation alike
 (a branch is a snapshot of a running sandbox). How the memory is written is the
-writer's strategy (:mod:`forkd.vmm.snapshot_writer`: full, live or diff); a VM
+writer's strategy (:mod:`forkd.vmm.snapshot_memory`: full, live or diff); a VM
 already paused is snapshotted as it is, in one place (:func:`_snapshot_paused`);
 and a failure is wrapped once, in :class:`LiveSnapshotError`, whose ``reason``
 is the error the snapshot failed with.
