@@ -35,7 +35,7 @@ from forkd.client import Controller
 from forkd.errors import ImageError
 from forkd.guest import image as guest_image
 from forkd.launcher import DaemonProcess
-from forkd.vmm.processes import qemu_pids_under
+from forkd.vmm.qemu.host_processes import qemu_pids_under
 from forkd.vmm.vm import VM
 
 MIB = 1 << 20
@@ -316,7 +316,7 @@ def private_breakdown(
     pages it wrote, TCG's translation cache (the one anonymous mapping of about
     tb-size), the heap, the data of QEMU and its libraries, and other anonymous
     memory (thread stacks, device buffers, allocator arenas)."""
-    from forkd.vmm.qemu_argv import TCG_TB_SIZE_MIB
+    from forkd.vmm.qemu.argv import TCG_TB_SIZE_MIB
 
     parts = dict.fromkeys(("guest_written", "tcg_cache", "heap", "binaries", "other"), 0.0)
     kind = "other"

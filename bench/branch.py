@@ -38,8 +38,8 @@ from rich.console import Console
 from rich.table import Table
 
 from forkd.guest import image as guest_image
-from forkd.vmm import memory, write_tracking
-from forkd.vmm.snapshot_files import MEMORY_DIFF, MEMORY_RUNS, BaseRef, SnapshotLabels, load
+from forkd.vmm.snapshot import memory, write_tracking
+from forkd.vmm.snapshot.files import MEMORY_DIFF, MEMORY_RUNS, BaseRef, SnapshotLabels, load
 from forkd.vmm.vm import VM
 
 # Run as `python bench/branch.py`: bench/benchlib.py (not an installed package) is

@@ -43,8 +43,8 @@ from rich.console import Console
 
 from forkd.client import Controller
 from forkd.launcher import DaemonProcess
-from forkd.vmm import processes
-from forkd.vmm.processes import qemu_pids_under
+from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.qemu.host_processes import qemu_pids_under
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # see bench/fork.py
 import benchlib

@@ -46,8 +46,8 @@ from rich.table import Table
 
 from forkd.guest import image as guest_image
 from forkd.states import VMState
-from forkd.vmm import snapshot_files
 from forkd.vmm.pool import ForkPool
+from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.vm import VM
 
 # These scripts run as `python bench/<name>.py`; the shared helpers live next to

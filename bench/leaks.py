@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forkd.controller.services.fleet import vm_id_prefixes
-from forkd.vmm import cgroups, network
-from forkd.vmm.processes import qemu_pids_under, qemu_run_dirs
+from forkd.vmm.jail import cgroups, network
+from forkd.vmm.qemu.host_processes import qemu_pids_under, qemu_run_dirs
 
 STAGING_GLOB = ".*.partial-*"  # a snapshot, volume or delete in progress (or a crash's)
 

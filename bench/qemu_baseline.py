@@ -38,9 +38,10 @@ from typing import Any
 from forkd import limits
 from forkd.errors import VMError
 from forkd.states import VMState
-from forkd.vmm import launch, qemu_user
-from forkd.vmm.launch import tail
-from forkd.vmm.qemu_argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.jail import qemu_user
+from forkd.vmm.qemu import launch
+from forkd.vmm.qemu.argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.qemu.launch import tail
 from forkd.vmm.vm import VM
 
 SAVE_FD_NAME = "bench-save"

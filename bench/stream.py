@@ -47,7 +47,7 @@ from rich.console import Console
 
 from forkd.client import ControllerError, Sandbox
 from forkd.client.commands import CommandHandle
-from forkd.vmm.processes import qemu_pids_under
+from forkd.vmm.qemu.host_processes import qemu_pids_under
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # see bench/fork.py
 import benchlib

@@ -43,7 +43,7 @@ def _accel() -> Check:
 
 
 def _network() -> Check:
-    from forkd.vmm import network
+    from forkd.vmm.jail import network
 
     problems = network.netns_problems()
     if not problems:
@@ -62,12 +62,12 @@ CONNTRACK_MAX = Path("/proc/sys/net/netfilter/nf_conntrack_max")
 def _conntrack(conntrack_max: Path = CONNTRACK_MAX) -> Check:
     """Whether the host's connection-tracking table holds every sandbox's share.
 
-    Each sandbox may keep :data:`forkd.vmm.network.MAX_GUEST_CONNS` connections
+    Each sandbox may keep :data:`forkd.vmm.jail.network.MAX_GUEST_CONNS` connections
     tracked; the table is the host's, so when it fills the host itself drops
     new connections.
     """
     from forkd import limits
-    from forkd.vmm import network
+    from forkd.vmm.jail import network
 
     sandboxes = limits.default_max_sandboxes()
     need = sandboxes * network.MAX_GUEST_CONNS
@@ -86,7 +86,7 @@ def _conntrack(conntrack_max: Path = CONNTRACK_MAX) -> Check:
 
 
 def _seccomp() -> Check:
-    from forkd.vmm import launch
+    from forkd.vmm.qemu import launch
 
     problem = launch.seccomp_problem()
     if problem is None:
@@ -100,7 +100,7 @@ def _seccomp() -> Check:
 
 def _qemu_user() -> Check:
     """What the daemon's --qemu-user and --vm-uid-range (as their variables say) give here."""
-    from forkd.vmm import qemu_user
+    from forkd.vmm.jail import qemu_user
 
     try:
         uids = qemu_user.UidRange.parse(
@@ -123,7 +123,7 @@ def _qemu_user() -> Check:
 
 
 def _cgroups() -> Check:
-    from forkd.vmm import cgroups
+    from forkd.vmm.jail import cgroups
 
     found = cgroups.probe()
     if found.limits_memory:

@@ -70,7 +70,7 @@ FILE_UPLOAD_LIMIT = 64 << 30
 # layer, and all of them merged, may unpack to; a gzip bomb stops here.
 MAX_IMAGE_BYTES = 64 << 30
 
-# What a guest may make the daemon read and wait for (forkd.vmm.agent_client).
+# What a guest may make the daemon read and wait for (forkd.vmm.agent.client).
 # Answer lines, by op, sized from the agent's own caps (docs/guest-agent.md):
 AGENT_LINE_MAX_BYTES = 4 << 20  # ping, restore, file_write, file_remove: a few hundred bytes
 # exec: 2 streams of 1 MiB; JSON escaping makes a byte at most 6 ("\ufffd"): 12 MiB.

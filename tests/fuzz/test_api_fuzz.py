@@ -53,8 +53,9 @@ from forkd.errors import ForkdError
 from forkd.guest.recipe import NAME_RE
 from forkd.launcher import free_port
 from forkd.oci.reference import DIGEST
-from forkd.vmm import network, snapshot_files
-from forkd.vmm.volumes import parse_size
+from forkd.vmm.jail import network
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.volumes.disks import parse_size
 from tests.registry_server import RegistryServer
 from tests.unit.conftest import TOKEN, serving
 from tests.unit.fakes import FakeDriver, FakeVM, make_image

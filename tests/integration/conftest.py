@@ -26,8 +26,10 @@ from forkd.client import Controller, Sandbox
 from forkd.controller.services.fleet import vm_id_prefixes
 from forkd.guest import image as images
 from forkd.launcher import DaemonProcess
-from forkd.vmm import cgroups, memory_diff, network, snapshot_files
-from forkd.vmm.processes import qemu_pids_under
+from forkd.vmm.jail import cgroups, network
+from forkd.vmm.qemu.host_processes import qemu_pids_under
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory_diff
 from forkd.vmm.vm import VM
 from tests.registry_server import free_address
 

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from forkd.client import ControllerError, GuestAgent
-from forkd.vmm import network
+from forkd.vmm.jail import network
 
 from .conftest import Daemon
 

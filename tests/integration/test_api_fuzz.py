@@ -39,8 +39,8 @@ from schemathesis.core.parameters import ParameterLocation
 
 from forkd.controller.services.fleet import vm_id_prefixes
 from forkd.guest import image as images
-from forkd.vmm import cgroups, network
-from forkd.vmm.processes import qemu_pids_under, qemu_run_dirs
+from forkd.vmm.jail import cgroups, network
+from forkd.vmm.qemu.host_processes import qemu_pids_under, qemu_run_dirs
 from tests.fuzz.test_api_fuzz import Known, call_and_check, check_error_body, fuzz_schema, steer
 
 from .conftest import Daemon

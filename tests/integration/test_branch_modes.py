@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from forkd.client import Controller, ControllerError, Sandbox
-from forkd.vmm import snapshot_files
+from forkd.vmm.snapshot import files as snapshot_files
 from tests.integration.conftest import memory_digest
 
 pytestmark = pytest.mark.integration
@@ -155,7 +155,7 @@ def test_live_branch_of_a_busy_sandbox_is_one_instant(ctl: Controller, sb: Sandb
     """Pages written while the live copy runs are copied again in the pause: a fork
     of the branch sees the buffer as it was at one instant, never an older page
     among newer ones."""
-    from forkd.vmm import write_tracking
+    from forkd.vmm.snapshot import write_tracking
 
     out = sb.eval(WRITER)
     assert out.error is None, out.error

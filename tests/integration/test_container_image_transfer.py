@@ -19,7 +19,7 @@ import pytest
 from forkd.client import Controller
 from forkd.oci import artifact, pull, reference
 from forkd.oci.registry import Registry
-from forkd.vmm import snapshot_files
+from forkd.vmm.snapshot import files as snapshot_files
 from tests import oci_images
 from tests.integration.conftest import Daemon
 from tests.integration.test_container_image_lifecycle import shell_less_image

@@ -32,7 +32,7 @@ import pytest
 from forkd.client import Controller, ControllerError
 from forkd.errors import SnapshotError
 from forkd.guest import image as images
-from forkd.vmm import snapshot_files
+from forkd.vmm.snapshot import files as snapshot_files
 
 from .conftest import Daemon
 

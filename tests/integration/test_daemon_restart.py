@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from forkd.guest import image as images
-from forkd.vmm import processes, qemu_user
+from forkd.vmm.jail import qemu_user
+from forkd.vmm.qemu import host_processes as processes
 
 from .conftest import Daemon
 

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.vmm import cgroups, qemu_user
-from forkd.vmm.qemu_argv import SANDBOX_RUNAS
+from forkd.vmm.jail import cgroups, qemu_user
+from forkd.vmm.qemu.argv import SANDBOX_RUNAS
 
 ROOT = Path("/sys/fs/cgroup")
 MIB = 1 << 20

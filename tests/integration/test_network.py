@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.vmm import network
+from forkd.vmm.jail import network
 
 from .conftest import Daemon
 

@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from forkd.launcher import free_port
-from forkd.vmm import network
+from forkd.vmm.jail import network
 from tests.original_forkd import original_call
 
 from .conftest import Daemon

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import SnapshotError, VMError
-from forkd.vmm import live_copy, memory, write_tracking
+from forkd.vmm.snapshot import live_copy, memory, write_tracking
 
 from .conftest import Fleet
 

@@ -14,7 +14,7 @@ class FakeCgroupFS:
     ``v2``: one tree whose root lists its controllers in ``cgroup.controllers``;
     else v1, one tree per controller. ``swap``: the kernel accounts swap, so
     the swap files exist. Install it with ``monkeypatch`` over
-    :func:`forkd.vmm.cgroups.make_dir` and ``remove_dir``: a new group is
+    :func:`forkd.vmm.jail.cgroups.make_dir` and ``remove_dir``: a new group is
     filled with the files the kernel would create, removing one refuses
     (``EBUSY``) while a live process is in it, as the kernel does.
     """
@@ -32,7 +32,7 @@ class FakeCgroupFS:
                 self._fill_v1(root / c, c, top=True)
 
     def install(self, monkeypatch: Any) -> FakeCgroupFS:
-        from forkd.vmm import cgroups
+        from forkd.vmm.jail import cgroups
 
         monkeypatch.setattr(cgroups, "make_dir", self.mkdir)
         monkeypatch.setattr(cgroups, "remove_dir", self.rmdir)

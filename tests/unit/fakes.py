@@ -1,7 +1,7 @@
 """A fake VM driver for unit tests of the services, the app, the SDK and the CLI.
 
 Everything but QEMU is real: snapshots are real directories with a real
-``snapshot.json`` (written by :mod:`forkd.vmm.snapshot_files`), a sparse
+``snapshot.json`` (written by :mod:`forkd.vmm.snapshot.files`), a sparse
 ``memory.bin`` and a ``vmstate``, so the registry, reconcile and validation
 code run as they do in production. A fake VM keeps its guest's files in a
 dict, runs ``eval`` in a Python namespace of its own, and copies both into
@@ -24,11 +24,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forkd.errors import AgentError, SnapshotError, VMError
-from forkd.vmm import memory_diff, snapshot_files
-from forkd.vmm.network import SandboxNet
-from forkd.vmm.qemu_argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
-from forkd.vmm.snapshot_files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.jail.network import SandboxNet
+from forkd.vmm.qemu.argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory_diff
+from forkd.vmm.snapshot.files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
+from forkd.vmm.volumes.disks import Attachment
 from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
 
@@ -79,7 +80,7 @@ class Guest:
 
 
 class FakeWriter:
-    """A snapshot being staged, as :class:`forkd.vmm.snapshot_writer.SnapshotWriter`."""
+    """A snapshot being staged, as :class:`forkd.vmm.snapshot.writer.SnapshotWriter`."""
 
     def __init__(self, vm: FakeVM, dest: Path, base: BaseRef | None = None) -> None:
         self.vm, self.dest, self.base = vm, dest, base
@@ -236,7 +237,7 @@ class FakeVM:
 
     async def guest_port_address(self, port: int) -> tuple[str, int]:
         """As VM's: where the daemon connects for guest ``port`` (none listening: a closed one)."""
-        from forkd.vmm.guest_ports import check_guest_port
+        from forkd.vmm.agent.ports import check_guest_port
 
         check_guest_port(port)
         return "127.0.0.1", self.ports.get(port, CLOSED_PORT)

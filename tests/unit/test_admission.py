@@ -21,7 +21,7 @@ from forkd import limits
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
 from forkd.launcher import free_port
-from forkd.vmm import cgroups
+from forkd.vmm.jail import cgroups
 from tests.unit.conftest import TOKEN, serving
 from tests.unit.fake_cgroups import FakeCgroupFS
 from tests.unit.fakes import FakeDriver

@@ -31,8 +31,8 @@ from typing import Any
 
 import pytest
 
-from forkd.vmm.agent_client import AgentClient, LineSplitter
-from forkd.vmm.agent_ops import GuestOps
+from forkd.vmm.agent.client import AgentClient, LineSplitter
+from forkd.vmm.agent.ops import GuestOps
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"
 ENTROPY = base64.b64encode(os.urandom(32)).decode()

@@ -22,9 +22,9 @@ import pytest
 
 from forkd import limits
 from forkd.errors import AgentError, SnapshotError
-from forkd.vmm import agent_client
-from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
+from forkd.vmm.agent import client as agent_client
+from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
 from forkd.vmm.vm import VM
 
 # The guest's side of one connection: gets each request, may write anything back.

@@ -1,5 +1,5 @@
 """A volume's archive unpacked by a child that dropped to a uid of its own
-(forkd.archive.confined, forkd.vmm.archive_jail), as a root daemon does it."""
+(forkd.archive.confined, forkd.vmm.jail.archive), as a root daemon does it."""
 
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from forkd.archive import Limits, UnsafeEntry
-from forkd.vmm import archive_jail, qemu_user
-from forkd.vmm.qemu_user import UidRange
+from forkd.vmm.jail import archive as archive_jail
+from forkd.vmm.jail import qemu_user
+from forkd.vmm.jail.qemu_user import UidRange
 from tests.archive.hostile import archive, directory, file, symlink
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root")

@@ -21,7 +21,7 @@ from forkd.controller.services import Services
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import ForkdError
-from forkd.vmm.snapshot_files import SnapshotLabels
+from forkd.vmm.snapshot.files import SnapshotLabels
 from tests.unit.fakes import FakeDriver, FakeVM, FakeWriter, Guest
 
 
@@ -50,7 +50,7 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Harness, Fak
     )  # fmt: skip
     store = Store(tmp_path / "forkd.db")
     services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0), driver)
-    from forkd.vmm.qemu_argv import MachineConfig
+    from forkd.vmm.qemu.argv import MachineConfig
 
     machine = MachineConfig(1, 1, "tcg", img / "vmlinuz", img / "initrd.img", img / "rootfs.sqfs")
     store.add_snapshot(SnapshotRow("base", str(tmp_path / "snaps" / "base"), 1, None, None,
@@ -178,7 +178,7 @@ def test_unsupported_mode_is_refused(setup: Any) -> None:
 
 
 def test_cancellation_mid_capture_resumes_and_cleans_up(setup: Any, tmp_path: Path) -> None:
-    from forkd.vmm.live_snapshot import snapshot_running
+    from forkd.vmm.snapshot.live import snapshot_running
 
     manager, vm, events = setup
 

@@ -16,8 +16,10 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import Invalid, VMError
-from forkd.vmm import cgroups, launch, runtime_meta
-from forkd.vmm.qemu_argv import SANDBOX, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm import runtime_meta
+from forkd.vmm.jail import cgroups
+from forkd.vmm.qemu import launch
+from forkd.vmm.qemu.argv import SANDBOX, MachineConfig, RuntimePaths, build_argv
 from tests.unit.fake_cgroups import FakeCgroupFS
 
 MIB = 1 << 20

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from forkd.controller.settings import Settings
-from forkd.vmm import snapshot_files
+from forkd.vmm.snapshot import files as snapshot_files
 from tests.unit.fakes import FakeDriver
 
 
@@ -92,7 +92,7 @@ def test_the_vm_record_and_snapshots_carry_the_ids(
 
 def test_vm_record_round_trips_origin_id(tmp_path: Path) -> None:
     from forkd.vmm import runtime_meta
-    from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
+    from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
 
     machine = MachineConfig(128, 1, "tcg", tmp_path / "k", tmp_path / "i", tmp_path / "r")
     rt = RuntimePaths(tmp_path)
@@ -129,7 +129,7 @@ def test_no_diff_branch_over_a_base_a_delete_is_removing(
     import threading
     import time
 
-    from forkd.vmm import snapshot_compact
+    from forkd.vmm.snapshot import compact as snapshot_compact
 
     assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
     real = snapshot_compact.compact
@@ -227,7 +227,7 @@ def test_a_delete_waits_for_a_branch_copying_the_hibernated_state(
     import threading
     import time
 
-    from forkd.vmm import snapshot_copy
+    from forkd.vmm.snapshot import copy as snapshot_copy
 
     assert client.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
     real, copying, most = snapshot_copy.copy_snapshot, [0], [0]
@@ -273,9 +273,9 @@ def test_the_writer_opens_only_the_base_its_vm_was_forked_from(
     from types import SimpleNamespace
 
     from forkd.errors import SnapshotError
-    from forkd.vmm.snapshot_files import BaseRef
-    from forkd.vmm.snapshot_memory import DiffMemory
-    from forkd.vmm.snapshot_writer import SnapshotWriter
+    from forkd.vmm.snapshot.files import BaseRef
+    from forkd.vmm.snapshot.memory_strategy import DiffMemory
+    from forkd.vmm.snapshot.writer import SnapshotWriter
 
     base = settings.snapshot_root / "base"
     base_id = _meta(settings, "base")["id"]

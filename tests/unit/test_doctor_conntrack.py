@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from forkd import doctor, limits
-from forkd.vmm import network
+from forkd.vmm.jail import network
 
 
 def _sysctl(tmp_path: Path, value: str) -> Path:

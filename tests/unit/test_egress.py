@@ -7,9 +7,9 @@ import ipaddress
 import pytest
 
 from forkd.errors import Invalid
-from forkd.vmm import egress
-from forkd.vmm.egress import BLOCKED_RANGES, Egress
-from forkd.vmm.network import (
+from forkd.vmm.jail import egress
+from forkd.vmm.jail.egress import BLOCKED_RANGES, Egress
+from forkd.vmm.jail.network import (
     ALWAYS_BLOCKED,
     GUEST_IP,
     host_ruleset,

@@ -23,7 +23,7 @@ from forkd import limits
 from forkd.client import Controller, Sandbox
 from forkd.client.results import DisplayOutput, EvalResult
 from forkd.errors import AgentError
-from forkd.vmm import agent_ops
+from forkd.vmm.agent import ops as agent_ops
 from tests.unit.conftest import RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
 from tests.unit.test_cli import env_of, make_app, runner
@@ -153,7 +153,7 @@ def test_the_host_waits_for_an_eval_its_timeout_plus_the_agents_grace() -> None:
 
 
 def test_an_eval_answer_may_hold_the_display_cap_beside_its_streams() -> None:
-    from forkd.vmm.agent_client import answer_cap
+    from forkd.vmm.agent.client import answer_cap
 
     assert answer_cap("eval") >= limits.AGENT_OUTPUT_LINE_MAX_BYTES + limits.EVAL_DISPLAY_MAX_BYTES
 

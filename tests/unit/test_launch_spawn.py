@@ -1,4 +1,4 @@
-"""How QEMU is started (:func:`forkd.vmm.launch.spawn`), with a stand-in command.
+"""How QEMU is started (:func:`forkd.vmm.qemu.launch.spawn`), with a stand-in command.
 
 No Python runs between fork and exec: the cgroup is joined at a gate before
 the command runs, the namespace is entered by ``nsenter`` and the parent-death
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import HostToolMissing
-from forkd.vmm import cgroups, launch, netns_ops, network, qemu_user
+from forkd.vmm.jail import cgroups, netns_ops, network, qemu_user
+from forkd.vmm.qemu import launch
 from tests.unit.fake_cgroups import FakeCgroupFS
 
 
@@ -95,7 +96,7 @@ def test_a_command_not_detached_dies_with_the_process_that_started_it(tmp_path: 
         [sys.executable, "-c", (
             "import sys, time\n"
             "from pathlib import Path\n"
-            "from forkd.vmm import launch\n"
+            "from forkd.vmm.qemu import launch\n"
             f"rt = launch.prepare_runtime(Path({str(tmp_path)!r}), 'vm-orphan')\n"
             "p = launch.spawn(['sleep', '60'], rt, detach=False)\n"
             "print(p.pid, flush=True)\n"

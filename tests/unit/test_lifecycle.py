@@ -21,7 +21,7 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.services import Services, lifecycle
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, Store
-from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.qemu.argv import MachineConfig
 from tests.unit.fakes import FakeDriver, FakeVM, Guest, make_image
 
 HANG_SECS = 5.0  # a "hang" ends after this, so code that waits it out fails instead of hanging

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from forkd.vmm import memory, remote_syscall, write_tracking
-from forkd.vmm.live_copy import LiveCopy
+from forkd.vmm.snapshot import memory, remote_syscall, write_tracking
+from forkd.vmm.snapshot.live_copy import LiveCopy
 
 PAGE = memory.PAGE
 NPAGES = 256

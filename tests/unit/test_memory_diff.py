@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import SnapshotError, VMError
-from forkd.vmm import memory, memory_diff, snapshot_files
-from forkd.vmm.qemu_argv import MachineConfig
-from forkd.vmm.snapshot_files import BaseRef, SnapshotMeta
+from forkd.vmm.qemu.argv import MachineConfig
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory, memory_diff
+from forkd.vmm.snapshot.files import BaseRef, SnapshotMeta
 
 PAGE = memory.PAGE
 MIB = 1
@@ -202,7 +203,7 @@ def test_a_base_made_again_under_the_same_tag_is_not_the_base(
 def test_a_compaction_landing_inside_resolve_is_read_again(
     tmp_path: Path, image_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from forkd.vmm import snapshot_compact
+    from forkd.vmm.snapshot import compact as snapshot_compact
 
     root = _full(tmp_path, image_dir, "root", bytes(SIZE))
     m = _map(root / "memory.bin")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.vmm import memory
+from forkd.vmm.snapshot import memory
 
 PAGE = memory.PAGE
 NPAGES = 64

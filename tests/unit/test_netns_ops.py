@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import VMError
-from forkd.vmm import netns_ops, network
-from forkd.vmm.egress import Egress
+from forkd.vmm.jail import netns_ops, network
+from forkd.vmm.jail.egress import Egress
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or network.netns_problems() != [],

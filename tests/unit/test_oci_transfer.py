@@ -20,9 +20,10 @@ from forkd.errors import NotFound, UpstreamError, UpstreamRefused
 from forkd.oci import artifact, auth, image_files, pull, push, reference
 from forkd.oci.policy import RegistryPolicy
 from forkd.oci.registry import Registry, sha256
-from forkd.vmm import memory_diff, snapshot_files
-from forkd.vmm.qemu_argv import RUNTIME_CMDLINE, MachineConfig
-from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotMeta
+from forkd.vmm.qemu.argv import RUNTIME_CMDLINE, MachineConfig
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory_diff
+from forkd.vmm.snapshot.files import SnapshotFiles, SnapshotMeta
 from tests.registry_server import RegistryServer
 
 PAGE = 4096
@@ -260,7 +261,7 @@ def _pushed_volume(
 
 def test_volume_disks_travel_as_their_non_zero_chunks(tmp_path: Path) -> None:
     from forkd.oci import volume_files
-    from forkd.vmm.volumes import VolumeStore
+    from forkd.vmm.volumes.disks import VolumeStore
 
     disk = tmp_path / "disk.raw"
     size = 64 << 20
@@ -292,7 +293,7 @@ def test_volume_disks_travel_as_their_non_zero_chunks(tmp_path: Path) -> None:
 def test_a_volume_of_a_size_off_page_bounds_travels_whole(tmp_path: Path) -> None:
     """Volumes are made of any size (``--size 300000000``): the last part-page too."""
     from forkd.oci import volume_files
-    from forkd.vmm.volumes import VolumeStore
+    from forkd.vmm.volumes.disks import VolumeStore
 
     size = (16 << 20) + 1000
     disk = tmp_path / "odd.raw"

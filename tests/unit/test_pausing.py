@@ -126,7 +126,7 @@ class AdoptingDriver(FakeDriver):
 
 
 def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -> None:
-    from forkd.vmm.qemu_argv import MachineConfig
+    from forkd.vmm.qemu.argv import MachineConfig
 
     settings.run_dir.mkdir(parents=True)
     store = Store(settings.state_dir / "forkd.db")

@@ -8,7 +8,7 @@ from typing import Any
 
 from forkd.errors import VMError
 from forkd.vmm.pool import ForkPool
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.volumes.disks import Attachment
 
 A, B, C = Path("/snaps/a"), Path("/snaps/b"), Path("/snaps/c")
 

@@ -27,9 +27,9 @@ from typing import Any, Protocol
 import pytest
 
 from forkd.errors import AgentError
-from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.agent_ops import GuestOps
-from forkd.vmm.qemu_argv import MachineConfig
+from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.agent.ops import GuestOps
+from forkd.vmm.qemu.argv import MachineConfig
 from tests.unit.fakes import FakeVM, Guest
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"

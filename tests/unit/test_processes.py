@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd.vmm.processes import qemu_pid_matches, qemu_pids_under, qemu_run_dirs
+from forkd.vmm.qemu.host_processes import qemu_pid_matches, qemu_pids_under, qemu_run_dirs
 
 SLEEP = "import time; time.sleep(60)"
 Spawn = Callable[..., int]

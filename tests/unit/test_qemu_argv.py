@@ -2,14 +2,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from forkd.vmm.qemu_argv import (
+from forkd.vmm.qemu.argv import (
     MachineConfig,
     RuntimePaths,
     build_argv,
     host_tsc_khz,
     kernel_cmdline,
 )
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.volumes.disks import Attachment
 
 CFG = MachineConfig(
     memory_mib=256,

@@ -14,10 +14,11 @@ import pytest
 
 from forkd import doctor
 from forkd.errors import ForkdError, Invalid, OverCapacity
-from forkd.vmm import processes, qemu_user
-from forkd.vmm.qemu_argv import SANDBOX, SANDBOX_RUNAS, MachineConfig, RuntimePaths, build_argv
-from forkd.vmm.qemu_user import Holder, Registry, UidRange
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.jail import qemu_user
+from forkd.vmm.jail.qemu_user import Holder, Registry, UidRange
+from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.qemu.argv import SANDBOX, SANDBOX_RUNAS, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.volumes.disks import Attachment
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="starts processes as other uids")
 
@@ -125,7 +126,7 @@ def test_another_process_sees_the_uids_held_here(
     held.bind(_sleeper(children))
     other = subprocess.run(
         [sys.executable, "-c", (
-            "from pathlib import Path\nfrom forkd.vmm.qemu_user import Registry, UidRange\n"
+            "from pathlib import Path\nfrom forkd.vmm.jail.qemu_user import Registry, UidRange\n"
             f"print(Registry(UidRange(70000, 70001), Path({str(directory)!r})).reserve().uid)"
         )],
         capture_output=True, text=True, check=True,

@@ -14,11 +14,12 @@ import pytest
 
 from forkd.errors import SnapshotError, StorageFull
 from forkd.guest.image import Image, users_of
-from forkd.vmm import runtime_meta, snapshot_files
-from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
-from forkd.vmm.snapshot_files import ImageRef, SnapshotLabels, SnapshotMeta
-from forkd.vmm.snapshot_writer import SnapshotWriter
-from forkd.vmm.volumes import Attachment
+from forkd.vmm import runtime_meta
+from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot.files import ImageRef, SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot.writer import SnapshotWriter
+from forkd.vmm.volumes.disks import Attachment
 
 # The keys integration tests and older daemons read, in the order they are written.
 SNAPSHOT_KEYS = [

@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-from forkd.vmm import live_copy, memory, write_tracking
-from forkd.vmm.snapshot_files import BaseRef
-from forkd.vmm.snapshot_memory import (
+from forkd.vmm.snapshot import live_copy, memory, write_tracking
+from forkd.vmm.snapshot.files import BaseRef
+from forkd.vmm.snapshot.memory_strategy import (
     DiffMemory,
     MemoryRecord,
     MemoryStrategy,
@@ -27,11 +27,11 @@ from forkd.vmm.snapshot_memory import (
     PrecopyMemory,
     for_snapshot,
 )
-from forkd.vmm.write_tracking import WriteTracker
+from forkd.vmm.snapshot.write_tracking import WriteTracker
 from tests.unit.test_live_copy import NPAGES, PAGE, Child
 
 T = TypeVar("T")
-WRITER_LOG = "forkd.vmm.snapshot_writer"  # the strategies log as the writer did
+WRITER_LOG = "forkd.vmm.snapshot.writer"  # the strategies log as the writer did
 
 
 async def _thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
@@ -40,7 +40,8 @@ async def _thread(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
 
 @dataclass
 class Source:
-    """The VM as the strategies see it (:class:`forkd.vmm.snapshot_memory.MemorySource`)."""
+    """The VM as the strategies see it
+    (:class:`forkd.vmm.snapshot.memory_strategy.MemorySource`)."""
 
     pid: int
     id: str = "vm-t"

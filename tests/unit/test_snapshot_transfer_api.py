@@ -27,7 +27,7 @@ from forkd.controller.settings import Settings
 from forkd.errors import UpstreamError
 from forkd.oci import artifact, pull, reference
 from forkd.oci.registry import Registry, sha256
-from forkd.vmm import snapshot_files
+from forkd.vmm.snapshot import files as snapshot_files
 from tests.registry_server import RegistryServer
 from tests.unit.fakes import FakeDriver
 from tests.unit.listening_registry import Answer, listening

@@ -14,7 +14,7 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.services import Services
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
-from forkd.vmm import qemu_user
+from forkd.vmm.jail import qemu_user
 from tests.unit.fakes import FakeDriver
 
 

@@ -19,14 +19,14 @@ from typing import Any
 
 import pytest
 
-from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
+from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
 from forkd.vmm.vm import VM
 from tests.unit.fakes import FakeDriver, FakeVM, Guest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "forkd"
 # Where VMs are handed around: the services, and the fork pool and live snapshots they use.
 VM_USERS = [*sorted((SRC / "controller" / "services").glob("*.py")),
-            SRC / "vmm" / "pool.py", SRC / "vmm" / "live_snapshot.py"]  # fmt: skip
+            SRC / "vmm" / "pool.py", SRC / "vmm" / "snapshot" / "live.py"]  # fmt: skip
 VM_VARIABLES = frozenset({"vm", "template"})  # the names a VM is held under there
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import SnapshotError
-from forkd.vmm import launch
 from forkd.vmm import vm as vm_module
-from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.qemu_argv import MachineConfig
-from forkd.vmm.qmp_channel import QMPChannel
+from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.qemu import launch
+from forkd.vmm.qemu.argv import MachineConfig
+from forkd.vmm.qemu.qmp import QMPChannel
 from forkd.vmm.vm import VM
 from tests.unit.fakes import FakeVM, Guest, make_image
 

@@ -18,8 +18,9 @@ from forkd.archive.tar_format import Member
 from forkd.client import Controller
 from forkd.controller.settings import Settings
 from forkd.errors import Conflict, ForkdError, Invalid, NotFound, StorageFull
-from forkd.vmm import archive_jail, volumes
-from forkd.vmm.volumes import (
+from forkd.vmm.jail import archive as archive_jail
+from forkd.vmm.volumes import disks as volumes
+from forkd.vmm.volumes.disks import (
     MIN_SIZE,
     Attachment,
     VolumeStore,

@@ -26,7 +26,7 @@ from forkd.limits import (
     REQUEST_BODY_IDLE_TIMEOUT_SECS,
     REQUEST_HEADER_TIMEOUT_SECS,
 )
-from forkd.vmm.qemu_user import DEFAULT_RANGE
+from forkd.vmm.jail.qemu_user import DEFAULT_RANGE
 
 if TYPE_CHECKING:
     from forkd.controller.connection_limits import ConnectionLimits
@@ -329,7 +329,7 @@ def serve(
     from forkd.controller.server import serve as run_server
     from forkd.controller.settings import Settings
     from forkd.oci.policy import RegistryPolicy
-    from forkd.vmm import cgroups
+    from forkd.vmm.jail import cgroups
 
     sd = (state_dir or paths.state_dir()).resolve()
     snapshot_root = snapshot_root.resolve() if snapshot_root else None
@@ -402,7 +402,7 @@ def _use_qemu_user(choice: str, uid_range: str) -> None:
     behind an option would keep that hole open.
     """
     from forkd.cli.render import err
-    from forkd.vmm import qemu_user
+    from forkd.vmm.jail import qemu_user
 
     if choice == "none":
         qemu_user.configure(None)
@@ -427,7 +427,7 @@ def _admission_caps(
 ) -> tuple[int, int]:
     """The caps given, else sized for this host (see :mod:`forkd.limits`)."""
     from forkd import limits
-    from forkd.vmm import cgroups
+    from forkd.vmm.jail import cgroups
 
     count = max_sandboxes or limits.default_max_sandboxes()
     mib = max_guest_memory or limits.default_max_guest_memory_mib(

@@ -27,7 +27,8 @@ from forkd import hosttools, paths
 from forkd.errors import ImageError
 from forkd.guest import guest_files, initramfs, kernel, recipe, rootfs
 from forkd.guest.recipe import Recipe
-from forkd.vmm import runtime_meta, snapshot_files
+from forkd.vmm import runtime_meta
+from forkd.vmm.snapshot import files as snapshot_files
 
 BUILDER_VERSION = 1
 

@@ -46,7 +46,7 @@ from typing import Any
 from forkd.errors import UpstreamError
 from forkd.oci.reference import DIGEST
 from forkd.oci.registry import MANIFEST_TYPE
-from forkd.vmm.qemu_argv import RUNTIME_CMDLINE
+from forkd.vmm.qemu.argv import RUNTIME_CMDLINE
 
 ARTIFACT_TYPE = "application/vnd.forkd.snapshot.v1"
 CONFIG_TYPE = "application/vnd.forkd.snapshot.config.v1+json"

@@ -23,7 +23,7 @@ from typing import Any
 
 from forkd import hosttools, limits
 from forkd.errors import ForkdError
-from forkd.vmm.qemu_argv import QEMU_BINARY, TCG_CPU, MachineConfig
+from forkd.vmm.qemu.argv import QEMU_BINARY, TCG_CPU, MachineConfig
 
 MACHINE_TYPE = "microvm"
 

@@ -29,8 +29,8 @@ from forkd.errors import SnapshotError, UpstreamError
 from forkd.oci import artifact
 from forkd.oci.artifact import Layer, Manifest
 from forkd.oci.registry import Registry
-from forkd.vmm import memory, memory_diff
-from forkd.vmm.memory_diff import Chain
+from forkd.vmm.snapshot import memory, memory_diff
+from forkd.vmm.snapshot.memory_diff import Chain
 
 PAGE = memory.PAGE
 LocalBase = Callable[[str], Chain | None]

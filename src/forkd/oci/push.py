@@ -21,9 +21,9 @@ import zstandard
 from forkd.oci import artifact, image_files, volume_files
 from forkd.oci.artifact import Layer, Manifest
 from forkd.oci.registry import Registry, sha256
-from forkd.vmm import memory, memory_diff
-from forkd.vmm.memory_diff import Chain
-from forkd.vmm.snapshot_files import SnapshotFiles
+from forkd.vmm.snapshot import memory, memory_diff
+from forkd.vmm.snapshot.files import SnapshotFiles
+from forkd.vmm.snapshot.memory_diff import Chain
 
 PAGE = memory.PAGE
 ZSTD_LEVEL = 3  # fixed: the same content must give the same blob, push after push

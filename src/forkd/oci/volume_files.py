@@ -19,8 +19,8 @@ from forkd import hosttools, limits
 from forkd.errors import UpstreamError
 from forkd.oci import artifact
 from forkd.oci.artifact import Manifest
-from forkd.vmm import memory
-from forkd.vmm.volumes import MAX_SIZE, MIN_SIZE, Attachment, VolumeInvalid, check_guest_mount
+from forkd.vmm.snapshot import memory
+from forkd.vmm.volumes.disks import MAX_SIZE, MIN_SIZE, Attachment, VolumeInvalid, check_guest_mount
 
 
 def part(index: int) -> str:

@@ -23,7 +23,7 @@ from typing import Generic, Protocol, TypeVar
 
 from forkd.errors import ForkdError
 from forkd.vmm.vm import new_vm_id
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.volumes.disks import Attachment
 
 log = logging.getLogger(__name__)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forkd.errors import VMError
-from forkd.vmm.cgroups import Group
-from forkd.vmm.network import SandboxNet
-from forkd.vmm.qemu_argv import MachineConfig, RuntimePaths
-from forkd.vmm.snapshot_files import ImageRef, image_json
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.jail.cgroups import Group
+from forkd.vmm.jail.network import SandboxNet
+from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
+from forkd.vmm.snapshot.files import ImageRef, image_json
+from forkd.vmm.volumes.disks import Attachment
 
 if TYPE_CHECKING:
     from forkd.vmm.vm import VM

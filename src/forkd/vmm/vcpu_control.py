@@ -14,8 +14,8 @@ from collections.abc import Callable
 from forkd import limits
 from forkd.errors import AgentError, Busy, VMError
 from forkd.states import VMState
-from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.qmp_channel import QMPChannel
+from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.qemu.qmp import QMPChannel
 from forkd.vmm.vm_state import VMLifecycle
 
 

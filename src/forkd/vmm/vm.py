@@ -12,7 +12,7 @@ Snapshotting any running VM (template or child, at any depth) is::
     await vm.resume()
     await writer.commit(labels)              # snapshot.json, rename into place
 
-:func:`forkd.vmm.live_snapshot.snapshot_running` runs that sequence with the
+:func:`forkd.vmm.snapshot.live.snapshot_running` runs that sequence with the
 failure table, for :meth:`VM.snapshot` and the daemon's branches alike.
 """
 
@@ -36,35 +36,29 @@ from forkd import accel, limits
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.guest.image import Image
 from forkd.states import VMState
-from forkd.vmm import (
-    agent_ops,
-    cgroups,
-    egress,
-    launch,
-    live_snapshot,
-    memory,
-    memory_diff,
-    network,
-    processes,
-    qemu_user,
-    runtime_meta,
-    snapshot_files,
-    volume_mounts,
-    volumes,
-)
-from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.agent_ops import GuestOps
-from forkd.vmm.guest_ports import GuestPorts
-from forkd.vmm.launch import tail
-from forkd.vmm.processes import qemu_pid_matches
-from forkd.vmm.qemu_argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
-from forkd.vmm.qmp_channel import CONNECT_TIMEOUT_SECS, QMPChannel
-from forkd.vmm.snapshot_files import BaseRef, ImageRef, SnapshotFiles, SnapshotLabels
-from forkd.vmm.snapshot_writer import SnapshotWriter
+from forkd.vmm import runtime_meta
+from forkd.vmm.agent import ops as agent_ops
+from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.agent.ops import GuestOps
+from forkd.vmm.agent.ports import GuestPorts
+from forkd.vmm.jail import cgroups, egress, network, qemu_user
+from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.qemu import launch
+from forkd.vmm.qemu.argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
+from forkd.vmm.qemu.host_processes import qemu_pid_matches
+from forkd.vmm.qemu.launch import tail
+from forkd.vmm.qemu.qmp import CONNECT_TIMEOUT_SECS, QMPChannel
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import live as live_snapshot
+from forkd.vmm.snapshot import memory, memory_diff
+from forkd.vmm.snapshot.files import BaseRef, ImageRef, SnapshotFiles, SnapshotLabels
+from forkd.vmm.snapshot.write_tracking import WriteTracker
+from forkd.vmm.snapshot.writer import SnapshotWriter
 from forkd.vmm.vcpu_control import VcpuControl
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.volumes import disks as volumes
+from forkd.vmm.volumes import mounts as volume_mounts
+from forkd.vmm.volumes.disks import Attachment
 from forkd.vmm.warm_start import WarmStart
-from forkd.vmm.write_tracking import WriteTracker
 
 __all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
 
@@ -143,7 +137,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
     ) -> VM:
         """Cold-boot a VM from ``image``; returns once its agent answers.
 
-        ``attach``: volumes (see :mod:`forkd.vmm.volumes`), mounted in the
+        ``attach``: volumes (see :mod:`forkd.vmm.volumes.disks`), mounted in the
         guest before this returns. ``host_network``: gives the VM a network
         namespace of its own with ``egress_policy`` (default: from ``internet``).
         ``cgroup``: QEMU runs in a cgroup of its own there, with caps.
@@ -473,7 +467,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
     ) -> SnapshotWriter:
         """Stage a snapshot of this VM at ``dest`` (which must not exist); with ``base``,
         a diff over that snapshot (the one this VM was forked from); ``live``: copy
-        the guest's pages before the pause too (:mod:`forkd.vmm.live_copy`)."""
+        the guest's pages before the pause too (:mod:`forkd.vmm.snapshot.live_copy`)."""
         if dest.exists():
             raise SnapshotError(f"{dest} already exists")
         writer = SnapshotWriter(self, dest, base, live=live)

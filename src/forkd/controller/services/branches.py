@@ -1,6 +1,6 @@
 """Branches: pause a running sandbox, snapshot it, resume it, register the snapshot.
 
-The order and the failure table are :mod:`forkd.vmm.live_snapshot`'s; this
+The order and the failure table are :mod:`forkd.vmm.snapshot.live`'s; this
 service adds what the daemon owns: the tag, the mode, the concurrency cap, one
 branch of a sandbox at a time, the registry, and branches that finish in the
 background (``wait: false``: registered ``pending`` at once, then ``ready`` or
@@ -33,8 +33,11 @@ from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
 from forkd.states import BranchMode, SnapshotMode, SnapshotStatus
-from forkd.vmm import live_snapshot, memory_diff, snapshot_copy, snapshot_files
-from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
+from forkd.vmm.snapshot import copy as snapshot_copy
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import live as live_snapshot
+from forkd.vmm.snapshot import memory_diff
+from forkd.vmm.snapshot.files import BaseRef, SnapshotLabels
 
 log = logging.getLogger(__name__)
 

@@ -33,11 +33,11 @@ from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.guest.image import Image
 from forkd.limits import check_tag
 from forkd.states import SandboxState
-from forkd.vmm import cgroups
-from forkd.vmm.egress import Egress
-from forkd.vmm.network import HostNetwork
+from forkd.vmm.jail import cgroups
+from forkd.vmm.jail.egress import Egress
+from forkd.vmm.jail.network import HostNetwork
 from forkd.vmm.pool import ForkPool
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.volumes.disks import Attachment
 
 
 class VMDriver(Protocol):

@@ -9,7 +9,7 @@ committed one is its state. The one before stays while the woken VM maps its
 
 Being under the snapshot root, the directories are seen by everything that
 asks which snapshots use a volume layer or an image
-(:func:`forkd.vmm.snapshot_files.recorded_volumes`, ``forkd image rm``), so
+(:func:`forkd.vmm.snapshot.files.recorded_volumes`, ``forkd image rm``), so
 neither is collected while a sandbox sleeps on it. Their names start with a
 dot: they are never registered as snapshots.
 """
@@ -23,7 +23,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from forkd.vmm import snapshot_files
+from forkd.vmm.snapshot import files as snapshot_files
 
 PREFIX = ".hibernated."
 NETWORK_FILE = "network.json"

@@ -2,7 +2,7 @@
 restored into a new QEMU with the same id, address, volumes and processes.
 
 Hibernating is a snapshot of the sandbox as it is (paused first when it
-runs; see :mod:`forkd.vmm.live_snapshot`), written to the sandbox's own
+runs; see :mod:`forkd.vmm.snapshot.live`), written to the sandbox's own
 directory (:mod:`.hibernated_files`); once it is committed the store says
 ``hibernated`` and the QEMU is killed, which gives its memory back. Waking
 restores that snapshot the way a fork does, under the sandbox's id, with
@@ -29,9 +29,10 @@ from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Busy, Conflict, ForkdError, StorageFull, VMError
 from forkd.states import SandboxState
-from forkd.vmm import live_snapshot, snapshot_files
-from forkd.vmm.network import SandboxNet
-from forkd.vmm.snapshot_files import SnapshotLabels
+from forkd.vmm.jail.network import SandboxNet
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import live as live_snapshot
+from forkd.vmm.snapshot.files import SnapshotLabels
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ from forkd.errors import Busy, Conflict, ImageError, Invalid, NotFound
 from forkd.guest import container_image, recipe
 from forkd.guest import image as images
 from forkd.image_import.model import FetchedImage
-from forkd.vmm import qemu_user
+from forkd.vmm.jail import qemu_user
 
 if TYPE_CHECKING:
     from forkd.image_import.references import ImageSource

@@ -25,7 +25,9 @@ from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, SnapshotError
 from forkd.limits import NAME_RE
 from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
-from forkd.vmm import network, processes, qemu_user, snapshot_files
+from forkd.vmm.jail import network, qemu_user
+from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.snapshot import files as snapshot_files
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +174,7 @@ class Lifecycle:
         """QEMU processes and run directories of ours that no sandbox owns.
 
         A process counts as ours only when it runs as this daemon's user or a
-        uid of its QEMUs' range (:mod:`forkd.vmm.qemu_user`) and its run
+        uid of its QEMUs' range (:mod:`forkd.vmm.jail.qemu_user`) and its run
         directory, directly under ours, is named like one of our VMs' ids;
         what is deleted is a path we build, never one read from a process.
         """

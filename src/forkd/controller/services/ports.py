@@ -20,7 +20,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.preview_tokens import PreviewKey, parse
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Busy, Forbidden, NotFound
-from forkd.vmm.guest_ports import check_guest_port
+from forkd.vmm.agent.ports import check_guest_port
 
 MAX_CONNECTIONS_PER_SANDBOX = 64
 MAX_CONNECTIONS = 1024  # all sandboxes together: each holds two sockets and some buffer

@@ -15,15 +15,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from forkd.vmm.live_snapshot import Writer
-from forkd.vmm.network import SandboxNet
-from forkd.vmm.qemu_argv import MachineConfig
-from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.jail.network import SandboxNet
+from forkd.vmm.qemu.argv import MachineConfig
+from forkd.vmm.snapshot.files import BaseRef, SnapshotLabels
+from forkd.vmm.snapshot.live import Writer
+from forkd.vmm.volumes.disks import Attachment
 
 
 class RunDir(Protocol):
-    """A VM's runtime files (:class:`forkd.vmm.qemu_argv.RuntimePaths`): their directory."""
+    """A VM's runtime files (:class:`forkd.vmm.qemu.argv.RuntimePaths`): their directory."""
 
     @property
     def dir(self) -> Path: ...

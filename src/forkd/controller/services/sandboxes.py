@@ -52,9 +52,10 @@ from forkd.errors import (
     VMError,
 )
 from forkd.states import OnTimeout, SandboxState
-from forkd.vmm import cgroups, egress, snapshot_files
-from forkd.vmm.agent_ops import EVAL_IMAGE_REFUSALS
-from forkd.vmm.egress import Egress
+from forkd.vmm.agent.ops import EVAL_IMAGE_REFUSALS
+from forkd.vmm.jail import cgroups, egress
+from forkd.vmm.jail.egress import Egress
+from forkd.vmm.snapshot import files as snapshot_files
 
 T = TypeVar("T")
 

@@ -50,10 +50,12 @@ from forkd.oci.pull import Downloads, Remote
 from forkd.oci.push import Base, Pushed
 from forkd.oci.reference import Reference
 from forkd.oci.registry import Registry
-from forkd.vmm import egress, memory_diff, snapshot_files
-from forkd.vmm.memory_diff import Chain
-from forkd.vmm.snapshot_files import SnapshotFiles
-from forkd.vmm.volumes import Attachment, VolumeStore, free_bytes
+from forkd.vmm.jail import egress
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory_diff
+from forkd.vmm.snapshot.files import SnapshotFiles
+from forkd.vmm.snapshot.memory_diff import Chain
+from forkd.vmm.volumes.disks import Attachment, VolumeStore, free_bytes
 
 log = logging.getLogger(__name__)
 PULL_RESERVE_BYTES = 256 << 20  # a pull leaves this much of the disk free

@@ -40,9 +40,12 @@ from forkd.errors import (
 from forkd.guest import image as images
 from forkd.oci import host_needs
 from forkd.states import SnapshotMode, SnapshotStatus
-from forkd.vmm import egress, memory_diff, snapshot_compact, snapshot_files
-from forkd.vmm.agent_ops import EVAL_IMAGE_REFUSALS
-from forkd.vmm.snapshot_files import SnapshotFiles, SnapshotLabels
+from forkd.vmm.agent.ops import EVAL_IMAGE_REFUSALS
+from forkd.vmm.jail import egress
+from forkd.vmm.snapshot import compact as snapshot_compact
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory_diff
+from forkd.vmm.snapshot.files import SnapshotFiles, SnapshotLabels
 
 
 def snapshot_row(

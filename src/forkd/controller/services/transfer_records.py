@@ -12,10 +12,10 @@ from forkd import limits
 from forkd.controller.store import SnapshotRow, now
 from forkd.errors import Conflict, UpstreamError
 from forkd.oci import artifact, host_needs, image_files, pull
-from forkd.vmm import snapshot_files
-from forkd.vmm.qemu_argv import MachineConfig
-from forkd.vmm.snapshot_files import ImageRef, SnapshotFiles, SnapshotMeta
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.qemu.argv import MachineConfig
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot.files import ImageRef, SnapshotFiles, SnapshotMeta
+from forkd.vmm.volumes.disks import Attachment
 
 # A machine's files on this host: not sent (the image's files travel by name instead).
 HOST_PATHS = ("vmlinuz", "initrd", "rootfs", "runtime")

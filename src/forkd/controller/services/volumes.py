@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 from forkd.controller.models import VolumeAttach, VolumeInfo
 from forkd.errors import Conflict
 from forkd.limits import check_name
-from forkd.vmm import snapshot_files
-from forkd.vmm.volumes import Attachment, VolumeStore, attach_for_boot, parse_size
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.volumes.disks import Attachment, VolumeStore, attach_for_boot, parse_size
 
 if TYPE_CHECKING:
     from forkd.controller.services.fleet import Fleet

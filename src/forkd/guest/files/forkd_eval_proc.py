@@ -40,7 +40,7 @@ MIN_PYTHON = "3.8"  # as forkd-eval-worker.py's MIN_PYTHON
 CONTROL_WAIT_S = 5.0  # for an interrupt's or a reseed's answer
 # Past an eval's timeout and forkd_eval's own grace of interrupts, how long more the
 # worker's start and answer are waited for (its interpreter may be held by C code).
-# The host waits 2 s more than that (forkd.vmm.agent_ops.eval_wait_secs): the agent
+# The host waits 2 s more than that (forkd.vmm.agent.ops.eval_wait_secs): the agent
 # answers first, saying why.
 ANSWER_GRACE_S = 8.0
 # For the worker's ready line: at most this, and never past the eval's own deadline.

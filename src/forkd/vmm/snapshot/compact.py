@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import memory_diff, snapshot_files
-from forkd.vmm.snapshot_files import SnapshotFiles
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory_diff
+from forkd.vmm.snapshot.files import SnapshotFiles
 
 AT_FDCWD = -100
 RENAME_EXCHANGE = 1 << 1

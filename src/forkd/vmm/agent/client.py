@@ -37,7 +37,7 @@ from typing import Any
 
 from forkd import limits
 from forkd.errors import AgentError
-from forkd.vmm.agent_lines import Line, LineSplitter, TokenBucket
+from forkd.vmm.agent.lines import Line, LineSplitter, TokenBucket
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.volumes.disks import Attachment
 
 QEMU_BINARY = "qemu-system-x86_64"
 # psi=0: pressure stall accounting would wake an idle guest every 2 s to average.
@@ -32,7 +32,7 @@ SANDBOX = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=de
 # installed the filter, so elevateprivileges=deny would kill it ("Bad system
 # call" in QEMU 7.2). Once dropped it has no privilege to raise again: its
 # real, effective and saved ids are all that uid, it holds no capability and
-# its bounding set is empty (forkd.vmm.launch.RUNAS_CAPS), no_new_privs is
+# its bounding set is empty (forkd.vmm.qemu.launch.RUNAS_CAPS), no_new_privs is
 # set, and spawn=deny stops it running any program.
 SANDBOX_RUNAS = "on,obsolete=deny,spawn=deny,resourcecontrol=deny"
 
@@ -47,7 +47,7 @@ def layer_fdset(index: int) -> int:
     layers below are only read and are never opened again.
 
     The read-write descriptor must leave the set once QEMU holds its copy
-    (:meth:`forkd.vmm.qmp_channel.QMPChannel.release_writers`): QEMU's image
+    (:meth:`forkd.vmm.qemu.qmp.QMPChannel.release_writers`): QEMU's image
     locks belong to the open file, which the set's descriptor shares, so
     while it stays the layer stays write-locked even after a snapshot froze
     it, and no fork could open it.
@@ -70,7 +70,7 @@ class MachineConfig:
     rootfs: Path
     internet: bool = True
     cmdline: str = KERNEL_CMDLINE
-    # The egress policy's JSON form (forkd.vmm.egress); None: from ``internet``.
+    # The egress policy's JSON form (forkd.vmm.jail.egress); None: from ``internet``.
     egress: str | dict[str, Any] | None = None
     # The legacy i8254 timer. The guest never uses it (it has the LAPIC timer and
     # is told the TSC rate), yet QEMU's PIT keeps ticking on after boot and wakes
@@ -122,7 +122,7 @@ class MachineConfig:
         )
 
 
-NETDEV_ID = "net0"  # QMP names it: forkd.vmm.guest_ports adds host forwards to it
+NETDEV_ID = "net0"  # QMP names it: forkd.vmm.agent.ports adds host forwards to it
 
 
 def _netdev(cfg: MachineConfig, tap: bool) -> str:
@@ -224,8 +224,8 @@ def build_argv(
     boot_files: bool | None = None,
 ) -> list[str]:
     """QEMU's command line. ``tap``: the VM's network is ``tap0`` of the network
-    namespace QEMU starts in (forkd.vmm.network); else user-mode NAT. ``runas``:
-    the ``UID:GID`` QEMU drops to once it has opened its files (forkd.vmm.qemu_user).
+    namespace QEMU starts in (forkd.vmm.jail.network); else user-mode NAT. ``runas``:
+    the ``UID:GID`` QEMU drops to once it has opened its files (forkd.vmm.jail.qemu_user).
     ``layer_fds``: volume index → the read-only and read-write descriptors of
     its writable top layer, which QEMU inherits (see :func:`layer_fdset`).
     ``boot_files``: pass the kernel and initrd (default: only when booting; a

@@ -17,8 +17,8 @@ from typing import Any
 from qemu.qmp import QMPClient, QMPError
 
 from forkd.errors import SnapshotError, VMError
-from forkd.vmm.launch import tail
-from forkd.vmm.qemu_argv import FD_READ_ONLY, FD_READ_WRITE
+from forkd.vmm.qemu.argv import FD_READ_ONLY, FD_READ_WRITE
+from forkd.vmm.qemu.launch import tail
 
 QMP_TIMEOUT_SECS = 30.0
 CONNECT_TIMEOUT_SECS = 15.0
@@ -91,7 +91,7 @@ class QMPChannel:
         """Open ``path`` once per access mode and hand the descriptors to QEMU as a new
         fd set; QEMU then opens ``/dev/fdset/<id>`` (the id returned).
 
-        QEMU, once it dropped to its uid (:mod:`forkd.vmm.qemu_user`), may
+        QEMU, once it dropped to its uid (:mod:`forkd.vmm.jail.qemu_user`), may
         not open forkd's files by name: this is how it gets one it needs
         later, such as a snapshot's device state or a new volume layer.
         """
@@ -120,7 +120,7 @@ class QMPChannel:
         """Take every read-write descriptor out of QEMU's fd sets; QEMU keeps its copies.
 
         Call it while the VM runs: QEMU closes a removed descriptor at once
-        only then. Why it matters: :func:`forkd.vmm.qemu_argv.layer_fdset`.
+        only then. Why it matters: :func:`forkd.vmm.qemu.argv.layer_fdset`.
         """
         fdsets = await self.execute("query-fdsets")
         assert isinstance(fdsets, list)

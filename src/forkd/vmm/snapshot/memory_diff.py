@@ -16,7 +16,7 @@ privately and :func:`apply` writes the layers' pages into that mapping
 through ``/proc/PID/mem`` before the guest runs.
 
 The pages a VM wrote since its mapping was made are its anonymous pages
-(:mod:`forkd.vmm.memory`); for a fork of a diff those include the pages
+(:mod:`forkd.vmm.snapshot.memory`); for a fork of a diff those include the pages
 :func:`apply` wrote. :class:`DiffCapture` keeps only the pages that differ
 from the base, so a chain's depth costs only what each level changed.
 """
@@ -34,8 +34,9 @@ from pathlib import Path
 
 from forkd import limits
 from forkd.errors import SnapshotError, VMError
-from forkd.vmm import memory, snapshot_files
-from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory
+from forkd.vmm.snapshot.files import BaseRef, SnapshotFiles
 
 PAGE = memory.PAGE
 RUNS_MAGIC = b"FKRUNS1\n"

@@ -11,7 +11,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from forkd.vmm.qemu_argv import QEMU_BINARY
+from forkd.vmm.qemu.argv import QEMU_BINARY
 
 PROC = Path("/proc")
 QEMU_NAME_PREFIX = b"qemu-system"
@@ -60,7 +60,7 @@ def qemu_run_dirs(run_root: Path) -> dict[int, Path]:
     """pid → run directory, for each QEMU whose QMP socket is in a directory of ``run_root``.
 
     Only ``<run_root>/<name>/qmp.sock`` counts: the layout
-    :class:`forkd.vmm.qemu_argv.RuntimePaths` gives every VM.
+    :class:`forkd.vmm.qemu.argv.RuntimePaths` gives every VM.
     """
     found: dict[int, Path] = {}
     for pid, argv in _qemus():

@@ -2,7 +2,7 @@
 
 A few kernel objects can only be made by the process they belong to: a
 userfaultfd watches the address space of whoever created it. To track which
-guest pages QEMU writes (:mod:`forkd.vmm.write_tracking`) the daemon has one
+guest pages QEMU writes (:mod:`forkd.vmm.snapshot.write_tracking`) the daemon has one
 of QEMU's threads make that call and then takes the descriptor over with
 ``pidfd_getfd``; everything else it does on the descriptor from outside.
 

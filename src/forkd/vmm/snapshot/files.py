@@ -4,7 +4,7 @@
 ``memory.bin`` is guest RAM as a sparse file, mapped privately by every VM
 forked from it and never written after the snapshot is committed (a *diff*
 snapshot has ``memory.diff`` and ``memory.runs`` instead: only the pages that
-differ from its base snapshot, see :mod:`forkd.vmm.memory_diff`);
+differ from its base snapshot, see :mod:`forkd.vmm.snapshot.memory_diff`);
 ``snapshot.json`` (:class:`SnapshotMeta`) records the machine, the image and
 the volumes the snapshot needs, with figures of how it was taken. Nothing
 else in forkd parses ``snapshot.json``: it asks this module.
@@ -22,8 +22,8 @@ from typing import Any
 
 from forkd import __version__
 from forkd.errors import SnapshotError
-from forkd.vmm.qemu_argv import MachineConfig
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.qemu.argv import MachineConfig
+from forkd.vmm.volumes.disks import Attachment
 
 FORMAT = 1  # a full snapshot: what every forkd reads
 DIFF_FORMAT = 2  # a diff snapshot: a forkd without diffs refuses it by its format

@@ -1,10 +1,10 @@
 """A full snapshot's guest pages copied mostly while the VM runs (branch mode ``live``).
 
-The pause-copy way (:func:`forkd.vmm.memory.dump_written_pages`) reads every
+The pause-copy way (:func:`forkd.vmm.snapshot.memory.dump_written_pages`) reads every
 page the guest has written since its mapping was made inside the pause: about
 100 ms per 100 MiB here. A live copy splits that:
 
-1. VM running: arm the write tracker (:mod:`forkd.vmm.write_tracking`), then
+1. VM running: arm the write tracker (:mod:`forkd.vmm.snapshot.write_tracking`), then
    copy every written page into the snapshot's ``memory.bin``. Pages the
    guest changes meanwhile may be copied half-old; the tracker has them.
 2. VM paused: copy the pages the tracker saw written since step 1 (held in
@@ -23,9 +23,9 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-from forkd.vmm import memory
-from forkd.vmm.memory import PAGE, DeferredWrites, DumpStats, RamRegion
-from forkd.vmm.write_tracking import WriteTracker
+from forkd.vmm.snapshot import memory
+from forkd.vmm.snapshot.memory import PAGE, DeferredWrites, DumpStats, RamRegion
+from forkd.vmm.snapshot.write_tracking import WriteTracker
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """Writing one snapshot of a VM: staged beside its destination, renamed into place when whole.
 
 The steps are split so the pause covers as little as possible (see
-:mod:`forkd.vmm.live_snapshot`): :meth:`SnapshotWriter.prepare` stages the
+:mod:`forkd.vmm.snapshot.live`): :meth:`SnapshotWriter.prepare` stages the
 files while the VM runs, :meth:`~SnapshotWriter.capture` (VM paused) writes the
 device state and reads the guest's memory, :meth:`~SnapshotWriter.commit` (VM
 running again) finishes the memory, writes ``snapshot.json``, flushes and
 renames.
 
 How the memory is written (full, ``live`` or a diff over ``base``) is its
-strategy's (:mod:`forkd.vmm.snapshot_memory`), chosen once; the writer keeps
+strategy's (:mod:`forkd.vmm.snapshot.memory_strategy`), chosen once; the writer keeps
 the staging directory, the device state, the volumes, QEMU's fd sets and the
 errors.
 """
@@ -27,10 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import memory, snapshot_files, snapshot_memory, volume_mounts
-from forkd.vmm.launch import tail
-from forkd.vmm.snapshot_files import BaseRef, SnapshotLabels, SnapshotMeta
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.qemu.launch import tail
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory
+from forkd.vmm.snapshot import memory_strategy as snapshot_memory
+from forkd.vmm.snapshot.files import BaseRef, SnapshotLabels, SnapshotMeta
+from forkd.vmm.volumes import mounts as volume_mounts
+from forkd.vmm.volumes.disks import Attachment
 
 if TYPE_CHECKING:
     from forkd.vmm.vm import VM

@@ -20,10 +20,10 @@ from pathlib import Path
 
 from forkd import hosttools
 from forkd.errors import ForkdError, VMError
-from forkd.vmm import cgroups, network, qemu_user
-from forkd.vmm.egress import Egress
-from forkd.vmm.qemu_argv import QEMU_BINARY, SANDBOX, MachineConfig, RuntimePaths, build_argv
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.jail import cgroups, network, qemu_user
+from forkd.vmm.jail.egress import Egress
+from forkd.vmm.qemu.argv import QEMU_BINARY, SANDBOX, MachineConfig, RuntimePaths, build_argv
+from forkd.vmm.volumes.disks import Attachment
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ async def _seccomp_ok() -> bool:
 @contextlib.contextmanager
 def _layer_fds(attach: Sequence[Attachment]) -> Iterator[dict[int, tuple[int, int]]]:
     """Read-only and read-write descriptors of each writable volume's top layer
-    (:func:`forkd.vmm.qemu_argv.layer_fdset` says why QEMU gets them), closed on exit:
+    (:func:`forkd.vmm.qemu.argv.layer_fdset` says why QEMU gets them), closed on exit:
     QEMU has its own copies by then."""
     with contextlib.ExitStack() as opened:
         fds: dict[int, tuple[int, int]] = {}
@@ -229,7 +229,7 @@ class LaunchSpec:
 async def start_qemu(spec: LaunchSpec, undo: contextlib.AsyncExitStack) -> Launched:
     """Start QEMU as ``spec`` says: in a cgroup of its own when ``placement`` says
     where, in a network namespace of its own when it gets one, dropped to a uid of its
-    own (:mod:`forkd.vmm.qemu_user`).
+    own (:mod:`forkd.vmm.jail.qemu_user`).
 
     ``undo`` is the start's one undo stack: each thing is pushed onto it as soon as it
     is made (group, uid, namespace, process), so whoever unwinds it after a failure,

@@ -2,7 +2,7 @@
 
 The parent side of :mod:`forkd.archive.confined`. A daemon running as root
 takes a uid from the same host-wide registry its QEMUs drop into
-(:mod:`forkd.vmm.qemu_user`), gives the (empty, fresh) target directory to
+(:mod:`forkd.vmm.jail.qemu_user`), gives the (empty, fresh) target directory to
 that uid, starts the extractor as a child that drops to it before reading,
 and once the child has exited gives every unpacked entry back to root (a
 volume's files belong to root in the guest). A daemon that is not root, or
@@ -33,7 +33,7 @@ from forkd.archive import (
     UnsafeEntry,
     extract,
 )
-from forkd.vmm import qemu_user
+from forkd.vmm.jail import qemu_user
 
 GZIP_MAGIC = b"\x1f\x8b"
 _KINDS: dict[str, type[ArchiveError]] = {

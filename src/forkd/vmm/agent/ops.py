@@ -1,6 +1,6 @@
 """The guest agent's operations (docs/guest-agent.md) as methods of a VM.
 
-:class:`forkd.vmm.agent_client.AgentClient` is the transport (one
+:class:`forkd.vmm.agent.client.AgentClient` is the transport (one
 connection, requests matched to answers by id); this is what travels on it.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 from forkd import limits
 from forkd.errors import AgentError, SnapshotError, VMError
-from forkd.vmm.agent_client import AgentClient
-from forkd.vmm.launch import tail
-from forkd.vmm.qemu_argv import RuntimePaths
+from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.qemu.argv import RuntimePaths
+from forkd.vmm.qemu.launch import tail
 
 PING_WAIT_SECS = 10.0
 EXEC_WAIT_MARGIN_SECS = 10.0  # beyond the command's own timeout, for the agent to answer

@@ -264,7 +264,7 @@ _WRITTEN_BY_TOP_BYTE = bytes(
 _SWAPPED_BY_TOP_BYTE = bytes(1 if b & _SWAPPED else 0 for b in range(256))
 # A "swapped" entry of swap type 31 (the low 5 bits) is no page at all but a
 # marker the kernel leaves where a write-protected page is not populated
-# (write tracking, forkd.vmm.write_tracking): it reads as the backing file.
+# (write tracking, forkd.vmm.snapshot.write_tracking): it reads as the backing file.
 # The type is shown to CAP_SYS_ADMIN only: without it a marker would count as
 # written, so only a root daemon tracks writes (write_tracking.problem).
 _PTE_MARKER_TYPE = 31

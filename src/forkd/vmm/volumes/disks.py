@@ -37,7 +37,7 @@ from forkd.limits import (
     VOLUME_MAX_ENTRIES,
     VOLUME_TAR_HEADER_LIMIT,
 )
-from forkd.vmm import archive_jail
+from forkd.vmm.jail import archive as archive_jail
 
 MIN_SIZE = 16 << 20
 MAX_SIZE = 1 << 40
@@ -133,7 +133,7 @@ def _extract(content: Path | bytes, tree: Path, size: int) -> None:
     A plain tar, or a gzip-compressed one, told apart by its first bytes (not
     by any header the client sent), unpacked by forkd's one extractor
     (:mod:`forkd.archive`, the ``data`` policy), as a uid of its own when the
-    daemon is root (:mod:`forkd.vmm.archive_jail`): entries are counted as they
+    daemon is root (:mod:`forkd.vmm.jail.archive`): entries are counted as they
     stream in, so a small archive that expands to far more than ``size`` is
     refused after writing at most ``size`` bytes; nothing is written outside
     ``tree`` or through a link, and devices are refused.

@@ -1,6 +1,6 @@
 """A VM's volumes while it runs: mounted in the guest at boot, layers frozen at a snapshot.
 
-The volumes themselves (files, layers, chains) are :mod:`forkd.vmm.volumes`'s;
+The volumes themselves (files, layers, chains) are :mod:`forkd.vmm.volumes.disks`'s;
 this module is what a running VM does with them.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import SnapshotError, VMError
-from forkd.vmm import volumes
-from forkd.vmm.qmp_channel import QMPChannel
-from forkd.vmm.volumes import Attachment
+from forkd.vmm.qemu.qmp import QMPChannel
+from forkd.vmm.volumes import disks as volumes
+from forkd.vmm.volumes.disks import Attachment
 
 MOUNT_TIMEOUT_SECS = 60
 MOUNT_SCRIPT = (

@@ -9,7 +9,7 @@ exists) and :class:`V1` where it mounts each controller apart
 
 A VM's group is ``<parent>/<vm id>`` in each hierarchy (``forkd/sb-...``).
 Its QEMU is moved into it (:func:`move`) while it waits at its start, before
-it is QEMU (:func:`forkd.vmm.launch.spawn`), so every page and thread QEMU
+it is QEMU (:func:`forkd.vmm.qemu.launch.spawn`), so every page and thread QEMU
 ever has is charged to the group, and no guest code runs outside it. The
 group is removed once QEMU has exited (:func:`remove`); a :class:`Group` is a
 plain record, kept in ``vm.json``, so a daemon that adopts a VM can remove its
@@ -391,7 +391,7 @@ def detect(root: Path = CGROUP_ROOT, parent: str = DEFAULT_PARENT) -> Hierarchy:
 def move(group: Group, pid: int) -> None:
     """Put process ``pid`` (all its threads) into ``group``, in each hierarchy.
 
-    QEMU is moved while it waits at its start (:func:`forkd.vmm.launch.spawn`),
+    QEMU is moved while it waits at its start (:func:`forkd.vmm.qemu.launch.spawn`),
     before it has allocated anything or run any guest code.
     """
     data = str(pid).encode()

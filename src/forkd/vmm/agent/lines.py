@@ -1,6 +1,6 @@
 """The guest's byte stream cut into lines on the host, each kept or dropped by its head.
 
-What :class:`forkd.vmm.agent_client.AgentClient` reads from a guest passes
+What :class:`forkd.vmm.agent.client.AgentClient` reads from a guest passes
 through :class:`LineSplitter` (the guest is untrusted: a line no request waits
 for streams past unbuffered and unparsed) and is paced by :class:`TokenBucket`.
 """

@@ -1,7 +1,7 @@
 """Where the host reaches a TCP port of a VM's guest, mixed into :class:`forkd.vmm.vm.VM`.
 
 With a network namespace the guest's ports are at the namespace's address
-(DNAT to the guest inside it: :func:`forkd.vmm.network.namespace_ruleset`).
+(DNAT to the guest inside it: :func:`forkd.vmm.jail.network.namespace_ruleset`).
 With user-mode networking QEMU forwards a loopback port the daemon picks to
 the guest port (HMP ``hostfwd_add`` over QMP), added on first use and kept
 for the VM's life. Either way the connection starts on the host: nothing in
@@ -14,9 +14,9 @@ import asyncio
 import socket
 
 from forkd.errors import Invalid, VMError
-from forkd.vmm.network import AGENT_PORT, SandboxNet
-from forkd.vmm.qemu_argv import NETDEV_ID
-from forkd.vmm.qmp_channel import QMPChannel
+from forkd.vmm.jail.network import AGENT_PORT, SandboxNet
+from forkd.vmm.qemu.argv import NETDEV_ID
+from forkd.vmm.qemu.qmp import QMPChannel
 
 LOOPBACK = "127.0.0.1"
 HOSTFWD_ATTEMPTS = 5  # a port picked free may be taken before QEMU binds it

@@ -9,7 +9,7 @@ its QEMU cannot signal another tenant's QEMU. The uids come from a range
 bare numbers: no passwd entries. The gid is the same number, and QEMU's only
 group. Files QEMU must open later (a snapshot's device state, a new volume
 layer) are opened by the daemon and handed over as descriptors
-(:mod:`forkd.vmm.qmp_channel`), so no uid needs access to any forkd directory.
+(:mod:`forkd.vmm.qemu.qmp`), so no uid needs access to any forkd directory.
 
 Which uids are taken is host-wide state, kept by :class:`Registry` under
 :data:`REGISTRY_DIR`: every forkd process on the host (a daemon, a template
@@ -18,7 +18,7 @@ restart. An entry names the process that holds its uid, first the one
 starting QEMU and then QEMU itself; once that process is gone the uid is free.
 Only root writes there, so a QEMU cannot give its uid away while it runs.
 
-The range is a host property, like the seccomp probe in :mod:`forkd.vmm.launch`:
+The range is a host property, like the seccomp probe in :mod:`forkd.vmm.qemu.launch`:
 one choice per process, set by the daemon's options (:func:`configure`). A
 daemon that is not root starts QEMU as its own user and there is nothing to drop.
 """

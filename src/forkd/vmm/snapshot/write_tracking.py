@@ -14,7 +14,7 @@ the kernel's help, and this host kernel family gives it two ways:
 This module uses the second: it works on every memory type (guest RAM here is
 a private file mapping, which synchronous userfaultfd write-protect refuses)
 and on any kernel from 6.7. The userfaultfd must be made inside QEMU (it
-watches its creator's address space): :mod:`forkd.vmm.remote_syscall` makes
+watches its creator's address space): :mod:`forkd.vmm.snapshot.remote_syscall` makes
 it there, the daemon takes the descriptor over and QEMU's copy is closed, so
 the daemon's descriptor is the only one and closing it ends the tracking.
 Where any piece is missing :func:`problem` says which, and callers fall back
@@ -31,7 +31,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-from forkd.vmm import remote_syscall
+from forkd.vmm.snapshot import remote_syscall
 
 _UFFD_API = 0xAA
 _UFFDIO_API = 0xC018AA3F  # _IOWR(0xAA, 0x3F, struct uffdio_api)
@@ -84,7 +84,7 @@ def _probe() -> str | None:
         return "write tracking needs an x86-64 host"
     if os.geteuid() != 0:
         # Unprivileged, pagemap hides swap types: the markers the tracker leaves
-        # would read as written pages (see forkd.vmm.memory.pagemap_marks).
+        # would read as written pages (see forkd.vmm.snapshot.memory.pagemap_marks).
         return "write tracking needs the daemon to run as root"
     fd = _libc.syscall(remote_syscall.SYS_USERFAULTFD, os.O_CLOEXEC | _UFFD_USER_MODE_ONLY)
     if fd < 0:

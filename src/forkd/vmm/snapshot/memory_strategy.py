@@ -1,6 +1,6 @@
 """A snapshot's guest memory, written one of three ways: full, live (precopy) or diff.
 
-:class:`forkd.vmm.snapshot_writer.SnapshotWriter` opens the memory file in its
+:class:`forkd.vmm.snapshot.writer.SnapshotWriter` opens the memory file in its
 staging directory and calls the strategy :func:`for_snapshot` chose at each of
 its steps: :meth:`~MemoryStrategy.prepare` while the VM runs,
 :meth:`~MemoryStrategy.capture` while it is paused, :meth:`~MemoryStrategy.finish`
@@ -11,11 +11,11 @@ once it runs again, before the file is flushed.
   they are written after the resume (:class:`memory.DeferredWrites`).
 * :class:`PrecopyMemory` (full, ``live``): the written pages are copied before
   the pause too and the pause reads only what changed since
-  (:mod:`forkd.vmm.live_copy`); where the host cannot track writes it is taken
+  (:mod:`forkd.vmm.snapshot.live_copy`); where the host cannot track writes it is taken
   the pause-copy way.
 * :class:`DiffMemory` (over ``base``, the snapshot the VM was forked from): only
   the written pages that differ from the base's memory, compared after the
-  resume (:mod:`forkd.vmm.memory_diff`).
+  resume (:mod:`forkd.vmm.snapshot.memory_diff`).
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from forkd.errors import SnapshotError
-from forkd.vmm import live_copy, memory, memory_diff, snapshot_files, write_tracking
-from forkd.vmm.memory import DumpStats, RamRegion
-from forkd.vmm.snapshot_files import BaseRef
-from forkd.vmm.write_tracking import WriteTracker
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import live_copy, memory, memory_diff, write_tracking
+from forkd.vmm.snapshot.files import BaseRef
+from forkd.vmm.snapshot.memory import DumpStats, RamRegion
+from forkd.vmm.snapshot.write_tracking import WriteTracker
 
 DEFERRED_WRITE_LIMIT = 1 << 30  # guest RAM held in memory between pause and commit
 
 # The writer's logger: its lines read as they did before the strategies were split out.
-log = logging.getLogger("forkd.vmm.snapshot_writer")
+log = logging.getLogger("forkd.vmm.snapshot.writer")
 T = TypeVar("T")
 
 
@@ -147,7 +148,7 @@ class PauseCopyMemory:
 
 class PrecopyMemory(PauseCopyMemory):
     """A full ``memory.bin`` whose written pages are copied while the VM runs, the pause
-    copying only what changed since (:mod:`forkd.vmm.live_copy`). Where the host
+    copying only what changed since (:mod:`forkd.vmm.snapshot.live_copy`). Where the host
     cannot track writes it is its parent, the pause-copy."""
 
     def __init__(self, vm: MemorySource, thread: RunInThread) -> None:

@@ -2,7 +2,7 @@
 
 The one way a VM is snapshotted, for templates, branches and hibernation alike
 (a branch is a snapshot of a running sandbox). How the memory is written is the
-writer's strategy (:mod:`forkd.vmm.snapshot_memory`: full, live or diff); a VM
+writer's strategy (:mod:`forkd.vmm.snapshot.memory_strategy`: full, live or diff); a VM
 already paused is snapshotted as it is, in one place (:func:`_snapshot_paused`);
 and a failure is wrapped once, in :class:`LiveSnapshotError`, whose ``reason``
 is the error the snapshot failed with.
@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Protocol
 
 from forkd.errors import ForkdError, SnapshotError, StorageFull
-from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot.files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
 
 
 class Writer(Protocol):
-    """:class:`forkd.vmm.snapshot_writer.SnapshotWriter`, as this module drives it."""
+    """:class:`forkd.vmm.snapshot.writer.SnapshotWriter`, as this module drives it."""
 
     async def capture(self) -> None: ...
     async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta: ...

@@ -4,7 +4,7 @@ A branch of a hibernated sandbox is its hibernation snapshot as it is: no VM
 to pause, only files to copy. The copy is staged beside ``dest`` and renamed
 into place when whole; ``memory.bin`` keeps its holes (a reflink where the
 filesystem has one). With a ``base``, the copy is a diff over that snapshot:
-only the pages that differ from its memory (:mod:`forkd.vmm.memory_diff`).
+only the pages that differ from its memory (:mod:`forkd.vmm.snapshot.memory_diff`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ import time
 from pathlib import Path
 
 from forkd.errors import SnapshotError, StorageFull
-from forkd.vmm import memory, memory_diff, snapshot_files
-from forkd.vmm.snapshot_files import BaseRef, SnapshotFiles, SnapshotLabels
+from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.snapshot import memory, memory_diff
+from forkd.vmm.snapshot.files import BaseRef, SnapshotFiles, SnapshotLabels
 
 
 def copy_snapshot(

@@ -11,11 +11,11 @@ guest); the namespace keeps the copies apart. The host reaches a guest's
 agent at ``10.201.x.2:8888``, and any other TCP port of the guest at the same
 address (DNAT inside the namespace; namespaces made before forkd proxied
 ports forward only 8888). What the guest may
-reach is the namespace's ``egress`` chain (:mod:`forkd.vmm.egress`); the
+reach is the namespace's ``egress`` chain (:mod:`forkd.vmm.jail.egress`); the
 host's ``forkd`` table drops anything a sandbox sends to the host itself or
 to another sandbox, whatever the policy.
 
-Namespaces are made and entered on short-lived threads (:mod:`forkd.vmm.netns_ops`),
+Namespaces are made and entered on short-lived threads (:mod:`forkd.vmm.jail.netns_ops`),
 links with pyroute2; filtering and NAT are nftables rulesets, each loaded whole
 through libnftables.
 """
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import Unavailable, VMError
-from forkd.vmm import netns_ops
-from forkd.vmm.egress import BLOCKED_RANGES, Egress
+from forkd.vmm.jail import netns_ops
+from forkd.vmm.jail.egress import BLOCKED_RANGES, Egress
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
         "  chain prerouting {",
         "    type nat hook prerouting priority dstnat; policy accept;",
         # From the host (only the daemon's uid may send here): any TCP port of the
-        # guest, its agent's and the ports the daemon proxies (forkd.vmm.guest_ports).
+        # guest, its agent's and the ports the daemon proxies (forkd.vmm.agent.ports).
         f'    iifname "{NS_VETH}" meta l4proto tcp dnat to {GUEST_IP}',
     ]
     if dns:

@@ -1,0 +1,1 @@
+"""Volumes: their disk images and layers, and mounting them in the guest."""

@@ -1,0 +1,186 @@
+"""The rooms of docs/architecture.md and their doors, enforced.
+
+Every ``forkd`` module belongs to one room; a room may import only the rooms its
+row names (and itself). An import inside a function counts (it is still a
+dependency); one under ``if TYPE_CHECKING:`` does not (nothing runs it). The
+third-party packages the SDK, the untrusted-archive extractor and the guest
+agent may use are listed too: the first runs in users' programs, the other two
+where only the standard library is.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+FORKD = SRC / "forkd"
+AGENT_FILES = FORKD / "guest" / "files"
+
+BASE = "base"  # errors, limits, states, paths, hosttools, accel, the version
+VMM_PARTS = ("qemu", "jail", "agent", "snapshot", "volumes")
+
+# room -> the rooms it may import besides itself. The order is the architecture's,
+# from the top (what users run) down (what everything stands on).
+# fmt: off
+DOORS: dict[str, frozenset[str]] = {
+    "forkd": frozenset({"client", BASE}),  # the package: ``from forkd import Sandbox``
+    "cli": frozenset({"client", "mcp_server", "controller", "gateway", "demo", "doctor",
+                      "guest", "image_import", "oci", "archive", "vmm.jail", BASE}),
+    "demo": frozenset({"client", "launcher", BASE}),
+    "launcher": frozenset({"client", BASE}),
+    "mcp_server": frozenset({"client", BASE}),
+    "client": frozenset({"archive", BASE}),
+    "gateway": frozenset({"controller", BASE}),  # its middleware only: see GATEWAY_USES
+    "controller": frozenset({"vmm", *(f"vmm.{part}" for part in VMM_PARTS), "guest",
+                             "image_import", "oci", "archive", BASE}),
+    "doctor": frozenset({"guest", "vmm.qemu", "vmm.jail", BASE}),
+    "image_import": frozenset({"oci", "archive", BASE}),
+    "oci": frozenset({"guest", "vmm.snapshot", "vmm.qemu", "vmm.volumes", BASE}),
+    # The image builder asks which snapshots and VMs use an image before deleting it.
+    "guest": frozenset({"image_import", "vmm", "vmm.snapshot", BASE}),
+    "vmm": frozenset({*(f"vmm.{part}" for part in VMM_PARTS), "guest", BASE}),
+    "vmm.snapshot": frozenset({"vmm.qemu", "vmm.volumes", BASE}),
+    "vmm.agent": frozenset({"vmm.qemu", "vmm.jail", BASE}),
+    "vmm.qemu": frozenset({"vmm.jail", "vmm.volumes", BASE}),
+    "vmm.volumes": frozenset({"vmm.qemu", "vmm.jail", "archive", BASE}),
+    "vmm.jail": frozenset({"archive", BASE}),
+    "archive": frozenset(),  # the guest agent runs it too: nothing of forkd's
+    BASE: frozenset(),
+}
+# fmt: on
+
+# The daemon's modules the gateway reuses; nothing else of the daemon.
+GATEWAY_USES = frozenset(
+    {"forkd.controller.middleware", "forkd.controller.http_errors",
+     "forkd.controller.connection_limits", "forkd.controller.server"}
+)  # fmt: skip
+
+# Third-party packages a room may import (absent: any the project depends on).
+THIRD_PARTY: dict[str, frozenset[str]] = {
+    "client": frozenset({"httpx", "httpx_sse", "httpx_ws", "wsproto"}),  # wsproto: httpx-ws's
+    "archive": frozenset(),
+    BASE: frozenset(),
+}
+
+
+def room_of(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "forkd"
+    if parts[1] in {"errors", "limits", "states", "paths", "hosttools",
+                                        "accel", "__version__"}:  # fmt: skip
+        return BASE
+    if parts[1] == "vmm":
+        return f"vmm.{parts[2]}" if len(parts) > 2 and parts[2] in VMM_PARTS else "vmm"
+    return parts[1]
+
+
+def _module_name(path: Path) -> str:
+    return ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _is_module(name: str) -> bool:
+    path = SRC.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _runtime_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
+    """(line, module) of every import that runs: not those under ``if TYPE_CHECKING``.
+    ``from forkd.x import y`` is module ``forkd.x.y`` when ``y`` is one."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            yield from _runtime_imports(ast.Module(body=node.orelse, type_ignores=[]))
+        elif isinstance(node, ast.Import):
+            yield from ((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            for alias in node.names:
+                inner = f"{node.module}.{alias.name}"
+                named = _is_module(inner) or node.module == "forkd"  # forkd.__version__
+                yield node.lineno, inner if named else node.module
+        else:
+            yield from _runtime_imports(node)
+
+
+def _daemon_modules() -> Iterator[Path]:
+    for path in sorted(FORKD.rglob("*.py")):
+        if AGENT_FILES not in path.parents:
+            yield path
+
+
+def test_every_room_has_a_row() -> None:
+    rooms = {room_of(_module_name(p)) for p in _daemon_modules()}
+    assert rooms <= set(DOORS), f"rooms with no row in DOORS: {sorted(rooms - set(DOORS))}"
+
+
+def test_each_room_imports_only_through_its_doors() -> None:
+    wrong: list[str] = []
+    for path in _daemon_modules():
+        module = _module_name(path)
+        room = room_of(module)
+        for line, target in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if not target.startswith("forkd"):
+                continue
+            to = room_of(target)
+            if to != room and to not in DOORS[room]:
+                wrong.append(f"{module}:{line} imports {target} ({room} -> {to})")
+            if room == "gateway" and to == "controller" and target not in GATEWAY_USES:
+                wrong.append(f"{module}:{line} imports {target} (the gateway: middleware only)")
+    assert wrong == [], "imports through no door (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def _third_party(target: str) -> str | None:
+    top = target.split(".")[0]
+    return None if top in sys.stdlib_module_names or top == "forkd" else top
+
+
+def test_the_sdk_the_extractor_and_the_base_use_only_their_own_libraries() -> None:
+    wrong: list[str] = []
+    for path in _daemon_modules():
+        module = _module_name(path)
+        allowed = THIRD_PARTY.get(room_of(module))
+        if allowed is None:
+            continue
+        for line, target in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            package = _third_party(target)
+            if package is not None and package not in allowed:
+                wrong.append(f"{module}:{line} imports {package}")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_guest_agent_imports_the_standard_library_its_siblings_and_the_extractor() -> None:
+    siblings = {p.stem for p in AGENT_FILES.glob("*.py")}
+    wrong: list[str] = []
+    for path in sorted(AGENT_FILES.glob("*.py")):
+        for line, target in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            top = target.split(".")[0]
+            ok = (top in sys.stdlib_module_names or top in siblings
+                  or target == "forkd.archive" or target.startswith("forkd.archive."))  # fmt: skip
+            if not ok:
+                wrong.append(f"{path.name}:{line} imports {target}")
+    assert wrong == [], "the guest has only the standard library:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("import forkd.controller.app\n", ["forkd.controller.app"]),
+        ("from forkd.errors import Invalid, NotFound\n", ["forkd.errors", "forkd.errors"]),
+        ("from forkd.vmm import vm, pool\n", ["forkd.vmm.vm", "forkd.vmm.pool"]),
+        ("if TYPE_CHECKING:\n    import forkd.vmm.vm\nelse:\n    import os\n", ["os"]),
+        ("def f():\n    from forkd.oci import push\n", ["forkd.oci.push"]),
+    ],
+    ids=["plain", "names", "from-package", "type-checking", "in-a-function"],
+)
+def test_the_import_reader_sees_what_runs(source: str, expected: list[str]) -> None:
+    assert [m for _, m in _runtime_imports(ast.parse(source))] == expected
+
+
+def test_a_door_not_in_the_table_is_caught() -> None:
+    assert room_of("forkd.vmm.snapshot.writer") == "vmm.snapshot"
+    assert "controller" not in DOORS["vmm.snapshot"]
+    assert "client" not in DOORS["controller"]  # the daemon never uses its own SDK
