@@ -11,13 +11,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 VALID = ("auto", "kvm", "tcg")
 
 
 @dataclass(frozen=True)
 class AccelChoice:
-    name: str  # "kvm" or "tcg"
+    name: Literal["kvm", "tcg"]
     reason: str
 
 

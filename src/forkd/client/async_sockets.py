@@ -78,7 +78,8 @@ class AsyncSockets:
             body = _async_chunks(content)
         async with self._streamed("PUT", f"{self._sb(sandbox_id)}/files", params, body) as resp:
             await resp.aread()
-            return json_of(resp, "PUT", "/files")  # type: ignore[no-any-return]
+            answer: JSONDict = json_of(resp, "PUT", "/files")
+            return answer
 
     @contextlib.asynccontextmanager
     async def download_file(

@@ -40,7 +40,8 @@ class FileRoutes:
             body = _nonempty(content)
         with self._streamed("PUT", f"{self._sb(sandbox_id)}/files", params, body) as resp:
             resp.read()
-            return json_of(resp, "PUT", "/files")  # type: ignore[no-any-return]
+            answer: JSONDict = json_of(resp, "PUT", "/files")
+            return answer
 
     @contextlib.contextmanager
     def download_file(

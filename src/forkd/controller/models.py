@@ -317,6 +317,10 @@ class WorkspaceResume(_Body):
     pass
 
 
+# A workspace: its sandbox runs (or is paused), is hibernated, or is gone.
+WorkspaceStatus = Literal["running", "suspended", "stale"]
+
+
 class WorkspaceInfo(BaseModel):
     """A workspace (the original forkd's): a named sandbox that is suspended to disk and
     resumed, its state kept in between. Fields that do not apply are left out."""
@@ -324,7 +328,7 @@ class WorkspaceInfo(BaseModel):
     id: str
     name: str
     source_snapshot_tag: str
-    status: Literal["running", "suspended", "stale"] = Field(
+    status: WorkspaceStatus = Field(
         description="running (also while paused); suspended: hibernated to disk; stale: "
         "its sandbox is gone (resume forks a new one from source_snapshot_tag)"
     )

@@ -318,7 +318,8 @@ async def forward(request: Request, svc: Services, sandbox_id: str, port: int, p
 
 
 def _services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]
+    services: Services = request.app.state.services  # Starlette's state holds Any
+    return services
 
 
 @router.api_route(PROXY_PATH, methods=METHODS, include_in_schema=False)

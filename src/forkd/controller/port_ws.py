@@ -55,7 +55,8 @@ router = APIRouter(tags=["ports"])
 
 
 def _services(websocket: WebSocket) -> Services:
-    return websocket.app.state.services  # type: ignore[no-any-return]
+    services: Services = websocket.app.state.services  # Starlette's state holds Any
+    return services
 
 
 async def _refuse(websocket: WebSocket, exc: ForkdError) -> None:

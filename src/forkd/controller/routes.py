@@ -62,7 +62,8 @@ from forkd.limits import NAME_PATTERN
 
 
 def _services(request: Request) -> Services:
-    return request.app.state.services  # type: ignore[no-any-return]
+    services: Services = request.app.state.services  # Starlette's state holds Any
+    return services
 
 
 Svc = Annotated[Services, Depends(_services)]

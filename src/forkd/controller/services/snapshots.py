@@ -307,7 +307,7 @@ class SnapshotService:
         return CapacityInfo(
             node_id=fleet.store.id_prefix,
             version=__version__,
-            accel=accel.choose(fleet.settings.accel).name,  # type: ignore[arg-type]
+            accel=accel.choose(fleet.settings.accel).name,
             qemu=host_needs.qemu_release(),
             sandboxes=count,
             max_sandboxes=fleet.settings.max_sandboxes,

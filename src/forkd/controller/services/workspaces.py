@@ -16,7 +16,7 @@ import builtins
 import contextlib
 
 from forkd import limits
-from forkd.controller.models import SandboxCreate, WorkspaceCreate, WorkspaceInfo
+from forkd.controller.models import SandboxCreate, WorkspaceCreate, WorkspaceInfo, WorkspaceStatus
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.sandboxes import SandboxService
@@ -110,7 +110,7 @@ class WorkspaceService:
             raise NotFound(f"workspace {name!r} not found")
         return row
 
-    def _status(self, row: WorkspaceRow) -> str:
+    def _status(self, row: WorkspaceRow) -> WorkspaceStatus:
         sandbox = self.fleet.store.get_sandbox(row.sandbox_id) if row.sandbox_id else None
         if sandbox is None or sandbox.state == "dead":
             return "stale"
@@ -120,7 +120,7 @@ class WorkspaceService:
         status = self._status(row)
         return WorkspaceInfo(
             id=row.id, name=row.name, source_snapshot_tag=row.source_snapshot_tag,
-            status=status,  # type: ignore[arg-type]
+            status=status,
             live_sandbox_id=row.sandbox_id if status == "running" else None,
             sandbox_id=row.sandbox_id if status != "stale" else None,
             created_at_unix=row.created_at_unix, last_active_unix=row.last_active_unix,
