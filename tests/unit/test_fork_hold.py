@@ -72,9 +72,11 @@ def test_the_original_sdks_sandbox_speaks_to_a_held_fork(
 ) -> None:
     target, proc = held
     address = f"{target[0]}:{target[1]}"
-    (sid,) = _sandboxes(server)
+    # The relay listens before it forks (a taken port fails at once) and answers once
+    # the fork is done: a connection waits in its backlog until then.
     pong = original_call(address, {"action": "ping"})
     assert pong["pong"] is True and "error" not in pong
+    (sid,) = _sandboxes(server)
     ran = original_call(
         f"{target[0]}:{target[1]}", {"action": "exec", "args": ["echo", "hi"], "timeout": 60}
     )
