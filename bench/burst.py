@@ -43,7 +43,7 @@ from rich.console import Console
 
 from forkd.client import Controller
 from forkd.launcher import DaemonProcess
-from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.qemu import host_processes
 from forkd.vmm.qemu.host_processes import qemu_pids_under
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # see bench/fork.py
@@ -133,9 +133,8 @@ class BurstBench(benchlib.DaemonBench):
             self.qemu_cpu_before = sum(cpu_secs(p) for p in pooled)
             self.results["pool_fill_s"] = r1(time.monotonic() - t0)
             self.results["pool_warmup_cpu_s_each"] = r1(self.qemu_cpu_before / len(pooled))
-            self.results["pooled_private_mib_p50"] = r1(
-                percentile([processes.memory_usage(p).get("private", 0) / MIB for p in pooled], 50)
-            )
+            private = [host_processes.memory_usage(p).get("private", 0) / MIB for p in pooled]
+            self.results["pooled_private_mib_p50"] = r1(percentile(private, 50))
             self.burst(ctl, key="burst_pooled")
 
     def _caps(self, children: int) -> list[str]:
@@ -172,7 +171,7 @@ class BurstBench(benchlib.DaemonBench):
         used = sum(cpu_secs(p) for p in watched) - before
         daemon_used = cpu_secs(self.daemon.proc.pid) - daemon_before
         secs = time.monotonic() - t0
-        private = [processes.memory_usage(p).get("private", 0) / MIB for p in qemus]
+        private = [host_processes.memory_usage(p).get("private", 0) / MIB for p in qemus]
         median = sorted(zip(private, qemus, strict=True))[len(qemus) // 2][1]
         # Two kinds of idle child: the burst's, which each ran one command, and the
         # rest, only forked (a pool hit among them ran one while warming up). The

@@ -16,7 +16,7 @@ import pytest
 
 from forkd.guest import image as images
 from forkd.vmm.jail import qemu_user
-from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.qemu import host_processes
 
 from .conftest import Daemon
 
@@ -69,7 +69,7 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
         # The branch number is persisted: the next default tag does not reuse 1.
         nxt = c.post(f"/v1/sandboxes/{a}/branch", json={}).json()["tag"]
         assert nxt == f"branch-{a}-1"
-        uid_a = processes.owner_uid(c.get(f"/v1/sandboxes/{a}").json()["pid"])
+        uid_a = host_processes.owner_uid(c.get(f"/v1/sandboxes/{a}").json()["pid"])
 
     # kill -9 of the daemon itself: same outcome. And the registry of QEMU uids
     # lost a's entry meanwhile (a wiped /run, say), with a's uid next in turn:
@@ -84,7 +84,7 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
         assert nxt2 == f"branch-{a}-2"
         c2 = c.post("/v1/sandboxes", json={"snapshot_tag": "rt-branch"}).json()[0]["id"]
         assert c.post(f"/v1/sandboxes/{c2}/eval", json={"code": "y"}).json()["result"] == "7"
-        uid_c2 = processes.owner_uid(c.get(f"/v1/sandboxes/{c2}").json()["pid"])
+        uid_c2 = host_processes.owner_uid(c.get(f"/v1/sandboxes/{c2}").json()["pid"])
         assert uid_c2 != uid_a and uid_c2 in qemu_user.UidRange.parse(UIDS)
         assert sorted(d.qemu_pids()) == sorted(
             c.get(f"/v1/sandboxes/{s}").json()["pid"] for s in (a, c2)

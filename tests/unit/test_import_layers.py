@@ -40,14 +40,15 @@ DOORS: dict[str, frozenset[str]] = {
                              "image_import", "oci", "archive", BASE}),
     "doctor": frozenset({"guest", "vmm.qemu", "vmm.jail", BASE}),
     "image_import": frozenset({"oci", "archive", BASE}),
-    "oci": frozenset({"guest", "vmm.snapshot", "vmm.qemu", "vmm.volumes", BASE}),
-    # The image builder asks which snapshots and VMs use an image before deleting it.
+    "oci": frozenset({"vmm.snapshot", "vmm.qemu", "vmm.volumes", BASE}),
+    # The image builder asks which snapshots and VMs use an image before deleting it:
+    # see GUEST_USES.
     "guest": frozenset({"image_import", "vmm", "vmm.snapshot", BASE}),
-    "vmm": frozenset({*(f"vmm.{part}" for part in VMM_PARTS), "guest", BASE}),
+    "vmm": frozenset({*(f"vmm.{part}" for part in VMM_PARTS), BASE}),
     "vmm.snapshot": frozenset({"vmm.qemu", "vmm.volumes", BASE}),
     "vmm.agent": frozenset({"vmm.qemu", "vmm.jail", BASE}),
     "vmm.qemu": frozenset({"vmm.jail", "vmm.volumes", BASE}),
-    "vmm.volumes": frozenset({"vmm.qemu", "vmm.jail", "archive", BASE}),
+    "vmm.volumes": frozenset({"vmm.jail", "archive", BASE}),
     "vmm.jail": frozenset({"archive", BASE}),
     "archive": frozenset(),  # the guest agent runs it too: nothing of forkd's
     BASE: frozenset(),
@@ -58,6 +59,15 @@ DOORS: dict[str, frozenset[str]] = {
 GATEWAY_USES = frozenset(
     {"forkd.controller.middleware", "forkd.controller.http_errors",
      "forkd.controller.connection_limits", "forkd.controller.server"}
+)  # fmt: skip
+
+# What of forkd.vmm the image builder reads; nothing that runs a VM.
+GUEST_USES = frozenset({"forkd.vmm.runtime_meta", "forkd.vmm.snapshot.files"})
+
+# The daemon's HTTP side holds no VM: only its services do.
+HTTP_SIDE = frozenset(
+    {"forkd.controller.routes", "forkd.controller.pty_ws", "forkd.controller.bodies",
+     "forkd.controller.port_proxy", "forkd.controller.port_ws"}
 )  # fmt: skip
 
 # Third-party packages a room may import (absent: any the project depends on).
@@ -84,6 +94,9 @@ def _module_name(path: Path) -> str:
     return ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
 
 
+_TYPE_CHECKING = ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+
+
 def _is_module(name: str) -> bool:
     path = SRC.joinpath(*name.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
@@ -93,11 +106,13 @@ def _runtime_imports(tree: ast.AST) -> Iterator[tuple[int, str]]:
     """(line, module) of every import that runs: not those under ``if TYPE_CHECKING``.
     ``from forkd.x import y`` is module ``forkd.x.y`` when ``y`` is one."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in _TYPE_CHECKING:
             yield from _runtime_imports(ast.Module(body=node.orelse, type_ignores=[]))
         elif isinstance(node, ast.Import):
             yield from ((node.lineno, alias.name) for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        elif isinstance(node, ast.ImportFrom) and node.level:  # forkd has none: caught
+            yield node.lineno, "." * node.level + (node.module or "")
+        elif isinstance(node, ast.ImportFrom) and node.module:
             for alias in node.names:
                 inner = f"{node.module}.{alias.name}"
                 named = _is_module(inner) or node.module == "forkd"  # forkd.__version__
@@ -123,14 +138,48 @@ def test_each_room_imports_only_through_its_doors() -> None:
         module = _module_name(path)
         room = room_of(module)
         for line, target in _runtime_imports(ast.parse(path.read_text(), str(path))):
+            if target.startswith("."):
+                wrong.append(f"{module}:{line} imports {target} (relative: name the module)")
             if not target.startswith("forkd"):
                 continue
             to = room_of(target)
+            if room == "guest" and to.startswith("vmm") and target not in GUEST_USES:
+                wrong.append(f"{module}:{line} imports {target} (the builder: records only)")
+            if module in HTTP_SIDE and to.startswith("vmm"):
+                wrong.append(f"{module}:{line} imports {target} (the services hold the VMs)")
             if to != room and to not in DOORS[room]:
                 wrong.append(f"{module}:{line} imports {target} ({room} -> {to})")
             if room == "gateway" and to == "controller" and target not in GATEWAY_USES:
                 wrong.append(f"{module}:{line} imports {target} (the gateway: middleware only)")
     assert wrong == [], "imports through no door (docs/architecture.md):\n" + "\n".join(wrong)
+
+
+def test_the_doors_only_lead_down() -> None:
+    """No two rooms import each other, however indirectly: the table is a ladder."""
+    seen: dict[str, str] = {}  # room -> "open" while visiting, "done" after
+
+    def visit(room: str, path: tuple[str, ...]) -> None:
+        if seen.get(room) == "open":
+            raise AssertionError("a cycle of rooms: " + " -> ".join((*path, room)))
+        if seen.get(room) == "done":
+            return
+        seen[room] = "open"
+        for below in sorted(DOORS[room]):
+            visit(below, (*path, room))
+        seen[room] = "done"
+
+    for room in DOORS:
+        visit(room, ())
+
+
+def test_services_speak_no_http() -> None:
+    wrong = [
+        f"{_module_name(path)}:{line} imports {target}"
+        for path in sorted((FORKD / "controller" / "services").glob("*.py"))
+        for line, target in _runtime_imports(ast.parse(path.read_text(), str(path)))
+        if target.split(".")[0] in {"fastapi", "starlette", "uvicorn"}
+    ]
+    assert wrong == [], "services raise forkd.errors; HTTP is the routes' job:\n" + "\n".join(wrong)
 
 
 def _third_party(target: str) -> str | None:
@@ -172,9 +221,19 @@ def test_the_guest_agent_imports_the_standard_library_its_siblings_and_the_extra
         ("from forkd.errors import Invalid, NotFound\n", ["forkd.errors", "forkd.errors"]),
         ("from forkd.vmm import vm, pool\n", ["forkd.vmm.vm", "forkd.vmm.pool"]),
         ("if TYPE_CHECKING:\n    import forkd.vmm.vm\nelse:\n    import os\n", ["os"]),
+        ("if not TYPE_CHECKING:\n    import forkd.vmm.vm\n", ["forkd.vmm.vm"]),
+        ("from .files import x\n", [".files"]),
         ("def f():\n    from forkd.oci import push\n", ["forkd.oci.push"]),
     ],
-    ids=["plain", "names", "from-package", "type-checking", "in-a-function"],
+    ids=[
+        "plain",
+        "names",
+        "from-package",
+        "type-checking",
+        "not-type-checking",
+        "relative",
+        "in-a-function",
+    ],
 )
 def test_the_import_reader_sees_what_runs(source: str, expected: list[str]) -> None:
     assert [m for _, m in _runtime_imports(ast.parse(source))] == expected

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.services import Services
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, Store
+from forkd.states import SandboxState
 from tests.unit.conftest import RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
 from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
@@ -141,3 +143,20 @@ def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -
     assert [store.get_sandbox(s).state for s in ("sb-t-0001", "sb-t-0002")] == [  # type: ignore[union-attr]
         "paused", "running"]  # fmt: skip
     assert services.fleet.vms["sb-t-0001"].state == "paused"
+
+
+def test_a_sandbox_the_daemon_died_forking_is_adopted_running(settings: Settings) -> None:
+    """Killed between a fork's claim and its row's update: the next daemon finds the QEMU
+    and the row still starting. It runs, so it is running (and can be killed, paused)."""
+    from forkd.vmm.qemu.argv import MachineConfig
+
+    settings.run_dir.mkdir(parents=True)
+    store = Store(settings.state_dir / "forkd.db")
+    store.add_sandbox(SandboxRow("sb-t-0003", "base", str(settings.run_dir / "sb-t-0003"), None,
+                                 1, None, None, SandboxState.STARTING))  # fmt: skip
+    machine = MachineConfig(1, 128, "tcg", Path("k"), Path("i"), Path("r"))
+    services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0),
+                               AdoptingDriver(machine))  # fmt: skip
+    asyncio.run(services.lifecycle.adopt_sandboxes())
+    row = store.get_sandbox("sb-t-0003")
+    assert row is not None and (row.state, row.pid) == (SandboxState.RUNNING, os.getpid())

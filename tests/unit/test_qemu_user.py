@@ -16,7 +16,7 @@ from forkd import doctor
 from forkd.errors import ForkdError, Invalid, OverCapacity
 from forkd.vmm.jail import qemu_user
 from forkd.vmm.jail.qemu_user import Holder, Registry, UidRange
-from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.qemu import host_processes
 from forkd.vmm.qemu.argv import SANDBOX, SANDBOX_RUNAS, MachineConfig, RuntimePaths, build_argv
 from forkd.vmm.volumes.disks import Attachment
 
@@ -151,13 +151,13 @@ def test_a_restarted_daemon_takes_back_the_uid_of_each_qemu_it_adopts(
     """Read from the live process, even when the registry lost its entry."""
     qemu_user.configure(UidRange(70000, 70001), tmp_path / "uids")
     adopted = _sleeper(children, uid=70001)
-    lease = qemu_user.adopt(adopted, processes.owner_uid(adopted))
+    lease = qemu_user.adopt(adopted, host_processes.owner_uid(adopted))
     assert lease is not None and lease.uid == 70001
     assert qemu_user.reserve() is not None  # 70000
     with pytest.raises(OverCapacity):
         qemu_user.reserve()
     outside = _sleeper(children, uid=71000)
-    assert qemu_user.adopt(outside, processes.owner_uid(outside)) is None
+    assert qemu_user.adopt(outside, host_processes.owner_uid(outside)) is None
 
 
 def test_every_uid_of_the_range_counts_as_a_qemu_of_ours() -> None:
@@ -203,5 +203,5 @@ def test_runas_is_numeric_and_keeps_the_filter_without_the_setuid_ban() -> None:
 
 
 def test_a_process_owner_is_its_real_uid_not_the_owner_of_its_proc_directory() -> None:
-    assert processes.owner_uid(os.getpid()) == os.getuid()
-    assert processes.owner_uid(2**22 + 12345) is None  # no such process
+    assert host_processes.owner_uid(os.getpid()) == os.getuid()
+    assert host_processes.owner_uid(2**22 + 12345) is None  # no such process

@@ -19,7 +19,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 from urllib.parse import quote
 
 import httpx
@@ -79,43 +79,44 @@ class AsyncRunner:
         raise NotImplementedError
 
 
-class route(Generic[P, T]):
-    """A route method: ``build`` makes its :class:`Call`; read from a client, the
-    method sends it there (see the module)."""
+class _Route(Generic[P, T]):
+    """How the type checker sees a route method: read from the sync client it returns
+    the answer, from the async one an awaitable of it."""
 
-    def __init__(self, build: Callable[Concatenate[Any, P], Call[T]]) -> None:
-        self._build = build
-        self.__doc__, self.__wrapped__ = build.__doc__, build  # help() and Sphinx read these
-
+    def __init__(self, build: Callable[Concatenate[Any, P], Call[T]]) -> None: ...
     @overload
-    def __get__(self, client: None, owner: type | None = None) -> route[P, T]: ...
+    def __get__(
+        self, client: None, owner: type | None = None
+    ) -> Callable[Concatenate[Any, P], Any]: ...
     @overload
     def __get__(self, client: SyncRunner, owner: type | None = None) -> Callable[P, T]: ...
     @overload
     def __get__(
         self, client: AsyncRunner, owner: type | None = None
     ) -> Callable[P, Awaitable[T]]: ...
-    def __get__(self, client: SyncRunner | AsyncRunner | None, owner: type | None = None) -> Any:
-        if client is None:
-            return self
-        build, run = self._build, client._run
+    def __get__(self, client: object, owner: type | None = None) -> Any: ...
 
-        @functools.wraps(build)
-        def send(*args: P.args, **kwargs: P.kwargs) -> Any:
-            return run(build(client, *args, **kwargs))
 
-        send.__signature__ = self._signature(isinstance(client, AsyncRunner))  # type: ignore[attr-defined]
-        return send
+def _route(build: Callable[..., Call[Any]]) -> Callable[..., Any]:
+    """A route method: ``build`` makes its :class:`Call` and the client it is called on
+    runs it (its ``_run``: the answer, or an awaitable of it). At run time it is a
+    plain function, so ``Controller.health(ctl)``, monkeypatching, ``help()`` and
+    ``mock.create_autospec`` work as for any method; ``help()`` shows the answer's type."""
 
-    @functools.cache  # noqa: B019 - one per route and client kind, for the life of the class
-    def _signature(self, awaited: bool) -> inspect.Signature:
-        """What ``help()`` shows of the bound method: no ``self``, the answer's type."""
-        built = inspect.signature(self._build)
-        answer = str(built.return_annotation).removeprefix("Call[").removesuffix("]")
-        return built.replace(
-            parameters=list(built.parameters.values())[1:],
-            return_annotation=f"Awaitable[{answer}]" if awaited else answer,
-        )
+    @functools.wraps(build)
+    def method(self: SyncRunner | AsyncRunner, *args: Any, **kwargs: Any) -> Any:
+        return self._run(build(self, *args, **kwargs))
+
+    built = inspect.signature(build)
+    answer = str(built.return_annotation).removeprefix("Call[").removesuffix("]")
+    method.__signature__ = built.replace(return_annotation=answer)  # type: ignore[attr-defined]
+    return method
+
+
+if TYPE_CHECKING:
+    route = _Route
+else:
+    route = _route
 
 
 def _quote(segment: str) -> str:
@@ -177,10 +178,6 @@ class Routes:
     def _json(method: str, path: str, **kw: Any) -> Call[Any]:
         """The call whose answer is the response's JSON (an error status raises)."""
         return Call(method, path, lambda resp: json_of(resp, method, path), **kw)
-
-    @staticmethod
-    def _then(call: Call[T], then: Callable[[T], U]) -> Call[U]:
-        return call.then(then)
 
     @staticmethod
     def _sb(sandbox_id: str) -> str:
@@ -280,8 +277,8 @@ class Routes:
         diff snapshots are over is a 409 unless ``cascade`` (they are deleted too) or
         ``force`` (they are compacted into full snapshots and kept)."""
         params = {k: "true" for k, v in (("cascade", cascade), ("force", force)) if v}
-        return self._then(
-            self._request("DELETE", f"/v1/snapshots/{_quote(tag)}", params=params or None), _none
+        return self._request("DELETE", f"/v1/snapshots/{_quote(tag)}", params=params or None).then(
+            _none
         )
 
     @route
@@ -347,7 +344,7 @@ class Routes:
     @route
     def delete_volume(self, name: str) -> Call[None]:
         """``DELETE /v1/volumes/{name}``; 409 while a snapshot or sandbox uses it."""
-        return self._then(self._request("DELETE", f"/v1/volumes/{_quote(name)}"), _none)
+        return self._request("DELETE", f"/v1/volumes/{_quote(name)}").then(_none)
 
     # -- images -------------------------------------------------------------
 
@@ -373,7 +370,7 @@ class Routes:
     def delete_image(self, name: str) -> Call[None]:
         """``DELETE /v1/images/{name}``; 409 while a snapshot or sandbox uses it. Frees
         the layers no other image needs."""
-        return self._then(self._request("DELETE", f"/v1/images/{_quote(name)}"), _none)
+        return self._request("DELETE", f"/v1/images/{_quote(name)}").then(_none)
 
     # -- sandboxes ----------------------------------------------------------
 
@@ -446,7 +443,7 @@ class Routes:
     @route
     def kill_sandbox(self, sandbox_id: str) -> Call[None]:
         """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
-        return self._then(self._request("DELETE", self._sb(sandbox_id)), _none)
+        return self._request("DELETE", self._sb(sandbox_id)).then(_none)
 
     @route
     def set_sandbox_timeout(
@@ -593,7 +590,7 @@ class Routes:
     @route
     def delete_workspace(self, name: str) -> Call[None]:
         """``DELETE /v1/workspaces/{name}``: its sandbox is killed, whatever its state."""
-        return self._then(self._request("DELETE", f"/v1/workspaces/{_quote(name)}"), _none)
+        return self._request("DELETE", f"/v1/workspaces/{_quote(name)}").then(_none)
 
     @route
     def suspend_workspace(self, name: str) -> Call[JSONDict]:
@@ -613,7 +610,7 @@ class Routes:
     def read_file(self, sandbox_id: str, path: str) -> Call[bytes]:
         """``GET /v1/sandboxes/{id}/files?path=`` → the file's bytes."""
         resp = self._request("GET", f"{self._sb(sandbox_id)}/files", params={"path": path})
-        return self._then(resp, _content)
+        return resp.then(_content)
 
     @route
     def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> Call[None]:
@@ -628,14 +625,14 @@ class Routes:
             content=bytes(data),
             headers={"Content-Type": "application/octet-stream"},
         )
-        return self._then(resp, _none)
+        return resp.then(_none)
 
     @route
     def list_files(self, sandbox_id: str, path: str) -> Call[list[JSONDict]]:
         """``GET /v1/sandboxes/{id}/files/list?path=`` → entries
         ``{"name", "type", "size", "mode", "mtime"}``."""
         body = self._json("GET", f"{self._sb(sandbox_id)}/files/list", params={"path": path})
-        return self._then(body, _entries)
+        return body.then(_entries)
 
     @route
     def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Call[None]:
@@ -645,7 +642,7 @@ class Routes:
             f"{self._sb(sandbox_id)}/files",
             params={"path": path, "recursive": "true" if recursive else "false"},
         )
-        return self._then(resp, _none)
+        return resp.then(_none)
 
     # -- processes (their output streams: ProcessRoutes) ----------------------
 
@@ -699,7 +696,7 @@ class Routes:
         else:
             body = {"data": data, "eof": eof}
         answer = self._json("POST", f"{self._procs(sandbox_id, pid)}/stdin", json_body=body)
-        return self._then(answer, _written)
+        return answer.then(_written)
 
     @route
     def signal_process(
@@ -707,15 +704,13 @@ class Routes:
     ) -> Call[None]:
         """``POST .../processes/{pid}/signal``: to its whole process group."""
         path = f"{self._procs(sandbox_id, pid)}/signal"
-        return self._then(self._request("POST", path, json_body={"signal": signal}), _none)
+        return self._request("POST", path, json_body={"signal": signal}).then(_none)
 
     @route
     def resize_process(self, sandbox_id: str, pid: int, cols: int, rows: int) -> Call[None]:
         """``POST .../processes/{pid}/resize``: its terminal's size."""
         path = f"{self._procs(sandbox_id, pid)}/resize"
-        return self._then(
-            self._request("POST", path, json_body={"cols": cols, "rows": rows}), _none
-        )
+        return self._request("POST", path, json_body={"cols": cols, "rows": rows}).then(_none)
 
     # -- guest ports (their WebSockets and tunnels: PortRoutes) -----------------
 

@@ -27,8 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from forkd import limits
 from forkd.errors import Conflict, UpstreamError
-from forkd.guest import recipe
 from forkd.oci import artifact
 from forkd.oci.artifact import IMAGE_PIECE, Manifest
 
@@ -92,7 +92,7 @@ def image_dir_name(config: dict[str, Any]) -> tuple[str, str]:
     """The image's name and key from a config, checked to be safe as a directory name."""
     image = config["image"]
     name, key = str(image.get("name") or ""), str(image.get("key") or "")
-    if not recipe.NAME_RE.fullmatch(name) or not key.isalnum() or not 0 < len(key) <= 64:
+    if not limits.NAME_RE.fullmatch(name) or not key.isalnum() or not 0 < len(key) <= 64:
         raise UpstreamError(f"the snapshot names an invalid image {name!r} ({key!r})")
     return name, key
 

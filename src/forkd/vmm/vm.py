@@ -30,11 +30,10 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forkd import accel, limits
 from forkd.errors import AgentError, SnapshotError, VMError
-from forkd.guest.image import Image
 from forkd.states import VMState
 from forkd.vmm import runtime_meta
 from forkd.vmm.agent import ops as agent_ops
@@ -42,8 +41,7 @@ from forkd.vmm.agent.client import AgentClient
 from forkd.vmm.agent.ops import GuestOps
 from forkd.vmm.agent.ports import GuestPorts
 from forkd.vmm.jail import cgroups, egress, network, qemu_user
-from forkd.vmm.qemu import host_processes as processes
-from forkd.vmm.qemu import launch
+from forkd.vmm.qemu import host_processes, launch
 from forkd.vmm.qemu.argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
 from forkd.vmm.qemu.host_processes import qemu_pid_matches
 from forkd.vmm.qemu.launch import tail
@@ -61,6 +59,9 @@ from forkd.vmm.volumes.disks import Attachment
 from forkd.vmm.warm_start import WarmStart
 
 __all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
+
+if TYPE_CHECKING:  # only its type: the guest images sit above the VM
+    from forkd.guest.image import Image
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +172,9 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             launched = await launch.start_qemu(spec, undo)
             image_ref = ImageRef(image.name, image.key, str(image.dir))
             vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, launched.proc, launched.proc.pid)
-            vm._own(launched, list(attach), undo)
+            vm._own(launched, list(attach))
+            undo.pop_all()  # from here undoing the start is killing the VM: it owns them all
+            undo.push_async_callback(vm.kill)
             await vm._connect_qmp()
             await vm.agent.connect()
             await vm._wait_agent(boot_timeout)
@@ -250,7 +253,9 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
                 launched = await launch.start_qemu(spec, undo)
                 proc = launched.proc
                 vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)
-                vm._own(launched, attach, undo)
+                vm._own(launched, attach)
+                undo.pop_all()  # from here undoing the start is killing the VM
+                undo.push_async_callback(vm.kill)
                 vm.origin_id = snap.meta.id
                 vm._set_state(VMState.INCOMING)
                 vm._incoming = snap
@@ -261,15 +266,10 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             undo.pop_all()
         return vm
 
-    def _own(
-        self, launched: launch.Launched, attach: list[Attachment], undo: contextlib.AsyncExitStack
-    ) -> None:
-        """Take over what the start made: from now on undoing the start is killing
-        this VM, which lets go of every one of them (:meth:`kill`)."""
+    def _own(self, launched: launch.Launched, attach: list[Attachment]) -> None:
+        """Take over what the start made: :meth:`kill` lets go of every one of them."""
         self.net, self.cgroup, self.uid = launched.net, launched.cgroup, launched.uid
         self.volumes = attach
-        undo.pop_all()
-        undo.push_async_callback(self.kill)
 
     async def finish_restore(
         self,
@@ -339,7 +339,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         vm.volumes = list(rec.volumes)
         vm.net = rec.network
         vm.cgroup = rec.cgroup  # QEMU stays in its group; kill() removes it
-        vm.uid = qemu_user.adopt(rec.pid, processes.owner_uid(rec.pid))  # and keeps its uid
+        vm.uid = qemu_user.adopt(rec.pid, host_processes.owner_uid(rec.pid))  # and keeps its uid
         await vm._connect_qmp(timeout)
         status = await vm.qmp.execute("query-status")
         assert isinstance(status, dict)
@@ -449,16 +449,24 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         if not await self.gone(limits.KILL_WAIT_SECS):  # polls: no thread waits on it
             log.error("QEMU of %s (pid %s) still runs after SIGKILL", self.id, self.pid)
         self._set_state(VMState.DEAD)
-        await self.release()
-        if self.uid is not None:  # free for another VM (unless QEMU outlived SIGKILL)
-            await asyncio.to_thread(self.uid.release)
-        volume_mounts.remove_own_layers(self.volumes)
+        # Each step runs even when one before it failed (the last error is raised).
+        async with contextlib.AsyncExitStack() as steps:  # run last pushed first
+            steps.callback(shutil.rmtree, self.rt.dir, ignore_errors=True)
+            steps.push_async_callback(self._remove_cgroup)
+            steps.push_async_callback(self._detach_network)
+            steps.callback(volume_mounts.remove_own_layers, self.volumes)
+            if self.uid is not None:  # free for another VM (unless QEMU outlived SIGKILL)
+                steps.push_async_callback(asyncio.to_thread, self.uid.release)
+            steps.push_async_callback(self.release)
+
+    async def _detach_network(self) -> None:
         await network.detach(self.net)  # QEMU is gone: its namespace can go
         self.net = None
-        if not await asyncio.to_thread(cgroups.remove, self.cgroup):  # and its group
+
+    async def _remove_cgroup(self) -> None:
+        if not await asyncio.to_thread(cgroups.remove, self.cgroup):
             log.warning("cgroup of %s is still in use: left in place", self.id)
         self.cgroup = None
-        shutil.rmtree(self.rt.dir, ignore_errors=True)
 
     # ------------------------------------------------------------- snapshot
 
@@ -493,4 +501,4 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
 
     def memory_usage(self) -> dict[str, int]:
         """Host memory of the QEMU process in bytes; ``private`` is what it alone costs."""
-        return processes.memory_usage(self.pid)
+        return host_processes.memory_usage(self.pid)

@@ -53,6 +53,8 @@ class Holds:
         finally:
             if tag is not None:
                 self._bases[tag] -= 1
+                if not self._bases[tag]:
+                    del self._bases[tag]
 
     def base_in_use(self, tag: str) -> bool:
         return self._bases[tag] > 0
@@ -71,6 +73,8 @@ class Holds:
             if not released:
                 released = True
                 self._read[tag] -= 1
+                if not self._read[tag]:
+                    del self._read[tag]
 
         return release
 

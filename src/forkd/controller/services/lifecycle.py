@@ -26,7 +26,7 @@ from forkd.errors import ForkdError, SnapshotError
 from forkd.limits import NAME_RE
 from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
 from forkd.vmm.jail import network, qemu_user
-from forkd.vmm.qemu import host_processes as processes
+from forkd.vmm.qemu import host_processes
 from forkd.vmm.snapshot import files as snapshot_files
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,7 @@ class Lifecycle:
                 vm = await fleet.driver.adopt(run_dir, paused=paused)
             except Exception as exc:  # one broken VM must not stop the daemon
                 log.info("sandbox %s is gone (%s): removing it", row.id, exc)
-                if row.pid and processes.qemu_pid_matches(row.pid, run_dir):
+                if row.pid and host_processes.qemu_pid_matches(row.pid, run_dir):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(row.pid, signal.SIGKILL)
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -165,7 +165,10 @@ class Lifecycle:
                 fleet.store.delete_sandbox(row.id)
                 continue
             fleet.vms[row.id] = vm
-            fleet.store.update_sandbox(row.id, pid=vm.pid)  # its state is as it was
+            if row.state == SandboxState.STARTING:  # died mid-fork, its QEMU running: it runs
+                fleet.store.set_sandbox_state(row.id, SandboxState.RUNNING, pid=vm.pid)
+            else:  # paused or running, as it was left
+                fleet.store.update_sandbox(row.id, pid=vm.pid)
             log.info(
                 "re-adopted sandbox %s (pid %s%s)", row.id, vm.pid, ", paused" if paused else ""
             )
@@ -182,10 +185,10 @@ class Lifecycle:
         ours = {str(vm.rt.dir) for vm in fleet.vms.values()}
         mine = vm_id_prefixes(fleet.store.id_prefix)
         uids = qemu_user.qemu_uids()
-        for pid, run_dir in processes.qemu_run_dirs(fleet.settings.run_dir).items():
+        for pid, run_dir in host_processes.qemu_run_dirs(fleet.settings.run_dir).items():
             if str(run_dir) in ours or not run_dir.name.startswith(mine):
                 continue
-            if processes.owner_uid(pid) not in uids:
+            if host_processes.owner_uid(pid) not in uids:
                 continue
             log.warning("killing stray QEMU %s (%s)", pid, run_dir)
             with contextlib.suppress(ProcessLookupError):

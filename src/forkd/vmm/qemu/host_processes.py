@@ -85,7 +85,7 @@ def _qmp_run_dir(arg: bytes) -> Path | None:
     """The directory of the QMP socket named by a ``-qmp`` value, if ``arg`` is one."""
     if not arg.startswith(b"unix:") or not arg.endswith(QMP_OPTION_TAIL):
         return None
-    # QEMU option strings double every comma of a path (qemu_argv._opt).
+    # QEMU option strings double every comma of a path (forkd.vmm.qemu.argv._opt).
     sock = Path(os.fsdecode(arg[len(b"unix:") : -len(QMP_OPTION_TAIL)]).replace(",,", ","))
     return sock.parent if sock.name == QMP_SOCKET else None
 

@@ -110,12 +110,12 @@ async def snapshot_running(
     over), before the snapshot's files are written out.
 
     ``labels`` are recorded in ``snapshot.json`` with the pause window (``pause_ms``).
-    A VM already paused (``state == "paused"``) is snapshotted as it is and left
+    A VM already paused (``state`` paused, or warm in the pool) is snapshotted as it is and left
     paused: no pause of its own, ``pause_ms`` 0. With ``base`` (the snapshot the
     VM was forked from) the snapshot is a diff over it. ``live``: the guest's pages
     are copied before the pause too, and the pause only copies what changed since.
     """
-    if vm.state == "paused":
+    if vm.state in ("paused", "warm"):  # vCPUs already stopped: no pause of its own
         if on_resumed is not None:
             on_resumed(0.0)  # no pause of its own
         return await _snapshot_paused(vm, dest, labels, base)

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from forkd.errors import SnapshotError, StorageFull
 from forkd.vmm.qemu.launch import tail
 from forkd.vmm.snapshot import files as snapshot_files
-from forkd.vmm.snapshot import memory
-from forkd.vmm.snapshot import memory_strategy as snapshot_memory
+from forkd.vmm.snapshot import memory, memory_strategy
 from forkd.vmm.snapshot.files import BaseRef, SnapshotLabels, SnapshotMeta
 from forkd.vmm.volumes import mounts as volume_mounts
 from forkd.vmm.volumes.disks import Attachment
@@ -60,7 +59,7 @@ class SnapshotWriter:
         # closes the descriptors it writes (a cancelled await leaves it running).
         self._busy: asyncio.Future[Any] | None = None
         # base: a diff over it; else full, live: copied before the pause where the host can.
-        self.memory_strategy = snapshot_memory.for_snapshot(
+        self.memory_strategy = memory_strategy.for_snapshot(
             vm, base, live=live, thread=self._thread
         )
         self._mem_fd: int | None = None  # the memory file, written by its strategy

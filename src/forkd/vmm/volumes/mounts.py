@@ -11,12 +11,14 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forkd.errors import SnapshotError, VMError
-from forkd.vmm.qemu.qmp import QMPChannel
 from forkd.vmm.volumes import disks as volumes
 from forkd.vmm.volumes.disks import Attachment
+
+if TYPE_CHECKING:  # a parameter's type: the volumes sit below QEMU, which mounts them
+    from forkd.vmm.qemu.qmp import QMPChannel
 
 MOUNT_TIMEOUT_SECS = 60
 MOUNT_SCRIPT = (
