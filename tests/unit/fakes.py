@@ -24,11 +24,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forkd.errors import AgentError, SnapshotError, VMError
+from forkd.states import VMState
 from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.qemu.argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory_diff
 from forkd.vmm.snapshot.files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
+from forkd.vmm.vm_state import VMLifecycle
 from forkd.vmm.volumes.disks import Attachment
 from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
@@ -135,16 +137,26 @@ class FakeWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-class FakeVM:
-    def __init__(self, vm_id: str, machine: MachineConfig, run_root: Path, guest: Guest) -> None:
+class FakeVM(VMLifecycle):
+    """Moves along the real VM's state table (VMLifecycle): a service that drives a VM
+    through a move the real one refuses fails here too."""
+
+    def __init__(
+        self,
+        vm_id: str,
+        machine: MachineConfig,
+        run_root: Path,
+        guest: Guest,
+        state: VMState = VMState.RUNNING,  # as it was made: booted, restored or adopted
+    ) -> None:
         self.id = vm_id
+        self._state = state
         self.machine = machine
         self.origin: Path | None = None  # the snapshot directory it was forked from
         self.origin_id: str | None = None  # and that snapshot's id
         self.rt = Runtime(run_root / vm_id)
         self.rt.dir.mkdir(parents=True, exist_ok=True)
         self.pid = os.getpid()  # never one a test would kill: lifecycle checks it is QEMU
-        self.state = "running"
         self.alive = True
         self.fail: str | None = None
         self.capture_delay = 0.0  # inside the pause
@@ -169,7 +181,7 @@ class FakeVM:
     async def kill(self) -> None:
         self.events.append("kill")
         self.alive = False
-        self.state = "dead"
+        self._set_state(VMState.DEAD)
         shutil.rmtree(self.rt.dir, ignore_errors=True)
 
     async def release(self) -> None:
@@ -180,31 +192,32 @@ class FakeVM:
         return {"rss": held, "pss": held, "private_dirty": held, "private": held}
 
     async def finish_restore(self, **_: Any) -> None:
-        self.state = "running"
+        self._set_state(VMState.RUNNING)
 
     async def prewarm(self) -> None:  # a pooled VM restored ahead of time, stopped
         self.events.append("prewarm")
-        self.state = "warm"
+        self._set_state(VMState.RUNNING)  # restored, one command run, then stopped
+        self._set_state(VMState.WARM)
 
     async def claim(self) -> None:
         self.events.append("claim")
         if self.fail == "claim":
             self.alive = False
             raise VMError("cont failed")
-        self.state = "running"
+        self._set_state(VMState.RUNNING)
 
     async def pause(self) -> None:
         self.events.append("pause")
         if self.fail == "pause":
             raise VMError("stop refused")
-        self.state = "paused"
+        self._set_state(VMState.PAUSED)
 
     async def resume(self) -> None:
         self.events.append("resume")
         if self.fail == "resume":
             self.alive = False
             raise VMError("cont failed")
-        self.state = "running"
+        self._set_state(VMState.RUNNING)
 
     async def after_resume(self) -> None:
         self._agent("restore")
@@ -437,9 +450,9 @@ class FakeDriver:
         files = snapshot_files.load(snapshot_dir)
         state = snapshot_dir / GUEST_STATE  # a pulled snapshot has none: an empty guest
         guest = Guest.from_json(json.loads(state.read_text())) if state.exists() else Guest()
-        vm = FakeVM(vm_id or f"vm-{len(self.vms)}", files.machine, run_root, guest)
+        vm_id = vm_id or f"vm-{len(self.vms)}"
+        vm = FakeVM(vm_id, files.machine, run_root, guest, state=VMState.INCOMING)
         vm.origin, vm.origin_id = snapshot_dir, files.meta.id
-        vm.state = "incoming"
         vm.volumes = list(files.meta.volumes)
         self.vms.append(vm)
         return vm

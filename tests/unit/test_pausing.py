@@ -17,7 +17,7 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.services import Services
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, Store
-from forkd.states import SandboxState
+from forkd.states import SandboxState, VMState
 from tests.unit.conftest import RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
 from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
@@ -122,9 +122,8 @@ class AdoptingDriver(FakeDriver):
         from tests.unit.fakes import Guest
 
         self.asked[run_dir.name] = paused
-        vm = FakeVM(run_dir.name, self.machine, run_dir.parent, Guest())
-        vm.state = "paused" if paused else "running"
-        return vm
+        state = VMState.PAUSED if paused else VMState.RUNNING
+        return FakeVM(run_dir.name, self.machine, run_dir.parent, Guest(), state=state)
 
 
 def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from forkd.states import VMState
 from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.qemu.argv import MachineConfig
 from forkd.vmm.snapshot.files import BaseRef, SnapshotLabels
@@ -38,7 +39,7 @@ class SandboxVM(Protocol):
     @property
     def id(self) -> str: ...
     @property
-    def state(self) -> str:
+    def state(self) -> VMState:
         """``starting``, ``incoming``, ``warm``, ``running``, ``paused`` or ``dead``."""
         ...
 
