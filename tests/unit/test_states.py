@@ -16,6 +16,7 @@ from forkd.states import (
     IllegalTransition,
     OnTimeout,
     SandboxState,
+    SnapshotMode,
     SnapshotStatus,
     VMState,
     check_move,
@@ -80,3 +81,7 @@ def test_the_words_are_the_api_s() -> None:
         t.value for t in OnTimeout
     ]
     assert SandboxState.RUNNING == "running" and json.dumps(SandboxState.DEAD) == '"dead"'
+    snapshot = schemas["SnapshotInfo"]["properties"]
+    stored = {status.value for status in SnapshotStatus}
+    assert set(snapshot["status"]["enum"]) == stored | {"broken"}  # broken: said, not stored
+    assert snapshot["mode"]["enum"] == [m.value for m in SnapshotMode]

@@ -468,7 +468,7 @@ class SnapshotInfo(BaseModel):
     pause_ms: int | None = Field(
         None, description="branches only: vCPUs frozen, whole ms (the original contract's type)"
     )
-    status: str = Field(
+    status: Literal["ready", "broken", "pending", "failed"] = Field(
         description="'ready'; 'broken' when a file is missing or corrupt; 'pending' while a "
         "branch with wait false is written; 'failed' when that branch failed (see error)"
     )
@@ -477,7 +477,9 @@ class SnapshotInfo(BaseModel):
     image: str | None
     parent_tag: str | None
     metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
-    mode: str = Field("full", description="full, or diff: the pages that differ from base_tag's")
+    mode: Literal["full", "diff"] = Field(
+        "full", description="full, or diff: the pages that differ from base_tag's"
+    )
     base_tag: str | None = Field(None, description="a diff's base snapshot (a dependency)")
     error: str | None = Field(None, description="why a branch with wait false failed")
     warning: str | None = Field(
