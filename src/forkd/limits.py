@@ -54,6 +54,10 @@ METADATA_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"
 MAX_METADATA_VALUE_CHARS = 256
 MIN_MEMORY_LIMIT_MIB = 64
 
+# A fork's seed (POST /v1/sandboxes "seed"): child i gets seed + i, a non-negative
+# integer every JSON client takes whole (seed + i stays under it: checked).
+MAX_SEED = (1 << 53) - 1  # JavaScript's largest exact integer: the TS SDK reads it too
+
 # Admission (forkd serve --max-sandboxes, --max-guest-memory): over a cap is a 429.
 # A busy sandbox takes one core per vCPU; an idle one little. Eight per core
 # keeps a host where every sandbox runs a command responsive enough to fork.

@@ -165,6 +165,7 @@ class FakeVM(VMLifecycle):
         self.volumes: list[Attachment] = []
         self.net: SandboxNet | None = None  # no namespace: user-mode networking
         self.ready_ms: float | None = 1.0
+        self.seed: int | None = None  # what its restore or claim was given
         self.image_name = "python"
         self.image_ref = ImageRef("python", None, None)  # a booted VM's: its image's dir too
         self.guest = guest
@@ -191,16 +192,18 @@ class FakeVM(VMLifecycle):
         held = PRIVATE_MIB << 20
         return {"rss": held, "pss": held, "private_dirty": held, "private": held}
 
-    async def finish_restore(self, **_: Any) -> None:
+    async def finish_restore(self, *, seed: int | None = None, **_: Any) -> None:
         self._set_state(VMState.RUNNING)
+        self.seed = seed
 
     async def prewarm(self) -> None:  # a pooled VM restored ahead of time, stopped
         self.events.append("prewarm")
         self._set_state(VMState.RUNNING)  # restored, one command run, then stopped
         self._set_state(VMState.WARM)
 
-    async def claim(self) -> None:
+    async def claim(self, *, seed: int | None = None) -> None:
         self.events.append("claim")
+        self.seed = seed
         if self.fail == "claim":
             self.alive = False
             raise VMError("cont failed")
@@ -457,11 +460,11 @@ class FakeDriver:
         self.vms.append(vm)
         return vm
 
-    async def restore(self, snapshot_dir: Path, **kw: Any) -> FakeVM:
+    async def restore(self, snapshot_dir: Path, *, seed: int | None = None, **kw: Any) -> FakeVM:
         self.restore_kwargs.append(kw)
         await asyncio.sleep(self.restore_delay)
         vm = await self.spawn_incoming(snapshot_dir, **kw)
-        await vm.finish_restore()
+        await vm.finish_restore(seed=seed)
         return vm
 
     async def adopt(self, run_dir: Path, paused: bool = False) -> FakeVM:

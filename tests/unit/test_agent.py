@@ -702,6 +702,56 @@ def test_restore_dry_run_reseeds_random(agent: Client) -> None:
     assert agent.result("ping")["hostname"] == socket.gethostname()
 
 
+def test_a_seeded_restore_seeds_random_here_and_in_every_python_it_starts(
+    tmp_path: Path,
+) -> None:
+    """A fork with a seed: the warm interpreter's random draws from it, and a new Python
+    process does too (FORKD_SEED, and the seed directory's sitecustomize first on
+    PYTHONPATH); the agent says it took it. Its own process: the seed stays in it."""
+    path = tmp_path / "agent.sock"
+    proc = subprocess.Popen([sys.executable, str(AGENT), "--socket", str(path)], env=_agent_env())
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                seeded = Client(path)
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.02)
+        result = seeded.result("restore", time_ns=time.time_ns(), entropy=ENTROPY,
+                               hostname="forkd-x", seed=7)  # fmt: skip
+        assert result["seeded"] is True and result["random_reseeded"] is True
+        expected = repr(random.Random(7).random())
+        assert seeded.result("eval", code="import random\nrandom.random()")["result"] == expected
+        ran = seeded.result("exec", argv=["sh", "-c", "echo $FORKD_SEED; echo $PYTHONPATH"])
+        assert ran["stdout"].split() == ["7", "/opt/forkd/seed"]
+        bad = seeded.call("restore", time_ns=time.time_ns(), entropy=ENTROPY, hostname="h",
+                          seed=-1)  # fmt: skip
+        assert bad["ok"] is False and "'seed'" in bad["error"]
+        seeded.close()
+    finally:
+        _stop(proc)
+
+
+def test_the_seed_directory_seeds_random_and_runs_the_image_s_own_sitecustomize(
+    tmp_path: Path,
+) -> None:
+    seed_dir = AGENT.parent / "seed"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS = True\n")
+    code = "import random, builtins; print(random.random(), getattr(builtins, 'THEIRS', False))"
+    env = {"FORKD_SEED": "7", "PYTHONPATH": f"{seed_dir}:{theirs}", "PATH": os.environ["PATH"]}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout.split()  # fmt: skip
+    assert out == [repr(random.Random(7).random()), "True"]
+    env["FORKD_SEED"] = "8"
+    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, check=True).stdout.split()  # fmt: skip
+    assert other[0] != out[0]
+
+
 def test_restore_rejects_bad_params(agent: Client) -> None:
     short = base64.b64encode(b"x" * 8).decode()
     for params in (

@@ -388,6 +388,7 @@ class Routes:
         timeout_s: float | None = None,
         idle_timeout_s: float | None = None,
         node: str | None = None,
+        seed: int | None = None,
         prewarm: bool | None = None,
         live_fork: bool | None = None,
         hugepages: bool | None = None,
@@ -398,7 +399,10 @@ class Routes:
         does then (``"kill"``, ``"pause"``, ``"hibernate"`` or ``"branch"``), also
         after ``idle_timeout_s`` seconds with no API call and no process output;
         ``metadata`` labels them (over the snapshot's labels, which they inherit);
-        ``node`` pins them to one node of a ``forkd gateway``. ``prewarm``,
+        ``node`` pins them to one node of a ``forkd gateway``; ``seed``: child *i* gets
+        ``seed + i``, from which Python's ``random`` is seeded in its warm interpreter
+        and in every Python process it starts (``FORKD_SEED``), so the same seed
+        replays the same run; ``os.urandom`` stays unique to each child. ``prewarm``,
         ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
         without effect here."""
         body = _drop_none(
@@ -414,6 +418,7 @@ class Routes:
                 "timeout_s": timeout_s,
                 "idle_timeout_s": idle_timeout_s,
                 "node": node,
+                "seed": seed,
                 "prewarm": prewarm,
                 "live_fork": live_fork,
                 "hugepages": hugepages,

@@ -208,6 +208,13 @@ class SandboxCreate(_Body):
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
     metadata: Metadata | None = Field(None, description="merged over the snapshot's labels")
+    seed: int | None = Field(
+        None,
+        ge=0,
+        le=limits.MAX_SEED,
+        description="child i gets seed+i: Python's random in the warm interpreter and in "
+        "new Python processes (FORKD_SEED) is seeded from it; os.urandom stays unique",
+    )
     prewarm: bool = _original(False, "a fork restores its template's warm memory")
     live_fork: bool = _original(False, "every child can be branched with any mode")
     hugepages: bool = _original(False, "guest memory is the snapshot's file, mapped")
@@ -534,6 +541,7 @@ class SandboxInfo(BaseModel):
         None, description="on_timeout branch: the tag of the branch the timeout made"
     )
     fork_ms: float | None
+    seed: int | None = Field(None, description="its random seed, when forked with one")
     metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
     has_branched: bool = Field(False, description="whether any branch of it was taken")
     branch_count: int = Field(0, description="branches taken of it (those that succeeded)")

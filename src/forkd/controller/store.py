@@ -64,7 +64,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     metadata         TEXT NOT NULL DEFAULT '{}',
     on_timeout       TEXT NOT NULL DEFAULT 'kill',
     timeout_branch   TEXT,
-    idle_timeout_s   REAL
+    idle_timeout_s   REAL,
+    seed             INTEGER
 );
 CREATE TABLE IF NOT EXISTS branch_seq (
     source_id TEXT PRIMARY KEY,
@@ -125,6 +126,7 @@ class SandboxRow:
     on_timeout: OnTimeout = OnTimeout.KILL  # what expiry does
     timeout_branch: str | None = None  # the tag an expiry's branch made
     idle_timeout_s: float | None = None  # on_timeout after this long without activity
+    seed: int | None = None  # Python's random in it is seeded from this (forked with a seed)
 
 
 class SnapshotChanges(TypedDict, total=False):
@@ -188,6 +190,7 @@ class Store:
                 "on_timeout": "TEXT NOT NULL DEFAULT 'kill'",
                 "timeout_branch": "TEXT",
                 "idle_timeout_s": "REAL",
+                "seed": "INTEGER",
             },
             "snapshots": {
                 "metadata": "TEXT NOT NULL DEFAULT '{}'",
@@ -370,12 +373,12 @@ class Store:
     def add_sandbox(self, row: SandboxRow) -> None:
         self._tx(
             "INSERT INTO sandboxes(id, snapshot_tag, run_dir, pid, created_at_unix, "
-            "memory_limit_mib, expires_at_unix, state, metadata, on_timeout, idle_timeout_s) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "memory_limit_mib, expires_at_unix, state, metadata, on_timeout, idle_timeout_s, "
+            "seed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.id, row.snapshot_tag, row.run_dir, row.pid, row.created_at_unix,
                 row.memory_limit_mib, row.expires_at_unix, row.state, json.dumps(row.metadata),
-                row.on_timeout, row.idle_timeout_s,
+                row.on_timeout, row.idle_timeout_s, row.seed,
             ),
         )  # fmt: skip
 

@@ -72,6 +72,8 @@ GUEST_FILES = (
     _agent("forkd_eval_proc.py"),
     _agent("forkd-eval-worker.py"),
     _agent("forkd_eval_worker.py"),
+    # Seeds random in every Python process of a sandbox forked with a seed.
+    _agent("seed/sitecustomize.py"),
     # forkd's one tar extractor, which forkd_tar.py imports (standard library only).
     _package("archive/__init__.py"),
     _package("archive/errors.py"),

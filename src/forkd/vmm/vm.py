@@ -109,6 +109,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         self.agent = AgentClient(rt.agent)
         self.started_at = time.time()
         self.ready_ms: float | None = None  # process start -> agent answered
+        self.seed: int | None = None  # its random seed, once restored with one
         self._incoming: SnapshotFiles | None = None
         self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
         self.net: network.SandboxNet | None = None  # its namespace, if it has one
@@ -192,6 +193,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         *,
         hostname: str | None = None,
         timeout: float = limits.RESTORE_TIMEOUT_SECS,
+        seed: int | None = None,
         **spawn: Any,
     ) -> VM:
         """Fork a new VM from a snapshot directory; returns once its agent answered.
@@ -199,11 +201,12 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         ``spawn``: the keywords of :meth:`spawn_incoming` (``run_root`` first).
         After the restore the guest is told the wall-clock time, given fresh
         entropy (kernel RNG and the warm interpreter's ``random``) and a new
-        hostname, so no two children share random numbers.
+        hostname, so no two children share random numbers (``seed``: Python's random
+        is seeded from it instead, and so is every Python process the guest starts).
         """
         started = time.monotonic()
         vm = await cls.spawn_incoming(snapshot_dir, **spawn)
-        await vm.finish_restore(hostname=hostname, timeout=timeout, started=started)
+        await vm.finish_restore(hostname=hostname, timeout=timeout, started=started, seed=seed)
         return vm
 
     @classmethod
@@ -277,8 +280,10 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         hostname: str | None = None,
         timeout: float = limits.RESTORE_TIMEOUT_SECS,
         started: float | None = None,
+        seed: int | None = None,
     ) -> None:
-        """Load the snapshot's state into a VM from :meth:`spawn_incoming` and run it.
+        """Load the snapshot's state into a VM from :meth:`spawn_incoming` and run it
+        (``seed``: see :meth:`restore`).
 
         ``ready_ms`` counts from ``started`` (default: now) to the agent's answer.
 
@@ -301,7 +306,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             await self.qmp.wait_accepted(AGENT_CHARDEV, timeout)
             await self.qmp.execute("cont")
             self._set_state(VMState.RUNNING)
-            await self._after_restore(hostname or self.id, timeout, snap)
+            await self._after_restore(hostname or self.id, timeout, snap, seed)
         except VMError as exc:
             # QEMU gone mid-restore: name the files a damaged snapshot could be.
             dead = await self.gone()
@@ -355,10 +360,11 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         await self.qmp.connect(self._raise_if_dead, timeout)
 
     async def _after_restore(
-        self, hostname: str, timeout: float, snap: snapshot_files.SnapshotFiles
+        self, hostname: str, timeout: float, snap: snapshot_files.SnapshotFiles, seed: int | None
     ) -> None:
         try:
-            result = await self._make_unique(hostname, timeout)
+            result = await self._make_unique(hostname, timeout, seed=seed)
+            self.seed = seed
         except AgentError as exc:
             self._raise_if_dead(f"the guest restored from {snap.memory} died")
             raise SnapshotError(

@@ -63,7 +63,8 @@ class WarmStart(VMLifecycle):
     qmp: Any
     # VM's own and GuestOps's, declared only (a mixin's stubs would shadow nothing).
     finish_restore: Callable[..., Awaitable[None]]
-    _make_unique: Callable[[str, float], Awaitable[dict[str, Any]]]
+    _make_unique: Callable[..., Awaitable[dict[str, Any]]]
+    seed: int | None
     exec: Callable[..., Awaitable[dict[str, Any]]]
     kill: Callable[[], Awaitable[None]]
 
@@ -82,9 +83,12 @@ class WarmStart(VMLifecycle):
             raise
         self._set_state(VMState.WARM)
 
-    async def claim(self, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:
-        """Hand out a warm VM: its vCPUs run again and its clock and RNGs are set anew.
-        ``ready_ms`` is the claim's own latency. On failure the VM is killed."""
+    async def claim(
+        self, timeout: float = limits.RESTORE_TIMEOUT_SECS, *, seed: int | None = None
+    ) -> None:
+        """Hand out a warm VM: its vCPUs run again and its clock and RNGs are set anew
+        (Python's random from ``seed`` when given). ``ready_ms`` is the claim's own
+        latency. On failure the VM is killed."""
         if self.state != VMState.WARM:
             raise VMError(f"{self.id} is not a warm pooled VM (it is {self.state})")
         started = time.monotonic()
@@ -92,7 +96,8 @@ class WarmStart(VMLifecycle):
             renice(self.pid, 0)
             await self.qmp.execute("cont")
             self._set_state(VMState.RUNNING)
-            result = await self._make_unique(self.id, timeout)
+            result = await self._make_unique(self.id, timeout, seed=seed)
+            self.seed = seed
         except BaseException as exc:
             await self.kill()
             if isinstance(exc, ForkdError) and not isinstance(exc, VMError):

@@ -70,6 +70,7 @@ class VMDriver(Protocol):
         egress_policy: Egress | None = ...,
         cgroup: cgroups.Placement | None = ...,
         hostname: str | None = ...,
+        seed: int | None = ...,
     ) -> SandboxVM: ...
     async def spawn_incoming(
         self,

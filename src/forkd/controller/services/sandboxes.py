@@ -138,6 +138,8 @@ class SandboxService:
                 f"per_child_netns needs network namespaces: {self.fleet.network.reason}"
             )
         _lifetime(req)  # refused here, before anything is made
+        if req.seed is not None and req.seed + req.n - 1 > limits.MAX_SEED:
+            raise Invalid(f"seed {req.seed} + n {req.n} - 1 is over {limits.MAX_SEED}")
         policy = egress.requested(req.egress, req.internet)
         snap_dir = Path(row.dir)
         machine = snapshot_files.load(snap_dir).machine
@@ -161,10 +163,12 @@ class SandboxService:
         held.ids.update(ids)
         waiting = {vm.id: vm for vm in pooled}
         with self.fleet.holds.volume_layers():
+            seeds = [None if req.seed is None else req.seed + i for i in range(len(ids))]
             results = await asyncio.gather(
-                *(self._fork_one(sid, req, snap_dir, waiting, policy) for sid in ids),
+                *(self._fork_one(sid, req, snap_dir, waiting, policy, seed)
+                  for sid, seed in zip(ids, seeds, strict=True)),
                 return_exceptions=True,
-            )
+            )  # fmt: skip
         if self.fleet.store.get_snapshot(tag) is not None:  # not deleted meanwhile
             self.fleet.pool.refill(snap_dir)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -186,6 +190,7 @@ class SandboxService:
         snap_dir: Path,
         waiting: dict[str, SandboxVM],
         policy: Egress | None,
+        seed: int | None,
     ) -> None:
         fleet = self.fleet
         run_dir = fleet.settings.run_dir / sid
@@ -196,7 +201,7 @@ class SandboxService:
                 expires_at_unix=expiry_in(_lifetime(req)),
                 state=SandboxState.STARTING,
                 on_timeout=OnTimeout(req.on_timeout),
-                idle_timeout_s=req.idle_timeout_s,
+                idle_timeout_s=req.idle_timeout_s, seed=seed,
                 metadata=merged_labels(
                     fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata
                 ),
@@ -205,14 +210,14 @@ class SandboxService:
         async with self._fork_slots:
             vm = waiting.pop(sid, None)
             if vm is not None and vm.state == "warm":
-                await vm.claim()  # restored ahead of time: cont and a fresh identity
+                await vm.claim(seed=seed)  # restored ahead of time: cont, a fresh identity
             elif vm is not None:
-                await vm.finish_restore()
+                await vm.finish_restore(seed=seed)
             else:
                 vm = await fleet.driver.restore(
                     snap_dir, run_root=fleet.settings.run_dir, vm_id=sid, detach=True,
                     host_network=fleet.network, egress_policy=policy,
-                    cgroup=fleet.placement(req.memory_limit_mib),
+                    cgroup=fleet.placement(req.memory_limit_mib), seed=seed,
                 )  # fmt: skip
         fleet.vms[sid] = vm
         fleet.store.set_sandbox_state(
@@ -271,6 +276,7 @@ class SandboxService:
             last_active_at=_iso(self.fleet.activity.last_active(sandbox_id)),
             timeout_branch=row.timeout_branch,
             fork_ms=row.fork_ms,
+            seed=row.seed,
             metadata=row.metadata,
             has_branched=branches > 0,
             branch_count=branches,

@@ -27,6 +27,19 @@ FALLBACK_SHELL = ("/opt/forkd/busybox", "sh")  # for an image without /bin/sh
 # What the image sets for every command that does not say otherwise.
 IMAGE_DEFAULTS = forkd_identity.ImageDefaults()
 
+# A sandbox forked with a seed: FORKD_SEED, and the directory whose sitecustomize seeds
+# Python's random from it first on PYTHONPATH (set by the restore op).
+SEED_DIR = "/opt/forkd/seed"
+SEED_ENV: dict[str, str] = {}
+
+
+def set_seed(seed: int) -> None:
+    """Every command started from now on gets ``seed`` (see :data:`SEED_ENV`)."""
+    path = IMAGE_DEFAULTS.env.get("PYTHONPATH")
+    SEED_ENV.clear()
+    SEED_ENV.update({"FORKD_SEED": str(seed),
+                     "PYTHONPATH": f"{SEED_DIR}:{path}" if path else SEED_DIR})  # fmt: skip
+
 
 def set_image_defaults(defaults: forkd_identity.ImageDefaults) -> None:
     """Take the image's defaults for every command started from now on."""
@@ -35,9 +48,10 @@ def set_image_defaults(defaults: forkd_identity.ImageDefaults) -> None:
 
 
 def env(req: dict[str, Any], home: str = "/root") -> dict[str, str]:
-    """The base environment, the image's over it, then the request's ``env``."""
+    """The base environment, the image's over it, the seed's (a seeded sandbox), then
+    the request's ``env``."""
     extra = params.env_vars(req)
-    return {**BASE_ENV, "HOME": home, **IMAGE_DEFAULTS.env, **extra}
+    return {**BASE_ENV, "HOME": home, **IMAGE_DEFAULTS.env, **SEED_ENV, **extra}
 
 
 def identity(req: dict[str, Any]) -> forkd_identity.Identity:

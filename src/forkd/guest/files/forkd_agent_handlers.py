@@ -307,6 +307,10 @@ def op_restore(req: dict[str, Any]) -> dict[str, Any]:
     if len(entropy) < MIN_ENTROPY_BYTES:
         raise RequestError(f"'entropy' must hold at least {MIN_ENTROPY_BYTES} bytes")
     hostname = params.require(req, "hostname", str, "a string")
+    seed = req.get("seed")
+    if seed is not None and (type(seed) is not int or not 0 <= seed < 1 << 63):
+        raise RequestError("'seed' must be a non-negative integer")
+    keep_random = req.get("keep_random") is True  # a seeded sandbox's resume: not a clone
     dry = os.environ.get(DRY_RESTORE_ENV) == "1"
 
     errors: list[str] = []
@@ -331,13 +335,14 @@ def op_restore(req: dict[str, Any]) -> dict[str, Any]:
     # Order matters: the kernel RNG is reseeded before `random` draws from it.
     clock_set = step("clock", lambda: time.clock_settime_ns(time.CLOCK_REALTIME, time_ns), dry)
     rng_reseeded = step("rng", lambda: _reseed_kernel_rng(entropy), dry)
-    random_reseeded = step("random", _reseed_python_rngs)
+    random_reseeded = step("random", lambda: _reseed_python_rngs(seed), keep_random)
     hostname_set = step("hostname", lambda: _set_hostname(hostname), dry)
     return {
         "clock_set": clock_set,
         "rng_reseeded": rng_reseeded,
         "random_reseeded": random_reseeded,
         "hostname_set": hostname_set,
+        "seeded": seed is not None and random_reseeded,
         "errors": errors,
         "timings_ms": timings,
     }
@@ -356,13 +361,18 @@ def _reseed_kernel_rng(entropy: bytes) -> None:
         os.close(fd)
 
 
-def _reseed_python_rngs() -> None:
+def _reseed_python_rngs(seed: int | None) -> None:
     # An int seed: a bytes one is first hashed with SHA-512, which a fresh TCG
     # fork pays to translate. The image's eval worker, if one runs, too: sibling
-    # forks must not draw the same numbers there either.
-    forkd_eval.reseed_python_rngs(int.from_bytes(os.urandom(32), "little"))
+    # forks must not draw the same numbers there either. A sandbox forked with a
+    # seed draws from it, and so do the Python processes it starts.
+    if seed is not None:
+        command.set_seed(seed)
+    forkd_eval.reseed_python_rngs(
+        int.from_bytes(os.urandom(32), "little") if seed is None else seed
+    )
     if IMAGE_EVAL is not None:
-        IMAGE_EVAL.reseed(int.from_bytes(os.urandom(32), "little"))
+        IMAGE_EVAL.reseed(int.from_bytes(os.urandom(32), "little") if seed is None else seed)
 
 
 def _set_hostname(hostname: str) -> None:

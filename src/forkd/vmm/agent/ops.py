@@ -49,6 +49,7 @@ class GuestOps:
     id: str
     agent: AgentClient
     rt: RuntimePaths
+    seed: int | None  # Python's random in the guest is seeded from it (a seeded fork)
     _raise_if_dead: Callable[[str], None]
 
     async def ping(self) -> dict[str, Any]:
@@ -228,16 +229,31 @@ class GuestOps:
         """After ``cont`` of a paused VM: once its agent answers, set the guest's clock,
         which stood still while paused, and reseed its RNGs; the hostname stays."""
         await self._wait_agent(timeout)
-        await self._make_unique(self.id, timeout)
+        # A seeded sandbox's random goes on where it was: a pause clones nothing.
+        await self._make_unique(self.id, timeout, keep_random=self.seed is not None)
 
-    async def _make_unique(self, hostname: str, wait: float) -> dict[str, Any]:
-        """After a restore: the wall-clock time, fresh entropy and a new hostname."""
-        params = {
+    async def _make_unique(
+        self, hostname: str, wait: float, *, seed: int | None = None, keep_random: bool = False
+    ) -> dict[str, Any]:
+        """After a restore: the wall-clock time, fresh entropy and a new hostname; Python's
+        random seeded from ``seed`` when given (:class:`SnapshotError` from an agent too
+        old to), else from the fresh entropy unless ``keep_random``."""
+        params: dict[str, Any] = {
             "time_ns": time.time_ns(),
             "entropy": base64.b64encode(os.urandom(RESTORE_ENTROPY_BYTES)).decode(),
             "hostname": hostname,
         }
-        return await self.agent.call("restore", params, wait=wait)
+        if seed is not None:
+            params["seed"] = seed
+        if keep_random:
+            params["keep_random"] = True
+        result = await self.agent.call("restore", params, wait=wait)
+        if seed is not None and result.get("seeded") is not True:
+            raise SnapshotError(
+                f"the guest agent of {self.id} did not take seed {seed} ({result}): its "
+                "snapshot predates seeds, so rebuild the template to fork it with one"
+            )
+        return result
 
 
 def _data_of(result: dict[str, Any]) -> bytes:
