@@ -115,13 +115,14 @@ def _command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
 
     @server.tool()
     async def fork_sandboxes(
-        snapshot_tag: str, n: int, timeout_s: float | None = None
+        snapshot_tag: str, n: int, timeout_s: float | None = None, seed: int | None = None
     ) -> list[dict[str, Any]]:
-        """Start ``n`` sandboxes from one snapshot, all or none (1 to 100)."""
+        """Start ``n`` sandboxes from one snapshot, all or none (1 to 100). ``seed``:
+        sandbox i's Python ``random`` is seeded with seed+i, so a run can be replayed."""
         if not 1 <= n <= 100:
             raise ToolError("n must be between 1 and 100")
         infos = await with_daemon(
-            lambda c: c.spawn_sandboxes(snapshot_tag, n=n, timeout_s=timeout_s)
+            lambda c: c.spawn_sandboxes(snapshot_tag, n=n, timeout_s=timeout_s, seed=seed)
         )
         return list(infos)
 

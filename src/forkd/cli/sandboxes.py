@@ -139,6 +139,12 @@ def fork(
         float | None,
         typer.Option("--idle-timeout", help="Do --on-timeout after this many seconds with no use."),
     ] = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            "--seed", min=0, help="Child i gets seed+i: Python's random in it is seeded from it."
+        ),
+    ] = None,
     settle_secs: Annotated[
         float | None,
         typer.Option(
@@ -166,13 +172,13 @@ def fork(
 
         hold = Hold(conn, tag, n, settle_secs, agent_address)
         hold.run(memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
-                 metadata=labels)  # fmt: skip
+                 metadata=labels, seed=seed)  # fmt: skip
         return
     t0 = time.monotonic()
     with daemon_errors(), conn.controller() as ctl, fork_progress(conn, tag, n, conn.as_json):
         sandboxes = ctl.spawn_sandboxes(
             tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
-            metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout,
+            metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout, seed=seed,
         )  # fmt: skip
     if conn.as_json:
         render.print_json(sandboxes)
