@@ -360,7 +360,11 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         await self.qmp.connect(self._raise_if_dead, timeout)
 
     async def _after_restore(
-        self, hostname: str, timeout: float, snap: snapshot_files.SnapshotFiles, seed: int | None
+        self,
+        hostname: str,
+        timeout: float,
+        snap: snapshot_files.SnapshotFiles,
+        seed: int | None = None,
     ) -> None:
         try:
             result = await self._make_unique(hostname, timeout, seed=seed)
