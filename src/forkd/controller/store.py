@@ -13,11 +13,11 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypedDict, Unpack
+from typing import Any, TypedDict, TypeVar, Unpack
 
 from forkd import limits
 from forkd.errors import Invalid, NotFound
@@ -295,12 +295,7 @@ class Store:
         and then only along the status table."""
         with self._transaction() as db:
             if replace:
-                found = db.execute(
-                    "SELECT status FROM snapshots WHERE tag = ?", (row.tag,)
-                ).fetchone()
-                if found is not None:
-                    old = SnapshotStatus(found[0])
-                    check_move(f"snapshot {row.tag!r}", SNAPSHOT_MOVES, old, row.status)
+                self._snapshot_moves(db, row.tag, row.status)
             self._insert_snapshot(db, row, replace)
 
     @staticmethod
@@ -326,11 +321,17 @@ class Store:
         """Move snapshot ``tag`` to ``status`` (and change ``changes`` with it), in one
         transaction; :class:`~forkd.states.IllegalTransition` when its table forbids it."""
         with self._transaction() as db:
-            found = db.execute("SELECT status FROM snapshots WHERE tag = ?", (tag,)).fetchone()
-            if found is None:
+            if self._snapshot_moves(db, tag, status) is None:
                 raise NotFound(f"snapshot {tag!r} not found")
-            check_move(f"snapshot {tag!r}", SNAPSHOT_MOVES, SnapshotStatus(found[0]), status)
             self._update(db, "snapshots", "tag", tag, {"status": status, **changes}, "status")
+
+    @staticmethod
+    def _snapshot_moves(
+        db: sqlite3.Connection, tag: str, status: SnapshotStatus
+    ) -> SnapshotStatus | None:
+        """Snapshot ``tag``'s status, checked to move to ``status``; None: no such row."""
+        found = db.execute("SELECT status FROM snapshots WHERE tag = ?", (tag,)).fetchone()
+        return _checked(f"snapshot {tag!r}", SNAPSHOT_MOVES, found, status)
 
     def get_snapshot(self, tag: str) -> SnapshotRow | None:
         rows = self._query("SELECT * FROM snapshots WHERE tag = ?", (tag,))
@@ -394,11 +395,9 @@ class Store:
         it. The state it was in."""
         with self._transaction() as db:
             found = db.execute("SELECT state FROM sandboxes WHERE id = ?", (sandbox_id,))
-            old = found.fetchone()
-            if old is None:
+            was = _checked(f"sandbox {sandbox_id!r}", SANDBOX_MOVES, found.fetchone(), state)
+            if was is None:
                 raise NotFound(f"sandbox {sandbox_id!r} not found")
-            was = SandboxState(old[0])
-            check_move(f"sandbox {sandbox_id!r}", SANDBOX_MOVES, was, state)
             self._update(db, "sandboxes", "id", sandbox_id, {"state": state, **changes}, "state")
         return was
 
@@ -439,6 +438,21 @@ class Store:
 
     def delete_workspace(self, name: str) -> bool:
         return self._tx("DELETE FROM workspaces WHERE name = ?", (name,)).rowcount > 0
+
+
+S = TypeVar("S", SandboxState, SnapshotStatus)
+
+
+def _checked(
+    what: str, moves: Mapping[S, frozenset[S]], found: sqlite3.Row | None, new: S
+) -> S | None:
+    """The state a row was read in (``found``: its one column), checked by ``moves`` to
+    become ``new``; None when there is no such row."""
+    if found is None:
+        return None
+    old = type(new)(found[0])
+    check_move(what, moves, old, new)
+    return old
 
 
 def _workspace(row: sqlite3.Row) -> WorkspaceRow:
