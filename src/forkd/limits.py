@@ -36,6 +36,7 @@ MAX_EXEC_TIMEOUT_SECS = 86400.0
 EVAL_TIMEOUT_SECS = 60.0  # an eval's default timeout_s; then it is interrupted
 MAX_EVAL_TIMEOUT_SECS = 86400.0
 MAX_SANDBOX_TIMEOUT_SECS = 30 * 86400.0
+EXPLORE_TIMEOUT_SECS = 300.0  # an explore's variants and scores, from its branch on
 DEFAULT_PREVIEW_TTL_SECS = 3600  # a preview URL's life
 MAX_PREVIEW_TTL_SECS = 7 * 86400
 PORT_CONNECT_SECS = 10.0  # the daemon's connection to a guest port
@@ -43,6 +44,8 @@ PORT_HEAD_SECS = 60.0  # a proxied request's answer head, once its body was sent
 
 # Counts.
 MAX_FORK_N = 1000
+MAX_EXPLORE_VARIANTS = 100  # children of one explore (POST /v1/sandboxes/{id}/explore)
+EXPLORE_STDOUT_TAIL = 2048  # characters of a variant's stdout in its result
 MAX_SETUP_COMMANDS = 100
 MAX_VOLUMES_PER_VM = 8
 # Diff layers over a full snapshot that a fork resolves; a deeper diff branch is a 409

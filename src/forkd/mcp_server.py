@@ -3,7 +3,8 @@
 Agent frameworks reach tools through the Model Context Protocol. This server is a
 client of a forkd daemon (through :class:`forkd.client.AsyncController`) that
 offers: create a sandbox from a snapshot, fork several, run a command (as a
-user), run Python in the warm interpreter, read and write files, branch, list
+user), run Python in the warm interpreter, read and write files, branch, explore
+(variants scored, the best kept), list
 sandboxes and snapshots, kill; import a container image, list images, create a
 snapshot (from a built or a container image, its service started); and the
 lineage tree as the resource ``forkd://tree``.
@@ -33,7 +34,8 @@ INSTRUCTIONS = (
     "forkd runs code in isolated microVMs that fork copy-on-write from snapshots. "
     "create_sandbox gives you a running sandbox of a snapshot (list_snapshots shows them); "
     "exec and run_python run code in it; branch_sandbox saves its state as a new snapshot "
-    "you can fork again, to try several things from one point. Kill sandboxes you are done with. "
+    "you can fork again, to try several things from one point; explore tries several next "
+    "steps in copies at once, scores them and keeps the best. Kill sandboxes you are done with. "
     "create_snapshot makes a new template from a container image (import_image, list_images)."
 )
 TREE_URI = "forkd://tree"
@@ -165,7 +167,7 @@ def _command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
 
 
 def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
-    """Branch, list, kill."""
+    """Branch, explore, list, kill."""
 
     @server.tool()
     async def branch_sandbox(
@@ -188,6 +190,36 @@ def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
                 )
             )
         )
+
+    @server.tool()
+    async def explore(
+        sandbox_id: str,
+        variants: list[str],
+        score: str | None = None,
+        keep: int = 1,
+        minimize: bool = False,
+        python: bool = False,
+        timeout_s: float = 300,
+        seed: int | None = None,
+    ) -> dict[str, Any]:
+        """Try several next steps from the sandbox's current state at once: each of
+        ``variants`` (shell commands; Python code with ``python=True``) runs in its own
+        copy, then ``score`` (a shell command printing a number on its last line; with
+        ``python=True``, Python whose value is the number) rates it. The best ``keep``
+        copies keep running (their ids in the results, best first; higher scores are
+        better unless ``minimize``); the rest are killed. The sandbox itself is left as
+        it was. A variant that fails has score null and its error."""
+
+        def step(text: str) -> dict[str, Any]:
+            return {"eval": text} if python else {"exec": ["/bin/sh", "-c", text]}
+
+        res = await with_daemon(
+            lambda c: c.explore_sandbox(
+                sandbox_id, [step(v) for v in variants], None if score is None else step(score),
+                keep=keep, minimize=minimize, timeout_secs=timeout_s, seed=seed,
+            )
+        )  # fmt: skip
+        return dict(res.raw)
 
     @server.tool()
     async def list_sandboxes(state: str | None = None) -> list[dict[str, Any]]:

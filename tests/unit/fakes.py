@@ -264,6 +264,9 @@ class FakeVM(VMLifecycle):
 
     async def exec(self, argv: list[str], *, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
         self._agent("exec")
+        if argv[:1] == ["nap"]:  # takes its time, as a real command does (sleep does not)
+            await asyncio.sleep(min(float(argv[1]), timeout))
+            argv = ["sleep", *argv[1:]]
         if argv[:1] == ["sleep"] and float(argv[1]) > timeout:  # killed, as the agent does
             return {"stdout": "", "stderr": "", "exit_code": 124, "timed_out": True,
                     "duration_ms": timeout * 1000}  # fmt: skip

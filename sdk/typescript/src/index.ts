@@ -32,6 +32,9 @@ import type {
   TreeNode,
   ExecOptions,
   ProcessOptions,
+  ExploreStep,
+  ExploreOptions,
+  ExploreResult,
 } from "./types.js";
 import { base64Bytes, readSSE } from "./sse.js";
 
@@ -271,6 +274,21 @@ export class Client {
     return this.json("POST", `${this.#sb(id)}/branch`, { body });
   }
 
+  /**
+   * Branch the sandbox once, fork a child per variant, run each variant and then `opts.score`
+   * in its child, keep the best `opts.keep` and kill the rest (docs/API.md, "Explore"). A step
+   * is a shell command, an argv, `{ exec, env, stdin, cwd, user }` or `{ eval }`.
+   */
+  exploreSandbox(id: string, variants: ExploreStep[], opts: ExploreOptions = {}): Promise<ExploreResult> {
+    const body = dropUndefined({
+      variants: variants.map(stepBody), score: opts.score === undefined ? undefined : stepBody(opts.score),
+      keep: opts.keep, keep_as: opts.keep_as, minimize: opts.minimize, timeout_secs: opts.timeout_secs,
+      seed: opts.seed, tag: opts.tag, metadata: opts.metadata,
+    });
+    const timeoutMs = Math.max(this.timeoutMs, ((opts.timeout_secs ?? 300) + 120) * 1000);
+    return this.json("POST", `${this.#sb(id)}/explore`, { body, timeoutMs });
+  }
+
   /** Run `args` and wait; `user`: as this user (name, uid, name:group, uid:gid; default the image's USER, else root). */
   exec(id: string, args: string[], opts: ExecOptions = {}): Promise<JSONObject> {
     const timeout = opts.timeoutSecs ?? 30;
@@ -432,6 +450,17 @@ export class Sandbox {
     return new Snapshot(this.client, info);
   }
 
+  /**
+   * Try each variant in its own copy of this sandbox, score them, keep the best running
+   * (see `Client.exploreSandbox`); this sandbox runs on.
+   *
+   *     const res = await sb.explore(["patch -p1 < a.diff", "patch -p1 < b.diff"], { score: "pytest -q | grep -c PASSED" });
+   *     const winner = await Sandbox.connect(res.results[0].sandbox_id!);
+   */
+  explore(variants: ExploreStep[], opts: ExploreOptions = {}): Promise<ExploreResult> {
+    return this.client.exploreSandbox(this.id, variants, opts);
+  }
+
   async pause(opts: { hibernate?: boolean } = {}): Promise<SandboxInfo> { return (this.info = await this.client.pauseSandbox(this.id, opts)); }
   async resume(opts: { timeout_s?: number } = {}): Promise<SandboxInfo> { return (this.info = await this.client.resumeSandbox(this.id, opts)); }
 
@@ -485,4 +514,10 @@ export class Snapshot {
 
   async refresh(): Promise<SnapshotInfo> { return (this.info = await this.client.snapshotInfo(this.tag)); }
   async delete(opts: { cascade?: boolean; force?: boolean } = {}): Promise<void> { await this.client.deleteSnapshot(this.tag, opts); }
+}
+
+function stepBody(step: ExploreStep): JSONObject {
+  if (typeof step === "string") return { exec: ["sh", "-c", step] };
+  if (Array.isArray(step)) return { exec: step };
+  return { ...step } as JSONObject;
 }

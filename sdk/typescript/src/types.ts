@@ -20,6 +20,8 @@ export interface SandboxInfo extends JSONObject {
   state: "starting" | "running" | "paused" | "hibernated" | "dead";
   has_branched: boolean;
   branch_count: number;
+  /** Its random seed, when forked with one (child i of a fork with `seed` gets seed + i). */
+  seed?: number | null;
 }
 
 export interface SnapshotInfo extends JSONObject {
@@ -150,4 +152,51 @@ export interface ProcessOptions {
   timeout_s?: number;
   /** As `ExecOptions.user`. */
   user?: string;
+}
+
+/** A step of an explore: a shell command, an argv, or the wire form. */
+export type ExploreStep =
+  | string
+  | string[]
+  | { exec: string[]; env?: Record<string, string>; stdin?: string; cwd?: string; user?: string }
+  | { eval: string };
+
+export interface ExploreOptions {
+  /** Run in each child after its variant: prints a number on its last line (an eval returns one). */
+  score?: ExploreStep;
+  /** Children kept, best first (default 1). */
+  keep?: number;
+  /** "snapshots": each kept child is branched, then killed. */
+  keep_as?: "sandboxes" | "snapshots";
+  minimize?: boolean;
+  /** The whole explore (default 300). */
+  timeout_secs?: number;
+  /** Variant i's child gets seed + i. */
+  seed?: number;
+  /** The branch's tag, which names the explore. */
+  tag?: string;
+  metadata?: Record<string, string>;
+}
+
+export interface ExploreVariant {
+  index: number;
+  sandbox_id: string | null;
+  /** null when its step or score failed: see `error`. */
+  score: number | null;
+  exit_code: number | null;
+  stdout_tail: string;
+  error: string | null;
+  kept: boolean;
+  snapshot_tag: string | null;
+  duration_ms: number;
+}
+
+export interface ExploreResult {
+  branch: string;
+  pause_ms: number | null;
+  fork_ms: number;
+  duration_ms: number;
+  branch_kept: boolean;
+  /** Best first; failed variants last. */
+  results: ExploreVariant[];
 }

@@ -87,6 +87,23 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     await branch.delete();
   });
 
+  await t.test("explore: variants scored, the best kept, seeds given", async () => {
+    const sb = await Sandbox.create(template, { client });
+    made.push(sb);
+    const res = await sb.explore([{ eval: "y = 2" }, { eval: "y = 7" }, "exit 4"], {
+      score: { eval: "x + y" }, keep: 1, seed: 100,
+    });
+    assert.deepEqual(res.results.map((r) => r.index), [1, 0, 2]);
+    assert.deepEqual(res.results.map((r) => r.score), [48, 43, null]);
+    assert.match(res.results[2].error, /step exited 4/);
+    assert.ok(res.results[0].kept && !res.results[1].kept);
+    const winner = await Sandbox.connect(res.results[0].sandbox_id, client);
+    made.push(winner);
+    assert.equal(winner.info.seed, 101);
+    assert.equal(winner.info.metadata["forkd.score"], "48");
+    assert.equal((await sb.refresh()).state, "running");
+  });
+
   await t.test("the original forkd's forms: diff: true, compact to a new tag, workspaces", async () => {
     const [sb] = await client.spawnSandboxes(template, { n: 1 });
     const diff = await client.branchSandbox(sb.id, { tag: "ts-diff", diff: true });

@@ -20,6 +20,7 @@ from forkd import __version__
 from forkd.cli import (
     daemon,
     events,
+    explore,
     files,
     gateway,
     images,
@@ -60,6 +61,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     images.register(app, transport=transport)
     volumes.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
+    explore.register(app, transport=transport)
     processes.register(app, transport=transport)
     files.register(app, transport=transport)
     shell.register(app, transport=transport)

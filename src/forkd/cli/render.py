@@ -105,7 +105,7 @@ def snapshot_label(info: dict[str, Any]) -> str:
         bits.append(escape(str(info["image"])))
     if info.get("status") not in (None, "ready"):
         bits.append(f"[yellow]{escape(str(info['status']))}[/]")
-    return "  ".join(bits)
+    return "  ".join(bits + explore_bits(info))
 
 
 def sandbox_label(sb: dict[str, Any]) -> str:
@@ -114,7 +114,20 @@ def sandbox_label(sb: dict[str, Any]) -> str:
     bits = [f"[{color}]{escape(str(sb.get('id')))}[/] {escape(str(state))}"]
     if sb.get("pid") is not None:
         bits.append(f"pid {sb['pid']}")
-    return "  ".join(bits)
+    return "  ".join(bits + explore_bits(sb))
+
+
+def explore_bits(info: dict[str, Any]) -> list[str]:
+    """An explore's marks on a node of the lineage: its variant and score."""
+    labels = info.get("metadata") or {}
+    bits = []
+    if "forkd.variant" in labels:
+        bits.append(f"variant {escape(str(labels['forkd.variant']))}")
+    elif "forkd.explore" in labels:
+        bits.append("[dim]explore[/]")
+    if "forkd.score" in labels:
+        bits.append(f"[bold]score {escape(str(labels['forkd.score']))}[/]")
+    return bits
 
 
 def lineage_forest(

@@ -40,6 +40,7 @@ from forkd.client.connection import _resolve_token as _resolve_token
 from forkd.client.controller import Controller
 from forkd.client.controller import _tar_directory as _tar_directory
 from forkd.client.errors import ControllerError
+from forkd.client.explore import ExploreResult, VariantResult
 from forkd.client.files import Files
 from forkd.client.guest_agent import GuestAgent
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
@@ -58,9 +59,11 @@ __all__ = [
     "Controller",
     "ControllerError",
     "EvalResult",
+    "ExploreResult",
     "Files",
     "GuestAgent",
     "OutputEvent",
     "Sandbox",
     "Snapshot",
+    "VariantResult",
 ]

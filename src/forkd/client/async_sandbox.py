@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from forkd.client.async_sockets import AsyncPtyHandle
 from forkd.client.commands import FOREGROUND_TIMEOUT_SECS, HandleOutput
 from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
+from forkd.client.explore import ExploreResult, Step
 from forkd.client.files import WriteData, _body, _file_chunks
 from forkd.client.pty import LOGIN_SHELL, DataCallback
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
@@ -332,6 +333,26 @@ class AsyncSandbox(SandboxView):
             self.id, tag=tag, mode=mode, metadata=metadata, wait=wait
         )
         return AsyncSnapshot(info["tag"], controller=self._controller, info=info)
+
+    async def explore(
+        self,
+        variants: Sequence[Step],
+        score: Step | None = None,
+        *,
+        keep: int = 1,
+        keep_as: str | None = None,
+        minimize: bool = False,
+        timeout_secs: float | None = None,
+        seed: int | None = None,
+        tag: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> ExploreResult:
+        """Try each variant in its own copy, score, keep the best (see ``Sandbox.explore``).
+        Cancelling it cancels the explore: the daemon kills what it made."""
+        return await self._controller.explore_sandbox(
+            self.id, variants, score, keep=keep, keep_as=keep_as, minimize=minimize,
+            timeout_secs=timeout_secs, seed=seed, tag=tag, metadata=metadata,
+        )  # fmt: skip
 
     def get_url(self, port: int, path: str = "/") -> str:
         """The daemon's proxy URL of guest TCP ``port`` (it needs the bearer token)."""

@@ -16,7 +16,7 @@ import base64
 import functools
 import inspect
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, Generic, ParamSpec, TypeVar, overload
@@ -27,6 +27,7 @@ import httpx
 from forkd import limits
 from forkd.client.connection import Address, JSONDict, _resolve_token, json_of
 from forkd.client.errors import ControllerError
+from forkd.client.explore import ExploreResult, Step, step_body
 
 # An eval's answer comes within its timeout plus the agent's grace to stop it
 # and the daemon's margin (15 s): the HTTP wait allows a little more.
@@ -504,6 +505,40 @@ class Routes:
         if not wait:
             body["wait"] = False
         return self._json("POST", f"{self._sb(sandbox_id)}/branch", json_body=body)
+
+    @route
+    def explore_sandbox(
+        self,
+        sandbox_id: str,
+        variants: Sequence[Step],
+        score: Step | None = None,
+        keep: int = 1,
+        keep_as: str | None = None,
+        minimize: bool = False,
+        timeout_secs: float | None = None,
+        seed: int | None = None,
+        tag: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> Call[ExploreResult]:
+        """``POST /v1/sandboxes/{id}/explore``: branch once, fork a child per variant, run
+        each variant then ``score`` in its child, keep the best ``keep`` (``keep_as``
+        ``"sandboxes"``, or ``"snapshots"``: branched, then killed), kill the rest →
+        :class:`~forkd.client.explore.ExploreResult`, best first (lower first with
+        ``minimize``). A step is a shell string, an argv list, or the wire dict
+        (``{"eval": code}``, ``{"exec": argv, "env": ..., "stdin": ...}``); the score
+        prints a number on its last line (an eval returns one). ``seed``: variant *i*'s
+        child gets ``seed + i``. ``timeout_secs`` (default 300) bounds every variant."""
+        body = _drop_none({
+            "variants": [step_body(v) for v in variants],
+            "score": None if score is None else step_body(score),
+            "keep": keep, "keep_as": keep_as, "minimize": minimize or None,
+            "timeout_secs": timeout_secs, "seed": seed, "tag": tag, "metadata": metadata,
+        })  # fmt: skip
+        wait = (timeout_secs or limits.EXPLORE_TIMEOUT_SECS) + 120.0  # plus fork and keep
+        return self._json(
+            "POST", f"{self._sb(sandbox_id)}/explore", json_body=body,
+            timeout=max(self.timeout, wait),
+        ).then(ExploreResult.from_answer)  # fmt: skip
 
     @route
     def exec_command(

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import builtins
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from forkd.client.commands import Commands
 from forkd.client.connection import JSONDict
 from forkd.client.controller import KEEP, Controller
 from forkd.client.errors import ControllerError
+from forkd.client.explore import ExploreResult, Step
 from forkd.client.files import Files
 from forkd.client.pty import Pty
 from forkd.client.results import EvalResult
@@ -34,7 +36,8 @@ class Sandbox(SandboxView):
             sb.files.write("/tmp/data.json", '{"a": 1}')
             print(sb.eval("import json; json.load(open('/tmp/data.json'))").result)
             snap = sb.branch()                  # keep this state for later
-        kids = snap.fork(2)                     # two copies of it, after sb is gone
+            res = sb.explore(["echo 1", "echo 3"], score="cat /dev/null; echo 5")
+        kids = snap.fork(2, seed=7)             # two copies of it (seeds 7, 8), after sb is gone
     """
 
     def __init__(
@@ -203,6 +206,44 @@ class Sandbox(SandboxView):
             self.id, tag=tag, mode=mode, metadata=metadata, wait=wait
         )
         return Snapshot(info["tag"], controller=self._controller, info=info)
+
+    def explore(
+        self,
+        variants: Sequence[Step],
+        score: Step | None = None,
+        *,
+        keep: int = 1,
+        keep_as: str | None = None,
+        minimize: bool = False,
+        timeout_secs: float | None = None,
+        seed: int | None = None,
+        tag: str | None = None,
+        metadata: dict[str, str] | None = None,
+    ) -> ExploreResult:
+        """Try each of ``variants`` in its own copy of this sandbox, score each, keep the
+        best ``keep`` copies running (``keep_as="snapshots"``: as snapshots) and kill the
+        rest. This sandbox runs on (it pauses once, for the branch).
+
+        A variant or the score is a shell string, an argv list, or a dict
+        (``{"eval": code}``, ``{"exec": argv, "env": {...}, "stdin": ...}``). The score
+        prints a number on its last line, or an eval returns one; higher is better
+        unless ``minimize``. A variant that fails has ``score`` None and its ``error``.
+        ``seed``: variant *i*'s child gets ``seed + i`` (see ``Sandbox(seed=)``).
+
+        Example::
+
+            res = sb.explore(
+                ["patch -p1 < /work/a.diff", "patch -p1 < /work/b.diff"],
+                score="pytest -q 2>&1 | grep -c PASSED",
+                keep=1,
+            )
+            print(res.best.index, res.best.score)
+            winner = Sandbox(sandbox_id=res.best.sandbox_id)  # it runs on; the rest are gone
+        """
+        return self._controller.explore_sandbox(
+            self.id, variants, score, keep=keep, keep_as=keep_as, minimize=minimize,
+            timeout_secs=timeout_secs, seed=seed, tag=tag, metadata=metadata,
+        )  # fmt: skip
 
     def get_url(self, port: int, path: str = "/") -> str:
         """The daemon's proxy URL of guest TCP ``port`` at ``path``; every request to it

@@ -89,7 +89,9 @@ class Snapshot(SnapshotView):
 
     def fork(self, n: int = 1, **spawn_kwargs: Any) -> list[Sandbox]:
         """Fork ``n`` sandboxes from this snapshot (all or nothing); keyword
-        arguments as :meth:`Controller.spawn_sandboxes`."""
+        arguments as :meth:`Controller.spawn_sandboxes`. ``seed=S``: child *i*'s Python
+        ``random`` (warm interpreter and new processes, ``FORKD_SEED``) is seeded with
+        ``S + i``, so forking again with the same seed replays the same run."""
         infos = self._controller.spawn_sandboxes(self.tag, n=n, **spawn_kwargs)
         return [Sandbox._wrap(self._controller, info) for info in infos]
 

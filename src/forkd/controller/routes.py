@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from forkd import __version__
 from forkd.controller import sse
 from forkd.controller.bodies import receive_upload, stream_download
+from forkd.controller.disconnect import ClientGone, unless_client_leaves
 from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL
 from forkd.controller.models import (
     SANDBOX_STATES,
@@ -23,6 +24,8 @@ from forkd.controller.models import (
     EvalResult,
     ExecRequest,
     ExecResult,
+    ExploreRequest,
+    ExploreResult,
     FileEntry,
     FileWritten,
     Health,
@@ -319,6 +322,20 @@ async def branch(
     if not req.wait:  # answered once the source runs again; written in the background
         response.status_code = 202
     return info
+
+
+@sandboxes.post("/{sandbox_id}/explore", response_model=ExploreResult)
+async def explore(
+    svc: Svc, sandbox_id: str, body: ExploreRequest, request: Request
+) -> ExploreResult | Response:
+    """Branch the sandbox once, fork a child per variant, run each variant's step and
+    the score in every child, keep the best ``keep`` and kill the rest; results best
+    first. The source runs on. A client that goes away cancels it: nothing it made is
+    left (docs/API.md, "Explore")."""
+    try:
+        return await unless_client_leaves(request, svc.explore.explore(sandbox_id, body))
+    except ClientGone:
+        return Response(status_code=499)  # nobody reads it; the audit log does
 
 
 @sandboxes.post("/{sandbox_id}/preview-urls", status_code=201, response_model=PreviewInfo)

@@ -387,6 +387,20 @@ class Store:
         with self._transaction() as db:
             self._update(db, "sandboxes", "id", sandbox_id, dict(changes))
 
+    def add_sandbox_labels(self, sandbox_id: str, labels: dict[str, str]) -> dict[str, str]:
+        """Merge ``labels`` over sandbox ``sandbox_id``'s, in one transaction; its labels
+        now. :class:`NotFound` when there is no such sandbox, :class:`Invalid` past the cap."""
+        with self._transaction() as db:
+            found = db.execute("SELECT metadata FROM sandboxes WHERE id = ?", (sandbox_id,))
+            row = found.fetchone()
+            if row is None:
+                raise NotFound(f"sandbox {sandbox_id!r} not found")
+            merged = merged_labels(json.loads(row[0] or "{}"), labels)
+            db.execute(
+                "UPDATE sandboxes SET metadata = ? WHERE id = ?", (json.dumps(merged), sandbox_id)
+            )
+        return merged
+
     def set_sandbox_state(
         self, sandbox_id: str, state: SandboxState, **changes: Unpack[SandboxChanges]
     ) -> SandboxState:

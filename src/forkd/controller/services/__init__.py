@@ -1,5 +1,5 @@
-"""The daemon's domain services: snapshots, images, branches, sandboxes, pausing, processes,
-files, volumes, lifecycle.
+"""The daemon's domain services: snapshots, images, branches, sandboxes, explore, pausing,
+processes, files, volumes, lifecycle.
 
 Each takes and returns typed objects (:mod:`forkd.controller.models`) and
 raises only errors of :mod:`forkd.errors`; none knows about HTTP.
@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from forkd.controller.metrics import Metrics
 from forkd.controller.services.branches import BranchService
 from forkd.controller.services.expiry import Expiry
+from forkd.controller.services.explore import ExploreService
 from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
 from forkd.controller.services.images import ImageService, Importer
@@ -39,6 +40,7 @@ class Services:
     transfer: SnapshotTransfer
     branches: BranchService
     sandboxes: SandboxService
+    explore: ExploreService
     pausing: PauseService
     processes: ProcessService
     ports: PortService
@@ -72,6 +74,7 @@ class Services:
             transfer=SnapshotTransfer(fleet, snapshots),
             branches=branches,
             sandboxes=sandboxes,
+            explore=ExploreService(fleet, branches, sandboxes, snapshots),
             pausing=pausing,
             processes=ProcessService(sandboxes),
             ports=PortService(fleet),

@@ -57,6 +57,8 @@ EVENT_TYPES = (
     "died",  # a sandbox's QEMU exited on its own
     "snapshot_created",
     "snapshot_deleted",
+    "explore_variant",  # a variant of an explore finished (on the source: explore, index, ...)
+    "explored",  # an explore ended (on the source: explore, kept, best)
 )
 GAP = "gap"  # not published: what a stream gets when events it would have had are lost
 POSITION = ""  # not published: a stream's first item, its place (the id it follows)

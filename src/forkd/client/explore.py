@@ -1,0 +1,87 @@
+"""Explore from the client's side: the variants a user writes, and the typed answer.
+
+A variant (or the score) is given as:
+
+- a string: a shell command, run as ``sh -c STRING``;
+- a list of strings: a program and its arguments, run as they are;
+- a dict: the wire form, ``{"exec": [...], "env": {...}, "stdin": ..., "cwd": ...,
+  "user": ...}`` or ``{"eval": "python code"}`` (docs/API.md, "Explore").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+from forkd.client.connection import JSONDict
+
+Step: TypeAlias = str | Sequence[str] | dict[str, Any]
+
+
+def step_body(step: Step) -> JSONDict:
+    """``step`` in its wire form."""
+    if isinstance(step, str):
+        return {"exec": ["sh", "-c", step]}
+    if isinstance(step, dict):
+        return dict(step)
+    argv = list(step)
+    if not argv or not all(isinstance(a, str) for a in argv):
+        raise TypeError(f"a step is a shell string, an argv of strings or a dict: {step!r}")
+    return {"exec": argv}
+
+
+@dataclass
+class VariantResult:
+    """What one variant did; ``score`` is None when it failed (``error`` says why)."""
+
+    index: int
+    sandbox_id: str | None
+    score: float | None
+    exit_code: int | None
+    stdout_tail: str
+    error: str | None
+    kept: bool
+    snapshot_tag: str | None = None
+    duration_ms: float = 0.0
+
+    @classmethod
+    def from_answer(cls, raw: JSONDict) -> VariantResult:
+        return cls(
+            index=int(raw["index"]), sandbox_id=raw.get("sandbox_id"), score=raw.get("score"),
+            exit_code=raw.get("exit_code"), stdout_tail=raw.get("stdout_tail") or "",
+            error=raw.get("error"), kept=bool(raw.get("kept")),
+            snapshot_tag=raw.get("snapshot_tag"), duration_ms=float(raw.get("duration_ms") or 0),
+        )  # fmt: skip
+
+
+@dataclass
+class ExploreResult:
+    """An explore's answer: its ``results`` best first (failed variants last)."""
+
+    branch: str
+    pause_ms: int | None
+    fork_ms: float
+    duration_ms: float
+    branch_kept: bool
+    results: list[VariantResult]
+    raw: JSONDict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def best(self) -> VariantResult | None:
+        """The best scored variant (with no score step: the first that succeeded)."""
+        return next((r for r in self.results if r.error is None), None)
+
+    @property
+    def kept(self) -> list[VariantResult]:
+        """The variants whose child runs on (or was kept as ``snapshot_tag``)."""
+        return [r for r in self.results if r.kept]
+
+    @classmethod
+    def from_answer(cls, raw: JSONDict) -> ExploreResult:
+        return cls(
+            branch=raw["branch"], pause_ms=raw.get("pause_ms"),
+            fork_ms=float(raw.get("fork_ms") or 0), duration_ms=float(raw.get("duration_ms") or 0),
+            branch_kept=bool(raw.get("branch_kept")),
+            results=[VariantResult.from_answer(r) for r in raw.get("results", [])], raw=raw,
+        )  # fmt: skip

@@ -1,0 +1,231 @@
+"""Explore over the HTTP API, on the fake driver: one branch, a child per variant, each
+run and scored, the best kept, the rest killed, the source untouched; and nothing left
+behind when the request is bad, a variant fails, the fork fails or the client leaves."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from forkd import limits
+from forkd.client import Controller, ControllerError
+from forkd.controller.services.explore import StepFailed, chosen, parse_score, ranked
+from forkd.controller.services.explore import _Outcome as Outcome
+from tests.unit.conftest import Server
+
+
+@pytest.fixture
+def ctl(server: Server) -> Iterator[Controller]:
+    with Controller(server.url, token=server.token) as c:
+        c.create_snapshot("py", memory_mib=128)
+        yield c
+
+
+@pytest.fixture
+def source(ctl: Controller) -> str:
+    return str(ctl.spawn_sandboxes("py", metadata={"team": "a"})[0]["id"])
+
+
+def _others(ctl: Controller, source: str) -> list[dict[str, Any]]:
+    return [s for s in ctl.list_sandboxes() if s["id"] != source]
+
+
+def _snapshots(ctl: Controller) -> list[str]:
+    return sorted(s["tag"] for s in ctl.list_snapshots())
+
+
+def test_scores_rank_the_variants_and_only_the_best_run_on(ctl: Controller, source: str) -> None:
+    variants = [{"eval": f"x = {v}"} for v in (3, 9, 1, 7)]
+    res = ctl.explore_sandbox(source, variants, score={"eval": "x * 2"}, keep=2, seed=10)
+    assert [r.index for r in res.results] == [1, 3, 0, 2]
+    assert [r.score for r in res.results] == [18.0, 14.0, 6.0, 2.0]
+    assert [r.kept for r in res.results] == [True, True, False, False]
+    assert res.best is not None and res.best.index == 1
+    assert res.pause_ms is not None and res.branch_kept
+    alive = {s["id"]: s for s in _others(ctl, source)}
+    assert set(alive) == {r.sandbox_id for r in res.kept}  # the losers are gone
+    best = alive[res.results[0].sandbox_id]
+    assert best["snapshot_tag"] == res.branch and best["seed"] == 11
+    assert best["metadata"] == {"team": "a", "forkd.explore": res.branch,
+                                "forkd.parent": source, "forkd.variant": "1",
+                                "forkd.score": "18"}  # fmt: skip
+    assert ctl.get_sandbox(source)["state"] == "running"
+    assert ctl.snapshot(res.branch)["metadata"]["forkd.explore"] == res.branch
+    assert ctl.eval_code(best["id"], "x")["result"] == "9"  # it is the variant's state
+
+
+def test_minimize_puts_the_lowest_first(ctl: Controller, source: str) -> None:
+    variants = [["echo", n] for n in ("5", "2", "8")]
+    res = ctl.explore_sandbox(source, variants, score=["echo", "ignored"], keep=0)
+    assert {r.score for r in res.results} == {None}  # "ignored" is no number
+    res = ctl.explore_sandbox(source, [{"eval": f"y = {v}"} for v in (5, 2, 8)],
+                              score={"eval": "y"}, minimize=True, keep=1)  # fmt: skip
+    assert [r.score for r in res.results] == [2.0, 5.0, 8.0]
+
+
+def test_a_failing_variant_has_its_error_and_the_others_go_on(ctl: Controller, source: str) -> None:
+    variants: list[Any] = [
+        ["exit", "3"],  # the step fails
+        {"eval": "raise ValueError('no plan')"},  # so does this one
+        {"eval": "z = 'text'"},  # its score is no number
+        {"eval": "z = 4"},
+    ]
+    res = ctl.explore_sandbox(source, variants, score={"eval": "z"}, keep=4)
+    by_index = {r.index: r for r in res.results}
+    assert res.results[0].index == 3 and res.results[0].score == 4.0
+    assert by_index[0].score is None and by_index[0].exit_code == 3
+    assert "step exited 3" in (by_index[0].error or "")
+    assert "ValueError: no plan" in (by_index[1].error or "")
+    assert "no number" in (by_index[2].error or "")
+    assert [r.kept for r in res.results] == [True, False, False, False]  # only scored ones
+    assert len(_others(ctl, source)) == 1
+
+
+def test_without_a_score_the_first_that_succeed_are_kept(ctl: Controller, source: str) -> None:
+    res = ctl.explore_sandbox(source, [["exit", "1"], "echo ok", "echo fine"], keep=1)
+    assert [r.index for r in res.results] == [0, 1, 2]  # variant order
+    assert [r.kept for r in res.results] == [False, True, False]
+    assert res.results[1].stdout_tail == "-c echo ok\n"  # the fake echoes its argv
+
+
+def test_keep_as_snapshots_branches_the_best_and_kills_every_child(
+    ctl: Controller, source: str
+) -> None:
+    before = _snapshots(ctl)
+    variants = [{"eval": f"w = {v}"} for v in (1, 2)]
+    res = ctl.explore_sandbox(
+        source, variants, score={"eval": "w"}, keep=1, keep_as="snapshots", tag="try"
+    )
+    assert res.branch == "try" and not res.branch_kept
+    assert res.results[0].snapshot_tag == "try-v1" and res.results[0].kept
+    assert _others(ctl, source) == []
+    assert _snapshots(ctl) == sorted([*before, "try-v1"])  # the branch itself is gone
+    labels = ctl.snapshot("try-v1")["metadata"]
+    assert labels["forkd.score"] == "2" and labels["forkd.variant"] == "1"
+    child = ctl.spawn_sandboxes("try-v1")[0]
+    assert ctl.eval_code(child["id"], "w")["result"] == "2"
+
+
+def test_keep_zero_leaves_nothing_but_the_answer(ctl: Controller, source: str) -> None:
+    before = _snapshots(ctl)
+    res = ctl.explore_sandbox(source, ["true", "true"], keep=0)
+    assert [r.error for r in res.results] == [None, None]
+    assert _others(ctl, source) == [] and _snapshots(ctl) == before
+
+
+def test_events_report_each_variant_and_the_end(ctl: Controller, source: str) -> None:
+    res = ctl.explore_sandbox(source, [{"eval": f"v = {i}"} for i in range(3)],
+                              score={"eval": "v"}, keep=1)  # fmt: skip
+    seen = []
+    for event in ctl.events(["explore_variant", "explored"], source, since=0):
+        seen.append(event)
+        if event["type"] == "explored":
+            break
+    variants = [e for e in seen if e["type"] == "explore_variant"]
+    assert sorted(e["index"] for e in variants) == [0, 1, 2]
+    assert {e["explore"] for e in seen} == {res.branch}
+    assert {e["score"] for e in variants} == {0.0, 1.0, 2.0}
+    assert seen[-1]["kept"] == [res.results[0].sandbox_id] and seen[-1]["best"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"variants": []}, "variants"),
+        ({"variants": [{}]}, "exactly one of exec"),
+        ({"variants": [{"exec": ["a"], "eval": "b"}]}, "exactly one of exec"),
+        ({"variants": [{"eval": "1", "env": {"A": "b"}}]}, "env go with exec"),
+        ({"variants": [{"exec": ["true"]}] * (limits.MAX_EXPLORE_VARIANTS + 1)}, "variants"),
+        ({"variants": [{"exec": ["true"]}], "keep": 2}, "keep 2 is more than"),
+        ({"variants": [{"exec": ["true"]}], "bogus": 1}, "unknown field"),
+        ({"variants": [{"exec": ["true"]}], "keep_as": "files"}, "keep_as"),
+        ({"variants": [{"exec": ["true"]}] * 2, "seed": limits.MAX_SEED}, "seed"),
+        ({"variants": [{"exec": ["true"]}], "tag": "no/slash"}, "tag"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and " " not in v else None,
+)
+def test_bad_input_is_a_400_and_makes_nothing(
+    ctl: Controller, server: Server, source: str, body: dict[str, Any], says: str
+) -> None:
+    before = _snapshots(ctl)
+    resp = httpx.post(f"{server.url}/v1/sandboxes/{source}/explore", json=body,
+                      headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    assert resp.status_code == 400, resp.text
+    assert says in resp.json()["error"]
+    assert _others(ctl, source) == [] and _snapshots(ctl) == before
+
+
+def test_an_unknown_source_is_a_404(ctl: Controller) -> None:
+    with pytest.raises(ControllerError) as exc:
+        ctl.explore_sandbox("sb-nope", ["true"])
+    assert exc.value.status == 404
+
+
+def test_a_fork_that_fails_takes_the_branch_back(
+    ctl: Controller, server: Server, source: str
+) -> None:
+    before = _snapshots(ctl)
+    server.driver.fail_restore = RuntimeError("qemu would not start")
+    with pytest.raises(ControllerError) as exc:
+        ctl.explore_sandbox(source, ["true", "true"])
+    assert exc.value.status == 500
+    assert _others(ctl, source) == [] and _snapshots(ctl) == before
+    assert ctl.get_sandbox(source)["state"] == "running"
+
+
+def test_the_timeout_fails_the_slow_variants_only(ctl: Controller, source: str) -> None:
+    res = ctl.explore_sandbox(source, [["nap", "30"], ["echo", "1"]], score=["echo", "2"],
+                              timeout_secs=1.0, keep=2)  # fmt: skip
+    by_index = {r.index: r for r in res.results}
+    assert by_index[1].score == 2.0 and by_index[1].kept
+    assert by_index[0].score is None and "timed out" in (by_index[0].error or "")
+    assert [s["id"] for s in _others(ctl, source)] == [by_index[1].sandbox_id]
+
+
+def test_a_client_that_leaves_cancels_it_and_nothing_is_left(
+    ctl: Controller, server: Server, source: str
+) -> None:
+    before = _snapshots(ctl)
+    body = json.dumps({"variants": [{"exec": ["nap", "30"]}] * 3}).encode()
+
+    def leave_early() -> None:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/sandboxes/{source}/explore", content=body,
+                       headers={"Authorization": f"Bearer {server.token}"},
+                       timeout=httpx.Timeout(5.0, read=1.5))  # fmt: skip
+
+    client = threading.Thread(target=leave_early)
+    client.start()
+    deadline = time.monotonic() + 10
+    while len(_others(ctl, source)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the children are up and napping
+    assert len(_others(ctl, source)) == 3
+    client.join()
+    deadline = time.monotonic() + 10
+    while (_others(ctl, source) or _snapshots(ctl) != before) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _others(ctl, source) == [] and _snapshots(ctl) == before
+    assert ctl.get_sandbox(source)["state"] == "running"
+
+
+def test_parse_score_takes_the_last_line_as_a_number() -> None:
+    assert parse_score("running\n3 passed\n42\n\n", "score") == 42.0
+    assert parse_score("np.float64(0.25)", "score") == 0.25
+    assert parse_score(" -1e3 ", "score") == -1000.0
+    for bad, says in (("", "printed nothing"), ("3 passed", "no number"), ("nan", "finite")):
+        with pytest.raises(StepFailed, match=says):
+            parse_score(bad, "score")
+
+
+def test_ranking_puts_unscored_last_and_ties_in_variant_order() -> None:
+    outs = [Outcome(0, "a", score=None, error="x"), Outcome(1, "b", score=2.0),
+            Outcome(2, "c", score=5.0), Outcome(3, "d", score=2.0)]  # fmt: skip
+    assert [o.index for o in ranked(outs, minimize=False)] == [2, 1, 3, 0]
+    assert [o.index for o in ranked(outs, minimize=True)] == [1, 3, 2, 0]
+    assert [o.index for o in chosen(ranked(outs, False), 9, scored=True)] == [2, 1, 3]
