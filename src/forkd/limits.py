@@ -46,6 +46,13 @@ PORT_HEAD_SECS = 60.0  # a proxied request's answer head, once its body was sent
 MAX_FORK_N = 1000
 MAX_EXPLORE_VARIANTS = 100  # children of one explore (POST /v1/sandboxes/{id}/explore)
 EXPLORE_STDOUT_TAIL = 2048  # characters of a variant's stdout in its result
+# GET /v1/sandboxes/{id}/diff: the changed paths a manifest may list (more: truncated),
+# the bytes it may take, and what a patch shows.
+MAX_DIFF_ENTRIES = 200_000
+MAX_MANIFEST_BYTES = 64 << 20
+PATCH_FILE_MAX_BYTES = 512 << 10  # a text file larger is "differs", not a hunk
+PATCH_MAX_BYTES = 8 << 20  # a patch longer is cut, and says so
+PATCH_MAX_FILES = 2000
 MAX_SETUP_COMMANDS = 100
 MAX_VOLUMES_PER_VM = 8
 # Diff layers over a full snapshot that a fork resolves; a deeper diff branch is a 409

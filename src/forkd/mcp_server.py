@@ -4,7 +4,7 @@ Agent frameworks reach tools through the Model Context Protocol. This server is 
 client of a forkd daemon (through :class:`forkd.client.AsyncController`) that
 offers: create a sandbox from a snapshot, fork several, run a command (as a
 user), run Python in the warm interpreter, read and write files, branch, explore
-(variants scored, the best kept), list
+(variants scored, the best kept), see what a sandbox changed, list
 sandboxes and snapshots, kill; import a container image, list images, create a
 snapshot (from a built or a container image, its service started); and the
 lineage tree as the resource ``forkd://tree``.
@@ -83,6 +83,7 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
 
     _command_tools(server, with_daemon)
     _lifecycle_tools(server, with_daemon)
+    _search_tools(server, with_daemon)
     _image_tools(server, with_daemon)
     _original_tools(server, with_daemon)
 
@@ -166,30 +167,8 @@ def _command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
         return {"path": path, "size": len(content.encode())}
 
 
-def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
-    """Branch, explore, list, kill."""
-
-    @server.tool()
-    async def branch_sandbox(
-        sandbox_id: str,
-        tag: str | None = None,
-        mode: str | None = None,
-        diff: bool = False,
-        measure_diff: bool = False,
-        wait: bool = True,
-    ) -> dict[str, Any]:
-        """Save the running sandbox's whole state as a new snapshot (it pauses for
-        milliseconds, then goes on). Fork the snapshot to get copies of that moment.
-        ``mode``: full (default), diff or live (``diff=True`` is mode diff);
-        ``measure_diff``: a full branch that reports what a diff would store;
-        ``wait=False``: answer at once (status pending) and write in the background."""
-        return dict(
-            await with_daemon(
-                lambda c: c.branch_sandbox(
-                    sandbox_id, tag=tag, mode=mode, wait=wait, diff=diff, measure_diff=measure_diff
-                )
-            )
-        )
+def _search_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Explore (variants scored, the best kept) and diff (what a sandbox changed)."""
 
     @server.tool()
     async def explore(
@@ -220,6 +199,45 @@ def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
             )
         )  # fmt: skip
         return dict(res.raw)
+
+    @server.tool()
+    async def diff_sandbox(
+        sandbox_id: str, path: str = "/", against: str | None = None, patch: bool = False
+    ) -> dict[str, Any]:
+        """What the sandbox changed under ``path`` since the snapshot it was forked from
+        (or ``against``: a snapshot tag or another sandbox's id): the added, modified
+        and removed paths, or with ``patch=True`` a unified diff of the text files."""
+        if patch:
+            text = await with_daemon(lambda c: c.diff_patch(sandbox_id, path, against))
+            return {"patch": text}
+        res = await with_daemon(lambda c: c.diff_sandbox(sandbox_id, path, against))
+        return dict(res.raw)
+
+
+def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Branch, list, kill."""
+
+    @server.tool()
+    async def branch_sandbox(
+        sandbox_id: str,
+        tag: str | None = None,
+        mode: str | None = None,
+        diff: bool = False,
+        measure_diff: bool = False,
+        wait: bool = True,
+    ) -> dict[str, Any]:
+        """Save the running sandbox's whole state as a new snapshot (it pauses for
+        milliseconds, then goes on). Fork the snapshot to get copies of that moment.
+        ``mode``: full (default), diff or live (``diff=True`` is mode diff);
+        ``measure_diff``: a full branch that reports what a diff would store;
+        ``wait=False``: answer at once (status pending) and write in the background."""
+        return dict(
+            await with_daemon(
+                lambda c: c.branch_sandbox(
+                    sandbox_id, tag=tag, mode=mode, wait=wait, diff=diff, measure_diff=measure_diff
+                )
+            )
+        )
 
     @server.tool()
     async def list_sandboxes(state: str | None = None) -> list[dict[str, Any]]:

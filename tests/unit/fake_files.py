@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import io
 import itertools
+import json
 import posixpath
 import tarfile
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +118,35 @@ class FakeTransfers:
         out.seek(0)
         transfer_id = f"t{next(self._ids)}"
         self.tar_reads[transfer_id] = out
+        return transfer_id
+
+    def tar_open_paths(self, paths: list[str]) -> str:
+        """A tar of the files at ``paths``, each named by its path without the slash."""
+        self._known("file_tar_open")
+        out = io.BytesIO()
+        with tarfile.open(fileobj=out, mode="w") as tar:
+            for name in paths:
+                if name in self.files:
+                    info = tarfile.TarInfo(name.lstrip("/"))
+                    info.size = len(self.files[name])
+                    tar.addfile(info, io.BytesIO(self.files[name]))
+        return self._reading(out.getvalue())
+
+    def manifest_open(self, path: str, max_entries: int) -> dict[str, Any]:
+        """What the agent's fs_manifest_open lists, of a guest whose image is empty: every
+        file is in the upper layer; its crc32 stands for its mtime."""
+        self._known("fs_manifest_open")
+        prefix = path.rstrip("/") + "/"
+        names = sorted(n for n in self.files if n == path or n.startswith(prefix))
+        lines = [json.dumps([n, "f", len(self.files[n]), 0o644, zlib.crc32(self.files[n]),
+                             None, None]) for n in names[:max_entries]]  # fmt: skip
+        end = {"end": True, "truncated": len(names) > max_entries, "entries": len(lines)}
+        lines.append(json.dumps(end))
+        return {"transfer_id": self._reading("\n".join(lines).encode() + b"\n"), "lower": "/lower"}
+
+    def _reading(self, data: bytes) -> str:
+        transfer_id = f"t{next(self._ids)}"
+        self.tar_reads[transfer_id] = io.BytesIO(data)
         return transfer_id
 
     def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:

@@ -374,6 +374,14 @@ class FakeVM(VMLifecycle):
         self._agent("file_tar_open")
         return self.transfers.tar_open(path)
 
+    async def tar_open_paths(self, paths: list[str]) -> str:
+        self._agent("file_tar_open")
+        return self.transfers.tar_open_paths(paths)
+
+    async def fs_manifest_open(self, path: str, max_entries: int) -> dict[str, Any]:
+        self._agent("fs_manifest_open")
+        return self.transfers.manifest_open(path, max_entries)
+
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
         self._agent("file_tar_read")
         return self.transfers.tar_read(transfer_id, length)

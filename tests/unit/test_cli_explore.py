@@ -1,10 +1,12 @@
-"""``forkd explore`` against the real app (fake VMs): the ranking it prints, its JSON,
-its refusals, and the scores it leaves on the lineage tree."""
+"""``forkd explore`` and ``forkd diff`` against the real app (fake VMs): the ranking it
+prints, its JSON, its refusals, the scores it leaves on the lineage tree; the changes."""
 
 from __future__ import annotations
 
 import json
+import tarfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -51,3 +53,24 @@ def test_explore_json_is_the_answer(forkd: Invoke, sid: str) -> None:  # noqa: F
 def test_score_and_score_eval_exclude_each_other(forkd: Invoke, sid: str) -> None:  # noqa: F811
     res = forkd("explore", sid, "-v", "true", "--score", "echo 1", "--score-eval", "1")
     assert res.exit_code == 2 and "not both" in res.output
+
+
+def test_diff_prints_the_changes_a_patch_and_a_tar(
+    forkd: Invoke,  # noqa: F811
+    ctl: Controller,
+    sid: str,
+    tmp_path: Path,
+) -> None:
+    ctl.write_file(sid, "/work/a.txt", "one\n")
+    res = forkd("diff", sid, "--path", "/work")
+    assert res.exit_code == 0, res.output
+    assert "/work/a.txt" in res.stdout and "+" in res.stdout
+    assert "1 added, 0 modified, 0 removed" in res.stderr
+    res = forkd("diff", sid, "--path", "/work", "--patch")
+    assert "+++ b/work/a.txt" in res.stdout and "+one" in res.stdout
+    out = tmp_path / "changes.tar"
+    assert forkd("diff", sid, "--path", "/work", "--tar", str(out)).exit_code == 0
+    with tarfile.open(out) as tar:
+        assert tar.getnames() == ["work/a.txt"]
+    body = json.loads(forkd("diff", sid, "--json", "--path", "/work").stdout)
+    assert [c["change"] for c in body["changes"]] == ["added"]

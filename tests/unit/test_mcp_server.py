@@ -35,7 +35,7 @@ MISSING = "127.0.0.1:5000/team/web:404"  # and one it does not
 
 TOOLS = {
     "create_sandbox", "fork_sandboxes", "exec", "run_python", "read_file", "write_file",
-    "branch_sandbox", "explore", "list_sandboxes", "list_snapshots", "kill_sandbox",
+    "branch_sandbox", "explore", "diff_sandbox", "list_sandboxes", "list_snapshots", "kill_sandbox",
     "import_image", "list_images", "create_snapshot",
     # The original forkd MCP server's names (forkd-mcp), beside ours.
     "spawn_sandboxes", "get_sandbox", "exec_command", "eval_code", "ping_sandbox",
@@ -87,6 +87,13 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     assert [r["score"] for r in explored["results"]][:2] == [205.0, 82.0]
     assert explored["results"][2]["error"] and explored["results"][0]["kept"]
     best = {"sandbox_id": explored["results"][0]["sandbox_id"]}
+    args = {"sandbox_id": sid, "path": "/tmp"}
+    changed = _value(await client.call_tool("diff_sandbox", args))
+    assert {"path": "/tmp/n", "change": "added", "kind": "file", "size": 5, "mode": 0o644} in [
+        {k: c[k] for k in ("path", "change", "kind", "size", "mode")} for c in changed["changes"]
+    ]
+    patch = _value(await client.call_tool("diff_sandbox", {**args, "patch": True}))["patch"]
+    assert "+++ b/tmp/n" in patch and "+hello" in patch
     assert _value(await client.call_tool("kill_sandbox", best))["killed"]
     listed = {s["id"] for s in _value(await client.call_tool("list_sandboxes", {}))}
     assert {sid, *(k["id"] for k in kids)} <= listed

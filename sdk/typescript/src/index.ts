@@ -35,6 +35,8 @@ import type {
   ExploreStep,
   ExploreOptions,
   ExploreResult,
+  DiffResult,
+  DiffOptions,
 } from "./types.js";
 import { base64Bytes, readSSE } from "./sse.js";
 
@@ -289,6 +291,23 @@ export class Client {
     return this.json("POST", `${this.#sb(id)}/explore`, { body, timeoutMs });
   }
 
+  /** What the sandbox changed under `opts.path`, against its snapshot or `opts.against` (docs/API.md, "Diff"). */
+  diffSandbox(id: string, opts: DiffOptions = {}): Promise<DiffResult> {
+    return this.json("GET", `${this.#sb(id)}/diff`, { query: { path: opts.path, against: opts.against } });
+  }
+
+  /** The same as a unified diff of the changed text files. */
+  async diffPatch(id: string, opts: DiffOptions = {}): Promise<string> {
+    const resp = await this.request("GET", `${this.#sb(id)}/diff`, { query: { path: opts.path, against: opts.against, format: "patch" }, accept: "text/x-diff" });
+    return resp.text();
+  }
+
+  /** The added and modified files as a tar archive. */
+  async diffTar(id: string, opts: DiffOptions = {}): Promise<Uint8Array> {
+    const resp = await this.request("GET", `${this.#sb(id)}/diff`, { query: { path: opts.path, against: opts.against, format: "tar" }, accept: "application/x-tar" });
+    return new Uint8Array(await resp.arrayBuffer());
+  }
+
   /** Run `args` and wait; `user`: as this user (name, uid, name:group, uid:gid; default the image's USER, else root). */
   exec(id: string, args: string[], opts: ExecOptions = {}): Promise<JSONObject> {
     const timeout = opts.timeoutSecs ?? 30;
@@ -459,6 +478,11 @@ export class Sandbox {
    */
   explore(variants: ExploreStep[], opts: ExploreOptions = {}): Promise<ExploreResult> {
     return this.client.exploreSandbox(this.id, variants, opts);
+  }
+
+  /** What this sandbox changed (see `Client.diffSandbox`); `diffPatch`/`diffTar` on the client give a patch or a tar. */
+  diff(opts: DiffOptions = {}): Promise<DiffResult> {
+    return this.client.diffSandbox(this.id, opts);
   }
 
   async pause(opts: { hibernate?: boolean } = {}): Promise<SandboxInfo> { return (this.info = await this.client.pauseSandbox(this.id, opts)); }

@@ -200,3 +200,29 @@ export interface ExploreResult {
   /** Best first; failed variants last. */
   results: ExploreVariant[];
 }
+
+export interface FileChange {
+  path: string;
+  change: "added" | "modified" | "removed";
+  kind: "file" | "dir" | "symlink" | "other";
+  size: number;
+  mode: number;
+}
+
+export interface DiffResult {
+  sandbox_id: string;
+  against: string;
+  against_kind: "snapshot" | "sandbox";
+  path: string;
+  /** Sorted by path. */
+  changes: FileChange[];
+  truncated: boolean;
+  duration_ms: number;
+}
+
+export interface DiffOptions {
+  /** The directory to compare (default "/"). */
+  path?: string;
+  /** A snapshot tag or sandbox id of the same image (default: the sandbox's snapshot). */
+  against?: string;
+}

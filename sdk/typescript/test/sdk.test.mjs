@@ -101,6 +101,10 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     made.push(winner);
     assert.equal(winner.info.seed, 101);
     assert.equal(winner.info.metadata["forkd.score"], "48");
+    await winner.files.write("/tmp/ts-diff.txt", "from the winner\n");
+    const diff = await winner.diff({ path: "/tmp" });
+    assert.ok(diff.changes.some((c) => c.path === "/tmp/ts-diff.txt" && c.change === "added"), JSON.stringify(diff));
+    assert.match(await client.diffPatch(winner.id, { path: "/tmp" }), /\+\+\+ b\/tmp\/ts-diff\.txt\n(.|\n)*\+from the winner/);
     assert.equal((await sb.refresh()).state, "running");
   });
 

@@ -19,6 +19,7 @@ import typer
 from forkd import __version__
 from forkd.cli import (
     daemon,
+    diffs,
     events,
     explore,
     files,
@@ -62,6 +63,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     volumes.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
     explore.register(app, transport=transport)
+    diffs.register(app, transport=transport)
     processes.register(app, transport=transport)
     files.register(app, transport=transport)
     shell.register(app, transport=transport)

@@ -40,7 +40,7 @@ from forkd.client.connection import _resolve_token as _resolve_token
 from forkd.client.controller import Controller
 from forkd.client.controller import _tar_directory as _tar_directory
 from forkd.client.errors import ControllerError
-from forkd.client.explore import ExploreResult, VariantResult
+from forkd.client.explore import DiffResult, ExploreResult, FileChange, VariantResult
 from forkd.client.files import Files
 from forkd.client.guest_agent import GuestAgent
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
@@ -58,8 +58,10 @@ __all__ = [
     "Commands",
     "Controller",
     "ControllerError",
+    "DiffResult",
     "EvalResult",
     "ExploreResult",
+    "FileChange",
     "Files",
     "GuestAgent",
     "OutputEvent",

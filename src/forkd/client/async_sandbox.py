@@ -32,7 +32,7 @@ from forkd.client.async_sockets import AsyncPtyHandle
 from forkd.client.commands import FOREGROUND_TIMEOUT_SECS, HandleOutput
 from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
-from forkd.client.explore import ExploreResult, Step
+from forkd.client.explore import DiffResult, ExploreResult, Step
 from forkd.client.files import WriteData, _body, _file_chunks
 from forkd.client.pty import LOGIN_SHELL, DataCallback
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
@@ -333,6 +333,19 @@ class AsyncSandbox(SandboxView):
             self.id, tag=tag, mode=mode, metadata=metadata, wait=wait
         )
         return AsyncSnapshot(info["tag"], controller=self._controller, info=info)
+
+    async def diff(
+        self, path: str = "/", against: str | None = None, format: str = "json"
+    ) -> DiffResult | str | bytes:
+        """What this sandbox changed under ``path`` (see ``Sandbox.diff``): a
+        ``DiffResult``, a patch (``format="patch"``) or a tar (``format="tar"``)."""
+        if format == "patch":
+            return await self._controller.diff_patch(self.id, path, against)
+        if format == "tar":
+            return await self._controller.diff_tar(self.id, path, against)
+        if format != "json":
+            raise ValueError(f"format is json, patch or tar, not {format!r}")
+        return await self._controller.diff_sandbox(self.id, path, against)
 
     async def explore(
         self,

@@ -1,4 +1,4 @@
-"""Explore from the client's side: the variants a user writes, and the typed answer.
+"""Explore and diff from the client's side: the variants a user writes, the typed answers.
 
 A variant (or the score) is given as:
 
@@ -84,4 +84,46 @@ class ExploreResult:
             fork_ms=float(raw.get("fork_ms") or 0), duration_ms=float(raw.get("duration_ms") or 0),
             branch_kept=bool(raw.get("branch_kept")),
             results=[VariantResult.from_answer(r) for r in raw.get("results", [])], raw=raw,
+        )  # fmt: skip
+
+
+@dataclass
+class FileChange:
+    """One path a sandbox changed: ``change`` is added, modified or removed; ``kind``
+    file, dir, symlink or other."""
+
+    path: str
+    change: str
+    kind: str
+    size: int
+    mode: int
+
+
+@dataclass
+class DiffResult:
+    """What a sandbox changed under ``path`` against ``against`` (a snapshot or a
+    sandbox: ``against_kind``), its ``changes`` sorted by path."""
+
+    sandbox_id: str
+    against: str
+    against_kind: str
+    path: str
+    changes: list[FileChange]
+    truncated: bool
+    duration_ms: float
+    raw: JSONDict = field(default_factory=dict, repr=False, compare=False)
+
+    def of(self, change: str) -> list[str]:
+        """The paths ``added``, ``modified`` or ``removed``."""
+        return [c.path for c in self.changes if c.change == change]
+
+    @classmethod
+    def from_answer(cls, raw: JSONDict) -> DiffResult:
+        return cls(
+            sandbox_id=raw["sandbox_id"], against=raw["against"],
+            against_kind=raw.get("against_kind", "snapshot"), path=raw["path"],
+            changes=[FileChange(c["path"], c["change"], c.get("kind", "file"), int(c["size"]),
+                                int(c["mode"])) for c in raw.get("changes", [])],
+            truncated=bool(raw.get("truncated")), duration_ms=float(raw.get("duration_ms") or 0),
+            raw=raw,
         )  # fmt: skip

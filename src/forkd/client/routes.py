@@ -27,7 +27,7 @@ import httpx
 from forkd import limits
 from forkd.client.connection import Address, JSONDict, _resolve_token, json_of
 from forkd.client.errors import ControllerError
-from forkd.client.explore import ExploreResult, Step, step_body
+from forkd.client.explore import DiffResult, ExploreResult, Step, step_body
 
 # An eval's answer comes within its timeout plus the agent's grace to stop it
 # and the daemon's margin (15 s): the HTTP wait allows a little more.
@@ -135,6 +135,10 @@ def _none(_: object) -> None:
 
 def _content(resp: httpx.Response) -> bytes:
     return resp.content
+
+
+def _text(resp: httpx.Response) -> str:
+    return resp.text
 
 
 def _written(answer: Any) -> int:
@@ -539,6 +543,34 @@ class Routes:
             "POST", f"{self._sb(sandbox_id)}/explore", json_body=body,
             timeout=max(self.timeout, wait),
         ).then(ExploreResult.from_answer)  # fmt: skip
+
+    @route
+    def diff_sandbox(
+        self, sandbox_id: str, path: str = "/", against: str | None = None
+    ) -> Call[DiffResult]:
+        """``GET /v1/sandboxes/{id}/diff``: the paths the sandbox added, modified and
+        removed under ``path``, against the snapshot it was forked from, or ``against``
+        (a snapshot tag or sandbox id of the same image) →
+        :class:`~forkd.client.explore.DiffResult`."""
+        params = _drop_none({"path": path, "against": against})
+        return self._json("GET", f"{self._sb(sandbox_id)}/diff", params=params,
+                          timeout=max(self.timeout, 300)).then(DiffResult.from_answer)  # fmt: skip
+
+    @route
+    def diff_patch(self, sandbox_id: str, path: str = "/", against: str | None = None) -> Call[str]:
+        """The same diff as a unified patch of the changed text files."""
+        params = _drop_none({"path": path, "against": against, "format": "patch"})
+        resp = self._request("GET", f"{self._sb(sandbox_id)}/diff", params=params,
+                             timeout=max(self.timeout, 300))  # fmt: skip
+        return resp.then(_text)
+
+    @route
+    def diff_tar(self, sandbox_id: str, path: str = "/", against: str | None = None) -> Call[bytes]:
+        """The files the sandbox added or modified under ``path``, as a tar archive."""
+        params = _drop_none({"path": path, "against": against, "format": "tar"})
+        resp = self._request("GET", f"{self._sb(sandbox_id)}/diff", params=params,
+                             timeout=max(self.timeout, 300))  # fmt: skip
+        return resp.then(_content)
 
     @route
     def exec_command(

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from forkd.client.commands import Commands
 from forkd.client.connection import JSONDict
 from forkd.client.controller import KEEP, Controller
 from forkd.client.errors import ControllerError
-from forkd.client.explore import ExploreResult, Step
+from forkd.client.explore import DiffResult, ExploreResult, Step
 from forkd.client.files import Files
 from forkd.client.pty import Pty
 from forkd.client.results import EvalResult
@@ -207,6 +207,47 @@ class Sandbox(SandboxView):
         )
         return Snapshot(info["tag"], controller=self._controller, info=info)
 
+    @overload
+    def diff(
+        self, path: str = ..., against: str | None = ..., format: Literal["json"] = ...
+    ) -> DiffResult: ...
+    @overload
+    def diff(self, path: str, against: str | None, format: Literal["patch"]) -> str: ...
+    @overload
+    def diff(self, path: str = ..., against: str | None = ..., *,
+             format: Literal["patch"]) -> str: ...  # fmt: skip
+    @overload
+    def diff(self, path: str, against: str | None, format: Literal["tar"]) -> bytes: ...
+    @overload
+    def diff(self, path: str = ..., against: str | None = ..., *,
+             format: Literal["tar"]) -> bytes: ...  # fmt: skip
+
+    def diff(
+        self, path: str = "/", against: str | None = None, format: str = "json"
+    ) -> DiffResult | str | bytes:
+        """What this sandbox changed under ``path``: against the snapshot it was forked
+        from, or ``against`` (a snapshot tag, or another sandbox's id, of the same image).
+
+        ``format="json"`` (default): a :class:`~forkd.client.explore.DiffResult`, its
+        ``changes`` (path, ``added``/``modified``/``removed``, kind, size, mode);
+        ``"patch"``: a unified diff of the changed text files; ``"tar"``: the added and
+        modified files as a tar archive. Only what changed is walked, so a large tree
+        costs what changed in it.
+
+        Example::
+
+            print(sb.diff("/work").of("modified"))          # ['/work/app.py']
+            print(sb.diff("/work", format="patch"))
+            print(sb.diff("/work", against=other.id).changes)
+        """
+        if format == "patch":
+            return self._controller.diff_patch(self.id, path, against)
+        if format == "tar":
+            return self._controller.diff_tar(self.id, path, against)
+        if format != "json":
+            raise ValueError(f"format is json, patch or tar, not {format!r}")
+        return self._controller.diff_sandbox(self.id, path, against)
+
     def explore(
         self,
         variants: Sequence[Step],
@@ -237,8 +278,8 @@ class Sandbox(SandboxView):
                 score="pytest -q 2>&1 | grep -c PASSED",
                 keep=1,
             )
-            print(res.best.index, res.best.score)
             winner = Sandbox(sandbox_id=res.best.sandbox_id)  # it runs on; the rest are gone
+            print(res.best.score, winner.diff("/work", format="patch"))
         """
         return self._controller.explore_sandbox(
             self.id, variants, score, keep=keep, keep_as=keep_as, minimize=minimize,

@@ -656,6 +656,25 @@ class ExploreResult(BaseModel):
     results: list[ExploreVariant] = Field(description="best first; failed variants last")
 
 
+class DiffChange(BaseModel):
+    path: str
+    change: Literal["added", "modified", "removed"]
+    kind: Literal["file", "dir", "symlink", "other"]
+    size: int = Field(description="bytes (a symlink: its target's length; a directory: 0); "
+                      "removed: what it was")  # fmt: skip
+    mode: int = Field(description="permission bits, e.g. 420 (0o644)")
+
+
+class DiffResult(BaseModel):
+    sandbox_id: str
+    against: str = Field(description="the snapshot tag or sandbox id compared with")
+    against_kind: Literal["snapshot", "sandbox"]
+    path: str = Field(description="the directory (or file) compared")
+    changes: list[DiffChange] = Field(description="sorted by path")
+    truncated: bool = Field(description="more changes than the daemon lists: diff a smaller path")
+    duration_ms: float
+
+
 class DisplayOutput(BaseModel):
     mime: str = Field(description="image/png, image/jpeg: base64; text/plain, text/html, ...")
     data: str

@@ -19,6 +19,7 @@ from forkd.controller.models import (
     BranchRequest,
     CapacityInfo,
     CompactRequest,
+    DiffResult,
     EvalInterrupt,
     EvalRequest,
     EvalResult,
@@ -336,6 +337,41 @@ async def explore(
         return await unless_client_leaves(request, svc.explore.explore(sandbox_id, body))
     except ClientGone:
         return Response(status_code=499)  # nobody reads it; the audit log does
+
+
+DIFF_FORMATS = {
+    "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/DiffResult"}},
+        "text/x-diff": {"schema": {"type": "string"}},
+        TAR_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+    },
+    "description": "json: the changes; patch: a unified diff of the text files; tar: the "
+    "added and modified files",
+}
+
+
+AGAINST = (
+    "a snapshot tag or sandbox id of the same image; default the snapshot the sandbox was "
+    "forked from"
+)
+
+
+@sandboxes.get("/{sandbox_id}/diff", response_model=DiffResult, responses={200: DIFF_FORMATS})
+async def diff(
+    svc: Svc,
+    sandbox_id: str,
+    path: Annotated[str, Query(description="the directory (or file) to compare")] = "/",
+    against: Annotated[str | None, Query(description=AGAINST)] = None,
+    format: Annotated[Literal["json", "patch", "tar"], Query()] = "json",
+) -> DiffResult | Response:
+    """What the sandbox changed under ``path``: added, modified and removed paths
+    (docs/API.md, "Diff")."""
+    if format == "patch":
+        text = await svc.diffs.patch(sandbox_id, path, against)
+        return Response(text, media_type="text/x-diff; charset=utf-8")
+    if format == "tar":
+        return stream_download(await svc.diffs.tar(sandbox_id, path, against), TAR_MEDIA_TYPE)
+    return await svc.diffs.diff(sandbox_id, path, against)
 
 
 @sandboxes.post("/{sandbox_id}/preview-urls", status_code=201, response_model=PreviewInfo)

@@ -59,11 +59,12 @@ GUEST_FILES = (
     _agent("forkd_agent_command.py"),
     _agent("forkd_agent_legacy.py"),
     _agent("forkd_agent_log.py"),
-    # Background processes, chunked file transfers and their tar streams, Python
-    # eval, exec, and who a command runs as.
+    # Background processes, chunked file transfers and their tar streams, what a
+    # sandbox changed, Python eval, exec, and who a command runs as.
     _agent("forkd_procs.py"),
     _agent("forkd_files.py"),
     _agent("forkd_tar.py"),
+    _agent("forkd_fsdiff.py"),
     _agent("forkd_eval.py"),
     _agent("forkd_exec.py"),
     _agent("forkd_identity.py"),

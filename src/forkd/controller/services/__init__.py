@@ -1,5 +1,5 @@
 """The daemon's domain services: snapshots, images, branches, sandboxes, explore, pausing,
-processes, files, volumes, lifecycle.
+processes, files, diffs, volumes, lifecycle.
 
 Each takes and returns typed objects (:mod:`forkd.controller.models`) and
 raises only errors of :mod:`forkd.errors`; none knows about HTTP.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.services.branches import BranchService
+from forkd.controller.services.diffs import DiffService
 from forkd.controller.services.expiry import Expiry
 from forkd.controller.services.explore import ExploreService
 from forkd.controller.services.file_transfer import FileTransferService
@@ -45,6 +46,7 @@ class Services:
     processes: ProcessService
     ports: PortService
     files: FileTransferService
+    diffs: DiffService
     volumes: VolumeService
     expiry: Expiry
     lifecycle: Lifecycle
@@ -67,6 +69,7 @@ class Services:
         branches = BranchService(fleet, snapshots)
         pausing = PauseService(fleet, sandboxes)
         expiry = Expiry(fleet, pausing, branches)
+        files = FileTransferService(sandboxes)
         return cls(
             fleet=fleet,
             snapshots=snapshots,
@@ -78,7 +81,8 @@ class Services:
             pausing=pausing,
             processes=ProcessService(sandboxes),
             ports=PortService(fleet),
-            files=FileTransferService(sandboxes),
+            files=files,
+            diffs=DiffService(fleet, sandboxes, files),
             volumes=volumes,
             expiry=expiry,
             lifecycle=Lifecycle(fleet, expiry.expire),

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -203,7 +203,22 @@ class FileTransferService:
             raise
         return Download(None, self._tar_chunks(sandbox_id, transfer_id))
 
-    async def _tar_chunks(self, sandbox_id: str, transfer_id: str) -> AsyncIterator[bytes]:
+    async def download_paths(self, sandbox_id: str, paths: list[str]) -> Download:
+        """The files at ``paths`` as a tar stream (members named by their paths)."""
+        transfer_id = await self._guest(sandbox_id, lambda vm: vm.tar_open_paths(paths))
+        return Download(None, self._tar_chunks(sandbox_id, transfer_id))
+
+    def stream(self, sandbox_id: str, transfer_id: str) -> AsyncGenerator[bytes, None]:
+        """The bytes of an open download (a tar, a manifest), a chunk at a time; one
+        left before its end is aborted."""
+        return self._tar_chunks(sandbox_id, transfer_id)
+
+    async def head(self, sandbox_id: str, path: str, length: int) -> tuple[bytes, bool]:
+        """The first ``length`` bytes of the file at ``path``, and whether that is all."""
+        data, _, eof = await self._read(sandbox_id, path, 0, length)
+        return data, eof
+
+    async def _tar_chunks(self, sandbox_id: str, transfer_id: str) -> AsyncGenerator[bytes, None]:
         eof = False
         try:
             while not eof:

@@ -14,6 +14,7 @@ from typing import Any
 import forkd_agent_handlers
 import forkd_agent_proc_handlers
 import forkd_files
+import forkd_fsdiff
 from forkd_agent_log import log
 from forkd_agent_params import RequestError
 from forkd_files import EncodedJSON, WithRawBytes
@@ -24,6 +25,7 @@ OPS: dict[str, Handler] = {
     **forkd_agent_handlers.OPS,
     **forkd_agent_proc_handlers.OPS,
     **forkd_files.OPS,  # chunked uploads, ranged reads, tar streams
+    **forkd_fsdiff.OPS,  # what the sandbox changed: its overlay's upper layer
 }
 
 # Quick ops answered on the reader thread itself. For ``restore`` this also

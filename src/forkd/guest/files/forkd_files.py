@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 # The tar errors are answered by their names (docs/guest-agent.md): re-exported here.
 from forkd_tar import BadArchiveError as BadArchiveError
 from forkd_tar import UnsafeArchiveError as UnsafeArchiveError
-from forkd_tar import extract_tar, write_all, write_tar
+from forkd_tar import extract_tar, write_all, write_paths_tar, write_tar
 
 MAX_CHUNK_BYTES = 1024 * 1024  # of data in one write or read
 MAX_OPEN = 16  # transfers open at once
@@ -287,13 +287,11 @@ class TarExtract(_PipeTransfer):
         return {"path": self.dest, "size": self.size}
 
 
-class TarStream(_PipeTransfer):
-    """A tar stream of a directory's content, read in chunks."""
+class ReadStream(_PipeTransfer):
+    """Bytes a thread writes (``work``), read in chunks."""
 
-    def __init__(self, path: str) -> None:
-        if not stat.S_ISDIR(os.stat(path).st_mode):  # FileNotFoundError now, not in the thread
-            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
-        super().__init__(lambda pipe: write_tar(pipe, path), "wb")
+    def __init__(self, work: Callable[[BinaryIO], None]) -> None:
+        super().__init__(work, "wb")
 
     def read(self, length: int) -> tuple[bytes, bool]:
         if self.fd is None:
@@ -308,6 +306,24 @@ class TarStream(_PipeTransfer):
             pieces.append(piece)
             wanted -= len(piece)
         return b"".join(pieces), False
+
+
+class TarStream(ReadStream):
+    """A tar stream of a directory's content, read in chunks."""
+
+    def __init__(self, path: str) -> None:
+        if not stat.S_ISDIR(os.stat(path).st_mode):  # FileNotFoundError now, not in the thread
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", path)
+        super().__init__(lambda pipe: write_tar(pipe, path))
+
+
+class PathsTarStream(ReadStream):
+    """A tar stream of the files at ``paths`` (members named by their paths, without
+    the leading slash; a directory as itself, not its content; one gone meanwhile is
+    left out)."""
+
+    def __init__(self, paths: list[str]) -> None:
+        super().__init__(lambda pipe: write_paths_tar(pipe, paths))
 
 
 # --------------------------------------------------------------------------- the table
@@ -476,8 +492,21 @@ def op_file_read_range(req: dict[str, Any]) -> EncodedJSON:
 
 
 def op_file_tar_open(req: dict[str, Any]) -> dict[str, Any]:
+    if req.get("paths") is not None:  # these files, not a directory's content
+        paths = _paths(req)
+        return {"transfer_id": TRANSFERS.add(lambda: PathsTarStream(paths))}
     path = _path(req)
     return {"transfer_id": TRANSFERS.add(lambda: TarStream(path))}
+
+
+MAX_TAR_PATHS = 1_000_000
+
+
+def _paths(req: dict[str, Any]) -> list[str]:
+    value = req.get("paths")
+    if not isinstance(value, list) or len(value) > MAX_TAR_PATHS:
+        raise ValueError(f"'paths' must be a list of at most {MAX_TAR_PATHS} paths")
+    return [_path({"path": p}, "path") for p in value]
 
 
 def op_file_tar_read(req: dict[str, Any]) -> EncodedJSON:

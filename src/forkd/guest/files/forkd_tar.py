@@ -19,7 +19,7 @@ from forkd.archive import DATA, ArchiveTooLarge, BadArchive, Limits, UnsafeEntry
 BadArchiveError = BadArchive
 UnsafeArchiveError = UnsafeEntry
 __all__ = ["ArchiveTooLarge", "BadArchiveError", "UnsafeArchiveError", "extract_tar", "write_all",
-           "write_tar"]  # fmt: skip
+           "write_paths_tar", "write_tar"]  # fmt: skip
 
 
 def write_all(fd: int, data: bytes | bytearray) -> None:
@@ -34,6 +34,18 @@ def write_tar(pipe: BinaryIO, path: str) -> None:
     are stored as links, never followed."""
     with tarfile.open(fileobj=pipe, mode="w|", format=tarfile.PAX_FORMAT) as tar:
         tar.add(path, arcname=".", recursive=True)
+
+
+def write_paths_tar(pipe: BinaryIO, paths: list[str]) -> None:
+    """The files at ``paths`` as a tar stream, each named by its path without the
+    leading slash; a directory as its own entry only; links stored, never followed;
+    a path gone meanwhile left out."""
+    with tarfile.open(fileobj=pipe, mode="w|", format=tarfile.PAX_FORMAT) as tar:
+        for path in paths:
+            try:
+                tar.add(path, arcname=path.lstrip("/") or ".", recursive=False)
+            except FileNotFoundError:
+                continue
 
 
 # --------------------------------------------------------------------------- safe extraction

@@ -148,6 +148,17 @@ class GuestOps:
     async def tar_open(self, path: str) -> str:
         return str((await self.agent.call("file_tar_open", {"path": path}))["transfer_id"])
 
+    async def tar_open_paths(self, paths: list[str]) -> str:
+        """A tar stream of the files at ``paths`` (members named by their paths)."""
+        result = await self.agent.call("file_tar_open", {"paths": paths})
+        return str(result["transfer_id"])
+
+    async def fs_manifest_open(self, path: str, max_entries: int) -> dict[str, Any]:
+        """``{"transfer_id", "lower"}``: the manifest of what the sandbox changed under
+        ``path`` (its overlay's upper layer), read with :meth:`tar_read`."""
+        params = {"path": path, "max_entries": max_entries}
+        return await self.agent.call("fs_manifest_open", params, wait=OPEN_WAIT_SECS)
+
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
         params = {"transfer_id": transfer_id, "length": length, "raw": True}
         result = await self.agent.call("file_tar_read", params, wait=COMMIT_WAIT_SECS)

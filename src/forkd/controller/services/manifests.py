@@ -1,0 +1,213 @@
+"""Manifests of what sandboxes changed, read from a guest, and their comparison.
+
+A manifest (the agent's ``fs_manifest_open``, forkd_fsdiff.py) lists what a
+sandbox's overlay upper layer holds under a path: each entry's type, size,
+mode, mtime and link target, and the same of what the image holds there. Two
+sandboxes of one image see, at a path, either their own upper entry or the
+image's: :func:`compare` works out both views and says what changed between them.
+
+Files are compared by type, size, mode, mtime (ns) and link target, as rsync's
+quick check does: a write changes the mtime, a fork keeps it. A directory is
+modified only when its mode is. A directory that comes or goes is one change,
+its content is not listed.
+
+A manifest is the guest's answer, so it is hostile input: :class:`ManifestReader`
+takes it line by line with bounds on the lines, the entries and the bytes, and an
+entry that is not exactly the expected shape ends the read with an error.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from forkd.errors import GuestError
+
+KINDS = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
+ABSENT = "-"
+MAX_LINE_BYTES = 16 << 10  # a path of 4 KiB and a link target of 4 KiB, JSON-escaped
+Change = Literal["added", "modified", "removed"]
+
+
+@dataclass(frozen=True)
+class Stat:
+    kind: str  # f, d, l, o, or "-" (absent)
+    size: int
+    mode: int
+    mtime_ns: int
+    target: str | None
+
+    @property
+    def present(self) -> bool:
+        return self.kind != ABSENT
+
+    def same_as(self, other: Stat) -> bool:
+        if self.kind != other.kind:
+            return False
+        if self.kind == "d":
+            return self.mode == other.mode
+        return (self.size, self.mode, self.mtime_ns, self.target) == (
+            other.size, other.mode, other.mtime_ns, other.target,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Entry:
+    upper: Stat  # what the sandbox holds at the path (absent: removed or hidden)
+    lower: Stat | None  # what the image holds there
+
+
+@dataclass
+class Manifest:
+    path: str
+    entries: dict[str, Entry]
+    truncated: bool = False
+    lower_root: str | None = None  # where the guest reaches the image's files
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path, "truncated": self.truncated,
+            "entries": [[p, *_stat_json(e.upper), _stat_json(e.lower) if e.lower else None]
+                        for p, e in self.entries.items()],
+        }  # fmt: skip
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Manifest:
+        reader = ManifestReader(str(data["path"]), max_entries=len(data["entries"]))
+        for raw in data["entries"]:
+            reader.add(raw)
+        return reader.manifest(truncated=bool(data.get("truncated")))
+
+
+@dataclass(frozen=True)
+class Difference:
+    path: str
+    change: Change
+    kind: str  # file, dir, symlink, other
+    size: int
+    mode: int
+
+
+class ManifestReader:
+    """Takes a manifest's lines as they arrive, within bounds."""
+
+    def __init__(self, path: str, max_entries: int) -> None:
+        self.path = path
+        self.max_entries = max_entries
+        self.entries: dict[str, Entry] = {}
+        self.ended: dict[str, Any] | None = None
+        self._partial = b""
+
+    def feed(self, data: bytes) -> None:
+        """The next bytes of the stream; :class:`GuestError` when they are not a manifest."""
+        lines = (self._partial + data).split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > MAX_LINE_BYTES:
+            raise GuestError(f"the guest's manifest has a line over {MAX_LINE_BYTES} bytes")
+        for line in lines:
+            if line.strip():
+                self._line(line)
+
+    def _line(self, line: bytes) -> None:
+        if self.ended is not None:
+            raise GuestError("the guest's manifest goes on after its end")
+        if len(line) > MAX_LINE_BYTES:
+            raise GuestError(f"the guest's manifest has a line over {MAX_LINE_BYTES} bytes")
+        try:
+            raw = json.loads(line)
+        except ValueError:
+            raise GuestError("the guest's manifest has a line that is not JSON") from None
+        if isinstance(raw, dict):
+            if raw.get("end") is not True:
+                raise GuestError("the guest's manifest has an object that is not its end")
+            self.ended = raw
+            return
+        self.add(raw)
+
+    def add(self, raw: Any) -> None:
+        if len(self.entries) >= self.max_entries:
+            raise GuestError(f"the guest's manifest has over {self.max_entries} entries")
+        path, upper, lower = _entry(raw)
+        if not _under(path, self.path):
+            raise GuestError(f"the guest's manifest names {path[:200]!r}, not under {self.path!r}")
+        self.entries[path] = Entry(upper, lower)
+
+    def manifest(self, truncated: bool | None = None, lower_root: str | None = None) -> Manifest:
+        if truncated is None:
+            if self.ended is None or self._partial.strip():
+                raise GuestError("the guest's manifest ended before its end line")
+            truncated = bool(self.ended.get("truncated"))
+        return Manifest(self.path, self.entries, truncated, lower_root)
+
+
+def _entry(raw: Any) -> tuple[str, Stat, Stat | None]:
+    if not (isinstance(raw, list) and len(raw) == 7 and isinstance(raw[0], str)):
+        raise GuestError("the guest's manifest has an entry of the wrong shape")
+    path = raw[0]
+    if not path.startswith("/") or "\0" in path or len(path) > 4096:
+        raise GuestError("the guest's manifest has a path that is not absolute")
+    if posixpath.normpath(path) != path and path != "/":
+        raise GuestError(f"the guest's manifest names {path[:200]!r}, not under a normal path")
+    lower = None if raw[6] is None else _stat(raw[6])
+    return path, _stat(raw[1:6]), lower
+
+
+def _stat(raw: Any) -> Stat:
+    ok = (
+        isinstance(raw, list) and len(raw) == 5
+        and raw[0] in (*KINDS, ABSENT)
+        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in raw[1:4])
+        and (raw[4] is None or (isinstance(raw[4], str) and len(raw[4]) <= 4096))
+    )  # fmt: skip
+    if not ok:
+        raise GuestError("the guest's manifest has an entry of the wrong shape")
+    return Stat(raw[0], raw[1], raw[2], raw[3], raw[4])
+
+
+def _stat_json(stat: Stat) -> list[Any]:
+    return [stat.kind, stat.size, stat.mode, stat.mtime_ns, stat.target]
+
+
+def _under(path: str, top: str) -> bool:
+    return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
+
+
+def _gone_above(manifest: Manifest, path: str) -> bool:
+    """Whether an ancestor of ``path`` is, in ``manifest``, absent or no directory."""
+    parts = path.split("/")[1:-1]
+    for depth in range(1, len(parts) + 1):
+        above = manifest.entries.get("/" + "/".join(parts[:depth]))
+        if above is not None and above.upper.kind != "d":
+            return True
+    return False
+
+
+def view(manifest: Manifest, path: str, image: Stat | None) -> Stat | None:
+    """What a sandbox whose manifest is ``manifest`` sees at ``path``: its own entry, or
+    the image's (``image``, known from the other manifest) unless an ancestor hides it."""
+    entry = manifest.entries.get(path)
+    if entry is not None:
+        return entry.upper if entry.upper.present else None
+    if _gone_above(manifest, path):
+        return None
+    return image if image is not None and image.present else None
+
+
+def compare(base: Manifest, target: Manifest) -> Iterator[Difference]:
+    """What changed from ``base`` to ``target`` (of the same image), path by path."""
+    for path in sorted(base.entries.keys() | target.entries.keys()):
+        known = target.entries.get(path) or base.entries[path]
+        before = view(base, path, known.lower)
+        after = view(target, path, known.lower)
+        if before is None and after is None:
+            continue
+        if before is None:
+            assert after is not None
+            yield Difference(path, "added", KINDS[after.kind], after.size, after.mode)
+        elif after is None:
+            yield Difference(path, "removed", KINDS[before.kind], before.size, before.mode)
+        elif not before.same_as(after):
+            yield Difference(path, "modified", KINDS[after.kind], after.size, after.mode)

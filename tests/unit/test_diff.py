@@ -1,0 +1,236 @@
+"""GET /v1/sandboxes/{id}/diff on the fake driver (its guests' files are their upper
+layer, an empty image below): against the snapshot a sandbox was forked from, another
+snapshot, another sandbox; as JSON, a patch and a tar; a snapshot read once; bad
+requests refused. And the comparison itself, and the reader of a hostile manifest."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from forkd.client import Controller, ControllerError
+from forkd.controller.services.manifests import (
+    Entry,
+    Manifest,
+    ManifestReader,
+    Stat,
+    compare,
+)
+from forkd.errors import GuestError
+from tests.unit.conftest import Server
+
+
+@pytest.fixture
+def ctl(server: Server) -> Iterator[Controller]:
+    with Controller(server.url, token=server.token) as c:
+        c.create_snapshot("py", memory_mib=128)
+        yield c
+
+
+@pytest.fixture
+def child(ctl: Controller) -> str:
+    """A child of snapshot ``base``, whose guest held /work/{keep,edit,drop}.txt; it
+    edits one, removes one and adds one."""
+    src = ctl.spawn_sandboxes("py")[0]["id"]
+    for name in ("keep", "edit", "drop"):
+        ctl.write_file(src, f"/work/{name}.txt", f"{name}\nline 2\n")
+    ctl.write_file(src, "/etc/other", b"outside /work")
+    ctl.branch_sandbox(src, tag="base")
+    ctl.kill_sandbox(src)
+    sid = str(ctl.spawn_sandboxes("base")[0]["id"])
+    ctl.write_file(sid, "/work/edit.txt", "edit\nline two\n")
+    ctl.remove_file(sid, "/work/drop.txt")
+    ctl.write_file(sid, "/work/new.txt", "brand new\n")
+    return sid
+
+
+def test_a_diff_lists_what_the_child_changed_since_its_snapshot(
+    ctl: Controller, child: str
+) -> None:
+    res = ctl.diff_sandbox(child, "/work")
+    assert res.against == "base" and res.against_kind == "snapshot" and not res.truncated
+    assert [(c.path, c.change) for c in res.changes] == [
+        ("/work/drop.txt", "removed"), ("/work/edit.txt", "modified"),
+        ("/work/new.txt", "added"),
+    ]  # fmt: skip
+    new = res.changes[2]
+    assert (new.kind, new.size, new.mode) == ("file", 10, 0o644)
+    assert ctl.diff_sandbox(child, "/etc").changes == []  # only under the path asked
+    assert [c.path for c in ctl.diff_sandbox(child).changes] == res.of("removed") + res.of(
+        "modified"
+    ) + res.of("added")  # the whole tree: the same three
+
+
+def test_a_snapshot_is_read_once_by_a_child_killed_at_once(
+    ctl: Controller, server: Server, child: str
+) -> None:
+    before = len(server.driver.vms)
+    ctl.diff_sandbox(child, "/work")
+    forked = len(server.driver.vms) - before
+    assert forked == 1  # one child of "base", for its manifest
+    assert [s["id"] for s in ctl.list_sandboxes()] == [child]  # and it is gone
+    ctl.diff_sandbox(child, "/work")
+    assert len(server.driver.vms) - before == 1  # kept beside the snapshot: no fork
+
+
+def test_a_patch_shows_the_text_changes(ctl: Controller, child: str) -> None:
+    patch = ctl.diff_patch(child, "/work")
+    assert "--- a/work/edit.txt\n+++ b/work/edit.txt\n" in patch
+    assert "-line 2\n+line two\n" in patch
+    assert "--- /dev/null\n+++ b/work/new.txt\n" in patch and "+brand new\n" in patch
+    assert "--- a/work/drop.txt\n+++ /dev/null\n" in patch and "-drop\n" in patch
+    assert "keep.txt" not in patch
+
+
+def test_binary_and_large_files_are_named_not_shown(ctl: Controller, child: str) -> None:
+    ctl.write_file(child, "/work/blob.bin", b"\x00\x01\x02")
+    ctl.write_file(child, "/work/big.txt", b"x" * (600 << 10))
+    patch = ctl.diff_patch(child, "/work")
+    assert "Binary files /dev/null and b/work/blob.bin differ\n" in patch
+    assert "Files /dev/null and b/work/big.txt differ (over 524288 bytes" in patch
+
+
+def test_a_tar_holds_the_added_and_modified_files(ctl: Controller, child: str) -> None:
+    data = ctl.diff_tar(child, "/work")
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        got = {m.name: tar.extractfile(m).read() for m in tar}  # type: ignore[union-attr]
+    assert got == {"work/edit.txt": b"edit\nline two\n", "work/new.txt": b"brand new\n"}
+
+
+def test_against_another_sandbox_and_another_snapshot(ctl: Controller, child: str) -> None:
+    sibling = str(ctl.spawn_sandboxes("base")[0]["id"])
+    ctl.write_file(sibling, "/work/sibling.txt", "mine")
+    res = ctl.diff_sandbox(child, "/work", against=sibling)
+    assert res.against_kind == "sandbox"
+    assert [(c.path, c.change) for c in res.changes] == [
+        ("/work/drop.txt", "removed"), ("/work/edit.txt", "modified"),
+        ("/work/new.txt", "added"), ("/work/sibling.txt", "removed"),
+    ]  # fmt: skip
+    res = ctl.diff_sandbox(child, "/work", against="py")  # the template: no /work at all
+    assert {(c.path, c.change) for c in res.changes} == {
+        ("/work/keep.txt", "added"), ("/work/edit.txt", "added"), ("/work/new.txt", "added"),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("params", "status"),
+    [
+        ({"path": "work"}, 400),
+        ({"format": "zip"}, 400),
+        ({"against": "no-such"}, 404),
+    ],
+    ids=["relative-path", "bad-format", "unknown-against"],
+)
+def test_bad_requests_are_refused(
+    server: Server, child: str, params: dict[str, Any], status: int
+) -> None:
+    resp = httpx.get(f"{server.url}/v1/sandboxes/{child}/diff", params=params,
+                     headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    assert resp.status_code == status, resp.text
+
+
+def test_a_paused_or_unknown_sandbox_is_refused(ctl: Controller, child: str) -> None:
+    ctl.pause_sandbox(child)
+    with pytest.raises(ControllerError) as exc:
+        ctl.diff_sandbox(child, "/work")
+    assert exc.value.status == 409
+    with pytest.raises(ControllerError) as exc:
+        ctl.diff_sandbox("sb-none", "/work")
+    assert exc.value.status == 404
+
+
+# ------------------------------------------------------------ the comparison
+
+
+def _stat(kind: str, size: int = 1, mtime: int = 1, mode: int = 0o644) -> Stat:
+    return Stat(kind, size, mode, mtime, None)
+
+
+def _manifest(path: str, **entries: tuple[Stat, Stat | None]) -> Manifest:
+    return Manifest(path, {p.replace("_", "/"): Entry(u, lo) for p, (u, lo) in entries.items()})
+
+
+def test_compare_takes_the_image_where_a_side_has_no_entry() -> None:
+    image_file = _stat("f", 5, 100)
+    base = _manifest("/", _a=(_stat("f", 5, 200), image_file))  # base rewrote /a
+    target = _manifest(
+        "/",
+        _b=(_stat("-"), image_file),  # the target removed the image's /b
+        _c=(_stat("f", 5, 100), image_file),  # copied up, unchanged: the same as the image's
+        _d=(_stat("d"), None),  # a new directory
+    )
+    got = [(d.path, d.change, d.kind) for d in compare(base, target)]
+    assert got == [("/a", "modified", "file"), ("/b", "removed", "file"), ("/d", "added", "dir")]
+
+
+def test_compare_hides_what_is_under_a_removed_directory() -> None:
+    base = _manifest("/", _w_x=(_stat("f"), None))
+    target = _manifest("/", _w=(_stat("-"), _stat("d")))
+    got = [(d.path, d.change) for d in compare(base, target)]
+    assert got == [("/w", "removed"), ("/w/x", "removed")]
+
+
+def test_directories_differ_by_mode_only() -> None:
+    base = _manifest("/", _d=(_stat("d", 0, 1), None))
+    target = _manifest("/", _d=(_stat("d", 0, 99), None))
+    assert list(compare(base, target)) == []
+    target = _manifest("/", _d=(_stat("d", 0, 99, mode=0o700), None))
+    assert [d.change for d in compare(base, target)] == ["modified"]
+
+
+# ------------------------------------------------------------ a hostile manifest
+
+
+def _lines(*items: Any) -> bytes:
+    return b"".join(json.dumps(i).encode() + b"\n" for i in items)
+
+
+END = {"end": True, "truncated": False, "entries": 1}
+GOOD = ["/w/a", "f", 3, 420, 7, None, None]
+
+
+def test_the_reader_takes_a_manifest_in_any_pieces() -> None:
+    reader = ManifestReader("/w", 10)
+    data = _lines(GOOD, END)
+    for i in range(0, len(data), 3):
+        reader.feed(data[i : i + 3])
+    manifest = reader.manifest()
+    assert list(manifest.entries) == ["/w/a"] and not manifest.truncated
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (_lines(["/w/a", "f", 3, 420]), "wrong shape"),
+        (_lines(["/w/a", "f", -3, 420, 7, None, None]), "wrong shape"),
+        (_lines(["/w/a", "f", True, 420, 7, None, None]), "wrong shape"),
+        (_lines(["/w/a", "x", 3, 420, 7, None, None]), "wrong shape"),
+        (_lines(["/etc/passwd", "f", 3, 420, 7, None, None]), "not under"),
+        (_lines(["/w/../../etc", "f", 3, 420, 7, None, None]), "not under"),
+        (_lines(["w/a", "f", 3, 420, 7, None, None]), "not absolute"),
+        (_lines(*([f"/w/{i}", *GOOD[1:]] for i in range(3))), "over 2 entries"),
+        (b"[" * 20000, "over 16384 bytes"),
+        (b"not json\n", "not JSON"),
+        (_lines({"hello": 1}), "not its end"),
+        (_lines(END, GOOD), "after its end"),
+    ],
+    ids=lambda v: v.replace(" ", "-") if isinstance(v, str) else None,
+)
+def test_the_reader_refuses_what_is_not_a_manifest(data: bytes, says: str) -> None:
+    reader = ManifestReader("/w", 2)
+    with pytest.raises(GuestError, match=says):
+        reader.feed(data)
+        reader.manifest()
+
+
+def test_a_manifest_cut_before_its_end_is_refused() -> None:
+    reader = ManifestReader("/w", 10)
+    reader.feed(_lines(GOOD))
+    with pytest.raises(GuestError, match="ended before its end"):
+        reader.manifest()
