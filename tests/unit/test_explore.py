@@ -4,6 +4,7 @@ behind when the request is bad, a variant fails, the fork fails or the client le
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -229,3 +230,87 @@ def test_ranking_puts_unscored_last_and_ties_in_variant_order() -> None:
     assert [o.index for o in ranked(outs, minimize=False)] == [2, 1, 3, 0]
     assert [o.index for o in ranked(outs, minimize=True)] == [1, 3, 2, 0]
     assert [o.index for o in chosen(ranked(outs, False), 9, scored=True)] == [2, 1, 3]
+
+
+# ------------------------------------------------------------ found in review
+
+
+def test_a_score_line_made_to_be_slow_to_parse_is_no_number() -> None:
+    with pytest.raises(StepFailed, match="no number"):
+        parse_score("a(" + " " * 100_000 + "x", "score")  # once cubic: minutes
+    with pytest.raises(StepFailed, match="no number"):
+        parse_score("a(" + " " * 120 + "x", "score")
+    with pytest.raises(StepFailed, match="200 characters"):
+        parse_score("1" * 200, "score")
+    assert parse_score("x" * 1_000_000 + "\nf(  2.5 )", "score") == 2.5  # the end only
+
+
+def test_a_branch_that_fails_after_registering_leaves_no_snapshot(
+    ctl: Controller, server: Server, source: str
+) -> None:
+    before = _snapshots(ctl)
+    vm = next(v for v in server.driver.vms if v.id == source)
+    vm.fail = "resume"  # the snapshot is written and registered, then resuming fails
+    with pytest.raises(ControllerError) as exc:
+        ctl.explore_sandbox(source, ["true"], tag="half")
+    assert exc.value.status == 500
+    assert _snapshots(ctl) == before and _others(ctl, source) == []
+
+
+def test_exploring_from_a_variant_does_not_pass_its_marks_on(
+    ctl: Controller, source: str
+) -> None:
+    first = ctl.explore_sandbox(source, [{"eval": "v = 7"}], score={"eval": "v"}, keep=1)
+    kept = str(first.results[0].sandbox_id)
+    assert ctl.get_sandbox(kept)["metadata"]["forkd.score"] == "7"
+    second = ctl.explore_sandbox(kept, [["exit", "1"], ["true"]], keep=1, tag="deeper")
+    labels = ctl.snapshot("deeper")["metadata"]
+    assert "forkd.score" not in labels and "forkd.variant" not in labels
+    assert labels["forkd.parent"] == kept and labels["forkd.explore"] == "deeper"
+    child = ctl.get_sandbox(str(second.results[1].sandbox_id))
+    assert child["metadata"]["forkd.variant"] == "1" and "forkd.score" not in child["metadata"]
+
+
+def test_checks_that_need_no_vm_come_before_the_branch(
+    ctl: Controller, server: Server, source: str
+) -> None:
+    before = _snapshots(ctl)
+    vm = next(v for v in server.driver.vms if v.id == source)
+    crowded = {f"k{i}": "v" for i in range(61)}  # with the explore's 4 marks: over 64
+    crowded_source = str(ctl.spawn_sandboxes("py", metadata=crowded)[0]["id"])
+    ctl.branch_sandbox(source, tag="taken-v1")
+    for sid, kwargs, status in (
+        (crowded_source, {}, 400),  # the labels would pass the cap
+        (source, {"metadata": {"forkd.score": "99"}}, 400),  # the explore's own keys
+        (source, {"tag": "taken-v1"}, 409),  # the tag exists
+        (source, {"tag": "taken", "keep_as": "snapshots"}, 409),  # a kept name exists
+    ):
+        with pytest.raises(ControllerError) as exc:
+            ctl.explore_sandbox(sid, ["true", "true"], **kwargs)
+        assert exc.value.status == status, (kwargs, exc.value)
+    assert "pause" not in vm.events[vm.events.index("pause") + 1 :]  # one pause: the branch
+    assert _snapshots(ctl) == sorted([*before, "taken-v1"])
+
+
+def test_a_client_that_leaves_while_the_losers_die_leaves_nothing(
+    ctl: Controller, server: Server, source: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.unit.fakes import FakeVM
+
+    before = _snapshots(ctl)
+    slow_kill = FakeVM.kill
+
+    async def kill(self: FakeVM) -> None:
+        await asyncio.sleep(1.0)
+        await slow_kill(self)
+
+    monkeypatch.setattr(FakeVM, "kill", kill)
+    body = json.dumps({"variants": [{"exec": ["true"]}] * 3, "keep": 1}).encode()
+    with pytest.raises(httpx.ReadTimeout):  # gone while the two losers are being killed
+        httpx.post(f"{server.url}/v1/sandboxes/{source}/explore", content=body,
+                   headers={"Authorization": f"Bearer {server.token}"},
+                   timeout=httpx.Timeout(5.0, read=0.5))  # fmt: skip
+    deadline = time.monotonic() + 15
+    while (_others(ctl, source) or _snapshots(ctl) != before) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _others(ctl, source) == [] and _snapshots(ctl) == before  # the kept one too

@@ -287,7 +287,9 @@ export class Client {
       keep: opts.keep, keep_as: opts.keep_as, minimize: opts.minimize, timeout_secs: opts.timeout_secs,
       seed: opts.seed, tag: opts.tag, metadata: opts.metadata,
     });
-    const timeoutMs = Math.max(this.timeoutMs, ((opts.timeout_secs ?? 300) + 120) * 1000);
+    // The variants' deadline, plus the branch, the fork and keeping (not under it): a client
+    // that stops waiting cancels the explore and loses what it found.
+    const timeoutMs = Math.max(this.timeoutMs, ((opts.timeout_secs ?? 300) + 600 + 30 * (opts.keep ?? 1)) * 1000);
     return this.json("POST", `${this.#sb(id)}/explore`, { body, timeoutMs });
   }
 

@@ -538,7 +538,10 @@ class Routes:
             "keep": keep, "keep_as": keep_as, "minimize": minimize or None,
             "timeout_secs": timeout_secs, "seed": seed, "tag": tag, "metadata": metadata,
         })  # fmt: skip
-        wait = (timeout_secs or limits.EXPLORE_TIMEOUT_SECS) + 120.0  # plus fork and keep
+        # The variants' deadline, plus the branch, the fork and keeping: up to
+        # one branch per kept child, not under the deadline. A client that stops
+        # waiting cancels the explore and loses what it found.
+        wait = (timeout_secs or limits.EXPLORE_TIMEOUT_SECS) + 600.0 + 30.0 * keep
         return self._json(
             "POST", f"{self._sb(sandbox_id)}/explore", json_body=body,
             timeout=max(self.timeout, wait),

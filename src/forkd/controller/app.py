@@ -22,6 +22,8 @@ from forkd.controller.store import Store
 
 log = logging.getLogger(__name__)
 
+EXPLORE_DRAIN_SECS = 30.0  # explores being taken back when the daemon stops
+
 
 def create_app(
     settings: Settings,
@@ -59,6 +61,7 @@ def create_app(
             yield
         finally:
             services.fleet.events.close()
+            await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
             await services.lifecycle.stop()
             services.expiry.audit = None
             app.state.audit.close()

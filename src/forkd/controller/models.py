@@ -341,8 +341,8 @@ class ExploreRequest(_Body):
         limits.EXPLORE_TIMEOUT_SECS,
         gt=0,
         le=limits.MAX_EXEC_TIMEOUT_SECS,
-        description="for every variant's step and score, from the fork on; a variant "
-        "still running then is an error",
+        description="from the request on: a variant's step or score still running then is "
+        "its error; the branch, the fork and the keeping are never cut short",
     )
     seed: int | None = Field(
         None, ge=0, le=limits.MAX_SEED, description="variant i's child gets seed+i"
@@ -352,10 +352,15 @@ class ExploreRequest(_Body):
         pattern=limits.NAME_PATTERN,
         description="the branch's tag, which names the explore; default explore-<sandbox id>-<n>",
     )
-    metadata: Metadata | None = Field(None, description="labels of every child, merged")
+    metadata: Metadata | None = Field(
+        None, description="labels of every child, merged; forkd.* keys are the explore's"
+    )
 
     @model_validator(mode="after")
     def _keep_fits(self) -> ExploreRequest:
+        reserved = sorted(k for k in self.metadata or {} if k.startswith("forkd."))
+        if reserved:
+            raise ValueError(f"metadata keys {', '.join(reserved)}: forkd.* labels are forkd's")
         if self.keep > len(self.variants):
             raise ValueError(f"keep {self.keep} is more than the {len(self.variants)} variants")
         if self.seed is not None and self.seed + len(self.variants) - 1 > limits.MAX_SEED:
@@ -639,9 +644,11 @@ class ExploreVariant(BaseModel):
     sandbox_id: str | None = Field(description="its child (killed unless kept)")
     score: float | None = Field(description="null when its step or score failed (see error)")
     exit_code: int | None = Field(description="its step's exit code (eval: 0, or 1 raised)")
-    stdout_tail: str = Field(description="the end of its step's stdout (eval: its result)")
+    stdout_tail: str = Field(description="the end of its step's stdout (2048 characters)")
     error: str | None = Field(description="why it has no score; null when it has one")
-    kept: bool = Field(description="its child runs on, or was branched (keep_as snapshots)")
+    kept: bool = Field(
+        description="its child runs on, or was branched into snapshot_tag (keep_as snapshots)"
+    )
     snapshot_tag: str | None = Field(None, description="keep_as snapshots: its snapshot")
     duration_ms: float = Field(description="its step and score, in the guest and back")
 

@@ -19,7 +19,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,11 @@ class BranchService:
         self.in_flight = 0
         self.background: set[asyncio.Task[None]] = set()  # branches with wait false
 
-    async def branch(self, sandbox_id: str, req: BranchRequest) -> SnapshotInfo:
+    async def branch(
+        self, sandbox_id: str, req: BranchRequest, drop_labels: Collection[str] = ()
+    ) -> SnapshotInfo:
+        """``drop_labels``: labels of the source the branch does not take (an explore's
+        marks of the search the source was itself a variant of)."""
         mode = requested_mode(req)
         if req.tag is not None:
             check_tag(req.tag)
@@ -71,7 +75,8 @@ class BranchService:
         tag = req.tag
         if tag is None:
             tag = check_tag(f"branch-{sandbox_id}-{fleet.store.next_branch_seq(sandbox_id)}")
-        labels = merged_labels(row.metadata, req.metadata)
+        inherited = {k: v for k, v in row.metadata.items() if k not in drop_labels}
+        labels = merged_labels(inherited, req.metadata)
         with contextlib.ExitStack() as held:
             held.enter_context(fleet.reserve_tag(tag))
             held.enter_context(self._counted(base))

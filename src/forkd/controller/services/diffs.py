@@ -169,7 +169,7 @@ class DiffService:
     async def _child_of(self, snap: SnapshotRow) -> AsyncIterator[str]:
         """A child of ``snap`` forked only to be read, killed after the block."""
         fork = SandboxCreate(snapshot_tag=snap.tag, n=1, metadata={PURPOSE: "diff"})
-        (child,) = await self.sandboxes.create(fork)
+        (child,) = await self.sandboxes.create(fork, pool=False)
         try:
             yield child.id
         finally:

@@ -10,13 +10,16 @@ The source keeps running; it is paused only for the branch. A variant whose step
 score fails, or is still running at the deadline, has no score and its error; it
 never fails the others. Whatever the explore made (children, the branch, kept
 snapshots) is taken back when it fails, or when it is cancelled (the client went
-away): a branch or a fork in progress runs to its end first, so a source is never
-left paused and no child is left behind half-made.
+away): a branch, a fork or the explore's end (keeping, killing) in progress runs
+to its end first, so a source is never left paused and nothing is left half-made.
+Every check that needs no VM (names, labels, the daemon's caps) is made before
+the source is paused.
 
 Labels: every child, and every snapshot kept, carries :data:`EXPLORE` (the
 branch's tag, which names the explore), :data:`PARENT` (the source), and
-:data:`VARIANT` (its index); scored ones :data:`SCORE`. Each finished variant is
-an ``explore_variant`` event on the source; the end is an ``explored`` event.
+:data:`VARIANT` (its index); scored ones :data:`SCORE`. A source that was itself
+a variant does not pass its variant and score on. Each finished variant is an
+``explore_variant`` event on the source; the end is an ``explored`` event.
 """
 
 from __future__ import annotations
@@ -27,9 +30,9 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from forkd import limits
 from forkd.controller.models import (
@@ -48,7 +51,8 @@ from forkd.controller.services.branches import BranchService
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshots import SnapshotService
-from forkd.errors import ForkdError
+from forkd.controller.store import merged_labels
+from forkd.errors import Busy, Conflict, ForkdError
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,13 @@ PARENT = "forkd.parent"
 VARIANT = "forkd.variant"
 SCORE = "forkd.score"
 
-_WRAPPED_NUMBER = re.compile(r"[A-Za-z_][\w.]*\(\s*([^()]*?)\s*\)")  # np.float64(2.5)
+STALE = frozenset({VARIANT, SCORE})  # marks of the search a source was a variant of
+# The score is the guest's text: only its end is read, and a line this long is no number.
+SCORE_TAIL_CHARS = 4096
+SCORE_LINE_CHARS = 128
+_WRAPPED_NUMBER = re.compile(r"[A-Za-z_][\w.]*\(([^()]*)\)")  # np.float64(2.5); linear
+KEEP_BUSY_TRIES = 40  # a kept child's branch meets the branch cap: retried this often
+KEEP_BUSY_WAIT_SECS = 0.25
 
 
 class StepFailed(Exception):
@@ -91,27 +101,36 @@ class _Outcome:
 
 @dataclass
 class _Made:
-    """What an explore made and has not handed over: taken back on failure."""
+    """What an explore made and has not handed over (the kept children and snapshots
+    too, until its answer is built): taken back on failure or cancellation."""
 
     branch: str | None = None
     children: list[str] = field(default_factory=list)
     snapshots: list[str] = field(default_factory=list)
 
+    def hand_over(self) -> None:
+        self.branch = None
+        self.children = []
+        self.snapshots = []
+
 
 def parse_score(text: str | None, what: str) -> float:
     """The number ``text`` is: the last non-empty line of an exec's stdout, or an eval's
-    result (a repr: ``3``, ``0.5``, ``np.float64(0.5)``). :class:`StepFailed` else."""
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    if not lines:
+    result (a repr: ``3``, ``0.5``, ``np.float64(0.5)``). :class:`StepFailed` else.
+    The text is the guest's: only its end is looked at, and a long line is no number."""
+    tail = (text or "")[-SCORE_TAIL_CHARS:]
+    last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), None)
+    if last is None:
         raise StepFailed(f"{what} gave no number (it printed nothing)")
-    last = lines[-1]
+    if len(last) > SCORE_LINE_CHARS:
+        raise StepFailed(f"{what} gave no number: its last line is {len(last)} characters")
     wrapped = _WRAPPED_NUMBER.fullmatch(last)
     try:
-        value = float(wrapped.group(1) if wrapped else last)
+        value = float(wrapped.group(1).strip() if wrapped else last)
     except ValueError:
-        raise StepFailed(f"{what} gave no number: its last line is {last[:80]!r}") from None
+        raise StepFailed(f"{what} gave no number: its last line is {last!r}") from None
     if not math.isfinite(value):
-        raise StepFailed(f"{what} gave {last[:80]!r}: a score is a finite number")
+        raise StepFailed(f"{what} gave {last!r}: a score is a finite number")
     return value
 
 
@@ -130,16 +149,22 @@ def chosen(order: list[_Outcome], keep: int, scored: bool) -> list[_Outcome]:
     return good[:keep]
 
 
-async def run_to_end(work: Awaitable[T], undo: Callable[[T], Awaitable[None]]) -> T:
+async def settled(task: asyncio.Future[Any]) -> None:
+    """Wait until ``task`` is done, whatever cancels this wait meanwhile."""
+    while not task.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(task)
+
+
+async def to_end(work: Awaitable[T]) -> T:
     """``work``'s result. Cancelled meanwhile, ``work`` still runs to its end (a branch
-    resumes its source; a fork settles every child) and ``undo`` takes back what it
-    made; then the cancellation goes on."""
+    resumes its source; a fork settles every child; the end of an explore kills its
+    losers), and then the cancellation goes on."""
     task = asyncio.ensure_future(work)
     try:
         return await asyncio.shield(task)
     except asyncio.CancelledError:
-        with contextlib.suppress(Exception):  # it failed: it took itself back
-            await undo(await task)
+        await settled(task)
         raise
 
 
@@ -155,40 +180,59 @@ class ExploreService:
         self.branches = branches
         self.sandboxes = sandboxes
         self.snapshots = snapshots
+        self.taking_back: set[asyncio.Task[None]] = set()  # awaited when the daemon stops
 
     async def explore(self, source_id: str, req: ExploreRequest) -> ExploreResult:
         started = time.monotonic()
-        deadline = started + req.timeout_secs
-        self.fleet.sandbox_row(source_id)  # NotFound before anything is made
-        seq = None if req.tag else self.fleet.store.next_branch_seq(source_id)
-        tag = limits.check_tag(req.tag or f"explore-{source_id}-{seq}")
-        if req.keep_as == "snapshots":
-            limits.check_tag(_kept_tag(tag, len(req.variants) - 1))  # before anything is made
+        tag = self._admitted(source_id, req)
         made = _Made()
         try:
-            return await self._explore(source_id, req, tag, started, deadline, made)
+            result = await self._explore(source_id, req, tag, started, made)
         except BaseException:
-            await asyncio.shield(self._take_back(made))  # a second cancel does not stop it
+            undo = asyncio.ensure_future(self._take_back(made))
+            self.taking_back.add(undo)
+            undo.add_done_callback(self.taking_back.discard)
+            await settled(undo)  # a second cancel does not stop it
             raise
+        made.hand_over()  # no await since the answer was built: it is the client's now
+        return result
+
+    async def drain(self, timeout: float) -> None:
+        """Let the explores being taken back finish (the daemon stops)."""
+        if self.taking_back:
+            await asyncio.wait(set(self.taking_back), timeout=timeout)
+
+    def _admitted(self, source_id: str, req: ExploreRequest) -> str:
+        """The explore's tag, once every check that needs no VM passed: nothing is made
+        for a request that would fail on its labels, its names or the daemon's caps."""
+        row = self.fleet.sandbox_row(source_id)  # NotFound
+        seq = None if req.tag else self.fleet.store.next_branch_seq(source_id)
+        tag = limits.check_tag(req.tag or f"explore-{source_id}-{seq}")
+        names = [tag]
+        if req.keep_as == "snapshots":
+            names += [limits.check_tag(_kept_tag(tag, i)) for i in range(len(req.variants))]
+        taken = [n for n in names if self.fleet.store.get_snapshot(n) is not None]
+        if taken:
+            raise Conflict(f"snapshot {taken[0]!r} exists: give the explore another tag")
+        inherited = {k: v for k, v in row.metadata.items() if k not in STALE}
+        marks = {EXPLORE: tag, PARENT: source_id, VARIANT: "0", SCORE: "0"}
+        merged_labels(inherited, {**(req.metadata or {}), **marks})  # Invalid past the cap
+        vm = self.fleet.vms.get(source_id)
+        if vm is not None:  # room for the children, asked now (held when they fork)
+            what = f"exploring {len(req.variants)} variants of {source_id}"
+            with self.fleet.admission.admit(what, len(req.variants), vm.machine.memory_mib):
+                pass
+        return tag
 
     async def _explore(
-        self,
-        source_id: str,
-        req: ExploreRequest,
-        tag: str,
-        started: float,
-        deadline: float,
-        made: _Made,
+        self, source_id: str, req: ExploreRequest, tag: str, started: float, made: _Made
     ) -> ExploreResult:
-        labels = {EXPLORE: tag, PARENT: source_id}
-        branch = BranchRequest(tag=tag, metadata=labels)
-        snap = await run_to_end(self.branches.branch(source_id, branch), self._drop_snapshot)
-        made.branch = tag
+        deadline = started + req.timeout_secs
+        snap = await to_end(self._branch(source_id, tag, made))
         forked = time.monotonic()
-        fork = SandboxCreate(snapshot_tag=tag, n=len(req.variants), seed=req.seed,
-                             metadata={**(req.metadata or {}), **labels})  # fmt: skip
-        children = await run_to_end(self.sandboxes.create(fork), self._kill_all)
-        made.children = [c.id for c in children]
+        labels = {**(req.metadata or {}), EXPLORE: tag, PARENT: source_id}
+        fork = SandboxCreate(snapshot_tag=tag, n=len(req.variants), seed=req.seed, metadata=labels)
+        children = await to_end(self._fork(fork, made))
         fork_ms = (time.monotonic() - forked) * 1000
         for i, child in enumerate(children):
             self.fleet.store.add_sandbox_labels(child.id, {VARIANT: str(i)})
@@ -197,23 +241,29 @@ class ExploreService:
             for i, (child, step) in enumerate(zip(children, req.variants, strict=True))
         ))  # fmt: skip
         order = ranked(list(outcomes), req.minimize)
-        kept = chosen(order, req.keep, req.score is not None)
-        await self._keep(kept, req, tag, made)
-        branch_kept = any(o.kept for o in kept) and req.keep_as == "sandboxes"
-        await self._take_back(made, keep_branch=branch_kept)
-        self.fleet.events.publish(
-            "explored", sandbox_id=source_id, explore=tag,
-            kept=[o.snapshot_tag or o.sandbox_id for o in kept if o.kept],
-            best=order[0].score if order else None,
-        )  # fmt: skip
+        branch_kept = await to_end(self._finish(order, req, source_id, tag, made))
         return ExploreResult(
-            branch=tag,
-            pause_ms=snap.pause_ms,
-            fork_ms=round(fork_ms, 1),
+            branch=tag, pause_ms=snap.pause_ms, fork_ms=round(fork_ms, 1),
             duration_ms=round((time.monotonic() - started) * 1000, 1),
-            branch_kept=branch_kept,
-            results=[o.result() for o in order],
-        )
+            branch_kept=branch_kept, results=[o.result() for o in order],
+        )  # fmt: skip
+
+    async def _branch(self, source_id: str, tag: str, made: _Made) -> SnapshotInfo:
+        """Branch ``source_id`` as ``tag`` (its own search marks not inherited). The
+        explore owns the snapshot once it is registered, also when the branch then
+        failed (resuming the source did, say): the tag was free before."""
+        req = BranchRequest(tag=tag, metadata={EXPLORE: tag, PARENT: source_id})
+        try:
+            return await self.branches.branch(source_id, req, drop_labels=STALE)
+        finally:
+            found = self.fleet.store.get_snapshot(tag)
+            if found is not None and found.branched_from == source_id:
+                made.branch = tag
+
+    async def _fork(self, fork: SandboxCreate, made: _Made) -> list[SandboxInfo]:
+        children = await self.sandboxes.create(fork, pool=False)
+        made.children = [c.id for c in children]
+        return children
 
     # ------------------------------------------------------------ one variant
 
@@ -235,9 +285,9 @@ class ExploreService:
             async with asyncio.timeout(left):
                 await self._step(out, step, deadline)
                 if req.score is not None:
-                    out.score = await self._score(out.sandbox_id, req.score, deadline)
-                    score = f"{out.score:.10g}"
-                    self.fleet.store.add_sandbox_labels(out.sandbox_id, {SCORE: score})
+                    score = await self._score(out.sandbox_id, req.score, deadline)
+                    self.fleet.store.add_sandbox_labels(out.sandbox_id, {SCORE: f"{score:.10g}"})
+                    out.score = score  # once labelled: a score and an error never both
         except TimeoutError:
             out.error = f"timed out: the explore's timeout_secs ({req.timeout_secs:g}) passed"
         except StepFailed as exc:
@@ -291,47 +341,78 @@ class ExploreService:
 
     # ------------------------------------------------------------ the end
 
-    async def _keep(self, kept: list[_Outcome], req: ExploreRequest, tag: str,
-                    made: _Made) -> None:  # fmt: skip
-        """Mark the kept; with keep_as snapshots, branch each (a failure is its error)."""
+    async def _finish(
+        self, order: list[_Outcome], req: ExploreRequest, source_id: str, tag: str, made: _Made
+    ) -> bool:
+        """Keep the best, kill the rest, drop the branch unless a kept child maps it;
+        whether it was kept. Run to its end even when cancelled (see :func:`to_end`)."""
+        alive = [o for o in order if o.sandbox_id in self.fleet.vms]  # none killed meanwhile
+        kept = chosen(alive, req.keep, req.score is not None)
+        running = await self._keep(kept, req, tag, made)
+        await self._kill_all([c for c in made.children if c not in running])
+        made.children = running
+        if not running:
+            await self._drop_snapshot(tag)
+            made.branch = None
+        self.fleet.events.publish(
+            "explored", sandbox_id=source_id, explore=tag,
+            kept=[o.snapshot_tag or o.sandbox_id for o in kept if o.kept],
+            best=order[0].score if order else None,
+        )  # fmt: skip
+        return bool(running)
+
+    async def _keep(
+        self, kept: list[_Outcome], req: ExploreRequest, tag: str, made: _Made
+    ) -> list[str]:
+        """Mark the kept; with keep_as snapshots, branch each. The children that run on:
+        the kept ones, or those whose branch failed (kept running, its error said)."""
+        running: list[str] = []
         for out in kept:
+            out.kept = True
             if req.keep_as == "sandboxes":
-                made.children.remove(out.sandbox_id)  # handed over: it runs on
-                out.kept = True
+                running.append(out.sandbox_id)
                 continue
             name = _kept_tag(tag, out.index)
-            labels = {} if out.score is None else {SCORE: f"{out.score:.10g}"}
             try:
-                await run_to_end(
-                    self.branches.branch(out.sandbox_id, BranchRequest(tag=name, metadata=labels)),
-                    self._drop_snapshot,
-                )
+                await self._branch_kept(out, name)
             except ForkdError as exc:
-                out.error = f"keeping it as snapshot {name!r} failed: {exc}"
+                found = self.fleet.store.get_snapshot(name)
+                if found is not None and found.branched_from == out.sandbox_id:
+                    await self._drop_snapshot(name)  # registered, then the branch failed
+                out.error = f"kept running: branching it into {name!r} failed: {exc}"
+                running.append(out.sandbox_id)
                 continue
             made.snapshots.append(name)
-            out.kept, out.snapshot_tag = True, name
-        made.snapshots.clear()  # handed over
+            out.snapshot_tag = name
+        return running
 
-    async def _take_back(self, made: _Made, keep_branch: bool = False) -> None:
-        """Kill ``made``'s children, delete its snapshots and (unless ``keep_branch``) its
-        branch; each failure is logged, none stops the rest."""
+    async def _branch_kept(self, out: _Outcome, name: str) -> None:
+        labels = {} if out.score is None else {SCORE: f"{out.score:.10g}"}
+        req = BranchRequest(tag=name, metadata=labels)
+        for attempt in range(KEEP_BUSY_TRIES):
+            try:
+                await self.branches.branch(out.sandbox_id, req)
+                return
+            except Busy:  # the branch cap: other branches finish in a moment
+                if attempt == KEEP_BUSY_TRIES - 1:
+                    raise
+                await asyncio.sleep(KEEP_BUSY_WAIT_SECS)
+
+    async def _take_back(self, made: _Made) -> None:
+        """Kill ``made``'s children, delete its snapshots and its branch; each failure is
+        logged, none stops the rest."""
         await self._kill_all(made.children)
-        made.children.clear()
-        for tag in [*made.snapshots, *([made.branch] if made.branch and not keep_branch else [])]:
+        for tag in [*made.snapshots, *([made.branch] if made.branch else [])]:
             await self._drop_snapshot(tag)
-        made.snapshots.clear()
-        made.branch = None
+        made.hand_over()
 
-    async def _kill_all(self, children: Sequence[str | SandboxInfo]) -> None:
-        ids = [c if isinstance(c, str) else c.id for c in children]
+    async def _kill_all(self, ids: Sequence[str]) -> None:
         results = await asyncio.gather(*(self.fleet.remove(i) for i in ids), return_exceptions=True)
         for sid, res in zip(ids, results, strict=True):
             if isinstance(res, BaseException):
                 log.error("explore: killing child %s failed: %s", sid, res)
 
-    async def _drop_snapshot(self, snap: str | SnapshotInfo) -> None:
-        tag = snap if isinstance(snap, str) else snap.tag
+    async def _drop_snapshot(self, tag: str) -> None:
         try:
             await self.snapshots.delete(tag)
         except Exception as exc:  # labelled forkd.explore: an operator finds it

@@ -126,8 +126,10 @@ class SandboxService:
 
     # ------------------------------------------------------------ fork
 
-    async def create(self, req: SandboxCreate) -> list[SandboxInfo]:
-        """Fork ``req.n`` sandboxes from a snapshot: all of them, or none."""
+    async def create(self, req: SandboxCreate, pool: bool = True) -> list[SandboxInfo]:
+        """Fork ``req.n`` sandboxes from a snapshot: all of them, or none. ``pool``
+        False: a one-off fork (an explore's, a diff's) that neither takes from the warm
+        pool nor teaches it the snapshot's demand."""
         tag = limits.check_tag(req.snapshot_tag)
         row = self.fleet.snapshot_row(tag)
         problem = self.snapshots.unbootable_reason(row)
@@ -147,14 +149,20 @@ class SandboxService:
             cgroups.check_memory_limit(req.memory_limit_mib, machine.memory_mib, machine.accel)
         what = f"forking {req.n} from {tag!r}"
         with self.fleet.admission.admit(what, req.n, machine.memory_mib) as held:
-            return await self._fork_all(req, tag, snap_dir, policy, held)
+            return await self._fork_all(req, tag, snap_dir, policy, held, pool)
 
     async def _fork_all(
-        self, req: SandboxCreate, tag: str, snap_dir: Path, policy: Egress | None, held: Admission
+        self,
+        req: SandboxCreate,
+        tag: str,
+        snap_dir: Path,
+        policy: Egress | None,
+        held: Admission,
+        pool: bool,
     ) -> list[SandboxInfo]:
         pooled: list[SandboxVM] = []
         # Pooled QEMUs were started with the snapshot's policy and the default limit.
-        if policy is None and req.memory_limit_mib is None:
+        if pool and policy is None and req.memory_limit_mib is None:
             self.fleet.pool.record_demand(snap_dir, req.n)
             while len(pooled) < req.n and (vm := self.fleet.pool.take(snap_dir)) is not None:
                 pooled.append(vm)
@@ -169,7 +177,7 @@ class SandboxService:
                   for sid, seed in zip(ids, seeds, strict=True)),
                 return_exceptions=True,
             )  # fmt: skip
-        if self.fleet.store.get_snapshot(tag) is not None:  # not deleted meanwhile
+        if pool and self.fleet.store.get_snapshot(tag) is not None:  # not deleted meanwhile
             self.fleet.pool.refill(snap_dir)
         failures = [r for r in results if isinstance(r, BaseException)]
         if failures:
