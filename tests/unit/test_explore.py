@@ -257,9 +257,7 @@ def test_a_branch_that_fails_after_registering_leaves_no_snapshot(
     assert _snapshots(ctl) == before and _others(ctl, source) == []
 
 
-def test_exploring_from_a_variant_does_not_pass_its_marks_on(
-    ctl: Controller, source: str
-) -> None:
+def test_exploring_from_a_variant_does_not_pass_its_marks_on(ctl: Controller, source: str) -> None:
     first = ctl.explore_sandbox(source, [{"eval": "v = 7"}], score={"eval": "v"}, keep=1)
     kept = str(first.results[0].sandbox_id)
     assert ctl.get_sandbox(kept)["metadata"]["forkd.score"] == "7"
