@@ -138,8 +138,8 @@ class FakeTransfers:
         self._known("fs_manifest_open")
         prefix = path.rstrip("/") + "/"
         names = sorted(n for n in self.files if n == path or n.startswith(prefix))
-        lines = [json.dumps([n, "f", len(self.files[n]), 0o644, zlib.crc32(self.files[n]),
-                             None, None]) for n in names[:max_entries]]  # fmt: skip
+        lines = [json.dumps([n, "f", len(self.files[n]), 0o644, zlib.crc32(self.files[n]), None])
+                 for n in names[:max_entries]]  # fmt: skip
         end = {"end": True, "truncated": len(names) > max_entries, "entries": len(lines)}
         lines.append(json.dumps(end))
         return {"transfer_id": self._reading("\n".join(lines).encode() + b"\n"), "lower": "/lower"}

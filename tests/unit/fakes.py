@@ -382,6 +382,10 @@ class FakeVM(VMLifecycle):
         self._agent("fs_manifest_open")
         return self.transfers.manifest_open(path, max_entries)
 
+    async def fs_lower_stat(self, paths: list[str]) -> list[Any]:
+        self._agent("fs_lower_stat")
+        return [None for _ in paths]  # the fake's image holds no file
+
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
         self._agent("file_tar_read")
         return self.transfers.tar_read(transfer_id, length)

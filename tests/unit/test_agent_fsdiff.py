@@ -16,7 +16,13 @@ from typing import Any
 
 import pytest
 
-from forkd.controller.services.manifests import Manifest, ManifestReader, compare
+from forkd.controller.services.manifests import (
+    Manifest,
+    ManifestReader,
+    compare,
+    one_sided,
+    stat_of,
+)
 
 FILES = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files"
 
@@ -71,8 +77,13 @@ def _manifest(upper: Path, lower: Path, path: str, limit: int = 1000) -> Manifes
 
 
 def _changes(manifest: Manifest) -> list[tuple[str, str, str]]:
-    image = Manifest(manifest.path, {})  # the image as it is: nothing in its upper layer
-    return [(d.path, d.change, d.kind) for d in compare(image, manifest)]
+    """Against the image as it is (nothing in its upper layer); what the image holds at
+    each path asked of the agent as the daemon asks it."""
+    image = Manifest(manifest.path, {})
+    paths = one_sided(image, manifest)
+    stats = fsdiff.op_fs_lower_stat({"paths": paths})["stats"]
+    below = {p: None if s is None else stat_of(s) for p, s in zip(paths, stats, strict=True)}
+    return [(d.path, d.change, d.kind) for d in compare(image, manifest, below)]
 
 
 def test_what_a_sandbox_did_to_its_image(overlay: tuple[Path, Path, Path]) -> None:
@@ -91,7 +102,7 @@ def test_what_a_sandbox_did_to_its_image(overlay: tuple[Path, Path, Path]) -> No
         ("/d/y", "removed", "file"), ("/gone", "removed", "file"), ("/n", "added", "file"),
         ("/s", "added", "symlink"), ("/tree", "removed", "dir"),
     ]  # fmt: skip
-    link = manifest.entries["/s"].upper
+    link = manifest.entries["/s"]
     assert (link.kind, link.target, link.size) == ("l", "a", 1)
 
 
@@ -125,9 +136,23 @@ def test_a_guest_without_forkd_overlay_refuses(tmp_path: Path) -> None:
         fsdiff.op_fs_manifest_open({"path": "/", "max_entries": 10})
 
 
-def test_bad_parameters_are_refused() -> None:
+def test_bad_parameters_are_refused(overlay: tuple[Path, Path, Path]) -> None:
+    _, upper, lower = overlay
+    fsdiff.LAYERS = ((str(upper), str(lower)),)
     bad: list[dict[str, Any]] = [{"path": "rel", "max_entries": 1}, {"path": "/", "max_entries": 0},
                                  {"path": "/"}]  # fmt: skip
     for req in bad:
         with pytest.raises(ValueError):
             fsdiff.op_fs_manifest_open(req)
+    for paths in ("/a", ["rel"], ["/a"] * 1001):
+        with pytest.raises(ValueError):
+            fsdiff.op_fs_lower_stat({"paths": paths})
+
+
+def test_the_image_s_files_are_told_apart_from_the_sandbox_s(
+    overlay: tuple[Path, Path, Path],
+) -> None:
+    _, upper, lower = overlay
+    fsdiff.LAYERS = ((str(upper), str(lower)),)
+    stats = fsdiff.op_fs_lower_stat({"paths": ["/a", "/d", "/none", "/a/../d/x"]})["stats"]
+    assert [s and s[0] for s in stats] == ["f", "d", None, "f"]

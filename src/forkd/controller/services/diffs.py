@@ -28,15 +28,24 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from forkd import limits
 from forkd.controller.models import DiffChange, DiffResult, SandboxCreate
 from forkd.controller.services.file_transfer import Download, FileTransferService
 from forkd.controller.services.fleet import Fleet
-from forkd.controller.services.manifests import Difference, Manifest, ManifestReader, compare
+from forkd.controller.services.manifests import (
+    Difference,
+    Manifest,
+    ManifestReader,
+    Stat,
+    compare,
+    one_sided,
+    stat_of,
+)
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.store import SandboxRow, SnapshotRow
 from forkd.errors import Conflict, ForkdError, GuestError, NotFound
@@ -44,6 +53,8 @@ from forkd.vmm.snapshot import files as snapshot_files
 
 PURPOSE = "forkd.purpose"  # the label of a child forked only to read its snapshot
 CACHE_DIR = "fs-manifests"
+CACHE_VERSION = 2
+LOWER_BATCH = 1000  # paths per fs_lower_stat request (the agent's cap)
 DIFF_TIMEOUT_SECS = 10.0  # GNU diff on one file pair; then it is "too costly to show"
 _REFUSALS: dict[str, type[ForkdError]] = {"ValueError": Conflict}  # no overlay; old agent
 
@@ -57,6 +68,10 @@ class _Pair:
     against: str
     kind: Literal["snapshot", "sandbox"]
     snapshot: SnapshotRow | None  # when against a snapshot
+    image: dict[str, Stat | None] = field(default_factory=dict)  # at the one-sided paths
+
+    def differences(self) -> list[Difference]:
+        return list(compare(self.base, self.target, self.image))
 
 
 class DiffService:
@@ -69,7 +84,7 @@ class DiffService:
     async def diff(self, sandbox_id: str, path: str, against: str | None) -> DiffResult:
         started = time.monotonic()
         pair = await self._pair(sandbox_id, path, against)
-        changes = [_change(d) for d in compare(pair.base, pair.target)]
+        changes = [_change(d) for d in pair.differences()]
         return DiffResult(
             sandbox_id=sandbox_id, against=pair.against, against_kind=pair.kind,
             path=pair.target.path, changes=changes,
@@ -80,14 +95,14 @@ class DiffService:
     async def tar(self, sandbox_id: str, path: str, against: str | None) -> Download:
         """The files added and modified, as a tar stream named by their paths."""
         pair = await self._pair(sandbox_id, path, against)
-        paths = [d.path for d in compare(pair.base, pair.target)
+        paths = [d.path for d in pair.differences()
                  if d.change != "removed" and d.kind != "other"]  # fmt: skip
         return await self.files.download_paths(sandbox_id, paths)
 
     async def patch(self, sandbox_id: str, path: str, against: str | None) -> str:
         """A unified diff of the text files changed (others named as differing)."""
         pair = await self._pair(sandbox_id, path, against)
-        changed = [d for d in compare(pair.base, pair.target) if d.kind == "file"]
+        changed = [d for d in pair.differences() if d.kind == "file"]
         out: list[str] = []
         size = 0
         async with self._old_files(pair, sandbox_id) as read_old:
@@ -107,7 +122,11 @@ class DiffService:
     # ------------------------------------------------------------ the two sides
 
     async def _pair(self, sandbox_id: str, path: str, against: str | None) -> _Pair:
-        path = _normal(path)
+        pair = await self._sides(sandbox_id, _normal(path), against)
+        pair.image = await self.image_stats(sandbox_id, one_sided(pair.base, pair.target))
+        return pair
+
+    async def _sides(self, sandbox_id: str, path: str, against: str | None) -> _Pair:
         row = self.fleet.sandbox_row(sandbox_id)
         self.fleet.live(sandbox_id)  # 409 unless it runs
         against = against or row.snapshot_tag
@@ -148,6 +167,18 @@ class DiffService:
                     )
                 reader.feed(chunk)
         return reader.manifest(lower_root=_normal(lower))
+
+    async def image_stats(self, sandbox_id: str, paths: list[str]) -> dict[str, Stat | None]:
+        """What the sandbox's image holds at ``paths``, asked of its agent in batches."""
+        found: dict[str, Stat | None] = {}
+        for at in range(0, len(paths), LOWER_BATCH):
+            batch = paths[at : at + LOWER_BATCH]
+            stats = await self.sandboxes.guest(sandbox_id, _lower_stat(batch), _REFUSALS)
+            if not isinstance(stats, list) or len(stats) != len(batch):
+                raise GuestError("the guest agent's answer about its image is malformed")
+            for p, raw in zip(batch, stats, strict=True):
+                found[p] = None if raw is None else stat_of(raw)
+        return found
 
     async def manifest_of_snapshot(self, snap: SnapshotRow, path: str) -> Manifest:
         """What the snapshot's guest held changed under ``path``: kept beside its files
@@ -207,6 +238,10 @@ class DiffService:
             yield read_old
 
 
+def _lower_stat(batch: list[str]) -> Callable[[SandboxVM], Awaitable[list[Any]]]:
+    return lambda vm: vm.fs_lower_stat(batch)
+
+
 def _normal(path: str) -> str:
     path = posixpath.normpath(limits.check_guest_path(path))
     return "/" if path.startswith("//") else path
@@ -234,6 +269,8 @@ def _load_cache(cache: Path, snap: SnapshotRow) -> Manifest | None:
     """The kept manifest, when it is of this very snapshot (a tag can be replaced)."""
     try:
         data = json.loads(cache.read_text())
+        if data.get("version") != CACHE_VERSION:
+            return None
         if data.get("snapshot_id") != snapshot_files.load(Path(snap.dir)).meta.id:
             return None
         return Manifest.from_json(data)
@@ -243,7 +280,8 @@ def _load_cache(cache: Path, snap: SnapshotRow) -> Manifest | None:
 
 def _save_cache(cache: Path, snap: SnapshotRow, manifest: Manifest) -> None:
     cache.parent.mkdir(exist_ok=True)
-    data = {"snapshot_id": snapshot_files.load(Path(snap.dir)).meta.id, **manifest.to_json()}
+    snapshot_id = snapshot_files.load(Path(snap.dir)).meta.id
+    data = {"version": CACHE_VERSION, "snapshot_id": snapshot_id, **manifest.to_json()}
     staged = cache.with_name(f".{cache.name}.{secrets.token_hex(4)}.partial")
     try:
         staged.write_text(json.dumps(data, separators=(",", ":")))

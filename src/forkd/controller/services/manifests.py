@@ -2,9 +2,10 @@
 
 A manifest (the agent's ``fs_manifest_open``, forkd_fsdiff.py) lists what a
 sandbox's overlay upper layer holds under a path: each entry's type, size,
-mode, mtime and link target, and the same of what the image holds there. Two
-sandboxes of one image see, at a path, either their own upper entry or the
-image's: :func:`compare` works out both views and says what changed between them.
+mode, mtime and link target. Two sandboxes of one image see, at a path, either
+their own upper entry or the image's: :func:`compare` works out both views and
+says what changed between them, given what the image holds at the paths only
+one side lists (:func:`one_sided`; the agent's ``fs_lower_stat``).
 
 Files are compared by type, size, mode, mtime (ns) and link target, as rsync's
 quick check does: a write changes the mtime, a fork keeps it. A directory is
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import json
 import posixpath
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -54,25 +55,16 @@ class Stat:
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class Entry:
-    upper: Stat  # what the sandbox holds at the path (absent: removed or hidden)
-    lower: Stat | None  # what the image holds there
-
-
 @dataclass
 class Manifest:
     path: str
-    entries: dict[str, Entry]
+    entries: dict[str, Stat]
     truncated: bool = False
     lower_root: str | None = None  # where the guest reaches the image's files
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path, "truncated": self.truncated,
-            "entries": [[p, *_stat_json(e.upper), _stat_json(e.lower) if e.lower else None]
-                        for p, e in self.entries.items()],
-        }  # fmt: skip
+        return {"path": self.path, "truncated": self.truncated,
+                "entries": [[p, *stat_json(e)] for p, e in self.entries.items()]}  # fmt: skip
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
@@ -97,7 +89,7 @@ class ManifestReader:
     def __init__(self, path: str, max_entries: int) -> None:
         self.path = path
         self.max_entries = max_entries
-        self.entries: dict[str, Entry] = {}
+        self.entries: dict[str, Stat] = {}
         self.ended: dict[str, Any] | None = None
         self._partial = b""
 
@@ -130,10 +122,10 @@ class ManifestReader:
     def add(self, raw: Any) -> None:
         if len(self.entries) >= self.max_entries:
             raise GuestError(f"the guest's manifest has over {self.max_entries} entries")
-        path, upper, lower = _entry(raw)
+        path, upper = _entry(raw)
         if not _under(path, self.path):
             raise GuestError(f"the guest's manifest names {path[:200]!r}, not under {self.path!r}")
-        self.entries[path] = Entry(upper, lower)
+        self.entries[path] = upper
 
     def manifest(self, truncated: bool | None = None, lower_root: str | None = None) -> Manifest:
         if truncated is None:
@@ -143,19 +135,20 @@ class ManifestReader:
         return Manifest(self.path, self.entries, truncated, lower_root)
 
 
-def _entry(raw: Any) -> tuple[str, Stat, Stat | None]:
-    if not (isinstance(raw, list) and len(raw) == 7 and isinstance(raw[0], str)):
+def _entry(raw: Any) -> tuple[str, Stat]:
+    if not (isinstance(raw, list) and len(raw) == 6 and isinstance(raw[0], str)):
         raise GuestError("the guest's manifest has an entry of the wrong shape")
     path = raw[0]
     if not path.startswith("/") or "\0" in path or len(path) > 4096:
         raise GuestError("the guest's manifest has a path that is not absolute")
     if posixpath.normpath(path) != path and path != "/":
         raise GuestError(f"the guest's manifest names {path[:200]!r}, not under a normal path")
-    lower = None if raw[6] is None else _stat(raw[6])
-    return path, _stat(raw[1:6]), lower
+    return path, stat_of(raw[1:6])
 
 
-def _stat(raw: Any) -> Stat:
+def stat_of(raw: Any) -> Stat:
+    """Five fields of the guest's (kind, size, mode, mtime_ns, link target) as a Stat;
+    :class:`GuestError` unless they are exactly that."""
     ok = (
         isinstance(raw, list) and len(raw) == 5
         and raw[0] in (*KINDS, ABSENT)
@@ -167,7 +160,7 @@ def _stat(raw: Any) -> Stat:
     return Stat(raw[0], raw[1], raw[2], raw[3], raw[4])
 
 
-def _stat_json(stat: Stat) -> list[Any]:
+def stat_json(stat: Stat) -> list[Any]:
     return [stat.kind, stat.size, stat.mode, stat.mtime_ns, stat.target]
 
 
@@ -180,28 +173,36 @@ def _gone_above(manifest: Manifest, path: str) -> bool:
     parts = path.split("/")[1:-1]
     for depth in range(1, len(parts) + 1):
         above = manifest.entries.get("/" + "/".join(parts[:depth]))
-        if above is not None and above.upper.kind != "d":
+        if above is not None and above.kind != "d":
             return True
     return False
 
 
 def view(manifest: Manifest, path: str, image: Stat | None) -> Stat | None:
     """What a sandbox whose manifest is ``manifest`` sees at ``path``: its own entry, or
-    the image's (``image``, known from the other manifest) unless an ancestor hides it."""
+    the image's (``image``) unless an ancestor hides it."""
     entry = manifest.entries.get(path)
     if entry is not None:
-        return entry.upper if entry.upper.present else None
+        return entry if entry.present else None
     if _gone_above(manifest, path):
         return None
     return image if image is not None and image.present else None
 
 
-def compare(base: Manifest, target: Manifest) -> Iterator[Difference]:
-    """What changed from ``base`` to ``target`` (of the same image), path by path."""
+def one_sided(base: Manifest, target: Manifest) -> list[str]:
+    """The paths only one side lists: where the other sees the image's file."""
+    return sorted(base.entries.keys() ^ target.entries.keys())
+
+
+def compare(
+    base: Manifest, target: Manifest, image: Mapping[str, Stat | None]
+) -> Iterator[Difference]:
+    """What changed from ``base`` to ``target`` (of the same image), path by path;
+    ``image``: what the image holds at each path of :func:`one_sided`."""
     for path in sorted(base.entries.keys() | target.entries.keys()):
-        known = target.entries.get(path) or base.entries[path]
-        before = view(base, path, known.lower)
-        after = view(target, path, known.lower)
+        below = image.get(path)
+        before = view(base, path, below)
+        after = view(target, path, below)
         if before is None and after is None:
             continue
         if before is None:

@@ -10,15 +10,17 @@ container image's: under ``/opt/forkd/mnt``).
 One manifest entry per line (JSON), for every path under the asked one that the
 upper layer holds, a whiteout removed, or an opaque directory hides::
 
-    [path, kind, size, mode, mtime_ns, link_target, lower]
+    [path, kind, size, mode, mtime_ns, link_target]
 
 ``kind``: ``f`` file, ``d`` directory, ``l`` symbolic link, ``o`` other (fifo,
 socket, device), ``-`` absent (removed: a whiteout, or hidden by an opaque
-directory). ``lower`` is the same five fields of what the image holds at that
-path, or null. The host compares two manifests (forkd.controller.services.diffs).
-The last line is ``{"end": true, "truncated": bool, "entries": n}``.
+directory). The last line is ``{"end": true, "truncated": bool, "entries": n}``.
+Read in chunks like a tar download (``file_tar_read``). One stat per entry, and
+the lines formatted by hand: under TCG the guest's Python is the cost.
 
-Read in chunks like a tar download (``file_tar_read``). Standard library only.
+What the image holds at a path (``fs_lower_stat``) is asked apart, for the few
+paths only one side of a comparison lists. The host compares
+(forkd.controller.services.manifests). Standard library only.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import os
 import stat
 from collections.abc import Iterator
+from json.encoder import encode_basestring_ascii as _string  # C; quotes too
 from typing import Any, BinaryIO
 
 import forkd_files
@@ -38,9 +41,8 @@ LAYERS = (
     ("/opt/forkd/mnt/rw/upper", "/opt/forkd/mnt/lower"),
 )
 MAX_ENTRIES = 1_000_000
+MAX_LOWER_PATHS = 1000  # per fs_lower_stat request
 OPAQUE = "trusted.overlay.opaque"
-
-Entry = list[Any]
 
 
 def layers() -> tuple[str, str]:
@@ -51,12 +53,11 @@ def layers() -> tuple[str, str]:
     raise RequestError("this guest's root is not forkd's overlay: its layers are not mounted")
 
 
-def _fields(path: str) -> list[Any] | None:
-    """kind, size, mode, mtime_ns, link target of ``path`` (not followed); None: none."""
-    try:
-        st = os.lstat(path)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
+_ABSENT = ["-", 0, 0, 0, None]
+
+
+def _stat_fields(st: os.stat_result, path: str) -> list[Any]:
+    """kind, size, mode, mtime_ns, link target of the entry ``st`` is of."""
     mode = st.st_mode
     if stat.S_ISREG(mode):
         kind = "f"
@@ -73,6 +74,14 @@ def _fields(path: str) -> list[Any] | None:
     return [kind, size, stat.S_IMODE(mode), st.st_mtime_ns, target]
 
 
+def _fields(path: str) -> list[Any] | None:
+    """The fields of ``path`` (not followed); None: nothing there."""
+    try:
+        return _stat_fields(os.lstat(path), path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def _opaque(path: str) -> bool:
     try:
         return os.getxattr(path, OPAQUE, follow_symlinks=False) == b"y"
@@ -80,60 +89,71 @@ def _opaque(path: str) -> bool:
         return False
 
 
+def _line(path: str, fields: list[Any]) -> bytes:
+    kind, size, mode, mtime, target = fields
+    link = "null" if target is None else _string(target)
+    return b'[%s,"%s",%d,%d,%d,%s]\n' % (_string(path).encode(), kind.encode(), size, mode,
+                                        mtime, link.encode())  # fmt: skip
+
+
 class Walk:
-    """The manifest of ``path``: entries as they are found, at most ``limit``."""
+    """The manifest of ``path``: its lines as they are found, at most ``limit``."""
 
     def __init__(self, upper: str, lower: str, path: str, limit: int) -> None:
         self.upper, self.lower, self.path, self.limit = upper, lower, path, limit
         self.count = 0
         self.truncated = False
 
-    def entries(self) -> Iterator[Entry]:
-        hidden = self._hidden_above()
-        if hidden is not None:  # an ancestor was removed or replaced: so is all of it
-            yield from self._emit(self.path, hidden)
+    def lines(self) -> Iterator[bytes]:
+        if self._hidden_above():  # an ancestor was removed or replaced: so is all of it
+            yield from self._emit(self.path, _ABSENT)
             return
-        if _fields(self.upper + self.path) is not None:
-            yield from self._visit(self.path)
+        top = _fields(self.upper + self.path)
+        if top is not None:
+            yield from self._emit(self.path, top)
+            if top[0] == "d":
+                yield from self._visit(self.path)
 
-    def _hidden_above(self) -> list[Any] | None:
-        """An absent entry for ``path`` when an ancestor in the upper layer is a
-        whiteout or no directory (what the image had there is gone)."""
+    def _hidden_above(self) -> bool:
+        """Whether an ancestor of ``path`` in the upper layer is a whiteout or no
+        directory (what the image had there is gone)."""
         parts = [p for p in self.path.split("/") if p]
         for depth in range(1, len(parts)):
-            above = self.upper + "/" + "/".join(parts[:depth])
-            fields = _fields(above)
+            fields = _fields(self.upper + "/" + "/".join(parts[:depth]))
             if fields is not None and fields[0] != "d":
-                return ["-", 0, 0, 0, None]
-        return None
+                return True
+        return False
 
-    def _emit(self, path: str, fields: list[Any]) -> Iterator[Entry]:
+    def _emit(self, path: str, fields: list[Any]) -> Iterator[bytes]:
         if self.count >= self.limit:
             self.truncated = True
             return
         self.count += 1
-        yield [path, *fields, _fields(self.lower + path)]
+        yield _line(path, fields)
 
-    def _visit(self, top: str) -> Iterator[Entry]:
+    def _visit(self, top: str) -> Iterator[bytes]:
         stack = [top]
         while stack and not self.truncated:
             path = stack.pop()
-            fields = _fields(self.upper + path)
-            if fields is None:  # gone meanwhile
-                continue
-            yield from self._emit(path, fields)
-            if fields[0] != "d":
-                continue
             base = "" if path == "/" else path
             try:
-                names = sorted(os.listdir(self.upper + path), reverse=True)
-            except OSError:
+                with os.scandir(self.upper + path) as found:
+                    children = list(found)
+            except OSError:  # gone meanwhile
                 continue
-            stack.extend(f"{base}/{name}" for name in names)
+            for child in children:
+                name = f"{base}/{child.name}"
+                try:
+                    fields = _stat_fields(child.stat(follow_symlinks=False), child.path)
+                except OSError:
+                    continue
+                yield from self._emit(name, fields)
+                if fields[0] == "d":
+                    stack.append(name)
             if _opaque(self.upper + path):
                 yield from self._hidden_below(path)
 
-    def _hidden_below(self, top: str) -> Iterator[Entry]:
+    def _hidden_below(self, top: str) -> Iterator[bytes]:
         """What the image holds under the opaque directory ``top`` and the upper layer
         does not: hidden, so absent."""
         stack = [top]
@@ -141,30 +161,34 @@ class Walk:
             path = stack.pop()
             base = "" if path == "/" else path
             try:
-                names = sorted(os.listdir(self.lower + path), reverse=True)
+                with os.scandir(self.lower + path) as found:
+                    children = list(found)
             except OSError:
                 continue
-            for name in names:
-                child = f"{base}/{name}"
-                if not os.path.lexists(self.upper + child):
-                    yield from self._emit(child, ["-", 0, 0, 0, None])
-                below = _fields(self.lower + child)
-                if below is not None and below[0] == "d":
-                    stack.append(child)
+            for child in children:
+                name = f"{base}/{child.name}"
+                if not os.path.lexists(self.upper + name):
+                    yield from self._emit(name, _ABSENT)
+                if child.is_dir(follow_symlinks=False):
+                    stack.append(name)
 
 
 def write_manifest(pipe: BinaryIO, walk: Walk) -> None:
-    for entry in walk.entries():
-        pipe.write(json.dumps(entry, separators=(",", ":")).encode() + b"\n")
+    batch: list[bytes] = []
+    for line in walk.lines():
+        batch.append(line)
+        if len(batch) >= 512:
+            pipe.write(b"".join(batch))
+            batch.clear()
     end = {"end": True, "truncated": walk.truncated, "entries": walk.count}
-    pipe.write(json.dumps(end).encode() + b"\n")
+    batch.append(json.dumps(end).encode() + b"\n")
+    pipe.write(b"".join(batch))
 
 
 def op_fs_manifest_open(req: dict[str, Any]) -> dict[str, Any]:
     """Open the manifest of ``path`` (read with ``file_tar_read``): ``{"transfer_id",
     "lower"}``, ``lower`` the image's directory (to read what a file was before)."""
-    path = os.path.normpath(forkd_files._path(req))
-    path = "/" if path in ("/", "//") else path
+    path = _normal(forkd_files._path(req))
     limit = forkd_files._int(req, "max_entries", 1, MAX_ENTRIES)
     upper, lower = layers()
     walk = Walk(upper.rstrip("/"), lower.rstrip("/"), path, limit)
@@ -174,4 +198,19 @@ def op_fs_manifest_open(req: dict[str, Any]) -> dict[str, Any]:
     return {"transfer_id": opened, "lower": lower}
 
 
-OPS = {"fs_manifest_open": op_fs_manifest_open}
+def op_fs_lower_stat(req: dict[str, Any]) -> dict[str, Any]:
+    """What the image holds at each of ``paths``: ``{"stats": [fields or null, ...]}``."""
+    paths = req.get("paths")
+    if not isinstance(paths, list) or len(paths) > MAX_LOWER_PATHS:
+        raise ValueError(f"'paths' must be a list of at most {MAX_LOWER_PATHS} paths")
+    lower = layers()[1].rstrip("/")
+    normal = [_normal(forkd_files._path({"path": p})) for p in paths]
+    return {"stats": [_fields(lower + p) for p in normal]}
+
+
+def _normal(path: str) -> str:
+    path = os.path.normpath(path)
+    return "/" if path.startswith("//") else path
+
+
+OPS = {"fs_manifest_open": op_fs_manifest_open, "fs_lower_stat": op_fs_lower_stat}

@@ -159,6 +159,12 @@ class GuestOps:
         params = {"path": path, "max_entries": max_entries}
         return await self.agent.call("fs_manifest_open", params, wait=OPEN_WAIT_SECS)
 
+    async def fs_lower_stat(self, paths: list[str]) -> list[Any]:
+        """What the image holds at each of ``paths`` (the agent's fields, or None)."""
+        result = await self.agent.call("fs_lower_stat", {"paths": paths})
+        stats: list[Any] = result["stats"]
+        return stats
+
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
         params = {"transfer_id": transfer_id, "length": length, "raw": True}
         result = await self.agent.call("file_tar_read", params, wait=COMMIT_WAIT_SECS)
