@@ -29,7 +29,7 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
     ctl = Controller(daemon.url, token=daemon.token)
     before = {s["id"] for s in ctl.list_sandboxes()}
     new: list[str] = []
-    branch_tag = None
+    branch_tag = explore_tag = None
     try:
         with sync_api.sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
@@ -72,6 +72,18 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
                     arg=mine[0],
                     timeout=10_000,
                 )
+                # An explore's children show their variant and score in the tree.
+                explored = ctl.explore_sandbox(mine[1], [{"eval": "s = 3"}, {"eval": "s = 5"}],
+                                               score={"eval": "s"}, keep=1)  # fmt: skip
+                explore_tag = explored.branch
+                winner = str(explored.results[0].sandbox_id)
+                new.append(winner)
+                page.wait_for_function(
+                    'id => document.querySelector(`li[data-sandbox="${id}"] .badge.search`)'
+                    "?.textContent === 'variant 1 · score 5'",
+                    arg=winner,
+                    timeout=10_000,
+                )
                 page.select_option("#exec-sandbox", mine[1])
                 page.fill("#exec-command", "echo from the console")
                 page.click("#exec-form button[type=submit]")
@@ -90,7 +102,8 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
         for sid in new:
             with contextlib.suppress(ControllerError):
                 ctl.kill_sandbox(sid)
-        if branch_tag:
-            with contextlib.suppress(ControllerError):
-                ctl.delete_snapshot(branch_tag)
+        for tag in (branch_tag, explore_tag):
+            if tag:
+                with contextlib.suppress(ControllerError):
+                    ctl.delete_snapshot(tag)
         ctl.close()

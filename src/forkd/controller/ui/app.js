@@ -55,11 +55,21 @@ async function act(label, fn) {
   await refresh();
 }
 
+// An explore's marks (labels forkd.variant, forkd.score; docs/API.md, "Explore").
+function searchMarks(labels) {
+  const marks = [];
+  if (labels?.["forkd.variant"] !== undefined) marks.push(`variant ${labels["forkd.variant"]}`);
+  else if (labels?.["forkd.explore"] !== undefined) marks.push("explore");
+  if (labels?.["forkd.score"] !== undefined) marks.push(`score ${labels["forkd.score"]}`);
+  return marks.length ? el("span", { class: "badge search" }, marks.join(" · ")) : "";
+}
+
 function sandboxNode(sb) {
   return el("li", { class: "node sandbox", "data-sandbox": sb.id },
     el("div", { class: "row" },
       el("span", { class: "tag" }, sb.id),
       el("span", { class: `badge state-${sb.state}` }, sb.state),
+      searchMarks(sb.metadata),
       el("span", { class: "meta" }, `fork ${sb.fork_ms ?? "–"} ms · ${age(sb.created_at_unix)} old` +
         (sb.memory_limit_mib ? ` · ≤ ${sb.memory_limit_mib} MiB` : "") +
         (sb.branch_count ? ` · ${sb.branch_count} branch${sb.branch_count > 1 ? "es" : ""}` : "")),
@@ -76,6 +86,7 @@ function snapshotNode(node) {
   return el("li", { class: "node snapshot", "data-snapshot": s.tag },
     el("div", { class: "row" },
       el("span", { class: "tag" }, s.tag),
+      searchMarks(s.metadata),
       el("span", { class: "meta" }, meta.join(" · ")),
       n,
       el("button", { onclick: () => act(`fork ${n.value} from ${s.tag}`, () => api("POST", "/v1/sandboxes", { snapshot_tag: s.tag, n: Number(n.value) })) }, "fork"),
