@@ -5,13 +5,11 @@ with the image by the daemon's comparison."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -23,19 +21,7 @@ from forkd.controller.services.manifests import (
     one_sided,
     stat_of,
 )
-
-FILES = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files"
-
-
-def _load(name: str, file: str) -> ModuleType:
-    if str(FILES) not in sys.path:
-        sys.path.insert(0, str(FILES))
-    spec = importlib.util.spec_from_file_location(name, FILES / file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.unit.test_agent_files import _load  # the agent's modules, as the guest has them
 
 fsdiff = _load("forkd_fsdiff_under_test", "forkd_fsdiff.py")
 

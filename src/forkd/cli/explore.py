@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import secrets
-import threading
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Any
@@ -21,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from forkd.cli import render
+from forkd.cli.event_watch import watching
 from forkd.cli.failures import daemon_errors
 from forkd.cli.labels import LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
@@ -141,27 +141,13 @@ def _live_table(conn: Connection, source: str, tag: str, variants: list[str]) ->
             table.add_row(str(i), escape(_short(text)), _score(row.get("score")), error)
         return table
 
-    watcher = conn.controller()
-    stop = threading.Event()
+    def record(event: dict[str, Any]) -> None:
+        if event.get("explore") == tag:
+            rows[int(event["index"])] = dict(event)
 
-    def follow() -> None:
-        with contextlib.suppress(Exception):  # a display never fails the explore
-            for event in watcher.events("explore_variant", source, reconnect_s=2.0):
-                if stop.is_set():
-                    return
-                if event.get("explore") == tag:
-                    rows[int(event["index"])] = dict(event)
-
-    thread = threading.Thread(target=follow, name="explore-table", daemon=True)
-    with Live(draw(), console=err, transient=True, refresh_per_second=4, get_renderable=draw):
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            with contextlib.suppress(Exception):
-                watcher.close()
-            thread.join(1.0)
+    live = Live(draw(), console=err, transient=True, refresh_per_second=4, get_renderable=draw)
+    with live, watching(conn, "explore_variant", record, source):
+        yield
 
 
 def _score(score: float | None) -> str:

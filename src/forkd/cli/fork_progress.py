@@ -9,11 +9,12 @@ or when stderr is not a terminal.
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Iterator
+from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from forkd.cli.event_watch import watching
 from forkd.cli.options import Connection
 from forkd.cli.render import err
 
@@ -28,24 +29,10 @@ def fork_progress(conn: Connection, tag: str, n: int, quiet: bool) -> Iterator[N
         console=err, transient=True,
     )  # fmt: skip
     task = bar.add_task("fork", total=n)
-    watcher = conn.controller()
-    stop = threading.Event()
 
-    def count() -> None:
-        with contextlib.suppress(Exception):  # a progress display never fails the fork
-            for event in watcher.events(types="created", reconnect_s=2.0):
-                if stop.is_set():
-                    return
-                if event.get("snapshot_tag") == tag:
-                    bar.advance(task)
+    def count(event: dict[str, Any]) -> None:
+        if event.get("snapshot_tag") == tag:
+            bar.advance(task)
 
-    thread = threading.Thread(target=count, name="fork-progress", daemon=True)
-    with bar:
-        thread.start()
-        try:
-            yield
-        finally:
-            stop.set()
-            with contextlib.suppress(Exception):
-                watcher.close()  # ends the event stream the thread reads
-            thread.join(1.0)
+    with bar, watching(conn, "created", count):
+        yield
