@@ -5,6 +5,7 @@ requests refused. And the comparison itself, and the reader of a hostile manifes
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import tarfile
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.client import Controller, ControllerError
+from forkd.client import Controller, ControllerError, Sandbox
 from forkd.controller.services.manifests import (
     Manifest,
     ManifestReader,
@@ -240,3 +241,19 @@ def test_a_manifest_cut_before_its_end_is_refused() -> None:
     reader.feed(_lines(GOOD))
     with pytest.raises(GuestError, match="ended before its end"):
         reader.manifest()
+
+
+def test_the_async_sdk_diffs_as_the_sync_one(server: Server, ctl: Controller, child: str) -> None:
+    from forkd.client import AsyncController, AsyncSandbox
+
+    async def go() -> tuple[Any, Any, Any]:
+        async with AsyncController(server.url, token=server.token) as actl:
+            sb = await AsyncSandbox.connect(child, controller=actl)
+            return (await sb.diff("/work"), await sb.diff("/work", format="patch"),
+                    await sb.diff("/work", format="tar"))  # fmt: skip
+
+    changes, patch, tar = asyncio.run(go())
+    assert changes.of("added") == ["/work/new.txt"]
+    assert patch == ctl.diff_patch(child, "/work") and tar == ctl.diff_tar(child, "/work")
+    with pytest.raises(ValueError, match="json, patch or tar"):
+        Sandbox(sandbox_id=child, controller=ctl).diff("/work", format="zip")  # type: ignore[call-overload]

@@ -339,13 +339,7 @@ class AsyncSandbox(SandboxView):
     ) -> DiffResult | str | bytes:
         """What this sandbox changed under ``path`` (see ``Sandbox.diff``): a
         ``DiffResult``, a patch (``format="patch"``) or a tar (``format="tar"``)."""
-        if format == "patch":
-            return await self._controller.diff_patch(self.id, path, against)
-        if format == "tar":
-            return await self._controller.diff_tar(self.id, path, against)
-        if format != "json":
-            raise ValueError(f"format is json, patch or tar, not {format!r}")
-        return await self._controller.diff_sandbox(self.id, path, against)
+        return await self._controller.diff(self.id, path, against, format)
 
     async def explore(
         self,

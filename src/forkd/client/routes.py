@@ -547,6 +547,20 @@ class Routes:
             timeout=max(self.timeout, wait),
         ).then(ExploreResult.from_answer)  # fmt: skip
 
+    def _diff(self, sandbox_id: str, path: str, against: str | None, format: str) -> Call[Any]:
+        decode: dict[str, Callable[[httpx.Response], Any]] = {
+            "json": lambda resp: DiffResult.from_answer(json_of(resp, "GET", url)),
+            "patch": _text,
+            "tar": _content,
+        }
+        if format not in decode:
+            raise ValueError(f"format is json, patch or tar, not {format!r}")
+        url = f"{self._sb(sandbox_id)}/diff"
+        params = _drop_none({"path": path, "against": against,
+                             "format": None if format == "json" else format})  # fmt: skip
+        call = self._request("GET", url, params=params, timeout=max(self.timeout, 300))
+        return call.then(decode[format])
+
     @route
     def diff_sandbox(
         self, sandbox_id: str, path: str = "/", against: str | None = None
@@ -555,25 +569,24 @@ class Routes:
         removed under ``path``, against the snapshot it was forked from, or ``against``
         (a snapshot tag or sandbox id of the same image) →
         :class:`~forkd.client.explore.DiffResult`."""
-        params = _drop_none({"path": path, "against": against})
-        return self._json("GET", f"{self._sb(sandbox_id)}/diff", params=params,
-                          timeout=max(self.timeout, 300)).then(DiffResult.from_answer)  # fmt: skip
+        return self._diff(sandbox_id, path, against, "json")
 
     @route
     def diff_patch(self, sandbox_id: str, path: str = "/", against: str | None = None) -> Call[str]:
         """The same diff as a unified patch of the changed text files."""
-        params = _drop_none({"path": path, "against": against, "format": "patch"})
-        resp = self._request("GET", f"{self._sb(sandbox_id)}/diff", params=params,
-                             timeout=max(self.timeout, 300))  # fmt: skip
-        return resp.then(_text)
+        return self._diff(sandbox_id, path, against, "patch")
 
     @route
     def diff_tar(self, sandbox_id: str, path: str = "/", against: str | None = None) -> Call[bytes]:
         """The files the sandbox added or modified under ``path``, as a tar archive."""
-        params = _drop_none({"path": path, "against": against, "format": "tar"})
-        resp = self._request("GET", f"{self._sb(sandbox_id)}/diff", params=params,
-                             timeout=max(self.timeout, 300))  # fmt: skip
-        return resp.then(_content)
+        return self._diff(sandbox_id, path, against, "tar")
+
+    @route
+    def diff(
+        self, sandbox_id: str, path: str = "/", against: str | None = None, format: str = "json"
+    ) -> Call[DiffResult | str | bytes]:
+        """One of the three above by ``format`` (``json``, ``patch`` or ``tar``)."""
+        return self._diff(sandbox_id, path, against, format)
 
     @route
     def exec_command(

@@ -240,13 +240,7 @@ class Sandbox(SandboxView):
             print(sb.diff("/work", format="patch"))
             print(sb.diff("/work", against=other.id).changes)
         """
-        if format == "patch":
-            return self._controller.diff_patch(self.id, path, against)
-        if format == "tar":
-            return self._controller.diff_tar(self.id, path, against)
-        if format != "json":
-            raise ValueError(f"format is json, patch or tar, not {format!r}")
-        return self._controller.diff_sandbox(self.id, path, against)
+        return self._controller.diff(self.id, path, against, format)
 
     def explore(
         self,
