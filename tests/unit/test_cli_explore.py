@@ -67,7 +67,7 @@ def test_diff_prints_the_changes_a_patch_and_a_tar(
     assert "/work/a.txt" in res.stdout and "+" in res.stdout
     assert "1 added, 0 modified, 0 removed" in res.stderr
     res = forkd("diff", sid, "--path", "/work", "--patch")
-    assert "+++ b/work/a.txt" in res.stdout and "+one" in res.stdout
+    assert "+++ b/a.txt" in res.stdout and "+one" in res.stdout
     out = tmp_path / "changes.tar"
     assert forkd("diff", sid, "--path", "/work", "--tar", str(out)).exit_code == 0
     with tarfile.open(out) as tar:

@@ -82,10 +82,10 @@ def test_a_snapshot_is_read_once_by_a_child_killed_at_once(
 
 def test_a_patch_shows_the_text_changes(ctl: Controller, child: str) -> None:
     patch = ctl.diff_patch(child, "/work")
-    assert "--- a/work/edit.txt\n+++ b/work/edit.txt\n" in patch
+    assert "--- a/edit.txt\n+++ b/edit.txt\n" in patch
     assert "-line 2\n+line two\n" in patch
-    assert "--- /dev/null\n+++ b/work/new.txt\n" in patch and "+brand new\n" in patch
-    assert "--- a/work/drop.txt\n+++ /dev/null\n" in patch and "-drop\n" in patch
+    assert "--- /dev/null\n+++ b/new.txt\n" in patch and "+brand new\n" in patch
+    assert "--- a/drop.txt\n+++ /dev/null\n" in patch and "-drop\n" in patch
     assert "keep.txt" not in patch
 
 
@@ -93,8 +93,8 @@ def test_binary_and_large_files_are_named_not_shown(ctl: Controller, child: str)
     ctl.write_file(child, "/work/blob.bin", b"\x00\x01\x02")
     ctl.write_file(child, "/work/big.txt", b"x" * (600 << 10))
     patch = ctl.diff_patch(child, "/work")
-    assert "Binary files /dev/null and b/work/blob.bin differ\n" in patch
-    assert "Files /dev/null and b/work/big.txt differ (over 524288 bytes" in patch
+    assert "Binary files /dev/null and b/blob.bin differ\n" in patch
+    assert "Files /dev/null and b/big.txt differ (over 524288 bytes" in patch
 
 
 def test_a_tar_holds_the_added_and_modified_files(ctl: Controller, child: str) -> None:
@@ -257,3 +257,10 @@ def test_the_async_sdk_diffs_as_the_sync_one(server: Server, ctl: Controller, ch
     assert patch == ctl.diff_patch(child, "/work") and tar == ctl.diff_tar(child, "/work")
     with pytest.raises(ValueError, match="json, patch or tar"):
         Sandbox(sandbox_id=child, controller=ctl).diff("/work", format="zip")  # type: ignore[call-overload]
+
+
+def test_a_patch_applies_with_p1_in_the_directory_diffed(ctl: Controller, child: str) -> None:
+    whole = ctl.diff_patch(child, "/")
+    assert "--- a/work/edit.txt\n+++ b/work/edit.txt\n" in whole  # from / : the whole path
+    one = ctl.diff_patch(child, "/work/edit.txt")  # a file: named by itself
+    assert one.startswith("--- a/edit.txt\n+++ b/edit.txt\n")

@@ -83,7 +83,8 @@ def test_a_failing_variant_has_its_error_and_the_others_go_on(ctl: Controller, s
     assert by_index[0].score is None and by_index[0].exit_code == 3
     assert "step exited 3" in (by_index[0].error or "")
     assert "ValueError: no plan" in (by_index[1].error or "")
-    assert "no number" in (by_index[2].error or "")
+    assert "no number" in (by_index[2].error or "") and by_index[2].score_tail == "'text'"
+    assert res.results[0].score_tail == "4"  # what the score returned, kept
     assert [r.kept for r in res.results] == [True, False, False, False]  # only scored ones
     assert len(_others(ctl, source)) == 1
 

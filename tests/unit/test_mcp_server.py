@@ -93,7 +93,7 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
         {k: c[k] for k in ("path", "change", "kind", "size", "mode")} for c in changed["changes"]
     ]
     patch = _value(await client.call_tool("diff_sandbox", {**args, "patch": True}))["patch"]
-    assert "+++ b/tmp/n" in patch and "+hello" in patch
+    assert "+++ b/n" in patch and "+hello" in patch
     assert _value(await client.call_tool("kill_sandbox", best))["killed"]
     listed = {s["id"] for s in _value(await client.call_tool("list_sandboxes", {}))}
     assert {sid, *(k["id"] for k in kids)} <= listed

@@ -185,6 +185,8 @@ export interface ExploreVariant {
   score: number | null;
   exit_code: number | null;
   stdout_tail: string;
+  /** The end of what its score step printed (an eval's result). */
+  score_tail: string;
   error: string | null;
   kept: boolean;
   snapshot_tag: string | null;

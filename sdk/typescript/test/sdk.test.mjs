@@ -104,7 +104,7 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     await winner.files.write("/tmp/ts-diff.txt", "from the winner\n");
     const diff = await winner.diff({ path: "/tmp" });
     assert.ok(diff.changes.some((c) => c.path === "/tmp/ts-diff.txt" && c.change === "added"), JSON.stringify(diff));
-    assert.match(await client.diffPatch(winner.id, { path: "/tmp" }), /\+\+\+ b\/tmp\/ts-diff\.txt\n(.|\n)*\+from the winner/);
+    assert.match(await client.diffPatch(winner.id, { path: "/tmp" }), /\+\+\+ b\/ts-diff\.txt\n(.|\n)*\+from the winner/);
     assert.equal((await sb.refresh()).state, "running");
   });
 

@@ -44,6 +44,7 @@ class VariantResult:
     kept: bool
     snapshot_tag: str | None = None
     duration_ms: float = 0.0
+    score_tail: str = ""  # the end of what its score step printed (an eval's result)
 
     @classmethod
     def from_answer(cls, raw: JSONDict) -> VariantResult:
@@ -52,6 +53,7 @@ class VariantResult:
             exit_code=raw.get("exit_code"), stdout_tail=raw.get("stdout_tail") or "",
             error=raw.get("error"), kept=bool(raw.get("kept")),
             snapshot_tag=raw.get("snapshot_tag"), duration_ms=float(raw.get("duration_ms") or 0),
+            score_tail=raw.get("score_tail") or "",
         )  # fmt: skip
 
 

@@ -645,6 +645,7 @@ class ExploreVariant(BaseModel):
     score: float | None = Field(description="null when its step or score failed (see error)")
     exit_code: int | None = Field(description="its step's exit code (eval: 0, or 1 raised)")
     stdout_tail: str = Field(description="the end of its step's stdout (2048 characters)")
+    score_tail: str = Field("", description="the end of its score's stdout (eval: its result)")
     error: str | None = Field(description="why it has no score; null when it has one")
     kept: bool = Field(
         description="its child runs on, or was branched into snapshot_tag (keep_as snapshots)"

@@ -112,7 +112,7 @@ class DiffService:
                     break
                 old = b"" if d.change == "added" else await read_old(d.path)
                 new = b"" if d.change == "removed" else await self._read(sandbox_id, d.path)
-                piece = await unified(d, old, new)
+                piece = await unified(d, old, new, pair.target.path)
                 out.append(piece)
                 size += len(piece)
         if pair.base.truncated or pair.target.truncated:
@@ -293,14 +293,19 @@ def _save_cache(cache: Path, snap: SnapshotRow, manifest: Manifest) -> None:
 # ------------------------------------------------------------ unified diffs
 
 
-def _label(side: str, path: str) -> str:
-    return side + path.replace("\n", "\\n").replace("\t", "\\t")
+def _label(side: str, path: str, top: str) -> str:
+    """``a/`` or ``b/`` and ``path`` from the directory diffed (``patch -p1`` applies
+    it there, as git's patches apply at the top of a checkout)."""
+    rel = path.lstrip("/") if top == "/" else posixpath.relpath(path, top)
+    name = posixpath.basename(top) if rel == "." else rel  # the path diffed is a file
+    return f"{side}/" + name.replace("\n", "\\n").replace("\t", "\\t")
 
 
-async def unified(d: Difference, old: bytes | None, new: bytes | None) -> str:
-    """One file's part of the patch: its hunks, or one line saying why there are none."""
-    a = "/dev/null" if d.change == "added" else _label("a", d.path)
-    b = "/dev/null" if d.change == "removed" else _label("b", d.path)
+async def unified(d: Difference, old: bytes | None, new: bytes | None, top: str = "/") -> str:
+    """One file's part of the patch: its hunks, or one line saying why there are none.
+    Its paths are relative to ``top``, the directory diffed."""
+    a = "/dev/null" if d.change == "added" else _label("a", d.path, top)
+    b = "/dev/null" if d.change == "removed" else _label("b", d.path, top)
     if old is None or new is None:
         return f"# forkd: {d.path!r} changed but could not be read\n"
     cap = limits.PATCH_FILE_MAX_BYTES

@@ -85,6 +85,7 @@ class _Outcome:
     score: float | None = None
     exit_code: int | None = None
     stdout_tail: str = ""
+    score_tail: str = ""
     error: str | None = None
     kept: bool = False
     snapshot_tag: str | None = None
@@ -93,7 +94,8 @@ class _Outcome:
     def result(self) -> ExploreVariant:
         return ExploreVariant(
             index=self.index, sandbox_id=self.sandbox_id, score=self.score,
-            exit_code=self.exit_code, stdout_tail=self.stdout_tail, error=self.error,
+            exit_code=self.exit_code, stdout_tail=self.stdout_tail, score_tail=self.score_tail,
+            error=self.error,
             kept=self.kept, snapshot_tag=self.snapshot_tag,
             duration_ms=round(self.duration_ms, 1),
         )  # fmt: skip
@@ -285,7 +287,7 @@ class ExploreService:
             async with asyncio.timeout(left):
                 await self._step(out, step, deadline)
                 if req.score is not None:
-                    score = await self._score(out.sandbox_id, req.score, deadline)
+                    score = await self._score(out, req.score, deadline)
                     self.fleet.store.add_sandbox_labels(out.sandbox_id, {SCORE: f"{score:.10g}"})
                     out.score = score  # once labelled: a score and an error never both
         except TimeoutError:
@@ -324,15 +326,19 @@ class ExploreService:
         if res.exit_code != 0:
             raise StepFailed(f"step exited {res.exit_code}: {_tail(res.stderr)}")
 
-    async def _score(self, sandbox_id: str, step: ExploreStep, deadline: float) -> float:
+    async def _score(self, out: _Outcome, step: ExploreStep, deadline: float) -> float:
+        """The score step's number; what it printed (or returned) is kept in ``out``."""
+        tail = limits.EXPLORE_STDOUT_TAIL
         if step.eval is not None:
-            ran = await self.sandboxes.eval(sandbox_id, _eval(step.eval, deadline))
+            ran = await self.sandboxes.eval(out.sandbox_id, _eval(step.eval, deadline))
+            out.score_tail = (ran.result or ran.stdout)[-tail:]
             if ran.timed_out:
                 raise TimeoutError
             if ran.error is not None:
                 raise StepFailed(f"score raised {_tail(ran.error)}")
             return parse_score(ran.result, "score")
-        res = await self.sandboxes.exec(sandbox_id, _exec(step, deadline))
+        res = await self.sandboxes.exec(out.sandbox_id, _exec(step, deadline))
+        out.score_tail = res.stdout[-tail:]
         if res.timed_out:
             raise TimeoutError
         if res.exit_code != 0:
