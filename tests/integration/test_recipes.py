@@ -95,6 +95,35 @@ def test_checkpoint_every_n(daemon: Daemon) -> None:
     _no_leftovers(daemon, "ck-")
 
 
+def test_best_of_n(daemon: Daemon) -> None:
+    out = _run_recipe(daemon, "best-of-n", "--samples", "2")  # a cheaper data file
+    for line in (
+        "built cells.json: 1024 cells, 2x2 samples each",
+        "unpatched suite: 12 tests: FAILED (failures=3, errors=2); 7 of 12 pass",
+        "PASS the unpatched suite fails (the bugs are real)",
+        "winner: 4-parse-sort-lookup.diff (12 of 12 tests pass)",
+        "PASS the winner is 4-parse-sort-lookup.diff, all 12 tests passing",
+        "PASS the patch that does not apply has an error and no score",
+        "PASS only the winner was kept",
+        "+++ b/work/project/storefinder.py",
+        '+    if m.group(4).upper() == "W":',
+        "PASS the winner's diff touches only the files its patch touches",
+        "PASS the source is untouched: its suite still fails",
+        "PASS nothing left behind",
+        "all 7 checks passed",
+    ):
+        assert line in out, out[-6000:]
+    # The ranking, best first: each patch's rank and score (or why it has none).
+    for rank, patch, score in ((1, "4-parse-sort-lookup.diff", "12 / 12"),
+                               (2, "1-west-is-negative.diff", "9 / 12"),
+                               (3, "5-sort-by-distance.diff", "8 / 12"),
+                               (4, "2-flat-distance.diff", "5 / 12"),
+                               (5, "3-stale-parser.diff", "does not apply")):  # fmt: skip
+        assert any(f" {rank} " in row and patch in row and score in row
+                   for row in out.splitlines()), out[-6000:]  # fmt: skip
+    _no_leftovers(daemon, "bn-")
+
+
 @pytest.fixture(scope="module")
 def dockerd() -> Iterator[docker_daemon.DockerDaemon]:
     yield from docker_daemon.daemon_or_skip()
