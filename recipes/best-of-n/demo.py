@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from forkd import Controller, Sandbox, Snapshot
-from forkd.client.explore import ExploreResult
+from forkd.client import ExploreResult
 from forkd.demo import DEFAULT_URL, Checks, cleanup, create_template, ms, run_checks, timed
 
 console = Console(highlight=False)
