@@ -105,7 +105,7 @@ def test_best_of_n(daemon: Daemon) -> None:
         "PASS the winner is 4-parse-sort-lookup.diff, all 12 tests passing",
         "PASS the patch that does not apply has an error and no score",
         "PASS only the winner was kept",
-        "+++ b/work/project/storefinder.py",
+        "+++ b/storefinder.py",
         '+    if m.group(4).upper() == "W":',
         "PASS the winner's diff touches only the files its patch touches",
         "PASS the source is untouched: its suite still fails",
