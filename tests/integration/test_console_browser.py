@@ -72,9 +72,10 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
                     arg=mine[0],
                     timeout=10_000,
                 )
-                # An explore's children show their variant and score in the tree.
-                explored = ctl.explore_sandbox(mine[1], [{"eval": "s = 3"}, {"eval": "s = 5"}],
-                                               score={"eval": "s"}, keep=1)  # fmt: skip
+                # An explore's children show their variant and score in the tree (of the
+                # SDK's sandbox: it runs; the console's may still be starting).
+                variants = [{"eval": "s = 3"}, {"eval": "s = 5"}]
+                explored = ctl.explore_sandbox(outside["id"], variants, {"eval": "s"}, keep=1)
                 explore_tag = explored.branch
                 winner = str(explored.results[0].sandbox_id)
                 new.append(winner)
