@@ -131,18 +131,17 @@ class DiffService:
         self.fleet.live(sandbox_id)  # 409 unless it runs
         against = against or row.snapshot_tag
         other = self.fleet.store.get_sandbox(against)
+        snap = None if other is not None else self.fleet.store.get_snapshot(against)
         if other is not None:
             _same_image(self._image_of(row), self._image_of(other), against)
             base = await self.manifest_of_sandbox(against, path)
-            target = await self.manifest_of_sandbox(sandbox_id, path)
-            return _Pair(base, target, against, "sandbox", None)
-        snap = self.fleet.store.get_snapshot(against)
-        if snap is None:
+        elif snap is not None:
+            _same_image(self._image_of(row), snap.image, against)
+            base = await self.manifest_of_snapshot(snap, path)
+        else:
             raise NotFound(f"no sandbox or snapshot {against!r} to compare with")
-        _same_image(self._image_of(row), snap.image, against)
-        base = await self.manifest_of_snapshot(snap, path)
         target = await self.manifest_of_sandbox(sandbox_id, path)
-        return _Pair(base, target, against, "snapshot", snap)
+        return _Pair(base, target, against, "sandbox" if snap is None else "snapshot", snap)
 
     def _image_of(self, row: SandboxRow) -> str | None:
         snap = self.fleet.store.get_snapshot(row.snapshot_tag)
@@ -187,13 +186,19 @@ class DiffService:
         found = _load_cache(cache, snap)
         if found is not None:
             return found
-        async with self._reading.setdefault((snap.tag, path), asyncio.Lock()):
-            found = _load_cache(cache, snap)
-            if found is not None:
-                return found
-            async with self._child_of(snap) as child:
-                manifest = await self.manifest_of_sandbox(child, path)
-            await asyncio.to_thread(_save_cache, cache, snap, manifest)
+        key = (snap.tag, path)
+        lock = self._reading.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                found = _load_cache(cache, snap)
+                if found is not None:
+                    return found
+                async with self._child_of(snap) as child:
+                    manifest = await self.manifest_of_sandbox(child, path)
+                await asyncio.to_thread(_save_cache, cache, snap, manifest)
+        finally:
+            if not lock.locked():  # one lock per read in flight, not per path ever read
+                self._reading.pop(key, None)
         return manifest
 
     @contextlib.asynccontextmanager

@@ -101,6 +101,24 @@ class _Outcome:
         )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class _Ran:
+    """What a step did, exec or eval alike."""
+
+    exit_code: int | None
+    stdout: str
+    result: str | None  # an eval's
+    timed_out: bool
+    failure: str | None  # why it did not end cleanly: "exited 2: ...", "raised ..."
+
+    def check(self, what: str) -> None:
+        """:class:`TimeoutError` or :class:`StepFailed` unless it ended cleanly."""
+        if self.timed_out:
+            raise TimeoutError
+        if self.failure is not None:
+            raise StepFailed(f"{what} {self.failure}")
+
+
 @dataclass
 class _Made:
     """What an explore made and has not handed over (the kept children and snapshots
@@ -258,9 +276,14 @@ class ExploreService:
         try:
             return await self.branches.branch(source_id, req, drop_labels=STALE)
         finally:
-            found = self.fleet.store.get_snapshot(tag)
-            if found is not None and found.branched_from == source_id:
+            if self._registered(tag, source_id):
                 made.branch = tag
+
+    def _registered(self, tag: str, source_id: str) -> bool:
+        """Whether ``tag`` is registered as a branch of ``source_id`` (a tag that was free
+        before the branch: the explore's, even when the branch then failed)."""
+        found = self.fleet.store.get_snapshot(tag)
+        return found is not None and found.branched_from == source_id
 
     async def _fork(self, fork: SandboxCreate, made: _Made) -> list[SandboxInfo]:
         children = await self.sandboxes.create(fork, pool=False)
@@ -309,41 +332,27 @@ class ExploreService:
     async def _step(self, out: _Outcome, step: ExploreStep, deadline: float) -> None:
         """The variant's own step: recorded in ``out``; :class:`StepFailed` unless it ran
         to a clean end."""
-        if step.eval is not None:
-            ran = await self.sandboxes.eval(out.sandbox_id, _eval(step.eval, deadline))
-            out.exit_code = ran.exit_code
-            out.stdout_tail = ran.stdout[-limits.EXPLORE_STDOUT_TAIL :]
-            if ran.timed_out:
-                raise TimeoutError
-            if ran.error is not None:
-                raise StepFailed(f"step raised {_tail(ran.error)}")
-            return
-        res = await self.sandboxes.exec(out.sandbox_id, _exec(step, deadline))
-        out.exit_code = res.exit_code
-        out.stdout_tail = res.stdout[-limits.EXPLORE_STDOUT_TAIL :]
-        if res.timed_out:
-            raise TimeoutError
-        if res.exit_code != 0:
-            raise StepFailed(f"step exited {res.exit_code}: {_tail(res.stderr)}")
+        ran = await self._run(out.sandbox_id, step, deadline)
+        out.exit_code = ran.exit_code
+        out.stdout_tail = ran.stdout[-limits.EXPLORE_STDOUT_TAIL :]
+        ran.check("step")
 
     async def _score(self, out: _Outcome, step: ExploreStep, deadline: float) -> float:
         """The score step's number; what it printed (or returned) is kept in ``out``."""
-        tail = limits.EXPLORE_STDOUT_TAIL
+        ran = await self._run(out.sandbox_id, step, deadline)
+        out.score_tail = (ran.result or ran.stdout)[-limits.EXPLORE_STDOUT_TAIL :]
+        ran.check("score")
+        return parse_score(ran.stdout if step.eval is None else ran.result, "score")
+
+    async def _run(self, sandbox_id: str, step: ExploreStep, deadline: float) -> _Ran:
+        """``step`` in the sandbox, as an eval or an exec, with what is left as its timeout."""
         if step.eval is not None:
-            ran = await self.sandboxes.eval(out.sandbox_id, _eval(step.eval, deadline))
-            out.score_tail = (ran.result or ran.stdout)[-tail:]
-            if ran.timed_out:
-                raise TimeoutError
-            if ran.error is not None:
-                raise StepFailed(f"score raised {_tail(ran.error)}")
-            return parse_score(ran.result, "score")
-        res = await self.sandboxes.exec(out.sandbox_id, _exec(step, deadline))
-        out.score_tail = res.stdout[-tail:]
-        if res.timed_out:
-            raise TimeoutError
-        if res.exit_code != 0:
-            raise StepFailed(f"score exited {res.exit_code}: {_tail(res.stderr)}")
-        return parse_score(res.stdout, "score")
+            ran = await self.sandboxes.eval(sandbox_id, _eval(step.eval, deadline))
+            failure = None if ran.error is None else f"raised {_tail(ran.error)}"
+            return _Ran(ran.exit_code, ran.stdout, ran.result, ran.timed_out, failure)
+        res = await self.sandboxes.exec(sandbox_id, _exec(step, deadline))
+        failure = None if res.exit_code == 0 else f"exited {res.exit_code}: {_tail(res.stderr)}"
+        return _Ran(res.exit_code, res.stdout, None, res.timed_out, failure)
 
     # ------------------------------------------------------------ the end
 
@@ -382,8 +391,7 @@ class ExploreService:
             try:
                 await self._branch_kept(out, name)
             except ForkdError as exc:
-                found = self.fleet.store.get_snapshot(name)
-                if found is not None and found.branched_from == out.sandbox_id:
+                if self._registered(name, out.sandbox_id):
                     await self._drop_snapshot(name)  # registered, then the branch failed
                 out.error = f"kept running: branching it into {name!r} failed: {exc}"
                 running.append(out.sandbox_id)
