@@ -1,7 +1,9 @@
 """The guest agent's manifest of an overlay's upper layer (forkd_fsdiff.py), on a real
 overlay the test mounts: files written, removed (whiteouts), a directory removed and
 made again (opaque), a link; read through the agent's op and transfer, then compared
-with the image by the daemon's comparison."""
+with the image by the daemon's comparison. Every test on an overlay runs twice: listed
+by GNU find (forkd_fsfind.py, the ``records`` format) and by the agent's own walk
+(busybox images, the ``lines`` format)."""
 
 from __future__ import annotations
 
@@ -16,18 +18,29 @@ import pytest
 
 from forkd.controller.services.manifests import (
     Manifest,
-    ManifestReader,
     compare,
     one_sided,
+    reader_for,
     stat_of,
 )
 from tests.unit.test_agent_files import _load  # the agent's modules, as the guest has them
 
 fsdiff = _load("forkd_fsdiff_under_test", "forkd_fsdiff.py")
+LISTERS = ("find", "walk")
+
+
+@pytest.fixture(params=LISTERS)
+def lister(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which lister the agent uses: GNU find, or its own walk (as where find is busybox's)."""
+    if request.param == "walk":
+        monkeypatch.setattr(sys.modules["forkd_fsfind"], "gnu_find", lambda: None)
+    elif sys.modules["forkd_fsfind"].gnu_find() is None:
+        pytest.skip("this host has no GNU find")
+    return str(request.param)
 
 
 @pytest.fixture
-def overlay(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
+def overlay(tmp_path: Path, lister: str) -> Iterator[tuple[Path, Path, Path]]:
     """(merged, upper, lower): an image with /a, /d/{x,y}, /gone, /tree/z mounted under
     an overlay, as initramfs-init mounts the guest's root."""
     lower, upper, work, merged = (tmp_path / n for n in ("lower", "upper", "work", "merged"))
@@ -51,7 +64,7 @@ def _manifest(upper: Path, lower: Path, path: str, limit: int = 1000) -> Manifes
     fsdiff.LAYERS = ((str(upper), str(lower)),)
     opened = fsdiff.op_fs_manifest_open({"path": path, "max_entries": limit})
     assert opened["lower"] == str(lower)
-    reader = ManifestReader(path, limit)
+    reader = reader_for(opened["format"], path, limit)
     files = sys.modules["forkd_files"]
     while True:
         with files.TRANSFERS.use(opened["transfer_id"]) as transfer:
@@ -142,3 +155,95 @@ def test_the_image_s_files_are_told_apart_from_the_sandbox_s(
     fsdiff.LAYERS = ((str(upper), str(lower)),)
     stats = fsdiff.op_fs_lower_stat({"paths": ["/a", "/d", "/none", "/a/../d/x"]})["stats"]
     assert [s and s[0] for s in stats] == ["f", "d", None, "f"]
+
+
+def test_find_and_the_walk_list_the_same(overlay: tuple[Path, Path, Path], lister: str) -> None:
+    """Names no shell or JSON likes, a link, a fifo, a real device and a whiteout, a
+    setuid mode, a time before 1970, an opaque directory: the same manifest either way."""
+    if lister == "walk":
+        pytest.skip("compares both listers: once is enough")
+    merged, upper, lower = overlay
+    (merged / "a").write_text("rewritten\n")
+    (merged / "gone").unlink()  # a whiteout: a character device 0/0 in the upper layer
+    subprocess.run(["rm", "-rf", str(merged / "d")], check=True)
+    (merged / "d").mkdir()  # opaque
+    (merged / "d" / "kept").write_text("k")
+    odd = merged / "odd dir"
+    odd.mkdir()
+    (odd / "line\nbreak").write_text("x")
+    (odd / "tab\tand 'quotes'").write_text("x")
+    os.symlink("target with spaces\nand a newline", odd / "link")
+    (odd / os.fsdecode(b"latin-\xe9")).write_text("not UTF-8")
+    os.mkfifo(odd / "fifo")
+    os.mknod(odd / "null", 0o620 | 0o020000, os.makedev(1, 3))  # a device, not a whiteout
+    setuid = odd / "setuid"
+    setuid.write_text("x")
+    os.chmod(setuid, 0o4755)
+    old = odd / "old"
+    old.write_text("x")
+    os.utime(old, ns=(0, -1_500_000_000))
+    deep = merged / "tree" / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    (deep / "leaf").write_text("x")
+
+    found = _manifest(upper, lower, "/")
+    monkeypatch = pytest.MonkeyPatch()
+    with monkeypatch.context() as m:
+        m.setattr(sys.modules["forkd_fsfind"], "gnu_find", lambda: None)
+        walked = _manifest(upper, lower, "/")
+    assert found.entries == walked.entries
+    assert found.entries["/gone"].kind == "-" and found.entries["/odd dir/null"].kind == "o"
+    assert found.entries["/d/x"].kind == "-"  # hidden by the opaque directory
+    assert found.entries["/odd dir/old"].mtime_ns == -1_500_000_000
+    assert found.entries["/odd dir/setuid"].mode == 0o4755
+    assert found.entries["/odd dir/link"].target == "target with spaces\nand a newline"
+    assert _manifest(upper, lower, "/odd dir").entries == {
+        p: e for p, e in walked.entries.items() if p.startswith("/odd dir")
+    }
+
+
+def test_the_agent_says_which_format_it_lists_in(
+    overlay: tuple[Path, Path, Path], lister: str
+) -> None:
+    _, upper, lower = overlay
+    fsdiff.LAYERS = ((str(upper), str(lower)),)
+    opened = fsdiff.op_fs_manifest_open({"path": "/", "max_entries": 10})
+    assert opened["format"] == {"find": "records", "walk": "lines"}[lister]
+    with sys.modules["forkd_files"].TRANSFERS.use(opened["transfer_id"], finish=True) as t:
+        t.abort()
+
+
+def _finds_of_ours() -> list[int]:
+    """This process's child processes running find."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            comm, rest = (proc / "stat").read_text().split(") ", 1)
+        except (OSError, ValueError):
+            continue
+        if comm.endswith("(find") and int(rest.split()[1]) == os.getpid():
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_a_download_left_halfway_stops_find(overlay: tuple[Path, Path, Path], lister: str) -> None:
+    """The host gives up on a manifest (an error, a client gone): find does not go on."""
+    if lister == "walk":
+        pytest.skip("about find")
+    merged, upper, lower = overlay
+    for i in range(40):
+        sub = merged / f"many{i}"
+        sub.mkdir()
+        for j in range(100):
+            (sub / f"a-rather-long-file-name-{j:04d}").write_text("x")
+    fsdiff.LAYERS = ((str(upper), str(lower)),)
+    opened = fsdiff.op_fs_manifest_open({"path": "/", "max_entries": 100_000})
+    files = sys.modules["forkd_files"]
+    with files.TRANSFERS.use(opened["transfer_id"], finish=True) as transfer:
+        data, eof = transfer.read(4096)
+        assert data and not eof
+        assert _finds_of_ours()  # still listing: the pipe is full
+        transfer.abort()
+        transfer.thread.join(10)
+    assert not transfer.thread.is_alive()
+    assert _finds_of_ours() == []

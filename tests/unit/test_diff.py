@@ -22,6 +22,7 @@ from forkd.controller.services.manifests import (
     Stat,
     compare,
     one_sided,
+    reader_for,
 )
 from forkd.errors import GuestError
 from tests.unit.conftest import Server
@@ -241,6 +242,75 @@ def test_a_manifest_cut_before_its_end_is_refused() -> None:
     reader.feed(_lines(GOOD))
     with pytest.raises(GuestError, match="ended before its end"):
         reader.manifest()
+
+
+def _records(*records: list[str], end: dict[str, Any] | None = None) -> bytes:
+    """The agent's ``records`` format: six NUL-ended fields each, then E and the end."""
+    out = b"".join(b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in r)
+                   for r in records)  # fmt: skip
+    return out + b"E\0" + json.dumps(END if end is None else end).encode() + b"\0"
+
+
+RECORD = ["f", "3", "644", "7.0000000090", "a", ""]
+
+
+def test_the_record_reader_takes_find_s_output_in_any_pieces() -> None:
+    reader = reader_for("records", "/w", 10)
+    data = _records(["d", "0", "755", "1.5", "", ""], RECORD, ["c", "0", "0", "5.0", "gone", ""],
+                    ["l", "4", "777", "-2.500000000", "sub/link", "../a b\nc"],
+                    ["-", "0", "0", "9.000000000", "gone", ""])  # fmt: skip
+    for i in range(0, len(data), 3):
+        reader.feed(data[i : i + 3])
+    got = reader.manifest().entries
+    assert [(p, e.kind, e.size, e.mode, e.mtime_ns, e.target) for p, e in got.items()] == [
+        ("/w", "d", 0, 0o755, 1_500_000_000, None),
+        ("/w/a", "f", 3, 0o644, 7_000_000_009, None),
+        ("/w/sub/link", "l", 4, 0o777, -1_500_000_000, "../a b\nc"),
+        ("/w/gone", "-", 0, 0, 9_000_000_000, None),  # the agent's whiteout after find's device
+    ]
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (_records(["x", *RECORD[1:]]), "wrong shape"),
+        (_records(["f", "-3", *RECORD[2:]]), "wrong shape"),
+        (_records(["f", "3", "649", *RECORD[3:]]), "wrong shape"),  # not octal
+        (_records(["f", "3", "644", "7", *RECORD[4:]]), "wrong shape"),
+        (_records(["f", "3", "644", "1_0.5", *RECORD[4:]]), "wrong shape"),
+        (_records(["f", "3", "644", " 7.5", *RECORD[4:]]), "wrong shape"),
+        (_records(["f", "9" * 30, *RECORD[2:]]), "wrong shape"),
+        (_records([*RECORD[:5], "a target on a file"]), "wrong shape"),
+        (_records([*RECORD[:4], "../etc", ""]), "not under"),
+        (_records([*RECORD[:4], "/etc/passwd", ""]), "not under"),
+        (_records([*RECORD[:4], "a//b", ""]), "not under"),
+        (_records(*([*RECORD[:4], f"f{i}", ""] for i in range(3))), "over 2 entries"),
+        (b"f\0" + b"x" * 20000, "over 16384 bytes"),
+        (b"E\0not json\0", "not JSON"),
+        (b'E\0{"hello": 1}\0', "not its end"),
+        (_records() + _records(RECORD), "after its end"),
+    ],
+    ids=lambda v: v.replace(" ", "-") if isinstance(v, str) else None,
+)
+def test_the_record_reader_refuses_what_is_not_a_manifest(data: bytes, says: str) -> None:
+    reader = reader_for("records", "/w", 2)
+    with pytest.raises(GuestError, match=says):
+        reader.feed(data)
+        reader.manifest()
+
+
+@pytest.mark.parametrize("cut", [b"f\0003\0", b"f\0003\0644", b"E\0"])
+def test_a_record_manifest_cut_short_is_refused(cut: bytes) -> None:
+    reader = reader_for("records", "/w", 10)
+    reader.feed(cut)
+    with pytest.raises(GuestError, match="ended"):
+        reader.manifest()
+
+
+def test_a_manifest_format_the_daemon_does_not_know_is_refused() -> None:
+    assert isinstance(reader_for(None, "/w", 1), ManifestReader)  # an agent of before
+    with pytest.raises(GuestError, match="unknown format"):
+        reader_for("tar", "/w", 1)
 
 
 def test_the_async_sdk_diffs_as_the_sync_one(server: Server, ctl: Controller, child: str) -> None:

@@ -39,10 +39,10 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.manifests import (
     Difference,
     Manifest,
-    ManifestReader,
     Stat,
     compare,
     one_sided,
+    reader_for,
     stat_of,
 )
 from forkd.controller.services.sandbox_vm import SandboxVM
@@ -155,7 +155,7 @@ class DiffService:
         transfer_id, lower = opened.get("transfer_id"), opened.get("lower")
         if not isinstance(transfer_id, str) or not isinstance(lower, str):
             raise GuestError("the guest agent's manifest answer is malformed")
-        reader = ManifestReader(path, limits.MAX_DIFF_ENTRIES)
+        reader = reader_for(opened.get("format"), path, limits.MAX_DIFF_ENTRIES)
         got = 0
         async with contextlib.aclosing(self.files.stream(sandbox_id, transfer_id)) as chunks:
             async for chunk in chunks:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -29,6 +30,12 @@ from forkd.errors import GuestError
 
 KINDS = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
 ABSENT = "-"
+RECORD_FIELDS = 6
+_FIND_TIME = re.compile(rb"(-?[0-9]{1,20})\.([0-9]{1,10})")
+# find's %y letters (and the agent's "-"): f, d and l as they are, the rest "other".
+# A character device is other unless the agent's record says it is a whiteout.
+RECORD_KINDS = {b"f": "f", b"d": "d", b"l": "l", b"-": ABSENT,
+                **{k.encode(): "o" for k in "cbpsDU?"}}  # fmt: skip
 MAX_LINE_BYTES = 16 << 10  # a path of 4 KiB and a link target of 4 KiB, JSON-escaped
 Change = Literal["added", "modified", "removed"]
 
@@ -135,6 +142,89 @@ class ManifestReader:
         return Manifest(self.path, self.entries, truncated, lower_root)
 
 
+class RecordReader(ManifestReader):
+    """Takes a manifest in the agent's ``records`` format (GNU find's output and the
+    agent's own records of the same shape, forkd_fsfind.py): six NUL-ended fields per
+    entry (kind, size, octal mode, mtime as seconds.fraction, path relative to the
+    asked one, link target), then ``E`` and the JSON end object. A later record of a
+    path takes the place of an earlier one (a whiteout's of find's device)."""
+
+    def __init__(self, path: str, max_entries: int) -> None:
+        super().__init__(path, max_entries)
+        self._fields: list[bytes] = []
+        self._base = "" if path == "/" else path.rstrip("/")
+
+    def feed(self, data: bytes) -> None:
+        fields = (self._partial + data).split(b"\0")
+        self._partial = fields.pop()
+        if len(self._partial) > MAX_LINE_BYTES:
+            raise GuestError(f"the guest's manifest has a field over {MAX_LINE_BYTES} bytes")
+        pending = self._fields
+        pending += fields
+        at = 0
+        while len(pending) - at >= 2:
+            if self.ended is not None:
+                raise GuestError("the guest's manifest goes on after its end")
+            if pending[at] == b"E":
+                self._end(pending[at + 1])
+                at += 2
+            elif len(pending) - at >= RECORD_FIELDS:
+                self._record(pending[at : at + RECORD_FIELDS])
+                at += RECORD_FIELDS
+            else:
+                break
+        del pending[:at]
+
+    def _end(self, raw: bytes) -> None:
+        try:
+            end = json.loads(raw)
+        except ValueError:
+            raise GuestError("the guest's manifest has an end that is not JSON") from None
+        if not isinstance(end, dict) or end.get("end") is not True:
+            raise GuestError("the guest's manifest has an end that is not its end")
+        self.ended = end
+
+    def _record(self, fields: list[bytes]) -> None:
+        kind, size, mode, mtime, rel, target = fields
+        if any(len(f) > MAX_LINE_BYTES for f in fields):
+            raise GuestError(f"the guest's manifest has a field over {MAX_LINE_BYTES} bytes")
+        name = rel.decode("utf-8", "surrogateescape")
+        path = f"{self._base}/{name}" if name else self.path
+        ours = RECORD_KINDS.get(kind)
+        try:
+            if ours is None or not (size.isdigit() and mode.isdigit()):
+                raise ValueError
+            when = _FIND_TIME.fullmatch(mtime)
+            if when is None or len(size) > 20 or len(mode) > 7:
+                raise ValueError
+            # find prints tv_sec, then tv_nsec: -1.5 s is "-2.5000000000"
+            mtime_ns = int(when[1]) * 1_000_000_000 + int(when[2].ljust(9, b"0")[:9])
+            link = target.decode("utf-8", "surrogateescape") if ours == "l" else None
+            if ours != "l" and target:
+                raise ValueError
+            raw = [path, ours, int(size) if ours in "fl" else 0, int(mode, 8), mtime_ns, link]
+        except ValueError:
+            raise GuestError("the guest's manifest has an entry of the wrong shape") from None
+        if path in self.entries:  # the agent's own record of it (a whiteout), after find's
+            del self.entries[path]
+        self.add(raw)
+
+    def manifest(self, truncated: bool | None = None, lower_root: str | None = None) -> Manifest:
+        if truncated is None and self._fields:
+            raise GuestError("the guest's manifest ended within an entry")
+        return super().manifest(truncated, lower_root)
+
+
+def reader_for(fmt: Any, path: str, max_entries: int) -> ManifestReader:
+    """The reader of a manifest in the agent's format ``fmt`` (``lines``, the default of
+    agents before ``records``, or ``records``)."""
+    if fmt in (None, "lines"):
+        return ManifestReader(path, max_entries)
+    if fmt == "records":
+        return RecordReader(path, max_entries)
+    raise GuestError(f"the guest agent's manifest is in an unknown format {str(fmt)[:40]!r}")
+
+
 def _entry(raw: Any) -> tuple[str, Stat]:
     if not (isinstance(raw, list) and len(raw) == 6 and isinstance(raw[0], str)):
         raise GuestError("the guest's manifest has an entry of the wrong shape")
@@ -152,7 +242,8 @@ def stat_of(raw: Any) -> Stat:
     ok = (
         isinstance(raw, list) and len(raw) == 5
         and raw[0] in (*KINDS, ABSENT)
-        and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in raw[1:4])
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in raw[1:4])
+        and raw[1] >= 0 and raw[2] >= 0  # an mtime before 1970 is negative
         and (raw[4] is None or (isinstance(raw[4], str) and len(raw[4]) <= 4096))
     )  # fmt: skip
     if not ok:

@@ -28,11 +28,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from json.encoder import encode_basestring_ascii as _string  # C; quotes too
 from typing import Any, BinaryIO
 
 import forkd_files
+import forkd_fsfind
 from forkd_agent_params import RequestError
 
 # Where initramfs-init leaves the overlay's layers: forkd's own image, a container image.
@@ -154,6 +155,10 @@ class Walk:
                 yield from self._hidden_below(path)
 
     def _hidden_below(self, top: str) -> Iterator[bytes]:
+        for path in self.hidden_paths(top):
+            yield from self._emit(path, _ABSENT)
+
+    def hidden_paths(self, top: str) -> Iterator[str]:
         """What the image holds under the opaque directory ``top`` and the upper layer
         does not: hidden, so absent."""
         stack = [top]
@@ -168,9 +173,22 @@ class Walk:
             for child in children:
                 name = f"{base}/{child.name}"
                 if not os.path.lexists(self.upper + name):
-                    yield from self._emit(name, _ABSENT)
+                    yield name
                 if child.is_dir(follow_symlinks=False):
                     stack.append(name)
+
+    # What forkd_fsfind asks of a walk it does with find.
+
+    def top_fields(self) -> list[Any] | None:
+        """The asked path's fields: absent when an ancestor hides it; None: nothing there."""
+        return _ABSENT if self._hidden_above() else _fields(self.upper + self.path)
+
+    def fields(self, path: str) -> list[Any] | None:
+        """The upper layer's fields of ``path``."""
+        return _fields(self.upper + path)
+
+    def opaque(self, path: str) -> bool:
+        return _opaque(self.upper + path)
 
 
 def write_manifest(pipe: BinaryIO, walk: Walk) -> None:
@@ -187,15 +205,20 @@ def write_manifest(pipe: BinaryIO, walk: Walk) -> None:
 
 def op_fs_manifest_open(req: dict[str, Any]) -> dict[str, Any]:
     """Open the manifest of ``path`` (read with ``file_tar_read``): ``{"transfer_id",
-    "lower"}``, ``lower`` the image's directory (to read what a file was before)."""
+    "lower", "format"}``, ``lower`` the image's directory (to read what a file was
+    before); ``format`` ``records`` when GNU find lists it (forkd_fsfind), else
+    ``lines`` (this module's walk)."""
     path = _normal(forkd_files._path(req))
     limit = forkd_files._int(req, "max_entries", 1, MAX_ENTRIES)
     upper, lower = layers()
     walk = Walk(upper.rstrip("/"), lower.rstrip("/"), path, limit)
-    opened = forkd_files.TRANSFERS.add(
-        lambda: forkd_files.ReadStream(lambda pipe: write_manifest(pipe, walk))
-    )
-    return {"transfer_id": opened, "lower": lower}
+    find = forkd_fsfind.gnu_find()
+    if find is None:
+        write: Callable[[BinaryIO], None] = lambda pipe: write_manifest(pipe, walk)  # noqa: E731
+    else:
+        write = forkd_fsfind.FindWalk(find, walk).write
+    opened = forkd_files.TRANSFERS.add(lambda: forkd_files.ReadStream(write))
+    return {"transfer_id": opened, "lower": lower, "format": "lines" if find is None else "records"}
 
 
 def op_fs_lower_stat(req: dict[str, Any]) -> dict[str, Any]:
