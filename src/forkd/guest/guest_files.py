@@ -65,6 +65,7 @@ GUEST_FILES = (
     _agent("forkd_files.py"),
     _agent("forkd_tar.py"),
     _agent("forkd_fsdiff.py"),
+    _agent("forkd_fsfind.py"),
     _agent("forkd_eval.py"),
     _agent("forkd_exec.py"),
     _agent("forkd_identity.py"),
