@@ -247,3 +247,19 @@ def test_a_download_left_halfway_stops_find(overlay: tuple[Path, Path, Path], li
         transfer.thread.join(10)
     assert not transfer.thread.is_alive()
     assert _finds_of_ours() == []
+
+
+def test_a_find_that_fails_fails_the_manifest(
+    overlay: tuple[Path, Path, Path], lister: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not an empty manifest (no change seen) when find could not list."""
+    if lister == "walk":
+        pytest.skip("about find")
+    merged, upper, lower = overlay
+    (merged / "new").write_text("x")
+    broken = tmp_path / "find"
+    broken.write_text("#!/bin/sh\necho 'find: unknown predicate' >&2\nexit 2\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(sys.modules["forkd_fsfind"], "gnu_find", lambda: str(broken))
+    with pytest.raises(OSError, match="find exited 2: find: unknown predicate"):
+        _manifest(upper, lower, "/")

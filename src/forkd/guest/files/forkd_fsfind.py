@@ -38,6 +38,8 @@ RECORD_FIELDS = 6
 FORMAT = r"%y\0%s\0%m\0%T@\0%P\0%l\0"
 MARKS = r"%y%P\0"  # directories and character devices, to the second pipe
 CHUNK = 1 << 16
+MAX_MARK_BYTES = 256 << 20  # find's marks: a path per directory (a manifest's are fewer)
+MAX_ERROR_BYTES = 64 << 10
 ABSENT = ["-", 0, 0, 0, None]  # a Walk's fields of what is not there
 _gnu_find: dict[tuple[str, int, int], bool] = {}  # (path, mtime_ns, size): is GNU find
 
@@ -107,40 +109,52 @@ class FindWalk:
         """Run find, its records to ``pipe``; what it wrote to the second pipe."""
         top = self.walk.upper + self.walk.path
         marks_r, marks_w = os.pipe()
+        # /proc, not /dev/fd: a guest's devtmpfs has no /dev/fd link
         argv = [self.find, top, "-mindepth", "1", "(", "-type", "d", "-o", "-type", "c", ")",
-                "-fprintf", f"/dev/fd/{marks_w}", MARKS, ",", "-printf", FORMAT]  # fmt: skip
+                "-fprintf", f"/proc/self/fd/{marks_w}", MARKS, ",", "-printf", FORMAT]  # fmt: skip
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     stdin=subprocess.DEVNULL, pass_fds=(marks_w,))  # fmt: skip
         finally:
             os.close(marks_w)
-        marks = bytearray()
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stderr is not None
+        out, err = proc.stdout.fileno(), proc.stderr.fileno()
+        streams = {out: bytearray(), marks_r: bytearray(), err: bytearray()}
         try:
-            with proc.stdout:
-                self._drain(proc.stdout.fileno(), marks_r, pipe, marks)
+            with proc.stdout, proc.stderr:
+                self._drain(out, err, pipe, streams)
         finally:
             os.close(marks_r)
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
-        return bytes(marks)
+        if proc.returncode != 0 and not self.truncated and _not_only_vanished(streams[err]):
+            said = bytes(streams[err][-500:]).decode(errors="replace").strip()
+            raise OSError(f"find exited {proc.returncode}: {said}")
+        return bytes(streams[marks_r])
 
-    def _drain(self, out: int, marks_r: int, pipe: BinaryIO, marks: bytearray) -> None:
-        """find's records to ``pipe`` (whole ones, as many as there is room for) and its
-        marks into ``marks``, until find closes both or the room is used up."""
+    def _drain(self, out: int, err: int, pipe: BinaryIO, streams: dict[int, bytearray]) -> None:
+        """find's records (``out``) to ``pipe``, whole ones and as many as there is room
+        for; what it writes to the other ``streams``, into them (its errors, ``err``: the
+        first ``MAX_ERROR_BYTES``), until find closes them all or the room is used up."""
         room = (self.walk.limit - self.count) * RECORD_FIELDS  # fields
         sent = 0
         with selectors.DefaultSelector() as sel:
-            sel.register(out, selectors.EVENT_READ, "out")
-            sel.register(marks_r, selectors.EVENT_READ, "marks")
+            for fd in streams:
+                sel.register(fd, selectors.EVENT_READ)
             while sel.get_map() and not self.truncated:
                 for key, _ in sel.select():
                     data = os.read(key.fd, CHUNK)
                     if not data:
                         sel.unregister(key.fd)
-                    elif key.data == "marks":
-                        marks += data
+                    elif key.fd != out:
+                        kept = streams[key.fd]
+                        if key.fd == err:
+                            kept += data[: max(0, MAX_ERROR_BYTES - len(kept))]
+                        elif len(kept) + len(data) > MAX_MARK_BYTES:  # not lose a whiteout
+                            raise OSError(f"over {MAX_MARK_BYTES} bytes of directory names")
+                        else:
+                            kept += data
                     elif sent + data.count(b"\0") <= room:
                         sent += data.count(b"\0")
                         pipe.write(data)
@@ -168,3 +182,10 @@ class FindWalk:
             elif kind == "d" and walk.opaque(at):
                 for hidden in walk.hidden_paths(at):
                     yield record(hidden[len(base) + 1 :], ABSENT)
+
+
+def _not_only_vanished(errors: bytearray) -> bool:
+    """Whether find complained of more than entries gone while it walked (the sandbox
+    runs on meanwhile; forkd_fsdiff's walk skips those too)."""
+    lines = [line for line in errors.splitlines() if line.strip()]
+    return not lines or any(not line.endswith(b"No such file or directory") for line in lines)
