@@ -34,7 +34,6 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from forkd import limits
 from forkd.client import Controller, ControllerError
 from forkd.launcher import DaemonProcess
 
@@ -167,6 +166,7 @@ TEMPLATES = (
 CHECK = "import sys; print(open(sys.argv[1]).read().strip(), sys.argv[2])"
 KILL_AFTER_EXEC = 0.1  # chance that a child is killed after an exec, beyond what room needs
 MIN_RUNNING = 4  # ... unless fewer run
+DEFAULT_RUNNING = 16  # children at once: the daemon's old per-core default on 2 cores
 PROGRESS_EVERY = 50  # operations
 TIMES = {  # what is timed: its label in the table
     "fork_wall_ms": "fork batch (1-10), client wall",
@@ -186,7 +186,7 @@ class Soak(benchlib.BenchBase):
         self.daemon = DaemonProcess(workdir / "state")
         self.burners: list[subprocess.Popen[bytes]] = []
         self.stopping = threading.Event()
-        self.pop = Population(args.max_running or limits.default_max_sandboxes())
+        self.pop = Population(args.max_running or DEFAULT_RUNNING)
         self.failures: list[dict[str, str]] = []
         self.times: dict[str, list[float]] = {k: [] for k in TIMES}
         self.counts = {"forks": 0, "fork_batches": 0, "refill_forks": 0, "branches": 0,
@@ -491,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burners", type=int, default=2, help="CPU-burning processes (2)")
     p.add_argument("--max-running", type=int, default=None,
                    help="children at once; given, it is the daemon's --max-sandboxes too "
-                   "(default: the daemon's default)")  # fmt: skip
+                   f"(default: {DEFAULT_RUNNING}, the daemon's own default then)")  # fmt: skip
     benchlib.add_common_args(p)
     args = p.parse_args(argv)
     if min(args.forks, args.workers) < 1 or min(args.branches, args.execs, args.burners) < 0:

@@ -7,7 +7,6 @@ Standard library only: the SDK may import it.
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -68,11 +67,20 @@ MIN_MEMORY_LIMIT_MIB = 64
 # integer every JSON client takes whole (seed + i stays under it: checked).
 MAX_SEED = (1 << 53) - 1  # JavaScript's largest exact integer: the TS SDK reads it too
 
-# Admission (forkd serve --max-sandboxes, --max-guest-memory): over a cap is a 429.
-# A busy sandbox takes one core per vCPU; an idle one little. Eight per core
-# keeps a host where every sandbox runs a command responsive enough to fork.
-SANDBOXES_PER_CPU = 8
-HOST_RESERVE_MIB = 1024  # the host, the daemon and the page cache of snapshots
+# Admission (forkd serve --max-sandboxes, --memory-overcommit or --max-guest-memory,
+# --memory-reserve): over a cap is a 429. Sandboxes are admitted by the host memory
+# they really take (forkd.controller.services.host_memory); CPU is shared by the
+# scheduler and shows in metrics, never in refusals. docs/RUNBOOK.md, "Sizing a host",
+# has the figures these come from (2 cores, 24 GiB, TCG).
+# An idle fork of a 256 MiB template holds 27 MiB of its own, 40 once it ran a command:
+# what a new sandbox is counted at until three of its siblings have run.
+FORK_ESTIMATE_MIB = 48
+# Guest RAM given to sandboxes, over the host's RAM: what they would take if every
+# guest filled its memory at once. Forks hold a tenth to a sixth of theirs, so 4 leaves
+# room to spare for 300 idle 256 MiB forks on 24 GiB (3.1) while bounding the worst case.
+MEMORY_OVERCOMMIT = 4.0
+HOST_RESERVE_MIB = 1024  # the least kept for the host, the daemon and snapshots' hot pages
+MAX_SANDBOXES_CEILING = 1000  # the most forks one request asks (the original's n)
 
 # Request bodies.
 JSON_BODY_LIMIT = 1 << 20  # the JSON routes
@@ -157,9 +165,18 @@ def check_vcpus(vcpus: int) -> int:
     return vcpus
 
 
-def default_max_sandboxes(cpus: int | None = None) -> int:
-    """``SANDBOXES_PER_CPU`` per CPU of this host."""
-    return SANDBOXES_PER_CPU * (cpus or os.cpu_count() or 1)
+def default_memory_reserve_mib(host_mib: int | None = None) -> int:
+    """Host memory admission keeps free: a sixteenth of the RAM, at least 1 GiB."""
+    host = host_memory_mib() if host_mib is None else host_mib
+    return max(HOST_RESERVE_MIB, host // 16)
+
+
+def default_max_sandboxes(host_mib: int | None = None) -> int:
+    """As many sandboxes as the host's memory holds at FORK_ESTIMATE_MIB each, above
+    the reserve (at most MAX_SANDBOXES_CEILING, at least 1)."""
+    host = host_memory_mib() if host_mib is None else host_mib
+    room = host - default_memory_reserve_mib(host)
+    return max(1, min(MAX_SANDBOXES_CEILING, room // FORK_ESTIMATE_MIB))
 
 
 def host_memory_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
@@ -170,19 +187,10 @@ def host_memory_mib(meminfo: Path = Path("/proc/meminfo")) -> int:
     raise ValueError(f"no MemTotal in {meminfo}")
 
 
-def default_max_guest_memory_mib(
-    max_sandboxes: int, overhead_mib: int, host_mib: int | None = None
-) -> int:
-    """Guest RAM that fits this host even if every guest writes all of it.
-
-    Host RAM less a reserve and less each sandbox's QEMU overhead: the sum
-    of every VM's cgroup cap then fits in RAM, so a full house of sandboxes
-    that all fill their memory is stopped by their caps, never by the host
-    running out. (Forks share their snapshot's pages, so in practice far
-    less is used.)
-    """
+def overcommitted_guest_memory_mib(ratio: float, host_mib: int | None = None) -> int:
+    """The nominal cap: guest RAM given to sandboxes, ``ratio`` times the host's RAM."""
     host = host_memory_mib() if host_mib is None else host_mib
-    return max(MIN_MEMORY_MIB, host - HOST_RESERVE_MIB - max_sandboxes * overhead_mib)
+    return max(MIN_MEMORY_MIB, int(ratio * host))
 
 
 def default_pool_memory_mib(host_mib: int | None = None) -> int:

@@ -7,18 +7,25 @@ Read from the real cgroup filesystem (v2, or v1 per controller) and from
 from __future__ import annotations
 
 import errno
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+from forkd.controller.services import host_memory
 from forkd.vmm.jail import cgroups, qemu_user
 from forkd.vmm.qemu.argv import SANDBOX_RUNAS
+
+from .conftest import Daemon
 
 ROOT = Path("/sys/fs/cgroup")
 MIB = 1 << 20
@@ -235,9 +242,74 @@ def test_a_guest_over_its_memory_limit_gets_its_qemu_killed_and_marked_dead(
 
 def test_requests_over_a_cap_or_under_the_least_limit_start_nothing(c: httpx.Client) -> None:
     before = c.get("/v1/sandboxes").json()
-    # n up to 1000 is valid (the original's limit); this daemon's --max-sandboxes refuses it.
-    r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 101})
-    assert r.status_code == 429 and "(--max-sandboxes)" in r.json()["error"]
+    # n up to 1000 is valid (the original's limit); no host this suite runs on holds as
+    # many: this daemon's --max-sandboxes, or what the host's memory holds, refuses it.
+    r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 1000})
+    assert r.status_code == 429, r.text
+    assert re.search(r"\((--max-sandboxes|--memory-reserve)\)", r.json()["error"])
     r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 1, "memory_limit_mib": 64})
     assert r.status_code == 400 and "below what this sandbox needs" in r.json()["error"]
     assert c.get("/v1/sandboxes").json() == before
+
+
+# ------------------------------------------------------------------ admission by real memory
+
+
+@pytest.fixture(scope="module")
+def suite_api(daemon: Daemon, api_template: str) -> Iterator[httpx.Client]:
+    """The suite's daemon, with its default caps (and cgroups or not)."""
+    with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"},
+                      timeout=300) as client:  # fmt: skip
+        yield client
+
+
+def test_forks_given_more_guest_memory_than_the_host_has_run_on_the_defaults(
+    suite_api: httpx.Client,
+) -> None:
+    """The daemon's default caps admit children by what they really take: more 256 MiB
+    forks than the host has RAM for, nominally, all run (100 on a 24 GiB host)."""
+    c = suite_api
+    total_mib = host_memory.read_meminfo().total_mib
+    n = total_mib // GUEST_MIB + 1
+    capacity = c.get("/v1/capacity").json()
+    assert capacity["memory_reserve_mib"] >= 1024 and capacity["memory_overcommit"] == 4.0
+    r = c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": n})
+    assert r.status_code == 201, r.text
+    ids = [k["id"] for k in r.json()]
+    try:
+        assert len(ids) == n and n * GUEST_MIB > total_mib
+        capacity = c.get("/v1/capacity").json()
+        assert capacity["guest_memory_mib"] >= n * GUEST_MIB
+        # What they really hold: their QEMUs' own memory, a small part of their guests'.
+        assert 0 < capacity["sandboxes_own_memory_mib"] < n * GUEST_MIB / 2
+        assert c.post(f"/v1/sandboxes/{ids[-1]}/exec", json={"args": ["true"]}).status_code == 200
+    finally:
+        for sid in ids:
+            c.delete(f"/v1/sandboxes/{sid}")
+
+
+@pytest.fixture
+def reserved(image: Any) -> Iterator[tuple[Daemon, httpx.Client]]:
+    """A daemon that keeps all but 64 MiB of what the host has available now in reserve."""
+    root = Path(tempfile.mkdtemp(prefix="forkd-m-", dir="/tmp"))
+    d = Daemon(root)
+    available = host_memory.read_meminfo().available_mib
+    d.start("--pool-size", "0", "--memory-reserve", str(available - 64))
+    with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"},
+                      timeout=120) as client:  # fmt: skip
+        yield d, client
+    d.stop()
+    d.kill_leftovers()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_request_the_host_s_memory_cannot_hold_is_refused_and_starts_nothing(
+    reserved: tuple[Daemon, httpx.Client],
+) -> None:
+    d, client = reserved
+    r = client.post("/v1/snapshots", json={"tag": "big", "memory_mib": 512})
+    assert r.status_code == 429, r.text
+    said = r.json()["error"]
+    assert "needs about 512 MiB of host memory (512 MiB of a template's guest)" in said
+    assert "(--memory-reserve)" in said and "short by" in said
+    assert client.get("/v1/snapshots").json() == [] and d.qemu_pids() == []

@@ -19,7 +19,10 @@ from fastapi.testclient import TestClient
 
 from forkd import limits
 from forkd.controller.app import create_app
+from forkd.controller.services import host_memory
+from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.settings import Settings
+from forkd.errors import OverCapacity
 from forkd.launcher import free_port
 from forkd.vmm.jail import cgroups
 from tests.unit.conftest import TOKEN, serving
@@ -69,7 +72,7 @@ def test_a_fork_over_the_sandbox_cap_is_429_and_changes_nothing(
     before = state(capped, settings, driver)
     r = fork(capped, 2)
     assert r.status_code == 429, r.text
-    assert "cap of 3" in r.json()["error"] and "--max-sandboxes" in r.json()["error"]
+    assert "cap of 3 (--max-sandboxes) by 1" in r.json()["error"]
     assert state(capped, settings, driver) == before
     # No id was used up by the refused request.
     last = fork(capped, 1).json()[0]
@@ -98,8 +101,9 @@ def test_guest_memory_counts_every_running_sandbox(
     before = state(capped, settings, driver)
     r = fork(capped, 1, "big")
     assert r.status_code == 429
-    assert "needs 256 MiB" in r.json()["error"] and "512 of" in r.json()["error"]
-    assert "--max-guest-memory" in r.json()["error"]
+    said = r.json()["error"]
+    assert "256 MiB more of guest memory would make 768" in said and "by 168" in said
+    assert "(--max-guest-memory)" in said and "512 MiB are given" in said
     assert state(capped, settings, driver) == before
 
 
@@ -205,10 +209,139 @@ def test_a_template_build_in_flight_holds_its_guest_memory(
     assert booting.wait(10)  # the build is booting its 512 MiB template
     r = httpx.post(f"{url}/v1/sandboxes", json={"snapshot_tag": "py", "n": 1}, headers=AUTH)
     build.join(30)
-    assert r.status_code == 429 and "512 of this daemon's 600 MiB" in r.json()["error"]
+    assert r.status_code == 429 and "512 MiB are given" in r.json()["error"]
+    assert "cap of 600 MiB" in r.json()["error"]
     # Once it is built, its template VM is gone and the room is free again.
     r = httpx.post(f"{url}/v1/sandboxes", json={"snapshot_tag": "py", "n": 2}, headers=AUTH)
     assert r.status_code == 201, r.text
+
+
+# ------------------------------------------------------------------ the host's real memory
+
+
+def fake_meminfo(path: Path, total_mib: int, available_mib: int) -> None:
+    path.write_text(f"MemTotal:       {total_mib << 10} kB\nMemFree:  1 kB\n"
+                    f"MemAvailable:   {available_mib << 10} kB\n")  # fmt: skip
+
+
+@pytest.fixture
+def meminfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A /proc/meminfo the test writes: a 4 GiB host with 1000 MiB available."""
+    path = tmp_path / "meminfo"
+    fake_meminfo(path, 4096, 1000)
+    monkeypatch.setattr(host_memory, "MEMINFO", path)
+    return path
+
+
+@pytest.fixture
+def by_memory(settings: Settings, driver: FakeDriver, meminfo: Path) -> Iterator[TestClient]:
+    """The app as `forkd serve` makes it on that host, with a 512 MiB reserve."""
+    settings.max_sandboxes = limits.default_max_sandboxes(4096)
+    settings.max_guest_memory_mib = limits.overcommitted_guest_memory_mib(4.0, 4096)
+    settings.memory_overcommit, settings.memory_reserve_mib = 4.0, 512
+    with TestClient(create_app(settings, TOKEN, driver=driver), headers=AUTH) as c:
+        yield c
+
+
+def test_a_fork_whose_real_share_does_not_fit_is_429_saying_by_how_much(
+    by_memory: TestClient, settings: Settings, driver: FakeDriver
+) -> None:
+    template(by_memory, memory_mib=256)
+    before = state(by_memory, settings, driver)
+    r = fork(by_memory, 11)  # 11 x 48 = 528 MiB; 1000 available less 512 reserved: 488
+    assert r.status_code == 429, r.text
+    said = r.json()["error"]
+    assert "needs about 528 MiB of host memory (11 x 48 MiB" in said
+    assert "488 MiB are left, short by 40" in said and "(--memory-reserve)" in said
+    assert state(by_memory, settings, driver) == before
+    assert fork(by_memory, 10).status_code == 201  # 480 fits
+
+
+def test_guest_memory_larger_than_the_host_s_ram_is_admitted_when_its_real_share_fits(
+    by_memory: TestClient, meminfo: Path
+) -> None:
+    fake_meminfo(meminfo, 4096, 3500)
+    template(by_memory, memory_mib=2048)
+    r = fork(by_memory, 3)  # 6 GiB of guest RAM on a 4 GiB host: 144 MiB really
+    assert r.status_code == 201, r.text
+    r = fork(by_memory, 6)  # 18 GiB given: over 4 x 4 GiB
+    assert r.status_code == 429
+    assert "(--memory-overcommit 4) by 2048" in r.json()["error"]
+
+
+def test_a_template_build_counts_its_whole_guest_against_the_host(
+    by_memory: TestClient, meminfo: Path
+) -> None:
+    r = by_memory.post("/v1/snapshots", json={"tag": "big", "memory_mib": 1024})
+    assert r.status_code == 429, r.text
+    assert "1024 MiB of a template's guest" in r.json()["error"]
+    assert by_memory.get("/v1/snapshots/big/info").status_code == 404
+
+
+class _VM:
+    """What the memory watch reads of a VM."""
+
+    def __init__(self, origin: str | None, anon_mib: float) -> None:
+        self.origin = None if origin is None else Path(origin)
+        self.anon_mib = anon_mib
+
+    def resident_memory(self) -> dict[str, int]:
+        return {"anon": int(self.anon_mib * (1 << 20))}
+
+
+def test_a_snapshot_s_fork_estimate_is_what_its_settled_children_hold(meminfo: Path) -> None:
+    now = [100.0]
+    vms: dict[str, Any] = {}
+    watch = host_memory.MemoryWatch(lambda: vms, clock=lambda: now[0])
+    vms.update({"a": _VM("/s/py", 30), "b": _VM("/s/py", 27), "c": _VM("/s/py", 40),
+                "d": _VM("/s/other", 90)})  # fmt: skip
+    watch.sample()
+    assert watch.fork_estimate_mib(Path("/s/py")) == limits.FORK_ESTIMATE_MIB  # not settled
+    # Young VMs will take their estimate: 48 - 30, 48 - 27, 48 - 40; d is over it.
+    assert watch.unsettled_mib() == 18 + 21 + 8
+    now[0] += host_memory.SETTLE_SECS
+    watch.sample()
+    assert watch.fork_estimate_mib(Path("/s/py")) == 30  # the median of three
+    assert watch.fork_estimate_mib(Path("/s/other")) == limits.FORK_ESTIMATE_MIB  # one child
+    assert watch.unsettled_mib() == 0 and watch.sandboxes_mib() == 187
+    del vms["a"]
+    vms["e"] = _VM("/s/py", 10)
+    watch.sample()  # read again within SAMPLE_SECS: kept
+    assert watch.own_mib("a") == 30 and watch.own_mib("e") is None
+    now[0] += host_memory.SAMPLE_SECS
+    watch.sample()
+    assert watch.own_mib("a") is None and watch.own_mib("e") == 10
+    # Two settled siblings left: the estimate is the default again, which e will take.
+    assert watch.unsettled_mib() == limits.FORK_ESTIMATE_MIB - 10
+
+
+def test_room_held_by_a_request_still_starting_counts_against_the_host(
+    settings: Settings, meminfo: Path
+) -> None:
+    settings.memory_reserve_mib = 512
+    vms: dict[str, Any] = {}
+    control = AdmissionControl(settings, dict, host_memory.MemoryWatch(lambda: vms))
+    with control.admit("first", 5, 256):  # 5 x 48 = 240 of the 488 left
+        with (
+            pytest.raises(OverCapacity, match="240 MiB that sandboxes still starting"),
+            control.admit("second", 6, 256),  # 288 more: over
+        ):
+            pass
+        with control.admit("third", 5, 256):
+            assert control.starting_mib() == 480
+    with control.admit("again", 10, 256):  # the room is given back
+        pass
+
+
+def test_this_host_s_defaults_let_100_forks_of_a_256_mib_template_run() -> None:
+    """As the issue asks of a 24 GiB host: 25 GiB of guest RAM admitted, 100 sandboxes."""
+    host = 24 * 1024
+    assert limits.default_memory_reserve_mib(host) == 1536
+    assert limits.default_max_sandboxes(host) == 480 >= 100
+    assert limits.overcommitted_guest_memory_mib(limits.MEMORY_OVERCOMMIT, host) >= 100 * 256
+    assert host - limits.default_memory_reserve_mib(host) > 100 * limits.FORK_ESTIMATE_MIB
+    assert limits.default_max_sandboxes(2048) == 21  # a small host: (2048 - 1024) / 48
+    assert limits.default_max_sandboxes(1 << 20) == limits.MAX_SANDBOXES_CEILING
 
 
 # ------------------------------------------------------------------ memory_limit_mib

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.table import Table
@@ -105,7 +105,32 @@ _MaxSandboxesOpt = Annotated[
     typer.Option(
         envvar="FORKD_MAX_SANDBOXES",
         min=1,
-        help="Sandboxes running or starting at once; more is a 429 (default: 8 per CPU).",
+        help="Sandboxes running or starting at once; more is a 429 (default: what the "
+        "host's memory holds at 48 MiB each above --memory-reserve, at most 1000).",
+    ),
+]
+
+_MemoryOvercommitOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_MEMORY_OVERCOMMIT",
+        min=0.1,
+        max=100.0,
+        metavar="RATIO",
+        help="Guest RAM given to sandboxes and template builds, over the host's RAM: what "
+        "they would take if every guest filled its memory; more is a 429.",
+    ),
+]
+
+_MemoryReserveOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MEMORY_RESERVE",
+        min=0,
+        metavar="MIB",
+        help="Host memory kept available: a sandbox whose real share would not fit above "
+        "it is a 429 (default: a sixteenth of the RAM, at least 1024).",
+        show_default=False,
     ),
 ]
 
@@ -116,7 +141,7 @@ _MaxGuestMemoryOpt = Annotated[
         min=128,
         metavar="MIB",
         help="Guest RAM of sandboxes and template builds together; more is a 429 "
-        "(default: host RAM less 1 GiB and less QEMU's overhead per --max-sandboxes).",
+        "(default: --memory-overcommit times the host's RAM).",
     ),
 ]
 
@@ -304,6 +329,8 @@ def serve(
     pool_memory: _PoolMemoryOpt = None,
     max_sandboxes: _MaxSandboxesOpt = None,
     max_guest_memory: _MaxGuestMemoryOpt = None,
+    memory_overcommit: _MemoryOvercommitOpt = 4.0,
+    memory_reserve: _MemoryReserveOpt = None,
     cgroup_parent: _CgroupParentOpt = "forkd",
     network: _NetworkOpt = "auto",
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
@@ -334,13 +361,11 @@ def serve(
     sd = (state_dir or paths.state_dir()).resolve()
     snapshot_root = snapshot_root.resolve() if snapshot_root else None
     try:
-        chosen = choose(accel)
-        caps = _admission_caps(max_sandboxes, max_guest_memory, chosen.name)
+        choose(accel)  # refused at start when it cannot run VMs
         parent = None if cgroup_parent == "none" else cgroups.check_parent(cgroup_parent)
         RegistryPolicy.of(insecure_registry or (), default_registry)  # refused at start if bad
         settings = Settings(
-            max_sandboxes=caps[0],
-            max_guest_memory_mib=caps[1],
+            **_admission(max_sandboxes, max_guest_memory, memory_overcommit, memory_reserve),
             cgroup_parent=parent,
             state_dir=sd,
             snapshot_root=snapshot_root or sd / "snapshots",
@@ -422,18 +447,24 @@ def _use_qemu_user(choice: str, uid_range: str) -> None:
     qemu_user.configure(uids)
 
 
-def _admission_caps(
-    max_sandboxes: int | None, max_guest_memory: int | None, accel: str
-) -> tuple[int, int]:
-    """The caps given, else sized for this host (see :mod:`forkd.limits`)."""
+def _admission(
+    max_sandboxes: int | None,
+    max_guest_memory: int | None,
+    overcommit: float,
+    reserve: int | None,
+) -> dict[str, Any]:
+    """The admission settings: the caps given, else sized for this host (see
+    :mod:`forkd.limits`)."""
     from forkd import limits
-    from forkd.vmm.jail import cgroups
 
-    count = max_sandboxes or limits.default_max_sandboxes()
-    mib = max_guest_memory or limits.default_max_guest_memory_mib(
-        count, cgroups.overhead_mib(accel)
-    )
-    return count, mib
+    return {
+        "max_sandboxes": max_sandboxes or limits.default_max_sandboxes(),
+        "max_guest_memory_mib": (
+            max_guest_memory or limits.overcommitted_guest_memory_mib(overcommit)
+        ),
+        "memory_overcommit": None if max_guest_memory else overcommit,
+        "memory_reserve_mib": limits.default_memory_reserve_mib() if reserve is None else reserve,
+    }
 
 
 def doctor(as_json: JsonOpt = False) -> None:

@@ -489,6 +489,21 @@ class CapacityInfo(BaseModel):
     max_sandboxes: int | None
     guest_memory_mib: int = Field(description="guest RAM of those, and of template builds")
     max_guest_memory_mib: int | None
+    memory_overcommit: float | None = Field(
+        default=None, description="max_guest_memory_mib over the host's RAM, when sized so"
+    )
+    host_memory_mib: int | None = Field(default=None, description="the host's RAM")
+    host_memory_available_mib: int | None = Field(
+        default=None, description="what the host has available now (MemAvailable)"
+    )
+    memory_reserve_mib: int | None = Field(
+        default=None, description="of that, what admission keeps free (None: not checked)"
+    )
+    sandboxes_own_memory_mib: int | None = Field(
+        default=None,
+        description="what running sandboxes hold of their own (QEMU's anonymous"
+        " memory: what forks do not share), at the last sample",
+    )
     snapshots: list[str] = Field(description="tags of the ready snapshots")
 
 

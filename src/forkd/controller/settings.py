@@ -20,6 +20,9 @@ class Settings:
     # Admission caps (None: no cap); `forkd serve` gives host-sized ones.
     max_sandboxes: int | None = None
     max_guest_memory_mib: int | None = None  # guest RAM of sandboxes + template builds
+    memory_overcommit: float | None = None  # what max_guest_memory_mib was sized by, if it was
+    # Admission by the host's real memory: what must stay available (None: not checked).
+    memory_reserve_mib: int | None = None
     # Each VM's cgroup: <cgroup_root>/<cgroup_parent>/<vm id>; None: no cgroups.
     cgroup_parent: str | None = None
     cgroup_root: Path = Path("/sys/fs/cgroup")

@@ -512,3 +512,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
     def memory_usage(self) -> dict[str, int]:
         """Host memory of the QEMU process in bytes; ``private`` is what it alone costs."""
         return host_processes.memory_usage(self.pid)
+
+    def resident_memory(self) -> dict[str, int]:
+        """What the QEMU process holds now, cheaply read (``anon``: its own pages), in bytes."""
+        return host_processes.resident_memory(self.pid)

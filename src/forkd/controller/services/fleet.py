@@ -26,6 +26,7 @@ from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.events import EventBus
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.holds import Holds
+from forkd.controller.services.host_memory import MemoryWatch
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
@@ -124,8 +125,11 @@ class Fleet:
         self.vms: dict[str, SandboxVM] = {}  # sandbox id -> its running VM
         self.holds = Holds()
         self.activity = Activity()
+        self.memory = MemoryWatch(lambda: self.vms)
         self.admission = AdmissionControl(
-            settings, lambda: {sid: vm.machine.memory_mib for sid, vm in self.vms.items()}
+            settings,
+            lambda: {sid: vm.machine.memory_mib for sid, vm in self.vms.items()},
+            self.memory,
         )
         self.events = EventBus()  # lifecycle events: every service publishes here
         self.hibernated = HibernatedFiles(settings.snapshot_root)

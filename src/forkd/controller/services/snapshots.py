@@ -304,6 +304,11 @@ class SnapshotService:
     def capacity(self) -> CapacityInfo:
         fleet = self.fleet
         count, mib = fleet.admission.in_use()
+        try:
+            host = fleet.memory.host()
+        except (OSError, KeyError, ValueError):  # no /proc/meminfo: not Linux, a jail
+            host = None
+        fleet.memory.sample()
         return CapacityInfo(
             node_id=fleet.store.id_prefix,
             version=__version__,
@@ -313,6 +318,11 @@ class SnapshotService:
             max_sandboxes=fleet.settings.max_sandboxes,
             guest_memory_mib=mib,
             max_guest_memory_mib=fleet.settings.max_guest_memory_mib,
+            memory_overcommit=fleet.settings.memory_overcommit,
+            host_memory_mib=None if host is None else host.total_mib,
+            host_memory_available_mib=None if host is None else host.available_mib,
+            memory_reserve_mib=fleet.settings.memory_reserve_mib,
+            sandboxes_own_memory_mib=fleet.memory.sandboxes_mib(),
             snapshots=[r.tag for r in fleet.store.list_snapshots() if r.status == "ready"],
         )
 

@@ -107,6 +107,22 @@ def memory_usage(pid: int) -> dict[str, int]:
     return out
 
 
+def resident_memory(pid: int) -> dict[str, int]:
+    """What process ``pid`` holds in RAM now, from /proc/PID/status, in bytes: ``rss``,
+    ``anon`` (its own pages: QEMU's heap and translation cache, the guest pages it
+    wrote; a QEMU shares none with another) and ``file`` (mapped files: a snapshot's
+    pages it reads, shared with its siblings). A few microseconds, where
+    :func:`memory_usage` takes a millisecond or more: read for every sandbox at once."""
+    keys = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file", "RssShmem": "shmem"}
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in keys:
+                out[keys[key]] = int(rest.split()[0]) * 1024
+    return out
+
+
 def owner_uid(pid: int) -> int | None:
     """The real user id process ``pid`` runs as, or None when it is gone.
 
