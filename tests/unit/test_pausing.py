@@ -40,9 +40,12 @@ def _status(call: Any, *args: Any) -> int:
     return exc.value.status
 
 
-def test_a_paused_sandbox_answers_nothing_until_resumed(
-    ctl: Controller, sid: str, vm: FakeVM
+def test_a_paused_sandbox_made_without_auto_resume_answers_nothing_until_resumed(
+    ctl: Controller, server: Server, py: str
 ) -> None:
+    sid = ctl.spawn_sandboxes(py, auto_resume=False)[0]["id"]
+    vm = server.driver.vms[-1]
+    assert ctl.get_sandbox(sid)["auto_resume"] is False
     assert ctl.pause_sandbox(sid)["state"] == "paused"
     assert vm.state == "paused" and ctl.get_sandbox(sid)["state"] == "paused"
     with pytest.raises(ControllerError) as exc:

@@ -145,6 +145,15 @@ def fork(
             "--seed", min=0, help="Child i gets seed+i: Python's random in it is seeded from it."
         ),
     ] = None,
+    auto_resume: Annotated[
+        bool | None,
+        typer.Option(
+            "--auto-resume/--no-auto-resume",
+            help="Whether a request to it while paused or hibernated resumes it (default) or "
+            "is refused (409).",
+            show_default=False,
+        ),
+    ] = None,
     settle_secs: Annotated[
         float | None,
         typer.Option(
@@ -179,6 +188,7 @@ def fork(
         sandboxes = ctl.spawn_sandboxes(
             tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
             metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout, seed=seed,
+            auto_resume=auto_resume,
         )  # fmt: skip
     if conn.as_json:
         render.print_json(sandboxes)

@@ -394,6 +394,7 @@ class Routes:
         idle_timeout_s: float | None = None,
         node: str | None = None,
         seed: int | None = None,
+        auto_resume: bool | None = None,
         prewarm: bool | None = None,
         live_fork: bool | None = None,
         hugepages: bool | None = None,
@@ -407,7 +408,10 @@ class Routes:
         ``node`` pins them to one node of a ``forkd gateway``; ``seed``: child *i* gets
         ``seed + i``, from which Python's ``random`` is seeded in its warm interpreter
         and in every Python process it starts (``FORKD_SEED``), so the same seed
-        replays the same run; ``os.urandom`` stays unique to each child. ``prewarm``,
+        replays the same run; ``os.urandom`` stays unique to each child.
+        ``auto_resume`` (default true): a request to one while it is paused or
+        hibernated (exec, files, processes, its ports) resumes it first; false: a 409.
+        ``prewarm``,
         ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
         without effect here."""
         body = _drop_none(
@@ -424,6 +428,7 @@ class Routes:
                 "idle_timeout_s": idle_timeout_s,
                 "node": node,
                 "seed": seed,
+                "auto_resume": auto_resume,
                 "prewarm": prewarm,
                 "live_fork": live_fork,
                 "hugepages": hugepages,

@@ -17,6 +17,7 @@ from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
 from forkd.controller.services import Services
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.services.images import Importer
+from forkd.controller.services.waking import WakeHeader
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 
@@ -69,6 +70,7 @@ def create_app(
             store.close()
 
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan)
+    app.add_middleware(WakeHeader)  # innermost: the wake a request waited for, in a header
     # Added last, the audit log is outermost: it records 401s and 413s too.
     app.add_middleware(
         GuardMiddleware,

@@ -62,10 +62,23 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
 
+        self.wakes = Counter(
+            "forkd_wakes_total", "Sandboxes a request woke, by the state they woke from",
+            ["from"], registry=self.registry,
+        )  # fmt: skip
+        self.wake_seconds = Histogram(
+            "forkd_wake_seconds", "What waking a sandbox for a request added to its answer",
+            buckets=LATENCY_BUCKETS, registry=self.registry,
+        )  # fmt: skip
         self.registry_bytes = Counter(
             "forkd_registry_bytes", "Bytes sent to (push) and fetched from (pull) OCI registries",
             ["direction"], registry=self.registry,
         )  # fmt: skip
+
+    def observe_wake(self, was: str, secs: float) -> None:
+        """A sandbox woke from ``was`` (paused, hibernated) for a request in ``secs``."""
+        self.wakes.labels(**{"from": was}).inc()
+        self.wake_seconds.observe(secs)
 
     def render(self) -> bytes:
         return integral_counts(generate_latest(self.registry))

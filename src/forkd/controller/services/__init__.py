@@ -26,6 +26,7 @@ from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.services.volumes import VolumeService
+from forkd.controller.services.waking import Waker
 from forkd.controller.services.workspaces import WorkspaceService
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
@@ -68,6 +69,7 @@ class Services:
         sandboxes = SandboxService(fleet, snapshots)
         branches = BranchService(fleet, snapshots)
         pausing = PauseService(fleet, sandboxes)
+        fleet.waker = Waker(pausing.resume_for_request, metrics.observe_wake)
         expiry = Expiry(fleet, pausing, branches)
         files = FileTransferService(sandboxes)
         return cls(

@@ -128,7 +128,7 @@ class DiffService:
 
     async def _sides(self, sandbox_id: str, path: str, against: str | None) -> _Pair:
         row = self.fleet.sandbox_row(sandbox_id)
-        self.fleet.live(sandbox_id)  # 409 unless it runs
+        await self.fleet.running(sandbox_id)  # woken, or 409 unless it runs
         against = against or row.snapshot_tag
         other = self.fleet.store.get_sandbox(against)
         snap = None if other is not None else self.fleet.store.get_snapshot(against)

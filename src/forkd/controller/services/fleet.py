@@ -28,6 +28,7 @@ from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.holds import Holds
 from forkd.controller.services.host_memory import MemoryWatch
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.waking import Waker
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.errors import Conflict, ForkdError, NotFound
@@ -132,6 +133,7 @@ class Fleet:
             self.memory,
         )
         self.events = EventBus()  # lifecycle events: every service publishes here
+        self.waker: Waker | None = None  # wakes a sandbox for a request (set by Services)
         self.hibernated = HibernatedFiles(settings.snapshot_root)
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
         self.cgroups = _cgroup_hierarchy(settings)
@@ -191,6 +193,15 @@ class Fleet:
         return row
 
     # ------------------------------------------------------------- VMs
+
+    async def running(self, sandbox_id: str) -> SandboxVM:
+        """The running VM of ``sandbox_id`` for a request: a paused or hibernated sandbox
+        is woken first (:mod:`.waking`) unless it was made with ``auto_resume`` false;
+        then as :meth:`live`."""
+        row = self.sandbox_row(sandbox_id)
+        if row.state in ("paused", "hibernated") and row.auto_resume and self.waker is not None:
+            await self.waker(sandbox_id)
+        return self.live(sandbox_id)
 
     def live(self, sandbox_id: str, paused_ok: bool = False) -> SandboxVM:
         """The running VM of ``sandbox_id``; :class:`Conflict` when it is not running

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 from forkd.controller.models import SandboxInfo
 from forkd.controller.services.fleet import Fleet
@@ -63,6 +64,24 @@ class PauseService:
                 self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=expiry_in(timeout_s))
         self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
         return self.sandboxes.info(sandbox_id)
+
+    async def resume_for_request(self, sandbox_id: str) -> str | None:
+        """Resume or wake the sandbox a request needs running (:mod:`.waking`): the state
+        it woke from, or None when it ran already (another request woke it)."""
+        started = time.monotonic()
+        async with self._lock(sandbox_id):
+            was = self.fleet.sandbox_row(sandbox_id).state
+            if was == "hibernated":
+                await self.hibernation.wake(sandbox_id)
+            elif was == "paused":
+                await self._resume_paused(sandbox_id)
+            else:
+                return None
+        ms = round((time.monotonic() - started) * 1000, 1)
+        log.info("sandbox %s woke from %s for a request in %.0f ms", sandbox_id, was, ms)
+        self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=was == "hibernated",
+                                  reason="request", wake_ms=ms)  # fmt: skip
+        return str(was)
 
     async def _resume_paused(self, sandbox_id: str) -> None:
         vm = self._vm_in(sandbox_id, "paused", "not paused")

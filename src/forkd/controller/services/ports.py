@@ -60,10 +60,11 @@ class PortService:
         """Hold one of the sandbox's proxied connections to guest ``port`` for the block.
 
         :class:`Invalid` for a port no one may reach, :class:`Conflict` unless
-        the sandbox runs (paused too), :class:`Busy` at the cap.
+        the sandbox runs (a paused or hibernated one is woken first, unless made with
+        ``auto_resume`` false), :class:`Busy` at the cap.
         """
         check_guest_port(port)
-        vm = self.fleet.live(sandbox_id)
+        vm = await self.fleet.running(sandbox_id)
         held = self._open.get(sandbox_id, 0)
         if held >= MAX_CONNECTIONS_PER_SANDBOX:
             raise Busy(f"sandbox {sandbox_id!r} has {held} proxied connections open, the most "
@@ -91,8 +92,9 @@ class PortService:
         """A signed URL to guest ``req.port`` for ``req.ttl_s`` seconds."""
         port = req.port
         check_guest_port(port)
-        self.fleet.live(sandbox_id, paused_ok=True)
         row = self.fleet.sandbox_row(sandbox_id)
+        if not (row.state == "hibernated" and row.auto_resume):  # its first request wakes it
+            self.fleet.live(sandbox_id, paused_ok=True)
         expires = int(time.time()) + req.ttl_s
         token = self.key.sign(sandbox_id, row.created_at_unix, port, expires)
         return PreviewInfo(

@@ -131,7 +131,11 @@ class ProcessService:
         events = OutputEvents()
         wait = FOLLOW_WAIT_SECS if until is None else 0.0
         want, linger = READ_BYTES, 0.0
-        pending: _PendingRead | None = self._ask(sandbox_id, pid, offset, wait, want, linger)
+        # The stream's first read wakes a paused sandbox (a request); its later ones wait
+        # for it to be resumed by someone else, as a stream open across a pause does.
+        pending: _PendingRead | None = self._ask(
+            sandbox_id, pid, offset, wait, want, linger, wake=True
+        )
         try:
             while True:
                 assert pending is not None
@@ -193,19 +197,34 @@ class ProcessService:
                 quiet_since = time.monotonic()
 
     def _ask(
-        self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
+        self,
+        sandbox_id: str,
+        pid: int,
+        offset: int,
+        wait: float,
+        want: int,
+        linger: float,
+        wake: bool = False,
     ) -> _PendingRead:
-        read = self._read(sandbox_id, pid, offset, wait, want, linger)
+        read = self._read(sandbox_id, pid, offset, wait, want, linger, wake)
         pauses = self.sandboxes.fleet.activity.pauses(sandbox_id)
         return _PendingRead(asyncio.ensure_future(read), time.monotonic(), pauses)
 
     async def _read(
-        self, sandbox_id: str, pid: int, offset: int, wait: float, want: int, linger: float
+        self,
+        sandbox_id: str,
+        pid: int,
+        offset: int,
+        wait: float,
+        want: int,
+        linger: float,
+        wake: bool,
     ) -> ReadAnswer:
         raw = await self.sandboxes.guest(
             sandbox_id,
             lambda vm: vm.proc_read(pid, offset, wait_s=wait, max_bytes=want,
                                     min_bytes=want if linger else 1, linger_s=linger),
+            wake=wake,
         )  # fmt: skip
         return ReadAnswer.parse(raw, offset)
 

@@ -209,7 +209,7 @@ class SandboxService:
                 expires_at_unix=expiry_in(_lifetime(req)),
                 state=SandboxState.STARTING,
                 on_timeout=OnTimeout(req.on_timeout),
-                idle_timeout_s=req.idle_timeout_s, seed=seed,
+                idle_timeout_s=req.idle_timeout_s, seed=seed, auto_resume=req.auto_resume,
                 metadata=merged_labels(
                     fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata
                 ),
@@ -285,6 +285,7 @@ class SandboxService:
             timeout_branch=row.timeout_branch,
             fork_ms=row.fork_ms,
             seed=row.seed,
+            auto_resume=row.auto_resume,
             metadata=row.metadata,
             has_branched=branches > 0,
             branch_count=branches,
@@ -337,13 +338,16 @@ class SandboxService:
         sandbox_id: str,
         call: Callable[[SandboxVM], Awaitable[T]],
         refusals: Mapping[str, type[ForkdError]] | None = None,
+        wake: bool = True,
     ) -> T:
         """``call(vm)`` on the sandbox's running VM, with agent failures classified.
 
         ``refusals`` overrides entries of the table from the guest's exception
         names to forkd errors, for a call where one name means something else.
+        ``wake``: a paused or hibernated sandbox is resumed first (:mod:`.waking`);
+        without it, such a sandbox is a 409.
         """
-        vm = self.fleet.live(sandbox_id)
+        vm = await self.fleet.running(sandbox_id) if wake else self.fleet.live(sandbox_id)
         try:
             return await call(vm)
         except AgentError as exc:

@@ -1,0 +1,102 @@
+"""Wake on demand: a request that needs a paused or hibernated sandbox running
+resumes it first, then is answered, as E2B's auto-resume does; a sandbox made
+with ``auto_resume: false`` answers 409 instead, as before.
+
+Every route that talks to the guest (exec, eval, files, processes, terminals,
+diffs, the port proxy and preview URLs) reaches it through
+:meth:`~forkd.controller.services.fleet.Fleet.running`, which calls the
+:class:`Waker`. Concurrent requests share one resume, and a resume that fails
+is each one's failure, with the same error. A followed output stream does not
+wake its sandbox: it waits, as it did, for someone to resume it.
+
+What the wake cost is the answer's ``Forkd-Wake-Ms`` header (:class:`WakeHeader`),
+the ``resumed`` event's ``wake_ms`` and ``reason: "request"``, and the metrics
+``forkd_wakes_total{from}`` and ``forkd_wake_seconds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import time
+from collections.abc import Awaitable, Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+WAKE_HEADER = b"forkd-wake-ms"
+# The request being answered: the wakes it waited for, in ms (None outside a request).
+_WAITED: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
+    "forkd_wake_waited", default=None
+)
+
+Resume = Callable[[str], Awaitable[str | None]]  # the state it woke from; None: it ran
+Observe = Callable[[str, float], None]  # (the state it woke from, seconds)
+
+
+class Waker:
+    """One resume at a time per sandbox, shared by every request that waits for it.
+
+    ``resume(sandbox_id)`` runs the sandbox again if it is paused or hibernated
+    (under its lock) and says which it was; ``observe`` counts a wake in the metrics.
+    """
+
+    def __init__(self, resume: Resume, observe: Observe | None = None) -> None:
+        self._resume = resume
+        self._observe = observe
+        self._waking: dict[str, asyncio.Future[float]] = {}
+
+    async def __call__(self, sandbox_id: str) -> float:
+        """Wake the sandbox (or wait for the wake already under way); the ms it took."""
+        shared = self._waking.get(sandbox_id)
+        if shared is None:
+            shared = asyncio.ensure_future(self._wake(sandbox_id))
+            self._waking[sandbox_id] = shared
+            shared.add_done_callback(lambda done: self._done(sandbox_id, done))
+        # A waiter that leaves (its client gone) does not cancel the others' wake.
+        ms = await asyncio.shield(shared)
+        waited = _WAITED.get()
+        if waited is not None:
+            waited.append(ms)
+        return ms
+
+    def waking(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._waking
+
+    async def _wake(self, sandbox_id: str) -> float:
+        started = time.monotonic()
+        was = await self._resume(sandbox_id)
+        secs = time.monotonic() - started
+        if was is not None and self._observe is not None:
+            self._observe(was, secs)
+        return round(secs * 1000, 1)
+
+    def _done(self, sandbox_id: str, done: asyncio.Future[float]) -> None:
+        if self._waking.get(sandbox_id) is done:
+            del self._waking[sandbox_id]
+        if not done.cancelled():
+            done.exception()  # retrieved: every waiter may have gone
+
+
+class WakeHeader:
+    """``Forkd-Wake-Ms`` on the answer of a request that waited for its sandbox to wake."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        waited: list[float] = []
+        token = _WAITED.set(waited)
+
+        async def send_with_header(message: Message) -> None:
+            if message["type"] == "http.response.start" and waited:
+                headers = [*message.get("headers", []), (WAKE_HEADER, f"{sum(waited):g}".encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_header)
+        finally:
+            _WAITED.reset(token)
