@@ -108,9 +108,10 @@ def test_a_port_outside_the_range_or_the_agents_is_a_400(
         assert "agent" in r.json()["error"]
 
 
-def test_a_paused_sandbox_is_a_409_and_an_unknown_one_a_404(http: httpx.Client, sid: str) -> None:
+def test_a_paused_sandbox_is_woken_and_an_unknown_one_a_404(http: httpx.Client, sid: str) -> None:
     assert http.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
-    assert http.get(_url(sid)).status_code == 409
+    r = http.get(_url(sid))
+    assert r.status_code == 200 and "forkd-wake-ms" in r.headers  # tests/unit/test_waking.py
     assert http.get(_url("sb-nope-0001")).status_code == 404
 
 

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
+from forkd.controller.services import processes as process_service
 from forkd.errors import VMError
 from tests.unit import port_fixtures
 from tests.unit.conftest import TOKEN, Server
@@ -162,27 +164,31 @@ def test_a_sandbox_made_without_auto_resume_is_a_409_until_resumed(
 
 
 def test_a_followed_output_stream_open_across_a_pause_does_not_wake_it(
-    http: httpx.Client, server: Server, sid: str
+    http: httpx.Client, server: Server, sid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(process_service, "FOLLOW_WAIT_SECS", 0.2)  # it reads again and again
     r = http.post(f"/v1/sandboxes/{sid}/processes", json={"cmd": ["sleep", "30"]})
     assert r.status_code == 201, r.text
     pid = r.json()["pid"]
-    following = threading.Event()
+    following, paused = threading.Event(), threading.Event()
 
     def follow() -> None:
         url = f"{server.url}/v1/sandboxes/{sid}/processes/{pid}/output"
-        try:
-            with httpx.stream("GET", url, params={"follow": "true"}, timeout=4,
-                              headers={"Authorization": f"Bearer {TOKEN}"}) as out:  # fmt: skip
-                following.set()
-                for _ in out.iter_lines():
-                    pass
-        except httpx.ReadTimeout:
-            pass
+        with httpx.stream("GET", url, params={"follow": "true"}, timeout=10,
+                          headers={"Authorization": f"Bearer {TOKEN}"}) as out:  # fmt: skip
+            following.set()
+            read_on = None
+            for _ in out.iter_lines():  # keep-alives, five a second
+                if paused.is_set():
+                    read_on = read_on or time.monotonic() + 2
+                    if time.monotonic() > read_on:
+                        return
 
     follower = threading.Thread(target=follow)
     follower.start()
     assert following.wait(10)
     assert http.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+    paused.set()
     follower.join(10)
+    assert not follower.is_alive()
     assert _state(http, sid) == "paused"  # the stream read on for seconds: still asleep
