@@ -137,11 +137,10 @@ def test_bad_requests_are_refused(
     assert resp.status_code == status, resp.text
 
 
-def test_a_paused_or_unknown_sandbox_is_refused(ctl: Controller, child: str) -> None:
+def test_a_paused_sandbox_is_woken_and_an_unknown_one_refused(ctl: Controller, child: str) -> None:
     ctl.pause_sandbox(child)
-    with pytest.raises(ControllerError) as exc:
-        ctl.diff_sandbox(child, "/work")
-    assert exc.value.status == 409
+    ctl.diff_sandbox(child, "/work")
+    assert ctl.get_sandbox(child)["state"] == "running"  # tests/unit/test_waking.py
     with pytest.raises(ControllerError) as exc:
         ctl.diff_sandbox("sb-none", "/work")
     assert exc.value.status == 404

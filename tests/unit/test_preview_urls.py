@@ -181,11 +181,18 @@ def test_a_preview_url_of_a_killed_sandbox_stops_working(
     assert anon.get(url).status_code in (403, 404)
 
 
-def test_a_paused_sandboxs_preview_is_a_409(
-    http: httpx.Client, anon: httpx.Client, sid: str
+def test_a_paused_sandboxs_preview_wakes_it_unless_made_without_auto_resume(
+    http: httpx.Client, anon: httpx.Client, sid: str, server: Server, web: int
 ) -> None:
     url = _preview(http, sid)["url"]
     assert http.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+    r = anon.get(url)
+    assert r.status_code == 200 and "forkd-wake-ms" in r.headers
+    made = http.post("/v1/sandboxes", json={"snapshot_tag": "py", "auto_resume": False}).json()
+    other = made[0]["id"]
+    port_fixtures.vm(server, other).ports[GUEST_PORT] = web
+    url = _preview(http, other)["url"]
+    assert http.post(f"/v1/sandboxes/{other}/pause").status_code == 200
     assert anon.get(url).status_code == 409
 
 

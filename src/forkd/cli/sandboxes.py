@@ -114,6 +114,17 @@ def resume(
         )  # fmt: skip
 
 
+AutoResumeOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--auto-resume/--no-auto-resume",
+        help="Whether a request to a sandbox while paused or hibernated resumes it (default) "
+        "or is refused (409).",
+        show_default=False,
+    ),
+]
+
+
 def fork(
     conn: Connection,
     tag: Annotated[str, typer.Option("--tag", help="Snapshot to fork from.")],
@@ -145,15 +156,7 @@ def fork(
             "--seed", min=0, help="Child i gets seed+i: Python's random in it is seeded from it."
         ),
     ] = None,
-    auto_resume: Annotated[
-        bool | None,
-        typer.Option(
-            "--auto-resume/--no-auto-resume",
-            help="Whether a request to it while paused or hibernated resumes it (default) or "
-            "is refused (409).",
-            show_default=False,
-        ),
-    ] = None,
+    auto_resume: AutoResumeOpt = None,
     settle_secs: Annotated[
         float | None,
         typer.Option(

@@ -13,11 +13,10 @@ from forkd.controller import console, http_errors, port_proxy, port_ws, pty_ws, 
 from forkd.controller.audit import AuditLog
 from forkd.controller.connection_limits import ConnectionLimiter
 from forkd.controller.metrics import Metrics
-from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
+from forkd.controller.middleware import AuditMiddleware, GuardMiddleware, WakeHeader
 from forkd.controller.services import Services
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.services.images import Importer
-from forkd.controller.services.waking import WakeHeader
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 

@@ -17,6 +17,7 @@ from forkd.controller.http_errors import (
     internal_error,
     refuse_websocket,
 )
+from forkd.controller.services.waking import request_waits
 from forkd.limits import FILE_BODY_LIMIT, FILE_UPLOAD_LIMIT, JSON_BODY_LIMIT, MAX_IMAGE_BYTES
 
 UNAUDITED = ("/healthz", "/metrics")
@@ -311,3 +312,28 @@ def _audit_log(scope: Scope) -> AuditLog | None:
     """The app's audit log (opened in its lifespan), if it is open."""
     state = getattr(scope.get("app"), "state", None)
     return getattr(state, "audit", None)
+
+
+WAKE_HEADER = b"forkd-wake-ms"
+
+
+class WakeHeader:
+    """``Forkd-Wake-Ms`` on the answer of a request that waited for its sandbox to wake
+    (forkd.controller.services.waking): the milliseconds the wake added."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        with request_waits() as waited:
+
+            async def send_with_header(message: Message) -> None:
+                if message["type"] == "http.response.start" and waited:
+                    wake = (WAKE_HEADER, f"{sum(waited):g}".encode())
+                    message = {**message, "headers": [*message.get("headers", []), wake]}
+                await send(message)
+
+            await self.app(scope, receive, send_with_header)

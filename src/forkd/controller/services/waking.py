@@ -9,7 +9,8 @@ diffs, the port proxy and preview URLs) reaches it through
 is each one's failure, with the same error. A followed output stream does not
 wake its sandbox: it waits, as it did, for someone to resume it.
 
-What the wake cost is the answer's ``Forkd-Wake-Ms`` header (:class:`WakeHeader`),
+What the wake cost is the answer's ``Forkd-Wake-Ms`` header
+(:class:`forkd.controller.middleware.WakeHeader`, from :func:`request_waits`),
 the ``resumed`` event's ``wake_ms`` and ``reason: "request"``, and the metrics
 ``forkd_wakes_total{from}`` and ``forkd_wake_seconds``.
 """
@@ -17,17 +18,27 @@ the ``resumed`` event's ``wake_ms`` and ``reason: "request"``, and the metrics
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-WAKE_HEADER = b"forkd-wake-ms"
 # The request being answered: the wakes it waited for, in ms (None outside a request).
 _WAITED: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
     "forkd_wake_waited", default=None
 )
+
+
+@contextlib.contextmanager
+def request_waits() -> Iterator[list[float]]:
+    """For the block (one request): the ms of each wake it waited for, as they end."""
+    waited: list[float] = []
+    token = _WAITED.set(waited)
+    try:
+        yield waited
+    finally:
+        _WAITED.reset(token)
+
 
 Resume = Callable[[str], Awaitable[str | None]]  # the state it woke from; None: it ran
 Observe = Callable[[str, float], None]  # (the state it woke from, seconds)
@@ -75,28 +86,3 @@ class Waker:
             del self._waking[sandbox_id]
         if not done.cancelled():
             done.exception()  # retrieved: every waiter may have gone
-
-
-class WakeHeader:
-    """``Forkd-Wake-Ms`` on the answer of a request that waited for its sandbox to wake."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        waited: list[float] = []
-        token = _WAITED.set(waited)
-
-        async def send_with_header(message: Message) -> None:
-            if message["type"] == "http.response.start" and waited:
-                headers = [*message.get("headers", []), (WAKE_HEADER, f"{sum(waited):g}".encode())]
-                message = {**message, "headers": headers}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_header)
-        finally:
-            _WAITED.reset(token)
