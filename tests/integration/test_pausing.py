@@ -8,10 +8,12 @@ from __future__ import annotations
 import shutil
 import signal
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from forkd.client import CommandHandle, Controller, ControllerError, Sandbox
@@ -33,20 +35,17 @@ def _cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
 
-def test_pause_stops_the_cpu_and_resume_carries_on_with_the_clock_set(sb: Sandbox) -> None:
+def test_pause_stops_the_cpu_and_a_request_wakes_it_with_the_clock_set(sb: Sandbox) -> None:
     counter = sb.commands.run(COUNTER, background=True)
     before = _lines(counter, 3)
     sb.pause()
     assert sb.refresh()["state"] == "paused"
-    with pytest.raises(ControllerError) as exc:
-        sb.commands.run("true")
-    assert exc.value.status == 409
     pid = int(sb.info["pid"])
     ticks = _cpu_ticks(pid)
     time.sleep(3)
     assert _cpu_ticks(pid) - ticks <= 10, "a paused sandbox used CPU"  # 0.1 s in 3 s at most
-    sb.resume()
-    guest_now = float(sb.commands.run("date +%s.%N").stdout)
+    guest_now = float(sb.commands.run("date +%s.%N").stdout)  # resumes it first
+    assert sb.refresh()["state"] == "running"
     assert abs(guest_now - time.time()) < 1.5  # it stood still 3 s: set again on resume
     after = _lines(counter, 3)  # from where the handle left off before the pause
     numbers = [n for n, _ in before + after]
@@ -198,3 +197,65 @@ def test_an_idle_timeout_spares_a_sandbox_whose_process_writes(
     time.sleep(3)  # nobody calls it, but its process writes: it is not idle
     assert {s["id"]: s["state"] for s in ctl.list_sandboxes()}.get(chatty) == "running"
     ctl.kill_sandbox(chatty)
+
+
+# ------------------------------------------------------------------ wake on demand
+
+
+def _exec(http: httpx.Client, sandbox_id: str, cmd: str) -> httpx.Response:
+    return http.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"args": ["sh", "-c", cmd]})
+
+
+@pytest.fixture
+def http(daemon: Daemon, api_template: str) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"},
+                      timeout=120) as client:  # fmt: skip
+        yield client
+
+
+def _wakes_from_hibernation(http: httpx.Client) -> float:
+    for line in http.get("/metrics").text.splitlines():
+        if line.startswith('forkd_wakes_total{from="hibernated"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_requests_to_a_hibernated_sandbox_wake_it_once_with_its_state(
+    http: httpx.Client, daemon: Daemon
+) -> None:
+    sid = http.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
+    try:
+        assert _exec(http, sid, "echo kept > /tmp/note").status_code == 200
+        r = http.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True})
+        assert r.status_code == 200 and r.json()["state"] == "hibernated"
+        woken_before = _wakes_from_hibernation(http)
+        answers: list[httpx.Response] = []
+        auth = {"Authorization": f"Bearer {daemon.token}"}
+
+        def one() -> None:
+            with httpx.Client(base_url=daemon.url, timeout=120, headers=auth) as client:
+                answers.append(_exec(client, sid, "cat /tmp/note"))
+
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert [(a.status_code, a.json()["stdout"]) for a in answers] == [(200, "kept\n")] * 3
+        assert any(float(a.headers.get("forkd-wake-ms", 0)) > 0 for a in answers)
+        assert http.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
+        assert _wakes_from_hibernation(http) == woken_before + 1  # one wake for three callers
+    finally:
+        http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_sandbox_made_without_auto_resume_stays_asleep_and_says_so(http: httpx.Client) -> None:
+    r = http.post("/v1/sandboxes", json={"snapshot_tag": "py", "auto_resume": False})
+    sid = r.json()[0]["id"]
+    try:
+        assert http.post(f"/v1/sandboxes/{sid}/pause").status_code == 200
+        r = _exec(http, sid, "true")
+        assert r.status_code == 409 and "resume it first" in r.json()["error"]
+        assert http.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
+    finally:
+        http.delete(f"/v1/sandboxes/{sid}")
