@@ -81,6 +81,13 @@ FORK_ESTIMATE_MIB = 48
 MEMORY_OVERCOMMIT = 4.0
 HOST_RESERVE_MIB = 1024  # the least kept for the host, the daemon and snapshots' hot pages
 MAX_SANDBOXES_CEILING = 1000  # the most forks one request asks (the original's n)
+# Reclaim (forkd serve --reclaim-low, --reclaim-high, --reclaim-idle): when the host's
+# available memory falls under the low watermark, idle sandboxes are hibernated, the
+# least recently used first, until the high one is available again. Twice and three
+# times the reserve: reclaim starts well before admission refuses (at the reserve).
+RECLAIM_LOW_RESERVES = 2
+RECLAIM_HIGH_RESERVES = 3
+RECLAIM_IDLE_SECS = 60.0  # no request and no process output this long: idle
 
 # Request bodies.
 JSON_BODY_LIMIT = 1 << 20  # the JSON routes
@@ -169,6 +176,11 @@ def default_memory_reserve_mib(host_mib: int | None = None) -> int:
     """Host memory admission keeps free: a sixteenth of the RAM, at least 1 GiB."""
     host = host_memory_mib() if host_mib is None else host_mib
     return max(HOST_RESERVE_MIB, host // 16)
+
+
+def default_reclaim_watermarks(reserve_mib: int) -> tuple[int, int]:
+    """The low and high watermarks of reclaim for a reserve of ``reserve_mib``."""
+    return reserve_mib * RECLAIM_LOW_RESERVES, reserve_mib * RECLAIM_HIGH_RESERVES
 
 
 def default_max_sandboxes(host_mib: int | None = None) -> int:

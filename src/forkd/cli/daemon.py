@@ -23,6 +23,7 @@ from forkd.limits import (
     FILE_UPLOAD_LIMIT,
     MAX_CONNECTIONS_PER_ADDRESS,
     MAX_IMAGE_BYTES,
+    RECLAIM_IDLE_SECS,
     REQUEST_BODY_IDLE_TIMEOUT_SECS,
     REQUEST_HEADER_TIMEOUT_SECS,
 )
@@ -131,6 +132,41 @@ _MemoryReserveOpt = Annotated[
         help="Host memory kept available: a sandbox whose real share would not fit above "
         "it is a 429 (default: a sixteenth of the RAM, at least 1024).",
         show_default=False,
+    ),
+]
+
+_ReclaimLowOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_RECLAIM_LOW",
+        min=0,
+        metavar="MIB",
+        help="Low watermark: when the host has less memory available, idle sandboxes are "
+        "hibernated, least recently used first (default: twice --memory-reserve; 0: never).",
+        show_default=False,
+    ),
+]
+
+_ReclaimHighOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_RECLAIM_HIGH",
+        min=0,
+        metavar="MIB",
+        help="High watermark: reclaim stops once this much is available (default: three "
+        "times --memory-reserve).",
+        show_default=False,
+    ),
+]
+
+_ReclaimIdleOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_RECLAIM_IDLE",
+        min=0,
+        metavar="SECONDS",
+        help="A sandbox with no request and no process output this long is idle: reclaim "
+        "may hibernate it.",
     ),
 ]
 
@@ -331,6 +367,9 @@ def serve(
     max_guest_memory: _MaxGuestMemoryOpt = None,
     memory_overcommit: _MemoryOvercommitOpt = 4.0,
     memory_reserve: _MemoryReserveOpt = None,
+    reclaim_low: _ReclaimLowOpt = None,
+    reclaim_high: _ReclaimHighOpt = None,
+    reclaim_idle: _ReclaimIdleOpt = RECLAIM_IDLE_SECS,
     cgroup_parent: _CgroupParentOpt = "forkd",
     network: _NetworkOpt = "auto",
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
@@ -351,7 +390,7 @@ def serve(
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
     require_server("serve")
-    from forkd import limits, paths
+    from forkd import paths
     from forkd.accel import choose
     from forkd.controller.server import serve as run_server
     from forkd.controller.settings import Settings
@@ -366,6 +405,7 @@ def serve(
         RegistryPolicy.of(insecure_registry or (), default_registry)  # refused at start if bad
         settings = Settings(
             **_admission(max_sandboxes, max_guest_memory, memory_overcommit, memory_reserve),
+            **_reclaim(reclaim_low, reclaim_high, reclaim_idle, memory_reserve),
             cgroup_parent=parent,
             state_dir=sd,
             snapshot_root=snapshot_root or sd / "snapshots",
@@ -374,10 +414,8 @@ def serve(
             accel=accel,
             kill_on_exit=kill_on_exit,
             pool_size=pool_size,
-            pool_memory_mib=(
-                limits.default_pool_memory_mib() if pool_memory is None else pool_memory
-            ),
-            network=network,
+            pool_memory_mib=_pool_memory(pool_memory),
+            network=_network(network),
             sandbox_cidr=sandbox_cidr,
             max_upload_bytes=max_upload_mib << 20,
             insecure_registries=tuple(insecure_registry or ()),
@@ -390,8 +428,6 @@ def serve(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),
         )
-        if network not in ("auto", "netns", "user"):
-            raise ValueError(f"--network must be auto, netns or user, not {network!r}")
         _use_qemu_user(qemu_user, vm_uid_range)
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
@@ -464,6 +500,34 @@ def _admission(
         ),
         "memory_overcommit": None if max_guest_memory else overcommit,
         "memory_reserve_mib": limits.default_memory_reserve_mib() if reserve is None else reserve,
+    }
+
+
+def _pool_memory(given: int | None) -> int:
+    from forkd import limits
+
+    return limits.default_pool_memory_mib() if given is None else given
+
+
+def _network(mode: str) -> str:
+    if mode not in ("auto", "netns", "user"):
+        raise ValueError(f"--network must be auto, netns or user, not {mode!r}")
+    return mode
+
+
+def _reclaim(low: int | None, high: int | None, idle: float, reserve: int | None) -> dict[str, Any]:
+    """The reclaim settings: the watermarks given, else sized by the reserve."""
+    from forkd import limits
+
+    default_low, default_high = limits.default_reclaim_watermarks(
+        limits.default_memory_reserve_mib() if reserve is None else reserve
+    )
+    low = default_low if low is None else low
+    high = max(low, default_high if high is None else high)
+    return {
+        "reclaim_low_mib": low or None,
+        "reclaim_high_mib": high if low else None,
+        "reclaim_idle_s": idle,
     }
 
 

@@ -124,6 +124,16 @@ AutoResumeOpt = Annotated[
     ),
 ]
 
+EvictableOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--evictable/--no-evictable",
+        help="Whether the daemon may hibernate these sandboxes when idle and the host runs "
+        "short of memory (default), or never.",
+        show_default=False,
+    ),
+]
+
 
 def fork(
     conn: Connection,
@@ -157,6 +167,7 @@ def fork(
         ),
     ] = None,
     auto_resume: AutoResumeOpt = None,
+    evictable: EvictableOpt = None,
     settle_secs: Annotated[
         float | None,
         typer.Option(
@@ -192,6 +203,7 @@ def fork(
             tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
             metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout, seed=seed,
             auto_resume=auto_resume,
+            evictable=evictable,
         )  # fmt: skip
     if conn.as_json:
         render.print_json(sandboxes)

@@ -395,6 +395,7 @@ class Routes:
         node: str | None = None,
         seed: int | None = None,
         auto_resume: bool | None = None,
+        evictable: bool | None = None,
         prewarm: bool | None = None,
         live_fork: bool | None = None,
         hugepages: bool | None = None,
@@ -411,6 +412,8 @@ class Routes:
         replays the same run; ``os.urandom`` stays unique to each child.
         ``auto_resume`` (default true): a request to one while it is paused or
         hibernated (exec, files, processes, its ports) resumes it first; false: a 409.
+        ``evictable`` (default true): when the host runs short of memory, the daemon
+        may hibernate it once idle; false: never.
         ``prewarm``,
         ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
         without effect here."""
@@ -429,6 +432,7 @@ class Routes:
                 "node": node,
                 "seed": seed,
                 "auto_resume": auto_resume,
+                "evictable": evictable,
                 "prewarm": prewarm,
                 "live_fork": live_fork,
                 "hugepages": hugepages,

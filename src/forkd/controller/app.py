@@ -13,7 +13,7 @@ from forkd.controller import console, http_errors, port_proxy, port_ws, pty_ws, 
 from forkd.controller.audit import AuditLog
 from forkd.controller.connection_limits import ConnectionLimiter
 from forkd.controller.metrics import Metrics
-from forkd.controller.middleware import AuditMiddleware, GuardMiddleware, WakeHeader
+from forkd.controller.middleware import AuditMiddleware, GuardMiddleware, SandboxRequests
 from forkd.controller.services import Services
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.services.images import Importer
@@ -54,7 +54,9 @@ def create_app(
         app.state.metrics = metrics
         app.state.audit = AuditLog(settings.state_dir / "audit.log")
         services.expiry.audit = app.state.audit.write
+        services.reclaim.audit = app.state.audit.write
         await services.lifecycle.start()
+        services.reclaim.start()
         log.info("forkd ready: %d snapshots, %d sandboxes adopted",
                  len(store.list_snapshots()), len(services.fleet.vms))  # fmt: skip
         try:
@@ -62,14 +64,16 @@ def create_app(
         finally:
             services.fleet.events.close()
             await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
+            await services.reclaim.stop()
             await services.lifecycle.stop()
             services.expiry.audit = None
+            services.reclaim.audit = None
             app.state.audit.close()
             app.state.audit = None
             store.close()
 
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan)
-    app.add_middleware(WakeHeader)  # innermost: the wake a request waited for, in a header
+    app.add_middleware(SandboxRequests)  # innermost: sandboxes in use, wakes in a header
     # Added last, the audit log is outermost: it records 401s and 413s too.
     app.add_middleware(
         GuardMiddleware,

@@ -70,6 +70,10 @@ class Metrics:
             "forkd_wake_seconds", "What waking a sandbox for a request added to its answer",
             buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
+        self.evictions = Counter(
+            "forkd_evictions_total", "Idle sandboxes hibernated to give memory back (reclaim)",
+            registry=self.registry,
+        )  # fmt: skip
         self.registry_bytes = Counter(
             "forkd_registry_bytes", "Bytes sent to (push) and fetched from (pull) OCI registries",
             ["direction"], registry=self.registry,
@@ -79,6 +83,10 @@ class Metrics:
         """A sandbox woke from ``was`` (paused, hibernated) for a request in ``secs``."""
         self.wakes.labels(**{"from": was}).inc()
         self.wake_seconds.observe(secs)
+
+    def observe_eviction(self) -> None:
+        """Reclaim hibernated an idle sandbox."""
+        self.evictions.inc()
 
     def render(self) -> bytes:
         return integral_counts(generate_latest(self.registry))

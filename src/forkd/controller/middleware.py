@@ -17,6 +17,7 @@ from forkd.controller.http_errors import (
     internal_error,
     refuse_websocket,
 )
+from forkd.controller.services.activity import request_scope
 from forkd.controller.services.waking import request_waits
 from forkd.limits import FILE_BODY_LIMIT, FILE_UPLOAD_LIMIT, JSON_BODY_LIMIT, MAX_IMAGE_BYTES
 
@@ -317,18 +318,20 @@ def _audit_log(scope: Scope) -> AuditLog | None:
 WAKE_HEADER = b"forkd-wake-ms"
 
 
-class WakeHeader:
-    """``Forkd-Wake-Ms`` on the answer of a request that waited for its sandbox to wake
-    (forkd.controller.services.waking): the milliseconds the wake added."""
+class SandboxRequests:
+    """What a request does to the sandboxes it touches: they count as in use until it
+    ends, a stream or a terminal's WebSocket included (:func:`request_scope`, for idle
+    reclaim); and ``Forkd-Wake-Ms`` on the answer of one that waited for its sandbox
+    to wake (forkd.controller.services.waking): the milliseconds the wake added."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        with request_waits() as waited:
+        with request_scope(), request_waits() as waited:
 
             async def send_with_header(message: Message) -> None:
                 if message["type"] == "http.response.start" and waited:

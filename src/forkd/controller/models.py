@@ -210,6 +210,11 @@ class SandboxCreate(_Body):
         description="a request to it while paused or hibernated (exec, files, its ports...) "
         "resumes it first; false: such a request is a 409",
     )
+    evictable: bool = Field(
+        True,
+        description="when the host runs short of memory, the daemon may hibernate it once "
+        "idle (it wakes on the next request); false: never",
+    )
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
     metadata: Metadata | None = Field(None, description="merged over the snapshot's labels")
@@ -632,6 +637,7 @@ class SandboxInfo(BaseModel):
     fork_ms: float | None
     seed: int | None = Field(None, description="its random seed, when forked with one")
     auto_resume: bool = Field(True, description="a request wakes it when paused or hibernated")
+    evictable: bool = Field(True, description="memory pressure may hibernate it when idle")
     metadata: dict[str, str] = Field(default_factory=dict, description="the user's labels")
     has_branched: bool = Field(False, description="whether any branch of it was taken")
     branch_count: int = Field(0, description="branches taken of it (those that succeeded)")

@@ -23,6 +23,12 @@ class Settings:
     memory_overcommit: float | None = None  # what max_guest_memory_mib was sized by, if it was
     # Admission by the host's real memory: what must stay available (None: not checked).
     memory_reserve_mib: int | None = None
+    # Reclaim: below reclaim_low_mib of available memory, idle sandboxes are hibernated
+    # until reclaim_high_mib is available (None: no reclaim); idle means no request
+    # using it and no process output for reclaim_idle_s.
+    reclaim_low_mib: int | None = None
+    reclaim_high_mib: int | None = None
+    reclaim_idle_s: float = 60.0
     # Each VM's cgroup: <cgroup_root>/<cgroup_parent>/<vm id>; None: no cgroups.
     cgroup_parent: str | None = None
     cgroup_root: Path = Path("/sys/fs/cgroup")

@@ -66,7 +66,8 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     timeout_branch   TEXT,
     idle_timeout_s   REAL,
     seed             INTEGER,
-    auto_resume      INTEGER NOT NULL DEFAULT 1
+    auto_resume      INTEGER NOT NULL DEFAULT 1,
+    evictable        INTEGER NOT NULL DEFAULT 1
 );
 CREATE TABLE IF NOT EXISTS branch_seq (
     source_id TEXT PRIMARY KEY,
@@ -129,6 +130,7 @@ class SandboxRow:
     idle_timeout_s: float | None = None  # on_timeout after this long without activity
     seed: int | None = None  # Python's random in it is seeded from this (forked with a seed)
     auto_resume: bool = True  # a request wakes it when paused or hibernated
+    evictable: bool = True  # memory pressure may hibernate it when idle
 
 
 class SnapshotChanges(TypedDict, total=False):
@@ -194,6 +196,7 @@ class Store:
                 "idle_timeout_s": "REAL",
                 "seed": "INTEGER",
                 "auto_resume": "INTEGER NOT NULL DEFAULT 1",
+                "evictable": "INTEGER NOT NULL DEFAULT 1",
             },
             "snapshots": {
                 "metadata": "TEXT NOT NULL DEFAULT '{}'",
@@ -378,11 +381,12 @@ class Store:
         self._tx(
             "INSERT INTO sandboxes(id, snapshot_tag, run_dir, pid, created_at_unix, "
             "memory_limit_mib, expires_at_unix, state, metadata, on_timeout, idle_timeout_s, "
-            "seed, auto_resume) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "seed, auto_resume, evictable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 row.id, row.snapshot_tag, row.run_dir, row.pid, row.created_at_unix,
                 row.memory_limit_mib, row.expires_at_unix, row.state, json.dumps(row.metadata),
                 row.on_timeout, row.idle_timeout_s, row.seed, int(row.auto_resume),
+                int(row.evictable),
             ),
         )  # fmt: skip
 
@@ -492,8 +496,9 @@ def _fields(row: sqlite3.Row) -> dict[str, Any]:
     states as their words)."""
     fields = dict(row)
     fields["metadata"] = json.loads(fields.get("metadata") or "{}")
-    if "auto_resume" in fields:
-        fields["auto_resume"] = bool(fields["auto_resume"])
+    for flag in ("auto_resume", "evictable"):
+        if flag in fields:
+            fields[flag] = bool(fields[flag])
     for column, kind in _STATE_COLUMNS.items():
         if column in fields:
             fields[column] = kind(fields[column])

@@ -22,6 +22,7 @@ from forkd.controller.services.lifecycle import Lifecycle
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.ports import PortService
 from forkd.controller.services.processes import ProcessService
+from forkd.controller.services.reclaim import Reclaimer
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
@@ -51,6 +52,7 @@ class Services:
     volumes: VolumeService
     expiry: Expiry
     lifecycle: Lifecycle
+    reclaim: Reclaimer
     workspaces: WorkspaceService
 
     @classmethod
@@ -70,6 +72,9 @@ class Services:
         branches = BranchService(fleet, snapshots)
         pausing = PauseService(fleet, sandboxes)
         fleet.waker = Waker(pausing.resume_for_request, metrics.observe_wake)
+        reclaim = Reclaimer(fleet, pausing, metrics.observe_eviction)
+        fleet.make_room = reclaim.make_room
+        fleet.admission.reclaim_hint = reclaim.busy_summary
         expiry = Expiry(fleet, pausing, branches)
         files = FileTransferService(sandboxes)
         return cls(
@@ -88,5 +93,6 @@ class Services:
             volumes=volumes,
             expiry=expiry,
             lifecycle=Lifecycle(fleet, expiry.expire),
+            reclaim=reclaim,
             workspaces=WorkspaceService(fleet, sandboxes, pausing),
         )

@@ -1,12 +1,34 @@
-"""When each sandbox was last used, for idle timeouts, and how often it was paused,
-for the guest calls a pause interrupted."""
+"""When each sandbox was last used, for idle timeouts and reclaim, which requests use
+it now, and how often it was paused, for the guest calls a pause interrupted."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import time
+from collections.abc import Callable, Iterator
 
 from forkd.controller.store import SandboxRow
 from forkd.states import SandboxState
+
+# The request being answered: what to do when it ends (None outside a request).
+_ENDING: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+    "forkd_request_ending", default=None
+)
+
+
+@contextlib.contextmanager
+def request_scope() -> Iterator[None]:
+    """For the block (one request, its stream or WebSocket included): the sandboxes it
+    touches count as in use until it ends (:meth:`Activity.touch`)."""
+    ending: list[Callable[[], None]] = []
+    token = _ENDING.set(ending)
+    try:
+        yield
+    finally:
+        _ENDING.reset(token)
+        for end in ending:
+            end()
 
 
 class Activity:
@@ -18,9 +40,33 @@ class Activity:
         # How many times each sandbox was paused: a call that failed across a pause
         # is retried.
         self._pauses: dict[str, int] = {}
+        # Requests using each sandbox now (an exec, a followed stream, a terminal).
+        self._using: dict[str, int] = {}
+        # Each sandbox's wakes by a request and evictions under memory pressure.
+        self.wakes: dict[str, int] = {}
+        self.evictions: dict[str, int] = {}
 
     def touch(self, sandbox_id: str) -> None:
-        """Something used the sandbox now: its idle timeout counts from here."""
+        """Something used the sandbox now: its idle timeout counts from here. Inside a
+        :func:`request_scope`, the sandbox is in use until that request ends, and its
+        idle clock starts again then."""
+        self._last[sandbox_id] = time.time()
+        ending = _ENDING.get()
+        if ending is None or any(getattr(e, "sandbox_id", None) == sandbox_id for e in ending):
+            return
+        self._using[sandbox_id] = self._using.get(sandbox_id, 0) + 1
+        ending.append(_Release(self, sandbox_id))
+
+    def in_use(self, sandbox_id: str) -> bool:
+        """Whether a request is using the sandbox now."""
+        return self._using.get(sandbox_id, 0) > 0
+
+    def _release(self, sandbox_id: str) -> None:
+        left = self._using.get(sandbox_id, 0) - 1
+        if left > 0:
+            self._using[sandbox_id] = left
+        else:
+            self._using.pop(sandbox_id, None)
         self._last[sandbox_id] = time.time()
 
     def last_active(self, sandbox_id: str) -> float | None:
@@ -58,3 +104,19 @@ class Activity:
         self._pauses.pop(sandbox_id, None)
         self._last.pop(sandbox_id, None)
         self._output_seen.pop(sandbox_id, None)
+
+    def forget_counts(self, sandbox_id: str) -> None:
+        """The sandbox is deleted: its wakes and evictions go too."""
+        self.wakes.pop(sandbox_id, None)
+        self.evictions.pop(sandbox_id, None)
+
+
+class _Release:
+    """Ends one request's use of a sandbox (see :func:`request_scope`)."""
+
+    def __init__(self, activity: Activity, sandbox_id: str) -> None:
+        self.activity = activity
+        self.sandbox_id = sandbox_id
+
+    def __call__(self) -> None:
+        self.activity._release(self.sandbox_id)

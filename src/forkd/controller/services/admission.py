@@ -48,6 +48,8 @@ class AdmissionControl:
         self._running = running
         self._memory = memory  # None: no check against the host's real memory
         self._admitted: list[Admission] = []  # requests starting VMs right now
+        # Why reclaim could not make room, for the real-memory 429 (set by Services).
+        self.reclaim_hint: Callable[[], str] | None = None
 
     def holding(self) -> int:
         """How many requests hold room now."""
@@ -117,25 +119,45 @@ class AdmissionControl:
         ratio = self._settings.memory_overcommit
         return "--max-guest-memory" if ratio is None else f"--memory-overcommit {ratio:g}"
 
-    def _check_host(self, what: str, sandboxes: int, template_mib: int, origin: Path | None) -> int:
-        """What each sandbox will hold of the host's memory, when all of it fits in what
-        the host has left; :class:`OverCapacity` when it does not."""
+    def host_shortfall_mib(
+        self, sandboxes: int, template_mib: int = 0, origin: Path | None = None
+    ) -> int:
+        """How much more host memory than is left these would need (0: they fit); what
+        reclaim is asked to free before they are admitted."""
+        if self._memory is None or self._settings.memory_reserve_mib is None:
+            return 0
+        _, need, left, _ = self._host_room(sandboxes, template_mib, origin)
+        return max(0, need - left)
+
+    def _host_room(
+        self, sandboxes: int, template_mib: int, origin: Path | None
+    ) -> tuple[int, int, int, int]:
+        """(each sandbox's estimate, the MiB they need, the MiB left for them, the MiB
+        sandboxes still starting will take)."""
         assert self._memory is not None and self._settings.memory_reserve_mib is not None
         watch = self._memory
         watch.sample()
         estimate = watch.fork_estimate_mib(origin)
         need = sandboxes * estimate + template_mib
-        host = watch.host()
-        reserve = self._settings.memory_reserve_mib
         promised = self.starting_mib() + watch.unsettled_mib()
-        left = host.available_mib - reserve - promised
+        left = watch.host().available_mib - self._settings.memory_reserve_mib - promised
+        return estimate, need, left, promised
+
+    def _check_host(self, what: str, sandboxes: int, template_mib: int, origin: Path | None) -> int:
+        """What each sandbox will hold of the host's memory, when all of it fits in what
+        the host has left; :class:`OverCapacity` when it does not."""
+        assert self._memory is not None and self._settings.memory_reserve_mib is not None
+        estimate, need, left, promised = self._host_room(sandboxes, template_mib, origin)
         if need > left:
+            available = left + self._settings.memory_reserve_mib + promised
             parts = [f"{sandboxes} x {estimate} MiB a sandbox of it holds"] if sandboxes else []
             parts += [f"{template_mib} MiB of a template's guest"] if template_mib else []
+            hint = f"; {self.reclaim_hint()}" if self.reclaim_hint is not None else ""
             raise OverCapacity(
                 f"{what}: needs about {need} MiB of host memory ({', '.join(parts)}) and "
                 f"{max(left, 0)} MiB are left, short by {need - max(left, 0)}: the host has "
-                f"{host.available_mib} MiB available, less {reserve} kept in reserve "
-                f"(--memory-reserve) and {promised} MiB that sandboxes still starting will take"
+                f"{available} MiB available, less {self._settings.memory_reserve_mib} kept in "
+                f"reserve (--memory-reserve) and {promised} MiB that sandboxes still starting "
+                f"will take{hint}"
             )
         return estimate

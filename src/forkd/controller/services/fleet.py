@@ -16,7 +16,7 @@ import contextlib
 import functools
 import logging
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -134,6 +134,10 @@ class Fleet:
         )
         self.events = EventBus()  # lifecycle events: every service publishes here
         self.waker: Waker | None = None  # wakes a sandbox for a request (set by Services)
+        # Sandboxes reclaim is hibernating now: set once each one is (.reclaim).
+        self.evicting: dict[str, asyncio.Event] = {}
+        # Frees host memory for a new sandbox by hibernating idle ones (set by Services).
+        self.make_room: Callable[[int], Awaitable[list[str]]] | None = None
         self.hibernated = HibernatedFiles(settings.snapshot_root)
         self.network = HostNetwork(settings.sandbox_cidr, settings.network)
         self.cgroups = _cgroup_hierarchy(settings)
@@ -169,6 +173,17 @@ class Fleet:
 
     # ------------------------------------------------------------- admission
 
+    async def make_room_for(
+        self, sandboxes: int, origin: Path | None = None, template_mib: int = 0
+    ) -> None:
+        """Before admitting new VMs: when the host's memory would not hold them, have
+        reclaim hibernate idle sandboxes for what they lack (:mod:`.reclaim`)."""
+        if self.make_room is None:
+            return
+        short = self.admission.host_shortfall_mib(sandboxes, template_mib, origin)
+        if short > 0:
+            await self.make_room(short)
+
     def placement(self, memory_limit_mib: int | None = None) -> cgroups.Placement | None:
         """Where a new VM's cgroup goes (None: the host has none for us)."""
         if not self.cgroups.limits_memory:
@@ -199,6 +214,10 @@ class Fleet:
         is woken first (:mod:`.waking`) unless it was made with ``auto_resume`` false;
         then as :meth:`live`."""
         row = self.sandbox_row(sandbox_id)
+        evicting = self.evicting.get(sandbox_id)
+        if evicting is not None:  # reclaim is hibernating it: then wake it
+            await evicting.wait()
+            row = self.sandbox_row(sandbox_id)
         if row.state in ("paused", "hibernated") and row.auto_resume and self.waker is not None:
             await self.waker(sandbox_id)
         return self.live(sandbox_id)
@@ -248,6 +267,7 @@ class Fleet:
     async def remove(self, sandbox_id: str) -> None:
         """Kill the sandbox's VM (if any), delete its files and its record."""
         self.activity.forget(sandbox_id)
+        self.activity.forget_counts(sandbox_id)
         vm = self.vms.pop(sandbox_id, None)
         if vm is not None:
             await vm.kill()

@@ -112,6 +112,7 @@ class HibernateService:
         if state_dir is None:
             raise Conflict(f"sandbox {sandbox_id!r} is hibernated but its state is missing")
         machine = (await asyncio.to_thread(snapshot_files.load, state_dir)).machine
+        await fleet.make_room_for(1)
         with fleet.admission.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
             held.ids.add(sandbox_id)
             with fleet.holds.waking(sandbox_id):

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from forkd.controller.models import SandboxInfo
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernation import HibernateService
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService, expiry_in
+from forkd.controller.store import SandboxRow
 from forkd.errors import Busy, Conflict, ForkdError, VMError
 from forkd.states import SandboxState
 
@@ -65,6 +67,26 @@ class PauseService:
         self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
         return self.sandboxes.info(sandbox_id)
 
+    async def evict(self, sandbox_id: str, idle: Callable[[SandboxRow], bool]) -> bool:
+        """Hibernate the sandbox for reclaim (:mod:`.reclaim`) if ``idle(row)`` still
+        holds once its lock is taken; whether it was. A request that comes meanwhile
+        waits for the hibernation to end, then wakes it (:meth:`Fleet.running`)."""
+        fleet = self.fleet
+        row = fleet.store.get_sandbox(sandbox_id)
+        if row is None or not idle(row):
+            return False
+        done = fleet.evicting[sandbox_id] = asyncio.Event()
+        try:
+            async with fleet.holds.sandbox_lock(sandbox_id):
+                row = fleet.store.get_sandbox(sandbox_id)
+                if row is None or row.state not in ("running", "paused") or not idle(row):
+                    return False
+                await self.hibernation.hibernate(sandbox_id)
+            return True
+        finally:
+            del fleet.evicting[sandbox_id]
+            done.set()
+
     async def resume_for_request(self, sandbox_id: str) -> str | None:
         """Resume or wake the sandbox a request needs running (:mod:`.waking`): the state
         it woke from, or None when it ran already (another request woke it)."""
@@ -78,6 +100,8 @@ class PauseService:
             else:
                 return None
         ms = round((time.monotonic() - started) * 1000, 1)
+        wakes = self.fleet.activity.wakes
+        wakes[sandbox_id] = wakes.get(sandbox_id, 0) + 1
         log.info("sandbox %s woke from %s for a request in %.0f ms", sandbox_id, was, ms)
         self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=was == "hibernated",
                                   reason="request", wake_ms=ms)  # fmt: skip

@@ -148,6 +148,7 @@ class SandboxService:
         if req.memory_limit_mib is not None and self.fleet.cgroups.limits_memory:
             cgroups.check_memory_limit(req.memory_limit_mib, machine.memory_mib, machine.accel)
         what = f"forking {req.n} from {tag!r}"
+        await self.fleet.make_room_for(req.n, snap_dir)
         with self.fleet.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
             return await self._fork_all(req, tag, snap_dir, policy, held, pool)
 
@@ -210,6 +211,7 @@ class SandboxService:
                 state=SandboxState.STARTING,
                 on_timeout=OnTimeout(req.on_timeout),
                 idle_timeout_s=req.idle_timeout_s, seed=seed, auto_resume=req.auto_resume,
+                evictable=req.evictable,
                 metadata=merged_labels(
                     fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata
                 ),
@@ -286,6 +288,7 @@ class SandboxService:
             fork_ms=row.fork_ms,
             seed=row.seed,
             auto_resume=row.auto_resume,
+            evictable=row.evictable,
             metadata=row.metadata,
             has_branched=branches > 0,
             branch_count=branches,

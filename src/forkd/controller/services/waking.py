@@ -10,7 +10,7 @@ is each one's failure, with the same error. A followed output stream does not
 wake its sandbox: it waits, as it did, for someone to resume it.
 
 What the wake cost is the answer's ``Forkd-Wake-Ms`` header
-(:class:`forkd.controller.middleware.WakeHeader`, from :func:`request_waits`),
+(:class:`forkd.controller.middleware.SandboxRequests`, from :func:`request_waits`),
 the ``resumed`` event's ``wake_ms`` and ``reason: "request"``, and the metrics
 ``forkd_wakes_total{from}`` and ``forkd_wake_seconds``.
 """

@@ -1,0 +1,206 @@
+"""Reclaim under memory pressure: idle sandboxes are hibernated to give their memory
+back, the way ``pause --hibernate`` does, and wake on their next request.
+
+Every ``RECLAIM_INTERVAL_SECS`` the reclaimer reads the host's available memory; below
+the low watermark (``--reclaim-low``) it hibernates idle sandboxes, one at a time, until
+the high watermark (``--reclaim-high``) is available again or none is left to take. A
+fork that would not fit (admission's real-memory check) first asks it to free what it
+lacks (:meth:`Reclaimer.make_room`).
+
+A sandbox may be taken when it is ``evictable`` (the default; ``false`` protects it),
+running with ``auto_resume`` (a request wakes it again) or paused, and idle: no request
+using it now (an exec, a followed stream, a terminal, a transfer), none for
+``--reclaim-idle`` seconds, and no output from its processes since the last look.
+Paused ones go first, then the least recently used. Nothing is ever killed to make
+room: when reclaim cannot free enough, admission refuses new sandboxes (429).
+
+Each eviction is a ``hibernated`` event with ``reason: "memory"``, an audit record and
+``forkd_evictions_total``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.pausing import PauseService
+from forkd.controller.store import SandboxRow
+from forkd.errors import ForkdError
+
+log = logging.getLogger(__name__)
+
+RECLAIM_INTERVAL_SECS = 2.0
+OUTPUT_CHECK_SECS = 5.0  # asking a guest what its processes wrote
+
+AuditWriter = Callable[..., None]
+
+
+class Reclaimer:
+    def __init__(
+        self,
+        fleet: Fleet,
+        pausing: PauseService,
+        observe: Callable[[], None] | None = None,
+    ) -> None:
+        self.fleet = fleet
+        self.pausing = pausing
+        self._observe = observe  # counts one eviction in the metrics
+        self.audit: AuditWriter | None = None  # set by the app once its audit log is open
+        self._lock = asyncio.Lock()  # one pass at a time: the loop's or a fork's
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.fleet.settings.reclaim_low_mib is not None
+
+    # ------------------------------------------------------------------ loop
+
+    def start(self) -> None:
+        if self.enabled and self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="forkd-reclaim")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(RECLAIM_INTERVAL_SECS)
+            try:
+                await self.reclaim_once()
+            except Exception:  # keep watching whatever one pass hit
+                log.exception("reclaim pass failed")
+
+    async def reclaim_once(self) -> list[str]:
+        """One look: below the low watermark, hibernate idle sandboxes until the high one
+        is available. The ids hibernated."""
+        settings = self.fleet.settings
+        if settings.reclaim_low_mib is None or settings.reclaim_high_mib is None:
+            return []
+        available = self._available()
+        if available >= settings.reclaim_low_mib:
+            return []
+        return await self._free_until(settings.reclaim_high_mib, "low watermark")
+
+    async def make_room(self, mib: int) -> list[str]:
+        """Hibernate idle sandboxes until ``mib`` more than now is available (a fork's
+        shortfall). The ids hibernated; none when reclaim is off."""
+        if not self.enabled or mib <= 0:
+            return []
+        return await self._free_until(self._available() + mib, "a new sandbox")
+
+    # ------------------------------------------------------------- choosing
+
+    def candidates(self) -> list[SandboxRow]:
+        """Sandboxes reclaim may take now, in the order it takes them: paused first,
+        then the least recently used. Their processes' output is checked later."""
+        fleet = self.fleet
+        idle_s = fleet.settings.reclaim_idle_s
+        now = time.time()
+        rows = [
+            row for row in fleet.store.list_sandboxes()
+            if row.id in fleet.vms and self._idle(row, now, idle_s)
+        ]  # fmt: skip
+        rows.sort(key=lambda r: (r.state != "paused", fleet.activity.idle_since(r)))
+        return rows
+
+    def _idle(self, row: SandboxRow, now: float, idle_s: float) -> bool:
+        activity = self.fleet.activity
+        return (
+            row.evictable
+            and (row.state == "paused" or (row.state == "running" and row.auto_resume))
+            and not activity.in_use(row.id)
+            and now - activity.idle_since(row) >= idle_s
+            and not (self.fleet.waker is not None and self.fleet.waker.waking(row.id))
+        )
+
+    def busy_summary(self) -> str:
+        """Why reclaim has nothing to take: for the 429 that admission gives then."""
+        fleet = self.fleet
+        rows = [r for r in fleet.store.list_sandboxes() if r.id in fleet.vms]
+        protected = sum(1 for r in rows if not r.evictable)
+        now, idle_s = time.time(), fleet.settings.reclaim_idle_s
+        idle = sum(1 for r in rows if self._idle(r, now, idle_s))
+        if not self.enabled:
+            return "reclaim is off (--reclaim-low 0)"
+        return (
+            f"reclaim found {idle} idle sandboxes to hibernate of {len(rows)} with a VM "
+            f"({protected} not evictable; the rest used in the last {idle_s:g} s "
+            "(--reclaim-idle) or busy)"
+        )
+
+    async def _quiet(self, row: SandboxRow) -> bool:
+        """Whether its processes wrote nothing since the last look (a paused one's
+        cannot). Output counts as use: its idle clock starts again."""
+        if row.state == "paused":
+            return True
+        vm = self.fleet.vms.get(row.id)
+        if vm is None:
+            return False
+        try:
+            listed = await asyncio.wait_for(vm.proc_list(), OUTPUT_CHECK_SECS)
+        except (ForkdError, TimeoutError):
+            return False  # a guest that does not answer now is left alone
+        written = sum(int(p.get("output_end") or 0) for p in listed)
+        return not self.fleet.activity.output_written(row.id, written)
+
+    # ------------------------------------------------------------- evicting
+
+    async def _free_until(self, target_mib: int, why: str) -> list[str]:
+        # A fresh context: the evictions are no request's use of those sandboxes.
+        task = asyncio.create_task(self._free(target_mib, why), context=contextvars.Context())
+        return await asyncio.shield(task)
+
+    async def _free(self, target_mib: int, why: str) -> list[str]:
+        taken: list[str] = []
+        async with self._lock:
+            tried: set[str] = set()
+            while self._available() < target_mib:
+                row = next((r for r in self.candidates() if r.id not in tried), None)
+                if row is None:
+                    log.warning("reclaim: %d MiB available, %d wanted (%s); %s",
+                                self._available(), target_mib, why,
+                                self.busy_summary())  # fmt: skip
+                    break
+                tried.add(row.id)
+                if await self._quiet(row) and await self._evict(row, why):
+                    taken.append(row.id)
+        return taken
+
+    async def _evict(self, row: SandboxRow, why: str) -> bool:
+        available = self._available()
+        try:
+            evicted = await self.pausing.evict(row.id, self._still_idle)
+        except ForkdError as exc:
+            log.warning("reclaim: hibernating sandbox %s failed: %s", row.id, exc)
+            return False
+        if not evicted:
+            return False
+        freed = self._available() - available
+        log.info("reclaim: hibernated idle sandbox %s (%s): %d MiB available, %+d MiB",
+                 row.id, why, self._available(), freed)  # fmt: skip
+        activity = self.fleet.activity
+        activity.evictions[row.id] = activity.evictions.get(row.id, 0) + 1
+        fields: dict[str, Any] = {"available_mib": available, "freed_mib": freed}
+        self.fleet.events.publish("hibernated", sandbox_id=row.id, reason="memory", **fields)
+        if self._observe is not None:
+            self._observe()
+        if self.audit is not None:
+            self.audit(event="evicted", sandbox=row.id, reason="memory", **fields)
+        return True
+
+    def _still_idle(self, row: SandboxRow) -> bool:
+        """Checked again under the sandbox's lock, just before it is hibernated."""
+        return self._idle(row, time.time(), self.fleet.settings.reclaim_idle_s)
+
+    def _available(self) -> int:
+        return self.fleet.memory.host().available_mib

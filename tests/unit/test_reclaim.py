@@ -1,0 +1,187 @@
+"""Reclaim under memory pressure, over the real app and a fake VM driver, on a host whose
+/proc/meminfo the test writes: below the low watermark idle sandboxes are hibernated,
+paused ones first, then the least recently used, until the high watermark; protected,
+busy and recently used ones are left alone; a fork that would not fit first makes room;
+when nothing can be taken it is a 429 saying why; a request that comes while its
+sandbox is being hibernated waits and wakes it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+
+from forkd.controller.app import create_app
+from forkd.controller.services import Services, host_memory
+from forkd.controller.services.activity import request_scope
+from forkd.controller.settings import Settings
+from tests.unit.conftest import TOKEN
+from tests.unit.fakes import FakeDriver
+from tests.unit.test_admission import fake_meminfo
+
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def meminfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A 4 GiB host with 1000 MiB available: under the low watermark (1500)."""
+    path = tmp_path / "meminfo"
+    fake_meminfo(path, 4096, 1000)
+    monkeypatch.setattr(host_memory, "MEMINFO", path)
+    return path
+
+
+@pytest.fixture
+def client(settings: Settings, driver: FakeDriver, meminfo: Path) -> Iterator[TestClient]:
+    settings.memory_reserve_mib = 512
+    settings.reclaim_low_mib, settings.reclaim_high_mib = 1500, 2000
+    settings.reclaim_idle_s = 0
+    with TestClient(create_app(settings, TOKEN, driver=driver), headers=AUTH) as c:
+        events = _services(c).fleet.events
+        publish = events.publish
+        c.published = []  # type: ignore[attr-defined]
+
+        def keep(kind: str, **fields: Any) -> None:
+            c.published.append((kind, fields))  # type: ignore[attr-defined]
+            publish(kind, **fields)
+
+        events.publish = keep  # type: ignore[method-assign]
+        assert c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 256}).status_code == 201
+        yield c
+
+
+def _services(client: TestClient) -> Services:
+    services: Services = client.app.state.services  # type: ignore[attr-defined]
+    return services
+
+
+def _fork(client: TestClient, **body: Any) -> str:
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": "py", **body})
+    assert r.status_code == 201, r.text
+    return str(r.json()[0]["id"])
+
+
+def _states(client: TestClient) -> dict[str, str]:
+    return {s["id"]: s["state"] for s in client.get("/v1/sandboxes").json()}
+
+
+def _reclaim(client: TestClient) -> list[str]:
+    taken: list[str] = client.portal.call(_services(client).reclaim.reclaim_once)  # type: ignore[union-attr]
+    return taken
+
+
+def _freeing(client: TestClient, meminfo: Path, mib: int) -> None:
+    """Each eviction gives ``mib`` back, as a QEMU that ends does."""
+    pausing = _services(client).pausing
+    evict = pausing.evict
+    available = [1000]
+
+    async def freeing(sandbox_id: str, idle: Callable[..., bool]) -> bool:
+        done = await evict(sandbox_id, idle)
+        if done:
+            available[0] += mib
+            fake_meminfo(meminfo, 4096, available[0])
+        return done
+
+    pausing.evict = freeing  # type: ignore[method-assign]
+
+
+def test_under_the_low_watermark_idle_ones_go_paused_first_then_least_recently_used(
+    client: TestClient, meminfo: Path
+) -> None:
+    old, paused, recent = _fork(client), _fork(client), _fork(client)
+    client.post(f"/v1/sandboxes/{paused}/pause")
+    client.post(f"/v1/sandboxes/{recent}/exec", json={"args": ["true"]})
+    time.sleep(0.01)
+    _freeing(client, meminfo, 600)  # 1000 + 2 x 600 = 2200: over the high watermark
+    assert _reclaim(client) == [paused, old]
+    assert _states(client) == {old: "hibernated", paused: "hibernated", recent: "running"}
+    said = [f for kind, f in client.published if kind == "hibernated"]  # type: ignore[attr-defined]
+    assert [(f["sandbox_id"], f["reason"]) for f in said] == [(paused, "memory"), (old, "memory")]
+    assert "forkd_evictions_total 2" in client.get("/metrics").text
+    assert _reclaim(client) == []  # 2200 available: above the low watermark
+
+
+def test_protected_busy_and_recently_used_sandboxes_are_never_taken(
+    client: TestClient, settings: Settings
+) -> None:
+    protected = _fork(client, evictable=False)
+    no_wake = _fork(client, auto_resume=False)  # running: a request could not wake it
+    busy = _fork(client)
+    services = _services(client)
+    with request_scope():  # a request is using it (a followed stream, a terminal)
+        services.fleet.activity.touch(busy)
+        assert _reclaim(client) == []
+    assert set(_states(client).values()) == {"running"}
+    settings.reclaim_idle_s = 3600
+    assert _reclaim(client) == []  # used in the last hour: all of them
+    settings.reclaim_idle_s = 0
+    assert _reclaim(client) == [busy]  # the request ended
+    assert _states(client) == {protected: "running", no_wake: "running", busy: "hibernated"}
+    r = client.post(f"/v1/sandboxes/{busy}/exec", json={"args": ["echo", "back"]})
+    assert r.status_code == 200 and r.json()["stdout"] == "back\n"  # woken on demand
+
+
+def test_a_sandbox_whose_processes_write_is_not_idle(
+    client: TestClient, driver: FakeDriver
+) -> None:
+    sid = _fork(client)
+    r = client.post(f"/v1/sandboxes/{sid}/processes", json={"cmd": ["serve", "8000"]})
+    assert r.status_code == 201, r.text
+    vm = next(vm for vm in driver.vms if vm.id == sid)
+    time.sleep(0.2)
+    assert _reclaim(client) == []  # it wrote since the last look
+    proc = vm.processes.procs[int(r.json()["pid"])]
+    client.portal.call(asyncio.sleep, 0)  # type: ignore[union-attr]
+    proc.write("stdout", b"more")
+    assert _reclaim(client) == []
+    assert _reclaim(client) == [sid]  # quiet since
+
+
+def test_a_fork_that_would_not_fit_first_hibernates_idle_ones_and_else_says_why(
+    client: TestClient, meminfo: Path, settings: Settings
+) -> None:
+    settings.reclaim_low_mib = settings.reclaim_high_mib = 0  # no watermark: only forks
+    idle = _fork(client)
+    _freeing(client, meminfo, 600)
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 20})  # 960 > 488 left
+    assert r.status_code == 201, r.text
+    assert _states(client)[idle] == "hibernated"
+    fake_meminfo(meminfo, 4096, 600)
+    settings.reclaim_idle_s = 3600  # the 20 were used just now: none is idle
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 5})
+    assert r.status_code == 429
+    said = r.json()["error"]
+    assert "short by" in said and "reclaim found 0 idle sandboxes to hibernate of 20" in said
+
+
+def test_a_request_that_comes_while_its_sandbox_is_hibernated_waits_and_wakes_it(
+    client: TestClient,
+) -> None:
+    sid = _fork(client)
+    hibernation = _services(client).pausing.hibernation
+    real = hibernation.hibernate
+    started = threading.Event()
+
+    async def slow(sandbox_id: str) -> None:
+        started.set()
+        await asyncio.sleep(0.5)
+        await real(sandbox_id)
+
+    hibernation.hibernate = slow  # type: ignore[method-assign]
+    reclaimed: list[list[str]] = []
+    thread = threading.Thread(target=lambda: reclaimed.append(_reclaim(client)))
+    thread.start()
+    assert started.wait(5)
+    r = client.post(f"/v1/sandboxes/{sid}/exec", json={"args": ["echo", "hi"]})
+    thread.join(10)
+    assert reclaimed == [[sid]]
+    assert r.status_code == 200 and r.json()["stdout"] == "hi\n"
+    assert float(r.headers["forkd-wake-ms"]) > 0  # it waited, then woke it
+    assert _states(client)[sid] == "running"
