@@ -88,6 +88,9 @@ MAX_SANDBOXES_CEILING = 1000  # the most forks one request asks (the original's 
 RECLAIM_LOW_RESERVES = 2
 RECLAIM_HIGH_RESERVES = 3
 RECLAIM_IDLE_SECS = 60.0  # no request and no process output this long: idle
+# /metrics has series labelled by sandbox for at most this many (those holding the most
+# host memory): a scrape of a host with a thousand sandboxes stays bounded.
+SANDBOX_SERIES_CAP = 200
 
 # Request bodies.
 JSON_BODY_LIMIT = 1 << 20  # the JSON routes

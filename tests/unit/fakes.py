@@ -170,6 +170,7 @@ class FakeVM(VMLifecycle):
         self.image_ref = ImageRef("python", None, None)  # a booted VM's: its image's dir too
         self.guest = guest
         self.processes = FakeProcesses()
+        self.guest_stats: dict[str, Any] = {}  # what a test makes its guest's stats say
         self.transfers = FakeTransfers(guest.files)
         self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
         # Guest TCP port -> a loopback port where a test's server plays the guest's service.
@@ -191,6 +192,20 @@ class FakeVM(VMLifecycle):
     def memory_usage(self) -> dict[str, int]:  # what a pool under its memory cap reads
         held = PRIVATE_MIB << 20
         return {"rss": held, "pss": held, "private_dirty": held, "private": held}
+
+    cpu_used = 1.5  # seconds of CPU its QEMU used (a test moves it)
+
+    def cpu_times(self) -> tuple[float, float]:
+        return self.cpu_used, 10.0
+
+    async def stats(self, paths: list[str]) -> dict[str, Any]:
+        self._agent("stats")
+        mounts = {p: {"total_bytes": 1 << 30, "used_bytes": 1 << 20} for p in paths}
+        return {"cpu": {"busy_s": 3.0, "idle_s": 30.0, "count": 1},
+                "memory": {"total_bytes": 256 << 20, "used_bytes": 40 << 20},
+                "disk": {"total_bytes": 2 << 30, "used_bytes": 300 << 20}, "mounts": mounts,
+                "network": {"rx_bytes": 1000, "tx_bytes": 2000}, "processes": 12,
+                "load": [0.0, 0.0, 0.0], **self.guest_stats}  # fmt: skip
 
     def resident_memory(self) -> dict[str, int]:  # what admission by real memory reads
         held = PRIVATE_MIB << 20

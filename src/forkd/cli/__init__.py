@@ -32,6 +32,7 @@ from forkd.cli import (
     sandboxes,
     shell,
     snapshots,
+    usage,
     volumes,
 )
 from forkd.cli.render import out
@@ -69,6 +70,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     shell.register(app, transport=transport)
     events.register(app, transport=transport)
     ports.register(app, transport=transport)
+    usage.register(app, transport=transport)
     original_verbs.register(app, transport=transport)
 
 

@@ -296,6 +296,10 @@ class AsyncSandbox(SandboxView):
         self._info = await self._controller.get_sandbox(self.id)
         return self._info
 
+    async def get_metrics(self) -> JSONDict:
+        """What the sandbox uses now (see ``Sandbox.get_metrics``)."""
+        return await self._controller.sandbox_metrics(self.id)
+
     async def ping(self) -> JSONDict:
         return await self._controller.ping_sandbox(self.id)
 

@@ -460,6 +460,21 @@ class Routes:
         return self._json("GET", self._sb(sandbox_id))
 
     @route
+    def sandbox_metrics(self, sandbox_id: str) -> Call[JSONDict]:
+        """``GET /v1/sandboxes/{id}/metrics`` → what it uses now: ``cpu`` (``seconds``,
+        ``percent``, ``count``), ``memory`` (guest and host bytes), ``disk``,
+        ``volumes``, ``network`` (``rx_bytes``, ``tx_bytes``), ``processes``,
+        ``last_active_at``, ``wakes``, ``evictions``. Asking wakes nothing."""
+        return self._json("GET", f"{self._sb(sandbox_id)}/metrics")
+
+    @route
+    def list_sandbox_metrics(self, sandbox_ids: list[str] | None = None) -> Call[list[JSONDict]]:
+        """``GET /v1/sandboxes/metrics`` → every sandbox's figures (``sandbox_ids``: those
+        only): the host's read now, the guest's as last read."""
+        params = {} if sandbox_ids is None else {"sandbox_ids": ",".join(sandbox_ids)}
+        return self._json("GET", "/v1/sandboxes/metrics", params=params)
+
+    @route
     def kill_sandbox(self, sandbox_id: str) -> Call[None]:
         """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
         return self._request("DELETE", self._sb(sandbox_id)).then(_none)

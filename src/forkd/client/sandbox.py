@@ -137,6 +137,12 @@ class Sandbox(SandboxView):
         self._info = self._controller.get_sandbox(self.id)
         return self._info
 
+    def get_metrics(self) -> JSONDict:
+        """What the sandbox uses now (E2B's ``get_metrics``): ``cpu``, ``memory``,
+        ``disk``, ``volumes``, ``network``, ``processes``, ``wakes``, ``evictions``. It
+        does not wake a paused or hibernated sandbox (its guest figures are null)."""
+        return self._controller.sandbox_metrics(self.id)
+
     def ping(self) -> JSONDict:
         """Check the guest agent answers: ``{"pong": true, ...}``."""
         return self._controller.ping_sandbox(self.id)
@@ -171,8 +177,9 @@ class Sandbox(SandboxView):
         return self._info
 
     def pause(self, hibernate: bool = False) -> JSONDict:
-        """Stop the sandbox's vCPUs, its memory kept: no CPU used, no command answered
-        until :meth:`resume`. It can still be branched (exactly as paused) or killed.
+        """Stop the sandbox's vCPUs, its memory kept: no CPU used until :meth:`resume`,
+        or until a command wakes it (unless it was made with ``auto_resume=False``:
+        then commands fail with 409). It can still be branched (exactly as paused).
 
         ``hibernate``: write it to disk and end its QEMU instead, giving its memory
         back; :meth:`resume` restores it, same id, address, files and processes.

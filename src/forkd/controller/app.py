@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from forkd import __version__, paths
+from forkd import __version__, limits, paths
 from forkd.controller import console, http_errors, port_proxy, port_ws, pty_ws, routes
 from forkd.controller.audit import AuditLog
 from forkd.controller.connection_limits import ConnectionLimiter
@@ -57,6 +57,8 @@ def create_app(
         services.reclaim.audit = app.state.audit.write
         await services.lifecycle.start()
         services.reclaim.start()
+        services.usage.start()
+        metrics.watch_sandboxes(services.usage.all, limits.SANDBOX_SERIES_CAP)
         log.info("forkd ready: %d snapshots, %d sandboxes adopted",
                  len(store.list_snapshots()), len(services.fleet.vms))  # fmt: skip
         try:
@@ -65,6 +67,7 @@ def create_app(
             services.fleet.events.close()
             await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
             await services.reclaim.stop()
+            await services.usage.stop()
             await services.lifecycle.stop()
             services.expiry.audit = None
             services.reclaim.audit = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -11,6 +12,9 @@ from prometheus_client.registry import Collector
 
 from forkd import __version__
 from forkd.controller.connection_limits import ConnectionCounts
+
+if TYPE_CHECKING:
+    from forkd.controller.models import SandboxMetrics
 
 LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5, 10, 30)
 
@@ -88,6 +92,10 @@ class Metrics:
         """Reclaim hibernated an idle sandbox."""
         self.evictions.inc()
 
+    def watch_sandboxes(self, read: Callable[[], list[SandboxMetrics]], cap: int) -> None:
+        """Series labelled by sandbox, from ``read()``, for at most ``cap`` sandboxes."""
+        self.registry.register(_SandboxCollector(read, cap))
+
     def render(self) -> bytes:
         return integral_counts(generate_latest(self.registry))
 
@@ -136,3 +144,58 @@ class _ConnectionCollector(Collector):
         for wait, n in counts.timed_out.items():
             timed_out.add_metric([wait], n)
         yield timed_out
+
+
+class _SandboxCollector(Collector):
+    """Each sandbox's figures (forkd.controller.services.usage), labelled by its id: the
+    ``cap`` sandboxes that hold the most host memory, then the rest, left out and counted
+    in ``forkd_sandbox_series_omitted`` so that a host of thousands keeps a bounded
+    number of series."""
+
+    # (series, kind, help, the figure of a SandboxMetrics)
+    SERIES: tuple[tuple[str, str, str, Callable[[SandboxMetrics], float | None]], ...] = (
+        ("forkd_sandbox_cpu_seconds", "counter", "CPU time its QEMU used",
+         lambda m: m.cpu.seconds),
+        ("forkd_sandbox_memory_host_private_bytes", "gauge", "What its QEMU holds of its own",
+         lambda m: m.memory.host_private_bytes),
+        ("forkd_sandbox_memory_guest_used_bytes", "gauge", "Memory its guest uses",
+         lambda m: m.memory.guest_used_bytes),
+        ("forkd_sandbox_disk_used_bytes", "gauge", "Used on its guest's root filesystem",
+         lambda m: m.disk.used_bytes if m.disk else None),
+        ("forkd_sandbox_network_rx_bytes", "counter", "Bytes its guest received",
+         lambda m: m.network.rx_bytes if m.network else None),
+        ("forkd_sandbox_network_tx_bytes", "counter", "Bytes its guest sent",
+         lambda m: m.network.tx_bytes if m.network else None),
+        ("forkd_sandbox_processes", "gauge", "Processes running in its guest",
+         lambda m: m.processes),
+        ("forkd_sandbox_wakes", "counter", "Times a request woke it", lambda m: m.wakes),
+        ("forkd_sandbox_evictions", "counter", "Times reclaim hibernated it",
+         lambda m: m.evictions),
+    )  # fmt: skip
+
+    def __init__(self, read: Callable[[], list[SandboxMetrics]], cap: int) -> None:
+        self._read = read
+        self._cap = cap
+
+    def describe(self) -> Iterator[Metric]:  # what register() asks: no reading for it
+        for name, kind, text, _ in self.SERIES:
+            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text)
+        yield GaugeMetricFamily("forkd_sandbox_series_omitted", "over the cap")
+
+    def collect(self) -> Iterator[Metric]:
+        every = sorted(self._read(), key=lambda m: -(m.memory.host_private_bytes or 0))
+        shown = every[: self._cap]
+        for name, kind, text, figure in self.SERIES:
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                name, text, labels=["sandbox"]
+            )
+            for m in shown:
+                value = figure(m)
+                if value is not None:
+                    family.add_metric([m.sandbox_id], value)
+            yield family
+        yield GaugeMetricFamily(
+            "forkd_sandbox_series_omitted",
+            "Sandboxes left out of the per-sandbox series (over the cap)",
+            len(every) - len(shown),
+        )

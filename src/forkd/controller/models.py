@@ -647,6 +647,64 @@ class SandboxInfo(BaseModel):
     )  # fmt: skip
 
 
+class CpuUsage(BaseModel):
+    seconds: float | None = Field(
+        None, description="CPU time its QEMU used on the host, vCPUs and emulation included"
+    )
+    percent: float | None = Field(
+        None, description="of one host core, since the previous reading of it (at least 1 s "
+        "ago) or since it started",
+    )  # fmt: skip
+    count: int | None = Field(None, description="the guest's vCPUs")
+
+
+class MemoryUsage(BaseModel):
+    guest_total_bytes: int | None = Field(None, description="the guest's RAM, as it sees it")
+    guest_used_bytes: int | None = Field(None, description="its RAM less what it has available")
+    host_private_bytes: int | None = Field(
+        None, description="what its QEMU holds on the host of its own (RssAnon)"
+    )
+    host_proportional_bytes: int | None = Field(
+        None, description="its QEMU's PSS: its own pages and its share of the snapshot's"
+    )
+
+
+class SpaceUsage(BaseModel):
+    used_bytes: int
+    total_bytes: int
+
+
+class VolumeUsage(SpaceUsage):
+    name: str
+    path: str = Field(description="where it is mounted in the guest")
+
+
+class NetworkUsage(BaseModel):
+    rx_bytes: int = Field(description="received by its interfaces (loopback left out)")
+    tx_bytes: int = Field(description="sent by its interfaces")
+
+
+class SandboxMetrics(BaseModel):
+    """What one sandbox uses now. Host figures are the daemon's own reading; guest
+    figures (memory used, disk, network, processes) are the guest's word, null when it
+    does not answer or is not running."""
+
+    sandbox_id: str
+    state: SandboxState
+    timestamp: str = Field(description="when read, ISO 8601 UTC")
+    cpu: CpuUsage
+    memory: MemoryUsage
+    disk: SpaceUsage | None = Field(None, description="the guest's root filesystem")
+    volumes: list[VolumeUsage] = Field(default_factory=list)
+    network: NetworkUsage | None = None
+    processes: int | None = Field(None, description="processes running in the guest")
+    last_active_at: str | None = Field(
+        None, description="its last API call or process output seen, ISO 8601 UTC"
+    )
+    wakes: int = Field(0, description="times a request woke it since the daemon started")
+    evictions: int = Field(0, description="times reclaim hibernated it since the daemon started")
+
+
 class PingResult(BaseModel):
     """``pong`` and what the guest agent reports about itself."""
 

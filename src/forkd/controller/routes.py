@@ -46,6 +46,7 @@ from forkd.controller.models import (
     ResumeRequest,
     SandboxCreate,
     SandboxInfo,
+    SandboxMetrics,
     SnapshotCreate,
     SnapshotInfo,
     SnapshotPull,
@@ -255,9 +256,32 @@ async def list_sandboxes(
     return svc.sandboxes.list(state, snapshot, _metadata_filter(request, "state", "snapshot"))
 
 
+@sandboxes.get("/metrics", response_model=list[SandboxMetrics])
+async def list_sandbox_metrics(
+    svc: Svc,
+    request: Request,
+    sandbox_ids: Annotated[
+        str | None, Query(description="these sandboxes only, comma-separated")
+    ] = None,
+) -> list[SandboxMetrics]:
+    """What every sandbox uses: the host's figures now, the guest's as last read."""
+    _only_named(request, "sandbox_ids")
+    every = svc.usage.all()
+    if sandbox_ids is None:
+        return every
+    wanted = set(sandbox_ids.split(","))
+    return [m for m in every if m.sandbox_id in wanted]
+
+
 @sandboxes.get("/{sandbox_id}", response_model=SandboxInfo)
 async def get_sandbox(svc: Svc, sandbox_id: str) -> SandboxInfo:
     return svc.sandboxes.info(sandbox_id)
+
+
+@sandboxes.get("/{sandbox_id}/metrics", response_model=SandboxMetrics)
+async def sandbox_metrics(svc: Svc, sandbox_id: str) -> SandboxMetrics:
+    """What the sandbox uses now: CPU, memory, disk, volumes, network, processes."""
+    return await svc.usage.of(sandbox_id)
 
 
 @sandboxes.delete("/{sandbox_id}", **NO_CONTENT)

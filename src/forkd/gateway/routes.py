@@ -127,6 +127,12 @@ async def list_sandboxes(request: Request) -> Response:
     return JSONResponse(await _merged(request, "/v1/sandboxes"))
 
 
+@router.get("/v1/sandboxes/metrics")
+async def list_sandbox_metrics(request: Request) -> Response:
+    """Every node's sandboxes' figures, each with its node."""
+    return JSONResponse(await _merged(request, "/v1/sandboxes/metrics"))
+
+
 @router.get("/v1/snapshots")
 async def list_snapshots(request: Request) -> Response:
     """One entry per tag; ``nodes`` lists every node holding a snapshot of that tag."""

@@ -60,12 +60,13 @@ GUEST_FILES = (
     _agent("forkd_agent_legacy.py"),
     _agent("forkd_agent_log.py"),
     # Background processes, chunked file transfers and their tar streams, what a
-    # sandbox changed, Python eval, exec, and who a command runs as.
+    # sandbox changed and what it uses, Python eval, exec, and who a command runs as.
     _agent("forkd_procs.py"),
     _agent("forkd_files.py"),
     _agent("forkd_tar.py"),
     _agent("forkd_fsdiff.py"),
     _agent("forkd_fsfind.py"),
+    _agent("forkd_stats.py"),
     _agent("forkd_eval.py"),
     _agent("forkd_exec.py"),
     _agent("forkd_identity.py"),

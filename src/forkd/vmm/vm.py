@@ -513,6 +513,11 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         """Host memory of the QEMU process in bytes; ``private`` is what it alone costs."""
         return host_processes.memory_usage(self.pid)
 
+    def cpu_times(self) -> tuple[float, float]:
+        """(CPU seconds the QEMU process has used, its guest's vCPUs included; seconds
+        since it started)."""
+        return host_processes.cpu_times(self.pid)
+
     def resident_memory(self) -> dict[str, int]:
         """What the QEMU process holds now, cheaply read (``anon``: its own pages), in bytes."""
         return host_processes.resident_memory(self.pid)

@@ -26,6 +26,7 @@ from forkd.controller.services.reclaim import Reclaimer
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
+from forkd.controller.services.usage import UsageService
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.services.waking import Waker
 from forkd.controller.services.workspaces import WorkspaceService
@@ -53,6 +54,7 @@ class Services:
     expiry: Expiry
     lifecycle: Lifecycle
     reclaim: Reclaimer
+    usage: UsageService
     workspaces: WorkspaceService
 
     @classmethod
@@ -94,5 +96,6 @@ class Services:
             expiry=expiry,
             lifecycle=Lifecycle(fleet, expiry.expire),
             reclaim=reclaim,
+            usage=UsageService(fleet),
             workspaces=WorkspaceService(fleet, sandboxes, pausing),
         )

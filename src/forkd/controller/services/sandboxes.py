@@ -8,7 +8,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, overload
 
 from forkd import limits
 from forkd.controller.models import (
@@ -112,7 +112,12 @@ def expiry_in(timeout_s: float | None) -> float | None:
     return time.time() + timeout_s if timeout_s is not None else None
 
 
-def _iso(unix: float | None) -> str | None:
+@overload
+def iso_time(unix: float) -> str: ...
+@overload
+def iso_time(unix: float | None) -> str | None: ...
+def iso_time(unix: float | None) -> str | None:
+    """``unix`` as ISO 8601 UTC to the millisecond (None: None)."""
     if unix is None:
         return None
     return datetime.fromtimestamp(unix, tz=UTC).isoformat(timespec="milliseconds")
@@ -280,10 +285,10 @@ class SandboxService:
             memory_limit_mib=row.memory_limit_mib,
             state=state_word(row.state),
             expires_at_unix=row.expires_at_unix,
-            expires_at=_iso(row.expires_at_unix),
+            expires_at=iso_time(row.expires_at_unix),
             on_timeout=on_timeout_word(row.on_timeout),
             idle_timeout_s=row.idle_timeout_s,
-            last_active_at=_iso(self.fleet.activity.last_active(sandbox_id)),
+            last_active_at=iso_time(self.fleet.activity.last_active(sandbox_id)),
             timeout_branch=row.timeout_branch,
             fork_ms=row.fork_ms,
             seed=row.seed,

@@ -15,6 +15,7 @@ import forkd_agent_handlers
 import forkd_agent_proc_handlers
 import forkd_files
 import forkd_fsdiff
+import forkd_stats
 from forkd_agent_log import log
 from forkd_agent_params import RequestError
 from forkd_files import EncodedJSON, WithRawBytes
@@ -26,6 +27,7 @@ OPS: dict[str, Handler] = {
     **forkd_agent_proc_handlers.OPS,
     **forkd_files.OPS,  # chunked uploads, ranged reads, tar streams
     **forkd_fsdiff.OPS,  # what the sandbox changed: its overlay's upper layer
+    **forkd_stats.OPS,  # what it uses: CPU, memory, disk, network, processes
 }
 
 # Quick ops answered on the reader thread itself. For ``restore`` this also

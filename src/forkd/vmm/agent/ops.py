@@ -190,6 +190,11 @@ class GuestOps:
             params["user"] = user
         return await self.agent.call("proc_start", params)
 
+    async def stats(self, paths: list[str]) -> dict[str, Any]:
+        """What the guest uses (CPU, memory, disk, network, processes), and the space of
+        each mount point in ``paths`` (forkd_stats.py). The guest's word: check it."""
+        return await self.agent.call("stats", {"paths": paths})
+
     async def proc_list(self) -> list[dict[str, Any]]:
         listed: list[dict[str, Any]] = (await self.agent.call("proc_list"))["processes"]
         return listed

@@ -123,6 +123,18 @@ def resident_memory(pid: int) -> dict[str, int]:
     return out
 
 
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user and system CPU seconds process ``pid`` has used, its threads included;
+    seconds since it started), from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        stat = f.read()
+    with open("/proc/uptime") as f:
+        uptime = float(f.read().split()[0])
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after the command, which may hold spaces
+    hz = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / hz, max(0.0, uptime - int(fields[19]) / hz)
+
+
 def owner_uid(pid: int) -> int | None:
     """The real user id process ``pid`` runs as, or None when it is gone.
 
