@@ -33,9 +33,7 @@ def _vm(driver: FakeDriver, sandbox_id: str) -> FakeVM:
     return next(vm for vm in reversed(driver.vms) if vm.id == sandbox_id)
 
 
-def test_a_running_sandbox_s_figures_from_the_host_and_its_guest(
-    ctl: Controller, sid: str
-) -> None:
+def test_a_running_sandbox_s_figures_from_the_host_and_its_guest(ctl: Controller, sid: str) -> None:
     m = ctl.sandbox_metrics(sid)
     assert m["sandbox_id"] == sid and m["state"] == "running"
     assert m["cpu"] == {"seconds": 1.5, "percent": 15.0, "count": 1}  # 1.5 s in 10 s
