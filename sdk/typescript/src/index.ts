@@ -251,6 +251,12 @@ export class Client {
   }
 
   getSandbox(id: string): Promise<SandboxInfo> { return this.json("GET", this.#sb(id)); }
+  /** What the sandbox uses now (`GET /v1/sandboxes/:id/metrics`); wakes nothing. */
+  sandboxMetrics(id: string): Promise<JSONObject> { return this.json("GET", `${this.#sb(id)}/metrics`); }
+  /** Every sandbox's figures (`GET /v1/sandboxes/metrics`), or those of `sandboxIds`. */
+  listSandboxMetrics(sandboxIds?: string[]): Promise<JSONObject[]> {
+    return this.json("GET", "/v1/sandboxes/metrics", { query: sandboxIds ? { sandbox_ids: sandboxIds.join(",") } : {} });
+  }
   async killSandbox(id: string): Promise<void> { await this.request("DELETE", this.#sb(id)); }
 
   pauseSandbox(id: string, opts: { hibernate?: boolean } = {}): Promise<SandboxInfo> {
@@ -460,6 +466,9 @@ export class Sandbox {
   get id(): string { return this.info.id; }
 
   async refresh(): Promise<SandboxInfo> { return (this.info = await this.client.getSandbox(this.id)); }
+
+  /** CPU, memory, disk, network and processes, as E2B's `getMetrics()`. */
+  getMetrics(): Promise<JSONObject> { return this.client.sandboxMetrics(this.id); }
 
   async eval(code: string, timeoutS?: number): Promise<EvalResult> {
     const raw = await this.client.eval(this.id, code, timeoutS);

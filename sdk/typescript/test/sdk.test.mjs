@@ -106,6 +106,10 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     assert.ok(diff.changes.some((c) => c.path === "/tmp/ts-diff.txt" && c.change === "added"), JSON.stringify(diff));
     assert.match(await client.diffPatch(winner.id, { path: "/tmp" }), /\+\+\+ b\/ts-diff\.txt\n(.|\n)*\+from the winner/);
     assert.equal((await sb.refresh()).state, "running");
+    const metrics = await sb.getMetrics();
+    assert.equal(metrics.sandbox_id, sb.id);
+    assert.ok(metrics.cpu.seconds > 0 && metrics.memory.host_private_bytes > 0, JSON.stringify(metrics));
+    assert.ok((await client.listSandboxMetrics([sb.id])).every((m) => m.sandbox_id === sb.id));
   });
 
   await t.test("the original forkd's forms: diff: true, compact to a new tag, workspaces", async () => {
