@@ -85,6 +85,12 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
                     arg=winner,
                     timeout=10_000,
                 )
+                page.wait_for_function(  # what each sandbox uses, from its metrics
+                    'id => /host \\d+ MiB/.test(document.querySelector('
+                    '`li[data-sandbox="${id}"] .usage`)?.textContent ?? "")',
+                    arg=mine[1],
+                    timeout=30_000,
+                )
                 page.select_option("#exec-sandbox", mine[1])
                 page.fill("#exec-command", "echo from the console")
                 page.click("#exec-form button[type=submit]")

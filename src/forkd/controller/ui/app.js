@@ -4,11 +4,13 @@
 //
 // The lists are fetched again when the daemon's event stream says something changed
 // (one long request, not a poll a second: every request is a line in the audit log),
-// and every 30 s in case the stream missed something; ages are redrawn locally.
+// and every 30 s in case the stream missed something; ages are redrawn locally. What
+// each sandbox uses (GET /v1/sandboxes/metrics: host CPU and memory, the guest's memory)
+// is fetched every 10 s and on changes; reading it wakes and touches no sandbox.
 
 let token = null;
 let timers = [];
-let lists = { snapshots: [], sandboxes: [] };
+let lists = { snapshots: [], sandboxes: [], usage: new Map() };
 let pending = null;
 const $ = (id) => document.getElementById(id);
 
@@ -64,6 +66,19 @@ function searchMarks(labels) {
   return marks.length ? el("span", { class: "badge search" }, marks.join(" · ")) : "";
 }
 
+const MIB = 1 << 20;
+
+function usageText(m) {
+  if (!m) return "";
+  const parts = [];
+  if (m.cpu?.percent !== null && m.cpu?.percent !== undefined) parts.push(`cpu ${m.cpu.percent}%`);
+  if (m.memory?.host_private_bytes) parts.push(`host ${Math.round(m.memory.host_private_bytes / MIB)} MiB`);
+  if (m.memory?.guest_used_bytes) parts.push(`guest ${Math.round(m.memory.guest_used_bytes / MIB)} MiB`);
+  if (m.wakes) parts.push(`woken ${m.wakes}×`);
+  if (m.evictions) parts.push(`evicted ${m.evictions}×`);
+  return parts.join(" · ");
+}
+
 function sandboxNode(sb) {
   return el("li", { class: "node sandbox", "data-sandbox": sb.id },
     el("div", { class: "row" },
@@ -73,6 +88,7 @@ function sandboxNode(sb) {
       el("span", { class: "meta" }, `fork ${sb.fork_ms ?? "–"} ms · ${age(sb.created_at_unix)} old` +
         (sb.memory_limit_mib ? ` · ≤ ${sb.memory_limit_mib} MiB` : "") +
         (sb.branch_count ? ` · ${sb.branch_count} branch${sb.branch_count > 1 ? "es" : ""}` : "")),
+      el("span", { class: "meta usage" }, usageText(lists.usage.get(sb.id))),
       el("button", { onclick: () => act(`branch ${sb.id}`, () => api("POST", `/v1/sandboxes/${encodeURIComponent(sb.id)}/branch`, {})) }, "branch"),
       el("button", { class: "danger", onclick: () => act(`kill ${sb.id}`, () => api("DELETE", `/v1/sandboxes/${encodeURIComponent(sb.id)}`)) }, "kill"),
     ));
@@ -108,15 +124,30 @@ function render() {
   $("tree").replaceChildren(...lineage(snapshots, sandboxes).map(snapshotNode));
   const select = $("exec-sandbox");
   const chosen = select.value;
-  select.replaceChildren(...sandboxes.filter((s) => s.state === "running").map((s) => el("option", { value: s.id }, s.id)));
+  // A paused or hibernated sandbox wakes for the command (unless made with auto_resume false).
+  const awake = (s) => s.state === "running" || (s.auto_resume && (s.state === "paused" || s.state === "hibernated"));
+  select.replaceChildren(...sandboxes.filter(awake).map((s) => el("option", { value: s.id }, s.id)));
   if ([...select.options].some((o) => o.value === chosen)) select.value = chosen;
 }
 
 async function refresh() {
   if (!token) return;
   try {
-    const [snapshots, sandboxes] = await Promise.all([api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes")]);
-    lists = { snapshots, sandboxes };
+    const [snapshots, sandboxes, usage] = await Promise.all([
+      api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes"), api("GET", "/v1/sandboxes/metrics"),
+    ]);
+    lists = { snapshots, sandboxes, usage: new Map(usage.map((m) => [m.sandbox_id, m])) };
+    render();
+  } catch (err) {
+    say(err.message, true);
+  }
+}
+
+async function refreshUsage() {
+  if (!token) return;
+  try {
+    const usage = await api("GET", "/v1/sandboxes/metrics");
+    lists.usage = new Map(usage.map((m) => [m.sandbox_id, m]));
     render();
   } catch (err) {
     say(err.message, true);
@@ -170,7 +201,7 @@ $("login").addEventListener("submit", async (event) => {
   say("connected");
   await refresh();
   follow();
-  timers = [setInterval(refresh, 30_000), setInterval(render, 5_000)];
+  timers = [setInterval(refresh, 30_000), setInterval(render, 5_000), setInterval(refreshUsage, 10_000)];
 });
 
 $("exec-form").addEventListener("submit", async (event) => {
