@@ -86,7 +86,7 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
                     timeout=10_000,
                 )
                 page.wait_for_function(  # what each sandbox uses, from its metrics
-                    'id => /host \\d+ MiB/.test(document.querySelector('
+                    "id => /host \\d+ MiB/.test(document.querySelector("
                     '`li[data-sandbox="${id}"] .usage`)?.textContent ?? "")',
                     arg=mine[1],
                     timeout=30_000,

@@ -40,7 +40,7 @@ def test_metrics_move_with_cpu_memory_disk_and_network(
     burnt = ctl.sandbox_metrics(sb.id)
     assert burnt["cpu"]["seconds"] - before["cpu"]["seconds"] >= 2.0  # 3 s busy in the guest
 
-    sb.commands.run(f"python3 -c \"{HOLD}\"", background=True)
+    sb.commands.run(f'python3 -c "{HOLD}"', background=True)
     held = _after(ctl, sb.id, lambda m: m["memory"]["guest_used_bytes"]
                   - before["memory"]["guest_used_bytes"] > 80 * MIB)  # fmt: skip
     assert held["memory"]["guest_used_bytes"] - before["memory"]["guest_used_bytes"] > 80 * MIB
