@@ -27,6 +27,7 @@ from forkd.client import Controller, ControllerError, Sandbox
 from forkd.client.pty import LOGIN_SHELL, PtyHandle
 from forkd.controller.http_errors import close_reason
 from forkd.controller.middleware import GuardMiddleware
+from forkd.controller.services import terminals
 from forkd.controller.services.processes import BULK_LINGER_SECS, READ_BYTES
 from tests.unit.conftest import Server
 from tests.unit.fakes import FakeVM
@@ -325,4 +326,23 @@ def test_a_flood_goes_in_large_frames_and_an_echo_at_once(sb: Sandbox, server: S
         assert len(term.read(timeout=5) or b"") == READ_BYTES  # in one frame
         term.read(timeout=5)
         assert (READ_BYTES, READ_BYTES, BULK_LINGER_SECS) in asks  # after a bulk answer
+        term.kill()
+
+
+def test_an_open_terminal_does_not_wake_a_paused_sandbox_but_its_keystrokes_do(
+    sb: Sandbox, ctl: Controller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(terminals, "FOLLOW_WAIT_SECS", 0.2)  # its reads end and start often
+    def state() -> str:  # from the list, which is no use of the sandbox
+        return str(next(s for s in ctl.list_sandboxes() if s["id"] == sb.id)["state"])
+
+    with sb.pty.create(cmd=["cat"]) as term:
+        term.send_stdin("one\n")
+        assert _read_until(term, b"one\n") == b"one\n"
+        ctl.pause_sandbox(sb.id)
+        time.sleep(1.5)  # the terminal reads on, or would
+        assert state() == "paused"
+        term.send_stdin("two\n")  # a keystroke is a request: it wakes the sandbox
+        assert _read_until(term, b"two\n") == b"two\n"
+        assert state() == "running"
         term.kill()

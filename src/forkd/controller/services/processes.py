@@ -142,7 +142,7 @@ class ProcessService:
                 try:
                     answer = await pending.task
                 except ForkdError:
-                    if until is None and self._paused_since(sandbox_id, pending.pauses):
+                    if until is None and self.asleep_since(sandbox_id, pending.pauses):
                         async for event in self._while_paused(sandbox_id):
                             yield event
                         pending = self._ask(sandbox_id, pid, offset, wait, want, linger)
@@ -176,21 +176,19 @@ class ProcessService:
             if pending is not None:
                 pending.drop()
 
-    def _paused(self, sandbox_id: str) -> bool:
+    def asleep(self, sandbox_id: str) -> bool:
         row = self.sandboxes.fleet.store.get_sandbox(sandbox_id)
         return row is not None and row.state in ("paused", "hibernated")
 
-    def _paused_since(self, sandbox_id: str, pauses: int) -> bool:
+    def asleep_since(self, sandbox_id: str, pauses: int) -> bool:
         """Whether the sandbox is paused, or was since its pause count was ``pauses``
         (a read that ran out its time across a pause failed for it, not for good)."""
-        return (
-            self._paused(sandbox_id) or self.sandboxes.fleet.activity.pauses(sandbox_id) != pauses
-        )
+        return self.asleep(sandbox_id) or self.sandboxes.fleet.activity.pauses(sandbox_id) != pauses
 
     async def _while_paused(self, sandbox_id: str) -> AsyncIterator[OutputEvent]:
         """Until the sandbox is no longer paused: a keep-alive now and then."""
         quiet_since = time.monotonic()
-        while self._paused(sandbox_id):
+        while self.asleep(sandbox_id):
             await asyncio.sleep(PAUSED_POLL_SECS)
             if time.monotonic() - quiet_since >= FOLLOW_WAIT_SECS:
                 yield OutputEvent("keepalive")

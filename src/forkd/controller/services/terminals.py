@@ -20,11 +20,12 @@ from forkd.controller.services.process_output import ReadAnswer
 from forkd.controller.services.processes import (
     BULK_LINGER_SECS,
     FOLLOW_WAIT_SECS,
+    PAUSED_POLL_SECS,
     QUICK_EMPTY_SECS,
     READ_BYTES,
     ProcessService,
 )
-from forkd.errors import Invalid
+from forkd.errors import ForkdError, Invalid
 
 # After an answer of BULK_BYTES or more, the next waits up to BULK_LINGER_SECS to
 # fill: a flood (cat of a big file) goes in fewer, larger frames, while an echo
@@ -96,12 +97,28 @@ class TerminalService:
                 await asyncio.sleep(QUICK_EMPTY_SECS)  # the agent should have waited
 
     async def _read(self, sandbox_id: str, pid: int, offset: int, linger: float) -> ReadAnswer:
-        raw = await self.processes.sandboxes.guest(
-            sandbox_id,
-            lambda vm: vm.proc_read(pid, offset, wait_s=FOLLOW_WAIT_SECS, max_bytes=READ_BYTES,
-                                    min_bytes=READ_BYTES if linger else 1, linger_s=linger),
-        )  # fmt: skip
-        return ReadAnswer.parse(raw, offset)
+        """The next piece of output. Reading does not wake the sandbox: a terminal open
+        across a pause or a hibernation waits for it to run again (its keystrokes, a
+        request, or a resume wake it), and a read that a pause cut short is asked again."""
+        processes = self.processes
+        while True:
+            while processes.asleep(sandbox_id):
+                await asyncio.sleep(PAUSED_POLL_SECS)
+            pauses = processes.sandboxes.fleet.activity.pauses(sandbox_id)
+            try:
+                raw = await processes.sandboxes.guest(
+                    sandbox_id,
+                    lambda vm: vm.proc_read(pid, offset, wait_s=FOLLOW_WAIT_SECS,
+                                            max_bytes=READ_BYTES,
+                                            min_bytes=READ_BYTES if linger else 1,
+                                            linger_s=linger),
+                    wake=False,
+                )  # fmt: skip
+            except ForkdError:
+                if not processes.asleep_since(sandbox_id, pauses):
+                    raise
+                continue
+            return ReadAnswer.parse(raw, offset)
 
     async def write(self, sandbox_id: str, pid: int, data: bytes) -> None:
         """Keystrokes: ``data`` to the terminal's input."""
