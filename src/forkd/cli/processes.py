@@ -27,7 +27,6 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     """Add the process commands to ``app``; ``transport`` is for tests."""
     daemon = functools.partial(with_connection, transport=transport)
     app.command("exec")(daemon(exec_))
-    app.command("top")(daemon(top))
     app.command("kill")(daemon(kill))
 
 
@@ -152,8 +151,9 @@ def parse_env(items: list[str]) -> dict[str, str]:
     return env_map
 
 
-def top(conn: Connection, sandbox_id: SandboxIdArg) -> None:
-    """List a sandbox's processes: running ones, then recently exited ones."""
+def show_processes(conn: Connection, sandbox_id: str) -> None:
+    """List a sandbox's processes: running ones, then recently exited ones (``forkd top
+    ID``; forkd.cli.usage has the command)."""
     with daemon_errors(), conn.controller() as ctl:
         procs = ctl.list_processes(sandbox_id)
     if conn.as_json:

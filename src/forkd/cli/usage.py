@@ -1,5 +1,6 @@
 """``forkd metrics ID``: what one sandbox uses; ``forkd top``: every sandbox of the
-daemon (or gateway), sorted by memory or CPU, refreshed until Ctrl-C."""
+daemon (or gateway), sorted by memory or CPU, refreshed until Ctrl-C (``forkd top ID``:
+one sandbox's processes, forkd.cli.processes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from forkd.cli import render
+from forkd.cli import processes, render
 from forkd.cli.failures import daemon_errors
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import cell, out
@@ -43,6 +44,10 @@ def metrics(
 
 def top(
     conn: Connection,
+    sandbox_id: Annotated[
+        str | None,
+        typer.Argument(metavar="[ID]", help="A sandbox: list its processes instead."),
+    ] = None,
     sort: Annotated[
         str, typer.Option("--sort", help="memory (host memory it holds) or cpu.")
     ] = "memory",
@@ -52,7 +57,11 @@ def top(
     ] = 2.0,
     limit: Annotated[int, typer.Option("-n", min=1, help="Show this many sandboxes.")] = 30,
 ) -> None:
-    """Every sandbox's CPU and memory, the busiest first, refreshed until Ctrl-C."""
+    """Every sandbox's CPU and memory, the busiest first, refreshed until Ctrl-C; with
+    an ID, that sandbox's processes."""
+    if sandbox_id is not None:
+        processes.show_processes(conn, sandbox_id)
+        return
     if sort not in SORTS:
         raise typer.BadParameter(f"--sort must be {' or '.join(SORTS)}, not {sort!r}")
     with daemon_errors(), conn.controller() as ctl:
