@@ -259,3 +259,32 @@ def test_a_sandbox_made_without_auto_resume_stays_asleep_and_says_so(http: httpx
         assert http.get(f"/v1/sandboxes/{sid}").json()["state"] == "paused"
     finally:
         http.delete(f"/v1/sandboxes/{sid}")
+
+
+def test_a_wake_that_fails_fails_each_waiting_request_alike_and_it_stays_hibernated(
+    http: httpx.Client, daemon: Daemon
+) -> None:
+    sid = http.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
+    try:
+        assert http.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
+        (saved,) = (daemon.state_dir / "snapshots").glob(f".hibernated.{sid}.*")
+        (saved / "vmstate").write_bytes(b"not a device state" * 64)  # its QEMU cannot load it
+        answers: list[httpx.Response] = []
+        auth = {"Authorization": f"Bearer {daemon.token}"}
+
+        def one() -> None:
+            with httpx.Client(base_url=daemon.url, timeout=120, headers=auth) as client:
+                answers.append(_exec(client, sid, "true"))
+
+        threads = [threading.Thread(target=one) for _ in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        said = {(a.status_code, a.json()["error"]) for a in answers}
+        assert len(answers) == 3 and len(said) == 1, said  # one wake, one failure for all
+        ((status, error),) = said
+        assert status >= 500 and f"waking sandbox {sid!r} failed, it stays hibernated" in error
+        assert http.get(f"/v1/sandboxes/{sid}").json()["state"] == "hibernated"
+    finally:
+        http.delete(f"/v1/sandboxes/{sid}")

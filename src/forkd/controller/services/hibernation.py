@@ -27,7 +27,7 @@ from pathlib import Path
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.sandbox_vm import SandboxVM
-from forkd.errors import Busy, Conflict, ForkdError, StorageFull, VMError
+from forkd.errors import Busy, Conflict, ForkdError, SnapshotError, StorageFull, VMError
 from forkd.states import SandboxState
 from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.snapshot import files as snapshot_files
@@ -111,7 +111,12 @@ class HibernateService:
         state_dir = fleet.hibernated.latest(sandbox_id)
         if state_dir is None:
             raise Conflict(f"sandbox {sandbox_id!r} is hibernated but its state is missing")
-        machine = (await asyncio.to_thread(snapshot_files.load, state_dir)).machine
+        try:
+            machine = (await asyncio.to_thread(snapshot_files.load, state_dir)).machine
+        except SnapshotError as exc:  # its files were damaged on disk
+            raise VMError(
+                f"waking sandbox {sandbox_id!r} failed, it stays hibernated: {exc}"
+            ) from exc
         await fleet.make_room_for(1)
         with fleet.admission.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
             held.ids.add(sandbox_id)
