@@ -333,6 +333,7 @@ def test_an_open_terminal_does_not_wake_a_paused_sandbox_but_its_keystrokes_do(
     sb: Sandbox, ctl: Controller, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(terminals, "FOLLOW_WAIT_SECS", 0.2)  # its reads end and start often
+
     def state() -> str:  # from the list, which is no use of the sandbox
         return str(next(s for s in ctl.list_sandboxes() if s["id"] == sb.id)["state"])
 
