@@ -213,6 +213,23 @@ def http(daemon: Daemon, api_template: str) -> Iterator[httpx.Client]:
         yield client
 
 
+def _together(daemon: Daemon, sandbox_id: str, cmd: str, n: int = 3) -> list[httpx.Response]:
+    """``n`` execs of ``cmd`` sent at once, each on a connection of its own."""
+    answers: list[httpx.Response] = []
+    auth = {"Authorization": f"Bearer {daemon.token}"}
+
+    def one() -> None:
+        with httpx.Client(base_url=daemon.url, timeout=120, headers=auth) as client:
+            answers.append(_exec(client, sandbox_id, cmd))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return answers
+
+
 def _wakes_from_hibernation(http: httpx.Client) -> float:
     for line in http.get("/metrics").text.splitlines():
         if line.startswith('forkd_wakes_total{from="hibernated"}'):
@@ -229,18 +246,7 @@ def test_requests_to_a_hibernated_sandbox_wake_it_once_with_its_state(
         r = http.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True})
         assert r.status_code == 200 and r.json()["state"] == "hibernated"
         woken_before = _wakes_from_hibernation(http)
-        answers: list[httpx.Response] = []
-        auth = {"Authorization": f"Bearer {daemon.token}"}
-
-        def one() -> None:
-            with httpx.Client(base_url=daemon.url, timeout=120, headers=auth) as client:
-                answers.append(_exec(client, sid, "cat /tmp/note"))
-
-        threads = [threading.Thread(target=one) for _ in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        answers = _together(daemon, sid, "cat /tmp/note")
         assert [(a.status_code, a.json()["stdout"]) for a in answers] == [(200, "kept\n")] * 3
         assert any(float(a.headers.get("forkd-wake-ms", 0)) > 0 for a in answers)
         assert http.get(f"/v1/sandboxes/{sid}").json()["state"] == "running"
@@ -269,18 +275,7 @@ def test_a_wake_that_fails_fails_each_waiting_request_alike_and_it_stays_hiberna
         assert http.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
         (saved,) = (daemon.state_dir / "snapshots").glob(f".hibernated.{sid}.*")
         (saved / "vmstate").write_bytes(b"not a device state" * 64)  # its QEMU cannot load it
-        answers: list[httpx.Response] = []
-        auth = {"Authorization": f"Bearer {daemon.token}"}
-
-        def one() -> None:
-            with httpx.Client(base_url=daemon.url, timeout=120, headers=auth) as client:
-                answers.append(_exec(client, sid, "true"))
-
-        threads = [threading.Thread(target=one) for _ in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+        answers = _together(daemon, sid, "true")
         said = {(a.status_code, a.json()["error"]) for a in answers}
         assert len(answers) == 3 and len(said) == 1, said  # one wake, one failure for all
         ((status, error),) = said

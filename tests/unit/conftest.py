@@ -151,3 +151,20 @@ def py(ctl: Controller) -> str:
 def sid(ctl: Controller, py: str) -> str:
     """A running sandbox forked from ``py``."""
     return str(ctl.spawn_sandboxes(py)[0]["id"])
+
+
+def fake_meminfo(path: Path, total_mib: int, available_mib: int) -> None:
+    path.write_text(f"MemTotal:       {total_mib << 10} kB\nMemFree:  1 kB\n"
+                    f"MemAvailable:   {available_mib << 10} kB\n")  # fmt: skip
+
+
+@pytest.fixture
+def meminfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A /proc/meminfo the test writes (admission and reclaim read it): a 4 GiB host
+    with 1000 MiB available."""
+    from forkd.controller.services import host_memory
+
+    path = tmp_path / "meminfo"
+    fake_meminfo(path, 4096, 1000)
+    monkeypatch.setattr(host_memory, "MEMINFO", path)
+    return path

@@ -25,7 +25,7 @@ from forkd.controller.settings import Settings
 from forkd.errors import OverCapacity
 from forkd.launcher import free_port
 from forkd.vmm.jail import cgroups
-from tests.unit.conftest import TOKEN, serving
+from tests.unit.conftest import TOKEN, fake_meminfo, serving
 from tests.unit.fake_cgroups import FakeCgroupFS
 from tests.unit.fakes import FakeDriver
 
@@ -217,20 +217,6 @@ def test_a_template_build_in_flight_holds_its_guest_memory(
 
 
 # ------------------------------------------------------------------ the host's real memory
-
-
-def fake_meminfo(path: Path, total_mib: int, available_mib: int) -> None:
-    path.write_text(f"MemTotal:       {total_mib << 10} kB\nMemFree:  1 kB\n"
-                    f"MemAvailable:   {available_mib << 10} kB\n")  # fmt: skip
-
-
-@pytest.fixture
-def meminfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A /proc/meminfo the test writes: a 4 GiB host with 1000 MiB available."""
-    path = tmp_path / "meminfo"
-    fake_meminfo(path, 4096, 1000)
-    monkeypatch.setattr(host_memory, "MEMINFO", path)
-    return path
 
 
 @pytest.fixture

@@ -18,27 +18,18 @@ import pytest
 from fastapi.testclient import TestClient
 
 from forkd.controller.app import create_app
-from forkd.controller.services import Services, host_memory
+from forkd.controller.services import Services
 from forkd.controller.services.activity import request_scope
 from forkd.controller.settings import Settings
-from tests.unit.conftest import TOKEN
+from tests.unit.conftest import TOKEN, fake_meminfo
 from tests.unit.fakes import FakeDriver
-from tests.unit.test_admission import fake_meminfo
 
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
-def meminfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A 4 GiB host with 1000 MiB available: under the low watermark (1500)."""
-    path = tmp_path / "meminfo"
-    fake_meminfo(path, 4096, 1000)
-    monkeypatch.setattr(host_memory, "MEMINFO", path)
-    return path
-
-
-@pytest.fixture
 def client(settings: Settings, driver: FakeDriver, meminfo: Path) -> Iterator[TestClient]:
+    """The app on a host with 1000 MiB available: under its low watermark (1500)."""
     settings.memory_reserve_mib = 512
     settings.reclaim_low_mib, settings.reclaim_high_mib = 1500, 2000
     settings.reclaim_idle_s = 0

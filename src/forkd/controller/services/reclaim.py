@@ -21,7 +21,6 @@ Each eviction is a ``hibernated`` event with ``reason: "memory"``, an audit reco
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import logging
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
+from forkd.controller.services.periodic import Periodic
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError
 
@@ -53,7 +53,7 @@ class Reclaimer:
         self._observe = observe  # counts one eviction in the metrics
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
         self._lock = asyncio.Lock()  # one pass at a time: the loop's or a fork's
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("reclaim", RECLAIM_INTERVAL_SECS, self.reclaim_once)
 
     @property
     def enabled(self) -> bool:
@@ -62,23 +62,11 @@ class Reclaimer:
     # ------------------------------------------------------------------ loop
 
     def start(self) -> None:
-        if self.enabled and self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="forkd-reclaim")
+        if self.enabled:
+            self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            await asyncio.sleep(RECLAIM_INTERVAL_SECS)
-            try:
-                await self.reclaim_once()
-            except Exception:  # keep watching whatever one pass hit
-                log.exception("reclaim pass failed")
+        await self._loop.stop()
 
     async def reclaim_once(self) -> list[str]:
         """One look: below the low watermark, hibernate idle sandboxes until the high one

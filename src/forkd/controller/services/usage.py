@@ -35,6 +35,7 @@ from forkd.controller.models import (
     state_word,
 )
 from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.periodic import Periodic
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import iso_time
 from forkd.controller.store import SandboxRow
@@ -61,12 +62,6 @@ class _GuestCpu(BaseModel):
     count: Annotated[int, Field(ge=1, le=4096)]
 
 
-class _GuestMemory(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    total_bytes: Count
-    used_bytes: Count
-
-
 class _GuestNetwork(BaseModel):
     model_config = ConfigDict(extra="ignore")
     rx_bytes: Count
@@ -78,7 +73,7 @@ class GuestStats(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
     cpu: _GuestCpu
-    memory: _GuestMemory
+    memory: _Space
     disk: _Space | None
     mounts: Annotated[dict[str, _Space | None], Field(max_length=64)]
     network: _GuestNetwork
@@ -92,7 +87,7 @@ class UsageService:
         self._cpu: dict[str, tuple[float, float, float]] = {}
         self._guest: dict[str, tuple[float, GuestStats]] = {}  # the last guest reading
         self._watched_until = 0.0
-        self._task: asyncio.Task[None] | None = None
+        self._loop = Periodic("usage", REFRESH_SECS / 3, self._refresh_if_watched)
 
     # ------------------------------------------------------------ one sandbox
 
@@ -120,25 +115,14 @@ class UsageService:
         return [self._metrics(row, self._vm(row)) for row in rows]
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._refresh_loop(), name="forkd-usage")
+        self._loop.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._loop.stop()
 
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(REFRESH_SECS / 3)
-            if time.monotonic() > self._watched_until:
-                continue
-            try:
-                await self.refresh()
-            except Exception:  # keep going whatever one pass hit
-                log.exception("refreshing the guests' figures failed")
+    async def _refresh_if_watched(self) -> None:
+        if time.monotonic() <= self._watched_until:
+            await self.refresh()
 
     async def refresh(self) -> None:
         """Ask each running guest whose figures are older than REFRESH_SECS, in turn."""

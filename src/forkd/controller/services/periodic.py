@@ -1,0 +1,39 @@
+"""A pass run every so often in a task of its own, for the daemon's background work
+(reclaim, refreshing the guests' figures): a pass that fails is logged and the next
+one runs; stopping cancels the task and waits for it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+log = logging.getLogger(__name__)
+
+
+class Periodic:
+    def __init__(self, name: str, interval_s: float, run: Callable[[], Awaitable[object]]) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self._run = run
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name=f"forkd-{self.name}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self._run()
+            except Exception:  # keep going whatever one pass hit
+                log.exception("%s: a pass failed", self.name)
