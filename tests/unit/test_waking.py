@@ -28,6 +28,23 @@ def _exec(http: httpx.Client, sandbox_id: str) -> httpx.Response:
     return http.post(f"/v1/sandboxes/{sandbox_id}/exec", json={"args": ["echo", "hi"]})
 
 
+def _together(server: Server, sandbox_id: str, n: int) -> list[httpx.Response]:
+    """``n`` execs sent at once, each on a connection of its own."""
+    answers: list[httpx.Response] = []
+
+    def one() -> None:
+        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
+                          timeout=30) as c:  # fmt: skip
+            answers.append(_exec(c, sandbox_id))
+
+    threads = [threading.Thread(target=one) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return answers
+
+
 def _state(http: httpx.Client, sandbox_id: str) -> str:
     return str(http.get(f"/v1/sandboxes/{sandbox_id}").json()["state"])
 
@@ -97,18 +114,7 @@ def test_many_requests_share_one_wake(http: httpx.Client, server: Server, sid: s
     assert http.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
     restores = len(server.driver.restore_kwargs)
     server.driver.restore_delay = 0.5  # the wake is slow: every request comes meanwhile
-    answers: list[httpx.Response] = []
-
-    def one() -> None:
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                          timeout=30) as c:  # fmt: skip
-            answers.append(_exec(c, sid))
-
-    threads = [threading.Thread(target=one) for _ in range(5)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    answers = _together(server, sid, 5)
     assert [a.status_code for a in answers] == [200] * 5
     assert len(server.driver.restore_kwargs) == restores + 1  # one wake for all five
     assert all(float(a.headers[WAKE]) >= 400 for a in answers)
@@ -122,18 +128,7 @@ def test_a_failed_wake_fails_every_request_that_waited_with_the_same_error(
     assert http.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
     server.driver.restore_delay = 0.5
     server.driver.fail_restore = VMError("QEMU would not start")
-    answers: list[httpx.Response] = []
-
-    def one() -> None:
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                          timeout=30) as c:  # fmt: skip
-            answers.append(_exec(c, sid))
-
-    threads = [threading.Thread(target=one) for _ in range(3)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    answers = _together(server, sid, 3)
     assert {a.status_code for a in answers} == {500}
     assert len({a.json()["error"] for a in answers}) == 1
     assert "QEMU would not start" in answers[0].json()["error"]
