@@ -97,7 +97,12 @@ class DensityBench(benchlib.DaemonBench):
                 list(pool.map(lambda k: self._mark(ctl, k), made))
             kids += made
             self.say.log(f"{len(kids)} children, {read_meminfo().available_mib} MiB available")
-        self.results["idle_children"] = len(kids)
+        states = self._states(ctl)
+        self.results["idle_children"] = sum(1 for s in states.values() if s == "running")
+        self.results["forked"] = len(kids)
+        self.results["hibernated_while_filling"] = sum(
+            1 for s in states.values() if s == "hibernated"
+        )
         self.results["fill_s"] = r1(time.monotonic() - t0)
         return kids
 
@@ -134,11 +139,17 @@ class DensityBench(benchlib.DaemonBench):
         hold = (f"import time\nb = bytearray({self.args.touch_mib} << 20)\n"
                 "b[::4096] = b'x' * len(b[::4096])\ntime.sleep(1e6)")  # fmt: skip
         t0 = time.monotonic()
+        touched = 0
         for i, sid in enumerate(chosen):
             while read_meminfo().available_mib < reserve + PACING_MARGIN_MIB + self.args.touch_mib:
                 if time.monotonic() - t0 > self.args.press_secs:
                     break
                 time.sleep(1)  # reclaim hibernates idle children meanwhile
+            else:
+                touched += 1
+            if time.monotonic() - t0 > self.args.press_secs:
+                self.say.log("the pressure phase ran out of time: no more children touched")
+                break
             try:
                 ctl.start_process(sid, ["python3", "-c", hold])
             except ControllerError as exc:
@@ -148,8 +159,11 @@ class DensityBench(benchlib.DaemonBench):
                              f"{read_meminfo().available_mib} MiB available")  # fmt: skip
         time.sleep(self.args.settle_secs)
         states = self._states(ctl)
+        saved = sorted(self.daemon.state_dir.glob("snapshots/.hibernated.*"))
+        disk = [sum(benchlib.allocated_mib(f) for f in d.iterdir()) for d in saved]
         self.results.update(
-            touched=len(chosen),
+            touched=touched,
+            hibernated_disk_mib_p50=r1(percentile(disk, 50)) if disk else None,
             press_s=r1(time.monotonic() - t0),
             evictions=sum(1 for s in states.values() if s == "hibernated"),
             available_after_press_mib=read_meminfo().available_mib,
@@ -221,7 +235,8 @@ def render(out: Console, bench: DensityBench, res: dict[str, Any]) -> None:
     for key in ("max_sandboxes", "memory_reserve_mib", "fill_s", "refused_with",
                 "own_mib_p50", "own_mib_total", "host_total_mib", "host_available_mib",
                 "idle_cpu_pct_of_one_core", "touched", "press_s", "evictions",
-                "evictions_total", "available_after_press_mib", "woken", "wake_ms_p99",
+                "evictions_total", "available_after_press_mib", "hibernated_disk_mib_p50",
+                "forked", "hibernated_while_filling", "woken", "wake_ms_p99",
                 "wake_exec_wall_ms_p50", "states_at_end"):  # fmt: skip
         t.add_row(key, str(res.get(key)), "", "")
     out.print(t)
@@ -229,7 +244,7 @@ def render(out: Console, bench: DensityBench, res: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--max", type=int, default=1000, help="children at most (1000)")
+    p.add_argument("--max", type=int, default=600, help="children at most (600)")
     p.add_argument("--batch", type=int, default=20, help="children a fork request (20)")
     p.add_argument("--settle-secs", type=int, default=15, help="before sampling (15)")
     p.add_argument("--sample-secs", type=int, default=30, help="CPU sampled this long (30)")
