@@ -100,8 +100,7 @@ class DensityBench(benchlib.DaemonBench):
         states = self._states(ctl)
         self.results["idle_children"] = sum(1 for s in states.values() if s == "running")
         self.results["forked"] = len(kids)
-        self.results["hibernated_while_filling"] = sum(
-            1 for s in states.values() if s == "hibernated"
+        self.results["hibernated_while_filling"] = list(states.values()).count("hibernated")
         )
         self.results["fill_s"] = r1(time.monotonic() - t0)
         return kids
@@ -137,7 +136,8 @@ class DensityBench(benchlib.DaemonBench):
         chosen = rng.sample(kids, max(1, len(kids) // 4))
         reserve = int(self.results.get("memory_reserve_mib") or 1024)
         hold = (f"import time\nb = bytearray({self.args.touch_mib} << 20)\n"
-                "b[::4096] = b'x' * len(b[::4096])\ntime.sleep(1e6)")  # fmt: skip
+                "b[::4096] = b'x' * len(b[::4096])\nprint('held', flush=True)\n"
+                "time.sleep(1e6)")  # fmt: skip
         t0 = time.monotonic()
         touched = 0
         for i, sid in enumerate(chosen):
@@ -151,8 +151,8 @@ class DensityBench(benchlib.DaemonBench):
                 self.say.log("the pressure phase ran out of time: no more children touched")
                 break
             try:
-                ctl.start_process(sid, ["python3", "-c", hold])
-            except ControllerError as exc:
+                self._hold(ctl, sid, hold)
+            except (ControllerError, TimeoutError) as exc:
                 self.say.log(f"touching memory in {sid}: {exc}")
             if i % 10 == 9:
                 self.say.log(f"{i + 1} of {len(chosen)} hold {self.args.touch_mib} MiB; "
@@ -172,6 +172,16 @@ class DensityBench(benchlib.DaemonBench):
         for line in metrics.splitlines():
             if line.startswith("forkd_evictions_total "):
                 self.results["evictions_total"] = int(float(line.split()[1]))
+
+    def _hold(self, ctl: Controller, sandbox_id: str, hold: str) -> None:
+        """Start the holding process and wait until its memory is written (it says so):
+        the next one is started only once the host feels this one."""
+        pid = ctl.start_process(sandbox_id, ["python3", "-c", hold])["pid"]
+        deadline = time.monotonic() + 120
+        while not ctl.get_process(sandbox_id, pid).get("output_end"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{sandbox_id}: its memory was not written in 120 s")
+            time.sleep(0.2)
 
     # ---------------------------------------------------------------- 3. wakes
 
