@@ -101,7 +101,6 @@ class DensityBench(benchlib.DaemonBench):
         self.results["idle_children"] = sum(1 for s in states.values() if s == "running")
         self.results["forked"] = len(kids)
         self.results["hibernated_while_filling"] = list(states.values()).count("hibernated")
-        )
         self.results["fill_s"] = r1(time.monotonic() - t0)
         return kids
 
