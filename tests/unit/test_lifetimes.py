@@ -3,12 +3,14 @@ timeout route, expires_at, and each on_timeout action firing at expiry."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
 from typing import Any
 
+import httpx
 import pytest
 
 from forkd.client import Controller, ControllerError
@@ -188,6 +190,22 @@ def test_a_listing_is_not_activity_but_process_output_is(ctl: Controller) -> Non
         time.sleep(0.1)
     time.sleep(1.5)  # past the idle timeout with no call to it: its output is activity
     assert _listed(ctl)[chatty]["state"] == "running"
+
+
+def test_a_request_open_on_a_sandbox_is_use_however_long_it_lasts(
+    ctl: Controller, server: Server
+) -> None:
+    kid = ctl.spawn_sandboxes("py", idle_timeout_s=1)[0]["id"]
+    pid = ctl.start_process(kid, ["sleep", "100"])["pid"]  # writes nothing
+    url = f"{server.url}/v1/sandboxes/{kid}/processes/{pid}/output"
+    auth = {"Authorization": f"Bearer {server.token}"}
+    with httpx.stream("GET", url, params={"follow": "true"}, headers=auth,
+                      timeout=httpx.Timeout(10, read=3)) as r:  # fmt: skip
+        with contextlib.suppress(httpx.ReadTimeout):  # followed 3 s: silence, no keep-alive
+            for _ in r.iter_lines():
+                pass
+        assert _listed(ctl)[kid]["state"] == "running"  # 3 s with no new call: not idle
+    _until(lambda: kid not in _listed(ctl), 1 + FIRE_WITHIN_SECS + 1)  # idle from its end
 
 
 def test_idle_on_timeout_pause_keeps_the_lifetime_and_idle_can_be_changed(

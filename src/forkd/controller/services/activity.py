@@ -77,8 +77,11 @@ class Activity:
         return self._last.setdefault(row.id, time.time())
 
     def idle_expired(self, row: SandboxRow) -> bool:
-        """Whether the running sandbox has been idle past its idle timeout."""
+        """Whether the running sandbox has been idle past its idle timeout (no request
+        open on it, none in that long)."""
         if row.idle_timeout_s is None or row.state != SandboxState.RUNNING:
+            return False
+        if self.in_use(row.id):  # a request open on it (a stream, a terminal) is use
             return False
         return time.time() - self.idle_since(row) >= row.idle_timeout_s
 
