@@ -42,8 +42,9 @@ def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     # A client finds no token of a real daemon on this host (/var/lib/forkd/token).
     monkeypatch.setenv("FORKD_STATE_DIR", str(tmp_path / "client-state"))
     return Settings(
-        state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run", pool_size=0
-    )
+        state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run", pool_size=0,
+        cgroup_root=tmp_path / "no-cgroups",  # the host's own limits stay out of the tests
+    )  # fmt: skip
 
 
 @pytest.fixture

@@ -493,20 +493,34 @@ def _admission(
     :mod:`forkd.limits`)."""
     from forkd import limits
 
+    ram = host_ram_mib()
     return {
-        "max_sandboxes": max_sandboxes or limits.default_max_sandboxes(),
+        "max_sandboxes": max_sandboxes or limits.default_max_sandboxes(ram),
         "max_guest_memory_mib": (
-            max_guest_memory or limits.overcommitted_guest_memory_mib(overcommit)
+            max_guest_memory or limits.overcommitted_guest_memory_mib(overcommit, ram)
         ),
         "memory_overcommit": None if max_guest_memory else overcommit,
-        "memory_reserve_mib": limits.default_memory_reserve_mib() if reserve is None else reserve,
+        "memory_reserve_mib": (
+            limits.default_memory_reserve_mib(ram) if reserve is None else reserve
+        ),
     }
+
+
+def host_ram_mib() -> int:
+    """The RAM the daemon's defaults are sized by: the host's, or the memory limit of
+    the cgroup it sees as its root when that is less (a daemon in a container)."""
+    from forkd import limits
+    from forkd.vmm.jail import memory_limit
+
+    host = limits.host_memory_mib()
+    limited = memory_limit.enclosing()
+    return host if limited is None else min(host, limited.limit_mib)
 
 
 def _pool_memory(given: int | None) -> int:
     from forkd import limits
 
-    return limits.default_pool_memory_mib() if given is None else given
+    return limits.default_pool_memory_mib(host_ram_mib()) if given is None else given
 
 
 def _network(mode: str) -> str:
@@ -520,7 +534,7 @@ def _reclaim(low: int | None, high: int | None, idle: float, reserve: int | None
     from forkd import limits
 
     default_low, default_high = limits.default_reclaim_watermarks(
-        limits.default_memory_reserve_mib() if reserve is None else reserve
+        limits.default_memory_reserve_mib(host_ram_mib()) if reserve is None else reserve
     )
     low = default_low if low is None else low
     high = max(low, default_high if high is None else high)

@@ -126,7 +126,9 @@ class Fleet:
         self.vms: dict[str, SandboxVM] = {}  # sandbox id -> its running VM
         self.holds = Holds()
         self.activity = Activity()
-        self.memory = MemoryWatch(lambda: self.vms)
+        self.memory = MemoryWatch(
+            lambda: self.vms, cgroup_root=settings.cgroup_root, cgroup_parent=settings.cgroup_parent
+        )
         self.admission = AdmissionControl(
             settings,
             lambda: {sid: vm.machine.memory_mib for sid, vm in self.vms.items()},

@@ -9,7 +9,9 @@ VMs have not touched their memory yet. So admission
 (:class:`~forkd.controller.services.admission.AdmissionControl`) weighs:
 
 - the host's ``MemAvailable`` (free memory plus the page cache the kernel can
-  drop, the snapshots' pages included), read fresh each time;
+  drop, the snapshots' pages included), read fresh each time, or what the memory
+  limit of the cgroup the VMs are charged to leaves, when that is less (a daemon
+  in a container: :mod:`forkd.vmm.jail.memory_limit`);
 - a reserve kept for the host, the daemon and the hot pages of snapshots;
 - what sandboxes being started, or started less than :data:`SETTLE_SECS` ago,
   will take and do not hold yet: each at its fork estimate, the median of what its
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from forkd import limits
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.vmm.jail import memory_limit
 
 MEMINFO = Path("/proc/meminfo")
 SAMPLE_SECS = 1.0  # the sandboxes' own memory is read again when older than this
@@ -57,6 +60,20 @@ def read_meminfo(path: Path | None = None) -> HostMemory:
     return HostMemory(found["MemTotal"], found["MemAvailable"])
 
 
+def read_host(
+    meminfo: Path | None = None, cgroup_root: Path | None = None, parent: str | None = None
+) -> HostMemory:
+    """What the VMs have: the host's memory (:func:`read_meminfo`), or the limit of
+    the cgroup under ``cgroup_root`` they are charged to where that is tighter
+    (``cgroup_root`` None: the host's only)."""
+    host = read_meminfo(meminfo)
+    limited = None if cgroup_root is None else memory_limit.enclosing(cgroup_root, parent)
+    if limited is None:
+        return host
+    return HostMemory(min(host.total_mib, limited.limit_mib),
+                      min(host.available_mib, limited.available_mib))  # fmt: skip
+
+
 @dataclass
 class _Seen:
     origin: str | None  # the snapshot directory it was forked from
@@ -75,15 +92,18 @@ class MemoryWatch:
         vms: Callable[[], Mapping[str, SandboxVM]],
         meminfo: Path | None = None,
         clock: Callable[[], float] = time.monotonic,
+        cgroup_root: Path | None = None,
+        cgroup_parent: str | None = None,
     ) -> None:
         self._vms = vms
         self._meminfo = meminfo
+        self._cgroup = (cgroup_root, cgroup_parent)
         self._clock = clock
         self._seen: dict[str, _Seen] = {}
         self._sampled_at: float | None = None
 
     def host(self) -> HostMemory:
-        return read_meminfo(self._meminfo)
+        return read_host(self._meminfo, *self._cgroup)
 
     def sample(self, max_age: float = SAMPLE_SECS) -> None:
         """Read every sandbox's own memory again, unless that was done ``max_age`` ago."""
