@@ -175,3 +175,19 @@ def test_pause_hibernate_and_resume_are_events(ctl: Controller, sid: str) -> Non
         if event.type == "resumed":
             break
     assert seen == ["created", "paused", "hibernated", "resumed"]
+
+
+def test_auto_resume_and_evictable_change_after_the_fork_from_the_sdk_and_the_cli(
+    ctl: Controller,
+    sid: str,
+    forkd: Invoke,  # noqa: F811
+) -> None:
+    sb = Sandbox(sandbox_id=sid, controller=ctl)
+    assert sb.update(auto_resume=False)["auto_resume"] is False
+    ctl.pause_sandbox(sid, hibernate=True)
+    assert _status(ctl.exec_command, sid, ["true"]) == 409  # no longer woken by a request
+    res = forkd("update", sid, "--auto-resume", "--no-evictable")
+    assert res.exit_code == 0, res.output
+    assert "evictable false, auto_resume true" in res.stdout
+    assert ctl.exec_command(sid, ["echo", "up"])["stdout"] == "up\n"  # woken again
+    assert forkd("update", sid).exit_code != 0  # nothing to change: said, not sent

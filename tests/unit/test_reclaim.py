@@ -176,3 +176,25 @@ def test_a_request_that_comes_while_its_sandbox_is_hibernated_waits_and_wakes_it
     assert r.status_code == 200 and r.json()["stdout"] == "hi\n"
     assert float(r.headers["forkd-wake-ms"]) > 0  # it waited, then woke it
     assert _states(client)[sid] == "running"
+
+
+def test_a_sandbox_protected_after_its_fork_is_never_taken(client: TestClient) -> None:
+    sid = _fork(client)
+    r = client.patch(f"/v1/sandboxes/{sid}", json={"evictable": False})
+    assert r.status_code == 200 and r.json()["evictable"] is False
+    assert r.json()["auto_resume"] is True  # left out: kept
+    assert _reclaim(client) == []
+    assert client.patch(f"/v1/sandboxes/{sid}", json={"evictable": True}).status_code == 200
+    assert _reclaim(client) == [sid]
+
+
+@pytest.mark.parametrize(
+    "body", [{"evictable": "no"}, {"protected": True}, {"auto_resume": None, "x": 1}, []]
+)
+def test_an_update_that_is_not_understood_changes_nothing(client: TestClient, body: Any) -> None:
+    sid = _fork(client)
+    r = client.patch(f"/v1/sandboxes/{sid}", json=body)
+    assert r.status_code == 400, r.text
+    info = client.get(f"/v1/sandboxes/{sid}").json()
+    assert info["evictable"] is True and info["auto_resume"] is True
+    assert client.patch("/v1/sandboxes/sb-nope-0001", json={}).status_code == 404

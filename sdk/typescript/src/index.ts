@@ -251,6 +251,10 @@ export class Client {
   }
 
   getSandbox(id: string): Promise<SandboxInfo> { return this.json("GET", this.#sb(id)); }
+  /** Whether reclaim may hibernate it (`evictable`) and a request wakes it (`auto_resume`); left out: kept. */
+  updateSandbox(id: string, opts: { evictable?: boolean; auto_resume?: boolean }): Promise<SandboxInfo> {
+    return this.json("PATCH", this.#sb(id), { body: dropUndefined(opts) });
+  }
   /** What the sandbox uses now (`GET /v1/sandboxes/:id/metrics`); wakes nothing. */
   sandboxMetrics(id: string): Promise<JSONObject> { return this.json("GET", `${this.#sb(id)}/metrics`); }
   /** Every sandbox's figures (`GET /v1/sandboxes/metrics`), or those of `sandboxIds`. */

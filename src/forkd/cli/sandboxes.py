@@ -29,6 +29,7 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     daemon = functools.partial(with_connection, transport=transport)
     app.command("rm")(daemon(rm))
     app.command("timeout")(daemon(set_timeout))
+    app.command("update")(daemon(update))
     app.command("pause")(daemon(pause))
     app.command("resume")(daemon(resume))
     app.command("fork")(daemon(fork))
@@ -67,6 +68,27 @@ def set_timeout(
         return
     when = info.get("expires_at") or "never"
     out.print(f"{escape(sandbox_id)}: {escape(str(info.get('on_timeout')))} at {escape(when)}")
+
+
+def update(
+    conn: Connection,
+    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")],
+    evictable: EvictableOpt = None,
+    auto_resume: AutoResumeOpt = None,
+) -> None:
+    """Change whether a sandbox may be hibernated under memory pressure (--no-evictable
+    protects it) and whether a request wakes it when paused or hibernated."""
+    if evictable is None and auto_resume is None:
+        raise typer.BadParameter(
+            "give --evictable/--no-evictable or --auto-resume/--no-auto-resume"
+        )
+    with daemon_errors(), conn.controller() as ctl:
+        info = ctl.update_sandbox(sandbox_id, evictable=evictable, auto_resume=auto_resume)
+    if conn.as_json:
+        render.print_json(info)
+        return
+    out.print(f"{escape(sandbox_id)}: evictable {str(info.get('evictable')).lower()}, "
+              f"auto_resume {str(info.get('auto_resume')).lower()}")  # fmt: skip
 
 
 def _seconds_or_none(text: str) -> float | None:

@@ -296,6 +296,15 @@ class AsyncSandbox(SandboxView):
         self._info = await self._controller.get_sandbox(self.id)
         return self._info
 
+    async def update(
+        self, *, evictable: bool | None = None, auto_resume: bool | None = None
+    ) -> JSONDict:
+        """See ``Sandbox.update``."""
+        self._info = await self._controller.update_sandbox(
+            self.id, evictable=evictable, auto_resume=auto_resume
+        )
+        return self._info
+
     async def get_metrics(self) -> JSONDict:
         """What the sandbox uses now (see ``Sandbox.get_metrics``)."""
         return await self._controller.sandbox_metrics(self.id)

@@ -460,6 +460,16 @@ class Routes:
         return self._json("GET", self._sb(sandbox_id))
 
     @route
+    def update_sandbox(
+        self, sandbox_id: str, *, evictable: bool | None = None, auto_resume: bool | None = None
+    ) -> Call[JSONDict]:
+        """``PATCH /v1/sandboxes/{id}``: whether reclaim may hibernate it when the host
+        runs short of memory (``evictable``) and whether a request wakes it when it is
+        paused or hibernated (``auto_resume``); None keeps it → SandboxInfo."""
+        body = _drop_none({"evictable": evictable, "auto_resume": auto_resume})
+        return self._json("PATCH", self._sb(sandbox_id), json_body=body)
+
+    @route
     def sandbox_metrics(self, sandbox_id: str) -> Call[JSONDict]:
         """``GET /v1/sandboxes/{id}/metrics`` → what it uses now: ``cpu`` (``seconds``,
         ``percent``, ``count``), ``memory`` (guest and host bytes), ``disk``,

@@ -137,6 +137,15 @@ class Sandbox(SandboxView):
         self._info = self._controller.get_sandbox(self.id)
         return self._info
 
+    def update(self, *, evictable: bool | None = None, auto_resume: bool | None = None) -> JSONDict:
+        """Whether the daemon may hibernate it when idle under memory pressure
+        (``evictable=False`` protects it), and whether a request wakes it when it is
+        paused or hibernated; None keeps either."""
+        self._info = self._controller.update_sandbox(
+            self.id, evictable=evictable, auto_resume=auto_resume
+        )
+        return self._info
+
     def get_metrics(self) -> JSONDict:
         """What the sandbox uses now (E2B's ``get_metrics``): ``cpu``, ``memory``,
         ``disk``, ``volumes``, ``network``, ``processes``, ``wakes``, ``evictions``. It

@@ -245,6 +245,18 @@ class TimeoutRequest(_Body):
     on_timeout: OnTimeout | None = Field(None, description="change what it does; null: keep")
 
 
+class SandboxUpdate(_Body):
+    """``PATCH /v1/sandboxes/:id``: what may change of a sandbox after its fork; a field
+    left out is kept."""
+
+    evictable: bool | None = Field(
+        None, description="whether memory pressure may hibernate it when idle; null: keep"
+    )
+    auto_resume: bool | None = Field(
+        None, description="whether a request wakes it when paused or hibernated; null: keep"
+    )
+
+
 class PauseRequest(_Body):
     hibernate: bool = Field(
         False,

@@ -47,6 +47,7 @@ from forkd.controller.models import (
     SandboxCreate,
     SandboxInfo,
     SandboxMetrics,
+    SandboxUpdate,
     SnapshotCreate,
     SnapshotInfo,
     SnapshotPull,
@@ -276,6 +277,13 @@ async def list_sandbox_metrics(
 @sandboxes.get("/{sandbox_id}", response_model=SandboxInfo)
 async def get_sandbox(svc: Svc, sandbox_id: str) -> SandboxInfo:
     return svc.sandboxes.info(sandbox_id)
+
+
+@sandboxes.patch("/{sandbox_id}", response_model=SandboxInfo)
+async def update_sandbox(svc: Svc, sandbox_id: str, req: SandboxUpdate) -> SandboxInfo:
+    """Change whether reclaim may hibernate it (``evictable``) and whether a request
+    wakes it (``auto_resume``)."""
+    return svc.sandboxes.update(sandbox_id, req)
 
 
 @sandboxes.get("/{sandbox_id}/metrics", response_model=SandboxMetrics)

@@ -151,6 +151,8 @@ class SandboxChanges(TypedDict, total=False):
     on_timeout: OnTimeout
     idle_timeout_s: float | None
     timeout_branch: str | None
+    auto_resume: bool
+    evictable: bool
 
 
 class WorkspaceChanges(TypedDict, total=False):

@@ -23,6 +23,7 @@ from forkd.controller.models import (
     PingResult,
     SandboxCreate,
     SandboxInfo,
+    SandboxUpdate,
     TimeoutRequest,
     on_timeout_word,
     state_word,
@@ -330,6 +331,21 @@ class SandboxService:
         if "idle_timeout_s" in req.model_fields_set:
             changes["idle_timeout_s"] = req.idle_timeout_s
         self.fleet.store.update_sandbox(sandbox_id, **changes)
+        return self.info(sandbox_id)
+
+    def update(self, sandbox_id: str, req: SandboxUpdate) -> SandboxInfo:
+        """Change whether reclaim may take it and whether a request wakes it;
+        :class:`Conflict` for a dead one."""
+        row = self.fleet.sandbox_row(sandbox_id)
+        if row.state == "dead":
+            raise Conflict(f"sandbox {sandbox_id!r} is dead")
+        changes: SandboxChanges = {}
+        if req.evictable is not None:
+            changes["evictable"] = req.evictable
+        if req.auto_resume is not None:
+            changes["auto_resume"] = req.auto_resume
+        if changes:
+            self.fleet.store.update_sandbox(sandbox_id, **changes)
         return self.info(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:
