@@ -133,11 +133,10 @@ function render() {
 async function refresh() {
   if (!token) return;
   try {
-    const [snapshots, sandboxes, usage] = await Promise.all([
-      api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes"), api("GET", "/v1/sandboxes/metrics"),
-    ]);
-    lists = { snapshots, sandboxes, usage: new Map(usage.map((m) => [m.sandbox_id, m])) };
+    const [snapshots, sandboxes] = await Promise.all([api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes")]);
+    lists = { ...lists, snapshots, sandboxes };
     render();
+    refreshUsage();  // the tree does not wait for the figures, nor fail with them
   } catch (err) {
     say(err.message, true);
   }
@@ -149,8 +148,8 @@ async function refreshUsage() {
     const usage = await api("GET", "/v1/sandboxes/metrics");
     lists.usage = new Map(usage.map((m) => [m.sandbox_id, m]));
     render();
-  } catch (err) {
-    say(err.message, true);
+  } catch {
+    // the figures are extras: the tree stays as it is, the next refresh tries again
   }
 }
 
