@@ -500,10 +500,15 @@ def _admission(
             max_guest_memory or limits.overcommitted_guest_memory_mib(overcommit, ram)
         ),
         "memory_overcommit": None if max_guest_memory else overcommit,
-        "memory_reserve_mib": (
-            limits.default_memory_reserve_mib(ram) if reserve is None else reserve
-        ),
+        "memory_reserve_mib": _reserve_mib(reserve),
     }
+
+
+def _reserve_mib(given: int | None) -> int:
+    """``--memory-reserve``, else a sixteenth of the RAM (:func:`host_ram_mib`)."""
+    from forkd import limits
+
+    return limits.default_memory_reserve_mib(host_ram_mib()) if given is None else given
 
 
 def host_ram_mib() -> int:
@@ -533,9 +538,7 @@ def _reclaim(low: int | None, high: int | None, idle: float, reserve: int | None
     """The reclaim settings: the watermarks given, else sized by the reserve."""
     from forkd import limits
 
-    default_low, default_high = limits.default_reclaim_watermarks(
-        limits.default_memory_reserve_mib(host_ram_mib()) if reserve is None else reserve
-    )
+    default_low, default_high = limits.default_reclaim_watermarks(_reserve_mib(reserve))
     low = default_low if low is None else low
     high = max(low, default_high if high is None else high)
     return {
