@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import time
 from collections.abc import Callable, Iterator
 
 from forkd.controller.store import SandboxRow
 from forkd.states import SandboxState
 
-# The request being answered: what to do when it ends (None outside a request).
-_ENDING: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.ContextVar(
+# The request being answered: the sandboxes it uses, each with what ends that use
+# (None outside a request).
+_ENDING: contextvars.ContextVar[dict[str, Callable[[], None]] | None] = contextvars.ContextVar(
     "forkd_request_ending", default=None
 )
 
@@ -21,13 +23,13 @@ _ENDING: contextvars.ContextVar[list[Callable[[], None]] | None] = contextvars.C
 def request_scope() -> Iterator[None]:
     """For the block (one request, its stream or WebSocket included): the sandboxes it
     touches count as in use until it ends (:meth:`Activity.touch`)."""
-    ending: list[Callable[[], None]] = []
+    ending: dict[str, Callable[[], None]] = {}
     token = _ENDING.set(ending)
     try:
         yield
     finally:
         _ENDING.reset(token)
-        for end in ending:
+        for end in ending.values():
             end()
 
 
@@ -43,8 +45,8 @@ class Activity:
         # Requests using each sandbox now (an exec, a followed stream, a terminal).
         self._using: dict[str, int] = {}
         # Each sandbox's wakes by a request and evictions under memory pressure.
-        self.wakes: dict[str, int] = {}
-        self.evictions: dict[str, int] = {}
+        self._wakes: dict[str, int] = {}
+        self._evictions: dict[str, int] = {}
 
     def touch(self, sandbox_id: str) -> None:
         """Something used the sandbox now: its idle timeout counts from here. Inside a
@@ -52,10 +54,10 @@ class Activity:
         idle clock starts again then."""
         self._last[sandbox_id] = time.time()
         ending = _ENDING.get()
-        if ending is None or any(getattr(e, "sandbox_id", None) == sandbox_id for e in ending):
+        if ending is None or sandbox_id in ending:
             return
         self._using[sandbox_id] = self._using.get(sandbox_id, 0) + 1
-        ending.append(_Release(self, sandbox_id))
+        ending[sandbox_id] = functools.partial(self._release, sandbox_id)
 
     def in_use(self, sandbox_id: str) -> bool:
         """Whether a request is using the sandbox now."""
@@ -108,18 +110,21 @@ class Activity:
         self._last.pop(sandbox_id, None)
         self._output_seen.pop(sandbox_id, None)
 
+    def count_wake(self, sandbox_id: str) -> None:
+        """A request woke the sandbox (:mod:`.waking`)."""
+        self._wakes[sandbox_id] = self._wakes.get(sandbox_id, 0) + 1
+
+    def wakes(self, sandbox_id: str) -> int:
+        return self._wakes.get(sandbox_id, 0)
+
+    def count_eviction(self, sandbox_id: str) -> None:
+        """Reclaim hibernated the sandbox (:mod:`.reclaim`)."""
+        self._evictions[sandbox_id] = self._evictions.get(sandbox_id, 0) + 1
+
+    def evictions(self, sandbox_id: str) -> int:
+        return self._evictions.get(sandbox_id, 0)
+
     def forget_counts(self, sandbox_id: str) -> None:
         """The sandbox is deleted: its wakes and evictions go too."""
-        self.wakes.pop(sandbox_id, None)
-        self.evictions.pop(sandbox_id, None)
-
-
-class _Release:
-    """Ends one request's use of a sandbox (see :func:`request_scope`)."""
-
-    def __init__(self, activity: Activity, sandbox_id: str) -> None:
-        self.activity = activity
-        self.sandbox_id = sandbox_id
-
-    def __call__(self) -> None:
-        self.activity._release(self.sandbox_id)
+        self._wakes.pop(sandbox_id, None)
+        self._evictions.pop(sandbox_id, None)

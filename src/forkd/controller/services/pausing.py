@@ -100,8 +100,7 @@ class PauseService:
             else:
                 return None
         ms = round((time.monotonic() - started) * 1000, 1)
-        wakes = self.fleet.activity.wakes
-        wakes[sandbox_id] = wakes.get(sandbox_id, 0) + 1
+        self.fleet.activity.count_wake(sandbox_id)
         log.info("sandbox %s woke from %s for a request in %.0f ms", sandbox_id, was, ms)
         self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=was == "hibernated",
                                   reason="request", wake_ms=ms)  # fmt: skip

@@ -113,13 +113,13 @@ class Reclaimer:
 
     def busy_summary(self) -> str:
         """Why reclaim has nothing to take: for the 429 that admission gives then."""
+        if not self.enabled:
+            return "reclaim is off (--reclaim-low 0)"
         fleet = self.fleet
         rows = [r for r in fleet.store.list_sandboxes() if r.id in fleet.vms]
         protected = sum(1 for r in rows if not r.evictable)
         now, idle_s = time.time(), fleet.settings.reclaim_idle_s
         idle = sum(1 for r in rows if self._idle(r, now, idle_s))
-        if not self.enabled:
-            return "reclaim is off (--reclaim-low 0)"
         return (
             f"reclaim found {idle} idle sandboxes to hibernate of {len(rows)} with a VM "
             f"({protected} not evictable; the rest used in the last {idle_s:g} s "
@@ -173,11 +173,11 @@ class Reclaimer:
             return False
         if not evicted:
             return False
-        freed = self._available() - available
+        after = self._available()
+        freed = after - available
         log.info("reclaim: hibernated idle sandbox %s (%s): %d MiB available, %+d MiB",
-                 row.id, why, self._available(), freed)  # fmt: skip
-        activity = self.fleet.activity
-        activity.evictions[row.id] = activity.evictions.get(row.id, 0) + 1
+                 row.id, why, after, freed)  # fmt: skip
+        self.fleet.activity.count_eviction(row.id)
         fields: dict[str, Any] = {"available_mib": available, "freed_mib": freed}
         self.fleet.events.publish("hibernated", sandbox_id=row.id, reason="memory", **fields)
         if self._observe is not None:

@@ -158,16 +158,15 @@ class UsageService:
 
     def _metrics(self, row: SandboxRow, vm: SandboxVM | None) -> SandboxMetrics:
         activity = self.fleet.activity
-        last = activity.last_active(row.id)
         metrics = SandboxMetrics(
             sandbox_id=row.id,
             state=state_word(row.state),
             timestamp=iso_time(time.time()),
             cpu=CpuUsage(),
             memory=MemoryUsage(),
-            last_active_at=None if last is None else iso_time(last),
-            wakes=activity.wakes.get(row.id, 0),
-            evictions=activity.evictions.get(row.id, 0),
+            last_active_at=iso_time(activity.last_active(row.id)),
+            wakes=activity.wakes(row.id),
+            evictions=activity.evictions(row.id),
         )
         if vm is not None:
             self._host(row.id, vm, metrics)
