@@ -146,30 +146,33 @@ class _ConnectionCollector(Collector):
         yield timed_out
 
 
+Family = CounterMetricFamily | GaugeMetricFamily
+
+
 class _SandboxCollector(Collector):
     """Each sandbox's figures (forkd.controller.services.usage), labelled by its id: the
     ``cap`` sandboxes that hold the most host memory, then the rest, left out and counted
     in ``forkd_sandbox_series_omitted`` so that a host of thousands keeps a bounded
     number of series."""
 
-    # (series, kind, help, the figure of a SandboxMetrics)
-    SERIES: tuple[tuple[str, str, str, Callable[[SandboxMetrics], float | None]], ...] = (
-        ("forkd_sandbox_cpu_seconds", "counter", "CPU time its QEMU used",
+    # (series, its family, help, the figure of a SandboxMetrics)
+    SERIES: tuple[tuple[str, type[Family], str, Callable[[SandboxMetrics], float | None]], ...] = (
+        ("forkd_sandbox_cpu_seconds", CounterMetricFamily, "CPU time its QEMU used",
          lambda m: m.cpu.seconds),
-        ("forkd_sandbox_memory_host_private_bytes", "gauge", "What its QEMU holds of its own",
-         lambda m: m.memory.host_private_bytes),
-        ("forkd_sandbox_memory_guest_used_bytes", "gauge", "Memory its guest uses",
+        ("forkd_sandbox_memory_host_private_bytes", GaugeMetricFamily,
+         "What its QEMU holds of its own", lambda m: m.memory.host_private_bytes),
+        ("forkd_sandbox_memory_guest_used_bytes", GaugeMetricFamily, "Memory its guest uses",
          lambda m: m.memory.guest_used_bytes),
-        ("forkd_sandbox_disk_used_bytes", "gauge", "Used on its guest's root filesystem",
+        ("forkd_sandbox_disk_used_bytes", GaugeMetricFamily, "Used on its guest's root filesystem",
          lambda m: m.disk.used_bytes if m.disk else None),
-        ("forkd_sandbox_network_rx_bytes", "counter", "Bytes its guest received",
+        ("forkd_sandbox_network_rx_bytes", CounterMetricFamily, "Bytes its guest received",
          lambda m: m.network.rx_bytes if m.network else None),
-        ("forkd_sandbox_network_tx_bytes", "counter", "Bytes its guest sent",
+        ("forkd_sandbox_network_tx_bytes", CounterMetricFamily, "Bytes its guest sent",
          lambda m: m.network.tx_bytes if m.network else None),
-        ("forkd_sandbox_processes", "gauge", "Processes running in its guest",
+        ("forkd_sandbox_processes", GaugeMetricFamily, "Processes running in its guest",
          lambda m: m.processes),
-        ("forkd_sandbox_wakes", "counter", "Times a request woke it", lambda m: m.wakes),
-        ("forkd_sandbox_evictions", "counter", "Times reclaim hibernated it",
+        ("forkd_sandbox_wakes", CounterMetricFamily, "Times a request woke it", lambda m: m.wakes),
+        ("forkd_sandbox_evictions", CounterMetricFamily, "Times reclaim hibernated it",
          lambda m: m.evictions),
     )  # fmt: skip
 
@@ -178,22 +181,20 @@ class _SandboxCollector(Collector):
         self._cap = cap
 
     def describe(self) -> Iterator[Metric]:  # what register() asks: no reading for it
-        for name, kind, text, _ in self.SERIES:
-            yield (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(name, text)
+        for name, family, text, _ in self.SERIES:
+            yield family(name, text)
         yield GaugeMetricFamily("forkd_sandbox_series_omitted", "over the cap")
 
     def collect(self) -> Iterator[Metric]:
         every = sorted(self._read(), key=lambda m: -(m.memory.host_private_bytes or 0))
         shown = every[: self._cap]
-        for name, kind, text, figure in self.SERIES:
-            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                name, text, labels=["sandbox"]
-            )
+        for name, family, text, figure in self.SERIES:
+            series = family(name, text, labels=["sandbox"])
             for m in shown:
                 value = figure(m)
                 if value is not None:
-                    family.add_metric([m.sandbox_id], value)
-            yield family
+                    series.add_metric([m.sandbox_id], value)
+            yield series
         yield GaugeMetricFamily(
             "forkd_sandbox_series_omitted",
             "Sandboxes left out of the per-sandbox series (over the cap)",
