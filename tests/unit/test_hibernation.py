@@ -94,6 +94,22 @@ def test_a_failed_hibernation_leaves_the_sandbox_running(
     assert ctl.exec_command(sid, ["echo", "hi"])["stdout"] == "hi\n"
 
 
+def test_a_hibernation_the_disk_cannot_hold_is_refused_before_anything_is_written(
+    ctl: Controller, settings: Settings, sid: str, vm: FakeVM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.controller.services import hibernation
+
+    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 1100 << 20)
+    with pytest.raises(ControllerError) as refused:
+        ctl.pause_sandbox(sid, hibernate=True)
+    assert refused.value.status == 500
+    assert "must leave 1024 MiB free" in str(refused.value) and "1100 MiB free" in str(
+        refused.value
+    )
+    assert vm.state == "running" and "pause" not in vm.events  # not even paused
+    assert ctl.get_sandbox(sid)["state"] == "running" and _sleeping(settings, sid) == []
+
+
 def test_a_failed_wake_leaves_it_hibernated(
     ctl: Controller, server: Server, settings: Settings, sid: str
 ) -> None:

@@ -95,6 +95,18 @@ def test_on_timeout_hibernate_hibernates_in_time(ctl: Controller) -> None:
     assert ctl.resume_sandbox(kid["id"])["state"] == "running"
 
 
+def test_on_timeout_hibernate_on_a_disk_without_room_pauses_it_instead(
+    ctl: Controller, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.controller.services import hibernation
+
+    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 64 << 20)
+    kid = ctl.spawn_sandboxes("py", timeout_s=0.5, on_timeout="hibernate")[0]
+    _until(lambda: ctl.get_sandbox(kid["id"])["state"] == "paused", 5)
+    assert ctl.get_sandbox(kid["id"])["expires_at"] is None  # not tried every pass
+    assert ctl.resume_sandbox(kid["id"])["state"] == "running"
+
+
 def test_on_timeout_pause_pauses_and_clears_the_timeout(ctl: Controller) -> None:
     kid = ctl.spawn_sandboxes("py", timeout_s=0.5, on_timeout="pause")[0]
     t_expiry = kid["expires_at_unix"]

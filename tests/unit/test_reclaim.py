@@ -198,3 +198,24 @@ def test_an_update_that_is_not_understood_changes_nothing(client: TestClient, bo
     info = client.get(f"/v1/sandboxes/{sid}").json()
     assert info["evictable"] is True and info["auto_resume"] is True
     assert client.patch("/v1/sandboxes/sb-nope-0001", json={}).status_code == 404
+
+
+def test_reclaim_never_fills_the_disk_to_give_memory_back(
+    client: TestClient, meminfo: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.controller.services import hibernation
+
+    sid = _fork(client)
+    # The guest's 256 MiB and the 1 GiB reserve do not fit in 1200 MiB.
+    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 1200 << 20)
+    assert _reclaim(client) == [] and _reclaim(client) == []
+    assert _states(client) == {sid: "running"}
+    assert not [d for d in settings.snapshot_root.iterdir() if d.name.startswith(".hibern")]
+    fake_meminfo(meminfo, 4096, 600)
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 5})
+    assert r.status_code == 429
+    said = r.json()["error"]
+    assert "stopped for disk" in said and "has 1200 MiB free" in said, said
+    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 1300 << 20)
+    assert _reclaim(client) == [sid]  # room again: the next pass takes it
+    assert "stopped for disk" not in _services(client).reclaim.busy_summary()

@@ -29,7 +29,7 @@ from forkd.controller.services.branches import BranchService
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.store import SandboxRow
-from forkd.errors import Busy, ForkdError
+from forkd.errors import Busy, ForkdError, StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +65,15 @@ class Expiry:
         if action in ("pause", "hibernate"):
             hibernate = action == "hibernate"
             if now.state == "running" or (hibernate and now.state == "paused"):
-                # On failure the next pass tries again.
-                await self.pausing.pause(row.id, hibernate=hibernate)
+                # On failure the next pass tries again; but a disk without room for its
+                # memory will not have it in a second: it is paused instead, which
+                # keeps its memory (reclaim hibernates it once there is room).
+                try:
+                    await self.pausing.pause(row.id, hibernate=hibernate)
+                except StorageFull as exc:
+                    log.warning("sandbox %s is paused, not hibernated: %s", row.id, exc)
+                    record["error"] = str(exc)[:500]
+                    await self._pause_instead(row.id)
             if not idle:  # an idle one keeps its lifetime (idleness stops while paused)
                 self.fleet.store.update_sandbox(row.id, expires_at_unix=None)
         elif action == "branch":

@@ -33,8 +33,14 @@ from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import live as live_snapshot
 from forkd.vmm.snapshot.files import SnapshotLabels
+from forkd.vmm.volumes.disks import free_bytes
 
 log = logging.getLogger(__name__)
+
+# A hibernation leaves this much of the snapshot disk free besides the most it may
+# write (the guest's whole memory): reclaim must not fill the disk the store, the
+# other snapshots and the volumes live on to give memory back.
+DISK_RESERVE_MIB = 1024
 
 
 class HibernateService:
@@ -51,6 +57,7 @@ class HibernateService:
         if row.state == "hibernated":
             raise Conflict(f"sandbox {sandbox_id!r} is already hibernated")
         vm = fleet.live(sandbox_id, paused_ok=True)
+        self.check_disk(sandbox_id, vm.machine.memory_mib)
         was_running = row.state == "running"
         if was_running:  # the snapshot then holds exactly this moment
             try:
@@ -78,6 +85,17 @@ class HibernateService:
         await vm.kill()  # its memory is given back; its namespace goes with it
         fleet.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
         log.info("sandbox %s hibernated to %s", sandbox_id, dest)
+
+    def check_disk(self, sandbox_id: str, memory_mib: int) -> None:
+        """:class:`StorageFull` unless the snapshot disk holds the sandbox's whole
+        memory and still keeps :data:`DISK_RESERVE_MIB` free: nothing is written then."""
+        root = self.fleet.hibernated.root
+        free_mib = free_bytes(root if root.exists() else root.parent) >> 20
+        if free_mib < memory_mib + DISK_RESERVE_MIB:
+            raise StorageFull(
+                f"hibernating {sandbox_id} may write up to {memory_mib} MiB and must leave "
+                f"{DISK_RESERVE_MIB} MiB free, but the disk at {root} has {free_mib} MiB free"
+            )
 
     async def _not_hibernated(
         self,

@@ -12,7 +12,10 @@ running with ``auto_resume`` (a request wakes it again) or paused, and idle: no 
 using it now (an exec, a followed stream, a terminal, a transfer), none for
 ``--reclaim-idle`` seconds, and no output from its processes since the last look.
 Paused ones go first, then the least recently used. Nothing is ever killed to make
-room: when reclaim cannot free enough, admission refuses new sandboxes (429).
+room: when reclaim cannot free enough, admission refuses new sandboxes (429). Nor is
+the disk filled to make it: a sandbox is hibernated only when the snapshot disk holds
+its whole memory and keeps a reserve besides (:meth:`HibernateService.check_disk`);
+when it does not, the pass stops and the 429 says so.
 
 Each eviction is a ``hibernated`` event with ``reason: "memory"``, an audit record and
 ``forkd_evictions_total``.
@@ -31,7 +34,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.periodic import Periodic
 from forkd.controller.store import SandboxRow
-from forkd.errors import ForkdError
+from forkd.errors import ForkdError, StorageFull
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class Reclaimer:
         self._observe = observe  # counts one eviction in the metrics
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
         self._lock = asyncio.Lock()  # one pass at a time: the loop's or a fork's
+        self._disk_short: str | None = None  # why the last pass stopped for disk
         self._loop = Periodic("reclaim", RECLAIM_INTERVAL_SECS, self.reclaim_once)
 
     @property
@@ -120,11 +124,14 @@ class Reclaimer:
         protected = sum(1 for r in rows if not r.evictable)
         now, idle_s = time.time(), fleet.settings.reclaim_idle_s
         idle = sum(1 for r in rows if self._idle(r, now, idle_s))
-        return (
+        summary = (
             f"reclaim found {idle} idle sandboxes to hibernate of {len(rows)} with a VM "
             f"({protected} not evictable; the rest used in the last {idle_s:g} s "
             "(--reclaim-idle) or busy)"
         )
+        if self._disk_short is not None:
+            summary += f", and stopped for disk: {self._disk_short}"
+        return summary
 
     async def _quiet(self, row: SandboxRow) -> bool:
         """Whether its processes wrote nothing since the last look (a paused one's
@@ -160,9 +167,25 @@ class Reclaimer:
                                 self.busy_summary())  # fmt: skip
                     break
                 tried.add(row.id)
+                if not self._disk_holds(row):
+                    break
                 if await self._quiet(row) and await self._evict(row, why):
                     taken.append(row.id)
         return taken
+
+    def _disk_holds(self, row: SandboxRow) -> bool:
+        """Whether the snapshot disk has room to hibernate it; said once when not."""
+        vm = self.fleet.vms.get(row.id)
+        try:
+            if vm is not None:
+                self.pausing.hibernation.check_disk(row.id, vm.machine.memory_mib)
+        except StorageFull as exc:
+            if self._disk_short is None:
+                log.warning("reclaim stops until the disk has room: %s", exc)
+            self._disk_short = str(exc)
+            return False
+        self._disk_short = None
+        return True
 
     async def _evict(self, row: SandboxRow, why: str) -> bool:
         available = self._available()
