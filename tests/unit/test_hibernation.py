@@ -97,9 +97,9 @@ def test_a_failed_hibernation_leaves_the_sandbox_running(
 def test_a_hibernation_the_disk_cannot_hold_is_refused_before_anything_is_written(
     ctl: Controller, settings: Settings, sid: str, vm: FakeVM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from forkd.controller.services import hibernation
+    from forkd.controller.services import disk_room
 
-    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 1100 << 20)
+    monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 1100 << 20)
     with pytest.raises(ControllerError) as refused:
         ctl.pause_sandbox(sid, hibernate=True)
     assert refused.value.status == 500

@@ -98,9 +98,9 @@ def test_on_timeout_hibernate_hibernates_in_time(ctl: Controller) -> None:
 def test_on_timeout_hibernate_on_a_disk_without_room_pauses_it_instead(
     ctl: Controller, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from forkd.controller.services import hibernation
+    from forkd.controller.services import disk_room
 
-    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 64 << 20)
+    monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 64 << 20)
     kid = ctl.spawn_sandboxes("py", timeout_s=0.5, on_timeout="hibernate")[0]
     _until(lambda: ctl.get_sandbox(kid["id"])["state"] == "paused", 5)
     assert ctl.get_sandbox(kid["id"])["expires_at"] is None  # not tried every pass

@@ -203,11 +203,11 @@ def test_an_update_that_is_not_understood_changes_nothing(client: TestClient, bo
 def test_reclaim_never_fills_the_disk_to_give_memory_back(
     client: TestClient, meminfo: Path, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from forkd.controller.services import hibernation
+    from forkd.controller.services import disk_room
 
     sid = _fork(client)
     # The guest's 256 MiB and the 1 GiB reserve do not fit in 1200 MiB.
-    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 1200 << 20)
+    monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 1200 << 20)
     assert _reclaim(client) == [] and _reclaim(client) == []
     assert _states(client) == {sid: "running"}
     assert not [d for d in settings.snapshot_root.iterdir() if d.name.startswith(".hibern")]
@@ -216,6 +216,6 @@ def test_reclaim_never_fills_the_disk_to_give_memory_back(
     assert r.status_code == 429
     said = r.json()["error"]
     assert "stopped for disk" in said and "has 1200 MiB free" in said, said
-    monkeypatch.setattr(hibernation, "free_bytes", lambda _path: 1300 << 20)
+    monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 1300 << 20)
     assert _reclaim(client) == [sid]  # room again: the next pass takes it
     assert "stopped for disk" not in _services(client).reclaim.busy_summary()

@@ -26,6 +26,7 @@ from typing import Any
 from forkd import limits
 from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services import hibernated_files
+from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
@@ -66,6 +67,9 @@ class BranchService:
             )
         # A paused one is taken as it is; a hibernated one is its state on disk.
         vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
+        if vm is not None:  # a hibernated one's copy is as large as its files
+            root = fleet.settings.snapshot_root
+            require_room(root, vm.machine.memory_mib, f"branching {sandbox_id}")
         measure = req.measure_diff
         base = self._diff_base(row, vm) if mode == BranchMode.DIFF or measure else None
         live = mode == BranchMode.LIVE

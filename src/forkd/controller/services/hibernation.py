@@ -24,6 +24,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.sandbox_vm import SandboxVM
@@ -33,14 +34,8 @@ from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import live as live_snapshot
 from forkd.vmm.snapshot.files import SnapshotLabels
-from forkd.vmm.volumes.disks import free_bytes
 
 log = logging.getLogger(__name__)
-
-# A hibernation leaves this much of the snapshot disk free besides the most it may
-# write (the guest's whole memory): reclaim must not fill the disk the store, the
-# other snapshots and the volumes live on to give memory back.
-DISK_RESERVE_MIB = 1024
 
 
 class HibernateService:
@@ -87,15 +82,9 @@ class HibernateService:
         log.info("sandbox %s hibernated to %s", sandbox_id, dest)
 
     def check_disk(self, sandbox_id: str, memory_mib: int) -> None:
-        """:class:`StorageFull` unless the snapshot disk holds the sandbox's whole
-        memory and still keeps :data:`DISK_RESERVE_MIB` free: nothing is written then."""
-        root = self.fleet.hibernated.root
-        free_mib = free_bytes(root if root.exists() else root.parent) >> 20
-        if free_mib < memory_mib + DISK_RESERVE_MIB:
-            raise StorageFull(
-                f"hibernating {sandbox_id} may write up to {memory_mib} MiB and must leave "
-                f"{DISK_RESERVE_MIB} MiB free, but the disk at {root} has {free_mib} MiB free"
-            )
+        """:class:`StorageFull`, before anything is written, unless the disk holds the
+        sandbox's whole memory and keeps a reserve (:mod:`.disk_room`)."""
+        require_room(self.fleet.hibernated.root, memory_mib, f"hibernating {sandbox_id}")
 
     async def _not_hibernated(
         self,

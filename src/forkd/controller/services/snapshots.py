@@ -22,6 +22,7 @@ from typing import Any
 from forkd import __version__, accel, limits
 from forkd.controller.models import CapacityInfo, SnapshotCreate, SnapshotInfo
 from forkd.controller.services import template_start
+from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.images import ImageService
 from forkd.controller.services.sandbox_vm import SandboxVM
@@ -103,6 +104,7 @@ class SnapshotService:
         template_start.check(req)
         with self.fleet.reserve_tag(tag):  # before an import that may take minutes
             img = await self._resolve_image(req)
+            require_room(self.root, _memory_mib(req, img), f"building snapshot {tag!r}")
             with (
                 self.fleet.admission.admit(
                     f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)
