@@ -105,6 +105,7 @@ MAX_IMAGE_BYTES = 64 << 30
 # What a guest may make the daemon read and wait for (forkd.vmm.agent.client).
 # Answer lines, by op, sized from the agent's own caps (docs/guest-agent.md):
 AGENT_LINE_MAX_BYTES = 4 << 20  # ping, restore, file_write, file_remove: a few hundred bytes
+AGENT_STATS_LINE_MAX_BYTES = 64 << 10  # stats: its figures and up to 8 mount points
 # exec: 2 streams of 1 MiB; JSON escaping makes a byte at most 6 ("\ufffd"): 12 MiB.
 # eval (3 x 1 Mi chars, ASCII or BMP text) and file_list (100 000 entries) fit too.
 AGENT_OUTPUT_LINE_MAX_BYTES = 16 << 20

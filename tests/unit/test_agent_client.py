@@ -646,3 +646,23 @@ def test_hold_waits_for_a_payload_to_be_answered_and_holds_requests_back(sock: P
         await never
 
     _run_raw(sock, guest, body)
+
+
+def test_a_stats_answer_past_its_small_cap_fails_and_the_channel_goes_on(sock: Path) -> None:
+    # stats is asked of every guest while someone watches: a guest must not make the
+    # daemon parse megabytes for it.
+    cap = agent_client.answer_cap("stats")
+    assert cap == limits.AGENT_STATS_LINE_MAX_BYTES < agent_client.answer_cap("ping")
+
+    async def guest(req: dict[str, Any], w: asyncio.StreamWriter) -> None:
+        if req["op"] == "stats":
+            w.write(_ok(req, {"processes": 1, "pad": "x" * cap}))
+        else:
+            w.write(_ok(req, {"pong": True}))
+
+    async def body(client: AgentClient) -> None:
+        with pytest.raises(AgentError):
+            await client.call("stats", {"paths": []}, wait=5)
+        assert await client.call("ping", wait=2) == {"pong": True}
+
+    _run(sock, guest, body)

@@ -160,10 +160,10 @@ def test_a_request_that_comes_while_its_sandbox_is_hibernated_waits_and_wakes_it
     real = hibernation.hibernate
     started = threading.Event()
 
-    async def slow(sandbox_id: str) -> None:
+    async def slow(sandbox_id: str, **kw: Any) -> None:
         started.set()
         await asyncio.sleep(0.5)
-        await real(sandbox_id)
+        await real(sandbox_id, **kw)
 
     hibernation.hibernate = slow  # type: ignore[method-assign]
     reclaimed: list[list[str]] = []
@@ -215,7 +215,121 @@ def test_reclaim_never_fills_the_disk_to_give_memory_back(
     r = client.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 5})
     assert r.status_code == 429
     said = r.json()["error"]
-    assert "stopped for disk" in said and "has 1200 MiB free" in said, said
+    assert "skipped for disk" in said and "has 1200 MiB free" in said, said
     monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 1300 << 20)
     assert _reclaim(client) == [sid]  # room again: the next pass takes it
-    assert "stopped for disk" not in _services(client).reclaim.busy_summary()
+    assert "skipped for disk" not in _services(client).reclaim.busy_summary()
+
+
+@pytest.mark.parametrize(
+    "answer", [[1], ["x"], [{"output_end": float("nan")}], [{"output_end": 1e400}],
+               [{"output_end": -1}], [{"output_end": True}], "x", None],
+)  # fmt: skip
+def test_a_guest_that_answers_nonsense_is_taken_and_does_not_stop_the_pass(
+    client: TestClient, driver: FakeDriver, meminfo: Path, answer: Any
+) -> None:
+    hostile, other = _fork(client), _fork(client)
+    vm = next(vm for vm in driver.vms if vm.id == hostile)
+
+    async def nonsense() -> Any:
+        return answer
+
+    vm.proc_list = nonsense  # type: ignore[method-assign]
+    _freeing(client, meminfo, 600)
+    # Its answer shows no output: it is as quiet as any, and the pass goes on past it.
+    assert _reclaim(client) == [hostile, other]
+
+
+def test_a_guest_that_does_not_answer_is_taken_after_one_wait(
+    client: TestClient, driver: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.controller.services import reclaim
+
+    monkeypatch.setattr(reclaim, "OUTPUT_CHECK_SECS", 0.2)
+    silent = _fork(client)
+    vm = next(vm for vm in driver.vms if vm.id == silent)
+
+    async def never() -> Any:
+        await asyncio.sleep(3600)
+
+    vm.proc_list = never  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    assert _reclaim(client) == [silent]  # not kept out of reclaim by its silence
+    assert time.monotonic() - t0 < 5
+
+
+def test_one_sandbox_s_failure_does_not_end_the_pass(
+    client: TestClient, meminfo: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    first, second = _fork(client), _fork(client)
+    pausing = _services(client).pausing
+    evict = pausing.evict
+
+    async def breaks_once(sandbox_id: str, idle: Callable[..., bool]) -> bool:
+        if sandbox_id == first:
+            raise RuntimeError("something nobody expected")
+        return await evict(sandbox_id, idle)
+
+    pausing.evict = breaks_once  # type: ignore[method-assign]
+    assert _reclaim(client) == [second]
+    assert "could not be taken" in caplog.text
+    assert _states(client) == {first: "running", second: "hibernated"}
+
+
+def test_a_sandbox_whose_lock_is_held_is_skipped(client: TestClient) -> None:
+    busy, other = _fork(client), _fork(client)
+    lock = _services(client).fleet.holds.sandbox_lock(busy)  # a branch writing its files
+    client.portal.call(lock.acquire)  # type: ignore[union-attr]
+    try:
+        assert _reclaim(client) == [other]
+    finally:
+        lock.release()
+    assert _reclaim(client) == [busy]
+
+
+def test_an_eviction_keeps_the_sandbox_s_timeout(client: TestClient) -> None:
+    sid = _fork(client, timeout_s=600, on_timeout="kill")
+    expires = client.get(f"/v1/sandboxes/{sid}").json()["expires_at_unix"]
+    assert _reclaim(client) == [sid]
+    info = client.get(f"/v1/sandboxes/{sid}").json()
+    assert info["state"] == "hibernated" and info["expires_at_unix"] == expires
+    r = client.post(f"/v1/sandboxes/{sid}/exec", json={"args": ["true"]})  # woken
+    assert r.status_code == 200, r.text
+    assert client.get(f"/v1/sandboxes/{sid}").json()["expires_at_unix"] == expires
+    # A user's own hibernate still clears it, as documented.
+    assert client.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
+    assert client.get(f"/v1/sandboxes/{sid}").json()["expires_at_unix"] is None
+
+
+def test_stop_waits_for_a_pass_under_way(client: TestClient) -> None:
+    sid = _fork(client)
+    services = _services(client)
+    hibernation = services.pausing.hibernation
+    real = hibernation.hibernate
+
+    async def slow(sandbox_id: str, **kw: Any) -> None:
+        await asyncio.sleep(0.3)
+        await real(sandbox_id, **kw)
+
+    hibernation.hibernate = slow  # type: ignore[method-assign]
+
+    async def ask_then_leave_then_stop() -> None:
+        asker = asyncio.create_task(services.reclaim.reclaim_once())
+        await asyncio.sleep(0.05)
+        asker.cancel()  # the pass is shielded from it: it goes on
+        await services.reclaim.stop()
+
+    client.portal.call(ask_then_leave_then_stop)  # type: ignore[union-attr]
+    assert _states(client) == {sid: "hibernated"}  # ended before stop returned
+
+
+def test_the_timeout_of_an_evicted_sandbox_acts_on_it_while_it_sleeps(
+    client: TestClient, settings: Settings
+) -> None:
+    sid = _fork(client, timeout_s=1, on_timeout="kill")
+    assert _reclaim(client) == [sid]
+    deadline = time.monotonic() + 10
+    while client.get(f"/v1/sandboxes/{sid}").status_code != 404:
+        assert time.monotonic() < deadline, "the timeout did not act on it"
+        time.sleep(0.1)
+    assert not [d for d in settings.snapshot_root.iterdir() if sid in d.name]  # its state too

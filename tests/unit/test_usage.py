@@ -15,6 +15,7 @@ import pytest
 
 from forkd import limits
 from forkd.client import Controller
+from forkd.controller.settings import Settings
 from tests.unit.conftest import RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
 from tests.unit.test_agent_files import _load
@@ -177,3 +178,26 @@ def test_the_guest_s_stats_op_reads_this_machine() -> None:
 def test_the_stats_op_refuses_bad_paths(paths: Any) -> None:
     with pytest.raises(stats.RequestError):
         stats.op_stats({"paths": paths})
+
+
+def test_only_the_asked_mounts_are_kept_and_a_gone_vm_s_readings_are_dropped(
+    settings: Settings, driver: FakeDriver
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from forkd.controller.app import create_app
+    from tests.unit.conftest import TOKEN
+
+    with TestClient(create_app(settings, TOKEN, driver=driver),
+                    headers={"Authorization": f"Bearer {TOKEN}"}) as c:  # fmt: skip
+        assert c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 256}).status_code == 201
+        sid = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
+        # A guest that names 60 mount points nobody asked about, 4 KiB each.
+        extra = {"/" + f"{i:02d}" * 2048: {"total_bytes": 1, "used_bytes": 1} for i in range(60)}
+        _vm(driver, sid).guest_stats = {"mounts": extra}
+        usage = c.app.state.services.usage  # type: ignore[attr-defined]
+        assert c.get(f"/v1/sandboxes/{sid}/metrics").json()["processes"] == 12
+        assert usage._guest[sid][1].mounts == {}  # none asked: none kept
+        assert c.post(f"/v1/sandboxes/{sid}/pause", json={"hibernate": True}).status_code == 200
+        c.get("/v1/sandboxes/other-id-0000/metrics")  # any reading drops the gone VM's
+        assert sid not in usage._guest and sid not in usage._cpu

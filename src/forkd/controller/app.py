@@ -23,6 +23,7 @@ from forkd.controller.store import Store
 log = logging.getLogger(__name__)
 
 EXPLORE_DRAIN_SECS = 30.0  # explores being taken back when the daemon stops
+WAKE_DRAIN_SECS = 30.0  # wakes under way when the daemon stops
 
 
 def create_app(
@@ -67,6 +68,8 @@ def create_app(
             services.fleet.events.close()
             await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
             await services.reclaim.stop()
+            if services.fleet.waker is not None:
+                await services.fleet.waker.drain(WAKE_DRAIN_SECS)
             await services.usage.stop()
             await services.lifecycle.stop()
             services.expiry.audit = None

@@ -33,6 +33,28 @@ def request_scope() -> Iterator[None]:
             end()
 
 
+MAX_LISTED = 4096  # processes in one guest's list (its agent keeps 128 commands)
+MAX_OUTPUT_END = 1 << 62
+
+
+def output_total(listed: object) -> int | None:
+    """The bytes a guest's processes wrote in all, from its ``proc_list`` answer (hostile
+    input); None when that is not a list of processes with counts."""
+    if not isinstance(listed, list) or len(listed) > MAX_LISTED:
+        return None
+    total = 0
+    for proc in listed:
+        if not isinstance(proc, dict):
+            return None
+        end = proc.get("output_end")
+        if end is None:  # an agent older than output_end
+            continue
+        if type(end) is not int or not 0 <= end <= MAX_OUTPUT_END:
+            return None
+        total += end
+    return total
+
+
 class Activity:
     def __init__(self) -> None:
         # When each sandbox was last touched by an API call or seen writing output,
@@ -69,7 +91,8 @@ class Activity:
             self._using[sandbox_id] = left
         else:
             self._using.pop(sandbox_id, None)
-        self._last[sandbox_id] = time.time()
+        if sandbox_id in self._last:  # not one forgotten meanwhile (a DELETE's own)
+            self._last[sandbox_id] = time.time()
 
     def last_active(self, sandbox_id: str) -> float | None:
         return self._last.get(sandbox_id)
@@ -87,10 +110,13 @@ class Activity:
             return False
         return time.time() - self.idle_since(row) >= row.idle_timeout_s
 
-    def output_written(self, sandbox_id: str, written: int) -> bool:
-        """Its processes have written ``written`` bytes in all: whether that is more
-        than when last asked (then it counts as activity)."""
-        if self._output_seen.get(sandbox_id, 0) == written:
+    def output_written(self, sandbox_id: str, listed: object) -> bool:
+        """Whether its processes (``listed``: the guest's ``proc_list`` answer) have
+        written more than when last asked; that counts as activity. An answer that is
+        not a list of processes with byte counts shows nothing: a guest cannot keep
+        itself busy, out of reclaim and its idle timeout, by answering nonsense."""
+        written = output_total(listed)
+        if written is None or self._output_seen.get(sandbox_id, 0) == written:
             return False
         self._output_seen[sandbox_id] = written
         self.touch(sandbox_id)

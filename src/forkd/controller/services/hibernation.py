@@ -42,10 +42,12 @@ class HibernateService:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
 
-    async def hibernate(self, sandbox_id: str) -> None:
+    async def hibernate(self, sandbox_id: str, *, keep_timeout: bool = False) -> None:
         """Snapshot the running or paused sandbox to disk and end its QEMU.
 
-        The caller holds the sandbox's branch lock.
+        The caller holds the sandbox's branch lock. Its timeout is cleared unless
+        ``keep_timeout`` (reclaim's eviction: not the user's choice, so the sandbox's
+        lifetime runs on while it sleeps).
         """
         fleet = self.fleet
         row = fleet.sandbox_row(sandbox_id)
@@ -73,9 +75,12 @@ class HibernateService:
             fleet.hibernated.discard(sandbox_id)
             raise Conflict(f"sandbox {sandbox_id!r} was killed while hibernating")
         HibernatedFiles.save_network(dest, vm.net.to_json() if vm.net else None)
-        fleet.store.set_sandbox_state(
-            sandbox_id, SandboxState.HIBERNATED, pid=None, expires_at_unix=None
-        )
+        if keep_timeout:
+            fleet.store.set_sandbox_state(sandbox_id, SandboxState.HIBERNATED, pid=None)
+        else:
+            fleet.store.set_sandbox_state(
+                sandbox_id, SandboxState.HIBERNATED, pid=None, expires_at_unix=None
+            )
         fleet.vms.pop(sandbox_id, None)
         await vm.kill()  # its memory is given back; its namespace goes with it
         fleet.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped

@@ -100,6 +100,11 @@ class Holds:
         """The lock of ``sandbox_id``'s branches, pauses, resumes and hibernation."""
         return self._sandbox_locks.setdefault(sandbox_id, asyncio.Lock())
 
+    def sandbox_busy(self, sandbox_id: str) -> bool:
+        """Whether something holds ``sandbox_id``'s lock now (a branch, pause, resume)."""
+        lock = self._sandbox_locks.get(sandbox_id)
+        return lock is not None and lock.locked()
+
     def forget_sandbox(self, sandbox_id: str) -> None:
         """The sandbox is gone: a branch that queued on its lock meanwhile finds it dead
         (no new one can start on a dead sandbox); one in flight holds the object itself."""

@@ -306,8 +306,7 @@ class Lifecycle:
             listed = await vm.proc_list()
         except ForkdError:
             return True  # a guest that does not answer is doing nothing for anyone
-        written = sum(int(p.get("output_end") or 0) for p in listed)
-        return not fleet.activity.output_written(row.id, written)
+        return not fleet.activity.output_written(row.id, listed)
 
 
 class Probes:

@@ -81,7 +81,7 @@ class PauseService:
                 row = fleet.store.get_sandbox(sandbox_id)
                 if row is None or row.state not in ("running", "paused") or not idle(row):
                     return False
-                await self.hibernation.hibernate(sandbox_id)
+                await self.hibernation.hibernate(sandbox_id, keep_timeout=True)
             return True
         finally:
             del fleet.evicting[sandbox_id]

@@ -39,7 +39,9 @@ from forkd.errors import ForkdError, StorageFull
 log = logging.getLogger(__name__)
 
 RECLAIM_INTERVAL_SECS = 2.0
-OUTPUT_CHECK_SECS = 5.0  # asking a guest what its processes wrote
+OUTPUT_CHECK_SECS = 3.0  # asking a guest what its processes wrote
+SAY_SHORT_SECS = 60.0  # "nothing left to take" is logged at most this often
+STOP_SECS = 30.0  # a pass under way when the daemon stops: this long to end
 
 AuditWriter = Callable[..., None]
 
@@ -56,7 +58,9 @@ class Reclaimer:
         self._observe = observe  # counts one eviction in the metrics
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
         self._lock = asyncio.Lock()  # one pass at a time: the loop's or a fork's
-        self._disk_short: str | None = None  # why the last pass stopped for disk
+        self._disk_short: str | None = None  # why the last pass skipped some for disk
+        self._said_short_at = -SAY_SHORT_SECS
+        self._passes: set[asyncio.Task[list[str]]] = set()  # under way or waiting
         self._loop = Periodic("reclaim", RECLAIM_INTERVAL_SECS, self.reclaim_once)
 
     @property
@@ -70,7 +74,15 @@ class Reclaimer:
             self._loop.start()
 
     async def stop(self) -> None:
+        """Stop looking; a hibernation under way ends first (it is shielded from the
+        caller that asked for it), within STOP_SECS, else it is cancelled."""
         await self._loop.stop()
+        if self._passes:
+            _, late = await asyncio.wait(set(self._passes), timeout=STOP_SECS)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
 
     async def reclaim_once(self) -> list[str]:
         """One look: below the low watermark, hibernate idle sandboxes until the high one
@@ -101,6 +113,7 @@ class Reclaimer:
         rows = [
             row for row in fleet.store.list_sandboxes()
             if row.id in fleet.vms and self._idle(row, now, idle_s)
+            and not fleet.holds.sandbox_busy(row.id)  # a branch, pause or resume has it
         ]  # fmt: skip
         rows.sort(key=lambda r: (r.state != "paused", fleet.activity.idle_since(r)))
         return rows
@@ -130,7 +143,7 @@ class Reclaimer:
             "(--reclaim-idle) or busy)"
         )
         if self._disk_short is not None:
-            summary += f", and stopped for disk: {self._disk_short}"
+            summary += f"; some were skipped for disk: {self._disk_short}"
         return summary
 
     async def _quiet(self, row: SandboxRow) -> bool:
@@ -144,48 +157,59 @@ class Reclaimer:
         try:
             listed = await asyncio.wait_for(vm.proc_list(), OUTPUT_CHECK_SECS)
         except (ForkdError, TimeoutError):
-            return False  # a guest that does not answer now is left alone
-        written = sum(int(p.get("output_end") or 0) for p in listed)
-        return not self.fleet.activity.output_written(row.id, written)
+            # Its output cannot be seen, so nothing shows it in use: a guest must not
+            # keep itself out of reclaim (and cost every pass this wait) by not answering.
+            return True
+        return not self.fleet.activity.output_written(row.id, listed)
 
     # ------------------------------------------------------------- evicting
 
     async def _free_until(self, target_mib: int, why: str) -> list[str]:
         # A fresh context: the evictions are no request's use of those sandboxes.
         task = asyncio.create_task(self._free(target_mib, why), context=contextvars.Context())
+        self._passes.add(task)
+        task.add_done_callback(self._passes.discard)
         return await asyncio.shield(task)
 
     async def _free(self, target_mib: int, why: str) -> list[str]:
         taken: list[str] = []
         async with self._lock:
             tried: set[str] = set()
+            disk_short: str | None = None
             while self._available() < target_mib:
                 row = next((r for r in self.candidates() if r.id not in tried), None)
                 if row is None:
-                    log.warning("reclaim: %d MiB available, %d wanted (%s); %s",
-                                self._available(), target_mib, why,
-                                self.busy_summary())  # fmt: skip
+                    self._say_short(target_mib, why)
                     break
                 tried.add(row.id)
-                if not self._disk_holds(row):
-                    break
-                if await self._quiet(row) and await self._evict(row, why):
-                    taken.append(row.id)
+                try:
+                    self._check_disk(row)
+                except StorageFull as exc:  # a smaller one may still fit
+                    disk_short = str(exc)
+                    continue
+                try:
+                    if await self._quiet(row) and await self._evict(row, why):
+                        taken.append(row.id)
+                except Exception:  # one sandbox's trouble must not end the pass
+                    log.exception("reclaim: sandbox %s could not be taken", row.id)
+            if disk_short is not None and self._disk_short is None:
+                log.warning("reclaim skips sandboxes until the disk has room: %s", disk_short)
+            self._disk_short = disk_short
         return taken
 
-    def _disk_holds(self, row: SandboxRow) -> bool:
-        """Whether the snapshot disk has room to hibernate it; said once when not."""
+    def _say_short(self, target_mib: int, why: str) -> None:
+        """Log that nothing is left to take: once a minute, not every pass."""
+        now = time.monotonic()
+        if now - self._said_short_at < SAY_SHORT_SECS:
+            return
+        self._said_short_at = now
+        log.warning("reclaim: %d MiB available, %d wanted (%s); %s",
+                    self._available(), target_mib, why, self.busy_summary())  # fmt: skip
+
+    def _check_disk(self, row: SandboxRow) -> None:
         vm = self.fleet.vms.get(row.id)
-        try:
-            if vm is not None:
-                self.pausing.hibernation.check_disk(row.id, vm.machine.memory_mib)
-        except StorageFull as exc:
-            if self._disk_short is None:
-                log.warning("reclaim stops until the disk has room: %s", exc)
-            self._disk_short = str(exc)
-            return False
-        self._disk_short = None
-        return True
+        if vm is not None:
+            self.pausing.hibernation.check_disk(row.id, vm.machine.memory_mib)
 
     async def _evict(self, row: SandboxRow, why: str) -> bool:
         available = self._available()

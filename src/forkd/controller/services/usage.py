@@ -93,6 +93,7 @@ class UsageService:
 
     async def of(self, sandbox_id: str) -> SandboxMetrics:
         """What the sandbox uses now; its guest is asked when it runs."""
+        self._forget_gone()
         row = self._row(sandbox_id)
         vm = self._vm(row)
         if vm is not None and row.state == "running":
@@ -111,7 +112,7 @@ class UsageService:
         asked here; being asked for them keeps them fresh for a while)."""
         self._watched_until = time.monotonic() + WATCHED_SECS
         rows = self.fleet.store.list_sandboxes()
-        self._forget_gone({r.id for r in rows})
+        self._forget_gone()
         return [self._metrics(row, self._vm(row)) for row in rows]
 
     def start(self) -> None:
@@ -127,6 +128,7 @@ class UsageService:
     async def refresh(self) -> None:
         """Ask each running guest whose figures are older than REFRESH_SECS, in turn."""
         now = time.monotonic()
+        self._forget_gone()
         for row in self.fleet.store.list_sandboxes():
             vm = self._vm(row)
             kept = self._guest.get(row.id)
@@ -154,6 +156,8 @@ class UsageService:
             log.debug("sandbox %s: no guest figures: %s", sandbox_id, exc)
             self._guest.pop(sandbox_id, None)
             return
+        # Only the mount points asked about are kept, not whatever else it named.
+        stats.mounts = {p: stats.mounts[p] for p in paths if p in stats.mounts}
         self._guest[sandbox_id] = (time.monotonic(), stats)
 
     def _metrics(self, row: SandboxRow, vm: SandboxVM | None) -> SandboxMetrics:
@@ -200,7 +204,9 @@ class UsageService:
         self._cpu[sandbox_id] = (now, cpu_s, percent)
         return percent
 
-    def _forget_gone(self, ids: set[str]) -> None:
+    def _forget_gone(self) -> None:
+        """Drop the readings of sandboxes with no VM now (deleted, dead, hibernated)."""
+        ids = self.fleet.vms.keys()
         for gone in self._cpu.keys() - ids:
             del self._cpu[gone]
         for gone in self._guest.keys() - ids:

@@ -73,6 +73,18 @@ class Waker:
     def waking(self, sandbox_id: str) -> bool:
         return sandbox_id in self._waking
 
+    async def drain(self, timeout: float) -> None:
+        """Let the wakes under way end (the daemon stops): a wake shielded from its
+        waiters would otherwise outlive the fleet it adds its QEMU to. Past
+        ``timeout`` they are cancelled: the restore leaves the sandbox hibernated."""
+        if not self._waking:
+            return
+        _, late = await asyncio.wait(set(self._waking.values()), timeout=timeout)
+        for wake in late:
+            wake.cancel()
+        if late:
+            await asyncio.wait(late)
+
     async def _wake(self, sandbox_id: str) -> float:
         started = time.monotonic()
         was = await self._resume(sandbox_id)

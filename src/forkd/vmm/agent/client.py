@@ -61,6 +61,8 @@ def answer_cap(op: str) -> int:
         return limits.AGENT_EVAL_LINE_MAX_BYTES
     if op in ("exec", "file_list", "proc_list"):
         return limits.AGENT_OUTPUT_LINE_MAX_BYTES
+    if op == "stats":  # asked of every guest while someone watches: kept small
+        return limits.AGENT_STATS_LINE_MAX_BYTES
     return limits.AGENT_LINE_MAX_BYTES
 
 

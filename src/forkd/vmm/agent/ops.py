@@ -195,8 +195,12 @@ class GuestOps:
         each mount point in ``paths`` (forkd_stats.py). The guest's word: check it."""
         return await self.agent.call("stats", {"paths": paths})
 
-    async def proc_list(self) -> list[dict[str, Any]]:
-        listed: list[dict[str, Any]] = (await self.agent.call("proc_list"))["processes"]
+    async def proc_list(self) -> list[Any]:
+        """The guest's processes: a list, whose items the caller checks."""
+        answer: Any = await self.agent.call("proc_list")
+        listed = answer.get("processes") if isinstance(answer, dict) else None
+        if not isinstance(listed, list):
+            raise AgentError("malformed process list from the agent")
         return listed
 
     async def proc_info(self, pid: int) -> dict[str, Any]:
