@@ -80,6 +80,7 @@ FORK_ESTIMATE_MIB = 48
 # room to spare for 300 idle 256 MiB forks on 24 GiB (3.1) while bounding the worst case.
 MEMORY_OVERCOMMIT = 4.0
 HOST_RESERVE_MIB = 1024  # the least kept for the host, the daemon and snapshots' hot pages
+DISK_RESERVE_MIB = 1024  # free disk a VM's memory is never written into (--disk-reserve)
 MAX_SANDBOXES_CEILING = 1000  # the most forks one request asks (the original's n)
 # Reclaim (forkd serve --reclaim-low, --reclaim-high, --reclaim-idle): when the host's
 # available memory falls under the low watermark, idle sandboxes are hibernated, the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -193,9 +194,9 @@ def test_tag_collision_and_unknown_id(api: Api, daemon: Daemon) -> None:
     assert api.sh(child, "true")["exit_code"] == 0
 
 
-@pytest.fixture
-def tiny_disk_daemon(image: images.Image) -> Iterator[tuple[Daemon, Path]]:
-    """A daemon whose snapshot root is a 160 MiB tmpfs: a template fits, a branch not."""
+@contextlib.contextmanager
+def _tiny_disk(*args: str) -> Iterator[tuple[Daemon, Path]]:
+    """A daemon started with ``args`` whose snapshot root is a 160 MiB tmpfs."""
     root = Path(tempfile.mkdtemp(prefix="forkd-t-", dir="/tmp"))
     snaps = root / "snaps"
     snaps.mkdir()
@@ -208,13 +209,32 @@ def tiny_disk_daemon(image: images.Image) -> Iterator[tuple[Daemon, Path]]:
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
     d = Daemon(root)
     try:
-        d.start("--snapshot-root", str(snaps), "--kill-on-exit")
+        d.start("--snapshot-root", str(snaps), "--kill-on-exit", *args)
         yield d, snaps
     finally:
         d.stop()
         d.kill_leftovers()
         subprocess.run(["umount", "-l", str(snaps)], check=False)
         shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def tiny_disk_daemon(image: images.Image) -> Iterator[tuple[Daemon, Path]]:
+    """A 160 MiB snapshot root: a template fits, a branch not. No reserve
+    (``--disk-reserve 0``): the branch starts, and the disk fills under it."""
+    with _tiny_disk("--disk-reserve", "0") as started:
+        yield started
+
+
+def test_a_disk_under_the_reserve_refuses_a_template_before_it_boots(
+    image: images.Image,
+) -> None:
+    with _tiny_disk() as (d, snaps):  # the default reserve, 1 GiB, is more than it has
+        r = Api(d).c.post("/v1/snapshots", json={"tag": "small", "memory_mib": 256})
+        assert r.status_code == 500, r.text
+        assert "needs 1024 MiB free" in r.json()["error"], r.text
+        assert list(snaps.iterdir()) == []
+        assert d.qemu_pids() == []  # refused before a VM started
 
 
 def test_disk_full_during_branch(tiny_disk_daemon: tuple[Daemon, Path]) -> None:

@@ -165,10 +165,10 @@ def test_refusals_change_nothing_in_every_mode(
     client.app.state.services.branches.in_flight = settings.branch_concurrency  # type: ignore[attr-defined]
     assert _branch(client, sid, tag="b3", mode=mode, wait=False).status_code == 503
     client.app.state.services.branches.in_flight = 0  # type: ignore[attr-defined]
-    with pytest.MonkeyPatch.context() as disk:  # 128 MiB + the 1 GiB reserve do not fit
-        disk.setattr(disk_room, "free_bytes", lambda _path: 1100 << 20)
+    with pytest.MonkeyPatch.context() as disk:  # under the 1 GiB reserve
+        disk.setattr(disk_room, "free_bytes", lambda _path: 1000 << 20)
         r = _branch(client, sid, tag="b4", mode=mode, wait=False)
-    assert r.status_code == 500 and "must leave 1024 MiB free" in r.json()["error"], r.text
+    assert r.status_code == 500 and "needs 1024 MiB free" in r.json()["error"], r.text
     assert vm.events == [] and client.get("/v1/snapshots/b3").status_code == 404
     assert client.get("/v1/snapshots/b4").status_code == 404 and _files(settings, "b4") == []
 
@@ -176,13 +176,14 @@ def test_refusals_change_nothing_in_every_mode(
 def test_a_template_the_disk_cannot_hold_is_refused_before_it_boots(
     client: TestClient, driver: FakeDriver, settings: Settings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 1500 << 20)
+    monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 1000 << 20)
     r = client.post("/v1/snapshots", json={"tag": "big", "memory_mib": 1024})
-    assert r.status_code == 500 and "has 1500 MiB free" in r.json()["error"], r.text
+    assert r.status_code == 500 and "it has 1000 MiB free" in r.json()["error"], r.text
     assert driver.vms == [] and client.get("/v1/snapshots/big").status_code == 404
     assert _files(settings, "big") == []
-    r = client.post("/v1/snapshots", json={"tag": "small", "memory_mib": 256})
-    assert r.status_code == 201, r.text  # 256 MiB and the reserve fit
+    settings.disk_reserve_mib = 512  # --disk-reserve 512
+    r = client.post("/v1/snapshots", json={"tag": "big", "memory_mib": 1024})
+    assert r.status_code == 201, r.text
 
 
 # ------------------------------------------------------------------ wait false

@@ -206,7 +206,8 @@ def test_reclaim_never_fills_the_disk_to_give_memory_back(
     from forkd.controller.services import disk_room
 
     sid = _fork(client)
-    # The guest's 256 MiB and the 1 GiB reserve do not fit in 1200 MiB.
+    # The guest's 256 MiB and the 1 GiB reserve do not fit in 1200 MiB (a user's own
+    # hibernate, which needs the reserve only, would).
     monkeypatch.setattr(disk_room, "free_bytes", lambda _path: 1200 << 20)
     assert _reclaim(client) == [] and _reclaim(client) == []
     assert _states(client) == {sid: "running"}

@@ -20,6 +20,7 @@ from forkd.cli.options import JsonOpt
 from forkd.cli.render import out
 from forkd.errors import ForkdError
 from forkd.limits import (
+    DISK_RESERVE_MIB,
     FILE_UPLOAD_LIMIT,
     MAX_CONNECTIONS_PER_ADDRESS,
     MAX_IMAGE_BYTES,
@@ -167,6 +168,17 @@ _ReclaimIdleOpt = Annotated[
         metavar="SECONDS",
         help="A sandbox with no request and no process output this long is idle: reclaim "
         "may hibernate it.",
+    ),
+]
+
+_DiskReserveOpt = Annotated[
+    int,
+    typer.Option(
+        envvar="FORKD_DISK_RESERVE",
+        min=0,
+        metavar="MIB",
+        help="Free disk under the snapshot root that no branch, template build or "
+        "hibernation starts writing into; reclaim keeps a guest's memory free besides.",
     ),
 ]
 
@@ -370,6 +382,7 @@ def serve(
     reclaim_low: _ReclaimLowOpt = None,
     reclaim_high: _ReclaimHighOpt = None,
     reclaim_idle: _ReclaimIdleOpt = RECLAIM_IDLE_SECS,
+    disk_reserve: _DiskReserveOpt = DISK_RESERVE_MIB,
     cgroup_parent: _CgroupParentOpt = "forkd",
     network: _NetworkOpt = "auto",
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
@@ -398,17 +411,16 @@ def serve(
     from forkd.vmm.jail import cgroups
 
     sd = (state_dir or paths.state_dir()).resolve()
-    snapshot_root = snapshot_root.resolve() if snapshot_root else None
     try:
         choose(accel)  # refused at start when it cannot run VMs
-        parent = None if cgroup_parent == "none" else cgroups.check_parent(cgroup_parent)
         RegistryPolicy.of(insecure_registry or (), default_registry)  # refused at start if bad
         settings = Settings(
             **_admission(max_sandboxes, max_guest_memory, memory_overcommit, memory_reserve),
             **_reclaim(reclaim_low, reclaim_high, reclaim_idle, memory_reserve),
-            cgroup_parent=parent,
+            disk_reserve_mib=disk_reserve,
+            cgroup_parent=None if cgroup_parent == "none" else cgroups.check_parent(cgroup_parent),
             state_dir=sd,
-            snapshot_root=snapshot_root or sd / "snapshots",
+            snapshot_root=(snapshot_root or sd / "snapshots").resolve(),
             run_dir=sd / "run",
             branch_concurrency=branch_concurrency,
             accel=accel,

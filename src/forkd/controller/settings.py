@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forkd.controller.connection_limits import ConnectionLimits
-from forkd.limits import FILE_UPLOAD_LIMIT, MAX_IMAGE_BYTES
+from forkd.limits import DISK_RESERVE_MIB, FILE_UPLOAD_LIMIT, MAX_IMAGE_BYTES
 
 
 @dataclass
@@ -29,6 +29,9 @@ class Settings:
     reclaim_low_mib: int | None = None
     reclaim_high_mib: int | None = None
     reclaim_idle_s: float = 60.0
+    # Free space a VM's memory (a branch, a template, a hibernation) is never written
+    # into on the snapshot root's disk; reclaim keeps a guest's whole memory besides.
+    disk_reserve_mib: int = DISK_RESERVE_MIB
     # Each VM's cgroup: <cgroup_root>/<cgroup_parent>/<vm id>; None: no cgroups.
     cgroup_parent: str | None = None
     cgroup_root: Path = Path("/sys/fs/cgroup")

@@ -67,9 +67,8 @@ class BranchService:
             )
         # A paused one is taken as it is; a hibernated one is its state on disk.
         vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
-        if vm is not None:  # a hibernated one's copy is as large as its files
-            root = fleet.settings.snapshot_root
-            require_room(root, vm.machine.memory_mib, f"branching {sandbox_id}")
+        reserve = fleet.settings.disk_reserve_mib
+        require_room(fleet.settings.snapshot_root, reserve, f"branching {sandbox_id}")
         measure = req.measure_diff
         base = self._diff_base(row, vm) if mode == BranchMode.DIFF or measure else None
         live = mode == BranchMode.LIVE

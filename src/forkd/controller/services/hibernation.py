@@ -54,7 +54,7 @@ class HibernateService:
         if row.state == "hibernated":
             raise Conflict(f"sandbox {sandbox_id!r} is already hibernated")
         vm = fleet.live(sandbox_id, paused_ok=True)
-        self.check_disk(sandbox_id, vm.machine.memory_mib)
+        self.check_disk(sandbox_id)
         was_running = row.state == "running"
         if was_running:  # the snapshot then holds exactly this moment
             try:
@@ -86,10 +86,11 @@ class HibernateService:
         fleet.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
         log.info("sandbox %s hibernated to %s", sandbox_id, dest)
 
-    def check_disk(self, sandbox_id: str, memory_mib: int) -> None:
-        """:class:`StorageFull`, before anything is written, unless the disk holds the
-        sandbox's whole memory and keeps a reserve (:mod:`.disk_room`)."""
-        require_room(self.fleet.hibernated.root, memory_mib, f"hibernating {sandbox_id}")
+    def check_disk(self, sandbox_id: str, also_mib: int = 0) -> None:
+        """:class:`StorageFull`, before anything is written, unless the disk has the
+        reserve free (:mod:`.disk_room`) and ``also_mib`` more."""
+        need = self.fleet.settings.disk_reserve_mib + also_mib
+        require_room(self.fleet.hibernated.root, need, f"hibernating {sandbox_id}")
 
     async def _not_hibernated(
         self,

@@ -14,8 +14,8 @@ using it now (an exec, a followed stream, a terminal, a transfer), none for
 Paused ones go first, then the least recently used. Nothing is ever killed to make
 room: when reclaim cannot free enough, admission refuses new sandboxes (429). Nor is
 the disk filled to make it: a sandbox is hibernated only when the snapshot disk holds
-its whole memory and keeps a reserve besides (:meth:`HibernateService.check_disk`);
-when it does not, the pass stops and the 429 says so.
+its whole memory besides ``--disk-reserve`` (:mod:`.disk_room`); one that does not
+fit is skipped, and the 429 says so.
 
 Each eviction is a ``hibernated`` event with ``reason: "memory"``, an audit record and
 ``forkd_evictions_total``.
@@ -209,7 +209,7 @@ class Reclaimer:
     def _check_disk(self, row: SandboxRow) -> None:
         vm = self.fleet.vms.get(row.id)
         if vm is not None:
-            self.pausing.hibernation.check_disk(row.id, vm.machine.memory_mib)
+            self.pausing.hibernation.check_disk(row.id, also_mib=vm.machine.memory_mib)
 
     async def _evict(self, row: SandboxRow, why: str) -> bool:
         available = self._available()

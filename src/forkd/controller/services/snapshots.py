@@ -104,7 +104,8 @@ class SnapshotService:
         template_start.check(req)
         with self.fleet.reserve_tag(tag):  # before an import that may take minutes
             img = await self._resolve_image(req)
-            require_room(self.root, _memory_mib(req, img), f"building snapshot {tag!r}")
+            reserve = self.fleet.settings.disk_reserve_mib
+            require_room(self.root, reserve, f"building snapshot {tag!r}")
             with (
                 self.fleet.admission.admit(
                     f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)
