@@ -87,7 +87,10 @@ class VMDriver(Protocol):
     async def adopt(self, run_dir: Path, paused: bool = False) -> SandboxVM: ...
 
 
-PING_WAIT_SECS = 3.0
+# After a failed branch: how long its source has to answer before it is taken for
+# dead and killed. A guest just resumed on a loaded host (TCG, busy cores) can take
+# seconds; killing a live sandbox loses its state, so this is generous.
+PING_WAIT_SECS = 10.0
 
 log = logging.getLogger(__name__)
 
