@@ -510,6 +510,35 @@ def test_the_merged_tree_is_held_to_the_entry_limit_too(image: Image) -> None:
     assert "more than 20 entries" in image.refused(ArchiveTooLarge, Limits(max_entries=20))
 
 
+def test_a_directory_of_more_names_than_tar2sqfs_can_take_in_time_is_refused(
+    image: Image,
+) -> None:
+    # tar2sqfs's cost grows with the square of a directory's size: 65,537 names in one
+    # directory are refused while the layer is read, before tar2sqfs runs at all.
+    from forkd.image_import.layers import MAX_DIR_ENTRIES
+
+    image.layer(directory("d"), *[file(f"d/{i}") for i in range(MAX_DIR_ENTRIES + 1)])
+    started = time.monotonic()
+    said = image.refused(ArchiveTooLarge)
+    assert f"a directory holds more than {MAX_DIR_ENTRIES} entries" in said
+    assert time.monotonic() - started < 30
+
+
+def test_the_directory_cap_counts_a_directory_s_names_not_the_image_s(
+    image: Image, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.image_import import layers
+
+    monkeypatch.setattr(layers, "MAX_DIR_ENTRIES", 10)
+    for d in ("a", "b", "c"):  # 10 in each of three directories, and the root's 3
+        image.layer(directory(d), *[file(f"{d}/{i}") for i in range(10)])
+    image.layer(*[file(f"a/{i}", b"again") for i in range(10)])  # replaced, not added
+    assert image.build().entries == 33
+    image.out.unlink()
+    image.layer(file("a/one-more"))
+    assert "more than 10 entries (at 'one-more')" in image.refused(ArchiveTooLarge)
+
+
 def test_a_truncated_layer_is_refused(image: Image) -> None:
     blob = gzip.compress(archive(file("big", os.urandom(200_000))))
     image.raw(blob[: len(blob) // 2])

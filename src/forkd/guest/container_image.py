@@ -75,13 +75,13 @@ def build(
     """The guest image of ``fetched``, its layers flattened (unless built already);
     ``max_bytes`` caps what its files expand to (default ``forkd.limits.MAX_IMAGE_BYTES``);
     ``run_as`` (uid, gid): the squashfs writer runs as that user, not the daemon's."""
-    from forkd.image_import import squash  # the flattener: only where an image is made
+    from forkd.image_import import flatten_worker  # the flattener: where an image is made
     from forkd.image_import.layers import IMAGE_LIMITS
 
     limits = dataclasses.replace(IMAGE_LIMITS, max_bytes=max_bytes or IMAGE_LIMITS.max_bytes)
 
-    def write(out: Path, work: Path) -> RootfsStats:
-        return squash.build_rootfs(
+    def write(out: Path, work: Path) -> RootfsStats:  # in a worker process: hostile input
+        return flatten_worker.build_rootfs(
             fetched.layers, out, work, limits=limits, progress=progress, run_as=run_as
         )
 

@@ -76,6 +76,11 @@ NAME_MAX = 255  # bytes in one component, as Linux and squashfs allow
 MAX_DEV_MAJOR = (1 << 12) - 1
 MAX_DEV_MINOR = (1 << 20) - 1
 MAX_ID = (1 << 32) - 2  # uid/gid; (1 << 32) - 1 is "no owner"
+# Names in one directory of the merged image. tar2sqfs looks each new name up in a
+# list of its directory's names, so a directory costs the square of its size: measured
+# here, 30,000 names in one directory took 6 s and 60,000 took 28 s, and the 1,000,000
+# the image may hold would take hours. At this cap a directory costs under 40 s.
+MAX_DIR_ENTRIES = 65_536
 ZSTD_MAX_WINDOW = 1 << 27  # zstd's default limit: a frame asking for more memory is refused
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
@@ -203,6 +208,10 @@ class Tree:
         self.entries += 1
         if self.entries > self.limits.max_entries:
             raise ArchiveTooLarge(f"the image has more than {self.limits.max_entries} entries")
+        if len(parent.children) >= MAX_DIR_ENTRIES:
+            raise ArchiveTooLarge(
+                f"a directory holds more than {MAX_DIR_ENTRIES} entries (at {shown(name)})"
+            )
         parent.children[name] = node
 
     def _remove(self, parent: Node, name: str) -> None:

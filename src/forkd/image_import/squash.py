@@ -78,7 +78,7 @@ def build_rootfs(
     C, runs as that user with no groups, no capability and ``no_new_privs`` (a root
     daemon passes a uid of its own), writing only into a directory of ``work`` it is
     given; the image is handed back to root before it is renamed into place."""
-    tool = _require_tool()
+    tool = require_tool()
     tree = read_layers(layers, work, limits, progress)
     jail: _Jail | None = None
     if run_as is not None:
@@ -115,7 +115,8 @@ def _disk_full(path: Path) -> bool:
     return st.f_bavail * st.f_frsize < 16 << 20
 
 
-def _require_tool() -> str:
+def require_tool() -> str:
+    """tar2sqfs's path; :class:`HostToolMissing` naming its package when it is not there."""
     try:
         return hosttools.require(TOOL)
     except HostToolMissing:
