@@ -1,15 +1,30 @@
 """A pass run every so often in a task of its own, for the daemon's background work
 (reclaim, refreshing the guests' figures): a pass that fails is logged and the next
-one runs; stopping cancels the task and waits for it."""
+one runs; stopping cancels the task and waits for it. And :func:`finish_or_cancel`,
+for work shielded from its callers that the daemon's stop must still end."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+async def finish_or_cancel(tasks: Iterable[asyncio.Future[Any]], timeout: float) -> None:
+    """Let ``tasks`` end within ``timeout``; those that have not are cancelled, and waited
+    for until they have ended."""
+    pending = set(tasks)
+    if not pending:
+        return
+    _, late = await asyncio.wait(pending, timeout=timeout)
+    for task in late:
+        task.cancel()
+    if late:
+        await asyncio.wait(late)
 
 
 class Periodic:

@@ -32,7 +32,7 @@ from typing import Any
 
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
-from forkd.controller.services.periodic import Periodic
+from forkd.controller.services.periodic import Periodic, finish_or_cancel
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, StorageFull
 
@@ -77,12 +77,7 @@ class Reclaimer:
         """Stop looking; a hibernation under way ends first (it is shielded from the
         caller that asked for it), within STOP_SECS, else it is cancelled."""
         await self._loop.stop()
-        if self._passes:
-            _, late = await asyncio.wait(set(self._passes), timeout=STOP_SECS)
-            for task in late:
-                task.cancel()
-            if late:
-                await asyncio.wait(late)
+        await finish_or_cancel(self._passes, STOP_SECS)
 
     async def reclaim_once(self) -> list[str]:
         """One look: below the low watermark, hibernate idle sandboxes until the high one

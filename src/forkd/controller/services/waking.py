@@ -23,6 +23,8 @@ import contextvars
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
+from forkd.controller.services.periodic import finish_or_cancel
+
 # The request being answered: the wakes it waited for, in ms (None outside a request).
 _WAITED: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
     "forkd_wake_waited", default=None
@@ -77,13 +79,7 @@ class Waker:
         """Let the wakes under way end (the daemon stops): a wake shielded from its
         waiters would otherwise outlive the fleet it adds its QEMU to. Past
         ``timeout`` they are cancelled: the restore leaves the sandbox hibernated."""
-        if not self._waking:
-            return
-        _, late = await asyncio.wait(set(self._waking.values()), timeout=timeout)
-        for wake in late:
-            wake.cancel()
-        if late:
-            await asyncio.wait(late)
+        await finish_or_cancel(self._waking.values(), timeout)
 
     async def _wake(self, sandbox_id: str) -> float:
         started = time.monotonic()
