@@ -242,6 +242,19 @@ class Fleet:
             raise Conflict(f"sandbox {sandbox_id!r} is dead (its QEMU exited)")
         return vm
 
+    async def wrote_nothing(
+        self, sandbox_id: str, vm: SandboxVM, timeout: float | None = None
+    ) -> bool:
+        """Whether the sandbox's processes wrote nothing since the last look; output is
+        use (:meth:`Activity.output_written`: its idle clock starts again). A guest that
+        does not answer (within ``timeout``), or answers nonsense, shows none: it cannot
+        keep itself busy by its answers."""
+        try:
+            listed = await asyncio.wait_for(vm.proc_list(), timeout)
+        except (ForkdError, TimeoutError):
+            return True
+        return not self.activity.output_written(sandbox_id, listed)
+
     async def answers(self, vm: SandboxVM) -> bool:
         """Whether a VM whose QEMU may just have died still runs and answers."""
         try:

@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from forkd.controller.services.fleet import Fleet, vm_id_prefixes
-from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
-from forkd.errors import ForkdError, SnapshotError
+from forkd.errors import SnapshotError
 from forkd.limits import NAME_RE
 from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
 from forkd.vmm.jail import network, qemu_user
@@ -285,7 +284,7 @@ class Lifecycle:
         if (
             self._expire is not None
             and fleet.activity.idle_expired(row)
-            and await self._quiet(row, vm)
+            and await fleet.wrote_nothing(row.id, vm)
         ):
             await self._expire(row, idle=True)
             return
@@ -297,16 +296,6 @@ class Lifecycle:
         if not alive:
             log.warning("sandbox %s died (QEMU exited)", row.id)
             await fleet.mark_dead(row.id)
-
-    async def _quiet(self, row: SandboxRow, vm: SandboxVM) -> bool:
-        """Whether the sandbox's processes wrote nothing since the last look (if they
-        did, that is activity: its idle clock starts again)."""
-        fleet = self.fleet
-        try:
-            listed = await vm.proc_list()
-        except ForkdError:
-            return True  # a guest that does not answer is doing nothing for anyone
-        return not fleet.activity.output_written(row.id, listed)
 
 
 class Probes:

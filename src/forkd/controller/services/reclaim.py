@@ -149,13 +149,8 @@ class Reclaimer:
         vm = self.fleet.vms.get(row.id)
         if vm is None:
             return False
-        try:
-            listed = await asyncio.wait_for(vm.proc_list(), OUTPUT_CHECK_SECS)
-        except (ForkdError, TimeoutError):
-            # Its output cannot be seen, so nothing shows it in use: a guest must not
-            # keep itself out of reclaim (and cost every pass this wait) by not answering.
-            return True
-        return not self.fleet.activity.output_written(row.id, listed)
+        # Bounded: a guest that does not answer must not cost every pass a long wait.
+        return await self.fleet.wrote_nothing(row.id, vm, OUTPUT_CHECK_SECS)
 
     # ------------------------------------------------------------- evicting
 
