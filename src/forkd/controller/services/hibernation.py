@@ -28,6 +28,7 @@ from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.store import SandboxChanges
 from forkd.errors import Busy, Conflict, ForkdError, SnapshotError, StorageFull, VMError
 from forkd.states import SandboxState
 from forkd.vmm.jail.network import SandboxNet
@@ -75,12 +76,10 @@ class HibernateService:
             fleet.hibernated.discard(sandbox_id)
             raise Conflict(f"sandbox {sandbox_id!r} was killed while hibernating")
         HibernatedFiles.save_network(dest, vm.net.to_json() if vm.net else None)
-        if keep_timeout:
-            fleet.store.set_sandbox_state(sandbox_id, SandboxState.HIBERNATED, pid=None)
-        else:
-            fleet.store.set_sandbox_state(
-                sandbox_id, SandboxState.HIBERNATED, pid=None, expires_at_unix=None
-            )
+        changes: SandboxChanges = {"pid": None}
+        if not keep_timeout:
+            changes["expires_at_unix"] = None
+        fleet.store.set_sandbox_state(sandbox_id, SandboxState.HIBERNATED, **changes)
         fleet.vms.pop(sandbox_id, None)
         await vm.kill()  # its memory is given back; its namespace goes with it
         fleet.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
