@@ -314,6 +314,21 @@ def test_a_directory_round_trips_as_tar(table: Any, tmp_path: Path) -> None:
     assert len(table) == 0
 
 
+def test_padding_sent_after_the_archive_ended_is_taken(table: Any, tmp_path: Path) -> None:
+    """A tar's end marker is followed by padding the sender may write after the
+    extractor has finished; those writes must not fail with a broken pipe."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "a.txt").write_text("alpha")
+    data = _tar_of(tmp_path / "src")
+    tid = _upload(tmp_path / "dst", data, format="tar")
+    time.sleep(0.3)  # the extractor has read the end marker by now
+    padding = bytes(64 * 1024)
+    ff.op_file_upload_write({"transfer_id": tid, "offset": len(data), "data": _b64(padding)})
+    ff.op_file_upload_commit({"transfer_id": tid})
+    assert (tmp_path / "dst" / "a.txt").read_text() == "alpha"
+    assert len(table) == 0
+
+
 def test_what_is_not_a_tar_archive_is_refused(table: Any, tmp_path: Path) -> None:
     with pytest.raises(ff.BadArchiveError):
         _untar(b"this is not a tar archive" * 100, tmp_path / "d")

@@ -41,6 +41,7 @@ STAGED_PREFIX = ".forkd-upload-"
 DEFAULT_MODE = 0o644
 JOIN_SECS = 30.0  # for a tar thread to finish once its pipe is closed
 TURN_WAIT_SECS = 30.0  # a chunk that arrived early waits this long for the ones before it
+DRAIN_CHUNK = 64 * 1024  # read at a time from what follows a tar's end
 
 
 class EncodedJSON(list[bytes]):
@@ -264,13 +265,22 @@ class _PipeTransfer(Transfer):
         self._close()
 
 
+def _extract_then_drain(pipe: BinaryIO, dest: str) -> None:
+    """Extract, then read what follows the archive's end to the sender's close: a
+    tar's end marker is followed by padding, and closing the pipe early would
+    fail the upload's next write with a broken pipe."""
+    extract_tar(pipe, dest)
+    while pipe.read(DRAIN_CHUNK):
+        pass
+
+
 class TarExtract(_PipeTransfer):
     """A tar stream extracted into a directory as it arrives."""
 
     def __init__(self, dest: str) -> None:
         os.makedirs(dest, exist_ok=True)
         self.dest = dest
-        super().__init__(lambda pipe: extract_tar(pipe, dest), "rb")
+        super().__init__(lambda pipe: _extract_then_drain(pipe, dest), "rb")
 
     def write(self, offset: int, data: bytes | bytearray) -> int:
         self._wait_turn(offset)
