@@ -3,6 +3,7 @@ timeout route, expires_at, and each on_timeout action firing at expiry."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -14,6 +15,7 @@ import httpx
 import pytest
 
 from forkd.client import Controller, ControllerError
+from forkd.controller.services import lifecycle
 from forkd.controller.settings import Settings
 from tests.unit.conftest import RecordingTransport, Server
 from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
@@ -202,6 +204,43 @@ def test_a_listing_is_not_activity_but_process_output_is(ctl: Controller) -> Non
         time.sleep(0.1)
     time.sleep(1.5)  # past the idle timeout with no call to it: its output is activity
     assert _listed(ctl)[chatty]["state"] == "running"
+
+
+def _listing_hangs(server: Server, sid: str, times: int | None) -> None:
+    """The guest of ``sid`` leaves its first ``times`` process listings (all if None)
+    unanswered, then answers as before."""
+    vm = next(vm for vm in server.driver.vms if vm.id == sid)
+    answer, hung = vm.proc_list, 0
+
+    async def proc_list() -> Any:
+        nonlocal hung
+        if times is None or hung < times:
+            hung += 1
+            await asyncio.sleep(3600)
+        return await answer()
+
+    vm.proc_list = proc_list  # type: ignore[method-assign]
+
+
+def test_a_guest_that_never_lists_its_processes_still_times_out_idle(
+    ctl: Controller, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "OUTPUT_ANSWER_SECS", 0.2)
+    kid = ctl.spawn_sandboxes("py", idle_timeout_s=1)[0]["id"]
+    _listing_hangs(server, kid, None)
+    # Idle at 1 s, then SILENT_CHECKS passes of one 0.2 s wait each, a second apart.
+    _until(lambda: kid not in _listed(ctl), 1 + lifecycle.SILENT_CHECKS * 1.2 + FIRE_WITHIN_SECS)
+
+
+def test_one_unanswered_listing_does_not_make_a_busy_sandbox_idle(
+    ctl: Controller, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "OUTPUT_ANSWER_SECS", 0.2)
+    kid = ctl.spawn_sandboxes("py", idle_timeout_s=1)[0]["id"]
+    ctl.start_process(kid, ["count", "100", "0.1"])  # writes a line every 0.1 s
+    _listing_hangs(server, kid, lifecycle.SILENT_CHECKS - 1)  # a loaded guest, late twice
+    time.sleep(1 + lifecycle.SILENT_CHECKS * 1.2 + 1)
+    assert _listed(ctl)[kid]["state"] == "running"  # its output, once seen, is use
 
 
 def test_a_request_open_on_a_sandbox_is_use_however_long_it_lasts(

@@ -242,18 +242,21 @@ class Fleet:
             raise Conflict(f"sandbox {sandbox_id!r} is dead (its QEMU exited)")
         return vm
 
-    async def wrote_nothing(
-        self, sandbox_id: str, vm: SandboxVM, timeout: float | None = None
-    ) -> bool:
-        """Whether the sandbox's processes wrote nothing since the last look; output is
-        use (:meth:`Activity.output_written`: its idle clock starts again). A guest that
-        does not answer (within ``timeout``), or answers nonsense, shows none: it cannot
-        keep itself busy by its answers."""
+    async def wrote_output(self, sandbox_id: str, vm: SandboxVM, timeout: float) -> bool | None:
+        """Whether the sandbox's processes wrote since the last look (output is use,
+        :meth:`Activity.output_written`: its idle clock starts again), or None if the
+        guest did not answer within ``timeout``. An answer that is nonsense shows no
+        output: a guest cannot keep itself busy by its answers."""
         try:
             listed = await asyncio.wait_for(vm.proc_list(), timeout)
         except (ForkdError, TimeoutError):
-            return True
-        return not self.activity.output_written(sandbox_id, listed)
+            return None
+        return self.activity.output_written(sandbox_id, listed)
+
+    async def wrote_nothing(self, sandbox_id: str, vm: SandboxVM, timeout: float) -> bool:
+        """Whether the sandbox showed no output since the last look; a guest that does
+        not answer within ``timeout`` shows none."""
+        return await self.wrote_output(sandbox_id, vm, timeout) is not True
 
     async def answers(self, vm: SandboxVM) -> bool:
         """Whether a VM whose QEMU may just have died still runs and answers."""

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from forkd.controller.services.fleet import Fleet, vm_id_prefixes
+from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import SnapshotError
@@ -36,6 +37,8 @@ REAP_INTERVAL_SECS = 1.0
 # One sandbox's check, killing it included (a kill is itself bounded: SIGKILL,
 # limits.KILL_WAIT_SECS, channels closed without a flush); the next pass retries.
 REAP_CHECK_SECS = 15.0
+OUTPUT_ANSWER_SECS = 5.0  # for an idle sandbox's guest to list its processes
+SILENT_CHECKS = 3  # unanswered listings in a row after which an idle sandbox is idle
 EXPIRY_SECS = 600.0  # one sandbox's on_timeout, a branch of its whole memory included
 PROBE_SECS = 5.0  # one VM.is_alive()
 PROBE_THREADS = 4
@@ -56,6 +59,7 @@ class Lifecycle:
         self._expire = expire  # a sandbox's on_timeout; None: kill it
         self._reaper: asyncio.Task[None] | None = None
         self._checks: dict[str, asyncio.Task[None]] = {}  # sandbox id -> its check in flight
+        self._silent: dict[str, int] = {}  # sandbox id -> listings unanswered in a row
         self._probes = Probes(PROBE_THREADS)
 
     async def start(self) -> None:
@@ -245,7 +249,11 @@ class Lifecycle:
 
     def _start_checks(self) -> list[asyncio.Task[None]]:
         started = []
-        for row in self.fleet.store.list_sandboxes():
+        rows = self.fleet.store.list_sandboxes()
+        listed = {row.id for row in rows}
+        for gone in [sid for sid in self._silent if sid not in listed]:
+            del self._silent[gone]
+        for row in rows:
             if row.state == "starting" or row.id in self._checks:
                 continue  # owned by its fork request, or still checked by an earlier pass
             task = asyncio.create_task(self._bounded_check(row), name=f"forkd-reap-{row.id}")
@@ -269,6 +277,24 @@ class Lifecycle:
         except Exception:
             log.exception("reaper: checking sandbox %s failed", row.id)
 
+    async def _idle_by_its_output(self, sandbox_id: str, vm: SandboxVM) -> bool:
+        """Whether a sandbox idle by the API's clock also wrote nothing. A guest that
+        does not answer once may just be loaded; one silent for ``SILENT_CHECKS`` checks
+        in a row is idle (or wedged): it cannot outlive its idle timeout by never
+        answering."""
+        wrote = await self.fleet.wrote_output(sandbox_id, vm, OUTPUT_ANSWER_SECS)
+        if wrote is not None:
+            self._silent.pop(sandbox_id, None)
+            return not wrote
+        silent = self._silent[sandbox_id] = self._silent.get(sandbox_id, 0) + 1
+        if silent < SILENT_CHECKS:
+            log.info("reaper: sandbox %s did not list its processes (%d of %d)", sandbox_id,
+                     silent, SILENT_CHECKS)  # fmt: skip
+            return False
+        log.warning("reaper: sandbox %s did not answer %d checks in a row: taken as idle",
+                    sandbox_id, silent)  # fmt: skip
+        return True
+
     async def _check(self, row: SandboxRow) -> None:
         fleet = self.fleet
         if row.expires_at_unix is not None and row.expires_at_unix <= time.time():
@@ -284,8 +310,9 @@ class Lifecycle:
         if (
             self._expire is not None
             and fleet.activity.idle_expired(row)
-            and await fleet.wrote_nothing(row.id, vm)
+            and await self._idle_by_its_output(row.id, vm)
         ):
+            self._silent.pop(row.id, None)
             await self._expire(row, idle=True)
             return
         try:
