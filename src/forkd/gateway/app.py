@@ -1,5 +1,6 @@
 """The gateway's ASGI app and its server: the daemon's auth and body limits, the routes of
-:mod:`forkd.gateway.routes`, the node poller for the app's lifetime."""
+:mod:`forkd.gateway.routes` and :mod:`forkd.gateway.image_routes`, the node poller for
+the app's lifetime."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from forkd.controller import http_errors
 from forkd.controller.connection_limits import ConnectionLimiter, ConnectionLimits, uvicorn_options
 from forkd.controller.middleware import GuardMiddleware
 from forkd.controller.server import configure_logging, parse_bind
-from forkd.gateway import routes
+from forkd.gateway import image_routes, routes
 from forkd.gateway.fleet_ops import FleetOps
 from forkd.gateway.nodes import NodeSet
 from forkd.gateway.proxy import MAX_MESSAGE_BYTES, Forwarder, NodeUnreachable
@@ -51,6 +52,7 @@ def create_app(
     http_errors.install(app)
     app.add_exception_handler(routes.Relayed, routes.relayed)
     app.add_exception_handler(NodeUnreachable, _unreachable)
+    app.include_router(image_routes.router)
     app.include_router(routes.router)
     return app
 

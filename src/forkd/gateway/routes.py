@@ -6,7 +6,9 @@
 | ``POST /v1/sandboxes`` | placed (:mod:`.placement`), moved if needed, all or nothing |
 | ``GET /v1/sandboxes``, ``/v1/snapshots``, ``/v1/volumes`` | every node up, merged |
 | ``/v1/snapshots/{tag}...`` | the nodes holding it (``DELETE``: all of them) |
-| ``POST /v1/snapshots``, ``/pull``, ``POST /v1/volumes`` | ``node`` if given, else the roomiest |
+| ``POST /v1/snapshots`` | ``node`` if given, else the roomiest with its ``image``, or any |
+| ``POST /v1/snapshots/pull``, ``POST /v1/volumes`` | ``node`` if given, else the roomiest |
+| ``/v1/images...`` | :mod:`.image_routes` |
 | ``/v1/volumes/{name}...`` | the node holding the volume |
 | ``GET /v1/events`` | the sandbox's node, or every node merged |
 """
@@ -26,13 +28,14 @@ from forkd import __version__, limits
 from forkd.controller.http_errors import refuse_websocket, status_of
 from forkd.errors import Conflict, Invalid, NotFound, Unavailable
 from forkd.gateway.fleet_ops import FleetOps, passed_on
+from forkd.gateway.image_placement import image_holders
 from forkd.gateway.nodes import Node
 
 router = APIRouter()
 ANY = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 
 
-def _ops(request: Request | WebSocket) -> FleetOps:
+def ops_of(request: Request | WebSocket) -> FleetOps:
     ops: FleetOps = request.app.state.ops  # Starlette's state holds Any
     return ops
 
@@ -47,7 +50,7 @@ async def _body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _roomiest(ops: FleetOps, pinned: Any) -> Node:
+def roomiest(ops: FleetOps, pinned: Any) -> Node:
     if pinned is not None:
         return ops.node(str(pinned))
     up = ops.nodes.up()
@@ -72,7 +75,7 @@ async def version() -> dict[str, Any]:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     """Prometheus text: the nodes by state (each node's own /metrics has the rest)."""
-    nodes = list(_ops(request).nodes.nodes.values())
+    nodes = list(ops_of(request).nodes.nodes.values())
     up = sum(1 for n in nodes if n.up)
     lines = [
         "# HELP forkd_gateway_nodes Nodes behind this gateway, by state",
@@ -87,14 +90,14 @@ async def metrics(request: Request) -> Response:
 @router.get("/v1/nodes")
 async def nodes(request: Request) -> list[dict[str, Any]]:
     """Every node: its state, what it reported of its room, and its snapshots."""
-    return [n.view() for n in _ops(request).nodes.nodes.values()]
+    return [n.view() for n in ops_of(request).nodes.nodes.values()]
 
 
 # ------------------------------------------------------------------ merged lists
 
 
-async def _merged(request: Request, path: str) -> list[Any]:
-    ops = _ops(request)
+async def merged(request: Request, path: str) -> list[Any]:
+    ops = ops_of(request)
     up = ops.nodes.up()
     params = request.query_params.multi_items()
     answers = await asyncio.gather(
@@ -124,19 +127,19 @@ async def relayed(_request: Request, exc: Exception) -> Response:
 
 @router.get("/v1/sandboxes")
 async def list_sandboxes(request: Request) -> Response:
-    return JSONResponse(await _merged(request, "/v1/sandboxes"))
+    return JSONResponse(await merged(request, "/v1/sandboxes"))
 
 
 @router.get("/v1/sandboxes/metrics")
 async def list_sandbox_metrics(request: Request) -> Response:
     """Every node's sandboxes' figures, each with its node."""
-    return JSONResponse(await _merged(request, "/v1/sandboxes/metrics"))
+    return JSONResponse(await merged(request, "/v1/sandboxes/metrics"))
 
 
 @router.get("/v1/snapshots")
 async def list_snapshots(request: Request) -> Response:
     """One entry per tag; ``nodes`` lists every node holding a snapshot of that tag."""
-    items = await _merged(request, "/v1/snapshots")
+    items = await merged(request, "/v1/snapshots")
     by_tag: dict[str, dict[str, Any]] = {}
     for item in items:
         first = by_tag.setdefault(item["tag"], {**item, "nodes": []})
@@ -146,22 +149,26 @@ async def list_snapshots(request: Request) -> Response:
 
 @router.get("/v1/volumes")
 async def list_volumes(request: Request) -> Response:
-    return JSONResponse(await _merged(request, "/v1/volumes"))
+    return JSONResponse(await merged(request, "/v1/volumes"))
 
 
 # ------------------------------------------------------------------ snapshots
 
 
 async def _made_on_a_node(request: Request) -> Response:
-    """A request that makes a snapshot: sent to ``node`` (from the body) or the roomiest;
-    that node is polled again at once, so it is known to hold the snapshot."""
-    ops = _ops(request)
+    """A request that makes a snapshot: sent to ``node`` (from the body), else to the
+    roomiest node holding its ``image``, else to the roomiest; that node is polled
+    again at once, so it is known to hold the snapshot."""
+    ops = ops_of(request)
     body = await _body(request)
     tag = body.get("tag")
     held = ops.nodes.holders(tag) if isinstance(tag, str) else []
     if held:  # one tag, one snapshot, across the nodes
         raise Conflict(f"snapshot {tag!r} already exists on node {held[0].name}")
-    node = _roomiest(ops, body.pop("node", None))
+    pinned, image = body.pop("node", None), body.get("image")
+    node = roomiest(ops, pinned)
+    if pinned is None and isinstance(image, str):
+        node = next(iter(await image_holders(ops, image)), node)
     answer = await ops.forward.json(node, "POST", request.url.path, json=body, timeout=3600)
     if answer.status_code == 201:
         await ops.nodes.refresh_one(node)
@@ -181,7 +188,7 @@ async def pull_snapshot(request: Request) -> Response:
 @router.delete("/v1/snapshots/{tag}")
 async def delete_snapshot(request: Request, tag: str) -> Response:
     """Deleted on every node holding it; the first refusal is the answer."""
-    ops = _ops(request)
+    ops = ops_of(request)
     holders = ops.nodes.holders(tag)
     if not holders:
         raise NotFound(f"snapshot {tag!r} not found on any node that is up")
@@ -198,7 +205,7 @@ async def delete_snapshot(request: Request, tag: str) -> Response:
 @router.api_route("/v1/snapshots/{tag}", methods=["GET"])
 @router.api_route("/v1/snapshots/{tag}/{rest:path}", methods=ANY)
 async def snapshot_route(request: Request, tag: str, rest: str = "") -> Response:
-    ops = _ops(request)
+    ops = ops_of(request)
     holders = ops.nodes.holders(tag)
     if not holders:
         raise NotFound(f"snapshot {tag!r} not found on any node that is up")
@@ -210,13 +217,13 @@ async def snapshot_route(request: Request, tag: str, rest: str = "") -> Response
 
 @router.post("/v1/sandboxes")
 async def fork(request: Request) -> Response:
-    return await _ops(request).fork(await _body(request))
+    return await ops_of(request).fork(await _body(request))
 
 
 @router.api_route("/v1/sandboxes/{sandbox_id}", methods=ANY)
 @router.api_route("/v1/sandboxes/{sandbox_id}/{rest:path}", methods=ANY)
 async def sandbox_route(request: Request, sandbox_id: str, rest: str = "") -> Response:
-    ops = _ops(request)
+    ops = ops_of(request)
     node = ops.owner(sandbox_id)
     answer = await ops.forward.request(request, node)
     if rest == "branch" and answer.status_code in (201, 202):
@@ -226,7 +233,7 @@ async def sandbox_route(request: Request, sandbox_id: str, rest: str = "") -> Re
 
 @router.websocket("/v1/sandboxes/{sandbox_id}/{rest:path}")
 async def sandbox_socket(websocket: WebSocket, sandbox_id: str, rest: str) -> None:
-    ops = _ops(websocket)
+    ops = ops_of(websocket)
     try:
         node = ops.owner(sandbox_id)
     except (NotFound, Unavailable) as exc:
@@ -241,14 +248,14 @@ async def sandbox_socket(websocket: WebSocket, sandbox_id: str, rest: str) -> No
 
 @router.post("/v1/volumes")
 async def create_volume(request: Request) -> Response:
-    ops = _ops(request)
-    return await ops.forward.request(request, _roomiest(ops, request.query_params.get("node")))
+    ops = ops_of(request)
+    return await ops.forward.request(request, roomiest(ops, request.query_params.get("node")))
 
 
 @router.api_route("/v1/volumes/{name}", methods=ANY)
 @router.api_route("/v1/volumes/{name}/{rest:path}", methods=ANY)
 async def volume_route(request: Request, name: str, rest: str = "") -> Response:
-    ops = _ops(request)
+    ops = ops_of(request)
     for node in ops.nodes.up():
         answer = await ops.forward.json(node, "GET", f"/v1/volumes/{name}")
         if answer.status_code == 200:
@@ -263,7 +270,7 @@ async def volume_route(request: Request, name: str, rest: str = "") -> Response:
 async def events(request: Request) -> Response:
     """One sandbox's events from its node (resumable); else every node's, merged (from now:
     ``since`` is per node and is not passed on)."""
-    ops = _ops(request)
+    ops = ops_of(request)
     sandbox_id = request.query_params.get("sandbox_id")
     if sandbox_id:
         return await ops.forward.request(request, ops.owner(sandbox_id))

@@ -1,0 +1,65 @@
+"""Which nodes hold an image: a template is built where its ``image`` already is.
+
+Images live on the node that built, imported or was sent them; the gateway keeps
+no list of its own and asks the nodes up (``GET /v1/images``) when it needs one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from forkd import limits
+from forkd.gateway.fleet_ops import FleetOps
+from forkd.gateway.nodes import Node
+
+
+async def each_node(ops: FleetOps, path: str) -> list[tuple[Node, httpx.Response]]:
+    """Every node up and its answer to ``GET path``; a node that fails to answer is left
+    out (it is down meanwhile, as ``GET /v1/nodes`` shows)."""
+    up = ops.nodes.up()
+    answers = await asyncio.gather(
+        *(ops.forward.json(n, "GET", path) for n in up), return_exceptions=True
+    )
+    return [(n, a) for n, a in zip(up, answers, strict=True) if isinstance(a, httpx.Response)]
+
+
+def names_of(image: str) -> set[str]:
+    """What an ImageInfo holding ``image`` (as ``POST /v1/snapshots`` takes it) may show
+    among its name, ``NAME-KEY`` and references: a loaded image is named by ``NAME:TAG``
+    or ``NAME`` (``:latest``) and recorded as ``loaded:NAME:TAG``."""
+    names = {image, f"loaded:{image}"}
+    last = image.rsplit("/", 1)[-1]
+    if ":" not in last and "@" not in last:
+        names.add(f"loaded:{image}:latest")
+    return names
+
+
+def holds(info: Any, image: str) -> bool:
+    """Whether the ImageInfo ``info`` is what ``image`` names."""
+    if not isinstance(info, dict):
+        return False
+    wanted = names_of(image)
+    name, key = info.get("name"), info.get("key")
+    if name in wanted or f"{name}-{key}" in wanted:
+        return True
+    references = info.get("references")
+    return isinstance(references, list) and not wanted.isdisjoint(
+        r for r in references if isinstance(r, str)
+    )
+
+
+async def image_holders(ops: FleetOps, image: str) -> list[Node]:
+    """The nodes up that hold ``image`` (a name, ``NAME-KEY``, a reference they imported,
+    or a loaded image's ``NAME:TAG``), the roomiest first."""
+    found = []
+    for node, answer in await each_node(ops, "/v1/images"):
+        try:
+            listed = answer.json() if answer.status_code == 200 else []
+        except ValueError:
+            continue
+        if isinstance(listed, list) and any(holds(info, image) for info in listed):
+            found.append(node)
+    return sorted(found, key=lambda n: (-n.free(limits.DEFAULT_MEMORY_MIB), n.url))
