@@ -18,7 +18,9 @@ import pytest
 
 from forkd.client import Controller, ControllerError, Sandbox, Snapshot
 from forkd.launcher import GatewayProcess
+from tests import oci_images
 from tests.integration.conftest import Daemon
+from tests.integration.test_container_image_lifecycle import shell_less_image
 from tests.registry_server import RegistryServer
 
 pytestmark = pytest.mark.integration
@@ -137,6 +139,38 @@ def test_a_fork_bigger_than_one_node_spreads_and_one_too_big_is_429(fleet: Fleet
         finally:
             for k in kids:
                 k.kill()
+
+
+def test_an_image_sent_through_the_gateway_makes_a_template_and_is_deleted_everywhere(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The nodes here share one image cache (one host), so each lists what one of them
+    loaded: where a template goes among nodes that differ is the unit tests' part."""
+    _a, b, _c = fleet.ids
+    archive = oci_images.write_oci_archive(tmp_path / "bare.tar", {"bare": shell_less_image()})
+    r = httpx.post(f"{fleet.gateway.url}/v1/images/load", params={"node": b, "tag": "bare:1"},
+                   content=archive.read_bytes(), timeout=600,
+                   headers={"Authorization": f"Bearer {GATEWAY_TOKEN}",
+                            "Content-Type": "application/x-tar"})  # fmt: skip
+    assert r.status_code == 201, r.text
+    name = r.json()["name"]
+    assert b in [i["node"] for i in fleet.get("/v1/images") if i["name"] == name]
+    assert b in fleet.get(f"/v1/images/{name}")["nodes"]
+    with fleet.ctl() as ctl:
+        ctl.create_snapshot("gw-bare", image="bare:1", memory_mib=256)  # a node holding it
+        (node,) = {s["tag"]: s["nodes"] for s in ctl.list_snapshots()}["gw-bare"]
+        (kid,) = ctl.spawn_sandboxes("gw-bare", n=1)
+        assert _node_of(kid["id"]) == node
+        assert ctl.exec_command(kid["id"], ["ls", "/bin"])["stdout"].split() == [
+            "busybox", "cat", "ls"
+        ]  # fmt: skip
+        with pytest.raises(ControllerError) as exc:  # its template boots from it
+            ctl.delete_image(name)
+        assert exc.value.status == 409 and f"on node {node}" in str(exc.value)
+        ctl.kill_sandbox(kid["id"])
+        ctl.delete_snapshot("gw-bare")
+        ctl.delete_image(name)
+        assert name not in {i["name"] for i in ctl.list_images()}
 
 
 def test_a_restarted_gateway_relearns_everything(fleet: Fleet) -> None:

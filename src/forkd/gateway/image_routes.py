@@ -75,6 +75,6 @@ async def delete_image(request: Request, name: str) -> Response:
     path = f"/v1/images/{urllib.parse.quote(name, safe='')}"
     for node, _ in held:
         answer = await ops.forward.json(node, "DELETE", path)
-        if answer.status_code != 204:
+        if answer.status_code not in (204, 404):  # 404: gone meanwhile (or a shared cache)
             return passed_on(answer)
     return Response(status_code=204)
