@@ -56,6 +56,13 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path == "/headers":
             body = json.dumps([[k.lower(), v] for k, v in self.headers.items()]).encode()
             self._send(200, body, "application/json")
+        elif url.path == "/cookies":  # a page setting cookies for the whole host
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.send_header("Set-Cookie", "session=abc; Path=/; Domain=127.0.0.1; HttpOnly")
+            self.send_header("Set-Cookie", "theme=dark; Max-Age=60; SameSite=Lax")
+            self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+            self.end_headers()
         elif url.path == "/drip":
             n = int(parse_qs(url.query).get("n", ["5"])[0])
             self.send_response(200)

@@ -62,6 +62,22 @@ def test_hop_by_hop_headers_are_dropped_both_ways_and_the_token_never_reaches_th
     assert "clear-site-data" not in answer.headers
 
 
+def test_a_guest_s_cookies_stay_under_its_prefix_and_it_cannot_join_the_console_s_window(
+    http: httpx.Client, sid: str
+) -> None:
+    """The guest's pages share the daemon's origin: a cookie it sets must not reach the
+    API, the console or another sandbox (its Path and Domain are replaced), and its
+    Cross-Origin-Opener-Policy, equal to the console's, would let a console window its
+    page opens stay reachable from that page."""
+    r = http.get(_url(sid, "/cookies"))
+    prefix = f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/"
+    assert r.headers.get_list("set-cookie") == [
+        f"session=abc; HttpOnly; Path={prefix}",
+        f"theme=dark; Max-Age=60; SameSite=Lax; Path={prefix}",
+    ]
+    assert "cross-origin-opener-policy" not in r.headers
+
+
 @pytest.mark.parametrize("chunked", [False, True])
 def test_a_request_body_streams_to_the_guest_and_its_answer_back(
     http: httpx.Client, sid: str, chunked: bool

@@ -282,6 +282,19 @@ _RegistryAuthOpt = Annotated[
     ),
 ]
 
+_PreviewDomainOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--preview-domain",
+        envvar="FORKD_PREVIEW_DOMAIN",
+        metavar="[SCHEME://]DOMAIN[:PORT]",
+        help="Give each preview URL a host of its own, PORT-SANDBOX.DOMAIN (point a "
+        "wildcard DNS record *.DOMAIN at this daemon): a browser origin per sandbox and "
+        "port, apart from the API and the console. Scheme and port default to those the "
+        "URL was asked by. Default: previews are on the daemon's own origin.",
+    ),
+]
+
 _DockerHostOpt = Annotated[
     str | None,
     typer.Option(
@@ -393,6 +406,7 @@ def serve(
     default_registry: _DefaultRegistryOpt = None,
     registry_auth: _RegistryAuthOpt = None,
     docker_host: _DockerHostOpt = None,
+    preview_domain: _PreviewDomainOpt = None,
     image_archive_dir: _ImageArchiveDirOpt = None,
     max_image_mib: _MaxImageOpt = MAX_IMAGE_BYTES >> 20,
     header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
@@ -406,6 +420,7 @@ def serve(
     from forkd import paths
     from forkd.accel import choose
     from forkd.controller.server import serve as run_server
+    from forkd.controller.services.preview_domain import PreviewDomain
     from forkd.controller.settings import Settings
     from forkd.oci.policy import RegistryPolicy
     from forkd.vmm.jail import cgroups
@@ -430,10 +445,8 @@ def serve(
             network=_network(network),
             sandbox_cidr=sandbox_cidr,
             max_upload_bytes=max_upload_mib << 20,
-            insecure_registries=tuple(insecure_registry or ()),
-            default_registry=default_registry,
-            registry_auth=registry_auth,
-            docker_host=docker_host,
+            **_image_sources(insecure_registry, default_registry, registry_auth, docker_host),
+            preview_domain=preview_domain and str(PreviewDomain.of(preview_domain)),
             image_archive_dirs=tuple(d.resolve() for d in image_archive_dir or ()),
             max_image_bytes=max_image_mib << 20,
             connection_limits=connection_limits(
@@ -444,6 +457,14 @@ def serve(
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _image_sources(
+    insecure: list[str] | None, default: str | None, auth: Path | None, docker_host: str | None
+) -> dict[str, Any]:
+    """Where images come from: the ``Settings`` of ``forkd serve``'s registry options."""
+    return {"insecure_registries": tuple(insecure or ()), "default_registry": default,
+            "registry_auth": auth, "docker_host": docker_host}  # fmt: skip
 
 
 def connection_limits(

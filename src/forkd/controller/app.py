@@ -14,9 +14,11 @@ from forkd.controller.audit import AuditLog
 from forkd.controller.connection_limits import ConnectionLimiter
 from forkd.controller.metrics import Metrics
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware, SandboxRequests
+from forkd.controller.preview_hosts import PreviewHosts
 from forkd.controller.services import Services
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.services.images import Importer
+from forkd.controller.services.preview_domain import PreviewDomain
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 
@@ -87,6 +89,8 @@ def create_app(
         upload_limit=settings.max_upload_bytes,
         image_limit=settings.max_image_bytes,
     )
+    domain = settings.preview_domain
+    app.add_middleware(PreviewHosts, domain=PreviewDomain.of(domain) if domain else None)
     app.add_middleware(AuditMiddleware)
     http_errors.install(app)
     http_errors.hide_paths_under(

@@ -891,7 +891,10 @@ class PortUrlRequest(_Body):
 class PreviewInfo(BaseModel):
     """A signed URL for a browser: the sandbox's port without the bearer token."""
 
-    url: str = Field(description="absolute, for this daemon as the request reached it")
+    url: str = Field(
+        description="absolute: this daemon as the request reached it, or the preview's own "
+        "host under --preview-domain"
+    )
     token: str = Field(description="p1.<sandbox id>.<port>.<expires at, unix s>.<HMAC-SHA256>")
     expires_at: str = Field(description="ISO 8601 UTC")
     expires_at_unix: int

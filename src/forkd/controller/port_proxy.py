@@ -26,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from forkd import limits
+from forkd.controller.preview_hosts import OWN_ORIGIN
 from forkd.controller.services import Services
 from forkd.controller.services.ports import GuestLink
 from forkd.errors import GuestError, Invalid
@@ -50,6 +51,11 @@ NOT_TO_GUEST = frozenset(
 # would let a guest's service worker control the whole origin (other sandboxes'
 # preview URLs, their tokens); Clear-Site-Data would wipe what the origin stores.
 NOT_FROM_GUEST = frozenset(("service-worker-allowed", "clear-site-data"))
+# Dropped too where the guest's pages share the daemon's origin: a guest's
+# Cross-Origin-Opener-Policy equal to the console's would keep a console window its
+# page opens reachable from that page (the console's own COOP severs it otherwise).
+NOT_FROM_GUEST_ON_OUR_ORIGIN = frozenset(("cross-origin-opener-policy",))
+COOKIE_PLACE_ATTRIBUTES = frozenset((b"path", b"domain"))
 Port = Annotated[int, Path(ge=1, le=65535, description="a TCP port of the guest")]
 
 router = APIRouter(tags=["ports"])
@@ -82,16 +88,41 @@ def guest_headers(scope: Scope, port: int, prefix: str) -> list[tuple[bytes, byt
     return kept
 
 
-def client_headers(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+def client_headers(
+    headers: list[tuple[bytes, bytes]], our_origin_prefix: str | None = None
+) -> list[tuple[bytes, bytes]]:
     """The guest's answer headers as the client gets them: no hop-by-hop headers, none
-    that would act on the daemon's whole origin (``NOT_FROM_GUEST``)."""
+    that would act on the daemon's whole origin (``NOT_FROM_GUEST``). With
+    ``our_origin_prefix`` (the route's prefix: the guest's pages are on the daemon's
+    origin) its cookies are kept to that prefix and ``NOT_FROM_GUEST_ON_OUR_ORIGIN``
+    is dropped as well."""
     named_in_connection = {
         token.strip().lower().encode()
         for k, v in headers if k.lower() == b"connection"
         for token in v.decode("latin-1").split(",")
     }  # fmt: skip
-    drop = {h.encode() for h in HOP_BY_HOP | NOT_FROM_GUEST} | named_in_connection
-    return [(k, v) for k, v in headers if k.lower() not in drop]
+    dropped = HOP_BY_HOP | NOT_FROM_GUEST
+    if our_origin_prefix is not None:
+        dropped |= NOT_FROM_GUEST_ON_OUR_ORIGIN
+    drop = {h.encode() for h in dropped} | named_in_connection
+    kept = [(k, v) for k, v in headers if k.lower() not in drop]
+    path = None if our_origin_prefix is None else f"{our_origin_prefix}/".encode()
+    return [(k, confined_cookie(v, path) if k.lower() == b"set-cookie" else v) for k, v in kept]
+
+
+def confined_cookie(set_cookie: bytes, path: bytes | None) -> bytes:
+    """A guest's ``Set-Cookie`` value kept to its own host (no ``Domain``: a preview
+    host's cookie never reaches another sandbox's host under the same domain) and,
+    given ``path``, to that path (its own ``Path`` replaced: on the daemon's origin a
+    browser then sends it only to that guest's pages, never to the API, the console or
+    another sandbox's preview, and it cannot crowd theirs out)."""
+    name_value, *attributes = set_cookie.split(b";")
+    dropped = COOKIE_PLACE_ATTRIBUTES if path is not None else {b"domain"}
+    kept = [name_value.strip()] + [
+        a.strip() for a in attributes
+        if a.strip() and a.split(b"=", 1)[0].strip().lower() not in dropped
+    ]  # fmt: skip
+    return b"; ".join(kept + ([b"Path=" + path] if path is not None else []))
 
 
 def guest_target(scope: Scope, prefix_segments: int) -> bytes:
@@ -261,17 +292,24 @@ class GuestResponse(Response):
     the client's connection too, so it never takes a part for the whole.
     """
 
-    def __init__(self, exchange: GuestExchange, head: h11.Response,
-                 stack: contextlib.AsyncExitStack) -> None:  # fmt: skip
+    def __init__(
+        self,
+        exchange: GuestExchange,
+        head: h11.Response,
+        stack: contextlib.AsyncExitStack,
+        our_origin_prefix: str | None,
+    ) -> None:
         super().__init__(status_code=head.status_code)
         self.exchange = exchange
         self.head = head
         self.stack = stack
+        self.our_origin_prefix = our_origin_prefix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": self.head.status_code,
-                        "headers": client_headers(list(self.head.headers))})  # fmt: skip
+                        "headers": client_headers(list(self.head.headers),
+                                                  self.our_origin_prefix)})  # fmt: skip
             pumping = asyncio.ensure_future(self._pump(send))
             watching = asyncio.ensure_future(self._client_gone(receive))
             await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -314,7 +352,8 @@ async def forward(request: Request, svc: Services, sandbox_id: str, port: int, p
     except BaseException:
         await stack.aclose()
         raise
-    return GuestResponse(exchange, head, stack)
+    own_origin = request.scope.get("state", {}).get(OWN_ORIGIN, False)
+    return GuestResponse(exchange, head, stack, None if own_origin else prefix)
 
 
 def _services(request: Request) -> Services:

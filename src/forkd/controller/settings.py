@@ -50,5 +50,8 @@ class Settings:
     # oci-archive:, oci:): the daemon reads them with its own rights. None listed: refused.
     image_archive_dirs: tuple[Path, ...] = ()
     max_image_bytes: int = MAX_IMAGE_BYTES  # an imported image's files, expanded
+    # DNS name under which each preview URL gets a host of its own (forkd.controller.
+    # preview_hosts); None: previews are on the daemon's own origin.
+    preview_domain: str | None = None
     # Clients' connections: how long a request may take to arrive, how many may be open.
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
