@@ -19,6 +19,7 @@ from fastapi import Request, WebSocket
 from starlette.background import BackgroundTask
 from starlette.responses import Response, StreamingResponse
 
+from forkd import limits
 from forkd.controller.http_errors import close_reason, error_response, refuse_websocket
 from forkd.gateway.nodes import Node, NodeSet
 
@@ -29,6 +30,11 @@ HOP_BY_HOP = frozenset({
 WS_HANDSHAKE = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-protocol",
                           "sec-websocket-extensions"})  # fmt: skip
 FORWARD_TIMEOUT = httpx.Timeout(None, connect=5.0, write=60.0, pool=10.0)
+CONTROL_TIMEOUT = httpx.Timeout(None, connect=5.0, write=60.0, pool=30.0)
+# Connections to the nodes for relayed requests, which may stay open for as long as
+# a client reads (streams, followed output, terminals): their own pool, sized as the
+# gateway's own connections are, so they never hold up the gateway's own calls.
+STREAM_CONNECTIONS: int | None = None  # None: limits.default_max_connections()
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
@@ -40,12 +46,20 @@ class Forwarder:
     def __init__(self, nodes: NodeSet, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.nodes = nodes
         headers = {"Authorization": f"Bearer {nodes.token}"} if nodes.token else {}
+        streams = STREAM_CONNECTIONS or limits.default_max_connections()
+        # Relayed requests of clients: open as long as their client reads.
         self.client = httpx.AsyncClient(
-            headers=headers, timeout=FORWARD_TIMEOUT, transport=transport
+            headers=headers, timeout=FORWARD_TIMEOUT, transport=transport,
+            limits=httpx.Limits(max_connections=streams, max_keepalive_connections=20),
+        )  # fmt: skip
+        # The gateway's own calls (lists, forks, moves): never queued behind the streams.
+        self.control = httpx.AsyncClient(
+            headers=headers, timeout=CONTROL_TIMEOUT, transport=transport
         )
 
     async def close(self) -> None:
         await self.client.aclose()
+        await self.control.aclose()
 
     async def request(self, request: Request, node: Node) -> Response:
         """``request`` as it came, sent to ``node``; its answer streamed back."""
@@ -84,7 +98,7 @@ class Forwarder:
     async def json(self, node: Node, method: str, path: str, **kw: Any) -> httpx.Response:
         """A request of the gateway's own to ``node`` (not streamed)."""
         try:
-            return await self.client.request(method, node.url + path, **kw)
+            return await self.control.request(method, node.url + path, **kw)
         except httpx.HTTPError as exc:
             self.nodes.poke(node)
             raise NodeUnreachable(node, exc) from exc
@@ -95,7 +109,8 @@ class Forwarder:
             await refuse_websocket(websocket.scope, websocket.receive, websocket.send, 503,
                                    f"node {node.name} is down")  # fmt: skip
             return
-        url = "ws" + node.url.removeprefix("http") + websocket.url.path
+        raw: bytes = websocket.scope.get("raw_path") or websocket.url.path.encode()
+        url = "ws" + node.url.removeprefix("http") + raw.decode("latin-1")  # as it came
         if websocket.url.query:
             url += "?" + websocket.url.query
         headers = [(k, v) for k, v in websocket.headers.items()
@@ -106,7 +121,7 @@ class Forwarder:
             upstream = await websockets.connect(
                 url, additional_headers=headers, compression=None, proxy=None,
                 subprotocols=websocket.scope.get("subprotocols") or None,
-                max_size=MAX_MESSAGE_BYTES, user_agent_header=None, open_timeout=10,
+                max_size=MAX_MESSAGE_BYTES, max_queue=1, user_agent_header=None, open_timeout=10,
             )  # fmt: skip
         except websockets.InvalidStatus as exc:
             status = exc.response.status_code
