@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forkd.controller.services import ports as port_service
 from forkd.controller.services.preview_tokens import KEY_FILE, PreviewKey, parse
 from forkd.controller.settings import Settings
 from forkd.errors import Forbidden
@@ -221,3 +222,29 @@ def test_the_audit_log_never_records_a_preview_token(
     log = (settings.state_dir / "audit.log").read_text()
     assert token not in log and token.split(".")[-1] not in log
     assert TOKEN not in log
+
+
+def test_preview_holders_take_only_a_share_of_the_sandbox_s_connections(
+    http: httpx.Client, anon: httpx.Client, sid: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone with a preview URL can open connections: they may not take the ones the
+    sandbox's owner needs (a slow upload held open would otherwise shut the owner out)."""
+    monkeypatch.setattr(port_service, "PREVIEW_CONNECTIONS_PER_SANDBOX", 1)
+    url = _preview(http, sid)["url"]
+    with anon.stream("GET", url + "drip?n=20") as held:
+        assert held.status_code == 200
+        refused = anon.get(url)
+        assert refused.status_code == 503 and "kept for its owner" in refused.json()["error"]
+        owner = http.get(f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/")
+        assert owner.status_code == 200
+        held.read()
+
+
+def test_the_daemon_s_proxied_connections_are_sized_by_its_open_file_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    limits = {"soft": 400}
+    monkeypatch.setattr(port_service.resource, "getrlimit", lambda _: (limits["soft"], 1 << 20))
+    assert port_service.proxied_cap() == 100  # a quarter: the guest sockets they hold
+    limits["soft"] = 1 << 20
+    assert port_service.proxied_cap() == port_service.MAX_CONNECTIONS

@@ -340,7 +340,9 @@ async def forward(request: Request, svc: Services, sandbox_id: str, port: int, p
     """Send ``request`` on to guest ``port`` and answer with what the guest answers."""
     stack = contextlib.AsyncExitStack()
     try:
-        link = await stack.enter_async_context(svc.ports.link(sandbox_id, port))
+        by_preview = prefix.startswith("/v1/preview/")
+        link = await stack.enter_async_context(svc.ports.link(sandbox_id, port,
+                                                              by_preview=by_preview))  # fmt: skip
         reader, writer = await open_guest(link)
         exchange = GuestExchange(link, reader, writer)
         stack.push_async_callback(exchange.close)

@@ -91,7 +91,8 @@ async def _proxy(websocket: WebSocket, sandbox_id: str, port: int, prefix: str,
     headers = [(k, v) for k, v in guest_headers(scope, port, prefix) if k.lower() not in HANDSHAKE]
     target = guest_target(scope, segments).decode("latin-1")
     try:
-        async with _services(websocket).ports.link(sandbox_id, port) as link:
+        by_preview = prefix.startswith("/v1/preview/")
+        async with _services(websocket).ports.link(sandbox_id, port, by_preview=by_preview) as link:
             sock = await connect_guest(link)
             try:
                 guest = await websockets.connect(

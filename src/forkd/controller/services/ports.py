@@ -10,6 +10,7 @@ removed under an open socket leaves its reads waiting forever).
 from __future__ import annotations
 
 import contextlib
+import resource
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -24,7 +25,20 @@ from forkd.errors import Busy, Forbidden, NotFound
 from forkd.vmm.agent.ports import check_guest_port
 
 MAX_CONNECTIONS_PER_SANDBOX = 64
+# Of those, what preview URLs (anyone holding one) may hold: the rest stay for the
+# sandbox's owner (the proxy and tunnels behind the bearer token).
+PREVIEW_CONNECTIONS_PER_SANDBOX = 48
 MAX_CONNECTIONS = 1024  # all sandboxes together: each holds two sockets and some buffer
+
+
+def proxied_cap() -> int:
+    """``MAX_CONNECTIONS``, or a quarter of the open-file limit when that is less: each
+    proxied connection holds a guest socket beside its client's (which the connection
+    cap keeps under half the limit), and the VMs' sockets, pipes and files need the rest."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_CONNECTIONS
+    return max(1, min(MAX_CONNECTIONS, soft // 4))
 
 
 @dataclass
@@ -55,10 +69,14 @@ class PortService:
         self.fleet = fleet
         self.key = PreviewKey(fleet.settings.state_dir)
         self._open: dict[str, int] = {}  # sandbox id -> its proxied connections now
+        self._previews: dict[str, int] = {}  # sandbox id -> those of preview URLs' holders
 
     @contextlib.asynccontextmanager
-    async def link(self, sandbox_id: str, port: int) -> AsyncIterator[GuestLink]:
-        """Hold one of the sandbox's proxied connections to guest ``port`` for the block.
+    async def link(
+        self, sandbox_id: str, port: int, *, by_preview: bool = False
+    ) -> AsyncIterator[GuestLink]:
+        """Hold one of the sandbox's proxied connections to guest ``port`` for the block
+        (``by_preview``: for a preview URL's holder, who may hold only a share of them).
 
         :class:`Invalid` for a port no one may reach, :class:`Conflict` unless
         the sandbox runs (a paused or hibernated one is woken first, unless made with
@@ -70,19 +88,28 @@ class PortService:
         if held >= MAX_CONNECTIONS_PER_SANDBOX:
             raise Busy(f"sandbox {sandbox_id!r} has {held} proxied connections open, the most "
                        "it may have: close some and retry")  # fmt: skip
-        if sum(self._open.values()) >= MAX_CONNECTIONS:
-            raise Busy(f"this daemon has {MAX_CONNECTIONS} proxied connections open, the most "
+        previews = self._previews.get(sandbox_id, 0)
+        if by_preview and previews >= PREVIEW_CONNECTIONS_PER_SANDBOX:
+            raise Busy(f"preview URLs of sandbox {sandbox_id!r} have {previews} connections "
+                       "open, the most they may (the rest are kept for its owner): retry "
+                       "shortly")  # fmt: skip
+        cap = proxied_cap()
+        if sum(self._open.values()) >= cap:
+            raise Busy(f"this daemon has {cap} proxied connections open, the most "
                        "it keeps: retry shortly")  # fmt: skip
-        self._open[sandbox_id] = held + 1
+        counts = [self._open, self._previews] if by_preview else [self._open]
+        for count in counts:
+            count[sandbox_id] = count.get(sandbox_id, 0) + 1
         try:
             host, host_port = await vm.guest_port_address(port)
             yield GuestLink(sandbox_id, port, host, host_port, self.fleet, vm)
         finally:
-            left = self._open.get(sandbox_id, 1) - 1
-            if left > 0:
-                self._open[sandbox_id] = left
-            else:
-                self._open.pop(sandbox_id, None)
+            for count in counts:
+                left = count.get(sandbox_id, 1) - 1
+                if left > 0:
+                    count[sandbox_id] = left
+                else:
+                    count.pop(sandbox_id, None)
 
     def connections(self, sandbox_id: str) -> int:
         return self._open.get(sandbox_id, 0)
