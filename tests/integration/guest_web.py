@@ -63,6 +63,16 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Set-Cookie", "theme=dark; Max-Age=60; SameSite=Lax")
             self.send_header("Cross-Origin-Opener-Policy", "same-origin")
             self.end_headers()
+        elif url.path == "/opener":  # a page that opens the console and reaches into it
+            page = (b"<!doctype html><title>opening</title><script>"
+                    b"const w = window.open('/ui/');"
+                    b"setTimeout(() => {"
+                    b" if (!w) { document.title = 'blocked'; return; }"
+                    b" if (w.closed) { document.title = 'cut off'; return; }"
+                    b" try { document.title = 'reached:' + w.document.title; }"
+                    b" catch (e) { document.title = 'cross-origin'; } }, 1500);"
+                    b"</script>")  # fmt: skip
+            self._send(200, page, "text/html", extra={"Cross-Origin-Opener-Policy": "same-origin"})
         elif url.path == "/drip":
             n = int(parse_qs(url.query).get("n", ["5"])[0])
             self.send_response(200)
