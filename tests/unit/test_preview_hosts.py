@@ -6,6 +6,7 @@ serves no preview page."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
@@ -20,6 +21,7 @@ from tests.unit.conftest import Server
 GUEST_PORT = port_fixtures.GUEST_PORT
 web, http, sid = port_fixtures.web, port_fixtures.http, port_fixtures.sid
 DOMAIN = "preview.test"
+CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture
@@ -140,3 +142,26 @@ def test_urls_take_the_scheme_and_port_they_were_asked_by_unless_given() -> None
     assert bare.label_of("80-sb-a1-0001.p.example:8889") == "80-sb-a1-0001"
     assert bare.label_of("80-sb-a1-0001.x.p.example") is None
     assert bare.label_of("p.example") is None and bare.label_of("127.0.0.1:8889") is None
+
+
+def test_in_a_browser_a_preview_is_an_origin_of_its_own(http: httpx.Client, sid: str) -> None:
+    """Debian's chromium, every name under the domain resolved to the daemon: the page's
+    origin is its preview host, which has no console, and its cookies stay there."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (./dev.sh installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    url = _preview(http, sid)["url"] + "cookies"
+    host = urlsplit(url).hostname
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"])  # fmt: skip
+        try:
+            context = browser.new_context()
+            page = context.new_page()
+            assert page.goto(url).status == 200
+            assert page.evaluate("location.host") == urlsplit(url).netloc
+            assert page.evaluate("fetch('/ui/').then(r => r.status)") == 404
+            cookies = {c["name"]: c["domain"] for c in context.cookies()}
+            assert cookies == {"session": host, "theme": host}  # host-only, as the guest set
+        finally:
+            browser.close()
