@@ -5,7 +5,7 @@ node that cannot be reached is a 503 naming it."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import httpx
@@ -16,6 +16,15 @@ from forkd.gateway.app import create_app
 from forkd.gateway.nodes import Node, NodeSet
 
 TOKEN = "gateway-unit-token"
+
+
+class EndlessEvent(httpx.AsyncByteStream):
+    """One event, then one whose data never ends."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b"event: created\ndata: {}\n\ndata: "
+        while True:
+            yield b"x" * 65536
 
 
 class FakeNode:
@@ -29,8 +38,11 @@ class FakeNode:
         self.seen.append(request)
         if request.url.path == "/v1/capacity":
             return httpx.Response(200, json={"node_id": "aaa", "snapshots": []})
-        if request.url.path == "/v1/events":
+        if request.url.path == "/v1/events" and request.url.params.get("type") == "bogus":
             return httpx.Response(400, json={"error": "unknown event type 'bogus'"})
+        if request.url.path == "/v1/events":
+            return httpx.Response(200, headers={"Content-Type": "text/event-stream"},
+                                  stream=EndlessEvent())  # fmt: skip
         headers = [("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"), ("X-Node", "aaa")]
         return httpx.Response(200, headers=headers, stream=httpx.ByteStream(b"node answer"))
 
@@ -82,3 +94,11 @@ def test_a_tag_one_node_holds_cannot_be_made_on_another(client: TestClient) -> N
     node.last_ok = time.monotonic()
     r = client.post("/v1/snapshots", json={"tag": "py"})
     assert r.status_code == 409 and "already exists on node aaa" in r.json()["error"]
+
+
+def test_a_node_event_that_never_ends_ends_the_merged_stream(client: TestClient) -> None:
+    """A node's stream is merged an event at a time: one over the bound ends the merge
+    (the client reconnects), instead of growing in the gateway's memory."""
+    r = client.get("/v1/events")
+    assert r.status_code == 200
+    assert r.content == b": merged from every node\n\nevent: created\ndata: {}\n\n"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,7 +32,9 @@ from forkd.gateway.fleet_ops import FleetOps, passed_on
 from forkd.gateway.image_placement import image_holders
 from forkd.gateway.nodes import Node
 
+log = logging.getLogger(__name__)
 router = APIRouter()
+MAX_EVENT_BYTES = 1 << 20  # one event of a node's stream, as the gateway merges them
 ANY = ["GET", "POST", "PUT", "DELETE", "PATCH"]
 
 
@@ -305,6 +308,10 @@ async def _merged_events(answers: list[Any]) -> AsyncIterator[bytes]:
                 while b"\n\n" in pending:
                     block, pending = pending.split(b"\n\n", 1)
                     await queue.put(block + b"\n\n")
+                if len(pending) > MAX_EVENT_BYTES:  # not an event stream: the merge ends
+                    log.warning("an event from %s is over %d bytes: the merged stream ends",
+                                answer.url, MAX_EVENT_BYTES)  # fmt: skip
+                    break
         await queue.put(None)
 
     tasks = [asyncio.create_task(follow(a)) for a in answers]
