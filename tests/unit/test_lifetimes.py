@@ -206,20 +206,20 @@ def test_a_listing_is_not_activity_but_process_output_is(ctl: Controller) -> Non
     assert _listed(ctl)[chatty]["state"] == "running"
 
 
-def _listing_hangs(server: Server, sid: str, times: int | None) -> None:
+def _listing_hangs(server: Server, sid: str, times: int | None) -> list[int]:
     """The guest of ``sid`` leaves its first ``times`` process listings (all if None)
-    unanswered, then answers as before."""
+    unanswered, then answers as before; how many it left so far is the list's one item."""
     vm = next(vm for vm in server.driver.vms if vm.id == sid)
-    answer, hung = vm.proc_list, 0
+    answer, hung = vm.proc_list, [0]
 
     async def proc_list() -> Any:
-        nonlocal hung
-        if times is None or hung < times:
-            hung += 1
+        if times is None or hung[0] < times:
+            hung[0] += 1
             await asyncio.sleep(3600)
         return await answer()
 
     vm.proc_list = proc_list  # type: ignore[method-assign]
+    return hung
 
 
 def test_a_guest_that_never_lists_its_processes_still_times_out_idle(
@@ -230,6 +230,20 @@ def test_a_guest_that_never_lists_its_processes_still_times_out_idle(
     _listing_hangs(server, kid, None)
     # Idle at 1 s, then SILENT_CHECKS passes of one 0.2 s wait each, a second apart.
     _until(lambda: kid not in _listed(ctl), 1 + lifecycle.SILENT_CHECKS * 1.2 + FIRE_WITHIN_SECS)
+
+
+def test_silences_count_only_within_one_idle_spell(
+    ctl: Controller, server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lifecycle, "OUTPUT_ANSWER_SECS", 0.2)
+    kid = ctl.spawn_sandboxes("py", idle_timeout_s=1)[0]["id"]
+    hung = _listing_hangs(server, kid, None)
+    _until(lambda: hung[0] == lifecycle.SILENT_CHECKS - 1, 10)
+    ctl.exec_command(kid, ["true"])  # used: a new idle spell starts at its end
+    _until(lambda: hung[0] == lifecycle.SILENT_CHECKS, 10)  # the new spell's first silence
+    time.sleep(0.6)  # past that check's wait: it alone is not idle
+    assert _listed(ctl)[kid]["state"] == "running"
+    _until(lambda: kid not in _listed(ctl), 2 * lifecycle.SILENT_CHECKS * 1.2 + FIRE_WITHIN_SECS)
 
 
 def test_one_unanswered_listing_does_not_make_a_busy_sandbox_idle(

@@ -307,11 +307,10 @@ class Lifecycle:
         vm = fleet.vms.get(row.id)
         if vm is None or row.state == "dead":
             return
-        if (
-            self._expire is not None
-            and fleet.activity.idle_expired(row)
-            and await self._idle_by_its_output(row.id, vm)
-        ):
+        idle = fleet.activity.idle_expired(row)
+        if not idle:
+            self._silent.pop(row.id, None)  # silences count in a row within one idle spell
+        if self._expire is not None and idle and await self._idle_by_its_output(row.id, vm):
             self._silent.pop(row.id, None)
             await self._expire(row, idle=True)
             return
