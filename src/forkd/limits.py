@@ -221,12 +221,23 @@ def default_max_connections(descriptors: int | None = None) -> int:
     """``MAX_CONNECTIONS``, or half this process's descriptor limit when that is less:
     the other half stays for the VMs' sockets, pipes and files, which a flood of
     connections would otherwise starve (``accept`` itself fails at the limit)."""
-    if descriptors is None:
-        import resource  # Unix only; the SDK, which imports this module, may run elsewhere
+    return max(1, min(MAX_CONNECTIONS, _open_file_limit(descriptors) // 2))
 
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        descriptors = MAX_CONNECTIONS * 2 if soft == resource.RLIM_INFINITY else soft
-    return max(1, min(MAX_CONNECTIONS, descriptors // 2))
+
+def default_max_proxied(descriptors: int | None = None) -> int:
+    """``MAX_CONNECTIONS``, or a quarter of this process's descriptor limit when that is
+    less: connections a process opens onward for its clients' (a guest port's, a
+    gateway's node's), beside the clients' own half."""
+    return max(1, min(MAX_CONNECTIONS, _open_file_limit(descriptors) // 4))
+
+
+def _open_file_limit(descriptors: int | None) -> int:
+    if descriptors is not None:
+        return descriptors
+    import resource  # Unix only; the SDK, which imports this module, may run elsewhere
+
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return MAX_CONNECTIONS * 4 if soft == resource.RLIM_INFINITY else soft
 
 
 def check_guest_path(path: object) -> str:

@@ -22,6 +22,8 @@ APP = {"name": "oci-111111111111", "key": "k1", "kind": "container",
 PYTHON = {"name": "python", "key": "k2", "kind": "recipe", "references": [], "used_by": []}
 WEB = {"name": "oci-222222222222", "key": "k3", "kind": "container",
        "references": ["registry.example.com/team/web:1"], "used_by": []}  # fmt: skip
+TOOLS = {"name": "tools", "key": "k4", "kind": "recipe", "references": [], "used_by": []}
+OLD_PYTHON = {**PYTHON, "key": "k0", "used_by": ["snapshot old"]}  # an older build, in use
 
 
 class FakeNodes:
@@ -29,15 +31,16 @@ class FakeNodes:
 
     def __init__(self) -> None:
         self.images: dict[str, list[dict[str, Any]]] = {
-            "aaa": [APP, PYTHON, WEB],
-            "bbb": [PYTHON, {**WEB, "used_by": ["snapshot web"]}],
+            "aaa": [APP, PYTHON, WEB, TOOLS],
+            "bbb": [PYTHON, OLD_PYTHON, {**WEB, "used_by": ["snapshot web"]}, TOOLS],
         }
+        self.room = {"aaa": 10, "bbb": 50}
         self.seen: list[tuple[str, str, str, bytes]] = []  # node, method, path, body
 
     def handle(self, request: httpx.Request) -> httpx.Response:
         node, path, method = request.url.host.split(".")[0], request.url.path, request.method
         if path == "/v1/capacity":
-            room = {"aaa": 10, "bbb": 50}[node]
+            room = self.room[node]
             return httpx.Response(200, json={"node_id": node, "sandboxes": 0,
                                              "max_sandboxes": room, "snapshots": []})  # fmt: skip
         self.seen.append((node, method, path, request.read()))
@@ -50,8 +53,8 @@ class FakeNodes:
             info = next((i for i in self.images[node] if i["name"] == name), None)
             if info is None:
                 return httpx.Response(404, json={"error": f"no image {name!r}"})
-            if method == "DELETE":
-                self.images[node].remove(info)
+            if method == "DELETE":  # every build of the name
+                self.images[node] = [i for i in self.images[node] if i["name"] != name]
                 return httpx.Response(204)
             return httpx.Response(200, json=info)
         if path in ("/v1/images", "/v1/images/load"):
@@ -83,9 +86,10 @@ def client(fake: FakeNodes) -> Iterator[TestClient]:
 
 def test_the_list_has_every_node_s_images_each_with_its_node(client: TestClient) -> None:
     listed = client.get("/v1/images").json()
-    assert sorted((i["name"], i["node"]) for i in listed) == [
-        ("oci-111111111111", "aaa"), ("oci-222222222222", "aaa"), ("oci-222222222222", "bbb"),
-        ("python", "aaa"), ("python", "bbb"),
+    assert sorted((i["name"], i["key"], i["node"]) for i in listed) == [
+        ("oci-111111111111", "k1", "aaa"), ("oci-222222222222", "k3", "aaa"),
+        ("oci-222222222222", "k3", "bbb"), ("python", "k0", "bbb"), ("python", "k2", "aaa"),
+        ("python", "k2", "bbb"), ("tools", "k4", "aaa"), ("tools", "k4", "bbb"),
     ]  # fmt: skip
 
 
@@ -152,11 +156,27 @@ def test_a_delete_in_use_on_any_node_deletes_nothing(client: TestClient, fake: F
     r = client.delete("/v1/images/oci-222222222222")
     assert r.status_code == 409
     assert "snapshot web on node bbb" in r.json()["error"]
+    # Its current build is unused everywhere; an older one on bbb, which a node's delete
+    # also takes, is not.
+    r = client.delete("/v1/images/python")
+    assert r.status_code == 409 and "snapshot old on node bbb" in r.json()["error"]
     assert fake.sent("DELETE", "/v1/images/oci-222222222222") == []
-    assert client.delete("/v1/images/python").status_code == 204
-    assert fake.sent("DELETE", "/v1/images/python") == ["aaa", "bbb"]
-    assert client.get("/v1/images/python").status_code == 404
-    assert client.delete("/v1/images/python").status_code == 404
+    assert fake.sent("DELETE", "/v1/images/python") == []
+    assert client.delete("/v1/images/tools").status_code == 204
+    assert fake.sent("DELETE", "/v1/images/tools") == ["aaa", "bbb"]
+    assert client.get("/v1/images/tools").status_code == 404
+    assert client.delete("/v1/images/tools").status_code == 404
+
+
+def test_a_holder_without_room_does_not_get_the_template(
+    client: TestClient, fake: FakeNodes
+) -> None:
+    fake.room["bbb"] = 0  # the roomier holder is full now
+    ops = client.app.state.ops  # type: ignore[attr-defined]
+    client.portal.call(ops.nodes.refresh)  # type: ignore[union-attr]
+    image = "registry.example.com/team/web:1"
+    assert client.post("/v1/snapshots", json={"tag": "t", "image": image}).status_code == 201
+    assert fake.sent("POST", "/v1/snapshots") == ["aaa"]
 
 
 def test_what_an_image_reference_matches() -> None:

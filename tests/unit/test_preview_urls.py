@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from forkd import limits
 from forkd.controller.services import ports as port_service
 from forkd.controller.services.preview_tokens import KEY_FILE, PreviewKey, parse
 from forkd.controller.settings import Settings
@@ -240,11 +241,20 @@ def test_preview_holders_take_only_a_share_of_the_sandbox_s_connections(
         held.read()
 
 
-def test_the_daemon_s_proxied_connections_are_sized_by_its_open_file_limit(
-    monkeypatch: pytest.MonkeyPatch,
+def test_the_daemon_s_proxied_connections_are_sized_by_its_open_file_limit() -> None:
+    assert limits.default_max_proxied(400) == 100  # a quarter: the guest sockets they hold
+    assert limits.default_max_proxied(1 << 20) == limits.MAX_CONNECTIONS
+    assert port_service.proxied_cap() <= limits.default_max_proxied()
+
+
+def test_preview_holders_take_only_a_share_of_the_daemon_s_connections(
+    http: httpx.Client, anon: httpx.Client, sid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    limits = {"soft": 400}
-    monkeypatch.setattr(port_service.resource, "getrlimit", lambda _: (limits["soft"], 1 << 20))
-    assert port_service.proxied_cap() == 100  # a quarter: the guest sockets they hold
-    limits["soft"] = 1 << 20
-    assert port_service.proxied_cap() == port_service.MAX_CONNECTIONS
+    monkeypatch.setattr(port_service, "MAX_CONNECTIONS", 2)  # previews may hold 1 of them
+    url = _preview(http, sid)["url"]
+    with anon.stream("GET", url + "drip?n=20") as held:
+        assert held.status_code == 200
+        refused = anon.get(url)
+        assert refused.status_code == 503 and "sandboxes' owners" in refused.json()["error"]
+        assert http.get(f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/").status_code == 200
+        held.read()

@@ -21,7 +21,7 @@ from forkd.controller.server import configure_logging, parse_bind
 from forkd.gateway import image_routes, routes
 from forkd.gateway.fleet_ops import FleetOps
 from forkd.gateway.nodes import NodeSet
-from forkd.gateway.proxy import MAX_MESSAGE_BYTES, Forwarder, NodeUnreachable
+from forkd.gateway.proxy import MAX_MESSAGE_BYTES, WS_QUEUE, Forwarder, NodeUnreachable
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def serve(
     connections = ConnectionLimiter(connection_limits or ConnectionLimits())
     config = uvicorn.Config(
         app, log_level=log_level, access_log=False, proxy_headers=False,
-        ws_max_size=MAX_MESSAGE_BYTES, timeout_graceful_shutdown=10,
+        ws_max_size=MAX_MESSAGE_BYTES, ws_max_queue=WS_QUEUE, timeout_graceful_shutdown=10,
         **uvicorn_options(connections),
         **parse_bind(bind),  # type: ignore[arg-type]
     )  # fmt: skip

@@ -52,14 +52,21 @@ def holds(info: Any, image: str) -> bool:
 
 
 async def image_holders(ops: FleetOps, image: str) -> list[Node]:
-    """The nodes up that hold ``image`` (a name, ``NAME-KEY``, a reference they imported,
-    or a loaded image's ``NAME:TAG``), the roomiest first."""
-    found = []
+    """The nodes up with room for a sandbox that hold ``image`` (a name, ``NAME-KEY``, a
+    reference they imported, or a loaded image's ``NAME:TAG``), the roomiest first."""
+    found = [node for node, infos in await listed_images(ops)
+             if node.free(limits.DEFAULT_MEMORY_MIB) > 0
+             and any(holds(info, image) for info in infos)]  # fmt: skip
+    return sorted(found, key=lambda n: (-n.free(limits.DEFAULT_MEMORY_MIB), n.url))
+
+
+async def listed_images(ops: FleetOps) -> list[tuple[Node, list[Any]]]:
+    """Every node up and the images it lists (every build of each), as it answered."""
+    found: list[tuple[Node, list[Any]]] = []
     for node, answer in await each_node(ops, "/v1/images"):
         try:
             listed = answer.json() if answer.status_code == 200 else []
         except ValueError:
             continue
-        if isinstance(listed, list) and any(holds(info, image) for info in listed):
-            found.append(node)
-    return sorted(found, key=lambda n: (-n.free(limits.DEFAULT_MEMORY_MIB), n.url))
+        found.append((node, listed if isinstance(listed, list) else []))
+    return found

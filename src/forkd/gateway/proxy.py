@@ -34,8 +34,9 @@ CONTROL_TIMEOUT = httpx.Timeout(None, connect=5.0, write=60.0, pool=30.0)
 # Connections to the nodes for relayed requests, which may stay open for as long as
 # a client reads (streams, followed output, terminals): their own pool, sized as the
 # gateway's own connections are, so they never hold up the gateway's own calls.
-STREAM_CONNECTIONS: int | None = None  # None: limits.default_max_connections()
+STREAM_CONNECTIONS: int | None = None  # None: limits.default_max_proxied()
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+WS_QUEUE = 1  # messages read ahead on each side of a relayed WebSocket
 
 
 def node_down(node: Node) -> Response:
@@ -46,7 +47,7 @@ class Forwarder:
     def __init__(self, nodes: NodeSet, transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.nodes = nodes
         headers = {"Authorization": f"Bearer {nodes.token}"} if nodes.token else {}
-        streams = STREAM_CONNECTIONS or limits.default_max_connections()
+        streams = STREAM_CONNECTIONS or limits.default_max_proxied()
         # Relayed requests of clients: open as long as their client reads.
         self.client = httpx.AsyncClient(
             headers=headers, timeout=FORWARD_TIMEOUT, transport=transport,
@@ -121,7 +122,8 @@ class Forwarder:
             upstream = await websockets.connect(
                 url, additional_headers=headers, compression=None, proxy=None,
                 subprotocols=websocket.scope.get("subprotocols") or None,
-                max_size=MAX_MESSAGE_BYTES, max_queue=1, user_agent_header=None, open_timeout=10,
+                max_size=MAX_MESSAGE_BYTES, max_queue=WS_QUEUE, user_agent_header=None,
+                open_timeout=10,
             )  # fmt: skip
         except websockets.InvalidStatus as exc:
             status = exc.response.status_code

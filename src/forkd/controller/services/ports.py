@@ -10,12 +10,12 @@ removed under an open socket leaves its reads waiting forever).
 from __future__ import annotations
 
 import contextlib
-import resource
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from forkd import limits
 from forkd.controller.models import PreviewInfo, PreviewRequest
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.preview_domain import PreviewDomain
@@ -35,10 +35,13 @@ def proxied_cap() -> int:
     """``MAX_CONNECTIONS``, or a quarter of the open-file limit when that is less: each
     proxied connection holds a guest socket beside its client's (which the connection
     cap keeps under half the limit), and the VMs' sockets, pipes and files need the rest."""
-    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(1, min(MAX_CONNECTIONS, soft // 4))
+    return min(MAX_CONNECTIONS, limits.default_max_proxied())
+
+
+def preview_cap() -> int:
+    """What preview URLs' holders may hold of :func:`proxied_cap`: the rest stays for
+    sandboxes' owners."""
+    return max(1, proxied_cap() * 3 // 4)
 
 
 @dataclass
@@ -97,6 +100,10 @@ class PortService:
         if sum(self._open.values()) >= cap:
             raise Busy(f"this daemon has {cap} proxied connections open, the most "
                        "it keeps: retry shortly")  # fmt: skip
+        if by_preview and sum(self._previews.values()) >= preview_cap():
+            raise Busy(f"preview URLs hold {preview_cap()} of this daemon's proxied "
+                       "connections, the most they may (the rest are kept for sandboxes' "
+                       "owners): retry shortly")  # fmt: skip
         counts = [self._open, self._previews] if by_preview else [self._open]
         for count in counts:
             count[sandbox_id] = count.get(sandbox_id, 0) + 1
