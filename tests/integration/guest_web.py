@@ -62,6 +62,11 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Set-Cookie", "session=abc; Path=/; Domain=127.0.0.1; HttpOnly")
             self.send_header("Set-Cookie", "theme=dark; Max-Age=60; SameSite=Lax")
             self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+            self.send_header("Report-To", '{"group":"g","max_age":86400,'
+                             '"endpoints":[{"url":"https://127.0.0.1:9/"}]}')  # fmt: skip
+            self.send_header("NEL", '{"report_to":"g","max_age":86400,"success_fraction":1}')
+            self.send_header("Alt-Svc", 'h3=":443"; ma=86400')
+            self.send_header("Strict-Transport-Security", "max-age=31536000")
             self.end_headers()
         elif url.path == "/opener":  # a page that opens the console and reaches into it
             page = (b"<!doctype html><title>opening</title><script>"

@@ -76,6 +76,8 @@ def test_a_guest_s_cookies_stay_under_its_prefix_and_it_cannot_join_the_console_
         f"theme=dark; Max-Age=60; SameSite=Lax; Path={prefix}",
     ]
     assert "cross-origin-opener-policy" not in r.headers
+    for policy in ("nel", "report-to", "alt-svc", "strict-transport-security"):
+        assert policy not in r.headers  # each would act on the daemon's whole origin
 
 
 @pytest.mark.parametrize("chunked", [False, True])

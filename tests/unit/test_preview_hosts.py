@@ -71,6 +71,13 @@ def test_a_preview_is_served_on_its_own_host_only(
     assert _get(anon, f"http://{host}{urlsplit(other['url']).path}").status_code == 404
     wrong = f"http://{GUEST_PORT}-sb-000000-0001.{DOMAIN}:{daemon_port}"
     assert _get(anon, f"{wrong}/v1/preview/{info['token']}/").status_code == 404
+    # Any other name under the domain serves nothing: no API, no console.
+    for name in (f"www.{DOMAIN}", f"a.b.{DOMAIN}", f"{GUEST_PORT}-{sid}.{DOMAIN}."):
+        for path in ("/v1/sandboxes", "/ui/", f"/v1/preview/{info['token']}/"):
+            r = _get(anon, f"http://{name}:{daemon_port}{path}",
+                     headers={"Authorization": http.headers["Authorization"]})  # fmt: skip
+            assert r.status_code == (200 if name.endswith(".") and "preview" in path
+                                     else 404), (name, path)  # fmt: skip
 
 
 def test_the_daemon_s_host_sends_a_preview_to_its_own_host(
@@ -92,6 +99,7 @@ def test_a_guest_on_its_own_origin_keeps_its_cookies_paths_and_opener_policy(
         "theme=dark; Max-Age=60; SameSite=Lax",
     ]
     assert r.headers["cross-origin-opener-policy"] == "same-origin"
+    assert r.headers["nel"] and r.headers["report-to"]  # its own origin's policy: its own
 
 
 @pytest.mark.parametrize(
@@ -140,7 +148,9 @@ def test_urls_take_the_scheme_and_port_they_were_asked_by_unless_given() -> None
         "https://80-sb-a1-0001.p.example/v1/preview/T/"
     )
     assert bare.label_of("80-sb-a1-0001.p.example:8889") == "80-sb-a1-0001"
-    assert bare.label_of("80-sb-a1-0001.x.p.example") is None
+    assert bare.label_of("80-SB-A1-0001.P.Example.") == "80-sb-a1-0001"  # as DNS reads it
+    assert bare.label_of("80-sb-a1-0001.x.p.example") == ""  # under it, not a preview's
+    assert bare.label_of("www.p.example") == ""
     assert bare.label_of("p.example") is None and bare.label_of("127.0.0.1:8889") is None
 
 

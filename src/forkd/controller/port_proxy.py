@@ -53,8 +53,14 @@ NOT_TO_GUEST = frozenset(
 NOT_FROM_GUEST = frozenset(("service-worker-allowed", "clear-site-data"))
 # Dropped too where the guest's pages share the daemon's origin: a guest's
 # Cross-Origin-Opener-Policy equal to the console's would keep a console window its
-# page opens reachable from that page (the console's own COOP severs it otherwise).
-NOT_FROM_GUEST_ON_OUR_ORIGIN = frozenset(("cross-origin-opener-policy",))
+# page opens reachable from that page (the console's own COOP severs it otherwise);
+# the others set policy for the whole origin (NEL with Report-To would have a browser
+# report every later URL of the origin, other sandboxes' preview tokens included, to
+# the guest's server; Alt-Svc and HSTS would redirect or pin it).
+NOT_FROM_GUEST_ON_OUR_ORIGIN = frozenset((
+    "cross-origin-opener-policy", "nel", "report-to", "reporting-endpoints", "alt-svc",
+    "strict-transport-security",
+))  # fmt: skip
 COOKIE_PLACE_ATTRIBUTES = frozenset((b"path", b"domain"))
 Port = Annotated[int, Path(ge=1, le=65535, description="a TCP port of the guest")]
 

@@ -42,13 +42,14 @@ class PreviewHosts:
         asked = _asked_preview(scope["path"])
         if on_preview_host is None and not _PREVIEW_PATH.match(scope["path"]):
             await self.app(scope, receive, send)  # the daemon's own host, not a preview
-        elif on_preview_host is not None and asked is not None and on_preview_host == asked[0]:
+        elif on_preview_host and asked is not None and on_preview_host == asked[0]:
             scope.setdefault("state", {})[OWN_ORIGIN] = True
             await self.app(scope, receive, send)
         elif on_preview_host is None and asked is not None and scope["type"] == "http":
             await self._redirect(scope, receive, send, host, asked)
         else:
-            why = (f"{scope['path']} is not served on this preview host" if on_preview_host
+            why = (f"{scope['path']} is not served on this preview host"
+                   if on_preview_host is not None
                    else "preview URLs of this daemon are served on their own hosts")  # fmt: skip
             if scope["type"] == "websocket":
                 await refuse_websocket(scope, receive, send, 404, why)

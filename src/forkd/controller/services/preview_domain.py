@@ -64,10 +64,14 @@ class PreviewDomain:
         return f"{scheme}://{netloc}/v1/preview/{token}/"
 
     def label_of(self, host_header: str) -> str | None:
-        """The preview label a ``Host`` header names under this domain, else None."""
-        host = urlsplit(f"//{host_header.strip().lower()}").hostname or ""
-        label, dot, rest = host.partition(".")
-        return label if dot and rest == self.host and LABEL.match(label) else None
+        """The preview label a ``Host`` header names under this domain; ``""`` for any
+        other name under it (no preview's: nothing is served there); None for a name
+        not under it (the daemon's own)."""
+        host = (urlsplit(f"//{host_header.strip().lower()}").hostname or "").rstrip(".")
+        if not host.endswith(f".{self.host}"):
+            return None
+        label, _, rest = host.partition(".")
+        return label if rest == self.host and LABEL.match(label) else ""
 
 
 def _port(parts: SplitResult) -> int | None:
