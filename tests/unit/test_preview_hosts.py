@@ -42,6 +42,7 @@ def _get(anon: httpx.Client, url: str, headers: dict[str, str] | None = None) ->
     """``url`` as a browser would fetch it, its host resolved to the daemon."""
     parts = urlsplit(url)
     target = f"{parts.path}?{parts.query}" if parts.query else parts.path
+    anon.cookies.clear()  # only what the test sends: the jar knows no Host header
     return anon.get(target, headers={"Host": parts.netloc, **(headers or {})})
 
 
@@ -80,6 +81,34 @@ def test_a_preview_is_served_on_its_own_host_only(
                                      else 404), (name, path)  # fmt: skip
 
 
+def test_a_page_s_absolute_paths_work_on_its_host_through_the_preview_cookie(
+    http: httpx.Client, anon: httpx.Client, sid: str, server: Server
+) -> None:
+    """A page linking to ``/app.js`` leaves its prefix: on its own host the preview URL's
+    answer set a cookie holding the token, which serves the host's other paths."""
+    info = _preview(http, sid)
+    first = _get(anon, info["url"])
+    cookie = first.headers["set-cookie"]
+    assert cookie.startswith(f"forkd-preview={info['token']}; Path=/; Max-Age=")
+    assert cookie.endswith("; HttpOnly; SameSite=Lax")
+    host = urlsplit(info["url"]).netloc
+    root = f"http://{host}"
+    assert _get(anon, f"{root}/app.js?v=2").status_code == 404  # no cookie: nothing here
+    ours = {"Cookie": f"theme=dark; forkd-preview={info['token']}"}
+    r = _get(anon, f"{root}/app.js?v=2", headers=ours)
+    assert r.status_code == 200 and r.text == "hello from the fake guest at /app.js?v=2\n"
+    api = _get(anon, f"{root}/v1/sandboxes", headers=ours)  # the guest's path, not the API
+    assert api.text == "hello from the fake guest at /v1/sandboxes\n"
+    sent = dict(_get(anon, f"{root}/headers", headers=ours).json())
+    assert sent["cookie"] == "theme=dark"  # the token is never the guest's to see
+    assert "x-forwarded-prefix" not in sent  # its paths are the host's own
+    # Another sandbox's or port's token is no key to this host; a forged one is refused.
+    other = _preview(http, sid, port=9000)["token"]
+    assert _get(anon, f"{root}/", headers={"Cookie": f"forkd-preview={other}"}).status_code == 404
+    forged = info["token"][:-4] + ("AAAA" if not info["token"].endswith("AAAA") else "BBBB")
+    assert _get(anon, f"{root}/", headers={"Cookie": f"forkd-preview={forged}"}).status_code == 403
+
+
 def test_the_daemon_s_host_sends_a_preview_to_its_own_host(
     http: httpx.Client, anon: httpx.Client, sid: str
 ) -> None:
@@ -94,10 +123,10 @@ def test_a_guest_on_its_own_origin_keeps_its_cookies_paths_and_opener_policy(
     http: httpx.Client, anon: httpx.Client, sid: str
 ) -> None:
     r = _get(anon, _preview(http, sid)["url"] + "cookies")
-    assert r.headers.get_list("set-cookie") == [
+    assert r.headers.get_list("set-cookie")[:2] == [
         "session=abc; Path=/; HttpOnly",  # its Domain gone: this host only
         "theme=dark; Max-Age=60; SameSite=Lax",
-    ]
+    ]  # then the preview cookie
     assert r.headers["cross-origin-opener-policy"] == "same-origin"
     assert r.headers["nel"] and r.headers["report-to"]  # its own origin's policy: its own
 
@@ -156,7 +185,8 @@ def test_urls_take_the_scheme_and_port_they_were_asked_by_unless_given() -> None
 
 def test_in_a_browser_a_preview_is_an_origin_of_its_own(http: httpx.Client, sid: str) -> None:
     """Debian's chromium, every name under the domain resolved to the daemon: the page's
-    origin is its preview host, which has no console, and its cookies stay there."""
+    origin is its preview host, whose paths are all the guest's (no console), and its
+    cookies stay there."""
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian's chromium is not installed (./dev.sh installs it)")
     sync_api = pytest.importorskip("playwright.sync_api")
@@ -170,8 +200,18 @@ def test_in_a_browser_a_preview_is_an_origin_of_its_own(http: httpx.Client, sid:
             page = context.new_page()
             assert page.goto(url).status == 200
             assert page.evaluate("location.host") == urlsplit(url).netloc
-            assert page.evaluate("fetch('/ui/').then(r => r.status)") == 404
+            ui = page.evaluate("fetch('/ui/').then(r => r.text())")
+            assert ui == "hello from the fake guest at /ui/\n"  # the guest's, not the console
+            # A page's absolute link: served by the cookie its preview URL set.
+            got = page.evaluate("fetch('/abs/x').then(r => r.text())")
+            assert got == "hello from the fake guest at /abs/x\n"
+            echoed = page.evaluate("""() => new Promise((ok, no) => {
+                const ws = new WebSocket(`ws://${location.host}/ws`);
+                ws.onopen = () => ws.send("at the root");
+                ws.onmessage = (e) => { ok(e.data); ws.close(); };
+                ws.onerror = () => no("the WebSocket failed"); })""")
+            assert echoed == "at the root"  # a WebSocket too
             cookies = {c["name"]: c["domain"] for c in context.cookies()}
-            assert cookies == {"session": host, "theme": host}  # host-only, as the guest set
+            assert cookies == {"session": host, "theme": host, "forkd-preview": host}
         finally:
             browser.close()

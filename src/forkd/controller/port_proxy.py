@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from forkd import limits
-from forkd.controller.preview_hosts import OWN_ORIGIN
+from forkd.controller.preview_hosts import AT_ROOT, OWN_ORIGIN
 from forkd.controller.services import Services
 from forkd.controller.services.ports import GuestLink
 from forkd.errors import GuestError, Invalid
@@ -74,7 +74,10 @@ class GuestGone(Exception):
 def guest_headers(scope: Scope, port: int, prefix: str) -> list[tuple[bytes, bytes]]:
     """The request's headers as the guest gets them: no hop-by-hop headers, no
     Authorization, ``Host: localhost:<port>``, and X-Forwarded-* set (never the
-    client's own, which could say anything)."""
+    client's own, which could say anything; the prefix is empty for a request that
+    came for a preview host's root paths)."""
+    if scope.get("state", {}).get(AT_ROOT):
+        prefix = ""  # the guest's paths are the host's own
     raw: list[tuple[bytes, bytes]] = scope["headers"]
     named_in_connection = {
         token.strip().lower().encode()
@@ -85,8 +88,9 @@ def guest_headers(scope: Scope, port: int, prefix: str) -> list[tuple[bytes, byt
     host = next((v for k, v in raw if k.lower() == b"host"), b"")
     client = scope.get("client")
     kept += [(b"host", f"localhost:{port}".encode()),
-             (b"x-forwarded-proto", str(scope.get("scheme", "http")).encode()),
-             (b"x-forwarded-prefix", prefix.encode())]  # fmt: skip
+             (b"x-forwarded-proto", str(scope.get("scheme", "http")).encode())]  # fmt: skip
+    if prefix:
+        kept.append((b"x-forwarded-prefix", prefix.encode()))
     if host:
         kept.append((b"x-forwarded-host", host))
     if client:
