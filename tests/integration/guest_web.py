@@ -69,13 +69,17 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Strict-Transport-Security", "max-age=31536000")
             self.end_headers()
         elif url.path == "/opener":  # a page that opens the console and reaches into it
+            # Until the console has loaded in the window, or the window is cut off.
             page = (b"<!doctype html><title>opening</title><script>"
                     b"const w = window.open('/ui/');"
-                    b"setTimeout(() => {"
-                    b" if (!w) { document.title = 'blocked'; return; }"
-                    b" if (w.closed) { document.title = 'cut off'; return; }"
-                    b" try { document.title = 'reached:' + w.document.title; }"
-                    b" catch (e) { document.title = 'cross-origin'; } }, 1500);"
+                    b"const look = setInterval(() => {"
+                    b" if (!w) { document.title = 'blocked'; clearInterval(look); return; }"
+                    b" if (w.closed) { document.title = 'cut off'; clearInterval(look); return; }"
+                    b" let seen = '';"
+                    b" try { seen = w.document.title; }"
+                    b" catch (e) { document.title = 'cross-origin'; clearInterval(look); return; }"
+                    b" if (seen) { document.title = 'reached:' + seen; clearInterval(look); }"
+                    b"}, 100);"
                     b"</script>")  # fmt: skip
             self._send(200, page, "text/html", extra={"Cross-Origin-Opener-Policy": "same-origin"})
         elif url.path == "/drip":

@@ -59,7 +59,8 @@ class Lifecycle:
         self._expire = expire  # a sandbox's on_timeout; None: kill it
         self._reaper: asyncio.Task[None] | None = None
         self._checks: dict[str, asyncio.Task[None]] = {}  # sandbox id -> its check in flight
-        self._silent: dict[str, int] = {}  # sandbox id -> listings unanswered in a row
+        # sandbox id -> (the idle spell's start, its listings unanswered in a row)
+        self._silent: dict[str, tuple[float, int]] = {}
         self._probes = Probes(PROBE_THREADS)
 
     async def start(self) -> None:
@@ -277,22 +278,25 @@ class Lifecycle:
         except Exception:
             log.exception("reaper: checking sandbox %s failed", row.id)
 
-    async def _idle_by_its_output(self, sandbox_id: str, vm: SandboxVM) -> bool:
+    async def _idle_by_its_output(self, row: SandboxRow, vm: SandboxVM) -> bool:
         """Whether a sandbox idle by the API's clock also wrote nothing. A guest that
         does not answer once may just be loaded; one silent for ``SILENT_CHECKS`` checks
-        in a row is idle (or wedged): it cannot outlive its idle timeout by never
-        answering."""
-        wrote = await self.fleet.wrote_output(sandbox_id, vm, OUTPUT_ANSWER_SECS)
+        in a row within one idle spell (use starts a new one) is idle, or wedged: it
+        cannot outlive its idle timeout by never answering."""
+        wrote = await self.fleet.wrote_output(row.id, vm, OUTPUT_ANSWER_SECS)
         if wrote is not None:
-            self._silent.pop(sandbox_id, None)
+            self._silent.pop(row.id, None)
             return not wrote
-        silent = self._silent[sandbox_id] = self._silent.get(sandbox_id, 0) + 1
+        spell = self.fleet.activity.idle_since(row)
+        since, before = self._silent.get(row.id, (spell, 0))
+        silent = (before if since == spell else 0) + 1
+        self._silent[row.id] = (spell, silent)
         if silent < SILENT_CHECKS:
-            log.info("reaper: sandbox %s did not list its processes (%d of %d)", sandbox_id,
+            log.info("reaper: sandbox %s did not list its processes (%d of %d)", row.id,
                      silent, SILENT_CHECKS)  # fmt: skip
             return False
         log.warning("reaper: sandbox %s did not answer %d checks in a row: taken as idle",
-                    sandbox_id, silent)  # fmt: skip
+                    row.id, silent)  # fmt: skip
         return True
 
     async def _check(self, row: SandboxRow) -> None:
@@ -307,10 +311,11 @@ class Lifecycle:
         vm = fleet.vms.get(row.id)
         if vm is None or row.state == "dead":
             return
-        idle = fleet.activity.idle_expired(row)
-        if not idle:
-            self._silent.pop(row.id, None)  # silences count in a row within one idle spell
-        if self._expire is not None and idle and await self._idle_by_its_output(row.id, vm):
+        if (
+            self._expire is not None
+            and fleet.activity.idle_expired(row)
+            and await self._idle_by_its_output(row, vm)
+        ):
             self._silent.pop(row.id, None)
             await self._expire(row, idle=True)
             return
