@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
 from starlette.responses import JSONResponse, Response
 
 from forkd.errors import Conflict, Invalid, NotFound, Unavailable
@@ -31,6 +32,16 @@ class FleetOps:
     _moving: dict[tuple[str, str], asyncio.Lock] = field(
         default_factory=lambda: collections.defaultdict(asyncio.Lock)
     )
+
+    async def ask_each(self, path: str, params: Any = ()) -> list[tuple[Node, httpx.Response]]:
+        """Every node up and its answer to ``GET path``; a node that fails to answer is
+        left out (it is down meanwhile, as ``GET /v1/nodes`` shows)."""
+        up = self.nodes.up()
+        answers = await asyncio.gather(
+            *(self.forward.json(n, "GET", path, params=params) for n in up),
+            return_exceptions=True,
+        )
+        return [(n, a) for n, a in zip(up, answers, strict=True) if isinstance(a, httpx.Response)]
 
     def node(self, node_id: str) -> Node:
         node = self.nodes.by_id(node_id)

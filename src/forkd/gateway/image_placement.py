@@ -6,24 +6,11 @@ no list of its own and asks the nodes up (``GET /v1/images``) when it needs one.
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
-
-import httpx
 
 from forkd import limits
 from forkd.gateway.fleet_ops import FleetOps
 from forkd.gateway.nodes import Node
-
-
-async def each_node(ops: FleetOps, path: str) -> list[tuple[Node, httpx.Response]]:
-    """Every node up and its answer to ``GET path``; a node that fails to answer is left
-    out (it is down meanwhile, as ``GET /v1/nodes`` shows)."""
-    up = ops.nodes.up()
-    answers = await asyncio.gather(
-        *(ops.forward.json(n, "GET", path) for n in up), return_exceptions=True
-    )
-    return [(n, a) for n, a in zip(up, answers, strict=True) if isinstance(a, httpx.Response)]
 
 
 def names_of(image: str) -> set[str]:
@@ -37,13 +24,19 @@ def names_of(image: str) -> set[str]:
     return names
 
 
+def is_build(info: Any, name: str) -> bool:
+    """Whether the ImageInfo ``info`` is a build ``name`` names: any build of its name,
+    or the one ``NAME-KEY`` (what a node's ``DELETE /v1/images/{name}`` removes)."""
+    return isinstance(info, dict) and name in (info.get("name"),
+                                               f"{info.get('name')}-{info.get('key')}")  # fmt: skip
+
+
 def holds(info: Any, image: str) -> bool:
     """Whether the ImageInfo ``info`` is what ``image`` names."""
     if not isinstance(info, dict):
         return False
     wanted = names_of(image)
-    name, key = info.get("name"), info.get("key")
-    if name in wanted or f"{name}-{key}" in wanted:
+    if any(is_build(info, name) for name in wanted):
         return True
     references = info.get("references")
     return isinstance(references, list) and not wanted.isdisjoint(
@@ -63,7 +56,7 @@ async def image_holders(ops: FleetOps, image: str) -> list[Node]:
 async def listed_images(ops: FleetOps) -> list[tuple[Node, list[Any]]]:
     """Every node up and the images it lists (every build of each), as it answered."""
     found: list[tuple[Node, list[Any]]] = []
-    for node, answer in await each_node(ops, "/v1/images"):
+    for node, answer in await ops.ask_each("/v1/images"):
         try:
             listed = answer.json() if answer.status_code == 200 else []
         except ValueError:

@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse, Response
 
 from forkd.errors import Conflict, NotFound
 from forkd.gateway.fleet_ops import FleetOps, passed_on
-from forkd.gateway.image_placement import each_node, listed_images
+from forkd.gateway.image_placement import is_build, listed_images
 from forkd.gateway.nodes import Node
 from forkd.gateway.routes import Relayed, merged, ops_of, roomiest
 
@@ -45,7 +45,7 @@ async def _held(ops: FleetOps, name: str) -> list[tuple[Node, dict[str, Any]]]:
     does. A node's refusal of the name itself (a 400) is the answer, as it is."""
     path = f"/v1/images/{urllib.parse.quote(name, safe='')}"
     held: list[tuple[Node, dict[str, Any]]] = []
-    for node, answer in await each_node(ops, path):
+    for node, answer in await ops.ask_each(path):
         if answer.status_code == 200:
             held.append((node, answer.json()))
         elif answer.status_code != 404:
@@ -53,13 +53,6 @@ async def _held(ops: FleetOps, name: str) -> list[tuple[Node, dict[str, Any]]]:
     if not held:
         raise NotFound(f"image {name!r} not found on any node that is up")
     return held
-
-
-def _build_of(info: Any, name: str) -> bool:
-    """Whether ``info`` is a build a node's ``DELETE /v1/images/{name}`` removes: every
-    build of ``name``, or the one ``NAME-KEY``."""
-    return isinstance(info, dict) and name in (info.get("name"),
-                                               f"{info.get('name')}-{info.get('key')}")  # fmt: skip
 
 
 @router.get("/v1/images/{name}")
@@ -77,7 +70,7 @@ async def delete_image(request: Request, name: str) -> Response:
     held = await _held(ops, name)
     users = [f"{user} on node {node.node_id}"  # of every build a node's delete would take
              for node, infos in await listed_images(ops) for info in infos
-             if _build_of(info, name) for user in info.get("used_by") or []]  # fmt: skip
+             if is_build(info, name) for user in info.get("used_by") or []]  # fmt: skip
     if users:
         raise Conflict(f"image {name!r} is in use: {', '.join(users)}; nothing was deleted")
     path = f"/v1/images/{urllib.parse.quote(name, safe='')}"

@@ -100,16 +100,8 @@ async def nodes(request: Request) -> list[dict[str, Any]]:
 
 
 async def merged(request: Request, path: str) -> list[Any]:
-    ops = ops_of(request)
-    up = ops.nodes.up()
-    params = request.query_params.multi_items()
-    answers = await asyncio.gather(
-        *(ops.forward.json(n, "GET", path, params=params) for n in up), return_exceptions=True
-    )
     merged: list[Any] = []
-    for node, answer in zip(up, answers, strict=True):
-        if isinstance(answer, BaseException):
-            continue  # down meanwhile: its part is missing, as GET /v1/nodes shows
+    for node, answer in await ops_of(request).ask_each(path, request.query_params.multi_items()):
         if answer.status_code != 200:
             raise Relayed(passed_on(answer))  # a bad filter: every node says the same
         merged += [{**item, "node": node.node_id} for item in answer.json()]
