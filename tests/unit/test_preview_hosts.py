@@ -26,7 +26,7 @@ CHROMIUM = "/usr/bin/chromium"
 
 @pytest.fixture
 def settings(settings: Settings) -> Settings:
-    settings.preview_domain = DOMAIN
+    settings.preview_domain = PreviewDomain.of(DOMAIN)
     return settings
 
 

@@ -446,7 +446,7 @@ def serve(
             sandbox_cidr=sandbox_cidr,
             max_upload_bytes=max_upload_mib << 20,
             **_image_sources(insecure_registry, default_registry, registry_auth, docker_host),
-            preview_domain=preview_domain and str(PreviewDomain.of(preview_domain)),
+            preview_domain=PreviewDomain.of(preview_domain) if preview_domain else None,
             image_archive_dirs=tuple(d.resolve() for d in image_archive_dir or ()),
             max_image_bytes=max_image_mib << 20,
             connection_limits=connection_limits(

@@ -18,7 +18,6 @@ from forkd.controller.preview_hosts import PreviewHosts
 from forkd.controller.services import Services
 from forkd.controller.services.fleet import VMDriver
 from forkd.controller.services.images import Importer
-from forkd.controller.services.preview_domain import PreviewDomain
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 
@@ -89,8 +88,7 @@ def create_app(
         upload_limit=settings.max_upload_bytes,
         image_limit=settings.max_image_bytes,
     )
-    domain = settings.preview_domain
-    app.add_middleware(PreviewHosts, domain=PreviewDomain.of(domain) if domain else None)
+    app.add_middleware(PreviewHosts, domain=settings.preview_domain)
     app.add_middleware(AuditMiddleware)
     http_errors.install(app)
     http_errors.hide_paths_under(

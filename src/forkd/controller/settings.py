@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from forkd.controller.connection_limits import ConnectionLimits
 from forkd.limits import DISK_RESERVE_MIB, FILE_UPLOAD_LIMIT, MAX_IMAGE_BYTES
+
+if TYPE_CHECKING:  # the services package imports this module
+    from forkd.controller.services.preview_domain import PreviewDomain
 
 
 @dataclass
@@ -52,6 +56,6 @@ class Settings:
     max_image_bytes: int = MAX_IMAGE_BYTES  # an imported image's files, expanded
     # DNS name under which each preview URL gets a host of its own (forkd.controller.
     # preview_hosts); None: previews are on the daemon's own origin.
-    preview_domain: str | None = None
+    preview_domain: PreviewDomain | None = None
     # Clients' connections: how long a request may take to arrive, how many may be open.
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)

@@ -18,7 +18,6 @@ from datetime import UTC, datetime
 from forkd import limits
 from forkd.controller.models import PreviewInfo, PreviewRequest
 from forkd.controller.services.fleet import Fleet
-from forkd.controller.services.preview_domain import PreviewDomain
 from forkd.controller.services.preview_tokens import PreviewKey, parse
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Busy, Forbidden, NotFound
@@ -133,7 +132,7 @@ class PortService:
         expires = int(time.time()) + req.ttl_s
         token = self.key.sign(sandbox_id, row.created_at_unix, port, expires)
         domain = self.fleet.settings.preview_domain
-        url = (PreviewDomain.of(domain).url(sandbox_id, port, token, base_url) if domain
+        url = (domain.url(sandbox_id, port, token, base_url) if domain
                else f"{base_url.rstrip('/')}/v1/preview/{token}/")  # fmt: skip
         return PreviewInfo(
             url=url,
