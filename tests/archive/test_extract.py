@@ -98,7 +98,7 @@ def test_a_tree_comes_back_as_it_was(dest: Path) -> None:
         file("run.sh", b"#!/bin/sh\n", mode=0o755),
         file("empty", b""),
         symlink("docs/latest", "readme.txt"),
-        symlink("up", "docs/../run.sh"),
+        symlink("docs/up", "../run.sh"),
         hardlink("docs/copy.txt", "docs/readme.txt"),
         file("deep/er/still.txt", b"parents made on the way"),
         file("caf\u00e9 \u2603.txt", b"unicode"),
@@ -109,7 +109,7 @@ def test_a_tree_comes_back_as_it_was(dest: Path) -> None:
     assert stat.S_IMODE((dest / "run.sh").stat().st_mode) == 0o755
     assert (dest / "empty").read_bytes() == b""
     assert os.readlink(dest / "docs/latest") == "readme.txt"
-    assert (dest / "up").read_bytes() == b"#!/bin/sh\n"
+    assert (dest / "docs/up").read_bytes() == b"#!/bin/sh\n"
     assert (dest / "docs/copy.txt").stat().st_ino == (dest / "docs/readme.txt").stat().st_ino
     assert (dest / "deep/er/still.txt").read_text() == "parents made on the way"
     assert (dest / "caf\u00e9 \u2603.txt").read_bytes() == b"unicode"
@@ -236,18 +236,44 @@ def test_a_symlink_placed_before_the_archive_is_not_followed(
 
 
 @pytest.mark.parametrize(
-    "target", ["/etc/passwd", "..", "../outside/victim", "a/../../x", "a/b/../../../x"]
+    "target",
+    ["/etc/passwd", "..", "../outside/victim", "a/../../x", "a/b/../../../x", "a/..", "./a/../a"],
 )
 def test_data_symlinks_must_point_inside(dest: Path, target: str) -> None:
     with pytest.raises(UnsafeEntry, match="symlink"):
         unpack(archive(directory("a"), symlink("l", target)), dest)
 
 
+@pytest.mark.parametrize(
+    ("name", "target"), [("l", "a"), ("l", "./a/./b"), ("d/e/l", "../../a"), ("d/e/l", "../x/y")]
+)
+def test_data_symlinks_may_climb_first_then_descend(dest: Path, name: str, target: str) -> None:
+    unpack(archive(symlink(name, target)), dest)
+    assert os.readlink(dest / name) == target
+
+
 def test_a_later_symlink_cannot_make_an_earlier_one_lead_out(dest: Path) -> None:
-    # "e" -> "s/..", lexically the root itself; then "s" -> "." makes it the parent.
-    with pytest.raises(UnsafeEntry, match="leads outside"):
+    # "e" -> "s/..", lexically the root itself; then "s" -> "." would make it the
+    # parent: a '..' after a name is refused as written.
+    with pytest.raises(UnsafeEntry, match="after a name"):
         unpack(archive(symlink("e", "s/.."), symlink("s", ".")), dest)
-    assert list(dest.iterdir()) == []  # even unstaged, no link is left to lead out
+    assert list(dest.iterdir()) == []
+
+
+def test_a_later_archive_cannot_make_an_earlier_link_lead_out(
+    tmp_path: Path, dest: Path, outside: Path
+) -> None:
+    """Two copies into one directory: the first's link leads inside as the tree then
+    stands, the second turns the directory it climbs out of into a link to the root.
+    Judged afresh, each archive alone was fine; the link must be refused as written,
+    or the second copy (or a write through it later) would reach ``outside``."""
+    before = outside_view(tmp_path)
+    first = archive(directory("d/e/up"), symlink("x", "d/e/up/../../../outside/victim"))
+    with pytest.raises(UnsafeEntry, match="after a name"):
+        unpack(first, dest)
+    unpack(archive(symlink("d/e/up", "../..")), dest)
+    assert not (dest / "x").is_symlink()
+    assert_untouched(tmp_path, outside, before)
 
 
 def test_a_symlink_can_replace_a_symlink_and_an_empty_directory(dest: Path) -> None:

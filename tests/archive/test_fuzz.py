@@ -117,12 +117,40 @@ def test_any_mix_of_names_and_links_stays_beneath(
         assert [p.name for p in (base / "outside").iterdir()] == ["a"]
         assert (base / "outside" / "a").read_text() == "untouched"
         if not rootfs:  # every link the data policy kept resolves inside
-            for path in dest.rglob("*"):
-                if path.is_symlink():
-                    real = _resolve(path)
-                    if real is None:  # a loop: it reaches nothing, inside or out
-                        continue
-                    assert real == dest.resolve() or dest.resolve() in real.parents, path
+            _links_lead_inside(dest)
+    finally:
+        shutil.rmtree(base)
+
+
+def _links_lead_inside(dest: Path) -> None:
+    for path in dest.rglob("*"):
+        if path.is_symlink():
+            real = _resolve(path)
+            if real is None:  # a loop: it reaches nothing, inside or out
+                continue
+            assert real == dest.resolve() or dest.resolve() in real.parents, path
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(runs=st.lists(st.lists(_ENTRY, min_size=1, max_size=6), min_size=2, max_size=3))
+@example(runs=[[("dir", "a/b", ""), ("symlink", "l", "a/b/../../outside")],
+               [("symlink", "a/b", "..")]])  # fmt: skip
+def test_archives_unpacked_one_after_another_leave_no_link_leading_out(
+    runs: list[list[tuple[str, str, str]]],
+) -> None:
+    """``forkd cp`` into a directory an earlier copy filled: each archive is judged
+    alone, and a later one must not turn an earlier link that led inside outward."""
+    builders = {"file": lambda n, t: file(n, b"evil"), "dir": lambda n, t: directory(n),
+                "symlink": symlink, "hardlink": hardlink}  # fmt: skip
+    base = Path(tempfile.mkdtemp(prefix="forkd-fuzz-"))
+    try:
+        dest = base / "dest"
+        dest.mkdir()
+        for entries in runs:
+            data = archive(*(builders[kind](name, target) for kind, name, target in entries))
+            with contextlib.suppress(ArchiveError):
+                extract(io.BytesIO(data).read, dest, DATA, LIMITS)
+        _links_lead_inside(dest)
     finally:
         shutil.rmtree(base)
 

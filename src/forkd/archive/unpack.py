@@ -17,12 +17,13 @@ filters:
   existing name: a file is unlinked and created anew with ``O_EXCL``.
 - A hard link's source is found the same way, beneath the target, and linked
   without following it.
-- Under the ``DATA`` policy a symlink must point inside the tree: checked as
-  written (no absolute target, no ``..`` climbing above the root), then again
-  at the end by resolving every symlink made, through the links as they now
-  stand, beneath the root (a later link can change where an earlier one
-  leads). Devices and fifos are refused; owners, setuid/setgid/sticky bits,
-  group/other write bits and extended attributes are not applied.
+- Under the ``DATA`` policy a symlink must point inside the tree, also once
+  later archives unpacked into the same directory changed the links around it:
+  its target is relative, its ``..`` all come first and climb no higher than
+  the root (``../../a/b``, not ``a/../../b``). Every symlink made is then
+  resolved once more, through the links as they now stand, beneath the root.
+  Devices and fifos are refused; owners, setuid/setgid/sticky bits, group/other
+  write bits and extended attributes are not applied.
 - Under the ``ROOTFS`` policy (an image's root file system) symlinks are
   stored as written, whatever their target: they are meant for the guest's
   root, and nothing here follows them. Owners, modes, devices and the
@@ -38,6 +39,7 @@ import contextlib
 import errno
 import os
 import stat
+import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,9 +113,9 @@ def extract_new(
     a hidden directory beside it and renamed into place when whole, so a refused or
     broken archive leaves nothing behind."""
     target = Path(dest)
-    staging = target.parent / f".{target.name}.forkd-partial-{os.getpid()}"
-    _remove_tree(staging)
-    os.mkdir(staging, 0o700)
+    # A new name, made here (not one an earlier archive unpacked beside it could hold).
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".forkd-partial",
+                                    dir=target.parent))  # fmt: skip
     try:
         done = extract(read, staging, policy, limits)
         os.rename(staging, target)  # refuses to replace an existing directory that is not empty
@@ -166,18 +168,26 @@ def split_name(name: str) -> tuple[str, ...]:
     return parts
 
 
-def _link_stays_inside(parent: tuple[str, ...], target: str) -> bool:
-    """A relative symlink target read from the link's directory, lexically: never
-    above the root."""
-    depth = len(parent)
+def _link_problem(parent: tuple[str, ...], target: str) -> str | None:
+    """Why a relative symlink target, read from the link's directory ``parent``, might
+    lead outside the tree; None when it cannot. Its ``..`` must all come first, and
+    no more of them than ``parent`` is deep: they then climb through the link's own
+    directories (real ones: nothing here replaces a directory that holds an entry) and
+    the names after them only descend, through links that obey the same rule, however
+    later archives change the tree. A ``..`` after a name could climb out of a link
+    that a later archive puts at that name (``a/b/../..`` once ``a`` -> ``.``)."""
+    climbs = 0
+    named = False
     for part in target.split("/"):
         if part == "..":
-            depth -= 1
-            if depth < 0:
-                return False
+            if named:
+                return "its target climbs with '..' after a name"
+            climbs += 1
         elif part not in ("", "."):
-            depth += 1
-    return True
+            named = True
+    if climbs > len(parent):
+        return "it points outside the directory"
+    return None
 
 
 # ---------------------------------------------------------------------- unpacking
@@ -376,10 +386,9 @@ class _Unpacker:
                 raise UnsafeEntry(
                     f"refusing symlink {shown(member.name)}: its target is an absolute path"
                 )
-            if not _link_stays_inside(parts[:-1], target):
-                raise UnsafeEntry(
-                    f"refusing symlink {shown(member.name)}: it points outside the directory"
-                )
+            problem = _link_problem(parts[:-1], target)
+            if problem is not None:
+                raise UnsafeEntry(f"refusing symlink {shown(member.name)}: {problem}")
             self.symlinks.append(parts)
         self._clear(parent, parts, member)
         os.symlink(target, name, dir_fd=parent)
