@@ -23,7 +23,7 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
 from forkd.client.explore import DiffResult, ExploreResult, Step
 from forkd.client.files import WriteData, _body, _file_chunks
+from forkd.client.local_file import staged_file
 from forkd.client.pty import LOGIN_SHELL, DataCallback
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
 from forkd.client.routes import KEEP
@@ -189,19 +190,35 @@ class AsyncFiles:
         with ``directory`` the directory's content into ``local_path`` → bytes received."""
         local = Path(local_path)
         moved = 0
-        spool = local.with_name(f".{local.name}.forkd-part")
-        try:
-            with spool.open("wb") as f:
-                async for chunk in self.stream(path, tar=directory):
-                    f.write(chunk)
+        if directory:
+            return await self._download_directory(path, local)
+        with staged_file(local) as f:
+            async for chunk in self.stream(path):
+                f.write(chunk)
+                moved += len(chunk)
+        return moved
+
+    async def _download_directory(self, path: str, local: Path) -> int:
+        """The tar stream unpacked as it comes, on a thread that asks this loop for each
+        chunk: never more of it on disk or in memory than the extractor let through."""
+        loop = asyncio.get_running_loop()
+        moved = 0
+        async with self._ctl.download_file(self._sandbox.id, path, tar=True) as (_, chunks):
+
+            async def next_chunk() -> bytes:
+                return await anext(chunks)
+
+            def pulled() -> Iterator[bytes]:
+                nonlocal moved
+                while True:
+                    try:
+                        chunk = asyncio.run_coroutine_threadsafe(next_chunk(), loop).result()
+                    except StopAsyncIteration:
+                        return
                     moved += len(chunk)
-            if directory:  # a tar stream, unpacked once it is all here
-                with spool.open("rb") as f:
-                    await asyncio.to_thread(extract_chunks, _file_chunks(f), local)
-            else:
-                spool.replace(local)
-        finally:
-            spool.unlink(missing_ok=True)
+                    yield chunk
+
+            await asyncio.to_thread(extract_chunks, pulled(), local)
         return moved
 
     async def list(self, path: str) -> list[JSONDict]:

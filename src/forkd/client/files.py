@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Literal, overload
 
 from forkd.client.connection import JSONDict
+from forkd.client.local_file import staged_file
 from forkd.client.tar_stream import CHUNK_BYTES, extract_chunks, tar_chunks
 
 if TYPE_CHECKING:
@@ -132,14 +133,9 @@ class Files:
         if directory:
             extract_chunks(self._stream(path, tar=True, progress=note), local)
             return moved
-        partial = local.with_name(f".{local.name}.forkd-part")
-        try:
-            with partial.open("wb") as f:
-                for chunk in self._stream(path, progress=note):
-                    f.write(chunk)
-            partial.replace(local)
-        finally:
-            partial.unlink(missing_ok=True)
+        with staged_file(local) as f:
+            for chunk in self._stream(path, progress=note):
+                f.write(chunk)
         return moved
 
     def list(self, path: str) -> list[JSONDict]:
