@@ -1,0 +1,61 @@
+"""The web console in a real browser (Debian's chromium, headless, driven by Playwright)
+against the app under uvicorn with the fake driver: what a guest's page on the same
+origin, or a guest's output, could do to it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from forkd.client import Controller
+from tests.unit.conftest import Server
+
+CHROMIUM = "/usr/bin/chromium"
+HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b id=injected>bold</b>"
+
+
+@pytest.fixture
+def ctl(server: Server) -> Iterator[Controller]:
+    with Controller(server.url, token=server.token) as c:
+        yield c
+
+
+@pytest.fixture
+def browser() -> Iterator[object]:
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (./dev.sh installs it)")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        launched = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+def test_the_token_field_is_masked_but_no_password_a_manager_would_save(
+    server: Server, browser: object
+) -> None:
+    """A saved password is offered to every page of its origin, a guest's preview page
+    included (a hidden password field there, and the token is the guest's)."""
+    page = browser.new_page()  # type: ignore[attr-defined]
+    page.goto(f"{server.url}/ui/")
+    assert page.locator("input[type=password]").count() == 0
+    token = page.locator("#token")
+    assert token.get_attribute("autocomplete") == "off"
+    assert token.evaluate("e => getComputedStyle(e).webkitTextSecurity") == "disc"
+
+
+def test_a_guests_output_is_shown_as_text(server: Server, sid: str, browser: object) -> None:
+    page = browser.new_page()  # type: ignore[attr-defined]
+    page.goto(f"{server.url}/ui/")
+    page.fill("#token", server.token)
+    page.click("#login button[type=submit]")
+    page.locator(f'#exec-sandbox option[value="{sid}"]').wait_for(state="attached")
+    page.fill("#exec-command", HOSTILE)  # the fake guest echoes its command line
+    page.click("#exec-form button[type=submit]")
+    page.wait_for_function("() => document.querySelector('#exec-output').textContent.length")
+    assert HOSTILE in page.locator("#exec-output").text_content()
+    assert page.locator("#injected").count() == 0 and page.title() != "pwned"
