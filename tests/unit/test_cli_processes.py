@@ -97,3 +97,17 @@ def test_top_and_kill(forkd: Invoke, ctl: Controller, sid: str) -> None:
     assert res.exit_code == 1 and "4242" in res.stderr
     res = forkd("kill", sid, str(other["pid"]), "--signal", "NOPE!")
     assert res.exit_code == 1 and "signal" in res.stderr
+
+
+def test_a_guests_command_line_cannot_drive_the_terminal(
+    forkd: Invoke, ctl: Controller, sid: str
+) -> None:
+    """What the guest chose (here a command line) is listed with the terminal's controls
+    written out: no escape sequence reaches the user's terminal (OSC 52 would set its
+    clipboard, CSI 2J clear it), no carriage return hides a line, no rich markup applies."""
+    ctl.start_process(sid, ["echo", "\x1b]52;c;ZXZpbA==\x07", "\x1b[2J\rhidden", "[red]x[/]"])
+    res = forkd("top", sid)
+    assert res.exit_code == 0
+    assert "\x1b" not in res.stdout and "\r" not in res.stdout and "\x07" not in res.stdout
+    assert "\\x1b]52;c;ZXZpbA==\\x07" in res.stdout and "\\x1b[2J\\x0dhidden" in res.stdout
+    assert "[red]x[/]" in res.stdout

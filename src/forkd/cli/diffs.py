@@ -7,13 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 
 if TYPE_CHECKING:
     import httpx
@@ -55,7 +54,7 @@ def diff(
                 sys.stdout.buffer.write(data)
             else:
                 tar.write_bytes(data)
-                err.print(f"wrote {len(data)} bytes to {escape(str(tar))}")
+                err.print(f"wrote {len(data)} bytes to {shown(str(tar))}")
             return
         res = ctl.diff_sandbox(sandbox_id, path, against)
     if conn.as_json:
@@ -64,12 +63,12 @@ def diff(
     table = Table(box=None, show_header=False)
     for c in res.changes:
         size = "" if c.kind == "dir" else str(c.size)
-        table.add_row(MARKS[c.change], escape(c.path), c.kind, size, f"{c.mode:o}")
+        table.add_row(MARKS[c.change], shown(c.path), c.kind, size, f"{c.mode:o}")
     if res.changes:
         out.print(table)
     counts = {k: len(res.of(k)) for k in ("added", "modified", "removed")}
     summary = ", ".join(f"{n} {k}" for k, n in counts.items())
-    err.print(f"{escape(sandbox_id)} against {res.against_kind} {escape(res.against)}: "
+    err.print(f"{shown(sandbox_id)} against {res.against_kind} {shown(res.against)}: "
               f"{summary} in {res.duration_ms:.0f} ms")  # fmt: skip
     if res.truncated:
         err.print("[yellow]more changes than a diff lists: give a smaller --path[/]")

@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.live import Live
-from rich.markup import escape
 from rich.table import Table
 
 from forkd.cli import render
@@ -24,7 +23,7 @@ from forkd.cli.event_watch import watching
 from forkd.cli.failures import daemon_errors
 from forkd.cli.labels import LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 
 if TYPE_CHECKING:
     import httpx
@@ -97,8 +96,8 @@ def explore(
     out.print(result_table(res, variant))
     pause = "-" if res.pause_ms is None else f"{res.pause_ms} ms"
     err.print(
-        f"explored {len(variant)} variants of {escape(sandbox_id)} in "
-        f"{res.duration_ms / 1000:.2f} s (branch {escape(res.branch)}: paused {pause}, "
+        f"explored {len(variant)} variants of {shown(sandbox_id)} in "
+        f"{res.duration_ms / 1000:.2f} s (branch {shown(res.branch)}: paused {pause}, "
         f"forked in {res.fork_ms:.0f} ms)"
     )
 
@@ -111,9 +110,9 @@ def result_table(res: ExploreResult, variants: list[str]) -> Table:
     for r in res.results:
         kept = (r.snapshot_tag or "yes") if r.kept else ""
         table.add_row(
-            str(r.index), escape(_short(variants[r.index])), _score(r.score),
-            "" if r.exit_code is None else str(r.exit_code), escape(r.sandbox_id or ""),
-            escape(kept), escape(_short(r.error or "", 60)),
+            str(r.index), shown(_short(variants[r.index])), _score(r.score),
+            "" if r.exit_code is None else str(r.exit_code), shown(r.sandbox_id or ""),
+            shown(kept), shown(_short(r.error or "", 60)),
         )  # fmt: skip
     return table
 
@@ -128,17 +127,17 @@ def _live_table(conn: Connection, source: str, tag: str, variants: list[str]) ->
     started = time.monotonic()
 
     def draw() -> Table:
-        table = Table(title=f"exploring {escape(source)}", box=None, header_style="bold")
+        table = Table(title=f"exploring {shown(source)}", box=None, header_style="bold")
         for col in ("#", "variant", "score", "error"):
             table.add_column(col)
         for i, text in enumerate(variants):
             row = rows.get(i)
             if row is None:
                 status = f"[dim]running {time.monotonic() - started:.0f} s[/]"
-                table.add_row(str(i), escape(_short(text)), status, "")
+                table.add_row(str(i), shown(_short(text)), status, "")
                 continue
-            error = escape(_short(row.get("error") or "", 60))
-            table.add_row(str(i), escape(_short(text)), _score(row.get("score")), error)
+            error = shown(_short(row.get("error") or "", 60))
+            table.add_row(str(i), shown(_short(text)), _score(row.get("score")), error)
         return table
 
     def record(event: dict[str, Any]) -> None:

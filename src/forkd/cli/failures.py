@@ -10,9 +10,8 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import typer
-from rich.markup import escape
 
-from forkd.cli.render import err, out, print_json
+from forkd.cli.render import err, out, print_json, shown
 
 
 def fail(message: str, code: int = 1) -> typer.Exit:
@@ -29,7 +28,7 @@ def daemon_errors() -> Iterator[None]:
     try:
         yield
     except ControllerError as exc:
-        raise fail(escape(exc.message), 2 if exc.status == 0 else 1) from None
+        raise fail(shown(exc.message), 2 if exc.status == 0 else 1) from None
 
 
 def act_on_each(
@@ -54,14 +53,14 @@ def act_on_each(
             act(name)
         except ControllerError as exc:
             if exc.status == 0:
-                raise fail(escape(exc.message), 2) from None
+                raise fail(shown(exc.message), 2) from None
             failed[name] = exc.message
             if not as_json:
-                err.print(f"[bold red]error:[/] {escape(exc.message)}", highlight=False)
+                err.print(f"[bold red]error:[/] {shown(exc.message)}", highlight=False)
             continue
         done.append(name)
         if not as_json:
-            out.print(f"{done_verb} {escape(name)}")
+            out.print(f"{done_verb} {shown(name)}")
     if as_json:
         print_json({json_key: done, "failed": failed})
     if failed:

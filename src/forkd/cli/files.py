@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -25,7 +24,7 @@ from forkd.archive import ArchiveError
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors, fail
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 
 if TYPE_CHECKING:
     import httpx
@@ -83,7 +82,7 @@ def cp(
     if conn.as_json:
         render.print_json({"src": src, "dst": where, "bytes": moved})
     elif not quiet:
-        out.print(f"copied {moved} bytes to {escape(where)}", highlight=False)
+        out.print(f"copied {moved} bytes to {shown(where)}", highlight=False)
 
 
 def _remote_kind(sb: Sandbox, path: str) -> str | None:
@@ -103,12 +102,12 @@ def _remote_kind(sb: Sandbox, path: str) -> str | None:
 
 def _upload(sb: Sandbox, local: Path, path: str, progress: ProgressFn) -> tuple[str, int]:
     if not local.exists():
-        raise fail(f"{escape(str(local))} does not exist", 2)
+        raise fail(f"{shown(str(local))} does not exist", 2)
     kind = _remote_kind(sb, path)
     name = local.resolve().name
     if local.is_dir():
         if kind == "file":
-            raise fail(f"{escape(path)} is a file in the sandbox, {escape(str(local))} a directory")
+            raise fail(f"{shown(path)} is a file in the sandbox, {shown(str(local))} a directory")
         target = posixpath.join(path, name) if kind == "dir" else path
     else:
         target = posixpath.join(path, name) if kind == "dir" or path.endswith("/") else path
@@ -119,11 +118,11 @@ def _upload(sb: Sandbox, local: Path, path: str, progress: ProgressFn) -> tuple[
 def _download(sb: Sandbox, path: str, local: Path, progress: ProgressFn) -> tuple[str, int]:
     kind = _remote_kind(sb, path)
     if kind is None:
-        raise fail(f"{escape(path)} does not exist in sandbox {escape(sb.id)}")
+        raise fail(f"{shown(path)} does not exist in sandbox {shown(sb.id)}")
     name = posixpath.basename(path.rstrip("/")) or "root"
     target = local / name if local.is_dir() else local
     if kind == "dir" and target.exists() and not target.is_dir():
-        raise fail(f"{escape(str(target))} is a file, {escape(path)} a directory")
+        raise fail(f"{shown(str(target))} is a file, {shown(path)} a directory")
     moved = sb.files.download(path, target, directory=kind == "dir", progress=progress)
     return str(target), moved
 
@@ -135,7 +134,7 @@ def _local_errors() -> Iterator[None]:
     try:
         yield
     except (OSError, ArchiveError) as exc:
-        raise fail(escape(str(exc))) from None
+        raise fail(shown(str(exc))) from None
 
 
 @contextmanager

@@ -19,13 +19,12 @@ import time
 from typing import Any
 
 import typer
-from rich.markup import escape
 
 from forkd.cli import render
 from forkd.cli.agent_relay import AgentRelay, parse_address
 from forkd.cli.failures import daemon_errors
 from forkd.cli.options import Connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 from forkd.client import ControllerError
 
 HOLD_MARGIN_SECS = 60.0  # the daemon's timeout on a held sandbox, past the hold
@@ -63,7 +62,7 @@ class Hold:
             relay.sandbox_id = ids[0]
             relay.serve_in_background()
             where = f"; {ids[0]} answers the agent protocol at {self.agent_address}"
-        err.print(f"forked {len(ids)} from {escape(self.tag)} in {took:.2f} s; holding them "
+        err.print(f"forked {len(ids)} from {shown(self.tag)} in {took:.2f} s; holding them "
                   f"{self.settle_secs:g} s (Ctrl-C or SIGTERM ends it){where}")  # fmt: skip
         self._wait()
         if relay is not None:
@@ -77,8 +76,8 @@ class Hold:
             address = parse_address(self.agent_address)
             return AgentRelay(address, self.conn.controller, sandbox_id="")
         except (ValueError, OSError) as exc:
-            err.print(f"cannot serve the agent protocol at {escape(self.agent_address)} "
-                      f"(--agent-address or FORKD_TARGET): {escape(str(exc))}; use a local "
+            err.print(f"cannot serve the agent protocol at {shown(self.agent_address)} "
+                      f"(--agent-address or FORKD_TARGET): {shown(str(exc))}; use a local "
                       "address, e.g. FORKD_TARGET=127.0.0.1:18888")  # fmt: skip
             raise typer.Exit(1) from exc
 
@@ -98,5 +97,5 @@ class Hold:
                     ctl.kill_sandbox(sid)
                 except ControllerError as exc:
                     if exc.status != 404:  # already gone: its timeout, or someone else
-                        err.print(f"could not remove {sid}: {escape(str(exc))}")
+                        err.print(f"could not remove {sid}: {shown(str(exc))}")
         err.print(f"removed {len(ids)} held sandbox{'es' if len(ids) != 1 else ''}")

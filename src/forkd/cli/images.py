@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, BinaryIO, TypedDict
 
 import typer
-from rich.markup import escape
 from rich.status import Status
 from rich.table import Table
 
@@ -21,7 +20,7 @@ from forkd.cli import render
 from forkd.cli.extras import require_server
 from forkd.cli.failures import daemon_errors, fail
 from forkd.cli.options import Connection, JsonOpt, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 from forkd.errors import ForkdError
 
 if TYPE_CHECKING:
@@ -109,7 +108,7 @@ def _progress(status: Status, started: float) -> Callable[[str], None]:
 
     def say(msg: str) -> None:
         took = time.monotonic() - started
-        status.update(f"{escape(msg)} ({took:.0f} s)")
+        status.update(f"{shown(msg)} ({took:.0f} s)")
         err.print(f"  [{took:6.1f} s] {msg}", highlight=False, markup=False)
 
     return say
@@ -231,15 +230,19 @@ def load_with_progress(
     conn: Connection, archive: Path | BinaryIO, tag: str | None, started: float
 ) -> dict:
     """Send ``archive`` to the daemon (``POST /v1/images/load``), showing each step."""
-    shown = str(archive) if isinstance(archive, Path) else "standard input"
-    with daemon_errors(), conn.controller() as ctl, err.status(f"sending {shown}") as status:
+    source = str(archive) if isinstance(archive, Path) else "standard input"
+    with (
+        daemon_errors(),
+        conn.controller() as ctl,
+        err.status(f"sending {shown(source)}") as status,
+    ):
         info = ctl.load_image(archive, tag, on_progress=_progress(status, started))
     if conn.as_json:
         render.print_json(info)
     else:
         err.print(
-            f"loaded {escape(shown)} as [bold]{escape(info['name'])}[/]"
-            f"{f' ({escape(tag)})' if tag else ''} in {time.monotonic() - started:.1f} s: "
+            f"loaded {shown(source)} as [bold]{shown(info['name'])}[/]"
+            f"{f' ({shown(tag)})' if tag else ''} in {time.monotonic() - started:.1f} s: "
             f"stored {_mib(info.get('bytes_fetched'))}, reused {_mib(info.get('bytes_reused'))}"
         )
     return info
@@ -256,7 +259,7 @@ def import_with_progress(
         render.print_json(info)
     else:
         err.print(
-            f"imported {escape(ref)} as [bold]{escape(info['name'])}[/] in "
+            f"imported {shown(ref)} as [bold]{shown(info['name'])}[/] in "
             f"{time.monotonic() - started:.1f} s: fetched {_mib(info.get('bytes_fetched'))}, "
             f"reused {_mib(info.get('bytes_reused'))}"
         )

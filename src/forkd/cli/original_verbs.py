@@ -19,12 +19,11 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 from forkd.cli.snapshots import snapshot_info
 from forkd.client import Controller, ControllerError
 
@@ -54,12 +53,12 @@ def snapshot_compact_to(
     --from is left as it is (the original forkd's snapshot-compact)."""
     if source == to:
         raise typer.BadParameter("--to must differ from --from")
-    with daemon_errors(), conn.controller() as ctl, err.status(f"compacting {escape(source)}"):
+    with daemon_errors(), conn.controller() as ctl, err.status(f"compacting {shown(source)}"):
         info = ctl.compact_snapshot(source, to=to)
     if conn.as_json:
         render.print_json(info)
         return
-    out.print(f"compacted {escape(source)} into [bold magenta]{escape(to)}[/] (mode full)")
+    out.print(f"compacted {shown(source)} into [bold magenta]{shown(to)}[/] (mode full)")
     out.print(render.kv_table({k: info.get(k) for k in ("tag", "dir", "parent_tag", "mode")}))
 
 
@@ -86,13 +85,11 @@ def snapshot_diff(
     with daemon_errors(), conn.controller() as ctl:
         (child,) = ctl.spawn_sandboxes(base, n=1)
         try:
-            with err.status(f"running {escape(command)} in {child['id']}"):
+            with err.status(f"running {shown(command)} in {child['id']}"):
                 ran = ctl.exec_command(child["id"], argv, timeout_secs=exec_timeout_secs)
             if ran.get("exit_code") != 0:
                 said = str(ran.get("stderr") or ran.get("stdout") or "")
-                err.print(
-                    f"[red]{escape(command)} exited {ran.get('exit_code')}[/]\n{escape(said)}"
-                )
+                err.print(f"[red]{shown(command)} exited {ran.get('exit_code')}[/]\n{shown(said)}")
                 raise typer.Exit(1)
             with err.status(f"branching {child['id']} as a diff"):
                 info = ctl.branch_sandbox(child["id"], tag=tag, mode="diff")
@@ -165,9 +162,9 @@ def bench(
             }
         )
         return
-    out.print(f"forkd bench against snapshot [bold]{escape(tag)}[/]\n  fanout n={n}\n")
+    out.print(f"forkd bench against snapshot [bold]{shown(tag)}[/]\n  fanout n={n}\n")
     for name, ms, detail in rows:
-        out.print(escape(ROW.format(name=name, ms=round(ms), detail=detail)))
+        out.print(shown(ROW.format(name=name, ms=round(ms), detail=detail)))
     out.print("  " + " " * 22 + "-----")
     out.print(f"  [bold]{'total':<22}{round(sum(r[1] for r in rows)):>5} ms[/]")
 

@@ -7,12 +7,11 @@ import sys
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
-from rich.markup import escape
 
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors, fail
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 
 if TYPE_CHECKING:
     import httpx
@@ -146,7 +145,7 @@ def parse_env(items: list[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise fail(f"--env wants KEY=VALUE, not {escape(item)!r}", 2)
+            raise fail(f"--env wants KEY=VALUE, not {shown(item)!r}", 2)
         env_map[key] = value
     return env_map
 
@@ -161,7 +160,7 @@ def show_processes(conn: Connection, sandbox_id: str) -> None:
         return
     out.print(process_table(procs))
     if not procs:
-        err.print(f"no processes in {escape(sandbox_id)}: start one with 'forkd exec'")
+        err.print(f"no processes in {shown(sandbox_id)}: start one with 'forkd exec'")
 
 
 def process_table(procs: list[dict[str, Any]]) -> Any:
@@ -193,4 +192,4 @@ def kill(
     if conn.as_json:
         render.print_json({"pid": pid, "signal": sig})
     else:
-        out.print(f"sent {escape(str(sig))} to {pid} in {escape(sandbox_id)}")
+        out.print(f"sent {shown(str(sig))} to {pid} in {shown(sandbox_id)}")

@@ -16,9 +16,25 @@ out = Console()
 err = Console(stderr=True)
 
 
+# What a terminal acts on instead of showing, in a string a guest or a registry chose
+# (a file name, a command line, an image's label): C0 controls but tab and newline,
+# DEL, C1, and the bidirectional controls that reorder what is shown around them.
+_UNSHOWN = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F, *range(0x80, 0xA0)) if c not in (9, 10)}
+_UNSHOWN |= {
+    c: f"\\u{c:04x}" for c in (0x200E, 0x200F, *range(0x202A, 0x202F), *range(0x2066, 0x206A))
+}
+
+
+def shown(value: object) -> str:
+    """``value`` as text for rich: its markup escaped, and what a terminal would act on
+    (an escape sequence that sets the clipboard or clears the screen, say) written out
+    as ``\\x1b``."""
+    return escape(str(value).translate(_UNSHOWN))
+
+
 def cell(value: Any) -> str:
-    """A table cell: '-' for None, escaped for rich markup."""
-    return "-" if value is None else escape(str(value))
+    """A table cell: '-' for None, else :func:`shown`."""
+    return "-" if value is None else shown(str(value))
 
 
 def age(unix: Any, now: float | None = None) -> str:
@@ -73,10 +89,10 @@ def kv_table(info: dict[str, Any]) -> Table:
         elif key == "pause_ms":
             text = millis(value)
         elif isinstance(value, list | dict):
-            text = escape(json.dumps(value))
+            text = shown(json.dumps(value))
         else:
             text = cell(value)
-        table.add_row(escape(key), text)
+        table.add_row(shown(key), text)
     return table
 
 
@@ -93,7 +109,7 @@ def sandbox_table(sandboxes: list[dict[str, Any]]) -> Table:
 
 
 def snapshot_label(info: dict[str, Any]) -> str:
-    tag = escape(str(info.get("tag")))
+    tag = shown(str(info.get("tag")))
     bits = []
     if info.get("branched_from"):
         bits.append(f"[bold magenta]{tag}[/] branch, paused {millis(info.get('pause_ms'))}")
@@ -102,16 +118,16 @@ def snapshot_label(info: dict[str, Any]) -> str:
     if info.get("memory_mib") is not None:
         bits.append(f"{info['memory_mib']} MiB")
     if info.get("image"):
-        bits.append(escape(str(info["image"])))
+        bits.append(shown(str(info["image"])))
     if info.get("status") not in (None, "ready"):
-        bits.append(f"[yellow]{escape(str(info['status']))}[/]")
+        bits.append(f"[yellow]{shown(str(info['status']))}[/]")
     return "  ".join(bits + explore_bits(info))
 
 
 def sandbox_label(sb: dict[str, Any]) -> str:
     state = sb.get("state") or "?"
     color = "green" if state == "running" else "yellow"
-    bits = [f"[{color}]{escape(str(sb.get('id')))}[/] {escape(str(state))}"]
+    bits = [f"[{color}]{shown(str(sb.get('id')))}[/] {shown(str(state))}"]
     if sb.get("pid") is not None:
         bits.append(f"pid {sb['pid']}")
     return "  ".join(bits + explore_bits(sb))
@@ -122,11 +138,11 @@ def explore_bits(info: dict[str, Any]) -> list[str]:
     labels = info.get("metadata") or {}
     bits = []
     if "forkd.variant" in labels:
-        bits.append(f"variant {escape(str(labels['forkd.variant']))}")
+        bits.append(f"variant {shown(str(labels['forkd.variant']))}")
     elif "forkd.explore" in labels:
         bits.append("[dim]explore[/]")
     if "forkd.score" in labels:
-        bits.append(f"[bold]score {escape(str(labels['forkd.score']))}[/]")
+        bits.append(f"[bold]score {shown(str(labels['forkd.score']))}[/]")
     return bits
 
 
@@ -198,7 +214,7 @@ def lineage_forest(
 
 
 def rich_tree(forest: list[dict[str, Any]], title: str = "forkd") -> Tree:
-    root = Tree(f"[bold]{escape(title)}[/]")
+    root = Tree(f"[bold]{shown(title)}[/]")
 
     def add(parent: Tree, node: dict[str, Any], under: dict[str, Any] | None) -> None:
         info = node["info"]
@@ -208,11 +224,11 @@ def rich_tree(forest: list[dict[str, Any]], title: str = "forkd") -> Tree:
             if src and not (
                 under and under["kind"] == "sandbox" and under["info"].get("id") == src
             ):
-                label += f"  [dim](from {escape(str(src))}, gone)[/]"
+                label += f"  [dim](from {shown(str(src))}, gone)[/]"
         elif node["kind"] == "sandbox":
             label = sandbox_label(info)
         else:
-            label = f"[red]{escape(str(info.get('tag')))}[/] [dim](snapshot deleted)[/]"
+            label = f"[red]{shown(str(info.get('tag')))}[/] [dim](snapshot deleted)[/]"
         branch = parent.add(label)
         for child in node["children"]:
             add(branch, child, node)

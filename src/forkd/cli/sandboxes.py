@@ -8,7 +8,6 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 from rich.tree import Tree
 
 from forkd.cli import render
@@ -17,7 +16,7 @@ from forkd.cli.failures import act_on_each, daemon_errors
 from forkd.cli.fork_progress import fork_progress
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 from forkd.cli.snapshots import ModeOpt, TagOpt, WaitOpt, show_tree
 
 if TYPE_CHECKING:
@@ -67,7 +66,7 @@ def set_timeout(
         render.print_json(info)
         return
     when = info.get("expires_at") or "never"
-    out.print(f"{escape(sandbox_id)}: {escape(str(info.get('on_timeout')))} at {escape(when)}")
+    out.print(f"{shown(sandbox_id)}: {shown(str(info.get('on_timeout')))} at {shown(when)}")
 
 
 def update(
@@ -87,7 +86,7 @@ def update(
     if conn.as_json:
         render.print_json(info)
         return
-    out.print(f"{escape(sandbox_id)}: evictable {str(info.get('evictable')).lower()}, "
+    out.print(f"{shown(sandbox_id)}: evictable {str(info.get('evictable')).lower()}, "
               f"auto_resume {str(info.get('auto_resume')).lower()}")  # fmt: skip
 
 
@@ -231,7 +230,7 @@ def fork(
         render.print_json(sandboxes)
         return
     out.print(render.sandbox_table(sandboxes))
-    err.print(f"forked {len(sandboxes)} from {escape(tag)} in {time.monotonic() - t0:.2f} s")
+    err.print(f"forked {len(sandboxes)} from {shown(tag)} in {time.monotonic() - t0:.2f} s")
 
 
 def branch(
@@ -251,16 +250,16 @@ def branch(
     --no-wait: the branch is pending; 'forkd snapshot info TAG' shows when it is ready)."""
     labels = parse_labels(label)
     with daemon_errors(), conn.controller() as ctl:
-        with err.status(f"branching {escape(from_sandbox)}"):
+        with err.status(f"branching {shown(from_sandbox)}"):
             info = ctl.branch_sandbox(from_sandbox, tag=tag, metadata=labels, mode=mode, wait=wait)
         kids: list[dict[str, Any]] = []
         if n > 0 and wait and info.get("status") == "ready":
-            with err.status(f"forking {n} from {escape(str(info['tag']))}"):
+            with err.status(f"forking {n} from {shown(str(info['tag']))}"):
                 kids = ctl.spawn_sandboxes(info["tag"], n=n)
     if conn.as_json:
         render.print_json({"branch": info, "sandboxes": kids})
         return
-    lineage = Tree(f"[green]{escape(from_sandbox)}[/] [dim](source)[/]")
+    lineage = Tree(f"[green]{shown(from_sandbox)}[/] [dim](source)[/]")
     node = lineage.add(render.snapshot_label(info))
     for kid in kids:
         node.add(render.sandbox_label(kid))

@@ -8,13 +8,12 @@ import time
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.markup import escape
 
 from forkd.cli import render
 from forkd.cli.failures import act_on_each, daemon_errors
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import err, out
+from forkd.cli.render import err, out, shown
 
 if TYPE_CHECKING:
     import httpx
@@ -92,12 +91,12 @@ def snapshot_main(
         render.print_json(info)
         return
     if info.get("status") == "pending":
-        out.print(f"branching [green]{escape(from_sandbox)}[/] → [bold magenta]"
-                  f"{escape(str(info.get('tag')))}[/] in the background (pending)")  # fmt: skip
+        out.print(f"branching [green]{shown(from_sandbox)}[/] → [bold magenta]"
+                  f"{shown(str(info.get('tag')))}[/] in the background (pending)")  # fmt: skip
         return
     out.print(
-        f"branched [green]{escape(from_sandbox)}[/] → [bold magenta]"
-        f"{escape(str(info.get('tag')))}[/] (paused {render.millis(info.get('pause_ms'))})"
+        f"branched [green]{shown(from_sandbox)}[/] → [bold magenta]"
+        f"{shown(str(info.get('tag')))}[/] (paused {render.millis(info.get('pause_ms'))})"
     )
 
 
@@ -162,7 +161,7 @@ def snapshot_create(
         from forkd.cli.images import import_with_progress
 
         image = str(import_with_progress(conn, image, t0, quiet=True)["name"])
-    status = f"building snapshot {escape(tag)}: boot, setup, warm-up, snapshot"
+    status = f"building snapshot {shown(tag)}: boot, setup, warm-up, snapshot"
     extra: dict[str, Any] = {k: v for k, v in started.items() if v is not None}
     if volumes:
         extra["volumes"] = volumes
@@ -176,7 +175,7 @@ def snapshot_create(
     if conn.as_json:
         render.print_json(info)
         return
-    err.print(f"snapshot {escape(tag)} ready in {time.monotonic() - t0:.1f} s")
+    err.print(f"snapshot {shown(tag)} ready in {time.monotonic() - t0:.1f} s")
     out.print(render.kv_table(info))
 
 
@@ -232,12 +231,12 @@ def snapshot_compact(
     conn: Connection, tag: Annotated[str, typer.Argument(help="Snapshot tag.")]
 ) -> None:
     """Flatten a diff snapshot into a full one in place (its forks keep working)."""
-    with daemon_errors(), conn.controller() as ctl, err.status(f"compacting {escape(tag)}"):
+    with daemon_errors(), conn.controller() as ctl, err.status(f"compacting {shown(tag)}"):
         info = ctl.compact_snapshot(tag)
     if conn.as_json:
         render.print_json(info)
     else:
-        out.print(f"compacted [bold magenta]{escape(tag)}[/]: mode {info.get('mode')}")
+        out.print(f"compacted [bold magenta]{shown(tag)}[/]: mode {info.get('mode')}")
 
 
 RefArg = Annotated[
@@ -282,13 +281,13 @@ def snapshot_push(
     """Send a snapshot to an OCI registry (only what the repository lacks goes up)."""
     started = time.monotonic()
     options = {"token": token, "insecure": insecure or None, "flatten": flatten or None}
-    with daemon_errors(), conn.controller() as ctl, err.status(f"pushing {escape(tag)}"):
+    with daemon_errors(), conn.controller() as ctl, err.status(f"pushing {shown(tag)}"):
         result = ctl.push_snapshot(tag, ref, **options)
     if conn.as_json:
         render.print_json(result)
         return
     sent, total = result["bytes_uploaded"], result["bytes_total"]
-    out.print(f"{escape(result['ref'])}@{result['digest']}", soft_wrap=True)  # one line
+    out.print(f"{shown(result['ref'])}@{result['digest']}", soft_wrap=True)  # one line
     _transfer_note(conn, "pushed", f"{sent / 2**20:.1f} of {total / 2**20:.1f} MiB "
                    f"({result['encoding']})", started)  # fmt: skip
 
@@ -305,13 +304,13 @@ def snapshot_pull(
     """Fetch a snapshot from an OCI registry (409 if this host cannot restore it)."""
     started = time.monotonic()
     options = {"token": token, "insecure": insecure or None}
-    with daemon_errors(), conn.controller() as ctl, err.status(f"pulling {escape(ref)}"):
+    with daemon_errors(), conn.controller() as ctl, err.status(f"pulling {shown(ref)}"):
         info = ctl.pull_snapshot(ref, tag, **options)
     if conn.as_json:
         render.print_json(info)
         return
     out.print(info["tag"])
-    _transfer_note(conn, "pulled", escape(ref), started)
+    _transfer_note(conn, "pulled", shown(ref), started)
 
 
 def rmi(

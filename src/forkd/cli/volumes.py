@@ -6,13 +6,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.markup import escape
 from rich.table import Table
 
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors
 from forkd.cli.options import Connection, with_connection
-from forkd.cli.render import out
+from forkd.cli.render import out, shown
 
 if TYPE_CHECKING:
     import httpx
@@ -69,4 +68,4 @@ def volume_rm(
     with daemon_errors(), conn.controller() as ctl:
         for name in names:
             ctl.delete_volume(name)
-            out.print(f"removed volume {escape(name)}")
+            out.print(f"removed volume {shown(name)}")
