@@ -107,6 +107,10 @@ MAX_IMAGE_BYTES = 64 << 30
 # Answer lines, by op, sized from the agent's own caps (docs/guest-agent.md):
 AGENT_LINE_MAX_BYTES = 4 << 20  # ping, restore, file_write, file_remove: a few hundred bytes
 AGENT_STATS_LINE_MAX_BYTES = 64 << 10  # stats: its figures and up to 8 mount points
+# proc_list, asked by the idle check of a guest that may be hostile: 128 processes, each
+# command line cut to 2048 characters (the agent's LISTED_CMD_CHARS) of up to 6 bytes as
+# JSON. 2 MiB of the worst JSON parses in ~50 ms; 16 MiB took half a second of the loop.
+AGENT_LISTING_LINE_MAX_BYTES = 2 << 20
 # exec: 2 streams of 1 MiB; JSON escaping makes a byte at most 6 ("\ufffd"): 12 MiB.
 # eval (3 x 1 Mi chars, ASCII or BMP text) and file_list (100 000 entries) fit too.
 AGENT_OUTPUT_LINE_MAX_BYTES = 16 << 20

@@ -666,3 +666,23 @@ def test_a_stats_answer_past_its_small_cap_fails_and_the_channel_goes_on(sock: P
         assert await client.call("ping", wait=2) == {"pong": True}
 
     _run(sock, guest, body)
+
+
+def test_a_process_listing_past_its_cap_fails_and_the_channel_goes_on(sock: Path) -> None:
+    # proc_list is asked by the idle check of every sandbox with a timeout: a guest
+    # must not make the daemon's loop parse 16 MiB of JSON (half a second) each time.
+    cap = agent_client.answer_cap("proc_list")
+    assert cap == limits.AGENT_LISTING_LINE_MAX_BYTES < agent_client.answer_cap("exec")
+
+    async def guest(req: dict[str, Any], w: asyncio.StreamWriter) -> None:
+        if req["op"] == "proc_list":
+            w.write(_ok(req, {"processes": [{"pid": 1}] * (cap // 10)}))
+        else:
+            w.write(_ok(req, {"pong": True}))
+
+    async def body(client: AgentClient) -> None:
+        with pytest.raises(AgentError, match="longer than"):
+            await client.call("proc_list", wait=5)
+        assert await client.call("ping", wait=2) == {"pong": True}
+
+    _run(sock, guest, body)

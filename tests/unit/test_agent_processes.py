@@ -52,6 +52,7 @@ class AgentConnection:
                     raise EOFError("the agent closed the connection")
                 self._pending += chunk
             line, self._pending = self._pending.split(b"\n", 1)
+            self.last_line_bytes = len(line)
             answer = json.loads(line)
             if "raw" in answer:  # that many bytes follow the line, and belong to it
                 while len(self._pending) < answer["raw"]:
@@ -527,6 +528,28 @@ def test_only_the_64_most_recent_exited_processes_are_kept(fresh_agent: AgentCon
     assert [p["pid"] for p in listed] == pids[6:]
     assert fresh_agent.error_kind("proc_info", pid=pids[0]) == "ProcessLookupError"
     assert fresh_agent.ok("proc_info", pid=pids[6])["exit_code"] == 0
+
+
+def test_the_longest_listing_fits_what_the_host_reads(fresh_agent: AgentConnection) -> None:
+    """128 processes (64 running, 64 exited) with command lines of 50 000 control
+    characters, each 6 bytes as JSON: the listing cuts each to 2048 characters and
+    stays within the host's cap for it; the process's own info has it whole."""
+    from forkd import limits
+
+    arg = "\x01" * 50_000
+    exited = [fresh_agent.start(["sh", "-c", "true", arg]) for _ in range(64)]
+    for pid in exited:
+        fresh_agent.read_until_eof(pid)
+    running = [fresh_agent.start(["sh", "-c", "sleep 30", arg]) for _ in range(64)]
+    listed = fresh_agent.ok("proc_list")["processes"]
+    assert fresh_agent.last_line_bytes <= limits.AGENT_LISTING_LINE_MAX_BYTES
+    assert [p["pid"] for p in listed] == exited + running
+    for p in listed:
+        assert p["cmd"][:3] in (["sh", "-c", "true"], ["sh", "-c", "sleep 30"])
+        assert sum(map(len, p["cmd"])) == 2048 and p["cmd"][-1].endswith("\u2026")
+    assert fresh_agent.ok("proc_info", pid=running[0])["cmd"][-1] == arg
+    for pid in running:
+        fresh_agent.ok("proc_signal", pid=pid, signal="KILL")
 
 
 # ----------------------------------------------------------------------------- the ring itself

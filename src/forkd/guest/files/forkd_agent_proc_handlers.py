@@ -32,6 +32,9 @@ MAX_PROC_WAIT_S = 30.0
 MAX_PROC_LINGER_S = 1.0
 MAX_PROC_STDIN_BYTES = 1024 * 1024
 MAX_PTY_SIDE = params.MAX_PTY_SIDE
+# A command line in proc_list, in characters: the host reads the listing often (the idle
+# check) and caps it small (forkd.limits.AGENT_LISTING_LINE_MAX_BYTES).
+LISTED_CMD_CHARS = 2048
 
 
 def _process(req: dict[str, Any]) -> forkd_procs.BackgroundProcess:
@@ -74,8 +77,28 @@ def op_proc_start(req: dict[str, Any]) -> dict[str, Any]:
     return _proc_info(PROCESSES.start(spec).status())
 
 
+def listed_argv(argv: list[str], limit: int = LISTED_CMD_CHARS) -> list[str]:
+    """``argv`` as a listing shows it: at most ``limit`` characters in all, the cut
+    element ending in an ellipsis (as ``ps`` cuts a long command line); the process's
+    own ``proc_info`` has all of it."""
+    shown: list[str] = []
+    left = limit
+    for arg in argv:
+        if len(arg) > left:
+            shown.append(arg[: max(left - 1, 0)] + "\u2026")
+            break
+        shown.append(arg)
+        left -= len(arg)
+    return shown
+
+
 def op_proc_list(req: dict[str, Any]) -> dict[str, Any]:
-    return {"processes": [_proc_info(proc.status()) for proc in PROCESSES.list()]}
+    listed = []
+    for proc in PROCESSES.list():
+        info = _proc_info(proc.status())
+        info["cmd"] = listed_argv(info["cmd"])
+        listed.append(info)
+    return {"processes": listed}
 
 
 def op_proc_info(req: dict[str, Any]) -> dict[str, Any]:

@@ -56,11 +56,13 @@ def answer_cap(op: str) -> int:
         return limits.AGENT_FILE_LINE_MAX_BYTES
     # proc_read fits the default: 1 MiB of output at most (342 KiB as forkd asks
     # for 256 KiB) as base64, plus ~64 bytes of JSON for each of at most 16384
-    # chunks the agent's ring holds: under 2.5 MiB. proc_list: 128 commands' argv.
+    # chunks the agent's ring holds: under 2.5 MiB.
     if op == "eval":  # exec's streams plus the display outputs
         return limits.AGENT_EVAL_LINE_MAX_BYTES
-    if op in ("exec", "file_list", "proc_list"):
+    if op in ("exec", "file_list"):
         return limits.AGENT_OUTPUT_LINE_MAX_BYTES
+    if op == "proc_list":
+        return limits.AGENT_LISTING_LINE_MAX_BYTES
     if op == "stats":  # asked of every guest while someone watches: kept small
         return limits.AGENT_STATS_LINE_MAX_BYTES
     return limits.AGENT_LINE_MAX_BYTES
