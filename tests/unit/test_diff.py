@@ -14,6 +14,8 @@ from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from forkd.client import Controller, ControllerError, Sandbox
 from forkd.controller.services.manifests import (
@@ -21,6 +23,7 @@ from forkd.controller.services.manifests import (
     ManifestReader,
     Stat,
     compare,
+    hidden_below,
     one_sided,
     reader_for,
 )
@@ -181,6 +184,44 @@ def test_compare_hides_what_is_under_a_removed_directory() -> None:
     target = _manifest("/", _w=_stat("-"))
     got = _compared(base, target, {"/w": _stat("d")})
     assert [(p, c) for p, c, _ in got] == [("/w", "removed"), ("/w/x", "removed")]
+
+
+def test_a_hiding_ancestor_hides_only_its_own_subtree() -> None:
+    # "/w x" and "/wx" sort among "/w"'s descendants' neighbours: neither is under it.
+    image = {p: _stat("f") for p in ("/w/y", "/w/z/deep", "/w x", "/wx")}
+    target = _manifest("/", _w=_stat("f", 7))  # a file where the image has a directory
+    base = Manifest("/", {p: _stat("f", 2) for p in image})  # base rewrote all four
+    got = {(p, c) for p, c, _ in _compared(base, target, image | {"/w": _stat("d")})}
+    assert got == {("/w", "modified"), ("/w/y", "removed"), ("/w/z/deep", "removed"),
+                   ("/w x", "modified"), ("/wx", "modified")}  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.lists(st.sampled_from(["a", "b", "a b", "a.b"]), min_size=1, max_size=4).map(
+            lambda parts: "/" + "/".join(parts)
+        ),
+        st.sampled_from(["d", "f", "-"]),
+    )
+)
+def test_hidden_paths_are_those_under_a_listed_non_directory(kinds: dict[str, str]) -> None:
+    manifest = Manifest("/", {p: _stat(k) for p, k in kinds.items()})
+    ordered = sorted(kinds)
+    naive = {
+        p for p in ordered if any(p.startswith(a + "/") and k != "d" for a, k in kinds.items())
+    }
+    assert hidden_below(manifest, ordered) == naive
+
+
+@pytest.mark.timeout(60)  # the per-ancestor check took ~100 s; this takes well under 1
+def test_deep_paths_cost_the_comparison_little() -> None:
+    """A hostile guest's manifest of 4000 paths 2048 directories deep (each within the
+    4096-byte path limit): the comparison is linear in them, not in their square."""
+    deep = "/a" * 2046
+    base = Manifest("/", {f"{deep}/f{i}": _stat("f", 1) for i in range(4000)})
+    target = Manifest("/", {})  # each looked up in the image, unless an ancestor hides it
+    assert len(list(compare(base, target, {}))) == 4000
 
 
 def test_directories_differ_by_mode_only() -> None:

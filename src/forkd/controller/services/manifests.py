@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import posixpath
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -259,23 +259,36 @@ def _under(path: str, top: str) -> bool:
     return top == "/" or path == top or path.startswith(top.rstrip("/") + "/")
 
 
-def _gone_above(manifest: Manifest, path: str) -> bool:
-    """Whether an ancestor of ``path`` is, in ``manifest``, absent or no directory."""
-    parts = path.split("/")[1:-1]
-    for depth in range(1, len(parts) + 1):
-        above = manifest.entries.get("/" + "/".join(parts[:depth]))
-        if above is not None and above.kind != "d":
-            return True
-    return False
+def hidden_below(manifest: Manifest, ordered: Iterable[str]) -> set[str]:
+    """Those of ``ordered`` (sorted paths, ``manifest``'s among them) that an ancestor
+    hides: one ``manifest`` lists as absent or as no directory. In sorted order the
+    paths under a prefix come together, so one pass with a stack of the hiding
+    ancestors does it, whatever the paths' depth (a check of every ancestor of every
+    path cost the square of the depth: a guest's 2048-deep paths held the loop)."""
+    hidden: set[str] = set()
+    # Hiding entries not themselves hidden, each with its trailing '/' (what its
+    # descendants start with). A name may sort between an entry and its descendants
+    # ("/a b" between "/a" and "/a/x"): an entry leaves only once a path sorts past
+    # its subtree, and such a name, below it, may hide a subtree of its own first.
+    hiding: list[str] = []
+    for path in ordered:
+        while hiding and path > hiding[-1] and not path.startswith(hiding[-1]):
+            hiding.pop()
+        if hiding and path.startswith(hiding[-1]):
+            hidden.add(path)
+            continue
+        entry = manifest.entries.get(path)
+        if entry is not None and entry.kind != "d" and path != "/":
+            hiding.append(path + "/")
+    return hidden
 
 
-def view(manifest: Manifest, path: str, image: Stat | None) -> Stat | None:
-    """What a sandbox whose manifest is ``manifest`` sees at ``path``: its own entry, or
-    the image's (``image``) unless an ancestor hides it."""
-    entry = manifest.entries.get(path)
+def view(entry: Stat | None, hidden: bool, image: Stat | None) -> Stat | None:
+    """What a sandbox sees at a path: its manifest's own ``entry`` there, or the image's
+    (``image``) unless an ancestor in its manifest hides it (``hidden``)."""
     if entry is not None:
         return entry if entry.present else None
-    if _gone_above(manifest, path):
+    if hidden:
         return None
     return image if image is not None and image.present else None
 
@@ -290,10 +303,12 @@ def compare(
 ) -> Iterator[Difference]:
     """What changed from ``base`` to ``target`` (of the same image), path by path;
     ``image``: what the image holds at each path of :func:`one_sided`."""
-    for path in sorted(base.entries.keys() | target.entries.keys()):
+    ordered = sorted(base.entries.keys() | target.entries.keys())
+    hidden_before, hidden_after = hidden_below(base, ordered), hidden_below(target, ordered)
+    for path in ordered:
         below = image.get(path)
-        before = view(base, path, below)
-        after = view(target, path, below)
+        before = view(base.entries.get(path), path in hidden_before, below)
+        after = view(target.entries.get(path), path in hidden_after, below)
         if before is None and after is None:
             continue
         if before is None:
