@@ -105,7 +105,10 @@ MAX_IMAGE_BYTES = 64 << 30
 
 # What a guest may make the daemon read and wait for (forkd.vmm.agent.client).
 # Answer lines, by op, sized from the agent's own caps (docs/guest-agent.md):
-AGENT_LINE_MAX_BYTES = 4 << 20  # ping, restore, file_write, file_remove: a few hundred bytes
+AGENT_LINE_MAX_BYTES = 4 << 20  # file_write, proc_start, proc_info: a command line at most
+# ping and restore (asked at every boot, fork, wake and resume, unasked by any user) and
+# the other ops whose answer is a few fields: a few hundred bytes.
+AGENT_SMALL_LINE_MAX_BYTES = 64 << 10
 AGENT_STATS_LINE_MAX_BYTES = 64 << 10  # stats: its figures and up to 8 mount points
 # proc_list, asked by the idle check of a guest that may be hostile: 128 processes, each
 # command line cut to 2048 characters (the agent's LISTED_CMD_CHARS) of up to 6 bytes as

@@ -21,8 +21,9 @@ from typing import Any
 import pytest
 
 from forkd import limits
-from forkd.errors import AgentError, SnapshotError
+from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm.agent import client as agent_client
+from forkd.vmm.agent import ops as agent_ops
 from forkd.vmm.agent.client import AgentClient
 from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
 from forkd.vmm.vm import VM
@@ -652,7 +653,7 @@ def test_a_stats_answer_past_its_small_cap_fails_and_the_channel_goes_on(sock: P
     # stats is asked of every guest while someone watches: a guest must not make the
     # daemon parse megabytes for it.
     cap = agent_client.answer_cap("stats")
-    assert cap == limits.AGENT_STATS_LINE_MAX_BYTES < agent_client.answer_cap("ping")
+    assert cap == limits.AGENT_STATS_LINE_MAX_BYTES < agent_client.answer_cap("file_write")
 
     async def guest(req: dict[str, Any], w: asyncio.StreamWriter) -> None:
         if req["op"] == "stats":
@@ -686,3 +687,54 @@ def test_a_process_listing_past_its_cap_fails_and_the_channel_goes_on(sock: Path
         assert await client.call("ping", wait=2) == {"pong": True}
 
     _run(sock, guest, body)
+
+
+@pytest.mark.parametrize("op", ["ping", "restore"])
+def test_an_answer_to_ping_or_restore_past_its_small_cap_fails(sock: Path, op: str) -> None:
+    # Asked at every boot, fork, resume and wake, unasked by any user: a guest must not
+    # make the daemon parse megabytes for them.
+    cap = agent_client.answer_cap(op)
+    assert cap == limits.AGENT_SMALL_LINE_MAX_BYTES < agent_client.answer_cap("file_write")
+
+    answered: list[str] = []
+
+    async def guest(req: dict[str, Any], w: asyncio.StreamWriter) -> None:
+        big = not answered  # the first answer is the one past the cap
+        answered.append(req["op"])
+        w.write(_ok(req, {"pong": True, "errors": ["x"] * (cap // 4)} if big else {"pong": True}))
+
+    async def body(client: AgentClient) -> None:
+        with pytest.raises(AgentError, match="longer than"):
+            await client.call(op, wait=5)
+        assert await client.call("ping", wait=2) == {"pong": True}
+
+    _run(sock, guest, body)
+
+
+def test_a_guest_answering_each_ping_wrongly_at_once_is_asked_at_a_pace(sock: Path) -> None:
+    """Waiting for a booting or resumed guest's agent: one that answers every ping with
+    junk at once is pinged 20 times a second, not as fast as the loop can parse."""
+
+    async def guest(req: dict[str, Any], w: asyncio.StreamWriter) -> None:
+        w.write(_line({"id": req["id"], "ok": "yes", "result": {"pad": "x" * 60_000}}))
+
+    qemu = subprocess.Popen(["sleep", "60"])  # stands for a running QEMU
+
+    async def body(client: AgentClient) -> None:
+        vm = _vm(sock.parent, qemu)
+        vm.agent = client
+        with pytest.raises(VMError, match="did not answer within 1 s"):
+            await vm._wait_agent(1.0)
+
+    try:
+        seen = _run(sock, guest, body)
+    finally:
+        qemu.kill()
+        qemu.wait()
+    assert 5 <= len(seen) <= 1.0 / agent_ops.PING_RETRY_SECS + 5
+
+
+def test_a_restores_list_of_failures_is_kept_short() -> None:
+    result = {"rng_reseeded": True, "random_reseeded": True, "errors": ["e" * 5000] * 50}
+    errors = agent_ops.check_reseeded(result, "child", Path("/snaps/base"))
+    assert errors.count("e" * 300) == agent_ops.RESTORE_ERRORS_KEPT and len(errors) < 2600

@@ -46,6 +46,8 @@ LINE_BURST_SECS = 0.1  # lines handled without a pause: 0.1 s of the rate, ~0.5 
 ERROR_TEXT_MAX_CHARS = 4096  # of a guest's error message, kept for the caller and the log
 
 RAW_OPS = frozenset({"proc_read", "file_read_range", "file_tar_read"})  # ask for raw bytes
+SMALL_ANSWER_OPS = frozenset({"ping", "restore", "configure", "proc_signal", "proc_resize",
+                              "eval_interrupt", "file_remove", "file_transfer_abort"})  # fmt: skip
 # The one event there is, matched whole: no guest line is JSON-parsed unasked.
 _STARTED = re.compile(rb'\s*\{\s*"event"\s*:\s*"started"\s*,\s*"pid"\s*:\s*(\d{1,10})\s*\}\s*')
 
@@ -65,6 +67,8 @@ def answer_cap(op: str) -> int:
         return limits.AGENT_LISTING_LINE_MAX_BYTES
     if op == "stats":  # asked of every guest while someone watches: kept small
         return limits.AGENT_STATS_LINE_MAX_BYTES
+    if op in SMALL_ANSWER_OPS:
+        return limits.AGENT_SMALL_LINE_MAX_BYTES
     return limits.AGENT_LINE_MAX_BYTES
 
 

@@ -6,6 +6,7 @@ connection, requests matched to answers by id); this is what travels on it.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import os
 import time
@@ -20,6 +21,10 @@ from forkd.vmm.qemu.argv import RuntimePaths
 from forkd.vmm.qemu.launch import tail
 
 PING_WAIT_SECS = 10.0
+# Between pings of an agent that is not answering yet, or answered wrongly: a guest that
+# answers every ping with junk at once must not keep the daemon's loop parsing it.
+PING_RETRY_SECS = 0.05
+RESTORE_ERRORS_KEPT = 8  # of the guest's list of what failed, each cut to 300 characters
 EXEC_WAIT_MARGIN_SECS = 10.0  # beyond the command's own timeout, for the agent to answer
 # An eval past its timeout is interrupted again and again for up to 5 s
 # (forkd_eval.STOP_GRACE_S) before the agent answers without it.
@@ -250,6 +255,7 @@ class GuestOps:
                         f"the guest agent did not answer within {timeout:g} s ({exc}). "
                         f"Console: {tail(self.rt.console)}"
                     ) from exc
+            await asyncio.sleep(PING_RETRY_SECS)
 
     async def after_resume(self, timeout: float = PING_WAIT_SECS) -> None:
         """After ``cont`` of a paused VM: once its agent answers, set the guest's clock,
@@ -296,7 +302,8 @@ def check_reseeded(result: dict[str, Any], vm_id: str, snapshot_dir: Path) -> st
     """The agent's answer to ``restore``: :class:`SnapshotError` unless both RNGs were
     reseeded; else what else failed (clock, hostname), to be logged, or ``""``."""
     reported = result.get("errors")
-    errors = "; ".join(map(str, reported)) if isinstance(reported, list) else ""
+    kept = reported[:RESTORE_ERRORS_KEPT] if isinstance(reported, list) else []
+    errors = "; ".join(str(e)[:300] for e in kept)
     # Children of one snapshot share its RNG state: a child the agent could
     # not reseed would hand out its siblings' keys, tokens and temp names.
     # The clock and the hostname are only logged: neither is a secret.
