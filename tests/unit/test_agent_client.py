@@ -738,3 +738,14 @@ def test_a_restores_list_of_failures_is_kept_short() -> None:
     result = {"rng_reseeded": True, "random_reseeded": True, "errors": ["e" * 5000] * 50}
     errors = agent_ops.check_reseeded(result, "child", Path("/snaps/base"))
     assert errors.count("e" * 300) == agent_ops.RESTORE_ERRORS_KEPT and len(errors) < 2600
+
+
+@pytest.mark.parametrize(
+    "answer", [{"raw": b"x" * 65}, {"data": "eHh4" * 22}], ids=["raw", "base64"]
+)
+def test_a_read_answered_with_more_than_was_asked_fails(answer: dict[str, Any]) -> None:
+    """A chunk of a transfer, a range of a file: the daemon holds what it asked for, and
+    a guest's longer answer is refused, not passed on (or parsed as a manifest)."""
+    assert agent_ops._data_of({"raw": b"x" * 64}, 64) == b"x" * 64
+    with pytest.raises(AgentError, match="for a read of at most 64"):
+        agent_ops._data_of(answer, 64)

@@ -6,6 +6,7 @@ refused while flattened (a hostile layer, past --max-image-mib) leaving no blob.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from forkd.controller.models import ImageImport
 from forkd.controller.services import images as image_service
 from forkd.controller.services import template_start
 from forkd.controller.settings import Settings
-from forkd.errors import Invalid
+from forkd.errors import AgentError, Invalid
 from forkd.guest import container_image
 from forkd.guest import image as images
 from forkd.image_import import references
@@ -284,3 +285,44 @@ def test_a_name_with_several_builds_shows_its_current_one(api: TestClient) -> No
     assert (shown["key"], shown["references"]) == ("f" * 16, ["reg.test/new:1"])
     exact = api.get(f"/v1/images/{older.name}-{older.key}").json()
     assert exact["references"] == ["reg.test/old:1"]
+
+
+class _SocketTables:
+    """A guest's /proc/net/tcp and tcp6 as read through the agent's range reads."""
+
+    def __init__(self, tables: dict[str, bytes]) -> None:
+        self.tables = tables
+        self.asked: list[int] = []
+
+    async def read_range(self, path: str, offset: int, length: int) -> tuple[bytes, int, bool]:
+        self.asked.append(length)
+        data = self.tables.get(path)
+        if data is None:
+            raise AgentError(f"no {path}", kind="FileNotFoundError")
+        return data[offset : offset + length], 0, offset + length >= len(data)
+
+
+def _row(local: str, state: str = "0A") -> str:
+    return f"   0: {local} 00000000:0000 {state} 00000000:00000000 00:00000000 00000000\n"
+
+
+def test_a_listening_socket_is_found_in_either_table_and_junk_rows_are_passed_over() -> None:
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when\n"
+    tcp = header + _row("00000000:ZZZZ") + _row("0100007F:1F90", "01") + "garbage\n"
+    tcp6 = header + _row("00000000000000000000000000000000:1F90")
+    guest = _SocketTables({"/proc/net/tcp": tcp.encode(), "/proc/net/tcp6": tcp6.encode()})
+    assert asyncio.run(template_start.listening(guest, 8080))  # type: ignore[arg-type]
+    assert not asyncio.run(template_start.listening(guest, 8081))  # type: ignore[arg-type]
+    assert not asyncio.run(  # no tcp6 (no IPv6 in the guest): no socket there
+        template_start.listening(_SocketTables({"/proc/net/tcp": tcp.encode()}), 8080)  # type: ignore[arg-type]
+    )
+
+
+def test_a_huge_socket_table_is_read_only_in_its_first_mebibyte() -> None:
+    """Asked every half second while a template starts: a guest that fills its socket
+    table must not have the daemon read and split all of it each time."""
+    header = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when\n"
+    table = (header + _row("0100007F:0016", "01") * 200_000 + _row("00000000:1F90")).encode()
+    guest = _SocketTables({"/proc/net/tcp": table})
+    assert not asyncio.run(template_start.listening(guest, 8080))  # type: ignore[arg-type]
+    assert guest.asked and max(guest.asked) <= template_start.SOCKET_TABLE_BYTES < len(table)

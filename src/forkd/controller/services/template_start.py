@@ -24,6 +24,9 @@ POLL_SECS = 0.5
 READY_CMD_TIMEOUT_SECS = 30.0  # one run of ready_cmd
 OUTPUT_TAIL_BYTES = 2000  # of the service's output, in the error when it is not ready
 TCP_LISTEN = "0A"  # the state column of /proc/net/tcp for LISTEN
+# Read of each socket table: ~6,800 sockets of /proc/net/tcp (150 bytes a line), more than
+# a template starting its service has; a listening socket past them goes unseen.
+SOCKET_TABLE_BYTES = 1 << 20
 
 
 class TemplateSetupFailed(VMError):
@@ -100,17 +103,19 @@ async def _ready(template: SandboxVM, req: SnapshotCreate) -> bool:
 
 
 async def listening(template: SandboxVM, port: int) -> bool:
-    """Whether a TCP socket in the guest listens on ``port`` (any address)."""
+    """Whether a TCP socket in the guest listens on ``port`` (any address), from the
+    first :data:`SOCKET_TABLE_BYTES` of each socket table (asked every half second:
+    a guest with a huge table must not have the daemon read and split it each time)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            text = (await template.read_file(table)).decode("ascii", "replace")
+            data, _, _ = await template.read_range(table, 0, SOCKET_TABLE_BYTES)
         except (AgentError, GuestError):
             continue  # no IPv6 in the guest: no tcp6
-        for line in text.splitlines()[1:]:
+        for line in data.decode("ascii", "replace").splitlines()[1:]:
             fields = line.split()
             if len(fields) > 3 and fields[3] == TCP_LISTEN:
                 _, _, hex_port = fields[1].rpartition(":")
-                if int(hex_port, 16) == port:
+                if hex_port.upper() == f"{port:04X}":  # the kernel's %04X
                     return True
     return False
 

@@ -148,7 +148,8 @@ class GuestOps:
         params = {"path": path, "offset": offset, "length": length, "raw": True}
         result = await self.agent.call("file_read_range", params)
         size = result.get("size")
-        return _data_of(result), int(size) if size is not None else None, bool(result["eof"])
+        data = _data_of(result, length)
+        return data, int(size) if size is not None else None, bool(result["eof"])
 
     async def tar_open(self, path: str) -> str:
         return str((await self.agent.call("file_tar_open", {"path": path}))["transfer_id"])
@@ -173,7 +174,7 @@ class GuestOps:
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
         params = {"transfer_id": transfer_id, "length": length, "raw": True}
         result = await self.agent.call("file_tar_read", params, wait=COMMIT_WAIT_SECS)
-        return _data_of(result), bool(result["eof"])
+        return _data_of(result, length), bool(result["eof"])
 
     # Background processes (docs/guest-agent.md, "Processes"): the agent owns them;
     # these return its ProcessInfo and proc_read answers as they are.
@@ -288,14 +289,19 @@ class GuestOps:
         return result
 
 
-def _data_of(result: dict[str, Any]) -> bytes:
-    """A read's bytes: raw after the answer, or as base64 from an agent older than that."""
+def _data_of(result: dict[str, Any], length: int) -> bytes:
+    """A read's bytes: raw after the answer, or as base64 from an agent older than that;
+    :class:`AgentError` for more than the ``length`` asked for."""
     raw = result.get("raw")
     if isinstance(raw, bytes):
-        return raw
-    if "data" in result:
-        return base64.b64decode(result["data"])
-    return b""  # raw, of length 0: no bytes followed the line
+        data = raw
+    elif "data" in result:
+        data = base64.b64decode(result["data"])
+    else:
+        data = b""  # raw, of length 0: no bytes followed the line
+    if len(data) > length:
+        raise AgentError(f"the agent sent {len(data)} bytes for a read of at most {length}")
+    return data
 
 
 def check_reseeded(result: dict[str, Any], vm_id: str, snapshot_dir: Path) -> str:
