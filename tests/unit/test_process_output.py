@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from forkd.controller.services import process_output
 from forkd.controller.services.process_output import OutputEvents, ReadAnswer
 from forkd.errors import GuestError
 
@@ -109,4 +110,25 @@ def test_raw_output_that_does_not_match_the_sizes_is_a_guest_error(raw: object) 
     body = {"chunks": [{"stream": "stdout", "offset": 0, "size": 5}], "raw": raw,
             "next_offset": 5, "gap": None, "eof": False}  # fmt: skip
     with pytest.raises(GuestError, match="malformed proc_read answer"):
+        ReadAnswer.parse(body, 0)
+
+
+def test_an_answer_of_more_chunks_than_the_agents_ring_holds_is_refused() -> None:
+    """Each chunk may become an event: a guest must not hand the loop 100,000 of them."""
+    n = process_output.MAX_CHUNKS + 1
+    body = {"chunks": [{"stream": "stdout", "offset": 2 * i, "size": 1} for i in range(n)],
+            "raw": b"x" * n, "next_offset": 2 * n, "gap": None, "eof": False}  # fmt: skip
+    with pytest.raises(GuestError, match="more than 16384 chunks"):
+        ReadAnswer.parse(body, 0)
+    body["chunks"] = body["chunks"][:-1]
+    body["raw"] = b"x" * (n - 1)
+    assert len(ReadAnswer.parse(body, 0).chunks) == n - 1  # as many as the ring holds
+
+
+@pytest.mark.parametrize("second", [0, 2], ids=["again", "overlapping"])
+def test_chunks_that_tell_the_same_bytes_twice_are_refused(second: int) -> None:
+    body = {"chunks": [{"stream": "stdout", "offset": 0, "size": 3},
+                       {"stream": "stdout", "offset": second, "size": 3}],
+            "raw": b"abcdef", "next_offset": 6, "gap": None, "eof": False}  # fmt: skip
+    with pytest.raises(GuestError, match="overlaps"):
         ReadAnswer.parse(body, 0)

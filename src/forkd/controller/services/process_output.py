@@ -23,6 +23,9 @@ from forkd.controller.models import OutputData, OutputEvent, OutputExit, OutputG
 from forkd.errors import GuestError
 
 STREAMS = ("stdout", "stderr", "pty")
+# The chunks one answer may hold: the agent's ring holds no more (forkd_procs.RING_MAX_CHUNKS).
+# Each becomes an event at worst; a guest sending more would have the loop make them all.
+MAX_CHUNKS = 16384
 # The bytes JSON escapes as \u00XX, six characters each (\t, \n, \r take two).
 _ESCAPED_LONG = bytes(b for b in range(32) if b not in b"\t\n\r")
 _NOT_ESCAPED_LONG = bytes(b for b in range(256) if b not in _ESCAPED_LONG)
@@ -48,8 +51,11 @@ class ReadAnswer:
     @classmethod
     def parse(cls, raw: dict[str, Any], offset: int) -> ReadAnswer:
         try:
+            if len(raw["chunks"]) > MAX_CHUNKS:
+                raise ValueError(f"more than {MAX_CHUNKS} chunks")
             tail = raw.get("raw")  # the bytes themselves, when the agent sent them raw
             chunks = [_chunk(c) for c in raw["chunks"]] if tail is None else _sized(raw, tail)
+            _in_order(chunks)
             gap = raw.get("gap")
             answer = cls(
                 chunks=chunks,
@@ -63,6 +69,16 @@ class ReadAnswer:
         if answer.next_offset < offset:
             raise GuestError(f"the agent's output went back from {offset} to {answer.next_offset}")
         return answer
+
+
+def _in_order(chunks: list[Chunk]) -> None:
+    """ValueError unless each chunk starts at or after the end of the one before: the
+    agent's output is one sequence of bytes, never told twice in one answer."""
+    end = 0
+    for chunk in chunks:
+        if chunk.offset < end:
+            raise ValueError(f"a chunk at {chunk.offset} overlaps the one before, ending at {end}")
+        end = chunk.offset + len(chunk.data)
 
 
 def _int(value: Any) -> int:
