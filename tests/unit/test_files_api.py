@@ -300,3 +300,31 @@ def test_a_malformed_request_to_a_current_agent_is_not_taken_for_an_old_one(
     with _http(server) as http:
         r = http.get(f"/v1/sandboxes/{sid}/files", params={"path": "/x"})
     assert r.status_code == 400 and "offset" in r.json()["error"]
+
+
+@pytest.mark.parametrize(
+    ("listing", "says"),
+    [
+        ([{"name": "x", "type": "file", "size": 1, "mode": 420, "mtime": 0.0}] * 100_001,
+         "at most 100000 entries"),
+        ([1, 2], "malformed entry"),
+        ([{"name": "x", "type": "file", "size": "big", "mode": 420, "mtime": 0}],
+         "malformed entry"),
+        ({"name": "x"}, "not a list"),
+    ],
+    ids=["too-many", "not-objects", "wrong-type", "not-a-list"],
+)  # fmt: skip
+def test_a_guests_file_listing_of_the_wrong_shape_is_a_502(
+    server: Server, sid: str, vm: FakeVM, listing: object, says: str
+) -> None:
+    """More entries than the agent lists, or entries that are not entries: refused before
+    the daemon builds a model of each (it used to, or answered with a 500)."""
+
+    async def hostile(path: str) -> object:
+        return listing
+
+    vm.list_dir = hostile  # type: ignore[method-assign,assignment]
+    with _http(server) as http:
+        r = http.get(f"/v1/sandboxes/{sid}/files/list", params={"path": "/"})
+    assert r.status_code == 502, r.text
+    assert says in r.json()["error"]

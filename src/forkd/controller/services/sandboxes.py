@@ -8,7 +8,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
+
+from pydantic import ValidationError
 
 from forkd import limits
 from forkd.controller.models import (
@@ -46,6 +48,7 @@ from forkd.errors import (
     Conflict,
     Forbidden,
     ForkdError,
+    GuestError,
     Invalid,
     NotFound,
     OverCapacity,
@@ -87,6 +90,7 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
 # sandbox's state (here its image) cannot serve; the same body succeeds elsewhere.
 EVAL_REFUSALS: dict[str, type[ForkdError]] = dict.fromkeys(EVAL_IMAGE_REFUSALS, Conflict)
 
+MAX_LISTED_FILES = 100_000  # what the agent lists of one directory at most
 EXIT_WAIT_SECS = 1.0  # for a QEMU whose agent channel just closed to finish exiting
 
 
@@ -442,8 +446,21 @@ class SandboxService:
     async def list_files(self, sandbox_id: str, path: str) -> builtins.list[FileEntry]:
         path = limits.check_guest_path(path)
         entries = await self.guest(sandbox_id, lambda vm: vm.list_dir(path))
-        return [FileEntry(**e) for e in entries]
+        return _file_entries(entries)
 
     async def remove_file(self, sandbox_id: str, path: str, recursive: bool) -> None:
         path = limits.check_guest_path(path)
         await self.guest(sandbox_id, lambda vm: vm.remove(path, recursive))
+
+
+def _file_entries(entries: Any) -> builtins.list[FileEntry]:
+    """The guest's file listing as FileEntry models, within the agent's own bound (its
+    MAX_LIST_ENTRIES): :class:`GuestError` for more, or for an entry of the wrong shape."""
+    if not isinstance(entries, builtins.list) or len(entries) > MAX_LISTED_FILES:
+        raise GuestError(f"the guest's file listing is not a list of at most "
+                         f"{MAX_LISTED_FILES} entries")  # fmt: skip
+    try:
+        return [FileEntry.model_validate(e) for e in entries]
+    except ValidationError as exc:
+        problem = exc.errors()[0]["msg"]
+        raise GuestError(f"the guest's file listing has a malformed entry: {problem}") from None
