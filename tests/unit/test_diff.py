@@ -328,6 +328,7 @@ def test_the_record_reader_takes_find_s_output_in_any_pieces() -> None:
         (b"f\0" + b"x" * 20000, "over 16384 bytes"),
         (b"E\0not json\0", "not JSON"),
         (b'E\0{"hello": 1}\0', "not its end"),
+        (b'E\0{"end": true, "pad": "' + b"x" * 20000 + b'"}\0', "an end over 16384 bytes"),
         (_records() + _records(RECORD), "after its end"),
     ],
     ids=lambda v: v.replace(" ", "-") if isinstance(v, str) else None,

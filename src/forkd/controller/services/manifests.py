@@ -176,6 +176,8 @@ class RecordReader(ManifestReader):
         del pending[:at]
 
     def _end(self, raw: bytes) -> None:
+        if len(raw) > MAX_LINE_BYTES:
+            raise GuestError(f"the guest's manifest has an end over {MAX_LINE_BYTES} bytes")
         try:
             end = json.loads(raw)
         except ValueError:
