@@ -49,7 +49,7 @@ def staged_file(target: Path) -> Iterator[BinaryIO]:
     try:
         with os.fdopen(fd, "wb") as f:
             yield f
-            os.fchmod(f.fileno(), _mode_for(target))
+        os.chmod(staged, _mode_for(target))  # by name: Windows has no fchmod before 3.13
         os.replace(staged, target)
     finally:
         staged.unlink(missing_ok=True)
