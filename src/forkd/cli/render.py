@@ -34,7 +34,7 @@ def shown(value: object) -> str:
 
 def cell(value: Any) -> str:
     """A table cell: '-' for None, else :func:`shown`."""
-    return "-" if value is None else shown(str(value))
+    return "-" if value is None else shown(value)
 
 
 def age(unix: Any, now: float | None = None) -> str:

@@ -189,9 +189,9 @@ class AsyncFiles:
         """Copy the file ``path`` to ``local_path`` (replaced once all of it came), or
         with ``directory`` the directory's content into ``local_path`` → bytes received."""
         local = Path(local_path)
-        moved = 0
         if directory:
             return await self._download_directory(path, local)
+        moved = 0
         with staged_file(local) as f:
             async for chunk in self.stream(path):
                 f.write(chunk)

@@ -24,7 +24,8 @@ PING_WAIT_SECS = 10.0
 # Between pings of an agent that is not answering yet, or answered wrongly: a guest that
 # answers every ping with junk at once must not keep the daemon's loop parsing it.
 PING_RETRY_SECS = 0.05
-RESTORE_ERRORS_KEPT = 8  # of the guest's list of what failed, each cut to 300 characters
+RESTORE_ERRORS_KEPT = 8  # of the guest's list of what failed, each cut to:
+RESTORE_ERROR_CHARS = 300
 EXEC_WAIT_MARGIN_SECS = 10.0  # beyond the command's own timeout, for the agent to answer
 # An eval past its timeout is interrupted again and again for up to 5 s
 # (forkd_eval.STOP_GRACE_S) before the agent answers without it.
@@ -309,7 +310,7 @@ def check_reseeded(result: dict[str, Any], vm_id: str, snapshot_dir: Path) -> st
     reseeded; else what else failed (clock, hostname), to be logged, or ``""``."""
     reported = result.get("errors")
     kept = reported[:RESTORE_ERRORS_KEPT] if isinstance(reported, list) else []
-    errors = "; ".join(str(e)[:300] for e in kept)
+    errors = "; ".join(str(e)[:RESTORE_ERROR_CHARS] for e in kept)
     # Children of one snapshot share its RNG state: a child the agent could
     # not reseed would hand out its siblings' keys, tokens and temp names.
     # The clock and the hostname are only logged: neither is a secret.
