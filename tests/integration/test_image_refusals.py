@@ -12,6 +12,7 @@ confined inside the image."""
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -163,6 +164,15 @@ def bomb_layer(expanded: int) -> bytes:
                      compressor.flush()])  # fmt: skip
 
 
+def bomb_diff_id(expanded: int) -> str:
+    """The digest of the tar :func:`bomb_layer` expands to."""
+    entry = hostile.archive(hostile.file("z", bytes(1 << 20)), fmt=tarfile.USTAR_FORMAT)
+    h = hashlib.sha256()
+    for _ in range(expanded >> 20):
+        h.update(entry[: 512 + (1 << 20)])
+    return "sha256:" + h.hexdigest()
+
+
 def test_hostile_images_are_refused_and_write_nothing_outside(
     ctl: Controller, archive_dir: Path, tmp_path: Path
 ) -> None:
@@ -180,9 +190,11 @@ def test_hostile_images_are_refused_and_write_nothing_outside(
         assert not escape.exists(), name
 
     # A layer that expands past the daemon's cap: refused once it passes it, not at its end.
-    data = bomb_layer(1 << 30)
+    # Its diff_id is true (the tar's digest), so the layer passes its check while it is
+    # fetched and meets the cap where the layers are merged.
+    data, diff_id = bomb_layer(1 << 30), bomb_diff_id(1 << 30)
     layer = oci_images.Layer(data, f"{oci_images.OCI_LAYER}+gzip", b"")
-    bomb = oci_images.image([layer], {"Cmd": ["true"]}, diff_ids=["sha256:" + "0" * 64])
+    bomb = oci_images.image([layer], {"Cmd": ["true"]}, diff_ids=[diff_id])
     path = oci_images.write_oci_archive(archive_dir / "bomb.tar", {"1": bomb})
     started = time.monotonic()
     error = refused(ctl, f"oci-archive:{path}:1")
@@ -243,3 +255,59 @@ def test_lying_huge_and_deep_documents_are_refused(ctl: Controller, archive_dir:
             blob.write_bytes(bytes(len(layer.data)))
         error = refused(ctl, f"oci:{layout}:1", what=name)
         assert error.status == 400, (name, error)
+
+
+def test_an_image_is_exactly_what_its_digests_say_from_every_source(
+    ctl: Controller, registry: RegistryServer, archive_dir: Path
+) -> None:
+    """Image-cache poisoning: an image whose config is byte for byte the real one's, over
+    layers of the attacker's, is refused from every source before and after the real
+    image is imported, and the real image (pinned by digest too) is its own content."""
+    good_layer = oci_images.layer({"etc/": oci_images.Dir(), "etc/marker": b"good\n"})
+    evil_layer = oci_images.layer({"etc/": oci_images.Dir(), "etc/marker": b"evil\n"})
+    good = oci_images.image([good_layer], {"Cmd": ["true"]})
+    body = json.dumps({"schemaVersion": 2, "mediaType": oci_images.OCI_MANIFEST,
+                       "config": good.config.descriptor(),
+                       "layers": [evil_layer.descriptor()]}).encode()  # fmt: skip
+    evil = oci_images.Image(
+        good.config, (evil_layer,), oci_images.Blob(body, oci_images.OCI_MANIFEST)
+    )
+    for tag, img in (("good", good), ("evil", evil)):
+        oci_images.push(registry.address, "poison/app", tag, img)
+    sources = {
+        "registry": f"{registry.address}/poison/app:evil",
+        "registry by digest": f"{registry.address}/poison/app@{evil.manifest.digest}",
+        "oci-archive": "oci-archive:"
+        + str(oci_images.write_oci_archive(archive_dir / "evil-oci.tar", {"1": evil}))
+        + ":1",
+        "oci": "oci:"
+        + str(oci_images.write_oci_layout(archive_dir / "evil-layout", {"1": evil}))
+        + ":1",
+    }
+    saved = oci_images.write_docker_archive(archive_dir / "evil-save.tar", {"app:1": evil})
+    sources["docker-archive"] = f"docker-archive:{saved}"
+    loaded = oci_images.write_oci_archive(archive_dir / "evil-load.tar", {"app:1": evil})
+
+    def all_refused() -> None:
+        for what, ref in sources.items():
+            error = refused(ctl, ref, what=what)
+            assert error.status == 400 and "diff_id" in str(error), (what, error)
+        before = CacheState.now()
+        with pytest.raises(ControllerError) as exc:
+            ctl.load_image(loaded, tag="poison:1")
+        assert exc.value.status == 400 and "diff_id" in str(exc.value), exc.value
+        assert CacheState.now() == before
+
+    def marker(info: dict[str, Any]) -> bytes:
+        rootfs = paths.images_dir() / f"{info['name']}-{info['key']}" / "rootfs.sqfs"
+        cat = subprocess.run(["rdsquashfs", "-c", "/etc/marker", str(rootfs)],
+                             capture_output=True, check=True)  # fmt: skip
+        return cat.stdout
+
+    all_refused()  # the attacker first
+    info = ctl.import_image(f"{registry.address}/poison/app@{good.manifest.digest}")
+    assert marker(info) == b"good\n"
+    all_refused()  # and after the real image is in the cache
+    again = ctl.import_image(f"{registry.address}/poison/app:good")
+    assert (again["name"], again["key"], marker(again)) == (info["name"], info["key"], b"good\n")
+    ctl.delete_image(info["name"])

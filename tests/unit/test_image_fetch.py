@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -261,6 +262,10 @@ class Served:
     requests: list[str] = field(default_factory=list)
     length: dict[str, int] = field(default_factory=dict)  # a Content-Length that lies
     headers: list[dict[str, str]] = field(default_factory=list)  # of each request
+    # path → seconds between bytes: its answer (headers too with trickle_headers) is
+    # sent a byte at a time, never quiet long enough to trip a read timeout
+    trickle: dict[str, float] = field(default_factory=dict)
+    trickle_headers: bool = False
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -270,6 +275,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.served.requests.append(self.path)
         self.served.headers.append(dict(self.headers))
         status, kind, body = self.served.routes.get(self.path, (404, "text/plain", b"{}"))
+        if self.path in self.served.trickle:
+            self._trickle(self.served.trickle[self.path], kind, body)
+            return
         self.send_response(status)
         if status == 307:  # the body names where to
             self.send_header("Location", body.decode())
@@ -279,6 +287,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a reader gave up
             self.wfile.write(body)
+
+    def _trickle(self, every: float, kind: str, body: bytes) -> None:
+        head = (f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        slow = (head if self.served.trickle_headers else b"") + body
+        try:
+            if not self.served.trickle_headers:
+                self.wfile.write(head)
+            for i in range(len(slow)):
+                self.wfile.write(slow[i : i + 1])
+                self.wfile.flush()
+                time.sleep(every)
+        except (BrokenPipeError, ConnectionResetError):  # the reader gave up: as it should
+            pass
 
     def log_message(self, *_: Any) -> None:
         pass
@@ -452,3 +474,23 @@ def test_a_layer_redirected_to_blob_storage_is_streamed_from_there_without_crede
     asked = dict(zip(served.requests, served.headers, strict=True))
     assert asked[f"/v2/lie/blobs/{lay.digest}"].get("Authorization") == "Bearer tok"
     assert "Authorization" not in asked["/storage/blob?signed=1"]
+
+
+@pytest.mark.parametrize("headers", [False, True], ids=["body", "headers"])
+def test_a_registry_trickling_a_blob_is_cut_off_at_the_deadline(
+    liar: tuple[str, Served], store: BlobStore, monkeypatch: pytest.MonkeyPatch, headers: bool
+) -> None:
+    # A byte every 0.2 s never trips a read timeout (30 s); 4,000 of them would take 13
+    # minutes. The deadline (1.5 s here, 60 s plus a second a MiB in the daemon) is held
+    # on the wire, whatever the pattern, in the answer's headers as in its body.
+    monkeypatch.setattr("forkd.oci.registry.BLOB_DEADLINE_SECS", 1.5)
+    address, served = liar
+    lay = oi.layer({"slow": b"s" * 4000}, "none")
+    img = oi.image([lay])
+    _serve(served, img)
+    served.trickle[f"/v2/lie/blobs/{lay.digest}"] = 0.2
+    served.trickle_headers = headers
+    started = time.monotonic()
+    assert "too slow" in _fails(address, store, UpstreamError)
+    assert time.monotonic() - started < 6
+    assert not store.has(lay.digest)

@@ -84,6 +84,16 @@ class Member:
     sparse: list[tuple[int, int]] | None = None
 
 
+def max_stream(limits: Limits) -> int:
+    """The longest tar stream ``limits`` allow: headers cost a few blocks an entry beyond
+    the content, so a stream longer than this is padding or headers piled up (a
+    compressed bomb of them), not content."""
+    return (
+        limits.max_bytes + limits.max_entries * HEADER_BLOCKS_PER_ENTRY * BLOCK
+        + MAX_META_HEADERS * limits.max_header_bytes
+    )  # fmt: skip
+
+
 class TarReader:
     """The members of a tar stream in order; read each one's content with :meth:`read`
     before moving on (what is left unread is skipped)."""
@@ -93,10 +103,7 @@ class TarReader:
         self.limits = limits
         # Headers cost a few blocks an entry beyond the content: a stream longer than
         # this is padding or headers piled up (a compressed bomb of them), not content.
-        self.max_stream = (
-            limits.max_bytes + limits.max_entries * HEADER_BLOCKS_PER_ENTRY * BLOCK
-            + MAX_META_HEADERS * limits.max_header_bytes
-        )  # fmt: skip
+        self.max_stream = max_stream(limits)
         self.stream = 0
         self.entries = 0
         self.bytes = 0  # apparent sizes of the files so far

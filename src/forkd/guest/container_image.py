@@ -5,8 +5,11 @@ An imported image is a directory ``<cache>/images/<name>-<key>/`` like a recipe'
 (``vmlinuz``, ``initrd.img``, ``rootfs.sqfs``, ``image.json``) plus
 ``runtime.sqfs`` (hard-linked from the one runtime, see :mod:`forkd.guest.runtime`).
 ``name`` is ``oci-`` and the first 12 hex digits of the image's config digest
-(its image id, as ``docker images`` shows it); ``key`` hashes that digest, the
-kernel and the runtime, so importing the same image again finds it built. The
+(its image id, as ``docker images`` shows it); ``key`` hashes what the build is
+made of: that digest, every layer's blob digest and checked diff_id in order, the
+kernel and the runtime. So importing the same image again finds it built, and an
+image that shares only its config's bytes with another (other layers under the
+same image id) never does: a build is reused only when every input matches. The
 reference it was imported as, its config and its layers' digests are in
 ``image.json``. Built in a staging directory renamed into place only when
 complete, like a recipe image.
@@ -30,7 +33,7 @@ from forkd.guest import guest_files, kernel, recipe, runtime
 from forkd.guest import image as images
 from forkd.image_import.model import FetchedImage, ImageConfig, RootfsStats
 
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: the key holds the layers, not the config alone
 KIND = "container"  # image.json's "kind" for an imported image (a recipe image has none)
 RUNTIME_FILE = "runtime.sqfs"
 
@@ -90,6 +93,7 @@ def build(
         "manifest_digest": fetched.manifest_digest,
         "config_digest": fetched.config_digest,
         "layers": [layer.digest for layer in fetched.layers],
+        "diff_ids": [layer.diff_id for layer in fetched.layers],
     }
     return assemble(fetched.config_digest, fetched.config, identity, write, progress)
 
@@ -104,7 +108,8 @@ def assemble(
     """Build (or find) the image directory whose root disk ``write_rootfs`` makes.
 
     ``identity`` goes into image.json as it is (reference, digests); its
-    ``reference`` is added to an existing build's references.
+    ``reference`` is added to an existing build's references. Its ``layers`` and
+    ``diff_ids`` are part of the build's key with ``config_digest``.
     """
     say = progress or (lambda _msg: None)
     for tool in ("apt-get", "apt-cache", "dpkg-deb", "depmod", "cpio", "mmdebstrap", "mksquashfs"):
@@ -118,6 +123,8 @@ def assemble(
     h = hashlib.sha256()
     for part in (BUILDER_VERSION, kpkg.key, runtime.key(base_key), config_digest):
         h.update(f"{part}\n".encode())
+    layers, diff_ids = identity.get("layers") or [], identity.get("diff_ids") or []
+    h.update(json.dumps({"layers": layers, "diff_ids": diff_ids}).encode() + b"\n")
     guest_files.digest(h, guest_files.INITRAMFS_FILES)  # stage 1, in the initramfs
     key = h.hexdigest()[:16]
     name = image_name(config_digest)

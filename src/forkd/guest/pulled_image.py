@@ -56,6 +56,11 @@ def _container(meta: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(layers, list) or len(layers) > MAX_LAYERS:
         raise PulledImageInvalid(f"its image's layers are not a list of at most {MAX_LAYERS}")
     out["layers"] = [_digest(d, "a layer of its image") for d in layers]
+    diff_ids = meta.get("diff_ids", [])
+    if not isinstance(diff_ids, list) or len(diff_ids) > MAX_LAYERS:
+        raise PulledImageInvalid(f"its image's diff_ids are not a list of at most {MAX_LAYERS}")
+    if diff_ids:
+        out["diff_ids"] = [_digest(d, "a layer's diff_id of its image") for d in diff_ids]
     references = meta.get("references") or []
     if not isinstance(references, list) or len(references) > MAX_REFERENCES:
         raise PulledImageInvalid("its image's references are not a short list")

@@ -38,6 +38,7 @@ class BlobStore:
         self.root = Path(root)
         self.blobs_dir = self.root / "sha256"
         self.tmp_dir = self.root / "tmp"
+        self.diff_ids_dir = self.root / "diff_ids"  # <hex>: the tar blob <hex> was checked to hold
 
     # ------------------------------------------------------------ reading
 
@@ -84,7 +85,30 @@ class BlobStore:
                 total += (self.blobs_dir / digest[7:]).stat().st_size
         return total
 
+    def is_verified(self, digest: str, diff_id: str) -> bool:
+        """Whether the layer blob ``digest`` was checked to hold the tar ``diff_id``."""
+        self._file(digest)
+        try:
+            return (self.diff_ids_dir / digest[7:]).read_text() == diff_id
+        except (OSError, UnicodeDecodeError):
+            return False
+
     # ------------------------------------------------------------ writing
+
+    def mark_verified(self, digest: str, diff_id: str) -> None:
+        """Remember that the layer blob ``digest`` holds the tar ``diff_id`` (checked by
+        the caller: a blob has one tar, so this is said once)."""
+        self._file(digest)
+        self._file(diff_id)
+        self.diff_ids_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = self.temp_file(".diff_id")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(diff_id)
+            os.replace(tmp, self.diff_ids_dir / digest[7:])
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise write_error(exc) from exc
 
     def writer(
         self, digest: str | None, size: int, *, error: type[ForkdError] = Invalid
@@ -111,6 +135,8 @@ class BlobStore:
         freed = 0
         for digest in digests:
             path = self._file(digest)
+            with contextlib.suppress(FileNotFoundError):
+                (self.diff_ids_dir / digest[7:]).unlink()
             with contextlib.suppress(FileNotFoundError):
                 size = path.stat().st_size
                 path.unlink()
@@ -198,13 +224,7 @@ class BlobWriter:
         """Check the blob and rename it into place; its digest and path in the store."""
         if self._fd is None or self._path is None:
             raise RuntimeError("BlobWriter committed outside its with block")
-        digest = "sha256:" + self._hash.hexdigest()
-        if self.written != self.size:
-            raise self.error(
-                f"{self._what()} has {self.written} bytes where {self.size} were stated: refused"
-            )
-        if self.digest is not None and digest != self.digest:
-            raise self.error(f"{self._what()} has the digest {digest}: refused")
+        digest = self.check()
         final = self.store.blobs_dir / digest[7:]
         try:
             os.fsync(self._fd)
@@ -216,6 +236,18 @@ class BlobWriter:
         except OSError as exc:
             raise write_error(exc) from exc
         return digest, final
+
+    def check(self) -> str:
+        """The blob's digest; ``error`` when what was written is not the stated size or
+        digest."""
+        digest = "sha256:" + self._hash.hexdigest()
+        if self.written != self.size:
+            raise self.error(
+                f"{self._what()} has {self.written} bytes where {self.size} were stated: refused"
+            )
+        if self.digest is not None and digest != self.digest:
+            raise self.error(f"{self._what()} has the digest {digest}: refused")
+        return digest
 
     def _what(self) -> str:
         return f"blob {self.digest}" if self.digest else "a blob"

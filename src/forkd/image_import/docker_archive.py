@@ -12,30 +12,29 @@ again.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import io
 import json
 import posixpath
-import zlib
-from collections.abc import Callable, Iterator
-from typing import IO, Any, Protocol, cast
-
-import zstandard
+from typing import Any
 
 from forkd.errors import Invalid, NotFound
 from forkd.image_import import manifests
 from forkd.image_import.blob_store import BlobStore
-from forkd.image_import.fetch import Meter, Say, short_digest
-from forkd.image_import.local_sources import PIECE, TarFiles, read_small
+from forkd.image_import.diff_ids import copy_checking_diff_id
+from forkd.image_import.fetch import LAYER_CAP, Meter, Say, check_held, short_digest
+from forkd.image_import.local_sources import TarFiles, read_small
 from forkd.image_import.model import FetchedImage, LayerBlob
 from forkd.oci.reference import DIGEST
 
-MAX_UNPACKED_LAYER = 1 << 40  # a layer hashed through its decompression
-
 
 def import_docker_archive(
-    files: TarFiles, tag: str | None, store: BlobStore, reference: str, say: Say
+    files: TarFiles,
+    tag: str | None,
+    store: BlobStore,
+    reference: str,
+    say: Say,
+    *,
+    layer_cap: int = LAYER_CAP,
 ) -> FetchedImage:
     """The image of a ``docker save`` archive (the one it holds, or the one tagged ``tag``)."""
     say("manifest")
@@ -51,18 +50,23 @@ def import_docker_archive(
     layers: list[LayerBlob] = []
     for i, (name, diff_id) in enumerate(zip(layer_names, parsed.diff_ids, strict=True), 1):
         label = f"layer {i}/{len(layer_names)} {short_digest(diff_id)}"
+        what = f"{reference}'s layer {i} ({name})"
         held = store.path(diff_id)  # the plain tar, whatever the archive holds it as
         if held is not None:
+            if not store.is_verified(diff_id, diff_id):  # kept as another image's blob
+                check_held(store, held, diff_id, diff_id, what, layer_cap)
             size = held.stat().st_size
             say(f"{label} cached ({size / (1 << 20):.1f} MiB)")
-            layers.append(LayerBlob(diff_id, size, manifests.OCI_LAYER, held))
+            layers.append(LayerBlob(diff_id, size, manifests.OCI_LAYER, held, diff_id))
             reused += size
             continue
         with files.open(name) as (size, chunks), store.writer(_named_digest(name), size) as w:
-            media_type = copy_checking_diff_id(chunks, Meter(w, label, say).write, diff_id,
-                                               f"{reference}'s layer {i} ({name})")  # fmt: skip
+            media_type = copy_checking_diff_id(
+                chunks, Meter(w, label, say).write, diff_id, what, cap=layer_cap
+            )
             digest, held = w.commit()
-        layers.append(LayerBlob(digest, size, media_type, held))
+        store.mark_verified(digest, diff_id)
+        layers.append(LayerBlob(digest, size, media_type, held, diff_id))
         fetched += size
     if not store.has(config_digest):
         store.put(config_data, config_digest)
@@ -119,72 +123,3 @@ def _named_digest(name: str) -> str | None:
         digest = f"sha256:{base}"
         return digest if DIGEST.fullmatch(digest) else None
     return None
-
-
-class _Tee:
-    """A file-like reader of chunks that hands every byte read to ``write`` as well."""
-
-    def __init__(self, chunks: Iterator[bytes], write: Callable[[bytes], None]) -> None:
-        self._chunks, self._write = chunks, write
-        self._buffer = b""
-
-    def peek(self, n: int) -> bytes:
-        while len(self._buffer) < n:
-            piece = next(self._chunks, b"")
-            if not piece:
-                break
-            self._buffer += piece
-        return self._buffer[:n]
-
-    def read(self, n: int = -1) -> bytes:
-        if not self._buffer:
-            self._buffer = next(self._chunks, b"")
-        n = len(self._buffer) if n is None or n < 0 else n
-        piece, self._buffer = self._buffer[:n], self._buffer[n:]
-        if piece:
-            self._write(piece)
-        return piece
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET, /) -> int:
-        """A stream: not seekable (GzipFile only seeks to rewind, which nothing here asks)."""
-        raise io.UnsupportedOperation("seek")
-
-    def drain(self) -> None:
-        while self.read(PIECE):
-            pass
-
-
-class _Reader(Protocol):
-    def read(self, n: int = ..., /) -> bytes: ...
-
-
-def copy_checking_diff_id(
-    chunks: Iterator[bytes], write: Callable[[bytes], None], diff_id: str, what: str
-) -> str:
-    """Copy a layer to ``write``, hashing it as the tar it holds (decompressed); its media
-    type. :class:`Invalid` when that tar is not ``diff_id``."""
-    tee = _Tee(chunks, write)
-    head = tee.peek(4)
-    stream: _Reader = tee
-    media_type = manifests.OCI_LAYER
-    if head.startswith(b"\x1f\x8b"):
-        stream, media_type = gzip.GzipFile(fileobj=tee, mode="rb"), f"{manifests.OCI_LAYER}+gzip"
-    elif head.startswith(b"\x28\xb5\x2f\xfd"):
-        # zstandard's stub asks for IO[bytes]; it reads any object with read(size)
-        # (its documentation says so), which is all a _Tee is.
-        source = cast(IO[bytes], tee)
-        stream = zstandard.ZstdDecompressor().stream_reader(source, read_across_frames=True)
-        media_type = f"{manifests.OCI_LAYER}+zstd"
-    h, total = hashlib.sha256(), 0
-    try:
-        while piece := stream.read(PIECE):
-            h.update(piece)
-            total += len(piece)
-            if total > MAX_UNPACKED_LAYER:
-                raise Invalid(f"{what} unpacks to more than {MAX_UNPACKED_LAYER} bytes")
-        tee.drain()
-    except (OSError, EOFError, zlib.error, zstandard.ZstdError) as exc:
-        raise Invalid(f"{what} is not a valid compressed tar ({exc})") from None
-    if "sha256:" + h.hexdigest() != diff_id:
-        raise Invalid(f"{what} does not match the config's diff_id {diff_id}: refused")
-    return media_type

@@ -13,15 +13,20 @@ shares base layers with another reads only its own.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Protocol
 
 from forkd.errors import ForkdError, Invalid, UpstreamError
 from forkd.image_import import manifests, references
 from forkd.image_import.blob_store import BlobStore, BlobWriter
+from forkd.image_import.diff_ids import copy_checking_diff_id, file_chunks
+from forkd.image_import.layers import layer_cap
 from forkd.image_import.manifests import Descriptor, ImageIndex, ImageManifest
 from forkd.image_import.model import FetchedImage, LayerBlob
+from forkd.limits import MAX_IMAGE_BYTES
 from forkd.oci import auth
 from forkd.oci.policy import RegistryPolicy
 from forkd.oci.registry import Registry
@@ -30,6 +35,9 @@ MAX_INDEX_HOPS = 2  # an index may name an index (an OCI layout's index.json, th
 PROGRESS_EVERY_BYTES = 16 << 20
 PROGRESS_EVERY_SECS = 1.0
 MIB = 1 << 20
+# What one layer's tar may be, decompressed, when the caller does not say: as long as a
+# tar within the default image limits can be.
+LAYER_CAP = layer_cap(MAX_IMAGE_BYTES)
 
 Say = Callable[[str], None]
 CredentialsFor = Callable[[str], auth.Credentials | None]
@@ -43,22 +51,26 @@ def fetch_image(
     credentials_for: CredentialsFor = auth.from_docker_config,
     docker_host: str | None = None,
     progress: Say | None = None,
+    layer_cap: int = LAYER_CAP,
 ) -> FetchedImage:
     """Fetch the image ``text`` names into ``store``, checked; what it holds and what the
     import read. Raises :class:`Invalid` (a malformed reference or image),
     :class:`NotFound` (no such image, repository, tag or file), ``UpstreamRefused``
     (credentials), :class:`UpstreamError` (a registry unreachable or lying),
     :class:`Unavailable` (no Docker Engine); a failed import leaves nothing behind but
-    whole, checked blobs."""
+    whole, checked blobs. Every layer's tar is checked against the config's diff_id
+    (at most ``layer_cap`` bytes of it)."""
     say: Say = progress or (lambda _msg: None)
     source = references.parse(text, policy)
     if isinstance(source, references.RegistryImage):
         ref = source.ref
         with Registry(ref, policy=policy, credentials=credentials_for(ref.registry)) as reg:
-            return import_manifest(RegistrySource(reg), store, str(source), say)
+            return import_manifest(
+                RegistrySource(reg), store, str(source), say, layer_cap=layer_cap
+            )
     from forkd.image_import import local_sources  # files on this host, and the Docker Engine
 
-    return local_sources.fetch(source, store, say, docker_host=docker_host)
+    return local_sources.fetch(source, store, say, docker_host=docker_host, layer_cap=layer_cap)
 
 
 class Source(Protocol):
@@ -79,8 +91,8 @@ class Source(Protocol):
         """A small blob (a manifest, a config), checked against ``desc``."""
         ...
 
-    def copy(self, desc: Descriptor, write: Callable[[bytes], None]) -> None:
-        """A blob handed to ``write`` piece by piece; ``write`` checks it."""
+    def chunks(self, desc: Descriptor) -> contextlib.AbstractContextManager[Iterator[bytes]]:
+        """A blob piece by piece, checked against ``desc`` once all are read."""
         ...
 
 
@@ -104,13 +116,16 @@ class RegistrySource:
             return data
         return self.registry.get_blob(desc.digest, desc.size)
 
-    def copy(self, desc: Descriptor, write: Callable[[bytes], None]) -> None:
-        self.registry.stream_blob(desc.digest, desc.size, write)
+    def chunks(self, desc: Descriptor) -> contextlib.AbstractContextManager[Iterator[bytes]]:
+        return self.registry.blob_chunks(desc.digest, desc.size)
 
 
-def import_manifest(source: Source, store: BlobStore, reference: str, say: Say) -> FetchedImage:
+def import_manifest(
+    source: Source, store: BlobStore, reference: str, say: Say, *, layer_cap: int = LAYER_CAP
+) -> FetchedImage:
     """The image the source's reference names, into ``store``: its index walked to the
-    linux/amd64 manifest, that manifest, its config and its layers checked and stored."""
+    linux/amd64 manifest, that manifest, its config and its layers checked and stored
+    (each layer's tar against the config's diff_id, at most ``layer_cap`` bytes)."""
     say("manifest")
     data, digest, media_type = source.top()
     fetched = len(data)
@@ -136,7 +151,9 @@ def import_manifest(source: Source, store: BlobStore, reference: str, say: Say) 
     else:
         reused += len(config_data)
     parsed = manifests.parse_config(config_data, len(doc.layers), f"the config of {reference}")
-    layers, layer_fetched, layer_reused = copy_layers(source, store, doc.layers, say)
+    layers, layer_fetched, layer_reused = copy_layers(
+        source, store, doc.layers, parsed.diff_ids, say, layer_cap=layer_cap
+    )
     # Kept last: a manifest in the store is one whose config and layers are there too.
     if not config_held:
         store.put(config_data, doc.config.digest, error=source.error)
@@ -154,24 +171,53 @@ def import_manifest(source: Source, store: BlobStore, reference: str, say: Say) 
 
 
 def copy_layers(
-    source: Source, store: BlobStore, descs: tuple[Descriptor, ...], say: Say
+    source: Source,
+    store: BlobStore,
+    descs: tuple[Descriptor, ...],
+    diff_ids: tuple[str, ...],
+    say: Say,
+    *,
+    layer_cap: int,
 ) -> tuple[tuple[LayerBlob, ...], int, int]:
-    """Each layer the store lacks copied into it; the layers, bytes fetched, bytes reused."""
+    """Each layer the store lacks copied into it, every one checked against its diff_id
+    (a held one once, then remembered); the layers, bytes fetched, bytes reused."""
     layers: list[LayerBlob] = []
     fetched = reused = 0
-    for i, desc in enumerate(descs, 1):
+    for i, (desc, diff_id) in enumerate(zip(descs, diff_ids, strict=True), 1):
         label = f"layer {i}/{len(descs)} {short_digest(desc.digest)}"
+        what = f"layer {i}/{len(descs)} ({desc.digest})"
         held = store.path(desc.digest)
         if held is not None and held.stat().st_size == desc.size:
+            if not store.is_verified(desc.digest, diff_id):
+                say(f"{label} cached: checking it against the config")
+                check_held(store, held, desc.digest, diff_id, what, layer_cap)
             say(f"{label} cached ({desc.size / MIB:.1f} MiB)")
             reused += desc.size
         else:
             with store.writer(desc.digest, desc.size, error=source.error) as w:
-                source.copy(desc, Meter(w, label, say).write)
+                with source.chunks(desc) as chunks:
+                    try:
+                        copy_checking_diff_id(
+                            chunks, Meter(w, label, say).write, diff_id, what, cap=layer_cap
+                        )
+                    except Invalid:
+                        if w.written == w.size:  # read whole: one not its digest says so
+                            w.check()
+                        raise
                 _, held = w.commit()
+            store.mark_verified(desc.digest, diff_id)
             fetched += desc.size
-        layers.append(LayerBlob(desc.digest, desc.size, desc.media_type, held))
+        layers.append(LayerBlob(desc.digest, desc.size, desc.media_type, held, diff_id))
     return tuple(layers), fetched, reused
+
+
+def check_held(
+    store: BlobStore, held: Path, digest: str, diff_id: str, what: str, cap: int
+) -> None:
+    """Check a blob the store holds against ``diff_id`` (it was kept by another image's
+    import, whose config may have said otherwise) and remember it was."""
+    copy_checking_diff_id(file_chunks(held), lambda _piece: None, diff_id, what, cap=cap)
+    store.mark_verified(digest, diff_id)
 
 
 class Meter:

@@ -49,17 +49,20 @@ as the OCI layer spec reads. Times outside squashfs's range are
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gzip
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, BinaryIO
+from typing import IO
 
 import zstandard
 
 from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, UnsafeEntry, shown
-from forkd.archive.tar_format import Kind, Limits, Member, ReadFn, TarReader
+from forkd.archive.tar_format import Kind, Limits, Member, ReadFn, TarReader, max_stream
 from forkd.archive.unpack import MAX_LINK_HOPS, ROOTFS_XATTR_PREFIXES
+from forkd.errors import Invalid
+from forkd.image_import import diff_ids
 from forkd.image_import.model import LayerBlob
 from forkd.limits import MAX_IMAGE_BYTES
 
@@ -70,6 +73,14 @@ IMAGE_LIMITS = Limits(
     max_path_bytes=4096,
     max_depth=256,
 )
+
+
+def layer_cap(max_bytes: int) -> int:
+    """The most one layer's tar may be when an image may expand to ``max_bytes``: what
+    its diff_id is checked over while it is fetched."""
+    return max_stream(dataclasses.replace(IMAGE_LIMITS, max_bytes=max_bytes))
+
+
 CHUNK = 256 << 10  # a file's content is copied, and checked for zeros, this much at a time
 MAX_ZERO_HOLES = 4096  # holes made of zero chunks in one file (a sparse map stays small)
 NAME_MAX = 255  # bytes in one component, as Linux and squashfs allow
@@ -81,14 +92,10 @@ MAX_ID = (1 << 32) - 2  # uid/gid; (1 << 32) - 1 is "no owner"
 # here, 30,000 names in one directory took 6 s and 60,000 took 28 s, and the 1,000,000
 # the image may hold would take hours. At this cap a directory costs under 40 s.
 MAX_DIR_ENTRIES = 65_536
-ZSTD_MAX_WINDOW = 1 << 27  # zstd's default limit: a frame asking for more memory is refused
 OPAQUE = ".wh..wh..opq"
 WHITEOUT = ".wh."
 AUFS_META = ".wh..wh."
 _ZERO_CHUNK = bytes(CHUNK)
-_GZIP_MAGIC = b"\x1f\x8b"
-_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-_REFUSED_MAGIC = {b"\xfd7zXZ": "xz", b"BZh": "bzip2"}
 
 Progress = Callable[[str], None]
 
@@ -376,22 +383,16 @@ def _check_component(part: str) -> None:
 
 @contextlib.contextmanager
 def open_layer(path: Path, cap: int) -> Iterator[ReadFn]:
-    """A ``read(n)`` of the layer's tar stream, decompressed by what its first bytes say;
-    more than ``cap`` decompressed bytes is :class:`ArchiveTooLarge`."""
+    """A ``read(n)`` of the layer's tar stream, decompressed by what its first bytes say
+    (as its diff_id was checked); more than ``cap`` decompressed bytes is
+    :class:`ArchiveTooLarge`."""
     with open(path, "rb") as raw:
-        magic = raw.read(6)
+        try:
+            compression = diff_ids.compression_of(raw.read(6))
+        except Invalid as exc:
+            raise BadArchive(str(exc)) from None
         raw.seek(0)
-        stream: BinaryIO
-        if magic.startswith(_GZIP_MAGIC):
-            stream = gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[assignment]
-        elif magic.startswith(_ZSTD_MAGIC):
-            decompressor = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
-            stream = decompressor.stream_reader(raw, read_across_frames=True)
-        else:
-            for prefix, what in _REFUSED_MAGIC.items():
-                if magic.startswith(prefix):
-                    raise BadArchive(f"the layer is compressed with {what}, not gzip or zstd")
-            stream = raw
+        stream = diff_ids.decompressing(raw, compression)
         total = 0
 
         def read(n: int) -> bytes:
@@ -405,8 +406,11 @@ def open_layer(path: Path, cap: int) -> Iterator[ReadFn]:
                 raise ArchiveTooLarge(f"the layer decompresses to more than {cap} bytes")
             return piece
 
-        with stream:
+        try:
             yield read
+        finally:
+            if stream is not raw:
+                stream.close()  # type: ignore[attr-defined]
 
 
 def read_layers(
@@ -421,12 +425,10 @@ def read_layers(
         data_path = work / f"layer-{index}.data"
         tree.data_paths.append(data_path)
         try:
-            with open(data_path, "wb") as data:
-                reader = TarReader(lambda n: b"", limits)  # for its bound on the stream
-                with open_layer(layer.path, reader.max_stream) as read:
-                    reader = TarReader(read, limits)
-                    for member in reader:
-                        tree.apply(member, reader, index, data)
+            with open(data_path, "wb") as data, open_layer(layer.path, max_stream(limits)) as read:
+                reader = TarReader(read, limits)
+                for member in reader:
+                    tree.apply(member, reader, index, data)
         except ArchiveError as exc:
             raise type(exc)(f"layer {index + 1}/{len(layers)} ({layer.digest}): {exc}") from None
     return tree

@@ -19,7 +19,7 @@ import hashlib
 import os
 import posixpath
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -28,7 +28,8 @@ from forkd.archive.tar_format import Kind, TarReader
 from forkd.errors import Invalid, NotFound
 from forkd.image_import import manifests, references
 from forkd.image_import.blob_store import BlobStore
-from forkd.image_import.fetch import Say, import_manifest
+from forkd.image_import.diff_ids import LayerMismatch
+from forkd.image_import.fetch import LAYER_CAP, Say, import_manifest
 from forkd.image_import.manifests import Descriptor, ImageIndex
 from forkd.image_import.model import FetchedImage
 
@@ -50,32 +51,40 @@ _COMPRESSED = {
 
 
 def fetch(
-    source: references.ImageSource, store: BlobStore, say: Say, *, docker_host: str | None
+    source: references.ImageSource,
+    store: BlobStore,
+    say: Say,
+    *,
+    docker_host: str | None,
+    layer_cap: int = LAYER_CAP,
 ) -> FetchedImage:
     """The image a reference of a file, a directory or the Docker Engine names."""
     reference = str(source)
-    if isinstance(source, references.OciLayout):
-        with DirFiles(source.path) as files:
-            return import_manifest(
-                LayoutSource(files, source.tag, reference), store, reference, say
-            )
-    if isinstance(source, references.OciArchive):
-        with TarFiles(source.path) as files:
-            return import_manifest(
-                LayoutSource(files, source.tag, reference), store, reference, say
-            )
+    if isinstance(source, (references.OciLayout, references.OciArchive)):
+        opened = DirFiles if isinstance(source, references.OciLayout) else TarFiles
+        with opened(source.path) as files:
+            layout = LayoutSource(files, source.tag, reference)
+            return import_manifest(layout, store, reference, say, layer_cap=layer_cap)
     if isinstance(source, references.DockerArchive):
         from forkd.image_import.docker_archive import import_docker_archive
 
         with TarFiles(source.path) as files:
-            return import_docker_archive(files, source.tag, store, reference, say)
+            return import_docker_archive(
+                files, source.tag, store, reference, say, layer_cap=layer_cap
+            )
     if isinstance(source, references.DaemonImage):
-        return _from_engine(source, store, say, docker_host)
+        return _from_engine(source, store, say, docker_host, layer_cap)
     raise Invalid(f"{reference} is not an image on this host")
 
 
 def fetch_loaded(
-    path: Path, tag: str | None, store: BlobStore, say: Say, *, shown: str
+    path: Path,
+    tag: str | None,
+    store: BlobStore,
+    say: Say,
+    *,
+    shown: str,
+    layer_cap: int = LAYER_CAP,
 ) -> FetchedImage:
     """The image of an archive a client sent (``POST /v1/images/load``): a ``docker save``
     archive or an OCI archive, told apart by what it holds (``manifest.json``, or
@@ -89,9 +98,10 @@ def fetch_loaded(
 
         def load(chosen: str | None) -> FetchedImage:
             if files.has("manifest.json"):
-                return import_docker_archive(files, chosen, store, shown, say)
+                return import_docker_archive(files, chosen, store, shown, say, layer_cap=layer_cap)
             if files.has("oci-layout") and files.has("index.json"):
-                return import_manifest(LayoutSource(files, chosen, shown), store, shown, say)
+                layout = LayoutSource(files, chosen, shown)
+                return import_manifest(layout, store, shown, say, layer_cap=layer_cap)
             raise Invalid(
                 f"{shown} is neither a docker save archive (no manifest.json) nor an OCI "
                 "archive (no oci-layout and index.json)"
@@ -104,12 +114,18 @@ def fetch_loaded(
                 raise
             try:
                 return load(None)
+            except LayerMismatch:
+                raise  # the one image it holds is not what its config says
             except Invalid:
                 raise missing from None
 
 
 def _from_engine(
-    source: references.DaemonImage, store: BlobStore, say: Say, docker_host: str | None
+    source: references.DaemonImage,
+    store: BlobStore,
+    say: Say,
+    docker_host: str | None,
+    layer_cap: int,
 ) -> FetchedImage:
     from forkd.image_import import docker_engine
     from forkd.image_import.docker_archive import import_docker_archive
@@ -125,7 +141,7 @@ def _from_engine(
             progress=lambda n: say(f"exported {n / (1 << 20):.1f} MiB"),
         )
         with TarFiles(saved, shown=str(source)) as files:
-            return import_docker_archive(files, None, store, str(source), say)
+            return import_docker_archive(files, None, store, str(source), say, layer_cap=layer_cap)
     finally:
         saved.unlink(missing_ok=True)
 
@@ -373,22 +389,20 @@ class LayoutSource:
     def read(self, desc: Descriptor) -> bytes:
         if desc.size > manifests.MAX_DOCUMENT_BYTES:
             raise Invalid(f"{self.reference}: blob {desc.digest} is too large for a manifest")
-        data = b"".join(self._blob(desc, lambda chunk: None))
+        data = b"".join(self._blob(desc))
         if "sha256:" + hashlib.sha256(data).hexdigest() != desc.digest:
             raise Invalid(f"{self.reference}: blob {desc.digest} does not match its digest")
         return data
 
-    def copy(self, desc: Descriptor, write: Callable[[bytes], None]) -> None:
-        for _ in self._blob(desc, write):
-            pass
+    @contextlib.contextmanager
+    def chunks(self, desc: Descriptor) -> Iterator[Iterator[bytes]]:
+        yield self._blob(desc)
 
-    def _blob(self, desc: Descriptor, write: Callable[[bytes], None]) -> Iterator[bytes]:
+    def _blob(self, desc: Descriptor) -> Iterator[bytes]:
         with self.files.open(blob_name(desc.digest)) as (size, chunks):
             if size != desc.size:
                 raise Invalid(
                     f"{self.reference}: blob {desc.digest} is {size} bytes where its "
                     f"descriptor says {desc.size}"
                 )
-            for chunk in chunks:
-                write(chunk)
-                yield chunk
+            yield from chunks

@@ -51,12 +51,13 @@ class ImageConfig:
 @dataclass(frozen=True)
 class LayerBlob:
     """One layer as fetched: the blob (gzip, zstd or plain tar) in the blob store,
-    its digest checked."""
+    its digest checked, and the tar it holds checked against the config's diff_id."""
 
     digest: str  # "sha256:<hex>" of the blob as stored (compressed)
     size: int
     media_type: str
     path: Path
+    diff_id: str = ""  # "sha256:<hex>" of the tar it holds, as the image's config says
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,22 @@ made to a checked address: a name that resolves to the host, or a second
 lookup that answers otherwise (DNS rebinding), cannot reach the host's own
 services. TLS still checks the certificate against the name. The environment's
 proxies are not used: behind one, no address could be checked.
+
+Every connection's reads and writes are also held to the deadline of the transfer
+under way (:func:`transfer_deadline`): each waits at most until then, so a
+registry that sends a byte now and then, slower than any read timeout but never
+quiet long enough to trip one, is cut off at the deadline all the same, in its
+headers as in its body.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import socket
-from collections.abc import Iterable
+import ssl
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import httpcore
@@ -24,6 +34,60 @@ from forkd.errors import Invalid
 from forkd.oci.policy import RegistryPolicy, is_this_host
 
 KEEPALIVE_SECS = 5.0  # httpx's own default
+# When the transfer this thread is making must be over (time.monotonic()); None: no bound
+# beyond each read's own timeout.
+_DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar(
+    "forkd_registry_deadline", default=None
+)
+
+
+@contextlib.contextmanager
+def transfer_deadline(at: float) -> Iterator[None]:
+    """Within the block, every read and write on a registry connection of this thread
+    waits at most until ``at`` (``time.monotonic()``); past it they time out."""
+    token = _DEADLINE.set(at)
+    try:
+        yield
+    finally:
+        _DEADLINE.reset(token)
+
+
+def _bounded(timeout: float | None, timed_out: type[Exception]) -> float | None:
+    at = _DEADLINE.get()
+    if at is None:
+        return timeout
+    left = at - time.monotonic()
+    if left <= 0:
+        raise timed_out("the transfer ran past its deadline")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    """A connection whose every read and write ends by the transfer's deadline."""
+
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _bounded(timeout, httpcore.ReadTimeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _bounded(timeout, httpcore.WriteTimeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,
+    ) -> httpcore.NetworkStream:
+        bounded = _bounded(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, bounded))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
 
 
 class CheckedTransport(httpx.HTTPTransport):
@@ -63,6 +127,17 @@ class _Backend(httpcore.NetworkBackend):
         timeout: float | None = None,
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        timeout = _bounded(timeout, httpcore.ConnectTimeout)
+        return _DeadlineStream(self._connect(host, port, timeout, local_address, socket_options))
+
+    def _connect(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None,
+        local_address: str | None,
+        socket_options: Iterable[Any] | None,
     ) -> httpcore.NetworkStream:
         if self._policy.lists(host, port):
             return self._inner.connect_tcp(host, port, timeout, local_address, socket_options)

@@ -31,7 +31,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from http import HTTPStatus
 from types import TracebackType
 from typing import Any
@@ -40,7 +40,7 @@ import httpx
 
 from forkd.errors import NotFound, UpstreamError, UpstreamRefused
 from forkd.oci import auth
-from forkd.oci.connect import CheckedTransport
+from forkd.oci.connect import CheckedTransport, transfer_deadline
 from forkd.oci.policy import RegistryPolicy
 from forkd.oci.reference import Reference
 
@@ -52,7 +52,6 @@ TIMEOUT = httpx.Timeout(30.0, connect=5.0)
 BLOB_DEADLINE_SECS = 60.0  # plus a second per MiB (1 MiB/s at least), either way
 UPLOAD_PIECE_BYTES = 256 << 10  # an upload is written in pieces this big, its deadline checked
 MAX_REDIRECTS = 3
-STREAM_PIECE_BYTES = 1 << 20  # what a streamed blob is handed on in
 # What a container image's manifest may be, for an image import (forkd's own snapshots
 # are OCI image manifests of an artifact type: get_manifest).
 IMAGE_MANIFEST_TYPES = (
@@ -172,7 +171,7 @@ class Registry:
     def get_blob(self, digest: str, size: int) -> bytes:
         """The blob ``digest`` of ``size`` bytes (the manifest's word), checked against both."""
         deadline = time.monotonic() + BLOB_DEADLINE_SECS + size / (1 << 20)
-        with self._open_blob(digest) as r:
+        with self._open_blob(digest, deadline) as r:
             data = _read_at_most(r, size, f"blob {digest}", deadline)
         if len(data) != size or sha256(data) != digest:
             raise UpstreamError(
@@ -181,26 +180,34 @@ class Registry:
             )
         return data
 
-    def stream_blob(self, digest: str, size: int, write: Callable[[bytes], None]) -> None:
-        """The blob ``digest`` of ``size`` bytes handed to ``write`` piece by piece, as it
-        arrives (a layer may be GiBs); checked against both at its end, so a caller that
-        keeps what it was given only once this returns keeps nothing wrong."""
+    @contextlib.contextmanager
+    def blob_chunks(self, digest: str, size: int) -> Iterator[Iterator[bytes]]:
+        """The blob ``digest`` of ``size`` bytes, piece by piece as it arrives (a layer may
+        be GiBs); checked against both at its end, so a caller that keeps what it was
+        given only once the pieces are all read keeps nothing wrong."""
         deadline = time.monotonic() + BLOB_DEADLINE_SECS + size / (1 << 20)
         what = f"blob {digest}"
+        with self._open_blob(digest, deadline) as r:
+            yield self._checked_pieces(r, digest, size, deadline, what)
+
+    def _checked_pieces(
+        self, r: httpx.Response, digest: str, size: int, deadline: float, what: str
+    ) -> Iterator[bytes]:
         h, got = hashlib.sha256(), 0
-        with self._open_blob(digest) as r:
-            try:
-                for piece in r.iter_raw(STREAM_PIECE_BYTES):
-                    got += len(piece)
-                    if got > size:
-                        raise UpstreamError(f"the registry sent more than {size} bytes for {what}")
-                    if time.monotonic() > deadline:
-                        raise UpstreamError(f"the registry was too slow sending {what}")
-                    h.update(piece)
-                    write(piece)
-            except httpx.HTTPError as exc:
-                log.warning("reading %s from a registry failed: %r", what, exc)
-                raise UpstreamError(f"the registry stopped sending {what}") from exc
+        try:
+            for piece in r.iter_raw():  # as each read gives it: the deadline is checked
+                got += len(piece)
+                if got > size:
+                    raise UpstreamError(f"the registry sent more than {size} bytes for {what}")
+                if time.monotonic() > deadline:
+                    raise UpstreamError(f"the registry was too slow sending {what}")
+                h.update(piece)
+                yield piece
+        except httpx.TimeoutException as exc:
+            raise UpstreamError(f"the registry was too slow sending {what}") from exc
+        except httpx.HTTPError as exc:
+            log.warning("reading %s from a registry failed: %r", what, exc)
+            raise UpstreamError(f"the registry stopped sending {what}") from exc
         if got != size or "sha256:" + h.hexdigest() != digest:
             raise UpstreamError(
                 f"registry {self.ref.registry} sent blob {digest} with the wrong content: "
@@ -208,12 +215,12 @@ class Registry:
             )
 
     @contextlib.contextmanager
-    def _open_blob(self, digest: str) -> Iterator[httpx.Response]:
+    def _open_blob(self, digest: str, deadline: float) -> Iterator[httpx.Response]:
         """The answer to a blob GET, past the redirects to blob storage, its status 200."""
         url = httpx.URL(f"{self.base}/blobs/{digest}")
         client = self._client
         for _ in range(MAX_REDIRECTS + 1):
-            with self._stream(client, "GET", url) as r:
+            with self._stream(client, "GET", url, deadline) as r:
                 if r.status_code in (301, 302, 303, 307, 308) and r.headers.get("Location"):
                     try:
                         nxt = url.join(r.headers["Location"])
@@ -258,7 +265,8 @@ class Registry:
         """A manifest's bytes and digest; by digest, the bytes are checked against it."""
         deadline = time.monotonic() + BLOB_DEADLINE_SECS
         url = f"{self.base}/manifests/{reference}"
-        with self._stream(self._client, "GET", url, headers={"Accept": MANIFEST_TYPE}) as r:
+        accept = {"Accept": MANIFEST_TYPE}
+        with self._stream(self._client, "GET", url, deadline, headers=accept) as r:
             if r.status_code == 404:
                 raise NotFound(f"{self._where(reference)} does not exist in the registry")
             self._check(r, f"manifest {reference}")
@@ -279,7 +287,7 @@ class Registry:
         deadline = time.monotonic() + BLOB_DEADLINE_SECS
         url = f"{self.base}/manifests/{reference}"
         accept = ", ".join(IMAGE_MANIFEST_TYPES)
-        with self._stream(self._client, "GET", url, headers={"Accept": accept}) as r:
+        with self._stream(self._client, "GET", url, deadline, headers={"Accept": accept}) as r:
             if r.status_code == 404:
                 raise NotFound(f"{self._where(reference)} does not exist in the registry")
             self._check(r, f"manifest {reference}")
@@ -309,13 +317,16 @@ class Registry:
         by ``deadline`` (default: :data:`BLOB_DEADLINE_SECS` from now)."""
         if deadline is None:
             deadline = time.monotonic() + BLOB_DEADLINE_SECS
-        with self._stream(self._client, method, url, **kwargs) as r:
+        with self._stream(self._client, method, url, deadline, **kwargs) as r:
             body = _read_at_most(r, SMALL_BODY_LIMIT, "an answer", deadline, cut=True)
             return httpx.Response(r.status_code, headers=r.headers, content=body,
                                   request=r.request)  # fmt: skip
 
-    def _stream(self, client: httpx.Client, method: str, url: Any, **kwargs: Any) -> _Stream:
-        return _Stream(client.stream(method, url, **kwargs), self)
+    def _stream(
+        self, client: httpx.Client, method: str, url: Any, deadline: float, **kwargs: Any
+    ) -> _Stream:
+        """A request whose every read and write on the wire ends by ``deadline``."""
+        return _Stream(client.stream(method, url, **kwargs), self, deadline)
 
     def _unreachable(self, exc: Exception) -> UpstreamError:
         # Refused, timed out, no such name, a certificate: all one to the client, who
@@ -343,18 +354,35 @@ class Registry:
 
 
 class _Stream:
-    """``client.stream()`` whose connection errors become :class:`UpstreamError`."""
+    """``client.stream()`` whose connection errors become :class:`UpstreamError`, held to
+    a deadline on the wire (:func:`~forkd.oci.connect.transfer_deadline`) until it is
+    closed."""
 
     def __init__(
-        self, ctx: contextlib.AbstractContextManager[httpx.Response], registry: Registry
+        self,
+        ctx: contextlib.AbstractContextManager[httpx.Response],
+        registry: Registry,
+        deadline: float,
     ) -> None:
         self._ctx, self._registry = ctx, registry
+        self._bound = transfer_deadline(deadline)
 
     def __enter__(self) -> httpx.Response:
+        self._bound.__enter__()
         try:
             return self._ctx.__enter__()
+        except httpx.TimeoutException as exc:
+            self._bound.__exit__(None, None, None)
+            log.warning("registry %s: %r", self._registry.ref.registry, exc)
+            raise UpstreamError(
+                f"registry {self._registry.ref.registry} was too slow to answer"
+            ) from exc
         except httpx.HTTPError as exc:
+            self._bound.__exit__(None, None, None)
             raise self._registry._unreachable(exc) from exc
+        except BaseException:
+            self._bound.__exit__(None, None, None)
+            raise
 
     def __exit__(
         self,
@@ -362,7 +390,10 @@ class _Stream:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self._ctx.__exit__(exc_type, exc, tb)
+        try:
+            self._ctx.__exit__(exc_type, exc, tb)
+        finally:
+            self._bound.__exit__(None, None, None)
 
 
 def _paced(data: bytes, deadline: float, what: str) -> Iterator[bytes]:
@@ -393,6 +424,8 @@ def _read_at_most(
                 raise UpstreamError(f"the registry sent more than {limit} bytes for {what}")
             if time.monotonic() > deadline:
                 raise UpstreamError(f"the registry was too slow sending {what}")
+    except httpx.TimeoutException as exc:
+        raise UpstreamError(f"the registry was too slow sending {what}") from exc
     except httpx.HTTPError as exc:
         log.warning("reading %s from a registry failed: %r", what, exc)
         raise UpstreamError(f"the registry stopped sending {what}") from exc

@@ -202,6 +202,7 @@ class ImageService:
         from forkd.image_import import references
         from forkd.image_import.blob_store import BlobStore  # only where an import runs
         from forkd.image_import.fetch import fetch_image
+        from forkd.image_import.layers import layer_cap
         from forkd.oci import auth
         from forkd.oci.policy import RegistryPolicy
 
@@ -222,17 +223,20 @@ class ImageService:
             credentials_for=credentials,
             docker_host=settings.docker_host,
             progress=progress,
+            layer_cap=layer_cap(settings.max_image_bytes),
         )
         return self._build(fetched, progress, started)
 
     def _load_sync(self, archive: Path, tag: str | None, reference: str,
                    progress: Progress) -> Imported:  # fmt: skip
         from forkd.image_import.blob_store import BlobStore
+        from forkd.image_import.layers import layer_cap
         from forkd.image_import.local_sources import fetch_loaded
 
         started = time.monotonic()
         store = BlobStore(paths.blobs_dir())
-        fetched = fetch_loaded(archive, tag, store, progress, shown=reference)
+        cap = layer_cap(self.fleet.settings.max_image_bytes)
+        fetched = fetch_loaded(archive, tag, store, progress, shown=reference, layer_cap=cap)
         return self._build(fetched, progress, started)
 
     def _build(self, fetched: FetchedImage, progress: Progress, started: float) -> Imported:

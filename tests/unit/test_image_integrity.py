@@ -1,0 +1,262 @@
+"""An image is exactly what its digests say (issue 35, image-cache poisoning): an image whose
+config is byte for byte another's, with layers of its own, is refused by every source
+(a real registry, an OCI layout, an OCI archive, a ``docker save`` archive, an archive
+a client sent) in either import order, its layers kept nowhere; the real image then
+imports with its own content. A layer blob the store holds already is checked against
+the config that names it too, and a build is found again only when its config and
+every layer match."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from forkd.errors import Invalid
+from forkd.guest import container_image, kernel, runtime
+from forkd.guest import image as images
+from forkd.image_import.blob_store import BlobStore
+from forkd.image_import.diff_ids import LayerMismatch
+from forkd.image_import.fetch import fetch_image
+from forkd.image_import.local_sources import fetch_loaded
+from forkd.image_import.model import FetchedImage, ImageConfig, LayerBlob, RootfsStats
+from forkd.oci.policy import RegistryPolicy
+from tests import oci_images as oi
+from tests.registry_server import RegistryServer
+
+NO_CREDENTIALS = lambda _registry: None  # noqa: E731
+GOOD_LAYER = oi.layer({"etc/": oi.Dir(), "etc/marker": b"good\n"})
+EVIL_LAYER = oi.layer({"etc/": oi.Dir(), "etc/marker": b"evil\n"})
+GOOD = oi.image([GOOD_LAYER], {"Cmd": ["/bin/sh"]})
+
+
+def with_config_of(real: oi.Image, layers: list[oi.Layer], *, docker: bool = False) -> oi.Image:
+    """An image whose config is ``real``'s, byte for byte (the same image id), over
+    ``layers``: what an attacker publishes to take the real image's place."""
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": oi.DOCKER_MANIFEST if docker else oi.OCI_MANIFEST,
+        "config": real.config.descriptor(),
+        "layers": [lay.descriptor() for lay in layers],
+    }
+    body = json.dumps(manifest, sort_keys=True).encode()
+    return oi.Image(real.config, tuple(layers), oi.Blob(body, oi.OCI_MANIFEST))
+
+
+EVIL = with_config_of(GOOD, [EVIL_LAYER])
+
+
+@pytest.fixture(scope="module")
+def registry() -> Iterator[RegistryServer]:
+    s = RegistryServer()
+    oi.push(s.address, "poison/app", "good", GOOD)
+    oi.push(s.address, "poison/app", "evil", EVIL)
+    # The attacker's own image, honest about its layer: the evil blob gets into the
+    # cache with a config that names it truly.
+    oi.push(s.address, "poison/own", "1", oi.image([EVIL_LAYER], {"Cmd": ["x"]}))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> BlobStore:
+    return BlobStore(tmp_path / "blobs")
+
+
+def contents(got: FetchedImage) -> list[bytes]:
+    return [b.path.read_bytes() for b in got.layers]
+
+
+def kept_nothing_of_evil(store: BlobStore) -> bool:
+    leftovers = not store.tmp_dir.exists() or not any(store.tmp_dir.iterdir())
+    return leftovers and not store.has(EVIL_LAYER.digest) and not store.has(EVIL_LAYER.diff_id)
+
+
+Importer = Callable[[oi.Image, BlobStore, Path], FetchedImage]
+
+
+def from_registry(registry: RegistryServer) -> Importer:
+    def run(img: oi.Image, store: BlobStore, _tmp: Path) -> FetchedImage:
+        tag = "good" if img is GOOD else "evil"
+        return fetch_image(f"{registry.address}/poison/app:{tag}", store,
+                           policy=registry.policy(), credentials_for=NO_CREDENTIALS)  # fmt: skip
+
+    return run
+
+
+def from_layout(img: oi.Image, store: BlobStore, tmp: Path) -> FetchedImage:
+    layout = oi.write_oci_layout(tmp / f"layout-{id(img)}", {"1": img})
+    return fetch_image(f"oci:{layout}:1", store, policy=RegistryPolicy())
+
+
+def from_oci_archive(img: oi.Image, store: BlobStore, tmp: Path) -> FetchedImage:
+    archive = oi.write_oci_archive(tmp / f"oci-{id(img)}.tar", {"1": img})
+    return fetch_image(f"oci-archive:{archive}:1", store, policy=RegistryPolicy())
+
+
+def from_docker_archive(img: oi.Image, store: BlobStore, tmp: Path) -> FetchedImage:
+    archive = oi.write_docker_archive(tmp / f"docker-{id(img)}.tar", {"app:1": img})
+    return fetch_image(f"docker-archive:{archive}", store, policy=RegistryPolicy())
+
+
+def from_loaded_docker_save(img: oi.Image, store: BlobStore, tmp: Path) -> FetchedImage:
+    archive = oi.write_docker_archive(tmp / f"load-{id(img)}.tar", {"app:1": img}, oci_blobs=True)
+    return fetch_loaded(archive, "app:1", store, lambda _m: None, shown="loaded:app:1")
+
+
+def from_loaded_oci_archive(img: oi.Image, store: BlobStore, tmp: Path) -> FetchedImage:
+    archive = oi.write_oci_archive(tmp / f"load-oci-{id(img)}.tar", {"app:1": img})
+    return fetch_loaded(archive, "app:1", store, lambda _m: None, shown="loaded:app:1")
+
+
+LOCAL: dict[str, Importer] = {
+    "oci": from_layout,
+    "oci-archive": from_oci_archive,
+    "docker-archive": from_docker_archive,
+    "load docker save": from_loaded_docker_save,
+    "load oci archive": from_loaded_oci_archive,
+}
+
+
+DOCKER_SAVES = ("docker-archive", "load docker save")
+
+
+def importers(registry: RegistryServer) -> dict[str, Importer]:
+    return {"registry": from_registry(registry), **LOCAL}
+
+
+@pytest.mark.parametrize("source", ["registry", *LOCAL])
+@pytest.mark.parametrize("evil_first", [True, False], ids=["evil-first", "good-first"])
+def test_an_image_with_another_images_config_and_other_layers_is_refused(
+    source: str, evil_first: bool, registry: RegistryServer, store: BlobStore, tmp_path: Path
+) -> None:
+    run = importers(registry)[source]
+    if not evil_first:
+        assert contents(run(GOOD, store, tmp_path)) == contents_of(GOOD, source)
+    try:
+        got = run(EVIL, store, tmp_path)
+    except Invalid as refused:
+        assert isinstance(refused, LayerMismatch), refused
+        assert "layer 1" in str(refused) and GOOD_LAYER.diff_id in str(refused)
+    else:
+        # A docker save archive names its layers by their diff_ids alone: with the real
+        # layer held (and checked) already, the config's own layers are what it gets.
+        assert source in DOCKER_SAVES and not evil_first
+        assert contents(got) == contents_of(GOOD, source)
+    assert kept_nothing_of_evil(store)
+    good = run(GOOD, store, tmp_path)
+    assert contents(good) == contents_of(GOOD, source)
+    assert [b.diff_id for b in good.layers] == [GOOD_LAYER.diff_id]
+
+
+def contents_of(img: oi.Image, source: str) -> list[bytes]:
+    """What the store holds of ``img``'s layers after an import from ``source``: a
+    ``docker save`` archive holds the uncompressed tars."""
+    if source in DOCKER_SAVES:
+        return [lay.tar for lay in img.layers]
+    return [lay.data for lay in img.layers]
+
+
+def test_a_held_layer_blob_is_checked_against_the_config_that_names_it(
+    registry: RegistryServer, store: BlobStore
+) -> None:
+    # The attacker's honest image puts the evil blob into the cache first...
+    own = fetch_image(f"{registry.address}/poison/own:1", store, policy=registry.policy(),
+                      credentials_for=NO_CREDENTIALS)  # fmt: skip
+    assert store.has(EVIL_LAYER.digest)
+    # ...so the poisoned image's layer is not fetched: the held blob is checked instead.
+    with pytest.raises(LayerMismatch):
+        fetch_image(f"{registry.address}/poison/app:evil", store, policy=registry.policy(),
+                    credentials_for=NO_CREDENTIALS)  # fmt: skip
+    assert store.has(EVIL_LAYER.digest)  # still the honest image's, whole
+    assert store.is_verified(EVIL_LAYER.digest, EVIL_LAYER.diff_id)
+    assert not store.is_verified(EVIL_LAYER.digest, GOOD_LAYER.diff_id)
+    assert own.layers[0].diff_id == EVIL_LAYER.diff_id
+
+
+def test_a_held_plain_tar_a_docker_archive_would_reuse_is_checked_too(
+    store: BlobStore, tmp_path: Path
+) -> None:
+    # A plain layer is held under its own digest; a docker save archive whose config
+    # names that digest as a diff_id reuses it only once it is checked.
+    plain = oi.layer({"etc/": oi.Dir(), "etc/marker": b"plain\n"}, "none")
+    assert plain.digest == plain.diff_id
+    from_layout(oi.image([plain]), store, tmp_path)
+    (store.diff_ids_dir / plain.digest[7:]).unlink()  # as a cache from before the records
+    again = from_docker_archive(oi.image([plain], {"Cmd": ["y"]}), store, tmp_path)
+    assert again.bytes_fetched < len(plain.tar) and store.is_verified(plain.digest, plain.diff_id)
+
+
+def test_a_reference_pinned_by_digest_gives_that_manifests_layers(
+    registry: RegistryServer, store: BlobStore
+) -> None:
+    pinned = f"{registry.address}/poison/app@{GOOD.manifest.digest}"
+    got = fetch_image(pinned, store, policy=registry.policy(), credentials_for=NO_CREDENTIALS)
+    assert got.manifest_digest == GOOD.manifest.digest
+    assert contents(got) == [GOOD_LAYER.data]
+    with pytest.raises(Invalid):  # the evil manifest by its digest: refused, not the good
+        fetch_image(f"{registry.address}/poison/app@{EVIL.manifest.digest}", store,
+                    policy=registry.policy(), credentials_for=NO_CREDENTIALS)  # fmt: skip
+
+
+def test_a_layer_that_inflates_past_the_cap_is_refused_while_it_streams(
+    store: BlobStore, tmp_path: Path
+) -> None:
+    big = oi.layer({"zeros": b"\0" * (4 << 20)})
+    img = oi.image([big])
+    layout = oi.write_oci_layout(tmp_path / "big", {"1": img})
+    with pytest.raises(Invalid, match="decompresses to more than 1048576 bytes"):
+        fetch_image(f"oci:{layout}:1", store, policy=RegistryPolicy(), layer_cap=1 << 20)
+    assert not store.has(big.digest)
+    assert fetch_image(f"oci:{layout}:1", store, policy=RegistryPolicy()).layers[0].diff_id
+
+
+# ---------------------------------------------------------------------- the build's key
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(container_image.hosttools, "require", lambda tool: Path("/bin/true"))
+    monkeypatch.setattr(kernel, "resolve", lambda _path: kernel.KernelPackage("linux-image", "1"))
+    monkeypatch.setattr(images, "boot_files", lambda *_args: {"kernel": "vmlinuz"})
+    monkeypatch.setattr(images, "base_tarball", lambda *_args: tmp_path / "base.tar")
+    disk = tmp_path / "runtime.sqfs"
+    disk.write_bytes(b"runtime")
+    monkeypatch.setattr(runtime, "build", lambda *_args: disk)
+    monkeypatch.setattr(runtime, "key", lambda _base: "0" * 16)
+    return tmp_path
+
+
+def fetched(layers: list[oi.Layer], tmp: Path) -> FetchedImage:
+    blobs = tuple(
+        LayerBlob(lay.digest, lay.size, lay.media_type, tmp / lay.digest[7:], lay.diff_id)
+        for lay in layers
+    )
+    return FetchedImage("reg.test/app:1", "sha256:" + "1" * 64, GOOD.config.digest,
+                        ImageConfig(), blobs, 0, 0)  # fmt: skip
+
+
+def test_a_build_is_found_again_only_when_config_and_every_layer_match(cache: Path) -> None:
+    made: list[str] = []
+
+    def build(layers: list[oi.Layer]) -> Any:
+        img = fetched(layers, cache)
+
+        def write(out: Path, _work: Path) -> RootfsStats:
+            made.append(img.layers[0].digest)
+            out.write_bytes(b"squashfs")
+            return RootfsStats(layers=1, entries=1, file_bytes=8, image_bytes=8)
+
+        identity = {"reference": img.reference, "layers": [b.digest for b in img.layers],
+                    "diff_ids": [b.diff_id for b in img.layers]}  # fmt: skip
+        return container_image.assemble(img.config_digest, img.config, identity, write)
+
+    good = build([GOOD_LAYER])
+    evil = build([EVIL_LAYER])  # the same config digest: the same name, another key
+    assert good.name == evil.name and good.dir != evil.dir
+    assert build([GOOD_LAYER]).dir == good.dir
+    assert made == [GOOD_LAYER.digest, EVIL_LAYER.digest]
