@@ -11,6 +11,11 @@ disk full) leaves nothing behind.
 
 The store holds blobs of images already imported or being imported; which
 ones an image needs is the caller's to say (:meth:`BlobStore.remove_unreferenced`).
+An import in progress works through :meth:`BlobStore.held`: every blob it looks
+at or writes is kept from removal until it is done, so imports and removals run
+side by side without a lock between them (a blob is looked for and held, or
+removed, under one short lock: never removed between an import finding it and
+using it).
 """
 
 from __future__ import annotations
@@ -20,7 +25,9 @@ import errno
 import hashlib
 import os
 import secrets
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
@@ -29,26 +36,71 @@ from forkd.errors import ForkdError, Invalid, StorageFull
 from forkd.oci.reference import DIGEST
 
 STALE_TEMP_SECS = 24 * 3600  # a temporary file this old belongs to no live import
+# Blobs held by imports in progress, by store root: digest -> how many imports hold it.
+# One lock for finding-and-holding and for removing.
+_HELD: dict[str, Counter[str]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+class _Hold:
+    """The blobs one import holds (see :meth:`BlobStore.held`)."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.digests: set[str] = set()
+
+    def add(self, digest: str) -> None:  # under _HELD_LOCK
+        if digest not in self.digests:
+            self.digests.add(digest)
+            _HELD.setdefault(self.root, Counter())[digest] += 1
+
+    def release(self) -> None:
+        with _HELD_LOCK:
+            held = _HELD.get(self.root, Counter())
+            held.subtract(self.digests)
+            for digest in self.digests:
+                if held[digest] <= 0:
+                    del held[digest]
+            if not held:
+                _HELD.pop(self.root, None)
+            self.digests.clear()
 
 
 class BlobStore:
     """Blobs by digest under ``root`` (created when first written)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, _hold: _Hold | None = None) -> None:
         self.root = Path(root)
         self.blobs_dir = self.root / "sha256"
         self.tmp_dir = self.root / "tmp"
         self.diff_ids_dir = self.root / "diff_ids"  # <hex>: the tar blob <hex> was checked to hold
+        self._hold = _hold
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[BlobStore]:
+        """The store, for an import: every blob looked for or written through it is kept
+        from :meth:`remove` and :meth:`remove_unreferenced` until the block ends."""
+        hold = _Hold(str(self.root.absolute()))
+        try:
+            yield BlobStore(self.root, _hold=hold)
+        finally:
+            hold.release()
+
+    def _hold_key(self) -> str:
+        return str(self.root.absolute())
 
     # ------------------------------------------------------------ reading
 
     def path(self, digest: str) -> Path | None:
         """Where the blob ``digest`` is, or None when the store does not hold it."""
         path = self._file(digest)
-        try:
-            return path if path.is_file() and not path.is_symlink() else None
-        except OSError:
-            return None
+        with _HELD_LOCK:
+            if self._hold is not None:
+                self._hold.add(digest)  # before it is looked for: then it stays
+            try:
+                return path if path.is_file() and not path.is_symlink() else None
+            except OSError:
+                return None
 
     def has(self, digest: str) -> bool:
         return self.path(digest) is not None
@@ -131,17 +183,26 @@ class BlobStore:
             return w.commit()[0]
 
     def remove(self, digests: set[str]) -> int:
-        """Remove the blobs ``digests`` the store holds; the bytes freed."""
+        """Remove the blobs ``digests`` the store holds but no import in progress holds;
+        the bytes freed."""
         freed = 0
         for digest in digests:
             path = self._file(digest)
-            with contextlib.suppress(FileNotFoundError):
-                (self.diff_ids_dir / digest[7:]).unlink()
-            with contextlib.suppress(FileNotFoundError):
-                size = path.stat().st_size
-                path.unlink()
-                freed += size
+            with _HELD_LOCK:
+                if _HELD.get(self._hold_key(), Counter())[digest] > 0:
+                    continue  # an import in progress holds it
+                with contextlib.suppress(FileNotFoundError):
+                    (self.diff_ids_dir / digest[7:]).unlink()
+                with contextlib.suppress(FileNotFoundError):
+                    size = path.stat().st_size
+                    path.unlink()
+                    freed += size
         return freed
+
+    def held_by_imports(self) -> set[str]:
+        """The digests imports in progress hold."""
+        with _HELD_LOCK:
+            return {d for d, n in _HELD.get(self._hold_key(), Counter()).items() if n > 0}
 
     def remove_unreferenced(self, keep: set[str]) -> int:
         """Remove every blob not in ``keep`` (and temporary files no import can still be
@@ -230,7 +291,10 @@ class BlobWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-            os.replace(self._path, final)  # the same bytes as any other writer's
+            with _HELD_LOCK:
+                if self.store._hold is not None:
+                    self.store._hold.add(digest)
+                os.replace(self._path, final)  # the same bytes as any other writer's
             self._path = None
             _fsync_dir(self.store.blobs_dir)
         except OSError as exc:

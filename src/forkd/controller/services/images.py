@@ -5,8 +5,11 @@ An import fetches the image into the blob cache (layers by digest: what the
 cache holds is not fetched again), flattens its layers into a root disk and
 builds the guest image beside the recipe images; importing an image already
 built fetches its manifest and finds the build. Imports run on threads of
-their own, at most :data:`MAX_IMPORTS` at once (past that a 503 to retry), and
-one reference is imported once at a time.
+their own, side by side, at most :data:`MAX_IMPORTS` at once (past that a 503
+to retry), and one reference is imported once at a time. A removal waits on no
+import: the blobs imports in progress use are held from it
+(:meth:`~forkd.image_import.blob_store.BlobStore.held`), and an image whose
+build an import is making or finding is refused with a 409 meanwhile.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ import builtins
 import collections
 import contextlib
 import os
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,7 +76,7 @@ class ImageService:
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
         )
-        self._removing = asyncio.Lock()  # a removal and an import's build never overlap
+        self._claims = _NameClaims()  # images being built by imports, or removed
 
     # ------------------------------------------------------------ import
 
@@ -187,12 +191,11 @@ class ImageService:
             self._check_room()
             self._running += 1
             try:
-                async with self._removing:
-                    loop = asyncio.get_running_loop()
-                    work = loop.run_in_executor(self._pool, job, progress)
-                    # A cancelled caller does not stop the thread: it finishes (or cleans
-                    # up after itself) and still counts, until it has.
-                    return await asyncio.shield(work)
+                loop = asyncio.get_running_loop()
+                work = loop.run_in_executor(self._pool, job, progress)
+                # A cancelled caller does not stop the thread: it finishes (or cleans
+                # up after itself) and still counts, until it has.
+                return await asyncio.shield(work)
             finally:
                 self._running -= 1
                 if not self._locks[key].locked():
@@ -216,16 +219,18 @@ class ImageService:
 
         policy = RegistryPolicy.of(settings.insecure_registries, settings.default_registry)
         check_allowed(references.parse(req.ref, policy), req.ref, settings)
-        fetched = fetch_image(
-            req.ref,
-            BlobStore(paths.blobs_dir()),
-            policy=policy,
-            credentials_for=credentials,
-            docker_host=settings.docker_host,
-            progress=progress,
-            layer_cap=layer_cap(settings.max_image_bytes),
-        )
-        return self._build(fetched, progress, started)
+        with BlobStore(paths.blobs_dir()).held() as store:
+            fetched = fetch_image(
+                req.ref,
+                store,
+                policy=policy,
+                credentials_for=credentials,
+                docker_host=settings.docker_host,
+                progress=progress,
+                layer_cap=layer_cap(settings.max_image_bytes),
+            )
+            built = self._build(fetched, progress, started)
+        return self._built(fetched, built)
 
     def _load_sync(self, archive: Path, tag: str | None, reference: str,
                    progress: Progress) -> Imported:  # fmt: skip
@@ -234,31 +239,42 @@ class ImageService:
         from forkd.image_import.local_sources import fetch_loaded
 
         started = time.monotonic()
-        store = BlobStore(paths.blobs_dir())
         cap = layer_cap(self.fleet.settings.max_image_bytes)
-        fetched = fetch_loaded(archive, tag, store, progress, shown=reference, layer_cap=cap)
-        return self._build(fetched, progress, started)
+        with BlobStore(paths.blobs_dir()).held() as store:
+            fetched = fetch_loaded(archive, tag, store, progress, shown=reference, layer_cap=cap)
+            built = self._build(fetched, progress, started)
+        return self._built(fetched, built)
 
-    def _build(self, fetched: FetchedImage, progress: Progress, started: float) -> Imported:
-        """The guest image of ``fetched``; a layer refused while flattened leaves no blob."""
+    def _build(
+        self, fetched: FetchedImage, progress: Progress, started: float
+    ) -> Imported | ArchiveError:
+        """The guest image of ``fetched``, or why a layer was refused while flattened."""
         settings = self.fleet.settings
-        try:
-            # tar2sqfs parses the image's names in C: as a uid of its own (the registry the
-            # QEMUs drop into), not as root, when the daemon has one to give.
-            lease = qemu_user.reserve()
+        with self._claims.importing(container_image.image_name(fetched.config_digest)):
             try:
-                run_as = (lease.uid, lease.gid) if lease is not None else None
-                img = container_image.build(
-                    fetched, progress, settings.max_image_bytes, run_as=run_as
-                )
-            finally:
-                if lease is not None:
-                    lease.release()
-        except ArchiveError as exc:
-            # No other import runs meanwhile: imports and removals share self._removing.
-            container_image.forget(fetched)
-            raise Invalid(f"image {fetched.reference}: a layer cannot be used: {exc}") from exc
+                # tar2sqfs parses the image's names in C: as a uid of its own (the registry
+                # the QEMUs drop into), not as root, when the daemon has one to give.
+                lease = qemu_user.reserve()
+                try:
+                    run_as = (lease.uid, lease.gid) if lease is not None else None
+                    img = container_image.build(
+                        fetched, progress, settings.max_image_bytes, run_as=run_as
+                    )
+                finally:
+                    if lease is not None:
+                        lease.release()
+            except ArchiveError as exc:
+                return exc
         return Imported(img, fetched, time.monotonic() - started)
+
+    @staticmethod
+    def _built(fetched: FetchedImage, built: Imported | ArchiveError) -> Imported:
+        """``built``, or (a layer refused) its error, once the import's blobs are no longer
+        held: they are removed then, but those another import holds or a build needs."""
+        if isinstance(built, ArchiveError):
+            container_image.forget(fetched)
+            raise Invalid(f"image {fetched.reference}: a layer cannot be used: {built}") from built
+        return built
 
     # ------------------------------------------------------------ read
 
@@ -323,13 +339,51 @@ class ImageService:
     async def remove(self, name: str) -> None:
         """Delete an image (every build of a name, or NAME-KEY) and the layers nothing
         else needs; 409 while a snapshot or VM uses it, deleting nothing."""
-        self._find(name)
-        async with self._removing:
+        found = self._find(name)
+        with self._claims.removing(found.name):
             try:
                 await asyncio.to_thread(images.remove, name, self._roots())
             except ImageError as exc:
                 raise Conflict(str(exc)) from exc
-            await asyncio.to_thread(container_image.collect_unused_layers)
+        await asyncio.to_thread(container_image.collect_unused_layers)
+
+
+class _NameClaims:
+    """Which images imports are building (or finding built) and which are being removed,
+    by name: an import waits for a removal of its image (a moment), a removal is refused
+    while an import of its image runs (it may take minutes); unrelated ones never wait."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._importing: collections.Counter[str] = collections.Counter()
+        self._removing: set[str] = set()
+
+    @contextlib.contextmanager
+    def importing(self, name: str) -> Iterator[None]:
+        with self._changed:
+            self._changed.wait_for(lambda: name not in self._removing)
+            self._importing[name] += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._importing[name] -= 1
+                if self._importing[name] <= 0:
+                    del self._importing[name]
+                self._changed.notify_all()
+
+    @contextlib.contextmanager
+    def removing(self, name: str) -> Iterator[None]:
+        with self._changed:
+            if self._importing[name] > 0 or name in self._removing:
+                raise Conflict(f"image {name} is being imported or removed now: retry shortly")
+            self._removing.add(name)
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._removing.discard(name)
+                self._changed.notify_all()
 
 
 async def _as_events(
