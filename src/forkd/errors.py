@@ -16,6 +16,8 @@ the message::
     ├── GuestError             the guest agent did not answer, or failed (502)
     │   └── AgentError         raised by the agent channel; ``kind`` names the guest's exception
     ├── StorageFull            the host's disk filled up while writing (500)
+    │   └── NoRoom             a client's data would take the host's disk under its
+    │                          reserve (--disk-reserve): refused, nothing kept (507)
     ├── GuestStorageFull       the guest's disk filled up; nothing half-written was kept (507)
     ├── ImageError             building or reading a guest image failed (500)
     └── VMError                QEMU could not be started, controlled or snapshotted (500)
@@ -95,6 +97,12 @@ class AgentError(GuestError):
 
 class StorageFull(ForkdError):
     """The host's disk filled up; what was being written was removed."""
+
+
+class NoRoom(StorageFull):
+    """Data written for a client (an image, an archive, a volume, a pull) would leave the
+    host's disk under its reserve: refused before or while it was written, and nothing
+    of it was kept."""
 
 
 class GuestStorageFull(ForkdError):

@@ -269,4 +269,4 @@ def test_a_snapshot_claiming_more_than_the_disk_holds_is_refused_before_writing(
 
     ref = _republish(registry, huge_volume, "huge")
     refused = _pull_refused(other, ctl2, ref)
-    assert refused.status == 500 and "may need" in str(refused)
+    assert refused.status == 507 and "may need" in str(refused)

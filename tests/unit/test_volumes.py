@@ -17,7 +17,7 @@ from forkd.archive import unpack as archive_unpack
 from forkd.archive.tar_format import Member
 from forkd.client import Controller
 from forkd.controller.settings import Settings
-from forkd.errors import Conflict, ForkdError, Invalid, NotFound, StorageFull
+from forkd.errors import Conflict, ForkdError, Invalid, NoRoom, NotFound, StorageFull
 from forkd.vmm.jail import archive as archive_jail
 from forkd.vmm.volumes import disks as volumes
 from forkd.vmm.volumes.disks import (
@@ -366,7 +366,7 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
 def test_a_volume_larger_than_the_free_space_is_refused_first(small_disk: Path) -> None:
     store = VolumeStore(small_disk / "volumes")
     fits = r"a volume of 32 MiB does not fit: the host's disk has 2\d MiB free"
-    with pytest.raises(Invalid, match=fits):
+    with pytest.raises(NoRoom, match=fits):
         store.create("data", 32 << 20, _archive({"a": b"x"}))
     assert list(store.root.iterdir()) == []
     store.create("fits", MIN_SIZE)  # 16 MiB of 24: fits
@@ -375,7 +375,7 @@ def test_a_volume_larger_than_the_free_space_is_refused_first(small_disk: Path) 
 @needs_mkfs
 def test_a_volume_must_fit_beside_its_unpacked_content(small_disk: Path) -> None:
     store = VolumeStore(small_disk / "volumes")
-    with pytest.raises(Invalid, match="does not fit next to its unpacked content"):
+    with pytest.raises(NoRoom, match="does not fit next to its unpacked content"):
         store.create("data", MIN_SIZE, _archive({"zeros.bin": 12 << 20}))
     assert list(store.root.iterdir()) == []
 
@@ -426,5 +426,5 @@ def test_a_bomb_over_http_is_a_400_and_leaves_nothing(server: Server, settings: 
         assert c.get("/v1/volumes").json() == []
         if volumes.free_bytes(settings.state_dir) < 1 << 40:  # as on any test machine
             r = c.post("/v1/volumes", params={"name": "big", "size": "1T"})
-            assert r.status_code == 400 and "does not fit" in r.json()["error"], r.text
+            assert r.status_code == 507 and "does not fit" in r.json()["error"], r.text
     assert list((settings.state_dir / "volumes").iterdir()) == []

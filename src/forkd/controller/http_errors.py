@@ -31,6 +31,7 @@ from forkd.errors import (
     GuestError,
     GuestStorageFull,
     Invalid,
+    NoRoom,
     NotFound,
     OverCapacity,
     Unavailable,
@@ -53,6 +54,7 @@ STATUS: dict[type[ForkdError], int] = {
     Busy: 503,
     Unavailable: 503,
     GuestStorageFull: 507,
+    NoRoom: 507,
     ForkdError: 500,
 }
 
@@ -79,6 +81,15 @@ GUEST_STORAGE_FULL: dict[int | str, dict[str, object]] = {
     507: {
         "model": ErrorBody,
         "description": "the guest's disk is full; nothing half-written was kept",
+    }
+}
+
+
+# The routes that write a client's data onto the host's disk (images, volumes, pulls).
+HOST_DISK_RESERVE: dict[int | str, dict[str, object]] = {
+    507: {
+        "model": ErrorBody,
+        "description": "the host's disk would go under its --disk-reserve; nothing was kept",
     }
 }
 

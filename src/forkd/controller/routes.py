@@ -13,7 +13,7 @@ from forkd import __version__
 from forkd.controller import sse
 from forkd.controller.bodies import receive_upload, stream_download
 from forkd.controller.disconnect import ClientGone, unless_client_leaves
-from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL
+from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL, HOST_DISK_RESERVE
 from forkd.controller.models import (
     SANDBOX_STATES,
     BranchRequest,
@@ -220,7 +220,7 @@ async def push_snapshot(svc: Svc, tag: str, body: SnapshotPush) -> PushResult:
     return await svc.transfer.push(tag, body)
 
 
-@snapshots.post("/pull", status_code=201, **SNAPSHOT)
+@snapshots.post("/pull", status_code=201, responses=HOST_DISK_RESERVE, **SNAPSHOT)
 async def pull_snapshot(svc: Svc, body: SnapshotPull) -> SnapshotInfo:
     """Fetch a pushed snapshot; 409 naming every reason this host cannot restore it."""
     return await svc.transfer.pull(body)
@@ -520,7 +520,12 @@ async def resize_process(svc: Svc, sandbox_id: str, pid: Pid, body: ProcessResiz
 # ------------------------------------------------------------------ images
 
 
-@images.post("", status_code=201, response_model=ImageInfo, responses={200: IMPORT_EVENTS})
+@images.post(
+    "",
+    status_code=201,
+    response_model=ImageInfo,
+    responses={200: IMPORT_EVENTS, **HOST_DISK_RESERVE},
+)
 async def import_image(
     svc: Svc, body: ImageImport, accept: Annotated[str | None, Header()] = None
 ) -> ImageInfo | Response:
@@ -538,7 +543,7 @@ async def import_image(
     "/load",
     status_code=201,
     response_model=ImageInfo,
-    responses={200: IMPORT_EVENTS},
+    responses={200: IMPORT_EVENTS, **HOST_DISK_RESERVE},
     openapi_extra={"requestBody": {"content": {"application/x-tar": {
         "schema": {"type": "string", "format": "binary"}}}, "required": True}},
 )  # fmt: skip
@@ -596,6 +601,7 @@ async def list_volumes(svc: Svc) -> list[VolumeInfo]:
     "",
     status_code=201,
     response_model=VolumeInfo,
+    responses=HOST_DISK_RESERVE,
     openapi_extra={"requestBody": {"content": {"application/x-tar": {
         "schema": {"type": "string", "format": "binary"}}}, "required": False}},
 )  # fmt: skip

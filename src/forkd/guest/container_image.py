@@ -29,8 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from forkd import hosttools, paths
+from forkd.disk_reserve import DiskReserve
 from forkd.guest import guest_files, kernel, recipe, runtime
 from forkd.guest import image as images
+from forkd.image_import import leftovers
 from forkd.image_import.model import FetchedImage, ImageConfig, RootfsStats
 
 BUILDER_VERSION = 2  # 2: the key holds the layers, not the config alone
@@ -74,10 +76,14 @@ def build(
     max_bytes: int | None = None,
     *,
     run_as: tuple[int, int] | None = None,
+    reserve: DiskReserve | None = None,
+    worker_started: Callable[[int], None] | None = None,
 ) -> images.Image:
     """The guest image of ``fetched``, its layers flattened (unless built already);
     ``max_bytes`` caps what its files expand to (default ``forkd.limits.MAX_IMAGE_BYTES``);
-    ``run_as`` (uid, gid): the squashfs writer runs as that user, not the daemon's."""
+    ``run_as`` (uid, gid): the squashfs writer runs as that user, not the daemon's;
+    ``reserve``: the free disk the flattening may not take; ``worker_started`` is told
+    the pid of the process that flattens the layers."""
     from forkd.image_import import flatten_worker  # the flattener: where an image is made
     from forkd.image_import.layers import IMAGE_LIMITS
 
@@ -85,7 +91,14 @@ def build(
 
     def write(out: Path, work: Path) -> RootfsStats:  # in a worker process: hostile input
         return flatten_worker.build_rootfs(
-            fetched.layers, out, work, limits=limits, progress=progress, run_as=run_as
+            fetched.layers,
+            out,
+            work,
+            limits=limits,
+            progress=progress,
+            run_as=run_as,
+            reserve=reserve,
+            started=worker_started,
         )
 
     identity = {
@@ -136,7 +149,7 @@ def assemble(
         return images.find_image(str(final), root)
 
     started = time.monotonic()
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-{leftovers.mark()}"))
     try:
         out = staging / "image"
         out.mkdir()
@@ -206,15 +219,13 @@ def collect_unused_layers() -> int:
     return BlobStore(root).remove_unreferenced(_needed_blobs())
 
 
-def forget(fetched: FetchedImage) -> int:
-    """Remove the blobs of ``fetched`` (an image refused after its fetch) that no built
-    image needs: whole and checked as they are, nothing would ever list or free them.
-    The caller makes sure no other import is between its fetch and its build."""
+def forget_blobs(digests: set[str]) -> int:
+    """Remove the blobs ``digests`` (of an import refused after its fetch) that no built
+    image needs and no import in progress holds: whole and checked as they are, nothing
+    would ever list or free them; the bytes freed."""
     from forkd.image_import.blob_store import BlobStore
 
-    mine = {fetched.manifest_digest, fetched.config_digest}
-    mine.update(layer.digest for layer in fetched.layers)
-    return BlobStore(paths.blobs_dir()).remove(mine - _needed_blobs())
+    return BlobStore(paths.blobs_dir()).remove(digests - _needed_blobs())
 
 
 def _needed_blobs() -> set[str]:

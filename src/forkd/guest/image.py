@@ -27,6 +27,7 @@ from forkd import hosttools, paths
 from forkd.errors import ImageError
 from forkd.guest import guest_files, initramfs, kernel, recipe, rootfs
 from forkd.guest.recipe import Recipe
+from forkd.image_import import leftovers
 from forkd.vmm import runtime_meta
 from forkd.vmm.snapshot import files as snapshot_files
 
@@ -258,7 +259,7 @@ def build(
         return _load(final)
 
     started = time.monotonic()
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-{leftovers.mark()}"))
     try:
         out = staging / "image"
         out.mkdir()

@@ -32,7 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
+from forkd.disk_reserve import DiskReserve, WriteMeter
 from forkd.errors import ForkdError, Invalid, StorageFull
+from forkd.image_import import leftovers
 from forkd.oci.reference import DIGEST
 
 STALE_TEMP_SECS = 24 * 3600  # a temporary file this old belongs to no live import
@@ -69,8 +71,11 @@ class _Hold:
 class BlobStore:
     """Blobs by digest under ``root`` (created when first written)."""
 
-    def __init__(self, root: Path, *, _hold: _Hold | None = None) -> None:
+    def __init__(
+        self, root: Path, *, reserve: DiskReserve | None = None, _hold: _Hold | None = None
+    ) -> None:
         self.root = Path(root)
+        self.reserve = reserve  # what a blob may not take the disk under
         self.blobs_dir = self.root / "sha256"
         self.tmp_dir = self.root / "tmp"
         self.diff_ids_dir = self.root / "diff_ids"  # <hex>: the tar blob <hex> was checked to hold
@@ -82,7 +87,7 @@ class BlobStore:
         from :meth:`remove` and :meth:`remove_unreferenced` until the block ends."""
         hold = _Hold(str(self.root.absolute()))
         try:
-            yield BlobStore(self.root, _hold=hold)
+            yield BlobStore(self.root, reserve=self.reserve, _hold=hold)
         finally:
             hold.release()
 
@@ -199,6 +204,10 @@ class BlobStore:
                     freed += size
         return freed
 
+    def looked_at(self) -> set[str]:
+        """The digests looked at or written through this store (of :meth:`held`)."""
+        return set(self._hold.digests) if self._hold is not None else set()
+
     def held_by_imports(self) -> set[str]:
         """The digests imports in progress hold."""
         with _HELD_LOCK:
@@ -228,7 +237,7 @@ class BlobStore:
         self.tmp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.blobs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for _ in range(16):
-            path = self.tmp_dir / f"{secrets.token_hex(8)}{suffix}"
+            path = self.tmp_dir / f"{leftovers.mark()}{secrets.token_hex(8)}{suffix}"
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             except FileExistsError:
@@ -254,8 +263,11 @@ class BlobWriter:
         self._hash = hashlib.sha256()
         self._fd: int | None = None
         self._path: Path | None = None
+        self._meter: WriteMeter | None = None
 
     def __enter__(self) -> BlobWriter:
+        if self.store.reserve is not None:  # a stated size that does not fit: not a byte
+            self._meter = self.store.reserve.meter(f"storing {self._what()}", self.size)
         self._fd, self._path = self.store.temp_file(".blob")
         return self
 
@@ -272,6 +284,8 @@ class BlobWriter:
             raise RuntimeError("BlobWriter used outside its with block")
         if self.written + len(data) > self.size:
             raise self.error(f"{self._what()} is longer than its {self.size} bytes: refused")
+        if self._meter is not None:
+            self._meter.will_write(len(data))
         self._hash.update(data)
         self.written += len(data)
         view = memoryview(data)

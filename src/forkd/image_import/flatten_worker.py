@@ -23,17 +23,21 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, UnsafeEntry
 from forkd.archive.tar_format import Limits
-from forkd.errors import ImageError, StorageFull
+from forkd.disk_reserve import DiskReserve
+from forkd.errors import ImageError, NoRoom, StorageFull
+from forkd.image_import import leftovers
 from forkd.image_import.layers import IMAGE_LIMITS, Progress
 from forkd.image_import.model import LayerBlob, RootfsStats
 
 NICENESS = 10  # the worker yields the CPU to the daemon and its VMs
+RESERVE_POLL_SECS = 0.25  # how often the disk's free space is looked at while it works
 LINE_MAX_BYTES = 64 << 10  # one answer line (progress text is short; names are cut)
 LOG_TAIL_BYTES = 2000
 # What the worker may answer with, raised as it was in the parent; anything else is
@@ -52,17 +56,25 @@ def build_rootfs(
     limits: Limits = IMAGE_LIMITS,
     progress: Progress | None = None,
     run_as: tuple[int, int] | None = None,
+    reserve: DiskReserve | None = None,
+    started: Callable[[int], None] | None = None,
 ) -> RootfsStats:
-    """:func:`forkd.image_import.squash.build_rootfs`, run in a worker process."""
+    """:func:`forkd.image_import.squash.build_rootfs`, run in a worker process; with a
+    ``reserve``, stopped (:class:`~forkd.errors.NoRoom`) once the disk it writes on is
+    down to it. ``started`` is told the worker's pid (a uid leased for its tar2sqfs is
+    then held by it: the worker dies with this process, and tar2sqfs with the worker)."""
     from forkd.image_import import squash
 
     squash.require_tool()  # said here, as the caller expects it, not by the worker
+    if reserve is not None:
+        reserve.require(0, "flattening the image's layers")
     request = {
         "layers": [{**dataclasses.asdict(layer), "path": str(layer.path)} for layer in layers],
         "out": str(out),
         "work": str(work),
         "limits": dataclasses.asdict(limits),
         "run_as": list(run_as) if run_as is not None else None,
+        "parent": os.getpid(),
     }
     log_path = work / "flatten-worker.log"
     with open(log_path, "w+b") as log:
@@ -73,16 +85,25 @@ def build_rootfs(
             stderr=log,
             close_fds=True,
         )
+        watch = _ReserveWatch(proc, reserve) if reserve is not None else None
         try:
-            assert proc.stdin is not None and proc.stdout is not None
-            with contextlib.suppress(BrokenPipeError), proc.stdin:  # gone: its log says why
-                proc.stdin.write(json.dumps(request).encode())
-            answer = _read_answer(proc.stdout, progress)
-            code = proc.wait()
+            with leftovers.recorded_worker(proc.pid):
+                if started is not None:
+                    started(proc.pid)
+                assert proc.stdin is not None and proc.stdout is not None
+                with contextlib.suppress(BrokenPipeError), proc.stdin:  # gone: its log says
+                    proc.stdin.write(json.dumps(request).encode())
+                answer = _read_answer(proc.stdout, progress)
+                code = proc.wait()
         except BaseException:  # the import was cancelled or the daemon stops
             proc.kill()
             proc.wait()
             raise
+        finally:
+            if watch is not None:
+                watch.stop()
+        if watch is not None and watch.refused is not None:
+            raise watch.refused
         if answer is None:
             log.seek(0)
             tail = log.read()[-LOG_TAIL_BYTES:].decode(errors="replace").strip()
@@ -91,6 +112,31 @@ def build_rootfs(
                 f"without an answer{': ' + tail if tail else ''}"
             )
     return _result(answer)
+
+
+class _ReserveWatch:
+    """Kills the worker once the disk is down to the reserve (what it writes, the layers'
+    data and the squashfs image, has no size known beforehand)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], reserve: DiskReserve) -> None:
+        self.proc, self.reserve = proc, reserve
+        self.refused: NoRoom | None = None
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="forkd-flatten-reserve")
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(RESERVE_POLL_SECS):
+            try:
+                self.reserve.require(0, "flattening the image's layers")
+            except NoRoom as exc:
+                self.refused = exc
+                self.proc.kill()
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join()
 
 
 def _read_answer(stdout: IO[bytes], progress: Progress | None) -> dict[str, Any] | None:
@@ -141,8 +187,11 @@ def _say(msg: dict[str, Any]) -> None:
 def main() -> int:
     from forkd.image_import import squash
 
+    leftovers.die_with_parent()
     os.nice(NICENESS)
     request = json.load(sys.stdin)
+    if os.getppid() != request["parent"]:  # the parent went before the signal was set
+        return 1
     layers = [LayerBlob(**{**raw, "path": Path(raw["path"])}) for raw in request["layers"]]
     run_as = request["run_as"]
     try:

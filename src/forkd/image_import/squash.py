@@ -48,6 +48,7 @@ from forkd.image_import.model import LayerBlob, RootfsStats
 TOOL = "tar2sqfs"
 PACKAGE = "squashfs-tools-ng"
 COMPRESSOR = "lz4"
+DIE_WITH_PARENT = ("--pdeathsig", "KILL")  # setpriv's: set after it changes the uid
 MAX_JOBS = 8  # tar2sqfs compressor threads
 BLOCK = 512
 FLUSH_AT = 1 << 20  # headers and small files are gathered into writes this large
@@ -136,7 +137,7 @@ class _Jail:
         self.output = f"/proc/self/fd/{self.fd}/{name}"
         self.prefix = [hosttools.require("setpriv"), f"--reuid={uid}", f"--regid={gid}",
                        "--clear-groups", "--no-new-privs", "--bounding-set=-all",
-                       "--inh-caps=-all", "--"]  # fmt: skip
+                       "--inh-caps=-all", *DIE_WITH_PARENT, "--"]  # fmt: skip
 
     def hand_back(self) -> None:
         """The finished image, the daemon's own (it was the jailed uid's)."""
@@ -164,7 +165,12 @@ def _write_image(
     """Run tar2sqfs on the tree's tar stream (in ``jail``, when given); (entries written,
     files' apparent bytes)."""
     output = jail.output if jail is not None else str(staged)
-    argv = [*(jail.prefix if jail is not None else ()), tool, "--compressor", COMPRESSOR,
+    # tar2sqfs dies with the worker that feeds it (the parent-death signal set after the
+    # change of uid, which would clear it).
+    prefix = (
+        jail.prefix if jail is not None else [hosttools.require("setpriv"), *DIE_WITH_PARENT, "--"]
+    )
+    argv = [*prefix, tool, "--compressor", COMPRESSOR,
             "--no-skip", "--quiet", "--num-jobs", str(max(1, min(MAX_JOBS, os.cpu_count() or 1))),
             output]  # fmt: skip
     log = work / "tar2sqfs.log"

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from forkd import limits
+from forkd import limits, processes
 from forkd.errors import Conflict, UpstreamError
 from forkd.oci import artifact
 from forkd.oci.artifact import IMAGE_PIECE, Manifest
@@ -160,7 +160,8 @@ def install(
     name, key = image_dir_name(config)
     final = pulled_dir(images_root, config, files)
     images_root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=images_root, prefix=f".staging-pull-{name}-"))
+    prefix = f".staging-pull-{name}-{processes.mark()}"
+    staging = Path(tempfile.mkdtemp(dir=images_root, prefix=prefix))
     try:
         for fname, want in files.items():
             if _link_same(images_root, fname, want, staging / fname):

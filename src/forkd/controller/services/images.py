@@ -38,13 +38,15 @@ from forkd.controller.models import (
 )
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.settings import Settings
-from forkd.errors import Busy, Conflict, ImageError, Invalid, NotFound
+from forkd.disk_reserve import DiskReserve, WriteMeter
+from forkd.errors import Busy, Conflict, ImageError, Invalid, NoRoom, NotFound
 from forkd.guest import container_image, recipe
 from forkd.guest import image as images
 from forkd.image_import.model import FetchedImage
 from forkd.vmm.jail import qemu_user
 
 if TYPE_CHECKING:
+    from forkd.image_import.blob_store import BlobStore
     from forkd.image_import.references import ImageSource
 
 MAX_IMPORTS = 2
@@ -114,11 +116,12 @@ class ImageService:
             raise Busy(f"{MAX_IMPORTS} image archives are arriving: retry shortly")
         from forkd.image_import.blob_store import BlobStore, write_error
 
+        meter = self._reserve().meter("receiving an image archive")
         self._receiving += 1
         fd, path = BlobStore(paths.blobs_dir()).temp_file(".load.tar")
         try:
             with os.fdopen(fd, "wb") as out:
-                await _receive(body, out, self.fleet.settings.max_image_bytes)
+                await _receive(body, out, self.fleet.settings.max_image_bytes, meter)
         except BaseException as exc:
             path.unlink(missing_ok=True)
             if isinstance(exc, OSError):  # the disk filled up: a 500 that says so
@@ -178,6 +181,10 @@ class ImageService:
     async def _import(self, req: ImageImport, progress: Progress) -> Imported:
         return await self._run(req.ref, lambda say: self._importer(req, say), progress)
 
+    def _reserve(self) -> DiskReserve:
+        """The free disk an import's blobs, archive and build may not take."""
+        return DiskReserve(paths.blobs_dir(), self.fleet.settings.disk_reserve_mib << 20)
+
     def _check_room(self) -> None:
         if self._running >= MAX_IMPORTS:
             raise Busy(f"{MAX_IMPORTS} image imports are running: retry shortly")
@@ -203,7 +210,6 @@ class ImageService:
 
     def _import_sync(self, req: ImageImport, progress: Progress) -> Imported:
         from forkd.image_import import references
-        from forkd.image_import.blob_store import BlobStore  # only where an import runs
         from forkd.image_import.fetch import fetch_image
         from forkd.image_import.layers import layer_cap
         from forkd.oci import auth
@@ -219,7 +225,7 @@ class ImageService:
 
         policy = RegistryPolicy.of(settings.insecure_registries, settings.default_registry)
         check_allowed(references.parse(req.ref, policy), req.ref, settings)
-        with BlobStore(paths.blobs_dir()).held() as store:
+        with self._holding() as store:
             fetched = fetch_image(
                 req.ref,
                 store,
@@ -229,26 +235,41 @@ class ImageService:
                 progress=progress,
                 layer_cap=layer_cap(settings.max_image_bytes),
             )
-            built = self._build(fetched, progress, started)
-        return self._built(fetched, built)
+            return self._build(fetched, progress, started)
 
     def _load_sync(self, archive: Path, tag: str | None, reference: str,
                    progress: Progress) -> Imported:  # fmt: skip
-        from forkd.image_import.blob_store import BlobStore
         from forkd.image_import.layers import layer_cap
         from forkd.image_import.local_sources import fetch_loaded
 
         started = time.monotonic()
         cap = layer_cap(self.fleet.settings.max_image_bytes)
-        with BlobStore(paths.blobs_dir()).held() as store:
+        with self._holding() as store:
             fetched = fetch_loaded(archive, tag, store, progress, shown=reference, layer_cap=cap)
-            built = self._build(fetched, progress, started)
-        return self._built(fetched, built)
+            return self._build(fetched, progress, started)
 
-    def _build(
-        self, fetched: FetchedImage, progress: Progress, started: float
-    ) -> Imported | ArchiveError:
-        """The guest image of ``fetched``, or why a layer was refused while flattened."""
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[BlobStore]:
+        """The blob store, for one import: what it looks at or writes is held from removal
+        while it runs. An import refused for its layers (while flattened) or for want of
+        disk leaves none of those blobs behind, but those a build needs or another import
+        holds."""
+        from forkd.image_import.blob_store import BlobStore
+
+        touched: set[str] = set()
+        try:
+            with BlobStore(paths.blobs_dir(), reserve=self._reserve()).held() as store:
+                try:
+                    yield store
+                finally:
+                    touched = store.looked_at()
+        except (_LayerRefused, NoRoom):
+            container_image.forget_blobs(touched)
+            raise
+
+    def _build(self, fetched: FetchedImage, progress: Progress, started: float) -> Imported:
+        """The guest image of ``fetched``; :class:`_LayerRefused` when a layer is refused
+        while flattened."""
         settings = self.fleet.settings
         with self._claims.importing(container_image.image_name(fetched.config_digest)):
             try:
@@ -258,23 +279,22 @@ class ImageService:
                 try:
                     run_as = (lease.uid, lease.gid) if lease is not None else None
                     img = container_image.build(
-                        fetched, progress, settings.max_image_bytes, run_as=run_as
+                        fetched,
+                        progress,
+                        settings.max_image_bytes,
+                        run_as=run_as,
+                        reserve=self._reserve(),
+                        # the uid stays leased while the worker (and its tar2sqfs) runs
+                        worker_started=lease.bind if lease is not None else None,
                     )
                 finally:
                     if lease is not None:
                         lease.release()
             except ArchiveError as exc:
-                return exc
+                raise _LayerRefused(
+                    f"image {fetched.reference}: a layer cannot be used: {exc}"
+                ) from exc
         return Imported(img, fetched, time.monotonic() - started)
-
-    @staticmethod
-    def _built(fetched: FetchedImage, built: Imported | ArchiveError) -> Imported:
-        """``built``, or (a layer refused) its error, once the import's blobs are no longer
-        held: they are removed then, but those another import holds or a build needs."""
-        if isinstance(built, ArchiveError):
-            container_image.forget(fetched)
-            raise Invalid(f"image {fetched.reference}: a layer cannot be used: {built}") from built
-        return built
 
     # ------------------------------------------------------------ read
 
@@ -348,6 +368,10 @@ class ImageService:
         await asyncio.to_thread(container_image.collect_unused_layers)
 
 
+class _LayerRefused(Invalid):
+    """A layer of the image was refused while flattened (hostile, or past the caps)."""
+
+
 class _NameClaims:
     """Which images imports are building (or finding built) and which are being removed,
     by name: an import waits for a removal of its image (a moment), a removal is refused
@@ -416,9 +440,10 @@ async def _as_events(
         work.cancel()  # a client gone: the import thread still finishes on its own
 
 
-async def _receive(body: AsyncIterator[bytes], out: BinaryIO, cap: int) -> int:
+async def _receive(body: AsyncIterator[bytes], out: BinaryIO, cap: int, meter: WriteMeter) -> int:
     """Write ``body`` to ``out`` as it arrives; its size. 413 past ``cap`` bytes (the
-    guard middleware cuts the body there too)."""
+    guard middleware cuts the body there too), 507 once the disk is down to its
+    reserve."""
     size = held = 0
     pending: list[bytes] = []
     async for piece in body:
@@ -428,8 +453,10 @@ async def _receive(body: AsyncIterator[bytes], out: BinaryIO, cap: int) -> int:
         pending.append(piece)
         held += len(piece)
         if held >= WRITE_PIECE:
+            meter.will_write(held)
             await asyncio.to_thread(out.write, b"".join(pending))
             pending, held = [], 0
+    meter.will_write(held)
     await asyncio.to_thread(out.write, b"".join(pending))
     if size == 0:
         raise Invalid("the request has no body: send the archive (docker save, podman save)")

@@ -23,6 +23,7 @@ from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import SnapshotError
+from forkd.image_import import leftovers
 from forkd.limits import NAME_RE
 from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
 from forkd.vmm.jail import network, qemu_user
@@ -66,6 +67,10 @@ class Lifecycle:
     async def start(self) -> None:
         """Bring the registry in line with the disk and re-adopt live sandboxes."""
         self.reconcile_snapshots()
+        swept = await asyncio.to_thread(leftovers.sweep)
+        if swept.workers_killed or swept.removed:
+            log.info("an import left by a daemon that died: %d worker(s) killed, %d "
+                     "leftover(s) removed", swept.workers_killed, swept.removed)  # fmt: skip
         await self.adopt_sandboxes()
         self.kill_strays()
         await asyncio.to_thread(self.remove_stray_networks)

@@ -34,7 +34,15 @@ from forkd.controller.services import transfer_records
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SnapshotRow, now
-from forkd.errors import Busy, Conflict, Invalid, SnapshotError, StorageFull, UpstreamError
+from forkd.errors import (
+    Busy,
+    Conflict,
+    Invalid,
+    NoRoom,
+    SnapshotError,
+    StorageFull,
+    UpstreamError,
+)
 from forkd.guest import pulled_image
 from forkd.oci import (
     artifact,
@@ -294,7 +302,9 @@ class SnapshotTransfer:
             why = "; ".join(problems)
             raise Conflict(f"{remote.where} cannot be restored on this host: {why}")
         image_bytes = 0 if image_dir else sum(n for f in files.values() for _o, n, _d in f)
-        _check_room(self.root, remote, image_bytes + sum(v["size_bytes"] for v in volumes))
+        reserve = max(PULL_RESERVE_BYTES, self.fleet.settings.disk_reserve_mib << 20)
+        need = image_bytes + sum(v["size_bytes"] for v in volumes)
+        _check_room(self.root, remote, need, reserve)
         return _Plan(image_dir, files, image_meta, volumes)
 
     def _pull_sync(
@@ -427,15 +437,16 @@ class _Made:
             shutil.rmtree(image_dir, ignore_errors=True)
 
 
-def _check_room(root: Path, remote: Remote, other_bytes: int) -> None:
+def _check_room(root: Path, remote: Remote, other_bytes: int, reserve: int) -> None:
     """The most a pull can write (its memory, device state, image and volumes, all
     allocated) must fit on the disk, with the reserve left: a registry's claim of a huge
-    image or volume is refused before anything is written."""
+    image or volume is refused before anything is written (507)."""
     vmstate = sum(la.length for la in remote.manifest.of_part("vmstate"))
     need = remote.memory_bytes + vmstate + other_bytes
-    free = free_bytes(root) - PULL_RESERVE_BYTES
+    free = free_bytes(root) - reserve
     if need > free:
-        raise StorageFull(
+        raise NoRoom(
             f"pulling {remote.where} may need {need >> 20} MiB on disk and "
-            f"{max(free, 0) >> 20} MiB are free (beside a {PULL_RESERVE_BYTES >> 20} MiB reserve)"
+            f"{max(free, 0) >> 20} MiB are free (beside a {reserve >> 20} MiB reserve, "
+            "--disk-reserve)"
         )

@@ -24,7 +24,9 @@ log = logging.getLogger(__name__)
 class VolumeService:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
-        self.store = VolumeStore(fleet.settings.state_dir / "volumes")
+        self.store = VolumeStore(
+            fleet.settings.state_dir / "volumes", fleet.settings.disk_reserve_mib << 20
+        )
 
     # ------------------------------------------------------------ users
 

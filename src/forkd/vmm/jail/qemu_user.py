@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forkd.errors import ForkdError, Invalid, OverCapacity
+from forkd.processes import Holder
 
 log = logging.getLogger(__name__)
 
@@ -85,31 +86,6 @@ class UidRange:
 # (docs UIDS-GIDS.md), and shadow's subordinate ids (/etc/subuid, for rootless
 # containers and userns-remap) start at SUB_UID_MIN, 100000.
 DEFAULT_RANGE = UidRange(65536, 99999)
-
-
-@dataclass(frozen=True)
-class Holder:
-    """A process, told apart from a later one with the same pid by its start time."""
-
-    pid: int
-    start_ticks: int  # field 22 of /proc/<pid>/stat: clock ticks after boot
-
-    @classmethod
-    def of(cls, pid: int) -> Holder | None:
-        """Process ``pid`` as it is now; None when it is gone (a zombie is gone)."""
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            return None
-        # The command name (field 2) is in parentheses and may hold anything.
-        fields = data[data.rfind(b")") + 2 :].split()
-        if len(fields) < 20 or fields[0] in (b"Z", b"X"):
-            return None
-        return cls(pid, int(fields[19]))
-
-    def alive(self) -> bool:
-        return Holder.of(self.pid) == self
 
 
 @dataclass

@@ -30,7 +30,15 @@ from typing import Any
 
 from forkd import hosttools
 from forkd.archive import ArchiveError, ArchiveTooLarge, Limits
-from forkd.errors import Conflict, ForkdError, HostToolMissing, Invalid, NotFound, StorageFull
+from forkd.errors import (
+    Conflict,
+    ForkdError,
+    HostToolMissing,
+    Invalid,
+    NoRoom,
+    NotFound,
+    StorageFull,
+)
 from forkd.limits import (
     NAME_RE,
     VOLUME_BYTES_PER_ENTRY,
@@ -159,8 +167,9 @@ def free_bytes(directory: Path) -> int:
 
 
 class VolumeStore:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, reserve_bytes: int = 0) -> None:
         self.root = root
+        self.reserve_bytes = reserve_bytes  # free disk no volume may count on (--disk-reserve)
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def _dir(self, name: str) -> Path:
@@ -193,14 +202,17 @@ class VolumeStore:
         ]
 
     def check_size(self, size: int, beside: str = "") -> None:
-        """``size`` is within bounds, and a volume that fills up to it fits on the host."""
+        """``size`` is within bounds, and a volume that fills up to it fits on the host
+        above the reserve (:class:`NoRoom` when it does not)."""
         if not MIN_SIZE <= size <= MAX_SIZE:
             raise VolumeInvalid(f"size must be between {MIN_SIZE >> 20} MiB and 1 TiB")
         free = free_bytes(self.root)
-        if size > free:
-            raise VolumeInvalid(
+        if size + self.reserve_bytes > free:
+            kept = self.reserve_bytes >> 20
+            reserve = f", {kept} MiB of it kept free (--disk-reserve)" if kept else ""
+            raise NoRoom(
                 f"a volume of {size >> 20} MiB does not fit{beside}: the host's disk has "
-                f"{free >> 20} MiB free where volumes are kept"
+                f"{free >> 20} MiB free where volumes are kept{reserve}"
             )
 
     def create(
