@@ -144,6 +144,9 @@ MAX_CONNECTIONS = 1024  # open at once (WebSockets too); less when descriptors a
 # A quarter of the total: one host never holds more, yet one SDK client's pool (100),
 # its event streams and terminals fit. Behind a proxy every client has its address.
 MAX_CONNECTIONS_PER_ADDRESS = 256
+# A keep-alive connection that never sent the token is closed when it goes idle this
+# long after it opened (a browser on a preview URL opens another at once).
+UNAUTHENTICATED_KEEPALIVE_SECS = 60.0
 
 # Volume content archives (the upload is capped above; what it expands to, here).
 VOLUME_MAX_ENTRIES = 100_000  # files, directories and links in one archive

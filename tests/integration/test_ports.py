@@ -126,6 +126,34 @@ def test_a_preview_url_opens_in_headless_chromium_with_its_websocket(
             browser.close()
 
 
+def test_previews_on_the_daemons_origin_keep_their_cookies_and_urls_to_themselves(
+    pair: tuple[Sandbox, Sandbox],
+) -> None:
+    """Issue 35: a preview page of A set a cookie for the whole origin that B's guest then
+    received, and B learnt A's preview URL (its token) from Referer. In a real browser:
+    B's guest gets its own cookies back, under their own names, and nothing of A's."""
+    sync_api = _chromium()
+    a, b = pair
+    url_a, url_b = a.preview_url(PORT, ttl_s=300), b.preview_url(PORT, ttl_s=300)
+    seen_by_b = """u => fetch(u).then(r => r.json())"""
+    with sync_api.sync_playwright() as p:  # type: ignore[attr-defined]
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.goto(url_b + "cookies")  # B's own cookies, set by its answer
+            page.goto(url_a + "page")
+            page.evaluate("document.cookie = 'tossed=fromA; path=/'")
+            from_a = dict(page.evaluate(seen_by_b, url_b + "headers"))  # A's page asks B
+            page.goto(url_b + "headers")  # a navigation from A's page to B's
+            navigated = dict(json.loads(page.inner_text("body")))
+        finally:
+            browser.close()
+    for sent in (from_a, navigated):
+        assert "referer" not in sent, sent  # A's URL, token and all, is not B's to see
+        cookies = sorted(c.strip() for c in sent.get("cookie", "").split(";"))
+        assert cookies == ["session=abc", "theme=dark"], sent
+
+
 def test_forkd_port_forward_tunnels_curl(pair: tuple[Sandbox, Sandbox], daemon: Daemon) -> None:
     a, _ = pair
     if shutil.which("curl") is None:

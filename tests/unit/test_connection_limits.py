@@ -106,10 +106,13 @@ class Served:
     port: int  # 0 on a unix socket
 
 
+OWNER = "owner-token"  # what the small app's limiter takes for the owner's token
+
+
 @contextmanager
 def limited(connection_limits: ConnectionLimits, uds: str | None = None) -> Iterator[Served]:
     """The small app under uvicorn with ``connection_limits``, on 127.0.0.1 or ``uds``."""
-    limiter = ConnectionLimiter(connection_limits)
+    limiter = ConnectionLimiter(connection_limits, owner_token=OWNER)
     port = 0 if uds else free_port()
     where = {"uds": uds} if uds else {"host": "127.0.0.1", "port": port}
     with serving(APP, **uvicorn_options(limiter), **where):
@@ -178,8 +181,9 @@ def read_answer(sock: socket.socket) -> bytes:
     return head + b"\r\n\r\n" + body
 
 
-def ping(sock: socket.socket) -> bytes:
-    sock.sendall(b"GET /ping HTTP/1.1\r\nHost: t\r\n\r\n")
+def ping(sock: socket.socket, token: str | None = None) -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
+    sock.sendall(b"GET /ping HTTP/1.1\r\nHost: t\r\n" + auth + b"\r\n")
     return read_answer(sock)
 
 
@@ -315,10 +319,11 @@ def caps(per_address: int, total: int) -> ConnectionLimits:
     return ConnectionLimits(LONG_SECS, LONG_SECS, per_address, total)
 
 
-def held(port: int, source: str = "127.0.0.1") -> socket.socket:
-    """A connection the server admitted (it answered), kept open."""
+def held(port: int, source: str = "127.0.0.1", token: str | None = OWNER) -> socket.socket:
+    """A connection the server admitted (it answered), kept open: the owner's (never
+    closed for another) unless ``token`` is None."""
     sock = connect(port, source)
-    assert ping(sock).endswith(b"pong")
+    assert ping(sock, token).endswith(b"pong")
     return sock
 
 
@@ -330,13 +335,13 @@ def refusal(sock: socket.socket) -> bytes:
 
 
 def admitted_again(connect_one: Any) -> socket.socket:
-    """A connection admitted once the server has seen an earlier one close."""
+    """A connection admitted once the server has seen an earlier one close (the
+    owner's)."""
     deadline = time.monotonic() + SLACK
     while True:
         sock = connect_one()
         try:
-            sock.sendall(b"GET /ping HTTP/1.1\r\nHost: t\r\n\r\n")
-            answer = read_answer(sock)
+            answer = ping(sock, OWNER)
             if answer.startswith(b"HTTP/1.1 200"):
                 return sock
         except (AssertionError, OSError):
@@ -396,7 +401,7 @@ def test_unix_socket_clients_count_against_the_total_only(tmp_path: Path) -> Non
         socks = []
         for _ in range(3):  # one "address" each would refuse the second
             socks.append(unix())
-            assert ping(socks[-1]).endswith(b"pong")
+            assert ping(socks[-1], OWNER).endswith(b"pong")
         with unix() as fourth:
             assert refusal(fourth).startswith("too many connections:")
         socks[0].close()
@@ -419,6 +424,119 @@ def test_a_websocket_holds_its_slot_until_it_closes_and_then_gives_it_back() -> 
         for sock in (other, again):
             sock.close()
         open_count_becomes(limiter, 0)
+
+
+def test_a_flood_of_idle_connections_without_the_token_cannot_keep_the_owner_out(
+    daemon_with_caps: tuple[str, ConnectionLimiter],
+) -> None:
+    """Issue 35: any local process, without a token, held every connection with keep-alive
+    /healthz requests from several loopback addresses, and the owner got 503s."""
+    url, limiter = daemon_with_caps
+    port = int(url.rpartition(":")[2])
+    stop = threading.Event()
+    flooders = [f"127.0.0.{i}" for i in (2, 3, 4, 5)]  # 4 x 8: every connection the caps allow
+
+    def flood(source: str) -> None:
+        socks: list[socket.socket] = []
+        while not stop.is_set():
+            for sock in list(socks):
+                try:  # a keep-alive /healthz now and then on each
+                    sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n")
+                    read_answer(sock)
+                except (AssertionError, OSError):
+                    socks.remove(sock)
+                    sock.close()
+            while len(socks) < 8 and not stop.is_set():  # and each one closed, opened again
+                try:
+                    socks.append(connect(port, source))
+                except OSError:
+                    break
+            time.sleep(0.05)
+        for sock in socks:
+            sock.close()
+
+    threads = [threading.Thread(target=flood, args=(a,)) for a in flooders]
+    for thread in threads:
+        thread.start()
+    try:
+        # The flood holds all it may (all but the owner's share), its connections closed
+        # for one another as it opens more.
+        deadline = time.monotonic() + 10
+        while limiter.counts().open < 24 or limiter.counts().closed_for_another < 32:
+            assert time.monotonic() < deadline, (
+                f"the flood never filled the daemon: {limiter.counts()}"
+            )
+            time.sleep(0.02)
+        answers = []
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        for _ in range(20):  # each on a new connection, as a CLI's calls come
+            with httpx.Client(headers=auth, timeout=10) as http:
+                answers.append(http.get(f"{url}/v1/sandboxes").status_code)
+        with httpx.Client(headers=auth, timeout=10) as http:  # and on one kept open
+            answers += [http.get(f"{url}/v1/sandboxes").status_code for _ in range(20)]
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+    assert answers == [200] * 40, answers
+    assert limiter.counts().refused == {"address": 0, "total": 0}
+
+
+@pytest.fixture
+def daemon_with_caps(
+    settings: Settings, driver: FakeDriver
+) -> Iterator[tuple[str, ConnectionLimiter]]:
+    """The daemon's app with 8 connections an address, 32 in all."""
+    limiter = ConnectionLimiter(caps(per_address=8, total=32), owner_token=TOKEN)
+    port = free_port()
+    app = create_app(settings, TOKEN, driver=driver, connections=limiter)
+    with serving(app, host="127.0.0.1", port=port, **uvicorn_options(limiter)):
+        yield f"http://127.0.0.1:{port}", limiter
+
+
+def test_a_connection_let_in_on_the_owners_share_must_send_the_token() -> None:
+    with limited(caps(per_address=100, total=4)) as served:  # 1 of 4 kept for the owner
+        port = served.port
+        busy = [connect(port) for _ in range(3)]
+        for sock in busy:  # uploads under way: not idle, never closed for another
+            sock.sendall(upload_head(10))
+        open_count_becomes(served.limiter, 3)
+        with connect(port) as stranger:  # on the owner's share: answered, then closed
+            assert ping(stranger).endswith(b"pong")
+            assert read_until_closed(stranger, SLACK) == b""
+        owner = admitted_again(lambda: connect(port))
+        with connect(port, "127.0.0.9") as one_more:  # the owner's share taken: refused
+            assert refusal(one_more).startswith("too many connections:")
+        owner.close()
+        for sock in busy:
+            sock.close()
+
+
+def test_a_keep_alive_connection_without_the_token_lives_only_so_long() -> None:
+    limits_ = ConnectionLimits(LONG_SECS, LONG_SECS, unauthenticated_keepalive_secs=0.5)
+    with limited(limits_) as served:
+        stranger, owner = held(served.port, token=None), held(served.port)
+        time.sleep(0.6)
+        assert ping(stranger).endswith(b"pong")  # answered, then closed
+        assert read_until_closed(stranger, SLACK) == b""
+        assert ping(owner).endswith(b"pong") and is_open(owner)
+        stranger.close()
+        owner.close()
+
+
+def test_an_idle_connection_without_the_token_is_closed_for_a_newcomer() -> None:
+    with limited(caps(per_address=2, total=100)) as served:
+        port = served.port
+        stranger, owner = held(port, token=None), held(port)
+        with connect(port) as newcomer:
+            assert ping(newcomer).endswith(b"pong")
+            assert read_until_closed(stranger, SLACK) == b""  # the idle stranger made room
+            assert is_open(owner)
+            with connect(port) as another:  # the owner's and the newcomer's: refused?
+                # The newcomer sent no token and is idle now: it makes room in turn.
+                assert ping(another).endswith(b"pong")
+        owner.close()
+        stranger.close()
 
 
 def test_limits_must_be_positive() -> None:
@@ -595,7 +713,7 @@ def test_forkd_serve_takes_the_options_into_its_settings(
 
 def test_forkd_gateway_takes_the_options(monkeypatch: pytest.MonkeyPatch) -> None:
     taken: list[ConnectionLimits] = []
-    monkeypatch.setattr("forkd.gateway.app.serve", lambda *args: taken.append(args[3]))
+    monkeypatch.setattr("forkd.gateway.app.serve", lambda *args, **_kw: taken.append(args[3]))
     base = ["gateway", "--node", "http://127.0.0.1:1", "--insecure-no-auth"]
     for args in ([], OPTIONS):
         result = CliRunner().invoke(cli_app, base + args)

@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+from forkd.controller.port_proxy import cookie_tag
 from forkd.controller.services import ports as port_service
 from tests.unit import port_fixtures
 from tests.unit.conftest import Server
@@ -71,13 +72,35 @@ def test_a_guest_s_cookies_stay_under_its_prefix_and_it_cannot_join_the_console_
     page opens stay reachable from that page."""
     r = http.get(_url(sid, "/cookies"))
     prefix = f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/"
+    tag = cookie_tag(prefix.rstrip("/")).decode()  # the names are the guest's own too
     assert r.headers.get_list("set-cookie") == [
-        f"session=abc; HttpOnly; Path={prefix}",
-        f"theme=dark; Max-Age=60; SameSite=Lax; Path={prefix}",
+        f"{tag}session=abc; HttpOnly; Path={prefix}",
+        f"{tag}theme=dark; Max-Age=60; SameSite=Lax; Path={prefix}",
     ]
     assert "cross-origin-opener-policy" not in r.headers
     for policy in ("nel", "report-to", "alt-svc", "strict-transport-security"):
         assert policy not in r.headers  # each would act on the daemon's whole origin
+
+
+def test_a_guest_gets_only_its_own_cookies_and_no_referer_and_its_pages_send_none(
+    http: httpx.Client, sid: str
+) -> None:
+    """Issue 35: on the daemon's origin a page of sandbox A could set a cookie for the
+    whole origin (``document.cookie='tossed=fromA; path=/'``) that sandbox B's guest then
+    received, and a page of B learnt the URL (its preview token) of the page that led to
+    it from Referer."""
+    tag = cookie_tag(f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}").decode()
+    other = cookie_tag("/v1/preview/another-sandboxes-token").decode()
+    r = http.get(_url(sid, "/headers"), headers={
+        "Cookie": f"tossed=fromA; {tag}session=abc; {other}theirs=x; {tag}theme=dark",
+        "Referer": "http://127.0.0.1/v1/preview/another-sandboxes-token/page",
+    })  # fmt: skip
+    sent = dict(r.json())
+    assert sent["cookie"] == "session=abc; theme=dark"
+    assert "referer" not in sent
+    assert r.headers["referrer-policy"] == "no-referrer"
+    alone = dict(http.get(_url(sid, "/headers"), headers={"Cookie": "tossed=fromA"}).json())
+    assert "cookie" not in alone
 
 
 @pytest.mark.parametrize("chunked", [False, True])

@@ -97,7 +97,8 @@ def gateway(
         limits = connection_limits(
             header_timeout, body_idle_timeout, max_connections_per_address, max_connections
         )
-        serve(create_app(nodes, token, registry, insecure_registry), bind, log_level, limits)
+        app = create_app(nodes, token, registry, insecure_registry)
+        serve(app, bind, log_level, limits, token=token)
     except ForkdError as exc:
         raise fail(str(exc)) from exc
 

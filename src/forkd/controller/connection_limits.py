@@ -15,7 +15,19 @@ and the gateway uvicorn's h11 protocol with two timers and a count:
 * **The count.** At most ``max_per_address`` connections from one client
   address and ``max_total`` in all, WebSockets included. A unix-socket client
   has no address (all would share one), so it counts against the total only.
-  One over a cap is answered 503 with ``Connection: close`` and closed at once.
+* **The owner first.** A connection that has sent the daemon's token (its
+  bearer token, checked on every request head) is the owner's; any other may be
+  anyone's. Once a cap is reached, or the total is within ``owner_share`` of
+  its cap, a new connection closes the longest-idle connection that is not the
+  owner's and waits for its next request (one with a request in progress, a
+  stream or a WebSocket, is never cut). A connection let in on that last share
+  must send the token with its first request, or it is closed after the answer.
+  With no idle connection of another to close, one over a cap is answered 503
+  with ``Connection: close`` and closed at once. So no local process, holding
+  keep-alive connections open without a token, can keep the owner out.
+* **Life without a token.** A keep-alive connection that has never sent the
+  token is closed when it goes idle ``unauthenticated_keepalive_secs`` after it
+  opened: such connections cannot be held for good.
 
 Neither timer runs while an answer streams (event streams, downloads) or once a
 connection is a WebSocket: the server then waits for nothing from the client.
@@ -28,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hmac
 import json
 import logging
 import math
@@ -60,9 +73,23 @@ class ConnectionLimits:
     body_idle_timeout_secs: float = limits.REQUEST_BODY_IDLE_TIMEOUT_SECS
     max_per_address: int = limits.MAX_CONNECTIONS_PER_ADDRESS
     max_total: int = limits.MAX_CONNECTIONS
+    owner_share: float = 0.25  # of max_total, kept for connections that send the token
+    unauthenticated_keepalive_secs: float = limits.UNAUTHENTICATED_KEEPALIVE_SECS
+
+    @property
+    def kept_for_owner(self) -> int:
+        return int(self.max_total * self.owner_share)
 
     def __post_init__(self) -> None:
-        for secs in (self.header_timeout_secs, self.body_idle_timeout_secs):
+        if not 0 <= self.owner_share < 1:
+            raise Invalid(
+                f"the owner's share of connections is from 0 to 1, not {self.owner_share}"
+            )
+        for secs in (
+            self.header_timeout_secs,
+            self.body_idle_timeout_secs,
+            self.unauthenticated_keepalive_secs,
+        ):
             if not (secs > 0 and math.isfinite(secs)):
                 raise Invalid(f"a connection timeout must be a positive number, not {secs}")
         if min(self.max_per_address, self.max_total) < 1:
@@ -76,48 +103,100 @@ class ConnectionCounts:
     open: int
     refused: dict[Cap, int]
     timed_out: dict[Wait, int]
+    closed_for_another: int = 0  # idle connections without the token, closed for a newcomer
 
 
 class Slot:
     """One admitted connection's place under the caps, given back once."""
 
-    def __init__(self, limiter: ConnectionLimiter, address: str | None) -> None:
+    def __init__(
+        self, limiter: ConnectionLimiter, address: str | None, holder: Evictable | None
+    ) -> None:
         self._limiter: ConnectionLimiter | None = limiter
         self.address = address
+        self.holder = holder  # the connection, while it may be closed for another
+        self.owner = False  # it has sent the token
+        self.on_probation = False  # let in on the owner's share: the token, or closed
+        self.opened = time.monotonic()
 
     def release(self) -> None:
         limiter, self._limiter = self._limiter, None
         if limiter is not None:
-            limiter._give_back(self.address)
+            limiter._give_back(self)
+
+
+class Evictable:
+    """What a connection says of itself to the limiter."""
+
+    def idle(self) -> bool:
+        """Waiting for its next request head (or its first), nothing in progress."""
+        raise NotImplementedError
+
+    def evict(self) -> None:
+        """Close it for a newcomer."""
+        raise NotImplementedError
 
 
 class ConnectionLimiter:
     """The open connections of one server, admitted under its caps, and what it refused
     or timed out. Used from the event loop's thread only."""
 
-    def __init__(self, connection_limits: ConnectionLimits) -> None:
+    def __init__(self, connection_limits: ConnectionLimits, owner_token: str | None = None) -> None:
         self.limits = connection_limits
+        self._owner_header = None if owner_token is None else f"Bearer {owner_token}".encode()
         self._open = 0
         self._open_from: Counter[str] = Counter()
+        self._slots: dict[Slot, None] = {}  # every open slot, the oldest first
         self._refused: Counter[Cap] = Counter()
         self._timed_out: Counter[Wait] = Counter()
+        self._evicted = 0
         self._warned_at = -math.inf
 
-    def admit(self, address: str | None) -> Slot | Cap:
-        """A slot for a new connection from ``address``, or the cap it is over."""
-        cap: Cap | None = None
-        if self._open >= self.limits.max_total:
-            cap = "total"
-        elif address is not None and self._open_from[address] >= self.limits.max_per_address:
-            cap = "address"
-        if cap is not None:
-            self._refused[cap] += 1
-            self._warn_refused(cap, address)
-            return cap
+    def is_owner(self, authorization: bytes) -> bool:
+        """Whether a request's ``Authorization`` is the owner's token."""
+        return self._owner_header is not None and hmac.compare_digest(
+            authorization, self._owner_header
+        )
+
+    def admit(self, address: str | None, holder: Evictable | None = None) -> Slot | Cap:
+        """A slot for a new connection from ``address`` (``holder``, which may be closed
+        for a later one while idle and not the owner's), or the cap it is over: an idle
+        connection of another is closed first to make room."""
+        caps = self.limits
+        probation = False
+        full_here = address is not None and self._open_from[address] >= caps.max_per_address
+        if full_here and not self._evict_one(address):
+            return self._refuse("address", address)
+        if self._open >= caps.max_total - caps.kept_for_owner and not self._evict_one(None):
+            if self._open >= caps.max_total:
+                return self._refuse("total", address)
+            probation = True  # the owner's share: it must prove itself
         self._open += 1
         if address is not None:
             self._open_from[address] += 1
-        return Slot(self, address)
+        slot = Slot(self, address, holder)
+        slot.on_probation = probation
+        self._slots[slot] = None
+        return slot
+
+    def _evict_one(self, address: str | None) -> bool:
+        """Close the longest-idle connection (from ``address``, when given) that is not
+        the owner's; whether there was one."""
+        for slot in self._slots:
+            if slot.owner or slot.holder is None or (address and slot.address != address):
+                continue
+            if slot.holder.idle():
+                holder = slot.holder
+                slot.release()
+                holder.evict()
+                self._evicted += 1
+                return True
+        return False
+
+    def _refuse(self, cap: Cap, address: str | None) -> Cap:
+        self._refused[cap] += 1
+        self._warn_refused(cap, address)
+        return cap
 
     def count_timeout(self, wait: Wait) -> None:
         self._timed_out[wait] += 1
@@ -127,10 +206,13 @@ class ConnectionLimiter:
             open=self._open,
             refused={"address": self._refused["address"], "total": self._refused["total"]},
             timed_out={"header": self._timed_out["header"], "body": self._timed_out["body"]},
+            closed_for_another=self._evicted,
         )
 
-    def _give_back(self, address: str | None) -> None:
+    def _give_back(self, slot: Slot) -> None:
         self._open -= 1
+        self._slots.pop(slot, None)
+        address = slot.address
         if address is not None:
             self._open_from[address] -= 1
             if self._open_from[address] <= 0:
@@ -203,7 +285,7 @@ def _holding_slot(ws_protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]
     return type(ws_protocol.__name__, (_HoldsSlot, ws_protocol), {})
 
 
-class LimitedH11Protocol(H11Protocol):
+class LimitedH11Protocol(H11Protocol, Evictable):
     """uvicorn's h11 protocol under a :class:`ConnectionLimiter` (see the module docstring)."""
 
     limiter: ClassVar[ConnectionLimiter]
@@ -214,11 +296,12 @@ class LimitedH11Protocol(H11Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._waiting_for: Wait | None = None  # what the running timer waits for
         self._upgraded = False
+        self._seen_scope: object = None  # the request whose head was checked for the token
         if self.ws_protocol_class is not None:
             self.ws_protocol_class = _holding_slot(self.ws_protocol_class)  # type: ignore[arg-type]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        admitted = self.limiter.admit(client_address(transport))
+        admitted = self.limiter.admit(client_address(transport), self)
         if not isinstance(admitted, Slot):
             transport.write(_refusal(admitted))
             transport.close()
@@ -241,11 +324,42 @@ class LimitedH11Protocol(H11Protocol):
         if self._waiting_for == "body":
             self._stop_timer()  # a byte of the body: the idle wait starts over
         super().data_received(data)
+        self._note_owner()
         self._rearm()
+
+    def _note_owner(self) -> None:
+        """A new request's head: the connection is the owner's once one has the token."""
+        scope = getattr(self, "scope", None)
+        if scope is None or scope is self._seen_scope or self._slot is None:
+            return
+        self._seen_scope = scope
+        if not self._slot.owner:
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            self._slot.owner = self.limiter.is_owner(given)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        slot = self._slot
+        if slot is not None and not slot.owner and not self.transport.is_closing():
+            caps = self.limiter.limits
+            if slot.on_probation or time.monotonic() - slot.opened > (
+                caps.unauthenticated_keepalive_secs
+            ):
+                self.transport.close()  # let in on the owner's share, or kept alive too long
+                return
         self._rearm()  # keep-alive: the next request's head is awaited
+
+    def idle(self) -> bool:
+        return (
+            not self._upgraded
+            and not self.transport.is_closing()
+            and self.conn.their_state is h11.IDLE
+            and self.conn.our_state is h11.IDLE
+        )
+
+    def evict(self) -> None:
+        self._stop_timer()
+        self.transport.close()
 
     def handle_websocket_upgrade(self, event: h11.Request) -> None:
         self._stop_timer()

@@ -144,6 +144,11 @@ class _ConnectionCollector(Collector):
         for wait, n in counts.timed_out.items():
             timed_out.add_metric([wait], n)
         yield timed_out
+        yield CounterMetricFamily(
+            "forkd_connections_closed_for_another",
+            "Idle connections without the token closed to let a new connection in",
+            value=counts.closed_for_another,
+        )
 
 
 Family = CounterMetricFamily | GaugeMetricFamily

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import socket
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -41,11 +42,16 @@ HOP_BY_HOP = frozenset(
     ("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
      "transfer-encoding", "upgrade", "proxy-connection")
 )  # fmt: skip
-# Never passed to the guest: the daemon's credentials, and what the proxy sets itself.
+# Never passed to the guest: the daemon's credentials, what the proxy sets itself, and
+# the page a request came from (on the daemon's origin, another sandbox's preview URL,
+# its token with it).
 NOT_TO_GUEST = frozenset(
     ("authorization", "host", "forwarded", "x-forwarded-for", "x-forwarded-host",
-     "x-forwarded-proto", "x-forwarded-prefix")
+     "x-forwarded-proto", "x-forwarded-prefix", "referer")
 )  # fmt: skip
+# Set on every answer from a guest, whatever the guest says: a page never tells the
+# next one (another sandbox's, anyone's) the URL it was, preview token and all.
+REFERRER_POLICY = (b"referrer-policy", b"no-referrer")
 # Never passed from the guest to a browser: all sandboxes' previews share the daemon's
 # origin, and these would reach past the guest's own prefix. Service-Worker-Allowed
 # would let a guest's service worker control the whole origin (other sandboxes'
@@ -73,12 +79,16 @@ class GuestGone(Exception):
 
 def guest_headers(scope: Scope, port: int, prefix: str) -> list[tuple[bytes, bytes]]:
     """The request's headers as the guest gets them: no hop-by-hop headers, no
-    Authorization, ``Host: localhost:<port>``, and X-Forwarded-* set (never the
-    client's own, which could say anything; the prefix is empty for a request that
-    came for a preview host's root paths)."""
-    if scope.get("state", {}).get(AT_ROOT):
-        prefix = ""  # the guest's paths are the host's own
+    Authorization, no Referer, ``Host: localhost:<port>``, and X-Forwarded-* set (never
+    the client's own, which could say anything; the prefix is empty for a request that
+    came for a preview host's root paths). On the daemon's origin, of the cookies only
+    the guest's own (:func:`own_cookies`)."""
+    state = scope.get("state", {})
     raw: list[tuple[bytes, bytes]] = scope["headers"]
+    if not state.get(OWN_ORIGIN):
+        raw = own_cookies(raw, cookie_tag(prefix))
+    if state.get(AT_ROOT):
+        prefix = ""  # the guest's paths are the host's own
     named_in_connection = {
         token.strip().lower().encode()
         for k, v in raw if k.lower() == b"connection" for token in v.decode("latin-1").split(",")
@@ -115,18 +125,50 @@ def client_headers(
     if our_origin_prefix is not None:
         dropped |= NOT_FROM_GUEST_ON_OUR_ORIGIN
     drop = {h.encode() for h in dropped} | named_in_connection
-    kept = [(k, v) for k, v in headers if k.lower() not in drop]
-    path = None if our_origin_prefix is None else f"{our_origin_prefix}/".encode()
-    return [(k, confined_cookie(v, path) if k.lower() == b"set-cookie" else v) for k, v in kept]
+    kept = [(k, v) for k, v in headers if k.lower() not in drop | {b"referrer-policy"}]
+    path = tag = None
+    if our_origin_prefix is not None:
+        path, tag = f"{our_origin_prefix}/".encode(), cookie_tag(our_origin_prefix)
+    answer = [
+        (k, confined_cookie(v, path, tag) if k.lower() == b"set-cookie" else v) for k, v in kept
+    ]
+    return [*answer, REFERRER_POLICY]
 
 
-def confined_cookie(set_cookie: bytes, path: bytes | None) -> bytes:
+def cookie_tag(prefix: str) -> bytes:
+    """What the names of a guest's cookies on the daemon's origin begin with: its route's
+    prefix hashed (the prefix holds a preview URL's secret token, so another sandbox's
+    page can neither work the tag out nor set a cookie under it)."""
+    return b"fk" + hashlib.blake2b(prefix.encode(), digest_size=8).hexdigest().encode() + b"-"
+
+
+def own_cookies(headers: list[tuple[bytes, bytes]], tag: bytes) -> list[tuple[bytes, bytes]]:
+    """``headers`` with, of their cookies, only those whose names begin with ``tag`` (set by
+    this guest's answers, :func:`confined_cookie`), the tag taken off. Whatever else a
+    browser sends on the daemon's origin was set by a page's script, perhaps another
+    sandbox's with ``path=/``, or for the console: none of this guest's."""
+    pairs = []
+    for key, value in headers:
+        if key.lower() != b"cookie":
+            continue
+        for pair in value.split(b";"):
+            name, sep, rest = pair.strip().partition(b"=")
+            if sep and name.startswith(tag) and len(name) > len(tag):
+                pairs.append(name[len(tag) :] + b"=" + rest)
+    kept = [(k, v) for k, v in headers if k.lower() != b"cookie"]
+    return kept + ([(b"cookie", b"; ".join(pairs))] if pairs else [])
+
+
+def confined_cookie(set_cookie: bytes, path: bytes | None, tag: bytes | None = None) -> bytes:
     """A guest's ``Set-Cookie`` value kept to its own host (no ``Domain``: a preview
     host's cookie never reaches another sandbox's host under the same domain) and,
     given ``path``, to that path (its own ``Path`` replaced: on the daemon's origin a
     browser then sends it only to that guest's pages, never to the API, the console or
-    another sandbox's preview, and it cannot crowd theirs out)."""
+    another sandbox's preview, and it cannot crowd theirs out), its name beginning with
+    ``tag`` when given (:func:`own_cookies` passes back only those)."""
     name_value, *attributes = set_cookie.split(b";")
+    if tag is not None:
+        name_value = tag + name_value.strip()
     dropped = COOKIE_PLACE_ATTRIBUTES if path is not None else {b"domain"}
     kept = [name_value.strip()] + [
         a.strip() for a in attributes

@@ -265,7 +265,7 @@ def serve(
                 sock = bind_unix_socket(path)
                 sockets = [sock]
                 log.info("listening on unix socket %s (mode 0600)", path)
-            connections = ConnectionLimiter(settings.connection_limits)
+            connections = ConnectionLimiter(settings.connection_limits, owner_token=token)
             config = uvicorn.Config(
                 create_app(settings, token, driver=driver, connections=connections),
                 log_level=log_level,

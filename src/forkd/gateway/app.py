@@ -66,11 +66,12 @@ def serve(
     bind: str,
     log_level: str = "info",
     connection_limits: ConnectionLimits | None = None,
+    token: str | None = None,
 ) -> None:
     """Run the gateway until SIGTERM or SIGINT; clients' connections under the limits
-    (the daemon's defaults when None)."""
+    (the daemon's defaults when None), those that send ``token`` first."""
     configure_logging(log_level)
-    connections = ConnectionLimiter(connection_limits or ConnectionLimits())
+    connections = ConnectionLimiter(connection_limits or ConnectionLimits(), owner_token=token)
     config = uvicorn.Config(
         app, log_level=log_level, access_log=False, proxy_headers=False,
         ws_max_size=MAX_MESSAGE_BYTES, ws_max_queue=WS_QUEUE, timeout_graceful_shutdown=10,

@@ -216,7 +216,7 @@ def collect_unused_layers() -> int:
     root = paths.blobs_dir()
     if not root.is_dir():
         return 0
-    return BlobStore(root).remove_unreferenced(_needed_blobs())
+    return BlobStore(root).remove_unreferenced(_needed_blobs)
 
 
 def forget_blobs(digests: set[str]) -> int:
@@ -225,7 +225,7 @@ def forget_blobs(digests: set[str]) -> int:
     would ever list or free them; the bytes freed."""
     from forkd.image_import.blob_store import BlobStore
 
-    return BlobStore(paths.blobs_dir()).remove(digests - _needed_blobs())
+    return BlobStore(paths.blobs_dir()).remove_unreferenced(_needed_blobs, among=digests)
 
 
 def _needed_blobs() -> set[str]:

@@ -28,7 +28,7 @@ import secrets
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -42,6 +42,10 @@ STALE_TEMP_SECS = 24 * 3600  # a temporary file this old belongs to no live impo
 # One lock for finding-and-holding and for removing.
 _HELD: dict[str, Counter[str]] = {}
 _HELD_LOCK = threading.Lock()
+# Held by a removal while it works out what to keep and removes the rest, and by an
+# import while it lets its blobs go: an import's image is recorded before it lets go,
+# so a removal either sees its hold or reads its record, never neither.
+_COLLECTING = threading.Lock()
 
 
 class _Hold:
@@ -57,7 +61,7 @@ class _Hold:
             _HELD.setdefault(self.root, Counter())[digest] += 1
 
     def release(self) -> None:
-        with _HELD_LOCK:
+        with _COLLECTING, _HELD_LOCK:
             held = _HELD.get(self.root, Counter())
             held.subtract(self.digests)
             for digest in self.digests:
@@ -213,10 +217,19 @@ class BlobStore:
         with _HELD_LOCK:
             return {d for d, n in _HELD.get(self._hold_key(), Counter()).items() if n > 0}
 
-    def remove_unreferenced(self, keep: set[str]) -> int:
-        """Remove every blob not in ``keep`` (and temporary files no import can still be
-        writing); the bytes freed."""
-        freed = self.remove(set(self.digests()) - keep)
+    def remove_unreferenced(
+        self, keep: set[str] | Callable[[], set[str]], among: set[str] | None = None
+    ) -> int:
+        """Remove every blob (of ``among``, when given) not in ``keep`` and held by no
+        import in progress (and temporary files no import can still be writing); the
+        bytes freed. ``keep`` may be a function, called when no import can let its blobs
+        go until this is done: an import records its image (which ``keep`` then names)
+        before it lets go, so its blobs are kept either way."""
+        with _COLLECTING:
+            kept = keep() if callable(keep) else keep
+            freed = self.remove((set(self.digests()) if among is None else among) - kept)
+        if among is not None:
+            return freed
         try:
             names = os.listdir(self.tmp_dir)
         except FileNotFoundError:

@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gzip
+import hashlib
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -59,10 +60,11 @@ from typing import IO
 import zstandard
 
 from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, UnsafeEntry, shown
-from forkd.archive.tar_format import Kind, Limits, Member, ReadFn, TarReader, max_stream
+from forkd.archive.tar_format import Kind, Limits, Member, TarReader, max_stream
 from forkd.archive.unpack import MAX_LINK_HOPS, ROOTFS_XATTR_PREFIXES
 from forkd.errors import Invalid
 from forkd.image_import import diff_ids
+from forkd.image_import.diff_ids import Readable
 from forkd.image_import.model import LayerBlob
 from forkd.limits import MAX_IMAGE_BYTES
 
@@ -381,11 +383,49 @@ def _check_component(part: str) -> None:
 # ---------------------------------------------------------------------- reading layers
 
 
+class LayerStream:
+    """A layer's tar stream, decompressed by what its first bytes say (as its diff_id was
+    checked), read from the decompressor in pieces of one size whatever the caller asks
+    (a decompressor's answer must not depend on it), and hashed: :meth:`finish` reads
+    what the tar reader left and says whether the whole is the layer's ``diff_id``.
+    More than ``cap`` decompressed bytes is :class:`ArchiveTooLarge`."""
+
+    def __init__(self, stream: Readable, cap: int) -> None:
+        self._stream, self._cap = stream, cap
+        self._buffer = memoryview(b"")
+        self._hash = hashlib.sha256()
+        self.total = 0
+
+    def read(self, n: int) -> bytes:
+        if not self._buffer:
+            self._buffer = memoryview(self._pull())
+        piece, self._buffer = self._buffer[:n], self._buffer[n:]
+        return bytes(piece)
+
+    def _pull(self) -> bytes:
+        try:
+            piece = self._stream.read(diff_ids.PIECE)
+        except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as exc:
+            raise BadArchive(f"the layer does not decompress: {exc}") from None
+        self.total += len(piece)
+        if self.total > self._cap:
+            raise ArchiveTooLarge(f"the layer decompresses to more than {self._cap} bytes")
+        self._hash.update(piece)
+        return piece
+
+    def finish(self, diff_id: str) -> None:
+        """Read the rest; :class:`BadArchive` unless all of it was the tar ``diff_id``
+        names ("" checks nothing)."""
+        while self._pull():
+            pass
+        got = "sha256:" + self._hash.hexdigest()
+        if diff_id and got != diff_id:
+            raise BadArchive(f"the layer decompressed to the tar {got} when merged, not {diff_id}")
+
+
 @contextlib.contextmanager
-def open_layer(path: Path, cap: int) -> Iterator[ReadFn]:
-    """A ``read(n)`` of the layer's tar stream, decompressed by what its first bytes say
-    (as its diff_id was checked); more than ``cap`` decompressed bytes is
-    :class:`ArchiveTooLarge`."""
+def open_layer(path: Path, cap: int) -> Iterator[LayerStream]:
+    """The layer at ``path`` as a :class:`LayerStream`."""
     with open(path, "rb") as raw:
         try:
             compression = diff_ids.compression_of(raw.read(6))
@@ -393,21 +433,8 @@ def open_layer(path: Path, cap: int) -> Iterator[ReadFn]:
             raise BadArchive(str(exc)) from None
         raw.seek(0)
         stream = diff_ids.decompressing(raw, compression)
-        total = 0
-
-        def read(n: int) -> bytes:
-            nonlocal total
-            try:
-                piece = stream.read(n)
-            except (EOFError, zlib.error, gzip.BadGzipFile, zstandard.ZstdError) as exc:
-                raise BadArchive(f"the layer does not decompress: {exc}") from None
-            total += len(piece)
-            if total > cap:
-                raise ArchiveTooLarge(f"the layer decompresses to more than {cap} bytes")
-            return piece
-
         try:
-            yield read
+            yield LayerStream(stream, cap)
         finally:
             if stream is not raw:
                 stream.close()  # type: ignore[attr-defined]
@@ -425,10 +452,14 @@ def read_layers(
         data_path = work / f"layer-{index}.data"
         tree.data_paths.append(data_path)
         try:
-            with open(data_path, "wb") as data, open_layer(layer.path, max_stream(limits)) as read:
-                reader = TarReader(read, limits)
+            with (
+                open(data_path, "wb") as data,
+                open_layer(layer.path, max_stream(limits)) as stream,
+            ):
+                reader = TarReader(stream.read, limits)
                 for member in reader:
                     tree.apply(member, reader, index, data)
+                stream.finish(layer.diff_id)  # what was merged is what was checked
         except ArchiveError as exc:
             raise type(exc)(f"layer {index + 1}/{len(layers)} ({layer.digest}): {exc}") from None
     return tree

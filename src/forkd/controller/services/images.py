@@ -519,9 +519,13 @@ def _newest_import(name: str) -> images.Image | None:
 
 
 def _newest_container(matches: Callable[[images.Image], bool]) -> images.Image | None:
-    """The newest imported (container) build that ``matches``, if there is one."""
+    """The newest imported (container) build that ``matches``, if there is one. An image
+    pulled with a snapshot is never one: its record (references, digests, build time)
+    is what another host, or a registry, said of it."""
     found = [
-        img for img in images.list_images() if container_image.is_container(img) and matches(img)
+        img
+        for img in images.list_images()
+        if container_image.is_container(img) and not img.meta.get("pulled") and matches(img)
     ]
     return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
 
