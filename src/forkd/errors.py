@@ -19,6 +19,7 @@ the message::
     │   └── NoRoom             a client's data would take the host's disk under its
     │                          reserve (--disk-reserve): refused, nothing kept (507)
     ├── GuestStorageFull       the guest's disk filled up; nothing half-written was kept (507)
+    ├── TimedOut               an image import ran past --import-timeout (504)
     ├── ImageError             building or reading a guest image failed (500)
     └── VMError                QEMU could not be started, controlled or snapshotted (500)
         └── SnapshotError      a snapshot could not be written, or cannot be restored
@@ -103,6 +104,10 @@ class NoRoom(StorageFull):
     """Data written for a client (an image, an archive, a volume, a pull) would leave the
     host's disk under its reserve: refused before or while it was written, and nothing
     of it was kept."""
+
+
+class TimedOut(ForkdError):
+    """Work with a deadline of its own (an image import) ran past it; it was stopped."""
 
 
 class GuestStorageFull(ForkdError):

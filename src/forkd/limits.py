@@ -102,6 +102,11 @@ FILE_UPLOAD_LIMIT = 64 << 30
 # An imported container image's files, expanded (forkd serve --max-image-mib): what one
 # layer, and all of them merged, may unpack to; a gzip bomb stops here.
 MAX_IMAGE_BYTES = 64 << 30
+# Entries in one layer, and in an image's merged tree (forkd serve --max-image-entries):
+# merging costs CPU by the entry (a 7 MB layer of 999,000 entries cost ten minutes).
+MAX_IMAGE_ENTRIES = 400_000
+# All of one image import, fetching and flattening (forkd serve --import-timeout).
+IMPORT_TIMEOUT_SECS = 3600.0
 
 # What a guest may make the daemon read and wait for (forkd.vmm.agent.client).
 # Answer lines, by op, sized from the agent's own caps (docs/guest-agent.md):

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from forkd import import_deadline
 from forkd.archive import ArchiveTooLarge, Limits, UnsafeEntry
-from forkd.errors import ImageError
+from forkd.errors import ImageError, TimedOut
 from forkd.image_import import flatten_worker
 from forkd.image_import.squash import build_rootfs as in_process
 from tests.archive.hostile import directory, file, symlink
@@ -80,3 +82,14 @@ def test_the_worker_spends_the_cpu_not_the_caller(image: Image) -> None:
     spent_here = mine_after.ru_utime - mine.ru_utime
     spent_there = theirs_after.ru_utime - theirs.ru_utime
     assert spent_there > 0.3 and spent_here < spent_there / 4, (spent_here, spent_there)
+
+
+def test_a_worker_past_the_imports_deadline_is_stopped(image: Image) -> None:
+    """Issue 35: a layer of many entries costs minutes of CPU; it is the import's time,
+    held to --import-timeout like its downloads."""
+    image.layer(directory("d"), *(file(f"d/{'n' * 100}{i:06d}") for i in range(40_000)))
+    started = time.monotonic()
+    with pytest.raises(TimedOut, match="--import-timeout"), import_deadline.import_deadline(0.5):
+        flatten_worker.build_rootfs(image.layers, image.out, image.work)
+    assert time.monotonic() - started < 0.5 + 2
+    assert not image.out.exists()

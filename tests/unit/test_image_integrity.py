@@ -14,13 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zstandard
 
+from forkd import paths
+from forkd.archive.errors import BadArchive
 from forkd.errors import Invalid
 from forkd.guest import container_image, kernel, runtime
 from forkd.guest import image as images
 from forkd.image_import.blob_store import BlobStore
-from forkd.image_import.diff_ids import LayerMismatch
+from forkd.image_import.diff_ids import LayerMismatch, copy_checking_diff_id
 from forkd.image_import.fetch import fetch_image
+from forkd.image_import.layers import IMAGE_LIMITS, read_layers
 from forkd.image_import.local_sources import fetch_loaded
 from forkd.image_import.model import FetchedImage, ImageConfig, LayerBlob, RootfsStats
 from forkd.oci.policy import RegistryPolicy
@@ -260,3 +264,61 @@ def test_a_build_is_found_again_only_when_config_and_every_layer_match(cache: Pa
     assert good.name == evil.name and good.dir != evil.dir
     assert build([GOOD_LAYER]).dir == good.dir
     assert made == [GOOD_LAYER.digest, EVIL_LAYER.digest]
+
+
+def test_a_layer_is_merged_as_it_was_checked_even_with_a_zstd_frame_cut_short(
+    tmp_path: Path,
+) -> None:
+    """A zstd layer whose last frame lost its checksum: the check read it whole (its tar
+    matched the diff_id) while the merge, reading in small pieces, stopped early and lost
+    the layer's last entry, a whiteout: the built image kept what the diff_id deletes."""
+    base = oi.tar_of({"etc/": oi.Dir(), "etc/backdoor": b"#!/bin/sh\n"})
+    top = oi.tar_of({"etc/motd": b"hi\n", "big": b"A" * 1024, "etc/.wh.backdoor": b""})
+    cut = 4 * 512
+    compress = zstandard.ZstdCompressor(write_checksum=True).compress
+    blob = compress(top[:cut]) + compress(top[cut:])[:-4]
+    diff_id = oi.digest_of(top)
+    copy_checking_diff_id(iter([blob]), lambda _piece: None, diff_id, "layer 2", cap=1 << 30)
+    paths_ = [tmp_path / "base", tmp_path / "top"]
+    paths_[0].write_bytes(base)
+    paths_[1].write_bytes(blob)
+    layers = [LayerBlob(oi.digest_of(base), len(base), "x", paths_[0], oi.digest_of(base)),
+              LayerBlob(oi.digest_of(blob), len(blob), "x", paths_[1], diff_id)]  # fmt: skip
+    tree = read_layers(layers, tmp_path, IMAGE_LIMITS)
+    assert sorted(tree.root.children["etc"].children) == ["motd"]
+
+
+def test_a_layer_that_merges_to_another_tar_than_its_diff_id_is_refused(tmp_path: Path) -> None:
+    """Should the blob on disk ever differ from what was checked, the merge refuses it."""
+    tar = oi.tar_of({"a": b"a"})
+    blob = tmp_path / "blob"
+    blob.write_bytes(tar)
+    layer = LayerBlob(oi.digest_of(tar), len(tar), "x", blob, GOOD_LAYER.diff_id)
+    with pytest.raises(BadArchive, match="not " + GOOD_LAYER.diff_id):
+        read_layers([layer], tmp_path, IMAGE_LIMITS)
+
+
+def test_an_image_pulled_with_a_snapshot_never_stands_for_an_imported_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pulled snapshot's image record is what a registry said: its references, digests
+    and build time are its own words, so it may not answer for ``python:3.12`` or for the
+    image id it claims."""
+    monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path))
+    from forkd.controller.services import images as image_service
+    from forkd.guest import pulled_image
+    from forkd.oci import image_files
+
+    rootfs = b"the registry's root" * 10
+    files = {"rootfs.sqfs": [(0, len(rootfs), oi.digest_of(rootfs))]}
+    claimed = "sha256:" + "ab" * 32
+    meta = pulled_image.checked({
+        "kind": "container", "manifest_digest": "sha256:" + "cd" * 32,
+        "config_digest": claimed, "layers": [GOOD_LAYER.digest],
+        "references": ["loaded:python:3.12", "registry.test/python:3.12"],
+        "built_at_unix": 2**52, "config": {},
+    })  # fmt: skip
+    config = {"image": {"name": container_image.image_name(claimed), "key": "0123456789abcdef"}}
+    image_files.install(paths.images_dir(), config, files, lambda _d, _n: rootfs, meta)
+    assert image_service._loaded("python:3.12") is None
+    assert image_service._newest_import(container_image.image_name(claimed)) is None

@@ -83,7 +83,7 @@ def room_of(module: str) -> str:
     if len(parts) == 1:
         return "forkd"
     if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel",
-                    "processes", "disk_reserve", "__version__"}:  # fmt: skip
+                    "processes", "disk_reserve", "import_deadline", "__version__"}:  # fmt: skip
         return BASE
     if parts[1] == "vmm":
         return f"vmm.{parts[2]}" if len(parts) > 2 and parts[2] in VMM_PARTS else "vmm"

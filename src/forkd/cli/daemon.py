@@ -22,8 +22,10 @@ from forkd.errors import ForkdError
 from forkd.limits import (
     DISK_RESERVE_MIB,
     FILE_UPLOAD_LIMIT,
+    IMPORT_TIMEOUT_SECS,
     MAX_CONNECTIONS_PER_ADDRESS,
     MAX_IMAGE_BYTES,
+    MAX_IMAGE_ENTRIES,
     RECLAIM_IDLE_SECS,
     REQUEST_BODY_IDLE_TIMEOUT_SECS,
     REQUEST_HEADER_TIMEOUT_SECS,
@@ -330,6 +332,27 @@ _MaxImageOpt = Annotated[
     ),
 ]
 
+_MaxImageEntriesOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-image-entries",
+        envvar="FORKD_MAX_IMAGE_ENTRIES",
+        min=1,
+        help="Entries (files, directories, links) an imported image may hold, in one layer "
+        "and all merged; past it the import is refused (400). Merging costs CPU by the entry.",
+    ),
+]
+_ImportTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--import-timeout",
+        envvar="FORKD_IMPORT_TIMEOUT",
+        min=1,
+        help="Seconds one image import may take in all, fetching and flattening; past it "
+        "the import is stopped (504) and keeps nothing half-made.",
+    ),
+]
+
 HeaderTimeoutOpt = Annotated[
     float,
     typer.Option(
@@ -409,6 +432,8 @@ def serve(
     preview_domain: _PreviewDomainOpt = None,
     image_archive_dir: _ImageArchiveDirOpt = None,
     max_image_mib: _MaxImageOpt = MAX_IMAGE_BYTES >> 20,
+    max_image_entries: _MaxImageEntriesOpt = MAX_IMAGE_ENTRIES,
+    import_timeout: _ImportTimeoutOpt = IMPORT_TIMEOUT_SECS,
     header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
     max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
@@ -449,6 +474,8 @@ def serve(
             preview_domain=PreviewDomain.of(preview_domain) if preview_domain else None,
             image_archive_dirs=tuple(d.resolve() for d in image_archive_dir or ()),
             max_image_bytes=max_image_mib << 20,
+            max_image_entries=max_image_entries,
+            import_timeout_secs=import_timeout,
             connection_limits=connection_limits(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),

@@ -34,6 +34,7 @@ from forkd.errors import (
     NoRoom,
     NotFound,
     OverCapacity,
+    TimedOut,
     Unavailable,
     UpstreamError,
 )
@@ -55,6 +56,7 @@ STATUS: dict[type[ForkdError], int] = {
     Unavailable: 503,
     GuestStorageFull: 507,
     NoRoom: 507,
+    TimedOut: 504,
     ForkdError: 500,
 }
 
@@ -91,6 +93,11 @@ HOST_DISK_RESERVE: dict[int | str, dict[str, object]] = {
         "model": ErrorBody,
         "description": "the host's disk would go under its --disk-reserve; nothing was kept",
     }
+}
+# An image import (which writes too).
+IMAGE_IMPORT: dict[int | str, dict[str, object]] = {
+    **HOST_DISK_RESERVE,
+    504: {"model": ErrorBody, "description": "the import ran past --import-timeout"},
 }
 
 

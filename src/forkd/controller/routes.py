@@ -13,7 +13,12 @@ from forkd import __version__
 from forkd.controller import sse
 from forkd.controller.bodies import receive_upload, stream_download
 from forkd.controller.disconnect import ClientGone, unless_client_leaves
-from forkd.controller.http_errors import ERROR_RESPONSES, GUEST_STORAGE_FULL, HOST_DISK_RESERVE
+from forkd.controller.http_errors import (
+    ERROR_RESPONSES,
+    GUEST_STORAGE_FULL,
+    HOST_DISK_RESERVE,
+    IMAGE_IMPORT,
+)
 from forkd.controller.models import (
     SANDBOX_STATES,
     BranchRequest,
@@ -524,7 +529,7 @@ async def resize_process(svc: Svc, sandbox_id: str, pid: Pid, body: ProcessResiz
     "",
     status_code=201,
     response_model=ImageInfo,
-    responses={200: IMPORT_EVENTS, **HOST_DISK_RESERVE},
+    responses={200: IMPORT_EVENTS, **IMAGE_IMPORT},
 )
 async def import_image(
     svc: Svc, body: ImageImport, accept: Annotated[str | None, Header()] = None
@@ -543,7 +548,7 @@ async def import_image(
     "/load",
     status_code=201,
     response_model=ImageInfo,
-    responses={200: IMPORT_EVENTS, **HOST_DISK_RESERVE},
+    responses={200: IMPORT_EVENTS, **IMAGE_IMPORT},
     openapi_extra={"requestBody": {"content": {"application/x-tar": {
         "schema": {"type": "string", "format": "binary"}}}, "required": True}},
 )  # fmt: skip

@@ -7,7 +7,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.controller.connection_limits import ConnectionLimits
-from forkd.limits import DISK_RESERVE_MIB, FILE_UPLOAD_LIMIT, MAX_IMAGE_BYTES
+from forkd.limits import (
+    DISK_RESERVE_MIB,
+    FILE_UPLOAD_LIMIT,
+    IMPORT_TIMEOUT_SECS,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_ENTRIES,
+)
 
 if TYPE_CHECKING:  # the services package imports this module
     from forkd.controller.services.preview_domain import PreviewDomain
@@ -54,6 +60,8 @@ class Settings:
     # oci-archive:, oci:): the daemon reads them with its own rights. None listed: refused.
     image_archive_dirs: tuple[Path, ...] = ()
     max_image_bytes: int = MAX_IMAGE_BYTES  # an imported image's files, expanded
+    max_image_entries: int = MAX_IMAGE_ENTRIES  # in one layer, and merged
+    import_timeout_secs: float = IMPORT_TIMEOUT_SECS  # one import, fetching and flattening
     # DNS name under which each preview URL gets a host of its own (forkd.controller.
     # preview_hosts); None: previews are on the daemon's own origin.
     preview_domain: PreviewDomain | None = None

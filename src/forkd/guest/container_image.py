@@ -18,7 +18,6 @@ complete, like a recipe image.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import json
 import os
@@ -78,16 +77,18 @@ def build(
     run_as: tuple[int, int] | None = None,
     reserve: DiskReserve | None = None,
     worker_started: Callable[[int], None] | None = None,
+    max_entries: int | None = None,
 ) -> images.Image:
     """The guest image of ``fetched``, its layers flattened (unless built already);
-    ``max_bytes`` caps what its files expand to (default ``forkd.limits.MAX_IMAGE_BYTES``);
+    ``max_bytes`` caps what its files expand to (default ``forkd.limits.MAX_IMAGE_BYTES``),
+    ``max_entries`` its entries (``forkd.limits.MAX_IMAGE_ENTRIES``);
     ``run_as`` (uid, gid): the squashfs writer runs as that user, not the daemon's;
     ``reserve``: the free disk the flattening may not take; ``worker_started`` is told
     the pid of the process that flattens the layers."""
     from forkd.image_import import flatten_worker  # the flattener: where an image is made
-    from forkd.image_import.layers import IMAGE_LIMITS
+    from forkd.image_import.layers import image_limits
 
-    limits = dataclasses.replace(IMAGE_LIMITS, max_bytes=max_bytes or IMAGE_LIMITS.max_bytes)
+    limits = image_limits(max_bytes, max_entries)
 
     def write(out: Path, work: Path) -> RootfsStats:  # in a worker process: hostile input
         return flatten_worker.build_rootfs(

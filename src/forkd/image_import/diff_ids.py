@@ -30,6 +30,7 @@ from typing import IO, Protocol, cast
 
 import zstandard
 
+from forkd import import_deadline
 from forkd.errors import Invalid
 
 PIECE = 1 << 20  # decompressed bytes hashed at a time
@@ -149,4 +150,5 @@ def file_chunks(path: Path, piece: int = PIECE) -> Iterator[bytes]:
     """A file's bytes in pieces (a blob the store holds, checked again)."""
     with open(path, "rb") as f:
         while data := f.read(piece):
+            import_deadline.check()
             yield data

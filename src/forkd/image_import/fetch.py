@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+from forkd import import_deadline
 from forkd.errors import ForkdError, Invalid, UpstreamError
 from forkd.image_import import manifests, references
 from forkd.image_import.blob_store import BlobStore, BlobWriter
@@ -229,6 +230,7 @@ class Meter:
         say(self._line())
 
     def write(self, data: bytes) -> None:
+        import_deadline.check()
         self.writer.write(data)
         now = time.monotonic()
         done = self.writer.written

@@ -24,20 +24,22 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
+from forkd import import_deadline
 from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, UnsafeEntry
 from forkd.archive.tar_format import Limits
 from forkd.disk_reserve import DiskReserve
-from forkd.errors import ImageError, NoRoom, StorageFull
+from forkd.errors import ImageError, NoRoom, StorageFull, TimedOut
 from forkd.image_import import leftovers
 from forkd.image_import.layers import IMAGE_LIMITS, Progress
 from forkd.image_import.model import LayerBlob, RootfsStats
 
 NICENESS = 10  # the worker yields the CPU to the daemon and its VMs
-RESERVE_POLL_SECS = 0.25  # how often the disk's free space is looked at while it works
+WATCH_SECS = 0.25  # how often the disk's free space and the deadline are looked at
 LINE_MAX_BYTES = 64 << 10  # one answer line (progress text is short; names are cut)
 LOG_TAIL_BYTES = 2000
 # What the worker may answer with, raised as it was in the parent; anything else is
@@ -85,7 +87,7 @@ def build_rootfs(
             stderr=log,
             close_fds=True,
         )
-        watch = _ReserveWatch(proc, reserve) if reserve is not None else None
+        watch = _Watch(proc, reserve, import_deadline.deadline())
         try:
             with leftovers.recorded_worker(proc.pid):
                 if started is not None:
@@ -100,9 +102,8 @@ def build_rootfs(
             proc.wait()
             raise
         finally:
-            if watch is not None:
-                watch.stop()
-        if watch is not None and watch.refused is not None:
+            watch.stop()
+        if watch.refused is not None:
             raise watch.refused
         if answer is None:
             log.seek(0)
@@ -114,22 +115,31 @@ def build_rootfs(
     return _result(answer)
 
 
-class _ReserveWatch:
+class _Watch:
     """Kills the worker once the disk is down to the reserve (what it writes, the layers'
-    data and the squashfs image, has no size known beforehand)."""
+    data and the squashfs image, has no size known beforehand) or the import is past
+    its deadline (a million entries cost minutes of CPU: the import's time, not the
+    daemon's)."""
 
-    def __init__(self, proc: subprocess.Popen[bytes], reserve: DiskReserve) -> None:
-        self.proc, self.reserve = proc, reserve
-        self.refused: NoRoom | None = None
+    def __init__(
+        self, proc: subprocess.Popen[bytes], reserve: DiskReserve | None, deadline: float | None
+    ) -> None:
+        self.proc, self.reserve, self.deadline = proc, reserve, deadline
+        self.refused: NoRoom | TimedOut | None = None
         self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="forkd-flatten-reserve")
+        self._thread = threading.Thread(target=self._watch, name="forkd-flatten-watch")
         self._thread.start()
 
     def _watch(self) -> None:
-        while not self._stopped.wait(RESERVE_POLL_SECS):
+        while not self._stopped.wait(WATCH_SECS):
             try:
-                self.reserve.require(0, "flattening the image's layers")
-            except NoRoom as exc:
+                if self.reserve is not None:
+                    self.reserve.require(0, "flattening the image's layers")
+                if self.deadline is not None and time.monotonic() > self.deadline:
+                    raise TimedOut(
+                        "flattening the image's layers ran past --import-timeout: stopped"
+                    )
+            except (NoRoom, TimedOut) as exc:
                 self.refused = exc
                 self.proc.kill()
                 return

@@ -66,10 +66,10 @@ from forkd.errors import Invalid
 from forkd.image_import import diff_ids
 from forkd.image_import.diff_ids import Readable
 from forkd.image_import.model import LayerBlob
-from forkd.limits import MAX_IMAGE_BYTES
+from forkd.limits import MAX_IMAGE_BYTES, MAX_IMAGE_ENTRIES
 
 IMAGE_LIMITS = Limits(
-    max_entries=1_000_000,  # per layer, and in the merged tree
+    max_entries=MAX_IMAGE_ENTRIES,  # per layer, and in the merged tree
     max_bytes=MAX_IMAGE_BYTES,  # apparent bytes per layer and merged; stored bytes of all layers
     max_header_bytes=1 << 20,
     max_path_bytes=4096,
@@ -77,10 +77,20 @@ IMAGE_LIMITS = Limits(
 )
 
 
-def layer_cap(max_bytes: int) -> int:
-    """The most one layer's tar may be when an image may expand to ``max_bytes``: what
-    its diff_id is checked over while it is fetched."""
-    return max_stream(dataclasses.replace(IMAGE_LIMITS, max_bytes=max_bytes))
+def image_limits(max_bytes: int | None = None, max_entries: int | None = None) -> Limits:
+    """:data:`IMAGE_LIMITS` with the operator's ``--max-image-mib`` and
+    ``--max-image-entries`` (None: the default)."""
+    return dataclasses.replace(
+        IMAGE_LIMITS,
+        max_bytes=max_bytes or IMAGE_LIMITS.max_bytes,
+        max_entries=max_entries or IMAGE_LIMITS.max_entries,
+    )
+
+
+def layer_cap(max_bytes: int, max_entries: int | None = None) -> int:
+    """The most one layer's tar may be when an image may expand to ``max_bytes`` in at
+    most ``max_entries``: what its diff_id is checked over while it is fetched."""
+    return max_stream(image_limits(max_bytes, max_entries))
 
 
 CHUNK = 256 << 10  # a file's content is copied, and checked for zeros, this much at a time

@@ -30,6 +30,7 @@ from typing import Any
 import httpcore
 import httpx
 
+from forkd import import_deadline
 from forkd.errors import Invalid
 from forkd.oci.policy import RegistryPolicy, is_this_host
 
@@ -53,9 +54,10 @@ def transfer_deadline(at: float) -> Iterator[None]:
 
 
 def _bounded(timeout: float | None, timed_out: type[Exception]) -> float | None:
-    at = _DEADLINE.get()
-    if at is None:
+    ats = [a for a in (_DEADLINE.get(), import_deadline.deadline()) if a is not None]
+    if not ats:
         return timeout
+    at = min(ats)
     left = at - time.monotonic()
     if left <= 0:
         raise timed_out("the transfer ran past its deadline")

@@ -38,6 +38,7 @@ from typing import Any
 
 import httpx
 
+from forkd import import_deadline
 from forkd.errors import NotFound, UpstreamError, UpstreamRefused
 from forkd.oci import auth
 from forkd.oci.connect import CheckedTransport, transfer_deadline
@@ -204,6 +205,7 @@ class Registry:
                 h.update(piece)
                 yield piece
         except httpx.TimeoutException as exc:
+            import_deadline.check()
             raise UpstreamError(f"the registry was too slow sending {what}") from exc
         except httpx.HTTPError as exc:
             log.warning("reading %s from a registry failed: %r", what, exc)
@@ -373,6 +375,7 @@ class _Stream:
             return self._ctx.__enter__()
         except httpx.TimeoutException as exc:
             self._bound.__exit__(None, None, None)
+            import_deadline.check()  # the import's whole time is up, not the registry's
             log.warning("registry %s: %r", self._registry.ref.registry, exc)
             raise UpstreamError(
                 f"registry {self._registry.ref.registry} was too slow to answer"
@@ -425,6 +428,7 @@ def _read_at_most(
             if time.monotonic() > deadline:
                 raise UpstreamError(f"the registry was too slow sending {what}")
     except httpx.TimeoutException as exc:
+        import_deadline.check()
         raise UpstreamError(f"the registry was too slow sending {what}") from exc
     except httpx.HTTPError as exc:
         log.warning("reading %s from a registry failed: %r", what, exc)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from forkd import paths
+from forkd import import_deadline, paths
 from forkd.archive.errors import ArchiveError
 from forkd.controller.models import (
     ImageConfigInfo,
@@ -181,6 +181,16 @@ class ImageService:
     async def _import(self, req: ImageImport, progress: Progress) -> Imported:
         return await self._run(req.ref, lambda say: self._importer(req, say), progress)
 
+    def _timed(self, job: Callable[[Progress], Imported]) -> Callable[[Progress], Imported]:
+        """``job`` on its import thread held to --import-timeout, all of it."""
+        seconds = self.fleet.settings.import_timeout_secs
+
+        def run(progress: Progress) -> Imported:
+            with import_deadline.import_deadline(seconds):
+                return job(progress)
+
+        return run
+
     def _reserve(self) -> DiskReserve:
         """The free disk an import's blobs, archive and build may not take."""
         return DiskReserve(paths.blobs_dir(), self.fleet.settings.disk_reserve_mib << 20)
@@ -199,7 +209,7 @@ class ImageService:
             self._running += 1
             try:
                 loop = asyncio.get_running_loop()
-                work = loop.run_in_executor(self._pool, job, progress)
+                work = loop.run_in_executor(self._pool, self._timed(job), progress)
                 # A cancelled caller does not stop the thread: it finishes (or cleans
                 # up after itself) and still counts, until it has.
                 return await asyncio.shield(work)
@@ -233,7 +243,7 @@ class ImageService:
                 credentials_for=credentials,
                 docker_host=settings.docker_host,
                 progress=progress,
-                layer_cap=layer_cap(settings.max_image_bytes),
+                layer_cap=layer_cap(settings.max_image_bytes, settings.max_image_entries),
             )
             return self._build(fetched, progress, started)
 
@@ -243,7 +253,8 @@ class ImageService:
         from forkd.image_import.local_sources import fetch_loaded
 
         started = time.monotonic()
-        cap = layer_cap(self.fleet.settings.max_image_bytes)
+        settings = self.fleet.settings
+        cap = layer_cap(settings.max_image_bytes, settings.max_image_entries)
         with self._holding() as store:
             fetched = fetch_loaded(archive, tag, store, progress, shown=reference, layer_cap=cap)
             return self._build(fetched, progress, started)
@@ -284,6 +295,7 @@ class ImageService:
                         settings.max_image_bytes,
                         run_as=run_as,
                         reserve=self._reserve(),
+                        max_entries=settings.max_image_entries,
                         # the uid stays leased while the worker (and its tar2sqfs) runs
                         worker_started=lease.bind if lease is not None else None,
                     )
