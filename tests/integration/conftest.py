@@ -168,8 +168,9 @@ def daemon(image: images.Image, registry_address: str) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="forkd-d-", dir="/tmp"))
     d = Daemon(root)
     # Image archives the tests import are written under /tmp (pytest's tmp_path).
+    # --show-host-paths: tests read snapshots' files where the answers say they are.
     d.start("--kill-on-exit", "--insecure-registry", registry_address,
-            "--image-archive-dir", "/tmp")  # fmt: skip
+            "--image-archive-dir", "/tmp", "--show-host-paths")  # fmt: skip
     yield d
     d.stop()
     d.kill_leftovers()  # nothing may outlive the suite

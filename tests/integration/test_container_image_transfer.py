@@ -53,7 +53,8 @@ def registry(registry_address: str) -> Iterator[RegistryServer]:
 def other(registry: RegistryServer) -> Iterator[OtherHost]:
     root = Path(tempfile.mkdtemp(prefix="forkd-d3-", dir="/tmp"))
     d = OtherHost(root)
-    d.start("--kill-on-exit", "--pool-size", "0", "--insecure-registry", registry.address)
+    d.start("--kill-on-exit", "--pool-size", "0", "--insecure-registry", registry.address,
+            "--show-host-paths")  # fmt: skip
     yield d
     d.stop()
     d.kill_leftovers()

@@ -49,7 +49,9 @@ MAX_KILL_DELAY_S = 1.5
 MAX_RUNNING = 6  # sandboxes kept at once: a fork beyond them becomes a delete
 MAX_BRANCHES = 4
 SETTLE_S = 3.0  # for QEMUs the restarted daemon just killed to be gone
-SERVE_ARGS = ("--pool-size", "1")  # a pooled QEMU may be caught by the kill too
+# --show-host-paths: snapshot files are read where the answers say; a pooled QEMU may be
+# caught by the kill too.
+SERVE_ARGS = ("--pool-size", "1", "--show-host-paths")
 TEMPLATE = "crash"
 
 

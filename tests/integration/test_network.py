@@ -40,6 +40,10 @@ if network.netns_problems():
 
 OUTSIDE = "198.51.100.1"  # the fake internet host (TEST-NET-2, inside our namespace)
 OUTSIDE_2 = "198.51.100.2"
+# The host's "LAN" (TEST-NET-1): the host is attached to it, and our namespace is the
+# neighbour there that routes to the fake internet (a gateway, as a LAN has).
+LAN_HOST = "192.0.2.254"
+LAN_GATEWAY = "192.0.2.1"
 METADATA = "169.254.169.254"
 PRIVATE = "10.99.0.1"
 PORT = 18080
@@ -125,7 +129,8 @@ def _host_addresses() -> list[str]:
 
 @pytest.fixture(scope="module")
 def outside() -> Iterator[str]:
-    """A fake outside host in a namespace of its own, listening on PORT at every address."""
+    """A fake outside host in a namespace of its own, listening on PORT at every address:
+    one hop away from the host, through the "LAN" the host is attached to."""
     from pyroute2 import IPRoute, NetNS, netns
 
     name = f"fkt-out-{os.getpid()}"
@@ -136,22 +141,19 @@ def outside() -> Iterator[str]:
         with IPRoute() as ipr:
             ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": name})
             idx = ipr.link_lookup(ifname=host_if)[0]
-            ipr.addr("add", index=idx, address="198.51.100.254", prefixlen=24)
+            ipr.addr("add", index=idx, address=LAN_HOST, prefixlen=24)
             ipr.link("set", index=idx, state="up")
+            ipr.route("add", dst="198.51.100.0/24", gateway=LAN_GATEWAY)
             for extra in (METADATA, PRIVATE):  # reachable only through this test's namespace
-                ipr.route("add", dst=f"{extra}/32", oif=idx)
+                ipr.route("add", dst=f"{extra}/32", gateway=LAN_GATEWAY)
         with NetNS(name) as ns:
             eth = ns.link_lookup(ifname="eth0")[0]
+            ns.addr("add", index=eth, address=LAN_GATEWAY, prefixlen=24)
             for addr in (OUTSIDE, OUTSIDE_2, METADATA, PRIVATE):
-                ns.addr(
-                    "add",
-                    index=eth,
-                    address=addr,
-                    prefixlen=32 if addr in (METADATA, PRIVATE) else 24,
-                )
+                ns.addr("add", index=eth, address=addr, prefixlen=32)
             ns.link("set", index=eth, state="up")
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-            ns.route("add", dst="0.0.0.0/0", gateway="198.51.100.254")
+            ns.route("add", dst="0.0.0.0/0", gateway=LAN_HOST)
         listeners.append(subprocess.Popen(
             ["nsenter", f"--net={network.NETNS_DIR / name}", "--",
              sys.executable, "-c", LISTEN.format(port=PORT)],
@@ -209,13 +211,16 @@ def test_a_guest_reaches_no_host_address_and_no_sibling(daemon: Daemon, api_temp
         ("none", set()),
         ("internet", {OUTSIDE, OUTSIDE_2}),
         ({"allow": [f"{OUTSIDE}/32", PRIVATE]}, {OUTSIDE, PRIVATE}),
-        ({"allow": [METADATA, "0.0.0.0/0"]}, {OUTSIDE, OUTSIDE_2, PRIVATE}),  # never metadata
+        # never metadata, nor the host's own networks (its LAN, its gateway, its address
+        # there): issue 35 found SYNs to a LAN's gateway and the host's address passing
+        ({"allow": [METADATA, "0.0.0.0/0", "192.0.2.0/24"]}, {OUTSIDE, OUTSIDE_2, PRIVATE}),
     ],
 )
 def test_egress_policy_decides_what_the_outside_world_sees(
     daemon: Daemon, api_template: str, outside: str, egress: Any, reachable: set[str]
 ) -> None:
-    targets = {h: f"{h}:{PORT}" for h in (OUTSIDE, OUTSIDE_2, METADATA, PRIVATE)}
+    hosts = (OUTSIDE, OUTSIDE_2, METADATA, PRIVATE, LAN_GATEWAY, LAN_HOST)
+    targets = {h: f"{h}:{PORT}" for h in hosts}
     with _api(daemon) as api:
         sb = _fork(api, egress=egress)
         try:

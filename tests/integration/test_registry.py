@@ -48,7 +48,8 @@ def other(registry: RegistryServer) -> Iterator[Daemon]:
     d = Daemon(root)
     listed = [arg for address in (registry.address, PRIVATE, CLOSED)
               for arg in ("--insecure-registry", address)]  # fmt: skip
-    d.start("--kill-on-exit", "--registry-auth", str(root / "docker.json"), *listed)
+    d.start("--kill-on-exit", "--registry-auth", str(root / "docker.json"), *listed,
+            "--show-host-paths")  # memory_digest reads the pulled snapshots' files  # fmt: skip
     yield d
     d.stop()
     d.kill_leftovers()

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from forkd import limits
 from forkd.controller.http_errors import STATUS, status_of
+from forkd.controller.settings import Settings
 from forkd.errors import (
     AgentError,
     Busy,
@@ -227,9 +228,9 @@ def test_a_failed_fork_keeps_none(client: TestClient, driver: FakeDriver) -> Non
     assert client.get("/v1/sandboxes").json() == []
 
 
-def test_a_broken_snapshot_is_reported_and_refused(client: TestClient) -> None:
+def test_a_broken_snapshot_is_reported_and_refused(client: TestClient, settings: Settings) -> None:
     info = make_template(client)
-    (Path(info["dir"]) / "vmstate").unlink()
+    (settings.state_dir / info["vmstate"]).unlink()  # a path of the daemon's state
     listed = client.get("/v1/snapshots").json()[0]
     assert listed["status"] == "broken" and listed["bootable"] is False
     detail = client.get("/v1/snapshots/py/info").json()
@@ -256,14 +257,14 @@ def test_branch_then_grandchildren(client: TestClient) -> None:
     assert r.status_code == 400
 
 
-def test_kill_and_delete(client: TestClient) -> None:
+def test_kill_and_delete(client: TestClient, settings: Settings) -> None:
     make_template(client)
     (sb,) = fork(client)
     assert client.delete(f"/v1/sandboxes/{sb['id']}").status_code == 204
     assert client.get(f"/v1/sandboxes/{sb['id']}").status_code == 404
     info = client.get("/v1/snapshots/py/info").json()
     assert client.delete("/v1/snapshots/py").status_code == 204
-    assert not Path(info["dir"]).exists()
+    assert not (settings.state_dir / info["dir"]).exists()
     assert client.get("/v1/snapshots").json() == []
 
 

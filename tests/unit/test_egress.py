@@ -129,3 +129,31 @@ def test_a_client_inside_the_namespace_reaches_the_guest_at_guest_addr() -> None
     assert "type nat hook output priority -100" in rules
     assert "ip daddr 10.201.0.2 meta l4proto tcp dnat to 10.0.2.15" in rules
     assert "iifname" not in rules  # nothing keyed on the tap: the guest gains nothing
+
+
+def test_the_hosts_own_networks_are_shut_whatever_the_policy_allows() -> None:
+    """Issue 35: the host's LAN (here 192.0.2.0/24) is no private range, and SYNs to its
+    gateway and to the host's own address there passed a sandbox's rules."""
+    lan = [ipaddress.IPv4Network("192.0.2.0/24"), ipaddress.IPv4Network("192.0.2.254/32")]
+    for policy in (Egress("internet"), Egress("allow", ("0.0.0.0/0", "192.0.2.0/24"))):
+        chain = _egress_chain(namespace_ruleset(policy, resolver=None, host_nets=lan))
+        shut = chain.index("ip daddr { 192.0.2.0/24, 192.0.2.254/32 } drop")
+        assert shut < chain.index("accept"), chain  # before anything is let through
+
+
+def test_the_hosts_networks_are_its_addresses_and_their_links_but_the_sandboxes() -> None:
+    pytest.importorskip("pyroute2")
+    import socket
+
+    from pyroute2 import IPRoute
+
+    from forkd.vmm.jail.network import host_networks
+
+    sandboxes = ipaddress.IPv4Network("10.201.0.0/16")
+    with IPRoute() as ipr:
+        mine = [ipaddress.IPv4Interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}")
+                for a in ipr.get_addr(family=socket.AF_INET)]  # fmt: skip
+    expected = {n for i in mine if not i.ip.is_loopback and i.ip not in sandboxes
+                for n in (i.network, ipaddress.IPv4Network(f"{i.ip}/32"))}  # fmt: skip
+    assert set(host_networks(sandboxes)) == expected
+    assert host_networks(sandboxes, opened=(ipaddress.IPv4Network("0.0.0.0/0"),)) == []

@@ -8,7 +8,6 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -124,7 +123,7 @@ def test_a_failed_wake_leaves_it_hibernated(
 
 
 def test_a_branch_of_a_hibernated_sandbox_is_its_state_on_disk(
-    ctl: Controller, server: Server, sid: str
+    ctl: Controller, server: Server, sid: str, settings: Settings
 ) -> None:
     ctl.write_file(sid, "/tmp/at", b"hibernation")
     ctl.pause_sandbox(sid, hibernate=True)
@@ -132,7 +131,7 @@ def test_a_branch_of_a_hibernated_sandbox_is_its_state_on_disk(
     info = ctl.branch_sandbox(sid, tag="asleep")
     assert info["pause_ms"] == 0 and info["branched_from"] == sid
     assert len(server.driver.restore_kwargs) == restores  # no VM was started for it
-    assert not (Path(info["dir"]) / NETWORK_FILE).exists()
+    assert not (settings.state_dir / info["dir"] / NETWORK_FILE).exists()
     kid = ctl.spawn_sandboxes("asleep")[0]
     assert ctl.read_file(kid["id"], "/tmp/at") == b"hibernation"
     assert ctl.get_sandbox(sid)["state"] == "hibernated"

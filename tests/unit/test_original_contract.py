@@ -108,12 +108,28 @@ def test_last_branch_memory_path_names_the_latest_branchs_memory(
     assert second["memory"].endswith("memory.diff")
 
 
-def test_a_snapshot_that_cannot_be_forked_says_why_in_warning(client: TestClient, sid: str) -> None:
-    from pathlib import Path
-
+def test_a_snapshot_that_cannot_be_forked_says_why_in_warning(
+    client: TestClient, sid: str, settings: Settings
+) -> None:
     info = _branch(client, sid, tag="b1")
     assert "warning" not in info
-    (Path(info["dir"]) / "vmstate").unlink()
+    (settings.state_dir / info["vmstate"]).unlink()
     listed = {s["tag"]: s for s in client.get("/v1/snapshots").json()}
     assert listed["b1"]["warning"].startswith("snapshot is not bootable: ")
     assert "vmstate" in listed["b1"]["warning"] and "warning" not in listed["py"]
+
+
+def test_a_snapshots_files_are_named_without_host_paths_unless_the_operator_says(
+    client: TestClient, settings: Settings
+) -> None:
+    """Issue 35: SnapshotInfo gave a token holder host paths (dir, vmstate, memory);
+    the original forkd's names stay, their values the daemon's own."""
+    assert client.post("/v1/snapshots", json={"tag": "pathy", "memory_mib": 128}).status_code == 201
+    info = client.get("/v1/snapshots/pathy").json()
+    assert (info["dir"], info["vmstate"]) == ("snapshots/pathy", "snapshots/pathy/vmstate")
+    assert info["memory"].startswith("snapshots/pathy/")
+    assert str(settings.state_dir) not in client.get("/v1/snapshots").text
+    settings.show_host_paths = True  # forkd serve --show-host-paths
+    shown = client.get("/v1/snapshots/pathy").json()
+    assert shown["dir"] == str(settings.snapshot_root / "pathy")
+    assert shown["vmstate"] == str(settings.snapshot_root / "pathy" / "vmstate")

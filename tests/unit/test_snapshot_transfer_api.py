@@ -323,7 +323,8 @@ def container_template(client: TestClient, settings: Settings, registry: Registr
 def _pulled_machine(client: TestClient, ref: str, tag: str) -> tuple[Any, Path]:
     r = client.post("/v1/snapshots/pull", json={"ref": ref, "tag": tag})
     assert r.status_code == 201, r.text
-    files = snapshot_files.load(Path(r.json()["dir"]))
+    state = client.app.state.services.fleet.settings.state_dir  # type: ignore[attr-defined]
+    files = snapshot_files.load(state / r.json()["dir"])  # a path of the daemon's state
     assert files.meta.image is not None and files.meta.image.dir is not None
     return files.machine, Path(files.meta.image.dir)
 

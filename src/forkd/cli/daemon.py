@@ -221,6 +221,28 @@ _SandboxCidrOpt = Annotated[
     ),
 ]
 
+_EgressHostNetworkOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--egress-host-network",
+        envvar="FORKD_EGRESS_HOST_NETWORKS",
+        help="A network (CIDR) of this host's own that sandboxes may reach when their "
+        "policy lets them (repeatable). By default none is: not the host's addresses, "
+        "nor any network it is attached to (its LAN, its gateway, container bridges).",
+    ),
+]
+
+_ShowHostPathsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--show-host-paths",
+        envvar="FORKD_SHOW_HOST_PATHS",
+        help="Answers name a snapshot's files (dir, vmstate, memory) by their paths on this "
+        "host, as the original forkd did; by default as the daemon's own "
+        "(snapshots/TAG/vmstate), so a token holder learns no host path.",
+    ),
+]
+
 _QemuUserOpt = Annotated[
     str,
     typer.Option(
@@ -422,6 +444,8 @@ def serve(
     cgroup_parent: _CgroupParentOpt = "forkd",
     network: _NetworkOpt = "auto",
     sandbox_cidr: _SandboxCidrOpt = "10.201.0.0/16",
+    egress_host_network: _EgressHostNetworkOpt = None,
+    show_host_paths: _ShowHostPathsOpt = False,
     qemu_user: _QemuUserOpt = "per-vm",
     vm_uid_range: _VmUidRangeOpt = str(DEFAULT_RANGE),
     max_upload_mib: _MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20,
@@ -459,23 +483,15 @@ def serve(
             **_reclaim(reclaim_low, reclaim_high, reclaim_idle, memory_reserve),
             disk_reserve_mib=disk_reserve,
             cgroup_parent=None if cgroup_parent == "none" else cgroups.check_parent(cgroup_parent),
-            state_dir=sd,
-            snapshot_root=(snapshot_root or sd / "snapshots").resolve(),
-            run_dir=sd / "run",
+            **_places(sd, snapshot_root),
             branch_concurrency=branch_concurrency,
-            accel=accel,
-            kill_on_exit=kill_on_exit,
-            pool_size=pool_size,
-            pool_memory_mib=_pool_memory(pool_memory),
-            network=_network(network),
-            sandbox_cidr=sandbox_cidr,
+            **_vms(accel, kill_on_exit, pool_size, pool_memory),
+            **_networking(network, sandbox_cidr, egress_host_network),
+            show_host_paths=show_host_paths,
             max_upload_bytes=max_upload_mib << 20,
             **_image_sources(insecure_registry, default_registry, registry_auth, docker_host),
             preview_domain=PreviewDomain.of(preview_domain) if preview_domain else None,
-            image_archive_dirs=tuple(d.resolve() for d in image_archive_dir or ()),
-            max_image_bytes=max_image_mib << 20,
-            max_image_entries=max_image_entries,
-            import_timeout_secs=import_timeout,
+            **_image_bounds(image_archive_dir, max_image_mib, max_image_entries, import_timeout),
             connection_limits=connection_limits(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),
@@ -484,6 +500,34 @@ def serve(
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _places(state_dir: Path, snapshot_root: Path | None) -> dict[str, Any]:
+    """Where ``forkd serve`` keeps its state, snapshots and running VMs' files."""
+    return {"state_dir": state_dir, "run_dir": state_dir / "run",
+            "snapshot_root": (snapshot_root or state_dir / "snapshots").resolve()}  # fmt: skip
+
+
+def _vms(accel: str | None, kill_on_exit: bool, pool_size: int,
+         pool_memory: int | None) -> dict[str, Any]:  # fmt: skip
+    """The ``Settings`` of ``forkd serve``'s options for its VMs and their warm pool."""
+    return {"accel": accel, "kill_on_exit": kill_on_exit, "pool_size": pool_size,
+            "pool_memory_mib": _pool_memory(pool_memory)}  # fmt: skip
+
+
+def _networking(network: str, cidr: str, host_networks: list[str] | None) -> dict[str, Any]:
+    """The ``Settings`` of ``forkd serve``'s network options."""
+    return {"network": _network(network), "sandbox_cidr": cidr,
+            "egress_host_networks": tuple(host_networks or ())}  # fmt: skip
+
+
+def _image_bounds(
+    archive_dirs: list[Path] | None, max_mib: int, max_entries: int, timeout: float
+) -> dict[str, Any]:
+    """The ``Settings`` of ``forkd serve``'s options that bound an image import."""
+    return {"image_archive_dirs": tuple(d.resolve() for d in archive_dirs or ()),
+            "max_image_bytes": max_mib << 20, "max_image_entries": max_entries,
+            "import_timeout_secs": timeout}  # fmt: skip
 
 
 def _image_sources(

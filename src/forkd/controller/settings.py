@@ -49,6 +49,9 @@ class Settings:
     pool_memory_mib: int | None = None  # host memory all of them may hold; None: no cap
     network: str = "auto"  # "netns" (a namespace per VM), "user" (QEMU's NAT), or "auto"
     sandbox_cidr: str = "10.201.0.0/16"  # host-side addresses of the namespaces
+    # Networks of the host's own that sandboxes may reach when their policy lets them;
+    # by default none: not the host's addresses nor any network it is attached to.
+    egress_host_networks: tuple[str, ...] = ()
     max_upload_bytes: int = FILE_UPLOAD_LIMIT  # of one streamed file upload
     # OCI registries (host[:port]) spoken to over plain HTTP; the only ones on this host
     # that a push or a pull may reach (forkd.oci.policy).
@@ -67,3 +70,19 @@ class Settings:
     preview_domain: PreviewDomain | None = None
     # Clients' connections: how long a request may take to arrive, how many may be open.
     connection_limits: ConnectionLimits = field(default_factory=ConnectionLimits)
+    # Answers name a snapshot's files by where they are on the host (--show-host-paths),
+    # not as paths of the daemon's own ("snapshots/TAG/vmstate"): a token holder learns
+    # no host path unless the operator says so.
+    show_host_paths: bool = False
+
+    def shown_path(self, path: str | Path) -> str:
+        """A file of a snapshot as answers name it: ``snapshots/<its path in the snapshot
+        root>`` (the state directory's layout, wherever --snapshot-root is), or the host
+        path itself with ``show_host_paths``."""
+        if self.show_host_paths:
+            return str(path)
+        try:
+            inside = Path(path).relative_to(self.snapshot_root)
+        except ValueError:
+            return Path(path).name  # not a snapshot's: its name alone
+        return str(Path("snapshots") / inside)

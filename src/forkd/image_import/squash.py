@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import os
 import secrets
+import shutil
 import stat
 import subprocess
 from collections.abc import Iterator, Sequence
@@ -166,9 +167,11 @@ def _write_image(
     files' apparent bytes)."""
     output = jail.output if jail is not None else str(staged)
     # tar2sqfs dies with the worker that feeds it (the parent-death signal set after the
-    # change of uid, which would clear it).
+    # change of uid, which would clear it). Unjailed, without setpriv (util-linux before
+    # 2.33), it runs without: the worker's own parent-death signal still ends the import.
+    setpriv = shutil.which("setpriv")
     prefix = (
-        jail.prefix if jail is not None else [hosttools.require("setpriv"), *DIE_WITH_PARENT, "--"]
+        jail.prefix if jail is not None else ([setpriv, *DIE_WITH_PARENT, "--"] if setpriv else [])
     )
     argv = [*prefix, tool, "--compressor", COMPRESSOR,
             "--no-skip", "--quiet", "--num-jobs", str(max(1, min(MAX_JOBS, os.cpu_count() or 1))),

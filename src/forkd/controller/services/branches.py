@@ -29,7 +29,7 @@ from forkd.controller.services import hibernated_files
 from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandbox_vm import SandboxVM
-from forkd.controller.services.snapshots import SnapshotService, snapshot_row
+from forkd.controller.services.snapshots import SnapshotService, memory_file, snapshot_row
 from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
@@ -89,11 +89,14 @@ class BranchService:
                 assert base is not None
                 await self._run(lock, vm, row, tag, labels, None, live=live)
                 info = self._branched(row.id, tag)
-                return _with(info, await asyncio.to_thread(_measured_diff, tag, info, base))
+                taken = fleet.snapshot_row(tag)  # its files, where the answer may not say
+                return _with(info, await asyncio.to_thread(_measured_diff, tag, taken, base))
             if req.wait:
                 await self._run(lock, vm, row, tag, labels, base, live=live)
                 info = self._branched(row.id, tag)
-                return _with(info, _diff_figures(info)) if base is not None else info
+                if base is None:
+                    return info
+                return _with(info, _diff_figures(fleet.snapshot_row(tag)))
             fleet.store.add_snapshot(self._pending_row(vm, row, tag, labels, base))
             resumed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
 
@@ -331,11 +334,11 @@ def _with(info: SnapshotInfo, extra: dict[str, int]) -> SnapshotInfo:
     return info.model_copy(update=extra)
 
 
-def _diff_figures(info: SnapshotInfo) -> dict[str, int]:
+def _diff_figures(row: SnapshotRow) -> dict[str, int]:
     """A diff branch's figures, as the original forkd reported them: the capture's time
     inside the pause, the bytes its pages take on disk, and the RAM they cover."""
-    files = snapshot_files.load(Path(info.dir))
-    data = Path(info.memory)
+    files = snapshot_files.load(Path(row.dir))
+    data = memory_file(row)
     return {
         "diff_ms": round(files.meta.capture_ms),
         "diff_physical_bytes": data.stat().st_blocks * 512,
@@ -343,15 +346,15 @@ def _diff_figures(info: SnapshotInfo) -> dict[str, int]:
     }
 
 
-def _measured_diff(tag: str, info: SnapshotInfo, base: BaseRef) -> dict[str, int]:
+def _measured_diff(tag: str, row: SnapshotRow, base: BaseRef) -> dict[str, int]:
     """What a diff over ``base`` would have stored for the full branch ``tag``: its pages
     that differ from the base's, counted after the source runs again."""
-    files = snapshot_files.load(Path(info.dir))
+    files = snapshot_files.load(Path(row.dir))
     started = time.monotonic()
     try:
         base_files = snapshot_files.load(Path(base.dir))
         with memory_diff.resolve(base_files) as chain:
-            pages = memory_diff.count_differing(Path(info.memory), chain)
+            pages = memory_diff.count_differing(memory_file(row), chain)
     except (OSError, SnapshotError) as exc:
         raise SnapshotError(
             f"branch {tag} was taken, but measuring its diff failed: {exc}"

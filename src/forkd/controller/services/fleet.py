@@ -144,7 +144,9 @@ class Fleet:
         # Frees host memory for a new sandbox by hibernating idle ones (set by Services).
         self.make_room: Callable[[int], Awaitable[list[str]]] | None = None
         self.hibernated = HibernatedFiles(settings.snapshot_root)
-        self.network = HostNetwork(settings.sandbox_cidr, settings.network)
+        self.network = HostNetwork(
+            settings.sandbox_cidr, settings.network, settings.egress_host_networks
+        )
         self.cgroups = _cgroup_hierarchy(settings)
         self.pool: ForkPool[SandboxVM] = ForkPool(
             settings.run_dir,

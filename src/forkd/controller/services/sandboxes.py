@@ -271,7 +271,8 @@ class SandboxService:
                 continue
             if source not in latest or snap.created_at_unix >= latest[source].created_at_unix:
                 latest[source] = snap
-        paths = {source: str(memory_file(snap)) for source, snap in latest.items()}
+        shown = self.fleet.settings.shown_path
+        paths = {source: shown(memory_file(snap)) for source, snap in latest.items()}
         return self.fleet.store.branch_counts(), paths
 
     def _info(self, row: SandboxRow, facts: tuple[dict[str, int], dict[str, str]]) -> SandboxInfo:

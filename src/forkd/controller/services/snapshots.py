@@ -217,9 +217,9 @@ class SnapshotService:
         problem = self.unbootable_reason(row)
         fields: dict[str, Any] = {
             "tag": row.tag,
-            "dir": row.dir,
-            "vmstate": str(d / snapshot_files.VMSTATE),
-            "memory": str(memory_file(row)),
+            "dir": self.fleet.settings.shown_path(row.dir),
+            "vmstate": self.fleet.settings.shown_path(d / snapshot_files.VMSTATE),
+            "memory": self.fleet.settings.shown_path(memory_file(row)),
             "created_at_unix": row.created_at_unix,
         }
         if row.branched_from is not None:

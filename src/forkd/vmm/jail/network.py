@@ -142,13 +142,38 @@ def upstream_resolver(resolv_conf: Path = Path("/etc/resolv.conf")) -> str | Non
     return None
 
 
-def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
+def host_networks(
+    sandbox_cidr: ipaddress.IPv4Network, opened: tuple[ipaddress.IPv4Network, ...] = ()
+) -> list[ipaddress.IPv4Network]:
+    """The IPv4 networks this host is directly attached to, and its own addresses, but
+    loopback, the sandboxes' own range and those the operator ``opened``: where a
+    sandbox's packets would reach the host's neighbours (its gateway, its LAN, a
+    bridge of containers) or the host itself, whatever private ranges a policy shuts."""
+    from pyroute2 import IPRoute
+
+    found: set[ipaddress.IPv4Network] = set()
+    with IPRoute() as ipr:
+        for msg in ipr.get_addr(family=socket.AF_INET):
+            address, prefix = msg.get_attr("IFA_ADDRESS"), msg["prefixlen"]
+            if not address:
+                continue
+            iface = ipaddress.IPv4Interface(f"{address}/{prefix}")
+            if iface.ip.is_loopback or iface.ip in sandbox_cidr:
+                continue
+            found.update((iface.network, ipaddress.IPv4Network(f"{iface.ip}/32")))
+    return sorted(n for n in found if not any(n.subnet_of(o) for o in opened))
+
+
+def namespace_ruleset(
+    egress: Egress, resolver: str | None, host_nets: list[ipaddress.IPv4Network] | None = None
+) -> str:
     """The namespace's own rules: agent DNAT, masquerade, and the egress chain.
 
     Whatever the policy, the guest may use only its own address (no spoofing),
     its ARP must claim that address (no neighbour-table flooding), nothing
     conntrack calls invalid leaves, and new connections are rate-limited and
-    counted, so one guest cannot fill the host's conntrack table.
+    counted, so one guest cannot fill the host's conntrack table. Nor does it reach
+    ``host_nets`` (:func:`host_networks`), whatever its policy allows.
     """
     allowed = egress.resolve() if egress.mode == "allow" else []
     dns = resolver if egress.mode != "none" else None
@@ -198,8 +223,11 @@ def namespace_ruleset(egress: Egress, resolver: str | None) -> str:
     ]
     if dns:
         lines.append(f"    ip daddr {dns} meta l4proto {{ udp, tcp }} th dport 53 accept")
-    # Link-local (metadata), loopback and multicast stay shut whatever is allowed.
+    # Link-local (metadata), loopback and multicast stay shut whatever is allowed, and so
+    # do the host's own networks and addresses (unless the operator opened them).
     lines.append(f"    ip daddr {{ {', '.join(ALWAYS_BLOCKED)} }} drop")
+    if host_nets:
+        lines.append(f"    ip daddr {{ {', '.join(str(n) for n in host_nets)} }} drop")
     if allowed:
         lines.append(f"    ip daddr {{ {', '.join(str(n) for n in allowed)} }} accept")
     if egress.mode == "internet":
@@ -265,11 +293,17 @@ table ip {HOST_TABLE} {{
 class HostNetwork:
     """The daemon's view of sandbox networking: mode, address pool, namespaces."""
 
-    def __init__(self, cidr: str = DEFAULT_CIDR, mode: str = "auto") -> None:
+    def __init__(
+        self, cidr: str = DEFAULT_CIDR, mode: str = "auto", opened: tuple[str, ...] = ()
+    ) -> None:
         try:
             self.cidr = ipaddress.IPv4Network(cidr)
         except ValueError as exc:
             raise VMError(f"--sandbox-cidr {cidr!r} is not an IPv4 network: {exc}") from exc
+        try:  # the host's own networks sandboxes may reach (--egress-host-network)
+            self.opened = tuple(ipaddress.IPv4Network(n, strict=False) for n in opened)
+        except ValueError as exc:
+            raise VMError(f"--egress-host-network: not an IPv4 network: {exc}") from exc
         if self.cidr.prefixlen > 29:
             raise VMError(f"--sandbox-cidr {cidr} is too small: it needs room for /30s")
         self.mode, self.reason = self._choose(mode)
@@ -317,7 +351,8 @@ class HostNetwork:
         from pyroute2 import IPRoute
 
         self.prepare_host()
-        rules = namespace_ruleset(egress, self.resolver)  # hostnames resolved: no lock held
+        # Hostnames resolved and the host's networks listed now, no lock held.
+        rules = namespace_ruleset(egress, self.resolver, host_networks(self.cidr, self.opened))
         name = NETNS_PREFIX + vm_id
         # One allocation at a time on this host, whichever daemon or thread asks:
         # the host-side link's name claims the /30. The namespace's inside is set
