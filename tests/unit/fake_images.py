@@ -14,6 +14,9 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
 
 from forkd import paths
 from forkd.controller.models import ImageImport
@@ -123,3 +126,20 @@ class FakeImporter:
         meta_path.write_text(json.dumps(meta))
         progress(f"built image {name} ({key})")
         return images.find_image(str(image_dir))
+
+
+def stand_in_boot_parts(monkeypatch: pytest.MonkeyPatch, where: Path) -> None:
+    """What :func:`forkd.guest.container_image.assemble` makes an image's disks beside (the
+    host tools, the kernel, its boot files, the Debian base, the runtime disk) as
+    stand-ins under ``where``: a build then takes only what the test gives it."""
+    from forkd.guest import container_image, kernel, runtime
+    from forkd.guest import image as images
+
+    monkeypatch.setattr(container_image.hosttools, "require", lambda tool: Path("/bin/true"))
+    monkeypatch.setattr(kernel, "resolve", lambda _path: kernel.KernelPackage("linux-image", "1"))
+    monkeypatch.setattr(images, "boot_files", lambda *_args: {"kernel": "vmlinuz"})
+    monkeypatch.setattr(images, "base_tarball", lambda *_args: where / "base.tar")
+    disk = where / "runtime.sqfs"
+    disk.write_bytes(b"runtime")
+    monkeypatch.setattr(runtime, "build", lambda *_args: disk)
+    monkeypatch.setattr(runtime, "key", lambda _base: "0" * 16)

@@ -488,18 +488,86 @@ def daemon_with_caps(
 ) -> Iterator[tuple[str, ConnectionLimiter]]:
     """The daemon's app with 8 connections an address, 32 in all."""
     limiter = ConnectionLimiter(caps(per_address=8, total=32), owner_token=TOKEN)
+    with serving_daemon(settings, driver, limiter) as url:
+        yield url, limiter
+
+
+@contextmanager
+def serving_daemon(
+    settings: Settings, driver: FakeDriver, limiter: ConnectionLimiter
+) -> Iterator[str]:
+    """The daemon's app over the fake driver, served as ``forkd serve`` serves it under
+    ``limiter``; its URL."""
     port = free_port()
     app = create_app(settings, TOKEN, driver=driver, connections=limiter)
     with serving(app, host="127.0.0.1", port=port, **uvicorn_options(limiter)):
-        yield f"http://127.0.0.1:{port}", limiter
+        yield f"http://127.0.0.1:{port}"
+
+
+def test_bodies_trickled_without_the_token_cannot_keep_the_owner_out(
+    daemon_with_caps: tuple[str, ConnectionLimiter],
+) -> None:
+    """A review's lock-out: the token-free /healthz reads its body before answering, so
+    connections that declare a 1 MB body and trickle it never went idle and were never
+    closed for the owner (all from 127.0.0.1, the owner's own address, as well)."""
+    url, limiter = daemon_with_caps
+    port = int(url.rpartition(":")[2])
+    trickling = []
+    for source in ("127.0.0.1", "127.0.0.2", "127.0.0.3", "127.0.0.4"):
+        for _ in range(8):  # every connection the caps allow
+            sock = connect(port, source)
+            sock.sendall(b"POST /healthz HTTP/1.1\r\nHost: t\r\nContent-Length: 1000000\r\n\r\nx")
+            trickling.append(sock)
+    # They close one another's down to all but the owner's share (a quarter), then hold.
+    open_count_becomes(limiter, 24)
+    time.sleep(0.6)  # past the grace a new connection has
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        answers = []
+        for _ in range(5):
+            with httpx.Client(headers=auth, timeout=10) as http:
+                answers.append(http.get(f"{url}/v1/sandboxes").status_code)
+        assert answers == [200] * 5, (answers, limiter.counts())
+        assert limiter.counts().closed_for_another >= 5
+    finally:
+        for sock in trickling:
+            sock.close()
+
+
+def test_an_answer_given_before_the_body_was_read_ends_a_connection_without_the_token() -> None:
+    with limited(caps(per_address=100, total=100)) as served:
+        stranger = connect(served.port)
+        # /nowhere answers 404 without reading the body; its rest would hold the connection
+        stranger.sendall(b"POST /nowhere HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\nx")
+        assert read_until_closed(stranger, SLACK).startswith(b"HTTP/1.1 404")
+        stranger.close()
+
+
+def test_a_token_in_a_pipelined_request_makes_the_connection_the_owners() -> None:
+    with limited(caps(per_address=100, total=100)) as served:
+        sock = connect(served.port)
+        sock.sendall(b"GET /ping HTTP/1.1\r\nHost: t\r\n\r\n"
+                     b"GET /ping HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + OWNER.encode()
+                     + b"\r\n\r\n")  # fmt: skip
+        answers, deadline = b"", time.monotonic() + SLACK
+        while answers.count(b"pong") < 2:  # both may come in one read
+            assert time.monotonic() < deadline, answers
+            answers += sock.recv(65536)
+        deadline = time.monotonic() + SLACK
+        while not any(slot.owner for slot in served.limiter._slots):
+            assert time.monotonic() < deadline, "the pipelined token was not seen"
+            time.sleep(0.02)
+        sock.close()
 
 
 def test_a_connection_let_in_on_the_owners_share_must_send_the_token() -> None:
     with limited(caps(per_address=100, total=4)) as served:  # 1 of 4 kept for the owner
         port = served.port
         busy = [connect(port) for _ in range(3)]
-        for sock in busy:  # uploads under way: not idle, never closed for another
-            sock.sendall(upload_head(10))
+        for sock in busy:  # streams under way: never closed for another
+            sock.sendall(b"GET /events HTTP/1.1\r\nHost: t\r\n\r\n")
+            sock.settimeout(10)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200")
         open_count_becomes(served.limiter, 3)
         with connect(port) as stranger:  # on the owner's share: answered, then closed
             assert ping(stranger).endswith(b"pong")
@@ -528,10 +596,12 @@ def test_an_idle_connection_without_the_token_is_closed_for_a_newcomer() -> None
     with limited(caps(per_address=2, total=100)) as served:
         port = served.port
         stranger, owner = held(port, token=None), held(port)
+        time.sleep(0.6)  # a connection younger than half a second is not closed for another
         with connect(port) as newcomer:
             assert ping(newcomer).endswith(b"pong")
             assert read_until_closed(stranger, SLACK) == b""  # the idle stranger made room
             assert is_open(owner)
+            time.sleep(0.6)
             with connect(port) as another:  # the owner's and the newcomer's: refused?
                 # The newcomer sent no token and is idle now: it makes room in turn.
                 assert ping(another).endswith(b"pong")
@@ -559,10 +629,8 @@ def test_the_default_total_leaves_half_the_descriptors_to_the_vms() -> None:
 def daemon(settings: Settings, driver: FakeDriver) -> Iterator[tuple[str, ConnectionLimiter]]:
     """The daemon's app over the fake driver, served as ``forkd serve`` serves it."""
     limiter = ConnectionLimiter(SHORT)
-    port = free_port()
-    app = create_app(settings, TOKEN, driver=driver, connections=limiter)
-    with serving(app, host="127.0.0.1", port=port, **uvicorn_options(limiter)):
-        yield f"http://127.0.0.1:{port}", limiter
+    with serving_daemon(settings, driver, limiter) as url:
+        yield url, limiter
 
 
 def test_the_daemons_event_stream_and_terminal_outlive_both_timeouts(

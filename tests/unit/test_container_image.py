@@ -9,9 +9,10 @@ from typing import Any
 
 import pytest
 
-from forkd.guest import container_image, kernel, runtime
+from forkd.guest import container_image
 from forkd.guest import image as images
 from forkd.image_import.model import ImageConfig, RootfsStats
+from tests.unit.fake_images import stand_in_boot_parts
 
 DIGEST = "sha256:" + "ab" * 32
 
@@ -20,14 +21,7 @@ DIGEST = "sha256:" + "ab" * 32
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache whose kernel, boot files, base and runtime disk are stand-ins."""
     monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(container_image.hosttools, "require", lambda tool: Path("/bin/true"))
-    monkeypatch.setattr(kernel, "resolve", lambda _path: kernel.KernelPackage("linux-image", "1"))
-    monkeypatch.setattr(images, "boot_files", lambda *_args: {"kernel": "vmlinuz"})
-    monkeypatch.setattr(images, "base_tarball", lambda *_args: tmp_path / "base.tar")
-    disk = tmp_path / "runtime.sqfs"
-    disk.write_bytes(b"runtime")
-    monkeypatch.setattr(runtime, "build", lambda *_args: disk)
-    monkeypatch.setattr(runtime, "key", lambda _base: "0" * 16)
+    stand_in_boot_parts(monkeypatch, tmp_path)
     return tmp_path
 
 

@@ -157,3 +157,14 @@ def test_the_hosts_networks_are_its_addresses_and_their_links_but_the_sandboxes(
                 for n in (i.network, ipaddress.IPv4Network(f"{i.ip}/32"))}  # fmt: skip
     assert set(host_networks(sandboxes)) == expected
     assert host_networks(sandboxes, opened=(ipaddress.IPv4Network("0.0.0.0/0"),)) == []
+
+
+def test_an_opened_range_inside_a_host_network_leaves_the_rest_shut() -> None:
+    from forkd.vmm.jail.network import _without
+
+    lan = ipaddress.IPv4Network("192.168.1.0/24")
+    service = ipaddress.IPv4Network("192.168.1.10/32")
+    left = _without({lan, ipaddress.IPv4Network("192.168.1.5/32")}, (service,))
+    assert service not in left and not any(service.subnet_of(n) for n in left)
+    assert sum(n.num_addresses for n in left) == 256 - 1 + 1  # the /24 less one, and .5
+    assert _without({lan}, (ipaddress.IPv4Network("192.168.0.0/16"),)) == []

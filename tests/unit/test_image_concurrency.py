@@ -22,10 +22,11 @@ from fastapi.testclient import TestClient
 
 from forkd import paths
 from forkd.controller.settings import Settings
-from forkd.guest import container_image, kernel, runtime
+from forkd.guest import container_image
 from forkd.guest import image as images
 from forkd.image_import.blob_store import BlobStore
 from tests import oci_images as oi
+from tests.unit.fake_images import stand_in_boot_parts
 
 SLOW = oi.image([oi.layer({"slow": b"s" * 4000}, "none")], {"Cmd": ["slow"]})
 FAST = oi.image([oi.layer({"fast": b"f\n"})], {"Cmd": ["fast"]})
@@ -82,14 +83,7 @@ def service(
     """The daemon's own importer and builder, the kernel and runtime disk stand-ins."""
     images_service = client.app.state.services.images  # type: ignore[attr-defined]
     images_service._importer = images_service._import_sync
-    monkeypatch.setattr(container_image.hosttools, "require", lambda tool: Path("/bin/true"))
-    monkeypatch.setattr(kernel, "resolve", lambda _path: kernel.KernelPackage("linux-image", "1"))
-    monkeypatch.setattr(images, "boot_files", lambda *_args: {"kernel": "vmlinuz"})
-    monkeypatch.setattr(images, "base_tarball", lambda *_args: tmp_path / "base.tar")
-    disk = tmp_path / "runtime.sqfs"
-    disk.write_bytes(b"runtime")
-    monkeypatch.setattr(runtime, "build", lambda *_args: disk)
-    monkeypatch.setattr(runtime, "key", lambda _base: "0" * 16)
+    stand_in_boot_parts(monkeypatch, tmp_path)
     monkeypatch.setattr("forkd.oci.registry.BLOB_DEADLINE_SECS", DEADLINE_SECS)
     settings.image_archive_dirs = (tmp_path,)
     return client

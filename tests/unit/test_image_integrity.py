@@ -19,8 +19,7 @@ import zstandard
 from forkd import paths
 from forkd.archive.errors import BadArchive
 from forkd.errors import Invalid
-from forkd.guest import container_image, kernel, runtime
-from forkd.guest import image as images
+from forkd.guest import container_image
 from forkd.image_import.blob_store import BlobStore
 from forkd.image_import.diff_ids import LayerMismatch, copy_checking_diff_id
 from forkd.image_import.fetch import fetch_image
@@ -30,6 +29,7 @@ from forkd.image_import.model import FetchedImage, ImageConfig, LayerBlob, Rootf
 from forkd.oci.policy import RegistryPolicy
 from tests import oci_images as oi
 from tests.registry_server import RegistryServer
+from tests.unit.fake_images import stand_in_boot_parts
 
 NO_CREDENTIALS = lambda _registry: None  # noqa: E731
 GOOD_LAYER = oi.layer({"etc/": oi.Dir(), "etc/marker": b"good\n"})
@@ -224,14 +224,7 @@ def test_a_layer_that_inflates_past_the_cap_is_refused_while_it_streams(
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(container_image.hosttools, "require", lambda tool: Path("/bin/true"))
-    monkeypatch.setattr(kernel, "resolve", lambda _path: kernel.KernelPackage("linux-image", "1"))
-    monkeypatch.setattr(images, "boot_files", lambda *_args: {"kernel": "vmlinuz"})
-    monkeypatch.setattr(images, "base_tarball", lambda *_args: tmp_path / "base.tar")
-    disk = tmp_path / "runtime.sqfs"
-    disk.write_bytes(b"runtime")
-    monkeypatch.setattr(runtime, "build", lambda *_args: disk)
-    monkeypatch.setattr(runtime, "key", lambda _base: "0" * 16)
+    stand_in_boot_parts(monkeypatch, tmp_path)
     return tmp_path
 
 

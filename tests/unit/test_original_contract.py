@@ -116,6 +116,7 @@ def test_a_snapshot_that_cannot_be_forked_says_why_in_warning(
     (settings.state_dir / info["vmstate"]).unlink()
     listed = {s["tag"]: s for s in client.get("/v1/snapshots").json()}
     assert listed["b1"]["warning"].startswith("snapshot is not bootable: ")
+    assert str(settings.state_dir) not in listed["b1"]["warning"]  # no host path
     assert "vmstate" in listed["b1"]["warning"] and "warning" not in listed["py"]
 
 

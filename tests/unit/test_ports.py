@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.controller.port_proxy import cookie_tag
 from forkd.controller.services import ports as port_service
+from forkd.controller.services.preview_tokens import PreviewKey
+from forkd.controller.settings import Settings
 from tests.unit import port_fixtures
 from tests.unit.conftest import Server
 
@@ -63,8 +64,13 @@ def test_hop_by_hop_headers_are_dropped_both_ways_and_the_token_never_reaches_th
     assert "clear-site-data" not in answer.headers
 
 
+def cookie_tag(settings: Settings, prefix: str) -> str:
+    """The tag the daemon names a guest's cookies with (keyed by its preview key)."""
+    return PreviewKey(settings.state_dir).cookie_tag(prefix).decode()
+
+
 def test_a_guest_s_cookies_stay_under_its_prefix_and_it_cannot_join_the_console_s_window(
-    http: httpx.Client, sid: str
+    http: httpx.Client, sid: str, settings: Settings
 ) -> None:
     """The guest's pages share the daemon's origin: a cookie it sets must not reach the
     API, the console or another sandbox (its Path and Domain are replaced), and its
@@ -72,7 +78,7 @@ def test_a_guest_s_cookies_stay_under_its_prefix_and_it_cannot_join_the_console_
     page opens stay reachable from that page."""
     r = http.get(_url(sid, "/cookies"))
     prefix = f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/"
-    tag = cookie_tag(prefix.rstrip("/")).decode()  # the names are the guest's own too
+    tag = cookie_tag(settings, prefix.rstrip("/"))  # the names are the guest's own too
     assert r.headers.get_list("set-cookie") == [
         f"{tag}session=abc; HttpOnly; Path={prefix}",
         f"{tag}theme=dark; Max-Age=60; SameSite=Lax; Path={prefix}",
@@ -83,14 +89,18 @@ def test_a_guest_s_cookies_stay_under_its_prefix_and_it_cannot_join_the_console_
 
 
 def test_a_guest_gets_only_its_own_cookies_and_no_referer_and_its_pages_send_none(
-    http: httpx.Client, sid: str
+    http: httpx.Client, sid: str, settings: Settings
 ) -> None:
     """Issue 35: on the daemon's origin a page of sandbox A could set a cookie for the
     whole origin (``document.cookie='tossed=fromA; path=/'``) that sandbox B's guest then
     received, and a page of B learnt the URL (its preview token) of the page that led to
     it from Referer."""
-    tag = cookie_tag(f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}").decode()
-    other = cookie_tag("/v1/preview/another-sandboxes-token").decode()
+    prefix = f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}"
+    tag, other = cookie_tag(settings, prefix), cookie_tag(settings, "/v1/preview/another")
+    # Keyed: knowing a sandbox's id (its route's prefix) is not knowing its tag.
+    elsewhere = settings.state_dir.parent / "elsewhere"
+    elsewhere.mkdir()
+    assert PreviewKey(elsewhere).cookie_tag(prefix).decode() != tag
     r = http.get(_url(sid, "/headers"), headers={
         "Cookie": f"tossed=fromA; {tag}session=abc; {other}theirs=x; {tag}theme=dark",
         "Referer": "http://127.0.0.1/v1/preview/another-sandboxes-token/page",

@@ -18,16 +18,20 @@ and the gateway uvicorn's h11 protocol with two timers and a count:
 * **The owner first.** A connection that has sent the daemon's token (its
   bearer token, checked on every request head) is the owner's; any other may be
   anyone's. Once a cap is reached, or the total is within ``owner_share`` of
-  its cap, a new connection closes the longest-idle connection that is not the
-  owner's and waits for its next request (one with a request in progress, a
+  its cap, a new connection closes the longest-open connection that is not the
+  owner's, is older than half a second (an owner's new connection has that long
+  to show its token) and that the server only waits on: for its next request,
+  or for the rest of a body it trickles in (one whose answer is under way, a
   stream or a WebSocket, is never cut). A connection let in on that last share
   must send the token with its first request, or it is closed after the answer.
-  With no idle connection of another to close, one over a cap is answered 503
+  With no such connection of another to close, one over a cap is answered 503
   with ``Connection: close`` and closed at once. So no local process, holding
-  keep-alive connections open without a token, can keep the owner out.
+  connections open without a token (idle, or sending a body a byte at a time),
+  can keep the owner out.
 * **Life without a token.** A keep-alive connection that has never sent the
   token is closed when it goes idle ``unauthenticated_keepalive_secs`` after it
-  opened: such connections cannot be held for good.
+  opened, and after an answer given before its body was read: such connections
+  cannot be held for good.
 
 Neither timer runs while an answer streams (event streams, downloads) or once a
 connection is a WebSocket: the server then waits for nothing from the client.
@@ -63,6 +67,9 @@ Wait = Literal["header", "body"]  # what a timed-out connection did not send in 
 Cap = Literal["address", "total"]  # which cap refused a connection
 
 REFUSED_WARN_INTERVAL_SECS = 60.0  # a flood of refusals is one log line a minute
+# A connection this young is closed for another only when no older one will do: an
+# owner's new connection has this long to send the head that shows its token.
+EVICT_GRACE_SECS = 0.5
 
 
 @dataclass(frozen=True)
@@ -129,7 +136,9 @@ class Evictable:
     """What a connection says of itself to the limiter."""
 
     def idle(self) -> bool:
-        """Waiting for its next request head (or its first), nothing in progress."""
+        """The server waits on the client alone: for its next request head (or its first),
+        or for the rest of a body (a body trickled in to hold a connection); no answer
+        of the server's is under way."""
         raise NotImplementedError
 
     def evict(self) -> None:
@@ -180,18 +189,28 @@ class ConnectionLimiter:
         return slot
 
     def _evict_one(self, address: str | None) -> bool:
-        """Close the longest-idle connection (from ``address``, when given) that is not
-        the owner's; whether there was one."""
-        for slot in self._slots:
-            if slot.owner or slot.holder is None or (address and slot.address != address):
-                continue
-            if slot.holder.idle():
-                holder = slot.holder
-                slot.release()
-                holder.evict()
-                self._evicted += 1
-                return True
-        return False
+        """Close the longest-open connection (from ``address``, when given) that is not the
+        owner's and that the server only waits on; one younger than
+        :data:`EVICT_GRACE_SECS` (an owner's may not have shown its token yet) only when
+        no older one will do. Whether there was one."""
+        young = time.monotonic() - EVICT_GRACE_SECS
+        candidates = [
+            slot
+            for slot in self._slots
+            if not slot.owner
+            and slot.holder is not None
+            and (address is None or slot.address == address)
+            and slot.holder.idle()
+        ]
+        if not candidates:
+            return False
+        victim = next((slot for slot in candidates if slot.opened < young), candidates[0])
+        holder = victim.holder
+        assert holder is not None
+        victim.release()
+        holder.evict()
+        self._evicted += 1
+        return True
 
     def _refuse(self, cap: Cap, address: str | None) -> Cap:
         self._refused[cap] += 1
@@ -338,23 +357,33 @@ class LimitedH11Protocol(H11Protocol, Evictable):
             self._slot.owner = self.limiter.is_owner(given)
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
         slot = self._slot
+        # An answer given before the request's body was read (a 404, a refusal): without
+        # the token the rest of that body may not hold the connection open.
+        unread = self.conn.their_state is h11.SEND_BODY
+        super().on_response_complete()
+        self._note_owner()  # a pipelined request begun by the answer's end
         if slot is not None and not slot.owner and not self.transport.is_closing():
             caps = self.limiter.limits
-            if slot.on_probation or time.monotonic() - slot.opened > (
-                caps.unauthenticated_keepalive_secs
+            if (
+                unread
+                or slot.on_probation
+                or time.monotonic() - slot.opened > (caps.unauthenticated_keepalive_secs)
             ):
                 self.transport.close()  # let in on the owner's share, or kept alive too long
                 return
         self._rearm()  # keep-alive: the next request's head is awaited
 
     def idle(self) -> bool:
+        if self._upgraded or self.transport.is_closing():
+            return False
+        if self.conn.their_state is h11.IDLE:
+            return True  # waiting for a request head
+        cycle = getattr(self, "cycle", None)  # uvicorn's request in progress
         return (
-            not self._upgraded
-            and not self.transport.is_closing()
-            and self.conn.their_state is h11.IDLE
-            and self.conn.our_state is h11.IDLE
+            self.conn.their_state is h11.SEND_BODY
+            and cycle is not None
+            and not cycle.response_started
         )
 
     def evict(self) -> None:

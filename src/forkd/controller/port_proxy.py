@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import socket
 from collections.abc import AsyncIterator
 from typing import Annotated
 
 import h11
-from fastapi import APIRouter, Path, Request, Response
+from fastapi import APIRouter, Path, Request, Response, WebSocket
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
@@ -77,16 +76,19 @@ class GuestGone(Exception):
     """The sandbox stopped while a stream was open."""
 
 
-def guest_headers(scope: Scope, port: int, prefix: str) -> list[tuple[bytes, bytes]]:
+def guest_headers(
+    scope: Scope, port: int, prefix: str, tag: bytes | None = None
+) -> list[tuple[bytes, bytes]]:
     """The request's headers as the guest gets them: no hop-by-hop headers, no
     Authorization, no Referer, ``Host: localhost:<port>``, and X-Forwarded-* set (never
     the client's own, which could say anything; the prefix is empty for a request that
-    came for a preview host's root paths). On the daemon's origin, of the cookies only
-    the guest's own (:func:`own_cookies`)."""
+    came for a preview host's root paths). With ``tag`` (the guest's pages are on the
+    daemon's origin: :func:`cookie_tag`), of the cookies only the guest's own
+    (:func:`own_cookies`)."""
     state = scope.get("state", {})
     raw: list[tuple[bytes, bytes]] = scope["headers"]
-    if not state.get(OWN_ORIGIN):
-        raw = own_cookies(raw, cookie_tag(prefix))
+    if tag is not None:
+        raw = own_cookies(raw, tag)
     if state.get(AT_ROOT):
         prefix = ""  # the guest's paths are the host's own
     named_in_connection = {
@@ -109,13 +111,15 @@ def guest_headers(scope: Scope, port: int, prefix: str) -> list[tuple[bytes, byt
 
 
 def client_headers(
-    headers: list[tuple[bytes, bytes]], our_origin_prefix: str | None = None
+    headers: list[tuple[bytes, bytes]],
+    our_origin_prefix: str | None = None,
+    tag: bytes | None = None,
 ) -> list[tuple[bytes, bytes]]:
     """The guest's answer headers as the client gets them: no hop-by-hop headers, none
     that would act on the daemon's whole origin (``NOT_FROM_GUEST``). With
     ``our_origin_prefix`` (the route's prefix: the guest's pages are on the daemon's
-    origin) its cookies are kept to that prefix and ``NOT_FROM_GUEST_ON_OUR_ORIGIN``
-    is dropped as well."""
+    origin) its cookies are kept to that prefix (and named with ``tag``) and
+    ``NOT_FROM_GUEST_ON_OUR_ORIGIN`` is dropped as well."""
     named_in_connection = {
         token.strip().lower().encode()
         for k, v in headers if k.lower() == b"connection"
@@ -126,20 +130,21 @@ def client_headers(
         dropped |= NOT_FROM_GUEST_ON_OUR_ORIGIN
     drop = {h.encode() for h in dropped} | named_in_connection
     kept = [(k, v) for k, v in headers if k.lower() not in drop | {b"referrer-policy"}]
-    path = tag = None
-    if our_origin_prefix is not None:
-        path, tag = f"{our_origin_prefix}/".encode(), cookie_tag(our_origin_prefix)
+    path = None if our_origin_prefix is None else f"{our_origin_prefix}/".encode()
     answer = [
         (k, confined_cookie(v, path, tag) if k.lower() == b"set-cookie" else v) for k, v in kept
     ]
     return [*answer, REFERRER_POLICY]
 
 
-def cookie_tag(prefix: str) -> bytes:
-    """What the names of a guest's cookies on the daemon's origin begin with: its route's
-    prefix hashed (the prefix holds a preview URL's secret token, so another sandbox's
-    page can neither work the tag out nor set a cookie under it)."""
-    return b"fk" + hashlib.blake2b(prefix.encode(), digest_size=8).hexdigest().encode() + b"-"
+def cookie_tag(request: Request | WebSocket, prefix: str) -> bytes | None:
+    """The tag of the guest's cookies for a request on the daemon's origin (the preview
+    key's :meth:`~forkd.controller.services.preview_tokens.PreviewKey.cookie_tag`);
+    None on a preview host of its own, where the guest's cookies are host-only."""
+    if request.scope.get("state", {}).get(OWN_ORIGIN):
+        return None
+    services: Services = request.app.state.services
+    return services.ports.key.cookie_tag(prefix)
 
 
 def own_cookies(headers: list[tuple[bytes, bytes]], tag: bytes) -> list[tuple[bytes, bytes]]:
@@ -350,18 +355,20 @@ class GuestResponse(Response):
         head: h11.Response,
         stack: contextlib.AsyncExitStack,
         our_origin_prefix: str | None,
+        tag: bytes | None = None,
     ) -> None:
         super().__init__(status_code=head.status_code)
         self.exchange = exchange
         self.head = head
         self.stack = stack
         self.our_origin_prefix = our_origin_prefix
+        self.tag = tag
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await send({"type": "http.response.start", "status": self.head.status_code,
                         "headers": client_headers(list(self.head.headers),
-                                                  self.our_origin_prefix)})  # fmt: skip
+                                                  self.our_origin_prefix, self.tag)})  # fmt: skip
             pumping = asyncio.ensure_future(self._pump(send))
             watching = asyncio.ensure_future(self._client_gone(receive))
             await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -398,7 +405,8 @@ async def forward(request: Request, svc: Services, sandbox_id: str, port: int, p
         reader, writer = await open_guest(link)
         exchange = GuestExchange(link, reader, writer)
         stack.push_async_callback(exchange.close)
-        head = await exchange.start(request, guest_headers(request.scope, port, prefix),
+        tag = cookie_tag(request, prefix)
+        head = await exchange.start(request, guest_headers(request.scope, port, prefix, tag),
                                     guest_target(request.scope, prefix_segments))  # fmt: skip
     except ClientDisconnect:
         await stack.aclose()
@@ -406,8 +414,7 @@ async def forward(request: Request, svc: Services, sandbox_id: str, port: int, p
     except BaseException:
         await stack.aclose()
         raise
-    own_origin = request.scope.get("state", {}).get(OWN_ORIGIN, False)
-    return GuestResponse(exchange, head, stack, None if own_origin else prefix)
+    return GuestResponse(exchange, head, stack, None if tag is None else prefix, tag)
 
 
 def _services(request: Request) -> Services:

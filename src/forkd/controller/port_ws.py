@@ -32,6 +32,7 @@ from forkd.controller.port_proxy import (
     PROXY_PATH,
     GuestGone,
     connect_guest,
+    cookie_tag,
     guest_headers,
     guest_target,
     open_guest,
@@ -88,7 +89,8 @@ async def preview_socket(websocket: WebSocket, token: str, path: str) -> None:
 async def _proxy(websocket: WebSocket, sandbox_id: str, port: int, prefix: str,
                  segments: int) -> None:  # fmt: skip
     scope = websocket.scope
-    headers = [(k, v) for k, v in guest_headers(scope, port, prefix) if k.lower() not in HANDSHAKE]
+    sent = guest_headers(scope, port, prefix, cookie_tag(websocket, prefix))
+    headers = [(k, v) for k, v in sent if k.lower() not in HANDSHAKE]
     target = guest_target(scope, segments).decode("latin-1")
     try:
         by_preview = prefix.startswith("/v1/preview/")

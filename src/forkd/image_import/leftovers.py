@@ -70,7 +70,9 @@ def recorded_worker(pid: int) -> Iterator[None]:
     directory = paths.cache_dir() / WORKERS
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
     path = directory / f"@{worker.pid}.{worker.start_ticks}.worker"
-    path.write_text(mark() + "\n")
+    staged = directory / f".{path.name}.{os.getpid()}"
+    staged.write_text(mark() + "\n")
+    os.replace(staged, path)  # whole: a sweep never reads a record without its parent
     try:
         yield
     finally:

@@ -195,7 +195,7 @@ class Registry:
         self, r: httpx.Response, digest: str, size: int, deadline: float, what: str
     ) -> Iterator[bytes]:
         h, got = hashlib.sha256(), 0
-        try:
+        with _reading(what):
             for piece in r.iter_raw():  # as each read gives it: the deadline is checked
                 got += len(piece)
                 if got > size:
@@ -204,12 +204,6 @@ class Registry:
                     raise UpstreamError(f"the registry was too slow sending {what}")
                 h.update(piece)
                 yield piece
-        except httpx.TimeoutException as exc:
-            import_deadline.check()
-            raise UpstreamError(f"the registry was too slow sending {what}") from exc
-        except httpx.HTTPError as exc:
-            log.warning("reading %s from a registry failed: %r", what, exc)
-            raise UpstreamError(f"the registry stopped sending {what}") from exc
         if got != size or "sha256:" + h.hexdigest() != digest:
             raise UpstreamError(
                 f"registry {self.ref.registry} sent blob {digest} with the wrong content: "
@@ -418,7 +412,7 @@ def _read_at_most(
         pieces = [r.content]  # read already: a transport that does not stream
     except httpx.ResponseNotRead:
         pieces = r.iter_raw()  # type: ignore[assignment]
-    try:
+    with _reading(what):
         for piece in pieces:
             buf += piece
             if len(buf) > limit:
@@ -427,13 +421,21 @@ def _read_at_most(
                 raise UpstreamError(f"the registry sent more than {limit} bytes for {what}")
             if time.monotonic() > deadline:
                 raise UpstreamError(f"the registry was too slow sending {what}")
+    return bytes(buf)
+
+
+@contextlib.contextmanager
+def _reading(what: str) -> Iterator[None]:
+    """An answer's body being read: a read past its deadline, or a connection that broke,
+    is the registry's failing (502), or the import's when its whole time is up (504)."""
+    try:
+        yield
     except httpx.TimeoutException as exc:
         import_deadline.check()
         raise UpstreamError(f"the registry was too slow sending {what}") from exc
     except httpx.HTTPError as exc:
         log.warning("reading %s from a registry failed: %r", what, exc)
         raise UpstreamError(f"the registry stopped sending {what}") from exc
-    return bytes(buf)
 
 
 def status_line(status: int) -> str:

@@ -76,6 +76,13 @@ class PreviewKey:
         digest = hmac.new(self._key(), message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
+    def cookie_tag(self, prefix: str) -> bytes:
+        """What the names of a guest's cookies on the daemon's origin begin with, for the
+        route ``prefix``: keyed, so no page (another sandbox's, whose id may be known) can
+        work it out and set a cookie under it; the same across restarts, with the key."""
+        digest = hmac.new(self._key(), b"cookie\n" + prefix.encode(), hashlib.sha256)
+        return b"fk" + digest.hexdigest()[:16].encode() + b"-"
+
     def _key(self) -> bytes:
         """The key, made on first use; read again whenever the file changed."""
         try:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd import __version__, accel, limits
+from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.models import CapacityInfo, SnapshotCreate, SnapshotInfo
 from forkd.controller.services import template_start
 from forkd.controller.services.disk_room import require_room
@@ -236,7 +237,11 @@ class SnapshotService:
             mode=row.mode,
         )
         fields.update({k: v for k, v in (("base_tag", row.base_tag), ("error", row.error)) if v})
-        # The original forkd's 'warning': why the snapshot cannot be forked.
+        # The original forkd's 'warning': why the snapshot cannot be forked (a file's path
+        # in it is the daemon's, as in errors, unless host paths are shown).
+        settings = self.fleet.settings
+        if problem is not None and not settings.show_host_paths:
+            problem = hide_host_paths(problem.replace(str(settings.snapshot_root), "snapshots"))
         if row.status == "failed" and row.error:
             fields["warning"] = row.error
         elif problem is not None and settled:

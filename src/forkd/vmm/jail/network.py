@@ -154,14 +154,30 @@ def host_networks(
     found: set[ipaddress.IPv4Network] = set()
     with IPRoute() as ipr:
         for msg in ipr.get_addr(family=socket.AF_INET):
-            address, prefix = msg.get_attr("IFA_ADDRESS"), msg["prefixlen"]
-            if not address:
+            prefix = msg["prefixlen"]
+            # IFA_LOCAL is the host's own address; IFA_ADDRESS the peer's on a
+            # point-to-point link (the same address elsewhere).
+            for address in {msg.get_attr("IFA_LOCAL"), msg.get_attr("IFA_ADDRESS")} - {None}:
+                iface = ipaddress.IPv4Interface(f"{address}/{prefix}")
+                if iface.ip.is_loopback or iface.ip in sandbox_cidr:
+                    continue
+                found.update((iface.network, ipaddress.IPv4Network(f"{iface.ip}/32")))
+    return sorted(set(_without(found, opened)))
+
+
+def _without(
+    nets: set[ipaddress.IPv4Network], opened: tuple[ipaddress.IPv4Network, ...]
+) -> list[ipaddress.IPv4Network]:
+    """``nets`` less the ranges in ``opened`` (a /32 opened in a /24 leaves the /24's rest)."""
+    left = list(nets)
+    for hole in opened:
+        cut: list[ipaddress.IPv4Network] = []
+        for net in left:
+            if net.subnet_of(hole):
                 continue
-            iface = ipaddress.IPv4Interface(f"{address}/{prefix}")
-            if iface.ip.is_loopback or iface.ip in sandbox_cidr:
-                continue
-            found.update((iface.network, ipaddress.IPv4Network(f"{iface.ip}/32")))
-    return sorted(n for n in found if not any(n.subnet_of(o) for o in opened))
+            cut.extend(net.address_exclude(hole) if hole.subnet_of(net) else [net])
+        left = cut
+    return left
 
 
 def namespace_ruleset(
