@@ -11,6 +11,7 @@ address this test did not create.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import shutil
@@ -40,10 +41,12 @@ if network.netns_problems():
 
 OUTSIDE = "198.51.100.1"  # the fake internet host (TEST-NET-2, inside our namespace)
 OUTSIDE_2 = "198.51.100.2"
-# The host's "LAN" (TEST-NET-1): the host is attached to it, and our namespace is the
-# neighbour there that routes to the fake internet (a gateway, as a LAN has).
-LAN_HOST = "192.0.2.254"
-LAN_GATEWAY = "192.0.2.1"
+# The host's "LAN" (TEST-NET-3, a range no host here is on: the fixture checks): the host
+# is attached to it, and our namespace is the neighbour there that routes to the fake
+# internet (a gateway, as a LAN has). Every route to it names the test's own link.
+LAN = "203.0.113.0/24"
+LAN_HOST = "203.0.113.254"
+LAN_GATEWAY = "203.0.113.1"
 METADATA = "169.254.169.254"
 PRIVATE = "10.99.0.1"
 PORT = 18080
@@ -120,6 +123,22 @@ def _agent_ping(guest_addr: str) -> dict[str, Any]:
         return json.loads(s.makefile().readline())
 
 
+def _host_networks() -> list[ipaddress.IPv4Network]:
+    """The networks of this host's addresses and of its routes (the default route aside)."""
+    from pyroute2 import IPRoute
+
+    nets = []
+    with IPRoute() as ipr:
+        for a in ipr.get_addr(family=socket.AF_INET):
+            nets.append(ipaddress.IPv4Network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}",
+                                              strict=False))  # fmt: skip
+        for r in ipr.get_routes(family=socket.AF_INET):
+            dst = r.get_attr("RTA_DST")
+            if dst:
+                nets.append(ipaddress.IPv4Network(f"{dst}/{r['dst_len']}", strict=False))
+    return nets
+
+
 def _host_addresses() -> list[str]:
     from pyroute2 import IPRoute
 
@@ -135,6 +154,10 @@ def outside() -> Iterator[str]:
 
     name = f"fkt-out-{os.getpid()}"
     host_if = f"fkt{os.getpid() % 100000}"
+    taken = [n for n in _host_networks() if n.overlaps(ipaddress.IPv4Network(LAN))
+             or n.overlaps(ipaddress.IPv4Network("198.51.100.0/24"))]  # fmt: skip
+    if taken:
+        pytest.skip(f"this host is on {taken[0]}: the test's fake LAN and internet would clash")
     netns.create(name)
     listeners: list[subprocess.Popen[bytes]] = []
     try:
@@ -143,9 +166,10 @@ def outside() -> Iterator[str]:
             idx = ipr.link_lookup(ifname=host_if)[0]
             ipr.addr("add", index=idx, address=LAN_HOST, prefixlen=24)
             ipr.link("set", index=idx, state="up")
-            ipr.route("add", dst="198.51.100.0/24", gateway=LAN_GATEWAY)
+            # oif: through the test's link alone, never a gateway of the host's of that name
+            ipr.route("add", dst="198.51.100.0/24", gateway=LAN_GATEWAY, oif=idx)
             for extra in (METADATA, PRIVATE):  # reachable only through this test's namespace
-                ipr.route("add", dst=f"{extra}/32", gateway=LAN_GATEWAY)
+                ipr.route("add", dst=f"{extra}/32", gateway=LAN_GATEWAY, oif=idx)
         with NetNS(name) as ns:
             eth = ns.link_lookup(ifname="eth0")[0]
             ns.addr("add", index=eth, address=LAN_GATEWAY, prefixlen=24)
@@ -213,7 +237,7 @@ def test_a_guest_reaches_no_host_address_and_no_sibling(daemon: Daemon, api_temp
         ({"allow": [f"{OUTSIDE}/32", PRIVATE]}, {OUTSIDE, PRIVATE}),
         # never metadata, nor the host's own networks (its LAN, its gateway, its address
         # there): issue 35 found SYNs to a LAN's gateway and the host's address passing
-        ({"allow": [METADATA, "0.0.0.0/0", "192.0.2.0/24"]}, {OUTSIDE, OUTSIDE_2, PRIVATE}),
+        ({"allow": [METADATA, "0.0.0.0/0", LAN]}, {OUTSIDE, OUTSIDE_2, PRIVATE}),
     ],
 )
 def test_egress_policy_decides_what_the_outside_world_sees(

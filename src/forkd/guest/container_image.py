@@ -6,10 +6,11 @@ An imported image is a directory ``<cache>/images/<name>-<key>/`` like a recipe'
 ``runtime.sqfs`` (hard-linked from the one runtime, see :mod:`forkd.guest.runtime`).
 ``name`` is ``oci-`` and the first 12 hex digits of the image's config digest
 (its image id, as ``docker images`` shows it); ``key`` hashes what the build is
-made of: that digest, every layer's blob digest and checked diff_id in order, the
-kernel and the runtime. So importing the same image again finds it built, and an
-image that shares only its config's bytes with another (other layers under the
-same image id) never does: a build is reused only when every input matches. The
+made of: that digest, every layer's checked diff_id (the digest of the tar it was
+found to hold) in order, the kernel and the runtime. So importing the same image
+again, from any source, finds it built, and an image that shares only its config's
+bytes with another (other layers under the same image id) never does: a build is
+reused only when every input matches. The
 reference it was imported as, its config and its layers' digests are in
 ``image.json``. Built in a staging directory renamed into place only when
 complete, like a recipe image.
@@ -122,8 +123,8 @@ def assemble(
     """Build (or find) the image directory whose root disk ``write_rootfs`` makes.
 
     ``identity`` goes into image.json as it is (reference, digests); its
-    ``reference`` is added to an existing build's references. Its ``layers`` and
-    ``diff_ids`` are part of the build's key with ``config_digest``.
+    ``reference`` is added to an existing build's references. Its ``diff_ids`` (each
+    layer's checked tar) are part of the build's key with ``config_digest``.
     """
     say = progress or (lambda _msg: None)
     for tool in ("apt-get", "apt-cache", "dpkg-deb", "depmod", "cpio", "mmdebstrap", "mksquashfs"):
@@ -137,8 +138,9 @@ def assemble(
     h = hashlib.sha256()
     for part in (BUILDER_VERSION, kpkg.key, runtime.key(base_key), config_digest):
         h.update(f"{part}\n".encode())
-    layers, diff_ids = identity.get("layers") or [], identity.get("diff_ids") or []
-    h.update(json.dumps({"layers": layers, "diff_ids": diff_ids}).encode() + b"\n")
+    # The tars each layer was checked to hold, in order: the same image fetched from
+    # any source (its layers compressed or not) is one build.
+    h.update(json.dumps({"diff_ids": identity.get("diff_ids") or []}).encode() + b"\n")
     guest_files.digest(h, guest_files.INITRAMFS_FILES)  # stage 1, in the initramfs
     key = h.hexdigest()[:16]
     name = image_name(config_digest)
