@@ -137,3 +137,38 @@ def test_an_image_without_python_refuses_eval_and_warmup_with_409(ctl: Controlle
             ctl.kill_sandbox(kid["id"])
     finally:
         ctl.delete_snapshot("bb-eval")
+
+
+@pytest.mark.parametrize(
+    ("user", "dockerfile_tail"),
+    [
+        ("1234", "USER 1234\n"),  # a uid the image's /etc/passwd does not list
+        ("postgres", "RUN useradd --system --no-create-home postgres\nUSER postgres\n"),
+    ],
+    ids=["uid-1234", "user-postgres"],
+)
+def test_eval_and_warmup_run_as_the_images_own_user(
+    ctl: Controller,
+    dockerd: docker_daemon.DockerDaemon,
+    tmp_path: Path,
+    user: str,
+    dockerfile_tail: str,
+) -> None:
+    """Issue 36: /opt/forkd was drwx------ root (the daemon's umask), so an image whose
+    USER is not root could not open forkd's eval worker: every eval and warm-up was a
+    409 (Permission denied)."""
+    (tmp_path / "Dockerfile").write_text(f"FROM {DEBIAN}\n{dockerfile_tail}")
+    tag = dockerd.build(tmp_path, f"forkd-test/eval-as-{user}:1")
+    snap = f"eval-as-{user}"
+    ctl.create_snapshot(snap, image=f"docker-daemon:{tag}", warmup="import os\nx = 41",
+                        memory_mib=256)  # fmt: skip
+    try:
+        (kid,) = ctl.spawn_sandboxes(snap, n=1)
+        try:
+            assert _result(ctl, kid["id"], "x + 1") == "42"  # warm from the template
+            uid = _result(ctl, kid["id"], "os.getuid()")
+            assert uid != "0" and (user != "1234" or uid == "1234"), uid
+        finally:
+            ctl.kill_sandbox(kid["id"])
+    finally:
+        ctl.delete_snapshot(snap)

@@ -28,7 +28,7 @@ from forkd import hosttools
 from forkd.errors import ImageError
 from forkd.guest import guest_files, rootfs
 
-RUNTIME_VERSION = 1
+RUNTIME_VERSION = 2  # 2: readable by an image's own user
 LIBDIR = "usr/lib/x86_64-linux-gnu"
 LOADER = f"{LIBDIR}/ld-linux-x86-64.so.2"
 MOUNT = "/opt/forkd"  # where stage 1 mounts the runtime in the guest
@@ -95,6 +95,23 @@ def _fill(tree: Path, base_tar: Path, work: Path) -> None:
     wrapper.chmod(0o755)
     for sub in ("mnt/lower", "mnt/rw"):  # stage 1 moves its mounts here
         (tree / sub).mkdir(parents=True)
+    readable_by_all(tree)
+
+
+def readable_by_all(tree: Path) -> None:
+    """Every directory of ``tree`` searchable and every file readable by every user, an
+    executable executable by all, nothing writable but by its owner: the runtime is
+    forkd's code, no secret, and an image's own user (``USER 1234``, ``USER postgres``)
+    runs its eval worker. (The daemon's umask, 077, made them 0700 and 0600: eval and
+    warm-up failed in every image with a non-root ``USER``.)"""
+    for here, _dirs, files in os.walk(tree):
+        os.chmod(here, 0o755)
+        for name in files:
+            path = Path(here) / name
+            if path.is_symlink():
+                continue
+            mode = path.stat().st_mode & 0o777
+            path.chmod(0o755 if mode & 0o100 else 0o644)
 
 
 def _wrapper(python: str) -> str:
