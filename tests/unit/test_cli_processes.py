@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -111,3 +112,32 @@ def test_a_guests_command_line_cannot_drive_the_terminal(
     assert "\x1b" not in res.stdout and "\r" not in res.stdout and "\x07" not in res.stdout
     assert "\\x1b]52;c;ZXZpbA==\\x07" in res.stdout and "\\x1b[2J\\x0dhidden" in res.stdout
     assert "[red]x[/]" in res.stdout
+
+
+def test_a_shell_line_given_as_one_argument_is_told_to_use_sh_c(forkd: Invoke, sid: str) -> None:
+    """Issue 36: ``forkd exec ID -- 'echo x > f'`` failed with only "No such file or
+    directory: 'echo x > f'"."""
+    result = forkd("exec", sid, "--", "echo x > f")
+    assert f"forkd exec {sid} -- sh -c 'echo x > f'" in result.output, result.output
+    plain = forkd("exec", sid, "--", "true")
+    assert "sh -c" not in plain.output, plain.output
+
+
+def test_a_wrong_token_says_where_the_token_was_taken_from(server: Server, tmp_path: Path) -> None:
+    """Issue 36: with a daemon of another state directory the CLI said only "missing or
+    wrong bearer token"."""
+    wrong = tmp_path / "token"
+    wrong.write_text("not-the-token\n")
+    env = {"FORKD_URL": server.url, "FORKD_TOKEN_FILE": str(wrong)}
+    result = runner.invoke(make_app(None), ["ps"], env=env)
+    assert result.exit_code == 1
+    for where in ("missing or wrong bearer token", "FORKD_TOKEN_FILE", "FORKD_STATE_DIR"):
+        assert where in result.output, result.output
+
+
+def test_forkd_version() -> None:
+    from forkd import __version__
+    from forkd.cli import app
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == __version__

@@ -12,7 +12,7 @@ message and exits 1, exit 2 when the daemon cannot be reached.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -51,6 +51,27 @@ app = typer.Typer(
 def version() -> None:
     """Print the forkd version."""
     out.print(__version__)
+
+
+def _version_option(asked: bool) -> None:
+    if asked:
+        version()
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            callback=_version_option,
+            is_eager=True,
+            help="Print the forkd version and exit.",
+        ),
+    ] = False,
+) -> None:
+    """Sandboxes in QEMU microVMs that fork copy-on-write and branch at any depth."""
 
 
 def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:

@@ -28,7 +28,20 @@ def daemon_errors() -> Iterator[None]:
     try:
         yield
     except ControllerError as exc:
-        raise fail(shown(exc.message), 2 if exc.status == 0 else 1) from None
+        message = shown(exc.message) + (token_hint() if exc.status == 401 else "")
+        raise fail(message, 2 if exc.status == 0 else 1) from None
+
+
+def token_hint() -> str:
+    """Where the CLI took the token it sent from: what a 401 is told."""
+    from forkd import paths
+
+    return (
+        "\n(the token sent is, in order: --token-file, $FORKD_TOKEN, the file "
+        "$FORKD_TOKEN_FILE names, else for a daemon on this host "
+        f"{paths.token_file()}, from $FORKD_STATE_DIR: a daemon started with another "
+        "--state-dir wrote its token there)"
+    )
 
 
 def act_on_each(

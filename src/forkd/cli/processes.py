@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 import sys
 from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 SandboxIdArg = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
 STREAM_RETRIES = 3  # a broken output stream is resumed at its offset this many times
+
+
+# In a command's one argument: what a shell would have read (a user wrote a shell line).
+SHELL_SYNTAX = re.compile(r"[\s|&;<>$`*?(){}]")
 
 
 def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) -> None:
@@ -58,6 +63,10 @@ def exec_(
     exit code (124: timed out). With --json, prints the whole result at the end.
     -it runs it in an interactive terminal, as forkd shell does."""  # fmt: skip
     env_map = parse_env(env) if env else None
+    if len(cmd) == 1 and SHELL_SYNTAX.search(cmd[0]):
+        hint = f"forkd exec {sandbox_id} -- sh -c {cmd[0]!r}"
+        err.print(shown(f"note: {cmd[0]!r} is run as one program's name, not by a shell; "
+                        f"for a shell command: {hint}"))  # fmt: skip
     if interactive or tty:
         if conn.as_json:
             raise fail("--json prints one result at the end: it cannot go with -i or -t", 2)
