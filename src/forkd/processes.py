@@ -39,12 +39,16 @@ class Holder:
     def alive(self) -> bool:
         return Holder.of(self.pid) == self
 
+    def mark(self) -> str:
+        """``@PID.TICKS.``: this process named in a file's name (:func:`marked_by`)."""
+        return f"@{self.pid}.{self.start_ticks}."
+
 
 def mark() -> str:
     """This process's mark, to put in the name of what it makes: ``@PID.TICKS.``."""
     me = Holder.of(os.getpid())
     assert me is not None
-    return f"@{me.pid}.{me.start_ticks}."
+    return me.mark()
 
 
 def marked_by(name: str) -> Holder | None:

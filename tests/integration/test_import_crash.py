@@ -19,8 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forkd import paths
-from forkd.image_import import leftovers
+from forkd import paths, processes
 from forkd.vmm.jail import qemu_user
 from tests import oci_images
 from tests.integration.conftest import Daemon
@@ -97,9 +96,11 @@ def test_a_daemon_killed_mid_import_leaves_no_worker_and_its_leftovers_are_swept
         time.sleep(0.01)
     assert worker is not None
     held = [uid for uid in _leased_uids() if _holder(uid) == worker]
-    staging = [p for p in paths.images_dir().glob(".staging-*") if leftovers.owner(p.name) == me]
+    staging = [
+        p for p in paths.images_dir().glob(".staging-*") if processes.marked_by(p.name) == me
+    ]
     partial = [p for p in (paths.blobs_dir() / "tmp").iterdir()
-               if p.name.endswith(".load.tar") and leftovers.owner(p.name) == me]  # fmt: skip
+               if p.name.endswith(".load.tar") and processes.marked_by(p.name) == me]  # fmt: skip
     killed = kill_9(daemon)
     sock.close()
     importing.join(30)
@@ -112,7 +113,7 @@ def test_a_daemon_killed_mid_import_leaves_no_worker_and_its_leftovers_are_swept
         assert held, "the worker held no uid"
         assert all(_holder(uid) is None for uid in held)
     # What a live process is writing is kept by the next daemon's sweep.
-    live = paths.images_dir() / f".staging-live-{leftovers.mark()}x"
+    live = paths.images_dir() / f".staging-live-{processes.mark()}x"
     live.mkdir(parents=True)
     try:
         daemon.start("--kill-on-exit", "--image-archive-dir", str(tmp_path))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd import paths
+from forkd import paths, processes
 from forkd.image_import import leftovers
 from forkd.processes import Holder
 
@@ -32,7 +32,7 @@ def dead_mark() -> str:
     me = Holder.of(proc.pid)
     proc.wait()
     assert me is not None
-    return f"@{me.pid}.{me.start_ticks}."
+    return me.mark()
 
 
 def test_what_dead_processes_left_is_removed_and_the_rest_kept(cache: Path) -> None:
@@ -40,7 +40,7 @@ def test_what_dead_processes_left_is_removed_and_the_rest_kept(cache: Path) -> N
     images, tmp = paths.images_dir(), paths.blobs_dir() / "tmp"
     gone = [images / f".staging-oci-1-{dead}abc", tmp / f"{dead}0011.load.tar",
             images / ".removing-oci-2-00"]  # fmt: skip
-    kept = [images / f".staging-oci-3-{leftovers.mark()}abc", tmp / f"{leftovers.mark()}22.blob",
+    kept = [images / f".staging-oci-3-{processes.mark()}abc", tmp / f"{processes.mark()}22.blob",
             images / ".staging-unmarked-recent", images / "oci-4-0000"]  # fmt: skip
     old = images / ".staging-unmarked-old"
     for path in (*gone, *kept, old):
@@ -62,10 +62,10 @@ def test_a_worker_whose_parent_is_gone_is_killed(cache: Path) -> None:
     try:
         records = cache / leftovers.WORKERS
         records.mkdir()
-        for proc, parent in ((orphan, dead_mark()), (adopted, leftovers.mark())):
+        for proc, parent in ((orphan, dead_mark()), (adopted, processes.mark())):
             me = Holder.of(proc.pid)
             assert me is not None
-            (records / f"@{me.pid}.{me.start_ticks}.worker").write_text(parent)
+            (records / f"{me.mark()}worker").write_text(parent)
         assert leftovers.sweep().workers_killed == 1
         assert orphan.wait(5) == -9
         assert adopted.poll() is None  # its import still runs
@@ -81,8 +81,8 @@ def test_a_worker_is_recorded_while_it_runs(cache: Path) -> None:
     try:
         with leftovers.recorded_worker(proc.pid):
             (record,) = (cache / leftovers.WORKERS).iterdir()
-            assert leftovers.owner(record.name) == Holder.of(proc.pid)
-            assert leftovers.owner(record.read_text()) == Holder.of(os.getpid())
+            assert processes.marked_by(record.name) == Holder.of(proc.pid)
+            assert processes.marked_by(record.read_text()) == Holder.of(os.getpid())
         assert list((cache / leftovers.WORKERS).iterdir()) == []
     finally:
         proc.kill()

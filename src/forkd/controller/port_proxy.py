@@ -55,7 +55,8 @@ REFERRER_POLICY = (b"referrer-policy", b"no-referrer")
 # origin, and these would reach past the guest's own prefix. Service-Worker-Allowed
 # would let a guest's service worker control the whole origin (other sandboxes'
 # preview URLs, their tokens); Clear-Site-Data would wipe what the origin stores.
-NOT_FROM_GUEST = frozenset(("service-worker-allowed", "clear-site-data"))
+# Referrer-Policy is the proxy's own (REFERRER_POLICY), whatever the guest says.
+NOT_FROM_GUEST = frozenset(("service-worker-allowed", "clear-site-data", "referrer-policy"))
 # Dropped too where the guest's pages share the daemon's origin: a guest's
 # Cross-Origin-Opener-Policy equal to the console's would keep a console window its
 # page opens reachable from that page (the console's own COOP severs it otherwise);
@@ -129,7 +130,7 @@ def client_headers(
     if our_origin_prefix is not None:
         dropped |= NOT_FROM_GUEST_ON_OUR_ORIGIN
     drop = {h.encode() for h in dropped} | named_in_connection
-    kept = [(k, v) for k, v in headers if k.lower() not in drop | {b"referrer-policy"}]
+    kept = [(k, v) for k, v in headers if k.lower() not in drop]
     path = None if our_origin_prefix is None else f"{our_origin_prefix}/".encode()
     answer = [
         (k, confined_cookie(v, path, tag) if k.lower() == b"set-cookie" else v) for k, v in kept

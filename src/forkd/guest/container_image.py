@@ -28,14 +28,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from forkd import hosttools, paths
+from forkd import hosttools, paths, processes
 from forkd.disk_reserve import DiskReserve
 from forkd.guest import guest_files, kernel, recipe, runtime
 from forkd.guest import image as images
-from forkd.image_import import leftovers
 from forkd.image_import.model import FetchedImage, ImageConfig, RootfsStats
 
-BUILDER_VERSION = 2  # 2: the key holds the layers, not the config alone
+BUILDER_VERSION = 2  # 2: the key holds the layers' checked diff_ids, not the config alone
 KIND = "container"  # image.json's "kind" for an imported image (a recipe image has none)
 RUNTIME_FILE = "runtime.sqfs"
 
@@ -152,7 +151,7 @@ def assemble(
         return images.find_image(str(final), root)
 
     started = time.monotonic()
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-{leftovers.mark()}"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-{processes.mark()}"))
     try:
         out = staging / "image"
         out.mkdir()

@@ -23,11 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from forkd import hosttools, paths
+from forkd import hosttools, paths, processes
 from forkd.errors import ImageError
 from forkd.guest import guest_files, initramfs, kernel, recipe, rootfs
 from forkd.guest.recipe import Recipe
-from forkd.image_import import leftovers
 from forkd.vmm import runtime_meta
 from forkd.vmm.snapshot import files as snapshot_files
 
@@ -259,7 +258,7 @@ def build(
         return _load(final)
 
     started = time.monotonic()
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-{leftovers.mark()}"))
+    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".staging-{name}-{processes.mark()}"))
     try:
         out = staging / "image"
         out.mkdir()

@@ -32,9 +32,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
+from forkd import processes
 from forkd.disk_reserve import DiskReserve, WriteMeter
 from forkd.errors import ForkdError, Invalid, StorageFull
-from forkd.image_import import leftovers
 from forkd.oci.reference import DIGEST
 
 STALE_TEMP_SECS = 24 * 3600  # a temporary file this old belongs to no live import
@@ -89,7 +89,7 @@ class BlobStore:
     def held(self) -> Iterator[BlobStore]:
         """The store, for an import: every blob looked for or written through it is kept
         from :meth:`remove` and :meth:`remove_unreferenced` until the block ends."""
-        hold = _Hold(str(self.root.absolute()))
+        hold = _Hold(self._hold_key())
         try:
             yield BlobStore(self.root, reserve=self.reserve, _hold=hold)
         finally:
@@ -250,7 +250,7 @@ class BlobStore:
         self.tmp_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.blobs_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         for _ in range(16):
-            path = self.tmp_dir / f"{leftovers.mark()}{secrets.token_hex(8)}{suffix}"
+            path = self.tmp_dir / f"{processes.mark()}{secrets.token_hex(8)}{suffix}"
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             except FileExistsError:

@@ -128,7 +128,8 @@ class _Watch:
         self.refused: NoRoom | TimedOut | None = None
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="forkd-flatten-watch")
-        self._thread.start()
+        if reserve is not None or deadline is not None:  # else nothing to watch
+            self._thread.start()
 
     def _watch(self) -> None:
         while not self._stopped.wait(WATCH_SECS):
@@ -146,7 +147,8 @@ class _Watch:
 
     def stop(self) -> None:
         self._stopped.set()
-        self._thread.join()
+        if self._thread.is_alive():
+            self._thread.join()
 
 
 def _read_answer(stdout: IO[bytes], progress: Progress | None) -> dict[str, Any] | None:

@@ -38,10 +38,6 @@ WORKERS = "workers"
 _PR_SET_PDEATHSIG = 1
 
 
-mark = processes.mark
-owner = processes.marked_by
-
-
 def die_with_parent() -> None:
     """Be killed when the parent goes (``PR_SET_PDEATHSIG``): for a worker, as it starts
     (its parent is checked afterwards: it may be gone already)."""
@@ -69,9 +65,9 @@ def recorded_worker(pid: int) -> Iterator[None]:
         return
     directory = paths.cache_dir() / WORKERS
     directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = directory / f"@{worker.pid}.{worker.start_ticks}.worker"
+    path = directory / f"{worker.mark()}worker"
     staged = directory / f".{path.name}.{os.getpid()}"
-    staged.write_text(mark() + "\n")
+    staged.write_text(processes.mark() + "\n")
     os.replace(staged, path)  # whole: a sweep never reads a record without its parent
     try:
         yield
@@ -86,12 +82,12 @@ def _workers() -> Iterator[WorkerRecord]:
     except FileNotFoundError:
         return
     for name in names:
-        worker = owner(name)
+        worker = processes.marked_by(name)
         if worker is None:
             continue
         path = directory / name
         try:
-            parent = owner(path.read_text())
+            parent = processes.marked_by(path.read_text())
         except OSError:
             parent = None
         yield WorkerRecord(path, worker, parent)
@@ -145,7 +141,7 @@ def _entries(directory: Path, prefixes: tuple[str, ...]) -> list[Path]:
 def _orphaned(path: Path, now: float) -> bool:
     if path.name.startswith(".removing-"):
         return True  # a removal's trash: deleting it twice is harmless
-    made_by = owner(path.name)
+    made_by = processes.marked_by(path.name)
     if made_by is not None:
         return not made_by.alive()
     try:

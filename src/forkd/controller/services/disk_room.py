@@ -14,14 +14,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from forkd.disk_reserve import free_bytes
 from forkd.errors import StorageFull
-from forkd.vmm.volumes.disks import free_bytes
 
 
 def require_room(directory: Path, need_mib: int, doing: str) -> None:
     """:class:`StorageFull` unless ``directory``'s disk has ``need_mib`` free; ``doing``
     names the write in the message."""
-    free_mib = free_bytes(directory if directory.exists() else directory.parent) >> 20
+    free_mib = free_bytes(directory) >> 20  # its nearest existing ancestor's disk
     if free_mib < need_mib:
         raise StorageFull(
             f"{doing} needs {need_mib} MiB free on the disk at {directory} before it "

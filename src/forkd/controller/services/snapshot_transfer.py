@@ -34,6 +34,7 @@ from forkd.controller.services import transfer_records
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SnapshotRow, now
+from forkd.disk_reserve import free_bytes
 from forkd.errors import (
     Busy,
     Conflict,
@@ -63,7 +64,7 @@ from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory_diff
 from forkd.vmm.snapshot.files import SnapshotFiles
 from forkd.vmm.snapshot.memory_diff import Chain
-from forkd.vmm.volumes.disks import Attachment, VolumeStore, free_bytes
+from forkd.vmm.volumes.disks import Attachment, VolumeStore
 
 log = logging.getLogger(__name__)
 PULL_RESERVE_BYTES = 256 << 20  # a pull leaves this much of the disk free

@@ -30,6 +30,7 @@ from typing import Any
 
 from forkd import hosttools
 from forkd.archive import ArchiveError, ArchiveTooLarge, Limits
+from forkd.disk_reserve import free_bytes
 from forkd.errors import (
     Conflict,
     ForkdError,
@@ -158,12 +159,6 @@ def _extract(content: Path | bytes, tree: Path, size: int) -> None:
                 "the host's disk filled up while unpacking the volume's content; nothing was kept"
             ) from exc
         raise
-
-
-def free_bytes(directory: Path) -> int:
-    """Bytes an unprivileged writer may still use on ``directory``'s file system."""
-    st = os.statvfs(directory)
-    return st.f_bavail * st.f_frsize
 
 
 class VolumeStore:
