@@ -230,7 +230,7 @@ def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
         milliseconds, then goes on). Fork the snapshot to get copies of that moment.
         ``mode``: full (default), diff or live (``diff=True`` is mode diff);
         ``measure_diff``: a full branch that reports what a diff would store;
-        ``wait=False``: answer at once (status pending) and write in the background."""
+        ``wait=False``: answer at once (status writing) and write in the background."""
         return dict(
             await with_daemon(
                 lambda c: c.branch_sandbox(

@@ -69,13 +69,13 @@ class SnapshotStatus(StrEnum):
     """A snapshot's record. (``broken`` is never stored: an answer says it when a
     file is missing or corrupt.)"""
 
-    PENDING = "pending"  # a branch with wait false, being written
+    WRITING = "writing"  # a branch with wait false, being written (the original's name)
     READY = "ready"
     FAILED = "failed"  # that branch failed: see its error
 
 
 SNAPSHOT_MOVES: Mapping[SnapshotStatus, frozenset[SnapshotStatus]] = {
-    SnapshotStatus.PENDING: frozenset({SnapshotStatus.READY, SnapshotStatus.FAILED}),
+    SnapshotStatus.WRITING: frozenset({SnapshotStatus.READY, SnapshotStatus.FAILED}),
     SnapshotStatus.READY: frozenset(),
     SnapshotStatus.FAILED: frozenset(),
 }

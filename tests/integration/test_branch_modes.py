@@ -112,7 +112,7 @@ def test_wait_false_is_pending_then_ready(ctl: Controller, sb: Sandbox) -> None:
     want = _level(sb, 1)
     snap = sb.branch(tag="m-bg", mode="diff", wait=False)
     try:
-        assert snap.status == "pending"  # refusals while pending: tests/unit
+        assert snap.status == "writing"  # refusals while pending: tests/unit
         assert snap.wait(timeout=120).status == "ready"
         kid = snap.fork(1)[0]
         try:

@@ -10,7 +10,6 @@ import errno
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -24,6 +23,7 @@ import pytest
 from forkd.controller.services import host_memory
 from forkd.vmm.jail import cgroups, qemu_user
 from forkd.vmm.qemu.argv import SANDBOX_RUNAS
+from tests.other_uid import SYSTEM_PYTHON
 
 from .conftest import Daemon
 
@@ -107,7 +107,7 @@ _SIGNAL_PROBE = (
 
 def signal_errno(uid: int, gid: int, pid: int) -> int:
     out = subprocess.run(
-        [sys.executable, "-c", _SIGNAL_PROBE, str(pid)], user=uid, group=gid, extra_groups=[],
+        [SYSTEM_PYTHON, "-c", _SIGNAL_PROBE, str(pid)], user=uid, group=gid, extra_groups=[],
         cwd="/", capture_output=True, text=True, check=True, timeout=30,
     )  # fmt: skip
     return int(out.stdout)

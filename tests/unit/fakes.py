@@ -313,8 +313,10 @@ class FakeVM(VMLifecycle):
         try:
             with contextlib.redirect_stdout(out):
                 result = _run(code, self.guest.names)
-        except Exception as exc:
-            return {"result": None, "error": f"{type(exc).__name__}: {exc}", "exit_code": 1,
+        except Exception as exc:  # the whole traceback, as the guest agent answers
+            error = 'Traceback (most recent call last):\n  File "<eval>", line 1\n'
+            error += f"{type(exc).__name__}: {exc}\n"
+            return {"result": None, "error": error, "exit_code": 1,
                     "stdout": out.getvalue(), "stderr": "", "display": shown}  # fmt: skip
         return {"result": result, "error": None, "exit_code": 0, "stdout": out.getvalue(),
                 "stderr": "", "display": shown}  # fmt: skip

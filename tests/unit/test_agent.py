@@ -980,6 +980,50 @@ def test_tcp_eval_shares_the_serial_channels_interpreter(tcp: TcpAgent, serial: 
     assert answer["traceback"].rstrip().endswith(answer["error"])
 
 
+def test_tcp_eval_honours_the_original_sdks_timeout(tcp: TcpAgent) -> None:
+    start = time.monotonic()
+    answer = tcp.call(action="eval", code=SLOW_LOOP, timeout=0.5)
+    assert answer["ok"] is True and answer["timed_out"] is True
+    assert time.monotonic() - start < 10
+    refused = tcp.call(action="eval", code="1", timeout=1, timeout_s=2)
+    assert refused["ok"] is False and "differ" in refused["error"]
+
+
+# 30 s of Python, interruptible between its short sleeps (here an interrupt is raised
+# in the eval thread between bytecodes; the guest's agent signals it, which ends a sleep).
+SLOW_LOOP = "import time\nfor _ in range(3000):\n    time.sleep(0.01)"
+
+
+def _eval_sent(tcp: TcpAgent, code: str) -> socket.socket:
+    """An eval sent as the original SDK sends it (the write side closed), unanswered."""
+    sock = tcp.connect(timeout=60)
+    sock.sendall(json.dumps({"action": "eval", "code": code}).encode() + b"\n")
+    sock.shutdown(socket.SHUT_WR)
+    return sock
+
+
+def test_an_eval_whose_client_left_is_interrupted_for_the_next(tcp: TcpAgent) -> None:
+    """The client of a 30 s eval times out and closes its socket: the next eval does not
+    wait for the abandoned one, which is interrupted."""
+    gone = _eval_sent(tcp, SLOW_LOOP)
+    time.sleep(0.5)  # its eval runs
+    gone.close()
+    start = time.monotonic()
+    answer = tcp.call(action="eval", code="6 * 7")
+    assert answer["result"] == "42"
+    assert time.monotonic() - start < 5  # not the 29 s the abandoned eval had left
+
+
+def test_an_eval_whose_client_still_waits_is_not_interrupted(tcp: TcpAgent) -> None:
+    waiting = _eval_sent(tcp, "import time\ntime.sleep(1.5)\n'slept'")
+    time.sleep(0.3)
+    second = tcp.call(action="eval", code="'second'")  # waits its turn
+    assert second["result"] == "'second'"
+    with waiting:
+        first = _one_answer(waiting)  # blanks before it, as JSON allows
+    assert first["ok"] is True and first["result"] == "'slept'" and not first["timed_out"]
+
+
 def test_tcp_exec_leaves_the_serial_channel_answering(tcp: TcpAgent, serial: Client) -> None:
     answers: list[dict[str, Any]] = []
     slow = threading.Thread(

@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from tests.other_uid import world_readable_copy
 from tests.unit.test_agent import AGENT, Client, _agent_env, _stop, agent_mod
 
 HOST_PYTHON = "/usr/bin/python3"
@@ -38,9 +39,17 @@ def _pyenv_bin(prefix: str) -> Path:
     return found[-1]
 
 
-def _start_agent(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
+@pytest.fixture(scope="module")
+def staged_agent() -> Iterator[Path]:
+    """The agent's files where the image's user may read them: its eval worker runs as
+    that user, and the checkout may be closed to it (tests/other_uid.py)."""
+    with world_readable_copy(AGENT.parent, "forkd-agent-files-") as files:
+        yield files / AGENT.name
+
+
+def _start_agent(tmp: Path, agent: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     path = tmp / "agent.sock"
-    argv = [sys.executable, str(AGENT), "--socket", str(path),
+    argv = [sys.executable, str(agent), "--socket", str(path),
             "--defaults-file", str(tmp / "image.json"), *extra]  # fmt: skip
     proc = subprocess.Popen(argv, env=_agent_env())
     deadline = time.monotonic() + 10
@@ -56,9 +65,9 @@ def _start_agent(tmp: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]
 
 
 @pytest.fixture
-def image_agent(tmp_path: Path) -> Iterator[Client]:
+def image_agent(tmp_path: Path, staged_agent: Path) -> Iterator[Client]:
     """An agent whose evals go to a worker in the image's Python."""
-    proc, path = _start_agent(tmp_path, "--eval-in", "image")
+    proc, path = _start_agent(tmp_path, staged_agent, "--eval-in", "image")
     client = Client(path, timeout=30)
     try:
         yield client
@@ -95,8 +104,10 @@ def test_eval_runs_in_the_images_python3_and_keeps_its_namespace(image_agent: Cl
     assert _eval(image_agent, "'forkd_eval_proc' in sys.modules")["result"] == "False"
 
 
-def test_a_recipe_image_keeps_eval_in_the_agents_own_interpreter(tmp_path: Path) -> None:
-    proc, path = _start_agent(tmp_path)  # auto: not under /opt/forkd/rt
+def test_a_recipe_image_keeps_eval_in_the_agents_own_interpreter(
+    tmp_path: Path, staged_agent: Path
+) -> None:
+    proc, path = _start_agent(tmp_path, staged_agent)  # auto: not under /opt/forkd/rt
     try:
         with contextlib.closing(Client(path)) as agent:
             answer = _eval(agent, "import os, sys\n(sys.executable, os.getpid())")

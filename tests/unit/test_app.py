@@ -141,7 +141,7 @@ def test_unknown_ids_get_404(client: TestClient) -> None:
 
 def test_unknown_image_is_a_bad_request(client: TestClient) -> None:
     r = client.post("/v1/snapshots", json={"tag": "t", "image": "nosuch"})
-    assert r.status_code == 400 and "not built" in r.json()["error"]
+    assert r.status_code == 400 and "no built or local image 'nosuch'" in r.json()["error"]
 
 
 # ------------------------------------------------------------------ lifecycle

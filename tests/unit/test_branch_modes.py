@@ -41,7 +41,7 @@ def _settle(client: TestClient, tag: str, timeout: float = 5.0) -> dict[str, Any
     deadline = time.monotonic() + timeout
     while True:
         info = client.get(f"/v1/snapshots/{tag}").json()
-        if info["status"] != "pending" or time.monotonic() > deadline:
+        if info["status"] != "writing" or time.monotonic() > deadline:
             return dict(info)
         time.sleep(0.02)
 
@@ -133,7 +133,7 @@ def test_failure_table_holds_in_every_mode(
         error = r.json()["error"]
     else:
         # Answered once the source runs again: a failure before that is already known.
-        assert r.status_code == 202 and r.json()["status"] in ("pending", "failed", "ready")
+        assert r.status_code == 202 and r.json()["status"] in ("writing", "failed", "ready")
         info = _settle(client, "b1")
         assert info["status"] == ("ready" if kept else "failed")
         error = info["error"]
@@ -194,10 +194,10 @@ def test_pending_cannot_be_forked_or_deleted_until_it_settles(
 ) -> None:
     driver.vms[-1].commit_delay = 0.5
     r = _branch(client, sid, tag="p1", mode="diff", wait=False)
-    assert r.status_code == 202 and r.json()["status"] == "pending" and not r.json()["bootable"]
-    assert client.get("/v1/snapshots/p1/info").json()["status"] == "pending"
+    assert r.status_code == 202 and r.json()["status"] == "writing" and not r.json()["bootable"]
+    assert client.get("/v1/snapshots/p1/info").json()["status"] == "writing"
     fork = client.post("/v1/sandboxes", json={"snapshot_tag": "p1"})
-    assert fork.status_code == 409 and "pending" in fork.json()["error"]
+    assert fork.status_code == 409 and "writing" in fork.json()["error"]
     assert client.delete("/v1/snapshots/p1").status_code == 409
     assert client.delete("/v1/snapshots/base?cascade=true").status_code == 409
     info = _settle(client, "p1")
@@ -263,7 +263,11 @@ def test_compact_to_makes_a_new_full_snapshot_and_leaves_the_source(
     r = client.post("/v1/snapshots/d2/compact", json={"to": "flat"})
     assert r.status_code == 200, r.text
     flat = r.json()
-    assert (flat["tag"], flat["mode"], flat["parent_tag"]) == ("flat", "full", "d2")
+    # Flat, as the original forkd's: no parent, depth 0 (the source's sandbox kept).
+    assert (flat["tag"], flat["mode"], flat["parent_tag"]) == ("flat", "full", None)
+    assert flat["chain_depth"] == 0 and flat["ancestors"] == []
+    source = client.get("/v1/snapshots/d2").json()
+    assert flat["branched_from"] == source["branched_from"]
     assert "base_tag" not in flat and flat["bootable"]
     assert _files(settings, "flat") == ["fake-guest.json", "memory.bin", "snapshot.json",
                                         "vmstate"]  # fmt: skip

@@ -26,7 +26,7 @@ def test_sdk_diff_branch_without_waiting_then_compact_and_cascade(
     sb = Sandbox(sandbox_id=sid, controller=ctl)
     snap = sb.branch(tag="d1", mode="diff", wait=False)
     assert sent.body() == {"tag": "d1", "mode": "diff", "wait": False}
-    assert snap.status == "pending"
+    assert snap.status == "writing"
     assert snap.wait(timeout=10).status == "ready" and snap.mode == "diff"
     assert snap.info["base_tag"] == "py"
     kid = snap.fork(1)[0]
@@ -54,7 +54,7 @@ def test_cli_branch_modes_compact_and_rm(
     res = forkd("branch", "--from-sandbox", sid, "--tag", "d1", "--mode", "diff", "--no-wait")
     assert res.exit_code == 0, res.output
     assert json.loads(sent.requests[-1].content) == {"tag": "d1", "mode": "diff", "wait": False}
-    assert "pending" in res.stdout or "d1" in res.stdout
+    assert "writing" in res.stdout or "d1" in res.stdout
     assert Snapshot("d1", controller=ctl).wait(timeout=10).status == "ready"
     res = forkd("snapshot", "--from-sandbox", sid, "--tag", "d2", "--mode", "diff")
     assert res.exit_code == 0, res.output

@@ -118,7 +118,8 @@ def test_a_shell_line_given_as_one_argument_is_told_to_use_sh_c(forkd: Invoke, s
     """Issue 36: ``forkd exec ID -- 'echo x > f'`` failed with only "No such file or
     directory: 'echo x > f'"."""
     result = forkd("exec", sid, "--", "echo x > f")
-    assert f"forkd exec {sid} -- sh -c 'echo x > f'" in result.output, result.output
+    assert f"forkd exec {sid} --sh 'echo x > f'" in result.output, result.output
+    assert "-- sh -c 'echo x > f'" in result.output
     plain = forkd("exec", sid, "--", "true")
     assert "sh -c" not in plain.output, plain.output
 

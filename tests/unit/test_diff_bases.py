@@ -252,13 +252,13 @@ def test_a_delete_waits_for_a_branch_copying_the_hibernated_state(
     t.join()
     assert out["d"].status_code == 204
     deadline = time.monotonic() + 5
-    while client.get("/v1/snapshots/h1").json()["status"] == "pending":
+    while client.get("/v1/snapshots/h1").json()["status"] == "writing":
         assert time.monotonic() < deadline
         time.sleep(0.02)
     assert client.get("/v1/snapshots/h1").json()["status"] == "ready"  # copied whole
     assert most[0] == 1
     if second.status_code == 202:  # its sandbox was gone when its turn came
-        while client.get("/v1/snapshots/h2").json()["status"] == "pending":
+        while client.get("/v1/snapshots/h2").json()["status"] == "writing":
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert client.get("/v1/snapshots/h2").json()["status"] == "failed"

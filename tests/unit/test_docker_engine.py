@@ -160,8 +160,13 @@ def test_permission_denied_on_the_socket_says_so() -> None:
         listening.bind(str(sock))
         listening.listen()
         sock.chmod(0o600)  # root's, as /var/run/docker.sock is root's and the docker group's
+        # Imported as root, then run as nobody: the venv and the checkout may be closed
+        # to nobody (tests/other_uid.py); the client code is loaded before the drop.
         script = (
-            "import sys\nfrom pathlib import Path\nfrom forkd.image_import import docker_engine\n"
+            "import os, sys\nfrom pathlib import Path\nimport httpx, httpcore\n"
+            "from forkd.image_import import docker_engine\n"
+            "os.setgroups([])\nos.setresgid(65534, 65534, 65534)\n"
+            "os.setresuid(65534, 65534, 65534)\n"
             "try:\n"
             "    docker_engine.save('busybox', Path('/tmp/never.tar'), docker_host=sys.argv[1])\n"
             "except Exception as exc:\n"
@@ -169,12 +174,10 @@ def test_permission_denied_on_the_socket_says_so() -> None:
         )
         proc = subprocess.run(
             [sys.executable, "-c", script, f"unix://{sock}"],
-            user=65534,
-            group=65534,
-            extra_groups=[],
             capture_output=True,
             text=True,
             timeout=60,
+            cwd="/",
             env={**os.environ, "PYTHONPATH": str(Path(docker_engine.__file__).parents[2])},
         )
     shutil.rmtree(socket_dir)

@@ -55,6 +55,29 @@ def test_eval_timeout_defaults_to_60_s_and_is_passed_on(
     assert vm_of(driver, sandbox_id).eval_timeouts == [limits.EVAL_TIMEOUT_SECS, 7200.0]
 
 
+def test_eval_error_is_its_last_line_and_the_traceback_is_beside_it(
+    client: TestClient, sandbox_id: str
+) -> None:
+    r = client.post(f"/v1/sandboxes/{sandbox_id}/eval", json={"code": "1 / 0"})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["error"] == "ZeroDivisionError: division by zero"  # as the original answered
+    assert body["traceback"].startswith("Traceback (most recent call last):")
+    assert body["traceback"].rstrip().endswith(body["error"])
+    ok = client.post(f"/v1/sandboxes/{sandbox_id}/eval", json={"code": "1"}).json()
+    assert ok["error"] is None and ok.get("traceback") is None
+
+
+def test_eval_takes_the_original_agents_timeout_field(
+    client: TestClient, driver: FakeDriver, sandbox_id: str
+) -> None:
+    url = f"/v1/sandboxes/{sandbox_id}/eval"
+    assert client.post(url, json={"code": "1", "timeout": 7}).status_code == 200
+    assert vm_of(driver, sandbox_id).eval_timeouts == [7.0]
+    r = client.post(url, json={"code": "1", "timeout": 7, "timeout_s": 8})
+    assert r.status_code == 400 and "differ" in r.json()["error"]
+
+
 @pytest.mark.parametrize("bad", [0, -1, limits.MAX_EVAL_TIMEOUT_SECS + 1, "5", True, None])
 def test_eval_rejects_a_bad_timeout(
     client: TestClient, driver: FakeDriver, sandbox_id: str, bad: Any

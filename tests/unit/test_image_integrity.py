@@ -313,5 +313,5 @@ def test_an_image_pulled_with_a_snapshot_never_stands_for_an_imported_one(
     })  # fmt: skip
     config = {"image": {"name": container_image.image_name(claimed), "key": "0123456789abcdef"}}
     image_files.install(paths.images_dir(), config, files, lambda _d, _n: rootfs, meta)
-    assert image_service._loaded("python:3.12") is None
+    assert image_service._local("python:3.12") is None
     assert image_service._newest_import(container_image.image_name(claimed)) is None

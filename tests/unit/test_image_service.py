@@ -146,7 +146,8 @@ def test_a_template_from_an_image_takes_its_config_and_starts_its_command(
 @pytest.mark.parametrize(
     ("cmd", "timeout", "said"),
     [(("echo", "bad", "config"), 5.0, "exited 0 before it was ready"),
-     (("sleep", "600"), 0.1, "not ready within 0.1 s (port 5432 did not listen)")],
+     (("sleep", "600"), 0.1, "not ready within 0.1 s (port 5432 did not listen; "
+      "ready_timeout_secs, --ready-timeout, waits longer: default 120 s)")],
 )  # fmt: skip
 def test_a_service_that_is_not_ready_fails_the_template_with_its_reason(
     client: TestClient, cmd: tuple[str, ...], timeout: float, said: str
@@ -159,6 +160,41 @@ def test_a_service_that_is_not_ready_fails_the_template_with_its_reason(
     assert r.status_code == 500 and said in r.json()["error"], r.text
     assert "bad config" in r.json()["error"] or cmd[0] == "sleep"  # the output comes along
     assert client.get("/v1/snapshots").json() == []
+
+
+def test_start_waits_for_the_images_one_exposed_port_by_default(
+    api: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 36, item 4: CONFIG exposes 5432 alone: --start with no --ready-port waits for
+    it (the forks then answer at once, rather than 502 while the service starts)."""
+    polls: list[int] = []
+
+    async def listening(template: Any, port: int) -> bool:
+        polls.append(port)
+        return len(polls) >= 3
+
+    monkeypatch.setattr(template_start, "listening", listening)
+    monkeypatch.setattr(template_start, "POLL_SECS", 0.01)
+    r = api.post("/v1/snapshots", json={"tag": "pg", "image": "reg.test/pg:16", "start": True})
+    assert r.status_code == 201, r.text
+    assert polls == [5432, 5432, 5432]
+    assert "waited for port 5432 to listen (the image's one exposed port" in r.json()["start"]
+    assert "start" not in api.get("/v1/snapshots/pg").json()  # the create's answer only
+
+
+@pytest.mark.parametrize(
+    ("exposed", "said"),
+    [((), "it exposes no port"), (("80/tcp", "443/tcp", "53/udp"), "it exposes 80, 443")],
+)
+def test_start_with_no_port_to_wait_for_says_so_and_how_to_ask(
+    client: TestClient, exposed: tuple[str, ...], said: str
+) -> None:
+    config = ImageConfig(cmd=("sleep", "600"), exposed_ports=exposed)
+    client.app.state.services.images._importer = importer(config)  # type: ignore[attr-defined]
+    r = client.post("/v1/snapshots", json={"tag": "t", "image": "reg.test/x:1", "start": True})
+    assert r.status_code == 201, r.text
+    assert r.json()["start"].startswith(f"waited for nothing: {said}")
+    assert "ready_port (--ready-port)" in r.json()["start"]
 
 
 def test_start_needs_a_command_and_ready_needs_start(client: TestClient) -> None:

@@ -82,8 +82,8 @@ def room_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "forkd"
-    if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel",
-                    "processes", "disk_reserve", "import_deadline", "__version__"}:  # fmt: skip
+    if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel", "processes",
+                    "disk_reserve", "import_deadline", "file_lock", "__version__"}:  # fmt: skip
         return BASE
     if parts[1] == "vmm":
         return f"vmm.{parts[2]}" if len(parts) > 2 and parts[2] in VMM_PARTS else "vmm"

@@ -50,11 +50,11 @@ def test_dead_is_final_and_a_sandbox_cannot_start_again() -> None:
 
 
 def test_a_snapshot_once_ready_or_failed_stays_so() -> None:
-    check_move("snapshot t", SNAPSHOT_MOVES, SnapshotStatus.PENDING, SnapshotStatus.READY)
+    check_move("snapshot t", SNAPSHOT_MOVES, SnapshotStatus.WRITING, SnapshotStatus.READY)
     with pytest.raises(IllegalTransition):
         check_move("snapshot t", SNAPSHOT_MOVES, SnapshotStatus.FAILED, SnapshotStatus.READY)
     with pytest.raises(IllegalTransition):
-        check_move("snapshot t", SNAPSHOT_MOVES, SnapshotStatus.READY, SnapshotStatus.PENDING)
+        check_move("snapshot t", SNAPSHOT_MOVES, SnapshotStatus.READY, SnapshotStatus.WRITING)
 
 
 class _VM(VMLifecycle):

@@ -81,10 +81,24 @@ def test_only_known_columns_are_written_and_state_only_along_its_table(tmp_path:
         store.set_sandbox_state("sb-2", SandboxState.DEAD)
 
 
+def test_a_branch_recorded_as_pending_by_an_older_daemon_reads_as_writing(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path / "db")
+    writing = snap("b")
+    writing.status = SnapshotStatus.WRITING
+    store.add_snapshot(writing)
+    store.close()
+    with sqlite3.connect(tmp_path / "db") as db:  # as a daemon before the rename left it
+        db.execute("UPDATE snapshots SET status = 'pending' WHERE tag = 'b'")
+    row = Store(tmp_path / "db").get_snapshot("b")
+    assert row is not None and row.status == SnapshotStatus.WRITING
+
+
 def test_a_pending_snapshot_settles_once(tmp_path: Path) -> None:
     store = Store(tmp_path / "db")
     pending = snap("b")
-    pending.status = SnapshotStatus.PENDING
+    pending.status = SnapshotStatus.WRITING
     store.add_snapshot(pending)
     store.add_snapshot(snap("b"), replace=True)  # pending -> ready
     store.add_snapshot(snap("b"), replace=True)  # ready -> ready: a compaction in place

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from forkd.controller.services import Services
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 from forkd.vmm.jail import qemu_user
+from tests.other_uid import SYSTEM_PYTHON
 from tests.unit.fakes import FakeDriver
 
 
@@ -24,7 +24,7 @@ def _fake_qemu(run_dir: Path, uid: int | None = None) -> subprocess.Popen[bytes]
     proc = subprocess.Popen(  # type: ignore[call-overload]
         ["qemu-system-x86_64", "-c", "import time; time.sleep(60)", "-qmp",
          f"unix:{run_dir}/qmp.sock,server=on,wait=off"],
-        executable=sys.executable, cwd="/", **ids,
+        executable=SYSTEM_PYTHON, cwd="/", **ids,
     )  # fmt: skip
     cmdline = Path(f"/proc/{proc.pid}/cmdline")
     deadline = time.monotonic() + 5

@@ -545,7 +545,7 @@ export class Snapshot {
     const deadline = Date.now() + timeoutMs;
     for (;;) {
       this.info = await this.client.snapshot(this.tag);
-      if (this.info.status !== "pending") return this;
+      if (this.info.status !== "writing" && this.info.status !== "pending") return this;
       if (Date.now() > deadline) throw new ForkdError(0, `snapshot ${this.tag} still pending after ${timeoutMs} ms`);
       await new Promise((r) => setTimeout(r, intervalMs));
     }

@@ -26,7 +26,7 @@ export interface SandboxInfo extends JSONObject {
 
 export interface SnapshotInfo extends JSONObject {
   tag: string;
-  status: "ready" | "pending" | "failed" | "broken";
+  status: "ready" | "writing" | "pending" | "failed" | "broken";
   branched_from?: string | null;
   pause_ms?: number | null;
   parent_tag?: string | null;

@@ -26,6 +26,7 @@ from forkd.cli import (
     gateway,
     images,
     mcp,
+    original_commands,
     original_verbs,
     ports,
     processes,
@@ -93,6 +94,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     ports.register(app, transport=transport)
     usage.register(app, transport=transport)
     original_verbs.register(app, transport=transport)
+    original_commands.register(app, transport=transport)
 
 
 app.command()(version)

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
-from rich.table import Table
 
+from forkd.cli import render
 from forkd.cli.extras import require_server
 from forkd.cli.failures import fail
-from forkd.cli.options import JsonOpt
+from forkd.cli.options import FormatOpt, JsonOpt
 from forkd.cli.render import out
 from forkd.errors import ForkdError
 from forkd.limits import (
@@ -331,6 +331,18 @@ _DockerHostOpt = Annotated[
     ),
 ]
 
+_RegistryPolicyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--registry-policy",
+        envvar="FORKD_REGISTRY_POLICY",
+        metavar="FILE",
+        help="A TOML file of more insecure_registries, a default_registry and "
+        "image_archive_dirs, read again whenever it changes (and on SIGHUP): open or close "
+        "a registry without a restart. See RUNBOOK.",
+    ),
+]
+
 _ImageArchiveDirOpt = Annotated[
     list[Path] | None,
     typer.Option(
@@ -455,6 +467,7 @@ def serve(
     docker_host: _DockerHostOpt = None,
     preview_domain: _PreviewDomainOpt = None,
     image_archive_dir: _ImageArchiveDirOpt = None,
+    registry_policy: _RegistryPolicyOpt = None,
     max_image_mib: _MaxImageOpt = MAX_IMAGE_BYTES >> 20,
     max_image_entries: _MaxImageEntriesOpt = MAX_IMAGE_ENTRIES,
     import_timeout: _ImportTimeoutOpt = IMPORT_TIMEOUT_SECS,
@@ -496,10 +509,22 @@ def serve(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),
         )
+        settings.registry_policy = _policy_file(registry_policy, settings)
         _use_qemu_user(qemu_user, vm_uid_range)
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _policy_file(path: Path | None, settings: Any) -> Any:
+    """--registry-policy: the file over the command line's registries, read now."""
+    from forkd.controller.registry_policy_file import PolicyFile
+
+    if path is None:
+        return None
+    policy = PolicyFile(path.resolve(), settings.registries())
+    policy.check()
+    return policy
 
 
 def _places(state_dir: Path, snapshot_root: Path | None) -> dict[str, Any]:
@@ -652,8 +677,9 @@ def _reclaim(low: int | None, high: int | None, idle: float, reserve: int | None
     }
 
 
-def doctor(as_json: JsonOpt = False) -> None:
+def doctor(as_json: JsonOpt = False, output_format: FormatOpt = None) -> None:
     """Check that this host can run forkd VMs; exit 1 with what to fix if not."""
+    as_json = as_json or output_format == "json"
     require_server("doctor")
     from forkd import doctor as doc
 
@@ -662,7 +688,7 @@ def doctor(as_json: JsonOpt = False) -> None:
     if as_json:
         print(json.dumps({"ok": ok, "checks": [c.__dict__ for c in checks]}))
     else:
-        table = Table("check", "", "detail", "fix")
+        table = render.wrapping_table("check", "", "detail", "fix")
         for c in checks:
             mark = "[green]ok[/]" if c.ok else ("[red]FAIL[/]" if c.fatal else "[yellow]warn[/]")
             table.add_row(c.name, mark, c.detail, "" if c.ok else c.fix)

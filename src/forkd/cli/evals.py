@@ -29,12 +29,18 @@ ANSWER_POLL_SECS = 0.2  # how often the wait for the answer lets Ctrl-C through
 
 def eval_(
     conn: Connection,
-    sandbox_id: SandboxIdArg,
-    code: Annotated[str, typer.Argument(help="Python; the repr of a final expression prints.")],
+    sandbox_id: Annotated[str | None, typer.Argument(metavar="ID", help="Sandbox id.")] = None,
+    code: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="CODE", help="Python; the repr of a final expression prints (words joined)."
+        ),
+    ] = None,
     timeout: Annotated[
         float | None,
         typer.Option(
             "--timeout",
+            "--timeout-secs",
             min=0.001,
             help="Interrupt the code after this many seconds (default: the daemon's, 60).",
         ),
@@ -47,14 +53,23 @@ def eval_(
             "(display-1.png, ...); without it, each prints as one line.",
         ),
     ] = None,
+    child: Annotated[
+        str | None,
+        typer.Option("--child", "--target", help="The sandbox, named as the original forkd did."),
+    ] = None,
 ) -> None:
     """Evaluate Python in a sandbox's persistent interpreter.
 
     Ctrl-C interrupts the code (KeyboardInterrupt) and prints its traceback;
     a second Ctrl-C stops waiting.
     """
+    from forkd.cli.processes import target_and_argv
+
+    sandbox_id, words = target_and_argv(sandbox_id, code, child)
+    if not words:
+        raise typer.BadParameter(f"no code: forkd eval {sandbox_id} 'CODE'")
     with daemon_errors(), conn.controller() as ctl:
-        result = _eval_interruptibly(ctl, sandbox_id, code, timeout)
+        result = _eval_interruptibly(ctl, sandbox_id, " ".join(words), timeout)
     failed = result.get("error") is not None or int(result.get("exit_code") or 0) != 0
     if conn.as_json:
         render.print_json(result)
@@ -66,7 +81,9 @@ def eval_(
     _print_displays(result.get("display") or [], display_dir)
     if failed:
         sys.stdout.flush()
-        error = result.get("error") or f"exit code {result.get('exit_code')}"
+        error = (
+            result.get("traceback") or result.get("error") or f"exit code {result.get('exit_code')}"
+        )
         sys.stderr.write(str(error).rstrip("\n") + "\n")
         sys.stderr.flush()
         raise typer.Exit(1)

@@ -68,8 +68,9 @@ def act_on_each(
             if exc.status == 0:
                 raise fail(shown(exc.message), 2) from None
             failed[name] = exc.message
-            if not as_json:
-                err.print(f"[bold red]error:[/] {shown(exc.message)}", highlight=False)
+            if not as_json:  # HTTP 409: scripts of the original forkd look for the status
+                said = f"HTTP {exc.status}: {exc.message}"
+                err.print(f"[bold red]error:[/] {shown(name)}: {shown(said)}", highlight=False)
             continue
         done.append(name)
         if not as_json:

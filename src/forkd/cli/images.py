@@ -3,23 +3,21 @@ recipes built on this host, and container images imported into the daemon."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, BinaryIO, TypedDict
+from typing import TYPE_CHECKING, Annotated, BinaryIO
 
 import typer
 from rich.status import Status
-from rich.table import Table
 
 from forkd.cli import render
 from forkd.cli.extras import require_server
 from forkd.cli.failures import daemon_errors, fail
-from forkd.cli.options import Connection, JsonOpt, with_connection
+from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out, shown
 from forkd.errors import ForkdError
 
@@ -38,8 +36,8 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     image_app.command("build")(daemon(image_build))
     image_app.command("import")(daemon(image_import))
     image_app.command("load")(daemon(image_load))
-    image_app.command("rm")(image_rm)
-    image_app.command("ls")(image_ls)
+    image_app.command("rm")(daemon(image_rm))
+    image_app.command("ls")(daemon(image_ls))
 
 
 def image_build(
@@ -271,90 +269,44 @@ def _mib(n: int | None) -> str:
 
 
 def image_rm(
-    name: Annotated[str, typer.Argument(help="NAME (every build of it) or NAME-KEY.")],
-    state_dir: Annotated[
-        Path | None, typer.Option(envvar="FORKD_STATE_DIR", help="The daemon's state dir.")
-    ] = None,
-    snapshot_root: Annotated[
-        Path | None, typer.Option(envvar="FORKD_SNAPSHOT_ROOT", help="Its snapshot root.")
-    ] = None,
-) -> None:
-    """Delete built images (and the layers no other image needs); refused while a
-    snapshot or a running VM uses one."""
-    require_server("image rm")
-    from forkd import paths
-    from forkd.guest import container_image, image
-
-    sd = state_dir or paths.state_dir()
-    roots = [snapshot_root or sd / "snapshots", sd / "run"]
-    try:
-        removed = image.remove(name, roots)
-    except ForkdError as exc:
-        raise fail(str(exc)) from exc
-    for d in removed:
-        out.print(f"removed {d}", highlight=False)
-    freed = container_image.collect_unused_layers()
-    if freed:
-        out.print(f"freed {_mib(freed)} of layers no image needs", highlight=False)
+    conn: Connection,
+    name: Annotated[
+        str,
+        typer.Argument(help="NAME:TAG (a local name: the tag only, when it has others), "
+                       "NAME (every build of it) or NAME-KEY."),
+    ],
+) -> None:  # fmt: skip
+    """Remove an image through the daemon, and the layers no other image needs; refused
+    (409) while a snapshot or a sandbox of any daemon sharing the cache uses it."""
+    with daemon_errors(), conn.controller() as ctl:
+        ctl.delete_image(name)
+    if conn.as_json:
+        render.print_json({"removed": name})
+    else:
+        out.print(f"removed {shown(name)}")
 
 
-class _ImageRow(TypedDict):
-    """One image of ``image ls``: a table row, or an object of its ``--json``."""
-
-    name: str
-    key: str
-    kind: str
-    references: list[str]
-    current: bool
-    size_bytes: int
-    layers: int | None
-    shared_layers: int
-    kernel: str | None
-    built_at_unix: int | None
-    dir: str
-
-
-def image_ls(as_json: JsonOpt = False) -> None:
-    """List built images: recipes and imported container images, their size on disk."""
-    require_server("image ls")
-    from forkd.guest import container_image, image
-
-    imgs = image.list_images()
-    users: dict[str, int] = {}  # layer digest -> how many imported images hold it
-    for img in imgs:
-        for digest in set(img.meta.get("layers") or []):
-            users[digest] = users.get(digest, 0) + 1
-    current = {}
-    for img in imgs:
-        with contextlib.suppress(ForkdError):
-            current[img.name] = image.find_image(img.name).key
-    rows: list[_ImageRow] = [
-        {
-            "name": img.name,
-            "key": img.key,
-            "kind": "container" if container_image.is_container(img) else "recipe",
-            "references": img.meta.get("references") or [],
-            "current": current.get(img.name) == img.key,
-            "size_bytes": img.size_bytes(),
-            "layers": len(img.meta.get("layers") or []) or None,
-            "shared_layers": sum(users[d] > 1 for d in set(img.meta.get("layers") or [])),
-            "kernel": img.meta.get("kernel_release"),
-            "built_at_unix": img.meta.get("built_at_unix"),
-            "dir": str(img.dir),
-        }
-        for img in imgs
-    ]
-    if as_json:
-        print(json.dumps(rows))
+def image_ls(conn: Connection) -> None:
+    """List the daemon's images: recipes and container images, their names, size on disk
+    and the snapshots and sandboxes using them."""
+    with daemon_errors(), conn.controller() as ctl:
+        rows = ctl.list_images()
+    if conn.as_json:
+        render.print_json(rows)
         return
-    table = Table("name", "key", "kind", "from", "current", "size", "layers (shared)", "kernel")
+    table = render.wrapping_table("names", "image", "kind", "size", "layers (shared)", "used by")
     for r in rows:
-        layers = f"{r['layers']} ({r['shared_layers']})" if r["layers"] else ""
+        layers = r.get("layers")
+        shared = r.get("shared_layer_bytes") or 0
+        names = ", ".join(r.get("names") or []) or ("-" if r["kind"] == "recipe" else "<none>")
         table.add_row(
-            r["name"], r["key"], r["kind"], ", ".join(r["references"]) or "recipe",
-            "yes" if r["current"] else "", f"{r['size_bytes'] / (1 << 20):.0f} MiB",
-            layers, r["kernel"] or "?",
-        )  # fmt: skip
+            render.cell(names),
+            render.cell(f"{r['name']}-{r['key']}"),
+            r["kind"],
+            f"{(r.get('size_bytes') or 0) / (1 << 20):.0f} MiB",
+            f"{layers} ({_mib(shared)} shared)" if layers else "",
+            render.cell(", ".join(r.get("used_by") or [])),
+        )
     out.print(table)
     if not rows:
         err.print("no images yet: run 'forkd image build' or 'forkd image import REF'")

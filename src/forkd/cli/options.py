@@ -1,4 +1,5 @@
-"""The options every daemon command shares: ``--url``, ``--token-file`` and ``--json``.
+"""The options every daemon command shares: ``--url`` (``--daemon-url``), ``--token-file``,
+``--daemon-token``, and ``--json`` (``--format json``, ``-o json``).
 
 They are defined once here. :func:`with_connection` appends them to a
 command's signature and hands the command a :class:`Connection` made from
@@ -27,6 +28,7 @@ UrlOpt = Annotated[
     str | None,
     typer.Option(
         "--url",
+        "--daemon-url",
         envvar="FORKD_URL",
         help="Daemon address: http://HOST:PORT or unix:/path/to.sock "
         "(default: http://127.0.0.1:8889).",
@@ -42,7 +44,24 @@ TokenFileOpt = Annotated[
         show_default=False,
     ),
 ]
+TokenOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--daemon-token",
+        help="The daemon's bearer token itself (the original forkd's flag; FORKD_TOKEN in "
+        "the environment does the same without showing it to other users in ps).",
+        show_default=False,
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+FormatOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--format", "-o", help="json: print JSON (as --json); table: the default.",
+        show_default=False,
+    ),
+]  # fmt: skip
+FORMATS = ("json", "table")
 
 
 @dataclass(frozen=True)
@@ -53,12 +72,15 @@ class Connection:
     token_file: Path | None
     as_json: bool
     transport: httpx.BaseTransport | None = None  # tests answer for the daemon
+    token: str | None = None  # --daemon-token
 
     def controller(self) -> Controller:
         """An SDK client of the daemon; ControllerError when the token file is unreadable."""
         from forkd.client import Controller, _read_token_file
 
-        token = _read_token_file(self.token_file) if self.token_file else None
+        token = self.token
+        if token is None and self.token_file:
+            token = _read_token_file(self.token_file)
         return Controller(self.url, token=token, transport=self.transport)
 
 
@@ -76,9 +98,10 @@ def _shared_parameters(json_option: bool) -> list[inspect.Parameter]:
     shared: list[tuple[str, object, object]] = [
         ("url", UrlOpt, None),
         ("token_file", TokenFileOpt, None),
+        ("daemon_token", TokenOpt, None),
     ]
     if json_option:
-        shared.append(("as_json", JsonOpt, False))
+        shared += [("as_json", JsonOpt, False), ("output_format", FormatOpt, None)]
     kind = inspect.Parameter.KEYWORD_ONLY
     return [inspect.Parameter(n, kind, default=d, annotation=a) for n, a, d in shared]
 
@@ -115,11 +138,16 @@ def with_connection(
         if passes_ctx:
             kwargs["ctx"] = ctx
         as_json = kwargs.pop("as_json", False)
+        fmt = kwargs.pop("output_format", None) or parent_param(ctx, "output_format")
+        if fmt is not None and fmt not in FORMATS:
+            raise typer.BadParameter(f"{fmt!r}: one of {', '.join(FORMATS)}", param_hint="--format")
+        token = kwargs.pop("daemon_token", None) or parent_param(ctx, "daemon_token")
         conn = Connection(
             url=url or parent_param(ctx, "url"),
             token_file=token_file or parent_param(ctx, "token_file"),
-            as_json=bool(as_json or parent_param(ctx, "as_json")),
+            as_json=bool(as_json or parent_param(ctx, "as_json") or fmt == "json"),
             transport=transport,
+            token=token,
         )
         command(conn, **kwargs)
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 import typer
 
 from forkd.cli import render
-from forkd.cli.failures import daemon_errors, fail
+from forkd.cli.failures import act_on_each, daemon_errors, fail
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out, shown
 
@@ -36,14 +36,15 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
 
 def exec_(
     conn: Connection,
-    sandbox_id: SandboxIdArg,
+    sandbox_id: Annotated[str | None, typer.Argument(metavar="ID", help="Sandbox id.")] = None,
     cmd: Annotated[
-        list[str], typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
-    ],
+        list[str] | None, typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
+    ] = None,
     timeout: Annotated[
         float | None,
         typer.Option(
             "--timeout",
+            "--timeout-secs",
             help="Kill the command after this many seconds [default: 30; none with -i or -t]",
             show_default=False,
         ),
@@ -58,13 +59,27 @@ def exec_(
     tty: Annotated[
         bool, typer.Option("--tty", "-t", help="Run it in a terminal joined to ours (raw mode).")
     ] = False,
+    sh: Annotated[
+        str | None, typer.Option("--sh", help="Run this shell line (as -- sh -c LINE).")
+    ] = None,
+    child: Annotated[
+        str | None,
+        typer.Option("--child", "--target", help="The sandbox, named as the original forkd did."),
+    ] = None,
 ) -> None:
     """Run a command in a sandbox, printing its output as it comes; exits with its
     exit code (124: timed out). With --json, prints the whole result at the end.
     -it runs it in an interactive terminal, as forkd shell does."""  # fmt: skip
+    sandbox_id, cmd = target_and_argv(sandbox_id, cmd, child)
+    if sh is not None:
+        if cmd:
+            raise typer.BadParameter("--sh LINE or -- CMD..., not both")
+        cmd = ["/bin/sh", "-c", sh]
+    if not cmd:
+        raise typer.BadParameter(f"no command: forkd exec {sandbox_id} -- CMD... or --sh 'LINE'")
     env_map = parse_env(env) if env else None
     if len(cmd) == 1 and SHELL_SYNTAX.search(cmd[0]):
-        hint = f"forkd exec {sandbox_id} -- sh -c {cmd[0]!r}"
+        hint = f"forkd exec {sandbox_id} --sh {cmd[0]!r} (or -- sh -c {cmd[0]!r})"
         err.print(shown(f"note: {cmd[0]!r} is run as one program's name, not by a shell; "
                         f"for a shell command: {hint}"))  # fmt: skip
     if interactive or tty:
@@ -188,13 +203,45 @@ def process_table(procs: list[dict[str, Any]]) -> Any:
 
 def kill(
     conn: Connection,
-    sandbox_id: SandboxIdArg,
-    pid: Annotated[int, typer.Argument(metavar="PID", help="Process id in the sandbox.", min=1)],
+    targets: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="ID... | ID PID",
+            help="Sandboxes to kill; or a sandbox and a process id in it, to signal.",
+        ),
+    ] = None,
+    every: Annotated[bool, typer.Option("--all", help="Kill every sandbox.")] = False,
+    tag: Annotated[
+        str | None, typer.Option("--tag", help="Kill every sandbox forked from this snapshot.")
+    ] = None,
     signal: Annotated[
-        str, typer.Option("--signal", "-s", help="Signal name or number (TERM, KILL, 9...).")
-    ] = "TERM",
-) -> None:
-    """Send a signal to a process in a sandbox (and its process group)."""
+        str | None,
+        typer.Option("--signal", "-s", help="With ID PID: the signal (TERM, KILL, 9...).",
+                     show_default="TERM"),
+    ] = None,
+) -> None:  # fmt: skip
+    """Kill sandboxes (IDs, --all, or --tag T: those forked from snapshot T); with a sandbox
+    and a process id (ID PID), send that process (and its group) a signal instead."""
+    ids = targets or []
+    if every and tag is not None:
+        raise typer.BadParameter("--all or --tag, not both")
+    if len(ids) == 2 and ids[1].isdigit() and not every and tag is None:
+        _signal(conn, ids[0], int(ids[1]), signal or "TERM")
+        return
+    if signal is not None:
+        raise typer.BadParameter("--signal goes with a sandbox and a process id: kill ID PID")
+    with daemon_errors(), conn.controller() as ctl:
+        if every or tag is not None:
+            ids = [sb["id"] for sb in ctl.list_sandboxes(snapshot=tag)]
+            if not ids:
+                err.print("no matching sandboxes")
+                return
+        elif not ids:
+            raise fail("no sandbox named: pass ID..., --all or --tag TAG")
+        act_on_each(ids, ctl.kill_sandbox, "killed", conn.as_json)
+
+
+def _signal(conn: Connection, sandbox_id: str, pid: int, signal: str) -> None:
     sig: int | str = int(signal) if signal.isdigit() else signal
     with daemon_errors(), conn.controller() as ctl:
         ctl.signal_process(sandbox_id, pid, sig)
@@ -202,3 +249,18 @@ def kill(
         render.print_json({"pid": pid, "signal": sig})
     else:
         out.print(f"sent {shown(str(sig))} to {pid} in {shown(sandbox_id)}")
+
+
+def target_and_argv(
+    sandbox_id: str | None, argv: list[str] | None, child: str | None
+) -> tuple[str, list[str]]:
+    """The sandbox and the command: ``ID -- CMD...``, or the original forkd's ``--child
+    ID -- CMD...`` (then what reads as an ID is the command's first word)."""
+    words = list(argv or [])
+    if child is not None:
+        if sandbox_id is not None:
+            words.insert(0, sandbox_id)
+        sandbox_id = child
+    if sandbox_id is None:
+        raise typer.BadParameter("name the sandbox: ID (or --child ID)")
+    return sandbox_id, words

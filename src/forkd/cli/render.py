@@ -7,13 +7,34 @@ import sys
 import time
 from typing import Any
 
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
-out = Console()
-err = Console(stderr=True)
+PIPE_WIDTH = 4096  # a pipe or a CI log: lines as long as what they hold, never cut
+
+
+class _Console(Console):
+    """A console that, writing to a pipe or a file, is as wide as what it prints (as
+    ``docker ps`` is): a table's ids and names are never cut to 80 columns (or COLUMNS)
+    or folded."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._fixed_width = "width" in kwargs  # rich takes COLUMNS as if it were asked
+        super().__init__(**kwargs)
+
+    def _size(self) -> ConsoleDimensions:
+        dims = Console.size.fget(self)  # type: ignore[attr-defined]  # rich's own size
+        if not self._fixed_width and not self.is_terminal:
+            return ConsoleDimensions(PIPE_WIDTH, dims.height)
+        return dims
+
+    size = property(_size, Console.size.fset)  # type: ignore[attr-defined]  # rich: a setter too
+
+
+out = _Console()
+err = _Console(stderr=True)
 
 
 # What a terminal acts on instead of showing, in a string a guest or a registry chose
@@ -70,7 +91,8 @@ def print_json(data: Any) -> None:
 
 
 def wrapping_table(*columns: str) -> Table:
-    """A table whose cells wrap instead of being cut short: ids must stay copyable."""
+    """A table whose cells wrap instead of being cut short: ids must stay copyable (in a
+    pipe the console is wide enough that nothing wraps)."""
     table = Table()
     for name in columns:
         table.add_column(name, overflow="fold")

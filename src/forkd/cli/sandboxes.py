@@ -16,6 +16,7 @@ from forkd.cli.failures import act_on_each, daemon_errors
 from forkd.cli.fork_progress import fork_progress
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
+from forkd.cli.original_commands import HugeOpt, LiveForkOpt, NetnsOpt, ignore_flags
 from forkd.cli.render import err, out, shown
 from forkd.cli.snapshots import ModeOpt, TagOpt, WaitOpt, show_tree
 
@@ -159,13 +160,14 @@ EvictableOpt = Annotated[
 def fork(
     conn: Connection,
     tag: Annotated[str, typer.Option("--tag", help="Snapshot to fork from.")],
-    n: Annotated[int, typer.Option("-n", help="How many sandboxes.", min=1, max=1000)] = 1,
+    n: Annotated[int, typer.Option("-n", "--n", help="How many sandboxes.", min=1, max=1000)] = 1,
     timeout_secs: Annotated[
         float | None,
         typer.Option("--timeout-secs", help="Kill each sandbox after this many seconds."),
     ] = None,
     memory_limit: Annotated[
-        int | None, typer.Option("--memory-limit", help="Memory limit per sandbox, MiB.")
+        int | None,
+        typer.Option("--memory-limit", "--memory-limit-mib", help="Memory limit per sandbox, MiB."),
     ] = None,
     internet: Annotated[
         bool | None, typer.Option("--internet/--no-internet", help="Network access.")
@@ -208,8 +210,12 @@ def fork(
             help="With --settle-secs: serve the original agent protocol at HOST:PORT.",
         ),
     ] = None,
+    per_child_netns: NetnsOpt = False,
+    hugepages: HugeOpt = False,
+    live_fork: LiveForkOpt = False,
 ) -> None:
     """Fork N sandboxes from a snapshot (they inherit its labels; --label adds or overrides)."""
+    ignore_flags(per_child_netns=per_child_netns, hugepages=hugepages, live_fork=live_fork)
     labels = parse_labels(label)
     if settle_secs is not None:
         from forkd.cli.fork_hold import Hold
@@ -229,8 +235,15 @@ def fork(
     if conn.as_json:
         render.print_json(sandboxes)
         return
+    _show_forked(sandboxes, tag, time.monotonic() - t0)
+
+
+def _show_forked(sandboxes: list[dict[str, Any]], tag: str, took: float) -> None:
+    from forkd.cli.fork_hold import wall_clock_line
+
     out.print(render.sandbox_table(sandboxes))
-    err.print(f"forked {len(sandboxes)} from {shown(tag)} in {time.monotonic() - t0:.2f} s")
+    out.print(wall_clock_line(took), highlight=False)
+    err.print(f"forked {len(sandboxes)} from {shown(tag)} in {took:.2f} s")
 
 
 def branch(

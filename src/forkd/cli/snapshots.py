@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from forkd.cli import render
-from forkd.cli.failures import act_on_each, daemon_errors
+from forkd.cli.failures import act_on_each, daemon_errors, fail
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out, shown
+from forkd.client.views import WRITING
 
 if TYPE_CHECKING:
     import httpx
@@ -75,6 +76,10 @@ def snapshot_main(
     tag: TagOpt = None,
     mode: ModeOpt = None,
     wait: WaitOpt = True,
+    diff: Annotated[bool, typer.Option("--diff", help="As --mode diff (the original's).")] = False,
+    live: Annotated[bool, typer.Option("--live", help="As --mode live (the original's).")] = False,
+    kernel: Annotated[str | None, typer.Option("--kernel", hidden=True)] = None,
+    rootfs: Annotated[str | None, typer.Option("--rootfs", hidden=True)] = None,
 ) -> None:
     """Build, list and inspect snapshots; `--from-sandbox ID` branches a sandbox."""
     if ctx.invoked_subcommand is not None:
@@ -82,6 +87,21 @@ def snapshot_main(
             err.print("[bold red]error:[/] --from-sandbox takes no subcommand")
             raise typer.Exit(2)
         return
+    if kernel is not None or rootfs is not None:
+        raise fail(
+            "the original forkd's local snapshot (--kernel, --rootfs) is made by the daemon "
+            "here: forkd snapshot create --tag T --image IMAGE (a container image or a "
+            "built image), or forkd from-image IMAGE --tag T",
+            2,
+        )
+    if diff and live:
+        raise typer.BadParameter("--diff or --live, not both")
+    if (diff or live) and from_sandbox is None:
+        raise typer.BadParameter(f"--{'diff' if diff else 'live'} requires --from-sandbox")
+    if diff or live:
+        if mode is not None and mode != ("diff" if diff else "live"):
+            raise typer.BadParameter("--mode and --diff/--live disagree")
+        mode = "diff" if diff else "live"
     if from_sandbox is None:
         out.print(ctx.get_help())
         raise typer.Exit(0)
@@ -90,14 +110,38 @@ def snapshot_main(
     if conn.as_json:
         render.print_json(info)
         return
-    if info.get("status") == "pending":
+    if info.get("status") in WRITING:
         out.print(f"branching [green]{shown(from_sandbox)}[/] → [bold magenta]"
-                  f"{shown(str(info.get('tag')))}[/] in the background (pending)")  # fmt: skip
+                  f"{shown(str(info.get('tag')))}[/] in the background (writing)")  # fmt: skip
         return
     out.print(
         f"branched [green]{shown(from_sandbox)}[/] → [bold magenta]"
         f"{shown(str(info.get('tag')))}[/] (paused {render.millis(info.get('pause_ms'))})"
     )
+
+
+StartOpt = Annotated[
+    bool, typer.Option("--start", help="Run the image's Entrypoint+Cmd before the snapshot.")
+]
+ReadyPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ready-port", help="With --start: wait until this port listens.", min=1, max=65535
+    ),
+]
+ReadyCmdOpt = Annotated[
+    str | None,
+    typer.Option("--ready-cmd", help="With --start: wait until this shell line exits 0."),
+]
+ReadyTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--ready-timeout",
+        help="Seconds --start may take to be ready [default: 120]. Without --ready-port "
+        "or --ready-cmd, the image's one exposed port is waited for, if it has one.",
+        show_default=False,
+    ),
+]
 
 
 def snapshot_create(
@@ -130,23 +174,10 @@ def snapshot_create(
         typer.Option("--volume", help="Attach NAME:/mnt/path[:ro] (repeatable)."),
     ] = None,
     label: LabelOpt = None,
-    start: Annotated[
-        bool,
-        typer.Option("--start", help="Run the image's Entrypoint+Cmd before the snapshot."),
-    ] = False,
-    ready_port: Annotated[
-        int | None,
-        typer.Option(
-            "--ready-port", help="With --start: wait until this port listens.", min=1, max=65535
-        ),
-    ] = None,
-    ready_cmd: Annotated[
-        str | None,
-        typer.Option("--ready-cmd", help="With --start: wait until this shell line exits 0."),
-    ] = None,
-    ready_timeout: Annotated[
-        float | None, typer.Option("--ready-timeout", help="Seconds --start may take.")
-    ] = None,
+    start: StartOpt = False,
+    ready_port: ReadyPortOpt = None,
+    ready_cmd: ReadyCmdOpt = None,
+    ready_timeout: ReadyTimeoutOpt = None,
 ) -> None:
     """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
     volumes = [parse_volume(v) for v in volume or []]
@@ -161,7 +192,7 @@ def snapshot_create(
         from forkd.cli.images import import_with_progress
 
         image = str(import_with_progress(conn, image, t0, quiet=True)["name"])
-    status = f"building snapshot {shown(tag)}: boot, setup, warm-up, snapshot"
+    status = _build_status(tag, start, ready_port, ready_cmd)
     extra: dict[str, Any] = {k: v for k, v in started.items() if v is not None}
     if volumes:
         extra["volumes"] = volumes
@@ -176,7 +207,17 @@ def snapshot_create(
         render.print_json(info)
         return
     err.print(f"snapshot {shown(tag)} ready in {time.monotonic() - t0:.1f} s")
+    if info.get("start"):
+        err.print(f"start: {shown(info['start'])}", highlight=False)
     out.print(render.kv_table(info))
+
+
+def _build_status(tag: str, start: bool, ready_port: int | None, ready_cmd: str | None) -> str:
+    """What snapshot create says while the daemon works: its steps, and what start waits for."""
+    waits = (f"port {ready_port} to listen" if ready_port else f"{ready_cmd!r} to exit 0"
+             if ready_cmd else "its one exposed port, if it has one")  # fmt: skip
+    steps = f"start (waiting for {shown(waits)}), " if start else ""
+    return f"building snapshot {shown(tag)}: boot, setup, warm-up, {steps}snapshot"
 
 
 def _is_container_ref(image: str) -> bool:

@@ -4,6 +4,7 @@ one sandbox's processes, forkd.cli.processes)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -72,6 +73,14 @@ def top(
             else:
                 out.print(top_table(listed, sort, limit))
             return
+        if not out.is_terminal:  # a pipe or a log: a table each --interval, one after another
+            try:
+                while True:
+                    out.print(top_table(ctl.list_sandbox_metrics(), sort, limit))
+                    sys.stdout.flush()
+                    time.sleep(interval)
+            except (KeyboardInterrupt, BrokenPipeError):
+                return
         with Live(top_table(ctl.list_sandbox_metrics(), sort, limit), console=out) as live:
             try:
                 while True:

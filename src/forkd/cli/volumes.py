@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.table import Table
 
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors
@@ -52,7 +51,7 @@ def volume_ls(conn: Connection) -> None:
     if conn.as_json:
         render.print_json(vols)
         return
-    table = Table("name", "size", "on disk", "layers", "used by")
+    table = render.wrapping_table("name", "size", "on disk", "layers", "used by")
     for v in vols:
         table.add_row(
             v["name"], f"{v['size_bytes'] >> 20} MiB", f"{v['allocated_bytes'] >> 20} MiB",

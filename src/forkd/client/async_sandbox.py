@@ -39,7 +39,7 @@ from forkd.client.pty import LOGIN_SHELL, DataCallback
 from forkd.client.results import CommandResult, EvalResult, OutputEvent
 from forkd.client.routes import KEEP
 from forkd.client.tar_stream import extract_chunks, tar_chunks
-from forkd.client.views import SandboxView, SnapshotView
+from forkd.client.views import WRITING, SandboxView, SnapshotView
 
 
 class AsyncCommandHandle(HandleOutput):
@@ -499,7 +499,7 @@ class AsyncSnapshot(SnapshotView):
         deadline = time.monotonic() + timeout
         while True:
             self._info = await self._controller.snapshot(self.tag)
-            if self.status != "pending":
+            if self.status not in WRITING:
                 return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"snapshot {self.tag!r} still pending after {timeout:g} s")

@@ -531,7 +531,8 @@ class Routes:
         the branch (over the sandbox's labels). ``mode``: ``"full"`` (default),
         ``"diff"`` (only the pages that differ from the sandbox's snapshot) or
         ``"live"`` (taken as full). ``wait=False``: answered at once with ``status``
-        ``"pending"``; poll :meth:`snapshot` until ``"ready"`` or ``"failed"``.
+        ``"writing"`` (``"pending"`` from older daemons); poll :meth:`snapshot` until
+        ``"ready"`` or ``"failed"``.
         The original forkd's ``diff=True`` is ``mode="diff"``; ``measure_diff=True``
         takes a full branch and reports what a diff would have stored (``diff_ms``,
         ``diff_physical_bytes``, ``diff_logical_bytes``, as a diff branch does)."""

@@ -8,7 +8,7 @@ from typing import Any
 from forkd.client.connection import JSONDict
 from forkd.client.controller import Controller
 from forkd.client.sandbox import Sandbox
-from forkd.client.views import SnapshotView
+from forkd.client.views import WRITING, SnapshotView
 
 
 class Snapshot(SnapshotView):
@@ -101,7 +101,7 @@ class Snapshot(SnapshotView):
         deadline = time.monotonic() + timeout
         while True:
             self._info = self._controller.snapshot(self.tag)
-            if self.status != "pending":
+            if self.status not in WRITING:
                 return self
             if time.monotonic() > deadline:
                 raise TimeoutError(f"snapshot {self.tag!r} still pending after {timeout:g} s")

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from forkd.client.connection import JSONDict
 
+# A branch taken with wait false, still being written: "writing" (the original forkd's
+# name, and this daemon's), "pending" from daemons before it took that name.
+WRITING = ("writing", "pending")
+
 
 class SandboxView:
     """A sandbox object's fields, from its last SandboxInfo (``_info``)."""

@@ -12,7 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    model_serializer,
+    model_validator,
+)
 
 from forkd import limits, states
 
@@ -121,7 +129,8 @@ class SnapshotCreate(_Body):
     )  # fmt: skip
     ready_timeout_secs: float = Field(
         limits.READY_TIMEOUT_SECS, gt=0, le=limits.MAX_BOOT_TIMEOUT_SECS,
-        description="how long start may take to be ready",
+        description="how long start may take to be ready (with no ready_port nor ready_cmd: "
+        "the image's one exposed TCP port is waited for, if it has exactly one)",
     )  # fmt: skip
 
 
@@ -295,6 +304,20 @@ class EvalRequest(_Body):
         le=limits.MAX_EVAL_TIMEOUT_SECS,
         description="then the eval is interrupted and answers with timed_out",
     )
+    timeout: float | None = Field(
+        None,
+        gt=0,
+        le=limits.MAX_EVAL_TIMEOUT_SECS,
+        description="the original forkd agent's name of timeout_s (give one of them)",
+    )
+
+    @model_validator(mode="after")
+    def _one_timeout(self) -> EvalRequest:
+        if self.timeout is not None:
+            if "timeout_s" in self.model_fields_set and self.timeout_s != self.timeout:
+                raise ValueError("timeout and timeout_s differ: give one of them")
+            self.timeout_s = self.timeout
+        return self
 
 
 class BranchRequest(_Body):
@@ -304,7 +327,7 @@ class BranchRequest(_Body):
         description="full (default), diff (only the pages that differ from the source's "
         "snapshot) or live (taken as full: recorded as mode full)",
     )
-    wait: bool = Field(True, description="false: answer 202 at once, status pending")
+    wait: bool = Field(True, description="false: answer 202 at once, status writing")
     metadata: Metadata | None = Field(None, description="merged over the source's labels")
     # The original forkd's forms (its SDKs, MCP server and CLI send them).
     diff: bool | None = Field(None, description="the original's form of mode diff")
@@ -547,6 +570,12 @@ class ImageInfo(BaseModel):
     name: str
     key: str
     kind: Literal["recipe", "container"]
+    names: list[str] = Field(
+        default_factory=list,
+        description="container: the local names (NAME:TAG) that find it, as an image of a "
+        "snapshot, a DELETE or a GET: the tag it was built or loaded with, or the reference "
+        "it was imported as",
+    )
     references: list[str] = Field(
         default_factory=list, description="container: the references it was imported as"
     )
@@ -581,8 +610,8 @@ class SnapshotInfo(BaseModel):
     pause_ms: int | None = Field(
         None, description="branches only: vCPUs frozen, whole ms (the original contract's type)"
     )
-    status: Literal["ready", "broken", "pending", "failed"] = Field(
-        description="'ready'; 'broken' when a file is missing or corrupt; 'pending' while a "
+    status: Literal["ready", "broken", "writing", "failed"] = Field(
+        description="'ready'; 'broken' when a file is missing or corrupt; 'writing' while a "
         "branch with wait false is written; 'failed' when that branch failed (see error)"
     )
     bootable: bool
@@ -618,6 +647,11 @@ class SnapshotInfo(BaseModel):
     sandboxes: list[str] | None = None
     problem: str | None = Field(None, description="detail, broken snapshots only: why")
     diff_chain: list[str] | None = Field(None, description="detail: bases, nearest first")
+    start: str | None = Field(
+        None,
+        description="POST /v1/snapshots with start only: what was waited for before the "
+        "snapshot (ready_port, ready_cmd, the image's one exposed port), or that nothing was",
+    )
     diff_dependents: list[str] | None = Field(
         None, description="detail: diff snapshots whose base is this one"
     )
@@ -787,7 +821,21 @@ class DisplayOutput(BaseModel):
 
 class EvalResult(BaseModel):
     result: str | None
-    error: str | None
+    error: str | None = Field(
+        description="a failure's one-line summary (NameError: name 'x' is not defined), as the "
+        "original forkd answered; the whole text is in traceback"
+    )
+    traceback: str | None = Field(
+        None, description="a failure's whole traceback (absent when it succeeded)"
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_an_empty_traceback(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("traceback") is None:
+            data.pop("traceback", None)  # a success answers as it always did
+        return data
+
     exit_code: int
     stdout: str
     stderr: str

@@ -349,7 +349,7 @@ async def resume(svc: Svc, sandbox_id: str, body: ResumeRequest | None = None) -
 @sandboxes.post(
     "/{sandbox_id}/branch",
     status_code=201,
-    responses={202: {"model": SnapshotInfo, "description": "wait false: status pending"}},
+    responses={202: {"model": SnapshotInfo, "description": "wait false: status writing"}},
     **SNAPSHOT,
 )
 async def branch(

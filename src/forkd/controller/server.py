@@ -13,6 +13,7 @@ import fcntl
 import logging
 import os
 import secrets
+import signal
 import socket
 import stat
 from collections.abc import Iterator
@@ -284,6 +285,9 @@ def serve(
                 **where,  # type: ignore[arg-type]
             )
             log_redaction.install("uvicorn", "uvicorn.error", "uvicorn.access")  # set up by Config
+            if settings.registry_policy is not None:  # SIGHUP: read the policy file again
+                policy = settings.registry_policy
+                signal.signal(signal.SIGHUP, lambda _sig, _frame: policy.reload_now())
             Server(config).run(sockets=sockets)
         finally:
             if sock is not None:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.controller.connection_limits import ConnectionLimits
+from forkd.controller.registry_policy_file import PolicyFile, RegistryChoices
 from forkd.limits import (
     DISK_RESERVE_MIB,
     FILE_UPLOAD_LIMIT,
@@ -62,6 +63,8 @@ class Settings:
     # The directories a client may name image archives and layouts under (docker-archive:,
     # oci-archive:, oci:): the daemon reads them with its own rights. None listed: refused.
     image_archive_dirs: tuple[Path, ...] = ()
+    # --registry-policy FILE: more of the three above, read again when it changes.
+    registry_policy: PolicyFile | None = None
     max_image_bytes: int = MAX_IMAGE_BYTES  # an imported image's files, expanded
     max_image_entries: int = MAX_IMAGE_ENTRIES  # in one layer, and merged
     import_timeout_secs: float = IMPORT_TIMEOUT_SECS  # one import, fetching and flattening
@@ -74,6 +77,15 @@ class Settings:
     # not as paths of the daemon's own ("snapshots/TAG/vmstate"): a token holder learns
     # no host path unless the operator says so.
     show_host_paths: bool = False
+
+    def registries(self) -> RegistryChoices:
+        """The registries, default registry and archive directories in force now: the
+        command line's, with --registry-policy's file over them (read again if changed)."""
+        if self.registry_policy is not None:
+            return self.registry_policy.current()
+        return RegistryChoices(
+            self.insecure_registries, self.default_registry, self.image_archive_dirs
+        )
 
     def shown_path(self, path: str | Path) -> str:
         """A file of a snapshot as answers name it: ``snapshots/<its path in the snapshot

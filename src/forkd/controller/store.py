@@ -212,6 +212,8 @@ class Store:
             for name, kind in columns.items():
                 if name not in have:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
+        # A background branch was 'pending' before it took the original forkd's name.
+        self._db.execute("UPDATE snapshots SET status = 'writing' WHERE status = 'pending'")
 
     def close(self) -> None:
         with self._lock:

@@ -194,13 +194,25 @@ def _link(source: Path, target: Path) -> None:
 
 def _add_reference(image_dir: Path, reference: str | None) -> None:
     """Record that ``reference`` names the build in ``image_dir`` too (image.json, atomically)."""
-    if not reference:
-        return
+    if reference:
+        _change_references(
+            image_dir, lambda refs: refs if reference in refs else [*refs, reference]
+        )
+
+
+def drop_references(img: images.Image, dropped: set[str]) -> None:
+    """Record that the references ``dropped`` no longer name ``img`` (an untag)."""
+    _change_references(img.dir, lambda refs: [r for r in refs if r not in dropped])
+
+
+def _change_references(image_dir: Path, change: Callable[[list[str]], list[str]]) -> None:
     path = image_dir / "image.json"
     meta = json.loads(path.read_text())
-    if reference in meta.get("references", []):
+    before = list(meta.get("references", []))
+    after = change(before)
+    if after == before:
         return
-    meta["references"] = [*meta.get("references", []), reference]
+    meta["references"] = after
     fd, tmp = tempfile.mkstemp(dir=image_dir, prefix=".image.json.")
     with contextlib.ExitStack() as undo:
         undo.callback(lambda: Path(tmp).unlink(missing_ok=True))
@@ -209,6 +221,41 @@ def _add_reference(image_dir: Path, reference: str | None) -> None:
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
         undo.pop_all()
+
+
+LOCAL_SOURCES = ("loaded:", "docker-daemon:")  # names a client sent or this host's engine had
+FILE_SOURCES = ("docker-archive:", "oci-archive:", "oci:")  # paths: no name to find it by
+
+
+def with_tag(name: str) -> str:
+    """``name`` with ``:latest`` when it has no tag nor digest, as Docker reads it."""
+    if "@" in name:
+        return name
+    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+
+
+def local_names(img: images.Image) -> dict[str, str]:
+    """The names ``--image`` finds an imported image by, each with the reference it came
+    from: the tag it was loaded or built with (``loaded:myapp:1``, ``docker-daemon:myapp:1``
+    give ``myapp:1``) and the registry reference it was imported as."""
+    names: dict[str, str] = {}
+    for ref in img.meta.get("references") or []:
+        name = local_names_of(ref)
+        if name is not None:
+            names.setdefault(name, ref)
+    return names
+
+
+def local_names_of(reference: object) -> str | None:
+    """The local name one reference of an image gives it, if any (see :func:`local_names`)."""
+    if not isinstance(reference, str) or reference.startswith(FILE_SOURCES):
+        return None
+    if reference == "loaded:archive":  # loaded without a tag
+        return None
+    name = reference
+    for prefix in LOCAL_SOURCES:
+        name = name.removeprefix(prefix)
+    return with_tag(name)
 
 
 def collect_unused_layers() -> int:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from forkd import hosttools, paths, processes
 from forkd.errors import ImageError
-from forkd.guest import guest_files, initramfs, kernel, recipe, rootfs
+from forkd.guest import guest_files, image_sharing, initramfs, kernel, recipe, rootfs
 from forkd.guest.recipe import Recipe
 from forkd.vmm import runtime_meta
 from forkd.vmm.snapshot import files as snapshot_files
@@ -301,15 +301,23 @@ def users_of(img: Image, roots: list[Path]) -> list[str]:
     return found
 
 
+def with_other_daemons(roots: list[Path]) -> list[Path]:
+    """``roots`` and the snapshot and VM directories of every other daemon recorded on
+    this cache (:mod:`forkd.guest.image_sharing`): where an image may be in use."""
+    return [*roots, *(r for r in image_sharing.recorded_roots() if r not in roots)]
+
+
 def remove(name: str, roots: list[Path] | None = None) -> list[Path]:
     """Delete image builds named ``name`` (or the one build ``name``-``key``).
 
     Refused, deleting nothing, while a snapshot or VM under ``roots`` (default:
-    this host's snapshot root and runtime directory) still uses one of them.
+    this host's snapshot root and runtime directory), or under those of any daemon
+    recorded on this cache (:mod:`forkd.guest.image_sharing`), still uses one of them.
     """
     if roots is None:
         snap_root = os.environ.get("FORKD_SNAPSHOT_ROOT")
         roots = [Path(snap_root) if snap_root else paths.state_dir() / "snapshots", paths.run_dir()]
+    roots = with_other_daemons(roots)
     builds = [i for i in list_images() if name in (i.name, f"{i.name}-{i.key}")]
     if not builds:
         raise ImageError(f"no image {name!r} is built (see 'forkd image ls')")

@@ -16,6 +16,13 @@ at or writes is kept from removal until it is done, so imports and removals run
 side by side without a lock between them (a blob is looked for and held, or
 removed, under one short lock: never removed between an import finding it and
 using it).
+
+Several daemons (and CLIs) on one host may share the store. An import's holds are
+written to a file of its own, ``<root>/holds/@PID.TICKS.<random>``, one digest a
+line, before the blob is looked for; a removal, in any process, keeps what a live
+process's hold file names (a dead one's file is removed). The short lock is a
+``flock`` on ``<root>/holds/.lock`` (shared to look and hold, exclusive to remove
+or let go), taken after the in-process locks and before ``_HELD_LOCK``.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 
-from forkd import processes
+from forkd import file_lock, processes
 from forkd.disk_reserve import DiskReserve, WriteMeter
 from forkd.errors import ForkdError, Invalid, StorageFull
 from forkd.oci.reference import DIGEST
@@ -49,19 +56,36 @@ _COLLECTING = threading.Lock()
 
 
 class _Hold:
-    """The blobs one import holds (see :meth:`BlobStore.held`)."""
+    """The blobs one import holds (see :meth:`BlobStore.held`), in this process's
+    table and in a hold file other processes read."""
 
     def __init__(self, root: str) -> None:
         self.root = root
         self.digests: set[str] = set()
+        self._file: Path | None = None
 
-    def add(self, digest: str) -> None:  # under _HELD_LOCK
+    def add(self, digest: str) -> None:  # under the store's lock (shared) and _HELD_LOCK
         if digest not in self.digests:
+            self._record(digest)
             self.digests.add(digest)
             _HELD.setdefault(self.root, Counter())[digest] += 1
 
+    def _record(self, digest: str) -> None:
+        if self._file is None:
+            holds = Path(self.root) / HOLDS
+            holds.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._file = holds / f"{processes.mark()}{secrets.token_hex(8)}"
+        try:
+            fd = os.open(self._file, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+            try:
+                os.write(fd, f"{digest}\n".encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise write_error(exc) from exc
+
     def release(self) -> None:
-        with _COLLECTING, _HELD_LOCK:
+        with _COLLECTING, file_lock.locked(_lock_file(self.root)), _HELD_LOCK:
             held = _HELD.get(self.root, Counter())
             held.subtract(self.digests)
             for digest in self.digests:
@@ -70,6 +94,38 @@ class _Hold:
             if not held:
                 _HELD.pop(self.root, None)
             self.digests.clear()
+            if self._file is not None:
+                self._file.unlink(missing_ok=True)
+                self._file = None
+
+
+HOLDS = "holds"  # <root>/holds/: each import's hold file, and the store's lock
+
+
+def _lock_file(root: str | Path) -> Path:
+    return Path(root) / HOLDS / ".lock"
+
+
+def held_elsewhere(root: Path) -> set[str]:
+    """The digests other processes' imports hold (their hold files; a file whose process
+    is gone is removed). Call it under the store's lock, held exclusively."""
+    me = processes.Holder.of(os.getpid())
+    held: set[str] = set()
+    try:
+        names = os.listdir(root / HOLDS)
+    except FileNotFoundError:
+        return held
+    for name in names:
+        holder = processes.marked_by(name)
+        if holder is None or holder == me:
+            continue
+        path = root / HOLDS / name
+        if not holder.alive():
+            path.unlink(missing_ok=True)
+            continue
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            held.update(d for d in path.read_text().split() if DIGEST.fullmatch(d))
+    return held
 
 
 class BlobStore:
@@ -103,13 +159,24 @@ class BlobStore:
     def path(self, digest: str) -> Path | None:
         """Where the blob ``digest`` is, or None when the store does not hold it."""
         path = self._file(digest)
-        with _HELD_LOCK:
+        with self._holding():
             if self._hold is not None:
                 self._hold.add(digest)  # before it is looked for: then it stays
             try:
                 return path if path.is_file() and not path.is_symlink() else None
             except OSError:
                 return None
+
+    @contextlib.contextmanager
+    def _holding(self) -> Iterator[None]:
+        """The lock to look for and hold a blob under (shared with other imports, in
+        any process; a removal waits), when this store holds what it looks at."""
+        if self._hold is None:
+            with _HELD_LOCK:
+                yield
+            return
+        with file_lock.locked(_lock_file(self.root), shared=True), _HELD_LOCK:
+            yield
 
     def has(self, digest: str) -> bool:
         return self.path(digest) is not None
@@ -192,13 +259,18 @@ class BlobStore:
             return w.commit()[0]
 
     def remove(self, digests: set[str]) -> int:
-        """Remove the blobs ``digests`` the store holds but no import in progress holds;
-        the bytes freed."""
+        """Remove the blobs ``digests`` the store holds but no import in progress (of
+        any process) holds; the bytes freed."""
+        with file_lock.locked(_lock_file(self.root)):
+            return self._remove(digests)
+
+    def _remove(self, digests: set[str]) -> int:  # under the store's lock, exclusive
         freed = 0
+        elsewhere = held_elsewhere(self.root)
         for digest in digests:
             path = self._file(digest)
             with _HELD_LOCK:
-                if _HELD.get(self._hold_key(), Counter())[digest] > 0:
+                if digest in elsewhere or _HELD.get(self._hold_key(), Counter())[digest] > 0:
                     continue  # an import in progress holds it
                 with contextlib.suppress(FileNotFoundError):
                     (self.diff_ids_dir / digest[7:]).unlink()
@@ -225,9 +297,9 @@ class BlobStore:
         bytes freed. ``keep`` may be a function, called when no import can let its blobs
         go until this is done: an import records its image (which ``keep`` then names)
         before it lets go, so its blobs are kept either way."""
-        with _COLLECTING:
+        with _COLLECTING, file_lock.locked(_lock_file(self.root)):
             kept = keep() if callable(keep) else keep
-            freed = self.remove((set(self.digests()) if among is None else among) - kept)
+            freed = self._remove((set(self.digests()) if among is None else among) - kept)
         if among is not None:
             return freed
         try:
@@ -318,7 +390,7 @@ class BlobWriter:
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = None
-            with _HELD_LOCK:
+            with self.store._holding():
                 if self.store._hold is not None:
                     self.store._hold.add(digest)
                 os.replace(self._path, final)  # the same bytes as any other writer's

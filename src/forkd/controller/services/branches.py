@@ -3,7 +3,7 @@
 The order and the failure table are :mod:`forkd.vmm.snapshot.live`'s; this
 service adds what the daemon owns: the tag, the mode, the concurrency cap, one
 branch of a sandbox at a time, the registry, and branches that finish in the
-background (``wait: false``: registered ``pending`` at once, then ``ready`` or
+background (``wait: false``: registered ``writing`` at once, then ``ready`` or
 ``failed`` with the error, the failure table's other columns unchanged).
 
 Modes: ``full`` copies the whole memory; ``diff`` stores only the pages that
@@ -197,7 +197,7 @@ class BranchService:
             tag=tag, dir=str(self.fleet.settings.snapshot_root / tag), created_at_unix=now(),
             branched_from=row.id, pause_ms=None, parent_tag=row.snapshot_tag,
             image=parent.image if parent else None, memory_mib=memory_mib,
-            status=SnapshotStatus.PENDING, metadata=labels,
+            status=SnapshotStatus.WRITING, metadata=labels,
             mode=SnapshotMode.DIFF if base else SnapshotMode.FULL,
             base_tag=base.tag if base else None,
         )  # fmt: skip
@@ -215,7 +215,7 @@ class BranchService:
         live: bool = False,
         on_resumed: Callable[[float], None] | None = None,
     ) -> None:
-        """A branch with wait false: ``pending`` → ``ready``, or ``failed`` with the error."""
+        """A branch with wait false: ``writing`` → ``ready``, or ``failed`` with the error."""
         store = self.fleet.store
         with held:
             try:

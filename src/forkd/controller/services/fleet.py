@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import difflib
 import functools
 import logging
 import shutil
@@ -203,7 +204,10 @@ class Fleet:
         check_tag(tag)
         row = self.store.get_snapshot(tag)
         if row is None:
-            raise NotFound(f"snapshot {tag!r} not found")
+            tags = [r.tag for r in self.store.list_snapshots()]
+            close = difflib.get_close_matches(tag, tags, n=3, cutoff=0.5)
+            hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+            raise NotFound(f"snapshot {tag!r} not found{hint}")
         return row
 
     def sandbox_row(self, sandbox_id: str) -> SandboxRow:

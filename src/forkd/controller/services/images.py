@@ -19,7 +19,6 @@ import builtins
 import collections
 import contextlib
 import os
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.settings import Settings
 from forkd.disk_reserve import DiskReserve, WriteMeter
 from forkd.errors import Busy, Conflict, ImageError, Invalid, NoRoom, NotFound
-from forkd.guest import container_image, recipe
+from forkd.guest import container_image, image_sharing, recipe
 from forkd.guest import image as images
 from forkd.image_import.model import FetchedImage
 from forkd.vmm.jail import qemu_user
@@ -78,16 +77,15 @@ class ImageService:
         self._locks: collections.defaultdict[str, asyncio.Lock] = collections.defaultdict(
             asyncio.Lock
         )
-        self._claims = _NameClaims()  # images being built by imports, or removed
 
     # ------------------------------------------------------------ import
 
     async def import_(self, req: ImageImport, progress: Progress | None = None) -> ImageInfo:
         """Import ``req.ref``; the image's info with what was fetched and reused."""
         say = progress or (lambda _msg: None)
-        loaded = await asyncio.to_thread(_loaded, req.ref)  # sent here: no registry is asked
+        loaded = await asyncio.to_thread(_local, req.ref)  # sent here: no registry is asked
         if loaded is not None:
-            say(f"{req.ref} was loaded into this daemon ({loaded.name}): nothing to fetch")
+            say(f"{req.ref} is a local image ({loaded.name}): nothing to fetch")
             info = self._info(loaded)
             update = {"bytes_fetched": 0, "bytes_reused": info.layer_bytes or 0, "import_secs": 0.0}
             return info.model_copy(update=update)
@@ -161,20 +159,28 @@ class ImageService:
 
     async def resolve(self, name_or_ref: str | None) -> images.Image:
         """The guest image a template boots: a built image's name (default python), else
-        a container image reference, imported now (fetching what changed)."""
+        a local image's name (one built, loaded or imported here, as ``docker run`` finds
+        a local image before it pulls), else a container image reference, imported now
+        (fetching what changed)."""
         name = name_or_ref or images.DEFAULT_IMAGE
+        no_registry = not self.fleet.settings.registries().default_registry
         if recipe.NAME_RE.fullmatch(name):
             try:
                 return images.find_image(name)
-            except ImageError as exc:
-                imported = _newest_import(name)  # the name an import answered with
+            except ImageError:
+                imported = _newest_import(name) or _local(name)  # oci-<id>, or myapp
                 if imported is not None:
                     return imported
-                if not self.fleet.settings.default_registry:
-                    raise Invalid(str(exc)) from exc  # a short name reaches no registry
-        loaded = await asyncio.to_thread(_loaded, name)  # a local image first, as Docker's
-        if loaded is not None:
-            return loaded
+                if no_registry:  # a short name reaches no registry
+                    said = await asyncio.to_thread(_no_local_image, name, "no built or local image")
+                    raise Invalid(said) from None
+        local = await asyncio.to_thread(_local, name)
+        if local is not None:
+            return local
+        from forkd.oci.reference import names_registry
+
+        if no_registry and "@" not in name and not names_registry(name):
+            raise Invalid(await asyncio.to_thread(_no_local_image, name))
         done = await self._import(ImageImport(ref=name), lambda _msg: None)
         return done.image
 
@@ -233,7 +239,8 @@ class ImageService:
                 return auth.Credentials(bearer=req.token)
             return auth.from_docker_config(registry, settings.registry_auth)
 
-        policy = RegistryPolicy.of(settings.insecure_registries, settings.default_registry)
+        registries = settings.registries()
+        policy = RegistryPolicy.of(registries.insecure_registries, registries.default_registry)
         check_allowed(references.parse(req.ref, policy), req.ref, settings)
         with self._holding() as store:
             fetched = fetch_image(
@@ -282,7 +289,7 @@ class ImageService:
         """The guest image of ``fetched``; :class:`_LayerRefused` when a layer is refused
         while flattened."""
         settings = self.fleet.settings
-        with self._claims.importing(container_image.image_name(fetched.config_digest)):
+        with image_sharing.building(container_image.image_name(fetched.config_digest)):
             try:
                 # tar2sqfs parses the image's names in C: as a uid of its own (the registry
                 # the QEMUs drop into), not as root, when the daemon has one to give.
@@ -306,6 +313,9 @@ class ImageService:
                 raise _LayerRefused(
                     f"image {fetched.reference}: a layer cannot be used: {exc}"
                 ) from exc
+            name = container_image.local_names_of(fetched.reference)
+            if name is not None:  # the name moves to this image, as a docker tag does
+                _untag(name, keep=img)
         return Imported(img, fetched, time.monotonic() - started)
 
     # ------------------------------------------------------------ read
@@ -321,10 +331,13 @@ class ImageService:
     def _find(self, name: str) -> images.Image:
         """The build ``NAME-KEY`` names, or NAME's current build (the one snapshots made
         from NAME now boot), else its newest: a name has a build for each forkd that
-        made it."""
+        made it; else the local image a tag (``myapp:1``) names."""
         builds = [i for i in images.list_images() if name in (i.name, f"{i.name}-{i.key}")]
         if not builds:
-            raise NotFound(f"no image {name!r} (see GET /v1/images)")
+            local = _local(name, registry_too=True)
+            if local is not None:
+                return local
+            raise NotFound(_no_local_image(name, "no image") + " (see GET /v1/images)")
         with contextlib.suppress(ImageError):
             current = images.find_image(name)
             if any(b.dir == current.dir for b in builds):
@@ -353,6 +366,7 @@ class ImageService:
             users = layer_users if layer_users is not None else _layer_users(images.list_images())
             sizes = _blob_sizes(layers)
             info |= {
+                "names": _names_held(img),
                 "references": list(meta.get("references") or []),
                 "id": meta.get("config_digest"),
                 "digest": meta.get("manifest_digest"),
@@ -364,62 +378,44 @@ class ImageService:
         return ImageInfo(**info)
 
     def _roots(self) -> builtins.list[Path]:
-        return [self.fleet.settings.snapshot_root, self.fleet.settings.run_dir]
+        """Where snapshots and VMs that may use an image live: this daemon's directories
+        and those of every other daemon sharing the cache."""
+        own = [self.fleet.settings.snapshot_root, self.fleet.settings.run_dir]
+        return images.with_other_daemons(own)
 
     # ------------------------------------------------------------ remove
 
     async def remove(self, name: str) -> None:
-        """Delete an image (every build of a name, or NAME-KEY) and the layers nothing
-        else needs; 409 while a snapshot or VM uses it, deleting nothing."""
-        found = self._find(name)
-        with self._claims.removing(found.name):
+        """Delete an image (every build of a name, NAME-KEY, or the image a local name
+        such as ``myapp:1`` names) and the layers nothing else needs; 409 while a snapshot
+        or VM uses it, deleting nothing. A local name of an image that has others is
+        only taken off it (as ``docker rmi`` untags)."""
+        found = await asyncio.to_thread(self._find, name)
+        by_tag = name not in (found.name, f"{found.name}-{found.key}")
+        await asyncio.to_thread(self._remove_sync, found, name if by_tag else None)
+        await asyncio.to_thread(container_image.collect_unused_layers)
+
+    def _remove_sync(self, found: images.Image, tag: str | None) -> None:
+        with image_sharing.removing(found.name):
+            if tag is not None:
+                name = container_image.with_tag(tag)
+                others = set(_names_held(found)) - {name}
+                if not others:  # its last name: the image goes, when nothing uses it
+                    users = images.users_of(found, self._roots())
+                    if users:
+                        raise Conflict(f"image {tag} ({found.name}) is in use, nothing "
+                                       f"removed ({', '.join(users)})")  # fmt: skip
+                _untag(name)
+                if others:
+                    return
             try:
-                await asyncio.to_thread(images.remove, name, self._roots())
+                images.remove(f"{found.name}-{found.key}" if tag else found.name, self._roots())
             except ImageError as exc:
                 raise Conflict(str(exc)) from exc
-        await asyncio.to_thread(container_image.collect_unused_layers)
 
 
 class _LayerRefused(Invalid):
     """A layer of the image was refused while flattened (hostile, or past the caps)."""
-
-
-class _NameClaims:
-    """Which images imports are building (or finding built) and which are being removed,
-    by name: an import waits for a removal of its image (a moment), a removal is refused
-    while an import of its image runs (it may take minutes); unrelated ones never wait."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._importing: collections.Counter[str] = collections.Counter()
-        self._removing: set[str] = set()
-
-    @contextlib.contextmanager
-    def importing(self, name: str) -> Iterator[None]:
-        with self._changed:
-            self._changed.wait_for(lambda: name not in self._removing)
-            self._importing[name] += 1
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._importing[name] -= 1
-                if self._importing[name] <= 0:
-                    del self._importing[name]
-                self._changed.notify_all()
-
-    @contextlib.contextmanager
-    def removing(self, name: str) -> Iterator[None]:
-        with self._changed:
-            if self._importing[name] > 0 or name in self._removing:
-                raise Conflict(f"image {name} is being imported or removed now: retry shortly")
-            self._removing.add(name)
-        try:
-            yield
-        finally:
-            with self._changed:
-                self._removing.discard(name)
-                self._changed.notify_all()
 
 
 async def _as_events(
@@ -475,17 +471,73 @@ async def _receive(body: AsyncIterator[bytes], out: BinaryIO, cap: int, meter: W
     return size
 
 
-def _with_tag(name: str) -> str:
-    """``name`` with ``:latest`` when it has no tag, as Docker reads it."""
-    return name if ":" in name.rsplit("/", 1)[-1] else f"{name}:latest"
+def _local_images() -> list[images.Image]:
+    """The images built, loaded or imported here (never one pulled with a snapshot)."""
+    return [
+        img
+        for img in images.list_images()
+        if container_image.is_container(img) and not img.meta.get("pulled")
+    ]
 
 
-def _loaded(name: str) -> images.Image | None:
-    """The newest image a client sent as an archive tagged ``name``, if there is one."""
+def _local(name: str, *, registry_too: bool = False) -> images.Image | None:
+    """The newest local image that the name ``name`` (``myapp:1``, ``myapp`` for
+    ``myapp:latest``) names: one loaded or built with it here, or, for a name without a
+    registry host, imported as it. A registry reference of a host is asked again (but
+    ``registry_too``: then its import answers for it)."""
+    from forkd.oci.reference import names_registry
+
     if "@" in name:
         return None
-    wanted = f"{LOADED}{_with_tag(name)}"
-    return _newest_container(lambda img: wanted in (img.meta.get("references") or ()))
+    wanted = container_image.with_tag(name)
+    sources = container_image.LOCAL_SOURCES if names_registry(name) and not registry_too else None
+
+    def matches(img: images.Image) -> bool:
+        ref = container_image.local_names(img).get(wanted)
+        return ref is not None and (sources is None or ref.startswith(sources))
+
+    return _newest_container(matches)
+
+
+def _names_held(img: images.Image) -> list[str]:
+    """The local names that find ``img`` now: of its names, those no newer image took."""
+    names = container_image.local_names(img)
+    return [
+        n for n in names if (now := _local(n, registry_too=True)) is not None and now.dir == img.dir
+    ]
+
+
+def _untag(name: str, keep: images.Image | None = None) -> None:
+    """Take the local name ``name`` off every image that has it (but ``keep``)."""
+    for img in _local_images():
+        if keep is not None and img.dir == keep.dir:
+            continue
+        refs = {
+            ref
+            for ref in img.meta.get("references") or []
+            if container_image.local_names_of(ref) == name
+        }
+        if refs:
+            container_image.drop_references(img, refs)
+
+
+def _no_local_image(name: str, what: str = "no local image") -> str:
+    """``no local image 'myap:2' (did you mean myapp:2?)``, and how to get one."""
+    import difflib
+
+    known = {n for img in _local_images() for n in container_image.local_names(img)}
+    known |= {img.name for img in images.list_images() if not container_image.is_container(img)}
+    wanted = container_image.with_tag(name) if ":" in name else name
+    close = difflib.get_close_matches(wanted, sorted(known), n=3, cutoff=0.6)
+    if not close and ":" not in name:  # myap -> myapp:latest
+        bare = {k.removesuffix(":latest"): k for k in known}
+        close = [bare[c] for c in difflib.get_close_matches(name, sorted(bare), n=3, cutoff=0.6)]
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    return (
+        f"{what} {name!r}{hint}: build it (forkd image build NAME for a recipe, -t NAME:TAG "
+        "for a Dockerfile), load it (forkd image load) or give a registry reference with "
+        "its host (registry.example.com[:port]/repository:tag)"
+    )
 
 
 def check_loaded_tag(tag: str | None) -> str | None:
@@ -494,7 +546,7 @@ def check_loaded_tag(tag: str | None) -> str | None:
         return None
     from forkd.image_import.docker_engine import check_image_name
 
-    return _with_tag(check_image_name(tag, allow_digest=False))
+    return container_image.with_tag(check_image_name(tag, allow_digest=False))
 
 
 def check_allowed(source: ImageSource, text: str, settings: Settings) -> None:
@@ -511,17 +563,22 @@ def check_allowed(source: ImageSource, text: str, settings: Settings) -> None:
     ):
         return
     kind = text.partition(":")[0]
-    if not settings.image_archive_dirs:
+    archive_dirs = settings.registries().image_archive_dirs
+    if not archive_dirs:
         raise Invalid(
-            f"{kind}: references are off on this daemon: the operator allows directories "
-            "with --image-archive-dir (or push the image to a registry)"
+            f"{kind}: references are off on this daemon: send the archive instead with "
+            "forkd image load PATH (POST /v1/images/load: no directory need be allowed), or "
+            "the operator allows directories with --image-archive-dir (or --registry-policy)"
         )
     real = os.path.realpath(source.path)
-    for allowed in settings.image_archive_dirs:
+    for allowed in archive_dirs:
         root = os.path.realpath(allowed)
         if real == root or real.startswith(root.rstrip("/") + "/"):
             return
-    raise Invalid(f"{kind}: references must name a path under the daemon's --image-archive-dir")
+    raise Invalid(
+        f"{kind}: references must name a path under the daemon's --image-archive-dir; or "
+        "send the archive with forkd image load PATH"
+    )
 
 
 def _newest_import(name: str) -> images.Image | None:
@@ -534,11 +591,7 @@ def _newest_container(matches: Callable[[images.Image], bool]) -> images.Image |
     """The newest imported (container) build that ``matches``, if there is one. An image
     pulled with a snapshot is never one: its record (references, digests, build time)
     is what another host, or a registry, said of it."""
-    found = [
-        img
-        for img in images.list_images()
-        if container_image.is_container(img) and not img.meta.get("pulled") and matches(img)
-    ]
+    found = [img for img in _local_images() if matches(img)]
     return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
 
 

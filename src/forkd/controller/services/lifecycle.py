@@ -23,6 +23,7 @@ from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
 from forkd.controller.store import SandboxRow
 from forkd.errors import SnapshotError
+from forkd.guest import image_sharing
 from forkd.image_import import leftovers
 from forkd.limits import NAME_RE
 from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
@@ -67,6 +68,12 @@ class Lifecycle:
     async def start(self) -> None:
         """Bring the registry in line with the disk and re-adopt live sandboxes."""
         self.reconcile_snapshots()
+        settings = self.fleet.settings
+        await asyncio.to_thread(  # other daemons on this cache keep what our snapshots use
+            image_sharing.record_daemon,
+            settings.state_dir,
+            [settings.snapshot_root, settings.run_dir],
+        )
         swept = await asyncio.to_thread(leftovers.sweep)
         if swept.workers_killed or swept.removed:
             log.info("an import left by a daemon that died: %d worker(s) killed, %d "
@@ -107,7 +114,7 @@ class Lifecycle:
             shutil.rmtree(leftover, ignore_errors=True)
         store = self.fleet.store
         for row in store.list_snapshots():  # pending work survives no restart
-            if row.status == "pending":
+            if row.status == SnapshotStatus.WRITING:
                 log.info("branch %s was pending when the daemon stopped: failed", row.tag)
                 shutil.rmtree(row.dir, ignore_errors=True)  # committed, maybe, never settled
                 store.set_snapshot_status(

@@ -418,9 +418,11 @@ class SandboxService:
             lambda vm: vm.eval(req.code, timeout=req.timeout_s),
             refusals=EVAL_REFUSALS,
         )
+        error = res.get("error")
         return EvalResult(
             result=res.get("result"),
-            error=res.get("error"),
+            error=error_summary(error) if error else error,
+            traceback=error or None,
             exit_code=res.get("exit_code", 0),
             stdout=res.get("stdout", ""),
             stderr=res.get("stderr", ""),
@@ -465,3 +467,10 @@ def _file_entries(entries: Any) -> builtins.list[FileEntry]:
     except ValidationError as exc:
         problem = exc.errors()[0]["msg"]
         raise GuestError(f"the guest's file listing has a malformed entry: {problem}") from None
+
+
+def error_summary(text: str) -> str:
+    """A traceback's last line (``NameError: name 'x' is not defined``): the summary the
+    original forkd's eval answered as ``error``."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else text

@@ -109,7 +109,8 @@ class SnapshotTransfer:
         """The reference ``text`` names, checked against the operator's registry policy:
         :class:`Invalid` (400) before any name is looked up or anything contacted."""
         settings = self.fleet.settings
-        policy = RegistryPolicy.of(settings.insecure_registries, settings.default_registry)
+        registries = settings.registries()
+        policy = RegistryPolicy.of(registries.insecure_registries, registries.default_registry)
         ref = policy.parse(text)
         policy.scheme(ref, plain_asked)  # a request may ask only for what the operator allowed
         return ref, policy

@@ -114,7 +114,7 @@ class SnapshotService:
                 self.fleet.holds.volume_layers(),
             ):
                 try:
-                    await self._build(req, img)
+                    started = await self._build(req, img)
                 except TemplateSetupFailed:
                     raise  # its message says which command failed
                 except StorageFull as exc:
@@ -124,7 +124,8 @@ class SnapshotService:
                 finally:
                     if self.fleet.store.get_snapshot(tag) is None:  # failed after the commit
                         shutil.rmtree(self.root / tag, ignore_errors=True)
-        return self.info(tag)
+        info = self.info(tag)
+        return info if started is None else info.model_copy(update={"start": started})
 
     async def _resolve_image(self, req: SnapshotCreate) -> images.Image:
         if req.kernel or req.rootfs:
@@ -140,7 +141,8 @@ class SnapshotService:
                 ) from exc
         return await self.images.resolve(req.image)
 
-    async def _build(self, req: SnapshotCreate, img: images.Image) -> None:
+    async def _build(self, req: SnapshotCreate, img: images.Image) -> str | None:
+        """The template built and snapshotted; with ``start``, what was waited for."""
         # The image recipe's template settings come first; the request adds to them.
         defaults: dict[str, Any] = img.meta.get("template") or {}
         setup = [*(defaults.get("setup") or []), *req.setup]
@@ -167,7 +169,7 @@ class SnapshotService:
         try:
             await template_start.configure(template, img, req)
             await self._prepare(template, setup, warmups)
-            await template_start.start(template, img, req)
+            said = await template_start.start(template, img, req)
             started = time.monotonic()
             await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
             self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)
@@ -176,6 +178,7 @@ class SnapshotService:
             self.fleet.events.publish("snapshot_created", snapshot_tag=req.tag)
         finally:
             await template.kill()
+        return said
 
     @staticmethod
     async def _prepare(template: SandboxVM, setup: list[str], warmups: list[str]) -> None:
@@ -226,7 +229,7 @@ class SnapshotService:
         if row.branched_from is not None:
             pause = None if row.pause_ms is None else round(row.pause_ms)
             fields.update(branched_from=row.branched_from, pause_ms=pause)
-        settled = row.status not in ("pending", "failed")
+        settled = row.status not in (SnapshotStatus.WRITING, SnapshotStatus.FAILED)
         fields.update(
             status=row.status if problem is None or not settled else "broken",
             bootable=problem is None,
@@ -297,9 +300,9 @@ class SnapshotService:
 
     @staticmethod
     def unbootable_reason(row: SnapshotRow) -> str | None:
-        if row.status == "pending":
-            return "it is pending: a branch in the background is still writing it"
-        if row.status == "failed":
+        if row.status == SnapshotStatus.WRITING:
+            return "it is writing: a branch in the background is still writing it"
+        if row.status == SnapshotStatus.FAILED:
             return f"its branch failed: {row.error}"
         try:
             files = snapshot_files.load(Path(row.dir))
@@ -349,19 +352,20 @@ class SnapshotService:
 
     async def compact_to(self, tag: str, to: str) -> SnapshotInfo:
         """A new full snapshot ``to`` with ``tag``'s content (a diff's chain flattened),
-        its lineage child; ``tag`` is left as it is."""
+        flat as the original forkd made it: no parent (depth 0), the source's
+        ``branched_from`` kept; ``tag`` is left as it is."""
         limits.check_tag(to)
         if to == tag:
             raise Invalid(f"compact to {to!r}: the new tag must differ from the source's")
         row = self.fleet.snapshot_row(tag)
-        if row.status in ("pending", "failed"):
+        if row.status in (SnapshotStatus.WRITING, SnapshotStatus.FAILED):
             raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to compact")
         problem = self.unbootable_reason(row)
         if problem is not None:
             raise Conflict(f"snapshot {tag!r} cannot be compacted: {problem}")
         dest = self.fleet.settings.snapshot_root / to
         with self.fleet.reserve_tag(to):  # 409 when the tag or its directory exists
-            labels = SnapshotLabels(tag=to, parent_tag=tag)
+            labels = SnapshotLabels(tag=to, branched_from=row.branched_from)
             async with self._disk_lock:
                 try:
                     files = await asyncio.to_thread(
@@ -373,7 +377,7 @@ class SnapshotService:
         return self.info(to, detailed=True)
 
     async def _compact_locked(self, row: SnapshotRow) -> None:
-        if row.status in ("pending", "failed"):
+        if row.status in (SnapshotStatus.WRITING, SnapshotStatus.FAILED):
             raise Conflict(f"snapshot {row.tag!r} is {row.status}: nothing to compact")
         if row.mode != "diff":
             return
@@ -389,7 +393,7 @@ class SnapshotService:
     async def delete(self, tag: str, cascade: bool = False, force: bool = False) -> None:
         """Delete ``tag``; with ``cascade`` the diff snapshots over it first (deepest first),
         with ``force`` those are compacted and kept. :class:`Conflict` naming them when it
-        has dependents and neither is given, or when any of them is pending."""
+        has dependents and neither is given, or when any of them is being written."""
         if cascade and force:
             raise Invalid("cascade and force exclude each other: delete dependents or keep them")
         async with self._disk_lock:
@@ -407,8 +411,8 @@ class SnapshotService:
         order: builtins.list[str] = []
 
         def visit(r: SnapshotRow, path: tuple[str, ...]) -> None:
-            if r.status == "pending":
-                raise Conflict(f"snapshot {r.tag!r} is pending: retry when its branch settles")
+            if r.status == SnapshotStatus.WRITING:
+                raise Conflict(f"snapshot {r.tag!r} is writing: retry when its branch settles")
             if self.fleet.holds.base_in_use(r.tag):
                 raise Conflict(f"a diff branch over snapshot {r.tag!r} is being written; retry")
             if self.fleet.holds.being_read(r.tag):

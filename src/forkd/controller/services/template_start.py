@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from forkd import limits
 from forkd.controller.models import SnapshotCreate
 from forkd.controller.services.process_output import ReadAnswer
 from forkd.controller.services.sandbox_vm import SandboxVM
@@ -58,14 +59,43 @@ async def configure(template: SandboxVM, img: images.Image, req: SnapshotCreate)
     )
 
 
-async def start(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> None:
-    """Run the image's Entrypoint+Cmd in the background and wait until it is ready."""
+def readiness(req: SnapshotCreate, exposed: tuple[str, ...]) -> tuple[int | None, str]:
+    """The port ``start`` waits for (``ready_port``, else the image's one exposed TCP
+    port, else none) and what the answer says of it."""
+    if req.ready_port is not None:
+        return req.ready_port, f"waited for port {req.ready_port} to listen"
+    if req.ready_cmd is not None:
+        return None, f"waited for {req.ready_cmd!r} to exit 0"
+    tcp = sorted({port for port, proto in map(_port_and_protocol, exposed)
+                  if port is not None and proto == "tcp"})  # fmt: skip
+    if len(tcp) == 1:
+        return tcp[0], (f"waited for port {tcp[0]} to listen (the image's one exposed port; "
+                        "ready_port or ready_cmd says otherwise)")  # fmt: skip
+    which = f"it exposes {', '.join(map(str, tcp))}" if tcp else "it exposes no port"
+    return None, (f"waited for nothing: {which}; the snapshot was taken once the command "
+                  "had started. Give ready_port (--ready-port) or ready_cmd (--ready-cmd) "
+                  "to snapshot it ready")  # fmt: skip
+
+
+def _port_and_protocol(exposed: str) -> tuple[int | None, str]:
+    """``8080/tcp`` (or ``8080``: tcp) as (8080, "tcp"); (None, ...) for what is not."""
+    port, _, proto = exposed.partition("/")
+    number = int(port) if port.isdigit() and 0 < int(port) < 65536 else None
+    return number, (proto or "tcp").lower()
+
+
+async def start(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> str | None:
+    """Run the image's Entrypoint+Cmd in the background and wait until it is ready; what
+    was waited for (None without ``start``)."""
     if not req.start:
-        return
+        return None
     config = container_image.config_of(img)
     argv = [*config.entrypoint, *config.cmd]
     if not argv:
         raise Invalid(f"image {img.name} has no Entrypoint or Cmd to start")
+    port, said = readiness(req, config.exposed_ports)
+    if port != req.ready_port:
+        req = req.model_copy(update={"ready_port": port})
     proc = await template.proc_start(argv)
     pid = int(proc["pid"])
     deadline = time.monotonic() + req.ready_timeout_secs
@@ -78,7 +108,7 @@ async def start(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> 
                 f"ready; its last output:\n{tail}"
             )
         if await _ready(template, req):
-            return
+            return said
         if time.monotonic() >= deadline:
             tail = await _output_tail(template, pid)
             what = (
@@ -88,7 +118,9 @@ async def start(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> 
             )  # fmt: skip
             raise TemplateSetupFailed(
                 f"the image's command {argv!r} was not ready within "
-                f"{req.ready_timeout_secs:g} s ({what}); its last output:\n{tail}"
+                f"{req.ready_timeout_secs:g} s ({what}; ready_timeout_secs, --ready-timeout, "
+                f"waits longer: default {limits.READY_TIMEOUT_SECS:g} s); its last "
+                f"output:\n{tail}"
             )
         await asyncio.sleep(POLL_SECS)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from forkd_agent_handlers import op_eval, op_exec, op_ping
+from forkd_agent_handlers import op_eval, op_eval_interrupt, op_exec, op_ping
 from forkd_agent_log import log
 from forkd_agent_params import DEFAULT_EXEC_TIMEOUT_S, RequestError
 from forkd_agent_protocol import encode
@@ -35,6 +35,7 @@ TCP_DRAIN_S = 0.5  # after answering: how long to read and drop what the client 
 TCP_BIND_RETRY_S = 1.0
 READ_CHUNK_BYTES = 1024 * 1024
 MAX_EXEC_TIMEOUT_S = 86400.0  # as the HTTP API's (forkd.limits.MAX_EXEC_TIMEOUT_SECS)
+PROBE_GAP_S = 0.05  # between the two blanks that ask whether an eval's client is still there
 
 
 def _tcp_exec(req: dict[str, Any]) -> dict[str, Any]:
@@ -59,14 +60,63 @@ def _tcp_exec(req: dict[str, Any]) -> dict[str, Any]:
 def _tcp_eval(req: dict[str, Any]) -> dict[str, Any]:
     """``eval`` answered as the original forkd agent did: a failure's ``error`` is its
     last line (``NameError: name 'x' is not defined``), the whole text in
-    ``traceback``."""
-    answer = op_eval(req)
+    ``traceback``. Its ``timeout`` (the original SDK's word; ``timeout_s`` or
+    ``timeout_secs`` too) interrupts the code then."""
+    given = {k: req[k] for k in ("timeout_s", "timeout_secs", "timeout") if req.get(k) is not None}
+    if len(set(map(repr, given.values()))) > 1:
+        raise RequestError("'timeout' and 'timeout_s' differ: give one of them")
+    timeout = next(iter(given.values()), None)
+    if timeout is not None and not isinstance(timeout, bool) and isinstance(timeout, int | float):
+        timeout = min(float(timeout), MAX_EXEC_TIMEOUT_S)
+    answer = op_eval({"code": req.get("code"), "timeout_s": timeout})
     error = answer.get("error")
     if error:
         lines = [line for line in error.splitlines() if line.strip()]
         answer["traceback"] = error
         answer["error"] = lines[-1].strip() if lines else error
     return answer
+
+
+class EvalTurns:
+    """TCP evals take turns at the one interpreter. A client that gave up (its socket
+    closed while its eval runs) does not hold the next one up: the next eval finds it
+    gone and interrupts its code."""
+
+    def __init__(self) -> None:
+        self._turn = threading.Lock()
+        self._holder: socket.socket | None = None
+
+    @contextlib.contextmanager
+    def turn(self, conn: socket.socket) -> Any:
+        holder = self._holder
+        if holder is not None and client_gone(holder):
+            log("tcp eval: its client left; interrupting it for the next")
+            op_eval_interrupt({})
+        with self._turn:
+            self._holder = conn
+            try:
+                yield
+            finally:
+                self._holder = None
+
+
+def client_gone(conn: socket.socket) -> bool:
+    """Whether the client of ``conn`` closed its socket (it may have closed only its
+    sending side: the original SDK does, then waits). Two blanks are sent, which JSON
+    ignores before the answer: a closed socket answers the first with a reset, and the
+    second fails."""
+    try:
+        conn.send(b" ", socket.MSG_DONTWAIT)
+        time.sleep(PROBE_GAP_S)
+        conn.send(b" ", socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False  # its buffer is full: it is there, just not reading yet
+    except OSError:
+        return True
+    return False
+
+
+EVAL_TURNS = EvalTurns()
 
 
 TCP_ACTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -194,7 +244,13 @@ class TcpServer:
         try:
             with conn:
                 data, problem = self._read_request(conn)
-                answer = _tcp_error(problem) if problem else handle_tcp_request(data)
+                if problem:
+                    answer = _tcp_error(problem)
+                elif _is_eval(data):
+                    with EVAL_TURNS.turn(conn):
+                        answer = handle_tcp_request(data)
+                else:
+                    answer = handle_tcp_request(data)
                 self._answer(conn, answer)
         except ConnectionError:
             pass  # the client reset or left: its own business
@@ -255,6 +311,16 @@ class TcpServer:
             if not chunk:
                 return
             drained += len(chunk)
+
+
+def _is_eval(data: bytes) -> bool:
+    """Whether a request asks for an eval (cheaply: the whole parse comes after)."""
+    if b"eval" not in data:
+        return False
+    with contextlib.suppress(ValueError):
+        req = json.loads(data)
+        return isinstance(req, dict) and req.get("action") == "eval"
+    return False
 
 
 def _refuse(conn: socket.socket, message: str) -> None:
