@@ -209,6 +209,11 @@ def test_snapshot_create_from_a_container_image(
     [image] = [i for i in ctl.list_images() if i["kind"] == "container"]
     assert sent.body()["image"] == image["name"] and sent.body()["start"] is True
     assert ctl.snapshot("web")["image"] == image["name"]
+    # Issue 36, item 7: a taken tag is said before any import runs.
+    imports = [r for r in sent.requests if r.url.path == "/v1/images"]
+    res = forkd("snapshot", "create", "--tag", "web", "--image", "127.0.0.1:5000/team/other:1")
+    assert res.exit_code == 1 and "snapshot web exists" in res.stderr
+    assert [r for r in sent.requests if r.url.path == "/v1/images"] == imports
 
 
 def test_cli_human_output(

@@ -217,3 +217,21 @@ def test_every_listing_prints_json_with_o_json(forkd: Invoke, sid: str, listing:
     assert res.exit_code == 0, res.output
     assert isinstance(json.loads(res.stdout), list)
     assert forkd(*listing, "--format", "yaml").exit_code == 2
+
+
+def test_doctor_checks_the_daemon_it_is_pointed_at(server: Server, py: str) -> None:
+    from forkd.cli import app
+
+    args = ["doctor", "-o", "json", "--daemon-url", server.url]
+    res = runner.invoke(app, [*args, "--daemon-token", server.token])
+    daemon = next(c for c in json.loads(res.stdout)["checks"] if c["name"] == "daemon")
+    assert daemon["ok"] and "1 snapshot(s)" in daemon["detail"]
+    res = runner.invoke(app, [*args, "--daemon-token", "wrong"])
+    daemon = next(c for c in json.loads(res.stdout)["checks"] if c["name"] == "daemon")
+    assert not daemon["ok"] and "FORKD_TOKEN" in daemon["fix"]
+
+
+def test_bench_takes_the_originals_netns_value(forkd: Invoke, py: str) -> None:
+    res = forkd("bench", "--tag", py, "--n", "2", "--per-child-netns", "false")
+    assert res.exit_code == 0, res.output
+    assert "fanout (n=2)" in res.stdout and "--per-child-netns is accepted" in res.stderr

@@ -257,7 +257,8 @@ def test_fork_branch_kill_and_snapshots_are_published_in_order(
     running: tuple[str, DaemonServer],
 ) -> None:
     url, srv = running
-    watch = Collector(url)
+    kinds = ["snapshot_created", "created", "branched", "killed", "snapshot_deleted"]
+    watch = Collector(url, types=kinds)  # a build's snapshot_progress aside
     _streams_open(srv, 1)
     with Controller(url, token=TOKEN) as ctl:
         ctl.create_snapshot("py", memory_mib=128)
@@ -339,7 +340,7 @@ def _frames(url: str, n: int, query: str = "", headers: dict[str, str] | None = 
 def test_reconnect_with_last_event_id_replays_what_was_missed(url: str) -> None:
     with Controller(url, token=TOKEN) as ctl:
         ctl.create_snapshot("py", memory_mib=128)
-        first = _frames(url, 2, "?since=0")
+        first = _frames(url, 2, "?since=0&type=snapshot_created,created")
         assert first[0].startswith("id: ") and first[1].startswith("event: snapshot_created\nid: ")
         last_id = first[1].split("\n")[1][len("id: ") :]
         sid = ctl.spawn_sandboxes("py")[0]["id"]  # published while nobody listened
@@ -419,7 +420,8 @@ def test_cli_prints_one_line_per_event_and_exits_0_on_ctrl_c(url: str, tmp_path:
             subprocess.Popen([sys.executable, "-m", "forkd.cli", "events", "--since", "0", *extra],
                              env=env, stdout=subprocess.PIPE, text=True,
                              preexec_fn=_sigint_default)
-            for extra in ([], ["--json", "--type", "created"])
+            for extra in (["--type", "snapshot_created", "--type", "created"],
+                          ["--json", "--type", "created"])
         ]  # fmt: skip
         sid = ctl.spawn_sandboxes("py")[0]["id"]
     human = procs[0].stdout.readline()  # type: ignore[union-attr]

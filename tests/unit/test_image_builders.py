@@ -307,3 +307,19 @@ def test_a_failing_dockerfile_is_invalid_with_the_builders_words(
     builder = builders.find_builder("docker", docker_host=dockerd.host)
     with pytest.raises(Invalid, match=r"(?s)docker build failed.*42"):
         builder.build(tmp_path, tag="forkd-test/fails:1", docker_host=dockerd.host)
+
+
+def test_a_failing_builds_output_is_shown_once() -> None:
+    """Issue 36, item 7: each line went to progress as it came; the error names the
+    last one, not the whole output again."""
+    shown: list[str] = []
+    with pytest.raises(Invalid) as failed:
+        builders.run(["sh", "-c", "echo step one; echo step two; echo 'no such package'; exit 3"],
+                     what="docker build", progress=shown.append)  # fmt: skip
+    assert shown == ["step one", "step two", "no such package"]
+    said = str(failed.value)
+    assert "exited 3; its output is above" in said and said.endswith("no such package")
+    assert "step one" not in said
+    with pytest.raises(Invalid, match=r"(?s)step one.*no such package"):  # no progress: all
+        builders.run(["sh", "-c", "echo step one; echo 'no such package'; exit 3"],
+                     what="docker build", progress=None)  # fmt: skip

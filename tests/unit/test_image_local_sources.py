@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import gzip
+import hashlib
+import io
 import json
 import os
 import shutil
 import socketserver
+import tarfile
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -330,13 +333,19 @@ class _UnixHTTPServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer
 
 
 @contextlib.contextmanager
-def fake_engine(images: dict[str, bytes]) -> Iterator[str]:
-    """A Docker Engine's export route on a unix socket: ``GET /images/{name}/get``."""
+def fake_engine(images: dict[str, bytes], exports: list[str] | None = None) -> Iterator[str]:
+    """A Docker Engine's routes an import uses, on a unix socket: ``GET
+    /images/{name}/json`` (its id: its config's digest) and ``/images/{name}/get`` (its
+    ``docker save`` archive); each export asked for is appended to ``exports``."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
-            name = self.path.removeprefix("/images/").removesuffix("/get")
+            name = self.path.removeprefix("/images/").removesuffix("/get").removesuffix("/json")
             body = images.get(name)
+            if body is not None and self.path.endswith("/json"):
+                body = json.dumps({"Id": _config_digest(body)}).encode()
+            elif body is not None and exports is not None:
+                exports.append(name)
             status = 200 if body is not None else 404
             if body is None:
                 body = json.dumps({"message": f"No such image: {name}"}).encode()
@@ -364,16 +373,34 @@ def fake_engine(images: dict[str, bytes]) -> Iterator[str]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def _config_digest(archive: bytes) -> str:
+    """The config digest of the one image a ``docker save`` archive holds."""
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        entry = json.load(tar.extractfile("manifest.json"))[0]  # type: ignore[arg-type]
+        config = tar.extractfile(entry["Config"]).read()  # type: ignore[union-attr]
+    return "sha256:" + hashlib.sha256(config).hexdigest()
+
+
 def test_an_image_of_the_docker_engine_is_exported_and_read(
     tmp_path: Path, store: BlobStore
 ) -> None:
     saved = oi.write_docker_archive(tmp_path / "saved.tar", {"myapp:1": APP}).read_bytes()
-    with fake_engine({"myapp:1": saved}) as host:
+    exports: list[str] = []
+    with fake_engine({"myapp:1": saved}, exports) as host:
         said: list[str] = []
         got = fetch("docker-daemon:myapp:1", store, docker_host=host, progress=said.append)
         assert got.reference == "docker-daemon:myapp:1"
         assert got.config_digest == APP.config.digest and got.config.working_dir == "/app"
-        assert any("exported" in m for m in said)
+        assert any("exporting myapp:1" in m for m in said) and exports == ["myapp:1"]
+        # Issue 36, item 6: the same image id again is not exported again.
+        said.clear()
+        again = fetch("docker-daemon:myapp:1", store, docker_host=host, progress=said.append)
+        assert exports == ["myapp:1"] and any("nothing to export" in m for m in said)
+        assert (again.config_digest, again.manifest_digest) == (
+            got.config_digest, got.manifest_digest,
+        )  # fmt: skip
+        assert [b.diff_id for b in again.layers] == [b.diff_id for b in got.layers]
+        assert again.bytes_fetched == 0
         with pytest.raises(NotFound, match="myapp:2"):
             fetch("docker-daemon:myapp:2", store, docker_host=host)
     with pytest.raises(Unavailable):

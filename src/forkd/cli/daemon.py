@@ -677,13 +677,42 @@ def _reclaim(low: int | None, high: int | None, idle: float, reserve: int | None
     }
 
 
-def doctor(as_json: JsonOpt = False, output_format: FormatOpt = None) -> None:
+def _daemon_check(url: str, token: str | None) -> Any:
+    """The daemon at ``url`` answers, and takes the token the CLI would send (a warning
+    when it does not: the host may still run VMs)."""
+    from forkd import doctor as doc
+    from forkd.client import Controller, ControllerError
+
+    try:
+        with Controller(url, token=token, timeout=5) as ctl:
+            count = len(ctl.list_snapshots())
+    except ControllerError as exc:
+        fix = ("set FORKD_TOKEN, --daemon-token or FORKD_TOKEN_FILE" if exc.status == 401
+               else "start it: forkd serve (or check the address)")  # fmt: skip
+        return doc.Check("daemon", False, f"{url}: {exc.message}", fix, fatal=False)
+    return doc.Check("daemon", True, f"{url} answers: {count} snapshot(s)")
+
+
+def doctor(
+    as_json: JsonOpt = False,
+    output_format: FormatOpt = None,
+    daemon_url: Annotated[
+        str | None,
+        typer.Option("--daemon-url", "--url", help="Also check the daemon there (the "
+                     "original forkd's doctor did): does it answer, does the token work."),
+    ] = None,
+    daemon_token: Annotated[
+        str | None, typer.Option("--daemon-token", help="Its token (default: as every verb).")
+    ] = None,
+) -> None:  # fmt: skip
     """Check that this host can run forkd VMs; exit 1 with what to fix if not."""
     as_json = as_json or output_format == "json"
     require_server("doctor")
     from forkd import doctor as doc
 
     checks = doc.run_checks()
+    if daemon_url is not None:
+        checks.append(_daemon_check(daemon_url, daemon_token))
     ok = doc.can_run_vms(checks)
     if as_json:
         print(json.dumps({"ok": ok, "checks": [c.__dict__ for c in checks]}))

@@ -102,14 +102,26 @@ def image_build(
 
 
 def _progress(status: Status, started: float) -> Callable[[str], None]:
-    """Each step, on its own line with the time since the start, and in the status line."""
+    """Each step in the status line, with the time since the start; and on a line of its
+    own, but for a count going up on a terminal (``layer 2/3 … 40.0/120.0 MiB``, then
+    ``80.0/120.0``): there the status line alone moves, where a log keeps each (the
+    daemon says a count every few seconds or MiB)."""
+    last_shape = [""]
 
     def say(msg: str) -> None:
         took = time.monotonic() - started
         status.update(f"{shown(msg)} ({took:.0f} s)")
+        shape = _DIGITS.sub("#", msg)
+        counting = shape == last_shape[0]
+        last_shape[0] = shape
+        if counting and err.is_terminal:
+            return
         err.print(f"  [{took:6.1f} s] {msg}", highlight=False, markup=False)
 
     return say
+
+
+_DIGITS = re.compile(r"[0-9.]+")
 
 
 def _dockerfile_build(

@@ -61,6 +61,12 @@ FormatOpt = Annotated[
         show_default=False,
     ),
 ]  # fmt: skip
+# For a command with an -o of its own (pack -o FILE, as the original forkd's): --format only.
+LongFormatOpt = Annotated[
+    str | None,
+    typer.Option("--format", help="json: print JSON (as --json); table: the default.",
+                 show_default=False),
+]  # fmt: skip
 FORMATS = ("json", "table")
 
 
@@ -94,14 +100,26 @@ def parent_param(ctx: typer.Context | None, name: str) -> Any:
     return None
 
 
-def _shared_parameters(json_option: bool) -> list[inspect.Parameter]:
+def _takes_short_o(hints: dict[str, Any]) -> bool:
+    """Whether a command has an option spelled ``-o`` of its own."""
+    for hint in hints.values():
+        for meta in getattr(hint, "__metadata__", ()):
+            # Under Annotated, typer takes an Option's first string as a name too.
+            names = [getattr(meta, "default", None), *(getattr(meta, "param_decls", None) or ())]
+            if "-o" in names:
+                return True
+    return False
+
+
+def _shared_parameters(json_option: bool, short_o: bool = True) -> list[inspect.Parameter]:
     shared: list[tuple[str, object, object]] = [
         ("url", UrlOpt, None),
         ("token_file", TokenFileOpt, None),
         ("daemon_token", TokenOpt, None),
     ]
     if json_option:
-        shared += [("as_json", JsonOpt, False), ("output_format", FormatOpt, None)]
+        fmt = FormatOpt if short_o else LongFormatOpt
+        shared += [("as_json", JsonOpt, False), ("output_format", fmt, None)]
     kind = inspect.Parameter.KEYWORD_ONLY
     return [inspect.Parameter(n, kind, default=d, annotation=a) for n, a, d in shared]
 
@@ -129,7 +147,7 @@ def with_connection(
     if not passes_ctx:
         kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
         params.insert(0, inspect.Parameter("ctx", kind, annotation=typer.Context))
-    params += _shared_parameters(json_option)
+    params += _shared_parameters(json_option, short_o=not _takes_short_o(hints))
 
     @functools.wraps(command)
     def wrapper(

@@ -1,7 +1,7 @@
 """The original forkd's verbs that this command line names otherwise, so its scripts and
 its users' habits work unchanged where the feature exists here: ``spawn``, ``ls``,
 ``ping``, ``where``, ``images``, ``from-image``, ``run``, ``cleanup``, ``push``,
-``pull``, ``parent build`` and ``workspace ...``.
+``pull``, ``pack``, ``unpack``, ``parent build`` and ``workspace ...``.
 
 Each goes through this daemon (the original ran Firecracker in the CLI for some of
 them). Flags the original had that mean nothing here (``--hugepages``, the netns
@@ -11,8 +11,10 @@ and ignored.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -58,6 +60,8 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
     app.command("cleanup")(cleanup)
     app.command("push")(daemon(push))
     app.command("pull")(daemon(pull))
+    app.command("pack")(daemon(pack))
+    app.command("unpack")(daemon(unpack))
     parent = typer.Typer(help="The original forkd's root filesystem builds: images here.")
     parent.command("build")(daemon(parent_build))
     app.add_typer(parent, name="parent")
@@ -237,6 +241,80 @@ def pull(
     from forkd.cli.snapshots import snapshot_pull
 
     snapshot_pull(conn, ref, tag)
+
+
+def pack(
+    conn: Connection,
+    tag: TagOpt,
+    out: Annotated[
+        Path | None, typer.Option("-o", "--out", help="The file (default: TAG.forkd-snapshot.tar).")
+    ] = None,
+    description: Annotated[
+        str | None, typer.Option("--description", help="The original's.")
+    ] = None,
+    base_image: Annotated[str | None, typer.Option("--base-image", help="The original's.")] = None,
+) -> None:
+    """Write a snapshot to a file, an OCI archive (a diff's bases in it too), to unpack on
+    any host: forkd unpack FILE (or push it to a registry with forkd push)."""
+    if description is not None or base_image is not None:
+        err.print("note: --description and --base-image are accepted and not stored: the "
+                  "archive records the snapshot's image and machine itself")  # fmt: skip
+    target = out or Path(f"{tag}.forkd-snapshot.tar")
+    with daemon_errors(), conn.controller() as ctl, err.status(f"packing {shown(tag)}"):
+        size = ctl.export_snapshot(tag, target)
+    if conn.as_json:
+        render.print_json({"tag": tag, "path": str(target), "bytes": size})
+        return
+    err.print(f"{CHECK} wrote {shown(str(target))} ({size / (1 << 20):.1f} MiB): snapshot "
+              f"{shown(tag)} as an OCI archive; forkd unpack {shown(str(target))} on any host",
+              highlight=False)  # fmt: skip
+
+
+def unpack(
+    conn: Connection,
+    path: Annotated[Path, typer.Argument(help="A file forkd pack wrote.")],
+    tag: Annotated[
+        str | None, typer.Option("--tag", help="Its name here (default: the packed one).")
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace a snapshot of that name (deleted first).")
+    ] = False,
+) -> None:
+    """Make a snapshot from a file forkd pack wrote (every piece checked)."""
+    if not path.is_file():
+        raise fail(f"there is no file {shown(str(path))}")
+    with daemon_errors(), conn.controller() as ctl:
+        if force:
+            name = tag or packed_tag(path)
+            if name is not None and any(s.get("tag") == name for s in ctl.list_snapshots()):
+                ctl.delete_snapshot(name)
+                err.print(f"deleted snapshot {shown(name)} (--force)")
+        with err.status(f"unpacking {shown(str(path))}") as status:
+            info = ctl.import_snapshot(path, tag, status.update)
+    if conn.as_json:
+        render.print_json(info)
+        return
+    err.print(f"{CHECK} unpacked tag '{shown(info['tag'])}': forkd fork --tag "
+              f"{shown(info['tag'])} -n 1", highlight=False)  # fmt: skip
+
+
+def packed_tag(path: Path) -> str | None:
+    """The tag a pack file names in its index.json, read here (None when it has no one
+    readable tag: the daemon says why)."""
+    import json
+    import tarfile
+
+    with contextlib.suppress(OSError, tarfile.TarError, ValueError, KeyError, TypeError):
+        with tarfile.open(path) as tar:
+            member = tar.getmember("index.json")
+            if not member.isfile() or member.size > (1 << 20):
+                return None
+            handle = tar.extractfile(member)
+            index = json.loads(handle.read()) if handle is not None else {}
+        names = {m["annotations"]["org.opencontainers.image.ref.name"]
+                 for m in index.get("manifests", []) if "annotations" in m}  # fmt: skip
+        return next(iter(names)) if len(names) == 1 else None
+    return None
 
 
 def parent_build(

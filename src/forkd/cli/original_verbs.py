@@ -108,9 +108,17 @@ def bench(
         str | None, typer.Option("--tag", help="Snapshot to fork (default: the first listed).")
     ] = None,
     n: Annotated[int, typer.Option("--n", "-n", help="Fan-out children.", min=1, max=100)] = 5,
+    per_child_netns: Annotated[
+        str | None,
+        typer.Option("--per-child-netns", metavar="true|false", help="The original's."),
+    ] = None,
 ) -> None:
     """A latency probe against the daemon, as the original forkd's bench: a fork, an exec,
     a diff branch, a fan-out of -n from the branch, and the cleanup, each timed from here."""
+    if per_child_netns is not None:
+        from forkd.cli.original_commands import ignored
+
+        ignored("--per-child-netns")
     rows: list[tuple[str, float, str]] = []
 
     def timed(name: str, call: Callable[[], Any], detail: Callable[[Any], str]) -> Any:

@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 import functools
+import hashlib
+import re
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from forkd.cli import render
+from forkd.cli.build_progress import following_build
 from forkd.cli.failures import act_on_each, daemon_errors, fail
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
 from forkd.cli.options import Connection, with_connection
@@ -137,7 +141,7 @@ ReadyTimeoutOpt = Annotated[
     float | None,
     typer.Option(
         "--ready-timeout",
-        help="Seconds --start may take to be ready [default: 120]. Without --ready-port "
+        help="Seconds --start may take to be ready (default: 120). Without --ready-port "
         "or --ready-cmd, the image's one exposed port is waited for, if it has one.",
         show_default=False,
     ),
@@ -180,7 +184,7 @@ def snapshot_create(
     ready_timeout: ReadyTimeoutOpt = None,
 ) -> None:
     """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
-    volumes = [parse_volume(v) for v in volume or []]
+    volumes = [parse_volume(host_file_volume(conn, v)) for v in volume or []]
     labels = parse_labels(label)
     t0 = time.monotonic()
     started = {
@@ -191,6 +195,7 @@ def snapshot_create(
     if image is not None and _is_container_ref(image):
         from forkd.cli.images import import_with_progress
 
+        _check_tag_is_free(conn, tag)  # before an import that may take minutes
         image = str(import_with_progress(conn, image, t0, quiet=True)["name"])
     status = _build_status(tag, start, ready_port, ready_cmd)
     extra: dict[str, Any] = {k: v for k, v in started.items() if v is not None}
@@ -198,7 +203,12 @@ def snapshot_create(
         extra["volumes"] = volumes
     if labels:
         extra["metadata"] = labels
-    with daemon_errors(), conn.controller() as ctl, err.status(status):
+    with (
+        daemon_errors(),
+        conn.controller() as ctl,
+        err.status(status) as shown_status,
+        following_build(conn, tag, shown_status),
+    ):
         info = ctl.create_snapshot(
             tag, image=image, memory_mib=memory, vcpus=vcpus,
             setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs, **extra,
@@ -210,6 +220,22 @@ def snapshot_create(
     if info.get("start"):
         err.print(f"start: {shown(info['start'])}", highlight=False)
     out.print(render.kv_table(info))
+
+
+def _check_tag_is_free(conn: Connection, tag: str) -> None:
+    """Exit 1 when snapshot ``tag`` exists (the daemon would refuse it only after the
+    import this command runs first)."""
+    from forkd.client import ControllerError
+
+    with daemon_errors(), conn.controller() as ctl:
+        try:
+            ctl.snapshot(tag)
+        except ControllerError as exc:
+            if exc.status == 404:
+                return
+            raise
+    raise fail(f"snapshot {shown(tag)} exists: choose another --tag, or remove it first "
+               f"(forkd rmi {shown(tag)})")  # fmt: skip
 
 
 def _build_status(tag: str, start: bool, ready_port: int | None, ready_cmd: str | None) -> str:
@@ -388,6 +414,33 @@ def show_tree(ctl: Controller, as_json: bool) -> None:
         err.print("no snapshots or sandboxes yet: run 'forkd snapshot create --tag NAME'")
     else:
         out.print(render.rich_tree(forest, title=ctl.url))
+
+
+def host_file_volume(conn: Connection, text: str) -> str:
+    """``FILE.ext4:/mnt/data[:ro]`` (the original forkd's form: an ext4 image on this
+    host) as ``NAME:/mnt/data[:ro]``, the file sent to the daemon as volume NAME first
+    (once: the same file, unchanged, is that volume again); any other text as it is."""
+    source, sep, rest = text.partition(":")
+    looks_like_a_file = "/" in source or source.endswith((".ext4", ".img"))
+    if not sep or not looks_like_a_file:
+        return text
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise typer.BadParameter(f"--volume {text!r}: there is no file {source}")
+    st = path.stat()
+    ident = f"{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()
+    stem = re.sub(r"[^A-Za-z0-9_-]+", "-", path.stem).strip("-")[:48] or "volume"
+    name = f"{stem}-{hashlib.sha256(ident).hexdigest()[:8]}"
+    with daemon_errors(), conn.controller() as ctl:
+        if any(v.get("name") == name for v in ctl.list_volumes()):
+            err.print(f"volume {shown(name)} holds {shown(source)} already", highlight=False)
+        else:
+            err.print(f"importing {shown(source)} as volume {shown(name)}: copy-on-write, the "
+                      "file itself is never changed (each sandbox writes a layer of its own)",
+                      highlight=False)  # fmt: skip
+            with err.status(f"sending {shown(source)}") as status:
+                ctl.import_volume(name, path, status.update)
+    return f"{name}:{rest}"
 
 
 def parse_volume(text: str) -> dict[str, object]:

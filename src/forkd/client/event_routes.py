@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import httpx
@@ -89,6 +89,7 @@ class EventRoutes:
         sandbox_id: str | None = None,
         since: int | None = None,
         reconnect_s: float = 30.0,
+        on_position: Callable[[int], None] | None = None,
     ) -> Iterator[Event]:
         """``GET /v1/events``: lifecycle events as they happen, without end.
 
@@ -98,7 +99,8 @@ class EventRoutes:
         id seen (``Last-Event-ID``), so nothing is missed or repeated; events
         the daemon no longer held come as one ``gap`` event. Trying to connect
         for ``reconnect_s`` without success raises :class:`ControllerError`
-        (status 0); an answer other than 200 raises it at once.
+        (status 0); an answer other than 200 raises it at once. ``on_position`` hears
+        the id each connection starts after, once the daemon follows for it.
 
         Example::
 
@@ -118,6 +120,8 @@ class EventRoutes:
                     position = event_id
                     if event is not None:
                         yield event
+                    elif on_position is not None:  # the stream's place: it is following
+                        on_position(event_id)
             except httpx.TransportError as exc:
                 now = time.monotonic()
                 failing_since = failing_since or now

@@ -1,6 +1,9 @@
 """An image import with its progress (``POST /v1/images`` as Server-Sent Events), and
-an image archive sent to the daemon (``POST /v1/images/load``), as methods of
-:class:`~forkd.client.Controller` and of :class:`~forkd.client.AsyncController`.
+what goes to or comes from the daemon as a file: an image archive (``POST
+/v1/images/load``), a volume's ext4 image (``POST /v1/volumes/import``) and a snapshot
+as an OCI archive (``GET /v1/snapshots/{tag}/export``, ``POST /v1/snapshots/import``),
+as methods of :class:`~forkd.client.Controller` and of
+:class:`~forkd.client.AsyncController`.
 
 Both clients send the same requests (:func:`import_request`, :func:`load_request`)
 and read the same events (:func:`import_event`): ``progress`` events, then the
@@ -17,6 +20,7 @@ import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import quote
 
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
@@ -114,6 +118,7 @@ class ImageRoutes:
     """Mixed into Controller: an import that reports its steps as they happen."""
 
     url: str
+    timeout: float
     _client: httpx.Client
 
     def import_image_progress(
@@ -143,6 +148,84 @@ class ImageRoutes:
             kwargs = load_request(tag) | {"content": archive_pieces(f, say)}
             return self._stream_image("/v1/images/load", kwargs, say)
 
+    def import_volume(
+        self,
+        name: str,
+        image: str | os.PathLike[str] | BinaryIO,
+        on_progress: ProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        """``POST /v1/volumes/import``: a volume ``name`` whose base is an ext4 file system
+        image (a path, or a file open for reading in binary), sent to the daemon; its
+        VolumeInfo. The file itself is never changed: sandboxes write layers of their
+        own over the daemon's copy (the original forkd's ``--volume FILE.ext4:/mnt``)."""
+        say = on_progress or (lambda _msg: None)
+        with _opened(image) as f:
+            try:
+                resp = self._client.post(
+                    "/v1/volumes/import", params={"name": name},
+                    content=archive_pieces(f, say),
+                    headers={"Content-Type": "application/octet-stream"},
+                    timeout=_long(self.timeout),
+                )  # fmt: skip
+            except httpx.TransportError as exc:
+                raise _broken(self.url, exc) from exc
+        if not resp.is_success:
+            raise ControllerError.from_response(resp)
+        return dict(resp.json())
+
+    def export_snapshot(self, tag: str, out: str | os.PathLike[str]) -> int:
+        """``GET /v1/snapshots/{tag}/export``: the snapshot as an OCI archive, written to
+        the file ``out`` (staged beside it and renamed into place); its size in bytes.
+        The original forkd's ``pack``; :meth:`import_snapshot` is its ``unpack``."""
+        target = Path(out)
+        staged = target.with_name(f".{target.name}.partial")
+        try:
+            with (
+                self._client.stream(
+                    "GET",
+                    f"/v1/snapshots/{quote(tag, safe='')}/export",
+                    timeout=_long(self.timeout),
+                ) as resp,  # fmt: skip
+            ):
+                if not resp.is_success:
+                    resp.read()
+                    raise ControllerError.from_response(resp)
+                size = 0
+                with staged.open("wb") as f:
+                    for piece in resp.iter_bytes(UPLOAD_PIECE):
+                        f.write(piece)
+                        size += len(piece)
+            staged.replace(target)
+        except httpx.TransportError as exc:
+            staged.unlink(missing_ok=True)
+            raise _broken(self.url, exc) from exc
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        return size
+
+    def import_snapshot(
+        self,
+        archive: str | os.PathLike[str] | BinaryIO,
+        tag: str | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        """``POST /v1/snapshots/import``: the snapshot of an archive :meth:`export_snapshot`
+        wrote, named ``tag`` (default: the tag it was packed as); its SnapshotInfo."""
+        say = on_progress or (lambda _msg: None)
+        params = {"tag": tag} if tag else {}
+        with _opened(archive) as f:
+            try:
+                resp = self._client.post(
+                    "/v1/snapshots/import", params=params, content=archive_pieces(f, say),
+                    headers={"Content-Type": "application/x-tar"}, timeout=_long(self.timeout),
+                )  # fmt: skip
+            except httpx.TransportError as exc:
+                raise _broken(self.url, exc) from exc
+        if not resp.is_success:
+            raise ControllerError.from_response(resp)
+        return dict(resp.json())
+
     def _stream_image(
         self, path: str, kwargs: dict[str, Any], on_progress: ProgressCallback
     ) -> dict[str, Any]:
@@ -166,6 +249,7 @@ class AsyncImageRoutes:
     """Mixed into AsyncController: the same import, read asynchronously."""
 
     url: str
+    timeout: float
     _client: httpx.AsyncClient
 
     async def import_image_progress(
@@ -192,6 +276,74 @@ class AsyncImageRoutes:
         with _opened(archive) as f:
             kwargs = load_request(tag) | {"content": aarchive_pieces(f, say)}
             return await self._stream_image("/v1/images/load", kwargs, say)
+
+    async def import_volume(
+        self,
+        name: str,
+        image: str | os.PathLike[str] | BinaryIO,
+        on_progress: AsyncProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`Controller.import_volume`."""
+        say = on_progress or (lambda _msg: None)
+        with _opened(image) as f:
+            try:
+                resp = await self._client.post(
+                    "/v1/volumes/import", params={"name": name},
+                    content=aarchive_pieces(f, say),
+                    headers={"Content-Type": "application/octet-stream"},
+                    timeout=_long(self.timeout),
+                )  # fmt: skip
+            except httpx.TransportError as exc:
+                raise _broken(self.url, exc) from exc
+        if not resp.is_success:
+            raise ControllerError.from_response(resp)
+        return dict(resp.json())
+
+    async def export_snapshot(self, tag: str, out: str | os.PathLike[str]) -> int:
+        """As :meth:`Controller.export_snapshot`."""
+        target = Path(out)
+        staged = target.with_name(f".{target.name}.partial")
+        try:
+            async with self._client.stream(
+                "GET", f"/v1/snapshots/{quote(tag, safe='')}/export", timeout=_long(self.timeout)
+            ) as resp:
+                if not resp.is_success:
+                    await resp.aread()
+                    raise ControllerError.from_response(resp)
+                size = 0
+                with staged.open("wb") as f:
+                    async for piece in resp.aiter_bytes(UPLOAD_PIECE):
+                        await asyncio.to_thread(f.write, piece)
+                        size += len(piece)
+            staged.replace(target)
+        except httpx.TransportError as exc:
+            staged.unlink(missing_ok=True)
+            raise _broken(self.url, exc) from exc
+        except BaseException:
+            staged.unlink(missing_ok=True)
+            raise
+        return size
+
+    async def import_snapshot(
+        self,
+        archive: str | os.PathLike[str] | BinaryIO,
+        tag: str | None = None,
+        on_progress: AsyncProgressCallback | None = None,
+    ) -> dict[str, Any]:
+        """As :meth:`Controller.import_snapshot`."""
+        say = on_progress or (lambda _msg: None)
+        params = {"tag": tag} if tag else {}
+        with _opened(archive) as f:
+            try:
+                resp = await self._client.post(
+                    "/v1/snapshots/import", params=params, content=aarchive_pieces(f, say),
+                    headers={"Content-Type": "application/x-tar"}, timeout=_long(self.timeout),
+                )  # fmt: skip
+            except httpx.TransportError as exc:
+                raise _broken(self.url, exc) from exc
+        if not resp.is_success:
+            raise ControllerError.from_response(resp)
+        return dict(resp.json())
 
     async def _stream_image(
         self, path: str, kwargs: dict[str, Any], on_progress: AsyncProgressCallback
@@ -222,3 +374,9 @@ def _opened(archive: str | os.PathLike[str] | BinaryIO) -> Iterator[BinaryIO]:
             yield f
     else:
         yield archive
+
+
+def _long(timeout: float) -> httpx.Timeout:
+    """A transfer's timeout: the client's, but 10 minutes at least for a read (the daemon
+    writes a whole pack before its first byte)."""
+    return httpx.Timeout(timeout, read=max(timeout, 600))

@@ -6,12 +6,15 @@ which sees only async iterators of bytes and never HTTP.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect
 
 from forkd.controller.services.file_transfer import Download
@@ -53,3 +56,27 @@ def stream_download(download: Download, media_type: str) -> StreamingResponse:
     """The download's chunks as they are read, with a Content-Length when it is known."""
     headers = {"content-length": str(download.size)} if download.size is not None else None
     return StreamingResponse(download.chunks, media_type=media_type, headers=headers)
+
+
+FILE_PIECE = 1 << 20  # a file the daemon made for a client is sent this much at once
+
+
+def stream_and_remove(path: Path, media_type: str, filename: str) -> StreamingResponse:
+    """The file ``path`` (the daemon's, made for this answer) as the answer, removed once
+    it was sent, or the client went away."""
+    size = path.stat().st_size
+
+    async def pieces() -> AsyncIterator[bytes]:
+        try:
+            with path.open("rb") as f:
+                while piece := await asyncio.to_thread(f.read, FILE_PIECE):
+                    yield piece
+        finally:
+            path.unlink(missing_ok=True)
+
+    headers = {"content-length": str(size),
+               "content-disposition": f'attachment; filename="{filename}"'}  # fmt: skip
+    # Removed after the answer too, should the client go before its body began (a daemon
+    # that dies first removes such .partial- files at its next start).
+    gone = BackgroundTask(path.unlink, missing_ok=True)
+    return StreamingResponse(pieces(), media_type=media_type, headers=headers, background=gone)

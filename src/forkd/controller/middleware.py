@@ -26,6 +26,8 @@ UNAUTHORIZED = "missing or wrong bearer token"
 _ID_IN_PATH = re.compile(r"^/v1/(sandboxes|snapshots)/([^/]+)")
 _FILE_UPLOAD = re.compile(r"^/v1/sandboxes/[^/]+/files$")
 IMAGE_LOAD = "/v1/images/load"  # an image archive a client sends: streamed to disk
+VOLUME_IMPORT = "/v1/volumes/import"  # an ext4 image a client sends as a volume: the same
+SNAPSHOT_IMPORT = "/v1/snapshots/import"  # a snapshot archive a client sends: the same
 # The guest port proxy (controller.port_proxy): bodies are the guest's, streamed both ways.
 _PROXIED = re.compile(r"^/v1/(sandboxes/[^/]+/ports/[^/]+/|preview/[^/]+/)")
 # The daemon's own route under the proxy's prefix: its body is JSON, read and bounded.
@@ -46,8 +48,10 @@ def _is_streamed_upload(scope: Scope) -> bool:
 
 
 def _is_image_load(scope: Scope) -> bool:
-    """An image archive: its body streams to a file of the daemon's, never buffered."""
-    return bool(scope["method"] == "POST" and scope["path"] == IMAGE_LOAD)
+    """An image archive, or an ext4 image for a volume: its body streams to a file of
+    the daemon's, never buffered (bounded by --max-image-mib and the disk reserve)."""
+    streamed = (IMAGE_LOAD, VOLUME_IMPORT, SNAPSHOT_IMPORT)
+    return bool(scope["method"] == "POST" and scope["path"] in streamed)
 
 
 class GuardMiddleware:

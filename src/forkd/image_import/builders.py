@@ -325,5 +325,8 @@ def run(
             proc.stdout.close()
     if code != 0:
         why = f"ran over {timeout:.0f} s" if expired.is_set() else f"exited {code}"
+        if progress is not None:  # each line was shown as it came: not again
+            last = next((line for line in reversed(tail) if line.strip()), "")
+            raise Invalid(f"{what} failed ({argv[0]} {why}; its output is above): {last}")
         output = os.linesep.join(tail)[-4000:]
         raise Invalid(f"{what} failed ({argv[0]} {why}):\n{output}")

@@ -23,7 +23,7 @@ from forkd.image_import.blob_store import BlobStore
 from forkd.image_import.diff_ids import copy_checking_diff_id
 from forkd.image_import.fetch import LAYER_CAP, Meter, Say, check_held, short_digest
 from forkd.image_import.local_sources import TarFiles, read_small
-from forkd.image_import.model import FetchedImage, LayerBlob
+from forkd.image_import.model import FetchedImage, ImageConfig, LayerBlob
 from forkd.oci.reference import DIGEST
 
 
@@ -71,10 +71,49 @@ def import_docker_archive(
     if not store.has(config_digest):
         store.put(config_data, config_digest)
         fetched += len(config_data)
+    return _fetched(store, reference, config_digest, len(config_data), parsed.config, layers,
+                    fetched, reused)  # fmt: skip
+
+
+def from_held(store: BlobStore, config_digest: str, reference: str) -> FetchedImage | None:
+    """The image whose config is ``config_digest``, when the store holds that config and
+    every layer it names as its plain tar, each checked before (a Docker Engine's image
+    imported already): nothing to read. None when anything is missing."""
+    config_data = store.read(config_digest, manifests.MAX_DOCUMENT_BYTES)
+    if config_data is None:
+        return None
+    try:
+        count = len(json.loads(config_data)["rootfs"]["diff_ids"])
+        parsed = manifests.parse_config(config_data, count, f"the config of {reference}")
+    except (ValueError, KeyError, TypeError, Invalid):
+        return None
+    layers: list[LayerBlob] = []
+    for diff_id in parsed.diff_ids:
+        held = store.path(diff_id)
+        if held is None or not store.is_verified(diff_id, diff_id):
+            return None
+        layers.append(LayerBlob(diff_id, held.stat().st_size, manifests.OCI_LAYER, held, diff_id))
+    reused = sum(b.size for b in layers) + len(config_data)
+    return _fetched(store, reference, config_digest, len(config_data), parsed.config, layers,
+                    0, reused)  # fmt: skip
+
+
+def _fetched(
+    store: BlobStore,
+    reference: str,
+    config_digest: str,
+    config_size: int,
+    config: ImageConfig,
+    layers: list[LayerBlob],
+    fetched: int,
+    reused: int,
+) -> FetchedImage:
+    """The image of a config and its layers, with the OCI manifest made for them (the
+    archive has none) put in the store."""
     manifest = json.dumps({
         "schemaVersion": 2, "mediaType": manifests.OCI_MANIFEST,
         "config": {"mediaType": manifests.OCI_CONFIG, "digest": config_digest,
-                   "size": len(config_data)},
+                   "size": config_size},
         "layers": [{"mediaType": b.media_type, "digest": b.digest, "size": b.size}
                    for b in layers],
     }, sort_keys=True, separators=(",", ":")).encode()  # fmt: skip
@@ -82,7 +121,7 @@ def import_docker_archive(
         reference=reference,
         manifest_digest=store.put(manifest),
         config_digest=config_digest,
-        config=parsed.config,
+        config=config,
         layers=tuple(layers),
         bytes_fetched=fetched,
         bytes_reused=reused,

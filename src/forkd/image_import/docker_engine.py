@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import stat
@@ -23,6 +24,7 @@ from urllib.parse import quote
 import httpx
 
 from forkd.errors import Invalid, NotFound, Unavailable, UpstreamError
+from forkd.oci.reference import DIGEST
 
 DEFAULT_SOCKET = Path("/var/run/docker.sock")
 MAX_ARCHIVE_BYTES = 64 << 30  # one saved image; the daemon's disk is the real bound
@@ -162,6 +164,34 @@ def save(
     except BaseException:
         staged.unlink(missing_ok=True)
         raise
+
+
+MAX_INSPECT_BYTES = 1 << 20
+
+
+def image_id(image: str, *, docker_host: str | None = None) -> str:
+    """The engine's id of ``image`` (its config's digest, ``sha256:<hex>``): what an
+    import asks first, to find an image it imported before without exporting it."""
+    check_image_name(image)
+    sock = socket_path(docker_host)
+    _check_socket(sock)
+    found = None
+    with (
+        _engine(sock) as client,
+        client.stream("GET", f"/images/{quote(image, safe='/:@')}/json") as answer,
+    ):
+        if answer.status_code != 200:
+            raise _answer_error(sock, image, answer)
+        body = b""
+        for chunk in answer.iter_raw(CHUNK_BYTES):
+            body += chunk
+            if len(body) > MAX_INSPECT_BYTES:  # an engine's inspect is a few KiB
+                break
+        with contextlib.suppress(ValueError, AttributeError):
+            found = json.loads(body).get("Id")
+    if not isinstance(found, str) or not DIGEST.fullmatch(found):
+        raise UpstreamError(f"the Docker Engine at unix://{sock} gave {image} no image id")
+    return found
 
 
 def _check_socket(sock: Path) -> None:

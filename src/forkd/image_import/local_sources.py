@@ -19,7 +19,8 @@ import hashlib
 import os
 import posixpath
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -34,6 +35,7 @@ from forkd.image_import.manifests import Descriptor, ImageIndex
 from forkd.image_import.model import FetchedImage
 
 PIECE = 1 << 20
+PROGRESS_SECS = 2.0  # an export's progress: at most a line this often
 MAX_LINK_HOPS = 8  # symlinks and hard links between members followed to find a file
 ARCHIVE_LIMITS = Limits(
     max_entries=1 << 16,
@@ -128,8 +130,13 @@ def _from_engine(
     layer_cap: int,
 ) -> FetchedImage:
     from forkd.image_import import docker_engine
-    from forkd.image_import.docker_archive import import_docker_archive
+    from forkd.image_import.docker_archive import from_held, import_docker_archive
 
+    image_id = docker_engine.image_id(source.image, docker_host=docker_host)
+    held = from_held(store, image_id, str(source))
+    if held is not None:
+        say(f"{source.image} ({image_id[7:19]}) was imported before: nothing to export")
+        return held
     fd, saved = store.temp_file(".docker-save.tar")
     os.close(fd)
     try:
@@ -138,12 +145,28 @@ def _from_engine(
             source.image,
             saved,
             docker_host=docker_host,
-            progress=lambda n: say(f"exported {n / (1 << 20):.1f} MiB"),
+            progress=every_few_seconds(lambda n: say(f"exported {n / (1 << 20):.1f} MiB")),
         )
         with TarFiles(saved, shown=str(source)) as files:
             return import_docker_archive(files, None, store, str(source), say, layer_cap=layer_cap)
     finally:
         saved.unlink(missing_ok=True)
+
+
+def every_few_seconds(
+    report: Callable[[int], None], seconds: float = PROGRESS_SECS
+) -> Callable[[int], None]:
+    """``report`` for a count that grows by the chunk, called at most once per ``seconds``
+    (a 200 MiB export is a few lines in a log, not 200)."""
+    last = [time.monotonic()]
+
+    def maybe(count: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= seconds:
+            last[0] = now
+            report(count)
+
+    return maybe
 
 
 # ---------------------------------------------------------------------- files

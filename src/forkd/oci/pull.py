@@ -28,7 +28,7 @@ from forkd import limits
 from forkd.errors import SnapshotError, UpstreamError
 from forkd.oci import artifact
 from forkd.oci.artifact import Layer, Manifest
-from forkd.oci.registry import Registry
+from forkd.oci.repository import PullSource
 from forkd.vmm.snapshot import memory, memory_diff
 from forkd.vmm.snapshot.memory_diff import Chain
 
@@ -52,7 +52,7 @@ class Remote:
         return int(self.config["memory"]["bytes"])
 
 
-def open_remote(registry: Registry, reference: str) -> Remote:
+def open_remote(registry: PullSource, reference: str) -> Remote:
     """Read and check the manifest ``reference`` names and its config; writes nothing."""
     where = f"{registry.ref.registry}/{registry.ref.repository}@{reference}"
     body, digest = registry.get_manifest(reference)
@@ -66,9 +66,9 @@ def open_remote(registry: Registry, reference: str) -> Remote:
 
 
 class Downloads:
-    """Blob fetches, counted; every blob checked by :meth:`Registry.get_blob`."""
+    """Blob fetches, counted; every blob checked by its source's ``get_blob``."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: PullSource) -> None:
         self.registry = registry
         self.bytes = 0
         self._lock = threading.Lock()
@@ -123,7 +123,7 @@ def write_vmstate(remote: Remote, downloads: Downloads, fd: int) -> int:
 
 
 def write_memory(
-    registry: Registry, remote: Remote, downloads: Downloads, fd: int, local_base: LocalBase
+    registry: PullSource, remote: Remote, downloads: Downloads, fd: int, local_base: LocalBase
 ) -> None:
     """Write ``remote``'s whole guest memory into ``fd`` (an empty file), holes as holes."""
     os.ftruncate(fd, remote.memory_bytes)
@@ -131,7 +131,7 @@ def write_memory(
 
 
 def _materialize(
-    registry: Registry,
+    registry: PullSource,
     remote: Remote,
     downloads: Downloads,
     fd: int,

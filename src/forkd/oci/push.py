@@ -20,7 +20,8 @@ import zstandard
 
 from forkd.oci import artifact, image_files, volume_files
 from forkd.oci.artifact import Layer, Manifest
-from forkd.oci.registry import Registry, sha256
+from forkd.oci.registry import sha256
+from forkd.oci.repository import PushTarget
 from forkd.vmm.snapshot import memory, memory_diff
 from forkd.vmm.snapshot.files import SnapshotFiles
 from forkd.vmm.snapshot.memory_diff import Chain
@@ -56,7 +57,7 @@ class Pushed:
 
 @dataclass
 class _Uploader:
-    registry: Registry
+    registry: PushTarget
     result: Pushed
     layers: list[Layer] = field(default_factory=list)
     compressor: zstandard.ZstdCompressor = field(
@@ -82,7 +83,7 @@ def push(
     files: SnapshotFiles,
     image_dir: Path,
     config: dict[str, Any],
-    registry: Registry,
+    registry: PushTarget,
     reference: str | None,
     base: Base | None,
     progress: Progress,

@@ -55,6 +55,7 @@ EVENT_TYPES = (
     "expired",  # a sandbox reached its timeout (action); what the action did follows
     "killed",  # the daemon stopped a sandbox's VM (DELETE, a timeout, a broken VM)
     "died",  # a sandbox's QEMU exited on its own
+    "snapshot_progress",  # a template's build goes on: step, message, the service's output
     "snapshot_created",
     "snapshot_deleted",
     "explore_variant",  # a variant of an explore finished (on the source: explore, index, ...)

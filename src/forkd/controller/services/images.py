@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any
 
 from forkd import import_deadline, paths
 from forkd.archive.errors import ArchiveError
@@ -36,8 +36,9 @@ from forkd.controller.models import (
     OutputEvent,
 )
 from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.received import receive_to as _receive
 from forkd.controller.settings import Settings
-from forkd.disk_reserve import DiskReserve, WriteMeter
+from forkd.disk_reserve import DiskReserve
 from forkd.errors import Busy, Conflict, ImageError, Invalid, NoRoom, NotFound
 from forkd.guest import container_image, image_sharing, recipe
 from forkd.guest import image as images
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 MAX_IMPORTS = 2
 KEEPALIVE_SECS = 15.0  # an import's event stream is never quiet longer than this
 LOADED = "loaded:"  # the references of images clients sent as archives: loaded:TAG
-WRITE_PIECE = 1 << 20  # an upload is written to disk, off the event loop, this much at once
 
 Progress = Callable[[str], None]
 
@@ -119,7 +119,8 @@ class ImageService:
         fd, path = BlobStore(paths.blobs_dir()).temp_file(".load.tar")
         try:
             with os.fdopen(fd, "wb") as out:
-                await _receive(body, out, self.fleet.settings.max_image_bytes, meter)
+                cap = self.fleet.settings.max_image_bytes
+                await _receive(body, out, cap, meter, "the archive", "--max-image-mib")
         except BaseException as exc:
             path.unlink(missing_ok=True)
             if isinstance(exc, OSError):  # the disk filled up: a 500 that says so
@@ -446,29 +447,6 @@ async def _as_events(
         yield OutputEvent("image", work.result())
     finally:
         work.cancel()  # a client gone: the import thread still finishes on its own
-
-
-async def _receive(body: AsyncIterator[bytes], out: BinaryIO, cap: int, meter: WriteMeter) -> int:
-    """Write ``body`` to ``out`` as it arrives; its size. 413 past ``cap`` bytes (the
-    guard middleware cuts the body there too), 507 once the disk is down to its
-    reserve."""
-    size = held = 0
-    pending: list[bytes] = []
-    async for piece in body:
-        size += len(piece)
-        if size > cap:
-            raise Invalid(f"the archive is over {cap} bytes (the daemon's --max-image-mib)")
-        pending.append(piece)
-        held += len(piece)
-        if held >= WRITE_PIECE:
-            meter.will_write(held)
-            await asyncio.to_thread(out.write, b"".join(pending))
-            pending, held = [], 0
-    meter.will_write(held)
-    await asyncio.to_thread(out.write, b"".join(pending))
-    if size == 0:
-        raise Invalid("the request has no body: send the archive (docker save, podman save)")
-    return size
 
 
 def _local_images() -> list[images.Image]:

@@ -110,8 +110,11 @@ class Lifecycle:
         """Remove staging leftovers; register committed snapshots the registry lacks."""
         root = self.fleet.settings.snapshot_root
         for leftover in root.glob(".*.partial-*"):
-            log.info("removing staging directory %s left by a crash", leftover)
-            shutil.rmtree(leftover, ignore_errors=True)
+            log.info("removing %s left by a crash", leftover)
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:  # a pack or an archive on its way in
+                leftover.unlink(missing_ok=True)
         store = self.fleet.store
         for row in store.list_snapshots():  # pending work survives no restart
             if row.status == SnapshotStatus.WRITING:

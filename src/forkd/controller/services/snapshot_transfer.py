@@ -22,7 +22,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,10 +31,13 @@ from typing import Any, TypeVar
 from forkd import accel, limits, paths
 from forkd.controller.models import PushResult, SnapshotInfo, SnapshotPull, SnapshotPush
 from forkd.controller.services import transfer_records
+from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.received import receive_to
+from forkd.controller.services.snapshot_archive import ArchiveReader, ArchiveWriter
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SnapshotRow, now
-from forkd.disk_reserve import free_bytes
+from forkd.disk_reserve import DiskReserve, free_bytes
 from forkd.errors import (
     Busy,
     Conflict,
@@ -45,6 +48,7 @@ from forkd.errors import (
     UpstreamError,
 )
 from forkd.guest import pulled_image
+from forkd.image_import.local_sources import TarFiles
 from forkd.oci import (
     artifact,
     auth,
@@ -59,6 +63,7 @@ from forkd.oci.pull import Downloads, Remote
 from forkd.oci.push import Base, Pushed
 from forkd.oci.reference import Reference
 from forkd.oci.registry import Registry
+from forkd.oci.repository import PullSource, PushTarget
 from forkd.vmm.jail import egress
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory_diff
@@ -167,7 +172,7 @@ class SnapshotTransfer:
                  pushed.bytes_uploaded, pushed.bytes_total, pushed.encoding)  # fmt: skip
         return PushResult(ref=str(ref), **vars(pushed))
 
-    def _push_closing(self, registry: Registry, *args: Any) -> Pushed:
+    def _push_closing(self, registry: PushTarget, *args: Any) -> Pushed:
         try:
             return self._push_one(registry, *args)
         finally:
@@ -175,7 +180,7 @@ class SnapshotTransfer:
 
     def _push_one(
         self,
-        registry: Registry,
+        registry: PushTarget,
         files: SnapshotFiles,
         row: SnapshotRow,
         reference_: str | None,
@@ -209,7 +214,7 @@ class SnapshotTransfer:
         return pushed
 
     def _base(
-        self, registry: Registry, files: SnapshotFiles, row: SnapshotRow, depth: int
+        self, registry: PushTarget, files: SnapshotFiles, row: SnapshotRow, depth: int
     ) -> Base | None:
         """What to push ``files`` as a delta over: its diff base (pushed first if the
         repository lacks it), else the snapshot it came from if the repository has it."""
@@ -234,12 +239,102 @@ class SnapshotTransfer:
             return None
         return push.Base(digest, parent[0].tag, memory_diff.resolve(parent[1]))
 
-    def _pushed_as(self, registry: Registry, snapshot_id: str) -> str | None:
+    def _pushed_as(self, registry: PushTarget, snapshot_id: str) -> str | None:
         """A digest snapshot ``snapshot_id`` is known by that this repository has."""
         for digest in self.fleet.store.digests_of(snapshot_id):
             if registry.has_manifest(digest):
                 return digest
         return None
+
+    # ------------------------------------------------------------ archives
+
+    async def export(self, tag: str) -> Path:
+        """Snapshot ``tag`` as an OCI archive (the original forkd's ``pack``): a tar file
+        of the daemon's, beside the snapshots, that the caller sends and removes. What
+        a push would send (a diff's bases too), laid out as an OCI image layout."""
+        row = self.fleet.snapshot_row(tag)
+        if row.status != "ready":
+            raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to pack")
+        require_room(self.root, self.fleet.settings.disk_reserve_mib, f"packing {tag!r}")
+        release = self.snapshots.hold_for_reading(tag)
+        try:
+            files = snapshot_files.load(Path(row.dir))
+        except BaseException as exc:
+            release()
+            if isinstance(exc, SnapshotError):
+                raise Conflict(f"snapshot {tag!r} cannot be packed: {exc}") from exc
+            raise
+        out = self.root / f".{tag}.partial-pack-{secrets.token_hex(3)}.tar"
+
+        def pack() -> None:
+            try:
+                with out.open("xb") as f:
+                    writer = ArchiveWriter(f, tag, files.meta.created_at_unix)
+                    self._push_one(writer, files, row, tag, False)
+                    writer.finish()
+            except BaseException as exc:
+                out.unlink(missing_ok=True)
+                if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+                    raise StorageFull(f"disk full while packing {tag!r}") from exc
+                raise
+
+        await self._in_thread(pack, then=release)
+        return out
+
+    async def receive_archive(self, body: AsyncIterator[bytes]) -> Path:
+        """An archive a client sends (``POST /v1/snapshots/import``), written beside the
+        snapshots as it arrives: within --max-image-mib and --disk-reserve. The caller
+        removes it."""
+        reserve = DiskReserve(self.root, self.fleet.settings.disk_reserve_mib << 20)
+        meter = reserve.meter("receiving a snapshot archive")
+        path = self.root / f".import.partial-{secrets.token_hex(8)}.tar"
+        try:
+            with path.open("xb") as out:
+                await receive_to(body, out, self.fleet.settings.max_image_bytes, meter,
+                                 "the snapshot archive", "--max-image-mib")  # fmt: skip
+        except BaseException as exc:
+            path.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise StorageFull(f"writing a snapshot archive: {exc.strerror}") from exc
+            raise
+        return path
+
+    async def import_archive(
+        self, archive: Path, tag: str | None, metadata: dict[str, str]
+    ) -> SnapshotInfo:
+        """The snapshot of an OCI archive a client sent (:meth:`export`'s, from this host
+        or another: the original forkd's ``unpack``), read as a pull reads a registry,
+        every blob checked; ``tag`` names it (default: the tag it was packed as).
+        409 when that tag exists or this host cannot restore it; nothing kept on any
+        failure. The archive itself is the caller's to remove."""
+        if tag is not None:
+            limits.check_tag(tag)
+        # The archive stays open and the tag reserved until the thread writing the
+        # snapshot is done, even when the request goes away first.
+        held = contextlib.ExitStack()
+        handed = False
+        try:
+            files = held.enter_context(TarFiles(archive, shown="the snapshot archive"))
+            reader = ArchiveReader(files, "the snapshot archive")
+            packed = await self._in_thread(reader.only_tag)
+            tag = tag or packed
+            limits.check_tag(tag)
+            if self.fleet.store.get_snapshot(tag) is not None:
+                raise Conflict(f"snapshot {tag!r} already exists")
+            held.enter_context(self.fleet.reserve_tag(tag))
+            remote = await self._in_thread(pull.open_remote, reader, packed)
+            plan = await self._in_thread(self._check, remote)
+            handed = True
+            await self._in_thread(
+                self._pull_sync, reader, reader.ref, remote, tag, plan, metadata,
+                then=held.close,
+            )  # fmt: skip
+        finally:
+            if not handed:
+                held.close()
+        self.fleet.events.publish("snapshot_created", snapshot_tag=tag)
+        log.info("unpacked an archive as %s", tag)
+        return self.snapshots.info(tag)
 
     # ------------------------------------------------------------ pull
 
@@ -311,7 +406,7 @@ class SnapshotTransfer:
 
     def _pull_sync(
         self,
-        registry: Registry,
+        registry: PullSource,
         ref: Reference,
         remote: Remote,
         tag: str,
@@ -348,7 +443,7 @@ class SnapshotTransfer:
 
     def _write(
         self,
-        registry: Registry,
+        registry: PullSource,
         remote: Remote,
         downloads: Downloads,
         staging: Path,

@@ -148,6 +148,8 @@ class SnapshotService:
         setup = [*(defaults.get("setup") or []), *req.setup]
         warmups = [w for w in (defaults.get("warmup"), req.warmup) if w]
         attach = self.volumes.attach_for_boot(req.volumes)
+        self.fleet.events.publish("snapshot_progress", snapshot_tag=req.tag, step="boot",
+                                  message=f"booting image {img.name}")  # fmt: skip
         try:
             template = await self.fleet.driver.boot(
                 img,
@@ -166,10 +168,22 @@ class SnapshotService:
         except BaseException:
             self.volumes.discard_unused(attach)  # made, but no VM took them
             raise
+        events = self.fleet.events
+
+        def progress(step: str, message: str, output: str = "") -> None:
+            fields = {"output": output} if output else {}
+            events.publish("snapshot_progress", snapshot_tag=req.tag, step=step,
+                           message=message, **fields)  # fmt: skip
+
         try:
             await template_start.configure(template, img, req)
+            progress("setup", f"booted; running {len(setup)} setup command(s), "
+                     f"{len(warmups)} warm-up(s)")  # fmt: skip
             await self._prepare(template, setup, warmups)
-            said = await template_start.start(template, img, req)
+            said = await template_start.start(
+                template, img, req, lambda message, output: progress("start", message, output)
+            )
+            progress("snapshot", "taking the snapshot")
             started = time.monotonic()
             await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
             self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from forkd import limits
 from forkd.controller.models import SnapshotCreate
@@ -84,9 +85,17 @@ def _port_and_protocol(exposed: str) -> tuple[int | None, str]:
     return number, (proto or "tcp").lower()
 
 
-async def start(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> str | None:
+# (message, the command's last output line): what a template's start is doing now.
+Report = Callable[[str, str], None]
+REPORT_EVERY_SECS = 2.0
+
+
+async def start(
+    template: SandboxVM, img: images.Image, req: SnapshotCreate, report: Report | None = None
+) -> str | None:
     """Run the image's Entrypoint+Cmd in the background and wait until it is ready; what
-    was waited for (None without ``start``)."""
+    was waited for (None without ``start``). ``report`` hears what is waited for, and the
+    command's latest output, every :data:`REPORT_EVERY_SECS` while it waits."""
     if not req.start:
         return None
     config = container_image.config_of(img)
@@ -98,8 +107,19 @@ async def start(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> 
         req = req.model_copy(update={"ready_port": port})
     proc = await template.proc_start(argv)
     pid = int(proc["pid"])
-    deadline = time.monotonic() + req.ready_timeout_secs
+    began = time.monotonic()
+    deadline = began + req.ready_timeout_secs
+    waiting = (f"port {port} to listen" if port is not None else f"{req.ready_cmd!r} to exit 0"
+               if req.ready_cmd is not None else "nothing")  # fmt: skip
+    reported = 0.0
     while True:
+        now = time.monotonic()
+        if report is not None and now - reported >= REPORT_EVERY_SECS:
+            reported = now
+            tail = await _output_tail(template, pid)
+            last = tail.splitlines()[-1] if tail.strip() and tail != "(none)" else ""
+            report(f"started {argv[0]}; waiting for {waiting} ({now - began:.0f} s of "
+                   f"{req.ready_timeout_secs:g}, --ready-timeout)", last)  # fmt: skip
         info = await template.proc_info(pid)
         if not info["running"]:
             tail = await _output_tail(template, pid)

@@ -4,15 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+import os
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.controller.models import VolumeAttach, VolumeInfo
-from forkd.errors import Conflict
+from forkd.controller.services.received import receive_to
+from forkd.disk_reserve import DiskReserve
+from forkd.errors import Conflict, StorageFull
 from forkd.limits import check_name
 from forkd.vmm.snapshot import files as snapshot_files
-from forkd.vmm.volumes.disks import Attachment, VolumeStore, attach_for_boot, parse_size
+from forkd.vmm.volumes.disks import (
+    MAX_SIZE,
+    Attachment,
+    VolumeStore,
+    attach_for_boot,
+    parse_size,
+)
 
 if TYPE_CHECKING:
     from forkd.controller.services.fleet import Fleet
@@ -27,6 +36,7 @@ class VolumeService:
         self.store = VolumeStore(
             fleet.settings.state_dir / "volumes", fleet.settings.disk_reserve_mib << 20
         )
+        self.store.remove_dead_uploads()  # images a daemon that died was receiving
 
     # ------------------------------------------------------------ users
 
@@ -107,6 +117,27 @@ class VolumeService:
         if self.store.exists(name):
             raise Conflict(f"volume {name!r} already exists")
         info = await asyncio.to_thread(self.store.create, name, nbytes, content or None)
+        return VolumeInfo(**info, used_by=[])
+
+    async def import_image(self, name: str, body: AsyncIterator[bytes]) -> VolumeInfo:
+        """A volume whose base is the ext4 image the client sends (the original forkd's
+        ``--volume HOST_FILE.ext4:/mnt/data``): written as it arrives, within --disk-reserve
+        and 1 TiB, checked to be ext4, then renamed into place; a failure keeps nothing."""
+        check_name(name, "volume name")
+        if self.store.exists(name):
+            raise Conflict(f"volume {name!r} already exists")
+        reserve = DiskReserve(self.store.root, self.fleet.settings.disk_reserve_mib << 20)
+        meter = reserve.meter(f"receiving volume {name}'s image")
+        fd, path = self.store.upload_file()
+        try:
+            with os.fdopen(fd, "wb") as out:
+                await receive_to(body, out, MAX_SIZE, meter, "an ext4 image")
+            info = await asyncio.to_thread(self.store.create_from_image, name, path)
+        except BaseException as exc:
+            path.unlink(missing_ok=True)
+            if isinstance(exc, OSError):
+                raise StorageFull(f"writing volume {name}'s image: {exc.strerror}") from exc
+            raise
         return VolumeInfo(**info, used_by=[])
 
     async def delete(self, name: str) -> None:

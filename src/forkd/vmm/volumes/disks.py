@@ -103,6 +103,17 @@ class Attachment:
                    tuple(data["chain"]))  # fmt: skip
 
 
+EXT4_MAGIC_OFFSET = 1024 + 0x38  # the superblock's s_magic
+EXT4_MAGIC = b"\x53\xef"
+
+
+def is_ext4(image: Path) -> bool:
+    """Whether ``image`` starts with an ext2/3/4 superblock (its magic number)."""
+    with image.open("rb") as f:
+        f.seek(EXT4_MAGIC_OFFSET)
+        return f.read(2) == EXT4_MAGIC
+
+
 def parse_size(text: str | int) -> int:
     """``1G``, ``512M``, ``300000000`` → bytes."""
     if isinstance(text, int):
@@ -286,6 +297,59 @@ class VolumeStore:
             raise VolumeExists(f"no free name for volume {name!r}")
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+    def create_from_image(self, name: str, image: Path) -> dict[str, Any]:
+        """A new volume whose base is the ext4 image file ``image`` (in this store's
+        directory: it is renamed, never copied); staged and renamed into place. The host
+        never mounts it: only a guest's kernel reads it, as a disk of its own."""
+        final = self._dir(name)
+        if final.exists():
+            raise VolumeExists(f"volume {name!r} already exists")
+        size = image.stat().st_size
+        if not MIN_SIZE <= size <= MAX_SIZE or size % 512:
+            raise VolumeInvalid(f"an ext4 image of {size} bytes: a volume is 16 MiB to 1 TiB, "
+                                "in whole 512-byte sectors")  # fmt: skip
+        if not is_ext4(image):
+            raise VolumeInvalid("not an ext4 file system image (no ext4 superblock)")
+        staging = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.partial-"))
+        try:
+            os.rename(image, staging / "base.img")
+            (staging / "base.img").chmod(0o600)
+            (staging / "layers").mkdir(mode=0o700)
+            info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
+            (staging / "volume.json").write_text(json.dumps(info) + "\n")
+            (staging / "volume.json").chmod(0o600)
+            try:
+                staging.rename(final)
+            except OSError as exc:
+                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise VolumeExists(f"volume {name!r} already exists") from exc
+                raise
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return self.get(name)
+
+    def upload_file(self) -> tuple[int, Path]:
+        """A new empty file in this store's directory for an image on its way in (marked
+        with this process: a daemon that dies leaves nothing a later one keeps)."""
+        from forkd import processes
+
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        path = self.root / f".upload-{processes.mark()}{secrets.token_hex(8)}.img"
+        return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), path
+
+    def remove_dead_uploads(self) -> int:
+        """Remove the images on their way in whose daemon is gone; how many."""
+        from forkd import processes
+
+        removed = 0
+        for path in self.root.glob(".upload-*.img") if self.root.is_dir() else ():
+            holder = processes.marked_by(path.name)
+            if holder is None or not holder.alive():
+                path.unlink(missing_ok=True)
+                removed += 1
+        return removed
 
     def remove(self, name: str) -> None:
         d = self._dir(name)
