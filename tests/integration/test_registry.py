@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -271,3 +272,29 @@ def test_a_snapshot_claiming_more_than_the_disk_holds_is_refused_before_writing(
     ref = _republish(registry, huge_volume, "huge")
     refused = _pull_refused(other, ctl2, ref)
     assert refused.status == 507 and "may need" in str(refused)
+
+
+def test_pack_on_one_daemon_and_unpack_on_another(
+    ctl: Controller, ctl2: Controller, api_template: str, other: Daemon, tmp_path: Path
+) -> None:
+    """Issue 36: the original forkd's pack and unpack, with real VMs: the template to a
+    file (an OCI archive, no registry), made a snapshot again on another daemon, forked
+    there with its warm state."""
+    archive = tmp_path / "py.forkd-snapshot.tar"
+    started = time.monotonic()
+    size = ctl.export_snapshot(api_template, archive)
+    packed_s = time.monotonic() - started
+    assert size == archive.stat().st_size > 10 << 20
+    r = subprocess.run(
+        [sys.executable, "-m", "forkd.cli", "unpack", str(archive), "--tag", "py-unpacked",
+         "--json"], capture_output=True, text=True, timeout=600, env=other.env(),
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    unpacked = json.loads(r.stdout)
+    assert unpacked["tag"] == "py-unpacked" and unpacked["status"] == "ready"
+    assert memory_digest(unpacked) == memory_digest(ctl.snapshot_info(api_template))
+    with Sandbox("py-unpacked", controller=ctl2) as kid:
+        out = kid.eval("open('/work/setup.txt').read().strip(), x + 1")
+        assert out.error is None and out.result == "('ready', 42)"
+    print(f"\npack of {api_template}: {size >> 20} MiB in {packed_s:.1f} s")
+    ctl2.delete_snapshot("py-unpacked")

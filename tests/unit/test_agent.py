@@ -1014,6 +1014,22 @@ def test_an_eval_whose_client_left_is_interrupted_for_the_next(tcp: TcpAgent) ->
     assert time.monotonic() - start < 5  # not the 29 s the abandoned eval had left
 
 
+def test_a_client_that_leaves_while_its_eval_waits_never_stops_another(tcp: TcpAgent) -> None:
+    """B's eval waits behind A's; B gives up: A's eval runs to its end (only B's eval is
+    ever interrupted), and B's never holds the interpreter after."""
+    waiting = _eval_sent(tcp, "import time\nfor _ in range(150):\n    time.sleep(0.01)\n'a done'")
+    time.sleep(0.2)
+    gone = _eval_sent(tcp, SLOW_LOOP)
+    time.sleep(0.1)
+    gone.close()
+    with waiting:
+        first = _one_answer(waiting)
+    assert first["ok"] is True and first["result"] == "'a done'" and not first["timed_out"]
+    start = time.monotonic()
+    assert tcp.call(action="eval", code="'free'")["result"] == "'free'"
+    assert time.monotonic() - start < 5  # B's 30 s loop was stopped once it ran
+
+
 def test_an_eval_whose_client_still_waits_is_not_interrupted(tcp: TcpAgent) -> None:
     waiting = _eval_sent(tcp, "import time\ntime.sleep(1.5)\n'slept'")
     time.sleep(0.3)

@@ -321,6 +321,9 @@ def test_a_name_with_several_builds_shows_its_current_one(api: TestClient) -> No
     assert (shown["key"], shown["references"]) == ("f" * 16, ["reg.test/new:1"])
     exact = api.get(f"/v1/images/{older.name}-{older.key}").json()
     assert exact["references"] == ["reg.test/old:1"]
+    # Deleting NAME-KEY deletes that build alone.
+    assert api.delete(f"/v1/images/{older.name}-{older.key}").status_code == 204
+    assert not older.dir.exists() and newer_dir.is_dir()
 
 
 class _SocketTables:

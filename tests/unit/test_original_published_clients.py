@@ -8,10 +8,8 @@ tests/integration/test_original_clients.py."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from mcp import Client
@@ -20,6 +18,7 @@ from mcp.client.stdio import StdioServerParameters
 from forkd.client import Controller
 from tests import original_published
 from tests.unit.conftest import Server
+from tests.unit.test_mcp_server import _value
 
 
 @pytest.fixture
@@ -72,14 +71,6 @@ def test_the_original_sdk_from_pypi_drives_the_daemon(server: Server, py: str) -
     assert out["got"] == out["kids"][0]
     assert out["missing"][0] == 404 and "no-such-tag" in out["missing"][1]["error"]
     assert out["left"] == []
-
-
-def _value(result: Any) -> Any:
-    assert not result.is_error, result.content
-    if result.structured_content is not None:
-        value = result.structured_content
-        return value.get("result", value) if isinstance(value, dict) and len(value) == 1 else value
-    return json.loads(result.content[0].text)
 
 
 def test_the_original_mcp_server_from_pypi_drives_the_daemon(server: Server, py: str) -> None:

@@ -88,3 +88,19 @@ def test_an_archive_directory_opened_at_runtime(
     _write(path, f'image_archive_dirs = ["{tmp_path}"]\n')
     r = client.post("/v1/images", json={"ref": f"docker-archive:{archive}"})
     assert r.status_code == 201, r.text
+
+
+def test_a_file_others_could_change_is_not_applied(tmp_path: Path) -> None:
+    path = tmp_path / "registries.toml"
+    tmp_path.chmod(0o755)
+    _write(path, 'insecure_registries = ["127.0.0.1:6000"]\n')
+    path.chmod(0o666)  # anyone could open a registry, or a host directory, to clients
+    with pytest.raises(ValueError, match="written by other users"):
+        PolicyFile(path, FLAGS).check()
+    assert PolicyFile(path, FLAGS).current() == FLAGS
+    path.chmod(0o644)
+    tmp_path.chmod(0o777)
+    with pytest.raises(ValueError, match="its directory may be written"):
+        PolicyFile(path, FLAGS).check()
+    tmp_path.chmod(0o755)
+    assert "127.0.0.1:6000" in PolicyFile(path, FLAGS).current().insecure_registries

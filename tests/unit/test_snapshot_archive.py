@@ -123,3 +123,29 @@ def test_pack_and_unpack_on_the_command_line(
     res = run(app, ["pack", "--tag", "py", "--format", "json", "-o", str(tmp_path / "b.tar")],
                env=env)  # fmt: skip
     assert res.exit_code == 0 and json.loads(res.stdout)["bytes"] > 0
+
+
+def test_unpack_force_keeps_the_old_snapshot_when_the_archive_fails(
+    server: Server, sent: RecordingTransport, tmp_path: Path
+) -> None:
+    app = make_app(sent)
+    env = {"FORKD_URL": server.url, "FORKD_TOKEN_FILE": str(server.token_file)}
+    run = CliRunner().invoke
+    assert (
+        run(app, ["snapshot", "create", "--tag", "py", "--memory", "128"], env=env).exit_code == 0
+    )
+    good = tmp_path / "py.tar"
+    assert run(app, ["pack", "--tag", "py", "-o", str(good)], env=env).exit_code == 0
+    bad = tmp_path / "bad.tar"
+    bad.write_bytes(_tampered(good.read_bytes()))
+    res = run(app, ["unpack", str(bad), "--force"], env=env)  # the packed tag, py: taken
+    assert res.exit_code == 1 and "does not hold what its digest says" in res.stderr
+    snaps = [r for r in sent.requests if r.method == "DELETE" and r.url.path == "/v1/snapshots/py"]
+    assert snaps == []  # py was never deleted
+    with_py = run(app, ["snapshot", "ls", "-o", "json"], env=env)
+    assert [s["tag"] for s in json.loads(with_py.stdout)] == ["py"]  # no staged leftover
+    compressed = tmp_path / "py.tar.gz"
+    with tarfile.open(compressed, "w:gz") as tar:
+        tar.add(good, arcname="inner.tar")
+    res = run(app, ["unpack", str(compressed), "--force"], env=env)
+    assert res.exit_code == 1 and "give --tag" in res.stderr

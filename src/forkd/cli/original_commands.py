@@ -277,20 +277,26 @@ def unpack(
         str | None, typer.Option("--tag", help="Its name here (default: the packed one).")
     ] = None,
     force: Annotated[
-        bool, typer.Option("--force", help="Replace a snapshot of that name (deleted first).")
+        bool,
+        typer.Option("--force", help="Replace a snapshot of that name, once the archive "
+                     "is in (unpacked under another name first)."),
     ] = False,
-) -> None:
+) -> None:  # fmt: skip
     """Make a snapshot from a file forkd pack wrote (every piece checked)."""
     if not path.is_file():
         raise fail(f"there is no file {shown(str(path))}")
     with daemon_errors(), conn.controller() as ctl:
-        if force:
-            name = tag or packed_tag(path)
-            if name is not None and any(s.get("tag") == name for s in ctl.list_snapshots()):
-                ctl.delete_snapshot(name)
-                err.print(f"deleted snapshot {shown(name)} (--force)")
-        with err.status(f"unpacking {shown(str(path))}") as status:
-            info = ctl.import_snapshot(path, tag, status.update)
+        name = tag or (packed_tag(path) if force else None)
+        taken = name is not None and any(s.get("tag") == name for s in ctl.list_snapshots())
+        if force and name is None:
+            raise fail("--force needs the snapshot's name: give --tag (the archive names "
+                       "no one tag this command can read)")  # fmt: skip
+        if force and taken:
+            assert name is not None
+            info = _unpack_replacing(ctl, path, name)
+        else:
+            with err.status(f"unpacking {shown(str(path))}") as status:
+                info = ctl.import_snapshot(path, tag, status.update)
     if conn.as_json:
         render.print_json(info)
         return
@@ -298,18 +304,37 @@ def unpack(
               f"{shown(info['tag'])} -n 1", highlight=False)  # fmt: skip
 
 
+def _unpack_replacing(ctl: Any, path: Path, name: str) -> dict[str, Any]:
+    """``unpack --force`` of a taken ``name``: the archive unpacked under a name of its
+    own first (all of it checked, this host able to restore it), and only then the
+    old snapshot deleted and the new one copied to ``name``; the old one stays when
+    anything before its deletion fails."""
+    import secrets
+
+    staged = f"{name[:48]}-unpack-{secrets.token_hex(3)}"
+    with err.status(f"unpacking {shown(str(path))} as {staged}") as status:
+        ctl.import_snapshot(path, staged, status.update)
+    try:
+        ctl.delete_snapshot(name)
+        err.print(f"deleted snapshot {shown(name)} (--force)")
+        return dict(ctl.compact_snapshot(staged, to=name))
+    finally:
+        with contextlib.suppress(Exception):
+            ctl.delete_snapshot(staged)
+
+
 def packed_tag(path: Path) -> str | None:
-    """The tag a pack file names in its index.json, read here (None when it has no one
-    readable tag: the daemon says why)."""
+    """The one tag a pack file's index.json names, read here as the daemon reads it (a
+    plain tar, one index.json), or None."""
     import json
     import tarfile
 
     with contextlib.suppress(OSError, tarfile.TarError, ValueError, KeyError, TypeError):
-        with tarfile.open(path) as tar:
-            member = tar.getmember("index.json")
-            if not member.isfile() or member.size > (1 << 20):
+        with tarfile.open(path, mode="r:") as tar:  # no decompression: the daemon does none
+            found = [m for m in tar.getmembers() if m.name.lstrip("./") == "index.json"]
+            if len(found) != 1 or not found[0].isfile() or found[0].size > (1 << 20):
                 return None
-            handle = tar.extractfile(member)
+            handle = tar.extractfile(found[0])
             index = json.loads(handle.read()) if handle is not None else {}
         names = {m["annotations"]["org.opencontainers.image.ref.name"]
                  for m in index.get("manifests", []) if "annotations" in m}  # fmt: skip

@@ -17,6 +17,7 @@ import contextlib
 import inspect
 import json
 import os
+import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -178,7 +179,7 @@ class ImageRoutes:
         the file ``out`` (staged beside it and renamed into place); its size in bytes.
         The original forkd's ``pack``; :meth:`import_snapshot` is its ``unpack``."""
         target = Path(out)
-        staged = target.with_name(f".{target.name}.partial")
+        f, staged = _staged_beside(target)
         try:
             with (
                 self._client.stream(
@@ -191,15 +192,17 @@ class ImageRoutes:
                     resp.read()
                     raise ControllerError.from_response(resp)
                 size = 0
-                with staged.open("wb") as f:
+                with f:
                     for piece in resp.iter_bytes(UPLOAD_PIECE):
                         f.write(piece)
                         size += len(piece)
             staged.replace(target)
         except httpx.TransportError as exc:
+            f.close()
             staged.unlink(missing_ok=True)
             raise _broken(self.url, exc) from exc
         except BaseException:
+            f.close()
             staged.unlink(missing_ok=True)
             raise
         return size
@@ -302,7 +305,7 @@ class AsyncImageRoutes:
     async def export_snapshot(self, tag: str, out: str | os.PathLike[str]) -> int:
         """As :meth:`Controller.export_snapshot`."""
         target = Path(out)
-        staged = target.with_name(f".{target.name}.partial")
+        f, staged = _staged_beside(target)
         try:
             async with self._client.stream(
                 "GET", f"/v1/snapshots/{quote(tag, safe='')}/export", timeout=_long(self.timeout)
@@ -311,15 +314,17 @@ class AsyncImageRoutes:
                     await resp.aread()
                     raise ControllerError.from_response(resp)
                 size = 0
-                with staged.open("wb") as f:
+                with f:
                     async for piece in resp.aiter_bytes(UPLOAD_PIECE):
                         await asyncio.to_thread(f.write, piece)
                         size += len(piece)
             staged.replace(target)
         except httpx.TransportError as exc:
+            f.close()
             staged.unlink(missing_ok=True)
             raise _broken(self.url, exc) from exc
         except BaseException:
+            f.close()
             staged.unlink(missing_ok=True)
             raise
         return size
@@ -380,3 +385,10 @@ def _long(timeout: float) -> httpx.Timeout:
     """A transfer's timeout: the client's, but 10 minutes at least for a read (the daemon
     writes a whole pack before its first byte)."""
     return httpx.Timeout(timeout, read=max(timeout, 600))
+
+
+def _staged_beside(target: Path) -> tuple[BinaryIO, Path]:
+    """A new file of this process's beside ``target`` (created, never an existing name
+    or a link planted there), to rename over it once whole."""
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
+    return os.fdopen(fd, "wb"), Path(name)

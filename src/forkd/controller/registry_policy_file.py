@@ -9,14 +9,17 @@ The file is TOML::
     image_archive_dirs = ["/srv/images"]               # docker-archive:, oci-archive:, oci:
 
 What it lists is added to what the command line gave (its ``default_registry``
-replaces the flag's). A file that does not parse, or names a registry or directory
-that is not one, is logged and ignored: the policy in force stays as it was.
+replaces the flag's). A file that does not parse, names a registry or directory
+that is not one, or that someone besides root and the daemon's user could change
+(the file or its directory), is logged and ignored: the policy in force stays as it
+was. A file removed leaves the command line's policy alone.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import tomllib
 from dataclasses import dataclass, field
@@ -117,11 +120,24 @@ class PolicyFile:
 
 
 def _read(path: Path) -> dict[str, Any]:
+    _check_trusted(path)
     with path.open("rb") as f:
         data = f.read(MAX_FILE_BYTES + 1)
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
     return tomllib.loads(data.decode())
+
+
+def _check_trusted(path: Path) -> None:
+    """ValueError unless only the daemon's user (or root) can change ``path``: the file
+    and its directory owned by one of them and writable by no one else. The policy says
+    which host files the daemon reads for clients and where it sends their requests."""
+    me = os.geteuid()
+    for what, st in (("the file", os.stat(path)), ("its directory", os.stat(path.parent))):
+        if st.st_uid not in (0, me):
+            raise ValueError(f"{what} belongs to uid {st.st_uid}, not root or the daemon's")
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise ValueError(f"{what} may be written by other users (mode {st.st_mode & 0o777:o})")
 
 
 def _strings(body: dict[str, Any], key: str) -> list[str]:

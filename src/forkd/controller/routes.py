@@ -670,7 +670,8 @@ async def import_volume(
     svc: Svc, request: Request, name: Annotated[str, Query(pattern=NAME_PATTERN)]
 ) -> VolumeInfo:
     """A volume whose base is the ext4 file system image sent as the body (streamed to
-    disk, 16 MiB to 1 TiB): what the original forkd's ``--volume FILE.ext4:/mnt`` gives."""
+    disk, 16 MiB to --max-image-mib): what the original forkd's ``--volume
+    FILE.ext4:/mnt`` gives."""
     return await receive_upload(request, lambda body: svc.volumes.import_image(name, body))
 
 

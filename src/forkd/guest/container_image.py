@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from forkd import hosttools, paths, processes
+from forkd import file_lock, hosttools, paths, processes
 from forkd.disk_reserve import DiskReserve
 from forkd.guest import guest_files, kernel, recipe, runtime
 from forkd.guest import image as images
@@ -206,6 +206,16 @@ def drop_references(img: images.Image, dropped: set[str]) -> None:
 
 
 def _change_references(image_dir: Path, change: Callable[[list[str]], list[str]]) -> None:
+    """``image.json``'s references changed by ``change``, read and replaced under a lock
+    every process on the host takes for it (an import adding one and a removal taking
+    one off, in two daemons, never lose either)."""
+    with file_lock.locked(image_dir.parent / ".references.lock"):
+        _change_references_locked(image_dir, change)
+
+
+def _change_references_locked(
+    image_dir: Path, change: Callable[[list[str]], list[str]]
+) -> None:
     path = image_dir / "image.json"
     meta = json.loads(path.read_text())
     before = list(meta.get("references", []))

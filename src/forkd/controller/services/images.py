@@ -393,26 +393,23 @@ class ImageService:
         only taken off it (as ``docker rmi`` untags)."""
         found = await asyncio.to_thread(self._find, name)
         by_tag = name not in (found.name, f"{found.name}-{found.key}")
-        await asyncio.to_thread(self._remove_sync, found, name if by_tag else None)
+        await asyncio.to_thread(self._remove_sync, found, name, by_tag)
         await asyncio.to_thread(container_image.collect_unused_layers)
 
-    def _remove_sync(self, found: images.Image, tag: str | None) -> None:
+    def _remove_sync(self, found: images.Image, name: str, by_tag: bool) -> None:
         with image_sharing.removing(found.name):
-            if tag is not None:
-                name = container_image.with_tag(tag)
-                others = set(_names_held(found)) - {name}
-                if not others:  # its last name: the image goes, when nothing uses it
-                    users = images.users_of(found, self._roots())
-                    if users:
-                        raise Conflict(f"image {tag} ({found.name}) is in use, nothing "
-                                       f"removed ({', '.join(users)})")  # fmt: skip
-                _untag(name)
-                if others:
+            if by_tag:
+                tag = container_image.with_tag(name)
+                if set(_names_held(found)) - {tag}:  # it keeps a name: only untag it
+                    _untag(tag)
                     return
+                name = f"{found.name}-{found.key}"  # its last name: the build goes
             try:
-                images.remove(f"{found.name}-{found.key}" if tag else found.name, self._roots())
+                images.remove(name, self._roots())  # refused, changing nothing, when in use
             except ImageError as exc:
                 raise Conflict(str(exc)) from exc
+            if by_tag:
+                _untag(tag)  # from older builds that still carry it
 
 
 class _LayerRefused(Invalid):

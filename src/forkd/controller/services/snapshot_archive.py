@@ -22,8 +22,9 @@ import json
 import tarfile
 import time
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, cast
 
+from forkd.disk_reserve import WriteMeter
 from forkd.errors import Invalid, NotFound
 from forkd.image_import import manifests
 from forkd.image_import.local_sources import TarFiles, read_small
@@ -38,13 +39,34 @@ def _ref(tag: str | None) -> Reference:
     return Reference(ARCHIVE_REGISTRY, "snapshot", tag)
 
 
+class MeteredFile:
+    """A file written through a :class:`~forkd.disk_reserve.WriteMeter`: a pack stops
+    (507) once the disk is down to its reserve, rather than filling it under the VMs.
+    What tarfile asks of a file to write into (``write``, ``tell``, ``flush``)."""
+
+    def __init__(self, f: IO[bytes], meter: WriteMeter) -> None:
+        self._f, self._meter = f, meter
+
+    def write(self, data: bytes) -> int:
+        self._meter.will_write(len(data))
+        return self._f.write(data)
+
+    def tell(self) -> int:
+        return self._f.tell()
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
 class ArchiveWriter:
     """A registry a push writes into a tar (``out``, a file open for writing)."""
 
-    def __init__(self, out: IO[bytes], tag: str, mtime: int | None = None) -> None:
+    def __init__(self, out: IO[bytes] | MeteredFile, tag: str, mtime: int | None = None) -> None:
         self.ref = _ref(tag)
-        # Closed by finish(): the blobs go in as the push makes them.
-        self._tar = tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT)  # noqa: SIM115
+        # The blobs go in as the push makes them.
+        self._tar = tarfile.open(  # noqa: SIM115 (closed by finish)
+            fileobj=cast(IO[bytes], out), mode="w", format=tarfile.PAX_FORMAT
+        )
         self._blobs: set[str] = set()
         self._tagged: dict[str, tuple[str, int]] = {}  # tag -> the manifest's digest, size
         self._mtime = int(time.time()) if mtime is None else mtime

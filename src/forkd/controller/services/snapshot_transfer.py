@@ -34,7 +34,7 @@ from forkd.controller.services import transfer_records
 from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.received import receive_to
-from forkd.controller.services.snapshot_archive import ArchiveReader, ArchiveWriter
+from forkd.controller.services.snapshot_archive import ArchiveReader, ArchiveWriter, MeteredFile
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
 from forkd.controller.store import SnapshotRow, now
 from forkd.disk_reserve import DiskReserve, free_bytes
@@ -73,6 +73,7 @@ from forkd.vmm.volumes.disks import Attachment, VolumeStore
 
 log = logging.getLogger(__name__)
 PULL_RESERVE_BYTES = 256 << 20  # a pull leaves this much of the disk free
+ARCHIVE = "the snapshot archive"  # how messages name an archive a client sent
 MAX_TRANSFERS = 3  # pushes and pulls at once
 T = TypeVar("T")
 
@@ -86,6 +87,7 @@ class SnapshotTransfer:
         # branches and networks need; past the cap a transfer is a 503 to retry.
         self._pool = ThreadPoolExecutor(MAX_TRANSFERS, thread_name_prefix="forkd-transfer")
         self._running = 0
+        self._receiving = 0  # snapshot archives on their way in
 
     # ------------------------------------------------------------ plumbing
 
@@ -256,6 +258,9 @@ class SnapshotTransfer:
         if row.status != "ready":
             raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to pack")
         require_room(self.root, self.fleet.settings.disk_reserve_mib, f"packing {tag!r}")
+        if len(list(self.root.glob(".*.partial-pack-*.tar"))) >= MAX_TRANSFERS:
+            raise Busy(f"{MAX_TRANSFERS} packs are being written or sent: retry shortly")
+        reserve = DiskReserve(self.root, self.fleet.settings.disk_reserve_mib << 20)
         release = self.snapshots.hold_for_reading(tag)
         try:
             files = snapshot_files.load(Path(row.dir))
@@ -269,7 +274,8 @@ class SnapshotTransfer:
         def pack() -> None:
             try:
                 with out.open("xb") as f:
-                    writer = ArchiveWriter(f, tag, files.meta.created_at_unix)
+                    metered = MeteredFile(f, reserve.meter(f"packing {tag!r}"))
+                    writer = ArchiveWriter(metered, tag, files.meta.created_at_unix)
                     self._push_one(writer, files, row, tag, False)
                     writer.finish()
             except BaseException as exc:
@@ -285,18 +291,23 @@ class SnapshotTransfer:
         """An archive a client sends (``POST /v1/snapshots/import``), written beside the
         snapshots as it arrives: within --max-image-mib and --disk-reserve. The caller
         removes it."""
+        if self._running + self._receiving >= MAX_TRANSFERS:  # said before the upload
+            raise Busy(f"{MAX_TRANSFERS} transfers are running: retry shortly")
         reserve = DiskReserve(self.root, self.fleet.settings.disk_reserve_mib << 20)
         meter = reserve.meter("receiving a snapshot archive")
         path = self.root / f".import.partial-{secrets.token_hex(8)}.tar"
+        self._receiving += 1
         try:
             with path.open("xb") as out:
                 await receive_to(body, out, self.fleet.settings.max_image_bytes, meter,
-                                 "the snapshot archive", "--max-image-mib")  # fmt: skip
+                                 ARCHIVE, "--max-image-mib")  # fmt: skip
         except BaseException as exc:
             path.unlink(missing_ok=True)
             if isinstance(exc, OSError):
                 raise StorageFull(f"writing a snapshot archive: {exc.strerror}") from exc
             raise
+        finally:
+            self._receiving -= 1
         return path
 
     async def import_archive(
@@ -306,32 +317,40 @@ class SnapshotTransfer:
         or another: the original forkd's ``unpack``), read as a pull reads a registry,
         every blob checked; ``tag`` names it (default: the tag it was packed as).
         409 when that tag exists or this host cannot restore it; nothing kept on any
-        failure. The archive itself is the caller's to remove."""
+        failure. The archive itself is the caller's to remove.
+
+        Each transfer thread opens the archive for itself and closes it when done, so
+        a request that goes away never closes it under a thread still reading it."""
         if tag is not None:
             limits.check_tag(tag)
-        # The archive stays open and the tag reserved until the thread writing the
-        # snapshot is done, even when the request goes away first.
+
+        def inspect() -> tuple[str, Remote, _Plan]:
+            with TarFiles(archive, shown=ARCHIVE) as files:
+                reader = ArchiveReader(files, ARCHIVE)
+                packed = reader.only_tag()
+                remote = pull.open_remote(reader, packed)
+                return packed, remote, self._check(remote)
+
+        packed, remote, plan = await self._in_thread(inspect)
+        tag = tag or packed
+        limits.check_tag(tag)
+        if self.fleet.store.get_snapshot(tag) is not None:
+            raise Conflict(f"snapshot {tag!r} already exists")
+        # The tag stays reserved until the thread writing the snapshot is done, even
+        # when the request goes away first.
         held = contextlib.ExitStack()
-        handed = False
+        held.enter_context(self.fleet.reserve_tag(tag))
+
+        def write() -> int:
+            with TarFiles(archive, shown=ARCHIVE) as files:
+                reader = ArchiveReader(files, ARCHIVE)
+                return self._pull_sync(reader, reader.ref, remote, tag, plan, metadata)
+
         try:
-            files = held.enter_context(TarFiles(archive, shown="the snapshot archive"))
-            reader = ArchiveReader(files, "the snapshot archive")
-            packed = await self._in_thread(reader.only_tag)
-            tag = tag or packed
-            limits.check_tag(tag)
-            if self.fleet.store.get_snapshot(tag) is not None:
-                raise Conflict(f"snapshot {tag!r} already exists")
-            held.enter_context(self.fleet.reserve_tag(tag))
-            remote = await self._in_thread(pull.open_remote, reader, packed)
-            plan = await self._in_thread(self._check, remote)
-            handed = True
-            await self._in_thread(
-                self._pull_sync, reader, reader.ref, remote, tag, plan, metadata,
-                then=held.close,
-            )  # fmt: skip
-        finally:
-            if not handed:
-                held.close()
+            await self._in_thread(write, then=held.close)
+        except Busy:
+            held.close()  # never handed to a thread
+            raise
         self.fleet.events.publish("snapshot_created", snapshot_tag=tag)
         log.info("unpacked an archive as %s", tag)
         return self.snapshots.info(tag)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from forkd.controller.models import VolumeAttach, VolumeInfo
 from forkd.controller.services.received import receive_to
 from forkd.disk_reserve import DiskReserve
-from forkd.errors import Conflict, StorageFull
+from forkd.errors import Busy, Conflict, StorageFull
 from forkd.limits import check_name
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.volumes.disks import (
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 from forkd.controller.services.hibernated_files import HibernatedFiles
 
 log = logging.getLogger(__name__)
+MAX_RECEIVING = 2  # volume images arriving at once (each may be GiBs)
 
 
 class VolumeService:
@@ -37,6 +38,7 @@ class VolumeService:
             fleet.settings.state_dir / "volumes", fleet.settings.disk_reserve_mib << 20
         )
         self.store.remove_dead_uploads()  # images a daemon that died was receiving
+        self._receiving = 0  # volume images on their way in
 
     # ------------------------------------------------------------ users
 
@@ -126,9 +128,12 @@ class VolumeService:
         check_name(name, "volume name")
         if self.store.exists(name):
             raise Conflict(f"volume {name!r} already exists")
+        if self._receiving >= MAX_RECEIVING:
+            raise Busy(f"{MAX_RECEIVING} volume images are arriving: retry shortly")
         reserve = DiskReserve(self.store.root, self.fleet.settings.disk_reserve_mib << 20)
         meter = reserve.meter(f"receiving volume {name}'s image")
         fd, path = self.store.upload_file()
+        self._receiving += 1
         try:
             with os.fdopen(fd, "wb") as out:
                 await receive_to(body, out, MAX_SIZE, meter, "an ext4 image")
@@ -138,6 +143,8 @@ class VolumeService:
             if isinstance(exc, OSError):
                 raise StorageFull(f"writing volume {name}'s image: {exc.strerror}") from exc
             raise
+        finally:
+            self._receiving -= 1
         return VolumeInfo(**info, used_by=[])
 
     async def delete(self, name: str) -> None:

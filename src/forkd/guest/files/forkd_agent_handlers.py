@@ -173,10 +173,11 @@ def _eval_launch() -> forkd_eval_proc.Launch:
 def op_eval(req: dict[str, Any]) -> dict[str, Any]:
     with params.request_errors():
         code, timeout_s = forkd_eval.eval_params(req)
+    tag = req.get("tag") if isinstance(req.get("tag"), str) else None
     if IMAGE_EVAL is not None:
-        answer = IMAGE_EVAL.run(code, timeout_s)
+        answer = IMAGE_EVAL.run(code, timeout_s, tag)
     else:
-        answer = EVAL.run(code, timeout_s)
+        answer = EVAL.run(code, timeout_s, tag)
     if answer.get("error") is None:
         WARMED_UP.set()
     return answer
@@ -184,7 +185,8 @@ def op_eval(req: dict[str, Any]) -> dict[str, Any]:
 
 def op_eval_interrupt(req: dict[str, Any]) -> dict[str, Any]:
     runner = IMAGE_EVAL if IMAGE_EVAL is not None else EVAL
-    return {"interrupted": runner.interrupt()}
+    tag = req.get("tag") if isinstance(req.get("tag"), str) else None
+    return {"interrupted": runner.interrupt(tag)}
 
 
 # --------------------------------------------------------------------------- files

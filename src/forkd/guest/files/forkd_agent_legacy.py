@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import secrets
 import socket
 import threading
 import time
@@ -36,6 +37,7 @@ TCP_BIND_RETRY_S = 1.0
 READ_CHUNK_BYTES = 1024 * 1024
 MAX_EXEC_TIMEOUT_S = 86400.0  # as the HTTP API's (forkd.limits.MAX_EXEC_TIMEOUT_SECS)
 PROBE_GAP_S = 0.05  # between the two blanks that ask whether an eval's client is still there
+PROBE_EVERY_S = 1.0  # how often a waiting eval's connection is asked that
 
 
 def _tcp_exec(req: dict[str, Any]) -> dict[str, Any]:
@@ -68,7 +70,7 @@ def _tcp_eval(req: dict[str, Any]) -> dict[str, Any]:
     timeout = next(iter(given.values()), None)
     if timeout is not None and not isinstance(timeout, bool) and isinstance(timeout, int | float):
         timeout = min(float(timeout), MAX_EXEC_TIMEOUT_S)
-    answer = op_eval({"code": req.get("code"), "timeout_s": timeout})
+    answer = op_eval({"code": req.get("code"), "timeout_s": timeout, "tag": req.get("tag")})
     error = answer.get("error")
     if error:
         lines = [line for line in error.splitlines() if line.strip()]
@@ -77,34 +79,11 @@ def _tcp_eval(req: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-class EvalTurns:
-    """TCP evals take turns at the one interpreter. A client that gave up (its socket
-    closed while its eval runs) does not hold the next one up: the next eval finds it
-    gone and interrupts its code."""
-
-    def __init__(self) -> None:
-        self._turn = threading.Lock()
-        self._holder: socket.socket | None = None
-
-    @contextlib.contextmanager
-    def turn(self, conn: socket.socket) -> Any:
-        holder = self._holder
-        if holder is not None and client_gone(holder):
-            log("tcp eval: its client left; interrupting it for the next")
-            op_eval_interrupt({})
-        with self._turn:
-            self._holder = conn
-            try:
-                yield
-            finally:
-                self._holder = None
-
-
 def client_gone(conn: socket.socket) -> bool:
     """Whether the client of ``conn`` closed its socket (it may have closed only its
     sending side: the original SDK does, then waits). Two blanks are sent, which JSON
     ignores before the answer: a closed socket answers the first with a reset, and the
-    second fails."""
+    second fails. Only the connection's own thread asks, before it answers."""
     try:
         conn.send(b" ", socket.MSG_DONTWAIT)
         time.sleep(PROBE_GAP_S)
@@ -114,9 +93,6 @@ def client_gone(conn: socket.socket) -> bool:
     except OSError:
         return True
     return False
-
-
-EVAL_TURNS = EvalTurns()
 
 
 TCP_ACTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
@@ -130,8 +106,9 @@ def _tcp_error(message: str) -> dict[str, Any]:
     return {"ok": False, "error": message}
 
 
-def handle_tcp_request(data: bytes) -> dict[str, Any]:
-    """The answer to one TCP request (the bytes before its newline)."""
+def handle_tcp_request(data: bytes, tag: str | None = None) -> dict[str, Any]:
+    """The answer to one TCP request (the bytes before its newline); an eval runs with
+    ``tag``, which an interrupt of that eval alone names (a client's own is dropped)."""
     if not data.strip():
         return _tcp_error("empty request: send one JSON object and a newline")
     try:
@@ -140,6 +117,9 @@ def handle_tcp_request(data: bytes) -> dict[str, Any]:
         return _tcp_error("the request is not JSON")
     if not isinstance(req, dict):
         return _tcp_error("the request must be a JSON object")
+    req.pop("tag", None)
+    if tag is not None:
+        req["tag"] = tag
     action = req.get("action")
     handler = TCP_ACTIONS.get(action) if isinstance(action, str) else None
     if handler is None:
@@ -247,8 +227,7 @@ class TcpServer:
                 if problem:
                     answer = _tcp_error(problem)
                 elif _is_eval(data):
-                    with EVAL_TURNS.turn(conn):
-                        answer = handle_tcp_request(data)
+                    answer = self._eval_watching(conn, data)
                 else:
                     answer = handle_tcp_request(data)
                 self._answer(conn, answer)
@@ -258,6 +237,30 @@ class TcpServer:
             log(f"tcp connection: {exc}")
         finally:
             self._slots.release()
+
+    def _eval_watching(self, conn: socket.socket, data: bytes) -> dict[str, Any]:
+        """The eval of ``data``, run on a thread of its own while this connection's thread
+        watches its client: one that closed its socket (it gave up waiting) has that
+        eval, and no other, interrupted, so the one interpreter is free for the next."""
+        tag = secrets.token_hex(8)
+        answer: list[dict[str, Any]] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                answer.append(handle_tcp_request(data, tag))
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="tcp-eval", daemon=True).start()
+        gone = False
+        while not done.wait(PROBE_EVERY_S):
+            if gone or client_gone(conn):
+                if not gone:
+                    log("tcp eval: its client left; interrupting it")
+                gone = True
+                op_eval_interrupt({"tag": tag})  # again until it runs, if it waits its turn
+        return answer[0] if answer else _tcp_error("the eval ended without an answer")
 
     def _read_request(self, conn: socket.socket) -> tuple[bytes, str | None]:
         """The bytes before the first newline (or EOF), or why there are none."""

@@ -240,9 +240,10 @@ def _figure_png(figure: Any) -> str:
 class _Job:
     """One eval request: its code, its outputs and where it is in its life."""
 
-    def __init__(self, code: str, timeout_s: float) -> None:
+    def __init__(self, code: str, timeout_s: float, tag: str | None = None) -> None:
         self.code = code
         self.timeout_s = timeout_s
+        self.tag = tag  # who asked: an interrupt with a tag stops this job alone
         self.out, self.err = CappedText(), CappedText()
         self.displays = Displays()
         self.done = threading.Event()
@@ -425,24 +426,27 @@ class EvalRunner:
         else:
             _raise_async(self._thread_id, type(exc))
 
-    def interrupt(self) -> bool:
-        """KeyboardInterrupt in the running eval; False if none runs."""
+    def interrupt(self, tag: str | None = None) -> bool:
+        """KeyboardInterrupt in the running eval (with ``tag``: only when it is the eval
+        run with that tag); False if none runs."""
         with self._lock:
             job = self._current
-            if job is None or not job.armed:
+            if job is None or not job.armed or (tag is not None and job.tag != tag):
                 return False
             self._deliver(job, KeyboardInterrupt())
             return True
 
     # -- callers
 
-    def run(self, code: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict[str, Any]:
+    def run(
+        self, code: str, timeout_s: float = DEFAULT_TIMEOUT_S, tag: str | None = None
+    ) -> dict[str, Any]:
         """Evaluate ``code`` on the eval thread; the answer within ``timeout_s`` plus a grace.
 
         ``timeout_s`` counts from now: time spent waiting behind another eval
         is included.
         """
-        job = _Job(code, timeout_s)
+        job = _Job(code, timeout_s, tag)
         self._ensure_thread()
         self._jobs.put(job)
         if not job.done.wait(timeout_s):

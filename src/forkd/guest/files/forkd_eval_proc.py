@@ -342,12 +342,13 @@ class ImagePython:
             self._worker = worker
             return worker
 
-    def run(self, code: str, timeout_s: float) -> dict[str, Any]:
+    def run(self, code: str, timeout_s: float, tag: str | None = None) -> dict[str, Any]:
         """forkd_eval's answer to ``code``, from the worker (started if none runs)."""
         deadline = time.monotonic() + timeout_s + forkd_eval.STOP_GRACE_S + ANSWER_GRACE_S
         worker = self._ensure(deadline)
         wait_s = max(0.0, deadline - time.monotonic())
-        message = worker.call({"op": "eval", "code": code, "timeout_s": timeout_s}, wait_s)
+        request = {"op": "eval", "code": code, "timeout_s": timeout_s, "tag": tag}
+        message = worker.call(request, wait_s)
         if message is None:
             if worker.gone is not None:
                 return failed_answer(worker.death_notice())
@@ -367,12 +368,13 @@ class ImagePython:
         except ValueError as exc:
             return failed_answer(f"the image's Python gave a malformed answer: {exc}")
 
-    def interrupt(self) -> bool:
-        """KeyboardInterrupt in the running eval; False if none runs (or no worker)."""
+    def interrupt(self, tag: str | None = None) -> bool:
+        """KeyboardInterrupt in the running eval (with ``tag``: only the eval run with
+        it); False if none runs (or no worker)."""
         worker = self._running()
         if worker is None:
             return False
-        message = worker.call({"op": "interrupt"}, CONTROL_WAIT_S)
+        message = worker.call({"op": "interrupt", "tag": tag}, CONTROL_WAIT_S)
         result = message.get("result") if message else None
         return isinstance(result, dict) and result.get("interrupted") is True
 

@@ -85,7 +85,7 @@ class Worker:
         self.module = types.ModuleType("__main__")
         self.runner = forkd_eval.EvalRunner(self.module)
         self.ops: dict[str, Callable[[dict[str, Any]], Any]] = {
-            "interrupt": lambda req: {"interrupted": self.runner.interrupt()},
+            "interrupt": lambda req: {"interrupted": self.runner.interrupt(_tag(req))},
             "reseed": self._reseed,
         }
 
@@ -113,7 +113,7 @@ class Worker:
     def _eval(self, req: dict[str, Any]) -> None:
         def run(req: dict[str, Any]) -> Any:
             code, timeout_s = forkd_eval.eval_params(req)
-            return self.runner.run(code, timeout_s)
+            return self.runner.run(code, timeout_s, _tag(req))
 
         self._answer(req, run)
 
@@ -147,3 +147,9 @@ def serve(in_fd: int, out_fd: int) -> None:
     version = "{}.{}.{}".format(*sys.version_info[:3])
     pipes.answer({"ready": True, "python": version, "executable": sys.executable})
     worker.runner.serve_forever()
+
+
+def _tag(req: dict[str, Any]) -> str | None:
+    """A request's ``tag`` (which eval an interrupt may stop), if it is a string."""
+    tag = req.get("tag")
+    return tag if isinstance(tag, str) else None

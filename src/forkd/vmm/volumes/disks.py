@@ -254,17 +254,7 @@ class VolumeStore:
             except ForkdError as exc:  # e.g. the content does not fit in the size asked for
                 raise VolumeInvalid(str(exc)) from exc
             shutil.rmtree(staging / "content", ignore_errors=True)
-            (staging / "layers").mkdir(mode=0o700)
-            info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
-            (staging / "volume.json").write_text(json.dumps(info) + "\n")
-            for made in (base, staging / "volume.json"):  # the staging dir is 0700 already
-                made.chmod(0o600)
-            try:
-                staging.rename(final)
-            except OSError as exc:  # another request made the same name meanwhile
-                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise VolumeExists(f"volume {name!r} already exists") from exc
-                raise
+            self._commit(staging, final, name, size)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -314,21 +304,27 @@ class VolumeStore:
         staging = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.partial-"))
         try:
             os.rename(image, staging / "base.img")
-            (staging / "base.img").chmod(0o600)
-            (staging / "layers").mkdir(mode=0o700)
-            info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
-            (staging / "volume.json").write_text(json.dumps(info) + "\n")
-            (staging / "volume.json").chmod(0o600)
-            try:
-                staging.rename(final)
-            except OSError as exc:
-                if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
-                    raise VolumeExists(f"volume {name!r} already exists") from exc
-                raise
+            self._commit(staging, final, name, size)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return self.get(name)
+
+    @staticmethod
+    def _commit(staging: Path, final: Path, name: str, size: int) -> None:
+        """A staged volume (its ``base.img`` written) given its record and renamed into
+        place; :class:`VolumeExists` when another request made the name meanwhile."""
+        (staging / "layers").mkdir(mode=0o700)
+        info = {"name": name, "size_bytes": size, "created_at_unix": int(time.time())}
+        (staging / "volume.json").write_text(json.dumps(info) + "\n")
+        for made in (staging / "base.img", staging / "volume.json"):  # the dir is 0700
+            made.chmod(0o600)
+        try:
+            staging.rename(final)
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise VolumeExists(f"volume {name!r} already exists") from exc
+            raise
 
     def upload_file(self) -> tuple[int, Path]:
         """A new empty file in this store's directory for an image on its way in (marked
@@ -340,7 +336,9 @@ class VolumeStore:
         return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), path
 
     def remove_dead_uploads(self) -> int:
-        """Remove the images on their way in whose daemon is gone; how many."""
+        """At the daemon's start: remove the images on their way in whose daemon is gone,
+        and staged volumes a crash left (the store is this daemon's: none is being made
+        now); how many."""
         from forkd import processes
 
         removed = 0
@@ -349,6 +347,9 @@ class VolumeStore:
             if holder is None or not holder.alive():
                 path.unlink(missing_ok=True)
                 removed += 1
+        for staged in self.root.glob(".*.partial-*") if self.root.is_dir() else ():
+            shutil.rmtree(staged, ignore_errors=True)
+            removed += 1
         return removed
 
     def remove(self, name: str) -> None:
