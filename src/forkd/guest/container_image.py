@@ -213,9 +213,7 @@ def _change_references(image_dir: Path, change: Callable[[list[str]], list[str]]
         _change_references_locked(image_dir, change)
 
 
-def _change_references_locked(
-    image_dir: Path, change: Callable[[list[str]], list[str]]
-) -> None:
+def _change_references_locked(image_dir: Path, change: Callable[[list[str]], list[str]]) -> None:
     path = image_dir / "image.json"
     meta = json.loads(path.read_text())
     before = list(meta.get("references", []))
