@@ -149,3 +149,30 @@ def test_unpack_force_keeps_the_old_snapshot_when_the_archive_fails(
         tar.add(good, arcname="inner.tar")
     res = run(app, ["unpack", str(compressed), "--force"], env=env)
     assert res.exit_code == 1 and "give --tag" in res.stderr
+
+
+def test_the_async_client_packs_unpacks_and_imports_a_volume(
+    server: Server, tmp_path: Path
+) -> None:
+    import asyncio
+    import subprocess
+
+    from forkd.client import AsyncController
+
+    image = tmp_path / "data.ext4"
+    with image.open("wb") as f:
+        f.truncate(16 << 20)
+    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True)
+
+    async def use() -> None:
+        async with AsyncController(server.url, token=server.token) as ctl:
+            vol = await ctl.import_volume("adata", image)
+            assert vol["name"] == "adata" and vol["size_bytes"] == 16 << 20
+            await ctl.create_snapshot("apy", memory_mib=128)
+            size = await ctl.export_snapshot("apy", tmp_path / "apy.tar")
+            assert size == (tmp_path / "apy.tar").stat().st_size
+            info = await ctl.import_snapshot(tmp_path / "apy.tar", "apy2")
+            assert info["tag"] == "apy2"
+
+    asyncio.run(use())
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".partial")]

@@ -159,20 +159,8 @@ class ImageRoutes:
         image (a path, or a file open for reading in binary), sent to the daemon; its
         VolumeInfo. The file itself is never changed: sandboxes write layers of their
         own over the daemon's copy (the original forkd's ``--volume FILE.ext4:/mnt``)."""
-        say = on_progress or (lambda _msg: None)
-        with _opened(image) as f:
-            try:
-                resp = self._client.post(
-                    "/v1/volumes/import", params={"name": name},
-                    content=archive_pieces(f, say),
-                    headers={"Content-Type": "application/octet-stream"},
-                    timeout=_long(self.timeout),
-                )  # fmt: skip
-            except httpx.TransportError as exc:
-                raise _broken(self.url, exc) from exc
-        if not resp.is_success:
-            raise ControllerError.from_response(resp)
-        return dict(resp.json())
+        return self._post_file("/v1/volumes/import", {"name": name}, image,
+                               "application/octet-stream", on_progress)  # fmt: skip
 
     def export_snapshot(self, tag: str, out: str | os.PathLike[str]) -> int:
         """``GET /v1/snapshots/{tag}/export``: the snapshot as an OCI archive, written to
@@ -215,13 +203,26 @@ class ImageRoutes:
     ) -> dict[str, Any]:
         """``POST /v1/snapshots/import``: the snapshot of an archive :meth:`export_snapshot`
         wrote, named ``tag`` (default: the tag it was packed as); its SnapshotInfo."""
-        say = on_progress or (lambda _msg: None)
         params = {"tag": tag} if tag else {}
-        with _opened(archive) as f:
+        return self._post_file("/v1/snapshots/import", params, archive, "application/x-tar",
+                               on_progress)  # fmt: skip
+
+    def _post_file(
+        self,
+        path: str,
+        params: dict[str, str],
+        source: str | os.PathLike[str] | BinaryIO,
+        content_type: str,
+        on_progress: ProgressCallback | None,
+    ) -> dict[str, Any]:
+        """``POST path`` with the file ``source`` as its body, sent a piece at a time (what
+        was sent to ``on_progress``); the JSON answer."""
+        say = on_progress or (lambda _msg: None)
+        with _opened(source) as f:
             try:
                 resp = self._client.post(
-                    "/v1/snapshots/import", params=params, content=archive_pieces(f, say),
-                    headers={"Content-Type": "application/x-tar"}, timeout=_long(self.timeout),
+                    path, params=params, content=archive_pieces(f, say),
+                    headers={"Content-Type": content_type}, timeout=_long(self.timeout),
                 )  # fmt: skip
             except httpx.TransportError as exc:
                 raise _broken(self.url, exc) from exc
@@ -287,20 +288,8 @@ class AsyncImageRoutes:
         on_progress: AsyncProgressCallback | None = None,
     ) -> dict[str, Any]:
         """As :meth:`Controller.import_volume`."""
-        say = on_progress or (lambda _msg: None)
-        with _opened(image) as f:
-            try:
-                resp = await self._client.post(
-                    "/v1/volumes/import", params={"name": name},
-                    content=aarchive_pieces(f, say),
-                    headers={"Content-Type": "application/octet-stream"},
-                    timeout=_long(self.timeout),
-                )  # fmt: skip
-            except httpx.TransportError as exc:
-                raise _broken(self.url, exc) from exc
-        if not resp.is_success:
-            raise ControllerError.from_response(resp)
-        return dict(resp.json())
+        return await self._post_file("/v1/volumes/import", {"name": name}, image,
+                                     "application/octet-stream", on_progress)  # fmt: skip
 
     async def export_snapshot(self, tag: str, out: str | os.PathLike[str]) -> int:
         """As :meth:`Controller.export_snapshot`."""
@@ -336,13 +325,25 @@ class AsyncImageRoutes:
         on_progress: AsyncProgressCallback | None = None,
     ) -> dict[str, Any]:
         """As :meth:`Controller.import_snapshot`."""
-        say = on_progress or (lambda _msg: None)
         params = {"tag": tag} if tag else {}
-        with _opened(archive) as f:
+        return await self._post_file("/v1/snapshots/import", params, archive,
+                                     "application/x-tar", on_progress)  # fmt: skip
+
+    async def _post_file(
+        self,
+        path: str,
+        params: dict[str, str],
+        source: str | os.PathLike[str] | BinaryIO,
+        content_type: str,
+        on_progress: AsyncProgressCallback | None,
+    ) -> dict[str, Any]:
+        """As :meth:`ImageRoutes._post_file`, the file read off the event loop."""
+        say = on_progress or (lambda _msg: None)
+        with _opened(source) as f:
             try:
                 resp = await self._client.post(
-                    "/v1/snapshots/import", params=params, content=aarchive_pieces(f, say),
-                    headers={"Content-Type": "application/x-tar"}, timeout=_long(self.timeout),
+                    path, params=params, content=aarchive_pieces(f, say),
+                    headers={"Content-Type": content_type}, timeout=_long(self.timeout),
                 )  # fmt: skip
             except httpx.TransportError as exc:
                 raise _broken(self.url, exc) from exc
