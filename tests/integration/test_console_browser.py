@@ -28,6 +28,7 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
     sync_api = pytest.importorskip("playwright.sync_api")
     ctl = Controller(daemon.url, token=daemon.token)
     before = {s["id"] for s in ctl.list_sandboxes()}
+    at_start = set(before)  # whatever this test forks goes at its end, even on a failure
     new: list[str] = []
     branch_tag = explore_tag = None
     try:
@@ -49,13 +50,20 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
 
                 row.locator("> .row input.n").fill("2")
                 row.locator("> .row button", has_text="fork").click()
-                page.wait_for_function(
-                    """([tag, before]) => [...document.querySelectorAll(
-                        `li[data-snapshot="${tag}"] > ul > li.sandbox`)]
-                        .filter(li => !before.includes(li.dataset.sandbox)).length === 2""",
-                    arg=[api_template, sorted(before)],
-                    timeout=60_000,
-                )
+                try:
+                    page.wait_for_function(
+                        """([tag, before]) => [...document.querySelectorAll(
+                            `li[data-snapshot="${tag}"] > ul > li.sandbox`)]
+                            .filter(li => !before.includes(li.dataset.sandbox)).length === 2""",
+                        arg=[api_template, sorted(before)],
+                        timeout=60_000,
+                    )
+                except sync_api.TimeoutError as exc:  # say what the page and daemon said
+                    listed = sorted({s["id"] for s in ctl.list_sandboxes()} - before)
+                    raise AssertionError(
+                        f"the console showed no 2 new forks: its status line said "
+                        f"{page.inner_text('#status')!r}; the daemon lists {listed}"
+                    ) from exc
                 mine = sorted({s["id"] for s in ctl.list_sandboxes()} - before)
                 assert len(mine) == 2
                 new += mine
@@ -106,6 +114,7 @@ def test_fork_two_and_branch_one_in_the_console(daemon: Any, api_template: str) 
             finally:
                 browser.close()
     finally:
+        new += sorted({s["id"] for s in ctl.list_sandboxes()} - at_start - set(new))
         for sid in new:
             with contextlib.suppress(ControllerError):
                 ctl.kill_sandbox(sid)

@@ -152,6 +152,20 @@ def test_a_fork_that_would_not_fit_first_hibernates_idle_ones_and_else_says_why(
     assert "short by" in said and "reclaim found 0 idle sandboxes to hibernate of 20" in said
 
 
+def test_a_fork_over_a_cap_no_eviction_can_lift_hibernates_nothing(
+    client: TestClient, meminfo: Path, settings: Settings
+) -> None:
+    """A request --max-sandboxes refuses anyway is refused before reclaim takes anything
+    (a refusal changes nothing: the integration suite's limits test met it)."""
+    settings.reclaim_low_mib = settings.reclaim_high_mib = 0
+    idle = _fork(client)
+    _freeing(client, meminfo, 600)
+    settings.max_sandboxes = 10
+    r = client.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 20})
+    assert r.status_code == 429 and "--max-sandboxes" in r.json()["error"]
+    assert _states(client)[idle] == "running"
+
+
 def test_a_request_that_comes_while_its_sandbox_is_hibernated_waits_and_wakes_it(
     client: TestClient,
 ) -> None:

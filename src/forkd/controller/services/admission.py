@@ -88,6 +88,23 @@ class AdmissionControl:
         for the last slots cannot both get them. The room is given back when
         the block ends; by then the sandboxes are running or gone.
         """
+        self.check_caps(what, sandboxes, sandbox_mib, template_mib)
+        estimate = 0
+        if self._memory is not None and self._settings.memory_reserve_mib is not None:
+            estimate = self._check_host(what, sandboxes, template_mib, origin)
+        held = Admission(sandboxes, sandbox_mib, template_mib, estimate)
+        self._admitted.append(held)
+        try:
+            yield held
+        finally:
+            self._admitted.remove(held)
+
+    def check_caps(
+        self, what: str, sandboxes: int, sandbox_mib: int = 0, template_mib: int = 0
+    ) -> None:
+        """:class:`OverCapacity` when these would pass --max-sandboxes or the guest-memory
+        cap: what no reclaim can change, so it is said before any sandbox is hibernated
+        to make room."""
         count, mib = self.in_use()
         cap = self._settings.max_sandboxes
         if cap is not None and count + sandboxes > cap:
@@ -105,15 +122,6 @@ class AdmissionControl:
                 f"{mib + need - mem_cap}; {mib} MiB are given to sandboxes and template builds "
                 "running or starting"
             )
-        estimate = 0
-        if self._memory is not None and self._settings.memory_reserve_mib is not None:
-            estimate = self._check_host(what, sandboxes, template_mib, origin)
-        held = Admission(sandboxes, sandbox_mib, template_mib, estimate)
-        self._admitted.append(held)
-        try:
-            yield held
-        finally:
-            self._admitted.remove(held)
 
     def _nominal_flag(self) -> str:
         ratio = self._settings.memory_overcommit

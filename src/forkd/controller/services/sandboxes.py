@@ -158,6 +158,7 @@ class SandboxService:
         if req.memory_limit_mib is not None and self.fleet.cgroups.limits_memory:
             cgroups.check_memory_limit(req.memory_limit_mib, machine.memory_mib, machine.accel)
         what = f"forking {req.n} from {tag!r}"
+        self.fleet.admission.check_caps(what, req.n, machine.memory_mib)  # before any eviction
         await self.fleet.make_room_for(req.n, snap_dir)
         with self.fleet.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
             return await self._fork_all(req, tag, snap_dir, policy, held, pool)
