@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 _MARK = re.compile(r"@(\d+)\.(\d+)\.")
 
@@ -49,6 +51,25 @@ def mark() -> str:
     me = Holder.of(os.getpid())
     assert me is not None
     return me.mark()
+
+
+def live_marked_files(directory: Path) -> Iterator[tuple[Holder, Path]]:
+    """The files of ``directory`` whose names carry a mark (:func:`mark`) of a process
+    still running, each with that process; a file whose process is gone is removed, an
+    unmarked one passed over, a missing directory holds none."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        holder = marked_by(name)
+        if holder is None:
+            continue
+        path = directory / name
+        if holder.alive():
+            yield holder, path
+        else:
+            path.unlink(missing_ok=True)
 
 
 def marked_by(name: str) -> Holder | None:

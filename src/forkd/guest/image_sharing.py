@@ -102,14 +102,7 @@ def removing(name: str, images_dir: Path | None = None) -> Iterator[None]:
 def _claimed(claims: Path) -> set[str]:
     """The names live claims hold (a dead process's claim is removed)."""
     names: set[str] = set()
-    for entry in os.listdir(claims):
-        holder = processes.marked_by(entry)
-        if holder is None:
-            continue
-        path = claims / entry
-        if not holder.alive():
-            path.unlink(missing_ok=True)
-            continue
+    for _holder, path in processes.live_marked_files(claims):
         with contextlib.suppress(OSError, UnicodeDecodeError):
             names.add(path.read_text())
     return names

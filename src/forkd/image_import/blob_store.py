@@ -111,17 +111,8 @@ def held_elsewhere(root: Path) -> set[str]:
     is gone is removed). Call it under the store's lock, held exclusively."""
     me = processes.Holder.of(os.getpid())
     held: set[str] = set()
-    try:
-        names = os.listdir(root / HOLDS)
-    except FileNotFoundError:
-        return held
-    for name in names:
-        holder = processes.marked_by(name)
-        if holder is None or holder == me:
-            continue
-        path = root / HOLDS / name
-        if not holder.alive():
-            path.unlink(missing_ok=True)
+    for holder, path in processes.live_marked_files(root / HOLDS):
+        if holder == me:
             continue
         with contextlib.suppress(OSError, UnicodeDecodeError):
             held.update(d for d in path.read_text().split() if DIGEST.fullmatch(d))
