@@ -86,13 +86,13 @@ class ImageService:
         loaded = await asyncio.to_thread(_local, req.ref)  # sent here: no registry is asked
         if loaded is not None:
             say(f"{req.ref} is a local image ({loaded.name}): nothing to fetch")
-            info = self._info(loaded)
+            info = self._info_of(loaded)
             update = {"bytes_fetched": 0, "bytes_reused": info.layer_bytes or 0, "import_secs": 0.0}
             return info.model_copy(update=update)
         return self._answer(await self._import(req, say))
 
     def _answer(self, done: Imported) -> ImageInfo:
-        return self._info(done.image).model_copy(
+        return self._info_of(done.image).model_copy(
             update={
                 "bytes_fetched": done.fetched.bytes_fetched,
                 "bytes_reused": done.fetched.bytes_reused,
@@ -323,11 +323,18 @@ class ImageService:
 
     def list(self) -> builtins.list[ImageInfo]:
         built = images.list_images()
-        layer_users = _layer_users(built)
-        return [self._info(img, layer_users) for img in built]
+        catalog = self._catalog(built)
+        return [self._info(img, catalog) for img in built]
 
     def get(self, name: str) -> ImageInfo:
-        return self._info(self._find(name))
+        return self._info_of(self._find(name))
+
+    def _info_of(self, img: images.Image) -> ImageInfo:
+        return self._info(img, self._catalog(images.list_images()))
+
+    def _catalog(self, built: builtins.list[images.Image]) -> _Catalog:
+        """What each image's info is read against, read once for a listing."""
+        return _Catalog(_layer_users(built), _name_holders(built), self._roots())
 
     def _find(self, name: str) -> images.Image:
         """The build ``NAME-KEY`` names, or NAME's current build (the one snapshots made
@@ -345,7 +352,7 @@ class ImageService:
                 return current
         return max(builds, key=lambda i: i.meta.get("built_at_unix", 0))
 
-    def _info(self, img: images.Image, layer_users: dict[str, int] | None = None) -> ImageInfo:
+    def _info(self, img: images.Image, catalog: _Catalog) -> ImageInfo:
         meta = img.meta
         container = container_image.is_container(img)
         own = sum(  # files hard-linked from elsewhere (runtime disk, kernel) are shared
@@ -359,15 +366,15 @@ class ImageService:
             "kind": "container" if container else "recipe",
             "size_bytes": own,
             "created_at_unix": int(meta.get("built_at_unix", 0)),
-            "used_by": images.users_of(img, self._roots()),
+            "used_by": images.users_of(img, catalog.roots),
         }
         if container:
             config = container_image.config_of(img)
             layers = list(meta.get("layers") or [])
-            users = layer_users if layer_users is not None else _layer_users(images.list_images())
             sizes = _blob_sizes(layers)
+            users = catalog.layer_users
             info |= {
-                "names": _names_held(img),
+                "names": _names_held(img, catalog.holders),
                 "references": list(meta.get("references") or []),
                 "id": meta.get("config_digest"),
                 "digest": meta.get("manifest_digest"),
@@ -400,7 +407,8 @@ class ImageService:
         with image_sharing.removing(found.name):
             if by_tag:
                 tag = container_image.with_tag(name)
-                if set(_names_held(found)) - {tag}:  # it keeps a name: only untag it
+                held = _names_held(found, _name_holders(images.list_images()))
+                if set(held) - {tag}:  # it keeps a name: only untag it
                     _untag(tag)
                     return
                 name = f"{found.name}-{found.key}"  # its last name: the build goes
@@ -446,11 +454,12 @@ async def _as_events(
         work.cancel()  # a client gone: the import thread still finishes on its own
 
 
-def _local_images() -> list[images.Image]:
-    """The images built, loaded or imported here (never one pulled with a snapshot)."""
+def _local_images(built: list[images.Image] | None = None) -> list[images.Image]:
+    """The images built, loaded or imported here (never one pulled with a snapshot), of
+    ``built`` (default: every image in the cache)."""
     return [
         img
-        for img in images.list_images()
+        for img in (images.list_images() if built is None else built)
         if container_image.is_container(img) and not img.meta.get("pulled")
     ]
 
@@ -474,12 +483,31 @@ def _local(name: str, *, registry_too: bool = False) -> images.Image | None:
     return _newest_container(matches)
 
 
-def _names_held(img: images.Image) -> list[str]:
+@dataclass(frozen=True)
+class _Catalog:
+    """What an image's info is read against: how many images use each layer, which
+    image each local name finds, where snapshots and VMs that may use one live."""
+
+    layer_users: dict[str, int]
+    holders: dict[str, Path]
+    roots: list[Path]
+
+
+def _name_holders(built: list[images.Image]) -> dict[str, Path]:
+    """Each local name, and the directory of the image it finds now (the newest local
+    image given it, as :func:`_local` with ``registry_too`` picks)."""
+    newest: dict[str, images.Image] = {}
+    for img in _local_images(built):
+        for name in container_image.local_names(img):
+            held = newest.get(name)
+            if held is None or img.meta.get("built_at_unix", 0) > held.meta.get("built_at_unix", 0):
+                newest[name] = img
+    return {name: img.dir for name, img in newest.items()}
+
+
+def _names_held(img: images.Image, holders: dict[str, Path]) -> list[str]:
     """The local names that find ``img`` now: of its names, those no newer image took."""
-    names = container_image.local_names(img)
-    return [
-        n for n in names if (now := _local(n, registry_too=True)) is not None and now.dir == img.dir
-    ]
+    return [n for n in container_image.local_names(img) if holders.get(n) == img.dir]
 
 
 def _untag(name: str, keep: images.Image | None = None) -> None:
@@ -500,8 +528,9 @@ def _no_local_image(name: str, what: str = "no local image") -> str:
     """``no local image 'myap:2' (did you mean myapp:2?)``, and how to get one."""
     import difflib
 
-    known = {n for img in _local_images() for n in container_image.local_names(img)}
-    known |= {img.name for img in images.list_images() if not container_image.is_container(img)}
+    built = images.list_images()
+    known = set(_name_holders(built))
+    known |= {img.name for img in built if not container_image.is_container(img)}
     wanted = container_image.with_tag(name) if ":" in name else name
     close = difflib.get_close_matches(wanted, sorted(known), n=3, cutoff=0.6)
     if not close and ":" not in name:  # myap -> myapp:latest
