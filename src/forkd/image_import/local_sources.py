@@ -363,6 +363,22 @@ def blob_name(digest: str) -> str:
 # ---------------------------------------------------------------------- OCI layouts
 
 
+def layout_index(files: Files, shown: str) -> ImageIndex:
+    """The ``index.json`` of the OCI image layout in ``files`` (``oci-layout`` checked
+    first); :class:`Invalid` naming ``shown`` when it is not one."""
+    try:
+        layout = manifests.load_json(read_small(files, "oci-layout", 4096), "oci-layout")
+    except Invalid as exc:
+        raise Invalid(f"{shown} is not an OCI image layout: {exc}") from None
+    if not isinstance(layout, dict) or not isinstance(layout.get("imageLayoutVersion"), str):
+        raise Invalid(f"{shown} has a malformed oci-layout file")
+    what = f"the index.json of {shown}"
+    index = manifests.parse_manifest(read_small(files, "index.json"), manifests.OCI_INDEX, what)
+    if not isinstance(index, ImageIndex):
+        raise Invalid(f"{what} is not an image index")
+    return index
+
+
 class LayoutSource:
     """An OCI image layout (``oci-layout``, ``index.json``, ``blobs/``), in a directory
     or an archive; the image its index tags ``tag`` (or its only one)."""
@@ -373,19 +389,7 @@ class LayoutSource:
         self.files, self.tag, self.reference = files, tag, reference
 
     def top(self) -> tuple[bytes, str, str]:
-        try:
-            layout = manifests.load_json(read_small(self.files, "oci-layout", 4096), "oci-layout")
-        except Invalid as exc:
-            raise Invalid(f"{self.reference} is not an OCI image layout: {exc}") from None
-        if not isinstance(layout, dict) or not isinstance(layout.get("imageLayoutVersion"), str):
-            raise Invalid(f"{self.reference} has a malformed oci-layout file")
-        what = f"the index.json of {self.reference}"
-        index = manifests.parse_manifest(
-            read_small(self.files, "index.json"), manifests.OCI_INDEX, what
-        )
-        if not isinstance(index, ImageIndex):
-            raise Invalid(f"{what} is not an image index")
-        desc = self._choose(index)
+        desc = self._choose(layout_index(self.files, self.reference))
         return self.read(desc), desc.digest, desc.media_type
 
     def _choose(self, index: ImageIndex) -> Descriptor:

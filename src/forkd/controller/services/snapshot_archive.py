@@ -27,7 +27,7 @@ from typing import IO, cast
 from forkd.disk_reserve import WriteMeter
 from forkd.errors import Invalid, NotFound
 from forkd.image_import import manifests
-from forkd.image_import.local_sources import TarFiles, read_small
+from forkd.image_import.local_sources import TarFiles, layout_index
 from forkd.oci.reference import DIGEST, Reference
 from forkd.oci.registry import MANIFEST_BYTES_LIMIT, MANIFEST_TYPE
 
@@ -129,18 +129,7 @@ class ArchiveReader:
     def tags(self) -> dict[str, manifests.Descriptor]:
         """The manifests ``index.json`` names, by tag (checked once)."""
         if self._index is None:
-            try:
-                layout = manifests.load_json(read_small(self.files, "oci-layout", 4096),
-                                             "oci-layout")  # fmt: skip
-                if not isinstance(layout, dict) or "imageLayoutVersion" not in layout:
-                    raise Invalid("its oci-layout file is malformed")
-                index = manifests.parse_manifest(
-                    read_small(self.files, "index.json"), manifests.OCI_INDEX, "index.json"
-                )
-            except Invalid as exc:
-                raise Invalid(f"{self.shown} is not a forkd snapshot archive: {exc}") from None
-            if not isinstance(index, manifests.ImageIndex):
-                raise Invalid(f"{self.shown}: its index.json is not an image index")
+            index = layout_index(self.files, self.shown)
             self._index = {d.ref_name: d for d in index.manifests if d.ref_name}
         return self._index
 
