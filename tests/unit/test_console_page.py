@@ -56,6 +56,9 @@ def test_a_guests_output_is_shown_as_text(server: Server, sid: str, browser: obj
     page.locator(f'#exec-sandbox option[value="{sid}"]').wait_for(state="attached")
     page.fill("#exec-command", HOSTILE)  # the fake guest echoes its command line
     page.click("#exec-form button[type=submit]")
-    page.wait_for_function("() => document.querySelector('#exec-output').textContent.length")
+    # the page says "running…" until the answer comes, then the output and "[exit N]"
+    page.wait_for_function(
+        "() => document.querySelector('#exec-output').textContent.includes('[exit')"
+    )
     assert HOSTILE in page.locator("#exec-output").text_content()
     assert page.locator("#injected").count() == 0 and page.title() != "pwned"
