@@ -17,6 +17,16 @@ NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 NAME_RE = re.compile(NAME_PATTERN)
 NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '_' and '-'"
 
+# Secrets (forkd.controller.services.secrets): a name, as ${secrets.NAME} places it.
+SECRET_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
+SECRET_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '_' and '-', not starting with a digit or '-'"
+SECRET_PLACEHOLDER = re.compile(r"\$\{secrets\.([A-Za-z_][A-Za-z0-9_-]{0,63})\}")
+# A value goes into HTTP headers: visible ASCII, spaces and tabs (no CR, LF or NUL).
+SECRET_VALUE_PATTERN = r"^[\x20-\x7e\t]+$"
+MAX_SECRET_VALUE_CHARS = 8192
+MAX_SECRETS = 1000
+MAX_SECRET_HOSTS = 32
+
 # Guest machine.
 MIN_MEMORY_MIB = 128  # the Debian kernel + Python guest does not boot in less
 MAX_MEMORY_MIB = 65536

@@ -66,7 +66,8 @@ GUEST_USES = frozenset({"forkd.vmm.runtime_meta", "forkd.vmm.snapshot.files"})
 
 # The daemon's HTTP side holds no VM: only its services do.
 HTTP_SIDE = frozenset(
-    {"forkd.controller.routes", "forkd.controller.pty_ws", "forkd.controller.bodies",
+    {"forkd.controller.routes", "forkd.controller.egress_routes", "forkd.controller.pty_ws",
+     "forkd.controller.bodies",
      "forkd.controller.port_proxy", "forkd.controller.port_ws"}
 )  # fmt: skip
 
@@ -83,7 +84,8 @@ def room_of(module: str) -> str:
     if len(parts) == 1:
         return "forkd"
     if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel", "processes",
-                    "disk_reserve", "import_deadline", "file_lock", "__version__"}:  # fmt: skip
+                    "disk_reserve", "import_deadline", "file_lock", "host_names",
+                    "__version__"}:  # fmt: skip
         return BASE
     if parts[1] == "vmm":
         return f"vmm.{parts[2]}" if len(parts) > 2 and parts[2] in VMM_PARTS else "vmm"

@@ -21,6 +21,7 @@ import type {
   JSONObject,
   ClientOptions,
   SandboxInfo,
+  SecretInfo,
   SnapshotInfo,
   ImageInfo,
   SnapshotCreateOptions,
@@ -238,6 +239,24 @@ export class Client {
 
   /** Delete an image (409 while a snapshot or sandbox uses it), freeing layers no other image needs. */
   async deleteImage(name: string): Promise<void> { await this.request("DELETE", `/v1/images/${q(name)}`); }
+
+  // -- secrets ----------------------------------------------------------------
+
+  /** A credential the daemon's egress proxy puts into requests bound for `hosts` in place
+   * of `${secrets.NAME}`; the guest holds only the placeholder. The answer never has the value. */
+  createSecret(name: string, value: string, hosts: string[]): Promise<SecretInfo> {
+    return this.json("POST", "/v1/secrets", { body: { name, value, hosts } });
+  }
+  listSecrets(): Promise<SecretInfo[]> { return this.json("GET", "/v1/secrets"); }
+  secretInfo(name: string): Promise<SecretInfo> { return this.json("GET", `/v1/secrets/${q(name)}`); }
+  /** Rotate the value and/or replace the hosts; the next request uses them. */
+  updateSecret(name: string, change: { value?: string; hosts?: string[] }): Promise<SecretInfo> {
+    return this.json("PUT", `/v1/secrets/${q(name)}`, { body: change });
+  }
+  /** 409 while running sandboxes' network rules name it, unless `force`. */
+  async deleteSecret(name: string, opts: { force?: boolean } = {}): Promise<void> {
+    await this.request("DELETE", `/v1/secrets/${q(name)}`, { query: opts.force ? { force: "true" } : undefined });
+  }
 
   // -- sandboxes --------------------------------------------------------------
 

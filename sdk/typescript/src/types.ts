@@ -48,6 +48,15 @@ export interface ImageConfig {
   labels: Record<string, string>;
 }
 
+/** A secret as the daemon describes it: never its value. */
+export interface SecretInfo extends JSONObject {
+  name: string;
+  hosts: string[];
+  created_at_unix: number;
+  updated_at_unix: number;
+  last_used_unix: number | null;
+}
+
 /** A guest image: built from a recipe, or imported from a container image. */
 export interface ImageInfo extends JSONObject {
   name: string;

@@ -165,6 +165,18 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     assert.equal(seen[0].sandbox_id, sb.id);
   });
 
+  await t.test("secrets: write-only, rotated, deleted", async () => {
+    const name = `ts_${process.pid}`;
+    const made = await client.createSecret(name, "ts-secret-value-123", ["api.ts.test"]);
+    assert.deepEqual(made.hosts, ["api.ts.test"]);
+    assert.equal(made.value, undefined);
+    assert.ok((await client.listSecrets()).some((s) => s.name === name));
+    const moved = await client.updateSecret(name, { hosts: ["*.ts.test"] });
+    assert.deepEqual(moved.hosts, ["*.ts.test"]);
+    await client.deleteSecret(name);
+    await assert.rejects(client.secretInfo(name), (err) => err instanceof ForkdError && err.status === 404);
+  });
+
   await t.test("typed errors", async () => {
     await assert.rejects(client.getSandbox("sb-nope-0000"), (err) => err instanceof ForkdError && err.status === 404);
     await assert.rejects(client.spawnSandboxes(template, { n: 0 }), (err) => err instanceof ForkdError && err.status === 400);

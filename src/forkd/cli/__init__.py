@@ -31,6 +31,7 @@ from forkd.cli import (
     ports,
     processes,
     sandboxes,
+    secrets,
     shell,
     snapshots,
     usage,
@@ -84,6 +85,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     snapshots.register(app, transport=transport)
     images.register(app, transport=transport)
     volumes.register(app, transport=transport)
+    secrets.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
     explore.register(app, transport=transport)
     diffs.register(app, transport=transport)

@@ -306,6 +306,16 @@ _RegistryAuthOpt = Annotated[
     ),
 ]
 
+_SecretsKeyFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_SECRETS_KEY_FILE",
+        help="The key that seals secrets at rest: 32 bytes, raw or base64, in a file only "
+        "the daemon's user may read (never made: yours to keep). Default: "
+        "<state-dir>/secrets.key, made at the first secret.",
+    ),
+]
+
 _PreviewDomainOpt = Annotated[
     str | None,
     typer.Option(
@@ -475,22 +485,20 @@ def serve(
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
     max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
     max_connections: MaxConnectionsOpt = None,
+    secrets_key_file: _SecretsKeyFileOpt = None,
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
     require_server("serve")
     from forkd import paths
-    from forkd.accel import choose
     from forkd.controller.server import serve as run_server
     from forkd.controller.services.preview_domain import PreviewDomain
     from forkd.controller.settings import Settings
-    from forkd.oci.policy import RegistryPolicy
     from forkd.vmm.jail import cgroups
 
     sd = (state_dir or paths.state_dir()).resolve()
     try:
-        choose(accel)  # refused at start when it cannot run VMs
-        RegistryPolicy.of(insecure_registry or (), default_registry)  # refused at start if bad
+        _refuse_at_start(accel, insecure_registry, default_registry)
         settings = Settings(
             **_admission(max_sandboxes, max_guest_memory, memory_overcommit, memory_reserve),
             **_reclaim(reclaim_low, reclaim_high, reclaim_idle, memory_reserve),
@@ -509,11 +517,22 @@ def serve(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),
         )
+        settings.secrets_key_file = secrets_key_file
         settings.registry_policy = _policy_file(registry_policy, settings)
         _use_qemu_user(qemu_user, vm_uid_range)
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _refuse_at_start(accel: str | None, insecure: list[str] | None, default: str | None) -> None:
+    """What makes ``forkd serve`` stop before it starts: an accelerator that cannot run
+    VMs, registries that are no registries."""
+    from forkd.accel import choose
+    from forkd.oci.policy import RegistryPolicy
+
+    choose(accel)
+    RegistryPolicy.of(insecure or (), default)
 
 
 def _policy_file(path: Path | None, settings: Any) -> Any:

@@ -9,7 +9,15 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from forkd import __version__, limits, paths
-from forkd.controller import console, http_errors, port_proxy, port_ws, pty_ws, routes
+from forkd.controller import (
+    console,
+    egress_routes,
+    http_errors,
+    port_proxy,
+    port_ws,
+    pty_ws,
+    routes,
+)
 from forkd.controller.audit import AuditLog
 from forkd.controller.connection_limits import ConnectionLimiter
 from forkd.controller.metrics import Metrics
@@ -57,6 +65,7 @@ def create_app(
         app.state.audit = AuditLog(settings.state_dir / "audit.log")
         services.expiry.audit = app.state.audit.write
         services.reclaim.audit = app.state.audit.write
+        services.secrets.start()
         await services.lifecycle.start()
         services.reclaim.start()
         services.usage.start()
@@ -73,6 +82,7 @@ def create_app(
                 await services.fleet.waker.drain(WAKE_DRAIN_SECS)
             await services.usage.stop()
             await services.lifecycle.stop()
+            services.secrets.flush_uses(force=True)
             services.expiry.audit = None
             services.reclaim.audit = None
             app.state.audit.close()
@@ -94,7 +104,7 @@ def create_app(
     http_errors.hide_paths_under(
         [settings.state_dir, settings.snapshot_root, settings.run_dir, paths.cache_dir()]
     )
-    for router in routes.ROUTERS:
+    for router in (*routes.ROUTERS, *egress_routes.ROUTERS):
         app.include_router(router)
     app.include_router(pty_ws.router)  # a WebSocket: not in the OpenAPI document
     app.include_router(port_proxy.router)  # the guest's answers: not in the document

@@ -77,6 +77,9 @@ class Settings:
     # not as paths of the daemon's own ("snapshots/TAG/vmstate"): a token holder learns
     # no host path unless the operator says so.
     show_host_paths: bool = False
+    # The key that seals secrets at rest (forkd.controller.secret_box); None:
+    # $FORKD_SECRETS_KEY_FILE, else <state dir>/secrets.key, made at the first secret.
+    secrets_key_file: Path | None = None
 
     def registries(self) -> RegistryChoices:
         """The registries, default registry and archive directories in force now: the

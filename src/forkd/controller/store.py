@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypedDict, TypeVar, Unpack
 
 from forkd import limits
-from forkd.errors import Invalid, NotFound
+from forkd.errors import Conflict, Invalid, NotFound
 from forkd.states import (
     SANDBOX_MOVES,
     SNAPSHOT_MOVES,
@@ -87,6 +87,14 @@ CREATE TABLE IF NOT EXISTS workspaces (
     per_child_netns     INTEGER NOT NULL DEFAULT 0,
     memory_limit_mib    INTEGER
 );
+CREATE TABLE IF NOT EXISTS secrets (
+    name            TEXT PRIMARY KEY,
+    sealed          BLOB NOT NULL,
+    hosts           TEXT NOT NULL,
+    created_at_unix REAL NOT NULL,
+    updated_at_unix REAL NOT NULL,
+    last_used_unix  REAL
+);
 CREATE TABLE IF NOT EXISTS registry_digests (
     snapshot_id TEXT NOT NULL,
     repository  TEXT NOT NULL,
@@ -131,6 +139,16 @@ class SandboxRow:
     seed: int | None = None  # Python's random in it is seeded from this (forked with a seed)
     auto_resume: bool = True  # a request wakes it when paused or hibernated
     evictable: bool = True  # memory pressure may hibernate it when idle
+
+
+@dataclass
+class SecretRow:
+    name: str
+    sealed: bytes  # forkd.controller.secret_box: never the value itself
+    hosts: list[str]  # canonical destinations (forkd.host_names)
+    created_at_unix: float
+    updated_at_unix: float
+    last_used_unix: float | None = None
 
 
 class SnapshotChanges(TypedDict, total=False):
@@ -296,6 +314,60 @@ class Store:
         """Branches taken, per sandbox that has any."""
         rows = self._query("SELECT source_id, branches FROM branch_counts")
         return {str(row[0]): int(row[1]) for row in rows}
+
+    # ---------------------------------------------------------- secrets
+
+    def add_secret(self, row: SecretRow, cap: int) -> None:
+        """Insert ``row``: :class:`Conflict` if the name is taken, :class:`Invalid` when
+        ``cap`` secrets exist (both checked in the insert's transaction)."""
+        with self._transaction() as db:
+            if db.execute("SELECT 1 FROM secrets WHERE name = ?", (row.name,)).fetchone():
+                raise Conflict(f"secret {row.name!r} exists: PUT /v1/secrets/{row.name} "
+                               "changes its value or hosts")  # fmt: skip
+            if db.execute("SELECT COUNT(*) FROM secrets").fetchone()[0] >= cap:
+                raise Invalid(f"this daemon holds {cap} secrets, its most: delete one first")
+            db.execute(
+                "INSERT INTO secrets(name, sealed, hosts, created_at_unix, updated_at_unix, "
+                "last_used_unix) VALUES (?, ?, ?, ?, ?, ?)",
+                (row.name, row.sealed, json.dumps(row.hosts), row.created_at_unix,
+                 row.updated_at_unix, row.last_used_unix),
+            )  # fmt: skip
+
+    def replace_secret(
+        self, name: str, updated_at_unix: float, sealed: bytes | None, hosts: list[str] | None
+    ) -> SecretRow:
+        """A new value and/or hosts for ``name``, in one transaction; :class:`NotFound`."""
+        with self._transaction() as db:
+            if sealed is not None:
+                db.execute("UPDATE secrets SET sealed = ? WHERE name = ?", (sealed, name))
+            if hosts is not None:
+                db.execute("UPDATE secrets SET hosts = ? WHERE name = ?", (json.dumps(hosts), name))
+            cur = db.execute(
+                "UPDATE secrets SET updated_at_unix = ? WHERE name = ?", (updated_at_unix, name)
+            )
+            if cur.rowcount == 0:
+                raise NotFound(f"no secret {name!r}")
+            found = db.execute("SELECT * FROM secrets WHERE name = ?", (name,)).fetchone()
+        return _secret(found)
+
+    def get_secret(self, name: str) -> SecretRow | None:
+        rows = self._query("SELECT * FROM secrets WHERE name = ?", (name,))
+        return _secret(rows[0]) if rows else None
+
+    def list_secrets(self) -> list[SecretRow]:
+        return [_secret(r) for r in self._query("SELECT * FROM secrets ORDER BY name")]
+
+    def delete_secret(self, name: str) -> bool:
+        return self._tx("DELETE FROM secrets WHERE name = ?", (name,)).rowcount > 0
+
+    def mark_secrets_used(self, used: Mapping[str, float]) -> None:
+        """Each secret's last use (never moved back), in one transaction."""
+        with self._transaction() as db:
+            db.executemany(
+                "UPDATE secrets SET last_used_unix = MAX(COALESCE(last_used_unix, 0), ?) "
+                "WHERE name = ?",
+                [(when, name) for name, when in used.items()],
+            )
 
     # ---------------------------------------------------------- snapshots
 
@@ -478,6 +550,14 @@ def _checked(
     old = type(new)(found[0])
     check_move(what, moves, old, new)
     return old
+
+
+def _secret(row: sqlite3.Row) -> SecretRow:
+    return SecretRow(
+        name=row["name"], sealed=bytes(row["sealed"]), hosts=json.loads(row["hosts"]),
+        created_at_unix=row["created_at_unix"], updated_at_unix=row["updated_at_unix"],
+        last_used_unix=row["last_used_unix"],
+    )  # fmt: skip
 
 
 def _workspace(row: sqlite3.Row) -> WorkspaceRow:

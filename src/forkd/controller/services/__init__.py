@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from forkd.controller.metrics import Metrics
+from forkd.controller.secret_box import SecretBox
 from forkd.controller.services.branches import BranchService
 from forkd.controller.services.diffs import DiffService
 from forkd.controller.services.expiry import Expiry
@@ -24,6 +25,7 @@ from forkd.controller.services.ports import PortService
 from forkd.controller.services.processes import ProcessService
 from forkd.controller.services.reclaim import Reclaimer
 from forkd.controller.services.sandboxes import SandboxService
+from forkd.controller.services.secrets import SecretService
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.services.usage import UsageService
@@ -56,6 +58,7 @@ class Services:
     reclaim: Reclaimer
     usage: UsageService
     workspaces: WorkspaceService
+    secrets: SecretService
 
     @classmethod
     def create(
@@ -98,4 +101,5 @@ class Services:
             reclaim=reclaim,
             usage=UsageService(fleet),
             workspaces=WorkspaceService(fleet, sandboxes, pausing),
+            secrets=SecretService(store, SecretBox(settings.state_dir, settings.secrets_key_file)),
         )

@@ -1,0 +1,75 @@
+"""The typed objects of secrets (``/v1/secrets``): what a client sends and what it
+gets back. A value goes in and never comes out: requests hold it as a
+``SecretStr`` (shown as ``**********`` by any repr or log), answers have no field
+for it, and no validation error repeats it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, field_validator
+
+from forkd import limits
+
+SecretName = Annotated[
+    str,
+    StringConstraints(pattern=limits.SECRET_NAME_PATTERN),
+    Field(description=f"the name ${{secrets.NAME}} places it by: {limits.SECRET_NAME_RULE}"),
+]
+_VALUE_CHARS = re.compile(limits.SECRET_VALUE_PATTERN)
+SecretValue = Annotated[
+    SecretStr,
+    Field(
+        min_length=1,
+        max_length=limits.MAX_SECRET_VALUE_CHARS,
+        json_schema_extra={"writeOnly": True},
+        description="the credential: visible ASCII, spaces and tabs (it goes into HTTP "
+        "headers). Write-only: no answer, log, event or error holds it",
+    ),
+]
+HOSTS = Field(
+    min_length=1,
+    max_length=limits.MAX_SECRET_HOSTS,
+    description="where the value may be sent: host names and '*.domain' wildcards (no "
+    "addresses); a request to any other host gets the placeholder, never the value",
+)
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def _checked_value(value: SecretStr | None) -> SecretStr | None:
+    if value is not None and not _VALUE_CHARS.fullmatch(value.get_secret_value()):
+        # Never the value in the message: it goes back to the client and into logs.
+        raise ValueError("a secret's value is visible ASCII, spaces and tabs only (no CR, LF)")
+    return value
+
+
+class SecretCreate(_Body):
+    name: SecretName
+    value: SecretValue
+    hosts: list[str] = HOSTS
+
+    _value = field_validator("value")(_checked_value)
+
+
+class SecretUpdate(_Body):
+    """A new value (rotation), new hosts, or both; the next request uses them."""
+
+    value: SecretValue | None = None
+    hosts: list[str] | None = Field(None, min_length=1, max_length=limits.MAX_SECRET_HOSTS)
+
+    _value = field_validator("value")(_checked_value)
+
+
+class SecretInfo(BaseModel):
+    name: str
+    hosts: list[str] = Field(description="canonical: lower case, IDNA, no trailing dot")
+    created_at_unix: float
+    updated_at_unix: float = Field(description="the value or the hosts last changed")
+    last_used_unix: float | None = Field(
+        description="the last request the egress proxy put the value in; null: never"
+    )
