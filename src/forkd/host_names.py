@@ -98,7 +98,9 @@ def parse_destination(text: str, *, names_only: bool = False) -> Destination:
     if names_only:
         raise Invalid(f"{_shown(text)}: a secret's hosts are names (an address has no name "
                       "to check a certificate against)")  # fmt: skip
-    return Destination(network.compressed, network=network)
+    single = network.prefixlen == network.max_prefixlen  # an address: shown without /32
+    return Destination(str(network.network_address) if single else network.compressed,
+                       network=network)  # fmt: skip
 
 
 def _shown(text: object) -> str:

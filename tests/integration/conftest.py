@@ -31,6 +31,7 @@ from forkd.vmm.qemu.host_processes import qemu_pids_under
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory_diff
 from forkd.vmm.vm import VM
+from tests import egress_world
 from tests.registry_server import free_address
 
 T = TypeVar("T")
@@ -167,10 +168,18 @@ def registry_address() -> str:
 def daemon(image: images.Image, registry_address: str) -> Iterator[Daemon]:
     root = Path(tempfile.mkdtemp(prefix="forkd-d-", dir="/tmp"))
     d = Daemon(root)
+    # The egress tests pin their names here when they make their "internet" (the daemon
+    # reads the file again when it changes).
+    (root / "egress-hosts").write_text("")
+    # ... and their "internet"'s certificates come from this CA, which the daemon trusts
+    # upstream as an operator's private CA.
+    egress_world.make_ca(root / "egress-test-ca")
     # Image archives the tests import are written under /tmp (pytest's tmp_path).
     # --show-host-paths: tests read snapshots' files where the answers say they are.
     d.start("--kill-on-exit", "--insecure-registry", registry_address,
-            "--image-archive-dir", "/tmp", "--show-host-paths")  # fmt: skip
+            "--image-archive-dir", "/tmp", "--show-host-paths",
+            "--egress-hosts", str(root / "egress-hosts"),
+            "--egress-ca-file", str(root / "egress-test-ca" / "ca.pem"))  # fmt: skip
     yield d
     d.stop()
     d.kill_leftovers()  # nothing may outlive the suite

@@ -51,15 +51,23 @@ METADATA = "169.254.169.254"
 PRIVATE = "10.99.0.1"
 PORT = 18080
 
-# Run in the guest: try each host:port at once; print what happened to each.
+# Run in the guest: try each host:port at once; print what happened to each. A target
+# is "open" only when something answered from there: the daemon's egress proxy takes
+# every connection the guest opens and closes those it refuses ("closed"). Bytes that
+# are neither TLS nor HTTP go first (the proxy judges them by address alone, as it
+# does a raw TCP client's), so a server that waits for a request (the daemon's API)
+# answers them too (a 400).
 PROBE = """
 import json, socket, sys, threading
 out = {}
 def probe(target):
     host, port = target.rsplit(":", 1)
     try:
-        socket.create_connection((host, int(port)), timeout=2).close()
-        out[target] = "open"
+        s = socket.create_connection((host, int(port)), timeout=2)
+        s.settimeout(5)
+        s.sendall(b"hello?\\r\\n\\r\\n")
+        out[target] = "open" if s.recv(100) else "closed"
+        s.close()
     except ConnectionRefusedError:
         out[target] = "refused"
     except OSError as e:

@@ -327,8 +327,13 @@ class FakeVM(VMLifecycle):
 
     async def configure(self, *, env: dict[str, str], cwd: str | None, user: str | None) -> None:
         self._agent("configure")
-        self.image_defaults = {"env": env, "cwd": cwd, "user": user}
-        self.guest.defaults = dict(self.image_defaults)
+        # the image's defaults: the egress CA's variables (set when the daemon has its
+        # proxy, tested in test_egress_trust.py) aside
+        from forkd.controller.services.egress_trust import ENV as CA_ENV
+
+        image_env = {k: v for k, v in env.items() if CA_ENV.get(k) != v}
+        self.image_defaults = {"env": image_env, "cwd": cwd, "user": user}
+        self.guest.defaults = {"env": dict(env), "cwd": cwd, "user": user}
 
     async def read_file(self, path: str) -> bytes:
         self._agent("file_read")
@@ -467,9 +472,11 @@ class FakeDriver:
         self.boot_delay = 0.0
         self.restore_delay = 0.0  # a fork in flight this long, for admission races
         self.restore_kwargs: list[dict[str, Any]] = []  # what each restore was asked
+        self.boot_kwargs: list[dict[str, Any]] = []  # ... and each boot
 
     async def boot(self, image: Any, *, run_root: Path, memory_mib: int = 256, vcpus: int = 1,
-                   vm_id: str | None = None, attach: Any = (), **_: Any) -> FakeVM:  # fmt: skip
+                   vm_id: str | None = None, attach: Any = (), **kw: Any) -> FakeVM:  # fmt: skip
+        self.boot_kwargs.append(kw)
         await asyncio.sleep(self.boot_delay)
         runtime = getattr(image, "runtime", None)  # a container image's disk, as VM.boot
         cmdline = f"{KERNEL_CMDLINE} {RUNTIME_CMDLINE}" if runtime else KERNEL_CMDLINE

@@ -5,6 +5,7 @@ printed back."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -116,3 +117,21 @@ def test_the_async_sdk_has_them_too(server: Server) -> None:
             assert await actl.list_secrets() == []
 
     asyncio.run(use())
+
+
+def test_fork_and_snapshot_create_send_a_network_object_and_an_env(
+    forkd: Invoke, ctl: Controller, sent: RecordingTransport
+) -> None:
+    made = forkd("snapshot", "create", "--tag", "agent", "--allow-out", "api.openai.com",
+                 "--allow-out", "*.github.com", "--deny-out", "gist.github.com",
+                 "--env", "OPENAI_API_KEY=${secrets.openai}", "--json")  # fmt: skip
+    assert made.exit_code == 0, made.output
+    body = next(json.loads(r.content) for r in sent.requests if r.url.path == "/v1/snapshots")
+    assert body["network"] == {"allow_out": ["api.openai.com", "*.github.com"],
+                               "deny_out": ["gist.github.com"]}  # fmt: skip
+    assert body["env"] == {"OPENAI_API_KEY": "${secrets.openai}"}
+    forked = forkd("fork", "--tag", "agent", "--deny-out", "*", "--json")
+    assert forked.exit_code == 0, forked.output
+    assert sent.body(-1)["network"] == {"deny_out": ["*"]}
+    bad = forkd("snapshot", "create", "--tag", "x", "--env", "NOEQUALS")
+    assert bad.exit_code == 2 and "NAME=VALUE" in bad.output

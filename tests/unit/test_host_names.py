@@ -37,6 +37,7 @@ def test_what_is_no_host_name_is_refused(given: str) -> None:
 def test_entries_are_names_wildcards_addresses_networks_or_everything() -> None:
     assert parse_destination("*.Example.com.").text == "*.example.com"
     assert parse_destination("203.0.113.7").network == ipaddress.ip_network("203.0.113.7/32")
+    assert parse_destination("203.0.113.7/32").text == "203.0.113.7"
     assert parse_destination("10.1.2.3/8").text == "10.0.0.0/8"
     assert parse_destination("2001:db8::/32").text == "2001:db8::/32"
     assert parse_destination("*").anything

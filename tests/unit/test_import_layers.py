@@ -30,14 +30,15 @@ VMM_PARTS = ("qemu", "jail", "agent", "snapshot", "volumes")
 DOORS: dict[str, frozenset[str]] = {
     "forkd": frozenset({"client", BASE}),  # the package: ``from forkd import Sandbox``
     "cli": frozenset({"client", "mcp_server", "controller", "gateway", "demo", "doctor",
-                      "guest", "image_import", "oci", "archive", "vmm.jail", BASE}),
+                      "guest", "image_import", "oci", "archive", "vmm.jail", "egress", BASE}),
     "demo": frozenset({"client", "launcher", BASE}),
     "launcher": frozenset({"client", BASE}),
     "mcp_server": frozenset({"client", BASE}),
     "client": frozenset({"archive", BASE}),
     "gateway": frozenset({"controller", BASE}),  # its middleware only: see GATEWAY_USES
     "controller": frozenset({"vmm", *(f"vmm.{part}" for part in VMM_PARTS), "guest",
-                             "image_import", "oci", "archive", BASE}),
+                             "image_import", "oci", "archive", "egress", BASE}),
+    "egress": frozenset({"vmm.jail", BASE}),  # the egress proxy: namespaces, policies
     "doctor": frozenset({"guest", "vmm.qemu", "vmm.jail", BASE}),
     "image_import": frozenset({"oci", "archive", BASE}),
     "oci": frozenset({"vmm.snapshot", "vmm.qemu", "vmm.volumes", BASE}),

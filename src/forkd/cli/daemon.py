@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -306,6 +307,34 @@ _RegistryAuthOpt = Annotated[
     ),
 ]
 
+_EgressProxyOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_EGRESS_PROXY",
+        help="on: every TCP connection a guest opens goes through the daemon's egress "
+        "proxy, decided by name (TLS SNI, HTTP Host), secrets put in on the way out. off: "
+        "the kernel decides by address alone (names resolved once), no secrets.",
+    ),
+]
+
+_EgressHostsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_EGRESS_HOSTS",
+        help="A hosts(5) file of names the egress proxy resolves before DNS: the "
+        "operator's word, so they may point at private addresses (read again on change).",
+    ),
+]
+
+_EgressCaFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_EGRESS_CA_FILE",
+        help="PEM certificates the egress proxy also trusts when it connects to an "
+        "intercepted host (an operator's private CA), besides the host's own store.",
+    ),
+]
+
 _SecretsKeyFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -485,6 +514,9 @@ def serve(
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
     max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
     max_connections: MaxConnectionsOpt = None,
+    egress_proxy: _EgressProxyOpt = "on",
+    egress_hosts: _EgressHostsOpt = None,
+    egress_ca_file: _EgressCaFileOpt = None,
     secrets_key_file: _SecretsKeyFileOpt = None,
     log_level: _LogLevelOpt = "info",
 ) -> None:
@@ -492,9 +524,7 @@ def serve(
     require_server("serve")
     from forkd import paths
     from forkd.controller.server import serve as run_server
-    from forkd.controller.services.preview_domain import PreviewDomain
     from forkd.controller.settings import Settings
-    from forkd.vmm.jail import cgroups
 
     sd = (state_dir or paths.state_dir()).resolve()
     try:
@@ -503,21 +533,21 @@ def serve(
             **_admission(max_sandboxes, max_guest_memory, memory_overcommit, memory_reserve),
             **_reclaim(reclaim_low, reclaim_high, reclaim_idle, memory_reserve),
             disk_reserve_mib=disk_reserve,
-            cgroup_parent=None if cgroup_parent == "none" else cgroups.check_parent(cgroup_parent),
+            cgroup_parent=_cgroup_parent(cgroup_parent),
             **_places(sd, snapshot_root),
             branch_concurrency=branch_concurrency,
             **_vms(accel, kill_on_exit, pool_size, pool_memory),
             **_networking(network, sandbox_cidr, egress_host_network),
+            **_egress(egress_proxy, egress_hosts, egress_ca_file, secrets_key_file),
             show_host_paths=show_host_paths,
             max_upload_bytes=max_upload_mib << 20,
             **_image_sources(insecure_registry, default_registry, registry_auth, docker_host),
-            preview_domain=PreviewDomain.of(preview_domain) if preview_domain else None,
+            preview_domain=_preview_domain(preview_domain),
             **_image_bounds(image_archive_dir, max_image_mib, max_image_entries, import_timeout),
             connection_limits=connection_limits(
                 header_timeout, body_idle_timeout, max_connections_per_address, max_connections
             ),
         )
-        settings.secrets_key_file = secrets_key_file
         settings.registry_policy = _policy_file(registry_policy, settings)
         _use_qemu_user(qemu_user, vm_uid_range)
         run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
@@ -533,6 +563,40 @@ def _refuse_at_start(accel: str | None, insecure: list[str] | None, default: str
 
     choose(accel)
     RegistryPolicy.of(insecure or (), default)
+
+
+def _cgroup_parent(parent: str) -> str | None:
+    from forkd.vmm.jail import cgroups
+
+    return None if parent == "none" else cgroups.check_parent(parent)
+
+
+def _preview_domain(domain: str | None) -> Any:
+    from forkd.controller.services.preview_domain import PreviewDomain
+
+    return PreviewDomain.of(domain) if domain else None
+
+
+def _egress(
+    proxy: str, hosts: Path | None, ca_file: Path | None, secrets_key: Path | None
+) -> dict[str, Any]:
+    """The ``Settings`` of the egress proxy and secrets; a bad --egress-hosts or
+    --egress-ca-file stops here, before anything starts."""
+    from forkd.egress.ca import upstream_context
+    from forkd.egress.resolver import PinnedHosts
+
+    if proxy not in ("on", "off"):
+        raise ValueError(f"--egress-proxy {proxy!r}: on or off")
+    if hosts is not None:
+        PinnedHosts(hosts.resolve())
+    if ca_file is not None:
+        try:
+            upstream_context(ca_file.resolve())
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--egress-ca-file {ca_file}: not a PEM certificate: {exc}") from None
+    return {"egress_proxy": proxy == "on", "egress_hosts": hosts.resolve() if hosts else None,
+            "egress_ca_file": ca_file.resolve() if ca_file else None,
+            "secrets_key_file": secrets_key}  # fmt: skip
 
 
 def _policy_file(path: Path | None, settings: Any) -> Any:

@@ -15,6 +15,7 @@ from forkd.cli.evals import eval_
 from forkd.cli.failures import act_on_each, daemon_errors
 from forkd.cli.fork_progress import fork_progress
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
+from forkd.cli.network_options import AllowOutOpt, DenyOutOpt, network_of
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.original_commands import HugeOpt, LiveForkOpt, NetnsOpt, ignore_flags
 from forkd.cli.render import err, out, shown
@@ -213,29 +214,35 @@ def fork(
     per_child_netns: NetnsOpt = False,
     hugepages: HugeOpt = False,
     live_fork: LiveForkOpt = False,
+    allow_out: AllowOutOpt = None,
+    deny_out: DenyOutOpt = None,
 ) -> None:
     """Fork N sandboxes from a snapshot (they inherit its labels; --label adds or overrides)."""
     ignore_flags(per_child_netns=per_child_netns, hugepages=hugepages, live_fork=live_fork)
     labels = parse_labels(label)
     if settle_secs is not None:
-        from forkd.cli.fork_hold import Hold
-
-        hold = Hold(conn, tag, n, settle_secs, agent_address)
-        hold.run(memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
-                 metadata=labels, seed=seed)  # fmt: skip
-        return
+        held = {"memory_limit_mib": memory_limit, "timeout_secs": timeout_secs,
+                "internet": internet, "metadata": labels, "seed": seed}  # fmt: skip
+        return _hold(conn, tag, n, settle_secs, agent_address, **held)
     t0 = time.monotonic()
     with daemon_errors(), conn.controller() as ctl, fork_progress(conn, tag, n, conn.as_json):
         sandboxes = ctl.spawn_sandboxes(
             tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
             metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout, seed=seed,
-            auto_resume=auto_resume,
-            evictable=evictable,
+            auto_resume=auto_resume, evictable=evictable, network=network_of(allow_out, deny_out),
         )  # fmt: skip
     if conn.as_json:
         render.print_json(sandboxes)
         return
     _show_forked(sandboxes, tag, time.monotonic() - t0)
+
+
+def _hold(conn: Connection, tag: str, n: int, settle_secs: float, agent_address: str | None,
+          **fork: Any) -> None:  # fmt: skip
+    """``fork --settle-secs``: the original forkd's fork, held then removed."""
+    from forkd.cli.fork_hold import Hold
+
+    Hold(conn, tag, n, settle_secs, agent_address).run(**fork)
 
 
 def _show_forked(sandboxes: list[dict[str, Any]], tag: str, took: float) -> None:

@@ -16,6 +16,7 @@ from forkd.cli import render
 from forkd.cli.build_progress import following_build
 from forkd.cli.failures import act_on_each, daemon_errors, fail
 from forkd.cli.labels import FilterOpt, LabelOpt, parse_labels
+from forkd.cli.network_options import AllowOutOpt, DenyOutOpt, EnvOpt, env_of, network_of
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out, shown
 from forkd.client.views import WRITING
@@ -182,6 +183,9 @@ def snapshot_create(
     ready_port: ReadyPortOpt = None,
     ready_cmd: ReadyCmdOpt = None,
     ready_timeout: ReadyTimeoutOpt = None,
+    allow_out: AllowOutOpt = None,
+    deny_out: DenyOutOpt = None,
+    env: EnvOpt = None,
 ) -> None:
     """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
     volumes = [parse_volume(host_file_volume(conn, v)) for v in volume or []]
@@ -203,6 +207,9 @@ def snapshot_create(
         extra["volumes"] = volumes
     if labels:
         extra["metadata"] = labels
+    for key, value in (("network", network_of(allow_out, deny_out)), ("env", env_of(env))):
+        if value is not None:
+            extra[key] = value
     with (
         daemon_errors(),
         conn.controller() as ctl,

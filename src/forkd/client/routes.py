@@ -440,6 +440,8 @@ class Routes:
         prewarm: bool | None = None,
         live_fork: bool | None = None,
         hugepages: bool | None = None,
+        network: dict[str, Any] | None = None,
+        egress: Any = None,
     ) -> Call[list[JSONDict]]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
         nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
@@ -455,6 +457,9 @@ class Routes:
         hibernated (exec, files, processes, its ports) resumes it first; false: a 409.
         ``evictable`` (default true): when the host runs short of memory, the daemon
         may hibernate it once idle; false: never.
+        ``network`` (``{"allow_out": [...], "deny_out": [...], "rules": {...}}``, E2B's
+        shape) is what they may reach, by name (``egress``: the older forms); default:
+        the snapshot's.
         ``prewarm``,
         ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
         without effect here."""
@@ -473,6 +478,8 @@ class Routes:
                 "node": node,
                 "seed": seed,
                 "auto_resume": auto_resume,
+                "network": network,
+                "egress": egress,
                 "evictable": evictable,
                 "prewarm": prewarm,
                 "live_fork": live_fork,

@@ -83,6 +83,7 @@ def create_app(
             await services.usage.stop()
             await services.lifecycle.stop()
             services.secrets.flush_uses(force=True)
+            await services.fleet.egress.close()
             services.expiry.audit = None
             services.reclaim.audit = None
             app.state.audit.close()

@@ -65,6 +65,42 @@ class SecretUpdate(_Body):
     _value = field_validator("value")(_checked_value)
 
 
+HostEntry = Annotated[str, StringConstraints(min_length=1, max_length=300)]
+
+
+class HeaderTransform(_Body):
+    headers: dict[Annotated[str, StringConstraints(min_length=1, max_length=128)],
+                  Annotated[str, StringConstraints(max_length=8192)]] = Field(
+        min_length=1, max_length=16,
+        description="headers set on each request to the rule's host; ${secrets.NAME} in a "
+        "value becomes the secret's value (on its own hosts only)",
+    )  # fmt: skip
+
+
+class NetworkRule(_Body):
+    transform: HeaderTransform
+
+
+class NetworkPolicy(_Body):
+    """What a sandbox may reach (E2B's ``network`` option): entries are host names,
+    ``*.domain`` wildcards, IP addresses and CIDRs; ``*`` is everything."""
+
+    allow_out: list[HostEntry] | None = Field(
+        None, max_length=64,
+        description="only these destinations (no list: every public one). TLS and HTTP are "
+        "judged by name (SNI, Host), other TCP by its address against IPs and CIDRs",
+    )  # fmt: skip
+    deny_out: list[HostEntry] | None = Field(
+        None, max_length=64, description="never these, whatever allow_out says; ['*']: nothing"
+    )
+    rules: dict[Annotated[str, StringConstraints(min_length=1, max_length=300)],
+                list[NetworkRule]] | None = Field(
+        None, max_length=64,
+        description="per host (a name or '*.domain'): transforms of its requests, which the "
+        "proxy then intercepts with the daemon's CA",
+    )  # fmt: skip
+
+
 class SecretInfo(BaseModel):
     name: str
     hosts: list[str] = Field(description="canonical: lower case, IDNA, no trailing dot")

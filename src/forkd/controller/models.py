@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from forkd import limits, states
+from forkd.controller.egress_models import NetworkPolicy
 
 TAG = Field(pattern=limits.NAME_PATTERN, description=f"a name: {limits.NAME_RULE}")
 
@@ -114,6 +115,17 @@ class SnapshotCreate(_Body):
     boot_wait_secs: float = Field(limits.BOOT_TIMEOUT_SECS, gt=0, le=limits.MAX_BOOT_TIMEOUT_SECS)
     volumes: list[VolumeAttach] = Field(default_factory=list, max_length=limits.MAX_VOLUMES_PER_VM)
     egress: Egress | None = Field(None, description="the template's and its forks' default")
+    network: NetworkPolicy | None = Field(
+        None, description="the same as egress, by name and with rules (give one of the two)"
+    )
+    env: dict[
+        Annotated[str, StringConstraints(pattern=r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")],
+        Annotated[str, StringConstraints(max_length=8192)],
+    ] | None = Field(
+        None, max_length=128,
+        description="the environment of every command and eval in the template and its "
+        "forks (over an image's own); '${secrets.NAME}' stays a placeholder in the guest",
+    )  # fmt: skip
     metadata: Metadata = Field(default_factory=dict)
     # A container image's service, started and ready before the snapshot: every fork
     # of it starts with the service running and warm.
@@ -226,6 +238,9 @@ class SandboxCreate(_Body):
     )
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
+    network: NetworkPolicy | None = Field(
+        None, description="default: the snapshot's; give one of network, egress, internet"
+    )
     metadata: Metadata | None = Field(None, description="merged over the snapshot's labels")
     seed: int | None = Field(
         None,

@@ -53,6 +53,11 @@ class Settings:
     # Networks of the host's own that sandboxes may reach when their policy lets them;
     # by default none: not the host's addresses nor any network it is attached to.
     egress_host_networks: tuple[str, ...] = ()
+    # The egress proxy (forkd.egress): every guest TCP connection decided by name. Off:
+    # the namespace's rules decide by address alone (names resolved once at start).
+    egress_proxy: bool = True
+    egress_hosts: Path | None = None  # --egress-hosts: names pinned before DNS (hosts(5))
+    egress_ca_file: Path | None = None  # --egress-ca-file: an operator's CA, for upstream TLS
     max_upload_bytes: int = FILE_UPLOAD_LIMIT  # of one streamed file upload
     # OCI registries (host[:port]) spoken to over plain HTTP; the only ones on this host
     # that a push or a pull may reach (forkd.oci.policy).

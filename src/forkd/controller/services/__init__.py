@@ -34,6 +34,8 @@ from forkd.controller.services.waking import Waker
 from forkd.controller.services.workspaces import WorkspaceService
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
+from forkd.egress.ca import EgressCA
+from forkd.egress.intercept import Interceptor
 
 __all__ = ["Services"]
 
@@ -82,6 +84,9 @@ class Services:
         fleet.admission.reclaim_hint = reclaim.busy_summary
         expiry = Expiry(fleet, pausing, branches)
         files = FileTransferService(sandboxes)
+        secrets = SecretService(store, SecretBox(settings.state_dir, settings.secrets_key_file))
+        fleet.egress_ca = EgressCA(settings.state_dir)
+        fleet.egress.interception = Interceptor(fleet.egress_ca, secrets, settings.egress_ca_file)
         return cls(
             fleet=fleet,
             snapshots=snapshots,
@@ -101,5 +106,5 @@ class Services:
             reclaim=reclaim,
             usage=UsageService(fleet),
             workspaces=WorkspaceService(fleet, sandboxes, pausing),
-            secrets=SecretService(store, SecretBox(settings.state_dir, settings.secrets_key_file)),
+            secrets=secrets,
         )

@@ -32,6 +32,9 @@ from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.waking import Waker
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
+from forkd.egress.ca import EgressCA
+from forkd.egress.proxy import EgressProxy
+from forkd.egress.resolver import PinnedHosts, Resolver
 from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.guest.image import Image
 from forkd.limits import check_tag
@@ -148,6 +151,12 @@ class Fleet:
         self.network = HostNetwork(
             settings.sandbox_cidr, settings.network, settings.egress_host_networks
         )
+        self.egress = EgressProxy(
+            Resolver(PinnedHosts(settings.egress_hosts)), settings.sandbox_cidr
+        )
+        if settings.egress_proxy:
+            self.network.use_egress(self.egress)
+        self.egress_ca: EgressCA | None = None  # the proxy's CA (set by Services)
         self.cgroups = _cgroup_hierarchy(settings)
         self.pool: ForkPool[SandboxVM] = ForkPool(
             settings.run_dir,

@@ -27,7 +27,7 @@ from forkd.guest import image_sharing
 from forkd.image_import import leftovers
 from forkd.limits import NAME_RE
 from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
-from forkd.vmm.jail import network, qemu_user
+from forkd.vmm.jail import egress, network, qemu_user
 from forkd.vmm.qemu import host_processes
 from forkd.vmm.snapshot import files as snapshot_files
 
@@ -184,6 +184,7 @@ class Lifecycle:
                 fleet.store.delete_sandbox(row.id)
                 continue
             fleet.vms[row.id] = vm
+            await self._listen(vm)
             if row.state == SandboxState.STARTING:  # died mid-fork, its QEMU running: it runs
                 fleet.store.set_sandbox_state(row.id, SandboxState.RUNNING, pid=vm.pid)
             else:  # paused or running, as it was left
@@ -191,6 +192,18 @@ class Lifecycle:
             log.info(
                 "re-adopted sandbox %s (pid %s%s)", row.id, vm.pid, ", paused" if paused else ""
             )
+
+    async def _listen(self, vm: SandboxVM) -> None:
+        """The egress proxy in an adopted sandbox's namespace (the last daemon's went
+        with it); a sandbox it cannot serve keeps running, its guest's TCP refused."""
+        if vm.net is None:
+            return
+        policy = egress.of_machine(vm.machine.egress, vm.machine.internet)
+        try:
+            await network.listen(self.fleet.network, vm.net, vm.id, policy)
+        except Exception as exc:
+            log.warning("sandbox %s: the egress proxy cannot listen in %s: %s",
+                        vm.id, vm.net.netns, exc)  # fmt: skip
 
     def kill_strays(self) -> None:
         """QEMU processes and run directories of ours that no sandbox owns.

@@ -152,7 +152,7 @@ class SandboxService:
         _lifetime(req)  # refused here, before anything is made
         if req.seed is not None and req.seed + req.n - 1 > limits.MAX_SEED:
             raise Invalid(f"seed {req.seed} + n {req.n} - 1 is over {limits.MAX_SEED}")
-        policy = egress.requested(req.egress, req.internet)
+        policy = egress.requested(req.egress, req.internet, req.network)
         snap_dir = Path(row.dir)
         machine = snapshot_files.load(snap_dir).machine
         if req.memory_limit_mib is not None and self.fleet.cgroups.limits_memory:

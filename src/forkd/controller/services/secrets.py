@@ -146,6 +146,11 @@ class SecretService:
             self._used[name] = time.time()
         return value
 
+    def any_for(self, host: str) -> bool:
+        """Is ``host`` (canonical) one of some secret's hosts (then it is intercepted)?"""
+        with self._lock:
+            return any(d.matches_name(host) for hosts in self._hosts.values() for d in hosts)
+
     def flush_uses(self, force: bool = False) -> None:
         """Write the uses counted since the last flush (at most every USE_FLUSH_SECS)."""
         now = time.monotonic()

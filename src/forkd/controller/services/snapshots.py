@@ -162,7 +162,7 @@ class SnapshotService:
                 boot_timeout=req.boot_wait_secs,
                 attach=attach,
                 host_network=self.fleet.network,
-                egress_policy=egress.requested(req.egress, None),
+                egress_policy=egress.requested(req.egress, None, req.network),
                 cgroup=self.fleet.placement(),
             )
         except BaseException:
@@ -176,7 +176,8 @@ class SnapshotService:
                            message=message, **fields)  # fmt: skip
 
         try:
-            await template_start.configure(template, img, req)
+            ca = self.fleet.egress_ca if self.fleet.network.egress is not None else None
+            await template_start.configure(template, img, req, ca.pem if ca else None)
             progress("setup", f"booted; running {len(setup)} setup command(s), "
                      f"{len(warmups)} warm-up(s)")  # fmt: skip
             await self._prepare(template, setup, warmups)

@@ -11,17 +11,20 @@ its own) or a command that exits 0.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
 from forkd import limits
 from forkd.controller.models import SnapshotCreate
+from forkd.controller.services import egress_trust
 from forkd.controller.services.process_output import ReadAnswer
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import AgentError, GuestError, Invalid, VMError
 from forkd.guest import container_image
 from forkd.guest import image as images
 
+log = logging.getLogger(__name__)
 POLL_SECS = 0.5
 READY_CMD_TIMEOUT_SECS = 30.0  # one run of ready_cmd
 OUTPUT_TAIL_BYTES = 2000  # of the service's output, in the error when it is not ready
@@ -50,14 +53,26 @@ def _env(config_env: tuple[str, ...]) -> dict[str, str]:
     return env
 
 
-async def configure(template: SandboxVM, img: images.Image, req: SnapshotCreate) -> None:
-    """Give the agent the image's environment, working directory and user."""
-    if not container_image.is_container(img):
-        return
-    config = container_image.config_of(img)
-    await template.configure(
-        env=_env(config.env), cwd=config.working_dir or None, user=config.user or None
-    )
+async def configure(
+    template: SandboxVM, img: images.Image, req: SnapshotCreate, ca_pem: bytes | None = None
+) -> None:
+    """Give the agent the image's environment, working directory and user; with
+    ``ca_pem`` (the egress proxy's CA), put it in the guest's trust stores first and
+    name it in the environment (under the image's own variables)."""
+    env: dict[str, str] = {}
+    cwd = user = None
+    if container_image.is_container(img):
+        config = container_image.config_of(img)
+        env, cwd, user = _env(config.env), config.working_dir or None, config.user or None
+    env.update(req.env or {})
+    if ca_pem is not None:
+        try:
+            env = {**await egress_trust.install(template, ca_pem), **env}
+        except RuntimeError as exc:  # no shell in the image (distroless): its runtimes'
+            log.warning("%s: %s", req.tag, exc)  # own stores stay as they are
+            env = {"NODE_EXTRA_CA_CERTS": egress_trust.CA_FILE, **env}
+    if env or cwd or user:
+        await template.configure(env=env, cwd=cwd, user=user)
 
 
 def readiness(req: SnapshotCreate, exposed: tuple[str, ...]) -> tuple[int | None, str]:

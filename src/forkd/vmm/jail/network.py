@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from forkd.errors import Unavailable, VMError
 from forkd.vmm.jail import netns_ops
@@ -46,6 +46,11 @@ GUEST_IP = "10.0.2.15"
 GATEWAY_IP = "10.0.2.2"
 DNS_IP = "10.0.2.3"
 AGENT_PORT = 8888
+# The tap's MAC, the same in every namespace: a fork or a branch's child is a memory
+# copy whose ARP cache may hold its parent's gateway; with a MAC of its own per tap,
+# the copy's packets to the gateway went nowhere until that entry went stale.
+TAP_MAC = "02:66:6b:64:00:02"
+PROXY_PORT = 15001  # the egress proxy's listener in each namespace, on GATEWAY_IP
 DEFAULT_CIDR = "10.201.0.0/16"
 HOST_IF_PREFIX = "fkh-"
 NETNS_PREFIX = "forkd-"
@@ -181,7 +186,10 @@ def _without(
 
 
 def namespace_ruleset(
-    egress: Egress, resolver: str | None, host_nets: list[ipaddress.IPv4Network] | None = None
+    egress: Egress,
+    resolver: str | None,
+    host_nets: list[ipaddress.IPv4Network] | None = None,
+    proxy_port: int | None = None,
 ) -> str:
     """The namespace's own rules: agent DNAT, masquerade, and the egress chain.
 
@@ -190,9 +198,15 @@ def namespace_ruleset(
     conntrack calls invalid leaves, and new connections are rate-limited and
     counted, so one guest cannot fill the host's conntrack table. Nor does it reach
     ``host_nets`` (:func:`host_networks`), whatever its policy allows.
+
+    With ``proxy_port`` (the daemon's egress proxy), every TCP connection the guest
+    opens is redirected to the proxy's listener on the gateway address, which
+    decides by name; the egress chain then lets only DNS through, and the proxy's
+    own connections out (the namespace's output) never reach ``host_nets`` or what
+    is always blocked. A policy that lets nothing out redirects nothing.
     """
-    allowed = egress.resolve() if egress.mode == "allow" else []
-    dns = resolver if egress.mode != "none" else None
+    port = proxy_port if proxy_port is not None and not egress.shut else None
+    dns = resolver if not egress.shut else None
     lines = [
         "flush ruleset",
         "table arp forkd {",
@@ -202,6 +216,27 @@ def namespace_ruleset(
         "  }",
         "}",
         "table ip forkd {",
+        *_prerouting(dns, port),
+        "  chain postrouting {",
+        "    type nat hook postrouting priority srcnat; policy accept;",
+        f'    oifname "{NS_VETH}" masquerade',
+        "  }",
+        *_filters(port),
+    ]
+    if proxy_port is not None:  # the proxy's connections out, whatever it decided
+        shut = [*ALWAYS_BLOCKED, *(str(n) for n in host_nets or ())]
+        lines += [
+            "  chain upstream {",  # (the nat "output" chain is inside_clients_ruleset's)
+            "    type filter hook output priority filter; policy accept;",
+            f'    oifname "{NS_VETH}" ip daddr {{ {", ".join(shut)} }} drop',
+            "  }",
+        ]
+    lines += [*_egress_chain(egress, dns, host_nets, proxied=proxy_port is not None), "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _prerouting(dns: str | None, proxy_port: int | None) -> list[str]:
+    lines = [
         "  chain prerouting {",
         "    type nat hook prerouting priority dstnat; policy accept;",
         # From the host (only the daemon's uid may send here): any TCP port of the
@@ -213,30 +248,52 @@ def namespace_ruleset(
             lines.append(
                 f'    iifname "{NS_TAP}" ip daddr {DNS_IP} {proto} dport 53 dnat to {dns}:53'
             )
-    lines += [
-        "  }",
-        "  chain postrouting {",
-        "    type nat hook postrouting priority srcnat; policy accept;",
-        f'    oifname "{NS_VETH}" masquerade',
-        "  }",
-        "  chain input {",  # the guest never talks to the namespace itself
+    if proxy_port is not None:
+        lines.append(f'    iifname "{NS_TAP}" meta l4proto tcp redirect to :{proxy_port}')
+    return [*lines, "  }"]
+
+
+def _filters(proxy_port: int | None) -> list[str]:
+    """The input chain (the guest talks to nothing of the namespace's but the proxy) and
+    the forward chain, each with the guest's limits."""
+    guest_limits = [
+        f'    iifname "{NS_TAP}" ip saddr != {GUEST_IP} drop',
+        f'    iifname "{NS_TAP}" ct state new limit rate over {NEW_CONN_RATE}/second '
+        f"burst {NEW_CONN_BURST} packets drop",
+        f'    iifname "{NS_TAP}" ct state new ct count over {MAX_GUEST_CONNS} drop',
+    ]
+    lines = [
+        "  chain input {",
         "    type filter hook input priority filter; policy drop;",
+        "    ct state invalid drop",
         "    ct state established,related accept",
         '    iifname "lo" accept',
+    ]
+    if proxy_port is not None:
+        to_proxy = f'    iifname "{NS_TAP}" ip daddr {GATEWAY_IP} tcp dport {proxy_port} accept'
+        lines += [*guest_limits, to_proxy]
+    return [
+        *lines,
         "  }",
         "  chain forward {",
         "    type filter hook forward priority filter; policy drop;",
         "    ct state invalid drop",
         "    ct state established,related accept",
-        f'    iifname "{NS_TAP}" ip saddr != {GUEST_IP} drop',
-        f'    iifname "{NS_TAP}" ct state new limit rate over {NEW_CONN_RATE}/second '
-        f"burst {NEW_CONN_BURST} packets drop",
-        f'    iifname "{NS_TAP}" ct state new ct count over {MAX_GUEST_CONNS} drop',
+        *guest_limits,
         f'    iifname "{NS_VETH}" oifname "{NS_TAP}" ip daddr {GUEST_IP} meta l4proto tcp accept',
         f'    iifname "{NS_TAP}" oifname "{NS_VETH}" jump egress',
         "  }",
-        "  chain egress {",
     ]
+
+
+def _egress_chain(
+    egress: Egress, dns: str | None, host_nets: list[ipaddress.IPv4Network] | None,
+    *, proxied: bool,
+) -> list[str]:  # fmt: skip
+    """What the guest's forwarded packets may reach: DNS, and without the proxy what the
+    policy allows by address."""
+    allowed = egress.resolve() if egress.mode == "allow" and not proxied else []
+    lines = ["  chain egress {"]
     if dns:
         lines.append(f"    ip daddr {dns} meta l4proto {{ udp, tcp }} th dport 53 accept")
     # Link-local (metadata), loopback and multicast stay shut whatever is allowed, and so
@@ -244,13 +301,14 @@ def namespace_ruleset(
     lines.append(f"    ip daddr {{ {', '.join(ALWAYS_BLOCKED)} }} drop")
     if host_nets:
         lines.append(f"    ip daddr {{ {', '.join(str(n) for n in host_nets)} }} drop")
+    if denied := egress.denied_networks():
+        lines.append(f"    ip daddr {{ {', '.join(str(n) for n in denied)} }} drop")
     if allowed:
         lines.append(f"    ip daddr {{ {', '.join(str(n) for n in allowed)} }} accept")
-    if egress.mode == "internet":
+    if egress.mode == "internet" and not proxied and not egress.shut:
         lines.append(f"    ip daddr {{ {', '.join(BLOCKED_RANGES)} }} drop")
         lines.append("    accept")
-    lines += ["    drop", "  }", "}"]
-    return "\n".join(lines) + "\n"
+    return [*lines, "    drop", "  }"]
 
 
 def inside_clients_ruleset(ns_ip: str) -> str:
@@ -306,6 +364,20 @@ table ip {HOST_TABLE} {{
 """
 
 
+class EgressListener(Protocol):
+    """What serves a namespace's guest connections (the daemon's egress proxy)."""
+
+    async def attach(self, net: SandboxNet, vm_id: str, policy: Egress,
+                     host_nets: list[ipaddress.IPv4Network]) -> None: ...  # fmt: skip
+
+    def release(self, netns: str) -> None: ...
+
+
+# The listeners of this process: each lets a namespace go before it is removed (a
+# socket of its inside would keep the namespace, and its veth, alive).
+_listeners: list[EgressListener] = []
+
+
 class HostNetwork:
     """The daemon's view of sandbox networking: mode, address pool, namespaces."""
 
@@ -328,6 +400,19 @@ class HostNetwork:
         self.resolver = upstream_resolver()
         # vm id -> the /30 it should get if free: a woken sandbox keeps its address.
         self._preferred: dict[str, int] = {}
+        self.egress: EgressListener | None = None  # None: the kernel decides by address
+
+    def use_egress(self, listener: EgressListener | None) -> None:
+        """Send every guest's TCP through ``listener`` (None: by address, no proxy)."""
+        if self.egress is not None and self.egress in _listeners:
+            _listeners.remove(self.egress)
+        self.egress = listener
+        if listener is not None:
+            _listeners.append(listener)
+
+    def host_nets(self) -> list[ipaddress.IPv4Network]:
+        """The host's networks a sandbox never reaches (:func:`host_networks`), now."""
+        return host_networks(self.cidr, self.opened)
 
     @staticmethod
     def _choose(mode: str) -> tuple[str, str]:
@@ -362,13 +447,18 @@ class HostNetwork:
 
     # ------------------------------------------------------------ per VM
 
-    def create(self, vm_id: str, egress: Egress) -> SandboxNet:
+    def create(
+        self, vm_id: str, egress: Egress, host_nets: list[ipaddress.IPv4Network] | None = None
+    ) -> SandboxNet:
         """Make ``vm_id``'s namespace, links and rules; all or nothing."""
         from pyroute2 import IPRoute
 
         self.prepare_host()
         # Hostnames resolved and the host's networks listed now, no lock held.
-        rules = namespace_ruleset(egress, self.resolver, host_networks(self.cidr, self.opened))
+        if host_nets is None:
+            host_nets = self.host_nets()
+        port = PROXY_PORT if self.egress is not None else None
+        rules = namespace_ruleset(egress, self.resolver, host_nets, port)
         name = NETNS_PREFIX + vm_id
         # One allocation at a time on this host, whichever daemon or thread asks:
         # the host-side link's name claims the /30. The namespace's inside is set
@@ -408,6 +498,7 @@ class HostNetwork:
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
             ns.link("add", ifname=NS_TAP, kind="tuntap", mode="tap")
             tap = ns.link_lookup(ifname=NS_TAP)[0]
+            ns.link("set", index=tap, address=TAP_MAC)
             ns.addr("add", index=tap, address=GATEWAY_IP, prefixlen=24)
             ns.link("set", index=tap, state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
@@ -476,20 +567,35 @@ def netns_problems() -> list[str]:
 
 
 async def attach(network: HostNetwork | None, vm_id: str, egress: Egress) -> SandboxNet | None:
-    """A namespace for VM ``vm_id`` when ``network`` gives each VM one, else None."""
+    """A namespace for VM ``vm_id`` when ``network`` gives each VM one, else None; the
+    egress proxy listening in it when the daemon has one."""
     if network is None or not network.enabled:
         return None
-    making = asyncio.ensure_future(asyncio.to_thread(network.create, vm_id, egress))
+    host_nets = await asyncio.to_thread(network.host_nets)
+    making = asyncio.ensure_future(asyncio.to_thread(network.create, vm_id, egress, host_nets))
     try:
-        return await asyncio.shield(making)
-    except asyncio.CancelledError:
+        net = await asyncio.shield(making)
+        if network.egress is not None:
+            await network.egress.attach(net, vm_id, egress, host_nets)
+    except BaseException:
         # The thread finishes what it started whatever happens here: undo it.
         with contextlib.suppress(Exception):
-            await asyncio.to_thread(destroy, await making)
+            await detach(await making)
         raise
+    return net
+
+
+async def listen(network: HostNetwork, net: SandboxNet, vm_id: str, egress: Egress) -> None:
+    """The egress proxy listening in a namespace made before (an adopted VM's)."""
+    if network.egress is not None:
+        host_nets = await asyncio.to_thread(network.host_nets)
+        await network.egress.attach(net, vm_id, egress, host_nets)
 
 
 async def detach(net: SandboxNet | None) -> None:
-    """Remove a VM's namespace (its QEMU must have exited)."""
+    """Remove a VM's namespace (its QEMU must have exited), the proxy's sockets in it
+    first."""
     if net is not None:
+        for listener in _listeners:
+            listener.release(net.netns)
         await asyncio.to_thread(destroy, net)

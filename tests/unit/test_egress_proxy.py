@@ -1,0 +1,375 @@
+"""The egress proxy with real namespaces, nftables rules, sockets and clients, but no
+VM: a guest namespace stands where a sandbox's tap would be (tests/egress_world.py),
+and curl and Python run in it as a guest's programs would. The "internet" is a
+namespace of this test; every name is pinned by it."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+from forkd.egress.proxy import EgressProxy
+from forkd.egress.records import EgressRecord
+from forkd.egress.resolver import PinnedHosts, Resolver
+from forkd.vmm.jail import network
+from forkd.vmm.jail.egress import Egress
+from tests import egress_world
+from tests.egress_world import WEB, Outside, in_guest
+
+if network.netns_problems():
+    pytest.skip("no network namespaces here: " + "; ".join(network.netns_problems()),
+                allow_module_level=True)  # fmt: skip
+
+T = TypeVar("T")
+_ids = itertools.count(1)
+
+
+class Loop:
+    """An event loop on a thread of its own: the daemon's, in miniature."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Any, timeout: float = 30) -> Any:
+        future: Future[Any] = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return future.result(timeout)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        async def wrapped() -> T:
+            return fn()
+
+        return self.run(wrapped())  # type: ignore[no-any-return]
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Outside]:
+    try:
+        with egress_world.outside(tmp_path_factory.mktemp("egress")) as made:
+            yield made
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def daemon(world: Outside) -> Iterator[tuple[Loop, network.HostNetwork, EgressProxy]]:
+    loop = Loop()
+    host = network.HostNetwork(mode="netns")
+    proxy = EgressProxy(Resolver(PinnedHosts(world.hosts_file)), str(host.cidr))
+    host.use_egress(proxy)
+    try:
+        yield loop, host, proxy
+    finally:
+        loop.run(proxy.close())
+        host.use_egress(None)
+        loop.stop()
+
+
+class Guest:
+    def __init__(self, world: Outside, vm_id: str, netns: str, net: network.SandboxNet) -> None:
+        self.world, self.vm_id, self.netns, self.net = world, vm_id, netns, net
+
+    def curl(self, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        """curl as a guest runs it: its DNS answer for every test name is an address
+        nobody listens on (the proxy must not care)."""
+        resolve = [arg for n in egress_world.NAMES for p in (80, 443)
+                   for arg in ("--resolve", f"{n}:{p}:198.19.0.99")]  # fmt: skip
+        return in_guest(self.netns, "curl", "-sS", "--max-time", "15", "--cacert",
+                        str(self.world.ca.cert), *resolve, *extra, url)  # fmt: skip
+
+    def python(self, code: str) -> subprocess.CompletedProcess[str]:
+        return in_guest(self.netns, sys.executable, "-c", code)
+
+
+@pytest.fixture
+def sandbox(
+    world: Outside, daemon: tuple[Loop, network.HostNetwork, EgressProxy]
+) -> Iterator[Callable[[Any], Guest]]:
+    loop, host, _ = daemon
+    made: list[Guest] = []
+
+    def make(policy: Any) -> Guest:
+        vm_id = f"fkt-{os.getpid()}-{next(_ids)}"
+        net = loop.run(network.attach(host, vm_id, Egress.parse(policy)))
+        assert net is not None
+        guest = Guest(world, vm_id, f"fkt-g-{os.getpid()}-{next(_ids)}", net)
+        made.append(guest)
+        egress_world.swap_in_guest(net.netns, guest.netns)
+        return guest
+
+    yield make
+    from pyroute2 import netns
+
+    for guest in made:
+        loop.run(network.detach(guest.net))
+        netns.remove(guest.netns)
+
+
+def records(daemon: tuple[Loop, Any, EgressProxy], guest: Guest) -> list[EgressRecord]:
+    """The guest's records, once each has ended (a connection's record is complete when
+    the proxy has seen both sides close)."""
+    loop, _, proxy = daemon
+
+    def ended() -> list[EgressRecord] | None:
+        found: list[EgressRecord] = loop.call(lambda: proxy.log.of(guest.vm_id))
+        return found if all(r.ended_at for r in found) else None
+
+    assert egress_world.wait_for(ended), "a connection's record never ended"
+    return ended() or []
+
+
+def _echo(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)  # type: ignore[no-any-return]
+
+
+def test_tls_passes_through_by_its_server_name_not_the_guests_dns(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    guest = sandbox("internet")
+    answer = _echo(guest.curl("https://api.test.example/echo?q=1"))
+    assert answer["host"] == "api.test.example" and answer["path"] == "/echo?q=1"
+    [record] = records(daemon, guest)
+    assert (record.verdict, record.kind, record.host, record.port) == (
+        "allowed", "tls", "api.test.example", 443)  # fmt: skip
+    assert record.address == WEB  # the pinned address, not the guest's 198.19.0.99
+    assert record.bytes_out > 200 and record.bytes_in > 500  # a handshake each way, unread
+
+
+def test_an_allow_list_of_names_lets_only_those_out(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    guest = sandbox({"allow_out": ["api.test.example"]})
+    assert guest.curl("https://api.test.example/").returncode == 0
+    refused = guest.curl("https://other.test.example/")
+    assert refused.returncode != 0 and "access denied" in refused.stderr
+    plain = guest.curl("http://other.test.example/echo", "-i")
+    assert plain.stdout.startswith("HTTP/1.1 403") and "not allowed" in plain.stdout
+    assert _echo(guest.curl("http://api.test.example/echo"))["host"] == "api.test.example"
+    verdicts = [(r.kind, r.host, r.verdict) for r in records(daemon, guest)]
+    assert verdicts == [("tls", "api.test.example", "allowed"),
+                        ("tls", "other.test.example", "refused"),
+                        ("http", "other.test.example", "refused"),
+                        ("http", "api.test.example", "allowed")]  # fmt: skip
+
+
+def test_deny_wins_over_allow_and_wildcards_match_below_their_domain(
+    sandbox: Callable[[Any], Guest],
+) -> None:
+    guest = sandbox({"allow_out": ["*.test.example"], "deny_out": ["evil.test.example"]})
+    assert guest.curl("https://other.test.example/").returncode == 0
+    assert guest.curl("https://evil.test.example/").returncode != 0
+    assert guest.curl("https://EVIL.test.example./").returncode != 0  # no other spelling
+
+
+KEEP_ALIVE = """
+import socket, sys
+s = socket.create_connection(("198.19.0.99", 80), timeout=10)
+f = s.makefile("rb")
+def ask(host):
+    s.sendall(f"GET /echo HTTP/1.1\\r\\nHost: {host}\\r\\n\\r\\n".encode())
+    status, length = f.readline().decode().strip(), 0
+    while (line := f.readline()) not in (b"\\r\\n", b""):
+        if line.lower().startswith(b"content-length:"): length = int(line.split(b":")[1])
+    f.read(length)
+    return status
+print(ask("api.test.example")); print(ask(sys.argv[1]))
+"""
+
+
+def test_a_second_request_for_another_host_on_one_connection_is_misdirected(
+    sandbox: Callable[[Any], Guest],
+) -> None:
+    guest = sandbox("internet")  # both hosts allowed: still one connection, one host
+    out = in_guest(guest.netns, sys.executable, "-c", KEEP_ALIVE, "other.test.example")
+    assert out.stdout.splitlines() == ["HTTP/1.1 200 OK", "HTTP/1.1 421 Misdirected Request"]
+
+
+def test_raw_tcp_is_judged_by_address_only(sandbox: Callable[[Any], Guest], daemon: Any) -> None:
+    banner = (f"import socket; s = socket.create_connection(('{WEB}', 2222), timeout=10);"
+              "print(s.recv(100).decode().strip() or 'closed')")  # fmt: skip
+    assert guest_says(sandbox("internet"), banner) == "SSH-2.0-fake"  # the server first
+    by_name = sandbox({"allow_out": ["api.test.example"]})
+    assert guest_says(by_name, banner) in ("closed", "ConnectionResetError")
+    assert (records(daemon, by_name)[0].reason or "").endswith("network policy")
+    assert guest_says(sandbox({"allow_out": [f"{WEB}/32"]}), banner) == "SSH-2.0-fake"
+
+
+def guest_says(guest: Guest, code: str) -> str:
+    out = guest.python(f"try:\n    {code}\nexcept OSError as e:\n    print(type(e).__name__)")
+    return out.stdout.strip()
+
+
+def test_the_host_and_the_proxy_itself_are_fenced_off(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    guest = sandbox({"allow_out": ["0.0.0.0/0"]})  # the widest policy: still fenced in
+    for target in (egress_world.LAN_HOST, "10.0.2.2", "10.201.0.1"):
+        probe = (f"s = __import__('socket').create_connection(('{target}', 80), timeout=10);"
+                 "s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n');"
+                 "print(s.recv(100) or 'closed')")  # fmt: skip
+        said = guest_says(guest, probe)
+        assert "200" not in said, (target, said)
+    reasons = [r.reason or "" for r in records(daemon, guest)]
+    assert len(reasons) == 3 and all("host's" in r or "403" in r or "never" in r
+                                     for r in reasons), reasons  # fmt: skip
+
+
+def test_a_name_resolving_to_loopback_is_refused(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    guest = sandbox("internet")
+    answer = guest.curl("http://localhost/", "-i", "--resolve", "localhost:80:198.19.0.99")
+    assert answer.stdout.startswith("HTTP/1.1 403"), answer.stdout
+    assert "127.0.0.1" in (records(daemon, guest)[0].reason or "")
+
+
+def test_redirects_are_the_guests_to_follow_and_each_is_judged(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    guest = sandbox({"allow_out": ["api.test.example"]})
+    followed = guest.curl("https://api.test.example/redirect", "-L")
+    assert followed.returncode != 0  # evil.test.example: refused when the guest asks
+    assert [(r.host, r.verdict) for r in records(daemon, guest)] == [
+        ("api.test.example", "allowed"), ("evil.test.example", "refused")]  # fmt: skip
+
+
+def test_a_policy_change_applies_to_the_next_connection(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    loop, _, proxy = daemon
+    guest = sandbox("internet")
+    assert guest.curl("https://api.test.example/").returncode == 0
+    loop.call(lambda: proxy.set_policy(guest.vm_id, Egress.parse({"deny_out": ["*"]})))
+    assert guest.curl("https://api.test.example/").returncode != 0
+
+
+def test_released_namespaces_leave_no_socket_behind(
+    world: Outside, daemon: tuple[Loop, network.HostNetwork, EgressProxy]
+) -> None:
+    loop, host, _ = daemon
+    vm_id = f"fkt-{os.getpid()}-{next(_ids)}"
+    net = loop.run(network.attach(host, vm_id, Egress("internet")))
+    assert net is not None and Path(f"/sys/class/net/{net.host_if}").exists()
+    loop.run(network.detach(net))
+    # the veth goes with the namespace only once no socket of ours holds it
+    assert egress_world.wait_for(lambda: not Path(f"/sys/class/net/{net.host_if}").exists())
+
+
+# -- interception: hosts with secrets or rules --------------------------------------
+
+
+class Secrets:
+    """The daemon's secrets as the proxy sees them (the real service is tested in
+    test_secrets.py): a value for a host among its hosts, else nothing."""
+
+    def __init__(self) -> None:
+        self.values = {"openai": ("sk-test-0123456789", ("api.test.example",))}
+
+    def value_for(self, name: str, host: str) -> str | None:
+        value, hosts = self.values.get(name, ("", ()))
+        return value if host in hosts else None
+
+    def any_for(self, host: str) -> bool:
+        return any(host in hosts for _, hosts in self.values.values())
+
+
+@pytest.fixture(scope="module")
+def secrets(
+    daemon: tuple[Loop, network.HostNetwork, EgressProxy], world: Outside,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Secrets]:  # fmt: skip
+    from forkd.egress.ca import EgressCA
+    from forkd.egress.intercept import Interceptor
+
+    _, _, proxy = daemon
+    made = Secrets()
+    ca = EgressCA(tmp_path_factory.mktemp("state"))
+    proxy.interception = Interceptor(ca, made, world.ca.cert)  # the test's "internet" CA
+    both = tmp_path_factory.mktemp("trust") / "both.pem"
+    both.write_bytes(ca.pem + world.ca.cert.read_bytes())  # what a template's guest trusts
+    world.trust = both  # type: ignore[attr-defined]
+    yield made
+    proxy.interception = None
+
+
+PLACEHOLDER = "Authorization: Bearer ${secrets.openai}"
+
+
+def test_a_secret_is_put_in_only_for_its_own_host_over_tls(
+    sandbox: Callable[[Any], Guest], daemon: Any, secrets: Secrets, world: Outside
+) -> None:
+    guest = sandbox("internet")
+    trust = str(world.trust)  # type: ignore[attr-defined]
+    mine = _echo(guest.curl("https://api.test.example/echo", "--cacert", trust, "-H", PLACEHOLDER))
+    assert mine["headers"]["Authorization"] == "Bearer sk-test-0123456789"
+    other = _echo(guest.curl("https://other.test.example/echo", "--cacert", trust,
+                             "-H", PLACEHOLDER))  # fmt: skip
+    assert other["headers"]["Authorization"] == "Bearer ${secrets.openai}"  # passed through
+    plain = _echo(guest.curl("http://api.test.example/echo", "-H", PLACEHOLDER))
+    assert plain["headers"]["Authorization"] == "Bearer ${secrets.openai}"  # no TLS: never
+    found = [(r.kind, r.host, r.secrets) for r in records(daemon, guest)]
+    assert found == [("https", "api.test.example", ["openai"]),
+                     ("tls", "other.test.example", []),
+                     ("http", "api.test.example", [])]  # fmt: skip
+
+
+def test_a_fronted_host_gets_no_secret_and_no_other_host(
+    sandbox: Callable[[Any], Guest], secrets: Secrets, world: Outside
+) -> None:
+    guest = sandbox("internet")
+    fronted = guest.curl("https://api.test.example/echo", "--cacert", str(world.trust),  # type: ignore[attr-defined]
+                         "-H", "Host: other.test.example", "-H", PLACEHOLDER, "-i")  # fmt: skip
+    assert fronted.stdout.startswith("HTTP/1.1 421"), fronted.stdout
+    assert "sk-test" not in fronted.stdout
+
+
+def test_rules_set_headers_and_a_rotation_is_the_next_requests(
+    sandbox: Callable[[Any], Guest], secrets: Secrets, world: Outside
+) -> None:
+    rule = {"transform": {"headers": {"X-Api-Key": "${secrets.openai}", "X-Team": "forkd"}}}
+    guest = sandbox({"rules": {"api.test.example": [rule]}})
+    args = ("--cacert", str(world.trust), "-H", "X-Team: spoofed")  # type: ignore[attr-defined]
+    first = _echo(guest.curl("https://api.test.example/echo", *args))
+    assert first["headers"]["X-Api-Key"] == "sk-test-0123456789"
+    assert first["headers"]["X-Team"] == "forkd"  # the rule's, not the guest's
+    secrets.values["openai"] = ("sk-rotated-42", ("api.test.example",))
+    assert _echo(guest.curl("https://api.test.example/echo", *args))["headers"][
+        "X-Api-Key"] == "sk-rotated-42"  # fmt: skip
+
+
+H2_ONLY = """
+import socket, ssl
+ctx = ssl.create_default_context(cafile=%r); ctx.set_alpn_protocols(["h2"])
+try:
+    with ctx.wrap_socket(socket.create_connection(("198.19.0.99", 443), timeout=10),
+                         server_hostname="api.test.example") as s:
+        print("connected", s.selected_alpn_protocol())
+except (ssl.SSLError, OSError) as e:
+    print("refused", type(e).__name__)
+"""
+
+
+def test_an_h2_only_client_of_an_intercepted_host_is_refused(
+    sandbox: Callable[[Any], Guest], secrets: Secrets, world: Outside, daemon: Any
+) -> None:
+    guest = sandbox("internet")
+    said = guest.python(H2_ONLY % str(world.trust)).stdout  # type: ignore[attr-defined]
+    assert said.startswith("refused"), said
+    assert "HTTP/1.1" in (records(daemon, guest)[0].reason or "")
