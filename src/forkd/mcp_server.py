@@ -85,6 +85,7 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
     _lifecycle_tools(server, with_daemon)
     _search_tools(server, with_daemon)
     _image_tools(server, with_daemon)
+    _network_tools(server, with_daemon)
     _original_tools(server, with_daemon)
 
     @server.resource(TREE_URI, name="lineage", mime_type="application/json")
@@ -254,6 +255,38 @@ def _lifecycle_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
         """Kill the sandbox and free what it held."""
         await with_daemon(lambda c: c.kill_sandbox(sandbox_id))
         return {"id": sandbox_id, "killed": True}
+
+
+def _network_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """What sandboxes may reach, what they reached, and the secrets they can use."""
+
+    @server.tool()
+    async def set_network(
+        sandbox_id: str, allow_out: list[str] | None = None, deny_out: list[str] | None = None
+    ) -> dict[str, Any]:
+        """Replace what a sandbox may reach: allow_out (only these: host names,
+        '*.domain', addresses, CIDRs; none: every public host) and deny_out (never these;
+        ['*']: nothing). New connections follow it at once; open ones it denies close."""
+
+        async def change(ctl: AsyncController) -> Any:
+            rules = (await ctl.sandbox_network(sandbox_id))["rules"] or None
+            return await ctl.update_sandbox_network(sandbox_id, allow_out or [], deny_out or [],
+                                                    rules)  # fmt: skip
+
+        return dict(await with_daemon(change))
+
+    @server.tool()
+    async def egress_log(sandbox_id: str, after: int = 0) -> dict[str, Any]:
+        """What a sandbox reached and was refused (host, port, method and path, which
+        secrets were put in), oldest first; give next_after as after for more."""
+        return dict(await with_daemon(lambda c: c.sandbox_egress(sandbox_id, after=after)))
+
+    @server.tool()
+    async def list_secrets() -> list[dict[str, Any]]:
+        """The secrets a sandbox can use without holding them: write ${secrets.NAME} where
+        the credential goes (a header, an environment variable) and the daemon puts the
+        value in on requests to the secret's hosts. Names and hosts only, never values."""
+        return list(await with_daemon(lambda c: c.list_secrets()))
 
 
 def _image_tools(server: MCPServer, with_daemon: WithDaemon) -> None:

@@ -72,6 +72,7 @@ class Server:
     token_file: Path
     driver: FakeDriver
     importer: FakeImporter
+    app: Any = None  # the daemon's app: its services, for what no route shows
 
 
 @contextmanager
@@ -105,7 +106,7 @@ def server(
     token_file.write_text(TOKEN + "\n")
     app = create_app(settings, TOKEN, driver=driver, importer=importer)
     with serving(app, host="127.0.0.1", port=port):
-        yield Server(f"http://127.0.0.1:{port}", TOKEN, token_file, driver, importer)
+        yield Server(f"http://127.0.0.1:{port}", TOKEN, token_file, driver, importer, app)
 
 
 class RecordingTransport(httpx.HTTPTransport):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -179,6 +180,11 @@ class FakeVM(VMLifecycle):
     # lifecycle ---------------------------------------------------------------
     def is_alive(self) -> bool:
         return self.alive
+
+    def set_egress(self, policy: Any) -> None:
+        self.machine = dataclasses.replace(
+            self.machine, egress=policy.to_json(), internet=not policy.shut
+        )
 
     async def kill(self) -> None:
         self.events.append("kill")
@@ -490,7 +496,7 @@ class FakeDriver:
         return vm
 
     async def spawn_incoming(self, snapshot_dir: Path, *, run_root: Path,
-                             vm_id: str | None = None, **_: Any) -> FakeVM:  # fmt: skip
+                             vm_id: str | None = None, **kw: Any) -> FakeVM:  # fmt: skip
         if self.fail_restore is not None:
             raise self.fail_restore
         files = snapshot_files.load(snapshot_dir)
@@ -498,6 +504,8 @@ class FakeDriver:
         guest = Guest.from_json(json.loads(state.read_text())) if state.exists() else Guest()
         vm_id = vm_id or f"vm-{len(self.vms)}"
         vm = FakeVM(vm_id, files.machine, run_root, guest, state=VMState.INCOMING)
+        if kw.get("egress_policy") is not None:  # as VM.spawn_incoming records it
+            vm.set_egress(kw["egress_policy"])
         vm.origin, vm.origin_id = snapshot_dir, files.meta.id
         vm.volumes = list(files.meta.volumes)
         self.vms.append(vm)

@@ -373,3 +373,37 @@ def test_an_h2_only_client_of_an_intercepted_host_is_refused(
     said = guest.python(H2_ONLY % str(world.trust)).stdout  # type: ignore[attr-defined]
     assert said.startswith("refused"), said
     assert "HTTP/1.1" in (records(daemon, guest)[0].reason or "")
+
+
+HOLD_OPEN = f"""
+import socket, sys, time
+s = socket.create_connection(("{WEB}", 2222), timeout=10)
+assert s.recv(100).startswith(b"SSH")
+print("open", flush=True)
+s.settimeout(10)
+start = time.monotonic()
+try:
+    while s.recv(100):
+        pass
+    print("closed after", round(time.monotonic() - start, 2))
+except OSError as e:
+    print("closed after", round(time.monotonic() - start, 2), type(e).__name__)
+"""
+
+
+def test_a_policy_change_closes_the_connections_it_denies(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    loop, _, proxy = daemon
+    guest = sandbox("internet")
+    held = subprocess.Popen(["nsenter", f"--net=/run/netns/{guest.netns}", "--", sys.executable,
+                             "-c", HOLD_OPEN], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert held.stdout is not None and held.stdout.readline().strip() == "open"
+        closed = loop.call(lambda: proxy.set_policy(guest.vm_id, Egress.parse("none")))
+        assert closed == 1
+        said = held.stdout.readline().split()
+        assert said[:2] == ["closed", "after"] and float(said[2]) < 1.0, said
+    finally:
+        held.kill()
+        held.wait()

@@ -37,6 +37,7 @@ TOOLS = {
     "create_sandbox", "fork_sandboxes", "exec", "run_python", "read_file", "write_file",
     "branch_sandbox", "explore", "diff_sandbox", "list_sandboxes", "list_snapshots", "kill_sandbox",
     "import_image", "list_images", "create_snapshot",
+    "set_network", "egress_log", "list_secrets",
     # The original forkd MCP server's names (forkd-mcp), beside ours.
     "spawn_sandboxes", "get_sandbox", "exec_command", "eval_code", "ping_sandbox",
     "wait_for_text",
@@ -95,6 +96,12 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     patch = _value(await client.call_tool("diff_sandbox", {**args, "patch": True}))["patch"]
     assert "+++ b/n" in patch and "+hello" in patch
     assert _value(await client.call_tool("kill_sandbox", best))["killed"]
+    cut = _value(await client.call_tool("set_network", {"sandbox_id": sid, "deny_out": ["*"]}))
+    assert cut["deny_out"] == ["*"]
+    log = _value(await client.call_tool("egress_log", {"sandbox_id": sid}))
+    assert log["records"] == [] or all(r["verdict"] in ("allowed", "refused")
+                                       for r in log["records"])  # fmt: skip
+    assert isinstance(_value(await client.call_tool("list_secrets", {})), list)
     listed = {s["id"] for s in _value(await client.call_tool("list_sandboxes", {}))}
     assert {sid, *(k["id"] for k in kids)} <= listed
     snaps = {s["tag"] for s in _value(await client.call_tool("list_snapshots", {}))}

@@ -93,3 +93,67 @@ def test_a_templates_network_object_is_recorded_for_its_forks(
     policy = driver.boot_kwargs[-1]["egress_policy"]  # the template's VM: its snapshot's
     assert policy.network()["deny_out"] == ["evil.github.com"]
     assert Egress.parse(policy.to_json()) == policy  # as snapshot.json keeps it
+
+
+# -- at runtime --------------------------------------------------------------------
+
+
+def test_a_running_sandboxs_policy_is_replaced_and_recorded_with_its_vm(
+    client: TestClient, driver: FakeDriver, py: str
+) -> None:
+    [sb] = _fork(client).json()
+    assert client.get(f"/v1/sandboxes/{sb['id']}/network").json()["allow_out"] == []
+    changed = client.patch(f"/v1/sandboxes/{sb['id']}/network", json={"deny_out": ["*"]})
+    assert changed.status_code == 200, changed.text
+    assert changed.json()["deny_out"] == ["*"] and changed.json()["closed"] == 0
+    vm = driver.vms[-1]
+    assert Egress.parse(vm.machine.egress).shut  # a branch, a hibernation take it from here
+    shown = client.get(f"/v1/sandboxes/{sb['id']}/network").json()
+    assert shown["deny_out"] == ["*"] and "closed" not in shown
+    events = client.app.state.services.fleet.events  # type: ignore[attr-defined]
+    assert any(e.type == "network_changed" for e in events._ring)
+
+
+def test_what_a_policy_change_refuses(client: TestClient, py: str) -> None:
+    [sb] = _fork(client).json()
+    bad = client.patch(f"/v1/sandboxes/{sb['id']}/network", json={"allow_out": ["bad host!"]})
+    assert bad.status_code == 400 and "allow_out" in bad.json()["error"]
+    assert client.get(f"/v1/sandboxes/{sb['id']}/network").json()["allow_out"] == []
+    assert client.patch("/v1/sandboxes/sb-nope-0001/network", json={}).status_code == 404
+    assert (
+        client.post(f"/v1/sandboxes/{sb['id']}/pause", json={"hibernate": True}).status_code == 200
+    )
+    asleep = client.patch(f"/v1/sandboxes/{sb['id']}/network", json={"deny_out": ["*"]})
+    assert asleep.status_code == 409 and "hibernated" in asleep.json()["error"]
+    assert client.get(f"/v1/sandboxes/{sb['id']}/network").status_code == 200  # its state's
+
+
+def test_a_secret_named_by_a_sandboxs_rules_is_kept(client: TestClient, py: str) -> None:
+    secret = {"name": "openai", "value": "sk-0123456789", "hosts": ["api.openai.com"]}
+    assert client.post("/v1/secrets", json=secret).status_code == 201
+    [sb] = _fork(client, network=POLICY).json()
+    refused = client.delete("/v1/secrets/openai")
+    assert refused.status_code == 409 and sb["id"] in refused.json()["error"]
+    client.patch(f"/v1/sandboxes/{sb['id']}/network", json={"allow_out": ["api.openai.com"]})
+    assert client.delete("/v1/secrets/openai").status_code == 204  # its rules are gone
+
+
+def test_egress_records_are_paged_and_counted_in_metrics(client: TestClient, py: str) -> None:
+    from forkd.egress.records import EgressRecord
+
+    [sb] = _fork(client).json()
+    log = client.app.state.services.fleet.egress.log  # type: ignore[attr-defined]
+    for i in range(5):
+        log.add(EgressRecord(sb["id"], "refused" if i % 2 else "allowed", "tls",
+                             f"h{i}.test", 443, bytes_out=10, bytes_in=20))  # fmt: skip
+    first = client.get(f"/v1/sandboxes/{sb['id']}/egress", params={"limit": 2}).json()
+    assert [r["host"] for r in first["records"]] == ["h0.test", "h1.test"]
+    rest = client.get(f"/v1/sandboxes/{sb['id']}/egress",
+                      params={"after": first["next_after"]}).json()  # fmt: skip
+    assert [r["host"] for r in rest["records"]] == ["h2.test", "h3.test", "h4.test"]
+    metrics = client.get("/metrics").text
+    assert f'forkd_sandbox_egress_allowed_total{{sandbox="{sb["id"]}"}} 3\n' in metrics
+    assert f'forkd_sandbox_egress_refused_total{{sandbox="{sb["id"]}"}} 2\n' in metrics
+    events = client.app.state.services.fleet.events  # type: ignore[attr-defined]
+    assert sum(e.type == "egress" for e in events._ring) == 5
+    assert client.get("/v1/sandboxes/sb-nope-0001/egress").status_code == 404

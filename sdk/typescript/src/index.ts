@@ -275,6 +275,19 @@ export class Client {
     return this.json("PATCH", this.#sb(id), { body: dropUndefined(opts) });
   }
   /** What the sandbox uses now (`GET /v1/sandboxes/:id/metrics`); wakes nothing. */
+  /** What a sandbox may reach now: allow_out, deny_out, rules, and whether the daemon's egress proxy enforces them. */
+  sandboxNetwork(id: string): Promise<JSONObject> { return this.json("GET", `${this.#sb(id)}/network`); }
+
+  /** Replace what a sandbox may reach (E2B's `network` shape); open connections it denies are closed. */
+  updateSandboxNetwork(id: string, network: { allow_out?: string[]; deny_out?: string[]; rules?: JSONObject }): Promise<JSONObject> {
+    return this.json("PATCH", `${this.#sb(id)}/network`, { body: network });
+  }
+
+  /** What a sandbox reached and was refused through the egress proxy, oldest first. */
+  sandboxEgress(id: string, opts: { after?: number; limit?: number } = {}): Promise<JSONObject> {
+    return this.json("GET", `${this.#sb(id)}/egress`, { query: { after: opts.after ?? 0, limit: opts.limit ?? 100 } });
+  }
+
   sandboxMetrics(id: string): Promise<JSONObject> { return this.json("GET", `${this.#sb(id)}/metrics`); }
   /** Every sandbox's figures (`GET /v1/sandboxes/metrics`), or those of `sandboxIds`. */
   listSandboxMetrics(sandboxIds?: string[]): Promise<JSONObject[]> {

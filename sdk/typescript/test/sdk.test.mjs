@@ -177,6 +177,15 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     await assert.rejects(client.secretInfo(name), (err) => err instanceof ForkdError && err.status === 404);
   });
 
+  await t.test("a sandbox's network: replaced at runtime, its egress listed", async () => {
+    const [sb] = await client.spawnSandboxes(template, { network: { allow_out: ["api.ts.test"] } });
+    assert.deepEqual((await client.sandboxNetwork(sb.id)).allow_out, ["api.ts.test"]);
+    const cut = await client.updateSandboxNetwork(sb.id, { deny_out: ["*"] });
+    assert.deepEqual(cut.deny_out, ["*"]);
+    assert.ok(Array.isArray((await client.sandboxEgress(sb.id)).records));
+    await client.killSandbox(sb.id);
+  });
+
   await t.test("typed errors", async () => {
     await assert.rejects(client.getSandbox("sb-nope-0000"), (err) => err instanceof ForkdError && err.status === 404);
     await assert.rejects(client.spawnSandboxes(template, { n: 0 }), (err) => err instanceof ForkdError && err.status === 400);

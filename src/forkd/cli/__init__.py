@@ -26,6 +26,7 @@ from forkd.cli import (
     gateway,
     images,
     mcp,
+    network,
     original_commands,
     original_verbs,
     ports,
@@ -86,6 +87,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     images.register(app, transport=transport)
     volumes.register(app, transport=transport)
     secrets.register(app, transport=transport)
+    network.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
     explore.register(app, transport=transport)
     diffs.register(app, transport=transport)

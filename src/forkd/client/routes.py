@@ -518,6 +518,40 @@ class Routes:
         return self._json("PATCH", self._sb(sandbox_id), json_body=body)
 
     @route
+    def sandbox_network(self, sandbox_id: str) -> Call[JSONDict]:
+        """``GET /v1/sandboxes/{id}/network``: ``allow_out``, ``deny_out``, ``rules`` now,
+        and ``proxied`` (whether the daemon's egress proxy enforces them by name)."""
+        return self._json("GET", f"{self._sb(sandbox_id)}/network")
+
+    @route
+    def update_sandbox_network(
+        self,
+        sandbox_id: str,
+        allow_out: Sequence[str] | None = None,
+        deny_out: Sequence[str] | None = None,
+        rules: dict[str, Any] | None = None,
+    ) -> Call[JSONDict]:
+        """``PATCH /v1/sandboxes/{id}/network``: replace the sandbox's policy (what is not
+        given is empty); its next connection is judged by it and open connections it
+        denies are closed (``closed``). ``deny_out=["*"]`` cuts it off.
+
+        Example::
+
+            ctl.update_sandbox_network(sid, deny_out=["*"])
+        """
+        body = _drop_none({"allow_out": list(allow_out) if allow_out is not None else None,
+                           "deny_out": list(deny_out) if deny_out is not None else None,
+                           "rules": rules})  # fmt: skip
+        return self._json("PATCH", f"{self._sb(sandbox_id)}/network", json_body=body)
+
+    @route
+    def sandbox_egress(self, sandbox_id: str, after: int = 0, limit: int = 100) -> Call[JSONDict]:
+        """``GET /v1/sandboxes/{id}/egress``: what the guest reached and was refused
+        through the egress proxy, oldest first → ``{"records": [...], "next_after"}``."""
+        params = {"after": after, "limit": limit}
+        return self._json("GET", f"{self._sb(sandbox_id)}/egress", params=params)
+
+    @route
     def sandbox_metrics(self, sandbox_id: str) -> Call[JSONDict]:
         """``GET /v1/sandboxes/{id}/metrics`` → what it uses now: ``cpu`` (``seconds``,
         ``percent``, ``count``), ``memory`` (guest and host bytes), ``disk``,

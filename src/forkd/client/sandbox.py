@@ -146,6 +146,25 @@ class Sandbox(SandboxView):
         )
         return self._info
 
+    def network(self) -> JSONDict:
+        """What it may reach now: ``allow_out``, ``deny_out``, ``rules``, ``proxied``."""
+        return self._controller.sandbox_network(self.id)
+
+    def set_network(
+        self,
+        allow_out: Sequence[str] | None = None,
+        deny_out: Sequence[str] | None = None,
+        rules: dict[str, Any] | None = None,
+    ) -> JSONDict:
+        """Replace what it may reach, at once (E2B's ``network`` shape): the next
+        connection is judged by it, open ones it denies are closed."""
+        return self._controller.update_sandbox_network(self.id, allow_out, deny_out, rules)
+
+    def egress(self, after: int = 0, limit: int = 100) -> JSONDict:
+        """What it reached and was refused through the egress proxy, oldest first:
+        ``{"records": [...], "next_after"}``."""
+        return self._controller.sandbox_egress(self.id, after, limit)
+
     def get_metrics(self) -> JSONDict:
         """What the sandbox uses now (E2B's ``get_metrics``): ``cpu``, ``memory``,
         ``disk``, ``volumes``, ``network``, ``processes``, ``wakes``, ``evictions``. It

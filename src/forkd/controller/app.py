@@ -70,6 +70,7 @@ def create_app(
         services.reclaim.start()
         services.usage.start()
         metrics.watch_sandboxes(services.usage.all, limits.SANDBOX_SERIES_CAP)
+        metrics.watch_egress(lambda: services.fleet.egress.log.counts, limits.SANDBOX_SERIES_CAP)
         log.info("forkd ready: %d snapshots, %d sandboxes adopted",
                  len(store.list_snapshots()), len(services.fleet.vms))  # fmt: skip
         try:

@@ -7,7 +7,7 @@ for it, and no validation error repeats it.
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, field_validator
 
@@ -109,3 +109,41 @@ class SecretInfo(BaseModel):
     last_used_unix: float | None = Field(
         description="the last request the egress proxy put the value in; null: never"
     )
+
+
+class NetworkInfo(BaseModel):
+    """A sandbox's network policy now (the network object), and whether the egress proxy
+    enforces it by name (false: ``--egress-proxy off`` or no namespaces)."""
+
+    allow_out: list[str]
+    deny_out: list[str]
+    rules: dict[str, list[dict[str, Any]]]
+    proxied: bool
+    closed: int | None = Field(
+        None, description="(after a change) open connections the new policy closed"
+    )
+
+
+class EgressRecordInfo(BaseModel):
+    id: int
+    time: float = Field(description="when the connection (or HTTP request) began, unix s")
+    ended_at: float | None = Field(description="null: still open")
+    verdict: Literal["allowed", "refused"]
+    kind: Literal["tls", "https", "http", "tcp"] = Field(
+        description="tls: passed through by SNI; https: intercepted, one record per request; "
+        "http: one per request; tcp: judged by address"
+    )
+    host: str | None = Field(description="the name it asked for (SNI, Host), canonical")
+    port: int
+    address: str | None = Field(description="where the proxy connected")
+    reason: str | None = Field(description="why it was refused, or what ended it early")
+    method: str | None
+    path: str | None = Field(description="without its query")
+    secrets: list[str] = Field(description="secrets put in, by name")
+    bytes_out: int
+    bytes_in: int
+
+
+class EgressPage(BaseModel):
+    records: list[EgressRecordInfo]
+    next_after: int = Field(description="give as ?after= for the records after these")

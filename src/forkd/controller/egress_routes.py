@@ -8,7 +8,14 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from forkd import limits
-from forkd.controller.egress_models import SecretCreate, SecretInfo, SecretUpdate
+from forkd.controller.egress_models import (
+    EgressPage,
+    NetworkInfo,
+    NetworkPolicy,
+    SecretCreate,
+    SecretInfo,
+    SecretUpdate,
+)
 from forkd.controller.http_errors import ERROR_RESPONSES
 from forkd.controller.routes import NO_CONTENT, Svc
 
@@ -54,4 +61,35 @@ async def delete_secret(
     return Response(status_code=204)
 
 
-ROUTERS = (secrets,)
+network = APIRouter(prefix="/v1/sandboxes", tags=["network"], responses=ERROR_RESPONSES)
+
+
+@network.get("/{sandbox_id}/network", response_model=NetworkInfo, response_model_exclude_none=True)
+async def sandbox_network(svc: Svc, sandbox_id: str) -> NetworkInfo:
+    """What the sandbox may reach now (the network object)."""
+    return svc.network.info(sandbox_id)
+
+
+@network.patch(
+    "/{sandbox_id}/network", response_model=NetworkInfo, response_model_exclude_none=True
+)
+async def change_sandbox_network(svc: Svc, sandbox_id: str, body: NetworkPolicy) -> NetworkInfo:
+    """Replace the policy of a running or paused sandbox: its next connection is judged
+    by it, open connections it denies are closed now (``closed``); forks and branches
+    taken after it, hibernation and a daemon restart keep it. 409 when hibernated."""
+    return await svc.network.update(sandbox_id, body)
+
+
+@network.get("/{sandbox_id}/egress", response_model=EgressPage)
+async def sandbox_egress(
+    svc: Svc,
+    sandbox_id: str,
+    after: Annotated[int, Query(ge=0, description="records after this id (0: the oldest)")] = 0,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> EgressPage:
+    """What the guest reached and was refused through the egress proxy, oldest first
+    (the newest 1000 connections and HTTP requests are kept)."""
+    return svc.network.records(sandbox_id, after, limit)
+
+
+ROUTERS = (secrets, network)

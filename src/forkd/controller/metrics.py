@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -92,6 +92,10 @@ class Metrics:
         """Reclaim hibernated an idle sandbox."""
         self.evictions.inc()
 
+    def watch_egress(self, read: Callable[[], dict[str, Any]], cap: int) -> None:
+        """Per-sandbox egress counters (forkd.egress.records.EgressCounts by sandbox)."""
+        self.registry.register(_EgressCollector(read, cap))
+
     def watch_sandboxes(self, read: Callable[[], list[SandboxMetrics]], cap: int) -> None:
         """Series labelled by sandbox, from ``read()``, for at most ``cap`` sandboxes."""
         self.registry.register(_SandboxCollector(read, cap))
@@ -152,6 +156,39 @@ class _ConnectionCollector(Collector):
 
 
 Family = CounterMetricFamily | GaugeMetricFamily
+
+
+class _EgressCollector(Collector):
+    """Each sandbox's egress through the proxy, labelled by its id (the ``cap`` busiest)."""
+
+    SERIES = (
+        ("forkd_sandbox_egress_allowed", "Connections and HTTP requests the proxy let out",
+         "allowed"),
+        ("forkd_sandbox_egress_refused", "Connections and HTTP requests the proxy refused",
+         "refused"),
+        ("forkd_sandbox_egress_sent_bytes", "Bytes the guest sent out through the proxy",
+         "bytes_out"),
+        ("forkd_sandbox_egress_received_bytes", "Bytes the guest received through the proxy",
+         "bytes_in"),
+        ("forkd_sandbox_egress_substitutions", "Requests a secret was put in", "substitutions"),
+    )  # fmt: skip
+
+    def __init__(self, read: Callable[[], dict[str, Any]], cap: int) -> None:
+        self._read = read
+        self._cap = cap
+
+    def describe(self) -> Iterator[Metric]:
+        for name, text, _ in self.SERIES:
+            yield CounterMetricFamily(name, text)
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._read()
+        busiest = sorted(counts, key=lambda sid: -counts[sid].allowed - counts[sid].refused)
+        for name, text, field in self.SERIES:
+            family = CounterMetricFamily(name, text, labels=["sandbox"])
+            for sid in busiest[: self._cap]:
+                family.add_metric([sid], getattr(counts[sid], field))
+            yield family
 
 
 class _SandboxCollector(Collector):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import logging
 import socket
@@ -114,6 +115,11 @@ class _Sandbox:
     listener: socket.socket | None = None
     accepting: asyncio.Task[None] | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # Where each open connection goes (the name it was allowed by, else its address):
+    # a new policy closes those it denies.
+    going: dict[asyncio.Task[None], tuple[str | None, ipaddress.IPv4Address | None]] = field(
+        default_factory=dict
+    )
 
 
 class Interception(Protocol):
@@ -168,10 +174,19 @@ class EgressProxy:
             task.cancel()
         sb.sockets.close()
 
-    def set_policy(self, vm_id: str, policy: Egress) -> None:
+    def set_policy(self, vm_id: str, policy: Egress) -> int:
+        """New connections of ``vm_id``'s guest are judged by ``policy`` from now on, and
+        its open connections that ``policy`` denies are closed; how many were."""
+        closed = 0
         for sb in self._sandboxes.values():
-            if sb.vm_id == vm_id:
-                sb.policy = policy
+            if sb.vm_id != vm_id:
+                continue
+            sb.policy = policy
+            for task, (name, address) in list(sb.going.items()):
+                if not _still_allowed(policy, sb.fence, name, address):
+                    task.cancel()
+                    closed += 1
+        return closed
 
     def policy_of(self, vm_id: str) -> Egress | None:
         return next((sb.policy for sb in self._sandboxes.values() if sb.vm_id == vm_id), None)
@@ -199,6 +214,7 @@ class EgressProxy:
             task = asyncio.ensure_future(self._serve(sb, conn))
             sb.tasks.add(task)
             task.add_done_callback(sb.tasks.discard)
+            task.add_done_callback(functools.partial(_gone, sb))
 
     async def _serve(self, sb: _Sandbox, conn: socket.socket) -> None:
         """Decide by what the guest's first bytes say, read without taking them (peeked):
@@ -262,9 +278,11 @@ class EgressProxy:
         literal = decide.ip_literal(name)
         if literal is not None:
             decide.check_address(literal, sb.policy, sb.fence, named=False)
+            _going(sb, None, literal)
             return await self._connect(sb, literal, port)
         name = decide.checked_name(name)
         address = await decide.destination(name, sb.policy, sb.fence, self.resolver)
+        _going(sb, name, address)
         return await self._connect(sb, address, port, (tls, name) if tls else None)
 
     async def _tls(self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address,
@@ -280,6 +298,7 @@ class EgressProxy:
         try:
             if hello.server_name is None:
                 decide.check_address(address, sb.policy, sb.fence, named=False)
+                _going(sb, None, address)
                 upstream = await self._connect(sb, address, port)
             else:
                 literal = decide.ip_literal(hello.server_name)
@@ -338,6 +357,7 @@ class EgressProxy:
         record = EgressRecord(sb.vm_id, "allowed", "tcp", None, port, str(address))
         try:
             decide.check_address(address, sb.policy, sb.fence, named=False)
+            _going(sb, None, address)
             upstream = await self._connect(sb, address, port)
         except Refused as exc:
             record.verdict, record.reason = "refused", str(exc)
@@ -369,6 +389,30 @@ class EgressProxy:
 
     def _refused(self, sb: _Sandbox, kind: str, host: str | None, port: int, why: str) -> None:
         self.log.add(EgressRecord(sb.vm_id, "refused", kind, host, port, reason=why))
+
+
+def _gone(sb: _Sandbox, task: asyncio.Task[None]) -> None:
+    sb.going.pop(task, None)
+
+
+def _going(sb: _Sandbox, name: str | None, address: ipaddress.IPv4Address | None) -> None:
+    """Note where the current connection goes (by name when a name allowed it)."""
+    task = asyncio.current_task()
+    if task is not None:
+        sb.going[task] = (name, address)
+
+
+def _still_allowed(policy: Egress, fence: Fence, name: str | None,
+                   address: ipaddress.IPv4Address | None) -> bool:  # fmt: skip
+    if name is not None:
+        return policy.allows_name(name)
+    if address is None:
+        return not policy.shut
+    try:
+        decide.check_address(address, policy, fence, named=False)
+    except Refused:
+        return False
+    return True
 
 
 async def _readable(sock: socket.socket, timeout: float) -> bool:

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 RING_SIZE = 1000  # records kept per sandbox; older ones are dropped
+MAX_RINGS = 2048  # sandboxes whose records are kept (killed ones too); the oldest go first
 
 _ids = itertools.count(1)
 
@@ -37,6 +38,17 @@ class EgressRecord:
         return asdict(self)
 
 
+@dataclass
+class EgressCounts:
+    """What one sandbox's guest did through the proxy since the daemon started."""
+
+    allowed: int = 0
+    refused: int = 0
+    bytes_out: int = 0
+    bytes_in: int = 0
+    substitutions: int = 0  # requests a secret was put in
+
+
 class EgressLog:
     """Per sandbox, the newest :data:`RING_SIZE` records in the order their connections
     (or requests) began; ``notify`` sees each as it ends."""
@@ -44,15 +56,28 @@ class EgressLog:
     def __init__(self, notify: Callable[[EgressRecord], None] | None = None) -> None:
         self.notify = notify
         self._rings: dict[str, collections.deque[EgressRecord]] = {}
+        self.counts: dict[str, EgressCounts] = {}
 
     def begin(self, record: EgressRecord) -> EgressRecord:
         """Keep ``record`` now (a connection under way shows, its bytes still counting)."""
-        ring = self._rings.setdefault(record.sandbox_id, collections.deque(maxlen=RING_SIZE))
+        ring = self._rings.get(record.sandbox_id)
+        if ring is None:
+            while len(self._rings) >= MAX_RINGS:
+                self.forget(next(iter(self._rings)))
+            ring = self._rings[record.sandbox_id] = collections.deque(maxlen=RING_SIZE)
         ring.append(record)
         return record
 
     def end(self, record: EgressRecord) -> None:
         record.ended_at = time.time()
+        counts = self.counts.setdefault(record.sandbox_id, EgressCounts())
+        if record.verdict == "allowed":
+            counts.allowed += 1
+        else:
+            counts.refused += 1
+        counts.bytes_out += record.bytes_out
+        counts.bytes_in += record.bytes_in
+        counts.substitutions += bool(record.secrets)
         if self.notify is not None:
             self.notify(record)
 
@@ -67,3 +92,4 @@ class EgressLog:
 
     def forget(self, sandbox_id: str) -> None:
         self._rings.pop(sandbox_id, None)
+        self.counts.pop(sandbox_id, None)

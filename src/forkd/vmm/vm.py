@@ -444,6 +444,14 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.qmp.disconnect(), limits.AGENT_CLOSE_SECS)
 
+    def set_egress(self, policy: egress.Egress) -> None:
+        """Record a new egress policy in the VM's machine (a branch, a hibernation and a
+        restarted daemon take it from there) and in its vm.json."""
+        self.machine = dataclasses.replace(
+            self.machine, egress=policy.to_json(), internet=not policy.shut
+        )
+        runtime_meta.write_for(self)
+
     async def kill(self) -> None:
         """Stop the VM for good: QEMU first, then its channels, then its files.
 

@@ -8,6 +8,7 @@ raises only errors of :mod:`forkd.errors`; none knows about HTTP.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from forkd.controller.metrics import Metrics
@@ -20,6 +21,7 @@ from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
 from forkd.controller.services.images import ImageService, Importer
 from forkd.controller.services.lifecycle import Lifecycle
+from forkd.controller.services.network import NetworkService
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.ports import PortService
 from forkd.controller.services.processes import ProcessService
@@ -36,8 +38,32 @@ from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 from forkd.egress.ca import EgressCA
 from forkd.egress.intercept import Interceptor
+from forkd.egress.records import EgressRecord
+from forkd.vmm.jail import egress
 
 __all__ = ["Services"]
+
+
+def _egress_event(fleet: Fleet, record: EgressRecord) -> None:
+    """Each connection (and HTTP request) the proxy let out or refused, as an event."""
+    fields = record.to_json()
+    fields["record_id"], fields["began_at"] = fields.pop("id"), fields.pop("time")
+    fleet.events.publish("egress", **fields)
+
+
+def _rules_naming(fleet: Fleet, secret: str) -> list[str]:
+    """The running sandboxes whose network rules name ``secret`` (a placeholder in one
+    of their transforms)."""
+    needle = "${secrets." + secret + "}"
+    found = []
+    for sandbox_id, vm in list(fleet.vms.items()):
+        policy = fleet.egress.policy_of(sandbox_id) or egress.of_machine(
+            vm.machine.egress, vm.machine.internet
+        )
+        if any(needle in value for _, rules in policy.rules for rule in rules
+               for _, value in rule.headers):  # fmt: skip
+            found.append(sandbox_id)
+    return found
 
 
 @dataclass
@@ -61,6 +87,7 @@ class Services:
     usage: UsageService
     workspaces: WorkspaceService
     secrets: SecretService
+    network: NetworkService
 
     @classmethod
     def create(
@@ -87,6 +114,8 @@ class Services:
         secrets = SecretService(store, SecretBox(settings.state_dir, settings.secrets_key_file))
         fleet.egress_ca = EgressCA(settings.state_dir)
         fleet.egress.interception = Interceptor(fleet.egress_ca, secrets, settings.egress_ca_file)
+        fleet.egress.log.notify = functools.partial(_egress_event, fleet)
+        secrets.users = functools.partial(_rules_naming, fleet)
         return cls(
             fleet=fleet,
             snapshots=snapshots,
@@ -107,4 +136,5 @@ class Services:
             usage=UsageService(fleet),
             workspaces=WorkspaceService(fleet, sandboxes, pausing),
             secrets=secrets,
+            network=NetworkService(fleet),
         )

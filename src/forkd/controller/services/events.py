@@ -59,6 +59,8 @@ EVENT_TYPES = (
     "snapshot_created",
     "snapshot_deleted",
     "explore_variant",  # a variant of an explore finished (on the source: explore, index, ...)
+    "egress",  # the egress proxy let out or refused a connection or an HTTP request
+    "network_changed",  # a sandbox's network policy was replaced at runtime
     "explored",  # an explore ended (on the source: explore, kept, best)
 )
 GAP = "gap"  # not published: what a stream gets when events it would have had are lost

@@ -486,6 +486,14 @@ class HostNetwork:
             raise
         return net
 
+    def reload(self, net: SandboxNet, egress: Egress) -> None:
+        """Load ``net``'s namespace rules again for a new policy (DNS opens or shuts with
+        it; a policy that lets nothing out redirects nothing to the proxy)."""
+        port = PROXY_PORT if self.egress is not None else None
+        rules = namespace_ruleset(egress, self.resolver, self.host_nets(), port)
+        rules += inside_clients_ruleset(net.ns_ip)
+        netns_ops.run_inside(net.netns, lambda: netns_ops.load_ruleset(rules, net.netns))
+
     @staticmethod
     def _inside(net: SandboxNet, rules: str) -> None:
         """The namespace's side (run on a thread inside it): links, route, rules."""

@@ -1,0 +1,86 @@
+"""A sandbox's network policy at runtime, and what its guest reached.
+
+A change (``PATCH /v1/sandboxes/{id}/network``) is the proxy's table updated:
+the next connection the guest opens is judged by it, and the open connections
+it now denies are closed at once. It is recorded in the VM's machine (vm.json),
+so a branch taken after it, a hibernation and a restarted daemon keep it. When
+DNS opens or shuts with it (a policy that lets nothing out has none), the
+namespace's rules are loaded again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from forkd.controller.egress_models import EgressPage, EgressRecordInfo, NetworkInfo, NetworkPolicy
+from forkd.egress.records import EgressRecord
+from forkd.errors import Conflict
+from forkd.vmm.jail import egress
+from forkd.vmm.jail.egress import Egress
+from forkd.vmm.snapshot import files as snapshot_files
+
+if TYPE_CHECKING:
+    from forkd.controller.services.fleet import Fleet
+
+log = logging.getLogger(__name__)
+MAX_PAGE = 1000
+
+
+class NetworkService:
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+        self._changing: dict[str, asyncio.Lock] = {}
+
+    def policy(self, sandbox_id: str) -> Egress:
+        """The policy of ``sandbox_id`` now: the proxy's, its VM's, or (hibernated) the one
+        its state on disk holds."""
+        row = self.fleet.sandbox_row(sandbox_id)
+        held = self.fleet.egress.policy_of(sandbox_id)
+        if held is not None:
+            return held
+        vm = self.fleet.vms.get(sandbox_id)
+        if vm is not None:
+            return egress.of_machine(vm.machine.egress, vm.machine.internet)
+        asleep = self.fleet.hibernated.latest(sandbox_id) if row.state == "hibernated" else None
+        if asleep is not None:
+            machine = snapshot_files.load(asleep).machine
+            return egress.of_machine(machine.egress, machine.internet)
+        raise Conflict(f"sandbox {sandbox_id!r} is {row.state}: it has no network")
+
+    def info(self, sandbox_id: str, closed: int | None = None) -> NetworkInfo:
+        policy = self.policy(sandbox_id)
+        vm = self.fleet.vms.get(sandbox_id)
+        proxied = self.fleet.network.egress is not None and vm is not None and vm.net is not None
+        return NetworkInfo(**policy.network(), proxied=proxied, closed=closed)
+
+    async def update(self, sandbox_id: str, body: NetworkPolicy) -> NetworkInfo:
+        """Replace the policy of a running or paused sandbox (a hibernated one: 409)."""
+        new = egress.requested(None, None, body)
+        assert new is not None
+        lock = self._changing.setdefault(sandbox_id, asyncio.Lock())
+        async with lock:
+            vm = self.fleet.live(sandbox_id, paused_ok=True)
+            old = self.policy(sandbox_id)
+            vm.set_egress(new)
+            closed = self.fleet.egress.set_policy(sandbox_id, new)
+            if vm.net is not None and old.shut != new.shut and self.fleet.network.enabled:
+                await asyncio.to_thread(self.fleet.network.reload, vm.net, new)
+        self.fleet.events.publish(
+            "network_changed", sandbox_id=sandbox_id, closed=closed, **new.network()
+        )
+        log.info("sandbox %s: network policy changed (%d connections closed)", sandbox_id, closed)
+        return self.info(sandbox_id, closed)
+
+    def records(self, sandbox_id: str, after: int, limit: int) -> EgressPage:
+        self.fleet.sandbox_row(sandbox_id)
+        found = self.fleet.egress.log.of(sandbox_id, after, min(limit, MAX_PAGE))
+        shown = [record_info(r) for r in found]
+        return EgressPage(records=shown, next_after=shown[-1].id if shown else after)
+
+
+def record_info(record: EgressRecord) -> EgressRecordInfo:
+    fields = record.to_json()
+    fields.pop("sandbox_id")
+    return EgressRecordInfo(**fields)
