@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -407,3 +408,144 @@ def test_a_policy_change_closes_the_connections_it_denies(
     finally:
         held.kill()
         held.wait()
+
+
+# -- a hostile guest -----------------------------------------------------------------
+#
+# Each attack is followed by a plain request from another sandbox: the proxy (one
+# event loop in the daemon) must still answer it at once.
+
+RAW = """
+import socket, sys, time
+s = socket.create_connection(("198.19.0.99", int(sys.argv[1])), timeout=15)
+try:
+    s.sendall(bytes.fromhex(sys.stdin.read()))
+except OSError as e:  # cut off while sending (past the head's limit)
+    print(type(e).__name__, 0.0)
+    sys.exit()
+start = time.monotonic()
+try:
+    got = s.recv(200)
+except OSError as e:
+    got = type(e).__name__.encode()
+print(repr(got[:120]), round(time.monotonic() - start, 1))
+"""
+
+
+def send_raw(guest: Guest, port: int, data: bytes) -> str:
+    out = subprocess.run(["nsenter", f"--net=/run/netns/{guest.netns}", "--", sys.executable,
+                          "-c", RAW, str(port)], input=data.hex(), capture_output=True, text=True,
+                         timeout=60, check=False)  # fmt: skip
+    return out.stdout.strip() or out.stderr.strip()
+
+
+@pytest.fixture
+def bystander(sandbox: Callable[[Any], Guest]) -> Callable[[], None]:
+    """A second sandbox whose plain request must be answered promptly."""
+    other = sandbox("internet")
+
+    def still_served() -> None:
+        started = time.monotonic()
+        assert _echo(other.curl("http://api.test.example/echo"))["host"] == "api.test.example"
+        assert time.monotonic() - started < 5
+
+    return still_served
+
+
+@pytest.mark.parametrize(
+    ("port", "data", "says"),
+    [
+        (80, b"GET / HTTP/1.1\r\nHost: api.test.example\r\nX-Big: " + b"a" * (1 << 20)
+         + b"\r\n\r\n", "400|ConnectionResetError|BrokenPipeError"),  # a 1 MiB header: cut
+        (80, b"POST /echo HTTP/1.1\r\nHost: api.test.example\r\nContent-Length: 4\r\n"
+         b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "403"),  # CL+TE smuggling
+        (80, b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n", "403"),
+        (80, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "400"),  # an h2 preface, in the clear
+        (80, b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", "400"),  # two hosts
+        (443, b"\x16\x03\x01\x00\x10" + b"\xff" * 16, "\\x15\\x03\\x03"),  # a garbage hello
+    ],
+)  # fmt: skip
+def test_malformed_requests_are_refused_with_an_answer(
+    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], port: int, data: bytes,
+    says: str,
+) -> None:  # fmt: skip
+    guest = sandbox("internet")
+    said = send_raw(guest, port, data)
+    assert any(s in said for s in says.split("|")), said
+    bystander()
+
+
+def test_a_slow_head_is_cut_and_holds_nothing(
+    sandbox: Callable[[Any], Guest], bystander: Callable[[], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from forkd.egress import http as egress_http
+
+    monkeypatch.setattr(egress_http, "HEAD_SECS", 1.0)
+    guest = sandbox("internet")
+    said = send_raw(guest, 80, b"GET /echo HTTP/1.1\r\nHost: api.tes")  # and nothing more
+    got, took = said.rsplit(" ", 1)
+    assert got in ("b''", "b'ConnectionResetError'") and float(took) < 5, said
+    bystander()
+
+
+@pytest.mark.parametrize(
+    ("policy", "sni"),
+    [
+        ({"deny_out": ["bücher.test.example"]}, "xn--bcher-kva.test.example"),
+        ({"deny_out": ["xn--bcher-kva.test.example"]}, "BÜCHER.test.example."),
+        ({"deny_out": ["evil.test.example"]}, "evil.test.example."),
+        ({"allow_out": ["api.test.example"]}, "api.test.example.evil.test.example"),
+    ],
+)
+def test_no_spelling_of_a_name_slips_past_its_rule(
+    sandbox: Callable[[Any], Guest], policy: Any, sni: str
+) -> None:
+    guest = sandbox(policy)
+    code = (f"import socket, ssl; ctx = ssl.create_default_context(); "
+            f"ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n"
+            f"try:\n    ctx.wrap_socket(socket.create_connection(('198.19.0.99', 443), "
+            f"timeout=10), server_hostname={sni!r}); print('through')\n"
+            f"except (OSError, UnicodeError) as e: print('refused', type(e).__name__)")  # fmt: skip
+    said = guest.python(code).stdout.strip()
+    assert said.startswith("refused"), said
+
+
+FLOOD = """
+import socket, sys, time
+held, failed = [], 0
+for _ in range(int(sys.argv[1])):
+    try:
+        held.append(socket.create_connection(("198.19.0.20", 2222), timeout=5))
+    except OSError:
+        failed += 1
+alive = 0
+for s in held:
+    s.settimeout(5)
+    try:
+        alive += bool(s.recv(100))
+    except OSError:
+        pass
+print(alive, failed)
+"""
+
+
+def test_a_flood_of_connections_is_capped_and_the_proxy_keeps_serving(
+    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], daemon: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    from forkd.egress import proxy as egress_proxy
+
+    monkeypatch.setattr(egress_proxy, "MAX_CONNECTIONS", 100)
+    guest = sandbox("internet")
+    flood = subprocess.Popen(["nsenter", f"--net=/run/netns/{guest.netns}", "--",
+                              sys.executable, "-c", FLOOD, "400"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        alive, _ = (int(n) for n in flood.communicate(timeout=120)[0].split())
+    finally:
+        flood.kill()
+    assert alive <= 100  # each beyond the cap was closed as it came
+    refused = [r for r in records(daemon, guest) if r.verdict == "refused"]
+    assert refused and "too many connections" in (refused[0].reason or "")
+    bystander()

@@ -235,6 +235,24 @@ def owner_only_umask() -> Iterator[None]:
         os.umask(old)
 
 
+MAX_OPEN_FILES = 1 << 20
+
+
+def raise_open_file_limit() -> None:
+    """The soft limit of open descriptors up to the hard one (the egress proxy holds two
+    a guest connection, every sandbox's QEMU several): what a service manager allows,
+    this daemon uses, as Go's runtime does for its programs."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = MAX_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, MAX_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError) as exc:
+            log.warning("cannot raise the open file limit from %d: %s", soft, exc)
+
+
 def serve(
     settings: Settings,
     bind: str,
@@ -246,6 +264,7 @@ def serve(
 ) -> None:
     """Run the daemon until SIGTERM or SIGINT. ``driver`` replaces QEMU (tests only)."""
     configure_logging(log_level)
+    raise_open_file_limit()
     where = parse_bind(bind)
     with owner_only_umask():
         lock_fd = lock_state_dir(settings.state_dir)

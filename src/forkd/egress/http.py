@@ -132,6 +132,10 @@ class HttpSession:
             self.note(exchange, str(exc), None)
             self._answer(_refusal(421, str(exc)))
             return False
+        except _Malformed as exc:
+            self.note(exchange, str(exc), None)
+            self._answer(_refusal(400, str(exc)))
+            return False
         except Refused as exc:
             self.note(exchange, str(exc), None)
             self._answer(_refusal(403, str(exc)))
@@ -143,6 +147,9 @@ class HttpSession:
 
     def _checked(self, request: h11.Request, exchange: Exchange) -> Headers:
         """The request's headers to send on; :class:`Refused` for what is not let out."""
+        if request.http_version not in (b"1.0", b"1.1"):
+            raise _Malformed(f"HTTP/{request.http_version.decode('ascii', 'replace')}: only "
+                             "HTTP/1.0 and 1.1 are served in the clear")  # fmt: skip
         if request.method == b"CONNECT":
             raise Refused("CONNECT is not served: connect to the host itself")
         names = [name for name, _ in request.headers]
@@ -223,3 +230,7 @@ class HttpSession:
 
 class _Misdirected(Refused):
     """A request for another host than its connection's: 421."""
+
+
+class _Malformed(Refused):
+    """A request the proxy does not serve as it is: 400."""

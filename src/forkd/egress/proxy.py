@@ -46,6 +46,9 @@ from forkd.vmm.jail.network import GATEWAY_IP, PROXY_PORT, SandboxNet
 log = logging.getLogger(__name__)
 
 MAX_CONNECTIONS = 512  # open at once per sandbox; more are closed as they come
+# ... and for all sandboxes at once, at most a quarter of the descriptors this process
+# may open (each connection holds two): a flood of guests cannot starve the daemon.
+MAX_ALL_CONNECTIONS = 65536
 FIRST_BYTES_SECS = 1.0  # a guest silent this long speaks raw TCP (the server first)
 CONNECT_SECS = 10.0
 SO_ORIGINAL_DST = 80
@@ -147,6 +150,15 @@ class EgressProxy:
         self.log = log_ or EgressLog()
         self.interception = interception
         self._sandboxes: dict[str, _Sandbox] = {}  # by namespace name
+        self.open = 0  # connections served now, every sandbox's
+
+    @staticmethod
+    def max_open() -> int:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        budget = MAX_ALL_CONNECTIONS if soft == resource.RLIM_INFINITY else soft // 4
+        return max(64, min(MAX_ALL_CONNECTIONS, budget))
 
     # ------------------------------------------------------------ namespaces
 
@@ -207,14 +219,16 @@ class EgressProxy:
                 log.warning("egress proxy of %s cannot accept: %s", sb.vm_id, exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(sb.tasks) >= MAX_CONNECTIONS:
+            if len(sb.tasks) >= MAX_CONNECTIONS or self.open >= self.max_open():
                 conn.close()
-                self._refused(sb, "tcp", None, 0, f"more than {MAX_CONNECTIONS} connections open")
+                what = "this sandbox's" if len(sb.tasks) >= MAX_CONNECTIONS else "all sandboxes'"
+                self._refused(sb, "tcp", None, 0, f"too many connections open ({what})")
                 continue
+            self.open += 1
             task = asyncio.ensure_future(self._serve(sb, conn))
             sb.tasks.add(task)
             task.add_done_callback(sb.tasks.discard)
-            task.add_done_callback(functools.partial(_gone, sb))
+            task.add_done_callback(functools.partial(_gone, self, sb))
 
     async def _serve(self, sb: _Sandbox, conn: socket.socket) -> None:
         """Decide by what the guest's first bytes say, read without taking them (peeked):
@@ -391,8 +405,9 @@ class EgressProxy:
         self.log.add(EgressRecord(sb.vm_id, "refused", kind, host, port, reason=why))
 
 
-def _gone(sb: _Sandbox, task: asyncio.Task[None]) -> None:
+def _gone(proxy: EgressProxy, sb: _Sandbox, task: asyncio.Task[None]) -> None:
     sb.going.pop(task, None)
+    proxy.open -= 1
 
 
 def _going(sb: _Sandbox, name: str | None, address: ipaddress.IPv4Address | None) -> None:
