@@ -186,3 +186,55 @@ def test_a_secret_is_used_and_never_in_a_guests_files(
         ctl.kill_sandbox(sb["id"])
         ctl.delete_snapshot("egress-secrets", cascade=True)
         ctl.delete_secret("it_openai", force=True)
+
+
+def test_a_runtime_change_holds_through_hibernation(
+    ctl: Controller, agent: str, world: Outside
+) -> None:
+    [sb] = ctl.spawn_sandboxes(agent)
+    try:
+        _guest_ready(ctl, sb["id"], world)
+        assert fetch(ctl, sb["id"], OTHER)[OTHER] != "other.test.example"
+        opened = ctl.update_sandbox_network(sb["id"], allow_out=["*.test.example"])
+        assert opened["allow_out"] == ["*.test.example"]
+        assert fetch(ctl, sb["id"], OTHER)[OTHER] == "other.test.example"  # at once
+        ctl.pause_sandbox(sb["id"], hibernate=True)
+        assert ctl.sandbox_network(sb["id"])["allow_out"] == ["*.test.example"]  # on disk
+        ctl.resume_sandbox(sb["id"])
+        assert fetch(ctl, sb["id"], OTHER)[OTHER] == "other.test.example"
+        ctl.update_sandbox_network(sb["id"], deny_out=["*"])
+        assert fetch(ctl, sb["id"], API)[API] != "api.test.example"  # DNS and TCP shut
+        records = ctl.sandbox_egress(sb["id"])["records"]
+        assert {r["host"] for r in records if r["verdict"] == "allowed"} >= {
+            "other.test.example"}  # fmt: skip
+    finally:
+        ctl.kill_sandbox(sb["id"])
+
+
+def test_a_restarted_daemon_listens_again_with_each_sandboxs_policy(
+    image: object, world: Outside, tmp_path: Path
+) -> None:
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="forkd-e-", dir="/tmp"))
+    d = Daemon(root)
+    hosts = root / "egress-hosts"
+    hosts.write_text(world.hosts_file.read_text())
+    args = ("--pool-size", "0", "--egress-hosts", str(hosts),
+            "--egress-ca-file", str(world.ca.cert))  # fmt: skip
+    d.start(*args)
+    try:
+        with Controller(d.url, token=d.token, timeout=300) as own:
+            own.create_snapshot("py", memory_mib=256)
+            [sb] = own.spawn_sandboxes("py", network={"allow_out": ["api.test.example"]})
+            _guest_ready(own, sb["id"], world)
+            d.stop()
+            d.start(*args)
+            assert own.sandbox_network(sb["id"])["allow_out"] == ["api.test.example"]
+            said = fetch(own, sb["id"], API, OTHER)
+            assert said[API] == "api.test.example" and said[OTHER] != "other.test.example"
+    finally:
+        d.stop()
+        d.kill_leftovers()
+        shutil.rmtree(root, ignore_errors=True)
