@@ -62,3 +62,27 @@ def test_a_guests_output_is_shown_as_text(server: Server, sid: str, browser: obj
     )
     assert HOSTILE in page.locator("#exec-output").text_content()
     assert page.locator("#injected").count() == 0 and page.title() != "pwned"
+
+
+def test_the_network_panel_shows_a_sandboxs_policy_and_egress_and_cuts_it_off(
+    server: Server, sid: str, browser: object, ctl: Controller
+) -> None:
+    from forkd.egress.records import EgressRecord
+
+    log = server.app.state.services.fleet.egress.log
+    log.add(EgressRecord(sid, "refused", "http", HOSTILE, 80, reason="not allowed by the "
+                         "sandbox's network policy", method="GET", path="/x"))  # fmt: skip
+    page = browser.new_page()  # type: ignore[attr-defined]
+    page.goto(f"{server.url}/ui/")
+    page.fill("#token", server.token)
+    page.click("#login button[type=submit]")
+    page.locator(f'li[data-sandbox="{sid}"] button', has_text="network").click()
+    page.locator("#egress-rows tr").first.wait_for()
+    row = page.locator("#egress-rows tr").first.inner_text()
+    assert "refused" in row and "GET /x" in row and HOSTILE in row  # as text, never markup
+    assert page.locator("#injected").count() == 0
+    assert "every public destination" in page.locator("#network-policy").inner_text()
+    page.locator("#network-policy button", has_text="cut off").click()
+    page.wait_for_function("() => document.querySelector('#network-policy')"
+                           ".textContent.includes('deny out: *')")  # fmt: skip
+    assert ctl.sandbox_network(sid)["deny_out"] == ["*"]

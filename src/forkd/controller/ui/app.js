@@ -7,11 +7,16 @@
 // and every 30 s in case the stream missed something; ages are redrawn locally. What
 // each sandbox uses (GET /v1/sandboxes/metrics: host CPU and memory, the guest's memory)
 // is fetched every 10 s and on changes; reading it wakes and touches no sandbox.
+// The network panel shows one sandbox's policy (GET .../network) and what it reached
+// and was refused through the egress proxy (GET .../egress), updated on its egress
+// events, and can cut it off or open it; secrets are listed by name and hosts only.
 
 let token = null;
 let timers = [];
 let lists = { snapshots: [], sandboxes: [], usage: new Map() };
 let pending = null;
+let watched = null;  // the sandbox the network panel shows
+let pendingNet = null;
 const $ = (id) => document.getElementById(id);
 
 async function api(method, path, body) {
@@ -90,6 +95,7 @@ function sandboxNode(sb) {
         (sb.branch_count ? ` · ${sb.branch_count} branch${sb.branch_count > 1 ? "es" : ""}` : "")),
       el("span", { class: "meta usage" }, usageText(lists.usage.get(sb.id))),
       el("button", { onclick: () => act(`branch ${sb.id}`, () => api("POST", `/v1/sandboxes/${encodeURIComponent(sb.id)}/branch`, {})) }, "branch"),
+      el("button", { onclick: () => showNetwork(sb.id) }, "network"),
       el("button", { class: "danger", onclick: () => act(`kill ${sb.id}`, () => api("DELETE", `/v1/sandboxes/${encodeURIComponent(sb.id)}`)) }, "kill"),
     ));
 }
@@ -132,6 +138,7 @@ function render() {
 
 async function refresh() {
   if (!token) return;
+  refreshNetwork();
   try {
     const [snapshots, sandboxes] = await Promise.all([api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes")]);
     lists = { ...lists, snapshots, sandboxes };
@@ -150,6 +157,43 @@ async function refreshUsage() {
     render();
   } catch {
     // the figures are extras: the tree stays as it is, the next refresh tries again
+  }
+}
+
+const bytes = (n) => (n >= MIB ? `${(n / MIB).toFixed(1)} MiB` : n >= 1024 ? `${Math.round(n / 1024)} KiB` : `${n} B`);
+
+async function showNetwork(id) {
+  watched = id;
+  $("network").hidden = false;
+  await refreshNetwork();
+}
+
+async function refreshNetwork() {
+  if (!token || !watched) return;
+  const id = watched;
+  const path = `/v1/sandboxes/${encodeURIComponent(id)}`;
+  try {
+    const [policy, page, secrets] = await Promise.all([
+      api("GET", `${path}/network`), api("GET", `${path}/egress?limit=1000`), api("GET", "/v1/secrets")]);
+    if (id !== watched) return;
+    $("network-title").textContent = `Network of ${id}`;
+    const list = (xs, none) => (xs.length ? xs.join(", ") : none);
+    $("network-policy").replaceChildren(
+      el("div", {}, `allow out: ${list(policy.allow_out, "every public destination")}`),
+      el("div", {}, `deny out: ${list(policy.deny_out, "–")}`),
+      el("div", {}, `rules: ${list(Object.keys(policy.rules), "–")}`),
+      el("div", { class: "meta" }, policy.proxied ? "enforced by name by the egress proxy" : "not proxied: by address only"),
+      el("button", { class: "danger", onclick: () => act(`cut off ${id}`, () => api("PATCH", `${path}/network`, { deny_out: ["*"], rules: policy.rules })) }, "cut off"),
+      el("button", { onclick: () => act(`open ${id}`, () => api("PATCH", `${path}/network`, { rules: policy.rules })) }, "open to the internet"),
+      el("div", { class: "meta" }, `secrets it can use: ${list(secrets.map((s) => `${s.name} (${s.hosts.join(", ")})`), "none")}`));
+    const rows = page.records.slice(-50).reverse().map((r) => el("tr", { class: `egress-${r.verdict}` },
+      el("td", {}, age(r.time)), el("td", {}, r.verdict), el("td", {}, r.kind),
+      el("td", {}, `${r.host ?? r.address}:${r.port}`),
+      el("td", {}, r.method ? `${r.method} ${r.path}` : ""), el("td", {}, r.secrets.join(", ")),
+      el("td", {}, `${bytes(r.bytes_out)} / ${bytes(r.bytes_in)}`), el("td", {}, r.reason ?? "")));
+    $("egress-rows").replaceChildren(...rows);
+  } catch (err) {
+    say(`network of ${id}: ${err.message}`, true);
   }
 }
 
@@ -173,7 +217,14 @@ async function follow() {
         while ((end = buffer.indexOf("\n\n")) >= 0) {
           const block = buffer.slice(0, end);
           buffer = buffer.slice(end + 2);
-          if (block.split("\n").some((line) => line.startsWith("data:"))) soon();
+          const lines = block.split("\n");
+          if (!lines.some((line) => line.startsWith("data:"))) continue;
+          if (lines.includes("event: egress")) {  // the panel's, never the whole tree's
+            clearTimeout(pendingNet);
+            pendingNet = setTimeout(refreshNetwork, 300);
+          } else {
+            soon();
+          }
         }
       }
     } catch {
