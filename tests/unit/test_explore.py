@@ -313,3 +313,14 @@ def test_a_client_that_leaves_while_the_losers_die_leaves_nothing(
     while (_others(ctl, source) or _snapshots(ctl) != before) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _others(ctl, source) == [] and _snapshots(ctl) == before  # the kept one too
+
+
+def test_a_variant_can_have_its_own_network_policy(ctl: Controller, source: str) -> None:
+    variants = [{"eval": "x = 1"}, {"eval": "x = 2", "network": {"deny_out": ["*"]}}]
+    res = ctl.explore_sandbox(source, variants, score={"eval": "x"}, keep=2)
+    policies = {r.index: ctl.sandbox_network(str(r.sandbox_id)) for r in res.results}
+    assert policies[1]["deny_out"] == ["*"]  # its own, set before it ran
+    assert policies[0]["deny_out"] == []  # the source's, from the branch
+    with pytest.raises(ControllerError) as bad:
+        ctl.explore_sandbox(source, variants, score={"eval": "x", "network": {}})
+    assert bad.value.status == 400 and "network goes with a variant" in bad.value.message

@@ -369,6 +369,11 @@ class ExploreStep(_Body):
     stdin: str | None = Field(None, description="exec only")
     cwd: str | None = Field(None, description="exec only")
     user: str | None = Field(None, min_length=1, max_length=256, description="exec only")
+    network: NetworkPolicy | None = Field(
+        None,
+        description="(a variant) what its child may reach, set before it runs; "
+        "default: the source's policy at the branch",
+    )
 
     @model_validator(mode="after")
     def _one_kind(self) -> ExploreStep:
@@ -425,6 +430,8 @@ class ExploreRequest(_Body):
             raise ValueError(f"keep {self.keep} is more than the {len(self.variants)} variants")
         if self.seed is not None and self.seed + len(self.variants) - 1 > limits.MAX_SEED:
             raise ValueError(f"seed + variants - 1 is over {limits.MAX_SEED}")
+        if self.score is not None and self.score.network is not None:
+            raise ValueError("network goes with a variant: the score runs in its variant's child")
         return self
 
 

@@ -115,6 +115,9 @@ class Services:
         fleet.egress_ca = EgressCA(settings.state_dir)
         fleet.egress.interception = Interceptor(fleet.egress_ca, secrets, settings.egress_ca_file)
         fleet.egress.log.notify = functools.partial(_egress_event, fleet)
+        network = NetworkService(fleet)
+        explore = ExploreService(fleet, branches, sandboxes, snapshots)
+        explore.set_network = network.update
         secrets.users = functools.partial(_rules_naming, fleet)
         return cls(
             fleet=fleet,
@@ -123,7 +126,7 @@ class Services:
             transfer=SnapshotTransfer(fleet, snapshots),
             branches=branches,
             sandboxes=sandboxes,
-            explore=ExploreService(fleet, branches, sandboxes, snapshots),
+            explore=explore,
             pausing=pausing,
             processes=ProcessService(sandboxes),
             ports=PortService(fleet),
@@ -136,5 +139,5 @@ class Services:
             usage=UsageService(fleet),
             workspaces=WorkspaceService(fleet, sandboxes, pausing),
             secrets=secrets,
-            network=NetworkService(fleet),
+            network=network,
         )

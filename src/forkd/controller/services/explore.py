@@ -30,11 +30,12 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from forkd import limits
+from forkd.controller.egress_models import NetworkPolicy
 from forkd.controller.models import (
     BranchRequest,
     EvalRequest,
@@ -201,6 +202,8 @@ class ExploreService:
         self.sandboxes = sandboxes
         self.snapshots = snapshots
         self.taking_back: set[asyncio.Task[None]] = set()  # awaited when the daemon stops
+        # A variant's own network policy, set on its child (NetworkService.update).
+        self.set_network: Callable[[str, NetworkPolicy], Awaitable[object]] | None = None
 
     async def explore(self, source_id: str, req: ExploreRequest) -> ExploreResult:
         started = time.monotonic()
@@ -254,8 +257,10 @@ class ExploreService:
         fork = SandboxCreate(snapshot_tag=tag, n=len(req.variants), seed=req.seed, metadata=labels)
         children = await to_end(self._fork(fork, made))
         fork_ms = (time.monotonic() - forked) * 1000
-        for i, child in enumerate(children):
+        for i, (child, step) in enumerate(zip(children, req.variants, strict=True)):
             self.fleet.store.add_sandbox_labels(child.id, {VARIANT: str(i)})
+            if step.network is not None and self.set_network is not None:
+                await self.set_network(child.id, step.network)
         outcomes = await asyncio.gather(*(
             self._variant(_Outcome(i, child.id), step, req, source_id, tag, deadline)
             for i, (child, step) in enumerate(zip(children, req.variants, strict=True))
