@@ -31,12 +31,66 @@ LAN_HOST = "198.18.0.254"
 LAN_GATEWAY = "198.18.0.1"
 INTERNET = "198.19.0.0/24"
 WEB = "198.19.0.20"  # HTTPS 443, HTTP 80, a raw banner on 2222
-NAMES = ("api.test.example", "other.test.example", "evil.test.example", "git.test.example")
+NAMES = (
+    "api.test.example",
+    "other.test.example",
+    "evil.test.example",
+    "git.test.example",
+    "pypi.test.example",
+)
+WHEEL = "forkd_probe-1.0-py3-none-any.whl"  # the package index's one package
 
 SERVER = r"""
-import http.server, json, os, socket, ssl, sys, threading
+import base64, hashlib, http.server, io, json, os, socket, ssl, subprocess, sys, tempfile
+import threading, zipfile
 cert, key = sys.argv[1], sys.argv[2]
 TOKEN = "Bearer " + os.environ.get("FORKD_TEST_TOKEN", "")
+
+def wheel():  # a package an index serves: forkd-probe 1.0, pure Python
+    files = {"forkd_probe/__init__.py": b"VALUE = 42\n",
+             "forkd_probe-1.0.dist-info/METADATA":
+                 b"Metadata-Version: 2.1\nName: forkd-probe\nVersion: 1.0\n",
+             "forkd_probe-1.0.dist-info/WHEEL":
+                 b"Wheel-Version: 1.0\nGenerator: forkd\nRoot-Is-Purelib: true\n"
+                 b"Tag: py3-none-any\n"}
+    out, record = io.BytesIO(), ""
+    with zipfile.ZipFile(out, "w") as z:
+        for name, data in files.items():
+            z.writestr(name, data)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=")
+            record += f"{name},sha256={digest.decode()},{len(data)}\n"
+        record += "forkd_probe-1.0.dist-info/RECORD,,\n"
+        z.writestr("forkd_probe-1.0.dist-info/RECORD", record)
+    return out.getvalue()
+WHEEL = wheel()
+GIT_ROOT = tempfile.mkdtemp(prefix="forkd-test-git-")
+work = tempfile.mkdtemp(prefix="forkd-test-work-")
+git = ["git", "-c", "user.name=forkd", "-c", "user.email=forkd@test.example", "-C", work]
+subprocess.run([*git, "init", "-q"], check=True)
+open(os.path.join(work, "README"), "w").write("cloned through the egress proxy\n")
+subprocess.run([*git, "add", "README"], check=True)
+subprocess.run([*git, "commit", "-qm", "first"], check=True)
+subprocess.run(["git", "clone", "-q", "--bare", work, GIT_ROOT + "/repo.git"], check=True)
+
+def git_backend(handler, body):  # git's smart HTTP, as a CGI
+    path, _, query = handler.path.partition("?")
+    env = {"GIT_PROJECT_ROOT": GIT_ROOT, "GIT_HTTP_EXPORT_ALL": "1", "PATH_INFO": path,
+           "QUERY_STRING": query, "REQUEST_METHOD": handler.command,
+           "CONTENT_TYPE": handler.headers.get("content-type", ""),
+           "CONTENT_LENGTH": str(len(body)), "PATH": os.environ["PATH"],
+           "HTTP_CONTENT_ENCODING": handler.headers.get("content-encoding", "")}
+    done = subprocess.run(["git", "http-backend"], input=body, env=env, capture_output=True)
+    head, _, rest = done.stdout.partition(b"\r\n\r\n")
+    if not _: head, _, rest = done.stdout.partition(b"\n\n")
+    status, headers = 200, []
+    for line in head.decode().splitlines():
+        name, _, value = line.partition(":")
+        if name.lower() == "status": status = int(value.split()[0])
+        elif name: headers.append((name, value.strip()))
+    handler.send_response(status)
+    for name, value in headers: handler.send_header(name, value)
+    handler.send_header("Content-Length", str(len(rest))); handler.end_headers()
+    handler.wfile.write(rest)
 
 class Echo(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
@@ -47,6 +101,22 @@ class Echo(http.server.BaseHTTPRequestHandler):
         if self.path.startswith("/redirect"):
             self.send_response(302); self.send_header("Location", "https://evil.test.example/")
             self.send_header("Content-Length", "0"); self.end_headers(); return
+        if self.path.startswith(("/simple/", "/packages/", "/repo.git")):  # ask for the token
+            if self.headers.get("authorization") != TOKEN:
+                self.send_response(401); self.send_header("WWW-Authenticate", "Bearer")
+                self.send_header("Content-Length", "0"); self.end_headers(); return
+            if self.path.startswith("/repo.git"):
+                return git_backend(self, body)
+            if self.path.startswith("/simple/"):
+                sha = hashlib.sha256(WHEEL).hexdigest()
+                out = (f'<html><body><a href="/packages/forkd_probe-1.0-py3-none-any.whl'
+                       f'#sha256={sha}">forkd_probe-1.0-py3-none-any.whl</a></body></html>').encode()
+                kind = "text/html"
+            else:
+                out, kind = WHEEL, "application/octet-stream"
+            self.send_response(200); self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(out)))
+            self.end_headers(); self.wfile.write(out); return
         if self.path.startswith("/check-token"):  # says whether, never echoes it
             good = self.headers.get("authorization") == TOKEN
             out = json.dumps({"authorized": good}).encode()

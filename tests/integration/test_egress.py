@@ -238,3 +238,60 @@ def test_a_restarted_daemon_listens_again_with_each_sandboxs_policy(
         d.stop()
         d.kill_leftovers()
         shutil.rmtree(root, ignore_errors=True)
+
+
+CLIENTS = Path(__file__).parent / "egress_clients"  # a recipe: curl, pip, git, node
+NODE_FETCH = ("fetch('https://api.test.example/check-token', {headers: {Authorization: "
+              "'Bearer ' + process.env.OPENAI_API_KEY}}).then(r => r.json())"
+              ".then(j => console.log(JSON.stringify(j)))")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def clients_image() -> str:
+    """Built once (cached after): the first build fetches the packages from Debian."""
+    from forkd.guest import image as guest_image
+
+    return guest_image.build(recipe_dir=CLIENTS).name
+
+
+def test_real_clients_get_their_credentials_from_the_proxy(
+    ctl: Controller, world: Outside, clients_image: str
+) -> None:
+    """curl, pip, git and Node, as they come, each use a token that never enters the guest:
+    by a rule's header (pip's index, git's server) or a placeholder in the environment."""
+    hosts = ["pypi.test.example", "git.test.example", "api.test.example"]
+    ctl.create_secret("it_clients", SECRET, hosts)
+    bearer = [{"transform": {"headers": {"Authorization": "Bearer ${secrets.it_clients}"}}}]
+    ctl.create_snapshot(
+        "egress-clients", image=clients_image,
+        network={"allow_out": ["*.test.example"],
+                 "rules": {"pypi.test.example": bearer, "git.test.example": bearer}},
+        env={"OPENAI_API_KEY": "${secrets.it_clients}"},
+    )  # fmt: skip
+    [sb] = ctl.spawn_sandboxes("egress-clients")
+    try:
+        _guest_ready(ctl, sb["id"], world)
+
+        def run(*argv: str) -> dict[str, Any]:
+            return ctl.exec_command(sb["id"], list(argv), timeout_secs=180)
+
+        curl = run("sh", "-c", 'curl -sS https://api.test.example/check-token '
+                               '-H "Authorization: Bearer $OPENAI_API_KEY"')  # fmt: skip
+        assert json.loads(curl["stdout"]) == {"authorized": True}, curl
+        pip = run("pip", "download", "--no-deps", "--index-url",
+                  "https://pypi.test.example/simple", "-d", "/tmp/pkgs", "forkd-probe")  # fmt: skip
+        assert pip["exit_code"] == 0, pip
+        assert egress_world.WHEEL in run("ls", "/tmp/pkgs")["stdout"]
+        git = run("git", "clone", "-q", "https://git.test.example/repo.git", "/tmp/repo")
+        assert git["exit_code"] == 0, git
+        assert run("cat", "/tmp/repo/README")["stdout"] == "cloned through the egress proxy\n"
+        node = run("node", "-e", NODE_FETCH)
+        assert json.loads(node["stdout"].strip().splitlines()[-1]) == {"authorized": True}, node
+        used = {r["host"] for r in ctl.sandbox_egress(sb["id"], limit=1000)["records"]
+                if r["secrets"] == ["it_clients"]}  # fmt: skip
+        assert used == set(hosts)
+        assert run("sh", "-c", "echo $OPENAI_API_KEY")["stdout"] == "${secrets.it_clients}\n"
+    finally:
+        ctl.kill_sandbox(sb["id"])
+        ctl.delete_snapshot("egress-clients", cascade=True)
+        ctl.delete_secret("it_clients", force=True)
