@@ -216,7 +216,8 @@ def make_ca(where: Path, names: tuple[str, ...] = NAMES) -> TestCA:
     return TestCA(where, where / "ca.pem", where / "leaf.pem", where / "leaf.key")
 
 
-def _host_networks() -> list[ipaddress.IPv4Network]:
+def host_networks() -> list[ipaddress.IPv4Network]:
+    """The networks of this host's addresses and of its routes (the default aside)."""
     from pyroute2 import IPRoute
 
     nets = []
@@ -244,7 +245,7 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
     ``/check-token`` accepts ``Authorization: Bearer <token>``. Removed after."""
     from pyroute2 import IPRoute, NetNS, netns
 
-    taken = [n for n in _host_networks()
+    taken = [n for n in host_networks()
              if n.overlaps(ipaddress.IPv4Network(LAN))
              or n.overlaps(ipaddress.IPv4Network(INTERNET))]  # fmt: skip
     if taken:

@@ -28,6 +28,7 @@ import httpx
 import pytest
 
 from forkd.vmm.jail import network
+from tests.egress_world import host_networks as _host_networks
 
 from .conftest import Daemon
 
@@ -129,22 +130,6 @@ def _agent_ping(guest_addr: str) -> dict[str, Any]:
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(b'{"action": "ping"}\n')
         return json.loads(s.makefile().readline())
-
-
-def _host_networks() -> list[ipaddress.IPv4Network]:
-    """The networks of this host's addresses and of its routes (the default route aside)."""
-    from pyroute2 import IPRoute
-
-    nets = []
-    with IPRoute() as ipr:
-        for a in ipr.get_addr(family=socket.AF_INET):
-            nets.append(ipaddress.IPv4Network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}",
-                                              strict=False))  # fmt: skip
-        for r in ipr.get_routes(family=socket.AF_INET):
-            dst = r.get_attr("RTA_DST")
-            if dst:
-                nets.append(ipaddress.IPv4Network(f"{dst}/{r['dst_len']}", strict=False))
-    return nets
 
 
 def _host_addresses() -> list[str]:

@@ -134,4 +134,4 @@ def test_fork_and_snapshot_create_send_a_network_object_and_an_env(
     assert forked.exit_code == 0, forked.output
     assert sent.body(-1)["network"] == {"deny_out": ["*"]}
     bad = forkd("snapshot", "create", "--tag", "x", "--env", "NOEQUALS")
-    assert bad.exit_code == 2 and "NAME=VALUE" in bad.output
+    assert bad.exit_code == 2 and "KEY=VALUE" in bad.output

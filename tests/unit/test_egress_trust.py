@@ -35,3 +35,25 @@ def test_the_script_appends_once_and_touches_no_link() -> None:
     assert '[ ! -L "$b" ]' in script  # a bundle that is a link is its target's business
     for bundle in egress_trust.SYSTEM_BUNDLES:
         assert bundle in script
+
+
+def test_an_image_without_a_shell_or_root_gets_the_ca_file_and_builds_on() -> None:
+    import asyncio
+
+    from forkd.errors import AgentError
+
+    class Bare:  # a distroless image: files can be written, nothing can be run
+        def __init__(self) -> None:
+            self.files: dict[str, bytes] = {}
+
+        async def write_file(self, path: str, data: bytes) -> int:
+            self.files[path] = data
+            return len(data)
+
+        async def exec(self, argv: list[str], **kw: object) -> dict[str, object]:
+            raise AgentError("unable to find user root: no matching entries in /etc/passwd")
+
+    bare = Bare()
+    env = asyncio.run(egress_trust.install(bare, b"PEM", "bare"))  # type: ignore[arg-type]
+    assert env == {"NODE_EXTRA_CA_CERTS": egress_trust.CA_FILE}
+    assert bare.files == {egress_trust.CA_FILE: b"PEM"}

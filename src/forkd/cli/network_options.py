@@ -8,9 +8,6 @@ from typing import Annotated, Any
 
 import typer
 
-from forkd.cli.failures import fail
-from forkd.cli.render import shown
-
 AllowOutOpt = Annotated[
     list[str] | None,
     typer.Option(
@@ -50,13 +47,7 @@ def network_of(allow_out: list[str] | None, deny_out: list[str] | None) -> dict[
 
 
 def env_of(pairs: list[str] | None) -> dict[str, str] | None:
-    """``NAME=VALUE`` pairs as a dict; exit 2 on one without '='."""
-    if not pairs:
-        return None
-    env = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise fail(f"--env {shown(pair)}: NAME=VALUE", 2)
-        env[name] = value
-    return env
+    """``NAME=VALUE`` pairs as a dict (exit 2 on one without '='); None for none."""
+    from forkd.cli.processes import parse_env
+
+    return parse_env(pairs) if pairs else None

@@ -15,7 +15,12 @@ own list), unless the image sets the variable itself.
 
 from __future__ import annotations
 
+import logging
+
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.errors import ForkdError
+
+log = logging.getLogger(__name__)
 
 CA_FILE = "/usr/local/share/ca-certificates/forkd-egress.crt"
 BUNDLE = "/etc/ssl/forkd-bundle.pem"
@@ -32,6 +37,7 @@ ENV = {
 # Run as root in the guest; paths are the module's constants, nothing a user gave.
 _SCRIPT = f"""
 set -e
+mkdir -p /usr/local/share/ca-certificates /etc/ssl
 found=""
 for b in {" ".join(SYSTEM_BUNDLES)}; do
   if [ -f "$b" ] && [ ! -L "$b" ]; then
@@ -44,14 +50,23 @@ chmod 644 {BUNDLE} {CA_FILE}
 """
 
 
-async def install(template: SandboxVM, ca_pem: bytes) -> dict[str, str]:
+async def install(template: SandboxVM, ca_pem: bytes, tag: str) -> dict[str, str]:
     """Put the CA in the guest's trust stores; the environment every command should
-    get for it (to merge under the image's own)."""
-    await template.exec(["mkdir", "-p", "/usr/local/share/ca-certificates", "/etc/ssl"],
-                        user="root")  # fmt: skip
-    await template.write_file(CA_FILE, ca_pem)
-    ran = await template.exec(["/bin/sh", "-c", _SCRIPT], timeout=60, user="root")
+    get for it (to merge under the image's own). An image without a shell or a root
+    user (distroless, scratch) gets the CA file and ``NODE_EXTRA_CA_CERTS`` at most:
+    the build goes on, its runtimes' own stores as they are (logged)."""
+    try:
+        await template.write_file(CA_FILE, ca_pem)
+    except ForkdError as exc:
+        log.warning("%s: the egress CA could not be written in the guest: %s", tag, exc)
+        return {}
+    try:
+        ran = await template.exec(["/bin/sh", "-c", _SCRIPT], timeout=60, user="root")
+    except ForkdError as exc:
+        ran = {"exit_code": None, "stderr": str(exc)}
     if ran.get("exit_code") != 0:
         tail = (ran.get("stderr") or ran.get("stdout") or "").strip()[-300:]
-        raise RuntimeError(f"installing the egress CA in the guest failed: {tail}")
+        log.warning("%s: the egress CA is in %s only (no trust store updated): %s",
+                    tag, CA_FILE, tail)  # fmt: skip
+        return {"NODE_EXTRA_CA_CERTS": CA_FILE}
     return dict(ENV)

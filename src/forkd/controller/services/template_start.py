@@ -66,11 +66,7 @@ async def configure(
         env, cwd, user = _env(config.env), config.working_dir or None, config.user or None
     env.update(req.env or {})
     if ca_pem is not None:
-        try:
-            env = {**await egress_trust.install(template, ca_pem), **env}
-        except RuntimeError as exc:  # no shell in the image (distroless): its runtimes'
-            log.warning("%s: %s", req.tag, exc)  # own stores stay as they are
-            env = {"NODE_EXTRA_CA_CERTS": egress_trust.CA_FILE, **env}
+        env = {**await egress_trust.install(template, ca_pem, req.tag), **env}
     if env or cwd or user:
         await template.configure(env=env, cwd=cwd, user=user)
 
