@@ -94,6 +94,7 @@ def git_backend(handler, body):  # git's smart HTTP, as a CGI
 
 class Echo(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # its head and body are two writes: no 40 ms stall
     def log_message(self, *a): pass
     def _answer(self):
         length = int(self.headers.get("content-length") or 0)
@@ -243,7 +244,9 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
     """The fake internet: a namespace one hop past the host's fake LAN, serving HTTPS
     (certificates of ``ca``, else a CA made here), HTTP and a raw banner at WEB;
     ``/check-token`` accepts ``Authorization: Bearer <token>``. Removed after."""
-    from pyroute2 import IPRoute, NetNS, netns
+    from pyroute2 import IPRoute
+
+    from forkd.vmm.jail import netns_ops
 
     taken = [n for n in host_networks()
              if n.overlaps(ipaddress.IPv4Network(LAN))
@@ -254,7 +257,10 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
     ca = ca or make_ca(where / "ca")
     hosts = where / "egress-hosts"
     hosts.write_text("".join(f"{WEB} {n}\n" for n in NAMES))
-    netns.create(name)
+    # Namespaces made and entered on threads (forkd's netns_ops), never by a forked
+    # helper: a fork of a process with an event loop inherits its signal wake-up
+    # descriptor, and the helper's SIGTERM at close would stop the loop's program.
+    netns_ops.create(name)
     server = None
     try:
         with IPRoute() as ipr:
@@ -263,13 +269,7 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
             ipr.addr("add", index=idx, address=LAN_HOST, prefixlen=24)
             ipr.link("set", index=idx, state="up")
             ipr.route("add", dst=INTERNET, gateway=LAN_GATEWAY, oif=idx)
-        with NetNS(name) as ns:
-            eth = ns.link_lookup(ifname="eth0")[0]
-            ns.addr("add", index=eth, address=LAN_GATEWAY, prefixlen=24)
-            ns.addr("add", index=eth, address=WEB, prefixlen=32)
-            ns.link("set", index=eth, state="up")
-            ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
-            ns.route("add", dst="0.0.0.0/0", gateway=LAN_HOST)
+        netns_ops.run_inside(name, _outside_links)
         server = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{name}", "--", sys.executable, "-c",
              textwrap.dedent(SERVER), str(ca.leaf_cert), str(ca.leaf_key)],
@@ -284,17 +284,37 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
         with IPRoute() as ipr, contextlib.suppress(Exception):
             for idx in ipr.link_lookup(ifname=host_if):
                 ipr.link("del", index=idx)
-        netns.remove(name)
+        netns_ops.remove(name)
+
+
+def _outside_links() -> None:
+    """Inside the outside namespace (on a thread there): its end of the LAN, the web."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ns:
+        eth = ns.link_lookup(ifname="eth0")[0]
+        ns.addr("add", index=eth, address=LAN_GATEWAY, prefixlen=24)
+        ns.addr("add", index=eth, address=WEB, prefixlen=32)
+        ns.link("set", index=eth, state="up")
+        ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
+        ns.route("add", dst="0.0.0.0/0", gateway=LAN_HOST)
 
 
 def swap_in_guest(sandbox_netns: str, guest_netns: str) -> None:
     """Put a namespace where a VM would be: ``tap0`` of the sandbox's namespace becomes
     a veth whose other end is ``eth0`` (10.0.2.15) of ``guest_netns``, so real clients
     run there are the guest as the sandbox's rules and proxy see it."""
-    from pyroute2 import NetNS, netns
+    from forkd.vmm.jail import netns_ops
 
-    netns.create(guest_netns)
-    with NetNS(sandbox_netns) as ns:
+    netns_ops.create(guest_netns)
+    netns_ops.run_inside(sandbox_netns, lambda: _tap_to(guest_netns))
+    netns_ops.run_inside(guest_netns, _guest_links)
+
+
+def _tap_to(guest_netns: str) -> None:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ns:
         [tap] = ns.link_lookup(ifname="tap0")
         ns.link("del", index=tap)
         ns.link(
@@ -303,7 +323,12 @@ def swap_in_guest(sandbox_netns: str, guest_netns: str) -> None:
         [tap] = ns.link_lookup(ifname="tap0")
         ns.addr("add", index=tap, address="10.0.2.2", prefixlen=24)
         ns.link("set", index=tap, state="up")
-    with NetNS(guest_netns) as g:
+
+
+def _guest_links() -> None:
+    from pyroute2 import IPRoute
+
+    with IPRoute() as g:
         eth = g.link_lookup(ifname="eth0")[0]
         g.addr("add", index=eth, address="10.0.2.15", prefixlen=24)
         g.link("set", index=eth, state="up")

@@ -115,11 +115,11 @@ def sandbox(
         return guest
 
     yield make
-    from pyroute2 import netns
+    from forkd.vmm.jail import netns_ops
 
     for guest in made:
         loop.run(network.detach(guest.net))
-        netns.remove(guest.netns)
+        netns_ops.remove(guest.netns)
 
 
 def records(daemon: tuple[Loop, Any, EgressProxy], guest: Guest) -> list[EgressRecord]:
