@@ -157,3 +157,25 @@ def test_egress_records_are_paged_and_counted_in_metrics(client: TestClient, py:
     events = client.app.state.services.fleet.events  # type: ignore[attr-defined]
     assert sum(e.type == "egress" for e in events._ring) == 5
     assert client.get("/v1/sandboxes/sb-nope-0001/egress").status_code == 404
+
+
+def test_refusals_reach_the_audit_log_and_a_flood_is_summed_up(
+    client: TestClient, py: str, settings: Any
+) -> None:
+    import json as json_
+
+    from forkd.controller.services import network as network_service
+    from forkd.egress.records import EgressRecord
+
+    [sb] = _fork(client).json()
+    log = client.app.state.services.fleet.egress.log  # type: ignore[attr-defined]
+    log.add(EgressRecord(sb["id"], "allowed", "tls", "ok.test", 443))
+    for _ in range(network_service.AUDIT_REFUSALS_PER_SEC + 5):
+        log.add(EgressRecord(sb["id"], "refused", "tls", "evil.test", 443, reason="denied"))
+    lines = [json_.loads(line) for line in
+             (settings.state_dir / "audit.log").read_text().splitlines()]  # fmt: skip
+    refused = [r for r in lines if r.get("event") == "egress_refused"]
+    assert refused and all(r["sandbox_id"] == sb["id"] for r in refused)
+    assert refused[0]["host"] == "evil.test" and refused[0]["reason"] == "denied"
+    assert len(refused) <= network_service.AUDIT_REFUSALS_PER_SEC + 1  # then one summary
+    assert not any(r.get("host") == "ok.test" for r in lines)  # allowed ones: records only

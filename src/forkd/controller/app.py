@@ -65,6 +65,7 @@ def create_app(
         app.state.audit = AuditLog(settings.state_dir / "audit.log")
         services.expiry.audit = app.state.audit.write
         services.reclaim.audit = app.state.audit.write
+        services.network.refusals.write = app.state.audit.write
         services.secrets.start()
         await services.lifecycle.start()
         services.reclaim.start()
@@ -87,6 +88,7 @@ def create_app(
             await services.fleet.egress.close()
             services.expiry.audit = None
             services.reclaim.audit = None
+            services.network.refusals.write = None
             app.state.audit.close()
             app.state.audit = None
             store.close()

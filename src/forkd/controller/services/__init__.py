@@ -44,8 +44,10 @@ from forkd.vmm.jail import egress
 __all__ = ["Services"]
 
 
-def _egress_event(fleet: Fleet, record: EgressRecord) -> None:
-    """Each connection (and HTTP request) the proxy let out or refused, as an event."""
+def _egress_event(fleet: Fleet, network: NetworkService, record: EgressRecord) -> None:
+    """Each connection (and HTTP request) the proxy let out or refused, as an event; a
+    refusal also in the audit log."""
+    network.refusals.note(record)
     fields = record.to_json()
     fields["record_id"], fields["began_at"] = fields.pop("id"), fields.pop("time")
     fleet.events.publish("egress", **fields)
@@ -114,8 +116,8 @@ class Services:
         secrets = SecretService(store, SecretBox(settings.state_dir, settings.secrets_key_file))
         fleet.egress_ca = EgressCA(settings.state_dir)
         fleet.egress.interception = Interceptor(fleet.egress_ca, secrets, settings.egress_ca_file)
-        fleet.egress.log.notify = functools.partial(_egress_event, fleet)
         network = NetworkService(fleet)
+        fleet.egress.log.notify = functools.partial(_egress_event, fleet, network)
         explore = ExploreService(fleet, branches, sandboxes, snapshots)
         explore.set_network = network.update
         secrets.users = functools.partial(_rules_naming, fleet)
