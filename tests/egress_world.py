@@ -322,6 +322,7 @@ def _tap_to(guest_netns: str) -> None:
         )
         [tap] = ns.link_lookup(ifname="tap0")
         ns.addr("add", index=tap, address="10.0.2.2", prefixlen=24)
+        ns.addr("add", index=tap, address="10.0.2.3", prefixlen=32)  # the guest's resolver
         ns.link("set", index=tap, state="up")
 
 

@@ -295,3 +295,31 @@ def test_real_clients_get_their_credentials_from_the_proxy(
         ctl.kill_sandbox(sb["id"])
         ctl.delete_snapshot("egress-clients", cascade=True)
         ctl.delete_secret("it_clients", force=True)
+
+
+RESOLVE = """
+import json, socket, sys
+out = {}
+for name in sys.argv[1:]:
+    try:
+        out[name] = socket.gethostbyname(name)
+    except OSError as e:
+        out[name] = type(e).__name__
+print(json.dumps(out))
+"""
+
+
+def test_a_guests_dns_is_the_daemons(ctl: Controller, agent: str, world: Outside) -> None:
+    """No /etc/hosts here: the guest's own resolver (10.0.2.3) gets the pinned name, and
+    nothing for a name its policy never lets it reach."""
+    [sb] = ctl.spawn_sandboxes(agent)
+    try:
+        ran = ctl.exec_command(sb["id"], ["python3", "-c", RESOLVE, "api.test.example",
+                                          "other.test.example"])  # fmt: skip
+        said = json.loads(ran["stdout"])
+        assert said == {"api.test.example": egress_world.WEB,
+                        "other.test.example": "gaierror"}, ran  # fmt: skip
+        ctl.write_file(sb["id"], "/tmp/test-ca.pem", world.ca.cert.read_bytes())
+        assert fetch(ctl, sb["id"], API)[API] == "api.test.example"  # by its own DNS
+    finally:
+        ctl.kill_sandbox(sb["id"])

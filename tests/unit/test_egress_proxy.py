@@ -549,3 +549,59 @@ def test_a_flood_of_connections_is_capped_and_the_proxy_keeps_serving(
     refused = [r for r in records(daemon, guest) if r.verdict == "refused"]
     assert refused and "too many connections" in (refused[0].reason or "")
     bystander()
+
+
+# -- the guest's DNS, answered by the daemon -------------------------------------------
+
+ASK = """
+import random, socket, struct, sys
+name, raw = sys.argv[1], sys.argv[2] == "raw"
+qid = random.randrange(65536)
+if raw:
+    query = bytes.fromhex(name)
+else:
+    labels = b"".join(bytes([len(p)]) + p.encode() for p in name.split("."))
+    query = struct.pack("!6H", qid, 0x0100, 1, 0, 0, 0) + labels + b"\\0" + struct.pack("!HH", 1, 1)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.settimeout(2)
+s.sendto(query, ("10.0.2.3", 53))
+try:
+    data, peer = s.recvfrom(4096)
+except OSError:
+    print("no answer"); sys.exit()
+rcode, count = data[3] & 0xF, struct.unpack("!H", data[6:8])[0]
+addrs = [socket.inet_ntoa(data[i - 4:i]) for i in range(len(data), len(data) - 16 * count, -16)]
+print(rcode, " ".join(sorted(addrs)), peer[0])
+"""
+
+
+def ask(guest: Guest, name: str, raw: bool = False) -> str:
+    """The rcode, the A records and who answered, as the guest's resolver would ask."""
+    out = in_guest(guest.netns, sys.executable, "-c", ASK, name, "raw" if raw else "name")
+    return out.stdout.strip() or out.stderr.strip()
+
+
+@pytest.mark.parametrize(
+    ("policy", "name", "said"),
+    [
+        ("internet", "api.test.example", f"0 {WEB} 10.0.2.3"),  # pinned: the operator's word
+        ({"allow_out": ["api.test.example"]}, "API.test.example", f"0 {WEB} 10.0.2.3"),
+        ({"allow_out": ["api.test.example"]}, "other.test.example", "3  10.0.2.3"),  # NXDOMAIN
+        ({"deny_out": ["evil.test.example"]}, "evil.test.example", "3  10.0.2.3"),
+        ({"allow_out": ["198.19.0.0/24"]}, "api.test.example", f"0 {WEB} 10.0.2.3"),
+        ("internet", "not-pinned.example", "2  10.0.2.3"),  # no resolver here: SERVFAIL
+    ],
+)
+def test_the_guests_dns_is_answered_by_its_policy(
+    sandbox: Callable[[Any], Guest], policy: Any, name: str, said: str
+) -> None:
+    assert ask(sandbox(policy), name) == said
+
+
+def test_a_malformed_query_gets_no_answer_and_breaks_nothing(
+    sandbox: Callable[[Any], Guest],
+) -> None:
+    guest = sandbox("internet")
+    pointer = "abcd01000001000000000000c00c00010001"  # a compression pointer in the question
+    assert ask(guest, pointer, raw=True) == "no answer"
+    assert ask(guest, "ff" * 600, raw=True) == "no answer"
+    assert ask(guest, "api.test.example") == f"0 {WEB} 10.0.2.3"

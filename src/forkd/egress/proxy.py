@@ -35,13 +35,14 @@ from typing import Protocol
 
 from forkd.egress import decide, sniff
 from forkd.egress.decide import Fence, Refused
+from forkd.egress.dns import SandboxDNS
 from forkd.egress.http import Exchange, Headers, HttpSession, Stream
 from forkd.egress.records import EgressLog, EgressRecord
 from forkd.egress.resolver import Resolver
 from forkd.egress.splice import Counts, splice
 from forkd.vmm.jail import netns_ops
 from forkd.vmm.jail.egress import Egress
-from forkd.vmm.jail.network import GATEWAY_IP, PROXY_PORT, SandboxNet
+from forkd.vmm.jail.network import DNS_PORT, GATEWAY_IP, PROXY_PORT, SandboxNet
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,7 @@ class _Sandbox:
     sockets: _Sockets
     listener: socket.socket | None = None
     accepting: asyncio.Task[None] | None = None
+    dns: asyncio.DatagramTransport | None = None
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     # Where each open connection goes (the name it was allowed by, else its address):
     # a new policy closes those it denies.
@@ -144,8 +146,10 @@ class EgressProxy:
     EgressListener`), released as it goes."""
 
     def __init__(self, resolver: Resolver, sandbox_cidr: str, log_: EgressLog | None = None,
-                 interception: Interception | None = None) -> None:  # fmt: skip
+                 interception: Interception | None = None,
+                 dns_upstream: str | None = None) -> None:  # fmt: skip
         self.resolver = resolver
+        self.dns_upstream = dns_upstream  # the host's resolver, for the guests' DNS
         self.sandbox_cidr = sandbox_cidr
         self.log = log_ or EgressLog()
         self.interception = interception
@@ -166,11 +170,21 @@ class EgressProxy:
                      host_nets: list[ipaddress.IPv4Network]) -> None:  # fmt: skip
         """Listen inside ``net``'s namespace for its guest's connections."""
         self.release(net.netns)
-        listener = await asyncio.to_thread(netns_ops.run_inside, net.netns, _listening_socket)
+        listener, dns_sock = await asyncio.to_thread(netns_ops.run_inside, net.netns, _sockets)
         sb = _Sandbox(vm_id, net.netns, policy, Fence.of(self.sandbox_cidr, host_nets),
                       _Sockets(net.netns), listener)  # fmt: skip
-        sb.accepting = asyncio.ensure_future(self._accept(sb))
         self._sandboxes[net.netns] = sb
+        try:
+            loop = asyncio.get_running_loop()
+            sb.dns, _ = await loop.create_datagram_endpoint(
+                lambda: SandboxDNS(lambda: sb.policy, self.resolver.pins, self.dns_upstream),
+                sock=dns_sock,
+            )
+        except BaseException:
+            dns_sock.close()
+            self.release(net.netns)
+            raise
+        sb.accepting = asyncio.ensure_future(self._accept(sb))
 
     def release(self, netns: str) -> None:
         """Stop listening in ``netns`` and cut its connections (its namespace goes: no
@@ -182,6 +196,8 @@ class EgressProxy:
             sb.accepting.cancel()
         if sb.listener is not None:
             sb.listener.close()
+        if sb.dns is not None:
+            sb.dns.close()
         for task in sb.tasks:
             task.cancel()
         sb.sockets.close()
@@ -489,6 +505,23 @@ async def _alert(conn: socket.socket) -> None:
     """Tell a refused TLS client why (access_denied), as far as it listens."""
     with contextlib.suppress(OSError):
         conn.send(sniff.access_denied_alert())
+
+
+def _sockets() -> tuple[socket.socket, socket.socket]:
+    """Made on one thread inside the namespace: the proxy's listener and DNS socket."""
+    listener = _listening_socket()
+    try:
+        dns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            dns.bind((GATEWAY_IP, DNS_PORT))
+            dns.setblocking(False)
+        except BaseException:
+            dns.close()
+            raise
+    except BaseException:
+        listener.close()
+        raise
+    return listener, dns
 
 
 def _listening_socket() -> socket.socket:

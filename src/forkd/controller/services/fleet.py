@@ -152,7 +152,9 @@ class Fleet:
             settings.sandbox_cidr, settings.network, settings.egress_host_networks
         )
         self.egress = EgressProxy(
-            Resolver(PinnedHosts(settings.egress_hosts)), settings.sandbox_cidr
+            Resolver(PinnedHosts(settings.egress_hosts)),
+            settings.sandbox_cidr,
+            dns_upstream=self.network.resolver,
         )
         if settings.egress_proxy:
             self.network.use_egress(self.egress)

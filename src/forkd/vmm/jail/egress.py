@@ -145,6 +145,16 @@ class Egress:
             return True
         return any(d.matches_address(address) for d in self._allow if d.network is not None)
 
+    def resolves(self, name: str) -> bool:
+        """Should the guest's DNS answer for ``name`` (canonical)? Not for a name it may
+        never reach: denied, or not in an allow list of names only (an allow list with
+        addresses may need names of them, for TCP judged by address)."""
+        if self.shut or any(d.matches_name(name) for d in self._deny):
+            return False
+        if self.mode == "internet" or any(d.matches_name(name) for d in self._allow):
+            return True
+        return any(d.network is not None for d in self._allow)
+
     def opens_private(self, address: Address) -> bool:
         """Does an address or CIDR entry name this address of a private range?"""
         return any(d.network is not None and address in d.network for d in self._allow)

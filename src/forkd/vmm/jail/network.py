@@ -51,6 +51,7 @@ AGENT_PORT = 8888
 # the copy's packets to the gateway went nowhere until that entry went stale.
 TAP_MAC = "02:66:6b:64:00:02"
 PROXY_PORT = 15001  # the egress proxy's listener in each namespace, on GATEWAY_IP
+DNS_PORT = 5353  # ... and its DNS socket (UDP), where the guest's queries to DNS_IP go
 DEFAULT_CIDR = "10.201.0.0/16"
 HOST_IF_PREFIX = "fkh-"
 NETNS_PREFIX = "forkd-"
@@ -243,6 +244,10 @@ def _prerouting(dns: str | None, proxy_port: int | None) -> list[str]:
         # guest, its agent's and the ports the daemon proxies (forkd.vmm.agent.ports).
         f'    iifname "{NS_VETH}" meta l4proto tcp dnat to {GUEST_IP}',
     ]
+    if proxy_port is not None:  # the daemon answers UDP queries itself (forkd.egress.dns)
+        lines.append(
+            f'    iifname "{NS_TAP}" ip daddr {DNS_IP} udp dport 53 redirect to :{DNS_PORT}'
+        )
     if dns:
         for proto in ("udp", "tcp"):
             lines.append(
@@ -271,7 +276,8 @@ def _filters(proxy_port: int | None) -> list[str]:
     ]
     if proxy_port is not None:
         to_proxy = f'    iifname "{NS_TAP}" ip daddr {GATEWAY_IP} tcp dport {proxy_port} accept'
-        lines += [*guest_limits, to_proxy]
+        to_dns = f'    iifname "{NS_TAP}" ip daddr {GATEWAY_IP} udp dport {DNS_PORT} accept'
+        lines += [*guest_limits, to_proxy, to_dns]
     return [
         *lines,
         "  }",
@@ -508,6 +514,9 @@ class HostNetwork:
             tap = ns.link_lookup(ifname=NS_TAP)[0]
             ns.link("set", index=tap, address=TAP_MAC)
             ns.addr("add", index=tap, address=GATEWAY_IP, prefixlen=24)
+            # The guest's resolver: an address of the namespace's, so its ARP for it
+            # is answered (without it no query ever left the guest).
+            ns.addr("add", index=tap, address=DNS_IP, prefixlen=32)
             ns.link("set", index=tap, state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=net.host_ip)
         _load_rules(rules, f"namespace {net.netns}", inside=True)
