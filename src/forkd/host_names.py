@@ -19,6 +19,9 @@ from forkd.errors import Invalid
 
 MAX_NAME_CHARS = 253
 _LABEL = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+# Characters IDNA 2003 maps away (ß to ss) and IDNA 2008 keeps (xn--...): one name would
+# be two, so a rule and a guest could mean different hosts by it.
+_DEVIATIONS = frozenset("\u00df\u03c2\u200c\u200d")
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -29,6 +32,8 @@ def canonical_name(name: str) -> str | None:
     if not name or len(name) > 4 * MAX_NAME_CHARS:
         return None
     text = name.strip().lower().removesuffix(".")
+    if any(c in text for c in _DEVIATIONS):
+        return None  # IDNA 2003 and 2008 read these apart: refused, never guessed
     try:
         ascii_name = text.encode("idna").decode("ascii") if not text.isascii() else text
     except UnicodeError:

@@ -22,7 +22,8 @@ SECRET_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$"
 SECRET_NAME_RULE = "1-64 characters of A-Z, a-z, 0-9, '_' and '-', not starting with a digit or '-'"
 SECRET_PLACEHOLDER = re.compile(r"\$\{secrets\.([A-Za-z_][A-Za-z0-9_-]{0,63})\}")
 # A value goes into HTTP headers: visible ASCII, spaces and tabs (no CR, LF or NUL).
-SECRET_VALUE_PATTERN = r"^[\x20-\x7e\t]+$"
+# ... and no space or tab at either end (HTTP would strip it, h11 refuses it).
+SECRET_VALUE_PATTERN = r"^[\x21-\x7e](?:[\x20-\x7e\t]*[\x21-\x7e])?$"
 MAX_SECRET_VALUE_CHARS = 8192
 MAX_SECRETS = 1000
 MAX_SECRET_HOSTS = 32

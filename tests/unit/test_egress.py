@@ -168,3 +168,16 @@ def test_an_opened_range_inside_a_host_network_leaves_the_rest_shut() -> None:
     assert service not in left and not any(service.subnet_of(n) for n in left)
     assert sum(n.num_addresses for n in left) == 256 - 1 + 1  # the /24 less one, and .5
     assert _without({lan}, (ipaddress.IPv4Network("192.168.0.0/16"),)) == []
+
+
+def test_with_the_proxy_every_dns_query_is_the_daemons() -> None:
+    """No way around the daemon's answers: no DNAT to the host's resolver, no accept of
+    anything sent to it straight, UDP to the guest's resolver redirected to the daemon."""
+    from forkd.vmm.jail.network import DNS_PORT, PROXY_PORT
+
+    rules = namespace_ruleset(Egress("internet"), resolver="192.0.2.53", proxy_port=PROXY_PORT)
+    assert "192.0.2.53" not in rules
+    assert f"udp dport 53 redirect to :{DNS_PORT}" in rules
+    assert "tcp redirect to :15001" in rules
+    shut = namespace_ruleset(Egress("none"), resolver="192.0.2.53", proxy_port=PROXY_PORT)
+    assert "redirect" not in shut and "dport 53" not in shut

@@ -104,3 +104,11 @@ def test_http_is_told_by_its_method() -> None:
     assert sniff.looks_like_http(b"OPTIONS * HTTP/1.1\r\n")
     assert not sniff.looks_like_http(b"SSH-2.0-OpenSSH\r\n")
     assert not sniff.looks_like_http(b"get / HTTP/1.1")
+
+
+def test_a_hello_in_many_tiny_records_is_refused_without_copying_it_all() -> None:
+    data = client_hello("api.test.example")
+    body = data[5:]
+    records = b"".join(b"\x16\x03\x01\x00\x01" + body[i : i + 1] for i in range(len(body)))
+    with pytest.raises(sniff.NotAHello, match="records"):
+        sniff.parse_client_hello(records)

@@ -64,3 +64,10 @@ def test_duplicates_are_dropped_and_lists_bounded() -> None:
         "a.test", "b.test"]  # fmt: skip
     with pytest.raises(Invalid, match="at most 2"):
         parse_destinations(["a.test", "b.test", "c.test"], limit=2)
+
+
+@pytest.mark.parametrize("name", ["straße.example", "ς.example", "a\u200db.example"])
+def test_names_idna_2003_and_2008_read_apart_are_refused(name: str) -> None:
+    assert canonical_name(name) is None
+    with pytest.raises(Invalid):
+        parse_destination(name)

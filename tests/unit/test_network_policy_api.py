@@ -74,6 +74,14 @@ def test_the_older_forms_are_the_same_policies(
         ({"network": {"allow_out": ["a.test"]}, "egress": "none"}, "not network and egress"),
         ({"network": {"allow_out": ["a.test"]}, "internet": True}, "not network and internet"),
         ({"network": {"allow_out": ["a.test"], "block": []}}, "unknown field"),
+        (
+            {"network": {"rules": {"a.test": [{"transform": {"headers": {"A": "b "}}}]}}},
+            "either end",
+        ),
+        (
+            {"network": {"rules": {"a.test": [{"transform": {"headers": {"Host": "b"}}}]}}},
+            "the proxy's to send",
+        ),
     ],
 )
 def test_a_bad_network_object_is_refused_and_forks_nothing(

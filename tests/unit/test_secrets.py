@@ -75,6 +75,8 @@ def test_a_value_goes_only_to_its_own_hosts(client: TestClient) -> None:
         ({**OPENAI, "hosts": ["203.0.113.9"]}, "names"),
         ({**OPENAI, "hosts": ["not a host"]}, "not a host name"),
         ({**OPENAI, "value": VALUE + "\r\nX-Injected: 1"}, "no CR, LF"),
+        ({**OPENAI, "value": VALUE + " "}, "either end"),  # h11 would quote it back
+        ({**OPENAI, "value": "\t" + VALUE}, "either end"),
         ({**OPENAI, "value": ""}, "value"),
         ({**OPENAI, "value": VALUE * 400}, "value"),
         ({**OPENAI, "value": 12345678}, "value"),

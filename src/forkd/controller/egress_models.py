@@ -44,7 +44,10 @@ class _Body(BaseModel):
 def _checked_value(value: SecretStr | None) -> SecretStr | None:
     if value is not None and not _VALUE_CHARS.fullmatch(value.get_secret_value()):
         # Never the value in the message: it goes back to the client and into logs.
-        raise ValueError("a secret's value is visible ASCII, spaces and tabs only (no CR, LF)")
+        raise ValueError(
+            "a secret's value is visible ASCII, spaces and tabs only (no CR, LF), "
+            "with no space or tab at either end"
+        )
     return value
 
 

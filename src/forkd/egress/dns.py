@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import re
 import socket
 import struct
 from collections.abc import Callable
@@ -37,6 +38,7 @@ UPSTREAM_SECS = 3.0
 PINNED_TTL = 30
 TYPE_A, CLASS_IN = 1, 1
 RCODE_SERVFAIL, RCODE_NXDOMAIN = 2, 3
+_LABEL_BYTES = re.compile(rb"[A-Za-z0-9_-]{1,63}")
 
 
 class NotAQuery(ValueError):
@@ -69,7 +71,10 @@ def parse_query(data: bytes) -> Question:
             break
         if length > 63 or at + length > len(data):  # (a pointer's high bits land here)
             raise NotAQuery("bad label")
-        labels.append(data[at : at + length].decode("ascii", "replace"))
+        label = data[at : at + length]
+        if not _LABEL_BYTES.fullmatch(label):  # a dot or anything else inside a label
+            raise NotAQuery("a label of other characters")
+        labels.append(label.decode("ascii"))
         at += length
     if at + 4 > len(data):
         raise NotAQuery("no type and class")

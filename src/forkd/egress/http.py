@@ -21,7 +21,7 @@ from http import HTTPStatus
 import h11
 
 from forkd.egress.decide import Refused, checked_name, ip_literal
-from forkd.egress.splice import CHUNK, Counts, splice
+from forkd.egress.splice import CHUNK, Counts, close_soon, splice
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_SECS = 10.0
@@ -83,11 +83,13 @@ class HttpSession:
                 self.server.start_next_cycle()
                 assert self.client is not None
                 self.client.start_next_cycle()
-        except (h11.RemoteProtocolError, h11.LocalProtocolError) as exc:
+        except h11.RemoteProtocolError as exc:  # about the guest's own bytes
             self._answer(_refusal(400, f"malformed HTTP: {exc}"))
+        except h11.LocalProtocolError:  # about what the proxy made: never quoted back
+            self._answer(_refusal(400, "the request cannot be sent on as it is"))
         finally:
             if self.upstream is not None:
-                self.upstream[1].close()
+                close_soon(self.upstream[1])
 
     # ------------------------------------------------------------ plumbing
 
@@ -140,7 +142,12 @@ class HttpSession:
             self.note(exchange, str(exc), None)
             self._answer(_refusal(403, str(exc)))
             return False
-        request = h11.Request(method=event.method, target=event.target, headers=headers)
+        try:
+            request = h11.Request(method=event.method, target=event.target, headers=headers)
+        except h11.LocalProtocolError:  # h11's words would quote the headers: a value put in
+            self.note(exchange, "a header the proxy made is not valid HTTP", None)
+            self._answer(_refusal(400, "a header of this request is not valid HTTP as sent"))
+            return False
         ended = await self._forward(request, exchange)
         self.note(exchange, None, ended)
         return ended is None and self._both_done()
@@ -150,6 +157,8 @@ class HttpSession:
         if request.http_version not in (b"1.0", b"1.1"):
             raise _Malformed(f"HTTP/{request.http_version.decode('ascii', 'replace')}: only "
                              "HTTP/1.0 and 1.1 are served in the clear")  # fmt: skip
+        if self.fixed_name is not None and not request.target.startswith(b"/"):
+            raise _Malformed("an intercepted host takes requests in origin form (/path)")
         if request.method == b"CONNECT":
             raise Refused("CONNECT is not served: connect to the host itself")
         names = [name for name, _ in request.headers]

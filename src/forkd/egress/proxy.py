@@ -39,7 +39,7 @@ from forkd.egress.dns import SandboxDNS
 from forkd.egress.http import Exchange, Headers, HttpSession, Stream
 from forkd.egress.records import EgressLog, EgressRecord
 from forkd.egress.resolver import Resolver
-from forkd.egress.splice import Counts, splice
+from forkd.egress.splice import Counts, close_soon, splice
 from forkd.vmm.jail import netns_ops
 from forkd.vmm.jail.egress import Egress
 from forkd.vmm.jail.network import DNS_PORT, GATEWAY_IP, PROXY_PORT, SandboxNet
@@ -104,7 +104,7 @@ class _Guest:
 
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            close_soon(self.writer)
         else:
             self.sock.close()
 
@@ -313,9 +313,14 @@ class EgressProxy:
             _going(sb, None, literal)
             return await self._connect(sb, literal, port)
         name = decide.checked_name(name)
+        _going(sb, name, None)  # before the first wait: a policy change meanwhile sees it
         address = await decide.destination(name, sb.policy, sb.fence, self.resolver)
         _going(sb, name, address)
-        return await self._connect(sb, address, port, (tls, name) if tls else None)
+        upstream = await self._connect(sb, address, port, (tls, name) if tls else None)
+        if not sb.policy.allows_name(name):  # changed while it resolved or connected
+            upstream[1].transport.abort()
+            raise Refused(f"{name} is not allowed by the sandbox's network policy")
+        return upstream
 
     async def _tls(self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address,
                    port: int) -> None:  # fmt: skip
@@ -336,6 +341,9 @@ class EgressProxy:
                 literal = decide.ip_literal(hello.server_name)
                 record.host = str(literal) if literal else decide.checked_name(hello.server_name)
                 if literal is None and self._intercepted(sb, record.host):
+                    if not sb.policy.allows_name(record.host):  # no certificate minted for it
+                        raise Refused(f"{record.host} is not allowed by the sandbox's network "
+                                      "policy")  # fmt: skip
                     await self._intercept(sb, guest, record.host, hello, port)
                     return
                 upstream = await self._open(sb, record.host, port)
@@ -405,8 +413,8 @@ class EgressProxy:
         try:
             record.reason = await splice(guest, upstream, counts)
         finally:
-            upstream[1].close()
-            guest[1].close()
+            close_soon(upstream[1])
+            close_soon(guest[1])
             record.bytes_out, record.bytes_in = counts.out, counts.into
             self.log.end(record)
 
@@ -488,17 +496,20 @@ async def peek_hello(sock: socket.socket) -> sniff.ClientHello:
     """The whole ClientHello, peeked (it may come in several segments): waits up to
     HELLO_SECS, polling as more arrives."""
     deadline = time.monotonic() + HELLO_SECS
+    seen = -1
     while True:
         try:
             data = sock.recv(sniff.MAX_HELLO_BYTES + 64, socket.MSG_PEEK)
         except BlockingIOError:
             data = b""
-        hello = sniff.parse_client_hello(data)
-        if hello is not None:
-            return hello
+        if len(data) != seen:  # parsed again only when more came
+            seen = len(data)
+            hello = sniff.parse_client_hello(data)
+            if hello is not None:
+                return hello
         if time.monotonic() > deadline:
             raise TimeoutError(f"the ClientHello did not arrive whole in {HELLO_SECS:.0f} s")
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
 
 
 async def _alert(conn: socket.socket) -> None:

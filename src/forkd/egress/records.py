@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 RING_SIZE = 1000  # records kept per sandbox; older ones are dropped
-MAX_RINGS = 2048  # sandboxes whose records are kept (killed ones too); the oldest go first
+MAX_RINGS = 256  # sandboxes whose records are kept (killed ones too); the oldest go first
 
 _ids = itertools.count(1)
 

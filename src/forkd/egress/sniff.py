@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 
 MAX_HELLO_BYTES = 64 * 1024  # a ClientHello with every extension is a few KiB
+MAX_HELLO_RECORDS = 16  # records a ClientHello may span (real clients: one, rarely two)
 _HANDSHAKE = 0x16
 _CLIENT_HELLO = 0x01
 _EXT_SERVER_NAME = 0x0000
@@ -66,10 +67,13 @@ class _Reader:
 def handshake_bytes(data: bytes) -> tuple[bytes, int] | None:
     """The handshake message carried by the leading records of ``data`` and how many
     bytes of records that took; None when more records are needed."""
-    body, at = b"", 0
+    body, at, records = bytearray(), 0, 0
     while True:
         if len(data) - at < 5:
             return None
+        records += 1
+        if records > MAX_HELLO_RECORDS:
+            raise NotAHello(f"a ClientHello in more than {MAX_HELLO_RECORDS} records")
         if data[at] != _HANDSHAKE or data[at + 1] != 0x03:
             raise NotAHello("not a TLS handshake record")
         length = int.from_bytes(data[at + 3 : at + 5], "big")
@@ -84,7 +88,7 @@ def handshake_bytes(data: bytes) -> tuple[bytes, int] | None:
             if need > MAX_HELLO_BYTES:
                 raise NotAHello("a ClientHello larger than forkd reads")
             if len(body) >= need:
-                return body[:need], at
+                return bytes(body[:need]), at
 
 
 def parse_client_hello(data: bytes) -> ClientHello | None:

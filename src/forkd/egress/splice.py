@@ -38,7 +38,7 @@ async def _pipe(
         else:
             counts.into += len(data)
         dst.write(data)
-        await dst.drain()
+        await asyncio.wait_for(dst.drain(), idle)  # a peer that stops reading: cut
     if dst.can_write_eof():
         with contextlib.suppress(OSError):
             dst.write_eof()
@@ -67,3 +67,16 @@ async def splice(
     finally:
         for task in (outward, inward):
             task.cancel()
+
+
+CLOSE_SECS = 5.0  # what a closed connection may still take to send its last bytes
+
+
+def close_soon(writer: asyncio.StreamWriter) -> None:
+    """Close ``writer``, and abort it if its last bytes have not gone in CLOSE_SECS: a
+    peer that never reads (a zero window) must not keep a socket, and with it a
+    namespace, alive."""
+    writer.close()
+    transport = writer.transport
+    if not transport.is_closing() or transport.get_write_buffer_size():
+        asyncio.get_running_loop().call_later(CLOSE_SECS, transport.abort)

@@ -95,7 +95,12 @@ class NetworkService:
             old = self.policy(sandbox_id)
             vm.set_egress(new)
             closed = self.fleet.egress.set_policy(sandbox_id, new)
-            if vm.net is not None and old.shut != new.shut and self.fleet.network.enabled:
+            kernel_decides = self.fleet.network.egress is None  # --egress-proxy off
+            if (
+                vm.net is not None
+                and self.fleet.network.enabled
+                and (old.shut != new.shut or kernel_decides)
+            ):
                 await asyncio.to_thread(self.fleet.network.reload, vm.net, new)
         self.fleet.events.publish(
             "network_changed", sandbox_id=sandbox_id, closed=closed, **new.network()

@@ -34,6 +34,10 @@ MAX_RULE_HOSTS = 64
 MAX_TRANSFORM_HEADERS = 16
 MAX_HEADER_NAME_CHARS = 128
 MAX_HEADER_VALUE_CHARS = 8192
+# Headers that say where a request goes or how it is framed: never set by a rule.
+FRAMING_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection",
+                             "upgrade", "te", "trailer", "keep-alive", "proxy-connection",
+                             "proxy-authorization"})  # fmt: skip
 
 # Never reachable unless an allow entry names (a part of) them; the host and
 # the other sandboxes are dropped by the host's own rules in any case.
@@ -244,8 +248,12 @@ def _rule(host: str, rule: Any) -> HeaderRule:
                 and all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name)):  # fmt: skip
             raise Invalid(f"rules[{host!r}]: {_shown(name)} is no HTTP header name")
         if not (isinstance(text, str) and len(text) <= MAX_HEADER_VALUE_CHARS
-                and all(" " <= c <= "~" or c == "\t" for c in text)):  # fmt: skip
-            raise Invalid(f"rules[{host!r}]: the value of {name} must be visible ASCII")
+                and all(" " <= c <= "~" or c == "\t" for c in text)
+                and text == text.strip(" \t")):  # fmt: skip
+            raise Invalid(f"rules[{host!r}]: the value of {name} must be visible ASCII, with no "
+                          "space or tab at either end")  # fmt: skip
+        if name.lower() in FRAMING_HEADERS:
+            raise Invalid(f"rules[{host!r}]: {name} is the proxy's to send, not a rule's")
     return HeaderRule(tuple(headers.items()))
 
 

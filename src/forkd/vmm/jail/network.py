@@ -248,7 +248,7 @@ def _prerouting(dns: str | None, proxy_port: int | None) -> list[str]:
         lines.append(
             f'    iifname "{NS_TAP}" ip daddr {DNS_IP} udp dport 53 redirect to :{DNS_PORT}'
         )
-    if dns:
+    if dns and proxy_port is None:  # without the proxy, the host's resolver answers
         for proto in ("udp", "tcp"):
             lines.append(
                 f'    iifname "{NS_TAP}" ip daddr {DNS_IP} {proto} dport 53 dnat to {dns}:53'
@@ -300,7 +300,7 @@ def _egress_chain(
     policy allows by address."""
     allowed = egress.resolve() if egress.mode == "allow" and not proxied else []
     lines = ["  chain egress {"]
-    if dns:
+    if dns and not proxied:  # (with the proxy, the daemon answers: nothing goes straight)
         lines.append(f"    ip daddr {dns} meta l4proto {{ udp, tcp }} th dport 53 accept")
     # Link-local (metadata), loopback and multicast stay shut whatever is allowed, and so
     # do the host's own networks and addresses (unless the operator opened them).
