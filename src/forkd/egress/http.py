@@ -112,8 +112,11 @@ class HttpSession:
 
     async def _one_request(self) -> bool:
         """Serve the next request; False when the connection is done."""
+        # The first head whole within HEAD_SECS (not each of its reads); a kept-alive
+        # connection may wait BODY_IDLE_SECS for its next one.
+        wait = HEAD_SECS if self.client is None else BODY_IDLE_SECS
         try:
-            event = await self._event(self.server, self.guest[0], HEAD_SECS)
+            event = await asyncio.wait_for(self._event(self.server, self.guest[0], wait), wait)
         except TimeoutError:
             return False
         if isinstance(event, h11.ConnectionClosed):

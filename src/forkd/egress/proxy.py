@@ -302,6 +302,9 @@ class EgressProxy:
         except OSError as exc:
             sock.close()
             raise Refused(f"{address}:{port}: {exc.strerror or exc}") from None
+        except BaseException:  # cancelled (a policy change, a release) while connecting
+            sock.close()
+            raise
 
     async def _open(self, sb: _Sandbox, name: str, port: int,
                     tls: ssl.SSLContext | None = None) -> Stream:  # fmt: skip
