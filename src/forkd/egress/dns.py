@@ -12,7 +12,8 @@ The guest's bytes are hostile: a query is read by a bounded parser (one
 question, at most 512 bytes, no compression pointers in it), at most
 :data:`MAX_PENDING` of a sandbox's queries wait for the host's resolver at once
 (the rest are dropped, as a busy resolver does), each for at most
-:data:`UPSTREAM_SECS`. TCP queries go to the host's resolver as before.
+:data:`UPSTREAM_SECS`. TCP queries, and queries sent to the host's resolver
+straight, go nowhere: the namespace's rules let no DNS out but the daemon's.
 """
 
 from __future__ import annotations
