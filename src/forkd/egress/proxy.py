@@ -455,12 +455,14 @@ def _going(sb: _Sandbox, name: str | None, address: ipaddress.IPv4Address | None
 
 def _still_allowed(policy: Egress, fence: Fence, name: str | None,
                    address: ipaddress.IPv4Address | None) -> bool:  # fmt: skip
-    if name is not None:
-        return policy.allows_name(name)
+    """Does ``policy`` still let an open connection be: one allowed by ``name`` (its
+    address then only against the policy's address denials), or by its address?"""
+    if name is not None and not policy.allows_name(name):
+        return False
     if address is None:
         return not policy.shut
     try:
-        decide.check_address(address, policy, fence, named=False)
+        decide.check_address(address, policy, fence, named=name is not None)
     except Refused:
         return False
     return True
