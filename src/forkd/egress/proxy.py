@@ -155,14 +155,7 @@ class EgressProxy:
         self.interception = interception
         self._sandboxes: dict[str, _Sandbox] = {}  # by namespace name
         self.open = 0  # connections served now, every sandbox's
-
-    @staticmethod
-    def max_open() -> int:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        budget = MAX_ALL_CONNECTIONS if soft == resource.RLIM_INFINITY else soft // 4
-        return max(64, min(MAX_ALL_CONNECTIONS, budget))
+        self.max_open = _connection_budget()  # read once, not at every accept
 
     # ------------------------------------------------------------ namespaces
 
@@ -235,7 +228,7 @@ class EgressProxy:
                 log.warning("egress proxy of %s cannot accept: %s", sb.vm_id, exc)
                 await asyncio.sleep(0.1)
                 continue
-            if len(sb.tasks) >= MAX_CONNECTIONS or self.open >= self.max_open():
+            if len(sb.tasks) >= MAX_CONNECTIONS or self.open >= self.max_open:
                 conn.close()
                 what = "this sandbox's" if len(sb.tasks) >= MAX_CONNECTIONS else "all sandboxes'"
                 self._refused(sb, "tcp", None, 0, f"too many connections open ({what})")
@@ -432,6 +425,16 @@ class EgressProxy:
 
     def _refused(self, sb: _Sandbox, kind: str, host: str | None, port: int, why: str) -> None:
         self.log.add(EgressRecord(sb.vm_id, "refused", kind, host, port, reason=why))
+
+
+def _connection_budget() -> int:
+    """MAX_ALL_CONNECTIONS, or a quarter of this process's descriptor limit (each
+    connection holds two; forkd serve raised the limit before it made the proxy)."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    budget = MAX_ALL_CONNECTIONS if soft == resource.RLIM_INFINITY else soft // 4
+    return max(64, min(MAX_ALL_CONNECTIONS, budget))
 
 
 def _no_delay(sock: socket.socket) -> None:
