@@ -30,7 +30,7 @@ LAN = "198.18.0.0/24"
 LAN_HOST = "198.18.0.254"
 LAN_GATEWAY = "198.18.0.1"
 INTERNET = "198.19.0.0/24"
-WEB = "198.19.0.20"  # HTTPS 443, HTTP 80, a raw banner on 2222
+WEB = "198.19.0.20"  # HTTPS 443, HTTP 80, a raw banner on 2222, a sink on 2223
 NAMES = (
     "api.test.example",
     "other.test.example",
@@ -158,7 +158,14 @@ def banner(port):
             c.close()
         threading.Thread(target=talk, daemon=True).start()
 
-for target, args in ((serve, (443, True)), (serve, (80, False)), (banner, (2222,))):
+def sink(port):  # takes connections and never reads from them
+    s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("0.0.0.0", port)); s.listen(256); held = []
+    while True:
+        held.append(s.accept()[0])
+
+for target, args in ((serve, (443, True)), (serve, (80, False)), (banner, (2222,)),
+                     (sink, (2223,))):
     threading.Thread(target=target, args=args, daemon=True).start()
 print("ready", flush=True)
 threading.Event().wait()

@@ -512,42 +512,98 @@ def test_no_spelling_of_a_name_slips_past_its_rule(
 
 
 FLOOD = """
-import socket, sys, time
-held, failed = [], 0
-for _ in range(int(sys.argv[1])):
-    try:
-        held.append(socket.create_connection(("198.19.0.20", 2222), timeout=5))
-    except OSError:
-        failed += 1
+import resource, select, socket, sys, time
+n = int(sys.argv[1])
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, n + 64), hard), hard))
+n = min(n, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 64)
+held = []
+for _ in range(n):  # all at once, as fast as the guest can: nobody waits for an answer
+    s = socket.socket(); s.setblocking(False); s.connect_ex(("198.19.0.20", 2222)); held.append(s)
+time.sleep(float(sys.argv[2]))
 alive = 0
-for s in held:
-    s.settimeout(5)
+for s in held:  # a banner came: the proxy took it on (the rest: closed, or never taken)
     try:
         alive += bool(s.recv(100))
     except OSError:
         pass
-print(alive, failed)
+print(alive, n)
 """
 
 
 def test_a_flood_of_connections_is_capped_and_the_proxy_keeps_serving(
     sandbox: Callable[[Any], Guest], bystander: Callable[[], None], daemon: Any,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
-    from forkd.egress import proxy as egress_proxy
+    from forkd.egress.proxy import MAX_CONNECTIONS
 
-    monkeypatch.setattr(egress_proxy, "MAX_CONNECTIONS", 100)
     guest = sandbox("internet")
     flood = subprocess.Popen(["nsenter", f"--net=/run/netns/{guest.netns}", "--",
-                              sys.executable, "-c", FLOOD, "400"],
+                              sys.executable, "-c", FLOOD, "10000", "4"],
                              stdout=subprocess.PIPE, text=True)  # fmt: skip
     try:
-        alive, _ = (int(n) for n in flood.communicate(timeout=120)[0].split())
+        time.sleep(2)
+        bystander()  # while the flood holds what it got
+        alive, tried = (int(n) for n in flood.communicate(timeout=120)[0].split())
     finally:
         flood.kill()
-    assert alive <= 100  # each beyond the cap was closed as it came
+    assert tried >= 5000, tried  # (the test's own descriptor limit)
+    assert alive <= MAX_CONNECTIONS  # each beyond the cap was closed as it came
     refused = [r for r in records(daemon, guest) if r.verdict == "refused"]
     assert refused and "too many connections" in (refused[0].reason or "")
+    bystander()
+
+
+FILL = """
+import socket, sys, time
+held = [socket.create_connection(("198.19.0.20", 2223), timeout=5) for _ in range(int(sys.argv[1]))]
+for s in held:
+    s.setblocking(False)
+chunk, sent, deadline = b"x" * 65536, 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < deadline:
+    moved = False
+    for s in held:
+        try:
+            sent += s.send(chunk)
+            moved = True
+        except BlockingIOError:
+            pass
+    if not moved:
+        time.sleep(0.02)
+print(sent)
+"""
+
+
+def test_a_guest_flooding_a_peer_that_never_reads_holds_no_more_than_its_share(
+    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], daemon: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    loop, _, proxy = daemon
+    monkeypatch.setattr(proxy, "held_bytes", 1 << 20)
+    guest = sandbox("internet")
+    out = in_guest(guest.netns, sys.executable, "-c", FILL, "40", "3")
+    assert out.returncode == 0, out.stderr
+    meter = loop.call(lambda: proxy.meter_of(guest.vm_id))
+    # 40 connections would hold 40 chunks (10 MiB) without a share; the kernel's
+    # buffers took some, the share the rest, and no more.
+    assert int(out.stdout) > 4 << 20
+    assert 0 < meter.held <= meter.peak <= 1 << 20
+    bystander()
+
+
+@pytest.mark.parametrize("url", ["https://other.test.example/bytes/3145728",
+                                 "http://api.test.example/bytes/3145728"])  # fmt: skip
+def test_a_rate_set_by_the_operator_holds_each_sandbox_to_it(
+    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], daemon: Any,
+    monkeypatch: pytest.MonkeyPatch, url: str,
+) -> None:  # fmt: skip
+    _, _, proxy = daemon
+    monkeypatch.setattr(proxy, "rate", 1 << 20)  # 1 MiB/s, a second's burst
+    guest = sandbox("internet")
+    started = time.monotonic()
+    got = guest.curl(url, "-o", "/dev/null", "-w", "%{size_download}")
+    took = time.monotonic() - started
+    assert got.stdout == "3145728", got.stderr
+    assert took >= 1.5, took  # 3 MiB at 1 MiB/s after a 1 MiB burst: 2 s
     bystander()
 
 

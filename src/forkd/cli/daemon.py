@@ -335,6 +335,14 @@ _EgressCaFileOpt = Annotated[
     ),
 ]
 
+_EgressRateOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_EGRESS_RATE",
+        help="Bytes a second each sandbox may move through the egress proxy, each way "
+        "(e.g. 20M; a second's worth may come at once), or off.",
+    ),
+]
 _SecretsKeyFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -518,15 +526,14 @@ def serve(
     egress_hosts: _EgressHostsOpt = None,
     egress_ca_file: _EgressCaFileOpt = None,
     secrets_key_file: _SecretsKeyFileOpt = None,
+    egress_rate: _EgressRateOpt = "off",
     log_level: _LogLevelOpt = "info",
 ) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
     require_server("serve")
-    from forkd import paths
     from forkd.controller.server import serve as run_server
     from forkd.controller.settings import Settings
 
-    sd = (state_dir or paths.state_dir()).resolve()
     try:
         _refuse_at_start(accel, insecure_registry, default_registry)
         settings = Settings(
@@ -534,11 +541,11 @@ def serve(
             **_reclaim(reclaim_low, reclaim_high, reclaim_idle, memory_reserve),
             disk_reserve_mib=disk_reserve,
             cgroup_parent=_cgroup_parent(cgroup_parent),
-            **_places(sd, snapshot_root),
+            **_places(state_dir, snapshot_root),
             branch_concurrency=branch_concurrency,
             **_vms(accel, kill_on_exit, pool_size, pool_memory),
             **_networking(network, sandbox_cidr, egress_host_network),
-            **_egress(egress_proxy, egress_hosts, egress_ca_file, secrets_key_file),
+            **_egress(egress_proxy, egress_hosts, egress_ca_file, secrets_key_file, egress_rate),
             show_host_paths=show_host_paths,
             max_upload_bytes=max_upload_mib << 20,
             **_image_sources(insecure_registry, default_registry, registry_auth, docker_host),
@@ -578,7 +585,7 @@ def _preview_domain(domain: str | None) -> Any:
 
 
 def _egress(
-    proxy: str, hosts: Path | None, ca_file: Path | None, secrets_key: Path | None
+    proxy: str, hosts: Path | None, ca_file: Path | None, secrets_key: Path | None, rate: str
 ) -> dict[str, Any]:
     """The ``Settings`` of the egress proxy and secrets; a bad --egress-hosts or
     --egress-ca-file stops here, before anything starts."""
@@ -596,7 +603,19 @@ def _egress(
             raise ValueError(f"--egress-ca-file {ca_file}: not a PEM certificate: {exc}") from None
     return {"egress_proxy": proxy == "on", "egress_hosts": hosts.resolve() if hosts else None,
             "egress_ca_file": ca_file.resolve() if ca_file else None,
-            "secrets_key_file": secrets_key}  # fmt: skip
+            "secrets_key_file": secrets_key, "egress_rate": _rate(rate)}  # fmt: skip
+
+
+def _rate(text: str) -> int | None:
+    """--egress-rate: ``off``, or bytes a second such as ``20M`` (``/s`` may follow)."""
+    from forkd.vmm.volumes.disks import parse_size
+
+    if text.strip().lower() in ("off", "0", ""):
+        return None
+    try:
+        return parse_size(text.strip().removesuffix("/s"))
+    except ForkdError:
+        raise ValueError(f"--egress-rate {text!r}: off, or bytes a second such as 20M") from None
 
 
 def _policy_file(path: Path | None, settings: Any) -> Any:
@@ -610,10 +629,13 @@ def _policy_file(path: Path | None, settings: Any) -> Any:
     return policy
 
 
-def _places(state_dir: Path, snapshot_root: Path | None) -> dict[str, Any]:
+def _places(state_dir: Path | None, snapshot_root: Path | None) -> dict[str, Any]:
     """Where ``forkd serve`` keeps its state, snapshots and running VMs' files."""
-    return {"state_dir": state_dir, "run_dir": state_dir / "run",
-            "snapshot_root": (snapshot_root or state_dir / "snapshots").resolve()}  # fmt: skip
+    from forkd import paths
+
+    sd = (state_dir or paths.state_dir()).resolve()
+    return {"state_dir": sd, "run_dir": sd / "run",
+            "snapshot_root": (snapshot_root or sd / "snapshots").resolve()}  # fmt: skip
 
 
 def _vms(accel: str | None, kill_on_exit: bool, pool_size: int,

@@ -58,6 +58,7 @@ class Settings:
     egress_proxy: bool = True
     egress_hosts: Path | None = None  # --egress-hosts: names pinned before DNS (hosts(5))
     egress_ca_file: Path | None = None  # --egress-ca-file: an operator's CA, for upstream TLS
+    egress_rate: int | None = None  # --egress-rate: bytes/s each way, each sandbox; None: free
     max_upload_bytes: int = FILE_UPLOAD_LIMIT  # of one streamed file upload
     # OCI registries (host[:port]) spoken to over plain HTTP; the only ones on this host
     # that a push or a pull may reach (forkd.oci.policy).

@@ -105,8 +105,17 @@ class EgressCA:
             _PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
         return key, cert
 
+    def cached(self, name: str) -> ssl.SSLContext | None:
+        """``name``'s context if one is minted and fresh: no signing, no waiting."""
+        with self._lock:
+            leaf = self._leaves.get(name)
+            if leaf is None or time.monotonic() - leaf.minted > LEAF_REMINT_SECS:
+                return None
+            return leaf.context
+
     def server_context(self, name: str) -> ssl.SSLContext:
-        """A TLS server context presenting a certificate for ``name`` (canonical)."""
+        """A TLS server context presenting a certificate for ``name`` (canonical),
+        minted now if need be (a signature and a context: run it off the event loop)."""
         with self._lock:
             leaf = self._leaves.get(name)
             if leaf is None or time.monotonic() - leaf.minted > LEAF_REMINT_SECS:

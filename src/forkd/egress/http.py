@@ -21,6 +21,7 @@ from http import HTTPStatus
 import h11
 
 from forkd.egress.decide import Refused, checked_name, ip_literal
+from forkd.egress.meter import Meter
 from forkd.egress.splice import CHUNK, Counts, close_soon, splice
 
 MAX_HEAD_BYTES = 64 * 1024
@@ -62,7 +63,7 @@ class HttpSession:
     def __init__(
         self, guest: Stream, first: bytes, open_upstream: OpenUpstream, note: Note,
         *, fixed_name: str | None = None, transform: Transform | None = None,
-        default_host: str | None = None,
+        default_host: str | None = None, meter: Meter | None = None,
     ) -> None:  # fmt: skip
         self.guest = guest
         self.server = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -76,6 +77,7 @@ class HttpSession:
         self.client: h11.Connection | None = None
         self.name: str | None = None
         self.default_host = default_host  # a request without Host: where it was sent
+        self.meter = meter or Meter()  # the sandbox's share: bodies pass within it
 
     async def run(self) -> None:
         try:
@@ -198,10 +200,7 @@ class HttpSession:
             up_writer.write(self.client.send(request) or b"")
             while True:  # the body
                 event = await self._event(self.server, self.guest[0], BODY_IDLE_SECS)
-                if isinstance(event, h11.Data):
-                    exchange.counts.out += len(event.data)
-                up_writer.write(self.client.send(event) or b"")
-                await up_writer.drain()
+                await self._send(self.client, event, up_writer, exchange.counts, True)
                 if isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
                     break
             return await self._answer_back(exchange)
@@ -216,16 +215,31 @@ class HttpSession:
         assert self.upstream is not None and self.client is not None
         while True:
             event = await self._event(self.client, self.upstream[0], BODY_IDLE_SECS)
-            if isinstance(event, h11.Data):
-                exchange.counts.into += len(event.data)
             if isinstance(event, h11.ConnectionClosed):
                 return None if self.server.our_state is h11.DONE else "upstream closed"
-            self.guest[1].write(self.server.send(event) or b"")
-            await self.guest[1].drain()
+            await self._send(self.server, event, self.guest[1], exchange.counts, False)
             if isinstance(event, h11.InformationalResponse) and event.status_code == 101:
                 return await self._switched(exchange)
             if isinstance(event, h11.EndOfMessage):
                 return None
+
+    async def _send(self, conn: h11.Connection, event: h11.Event, writer: asyncio.StreamWriter,
+                    counts: Counts, outward: bool) -> None:  # fmt: skip
+        """``event`` on through ``conn`` to ``writer``; a body's bytes counted, within the
+        sandbox's share and rate."""
+        data = conn.send(event) or b""
+        if not isinstance(event, h11.Data):
+            writer.write(data)
+            await writer.drain()
+            return
+        held = await self.meter.hold(len(data))
+        try:
+            counts.add(len(event.data), outward)
+            await self.meter.pace(len(data), outward)
+            writer.write(data)
+            await asyncio.wait_for(writer.drain(), BODY_IDLE_SECS)
+        finally:
+            self.meter.give(held)
 
     async def _switched(self, exchange: Exchange) -> str | None:
         """101 Switching Protocols (a WebSocket): the rest is the two peers' bytes."""
@@ -236,7 +250,7 @@ class HttpSession:
             self.guest[1].write(leftover_up)
         if leftover_guest:
             self.upstream[1].write(leftover_guest)
-        ended = await splice(self.guest, self.upstream, exchange.counts)
+        ended = await splice(self.guest, self.upstream, exchange.counts, self.meter)
         return ended or "switched protocols"
 
 

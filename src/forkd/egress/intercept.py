@@ -17,6 +17,7 @@ The guest only ever holds placeholders.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +26,8 @@ from forkd.egress.ca import EgressCA, upstream_context
 from forkd.egress.http import Headers
 from forkd.limits import SECRET_PLACEHOLDER
 from forkd.vmm.jail.egress import Egress
+
+MINTS = 2  # certificates minted at once, each on a thread
 
 
 class SecretSource(Protocol):
@@ -49,12 +52,20 @@ class Interceptor:
         self.secrets = secrets
         self.extra_ca = extra_ca
         self._upstream: ssl.SSLContext | None = None
+        self._minting = asyncio.Semaphore(MINTS)
 
     def wanted(self, name: str, policy: Egress) -> bool:
         return bool(policy.rules_for(name)) or self.secrets.any_for(name)
 
-    def server_context(self, name: str) -> ssl.SSLContext:
-        return self.ca.server_context(name)
+    async def server_context(self, name: str) -> ssl.SSLContext:
+        """``name``'s certificate: from the cache, else minted on a thread, MINTS at a
+        time (a guest asking for many names under a wildcard host waits its turn; the
+        event loop does not)."""
+        cached = self.ca.cached(name)
+        if cached is not None:
+            return cached
+        async with self._minting:
+            return await asyncio.to_thread(self.ca.server_context, name)
 
     def upstream_context(self) -> ssl.SSLContext:
         if self._upstream is None:

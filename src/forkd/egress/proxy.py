@@ -14,9 +14,11 @@ namespace, so what fences sandboxes in on the host applies to it unchanged.
   servers that speak first do): the original address, by the policy's
   addresses and CIDRs only.
 
-Per sandbox at most :data:`MAX_CONNECTIONS` connections are open at once; a
-first request has :data:`~.http.HEAD_SECS` to arrive; a connection idle both
-ways for :data:`~.splice.IDLE_SECS` is closed.
+Per sandbox at most :data:`MAX_CONNECTIONS` connections are open at once, holding
+at most its :class:`~.meter.Meter`'s share of bytes in the daemon (and moving no
+faster than its rate, when the operator set one); a first request has
+:data:`~.http.HEAD_SECS` to arrive; a connection idle both ways for
+:data:`~.splice.IDLE_SECS` is closed.
 """
 
 from __future__ import annotations
@@ -37,9 +39,10 @@ from forkd.egress import decide, sniff
 from forkd.egress.decide import Fence, Refused
 from forkd.egress.dns import SandboxDNS
 from forkd.egress.http import Exchange, Headers, HttpSession, Stream
+from forkd.egress.meter import HELD_BYTES, Meter
 from forkd.egress.records import EgressLog, EgressRecord
 from forkd.egress.resolver import Resolver
-from forkd.egress.splice import Counts, close_soon, splice
+from forkd.egress.splice import Counts, close_socket_soon, close_soon, readable, splice_sockets
 from forkd.vmm.jail import netns_ops
 from forkd.vmm.jail.egress import Egress
 from forkd.vmm.jail.network import DNS_PORT, GATEWAY_IP, PROXY_PORT, SandboxNet
@@ -56,6 +59,7 @@ SO_ORIGINAL_DST = 80
 SOCKET_BATCH = 8  # upstream sockets made inside a namespace at a time
 PEEK_BYTES = 16 * 1024
 HELLO_SECS = 10.0  # a ClientHello must arrive whole within this
+STREAM_LIMIT = 64 * 1024  # what a stream (HTTP served, TLS terminated) reads ahead
 
 
 def original_destination(sock: socket.socket) -> tuple[ipaddress.IPv4Address, int]:
@@ -99,14 +103,14 @@ class _Guest:
         self.writer: asyncio.StreamWriter | None = None
 
     async def streams(self) -> Stream:
-        reader, self.writer = await asyncio.open_connection(sock=self.sock, limit=64 * 1024)
+        reader, self.writer = await asyncio.open_connection(sock=self.sock, limit=STREAM_LIMIT)
         return reader, self.writer
 
     def close(self) -> None:
         if self.writer is not None:
             close_soon(self.writer)
         else:
-            self.sock.close()
+            close_socket_soon(self.sock)
 
 
 @dataclass
@@ -116,6 +120,7 @@ class _Sandbox:
     policy: Egress
     fence: Fence
     sockets: _Sockets
+    meter: Meter
     listener: socket.socket | None = None
     accepting: asyncio.Task[None] | None = None
     dns: asyncio.DatagramTransport | None = None
@@ -132,7 +137,7 @@ class Interception(Protocol):
 
     def wanted(self, name: str, policy: Egress) -> bool: ...
 
-    def server_context(self, name: str) -> ssl.SSLContext: ...
+    async def server_context(self, name: str) -> ssl.SSLContext: ...
 
     def upstream_context(self) -> ssl.SSLContext: ...
 
@@ -147,7 +152,8 @@ class EgressProxy:
 
     def __init__(self, resolver: Resolver, sandbox_cidr: str, log_: EgressLog | None = None,
                  interception: Interception | None = None,
-                 dns_upstream: str | None = None) -> None:  # fmt: skip
+                 dns_upstream: str | None = None, held_bytes: int = HELD_BYTES,
+                 rate: int | None = None) -> None:  # fmt: skip
         self.resolver = resolver
         self.dns_upstream = dns_upstream  # the host's resolver, for the guests' DNS
         self.sandbox_cidr = sandbox_cidr
@@ -156,6 +162,8 @@ class EgressProxy:
         self._sandboxes: dict[str, _Sandbox] = {}  # by namespace name
         self.open = 0  # connections served now, every sandbox's
         self.max_open = _connection_budget()  # read once, not at every accept
+        self.held_bytes = held_bytes  # each sandbox's share (.meter)
+        self.rate = rate  # bytes a second each way, each sandbox; None: unbounded
 
     # ------------------------------------------------------------ namespaces
 
@@ -165,7 +173,7 @@ class EgressProxy:
         self.release(net.netns)
         listener, dns_sock = await asyncio.to_thread(netns_ops.run_inside, net.netns, _sockets)
         sb = _Sandbox(vm_id, net.netns, policy, Fence.of(self.sandbox_cidr, host_nets),
-                      _Sockets(net.netns), listener)  # fmt: skip
+                      _Sockets(net.netns), Meter(self.held_bytes, self.rate), listener)  # fmt: skip
         self._sandboxes[net.netns] = sb
         try:
             loop = asyncio.get_running_loop()
@@ -208,6 +216,10 @@ class EgressProxy:
                     task.cancel()
                     closed += 1
         return closed
+
+    def meter_of(self, vm_id: str) -> Meter | None:
+        """``vm_id``'s share of the proxy, while it is attached."""
+        return next((sb.meter for sb in self._sandboxes.values() if sb.vm_id == vm_id), None)
 
     def policy_of(self, vm_id: str) -> Egress | None:
         return next((sb.policy for sb in self._sandboxes.values() if sb.vm_id == vm_id), None)
@@ -270,28 +282,22 @@ class EgressProxy:
             lambda name: self._open(sb, name, port),
             lambda ex, refused, ended: self._noted(sb, port, ex, refused, ended),
             default_host=str(address),
+            meter=sb.meter,
         )
         await session.run()
 
-    async def _connect(self, sb: _Sandbox, address: ipaddress.IPv4Address, port: int,
-                       tls: tuple[ssl.SSLContext, str] | None = None) -> Stream:  # fmt: skip
+    async def _connect(self, sb: _Sandbox, address: ipaddress.IPv4Address,
+                       port: int) -> socket.socket:  # fmt: skip
         sock = await sb.sockets.take()
         try:
             sock.setblocking(False)
             _no_delay(sock)
             loop = asyncio.get_running_loop()
             await asyncio.wait_for(loop.sock_connect(sock, (str(address), port)), CONNECT_SECS)
-            if tls is None:
-                return await asyncio.open_connection(sock=sock, limit=64 * 1024)
-            opening = asyncio.open_connection(sock=sock, ssl=tls[0], server_hostname=tls[1],
-                                              limit=64 * 1024)  # fmt: skip
-            return await asyncio.wait_for(opening, CONNECT_SECS)
+            return sock
         except TimeoutError:
             sock.close()
             raise Refused(f"{address}:{port} did not answer in {CONNECT_SECS:.0f} s") from None
-        except ssl.SSLError as exc:
-            sock.close()
-            raise Refused(f"{address}:{port}: TLS: {exc.reason or exc}") from None
         except OSError as exc:
             sock.close()
             raise Refused(f"{address}:{port}: {exc.strerror or exc}") from None
@@ -301,6 +307,11 @@ class EgressProxy:
 
     async def _open(self, sb: _Sandbox, name: str, port: int,
                     tls: ssl.SSLContext | None = None) -> Stream:  # fmt: skip
+        """:meth:`_open_socket`, as streams (over TLS of our own when ``tls``)."""
+        sock = await self._open_socket(sb, name, port)
+        return await _streams(sock, (tls, name) if tls is not None else None)
+
+    async def _open_socket(self, sb: _Sandbox, name: str, port: int) -> socket.socket:
         """An upstream connection for ``name`` as a guest gave it: an address literal is
         judged as an address, anything else as a name."""
         literal = decide.ip_literal(name)
@@ -312,11 +323,11 @@ class EgressProxy:
         _going(sb, name, None)  # before the first wait: a policy change meanwhile sees it
         address = await decide.destination(name, sb.policy, sb.fence, self.resolver)
         _going(sb, name, address)
-        upstream = await self._connect(sb, address, port, (tls, name) if tls else None)
+        sock = await self._connect(sb, address, port)
         if not sb.policy.allows_name(name):  # changed while it resolved or connected
-            upstream[1].transport.abort()
+            sock.close()
             raise Refused(f"{name} is not allowed by the sandbox's network policy")
-        return upstream
+        return sock
 
     async def _tls(self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address,
                    port: int) -> None:  # fmt: skip
@@ -342,14 +353,14 @@ class EgressProxy:
                                       "policy")  # fmt: skip
                     await self._intercept(sb, guest, record.host, hello, port)
                     return
-                upstream = await self._open(sb, record.host, port)
+                upstream = await self._open_socket(sb, record.host, port)
         except Refused as exc:
             await _alert(conn)
             record.verdict, record.reason = "refused", str(exc)
             self.log.add(record)
             return
-        record.address = str(upstream[1].get_extra_info("peername")[0])
-        await self._spliced(record, await guest.streams(), upstream)
+        record.address = str(upstream.getpeername()[0])
+        await self._spliced(sb, record, guest.sock, upstream)
 
     def _intercepted(self, sb: _Sandbox, name: str) -> bool:
         return self.interception is not None and self.interception.wanted(name, sb.policy)
@@ -366,11 +377,12 @@ class EgressProxy:
             raise Refused(f"{name} is intercepted and speaks HTTP/1.1 here: the client "
                           f"offered only {', '.join(hello.alpn)}")  # fmt: skip
         loop = asyncio.get_running_loop()
-        reader = asyncio.StreamReader(limit=64 * 1024)
+        reader = asyncio.StreamReader(limit=STREAM_LIMIT)
         protocol = asyncio.StreamReaderProtocol(reader)
+        certificate = await interception.server_context(name)
         try:
             transport, _ = await asyncio.wait_for(loop.connect_accepted_socket(
-                lambda: protocol, guest.sock, ssl=interception.server_context(name),
+                lambda: protocol, guest.sock, ssl=certificate,
                 ssl_handshake_timeout=10.0), 15.0)  # fmt: skip
         except (ssl.SSLError, OSError, TimeoutError) as exc:
             raise Refused(
@@ -385,6 +397,7 @@ class EgressProxy:
             lambda ex, refused, ended: self._noted(sb, port, ex, refused, ended, "https"),
             fixed_name=name,
             transform=lambda host, headers: interception.transform(host, sb.policy, headers),
+            meter=sb.meter,
         )  # fmt: skip
         await session.run()
 
@@ -399,18 +412,18 @@ class EgressProxy:
             record.verdict, record.reason = "refused", str(exc)
             self.log.add(record)
             return
-        await self._spliced(record, await guest.streams(), upstream)
+        await self._spliced(sb, record, guest.sock, upstream)
 
-    async def _spliced(self, record: EgressRecord, guest: Stream, upstream: Stream) -> None:
+    async def _spliced(self, sb: _Sandbox, record: EgressRecord, guest: socket.socket,
+                       upstream: socket.socket) -> None:  # fmt: skip
         """Splice an allowed connection, its record kept from the start, its bytes
-        counted in it as they pass."""
+        counted in it as they pass. (The guest's socket is closed by its :class:`_Guest`.)"""
         self.log.begin(record)
         counts = Counts()
         try:
-            record.reason = await splice(guest, upstream, counts)
+            record.reason = await splice_sockets(guest, upstream, counts, sb.meter)
         finally:
-            close_soon(upstream[1])
-            close_soon(guest[1])
+            close_socket_soon(upstream)
             record.bytes_out, record.bytes_in = counts.out, counts.into
             self.log.end(record)
 
@@ -435,6 +448,29 @@ def _connection_budget() -> int:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     budget = MAX_ALL_CONNECTIONS if soft == resource.RLIM_INFINITY else soft // 4
     return max(64, min(MAX_ALL_CONNECTIONS, budget))
+
+
+async def _streams(sock: socket.socket, tls: tuple[ssl.SSLContext, str] | None) -> Stream:
+    """Streams over a connected upstream socket, and over TLS of our own when ``tls``
+    (context, the name to verify); the socket is closed when that fails."""
+    try:
+        if tls is None:
+            return await asyncio.open_connection(sock=sock, limit=STREAM_LIMIT)
+        opening = asyncio.open_connection(sock=sock, ssl=tls[0], server_hostname=tls[1],
+                                          limit=STREAM_LIMIT)  # fmt: skip
+        return await asyncio.wait_for(opening, CONNECT_SECS)
+    except TimeoutError:
+        sock.close()
+        raise Refused(f"{tls and tls[1]}: no TLS handshake in {CONNECT_SECS:.0f} s") from None
+    except ssl.SSLError as exc:
+        sock.close()
+        raise Refused(f"{tls and tls[1]}: TLS: {exc.reason or exc}") from None
+    except OSError as exc:
+        sock.close()
+        raise Refused(f"{tls and tls[1]}: {exc.strerror or exc}") from None
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _no_delay(sock: socket.socket) -> None:
@@ -471,28 +507,9 @@ def _still_allowed(policy: Egress, fence: Fence, name: str | None,
     return True
 
 
-async def _readable(sock: socket.socket, timeout: float) -> bool:
-    """Wait until ``sock`` has something to read (or its end); False on timeout."""
-    loop = asyncio.get_running_loop()
-    ready = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), wake)
-    try:
-        await asyncio.wait_for(ready, timeout)
-        return True
-    except TimeoutError:
-        return False
-    finally:
-        loop.remove_reader(sock.fileno())
-
-
 async def peek(sock: socket.socket, timeout: float) -> bytes:
     """The guest's first bytes, left in the socket; b"" when it said nothing in time."""
-    if not await _readable(sock, timeout):
+    if not await readable(sock, timeout):
         return b""
     try:
         return sock.recv(PEEK_BYTES, socket.MSG_PEEK)

@@ -155,6 +155,7 @@ class Fleet:
             Resolver(PinnedHosts(settings.egress_hosts)),
             settings.sandbox_cidr,
             dns_upstream=self.network.resolver,
+            rate=settings.egress_rate,
         )
         if settings.egress_proxy:
             self.network.use_egress(self.egress)

@@ -1,0 +1,86 @@
+"""One sandbox's share of the egress proxy in bytes: what its connections may hold in
+the daemon at once, and (when the operator set one) how fast they may move.
+
+*Held* bytes are read from one side of a connection and not yet taken by the other
+side's socket. A guest that floods an upstream which does not read (or the other
+way round) fills its own share and then waits; the daemon's memory for it stays
+bounded however many connections it opens, and its siblings' connections go on.
+
+The *rate* is a token bucket per direction holding one second of bytes: bursts up
+to a second's worth pass at once, and a sustained flow is held to the rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+HELD_BYTES = 8 << 20  # per sandbox, every connection's together
+MIN_GRANT = 4096  # a read waits until at least this much of the share is free
+
+
+class Bucket:
+    """Bytes a second, with a second's burst; what is spent beyond it is a debt paid
+    by waiting."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate = rate
+        self._tokens = float(rate)
+        self._at = time.monotonic()
+
+    def spend(self, n: int) -> float:
+        """Take ``n`` bytes' worth; the seconds to wait before sending them."""
+        now = time.monotonic()
+        self._tokens = min(float(self.rate), self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        self._tokens -= n
+        return -self._tokens / self.rate if self._tokens < 0 else 0.0
+
+
+class Meter:
+    def __init__(self, held_cap: int = HELD_BYTES, rate: int | None = None) -> None:
+        if held_cap < MIN_GRANT:
+            raise ValueError(f"a sandbox's share of the egress proxy is at least {MIN_GRANT} B")
+        self.cap = held_cap
+        self.rate = rate
+        self.held = 0
+        self.peak = 0  # the most ever held at once
+        self._room = asyncio.Event()
+        self._room.set()
+        self._buckets = (Bucket(rate), Bucket(rate)) if rate else None
+
+    async def grant(self, wanted: int) -> int:
+        """Hold up to ``wanted`` bytes of the share, waiting until at least MIN_GRANT (or
+        ``wanted``, if less) is free; how many were granted. Give them back with
+        :meth:`give`."""
+        await self._room_for(min(wanted, MIN_GRANT))
+        return self._take(min(wanted, self.cap - self.held))
+
+    async def hold(self, n: int) -> int:
+        """Count ``n`` bytes already in hand, once at least MIN_GRANT (or ``n``) of the
+        share is free: the share may be exceeded by this one chunk."""
+        await self._room_for(min(n, MIN_GRANT))
+        return self._take(n)
+
+    async def _room_for(self, floor: int) -> None:
+        while self.cap - self.held < floor:
+            self._room.clear()
+            await self._room.wait()
+
+    def _take(self, n: int) -> int:
+        self.held += n
+        self.peak = max(self.peak, self.held)
+        return n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+        if self.cap - self.held >= MIN_GRANT:
+            self._room.set()
+
+    async def pace(self, n: int, outward: bool) -> None:
+        """Wait as the rate asks before ``n`` bytes go on (at once without a rate)."""
+        if self._buckets is None:
+            return
+        delay = self._buckets[0 if outward else 1].spend(n)
+        if delay > 0:
+            await asyncio.sleep(delay)
