@@ -254,7 +254,13 @@ def default_max_proxied(descriptors: int | None = None) -> int:
     """``MAX_CONNECTIONS``, or a quarter of this process's descriptor limit when that is
     less: connections a process opens onward for its clients' (a guest port's, a
     gateway's node's), beside the clients' own half."""
-    return max(1, min(MAX_CONNECTIONS, _open_file_limit(descriptors) // 4))
+    return descriptor_share(MAX_CONNECTIONS, descriptors)
+
+
+def descriptor_share(most: int, descriptors: int | None = None) -> int:
+    """Connections opened onward for clients: ``most``, or a quarter of this process's
+    descriptor limit when that is less (each holds two, the client's and its own)."""
+    return max(1, min(most, _open_file_limit(descriptors) // 4))
 
 
 def _open_file_limit(descriptors: int | None) -> int:

@@ -475,6 +475,20 @@ def test_malformed_requests_are_refused_with_an_answer(
     bystander()
 
 
+def test_an_http_1_0_request_without_host_goes_to_its_address(
+    sandbox: Callable[[Any], Guest],
+) -> None:
+    guest = sandbox("internet")
+    code = ("import socket; s = socket.create_connection(('198.19.0.20', 80), timeout=10); "
+            "s.sendall(b'GET /echo HTTP/1.0\\r\\n\\r\\n'); got = b''\n"
+            "while (d := s.recv(65536)): got += d\n"
+            "print(got.decode())")  # fmt: skip
+    said = guest.python(code).stdout
+    head, _, body = said.partition("\n\n")  # (read as text: CRLF became LF)
+    assert head.startswith("HTTP/1.") and " 200 " in head.splitlines()[0], said
+    assert json.loads(body)["host"] == "198.19.0.20", said
+
+
 def test_a_slow_head_is_cut_and_holds_nothing(
     sandbox: Callable[[Any], Guest], bystander: Callable[[], None],
     monkeypatch: pytest.MonkeyPatch,

@@ -182,6 +182,8 @@ class HttpSession:
             raise _Misdirected(f"this TLS connection is to {self.fixed_name}, "
                                f"not {exchange.host}")  # fmt: skip
         headers: Headers = list(request.headers.raw_items())  # as the guest spelled them
+        if b"host" not in names:  # HTTP/1.0 without one: sent on as 1.1, which needs it
+            headers.insert(0, (b"Host", hosts[0]))
         if self.transform is not None:
             headers, exchange.secrets = self.transform(exchange.host, headers)
         return headers

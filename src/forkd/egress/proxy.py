@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from forkd import limits
 from forkd.egress import decide, sniff
 from forkd.egress.decide import Fence, Refused
 from forkd.egress.dns import SandboxDNS
@@ -161,7 +162,8 @@ class EgressProxy:
         self.interception = interception
         self._sandboxes: dict[str, _Sandbox] = {}  # by namespace name
         self.open = 0  # connections served now, every sandbox's
-        self.max_open = _connection_budget()  # read once, not at every accept
+        # Read once, not at every accept (forkd serve raised the limit before).
+        self.max_open = max(64, limits.descriptor_share(MAX_ALL_CONNECTIONS))
         self.held_bytes = held_bytes  # each sandbox's share (.meter)
         self.rate = rate  # bytes a second each way, each sandbox; None: unbounded
 
@@ -438,16 +440,6 @@ class EgressProxy:
 
     def _refused(self, sb: _Sandbox, kind: str, host: str | None, port: int, why: str) -> None:
         self.log.add(EgressRecord(sb.vm_id, "refused", kind, host, port, reason=why))
-
-
-def _connection_budget() -> int:
-    """MAX_ALL_CONNECTIONS, or a quarter of this process's descriptor limit (each
-    connection holds two; forkd serve raised the limit before it made the proxy)."""
-    import resource
-
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    budget = MAX_ALL_CONNECTIONS if soft == resource.RLIM_INFINITY else soft // 4
-    return max(64, min(MAX_ALL_CONNECTIONS, budget))
 
 
 async def _streams(sock: socket.socket, tls: tuple[ssl.SSLContext, str] | None) -> Stream:
