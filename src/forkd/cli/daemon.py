@@ -608,14 +608,12 @@ def _egress(
 
 def _rate(text: str) -> int | None:
     """--egress-rate: ``off``, or bytes a second such as ``20M`` (``/s`` may follow)."""
-    from forkd.vmm.volumes.disks import parse_size
+    from forkd.egress.meter import parse_rate
 
-    if text.strip().lower() in ("off", "0", ""):
-        return None
     try:
-        return parse_size(text.strip().removesuffix("/s"))
-    except ForkdError:
-        raise ValueError(f"--egress-rate {text!r}: off, or bytes a second such as 20M") from None
+        return parse_rate(text)
+    except ValueError as exc:
+        raise ValueError(f"--egress-rate {exc}") from None
 
 
 def _policy_file(path: Path | None, settings: Any) -> Any:

@@ -13,10 +13,24 @@ to a second's worth pass at once, and a sustained flow is held to the rate.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 HELD_BYTES = 8 << 20  # per sandbox, every connection's together
 MIN_GRANT = 4096  # a read waits until at least this much of the share is free
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_rate(text: str) -> int | None:
+    """``off`` (None), or bytes a second: ``20M``, ``512K/s``, ``1G``, ``300000``."""
+    if text.strip().lower() in ("off", "0", ""):
+        return None
+    found = re.fullmatch(r"\s*(\d+)\s*([KMG]?)i?B?(?:/s)?\s*", text, re.IGNORECASE)
+    if found is None or int(found.group(1)) == 0:
+        raise ValueError(f"{text!r}: off, or bytes a second such as 20M")
+    return int(found.group(1)) * _UNITS[found.group(2).upper()]
 
 
 class Bucket:
