@@ -76,3 +76,45 @@ def test_the_measure_counts_decorators_and_nested_definitions() -> None:
         "outer.inner": 2,
         "Box.method": 2,
     }
+
+
+# Words of forkd.states' enums: a state compared with one of them as a string is a
+# typo mypy cannot see (``row.state == "runing"``). QEMU's own run states (query-status)
+# are QEMU's words, not ours; a Literal (a workspace's status) mypy checks itself.
+_STATE_WORDS = {"starting", "running", "paused", "hibernated", "dead", "incoming", "warm",
+                "writing", "ready", "failed"}  # fmt: skip
+_QEMUS_WORDS = {"vmm/vm.py"}
+
+
+def _names_a_state(node: ast.expr) -> bool:
+    if isinstance(node, ast.Attribute):
+        return node.attr in ("state", "status")
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        args = node.args
+        return node.func.attr == "get" and bool(args) and isinstance(args[0], ast.Constant) \
+            and args[0].value in ("state", "status")  # fmt: skip
+    return isinstance(node, ast.Name) and node.id in ("state", "was")
+
+
+def _string_words(node: ast.expr) -> set[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return {node.value} & _STATE_WORDS
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return set().union(*(_string_words(e) for e in node.elts))
+    return set()
+
+
+def test_no_state_is_compared_with_a_string() -> None:
+    found = []
+    for path in sorted(SOURCE_ROOT.rglob("*.py")):
+        module = path.relative_to(SOURCE_ROOT).as_posix()
+        if module.startswith("guest/files/") or module in _QEMUS_WORDS:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if (
+                isinstance(node, ast.Compare)
+                and _names_a_state(node.left)
+                and any(_string_words(c) for c in node.comparators)
+            ):
+                found.append(f"src/forkd/{module}:{node.lineno}")
+    assert found == [], "compare with forkd.states' members, not strings: " + ", ".join(found)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.errors import VMError
+from forkd.states import VMState
 from forkd.vmm.pool import ForkPool
 from forkd.vmm.volumes.disks import Attachment
 
@@ -14,7 +15,8 @@ A, B, C = Path("/snaps/a"), Path("/snaps/b"), Path("/snaps/c")
 
 
 class FakeVM:
-    """A pooled QEMU: what :class:`forkd.vmm.pool.PooledVM` asks of one, and no more."""
+    """A pooled QEMU: what :class:`forkd.vmm.pool.PooledVM` asks of one, and no more
+    (``ForkPool[FakeVM]`` below has mypy check it is one)."""
 
     def __init__(self, vm_id: str, snapshot_dir: Path, volumes: list[Attachment]) -> None:
         self.id = vm_id
@@ -22,7 +24,7 @@ class FakeVM:
         self.volumes = volumes
         self.alive = True
         self.killed = False
-        self.state = "incoming"
+        self.state = VMState.INCOMING
         self.fail_prewarm = False
         self.private_mib = 40
 
@@ -33,7 +35,7 @@ class FakeVM:
         if self.fail_prewarm:
             self.killed = True  # as VM.prewarm does when the restore fails
             raise VMError("the restore failed")
-        self.state = "warm"
+        self.state = VMState.WARM
 
     def is_alive(self) -> bool:
         return self.alive and not self.killed
@@ -206,9 +208,9 @@ def test_a_warm_pool_restores_ahead_and_a_failed_warm_up_is_not_handed_out() -> 
         pool = _pool(spawner, per_snapshot=2, warm=True)
         pool.refill(A)
         await pool.wait_filled(A)
-        assert [vm.state for vm in spawner.vms] == ["warm", "warm"]
+        assert [vm.state for vm in spawner.vms] == [VMState.WARM, VMState.WARM]
         taken = pool.take(A)
-        assert taken is not None and taken.state == "warm"
+        assert taken is not None and taken.state == VMState.WARM
         original = FakeVM.prewarm
 
         async def failing(self: FakeVM) -> None:

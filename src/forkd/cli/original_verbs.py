@@ -26,6 +26,7 @@ from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import err, out, shown
 from forkd.cli.snapshots import snapshot_info
 from forkd.client import Controller, ControllerError
+from forkd.states import SnapshotStatus
 
 if TYPE_CHECKING:
     import httpx
@@ -129,7 +130,7 @@ def bench(
 
     with daemon_errors(), conn.controller() as ctl:
         if tag is None:
-            listed = [s for s in ctl.list_snapshots() if s.get("status") == "ready"]
+            listed = [s for s in ctl.list_snapshots() if s.get("status") == SnapshotStatus.READY]
             if not listed:
                 err.print("no snapshots on the daemon: make one with 'forkd snapshot create'")
                 raise typer.Exit(1)

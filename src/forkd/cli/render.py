@@ -12,6 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 from rich.tree import Tree
 
+from forkd.states import SandboxState, SnapshotStatus
+
 PIPE_WIDTH = 4096  # a pipe or a CI log: lines as long as what they hold, never cut
 
 
@@ -141,14 +143,14 @@ def snapshot_label(info: dict[str, Any]) -> str:
         bits.append(f"{info['memory_mib']} MiB")
     if info.get("image"):
         bits.append(shown(str(info["image"])))
-    if info.get("status") not in (None, "ready"):
+    if info.get("status") not in (None, SnapshotStatus.READY):
         bits.append(f"[yellow]{shown(str(info['status']))}[/]")
     return "  ".join(bits + explore_bits(info))
 
 
 def sandbox_label(sb: dict[str, Any]) -> str:
     state = sb.get("state") or "?"
-    color = "green" if state == "running" else "yellow"
+    color = "green" if state == SandboxState.RUNNING else "yellow"
     bits = [f"[{color}]{shown(str(sb.get('id')))}[/] {shown(str(state))}"]
     if sb.get("pid") is not None:
         bits.append(f"pid {sb['pid']}")

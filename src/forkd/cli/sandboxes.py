@@ -20,6 +20,7 @@ from forkd.cli.options import Connection, with_connection
 from forkd.cli.original_commands import HugeOpt, LiveForkOpt, NetnsOpt, ignore_flags
 from forkd.cli.render import err, out, shown
 from forkd.cli.snapshots import ModeOpt, TagOpt, WaitOpt, show_tree
+from forkd.states import SnapshotStatus
 
 if TYPE_CHECKING:
     import httpx
@@ -273,7 +274,7 @@ def branch(
         with err.status(f"branching {shown(from_sandbox)}"):
             info = ctl.branch_sandbox(from_sandbox, tag=tag, metadata=labels, mode=mode, wait=wait)
         kids: list[dict[str, Any]] = []
-        if n > 0 and wait and info.get("status") == "ready":
+        if n > 0 and wait and info.get("status") == SnapshotStatus.READY:
             with err.status(f"forking {n} from {shown(str(info['tag']))}"):
                 kids = ctl.spawn_sandboxes(info["tag"], n=n)
     if conn.as_json:

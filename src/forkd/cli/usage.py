@@ -16,6 +16,7 @@ from forkd.cli import processes, render
 from forkd.cli.failures import daemon_errors
 from forkd.cli.options import Connection, with_connection
 from forkd.cli.render import cell, out
+from forkd.states import SandboxState
 
 if TYPE_CHECKING:
     import httpx
@@ -97,7 +98,7 @@ def sorted_by(listed: list[dict[str, Any]], sort: str) -> list[dict[str, Any]]:
 
 
 def top_table(listed: list[dict[str, Any]], sort: str, limit: int) -> Table:
-    running = [m for m in listed if m.get("state") in ("running", "paused")]
+    running = [m for m in listed if m.get("state") in (SandboxState.RUNNING, SandboxState.PAUSED)]
     held = sum((m.get("memory") or {}).get("host_private_bytes") or 0 for m in running)
     cpu = sum((m.get("cpu") or {}).get("percent") or 0 for m in running)
     table = Table(

@@ -33,7 +33,7 @@ from forkd.controller.services.snapshots import SnapshotService, memory_file, sn
 from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
-from forkd.states import BranchMode, SnapshotMode, SnapshotStatus
+from forkd.states import BranchMode, SandboxState, SnapshotMode, SnapshotStatus, VMState
 from forkd.vmm.snapshot import copy as snapshot_copy
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import live as live_snapshot
@@ -66,7 +66,9 @@ class BranchService:
                 f"forked from ({row.snapshot_tag!r}): a diff is over that one"
             )
         # A paused one is taken as it is; a hibernated one is its state on disk.
-        vm = None if row.state == "hibernated" else fleet.live(sandbox_id, paused_ok=True)
+        vm = (
+            None if row.state == SandboxState.HIBERNATED else fleet.live(sandbox_id, paused_ok=True)
+        )
         reserve = fleet.settings.disk_reserve_mib
         require_room(fleet.settings.snapshot_root, reserve, f"branching {sandbox_id}")
         measure = req.measure_diff
@@ -125,7 +127,7 @@ class BranchService:
         brow = self.fleet.store.get_snapshot(row.snapshot_tag)
         if brow is not None and self.fleet.holds.is_deleting(brow.tag):
             raise Conflict(f"snapshot {brow.tag!r} is being deleted: branch with mode full")
-        files = _loaded(brow) if brow is not None and brow.status == "ready" else None
+        files = _loaded(brow) if brow is not None and brow.status == SnapshotStatus.READY else None
         mapped = files is not None and (vm is None or (
             vm.origin is not None and files.meta.id == vm.origin_id
             and os.path.realpath(vm.origin) == os.path.realpath(files.dir)
@@ -258,7 +260,7 @@ class BranchService:
         except live_snapshot.LiveSnapshotError as exc:
             if exc.snapshot_kept:
                 self._register(tag, dest, metadata)
-            paused = vm.state == "paused"  # its guest cannot answer: QEMU's life tells
+            paused = vm.state == VMState.PAUSED  # its guest cannot answer: QEMU's life tells
             if not exc.source_alive or not (vm.is_alive() if paused else await fleet.answers(vm)):
                 await fleet.mark_dead(row.id)
             if isinstance(exc.reason, Busy):  # the pause waited on the agent channel
@@ -275,7 +277,7 @@ class BranchService:
         pause (``pause_ms`` 0)."""
         fleet = self.fleet
         src = fleet.hibernated.latest(row.id)
-        if fleet.sandbox_row(row.id).state != "hibernated" or src is None:
+        if fleet.sandbox_row(row.id).state != SandboxState.HIBERNATED or src is None:
             raise Conflict(f"sandbox {row.id!r} is no longer hibernated; retry")
         labels = SnapshotLabels(
             tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag, pause_ms=0.0

@@ -30,6 +30,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.store import SandboxRow
 from forkd.errors import Busy, ForkdError, StorageFull
+from forkd.states import OnTimeout, SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class Expiry:
                 return  # used, or paused, since
         elif now.expires_at_unix is None or now.expires_at_unix > time.time():
             return  # its timeout moved since the reaper read it
-        action = now.on_timeout if now.state != "dead" else "kill"
+        action = now.on_timeout if now.state != SandboxState.DEAD else OnTimeout.KILL
         log.info("sandbox %s reached its %stimeout: %s", row.id, "idle " if idle else "", action)
         self.fleet.events.publish(
             "expired", sandbox_id=row.id, action=action, reason="idle" if idle else "timeout"
@@ -62,9 +63,11 @@ class Expiry:
         record: dict[str, Any] = {"event": "timeout", "sandbox": row.id, "on_timeout": action}
         if idle:
             record["reason"] = "idle"
-        if action in ("pause", "hibernate"):
-            hibernate = action == "hibernate"
-            if now.state == "running" or (hibernate and now.state == "paused"):
+        if action in (OnTimeout.PAUSE, OnTimeout.HIBERNATE):
+            hibernate = action == OnTimeout.HIBERNATE
+            if now.state == SandboxState.RUNNING or (
+                hibernate and now.state == SandboxState.PAUSED
+            ):
                 # On failure the next pass tries again; but a disk without room for its
                 # memory will not have it in a second: it is paused instead, which
                 # keeps its memory (reclaim hibernates it once there is room).
@@ -76,7 +79,7 @@ class Expiry:
                     await self._pause_instead(row.id)
             if not idle:  # an idle one keeps its lifetime (idleness stops while paused)
                 self.fleet.store.update_sandbox(row.id, expires_at_unix=None)
-        elif action == "branch":
+        elif action == OnTimeout.BRANCH:
             try:
                 tag = (await self.branches.branch(row.id, BranchRequest())).tag
             except Busy:
@@ -96,7 +99,7 @@ class Expiry:
 
     async def _pause_instead(self, sandbox_id: str) -> None:
         row = self.fleet.store.get_sandbox(sandbox_id)
-        if row is not None and row.state == "running":
+        if row is not None and row.state == SandboxState.RUNNING:
             with contextlib.suppress(ForkdError):
                 await self.pausing.pause(sandbox_id)
         self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=None)

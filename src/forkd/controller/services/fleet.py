@@ -241,7 +241,11 @@ class Fleet:
         if evicting is not None:  # reclaim is hibernating it: then wake it
             await evicting.wait()
             row = self.sandbox_row(sandbox_id)
-        if row.state in ("paused", "hibernated") and row.auto_resume and self.waker is not None:
+        if (
+            row.state in (SandboxState.PAUSED, SandboxState.HIBERNATED)
+            and row.auto_resume
+            and self.waker is not None
+        ):
             await self.waker(sandbox_id)
         return self.live(sandbox_id)
 
@@ -250,11 +254,11 @@ class Fleet:
         (or is paused, unless ``paused_ok``: its guest answers nothing while paused)."""
         row = self.sandbox_row(sandbox_id)
         vm = self.vms.get(sandbox_id)
-        if row.state == "hibernated":
+        if row.state == SandboxState.HIBERNATED:
             raise Conflict(f"sandbox {sandbox_id!r} is hibernated: resume it first")
-        if vm is None or row.state == "dead":
+        if vm is None or row.state == SandboxState.DEAD:
             raise Conflict(f"sandbox {sandbox_id!r} is {row.state}, not running")
-        if row.state == "paused" and not paused_ok:
+        if row.state == SandboxState.PAUSED and not paused_ok:
             raise Conflict(f"sandbox {sandbox_id!r} is paused: resume it first")
         if not vm.is_alive():
             raise Conflict(f"sandbox {sandbox_id!r} is dead (its QEMU exited)")
@@ -318,7 +322,10 @@ class Fleet:
         row = self.store.get_sandbox(sandbox_id)
         self.store.delete_sandbox(sandbox_id)
         self.holds.forget_sandbox(sandbox_id)  # as in mark_dead: once it is gone
-        if row is not None and row.state not in ("starting", "dead"):  # a failed fork: none
+        if row is not None and row.state not in (
+            SandboxState.STARTING,
+            SandboxState.DEAD,
+        ):  # a failed fork: none
             self.events.publish("killed", sandbox_id=sandbox_id)
 
     def all_vms(self) -> list[SandboxVM]:

@@ -52,11 +52,11 @@ class HibernateService:
         """
         fleet = self.fleet
         row = fleet.sandbox_row(sandbox_id)
-        if row.state == "hibernated":
+        if row.state == SandboxState.HIBERNATED:
             raise Conflict(f"sandbox {sandbox_id!r} is already hibernated")
         vm = fleet.live(sandbox_id, paused_ok=True)
         self.check_disk(sandbox_id)
-        was_running = row.state == "running"
+        was_running = row.state == SandboxState.RUNNING
         if was_running:  # the snapshot then holds exactly this moment
             try:
                 await vm.pause()

@@ -26,7 +26,7 @@ from forkd.errors import SnapshotError
 from forkd.guest import image_sharing
 from forkd.image_import import leftovers
 from forkd.limits import NAME_RE
-from forkd.states import SandboxState, SnapshotMode, SnapshotStatus
+from forkd.states import OnTimeout, SandboxState, SnapshotMode, SnapshotStatus
 from forkd.vmm.jail import egress, network, qemu_user
 from forkd.vmm.qemu import host_processes
 from forkd.vmm.snapshot import files as snapshot_files
@@ -125,7 +125,7 @@ class Lifecycle:
                     error="the daemon stopped before the branch finished",
                 )  # fmt: skip
         self._refresh_modes()
-        kept = {r.id for r in store.list_sandboxes() if r.state != "dead"}
+        kept = {r.id for r in store.list_sandboxes() if r.state != SandboxState.DEAD}
         for sid in self.fleet.hibernated.sleepers() - kept:
             log.info("removing the hibernated state of sandbox %s, which is gone", sid)
             self.fleet.hibernated.discard(sid)
@@ -149,7 +149,7 @@ class Lifecycle:
         compaction's swap and its registry update leaves the row saying diff."""
         store = self.fleet.store
         for row in store.list_snapshots():
-            if row.status != "ready":
+            if row.status != SnapshotStatus.READY:
                 continue
             try:
                 meta = snapshot_files.load(Path(row.dir)).meta
@@ -163,15 +163,15 @@ class Lifecycle:
     async def adopt_sandboxes(self) -> None:
         fleet = self.fleet
         for row in fleet.store.list_sandboxes():
-            if row.state == "dead":
+            if row.state == SandboxState.DEAD:
                 continue
-            if row.state == "hibernated":  # on disk, no QEMU: woken by resume
+            if row.state == SandboxState.HIBERNATED:  # on disk, no QEMU: woken by resume
                 if fleet.hibernated.latest(row.id) is None:
                     log.warning("hibernated sandbox %s lost its state: marked dead", row.id)
                     fleet.store.set_sandbox_state(row.id, SandboxState.DEAD)
                 continue
             run_dir = Path(row.run_dir)
-            paused = row.state == "paused"  # adopted as the user left it
+            paused = row.state == SandboxState.PAUSED  # adopted as the user left it
             try:
                 vm = await fleet.driver.adopt(run_dir, paused=paused)
             except Exception as exc:  # one broken VM must not stop the daemon
@@ -283,7 +283,7 @@ class Lifecycle:
         for gone in [sid for sid in self._silent if sid not in listed]:
             del self._silent[gone]
         for row in rows:
-            if row.state == "starting" or row.id in self._checks:
+            if row.state == SandboxState.STARTING or row.id in self._checks:
                 continue  # owned by its fork request, or still checked by an earlier pass
             task = asyncio.create_task(self._bounded_check(row), name=f"forkd-reap-{row.id}")
             self._checks[row.id] = task
@@ -297,7 +297,11 @@ class Lifecycle:
     async def _bounded_check(self, row: SandboxRow) -> None:
         expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
         expired = expired or self.fleet.activity.idle_expired(row)
-        branching = expired and row.on_timeout in ("branch", "hibernate") and row.state != "dead"
+        branching = (
+            expired
+            and row.on_timeout in (OnTimeout.BRANCH, OnTimeout.HIBERNATE)
+            and row.state != SandboxState.DEAD
+        )
         try:  # a branch at the timeout copies the sandbox's memory: it gets longer
             await asyncio.wait_for(self._check(row), EXPIRY_SECS if branching else REAP_CHECK_SECS)
         except TimeoutError:
@@ -337,7 +341,7 @@ class Lifecycle:
                 await fleet.remove(row.id)
             return
         vm = fleet.vms.get(row.id)
-        if vm is None or row.state == "dead":
+        if vm is None or row.state == SandboxState.DEAD:
             return
         if (
             self._expire is not None

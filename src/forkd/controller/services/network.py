@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from forkd.controller.egress_models import EgressPage, EgressRecordInfo, NetworkInfo, NetworkPolicy
 from forkd.egress.records import EgressRecord
 from forkd.errors import Conflict
+from forkd.states import SandboxState
 from forkd.vmm.jail import egress
 from forkd.vmm.jail.egress import Egress
 from forkd.vmm.snapshot import files as snapshot_files
@@ -73,7 +74,11 @@ class NetworkService:
         vm = self.fleet.vms.get(sandbox_id)
         if vm is not None:
             return egress.of_machine(vm.machine.egress, vm.machine.internet)
-        asleep = self.fleet.hibernated.latest(sandbox_id) if row.state == "hibernated" else None
+        asleep = (
+            self.fleet.hibernated.latest(sandbox_id)
+            if row.state == SandboxState.HIBERNATED
+            else None
+        )
         if asleep is not None:
             machine = snapshot_files.load(asleep).machine
             return egress.of_machine(machine.egress, machine.internet)

@@ -42,7 +42,7 @@ class PauseService:
             self.fleet.events.publish("hibernated", sandbox_id=sandbox_id)
             return self.sandboxes.info(sandbox_id)
         async with self._lock(sandbox_id):
-            vm = self._vm_in(sandbox_id, "running", "already paused")
+            vm = self._vm_in(sandbox_id, SandboxState.RUNNING, "already paused")
             try:
                 await vm.pause()
             except ForkdError as exc:
@@ -57,7 +57,7 @@ class PauseService:
         :class:`Conflict` unless it is paused or hibernated. ``timeout_s``: its new
         timeout from now (none: as it was; a woken one has none)."""
         async with self._lock(sandbox_id):
-            woke = self.fleet.sandbox_row(sandbox_id).state == "hibernated"
+            woke = self.fleet.sandbox_row(sandbox_id).state == SandboxState.HIBERNATED
             if woke:
                 await self.hibernation.wake(sandbox_id)
             else:
@@ -79,7 +79,11 @@ class PauseService:
         try:
             async with fleet.holds.sandbox_lock(sandbox_id):
                 row = fleet.store.get_sandbox(sandbox_id)
-                if row is None or row.state not in ("running", "paused") or not idle(row):
+                if (
+                    row is None
+                    or row.state not in (SandboxState.RUNNING, SandboxState.PAUSED)
+                    or not idle(row)
+                ):
                     return False
                 await self.hibernation.hibernate(sandbox_id, keep_timeout=True)
             return True
@@ -93,21 +97,23 @@ class PauseService:
         started = time.monotonic()
         async with self._lock(sandbox_id):
             was = self.fleet.sandbox_row(sandbox_id).state
-            if was == "hibernated":
+            if was == SandboxState.HIBERNATED:
                 await self.hibernation.wake(sandbox_id)
-            elif was == "paused":
+            elif was == SandboxState.PAUSED:
                 await self._resume_paused(sandbox_id)
             else:
                 return None
         ms = round((time.monotonic() - started) * 1000, 1)
         self.fleet.activity.count_wake(sandbox_id)
         log.info("sandbox %s woke from %s for a request in %.0f ms", sandbox_id, was, ms)
-        self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=was == "hibernated",
-                                  reason="request", wake_ms=ms)  # fmt: skip
+        woken = was == SandboxState.HIBERNATED
+        self.fleet.events.publish(
+            "resumed", sandbox_id=sandbox_id, woken=woken, reason="request", wake_ms=ms
+        )
         return str(was)
 
     async def _resume_paused(self, sandbox_id: str) -> None:
-        vm = self._vm_in(sandbox_id, "paused", "not paused")
+        vm = self._vm_in(sandbox_id, SandboxState.PAUSED, "not paused")
         try:
             await vm.resume()
         except ForkdError as exc:
@@ -123,7 +129,7 @@ class PauseService:
         self.fleet.sandbox_row(sandbox_id)  # 404 before anything is made for it
         return self.fleet.holds.sandbox_lock(sandbox_id)
 
-    def _vm_in(self, sandbox_id: str, state: str, otherwise: str) -> SandboxVM:
+    def _vm_in(self, sandbox_id: str, state: SandboxState, otherwise: str) -> SandboxVM:
         vm = self.fleet.live(sandbox_id, paused_ok=True)
         if self.fleet.sandbox_row(sandbox_id).state != state:
             raise Conflict(f"sandbox {sandbox_id!r} is {otherwise}")

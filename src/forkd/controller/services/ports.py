@@ -21,6 +21,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.preview_tokens import PreviewKey, parse
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Busy, Forbidden, NotFound
+from forkd.states import SandboxState
 from forkd.vmm.agent.ports import check_guest_port
 
 MAX_CONNECTIONS_PER_SANDBOX = 64
@@ -127,7 +128,9 @@ class PortService:
         port = req.port
         check_guest_port(port)
         row = self.fleet.sandbox_row(sandbox_id)
-        if not (row.state == "hibernated" and row.auto_resume):  # its first request wakes it
+        if not (
+            row.state == SandboxState.HIBERNATED and row.auto_resume
+        ):  # its first request wakes it
             self.fleet.live(sandbox_id, paused_ok=True)
         expires = int(time.time()) + req.ttl_s
         token = self.key.sign(sandbox_id, row.created_at_unix, port, expires)
@@ -157,6 +160,6 @@ class PortService:
         self.key.verify(claim, row.created_at_unix)
         if claim.expires_at_unix <= time.time():
             raise Forbidden("this preview URL has expired")
-        if row.state == "dead":
+        if row.state == SandboxState.DEAD:
             raise NotFound(f"sandbox {claim.sandbox_id!r} of this preview URL is dead")
         return claim.sandbox_id, claim.port

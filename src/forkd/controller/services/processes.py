@@ -32,6 +32,7 @@ from forkd.controller.models import (
 from forkd.controller.services.process_output import OutputEvents, ReadAnswer
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.errors import ForkdError, GuestError, Invalid
+from forkd.states import SandboxState
 
 READ_BYTES = 256 << 10  # of output asked for by one proc_read while the reader keeps up
 READ_BYTES_BEHIND = 1 << 20  # ... and once an answer came back full (the agent's cap)
@@ -178,7 +179,7 @@ class ProcessService:
 
     def asleep(self, sandbox_id: str) -> bool:
         row = self.sandboxes.fleet.store.get_sandbox(sandbox_id)
-        return row is not None and row.state in ("paused", "hibernated")
+        return row is not None and row.state in (SandboxState.PAUSED, SandboxState.HIBERNATED)
 
     def asleep_since(self, sandbox_id: str, pauses: int) -> bool:
         """Whether the sandbox is paused, or was since its pause count was ``pauses``

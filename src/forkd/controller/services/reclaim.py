@@ -35,6 +35,7 @@ from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.periodic import Periodic, finish_or_cancel
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, StorageFull
+from forkd.states import SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -110,14 +111,17 @@ class Reclaimer:
             if row.id in fleet.vms and self._idle(row, now, idle_s)
             and not fleet.holds.sandbox_busy(row.id)  # a branch, pause or resume has it
         ]  # fmt: skip
-        rows.sort(key=lambda r: (r.state != "paused", fleet.activity.idle_since(r)))
+        rows.sort(key=lambda r: (r.state != SandboxState.PAUSED, fleet.activity.idle_since(r)))
         return rows
 
     def _idle(self, row: SandboxRow, now: float, idle_s: float) -> bool:
         activity = self.fleet.activity
         return (
             row.evictable
-            and (row.state == "paused" or (row.state == "running" and row.auto_resume))
+            and (
+                row.state == SandboxState.PAUSED
+                or (row.state == SandboxState.RUNNING and row.auto_resume)
+            )
             and not activity.in_use(row.id)
             and now - activity.idle_since(row) >= idle_s
             and not (self.fleet.waker is not None and self.fleet.waker.waking(row.id))
@@ -144,7 +148,7 @@ class Reclaimer:
     async def _quiet(self, row: SandboxRow) -> bool:
         """Whether its processes wrote nothing since the last look (a paused one's
         cannot). Output counts as use: its idle clock starts again."""
-        if row.state == "paused":
+        if row.state == SandboxState.PAUSED:
             return True
         vm = self.fleet.vms.get(row.id)
         if vm is None:

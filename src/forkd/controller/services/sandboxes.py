@@ -55,7 +55,7 @@ from forkd.errors import (
     Unavailable,
     VMError,
 )
-from forkd.states import OnTimeout, SandboxState
+from forkd.states import OnTimeout, SandboxState, SnapshotStatus, VMState
 from forkd.vmm.agent.ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.jail import cgroups, egress
 from forkd.vmm.jail.egress import Egress
@@ -230,7 +230,7 @@ class SandboxService:
         )  # fmt: skip
         async with self._fork_slots:
             vm = waiting.pop(sid, None)
-            if vm is not None and vm.state == "warm":
+            if vm is not None and vm.state == VMState.WARM:
                 await vm.claim(seed=seed)  # restored ahead of time: cont, a fresh identity
             elif vm is not None:
                 await vm.finish_restore(seed=seed)
@@ -268,7 +268,7 @@ class SandboxService:
         latest: dict[str, SnapshotRow] = {}
         for snap in self.fleet.store.list_snapshots():
             source = snap.branched_from
-            if source is None or snap.status != "ready":
+            if source is None or snap.status != SnapshotStatus.READY:
                 continue
             if source not in latest or snap.created_at_unix >= latest[source].created_at_unix:
                 latest[source] = snap
@@ -329,7 +329,7 @@ class SandboxService:
         """The sandbox's timeout, ``req.timeout_s`` from now (longer or shorter than it
         was), or none; :class:`Conflict` for a dead one."""
         row = self.fleet.sandbox_row(sandbox_id)
-        if row.state == "dead":
+        if row.state == SandboxState.DEAD:
             raise Conflict(f"sandbox {sandbox_id!r} is dead")
         changes: SandboxChanges = {"expires_at_unix": expiry_in(req.timeout_s)}
         if req.on_timeout is not None:
@@ -343,7 +343,7 @@ class SandboxService:
         """Change whether reclaim may take it and whether a request wakes it;
         :class:`Conflict` for a dead one."""
         row = self.fleet.sandbox_row(sandbox_id)
-        if row.state == "dead":
+        if row.state == SandboxState.DEAD:
             raise Conflict(f"sandbox {sandbox_id!r} is dead")
         changes: SandboxChanges = {}
         if req.evictable is not None:
@@ -355,7 +355,7 @@ class SandboxService:
         return self.info(sandbox_id)
 
     async def kill(self, sandbox_id: str) -> None:
-        if self.fleet.sandbox_row(sandbox_id).state == "starting":
+        if self.fleet.sandbox_row(sandbox_id).state == SandboxState.STARTING:
             raise Conflict(f"sandbox {sandbox_id!r} is still starting; retry shortly")
         if self.fleet.holds.is_waking(sandbox_id):
             raise Conflict(f"sandbox {sandbox_id!r} is waking from hibernation; retry shortly")

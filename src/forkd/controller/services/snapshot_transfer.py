@@ -64,6 +64,7 @@ from forkd.oci.push import Base, Pushed
 from forkd.oci.reference import Reference
 from forkd.oci.registry import Registry
 from forkd.oci.repository import PullSource, PushTarget
+from forkd.states import SnapshotStatus
 from forkd.vmm.jail import egress
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory_diff
@@ -131,7 +132,7 @@ class SnapshotTransfer:
     def _local(self, snapshot_id: str) -> tuple[SnapshotRow, SnapshotFiles] | None:
         """The ready snapshot on this host whose id is ``snapshot_id``."""
         for row in self.fleet.store.list_snapshots():
-            if row.status != "ready":
+            if row.status != SnapshotStatus.READY:
                 continue
             try:
                 files = snapshot_files.load(Path(row.dir))
@@ -148,7 +149,7 @@ class SnapshotTransfer:
         if ref.digest:
             raise Invalid("push to a tag (registry/repository:tag), not to a digest")
         row = self.fleet.snapshot_row(tag)
-        if row.status != "ready":
+        if row.status != SnapshotStatus.READY:
             raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to push")
         # Held against deletion until the push thread is done with the files, even
         # when the request goes away first.
@@ -255,7 +256,7 @@ class SnapshotTransfer:
         of the daemon's, beside the snapshots, that the caller sends and removes. What
         a push would send (a diff's bases too), laid out as an OCI image layout."""
         row = self.fleet.snapshot_row(tag)
-        if row.status != "ready":
+        if row.status != SnapshotStatus.READY:
             raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to pack")
         require_room(self.root, self.fleet.settings.disk_reserve_mib, f"packing {tag!r}")
         if len(list(self.root.glob(".*.partial-pack-*.tar"))) >= MAX_TRANSFERS:

@@ -260,7 +260,7 @@ class SnapshotService:
         settings = self.fleet.settings
         if problem is not None and not settings.show_host_paths:
             problem = hide_host_paths(problem.replace(str(settings.snapshot_root), "snapshots"))
-        if row.status == "failed" and row.error:
+        if row.status == SnapshotStatus.FAILED and row.error:
             fields["warning"] = row.error
         elif problem is not None and settled:
             fields["warning"] = f"snapshot is not bootable: {problem}"
@@ -349,7 +349,9 @@ class SnapshotService:
             host_memory_available_mib=None if host is None else host.available_mib,
             memory_reserve_mib=fleet.settings.memory_reserve_mib,
             sandboxes_own_memory_mib=fleet.memory.sandboxes_mib(),
-            snapshots=[r.tag for r in fleet.store.list_snapshots() if r.status == "ready"],
+            snapshots=[
+                r.tag for r in fleet.store.list_snapshots() if r.status == SnapshotStatus.READY
+            ],
         )
 
     def list(self, metadata: dict[str, str] | None = None) -> builtins.list[SnapshotInfo]:
@@ -443,7 +445,9 @@ class SnapshotService:
                 drow = self.fleet.snapshot_row(dep)
                 if cascade and dep not in path and dep not in order:
                     visit(drow, (*path, dep))
-                elif force and drow.status != "ready":  # to be compacted: must be whole
+                elif (
+                    force and drow.status != SnapshotStatus.READY
+                ):  # to be compacted: must be whole
                     raise Conflict(f"diff snapshot {dep!r} over {r.tag!r} is {drow.status}")
             order.append(r.tag)
 

@@ -40,6 +40,7 @@ from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import iso_time
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, NotFound
+from forkd.states import SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class UsageService:
         self._forget_gone()
         row = self._row(sandbox_id)
         vm = self._vm(row)
-        if vm is not None and row.state == "running":
+        if vm is not None and row.state == SandboxState.RUNNING:
             await self._read_guest(sandbox_id, vm)
         metrics = self._metrics(row, vm)
         if vm is not None:
@@ -132,7 +133,11 @@ class UsageService:
         for row in self.fleet.store.list_sandboxes():
             vm = self._vm(row)
             kept = self._guest.get(row.id)
-            if vm is None or row.state != "running" or (kept and now - kept[0] < REFRESH_SECS):
+            if (
+                vm is None
+                or row.state != SandboxState.RUNNING
+                or (kept and now - kept[0] < REFRESH_SECS)
+            ):
                 continue
             await self._read_guest(row.id, vm)
 
@@ -145,7 +150,11 @@ class UsageService:
         return row
 
     def _vm(self, row: SandboxRow) -> SandboxVM | None:
-        return self.fleet.vms.get(row.id) if row.state in ("running", "paused") else None
+        return (
+            self.fleet.vms.get(row.id)
+            if row.state in (SandboxState.RUNNING, SandboxState.PAUSED)
+            else None
+        )
 
     async def _read_guest(self, sandbox_id: str, vm: SandboxVM) -> None:
         paths = [v.path for v in vm.volumes]
@@ -175,7 +184,7 @@ class UsageService:
         if vm is not None:
             self._host(row.id, vm, metrics)
         kept = self._guest.get(row.id)
-        if kept is not None and row.state in ("running", "paused"):
+        if kept is not None and row.state in (SandboxState.RUNNING, SandboxState.PAUSED):
             _guest_figures(kept[1], vm, metrics)
         return metrics
 

@@ -22,6 +22,7 @@ from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.store import WorkspaceRow, now
 from forkd.errors import Conflict, Invalid, NotFound
+from forkd.states import SandboxState
 
 WORKSPACE_LABEL = "workspace"  # on its sandbox: the workspace's name
 
@@ -112,9 +113,9 @@ class WorkspaceService:
 
     def _status(self, row: WorkspaceRow) -> WorkspaceStatus:
         sandbox = self.fleet.store.get_sandbox(row.sandbox_id) if row.sandbox_id else None
-        if sandbox is None or sandbox.state == "dead":
+        if sandbox is None or sandbox.state == SandboxState.DEAD:
             return "stale"
-        return "suspended" if sandbox.state == "hibernated" else "running"
+        return "suspended" if sandbox.state == SandboxState.HIBERNATED else "running"
 
     def _info(self, row: WorkspaceRow) -> WorkspaceInfo:
         status = self._status(row)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Protocol
 
 from forkd.errors import ForkdError, SnapshotError, StorageFull
+from forkd.states import VMState
 from forkd.vmm.snapshot.files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
 
 
@@ -45,7 +46,7 @@ class SnapshottableVM(Protocol):
     @property
     def id(self) -> str: ...
     @property
-    def state(self) -> str: ...
+    def state(self) -> VMState: ...
 
     async def begin_snapshot(
         self, dest: Path, base: BaseRef | None = None, *, live: bool = False
@@ -115,7 +116,7 @@ async def snapshot_running(
     VM was forked from) the snapshot is a diff over it. ``live``: the guest's pages
     are copied before the pause too, and the pause only copies what changed since.
     """
-    if vm.state in ("paused", "warm"):  # vCPUs already stopped: no pause of its own
+    if vm.state in (VMState.PAUSED, VMState.WARM):  # vCPUs already stopped: no pause of its own
         if on_resumed is not None:
             on_resumed(0.0)  # no pause of its own
         return await _snapshot_paused(vm, dest, labels, base)
@@ -240,7 +241,7 @@ async def write(
     """:func:`snapshot_running` for a caller with no sandbox to keep in line (a
     template, a benchmark): the error is a :class:`SnapshotError`, or
     :class:`StorageFull` when the disk filled; nothing is left at ``dest``."""
-    if vm.state == "dead" or not vm.is_alive():
+    if vm.state == VMState.DEAD or not vm.is_alive():
         raise SnapshotError(f"cannot snapshot {vm.id}: its QEMU is not running")
     try:
         result = await snapshot_running(vm, dest, labels, base, live=live)
