@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +19,12 @@ from typing import Any
 
 import httpx
 import pytest
+import typer
 import uvicorn
+from click.testing import Result
 from fastapi.testclient import TestClient
 from starlette.types import ASGIApp
+from typer.testing import CliRunner
 
 from forkd.client import Controller
 from forkd.controller.app import create_app
@@ -139,7 +142,15 @@ def sent() -> RecordingTransport:
     return RecordingTransport()
 
 
-# ``py`` and ``sid`` use the ``ctl`` (an SDK Controller) of the module that asks.
+@pytest.fixture
+def ctl(server: Server) -> Iterator[Controller]:
+    """The SDK, to set the daemon up and look at it (a module may define its own: one
+    that records what it sent, or starts with a template)."""
+    with Controller(server.url, token=server.token) as c:
+        yield c
+
+
+# ``py`` and ``sid`` use the ``ctl`` of the module that asks.
 
 
 @pytest.fixture
@@ -170,3 +181,38 @@ def meminfo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     fake_meminfo(path, 4096, 1000)
     monkeypatch.setattr(host_memory, "MEMINFO", path)
     return path
+
+
+# -- the CLI's daemon commands against ``server`` ------------------------------------
+
+runner = CliRunner()
+Invoke = Callable[..., Result]
+
+
+def make_app(transport: RecordingTransport) -> typer.Typer:
+    """The CLI's daemon commands, their requests sent through ``transport``."""
+    from forkd import cli
+
+    app = typer.Typer()
+
+    @app.command("version")  # as in forkd.cli: more than one command keeps subcommands
+    def version() -> None:
+        pass
+
+    cli.add_daemon_commands(app, transport=transport)
+    return app
+
+
+def env_of(server: Server) -> dict[str, str]:
+    return {"FORKD_URL": server.url, "FORKD_TOKEN_FILE": str(server.token_file)}
+
+
+@pytest.fixture
+def forkd(server: Server, sent: RecordingTransport) -> Invoke:
+    """Run a daemon command that finds the daemon through the environment."""
+    app = make_app(sent)
+
+    def invoke(*args: str) -> Result:
+        return runner.invoke(app, list(args), env=env_of(server))
+
+    return invoke

@@ -9,8 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from forkd.client import Controller, ControllerError, Sandbox, Snapshot
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
+from tests.unit.conftest import Invoke, RecordingTransport, Server
 
 
 @pytest.fixture
@@ -46,7 +45,7 @@ def test_sdk_diff_branch_without_waiting_then_compact_and_cascade(
 
 
 def test_cli_branch_modes_compact_and_rm(
-    forkd: Invoke,  # noqa: F811
+    forkd: Invoke,
     ctl: Controller,
     sent: RecordingTransport,
     sid: str,

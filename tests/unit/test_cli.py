@@ -10,24 +10,18 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import typer
-from click.testing import Result
-from typer.testing import CliRunner
 
 from forkd import cli
 from forkd.cli import render
 from forkd.client import Controller
 from forkd.controller.settings import Settings
 from forkd.launcher import free_port
-from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.conftest import Invoke, RecordingTransport, Server, env_of, make_app, runner
 
-runner = CliRunner()
-Invoke = Callable[..., Result]
 PAUSED = re.compile(r"paused \d+ ms")
 
 
@@ -35,39 +29,6 @@ PAUSED = re.compile(r"paused \d+ ms")
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("FORKD_URL", "FORKD_TOKEN", "FORKD_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-
-
-def make_app(transport: RecordingTransport) -> typer.Typer:
-    app = typer.Typer()
-
-    @app.command("version")  # as in forkd.cli: more than one command keeps subcommands
-    def version() -> None:
-        pass
-
-    cli.add_daemon_commands(app, transport=transport)
-    return app
-
-
-def env_of(server: Server) -> dict[str, str]:
-    return {"FORKD_URL": server.url, "FORKD_TOKEN_FILE": str(server.token_file)}
-
-
-@pytest.fixture
-def forkd(server: Server, sent: RecordingTransport) -> Invoke:
-    """Run a daemon command that finds the daemon through the environment."""
-    app = make_app(sent)
-
-    def invoke(*args: str) -> Result:
-        return runner.invoke(app, list(args), env=env_of(server))
-
-    return invoke
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    """The SDK, to set the daemon up and look at it."""
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 # -- exec and eval ----------------------------------------------------------------

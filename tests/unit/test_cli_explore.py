@@ -5,26 +5,16 @@ from __future__ import annotations
 
 import json
 import tarfile
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from forkd.client import Controller
-from tests.unit.conftest import Server
-from tests.unit.test_cli import Invoke, forkd  # noqa: F401 - the fixture
+from tests.unit.conftest import Invoke
 
 VARIANTS = ["-v", "x = 3", "-v", "x = 9", "-v", "raise SystemError('no')"]
 
 
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
-
-
 def test_explore_prints_the_ranking_and_keeps_the_best(
-    forkd: Invoke,  # noqa: F811
+    forkd: Invoke,
     ctl: Controller,
     sid: str,
 ) -> None:
@@ -40,7 +30,7 @@ def test_explore_prints_the_ranking_and_keeps_the_best(
     assert "variant 1" in tree.stdout and "score 90" in tree.stdout, tree.stdout
 
 
-def test_explore_json_is_the_answer(forkd: Invoke, sid: str) -> None:  # noqa: F811
+def test_explore_json_is_the_answer(forkd: Invoke, sid: str) -> None:
     res = forkd("explore", sid, "--json", "--eval", "-v", "1", "-v", "1/0", "--keep", "0",
                 "--tag", "mine")  # fmt: skip
     assert res.exit_code == 0, res.output
@@ -50,13 +40,13 @@ def test_explore_json_is_the_answer(forkd: Invoke, sid: str) -> None:  # noqa: F
     assert "ZeroDivisionError" in body["results"][1]["error"]
 
 
-def test_score_and_score_eval_exclude_each_other(forkd: Invoke, sid: str) -> None:  # noqa: F811
+def test_score_and_score_eval_exclude_each_other(forkd: Invoke, sid: str) -> None:
     res = forkd("explore", sid, "-v", "true", "--score", "echo 1", "--score-eval", "1")
     assert res.exit_code == 2 and "not both" in res.output
 
 
 def test_diff_prints_the_changes_a_patch_and_a_tar(
-    forkd: Invoke,  # noqa: F811
+    forkd: Invoke,
     ctl: Controller,
     sid: str,
     tmp_path: Path,

@@ -3,31 +3,9 @@ real daemon app (fake VMs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-
-import pytest
-from click.testing import Result
-from typer.testing import CliRunner
-
 from forkd.client import Controller, Sandbox
 from forkd.egress.records import EgressRecord
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import env_of, make_app
-
-runner = CliRunner()
-Invoke = Callable[..., Result]
-
-
-@pytest.fixture
-def forkd(server: Server, sent: RecordingTransport) -> Invoke:
-    app = make_app(sent)
-    return lambda *args: runner.invoke(app, list(args), env=env_of(server))
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
+from tests.unit.conftest import Invoke, RecordingTransport, Server
 
 
 def test_network_shows_and_replaces_keeping_the_rules(

@@ -13,8 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from forkd.client import Controller
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import Invoke, make_app
+from tests.unit.conftest import Invoke, RecordingTransport, Server, make_app
 
 runner = CliRunner()
 
@@ -25,12 +24,6 @@ def forkd(server: Server, sent: RecordingTransport) -> Invoke:
     app = make_app(sent)
     env = {"FORKD_URL": server.url, "FORKD_TOKEN": server.token}
     return lambda *args: runner.invoke(app, list(args), env=env)
-
-
-@pytest.fixture
-def ctl(server: Server) -> Controller:
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 def _ids(ctl: Controller) -> set[str]:

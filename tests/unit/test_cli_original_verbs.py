@@ -6,26 +6,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
-from typer.testing import CliRunner
-
 from forkd.client import Controller
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import Invoke, env_of, make_app
-
-runner = CliRunner()
-
-
-@pytest.fixture
-def forkd(server: Server, sent: RecordingTransport) -> Invoke:
-    app = make_app(sent)
-    return lambda *args: runner.invoke(app, list(args), env=env_of(server))
-
-
-@pytest.fixture
-def ctl(server: Server) -> Controller:
-    with Controller(server.url, token=server.token) as c:
-        yield c
+from tests.unit.conftest import Invoke, RecordingTransport
 
 
 def test_snapshot_info_is_snapshot_info(forkd: Invoke, py: str) -> None:

@@ -8,15 +8,13 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from forkd.client import Controller
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import Invoke, env_of, make_app
+from tests.unit.conftest import Invoke, RecordingTransport, Server, env_of, make_app
 
 runner = CliRunner()
 
@@ -25,18 +23,6 @@ runner = CliRunner()
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("FORKD_URL", "FORKD_TOKEN", "FORKD_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def forkd(server: Server, sent: RecordingTransport) -> Invoke:
-    app = make_app(sent)
-    return lambda *args: runner.invoke(app, list(args), env=env_of(server))
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 def test_exec_prints_output_as_it_comes(server: Server, sid: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,8 +14,7 @@ from click.testing import Result
 from typer.testing import CliRunner
 
 from forkd.client import AsyncController, Controller, ControllerError
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import env_of, make_app
+from tests.unit.conftest import RecordingTransport, Server, env_of, make_app
 
 runner = CliRunner()
 Invoke = Callable[..., Result]
@@ -30,12 +29,6 @@ def forkd(server: Server, sent: RecordingTransport) -> Invoke:
         return runner.invoke(app, list(args), input=stdin, env={**env_of(server), **(env or {})})
 
     return invoke
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 def test_create_from_a_file_drops_one_newline_and_prints_no_value(

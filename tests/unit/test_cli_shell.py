@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pexpect
 import pytest
@@ -19,21 +18,14 @@ from typer.testing import CliRunner
 
 from forkd.client import Controller
 from forkd.client.pty import LOGIN_SHELL
-from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.conftest import RecordingTransport, Server, env_of, make_app
 from tests.unit.fake_processes import FakeProcess
-from tests.unit.test_cli import env_of, make_app
 
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
     for var in ("FORKD_URL", "FORKD_TOKEN", "FORKD_TOKEN_FILE"):
         monkeypatch.delenv(var, raising=False)
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 def _env(server: Server) -> dict[str, str]:

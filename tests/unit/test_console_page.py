@@ -17,12 +17,6 @@ HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b id=injected>bold</b>
 
 
 @pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
-
-
-@pytest.fixture
 def browser() -> Iterator[object]:
     if not Path(CHROMIUM).exists():
         pytest.skip("Debian's chromium is not installed (./dev.sh installs it)")

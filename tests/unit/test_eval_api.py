@@ -24,9 +24,8 @@ from forkd.client import Controller, Sandbox
 from forkd.client.results import DisplayOutput, EvalResult
 from forkd.errors import AgentError
 from forkd.vmm.agent import ops as agent_ops
-from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.conftest import RecordingTransport, Server, env_of, make_app, runner
 from tests.unit.fakes import FakeDriver, FakeVM
-from tests.unit.test_cli import env_of, make_app, runner
 
 PNG = b"\x89PNG\r\n\x1a\nfake"
 

@@ -15,23 +15,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-from typer.testing import CliRunner
 
 from forkd.client import Controller, ControllerError, Sandbox
 from forkd.controller.services.file_transfer import CHUNK_BYTES
 from forkd.errors import AgentError
-from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.conftest import Invoke, Server
 from tests.unit.fakes import FakeVM
-from tests.unit.test_cli import Invoke, env_of, make_app
 
-runner = CliRunner()
 MIB = 1 << 20
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 @pytest.fixture
@@ -216,12 +207,6 @@ def test_sdk_upload_and_download_local_files(ctl: Controller, sid: str, tmp_path
 
 
 # ------------------------------------------------------------ forkd cp
-
-
-@pytest.fixture
-def forkd(server: Server, sent: RecordingTransport) -> Invoke:
-    app = make_app(sent)
-    return lambda *args: runner.invoke(app, list(args), env=env_of(server))
 
 
 def test_cp_copies_a_file_both_ways(forkd: Invoke, sid: str, vm: FakeVM, tmp_path: Path) -> None:

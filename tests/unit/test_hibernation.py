@@ -17,9 +17,8 @@ from forkd.controller.services import Services
 from forkd.controller.services.hibernated_files import NETWORK_FILE, HibernatedFiles
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
-from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.conftest import Invoke, RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
-from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
 
 
 @pytest.fixture
@@ -148,7 +147,7 @@ def test_sdk_and_cli_hibernate(
     ctl: Controller,
     sid: str,
     sent: RecordingTransport,
-    forkd: Invoke,  # noqa: F811
+    forkd: Invoke,
 ) -> None:
     sb = Sandbox.connect(sid, controller=ctl)
     assert sb.hibernate()["state"] == "hibernated"
@@ -194,7 +193,7 @@ def test_pause_hibernate_and_resume_are_events(ctl: Controller, sid: str) -> Non
 def test_auto_resume_and_evictable_change_after_the_fork_from_the_sdk_and_the_cli(
     ctl: Controller,
     sid: str,
-    forkd: Invoke,  # noqa: F811
+    forkd: Invoke,
 ) -> None:
     sb = Sandbox(sandbox_id=sid, controller=ctl)
     assert sb.update(auto_resume=False)["auto_resume"] is False

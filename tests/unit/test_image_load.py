@@ -181,12 +181,6 @@ def test_a_load_streams_its_steps_then_the_image(client: TestClient, tmp_path: P
 # ------------------------------------------------------------------ the SDK clients
 
 
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
-
-
 def test_the_sdk_sends_a_path_or_a_file_and_hears_the_upload(
     ctl: Controller, tmp_path: Path
 ) -> None:

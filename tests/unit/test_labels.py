@@ -13,8 +13,7 @@ import pytest
 
 from forkd.client import Controller, ControllerError, Sandbox
 from forkd.controller.store import Store
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
+from tests.unit.conftest import Invoke, RecordingTransport, Server
 
 
 @pytest.fixture
@@ -92,7 +91,7 @@ def test_sdk_sandbox_list(ctl: Controller) -> None:
     assert [sb.id for sb in found] == [mine.id] and found[0].metadata == {"run": "42"}
 
 
-def test_cli_labels_and_filters(forkd: Invoke, ctl: Controller) -> None:  # noqa: F811
+def test_cli_labels_and_filters(forkd: Invoke, ctl: Controller) -> None:
     ctl.create_snapshot("py", memory_mib=128)
     r = forkd("fork", "--tag", "py", "--label", "run=42", "--label", "who=me", "--json")
     assert r.exit_code == 0, r.output

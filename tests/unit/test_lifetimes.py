@@ -17,8 +17,7 @@ import pytest
 from forkd.client import Controller, ControllerError
 from forkd.controller.services import lifecycle
 from forkd.controller.settings import Settings
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
+from tests.unit.conftest import Invoke, RecordingTransport, Server
 
 FIRE_WITHIN_SECS = 2.0  # the bound, from expires_at to the action done
 
@@ -138,7 +137,7 @@ def test_on_timeout_branch_keeps_a_snapshot_and_ends_the_sandbox(
     }.items() <= records[-1].items()
 
 
-def test_cli_timeout_and_on_timeout(forkd: Invoke, ctl: Controller) -> None:  # noqa: F811
+def test_cli_timeout_and_on_timeout(forkd: Invoke, ctl: Controller) -> None:
     r = forkd("fork", "--tag", "py", "--timeout-secs", "60", "--on-timeout", "pause",
               "--idle-timeout", "300", "--json")  # fmt: skip
     assert r.exit_code == 0, r.output

@@ -10,7 +10,6 @@ import os
 import stat
 import tarfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,6 @@ from tests.unit.conftest import Server
 from tests.unit.fakes import FakeVM
 
 MIB = 1 << 20
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 @pytest.fixture

@@ -9,23 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
 
-import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 
-from forkd.client import Controller
 from tests import original_published
 from tests.unit.conftest import Server
 from tests.unit.test_mcp_server import _value
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
-
 
 SDK_SCRIPT = """
 import json

@@ -18,9 +18,8 @@ from forkd.controller.services import Services
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, Store
 from forkd.states import SandboxState, VMState
-from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.conftest import Invoke, RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
-from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
 
 
 @pytest.fixture
@@ -103,7 +102,7 @@ def test_sdk_pause_and_resume(ctl: Controller, sid: str, sent: RecordingTranspor
     assert sent.last.url.path == f"/v1/sandboxes/{sid}/resume"
 
 
-def test_cli_pause_and_resume(forkd: Invoke, ctl: Controller, sid: str) -> None:  # noqa: F811
+def test_cli_pause_and_resume(forkd: Invoke, ctl: Controller, sid: str) -> None:
     r = forkd("pause", sid, "sb-nope-0001")
     assert r.exit_code == 1 and f"paused {sid}" in r.stdout
     assert ctl.get_sandbox(sid)["state"] == "paused"

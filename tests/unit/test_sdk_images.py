@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -40,12 +39,6 @@ class ListeningDriver(FakeDriver):
 @pytest.fixture
 def driver() -> FakeDriver:
     return ListeningDriver()
-
-
-@pytest.fixture
-def ctl(server: Server) -> Iterator[Controller]:
-    with Controller(server.url, token=server.token) as c:
-        yield c
 
 
 def _names(images: list[dict[str, Any]]) -> set[str]:

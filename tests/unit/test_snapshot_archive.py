@@ -16,8 +16,7 @@ from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
 from forkd.controller.settings import Settings
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import make_app
+from tests.unit.conftest import RecordingTransport, Server, make_app
 
 
 @pytest.fixture

@@ -16,10 +16,9 @@ import pytest
 from forkd import limits
 from forkd.client import Controller
 from forkd.controller.settings import Settings
-from tests.unit.conftest import RecordingTransport, Server
+from tests.unit.conftest import Invoke, RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
 from tests.unit.test_agent_files import _load
-from tests.unit.test_cli import Invoke, forkd  # noqa: F401  (the fixture)
 
 MIB = 1 << 20
 
@@ -151,7 +150,7 @@ def test_the_series_are_capped(
     assert "forkd_sandbox_series_omitted 2" in text
 
 
-def test_forkd_metrics_and_top_print_the_figures(forkd: Invoke, sid: str) -> None:  # noqa: F811
+def test_forkd_metrics_and_top_print_the_figures(forkd: Invoke, sid: str) -> None:
     res = forkd("metrics", sid)
     assert res.exit_code == 0, res.output
     assert "64 MiB its own" in res.stdout and "40 of 256 MiB used" in res.stdout

@@ -16,8 +16,7 @@ import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
 
-from tests.unit.conftest import RecordingTransport, Server
-from tests.unit.test_cli import make_app
+from tests.unit.conftest import RecordingTransport, Server, make_app
 
 
 def _ext4(path: Path, mib: int = 16) -> Path:
