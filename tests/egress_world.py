@@ -22,7 +22,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,6 +239,39 @@ def host_networks() -> list[ipaddress.IPv4Network]:
     return nets
 
 
+def clash(*ranges: str) -> ipaddress.IPv4Network | None:
+    """A network of this host's that overlaps one of a test's own ``ranges``, if any."""
+    for net in host_networks():
+        if any(net.overlaps(ipaddress.IPv4Network(r)) for r in ranges):
+            return net
+    return None
+
+
+@contextlib.contextmanager
+def link_to(netns: str, host_if: str, address: str, gateway: str,
+            routes: Iterable[str]) -> Iterator[None]:  # fmt: skip
+    """A veth from the host (``host_if``, ``address``/24) to ``netns`` (its end ``eth0``),
+    and ``routes`` through ``gateway`` over it alone (``oif``: never a gateway of the
+    host's of that address); the host's end removed after."""
+    from pyroute2 import IPRoute
+
+    try:
+        with IPRoute() as ipr:
+            ipr.link(
+                "add", ifname=host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": netns}
+            )
+            idx = ipr.link_lookup(ifname=host_if)[0]
+            ipr.addr("add", index=idx, address=address, prefixlen=24)
+            ipr.link("set", index=idx, state="up")
+            for dst in routes:
+                ipr.route("add", dst=dst, gateway=gateway, oif=idx)
+        yield
+    finally:
+        with IPRoute() as ipr, contextlib.suppress(Exception):
+            for idx in ipr.link_lookup(ifname=host_if):
+                ipr.link("del", index=idx)
+
+
 @dataclass
 class Outside:
     netns: str
@@ -251,15 +284,10 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
     """The fake internet: a namespace one hop past the host's fake LAN, serving HTTPS
     (certificates of ``ca``, else a CA made here), HTTP and a raw banner at WEB;
     ``/check-token`` accepts ``Authorization: Bearer <token>``. Removed after."""
-    from pyroute2 import IPRoute
-
     from forkd.vmm.jail import netns_ops
 
-    taken = [n for n in host_networks()
-             if n.overlaps(ipaddress.IPv4Network(LAN))
-             or n.overlaps(ipaddress.IPv4Network(INTERNET))]  # fmt: skip
-    if taken:
-        raise RuntimeError(f"this host is on {taken[0]}: the test's LAN and internet would clash")
+    if (taken := clash(LAN, INTERNET)) is not None:
+        raise RuntimeError(f"this host is on {taken}: the test's LAN and internet would clash")
     name, host_if = f"fkt-web-{os.getpid()}", f"fkw{os.getpid() % 100000}"
     ca = ca or make_ca(where / "ca")
     hosts = where / "egress-hosts"
@@ -268,14 +296,9 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
     # helper: a fork of a process with an event loop inherits its signal wake-up
     # descriptor, and the helper's SIGTERM at close would stop the loop's program.
     netns_ops.create(name)
-    server = None
+    server, stack = None, contextlib.ExitStack()
     try:
-        with IPRoute() as ipr:
-            ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": name})
-            idx = ipr.link_lookup(ifname=host_if)[0]
-            ipr.addr("add", index=idx, address=LAN_HOST, prefixlen=24)
-            ipr.link("set", index=idx, state="up")
-            ipr.route("add", dst=INTERNET, gateway=LAN_GATEWAY, oif=idx)
+        stack.enter_context(link_to(name, host_if, LAN_HOST, LAN_GATEWAY, [INTERNET]))
         netns_ops.run_inside(name, _outside_links)
         server = subprocess.Popen(
             ["nsenter", f"--net=/run/netns/{name}", "--", sys.executable, "-c",
@@ -288,9 +311,7 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
         if server is not None:
             server.kill()
             server.wait()
-        with IPRoute() as ipr, contextlib.suppress(Exception):
-            for idx in ipr.link_lookup(ifname=host_if):
-                ipr.link("del", index=idx)
+        stack.close()
         netns_ops.remove(name)
 
 

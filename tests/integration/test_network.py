@@ -11,7 +11,6 @@ address this test did not create.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import json
 import os
 import shutil
@@ -28,7 +27,7 @@ import httpx
 import pytest
 
 from forkd.vmm.jail import network
-from tests.egress_world import host_networks as _host_networks
+from tests.egress_world import clash, link_to
 
 from .conftest import Daemon
 
@@ -143,26 +142,19 @@ def _host_addresses() -> list[str]:
 def outside() -> Iterator[str]:
     """A fake outside host in a namespace of its own, listening on PORT at every address:
     one hop away from the host, through the "LAN" the host is attached to."""
-    from pyroute2 import IPRoute, NetNS, netns
+    from pyroute2 import NetNS, netns
 
     name = f"fkt-out-{os.getpid()}"
     host_if = f"fkt{os.getpid() % 100000}"
-    taken = [n for n in _host_networks() if n.overlaps(ipaddress.IPv4Network(LAN))
-             or n.overlaps(ipaddress.IPv4Network("198.51.100.0/24"))]  # fmt: skip
-    if taken:
-        pytest.skip(f"this host is on {taken[0]}: the test's fake LAN and internet would clash")
+    if (taken := clash(LAN, "198.51.100.0/24")) is not None:
+        pytest.skip(f"this host is on {taken}: the test's fake LAN and internet would clash")
     netns.create(name)
     listeners: list[subprocess.Popen[bytes]] = []
+    stack = contextlib.ExitStack()
     try:
-        with IPRoute() as ipr:
-            ipr.link("add", ifname=host_if, kind="veth", peer={"ifname": "eth0", "net_ns_fd": name})
-            idx = ipr.link_lookup(ifname=host_if)[0]
-            ipr.addr("add", index=idx, address=LAN_HOST, prefixlen=24)
-            ipr.link("set", index=idx, state="up")
-            # oif: through the test's link alone, never a gateway of the host's of that name
-            ipr.route("add", dst="198.51.100.0/24", gateway=LAN_GATEWAY, oif=idx)
-            for extra in (METADATA, PRIVATE):  # reachable only through this test's namespace
-                ipr.route("add", dst=f"{extra}/32", gateway=LAN_GATEWAY, oif=idx)
+        # METADATA and PRIVATE too: reachable only through this test's namespace
+        routes = ["198.51.100.0/24", f"{METADATA}/32", f"{PRIVATE}/32"]
+        stack.enter_context(link_to(name, host_if, LAN_HOST, LAN_GATEWAY, routes))
         with NetNS(name) as ns:
             eth = ns.link_lookup(ifname="eth0")[0]
             ns.addr("add", index=eth, address=LAN_GATEWAY, prefixlen=24)
@@ -180,9 +172,7 @@ def outside() -> Iterator[str]:
         for proc in listeners:
             proc.kill()
             proc.wait()
-        with IPRoute() as ipr, contextlib.suppress(Exception):
-            for idx in ipr.link_lookup(ifname=host_if):
-                ipr.link("del", index=idx)
+        stack.close()
         netns.remove(name)
 
 
