@@ -22,7 +22,7 @@ import h11
 
 from forkd.egress.decide import Refused, checked_name, ip_literal
 from forkd.egress.meter import Meter
-from forkd.egress.splice import CHUNK, Counts, close_soon, splice
+from forkd.egress.splice import CHUNK, Counts, carry, close_soon, splice
 
 MAX_HEAD_BYTES = 64 * 1024
 HEAD_SECS = 10.0
@@ -230,18 +230,12 @@ class HttpSession:
         """``event`` on through ``conn`` to ``writer``; a body's bytes counted, within the
         sandbox's share and rate."""
         data = conn.send(event) or b""
-        if not isinstance(event, h11.Data):
+        if isinstance(event, h11.Data):
+            await carry(data, writer, counts, self.meter, outward, BODY_IDLE_SECS,
+                        counted=len(event.data))  # fmt: skip
+        else:
             writer.write(data)
             await writer.drain()
-            return
-        held = await self.meter.hold(len(data))
-        try:
-            counts.add(len(event.data), outward)
-            await self.meter.pace(len(data), outward)
-            writer.write(data)
-            await asyncio.wait_for(writer.drain(), BODY_IDLE_SECS)
-        finally:
-            self.meter.give(held)
 
     async def _switched(self, exchange: Exchange) -> str | None:
         """101 Switching Protocols (a WebSocket): the rest is the two peers' bytes."""

@@ -14,12 +14,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
-import functools
 import socket
 import struct
 import termios
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
 from forkd.egress.meter import Meter
@@ -45,11 +44,18 @@ class Counts:
             self.into += n
 
 
-async def _pass_on(data: bytes, write: Callable[[], Awaitable[None]], counts: Counts, meter: Meter,
-                   outward: bool, idle: float) -> None:  # fmt: skip
-    counts.add(len(data), outward)
-    await meter.pace(len(data), outward)
-    await asyncio.wait_for(write(), idle)  # a peer that stops reading: cut
+async def carry(data: bytes, dst: asyncio.StreamWriter, counts: Counts, meter: Meter,
+                outward: bool, idle: float, counted: int | None = None) -> None:  # fmt: skip
+    """``data``, already in hand, on to ``dst`` within the sandbox's share and at its
+    rate; counted as ``counted`` bytes when it holds framing of the proxy's own."""
+    held = await meter.hold(len(data))
+    try:
+        counts.add(len(data) if counted is None else counted, outward)
+        await meter.pace(len(data), outward)
+        dst.write(data)
+        await asyncio.wait_for(dst.drain(), idle)  # a peer that stops reading: cut
+    finally:
+        meter.give(held)
 
 
 async def _socket_pipe(src: socket.socket, dst: socket.socket, counts: Counts, meter: Meter,
@@ -72,8 +78,9 @@ async def _socket_pipe(src: socket.socket, dst: socket.socket, counts: Counts, m
         try:
             if not data:
                 break
-            send = functools.partial(loop.sock_sendall, dst, data)
-            await _pass_on(data, send, counts, meter, outward, idle)
+            counts.add(len(data), outward)
+            await meter.pace(len(data), outward)
+            await asyncio.wait_for(loop.sock_sendall(dst, data), idle)  # a peer not reading: cut
         finally:
             meter.give(granted)
     with contextlib.suppress(OSError):
@@ -93,12 +100,7 @@ async def _stream_pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, cou
             raise
         if not data:
             break
-        held = await meter.hold(len(data))
-        try:
-            dst.write(data)
-            await _pass_on(data, dst.drain, counts, meter, outward, idle)
-        finally:
-            meter.give(held)
+        await carry(data, dst, counts, meter, outward, idle)
     if dst.can_write_eof():
         with contextlib.suppress(OSError):
             dst.write_eof()
@@ -108,18 +110,15 @@ async def _both(outward: Awaitable[None], inward: Awaitable[None], idle: float) 
     """Run both directions until both end; why it ended early, or None."""
     tasks = (asyncio.ensure_future(outward), asyncio.ensure_future(inward))
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for task in pending:  # one side failed: the other is cut
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
             if (exc := task.exception()) is not None:
                 if isinstance(exc, TimeoutError):
                     return f"idle for {idle:.0f} s"
                 return f"{type(exc).__name__}: {exc}"
         return None
-    finally:  # both ended before the sockets may be closed (or their numbers reused
-        for task in tasks:  # while the event loop still watches them)
+    finally:  # one side failed: the other is cut; both end before the sockets may be
+        for task in tasks:  # closed (or their numbers reused while the loop watches them)
             task.cancel()
         await asyncio.wait(tasks)
 
