@@ -52,42 +52,49 @@ def bounded(value: Any, limit: int = AUDIT_FIELD_LIMIT) -> Any:
     return value
 
 
-class _DenialThrottle:
-    """At most ``per_sec`` 401 records a second per client address; counts the rest."""
+class Throttle:
+    """At most ``per_sec`` records a second per key; counts the rest, for one summary
+    line per key once that second is over. Past ``max_keys`` keys in one second, the
+    rest share one allowance (addresses are cheap to vary: IPv6, X-Forwarded-For
+    from loopback)."""
 
-    def __init__(self, per_sec: int) -> None:
+    def __init__(self, per_sec: int, max_keys: int | None = None) -> None:
         self.per_sec = per_sec
+        self.max_keys = max_keys
         self.second = 0
         self.admitted: dict[str, int] = {}
         self.suppressed: dict[str, int] = {}
 
-    def admit(self, client: str, second: int) -> bool:
+    def admit(self, key: str, second: int) -> bool:
         if second != self.second:
             self.second = second
             self.admitted.clear()
-        # Addresses are cheap to vary (IPv6, X-Forwarded-For from loopback):
-        # past a few in one second, they share one allowance.
-        if client not in self.admitted and len(self.admitted) >= AUDIT_401_CLIENTS:
-            client = _OTHERS
-        seen = self.admitted.get(client, 0)
-        self.admitted[client] = seen + 1
+        if (
+            self.max_keys is not None
+            and key not in self.admitted
+            and len(self.admitted) >= self.max_keys
+        ):
+            key = _OTHERS
+        seen = self.admitted.get(key, 0)
+        self.admitted[key] = seen + 1
         if seen < self.per_sec:
             return True
-        self.suppressed[client] = self.suppressed.get(client, 0) + 1
+        self.suppressed[key] = self.suppressed.get(key, 0) + 1
         return False
 
-    def summaries(self, second: int | None) -> list[Fields]:
-        """A line per client with suppressed records in a second before ``second``
-        (None: all of them, at shutdown)."""
+    def summaries(self, second: int | None) -> list[tuple[str, int]]:
+        """(key, records suppressed) for a second before ``second`` (None: all of
+        them, at shutdown); each is given once."""
         if not self.suppressed or (second is not None and second == self.second):
             return []
-        lines = [
-            {"status": 401, "client": client, "suppressed": n,
-             "message": f"{n} more 401s suppressed"}
-            for client, n in self.suppressed.items()
-        ]  # fmt: skip
+        found = list(self.suppressed.items())
         self.suppressed.clear()
-        return lines
+        return found
+
+
+def _denials(suppressed: list[tuple[str, int]]) -> list[Fields]:
+    return [{"status": 401, "client": client, "suppressed": n,
+             "message": f"{n} more 401s suppressed"} for client, n in suppressed]  # fmt: skip
 
 
 class AuditLog:
@@ -102,7 +109,7 @@ class AuditLog:
         self._lost_unreported = 0
         self._warned_at: float | None = None  # monotonic time of the last warning
         self._lock = threading.Lock()
-        self._throttle = _DenialThrottle(AUDIT_401_PER_SEC)
+        self._throttle = Throttle(AUDIT_401_PER_SEC, AUDIT_401_CLIENTS)
         self._fd: int | None = None
         self._size = 0
         self._torn = False  # a short write left a partial line
@@ -120,7 +127,7 @@ class AuditLog:
         try:
             with self._lock:
                 second = int(time.monotonic())
-                records = self._throttle.summaries(second)
+                records = _denials(self._throttle.summaries(second))
                 if fields.get("status") != 401 or self._throttle.admit(
                     str(fields.get("client")), second
                 ):
@@ -133,7 +140,7 @@ class AuditLog:
     def close(self) -> None:
         with self._lock:
             try:
-                records = self._throttle.summaries(None)
+                records = _denials(self._throttle.summaries(None))
                 if records:
                     self._append(records)
             finally:

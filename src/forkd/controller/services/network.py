@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from forkd.controller.audit import Throttle
 from forkd.controller.egress_models import EgressPage, EgressRecordInfo, NetworkInfo, NetworkPolicy
 from forkd.egress.records import EgressRecord
 from forkd.errors import Conflict
@@ -38,21 +39,15 @@ class RefusalAudit:
 
     def __init__(self) -> None:
         self.write: Callable[..., None] | None = None  # set by the app with its audit log
-        self._second = 0
-        self._written: dict[str, int] = {}
+        self._throttle = Throttle(AUDIT_REFUSALS_PER_SEC)
 
     def note(self, record: EgressRecord) -> None:
         if self.write is None or record.verdict != "refused":
             return
         second = int(time.monotonic())
-        if second != self._second:
-            for sandbox_id, n in self._written.items():
-                if n > AUDIT_REFUSALS_PER_SEC:
-                    self.write(event="egress_refused", sandbox_id=sandbox_id,
-                               suppressed=n - AUDIT_REFUSALS_PER_SEC)  # fmt: skip
-            self._second, self._written = second, {}
-        n = self._written[record.sandbox_id] = self._written.get(record.sandbox_id, 0) + 1
-        if n <= AUDIT_REFUSALS_PER_SEC:
+        for sandbox_id, n in self._throttle.summaries(second):
+            self.write(event="egress_refused", sandbox_id=sandbox_id, suppressed=n)
+        if self._throttle.admit(record.sandbox_id, second):
             self.write(event="egress_refused", sandbox_id=record.sandbox_id, kind=record.kind,
                        host=record.host, port=record.port, address=record.address,
                        method=record.method, path=record.path, reason=record.reason)  # fmt: skip
