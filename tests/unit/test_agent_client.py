@@ -496,7 +496,8 @@ def test_a_flooding_guest_is_throttled_and_the_loop_stays_responsive(
 
 def test_token_bucket_pays_back_an_overdraft() -> None:
     now = [0.0]
-    bucket = agent_client.TokenBucket(rate=100, burst=10, clock=lambda: now[0])
+    bucket = agent_client.TokenBucket(rate=100, burst=10, clock=lambda: now[0],
+                                      min_pause=agent_client.MIN_PAUSE_SECS)  # fmt: skip
     assert bucket.take(10) == 0
     assert bucket.take(1) == pytest.approx(0.05)  # 1 token short: at least MIN_PAUSE_SECS
     now[0] += 0.5  # refills 50, capped at the burst

@@ -85,7 +85,7 @@ def room_of(module: str) -> str:
     if len(parts) == 1:
         return "forkd"
     if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel", "processes",
-                    "disk_reserve", "import_deadline", "file_lock", "host_names",
+                    "disk_reserve", "import_deadline", "file_lock", "host_names", "token_bucket",
                     "__version__"}:  # fmt: skip
         return BASE
     if parts[1] == "vmm":

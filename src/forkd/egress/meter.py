@@ -6,15 +6,17 @@ side's socket. A guest that floods an upstream which does not read (or the other
 way round) fills its own share and then waits; the daemon's memory for it stays
 bounded however many connections it opens, and its siblings' connections go on.
 
-The *rate* is a token bucket per direction holding one second of bytes: bursts up
-to a second's worth pass at once, and a sustained flow is held to the rate.
+The *rate* is a :class:`~forkd.token_bucket.TokenBucket` per direction holding one
+second of bytes: bursts up to a second's worth pass at once, and a sustained flow
+is held to the rate.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-import time
+
+from forkd.token_bucket import TokenBucket
 
 HELD_BYTES = 8 << 20  # per sandbox, every connection's together
 MIN_GRANT = 4096  # a read waits until at least this much of the share is free
@@ -33,35 +35,16 @@ def parse_rate(text: str) -> int | None:
     return int(found.group(1)) * _UNITS[found.group(2).upper()]
 
 
-class Bucket:
-    """Bytes a second, with a second's burst; what is spent beyond it is a debt paid
-    by waiting."""
-
-    def __init__(self, rate: int) -> None:
-        self.rate = rate
-        self._tokens = float(rate)
-        self._at = time.monotonic()
-
-    def spend(self, n: int) -> float:
-        """Take ``n`` bytes' worth; the seconds to wait before sending them."""
-        now = time.monotonic()
-        self._tokens = min(float(self.rate), self._tokens + (now - self._at) * self.rate)
-        self._at = now
-        self._tokens -= n
-        return -self._tokens / self.rate if self._tokens < 0 else 0.0
-
-
 class Meter:
     def __init__(self, held_cap: int = HELD_BYTES, rate: int | None = None) -> None:
         if held_cap < MIN_GRANT:
             raise ValueError(f"a sandbox's share of the egress proxy is at least {MIN_GRANT} B")
         self.cap = held_cap
-        self.rate = rate
         self.held = 0
         self.peak = 0  # the most ever held at once
         self._room = asyncio.Event()
         self._room.set()
-        self._buckets = (Bucket(rate), Bucket(rate)) if rate else None
+        self._buckets = (TokenBucket(rate, rate), TokenBucket(rate, rate)) if rate else None
 
     async def grant(self, wanted: int) -> int:
         """Hold up to ``wanted`` bytes of the share, waiting until at least MIN_GRANT (or
@@ -95,6 +78,6 @@ class Meter:
         """Wait as the rate asks before ``n`` bytes go on (at once without a rate)."""
         if self._buckets is None:
             return
-        delay = self._buckets[0 if outward else 1].spend(n)
+        delay = self._buckets[0 if outward else 1].take(n)
         if delay > 0:
             await asyncio.sleep(delay)

@@ -37,7 +37,8 @@ from typing import Any
 
 from forkd import limits
 from forkd.errors import AgentError
-from forkd.vmm.agent.lines import Line, LineSplitter, TokenBucket
+from forkd.token_bucket import TokenBucket
+from forkd.vmm.agent.lines import MIN_PAUSE_SECS, Line, LineSplitter
 
 log = logging.getLogger(__name__)
 
@@ -116,8 +117,13 @@ class AgentClient:
         self._closed_reason: str | None = None
         # Per VM, across reconnects: what the guest may make the daemon read.
         lines = limits.AGENT_READ_LINES_PER_SEC
-        self._lines = TokenBucket(lines, max(1.0, lines * LINE_BURST_SECS))
-        self._bytes = TokenBucket(limits.AGENT_READ_BYTES_PER_SEC, limits.AGENT_READ_BYTES_PER_SEC)
+        self._lines = TokenBucket(
+            lines, max(1.0, lines * LINE_BURST_SECS), min_pause=MIN_PAUSE_SECS
+        )
+        self._bytes = TokenBucket(
+            limits.AGENT_READ_BYTES_PER_SEC, limits.AGENT_READ_BYTES_PER_SEC,
+            min_pause=MIN_PAUSE_SECS,
+        )  # fmt: skip
         self.dropped_lines = 0  # unsolicited, broken or over their cap: dropped unparsed
 
     @property

@@ -2,13 +2,13 @@
 
 What :class:`forkd.vmm.agent.client.AgentClient` reads from a guest passes
 through :class:`LineSplitter` (the guest is untrusted: a line no request waits
-for streams past unbuffered and unparsed) and is paced by :class:`TokenBucket`.
+for streams past unbuffered and unparsed) and is paced by a
+:class:`~forkd.token_bucket.TokenBucket`.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -22,31 +22,6 @@ _EVENT_HEAD = re.compile(rb'\s*\{\s*"event"\s*:')
 # An answer that says ``"raw":K`` second is followed, after its newline, by K raw
 # bytes that belong to it (proc_read's output: no base64 for the guest to make).
 _RAW_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*\d{1,20}\s*,\s*"raw"\s*:\s*(\d{1,10})\s*[,}]')
-
-
-class TokenBucket:
-    """``rate`` tokens a second, at most ``burst`` saved up.
-
-    :meth:`take` never refuses: it returns how long the taker should pause
-    to pay back an overdraft (0 when there was enough).
-    """
-
-    def __init__(
-        self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.rate = rate
-        self.burst = burst
-        self._clock = clock
-        self._tokens = burst
-        self._at = clock()
-
-    def take(self, n: float) -> float:
-        now = self._clock()
-        self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate) - n
-        self._at = now
-        if self._tokens >= 0:
-            return 0.0
-        return max(-self._tokens / self.rate, MIN_PAUSE_SECS)
 
 
 @dataclass(frozen=True, slots=True)
