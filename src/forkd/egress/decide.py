@@ -22,9 +22,11 @@ from dataclasses import dataclass
 from forkd.egress.resolver import Resolver
 from forkd.host_names import canonical_name
 from forkd.vmm.jail.egress import Egress, blocked
+from forkd.vmm.jail.network import ALWAYS_BLOCKED, GUEST_NETWORK
 
 IPv4 = ipaddress.IPv4Address
-ALWAYS_FENCED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/3", "10.0.2.0/24")
+# What the namespace's own rules always drop, and the guest's own network.
+ALWAYS_FENCED = (*ALWAYS_BLOCKED, GUEST_NETWORK)
 
 
 class Refused(Exception):

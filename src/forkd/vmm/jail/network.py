@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 GUEST_IP = "10.0.2.15"
 GATEWAY_IP = "10.0.2.2"
 DNS_IP = "10.0.2.3"
+GUEST_NETWORK = "10.0.2.0/24"  # the tap's: the guest, its gateway and its resolver
 AGENT_PORT = 8888
 # The tap's MAC, the same in every namespace: a fork or a branch's child is a memory
 # copy whose ARP cache may hold its parent's gateway; with a MAC of its own per tap,
