@@ -39,7 +39,6 @@ from forkd.controller.store import Store
 from forkd.egress.ca import EgressCA
 from forkd.egress.intercept import Interceptor
 from forkd.egress.records import EgressRecord
-from forkd.vmm.jail import egress
 
 __all__ = ["Services"]
 
@@ -51,21 +50,6 @@ def _egress_event(fleet: Fleet, network: NetworkService, record: EgressRecord) -
     fields = record.to_json()
     fields["record_id"], fields["began_at"] = fields.pop("id"), fields.pop("time")
     fleet.events.publish("egress", **fields)
-
-
-def _rules_naming(fleet: Fleet, secret: str) -> list[str]:
-    """The running sandboxes whose network rules name ``secret`` (a placeholder in one
-    of their transforms)."""
-    needle = "${secrets." + secret + "}"
-    found = []
-    for sandbox_id, vm in list(fleet.vms.items()):
-        policy = fleet.egress.policy_of(sandbox_id) or egress.of_machine(
-            vm.machine.egress, vm.machine.internet
-        )
-        if any(needle in value for _, rules in policy.rules for rule in rules
-               for _, value in rule.headers):  # fmt: skip
-            found.append(sandbox_id)
-    return found
 
 
 @dataclass
@@ -120,7 +104,7 @@ class Services:
         fleet.egress.log.notify = functools.partial(_egress_event, fleet, network)
         explore = ExploreService(fleet, branches, sandboxes, snapshots)
         explore.set_network = network.update
-        secrets.users = functools.partial(_rules_naming, fleet)
+        secrets.users = network.rules_naming
         return cls(
             fleet=fleet,
             snapshots=snapshots,

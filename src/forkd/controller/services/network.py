@@ -27,6 +27,7 @@ from forkd.vmm.snapshot import files as snapshot_files
 
 if TYPE_CHECKING:
     from forkd.controller.services.fleet import Fleet
+    from forkd.controller.services.sandbox_vm import SandboxVM
 
 log = logging.getLogger(__name__)
 MAX_PAGE = 1000
@@ -63,12 +64,9 @@ class NetworkService:
         """The policy of ``sandbox_id`` now: the proxy's, its VM's, or (hibernated) the one
         its state on disk holds."""
         row = self.fleet.sandbox_row(sandbox_id)
-        held = self.fleet.egress.policy_of(sandbox_id)
-        if held is not None:
-            return held
         vm = self.fleet.vms.get(sandbox_id)
         if vm is not None:
-            return egress.of_machine(vm.machine.egress, vm.machine.internet)
+            return self.live_policy(sandbox_id, vm)
         asleep = (
             self.fleet.hibernated.latest(sandbox_id)
             if row.state == SandboxState.HIBERNATED
@@ -78,6 +76,22 @@ class NetworkService:
             machine = snapshot_files.load(asleep).machine
             return egress.of_machine(machine.egress, machine.internet)
         raise Conflict(f"sandbox {sandbox_id!r} is {row.state}: it has no network")
+
+    def live_policy(self, sandbox_id: str, vm: SandboxVM) -> Egress:
+        """The policy of a sandbox with a VM: the proxy's, else (no proxy) its machine's."""
+        held = self.fleet.egress.policy_of(sandbox_id)
+        if held is not None:
+            return held
+        return egress.of_machine(vm.machine.egress, vm.machine.internet)
+
+    def rules_naming(self, secret: str) -> list[str]:
+        """The running sandboxes whose network rules name ``secret`` (a placeholder in one
+        of their transforms)."""
+        needle = "${secrets." + secret + "}"
+        return [sandbox_id for sandbox_id, vm in list(self.fleet.vms.items())
+                if any(needle in value
+                       for _, rules in self.live_policy(sandbox_id, vm).rules for rule in rules
+                       for _, value in rule.headers)]  # fmt: skip
 
     def info(self, sandbox_id: str, closed: int | None = None) -> NetworkInfo:
         policy = self.policy(sandbox_id)
