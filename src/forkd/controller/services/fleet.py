@@ -322,10 +322,8 @@ class Fleet:
         row = self.store.get_sandbox(sandbox_id)
         self.store.delete_sandbox(sandbox_id)
         self.holds.forget_sandbox(sandbox_id)  # as in mark_dead: once it is gone
-        if row is not None and row.state not in (
-            SandboxState.STARTING,
-            SandboxState.DEAD,
-        ):  # a failed fork: none
+        # (a failed fork, or one already dead, says nothing)
+        if row is not None and row.state not in (SandboxState.STARTING, SandboxState.DEAD):
             self.events.publish("killed", sandbox_id=sandbox_id)
 
     def all_vms(self) -> list[SandboxVM]:

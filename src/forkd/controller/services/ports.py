@@ -128,9 +128,8 @@ class PortService:
         port = req.port
         check_guest_port(port)
         row = self.fleet.sandbox_row(sandbox_id)
-        if not (
-            row.state == SandboxState.HIBERNATED and row.auto_resume
-        ):  # its first request wakes it
+        # (a hibernated one that wakes on demand is woken by its first request)
+        if not (row.state == SandboxState.HIBERNATED and row.auto_resume):
             self.fleet.live(sandbox_id, paused_ok=True)
         expires = int(time.time()) + req.ttl_s
         token = self.key.sign(sandbox_id, row.created_at_unix, port, expires)
