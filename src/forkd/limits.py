@@ -127,7 +127,7 @@ AGENT_LINE_MAX_BYTES = 4 << 20  # file_write, proc_start, proc_info: a command l
 AGENT_SMALL_LINE_MAX_BYTES = 64 << 10
 AGENT_STATS_LINE_MAX_BYTES = 64 << 10  # stats: its figures and up to 8 mount points
 # proc_list, asked by the idle check of a guest that may be hostile: 128 processes, each
-# command line cut to 2048 characters (the agent's LISTED_CMD_CHARS) of up to 6 bytes as
+# command line cut to 2048 characters (agent_wire.LISTED_CMD_CHARS) of up to 6 bytes as
 # JSON. 2 MiB of the worst JSON parses in ~50 ms; 16 MiB took half a second of the loop.
 AGENT_LISTING_LINE_MAX_BYTES = 2 << 20
 # exec: 2 streams of 1 MiB; JSON escaping makes a byte at most 6 ("\ufffd"): 12 MiB.

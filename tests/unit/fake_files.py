@@ -19,9 +19,10 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from forkd import agent_wire as wire
 from forkd.errors import AgentError
 
-MAX_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = wire.MAX_CHUNK_BYTES
 
 
 @dataclass

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forkd import agent_wire as wire
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.states import VMState
+from forkd.vmm.agent.ops import checked
 from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.qemu.argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
 from forkd.vmm.snapshot import files as snapshot_files
@@ -204,14 +206,14 @@ class FakeVM(VMLifecycle):
     def cpu_times(self) -> tuple[float, float]:
         return self.cpu_used, 10.0
 
-    async def stats(self, paths: list[str]) -> dict[str, Any]:
+    async def stats(self, paths: list[str]) -> wire.StatsAnswer:
         self._agent("stats")
         mounts = {p: {"total_bytes": 1 << 30, "used_bytes": 1 << 20} for p in paths}
-        return {"cpu": {"busy_s": 3.0, "idle_s": 30.0, "count": 1},
+        return checked(wire.STATS, {"cpu": {"busy_s": 3.0, "idle_s": 30.0, "count": 1},
                 "memory": {"total_bytes": 256 << 20, "used_bytes": 40 << 20},
                 "disk": {"total_bytes": 2 << 30, "used_bytes": 300 << 20}, "mounts": mounts,
                 "network": {"rx_bytes": 1000, "tx_bytes": 2000}, "processes": 12,
-                "load": [0.0, 0.0, 0.0], **self.guest_stats}  # fmt: skip
+                "load": [0.0, 0.0, 0.0], **self.guest_stats})  # fmt: skip
 
     def resident_memory(self) -> dict[str, int]:  # what admission by real memory reads
         held = PRIVATE_MIB << 20
@@ -283,11 +285,11 @@ class FakeVM(VMLifecycle):
         check_guest_port(port)
         return "127.0.0.1", self.ports.get(port, CLOSED_PORT)
 
-    async def ping(self) -> dict[str, Any]:
+    async def ping(self) -> wire.PingAnswer:
         self._agent("ping")
         return {"pong": True, "pid": 1, "hostname": self.id, "agent_version": "fake"}
 
-    async def exec(self, argv: list[str], *, timeout: float = 30.0, **kw: Any) -> dict[str, Any]:
+    async def exec(self, argv: list[str], *, timeout: float = 30.0, **kw: Any) -> wire.ExecAnswer:
         self._agent("exec")
         if argv[:1] == ["nap"]:  # takes its time, as a real command does (sleep does not)
             await asyncio.sleep(min(float(argv[1]), timeout))
@@ -309,11 +311,11 @@ class FakeVM(VMLifecycle):
         return {"stdout": " ".join(argv[1:]) + "\n", "stderr": "", "exit_code": 0,
                 "timed_out": False, "duration_ms": 1.0}  # fmt: skip
 
-    async def eval(self, code: str, timeout: float = 60.0) -> dict[str, Any]:
+    async def eval(self, code: str, timeout: float = 60.0) -> wire.EvalAnswer:
         self._agent("eval")
         self.eval_timeouts.append(timeout)
         out = io.StringIO()
-        shown: list[dict[str, str]] = []  # display(obj): its repr, as text/plain
+        shown: list[wire.DisplayItem] = []  # display(obj): its repr, as text/plain
         self.guest.names["display"] = lambda obj: shown.append(
             {"mime": "text/plain", "data": repr(obj)})  # fmt: skip
         try:
@@ -355,7 +357,7 @@ class FakeVM(VMLifecycle):
         self.guest.files[path] = data
         return len(data)
 
-    async def list_dir(self, path: str) -> list[dict[str, Any]]:
+    async def list_dir(self, path: str) -> list[wire.FileListEntry]:
         self._agent("file_list")
         if path in self.guest.files:
             raise AgentError(f"[Errno 20] Not a directory: {path!r}", kind="NotADirectoryError")
@@ -377,9 +379,9 @@ class FakeVM(VMLifecycle):
     # chunked transfers: played by FakeTransfers ------------------------------
     async def upload_open(
         self, path: str, first: bytes, *, tar: bool = False, commit: bool = False
-    ) -> dict[str, Any]:
+    ) -> wire.UploadOpenAnswer:
         self._agent("file_upload_open")
-        return self.transfers.open(path, tar, first, commit)
+        return checked(wire.UPLOAD_OPEN, self.transfers.open(path, tar, first, commit))
 
     async def upload_write(
         self, transfer_id: str, offset: int, data: bytes, *, payload: bool = False
@@ -410,11 +412,11 @@ class FakeVM(VMLifecycle):
         self._agent("file_tar_open")
         return self.transfers.tar_open_paths(paths)
 
-    async def fs_manifest_open(self, path: str, max_entries: int) -> dict[str, Any]:
+    async def fs_manifest_open(self, path: str, max_entries: int) -> wire.ManifestAnswer:
         self._agent("fs_manifest_open")
-        return self.transfers.manifest_open(path, max_entries)
+        return checked(wire.MANIFEST_OPEN, self.transfers.manifest_open(path, max_entries))
 
-    async def fs_lower_stat(self, paths: list[str]) -> list[Any]:
+    async def fs_lower_stat(self, paths: list[str]) -> list[wire.LowerStat | None]:
         self._agent("fs_lower_stat")
         return [None for _ in paths]  # the fake's image holds no file
 
@@ -423,24 +425,25 @@ class FakeVM(VMLifecycle):
         return self.transfers.tar_read(transfer_id, length)
 
     # background processes: played by FakeProcesses ----------------------------
-    async def proc_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:
+    async def proc_start(self, cmd: list[str] | str, **kw: Any) -> wire.ProcInfo:
         self._agent("proc_start")
-        return self.processes.start(cmd, **{**kw, "user": self.guest.user(kw.get("user"))})
+        started = self.processes.start(cmd, **{**kw, "user": self.guest.user(kw.get("user"))})
+        return checked(wire.PROC_START, started)
 
-    async def proc_list(self) -> list[dict[str, Any]]:
+    async def proc_list(self) -> list[wire.ProcInfo]:
         self._agent("proc_list")
-        return self.processes.list()
+        return checked(wire.PROC_LIST, {"processes": self.processes.list()})["processes"]
 
-    async def proc_info(self, pid: int) -> dict[str, Any]:
+    async def proc_info(self, pid: int) -> wire.ProcInfo:
         self._agent("proc_info")
-        return self.processes.info(pid)
+        return checked(wire.PROC_INFO, self.processes.info(pid))
 
     async def proc_read(self, pid: int, offset: int, *, wait_s: float = 0.0,
                         max_bytes: int = 256 << 10, min_bytes: int = 1,
-                        linger_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
+                        linger_s: float = 0.0) -> wire.ProcReadAnswer:  # fmt: skip
         self._agent("proc_read")
         self.processes.asks.append((max_bytes, min_bytes, linger_s))
-        return await self.processes.read(pid, offset, wait_s, max_bytes)
+        return checked(wire.PROC_READ, await self.processes.read(pid, offset, wait_s, max_bytes))
 
     async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int:
         self._agent("proc_stdin")

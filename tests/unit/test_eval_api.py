@@ -156,7 +156,12 @@ class RecordingAgent:
         self.calls: list[tuple[str, dict[str, Any] | None, float]] = []
 
     async def call(
-        self, op: str, params: dict[str, Any] | None = None, *, wait: float = 30.0
+        self,
+        op: str,
+        params: dict[str, Any] | None = None,
+        *,
+        wait: float = 30.0,
+        payload: bytes | None = None,
     ) -> dict[str, Any]:
         self.calls.append((op, params, wait))
         return {"interrupted": True} if op == "eval_interrupt" else {"result": None}

@@ -184,10 +184,11 @@ def test_the_digest_covers_path_mode_and_content() -> None:
 
 
 def test_every_module_beside_the_agent_is_type_checked_strictly() -> None:
-    """pyproject.toml names the guest's modules for mypy's strict checks, by the names
-    the guest imports them by: a new one is named there too."""
+    """mypy checks the guest's modules, by the names the guest imports them by, as
+    strictly as the rest of src/: no override names one to relax it."""
     config = tomllib.loads((PACKAGE.parents[1] / "pyproject.toml").read_text())["tool"]["mypy"]
-    assert "src/forkd/guest/files" in config["mypy_path"]
-    strict = [o for o in config["overrides"] if "forkd-agent" in o["module"]]
-    assert len(strict) == 1 and strict[0]["disallow_untyped_defs"] is True
-    assert sorted(strict[0]["module"]) == sorted(p.stem for p in FILES.glob("*.py"))
+    assert "src/forkd/guest/files" in config["mypy_path"] and config["strict"] is True
+    assert "src/forkd" in config["files"]
+    guest = {p.stem for p in FILES.glob("*.py")}
+    relaxed = [o["module"] for o in config["overrides"] if guest & set(o["module"])]
+    assert relaxed == []

@@ -86,6 +86,7 @@ def room_of(module: str) -> str:
         return "forkd"
     if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel", "processes",
                     "disk_reserve", "import_deadline", "file_lock", "host_names", "token_bucket",
+                    "agent_wire",
                     "__version__"}:  # fmt: skip
         return BASE
     if parts[1] == "vmm":
@@ -204,16 +205,22 @@ def test_the_sdk_the_extractor_and_the_base_use_only_their_own_libraries() -> No
     assert wrong == [], "\n".join(wrong)
 
 
-def test_the_guest_agent_imports_the_standard_library_its_siblings_and_the_extractor() -> None:
+def test_the_guest_agent_imports_the_standard_library_its_siblings_and_forkds_two() -> None:
+    """The agent runs in the guest beside forkd.archive and forkd.agent_wire, and nothing
+    else of forkd; the wire module, which the guest imports, the standard library only."""
     siblings = {p.stem for p in AGENT_FILES.glob("*.py")}
+    shipped = ("forkd.archive", "forkd.agent_wire")
     wrong: list[str] = []
     for path in sorted(AGENT_FILES.glob("*.py")):
         for line, target in _runtime_imports(ast.parse(path.read_text(), str(path))):
             top = target.split(".")[0]
-            ok = (top in sys.stdlib_module_names or top in siblings
-                  or target == "forkd.archive" or target.startswith("forkd.archive."))  # fmt: skip
+            ok = top in sys.stdlib_module_names or top in siblings or target.startswith(shipped)
             if not ok:
                 wrong.append(f"{path.name}:{line} imports {target}")
+    wire = SRC / "forkd" / "agent_wire.py"
+    for line, target in _runtime_imports(ast.parse(wire.read_text(), str(wire))):
+        if target.split(".")[0] not in sys.stdlib_module_names:
+            wrong.append(f"agent_wire.py:{line} imports {target}")
     assert wrong == [], "the guest has only the standard library:\n" + "\n".join(wrong)
 
 

@@ -132,7 +132,9 @@ class _RecordingAgent(AgentClient):
     async def connect(self, timeout: float = 10.0) -> None:
         self.log.append("agent connect")
 
-    async def call(self, op: str, params: object = None, wait: float = 0) -> dict:
+    async def call(
+        self, op: str, params: object = None, wait: float = 0, payload: bytes | None = None
+    ) -> dict:
         self.log.append(f"agent {op}")
         return {"rng_reseeded": True, "random_reseeded": True}
 

@@ -9,7 +9,7 @@ import re
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, BinaryIO
+from typing import TYPE_CHECKING, Annotated, Any, BinaryIO
 
 import typer
 from rich.status import Status
@@ -238,7 +238,7 @@ def image_load(
 
 def load_with_progress(
     conn: Connection, archive: Path | BinaryIO, tag: str | None, started: float
-) -> dict:
+) -> dict[str, Any]:
     """Send ``archive`` to the daemon (``POST /v1/images/load``), showing each step."""
     source = str(archive) if isinstance(archive, Path) else "standard input"
     with (
@@ -260,7 +260,7 @@ def load_with_progress(
 
 def import_with_progress(
     conn: Connection, ref: str, started: float, *, quiet: bool = False
-) -> dict:
+) -> dict[str, Any]:
     """Import ``ref`` into the daemon, showing each step; ``quiet``: no JSON answer
     (another follows)."""
     with daemon_errors(), conn.controller() as ctl, err.status(f"importing {ref}") as status:

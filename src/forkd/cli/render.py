@@ -27,7 +27,7 @@ class _Console(Console):
         super().__init__(**kwargs)
 
     def _size(self) -> ConsoleDimensions:
-        dims = Console.size.fget(self)  # type: ignore[attr-defined]  # rich's own size
+        dims: ConsoleDimensions = Console.size.fget(self)  # type: ignore[attr-defined]  # rich's own size
         if not self._fixed_width and not self.is_terminal:
             return ConsoleDimensions(PIPE_WIDTH, dims.height)
         return dims

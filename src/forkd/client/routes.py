@@ -217,6 +217,7 @@ class Routes:
     @route
     def create_snapshot(
         self,
+        /,  # self only by position: **extra takes any keyword
         tag: str,
         image: str | None = None,
         memory_mib: int | None = None,
@@ -303,7 +304,7 @@ class Routes:
         return self._json("GET", f"/v1/snapshots/{_quote(tag)}")
 
     @route
-    def push_snapshot(self, tag: str, ref: str, **options: Any) -> Call[JSONDict]:
+    def push_snapshot(self, /, tag: str, ref: str, **options: Any) -> Call[JSONDict]:
         """``POST /v1/snapshots/{tag}/push`` to the OCI registry ``ref`` → ``{digest,
         bytes_uploaded, ...}``. Options: ``token``, ``insecure``, ``flatten`` (no delta)."""
         body = _drop_none({"ref": ref, **options})
@@ -311,7 +312,7 @@ class Routes:
         return self._json("POST", path, json_body=body, timeout=max(self.timeout, 1800))
 
     @route
-    def pull_snapshot(self, ref: str, tag: str | None = None, **options: Any) -> Call[JSONDict]:
+    def pull_snapshot(self, /, ref: str, tag: str | None = None, **options: Any) -> Call[JSONDict]:
         """``POST /v1/snapshots/pull``: fetch ``ref`` as snapshot ``tag`` (default: the name
         it was pushed under) → SnapshotInfo. Options: ``token``, ``insecure``, ``metadata``."""
         body = _drop_none({"ref": ref, "tag": tag, **options})

@@ -10,9 +10,11 @@ receives and a service takes; responses (``SnapshotInfo``, ``SandboxInfo``,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from enum import StrEnum
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -69,23 +71,23 @@ class EgressAllow(_Body):
 Egress = Literal["none", "internet"] | EgressAllow
 
 
-# What a sandbox's timeout does: kill it; pause it; hibernate it (to disk, its QEMU
-# ended); branch it (a snapshot), then kill it. A request's words (forkd.states.OnTimeout
-# has them; tests/unit/test_states.py holds the two together).
-OnTimeout = Literal["kill", "pause", "branch", "hibernate"]
+def _words_of(enum: type[StrEnum]) -> Any:
+    """A field of ``enum``'s type as pydantic sees it: the enum's values inline in the
+    schema (a string with an ``enum`` list, as the API has always shown them, not a
+    component of its own), and each word read made the enum's member."""
+    return Annotated[Literal[tuple(member.value for member in enum)], AfterValidator(enum)]
 
-# Where a sandbox is in its life, as the API says it (forkd.states.SandboxState).
-SandboxState = Literal["starting", "running", "paused", "hibernated", "dead"]
+
+if TYPE_CHECKING:  # the checker sees the enums of forkd.states themselves
+    OnTimeoutWord: TypeAlias = states.OnTimeout
+    SandboxStateWord: TypeAlias = states.SandboxState
+else:
+    # What a sandbox's timeout does: kill it; pause it; hibernate it (to disk, its QEMU
+    # ended); branch it (a snapshot), then kill it.
+    OnTimeoutWord = _words_of(states.OnTimeout)
+    # Where a sandbox is in its life.
+    SandboxStateWord = _words_of(states.SandboxState)
 SANDBOX_STATES: tuple[str, ...] = tuple(states.SandboxState)
-
-
-def state_word(state: states.SandboxState) -> SandboxState:
-    """The API's word for ``state`` (the two lists are one: tests/unit/test_states.py)."""
-    return state.value
-
-
-def on_timeout_word(action: states.OnTimeout) -> OnTimeout:
-    return action.value
 
 
 IMAGE_REF = Field(
@@ -225,7 +227,9 @@ class SandboxCreate(_Body):
         description="seconds with no API call touching the sandbox and no process output, "
         "after which on_timeout happens (running sandboxes only); null: none",
     )
-    on_timeout: OnTimeout = Field("kill", description="what the timeout does to the sandbox")
+    on_timeout: OnTimeoutWord = Field(
+        states.OnTimeout.KILL, description="what the timeout does to the sandbox"
+    )
     auto_resume: bool = Field(
         True,
         description="a request to it while paused or hibernated (exec, files, its ports...) "
@@ -266,7 +270,7 @@ class TimeoutRequest(_Body):
         le=limits.MAX_SANDBOX_TIMEOUT_SECS,
         description="the idle timeout; null removes it; left out: kept",
     )
-    on_timeout: OnTimeout | None = Field(None, description="change what it does; null: keep")
+    on_timeout: OnTimeoutWord | None = Field(None, description="change what it does; null: keep")
 
 
 class SandboxUpdate(_Body):
@@ -687,7 +691,7 @@ class SandboxInfo(BaseModel):
     created_at_unix: int
     pid: int | None
     memory_limit_mib: int | None
-    state: SandboxState = Field(
+    state: SandboxStateWord = Field(
         description="paused: vCPUs stopped, memory kept; hibernated: on disk, no QEMU"
     )
     expires_at_unix: float | None
@@ -698,7 +702,7 @@ class SandboxInfo(BaseModel):
     last_active_at: str | None = Field(
         None, description="its last API call or process output seen, ISO 8601 UTC"
     )
-    on_timeout: OnTimeout = Field("kill", description="what the timeout does")
+    on_timeout: OnTimeoutWord = Field(states.OnTimeout.KILL, description="what the timeout does")
     timeout_branch: str | None = Field(
         None, description="on_timeout branch: the tag of the branch the timeout made"
     )
@@ -758,7 +762,7 @@ class SandboxMetrics(BaseModel):
     does not answer or is not running."""
 
     sandbox_id: str
-    state: SandboxState
+    state: SandboxStateWord
     timestamp: str = Field(description="when read, ISO 8601 UTC")
     cpu: CpuUsage
     memory: MemoryUsage

@@ -27,6 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from forkd import file_lock, hosttools, paths, processes
 from forkd.disk_reserve import DiskReserve
@@ -115,7 +116,7 @@ def build(
 def assemble(
     config_digest: str,
     config: ImageConfig,
-    identity: dict,
+    identity: dict[str, Any],
     write_rootfs: RootfsWriter,
     progress: Progress | None = None,
 ) -> images.Image:

@@ -5,7 +5,7 @@ The initramfs, forkd's own root image and a container image's runtime disk are
 filled from it, and the image and runtime keys hash it, so a file added here is
 installed and rebuilds the cached images at once. Two more are not files of the
 package: the host's static busybox (``/opt/forkd/busybox``) and the empty
-``/opt/forkd/forkd/__init__.py`` that makes the archive package importable
+``/opt/forkd/forkd/__init__.py`` that makes forkd's modules there importable
 (:func:`forkd.guest.rootfs.install_agent` adds both).
 """
 
@@ -77,6 +77,8 @@ GUEST_FILES = (
     _agent("forkd_eval_worker.py"),
     # Seeds random in every Python process of a sandbox forked with a seed.
     _agent("seed/sitecustomize.py"),
+    # The agent's wire format, which the daemon speaks too (standard library only).
+    _package("agent_wire.py"),
     # forkd's one tar extractor, which forkd_tar.py imports (standard library only).
     _package("archive/__init__.py"),
     _package("archive/errors.py"),

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from forkd import hosttools, paths, processes
 from forkd.errors import ImageError
@@ -44,7 +45,7 @@ class Image:
     name: str
     key: str
     dir: Path
-    meta: dict
+    meta: dict[str, Any]
 
     @property
     def vmlinuz(self) -> Path:
@@ -161,7 +162,7 @@ def _boot_key(kpkg: kernel.KernelPackage) -> str:
 
 def boot_files(
     kpkg: kernel.KernelPackage, cache: Path, staging: Path, out: Path, say: Progress
-) -> dict:
+) -> dict[str, Any]:
     """Put ``vmlinuz`` and ``initrd.img`` into ``out``; return what image.json says of them.
 
     They are made once per kernel and initramfs, in ``<cache>/boot/<key>/``
@@ -209,7 +210,7 @@ def _link(source: Path, target: Path) -> None:
         shutil.copy2(source, target)
 
 
-def commit_build(out: Path, final: Path, meta: dict) -> None:
+def commit_build(out: Path, final: Path, meta: dict[str, Any]) -> None:
     """Write ``image.json`` into the staged build ``out`` and rename it to ``final``: the
     image appears whole or not at all (an identical build that won a race is kept).
     It becomes the build its name finds (:func:`make_current`)."""

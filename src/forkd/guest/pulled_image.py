@@ -118,4 +118,5 @@ def _digest(value: Any, what: str) -> str:
 def _number(value: Any, what: str) -> int | float:
     if type(value) not in (int, float) or not 0 <= value < 1 << 53:
         raise PulledImageInvalid(f"{what} is not a number")
-    return value
+    number: int | float = value
+    return number

@@ -144,13 +144,15 @@ def _docker_entry(files: TarFiles, tag: str | None, reference: str) -> dict[str,
             for t in e["RepoTags"] if isinstance(t, str)]  # fmt: skip
     if tag is None:
         if len(doc) == 1:
-            return doc[0]
+            only: dict[str, Any] = doc[0]
+            return only
         raise Invalid(f"{reference} holds {len(doc)} images: name one with :IMAGE:TAG "
                       f"(tags: {', '.join(tags[:20]) or 'none'})")  # fmt: skip
     wanted = {tag} if ":" in tag.rsplit("/", 1)[-1] else {tag, f"{tag}:latest"}
     for entry in doc:
         if wanted & set(t for t in entry.get("RepoTags") or () if isinstance(t, str)):
-            return entry
+            found: dict[str, Any] = entry
+            return found
     raise NotFound(f"{reference}: no image tagged {tag!r} (tags: {', '.join(tags[:20]) or 'none'})")
 
 

@@ -32,6 +32,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from forkd import agent_wire as wire
 from forkd import limits
 from forkd.errors import ForkdError, VMError
 from forkd.states import VMState
@@ -63,9 +64,9 @@ class WarmStart(VMLifecycle):
     qmp: Any
     # VM's own and GuestOps's, declared only (a mixin's stubs would shadow nothing).
     finish_restore: Callable[..., Awaitable[None]]
-    _make_unique: Callable[..., Awaitable[dict[str, Any]]]
+    _make_unique: Callable[..., Awaitable[wire.RestoreAnswer]]
     seed: int | None
-    exec: Callable[..., Awaitable[dict[str, Any]]]
+    exec: Callable[..., Awaitable[wire.ExecAnswer]]
     kill: Callable[[], Awaitable[None]]
 
     async def prewarm(self, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from forkd import agent_wire as wire
 from forkd import limits
 from forkd.controller.models import DiffChange, DiffResult, SandboxCreate
 from forkd.controller.services.file_transfer import Download, FileTransferService
@@ -54,7 +55,7 @@ from forkd.vmm.snapshot import files as snapshot_files
 PURPOSE = "forkd.purpose"  # the label of a child forked only to read its snapshot
 CACHE_DIR = "fs-manifests"
 CACHE_VERSION = 2
-LOWER_BATCH = 1000  # paths per fs_lower_stat request (the agent's cap)
+LOWER_BATCH = wire.MAX_LOWER_PATHS  # paths per fs_lower_stat request (the agent's cap)
 DIFF_TIMEOUT_SECS = 10.0  # GNU diff on one file pair; then it is "too costly to show"
 _REFUSALS: dict[str, type[ForkdError]] = {"ValueError": Conflict}  # no overlay; old agent
 

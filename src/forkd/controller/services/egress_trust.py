@@ -63,9 +63,9 @@ async def install(template: SandboxVM, ca_pem: bytes, tag: str) -> dict[str, str
     try:
         ran = await template.exec(["/bin/sh", "-c", _SCRIPT], timeout=60, user="root")
     except ForkdError as exc:
-        ran = {"exit_code": None, "stderr": str(exc)}
-    if ran.get("exit_code") != 0:
-        tail = (ran.get("stderr") or ran.get("stdout") or "").strip()[-300:]
+        ran = {"exit_code": None, "stdout": "", "stderr": str(exc)}
+    if ran["exit_code"] != 0:
+        tail = (ran["stderr"] or ran["stdout"]).strip()[-300:]
         log.warning("%s: the egress CA is in %s only (no trust store updated): %s",
                     tag, CA_FILE, tail)  # fmt: skip
         return {"NODE_EXTRA_CA_CERTS": CA_FILE}

@@ -17,15 +17,15 @@ import base64
 import binascii
 import codecs
 from dataclasses import dataclass
-from typing import Any
 
+from forkd import agent_wire as wire
 from forkd.controller.models import OutputData, OutputEvent, OutputExit, OutputGap
 from forkd.errors import GuestError
 
 STREAMS = ("stdout", "stderr", "pty")
-# The chunks one answer may hold: the agent's ring holds no more (forkd_procs.RING_MAX_CHUNKS).
-# Each becomes an event at worst; a guest sending more would have the loop make them all.
-MAX_CHUNKS = 16384
+# The chunks one answer may hold: the agent's ring holds no more. Each becomes an event
+# at worst; a guest sending more would have the loop make them all.
+MAX_CHUNKS = wire.RING_MAX_CHUNKS
 # The bytes JSON escapes as \u00XX, six characters each (\t, \n, \r take two).
 _ESCAPED_LONG = bytes(b for b in range(32) if b not in b"\t\n\r")
 _NOT_ESCAPED_LONG = bytes(b for b in range(256) if b not in _ESCAPED_LONG)
@@ -49,7 +49,7 @@ class ReadAnswer:
     eof: bool
 
     @classmethod
-    def parse(cls, raw: dict[str, Any], offset: int) -> ReadAnswer:
+    def parse(cls, raw: wire.ProcReadAnswer, offset: int) -> ReadAnswer:
         try:
             if len(raw["chunks"]) > MAX_CHUNKS:
                 raise ValueError(f"more than {MAX_CHUNKS} chunks")
@@ -81,20 +81,20 @@ def _in_order(chunks: list[Chunk]) -> None:
         end = chunk.offset + len(chunk.data)
 
 
-def _int(value: Any) -> int:
+def _int(value: object) -> int:
     if type(value) is not int or value < 0:
         raise ValueError(f"not an offset or exit code: {value!r}")
     return value
 
 
-def _chunk(raw: dict[str, Any]) -> Chunk:
+def _chunk(raw: wire.OutputChunk) -> Chunk:
     if raw["stream"] not in STREAMS:
         raise ValueError(f"unknown stream {raw['stream']!r}")
     data = base64.b64decode(raw["data"], validate=True)
     return Chunk(raw["stream"], _int(raw["offset"]), data)
 
 
-def _sized(raw: dict[str, Any], tail: Any) -> list[Chunk]:
+def _sized(raw: wire.ProcReadAnswer, tail: object) -> list[Chunk]:
     """Chunks that give their ``size``, cut from the raw bytes after the answer."""
     if not isinstance(tail, bytes):
         raise TypeError("raw output is not bytes")

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from forkd import agent_wire as wire
 from forkd.controller.models import (
     OutputEvent,
     ProcessInfo,
@@ -63,13 +64,20 @@ class ProcessService:
         self.sandboxes = sandboxes
 
     async def start(self, sandbox_id: str, req: ProcessStart) -> ProcessInfo:
-        pty = req.pty.model_dump() if req.pty else None
+        pty: wire.PtySize | None = {"cols": req.pty.cols, "rows": req.pty.rows} if req.pty else None
         raw = await self.sandboxes.guest(
             sandbox_id,
-            lambda vm: vm.proc_start(req.cmd, env=req.env, cwd=req.cwd, stdin=req.stdin,
-                                     pty=pty, timeout_s=req.timeout_s, user=req.user),
+            lambda vm: vm.proc_start(
+                req.cmd,
+                env=req.env,
+                cwd=req.cwd,
+                stdin=req.stdin,
+                pty=pty,
+                timeout_s=req.timeout_s,
+                user=req.user,
+            ),
             _START_REFUSALS,
-        )  # fmt: skip
+        )
         return _info(raw)
 
     async def list(self, sandbox_id: str) -> list[ProcessInfo]:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar, overload
 
 from pydantic import ValidationError
 
+from forkd import agent_wire as wire
 from forkd import limits
 from forkd.controller.models import (
     SANDBOX_STATES,
@@ -27,8 +28,6 @@ from forkd.controller.models import (
     SandboxInfo,
     SandboxUpdate,
     TimeoutRequest,
-    on_timeout_word,
-    state_word,
 )
 from forkd.controller.services.admission import Admission
 from forkd.controller.services.fleet import Fleet
@@ -55,7 +54,7 @@ from forkd.errors import (
     Unavailable,
     VMError,
 )
-from forkd.states import OnTimeout, SandboxState, SnapshotStatus, VMState
+from forkd.states import SandboxState, SnapshotStatus, VMState
 from forkd.vmm.agent.ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.jail import cgroups, egress
 from forkd.vmm.jail.egress import Egress
@@ -90,7 +89,6 @@ _GUEST_REFUSALS: dict[str, type[ForkdError]] = {
 # sandbox's state (here its image) cannot serve; the same body succeeds elsewhere.
 EVAL_REFUSALS: dict[str, type[ForkdError]] = dict.fromkeys(EVAL_IMAGE_REFUSALS, Conflict)
 
-MAX_LISTED_FILES = 100_000  # what the agent lists of one directory at most
 EXIT_WAIT_SECS = 1.0  # for a QEMU whose agent channel just closed to finish exiting
 
 
@@ -220,7 +218,7 @@ class SandboxService:
                 created_at_unix=now(), memory_limit_mib=req.memory_limit_mib,
                 expires_at_unix=expiry_in(_lifetime(req)),
                 state=SandboxState.STARTING,
-                on_timeout=OnTimeout(req.on_timeout),
+                on_timeout=req.on_timeout,
                 idle_timeout_s=req.idle_timeout_s, seed=seed, auto_resume=req.auto_resume,
                 evictable=req.evictable,
                 metadata=merged_labels(
@@ -290,10 +288,10 @@ class SandboxService:
             created_at_unix=row.created_at_unix,
             pid=row.pid,
             memory_limit_mib=row.memory_limit_mib,
-            state=state_word(row.state),
+            state=row.state,
             expires_at_unix=row.expires_at_unix,
             expires_at=iso_time(row.expires_at_unix),
-            on_timeout=on_timeout_word(row.on_timeout),
+            on_timeout=row.on_timeout,
             idle_timeout_s=row.idle_timeout_s,
             last_active_at=iso_time(self.fleet.activity.last_active(sandbox_id)),
             timeout_branch=row.timeout_branch,
@@ -333,7 +331,7 @@ class SandboxService:
             raise Conflict(f"sandbox {sandbox_id!r} is dead")
         changes: SandboxChanges = {"expires_at_unix": expiry_in(req.timeout_s)}
         if req.on_timeout is not None:
-            changes["on_timeout"] = OnTimeout(req.on_timeout)
+            changes["on_timeout"] = req.on_timeout
         if "idle_timeout_s" in req.model_fields_set:
             changes["idle_timeout_s"] = req.idle_timeout_s
         self.fleet.store.update_sandbox(sandbox_id, **changes)
@@ -393,7 +391,7 @@ class SandboxService:
 
     async def ping(self, sandbox_id: str) -> PingResult:
         res = await self.guest(sandbox_id, lambda vm: vm.ping())
-        return PingResult(**{**res, "pong": True})
+        return PingResult.model_validate({**res, "pong": True})
 
     async def exec(self, sandbox_id: str, req: ExecRequest) -> ExecResult:
         res = await self.guest(
@@ -460,9 +458,10 @@ class SandboxService:
 def _file_entries(entries: Any) -> builtins.list[FileEntry]:
     """The guest's file listing as FileEntry models, within the agent's own bound (its
     MAX_LIST_ENTRIES): :class:`GuestError` for more, or for an entry of the wrong shape."""
-    if not isinstance(entries, builtins.list) or len(entries) > MAX_LISTED_FILES:
-        raise GuestError(f"the guest's file listing is not a list of at most "
-                         f"{MAX_LISTED_FILES} entries")  # fmt: skip
+    if not isinstance(entries, builtins.list) or len(entries) > wire.MAX_LIST_ENTRIES:
+        raise GuestError(
+            f"the guest's file listing is not a list of at most {wire.MAX_LIST_ENTRIES} entries"
+        )
     try:
         return [FileEntry.model_validate(e) for e in entries]
     except ValidationError as exc:

@@ -206,13 +206,14 @@ class SnapshotService:
                 )
         for warmup in warmups:
             try:
-                res = await template.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
+                evaluated = await template.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
             except AgentError as exc:
                 if exc.kind in EVAL_IMAGE_REFUSALS:  # the image cannot run it: 409
                     raise Conflict(f"warmup cannot run: {exc}") from exc
                 raise
-            if res.get("error"):
-                raise TemplateSetupFailed(f"warmup failed:\n{res['error']}")
+            error = evaluated.get("error")
+            if error:
+                raise TemplateSetupFailed(f"warmup failed:\n{error}")
 
     # ------------------------------------------------------------ read
 

@@ -32,7 +32,6 @@ from forkd.controller.models import (
     SandboxMetrics,
     SpaceUsage,
     VolumeUsage,
-    state_word,
 )
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.periodic import Periodic
@@ -173,7 +172,7 @@ class UsageService:
         activity = self.fleet.activity
         metrics = SandboxMetrics(
             sandbox_id=row.id,
-            state=state_word(row.state),
+            state=row.state,
             timestamp=iso_time(time.time()),
             cpu=CpuUsage(),
             memory=MemoryUsage(),

@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import forkd_agent_command as command
@@ -36,9 +36,10 @@ from forkd_agent_log import log
 from forkd_agent_params import RequestError
 from forkd_tar import write_all
 
+from forkd import agent_wire as wire
+from forkd.agent_wire import MAX_FILE_BYTES, MAX_LIST_ENTRIES
+
 AGENT_VERSION = "1"
-MAX_FILE_BYTES = 32 * 1024 * 1024  # file_read / file_write payload (base64 adds a third)
-MAX_LIST_ENTRIES = 100_000  # file_list answers at most this many entries
 
 # linux/random.h
 RNDADDENTROPY = 0x40085203
@@ -46,13 +47,13 @@ RNDRESEEDCRNG = 0x5207
 MIN_ENTROPY_BYTES = 32
 DRY_RESTORE_ENV = "FORKD_AGENT_DRY_RESTORE"  # "1": restore skips clock, kernel RNG, hostname
 
-Handler = Callable[[dict[str, Any]], dict[str, Any]]
+Handler = Callable[[dict[str, Any]], Mapping[str, object]]
 
 
 # --------------------------------------------------------------------------- ping
 
 
-def op_ping(req: dict[str, Any]) -> dict[str, Any]:
+def op_ping(req: dict[str, Any]) -> wire.PingAnswer:
     return {
         "pong": True,
         "pid": os.getpid(),
@@ -125,7 +126,7 @@ def _exec_params(req: dict[str, Any]) -> tuple[list[str], str | None, dict[str, 
     return argv, cwd, env, stdin, params.exec_timeout(req)
 
 
-def op_configure(req: dict[str, Any]) -> dict[str, Any]:
+def op_configure(req: dict[str, Any]) -> wire.Empty:
     """Take the image's defaults (environment, working directory, user)."""
     with params.request_errors():
         defaults = forkd_identity.parse_defaults(req)
@@ -136,7 +137,7 @@ def op_configure(req: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-def op_exec(req: dict[str, Any]) -> dict[str, Any]:
+def op_exec(req: dict[str, Any]) -> wire.ExecAnswer:
     argv, cwd, _, stdin, timeout = _exec_params(req)
     who = command.identity(req)
     env = command.env(req, who.home)
@@ -170,7 +171,7 @@ def _eval_launch() -> forkd_eval_proc.Launch:
     return forkd_eval_proc.Launch(env=command.env({}, who.home), cwd=command.cwd({}), identity=who)
 
 
-def op_eval(req: dict[str, Any]) -> dict[str, Any]:
+def op_eval(req: dict[str, Any]) -> wire.EvalAnswer:
     with params.request_errors():
         code, timeout_s = forkd_eval.eval_params(req)
     tag = req.get("tag") if isinstance(req.get("tag"), str) else None
@@ -183,7 +184,7 @@ def op_eval(req: dict[str, Any]) -> dict[str, Any]:
     return answer
 
 
-def op_eval_interrupt(req: dict[str, Any]) -> dict[str, Any]:
+def op_eval_interrupt(req: dict[str, Any]) -> wire.EvalInterruptAnswer:
     runner = IMAGE_EVAL if IMAGE_EVAL is not None else EVAL
     tag = req.get("tag") if isinstance(req.get("tag"), str) else None
     return {"interrupted": runner.interrupt(tag)}
@@ -192,7 +193,7 @@ def op_eval_interrupt(req: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- files
 
 
-def op_file_read(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_read(req: dict[str, Any]) -> wire.FileReadAnswer:
     path = params.path(req)
     st = os.stat(path)
     if stat.S_ISDIR(st.st_mode):
@@ -206,7 +207,7 @@ def op_file_read(req: dict[str, Any]) -> dict[str, Any]:
     return {"data": base64.b64encode(data).decode("ascii"), "size": len(data)}
 
 
-def op_file_write(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_write(req: dict[str, Any]) -> wire.SizeAnswer:
     path = params.path(req)
     data = params.base64_bytes(req, "data")
     if len(data) > MAX_FILE_BYTES:
@@ -262,10 +263,10 @@ def _entry_type(mode: int) -> str:
     return "other"
 
 
-def op_file_list(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_list(req: dict[str, Any]) -> wire.FileListAnswer:
     path = params.path(req)
     names = sorted(os.listdir(path))  # NotADirectoryError / FileNotFoundError as they come
-    entries = []
+    entries: list[wire.FileListEntry] = []
     for name in names[:MAX_LIST_ENTRIES]:
         try:
             st = os.lstat(os.path.join(path, name))
@@ -283,7 +284,7 @@ def op_file_list(req: dict[str, Any]) -> dict[str, Any]:
     return {"entries": entries, "truncated": len(names) > MAX_LIST_ENTRIES}
 
 
-def op_file_remove(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_remove(req: dict[str, Any]) -> wire.FileRemoveAnswer:
     path = params.path(req)
     if not os.path.normpath(path).strip("/"):
         raise RequestError("refusing to remove '/'")
@@ -302,7 +303,7 @@ def op_file_remove(req: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------- restore
 
 
-def op_restore(req: dict[str, Any]) -> dict[str, Any]:
+def op_restore(req: dict[str, Any]) -> wire.RestoreAnswer:
     """Make a VM restored from a snapshot unique again: clock, RNGs, hostname."""
     time_ns = params.require(req, "time_ns", int, "an integer (ns since the epoch)")
     entropy = params.base64_bytes(req, "entropy")

@@ -17,13 +17,15 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from forkd_agent_handlers import op_eval, op_eval_interrupt, op_exec, op_ping
 from forkd_agent_log import log
 from forkd_agent_params import DEFAULT_EXEC_TIMEOUT_S, RequestError
 from forkd_agent_protocol import encode
+
+from forkd import agent_wire as wire
 
 TCP_HOST = "0.0.0.0"
 TCP_PORT = 8888
@@ -40,7 +42,7 @@ PROBE_GAP_S = 0.05  # between the two blanks that ask whether an eval's client i
 PROBE_EVERY_S = 1.0  # how often a waiting eval's connection is asked that
 
 
-def _tcp_exec(req: dict[str, Any]) -> dict[str, Any]:
+def _tcp_exec(req: dict[str, Any]) -> wire.ExecAnswer:
     """``exec`` in the HTTP API's words (``args``, ``timeout_secs``), or the original
     forkd SDK's (``timeout``)."""
     args = req.get("args")
@@ -70,8 +72,9 @@ def _tcp_eval(req: dict[str, Any]) -> dict[str, Any]:
     timeout = next(iter(given.values()), None)
     if timeout is not None and not isinstance(timeout, bool) and isinstance(timeout, int | float):
         timeout = min(float(timeout), MAX_EXEC_TIMEOUT_S)
-    answer = op_eval({"code": req.get("code"), "timeout_s": timeout, "tag": req.get("tag")})
-    error = answer.get("error")
+    evaluated = op_eval({"code": req.get("code"), "timeout_s": timeout, "tag": req.get("tag")})
+    answer: dict[str, Any] = dict(evaluated)
+    error = evaluated.get("error")
     if error:
         lines = [line for line in error.splitlines() if line.strip()]
         answer["traceback"] = error
@@ -95,7 +98,7 @@ def client_gone(conn: socket.socket) -> bool:
     return False
 
 
-TCP_ACTIONS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+TCP_ACTIONS: dict[str, Callable[[dict[str, Any]], Mapping[str, object]]] = {
     "ping": op_ping,
     "exec": _tcp_exec,
     "eval": _tcp_eval,  # the same warm interpreter as the virtio-serial channel's
@@ -127,9 +130,8 @@ def handle_tcp_request(data: bytes, tag: str | None = None) -> dict[str, Any]:
     try:
         answer = handler(req)
         # The original forkd client takes an 'error' key, even a null one, as a failure.
-        if "error" in answer and answer["error"] is None:
-            del answer["error"]
-        return {"ok": True, **answer}
+        kept = {k: v for k, v in answer.items() if not (k == "error" and v is None)}
+        return {"ok": True, **kept}
     except BaseException as exc:  # the connection still gets its one answer
         if not isinstance(exc, OSError | RequestError):
             log(f"tcp {action} failed: {type(exc).__name__}: {exc}")

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import forkd_agent_command as command
@@ -22,19 +22,17 @@ import forkd_procs
 from forkd_agent_params import RequestError
 from forkd_files import EncodedJSON, WithRawBytes
 
+from forkd import agent_wire as wire
+from forkd.agent_wire import LISTED_CMD_CHARS, MAX_PROC_READ_BYTES, MAX_PROC_STDIN_BYTES
+
 PROCESSES = forkd_procs.ProcessTable()
-MAX_PROC_READ_BYTES = 1024 * 1024
 DEFAULT_PROC_READ_BYTES = 256 * 1024
 # The thread answering a proc_read runs ahead of the processes whose output it
 # carries: on a guest with one busy vCPU, fair shares would leave it a third.
 PROC_READ_NICE = -10
 MAX_PROC_WAIT_S = 30.0
 MAX_PROC_LINGER_S = 1.0
-MAX_PROC_STDIN_BYTES = 1024 * 1024
 MAX_PTY_SIDE = params.MAX_PTY_SIDE
-# A command line in proc_list, in characters: the host reads the listing often (the idle
-# check) and caps it small (forkd.limits.AGENT_LISTING_LINE_MAX_BYTES).
-LISTED_CMD_CHARS = 2048
 
 
 def _process(req: dict[str, Any]) -> forkd_procs.BackgroundProcess:
@@ -42,7 +40,7 @@ def _process(req: dict[str, Any]) -> forkd_procs.BackgroundProcess:
     return PROCESSES.get(params.require(req, "pid", int, "an integer"))
 
 
-def _proc_info(status: forkd_procs.ProcessStatus) -> dict[str, Any]:
+def _proc_info(status: forkd_procs.ProcessStatus) -> wire.ProcInfo:
     exit_code = None
     if status.returncode is not None:
         if status.timed_out:
@@ -63,7 +61,7 @@ def _proc_info(status: forkd_procs.ProcessStatus) -> dict[str, Any]:
     }
 
 
-def op_proc_start(req: dict[str, Any]) -> dict[str, Any]:
+def op_proc_start(req: dict[str, Any]) -> wire.ProcInfo:
     who = command.identity(req)
     spec = forkd_procs.ProcessSpec(
         argv=command.with_shell(params.proc_argv(req)),
@@ -92,7 +90,7 @@ def listed_argv(argv: list[str], limit: int = LISTED_CMD_CHARS) -> list[str]:
     return shown
 
 
-def op_proc_list(req: dict[str, Any]) -> dict[str, Any]:
+def op_proc_list(req: dict[str, Any]) -> wire.ProcListAnswer:
     listed = []
     for proc in PROCESSES.list():
         info = _proc_info(proc.status())
@@ -101,7 +99,7 @@ def op_proc_list(req: dict[str, Any]) -> dict[str, Any]:
     return {"processes": listed}
 
 
-def op_proc_info(req: dict[str, Any]) -> dict[str, Any]:
+def op_proc_info(req: dict[str, Any]) -> wire.ProcInfo:
     return _proc_info(_process(req).status())
 
 
@@ -164,7 +162,7 @@ def _encode_output(output: forkd_procs.OutputSlice, raw: bool) -> EncodedJSON:
     return EncodedJSON(parts)
 
 
-def op_proc_stdin(req: dict[str, Any]) -> dict[str, Any]:
+def op_proc_stdin(req: dict[str, Any]) -> wire.ProcStdinAnswer:
     data = params.base64_bytes(req, "data")
     if len(data) > MAX_PROC_STDIN_BYTES:
         raise RequestError(f"'data' is larger than {MAX_PROC_STDIN_BYTES} bytes")
@@ -174,13 +172,13 @@ def op_proc_stdin(req: dict[str, Any]) -> dict[str, Any]:
         return {"written": proc.write_stdin(data, eof)}
 
 
-def op_proc_signal(req: dict[str, Any]) -> dict[str, Any]:
+def op_proc_signal(req: dict[str, Any]) -> wire.Empty:
     signum = params.signal_number(req)
     _process(req).send_signal(signum)
     return {}
 
 
-def op_proc_resize(req: dict[str, Any]) -> dict[str, Any]:
+def op_proc_resize(req: dict[str, Any]) -> wire.Empty:
     cols = params.int_param(req, "cols", 1, MAX_PTY_SIDE)
     rows = params.int_param(req, "rows", 1, MAX_PTY_SIDE)
     proc = _process(req)
@@ -189,7 +187,7 @@ def op_proc_resize(req: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
-OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | EncodedJSON]] = {
+OPS: dict[str, Callable[[dict[str, Any]], Mapping[str, object] | EncodedJSON]] = {
     "proc_start": op_proc_start,
     "proc_list": op_proc_list,
     "proc_info": op_proc_info,

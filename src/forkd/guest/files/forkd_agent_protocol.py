@@ -8,7 +8,7 @@ its handler's. Imported from the agent's own directory. Standard library only.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import forkd_agent_handlers
@@ -20,7 +20,9 @@ from forkd_agent_log import log
 from forkd_agent_params import RequestError
 from forkd_files import EncodedJSON, WithRawBytes
 
-Handler = Callable[[dict[str, Any]], dict[str, Any] | EncodedJSON]
+from forkd import agent_wire as wire
+
+Handler = Callable[[dict[str, Any]], Mapping[str, object] | EncodedJSON]
 
 OPS: dict[str, Handler] = {
     **forkd_agent_handlers.OPS,
@@ -36,7 +38,7 @@ INLINE_OPS = frozenset({"ping", "restore"})
 
 # The most raw bytes an answer announces (a proc_read's or a file read's): what a
 # restarted agent sends to end an answer its predecessor was cut off in.
-MAX_RAW_BYTES = max(forkd_agent_proc_handlers.MAX_PROC_READ_BYTES, forkd_files.MAX_CHUNK_BYTES)
+MAX_RAW_BYTES = max(wire.MAX_PROC_READ_BYTES, wire.MAX_CHUNK_BYTES)
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -22,8 +22,9 @@ from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 import forkd_agent_protocol as protocol
-import forkd_files
 from forkd_agent_log import log
+
+from forkd import agent_wire as wire
 
 T = TypeVar("T")
 
@@ -91,7 +92,7 @@ def _read_when_ready(read: Callable[[], T], fd: int) -> T:
 # A request whose head is ``{"id":N,"payload":K,`` is followed, after its newline,
 # by K bytes that belong to it (an upload's chunk: no base64 for the guest to decode).
 _PAYLOAD_HEAD = re.compile(rb'\s*\{\s*"id"\s*:\s*\d{1,20}\s*,\s*"payload"\s*:\s*(\d{1,10})\s*[,}]')
-MAX_PAYLOAD_BYTES = forkd_files.MAX_CHUNK_BYTES
+MAX_PAYLOAD_BYTES = wire.MAX_CHUNK_BYTES
 
 
 class LineSplitter:

@@ -39,7 +39,10 @@ import time
 import traceback
 import types
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the image's python3 runs this module too: it has no forkd package
+    from forkd import agent_wire as wire
 
 MAX_OUTPUT_CHARS = 1024 * 1024  # of stdout, of stderr and of the result's repr
 MAX_DISPLAY_BYTES = 8 * 1024 * 1024  # of all display outputs of one eval, as JSON
@@ -140,7 +143,7 @@ class Displays:
     """
 
     def __init__(self, cap: int = MAX_DISPLAY_BYTES) -> None:
-        self._items: list[dict[str, str]] = []
+        self._items: list[wire.DisplayItem] = []
         self._room = cap
         self._cap = cap
         self.dropped = 0
@@ -187,7 +190,7 @@ class Displays:
     def truncated(self) -> bool:
         return self.dropped > 0
 
-    def items(self) -> list[dict[str, str]]:
+    def items(self) -> list[wire.DisplayItem]:
         if not self.dropped:
             return list(self._items)
         marker = f"[display truncated: {self.dropped} output(s) dropped past {self._cap} bytes]"
@@ -247,18 +250,18 @@ class _Job:
         self.out, self.err = CappedText(), CappedText()
         self.displays = Displays()
         self.done = threading.Event()
-        self.answer: dict[str, Any] | None = None
+        self.answer: wire.EvalAnswer | None = None
         self.started = False  # the eval thread took it
         self.cancelled = False  # its caller gave up before it started
         self.armed = False  # user code (or its reprs) runs: an interrupt may raise in it
         self.pending: BaseException | None = None  # what the next SIGINT raises
 
-    def answer_now(self, error: str, timed_out: bool) -> dict[str, Any]:
+    def answer_now(self, error: str, timed_out: bool) -> wire.EvalAnswer:
         """An answer made while the job is not (or no longer) running its code."""
         return _answer(self, None, error, timed_out)
 
 
-def _answer(job: _Job, result: str | None, error: str | None, timed_out: bool) -> dict[str, Any]:
+def _answer(job: _Job, result: str | None, error: str | None, timed_out: bool) -> wire.EvalAnswer:
     return {
         "result": result,
         "error": error,
@@ -353,7 +356,7 @@ class EvalRunner:
                     _clear_async_exception(threading.get_ident())
             job.done.set()
 
-    def _evaluate(self, job: _Job) -> dict[str, Any]:
+    def _evaluate(self, job: _Job) -> wire.EvalAnswer:
         filename = self._remember_source(job.code)
         result: str | None = None
         error: str | None = None
@@ -440,7 +443,7 @@ class EvalRunner:
 
     def run(
         self, code: str, timeout_s: float = DEFAULT_TIMEOUT_S, tag: str | None = None
-    ) -> dict[str, Any]:
+    ) -> wire.EvalAnswer:
         """Evaluate ``code`` on the eval thread; the answer within ``timeout_s`` plus a grace.
 
         ``timeout_s`` counts from now: time spent waiting behind another eval
@@ -453,7 +456,7 @@ class EvalRunner:
             return self._stop_late(job)
         return job.answer or job.answer_now("the eval ended without an answer", False)
 
-    def _stop_late(self, job: _Job) -> dict[str, Any]:
+    def _stop_late(self, job: _Job) -> wire.EvalAnswer:
         """Interrupt a job past its timeout until it stops, for at most STOP_GRACE_S."""
         why = f"the eval ran past its timeout of {job.timeout_s:g} s"
         give_up = time.monotonic() + STOP_GRACE_S

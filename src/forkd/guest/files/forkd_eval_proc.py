@@ -33,6 +33,8 @@ import forkd_eval
 import forkd_eval_worker  # the pipes' framing
 import forkd_exec
 
+from forkd import agent_wire as wire
+
 RUNTIME_PREFIX = "/opt/forkd/rt"  # forkd's own Python, on the runtime disk
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkd-eval-worker.py")
 PYTHON_NAMES = ("python3", "python")
@@ -86,7 +88,7 @@ class Launch:
     identity: Any  # a forkd_identity.Identity
 
 
-def failed_answer(error: str, timed_out: bool = False) -> dict[str, Any]:
+def failed_answer(error: str, timed_out: bool = False) -> wire.EvalAnswer:
     """An eval's answer when the worker gave none."""
     return {
         "result": None,
@@ -105,25 +107,34 @@ def failed_answer(error: str, timed_out: bool = False) -> dict[str, Any]:
 _TEXT_CAP = forkd_eval.MAX_OUTPUT_CHARS + len(forkd_eval.TRUNCATED_MARK)
 
 
-def checked_answer(result: Any) -> dict[str, Any]:
+def _text_or_none(result: dict[str, Any], name: str) -> str | None:
+    value = result.get(name)
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{name!r} is not a string")
+    return value if value is None else value[:_TEXT_CAP]
+
+
+def _stream(result: dict[str, Any], name: str) -> str:
+    value = result.get(name, "")
+    if not isinstance(value, str):
+        raise ValueError(f"{name!r} is not a string")
+    return value
+
+
+def checked_answer(result: Any) -> wire.EvalAnswer:
     """The worker's eval answer with the fields and types the host expects, capped as
     forkd_eval caps them (ValueError if it is not an answer)."""
     if not isinstance(result, dict):
         raise ValueError("not an object")
     answer = failed_answer("")
-    for name in ("result", "error"):
-        value = result.get(name)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{name!r} is not a string")
-        answer[name] = value if value is None else value[:_TEXT_CAP]
-    for name in ("stdout", "stderr"):
-        value = result.get(name, "")
-        if not isinstance(value, str):
-            raise ValueError(f"{name!r} is not a string")
-        answer[name] = value[: forkd_eval.MAX_OUTPUT_CHARS]
-        answer[f"{name}_truncated"] = len(value) > forkd_eval.MAX_OUTPUT_CHARS
-    for name in ("stdout_truncated", "stderr_truncated", "display_truncated", "timed_out"):
-        answer[name] = answer[name] or result.get(name) is True
+    answer["result"] = _text_or_none(result, "result")
+    answer["error"] = _text_or_none(result, "error")
+    stdout, stderr = _stream(result, "stdout"), _stream(result, "stderr")
+    cap = forkd_eval.MAX_OUTPUT_CHARS
+    answer["stdout"], answer["stderr"] = stdout[:cap], stderr[:cap]
+    answer["stdout_truncated"] = len(stdout) > cap or result.get("stdout_truncated") is True
+    answer["stderr_truncated"] = len(stderr) > cap or result.get("stderr_truncated") is True
+    answer["timed_out"] = result.get("timed_out") is True
     display = result.get("display", [])
     if not isinstance(display, list):
         raise ValueError("'display' is not a list")
@@ -135,7 +146,7 @@ def checked_answer(result: Any) -> dict[str, Any]:
             raise ValueError("a display item is not {mime, data}")
         kept.add(item["mime"], item["data"])
     answer["display"] = kept.items()
-    answer["display_truncated"] = answer["display_truncated"] or kept.truncated
+    answer["display_truncated"] = result.get("display_truncated") is True or kept.truncated
     answer["exit_code"] = 0 if answer["error"] is None else 1
     return answer
 
@@ -342,7 +353,7 @@ class ImagePython:
             self._worker = worker
             return worker
 
-    def run(self, code: str, timeout_s: float, tag: str | None = None) -> dict[str, Any]:
+    def run(self, code: str, timeout_s: float, tag: str | None = None) -> wire.EvalAnswer:
         """forkd_eval's answer to ``code``, from the worker (started if none runs)."""
         deadline = time.monotonic() + timeout_s + forkd_eval.STOP_GRACE_S + ANSWER_GRACE_S
         worker = self._ensure(deadline)

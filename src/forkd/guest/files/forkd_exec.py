@@ -25,7 +25,9 @@ import threading
 import time
 from typing import Any
 
-MAX_OUTPUT_BYTES = 1024 * 1024  # kept of each stream; the rest is counted as truncated
+from forkd import agent_wire as wire
+from forkd.agent_wire import MAX_OUTPUT_BYTES  # kept of each stream; the rest is truncated
+
 KILL_GRACE_S = 0.5  # after a timeout kill: how long to wait for the output
 LINGER_S = 0.5  # after a normal exit: how long background holders of the pipes may keep us
 READ_BYTES = 65536
@@ -49,7 +51,7 @@ def kill_group(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-def spawn_failure(exc: OSError, argv: list[str], start: float) -> dict[str, Any]:
+def spawn_failure(exc: OSError, argv: list[str], start: float) -> wire.ExecAnswer:
     """Answer like a shell does when a program cannot be started."""
     code = EXIT_NOT_FOUND if isinstance(exc, FileNotFoundError) else EXIT_CANNOT_EXECUTE
     what = exc.filename if exc.filename is not None else argv[0]
@@ -71,7 +73,7 @@ def run(
     stdin: str | None,
     timeout: float,
     identity: Any = None,
-) -> dict[str, Any]:
+) -> wire.ExecAnswer:
     """Run ``argv`` in a session of its own (as ``identity``, a forkd_identity.Identity:
     default the agent's own); after ``timeout`` seconds its group is killed."""
     start = time.monotonic()
@@ -170,7 +172,7 @@ class _Run:
         self.timed_out = False
         self.end_by: float | None = None  # set once it exited: how long its pipes may keep us
 
-    def wait(self, start: float) -> dict[str, Any]:
+    def wait(self, start: float) -> wire.ExecAnswer:
         try:
             while self.proc.returncode is None or (self.outputs and self._before(self.end_by)):
                 self._step()

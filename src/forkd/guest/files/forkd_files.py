@@ -25,7 +25,7 @@ import secrets
 import stat
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, BinaryIO
 
 # The tar errors are answered by their names (docs/guest-agent.md): re-exported here.
@@ -33,7 +33,9 @@ from forkd_tar import BadArchiveError as BadArchiveError
 from forkd_tar import UnsafeArchiveError as UnsafeArchiveError
 from forkd_tar import extract_tar, write_all, write_paths_tar, write_tar
 
-MAX_CHUNK_BYTES = 1024 * 1024  # of data in one write or read
+from forkd import agent_wire as wire
+from forkd.agent_wire import MAX_CHUNK_BYTES
+
 MAX_OPEN = 16  # transfers open at once
 IDLE_SECS = 300.0  # a transfer untouched this long is dropped
 SWEEP_SECS = 30.0  # how often idle transfers are looked for
@@ -150,7 +152,7 @@ class Transfer:
     def read(self, length: int) -> tuple[bytes, bool]:
         raise ValueError("this transfer is not a download")
 
-    def commit(self) -> dict[str, Any]:
+    def commit(self) -> wire.CommitAnswer:
         raise ValueError("this transfer is not an upload")
 
     def abort(self) -> None:
@@ -195,7 +197,7 @@ class StagedUpload(Transfer):
             self._fail(exc)
         return self._wrote(data)
 
-    def commit(self) -> dict[str, Any]:
+    def commit(self) -> wire.CommitAnswer:
         if self.fd is None:
             raise TransferGone("this upload is finished")
         try:
@@ -292,7 +294,7 @@ class TarExtract(_PipeTransfer):
             raise
         return self._wrote(data)
 
-    def commit(self) -> dict[str, Any]:
+    def commit(self) -> wire.CommitAnswer:
         self._finish()
         return {"path": self.dest, "size": self.size}
 
@@ -426,7 +428,7 @@ TRANSFERS = TransferTable()
 # --------------------------------------------------------------------------- ops
 
 
-def op_file_upload_open(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_upload_open(req: dict[str, Any]) -> wire.UploadOpenAnswer:
     """Open an upload, with its first chunk if ``data`` is given; with ``commit`` too,
     a whole file in one request, never entered in the table."""
     path = _path(req)
@@ -451,29 +453,30 @@ def op_file_upload_open(req: dict[str, Any]) -> dict[str, Any]:
     return {"transfer_id": transfer_id, "size": len(first), "payload": True}
 
 
-def _write_whole(upload: StagedUpload, data: bytes | bytearray) -> dict[str, Any]:
+def _write_whole(upload: StagedUpload, data: bytes | bytearray) -> wire.UploadOpenAnswer:
     with upload.lock:
         try:
             upload.write(0, data)
-            return upload.commit()
+            committed = upload.commit()
+            return {"size": committed["size"], "path": committed["path"]}
         except BaseException:
             upload.abort()
             raise
 
 
-def op_file_upload_write(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_upload_write(req: dict[str, Any]) -> wire.SizeAnswer:
     data = _chunk(req)
     offset = _int(req, "offset", 0)
     with TRANSFERS.use(req.get("transfer_id")) as transfer:
         return {"size": transfer.write(offset, data)}
 
 
-def op_file_upload_commit(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_upload_commit(req: dict[str, Any]) -> wire.CommitAnswer:
     with TRANSFERS.use(req.get("transfer_id"), finish=True) as transfer:
         return transfer.commit()
 
 
-def op_file_transfer_abort(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_transfer_abort(req: dict[str, Any]) -> wire.AbortAnswer:
     try:
         with TRANSFERS.use(req.get("transfer_id"), finish=True) as transfer:
             transfer.abort()
@@ -501,7 +504,7 @@ def op_file_read_range(req: dict[str, Any]) -> EncodedJSON:
     return _with_data(req, data, {"size": st.st_size if regular else None, "eof": eof})
 
 
-def op_file_tar_open(req: dict[str, Any]) -> dict[str, Any]:
+def op_file_tar_open(req: dict[str, Any]) -> wire.TransferIdAnswer:
     if req.get("paths") is not None:  # these files, not a directory's content
         paths = _paths(req)
         return {"transfer_id": TRANSFERS.add(lambda: PathsTarStream(paths))}
@@ -530,7 +533,7 @@ def op_file_tar_read(req: dict[str, Any]) -> EncodedJSON:
     return _with_data(req, data, {"eof": eof})
 
 
-OPS: dict[str, Callable[[dict[str, Any]], dict[str, Any] | EncodedJSON]] = {
+OPS: dict[str, Callable[[dict[str, Any]], Mapping[str, object] | EncodedJSON]] = {
     "file_upload_open": op_file_upload_open,
     "file_upload_write": op_file_upload_write,
     "file_upload_commit": op_file_upload_commit,

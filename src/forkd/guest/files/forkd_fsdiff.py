@@ -36,13 +36,14 @@ import forkd_files
 import forkd_fsfind
 from forkd_agent_params import RequestError
 
+from forkd import agent_wire as wire
+from forkd.agent_wire import MAX_LOWER_PATHS, MAX_MANIFEST_ENTRIES
+
 # Where initramfs-init leaves the overlay's layers: forkd's own image, a container image.
 LAYERS = (
     ("/mnt/rw/upper", "/mnt/lower"),
     ("/opt/forkd/mnt/rw/upper", "/opt/forkd/mnt/lower"),
 )
-MAX_ENTRIES = 1_000_000
-MAX_LOWER_PATHS = 1000  # per fs_lower_stat request
 OPAQUE = "trusted.overlay.opaque"
 
 
@@ -203,13 +204,13 @@ def write_manifest(pipe: BinaryIO, walk: Walk) -> None:
     pipe.write(b"".join(batch))
 
 
-def op_fs_manifest_open(req: dict[str, Any]) -> dict[str, Any]:
+def op_fs_manifest_open(req: dict[str, Any]) -> wire.ManifestAnswer:
     """Open the manifest of ``path`` (read with ``file_tar_read``): ``{"transfer_id",
     "lower", "format"}``, ``lower`` the image's directory (to read what a file was
     before); ``format`` ``records`` when GNU find lists it (forkd_fsfind), else
     ``lines`` (this module's walk)."""
     path = _normal(forkd_files._path(req))
-    limit = forkd_files._int(req, "max_entries", 1, MAX_ENTRIES)
+    limit = forkd_files._int(req, "max_entries", 1, MAX_MANIFEST_ENTRIES)
     upper, lower = layers()
     walk = Walk(upper.rstrip("/"), lower.rstrip("/"), path, limit)
     find = forkd_fsfind.gnu_find()
@@ -221,7 +222,7 @@ def op_fs_manifest_open(req: dict[str, Any]) -> dict[str, Any]:
     return {"transfer_id": opened, "lower": lower, "format": "lines" if find is None else "records"}
 
 
-def op_fs_lower_stat(req: dict[str, Any]) -> dict[str, Any]:
+def op_fs_lower_stat(req: dict[str, Any]) -> wire.LowerStatAnswer:
     """What the image holds at each of ``paths``: ``{"stats": [fields or null, ...]}``."""
     paths = req.get("paths")
     if not isinstance(paths, list) or len(paths) > MAX_LOWER_PATHS:

@@ -32,10 +32,11 @@ from typing import Any
 
 import forkd_exec
 
+# Tiny writes alternating between stdout and stderr make one chunk each: the ring
+# holds at most RING_MAX_CHUNKS, which bounds the memory they take beside their bytes.
+from forkd.agent_wire import RING_MAX_CHUNKS
+
 RING_BYTES = 4 * 1024 * 1024  # output kept per process; the oldest is dropped first
-# Tiny writes alternating between stdout and stderr make one chunk each: bounding
-# the chunk count bounds the memory they take beside their bytes.
-RING_MAX_CHUNKS = 16384
 # Reads shorter than this are copied into a chunk that grows up to CHUNK_MERGE_BYTES
 # with the next short reads of its stream; longer ones are kept as they came, without
 # a copy (a copy costs on a TCG guest), so at most RING_BYTES / this of them.

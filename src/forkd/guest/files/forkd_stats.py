@@ -14,13 +14,14 @@ from typing import Any
 
 from forkd_agent_params import RequestError
 
-MAX_PATHS = 64  # mount points one call asks about (a sandbox's volumes)
+from forkd import agent_wire as wire
+from forkd.agent_wire import MAX_STATS_PATHS
 
 
-def op_stats(req: dict[str, Any]) -> dict[str, Any]:
+def op_stats(req: dict[str, Any]) -> wire.StatsAnswer:
     paths = req.get("paths", [])
-    if not isinstance(paths, list) or len(paths) > MAX_PATHS:
-        raise RequestError(f"'paths' must be a list of at most {MAX_PATHS} paths")
+    if not isinstance(paths, list) or len(paths) > MAX_STATS_PATHS:
+        raise RequestError(f"'paths' must be a list of at most {MAX_STATS_PATHS} paths")
     if not all(isinstance(p, str) and p.startswith("/") for p in paths):
         raise RequestError("'paths' must be absolute paths")
     return {
@@ -34,7 +35,7 @@ def op_stats(req: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _cpu() -> dict[str, Any]:
+def _cpu() -> wire.CpuFigures:
     """Seconds the guest's CPUs spent busy and idle since it booted, and how many."""
     with open("/proc/stat") as f:
         fields = [int(x) for x in f.readline().split()[1:]]
@@ -44,7 +45,7 @@ def _cpu() -> dict[str, Any]:
             "count": os.cpu_count() or 1}  # fmt: skip
 
 
-def _memory() -> dict[str, int]:
+def _memory() -> wire.Space:
     seen: dict[str, int] = {}
     with open("/proc/meminfo") as f:
         for line in f:
@@ -55,7 +56,7 @@ def _memory() -> dict[str, int]:
     return {"total_bytes": total, "used_bytes": total - seen.get("MemAvailable", total)}
 
 
-def _space(path: str) -> dict[str, int] | None:
+def _space(path: str) -> wire.Space | None:
     try:
         st = os.statvfs(path)
     except OSError:
@@ -64,7 +65,7 @@ def _space(path: str) -> dict[str, int] | None:
     return {"total_bytes": total, "used_bytes": total - st.f_bfree * st.f_frsize}
 
 
-def _network() -> dict[str, int]:
+def _network() -> wire.NetworkFigures:
     """Bytes received and sent through every interface but loopback."""
     rx = tx = 0
     with open("/proc/net/dev") as f:

@@ -31,6 +31,7 @@ import json
 import logging
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -287,7 +288,7 @@ class AgentClient:
     async def call(
         self,
         op: str,
-        params: dict[str, Any] | None = None,
+        params: Mapping[str, object] | None = None,
         *,
         wait: float = 30.0,
         payload: bytes | None = None,

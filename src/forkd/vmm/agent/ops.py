@@ -12,8 +12,9 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+from forkd import agent_wire as wire
 from forkd import limits
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm.agent.client import AgentClient
@@ -36,11 +37,14 @@ EVAL_STOP_GRACE_SECS = 5.0
 EVAL_IMAGE_REFUSALS = frozenset({"NoImagePython", "ImagePythonUnsupported"})
 RESTORE_ENTROPY_BYTES = 64
 PROC_READ_MAX_BYTES = 256 << 10  # of output in one proc_read answer (the agent allows 1 MiB)
-PROC_STDIN_MAX_BYTES = 1 << 20  # of data in one proc_stdin request (the agent's cap)
 COMMIT_WAIT_SECS = 300.0  # an upload's fsync, or a tar member's, may take long on a slow disk
 # An open writes one chunk at most (and with a small file, syncs it): an agent that
 # has not answered in this long is stuck, and the upload's client is told so.
 OPEN_WAIT_SECS = PING_WAIT_SECS + EXEC_WAIT_MARGIN_SECS
+# The agent's answer is of the shape forkd_wire says, or the call fails with this kind.
+MALFORMED = "MalformedAnswer"
+
+A = TypeVar("A")  # an op's answer
 
 
 def eval_wait_secs(timeout: float) -> float:
@@ -58,8 +62,18 @@ class GuestOps:
     seed: int | None  # Python's random in the guest is seeded from it (a seeded fork)
     _raise_if_dead: Callable[[str], None]
 
-    async def ping(self) -> dict[str, Any]:
-        return await self.agent.call("ping", wait=PING_WAIT_SECS)
+    async def _ask(
+        self, request: wire.Request[A], *, wait: float = 30.0, payload: bytes | None = None
+    ) -> A:
+        """Send ``request`` and return its answer, checked to have its op's shape
+        (:class:`AgentError` of kind :data:`MALFORMED` if not: the guest is untrusted)."""
+        op = request.op
+        return checked(
+            op, await self.agent.call(op.name, request.params, wait=wait, payload=payload)
+        )
+
+    async def ping(self) -> wire.PingAnswer:
+        return await self._ask(wire.PING(None), wait=PING_WAIT_SECS)
 
     async def exec(
         self,
@@ -70,112 +84,119 @@ class GuestOps:
         env: dict[str, str] | None = None,
         stdin: str | None = None,
         user: str | None = None,
-    ) -> dict[str, Any]:
+    ) -> wire.ExecAnswer:
         """Run ``argv`` (as ``user``: default the image's, else root)."""
-        params = {"argv": argv, "cwd": cwd, "env": env, "stdin": stdin, "timeout": timeout}
+        params: wire.ExecParams = {
+            "argv": argv,
+            "cwd": cwd,
+            "env": env,
+            "stdin": stdin,
+            "timeout": timeout,
+        }
         if user is not None:
             params["user"] = user
-        return await self.agent.call("exec", params, wait=timeout + EXEC_WAIT_MARGIN_SECS)
+        return await self._ask(wire.EXEC(params), wait=timeout + EXEC_WAIT_MARGIN_SECS)
 
     async def configure(self, *, env: dict[str, str], cwd: str | None, user: str | None) -> None:
         """Give the agent an image's defaults for every command that does not set its own."""
-        await self.agent.call("configure", {"env": env, "cwd": cwd, "user": user})
+        await self._ask(wire.CONFIGURE({"env": env, "cwd": cwd, "user": user}))
 
-    async def eval(self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS) -> dict[str, Any]:
+    async def eval(self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS) -> wire.EvalAnswer:
         """Run ``code``; the agent interrupts it after ``timeout`` seconds."""
-        params = {"code": code, "timeout_s": timeout}
-        return await self.agent.call("eval", params, wait=eval_wait_secs(timeout))
+        params: wire.EvalParams = {"code": code, "timeout_s": timeout}
+        return await self._ask(wire.EVAL(params), wait=eval_wait_secs(timeout))
 
     async def eval_interrupt(self) -> bool:
         """KeyboardInterrupt in the running eval; False if none was running."""
-        return bool((await self.agent.call("eval_interrupt", wait=PING_WAIT_SECS))["interrupted"])
+        return (await self._ask(wire.EVAL_INTERRUPT(None), wait=PING_WAIT_SECS))["interrupted"]
 
     async def read_file(self, path: str) -> bytes:
-        result = await self.agent.call("file_read", {"path": path})
+        result = await self._ask(wire.FILE_READ({"path": path}))
         return base64.b64decode(result["data"])
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
-        params = {"path": path, "data": base64.b64encode(data).decode(), "mode": mode}
-        result = await self.agent.call("file_write", params)
-        return int(result["size"])
+        params: wire.FileWriteParams = {
+            "path": path,
+            "data": base64.b64encode(data).decode(),
+            "mode": mode,
+        }
+        return (await self._ask(wire.FILE_WRITE(params)))["size"]
 
-    async def list_dir(self, path: str) -> list[dict[str, Any]]:
-        result = await self.agent.call("file_list", {"path": path})
-        entries: list[dict[str, Any]] = result["entries"]
-        return entries
+    async def list_dir(self, path: str) -> list[wire.FileListEntry]:
+        return (await self._ask(wire.FILE_LIST({"path": path})))["entries"]
 
     async def remove(self, path: str, recursive: bool = False) -> None:
-        await self.agent.call("file_remove", {"path": path, "recursive": recursive})
+        await self._ask(wire.FILE_REMOVE({"path": path, "recursive": recursive}))
 
     # Chunked transfers (docs/guest-agent.md, "Chunked transfers"): the agent keeps
     # each open upload or tar stream under an id until it is finished or idle.
 
     async def upload_open(
         self, path: str, first: bytes, *, tar: bool = False, commit: bool = False
-    ) -> dict[str, Any]:
+    ) -> wire.UploadOpenAnswer:
         """Open an upload with its first chunk: ``{"transfer_id", "size"}``; with
         ``commit``, the whole file written at once: ``{"path", "size"}``."""
-        params = {"path": path, "format": "tar" if tar else "file", "commit": commit,
-                  "data": base64.b64encode(first).decode()}  # fmt: skip
-        return await self.agent.call("file_upload_open", params, wait=OPEN_WAIT_SECS)
+        params: wire.UploadOpenParams = {
+            "path": path,
+            "format": "tar" if tar else "file",
+            "commit": commit,
+            "data": base64.b64encode(first).decode(),
+        }
+        return await self._ask(wire.UPLOAD_OPEN(params), wait=OPEN_WAIT_SECS)
 
     async def upload_write(
         self, transfer_id: str, offset: int, data: bytes, *, payload: bool = False
     ) -> int:
         """Append ``data`` at ``offset``; with ``payload`` (the open's answer said the
         agent reads them), the bytes go raw after the request's line, not as base64."""
-        params: dict[str, Any] = {"transfer_id": transfer_id, "offset": offset}
+        params: wire.UploadWriteParams = {"transfer_id": transfer_id, "offset": offset}
         if not payload:
             params["data"] = base64.b64encode(data).decode()
-        result = await self.agent.call(
-            "file_upload_write", params, payload=data if payload else None
-        )
-        return int(result["size"])
+        result = await self._ask(wire.UPLOAD_WRITE(params), payload=data if payload else None)
+        return result["size"]
 
     async def upload_commit(self, transfer_id: str) -> int:
-        params = {"transfer_id": transfer_id}
-        return int(
-            (await self.agent.call("file_upload_commit", params, wait=COMMIT_WAIT_SECS))["size"]
-        )
+        params: wire.TransferParams = {"transfer_id": transfer_id}
+        return (await self._ask(wire.UPLOAD_COMMIT(params), wait=COMMIT_WAIT_SECS))["size"]
 
     async def transfer_abort(self, transfer_id: str) -> None:
-        await self.agent.call("file_transfer_abort", {"transfer_id": transfer_id})
+        await self._ask(wire.TRANSFER_ABORT({"transfer_id": transfer_id}))
 
     async def read_range(
         self, path: str, offset: int, length: int
     ) -> tuple[bytes, int | None, bool]:
         """Up to ``length`` bytes at ``offset``, the file's size (None: unknown), and
         whether they reach its end."""
-        params = {"path": path, "offset": offset, "length": length, "raw": True}
-        result = await self.agent.call("file_read_range", params)
-        size = result.get("size")
-        data = _data_of(result, length)
-        return data, int(size) if size is not None else None, bool(result["eof"])
+        params: wire.ReadRangeParams = {
+            "path": path,
+            "offset": offset,
+            "length": length,
+            "raw": True,
+        }
+        result = await self._ask(wire.READ_RANGE(params))
+        return _data_of(result, length), result.get("size"), result["eof"]
 
     async def tar_open(self, path: str) -> str:
-        return str((await self.agent.call("file_tar_open", {"path": path}))["transfer_id"])
+        return (await self._ask(wire.TAR_OPEN({"path": path})))["transfer_id"]
 
     async def tar_open_paths(self, paths: list[str]) -> str:
         """A tar stream of the files at ``paths`` (members named by their paths)."""
-        result = await self.agent.call("file_tar_open", {"paths": paths})
-        return str(result["transfer_id"])
+        return (await self._ask(wire.TAR_OPEN({"paths": paths})))["transfer_id"]
 
-    async def fs_manifest_open(self, path: str, max_entries: int) -> dict[str, Any]:
+    async def fs_manifest_open(self, path: str, max_entries: int) -> wire.ManifestAnswer:
         """``{"transfer_id", "lower"}``: the manifest of what the sandbox changed under
         ``path`` (its overlay's upper layer), read with :meth:`tar_read`."""
-        params = {"path": path, "max_entries": max_entries}
-        return await self.agent.call("fs_manifest_open", params, wait=OPEN_WAIT_SECS)
+        params: wire.ManifestParams = {"path": path, "max_entries": max_entries}
+        return await self._ask(wire.MANIFEST_OPEN(params), wait=OPEN_WAIT_SECS)
 
-    async def fs_lower_stat(self, paths: list[str]) -> list[Any]:
+    async def fs_lower_stat(self, paths: list[str]) -> list[wire.LowerStat | None]:
         """What the image holds at each of ``paths`` (the agent's fields, or None)."""
-        result = await self.agent.call("fs_lower_stat", {"paths": paths})
-        stats: list[Any] = result["stats"]
-        return stats
+        return (await self._ask(wire.LOWER_STAT({"paths": paths})))["stats"]
 
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
-        params = {"transfer_id": transfer_id, "length": length, "raw": True}
-        result = await self.agent.call("file_tar_read", params, wait=COMMIT_WAIT_SECS)
-        return _data_of(result, length), bool(result["eof"])
+        params: wire.TarReadParams = {"transfer_id": transfer_id, "length": length, "raw": True}
+        result = await self._ask(wire.TAR_READ(params), wait=COMMIT_WAIT_SECS)
+        return _data_of(result, length), result["eof"]
 
     # Background processes (docs/guest-agent.md, "Processes"): the agent owns them;
     # these return its ProcessInfo and proc_read answers as they are.
@@ -187,61 +208,67 @@ class GuestOps:
         env: dict[str, str] | None = None,
         cwd: str | None = None,
         stdin: bool = False,
-        pty: dict[str, int] | None = None,
+        pty: wire.PtySize | None = None,
         timeout_s: float | None = None,
         user: str | None = None,
-    ) -> dict[str, Any]:
-        params = {"cmd": cmd, "env": env, "cwd": cwd, "stdin": stdin, "pty": pty,
-                  "timeout_s": timeout_s}  # fmt: skip
+    ) -> wire.ProcInfo:
+        params: wire.ProcStartParams = {
+            "cmd": cmd,
+            "env": env,
+            "cwd": cwd,
+            "stdin": stdin,
+            "pty": pty,
+            "timeout_s": timeout_s,
+        }
         if user is not None:
             params["user"] = user
-        return await self.agent.call("proc_start", params)
+        return await self._ask(wire.PROC_START(params))
 
-    async def stats(self, paths: list[str]) -> dict[str, Any]:
+    async def stats(self, paths: list[str]) -> wire.StatsAnswer:
         """What the guest uses (CPU, memory, disk, network, processes), and the space of
         each mount point in ``paths`` (forkd_stats.py). The guest's word: check it."""
-        return await self.agent.call("stats", {"paths": paths})
+        return await self._ask(wire.STATS({"paths": paths}))
 
-    async def proc_list(self) -> list[Any]:
-        """The guest's processes: a list, whose items the caller checks."""
-        answer: Any = await self.agent.call("proc_list")
-        listed = answer.get("processes") if isinstance(answer, dict) else None
-        if not isinstance(listed, list):
-            raise AgentError("malformed process list from the agent")
-        return listed
+    async def proc_list(self) -> list[wire.ProcInfo]:
+        """The guest's processes."""
+        return (await self._ask(wire.PROC_LIST(None)))["processes"]
 
-    async def proc_info(self, pid: int) -> dict[str, Any]:
-        return await self.agent.call("proc_info", {"pid": pid})
+    async def proc_info(self, pid: int) -> wire.ProcInfo:
+        return await self._ask(wire.PROC_INFO({"pid": pid}))
 
     async def proc_read(
         self, pid: int, offset: int, *, wait_s: float = 0.0, max_bytes: int = PROC_READ_MAX_BYTES,
         min_bytes: int = 1, linger_s: float = 0.0,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> wire.ProcReadAnswer:  # fmt: skip
         """Output after ``offset``, waiting up to ``wait_s`` for some, then up to
         ``linger_s`` more for ``min_bytes`` in all. The bytes come raw after the
         answer (``raw``; chunks give their ``size``), or, from an agent older than
         that, as base64 in each chunk's ``data``."""
-        params = {"pid": pid, "offset": offset, "wait_s": wait_s, "max_bytes": max_bytes,
-                  "min_bytes": min_bytes, "linger_s": linger_s, "raw": True}  # fmt: skip
+        params: wire.ProcReadParams = {
+            "pid": pid, "offset": offset, "wait_s": wait_s, "max_bytes": max_bytes,
+            "min_bytes": min_bytes, "linger_s": linger_s, "raw": True,
+        }  # fmt: skip
         wait = wait_s + linger_s + EXEC_WAIT_MARGIN_SECS
-        return await self.agent.call("proc_read", params, wait=wait)
+        return await self._ask(wire.PROC_READ(params), wait=wait)
 
     async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int:
         """Write ``data`` to the process's stdin, in pieces the agent accepts; bytes written."""
-        pieces = [data[i : i + PROC_STDIN_MAX_BYTES]
-                  for i in range(0, len(data), PROC_STDIN_MAX_BYTES)] or [b""]  # fmt: skip
+        step = wire.MAX_PROC_STDIN_BYTES
+        pieces = [data[i : i + step] for i in range(0, len(data), step)] or [b""]
         written = 0
         for i, piece in enumerate(pieces):
-            params = {"pid": pid, "data": base64.b64encode(piece).decode(),
-                      "eof": eof and i == len(pieces) - 1}  # fmt: skip
-            written += int((await self.agent.call("proc_stdin", params))["written"])
+            params: wire.ProcStdinParams = {
+                "pid": pid, "data": base64.b64encode(piece).decode(),
+                "eof": eof and i == len(pieces) - 1,
+            }  # fmt: skip
+            written += (await self._ask(wire.PROC_STDIN(params)))["written"]
         return written
 
     async def proc_signal(self, pid: int, signal: int | str) -> None:
-        await self.agent.call("proc_signal", {"pid": pid, "signal": signal})
+        await self._ask(wire.PROC_SIGNAL({"pid": pid, "signal": signal}))
 
     async def proc_resize(self, pid: int, cols: int, rows: int) -> None:
-        await self.agent.call("proc_resize", {"pid": pid, "cols": cols, "rows": rows})
+        await self._ask(wire.PROC_RESIZE({"pid": pid, "cols": cols, "rows": rows}))
 
     async def _wait_agent(self, timeout: float) -> None:
         """Until the agent of a booting VM answers; :class:`VMError` after ``timeout``."""
@@ -249,7 +276,7 @@ class GuestOps:
         while True:
             self._raise_if_dead("QEMU exited during boot")
             try:
-                await self.agent.call("ping", wait=2.0)
+                await self._ask(wire.PING(None), wait=2.0)
                 return
             except AgentError as exc:
                 if time.monotonic() > deadline:
@@ -268,11 +295,11 @@ class GuestOps:
 
     async def _make_unique(
         self, hostname: str, wait: float, *, seed: int | None = None, keep_random: bool = False
-    ) -> dict[str, Any]:
+    ) -> wire.RestoreAnswer:
         """After a restore: the wall-clock time, fresh entropy and a new hostname; Python's
         random seeded from ``seed`` when given (:class:`SnapshotError` from an agent too
         old to), else from the fresh entropy unless ``keep_random``."""
-        params: dict[str, Any] = {
+        params: wire.RestoreParams = {
             "time_ns": time.time_ns(),
             "entropy": base64.b64encode(os.urandom(RESTORE_ENTROPY_BYTES)).decode(),
             "hostname": hostname,
@@ -281,7 +308,7 @@ class GuestOps:
             params["seed"] = seed
         if keep_random:
             params["keep_random"] = True
-        result = await self.agent.call("restore", params, wait=wait)
+        result = await self._ask(wire.RESTORE(params), wait=wait)
         if seed is not None and result.get("seeded") is not True:
             raise SnapshotError(
                 f"the guest agent of {self.id} did not take seed {seed} ({result}): its "
@@ -290,7 +317,18 @@ class GuestOps:
         return result
 
 
-def _data_of(result: dict[str, Any], length: int) -> bytes:
+def checked(op: wire.Op[Any, A], answer: dict[str, Any]) -> A:
+    """``answer`` as ``op``'s answer; :class:`AgentError` of kind :data:`MALFORMED` if it
+    does not have that shape."""
+    try:
+        return wire.check(op, answer)
+    except wire.Malformed as exc:
+        raise AgentError(
+            f"the agent's answer to {op.name} is malformed: {exc}", MALFORMED
+        ) from None
+
+
+def _data_of(result: wire.ReadAnswer, length: int) -> bytes:
     """A read's bytes: raw after the answer, or as base64 from an agent older than that;
     :class:`AgentError` for more than the ``length`` asked for."""
     raw = result.get("raw")
@@ -305,7 +343,7 @@ def _data_of(result: dict[str, Any], length: int) -> bytes:
     return data
 
 
-def check_reseeded(result: dict[str, Any], vm_id: str, snapshot_dir: Path) -> str:
+def check_reseeded(result: wire.RestoreAnswer, vm_id: str, snapshot_dir: Path) -> str:
     """The agent's answer to ``restore``: :class:`SnapshotError` unless both RNGs were
     reseeded; else what else failed (clock, hostname), to be logged, or ``""``."""
     reported = result.get("errors")

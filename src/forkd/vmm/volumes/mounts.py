@@ -11,8 +11,9 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from forkd import agent_wire as wire
 from forkd.errors import SnapshotError, VMError
 from forkd.vmm.volumes import disks as volumes
 from forkd.vmm.volumes.disks import Attachment
@@ -27,7 +28,7 @@ MOUNT_SCRIPT = (
     'echo "no disk with serial $1" >&2; exit 1'
 )
 
-Exec = Callable[..., Awaitable[dict[str, Any]]]  # VM.exec
+Exec = Callable[..., Awaitable[wire.ExecAnswer]]  # VM.exec
 
 
 async def mount_all(exec_in_guest: Exec, attached: Sequence[Attachment]) -> None:
