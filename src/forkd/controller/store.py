@@ -1,8 +1,10 @@
 """The daemon's state in SQLite (WAL): snapshots, sandboxes, branch sequence numbers.
 
 Every write is one transaction. The database is the registry; the snapshot
-directories on disk are the data. ``reconcile`` (in the manager) brings the
-two back in line after a crash.
+directories on disk are the data. The daemon's start
+(:meth:`forkd.controller.services.lifecycle.Lifecycle.start`: its
+``reconcile_snapshots``, ``adopt_sandboxes`` and ``kill_strays``) brings the two
+back in line after a crash.
 """
 
 from __future__ import annotations
@@ -507,8 +509,10 @@ class Store:
         return [SandboxRow(**_fields(r)) for r in rows]
 
     def delete_sandbox(self, sandbox_id: str) -> bool:
-        self._tx("DELETE FROM branch_counts WHERE source_id = ?", (sandbox_id,))
-        return self._tx("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount > 0
+        """Its row and its branch count, in one transaction; False if it had no row."""
+        with self._transaction() as db:
+            db.execute("DELETE FROM branch_counts WHERE source_id = ?", (sandbox_id,))
+            return db.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,)).rowcount > 0
 
     # ---------------------------------------------------------- workspaces
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -41,6 +42,19 @@ from forkd.vmm.snapshot import memory_diff
 from forkd.vmm.snapshot.files import BaseRef, SnapshotLabels
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """One branch being made: what it takes, where it goes, and how."""
+
+    lock: asyncio.Lock  # the source's: one branch of a sandbox at a time
+    vm: SandboxVM | None  # the source's VM; None: it is hibernated
+    row: SandboxRow  # the source's record
+    tag: str
+    labels: dict[str, str]
+    base: BaseRef | None  # a diff's base; None: full
+    live: bool
 
 
 class BranchService:
@@ -85,21 +99,21 @@ class BranchService:
         with contextlib.ExitStack() as held:
             held.enter_context(fleet.reserve_tag(tag))
             held.enter_context(self._counted(base))
-            # Taken now and held: an entry dropped meanwhile must not let a second run.
-            lock = fleet.holds.sandbox_lock(row.id)
-            if measure:  # a full branch, then what a diff over the base would have stored
-                assert base is not None
-                await self._run(lock, vm, row, tag, labels, None, live=live)
+            # The lock is taken now and held: an entry dropped meanwhile must not let a
+            # second run.
+            plan = _Plan(fleet.holds.sandbox_lock(row.id), vm, row, tag, labels, base, live)
+            if measure and base is not None:  # a full branch, then what a diff would store
+                await self._run(dataclasses.replace(plan, base=None))
                 info = self._branched(row.id, tag)
                 taken = fleet.snapshot_row(tag)  # its files, where the answer may not say
                 return _with(info, await asyncio.to_thread(_measured_diff, tag, taken, base))
             if req.wait:
-                await self._run(lock, vm, row, tag, labels, base, live=live)
+                await self._run(plan)
                 info = self._branched(row.id, tag)
                 if base is None:
                     return info
                 return _with(info, _diff_figures(fleet.snapshot_row(tag)))
-            fleet.store.add_snapshot(self._pending_row(vm, row, tag, labels, base))
+            fleet.store.add_snapshot(self._pending_row(plan))
             resumed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
 
             def on_resumed(pause_ms: float) -> None:  # the answer waits for the pause only
@@ -108,10 +122,8 @@ class BranchService:
                     resumed.set_result(pause_ms)
 
             task = asyncio.create_task(
-                self._settle(held.pop_all(), lock, vm, row, tag, labels, base, live=live,
-                             on_resumed=on_resumed),
-                name=f"branch-{tag}",
-            )  # fmt: skip
+                self._settle(held.pop_all(), plan, on_resumed), name=f"branch-{tag}"
+            )
             self.background.add(task)
             task.add_done_callback(self.background.discard)
         # As the original answered: once the source runs again, with its pause_ms; the
@@ -156,26 +168,14 @@ class BranchService:
         finally:
             self.in_flight -= 1
 
-    async def _run(
-        self,
-        lock: asyncio.Lock,
-        vm: SandboxVM | None,
-        row: SandboxRow,
-        tag: str,
-        labels: dict[str, str],
-        base: BaseRef | None,
-        *,
-        live: bool = False,
-        on_resumed: Callable[[float], None] | None = None,
-    ) -> None:
-        async with lock:
-            if vm is None:
+    async def _run(self, plan: _Plan, on_resumed: Callable[[float], None] | None = None) -> None:
+        async with plan.lock:
+            if plan.vm is None:
                 if on_resumed is not None:
                     on_resumed(0.0)  # nothing runs: no pause
-                await self._branch_hibernated(row, tag, labels, base)
+                await self._branch_hibernated(plan)
             else:
-                await self._branch_locked(vm, row, tag, labels, base, live=live,
-                                          on_resumed=on_resumed)  # fmt: skip
+                await self._branch_locked(plan, plan.vm, on_resumed)
 
     def _branched(self, sandbox_id: str, tag: str) -> SnapshotInfo:
         self.fleet.store.count_branch(sandbox_id)
@@ -185,14 +185,8 @@ class BranchService:
         )
         return info
 
-    def _pending_row(
-        self,
-        vm: SandboxVM | None,
-        row: SandboxRow,
-        tag: str,
-        labels: dict[str, str],
-        base: BaseRef | None,
-    ) -> SnapshotRow:
+    def _pending_row(self, plan: _Plan) -> SnapshotRow:
+        vm, row, tag, labels, base = plan.vm, plan.row, plan.tag, plan.labels, plan.base
         parent = self.fleet.store.get_snapshot(row.snapshot_tag)
         memory_mib = vm.machine.memory_mib if vm is not None else parent.memory_mib if parent else 0
         return SnapshotRow(
@@ -205,24 +199,13 @@ class BranchService:
         )  # fmt: skip
 
     async def _settle(
-        self,
-        held: contextlib.ExitStack,
-        lock: asyncio.Lock,
-        vm: SandboxVM | None,
-        row: SandboxRow,
-        tag: str,
-        labels: dict[str, str],
-        base: BaseRef | None,
-        *,
-        live: bool = False,
-        on_resumed: Callable[[float], None] | None = None,
+        self, held: contextlib.ExitStack, plan: _Plan, on_resumed: Callable[[float], None]
     ) -> None:
         """A branch with wait false: ``writing`` → ``ready``, or ``failed`` with the error."""
-        store = self.fleet.store
+        store, row, tag = self.fleet.store, plan.row, plan.tag
         with held:
             try:
-                await self._run(lock, vm, row, tag, labels, base, live=live,
-                                on_resumed=on_resumed)  # fmt: skip
+                await self._run(plan, on_resumed)
             except Exception as exc:  # the error is the answer: kept in the registry
                 kept = store.get_snapshot(tag)
                 if (
@@ -236,17 +219,9 @@ class BranchService:
             self._branched(row.id, tag)
 
     async def _branch_locked(
-        self,
-        vm: SandboxVM,
-        row: SandboxRow,
-        tag: str,
-        metadata: dict[str, str],
-        base: BaseRef | None,
-        *,
-        live: bool = False,
-        on_resumed: Callable[[float], None] | None = None,
+        self, plan: _Plan, vm: SandboxVM, on_resumed: Callable[[float], None] | None
     ) -> None:
-        fleet = self.fleet
+        fleet, row, tag, metadata, base = self.fleet, plan.row, plan.tag, plan.labels, plan.base
         if not vm.is_alive() or fleet.vms.get(row.id) is not vm:
             raise Conflict(f"sandbox {row.id!r} stopped running")
         # The source's volume settings carry over to the branch unchanged: the
@@ -255,7 +230,7 @@ class BranchService:
         dest = fleet.settings.snapshot_root / tag
         try:
             result = await live_snapshot.snapshot_running(
-                vm, dest, labels, base, live=live, on_resumed=on_resumed
+                vm, dest, labels, base, live=plan.live, on_resumed=on_resumed
             )
         except live_snapshot.LiveSnapshotError as exc:
             if exc.snapshot_kept:
@@ -270,12 +245,10 @@ class BranchService:
         fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
         fleet.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
 
-    async def _branch_hibernated(
-        self, row: SandboxRow, tag: str, metadata: dict[str, str], base: BaseRef | None
-    ) -> None:
-        """The hibernated sandbox's state, copied (or diffed over ``base``): no VM, no
+    async def _branch_hibernated(self, plan: _Plan) -> None:
+        """The hibernated sandbox's state, copied (or diffed over its base): no VM, no
         pause (``pause_ms`` 0)."""
-        fleet = self.fleet
+        fleet, row, tag, metadata, base = self.fleet, plan.row, plan.tag, plan.labels, plan.base
         src = fleet.hibernated.latest(row.id)
         if fleet.sandbox_row(row.id).state != SandboxState.HIBERNATED or src is None:
             raise Conflict(f"sandbox {row.id!r} is no longer hibernated; retry")

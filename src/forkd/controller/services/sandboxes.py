@@ -239,11 +239,9 @@ class SandboxService:
                     cgroup=fleet.placement(req.memory_limit_mib), seed=seed,
                 )  # fmt: skip
         fleet.vms[sid] = vm
-        fleet.store.set_sandbox_state(
-            sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=round(vm.ready_ms or 0, 1)
-        )
-        fleet.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
         fork_ms = round(vm.ready_ms or 0, 1)
+        fleet.store.set_sandbox_state(sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=fork_ms)
+        fleet.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
         fleet.events.publish(
             "created", sandbox_id=sid, snapshot_tag=req.snapshot_tag, fork_ms=fork_ms
         )
@@ -251,9 +249,12 @@ class SandboxService:
     async def _undo(self, ids: list[str], waiting: dict[str, SandboxVM]) -> None:
         for vm in waiting.values():
             await vm.kill()
-        await asyncio.gather(*(self.fleet.remove(sid) for sid in ids), return_exceptions=True)
-        for sid in ids:
-            self.fleet.store.delete_sandbox(sid)
+        removed = await asyncio.gather(
+            *(self.fleet.remove(sid) for sid in ids), return_exceptions=True
+        )
+        for sid, result in zip(ids, removed, strict=True):
+            if isinstance(result, BaseException):  # its remove stopped before its row
+                self.fleet.store.delete_sandbox(sid)
 
     # ------------------------------------------------------------ read, kill
 
