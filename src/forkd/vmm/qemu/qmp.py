@@ -141,6 +141,13 @@ class QMPChannel:
     async def disconnect(self) -> None:
         await self.client.disconnect()
 
+    async def save_device_state(self, fdset: int) -> None:
+        """Write the devices' state (not the guest's memory) into fd set ``fdset``; the
+        VM must be paused. Read back by :meth:`load_vmstate`."""
+        await self.execute(
+            "xen-save-devices-state", {"filename": f"/dev/fdset/{fdset}", "live": False}
+        )
+
     async def load_vmstate(self, vmstate: Path, timeout: float, qemu_log: Path) -> None:
         """Feed a snapshot's device state to a QEMU started with ``-incoming defer``.
 

@@ -22,22 +22,57 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from forkd.errors import SnapshotError, StorageFull
+from forkd.vmm.qemu.argv import MachineConfig
 from forkd.vmm.qemu.launch import tail
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory, memory_strategy
-from forkd.vmm.snapshot.files import BaseRef, SnapshotLabels, SnapshotMeta
+from forkd.vmm.snapshot.files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
 from forkd.vmm.volumes import mounts as volume_mounts
 from forkd.vmm.volumes.disks import Attachment
 
-if TYPE_CHECKING:
-    from forkd.vmm.vm import VM
-
 T = TypeVar("T")
+
+
+class SnapshotChannel(volume_mounts.FdSets, Protocol):
+    """What a snapshot asks of QEMU (:class:`forkd.vmm.qemu.qmp.QMPChannel`)."""
+
+    async def release_writers(self) -> None: ...
+    async def save_device_state(self, fdset: int) -> None: ...
+
+
+class QemuLog(Protocol):
+    @property
+    def qemu_log(self) -> Path: ...
+
+
+class SnapshotSource(memory_strategy.MemorySource, Protocol):
+    """The VM a snapshot is written of (:class:`forkd.vmm.vm.VM`), as far as the writer
+    reads and drives it."""
+
+    @property
+    def machine(self) -> MachineConfig: ...
+    @property
+    def image(self) -> ImageRef | None: ...
+    @property
+    def ram_file(self) -> Path: ...
+    @property
+    def ram_inode(self) -> int | None: ...
+    @property
+    def volumes(self) -> Sequence[Attachment]: ...
+    @property
+    def rt(self) -> QemuLog: ...
+    @property
+    def qmp(self) -> SnapshotChannel: ...
+
+    async def freeze_volumes(
+        self, prepared: Sequence[volume_mounts.NextLayer]
+    ) -> list[Attachment]: ...
+    async def gone(self, wait: float = ...) -> bool: ...
 
 
 def _is_disk_full(exc: BaseException) -> bool:
@@ -48,7 +83,7 @@ class SnapshotWriter:
     """A snapshot of one VM being built in a staging directory."""
 
     def __init__(
-        self, vm: VM, dest: Path, base: BaseRef | None = None, *, live: bool = False
+        self, vm: SnapshotSource, dest: Path, base: BaseRef | None = None, *, live: bool = False
     ) -> None:
         self.vm = vm
         self.dest = dest
@@ -116,10 +151,8 @@ class SnapshotWriter:
         started = time.monotonic()
         try:
             self.volumes = await vm.freeze_volumes(self._layers)
-            await vm.qmp.execute(
-                "xen-save-devices-state",
-                {"filename": f"/dev/fdset/{self._vmstate_fdset}", "live": False},
-            )
+            assert self._vmstate_fdset is not None  # set by prepare()
+            await vm.qmp.save_device_state(self._vmstate_fdset)
             await self.memory_strategy.capture(self._region, self._mem_fd)
         except BaseException as exc:
             raise await self._translate(exc, "capturing") from exc

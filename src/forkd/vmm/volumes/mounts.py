@@ -11,7 +11,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from forkd import agent_wire as wire
 from forkd.errors import SnapshotError, VMError
@@ -20,6 +20,14 @@ from forkd.vmm.volumes.disks import Attachment
 
 if TYPE_CHECKING:  # a parameter's type: the volumes sit below QEMU, which mounts them
     from forkd.vmm.qemu.qmp import QMPChannel
+
+
+class FdSets(Protocol):
+    """QEMU's fd sets, as layers are handed to it (:class:`~forkd.vmm.qemu.qmp.QMPChannel`)."""
+
+    async def add_fdset(self, path: Path, modes: Sequence[int]) -> int: ...
+    async def remove_fdset(self, fdset: int) -> None: ...
+
 
 MOUNT_TIMEOUT_SECS = 60
 MOUNT_SCRIPT = (
@@ -54,7 +62,7 @@ class NextLayer:
     used: bool = False  # QEMU writes it now: it is the VM's, not the snapshot's leftover
 
 
-async def prepare_layers(qmp: QMPChannel, attached: Sequence[Attachment]) -> list[NextLayer]:
+async def prepare_layers(qmp: FdSets, attached: Sequence[Attachment]) -> list[NextLayer]:
     """While the VM runs: an empty layer over each writable volume, passed to QEMU.
 
     QEMU may not create files under forkd's directories (it runs as its own
@@ -79,7 +87,7 @@ async def prepare_layers(qmp: QMPChannel, attached: Sequence[Attachment]) -> lis
     return prepared
 
 
-async def discard_layers(qmp: QMPChannel, prepared: Sequence[NextLayer]) -> None:
+async def discard_layers(qmp: FdSets, prepared: Sequence[NextLayer]) -> None:
     """Delete the layers of :func:`prepare_layers` that QEMU did not take, and their fd sets.
 
     A layer QEMU took keeps its set's read-only descriptor, with which QEMU
