@@ -4,11 +4,14 @@ is believed to say about its output (hostile input)."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
 from forkd.controller.services.activity import Activity, output_total, request_scope
+from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.holds import Holds
 from forkd.controller.services.waking import Waker
 
 
@@ -57,6 +60,11 @@ def test_a_request_that_ends_after_its_sandbox_was_forgotten_leaves_nothing() ->
     assert not activity.in_use("sb-2") and activity.last_active("sb-2") is not None
 
 
+def _fleet() -> Fleet:
+    """What a wake uses of the fleet when no request asks for a VM: its holds."""
+    return cast(Fleet, SimpleNamespace(holds=Holds()))
+
+
 def test_draining_lets_a_wake_whose_waiters_left_end() -> None:
     ended: list[str] = []
 
@@ -66,7 +74,7 @@ def test_draining_lets_a_wake_whose_waiters_left_end() -> None:
         return "hibernated"
 
     async def main() -> None:
-        waker = Waker(resume)
+        waker = Waker(_fleet(), resume)
         waiter = asyncio.create_task(waker("sb-1"))
         await asyncio.sleep(0.05)
         waiter.cancel()  # its client left; the wake is shielded and goes on
@@ -82,7 +90,7 @@ def test_a_wake_that_outlasts_the_drain_is_cancelled() -> None:
         return "hibernated"
 
     async def main() -> None:
-        waker = Waker(resume)
+        waker = Waker(_fleet(), resume)
         waiter = asyncio.create_task(waker("sb-1"))
         await asyncio.sleep(0.05)
         await waker.drain(0.1)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import httpx2
 import pytest
 from fastapi.testclient import TestClient
 
@@ -46,7 +47,7 @@ def template(c: TestClient, tag: str = "py", memory_mib: int = 128) -> None:
     assert r.status_code == 201, r.text
 
 
-def fork(c: TestClient, n: int, tag: str = "py", **body: Any) -> httpx.Response:
+def fork(c: TestClient, n: int, tag: str = "py", **body: Any) -> httpx2.Response:
     return c.post("/v1/sandboxes", json={"snapshot_tag": tag, "n": n, **body})
 
 
@@ -301,12 +302,22 @@ def test_a_snapshot_s_fork_estimate_is_what_its_settled_children_hold(meminfo: P
     assert watch.unsettled_mib() == limits.FORK_ESTIMATE_MIB - 10
 
 
+class _NoReclaim:
+    """Reclaim that has nothing to take."""
+
+    async def make_room(self, mib: int) -> list[str]:
+        return []
+
+    def busy_summary(self) -> str:
+        return "reclaim is off"
+
+
 def test_room_held_by_a_request_still_starting_counts_against_the_host(
     settings: Settings, meminfo: Path
 ) -> None:
     settings.memory_reserve_mib = 512
     vms: dict[str, Any] = {}
-    control = AdmissionControl(settings, dict, host_memory.MemoryWatch(lambda: vms))
+    control = AdmissionControl(settings, dict, _NoReclaim(), host_memory.MemoryWatch(lambda: vms))
     with control.admit("first", 5, 256):  # 5 x 48 = 240 of the 488 left
         with (
             pytest.raises(OverCapacity, match="240 MiB that sandboxes still starting"),

@@ -172,18 +172,18 @@ def test_refusals_reach_the_audit_log_and_a_flood_is_summed_up(
 ) -> None:
     import json as json_
 
-    from forkd.controller.services import network as network_service
+    from forkd.controller.services import egress_audit
     from forkd.egress.records import EgressRecord
 
     [sb] = _fork(client).json()
     log = client.app.state.services.fleet.egress.log  # type: ignore[attr-defined]
     log.add(EgressRecord(sb["id"], "allowed", "tls", "ok.test", 443))
-    for _ in range(network_service.AUDIT_REFUSALS_PER_SEC + 5):
+    for _ in range(egress_audit.AUDIT_REFUSALS_PER_SEC + 5):
         log.add(EgressRecord(sb["id"], "refused", "tls", "evil.test", 443, reason="denied"))
     lines = [json_.loads(line) for line in
              (settings.state_dir / "audit.log").read_text().splitlines()]  # fmt: skip
     refused = [r for r in lines if r.get("event") == "egress_refused"]
     assert refused and all(r["sandbox_id"] == sb["id"] for r in refused)
     assert refused[0]["host"] == "evil.test" and refused[0]["reason"] == "denied"
-    assert len(refused) <= network_service.AUDIT_REFUSALS_PER_SEC + 1  # then one summary
+    assert len(refused) <= egress_audit.AUDIT_REFUSALS_PER_SEC + 1  # then one summary
     assert not any(r.get("host") == "ok.test" for r in lines)  # allowed ones: records only

@@ -28,7 +28,9 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
 @pytest.fixture
-def client(settings: Settings, driver: FakeDriver, meminfo: Path) -> Iterator[TestClient]:
+def client(
+    settings: Settings, driver: FakeDriver, meminfo: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[TestClient]:
     """The app on a host with 1000 MiB available: under its low watermark (1500)."""
     settings.memory_reserve_mib = 512
     settings.reclaim_low_mib, settings.reclaim_high_mib = 1500, 2000
@@ -42,7 +44,7 @@ def client(settings: Settings, driver: FakeDriver, meminfo: Path) -> Iterator[Te
             c.published.append((kind, fields))  # type: ignore[attr-defined]
             publish(kind, **fields)
 
-        events.publish = keep  # type: ignore[method-assign]
+        monkeypatch.setattr(events, "publish", keep)
         assert c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 256}).status_code == 201
         yield c
 
@@ -69,8 +71,8 @@ def _reclaim(client: TestClient) -> list[str]:
 
 def _freeing(client: TestClient, meminfo: Path, mib: int) -> None:
     """Each eviction gives ``mib`` back, as a QEMU that ends does."""
-    pausing = _services(client).pausing
-    evict = pausing.evict
+    reclaim = _services(client).reclaim
+    evict = reclaim.evict
     available = [1000]
 
     async def freeing(sandbox_id: str, idle: Callable[..., bool]) -> bool:
@@ -80,7 +82,7 @@ def _freeing(client: TestClient, meminfo: Path, mib: int) -> None:
             fake_meminfo(meminfo, 4096, available[0])
         return done
 
-    pausing.evict = freeing  # type: ignore[method-assign]
+    reclaim.evict = freeing  # type: ignore[method-assign]
 
 
 def test_under_the_low_watermark_idle_ones_go_paused_first_then_least_recently_used(
@@ -277,15 +279,15 @@ def test_one_sandbox_s_failure_does_not_end_the_pass(
     client: TestClient, meminfo: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     first, second = _fork(client), _fork(client)
-    pausing = _services(client).pausing
-    evict = pausing.evict
+    reclaim = _services(client).reclaim
+    evict = reclaim.evict
 
     async def breaks_once(sandbox_id: str, idle: Callable[..., bool]) -> bool:
         if sandbox_id == first:
             raise RuntimeError("something nobody expected")
         return await evict(sandbox_id, idle)
 
-    pausing.evict = breaks_once  # type: ignore[method-assign]
+    reclaim.evict = breaks_once  # type: ignore[method-assign]
     assert _reclaim(client) == [second]
     assert "could not be taken" in caplog.text
     assert _states(client) == {first: "running", second: "hibernated"}

@@ -11,11 +11,13 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from forkd.controller import log_redaction
 from forkd.controller.app import create_app
 from forkd.controller.secret_box import SecretKeyError
+from forkd.controller.services.secrets import SecretService
 from forkd.controller.settings import Settings
 from tests.unit.conftest import TOKEN
 from tests.unit.fakes import FakeDriver
@@ -27,6 +29,14 @@ OPENAI = {"name": "openai", "value": VALUE, "hosts": ["api.openai.com", "*.OpenA
 def _app(settings: Settings) -> TestClient:
     app = create_app(settings, TOKEN, driver=FakeDriver())
     return TestClient(app, headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def _secrets(client: TestClient) -> SecretService:
+    """The daemon's secrets, as its routes use them."""
+    app = client.app
+    assert isinstance(app, FastAPI)  # as _app and the client fixture make it
+    secrets: SecretService = app.state.services.secrets
+    return secrets
 
 
 def _everything_said(client: TestClient, settings: Settings) -> str:
@@ -51,12 +61,12 @@ def test_a_secret_is_write_only_and_sealed_at_rest(client: TestClient, settings:
             assert VALUE.encode() not in path.read_bytes(), path
     key = settings.state_dir / "secrets.key"
     assert key.stat().st_mode & 0o777 == 0o600
-    assert client.app.state.services.secrets.value_for("openai", "api.openai.com") == VALUE
+    assert _secrets(client).value_for("openai", "api.openai.com") == VALUE
 
 
 def test_a_value_goes_only_to_its_own_hosts(client: TestClient) -> None:
     assert client.post("/v1/secrets", json=OPENAI).status_code == 201
-    secrets = client.app.state.services.secrets
+    secrets = _secrets(client)
     assert secrets.value_for("openai", "eu.openai.org") == VALUE  # the wildcard's
     for other in ("openai.org", "api.openai.com.evil.test", "evil.test", "api-openai.com"):
         assert secrets.value_for("openai", other) is None, other
@@ -97,7 +107,7 @@ def test_names_are_unique_and_unknown_ones_are_404(client: TestClient) -> None:
     assert client.post("/v1/secrets", json=OPENAI).status_code == 201
     again = client.post("/v1/secrets", json={**OPENAI, "value": "another-value"})
     assert again.status_code == 409 and "PUT /v1/secrets/openai" in again.json()["error"]
-    assert client.app.state.services.secrets.value_for("openai", "api.openai.com") == VALUE
+    assert _secrets(client).value_for("openai", "api.openai.com") == VALUE
     for method in ("GET", "PUT", "DELETE"):
         answer = client.request(method, "/v1/secrets/nope", json={"value": "v4lue-new"})
         assert answer.status_code == 404, (method, answer.text)
@@ -107,7 +117,7 @@ def test_rotation_takes_effect_at_once_and_keeps_what_was_not_changed(
     client: TestClient, settings: Settings
 ) -> None:
     made = client.post("/v1/secrets", json=OPENAI).json()
-    secrets = client.app.state.services.secrets
+    secrets = _secrets(client)
     rotated = client.put("/v1/secrets/openai", json={"value": "sk-rotated-987654321"})
     assert rotated.status_code == 200 and rotated.json()["hosts"] == made["hosts"]
     assert rotated.json()["updated_at_unix"] >= made["updated_at_unix"]
@@ -121,10 +131,15 @@ def test_rotation_takes_effect_at_once_and_keeps_what_was_not_changed(
     assert "sk-rotated" not in _everything_said(client, settings)
 
 
-def test_a_secret_named_by_running_rules_is_kept_unless_forced(client: TestClient) -> None:
+def test_a_secret_named_by_running_rules_is_kept_unless_forced(
+    client: TestClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert client.post("/v1/secrets", json=OPENAI).status_code == 201
-    secrets = client.app.state.services.secrets
-    secrets.users = lambda name: ["sb-x-0001"] if name == "openai" else []
+    secrets = _secrets(client)
+    network = client.app.state.services.network  # type: ignore[attr-defined]
+    monkeypatch.setattr(
+        network, "rules_naming", lambda name: ["sb-x-0001"] if name == "openai" else []
+    )
     refused = client.delete("/v1/secrets/openai")
     assert refused.status_code == 409 and "sb-x-0001" in refused.json()["error"]
     assert client.get("/v1/secrets/openai").status_code == 200
@@ -136,9 +151,9 @@ def test_a_secret_named_by_running_rules_is_kept_unless_forced(client: TestClien
 def test_a_restarted_daemon_opens_its_secrets(settings: Settings) -> None:
     with _app(settings) as first:
         assert first.post("/v1/secrets", json=OPENAI).status_code == 201
-        assert first.app.state.services.secrets.value_for("openai", "api.openai.com") == VALUE
+        assert _secrets(first).value_for("openai", "api.openai.com") == VALUE
     with _app(settings) as second:
-        secrets = second.app.state.services.secrets
+        secrets = _secrets(second)
         assert secrets.value_for("openai", "api.openai.com") == VALUE
         assert second.get("/v1/secrets/openai").json()["last_used_unix"] is not None  # flushed
 
@@ -152,11 +167,11 @@ def test_a_replaced_key_opens_no_value_but_the_daemon_serves(
     key.unlink()
     with caplog.at_level(logging.ERROR), _app(settings) as second:
         assert second.get("/v1/secrets").json()[0]["name"] == "openai"  # names stay
-        assert second.app.state.services.secrets.value_for("openai", "api.openai.com") is None
+        assert _secrets(second).value_for("openai", "api.openai.com") is None
         assert any("does not open with the key" in r.getMessage() for r in caplog.records)
         fixed = second.put("/v1/secrets/openai", json={"value": "sk-set-again-1234"})
         assert fixed.status_code == 200
-        assert second.app.state.services.secrets.value_for("openai", "api.openai.com")
+        assert _secrets(second).value_for("openai", "api.openai.com")
 
 
 def test_an_unsafe_key_file_stops_the_daemon_saying_what_to_fix(settings: Settings) -> None:

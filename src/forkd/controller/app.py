@@ -65,7 +65,7 @@ def create_app(
         app.state.audit = AuditLog(settings.state_dir / "audit.log")
         services.expiry.audit = app.state.audit.write
         services.reclaim.audit = app.state.audit.write
-        services.network.refusals.write = app.state.audit.write
+        services.fleet.egress_report.refusals.write = app.state.audit.write
         services.secrets.start()
         await services.lifecycle.start()
         services.reclaim.start()
@@ -80,15 +80,14 @@ def create_app(
             services.fleet.events.close()
             await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
             await services.reclaim.stop()
-            if services.fleet.waker is not None:
-                await services.fleet.waker.drain(WAKE_DRAIN_SECS)
+            await services.waker.drain(WAKE_DRAIN_SECS)
             await services.usage.stop()
             await services.lifecycle.stop()
             services.secrets.flush_uses(force=True)
             await services.fleet.egress.close()
             services.expiry.audit = None
             services.reclaim.audit = None
-            services.network.refusals.write = None
+            services.fleet.egress_report.refusals.write = None
             app.state.audit.close()
             app.state.audit = None
             store.close()

@@ -57,7 +57,7 @@ async def delete_secret(
     ] = False,
 ) -> Response:
     """409 while a running sandbox's network rules name it, unless ``force``."""
-    svc.secrets.delete(name, force)
+    svc.secrets.delete(name, named_by=svc.network.rules_naming(name), force=force)
     return Response(status_code=204)
 
 

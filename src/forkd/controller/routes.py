@@ -374,14 +374,16 @@ async def pause(svc: Svc, sandbox_id: str, body: PauseRequest | None = None) -> 
     call (409) and can be branched as it is. 409 unless it is running. With
     ``hibernate``, a running or paused sandbox is written to disk and its QEMU ends
     (409 when it is already hibernated)."""
-    return await svc.pausing.pause(sandbox_id, hibernate=bool(body and body.hibernate))
+    await svc.pausing.pause(sandbox_id, hibernate=bool(body and body.hibernate))
+    return svc.sandboxes.info(sandbox_id)
 
 
 @sandboxes.post("/{sandbox_id}/resume", response_model=SandboxInfo)
 async def resume(svc: Svc, sandbox_id: str, body: ResumeRequest | None = None) -> SandboxInfo:
     """Run the paused sandbox again and set its clock, or restore the hibernated one
     into a new QEMU. 409 unless it is paused or hibernated."""
-    return await svc.pausing.resume(sandbox_id, body.timeout_s if body else None)
+    await svc.pausing.resume(sandbox_id, body.timeout_s if body else None)
+    return svc.sandboxes.info(sandbox_id)
 
 
 @sandboxes.post(

@@ -8,17 +8,18 @@ raises only errors of :mod:`forkd.errors`; none knows about HTTP.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.secret_box import SecretBox
+from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.branches import BranchService
 from forkd.controller.services.diffs import DiffService
 from forkd.controller.services.expiry import Expiry
 from forkd.controller.services.explore import ExploreService
 from forkd.controller.services.file_transfer import FileTransferService
 from forkd.controller.services.fleet import Fleet, VMDriver
+from forkd.controller.services.hibernation import HibernateService, WakeService
 from forkd.controller.services.images import ImageService, Importer
 from forkd.controller.services.lifecycle import Lifecycle
 from forkd.controller.services.network import NetworkService
@@ -36,25 +37,15 @@ from forkd.controller.services.waking import Waker
 from forkd.controller.services.workspaces import WorkspaceService
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
-from forkd.egress.ca import EgressCA
-from forkd.egress.intercept import Interceptor
-from forkd.egress.records import EgressRecord
 
 __all__ = ["Services"]
-
-
-def _egress_event(fleet: Fleet, network: NetworkService, record: EgressRecord) -> None:
-    """Each connection (and HTTP request) the proxy let out or refused, as an event; a
-    refusal also in the audit log."""
-    network.refusals.note(record)
-    fields = record.to_json()
-    fields["record_id"], fields["began_at"] = fields.pop("id"), fields.pop("time")
-    fleet.events.publish("egress", **fields)
 
 
 @dataclass
 class Services:
     fleet: Fleet
+    admission: AdmissionControl
+    waker: Waker
     snapshots: SnapshotService
     images: ImageService
     transfer: SnapshotTransfer
@@ -84,29 +75,27 @@ class Services:
         driver: VMDriver | None = None,
         importer: Importer | None = None,
     ) -> Services:
-        fleet = Fleet(settings, store, metrics, driver)
+        # Built in the order they need each other, each given what it uses.
+        secrets = SecretService(store, SecretBox(settings.state_dir, settings.secrets_key_file))
+        fleet = Fleet(settings, store, metrics, secrets, driver)
+        hibernation = HibernateService(fleet)
+        reclaim = Reclaimer(fleet, hibernation, metrics.observe_eviction)
+        admission = AdmissionControl(settings, fleet.vm_memory, reclaim, fleet.memory)
+        pausing = PauseService(fleet, hibernation, WakeService(fleet, admission))
+        waker = Waker(fleet, pausing.resume_for_request, metrics.observe_wake)
         volumes = VolumeService(fleet)
         image_service = ImageService(fleet, importer)
-        snapshots = SnapshotService(fleet, volumes, image_service)
-        sandboxes = SandboxService(fleet, snapshots)
+        snapshots = SnapshotService(fleet, admission, volumes, image_service)
+        sandboxes = SandboxService(fleet, admission, waker, snapshots)
         branches = BranchService(fleet, snapshots)
-        pausing = PauseService(fleet, sandboxes)
-        fleet.waker = Waker(pausing.resume_for_request, metrics.observe_wake)
-        reclaim = Reclaimer(fleet, pausing, metrics.observe_eviction)
-        fleet.make_room = reclaim.make_room
-        fleet.admission.reclaim_hint = reclaim.busy_summary
         expiry = Expiry(fleet, pausing, branches)
         files = FileTransferService(sandboxes)
-        secrets = SecretService(store, SecretBox(settings.state_dir, settings.secrets_key_file))
-        fleet.egress_ca = EgressCA(settings.state_dir)
-        fleet.egress.interception = Interceptor(fleet.egress_ca, secrets, settings.egress_ca_file)
         network = NetworkService(fleet)
-        fleet.egress.log.notify = functools.partial(_egress_event, fleet, network)
-        explore = ExploreService(fleet, branches, sandboxes, snapshots)
-        explore.set_network = network.update
-        secrets.users = network.rules_naming
+        explore = ExploreService(fleet, admission, branches, sandboxes, snapshots, network)
         return cls(
             fleet=fleet,
+            admission=admission,
+            waker=waker,
             snapshots=snapshots,
             images=image_service,
             transfer=SnapshotTransfer(fleet, snapshots),
@@ -115,9 +104,9 @@ class Services:
             explore=explore,
             pausing=pausing,
             processes=ProcessService(sandboxes),
-            ports=PortService(fleet),
+            ports=PortService(fleet, waker),
             files=files,
-            diffs=DiffService(fleet, sandboxes, files),
+            diffs=DiffService(fleet, waker, sandboxes, files),
             volumes=volumes,
             expiry=expiry,
             lifecycle=Lifecycle(fleet, expiry.expire),

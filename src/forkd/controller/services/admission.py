@@ -10,6 +10,9 @@ Three limits, each a 429 that names itself and says by how much it would be pass
 - the host's real memory (``--memory-reserve``): what a new sandbox will really
   hold (its fork estimate, :mod:`.host_memory`) must fit in what the host has
   available, less the reserve and less what sandboxes still starting will take.
+
+Before the last is checked, reclaim (:mod:`.reclaim`) is asked to make room:
+:meth:`AdmissionControl.make_room_for`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from forkd.controller.services.host_memory import MemoryWatch
 from forkd.controller.settings import Settings
@@ -35,21 +39,29 @@ class Admission:
     ids: set[str] = field(default_factory=set)  # its sandboxes' ids, once known
 
 
+class Reclaim(Protocol):
+    """What admission asks of reclaim (:class:`~.reclaim.Reclaimer`)."""
+
+    async def make_room(self, mib: int) -> list[str]: ...
+    def busy_summary(self) -> str: ...
+
+
 class AdmissionControl:
-    """``running()``: the guest MiB of each sandbox's running VM, by sandbox id."""
+    """``running()``: the guest MiB of each sandbox's running VM, by sandbox id;
+    ``reclaim``: hibernates idle sandboxes to make room, and says why it could not."""
 
     def __init__(
         self,
         settings: Settings,
         running: Callable[[], Mapping[str, int]],
+        reclaim: Reclaim,
         memory: MemoryWatch | None = None,
     ) -> None:
         self._settings = settings
         self._running = running
         self._memory = memory  # None: no check against the host's real memory
         self._admitted: list[Admission] = []  # requests starting VMs right now
-        # Why reclaim could not make room, for the real-memory 429 (set by Services).
-        self.reclaim_hint: Callable[[], str] | None = None
+        self._reclaim = reclaim
 
     def holding(self) -> int:
         """How many requests hold room now."""
@@ -127,6 +139,15 @@ class AdmissionControl:
         ratio = self._settings.memory_overcommit
         return "--max-guest-memory" if ratio is None else f"--memory-overcommit {ratio:g}"
 
+    async def make_room_for(
+        self, sandboxes: int, origin: Path | None = None, template_mib: int = 0
+    ) -> None:
+        """Before admitting new VMs: when the host's memory would not hold them, have
+        reclaim hibernate idle sandboxes for what they lack."""
+        short = self.host_shortfall_mib(sandboxes, template_mib, origin)
+        if short > 0:
+            await self._reclaim.make_room(short)
+
     def host_shortfall_mib(
         self, sandboxes: int, template_mib: int = 0, origin: Path | None = None
     ) -> int:
@@ -160,7 +181,7 @@ class AdmissionControl:
             available = left + self._settings.memory_reserve_mib + promised
             parts = [f"{sandboxes} x {estimate} MiB a sandbox of it holds"] if sandboxes else []
             parts += [f"{template_mib} MiB of a template's guest"] if template_mib else []
-            hint = f"; {self.reclaim_hint()}" if self.reclaim_hint is not None else ""
+            hint = f"; {self._reclaim.busy_summary()}"
             raise OverCapacity(
                 f"{what}: needs about {need} MiB of host memory ({', '.join(parts)}) and "
                 f"{max(left, 0)} MiB are left, short by {need - max(left, 0)}: the host has "

@@ -48,6 +48,7 @@ from forkd.controller.services.manifests import (
 )
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService
+from forkd.controller.services.waking import Waker
 from forkd.controller.store import SandboxRow, SnapshotRow
 from forkd.errors import Conflict, ForkdError, GuestError, NotFound
 from forkd.vmm.snapshot import files as snapshot_files
@@ -76,8 +77,15 @@ class _Pair:
 
 
 class DiffService:
-    def __init__(self, fleet: Fleet, sandboxes: SandboxService, files: FileTransferService) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        waker: Waker,
+        sandboxes: SandboxService,
+        files: FileTransferService,
+    ) -> None:
         self.fleet = fleet
+        self.waker = waker
         self.sandboxes = sandboxes
         self.files = files
         self._reading: dict[tuple[str, str], asyncio.Lock] = {}
@@ -129,7 +137,7 @@ class DiffService:
 
     async def _sides(self, sandbox_id: str, path: str, against: str | None) -> _Pair:
         row = self.fleet.sandbox_row(sandbox_id)
-        await self.fleet.running(sandbox_id)  # woken, or 409 unless it runs
+        await self.waker.running(sandbox_id)  # woken, or 409 unless it runs
         against = against or row.snapshot_tag
         other = self.fleet.store.get_sandbox(against)
         snap = None if other is not None else self.fleet.store.get_snapshot(against)

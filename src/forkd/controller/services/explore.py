@@ -30,12 +30,11 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from forkd import limits
-from forkd.controller.egress_models import NetworkPolicy
 from forkd.controller.models import (
     BranchRequest,
     EvalRequest,
@@ -48,8 +47,10 @@ from forkd.controller.models import (
     SandboxInfo,
     SnapshotInfo,
 )
+from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.branches import BranchService
 from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.network import NetworkService
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.store import merged_labels
@@ -193,17 +194,19 @@ class ExploreService:
     def __init__(
         self,
         fleet: Fleet,
+        admission: AdmissionControl,
         branches: BranchService,
         sandboxes: SandboxService,
         snapshots: SnapshotService,
+        network: NetworkService,
     ) -> None:
         self.fleet = fleet
+        self.admission = admission
         self.branches = branches
         self.sandboxes = sandboxes
         self.snapshots = snapshots
+        self.network = network  # a variant's own network policy is set on its child
         self.taking_back: set[asyncio.Task[None]] = set()  # awaited when the daemon stops
-        # A variant's own network policy, set on its child (NetworkService.update).
-        self.set_network: Callable[[str, NetworkPolicy], Awaitable[object]] | None = None
 
     async def explore(self, source_id: str, req: ExploreRequest) -> ExploreResult:
         started = time.monotonic()
@@ -243,7 +246,7 @@ class ExploreService:
         vm = self.fleet.vms.get(source_id)
         if vm is not None:  # room for the children, asked now (held when they fork)
             what = f"exploring {len(req.variants)} variants of {source_id}"
-            with self.fleet.admission.admit(what, len(req.variants), vm.machine.memory_mib):
+            with self.admission.admit(what, len(req.variants), vm.machine.memory_mib):
                 pass
         return tag
 
@@ -259,8 +262,8 @@ class ExploreService:
         fork_ms = (time.monotonic() - forked) * 1000
         for i, (child, step) in enumerate(zip(children, req.variants, strict=True)):
             self.fleet.store.add_sandbox_labels(child.id, {VARIANT: str(i)})
-            if step.network is not None and self.set_network is not None:
-                await self.set_network(child.id, step.network)
+            if step.network is not None:
+                await self.network.update(child.id, step.network)
         outcomes = await asyncio.gather(*(
             self._variant(_Outcome(i, child.id), step, req, source_id, tag, deadline)
             for i, (child, step) in enumerate(zip(children, req.variants, strict=True))

@@ -1,12 +1,15 @@
 """The daemon's registry of live VMs: which sandbox runs in which VM, its record,
 and how one stops.
 
-Every service shares one :class:`Fleet`. What spans services has a home of its
-own beside it: :class:`~forkd.controller.services.admission.AdmissionControl`
-(the caps), :class:`~forkd.controller.services.holds.Holds` (the named guards one
-request takes against another) and :class:`~forkd.controller.services.activity.Activity`
-(idle clocks and pause counts). The VM driver is a parameter, so unit tests run
-the real services and the real app over a fake driver.
+The services share one :class:`Fleet`: the VMs, the store, the events, the
+egress proxy. What spans services has a home of its own beside it:
+:class:`~forkd.controller.services.holds.Holds` (the named guards one request
+takes against another) and :class:`~forkd.controller.services.activity.Activity`
+(idle clocks and pause counts); the caps
+(:class:`~forkd.controller.services.admission.AdmissionControl`) and waking a
+sandbox for a request (:class:`~forkd.controller.services.waking.Waker`) are
+services of their own, built on it. The VM driver is a parameter, so unit tests
+run the real services and the real app over a fake driver.
 """
 
 from __future__ import annotations
@@ -17,23 +20,24 @@ import difflib
 import functools
 import logging
 import shutil
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from forkd.controller.metrics import Metrics
 from forkd.controller.services.activity import Activity
-from forkd.controller.services.admission import AdmissionControl
+from forkd.controller.services.egress_audit import EgressReport
 from forkd.controller.services.events import EventBus
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.holds import Holds
 from forkd.controller.services.host_memory import MemoryWatch
 from forkd.controller.services.sandbox_vm import SandboxVM
-from forkd.controller.services.waking import Waker
 from forkd.controller.settings import Settings
 from forkd.controller.store import SandboxRow, SnapshotRow, Store
 from forkd.egress.ca import EgressCA
+from forkd.egress.intercept import Interceptor, SecretSource
 from forkd.egress.proxy import EgressProxy
+from forkd.egress.records import EgressLog
 from forkd.egress.resolver import PinnedHosts, Resolver
 from forkd.errors import Conflict, ForkdError, NotFound
 from forkd.guest.image import Image
@@ -120,8 +124,10 @@ class Fleet:
         settings: Settings,
         store: Store,
         metrics: Metrics,
+        secrets: SecretSource,
         driver: VMDriver | None = None,
     ) -> None:
+        """``secrets``: what the egress proxy puts into intercepted requests."""
         if driver is None:
             from forkd.vmm.vm import VM
 
@@ -136,30 +142,25 @@ class Fleet:
         self.memory = MemoryWatch(
             lambda: self.vms, cgroup_root=settings.cgroup_root, cgroup_parent=settings.cgroup_parent
         )
-        self.admission = AdmissionControl(
-            settings,
-            lambda: {sid: vm.machine.memory_mib for sid, vm in self.vms.items()},
-            self.memory,
-        )
         self.events = EventBus()  # lifecycle events: every service publishes here
-        self.waker: Waker | None = None  # wakes a sandbox for a request (set by Services)
         # Sandboxes reclaim is hibernating now: set once each one is (.reclaim).
         self.evicting: dict[str, asyncio.Event] = {}
-        # Frees host memory for a new sandbox by hibernating idle ones (set by Services).
-        self.make_room: Callable[[int], Awaitable[list[str]]] | None = None
         self.hibernated = HibernatedFiles(settings.snapshot_root)
         self.network = HostNetwork(
             settings.sandbox_cidr, settings.network, settings.egress_host_networks
         )
+        self.egress_ca = EgressCA(settings.state_dir)  # made at the first interception
+        self.egress_report = EgressReport(self.events)
         self.egress = EgressProxy(
             Resolver(PinnedHosts(settings.egress_hosts)),
             settings.sandbox_cidr,
+            EgressLog(self.egress_report),
+            Interceptor(self.egress_ca, secrets, settings.egress_ca_file),
             dns_upstream=self.network.resolver,
             rate=settings.egress_rate,
         )
         if settings.egress_proxy:
             self.network.use_egress(self.egress)
-        self.egress_ca: EgressCA | None = None  # the proxy's CA (set by Services)
         self.cgroups = _cgroup_hierarchy(settings)
         self.pool: ForkPool[SandboxVM] = ForkPool(
             settings.run_dir,
@@ -191,18 +192,11 @@ class Fleet:
         with self.holds.new_tag(tag):
             yield tag
 
-    # ------------------------------------------------------------- admission
+    # ------------------------------------------------------------- placement
 
-    async def make_room_for(
-        self, sandboxes: int, origin: Path | None = None, template_mib: int = 0
-    ) -> None:
-        """Before admitting new VMs: when the host's memory would not hold them, have
-        reclaim hibernate idle sandboxes for what they lack (:mod:`.reclaim`)."""
-        if self.make_room is None:
-            return
-        short = self.admission.host_shortfall_mib(sandboxes, template_mib, origin)
-        if short > 0:
-            await self.make_room(short)
+    def vm_memory(self) -> dict[str, int]:
+        """Each sandbox VM's guest memory, in MiB (for the caps)."""
+        return {sid: vm.machine.memory_mib for sid, vm in self.vms.items()}
 
     def placement(self, memory_limit_mib: int | None = None) -> cgroups.Placement | None:
         """Where a new VM's cgroup goes (None: the host has none for us)."""
@@ -231,23 +225,6 @@ class Fleet:
         return row
 
     # ------------------------------------------------------------- VMs
-
-    async def running(self, sandbox_id: str) -> SandboxVM:
-        """The running VM of ``sandbox_id`` for a request: a paused or hibernated sandbox
-        is woken first (:mod:`.waking`) unless it was made with ``auto_resume`` false;
-        then as :meth:`live`."""
-        row = self.sandbox_row(sandbox_id)
-        evicting = self.evicting.get(sandbox_id)
-        if evicting is not None:  # reclaim is hibernating it: then wake it
-            await evicting.wait()
-            row = self.sandbox_row(sandbox_id)
-        if (
-            row.state in (SandboxState.PAUSED, SandboxState.HIBERNATED)
-            and row.auto_resume
-            and self.waker is not None
-        ):
-            await self.waker(sandbox_id)
-        return self.live(sandbox_id)
 
     def live(self, sandbox_id: str, paused_ok: bool = False) -> SandboxVM:
         """The running VM of ``sandbox_id``; :class:`Conflict` when it is not running

@@ -24,6 +24,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
@@ -113,6 +114,15 @@ class HibernateService:
             return type(reason)(f"hibernating {sandbox_id}: {reason}")
         return VMError(f"hibernating sandbox {sandbox_id!r} failed: {exc}")
 
+
+class WakeService:
+    """A hibernated sandbox restored into a new QEMU: room is made for it first
+    (reclaim may hibernate others), then it is admitted as a fork is."""
+
+    def __init__(self, fleet: Fleet, admission: AdmissionControl) -> None:
+        self.fleet = fleet
+        self.admission = admission
+
     async def wake(self, sandbox_id: str) -> None:
         """Restore the hibernated sandbox into a new QEMU, running.
 
@@ -129,8 +139,8 @@ class HibernateService:
             raise VMError(
                 f"waking sandbox {sandbox_id!r} failed, it stays hibernated: {exc}"
             ) from exc
-        await fleet.make_room_for(1)
-        with fleet.admission.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
+        await self.admission.make_room_for(1)
+        with self.admission.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
             held.ids.add(sandbox_id)
             with fleet.holds.waking(sandbox_id):
                 vm = await self._restore(sandbox_id, state_dir, row.memory_limit_mib)

@@ -29,6 +29,7 @@ class Holds:
         self._hibernated_readers: dict[str, list[asyncio.Event]] = {}
         self._volume_layer_ops = 0  # starts holding volume layers no registry names yet
         self._waking: set[str] = set()  # hibernated sandboxes being restored
+        self._wanted: set[str] = set()  # paused or hibernated sandboxes a request wakes
 
     # ------------------------------------------------------------ snapshots
 
@@ -141,6 +142,17 @@ class Holds:
     def is_waking(self, sandbox_id: str) -> bool:
         return sandbox_id in self._waking
 
+    def want(self, sandbox_id: str) -> None:
+        """A request is waking ``sandbox_id`` (:mod:`.waking`), until :meth:`unwant`:
+        reclaim leaves it be."""
+        self._wanted.add(sandbox_id)
+
+    def unwant(self, sandbox_id: str) -> None:
+        self._wanted.discard(sandbox_id)
+
+    def is_wanted(self, sandbox_id: str) -> bool:
+        return sandbox_id in self._wanted
+
     # ------------------------------------------------------------ volumes
 
     @contextlib.contextmanager
@@ -165,6 +177,7 @@ class Holds:
             + [f"deleting {t}" for t in self._deleting]
             + [f"reading hibernated {s}" for s in self._hibernated_readers]
             + [f"waking {s}" for s in self._waking]
+            + [f"wanted {s}" for s in self._wanted]
             + [f"lock {s}" for s, lock in self._sandbox_locks.items() if lock.locked()]
             + (["volume layers"] if self._volume_layer_ops else [])
         )

@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from forkd.controller.audit import Throttle
 from forkd.controller.egress_models import EgressPage, EgressRecordInfo, NetworkInfo, NetworkPolicy
 from forkd.egress.records import EgressRecord
 from forkd.errors import Conflict
@@ -31,34 +28,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_PAGE = 1000
-AUDIT_REFUSALS_PER_SEC = 20  # a sandbox's refusals written to the audit log; the rest counted
-
-
-class RefusalAudit:
-    """Each connection the proxy refused, a line in the audit log (at most
-    AUDIT_REFUSALS_PER_SEC a second a sandbox: a flood is one summary line)."""
-
-    def __init__(self) -> None:
-        self.write: Callable[..., None] | None = None  # set by the app with its audit log
-        self._throttle = Throttle(AUDIT_REFUSALS_PER_SEC)
-
-    def note(self, record: EgressRecord) -> None:
-        if self.write is None or record.verdict != "refused":
-            return
-        second = int(time.monotonic())
-        for sandbox_id, n in self._throttle.summaries(second):
-            self.write(event="egress_refused", sandbox_id=sandbox_id, suppressed=n)
-        if self._throttle.admit(record.sandbox_id, second):
-            self.write(event="egress_refused", sandbox_id=record.sandbox_id, kind=record.kind,
-                       host=record.host, port=record.port, address=record.address,
-                       method=record.method, path=record.path, reason=record.reason)  # fmt: skip
 
 
 class NetworkService:
     def __init__(self, fleet: Fleet) -> None:
         self.fleet = fleet
         self._changing: dict[str, asyncio.Lock] = {}
-        self.refusals = RefusalAudit()
 
     def policy(self, sandbox_id: str) -> Egress:
         """The policy of ``sandbox_id`` now: the proxy's, its VM's, or (hibernated) the one

@@ -13,14 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
-from forkd.controller.models import SandboxInfo
 from forkd.controller.services.fleet import Fleet
-from forkd.controller.services.hibernation import HibernateService
+from forkd.controller.services.hibernation import HibernateService, WakeService
 from forkd.controller.services.sandbox_vm import SandboxVM
-from forkd.controller.services.sandboxes import SandboxService, expiry_in
-from forkd.controller.store import SandboxRow
+from forkd.controller.services.sandboxes import expiry_in
 from forkd.errors import Busy, Conflict, ForkdError, VMError
 from forkd.states import SandboxState
 
@@ -28,19 +25,19 @@ log = logging.getLogger(__name__)
 
 
 class PauseService:
-    def __init__(self, fleet: Fleet, sandboxes: SandboxService) -> None:
+    def __init__(self, fleet: Fleet, hibernation: HibernateService, waking: WakeService) -> None:
         self.fleet = fleet
-        self.sandboxes = sandboxes
-        self.hibernation = HibernateService(fleet)
+        self.hibernation = hibernation
+        self.waking = waking
 
-    async def pause(self, sandbox_id: str, hibernate: bool = False) -> SandboxInfo:
+    async def pause(self, sandbox_id: str, hibernate: bool = False) -> None:
         """Stop the sandbox's vCPUs; :class:`Conflict` unless it is running. With
         ``hibernate``, a running or paused sandbox is written to disk and its QEMU ended."""
         if hibernate:
             async with self._lock(sandbox_id):
                 await self.hibernation.hibernate(sandbox_id)
             self.fleet.events.publish("hibernated", sandbox_id=sandbox_id)
-            return self.sandboxes.info(sandbox_id)
+            return
         async with self._lock(sandbox_id):
             vm = self._vm_in(sandbox_id, SandboxState.RUNNING, "already paused")
             try:
@@ -50,46 +47,20 @@ class PauseService:
             self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
             self.fleet.activity.count_pause(sandbox_id)
         self.fleet.events.publish("paused", sandbox_id=sandbox_id)
-        return self.sandboxes.info(sandbox_id)
 
-    async def resume(self, sandbox_id: str, timeout_s: float | None = None) -> SandboxInfo:
+    async def resume(self, sandbox_id: str, timeout_s: float | None = None) -> None:
         """Run the paused sandbox again and set its clock, or wake the hibernated one;
         :class:`Conflict` unless it is paused or hibernated. ``timeout_s``: its new
         timeout from now (none: as it was; a woken one has none)."""
         async with self._lock(sandbox_id):
             woke = self.fleet.sandbox_row(sandbox_id).state == SandboxState.HIBERNATED
             if woke:
-                await self.hibernation.wake(sandbox_id)
+                await self.waking.wake(sandbox_id)
             else:
                 await self._resume_paused(sandbox_id)
             if timeout_s is not None:
                 self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=expiry_in(timeout_s))
         self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
-        return self.sandboxes.info(sandbox_id)
-
-    async def evict(self, sandbox_id: str, idle: Callable[[SandboxRow], bool]) -> bool:
-        """Hibernate the sandbox for reclaim (:mod:`.reclaim`) if ``idle(row)`` still
-        holds once its lock is taken; whether it was. A request that comes meanwhile
-        waits for the hibernation to end, then wakes it (:meth:`Fleet.running`)."""
-        fleet = self.fleet
-        row = fleet.store.get_sandbox(sandbox_id)
-        if row is None or not idle(row):
-            return False
-        done = fleet.evicting[sandbox_id] = asyncio.Event()
-        try:
-            async with fleet.holds.sandbox_lock(sandbox_id):
-                row = fleet.store.get_sandbox(sandbox_id)
-                if (
-                    row is None
-                    or row.state not in (SandboxState.RUNNING, SandboxState.PAUSED)
-                    or not idle(row)
-                ):
-                    return False
-                await self.hibernation.hibernate(sandbox_id, keep_timeout=True)
-            return True
-        finally:
-            del fleet.evicting[sandbox_id]
-            done.set()
 
     async def resume_for_request(self, sandbox_id: str) -> str | None:
         """Resume or wake the sandbox a request needs running (:mod:`.waking`): the state
@@ -98,7 +69,7 @@ class PauseService:
         async with self._lock(sandbox_id):
             was = self.fleet.sandbox_row(sandbox_id).state
             if was == SandboxState.HIBERNATED:
-                await self.hibernation.wake(sandbox_id)
+                await self.waking.wake(sandbox_id)
             elif was == SandboxState.PAUSED:
                 await self._resume_paused(sandbox_id)
             else:

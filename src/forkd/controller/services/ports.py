@@ -20,6 +20,7 @@ from forkd.controller.models import PreviewInfo, PreviewRequest
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.preview_tokens import PreviewKey, parse
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.waking import Waker
 from forkd.errors import Busy, Forbidden, NotFound
 from forkd.states import SandboxState
 from forkd.vmm.agent.ports import check_guest_port
@@ -68,8 +69,9 @@ def parse_port(text: str) -> int:
 
 
 class PortService:
-    def __init__(self, fleet: Fleet) -> None:
+    def __init__(self, fleet: Fleet, waker: Waker) -> None:
         self.fleet = fleet
+        self.waker = waker
         self.key = PreviewKey(fleet.settings.state_dir)
         self._open: dict[str, int] = {}  # sandbox id -> its proxied connections now
         self._previews: dict[str, int] = {}  # sandbox id -> those of preview URLs' holders
@@ -86,7 +88,7 @@ class PortService:
         ``auto_resume`` false), :class:`Busy` at the cap.
         """
         check_guest_port(port)
-        vm = await self.fleet.running(sandbox_id)
+        vm = await self.waker.running(sandbox_id)
         held = self._open.get(sandbox_id, 0)
         if held >= MAX_CONNECTIONS_PER_SANDBOX:
             raise Busy(f"sandbox {sandbox_id!r} has {held} proxied connections open, the most "

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from forkd.controller.services.fleet import Fleet
-from forkd.controller.services.pausing import PauseService
+from forkd.controller.services.hibernation import HibernateService
 from forkd.controller.services.periodic import Periodic, finish_or_cancel
 from forkd.controller.store import SandboxRow
 from forkd.errors import ForkdError, StorageFull
@@ -51,11 +51,11 @@ class Reclaimer:
     def __init__(
         self,
         fleet: Fleet,
-        pausing: PauseService,
+        hibernation: HibernateService,
         observe: Callable[[], None] | None = None,
     ) -> None:
         self.fleet = fleet
-        self.pausing = pausing
+        self.hibernation = hibernation
         self._observe = observe  # counts one eviction in the metrics
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
         self._lock = asyncio.Lock()  # one pass at a time: the loop's or a fork's
@@ -124,7 +124,7 @@ class Reclaimer:
             )
             and not activity.in_use(row.id)
             and now - activity.idle_since(row) >= idle_s
-            and not (self.fleet.waker is not None and self.fleet.waker.waking(row.id))
+            and not self.fleet.holds.is_wanted(row.id)
         )
 
     def busy_summary(self) -> str:
@@ -203,12 +203,12 @@ class Reclaimer:
     def _check_disk(self, row: SandboxRow) -> None:
         vm = self.fleet.vms.get(row.id)
         if vm is not None:
-            self.pausing.hibernation.check_disk(row.id, also_mib=vm.machine.memory_mib)
+            self.hibernation.check_disk(row.id, also_mib=vm.machine.memory_mib)
 
     async def _evict(self, row: SandboxRow, why: str) -> bool:
         available = self._available()
         try:
-            evicted = await self.pausing.evict(row.id, self._still_idle)
+            evicted = await self.evict(row.id, self._still_idle)
         except ForkdError as exc:
             log.warning("reclaim: hibernating sandbox %s failed: %s", row.id, exc)
             return False
@@ -226,6 +226,30 @@ class Reclaimer:
         if self.audit is not None:
             self.audit(event="evicted", sandbox=row.id, reason="memory", **fields)
         return True
+
+    async def evict(self, sandbox_id: str, idle: Callable[[SandboxRow], bool]) -> bool:
+        """Hibernate the sandbox if ``idle(row)`` still holds once its lock is taken;
+        whether it was. A request that comes meanwhile waits for the hibernation to
+        end, then wakes it (:meth:`.waking.Waker.running`)."""
+        fleet = self.fleet
+        row = fleet.store.get_sandbox(sandbox_id)
+        if row is None or not idle(row):
+            return False
+        done = fleet.evicting[sandbox_id] = asyncio.Event()
+        try:
+            async with fleet.holds.sandbox_lock(sandbox_id):
+                row = fleet.store.get_sandbox(sandbox_id)
+                if (
+                    row is None
+                    or row.state not in (SandboxState.RUNNING, SandboxState.PAUSED)
+                    or not idle(row)
+                ):
+                    return False
+                await self.hibernation.hibernate(sandbox_id, keep_timeout=True)
+            return True
+        finally:
+            del fleet.evicting[sandbox_id]
+            done.set()
 
     def _still_idle(self, row: SandboxRow) -> bool:
         """Checked again under the sandbox's lock, just before it is hibernated."""

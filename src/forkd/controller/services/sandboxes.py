@@ -29,10 +29,11 @@ from forkd.controller.models import (
     SandboxUpdate,
     TimeoutRequest,
 )
-from forkd.controller.services.admission import Admission
+from forkd.controller.services.admission import Admission, AdmissionControl
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, memory_file
+from forkd.controller.services.waking import Waker
 from forkd.controller.store import (
     SandboxChanges,
     SandboxRow,
@@ -127,8 +128,16 @@ def iso_time(unix: float | None) -> str | None:
 
 
 class SandboxService:
-    def __init__(self, fleet: Fleet, snapshots: SnapshotService) -> None:
+    def __init__(
+        self,
+        fleet: Fleet,
+        admission: AdmissionControl,
+        waker: Waker,
+        snapshots: SnapshotService,
+    ) -> None:
         self.fleet = fleet
+        self.admission = admission
+        self.waker = waker
         self.snapshots = snapshots
         self._fork_slots = asyncio.Semaphore(FORK_PARALLELISM)
 
@@ -156,9 +165,9 @@ class SandboxService:
         if req.memory_limit_mib is not None and self.fleet.cgroups.limits_memory:
             cgroups.check_memory_limit(req.memory_limit_mib, machine.memory_mib, machine.accel)
         what = f"forking {req.n} from {tag!r}"
-        self.fleet.admission.check_caps(what, req.n, machine.memory_mib)  # before any eviction
-        await self.fleet.make_room_for(req.n, snap_dir)
-        with self.fleet.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
+        self.admission.check_caps(what, req.n, machine.memory_mib)  # before any eviction
+        await self.admission.make_room_for(req.n, snap_dir)
+        with self.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
             return await self._fork_all(req, tag, snap_dir, policy, held, pool)
 
     async def _fork_all(
@@ -376,7 +385,7 @@ class SandboxService:
         ``wake``: a paused or hibernated sandbox is resumed first (:mod:`.waking`);
         without it, such a sandbox is a 409.
         """
-        vm = await self.fleet.running(sandbox_id) if wake else self.fleet.live(sandbox_id)
+        vm = await self.waker.running(sandbox_id) if wake else self.fleet.live(sandbox_id)
         try:
             return await call(vm)
         except AgentError as exc:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Sequence
 
 from forkd import limits
 from forkd.controller import log_redaction
@@ -38,9 +38,6 @@ class SecretService:
         self._hosts: dict[str, list[Destination]] = {}
         self._used: dict[str, float] = {}  # uses not yet in the database
         self._flushed_at = 0.0
-        # The sandboxes whose network rules name a secret (set by the egress service):
-        # a secret they use is not deleted without force.
-        self.users: Callable[[str], list[str]] = lambda name: []
 
     def start(self) -> None:
         """Check the key and open every secret (a value that does not open is logged by
@@ -101,9 +98,12 @@ class SecretService:
                  ", ".join(old.hosts))  # fmt: skip
         return self._info(row)
 
-    def delete(self, name: str, force: bool = False) -> None:
+    def delete(self, name: str, *, named_by: Sequence[str], force: bool = False) -> None:
+        """``named_by``: the running sandboxes whose network rules name the secret
+        (:meth:`~.network.NetworkService.rules_naming`); :class:`Conflict` while there
+        are some, unless ``force``."""
         self._row(name)
-        users = self.users(name)
+        users = named_by
         if users and not force:
             raise Conflict(
                 f"secret {name!r} is named by the network rules of {', '.join(users[:5])}"

@@ -23,6 +23,7 @@ from forkd import __version__, accel, limits
 from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.models import CapacityInfo, SnapshotCreate, SnapshotInfo
 from forkd.controller.services import template_start
+from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.images import ImageService
@@ -88,11 +89,16 @@ def _memory_mib(req: SnapshotCreate, img: images.Image) -> int:
 
 class SnapshotService:
     def __init__(
-        self, fleet: Fleet, volumes: VolumeService, images: ImageService | None = None
+        self,
+        fleet: Fleet,
+        admission: AdmissionControl,
+        volumes: VolumeService,
+        images: ImageService,
     ) -> None:
         self.fleet = fleet
+        self.admission = admission
         self.volumes = volumes
-        self.images = images or ImageService(fleet)
+        self.images = images
         self.root = fleet.settings.snapshot_root
         # Compaction and deletion change files under the root: one at a time.
         self._disk_lock = asyncio.Lock()
@@ -108,7 +114,7 @@ class SnapshotService:
             reserve = self.fleet.settings.disk_reserve_mib
             require_room(self.root, reserve, f"building snapshot {tag!r}")
             with (
-                self.fleet.admission.admit(
+                self.admission.admit(
                     f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)
                 ),
                 self.fleet.holds.volume_layers(),
@@ -330,7 +336,7 @@ class SnapshotService:
 
     def capacity(self) -> CapacityInfo:
         fleet = self.fleet
-        count, mib = fleet.admission.in_use()
+        count, mib = self.admission.in_use()
         try:
             host = fleet.memory.host()
         except (OSError, KeyError, ValueError):  # no /proc/meminfo: not Linux, a jail

@@ -4,8 +4,7 @@ with ``auto_resume: false`` answers 409 instead, as before.
 
 Every route that talks to the guest (exec, eval, files, processes, terminals,
 diffs, the port proxy and preview URLs) reaches it through
-:meth:`~forkd.controller.services.fleet.Fleet.running`, which calls the
-:class:`Waker`. Concurrent requests share one resume, and a resume that fails
+:meth:`Waker.running`. Concurrent requests share one resume, and a resume that fails
 is each one's failure, with the same error. A followed output stream does not
 wake its sandbox: it waits, as it did, for someone to resume it.
 
@@ -22,8 +21,14 @@ import contextlib
 import contextvars
 import time
 from collections.abc import Awaitable, Callable, Iterator
+from typing import TYPE_CHECKING
 
 from forkd.controller.services.periodic import finish_or_cancel
+from forkd.states import SandboxState
+
+if TYPE_CHECKING:
+    from forkd.controller.services.fleet import Fleet
+    from forkd.controller.services.sandbox_vm import SandboxVM
 
 # The request being answered: the wakes it waited for, in ms (None outside a request).
 _WAITED: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar(
@@ -53,10 +58,25 @@ class Waker:
     (under its lock) and says which it was; ``observe`` counts a wake in the metrics.
     """
 
-    def __init__(self, resume: Resume, observe: Observe | None = None) -> None:
+    def __init__(self, fleet: Fleet, resume: Resume, observe: Observe | None = None) -> None:
+        self._fleet = fleet
         self._resume = resume
         self._observe = observe
         self._waking: dict[str, asyncio.Future[float]] = {}
+
+    async def running(self, sandbox_id: str) -> SandboxVM:
+        """The running VM of ``sandbox_id`` for a request: a paused or hibernated sandbox
+        is woken first unless it was made with ``auto_resume`` false; then as
+        :meth:`Fleet.live <forkd.controller.services.fleet.Fleet.live>`."""
+        fleet = self._fleet
+        row = fleet.sandbox_row(sandbox_id)
+        evicting = fleet.evicting.get(sandbox_id)
+        if evicting is not None:  # reclaim is hibernating it: then wake it
+            await evicting.wait()
+            row = fleet.sandbox_row(sandbox_id)
+        if row.state in (SandboxState.PAUSED, SandboxState.HIBERNATED) and row.auto_resume:
+            await self(sandbox_id)
+        return fleet.live(sandbox_id)
 
     async def __call__(self, sandbox_id: str) -> float:
         """Wake the sandbox (or wait for the wake already under way); the ms it took."""
@@ -64,6 +84,7 @@ class Waker:
         if shared is None:
             shared = asyncio.ensure_future(self._wake(sandbox_id))
             self._waking[sandbox_id] = shared
+            self._fleet.holds.want(sandbox_id)  # until _done
             shared.add_done_callback(lambda done: self._done(sandbox_id, done))
         # A waiter that leaves (its client gone) does not cancel the others' wake.
         ms = await asyncio.shield(shared)
@@ -92,5 +113,6 @@ class Waker:
     def _done(self, sandbox_id: str, done: asyncio.Future[float]) -> None:
         if self._waking.get(sandbox_id) is done:
             del self._waking[sandbox_id]
+            self._fleet.holds.unwant(sandbox_id)
         if not done.cancelled():
             done.exception()  # retrieved: every waiter may have gone
