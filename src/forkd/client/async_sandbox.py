@@ -25,14 +25,14 @@ import os
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Unpack
 
 from forkd.client.async_controller import AsyncController
 from forkd.client.async_sockets import AsyncPtyHandle
 from forkd.client.commands import FOREGROUND_TIMEOUT_SECS, HandleOutput
 from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
-from forkd.client.explore import DiffResult, ExploreResult, Step
+from forkd.client.explore import DiffResult, ExploreOptions, ExploreResult, Step
 from forkd.client.files import WriteData, _body, _file_chunks
 from forkd.client.local_file import staged_file
 from forkd.client.pty import LOGIN_SHELL, DataCallback
@@ -375,21 +375,11 @@ class AsyncSandbox(SandboxView):
         self,
         variants: Sequence[Step],
         score: Step | None = None,
-        *,
-        keep: int = 1,
-        keep_as: str | None = None,
-        minimize: bool = False,
-        timeout_secs: float | None = None,
-        seed: int | None = None,
-        tag: str | None = None,
-        metadata: dict[str, str] | None = None,
+        **options: Unpack[ExploreOptions],
     ) -> ExploreResult:
         """Try each variant in its own copy, score, keep the best (see ``Sandbox.explore``).
         Cancelling it cancels the explore: the daemon kills what it made."""
-        return await self._controller.explore_sandbox(
-            self.id, variants, score, keep=keep, keep_as=keep_as, minimize=minimize,
-            timeout_secs=timeout_secs, seed=seed, tag=tag, metadata=metadata,
-        )  # fmt: skip
+        return await self._controller.explore_sandbox(self.id, variants, score, **options)
 
     def get_url(self, port: int, path: str = "/") -> str:
         """The daemon's proxy URL of guest TCP ``port`` (it needs the bearer token)."""

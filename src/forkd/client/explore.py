@@ -12,11 +12,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypedDict
 
 from forkd.client.connection import JSONDict
 
 Step: TypeAlias = str | Sequence[str] | dict[str, Any]
+
+
+class ExploreOptions(TypedDict, total=False):
+    """An explore's keywords beside its variants and score, as ``Sandbox.explore`` and
+    ``AsyncSandbox.explore`` take them (``Controller.explore_sandbox`` documents each)."""
+
+    keep: int  # how many of the best to keep (default 1)
+    keep_as: str | None  # "sandboxes" (default) or "snapshots"
+    minimize: bool  # lower scores are better
+    timeout_secs: float | None  # bounds every variant (default 300)
+    seed: int | None  # variant i's child gets seed + i
+    tag: str | None  # the branch the children are forked from
+    metadata: dict[str, str] | None  # labels of every child
 
 
 def step_body(step: Step) -> JSONDict:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
 from forkd.client.commands import Commands
 from forkd.client.connection import JSONDict
 from forkd.client.controller import KEEP, Controller
 from forkd.client.errors import ControllerError
-from forkd.client.explore import DiffResult, ExploreResult, Step
+from forkd.client.explore import DiffResult, ExploreOptions, ExploreResult, Step
 from forkd.client.files import Files
 from forkd.client.pty import Pty
 from forkd.client.results import EvalResult
@@ -281,14 +281,7 @@ class Sandbox(SandboxView):
         self,
         variants: Sequence[Step],
         score: Step | None = None,
-        *,
-        keep: int = 1,
-        keep_as: str | None = None,
-        minimize: bool = False,
-        timeout_secs: float | None = None,
-        seed: int | None = None,
-        tag: str | None = None,
-        metadata: dict[str, str] | None = None,
+        **options: Unpack[ExploreOptions],
     ) -> ExploreResult:
         """Try each of ``variants`` in its own copy of this sandbox, score each, keep the
         best ``keep`` copies running (``keep_as="snapshots"``: as snapshots) and kill the
@@ -310,10 +303,7 @@ class Sandbox(SandboxView):
             winner = Sandbox(sandbox_id=res.best.sandbox_id)  # it runs on; the rest are gone
             print(res.best.score, winner.diff("/work", format="patch"))
         """
-        return self._controller.explore_sandbox(
-            self.id, variants, score, keep=keep, keep_as=keep_as, minimize=minimize,
-            timeout_secs=timeout_secs, seed=seed, tag=tag, metadata=metadata,
-        )  # fmt: skip
+        return self._controller.explore_sandbox(self.id, variants, score, **options)
 
     def get_url(self, port: int, path: str = "/") -> str:
         """The daemon's proxy URL of guest TCP ``port`` at ``path``; every request to it

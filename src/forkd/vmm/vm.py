@@ -30,7 +30,7 @@ import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Required, TypedDict, Unpack
 
 from forkd import accel, limits
 from forkd.errors import AgentError, SnapshotError, VMError
@@ -78,6 +78,18 @@ def _run_dir(run_root: Path, vm_id: str, undo: contextlib.AsyncExitStack) -> Run
 
 def new_vm_id() -> str:
     return f"vm-{secrets.token_hex(4)}"
+
+
+class SpawnOptions(TypedDict, total=False):
+    """The keywords of :meth:`VM.spawn_incoming`, which :meth:`VM.restore` passes on."""
+
+    run_root: Required[Path]
+    vm_id: str | None
+    detach: bool
+    internet: bool | None
+    host_network: network.HostNetwork | None
+    egress_policy: egress.Egress | None
+    cgroup: cgroups.Placement | None
 
 
 class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
@@ -191,36 +203,21 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         cls,
         snapshot_dir: Path,
         *,
-        run_root: Path,
-        vm_id: str | None = None,
-        detach: bool = False,
-        internet: bool | None = None,
-        host_network: network.HostNetwork | None = None,
-        egress_policy: egress.Egress | None = None,
-        cgroup: cgroups.Placement | None = None,
         hostname: str | None = None,
         timeout: float = limits.RESTORE_TIMEOUT_SECS,
         seed: int | None = None,
+        **spawn: Unpack[SpawnOptions],
     ) -> VM:
         """Fork a new VM from a snapshot directory; returns once its agent answered.
 
-        The keywords up to ``cgroup`` are :meth:`spawn_incoming`'s. After the restore
-        the guest is told the wall-clock time, given fresh entropy (kernel RNG and the
-        warm interpreter's ``random``) and a new hostname, so no two children share
-        random numbers (``seed``: Python's random is seeded from it instead, and so is
-        every Python process the guest starts).
+        ``spawn``: the keywords of :meth:`spawn_incoming` (``run_root`` first). After
+        the restore the guest is told the wall-clock time, given fresh entropy (kernel
+        RNG and the warm interpreter's ``random``) and a new hostname, so no two
+        children share random numbers (``seed``: Python's random is seeded from it
+        instead, and so is every Python process the guest starts).
         """
         started = time.monotonic()
-        vm = await cls.spawn_incoming(
-            snapshot_dir,
-            run_root=run_root,
-            vm_id=vm_id,
-            detach=detach,
-            internet=internet,
-            host_network=host_network,
-            egress_policy=egress_policy,
-            cgroup=cgroup,
-        )
+        vm = await cls.spawn_incoming(snapshot_dir, **spawn)
         await vm.finish_restore(hostname=hostname, timeout=timeout, started=started, seed=seed)
         return vm
 
