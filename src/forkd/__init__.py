@@ -7,9 +7,14 @@ daemon's dependencies (QEMU driver, FastAPI, ...).
 __version__ = "0.1.0"
 
 _SDK = (
-    "AsyncController", "AsyncSandbox", "AsyncSnapshot", "Controller", "ControllerError",
-    "Sandbox", "Snapshot",
-)  # fmt: skip
+    "AsyncController",
+    "AsyncSandbox",
+    "AsyncSnapshot",
+    "Controller",
+    "ControllerError",
+    "Sandbox",
+    "Snapshot",
+)
 __all__ = [*_SDK, "__version__"]
 
 

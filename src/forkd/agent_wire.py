@@ -513,9 +513,13 @@ def _is(expected: object, value: object) -> bool:
 
 def _name(expected: object) -> str:
     names = {
-        str: "a string", int: "an integer", float: "a number", bool: "true or false",
-        bytes: "bytes", type(None): "null",
-    }  # fmt: skip
+        str: "a string",
+        int: "an integer",
+        float: "a number",
+        bool: "true or false",
+        bytes: "bytes",
+        type(None): "null",
+    }
     if typing.get_origin(expected) in (types.UnionType, typing.Union):
         return " or ".join(_name(option) for option in typing.get_args(expected))
     if isinstance(expected, type) and expected in names:

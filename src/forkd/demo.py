@@ -290,11 +290,13 @@ def show_lineage(tag: str, kids: list[Sandbox], branch: Snapshot, grandkids: lis
     for (name, code), g in zip(STRATEGIES.items(), grandkids, strict=True):
         outcome = g.eval(code).result
         rows = g.eval("db.execute('select count(*) from notes').fetchone()[0]").result
-        node.add(escape(  # plain text: '[retry]' and a result's brackets are not markup
-            f"{g.id} [{name}] fork {ms(g.info.get('fork_ms'))}: result={outcome} "
-            f"counter={g.eval('counter').result} rows={rows} "
-            f"plan={g.files.read_text('/work/plan.txt').strip()!r}"
-        ))  # fmt: skip
+        node.add(
+            escape(  # plain text: '[retry]' and a result's brackets are not markup
+                f"{g.id} [{name}] fork {ms(g.info.get('fork_ms'))}: result={outcome} "
+                f"counter={g.eval('counter').result} rows={rows} "
+                f"plan={g.files.read_text('/work/plan.txt').strip()!r}"
+            )
+        )
     node.add(f"{source.id} itself, still running: counter={source.eval('counter').result}")
     for kid in kids[1:]:
         tree.add(f"{kid.id}: counter={kid.eval('counter').result}")

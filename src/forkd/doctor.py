@@ -49,11 +49,12 @@ def _network() -> Check:
     if not problems:
         return Check("network", True, "a network namespace per VM, egress by policy")
     return Check(
-        "network", False,
+        "network",
+        False,
         "user-mode NAT without egress (restrict=on): " + "; ".join(problems),
         "run the daemon as root with nftables and pyroute2 installed (./dev.sh installs both)",
         fatal=False,
-    )  # fmt: skip
+    )
 
 
 CONNTRACK_MAX = Path("/proc/sys/net/netfilter/nf_conntrack_max")
@@ -77,12 +78,13 @@ def _conntrack(conntrack_max: Path = CONNTRACK_MAX) -> Check:
         return Check("conntrack", True, "no connection tracking loaded yet (nf_conntrack)")
     ok = have >= need
     return Check(
-        "conntrack", ok,
+        "conntrack",
+        ok,
         f"nf_conntrack_max {have}: room for {have // network.MAX_GUEST_CONNS} sandboxes at "
         f"{network.MAX_GUEST_CONNS} connections each ({sandboxes} by default here)",
         f"sysctl -w net.netfilter.nf_conntrack_max={need}, or a lower --max-sandboxes",
         fatal=False,
-    )  # fmt: skip
+    )
 
 
 def _seccomp() -> Check:
@@ -92,10 +94,13 @@ def _seccomp() -> Check:
     if problem is None:
         return Check("qemu sandbox", True, "QEMU runs under -sandbox (seccomp filter)")
     return Check(
-        "qemu sandbox", False, f"QEMU runs without -sandbox: {problem}",
+        "qemu sandbox",
+        False,
+        f"QEMU runs without -sandbox: {problem}",
         "install a QEMU built with seccomp (Debian's qemu-system-x86 is) on a kernel with "
-        "CONFIG_SECCOMP_FILTER", fatal=False,
-    )  # fmt: skip
+        "CONFIG_SECCOMP_FILTER",
+        fatal=False,
+    )
 
 
 def _qemu_user() -> Check:
@@ -111,14 +116,22 @@ def _qemu_user() -> Check:
     qemu_user.configure(None if os.environ.get("FORKD_QEMU_USER") == "none" else uids)
     found, why = qemu_user.current()
     if found is None:
-        return Check("qemu user", os.geteuid() != 0, why,
-                     "run the daemon without --qemu-user none", fatal=False)  # fmt: skip
+        return Check(
+            "qemu user",
+            os.geteuid() != 0,
+            why,
+            "run the daemon without --qemu-user none",
+            fatal=False,
+        )
     named = qemu_user.users_in(found)
     if named:
         return Check(
-            "qemu user", False, f"{why}; but this host has {', '.join(named[:3])} in that range",
-            "give --vm-uid-range a range no user or group has", fatal=False,
-        )  # fmt: skip
+            "qemu user",
+            False,
+            f"{why}; but this host has {', '.join(named[:3])} in that range",
+            "give --vm-uid-range a range no user or group has",
+            fatal=False,
+        )
     return Check("qemu user", True, why)
 
 
@@ -129,16 +142,27 @@ def _cgroups() -> Check:
     if found.limits_memory:
         return Check("cgroups", True, f"a cgroup per VM: {found.describe()}")
     return Check(
-        "cgroups", False, found.describe(),
+        "cgroups",
+        False,
+        found.describe(),
         "run the daemon as root on a host with a cgroup filesystem (v2, or v1 with the "
-        "memory, cpu and pids controllers)", fatal=False,
-    )  # fmt: skip
+        "memory, cpu and pids controllers)",
+        fatal=False,
+    )
 
 
 def _build_tools() -> Check:
     missing = []
-    for tool in ("mmdebstrap", "mksquashfs", "cpio", "depmod", "dpkg-deb", "apt-get",
-                 "qemu-img", "mkfs.ext4"):  # fmt: skip
+    for tool in (
+        "mmdebstrap",
+        "mksquashfs",
+        "cpio",
+        "depmod",
+        "dpkg-deb",
+        "apt-get",
+        "qemu-img",
+        "mkfs.ext4",
+    ):
         try:
             hosttools.require(tool)
         except ForkdError:
@@ -149,13 +173,17 @@ def _build_tools() -> Check:
         missing.append("static busybox (busybox-static)")
     if missing:
         return Check(
-            "image tools", False, "missing: " + ", ".join(missing),
-            "apt-get install --no-install-recommends the packages named", fatal=False,
-        )  # fmt: skip
+            "image tools",
+            False,
+            "missing: " + ", ".join(missing),
+            "apt-get install --no-install-recommends the packages named",
+            fatal=False,
+        )
     return Check(
-        "image tools", True,
+        "image tools",
+        True,
         "mmdebstrap, mksquashfs, cpio, kmod, busybox-static; qemu-img, mkfs.ext4 for volumes",
-    )  # fmt: skip
+    )
 
 
 def _images() -> Check:
@@ -166,14 +194,19 @@ def _images() -> Check:
         current = None
     if current is None:
         return Check(
-            "images", False, f"{len(built)} built; the default image is not built",
-            f"forkd image build {image.DEFAULT_IMAGE}", fatal=False,
-        )  # fmt: skip
+            "images",
+            False,
+            f"{len(built)} built; the default image is not built",
+            f"forkd image build {image.DEFAULT_IMAGE}",
+            fatal=False,
+        )
     size = current.size_bytes() / (1 << 20)
     return Check(
-        "images", True, f"{len(built)} built in {paths.images_dir()}; default "
+        "images",
+        True,
+        f"{len(built)} built in {paths.images_dir()}; default "
         f"{current.name}-{current.key} ({size:.0f} MiB)",
-    )  # fmt: skip
+    )
 
 
 def _free(label: str, where: Path) -> Check:
@@ -183,10 +216,12 @@ def _free(label: str, where: Path) -> Check:
     usage = shutil.disk_usage(probe)
     ok = usage.free >= MIN_FREE_BYTES
     return Check(
-        f"disk ({label})", ok, f"{usage.free / (1 << 30):.1f} GiB free at {where}",
+        f"disk ({label})",
+        ok,
+        f"{usage.free / (1 << 30):.1f} GiB free at {where}",
         f"free space under {probe}: snapshots need up to their memory size each",
         fatal=False,
-    )  # fmt: skip
+    )
 
 
 def run_checks() -> list[Check]:

@@ -101,11 +101,14 @@ def parse_destination(text: str, *, names_only: bool = False) -> Destination:
             f"{_shown(text)}: not a host name, '*.domain', IP address or network"
         ) from None
     if names_only:
-        raise Invalid(f"{_shown(text)}: a secret's hosts are names (an address has no name "
-                      "to check a certificate against)")  # fmt: skip
+        raise Invalid(
+            f"{_shown(text)}: a secret's hosts are names (an address has no name "
+            "to check a certificate against)"
+        )
     single = network.prefixlen == network.max_prefixlen  # an address: shown without /32
-    return Destination(str(network.network_address) if single else network.compressed,
-                       network=network)  # fmt: skip
+    return Destination(
+        str(network.network_address) if single else network.compressed, network=network
+    )
 
 
 def _shown(text: object) -> str:

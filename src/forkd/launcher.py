@@ -80,8 +80,16 @@ class DaemonProcess:
 
     def argv(self, *extra: str) -> list[str]:
         """The command line of ``forkd serve`` for this daemon, then ``extra``."""
-        argv = [sys.executable, "-m", "forkd.cli", "serve", "--bind", self.bind,
-                "--state-dir", str(self.state_dir)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "serve",
+            "--bind",
+            self.bind,
+            "--state-dir",
+            str(self.state_dir),
+        ]
         if self.token_file is not None:
             argv += ["--token-file", str(self.token_file)]
         return [*argv, *extra]
@@ -167,15 +175,24 @@ class GatewayProcess(DaemonProcess):
     """A ``forkd gateway`` subprocess over ``nodes`` (their URLs), clients' token in
     ``token_file``; ``extra`` arguments of :meth:`start` follow (``--registry R``, ...)."""
 
-    def __init__(self, root: Path, nodes: list[str], node_token_file: Path,
-                 token_file: Path, **kw: object) -> None:  # fmt: skip
+    def __init__(
+        self, root: Path, nodes: list[str], node_token_file: Path, token_file: Path, **kw: object
+    ) -> None:
         super().__init__(root, token_file=token_file, log=root / "gateway.log", **kw)  # type: ignore[arg-type]
         self.nodes = nodes
         self.node_token_file = node_token_file
 
     def argv(self, *extra: str) -> list[str]:
-        argv = [sys.executable, "-m", "forkd.cli", "gateway", "--bind", self.bind,
-                "--node-token-file", str(self.node_token_file)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "gateway",
+            "--bind",
+            self.bind,
+            "--node-token-file",
+            str(self.node_token_file),
+        ]
         for url in self.nodes:
             argv += ["--node", url]
         if self.token_file is not None:

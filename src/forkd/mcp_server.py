@@ -56,12 +56,16 @@ def lineage_tree(snapshots: list[dict[str, Any]], sandboxes: list[dict[str, Any]
     """Snapshots nested under their parents, each with the sandboxes forked from it."""
     nodes = {
         s["tag"]: {
-            "tag": s["tag"], "mode": s.get("mode", "full"), "status": s.get("status"),
-            "branched_from": s.get("branched_from"), "pause_ms": s.get("pause_ms"),
-            "sandboxes": [], "children": [],
+            "tag": s["tag"],
+            "mode": s.get("mode", "full"),
+            "status": s.get("status"),
+            "branched_from": s.get("branched_from"),
+            "pause_ms": s.get("pause_ms"),
+            "sandboxes": [],
+            "children": [],
         }
         for s in snapshots
-    }  # fmt: skip
+    }
     for sb in sandboxes:
         node = nodes.get(sb.get("snapshot_tag"))
         if node is not None:
@@ -151,15 +155,23 @@ def _command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
         Returns the last expression's repr (``result``), printed output and any error."""
         raw = await with_daemon(lambda c: c.eval_code(sandbox_id, code, timeout_s))
         result = EvalResult.from_answer(raw)
-        return {"result": result.result, "stdout": result.stdout, "stderr": result.stderr,
-                "error": result.error}  # fmt: skip
+        return {
+            "result": result.result,
+            "stdout": result.stdout,
+            "stderr": result.stderr,
+            "error": result.error,
+        }
 
     @server.tool()
     async def read_file(sandbox_id: str, path: str) -> dict[str, Any]:
         """Read a file of the sandbox as text (undecodable bytes replaced; the first MiB)."""
         data = await with_daemon(lambda c: c.read_file(sandbox_id, path))
-        return {"path": path, "size": len(data), "truncated": len(data) > FILE_READ_LIMIT,
-                "content": data[:FILE_READ_LIMIT].decode("utf-8", "replace")}  # fmt: skip
+        return {
+            "path": path,
+            "size": len(data),
+            "truncated": len(data) > FILE_READ_LIMIT,
+            "content": data[:FILE_READ_LIMIT].decode("utf-8", "replace"),
+        }
 
     @server.tool()
     async def write_file(sandbox_id: str, path: str, content: str) -> dict[str, Any]:
@@ -195,10 +207,15 @@ def _search_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
 
         res = await with_daemon(
             lambda c: c.explore_sandbox(
-                sandbox_id, [step(v) for v in variants], None if score is None else step(score),
-                keep=keep, minimize=minimize, timeout_secs=timeout_s, seed=seed,
+                sandbox_id,
+                [step(v) for v in variants],
+                None if score is None else step(score),
+                keep=keep,
+                minimize=minimize,
+                timeout_secs=timeout_s,
+                seed=seed,
             )
-        )  # fmt: skip
+        )
         return dict(res.raw)
 
     @server.tool()
@@ -270,8 +287,9 @@ def _network_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
 
         async def change(ctl: AsyncController) -> Any:
             rules = (await ctl.sandbox_network(sandbox_id))["rules"] or None
-            return await ctl.update_sandbox_network(sandbox_id, allow_out or [], deny_out or [],
-                                                    rules)  # fmt: skip
+            return await ctl.update_sandbox_network(
+                sandbox_id, allow_out or [], deny_out or [], rules
+            )
 
         return dict(await with_daemon(change))
 
@@ -345,11 +363,17 @@ def _image_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
             extra["rw"] = True
         answer = await with_daemon(
             lambda c: c.create_snapshot(
-                tag, image=image, warmup=warmup, memory_mib=memory_mib, start=start or None,
-                ready_port=ready_port, ready_cmd=ready_cmd, boot_wait_secs=boot_wait_secs,
+                tag,
+                image=image,
+                warmup=warmup,
+                memory_mib=memory_mib,
+                start=start or None,
+                ready_port=ready_port,
+                ready_cmd=ready_cmd,
+                boot_wait_secs=boot_wait_secs,
                 **extra,
             )
-        )  # fmt: skip
+        )
         return dict(answer)
 
 
@@ -373,12 +397,15 @@ def _original_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
         return list(
             await with_daemon(
                 lambda c: c.spawn_sandboxes(
-                    snapshot_tag, n=n, memory_limit_mib=memory_limit_mib,
-                    per_child_netns=per_child_netns or None, prewarm=prewarm or None,
+                    snapshot_tag,
+                    n=n,
+                    memory_limit_mib=memory_limit_mib,
+                    per_child_netns=per_child_netns or None,
+                    prewarm=prewarm or None,
                     live_fork=live_fork or None,
                 )
             )
-        )  # fmt: skip
+        )
 
     @server.tool()
     async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
@@ -418,18 +445,33 @@ def _original_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
         if not 0 < timeout_secs <= MAX_WAIT_FOR_TEXT_SECS:
             raise ToolError(f"timeout_secs must be > 0 and at most {MAX_WAIT_FOR_TEXT_SECS}")
         interval = min(max(poll_interval_ms, 10), 10_000) / 1000
-        started = time.monotonic()
-        argv = ["tail", "-c", str(WAIT_FOR_TEXT_TAIL), "--", path]
-        excerpt = ""
-        while True:
-            raw = await with_daemon(lambda c: c.exec_command(sandbox_id, argv, 5))
-            if raw.get("exit_code") == 0:
-                excerpt = str(raw.get("stdout") or "")
-            elapsed = time.monotonic() - started
-            if marker in excerpt or elapsed >= timeout_secs:
-                return {"found": marker in excerpt, "elapsed_ms": round(elapsed * 1000),
-                        "last_excerpt": excerpt[-256:]}  # fmt: skip
-            await asyncio.sleep(min(interval, timeout_secs - elapsed))
+        return await _wait_for_text(with_daemon, sandbox_id, path, marker, timeout_secs, interval)
+
+
+async def _wait_for_text(
+    with_daemon: WithDaemon,
+    sandbox_id: str,
+    path: str,
+    marker: str,
+    timeout_secs: float,
+    interval: float,
+) -> dict[str, Any]:
+    started = time.monotonic()
+    argv = ["tail", "-c", str(WAIT_FOR_TEXT_TAIL), "--", path]
+    excerpt = ""
+    while True:
+        raw = await with_daemon(lambda c: c.exec_command(sandbox_id, argv, 5))
+        if raw.get("exit_code") == 0:
+            excerpt = str(raw.get("stdout") or "")
+        elapsed = time.monotonic() - started
+        if marker in excerpt or elapsed >= timeout_secs:
+            found = marker in excerpt
+            return {
+                "found": found,
+                "elapsed_ms": round(elapsed * 1000),
+                "last_excerpt": excerpt[-256:],
+            }
+        await asyncio.sleep(min(interval, timeout_secs - elapsed))
 
 
 def bearer_only(app: Any, token: str) -> Any:
@@ -440,9 +482,16 @@ def bearer_only(app: Any, token: str) -> Any:
         if scope["type"] == "http":
             got = dict(scope.get("headers") or []).get(b"authorization", b"")
             if not hmac.compare_digest(got, want):
-                await send({"type": "http.response.start", "status": 401,
-                            "headers": [(b"content-type", b"text/plain"),
-                                        (b"www-authenticate", b"Bearer")]})  # fmt: skip
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [
+                            (b"content-type", b"text/plain"),
+                            (b"www-authenticate", b"Bearer"),
+                        ],
+                    }
+                )
                 await send({"type": "http.response.body", "body": b"bearer token required\n"})
                 return
         await app(scope, receive, send)

@@ -13,8 +13,13 @@ from collections.abc import Callable
 
 
 class TokenBucket:
-    def __init__(self, rate: float, burst: float, clock: Callable[[], float] = time.monotonic,
-                 min_pause: float = 0.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        rate: float,
+        burst: float,
+        clock: Callable[[], float] = time.monotonic,
+        min_pause: float = 0.0,
+    ) -> None:
         self.rate = rate
         self.burst = burst
         self.min_pause = min_pause  # an overdraft pauses at least this long: few wake-ups

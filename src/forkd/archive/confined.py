@@ -88,8 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.uid <= 0 or args.gid <= 0:
         parser.error("--uid and --gid must name an unprivileged user")
     drop_privileges(args.uid, args.gid)
-    limits = Limits(max_entries=args.max_entries, max_bytes=args.max_bytes,
-                    max_header_bytes=args.max_header_bytes)  # fmt: skip
+    limits = Limits(
+        max_entries=args.max_entries,
+        max_bytes=args.max_bytes,
+        max_header_bytes=args.max_header_bytes,
+    )
     answer = unpack_stdin(args.root_fd, limits)
     sys.stdout.write(json.dumps(answer) + "\n")
     return 0

@@ -43,10 +43,17 @@ class Kind(Enum):
 
 
 _KINDS = {
-    b"0": Kind.FILE, b"\0": Kind.FILE, b"7": Kind.FILE, b"S": Kind.FILE,
-    b"1": Kind.HARDLINK, b"2": Kind.SYMLINK, b"3": Kind.CHAR_DEVICE,
-    b"4": Kind.BLOCK_DEVICE, b"5": Kind.DIRECTORY, b"6": Kind.FIFO,
-}  # fmt: skip
+    b"0": Kind.FILE,
+    b"\0": Kind.FILE,
+    b"7": Kind.FILE,
+    b"S": Kind.FILE,
+    b"1": Kind.HARDLINK,
+    b"2": Kind.SYMLINK,
+    b"3": Kind.CHAR_DEVICE,
+    b"4": Kind.BLOCK_DEVICE,
+    b"5": Kind.DIRECTORY,
+    b"6": Kind.FIFO,
+}
 _META = (b"L", b"K", b"x", b"g")  # GNU long name, GNU long link, pax, pax global
 _OLD_GNU_SPARSE = b"S"
 _POSIX_MAGIC = b"ustar\x0000"
@@ -89,9 +96,10 @@ def max_stream(limits: Limits) -> int:
     the content, so a stream longer than this is padding or headers piled up (a
     compressed bomb of them), not content."""
     return (
-        limits.max_bytes + limits.max_entries * HEADER_BLOCKS_PER_ENTRY * BLOCK
+        limits.max_bytes
+        + limits.max_entries * HEADER_BLOCKS_PER_ENTRY * BLOCK
         + MAX_META_HEADERS * limits.max_header_bytes
-    )  # fmt: skip
+    )
 
 
 class TarReader:
@@ -185,9 +193,9 @@ class TarReader:
         first = self._read_raw(BLOCK)
         if not first:
             return None
-        block = first if len(first) == BLOCK else first + self._exactly(
-            BLOCK - len(first), "a header"
-        )  # fmt: skip
+        block = (
+            first if len(first) == BLOCK else first + self._exactly(BLOCK - len(first), "a header")
+        )
         if block == bytes(BLOCK):
             return None
         _check_sum(block)
@@ -401,9 +409,9 @@ def _check_sum(block: bytes) -> None:
     except BadArchive:
         raise BadArchive("not a tar archive: a header's checksum is malformed") from None
     unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
-    signed = unsigned - 2 * (sum(b for b in block[:148] if b > 127) + sum(
-        b for b in block[156:] if b > 127
-    ))  # fmt: skip
+    signed = unsigned - 2 * (
+        sum(b for b in block[:148] if b > 127) + sum(b for b in block[156:] if b > 127)
+    )
     if want not in (unsigned, signed):
         raise BadArchive("not a tar archive (a header's checksum does not match)")
 

@@ -51,8 +51,18 @@ _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # What an archive can bring about by itself (a name too long for the file system, a
 # file where its own directory must go, ...), as opposed to the host's own failures.
-_ARCHIVE_ERRNOS = frozenset({errno.ENAMETOOLONG, errno.EMLINK, errno.EINVAL, errno.ENOTDIR,
-                             errno.EEXIST, errno.EISDIR, errno.ELOOP, errno.ENOTEMPTY})  # fmt: skip
+_ARCHIVE_ERRNOS = frozenset(
+    {
+        errno.ENAMETOOLONG,
+        errno.EMLINK,
+        errno.EINVAL,
+        errno.ENOTDIR,
+        errno.EEXIST,
+        errno.EISDIR,
+        errno.ELOOP,
+        errno.ENOTEMPTY,
+    }
+)
 MAX_LINK_HOPS = 40  # symlinks followed resolving one path, as Linux allows
 # The extended attributes a root file system may carry; others are not applied.
 ROOTFS_XATTR_PREFIXES = ("user.", "security.capability")
@@ -114,8 +124,9 @@ def extract_new(
     broken archive leaves nothing behind."""
     target = Path(dest)
     # A new name, made here (not one an earlier archive unpacked beside it could hold).
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".forkd-partial",
-                                    dir=target.parent))  # fmt: skip
+    staging = Path(
+        tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".forkd-partial", dir=target.parent)
+    )
     try:
         done = extract(read, staging, policy, limits)
         os.rename(staging, target)  # refuses to replace an existing directory that is not empty
@@ -425,8 +436,13 @@ class _Unpacker:
                     f"refusing hard link {shown(member.name)}: to something not a regular file"
                 )
             self._clear(parent, parts, member)
-            os.link(source[-1], parts[-1], src_dir_fd=source_dir, dst_dir_fd=parent,
-                    follow_symlinks=False)  # fmt: skip
+            os.link(
+                source[-1],
+                parts[-1],
+                src_dir_fd=source_dir,
+                dst_dir_fd=parent,
+                follow_symlinks=False,
+            )
         finally:
             if source_dir != self.root:
                 os.close(source_dir)
@@ -439,8 +455,11 @@ class _Unpacker:
             )
         self._clear(parent, parts, member)
         name = parts[-1]
-        kind = {Kind.CHAR_DEVICE: stat.S_IFCHR, Kind.BLOCK_DEVICE: stat.S_IFBLK,
-                Kind.FIFO: stat.S_IFIFO}[member.kind]  # fmt: skip
+        kind = {
+            Kind.CHAR_DEVICE: stat.S_IFCHR,
+            Kind.BLOCK_DEVICE: stat.S_IFBLK,
+            Kind.FIFO: stat.S_IFIFO,
+        }[member.kind]
         device = os.makedev(member.devmajor, member.devminor) if kind != stat.S_IFIFO else 0
         os.mknod(name, kind | (member.mode & 0o777), device, dir_fd=parent)
         if self.policy.owners:

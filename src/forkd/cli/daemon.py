@@ -601,9 +601,13 @@ def _egress(
             upstream_context(ca_file.resolve())
         except (OSError, ssl.SSLError) as exc:
             raise ValueError(f"--egress-ca-file {ca_file}: not a PEM certificate: {exc}") from None
-    return {"egress_proxy": proxy == "on", "egress_hosts": hosts.resolve() if hosts else None,
-            "egress_ca_file": ca_file.resolve() if ca_file else None,
-            "secrets_key_file": secrets_key, "egress_rate": _rate(rate)}  # fmt: skip
+    return {
+        "egress_proxy": proxy == "on",
+        "egress_hosts": hosts.resolve() if hosts else None,
+        "egress_ca_file": ca_file.resolve() if ca_file else None,
+        "secrets_key_file": secrets_key,
+        "egress_rate": _rate(rate),
+    }
 
 
 def _rate(text: str) -> int | None:
@@ -632,38 +636,56 @@ def _places(state_dir: Path | None, snapshot_root: Path | None) -> dict[str, Any
     from forkd import paths
 
     sd = (state_dir or paths.state_dir()).resolve()
-    return {"state_dir": sd, "run_dir": sd / "run",
-            "snapshot_root": (snapshot_root or sd / "snapshots").resolve()}  # fmt: skip
+    return {
+        "state_dir": sd,
+        "run_dir": sd / "run",
+        "snapshot_root": (snapshot_root or sd / "snapshots").resolve(),
+    }
 
 
-def _vms(accel: str | None, kill_on_exit: bool, pool_size: int,
-         pool_memory: int | None) -> dict[str, Any]:  # fmt: skip
+def _vms(
+    accel: str | None, kill_on_exit: bool, pool_size: int, pool_memory: int | None
+) -> dict[str, Any]:
     """The ``Settings`` of ``forkd serve``'s options for its VMs and their warm pool."""
-    return {"accel": accel, "kill_on_exit": kill_on_exit, "pool_size": pool_size,
-            "pool_memory_mib": _pool_memory(pool_memory)}  # fmt: skip
+    return {
+        "accel": accel,
+        "kill_on_exit": kill_on_exit,
+        "pool_size": pool_size,
+        "pool_memory_mib": _pool_memory(pool_memory),
+    }
 
 
 def _networking(network: str, cidr: str, host_networks: list[str] | None) -> dict[str, Any]:
     """The ``Settings`` of ``forkd serve``'s network options."""
-    return {"network": _network(network), "sandbox_cidr": cidr,
-            "egress_host_networks": tuple(host_networks or ())}  # fmt: skip
+    return {
+        "network": _network(network),
+        "sandbox_cidr": cidr,
+        "egress_host_networks": tuple(host_networks or ()),
+    }
 
 
 def _image_bounds(
     archive_dirs: list[Path] | None, max_mib: int, max_entries: int, timeout: float
 ) -> dict[str, Any]:
     """The ``Settings`` of ``forkd serve``'s options that bound an image import."""
-    return {"image_archive_dirs": tuple(d.resolve() for d in archive_dirs or ()),
-            "max_image_bytes": max_mib << 20, "max_image_entries": max_entries,
-            "import_timeout_secs": timeout}  # fmt: skip
+    return {
+        "image_archive_dirs": tuple(d.resolve() for d in archive_dirs or ()),
+        "max_image_bytes": max_mib << 20,
+        "max_image_entries": max_entries,
+        "import_timeout_secs": timeout,
+    }
 
 
 def _image_sources(
     insecure: list[str] | None, default: str | None, auth: Path | None, docker_host: str | None
 ) -> dict[str, Any]:
     """Where images come from: the ``Settings`` of ``forkd serve``'s registry options."""
-    return {"insecure_registries": tuple(insecure or ()), "default_registry": default,
-            "registry_auth": auth, "docker_host": docker_host}  # fmt: skip
+    return {
+        "insecure_registries": tuple(insecure or ()),
+        "default_registry": default,
+        "registry_auth": auth,
+        "docker_host": docker_host,
+    }
 
 
 def connection_limits(
@@ -705,13 +727,17 @@ def _use_qemu_user(choice: str, uid_range: str) -> None:
         err.print(
             f"[yellow]warning:[/] --qemu-user {choice} is deprecated: each QEMU drops to a "
             f"uid of its own from --vm-uid-range {uids} instead (say --qemu-user per-vm)",
-            highlight=False, markup=True,
-        )  # fmt: skip
+            highlight=False,
+            markup=True,
+        )
     if os.geteuid() == 0:
         for name in qemu_user.users_in(uids):
-            err.print(f"[yellow]warning:[/] {name} is in --vm-uid-range {uids}: a QEMU "
-                      "given that id could signal its processes and read its files",
-                      highlight=False, markup=True)  # fmt: skip
+            err.print(
+                f"[yellow]warning:[/] {name} is in --vm-uid-range {uids}: a QEMU "
+                "given that id could signal its processes and read its files",
+                highlight=False,
+                markup=True,
+            )
     qemu_user.configure(uids)
 
 
@@ -790,8 +816,11 @@ def _daemon_check(url: str, token: str | None) -> Any:
         with Controller(url, token=token, timeout=5) as ctl:
             count = len(ctl.list_snapshots())
     except ControllerError as exc:
-        fix = ("set FORKD_TOKEN, --daemon-token or FORKD_TOKEN_FILE" if exc.status == 401
-               else "start it: forkd serve (or check the address)")  # fmt: skip
+        fix = (
+            "set FORKD_TOKEN, --daemon-token or FORKD_TOKEN_FILE"
+            if exc.status == 401
+            else "start it: forkd serve (or check the address)"
+        )
         return doc.Check("daemon", False, f"{url}: {exc.message}", fix, fatal=False)
     return doc.Check("daemon", True, f"{url} answers: {count} snapshot(s)")
 
@@ -801,13 +830,17 @@ def doctor(
     output_format: FormatOpt = None,
     daemon_url: Annotated[
         str | None,
-        typer.Option("--daemon-url", "--url", help="Also check the daemon there (the "
-                     "original forkd's doctor did): does it answer, does the token work."),
+        typer.Option(
+            "--daemon-url",
+            "--url",
+            help="Also check the daemon there (the "
+            "original forkd's doctor did): does it answer, does the token work.",
+        ),
     ] = None,
     daemon_token: Annotated[
         str | None, typer.Option("--daemon-token", help="Its token (default: as every verb).")
     ] = None,
-) -> None:  # fmt: skip
+) -> None:
     """Check that this host can run forkd VMs; exit 1 with what to fix if not."""
     as_json = as_json or output_format == "json"
     require_server("doctor")

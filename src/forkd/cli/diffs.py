@@ -68,7 +68,9 @@ def diff(
         out.print(table)
     counts = {k: len(res.of(k)) for k in ("added", "modified", "removed")}
     summary = ", ".join(f"{n} {k}" for k, n in counts.items())
-    err.print(f"{shown(sandbox_id)} against {res.against_kind} {shown(res.against)}: "
-              f"{summary} in {res.duration_ms:.0f} ms")  # fmt: skip
+    err.print(
+        f"{shown(sandbox_id)} against {res.against_kind} {shown(res.against)}: "
+        f"{summary} in {res.duration_ms:.0f} ms"
+    )
     if res.truncated:
         err.print("[yellow]more changes than a diff lists: give a smaller --path[/]")

@@ -22,8 +22,13 @@ if TYPE_CHECKING:
     from forkd.client import Controller
 
 SandboxIdArg = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
-FILE_SUFFIXES = {"image/png": ".png", "image/jpeg": ".jpg", "image/svg+xml": ".svg",
-                 "text/html": ".html", "text/markdown": ".md"}  # fmt: skip
+FILE_SUFFIXES = {
+    "image/png": ".png",
+    "image/jpeg": ".jpg",
+    "image/svg+xml": ".svg",
+    "text/html": ".html",
+    "text/markdown": ".md",
+}
 ANSWER_POLL_SECS = 0.2  # how often the wait for the answer lets Ctrl-C through
 
 

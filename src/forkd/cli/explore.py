@@ -87,9 +87,17 @@ def explore(
     labels = parse_labels(label)
     with daemon_errors(), conn.controller() as ctl, _live_table(conn, sandbox_id, tag, variant):
         res = ctl.explore_sandbox(
-            sandbox_id, steps(variant, as_eval), score_step, keep=keep, keep_as=keep_as,
-            minimize=minimize, timeout_secs=timeout, seed=seed, tag=tag, metadata=labels or None,
-        )  # fmt: skip
+            sandbox_id,
+            steps(variant, as_eval),
+            score_step,
+            keep=keep,
+            keep_as=keep_as,
+            minimize=minimize,
+            timeout_secs=timeout,
+            seed=seed,
+            tag=tag,
+            metadata=labels or None,
+        )
     if conn.as_json:
         render.print_json(res.raw)
         return
@@ -110,10 +118,14 @@ def result_table(res: ExploreResult, variants: list[str]) -> Table:
     for r in res.results:
         kept = (r.snapshot_tag or "yes") if r.kept else ""
         table.add_row(
-            str(r.index), shown(_short(variants[r.index])), _score(r.score),
-            "" if r.exit_code is None else str(r.exit_code), shown(r.sandbox_id or ""),
-            shown(kept), shown(_short(r.error or "", 60)),
-        )  # fmt: skip
+            str(r.index),
+            shown(_short(variants[r.index])),
+            _score(r.score),
+            "" if r.exit_code is None else str(r.exit_code),
+            shown(r.sandbox_id or ""),
+            shown(kept),
+            shown(_short(r.error or "", 60)),
+        )
     return table
 
 

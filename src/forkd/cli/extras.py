@@ -15,9 +15,16 @@ import typer
 
 # One module of each distribution the server extra adds (pyproject.toml).
 SERVER_MODULES = (
-    "fastapi", "uvicorn", "qemu.qmp", "pydantic", "prometheus_client", "anyio",
-    "pyroute2", "websockets", "zstandard",
-)  # fmt: skip
+    "fastapi",
+    "uvicorn",
+    "qemu.qmp",
+    "pydantic",
+    "prometheus_client",
+    "anyio",
+    "pyroute2",
+    "websockets",
+    "zstandard",
+)
 
 
 def missing_server_modules() -> list[str]:

@@ -63,8 +63,10 @@ class Hold:
             relay.sandbox_id = ids[0]
             relay.serve_in_background()
             where = f"; {ids[0]} answers the agent protocol at {self.agent_address}"
-        err.print(f"forked {len(ids)} from {shown(self.tag)} in {took:.2f} s; holding them "
-                  f"{self.settle_secs:g} s (Ctrl-C or SIGTERM ends it){where}")  # fmt: skip
+        err.print(
+            f"forked {len(ids)} from {shown(self.tag)} in {took:.2f} s; holding them "
+            f"{self.settle_secs:g} s (Ctrl-C or SIGTERM ends it){where}"
+        )
         self._wait()
         if relay is not None:
             relay.shutdown()
@@ -77,14 +79,18 @@ class Hold:
             address = parse_address(self.agent_address)
             return AgentRelay(address, self.conn.controller, sandbox_id="")
         except (ValueError, OSError) as exc:
-            err.print(f"cannot serve the agent protocol at {shown(self.agent_address)} "
-                      f"(--agent-address or FORKD_TARGET): {shown(str(exc))}; use a local "
-                      "address, e.g. FORKD_TARGET=127.0.0.1:18888")  # fmt: skip
+            err.print(
+                f"cannot serve the agent protocol at {shown(self.agent_address)} "
+                f"(--agent-address or FORKD_TARGET): {shown(str(exc))}; use a local "
+                "address, e.g. FORKD_TARGET=127.0.0.1:18888"
+            )
             raise typer.Exit(1) from exc
 
     def _wait(self) -> None:
-        handlers = {sig: signal.signal(sig, lambda *_: self.stop.set())
-                    for sig in (signal.SIGTERM, signal.SIGINT)}  # fmt: skip
+        handlers = {
+            sig: signal.signal(sig, lambda *_: self.stop.set())
+            for sig in (signal.SIGTERM, signal.SIGINT)
+        }
         try:
             self.stop.wait(self.settle_secs)
         finally:

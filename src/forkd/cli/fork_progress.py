@@ -25,9 +25,13 @@ def fork_progress(conn: Connection, tag: str, n: int, quiet: bool) -> Iterator[N
         yield
         return
     bar = Progress(
-        TextColumn(f"forking from {tag}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=err, transient=True,
-    )  # fmt: skip
+        TextColumn(f"forking from {tag}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    )
     task = bar.add_task("fork", total=n)
 
     def count(event: dict[str, Any]) -> None:

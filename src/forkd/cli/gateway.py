@@ -92,8 +92,9 @@ def gateway(
             if parsed.tag or parsed.digest:
                 raise ForkdError("--registry is registry/repository, without a tag")
             registry = f"{parsed.registry}/{parsed.repository}"
-        nodes = NodeSet(list(node or []), read_token(node_token_file),
-                        dns_name=nodes_dns, dns_port=node_port)  # fmt: skip
+        nodes = NodeSet(
+            list(node or []), read_token(node_token_file), dns_name=nodes_dns, dns_port=node_port
+        )
         limits = connection_limits(
             header_timeout, body_idle_timeout, max_connections_per_address, max_connections
         )

@@ -143,9 +143,14 @@ def _dockerfile_build(
         with err.status(f"building {name} from {context}") as status:
             chosen = builders.find_builder(builder)
             ref = chosen.build(
-                context, tag=name, dockerfile=dockerfile, build_args=build_args,
-                network=network, docker_host=None, progress=_progress(status, started),
-            )  # fmt: skip
+                context,
+                tag=name,
+                dockerfile=dockerfile,
+                build_args=build_args,
+                network=network,
+                docker_host=None,
+                progress=_progress(status, started),
+            )
     except ForkdError as exc:
         raise fail(str(exc)) from exc
     try:
@@ -221,12 +226,13 @@ def image_load(
     tag: Annotated[
         str | None,
         typer.Option(
-            "-t", "--tag",
+            "-t",
+            "--tag",
             help="NAME[:TAG]: picks the image among several, and names it (snapshot create "
             "--image NAME finds it).",
         ),
     ] = None,
-) -> None:  # fmt: skip
+) -> None:
     """Send an image archive from this host to the daemon and import it (as docker load)."""
     import sys
 
@@ -284,10 +290,12 @@ def image_rm(
     conn: Connection,
     name: Annotated[
         str,
-        typer.Argument(help="NAME:TAG (a local name: the tag only, when it has others), "
-                       "NAME (every build of it) or NAME-KEY."),
+        typer.Argument(
+            help="NAME:TAG (a local name: the tag only, when it has others), "
+            "NAME (every build of it) or NAME-KEY."
+        ),
     ],
-) -> None:  # fmt: skip
+) -> None:
     """Remove an image through the daemon, and the layers no other image needs; refused
     (409) while a snapshot or a sandbox of any daemon sharing the cache uses it."""
     with daemon_errors(), conn.controller() as ctl:

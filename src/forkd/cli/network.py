@@ -45,13 +45,17 @@ def network(
     if conn.as_json:
         render.print_json(info)
         return
-    out.print(render.kv_table({
-        "allow out": ", ".join(info["allow_out"]) or "(every public destination)",
-        "deny out": ", ".join(info["deny_out"]) or "-",
-        "rules": ", ".join(info["rules"]) or "-",
-        "enforced by name": "yes" if info.get("proxied") else "no (--egress-proxy off)",
-        **({"connections closed": info["closed"]} if changing else {}),
-    }))  # fmt: skip
+    out.print(
+        render.kv_table(
+            {
+                "allow out": ", ".join(info["allow_out"]) or "(every public destination)",
+                "deny out": ", ".join(info["deny_out"]) or "-",
+                "rules": ", ".join(info["rules"]) or "-",
+                "enforced by name": "yes" if info.get("proxied") else "no (--egress-proxy off)",
+                **({"connections closed": info["closed"]} if changing else {}),
+            }
+        )
+    )
 
 
 def egress(
@@ -66,14 +70,21 @@ def egress(
     if conn.as_json:
         render.print_json(page)
         return
-    table = render.wrapping_table("id", "age", "verdict", "kind", "host:port", "request",
-                                  "secrets", "out", "in", "reason")  # fmt: skip
+    table = render.wrapping_table(
+        "id", "age", "verdict", "kind", "host:port", "request", "secrets", "out", "in", "reason"
+    )
     for r in page["records"]:
         request = f"{r['method']} {r['path']}" if r.get("method") else ""
         table.add_row(
-            str(r["id"]), render.age(r["time"]), r["verdict"], r["kind"],
-            shown(f"{r['host'] or r['address']}:{r['port']}"), shown(request),
-            ", ".join(r["secrets"]), render.byte_size(r["bytes_out"]),
-            render.byte_size(r["bytes_in"]), shown(r.get("reason") or ""),
-        )  # fmt: skip
+            str(r["id"]),
+            render.age(r["time"]),
+            r["verdict"],
+            r["kind"],
+            shown(f"{r['host'] or r['address']}:{r['port']}"),
+            shown(request),
+            ", ".join(r["secrets"]),
+            render.byte_size(r["bytes_out"]),
+            render.byte_size(r["bytes_in"]),
+            shown(r.get("reason") or ""),
+        )
     out.print(table)

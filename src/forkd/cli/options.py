@@ -57,16 +57,19 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")
 FormatOpt = Annotated[
     str | None,
     typer.Option(
-        "--format", "-o", help="json: print JSON (as --json); table: the default.",
+        "--format",
+        "-o",
+        help="json: print JSON (as --json); table: the default.",
         show_default=False,
     ),
-]  # fmt: skip
+]
 # For a command with an -o of its own (pack -o FILE, as the original forkd's): --format only.
 LongFormatOpt = Annotated[
     str | None,
-    typer.Option("--format", help="json: print JSON (as --json); table: the default.",
-                 show_default=False),
-]  # fmt: skip
+    typer.Option(
+        "--format", help="json: print JSON (as --json); table: the default.", show_default=False
+    ),
+]
 FORMATS = ("json", "table")
 
 

@@ -100,16 +100,20 @@ def spawn(
 ) -> None:
     """Fork sandboxes from a snapshot through the daemon, one line each (the original
     forkd's spawn; forkd fork is the same with more options)."""
-    ignore_flags(per_child_netns=per_child_netns, prewarm=prewarm, live_fork=live_fork,
-                 hugepages=hugepages)  # fmt: skip
+    ignore_flags(
+        per_child_netns=per_child_netns, prewarm=prewarm, live_fork=live_fork, hugepages=hugepages
+    )
     with daemon_errors(), conn.controller() as ctl:
         made = ctl.spawn_sandboxes(tag, n=n, memory_limit_mib=memory_limit_mib)
     if conn.as_json:
         render.print_json(made)
         return
     for sb in made:
-        out.print(f"  {CHECK} {shown(sb['id'])}  guest={shown(sb.get('guest_addr') or '-')}  "
-                  f"netns={shown(sb.get('netns') or '-')}", highlight=False)  # fmt: skip
+        out.print(
+            f"  {CHECK} {shown(sb['id'])}  guest={shown(sb.get('guest_addr') or '-')}  "
+            f"netns={shown(sb.get('netns') or '-')}",
+            highlight=False,
+        )
 
 
 def ls(conn: Connection) -> None:
@@ -124,8 +128,12 @@ def ls(conn: Connection) -> None:
         return
     table = render.wrapping_table("ID", "SNAPSHOT", "STATE", "PID", "NETNS", "GUEST_ADDR")
     for sb in listed:
-        table.add_row(*(render.cell(sb.get(k)) for k in
-                        ("id", "snapshot_tag", "state", "pid", "netns", "guest_addr")))  # fmt: skip
+        table.add_row(
+            *(
+                render.cell(sb.get(k))
+                for k in ("id", "snapshot_tag", "state", "pid", "netns", "guest_addr")
+            )
+        )
     out.print(table)
     out.print(f"\n  {len(listed)} sandbox{'es' if len(listed) != 1 else ''}")
 
@@ -257,17 +265,21 @@ def pack(
     """Write a snapshot to a file, an OCI archive (a diff's bases in it too), to unpack on
     any host: forkd unpack FILE (or push it to a registry with forkd push)."""
     if description is not None or base_image is not None:
-        err.print("note: --description and --base-image are accepted and not stored: the "
-                  "archive records the snapshot's image and machine itself")  # fmt: skip
+        err.print(
+            "note: --description and --base-image are accepted and not stored: the "
+            "archive records the snapshot's image and machine itself"
+        )
     target = out or Path(f"{tag}.forkd-snapshot.tar")
     with daemon_errors(), conn.controller() as ctl, err.status(f"packing {shown(tag)}"):
         size = ctl.export_snapshot(tag, target)
     if conn.as_json:
         render.print_json({"tag": tag, "path": str(target), "bytes": size})
         return
-    err.print(f"{CHECK} wrote {shown(str(target))} ({size / (1 << 20):.1f} MiB): snapshot "
-              f"{shown(tag)} as an OCI archive; forkd unpack {shown(str(target))} on any host",
-              highlight=False)  # fmt: skip
+    err.print(
+        f"{CHECK} wrote {shown(str(target))} ({size / (1 << 20):.1f} MiB): snapshot "
+        f"{shown(tag)} as an OCI archive; forkd unpack {shown(str(target))} on any host",
+        highlight=False,
+    )
 
 
 def unpack(
@@ -278,10 +290,13 @@ def unpack(
     ] = None,
     force: Annotated[
         bool,
-        typer.Option("--force", help="Replace a snapshot of that name, once the archive "
-                     "is in (unpacked under another name first)."),
+        typer.Option(
+            "--force",
+            help="Replace a snapshot of that name, once the archive "
+            "is in (unpacked under another name first).",
+        ),
     ] = False,
-) -> None:  # fmt: skip
+) -> None:
     """Make a snapshot from a file forkd pack wrote (every piece checked)."""
     if not path.is_file():
         raise fail(f"there is no file {shown(str(path))}")
@@ -289,8 +304,10 @@ def unpack(
         name = tag or (packed_tag(path) if force else None)
         taken = name is not None and any(s.get("tag") == name for s in ctl.list_snapshots())
         if force and name is None:
-            raise fail("--force needs the snapshot's name: give --tag (the archive names "
-                       "no one tag this command can read)")  # fmt: skip
+            raise fail(
+                "--force needs the snapshot's name: give --tag (the archive names "
+                "no one tag this command can read)"
+            )
         if force and taken:
             assert name is not None
             info = _unpack_replacing(ctl, path, name)
@@ -300,8 +317,10 @@ def unpack(
     if conn.as_json:
         render.print_json(info)
         return
-    err.print(f"{CHECK} unpacked tag '{shown(info['tag'])}': forkd fork --tag "
-              f"{shown(info['tag'])} -n 1", highlight=False)  # fmt: skip
+    err.print(
+        f"{CHECK} unpacked tag '{shown(info['tag'])}': forkd fork --tag {shown(info['tag'])} -n 1",
+        highlight=False,
+    )
 
 
 def _unpack_replacing(ctl: Any, path: Path, name: str) -> dict[str, Any]:
@@ -336,8 +355,11 @@ def packed_tag(path: Path) -> str | None:
                 return None
             handle = tar.extractfile(found[0])
             index = json.loads(handle.read()) if handle is not None else {}
-        names = {m["annotations"]["org.opencontainers.image.ref.name"]
-                 for m in index.get("manifests", []) if "annotations" in m}  # fmt: skip
+        names = {
+            m["annotations"]["org.opencontainers.image.ref.name"]
+            for m in index.get("manifests", [])
+            if "annotations" in m
+        }
         return next(iter(names)) if len(names) == 1 else None
     return None
 

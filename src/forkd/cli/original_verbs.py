@@ -138,16 +138,26 @@ def bench(
         made: list[str] = []
         branch: dict[str, Any] = {}
         try:
-            (sb,) = timed("spawn (n=1)", lambda: ctl.spawn_sandboxes(tag, n=1),
-                          lambda r: str(r[0]["id"]))  # fmt: skip
+            (sb,) = timed(
+                "spawn (n=1)", lambda: ctl.spawn_sandboxes(tag, n=1), lambda r: str(r[0]["id"])
+            )
             made.append(sb["id"])
-            timed("exec round-trip", lambda: ctl.exec_command(sb["id"], ["echo", "bench"], 5),
-                  lambda r: f"exit={r.get('exit_code')}")  # fmt: skip
-            branch = timed("branch (diff)", lambda: ctl.branch_sandbox(sb["id"], mode="diff"),
-                           lambda r: f"pause_ms={r.get('pause_ms')} "
-                           f"diff_physical_bytes={r.get('diff_physical_bytes', 0)}")  # fmt: skip
-            kids = timed(f"fanout (n={n})", lambda: ctl.spawn_sandboxes(branch["tag"], n=n),
-                         lambda r: "")  # fmt: skip
+            timed(
+                "exec round-trip",
+                lambda: ctl.exec_command(sb["id"], ["echo", "bench"], 5),
+                lambda r: f"exit={r.get('exit_code')}",
+            )
+            branch = timed(
+                "branch (diff)",
+                lambda: ctl.branch_sandbox(sb["id"], mode="diff"),
+                lambda r: (
+                    f"pause_ms={r.get('pause_ms')} "
+                    f"diff_physical_bytes={r.get('diff_physical_bytes', 0)}"
+                ),
+            )
+            kids = timed(
+                f"fanout (n={n})", lambda: ctl.spawn_sandboxes(branch["tag"], n=n), lambda r: ""
+            )
             made += [k["id"] for k in kids]
             name, ms, _ = rows[-1]
             rows[-1] = (name, ms, f"{ms / n:.0f}ms/child")
@@ -158,18 +168,16 @@ def bench(
             if branch:
                 with _quiet():
                     ctl.delete_snapshot(branch["tag"])
-            rows.append(("cleanup", (time.monotonic() - t0) * 1000,
-                         f"{len(made)} sandboxes, the branch"))  # fmt: skip
+            rows.append(
+                ("cleanup", (time.monotonic() - t0) * 1000, f"{len(made)} sandboxes, the branch")
+            )
+    _show_bench(conn, tag, n, rows)
+
+
+def _show_bench(conn: Connection, tag: str, n: int, rows: list[tuple[str, float, str]]) -> None:
     if conn.as_json:
-        render.print_json(
-            {
-                "tag": tag,
-                "n": n,
-                "steps": [
-                    {"step": name, "ms": round(ms), "detail": detail} for name, ms, detail in rows
-                ],
-            }
-        )
+        steps = [{"step": name, "ms": round(ms), "detail": detail} for name, ms, detail in rows]
+        render.print_json({"tag": tag, "n": n, "steps": steps})
         return
     out.print(f"forkd bench against snapshot [bold]{shown(tag)}[/]\n  fanout n={n}\n")
     for name, ms, detail in rows:

@@ -69,7 +69,7 @@ def exec_(
 ) -> None:
     """Run a command in a sandbox, printing its output as it comes; exits with its
     exit code (124: timed out). With --json, prints the whole result at the end.
-    -it runs it in an interactive terminal, as forkd shell does."""  # fmt: skip
+    -it runs it in an interactive terminal, as forkd shell does."""
     sandbox_id, cmd = target_and_argv(sandbox_id, cmd, child)
     if sh is not None:
         if cmd:
@@ -80,16 +80,21 @@ def exec_(
     env_map = parse_env(env) if env else None
     if len(cmd) == 1 and SHELL_SYNTAX.search(cmd[0]):
         hint = f"forkd exec {sandbox_id} --sh {cmd[0]!r} (or -- sh -c {cmd[0]!r})"
-        err.print(shown(f"note: {cmd[0]!r} is run as one program's name, not by a shell; "
-                        f"for a shell command: {hint}"))  # fmt: skip
+        err.print(
+            shown(
+                f"note: {cmd[0]!r} is run as one program's name, not by a shell; "
+                f"for a shell command: {hint}"
+            )
+        )
     if interactive or tty:
         if conn.as_json:
             raise fail("--json prints one result at the end: it cannot go with -i or -t", 2)
         from forkd.cli import shell
 
         if tty:
-            code = shell.run_in_terminal(conn, sandbox_id, list(cmd), cwd=cwd, env=env_map,
-                                         timeout=timeout, keys=interactive)  # fmt: skip
+            code = shell.run_in_terminal(
+                conn, sandbox_id, list(cmd), cwd=cwd, env=env_map, timeout=timeout, keys=interactive
+            )
         else:
             code = _exec_piped(conn, sandbox_id, list(cmd), cwd, env_map, timeout)
         raise typer.Exit(code)
@@ -104,8 +109,7 @@ def exec_(
             render.print_json(result)
             code = exit_code_of(result)
         else:
-            info = ctl.start_process(sandbox_id, list(cmd), env=env_map, cwd=cwd,
-                                     timeout_s=timeout)  # fmt: skip
+            info = ctl.start_process(sandbox_id, list(cmd), env=env_map, cwd=cwd, timeout_s=timeout)
             code = _follow(ctl, sandbox_id, int(info["pid"]))
     raise typer.Exit(code if 0 <= code <= 255 else 1)
 
@@ -122,8 +126,7 @@ def _exec_piped(
     from forkd.cli.shell import pipe_stdin
 
     with daemon_errors(), conn.controller() as ctl:
-        info = ctl.start_process(sandbox_id, cmd, env=env, cwd=cwd, stdin=True,
-                                 timeout_s=timeout)  # fmt: skip
+        info = ctl.start_process(sandbox_id, cmd, env=env, cwd=cwd, stdin=True, timeout_s=timeout)
         pipe_stdin(ctl, sandbox_id, int(info["pid"]))
         code = _follow(ctl, sandbox_id, int(info["pid"]))
     return code if 0 <= code <= 255 else 1
@@ -136,8 +139,11 @@ def _follow(ctl: Controller, sandbox_id: str, pid: int) -> int:
     """
     from forkd.client import ControllerError
 
-    sinks: dict[str, BinaryIO] = {"stdout": sys.stdout.buffer, "stderr": sys.stderr.buffer,
-                                  "pty": sys.stdout.buffer}  # fmt: skip
+    sinks: dict[str, BinaryIO] = {
+        "stdout": sys.stdout.buffer,
+        "stderr": sys.stderr.buffer,
+        "pty": sys.stdout.buffer,
+    }
     offset, retries = 0, STREAM_RETRIES
     try:
         while True:
@@ -216,10 +222,14 @@ def kill(
     ] = None,
     signal: Annotated[
         str | None,
-        typer.Option("--signal", "-s", help="With ID PID: the signal (TERM, KILL, 9...).",
-                     show_default="TERM"),
+        typer.Option(
+            "--signal",
+            "-s",
+            help="With ID PID: the signal (TERM, KILL, 9...).",
+            show_default="TERM",
+        ),
     ] = None,
-) -> None:  # fmt: skip
+) -> None:
     """Kill sandboxes (IDs, --all, or --tag T: those forked from snapshot T); with a sandbox
     and a process id (ID PID), send that process (and its group) a signal instead."""
     ids = targets or []

@@ -125,10 +125,13 @@ def sandbox_table(sandboxes: list[dict[str, Any]]) -> Table:
     for sb in sandboxes:
         limit = sb.get("memory_limit_mib")
         table.add_row(
-            cell(sb.get("id")), cell(sb.get("snapshot_tag")), cell(sb.get("state")),
-            cell(sb.get("pid")), age(sb.get("created_at_unix")),
+            cell(sb.get("id")),
+            cell(sb.get("snapshot_tag")),
+            cell(sb.get("state")),
+            cell(sb.get("pid")),
+            age(sb.get("created_at_unix")),
             f"{limit} MiB" if limit is not None else "-",
-        )  # fmt: skip
+        )
     return table
 
 

@@ -89,8 +89,10 @@ def update(
     if conn.as_json:
         render.print_json(info)
         return
-    out.print(f"{shown(sandbox_id)}: evictable {str(info.get('evictable')).lower()}, "
-              f"auto_resume {str(info.get('auto_resume')).lower()}")  # fmt: skip
+    out.print(
+        f"{shown(sandbox_id)}: evictable {str(info.get('evictable')).lower()}, "
+        f"auto_resume {str(info.get('auto_resume')).lower()}"
+    )
 
 
 def _seconds_or_none(text: str) -> float | None:
@@ -118,9 +120,12 @@ def pause(
     verb, key = ("hibernated", "hibernated") if hibernate else ("paused", "paused")
     with daemon_errors(), conn.controller() as ctl:
         act_on_each(
-            ids, lambda sid: ctl.pause_sandbox(sid, hibernate=hibernate), verb, conn.as_json,
+            ids,
+            lambda sid: ctl.pause_sandbox(sid, hibernate=hibernate),
+            verb,
+            conn.as_json,
             json_key=key,
-        )  # fmt: skip
+        )
 
 
 def resume(
@@ -133,9 +138,12 @@ def resume(
     """Resume paused sandboxes (their clocks are set to the host's) or wake hibernated ones."""
     with daemon_errors(), conn.controller() as ctl:
         act_on_each(
-            ids, lambda sid: ctl.resume_sandbox(sid, timeout_s=timeout), "resumed", conn.as_json,
+            ids,
+            lambda sid: ctl.resume_sandbox(sid, timeout_s=timeout),
+            "resumed",
+            conn.as_json,
             json_key="resumed",
-        )  # fmt: skip
+        )
 
 
 AutoResumeOpt = Annotated[
@@ -155,6 +163,28 @@ EvictableOpt = Annotated[
         help="Whether the daemon may hibernate these sandboxes when idle and the host runs "
         "short of memory (default), or never.",
         show_default=False,
+    ),
+]
+
+
+# The original forkd's fork, which held its sandboxes and then removed them.
+SettleOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--settle-secs",
+        min=0,
+        help="Hold the sandboxes this long (or until Ctrl-C or SIGTERM), then remove "
+        "them, as the original forkd's fork did. With --agent-address (FORKD_TARGET), "
+        "the first one answers the original agent protocol there: the original SDK's "
+        "Sandbox().",
+    ),
+]
+AgentAddressOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--agent-address",
+        envvar="FORKD_TARGET",
+        help="With --settle-secs: serve the original agent protocol at HOST:PORT.",
     ),
 ]
 
@@ -193,25 +223,8 @@ def fork(
     ] = None,
     auto_resume: AutoResumeOpt = None,
     evictable: EvictableOpt = None,
-    settle_secs: Annotated[
-        float | None,
-        typer.Option(
-            "--settle-secs",
-            min=0,
-            help="Hold the sandboxes this long (or until Ctrl-C or SIGTERM), then remove "
-            "them, as the original forkd's fork did. With --agent-address (FORKD_TARGET), "
-            "the first one answers the original agent protocol there: the original SDK's "
-            "Sandbox().",
-        ),
-    ] = None,
-    agent_address: Annotated[
-        str | None,
-        typer.Option(
-            "--agent-address",
-            envvar="FORKD_TARGET",
-            help="With --settle-secs: serve the original agent protocol at HOST:PORT.",
-        ),
-    ] = None,
+    settle_secs: SettleOpt = None,
+    agent_address: AgentAddressOpt = None,
     per_child_netns: NetnsOpt = False,
     hugepages: HugeOpt = False,
     live_fork: LiveForkOpt = False,
@@ -222,24 +235,39 @@ def fork(
     ignore_flags(per_child_netns=per_child_netns, hugepages=hugepages, live_fork=live_fork)
     labels = parse_labels(label)
     if settle_secs is not None:
-        held = {"memory_limit_mib": memory_limit, "timeout_secs": timeout_secs,
-                "internet": internet, "metadata": labels, "seed": seed}  # fmt: skip
+        held = {
+            "memory_limit_mib": memory_limit,
+            "timeout_secs": timeout_secs,
+            "internet": internet,
+            "metadata": labels,
+            "seed": seed,
+        }
         return _hold(conn, tag, n, settle_secs, agent_address, **held)
     t0 = time.monotonic()
     with daemon_errors(), conn.controller() as ctl, fork_progress(conn, tag, n, conn.as_json):
         sandboxes = ctl.spawn_sandboxes(
-            tag, n=n, memory_limit_mib=memory_limit, timeout_secs=timeout_secs, internet=internet,
-            metadata=labels, on_timeout=on_timeout, idle_timeout_s=idle_timeout, seed=seed,
-            auto_resume=auto_resume, evictable=evictable, network=network_of(allow_out, deny_out),
-        )  # fmt: skip
+            tag,
+            n=n,
+            memory_limit_mib=memory_limit,
+            timeout_secs=timeout_secs,
+            internet=internet,
+            metadata=labels,
+            on_timeout=on_timeout,
+            idle_timeout_s=idle_timeout,
+            seed=seed,
+            auto_resume=auto_resume,
+            evictable=evictable,
+            network=network_of(allow_out, deny_out),
+        )
     if conn.as_json:
         render.print_json(sandboxes)
         return
     _show_forked(sandboxes, tag, time.monotonic() - t0)
 
 
-def _hold(conn: Connection, tag: str, n: int, settle_secs: float, agent_address: str | None,
-          **fork: Any) -> None:  # fmt: skip
+def _hold(
+    conn: Connection, tag: str, n: int, settle_secs: float, agent_address: str | None, **fork: Any
+) -> None:
     """``fork --settle-secs``: the original forkd's fork, held then removed."""
     from forkd.cli.fork_hold import Hold
 

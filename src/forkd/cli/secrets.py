@@ -146,5 +146,10 @@ def secret_rm(
 ) -> None:
     """Delete secrets (refused while running sandboxes' network rules name one)."""
     with conn.controller() as ctl:
-        act_on_each(names, lambda n: ctl.delete_secret(n, force=force), "deleted secret",
-                    conn.as_json, "deleted")  # fmt: skip
+        act_on_each(
+            names,
+            lambda n: ctl.delete_secret(n, force=force),
+            "deleted secret",
+            conn.as_json,
+            "deleted",
+        )

@@ -91,15 +91,17 @@ def run_in_terminal(
     stdin_fd = sys.stdin.fileno()
     local_tty = keys and os.isatty(stdin_fd)
     if keys and not local_tty:
-        err.print("[yellow]stdin is not a terminal: its bytes are typed as they come, "
-                  "then Ctrl-D[/]")  # fmt: skip
+        err.print(
+            "[yellow]stdin is not a terminal: its bytes are typed as they come, then Ctrl-D[/]"
+        )
     # Raw before the process starts: a Ctrl-C typed while it starts is a key for
     # the guest, not a SIGINT here (the terminal is restored before any error shows).
     with daemon_errors(), conn.controller() as ctl, _raw_mode(stdin_fd if local_tty else None):
         from forkd.client.pty import PtyHandle
 
-        info = ctl.start_process(sandbox_id, cmd, env=_with_term(env), cwd=cwd,
-                                 pty=terminal_size(), timeout_s=timeout)  # fmt: skip
+        info = ctl.start_process(
+            sandbox_id, cmd, env=_with_term(env), cwd=cwd, pty=terminal_size(), timeout_s=timeout
+        )
         with PtyHandle(ctl, sandbox_id, int(info["pid"])) as term:
             code = _join(term, keys, stdin_fd)
     return code if code is not None and 0 <= code <= 255 else 1

@@ -116,8 +116,10 @@ def snapshot_main(
         render.print_json(info)
         return
     if info.get("status") in WRITING:
-        out.print(f"branching [green]{shown(from_sandbox)}[/] → [bold magenta]"
-                  f"{shown(str(info.get('tag')))}[/] in the background (writing)")  # fmt: skip
+        out.print(
+            f"branching [green]{shown(from_sandbox)}[/] → [bold magenta]"
+            f"{shown(str(info.get('tag')))}[/] in the background (writing)"
+        )
         return
     out.print(
         f"branched [green]{shown(from_sandbox)}[/] → [bold magenta]"
@@ -149,18 +151,34 @@ ReadyTimeoutOpt = Annotated[
 ]
 
 
+ImageOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--image",
+        help="A built image (default: python), or a container image to import first: "
+        "registry/repo:tag, docker-daemon:IMAGE, docker-archive:PATH, oci-archive:PATH, "
+        "oci:DIR.",
+    ),
+]
+
+
+def _started(
+    start: bool, ready_port: int | None, ready_cmd: str | None, ready_timeout: float | None
+) -> dict[str, Any]:
+    """The request's fields for a template that starts a server (the ones given)."""
+    started = {
+        "start": start or None,
+        "ready_port": ready_port,
+        "ready_cmd": ["/bin/sh", "-c", ready_cmd] if ready_cmd else None,
+        "ready_timeout_secs": ready_timeout,
+    }
+    return {k: v for k, v in started.items() if v is not None}
+
+
 def snapshot_create(
     conn: Connection,
     tag: Annotated[str, typer.Option("--tag", help="Name of the new snapshot.")],
-    image: Annotated[
-        str | None,
-        typer.Option(
-            "--image",
-            help="A built image (default: python), or a container image to import first: "
-            "registry/repo:tag, docker-daemon:IMAGE, docker-archive:PATH, oci-archive:PATH, "
-            "oci:DIR.",
-        ),
-    ] = None,
+    image: ImageOpt = None,
     memory: Annotated[int | None, typer.Option("--memory", help="Guest RAM in MiB.", min=1)] = None,
     vcpus: Annotated[int | None, typer.Option("--vcpus", help="Virtual CPUs.", min=1)] = None,
     setup: Annotated[
@@ -191,18 +209,13 @@ def snapshot_create(
     volumes = [parse_volume(host_file_volume(conn, v)) for v in volume or []]
     labels = parse_labels(label)
     t0 = time.monotonic()
-    started = {
-        "start": start or None, "ready_port": ready_port,
-        "ready_cmd": ["/bin/sh", "-c", ready_cmd] if ready_cmd else None,
-        "ready_timeout_secs": ready_timeout,
-    }  # fmt: skip
     if image is not None and _is_container_ref(image):
         from forkd.cli.images import import_with_progress
 
         _check_tag_is_free(conn, tag)  # before an import that may take minutes
         image = str(import_with_progress(conn, image, t0, quiet=True)["name"])
     status = _build_status(tag, start, ready_port, ready_cmd)
-    extra: dict[str, Any] = {k: v for k, v in started.items() if v is not None}
+    extra = _started(start, ready_port, ready_cmd, ready_timeout)
     if volumes:
         extra["volumes"] = volumes
     if labels:
@@ -217,9 +230,15 @@ def snapshot_create(
         following_build(conn, tag, shown_status),
     ):
         info = ctl.create_snapshot(
-            tag, image=image, memory_mib=memory, vcpus=vcpus,
-            setup=setup or None, warmup=warmup, boot_wait_secs=boot_wait_secs, **extra,
-        )  # fmt: skip
+            tag,
+            image=image,
+            memory_mib=memory,
+            vcpus=vcpus,
+            setup=setup or None,
+            warmup=warmup,
+            boot_wait_secs=boot_wait_secs,
+            **extra,
+        )
     if conn.as_json:
         render.print_json(info)
         return
@@ -241,14 +260,21 @@ def _check_tag_is_free(conn: Connection, tag: str) -> None:
             if exc.status == 404:
                 return
             raise
-    raise fail(f"snapshot {shown(tag)} exists: choose another --tag, or remove it first "
-               f"(forkd rmi {shown(tag)})")  # fmt: skip
+    raise fail(
+        f"snapshot {shown(tag)} exists: choose another --tag, or remove it first "
+        f"(forkd rmi {shown(tag)})"
+    )
 
 
 def _build_status(tag: str, start: bool, ready_port: int | None, ready_cmd: str | None) -> str:
     """What snapshot create says while the daemon works: its steps, and what start waits for."""
-    waits = (f"port {ready_port} to listen" if ready_port else f"{ready_cmd!r} to exit 0"
-             if ready_cmd else "its one exposed port, if it has one")  # fmt: skip
+    waits = (
+        f"port {ready_port} to listen"
+        if ready_port
+        else f"{ready_cmd!r} to exit 0"
+        if ready_cmd
+        else "its one exposed port, if it has one"
+    )
     steps = f"start (waiting for {shown(waits)}), " if start else ""
     return f"building snapshot {shown(tag)}: boot, setup, warm-up, {steps}snapshot"
 
@@ -280,10 +306,13 @@ def snapshot_ls(
     )
     for s in snapshots:
         table.add_row(
-            render.cell(s.get("tag")), render.cell(s.get("branched_from")),
-            render.cell(s.get("memory_mib")), render.cell(s.get("image")),
-            render.millis(s.get("pause_ms")), render.age(s.get("created_at_unix")),
-        )  # fmt: skip
+            render.cell(s.get("tag")),
+            render.cell(s.get("branched_from")),
+            render.cell(s.get("memory_mib")),
+            render.cell(s.get("image")),
+            render.millis(s.get("pause_ms")),
+            render.age(s.get("created_at_unix")),
+        )
     out.print(table)
     if not snapshots:
         err.print("no snapshots yet: run 'forkd snapshot create --tag NAME'")
@@ -323,10 +352,11 @@ RefArg = Annotated[
 RegistryTokenOpt = Annotated[
     str | None,
     typer.Option(
-        "--registry-token", envvar="FORKD_REGISTRY_TOKEN",
+        "--registry-token",
+        envvar="FORKD_REGISTRY_TOKEN",
         help="Bearer token for the registry (default: the daemon's docker config.json).",
     ),
-]  # fmt: skip
+]
 InsecureRegistryOpt = Annotated[
     bool,
     typer.Option(
@@ -362,8 +392,12 @@ def snapshot_push(
         return
     sent, total = result["bytes_uploaded"], result["bytes_total"]
     out.print(f"{shown(result['ref'])}@{result['digest']}", soft_wrap=True)  # one line
-    _transfer_note(conn, "pushed", f"{sent / 2**20:.1f} of {total / 2**20:.1f} MiB "
-                   f"({result['encoding']})", started)  # fmt: skip
+    _transfer_note(
+        conn,
+        "pushed",
+        f"{sent / 2**20:.1f} of {total / 2**20:.1f} MiB ({result['encoding']})",
+        started,
+    )
 
 
 def snapshot_pull(
@@ -442,9 +476,11 @@ def host_file_volume(conn: Connection, text: str) -> str:
         if any(v.get("name") == name for v in ctl.list_volumes()):
             err.print(f"volume {shown(name)} holds {shown(source)} already", highlight=False)
         else:
-            err.print(f"importing {shown(source)} as volume {shown(name)}: copy-on-write, the "
-                      "file itself is never changed (each sandbox writes a layer of its own)",
-                      highlight=False)  # fmt: skip
+            err.print(
+                f"importing {shown(source)} as volume {shown(name)}: copy-on-write, the "
+                "file itself is never changed (each sandbox writes a layer of its own)",
+                highlight=False,
+            )
             with err.status(f"sending {shown(source)}") as status:
                 ctl.import_volume(name, path, status.update)
     return f"{name}:{rest}"

@@ -106,19 +106,30 @@ def top_table(listed: list[dict[str, Any]], sort: str, limit: int) -> Table:
         f"host memory, {cpu:.0f}% CPU (of one core); by {sort}"
     )
     table.add_column("sandbox", no_wrap=True)  # ids stay whole, to copy
-    for name in ("state", "cpu %", "host MiB", "guest MiB", "disk MiB", "net KiB in/out",
-                 "procs", "woken/evicted"):  # fmt: skip
+    for name in (
+        "state",
+        "cpu %",
+        "host MiB",
+        "guest MiB",
+        "disk MiB",
+        "net KiB in/out",
+        "procs",
+        "woken/evicted",
+    ):
         table.add_column(name, overflow="fold")
     for m in sorted_by(listed, sort)[:limit]:
         memory, disk, net = m.get("memory") or {}, m.get("disk") or {}, m.get("network")
         table.add_row(
-            cell(m.get("sandbox_id")), cell(m.get("state")),
+            cell(m.get("sandbox_id")),
+            cell(m.get("state")),
             _num((m.get("cpu") or {}).get("percent"), "{:.1f}"),
-            _mib(memory.get("host_private_bytes")), _mib(memory.get("guest_used_bytes")),
+            _mib(memory.get("host_private_bytes")),
+            _mib(memory.get("guest_used_bytes")),
             _mib(disk.get("used_bytes")),
             f"{net['rx_bytes'] >> 10}/{net['tx_bytes'] >> 10}" if net else "-",
-            _num(m.get("processes")), f"{m.get('wakes', 0)}/{m.get('evictions', 0)}",
-        )  # fmt: skip
+            _num(m.get("processes")),
+            f"{m.get('wakes', 0)}/{m.get('evictions', 0)}",
+        )
     return table
 
 
@@ -126,19 +137,32 @@ def metrics_table(m: dict[str, Any]) -> Table:
     cpu, memory = m.get("cpu") or {}, m.get("memory") or {}
     table = Table("figure", "value", title=f"{m.get('sandbox_id')} ({m.get('state')})")
     rows = [
-        ("CPU", f"{_num(cpu.get('percent'), '{:.1f}')}% of a host core, "
-                f"{_num(cpu.get('seconds'), '{:.1f}')} s in all, {_num(cpu.get('count'))} vCPU"),
-        ("memory, guest", f"{_mib(memory.get('guest_used_bytes'))} of "
-                          f"{_mib(memory.get('guest_total_bytes'))} MiB used"),
-        ("memory, host", f"{_mib(memory.get('host_private_bytes'))} MiB its own, "
-                         f"{_mib(memory.get('host_proportional_bytes'))} MiB PSS"),
-    ]  # fmt: skip
+        (
+            "CPU",
+            f"{_num(cpu.get('percent'), '{:.1f}')}% of a host core, "
+            f"{_num(cpu.get('seconds'), '{:.1f}')} s in all, {_num(cpu.get('count'))} vCPU",
+        ),
+        (
+            "memory, guest",
+            f"{_mib(memory.get('guest_used_bytes'))} of "
+            f"{_mib(memory.get('guest_total_bytes'))} MiB used",
+        ),
+        (
+            "memory, host",
+            f"{_mib(memory.get('host_private_bytes'))} MiB its own, "
+            f"{_mib(memory.get('host_proportional_bytes'))} MiB PSS",
+        ),
+    ]
     disk = m.get("disk")
     if disk:
         rows.append(("disk", f"{_mib(disk['used_bytes'])} of {_mib(disk['total_bytes'])} MiB"))
     for v in m.get("volumes") or []:
-        rows.append((f"volume {v['name']} ({v['path']})",
-                     f"{_mib(v['used_bytes'])} of {_mib(v['total_bytes'])} MiB"))  # fmt: skip
+        rows.append(
+            (
+                f"volume {v['name']} ({v['path']})",
+                f"{_mib(v['used_bytes'])} of {_mib(v['total_bytes'])} MiB",
+            )
+        )
     net = m.get("network")
     if net:
         rows.append(("network", f"{net['rx_bytes']} bytes in, {net['tx_bytes']} out"))

@@ -54,9 +54,12 @@ def volume_ls(conn: Connection) -> None:
     table = render.wrapping_table("name", "size", "on disk", "layers", "used by")
     for v in vols:
         table.add_row(
-            v["name"], f"{v['size_bytes'] >> 20} MiB", f"{v['allocated_bytes'] >> 20} MiB",
-            str(v.get("layers", 0)), ", ".join(v.get("used_by") or []),
-        )  # fmt: skip
+            v["name"],
+            f"{v['size_bytes'] >> 20} MiB",
+            f"{v['allocated_bytes'] >> 20} MiB",
+            str(v.get("layers", 0)),
+            ", ".join(v.get("used_by") or []),
+        )
     out.print(table)
 
 

@@ -68,8 +68,14 @@ class AsyncController(AsyncRunner, Routes, AsyncStreams, AsyncSockets, AsyncImag
     async def _run(self, call: Call[T]) -> T:
         """Send ``call`` and decode its answer (every JSON route goes through here)."""
         resp = await asend(
-            self._client, self.url, call.method, call.path, json=call.json_body,
-            params=call.params, content=call.content, headers=call.headers,
+            self._client,
+            self.url,
+            call.method,
+            call.path,
+            json=call.json_body,
+            params=call.params,
+            content=call.content,
+            headers=call.headers,
             timeout=self.timeout if call.timeout is None else call.timeout,
-        )  # fmt: skip
+        )
         return call.decode(resp)

@@ -112,9 +112,14 @@ class AsyncCommands:
         args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         sb = self._sandbox
         raw = await sb.controller.exec_command(
-            sb.id, args, timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS, cwd=cwd,
-            env={**(env or {}), **(envs or {})} or None, stdin=stdin, user=user,
-        )  # fmt: skip
+            sb.id,
+            args,
+            timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS,
+            cwd=cwd,
+            env={**(env or {}), **(envs or {})} or None,
+            stdin=stdin,
+            user=user,
+        )
         return CommandResult.from_answer(raw)
 
     async def start(
@@ -250,9 +255,14 @@ class AsyncPty:
         as ``user`` (default: the image's USER, else root)."""
         sb = self._sandbox
         info = await sb.controller.start_process(
-            sb.id, LOGIN_SHELL if cmd is None else cmd, env=env, cwd=cwd,
-            pty=(cols, rows), timeout_s=timeout, user=user,
-        )  # fmt: skip
+            sb.id,
+            LOGIN_SHELL if cmd is None else cmd,
+            env=env,
+            cwd=cwd,
+            pty=(cols, rows),
+            timeout_s=timeout,
+            user=user,
+        )
         return await AsyncPtyHandle(sb.controller, sb.id, int(info["pid"]), 0, on_data)._open()
 
     async def connect(
@@ -458,9 +468,14 @@ class AsyncSnapshot(SnapshotView):
                                             start=True, ready_port=5432)
         """
         info = await controller.create_snapshot(
-            tag, image=image, start=start, ready_port=ready_port, ready_cmd=ready_cmd,
-            ready_timeout_secs=ready_timeout_secs, **kwargs,
-        )  # fmt: skip
+            tag,
+            image=image,
+            start=start,
+            ready_port=ready_port,
+            ready_cmd=ready_cmd,
+            ready_timeout_secs=ready_timeout_secs,
+            **kwargs,
+        )
         return cls(info.get("tag", tag), controller=controller, info=info)
 
     @classmethod

@@ -51,8 +51,9 @@ class AsyncSockets:
         self, sandbox_id: str, port: int, path: str = "/", subprotocols: list[str] | None = None
     ) -> contextlib.AbstractAsyncContextManager[AsyncWebSocketSession]:
         """``async with``: a WebSocket to ``path`` on guest ``port``, through the proxy."""
-        return self._websocket(port_route(self._sb(sandbox_id), port, path),
-                               upgrade_headers(subprotocols))  # fmt: skip
+        return self._websocket(
+            port_route(self._sb(sandbox_id), port, path), upgrade_headers(subprotocols)
+        )
 
     def open_tunnel(
         self, sandbox_id: str, port: int
@@ -138,9 +139,13 @@ class AsyncPtyHandle(PtyState):
     ``await sb.pty.create()`` or ``connect()``, closed by ``close()`` or ``async with``."""
 
     def __init__(
-        self, controller: AsyncController, sandbox_id: str, pid: int, offset: int,
+        self,
+        controller: AsyncController,
+        sandbox_id: str,
+        pid: int,
+        offset: int,
         on_data: DataCallback | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(sandbox_id, pid, offset, on_data)
         self._controller = controller
         self._stack = contextlib.AsyncExitStack()

@@ -42,9 +42,12 @@ class AsyncStreams:
         path = f"{self._procs(sandbox_id, pid)}/output"
         try:
             async with self._client.stream(
-                "GET", path, params=params, headers={"Accept": "text/event-stream"},
+                "GET",
+                path,
+                params=params,
+                headers={"Accept": "text/event-stream"},
                 timeout=timeout,
-            ) as resp:  # fmt: skip
+            ) as resp:
                 if not resp.is_success:
                     await resp.aread()
                     raise ControllerError.from_response(resp)

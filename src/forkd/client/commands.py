@@ -155,21 +155,35 @@ class Commands:
 
     @overload
     def run(
-        self, cmd: str | list[str], timeout: float | None = ..., cwd: str | None = ...,
-        env: dict[str, str] | None = ..., stdin: Stdin = ..., *,
-        background: Literal[False] = ..., on_stdout: OutputCallback | None = ...,
-        on_stderr: OutputCallback | None = ..., envs: dict[str, str] | None = ...,
+        self,
+        cmd: str | list[str],
+        timeout: float | None = ...,
+        cwd: str | None = ...,
+        env: dict[str, str] | None = ...,
+        stdin: Stdin = ...,
+        *,
+        background: Literal[False] = ...,
+        on_stdout: OutputCallback | None = ...,
+        on_stderr: OutputCallback | None = ...,
+        envs: dict[str, str] | None = ...,
         user: str | None = ...,
-    ) -> CommandResult: ...  # fmt: skip
+    ) -> CommandResult: ...
 
     @overload
     def run(
-        self, cmd: str | list[str], timeout: float | None = ..., cwd: str | None = ...,
-        env: dict[str, str] | None = ..., stdin: Stdin = ..., *,
-        background: Literal[True], on_stdout: OutputCallback | None = ...,
-        on_stderr: OutputCallback | None = ..., envs: dict[str, str] | None = ...,
+        self,
+        cmd: str | list[str],
+        timeout: float | None = ...,
+        cwd: str | None = ...,
+        env: dict[str, str] | None = ...,
+        stdin: Stdin = ...,
+        *,
+        background: Literal[True],
+        on_stdout: OutputCallback | None = ...,
+        on_stderr: OutputCallback | None = ...,
+        envs: dict[str, str] | None = ...,
         user: str | None = ...,
-    ) -> CommandHandle: ...  # fmt: skip
+    ) -> CommandHandle: ...
 
     def run(
         self,
@@ -215,9 +229,14 @@ class Commands:
             timeout = FOREGROUND_TIMEOUT_SECS
         sb = self._sandbox
         info = sb.controller.start_process(
-            sb.id, cmd, env=merged_env, cwd=cwd, stdin=stdin not in (None, False),
-            timeout_s=timeout or None, user=user,
-        )  # fmt: skip
+            sb.id,
+            cmd,
+            env=merged_env,
+            cwd=cwd,
+            stdin=stdin not in (None, False),
+            timeout_s=timeout or None,
+            user=user,
+        )
         handle = CommandHandle(sb.controller, sb.id, int(info["pid"]))
         if isinstance(stdin, str | bytes):
             sb.controller.send_stdin(sb.id, handle.pid, stdin, eof=True)
@@ -239,9 +258,14 @@ class Commands:
         args = ["/bin/sh", "-c", cmd] if isinstance(cmd, str) else [str(a) for a in cmd]
         sb = self._sandbox
         raw = sb.controller.exec_command(
-            sb.id, args, timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS, cwd=cwd, env=env,
-            stdin=stdin, user=user,
-        )  # fmt: skip
+            sb.id,
+            args,
+            timeout_secs=timeout or FOREGROUND_TIMEOUT_SECS,
+            cwd=cwd,
+            env=env,
+            stdin=stdin,
+            user=user,
+        )
         return CommandResult.from_answer(raw)
 
     def list(self) -> list[JSONDict]:

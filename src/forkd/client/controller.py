@@ -91,8 +91,14 @@ class Controller(
     def _run(self, call: Call[T]) -> T:
         """Send ``call`` and decode its answer (every JSON route goes through here)."""
         resp = send(
-            self._client, self.url, call.method, call.path, json=call.json_body,
-            params=call.params, content=call.content, headers=call.headers,
+            self._client,
+            self.url,
+            call.method,
+            call.path,
+            json=call.json_body,
+            params=call.params,
+            content=call.content,
+            headers=call.headers,
             timeout=self.timeout if call.timeout is None else call.timeout,
-        )  # fmt: skip
+        )
         return call.decode(resp)

@@ -59,9 +59,10 @@ def stream_request(params: dict[str, Any], timeout: float) -> dict[str, Any]:
     if "since" in params:
         headers["Last-Event-ID"] = str(params["since"])
     return {
-        "params": params, "headers": headers,
+        "params": params,
+        "headers": headers,
         "timeout": httpx.Timeout(timeout, read=max(timeout, STREAM_READ_TIMEOUT_SECS)),
-    }  # fmt: skip
+    }
 
 
 def parse(sse: ServerSentEvent) -> tuple[int, Event | None] | None:

@@ -62,12 +62,17 @@ class VariantResult:
     @classmethod
     def from_answer(cls, raw: JSONDict) -> VariantResult:
         return cls(
-            index=int(raw["index"]), sandbox_id=raw.get("sandbox_id"), score=raw.get("score"),
-            exit_code=raw.get("exit_code"), stdout_tail=raw.get("stdout_tail") or "",
-            error=raw.get("error"), kept=bool(raw.get("kept")),
-            snapshot_tag=raw.get("snapshot_tag"), duration_ms=float(raw.get("duration_ms") or 0),
+            index=int(raw["index"]),
+            sandbox_id=raw.get("sandbox_id"),
+            score=raw.get("score"),
+            exit_code=raw.get("exit_code"),
+            stdout_tail=raw.get("stdout_tail") or "",
+            error=raw.get("error"),
+            kept=bool(raw.get("kept")),
+            snapshot_tag=raw.get("snapshot_tag"),
+            duration_ms=float(raw.get("duration_ms") or 0),
             score_tail=raw.get("score_tail") or "",
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -95,11 +100,14 @@ class ExploreResult:
     @classmethod
     def from_answer(cls, raw: JSONDict) -> ExploreResult:
         return cls(
-            branch=raw["branch"], pause_ms=raw.get("pause_ms"),
-            fork_ms=float(raw.get("fork_ms") or 0), duration_ms=float(raw.get("duration_ms") or 0),
+            branch=raw["branch"],
+            pause_ms=raw.get("pause_ms"),
+            fork_ms=float(raw.get("fork_ms") or 0),
+            duration_ms=float(raw.get("duration_ms") or 0),
             branch_kept=bool(raw.get("branch_kept")),
-            results=[VariantResult.from_answer(r) for r in raw.get("results", [])], raw=raw,
-        )  # fmt: skip
+            results=[VariantResult.from_answer(r) for r in raw.get("results", [])],
+            raw=raw,
+        )
 
 
 @dataclass
@@ -135,10 +143,17 @@ class DiffResult:
     @classmethod
     def from_answer(cls, raw: JSONDict) -> DiffResult:
         return cls(
-            sandbox_id=raw["sandbox_id"], against=raw["against"],
-            against_kind=raw.get("against_kind", "snapshot"), path=raw["path"],
-            changes=[FileChange(c["path"], c["change"], c.get("kind", "file"), int(c["size"]),
-                                int(c["mode"])) for c in raw.get("changes", [])],
-            truncated=bool(raw.get("truncated")), duration_ms=float(raw.get("duration_ms") or 0),
+            sandbox_id=raw["sandbox_id"],
+            against=raw["against"],
+            against_kind=raw.get("against_kind", "snapshot"),
+            path=raw["path"],
+            changes=[
+                FileChange(
+                    c["path"], c["change"], c.get("kind", "file"), int(c["size"]), int(c["mode"])
+                )
+                for c in raw.get("changes", [])
+            ],
+            truncated=bool(raw.get("truncated")),
+            duration_ms=float(raw.get("duration_ms") or 0),
             raw=raw,
-        )  # fmt: skip
+        )

@@ -76,14 +76,21 @@ class FileRoutes:
 
 def file_request(
     client: httpx.Client | httpx.AsyncClient,
-    method: str, path: str, params: dict[str, Any], body: Any, timeout: float,
-) -> httpx.Request:  # fmt: skip
+    method: str,
+    path: str,
+    params: dict[str, Any],
+    body: Any,
+    timeout: float,
+) -> httpx.Request:
     """The request of a streamed file transfer (either client's)."""
     return client.build_request(
-        method, path, params=params, content=body,
+        method,
+        path,
+        params=params,
+        content=body,
         headers={"Content-Type": "application/octet-stream"} if body is not None else None,
         timeout=timeout,
-    )  # fmt: skip
+    )
 
 
 def _nonempty(chunks: Iterable[bytes]) -> Iterator[bytes]:

@@ -159,8 +159,9 @@ class ImageRoutes:
         image (a path, or a file open for reading in binary), sent to the daemon; its
         VolumeInfo. The file itself is never changed: sandboxes write layers of their
         own over the daemon's copy (the original forkd's ``--volume FILE.ext4:/mnt``)."""
-        return self._post_file("/v1/volumes/import", {"name": name}, image,
-                               "application/octet-stream", on_progress)  # fmt: skip
+        return self._post_file(
+            "/v1/volumes/import", {"name": name}, image, "application/octet-stream", on_progress
+        )
 
     def export_snapshot(self, tag: str, out: str | os.PathLike[str]) -> int:
         """``GET /v1/snapshots/{tag}/export``: the snapshot as an OCI archive, written to
@@ -174,7 +175,7 @@ class ImageRoutes:
                     "GET",
                     f"/v1/snapshots/{quote(tag, safe='')}/export",
                     timeout=_long(self.timeout),
-                ) as resp,  # fmt: skip
+                ) as resp,
             ):
                 if not resp.is_success:
                     resp.read()
@@ -204,8 +205,9 @@ class ImageRoutes:
         """``POST /v1/snapshots/import``: the snapshot of an archive :meth:`export_snapshot`
         wrote, named ``tag`` (default: the tag it was packed as); its SnapshotInfo."""
         params = {"tag": tag} if tag else {}
-        return self._post_file("/v1/snapshots/import", params, archive, "application/x-tar",
-                               on_progress)  # fmt: skip
+        return self._post_file(
+            "/v1/snapshots/import", params, archive, "application/x-tar", on_progress
+        )
 
     def _post_file(
         self,
@@ -221,9 +223,12 @@ class ImageRoutes:
         with _opened(source) as f:
             try:
                 resp = self._client.post(
-                    path, params=params, content=archive_pieces(f, say),
-                    headers={"Content-Type": content_type}, timeout=_long(self.timeout),
-                )  # fmt: skip
+                    path,
+                    params=params,
+                    content=archive_pieces(f, say),
+                    headers={"Content-Type": content_type},
+                    timeout=_long(self.timeout),
+                )
             except httpx.TransportError as exc:
                 raise _broken(self.url, exc) from exc
         if not resp.is_success:
@@ -288,8 +293,9 @@ class AsyncImageRoutes:
         on_progress: AsyncProgressCallback | None = None,
     ) -> dict[str, Any]:
         """As :meth:`Controller.import_volume`."""
-        return await self._post_file("/v1/volumes/import", {"name": name}, image,
-                                     "application/octet-stream", on_progress)  # fmt: skip
+        return await self._post_file(
+            "/v1/volumes/import", {"name": name}, image, "application/octet-stream", on_progress
+        )
 
     async def export_snapshot(self, tag: str, out: str | os.PathLike[str]) -> int:
         """As :meth:`Controller.export_snapshot`."""
@@ -326,8 +332,9 @@ class AsyncImageRoutes:
     ) -> dict[str, Any]:
         """As :meth:`Controller.import_snapshot`."""
         params = {"tag": tag} if tag else {}
-        return await self._post_file("/v1/snapshots/import", params, archive,
-                                     "application/x-tar", on_progress)  # fmt: skip
+        return await self._post_file(
+            "/v1/snapshots/import", params, archive, "application/x-tar", on_progress
+        )
 
     async def _post_file(
         self,
@@ -342,9 +349,12 @@ class AsyncImageRoutes:
         with _opened(source) as f:
             try:
                 resp = await self._client.post(
-                    path, params=params, content=aarchive_pieces(f, say),
-                    headers={"Content-Type": content_type}, timeout=_long(self.timeout),
-                )  # fmt: skip
+                    path,
+                    params=params,
+                    content=aarchive_pieces(f, say),
+                    headers={"Content-Type": content_type},
+                    timeout=_long(self.timeout),
+                )
             except httpx.TransportError as exc:
                 raise _broken(self.url, exc) from exc
         if not resp.is_success:

@@ -53,8 +53,9 @@ class PortRoutes:
         self, sandbox_id: str, port: int, path: str = "/", subprotocols: list[str] | None = None
     ) -> Iterator[WebSocketSession]:
         """A WebSocket to ``path`` on guest ``port``, through the proxy."""
-        with self._websocket(port_route(self._sb(sandbox_id), port, path),
-                             upgrade_headers(subprotocols)) as ws:  # fmt: skip
+        with self._websocket(
+            port_route(self._sb(sandbox_id), port, path), upgrade_headers(subprotocols)
+        ) as ws:
             yield ws
 
     @contextlib.contextmanager

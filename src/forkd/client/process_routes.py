@@ -64,8 +64,9 @@ class ProcessRoutes:
         timeout = httpx.Timeout(self.timeout, read=max(self.timeout, STREAM_READ_TIMEOUT_SECS))
         headers = {"Accept": "text/event-stream"}
         try:
-            with self._client.stream("GET", path, params=params, headers=headers,
-                                     timeout=timeout) as resp:  # fmt: skip
+            with self._client.stream(
+                "GET", path, params=params, headers=headers, timeout=timeout
+            ) as resp:
                 if not resp.is_success:
                     resp.read()
                     raise ControllerError.from_response(resp)

@@ -89,8 +89,9 @@ class PtyState:
         elif kind == "gap":
             self.offset = int(message["to"])
         elif kind == "error":  # a keystroke or resize the daemon could not pass on
-            raise ControllerError(int(message.get("status") or 400), str(message.get("error")),
-                                  message)  # fmt: skip
+            raise ControllerError(
+                int(message.get("status") or 400), str(message.get("error")), message
+            )
 
     def _closed(self, code: int, reason: str | None) -> ControllerError:
         """The error of a socket the daemon closed before the exit frame."""
@@ -232,9 +233,14 @@ class Pty:
         """
         sb = self._sandbox
         info = sb.controller.start_process(
-            sb.id, LOGIN_SHELL if cmd is None else cmd, env=env, cwd=cwd,
-            pty=(cols, rows), timeout_s=timeout, user=user,
-        )  # fmt: skip
+            sb.id,
+            LOGIN_SHELL if cmd is None else cmd,
+            env=env,
+            cwd=cwd,
+            pty=(cols, rows),
+            timeout_s=timeout,
+            user=user,
+        )
         return PtyHandle(sb.controller, sb.id, int(info["pid"]), 0, on_data)
 
     def connect(self, pid: int, offset: int = 0, on_data: DataCallback | None = None) -> PtyHandle:

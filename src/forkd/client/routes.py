@@ -61,9 +61,15 @@ class Call(Generic[T]):
         """The same request, its decoded answer passed through ``then``."""
         decode = self.decode
         return Call(
-            self.method, self.path, lambda resp: then(decode(resp)), self.json_body,
-            self.params, self.content, self.headers, self.timeout,
-        )  # fmt: skip
+            self.method,
+            self.path,
+            lambda resp: then(decode(resp)),
+            self.json_body,
+            self.params,
+            self.content,
+            self.headers,
+            self.timeout,
+        )
 
 
 class SyncRunner:
@@ -294,9 +300,11 @@ class Routes:
         full snapshot of that tag instead, ``tag`` left as it is → ``to``'s SnapshotInfo."""
         body = {"to": to} if to is not None else None
         return self._json(
-            "POST", f"/v1/snapshots/{_quote(tag)}/compact", json_body=body,
+            "POST",
+            f"/v1/snapshots/{_quote(tag)}/compact",
+            json_body=body,
             timeout=max(self.timeout, 600),
-        )  # fmt: skip
+        )
 
     @route
     def snapshot(self, tag: str) -> Call[JSONDict]:
@@ -316,8 +324,9 @@ class Routes:
         """``POST /v1/snapshots/pull``: fetch ``ref`` as snapshot ``tag`` (default: the name
         it was pushed under) → SnapshotInfo. Options: ``token``, ``insecure``, ``metadata``."""
         body = _drop_none({"ref": ref, "tag": tag, **options})
-        return self._json("POST", "/v1/snapshots/pull", json_body=body,
-                          timeout=max(self.timeout, 1800))  # fmt: skip
+        return self._json(
+            "POST", "/v1/snapshots/pull", json_body=body, timeout=max(self.timeout, 1800)
+        )
 
     # -- volumes ------------------------------------------------------------
 
@@ -334,9 +343,13 @@ class Routes:
         """
         content = _tar_directory(Path(from_dir)) if from_dir is not None else b""
         return self._json(
-            "POST", "/v1/volumes", params={"name": name, "size": str(size)}, content=content,
-            headers={"Content-Type": "application/x-tar"}, timeout=max(self.timeout, 600),
-        )  # fmt: skip
+            "POST",
+            "/v1/volumes",
+            params={"name": name, "size": str(size)},
+            content=content,
+            headers={"Content-Type": "application/x-tar"},
+            timeout=max(self.timeout, 600),
+        )
 
     @route
     def list_volumes(self) -> Call[list[JSONDict]]:
@@ -540,9 +553,13 @@ class Routes:
 
             ctl.update_sandbox_network(sid, deny_out=["*"])
         """
-        body = _drop_none({"allow_out": list(allow_out) if allow_out is not None else None,
-                           "deny_out": list(deny_out) if deny_out is not None else None,
-                           "rules": rules})  # fmt: skip
+        body = _drop_none(
+            {
+                "allow_out": list(allow_out) if allow_out is not None else None,
+                "deny_out": list(deny_out) if deny_out is not None else None,
+                "rules": rules,
+            }
+        )
         return self._json("PATCH", f"{self._sb(sandbox_id)}/network", json_body=body)
 
     @route
@@ -650,20 +667,29 @@ class Routes:
         (``{"eval": code}``, ``{"exec": argv, "env": ..., "stdin": ...}``); the score
         prints a number on its last line (an eval returns one). ``seed``: variant *i*'s
         child gets ``seed + i``. ``timeout_secs`` (default 300) bounds every variant."""
-        body = _drop_none({
-            "variants": [step_body(v) for v in variants],
-            "score": None if score is None else step_body(score),
-            "keep": keep, "keep_as": keep_as, "minimize": minimize or None,
-            "timeout_secs": timeout_secs, "seed": seed, "tag": tag, "metadata": metadata,
-        })  # fmt: skip
+        body = _drop_none(
+            {
+                "variants": [step_body(v) for v in variants],
+                "score": None if score is None else step_body(score),
+                "keep": keep,
+                "keep_as": keep_as,
+                "minimize": minimize or None,
+                "timeout_secs": timeout_secs,
+                "seed": seed,
+                "tag": tag,
+                "metadata": metadata,
+            }
+        )
         # The variants' deadline, plus the branch, the fork and keeping: up to
         # one branch per kept child, not under the deadline. A client that stops
         # waiting cancels the explore and loses what it found.
         wait = (timeout_secs or limits.EXPLORE_TIMEOUT_SECS) + 600.0 + 30.0 * keep
         return self._json(
-            "POST", f"{self._sb(sandbox_id)}/explore", json_body=body,
+            "POST",
+            f"{self._sb(sandbox_id)}/explore",
+            json_body=body,
             timeout=max(self.timeout, wait),
-        ).then(ExploreResult.from_answer)  # fmt: skip
+        ).then(ExploreResult.from_answer)
 
     def _diff(self, sandbox_id: str, path: str, against: str | None, format: str) -> Call[Any]:
         decode: dict[str, Callable[[httpx.Response], Any]] = {
@@ -674,8 +700,9 @@ class Routes:
         if format not in decode:
             raise ValueError(f"format is json, patch or tar, not {format!r}")
         url = f"{self._sb(sandbox_id)}/diff"
-        params = _drop_none({"path": path, "against": against,
-                             "format": None if format == "json" else format})  # fmt: skip
+        params = _drop_none(
+            {"path": path, "against": against, "format": None if format == "json" else format}
+        )
         call = self._request("GET", url, params=params, timeout=max(self.timeout, 300))
         return call.then(decode[format])
 
@@ -752,9 +779,11 @@ class Routes:
         body = _drop_none({"code": code, "timeout_s": timeout_s})
         wait = limits.EVAL_TIMEOUT_SECS if timeout_s is None else float(timeout_s)
         return self._json(
-            "POST", f"{self._sb(sandbox_id)}/eval", json_body=body,
+            "POST",
+            f"{self._sb(sandbox_id)}/eval",
+            json_body=body,
             timeout=max(self.timeout, wait + EVAL_HTTP_MARGIN_SECS),
-        )  # fmt: skip
+        )
 
     @route
     def interrupt_eval(self, sandbox_id: str) -> Call[JSONDict]:
@@ -784,9 +813,14 @@ class Routes:
     ) -> Call[JSONDict]:
         """``POST /v1/workspaces``: fork one sandbox of ``snapshot_tag`` as workspace
         ``name`` → WorkspaceInfo (``status`` ``"running"``, ``live_sandbox_id``)."""
-        body = _drop_none({"name": name, "snapshot_tag": snapshot_tag,
-                           "per_child_netns": per_child_netns,
-                           "memory_limit_mib": memory_limit_mib})  # fmt: skip
+        body = _drop_none(
+            {
+                "name": name,
+                "snapshot_tag": snapshot_tag,
+                "per_child_netns": per_child_netns,
+                "memory_limit_mib": memory_limit_mib,
+            }
+        )
         return self._json("POST", "/v1/workspaces", json_body=body)
 
     @route
@@ -801,14 +835,22 @@ class Routes:
     @route
     def suspend_workspace(self, name: str) -> Call[JSONDict]:
         """Hibernate the workspace's sandbox (``status`` ``"suspended"``)."""
-        return self._json("POST", f"/v1/workspaces/{_quote(name)}/suspend", json_body={},
-                          timeout=max(self.timeout, 600))  # fmt: skip
+        return self._json(
+            "POST",
+            f"/v1/workspaces/{_quote(name)}/suspend",
+            json_body={},
+            timeout=max(self.timeout, 600),
+        )
 
     @route
     def resume_workspace(self, name: str) -> Call[JSONDict]:
         """Wake it (the same sandbox), or fork anew from its source when it is stale."""
-        return self._json("POST", f"/v1/workspaces/{_quote(name)}/resume", json_body={},
-                          timeout=max(self.timeout, 600))  # fmt: skip
+        return self._json(
+            "POST",
+            f"/v1/workspaces/{_quote(name)}/resume",
+            json_body={},
+            timeout=max(self.timeout, 600),
+        )
 
     # -- files --------------------------------------------------------------
 
@@ -873,8 +915,10 @@ class Routes:
         A str ``cmd`` runs as ``/bin/sh -c cmd``; ``pty`` is ``(cols, rows)``;
         ``timeout_s`` kills it (exit code 124). It keeps running after this returns.
         """
-        body: JSONDict = {"cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd],
-                          "stdin": stdin}  # fmt: skip
+        body: JSONDict = {
+            "cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd],
+            "stdin": stdin,
+        }
         for key, value in (("env", env), ("cwd", cwd), ("timeout_s", timeout_s), ("user", user)):
             if value is not None:
                 body[key] = value

@@ -249,13 +249,15 @@ class Sandbox(SandboxView):
     @overload
     def diff(self, path: str, against: str | None, format: Literal["patch"]) -> str: ...
     @overload
-    def diff(self, path: str = ..., against: str | None = ..., *,
-             format: Literal["patch"]) -> str: ...  # fmt: skip
+    def diff(
+        self, path: str = ..., against: str | None = ..., *, format: Literal["patch"]
+    ) -> str: ...
     @overload
     def diff(self, path: str, against: str | None, format: Literal["tar"]) -> bytes: ...
     @overload
-    def diff(self, path: str = ..., against: str | None = ..., *,
-             format: Literal["tar"]) -> bytes: ...  # fmt: skip
+    def diff(
+        self, path: str = ..., against: str | None = ..., *, format: Literal["tar"]
+    ) -> bytes: ...
 
     def diff(
         self, path: str = "/", against: str | None = None, format: str = "json"

@@ -65,9 +65,14 @@ class Snapshot(SnapshotView):
         """
         ctl = controller if controller is not None else Controller()
         info = ctl.create_snapshot(
-            tag, image=image, start=start, ready_port=ready_port, ready_cmd=ready_cmd,
-            ready_timeout_secs=ready_timeout_secs, **create_kwargs,
-        )  # fmt: skip
+            tag,
+            image=image,
+            start=start,
+            ready_port=ready_port,
+            ready_cmd=ready_cmd,
+            ready_timeout_secs=ready_timeout_secs,
+            **create_kwargs,
+        )
         return cls(info.get("tag", tag), controller=ctl, info=info)
 
     @property

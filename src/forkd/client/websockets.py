@@ -44,8 +44,7 @@ def open_websocket(
 ) -> Iterator[WebSocketSession]:
     """A WebSocket to ``route`` on the daemon, for the block."""
     try:
-        with client.stream("GET", route, params=params, headers=headers,
-                           timeout=timeout) as resp:  # fmt: skip
+        with client.stream("GET", route, params=params, headers=headers, timeout=timeout) as resp:
             if resp.status_code != 101:
                 resp.read()
                 raise ControllerError.from_response(resp)
@@ -70,8 +69,9 @@ async def aopen_websocket(
     group, which wraps what the block raises in an ExceptionGroup: a single exception
     comes out as itself."""
     try:
-        async with client.stream("GET", route, params=params, headers=headers,
-                                 timeout=timeout) as resp:  # fmt: skip
+        async with client.stream(
+            "GET", route, params=params, headers=headers, timeout=timeout
+        ) as resp:
             if resp.status_code != 101:
                 await resp.aread()
                 raise ControllerError.from_response(resp)

@@ -11,7 +11,6 @@ from fastapi import FastAPI
 from forkd import __version__, limits, paths
 from forkd.controller import (
     console,
-    egress_routes,
     http_errors,
     port_proxy,
     port_ws,
@@ -33,6 +32,18 @@ log = logging.getLogger(__name__)
 
 EXPLORE_DRAIN_SECS = 30.0  # explores being taken back when the daemon stops
 WAKE_DRAIN_SECS = 30.0  # wakes under way when the daemon stops
+
+
+async def _stop(services: Services) -> None:
+    """The daemon's background work ends, what it wrote is flushed, its proxy closed."""
+    services.fleet.events.close()
+    await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
+    await services.reclaim.stop()
+    await services.waker.drain(WAKE_DRAIN_SECS)
+    await services.usage.stop()
+    await services.lifecycle.stop()
+    services.secrets.flush_uses(force=True)
+    await services.fleet.egress.close()
 
 
 def create_app(
@@ -72,19 +83,15 @@ def create_app(
         services.usage.start()
         metrics.watch_sandboxes(services.usage.all, limits.SANDBOX_SERIES_CAP)
         metrics.watch_egress(lambda: services.fleet.egress.log.counts, limits.SANDBOX_SERIES_CAP)
-        log.info("forkd ready: %d snapshots, %d sandboxes adopted",
-                 len(store.list_snapshots()), len(services.fleet.vms))  # fmt: skip
+        log.info(
+            "forkd ready: %d snapshots, %d sandboxes adopted",
+            len(store.list_snapshots()),
+            len(services.fleet.vms),
+        )
         try:
             yield
         finally:
-            services.fleet.events.close()
-            await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
-            await services.reclaim.stop()
-            await services.waker.drain(WAKE_DRAIN_SECS)
-            await services.usage.stop()
-            await services.lifecycle.stop()
-            services.secrets.flush_uses(force=True)
-            await services.fleet.egress.close()
+            await _stop(services)
             services.expiry.audit = None
             services.reclaim.audit = None
             services.fleet.egress_report.refusals.write = None
@@ -107,7 +114,7 @@ def create_app(
     http_errors.hide_paths_under(
         [settings.state_dir, settings.snapshot_root, settings.run_dir, paths.cache_dir()]
     )
-    for router in (*routes.ROUTERS, *egress_routes.ROUTERS):
+    for router in routes.ROUTERS:
         app.include_router(router)
     app.include_router(pty_ws.router)  # a WebSocket: not in the OpenAPI document
     app.include_router(port_proxy.router)  # the guest's answers: not in the document

@@ -93,8 +93,10 @@ class Throttle:
 
 
 def _denials(suppressed: list[tuple[str, int]]) -> list[Fields]:
-    return [{"status": 401, "client": client, "suppressed": n,
-             "message": f"{n} more 401s suppressed"} for client, n in suppressed]  # fmt: skip
+    return [
+        {"status": 401, "client": client, "suppressed": n, "message": f"{n} more 401s suppressed"}
+        for client, n in suppressed
+    ]
 
 
 class AuditLog:
@@ -152,10 +154,14 @@ class AuditLog:
     def _append(self, records: list[Fields]) -> None:
         now = round(time.time(), 3)
         data = b"".join(
-            json.dumps({"time": now, **{k: bounded(v) for k, v in r.items()}},
-                       separators=(",", ":"), default=str).encode() + b"\n"
+            json.dumps(
+                {"time": now, **{k: bounded(v) for k, v in r.items()}},
+                separators=(",", ":"),
+                default=str,
+            ).encode()
+            + b"\n"
             for r in records
-        )  # fmt: skip
+        )
         if self._torn:
             data = b"\n" + data
         if self._fd is None and not self._closed:
@@ -217,9 +223,13 @@ class AuditLog:
         log.warning(
             "audit log %s: cannot write (%s: %s); %d lines lost since the last warning, "
             "%d since start; next warning in %.0f s at the earliest",
-            self.path, type(exc).__name__, exc, self._lost_unreported, self.lost,
+            self.path,
+            type(exc).__name__,
+            exc,
+            self._lost_unreported,
+            self.lost,
             AUDIT_WARN_INTERVAL_SECS,
-        )  # fmt: skip
+        )
         self._lost_unreported = 0
 
 

@@ -74,8 +74,10 @@ def stream_and_remove(path: Path, media_type: str, filename: str) -> StreamingRe
         finally:
             path.unlink(missing_ok=True)
 
-    headers = {"content-length": str(size),
-               "content-disposition": f'attachment; filename="{filename}"'}  # fmt: skip
+    headers = {
+        "content-length": str(size),
+        "content-disposition": f'attachment; filename="{filename}"',
+    }
     # Removed after the answer too, should the client go before its body began (a daemon
     # that dies first removes such .partial- files at its next start).
     gone = BackgroundTask(path.unlink, missing_ok=True)

@@ -244,13 +244,20 @@ class ConnectionLimiter:
         self._warned_at = now
         refused = sum(self._refused.values())
         if cap == "total":
-            log.warning("refusing connections: %d open, the cap (--max-connections); "
-                        "%d refused so far", self._open, refused)  # fmt: skip
+            log.warning(
+                "refusing connections: %d open, the cap (--max-connections); %d refused so far",
+                self._open,
+                refused,
+            )
         else:
             assert address is not None, "only an address is over the per-address cap"
-            log.warning("refusing connections from %s: %d open from it, the cap "
-                        "(--max-connections-per-address); %d refused so far",
-                        address, self._open_from[address], refused)  # fmt: skip
+            log.warning(
+                "refusing connections from %s: %d open from it, the cap "
+                "(--max-connections-per-address); %d refused so far",
+                address,
+                self._open_from[address],
+                refused,
+            )
 
 
 def client_address(transport: asyncio.BaseTransport) -> str | None:
@@ -264,8 +271,10 @@ def client_address(transport: asyncio.BaseTransport) -> str | None:
 def _refusal(cap: Cap) -> bytes:
     why = "too many connections" + (" from this address" if cap == "address" else "")
     body = json.dumps({"error": f"{why}: close one and retry"}).encode()
-    head = ("HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -432,8 +441,9 @@ class LimitedH11Protocol(H11Protocol, Evictable):
     def _expire(self, wait: Wait) -> None:
         self._timer = self._waiting_for = None
         self.limiter.count_timeout(wait)
-        log.debug("closing the connection of %s: its request %s did not come in time",
-                  self.client, wait)  # fmt: skip
+        log.debug(
+            "closing the connection of %s: its request %s did not come in time", self.client, wait
+        )
         self.transport.close()
 
 

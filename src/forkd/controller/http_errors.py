@@ -169,8 +169,9 @@ def internal_error(exc: BaseException, method: str, path: str) -> tuple[str, JSO
     only the id to quote; the daemon log gets the traceback under that id.
     """
     error_id = secrets.token_hex(4)
-    log.error("internal error (id %s) in %s %s", error_id, method,
-              path[:AUDIT_FIELD_LIMIT], exc_info=exc)  # fmt: skip
+    log.error(
+        "internal error (id %s) in %s %s", error_id, method, path[:AUDIT_FIELD_LIMIT], exc_info=exc
+    )
     message = f"internal error (id {error_id}); the daemon log has the details"
     return error_id, error_response(500, message)
 

@@ -37,9 +37,10 @@ class Metrics:
         active = Gauge("forkd_sandboxes_active", "Sandboxes running", registry=self.registry)
         active.set_function(sandboxes)
         pool = Gauge(
-            "forkd_pool_waiting", "QEMU processes started ahead, waiting for a fork",
+            "forkd_pool_waiting",
+            "QEMU processes started ahead, waiting for a fork",
             registry=self.registry,
-        )  # fmt: skip
+        )
         pool.set_function(pooled)
         # The original contract's two branch gauges.
         in_flight = Gauge(
@@ -47,41 +48,55 @@ class Metrics:
         )
         in_flight.set_function(branches_in_flight)
         cap = Gauge(
-            "forkd_branch_concurrency_cap", "Branches that may be in flight at once (the cap)",
+            "forkd_branch_concurrency_cap",
+            "Branches that may be in flight at once (the cap)",
             registry=self.registry,
-        )  # fmt: skip
+        )
         cap.set_function(branch_cap)
         info = Gauge("forkd_build_info", "forkd build", ["version"], registry=self.registry)
         info.labels(version=__version__).set(1)
         self.fork_seconds = Histogram(
-            "forkd_fork_seconds", "Fork latency: QEMU start to agent answering",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "forkd_fork_seconds",
+            "Fork latency: QEMU start to agent answering",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.branch_pause_seconds = Histogram(
-            "forkd_branch_pause_seconds", "Pause window of a branch (vCPUs frozen)",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "forkd_branch_pause_seconds",
+            "Pause window of a branch (vCPUs frozen)",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.snapshot_seconds = Histogram(
-            "forkd_template_snapshot_seconds", "Time to snapshot a template",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
+            "forkd_template_snapshot_seconds",
+            "Time to snapshot a template",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
         self.wakes = Counter(
-            "forkd_wakes_total", "Sandboxes a request woke, by the state they woke from",
-            ["from"], registry=self.registry,
-        )  # fmt: skip
-        self.wake_seconds = Histogram(
-            "forkd_wake_seconds", "What waking a sandbox for a request added to its answer",
-            buckets=LATENCY_BUCKETS, registry=self.registry,
-        )  # fmt: skip
-        self.evictions = Counter(
-            "forkd_evictions_total", "Idle sandboxes hibernated to give memory back (reclaim)",
+            "forkd_wakes_total",
+            "Sandboxes a request woke, by the state they woke from",
+            ["from"],
             registry=self.registry,
-        )  # fmt: skip
+        )
+        self.wake_seconds = Histogram(
+            "forkd_wake_seconds",
+            "What waking a sandbox for a request added to its answer",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.evictions = Counter(
+            "forkd_evictions_total",
+            "Idle sandboxes hibernated to give memory back (reclaim)",
+            registry=self.registry,
+        )
         self.registry_bytes = Counter(
-            "forkd_registry_bytes", "Bytes sent to (push) and fetched from (pull) OCI registries",
-            ["direction"], registry=self.registry,
-        )  # fmt: skip
+            "forkd_registry_bytes",
+            "Bytes sent to (push) and fetched from (pull) OCI registries",
+            ["direction"],
+            registry=self.registry,
+        )
 
     def observe_wake(self, was: str, secs: float) -> None:
         """A sandbox woke from ``was`` (paused, hibernated) for a request in ``secs``."""
@@ -134,9 +149,10 @@ class _ConnectionCollector(Collector):
             "forkd_connections_open", "Client connections open (WebSockets too)", counts.open
         )
         refused = CounterMetricFamily(
-            "forkd_connections_refused", "Connections refused at once: over a cap",
+            "forkd_connections_refused",
+            "Connections refused at once: over a cap",
             labels=["cap"],
-        )  # fmt: skip
+        )
         for cap, n in counts.refused.items():
             refused.add_metric([cap], n)
         yield refused
@@ -162,16 +178,28 @@ class _EgressCollector(Collector):
     """Each sandbox's egress through the proxy, labelled by its id (the ``cap`` busiest)."""
 
     SERIES = (
-        ("forkd_sandbox_egress_allowed", "Connections and HTTP requests the proxy let out",
-         "allowed"),
-        ("forkd_sandbox_egress_refused", "Connections and HTTP requests the proxy refused",
-         "refused"),
-        ("forkd_sandbox_egress_sent_bytes", "Bytes the guest sent out through the proxy",
-         "bytes_out"),
-        ("forkd_sandbox_egress_received_bytes", "Bytes the guest received through the proxy",
-         "bytes_in"),
+        (
+            "forkd_sandbox_egress_allowed",
+            "Connections and HTTP requests the proxy let out",
+            "allowed",
+        ),
+        (
+            "forkd_sandbox_egress_refused",
+            "Connections and HTTP requests the proxy refused",
+            "refused",
+        ),
+        (
+            "forkd_sandbox_egress_sent_bytes",
+            "Bytes the guest sent out through the proxy",
+            "bytes_out",
+        ),
+        (
+            "forkd_sandbox_egress_received_bytes",
+            "Bytes the guest received through the proxy",
+            "bytes_in",
+        ),
         ("forkd_sandbox_egress_substitutions", "Requests a secret was put in", "substitutions"),
-    )  # fmt: skip
+    )
 
     def __init__(self, read: Callable[[], dict[str, Any]], cap: int) -> None:
         self._read = read
@@ -199,24 +227,56 @@ class _SandboxCollector(Collector):
 
     # (series, its family, help, the figure of a SandboxMetrics)
     SERIES: tuple[tuple[str, type[Family], str, Callable[[SandboxMetrics], float | None]], ...] = (
-        ("forkd_sandbox_cpu_seconds", CounterMetricFamily, "CPU time its QEMU used",
-         lambda m: m.cpu.seconds),
-        ("forkd_sandbox_memory_host_private_bytes", GaugeMetricFamily,
-         "What its QEMU holds of its own", lambda m: m.memory.host_private_bytes),
-        ("forkd_sandbox_memory_guest_used_bytes", GaugeMetricFamily, "Memory its guest uses",
-         lambda m: m.memory.guest_used_bytes),
-        ("forkd_sandbox_disk_used_bytes", GaugeMetricFamily, "Used on its guest's root filesystem",
-         lambda m: m.disk.used_bytes if m.disk else None),
-        ("forkd_sandbox_network_rx_bytes", CounterMetricFamily, "Bytes its guest received",
-         lambda m: m.network.rx_bytes if m.network else None),
-        ("forkd_sandbox_network_tx_bytes", CounterMetricFamily, "Bytes its guest sent",
-         lambda m: m.network.tx_bytes if m.network else None),
-        ("forkd_sandbox_processes", GaugeMetricFamily, "Processes running in its guest",
-         lambda m: m.processes),
+        (
+            "forkd_sandbox_cpu_seconds",
+            CounterMetricFamily,
+            "CPU time its QEMU used",
+            lambda m: m.cpu.seconds,
+        ),
+        (
+            "forkd_sandbox_memory_host_private_bytes",
+            GaugeMetricFamily,
+            "What its QEMU holds of its own",
+            lambda m: m.memory.host_private_bytes,
+        ),
+        (
+            "forkd_sandbox_memory_guest_used_bytes",
+            GaugeMetricFamily,
+            "Memory its guest uses",
+            lambda m: m.memory.guest_used_bytes,
+        ),
+        (
+            "forkd_sandbox_disk_used_bytes",
+            GaugeMetricFamily,
+            "Used on its guest's root filesystem",
+            lambda m: m.disk.used_bytes if m.disk else None,
+        ),
+        (
+            "forkd_sandbox_network_rx_bytes",
+            CounterMetricFamily,
+            "Bytes its guest received",
+            lambda m: m.network.rx_bytes if m.network else None,
+        ),
+        (
+            "forkd_sandbox_network_tx_bytes",
+            CounterMetricFamily,
+            "Bytes its guest sent",
+            lambda m: m.network.tx_bytes if m.network else None,
+        ),
+        (
+            "forkd_sandbox_processes",
+            GaugeMetricFamily,
+            "Processes running in its guest",
+            lambda m: m.processes,
+        ),
         ("forkd_sandbox_wakes", CounterMetricFamily, "Times a request woke it", lambda m: m.wakes),
-        ("forkd_sandbox_evictions", CounterMetricFamily, "Times reclaim hibernated it",
-         lambda m: m.evictions),
-    )  # fmt: skip
+        (
+            "forkd_sandbox_evictions",
+            CounterMetricFamily,
+            "Times reclaim hibernated it",
+            lambda m: m.evictions,
+        ),
+    )
 
     def __init__(self, read: Callable[[], list[SandboxMetrics]], cap: int) -> None:
         self._read = read

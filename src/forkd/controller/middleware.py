@@ -140,8 +140,9 @@ class GuardMiddleware:
         return hmac.compare_digest(given, b"Bearer " + self.token)
 
 
-async def _stream_counted(app: ASGIApp, scope: Scope, receive: Receive, send: Send,
-                          limit: int) -> None:  # fmt: skip
+async def _stream_counted(
+    app: ASGIApp, scope: Scope, receive: Receive, send: Send, limit: int
+) -> None:
     """Call ``app`` with the body as it arrives; past ``limit`` bytes the app sees the
     client go away, its answer is dropped, and the client gets a 413."""
     seen = 0
@@ -269,8 +270,9 @@ class AuditMiddleware:
                 await refuse_websocket(scope, receive, send_and_note, 500, said)
             else:  # an accepted WebSocket: close it, saying why
                 with contextlib.suppress(Exception):  # the client may be gone already
-                    await send({"type": "websocket.close", "code": 1011,
-                                "reason": close_reason(said)})  # fmt: skip
+                    await send(
+                        {"type": "websocket.close", "code": 1011, "reason": close_reason(said)}
+                    )
         finally:
             audit = _audit_log(scope)
             if audit is not None and scope["path"] not in UNAUDITED:

@@ -38,16 +38,33 @@ READ_BYTES = 64 * 1024
 MAX_HEAD_BYTES = 64 * 1024
 LIVENESS_SECS = 2.0  # how often an idle stream checks that its sandbox still runs
 HOP_BY_HOP = frozenset(
-    ("connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-     "transfer-encoding", "upgrade", "proxy-connection")
-)  # fmt: skip
+    (
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "proxy-connection",
+    )
+)
 # Never passed to the guest: the daemon's credentials, what the proxy sets itself, and
 # the page a request came from (on the daemon's origin, another sandbox's preview URL,
 # its token with it).
 NOT_TO_GUEST = frozenset(
-    ("authorization", "host", "forwarded", "x-forwarded-for", "x-forwarded-host",
-     "x-forwarded-proto", "x-forwarded-prefix", "referer")
-)  # fmt: skip
+    (
+        "authorization",
+        "host",
+        "forwarded",
+        "x-forwarded-for",
+        "x-forwarded-host",
+        "x-forwarded-proto",
+        "x-forwarded-prefix",
+        "referer",
+    )
+)
 # Set on every answer from a guest, whatever the guest says: a page never tells the
 # next one (another sandbox's, anyone's) the URL it was, preview token and all.
 REFERRER_POLICY = (b"referrer-policy", b"no-referrer")
@@ -63,10 +80,16 @@ NOT_FROM_GUEST = frozenset(("service-worker-allowed", "clear-site-data", "referr
 # the others set policy for the whole origin (NEL with Report-To would have a browser
 # report every later URL of the origin, other sandboxes' preview tokens included, to
 # the guest's server; Alt-Svc and HSTS would redirect or pin it).
-NOT_FROM_GUEST_ON_OUR_ORIGIN = frozenset((
-    "cross-origin-opener-policy", "nel", "report-to", "reporting-endpoints", "alt-svc",
-    "strict-transport-security",
-))  # fmt: skip
+NOT_FROM_GUEST_ON_OUR_ORIGIN = frozenset(
+    (
+        "cross-origin-opener-policy",
+        "nel",
+        "report-to",
+        "reporting-endpoints",
+        "alt-svc",
+        "strict-transport-security",
+    )
+)
 COOKIE_PLACE_ATTRIBUTES = frozenset((b"path", b"domain"))
 Port = Annotated[int, Path(ge=1, le=65535, description="a TCP port of the guest")]
 
@@ -94,14 +117,18 @@ def guest_headers(
         prefix = ""  # the guest's paths are the host's own
     named_in_connection = {
         token.strip().lower().encode()
-        for k, v in raw if k.lower() == b"connection" for token in v.decode("latin-1").split(",")
-    }  # fmt: skip
+        for k, v in raw
+        if k.lower() == b"connection"
+        for token in v.decode("latin-1").split(",")
+    }
     drop = {h.encode() for h in HOP_BY_HOP | NOT_TO_GUEST} | named_in_connection
     kept = [(k, v) for k, v in raw if k.lower() not in drop]
     host = next((v for k, v in raw if k.lower() == b"host"), b"")
     client = scope.get("client")
-    kept += [(b"host", f"localhost:{port}".encode()),
-             (b"x-forwarded-proto", str(scope.get("scheme", "http")).encode())]  # fmt: skip
+    kept += [
+        (b"host", f"localhost:{port}".encode()),
+        (b"x-forwarded-proto", str(scope.get("scheme", "http")).encode()),
+    ]
     if prefix:
         kept.append((b"x-forwarded-prefix", prefix.encode()))
     if host:
@@ -123,9 +150,10 @@ def client_headers(
     ``NOT_FROM_GUEST_ON_OUR_ORIGIN`` is dropped as well."""
     named_in_connection = {
         token.strip().lower().encode()
-        for k, v in headers if k.lower() == b"connection"
+        for k, v in headers
+        if k.lower() == b"connection"
         for token in v.decode("latin-1").split(",")
-    }  # fmt: skip
+    }
     dropped = HOP_BY_HOP | NOT_FROM_GUEST
     if our_origin_prefix is not None:
         dropped |= NOT_FROM_GUEST_ON_OUR_ORIGIN
@@ -177,9 +205,10 @@ def confined_cookie(set_cookie: bytes, path: bytes | None, tag: bytes | None = N
         name_value = tag + name_value.strip()
     dropped = COOKIE_PLACE_ATTRIBUTES if path is not None else {b"domain"}
     kept = [name_value.strip()] + [
-        a.strip() for a in attributes
+        a.strip()
+        for a in attributes
         if a.strip() and a.split(b"=", 1)[0].strip().lower() not in dropped
-    ]  # fmt: skip
+    ]
     return b"; ".join(kept + ([b"Path=" + path] if path is not None else []))
 
 
@@ -214,8 +243,9 @@ def _connect_failed(where: str, exc: Exception) -> Exception:
     if isinstance(exc, ConnectionRefusedError):
         return GuestError(f"nothing listens on {where} (connection refused)")
     if isinstance(exc, TimeoutError):
-        return GuestError(f"{where} did not accept a connection within "
-                          f"{limits.PORT_CONNECT_SECS:g} s")  # fmt: skip
+        return GuestError(
+            f"{where} did not accept a connection within {limits.PORT_CONNECT_SECS:g} s"
+        )
     if isinstance(exc, OSError):
         return GuestError(f"cannot connect to {where}: {exc}")
     return exc
@@ -244,8 +274,9 @@ async def read_watching(reader: asyncio.StreamReader, link: GuestLink) -> bytes:
 class GuestExchange:
     """One request to the guest and its answer, over a connection of its own."""
 
-    def __init__(self, link: GuestLink, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter) -> None:  # fmt: skip
+    def __init__(
+        self, link: GuestLink, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         self.link = link
         self.reader = reader
         self.writer = writer
@@ -261,8 +292,9 @@ class GuestExchange:
             self.writer.write(data)
             await asyncio.wait_for(self.writer.drain(), limits.PORT_HEAD_SECS)
 
-    async def start(self, request: Request, headers: list[tuple[bytes, bytes]],
-                    target: bytes) -> h11.Response:  # fmt: skip
+    async def start(
+        self, request: Request, headers: list[tuple[bytes, bytes]], target: bytes
+    ) -> h11.Response:
         """Send the request (its body streams on in the background) and return the
         answer's head; :class:`GuestError` when the guest does not give one in time."""
         has_length = any(k.lower() == b"content-length" for k, _ in headers)
@@ -284,8 +316,9 @@ class GuestExchange:
                 await asyncio.wait_for(asyncio.shield(head), limits.PORT_HEAD_SECS)
             return head.result()
         except TimeoutError as exc:
-            raise GuestError(f"{self._where()} sent no answer within "
-                             f"{limits.PORT_HEAD_SECS:g} s") from exc  # fmt: skip
+            raise GuestError(
+                f"{self._where()} sent no answer within {limits.PORT_HEAD_SECS:g} s"
+            ) from exc
         finally:
             head.cancel()
 
@@ -319,8 +352,10 @@ class GuestExchange:
                 return event  # type: ignore[return-value]
             data = await read_watching(self.reader, self.link)
             if not data and self.h11.their_state is h11.SEND_RESPONSE:
-                raise GuestError(f"{self._where()} closed the connection without answering "
-                                 "(does anything listen there?)")  # fmt: skip
+                raise GuestError(
+                    f"{self._where()} closed the connection without answering "
+                    "(does anything listen there?)"
+                )
             self.h11.receive_data(data)
 
     async def body(self) -> AsyncIterator[bytes]:
@@ -367,9 +402,15 @@ class GuestResponse(Response):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await send({"type": "http.response.start", "status": self.head.status_code,
-                        "headers": client_headers(list(self.head.headers),
-                                                  self.our_origin_prefix, self.tag)})  # fmt: skip
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.head.status_code,
+                    "headers": client_headers(
+                        list(self.head.headers), self.our_origin_prefix, self.tag
+                    ),
+                }
+            )
             pumping = asyncio.ensure_future(self._pump(send))
             watching = asyncio.ensure_future(self._client_gone(receive))
             await asyncio.wait({pumping, watching}, return_when=asyncio.FIRST_COMPLETED)
@@ -395,20 +436,25 @@ class GuestResponse(Response):
             pass
 
 
-async def forward(request: Request, svc: Services, sandbox_id: str, port: int, prefix: str,
-                  prefix_segments: int) -> Response:  # fmt: skip
+async def forward(
+    request: Request, svc: Services, sandbox_id: str, port: int, prefix: str, prefix_segments: int
+) -> Response:
     """Send ``request`` on to guest ``port`` and answer with what the guest answers."""
     stack = contextlib.AsyncExitStack()
     try:
         by_preview = prefix.startswith("/v1/preview/")
-        link = await stack.enter_async_context(svc.ports.link(sandbox_id, port,
-                                                              by_preview=by_preview))  # fmt: skip
+        link = await stack.enter_async_context(
+            svc.ports.link(sandbox_id, port, by_preview=by_preview)
+        )
         reader, writer = await open_guest(link)
         exchange = GuestExchange(link, reader, writer)
         stack.push_async_callback(exchange.close)
         tag = cookie_tag(request, prefix)
-        head = await exchange.start(request, guest_headers(request.scope, port, prefix, tag),
-                                    guest_target(request.scope, prefix_segments))  # fmt: skip
+        head = await exchange.start(
+            request,
+            guest_headers(request.scope, port, prefix, tag),
+            guest_target(request.scope, prefix_segments),
+        )
     except ClientDisconnect:
         await stack.aclose()
         raise Invalid("the request body ended early: the client went away") from None

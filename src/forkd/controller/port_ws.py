@@ -49,8 +49,15 @@ CLOSE_NORMAL = 1000
 CLOSE_GONE = 1001  # going away: the sandbox stopped
 APP_CLOSE_BASE = 4000  # a failure after the handshake: 4000 + its HTTP status
 # What the WebSocket handshake needs and sets itself: never passed on.
-HANDSHAKE = frozenset({b"sec-websocket-key", b"sec-websocket-version", b"sec-websocket-protocol",
-                       b"sec-websocket-extensions", b"content-length"})  # fmt: skip
+HANDSHAKE = frozenset(
+    {
+        b"sec-websocket-key",
+        b"sec-websocket-version",
+        b"sec-websocket-protocol",
+        b"sec-websocket-extensions",
+        b"content-length",
+    }
+)
 
 router = APIRouter(tags=["ports"])
 
@@ -61,8 +68,9 @@ def _services(websocket: WebSocket) -> Services:
 
 
 async def _refuse(websocket: WebSocket, exc: ForkdError) -> None:
-    await refuse_websocket(websocket.scope, websocket.receive, websocket.send,
-                           status_of(exc), str(exc))  # fmt: skip
+    await refuse_websocket(
+        websocket.scope, websocket.receive, websocket.send, status_of(exc), str(exc)
+    )
 
 
 @router.websocket(PROXY_PATH)
@@ -86,8 +94,9 @@ async def preview_socket(websocket: WebSocket, token: str, path: str) -> None:
     await _proxy(websocket, sandbox_id, port, f"/v1/preview/{token}", 3)
 
 
-async def _proxy(websocket: WebSocket, sandbox_id: str, port: int, prefix: str,
-                 segments: int) -> None:  # fmt: skip
+async def _proxy(
+    websocket: WebSocket, sandbox_id: str, port: int, prefix: str, segments: int
+) -> None:
     scope = websocket.scope
     sent = guest_headers(scope, port, prefix, cookie_tag(websocket, prefix))
     headers = [(k, v) for k, v in sent if k.lower() not in HANDSHAKE]
@@ -98,18 +107,26 @@ async def _proxy(websocket: WebSocket, sandbox_id: str, port: int, prefix: str,
             sock = await connect_guest(link)
             try:
                 guest = await websockets.connect(
-                    f"ws://localhost:{port}{target}", sock=sock, proxy=None,
-                    additional_headers=[(k.decode("latin-1"), v.decode("latin-1"))
-                                        for k, v in headers if k != b"host"],
-                    subprotocols=scope.get("subprotocols") or None, compression=None,
-                    open_timeout=limits.PORT_HEAD_SECS, max_size=MAX_MESSAGE_BYTES,
+                    f"ws://localhost:{port}{target}",
+                    sock=sock,
+                    proxy=None,
+                    additional_headers=[
+                        (k.decode("latin-1"), v.decode("latin-1"))
+                        for k, v in headers
+                        if k != b"host"
+                    ],
+                    subprotocols=scope.get("subprotocols") or None,
+                    compression=None,
+                    open_timeout=limits.PORT_HEAD_SECS,
+                    max_size=MAX_MESSAGE_BYTES,
                     max_queue=WS_QUEUE,  # a client that does not read holds back the guest
                     user_agent_header=None,
-                )  # fmt: skip
+                )
             except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
                 sock.close()
-                raise GuestError(f"port {port} of sandbox {sandbox_id!r} refused the "
-                                 f"WebSocket: {exc}") from exc  # fmt: skip
+                raise GuestError(
+                    f"port {port} of sandbox {sandbox_id!r} refused the WebSocket: {exc}"
+                ) from exc
             async with guest:
                 await websocket.accept(subprotocol=guest.subprotocol)
                 await _relay_messages(websocket, guest, link)
@@ -156,8 +173,9 @@ async def tunnel_socket(websocket: WebSocket, sandbox_id: str, port: str) -> Non
             reader, writer = await open_guest(link)
             await websocket.accept()
             try:
-                await _until_first(_client_to_guest(websocket, writer),
-                                   _guest_to_client(websocket, reader, link))  # fmt: skip
+                await _until_first(
+                    _client_to_guest(websocket, writer), _guest_to_client(websocket, reader, link)
+                )
             finally:
                 writer.close()
     except ForkdError as exc:
@@ -184,8 +202,9 @@ async def _client_to_guest(websocket: WebSocket, writer: asyncio.StreamWriter) -
             await asyncio.Event().wait()  # half-closed: the guest's side ends it
 
 
-async def _guest_to_client(websocket: WebSocket, reader: asyncio.StreamReader,
-                           link: GuestLink) -> None:  # fmt: skip
+async def _guest_to_client(
+    websocket: WebSocket, reader: asyncio.StreamReader, link: GuestLink
+) -> None:
     try:
         while data := await read_watching(reader, link):
             await websocket.send_bytes(data)

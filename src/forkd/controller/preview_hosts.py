@@ -57,16 +57,24 @@ class PreviewHosts:
         elif on_preview_host is None and asked is not None and scope["type"] == "http":
             await self._redirect(scope, receive, send, host, asked)
         else:
-            why = (f"{scope['path']} is not served on this preview host"
-                   if on_preview_host is not None
-                   else "preview URLs of this daemon are served on their own hosts")  # fmt: skip
+            why = (
+                f"{scope['path']} is not served on this preview host"
+                if on_preview_host is not None
+                else "preview URLs of this daemon are served on their own hosts"
+            )
             if scope["type"] == "websocket":
                 await refuse_websocket(scope, receive, send, 404, why)
             else:
                 await error_response(404, why)(scope, receive, send)
 
-    async def _redirect(self, scope: Scope, receive: Receive, send: Send, host: str,
-                        asked: tuple[str, str, int, str]) -> None:  # fmt: skip
+    async def _redirect(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        host: str,
+        asked: tuple[str, str, int, str],
+    ) -> None:
         assert self.domain is not None
         _, sandbox_id, port, token = asked
         scheme = str(scope.get("scheme", "http"))

@@ -57,8 +57,9 @@ async def pty_socket(
     try:
         output = await terminal.open(sandbox_id, pid, offset)
     except ForkdError as exc:
-        await refuse_websocket(websocket.scope, websocket.receive, websocket.send,
-                               status_of(exc), str(exc))  # fmt: skip
+        await refuse_websocket(
+            websocket.scope, websocket.receive, websocket.send, status_of(exc), str(exc)
+        )
         return
     await websocket.accept()
     session = _Session(websocket, terminal, sandbox_id, pid)
@@ -79,8 +80,9 @@ class _Session:
     async def run(self, output: AsyncIterator[TerminalPiece]) -> None:
         sending = asyncio.create_task(self._send_output(output))
         receiving = asyncio.create_task(self._receive_input())
-        done, pending = await asyncio.wait({sending, receiving},
-                                           return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        done, pending = await asyncio.wait(
+            {sending, receiving}, return_when=asyncio.FIRST_COMPLETED
+        )
         for task in pending:
             task.cancel()
         for task in pending:
@@ -106,8 +108,9 @@ class _Session:
         if isinstance(piece, TerminalBytes):
             await ws.send_bytes(piece.data)
         elif isinstance(piece, TerminalGap):
-            await ws.send_text(json.dumps({"type": "gap", "from": piece.lost_from,
-                                           "to": piece.lost_to}))  # fmt: skip
+            await ws.send_text(
+                json.dumps({"type": "gap", "from": piece.lost_from, "to": piece.lost_to})
+            )
         elif isinstance(piece, TerminalExit):
             await ws.send_text(json.dumps({"type": "exit", "exit_code": piece.exit_code}))
 
@@ -138,8 +141,11 @@ class _Session:
         try:
             resize = ProcessResize.model_validate(_control_message(text))
         except (ValueError, ValidationError) as exc:
-            await self._send_error(f'a text frame must be {{"type": "resize", "cols": N, '
-                                   f'"rows": N}} with 1 <= N <= 1000: {exc}', 400)  # fmt: skip
+            await self._send_error(
+                f'a text frame must be {{"type": "resize", "cols": N, '
+                f'"rows": N}} with 1 <= N <= 1000: {exc}',
+                400,
+            )
             return
         await self.terminal.resize(self.sandbox_id, self.pid, resize.cols, resize.rows)
 

@@ -83,14 +83,18 @@ class PolicyFile:
             try:
                 loaded = self._merged(_read(self.path) if seen is not None else {})
             except (ForkdError, ValueError, OSError) as exc:
-                log.error("registry policy %s not applied (%s); the one in force stays",
-                          self.path, exc)  # fmt: skip
+                log.error(
+                    "registry policy %s not applied (%s); the one in force stays", self.path, exc
+                )
                 return self._current or self.flags
             if loaded != self._current:
-                log.info("registry policy from %s: insecure %s, default %s, archive dirs %s",
-                         self.path, list(loaded.insecure_registries) or "none",
-                         loaded.default_registry or "none",
-                         [str(d) for d in loaded.image_archive_dirs] or "none")  # fmt: skip
+                log.info(
+                    "registry policy from %s: insecure %s, default %s, archive dirs %s",
+                    self.path,
+                    list(loaded.insecure_registries) or "none",
+                    loaded.default_registry or "none",
+                    [str(d) for d in loaded.image_archive_dirs] or "none",
+                )
             self._current = loaded
             return loaded
 

@@ -274,9 +274,11 @@ def serve(
             for d in (settings.snapshot_root, settings.run_dir):
                 owner_only_dir(d)
             if token is None:
-                log.warning(INSECURE_WARNING.format(
-                    where=listening_url(where), token=paths.token_file(settings.state_dir)
-                ))  # fmt: skip
+                log.warning(
+                    INSECURE_WARNING.format(
+                        where=listening_url(where), token=paths.token_file(settings.state_dir)
+                    )
+                )
             sockets = None
             if "uds" in where:
                 # Left in place at exit, like uvicorn's (which re-raises SIGTERM after

@@ -324,16 +324,24 @@ class Store:
         ``cap`` secrets exist (both checked in the insert's transaction)."""
         with self._transaction() as db:
             if db.execute("SELECT 1 FROM secrets WHERE name = ?", (row.name,)).fetchone():
-                raise Conflict(f"secret {row.name!r} exists: PUT /v1/secrets/{row.name} "
-                               "changes its value or hosts")  # fmt: skip
+                raise Conflict(
+                    f"secret {row.name!r} exists: PUT /v1/secrets/{row.name} "
+                    "changes its value or hosts"
+                )
             if db.execute("SELECT COUNT(*) FROM secrets").fetchone()[0] >= cap:
                 raise Invalid(f"this daemon holds {cap} secrets, its most: delete one first")
             db.execute(
                 "INSERT INTO secrets(name, sealed, hosts, created_at_unix, updated_at_unix, "
                 "last_used_unix) VALUES (?, ?, ?, ?, ?, ?)",
-                (row.name, row.sealed, json.dumps(row.hosts), row.created_at_unix,
-                 row.updated_at_unix, row.last_used_unix),
-            )  # fmt: skip
+                (
+                    row.name,
+                    row.sealed,
+                    json.dumps(row.hosts),
+                    row.created_at_unix,
+                    row.updated_at_unix,
+                    row.last_used_unix,
+                ),
+            )
 
     def replace_secret(
         self, name: str, updated_at_unix: float, sealed: bytes | None, hosts: list[str] | None
@@ -389,11 +397,21 @@ class Store:
             "created_at_unix, branched_from, pause_ms, parent_tag, image, memory_mib, status, "
             "metadata, mode, base_tag, error) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                row.tag, row.dir, row.created_at_unix, row.branched_from, row.pause_ms,
-                row.parent_tag, row.image, row.memory_mib, row.status, json.dumps(row.metadata),
-                row.mode, row.base_tag, row.error,
+                row.tag,
+                row.dir,
+                row.created_at_unix,
+                row.branched_from,
+                row.pause_ms,
+                row.parent_tag,
+                row.image,
+                row.memory_mib,
+                row.status,
+                json.dumps(row.metadata),
+                row.mode,
+                row.base_tag,
+                row.error,
             ),
-        )  # fmt: skip
+        )
 
     def update_snapshot(self, tag: str, **changes: Unpack[SnapshotChanges]) -> None:
         with self._transaction() as db:
@@ -461,12 +479,22 @@ class Store:
             "memory_limit_mib, expires_at_unix, state, metadata, on_timeout, idle_timeout_s, "
             "seed, auto_resume, evictable) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                row.id, row.snapshot_tag, row.run_dir, row.pid, row.created_at_unix,
-                row.memory_limit_mib, row.expires_at_unix, row.state, json.dumps(row.metadata),
-                row.on_timeout, row.idle_timeout_s, row.seed, int(row.auto_resume),
+                row.id,
+                row.snapshot_tag,
+                row.run_dir,
+                row.pid,
+                row.created_at_unix,
+                row.memory_limit_mib,
+                row.expires_at_unix,
+                row.state,
+                json.dumps(row.metadata),
+                row.on_timeout,
+                row.idle_timeout_s,
+                row.seed,
+                int(row.auto_resume),
                 int(row.evictable),
             ),
-        )  # fmt: skip
+        )
 
     def update_sandbox(self, sandbox_id: str, **changes: Unpack[SandboxChanges]) -> None:
         with self._transaction() as db:
@@ -521,10 +549,16 @@ class Store:
             "INSERT INTO workspaces(name, id, source_snapshot_tag, sandbox_id, created_at_unix, "
             "last_active_unix, per_child_netns, memory_limit_mib) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
             (
-                row.name, row.id, row.source_snapshot_tag, row.sandbox_id, row.created_at_unix,
-                row.last_active_unix, int(row.per_child_netns), row.memory_limit_mib,
+                row.name,
+                row.id,
+                row.source_snapshot_tag,
+                row.sandbox_id,
+                row.created_at_unix,
+                row.last_active_unix,
+                int(row.per_child_netns),
+                row.memory_limit_mib,
             ),
-        )  # fmt: skip
+        )
 
     def update_workspace(self, name: str, **changes: Unpack[WorkspaceChanges]) -> None:
         with self._transaction() as db:
@@ -558,10 +592,13 @@ def _checked(
 
 def _secret(row: sqlite3.Row) -> SecretRow:
     return SecretRow(
-        name=row["name"], sealed=bytes(row["sealed"]), hosts=json.loads(row["hosts"]),
-        created_at_unix=row["created_at_unix"], updated_at_unix=row["updated_at_unix"],
+        name=row["name"],
+        sealed=bytes(row["sealed"]),
+        hosts=json.loads(row["hosts"]),
+        created_at_unix=row["created_at_unix"],
+        updated_at_unix=row["updated_at_unix"],
         last_used_unix=row["last_used_unix"],
-    )  # fmt: skip
+    )
 
 
 def _workspace(row: sqlite3.Row) -> WorkspaceRow:

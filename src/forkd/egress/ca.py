@@ -86,23 +86,37 @@ class EgressCA:
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         common = f"forkd egress CA {os.urandom(4).hex()}"
-        name = x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, "forkd"),
-                          x509.NameAttribute(NameOID.COMMON_NAME, common)])  # fmt: skip
+        name = x509.Name(
+            [
+                x509.NameAttribute(NameOID.ORGANIZATION_NAME, "forkd"),
+                x509.NameAttribute(NameOID.COMMON_NAME, common),
+            ]
+        )
         cert = (
-            x509.CertificateBuilder().subject_name(name).issuer_name(name)
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(days=1))
             .not_valid_after(now + datetime.timedelta(days=365 * CA_YEARS))
             .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-            .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
-                                         False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
-                           critical=False)
+            .add_extension(
+                x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+                critical=True,
+            )
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
             .sign(key, hashes.SHA256())
-        )  # fmt: skip
+        )
         self.cert_path.write_bytes(cert.public_bytes(_PEM))
-        _write_private(key_path, key.private_bytes(
-            _PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+        _write_private(
+            key_path,
+            key.private_bytes(
+                _PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            ),
+        )
         return key, cert
 
     def cached(self, name: str) -> ssl.SSLContext | None:
@@ -129,18 +143,20 @@ class EgressCA:
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name[:64])]))
-            .issuer_name(self._cert.subject).public_key(self._leaf_key.public_key())
+            .issuer_name(self._cert.subject)
+            .public_key(self._leaf_key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - datetime.timedelta(hours=1))
             .not_valid_after(now + datetime.timedelta(days=LEAF_DAYS))
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
-                self._key.public_key()), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(self._key.public_key()),
+                critical=False,
+            )
             .sign(self._key, hashes.SHA256())
-        )  # fmt: skip
+        )
         chain = cert.public_bytes(_PEM) + self.pem
         key = self._leaf_key.private_bytes(
             _PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()

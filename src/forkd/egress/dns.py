@@ -96,8 +96,9 @@ def answer(q: Question, rcode: int = 0, addresses: tuple[ipaddress.IPv4Address, 
 class SandboxDNS(asyncio.DatagramProtocol):
     """One sandbox's DNS socket: pins, the policy's refusals, the host's resolver."""
 
-    def __init__(self, policy: Callable[[], Egress], pins: PinnedHosts,
-                 upstream: str | None) -> None:  # fmt: skip
+    def __init__(
+        self, policy: Callable[[], Egress], pins: PinnedHosts, upstream: str | None
+    ) -> None:
         self.policy = policy
         self.pins = pins
         self.upstream = upstream

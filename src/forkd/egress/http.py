@@ -52,19 +52,32 @@ Note = Callable[[Exchange, str | None, str | None], None]
 
 def _refusal(status: int, text: str) -> list[h11.Event]:
     body = f"forkd egress proxy: {text}\n".encode()
-    headers = [(b"content-type", b"text/plain; charset=utf-8"),
-               (b"content-length", str(len(body)).encode()), (b"connection", b"close")]  # fmt: skip
+    headers = [
+        (b"content-type", b"text/plain; charset=utf-8"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
     reason = HTTPStatus(status).phrase.encode()
-    return [h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=body),
-            h11.EndOfMessage()]  # fmt: skip
+    return [
+        h11.Response(status_code=status, headers=headers, reason=reason),
+        h11.Data(data=body),
+        h11.EndOfMessage(),
+    ]
 
 
 class HttpSession:
     def __init__(
-        self, guest: Stream, first: bytes, open_upstream: OpenUpstream, note: Note,
-        *, fixed_name: str | None = None, transform: Transform | None = None,
-        default_host: str | None = None, meter: Meter | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        guest: Stream,
+        first: bytes,
+        open_upstream: OpenUpstream,
+        note: Note,
+        *,
+        fixed_name: str | None = None,
+        transform: Transform | None = None,
+        default_host: str | None = None,
+        meter: Meter | None = None,
+    ) -> None:
         self.guest = guest
         self.server = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
         if first:  # (h11 takes empty data for the end of the connection)
@@ -95,8 +108,9 @@ class HttpSession:
 
     # ------------------------------------------------------------ plumbing
 
-    async def _event(self, conn: h11.Connection, reader: asyncio.StreamReader,
-                     timeout: float) -> h11.Event:  # fmt: skip
+    async def _event(
+        self, conn: h11.Connection, reader: asyncio.StreamReader, timeout: float
+    ) -> h11.Event:
         while True:
             event = conn.next_event()
             if event is not h11.NEED_DATA:
@@ -124,9 +138,13 @@ class HttpSession:
         if isinstance(event, h11.ConnectionClosed):
             return False
         assert isinstance(event, h11.Request), event
-        exchange = Exchange("", event.method.decode("ascii", "replace"),
-                            event.target.decode("ascii", "replace").split("?", 1)[0][:512],
-                            [], Counts())  # fmt: skip
+        exchange = Exchange(
+            "",
+            event.method.decode("ascii", "replace"),
+            event.target.decode("ascii", "replace").split("?", 1)[0][:512],
+            [],
+            Counts(),
+        )
         try:
             headers = self._checked(event, exchange)
             if self.upstream is None:
@@ -160,8 +178,10 @@ class HttpSession:
     def _checked(self, request: h11.Request, exchange: Exchange) -> Headers:
         """The request's headers to send on; :class:`Refused` for what is not let out."""
         if request.http_version not in (b"1.0", b"1.1"):
-            raise _Malformed(f"HTTP/{request.http_version.decode('ascii', 'replace')}: only "
-                             "HTTP/1.0 and 1.1 are served in the clear")  # fmt: skip
+            raise _Malformed(
+                f"HTTP/{request.http_version.decode('ascii', 'replace')}: only "
+                "HTTP/1.0 and 1.1 are served in the clear"
+            )
         if self.fixed_name is not None and not request.target.startswith(b"/"):
             raise _Malformed("an intercepted host takes requests in origin form (/path)")
         if request.method == b"CONNECT":
@@ -179,8 +199,7 @@ class HttpSession:
         literal = ip_literal(host)
         exchange.host = str(literal) if literal is not None else checked_name(host)
         if self.fixed_name is not None and exchange.host != self.fixed_name:
-            raise _Misdirected(f"this TLS connection is to {self.fixed_name}, "
-                               f"not {exchange.host}")  # fmt: skip
+            raise _Misdirected(f"this TLS connection is to {self.fixed_name}, not {exchange.host}")
         headers: Headers = list(request.headers.raw_items())  # as the guest spelled them
         if b"host" not in names:  # HTTP/1.0 without one: sent on as 1.1, which needs it
             headers.insert(0, (b"Host", hosts[0]))
@@ -190,8 +209,12 @@ class HttpSession:
 
     def _both_done(self) -> bool:
         assert self.client is not None
-        states = (self.server.our_state, self.server.their_state,
-                  self.client.our_state, self.client.their_state)  # fmt: skip
+        states = (
+            self.server.our_state,
+            self.server.their_state,
+            self.client.our_state,
+            self.client.their_state,
+        )
         return all(state is h11.DONE for state in states)
 
     async def _forward(self, request: h11.Request, exchange: Exchange) -> str | None:
@@ -225,14 +248,21 @@ class HttpSession:
             if isinstance(event, h11.EndOfMessage):
                 return None
 
-    async def _send(self, conn: h11.Connection, event: h11.Event, writer: asyncio.StreamWriter,
-                    counts: Counts, outward: bool) -> None:  # fmt: skip
+    async def _send(
+        self,
+        conn: h11.Connection,
+        event: h11.Event,
+        writer: asyncio.StreamWriter,
+        counts: Counts,
+        outward: bool,
+    ) -> None:
         """``event`` on through ``conn`` to ``writer``; a body's bytes counted, within the
         sandbox's share and rate."""
         data = conn.send(event) or b""
         if isinstance(event, h11.Data):
-            await carry(data, writer, counts, self.meter, outward, BODY_IDLE_SECS,
-                        counted=len(event.data))  # fmt: skip
+            await carry(
+                data, writer, counts, self.meter, outward, BODY_IDLE_SECS, counted=len(event.data)
+            )
         else:
             writer.write(data)
             await writer.drain()

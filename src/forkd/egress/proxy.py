@@ -60,6 +60,9 @@ SO_ORIGINAL_DST = 80
 SOCKET_BATCH = 8  # upstream sockets made inside a namespace at a time
 PEEK_BYTES = 16 * 1024
 HELLO_SECS = 10.0  # a ClientHello must arrive whole within this
+# The guest's side of an intercepted handshake: under TCG on a loaded host a guest's
+# TLS library (git's gnutls) took over 10 s to finish it.
+GUEST_HANDSHAKE_SECS = 30.0
 STREAM_LIMIT = 64 * 1024  # what a stream (HTTP served, TLS terminated) reads ahead
 
 
@@ -83,10 +86,13 @@ class _Sockets:
         async with self._lock:
             if not self._stock:
                 self._stock = await asyncio.to_thread(
-                    netns_ops.run_inside, self.netns,
-                    lambda: [socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                             for _ in range(SOCKET_BATCH)],
-                )  # fmt: skip
+                    netns_ops.run_inside,
+                    self.netns,
+                    lambda: [
+                        socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                        for _ in range(SOCKET_BATCH)
+                    ],
+                )
             return self._stock.pop()
 
     def close(self) -> None:
@@ -151,10 +157,16 @@ class EgressProxy:
     """Attached to each namespace as it is made (:class:`~forkd.vmm.jail.network.
     EgressListener`), released as it goes."""
 
-    def __init__(self, resolver: Resolver, sandbox_cidr: str, log_: EgressLog | None = None,
-                 interception: Interception | None = None,
-                 dns_upstream: str | None = None, held_bytes: int = HELD_BYTES,
-                 rate: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        resolver: Resolver,
+        sandbox_cidr: str,
+        log_: EgressLog | None = None,
+        interception: Interception | None = None,
+        dns_upstream: str | None = None,
+        held_bytes: int = HELD_BYTES,
+        rate: int | None = None,
+    ) -> None:
         self.resolver = resolver
         self.dns_upstream = dns_upstream  # the host's resolver, for the guests' DNS
         self.sandbox_cidr = sandbox_cidr
@@ -169,13 +181,21 @@ class EgressProxy:
 
     # ------------------------------------------------------------ namespaces
 
-    async def attach(self, net: SandboxNet, vm_id: str, policy: Egress,
-                     host_nets: list[ipaddress.IPv4Network]) -> None:  # fmt: skip
+    async def attach(
+        self, net: SandboxNet, vm_id: str, policy: Egress, host_nets: list[ipaddress.IPv4Network]
+    ) -> None:
         """Listen inside ``net``'s namespace for its guest's connections."""
         self.release(net.netns)
         listener, dns_sock = await asyncio.to_thread(netns_ops.run_inside, net.netns, _sockets)
-        sb = _Sandbox(vm_id, net.netns, policy, Fence.of(self.sandbox_cidr, host_nets),
-                      _Sockets(net.netns), Meter(self.held_bytes, self.rate), listener)  # fmt: skip
+        sb = _Sandbox(
+            vm_id,
+            net.netns,
+            policy,
+            Fence.of(self.sandbox_cidr, host_nets),
+            _Sockets(net.netns),
+            Meter(self.held_bytes, self.rate),
+            listener,
+        )
         self._sandboxes[net.netns] = sb
         try:
             loop = asyncio.get_running_loop()
@@ -275,8 +295,9 @@ class EgressProxy:
         finally:
             guest.close()
 
-    async def _http(self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address,
-                    port: int) -> None:  # fmt: skip
+    async def _http(
+        self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address, port: int
+    ) -> None:
         """Plain HTTP: each request judged by its Host (by ``address`` without one)."""
         session = HttpSession(
             await guest.streams(),
@@ -288,8 +309,9 @@ class EgressProxy:
         )
         await session.run()
 
-    async def _connect(self, sb: _Sandbox, address: ipaddress.IPv4Address,
-                       port: int) -> socket.socket:  # fmt: skip
+    async def _connect(
+        self, sb: _Sandbox, address: ipaddress.IPv4Address, port: int
+    ) -> socket.socket:
         sock = await sb.sockets.take()
         try:
             sock.setblocking(False)
@@ -307,8 +329,9 @@ class EgressProxy:
             sock.close()
             raise
 
-    async def _open(self, sb: _Sandbox, name: str, port: int,
-                    tls: ssl.SSLContext | None = None) -> Stream:  # fmt: skip
+    async def _open(
+        self, sb: _Sandbox, name: str, port: int, tls: ssl.SSLContext | None = None
+    ) -> Stream:
         """:meth:`_open_socket`, as streams (over TLS of our own when ``tls``)."""
         sock = await self._open_socket(sb, name, port)
         return await _streams(sock, (tls, name) if tls is not None else None)
@@ -331,8 +354,9 @@ class EgressProxy:
             raise Refused(f"{name} is not allowed by the sandbox's network policy")
         return sock
 
-    async def _tls(self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address,
-                   port: int) -> None:  # fmt: skip
+    async def _tls(
+        self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address, port: int
+    ) -> None:
         conn = guest.sock
         try:
             hello = await peek_hello(conn)
@@ -351,8 +375,9 @@ class EgressProxy:
                 record.host = str(literal) if literal else decide.checked_name(hello.server_name)
                 if literal is None and self._intercepted(sb, record.host):
                     if not sb.policy.allows_name(record.host):  # no certificate minted for it
-                        raise Refused(f"{record.host} is not allowed by the sandbox's network "
-                                      "policy")  # fmt: skip
+                        raise Refused(
+                            f"{record.host} is not allowed by the sandbox's network policy"
+                        )
                     await self._intercept(sb, guest, record.host, hello, port)
                     return
                 upstream = await self._open_socket(sb, record.host, port)
@@ -367,8 +392,9 @@ class EgressProxy:
     def _intercepted(self, sb: _Sandbox, name: str) -> bool:
         return self.interception is not None and self.interception.wanted(name, sb.policy)
 
-    async def _intercept(self, sb: _Sandbox, guest: _Guest, name: str,
-                         hello: sniff.ClientHello, port: int) -> None:  # fmt: skip
+    async def _intercept(
+        self, sb: _Sandbox, guest: _Guest, name: str, hello: sniff.ClientHello, port: int
+    ) -> None:
         """Terminate the guest's TLS with a certificate for ``name`` minted by the
         daemon's CA, and serve its requests as HTTP/1.1 to ``name`` over a TLS
         connection of our own, verified; substitutions by :meth:`Interception.transform`."""
@@ -376,16 +402,24 @@ class EgressProxy:
         interception = self.interception
         if hello.alpn and "http/1.1" not in hello.alpn:
             await _alert(guest.sock)
-            raise Refused(f"{name} is intercepted and speaks HTTP/1.1 here: the client "
-                          f"offered only {', '.join(hello.alpn)}")  # fmt: skip
+            raise Refused(
+                f"{name} is intercepted and speaks HTTP/1.1 here: the client "
+                f"offered only {', '.join(hello.alpn)}"
+            )
         loop = asyncio.get_running_loop()
         reader = asyncio.StreamReader(limit=STREAM_LIMIT)
         protocol = asyncio.StreamReaderProtocol(reader)
         certificate = await interception.server_context(name)
         try:
-            transport, _ = await asyncio.wait_for(loop.connect_accepted_socket(
-                lambda: protocol, guest.sock, ssl=certificate,
-                ssl_handshake_timeout=10.0), 15.0)  # fmt: skip
+            transport, _ = await asyncio.wait_for(
+                loop.connect_accepted_socket(
+                    lambda: protocol,
+                    guest.sock,
+                    ssl=certificate,
+                    ssl_handshake_timeout=GUEST_HANDSHAKE_SECS,
+                ),
+                GUEST_HANDSHAKE_SECS + 5.0,
+            )
         except (ssl.SSLError, OSError, TimeoutError) as exc:
             raise Refused(
                 f"{name} is intercepted and the guest's TLS client did not take the "
@@ -395,16 +429,19 @@ class EgressProxy:
         writer = guest.writer = asyncio.StreamWriter(transport, protocol, reader, loop)
         upstream_tls = interception.upstream_context()
         session = HttpSession(
-            (reader, writer), b"", lambda host: self._open(sb, host, port, upstream_tls),
+            (reader, writer),
+            b"",
+            lambda host: self._open(sb, host, port, upstream_tls),
             lambda ex, refused, ended: self._noted(sb, port, ex, refused, ended, "https"),
             fixed_name=name,
             transform=lambda host, headers: interception.transform(host, sb.policy, headers),
             meter=sb.meter,
-        )  # fmt: skip
+        )
         await session.run()
 
-    async def _raw(self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address,
-                   port: int) -> None:  # fmt: skip
+    async def _raw(
+        self, sb: _Sandbox, guest: _Guest, address: ipaddress.IPv4Address, port: int
+    ) -> None:
         record = EgressRecord(sb.vm_id, "allowed", "tcp", None, port, str(address))
         try:
             decide.check_address(address, sb.policy, sb.fence, named=False)
@@ -416,8 +453,9 @@ class EgressProxy:
             return
         await self._spliced(sb, record, guest.sock, upstream)
 
-    async def _spliced(self, sb: _Sandbox, record: EgressRecord, guest: socket.socket,
-                       upstream: socket.socket) -> None:  # fmt: skip
+    async def _spliced(
+        self, sb: _Sandbox, record: EgressRecord, guest: socket.socket, upstream: socket.socket
+    ) -> None:
         """Splice an allowed connection, its record kept from the start, its bytes
         counted in it as they pass. (The guest's socket is closed by its :class:`_Guest`.)"""
         self.log.begin(record)
@@ -429,14 +467,30 @@ class EgressProxy:
             record.bytes_out, record.bytes_in = counts.out, counts.into
             self.log.end(record)
 
-    def _noted(self, sb: _Sandbox, port: int, exchange: Exchange, refused: str | None,
-               ended: str | None, kind: str = "http") -> None:  # fmt: skip
-        self.log.add(EgressRecord(
-            sb.vm_id, "refused" if refused else "allowed", kind, exchange.host or None, port,
-            reason=refused or ended, method=exchange.method, path=exchange.path,
-            secrets=exchange.secrets, bytes_out=exchange.counts.out,
-            bytes_in=exchange.counts.into,
-        ))  # fmt: skip
+    def _noted(
+        self,
+        sb: _Sandbox,
+        port: int,
+        exchange: Exchange,
+        refused: str | None,
+        ended: str | None,
+        kind: str = "http",
+    ) -> None:
+        self.log.add(
+            EgressRecord(
+                sb.vm_id,
+                "refused" if refused else "allowed",
+                kind,
+                exchange.host or None,
+                port,
+                reason=refused or ended,
+                method=exchange.method,
+                path=exchange.path,
+                secrets=exchange.secrets,
+                bytes_out=exchange.counts.out,
+                bytes_in=exchange.counts.into,
+            )
+        )
 
     def _refused(self, sb: _Sandbox, kind: str, host: str | None, port: int, why: str) -> None:
         self.log.add(EgressRecord(sb.vm_id, "refused", kind, host, port, reason=why))
@@ -448,8 +502,9 @@ async def _streams(sock: socket.socket, tls: tuple[ssl.SSLContext, str] | None) 
     try:
         if tls is None:
             return await asyncio.open_connection(sock=sock, limit=STREAM_LIMIT)
-        opening = asyncio.open_connection(sock=sock, ssl=tls[0], server_hostname=tls[1],
-                                          limit=STREAM_LIMIT)  # fmt: skip
+        opening = asyncio.open_connection(
+            sock=sock, ssl=tls[0], server_hostname=tls[1], limit=STREAM_LIMIT
+        )
         return await asyncio.wait_for(opening, CONNECT_SECS)
     except TimeoutError:
         sock.close()
@@ -484,8 +539,9 @@ def _going(sb: _Sandbox, name: str | None, address: ipaddress.IPv4Address | None
         sb.going[task] = (name, address)
 
 
-def _still_allowed(policy: Egress, fence: Fence, name: str | None,
-                   address: ipaddress.IPv4Address | None) -> bool:  # fmt: skip
+def _still_allowed(
+    policy: Egress, fence: Fence, name: str | None, address: ipaddress.IPv4Address | None
+) -> bool:
     """Does ``policy`` still let an open connection be: one allowed by ``name`` (its
     address then only against the policy's address denials), or by its address?"""
     if name is not None and not policy.allows_name(name):

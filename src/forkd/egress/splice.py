@@ -44,8 +44,15 @@ class Counts:
             self.into += n
 
 
-async def carry(data: bytes, dst: asyncio.StreamWriter, counts: Counts, meter: Meter,
-                outward: bool, idle: float, counted: int | None = None) -> None:  # fmt: skip
+async def carry(
+    data: bytes,
+    dst: asyncio.StreamWriter,
+    counts: Counts,
+    meter: Meter,
+    outward: bool,
+    idle: float,
+    counted: int | None = None,
+) -> None:
     """``data``, already in hand, on to ``dst`` within the sandbox's share and at its
     rate; counted as ``counted`` bytes when it holds framing of the proxy's own."""
     held = await meter.hold(len(data))
@@ -58,8 +65,9 @@ async def carry(data: bytes, dst: asyncio.StreamWriter, counts: Counts, meter: M
         meter.give(held)
 
 
-async def _socket_pipe(src: socket.socket, dst: socket.socket, counts: Counts, meter: Meter,
-                       outward: bool, idle: float) -> None:  # fmt: skip
+async def _socket_pipe(
+    src: socket.socket, dst: socket.socket, counts: Counts, meter: Meter, outward: bool, idle: float
+) -> None:
     """Read what is there, as much as the share has room for; with nothing there, wait
     for more holding none of the share (a connection waiting for its peer holds none)."""
     loop = asyncio.get_running_loop()
@@ -87,8 +95,14 @@ async def _socket_pipe(src: socket.socket, dst: socket.socket, counts: Counts, m
         dst.shutdown(socket.SHUT_WR)
 
 
-async def _stream_pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, counts: Counts,
-                       meter: Meter, outward: bool, idle: float) -> None:  # fmt: skip
+async def _stream_pipe(
+    src: asyncio.StreamReader,
+    dst: asyncio.StreamWriter,
+    counts: Counts,
+    meter: Meter,
+    outward: bool,
+    idle: float,
+) -> None:
     """As :func:`_socket_pipe`; a chunk is read from the stream's buffer (bounded by
     its limit) before the share is asked for it."""
     while True:
@@ -123,18 +137,30 @@ async def _both(outward: Awaitable[None], inward: Awaitable[None], idle: float) 
         await asyncio.wait(tasks)
 
 
-def splice(guest: Stream, upstream: Stream, counts: Counts, meter: Meter,
-           idle: float = IDLE_SECS) -> Awaitable[str | None]:  # fmt: skip
+def splice(
+    guest: Stream, upstream: Stream, counts: Counts, meter: Meter, idle: float = IDLE_SECS
+) -> Awaitable[str | None]:
     """Move bytes between two streams until both directions end."""
-    return _both(_stream_pipe(guest[0], upstream[1], counts, meter, True, idle),
-                 _stream_pipe(upstream[0], guest[1], counts, meter, False, idle), idle)  # fmt: skip
+    return _both(
+        _stream_pipe(guest[0], upstream[1], counts, meter, True, idle),
+        _stream_pipe(upstream[0], guest[1], counts, meter, False, idle),
+        idle,
+    )
 
 
-def splice_sockets(guest: socket.socket, upstream: socket.socket, counts: Counts, meter: Meter,
-                   idle: float = IDLE_SECS) -> Awaitable[str | None]:  # fmt: skip
+def splice_sockets(
+    guest: socket.socket,
+    upstream: socket.socket,
+    counts: Counts,
+    meter: Meter,
+    idle: float = IDLE_SECS,
+) -> Awaitable[str | None]:
     """Move bytes between two connected non-blocking sockets until both directions end."""
-    return _both(_socket_pipe(guest, upstream, counts, meter, True, idle),
-                 _socket_pipe(upstream, guest, counts, meter, False, idle), idle)  # fmt: skip
+    return _both(
+        _socket_pipe(guest, upstream, counts, meter, True, idle),
+        _socket_pipe(upstream, guest, counts, meter, False, idle),
+        idle,
+    )
 
 
 async def readable(sock: socket.socket, timeout: float) -> bool:

@@ -73,9 +73,14 @@ def serve(
     configure_logging(log_level)
     connections = ConnectionLimiter(connection_limits or ConnectionLimits(), owner_token=token)
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, proxy_headers=False,
-        ws_max_size=MAX_MESSAGE_BYTES, ws_max_queue=WS_QUEUE, timeout_graceful_shutdown=10,
+        app,
+        log_level=log_level,
+        access_log=False,
+        proxy_headers=False,
+        ws_max_size=MAX_MESSAGE_BYTES,
+        ws_max_queue=WS_QUEUE,
+        timeout_graceful_shutdown=10,
         **uvicorn_options(connections),
         **parse_bind(bind),  # type: ignore[arg-type]
-    )  # fmt: skip
+    )
     uvicorn.Server(config).run()

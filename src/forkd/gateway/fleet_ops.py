@@ -82,10 +82,14 @@ class FleetOps:
             if tag not in target.snapshots:
                 await self.bring(tag, holders[0], target)
         answers = await asyncio.gather(
-            *(self.forward.json(node, "POST", "/v1/sandboxes", json={**body, "n": k},
-                                timeout=PULL_TIMEOUT) for node, k in plan),
+            *(
+                self.forward.json(
+                    node, "POST", "/v1/sandboxes", json={**body, "n": k}, timeout=PULL_TIMEOUT
+                )
+                for node, k in plan
+            ),
             return_exceptions=True,
-        )  # fmt: skip
+        )
         made: list[tuple[Node, dict[str, Any]]] = []
         failure: Response | None = None
         for (node, _k), answer in zip(plan, answers, strict=True):
@@ -127,21 +131,32 @@ class FleetOps:
             ref = f"{self.registry}:{_ref_tag(source, tag)}"
             options = {"insecure": True} if self.insecure_registry else {}
             pushed = await self.forward.json(
-                source, "POST", f"/v1/snapshots/{tag}/push", json={"ref": ref, **options},
+                source,
+                "POST",
+                f"/v1/snapshots/{tag}/push",
+                json={"ref": ref, **options},
                 timeout=PULL_TIMEOUT,
-            )  # fmt: skip
+            )
             if pushed.status_code != 200:
                 raise Conflict(f"moving {tag!r} from {source.name}: push: {_error(pushed)}")
             exact = f"{self.registry}@{pushed.json()['digest']}"  # what was pushed, not newer
             pulled = await self.forward.json(
-                target, "POST", "/v1/snapshots/pull", json={"ref": exact, "tag": tag, **options},
+                target,
+                "POST",
+                "/v1/snapshots/pull",
+                json={"ref": exact, "tag": tag, **options},
                 timeout=PULL_TIMEOUT,
-            )  # fmt: skip
+            )
             if pulled.status_code != 201 and "already exists" not in _error(pulled):
                 raise Conflict(f"moving {tag!r} to {target.name}: pull: {_error(pulled)}")
             target.capacity.setdefault("snapshots", []).append(tag)
-            log.info("moved snapshot %s from %s to %s through %s", tag, source.name,
-                     target.name, self.registry)  # fmt: skip
+            log.info(
+                "moved snapshot %s from %s to %s through %s",
+                tag,
+                source.name,
+                target.name,
+                self.registry,
+            )
 
 
 def _ref_tag(source: Node, tag: str) -> str:
@@ -158,8 +173,11 @@ def _error(answer: Any) -> str:
 
 
 def passed_on(answer: Any) -> Response:
-    return Response(answer.content, status_code=answer.status_code,
-                    media_type=answer.headers.get("content-type", "application/json"))  # fmt: skip
+    return Response(
+        answer.content,
+        status_code=answer.status_code,
+        media_type=answer.headers.get("content-type", "application/json"),
+    )
 
 
 def _unreachable(exc: BaseException) -> Response:

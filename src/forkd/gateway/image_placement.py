@@ -27,8 +27,10 @@ def names_of(image: str) -> set[str]:
 def is_build(info: Any, name: str) -> bool:
     """Whether the ImageInfo ``info`` is a build ``name`` names: any build of its name,
     or the one ``NAME-KEY`` (what a node's ``DELETE /v1/images/{name}`` removes)."""
-    return isinstance(info, dict) and name in (info.get("name"),
-                                               f"{info.get('name')}-{info.get('key')}")  # fmt: skip
+    return isinstance(info, dict) and name in (
+        info.get("name"),
+        f"{info.get('name')}-{info.get('key')}",
+    )
 
 
 def holds(info: Any, image: str) -> bool:
@@ -47,9 +49,11 @@ def holds(info: Any, image: str) -> bool:
 async def image_holders(ops: FleetOps, image: str) -> list[Node]:
     """The nodes up with room for a sandbox that hold ``image`` (a name, ``NAME-KEY``, a
     reference they imported, or a loaded image's ``NAME:TAG``), the roomiest first."""
-    found = [node for node, infos in await listed_images(ops)
-             if node.free(limits.DEFAULT_MEMORY_MIB) > 0
-             and any(holds(info, image) for info in infos)]  # fmt: skip
+    found = [
+        node
+        for node, infos in await listed_images(ops)
+        if node.free(limits.DEFAULT_MEMORY_MIB) > 0 and any(holds(info, image) for info in infos)
+    ]
     return sorted(found, key=lambda n: (-n.free(limits.DEFAULT_MEMORY_MIB), n.url))
 
 

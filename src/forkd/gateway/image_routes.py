@@ -68,9 +68,13 @@ async def delete_image(request: Request, name: str) -> Response:
     VM on any of them boots from it."""
     ops = ops_of(request)
     held = await _held(ops, name)
-    users = [f"{user} on node {node.node_id}"  # of every build a node's delete would take
-             for node, infos in await listed_images(ops) for info in infos
-             if is_build(info, name) for user in info.get("used_by") or []]  # fmt: skip
+    users = [
+        f"{user} on node {node.node_id}"  # of every build a node's delete would take
+        for node, infos in await listed_images(ops)
+        for info in infos
+        if is_build(info, name)
+        for user in info.get("used_by") or []
+    ]
     if users:
         raise Conflict(f"image {name!r} is in use: {', '.join(users)}; nothing was deleted")
     path = f"/v1/images/{urllib.parse.quote(name, safe='')}"

@@ -23,12 +23,29 @@ from forkd import limits
 from forkd.controller.http_errors import close_reason, error_response, refuse_websocket
 from forkd.gateway.nodes import Node, NodeSet
 
-HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "host", "authorization", "content-length",
-})  # fmt: skip
-WS_HANDSHAKE = frozenset({"sec-websocket-key", "sec-websocket-version", "sec-websocket-protocol",
-                          "sec-websocket-extensions"})  # fmt: skip
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "authorization",
+        "content-length",
+    }
+)
+WS_HANDSHAKE = frozenset(
+    {
+        "sec-websocket-key",
+        "sec-websocket-version",
+        "sec-websocket-protocol",
+        "sec-websocket-extensions",
+    }
+)
 FORWARD_TIMEOUT = httpx.Timeout(None, connect=5.0, write=60.0, pool=10.0)
 CONTROL_TIMEOUT = httpx.Timeout(None, connect=5.0, write=60.0, pool=30.0)
 # Connections to the nodes for relayed requests, which may stay open for as long as
@@ -50,9 +67,11 @@ class Forwarder:
         streams = STREAM_CONNECTIONS or limits.default_max_proxied()
         # Relayed requests of clients: open as long as their client reads.
         self.client = httpx.AsyncClient(
-            headers=headers, timeout=FORWARD_TIMEOUT, transport=transport,
+            headers=headers,
+            timeout=FORWARD_TIMEOUT,
+            transport=transport,
             limits=httpx.Limits(max_connections=streams, max_keepalive_connections=20),
-        )  # fmt: skip
+        )
         # The gateway's own calls (lists, forks, moves): never queued behind the streams.
         self.control = httpx.AsyncClient(
             headers=headers, timeout=CONTROL_TIMEOUT, transport=transport
@@ -66,8 +85,9 @@ class Forwarder:
         """``request`` as it came, sent to ``node``; its answer streamed back."""
         if not node.up:
             return node_down(node)
-        headers = [(k, v) for k, v in request.headers.raw
-                   if k.decode("latin-1").lower() not in HOP_BY_HOP]  # fmt: skip
+        headers = [
+            (k, v) for k, v in request.headers.raw if k.decode("latin-1").lower() not in HOP_BY_HOP
+        ]
         if not any(k.lower() == b"accept-encoding" for k, _ in headers):
             headers.append((b"accept-encoding", b"identity"))  # not httpx's own default
         upstream = self.client.build_request(
@@ -107,34 +127,53 @@ class Forwarder:
     async def websocket(self, websocket: WebSocket, node: Node) -> None:
         """Bridge ``websocket`` to the same path on ``node``, messages and close both ways."""
         if not node.up:
-            await refuse_websocket(websocket.scope, websocket.receive, websocket.send, 503,
-                                   f"node {node.name} is down")  # fmt: skip
+            await refuse_websocket(
+                websocket.scope, websocket.receive, websocket.send, 503, f"node {node.name} is down"
+            )
             return
         raw: bytes = websocket.scope.get("raw_path") or websocket.url.path.encode()
         url = "ws" + node.url.removeprefix("http") + raw.decode("latin-1")  # as it came
         if websocket.url.query:
             url += "?" + websocket.url.query
-        headers = [(k, v) for k, v in websocket.headers.items()
-                   if k.lower() not in HOP_BY_HOP | WS_HANDSHAKE]  # fmt: skip
+        headers = [
+            (k, v)
+            for k, v in websocket.headers.items()
+            if k.lower() not in HOP_BY_HOP | WS_HANDSHAKE
+        ]
         if self.nodes.token:
             headers.append(("Authorization", f"Bearer {self.nodes.token}"))
         try:
             upstream = await websockets.connect(
-                url, additional_headers=headers, compression=None, proxy=None,
+                url,
+                additional_headers=headers,
+                compression=None,
+                proxy=None,
                 subprotocols=websocket.scope.get("subprotocols") or None,
-                max_size=MAX_MESSAGE_BYTES, max_queue=WS_QUEUE, user_agent_header=None,
+                max_size=MAX_MESSAGE_BYTES,
+                max_queue=WS_QUEUE,
+                user_agent_header=None,
                 open_timeout=10,
-            )  # fmt: skip
+            )
         except websockets.InvalidStatus as exc:
             status = exc.response.status_code
             body = exc.response.body.decode(errors="replace")[:300] if exc.response.body else ""
-            await refuse_websocket(websocket.scope, websocket.receive, websocket.send, status,
-                                   error_text(body) or f"node {node.name} refused")  # fmt: skip
+            await refuse_websocket(
+                websocket.scope,
+                websocket.receive,
+                websocket.send,
+                status,
+                error_text(body) or f"node {node.name} refused",
+            )
             return
         except (OSError, TimeoutError, websockets.InvalidHandshake) as exc:
             self.nodes.poke(node)
-            await refuse_websocket(websocket.scope, websocket.receive, websocket.send, 503,
-                                   f"node {node.name} did not answer: {exc}")  # fmt: skip
+            await refuse_websocket(
+                websocket.scope,
+                websocket.receive,
+                websocket.send,
+                503,
+                f"node {node.name} did not answer: {exc}",
+            )
             return
         async with upstream:
             await websocket.accept(subprotocol=upstream.subprotocol)
@@ -174,8 +213,9 @@ async def _relay(websocket: WebSocket, upstream: Any) -> None:
         code = upstream.close_code
         sendable = code is not None and 1000 <= code <= 4999 and code not in (1005, 1006, 1015)
         with contextlib.suppress(RuntimeError):
-            await websocket.close(code if sendable else 1000,
-                                  close_reason(upstream.close_reason or ""))  # fmt: skip
+            await websocket.close(
+                code if sendable else 1000, close_reason(upstream.close_reason or "")
+            )
 
     tasks = [asyncio.create_task(to_node()), asyncio.create_task(to_client())]
     try:

@@ -232,8 +232,9 @@ async def sandbox_socket(websocket: WebSocket, sandbox_id: str, rest: str) -> No
     try:
         node = ops.owner(sandbox_id)
     except (NotFound, Unavailable) as exc:
-        await refuse_websocket(websocket.scope, websocket.receive, websocket.send,
-                               status_of(exc), str(exc))  # fmt: skip
+        await refuse_websocket(
+            websocket.scope, websocket.receive, websocket.send, status_of(exc), str(exc)
+        )
         return
     await ops.forward.websocket(websocket, node)
 
@@ -274,8 +275,12 @@ async def events(request: Request) -> Response:
     answers: list[Any] = []
     try:  # every node's stream open first: a filter one refuses is its answer, as it is
         for node in ops.nodes.up():
-            upstream = client.build_request("GET", f"{node.url}/v1/events", params=params,
-                                            headers={"Accept": "text/event-stream"})  # fmt: skip
+            upstream = client.build_request(
+                "GET",
+                f"{node.url}/v1/events",
+                params=params,
+                headers={"Accept": "text/event-stream"},
+            )
             answer = await client.send(upstream, stream=True)
             answers.append(answer)
             if answer.status_code != 200:
@@ -301,8 +306,11 @@ async def _merged_events(answers: list[Any]) -> AsyncIterator[bytes]:
                     block, pending = pending.split(b"\n\n", 1)
                     await queue.put(block + b"\n\n")
                 if len(pending) > MAX_EVENT_BYTES:  # not an event stream: the merge ends
-                    log.warning("an event from %s is over %d bytes: the merged stream ends",
-                                answer.url, MAX_EVENT_BYTES)  # fmt: skip
+                    log.warning(
+                        "an event from %s is over %d bytes: the merged stream ends",
+                        answer.url,
+                        MAX_EVENT_BYTES,
+                    )
                     break
         await queue.put(None)
 

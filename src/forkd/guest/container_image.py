@@ -171,13 +171,17 @@ def assemble(
             "references": [reference] if reference else [],
             "config": config.to_json(),
             **boot,
-            "rootfs": {"layers": stats.layers, "entries": stats.entries,
-                       "file_bytes": stats.file_bytes, "image_bytes": stats.image_bytes},
+            "rootfs": {
+                "layers": stats.layers,
+                "entries": stats.entries,
+                "file_bytes": stats.file_bytes,
+                "image_bytes": stats.image_bytes,
+            },
             "template": {},
             "builder_version": BUILDER_VERSION,
             "built_at_unix": int(time.time()),
             "build_secs": round(time.monotonic() - started, 1),
-        }  # fmt: skip
+        }
         images.commit_build(out, final, meta)
         say(f"built image {name} ({key}) in {meta['build_secs']} s")
         return images.find_image(str(final), root)

@@ -62,10 +62,18 @@ def build(
         _fill(tree, base_tar, work)
         partial = work / out.name
         hosttools.run(
-            ["mksquashfs", str(tree), str(partial), "-comp", "lz4", "-noappend", "-quiet",
-             "-all-root"],
+            [
+                "mksquashfs",
+                str(tree),
+                str(partial),
+                "-comp",
+                "lz4",
+                "-noappend",
+                "-quiet",
+                "-all-root",
+            ],
             what="mksquashfs (runtime)",
-        )  # fmt: skip
+        )
         os.replace(partial, out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -77,10 +85,9 @@ def _fill(tree: Path, base_tar: Path, work: Path) -> None:
     rt = tree / "rt"
     rt.mkdir(parents=True)
     hosttools.run(  # the base is forkd's own mmdebstrap output, not a user's archive
-        ["tar", "-x", "--numeric-owner", "--wildcards", "-f", str(base_tar), "-C", str(rt),
-         *KEEP],
+        ["tar", "-x", "--numeric-owner", "--wildcards", "-f", str(base_tar), "-C", str(rt), *KEEP],
         what="unpacking Python from the base root filesystem",
-    )  # fmt: skip
+    )
     for name in DROP:
         shutil.rmtree(rt / LIBDIR / name, ignore_errors=True)
     pythons = sorted(p.name for p in (rt / "usr" / "bin").glob("python3.*") if p.is_file())

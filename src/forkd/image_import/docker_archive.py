@@ -71,8 +71,9 @@ def import_docker_archive(
     if not store.has(config_digest):
         store.put(config_data, config_digest)
         fetched += len(config_data)
-    return _fetched(store, reference, config_digest, len(config_data), parsed.config, layers,
-                    fetched, reused)  # fmt: skip
+    return _fetched(
+        store, reference, config_digest, len(config_data), parsed.config, layers, fetched, reused
+    )
 
 
 def from_held(store: BlobStore, config_digest: str, reference: str) -> FetchedImage | None:
@@ -94,8 +95,9 @@ def from_held(store: BlobStore, config_digest: str, reference: str) -> FetchedIm
             return None
         layers.append(LayerBlob(diff_id, held.stat().st_size, manifests.OCI_LAYER, held, diff_id))
     reused = sum(b.size for b in layers) + len(config_data)
-    return _fetched(store, reference, config_digest, len(config_data), parsed.config, layers,
-                    0, reused)  # fmt: skip
+    return _fetched(
+        store, reference, config_digest, len(config_data), parsed.config, layers, 0, reused
+    )
 
 
 def _fetched(
@@ -110,13 +112,22 @@ def _fetched(
 ) -> FetchedImage:
     """The image of a config and its layers, with the OCI manifest made for them (the
     archive has none) put in the store."""
-    manifest = json.dumps({
-        "schemaVersion": 2, "mediaType": manifests.OCI_MANIFEST,
-        "config": {"mediaType": manifests.OCI_CONFIG, "digest": config_digest,
-                   "size": config_size},
-        "layers": [{"mediaType": b.media_type, "digest": b.digest, "size": b.size}
-                   for b in layers],
-    }, sort_keys=True, separators=(",", ":")).encode()  # fmt: skip
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": manifests.OCI_MANIFEST,
+            "config": {
+                "mediaType": manifests.OCI_CONFIG,
+                "digest": config_digest,
+                "size": config_size,
+            },
+            "layers": [
+                {"mediaType": b.media_type, "digest": b.digest, "size": b.size} for b in layers
+            ],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
     return FetchedImage(
         reference=reference,
         manifest_digest=store.put(manifest),
@@ -140,14 +151,21 @@ def _docker_entry(files: TarFiles, tag: str | None, reference: str) -> dict[str,
             raise Invalid(f"{what} has an image without a Config and a list of Layers")
         if len(layers) > manifests.MAX_LAYERS:
             raise Invalid(f"{what} has an image of {len(layers)} layers; at most 256")
-    tags = [t for e in doc if isinstance(e.get("RepoTags"), list)
-            for t in e["RepoTags"] if isinstance(t, str)]  # fmt: skip
+    tags = [
+        t
+        for e in doc
+        if isinstance(e.get("RepoTags"), list)
+        for t in e["RepoTags"]
+        if isinstance(t, str)
+    ]
     if tag is None:
         if len(doc) == 1:
             only: dict[str, Any] = doc[0]
             return only
-        raise Invalid(f"{reference} holds {len(doc)} images: name one with :IMAGE:TAG "
-                      f"(tags: {', '.join(tags[:20]) or 'none'})")  # fmt: skip
+        raise Invalid(
+            f"{reference} holds {len(doc)} images: name one with :IMAGE:TAG "
+            f"(tags: {', '.join(tags[:20]) or 'none'})"
+        )
     wanted = {tag} if ":" in tag.rsplit("/", 1)[-1] else {tag, f"{tag}:latest"}
     for entry in doc:
         if wanted & set(t for t in entry.get("RepoTags") or () if isinstance(t, str)):

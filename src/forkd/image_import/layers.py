@@ -116,11 +116,22 @@ class Node:
     """One name in the tree. A directory, file, symlink, device or fifo is its own
     inode; a hard link is a name whose ``extra`` is the inode it shares."""
 
-    __slots__ = ("extra", "gid", "kind", "layer", "mode", "mtime", "offset", "size", "uid",
-                 "xattrs")  # fmt: skip
+    __slots__ = (
+        "extra",
+        "gid",
+        "kind",
+        "layer",
+        "mode",
+        "mtime",
+        "offset",
+        "size",
+        "uid",
+        "xattrs",
+    )
 
-    def __init__(self, kind: Kind, layer: int, mode: int = 0o755, uid: int = 0, gid: int = 0,
-                 mtime: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self, kind: Kind, layer: int, mode: int = 0o755, uid: int = 0, gid: int = 0, mtime: int = 0
+    ) -> None:
         self.kind = kind
         self.layer = layer  # the layer that wrote this name (-1: made implicitly before any)
         self.mode = mode

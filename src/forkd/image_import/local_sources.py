@@ -220,8 +220,14 @@ class TarFiles:
             reader = TarReader(stream.read, ARCHIVE_LIMITS)
             try:
                 for member in reader:
-                    self._note(member.name, member.kind, member.linkname, reader.stream,
-                               member.size, member.sparse is not None)  # fmt: skip
+                    self._note(
+                        member.name,
+                        member.kind,
+                        member.linkname,
+                        reader.stream,
+                        member.size,
+                        member.sparse is not None,
+                    )
             except ArchiveError as exc:
                 raise Invalid(f"{self.what} is not a tar archive forkd reads: {exc}") from None
 

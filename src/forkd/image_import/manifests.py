@@ -34,10 +34,12 @@ OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 DOCKER_MANIFEST = "application/vnd.docker.distribution.manifest.v2+json"
 DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
-SCHEMA1 = frozenset({
-    "application/vnd.docker.distribution.manifest.v1+json",
-    "application/vnd.docker.distribution.manifest.v1+prettyjws",
-})  # fmt: skip
+SCHEMA1 = frozenset(
+    {
+        "application/vnd.docker.distribution.manifest.v1+json",
+        "application/vnd.docker.distribution.manifest.v1+prettyjws",
+    }
+)
 MANIFEST_TYPES = (OCI_MANIFEST, DOCKER_MANIFEST)
 INDEX_TYPES = (OCI_INDEX, DOCKER_LIST)
 ACCEPTED = (*MANIFEST_TYPES, *INDEX_TYPES)
@@ -45,11 +47,15 @@ OCI_CONFIG = "application/vnd.oci.image.config.v1+json"
 DOCKER_CONFIG = "application/vnd.docker.container.image.v1+json"
 CONFIG_TYPES = (OCI_CONFIG, DOCKER_CONFIG)
 OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
-LAYER_TYPES = frozenset({
-    OCI_LAYER, f"{OCI_LAYER}+gzip", f"{OCI_LAYER}+zstd",
-    "application/vnd.docker.image.rootfs.diff.tar",
-    "application/vnd.docker.image.rootfs.diff.tar.gzip",
-})  # fmt: skip
+LAYER_TYPES = frozenset(
+    {
+        OCI_LAYER,
+        f"{OCI_LAYER}+gzip",
+        f"{OCI_LAYER}+zstd",
+        "application/vnd.docker.image.rootfs.diff.tar",
+        "application/vnd.docker.image.rootfs.diff.tar.gzip",
+    }
+)
 PLATFORM = ("linux", "amd64")
 
 _STRINGS = re.compile(rb'"(?:[^"\\]|\\(?s:.)?)*+(?:"|\Z)')  # linear: never backtracks
@@ -143,8 +149,13 @@ def _index(doc: dict[str, Any], kind: str, what: str) -> ImageIndex:
         raise Invalid(f"{what} is an index without a list of manifests")
     if len(entries) > MAX_INDEX_ENTRIES:
         raise Invalid(f"{what} lists {len(entries)} manifests; at most {MAX_INDEX_ENTRIES}")
-    return ImageIndex(kind, tuple(descriptor(e, f"{what}'s manifest {i}", MAX_DOCUMENT_BYTES)
-                                  for i, e in enumerate(entries)))  # fmt: skip
+    return ImageIndex(
+        kind,
+        tuple(
+            descriptor(e, f"{what}'s manifest {i}", MAX_DOCUMENT_BYTES)
+            for i, e in enumerate(entries)
+        ),
+    )
 
 
 def _manifest(doc: dict[str, Any], kind: str, what: str) -> ImageManifest:
@@ -159,8 +170,9 @@ def _manifest(doc: dict[str, Any], kind: str, what: str) -> ImageManifest:
         raise Invalid(f"{what} has no list of layers")
     if len(layers) > MAX_LAYERS:
         raise Invalid(f"{what} has {len(layers)} layers; at most {MAX_LAYERS} are imported")
-    found = tuple(descriptor(d, f"{what}'s layer {i + 1}", MAX_BLOB_BYTES)
-                  for i, d in enumerate(layers))  # fmt: skip
+    found = tuple(
+        descriptor(d, f"{what}'s layer {i + 1}", MAX_BLOB_BYTES) for i, d in enumerate(layers)
+    )
     for i, layer in enumerate(found):
         check_layer_type(layer.media_type, f"{what}'s layer {i + 1}")
     return ImageManifest(kind, config, found)
@@ -210,8 +222,9 @@ def pick_platform(index: ImageIndex, what: str) -> Descriptor:
     candidates = [d for d in index.manifests if d.media_type in ACCEPTED]
     if len(candidates) == 1 and candidates[0].platform is None:
         return candidates[0]
-    wanted = [d for d in candidates
-              if d.platform and (d.platform.os, d.platform.architecture) == PLATFORM]  # fmt: skip
+    wanted = [
+        d for d in candidates if d.platform and (d.platform.os, d.platform.architecture) == PLATFORM
+    ]
     if not wanted:
         listed = sorted({str(d.platform) for d in candidates if d.platform})
         raise Invalid(
@@ -265,10 +278,15 @@ def parse_config(data: bytes, layers: int, what: str) -> ParsedConfig:
         entrypoint=_strings(c.get("Entrypoint"), f"{what}'s Entrypoint"),
         cmd=_strings(c.get("Cmd"), f"{what}'s Cmd"),
         exposed_ports=tuple(sorted(_strings(list(ports), f"{what}'s ExposedPorts"))),
-        labels=dict(zip(_strings(list(labels), f"{what}'s Labels"),
-                        _strings(list(labels.values()), f"{what}'s Labels"), strict=True)),
+        labels=dict(
+            zip(
+                _strings(list(labels), f"{what}'s Labels"),
+                _strings(list(labels.values()), f"{what}'s Labels"),
+                strict=True,
+            )
+        ),
         stop_signal=_text(c.get("StopSignal"), f"{what}'s StopSignal"),
-    )  # fmt: skip
+    )
     return ParsedConfig(config, tuple(diff_ids), platform)
 
 

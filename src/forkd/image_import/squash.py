@@ -55,9 +55,14 @@ BLOCK = 512
 FLUSH_AT = 1 << 20  # headers and small files are gathered into writes this large
 PIPE_SIZE = 1 << 20
 _TYPE = {
-    Kind.FILE: b"0", Kind.HARDLINK: b"1", Kind.SYMLINK: b"2", Kind.CHAR_DEVICE: b"3",
-    Kind.BLOCK_DEVICE: b"4", Kind.DIRECTORY: b"5", Kind.FIFO: b"6",
-}  # fmt: skip
+    Kind.FILE: b"0",
+    Kind.HARDLINK: b"1",
+    Kind.SYMLINK: b"2",
+    Kind.CHAR_DEVICE: b"3",
+    Kind.BLOCK_DEVICE: b"4",
+    Kind.DIRECTORY: b"5",
+    Kind.FIFO: b"6",
+}
 _OCTAL_MAX = {8: 0o7777777, 12: 0o77777777777}
 MAX_TIME = (1 << 32) - 1  # squashfs's last second
 
@@ -136,9 +141,17 @@ class _Jail:
         self.staged = directory / name
         self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.output = f"/proc/self/fd/{self.fd}/{name}"
-        self.prefix = [hosttools.require("setpriv"), f"--reuid={uid}", f"--regid={gid}",
-                       "--clear-groups", "--no-new-privs", "--bounding-set=-all",
-                       "--inh-caps=-all", *DIE_WITH_PARENT, "--"]  # fmt: skip
+        self.prefix = [
+            hosttools.require("setpriv"),
+            f"--reuid={uid}",
+            f"--regid={gid}",
+            "--clear-groups",
+            "--no-new-privs",
+            "--bounding-set=-all",
+            "--inh-caps=-all",
+            *DIE_WITH_PARENT,
+            "--",
+        ]
 
     def hand_back(self) -> None:
         """The finished image, the daemon's own (it was the jailed uid's)."""
@@ -173,9 +186,17 @@ def _write_image(
     prefix = (
         jail.prefix if jail is not None else ([setpriv, *DIE_WITH_PARENT, "--"] if setpriv else [])
     )
-    argv = [*prefix, tool, "--compressor", COMPRESSOR,
-            "--no-skip", "--quiet", "--num-jobs", str(max(1, min(MAX_JOBS, os.cpu_count() or 1))),
-            output]  # fmt: skip
+    argv = [
+        *prefix,
+        tool,
+        "--compressor",
+        COMPRESSOR,
+        "--no-skip",
+        "--quiet",
+        "--num-jobs",
+        str(max(1, min(MAX_JOBS, os.cpu_count() or 1))),
+        output,
+    ]
     log = work / "tar2sqfs.log"
     with open(log, "w+b") as log_file:
         proc = subprocess.Popen(
@@ -269,11 +290,24 @@ class _TarWriter:
             stored = sum(length for _, length in runs)
             if node.extra is not None:
                 sparse_map = ",".join(f"{o},{n}" for o, n in [*runs, (node.size, 0)])
-                records += [(b"GNU.sparse.map", sparse_map.encode()),
-                            (b"GNU.sparse.size", str(node.size).encode())]  # fmt: skip
+                records += [
+                    (b"GNU.sparse.map", sparse_map.encode()),
+                    (b"GNU.sparse.size", str(node.size).encode()),
+                ]
         mtime = min(node.mtime, MAX_TIME)
-        header = _header(path, _TYPE[kind], node.mode, node.uid, node.gid, mtime, stored,
-                         link, major, minor, records)  # fmt: skip
+        header = _header(
+            path,
+            _TYPE[kind],
+            node.mode,
+            node.uid,
+            node.gid,
+            mtime,
+            stored,
+            link,
+            major,
+            minor,
+            records,
+        )
         self._put(header)
         if stored:
             self._content(node, stored)
@@ -337,17 +371,31 @@ def _runs(node: Node) -> list[tuple[int, int]]:
 # ---------------------------------------------------------------------- tar headers
 
 
-def _header(path: bytes, kind: bytes, mode: int, uid: int, gid: int, mtime: int, size: int,
-            link: bytes = b"", major: int = 0, minor: int = 0,
-            records: list[tuple[bytes, bytes]] | None = None) -> bytes:  # fmt: skip
+def _header(
+    path: bytes,
+    kind: bytes,
+    mode: int,
+    uid: int,
+    gid: int,
+    mtime: int,
+    size: int,
+    link: bytes = b"",
+    major: int = 0,
+    minor: int = 0,
+    records: list[tuple[bytes, bytes]] | None = None,
+) -> bytes:
     """A ustar header, preceded by a pax header for what ustar cannot hold."""
     pax = list(records or ())
     if len(path) > 100:
         pax.append((b"path", path))
     if len(link) > 100:
         pax.append((b"linkpath", link))
-    for key, value, width in ((b"uid", uid, 8), (b"gid", gid, 8), (b"size", size, 12),
-                              (b"mtime", mtime, 12)):  # fmt: skip
+    for key, value, width in (
+        (b"uid", uid, 8),
+        (b"gid", gid, 8),
+        (b"size", size, 12),
+        (b"mtime", mtime, 12),
+    ):
         if value > _OCTAL_MAX[width]:
             pax.append((key, str(value).encode()))
     out = b""
@@ -367,8 +415,18 @@ def _record(key: bytes, value: bytes) -> bytes:
     return b"%d %s=%s\n" % (length, key, value)
 
 
-def _block(path: bytes, kind: bytes, mode: int, uid: int, gid: int, mtime: int, size: int,
-           link: bytes = b"", major: int = 0, minor: int = 0) -> bytes:  # fmt: skip
+def _block(
+    path: bytes,
+    kind: bytes,
+    mode: int,
+    uid: int,
+    gid: int,
+    mtime: int,
+    size: int,
+    link: bytes = b"",
+    major: int = 0,
+    minor: int = 0,
+) -> bytes:
     block = bytearray(BLOCK)
     block[0:100] = path[:100].ljust(100, b"\0")
     block[100:108] = _octal(mode & 0o7777, 8)

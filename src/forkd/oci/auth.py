@@ -121,8 +121,12 @@ class RegistryAuth(httpx.Auth):
         query = {k: params[k] for k in ("service", "scope") if params.get(k)}
         c = self.credentials
         if c and c.identity_token:
-            form = {**query, "grant_type": "refresh_token", "refresh_token": c.identity_token,
-                    "client_id": "forkd"}  # fmt: skip
+            form = {
+                **query,
+                "grant_type": "refresh_token",
+                "refresh_token": c.identity_token,
+                "client_id": "forkd",
+            }
             return httpx.Request("POST", params["realm"], data=form)
         basic = self._basic()
         headers = {"Authorization": basic} if basic else {}

@@ -34,8 +34,11 @@ def qemu_release() -> str:
     try:
         out = subprocess.run(
             [hosttools.require(QEMU_BINARY), "--version"],
-            capture_output=True, text=True, check=False, timeout=10,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=10,
+        )
     except (ForkdError, OSError, subprocess.TimeoutExpired):
         return "unknown"
     m = re.search(r"version (\d+)\.(\d+)", out.stdout)

@@ -161,8 +161,13 @@ def _materialize(
 
 def _write_chunks(remote: Remote, downloads: Downloads, fd: int) -> None:
     chunks = remote.manifest.of_part("memory")
-    artifact.check_placed(chunks, artifact.CHUNK_TYPE, f"{remote.where}'s memory",
-                          limit=remote.memory_bytes, align=PAGE)  # fmt: skip
+    artifact.check_placed(
+        chunks,
+        artifact.CHUNK_TYPE,
+        f"{remote.where}'s memory",
+        limit=remote.memory_bytes,
+        align=PAGE,
+    )
     for layer, data in downloads.pieces(chunks):
         memory.write_nonzero(fd, data, layer.offset)
 
@@ -179,8 +184,9 @@ def _write_delta(remote: Remote, downloads: Downloads, fd: int) -> None:
         raise UpstreamError(str(exc)) from exc
     pieces = remote.manifest.of_part("pages")
     want = sum(end - first for first, end in runs) * PAGE
-    at = artifact.check_placed(pieces, artifact.PAGES_TYPE, f"{remote.where}'s pages",
-                               contiguous=True, align=PAGE)  # fmt: skip
+    at = artifact.check_placed(
+        pieces, artifact.PAGES_TYPE, f"{remote.where}'s pages", contiguous=True, align=PAGE
+    )
     if at != want:
         raise UpstreamError(f"{remote.where} indexes {want} bytes of pages and carries {at}")
     targets = (p for first, end in runs for p in range(first, end))

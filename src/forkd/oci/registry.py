@@ -63,12 +63,24 @@ IMAGE_MANIFEST_TYPES = (
 )
 # The error codes of the OCI distribution spec: the only words of a registry's that
 # go back to the client (anything else in an error body may be any service's text).
-OCI_ERROR_CODES = frozenset({
-    "BLOB_UNKNOWN", "BLOB_UPLOAD_INVALID", "BLOB_UPLOAD_UNKNOWN", "DIGEST_INVALID",
-    "MANIFEST_BLOB_UNKNOWN", "MANIFEST_INVALID", "MANIFEST_UNKNOWN", "NAME_INVALID",
-    "NAME_UNKNOWN", "SIZE_INVALID", "UNAUTHORIZED", "DENIED", "UNSUPPORTED",
-    "TOOMANYREQUESTS",
-})  # fmt: skip
+OCI_ERROR_CODES = frozenset(
+    {
+        "BLOB_UNKNOWN",
+        "BLOB_UPLOAD_INVALID",
+        "BLOB_UPLOAD_UNKNOWN",
+        "DIGEST_INVALID",
+        "MANIFEST_BLOB_UNKNOWN",
+        "MANIFEST_INVALID",
+        "MANIFEST_UNKNOWN",
+        "NAME_INVALID",
+        "NAME_UNKNOWN",
+        "SIZE_INVALID",
+        "UNAUTHORIZED",
+        "DENIED",
+        "UNSUPPORTED",
+        "TOOMANYREQUESTS",
+    }
+)
 # Manifest types a reference may name by mistake, by the name a user knows them.
 OTHER_MANIFESTS = {
     "application/vnd.oci.image.index.v1+json": "an OCI image index",
@@ -147,8 +159,11 @@ class Registry:
             raise UpstreamError(
                 f"registry {self.ref.registry} gave an upload a bad Location"
             ) from exc
-        if (url.scheme, url.host, url.port) != (self.origin.scheme, self.origin.host,
-                                                  self.origin.port):  # fmt: skip
+        if (url.scheme, url.host, url.port) != (
+            self.origin.scheme,
+            self.origin.host,
+            self.origin.port,
+        ):
             raise UpstreamError(
                 f"registry {self.ref.registry} sent the upload to another origin: refused, "
                 "credentials go only to the registry itself"
@@ -250,8 +265,9 @@ class Registry:
         return sha256(body)
 
     def has_manifest(self, reference: str) -> bool:
-        r = self._send("HEAD", f"{self.base}/manifests/{reference}",
-                       headers={"Accept": MANIFEST_TYPE})  # fmt: skip
+        r = self._send(
+            "HEAD", f"{self.base}/manifests/{reference}", headers={"Accept": MANIFEST_TYPE}
+        )
         if r.status_code == 404:
             return False
         self._check(r, f"manifest {reference}")
@@ -315,8 +331,7 @@ class Registry:
             deadline = time.monotonic() + BLOB_DEADLINE_SECS
         with self._stream(self._client, method, url, deadline, **kwargs) as r:
             body = _read_at_most(r, SMALL_BODY_LIMIT, "an answer", deadline, cut=True)
-            return httpx.Response(r.status_code, headers=r.headers, content=body,
-                                  request=r.request)  # fmt: skip
+            return httpx.Response(r.status_code, headers=r.headers, content=body, request=r.request)
 
     def _stream(
         self, client: httpx.Client, method: str, url: Any, deadline: float, **kwargs: Any

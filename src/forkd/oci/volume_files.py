@@ -70,10 +70,18 @@ def wanted(manifest: Manifest, config: dict[str, Any]) -> list[dict[str, Any]]:
             raise UpstreamError(f"the snapshot lists a volume forkd refuses: {exc}") from exc
         if not limits.NAME_RE.fullmatch(name) or not MIN_SIZE <= size <= MAX_SIZE:
             raise UpstreamError(f"the snapshot lists volume {name!r} of {size} bytes")
-        artifact.check_placed(manifest.of_part(part(i)), artifact.VOLUME_TYPE,
-                              f"volume {name!r}", limit=size)  # fmt: skip
-        found.append({"name": name, "path": path, "readonly": bool(vol.get("readonly")),
-                      "size_bytes": size, "part": part(i)})  # fmt: skip
+        artifact.check_placed(
+            manifest.of_part(part(i)), artifact.VOLUME_TYPE, f"volume {name!r}", limit=size
+        )
+        found.append(
+            {
+                "name": name,
+                "path": path,
+                "readonly": bool(vol.get("readonly")),
+                "size_bytes": size,
+                "part": part(i),
+            }
+        )
     return found
 
 

@@ -146,8 +146,11 @@ class ForkPool(Generic[V]):
             snapshot_dir
         ):
             if not self._room_for_one():
-                log.info("fork pool at its memory cap (%s MiB): not topping up %s",
-                         self.memory_cap_mib, snapshot_dir.name)  # fmt: skip
+                log.info(
+                    "fork pool at its memory cap (%s MiB): not topping up %s",
+                    self.memory_cap_mib,
+                    snapshot_dir.name,
+                )
                 return
             try:
                 vm = await self.spawn(

@@ -179,9 +179,16 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
                 f.truncate(memory_mib << 20)
             started = time.monotonic()
             spec = launch.LaunchSpec(
-                machine=machine, rt=rt, ram_file=rt.ram, incoming=False, policy=policy,
-                attach=attach, detach=detach, host_network=host_network, placement=cgroup,
-            )  # fmt: skip
+                machine=machine,
+                rt=rt,
+                ram_file=rt.ram,
+                incoming=False,
+                policy=policy,
+                attach=attach,
+                detach=detach,
+                host_network=host_network,
+                placement=cgroup,
+            )
             launched = await launch.start_qemu(spec, undo)
             image_ref = ImageRef(image.name, image.key, str(image.dir))
             vm = cls(vm_id, rt, machine, rt.ram, image_ref, None, launched.proc, launched.proc.pid)
@@ -244,9 +251,10 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         snap = snapshot_files.load(snapshot_dir)
         machine = snap.machine
         policy = egress_policy or (
-            egress.Egress.from_internet(internet) if internet is not None
+            egress.Egress.from_internet(internet)
+            if internet is not None
             else egress.of_machine(machine.egress, machine.internet)
-        )  # fmt: skip
+        )
         # The network is a netdev option, not a device: the restored state still fits.
         machine = dataclasses.replace(
             machine, internet=policy.mode != "none", egress=policy.to_json()
@@ -262,9 +270,16 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             chain = memory_diff.resolve(snap)
             with contextlib.closing(chain):
                 spec = launch.LaunchSpec(
-                    machine=machine, rt=rt, ram_file=chain.root, incoming=True, policy=policy,
-                    attach=attach, detach=detach, host_network=host_network, placement=cgroup,
-                )  # fmt: skip
+                    machine=machine,
+                    rt=rt,
+                    ram_file=chain.root,
+                    incoming=True,
+                    policy=policy,
+                    attach=attach,
+                    detach=detach,
+                    host_network=host_network,
+                    placement=cgroup,
+                )
                 launched = await launch.start_qemu(spec, undo)
                 proc = launched.proc
                 vm = cls(vm_id, rt, machine, chain.root, snap.meta.image, snap.dir, proc, proc.pid)

@@ -80,8 +80,11 @@ class AdmissionControl:
     def starting_mib(self) -> int:
         """Host memory the requests holding room will take for what they start."""
         running = self._running()
-        return sum((held.sandboxes - len(held.ids & running.keys())) * held.estimate_mib
-                   + held.template_mib for held in self._admitted)  # fmt: skip
+        return sum(
+            (held.sandboxes - len(held.ids & running.keys())) * held.estimate_mib
+            + held.template_mib
+            for held in self._admitted
+        )
 
     @contextlib.contextmanager
     def admit(

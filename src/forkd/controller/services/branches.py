@@ -140,10 +140,14 @@ class BranchService:
         if brow is not None and self.fleet.holds.is_deleting(brow.tag):
             raise Conflict(f"snapshot {brow.tag!r} is being deleted: branch with mode full")
         files = _loaded(brow) if brow is not None and brow.status == SnapshotStatus.READY else None
-        mapped = files is not None and (vm is None or (
-            vm.origin is not None and files.meta.id == vm.origin_id
-            and os.path.realpath(vm.origin) == os.path.realpath(files.dir)
-        ))  # fmt: skip
+        mapped = files is not None and (
+            vm is None
+            or (
+                vm.origin is not None
+                and files.meta.id == vm.origin_id
+                and os.path.realpath(vm.origin) == os.path.realpath(files.dir)
+            )
+        )
         if brow is None or files is None or not mapped:
             raise Conflict(
                 f"sandbox {row.id!r} has no registered snapshot to be a diff over (its snapshot "
@@ -190,13 +194,19 @@ class BranchService:
         parent = self.fleet.store.get_snapshot(row.snapshot_tag)
         memory_mib = vm.machine.memory_mib if vm is not None else parent.memory_mib if parent else 0
         return SnapshotRow(
-            tag=tag, dir=str(self.fleet.settings.snapshot_root / tag), created_at_unix=now(),
-            branched_from=row.id, pause_ms=None, parent_tag=row.snapshot_tag,
-            image=parent.image if parent else None, memory_mib=memory_mib,
-            status=SnapshotStatus.WRITING, metadata=labels,
+            tag=tag,
+            dir=str(self.fleet.settings.snapshot_root / tag),
+            created_at_unix=now(),
+            branched_from=row.id,
+            pause_ms=None,
+            parent_tag=row.snapshot_tag,
+            image=parent.image if parent else None,
+            memory_mib=memory_mib,
+            status=SnapshotStatus.WRITING,
+            metadata=labels,
             mode=SnapshotMode.DIFF if base else SnapshotMode.FULL,
             base_tag=base.tag if base else None,
-        )  # fmt: skip
+        )
 
     async def _settle(
         self, held: contextlib.ExitStack, plan: _Plan, on_resumed: Callable[[float], None]
@@ -259,9 +269,13 @@ class BranchService:
         try:
             with fleet.holds.reading_hibernated(row.id):  # not discarded under the copy
                 files = await asyncio.to_thread(
-                    snapshot_copy.copy_snapshot, src, dest, labels,
-                    (hibernated_files.NETWORK_FILE,), base,
-                )  # fmt: skip
+                    snapshot_copy.copy_snapshot,
+                    src,
+                    dest,
+                    labels,
+                    (hibernated_files.NETWORK_FILE,),
+                    base,
+                )
         except ForkdError:
             raise
         except OSError as exc:
@@ -293,14 +307,18 @@ def requested_mode(req: BranchRequest) -> BranchMode | None:
         raise Invalid("set at most one of diff and live")
     mode = BranchMode(req.mode) if req.mode else (legacy[0] if legacy else None)
     if req.measure_diff and mode in (BranchMode.DIFF, BranchMode.LIVE):
-        raise Invalid(f"measure_diff reports what a diff would store beside a full branch: "
-                      f"not with mode {mode.value!r}")  # fmt: skip
+        raise Invalid(
+            f"measure_diff reports what a diff would store beside a full branch: "
+            f"not with mode {mode.value!r}"
+        )
     if req.parent_tag is not None and mode != BranchMode.DIFF:
         raise Invalid("parent_tag names a diff's base: it needs mode diff (or diff: true)")
     # The original's forms keep the original's rule: only a live branch may answer early.
     if not req.wait and mode != BranchMode.LIVE and (legacy or req.measure_diff):
-        raise Invalid("wait: false needs mode live (or live: true) in this form of the request; "
-                      "or send mode full/diff with wait false")  # fmt: skip
+        raise Invalid(
+            "wait: false needs mode live (or live: true) in this form of the request; "
+            "or send mode full/diff with wait false"
+        )
     return mode
 
 

@@ -95,17 +95,19 @@ class DiffService:
         pair = await self._pair(sandbox_id, path, against)
         changes = [_change(d) for d in pair.differences()]
         return DiffResult(
-            sandbox_id=sandbox_id, against=pair.against, against_kind=pair.kind,
-            path=pair.target.path, changes=changes,
+            sandbox_id=sandbox_id,
+            against=pair.against,
+            against_kind=pair.kind,
+            path=pair.target.path,
+            changes=changes,
             truncated=pair.base.truncated or pair.target.truncated,
             duration_ms=round((time.monotonic() - started) * 1000, 1),
-        )  # fmt: skip
+        )
 
     async def tar(self, sandbox_id: str, path: str, against: str | None) -> Download:
         """The files added and modified, as a tar stream named by their paths."""
         pair = await self._pair(sandbox_id, path, against)
-        paths = [d.path for d in pair.differences()
-                 if d.change != "removed" and d.kind != "other"]  # fmt: skip
+        paths = [d.path for d in pair.differences() if d.change != "removed" and d.kind != "other"]
         return await self.files.download_paths(sandbox_id, paths)
 
     async def patch(self, sandbox_id: str, path: str, against: str | None) -> str:
@@ -270,8 +272,13 @@ def _same_image(mine: str | None, theirs: str | None, against: str) -> None:
 
 
 def _change(d: Difference) -> DiffChange:
-    return DiffChange(path=d.path, change=d.change, kind=d.kind,  # type: ignore[arg-type]
-                      size=d.size, mode=d.mode)  # fmt: skip
+    return DiffChange(
+        path=d.path,
+        change=d.change,
+        kind=d.kind,  # type: ignore[arg-type]
+        size=d.size,
+        mode=d.mode,
+    )
 
 
 def _cache_file(snap: SnapshotRow, path: str) -> Path:
@@ -348,10 +355,17 @@ async def _gnu_diff(a: str, b: str, old: bytes, new: bytes) -> str:
         (work / "a").write_bytes(old)
         (work / "b").write_bytes(new)
         proc = await asyncio.create_subprocess_exec(
-            shutil.which("diff") or "/usr/bin/diff", "-u", "--label", a, "--label", b,
-            str(work / "a"), str(work / "b"),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
+            shutil.which("diff") or "/usr/bin/diff",
+            "-u",
+            "--label",
+            a,
+            "--label",
+            b,
+            str(work / "a"),
+            str(work / "b"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), DIFF_TIMEOUT_SECS)
         except TimeoutError:

@@ -28,9 +28,17 @@ class RefusalAudit:
         for sandbox_id, n in self._throttle.summaries(second):
             self.write(event="egress_refused", sandbox_id=sandbox_id, suppressed=n)
         if self._throttle.admit(record.sandbox_id, second):
-            self.write(event="egress_refused", sandbox_id=record.sandbox_id, kind=record.kind,
-                       host=record.host, port=record.port, address=record.address,
-                       method=record.method, path=record.path, reason=record.reason)  # fmt: skip
+            self.write(
+                event="egress_refused",
+                sandbox_id=record.sandbox_id,
+                kind=record.kind,
+                host=record.host,
+                port=record.port,
+                address=record.address,
+                method=record.method,
+                path=record.path,
+                reason=record.reason,
+            )
 
 
 class EgressReport:

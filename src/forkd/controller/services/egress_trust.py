@@ -25,8 +25,11 @@ log = logging.getLogger(__name__)
 CA_FILE = "/usr/local/share/ca-certificates/forkd-egress.crt"
 BUNDLE = "/etc/ssl/forkd-bundle.pem"
 MARKER = "# forkd egress CA"
-SYSTEM_BUNDLES = ("/etc/ssl/certs/ca-certificates.crt", "/etc/ssl/cert.pem",
-                  "/etc/pki/tls/certs/ca-bundle.crt")  # fmt: skip
+SYSTEM_BUNDLES = (
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/ssl/cert.pem",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+)
 ENV = {
     "SSL_CERT_FILE": BUNDLE,
     "REQUESTS_CA_BUNDLE": BUNDLE,
@@ -66,7 +69,8 @@ async def install(template: SandboxVM, ca_pem: bytes, tag: str) -> dict[str, str
         ran = {"exit_code": None, "stdout": "", "stderr": str(exc)}
     if ran["exit_code"] != 0:
         tail = (ran["stderr"] or ran["stdout"]).strip()[-300:]
-        log.warning("%s: the egress CA is in %s only (no trust store updated): %s",
-                    tag, CA_FILE, tail)  # fmt: skip
+        log.warning(
+            "%s: the egress CA is in %s only (no trust store updated): %s", tag, CA_FILE, tail
+        )
         return {"NODE_EXTRA_CA_CERTS": CA_FILE}
     return dict(ENV)

@@ -95,12 +95,17 @@ class _Outcome:
 
     def result(self) -> ExploreVariant:
         return ExploreVariant(
-            index=self.index, sandbox_id=self.sandbox_id, score=self.score,
-            exit_code=self.exit_code, stdout_tail=self.stdout_tail, score_tail=self.score_tail,
+            index=self.index,
+            sandbox_id=self.sandbox_id,
+            score=self.score,
+            exit_code=self.exit_code,
+            stdout_tail=self.stdout_tail,
+            score_tail=self.score_tail,
             error=self.error,
-            kept=self.kept, snapshot_tag=self.snapshot_tag,
+            kept=self.kept,
+            snapshot_tag=self.snapshot_tag,
             duration_ms=round(self.duration_ms, 1),
-        )  # fmt: skip
+        )
 
 
 @dataclass(frozen=True)
@@ -264,17 +269,22 @@ class ExploreService:
             self.fleet.store.add_sandbox_labels(child.id, {VARIANT: str(i)})
             if step.network is not None:
                 await self.network.update(child.id, step.network)
-        outcomes = await asyncio.gather(*(
-            self._variant(_Outcome(i, child.id), step, req, source_id, tag, deadline)
-            for i, (child, step) in enumerate(zip(children, req.variants, strict=True))
-        ))  # fmt: skip
+        outcomes = await asyncio.gather(
+            *(
+                self._variant(_Outcome(i, child.id), step, req, source_id, tag, deadline)
+                for i, (child, step) in enumerate(zip(children, req.variants, strict=True))
+            )
+        )
         order = ranked(list(outcomes), req.minimize)
         branch_kept = await to_end(self._finish(order, req, source_id, tag, made))
         return ExploreResult(
-            branch=tag, pause_ms=snap.pause_ms, fork_ms=round(fork_ms, 1),
+            branch=tag,
+            pause_ms=snap.pause_ms,
+            fork_ms=round(fork_ms, 1),
             duration_ms=round((time.monotonic() - started) * 1000, 1),
-            branch_kept=branch_kept, results=[o.result() for o in order],
-        )  # fmt: skip
+            branch_kept=branch_kept,
+            results=[o.result() for o in order],
+        )
 
     async def _branch(self, source_id: str, tag: str, made: _Made) -> SnapshotInfo:
         """Branch ``source_id`` as ``tag`` (its own search marks not inherited). The
@@ -332,9 +342,15 @@ class ExploreService:
             out.error = f"{type(exc).__name__}: {exc}"
         out.duration_ms = (time.monotonic() - began) * 1000
         self.fleet.events.publish(
-            "explore_variant", sandbox_id=source_id, explore=tag, index=out.index,
-            child_id=out.sandbox_id, score=out.score, exit_code=out.exit_code, error=out.error,
-        )  # fmt: skip
+            "explore_variant",
+            sandbox_id=source_id,
+            explore=tag,
+            index=out.index,
+            child_id=out.sandbox_id,
+            score=out.score,
+            exit_code=out.exit_code,
+            error=out.error,
+        )
         return out
 
     async def _step(self, out: _Outcome, step: ExploreStep, deadline: float) -> None:
@@ -378,10 +394,12 @@ class ExploreService:
             await self._drop_snapshot(tag)
             made.branch = None
         self.fleet.events.publish(
-            "explored", sandbox_id=source_id, explore=tag,
+            "explored",
+            sandbox_id=source_id,
+            explore=tag,
             kept=[o.snapshot_tag or o.sandbox_id for o in kept if o.kept],
             best=order[0].score if order else None,
-        )  # fmt: skip
+        )
         return bool(running)
 
     async def _keep(
@@ -453,9 +471,13 @@ def _left(deadline: float) -> float:
 def _exec(step: ExploreStep, deadline: float) -> ExecRequest:
     assert step.exec is not None
     return ExecRequest(
-        args=step.exec, timeout_secs=min(_left(deadline), limits.MAX_EXEC_TIMEOUT_SECS),
-        cwd=step.cwd, env=step.env, stdin=step.stdin, user=step.user,
-    )  # fmt: skip
+        args=step.exec,
+        timeout_secs=min(_left(deadline), limits.MAX_EXEC_TIMEOUT_SECS),
+        cwd=step.cwd,
+        env=step.env,
+        stdin=step.stdin,
+        user=step.user,
+    )
 
 
 def _eval(code: str, deadline: float) -> EvalRequest:

@@ -164,10 +164,14 @@ class WakeService:
         shutil.rmtree(fleet.settings.run_dir / sandbox_id, ignore_errors=True)
         try:
             return await fleet.driver.restore(
-                state_dir, run_root=fleet.settings.run_dir, vm_id=sandbox_id, detach=True,
-                host_network=fleet.network, cgroup=fleet.placement(memory_limit_mib),
+                state_dir,
+                run_root=fleet.settings.run_dir,
+                vm_id=sandbox_id,
+                detach=True,
+                host_network=fleet.network,
+                cgroup=fleet.placement(memory_limit_mib),
                 hostname=sandbox_id,
-            )  # fmt: skip
+            )
         except ForkdError as exc:
             if isinstance(exc, (Busy, Conflict, StorageFull)):
                 raise

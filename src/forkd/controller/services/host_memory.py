@@ -70,8 +70,9 @@ def read_host(
     limited = None if cgroup_root is None else memory_limit.enclosing(cgroup_root, parent)
     if limited is None:
         return host
-    return HostMemory(min(host.total_mib, limited.limit_mib),
-                      min(host.available_mib, limited.available_mib))  # fmt: skip
+    return HostMemory(
+        min(host.total_mib, limited.limit_mib), min(host.available_mib, limited.available_mib)
+    )
 
 
 @dataclass
@@ -135,8 +136,11 @@ class MemoryWatch:
         if origin is None:
             return limits.FORK_ESTIMATE_MIB
         key, now = str(origin), self._clock()
-        settled = [s.own_mib for s in self._seen.values()
-                   if s.origin == key and now - s.first_seen >= SETTLE_SECS]  # fmt: skip
+        settled = [
+            s.own_mib
+            for s in self._seen.values()
+            if s.origin == key and now - s.first_seen >= SETTLE_SECS
+        ]
         if len(settled) < SIBLINGS_TO_LEARN:
             return limits.FORK_ESTIMATE_MIB
         return max(1, round(statistics.median(settled)))

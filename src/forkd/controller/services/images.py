@@ -255,8 +255,9 @@ class ImageService:
             )
             return self._build(fetched, progress, started)
 
-    def _load_sync(self, archive: Path, tag: str | None, reference: str,
-                   progress: Progress) -> Imported:  # fmt: skip
+    def _load_sync(
+        self, archive: Path, tag: str | None, reference: str, progress: Progress
+    ) -> Imported:
         from forkd.image_import.layers import layer_cap
         from forkd.image_import.local_sources import fetch_loaded
 
@@ -439,8 +440,9 @@ async def _as_events(
     try:
         while not work.done():
             step = asyncio.ensure_future(steps.get())
-            await asyncio.wait({work, step}, timeout=KEEPALIVE_SECS,
-                               return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            await asyncio.wait(
+                {work, step}, timeout=KEEPALIVE_SECS, return_when=asyncio.FIRST_COMPLETED
+            )
             if step.done():
                 yield OutputEvent("progress", ImportProgress(message=step.result()))
             else:

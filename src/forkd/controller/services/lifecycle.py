@@ -76,8 +76,11 @@ class Lifecycle:
         )
         swept = await asyncio.to_thread(leftovers.sweep)
         if swept.workers_killed or swept.removed:
-            log.info("an import left by a daemon that died: %d worker(s) killed, %d "
-                     "leftover(s) removed", swept.workers_killed, swept.removed)  # fmt: skip
+            log.info(
+                "an import left by a daemon that died: %d worker(s) killed, %d leftover(s) removed",
+                swept.workers_killed,
+                swept.removed,
+            )
         await self.adopt_sandboxes()
         self.kill_strays()
         await asyncio.to_thread(self.remove_stray_networks)
@@ -121,9 +124,10 @@ class Lifecycle:
                 log.info("branch %s was pending when the daemon stopped: failed", row.tag)
                 shutil.rmtree(row.dir, ignore_errors=True)  # committed, maybe, never settled
                 store.set_snapshot_status(
-                    row.tag, SnapshotStatus.FAILED,
+                    row.tag,
+                    SnapshotStatus.FAILED,
                     error="the daemon stopped before the branch finished",
-                )  # fmt: skip
+                )
         self._refresh_modes()
         kept = {r.id for r in store.list_sandboxes() if r.state != SandboxState.DEAD}
         for sid in self.fleet.hibernated.sleepers() - kept:
@@ -202,8 +206,9 @@ class Lifecycle:
         try:
             await network.listen(self.fleet.network, vm.net, vm.id, policy)
         except Exception as exc:
-            log.warning("sandbox %s: the egress proxy cannot listen in %s: %s",
-                        vm.id, vm.net.netns, exc)  # fmt: skip
+            log.warning(
+                "sandbox %s: the egress proxy cannot listen in %s: %s", vm.id, vm.net.netns, exc
+            )
 
     def kill_strays(self) -> None:
         """QEMU processes and run directories of ours that no sandbox owns.
@@ -241,8 +246,9 @@ class Lifecycle:
         while True:
             for name in await asyncio.to_thread(fleet.cgroups.remove_unused, prefixes):
                 log.info("removed the cgroup of %s, whose QEMU is gone", name)
-            left = [n for n in await asyncio.to_thread(fleet.cgroups.names, prefixes)
-                    if n not in live]  # fmt: skip
+            left = [
+                n for n in await asyncio.to_thread(fleet.cgroups.names, prefixes) if n not in live
+            ]
             if not left or time.monotonic() > deadline:
                 return
             await asyncio.sleep(0.1)
@@ -305,8 +311,9 @@ class Lifecycle:
         try:  # a branch at the timeout copies the sandbox's memory: it gets longer
             await asyncio.wait_for(self._check(row), EXPIRY_SECS if branching else REAP_CHECK_SECS)
         except TimeoutError:
-            log.warning("reaper: sandbox %s took over %g s; next pass retries", row.id,
-                        REAP_CHECK_SECS)  # fmt: skip
+            log.warning(
+                "reaper: sandbox %s took over %g s; next pass retries", row.id, REAP_CHECK_SECS
+            )
         except Exception:
             log.exception("reaper: checking sandbox %s failed", row.id)
 
@@ -324,11 +331,16 @@ class Lifecycle:
         silent = (before if since == spell else 0) + 1
         self._silent[row.id] = (spell, silent)
         if silent < SILENT_CHECKS:
-            log.info("reaper: sandbox %s did not list its processes (%d of %d)", row.id,
-                     silent, SILENT_CHECKS)  # fmt: skip
+            log.info(
+                "reaper: sandbox %s did not list its processes (%d of %d)",
+                row.id,
+                silent,
+                SILENT_CHECKS,
+            )
             return False
-        log.warning("reaper: sandbox %s did not answer %d checks in a row: taken as idle",
-                    row.id, silent)  # fmt: skip
+        log.warning(
+            "reaper: sandbox %s did not answer %d checks in a row: taken as idle", row.id, silent
+        )
         return True
 
     async def _check(self, row: SandboxRow) -> None:

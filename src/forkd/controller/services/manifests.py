@@ -34,8 +34,13 @@ RECORD_FIELDS = 6
 _FIND_TIME = re.compile(rb"(-?[0-9]{1,20})\.([0-9]{1,10})")
 # find's %y letters (and the agent's "-"): f, d and l as they are, the rest "other".
 # A character device is other unless the agent's record says it is a whiteout.
-RECORD_KINDS = {b"f": "f", b"d": "d", b"l": "l", b"-": ABSENT,
-                **{k.encode(): "o" for k in "cbpsDU?"}}  # fmt: skip
+RECORD_KINDS = {
+    b"f": "f",
+    b"d": "d",
+    b"l": "l",
+    b"-": ABSENT,
+    **{k.encode(): "o" for k in "cbpsDU?"},
+}
 MAX_LINE_BYTES = 16 << 10  # a path of 4 KiB and a link target of 4 KiB, JSON-escaped
 Change = Literal["added", "modified", "removed"]
 
@@ -58,8 +63,11 @@ class Stat:
         if self.kind == "d":
             return self.mode == other.mode
         return (self.size, self.mode, self.mtime_ns, self.target) == (
-            other.size, other.mode, other.mtime_ns, other.target,
-        )  # fmt: skip
+            other.size,
+            other.mode,
+            other.mtime_ns,
+            other.target,
+        )
 
 
 @dataclass
@@ -70,8 +78,11 @@ class Manifest:
     lower_root: str | None = None  # where the guest reaches the image's files
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "truncated": self.truncated,
-                "entries": [[p, *stat_json(e)] for p, e in self.entries.items()]}  # fmt: skip
+        return {
+            "path": self.path,
+            "truncated": self.truncated,
+            "entries": [[p, *stat_json(e)] for p, e in self.entries.items()],
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Manifest:
@@ -242,12 +253,14 @@ def stat_of(raw: Any) -> Stat:
     """Five fields of the guest's (kind, size, mode, mtime_ns, link target) as a Stat;
     :class:`GuestError` unless they are exactly that."""
     ok = (
-        isinstance(raw, list) and len(raw) == 5
+        isinstance(raw, list)
+        and len(raw) == 5
         and raw[0] in (*KINDS, ABSENT)
         and all(isinstance(v, int) and not isinstance(v, bool) for v in raw[1:4])
-        and raw[1] >= 0 and raw[2] >= 0  # an mtime before 1970 is negative
+        and raw[1] >= 0
+        and raw[2] >= 0  # an mtime before 1970 is negative
         and (raw[4] is None or (isinstance(raw[4], str) and len(raw[4]) <= 4096))
-    )  # fmt: skip
+    )
     if not ok:
         raise GuestError("the guest's manifest has an entry of the wrong shape")
     return Stat(raw[0], raw[1], raw[2], raw[3], raw[4])

@@ -14,7 +14,7 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING
 
-from forkd.controller.egress_models import EgressPage, EgressRecordInfo, NetworkInfo, NetworkPolicy
+from forkd.controller.models.network import EgressPage, EgressRecordInfo, NetworkInfo, NetworkPolicy
 from forkd.egress.records import EgressRecord
 from forkd.errors import Conflict
 from forkd.states import SandboxState
@@ -63,10 +63,16 @@ class NetworkService:
         """The running sandboxes whose network rules name ``secret`` (a placeholder in one
         of their transforms)."""
         needle = "${secrets." + secret + "}"
-        return [sandbox_id for sandbox_id, vm in list(self.fleet.vms.items())
-                if any(needle in value
-                       for _, rules in self.live_policy(sandbox_id, vm).rules for rule in rules
-                       for _, value in rule.headers)]  # fmt: skip
+        return [
+            sandbox_id
+            for sandbox_id, vm in list(self.fleet.vms.items())
+            if any(
+                needle in value
+                for _, rules in self.live_policy(sandbox_id, vm).rules
+                for rule in rules
+                for _, value in rule.headers
+            )
+        ]
 
     def info(self, sandbox_id: str, closed: int | None = None) -> NetworkInfo:
         policy = self.policy(sandbox_id)

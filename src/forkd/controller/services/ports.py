@@ -91,21 +91,28 @@ class PortService:
         vm = await self.waker.running(sandbox_id)
         held = self._open.get(sandbox_id, 0)
         if held >= MAX_CONNECTIONS_PER_SANDBOX:
-            raise Busy(f"sandbox {sandbox_id!r} has {held} proxied connections open, the most "
-                       "it may have: close some and retry")  # fmt: skip
+            raise Busy(
+                f"sandbox {sandbox_id!r} has {held} proxied connections open, the most "
+                "it may have: close some and retry"
+            )
         previews = self._previews.get(sandbox_id, 0)
         if by_preview and previews >= PREVIEW_CONNECTIONS_PER_SANDBOX:
-            raise Busy(f"preview URLs of sandbox {sandbox_id!r} have {previews} connections "
-                       "open, the most they may (the rest are kept for its owner): retry "
-                       "shortly")  # fmt: skip
+            raise Busy(
+                f"preview URLs of sandbox {sandbox_id!r} have {previews} connections "
+                "open, the most they may (the rest are kept for its owner): retry "
+                "shortly"
+            )
         cap = proxied_cap()
         if sum(self._open.values()) >= cap:
-            raise Busy(f"this daemon has {cap} proxied connections open, the most "
-                       "it keeps: retry shortly")  # fmt: skip
+            raise Busy(
+                f"this daemon has {cap} proxied connections open, the most it keeps: retry shortly"
+            )
         if by_preview and sum(self._previews.values()) >= preview_cap():
-            raise Busy(f"preview URLs hold {preview_cap()} of this daemon's proxied "
-                       "connections, the most they may (the rest are kept for sandboxes' "
-                       "owners): retry shortly")  # fmt: skip
+            raise Busy(
+                f"preview URLs hold {preview_cap()} of this daemon's proxied "
+                "connections, the most they may (the rest are kept for sandboxes' "
+                "owners): retry shortly"
+            )
         counts = [self._open, self._previews] if by_preview else [self._open]
         for count in counts:
             count[sandbox_id] = count.get(sandbox_id, 0) + 1
@@ -136,8 +143,11 @@ class PortService:
         expires = int(time.time()) + req.ttl_s
         token = self.key.sign(sandbox_id, row.created_at_unix, port, expires)
         domain = self.fleet.settings.preview_domain
-        url = (domain.url(sandbox_id, port, token, base_url) if domain
-               else f"{base_url.rstrip('/')}/v1/preview/{token}/")  # fmt: skip
+        url = (
+            domain.url(sandbox_id, port, token, base_url)
+            if domain
+            else f"{base_url.rstrip('/')}/v1/preview/{token}/"
+        )
         return PreviewInfo(
             url=url,
             token=token,

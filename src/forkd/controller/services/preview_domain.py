@@ -33,10 +33,13 @@ class PreviewDomain:
         port = _port(parts)
         if (
             parts.scheme not in ("", "http", "https")
-            or parts.path not in ("", "/") or parts.query or parts.fragment
-            or parts.username is not None or port == -1
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+            or parts.username is not None
+            or port == -1
             or not _DNS_NAME.match(parts.hostname or "")
-        ):  # fmt: skip
+        ):
             raise Invalid(
                 f"--preview-domain {value!r}: give a DNS name such as preview.example.com, "
                 "optionally with http:// or https:// and a :port"

@@ -70,9 +70,14 @@ class PreviewKey:
 
     def _mac(self, sandbox_id: str, created_at_unix: int, port: int, expires: int) -> str:
         message = b"\n".join(
-            [_DOMAIN, sandbox_id.encode(), str(created_at_unix).encode(), str(port).encode(),
-             str(expires).encode()]
-        )  # fmt: skip
+            [
+                _DOMAIN,
+                sandbox_id.encode(),
+                str(created_at_unix).encode(),
+                str(port).encode(),
+                str(expires).encode(),
+            ]
+        )
         digest = hmac.new(self._key(), message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
@@ -91,16 +96,20 @@ class PreviewKey:
             self._create()
             st = self.path.stat()
         if stat.S_IMODE(st.st_mode) & 0o077:
-            raise ForkdError(f"{self.path} may be read by others (mode "
-                             f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it, or delete it to "
-                             "make a new one (that ends every preview URL)")  # fmt: skip
+            raise ForkdError(
+                f"{self.path} may be read by others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it, or delete it to "
+                "make a new one (that ends every preview URL)"
+            )
         seen = (st.st_ino, st.st_mtime_ns, st.st_size)
         if self._cached is not None and self._cached[0] == seen:
             return self._cached[1]
         key = self.path.read_bytes()
         if len(key) != KEY_BYTES:
-            raise ForkdError(f"{self.path} holds {len(key)} bytes, not {KEY_BYTES}: delete "
-                             "it to make a new one (that ends every preview URL)")  # fmt: skip
+            raise ForkdError(
+                f"{self.path} holds {len(key)} bytes, not {KEY_BYTES}: delete "
+                "it to make a new one (that ends every preview URL)"
+            )
         self._cached = (seen, key)
         return key
 

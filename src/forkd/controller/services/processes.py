@@ -163,9 +163,7 @@ class ProcessService:
                 got = answer.next_offset - max(offset, answer.gap[1] if answer.gap else 0)
                 progressed = answer.next_offset > offset or answer.gap is not None
                 offset = answer.next_offset
-                done = answer.eof or (
-                    until is not None and (offset >= until or not progressed)
-                )  # fmt: skip
+                done = answer.eof or (until is not None and (offset >= until or not progressed))
                 want = READ_BYTES_BEHIND if got >= want else READ_BYTES
                 linger = BULK_LINGER_SECS if until is None and got >= BULK_BYTES else 0.0
                 if progressed and not done:
@@ -229,10 +227,16 @@ class ProcessService:
     ) -> ReadAnswer:
         raw = await self.sandboxes.guest(
             sandbox_id,
-            lambda vm: vm.proc_read(pid, offset, wait_s=wait, max_bytes=want,
-                                    min_bytes=want if linger else 1, linger_s=linger),
+            lambda vm: vm.proc_read(
+                pid,
+                offset,
+                wait_s=wait,
+                max_bytes=want,
+                min_bytes=want if linger else 1,
+                linger_s=linger,
+            ),
             wake=wake,
-        )  # fmt: skip
+        )
         return ReadAnswer.parse(raw, offset)
 
 

@@ -107,10 +107,12 @@ class Reclaimer:
         idle_s = fleet.settings.reclaim_idle_s
         now = time.time()
         rows = [
-            row for row in fleet.store.list_sandboxes()
-            if row.id in fleet.vms and self._idle(row, now, idle_s)
+            row
+            for row in fleet.store.list_sandboxes()
+            if row.id in fleet.vms
+            and self._idle(row, now, idle_s)
             and not fleet.holds.sandbox_busy(row.id)  # a branch, pause or resume has it
-        ]  # fmt: skip
+        ]
         rows.sort(key=lambda r: (r.state != SandboxState.PAUSED, fleet.activity.idle_since(r)))
         return rows
 
@@ -197,8 +199,13 @@ class Reclaimer:
         if now - self._said_short_at < SAY_SHORT_SECS:
             return
         self._said_short_at = now
-        log.warning("reclaim: %d MiB available, %d wanted (%s); %s",
-                    self._available(), target_mib, why, self.busy_summary())  # fmt: skip
+        log.warning(
+            "reclaim: %d MiB available, %d wanted (%s); %s",
+            self._available(),
+            target_mib,
+            why,
+            self.busy_summary(),
+        )
 
     def _check_disk(self, row: SandboxRow) -> None:
         vm = self.fleet.vms.get(row.id)
@@ -216,8 +223,13 @@ class Reclaimer:
             return False
         after = self._available()
         freed = after - available
-        log.info("reclaim: hibernated idle sandbox %s (%s): %d MiB available, %+d MiB",
-                 row.id, why, after, freed)  # fmt: skip
+        log.info(
+            "reclaim: hibernated idle sandbox %s (%s): %d MiB available, %+d MiB",
+            row.id,
+            why,
+            after,
+            freed,
+        )
         self.fleet.activity.count_eviction(row.id)
         fields: dict[str, Any] = {"available_mib": available, "freed_mib": freed}
         self.fleet.events.publish("hibernated", sandbox_id=row.id, reason="memory", **fields)

@@ -192,10 +192,12 @@ class SandboxService:
         with self.fleet.holds.volume_layers():
             seeds = [None if req.seed is None else req.seed + i for i in range(len(ids))]
             results = await asyncio.gather(
-                *(self._fork_one(sid, req, snap_dir, waiting, policy, seed)
-                  for sid, seed in zip(ids, seeds, strict=True)),
+                *(
+                    self._fork_one(sid, req, snap_dir, waiting, policy, seed)
+                    for sid, seed in zip(ids, seeds, strict=True)
+                ),
                 return_exceptions=True,
-            )  # fmt: skip
+            )
         if pool and self.fleet.store.get_snapshot(tag) is not None:  # not deleted meanwhile
             self.fleet.pool.refill(snap_dir)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -223,18 +225,22 @@ class SandboxService:
         run_dir = fleet.settings.run_dir / sid
         fleet.store.add_sandbox(
             SandboxRow(
-                id=sid, snapshot_tag=req.snapshot_tag, run_dir=str(run_dir), pid=None,
-                created_at_unix=now(), memory_limit_mib=req.memory_limit_mib,
+                id=sid,
+                snapshot_tag=req.snapshot_tag,
+                run_dir=str(run_dir),
+                pid=None,
+                created_at_unix=now(),
+                memory_limit_mib=req.memory_limit_mib,
                 expires_at_unix=expiry_in(_lifetime(req)),
                 state=SandboxState.STARTING,
                 on_timeout=req.on_timeout,
-                idle_timeout_s=req.idle_timeout_s, seed=seed, auto_resume=req.auto_resume,
+                idle_timeout_s=req.idle_timeout_s,
+                seed=seed,
+                auto_resume=req.auto_resume,
                 evictable=req.evictable,
-                metadata=merged_labels(
-                    fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata
-                ),
+                metadata=merged_labels(fleet.snapshot_row(req.snapshot_tag).metadata, req.metadata),
             )
-        )  # fmt: skip
+        )
         async with self._fork_slots:
             vm = waiting.pop(sid, None)
             if vm is not None and vm.state == VMState.WARM:
@@ -243,10 +249,15 @@ class SandboxService:
                 await vm.finish_restore(seed=seed)
             else:
                 vm = await fleet.driver.restore(
-                    snap_dir, run_root=fleet.settings.run_dir, vm_id=sid, detach=True,
-                    host_network=fleet.network, egress_policy=policy,
-                    cgroup=fleet.placement(req.memory_limit_mib), seed=seed,
-                )  # fmt: skip
+                    snap_dir,
+                    run_root=fleet.settings.run_dir,
+                    vm_id=sid,
+                    detach=True,
+                    host_network=fleet.network,
+                    egress_policy=policy,
+                    cgroup=fleet.placement(req.memory_limit_mib),
+                    seed=seed,
+                )
         fleet.vms[sid] = vm
         fork_ms = round(vm.ready_ms or 0, 1)
         fleet.store.set_sandbox_state(sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=fork_ms)
@@ -407,10 +418,14 @@ class SandboxService:
         res = await self.guest(
             sandbox_id,
             lambda vm: vm.exec(
-                req.args, timeout=req.timeout_secs, cwd=req.cwd, env=req.env or None,
-                stdin=req.stdin, user=req.user,
+                req.args,
+                timeout=req.timeout_secs,
+                cwd=req.cwd,
+                env=req.env or None,
+                stdin=req.stdin,
+                user=req.user,
             ),
-        )  # fmt: skip
+        )
         return ExecResult(
             stdout=res.get("stdout", ""),
             stderr=res.get("stderr", ""),

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from forkd import limits
 from forkd.controller import log_redaction
-from forkd.controller.egress_models import SecretCreate, SecretInfo, SecretUpdate
+from forkd.controller.models.network import SecretCreate, SecretInfo, SecretUpdate
 from forkd.controller.secret_box import SecretBox, SecretKeyError
 from forkd.controller.store import SecretRow, Store
 from forkd.errors import Conflict, Invalid, NotFound
@@ -94,8 +94,9 @@ class SecretService:
         if value is not None:
             self._remember(name, value, row.hosts)
         changed = [w for w, new in (("value", sealed), ("hosts", hosts)) if new is not None]
-        log.info("secret %s: new %s (hosts were %s)", name, " and ".join(changed),
-                 ", ".join(old.hosts))  # fmt: skip
+        log.info(
+            "secret %s: new %s (hosts were %s)", name, " and ".join(changed), ", ".join(old.hosts)
+        )
         return self._info(row)
 
     def delete(self, name: str, *, named_by: Sequence[str], force: bool = False) -> None:
@@ -125,9 +126,12 @@ class SecretService:
             pending = self._used.get(row.name)
         last = max(row.last_used_unix or 0.0, pending or 0.0) or None
         return SecretInfo(
-            name=row.name, hosts=row.hosts, created_at_unix=row.created_at_unix,
-            updated_at_unix=row.updated_at_unix, last_used_unix=last,
-        )  # fmt: skip
+            name=row.name,
+            hosts=row.hosts,
+            created_at_unix=row.created_at_unix,
+            updated_at_unix=row.updated_at_unix,
+            last_used_unix=last,
+        )
 
     # ------------------------------------------------------------ the proxy's
 

@@ -100,11 +100,15 @@ class ArchiveWriter:
             "schemaVersion": 2,
             "mediaType": manifests.OCI_INDEX,
             "manifests": [
-                {"mediaType": MANIFEST_TYPE, "digest": digest, "size": size,
-                 "annotations": {REF_NAME: tag}}
+                {
+                    "mediaType": MANIFEST_TYPE,
+                    "digest": digest,
+                    "size": size,
+                    "annotations": {REF_NAME: tag},
+                }
                 for tag, (digest, size) in sorted(self._tagged.items())
             ],
-        }  # fmt: skip
+        }
         self._add("oci-layout", json.dumps({"imageLayoutVersion": "1.0.0"}).encode())
         self._add("index.json", json.dumps(index, sort_keys=True).encode())
         self._tar.close()

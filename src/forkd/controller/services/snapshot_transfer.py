@@ -164,15 +164,27 @@ class SnapshotTransfer:
             raise
         try:
             pushed = await self._in_thread(
-                self._push_closing, registry, files, row, ref.tag or "latest", req.flatten,
+                self._push_closing,
+                registry,
+                files,
+                row,
+                ref.tag or "latest",
+                req.flatten,
                 then=release,
-            )  # fmt: skip
+            )
         except Busy:
             registry.close()  # never handed to a thread
             raise
         self.fleet.metrics.registry_bytes.labels(direction="push").inc(pushed.bytes_uploaded)
-        log.info("pushed %s to %s@%s: %d of %d bytes sent (%s)", tag, ref, pushed.digest,
-                 pushed.bytes_uploaded, pushed.bytes_total, pushed.encoding)  # fmt: skip
+        log.info(
+            "pushed %s to %s@%s: %d of %d bytes sent (%s)",
+            tag,
+            ref,
+            pushed.digest,
+            pushed.bytes_uploaded,
+            pushed.bytes_total,
+            pushed.encoding,
+        )
         return PushResult(ref=str(ref), **vars(pushed))
 
     def _push_closing(self, registry: PushTarget, *args: Any) -> Pushed:
@@ -198,13 +210,18 @@ class SnapshotTransfer:
         scratch = self.root / f".{row.tag}.partial-push-{secrets.token_hex(3)}"
         try:
             scratch.mkdir(mode=0o700)
-            disks = tuple(volume_files.raw_disk(att, scratch, i)
-                          for i, att in enumerate(files.meta.volumes))  # fmt: skip
+            disks = tuple(
+                volume_files.raw_disk(att, scratch, i) for i, att in enumerate(files.meta.volumes)
+            )
             config["volumes"] = [
-                {"name": att.name, "path": att.path, "readonly": att.readonly,
-                 "size_bytes": disk.stat().st_size}
+                {
+                    "name": att.name,
+                    "path": att.path,
+                    "readonly": att.readonly,
+                    "size_bytes": disk.stat().st_size,
+                }
                 for att, disk in zip(files.meta.volumes, disks, strict=True)
-            ]  # fmt: skip
+            ]
             pushed = push.push(
                 files, image_dir, config, registry, reference_, base, log.debug, disks
             )
@@ -300,8 +317,14 @@ class SnapshotTransfer:
         self._receiving += 1
         try:
             with path.open("xb") as out:
-                await receive_to(body, out, self.fleet.settings.max_image_bytes, meter,
-                                 ARCHIVE, "--max-image-mib")  # fmt: skip
+                await receive_to(
+                    body,
+                    out,
+                    self.fleet.settings.max_image_bytes,
+                    meter,
+                    ARCHIVE,
+                    "--max-image-mib",
+                )
         except BaseException as exc:
             path.unlink(missing_ok=True)
             if isinstance(exc, OSError):
@@ -380,9 +403,15 @@ class SnapshotTransfer:
             plan = await self._in_thread(self._check, remote)
             handed = True
             fetched = await self._in_thread(
-                self._pull_sync, registry, ref, remote, tag, plan, req.metadata,
+                self._pull_sync,
+                registry,
+                ref,
+                remote,
+                tag,
+                plan,
+                req.metadata,
                 then=held.close,
-            )  # fmt: skip
+            )
         finally:
             if not handed:
                 held.close()
@@ -457,8 +486,9 @@ class SnapshotTransfer:
                 raise UpstreamError(f"pulling {remote.where} failed: {exc}") from exc
             raise
         assert files.meta.id is not None
-        self.fleet.store.record_digest(files.meta.id, f"{ref.registry}/{ref.repository}",
-                                       remote.digest)  # fmt: skip
+        self.fleet.store.record_digest(
+            files.meta.id, f"{ref.registry}/{ref.repository}", remote.digest
+        )
         return downloads.bytes
 
     def _write(
@@ -474,9 +504,12 @@ class SnapshotTransfer:
         image_dir = plan.image_dir
         if image_dir is None:
             image_dir = image_files.install(
-                paths.images_dir(), remote.config, plan.image_pieces, downloads.fetch,
+                paths.images_dir(),
+                remote.config,
+                plan.image_pieces,
+                downloads.fetch,
                 plan.image_meta,
-            )  # fmt: skip
+            )
             made.images.append(image_dir)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
         fd = os.open(staging / snapshot_files.VMSTATE, flags, 0o600)

@@ -154,8 +154,12 @@ class SnapshotService:
         setup = [*(defaults.get("setup") or []), *req.setup]
         warmups = [w for w in (defaults.get("warmup"), req.warmup) if w]
         attach = self.volumes.attach_for_boot(req.volumes)
-        self.fleet.events.publish("snapshot_progress", snapshot_tag=req.tag, step="boot",
-                                  message=f"booting image {img.name}")  # fmt: skip
+        self.fleet.events.publish(
+            "snapshot_progress",
+            snapshot_tag=req.tag,
+            step="boot",
+            message=f"booting image {img.name}",
+        )
         try:
             template = await self.fleet.driver.boot(
                 img,
@@ -178,14 +182,16 @@ class SnapshotService:
 
         def progress(step: str, message: str, output: str = "") -> None:
             fields = {"output": output} if output else {}
-            events.publish("snapshot_progress", snapshot_tag=req.tag, step=step,
-                           message=message, **fields)  # fmt: skip
+            events.publish(
+                "snapshot_progress", snapshot_tag=req.tag, step=step, message=message, **fields
+            )
 
         try:
             ca = self.fleet.egress_ca if self.fleet.network.egress is not None else None
             await template_start.configure(template, img, req, ca.pem if ca else None)
-            progress("setup", f"booted; running {len(setup)} setup command(s), "
-                     f"{len(warmups)} warm-up(s)")  # fmt: skip
+            progress(
+                "setup", f"booted; running {len(setup)} setup command(s), {len(warmups)} warm-up(s)"
+            )
             await self._prepare(template, setup, warmups)
             said = await template_start.start(
                 template, img, req, lambda message, output: progress("start", message, output)

@@ -78,15 +78,24 @@ def readiness(req: SnapshotCreate, exposed: tuple[str, ...]) -> tuple[int | None
         return req.ready_port, f"waited for port {req.ready_port} to listen"
     if req.ready_cmd is not None:
         return None, f"waited for {req.ready_cmd!r} to exit 0"
-    tcp = sorted({port for port, proto in map(_port_and_protocol, exposed)
-                  if port is not None and proto == "tcp"})  # fmt: skip
+    tcp = sorted(
+        {
+            port
+            for port, proto in map(_port_and_protocol, exposed)
+            if port is not None and proto == "tcp"
+        }
+    )
     if len(tcp) == 1:
-        return tcp[0], (f"waited for port {tcp[0]} to listen (the image's one exposed port; "
-                        "ready_port or ready_cmd says otherwise)")  # fmt: skip
+        return tcp[0], (
+            f"waited for port {tcp[0]} to listen (the image's one exposed port; "
+            "ready_port or ready_cmd says otherwise)"
+        )
     which = f"it exposes {', '.join(map(str, tcp))}" if tcp else "it exposes no port"
-    return None, (f"waited for nothing: {which}; the snapshot was taken once the command "
-                  "had started. Give ready_port (--ready-port) or ready_cmd (--ready-cmd) "
-                  "to snapshot it ready")  # fmt: skip
+    return None, (
+        f"waited for nothing: {which}; the snapshot was taken once the command "
+        "had started. Give ready_port (--ready-port) or ready_cmd (--ready-cmd) "
+        "to snapshot it ready"
+    )
 
 
 def _port_and_protocol(exposed: str) -> tuple[int | None, str]:
@@ -120,8 +129,13 @@ async def start(
     pid = int(proc["pid"])
     began = time.monotonic()
     deadline = began + req.ready_timeout_secs
-    waiting = (f"port {port} to listen" if port is not None else f"{req.ready_cmd!r} to exit 0"
-               if req.ready_cmd is not None else "nothing")  # fmt: skip
+    waiting = (
+        f"port {port} to listen"
+        if port is not None
+        else f"{req.ready_cmd!r} to exit 0"
+        if req.ready_cmd is not None
+        else "nothing"
+    )
     reported = 0.0
     while True:
         now = time.monotonic()
@@ -129,8 +143,11 @@ async def start(
             reported = now
             tail = await _output_tail(template, pid)
             last = tail.splitlines()[-1] if tail.strip() and tail != "(none)" else ""
-            report(f"started {argv[0]}; waiting for {waiting} ({now - began:.0f} s of "
-                   f"{req.ready_timeout_secs:g}, --ready-timeout)", last)  # fmt: skip
+            report(
+                f"started {argv[0]}; waiting for {waiting} ({now - began:.0f} s of "
+                f"{req.ready_timeout_secs:g}, --ready-timeout)",
+                last,
+            )
         info = await template.proc_info(pid)
         if not info["running"]:
             tail = await _output_tail(template, pid)
@@ -143,10 +160,12 @@ async def start(
         if time.monotonic() >= deadline:
             tail = await _output_tail(template, pid)
             what = (
-                f"port {req.ready_port} did not listen" if req.ready_port is not None
-                else f"{req.ready_cmd!r} did not exit 0" if req.ready_cmd is not None
+                f"port {req.ready_port} did not listen"
+                if req.ready_port is not None
+                else f"{req.ready_cmd!r} did not exit 0"
+                if req.ready_cmd is not None
                 else "it did not stay up"
-            )  # fmt: skip
+            )
             raise TemplateSetupFailed(
                 f"the image's command {argv!r} was not ready within "
                 f"{req.ready_timeout_secs:g} s ({what}; ready_timeout_secs, --ready-timeout, "

@@ -108,12 +108,16 @@ class TerminalService:
             try:
                 raw = await processes.sandboxes.guest(
                     sandbox_id,
-                    lambda vm: vm.proc_read(pid, offset, wait_s=FOLLOW_WAIT_SECS,
-                                            max_bytes=READ_BYTES,
-                                            min_bytes=READ_BYTES if linger else 1,
-                                            linger_s=linger),
+                    lambda vm: vm.proc_read(
+                        pid,
+                        offset,
+                        wait_s=FOLLOW_WAIT_SECS,
+                        max_bytes=READ_BYTES,
+                        min_bytes=READ_BYTES if linger else 1,
+                        linger_s=linger,
+                    ),
                     wake=False,
-                )  # fmt: skip
+                )
             except ForkdError:
                 if not processes.asleep_since(sandbox_id, pauses):
                     raise

@@ -30,8 +30,11 @@ def image_file_names(machine: MachineConfig) -> tuple[str, ...]:
     """The image files a snapshot's machine boots from, by their names in its image
     directory (where a push reads them); :class:`Conflict` when one lies elsewhere."""
     image_dir = machine.rootfs.parent
-    named = {"vmlinuz": machine.vmlinuz, "initrd.img": machine.initrd,
-             "rootfs.sqfs": machine.rootfs}  # fmt: skip
+    named = {
+        "vmlinuz": machine.vmlinuz,
+        "initrd.img": machine.initrd,
+        "rootfs.sqfs": machine.rootfs,
+    }
     if machine.runtime is not None:
         named[artifact.RUNTIME_FILE] = machine.runtime
     for name, path in named.items():
@@ -83,14 +86,19 @@ def pulled_meta(
     name, key = image_files.image_dir_name(remote.config)
     carried = artifact.image_file_names(remote.config)
     try:
-        machine = MachineConfig.from_json({
-            **{k: v for k, v in conf.items() if k not in HOST_PATHS},
-            "vmlinuz": str(image_dir / "vmlinuz"),
-            "initrd": str(image_dir / "initrd.img"),
-            "rootfs": str(image_dir / "rootfs.sqfs"),
-            "runtime": (str(image_dir / artifact.RUNTIME_FILE)
-                        if artifact.RUNTIME_FILE in carried else None),
-        })  # fmt: skip
+        machine = MachineConfig.from_json(
+            {
+                **{k: v for k, v in conf.items() if k not in HOST_PATHS},
+                "vmlinuz": str(image_dir / "vmlinuz"),
+                "initrd": str(image_dir / "initrd.img"),
+                "rootfs": str(image_dir / "rootfs.sqfs"),
+                "runtime": (
+                    str(image_dir / artifact.RUNTIME_FILE)
+                    if artifact.RUNTIME_FILE in carried
+                    else None
+                ),
+            }
+        )
         return SnapshotMeta(
             machine=machine,
             image=ImageRef(name, key, str(image_dir)),

@@ -51,11 +51,18 @@ class WorkspaceService:
                 name, req.snapshot_tag, req.per_child_netns, req.memory_limit_mib
             )
             t = now()
-            store.add_workspace(WorkspaceRow(
-                name=name, id=f"ws-{sandbox_id}", source_snapshot_tag=req.snapshot_tag,
-                sandbox_id=sandbox_id, created_at_unix=t, last_active_unix=t,
-                per_child_netns=req.per_child_netns, memory_limit_mib=req.memory_limit_mib,
-            ))  # fmt: skip
+            store.add_workspace(
+                WorkspaceRow(
+                    name=name,
+                    id=f"ws-{sandbox_id}",
+                    source_snapshot_tag=req.snapshot_tag,
+                    sandbox_id=sandbox_id,
+                    created_at_unix=t,
+                    last_active_unix=t,
+                    per_child_netns=req.per_child_netns,
+                    memory_limit_mib=req.memory_limit_mib,
+                )
+            )
         finally:
             self._creating.discard(name)
         return self.info(name)
@@ -99,9 +106,12 @@ class WorkspaceService:
         self, name: str, tag: str, per_child_netns: bool, memory_limit_mib: int | None
     ) -> str:
         req = SandboxCreate(
-            snapshot_tag=tag, n=1, per_child_netns=per_child_netns,
-            memory_limit_mib=memory_limit_mib, metadata={WORKSPACE_LABEL: name},
-        )  # fmt: skip
+            snapshot_tag=tag,
+            n=1,
+            per_child_netns=per_child_netns,
+            memory_limit_mib=memory_limit_mib,
+            metadata={WORKSPACE_LABEL: name},
+        )
         (made,) = await self.sandboxes.create(req)
         return made.id
 
@@ -120,9 +130,12 @@ class WorkspaceService:
     def _info(self, row: WorkspaceRow) -> WorkspaceInfo:
         status = self._status(row)
         return WorkspaceInfo(
-            id=row.id, name=row.name, source_snapshot_tag=row.source_snapshot_tag,
+            id=row.id,
+            name=row.name,
+            source_snapshot_tag=row.source_snapshot_tag,
             status=status,
             live_sandbox_id=row.sandbox_id if status == "running" else None,
             sandbox_id=row.sandbox_id if status != "stale" else None,
-            created_at_unix=row.created_at_unix, last_active_unix=row.last_active_unix,
-        )  # fmt: skip
+            created_at_unix=row.created_at_unix,
+            last_active_unix=row.last_active_unix,
+        )

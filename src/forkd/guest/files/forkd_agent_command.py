@@ -37,8 +37,9 @@ def set_seed(seed: int) -> None:
     """Every command started from now on gets ``seed`` (see :data:`SEED_ENV`)."""
     path = IMAGE_DEFAULTS.env.get("PYTHONPATH")
     SEED_ENV.clear()
-    SEED_ENV.update({"FORKD_SEED": str(seed),
-                     "PYTHONPATH": f"{SEED_DIR}:{path}" if path else SEED_DIR})  # fmt: skip
+    SEED_ENV.update(
+        {"FORKD_SEED": str(seed), "PYTHONPATH": f"{SEED_DIR}:{path}" if path else SEED_DIR}
+    )
 
 
 def set_image_defaults(defaults: forkd_identity.ImageDefaults) -> None:

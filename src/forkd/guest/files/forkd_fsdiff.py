@@ -94,8 +94,14 @@ def _opaque(path: str) -> bool:
 def _line(path: str, fields: list[Any]) -> bytes:
     kind, size, mode, mtime, target = fields
     link = "null" if target is None else _string(target)
-    return b'[%s,"%s",%d,%d,%d,%s]\n' % (_string(path).encode(), kind.encode(), size, mode,
-                                        mtime, link.encode())  # fmt: skip
+    return b'[%s,"%s",%d,%d,%d,%s]\n' % (
+        _string(path).encode(),
+        kind.encode(),
+        size,
+        mode,
+        mtime,
+        link.encode(),
+    )
 
 
 class Walk:

@@ -110,11 +110,33 @@ class FindWalk:
         top = self.walk.upper + self.walk.path
         marks_r, marks_w = os.pipe()
         # /proc, not /dev/fd: a guest's devtmpfs has no /dev/fd link
-        argv = [self.find, top, "-mindepth", "1", "(", "-type", "d", "-o", "-type", "c", ")",
-                "-fprintf", f"/proc/self/fd/{marks_w}", MARKS, ",", "-printf", FORMAT]  # fmt: skip
+        argv = [
+            self.find,
+            top,
+            "-mindepth",
+            "1",
+            "(",
+            "-type",
+            "d",
+            "-o",
+            "-type",
+            "c",
+            ")",
+            "-fprintf",
+            f"/proc/self/fd/{marks_w}",
+            MARKS,
+            ",",
+            "-printf",
+            FORMAT,
+        ]
         try:
-            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, pass_fds=(marks_w,))  # fmt: skip
+            proc = subprocess.Popen(
+                argv,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                stdin=subprocess.DEVNULL,
+                pass_fds=(marks_w,),
+            )
         finally:
             os.close(marks_w)
         assert proc.stdout is not None and proc.stderr is not None

@@ -41,8 +41,11 @@ def _cpu() -> wire.CpuFigures:
         fields = [int(x) for x in f.readline().split()[1:]]
     hz = os.sysconf("SC_CLK_TCK")
     idle = sum(fields[3:5])  # idle, iowait
-    return {"busy_s": (sum(fields[:8]) - idle) / hz, "idle_s": idle / hz,
-            "count": os.cpu_count() or 1}  # fmt: skip
+    return {
+        "busy_s": (sum(fields[:8]) - idle) / hz,
+        "idle_s": idle / hz,
+        "count": os.cpu_count() or 1,
+    }
 
 
 def _memory() -> wire.Space:

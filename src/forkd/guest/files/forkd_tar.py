@@ -18,8 +18,15 @@ from forkd.archive import DATA, ArchiveTooLarge, BadArchive, Limits, UnsafeEntry
 # The names the agent's answers have carried ("kind"), kept for its callers.
 BadArchiveError = BadArchive
 UnsafeArchiveError = UnsafeEntry
-__all__ = ["ArchiveTooLarge", "BadArchiveError", "UnsafeArchiveError", "extract_tar", "write_all",
-           "write_paths_tar", "write_tar"]  # fmt: skip
+__all__ = [
+    "ArchiveTooLarge",
+    "BadArchiveError",
+    "UnsafeArchiveError",
+    "extract_tar",
+    "write_all",
+    "write_paths_tar",
+    "write_tar",
+]
 
 
 def write_all(fd: int, data: bytes | bytearray) -> None:

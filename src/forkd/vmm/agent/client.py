@@ -48,8 +48,18 @@ LINE_BURST_SECS = 0.1  # lines handled without a pause: 0.1 s of the rate, ~0.5 
 ERROR_TEXT_MAX_CHARS = 4096  # of a guest's error message, kept for the caller and the log
 
 RAW_OPS = frozenset({"proc_read", "file_read_range", "file_tar_read"})  # ask for raw bytes
-SMALL_ANSWER_OPS = frozenset({"ping", "restore", "configure", "proc_signal", "proc_resize",
-                              "eval_interrupt", "file_remove", "file_transfer_abort"})  # fmt: skip
+SMALL_ANSWER_OPS = frozenset(
+    {
+        "ping",
+        "restore",
+        "configure",
+        "proc_signal",
+        "proc_resize",
+        "eval_interrupt",
+        "file_remove",
+        "file_transfer_abort",
+    }
+)
 # The one event there is, matched whole: no guest line is JSON-parsed unasked.
 _STARTED = re.compile(rb'\s*\{\s*"event"\s*:\s*"started"\s*,\s*"pid"\s*:\s*(\d{1,10})\s*\}\s*')
 
@@ -122,9 +132,10 @@ class AgentClient:
             lines, max(1.0, lines * LINE_BURST_SECS), min_pause=MIN_PAUSE_SECS
         )
         self._bytes = TokenBucket(
-            limits.AGENT_READ_BYTES_PER_SEC, limits.AGENT_READ_BYTES_PER_SEC,
+            limits.AGENT_READ_BYTES_PER_SEC,
+            limits.AGENT_READ_BYTES_PER_SEC,
             min_pause=MIN_PAUSE_SECS,
-        )  # fmt: skip
+        )
         self.dropped_lines = 0  # unsolicited, broken or over their cap: dropped unparsed
 
     @property

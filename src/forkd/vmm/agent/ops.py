@@ -237,17 +237,28 @@ class GuestOps:
         return await self._ask(wire.PROC_INFO({"pid": pid}))
 
     async def proc_read(
-        self, pid: int, offset: int, *, wait_s: float = 0.0, max_bytes: int = PROC_READ_MAX_BYTES,
-        min_bytes: int = 1, linger_s: float = 0.0,
-    ) -> wire.ProcReadAnswer:  # fmt: skip
+        self,
+        pid: int,
+        offset: int,
+        *,
+        wait_s: float = 0.0,
+        max_bytes: int = PROC_READ_MAX_BYTES,
+        min_bytes: int = 1,
+        linger_s: float = 0.0,
+    ) -> wire.ProcReadAnswer:
         """Output after ``offset``, waiting up to ``wait_s`` for some, then up to
         ``linger_s`` more for ``min_bytes`` in all. The bytes come raw after the
         answer (``raw``; chunks give their ``size``), or, from an agent older than
         that, as base64 in each chunk's ``data``."""
         params: wire.ProcReadParams = {
-            "pid": pid, "offset": offset, "wait_s": wait_s, "max_bytes": max_bytes,
-            "min_bytes": min_bytes, "linger_s": linger_s, "raw": True,
-        }  # fmt: skip
+            "pid": pid,
+            "offset": offset,
+            "wait_s": wait_s,
+            "max_bytes": max_bytes,
+            "min_bytes": min_bytes,
+            "linger_s": linger_s,
+            "raw": True,
+        }
         wait = wait_s + linger_s + EXEC_WAIT_MARGIN_SECS
         return await self._ask(wire.PROC_READ(params), wait=wait)
 
@@ -258,9 +269,10 @@ class GuestOps:
         written = 0
         for i, piece in enumerate(pieces):
             params: wire.ProcStdinParams = {
-                "pid": pid, "data": base64.b64encode(piece).decode(),
+                "pid": pid,
+                "data": base64.b64encode(piece).decode(),
                 "eof": eof and i == len(pieces) - 1,
-            }  # fmt: skip
+            }
             written += (await self._ask(wire.PROC_STDIN(params)))["written"]
         return written
 

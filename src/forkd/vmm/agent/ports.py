@@ -67,5 +67,7 @@ class GuestPorts:
             )
             if not str(said).strip():  # HMP says nothing when it worked
                 return host_port
-        raise VMError(f"QEMU of {self.id} could not forward a host port to guest port "
-                      f"{port}: {str(said).strip()}")  # fmt: skip
+        raise VMError(
+            f"QEMU of {self.id} could not forward a host port to guest port "
+            f"{port}: {str(said).strip()}"
+        )

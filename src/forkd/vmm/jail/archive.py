@@ -74,19 +74,32 @@ def _in_child(content: Path | bytes, tree: Path, limits: Limits, uid: int, gid: 
         os.fchown(root, uid, gid)
         os.fchmod(root, 0o700)
         argv = [
-            sys.executable, "-m", "forkd.archive.confined", "--root-fd", str(root),
-            "--uid", str(uid), "--gid", str(gid),
-            "--max-entries", str(limits.max_entries), "--max-bytes", str(limits.max_bytes),
-            "--max-header-bytes", str(limits.max_header_bytes),
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "forkd.archive.confined",
+            "--root-fd",
+            str(root),
+            "--uid",
+            str(uid),
+            "--gid",
+            str(gid),
+            "--max-entries",
+            str(limits.max_entries),
+            "--max-bytes",
+            str(limits.max_bytes),
+            "--max-header-bytes",
+            str(limits.max_header_bytes),
+        ]
         try:
             if isinstance(content, bytes):
-                proc = subprocess.run(argv, input=content, capture_output=True,
-                                      pass_fds=(root,), check=False)  # fmt: skip
+                proc = subprocess.run(
+                    argv, input=content, capture_output=True, pass_fds=(root,), check=False
+                )
             else:
                 with content.open("rb") as source:
-                    proc = subprocess.run(argv, stdin=source, capture_output=True,
-                                          pass_fds=(root,), check=False)  # fmt: skip
+                    proc = subprocess.run(
+                        argv, stdin=source, capture_output=True, pass_fds=(root,), check=False
+                    )
             return _answer(proc)
         finally:
             _give_back_to_root(root)

@@ -196,13 +196,15 @@ class Hierarchy:
 
     def names(self, prefixes: tuple[str, ...]) -> list[str]:
         """The groups whose names start with one of ``prefixes``."""
-        return sorted({
-            d.name
-            for parent in self.parent_dirs()
-            if parent.is_dir()
-            for d in parent.iterdir()
-            if d.is_dir() and d.name.startswith(prefixes)
-        })  # fmt: skip
+        return sorted(
+            {
+                d.name
+                for parent in self.parent_dirs()
+                if parent.is_dir()
+                for d in parent.iterdir()
+                if d.is_dir() and d.name.startswith(prefixes)
+            }
+        )
 
     def _dirs_of(self, name: str) -> tuple[Path, ...]:
         return tuple(p / name for p in self.parent_dirs() if (p / name).is_dir())

@@ -35,9 +35,20 @@ MAX_TRANSFORM_HEADERS = 16
 MAX_HEADER_NAME_CHARS = 128
 MAX_HEADER_VALUE_CHARS = 8192
 # Headers that say where a request goes or how it is framed: never set by a rule.
-FRAMING_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection",
-                             "upgrade", "te", "trailer", "keep-alive", "proxy-connection",
-                             "proxy-authorization"})  # fmt: skip
+FRAMING_HEADERS = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "upgrade",
+        "te",
+        "trailer",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+    }
+)
 
 # Never reachable unless an allow entry names (a part of) them; the host and
 # the other sandboxes are dropped by the host's own rules in any case.
@@ -82,8 +93,9 @@ class Egress:
         object.__setattr__(
             self, "_deny", tuple(parse_destinations(list(self.deny), limit=MAX_ALLOW_ENTRIES))
         )
-        object.__setattr__(self, "_rule_hosts", tuple(parse_destinations([h])[0]
-                                                      for h, _ in self.rules))  # fmt: skip
+        object.__setattr__(
+            self, "_rule_hosts", tuple(parse_destinations([h])[0] for h, _ in self.rules)
+        )
 
     @classmethod
     def parse(cls, value: Any) -> Egress:
@@ -235,23 +247,36 @@ def _rule_host(host: Any) -> str:
 
 def _rule(host: str, rule: Any) -> HeaderRule:
     headers = rule.get("transform", {}).get("headers") if isinstance(rule, dict) else None
-    if (not isinstance(rule, dict) or set(rule) != {"transform"}
-            or not isinstance(rule["transform"], dict) or set(rule["transform"]) != {"headers"}
-            or not isinstance(headers, dict) or not headers
-            or len(headers) > MAX_TRANSFORM_HEADERS):  # fmt: skip
+    if (
+        not isinstance(rule, dict)
+        or set(rule) != {"transform"}
+        or not isinstance(rule["transform"], dict)
+        or set(rule["transform"]) != {"headers"}
+        or not isinstance(headers, dict)
+        or not headers
+        or len(headers) > MAX_TRANSFORM_HEADERS
+    ):
         raise Invalid(
             f"rules[{host!r}]: each rule is {{'transform': {{'headers': {{NAME: VALUE}}}}}} "
             f"with 1-{MAX_TRANSFORM_HEADERS} headers"
         )
     for name, text in headers.items():
-        if not (isinstance(name, str) and 0 < len(name) <= MAX_HEADER_NAME_CHARS
-                and all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name)):  # fmt: skip
+        if not (
+            isinstance(name, str)
+            and 0 < len(name) <= MAX_HEADER_NAME_CHARS
+            and all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in name)
+        ):
             raise Invalid(f"rules[{host!r}]: {_shown(name)} is no HTTP header name")
-        if not (isinstance(text, str) and len(text) <= MAX_HEADER_VALUE_CHARS
-                and all(" " <= c <= "~" or c == "\t" for c in text)
-                and text == text.strip(" \t")):  # fmt: skip
-            raise Invalid(f"rules[{host!r}]: the value of {name} must be visible ASCII, with no "
-                          "space or tab at either end")  # fmt: skip
+        if not (
+            isinstance(text, str)
+            and len(text) <= MAX_HEADER_VALUE_CHARS
+            and all(" " <= c <= "~" or c == "\t" for c in text)
+            and text == text.strip(" \t")
+        ):
+            raise Invalid(
+                f"rules[{host!r}]: the value of {name} must be visible ASCII, with no "
+                "space or tab at either end"
+            )
         if name.lower() in FRAMING_HEADERS:
             raise Invalid(f"rules[{host!r}]: {name} is the proxy's to send, not a rule's")
     return HeaderRule(tuple(headers.items()))
@@ -260,8 +285,11 @@ def _rule(host: str, rule: Any) -> HeaderRule:
 def requested(egress: Any, internet: bool | None, network: Any = None) -> Egress | None:
     """The policy a request asks for (``network``, ``egress``, or the older ``internet``);
     None: the default."""
-    given = [n for n, v in (("network", network), ("egress", egress), ("internet", internet))
-             if v is not None]  # fmt: skip
+    given = [
+        n
+        for n, v in (("network", network), ("egress", egress), ("internet", internet))
+        if v is not None
+    ]
     if len(given) > 1:
         raise Invalid(f"give one of 'network', 'egress' or 'internet', not {' and '.join(given)}")
     if network is not None:

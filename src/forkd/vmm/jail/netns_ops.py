@@ -90,8 +90,10 @@ def create(name: str) -> None:
 
     def make() -> None:
         _check(_libc.unshare(CLONE_NEWNET), "unshare(CLONE_NEWNET)")
-        _check(_libc.mount(b"/proc/thread-self/ns/net", bytes(path), b"none", MS_BIND, None),
-               f"binding namespace {name}")  # fmt: skip
+        _check(
+            _libc.mount(b"/proc/thread-self/ns/net", bytes(path), b"none", MS_BIND, None),
+            f"binding namespace {name}",
+        )
 
     try:
         on_thread(make)

@@ -110,13 +110,18 @@ class SandboxNet:
         return f"{self.ns_ip}:{AGENT_PORT}"
 
     def to_json(self) -> dict[str, str]:
-        return {"netns": self.netns, "host_if": self.host_if, "host_ip": self.host_ip,
-                "ns_ip": self.ns_ip}  # fmt: skip
+        return {
+            "netns": self.netns,
+            "host_if": self.host_if,
+            "host_ip": self.host_ip,
+            "ns_ip": self.ns_ip,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> SandboxNet:
-        return cls(str(data["netns"]), str(data["host_if"]), str(data["host_ip"]),
-                   str(data["ns_ip"]))  # fmt: skip
+        return cls(
+            str(data["netns"]), str(data["host_if"]), str(data["host_ip"]), str(data["ns_ip"])
+        )
 
 
 def _load_rules(ruleset: str, where: str, *, inside: bool) -> None:
@@ -294,9 +299,12 @@ def _filters(proxy_port: int | None) -> list[str]:
 
 
 def _egress_chain(
-    egress: Egress, dns: str | None, host_nets: list[ipaddress.IPv4Network] | None,
-    *, proxied: bool,
-) -> list[str]:  # fmt: skip
+    egress: Egress,
+    dns: str | None,
+    host_nets: list[ipaddress.IPv4Network] | None,
+    *,
+    proxied: bool,
+) -> list[str]:
     """What the guest's forwarded packets may reach: DNS, and without the proxy what the
     policy allows by address."""
     allowed = egress.resolve() if egress.mode == "allow" and not proxied else []
@@ -329,14 +337,20 @@ def inside_clients_ruleset(ns_ip: str) -> str:
     guest's traffic enters through the tap and never meets this hook, so it opens
     nothing to the guest.
     """
-    return "\n".join([
-        "table ip forkd {",
-        "  chain output {",
-        "    type nat hook output priority -100; policy accept;",  # dstnat, by number for nft 1.0
-        f"    ip daddr {ns_ip} meta l4proto tcp dnat to {GUEST_IP}",
-        "  }",
-        "}",
-    ]) + "\n"  # fmt: skip
+    return (
+        "\n".join(
+            [
+                "table ip forkd {",
+                "  chain output {",
+                # -100 is dstnat's priority, given by number for nft 1.0
+                "    type nat hook output priority -100; policy accept;",
+                f"    ip daddr {ns_ip} meta l4proto tcp dnat to {GUEST_IP}",
+                "  }",
+                "}",
+            ]
+        )
+        + "\n"
+    )
 
 
 def host_ruleset(cidr: str, daemon_uid: int = 0) -> str:
@@ -374,8 +388,9 @@ table ip {HOST_TABLE} {{
 class EgressListener(Protocol):
     """What serves a namespace's guest connections (the daemon's egress proxy)."""
 
-    async def attach(self, net: SandboxNet, vm_id: str, policy: Egress,
-                     host_nets: list[ipaddress.IPv4Network]) -> None: ...  # fmt: skip
+    async def attach(
+        self, net: SandboxNet, vm_id: str, policy: Egress, host_nets: list[ipaddress.IPv4Network]
+    ) -> None: ...
 
     def release(self, netns: str) -> None: ...
 
@@ -479,8 +494,12 @@ class HostNetwork:
                 remove_namespace(name)  # a leftover of a crash: this id is ours
                 netns_ops.create(name)
                 with IPRoute() as ipr:
-                    ipr.link("add", ifname=net.host_if, kind="veth",
-                             peer={"ifname": NS_VETH, "net_ns_fd": name})  # fmt: skip
+                    ipr.link(
+                        "add",
+                        ifname=net.host_if,
+                        kind="veth",
+                        peer={"ifname": NS_VETH, "net_ns_fd": name},
+                    )
                     idx = ipr.link_lookup(ifname=net.host_if)[0]
                     ipr.addr("add", index=idx, address=host_ip, prefixlen=30)
                     ipr.link("set", index=idx, state="up")

@@ -206,8 +206,14 @@ class RuntimePaths:
 # gratuitous ARPs and IPv6 neighbour adverts, so switches learn the VM moved.
 # A fork's link is new and point to point: nobody needs them, and under TCG
 # they cost each fork about 1,200 freshly translated blocks.
-_INCOMING_ARGS = ("-incoming", "defer", "-global", "migration.send-configuration=off",
-                  "-global", "migration.announce-rounds=0")  # fmt: skip
+_INCOMING_ARGS = (
+    "-incoming",
+    "defer",
+    "-global",
+    "migration.send-configuration=off",
+    "-global",
+    "migration.announce-rounds=0",
+)
 
 
 def build_argv(
@@ -255,11 +261,18 @@ def _machine_args(
     mem = f"{cfg.memory_mib}M"
     return [
         QEMU_BINARY,
-        "-name", f"forkd-{rt.dir.name}",
-        "-machine", f"microvm,memory-backend=mem,suppress-vmdesc=on{'' if cfg.pit else ',pit=off'}",
-        "-m", mem,
-        "-smp", str(cfg.vcpus),
-        "-nodefaults", "-no-user-config", "-nographic", "-no-reboot",
+        "-name",
+        f"forkd-{rt.dir.name}",
+        "-machine",
+        f"microvm,memory-backend=mem,suppress-vmdesc=on{'' if cfg.pit else ',pit=off'}",
+        "-m",
+        mem,
+        "-smp",
+        str(cfg.vcpus),
+        "-nodefaults",
+        "-no-user-config",
+        "-nographic",
+        "-no-reboot",
         # RAM is a private mapping of a file: a restored VM shares every page
         # of its snapshot it has not written, and never writes the file.
         "-object",
@@ -269,23 +282,45 @@ def _machine_args(
         # 1 MiB ring (read with QMP ringbuf-read), so no guest can fill the
         # host's disk through its serial port. The backend is not part of
         # the saved state, so both fit one snapshot.
-        "-chardev", (f"ringbuf,id=console,size={CONSOLE_RING_BYTES}" if incoming
-                     else f"file,id=console,path={_opt(rt.console)}"),
-        "-serial", "chardev:console",
-        "-drive", f"file={_opt(cfg.rootfs)},format=raw,if=none,id=root,readonly=on",
-        "-device", "virtio-blk-device,drive=root,serial=forkd-root",
-        *(() if cfg.runtime is None else (
-            "-drive", f"file={_opt(cfg.runtime)},format=raw,if=none,id=runtime,readonly=on",
-            "-device", "virtio-blk-device,drive=runtime,serial=forkd-runtime")),
-        "-device", "virtio-serial-device",
-        "-chardev", f"socket,id={AGENT_CHARDEV},path={_opt(rt.agent)},server=on,wait=off",
-        "-device", f"virtserialport,chardev={AGENT_CHARDEV},name=agent",
-        "-object", "rng-random,id=rng,filename=/dev/urandom",
-        "-device", "virtio-rng-device,rng=rng",
-        "-netdev", _netdev(cfg, tap),
-        "-device", f"virtio-net-device,netdev={NETDEV_ID}",
-        "-qmp", f"unix:{_opt(rt.qmp)},server=on,wait=off",
-    ]  # fmt: skip
+        "-chardev",
+        (
+            f"ringbuf,id=console,size={CONSOLE_RING_BYTES}"
+            if incoming
+            else f"file,id=console,path={_opt(rt.console)}"
+        ),
+        "-serial",
+        "chardev:console",
+        "-drive",
+        f"file={_opt(cfg.rootfs)},format=raw,if=none,id=root,readonly=on",
+        "-device",
+        "virtio-blk-device,drive=root,serial=forkd-root",
+        *(
+            ()
+            if cfg.runtime is None
+            else (
+                "-drive",
+                f"file={_opt(cfg.runtime)},format=raw,if=none,id=runtime,readonly=on",
+                "-device",
+                "virtio-blk-device,drive=runtime,serial=forkd-runtime",
+            )
+        ),
+        "-device",
+        "virtio-serial-device",
+        "-chardev",
+        f"socket,id={AGENT_CHARDEV},path={_opt(rt.agent)},server=on,wait=off",
+        "-device",
+        f"virtserialport,chardev={AGENT_CHARDEV},name=agent",
+        "-object",
+        "rng-random,id=rng,filename=/dev/urandom",
+        "-device",
+        "virtio-rng-device,rng=rng",
+        "-netdev",
+        _netdev(cfg, tap),
+        "-device",
+        f"virtio-net-device,netdev={NETDEV_ID}",
+        "-qmp",
+        f"unix:{_opt(rt.qmp)},server=on,wait=off",
+    ]
 
 
 def _volume_args(
@@ -300,13 +335,19 @@ def _volume_args(
         if layer_fds and i in layer_fds:
             fdset = layer_fdset(i)
             ro_fd, rw_fd = layer_fds[i]
-            argv += ["-add-fd", f"fd={ro_fd},set={fdset},opaque={FD_READ_ONLY}",
-                     "-add-fd", f"fd={rw_fd},set={fdset},opaque={FD_READ_WRITE}"]  # fmt: skip
+            argv += [
+                "-add-fd",
+                f"fd={ro_fd},set={fdset},opaque={FD_READ_ONLY}",
+                "-add-fd",
+                f"fd={rw_fd},set={fdset},opaque={FD_READ_WRITE}",
+            ]
             top = f"/dev/fdset/{fdset}"
         argv += [
-            "-drive", f"file={top},format={vol.format},if=none,id=vol{i},readonly={ro}",
-            "-device", f"virtio-blk-device,drive=vol{i},serial=forkd-vol{i}",
-        ]  # fmt: skip
+            "-drive",
+            f"file={top},format={vol.format},if=none,id=vol{i},readonly={ro}",
+            "-device",
+            f"virtio-blk-device,drive=vol{i},serial=forkd-vol{i}",
+        ]
     return argv
 
 

@@ -138,8 +138,12 @@ def _wrapped(
         if drop:
             command = [setpriv, "--no-new-privs", "--inh-caps", RUNAS_CAPS, "--", *command]
     if netns is not None:
-        command = [hosttools.require("nsenter"), f"--net={network.NETNS_DIR / netns}", "--",
-                   *command]  # fmt: skip
+        command = [
+            hosttools.require("nsenter"),
+            f"--net={network.NETNS_DIR / netns}",
+            "--",
+            *command,
+        ]
     if cgroup is not None:
         command = [hosttools.require("sh"), "-c", CGROUP_GATE, "forkd-cgroup-gate", *command]
     return command
@@ -175,8 +179,19 @@ def seccomp_problem() -> str | None:
         path = hosttools.require(QEMU_BINARY)
     except ForkdError as exc:
         return str(exc)
-    argv = [path, "-sandbox", SANDBOX, "-machine", "none", "-nodefaults", "-display", "none",
-            "-S", "-qmp", "stdio"]  # fmt: skip
+    argv = [
+        path,
+        "-sandbox",
+        SANDBOX,
+        "-machine",
+        "none",
+        "-nodefaults",
+        "-display",
+        "none",
+        "-S",
+        "-qmp",
+        "stdio",
+    ]
     quit_cmds = b'{"execute": "qmp_capabilities"}\n{"execute": "quit"}\n'
     try:
         out = subprocess.run(argv, input=quit_cmds, capture_output=True, timeout=30, check=False)
@@ -254,13 +269,28 @@ async def start_qemu(spec: LaunchSpec, undo: contextlib.AsyncExitStack) -> Launc
         # (10.0.2.2 is the host), so no egress at all, whatever the policy.
         machine = dataclasses.replace(machine, internet=False)
     with _layer_fds(spec.attach) as layer_fds:
-        argv = build_argv(machine, rt, ram_file=spec.ram_file, incoming=spec.incoming,
-                          volumes=spec.attach, tap=net is not None, sandbox=sandbox,
-                          runas=uid.runas if uid else None, layer_fds=layer_fds)  # fmt: skip
+        argv = build_argv(
+            machine,
+            rt,
+            ram_file=spec.ram_file,
+            incoming=spec.incoming,
+            volumes=spec.attach,
+            tap=net is not None,
+            sandbox=sandbox,
+            runas=uid.runas if uid else None,
+            layer_fds=layer_fds,
+        )
         kept = [fd for pair in layer_fds.values() for fd in pair]
         try:
-            proc = spawn(argv, rt, spec.detach, netns=net.netns if net else None,
-                         cgroup=group, pass_fds=kept, uid=uid)  # fmt: skip
+            proc = spawn(
+                argv,
+                rt,
+                spec.detach,
+                netns=net.netns if net else None,
+                cgroup=group,
+                pass_fds=kept,
+                uid=uid,
+            )
         except subprocess.SubprocessError as exc:  # the child's setup failed
             raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
     undo.callback(_reap, proc)

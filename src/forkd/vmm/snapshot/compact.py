@@ -71,10 +71,15 @@ def compact_to(snap_dir: Path, dest: Path, labels: snapshot_files.SnapshotLabels
     staging = _staging_beside(dest)
     with _staged(staging, f"compacting {snap_dir.name} to {dest.name}"):
         meta = _write_full(
-            files, staging, id=snapshot_files.new_id(), tag=labels.tag,
-            branched_from=labels.branched_from, parent_tag=labels.parent_tag,
-            pause_ms=labels.pause_ms, parent_id=files.meta.id,
-        )  # fmt: skip
+            files,
+            staging,
+            id=snapshot_files.new_id(),
+            tag=labels.tag,
+            branched_from=labels.branched_from,
+            parent_tag=labels.parent_tag,
+            pause_ms=labels.pause_ms,
+            parent_id=files.meta.id,
+        )
         os.rename(staging, dest)
     snapshot_files.fsync_path(dest.parent)
     return SnapshotFiles(dest, meta)

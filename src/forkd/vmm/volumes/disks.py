@@ -94,13 +94,18 @@ class Attachment:
         return "raw" if self.top.name == "base.img" else "qcow2"
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "path": self.path, "readonly": self.readonly,
-                "chain": list(self.chain)}  # fmt: skip
+        return {
+            "name": self.name,
+            "path": self.path,
+            "readonly": self.readonly,
+            "chain": list(self.chain),
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Attachment:
-        return cls(str(data["name"]), str(data["path"]), bool(data.get("readonly")),
-                   tuple(data["chain"]))  # fmt: skip
+        return cls(
+            str(data["name"]), str(data["path"]), bool(data.get("readonly")), tuple(data["chain"])
+        )
 
 
 EXT4_MAGIC_OFFSET = 1024 + 0x38  # the superblock's s_magic
@@ -143,8 +148,9 @@ def max_entries(size: int) -> int:
 
 def content_limits(size: int) -> Limits:
     """What an archive may hold to fill a volume of ``size`` bytes."""
-    return Limits(max_entries=max_entries(size), max_bytes=size,
-                  max_header_bytes=VOLUME_TAR_HEADER_LIMIT)  # fmt: skip
+    return Limits(
+        max_entries=max_entries(size), max_bytes=size, max_header_bytes=VOLUME_TAR_HEADER_LIMIT
+    )
 
 
 def _extract(content: Path | bytes, tree: Path, size: int) -> None:
@@ -297,8 +303,10 @@ class VolumeStore:
             raise VolumeExists(f"volume {name!r} already exists")
         size = image.stat().st_size
         if not MIN_SIZE <= size <= MAX_SIZE or size % 512:
-            raise VolumeInvalid(f"an ext4 image of {size} bytes: a volume is 16 MiB to 1 TiB, "
-                                "in whole 512-byte sectors")  # fmt: skip
+            raise VolumeInvalid(
+                f"an ext4 image of {size} bytes: a volume is 16 MiB to 1 TiB, "
+                "in whole 512-byte sectors"
+            )
         if not is_ext4(image):
             raise VolumeInvalid("not an ext4 file system image (no ext4 superblock)")
         staging = Path(tempfile.mkdtemp(dir=self.root, prefix=f".{name}.partial-"))

@@ -120,9 +120,13 @@ async def freeze_layers(
             raise SnapshotError(f"volume {att.name} changed while its snapshot was prepared")
         await qmp.execute(
             "blockdev-snapshot-sync",
-            {"device": f"vol{i}", "snapshot-file": f"/dev/fdset/{nxt.fdset}",
-             "format": "qcow2", "mode": "existing"},
-        )  # fmt: skip
+            {
+                "device": f"vol{i}",
+                "snapshot-file": f"/dev/fdset/{nxt.fdset}",
+                "format": "qcow2",
+                "mode": "existing",
+            },
+        )
         nxt.used = True
         attached[i] = Attachment(att.name, att.path, False, nxt.chain)
     return frozen

@@ -8,7 +8,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from forkd import limits
-from forkd.controller.egress_models import (
+from forkd.controller.http_errors import ERROR_RESPONSES
+from forkd.controller.models.network import (
     EgressPage,
     NetworkInfo,
     NetworkPolicy,
@@ -16,8 +17,7 @@ from forkd.controller.egress_models import (
     SecretInfo,
     SecretUpdate,
 )
-from forkd.controller.http_errors import ERROR_RESPONSES
-from forkd.controller.routes import NO_CONTENT, Svc
+from forkd.controller.routes.common import NO_CONTENT, Svc
 
 secrets = APIRouter(prefix="/v1/secrets", tags=["secrets"], responses=ERROR_RESPONSES)
 SecretNameP = Annotated[str, Path(pattern=limits.SECRET_NAME_PATTERN)]
@@ -90,6 +90,3 @@ async def sandbox_egress(
     """What the guest reached and was refused through the egress proxy, oldest first
     (the newest 1000 connections and HTTP requests are kept)."""
     return svc.network.records(sandbox_id, after, limit)
-
-
-ROUTERS = (secrets, network)

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, StringConstraints, field_validator
+from pydantic import BaseModel, Field, SecretStr, StringConstraints, field_validator
 
 from forkd import limits
+from forkd.controller.models.common import StrictBody
 
 SecretName = Annotated[
     str,
@@ -37,10 +38,6 @@ HOSTS = Field(
 )
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
 def _checked_value(value: SecretStr | None) -> SecretStr | None:
     if value is not None and not _VALUE_CHARS.fullmatch(value.get_secret_value()):
         # Never the value in the message: it goes back to the client and into logs.
@@ -51,7 +48,7 @@ def _checked_value(value: SecretStr | None) -> SecretStr | None:
     return value
 
 
-class SecretCreate(_Body):
+class SecretCreate(StrictBody):
     name: SecretName
     value: SecretValue
     hosts: list[str] = HOSTS
@@ -59,7 +56,7 @@ class SecretCreate(_Body):
     _value = field_validator("value")(_checked_value)
 
 
-class SecretUpdate(_Body):
+class SecretUpdate(StrictBody):
     """A new value (rotation), new hosts, or both; the next request uses them."""
 
     value: SecretValue | None = None
@@ -71,37 +68,44 @@ class SecretUpdate(_Body):
 HostEntry = Annotated[str, StringConstraints(min_length=1, max_length=300)]
 
 
-class HeaderTransform(_Body):
-    headers: dict[Annotated[str, StringConstraints(min_length=1, max_length=128)],
-                  Annotated[str, StringConstraints(max_length=8192)]] = Field(
-        min_length=1, max_length=16,
+class HeaderTransform(StrictBody):
+    headers: dict[
+        Annotated[str, StringConstraints(min_length=1, max_length=128)],
+        Annotated[str, StringConstraints(max_length=8192)],
+    ] = Field(
+        min_length=1,
+        max_length=16,
         description="headers set on each request to the rule's host; ${secrets.NAME} in a "
         "value becomes the secret's value (on its own hosts only)",
-    )  # fmt: skip
+    )
 
 
-class NetworkRule(_Body):
+class NetworkRule(StrictBody):
     transform: HeaderTransform
 
 
-class NetworkPolicy(_Body):
+class NetworkPolicy(StrictBody):
     """What a sandbox may reach (E2B's ``network`` option): entries are host names,
     ``*.domain`` wildcards, IP addresses and CIDRs; ``*`` is everything."""
 
     allow_out: list[HostEntry] | None = Field(
-        None, max_length=64,
+        None,
+        max_length=64,
         description="only these destinations (no list: every public one). TLS and HTTP are "
         "judged by name (SNI, Host), other TCP by its address against IPs and CIDRs",
-    )  # fmt: skip
+    )
     deny_out: list[HostEntry] | None = Field(
         None, max_length=64, description="never these, whatever allow_out says; ['*']: nothing"
     )
-    rules: dict[Annotated[str, StringConstraints(min_length=1, max_length=300)],
-                list[NetworkRule]] | None = Field(
-        None, max_length=64,
+    rules: (
+        dict[Annotated[str, StringConstraints(min_length=1, max_length=300)], list[NetworkRule]]
+        | None
+    ) = Field(
+        None,
+        max_length=64,
         description="per host (a name or '*.domain'): transforms of its requests, which the "
         "proxy then intercepts with the daemon's CA",
-    )  # fmt: skip
+    )
 
 
 class SecretInfo(BaseModel):
