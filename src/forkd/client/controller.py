@@ -18,14 +18,8 @@ from forkd.client.file_routes import FileRoutes
 from forkd.client.image_routes import ImageRoutes
 from forkd.client.port_routes import PortRoutes
 from forkd.client.process_routes import ProcessRoutes
-from forkd.client.routes import (
-    EVAL_HTTP_MARGIN_SECS,
-    KEEP,
-    Call,
-    Routes,
-    SyncRunner,
-    _tar_directory,
-)
+from forkd.client.routes import EVAL_HTTP_MARGIN_SECS, KEEP, Call, Routes, SyncRunner
+from forkd.client.volume_routes import _tar_directory
 
 __all__ = ["EVAL_HTTP_MARGIN_SECS", "KEEP", "Controller", "_tar_directory"]
 

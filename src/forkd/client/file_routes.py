@@ -10,6 +10,7 @@ import httpx
 
 from forkd.client.connection import JSONDict, json_of
 from forkd.client.errors import ControllerError
+from forkd.client.route_base import Call, RouteBase, content_of, entries_of, no_answer, route
 
 CHUNK_BYTES = 1 << 20  # read from a local file per request-body piece
 
@@ -110,3 +111,45 @@ def _checked(resp: httpx.Response, size: int | None) -> Iterator[bytes]:
         raise ControllerError(0, f"the download broke off after {got} bytes: {exc!r}") from exc
     if size is not None and got != size:
         raise ControllerError(0, f"the download ended after {got} of {size} bytes")
+
+
+class FileCalls(RouteBase):
+    """The JSON routes of files (:class:`~forkd.client.routes.Routes`)."""
+
+    @route
+    def read_file(self, sandbox_id: str, path: str) -> Call[bytes]:
+        """``GET /v1/sandboxes/{id}/files?path=`` → the file's bytes."""
+        resp = self._request("GET", f"{self._sb(sandbox_id)}/files", params={"path": path})
+        return resp.then(content_of)
+
+    @route
+    def write_file(self, sandbox_id: str, path: str, data: bytes | str) -> Call[None]:
+        """``PUT /v1/sandboxes/{id}/files?path=`` with the raw bytes (a str is
+        written as UTF-8)."""
+        if isinstance(data, str):
+            data = data.encode("utf-8")
+        resp = self._request(
+            "PUT",
+            f"{self._sb(sandbox_id)}/files",
+            params={"path": path},
+            content=bytes(data),
+            headers={"Content-Type": "application/octet-stream"},
+        )
+        return resp.then(no_answer)
+
+    @route
+    def list_files(self, sandbox_id: str, path: str) -> Call[list[JSONDict]]:
+        """``GET /v1/sandboxes/{id}/files/list?path=`` → entries
+        ``{"name", "type", "size", "mode", "mtime"}``."""
+        body = self._json("GET", f"{self._sb(sandbox_id)}/files/list", params={"path": path})
+        return body.then(entries_of)
+
+    @route
+    def remove_file(self, sandbox_id: str, path: str, recursive: bool = False) -> Call[None]:
+        """``DELETE /v1/sandboxes/{id}/files?path=&recursive=true|false``."""
+        resp = self._request(
+            "DELETE",
+            f"{self._sb(sandbox_id)}/files",
+            params={"path": path, "recursive": "true" if recursive else "false"},
+        )
+        return resp.then(no_answer)

@@ -26,7 +26,9 @@ from urllib.parse import quote
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 
+from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
+from forkd.client.route_base import Call, RouteBase, drop_none, no_answer, quote_segment, route
 
 IMPORT_TIMEOUT_SECS = 3600.0
 UPLOAD_PIECE = 1 << 20
@@ -403,3 +405,31 @@ def _staged_beside(target: Path) -> tuple[BinaryIO, Path]:
     or a link planted there), to rename over it once whole."""
     fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".partial")
     return os.fdopen(fd, "wb"), Path(name)
+
+
+class ImageCalls(RouteBase):
+    """The JSON routes of images (:class:`~forkd.client.routes.Routes`)."""
+
+    @route
+    def import_image(self, ref: str, token: str | None = None) -> Call[JSONDict]:
+        """``POST /v1/images``: import a container image (a registry reference,
+        ``docker-daemon:IMAGE``, ``docker-archive:PATH``, ``oci-archive:PATH[:tag]``,
+        ``oci:DIR[:tag]``); its info with ``bytes_fetched`` and ``bytes_reused``.
+        Waits up to an hour: a first import of a big image takes minutes."""
+        body = drop_none({"ref": ref, "token": token})
+        return self._json("POST", "/v1/images", json_body=body, timeout=max(self.timeout, 3600))
+
+    @route
+    def list_images(self) -> Call[list[JSONDict]]:
+        """``GET /v1/images``: recipe and container images, sizes, shared layers, users."""
+        return self._json("GET", "/v1/images")
+
+    @route
+    def image_info(self, name: str) -> Call[JSONDict]:
+        return self._json("GET", f"/v1/images/{quote_segment(name)}")
+
+    @route
+    def delete_image(self, name: str) -> Call[None]:
+        """``DELETE /v1/images/{name}``; 409 while a snapshot or sandbox uses it. Frees
+        the layers no other image needs."""
+        return self._request("DELETE", f"/v1/images/{quote_segment(name)}").then(no_answer)

@@ -19,7 +19,9 @@ import httpx
 import wsproto.events
 from httpx_ws import HTTPXWSException, WebSocketDisconnect, WebSocketSession
 
+from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
+from forkd.client.route_base import Call, RouteBase, route
 from forkd.client.websockets import open_websocket, upgrade_headers
 
 READ_BYTES = 64 * 1024
@@ -133,3 +135,23 @@ def forward_port(
             except TimeoutError:
                 continue
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+
+class PortCalls(RouteBase):
+    """The JSON routes of guest ports (:class:`~forkd.client.routes.Routes`)."""
+
+    # -- guest ports (their WebSockets and tunnels: PortRoutes) -----------------
+
+    def port_url(self, sandbox_id: str, port: int, path: str = "/") -> str:
+        """The proxy URL of guest ``port`` at ``path`` (it needs the bearer token)."""
+        return f"{self.base_url}{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
+
+    @route
+    def create_preview_url(
+        self, sandbox_id: str, port: int, ttl_s: int | None = None
+    ) -> Call[JSONDict]:
+        """``POST /v1/sandboxes/{id}/preview-urls`` → ``{url, token, expires_at, port}``."""
+        body: JSONDict = {"port": port}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return self._json("POST", f"{self._sb(sandbox_id)}/preview-urls", json_body=body)

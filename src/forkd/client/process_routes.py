@@ -9,8 +9,10 @@ from collections.abc import Iterator
 import httpx
 from httpx_sse import EventSource, ServerSentEvent
 
+from forkd.client.connection import JSONDict
 from forkd.client.errors import ControllerError
 from forkd.client.results import OutputEvent
+from forkd.client.route_base import Call, RouteBase, no_answer, route, written_of
 
 STREAM_READ_TIMEOUT_SECS = 60.0  # the daemon sends a keep-alive every 15 s of silence
 
@@ -80,3 +82,77 @@ class ProcessRoutes:
             raise ControllerError(
                 0, f"the output stream of the forkd daemon at {self.url} failed: {exc!r}"
             ) from exc
+
+
+class ProcessCalls(RouteBase):
+    """The JSON routes of processes (:class:`~forkd.client.routes.Routes`)."""
+
+    # -- processes (their output streams: ProcessRoutes) ----------------------
+
+    def _procs(self, sandbox_id: str, pid: int | None = None) -> str:
+        base = f"{self._sb(sandbox_id)}/processes"
+        return base if pid is None else f"{base}/{int(pid)}"
+
+    @route
+    def start_process(
+        self,
+        sandbox_id: str,
+        cmd: list[str] | str,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bool = False,
+        pty: tuple[int, int] | None = None,
+        timeout_s: float | None = None,
+        user: str | None = None,
+    ) -> Call[JSONDict]:
+        """``POST /v1/sandboxes/{id}/processes`` → ProcessInfo (``pid``, ``running``, ...).
+
+        A str ``cmd`` runs as ``/bin/sh -c cmd``; ``pty`` is ``(cols, rows)``;
+        ``timeout_s`` kills it (exit code 124). It keeps running after this returns.
+        """
+        body: JSONDict = {
+            "cmd": cmd if isinstance(cmd, str) else [str(a) for a in cmd],
+            "stdin": stdin,
+        }
+        for key, value in (("env", env), ("cwd", cwd), ("timeout_s", timeout_s), ("user", user)):
+            if value is not None:
+                body[key] = value
+        if pty is not None:
+            body["pty"] = {"cols": pty[0], "rows": pty[1]}
+        return self._json("POST", self._procs(sandbox_id), json_body=body)
+
+    @route
+    def list_processes(self, sandbox_id: str) -> Call[list[JSONDict]]:
+        """``GET /v1/sandboxes/{id}/processes``: running ones and recently exited ones."""
+        return self._json("GET", self._procs(sandbox_id))
+
+    @route
+    def get_process(self, sandbox_id: str, pid: int) -> Call[JSONDict]:
+        """``GET /v1/sandboxes/{id}/processes/{pid}`` → ProcessInfo."""
+        return self._json("GET", self._procs(sandbox_id, pid))
+
+    @route
+    def send_stdin(
+        self, sandbox_id: str, pid: int, data: str | bytes, eof: bool = False
+    ) -> Call[int]:
+        """``POST .../processes/{pid}/stdin``; the bytes written. ``eof`` closes stdin after."""
+        if isinstance(data, bytes):
+            body = {"data": base64.b64encode(data).decode(), "encoding": "base64", "eof": eof}
+        else:
+            body = {"data": data, "eof": eof}
+        answer = self._json("POST", f"{self._procs(sandbox_id, pid)}/stdin", json_body=body)
+        return answer.then(written_of)
+
+    @route
+    def signal_process(
+        self, sandbox_id: str, pid: int, signal: int | str = "SIGTERM"
+    ) -> Call[None]:
+        """``POST .../processes/{pid}/signal``: to its whole process group."""
+        path = f"{self._procs(sandbox_id, pid)}/signal"
+        return self._request("POST", path, json_body={"signal": signal}).then(no_answer)
+
+    @route
+    def resize_process(self, sandbox_id: str, pid: int, cols: int, rows: int) -> Call[None]:
+        """``POST .../processes/{pid}/resize``: its terminal's size."""
+        path = f"{self._procs(sandbox_id, pid)}/resize"
+        return self._request("POST", path, json_body={"cols": cols, "rows": rows}).then(no_answer)

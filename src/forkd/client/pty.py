@@ -18,12 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import wsproto.events
-from httpx_ws import (
-    HTTPXWSException,
-    WebSocketDisconnect,
-    WebSocketNetworkError,
-    WebSocketSession,
-)
+from httpx_ws import HTTPXWSException, WebSocketDisconnect, WebSocketNetworkError, WebSocketSession
 
 from forkd.client.errors import ControllerError
 from forkd.client.websockets import open_websocket, upgrade_headers
