@@ -13,6 +13,7 @@ import hashlib
 import io
 import json
 import tarfile
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,7 +89,7 @@ class Layer(Blob):
         return digest_of(self.tar)
 
 
-def tar_of(files: dict[str, Entry]) -> bytes:
+def tar_of(files: Mapping[str, Entry]) -> bytes:
     """A tar of ``files`` (name → content, in the dict's order), written by tarfile
     (this side is trusted)."""
     out = io.BytesIO()
@@ -234,7 +235,7 @@ def push(
 # ---------------------------------------------------------------------- files
 
 
-def _layout_files(tagged: dict[str, Image | Index]) -> dict[str, bytes]:
+def _layout_files(tagged: Mapping[str, Image | Index]) -> dict[str, bytes]:
     files = {"oci-layout": json.dumps({"imageLayoutVersion": "1.0.0"}).encode()}
     entries = []
     for tag, what in tagged.items():
@@ -250,7 +251,7 @@ def _layout_files(tagged: dict[str, Image | Index]) -> dict[str, bytes]:
     return files
 
 
-def write_oci_layout(directory: Path, tagged: dict[str, Image | Index]) -> Path:
+def write_oci_layout(directory: Path, tagged: Mapping[str, Image | Index]) -> Path:
     """An OCI layout directory holding each image under its tag (``ref.name``)."""
     for name, data in _layout_files(tagged).items():
         path = directory / name
@@ -259,7 +260,7 @@ def write_oci_layout(directory: Path, tagged: dict[str, Image | Index]) -> Path:
     return directory
 
 
-def write_oci_archive(path: Path, tagged: dict[str, Image | Index]) -> Path:
+def write_oci_archive(path: Path, tagged: Mapping[str, Image | Index]) -> Path:
     """A tar of an OCI layout (as ``skopeo copy ... oci-archive:`` writes)."""
     path.write_bytes(tar_of(_layout_files(tagged)))
     return path

@@ -176,9 +176,22 @@ class GatewayProcess(DaemonProcess):
     ``token_file``; ``extra`` arguments of :meth:`start` follow (``--registry R``, ...)."""
 
     def __init__(
-        self, root: Path, nodes: list[str], node_token_file: Path, token_file: Path, **kw: object
+        self,
+        root: Path,
+        nodes: list[str],
+        node_token_file: Path,
+        token_file: Path,
+        *,
+        bind: str | None = None,
+        startup_secs: float = 60.0,
     ) -> None:
-        super().__init__(root, token_file=token_file, log=root / "gateway.log", **kw)  # type: ignore[arg-type]
+        super().__init__(
+            root,
+            bind=bind,
+            token_file=token_file,
+            log=root / "gateway.log",
+            startup_secs=startup_secs,
+        )
         self.nodes = nodes
         self.node_token_file = node_token_file
 

@@ -171,7 +171,7 @@ def test_live_branch_of_a_busy_sandbox_is_one_instant(ctl: Controller, sb: Sandb
             kids.append(kid)
             result = kid.eval(CONSISTENT)
             assert result.error is None, result.error
-            assert result.result.startswith("(True,"), result.result
+            assert (result.result or "").startswith("(True,"), result.result
         assert sb.eval("writer.is_alive()").result == "True"  # the source ran on
     finally:
         sb.eval("writing = False")

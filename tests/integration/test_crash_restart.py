@@ -23,7 +23,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,7 +111,7 @@ def _choose(rng: random.Random, number: int, ctl: Controller) -> tuple[str, str,
     return op, sid, {"sandbox_id": sid}
 
 
-CALLS = {
+CALLS: dict[str, Callable[..., object]] = {
     "fork": Controller.spawn_sandboxes,
     "branch": Controller.branch_sandbox,
     "delete-sandbox": Controller.kill_sandbox,

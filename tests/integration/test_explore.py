@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from forkd.client import Controller
+from forkd.client.explore import Step
 
 pytestmark = pytest.mark.integration
 
@@ -16,7 +17,7 @@ def test_explore_keeps_the_best_child_with_its_state(ctl: Controller, api_templa
     before = {s["tag"] for s in ctl.list_snapshots()}
     try:
         ctl.write_file(source, "/tmp/base", b"10")
-        variants = [
+        variants: list[Step] = [
             ["sh", "-c", "echo 3 > /tmp/add"],
             ["sh", "-c", "echo 25 > /tmp/add"],
             ["sh", "-c", "echo oops >&2; exit 2"],

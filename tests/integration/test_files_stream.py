@@ -188,9 +188,9 @@ def test_forkd_cp_a_directory_both_ways(
     r = _cli(daemon, "cp", "-q", str(tree), f"{sb.id}:/root/proj")
     assert r.returncode == 0, r.stderr
     assert _guest_sha256(sb, "/root/proj/huge.bin") == _sha256(big_file)
-    r = sb.commands.run(["sh", "-c", "readlink /root/proj/link; stat -c %a /root/proj/sub/run.sh;"
-                         " ls /root/proj/empty | wc -l"])  # fmt: skip
-    assert r.stdout.split() == ["sub/run.sh", "755", "0"]
+    ran = sb.commands.run(["sh", "-c", "readlink /root/proj/link; stat -c %a /root/proj/sub/run.sh;"
+                           " ls /root/proj/empty | wc -l"])  # fmt: skip
+    assert ran.stdout.split() == ["sub/run.sh", "755", "0"]
 
     # Onto an existing directory it goes inside it, as cp -r does.
     r = _cli(daemon, "cp", "-q", f"{sb.id}:/root/proj", str(tmp_path / "back"))
@@ -207,9 +207,9 @@ def test_a_full_guest_disk_is_507_and_leaves_nothing(daemon: Daemon, sb: Sandbox
     assert r.exit_code == 0, r.stderr
     with _http(daemon) as http:
         url = f"/v1/sandboxes/{sb.id}/files"
-        r = http.put(url, params={"path": "/mnt/small/keep"}, content=os.urandom(24 << 20))
-        assert r.status_code == 507, r.text
-        assert "full" in r.json()["error"]
+        put = http.put(url, params={"path": "/mnt/small/keep"}, content=os.urandom(24 << 20))
+        assert put.status_code == 507, put.text
+        assert "full" in put.json()["error"]
         assert http.get(url, params={"path": "/mnt/small/keep"}).content == b"old\n"
     assert _leftovers(sb, "/mnt/small") == []
     with pytest.raises(ControllerError) as exc:
@@ -251,8 +251,8 @@ def test_tar_members_that_escape_are_refused(daemon: Daemon, sb: Sandbox) -> Non
         r = http.put(url, params={"path": "/tmp/x/in", "format": "tar"},
                      content=archive(link("up", ".."), file("up/escaped")))  # fmt: skip
         assert r.status_code == 400, r.text
-    r = sb.commands.run(["sh", "-c", "find / -xdev -name escaped | wc -l"], timeout=60)
-    assert r.stdout.strip() == "0"
+    ran = sb.commands.run(["sh", "-c", "find / -xdev -name escaped | wc -l"], timeout=60)
+    assert ran.stdout.strip() == "0"
 
 
 def test_small_files_as_before(sb: Sandbox, ctl: Controller) -> None:

@@ -44,7 +44,7 @@ def children(pid: int) -> list[tuple[int, str]]:
 
 
 def alive(pid: int) -> bool:
-    return qemu_user.Holder.of(pid) is not None
+    return processes.Holder.of(pid) is not None
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_a_daemon_killed_mid_import_leaves_no_worker_and_its_leftovers_are_swept
     archive = oci_images.write_oci_archive(tmp_path / "big.tar", {"1": oci_images.image([big])})
     del big
     assert daemon.proc is not None and daemon.token is not None
-    me = qemu_user.Holder.of(daemon.proc.pid)
+    me = processes.Holder.of(daemon.proc.pid)
     sock = socket.create_connection(("127.0.0.1", daemon.port or 0))
     # A load whose archive has come in part: its temporary file is in the store.
     sock.sendall(b"POST /v1/images/load?tag=half:1 HTTP/1.1\r\nHost: x\r\n"

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-import forkd
-from forkd.client import CommandHandle, Controller, Sandbox
+from forkd.client import CommandHandle, Controller, ControllerError, Sandbox
 
 from .conftest import Daemon
 from .counter import COUNTER, Lines, read_until
@@ -47,7 +46,7 @@ def test_stdin_to_cat(sb: Sandbox) -> None:
     assert done.exit_code == 0 and done.stdout.startswith("hello\n")
     events = list(sb.controller.process_output(sb.id, cat.pid))
     assert b"".join(e.data for e in events if e.kind == "stdout") == b"hello\n\xff\x00bytes\n"
-    with pytest.raises(forkd.ControllerError) as exc:
+    with pytest.raises(ControllerError) as exc:
         cat.send_stdin("late\n")
     assert exc.value.status == 409
 
@@ -66,7 +65,7 @@ def test_list_inspect_and_signal(sb: Sandbox, ctl: Controller) -> None:
     assert done.exit_code == 143
     got = ctl.get_process(sb.id, info["pid"])
     assert not got["running"] and got["exit_code"] == 143 and got["ended_at"] is not None
-    with pytest.raises(forkd.ControllerError) as exc:
+    with pytest.raises(ControllerError) as exc:
         ctl.get_process(sb.id, 999999)
     assert exc.value.status == 404
     timed = sb.commands.run(["sleep", "1000"], timeout=1, on_stdout=print)

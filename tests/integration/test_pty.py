@@ -87,7 +87,8 @@ def test_the_socket_echoes_resizes_and_ends_with_the_exit_frame(
     headers = {"Authorization": f"Bearer {daemon.token}"}
     with (
         httpx.Client(headers=headers, timeout=30) as client,
-        connect_ws(_pty_url(daemon, sb.id, pid), client) as ws,
+        # session_class: the default, named for mypy to know the session's type
+        connect_ws(_pty_url(daemon, sb.id, pid), client, session_class=WebSocketSession) as ws,
     ):
         ws.send_bytes(b"echo sum-$((40+2)); stty size\n")
         assert b"sum-42" in _bytes_until(ws, b"30 100")

@@ -38,9 +38,9 @@ def _run_recipe(daemon: Daemon, name: str, *args: str, env: dict[str, str] | Non
 
 
 def _no_leftovers(daemon: Daemon, prefix: str) -> None:
-    import forkd
+    from forkd.client import Controller
 
-    ctl = forkd.Controller(daemon.url, token=daemon.token)
+    ctl = Controller(daemon.url, token=daemon.token)
     try:
         tags = [s["tag"] for s in ctl.list_snapshots()]
         sandboxes = [

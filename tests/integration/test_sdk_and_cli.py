@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import forkd
+from forkd.client import Controller, ControllerError, Snapshot
 
 from .conftest import Daemon
 
@@ -17,8 +18,11 @@ pytestmark = pytest.mark.integration
 
 
 def test_sdk_lifecycle(daemon: Daemon) -> None:
-    ctl = forkd.Controller(daemon.url, token=daemon.token)
-    snap = forkd.Snapshot.create(
+    # What ``import forkd`` names (typed by mypy as object: used through forkd.client).
+    assert forkd.Controller is Controller and forkd.Snapshot is Snapshot
+    assert forkd.ControllerError is ControllerError
+    ctl = Controller(daemon.url, token=daemon.token)
+    snap = Snapshot.create(
         "sdk-tpl", controller=ctl, memory_mib=256, warmup="import json\nbase = 'warm'"
     )
     assert snap.tag == "sdk-tpl" and snap.branched_from is None
@@ -40,7 +44,8 @@ def test_sdk_lifecycle(daemon: Daemon) -> None:
         assert "only-0" not in {e["name"] for e in kids[0].files.list("/work")}
         failing = kids[1].commands.run(["sh", "-c", "echo oops >&2; exit 3"])
         assert (failing.exit_code, failing.stderr) == (3, "oops\n")
-        assert kids[1].eval("1/0").error and "ZeroDivisionError" in kids[1].eval("1/0").error
+        error = kids[1].eval("1/0").error
+        assert error and "ZeroDivisionError" in error
 
         kids[0].eval("step = 'branched'")
         branch = kids[0].branch()
@@ -52,7 +57,7 @@ def test_sdk_lifecycle(daemon: Daemon) -> None:
     finally:
         for k in kids:
             k.kill()
-    with pytest.raises(forkd.ControllerError) as exc:
+    with pytest.raises(ControllerError) as exc:
         ctl.get_sandbox(kids[0].id)
     assert exc.value.status == 404
     branch.delete()

@@ -61,7 +61,7 @@ def test_kill_9_while_copying_memory(
             pytest.skip(f"this host cannot track writes: {write_tracking.problem()}")
         real_capture = live_copy.LiveCopy.capture
 
-        def capture_then_die(self, defer):  # type: ignore[no-untyped-def]
+        def capture_then_die(self, defer):
             os.kill(self.region.pid, signal.SIGKILL)
             time.sleep(0.2)
             return real_capture(self, defer)
@@ -70,7 +70,7 @@ def test_kill_9_while_copying_memory(
     else:
         real_dump = memory.dump_written_pages
 
-        def dump_then_die(region, out_fd, **kw):  # type: ignore[no-untyped-def]
+        def dump_then_die(region, out_fd, **kw):
             os.kill(region.pid, signal.SIGKILL)
             time.sleep(0.2)
             return real_dump(region, out_fd, **kw)

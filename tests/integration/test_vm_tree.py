@@ -96,7 +96,9 @@ def test_children_get_fresh_randomness_and_clock(fleet: Fleet, base_snapshot: Pa
     warm = [fleet.loop.run(kid.eval("import os; os.urandom(16).hex()"))["result"] for kid in kids]
     assert warm[0] != warm[1]
     for kid in kids:
-        guest = float(fleet.loop.run(kid.eval("import time; time.time()"))["result"])
+        said = fleet.loop.run(kid.eval("import time; time.time()"))["result"]
+        assert said is not None
+        guest = float(said)
         assert abs(guest - time.time()) < 2.0
         assert fleet.loop.run(kid.ping())["hostname"] == kid.id
 

@@ -21,10 +21,9 @@ import httpx
 import pytest
 import typer
 import uvicorn
-from click.testing import Result
 from fastapi.testclient import TestClient
 from starlette.types import ASGIApp
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from forkd.client import Controller
 from forkd.controller.app import create_app
@@ -189,8 +188,9 @@ runner = CliRunner()
 Invoke = Callable[..., Result]
 
 
-def make_app(transport: RecordingTransport) -> typer.Typer:
-    """The CLI's daemon commands, their requests sent through ``transport``."""
+def make_app(transport: RecordingTransport | None) -> typer.Typer:
+    """The CLI's daemon commands, their requests sent through ``transport`` (None: the
+    network, as the CLI sends them)."""
     from forkd import cli
 
     app = typer.Typer()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from forkd import paths
+from forkd import hosttools, paths
 from forkd.controller.models import ImageImport
 from forkd.controller.services.images import Imported, Progress
 from forkd.errors import NotFound
@@ -132,10 +132,10 @@ def stand_in_boot_parts(monkeypatch: pytest.MonkeyPatch, where: Path) -> None:
     """What :func:`forkd.guest.container_image.assemble` makes an image's disks beside (the
     host tools, the kernel, its boot files, the Debian base, the runtime disk) as
     stand-ins under ``where``: a build then takes only what the test gives it."""
-    from forkd.guest import container_image, kernel, runtime
     from forkd.guest import image as images
+    from forkd.guest import kernel, runtime
 
-    monkeypatch.setattr(container_image.hosttools, "require", lambda tool: Path("/bin/true"))
+    monkeypatch.setattr(hosttools, "require", lambda tool: Path("/bin/true"))
     monkeypatch.setattr(kernel, "resolve", lambda _path: kernel.KernelPackage("linux-image", "1"))
     monkeypatch.setattr(images, "boot_files", lambda *_args: {"kernel": "vmlinuz"})
     monkeypatch.setattr(images, "base_tarball", lambda *_args: where / "base.tar")

@@ -31,7 +31,8 @@ from typing import Any
 
 import pytest
 
-from forkd.vmm.agent.client import AgentClient, LineSplitter
+from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.agent.lines import LineSplitter
 from forkd.vmm.agent.ops import GuestOps
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"
@@ -219,6 +220,7 @@ def test_exec_not_found_and_not_executable(agent: Client, tmp_path: Path) -> Non
 
 
 def test_exec_bad_params(agent: Client) -> None:
+    params: dict[str, Any]
     for params in (
         {},
         {"argv": []},
@@ -368,8 +370,13 @@ def test_request_threads_keep_no_finished_request_alive() -> None:
         payload = Payload(1 << 20)
         refs.append(weakref.ref(payload))
         done.clear()
-        workers.submit(lambda p=payload: (len(p), done.set()))
-        del payload
+
+        def work(p: Payload = payload) -> None:  # holds the payload, as a request does
+            len(p)
+            done.set()
+
+        workers.submit(work)
+        del payload, work  # the worker alone holds them now
         assert done.wait(5)
         deadline = time.monotonic() + 5
         while workers.idle() == 0 and time.monotonic() < deadline:

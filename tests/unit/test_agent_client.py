@@ -21,10 +21,13 @@ from typing import Any
 import pytest
 
 from forkd import limits
+from forkd.agent_wire import ReadAnswer, RestoreAnswer
 from forkd.errors import AgentError, SnapshotError, VMError
+from forkd.token_bucket import TokenBucket
 from forkd.vmm.agent import client as agent_client
 from forkd.vmm.agent import ops as agent_ops
 from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.agent.lines import MIN_PAUSE_SECS, LineSplitter
 from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
 from forkd.vmm.vm import VM
 
@@ -398,7 +401,7 @@ def test_raw_bytes_after_an_answer_are_its_own_however_they_are_cut() -> None:
     )
     waiting = {7: 1 << 20, 8: 1 << 20}
     for cut in (1, 2, 7, 64, len(stream)):
-        splitter = agent_client.LineSplitter(waiting.get)
+        splitter = LineSplitter(waiting.get)
         lines = [
             line for i in range(0, len(stream), cut) for line in splitter.feed(stream[i : i + cut])
         ]
@@ -408,7 +411,7 @@ def test_raw_bytes_after_an_answer_are_its_own_however_they_are_cut() -> None:
 
 
 def test_raw_bytes_beyond_the_cap_fail_the_answer_and_are_skipped() -> None:
-    splitter = agent_client.LineSplitter({7: 100, 8: 100}.get)
+    splitter = LineSplitter({7: 100, 8: 100}.get)
     lines = list(splitter.feed(_raw_answer(7, b"x" * 200) + b'{"id":8,"ok":true}\n'))
     assert [(line.req_id, line.overlong, line.data) for line in lines] == [
         (7, True, None), (None, False, None), (8, False, b'{"id":8,"ok":true}')]  # fmt: skip
@@ -496,8 +499,7 @@ def test_a_flooding_guest_is_throttled_and_the_loop_stays_responsive(
 
 def test_token_bucket_pays_back_an_overdraft() -> None:
     now = [0.0]
-    bucket = agent_client.TokenBucket(rate=100, burst=10, clock=lambda: now[0],
-                                      min_pause=agent_client.MIN_PAUSE_SECS)  # fmt: skip
+    bucket = TokenBucket(rate=100, burst=10, clock=lambda: now[0], min_pause=MIN_PAUSE_SECS)
     assert bucket.take(10) == 0
     assert bucket.take(1) == pytest.approx(0.05)  # 1 token short: at least MIN_PAUSE_SECS
     now[0] += 0.5  # refills 50, capped at the burst
@@ -736,17 +738,23 @@ def test_a_guest_answering_each_ping_wrongly_at_once_is_asked_at_a_pace(sock: Pa
 
 
 def test_a_restores_list_of_failures_is_kept_short() -> None:
-    result = {"rng_reseeded": True, "random_reseeded": True, "errors": ["e" * 5000] * 50}
+    result: RestoreAnswer = {
+        "rng_reseeded": True,
+        "random_reseeded": True,
+        "errors": ["e" * 5000] * 50,
+    }
     errors = agent_ops.check_reseeded(result, "child", Path("/snaps/base"))
     assert errors.count("e" * 300) == agent_ops.RESTORE_ERRORS_KEPT and len(errors) < 2600
 
 
 @pytest.mark.parametrize(
-    "answer", [{"raw": b"x" * 65}, {"data": "eHh4" * 22}], ids=["raw", "base64"]
+    "answer",
+    [{"eof": False, "raw": b"x" * 65}, {"eof": False, "data": "eHh4" * 22}],
+    ids=["raw", "base64"],
 )
-def test_a_read_answered_with_more_than_was_asked_fails(answer: dict[str, Any]) -> None:
+def test_a_read_answered_with_more_than_was_asked_fails(answer: ReadAnswer) -> None:
     """A chunk of a transfer, a range of a file: the daemon holds what it asked for, and
     a guest's longer answer is refused, not passed on (or parsed as a manifest)."""
-    assert agent_ops._data_of({"raw": b"x" * 64}, 64) == b"x" * 64
+    assert agent_ops._data_of({"eof": False, "raw": b"x" * 64}, 64) == b"x" * 64
     with pytest.raises(AgentError, match="for a read of at most 64"):
         agent_ops._data_of(answer, 64)

@@ -25,7 +25,7 @@ from forkd.controller.services.manifests import (
 )
 from tests.unit.test_agent_files import _load  # the agent's modules, as the guest has them
 
-fsdiff = _load("forkd_fsdiff_under_test", "forkd_fsdiff.py")
+fsdiff: Any = _load("forkd_fsdiff_under_test", "forkd_fsdiff.py")  # LAYERS is set below
 LISTERS = ("find", "walk")
 FIND_ONLY = pytest.mark.parametrize("lister", ["find"], indirect=True)  # compares, or about find
 

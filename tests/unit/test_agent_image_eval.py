@@ -296,6 +296,7 @@ def test_a_forged_answer_is_capped_or_refused() -> None:
     answer = eval_proc.checked_answer({"display": huge})
     assert answer["display_truncated"] is True
     assert sum(len(item["data"]) for item in answer["display"]) <= 8 * 1024 * 1024
+    bad: object
     for bad in (None, [], {"result": 1}, {"stdout": None}, {"display": [{"mime": 1}]}):
         with pytest.raises(ValueError):
             eval_proc.checked_answer(bad)
@@ -305,7 +306,12 @@ def test_pipe_lines_are_joined_across_reads_and_an_overlong_one_is_dropped() -> 
     read_lines = eval_proc.forkd_eval_worker.read_lines
     r, w = os.pipe()
     data = b"a" * 10 + b"\n" + b"x" * 300_000 + b"\nkept" + b"y" * 200_000 + b"\n\nlast"
-    writer = threading.Thread(target=lambda: (os.write(w, data), os.close(w)))
+
+    def write() -> None:
+        os.write(w, data)
+        os.close(w)
+
+    writer = threading.Thread(target=write)
     writer.start()
     try:
         lines = list(read_lines(r, 250_000))

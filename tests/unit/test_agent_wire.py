@@ -158,7 +158,7 @@ def test_every_answer_of_a_real_agent_passes_the_daemons_check(
             await ops.proc_resize(pty["pid"], 100, 30)
             await ops.proc_signal(pty["pid"], "TERM")
             assert set(await ops.stats([str(tmp_path)])) >= {"cpu", "memory", "mounts"}
-            restored = await ops._make_unique("wire-test", 10.0)
+            restored = await ops.make_unique("wire-test", 10.0)
             assert restored.get("errors")  # a dry run: every step says so
         finally:
             await ops.agent.close()

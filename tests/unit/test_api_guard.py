@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from forkd.agent_wire import ExecAnswer
 from forkd.controller.settings import Settings
 from forkd.errors import SnapshotError
 from tests.unit.conftest import Server
@@ -208,7 +209,7 @@ def test_an_unexpected_error_answers_with_an_id_and_logs_the_details(
         box = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
         vm = server.driver.vms[-1]
 
-        async def broken(*_a: Any, **_k: Any) -> dict[str, Any]:
+        async def broken(*_a: Any, **_k: Any) -> ExecAnswer:
             raise RuntimeError("secret detail: /var/lib/forkd/run/x")
 
         vm.exec = broken  # type: ignore[method-assign]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import httpx
@@ -62,7 +63,9 @@ def test_async_streams_background_process_and_events(server: Server) -> None:
     async def streams() -> None:
         async with AsyncController(server.url, token=server.token) as ctl:
             await AsyncSnapshot.create("tpl", controller=ctl, memory_mib=128)
-            async with contextlib.aclosing(ctl.events(types="created")) as events:
+            stream = ctl.events(types="created")
+            assert isinstance(stream, AsyncGenerator)  # what aclosing closes
+            async with contextlib.aclosing(stream) as events:
                 first = asyncio.ensure_future(anext(events))
                 await asyncio.sleep(0.2)  # the stream is open before the fork
                 sb = await AsyncSandbox.create("tpl", controller=ctl)

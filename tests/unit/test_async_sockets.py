@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -55,7 +56,9 @@ def test_terminal_websocket_and_tunnel(server: Server, sid: str) -> None:
                 await tunnel.send_bytes(b"raw\x00bytes")
                 got = b""
                 while len(got) < 9:
-                    got += bytes((await tunnel.receive(timeout=5)).data)
+                    event = await tunnel.receive(timeout=5)
+                    assert isinstance(event, wsproto.events.BytesMessage), event
+                    got += bytes(event.data)
                 assert got == b"raw\x00bytes"
             with pytest.raises(ControllerError) as refused:
                 async with ctl.open_tunnel(sid, 0):
@@ -69,7 +72,7 @@ def test_terminal_websocket_and_tunnel(server: Server, sid: str) -> None:
 
 
 def test_files_streamed_both_ways(server: Server, sid: str, tmp_path: Path) -> None:
-    async def chunks() -> object:
+    async def chunks() -> AsyncIterator[bytes]:
         for piece in (b"a" * 100_000, b"b" * 50_000):
             yield piece
 
@@ -92,7 +95,7 @@ def test_files_streamed_both_ways(server: Server, sid: str, tmp_path: Path) -> N
             await sb.files.download("/tmp/tree", tmp_path / "back", directory=True)
             assert (tmp_path / "back" / "tree" / "sub" / "f.txt").read_text() == "in a directory"
             # A bytearray is sent as its bytes, not iterated as integers.
-            await ctl.upload_file(sid, "/tmp/ba", bytearray(b"abc"))
+            await ctl.upload_file(sid, "/tmp/ba", bytearray(b"abc"))  # type: ignore[arg-type]  # a bytearray, off its types on purpose
             assert await sb.files.read("/tmp/ba") == b"abc"
             with pytest.raises(ControllerError) as missing:
                 await sb.files.read("/tmp/none")

@@ -19,7 +19,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from forkd.controller import audit as audit_module
 from forkd.controller.app import create_app
 from forkd.controller.audit import AuditLog
 from forkd.controller.settings import Settings
@@ -44,7 +43,7 @@ class Clock:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.now = 1000.0
-        monkeypatch.setattr(audit_module.time, "monotonic", lambda: self.now)
+        monkeypatch.setattr("forkd.controller.audit.time.monotonic", lambda: self.now)
 
 
 # ------------------------------------------------------------ bounded lines
@@ -177,7 +176,7 @@ def test_a_rotation_that_fails_loses_lines_instead_of_growing(
     def refuse(*_a: Any) -> None:
         raise OSError(errno.EROFS, "Read-only file system")
 
-    monkeypatch.setattr(audit_module.os, "replace", refuse)
+    monkeypatch.setattr("forkd.controller.audit.os.replace", refuse)
     with caplog.at_level(logging.WARNING, logger="forkd.controller.audit"):
         for i in range(100):
             log.write(method="GET", path="/v1/snapshots", status=200, n=i)
@@ -230,7 +229,7 @@ def test_an_io_error_or_a_closed_log_never_raises(
     def eio(*_a: Any) -> int:
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(audit_module.os, "write", eio)
+    monkeypatch.setattr("forkd.controller.audit.os.write", eio)
     log.write(method="GET", path="/a", status=200)
     monkeypatch.undo()
     log.write(method="GET", path="/b", status=200, odd=object())  # not JSON: str() of it
@@ -238,7 +237,7 @@ def test_an_io_error_or_a_closed_log_never_raises(
     def broken(*_a: Any, **_k: Any) -> str:
         raise ValueError("a bug in the audit log")
 
-    monkeypatch.setattr(audit_module.json, "dumps", broken)
+    monkeypatch.setattr("forkd.controller.audit.json.dumps", broken)
     log.write(method="GET", path="/bug", status=200)
     monkeypatch.undo()
     log.close()
@@ -252,7 +251,9 @@ def test_a_short_write_does_not_glue_two_lines(
 ) -> None:
     log = AuditLog(tmp_path / "audit.log")
     real_write = os.write
-    monkeypatch.setattr(audit_module.os, "write", lambda fd, data: real_write(fd, data[:10]))
+    monkeypatch.setattr(
+        "forkd.controller.audit.os.write", lambda fd, data: real_write(fd, data[:10])
+    )
     log.write(method="GET", path="/torn", status=200)
     monkeypatch.undo()
     log.write(method="GET", path="/whole", status=200)

@@ -19,8 +19,10 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services import Services
 from forkd.controller.settings import Settings
-from forkd.controller.store import SandboxRow, SnapshotRow, Store
+from forkd.controller.store import Store
+from forkd.controller.store_rows import SandboxRow, SnapshotRow
 from forkd.errors import ForkdError
+from forkd.states import SandboxState, SnapshotStatus
 from forkd.vmm.snapshot.files import SnapshotLabels
 from tests.unit.fakes import FakeDriver, FakeVM, FakeWriter, Guest
 
@@ -54,9 +56,9 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Harness, Fak
 
     machine = MachineConfig(1, 1, "tcg", img / "vmlinuz", img / "initrd.img", img / "rootfs.sqfs")
     store.add_snapshot(SnapshotRow("base", str(tmp_path / "snaps" / "base"), 1, None, None,
-                                   None, "python", 1, "ready"))  # fmt: skip
+                                   None, "python", 1, SnapshotStatus.READY))  # fmt: skip
     store.add_sandbox(SandboxRow("sb-t-0001", "base", str(tmp_path / "run" / "x"), 1, 1,
-                                 None, None, "running"))  # fmt: skip
+                                 None, None, SandboxState.RUNNING))  # fmt: skip
     vm = FakeVM("sb-t-0001", machine, settings.run_dir, Guest())
     services.fleet.vms[vm.id] = vm
     real_add = store.add_snapshot
@@ -151,7 +153,7 @@ def test_concurrency_cap_and_same_tag_race(setup: Any) -> None:
     manager, vm, _ = setup
     vm.capture_delay = 0.2
 
-    async def race() -> list[Any]:
+    async def race() -> tuple[Any, ...]:
         return await asyncio.gather(
             manager.branch(vm.id, "same"),
             manager.branch(vm.id, "same"),

@@ -10,8 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from click.testing import Result
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from forkd.client import AsyncController, Controller, ControllerError
 from tests.unit.conftest import RecordingTransport, Server, env_of, make_app

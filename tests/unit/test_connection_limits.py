@@ -327,7 +327,7 @@ def held(port: int, source: str = "127.0.0.1", token: str | None = OWNER) -> soc
     return sock
 
 
-def refusal(sock: socket.socket) -> bytes:
+def refusal(sock: socket.socket) -> str:
     answer = read_until_closed(sock, SLACK)
     assert answer.startswith(b"HTTP/1.1 503"), answer
     assert b"connection: close" in answer.lower()

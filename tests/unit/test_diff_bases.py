@@ -282,7 +282,7 @@ def test_the_writer_opens_only_the_base_its_vm_was_forked_from(
 
     def open_base(origin_id: str, ref_id: str) -> None:
         vm = SimpleNamespace(id="vm-x", origin=base, origin_id=origin_id)
-        writer = SnapshotWriter(vm, tmp_path / "out", BaseRef("base", str(base), ref_id))  # type: ignore[arg-type]
+        writer = SnapshotWriter(vm, tmp_path / "out", BaseRef("base", str(base), ref_id))
         assert isinstance(writer.memory_strategy, DiffMemory)
         mem_fd = os.open(tmp_path / "mem", os.O_RDWR | os.O_CREAT, 0o600)
         try:

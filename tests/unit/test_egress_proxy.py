@@ -52,7 +52,7 @@ class Loop:
         async def wrapped() -> T:
             return fn()
 
-        return self.run(wrapped())  # type: ignore[no-any-return]
+        return self.run(wrapped())
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -137,7 +137,7 @@ def records(daemon: tuple[Loop, Any, EgressProxy], guest: Guest) -> list[EgressR
 
 def _echo(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)  # type: ignore[no-any-return]
+    return json.loads(result.stdout)
 
 
 def test_tls_passes_through_by_its_server_name_not_the_guests_dns(

@@ -74,13 +74,12 @@ def test_an_extension_given_twice_is_refused() -> None:
     ext = bytes(data[at : at + 4 + int.from_bytes(data[at + 2 : at + 4], "big")])
     assert ext[:2] == b"\x00\x00"
     # append a second copy of it to the extensions, fixing the three lengths it is in
-    body = bytes(data[5:]) + ext
+    body = bytearray(bytes(data[5:]) + ext)
     ext_len_at = 5 + 4 + 2 + 32
     ext_len_at += 1 + data[ext_len_at]  # session id
     ext_len_at += 2 + int.from_bytes(data[ext_len_at : ext_len_at + 2], "big")  # suites
     ext_len_at += 1 + data[ext_len_at]  # compression
     old = int.from_bytes(data[ext_len_at : ext_len_at + 2], "big")
-    body = bytearray(body)
     body[ext_len_at - 5 : ext_len_at - 3] = (old + len(ext)).to_bytes(2, "big")
     body[1:4] = (len(body) - 4).to_bytes(3, "big")
     record = b"\x16\x03\x01" + len(body).to_bytes(2, "big") + bytes(body)

@@ -279,6 +279,7 @@ def test_cli_ctrl_c_interrupts_the_eval_and_prints_its_traceback(
     monkeypatch.setattr(Controller, "eval_code", eval_until_interrupted)
     monkeypatch.setattr(Controller, "interrupt_eval", interrupt)
     main_thread = threading.main_thread().ident
+    assert main_thread is not None  # started
 
     def press_ctrl_c() -> None:  # once the eval is asked: a loaded host may be slow to get there
         if started.wait(30):

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -20,11 +20,13 @@ from typing import Any
 import httpx
 import pytest
 import uvicorn
+from fastapi import FastAPI
 
 from forkd.client import Controller, ControllerError
+from forkd.client.event_routes import Event as SdkEvent
 from forkd.controller.app import create_app
 from forkd.controller.server import Server as DaemonServer
-from forkd.controller.services.events import EVENT_TYPES, EventBus
+from forkd.controller.services.events import EVENT_TYPES, Event, EventBus
 from forkd.controller.settings import Settings
 from forkd.errors import Invalid, OverCapacity
 from forkd.launcher import free_port
@@ -42,6 +44,13 @@ async def _take(stream: Any, n: int, timeout: float = 2.0) -> list[Any]:
         if item is not None and item.type:
             got.append(item)
     return got
+
+
+async def _next(stream: AsyncIterator[Event | None]) -> Event:
+    """The next item of ``stream``, one that is not a heartbeat (None): its position."""
+    item = await anext(stream)
+    assert item is not None
+    return item
 
 
 def test_publish_stamps_and_encodes_each_event_and_never_raises() -> None:
@@ -69,13 +78,13 @@ def test_replay_after_an_id_then_live() -> None:
             bus.publish("created", sandbox_id=f"sb-{n}")
         third = bus.last_id - 2
         stream = bus.subscribe(since=third)
-        position = await anext(stream)
+        position = await _next(stream)
         assert position.type == "" and position.id == third
         bus.publish("killed", sandbox_id="sb-9")
         got = await _take(stream, 3)
         assert [json.loads(e.data).get("sandbox_id") for e in got] == ["sb-3", "sb-4", "sb-9"]
         now = bus.subscribe()  # no since: from now on only
-        assert (await anext(now)).id == bus.last_id
+        assert (await _next(now)).id == bus.last_id
 
     asyncio.run(run())
 
@@ -84,7 +93,7 @@ def test_a_stream_that_fell_off_the_ring_gets_a_gap_then_what_is_held() -> None:
     async def run() -> None:
         bus = EventBus(ring_size=10)
         stream = bus.subscribe()  # reads nothing while 25 are published
-        start = (await anext(stream)).id
+        start = (await _next(stream)).id
         for n in range(25):
             bus.publish("created", sandbox_id=f"sb-{n}")
         gap, *rest = await _take(stream, 11)
@@ -153,6 +162,7 @@ def test_the_subscriber_cap_and_a_slot_given_back() -> None:
         with pytest.raises(OverCapacity, match="cap is 2"):
             bus.subscribe()
         await anext(first)
+        assert isinstance(first, AsyncGenerator)
         await first.aclose()  # a stream that ends gives its slot back
         del second  # and so does one never started
         third = bus.subscribe()
@@ -213,7 +223,9 @@ def url(running: tuple[str, DaemonServer]) -> str:
 
 
 def bus_of(srv: DaemonServer) -> EventBus:
-    return srv.config.app.state.services.fleet.events  # type: ignore[no-any-return]
+    app = srv.config.app
+    assert isinstance(app, FastAPI)  # as daemon() made it
+    return app.state.services.fleet.events
 
 
 def _streams_open(srv: DaemonServer, n: int) -> None:
@@ -228,7 +240,7 @@ class Collector:
     """An SDK ``events()`` iterator read in a thread of its own, into ``events``."""
 
     def __init__(self, url: str, **filters: Any) -> None:
-        self.events: list[dict[str, Any]] = []
+        self.events: list[SdkEvent] = []
         self.error: BaseException | None = None
         self._ctl = Controller(url, token=TOKEN)
         self._iter = self._ctl.events(reconnect_s=0.5, **filters)
@@ -243,7 +255,7 @@ class Collector:
         except BaseException as exc:  # the daemon went away: what the test checks
             self.error = exc
 
-    def until(self, done: Callable[[list[dict[str, Any]]], bool], within: float = 5.0) -> None:
+    def until(self, done: Callable[[list[SdkEvent]], bool], within: float = 5.0) -> None:
         deadline = time.monotonic() + within
         while not done(self.events):
             assert time.monotonic() < deadline, f"not in time; got {self.events}"

@@ -316,7 +316,10 @@ def test_a_client_that_leaves_while_the_losers_die_leaves_nothing(
 
 
 def test_a_variant_can_have_its_own_network_policy(ctl: Controller, source: str) -> None:
-    variants = [{"eval": "x = 1"}, {"eval": "x = 2", "network": {"deny_out": ["*"]}}]
+    variants: list[dict[str, Any]] = [
+        {"eval": "x = 1"},
+        {"eval": "x = 2", "network": {"deny_out": ["*"]}},
+    ]
     res = ctl.explore_sandbox(source, variants, score={"eval": "x"}, keep=2)
     policies = {r.index: ctl.sandbox_network(str(r.sandbox_id)) for r in res.results}
     assert policies[1]["deny_out"] == ["*"]  # its own, set before it ran

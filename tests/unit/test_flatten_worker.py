@@ -9,6 +9,7 @@ import resource
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -50,7 +51,7 @@ def test_a_hostile_layer_is_refused_as_in_the_daemon_and_leaves_nothing(
     image: Image, entries: tuple, limits: Limits | None, error: type[Exception]
 ) -> None:
     image.layer(*entries)
-    kw = {"limits": limits} if limits is not None else {}
+    kw: dict[str, Any] = {"limits": limits} if limits is not None else {}
     with pytest.raises(error) as here:
         in_process(image.layers, image.out, image.work, **kw)
     with pytest.raises(error) as there:

@@ -19,8 +19,9 @@ import httpx
 import pytest
 
 from forkd.client import Controller
+from forkd.launcher import free_port
 from tests.original_forkd import original_call
-from tests.unit.conftest import Server, free_port
+from tests.unit.conftest import Server
 
 
 def _env(server: Server, target: str) -> dict[str, str]:

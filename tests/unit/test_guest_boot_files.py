@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from forkd import hosttools
 from forkd.guest import guest_files, initramfs, kernel
 from forkd.guest import image as images
 
@@ -22,7 +23,7 @@ class FakeKernelTools:
         self.fail_initramfs = False
         busybox = tmp_path / "busybox"
         busybox.write_bytes(b"static busybox")
-        monkeypatch.setattr(images.hosttools, "require_static_busybox", lambda: busybox)
+        monkeypatch.setattr(hosttools, "require_static_busybox", lambda: busybox)
         monkeypatch.setattr(kernel, "fetch", lambda pkg, downloads: tmp_path / "kernel.deb")
         monkeypatch.setattr(kernel, "unpack", self.unpack)
         monkeypatch.setattr(initramfs, "build", self.initramfs)

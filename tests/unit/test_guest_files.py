@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 import forkd
+from forkd import hosttools
 from forkd.guest import guest_files, kernel, recipe, rootfs, runtime
 from forkd.guest import image as images
 
@@ -112,7 +113,7 @@ def installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """/opt/forkd as the root image and the runtime disk have it (busybox faked)."""
     busybox = tmp_path / "busybox-static"
     busybox.write_bytes(b"busybox")
-    monkeypatch.setattr(rootfs.hosttools, "require_static_busybox", lambda: busybox)
+    monkeypatch.setattr(hosttools, "require_static_busybox", lambda: busybox)
     opt = tmp_path / "opt" / "forkd"
     rootfs.install_agent(opt)
     return opt
@@ -150,7 +151,7 @@ def test_an_agent_installed_from_the_list_alone_answers(installed: Path, tmp_pat
 
 def _keys(monkeypatch: pytest.MonkeyPatch, busybox: Path) -> tuple[str, str]:
     busybox.write_bytes(b"busybox")
-    monkeypatch.setattr(images.hosttools, "require_static_busybox", lambda: busybox)
+    monkeypatch.setattr(hosttools, "require_static_busybox", lambda: busybox)
     kpkg = kernel.KernelPackage("linux-image-cloud-amd64", "1")
     spec = recipe.builtin(images.DEFAULT_IMAGE)
     return images._image_key(spec, kpkg), runtime.key("base")

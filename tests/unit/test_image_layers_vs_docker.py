@@ -16,6 +16,7 @@ import pytest
 
 from forkd.image_import.layers import IMAGE_LIMITS
 from tests import docker_daemon, oci_images
+from tests.archive.hostile import Entry as TarEntry
 from tests.archive.hostile import archive, device, directory, file, hardlink, pax_header, symlink
 from tests.docker_daemon import DockerDaemon
 from tests.image_roots import assert_same_root, docker_view, forkd_import, squashfs_view
@@ -36,8 +37,8 @@ def dockerd() -> Iterator[DockerDaemon]:
 # ---------------------------------------------------------------------- the comparison
 
 
-def _tree(entries: dict[str, object]) -> RootTree:
-    return read_tree(io.BytesIO(archive(*entries.values())).read, IMAGE_LIMITS)  # type: ignore[arg-type]
+def _tree(entries: dict[str, TarEntry]) -> RootTree:
+    return read_tree(io.BytesIO(archive(*entries.values())).read, IMAGE_LIMITS)
 
 
 _BASE = {
@@ -69,7 +70,7 @@ _BASE = {
     ],
 )
 def test_the_comparison_sees_each_field_that_differs(
-    name: str, changed: object, seen: set[tuple[str, str]]
+    name: str, changed: TarEntry, seen: set[tuple[str, str]]
 ) -> None:
     """The comparison the tests below rely on can fail, on exactly what differs."""
     found = compare(_tree(_BASE), _tree({**_BASE, name: changed}))
@@ -180,7 +181,7 @@ HAND_MADE = {
     "own-symlink-to-lower-dir-as-parent": HandMade(
         ({"usr": _DIR(), "usr/lib": _DIR()}, {"lib": _LINK("usr/lib"), "lib/x": b"x"}),
         docker_refuses="no such file",
-        forkd_root=lambda tree: "usr/lib/x" in tree.entries and tree.entries["lib"].target,
+        forkd_root=lambda tree: "usr/lib/x" in tree.entries and bool(tree.entries["lib"].target),
     ),
 }
 

@@ -35,7 +35,7 @@ def test_brackets_inside_strings_do_not_count_as_depth() -> None:
 
 
 def _desc(platform: str | None) -> Descriptor:
-    p = Platform(*platform.split("/")) if platform else None  # type: ignore[arg-type]
+    p = Platform(*platform.split("/")) if platform else None
     return Descriptor(oi.OCI_MANIFEST, oi.digest_of(str(platform).encode()), 1, p)
 
 
@@ -51,7 +51,7 @@ def test_the_amd64_pick_prefers_the_baseline_variant_and_names_what_there_is() -
 
 
 def test_a_config_is_read_as_docker_reads_it() -> None:
-    ports = {"5432/tcp": {}, "22/tcp": {}}
+    ports: dict[str, dict[str, object]] = {"5432/tcp": {}, "22/tcp": {}}
     img = oi.image([oi.layer({"a": b"a"})], {"Env": None, "Cmd": ["sh"], "User": "postgres",
                                             "ExposedPorts": ports})  # fmt: skip
     parsed = manifests.parse_config(img.config.data, 1, "config")

@@ -131,7 +131,7 @@ def test_a_template_from_an_image_takes_its_config_and_starts_its_command(
         "env": {"PATH": "/usr/bin:/bin", "PGDATA": "/var/lib/pg"}, "cwd": "/srv",
         "user": "postgres",
     }  # fmt: skip
-    started = vm.processes.list()  # type: ignore[attr-defined]
+    started = vm.processes.list()
     assert [p["cmd"] for p in started] == [["sleep", "600"]]
     assert polls == [5432, 5432]
     name = r.json()["image"]

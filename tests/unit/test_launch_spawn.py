@@ -19,13 +19,16 @@ from pathlib import Path
 
 import pytest
 
+from forkd import hosttools
 from forkd.errors import HostToolMissing
+from forkd.processes import Holder
 from forkd.vmm.jail import cgroups, netns_ops, network, qemu_user
 from forkd.vmm.qemu import launch
+from forkd.vmm.qemu.argv import RuntimePaths
 from tests.unit.fake_cgroups import FakeCgroupFS
 
 
-def _rt(tmp_path: Path) -> launch.RuntimePaths:
+def _rt(tmp_path: Path) -> RuntimePaths:
     return launch.prepare_runtime(tmp_path / "run", f"vm-{uuid.uuid4().hex[:6]}")
 
 
@@ -137,14 +140,14 @@ def _running(pid: int) -> bool:
 def test_a_missing_helper_program_leaves_no_run_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real = launch.hosttools.require
+    real = hosttools.require
 
     def without_setpriv(tool: str) -> str:
         if tool == "setpriv":
             raise HostToolMissing(tool, "util-linux")
         return real(tool)
 
-    monkeypatch.setattr(launch.hosttools, "require", without_setpriv)
+    monkeypatch.setattr(hosttools, "require", without_setpriv)  # as launch calls it
     rt = _rt(tmp_path)
     with pytest.raises(HostToolMissing):
         launch.spawn(["true"], rt, detach=False)
@@ -164,7 +167,7 @@ def test_a_command_that_drops_starts_with_only_the_capabilities_of_the_drop(
            f"mv {out}.tmp {out} && sleep 60"]  # fmt: skip
     proc = launch.spawn(cmd, _rt(tmp_path), detach=True, uid=lease)
     try:
-        assert registry.holder(70000) == qemu_user.Holder.of(proc.pid)
+        assert registry.holder(70000) == Holder.of(proc.pid)
         deadline = time.monotonic() + 10
         while not out.exists():
             assert time.monotonic() < deadline

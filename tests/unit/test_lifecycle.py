@@ -20,7 +20,9 @@ import pytest
 from forkd.controller.metrics import Metrics
 from forkd.controller.services import Services, lifecycle
 from forkd.controller.settings import Settings
-from forkd.controller.store import SandboxRow, Store
+from forkd.controller.store import Store
+from forkd.controller.store_rows import SandboxRow
+from forkd.states import SandboxState
 from forkd.vmm.qemu.argv import MachineConfig
 from tests.unit.fakes import FakeDriver, FakeVM, Guest, make_image
 
@@ -41,7 +43,7 @@ class Harness:
 
     def sandbox(self, sid: str, *, expires: float | None = None, alive: bool = True) -> FakeVM:
         self.store.add_sandbox(SandboxRow(sid, "base", str(self.settings.run_dir / sid), 1,
-                                          1, None, expires, "running"))  # fmt: skip
+                                          1, None, expires, SandboxState.RUNNING))  # fmt: skip
         vm = FakeVM(sid, self.machine, self.settings.run_dir, Guest())
         vm.alive = alive
         self.services.fleet.vms[sid] = vm

@@ -165,5 +165,5 @@ def test_the_syscall_instruction_comes_from_the_vdso(child: tuple[Child, Path]) 
 
 def test_unprivileged_daemons_do_not_track(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(write_tracking, "_problem", False)
-    monkeypatch.setattr(write_tracking.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr("forkd.vmm.snapshot.write_tracking.os.geteuid", lambda: 1000)
     assert "root" in str(write_tracking.problem())  # markers would read as written pages

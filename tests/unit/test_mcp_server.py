@@ -21,12 +21,14 @@ import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
 from mcp.client.streamable_http import streamable_http_client
+from mcp.types import CallToolResult, TextContent, TextResourceContents
 
 from forkd import mcp_server
 from forkd.client import AsyncController, Controller
 from forkd.controller.app import create_app
 from forkd.controller.settings import Settings
-from tests.unit.conftest import TOKEN, Server, free_port, serving
+from forkd.launcher import free_port
+from tests.unit.conftest import TOKEN, Server, serving
 from tests.unit.fake_images import FakeImporter
 from tests.unit.fakes import FakeDriver, FakeVM
 
@@ -42,6 +44,13 @@ TOOLS = {
     "spawn_sandboxes", "get_sandbox", "exec_command", "eval_code", "ping_sandbox",
     "wait_for_text",
 }  # fmt: skip
+
+
+def _text(result: CallToolResult) -> str:
+    """The text of a tool's first content (an error's message)."""
+    content = result.content[0]
+    assert isinstance(content, TextContent), content
+    return content.text
 
 
 def _value(result: Any) -> Any:
@@ -107,7 +116,9 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     snaps = {s["tag"] for s in _value(await client.call_tool("list_snapshots", {}))}
     assert {template, branch_tag} <= snaps
 
-    tree = json.loads((await client.read_resource(mcp_server.TREE_URI)).contents[0].text)
+    tree_text = (await client.read_resource(mcp_server.TREE_URI)).contents[0]
+    assert isinstance(tree_text, TextResourceContents), tree_text
+    tree = json.loads(tree_text.text)
     (root,) = [node for node in tree if node["tag"] == template]
     assert branch_tag in [c["tag"] for c in root["children"]]
     assert {sid, *(k["id"] for k in kids)} <= {s["id"] for s in root["sandboxes"]}
@@ -115,7 +126,7 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     for one in (sid, *(k["id"] for k in kids)):
         assert _value(await client.call_tool("kill_sandbox", {"sandbox_id": one}))["killed"]
     gone = await client.call_tool("exec", {"sandbox_id": sid, "command": "true"})
-    assert gone.is_error and "404" in gone.content[0].text  # the daemon's error, passed on
+    assert gone.is_error and "404" in _text(gone)  # the daemon's error, passed on
     bad = await client.call_tool("fork_sandboxes", {"snapshot_tag": template, "n": 0})
     assert bad.is_error
 
@@ -154,7 +165,7 @@ async def exercise_the_original_tools(client: Client, template: str, branch_tag:
     assert measured["mode"] == "full" and "diff_logical_bytes" in measured, measured
     refused = await client.call_tool("branch_sandbox", {"sandbox_id": sid, "diff": True,
                                                         "wait": False})  # fmt: skip
-    assert refused.is_error and "400" in refused.content[0].text
+    assert refused.is_error and "400" in _text(refused)
     for kid in kids:
         assert _value(await client.call_tool("kill_sandbox", {"sandbox_id": kid["id"]}))["killed"]
 
@@ -168,7 +179,7 @@ async def exercise_the_image_tools(
     ``missing_ref`` is a 404 (also run on real VMs by tests/integration/test_mcp.py)."""
     steps: list[str | None] = []
 
-    async def progress(done: float, total: float | None, message: str | None) -> None:
+    async def progress(progress: float, total: float | None, message: str | None) -> None:
         steps.append(message)
 
     result = await client.call_tool("import_image", {"ref": ref}, progress_callback=progress)
@@ -184,7 +195,7 @@ async def exercise_the_image_tools(
     assert _value(await client.call_tool("exec", args))["stdout"] == f"{user}\n"
     assert _value(await client.call_tool("kill_sandbox", {"sandbox_id": sid}))["killed"]
     missing = await client.call_tool("import_image", {"ref": missing_ref})
-    assert missing.is_error and "404" in missing.content[0].text
+    assert missing.is_error and "404" in _text(missing)
 
 
 def test_every_tool_and_the_tree(server: Server, template: str) -> None:
@@ -257,7 +268,7 @@ def test_the_image_tools(settings: Settings, importer: FakeImporter, tmp_path: P
                 await exercise_the_image_tools(client, WEB, MISSING, "web", 8080, "app")
                 args = {"tag": "web2", "image": WEB, "ready_port": 8080}  # without start
                 refused = await client.call_tool("create_snapshot", args)
-                assert refused.is_error and "400" in refused.content[0].text
+                assert refused.is_error and "400" in _text(refused)
 
         asyncio.run(session())
     assert importer.calls == [WEB, MISSING]

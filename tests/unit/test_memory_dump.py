@@ -34,7 +34,7 @@ def _snapshot(path: Path, out: Path, defer_limit: int | None = None) -> memory.D
         memory.dump_written_pages(region, fd, base_is_empty=empty, stats=stats, defer=defer)
         if defer is not None:
             # What was deferred is not in the file until flushed.
-            assert defer.size <= defer_limit
+            assert defer_limit is not None and defer.size <= defer_limit
             defer.flush(fd, base_is_empty=empty, stats=stats)
         return stats
     finally:

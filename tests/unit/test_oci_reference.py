@@ -150,7 +150,7 @@ def test_a_plain_http_realm_gets_no_password_from_a_tls_registry() -> None:
     assert [r.url.host for r in seen] == ["r.io"]
 
 
-def _hostile(handle) -> Registry:  # type: ignore[no-untyped-def]
+def _hostile(handle) -> Registry:
     ref = reference.parse("r.io/forkd/x:v1")
     return Registry(ref, credentials=auth.Credentials(bearer="T0K"),
                     transport=httpx.MockTransport(handle))  # fmt: skip

@@ -16,7 +16,8 @@ from forkd.client import Controller, ControllerError, Sandbox
 from forkd.controller.metrics import Metrics
 from forkd.controller.services import Services
 from forkd.controller.settings import Settings
-from forkd.controller.store import SandboxRow, Store
+from forkd.controller.store import Store
+from forkd.controller.store_rows import SandboxRow
 from forkd.states import SandboxState, VMState
 from tests.unit.conftest import Invoke, RecordingTransport, Server
 from tests.unit.fakes import FakeDriver, FakeVM
@@ -133,7 +134,7 @@ def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -
 
     settings.run_dir.mkdir(parents=True)
     store = Store(settings.state_dir / "forkd.db")
-    for sid, state in (("sb-t-0001", "paused"), ("sb-t-0002", "running")):
+    for sid, state in (("sb-t-0001", SandboxState.PAUSED), ("sb-t-0002", SandboxState.RUNNING)):
         store.add_sandbox(SandboxRow(sid, "base", str(settings.run_dir / sid), 1, 1,
                                      None, None, state))  # fmt: skip
     machine = MachineConfig(1, 128, "tcg", Path("k"), Path("i"), Path("r"))

@@ -101,6 +101,7 @@ def test_a_tunnel_carries_raw_bytes_both_ways_and_ends_with_the_guest(
         got = b""
         while len(got) < len(sent):
             event = ws.receive(timeout=5)
+            assert isinstance(event, wsproto.events.BytesMessage), event
             got += bytes(event.data)
         assert got == sent
         ws.send_text("eof")  # half-close: the echo service ends its side, then so do we
@@ -119,7 +120,8 @@ def test_a_tunnel_to_a_bad_port_is_a_400(sb: Sandbox, ctl: Controller, port: int
 def test_a_tunnel_ends_when_its_sandbox_is_killed(sb: Sandbox, ctl: Controller) -> None:
     with ctl.open_tunnel(sb.id, ECHO_PORT) as ws:
         ws.send_bytes(b"x")
-        assert bytes(ws.receive(timeout=5).data) == b"x"
+        echoed = ws.receive(timeout=5)
+        assert isinstance(echoed, wsproto.events.BytesMessage) and bytes(echoed.data) == b"x"
         sb.kill()
         started = time.monotonic()
         with pytest.raises(WebSocketDisconnect):

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 
 import pytest
 
+from forkd import agent_wire as wire
 from forkd.errors import AgentError
 from forkd.vmm.agent.client import AgentClient
 from forkd.vmm.agent.ops import GuestOps
@@ -51,10 +52,29 @@ SCRIPTS = {
 class ProcessOps(Protocol):
     """The VM methods of the protocol, as GuestOps and FakeVM both have them."""
 
-    async def proc_start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]: ...
-    async def proc_list(self) -> list[dict[str, Any]]: ...
-    async def proc_info(self, pid: int) -> dict[str, Any]: ...
-    async def proc_read(self, pid: int, offset: int, **kw: Any) -> dict[str, Any]: ...
+    async def proc_start(
+        self,
+        cmd: list[str] | str,
+        *,
+        env: dict[str, str] | None = ...,
+        cwd: str | None = ...,
+        stdin: bool = ...,
+        pty: wire.PtySize | None = ...,
+        timeout_s: float | None = ...,
+        user: str | None = ...,
+    ) -> wire.ProcInfo: ...
+    async def proc_list(self) -> list[wire.ProcInfo]: ...
+    async def proc_info(self, pid: int) -> wire.ProcInfo: ...
+    async def proc_read(
+        self,
+        pid: int,
+        offset: int,
+        *,
+        wait_s: float = ...,
+        max_bytes: int = ...,
+        min_bytes: int = ...,
+        linger_s: float = ...,
+    ) -> wire.ProcReadAnswer: ...
     async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int: ...
     async def proc_signal(self, pid: int, signal: int | str) -> None: ...
     async def proc_resize(self, pid: int, cols: int, rows: int) -> None: ...
@@ -69,12 +89,12 @@ class Processes:
     env: dict[str, str]
     started: list[int] = field(default_factory=list)
 
-    async def start(self, cmd: list[str] | str, **kw: Any) -> dict[str, Any]:
+    async def start(self, cmd: list[str] | str, **kw: Any) -> wire.ProcInfo:
         info = await self.ops.proc_start(cmd, env=self.env, **kw)
         self.started.append(info["pid"])
         return info
 
-    async def exited(self, pid: int) -> dict[str, Any]:
+    async def exited(self, pid: int) -> wire.ProcInfo:
         """Its info once it has exited."""
         deadline = time.monotonic() + WAIT_S
         while (info := await self.ops.proc_info(pid))["running"]:
@@ -115,7 +135,7 @@ def _no_such_process() -> Iterator[None]:
             raise
 
 
-def _chunks(answer: dict[str, Any]) -> list[tuple[str, bytes]]:
+def _chunks(answer: wire.ProcReadAnswer) -> list[tuple[str, bytes]]:
     """A raw read's chunks with their bytes, checking that the sizes add up (an
     answer without bytes has no ``raw``)."""
     raw, pos, chunks = answer.get("raw", b""), 0, []
@@ -265,7 +285,8 @@ def test_the_list_holds_each_process_as_its_info_in_start_order(backend: Backend
         listed = [p for p in await procs.ops.proc_list() if p["pid"] in procs.started]
         assert [p["pid"] for p in listed] == [sleeper["pid"], echo["pid"]]
         assert listed[0] == sleeper and listed[1] == ended
-        assert ended["ended_at"] >= ended["started_at"] and ended["output_end"] == 4
+        assert ended["ended_at"] is not None and ended["ended_at"] >= ended["started_at"]
+        assert ended["output_end"] == 4
 
     backend.run(case)
 
@@ -341,8 +362,10 @@ def test_the_ring_drops_the_oldest_output_and_a_read_before_it_gets_the_gap(
             await asyncio.sleep(0.01)
         assert 0 < info["output_end"] - info["output_start"] <= RING_BYTES
         answer = await procs.ops.proc_read(pid, 0, max_bytes=10)
-        start = answer["gap"]["to"]
-        assert answer["gap"] == {"from": 0, "to": start} and start >= info["output_start"]
+        gap = answer["gap"]
+        assert gap is not None
+        start = gap["to"]
+        assert gap == {"from": 0, "to": start} and start >= info["output_start"]
         assert answer["chunks"] == [{"stream": "stdout", "offset": start, "size": 10}]
         assert (answer["raw"], answer["next_offset"], answer["eof"]) == (
             b"x" * 10,
@@ -471,7 +494,8 @@ def test_a_timeout_kills_the_process_with_exit_code_124(backend: Backend) -> Non
     async def case(procs: Processes) -> None:
         pid = (await procs.start(["sleep", "30"], timeout_s=0.2))["pid"]
         info = await procs.exited(pid)
-        assert info["exit_code"] == 124 and info["ended_at"] - info["started_at"] > 0.1
+        assert info["exit_code"] == 124 and info["ended_at"] is not None
+        assert info["ended_at"] - info["started_at"] > 0.1
 
     backend.run(case)
 
@@ -486,7 +510,7 @@ def test_a_pty_process_has_stdin_one_pty_stream_and_a_size_to_change(backend: Ba
         # No newline: a real terminal would write "\r\n" for it (the fake has no line discipline).
         assert await procs.output(info["pid"]) == ([("pty", b"hi")], 2)
         cat = (await procs.start(["cat"], pty={"cols": 80, "rows": 24}))["pid"]
-        assert await procs.ops.proc_resize(cat, 120, 40) is None
+        await procs.ops.proc_resize(cat, 120, 40)  # typed to answer nothing: no error is all
         assert await procs.ops.proc_stdin(cat, b"", eof=True) == 0  # ^D at a line's start
         assert await procs.output(cat) == ([], 0)
         assert (await procs.exited(cat))["exit_code"] == 0

@@ -3,13 +3,21 @@
 from __future__ import annotations
 
 import base64
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, cast
 
 import pytest
 
+from forkd import agent_wire as wire
 from forkd.controller.services import process_output
 from forkd.controller.services.process_output import OutputEvents, ReadAnswer
 from forkd.errors import GuestError
+
+
+def untrusted(body: Mapping[str, object]) -> wire.ProcReadAnswer:
+    """``body`` as a guest's proc_read answer. ReadAnswer.parse takes it as untrusted, and
+    the bodies here leave keys out, or are malformed, on purpose."""
+    return cast(wire.ProcReadAnswer, body)
 
 
 def answer(*chunks: tuple[str, int, bytes], eof: bool = False, **kw: Any) -> ReadAnswer:
@@ -17,11 +25,11 @@ def answer(*chunks: tuple[str, int, bytes], eof: bool = False, **kw: Any) -> Rea
     end = max((o + len(d) for _, o, d in chunks), default=kw.pop("next_offset", 0))
     body = {"chunks": raw, "next_offset": end, "gap": None, "running": not eof,
             "exit_code": 0 if eof else None, "eof": eof, **kw}  # fmt: skip
-    return ReadAnswer.parse(body, 0)
+    return ReadAnswer.parse(untrusted(body), 0)
 
 
 def plain(events: OutputEvents, ans: ReadAnswer) -> list[tuple[str, Any]]:
-    out = []
+    out: list[tuple[str, Any]] = []
     for e in events.of(ans):
         body = e.body.model_dump(by_alias=True) if e.body else None
         out.append((e.event, body))
@@ -78,12 +86,12 @@ def test_a_gap_comes_first() -> None:
 )
 def test_a_malformed_answer_is_a_guest_error(body: dict[str, Any]) -> None:
     with pytest.raises(GuestError):
-        ReadAnswer.parse(body, 0)
+        ReadAnswer.parse(untrusted(body), 0)
 
 
 def test_output_never_goes_back() -> None:
     with pytest.raises(GuestError, match="went back"):
-        ReadAnswer.parse({"chunks": [], "next_offset": 3, "eof": False}, 5)
+        ReadAnswer.parse(untrusted({"chunks": [], "next_offset": 3, "eof": False}), 5)
 
 
 def test_nul_bytes_go_as_base64_where_json_would_escape_them_six_fold() -> None:
@@ -100,7 +108,7 @@ def test_raw_output_is_cut_by_the_chunks_sizes() -> None:
     body = {"chunks": [{"stream": "stdout", "offset": 5, "size": 3},
                        {"stream": "stderr", "offset": 8, "size": 2}],
             "raw": b"abcde", "next_offset": 10, "gap": None, "eof": False}  # fmt: skip
-    parsed = ReadAnswer.parse(body, 5)
+    parsed = ReadAnswer.parse(untrusted(body), 5)
     assert [(c.stream, c.offset, c.data) for c in parsed.chunks] == [
         ("stdout", 5, b"abc"), ("stderr", 8, b"de")]  # fmt: skip
 
@@ -110,19 +118,21 @@ def test_raw_output_that_does_not_match_the_sizes_is_a_guest_error(raw: object) 
     body = {"chunks": [{"stream": "stdout", "offset": 0, "size": 5}], "raw": raw,
             "next_offset": 5, "gap": None, "eof": False}  # fmt: skip
     with pytest.raises(GuestError, match="malformed proc_read answer"):
-        ReadAnswer.parse(body, 0)
+        ReadAnswer.parse(untrusted(body), 0)
 
 
 def test_an_answer_of_more_chunks_than_the_agents_ring_holds_is_refused() -> None:
     """Each chunk may become an event: a guest must not hand the loop 100,000 of them."""
     n = process_output.MAX_CHUNKS + 1
-    body = {"chunks": [{"stream": "stdout", "offset": 2 * i, "size": 1} for i in range(n)],
-            "raw": b"x" * n, "next_offset": 2 * n, "gap": None, "eof": False}  # fmt: skip
+    body: dict[str, Any] = {
+        "chunks": [{"stream": "stdout", "offset": 2 * i, "size": 1} for i in range(n)],
+        "raw": b"x" * n, "next_offset": 2 * n, "gap": None, "eof": False,
+    }  # fmt: skip
     with pytest.raises(GuestError, match="more than 16384 chunks"):
-        ReadAnswer.parse(body, 0)
+        ReadAnswer.parse(untrusted(body), 0)
     body["chunks"] = body["chunks"][:-1]
     body["raw"] = b"x" * (n - 1)
-    assert len(ReadAnswer.parse(body, 0).chunks) == n - 1  # as many as the ring holds
+    assert len(ReadAnswer.parse(untrusted(body), 0).chunks) == n - 1  # as many as the ring holds
 
 
 @pytest.mark.parametrize("second", [0, 2], ids=["again", "overlapping"])
@@ -131,4 +141,4 @@ def test_chunks_that_tell_the_same_bytes_twice_are_refused(second: int) -> None:
                        {"stream": "stdout", "offset": second, "size": 3}],
             "raw": b"abcdef", "next_offset": 6, "gap": None, "eof": False}  # fmt: skip
     with pytest.raises(GuestError, match="overlaps"):
-        ReadAnswer.parse(body, 0)
+        ReadAnswer.parse(untrusted(body), 0)

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
+from starlette.types import Message
 from starlette.websockets import WebSocketDisconnect
 
 from forkd.client import Controller, ControllerError, Sandbox
@@ -271,9 +272,9 @@ def _ws_scope(token: str | None, extensions: dict[str, Any]) -> dict[str, Any]:
             "query_string": b"", "extensions": extensions}  # fmt: skip
 
 
-def _guarded(token: str | None, scope: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+def _guarded(token: str | None, scope: dict[str, Any]) -> tuple[list[Message], bool]:
     """What GuardMiddleware sent for ``scope``, and whether it called the app."""
-    sent: list[dict[str, Any]] = []
+    sent: list[Message] = []
     called = False
 
     async def app(_scope: Any, _receive: Any, _send: Any) -> None:
@@ -283,7 +284,7 @@ def _guarded(token: str | None, scope: dict[str, Any]) -> tuple[list[dict[str, A
     async def receive() -> dict[str, Any]:
         return {"type": "websocket.connect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: Message) -> None:
         sent.append(message)
 
     asyncio.run(GuardMiddleware(app, token)(scope, receive, send))

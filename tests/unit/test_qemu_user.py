@@ -14,8 +14,9 @@ import pytest
 
 from forkd import doctor
 from forkd.errors import ForkdError, Invalid, OverCapacity
+from forkd.processes import Holder
 from forkd.vmm.jail import qemu_user
-from forkd.vmm.jail.qemu_user import Holder, Registry, UidRange
+from forkd.vmm.jail.qemu_user import Registry, UidRange
 from forkd.vmm.qemu import host_processes
 from forkd.vmm.qemu.argv import SANDBOX, SANDBOX_RUNAS, MachineConfig, RuntimePaths, build_argv
 from forkd.vmm.volumes.disks import Attachment

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -84,13 +85,13 @@ def test_a_token_written_by_another_start_meanwhile_wins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two first starts race: the other one publishes its token while this one writes."""
-    real = server.secrets.token_urlsafe
+    real = secrets.token_urlsafe
 
     def other_start_finishes_first(nbytes: int) -> str:
         (tmp_path / "token").write_text("the-other-start\n")
         return real(nbytes)
 
-    monkeypatch.setattr(server.secrets, "token_urlsafe", other_start_finishes_first)
+    monkeypatch.setattr("forkd.controller.server.secrets.token_urlsafe", other_start_finishes_first)
     assert server.ensure_token(tmp_path) == "the-other-start"
     assert (tmp_path / "token").read_text() == "the-other-start\n"  # not overwritten
     assert [p.name for p in tmp_path.iterdir()] == ["token"]

@@ -9,8 +9,10 @@ from __future__ import annotations
 import io
 import json
 import tarfile
+from collections.abc import Callable
 from pathlib import Path
 
+import httpx2
 import pytest
 from fastapi.testclient import TestClient
 from typer.testing import CliRunner
@@ -28,7 +30,7 @@ def packed(client: TestClient) -> bytes:
     return r.content
 
 
-def _import(client: TestClient, body: bytes, tag: str | None = None) -> object:
+def _import(client: TestClient, body: bytes, tag: str | None = None) -> httpx2.Response:
     params = {"tag": tag} if tag else {}
     return client.post("/v1/snapshots/import", params=params, content=body,
                        headers={"Content-Type": "application/x-tar"})  # fmt: skip
@@ -48,10 +50,10 @@ def test_a_snapshot_packed_and_unpacked_forks(
     assert [m["annotations"]["org.opencontainers.image.ref.name"]
             for m in index["manifests"]] == ["py"]  # fmt: skip
     r = _import(client, packed)  # its own tag: taken
-    assert r.status_code == 409 and "already exists" in r.json()["error"]  # type: ignore[attr-defined]
+    assert r.status_code == 409 and "already exists" in r.json()["error"]
     r = _import(client, packed, "copy")
-    assert r.status_code == 201, r.text  # type: ignore[attr-defined]
-    assert r.json()["tag"] == "copy" and r.json()["bootable"]  # type: ignore[attr-defined]
+    assert r.status_code == 201, r.text
+    assert r.json()["tag"] == "copy" and r.json()["bootable"]
     assert client.post("/v1/sandboxes", json={"snapshot_tag": "copy"}).status_code == 201
     assert client.get("/v1/snapshots/py").status_code == 200  # the source is untouched
     assert _leftovers(settings) == []  # the pack and the received archive are gone
@@ -64,7 +66,7 @@ def test_a_diff_travels_with_its_base(client: TestClient, packed: bytes) -> None
     diff = client.get("/v1/snapshots/d1/export")
     assert diff.status_code == 200
     r = _import(client, diff.content, "d1-copy")
-    assert r.status_code == 201, r.text  # type: ignore[attr-defined]
+    assert r.status_code == 201, r.text
     assert client.post("/v1/sandboxes", json={"snapshot_tag": "d1-copy"}).status_code == 201
 
 
@@ -92,10 +94,10 @@ def _tampered(packed: bytes) -> bytes:
      (lambda _p: b"", "no body")],
 )  # fmt: skip
 def test_an_archive_that_is_not_what_it_says_is_refused_and_nothing_kept(
-    client: TestClient, settings: Settings, packed: bytes, make: object, said: str
+    client: TestClient, settings: Settings, packed: bytes, make: Callable[[bytes], bytes], said: str
 ) -> None:
-    r = _import(client, make(packed), "bad")  # type: ignore[operator]
-    assert r.status_code == 400 and said in r.json()["error"], r.text  # type: ignore[attr-defined]
+    r = _import(client, make(packed), "bad")
+    assert r.status_code == 400 and said in r.json()["error"], r.text
     assert client.get("/v1/snapshots/bad").status_code == 404
     assert _leftovers(settings) == []
 

@@ -252,7 +252,7 @@ def test_disk_full_at_commit_is_storage_full_and_leaves_nothing(
     )
     dest = tmp_path / "snaps" / "full"
     dest.parent.mkdir()
-    writer = SnapshotWriter(vm, dest)  # type: ignore[arg-type]
+    writer = SnapshotWriter(vm, dest)
     writer.staging.mkdir()
     (writer.staging / "vmstate").write_bytes(b"state")
     writer._mem_fd = os.open(writer.staging / "memory.bin", os.O_WRONLY | os.O_CREAT)

@@ -17,8 +17,9 @@ from http import HTTPStatus
 from pathlib import Path
 from typing import Any
 
-import httpx
+import httpx2
 import pytest
+from anyio.from_thread import BlockingPortal
 from fastapi.testclient import TestClient
 
 from forkd import paths
@@ -95,7 +96,7 @@ def _no_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return looked_up
 
 
-def _both(client: TestClient, tag: str, ref: str, **body: Any) -> list[httpx.Response]:
+def _both(client: TestClient, tag: str, ref: str, **body: Any) -> list[httpx2.Response]:
     """A pull of ``ref`` and a push of ``tag`` to it."""
     return [
         client.post("/v1/snapshots/pull", json={"ref": ref, **body}),
@@ -211,6 +212,12 @@ def test_a_snapshot_being_pushed_cannot_be_deleted(client: TestClient, base: str
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
 
 
+def _portal(client: TestClient) -> BlockingPortal:
+    """The portal to the app's loop, which a client entered (``with``) holds."""
+    assert client.portal is not None
+    return client.portal
+
+
 def _give_up_once_started(
     client: TestClient, start: Callable[[], Awaitable[Any]], started: threading.Event
 ) -> None:
@@ -225,13 +232,13 @@ def _give_up_once_started(
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    client.portal.call(give_up)  # type: ignore[attr-defined]
+    _portal(client).call(give_up)
 
 
 def _wait_until(client: TestClient, done: Callable[[], bool]) -> None:
     deadline = time.monotonic() + 5
     while not done() and time.monotonic() < deadline:
-        client.portal.call(asyncio.sleep, 0.02)  # type: ignore[attr-defined]
+        _portal(client).call(asyncio.sleep, 0.02)
 
 
 def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends(
@@ -267,8 +274,6 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
 ) -> None:
     # The thread writing a pulled snapshot goes on after its request is gone: the tag
     # stays reserved (no second pull or create may take it meanwhile) until it ends.
-    from forkd.controller.services import snapshot_transfer
-
     services = client.app.state.services  # type: ignore[attr-defined]
     transfer, fleet = services.transfer, services.fleet
     started, finish = threading.Event(), threading.Event()
@@ -281,7 +286,9 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
         finish.wait(10)
         raise UpstreamError("the registry went away")
 
-    monkeypatch.setattr(snapshot_transfer.pull, "open_remote", lambda *a: Remote())
+    monkeypatch.setattr(
+        "forkd.controller.services.snapshot_transfer.pull.open_remote", lambda *a: Remote()
+    )
     monkeypatch.setattr(transfer, "_check", lambda remote: None)
     monkeypatch.setattr(transfer, "_pull_sync", slow_write)
 

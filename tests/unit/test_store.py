@@ -7,17 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from forkd.controller.store import SandboxRow, SnapshotRow, Store
+from forkd.controller.store import Store
+from forkd.controller.store_rows import SandboxRow, SnapshotRow
 from forkd.errors import NotFound
 from forkd.states import IllegalTransition, SandboxState, SnapshotStatus
 
 
 def snap(tag: str, parent: str | None = None) -> SnapshotRow:
-    return SnapshotRow(tag, f"/s/{tag}", 1, None, None, parent, "python", 256, "ready")
+    return SnapshotRow(tag, f"/s/{tag}", 1, None, None, parent, "python", 256, SnapshotStatus.READY)
 
 
 def sandbox(sid: str) -> SandboxRow:
-    return SandboxRow(sid, "base", f"/r/{sid}", None, 2, None, None, "starting")
+    return SandboxRow(sid, "base", f"/r/{sid}", None, 2, None, None, SandboxState.STARTING)
 
 
 def test_snapshot_rows_round_trip_and_tags_are_unique(tmp_path: Path) -> None:

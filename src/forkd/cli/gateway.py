@@ -7,15 +7,15 @@ from typing import Annotated
 
 import typer
 
-from forkd.cli.daemon import (
+from forkd.cli.daemon import connection_limits
+from forkd.cli.extras import require_server
+from forkd.cli.failures import fail
+from forkd.cli.serve_options import (
     BodyIdleTimeoutOpt,
     HeaderTimeoutOpt,
     MaxConnectionsOpt,
     MaxConnectionsPerAddressOpt,
-    connection_limits,
 )
-from forkd.cli.extras import require_server
-from forkd.cli.failures import fail
 from forkd.errors import ForkdError
 from forkd.limits import (
     MAX_CONNECTIONS_PER_ADDRESS,

@@ -172,6 +172,6 @@ def with_connection(
         )
         command(conn, **kwargs)
 
-    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by inspect (typer); typeshed's functions declare none
     wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper

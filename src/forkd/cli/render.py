@@ -26,13 +26,16 @@ class _Console(Console):
         self._fixed_width = "width" in kwargs  # rich takes COLUMNS as if it were asked
         super().__init__(**kwargs)
 
-    def _size(self) -> ConsoleDimensions:
-        dims: ConsoleDimensions = Console.size.fget(self)  # type: ignore[attr-defined]  # rich's own size
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
         if not self._fixed_width and not self.is_terminal:
             return ConsoleDimensions(PIPE_WIDTH, dims.height)
         return dims
 
-    size = property(_size, Console.size.fset)  # type: ignore[attr-defined]  # rich: a setter too
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self.width, self.height = new_size  # what rich's own setter of size does
 
 
 out = _Console()

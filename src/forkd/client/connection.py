@@ -38,7 +38,7 @@ def _import_httpx_light() -> None:
     """
     if "httpx" in sys.modules or "httpx._main" in sys.modules:
         return
-    sys.modules["httpx._main"] = None  # type: ignore[assignment]
+    sys.modules["httpx._main"] = None  # type: ignore[assignment]  # None marks a module absent to import; typeshed allows modules only
     try:
         import httpx  # noqa: F401
     finally:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Literal, overload
+from typing import TYPE_CHECKING, BinaryIO, Literal, TypeGuard, overload
 
 from forkd.client.connection import JSONDict
 from forkd.client.local_file import staged_file
@@ -41,9 +41,14 @@ def _body(data: WriteData) -> bytes | Iterable[bytes]:
         return data.encode("utf-8")
     if isinstance(data, bytes | bytearray | memoryview):
         return bytes(data)
-    if hasattr(data, "read"):
-        return _file_chunks(data)  # type: ignore[arg-type]
+    if _is_file(data):
+        return _file_chunks(data)
     return data
+
+
+def _is_file(data: BinaryIO | Iterable[bytes]) -> TypeGuard[BinaryIO]:
+    """A file, told from chunks by its ``read`` (a file is an iterable too: of lines)."""
+    return hasattr(data, "read")
 
 
 class Files:

@@ -43,7 +43,6 @@ installed (uvicorn's ``auto`` would pick httptools): one parser to watch.
 from __future__ import annotations
 
 import asyncio
-import functools
 import hmac
 import json
 import logging
@@ -294,7 +293,7 @@ class _WatchedFlow(FlowControl):
         self._changed()
 
 
-class _HoldsSlot:
+class _HoldsSlot(asyncio.Protocol):
     """Mixed into uvicorn's WebSocket protocol: a connection upgraded to a WebSocket
     keeps its slot until it closes."""
 
@@ -302,15 +301,22 @@ class _HoldsSlot:
 
     def connection_lost(self, exc: Exception | None) -> None:
         try:
-            super().connection_lost(exc)  # type: ignore[misc]
+            super().connection_lost(exc)
         finally:
             if self.slot is not None:
                 self.slot.release()
 
 
-@functools.cache
+# uvicorn's WebSocket protocol -> it with _HoldsSlot mixed in (made once, not per connection)
+_SLOT_HOLDING: dict[type[asyncio.Protocol], type[asyncio.Protocol]] = {}
+
+
 def _holding_slot(ws_protocol: type[asyncio.Protocol]) -> type[asyncio.Protocol]:
-    return type(ws_protocol.__name__, (_HoldsSlot, ws_protocol), {})
+    made = _SLOT_HOLDING.get(ws_protocol)
+    if made is None:
+        made = type(ws_protocol.__name__, (_HoldsSlot, ws_protocol), {})
+        _SLOT_HOLDING[ws_protocol] = made
+    return made
 
 
 class LimitedH11Protocol(H11Protocol, Evictable):
@@ -326,9 +332,9 @@ class LimitedH11Protocol(H11Protocol, Evictable):
         self._upgraded = False
         self._seen_scope: object = None  # the request whose head was checked for the token
         if self.ws_protocol_class is not None:
-            self.ws_protocol_class = _holding_slot(self.ws_protocol_class)  # type: ignore[arg-type]
+            self.ws_protocol_class = _holding_slot(self.ws_protocol_class)
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # as uvicorn's H11Protocol has it: asyncio gives a stream protocol a Transport
         admitted = self.limiter.admit(client_address(transport), self)
         if not isinstance(admitted, Slot):
             transport.write(_refusal(admitted))

@@ -348,8 +348,10 @@ class GuestExchange:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
                 raise GuestError(f"{self._where()} did not answer in HTTP/1.1: {exc}") from exc
-            if event is not h11.NEED_DATA:
-                return event  # type: ignore[return-value]
+            if isinstance(event, h11.Event):
+                return event
+            if event is h11.PAUSED:  # never: no CONNECT or Upgrade is sent to the guest
+                raise h11.LocalProtocolError("read past the end of the answer")
             data = await read_watching(self.reader, self.link)
             if not data and self.h11.their_state is h11.SEND_RESPONSE:
                 raise GuestError(

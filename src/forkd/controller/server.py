@@ -18,6 +18,7 @@ import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import uvicorn
 from fastapi import FastAPI
@@ -59,7 +60,16 @@ class Server(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def parse_bind(bind: str) -> dict[str, object]:
+class Bind(TypedDict, total=False):
+    """Where the server listens, as ``uvicorn.Config`` takes it: ``uds``, or ``host``
+    and ``port``."""
+
+    uds: str
+    host: str
+    port: int
+
+
+def parse_bind(bind: str) -> Bind:
     """``host:port``, ``:port`` or ``unix:/path/to.sock`` → uvicorn arguments."""
     if bind.startswith("unix:"):
         path = bind[len("unix:") :]
@@ -72,11 +82,11 @@ def parse_bind(bind: str) -> dict[str, object]:
     return {"host": host.strip("[]") or "127.0.0.1", "port": int(port)}
 
 
-def listening_url(where: dict[str, object]) -> str:
+def listening_url(where: Bind) -> str:
     """Where clients reach the daemon (``FORKD_URL``): ``http://HOST:PORT`` or ``unix:PATH``."""
     if "uds" in where:
         return f"unix:{where['uds']}"
-    host = str(where["host"])
+    host = where["host"]
     return f"http://[{host}]:{where['port']}" if ":" in host else f"http://{host}:{where['port']}"
 
 
@@ -283,7 +293,7 @@ def serve(
             if "uds" in where:
                 # Left in place at exit, like uvicorn's (which re-raises SIGTERM after
                 # its shutdown); the next start removes it once nothing listens on it.
-                path = Path(str(where.pop("uds")))
+                path = Path(where.pop("uds"))
                 sock = bind_unix_socket(path)
                 sockets = [sock]
                 log.info("listening on unix socket %s (mode 0600)", path)
@@ -303,7 +313,7 @@ def serve(
                 # A request head or body that does not come in time, and connections
                 # over the caps, are closed: no local process can pile them up.
                 **uvicorn_options(connections),
-                **where,  # type: ignore[arg-type]
+                **where,
             )
             log_redaction.install("uvicorn", "uvicorn.error", "uvicorn.access")  # set up by Config
             if settings.registry_policy is not None:  # SIGHUP: read the policy file again

@@ -106,8 +106,8 @@ class SandboxDNS(asyncio.DatagramProtocol):
         self.tasks: set[asyncio.Task[None]] = set()
         self.transport: asyncio.DatagramTransport | None = None
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # a datagram one
+    def connection_made(self, transport: asyncio.DatagramTransport) -> None:  # type: ignore[override]  # asyncio passes a DatagramTransport (typeshed's DatagramProtocol says so too)
+        self.transport = transport
 
     def datagram_received(self, data: bytes, addr: tuple[str, int]) -> None:
         try:

@@ -113,8 +113,10 @@ class HttpSession:
     ) -> h11.Event:
         while True:
             event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event  # type: ignore[return-value]
+            if isinstance(event, h11.Event):
+                return event
+            if event is h11.PAUSED:  # never: CONNECT is refused, a 101 is spliced (_switched)
+                raise h11.LocalProtocolError("read past the end of a message")
             data = await asyncio.wait_for(reader.read(CHUNK), timeout)
             conn.receive_data(data)
 

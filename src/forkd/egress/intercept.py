@@ -18,6 +18,7 @@ The guest only ever holds placeholders.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 from pathlib import Path
 from typing import Protocol
@@ -83,11 +84,11 @@ class Interceptor:
                 out.append((rule_header.encode(), rule_value.encode()))
         used: list[str] = []
 
-        def fill(match: object) -> str:
-            secret = match.group(1)  # type: ignore[attr-defined]
+        def fill(match: re.Match[str]) -> str:
+            secret = match.group(1)
             value = self.secrets.value_for(secret, name)
             if value is None:
-                return str(match.group(0))  # type: ignore[attr-defined]
+                return str(match.group(0))
             if secret not in used:
                 used.append(secret)
             return value

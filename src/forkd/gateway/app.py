@@ -81,6 +81,6 @@ def serve(
         ws_max_queue=WS_QUEUE,
         timeout_graceful_shutdown=10,
         **uvicorn_options(connections),
-        **parse_bind(bind),  # type: ignore[arg-type]
+        **parse_bind(bind),
     )
     uvicorn.Server(config).run()

@@ -55,7 +55,7 @@ import hashlib
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO
+from typing import IO, Protocol, runtime_checkable
 
 import zstandard
 
@@ -114,7 +114,9 @@ Progress = Callable[[str], None]
 
 class Node:
     """One name in the tree. A directory, file, symlink, device or fifo is its own
-    inode; a hard link is a name whose ``extra`` is the inode it shares."""
+    inode; a hard link is a name whose ``extra`` is the inode it shares. What
+    ``extra`` holds depends on the kind: read it through that kind's accessor
+    (:attr:`children`, :meth:`inode`, :attr:`target`, :attr:`device`, :attr:`runs`)."""
 
     __slots__ = (
         "extra",
@@ -142,17 +144,46 @@ class Node:
         # DIRECTORY: dict of children; SYMLINK: target; devices: (major, minor);
         # FILE: the data runs (offset in file, length) when sparse, else None;
         # HARDLINK: the Node of the inode it names.
-        self.extra: object = {} if kind is Kind.DIRECTORY else None
+        self.extra: dict[str, Node] | str | tuple[int, int] | list[tuple[int, int]] | Node | None
+        self.extra = {} if kind is Kind.DIRECTORY else None
         self.size = 0  # a file's apparent size
         self.offset = 0  # where a file's stored content starts in its layer's data file
 
     @property
     def children(self) -> dict[str, Node]:
-        assert self.kind is Kind.DIRECTORY
-        return self.extra  # type: ignore[return-value]
+        """A directory's names."""
+        if not isinstance(self.extra, dict):
+            raise TypeError(f"a {self.kind.value} has no children")
+        return self.extra
 
     def inode(self) -> Node:
-        return self.extra if self.kind is Kind.HARDLINK else self  # type: ignore[return-value]
+        """The inode this name is: a hard link's target, any other node itself."""
+        if self.kind is not Kind.HARDLINK:
+            return self
+        if not isinstance(self.extra, Node):
+            raise TypeError("a hard link without the inode it names")
+        return self.extra
+
+    @property
+    def target(self) -> str:
+        """A symlink's target."""
+        if not isinstance(self.extra, str):
+            raise TypeError(f"a {self.kind.value} has no link target")
+        return self.extra
+
+    @property
+    def device(self) -> tuple[int, int]:
+        """A device's (major, minor)."""
+        if not isinstance(self.extra, tuple):
+            raise TypeError(f"a {self.kind.value} has no device number")
+        return self.extra
+
+    @property
+    def runs(self) -> list[tuple[int, int]] | None:
+        """A sparse file's data runs (offset in the file, length); None when it is dense."""
+        if self.kind is not Kind.FILE or not (self.extra is None or isinstance(self.extra, list)):
+            raise TypeError(f"a {self.kind.value} has no data runs")
+        return self.extra
 
 
 class Tree:
@@ -213,7 +244,7 @@ class Tree:
                         f"more than {MAX_LINK_HOPS} symbolic links resolving a path "
                         f"(at {shown(part)}, a loop?)"
                     )
-                target: str = inode.extra  # type: ignore[assignment]
+                target = inode.target
                 if target.startswith("/"):
                     del stack[1:]
                 pending.extend(reversed(target.split("/")))
@@ -444,6 +475,11 @@ class LayerStream:
             raise BadArchive(f"the layer decompressed to the tar {got} when merged, not {diff_id}")
 
 
+@runtime_checkable
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
 @contextlib.contextmanager
 def open_layer(path: Path, cap: int) -> Iterator[LayerStream]:
     """The layer at ``path`` as a :class:`LayerStream`."""
@@ -457,8 +493,8 @@ def open_layer(path: Path, cap: int) -> Iterator[LayerStream]:
         try:
             yield LayerStream(stream, cap)
         finally:
-            if stream is not raw:
-                stream.close()  # type: ignore[attr-defined]
+            if stream is not raw and isinstance(stream, _Closable):
+                stream.close()  # the decompressor; ``with`` closes the file
 
 
 def read_layers(

@@ -282,13 +282,13 @@ class _TarWriter:
         link = b""
         major = minor = stored = 0
         if kind is Kind.SYMLINK:
-            link = node.extra.encode("utf-8", "surrogateescape")  # type: ignore[attr-defined]
+            link = node.target.encode("utf-8", "surrogateescape")
         elif kind in (Kind.CHAR_DEVICE, Kind.BLOCK_DEVICE):
-            major, minor = node.extra  # type: ignore[misc]
+            major, minor = node.device
         elif kind is Kind.FILE:
             runs = _runs(node)
             stored = sum(length for _, length in runs)
-            if node.extra is not None:
+            if node.runs is not None:
                 sparse_map = ",".join(f"{o},{n}" for o, n in [*runs, (node.size, 0)])
                 records += [
                     (b"GNU.sparse.map", sparse_map.encode()),
@@ -363,9 +363,8 @@ def walk(root: Node) -> Iterator[tuple[bytes, Node]]:
 
 
 def _runs(node: Node) -> list[tuple[int, int]]:
-    if node.extra is None:
-        return [(0, node.size)]
-    return node.extra  # type: ignore[return-value]
+    runs = node.runs
+    return [(0, node.size)] if runs is None else runs
 
 
 # ---------------------------------------------------------------------- tar headers

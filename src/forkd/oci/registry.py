@@ -31,7 +31,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from http import HTTPStatus
 from types import TracebackType
 from typing import Any
@@ -423,10 +423,11 @@ def _read_at_most(
     """The raw body, at most ``limit`` bytes (more is an error, or with ``cut`` dropped),
     all of it before ``deadline``."""
     buf = bytearray()
+    pieces: Iterable[bytes]
     try:
         pieces = [r.content]  # read already: a transport that does not stream
     except httpx.ResponseNotRead:
-        pieces = r.iter_raw()  # type: ignore[assignment]
+        pieces = r.iter_raw()
     with _reading(what):
         for piece in pieces:
             buf += piece

@@ -1,5 +1,5 @@
-"""Stopping and starting a VM's vCPUs (QMP ``stop``/``cont``), mixed into
-:class:`forkd.vmm.vm.VM`.
+"""Stopping and starting a VM's vCPUs (QMP ``stop``/``cont``): :class:`Vcpus`, which
+:class:`forkd.vmm.vm.VM` holds.
 
 A pause first holds the agent channel (:meth:`AgentClient.hold`): nothing is
 half sent to a guest that cannot read it any more, and no upload payload is
@@ -16,14 +16,25 @@ from forkd.errors import AgentError, Busy, VMError
 from forkd.states import VMState
 from forkd.vmm.agent.client import AgentClient
 from forkd.vmm.qemu.qmp import QMPChannel
-from forkd.vmm.vm_state import VMLifecycle
 
 
-class VcpuControl(VMLifecycle):
-    id: str
-    agent: AgentClient
-    qmp: QMPChannel
-    _raise_if_dead: Callable[[str], None]
+class Vcpus:
+    """One VM's vCPUs: ``set_state`` moves the VM's state once QEMU did as asked,
+    ``raise_if_dead`` says so when it could not because it is gone."""
+
+    def __init__(
+        self,
+        vm_id: str,
+        agent: AgentClient,
+        qmp: QMPChannel,
+        set_state: Callable[[VMState], None],
+        raise_if_dead: Callable[[str], None],
+    ) -> None:
+        self.id = vm_id
+        self.agent = agent
+        self.qmp = qmp
+        self._set_state = set_state
+        self._raise_if_dead = raise_if_dead
 
     async def pause(self) -> None:
         """Freeze the vCPUs, the agent channel held; :class:`Busy` when a request

@@ -35,11 +35,11 @@ from typing import TYPE_CHECKING, Required, TypedDict, Unpack
 from forkd import accel, limits
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.states import VMState
-from forkd.vmm import runtime_meta
+from forkd.vmm import runtime_meta, warm_start
 from forkd.vmm.agent import ops as agent_ops
 from forkd.vmm.agent.client import AgentClient
 from forkd.vmm.agent.ops import GuestOps
-from forkd.vmm.agent.ports import GuestPorts
+from forkd.vmm.agent.ports import HostForwards
 from forkd.vmm.jail import cgroups, egress, network, qemu_user
 from forkd.vmm.qemu import host_processes, launch
 from forkd.vmm.qemu.argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
@@ -52,11 +52,11 @@ from forkd.vmm.snapshot import memory, memory_diff
 from forkd.vmm.snapshot.files import BaseRef, ImageRef, SnapshotFiles, SnapshotLabels
 from forkd.vmm.snapshot.write_tracking import WriteTracker
 from forkd.vmm.snapshot.writer import SnapshotWriter
-from forkd.vmm.vcpu_control import VcpuControl
+from forkd.vmm.vcpu_control import Vcpus
+from forkd.vmm.vm_state import VMLifecycle
 from forkd.vmm.volumes import disks as volumes
 from forkd.vmm.volumes import mounts as volume_mounts
 from forkd.vmm.volumes.disks import Attachment
-from forkd.vmm.warm_start import WarmStart
 
 __all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
 
@@ -92,8 +92,11 @@ class SpawnOptions(TypedDict, total=False):
     cgroup: cgroups.Placement | None
 
 
-class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
-    """A running (or paused, or dead) QEMU process and its agent connection."""
+class VM(GuestOps, VMLifecycle):
+    """A running (or paused, or dead) QEMU process and its agent connection: the guest's
+    operations (:class:`GuestOps`), its state (:class:`VMLifecycle`), and the parts it
+    holds, its vCPUs (:class:`Vcpus`) and the host's way to its ports
+    (:class:`HostForwards`); a pooled VM is warmed by :mod:`forkd.vmm.warm_start`."""
 
     def __init__(
         self,
@@ -119,6 +122,8 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         self.pid = pid
         self.qmp = QMPChannel(vm_id, rt.qmp)
         self.agent = AgentClient(rt.agent)
+        self.vcpus = Vcpus(vm_id, self.agent, self.qmp, self._set_state, self._raise_if_dead)
+        self.forwards = HostForwards(vm_id, self.qmp)
         self.started_at = time.time()
         self.ready_ms: float | None = None  # process start -> agent answered
         self.seed: int | None = None  # its random seed, once restored with one
@@ -394,7 +399,7 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
         seed: int | None = None,
     ) -> None:
         try:
-            result = await self._make_unique(hostname, timeout, seed=seed)
+            result = await self.make_unique(hostname, timeout, seed=seed)
             self.seed = seed
         except AgentError as exc:
             self._raise_if_dead(f"the guest restored from {snap.memory} died")
@@ -447,6 +452,29 @@ class VM(GuestOps, VcpuControl, GuestPorts, WarmStart):
             await asyncio.sleep(0.01)
         self._set_state(VMState.DEAD)
         return True
+
+    # ------------------------------------------------------------ its parts
+
+    async def pause(self) -> None:
+        """Freeze the vCPUs (:meth:`Vcpus.pause`)."""
+        await self.vcpus.pause()
+
+    async def resume(self) -> None:
+        await self.vcpus.resume()
+
+    async def guest_port_address(self, port: int) -> tuple[str, int]:
+        """The host and port the daemon connects to for guest TCP port ``port``."""
+        return await self.forwards.address(port, self.net)
+
+    async def prewarm(self, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:
+        """Restored ahead for the pool, then stopped (:func:`warm_start.prewarm`)."""
+        await warm_start.prewarm(self, timeout)
+
+    async def claim(
+        self, timeout: float = limits.RESTORE_TIMEOUT_SECS, *, seed: int | None = None
+    ) -> None:
+        """A warm VM handed out (:func:`warm_start.claim`)."""
+        await warm_start.claim(self, timeout, seed=seed)
 
     def _raise_if_dead(self, what: str) -> None:
         if not self.is_alive():

@@ -4,8 +4,8 @@ Under TCG most of a fork's latency is translating the guest code its first
 request runs (the agent's ``restore`` path, its socket loop) in a QEMU that
 has translated nothing yet. A pooled VM (:class:`forkd.vmm.pool.ForkPool`)
 therefore does the whole restore in the background, under the sandbox id it
-will have, and stops its vCPUs (:meth:`WarmStart.prewarm`). Handing it out
-(:meth:`WarmStart.claim`) is ``cont`` and one more ``restore``: the clock set
+will have, and stops its vCPUs (:func:`prewarm`). Handing it out
+(:func:`claim`) is ``cont`` and one more ``restore``: the clock set
 to now and the RNGs reseeded again, on code already translated.
 
 What a pooled child has executed before it is handed out: from the
@@ -28,15 +28,13 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 from forkd import agent_wire as wire
 from forkd import limits
 from forkd.errors import ForkdError, VMError
 from forkd.states import VMState
-from forkd.vmm.vm_state import VMLifecycle
 
 log = logging.getLogger(__name__)
 
@@ -55,56 +53,69 @@ def renice(pid: int, nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
 
 
-class WarmStart(VMLifecycle):
-    """Mixed into :class:`forkd.vmm.vm.VM`."""
+class QemuControl(Protocol):
+    async def execute(self, cmd: str) -> object: ...
+
+
+class Warmable(Protocol):
+    """What warming and handing out a pooled VM use of it (:class:`forkd.vmm.vm.VM`)."""
 
     id: str
     pid: int
     ready_ms: float | None
-    qmp: Any
-    # VM's own and GuestOps's, declared only (a mixin's stubs would shadow nothing).
-    finish_restore: Callable[..., Awaitable[None]]
-    _make_unique: Callable[..., Awaitable[wire.RestoreAnswer]]
     seed: int | None
-    exec: Callable[..., Awaitable[wire.ExecAnswer]]
-    kill: Callable[[], Awaitable[None]]
 
-    async def prewarm(self, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:
-        """Restore this VM from :meth:`VM.spawn_incoming` under its own id, then stop its
-        vCPUs: state ``warm``, ready for :meth:`claim`."""
-        renice(self.pid, POOL_NICE)
-        await self.finish_restore(hostname=self.id, timeout=timeout)
-        try:
-            warm = await self.exec(WARM_EXEC, timeout=timeout)
-            if warm.get("exit_code") != 0:  # an image without `true`: only less warm
-                log.info("warming the exec path of %s: %s", self.id, warm)
-            await self.qmp.execute("stop")
-        except BaseException:
-            await self.kill()
-            raise
-        self._set_state(VMState.WARM)
+    @property
+    def state(self) -> VMState: ...
+    @property
+    def qmp(self) -> QemuControl: ...
 
-    async def claim(
-        self, timeout: float = limits.RESTORE_TIMEOUT_SECS, *, seed: int | None = None
-    ) -> None:
-        """Hand out a warm VM: its vCPUs run again and its clock and RNGs are set anew
-        (Python's random from ``seed`` when given). ``ready_ms`` is the claim's own
-        latency. On failure the VM is killed."""
-        if self.state != VMState.WARM:
-            raise VMError(f"{self.id} is not a warm pooled VM (it is {self.state})")
-        started = time.monotonic()
-        try:
-            renice(self.pid, 0)
-            await self.qmp.execute("cont")
-            self._set_state(VMState.RUNNING)
-            result = await self._make_unique(self.id, timeout, seed=seed)
-            self.seed = seed
-        except BaseException as exc:
-            await self.kill()
-            if isinstance(exc, ForkdError) and not isinstance(exc, VMError):
-                raise VMError(f"claiming pooled VM {self.id} failed: {exc}") from exc
-            raise
-        if result.get("rng_reseeded") is not True or result.get("random_reseeded") is not True:
-            await self.kill()
-            raise VMError(f"pooled VM {self.id} could not reseed its RNGs: {result}")
-        self.ready_ms = (time.monotonic() - started) * 1000
+    def _set_state(self, new: VMState) -> None: ...
+    async def finish_restore(self, *, hostname: str | None = ..., timeout: float = ...) -> None: ...
+    async def exec(self, argv: list[str], *, timeout: float = ...) -> wire.ExecAnswer: ...
+    async def make_unique(
+        self, hostname: str, wait: float, *, seed: int | None = ...
+    ) -> wire.RestoreAnswer: ...
+    async def kill(self) -> None: ...
+
+
+async def prewarm(vm: Warmable, timeout: float = limits.RESTORE_TIMEOUT_SECS) -> None:
+    """Restore ``vm`` from :meth:`VM.spawn_incoming` under its own id, then stop its
+    vCPUs: state ``warm``, ready for :func:`claim`."""
+    renice(vm.pid, POOL_NICE)
+    await vm.finish_restore(hostname=vm.id, timeout=timeout)
+    try:
+        warm = await vm.exec(WARM_EXEC, timeout=timeout)
+        if warm.get("exit_code") != 0:  # an image without `true`: only less warm
+            log.info("warming the exec path of %s: %s", vm.id, warm)
+        await vm.qmp.execute("stop")
+    except BaseException:
+        await vm.kill()
+        raise
+    vm._set_state(VMState.WARM)
+
+
+async def claim(
+    vm: Warmable, timeout: float = limits.RESTORE_TIMEOUT_SECS, *, seed: int | None = None
+) -> None:
+    """Hand out a warm VM: its vCPUs run again and its clock and RNGs are set anew
+    (Python's random from ``seed`` when given). ``ready_ms`` is the claim's own
+    latency. On failure the VM is killed."""
+    if vm.state != VMState.WARM:
+        raise VMError(f"{vm.id} is not a warm pooled VM (it is {vm.state})")
+    started = time.monotonic()
+    try:
+        renice(vm.pid, 0)
+        await vm.qmp.execute("cont")
+        vm._set_state(VMState.RUNNING)
+        result = await vm.make_unique(vm.id, timeout, seed=seed)
+        vm.seed = seed
+    except BaseException as exc:
+        await vm.kill()
+        if isinstance(exc, ForkdError) and not isinstance(exc, VMError):
+            raise VMError(f"claiming pooled VM {vm.id} failed: {exc}") from exc
+        raise
+    if result.get("rng_reseeded") is not True or result.get("random_reseeded") is not True:
+        await vm.kill()
+        raise VMError(f"pooled VM {vm.id} could not reseed its RNGs: {result}")
+    vm.ready_ms = (time.monotonic() - started) * 1000

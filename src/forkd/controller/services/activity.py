@@ -9,7 +9,7 @@ import functools
 import time
 from collections.abc import Callable, Iterator
 
-from forkd.controller.store import SandboxRow
+from forkd.controller.store_rows import SandboxRow
 from forkd.states import SandboxState
 
 # The request being answered: the sandboxes it uses, each with what ends that use

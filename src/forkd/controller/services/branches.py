@@ -31,7 +31,7 @@ from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, memory_file, snapshot_row
-from forkd.controller.store import SandboxRow, SnapshotRow, merged_labels, now
+from forkd.controller.store_rows import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
 from forkd.states import BranchMode, SandboxState, SnapshotMode, SnapshotStatus, VMState

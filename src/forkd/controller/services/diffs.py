@@ -49,7 +49,7 @@ from forkd.controller.services.manifests import (
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.waking import Waker
-from forkd.controller.store import SandboxRow, SnapshotRow
+from forkd.controller.store_rows import SandboxRow, SnapshotRow
 from forkd.errors import Conflict, ForkdError, GuestError, NotFound
 from forkd.vmm.snapshot import files as snapshot_files
 
@@ -275,7 +275,7 @@ def _change(d: Difference) -> DiffChange:
     return DiffChange(
         path=d.path,
         change=d.change,
-        kind=d.kind,  # type: ignore[arg-type]
+        kind=d.kind,
         size=d.size,
         mode=d.mode,
     )

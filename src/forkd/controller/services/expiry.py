@@ -28,7 +28,7 @@ from forkd.controller.models import BranchRequest
 from forkd.controller.services.branches import BranchService
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
-from forkd.controller.store import SandboxRow
+from forkd.controller.store_rows import SandboxRow
 from forkd.errors import Busy, ForkdError, StorageFull
 from forkd.states import OnTimeout, SandboxState
 

@@ -53,7 +53,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.network import NetworkService
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshots import SnapshotService
-from forkd.controller.store import merged_labels
+from forkd.controller.store_rows import merged_labels
 from forkd.errors import Busy, Conflict, ForkdError
 
 log = logging.getLogger(__name__)

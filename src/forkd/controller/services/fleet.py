@@ -33,7 +33,8 @@ from forkd.controller.services.holds import Holds
 from forkd.controller.services.host_memory import MemoryWatch
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.settings import Settings
-from forkd.controller.store import SandboxRow, SnapshotRow, Store
+from forkd.controller.store import Store
+from forkd.controller.store_rows import SandboxRow, SnapshotRow
 from forkd.egress.ca import EgressCA
 from forkd.egress.intercept import Interceptor, SecretSource
 from forkd.egress.proxy import EgressProxy

@@ -29,7 +29,7 @@ from forkd.controller.services.disk_room import require_room
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.sandbox_vm import SandboxVM
-from forkd.controller.store import SandboxChanges
+from forkd.controller.store_rows import SandboxChanges
 from forkd.errors import Busy, Conflict, ForkdError, SnapshotError, StorageFull, VMError
 from forkd.states import SandboxState
 from forkd.vmm.jail.network import SandboxNet

@@ -21,7 +21,7 @@ from typing import Any, Protocol, TypeVar
 from forkd.controller.services.fleet import Fleet, vm_id_prefixes
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
-from forkd.controller.store import SandboxRow
+from forkd.controller.store_rows import SandboxRow
 from forkd.errors import SnapshotError
 from forkd.guest import image_sharing
 from forkd.image_import import leftovers

@@ -28,7 +28,8 @@ from typing import Any, Literal
 
 from forkd.errors import GuestError
 
-KINDS = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
+EntryKind = Literal["file", "dir", "symlink", "other"]
+KINDS: dict[str, EntryKind] = {"f": "file", "d": "dir", "l": "symlink", "o": "other"}
 ABSENT = "-"
 RECORD_FIELDS = 6
 _FIND_TIME = re.compile(rb"(-?[0-9]{1,20})\.([0-9]{1,10})")
@@ -96,7 +97,7 @@ class Manifest:
 class Difference:
     path: str
     change: Change
-    kind: str  # file, dir, symlink, other
+    kind: EntryKind
     size: int
     mode: int
 

@@ -17,12 +17,14 @@ import base64
 import binascii
 import codecs
 from dataclasses import dataclass
+from typing import Literal
 
 from forkd import agent_wire as wire
 from forkd.controller.models import OutputData, OutputEvent, OutputExit, OutputGap
 from forkd.errors import GuestError
 
-STREAMS = ("stdout", "stderr", "pty")
+Stream = Literal["stdout", "stderr", "pty"]
+STREAMS: tuple[Stream, ...] = ("stdout", "stderr", "pty")
 # The chunks one answer may hold: the agent's ring holds no more. Each becomes an event
 # at worst; a guest sending more would have the loop make them all.
 MAX_CHUNKS = wire.RING_MAX_CHUNKS
@@ -33,7 +35,7 @@ _NOT_ESCAPED_LONG = bytes(b for b in range(256) if b not in _ESCAPED_LONG)
 
 @dataclass(frozen=True)
 class Chunk:
-    stream: str
+    stream: Stream
     offset: int
     data: bytes
 
@@ -87,11 +89,17 @@ def _int(value: object) -> int:
     return value
 
 
+def _stream(name: object) -> Stream:
+    for stream in STREAMS:
+        if name == stream:
+            return stream
+    raise ValueError(f"unknown stream {name!r}")
+
+
 def _chunk(raw: wire.OutputChunk) -> Chunk:
-    if raw["stream"] not in STREAMS:
-        raise ValueError(f"unknown stream {raw['stream']!r}")
+    stream = _stream(raw["stream"])
     data = base64.b64decode(raw["data"], validate=True)
-    return Chunk(raw["stream"], _int(raw["offset"]), data)
+    return Chunk(stream, _int(raw["offset"]), data)
 
 
 def _sized(raw: wire.ProcReadAnswer, tail: object) -> list[Chunk]:
@@ -100,10 +108,9 @@ def _sized(raw: wire.ProcReadAnswer, tail: object) -> list[Chunk]:
         raise TypeError("raw output is not bytes")
     chunks, pos = [], 0
     for c in raw["chunks"]:
-        if c["stream"] not in STREAMS:
-            raise ValueError(f"unknown stream {c['stream']!r}")
+        stream = _stream(c["stream"])
         size = _int(c["size"])
-        chunks.append(Chunk(c["stream"], _int(c["offset"]), tail[pos : pos + size]))
+        chunks.append(Chunk(stream, _int(c["offset"]), tail[pos : pos + size]))
         pos += size
     if pos != len(tail):
         raise ValueError(f"the chunks hold {pos} bytes, the raw output {len(tail)}")
@@ -134,7 +141,7 @@ def _escapes_long(data: bytes) -> bool:
     return escaped * 5 > len(data) // 3  # 5 extra characters each, base64 adds a third
 
 
-def _data_event(stream: str, offset: int, data: bytes, text: str | None) -> OutputEvent:
+def _data_event(stream: Stream, offset: int, data: bytes, text: str | None) -> OutputEvent:
     end = offset + len(data)
     body = OutputData(
         data=text if text is not None else base64.b64encode(data).decode(),
@@ -142,7 +149,7 @@ def _data_event(stream: str, offset: int, data: bytes, text: str | None) -> Outp
         offset=offset,
         next_offset=end,
     )
-    return OutputEvent(stream, body, next_offset=end)  # type: ignore[arg-type]
+    return OutputEvent(stream, body, next_offset=end)
 
 
 class OutputEvents:

@@ -33,7 +33,7 @@ from typing import Any
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernation import HibernateService
 from forkd.controller.services.periodic import Periodic, finish_or_cancel
-from forkd.controller.store import SandboxRow
+from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, StorageFull
 from forkd.states import SandboxState
 

@@ -34,7 +34,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, memory_file
 from forkd.controller.services.waking import Waker
-from forkd.controller.store import (
+from forkd.controller.store_rows import (
     SandboxChanges,
     SandboxRow,
     SnapshotRow,

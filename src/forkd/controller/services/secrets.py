@@ -16,7 +16,8 @@ from forkd import limits
 from forkd.controller import log_redaction
 from forkd.controller.models.network import SecretCreate, SecretInfo, SecretUpdate
 from forkd.controller.secret_box import SecretBox, SecretKeyError
-from forkd.controller.store import SecretRow, Store
+from forkd.controller.store import Store
+from forkd.controller.store_rows import SecretRow
 from forkd.errors import Conflict, Invalid, NotFound
 from forkd.host_names import Destination, parse_destinations
 

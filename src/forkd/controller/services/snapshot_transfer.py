@@ -36,7 +36,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.received import receive_to
 from forkd.controller.services.snapshot_archive import ArchiveReader, ArchiveWriter, MeteredFile
 from forkd.controller.services.snapshots import SnapshotService, snapshot_row
-from forkd.controller.store import SnapshotRow, now
+from forkd.controller.store_rows import SnapshotRow, now
 from forkd.disk_reserve import DiskReserve, free_bytes
 from forkd.errors import (
     Busy,

@@ -30,7 +30,7 @@ from forkd.controller.services.images import ImageService
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.template_start import TemplateSetupFailed
 from forkd.controller.services.volumes import VolumeService
-from forkd.controller.store import SnapshotRow, labelled, now
+from forkd.controller.store_rows import SnapshotRow, labelled, now
 from forkd.errors import (
     AgentError,
     Conflict,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd import limits
-from forkd.controller.store import SnapshotRow, now
+from forkd.controller.store_rows import SnapshotRow, now
 from forkd.errors import Conflict, UpstreamError
 from forkd.oci import artifact, host_needs, image_files, pull
 from forkd.vmm.qemu.argv import MachineConfig

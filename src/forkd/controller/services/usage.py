@@ -37,7 +37,7 @@ from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.periodic import Periodic
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import iso_time
-from forkd.controller.store import SandboxRow
+from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, NotFound
 from forkd.states import SandboxState
 

@@ -20,7 +20,7 @@ from forkd.controller.models import SandboxCreate, WorkspaceCreate, WorkspaceInf
 from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.sandboxes import SandboxService
-from forkd.controller.store import WorkspaceRow, now
+from forkd.controller.store_rows import WorkspaceRow, now
 from forkd.errors import Conflict, Invalid, NotFound
 from forkd.states import SandboxState
 

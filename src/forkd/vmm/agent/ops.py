@@ -303,9 +303,9 @@ class GuestOps:
         which stood still while paused, and reseed its RNGs; the hostname stays."""
         await self._wait_agent(timeout)
         # A seeded sandbox's random goes on where it was: a pause clones nothing.
-        await self._make_unique(self.id, timeout, keep_random=self.seed is not None)
+        await self.make_unique(self.id, timeout, keep_random=self.seed is not None)
 
-    async def _make_unique(
+    async def make_unique(
         self, hostname: str, wait: float, *, seed: int | None = None, keep_random: bool = False
     ) -> wire.RestoreAnswer:
         """After a restore: the wall-clock time, fresh entropy and a new hostname; Python's

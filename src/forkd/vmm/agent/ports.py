@@ -1,4 +1,5 @@
-"""Where the host reaches a TCP port of a VM's guest, mixed into :class:`forkd.vmm.vm.VM`.
+"""Where the host reaches a TCP port of a VM's guest: :class:`HostForwards`, which
+:class:`forkd.vmm.vm.VM` holds.
 
 With a network namespace the guest's ports are at the namespace's address
 (DNAT to the guest inside it: :func:`forkd.vmm.jail.network.namespace_ruleset`).
@@ -39,22 +40,26 @@ def _free_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-class GuestPorts:
-    id: str
-    net: SandboxNet | None
-    qmp: QMPChannel
+class HostForwards:
+    """One VM's guest ports as the host reaches them; with user-mode networking, the
+    loopback ports QEMU forwards, added at first use and kept for the VM's life."""
 
-    async def guest_port_address(self, port: int) -> tuple[str, int]:
-        """The host and port the daemon connects to for guest TCP port ``port``."""
+    def __init__(self, vm_id: str, qmp: QMPChannel) -> None:
+        self.id = vm_id
+        self.qmp = qmp
+        self._forwards: dict[int, int] = {}  # guest port -> the loopback port to it
+        self._lock = asyncio.Lock()
+
+    async def address(self, port: int, net: SandboxNet | None) -> tuple[str, int]:
+        """The host and port the daemon connects to for guest TCP port ``port`` (at
+        the namespace's address with ``net``)."""
         check_guest_port(port)
-        if self.net is not None:
-            return self.net.ns_ip, port
-        forwards: dict[int, int] = self.__dict__.setdefault("_host_forwards", {})
-        lock: asyncio.Lock = self.__dict__.setdefault("_host_forwards_lock", asyncio.Lock())
-        async with lock:
-            if port not in forwards:
-                forwards[port] = await self._add_host_forward(port)
-        return LOOPBACK, forwards[port]
+        if net is not None:
+            return net.ns_ip, port
+        async with self._lock:
+            if port not in self._forwards:
+                self._forwards[port] = await self._add_host_forward(port)
+        return LOOPBACK, self._forwards[port]
 
     async def _add_host_forward(self, port: int) -> int:
         """A new loopback port that QEMU forwards to guest ``port``."""

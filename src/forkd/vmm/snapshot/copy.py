@@ -16,11 +16,23 @@ import secrets
 import shutil
 import time
 from pathlib import Path
+from typing import TypedDict
 
 from forkd.errors import SnapshotError, StorageFull
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory, memory_diff
 from forkd.vmm.snapshot.files import BaseRef, SnapshotFiles, SnapshotLabels
+
+
+class _DiffFields(TypedDict, total=False):
+    """What a copy's ``snapshot.json`` says of its memory when it is a diff (nothing for a
+    full copy: the source's own fields stand)."""
+
+    mode: str
+    base: BaseRef
+    chain: tuple[BaseRef, ...]
+    pages_written: int
+    format: int
 
 
 def copy_snapshot(
@@ -45,7 +57,7 @@ def copy_snapshot(
         staging.mkdir(mode=0o700)
         if base is None:
             _copy_memory(files.memory, staging / snapshot_files.MEMORY, files.meta.memory_bytes)
-            diff: dict[str, object] = {}
+            diff: _DiffFields = {}
         else:
             diff = _diff_memory(files, staging, base)
         for path in src.iterdir():
@@ -63,7 +75,7 @@ def copy_snapshot(
             parent_tag=labels.parent_tag,
             pause_ms=labels.pause_ms,
             id=snapshot_files.new_id(),  # another snapshot: the compaction alone keeps an id
-            **diff,  # type: ignore[arg-type]
+            **diff,
         )
         meta_path = snapshot_files.write_meta(staging, meta)
         for path in (staging / snapshot_files.VMSTATE, meta_path):
@@ -80,7 +92,7 @@ def copy_snapshot(
     return SnapshotFiles(dest, meta)
 
 
-def _diff_memory(files: SnapshotFiles, staging: Path, base: BaseRef) -> dict[str, object]:
+def _diff_memory(files: SnapshotFiles, staging: Path, base: BaseRef) -> _DiffFields:
     """Write ``files``' memory as a diff over ``base`` into ``staging``; the record's fields."""
     base_files = snapshot_files.load(Path(base.dir))
     if base.id is not None and base_files.meta.id != base.id:

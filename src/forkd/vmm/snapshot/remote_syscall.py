@@ -76,8 +76,8 @@ def supported() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
 
 
-def _ptrace(request: int, tid: int, addr: int = 0, data: object = 0) -> int:
-    arg = ctypes.byref(data) if isinstance(data, ctypes.Structure) else ctypes.c_void_p(data)  # type: ignore[arg-type]
+def _ptrace(request: int, tid: int, addr: int = 0, data: int | ctypes.Structure = 0) -> int:
+    arg = ctypes.byref(data) if isinstance(data, ctypes.Structure) else ctypes.c_void_p(data)
     result = _libc.ptrace(request, tid, ctypes.c_void_p(addr), arg)
     if result == -1:
         err = ctypes.get_errno()

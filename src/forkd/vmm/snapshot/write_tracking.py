@@ -30,6 +30,7 @@ import os
 import struct
 import threading
 from dataclasses import dataclass, field
+from typing import Literal
 
 from forkd.vmm.snapshot import remote_syscall
 
@@ -68,7 +69,7 @@ class _PageRegion(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint64) for name in ("start", "end", "categories")]
 
 
-_problem: str | bool | None = False  # False: not probed yet
+_problem: str | Literal[False] | None = False  # False: not probed yet
 
 
 def problem() -> str | None:
@@ -76,7 +77,7 @@ def problem() -> str | None:
     global _problem
     if _problem is False:
         _problem = _probe()
-    return _problem  # type: ignore[return-value]
+    return _problem
 
 
 def _probe() -> str | None:

@@ -1,0 +1,446 @@
+"""The options of ``forkd serve`` (each with its environment variable and help), and of
+``forkd gateway`` where the two share them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+BindOpt = Annotated[str, typer.Option(envvar="FORKD_BIND", help="HOST:PORT or unix:/path/to.sock")]
+
+StateDirOpt = Annotated[
+    Path | None,
+    typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
+]
+
+SnapshotRootOpt = Annotated[
+    Path | None,
+    typer.Option(envvar="FORKD_SNAPSHOT_ROOT", help="Default: <state-dir>/snapshots."),
+]
+
+TokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_TOKEN_FILE",
+        help="Require the token in this file (default: <state-dir>/token, written "
+        "on the first start, mode 0600).",
+    ),
+]
+
+InsecureNoAuthOpt = Annotated[
+    bool,
+    typer.Option(
+        "--insecure-no-auth",
+        help="Answer every request without a token. Anyone who reaches the address "
+        "can run code in every sandbox.",
+    ),
+]
+
+BranchConcurrencyOpt = Annotated[
+    int, typer.Option(envvar="FORKD_BRANCH_CONCURRENCY", min=1, max=64)
+]
+
+AccelOpt = Annotated[str | None, typer.Option(envvar="FORKD_ACCEL", help="auto, kvm or tcg.")]
+
+KillOnExitOpt = Annotated[
+    bool, typer.Option(help="Kill every sandbox on shutdown instead of leaving them.")
+]
+
+PoolSizeOpt = Annotated[
+    int,
+    typer.Option(
+        envvar="FORKD_POOL_SIZE",
+        min=0,
+        max=1024,
+        help="The most QEMU processes kept warm per recently forked snapshot, as many as "
+        "its largest recent fork request (0: none); --pool-memory caps them all.",
+    ),
+]
+
+PoolMemoryOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--pool-memory",
+        envvar="FORKD_POOL_MEMORY_MIB",
+        min=0,
+        help="Host memory (MiB) all waiting pooled QEMUs may hold (default: 1/16 of RAM, "
+        "256 to 4096).",
+    ),
+]
+
+MaxSandboxesOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MAX_SANDBOXES",
+        min=1,
+        help="Sandboxes running or starting at once; more is a 429 (default: what the "
+        "host's memory holds at 48 MiB each above --memory-reserve, at most 1000).",
+    ),
+]
+
+MemoryOvercommitOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_MEMORY_OVERCOMMIT",
+        min=0.1,
+        max=100.0,
+        metavar="RATIO",
+        help="Guest RAM given to sandboxes and template builds, over the host's RAM: what "
+        "they would take if every guest filled its memory; more is a 429.",
+    ),
+]
+
+MemoryReserveOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MEMORY_RESERVE",
+        min=0,
+        metavar="MIB",
+        help="Host memory kept available: a sandbox whose real share would not fit above "
+        "it is a 429 (default: a sixteenth of the RAM, at least 1024).",
+        show_default=False,
+    ),
+]
+
+ReclaimLowOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_RECLAIM_LOW",
+        min=0,
+        metavar="MIB",
+        help="Low watermark: when the host has less memory available, idle sandboxes are "
+        "hibernated, least recently used first (default: twice --memory-reserve; 0: never).",
+        show_default=False,
+    ),
+]
+
+ReclaimHighOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_RECLAIM_HIGH",
+        min=0,
+        metavar="MIB",
+        help="High watermark: reclaim stops once this much is available (default: three "
+        "times --memory-reserve).",
+        show_default=False,
+    ),
+]
+
+ReclaimIdleOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_RECLAIM_IDLE",
+        min=0,
+        metavar="SECONDS",
+        help="A sandbox with no request and no process output this long is idle: reclaim "
+        "may hibernate it.",
+    ),
+]
+
+DiskReserveOpt = Annotated[
+    int,
+    typer.Option(
+        envvar="FORKD_DISK_RESERVE",
+        min=0,
+        metavar="MIB",
+        help="Free disk under the snapshot root that no branch, template build or "
+        "hibernation starts writing into; reclaim keeps a guest's memory free besides.",
+    ),
+]
+
+MaxGuestMemoryOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MAX_GUEST_MEMORY",
+        min=128,
+        metavar="MIB",
+        help="Guest RAM of sandboxes and template builds together; more is a 429 "
+        "(default: --memory-overcommit times the host's RAM).",
+    ),
+]
+
+CgroupParentOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_CGROUP_PARENT",
+        help="Each VM's cgroup is <parent>/<vm id> (v2, or v1 per controller); "
+        "'none': no cgroups, no memory, CPU or process caps.",
+    ),
+]
+
+NetworkOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_NETWORK",
+        help="auto: a network namespace per VM when root with nftables, else QEMU's "
+        "user-mode NAT without egress; netns; user.",
+    ),
+]
+
+SandboxCidrOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_SANDBOX_CIDR",
+        help="Host-side addresses of the namespaces, a /30 per VM.",
+    ),
+]
+
+EgressHostNetworkOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--egress-host-network",
+        envvar="FORKD_EGRESS_HOST_NETWORKS",
+        help="A network (CIDR) of this host's own that sandboxes may reach when their "
+        "policy lets them (repeatable). By default none is: not the host's addresses, "
+        "nor any network it is attached to (its LAN, its gateway, container bridges).",
+    ),
+]
+
+ShowHostPathsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--show-host-paths",
+        envvar="FORKD_SHOW_HOST_PATHS",
+        help="Answers name a snapshot's files (dir, vmstate, memory) by their paths on this "
+        "host, as the original forkd did; by default as the daemon's own "
+        "(snapshots/TAG/vmstate), so a token holder learns no host path.",
+    ),
+]
+
+QemuUserOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_QEMU_USER",
+        help="per-vm: once it has opened its files, each QEMU drops to a uid and gid of "
+        "its own from --vm-uid-range; none: QEMU keeps the daemon's user. A user name "
+        "(the old form) is taken as per-vm, with a warning.",
+    ),
+]
+
+VmUidRangeOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_VM_UID_RANGE",
+        metavar="START-END",
+        help="The uids (and gids, the same numbers) QEMUs drop to, one per running VM; "
+        "no passwd entries needed. Give it to forkd alone: no user, no subuid range.",
+    ),
+]
+
+MaxUploadOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-upload-mib",
+        envvar="FORKD_MAX_UPLOAD_MIB",
+        min=1,
+        help="Largest file upload, in MiB; it streams to the guest, whose free space is "
+        "the real bound (507 when full).",
+    ),
+]
+
+InsecureRegistryOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--insecure-registry",
+        envvar="FORKD_INSECURE_REGISTRIES",
+        metavar="HOST[:PORT]",
+        help="An OCI registry spoken to over plain HTTP; repeatable. The only registries "
+        "plain HTTP goes to, and the only ones on this host (loopback) a push or pull may "
+        "reach: list a local registry here.",
+    ),
+]
+
+DefaultRegistryOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--default-registry",
+        envvar="FORKD_DEFAULT_REGISTRY",
+        metavar="HOST[:PORT]",
+        help="Where a reference without a registry host (python:3.12) points; docker.io "
+        "adds Docker Hub's library/. Default: none, such references are refused.",
+    ),
+]
+
+RegistryAuthOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_REGISTRY_AUTH",
+        help="docker's config.json with registry credentials (auths). Default: "
+        "$DOCKER_CONFIG/config.json, else ~/.docker/config.json.",
+    ),
+]
+
+EgressProxyOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_EGRESS_PROXY",
+        help="on: every TCP connection a guest opens goes through the daemon's egress "
+        "proxy, decided by name (TLS SNI, HTTP Host), secrets put in on the way out. off: "
+        "the kernel decides by address alone (names resolved once), no secrets.",
+    ),
+]
+
+EgressHostsOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_EGRESS_HOSTS",
+        help="A hosts(5) file of names the egress proxy resolves before DNS: the "
+        "operator's word, so they may point at private addresses (read again on change).",
+    ),
+]
+
+EgressCaFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_EGRESS_CA_FILE",
+        help="PEM certificates the egress proxy also trusts when it connects to an "
+        "intercepted host (an operator's private CA), besides the host's own store.",
+    ),
+]
+
+EgressRateOpt = Annotated[
+    str,
+    typer.Option(
+        envvar="FORKD_EGRESS_RATE",
+        help="Bytes a second each sandbox may move through the egress proxy, each way "
+        "(e.g. 20M; a second's worth may come at once), or off.",
+    ),
+]
+SecretsKeyFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        envvar="FORKD_SECRETS_KEY_FILE",
+        help="The key that seals secrets at rest: 32 bytes, raw or base64, in a file only "
+        "the daemon's user may read (never made: yours to keep). Default: "
+        "<state-dir>/secrets.key, made at the first secret.",
+    ),
+]
+
+PreviewDomainOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--preview-domain",
+        envvar="FORKD_PREVIEW_DOMAIN",
+        metavar="[SCHEME://]DOMAIN[:PORT]",
+        help="Give each preview URL a host of its own, PORT-SANDBOX.DOMAIN (point a "
+        "wildcard DNS record *.DOMAIN at this daemon): a browser origin per sandbox and "
+        "port, apart from the API and the console. Scheme and port default to those the "
+        "URL was asked by. Default: previews are on the daemon's own origin.",
+    ),
+]
+
+DockerHostOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--docker-host",
+        envvar="FORKD_DOCKER_HOST",
+        metavar="unix://PATH",
+        help="The Docker Engine docker-daemon: image references are exported from; "
+        "'none': such references are refused. Default: $DOCKER_HOST (unix:// only), "
+        "else /var/run/docker.sock.",
+    ),
+]
+
+RegistryPolicyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--registry-policy",
+        envvar="FORKD_REGISTRY_POLICY",
+        metavar="FILE",
+        help="A TOML file of more insecure_registries, a default_registry and "
+        "image_archive_dirs, read again whenever it changes (and on SIGHUP): open or close "
+        "a registry without a restart. See RUNBOOK.",
+    ),
+]
+
+ImageArchiveDirOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--image-archive-dir",
+        envvar="FORKD_IMAGE_ARCHIVE_DIRS",
+        metavar="DIR",
+        help="A directory whose image archives and OCI layouts clients may import "
+        "(docker-archive:, oci-archive:, oci: references); repeatable. The daemon reads "
+        "them with its own rights, so none is allowed unless listed.",
+    ),
+]
+
+MaxImageOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-image-mib",
+        envvar="FORKD_MAX_IMAGE_MIB",
+        min=1,
+        help="What an imported container image's files may expand to, in MiB (one layer, "
+        "and all merged); an import past it is refused (400), however small its layers.",
+    ),
+]
+
+MaxImageEntriesOpt = Annotated[
+    int,
+    typer.Option(
+        "--max-image-entries",
+        envvar="FORKD_MAX_IMAGE_ENTRIES",
+        min=1,
+        help="Entries (files, directories, links) an imported image may hold, in one layer "
+        "and all merged; past it the import is refused (400). Merging costs CPU by the entry.",
+    ),
+]
+ImportTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--import-timeout",
+        envvar="FORKD_IMPORT_TIMEOUT",
+        min=1,
+        help="Seconds one image import may take in all, fetching and flattening; past it "
+        "the import is stopped (504) and keeps nothing half-made.",
+    ),
+]
+
+HeaderTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_HEADER_TIMEOUT",
+        min=0.1,
+        metavar="SECS",
+        help="A connection sends a whole request head within this long of opening, or of "
+        "its last answer (the idle keep-alive wait), or it is closed.",
+    ),
+]
+
+BodyIdleTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        envvar="FORKD_BODY_IDLE_TIMEOUT",
+        min=0.1,
+        metavar="SECS",
+        help="While a request body is being read, this long without a byte closes the "
+        "connection. Never while an answer streams or a WebSocket is open.",
+    ),
+]
+
+MaxConnectionsPerAddressOpt = Annotated[
+    int,
+    typer.Option(
+        envvar="FORKD_MAX_CONNECTIONS_PER_ADDRESS",
+        min=1,
+        help="Connections open at once from one client IP address; more are refused (503). "
+        "Unix-socket clients count against --max-connections only. Behind a proxy, every "
+        "client has the proxy's address.",
+    ),
+]
+
+MaxConnectionsOpt = Annotated[
+    int | None,
+    typer.Option(
+        envvar="FORKD_MAX_CONNECTIONS",
+        min=1,
+        help="Client connections open at once, WebSockets included; more are refused (503) "
+        "(default: 1024, or half the open-file limit when that is less).",
+        show_default=False,
+    ),
+]
+
+LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
