@@ -166,7 +166,7 @@ case "$cmd" in
         log "ruff"
         "$VENV/bin/ruff" check src tests bench
         "$VENV/bin/ruff" format --check src tests bench
-        log "mypy (strict on the daemon's packages: [tool.mypy] in pyproject.toml)"
+        log "mypy (strict on src/, every test's body checked: [tool.mypy] in pyproject.toml)"
         "$VENV/bin/mypy" --cache-dir "$VENV/.mypy_cache"
         test_archives_on_newest_python
         log "pytest on $("$VENV/bin/python" --version)"

@@ -4,9 +4,22 @@ This top-level package stays import-light: the SDK must not pull in the
 daemon's dependencies (QEMU driver, FastAPI, ...).
 """
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-_SDK = (
+if TYPE_CHECKING:  # what a type checker sees; at run time they load on first use
+    from forkd.client import (
+        AsyncController,
+        AsyncSandbox,
+        AsyncSnapshot,
+        Controller,
+        ControllerError,
+        Sandbox,
+        Snapshot,
+    )
+
+__all__ = [
     "AsyncController",
     "AsyncSandbox",
     "AsyncSnapshot",
@@ -14,8 +27,9 @@ _SDK = (
     "ControllerError",
     "Sandbox",
     "Snapshot",
-)
-__all__ = [*_SDK, "__version__"]
+    "__version__",
+]
+_SDK = frozenset(__all__) - {"__version__"}
 
 
 def __getattr__(name: str) -> object:

@@ -86,11 +86,14 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
             return await _daemon(use(ctl))
 
     _command_tools(server, with_daemon)
+    _file_tools(server, with_daemon)
     _lifecycle_tools(server, with_daemon)
     _search_tools(server, with_daemon)
     _image_tools(server, with_daemon)
+    _snapshot_tools(server, with_daemon)
     _network_tools(server, with_daemon)
     _original_tools(server, with_daemon)
+    _original_guest_tools(server, with_daemon)
 
     @server.resource(TREE_URI, name="lineage", mime_type="application/json")
     async def tree() -> str:
@@ -161,6 +164,10 @@ def _command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
             "stderr": result.stderr,
             "error": result.error,
         }
+
+
+def _file_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Whole files in and out of a sandbox."""
 
     @server.tool()
     async def read_file(sandbox_id: str, path: str) -> dict[str, Any]:
@@ -333,6 +340,10 @@ def _image_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
         and the references they were imported as)."""
         return list(await with_daemon(lambda c: c.list_images()))
 
+
+def _snapshot_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """A template built (and, from a container image, imported first)."""
+
     @server.tool()
     async def create_snapshot(
         tag: str,
@@ -411,6 +422,10 @@ def _original_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
     async def get_sandbox(sandbox_id: str) -> dict[str, Any]:
         """One sandbox's SandboxInfo."""
         return dict(await with_daemon(lambda c: c.get_sandbox(sandbox_id)))
+
+
+def _original_guest_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """The original forkd MCP server's tools that talk to a sandbox's guest."""
 
     @server.tool()
     async def exec_command(

@@ -95,7 +95,7 @@ def test_files_streamed_both_ways(server: Server, sid: str, tmp_path: Path) -> N
             await sb.files.download("/tmp/tree", tmp_path / "back", directory=True)
             assert (tmp_path / "back" / "tree" / "sub" / "f.txt").read_text() == "in a directory"
             # A bytearray is sent as its bytes, not iterated as integers.
-            await ctl.upload_file(sid, "/tmp/ba", bytearray(b"abc"))  # type: ignore[arg-type]  # a bytearray, off its types on purpose
+            await ctl.upload_file(sid, "/tmp/ba", bytearray(b"abc"))
             assert await sb.files.read("/tmp/ba") == b"abc"
             with pytest.raises(ControllerError) as missing:
                 await sb.files.read("/tmp/none")

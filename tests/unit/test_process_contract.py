@@ -22,11 +22,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
 
 from forkd import agent_wire as wire
+from forkd.controller.services.sandbox_vm import ProcessOps
 from forkd.errors import AgentError
 from forkd.vmm.agent.client import AgentClient
 from forkd.vmm.agent.ops import GuestOps
@@ -47,37 +48,6 @@ SCRIPTS = {
     "flood": f"#!{sys.executable}\nimport sys\n"
     "while True:\n    sys.stdout.buffer.write(b'x' * 65536)\n",
 }
-
-
-class ProcessOps(Protocol):
-    """The VM methods of the protocol, as GuestOps and FakeVM both have them."""
-
-    async def proc_start(
-        self,
-        cmd: list[str] | str,
-        *,
-        env: dict[str, str] | None = ...,
-        cwd: str | None = ...,
-        stdin: bool = ...,
-        pty: wire.PtySize | None = ...,
-        timeout_s: float | None = ...,
-        user: str | None = ...,
-    ) -> wire.ProcInfo: ...
-    async def proc_list(self) -> list[wire.ProcInfo]: ...
-    async def proc_info(self, pid: int) -> wire.ProcInfo: ...
-    async def proc_read(
-        self,
-        pid: int,
-        offset: int,
-        *,
-        wait_s: float = ...,
-        max_bytes: int = ...,
-        min_bytes: int = ...,
-        linger_s: float = ...,
-    ) -> wire.ProcReadAnswer: ...
-    async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int: ...
-    async def proc_signal(self, pid: int, signal: int | str) -> None: ...
-    async def proc_resize(self, pid: int, cols: int, rows: int) -> None: ...
 
 
 @dataclass

@@ -25,7 +25,7 @@ from forkd.client.websockets import aopen_websocket, upgrade_headers
 if TYPE_CHECKING:
     from forkd.client.async_controller import AsyncController
 
-Body = bytes | Iterable[bytes] | AsyncIterable[bytes]
+Body = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
 
 
 class AsyncSockets:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from typing import Any
 
 import httpx
@@ -65,7 +65,7 @@ class AsyncStreams:
         sandbox_id: str | None = None,
         since: int | None = None,
         reconnect_s: float = 30.0,
-    ) -> AsyncIterator[Event]:
+    ) -> AsyncGenerator[Event, None]:
         """As :meth:`Controller.events`: without end, reconnecting from the last id."""
         params = event_routes.event_params(types, sandbox_id)
         position, failing_since = since, None

@@ -27,7 +27,12 @@ class FileRoutes:
         raise NotImplementedError
 
     def upload_file(
-        self, sandbox_id: str, path: str, content: bytes | Iterable[bytes], *, tar: bool = False
+        self,
+        sandbox_id: str,
+        path: str,
+        content: bytes | bytearray | memoryview | Iterable[bytes],
+        *,
+        tar: bool = False,
     ) -> JSONDict:
         """``PUT /v1/sandboxes/{id}/files?path=[&format=tar]`` with the body streamed from
         ``content`` (bytes, or an iterable of byte chunks) → ``{"path", "size"}``.

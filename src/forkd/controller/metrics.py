@@ -32,27 +32,15 @@ class Metrics:
         self.registry = CollectorRegistry()
         if connections is not None:
             self.registry.register(_ConnectionCollector(connections))
-        snap = Gauge("forkd_snapshots_total", "Snapshots registered", registry=self.registry)
-        snap.set_function(snapshots)
-        active = Gauge("forkd_sandboxes_active", "Sandboxes running", registry=self.registry)
-        active.set_function(sandboxes)
-        pool = Gauge(
-            "forkd_pool_waiting",
-            "QEMU processes started ahead, waiting for a fork",
-            registry=self.registry,
+        self._gauge("forkd_snapshots_total", "Snapshots registered", snapshots)
+        self._gauge("forkd_sandboxes_active", "Sandboxes running", sandboxes)
+        self._gauge(
+            "forkd_pool_waiting", "QEMU processes started ahead, waiting for a fork", pooled
         )
-        pool.set_function(pooled)
         # The original contract's two branch gauges.
-        in_flight = Gauge(
-            "forkd_branches_in_flight", "Branches being taken now", registry=self.registry
-        )
-        in_flight.set_function(branches_in_flight)
-        cap = Gauge(
-            "forkd_branch_concurrency_cap",
-            "Branches that may be in flight at once (the cap)",
-            registry=self.registry,
-        )
-        cap.set_function(branch_cap)
+        self._gauge("forkd_branches_in_flight", "Branches being taken now", branches_in_flight)
+        cap_help = "Branches that may be in flight at once (the cap)"
+        self._gauge("forkd_branch_concurrency_cap", cap_help, branch_cap)
         info = Gauge("forkd_build_info", "forkd build", ["version"], registry=self.registry)
         info.labels(version=__version__).set(1)
         self.fork_seconds = Histogram(
@@ -97,6 +85,10 @@ class Metrics:
             ["direction"],
             registry=self.registry,
         )
+
+    def _gauge(self, name: str, help_text: str, value: Callable[[], int]) -> None:
+        """A gauge read from ``value`` whenever the metrics are asked for."""
+        Gauge(name, help_text, registry=self.registry).set_function(value)
 
     def observe_wake(self, was: str, secs: float) -> None:
         """A sandbox woke from ``was`` (paused, hibernated) for a request in ``secs``."""

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -163,7 +163,7 @@ class EventBus:
         types: Iterable[str] | None = None,
         sandbox_id: str | None = None,
         since: int | None = None,
-    ) -> AsyncIterator[Event | None]:
+    ) -> AsyncGenerator[Event | None, None]:
         """The events after id ``since`` (none: from now; 0: all the ring holds), then
         each as it is published, of ``types`` (all, if none) about ``sandbox_id`` (any,
         if none). The first item is a :data:`POSITION` (its ``id`` only: where
@@ -199,7 +199,7 @@ class EventBus:
 
     async def _follow(
         self, stream: _Stream, cursor: int, types: frozenset[str] | None, sandbox_id: str | None
-    ) -> AsyncIterator[Event | None]:
+    ) -> AsyncGenerator[Event | None, None]:
         sent = time.monotonic()
         try:
             yield Event(cursor, POSITION, None, "")  # where a client that reconnects resumes

@@ -32,7 +32,40 @@ class RunDir(Protocol):
     def dir(self) -> Path: ...
 
 
-class SandboxVM(Protocol):
+class ProcessOps(Protocol):
+    """A guest's background processes (docs/guest-agent.md, "Processes"), as the
+    services drive them: :class:`forkd.vmm.agent.ops.GuestOps` has them, and so does every
+    :class:`SandboxVM`."""
+
+    async def proc_start(
+        self,
+        cmd: list[str] | str,
+        *,
+        env: dict[str, str] | None = ...,
+        cwd: str | None = ...,
+        stdin: bool = ...,
+        pty: wire.PtySize | None = ...,
+        timeout_s: float | None = ...,
+        user: str | None = ...,
+    ) -> wire.ProcInfo: ...
+    async def proc_list(self) -> list[wire.ProcInfo]: ...
+    async def proc_info(self, pid: int) -> wire.ProcInfo: ...
+    async def proc_read(
+        self,
+        pid: int,
+        offset: int,
+        *,
+        wait_s: float = ...,
+        max_bytes: int = ...,
+        min_bytes: int = ...,
+        linger_s: float = ...,
+    ) -> wire.ProcReadAnswer: ...
+    async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int: ...
+    async def proc_signal(self, pid: int, signal: int | str) -> None: ...
+    async def proc_resize(self, pid: int, cols: int, rows: int) -> None: ...
+
+
+class SandboxVM(ProcessOps, Protocol):
     """A QEMU process and its guest, as the services, the fork pool and live snapshots
     drive it: a sandbox's VM, a template being built, or a pooled one."""
 
@@ -126,33 +159,6 @@ class SandboxVM(Protocol):
     async def fs_manifest_open(self, path: str, max_entries: int) -> wire.ManifestAnswer: ...
     async def fs_lower_stat(self, paths: list[str]) -> list[wire.LowerStat | None]: ...
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]: ...
-
-    async def proc_start(
-        self,
-        cmd: list[str] | str,
-        *,
-        env: dict[str, str] | None = ...,
-        cwd: str | None = ...,
-        stdin: bool = ...,
-        pty: wire.PtySize | None = ...,
-        timeout_s: float | None = ...,
-        user: str | None = ...,
-    ) -> wire.ProcInfo: ...
-    async def proc_list(self) -> list[wire.ProcInfo]: ...
-    async def proc_info(self, pid: int) -> wire.ProcInfo: ...
-    async def proc_read(
-        self,
-        pid: int,
-        offset: int,
-        *,
-        wait_s: float = ...,
-        max_bytes: int = ...,
-        min_bytes: int = ...,
-        linger_s: float = ...,
-    ) -> wire.ProcReadAnswer: ...
-    async def proc_stdin(self, pid: int, data: bytes, eof: bool = False) -> int: ...
-    async def proc_signal(self, pid: int, signal: int | str) -> None: ...
-    async def proc_resize(self, pid: int, cols: int, rows: int) -> None: ...
 
 
 if TYPE_CHECKING:
