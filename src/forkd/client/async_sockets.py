@@ -19,6 +19,7 @@ from forkd.client.connection import JSONDict, json_of
 from forkd.client.errors import ControllerError
 from forkd.client.file_routes import CHUNK_BYTES, file_request
 from forkd.client.port_routes import port_route, tunnel_route
+from forkd.client.process_routes import ProcessCalls
 from forkd.client.pty import DataCallback, PtyState, resize_message
 from forkd.client.websockets import aopen_websocket, upgrade_headers
 
@@ -28,19 +29,10 @@ if TYPE_CHECKING:
 Body = bytes | bytearray | memoryview | Iterable[bytes] | AsyncIterable[bytes]
 
 
-class AsyncSockets:
-    """Mixed into AsyncController."""
+class AsyncSockets(ProcessCalls):
+    """Mixed into AsyncController: files, terminals and port tunnels, streamed."""
 
-    url: str
-    timeout: float
     _client: httpx.AsyncClient
-
-    @staticmethod
-    def _sb(sandbox_id: str) -> str:
-        raise NotImplementedError  # forkd.client.routes.Routes
-
-    def _procs(self, sandbox_id: str, pid: int | None = None) -> str:
-        raise NotImplementedError
 
     def _websocket(
         self, route: str, headers: dict[str, str], params: dict[str, Any] | None = None

@@ -19,19 +19,14 @@ from httpx_sse import EventSource
 from forkd.client import event_routes
 from forkd.client.errors import ControllerError
 from forkd.client.event_routes import Event
-from forkd.client.process_routes import STREAM_READ_TIMEOUT_SECS, _event
+from forkd.client.process_routes import STREAM_READ_TIMEOUT_SECS, ProcessCalls, _event
 from forkd.client.results import OutputEvent
 
 
-class AsyncStreams:
-    """Mixed into AsyncController."""
+class AsyncStreams(ProcessCalls):
+    """Mixed into AsyncController: output and event streams."""
 
-    url: str
-    timeout: float
     _client: httpx.AsyncClient
-
-    def _procs(self, sandbox_id: str, pid: int | None = None) -> str:
-        raise NotImplementedError  # forkd.client.routes.Routes
 
     async def process_output(
         self, sandbox_id: str, pid: int, offset: int = 0, follow: bool = True

@@ -11,6 +11,7 @@ import httpx
 from httpx_sse import EventSource, ServerSentEvent
 
 from forkd.client.errors import ControllerError
+from forkd.client.route_base import RouteBase
 
 STREAM_READ_TIMEOUT_SECS = 60.0  # the daemon sends a keep-alive every 15 s of silence
 RECONNECT_FIRST_WAIT_SECS = 0.2  # then doubled, up to RECONNECT_MAX_WAIT_SECS
@@ -77,11 +78,9 @@ def next_wait(wait: float) -> float:
     return min(wait * 2, RECONNECT_MAX_WAIT_SECS)
 
 
-class EventRoutes:
+class EventRoutes(RouteBase):
     """Mixed into Controller: ``/v1/events``."""
 
-    url: str
-    timeout: float
     _client: httpx.Client
 
     def events(

@@ -15,16 +15,10 @@ from forkd.client.route_base import Call, RouteBase, content_of, entries_of, no_
 CHUNK_BYTES = 1 << 20  # read from a local file per request-body piece
 
 
-class FileRoutes:
+class FileRoutes(RouteBase):
     """Mixed into Controller: ``/v1/sandboxes/{id}/files``, never a whole file in memory."""
 
-    url: str
-    timeout: float
     _client: httpx.Client
-
-    @staticmethod
-    def _sb(sandbox_id: str) -> str:
-        raise NotImplementedError
 
     def upload_file(
         self,

@@ -117,11 +117,9 @@ def _broken(url: str, exc: httpx.TransportError) -> ControllerError:
     return ControllerError(0, f"the import stream of the forkd daemon at {url} failed: {exc!r}")
 
 
-class ImageRoutes:
+class ImageRoutes(RouteBase):
     """Mixed into Controller: an import that reports its steps as they happen."""
 
-    url: str
-    timeout: float
     _client: httpx.Client
 
     def import_image_progress(
@@ -256,11 +254,9 @@ class ImageRoutes:
         raise _unanswered(self.url)
 
 
-class AsyncImageRoutes:
+class AsyncImageRoutes(RouteBase):
     """Mixed into AsyncController: the same import, read asynchronously."""
 
-    url: str
-    timeout: float
     _client: httpx.AsyncClient
 
     async def import_image_progress(

@@ -35,20 +35,30 @@ def tunnel_route(sandbox_path: str, port: int) -> str:
     return f"{sandbox_path}/tunnels/{int(port)}"
 
 
-class PortRoutes:
-    """Mixed into Controller: ``/v1/sandboxes/{id}/ports``, ``preview-urls``, ``tunnels``."""
+class PortCalls(RouteBase):
+    """The JSON routes of guest ports (:class:`~forkd.client.routes.Routes`)."""
 
-    url: str
-    base_url: str
-    timeout: float
-    _client: httpx.Client
-
-    @staticmethod
-    def _sb(sandbox_id: str) -> str:
-        raise NotImplementedError
+    # -- guest ports (their WebSockets and tunnels: PortRoutes) -----------------
 
     def port_url(self, sandbox_id: str, port: int, path: str = "/") -> str:
-        raise NotImplementedError  # forkd.client.routes.Routes
+        """The proxy URL of guest ``port`` at ``path`` (it needs the bearer token)."""
+        return f"{self.base_url}{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
+
+    @route
+    def create_preview_url(
+        self, sandbox_id: str, port: int, ttl_s: int | None = None
+    ) -> Call[JSONDict]:
+        """``POST /v1/sandboxes/{id}/preview-urls`` → ``{url, token, expires_at, port}``."""
+        body: JSONDict = {"port": port}
+        if ttl_s is not None:
+            body["ttl_s"] = ttl_s
+        return self._json("POST", f"{self._sb(sandbox_id)}/preview-urls", json_body=body)
+
+
+class PortRoutes(PortCalls):
+    """Mixed into Controller: ``/v1/sandboxes/{id}/ports``, ``preview-urls``, ``tunnels``."""
+
+    _client: httpx.Client
 
     @contextlib.contextmanager
     def port_websocket(
@@ -135,23 +145,3 @@ def forward_port(
             except TimeoutError:
                 continue
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-
-class PortCalls(RouteBase):
-    """The JSON routes of guest ports (:class:`~forkd.client.routes.Routes`)."""
-
-    # -- guest ports (their WebSockets and tunnels: PortRoutes) -----------------
-
-    def port_url(self, sandbox_id: str, port: int, path: str = "/") -> str:
-        """The proxy URL of guest ``port`` at ``path`` (it needs the bearer token)."""
-        return f"{self.base_url}{self._sb(sandbox_id)}/ports/{int(port)}/{path.lstrip('/')}"
-
-    @route
-    def create_preview_url(
-        self, sandbox_id: str, port: int, ttl_s: int | None = None
-    ) -> Call[JSONDict]:
-        """``POST /v1/sandboxes/{id}/preview-urls`` → ``{url, token, expires_at, port}``."""
-        body: JSONDict = {"port": port}
-        if ttl_s is not None:
-            body["ttl_s"] = ttl_s
-        return self._json("POST", f"{self._sb(sandbox_id)}/preview-urls", json_body=body)

@@ -33,57 +33,6 @@ def _event(sse: ServerSentEvent) -> OutputEvent:
     return OutputEvent(kind)  # a kind this SDK does not know yet: passed on, empty
 
 
-class ProcessRoutes:
-    """Mixed into Controller: a process's output stream (its other routes: Routes)."""
-
-    url: str
-    timeout: float
-    _client: httpx.Client
-
-    @staticmethod
-    def _sb(sandbox_id: str) -> str:
-        raise NotImplementedError
-
-    def _procs(self, sandbox_id: str, pid: int | None = None) -> str:
-        raise NotImplementedError  # forkd.client.routes.Routes
-
-    def process_output(
-        self, sandbox_id: str, pid: int, offset: int = 0, follow: bool = True
-    ) -> Iterator[OutputEvent]:
-        """``GET .../processes/{pid}/output``: its output from ``offset`` as it comes.
-
-        With ``follow`` the events end with ``exit``; without, at what there is
-        now. A lost connection raises :class:`ControllerError` (status 0): call
-        again from the last event's ``next_offset`` to resume.
-
-        Example::
-
-            for ev in ctl.process_output(sid, pid):
-                print(ev.kind, ev.text if ev.data else ev.exit_code)
-        """
-        path = f"{self._procs(sandbox_id, pid)}/output"
-        params = {"offset": offset, "follow": "true" if follow else "false"}
-        timeout = httpx.Timeout(self.timeout, read=max(self.timeout, STREAM_READ_TIMEOUT_SECS))
-        headers = {"Accept": "text/event-stream"}
-        try:
-            with self._client.stream(
-                "GET", path, params=params, headers=headers, timeout=timeout
-            ) as resp:
-                if not resp.is_success:
-                    resp.read()
-                    raise ControllerError.from_response(resp)
-                for sse in EventSource(resp).iter_sse():
-                    # httpx-sse makes an event of a keep-alive (a comment) once an
-                    # earlier event set an id; the SSE spec dispatches no event
-                    # without data.
-                    if sse.data:
-                        yield _event(sse)
-        except httpx.TransportError as exc:
-            raise ControllerError(
-                0, f"the output stream of the forkd daemon at {self.url} failed: {exc!r}"
-            ) from exc
-
-
 class ProcessCalls(RouteBase):
     """The JSON routes of processes (:class:`~forkd.client.routes.Routes`)."""
 
@@ -156,3 +105,45 @@ class ProcessCalls(RouteBase):
         """``POST .../processes/{pid}/resize``: its terminal's size."""
         path = f"{self._procs(sandbox_id, pid)}/resize"
         return self._request("POST", path, json_body={"cols": cols, "rows": rows}).then(no_answer)
+
+
+class ProcessRoutes(ProcessCalls):
+    """Mixed into Controller: a process's output stream (its other routes: ProcessCalls)."""
+
+    _client: httpx.Client
+
+    def process_output(
+        self, sandbox_id: str, pid: int, offset: int = 0, follow: bool = True
+    ) -> Iterator[OutputEvent]:
+        """``GET .../processes/{pid}/output``: its output from ``offset`` as it comes.
+
+        With ``follow`` the events end with ``exit``; without, at what there is
+        now. A lost connection raises :class:`ControllerError` (status 0): call
+        again from the last event's ``next_offset`` to resume.
+
+        Example::
+
+            for ev in ctl.process_output(sid, pid):
+                print(ev.kind, ev.text if ev.data else ev.exit_code)
+        """
+        path = f"{self._procs(sandbox_id, pid)}/output"
+        params = {"offset": offset, "follow": "true" if follow else "false"}
+        timeout = httpx.Timeout(self.timeout, read=max(self.timeout, STREAM_READ_TIMEOUT_SECS))
+        headers = {"Accept": "text/event-stream"}
+        try:
+            with self._client.stream(
+                "GET", path, params=params, headers=headers, timeout=timeout
+            ) as resp:
+                if not resp.is_success:
+                    resp.read()
+                    raise ControllerError.from_response(resp)
+                for sse in EventSource(resp).iter_sse():
+                    # httpx-sse makes an event of a keep-alive (a comment) once an
+                    # earlier event set an id; the SSE spec dispatches no event
+                    # without data.
+                    if sse.data:
+                        yield _event(sse)
+        except httpx.TransportError as exc:
+            raise ControllerError(
+                0, f"the output stream of the forkd daemon at {self.url} failed: {exc!r}"
+            ) from exc
