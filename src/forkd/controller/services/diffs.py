@@ -163,9 +163,8 @@ class DiffService:
         opened = await self.sandboxes.guest(
             sandbox_id, lambda vm: vm.fs_manifest_open(path, limits.MAX_DIFF_ENTRIES), _REFUSALS
         )
-        transfer_id, lower = opened.get("transfer_id"), opened.get("lower")
-        if not isinstance(transfer_id, str) or not isinstance(lower, str):
-            raise GuestError("the guest agent's manifest answer is malformed")
+        # Its shape is checked where it is read (forkd.agent_wire): both are strings.
+        transfer_id, lower = opened["transfer_id"], opened["lower"]
         reader = reader_for(opened.get("format"), path, limits.MAX_DIFF_ENTRIES)
         got = 0
         async with contextlib.aclosing(self.files.stream(sandbox_id, transfer_id)) as chunks:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 READ_CHUNK_BYTES = 256 * 1024  # one read from the socket; also the reader's buffer limit
 LINE_BURST_SECS = 0.1  # lines handled without a pause: 0.1 s of the rate, ~0.5 ms of work
+ANSWER_WAIT_SECS = 30.0  # for an op's answer, unless its caller says how long
 ERROR_TEXT_MAX_CHARS = 4096  # of a guest's error message, kept for the caller and the log
 
 RAW_OPS = frozenset({"proc_read", "file_read_range", "file_tar_read"})  # ask for raw bytes
@@ -301,7 +302,7 @@ class AgentClient:
         op: str,
         params: Mapping[str, object] | None = None,
         *,
-        wait: float = 30.0,
+        wait: float = ANSWER_WAIT_SECS,
         payload: bytes | None = None,
     ) -> dict[str, Any]:
         """Send one request and wait up to ``wait`` seconds for its ``result``.

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from forkd import agent_wire as wire
 from forkd import limits
 from forkd.errors import AgentError, SnapshotError, VMError
-from forkd.vmm.agent.client import AgentClient
+from forkd.vmm.agent.client import ANSWER_WAIT_SECS, AgentClient
 from forkd.vmm.qemu.argv import RuntimePaths
 from forkd.vmm.qemu.launch import tail
 
@@ -63,7 +63,11 @@ class GuestOps:
     _raise_if_dead: Callable[[str], None]
 
     async def _ask(
-        self, request: wire.Request[A], *, wait: float = 30.0, payload: bytes | None = None
+        self,
+        request: wire.Request[A],
+        *,
+        wait: float = ANSWER_WAIT_SECS,
+        payload: bytes | None = None,
     ) -> A:
         """Send ``request`` and return its answer, checked to have its op's shape
         (:class:`AgentError` of kind :data:`MALFORMED` if not: the guest is untrusted)."""
@@ -358,9 +362,8 @@ def _data_of(result: wire.ReadAnswer, length: int) -> bytes:
 def check_reseeded(result: wire.RestoreAnswer, vm_id: str, snapshot_dir: Path) -> str:
     """The agent's answer to ``restore``: :class:`SnapshotError` unless both RNGs were
     reseeded; else what else failed (clock, hostname), to be logged, or ``""``."""
-    reported = result.get("errors")
-    kept = reported[:RESTORE_ERRORS_KEPT] if isinstance(reported, list) else []
-    errors = "; ".join(str(e)[:RESTORE_ERROR_CHARS] for e in kept)
+    kept = result.get("errors", [])[:RESTORE_ERRORS_KEPT]
+    errors = "; ".join(e[:RESTORE_ERROR_CHARS] for e in kept)
     # Children of one snapshot share its RNG state: a child the agent could
     # not reseed would hand out its siblings' keys, tokens and temp names.
     # The clock and the hostname are only logged: neither is a secret.
