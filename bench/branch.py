@@ -38,6 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from forkd.guest import image as guest_image
+from forkd.vmm.snapshot import live as live_snapshot
 from forkd.vmm.snapshot import memory, write_tracking
 from forkd.vmm.snapshot.files import MEMORY_DIFF, MEMORY_RUNS, BaseRef, SnapshotLabels, load
 from forkd.vmm.vm import VM
@@ -122,7 +123,7 @@ def pages_written_since_fork(vm: VM) -> int:
 
 
 async def checked_eval(vm: VM, code: str, what: str, timeout: float = BIG_EVAL_SECS) -> Any:
-    out = await vm.eval(code, timeout=timeout)
+    out = await vm.guest.eval(code, timeout=timeout)
     if out.get("error"):
         raise RuntimeError(f"{what} failed: {out['error']}")
     return out.get("result")
@@ -146,7 +147,7 @@ class Bench(benchlib.BenchBase):
             for i in range(self.args.template_snapshots):
                 for mode in MODES:
                     dest = self._new_snap_dir(f"template-{size}-{mode}-{i}")
-                    meta = (await tpl.write_snapshot(dest, live=mode == "live")).meta
+                    meta = (await live_snapshot.write(tpl, dest, live=mode == "live")).meta
                     pauses[mode].append(float(meta.pause_ms or 0.0))
                     if mode == "live":
                         precopied.append(meta.precopied_pages)
@@ -172,7 +173,7 @@ class Bench(benchlib.BenchBase):
         expected = await checked_eval(child, f"_forkd_redirty({label!r})", "re-dirtying eval")
         dest = self._new_snap_dir(label)
         t0 = time.monotonic()
-        meta = (await child.write_snapshot(dest, live=live)).meta
+        meta = (await live_snapshot.write(child, dest, live=live)).meta
         wall_ms = (time.monotonic() - t0) * 1000
         alloc = allocated_mib(dest / "memory.bin")
         return {"dir": dest, "state": expected, "meta": meta, "wall_ms": wall_ms, "alloc": alloc}
@@ -279,7 +280,7 @@ class Bench(benchlib.BenchBase):
         pages = pages_written_since_fork(child)
         dest = self._new_snap_dir(f"{'diff' if base else 'full'}-{i}")
         ref = BaseRef(base.name, str(base), load(base).meta.id) if base else None
-        await child.write_snapshot(dest, SnapshotLabels(tag=dest.name), ref)
+        await live_snapshot.write(child, dest, SnapshotLabels(tag=dest.name), ref)
         return dest, state, pages
 
     async def _timed_forks(self, snap: Path, level: int, expected: Any) -> list[float]:
@@ -302,7 +303,7 @@ class Bench(benchlib.BenchBase):
         tpl = await self._boot(image, size)
         try:
             await checked_eval(tpl, "x = 41", "template warm-up eval")
-            tpl_snap = (await tpl.write_snapshot(self._new_snap_dir(f"template-{size}"))).dir
+            tpl_snap = (await live_snapshot.write(tpl, self._new_snap_dir(f"template-{size}"))).dir
         finally:
             await self._kill([tpl])
         snaps: list[tuple[Path, Any, int]] = []

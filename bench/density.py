@@ -212,7 +212,7 @@ class DensityBench(benchlib.DaemonBench):
 
         def holds_marker(sid: str) -> bool:
             out = ctl.exec_command(sid, ["cat", MARKER])
-            return out["exit_code"] == 0 and out["stdout"].strip() == sid
+            return bool(out["exit_code"] == 0 and out["stdout"].strip() == sid)
 
         with ThreadPoolExecutor(EXEC_THREADS) as pool:
             held = list(pool.map(holds_marker, awake))

@@ -170,7 +170,8 @@ class DistributeBench(benchlib.BenchBase):
         assert self.gateway is not None
         direct_h = {"Authorization": f"Bearer {self.a.token}"}
         gw_h = {"Authorization": f"Bearer {GATEWAY_TOKEN}"}
-        direct, via = [], []
+        direct: list[float] = []
+        via: list[float] = []
         path = f"/v1/sandboxes/{sandbox_id}"
         with httpx.Client() as c:
             for _ in range(self.args.requests):

@@ -121,10 +121,10 @@ class Bench(benchlib.BenchBase):
         """A booted template of ``--memory`` MiB, warmed: ``x = 41`` and a file."""
         tpl = await self._boot(image, self.args.memory)
         try:
-            out = await tpl.eval("x = 41")
+            out = await tpl.guest.eval("x = 41")
             if out.get("error"):
                 raise RuntimeError(f"warm-up eval failed: {out['error']}")
-            await tpl.write_file("/tmp/forkd-bench.txt", b"warm\n")
+            await tpl.guest.write_file("/tmp/forkd-bench.txt", b"warm\n")
         except BaseException:
             await self._kill([tpl])
             raise
@@ -165,11 +165,11 @@ class Bench(benchlib.BenchBase):
             usage = [c.memory_usage() for c in children]
             first_exec = [await self._first_exec_ms(c) for c in children]  # after: it grows them
             # Check the children really are the warm template (after reading memory).
-            checks = await asyncio.gather(*(c.eval("x + 1") for c in children))
+            checks = await asyncio.gather(*(c.guest.eval("x + 1") for c in children))
             bad = [c.id for c, out in zip(children, checks, strict=True) if out["result"] != "42"]
             if bad:
                 raise RuntimeError(f"children {bad} did not see the template's x = 41")
-            content = await children[0].read_file("/tmp/forkd-bench.txt")
+            content = await children[0].guest.read_file("/tmp/forkd-bench.txt")
             if content != b"warm\n":
                 raise RuntimeError(f"a child read {content!r} from the template's file")
         finally:
@@ -206,7 +206,7 @@ class Bench(benchlib.BenchBase):
                 children.append(vm)
                 await (vm.claim() if warm else vm.finish_restore())
             first_exec = [await self._first_exec_ms(c) for c in children]
-            checks = await asyncio.gather(*(c.eval("x + 1") for c in children))
+            checks = await asyncio.gather(*(c.guest.eval("x + 1") for c in children))
             if any(out["result"] != "42" for out in checks):
                 raise RuntimeError("a pooled child did not see the template's x = 41")
             ready = [c.ready_ms or 0.0 for c in children]
@@ -225,7 +225,7 @@ class Bench(benchlib.BenchBase):
     async def _first_exec_ms(vm: VM) -> float:
         """How long a child's first command (``true``) takes, through the agent."""
         t0 = time.monotonic()
-        out = await vm.exec(["true"])
+        out = await vm.guest.exec(["true"])
         if out.get("exit_code") != 0:
             raise RuntimeError(f"`true` failed in {vm.id}: {out}")
         return (time.monotonic() - t0) * 1000
@@ -260,7 +260,7 @@ class Bench(benchlib.BenchBase):
         try:
             await qemu_baseline.restore_from_file(vm, src)
             ms = (time.monotonic() - started) * 1000
-            out = await vm.eval("x + 1")
+            out = await vm.guest.eval("x + 1")
             if out.get("result") != "42":
                 raise RuntimeError(f"the QEMU-restored guest did not see x = 41: {out}")
         finally:
@@ -305,7 +305,7 @@ class Bench(benchlib.BenchBase):
         vm = await self._boot(image, size)
         snaps: list[Path] = []
         try:
-            out = await vm.eval(
+            out = await vm.guest.eval(
                 f"import os\nblob = bytearray({DIRTY_MIB} << 20)\n"
                 f"blob[:] = os.urandom({DIRTY_MIB} << 20)\nlen(blob)"
             )

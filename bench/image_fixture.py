@@ -19,7 +19,7 @@ import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import httpx
 import zstandard
@@ -78,12 +78,14 @@ class LayerWriter:
             )
         elif compression == "zstd":
             self._compressor = zstandard.ZstdCompressor(level=3).stream_writer(
-                self._blob, closefd=False
+                cast(IO[bytes], self._blob), closefd=False
             )
         else:
             self._compressor = self._blob
         self._tar_stream = _Hashing(self._compressor)
-        self.tar = tarfile.open(fileobj=self._tar_stream, mode="w|", format=tarfile.PAX_FORMAT)  # noqa: SIM115
+        self.tar = tarfile.open(  # noqa: SIM115  # closed by close()
+            fileobj=cast(IO[bytes], self._tar_stream), mode="w|", format=tarfile.PAX_FORMAT
+        )
 
     def add(
         self, name: str, data: bytes = b"", kind: bytes = tarfile.REGTYPE, mode: int = 0o644

@@ -225,8 +225,8 @@ def run_flatten(blobs: list[tuple[Path, int]], root: Path, name: str) -> dict[st
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--flatten":
-        out, work, *blobs = sys.argv[2:]
-        print(json.dumps(flatten(blobs, out, work)))
+        out, work, *paths = sys.argv[2:]
+        print(json.dumps(flatten(paths, out, work)))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, help="where the layers and images go")

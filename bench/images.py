@@ -223,9 +223,11 @@ class ImagesBench(benchlib.BenchBase):
         vm = await self._boot(img, mem)
         t1 = time.monotonic()
         try:
-            await vm.proc_start(["python3", "-m", "http.server", str(PORT), "--directory", "/tmp"])
+            await vm.guest.proc_start(
+                ["python3", "-m", "http.server", str(PORT), "--directory", "/tmp"]
+            )
             deadline = time.monotonic() + READY_SECS
-            while not await template_start.listening(vm, PORT):
+            while not await template_start.listening(vm.guest, PORT):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the recipe template's server never listened on {PORT}")
                 await asyncio.sleep(template_start.POLL_SECS)
@@ -250,12 +252,12 @@ class ImagesBench(benchlib.BenchBase):
         try:
             cpu_ms = benchlib.cpu_secs(vm.pid) * 1000
             t0 = time.monotonic()
-            out = await vm.exec(["true"])
+            out = await vm.guest.exec(["true"])
             first_exec = (time.monotonic() - t0) * 1000
             if out.get("exit_code") != 0:
                 raise RuntimeError(f"`true` failed in a fork of {snap.name}: {out}")
             if check:
-                page = await vm.exec(["python3", "-c", PAGE_CHECK])
+                page = await vm.guest.exec(["python3", "-c", PAGE_CHECK])
                 if page.get("stdout", "").strip() != "200":
                     raise RuntimeError(f"a fork of {snap.name} did not serve its page: {page}")
             return vm.ready_ms or 0.0, cpu_ms, first_exec

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from forkd.controller.services.fleet import vm_id_prefixes
+from forkd.controller.services.live_vms import vm_id_prefixes
 from forkd.vmm.jail import cgroups, network
 from forkd.vmm.qemu.host_processes import qemu_pids_under, qemu_run_dirs
 

@@ -339,7 +339,9 @@ class Soak(benchlib.BenchBase):
         for t in TEMPLATES:
             t0 = time.monotonic()
             write = f"mkdir -p {os.path.dirname(t.marker_path)} && echo {t.tag} > {t.marker_path}"
-            extra = {"volumes": [{"name": t.volume, "path": "/mnt/data"}]} if t.volume else {}
+            extra: dict[str, Any] = (
+                {"volumes": [{"name": t.volume, "path": "/mnt/data"}]} if t.volume else {}
+            )
             ctl.create_snapshot(t.tag, image="python", memory_mib=256, warmup=t.warmup,
                                 setup=["mkdir -p /work", write], **extra)  # fmt: skip
             self.results.setdefault("template_build_s", {})[t.tag] = round(time.monotonic() - t0, 1)
@@ -351,7 +353,10 @@ class Soak(benchlib.BenchBase):
             self.burners.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
         extra = ["--max-sandboxes", str(self.args.max_running)] if self.args.max_running else []
         self.daemon.start(*extra)
-        self.prefix = leaks.id_prefix(self.daemon.state_dir)
+        prefix = leaks.id_prefix(self.daemon.state_dir)
+        if prefix is None:
+            raise SystemExit("the daemon started but its registry has no VM id prefix")
+        self.prefix = prefix
         self.say.log(f"daemon {self.daemon.url} (VM ids sb-{self.prefix}-*), "
                      f"{len(self.burners)} CPU burners")  # fmt: skip
 

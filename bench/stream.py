@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import hashlib
 import os
 import queue
@@ -73,6 +74,11 @@ RSS_FLAT_MIB = 32.0  # max - start beyond this is growth, not noise
 def stats_ms(samples: list[float]) -> dict[str, Any]:
     return {"p50": r1(percentile(samples, 50)), "p90": r1(percentile(samples, 90)),
             "max": r1(max(samples)), "n": len(samples)}  # fmt: skip
+
+
+def _stamp(seen: list[float], _text: str) -> None:
+    """An output callback: when the output came."""
+    seen.append(time.monotonic())
 
 
 def daemon_rss_mib(pid: int) -> float:
@@ -132,7 +138,7 @@ class StreamBench(benchlib.DaemonBench):
         for _ in range(max(5, self.args.samples // 3)):
             t0 = time.monotonic()
             seen: list[float] = []
-            sb.commands.run("echo hi", on_stdout=lambda _t, s=seen: s.append(time.monotonic()))
+            sb.commands.run("echo hi", on_stdout=functools.partial(_stamp, seen))
             firsts.append((seen[0] - t0) * 1000)
         self.results["first_output_ms"] = stats_ms(firsts)
 
@@ -222,16 +228,20 @@ class StreamBench(benchlib.DaemonBench):
         assert self.daemon.proc is not None
         cmd = f"head -c {self.args.rss_gib * 1024}M /dev/zero"
         pid = int(sb.controller.start_process(sb.id, cmd)["pid"])
-        samples = []
+        samples: list[float] = []
         with self.stalled_stream(sb.id, pid):
             for _ in range(self.args.rss_secs):
                 samples.append(daemon_rss_mib(self.daemon.proc.pid))
                 time.sleep(1.0)
             end_info = sb.controller.get_process(sb.id, pid)
         sb.commands.kill(pid)
-        rss = {"start": r1(samples[0]), "max": r1(max(samples)), "end": r1(samples[-1]),
-               "samples": [r1(v) for v in samples]}  # fmt: skip
-        rss["flat"] = rss["max"] - rss["start"] <= RSS_FLAT_MIB
+        rss: dict[str, Any] = {
+            "start": r1(samples[0]),
+            "max": r1(max(samples)),
+            "end": r1(samples[-1]),
+            "samples": [r1(v) for v in samples],
+        }
+        rss["flat"] = max(samples) - samples[0] <= RSS_FLAT_MIB
         rss["guest_output_mib"] = r1(end_info["output_end"] / MIB)
         self.results["daemon_rss_mib"] = rss
 
@@ -273,7 +283,9 @@ class StreamBench(benchlib.DaemonBench):
                 self.phase("echo round trip", lambda: self.echo_round_trips(sb))
                 self.phase("first output", lambda: self.first_output(sb))
                 for variant in self.args.variants:
-                    self.phase(f"stdout {variant}", lambda v=variant: self.stdout_throughput(sb, v))
+                    self.phase(
+                        f"stdout {variant}", functools.partial(self.stdout_throughput, sb, variant)
+                    )
                 if self.args.file_mib:
                     self.phase("files", lambda: self.file_transfer(sb))
                 if self.args.rss_secs:

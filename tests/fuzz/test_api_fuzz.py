@@ -479,7 +479,7 @@ def _layers_in_use(d: FuzzedDaemon) -> set[str]:
     for recorded in snapshot_files.recorded_volumes(d.settings.snapshot_root).values():
         for att in recorded:
             in_use.update(att.chain)
-    for vm in d.app.state.services.fleet.all_vms():
+    for vm in d.app.state.services.vms.all_vms():
         for att in vm.volumes:
             in_use.update(att.chain)
     return in_use
@@ -506,14 +506,14 @@ def test_the_fuzz_leaves_nothing_behind(fuzzed: FuzzedDaemon) -> None:
     d = fuzzed
     listed = d.client.get("/v1/sandboxes").json()
     tags = {s["tag"] for s in d.client.get("/v1/snapshots").json()}
-    fleet = d.app.state.services.fleet
-    held = {vm.id for vm in fleet.all_vms()}
+    services = d.app.state.services
+    held = {vm.id for vm in services.vms.all_vms()}
     alive = {vm.id for vm in d.driver.vms if vm.is_alive()}
     assert alive == held, f"VMs alive that the daemon does not hold: {alive - held}"
     live = {s["id"] for s in listed if s["state"] in ("running", "paused")}  # a VM each
     sleeping = {s["id"] for s in listed if s["state"] == "hibernated"}
-    assert all(fleet.hibernated.latest(sid) for sid in sleeping), "a hibernation lost its state"
-    assert live == set(fleet.vms), "the list and the daemon's VMs disagree"
+    assert all(services.hibernated.latest(sid) for sid in sleeping), "a hibernation lost its state"
+    assert live == set(services.vms), "the list and the daemon's VMs disagree"
     assert all(s["state"] != "starting" for s in listed), listed
     assert {p.name for p in d.settings.run_dir.iterdir()} == held, "run dirs of no VM"
     on_disk = {p.name for p in d.settings.snapshot_root.iterdir() if not p.name.startswith(".")}
@@ -521,7 +521,7 @@ def test_the_fuzz_leaves_nothing_behind(fuzzed: FuzzedDaemon) -> None:
     assert _staging(d, {s["id"] for s in listed}) == [], "staging directories left"
     assert _layers_on_disk(d) <= _layers_in_use(d), "volume layers no one uses"
     assert d.app.state.services.admission.holding() == 0, "admission held after the requests ended"
-    assert fleet.holds.held() == [], "holds left after the requests ended"
+    assert services.holds.held() == [], "holds left after the requests ended"
 
     d.stop()  # kill_on_exit: every sandbox and pooled VM is killed
     assert [vm.id for vm in d.driver.vms if vm.is_alive()] == [], "VMs alive after stop"

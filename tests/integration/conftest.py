@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import pytest
 
 from forkd.client import Controller, Sandbox
-from forkd.controller.services.fleet import vm_id_prefixes
+from forkd.controller.services.live_vms import vm_id_prefixes
 from forkd.guest import image as images
 from forkd.launcher import DaemonProcess
 from forkd.vmm.jail import cgroups, network
@@ -113,8 +113,8 @@ def fleet(loop: LoopThread) -> Iterator[Fleet]:
 def template(fleet: Fleet, image: images.Image) -> VM:
     """A booted 256 MiB template with ``x = 41`` and ``/work/a.txt``."""
     vm = fleet.boot(image, memory_mib=256)
-    fleet.loop.run(vm.eval("x = 41"))
-    fleet.loop.run(vm.write_file("/work/a.txt", b"from the template\n"))
+    fleet.loop.run(vm.guest.eval("x = 41"))
+    fleet.loop.run(vm.guest.write_file("/work/a.txt", b"from the template\n"))
     return vm
 
 

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from schemathesis.core.parameters import ParameterLocation
 
-from forkd.controller.services.fleet import vm_id_prefixes
+from forkd.controller.services.live_vms import vm_id_prefixes
 from forkd.guest import image as images
 from forkd.vmm.jail import cgroups, network
 from forkd.vmm.qemu.host_processes import qemu_pids_under, qemu_run_dirs

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import SnapshotError, VMError
+from forkd.vmm.snapshot import live as live_snapshot
 from forkd.vmm.snapshot import live_copy, memory, write_tracking
 
 from .conftest import Fleet
@@ -78,7 +79,7 @@ def test_kill_9_while_copying_memory(
         monkeypatch.setattr(memory, "dump_written_pages", dump_then_die)
     started = time.monotonic()
     with pytest.raises(SnapshotError, match=r"died while capturing the snapshot killed-b"):
-        fleet.loop.run(child.write_snapshot(dest, live=live))
+        fleet.loop.run(live_snapshot.write(child, dest, live=live))
     assert time.monotonic() - started < 30
     assert not dest.exists()
     assert _leftovers(fleet.snap_root) == before

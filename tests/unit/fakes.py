@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from forkd import agent_wire as wire
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.states import VMState
-from forkd.vmm.agent.ops import checked
+from forkd.vmm.agent.ops import checked, listed
 from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.qemu.argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
 from forkd.vmm.snapshot import files as snapshot_files
@@ -61,7 +61,7 @@ class Runtime:
 
 
 @dataclass
-class Guest:
+class GuestContents:
     """What a fake guest holds: files, the warm interpreter's names and the agent's
     image defaults (``configure``: env, cwd, user), all kept in a snapshot."""
 
@@ -75,7 +75,7 @@ class Guest:
                 "defaults": self.defaults}  # fmt: skip
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Guest:
+    def from_json(cls, data: dict[str, Any]) -> GuestContents:
         files = {k: v.encode("latin-1") for k, v in data["files"].items()}
         return cls(files, dict(data["names"]), dict(data.get("defaults") or {}))
 
@@ -92,7 +92,7 @@ class FakeWriter:
         self.staging = dest.parent / f".{dest.name}.partial-fake"
         self.staging.mkdir(parents=True)
         (self.staging / "memory.bin").write_bytes(b"partial")
-        self.guest: Guest | None = None
+        self.contents: GuestContents | None = None
 
     async def capture(self) -> None:
         vm = self.vm
@@ -102,7 +102,9 @@ class FakeWriter:
         if vm.fail == "capture-kill":
             vm.alive = False
             raise SnapshotError("QEMU died while capturing")
-        self.guest = Guest.from_json(vm.guest.to_json())  # plain values, as a snapshot keeps
+        self.contents = GuestContents.from_json(
+            vm.contents.to_json()
+        )  # plain values, as a snapshot keeps
         await asyncio.sleep(vm.capture_delay)
 
     async def commit(self, labels: SnapshotLabels | None = None) -> SnapshotMeta:
@@ -119,7 +121,9 @@ class FakeWriter:
             with (self.staging / "memory.bin").open("wb") as f:
                 f.truncate(vm.machine.memory_mib << 20)
         (self.staging / "vmstate").write_bytes(b"state")
-        (self.staging / GUEST_STATE).write_text(json.dumps((self.guest or vm.guest).to_json()))
+        (self.staging / GUEST_STATE).write_text(
+            json.dumps((self.contents or vm.contents).to_json())
+        )
         meta = SnapshotMeta(
             machine=vm.machine, image=vm.image_ref,
             created_at_unix=int(time.time()), memory_bytes=vm.machine.memory_mib << 20,
@@ -149,7 +153,7 @@ class FakeVM(VMLifecycle):
         vm_id: str,
         machine: MachineConfig,
         run_root: Path,
-        guest: Guest,
+        contents: GuestContents,
         state: VMState = VMState.RUNNING,  # as it was made: booted, restored or adopted
     ) -> None:
         self.id = vm_id
@@ -171,10 +175,10 @@ class FakeVM(VMLifecycle):
         self.seed: int | None = None  # what its restore or claim was given
         self.image_name = "python"
         self.image_ref = ImageRef("python", None, None)  # a booted VM's: its image's dir too
-        self.guest = guest
+        self.contents = contents
         self.processes = FakeProcesses()
         self.guest_stats: dict[str, Any] = {}  # what a test makes its guest's stats say
-        self.transfers = FakeTransfers(guest.files)
+        self.transfers = FakeTransfers(contents.files)
         self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
         # Guest TCP port -> a loopback port where a test's server plays the guest's service.
         self.ports: dict[int, int] = {}
@@ -270,6 +274,12 @@ class FakeVM(VMLifecycle):
         return dest
 
     # guest -------------------------------------------------------------------
+    @property
+    def guest(self) -> FakeVM:
+        """The fake plays its own guest: the agent's calls are its methods (so a test
+        patches one on the class)."""
+        return self
+
     def _agent(self, op: str) -> None:
         if not self.alive:
             raise AgentError("agent connection closed")
@@ -298,10 +308,10 @@ class FakeVM(VMLifecycle):
             return {"stdout": "", "stderr": "", "exit_code": 124, "timed_out": True,
                     "duration_ms": timeout * 1000}  # fmt: skip
         if argv in (["whoami"], ["id", "-un"], ["/bin/sh", "-c", "id -un"]):
-            return {"stdout": self.guest.user(kw.get("user")) + "\n", "stderr": "",
+            return {"stdout": self.contents.user(kw.get("user")) + "\n", "stderr": "",
                     "exit_code": 0, "timed_out": False, "duration_ms": 1.0}  # fmt: skip
-        if argv[:2] == ["tail", "-c"] and argv[-1] in self.guest.files:  # tail -c N -- PATH
-            data = self.guest.files[argv[-1]][-int(argv[2]) :]
+        if argv[:2] == ["tail", "-c"] and argv[-1] in self.contents.files:  # tail -c N -- PATH
+            data = self.contents.files[argv[-1]][-int(argv[2]) :]
             return {"stdout": data.decode(), "stderr": "", "exit_code": 0, "timed_out": False,
                     "duration_ms": 1.0}  # fmt: skip
         if argv[:1] == ["exit"]:
@@ -316,11 +326,11 @@ class FakeVM(VMLifecycle):
         self.eval_timeouts.append(timeout)
         out = io.StringIO()
         shown: list[wire.DisplayItem] = []  # display(obj): its repr, as text/plain
-        self.guest.names["display"] = lambda obj: shown.append(
+        self.contents.names["display"] = lambda obj: shown.append(
             {"mime": "text/plain", "data": repr(obj)})  # fmt: skip
         try:
             with contextlib.redirect_stdout(out):
-                result = _run(code, self.guest.names)
+                result = _run(code, self.contents.names)
         except Exception as exc:  # the whole traceback, as the guest agent answers
             error = 'Traceback (most recent call last):\n  File "<eval>", line 1\n'
             error += f"{type(exc).__name__}: {exc}\n"
@@ -341,38 +351,43 @@ class FakeVM(VMLifecycle):
 
         image_env = {k: v for k, v in env.items() if CA_ENV.get(k) != v}
         self.image_defaults = {"env": image_env, "cwd": cwd, "user": user}
-        self.guest.defaults = {"env": dict(env), "cwd": cwd, "user": user}
+        self.contents.defaults = {"env": dict(env), "cwd": cwd, "user": user}
 
     async def read_file(self, path: str) -> bytes:
         self._agent("file_read")
-        if path not in self.guest.files:
+        if path not in self.contents.files:
             raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
                              kind="FileNotFoundError")  # fmt: skip
-        return self.guest.files[path]
+        return self.contents.files[path]
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
         self._agent("file_write")
         if path.startswith("/proc/"):
             raise AgentError(f"[Errno 13] Permission denied: {path!r}", kind="PermissionError")
-        self.guest.files[path] = data
+        self.contents.files[path] = data
         return len(data)
 
     async def list_dir(self, path: str) -> list[wire.FileListEntry]:
+        """As the real guest's: the agent's answer checked, its bound kept."""
+        return listed(checked(wire.FILE_LIST, {"entries": self._listing(path)}))
+
+    def _listing(self, path: str) -> object:
+        """The agent's file_list entries (what a test's hostile guest answers instead)."""
         self._agent("file_list")
-        if path in self.guest.files:
+        if path in self.contents.files:
             raise AgentError(f"[Errno 20] Not a directory: {path!r}", kind="NotADirectoryError")
         prefix = path.rstrip("/") + "/"
-        names = sorted({p[len(prefix):].split("/")[0] for p in self.guest.files
+        names = sorted({p[len(prefix):].split("/")[0] for p in self.contents.files
                         if p.startswith(prefix)})  # fmt: skip
         if not names:
             raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
                              kind="FileNotFoundError")  # fmt: skip
-        return [{"name": n, "type": "file", "size": len(self.guest.files.get(prefix + n, b"")),
+        return [{"name": n, "type": "file", "size": len(self.contents.files.get(prefix + n, b"")),
                  "mode": 0o644, "mtime": 0.0} for n in names]  # fmt: skip
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         self._agent("file_remove")
-        if self.guest.files.pop(path, None) is None:
+        if self.contents.files.pop(path, None) is None:
             raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
                              kind="FileNotFoundError")  # fmt: skip
 
@@ -427,7 +442,7 @@ class FakeVM(VMLifecycle):
     # background processes: played by FakeProcesses ----------------------------
     async def proc_start(self, cmd: list[str] | str, **kw: Any) -> wire.ProcInfo:
         self._agent("proc_start")
-        started = self.processes.start(cmd, **{**kw, "user": self.guest.user(kw.get("user"))})
+        started = self.processes.start(cmd, **{**kw, "user": self.contents.user(kw.get("user"))})
         return checked(wire.PROC_START, started)
 
     async def proc_list(self) -> list[wire.ProcInfo]:
@@ -491,7 +506,7 @@ class FakeDriver:
         cmdline = f"{KERNEL_CMDLINE} {RUNTIME_CMDLINE}" if runtime else KERNEL_CMDLINE
         machine = MachineConfig(memory_mib, vcpus, "tcg", image.vmlinuz, image.initrd,
                                 image.rootfs, cmdline=cmdline, runtime=runtime)  # fmt: skip
-        vm = FakeVM(vm_id or f"vm-{len(self.vms)}", machine, run_root, Guest())
+        vm = FakeVM(vm_id or f"vm-{len(self.vms)}", machine, run_root, GuestContents())
         vm.image_name = image.name
         vm.image_ref = ImageRef(image.name, image.key, str(image.dir))
         vm.volumes = list(attach)
@@ -504,7 +519,11 @@ class FakeDriver:
             raise self.fail_restore
         files = snapshot_files.load(snapshot_dir)
         state = snapshot_dir / GUEST_STATE  # a pulled snapshot has none: an empty guest
-        guest = Guest.from_json(json.loads(state.read_text())) if state.exists() else Guest()
+        guest = (
+            GuestContents.from_json(json.loads(state.read_text()))
+            if state.exists()
+            else GuestContents()
+        )
         vm_id = vm_id or f"vm-{len(self.vms)}"
         vm = FakeVM(vm_id, files.machine, run_root, guest, state=VMState.INCOMING)
         if kw.get("egress_policy") is not None:  # as VM.spawn_incoming records it
@@ -526,7 +545,7 @@ class FakeDriver:
 
 
 if TYPE_CHECKING:  # mypy proves the fakes stand where VM and its constructors do
-    from forkd.controller.services.fleet import VMDriver
+    from forkd.controller.services.launcher import VMDriver
     from forkd.controller.services.sandbox_vm import SandboxVM
 
     def _fake_vm_is_a_sandbox_vm(vm: FakeVM) -> SandboxVM:

@@ -4,14 +4,15 @@ is believed to say about its output (hostile input)."""
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+from collections.abc import Awaitable, Callable
 from typing import Any, cast
 
 import pytest
 
 from forkd.controller.services.activity import Activity, output_total, request_scope
-from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.holds import Holds
+from forkd.controller.services.live_vms import LiveVMs
+from forkd.controller.services.records import Records
 from forkd.controller.services.waking import Waker
 
 
@@ -60,9 +61,9 @@ def test_a_request_that_ends_after_its_sandbox_was_forgotten_leaves_nothing() ->
     assert not activity.in_use("sb-2") and activity.last_active("sb-2") is not None
 
 
-def _fleet() -> Fleet:
-    """What a wake uses of the fleet when no request asks for a VM: its holds."""
-    return cast(Fleet, SimpleNamespace(holds=Holds()))
+def _waker(resume: Callable[[str], Awaitable[str]]) -> Waker:
+    """A waker whose wakes no request asks a VM of: only its holds are used."""
+    return Waker(Holds(), cast(Records, None), cast(LiveVMs, None), resume)
 
 
 def test_draining_lets_a_wake_whose_waiters_left_end() -> None:
@@ -74,7 +75,7 @@ def test_draining_lets_a_wake_whose_waiters_left_end() -> None:
         return "hibernated"
 
     async def main() -> None:
-        waker = Waker(_fleet(), resume)
+        waker = _waker(resume)
         waiter = asyncio.create_task(waker("sb-1"))
         await asyncio.sleep(0.05)
         waiter.cancel()  # its client left; the wake is shielded and goes on
@@ -90,7 +91,7 @@ def test_a_wake_that_outlasts_the_drain_is_cancelled() -> None:
         return "hibernated"
 
     async def main() -> None:
-        waker = Waker(_fleet(), resume)
+        waker = _waker(resume)
         waiter = asyncio.create_task(waker("sb-1"))
         await asyncio.sleep(0.05)
         await waker.drain(0.1)

@@ -33,7 +33,7 @@ import pytest
 
 from forkd.vmm.agent.client import AgentClient
 from forkd.vmm.agent.lines import LineSplitter
-from forkd.vmm.agent.ops import GuestOps
+from forkd.vmm.agent.ops import Guest
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"
 ENTROPY = base64.b64encode(os.urandom(32)).decode()
@@ -1322,7 +1322,7 @@ def test_sdk_guest_agent_speaks_the_tcp_protocol(tcp: TcpAgent, serial: Client) 
 def test_the_host_sends_upload_chunks_raw_to_an_agent_that_says_it_reads_them(
     agent_socket: Path, tmp_path: Path
 ) -> None:
-    """The daemon's GuestOps and AgentClient against this agent: the open's answer
+    """The daemon's Guest and AgentClient against this agent: the open's answer
     says "payload", and chunks then go raw, newlines and forged requests in them."""
     target = tmp_path / "up.bin"
     chunks = [os.urandom(300_000), b'\n{"id":1,"op":"exec","argv":["touch","/x"]}\n' * 999]
@@ -1331,8 +1331,7 @@ def test_the_host_sends_upload_chunks_raw_to_an_agent_that_says_it_reads_them(
         agent = AgentClient(agent_socket)
         await agent.connect(timeout=5)
         try:
-            ops = GuestOps()
-            ops.agent = agent
+            ops = Guest("upload-test", agent)
             opened = await ops.upload_open(str(target), chunks[0])
             assert opened["payload"] is True
             size = await ops.upload_write(

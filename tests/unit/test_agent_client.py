@@ -545,9 +545,9 @@ def test_a_fork_whose_rng_reseed_failed_is_refused(
 
     async def body(client: AgentClient) -> None:
         vm = _vm(sock.parent)
-        vm.agent = client
+        vm.agent = vm.guest.agent = client
         with pytest.raises(SnapshotError, match=f"could not reseed its {named}") as info:
-            await vm._after_restore("child", 2, snap)  # type: ignore[arg-type]
+            await vm.guest.reseed("child", 2, snap.dir, snap.memory, None)
         assert "/snaps/base" in str(info.value)
         for error in result["errors"]:
             assert error in str(info.value)
@@ -566,8 +566,8 @@ def test_a_fork_whose_hostname_failed_is_kept_with_a_warning(
 
     async def body(client: AgentClient) -> None:
         vm = _vm(sock.parent)
-        vm.agent = client
-        await vm._after_restore("child", 2, snap)  # type: ignore[arg-type]
+        vm.agent = vm.guest.agent = client
+        await vm.guest.reseed("child", 2, snap.dir, snap.memory, None)
 
     with caplog.at_level(logging.WARNING, logger="forkd.vmm.vm"):
         _run_raw(sock, answer, body)
@@ -580,7 +580,7 @@ def test_kill_takes_qemu_down_first_even_when_the_guest_stopped_reading(sock: Pa
 
     async def body(client: AgentClient) -> None:
         vm = _vm(sock.parent, qemu)
-        vm.agent = client
+        vm.agent = vm.guest.agent = client
         real_close = client.close
 
         async def close() -> None:
@@ -588,7 +588,7 @@ def test_kill_takes_qemu_down_first_even_when_the_guest_stopped_reading(sock: Pa
             await real_close()
 
         client.close = close  # type: ignore[method-assign]
-        writing = asyncio.create_task(vm.write_file("/big", b"A" * (8 << 20)))
+        writing = asyncio.create_task(vm.guest.write_file("/big", b"A" * (8 << 20)))
         await asyncio.sleep(0.2)  # stuck: the guest takes nothing
         loop = asyncio.get_running_loop()
         started = loop.time()
@@ -725,9 +725,9 @@ def test_a_guest_answering_each_ping_wrongly_at_once_is_asked_at_a_pace(sock: Pa
 
     async def body(client: AgentClient) -> None:
         vm = _vm(sock.parent, qemu)
-        vm.agent = client
+        vm.agent = vm.guest.agent = client
         with pytest.raises(VMError, match="did not answer within 1 s"):
-            await vm._wait_agent(1.0)
+            await vm.guest.wait_ready(1.0)
 
     try:
         seen = _run(sock, guest, body)

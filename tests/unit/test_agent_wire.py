@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 
 from forkd import agent_wire as wire
+from forkd import wire_shape
 from forkd.errors import AgentError
 from forkd.vmm.agent.client import AgentClient
-from forkd.vmm.agent.ops import MALFORMED, GuestOps
+from forkd.vmm.agent.ops import MALFORMED, Guest
 
 FILES = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files"
 AGENT = FILES / "forkd-agent.py"
@@ -40,7 +41,7 @@ PROC_READ_ANSWER = {"chunks": [], "next_offset": 0, "gap": None, "running": True
 
 def test_an_answer_of_its_ops_shape_is_taken_as_it_is() -> None:
     answer = {**EXEC_ANSWER, "duration_ms": 3, "from_a_newer_agent": [1]}
-    assert wire.check(wire.EXEC, answer) is answer  # an int is a number; extra keys stay
+    wire_shape.check(wire.EXEC.answer, answer)  # an int is a number; extra keys stay
 
 
 @pytest.mark.parametrize(
@@ -69,26 +70,25 @@ def test_an_answer_of_its_ops_shape_is_taken_as_it_is() -> None:
 def test_a_malformed_answer_is_refused_saying_what_and_where(
     op: wire.Op[Any, Any], answer: Any, problem: str
 ) -> None:
-    with pytest.raises(wire.Malformed, match=problem.replace("[", r"\[").replace("]", r"\]")):
-        wire.check(op, answer)
+    with pytest.raises(wire_shape.Malformed, match=problem.replace("[", r"\[").replace("]", r"\]")):
+        wire_shape.check(op.answer, answer)
 
 
 def test_fields_an_older_agent_lacks_are_not_required() -> None:
-    assert wire.check(wire.PING, {}) == {}
-    assert wire.check(wire.EVAL, {"result": "2"}) == {"result": "2"}
-    assert wire.check(wire.READ_RANGE, {"eof": False, "data": "YQ=="})["eof"] is False
+    wire_shape.check(wire.PING.answer, {})
+    wire_shape.check(wire.EVAL.answer, {"result": "2"})
+    wire_shape.check(wire.READ_RANGE.answer, {"eof": False, "data": "YQ=="})
 
 
 def test_the_daemon_fails_a_malformed_answer_as_the_agents_error() -> None:
-    """GuestOps checks every answer: a guest answering exec with a number for stdout is an
+    """Guest checks every answer: a guest answering exec with a number for stdout is an
     AgentError (a 502 from the API), not a value a service goes on with."""
 
     class Agent:
         async def call(self, op: str, params: Any, **_: Any) -> dict[str, Any]:
             return {"exit_code": 0, "stdout": 5, "stderr": ""}
 
-    ops = GuestOps()
-    ops.agent = Agent()  # type: ignore[assignment]  # the channel's one method, answering
+    ops = Guest("wire-test", Agent())  # type: ignore[arg-type]  # the channel's one method
     with pytest.raises(AgentError, match="answer to exec is malformed") as failed:
         asyncio.run(ops.exec(["true"]))
     assert failed.value.kind == MALFORMED
@@ -98,8 +98,8 @@ def test_the_daemon_fails_a_malformed_answer_as_the_agents_error() -> None:
 
 
 @pytest.fixture
-def ops(tmp_path: Path) -> Iterator[GuestOps]:
-    """The daemon's GuestOps and AgentClient on a real agent, run on the host."""
+def ops(tmp_path: Path) -> Iterator[Guest]:
+    """The daemon's Guest and AgentClient on a real agent, run on the host."""
     sock = tmp_path / "agent.sock"
     env = {**os.environ, "FORKD_AGENT_DRY_RESTORE": "1"}
     argv = [sys.executable, str(AGENT), "--socket", str(sock),
@@ -110,20 +110,16 @@ def ops(tmp_path: Path) -> Iterator[GuestOps]:
         while not sock.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "the agent did not start"
             time.sleep(0.02)
-        guest = GuestOps()
-        guest.agent = AgentClient(sock)
-        guest.id, guest.seed = "wire-test", None
+        guest = Guest("wire-test", AgentClient(sock))
         yield guest
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-def test_every_answer_of_a_real_agent_passes_the_daemons_check(
-    ops: GuestOps, tmp_path: Path
-) -> None:
+def test_every_answer_of_a_real_agent_passes_the_daemons_check(ops: Guest, tmp_path: Path) -> None:
     """Each op the daemon sends, against the real agent: its answer has the op's shape
-    (GuestOps checks each one; a field renamed on one side only fails here and in mypy).
+    (Guest checks each one; a field renamed on one side only fails here and in mypy).
     The fs_* ops need an overlay root and are run in test_agent_fsdiff.py."""
     files = tmp_path / "files"
     files.mkdir()

@@ -24,7 +24,7 @@ from forkd.controller.store_rows import SandboxRow, SnapshotRow
 from forkd.errors import ForkdError
 from forkd.states import SandboxState, SnapshotStatus
 from forkd.vmm.snapshot.files import SnapshotLabels
-from tests.unit.fakes import FakeDriver, FakeVM, FakeWriter, Guest
+from tests.unit.fakes import FakeDriver, FakeVM, FakeWriter, GuestContents
 
 
 @dataclass
@@ -59,8 +59,8 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Harness, Fak
                                    None, "python", 1, SnapshotStatus.READY))  # fmt: skip
     store.add_sandbox(SandboxRow("sb-t-0001", "base", str(tmp_path / "run" / "x"), 1, 1,
                                  None, None, SandboxState.RUNNING))  # fmt: skip
-    vm = FakeVM("sb-t-0001", machine, settings.run_dir, Guest())
-    services.fleet.vms[vm.id] = vm
+    vm = FakeVM("sb-t-0001", machine, settings.run_dir, GuestContents())
+    services.vms[vm.id] = vm
     real_add = store.add_snapshot
 
     def add_and_log(row: SnapshotRow, replace: bool = False) -> None:

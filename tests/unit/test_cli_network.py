@@ -27,7 +27,7 @@ def test_network_shows_and_replaces_keeping_the_rules(
 def test_egress_lists_what_was_reached(forkd: Invoke, ctl: Controller, py: str,
                                        server: Server) -> None:  # fmt: skip
     [sb] = ctl.spawn_sandboxes(py)
-    log = server.app.state.services.fleet.egress.log
+    log = server.app.state.services.egress.proxy.log
     log.add(EgressRecord(sb["id"], "refused", "http", "evil.test", 80, reason="not allowed",
                          method="GET", path="/x"))  # fmt: skip
     res = forkd("egress", sb["id"])

@@ -63,7 +63,7 @@ def test_the_network_panel_shows_a_sandboxs_policy_and_egress_and_cuts_it_off(
 ) -> None:
     from forkd.egress.records import EgressRecord
 
-    log = server.app.state.services.fleet.egress.log
+    log = server.app.state.services.egress.proxy.log
     log.add(EgressRecord(sid, "refused", "http", HOSTILE, 80, reason="not allowed by the "
                          "sandbox's network policy", method="GET", path="/x"))  # fmt: skip
     page = browser.new_page()  # type: ignore[attr-defined]

@@ -67,7 +67,7 @@ def test_a_tag_diffs_are_still_recorded_over_cannot_be_made_again(
 ) -> None:
     assert _branch(client, sid, tag="d1", mode="diff").status_code == 201
     # The base gone behind the daemon's back (a crash, a race): d1 still names it.
-    _services(client).fleet.store.delete_snapshot("base")
+    _services(client).store.delete_snapshot("base")
     (settings.snapshot_root / "base").rename(settings.snapshot_root / ".base-gone")
     r = client.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
     assert r.status_code == 409 and "d1" in r.json()["error"]
@@ -151,21 +151,21 @@ def test_no_diff_branch_over_a_base_a_delete_is_removing(
     assert r.status_code == 409 and "being deleted" in r.json()["error"]
     assert client.get("/v1/snapshots/d2").status_code == 404
     assert client.get("/v1/snapshots/d1").json()["mode"] == "full"
-    assert _services(client).fleet.holds.held() == []  # given back
+    assert _services(client).holds.held() == []  # given back
 
 
 def test_a_delete_checks_again_just_before_the_files_go(
     client: TestClient, settings: Settings, sid: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     snaps = _services(client).snapshots
-    real = snaps.fleet.pool.drop
+    real = snaps.pool.drop
     slipped_in = contextlib.ExitStack()
 
     async def drop(d: Path) -> None:
         await real(d)
-        slipped_in.enter_context(snaps.fleet.holds.diff_base("base"))  # a diff branch
+        slipped_in.enter_context(snaps.holds.diff_base("base"))  # a diff branch
 
-    monkeypatch.setattr(snaps.fleet.pool, "drop", drop)
+    monkeypatch.setattr(snaps.pool, "drop", drop)
     r = client.delete("/v1/snapshots/base")
     assert r.status_code == 409 and "being written" in r.json()["error"]
     assert (settings.snapshot_root / "base" / "snapshot.json").is_file()
@@ -262,7 +262,7 @@ def test_a_delete_waits_for_a_branch_copying_the_hibernated_state(
             assert time.monotonic() < deadline
             time.sleep(0.02)
         assert client.get("/v1/snapshots/h2").json()["status"] == "failed"
-    assert sid not in _services(client).fleet.holds._sandbox_locks  # forgotten
+    assert sid not in _services(client).holds._sandbox_locks  # forgotten
     assert client.get(f"/v1/sandboxes/{sid}").status_code == 404
 
 

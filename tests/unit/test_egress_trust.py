@@ -15,17 +15,17 @@ def test_a_template_gets_the_ca_and_the_variables_naming_it(
     client: TestClient, driver: FakeDriver
 ) -> None:
     services = client.app.state.services  # type: ignore[attr-defined]
-    if services.fleet.network.egress is None:
+    if services.host_network.egress is None:
         pytest.skip("this host gives VMs no namespaces: no egress proxy, no CA to install")
     assert client.post("/v1/snapshots", json={"tag": "py"}).status_code == 201
     template = driver.vms[-1]
-    ca = services.fleet.egress_ca
-    assert template.guest.files[egress_trust.CA_FILE] == ca.pem
+    ca = services.egress.ca
+    assert template.contents.files[egress_trust.CA_FILE] == ca.pem
     assert b"BEGIN CERTIFICATE" in ca.pem
-    env = template.guest.defaults["env"]
+    env = template.contents.defaults["env"]
     assert env["SSL_CERT_FILE"] == egress_trust.BUNDLE
     assert env["NODE_EXTRA_CA_CERTS"] == egress_trust.CA_FILE
-    key = services.fleet.settings.state_dir / "egress-ca" / "ca.key"
+    key = services.settings.state_dir / "egress-ca" / "ca.key"
     assert key.stat().st_mode & 0o777 == 0o600
 
 

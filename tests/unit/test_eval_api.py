@@ -168,8 +168,7 @@ class RecordingAgent:
 
 
 def test_the_host_waits_for_an_eval_its_timeout_plus_the_agents_grace() -> None:
-    ops = agent_ops.GuestOps()
-    ops.agent = RecordingAgent()  # type: ignore[assignment]
+    ops = agent_ops.Guest("sb-eval", RecordingAgent())  # type: ignore[arg-type]
     asyncio.run(ops.eval("x", timeout=3600))
     assert asyncio.run(ops.eval_interrupt()) is True
     (op, params, wait), interrupt = ops.agent.calls  # type: ignore[attr-defined]

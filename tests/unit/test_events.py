@@ -225,7 +225,7 @@ def url(running: tuple[str, DaemonServer]) -> str:
 def bus_of(srv: DaemonServer) -> EventBus:
     app = srv.config.app
     assert isinstance(app, FastAPI)  # as daemon() made it
-    return app.state.services.fleet.events
+    return app.state.services.events
 
 
 def _streams_open(srv: DaemonServer, n: int) -> None:

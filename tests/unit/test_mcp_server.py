@@ -252,7 +252,9 @@ class ListeningDriver(FakeDriver):
 
     async def boot(self, image: Any, **kw: Any) -> FakeVM:
         vm = await super().boot(image, **kw)
-        vm.guest.files["/proc/net/tcp"] = b"sl local rem st\n 0: 00000000:1F90 00000000:0000 0A\n"
+        vm.contents.files["/proc/net/tcp"] = (
+            b"sl local rem st\n 0: 00000000:1F90 00000000:0000 0A\n"
+        )
         return vm
 
 

@@ -118,7 +118,7 @@ def test_a_running_sandboxs_policy_is_replaced_and_recorded_with_its_vm(
     assert Egress.parse(vm.machine.egress).shut  # a branch, a hibernation take it from here
     shown = client.get(f"/v1/sandboxes/{sb['id']}/network").json()
     assert shown["deny_out"] == ["*"] and "closed" not in shown
-    events = client.app.state.services.fleet.events  # type: ignore[attr-defined]
+    events = client.app.state.services.events  # type: ignore[attr-defined]
     assert any(e.type == "network_changed" for e in events._ring)
 
 
@@ -150,7 +150,7 @@ def test_egress_records_are_paged_and_counted_in_metrics(client: TestClient, py:
     from forkd.egress.records import EgressRecord
 
     [sb] = _fork(client).json()
-    log = client.app.state.services.fleet.egress.log  # type: ignore[attr-defined]
+    log = client.app.state.services.egress.proxy.log  # type: ignore[attr-defined]
     for i in range(5):
         log.add(EgressRecord(sb["id"], "refused" if i % 2 else "allowed", "tls",
                              f"h{i}.test", 443, bytes_out=10, bytes_in=20))  # fmt: skip
@@ -162,7 +162,7 @@ def test_egress_records_are_paged_and_counted_in_metrics(client: TestClient, py:
     metrics = client.get("/metrics").text
     assert f'forkd_sandbox_egress_allowed_total{{sandbox="{sb["id"]}"}} 3\n' in metrics
     assert f'forkd_sandbox_egress_refused_total{{sandbox="{sb["id"]}"}} 2\n' in metrics
-    events = client.app.state.services.fleet.events  # type: ignore[attr-defined]
+    events = client.app.state.services.events  # type: ignore[attr-defined]
     assert sum(e.type == "egress" for e in events._ring) == 5
     assert client.get("/v1/sandboxes/sb-nope-0001/egress").status_code == 404
 
@@ -176,7 +176,7 @@ def test_refusals_reach_the_audit_log_and_a_flood_is_summed_up(
     from forkd.egress.records import EgressRecord
 
     [sb] = _fork(client).json()
-    log = client.app.state.services.fleet.egress.log  # type: ignore[attr-defined]
+    log = client.app.state.services.egress.proxy.log  # type: ignore[attr-defined]
     log.add(EgressRecord(sb["id"], "allowed", "tls", "ok.test", 443))
     for _ in range(egress_audit.AUDIT_REFUSALS_PER_SEC + 5):
         log.add(EgressRecord(sb["id"], "refused", "tls", "evil.test", 443, reason="denied"))

@@ -122,11 +122,11 @@ class AdoptingDriver(FakeDriver):
         self.asked: dict[str, bool] = {}
 
     async def adopt(self, run_dir: Path, paused: bool = False) -> FakeVM:
-        from tests.unit.fakes import Guest
+        from tests.unit.fakes import GuestContents
 
         self.asked[run_dir.name] = paused
         state = VMState.PAUSED if paused else VMState.RUNNING
-        return FakeVM(run_dir.name, self.machine, run_dir.parent, Guest(), state=state)
+        return FakeVM(run_dir.name, self.machine, run_dir.parent, GuestContents(), state=state)
 
 
 def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -> None:
@@ -144,7 +144,7 @@ def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -
     assert driver.asked == {"sb-t-0001": True, "sb-t-0002": False}
     assert [store.get_sandbox(s).state for s in ("sb-t-0001", "sb-t-0002")] == [  # type: ignore[union-attr]
         "paused", "running"]  # fmt: skip
-    assert services.fleet.vms["sb-t-0001"].state == "paused"
+    assert services.vms["sb-t-0001"].state == "paused"
 
 
 def test_a_sandbox_the_daemon_died_forking_is_adopted_running(settings: Settings) -> None:

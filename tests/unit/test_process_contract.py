@@ -1,7 +1,7 @@
 """The guest agent's process protocol (ops ``proc_*``), one set of cases run against
 two backends: the fake the service tests use (tests/unit/fake_processes.py, behind
 FakeVM) and the real agent (src/forkd/guest/files/forkd-agent.py serving a unix
-socket, no VM), reached through the daemon's own GuestOps and AgentClient.
+socket, no VM), reached through the daemon's own Guest and AgentClient.
 
 The real agent is the truth: a case that fails only for ``fake`` means the fake
 drifted from it. The fake's scripts (``exit N``, ``count N SECS``, ``hex HEX``,
@@ -30,9 +30,9 @@ from forkd import agent_wire as wire
 from forkd.controller.services.sandbox_vm import ProcessOps
 from forkd.errors import AgentError
 from forkd.vmm.agent.client import AgentClient
-from forkd.vmm.agent.ops import GuestOps
+from forkd.vmm.agent.ops import Guest
 from forkd.vmm.qemu.argv import MachineConfig
-from tests.unit.fakes import FakeVM, Guest
+from tests.unit.fakes import FakeVM, GuestContents
 
 AGENT = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files" / "forkd-agent.py"
 NO_SUCH_PID = 2**30  # above the kernel's pid_max
@@ -193,7 +193,7 @@ def backend(request: pytest.FixtureRequest, scripts: dict[str, str], tmp_path: P
         @asynccontextmanager
         async def fake() -> AsyncIterator[ProcessOps]:
             machine = MachineConfig(1, 1, "tcg", Path("/k"), Path("/i"), Path("/r"))
-            yield FakeVM("sb-contract", machine, tmp_path, Guest())
+            yield FakeVM("sb-contract", machine, tmp_path, GuestContents())
 
         return Backend("fake", fake, scripts)
     sock: Path = request.getfixturevalue("agent_socket")
@@ -202,8 +202,7 @@ def backend(request: pytest.FixtureRequest, scripts: dict[str, str], tmp_path: P
     async def real() -> AsyncIterator[ProcessOps]:
         client = AgentClient(sock)
         await client.connect(timeout=WAIT_S)
-        ops = GuestOps()
-        ops.agent = client
+        ops = Guest("sb-contract", client)
         try:
             yield ops
         finally:

@@ -36,7 +36,7 @@ def client(
     settings.reclaim_low_mib, settings.reclaim_high_mib = 1500, 2000
     settings.reclaim_idle_s = 0
     with TestClient(create_app(settings, TOKEN, driver=driver), headers=AUTH) as c:
-        events = _services(c).fleet.events
+        events = _services(c).events
         publish = events.publish
         c.published = []  # type: ignore[attr-defined]
 
@@ -109,7 +109,7 @@ def test_protected_busy_and_recently_used_sandboxes_are_never_taken(
     busy = _fork(client)
     services = _services(client)
     with request_scope():  # a request is using it (a followed stream, a terminal)
-        services.fleet.activity.touch(busy)
+        services.activity.touch(busy)
         assert _reclaim(client) == []
     assert set(_states(client).values()) == {"running"}
     settings.reclaim_idle_s = 3600
@@ -295,7 +295,7 @@ def test_one_sandbox_s_failure_does_not_end_the_pass(
 
 def test_a_sandbox_whose_lock_is_held_is_skipped(client: TestClient) -> None:
     busy, other = _fork(client), _fork(client)
-    lock = _services(client).fleet.holds.sandbox_lock(busy)  # a branch writing its files
+    lock = _services(client).holds.sandbox_lock(busy)  # a branch writing its files
     client.portal.call(lock.acquire)  # type: ignore[union-attr]
     try:
         assert _reclaim(client) == [other]

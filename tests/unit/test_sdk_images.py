@@ -32,7 +32,7 @@ class ListeningDriver(FakeDriver):
         vm = await super().boot(image, **kw)
         header = "  sl  local_address rem_address   st tx_queue rx_queue\n"
         row = f"   0: 00000000:{SERVICE_PORT:04X} 00000000:0000 0A 00000000:00000000\n"
-        vm.guest.files["/proc/net/tcp"] = (header + row).encode()
+        vm.contents.files["/proc/net/tcp"] = (header + row).encode()
         return vm
 
 

@@ -208,7 +208,7 @@ def test_a_snapshot_being_pushed_cannot_be_deleted(client: TestClient, base: str
     with snaps.reading(base):
         r = client.delete(f"/v1/snapshots/{base}")
         assert r.status_code == 409 and "being pushed" in r.json()["error"]
-    assert not snaps.fleet.holds.being_read(base)
+    assert not snaps.holds.being_read(base)
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
 
 
@@ -260,12 +260,12 @@ def test_a_push_whose_request_goes_away_holds_the_snapshot_until_its_thread_ends
 
     req = SnapshotPush(ref="registry.invalid/forkd/x:v1")
     _give_up_once_started(client, lambda: transfer.push(base, req), started)
-    assert snaps.fleet.holds.being_read(base) and transfer._running == 1  # the thread still reads
+    assert snaps.holds.being_read(base) and transfer._running == 1  # the thread still reads
     r = client.delete(f"/v1/snapshots/{base}")
     assert r.status_code == 409 and "being pushed" in r.json()["error"]
     finish.set()
-    _wait_until(client, lambda: not (snaps.fleet.holds.being_read(base) or transfer._running))
-    assert not snaps.fleet.holds.being_read(base) and transfer._running == 0
+    _wait_until(client, lambda: not (snaps.holds.being_read(base) or transfer._running))
+    assert not snaps.holds.being_read(base) and transfer._running == 0
     assert client.delete(f"/v1/snapshots/{base}").status_code == 204
 
 
@@ -275,7 +275,7 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
     # The thread writing a pulled snapshot goes on after its request is gone: the tag
     # stays reserved (no second pull or create may take it meanwhile) until it ends.
     services = client.app.state.services  # type: ignore[attr-defined]
-    transfer, fleet = services.transfer, services.fleet
+    transfer, holds = services.transfer, services.holds
     started, finish = threading.Event(), threading.Event()
 
     class Remote:
@@ -289,17 +289,19 @@ def test_a_pull_whose_request_goes_away_keeps_its_tag_until_its_thread_ends(
     monkeypatch.setattr(
         "forkd.controller.services.snapshot_transfer.pull.open_remote", lambda *a: Remote()
     )
-    monkeypatch.setattr(transfer, "_check", lambda remote: None)
+    monkeypatch.setattr(
+        "forkd.controller.services.snapshot_transfer.pull_writing.plan", lambda *a: None
+    )
     monkeypatch.setattr(transfer, "_pull_sync", slow_write)
 
     req = SnapshotPull(ref="registry.invalid/forkd/x:v1", tag="pulled")
     _give_up_once_started(client, lambda: transfer.pull(req), started)
-    assert "tag pulled" in fleet.holds.held() and transfer._running == 1
+    assert "tag pulled" in holds.held() and transfer._running == 1
     r = client.post("/v1/snapshots", json={"tag": "pulled", "memory_mib": 128})
     assert r.status_code == 409 and "being created" in r.json()["error"]
     finish.set()
-    _wait_until(client, lambda: not (fleet.holds.held() or transfer._running))
-    assert fleet.holds.held() == [] and transfer._running == 0
+    _wait_until(client, lambda: not (holds.held() or transfer._running))
+    assert holds.held() == [] and transfer._running == 0
 
 
 # -- a container image's template, pushed and pulled -----------------------------------
@@ -330,7 +332,7 @@ def container_template(client: TestClient, settings: Settings, registry: Registr
 def _pulled_machine(client: TestClient, ref: str, tag: str) -> tuple[Any, Path]:
     r = client.post("/v1/snapshots/pull", json={"ref": ref, "tag": tag})
     assert r.status_code == 201, r.text
-    state = client.app.state.services.fleet.settings.state_dir  # type: ignore[attr-defined]
+    state = client.app.state.services.settings.state_dir  # type: ignore[attr-defined]
     files = snapshot_files.load(state / r.json()["dir"])  # a path of the daemon's state
     assert files.meta.image is not None and files.meta.image.dir is not None
     return files.machine, Path(files.meta.image.dir)

@@ -5,7 +5,9 @@ Every member the services use on a VM is on both, every call they make binds to
 both signatures, and every method a fake defines has the real one's shape (no
 parameter, default or kind of its own). The services' uses are read from their
 source: the members of the names they hold a VM under (``vm``, ``template``) in
-the services, the fork pool and live snapshots.
+the services, the fork pool and live snapshots, and of its guest (``vm.guest.exec``,
+checked against the real VM's :class:`forkd.vmm.agent.ops.Guest`; the fake plays its
+own guest).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 
 from forkd.vmm.qemu.argv import MachineConfig, RuntimePaths
 from forkd.vmm.vm import VM
-from tests.unit.fakes import FakeDriver, FakeVM, Guest
+from tests.unit.fakes import FakeDriver, FakeVM, GuestContents
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "forkd"
 # Where VMs are handed around: the services, and the fork pool and live snapshots they use.
@@ -40,15 +42,39 @@ class Call:
     where: str
 
 
+def _held_vm(node: ast.expr) -> bool:
+    return isinstance(node, ast.Name) and node.id in VM_VARIABLES
+
+
 def _vm_members(node: ast.AST) -> Iterator[tuple[ast.Attribute, str]]:
+    """Each ``vm.name`` (as ``name``) and ``vm.guest.name`` (as ``guest.name``) under
+    ``node``."""
     for sub in ast.walk(node):
-        if (
-            isinstance(sub, ast.Attribute)
-            and isinstance(sub.value, ast.Name)
-            and sub.value.id in VM_VARIABLES
-            and not sub.attr.startswith("_")
-        ):
+        if not isinstance(sub, ast.Attribute) or sub.attr.startswith("_"):
+            continue
+        if _held_vm(sub.value):
             yield sub, sub.attr
+        elif (
+            isinstance(sub.value, ast.Attribute)
+            and sub.value.attr == "guest"
+            and _held_vm(sub.value.value)
+        ):
+            yield sub, f"guest.{sub.attr}"
+
+
+def _member(owner: object, dotted: str) -> Any:
+    """``owner``'s member by its dotted name (``guest.exec``); AttributeError if none."""
+    for part in dotted.split("."):
+        owner = getattr(owner, part)
+    return owner
+
+
+def _has(owner: object, dotted: str) -> bool:
+    try:
+        _member(owner, dotted)
+    except AttributeError:
+        return False
+    return True
 
 
 def _service_uses() -> tuple[dict[str, list[str]], list[Call]]:
@@ -71,7 +97,8 @@ def _service_uses() -> tuple[dict[str, list[str]], list[Call]]:
                 continue
             keywords = frozenset(k.arg for k in node.keywords if k.arg is not None)
             where = f"{path.name}:{node.lineno}"
-            calls.append(Call(node.func.attr, len(node.args), keywords, where))
+            name = next(_vm_members(node.func))[1]
+            calls.append(Call(name, len(node.args), keywords, where))
     return members, calls
 
 
@@ -82,7 +109,7 @@ def vms(tmp_path: Path) -> tuple[VM, FakeVM]:
     ram = tmp_path / "ram.bin"
     ram.write_bytes(b"\0")
     real = VM("sb-c", RuntimePaths(tmp_path / "real"), machine, ram, None, None, None, 0)
-    return real, FakeVM("sb-c", machine, tmp_path / "fake", Guest())
+    return real, FakeVM("sb-c", machine, tmp_path / "fake", GuestContents())
 
 
 def _shape_problems(real: inspect.Signature, fake: inspect.Signature) -> list[str]:
@@ -134,9 +161,9 @@ def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
 
 def test_the_scan_finds_what_the_services_use_of_a_vm() -> None:
     members, calls = _service_uses()
-    assert {"id", "state", "is_alive", "pause", "resume", "begin_snapshot", "proc_read",
-            "exec", "upload_write"} <= set(members)  # fmt: skip
-    assert any(c.name == "proc_read" and "wait_s" in c.keywords for c in calls)
+    assert {"id", "state", "is_alive", "pause", "resume", "begin_snapshot", "guest.proc_read",
+            "guest.exec", "guest.upload_write"} <= set(members)  # fmt: skip
+    assert any(c.name == "guest.proc_read" and "wait_s" in c.keywords for c in calls)
 
 
 def test_every_member_the_services_use_is_on_the_vm_and_the_fake(vms: tuple[VM, FakeVM]) -> None:
@@ -145,12 +172,10 @@ def test_every_member_the_services_use_is_on_the_vm_and_the_fake(vms: tuple[VM, 
     problems = []
     for name, places in sorted(members.items()):
         where = f"{name} (used at {places[0]})"
-        if not hasattr(real, name) or not hasattr(fake, name):
-            problems.append(
-                f"{where}: on the VM {hasattr(real, name)}, the fake {hasattr(fake, name)}"
-            )
+        if not _has(real, name) or not _has(fake, name):
+            problems.append(f"{where}: on the VM {_has(real, name)}, the fake {_has(fake, name)}")
             continue
-        mine, theirs = getattr(fake, name), getattr(real, name)
+        mine, theirs = _member(fake, name), _member(real, name)
         if callable(theirs) != callable(mine):
             problems.append(
                 f"{where}: callable on the VM {callable(theirs)}, the fake {callable(mine)}"
@@ -170,7 +195,7 @@ def test_every_call_the_services_make_binds_to_the_vm_and_the_fake(
         args, kwargs = [None] * call.positional, dict.fromkeys(call.keywords)
         for owner, vm in (("VM", real), ("FakeVM", fake)):
             try:
-                inspect.signature(getattr(vm, call.name)).bind(*args, **kwargs)
+                inspect.signature(_member(vm, call.name)).bind(*args, **kwargs)
             except TypeError as exc:
                 problems.append(f"{call.where}: {call.name} on {owner}: {exc}")
     assert problems == []
@@ -180,13 +205,15 @@ def test_every_call_the_services_make_binds_to_the_vm_and_the_fake(
 
 
 def test_every_method_the_fake_vm_defines_has_the_real_ones_shape(vms: tuple[VM, FakeVM]) -> None:
+    """A fake's method is the VM's, or its guest's (the fake plays its own guest)."""
     real, fake = vms
     problems = []
     for name in _public_methods(FakeVM):
-        if not hasattr(real, name):
-            problems.append(f"{name}: the VM has none")
+        owner = real if hasattr(real, name) else real.guest
+        if not hasattr(owner, name):
+            problems.append(f"{name}: neither the VM nor its guest has one")
             continue
-        theirs, mine = getattr(real, name), getattr(fake, name)
+        theirs, mine = getattr(owner, name), getattr(fake, name)
         if inspect.iscoroutinefunction(theirs) != inspect.iscoroutinefunction(mine):
             problems.append(f"{name}: async on one of them only")
         problems += [f"{name}: {p}" for p in _shape_problems(inspect.signature(theirs),

@@ -21,7 +21,7 @@ from forkd.vmm.qemu import launch
 from forkd.vmm.qemu.argv import MachineConfig
 from forkd.vmm.qemu.qmp import QMPChannel
 from forkd.vmm.vm import VM
-from tests.unit.fakes import FakeVM, Guest, make_image
+from tests.unit.fakes import FakeVM, GuestContents, make_image
 
 
 class QemuStarted(Exception):
@@ -49,7 +49,7 @@ def snapshot(tmp_path: Path) -> Path:
     machine = MachineConfig(
         4, 1, "tcg", image / "vmlinuz", image / "initrd.img", image / "rootfs.sqfs"
     )
-    vm = FakeVM("tpl", machine, tmp_path / "tpl-run", Guest())
+    vm = FakeVM("tpl", machine, tmp_path / "tpl-run", GuestContents())
     return asyncio.run(vm.snapshot(tmp_path / "snap"))
 
 

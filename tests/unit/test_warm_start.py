@@ -51,6 +51,10 @@ class _StubVM(VMLifecycle):
     ) -> RestoreAnswer:
         return {"rng_reseeded": True, "random_reseeded": True}
 
+    @property
+    def guest(self) -> _StubVM:  # the stub plays its guest too
+        return self
+
     async def kill(self) -> None:
         self.calls.append("kill")
         self._set_state(VMState.DEAD)

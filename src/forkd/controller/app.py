@@ -23,8 +23,8 @@ from forkd.controller.metrics import Metrics
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware, SandboxRequests
 from forkd.controller.preview_hosts import PreviewHosts
 from forkd.controller.services import Services
-from forkd.controller.services.fleet import VMDriver
 from forkd.controller.services.images import Importer
+from forkd.controller.services.launcher import VMDriver
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 
@@ -36,14 +36,14 @@ WAKE_DRAIN_SECS = 30.0  # wakes under way when the daemon stops
 
 async def _stop(services: Services) -> None:
     """The daemon's background work ends, what it wrote is flushed, its proxy closed."""
-    services.fleet.events.close()
+    services.events.close()
     await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
     await services.reclaim.stop()
     await services.waker.drain(WAKE_DRAIN_SECS)
     await services.usage.stop()
     await services.lifecycle.stop()
     services.secrets.flush_uses(force=True)
-    await services.fleet.egress.close()
+    await services.egress.proxy.close()
 
 
 def create_app(
@@ -63,8 +63,8 @@ def create_app(
         holder: list[Services] = []
         metrics = Metrics(
             snapshots=lambda: len(store.list_snapshots()),
-            sandboxes=lambda: len(holder[0].fleet.vms) if holder else 0,
-            pooled=lambda: holder[0].fleet.pool.waiting() if holder else 0,
+            sandboxes=lambda: len(holder[0].vms) if holder else 0,
+            pooled=lambda: holder[0].pool.waiting() if holder else 0,
             branches_in_flight=lambda: holder[0].branches.in_flight if holder else 0,
             branch_cap=lambda: settings.branch_concurrency,
             connections=connections.counts if connections is not None else None,
@@ -76,17 +76,17 @@ def create_app(
         app.state.audit = AuditLog(settings.state_dir / "audit.log")
         services.expiry.audit = app.state.audit.write
         services.reclaim.audit = app.state.audit.write
-        services.fleet.egress_report.refusals.write = app.state.audit.write
+        services.egress.report.refusals.write = app.state.audit.write
         services.secrets.start()
         await services.lifecycle.start()
         services.reclaim.start()
         services.usage.start()
         metrics.watch_sandboxes(services.usage.all, limits.SANDBOX_SERIES_CAP)
-        metrics.watch_egress(lambda: services.fleet.egress.log.counts, limits.SANDBOX_SERIES_CAP)
+        metrics.watch_egress(lambda: services.egress.proxy.log.counts, limits.SANDBOX_SERIES_CAP)
         log.info(
             "forkd ready: %d snapshots, %d sandboxes adopted",
             len(store.list_snapshots()),
-            len(services.fleet.vms),
+            len(services.vms),
         )
         try:
             yield
@@ -94,7 +94,7 @@ def create_app(
             await _stop(services)
             services.expiry.audit = None
             services.reclaim.audit = None
-            services.fleet.egress_report.refusals.write = None
+            services.egress.report.refusals.write = None
             app.state.audit.close()
             app.state.audit = None
             store.close()
@@ -129,4 +129,4 @@ def end_streams(app: FastAPI) -> None:
     end), so an open stream does not hold the daemon up."""
     services = getattr(app.state, "services", None)
     if services is not None:
-        services.fleet.events.close()
+        services.events.close()

@@ -27,7 +27,7 @@ from forkd import paths
 from forkd.controller import log_redaction, port_ws
 from forkd.controller.app import create_app, end_streams
 from forkd.controller.connection_limits import ConnectionLimiter, uvicorn_options
-from forkd.controller.services.fleet import VMDriver
+from forkd.controller.services.launcher import VMDriver
 from forkd.controller.settings import Settings
 from forkd.errors import ForkdError
 

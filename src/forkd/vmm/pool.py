@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Generic, Protocol, TypeVar
 
 from forkd.errors import ForkdError
-from forkd.vmm.vm import new_vm_id
+from forkd.vmm.vm_start import new_vm_id
 from forkd.vmm.volumes.disks import Attachment
 
 log = logging.getLogger(__name__)

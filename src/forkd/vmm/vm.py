@@ -23,26 +23,24 @@ import contextlib
 import dataclasses
 import logging
 import os
-import secrets
 import shutil
 import signal
 import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Required, TypedDict, Unpack
+from typing import TYPE_CHECKING, Unpack
 
-from forkd import accel, limits
-from forkd.errors import AgentError, SnapshotError, VMError
+from forkd import limits
+from forkd.errors import SnapshotError, VMError
 from forkd.states import VMState
-from forkd.vmm import runtime_meta, warm_start
-from forkd.vmm.agent import ops as agent_ops
+from forkd.vmm import runtime_meta, vm_start, warm_start
 from forkd.vmm.agent.client import AgentClient
-from forkd.vmm.agent.ops import GuestOps
+from forkd.vmm.agent.ops import Guest
 from forkd.vmm.agent.ports import HostForwards
 from forkd.vmm.jail import cgroups, egress, network, qemu_user
 from forkd.vmm.qemu import host_processes, launch
-from forkd.vmm.qemu.argv import AGENT_CHARDEV, MachineConfig, RuntimePaths, kernel_cmdline
+from forkd.vmm.qemu.argv import AGENT_CHARDEV, MachineConfig, RuntimePaths
 from forkd.vmm.qemu.host_processes import qemu_pid_matches
 from forkd.vmm.qemu.launch import tail
 from forkd.vmm.qemu.qmp import CONNECT_TIMEOUT_SECS, QMPChannel
@@ -54,11 +52,10 @@ from forkd.vmm.snapshot.write_tracking import WriteTracker
 from forkd.vmm.snapshot.writer import SnapshotWriter
 from forkd.vmm.vcpu_control import Vcpus
 from forkd.vmm.vm_state import VMLifecycle
-from forkd.vmm.volumes import disks as volumes
 from forkd.vmm.volumes import mounts as volume_mounts
 from forkd.vmm.volumes.disks import Attachment
 
-__all__ = ["VM", "SnapshotWriter", "new_vm_id", "qemu_pid_matches"]
+__all__ = ["VM", "SnapshotWriter", "qemu_pid_matches"]
 
 if TYPE_CHECKING:  # only its type: the guest images sit above the VM
     from forkd.guest.image import Image
@@ -69,34 +66,11 @@ BOOT_MEMORY_MIB = 256  # VM.boot's default; the daemon passes its own
 ADOPT_TIMEOUT_SECS = 10.0
 
 
-def _run_dir(run_root: Path, vm_id: str, undo: contextlib.AsyncExitStack) -> RuntimePaths:
-    """The new VM's run directory, the first thing its start makes and the last it undoes."""
-    rt = launch.prepare_runtime(run_root, vm_id)
-    undo.callback(shutil.rmtree, rt.dir, ignore_errors=True)
-    return rt
-
-
-def new_vm_id() -> str:
-    return f"vm-{secrets.token_hex(4)}"
-
-
-class SpawnOptions(TypedDict, total=False):
-    """The keywords of :meth:`VM.spawn_incoming`, which :meth:`VM.restore` passes on."""
-
-    run_root: Required[Path]
-    vm_id: str | None
-    detach: bool
-    internet: bool | None
-    host_network: network.HostNetwork | None
-    egress_policy: egress.Egress | None
-    cgroup: cgroups.Placement | None
-
-
-class VM(GuestOps, VMLifecycle):
-    """A running (or paused, or dead) QEMU process and its agent connection: the guest's
-    operations (:class:`GuestOps`), its state (:class:`VMLifecycle`), and the parts it
-    holds, its vCPUs (:class:`Vcpus`) and the host's way to its ports
-    (:class:`HostForwards`); a pooled VM is warmed by :mod:`forkd.vmm.warm_start`."""
+class VM(VMLifecycle):
+    """A running (or paused, or dead) QEMU process: its state (:class:`VMLifecycle`)
+    and the parts it holds, its guest through the agent's connection (:class:`Guest`),
+    its vCPUs (:class:`Vcpus`) and the host's way to its ports (:class:`HostForwards`);
+    a pooled VM is warmed by :mod:`forkd.vmm.warm_start`."""
 
     def __init__(
         self,
@@ -122,11 +96,11 @@ class VM(GuestOps, VMLifecycle):
         self.pid = pid
         self.qmp = QMPChannel(vm_id, rt.qmp)
         self.agent = AgentClient(rt.agent)
+        self.guest = Guest(vm_id, self.agent, self.console_tail, self._raise_if_dead)
         self.vcpus = Vcpus(vm_id, self.agent, self.qmp, self._set_state, self._raise_if_dead)
         self.forwards = HostForwards(vm_id, self.qmp)
         self.started_at = time.time()
         self.ready_ms: float | None = None  # process start -> agent answered
-        self.seed: int | None = None  # its random seed, once restored with one
         self._incoming: SnapshotFiles | None = None
         self.volumes: list[Attachment] = []  # in device order: serial forkd-vol<i>
         self.net: network.SandboxNet | None = None  # its namespace, if it has one
@@ -162,24 +136,10 @@ class VM(GuestOps, VMLifecycle):
         ``cgroup``: QEMU runs in a cgroup of its own there, with caps.
         """
         policy = egress_policy or egress.Egress.from_internet(internet)
-        limits.check_memory_mib(memory_mib)
-        limits.check_vcpus(vcpus)
-        vm_id = vm_id or new_vm_id()
-        choice = accel.choose(accel_name)
-        machine = MachineConfig(
-            memory_mib=memory_mib,
-            vcpus=vcpus,
-            accel=choice.name,
-            vmlinuz=image.vmlinuz,
-            initrd=image.initrd,
-            rootfs=image.rootfs,
-            internet=policy.mode != "none",
-            cmdline=kernel_cmdline(choice.name, runtime=image.runtime is not None),
-            egress=policy.to_json(),
-            runtime=image.runtime,
-        )
+        machine = vm_start.boot_machine(image, memory_mib, vcpus, accel_name, policy)
+        vm_id = vm_id or vm_start.new_vm_id()
         async with contextlib.AsyncExitStack() as undo:  # unwound unless the boot succeeds
-            rt = _run_dir(run_root, vm_id, undo)
+            rt = vm_start.run_dir(run_root, vm_id, undo)
             with rt.ram.open("wb") as f:  # sparse: costs nothing until written
                 f.truncate(memory_mib << 20)
             started = time.monotonic()
@@ -202,8 +162,8 @@ class VM(GuestOps, VMLifecycle):
             undo.push_async_callback(vm.kill)
             await vm._connect_qmp()
             await vm.agent.connect()
-            await vm._wait_agent(boot_timeout)
-            await volume_mounts.mount_all(vm.exec, vm.volumes)
+            await vm.guest.wait_ready(boot_timeout)
+            await volume_mounts.mount_all(vm.guest.exec, vm.volumes)
             undo.pop_all()
         vm.ready_ms = (time.monotonic() - started) * 1000
         vm._set_state(VMState.RUNNING)
@@ -218,7 +178,7 @@ class VM(GuestOps, VMLifecycle):
         hostname: str | None = None,
         timeout: float = limits.RESTORE_TIMEOUT_SECS,
         seed: int | None = None,
-        **spawn: Unpack[SpawnOptions],
+        **spawn: Unpack[vm_start.SpawnOptions],
     ) -> VM:
         """Fork a new VM from a snapshot directory; returns once its agent answered.
 
@@ -254,23 +214,11 @@ class VM(GuestOps, VMLifecycle):
         egress policy is ``egress_policy``, else ``internet``, else the snapshot's.
         """
         snap = snapshot_files.load(snapshot_dir)
-        machine = snap.machine
-        policy = egress_policy or (
-            egress.Egress.from_internet(internet)
-            if internet is not None
-            else egress.of_machine(machine.egress, machine.internet)
-        )
-        # The network is a netdev option, not a device: the restored state still fits.
-        machine = dataclasses.replace(
-            machine, internet=policy.mode != "none", egress=policy.to_json()
-        )
-        vm_id = vm_id or new_vm_id()
+        policy, machine = vm_start.fork_machine(snap, internet, egress_policy)
+        vm_id = vm_id or vm_start.new_vm_id()
         async with contextlib.AsyncExitStack() as undo:  # unwound unless the start succeeds
-            rt = _run_dir(run_root, vm_id, undo)
-            attach: list[Attachment] = []
-            undo.callback(volume_mounts.remove_own_layers, attach)
-            for f in snap.meta.volumes:  # a writable volume: this child's layer over its own
-                attach.append(volumes.attach_for_fork(f))
+            rt = vm_start.run_dir(run_root, vm_id, undo)
+            attach = vm_start.fork_volumes(snap, undo)
             # A diff maps its chain's full root; its layers are written in below.
             chain = memory_diff.resolve(snap)
             with contextlib.closing(chain):
@@ -338,7 +286,7 @@ class VM(GuestOps, VMLifecycle):
             await self.qmp.wait_accepted(AGENT_CHARDEV, timeout)
             await self.qmp.execute("cont")
             self._set_state(VMState.RUNNING)
-            await self._after_restore(hostname or self.id, timeout, snap, seed)
+            await self.guest.reseed(hostname or self.id, timeout, snap.dir, snap.memory, seed)
         except VMError as exc:
             # QEMU gone mid-restore: name the files a damaged snapshot could be.
             dead = await self.gone()
@@ -364,11 +312,7 @@ class VM(GuestOps, VMLifecycle):
         """Take over a VM an earlier process started (detached) in ``run_dir``, left
         running or ``paused``; :class:`VMError` when its QEMU is gone, is not the one
         the metadata names, or its agent does not answer (not asked when paused)."""
-        rt = RuntimePaths(run_dir)
-        rec = runtime_meta.read(rt)
-        if not qemu_pid_matches(rec.pid, run_dir):
-            cgroups.remove(rec.cgroup, 0)  # nothing is left in it (the kernel refuses otherwise)
-            raise VMError(f"QEMU of {rec.id} (pid {rec.pid}) is no longer running")
+        rt, rec = vm_start.left_running(run_dir)
         vm = cls(
             rec.id, rt, rec.machine, rec.ram_file, rec.image, rec.origin_snapshot, None, rec.pid
         )
@@ -378,38 +322,15 @@ class VM(GuestOps, VMLifecycle):
         vm.cgroup = rec.cgroup  # QEMU stays in its group; kill() removes it
         vm.uid = qemu_user.adopt(rec.pid, host_processes.owner_uid(rec.pid))  # and keeps its uid
         await vm._connect_qmp(timeout)
-        status = await vm.qmp.execute("query-status")
-        assert isinstance(status, dict)
-        if (status.get("status") == "paused") != paused:  # a daemon died mid-branch or
-            await vm.qmp.execute("stop" if paused else "cont")  # mid-resume: as it was asked
+        await vm.qmp.set_running(not paused)  # a daemon died mid-branch or mid-resume
         await vm.agent.connect(timeout)
         if not paused:
-            await vm._wait_agent(timeout)
+            await vm.guest.wait_ready(timeout)
         vm._set_state(VMState.PAUSED if paused else VMState.RUNNING)
         return vm
 
     async def _connect_qmp(self, timeout: float = CONNECT_TIMEOUT_SECS) -> None:
         await self.qmp.connect(self._raise_if_dead, timeout)
-
-    async def _after_restore(
-        self,
-        hostname: str,
-        timeout: float,
-        snap: snapshot_files.SnapshotFiles,
-        seed: int | None = None,
-    ) -> None:
-        try:
-            result = await self.make_unique(hostname, timeout, seed=seed)
-            self.seed = seed
-        except AgentError as exc:
-            self._raise_if_dead(f"the guest restored from {snap.memory} died")
-            raise SnapshotError(
-                f"the guest restored from {snap.memory} does not answer ({exc}); "
-                f"memory.bin or vmstate may be corrupt. Console: {await self.console_tail()}"
-            ) from exc
-        errors = agent_ops.check_reseeded(result, self.id, snap.dir)
-        if errors:
-            log.warning("restore of %s: %s", self.id, errors)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -555,20 +476,10 @@ class VM(GuestOps, VMLifecycle):
         await writer.prepare()
         return writer
 
-    async def write_snapshot(
-        self,
-        dest: Path,
-        labels: SnapshotLabels | None = None,
-        base: BaseRef | None = None,
-        *,
-        live: bool = False,
-    ) -> SnapshotFiles:
-        """Pause, snapshot to ``dest``, resume: see :func:`live_snapshot.write`."""
-        return await live_snapshot.write(self, dest, labels, base, live=live)
-
     async def snapshot(self, dest: Path, labels: SnapshotLabels | None = None) -> Path:
-        """:meth:`write_snapshot` the live way (templates), returning ``dest``."""
-        return (await self.write_snapshot(dest, labels, live=True)).dir
+        """Pause, snapshot to ``dest`` the live way (templates), resume
+        (:func:`live_snapshot.write`); returns ``dest``."""
+        return (await live_snapshot.write(self, dest, labels, live=True)).dir
 
     # --------------------------------------------------------------- memory
 

@@ -57,13 +57,24 @@ class QemuControl(Protocol):
     async def execute(self, cmd: str) -> object: ...
 
 
+class WarmableGuest(Protocol):
+    """What warming and handing out a pooled VM use of its guest
+    (:class:`forkd.vmm.agent.ops.Guest`)."""
+
+    seed: int | None
+
+    async def exec(self, argv: list[str], *, timeout: float = ...) -> wire.ExecAnswer: ...
+    async def make_unique(
+        self, hostname: str, wait: float, *, seed: int | None = ...
+    ) -> wire.RestoreAnswer: ...
+
+
 class Warmable(Protocol):
     """What warming and handing out a pooled VM use of it (:class:`forkd.vmm.vm.VM`)."""
 
     id: str
     pid: int
     ready_ms: float | None
-    seed: int | None
 
     @property
     def state(self) -> VMState: ...
@@ -72,10 +83,9 @@ class Warmable(Protocol):
 
     def _set_state(self, new: VMState) -> None: ...
     async def finish_restore(self, *, hostname: str | None = ..., timeout: float = ...) -> None: ...
-    async def exec(self, argv: list[str], *, timeout: float = ...) -> wire.ExecAnswer: ...
-    async def make_unique(
-        self, hostname: str, wait: float, *, seed: int | None = ...
-    ) -> wire.RestoreAnswer: ...
+    @property
+    def guest(self) -> WarmableGuest: ...
+
     async def kill(self) -> None: ...
 
 
@@ -85,7 +95,7 @@ async def prewarm(vm: Warmable, timeout: float = limits.RESTORE_TIMEOUT_SECS) ->
     renice(vm.pid, POOL_NICE)
     await vm.finish_restore(hostname=vm.id, timeout=timeout)
     try:
-        warm = await vm.exec(WARM_EXEC, timeout=timeout)
+        warm = await vm.guest.exec(WARM_EXEC, timeout=timeout)
         if warm.get("exit_code") != 0:  # an image without `true`: only less warm
             log.info("warming the exec path of %s: %s", vm.id, warm)
         await vm.qmp.execute("stop")
@@ -108,8 +118,8 @@ async def claim(
         renice(vm.pid, 0)
         await vm.qmp.execute("cont")
         vm._set_state(VMState.RUNNING)
-        result = await vm.make_unique(vm.id, timeout, seed=seed)
-        vm.seed = seed
+        result = await vm.guest.make_unique(vm.id, timeout, seed=seed)
+        vm.guest.seed = seed
     except BaseException as exc:
         await vm.kill()
         if isinstance(exc, ForkdError) and not isinstance(exc, VMError):

@@ -40,4 +40,4 @@ async def metrics(request: Request) -> Response:
 @discovery.get("/v1/capacity", response_model=CapacityInfo, responses=ERROR_RESPONSES)
 async def capacity(svc: Svc) -> CapacityInfo:
     """Room left for sandboxes, and the snapshots held: what a gateway places by."""
-    return svc.snapshots.capacity()
+    return svc.capacity.info()

@@ -48,5 +48,5 @@ async def lifecycle_events(
     only_named(request, "type", "sandbox_id", "since")
     types = None if type is None else type.split(",")
     start = since if since is not None else last_event_id
-    stream = svc.fleet.events.subscribe(types, sandbox_id, start)
+    stream = svc.events.subscribe(types, sandbox_id, start)
     return StreamingResponse(sse.lifecycle(stream), media_type=sse.MEDIA_TYPE, headers=sse.HEADERS)

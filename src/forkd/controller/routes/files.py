@@ -70,10 +70,10 @@ async def write_file(
 
 @files.delete("/{sandbox_id}/files", **NO_CONTENT)
 async def remove_file(svc: Svc, sandbox_id: str, path: PathQ, recursive: bool = False) -> Response:
-    await svc.sandboxes.remove_file(sandbox_id, path, recursive)
+    await svc.guest.remove_file(sandbox_id, path, recursive)
     return Response(status_code=204)
 
 
 @files.get("/{sandbox_id}/files/list", response_model=list[FileEntry])
 async def list_files(svc: Svc, sandbox_id: str, path: PathQ) -> list[FileEntry]:
-    return await svc.sandboxes.list_files(sandbox_id, path)
+    return await svc.guest.list_files(sandbox_id, path)

@@ -13,7 +13,7 @@ from forkd.controller.bodies import receive_upload
 from forkd.controller.http_errors import ERROR_RESPONSES, IMAGE_IMPORT
 from forkd.controller.models import ImageImport, ImageInfo
 from forkd.controller.routes.common import NO_CONTENT, Svc
-from forkd.controller.services.images import check_loaded_tag
+from forkd.controller.services.image_requests import check_loaded_tag
 
 images = APIRouter(prefix="/v1/images", tags=["images"], responses=ERROR_RESPONSES)
 

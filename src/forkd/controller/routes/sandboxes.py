@@ -107,22 +107,22 @@ async def kill_sandbox(svc: Svc, sandbox_id: str) -> Response:
 
 @sandboxes.post("/{sandbox_id}/ping", response_model=PingResult)
 async def ping(svc: Svc, sandbox_id: str) -> PingResult:
-    return await svc.sandboxes.ping(sandbox_id)
+    return await svc.guest.ping(sandbox_id)
 
 
 @sandboxes.post("/{sandbox_id}/exec", response_model=ExecResult)
 async def exec_(svc: Svc, sandbox_id: str, body: ExecRequest) -> ExecResult:
-    return await svc.sandboxes.exec(sandbox_id, body)
+    return await svc.guest.exec(sandbox_id, body)
 
 
 @sandboxes.post("/{sandbox_id}/eval", response_model=EvalResult)
 async def eval_(svc: Svc, sandbox_id: str, body: EvalRequest) -> EvalResult:
-    return await svc.sandboxes.eval(sandbox_id, body)
+    return await svc.guest.eval(sandbox_id, body)
 
 
 @sandboxes.post("/{sandbox_id}/eval/interrupt", response_model=EvalInterrupt)
 async def eval_interrupt(svc: Svc, sandbox_id: str) -> EvalInterrupt:
-    return await svc.sandboxes.eval_interrupt(sandbox_id)
+    return await svc.guest.eval_interrupt(sandbox_id)
 
 
 @sandboxes.post("/{sandbox_id}/timeout", response_model=SandboxInfo)

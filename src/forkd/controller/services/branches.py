@@ -25,12 +25,19 @@ from pathlib import Path
 from typing import Any
 
 from forkd import limits
+from forkd.controller.metrics import Metrics
 from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services import hibernated_files
 from forkd.controller.services.disk_room import require_room
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.events import EventBus
+from forkd.controller.services.hibernated_files import HibernatedFiles
+from forkd.controller.services.holds import Holds
+from forkd.controller.services.live_vms import LiveVMs
+from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, memory_file, snapshot_row
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow, SnapshotRow, merged_labels, now
 from forkd.errors import Busy, Conflict, ForkdError, Invalid, SnapshotError, VMError
 from forkd.limits import check_tag
@@ -58,8 +65,26 @@ class _Plan:
 
 
 class BranchService:
-    def __init__(self, fleet: Fleet, snapshots: SnapshotService) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        metrics: Metrics,
+        events: EventBus,
+        holds: Holds,
+        hibernated: HibernatedFiles,
+        records: Records,
+        vms: LiveVMs,
+        snapshots: SnapshotService,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.events = events
+        self.holds = holds
+        self.hibernated = hibernated
+        self.records = records
+        self.vms = vms
         self.snapshots = snapshots
         self.in_flight = 0
         self.background: set[asyncio.Task[None]] = set()  # branches with wait false
@@ -70,10 +95,48 @@ class BranchService:
         """``drop_labels``: labels of the source the branch does not take (an explore's
         marks of the search the source was itself a variant of)."""
         mode = requested_mode(req)
+        row, vm = self._source(sandbox_id, req)
+        measure = req.measure_diff
+        base = self._diff_base(row, vm) if mode == BranchMode.DIFF or measure else None
+        cap = self.settings.branch_concurrency
+        if self.in_flight >= cap:
+            raise Busy(f"{self.in_flight} branches are in flight (the cap is {cap}); retry shortly")
+        tag = req.tag
+        if tag is None:
+            tag = check_tag(f"branch-{sandbox_id}-{self.store.next_branch_seq(sandbox_id)}")
+        inherited = {k: v for k, v in row.metadata.items() if k not in drop_labels}
+        labels = merged_labels(inherited, req.metadata)
+        with contextlib.ExitStack() as held:
+            held.enter_context(self.records.reserve_tag(tag))
+            held.enter_context(self._counted(base))
+            # The lock is taken now and held: an entry dropped meanwhile must not let a
+            # second run.
+            lock = self.holds.sandbox_lock(row.id)
+            plan = _Plan(lock, vm, row, tag, labels, base, mode == BranchMode.LIVE)
+            if measure and base is not None:  # a full branch, then what a diff would store
+                await self._run(dataclasses.replace(plan, base=None))
+                info = self._branched(row.id, tag)
+                taken = self.records.snapshot_row(tag)  # its files, where the answer may not say
+                return _with(info, await asyncio.to_thread(_measured_diff, tag, taken, base))
+            if req.wait:
+                await self._run(plan)
+                info = self._branched(row.id, tag)
+                if base is None:
+                    return info
+                return _with(info, _diff_figures(self.records.snapshot_row(tag)))
+            self.store.add_snapshot(self._pending_row(plan))
+            settled = self._in_background(held.pop_all(), plan)
+        # As the original answered: once the source runs again, with its pause_ms; the
+        # files are written in the background (or it already failed, or finished).
+        await asyncio.wait(settled, return_when=asyncio.FIRST_COMPLETED)
+        return self.snapshots.info(tag)
+
+    def _source(self, sandbox_id: str, req: BranchRequest) -> tuple[SandboxRow, SandboxVM | None]:
+        """The sandbox a branch is of, its VM (None: hibernated, its state on disk), once
+        the request is checked against it and the disk has room."""
         if req.tag is not None:
             check_tag(req.tag)
-        fleet = self.fleet
-        row = fleet.sandbox_row(sandbox_id)
+        row = self.records.sandbox_row(sandbox_id)
         if req.parent_tag is not None and req.parent_tag != row.snapshot_tag:
             raise Invalid(
                 f"parent_tag {req.parent_tag!r} is not the snapshot sandbox {row.id!r} was "
@@ -81,63 +144,35 @@ class BranchService:
             )
         # A paused one is taken as it is; a hibernated one is its state on disk.
         vm = (
-            None if row.state == SandboxState.HIBERNATED else fleet.live(sandbox_id, paused_ok=True)
+            None
+            if row.state == SandboxState.HIBERNATED
+            else self.vms.live(sandbox_id, paused_ok=True)
         )
-        reserve = fleet.settings.disk_reserve_mib
-        require_room(fleet.settings.snapshot_root, reserve, f"branching {sandbox_id}")
-        measure = req.measure_diff
-        base = self._diff_base(row, vm) if mode == BranchMode.DIFF or measure else None
-        live = mode == BranchMode.LIVE
-        cap = fleet.settings.branch_concurrency
-        if self.in_flight >= cap:
-            raise Busy(f"{self.in_flight} branches are in flight (the cap is {cap}); retry shortly")
-        tag = req.tag
-        if tag is None:
-            tag = check_tag(f"branch-{sandbox_id}-{fleet.store.next_branch_seq(sandbox_id)}")
-        inherited = {k: v for k, v in row.metadata.items() if k not in drop_labels}
-        labels = merged_labels(inherited, req.metadata)
-        with contextlib.ExitStack() as held:
-            held.enter_context(fleet.reserve_tag(tag))
-            held.enter_context(self._counted(base))
-            # The lock is taken now and held: an entry dropped meanwhile must not let a
-            # second run.
-            plan = _Plan(fleet.holds.sandbox_lock(row.id), vm, row, tag, labels, base, live)
-            if measure and base is not None:  # a full branch, then what a diff would store
-                await self._run(dataclasses.replace(plan, base=None))
-                info = self._branched(row.id, tag)
-                taken = fleet.snapshot_row(tag)  # its files, where the answer may not say
-                return _with(info, await asyncio.to_thread(_measured_diff, tag, taken, base))
-            if req.wait:
-                await self._run(plan)
-                info = self._branched(row.id, tag)
-                if base is None:
-                    return info
-                return _with(info, _diff_figures(fleet.snapshot_row(tag)))
-            fleet.store.add_snapshot(self._pending_row(plan))
-            resumed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        reserve = self.settings.disk_reserve_mib
+        require_room(self.settings.snapshot_root, reserve, f"branching {sandbox_id}")
+        return row, vm
 
-            def on_resumed(pause_ms: float) -> None:  # the answer waits for the pause only
-                fleet.store.update_snapshot(tag, pause_ms=pause_ms)
-                if not resumed.done():
-                    resumed.set_result(pause_ms)
+    def _in_background(self, held: contextlib.ExitStack, plan: _Plan) -> set[asyncio.Future[Any]]:
+        """Run the branch (``wait`` false) as a task that holds ``held`` until it ends;
+        returns the task and a future set once the source runs again."""
+        resumed: asyncio.Future[float] = asyncio.get_running_loop().create_future()
 
-            task = asyncio.create_task(
-                self._settle(held.pop_all(), plan, on_resumed), name=f"branch-{tag}"
-            )
-            self.background.add(task)
-            task.add_done_callback(self.background.discard)
-        # As the original answered: once the source runs again, with its pause_ms; the
-        # files are written in the background (or it already failed, or finished).
-        either: set[asyncio.Future[Any]] = {resumed, task}
-        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
-        return self.snapshots.info(tag)
+        def on_resumed(pause_ms: float) -> None:  # the answer waits for the pause only
+            self.store.update_snapshot(plan.tag, pause_ms=pause_ms)
+            if not resumed.done():
+                resumed.set_result(pause_ms)
+
+        task = asyncio.create_task(self._settle(held, plan, on_resumed), name=f"branch-{plan.tag}")
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return {resumed, task}
 
     def _diff_base(self, row: SandboxRow, vm: SandboxVM | None) -> BaseRef:
         """The snapshot a diff of this sandbox is over: the registered one its memory maps,
         the same snapshot (its id), not only one of the same tag. A hibernated sandbox's
         whole memory is on disk: its diff is over whatever its snapshot's tag holds."""
-        brow = self.fleet.store.get_snapshot(row.snapshot_tag)
-        if brow is not None and self.fleet.holds.is_deleting(brow.tag):
+        brow = self.store.get_snapshot(row.snapshot_tag)
+        if brow is not None and self.holds.is_deleting(brow.tag):
             raise Conflict(f"snapshot {brow.tag!r} is being deleted: branch with mode full")
         files = _loaded(brow) if brow is not None and brow.status == SnapshotStatus.READY else None
         mapped = files is not None and (
@@ -167,7 +202,7 @@ class BranchService:
         """In flight (the cap) and, for a diff, its base held against deletion."""
         self.in_flight += 1
         try:
-            with self.fleet.holds.diff_base(base.tag if base is not None else None):
+            with self.holds.diff_base(base.tag if base is not None else None):
                 yield
         finally:
             self.in_flight -= 1
@@ -182,20 +217,20 @@ class BranchService:
                 await self._branch_locked(plan, plan.vm, on_resumed)
 
     def _branched(self, sandbox_id: str, tag: str) -> SnapshotInfo:
-        self.fleet.store.count_branch(sandbox_id)
+        self.store.count_branch(sandbox_id)
         info = self.snapshots.info(tag)
-        self.fleet.events.publish(
+        self.events.publish(
             "branched", sandbox_id=sandbox_id, snapshot_tag=tag, pause_ms=info.pause_ms
         )
         return info
 
     def _pending_row(self, plan: _Plan) -> SnapshotRow:
         vm, row, tag, labels, base = plan.vm, plan.row, plan.tag, plan.labels, plan.base
-        parent = self.fleet.store.get_snapshot(row.snapshot_tag)
+        parent = self.store.get_snapshot(row.snapshot_tag)
         memory_mib = vm.machine.memory_mib if vm is not None else parent.memory_mib if parent else 0
         return SnapshotRow(
             tag=tag,
-            dir=str(self.fleet.settings.snapshot_root / tag),
+            dir=str(self.settings.snapshot_root / tag),
             created_at_unix=now(),
             branched_from=row.id,
             pause_ms=None,
@@ -212,7 +247,7 @@ class BranchService:
         self, held: contextlib.ExitStack, plan: _Plan, on_resumed: Callable[[float], None]
     ) -> None:
         """A branch with wait false: ``writing`` → ``ready``, or ``failed`` with the error."""
-        store, row, tag = self.fleet.store, plan.row, plan.tag
+        store, row, tag = self.store, plan.row, plan.tag
         with held:
             try:
                 await self._run(plan, on_resumed)
@@ -231,13 +266,13 @@ class BranchService:
     async def _branch_locked(
         self, plan: _Plan, vm: SandboxVM, on_resumed: Callable[[float], None] | None
     ) -> None:
-        fleet, row, tag, metadata, base = self.fleet, plan.row, plan.tag, plan.labels, plan.base
-        if not vm.is_alive() or fleet.vms.get(row.id) is not vm:
+        row, tag, metadata, base = plan.row, plan.tag, plan.labels, plan.base
+        if not vm.is_alive() or self.vms.get(row.id) is not vm:
             raise Conflict(f"sandbox {row.id!r} stopped running")
         # The source's volume settings carry over to the branch unchanged: the
         # VM records them (with the layer chain frozen at the pause).
         labels = SnapshotLabels(tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag)
-        dest = fleet.settings.snapshot_root / tag
+        dest = self.settings.snapshot_root / tag
         try:
             result = await live_snapshot.snapshot_running(
                 vm, dest, labels, base, live=plan.live, on_resumed=on_resumed
@@ -246,28 +281,30 @@ class BranchService:
             if exc.snapshot_kept:
                 self._register(tag, dest, metadata)
             paused = vm.state == VMState.PAUSED  # its guest cannot answer: QEMU's life tells
-            if not exc.source_alive or not (vm.is_alive() if paused else await fleet.answers(vm)):
-                await fleet.mark_dead(row.id)
+            if not exc.source_alive or not (
+                vm.is_alive() if paused else await self.vms.answers(vm)
+            ):
+                await self.vms.mark_dead(row.id)
             if isinstance(exc.reason, Busy):  # the pause waited on the agent channel
                 raise Busy(f"branch of {row.id}: {exc.reason}") from exc
             raise VMError(f"branch of {row.id} failed: {exc}") from exc
         files = snapshot_files.SnapshotFiles(result.dir, result.meta)
-        fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
-        fleet.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
+        self.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
+        self.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
 
     async def _branch_hibernated(self, plan: _Plan) -> None:
         """The hibernated sandbox's state, copied (or diffed over its base): no VM, no
         pause (``pause_ms`` 0)."""
-        fleet, row, tag, metadata, base = self.fleet, plan.row, plan.tag, plan.labels, plan.base
-        src = fleet.hibernated.latest(row.id)
-        if fleet.sandbox_row(row.id).state != SandboxState.HIBERNATED or src is None:
+        row, tag, metadata, base = plan.row, plan.tag, plan.labels, plan.base
+        src = self.hibernated.latest(row.id)
+        if self.records.sandbox_row(row.id).state != SandboxState.HIBERNATED or src is None:
             raise Conflict(f"sandbox {row.id!r} is no longer hibernated; retry")
         labels = SnapshotLabels(
             tag=tag, branched_from=row.id, parent_tag=row.snapshot_tag, pause_ms=0.0
         )
-        dest = fleet.settings.snapshot_root / tag
+        dest = self.settings.snapshot_root / tag
         try:
-            with fleet.holds.reading_hibernated(row.id):  # not discarded under the copy
+            with self.holds.reading_hibernated(row.id):  # not discarded under the copy
                 files = await asyncio.to_thread(
                     snapshot_copy.copy_snapshot,
                     src,
@@ -280,8 +317,8 @@ class BranchService:
             raise
         except OSError as exc:
             raise SnapshotError(f"branch of {row.id} failed: {exc}") from exc
-        fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
-        fleet.metrics.branch_pause_seconds.observe(0.0)
+        self.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
+        self.metrics.branch_pause_seconds.observe(0.0)
 
     def _register(self, tag: str, snapshot_dir: Path, metadata: dict[str, str]) -> None:
         """Register a snapshot the driver kept although the branch failed."""
@@ -289,7 +326,7 @@ class BranchService:
             files = snapshot_files.load(snapshot_dir)
         except SnapshotError:
             return
-        self.fleet.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
+        self.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
 
 
 def requested_mode(req: BranchRequest) -> BranchMode | None:

@@ -36,7 +36,8 @@ from forkd import agent_wire as wire
 from forkd import limits
 from forkd.controller.models import DiffChange, DiffResult, SandboxCreate
 from forkd.controller.services.file_transfer import Download, FileTransferService
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.guest_calls import GuestCalls
+from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.manifests import (
     Difference,
     Manifest,
@@ -46,9 +47,11 @@ from forkd.controller.services.manifests import (
     reader_for,
     stat_of,
 )
+from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.waking import Waker
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow, SnapshotRow
 from forkd.errors import Conflict, ForkdError, GuestError, NotFound
 from forkd.vmm.snapshot import files as snapshot_files
@@ -79,14 +82,20 @@ class _Pair:
 class DiffService:
     def __init__(
         self,
-        fleet: Fleet,
+        store: Store,
+        records: Records,
+        vms: LiveVMs,
         waker: Waker,
         sandboxes: SandboxService,
+        guest: GuestCalls,
         files: FileTransferService,
     ) -> None:
-        self.fleet = fleet
+        self.store = store
+        self.records = records
+        self.vms = vms
         self.waker = waker
         self.sandboxes = sandboxes
+        self.guest = guest
         self.files = files
         self._reading: dict[tuple[str, str], asyncio.Lock] = {}
 
@@ -138,11 +147,11 @@ class DiffService:
         return pair
 
     async def _sides(self, sandbox_id: str, path: str, against: str | None) -> _Pair:
-        row = self.fleet.sandbox_row(sandbox_id)
+        row = self.records.sandbox_row(sandbox_id)
         await self.waker.running(sandbox_id)  # woken, or 409 unless it runs
         against = against or row.snapshot_tag
-        other = self.fleet.store.get_sandbox(against)
-        snap = None if other is not None else self.fleet.store.get_snapshot(against)
+        other = self.store.get_sandbox(against)
+        snap = None if other is not None else self.store.get_snapshot(against)
         if other is not None:
             _same_image(self._image_of(row), self._image_of(other), against)
             base = await self.manifest_of_sandbox(against, path)
@@ -155,13 +164,15 @@ class DiffService:
         return _Pair(base, target, against, "sandbox" if snap is None else "snapshot", snap)
 
     def _image_of(self, row: SandboxRow) -> str | None:
-        snap = self.fleet.store.get_snapshot(row.snapshot_tag)
+        snap = self.store.get_snapshot(row.snapshot_tag)
         return snap.image if snap is not None else None
 
     async def manifest_of_sandbox(self, sandbox_id: str, path: str) -> Manifest:
         """What the running sandbox changed under ``path``, read from its agent."""
-        opened = await self.sandboxes.guest(
-            sandbox_id, lambda vm: vm.fs_manifest_open(path, limits.MAX_DIFF_ENTRIES), _REFUSALS
+        opened = await self.guest.call(
+            sandbox_id,
+            lambda vm: vm.guest.fs_manifest_open(path, limits.MAX_DIFF_ENTRIES),
+            _REFUSALS,
         )
         # Its shape is checked where it is read (forkd.agent_wire): both are strings.
         transfer_id, lower = opened["transfer_id"], opened["lower"]
@@ -182,7 +193,7 @@ class DiffService:
         found: dict[str, Stat | None] = {}
         for at in range(0, len(paths), LOWER_BATCH):
             batch = paths[at : at + LOWER_BATCH]
-            stats = await self.sandboxes.guest(sandbox_id, _lower_stat(batch), _REFUSALS)
+            stats = await self.guest.call(sandbox_id, _lower_stat(batch), _REFUSALS)
             if not isinstance(stats, list) or len(stats) != len(batch):
                 raise GuestError("the guest agent's answer about its image is malformed")
             for p, raw in zip(batch, stats, strict=True):
@@ -219,7 +230,7 @@ class DiffService:
         try:
             yield child.id
         finally:
-            await asyncio.shield(self.fleet.remove(child.id))
+            await asyncio.shield(self.vms.remove(child.id))
 
     # ------------------------------------------------------------ file contents
 
@@ -254,7 +265,7 @@ class DiffService:
 
 
 def _lower_stat(batch: list[str]) -> Callable[[SandboxVM], Awaitable[list[Any]]]:
-    return lambda vm: vm.fs_lower_stat(batch)
+    return lambda vm: vm.guest.fs_lower_stat(batch)
 
 
 def _normal(path: str) -> str:

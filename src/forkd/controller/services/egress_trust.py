@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.sandbox_vm import SandboxGuest
 from forkd.errors import ForkdError
 
 log = logging.getLogger(__name__)
@@ -53,18 +53,18 @@ chmod 644 {BUNDLE} {CA_FILE}
 """
 
 
-async def install(template: SandboxVM, ca_pem: bytes, tag: str) -> dict[str, str]:
+async def install(guest: SandboxGuest, ca_pem: bytes, tag: str) -> dict[str, str]:
     """Put the CA in the guest's trust stores; the environment every command should
     get for it (to merge under the image's own). An image without a shell or a root
     user (distroless, scratch) gets the CA file and ``NODE_EXTRA_CA_CERTS`` at most:
     the build goes on, its runtimes' own stores as they are (logged)."""
     try:
-        await template.write_file(CA_FILE, ca_pem)
+        await guest.write_file(CA_FILE, ca_pem)
     except ForkdError as exc:
         log.warning("%s: the egress CA could not be written in the guest: %s", tag, exc)
         return {}
     try:
-        ran = await template.exec(["/bin/sh", "-c", _SCRIPT], timeout=60, user="root")
+        ran = await guest.exec(["/bin/sh", "-c", _SCRIPT], timeout=60, user="root")
     except ForkdError as exc:
         ran = {"exit_code": None, "stdout": "", "stderr": str(exc)}
     if ran["exit_code"] != 0:

@@ -1,9 +1,9 @@
 """The daemon's lifecycle events: a bounded ring of the recent ones, and the streams that follow it.
 
-**Publishing.** Every service reaches the one bus as ``fleet.events``::
+**Publishing.** Every service reaches the one bus as ``self.events``::
 
-    fleet.events.publish("paused", sandbox_id=sid, pause_ms=12.5)
-    fleet.events.publish("snapshot_created", snapshot_tag=tag, kind="template")
+    self.events.publish("paused", sandbox_id=sid, pause_ms=12.5)
+    self.events.publish("snapshot_created", snapshot_tag=tag, kind="template")
 
 ``publish(type, *, sandbox_id=None, snapshot_tag=None, **fields)`` never raises
 and never blocks: it stamps the event with the next id and the time, encodes

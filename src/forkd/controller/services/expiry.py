@@ -25,9 +25,12 @@ from collections.abc import Callable
 from typing import Any
 
 from forkd.controller.models import BranchRequest
+from forkd.controller.services.activity import Activity
 from forkd.controller.services.branches import BranchService
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.events import EventBus
+from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.pausing import PauseService
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import Busy, ForkdError, StorageFull
 from forkd.states import OnTimeout, SandboxState
@@ -38,8 +41,19 @@ AuditWriter = Callable[..., None]  # AuditLog.write, or a stand-in
 
 
 class Expiry:
-    def __init__(self, fleet: Fleet, pausing: PauseService, branches: BranchService) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        store: Store,
+        events: EventBus,
+        activity: Activity,
+        vms: LiveVMs,
+        pausing: PauseService,
+        branches: BranchService,
+    ) -> None:
+        self.store = store
+        self.events = events
+        self.activity = activity
+        self.vms = vms
         self.pausing = pausing
         self.branches = branches
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
@@ -47,17 +61,17 @@ class Expiry:
     async def expire(self, row: SandboxRow, idle: bool = False) -> None:
         """Carry out ``row.on_timeout`` for the sandbox whose timeout has passed, or,
         with ``idle``, whose idle timeout has (unless it moved meanwhile)."""
-        now = self.fleet.store.get_sandbox(row.id)
+        now = self.store.get_sandbox(row.id)
         if now is None:
             return  # killed since the reaper read it
         if idle:
-            if not self.fleet.activity.idle_expired(now):
+            if not self.activity.idle_expired(now):
                 return  # used, or paused, since
         elif now.expires_at_unix is None or now.expires_at_unix > time.time():
             return  # its timeout moved since the reaper read it
         action = now.on_timeout if now.state != SandboxState.DEAD else OnTimeout.KILL
         log.info("sandbox %s reached its %stimeout: %s", row.id, "idle " if idle else "", action)
-        self.fleet.events.publish(
+        self.events.publish(
             "expired", sandbox_id=row.id, action=action, reason="idle" if idle else "timeout"
         )
         record: dict[str, Any] = {"event": "timeout", "sandbox": row.id, "on_timeout": action}
@@ -78,7 +92,7 @@ class Expiry:
                     record["error"] = str(exc)[:500]
                     await self._pause_instead(row.id)
             if not idle:  # an idle one keeps its lifetime (idleness stops while paused)
-                self.fleet.store.update_sandbox(row.id, expires_at_unix=None)
+                self.store.update_sandbox(row.id, expires_at_unix=None)
         elif action == OnTimeout.BRANCH:
             try:
                 tag = (await self.branches.branch(row.id, BranchRequest())).tag
@@ -90,16 +104,16 @@ class Expiry:
                 await self._pause_instead(row.id)
             else:
                 record["branch"] = tag
-                await self.fleet.mark_dead(row.id)
-                self.fleet.store.update_sandbox(row.id, expires_at_unix=None, timeout_branch=tag)
+                await self.vms.mark_dead(row.id)
+                self.store.update_sandbox(row.id, expires_at_unix=None, timeout_branch=tag)
         else:
-            await self.fleet.remove(row.id)
+            await self.vms.remove(row.id)
         if self.audit is not None:
             self.audit(**record)
 
     async def _pause_instead(self, sandbox_id: str) -> None:
-        row = self.fleet.store.get_sandbox(sandbox_id)
+        row = self.store.get_sandbox(sandbox_id)
         if row is not None and row.state == SandboxState.RUNNING:
             with contextlib.suppress(ForkdError):
                 await self.pausing.pause(sandbox_id)
-        self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=None)
+        self.store.update_sandbox(sandbox_id, expires_at_unix=None)

@@ -27,8 +27,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import re
 import time
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -42,17 +40,27 @@ from forkd.controller.models import (
     ExploreRequest,
     ExploreResult,
     ExploreStep,
-    ExploreVariant,
     SandboxCreate,
     SandboxInfo,
     SnapshotInfo,
 )
 from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.branches import BranchService
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.events import EventBus
+from forkd.controller.services.explore_scores import (
+    Outcome,
+    StepFailed,
+    chosen,
+    parse_score,
+    ranked,
+)
+from forkd.controller.services.guest_calls import GuestCalls
+from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.network import NetworkService
+from forkd.controller.services.records import Records
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.snapshots import SnapshotService
+from forkd.controller.store import Store
 from forkd.controller.store_rows import merged_labels
 from forkd.errors import Busy, Conflict, ForkdError
 
@@ -67,45 +75,8 @@ SCORE = "forkd.score"
 
 STALE = frozenset({VARIANT, SCORE})  # marks of the search a source was a variant of
 # The score is the guest's text: only its end is read, and a line this long is no number.
-SCORE_TAIL_CHARS = 4096
-SCORE_LINE_CHARS = 128
-_WRAPPED_NUMBER = re.compile(r"[A-Za-z_][\w.]*\(([^()]*)\)")  # np.float64(2.5); linear
 KEEP_BUSY_TRIES = 40  # a kept child's branch meets the branch cap: retried this often
 KEEP_BUSY_WAIT_SECS = 0.25
-
-
-class StepFailed(Exception):
-    """A variant's step or score did not give what it must; the message says why."""
-
-
-@dataclass
-class _Outcome:
-    """One variant, as it goes."""
-
-    index: int
-    sandbox_id: str
-    score: float | None = None
-    exit_code: int | None = None
-    stdout_tail: str = ""
-    score_tail: str = ""
-    error: str | None = None
-    kept: bool = False
-    snapshot_tag: str | None = None
-    duration_ms: float = 0.0
-
-    def result(self) -> ExploreVariant:
-        return ExploreVariant(
-            index=self.index,
-            sandbox_id=self.sandbox_id,
-            score=self.score,
-            exit_code=self.exit_code,
-            stdout_tail=self.stdout_tail,
-            score_tail=self.score_tail,
-            error=self.error,
-            kept=self.kept,
-            snapshot_tag=self.snapshot_tag,
-            duration_ms=round(self.duration_ms, 1),
-        )
 
 
 @dataclass(frozen=True)
@@ -141,41 +112,6 @@ class _Made:
         self.snapshots = []
 
 
-def parse_score(text: str | None, what: str) -> float:
-    """The number ``text`` is: the last non-empty line of an exec's stdout, or an eval's
-    result (a repr: ``3``, ``0.5``, ``np.float64(0.5)``). :class:`StepFailed` else.
-    The text is the guest's: only its end is looked at, and a long line is no number."""
-    tail = (text or "")[-SCORE_TAIL_CHARS:]
-    last = next((ln.strip() for ln in reversed(tail.splitlines()) if ln.strip()), None)
-    if last is None:
-        raise StepFailed(f"{what} gave no number (it printed nothing)")
-    if len(last) > SCORE_LINE_CHARS:
-        raise StepFailed(f"{what} gave no number: its last line is {len(last)} characters")
-    wrapped = _WRAPPED_NUMBER.fullmatch(last)
-    try:
-        value = float(wrapped.group(1).strip() if wrapped else last)
-    except ValueError:
-        raise StepFailed(f"{what} gave no number: its last line is {last!r}") from None
-    if not math.isfinite(value):
-        raise StepFailed(f"{what} gave {last!r}: a score is a finite number")
-    return value
-
-
-def ranked(outcomes: list[_Outcome], minimize: bool) -> list[_Outcome]:
-    """Best first: scored ones by score (ties by index), then the unscored by index."""
-    sign = 1.0 if minimize else -1.0
-    return sorted(
-        outcomes,
-        key=lambda o: (o.score is None, 0.0 if o.score is None else sign * o.score, o.index),
-    )
-
-
-def chosen(order: list[_Outcome], keep: int, scored: bool) -> list[_Outcome]:
-    """The ``keep`` best that succeeded (with a score step: those with a score)."""
-    good = [o for o in order if (o.score is not None if scored else o.error is None)]
-    return good[:keep]
-
-
 async def settled(task: asyncio.Future[Any]) -> None:
     """Wait until ``task`` is done, whatever cancels this wait meanwhile."""
     while not task.done():
@@ -198,17 +134,25 @@ async def to_end(work: Awaitable[T]) -> T:
 class ExploreService:
     def __init__(
         self,
-        fleet: Fleet,
+        store: Store,
+        events: EventBus,
+        records: Records,
+        vms: LiveVMs,
         admission: AdmissionControl,
         branches: BranchService,
         sandboxes: SandboxService,
+        guest: GuestCalls,
         snapshots: SnapshotService,
         network: NetworkService,
     ) -> None:
-        self.fleet = fleet
+        self.store = store
+        self.events = events
+        self.records = records
+        self.vms = vms
         self.admission = admission
         self.branches = branches
         self.sandboxes = sandboxes
+        self.guest = guest
         self.snapshots = snapshots
         self.network = network  # a variant's own network policy is set on its child
         self.taking_back: set[asyncio.Task[None]] = set()  # awaited when the daemon stops
@@ -236,19 +180,19 @@ class ExploreService:
     def _admitted(self, source_id: str, req: ExploreRequest) -> str:
         """The explore's tag, once every check that needs no VM passed: nothing is made
         for a request that would fail on its labels, its names or the daemon's caps."""
-        row = self.fleet.sandbox_row(source_id)  # NotFound
-        seq = None if req.tag else self.fleet.store.next_branch_seq(source_id)
+        row = self.records.sandbox_row(source_id)  # NotFound
+        seq = None if req.tag else self.store.next_branch_seq(source_id)
         tag = limits.check_tag(req.tag or f"explore-{source_id}-{seq}")
         names = [tag]
         if req.keep_as == "snapshots":
             names += [limits.check_tag(_kept_tag(tag, i)) for i in range(len(req.variants))]
-        taken = [n for n in names if self.fleet.store.get_snapshot(n) is not None]
+        taken = [n for n in names if self.store.get_snapshot(n) is not None]
         if taken:
             raise Conflict(f"snapshot {taken[0]!r} exists: give the explore another tag")
         inherited = {k: v for k, v in row.metadata.items() if k not in STALE}
         marks = {EXPLORE: tag, PARENT: source_id, VARIANT: "0", SCORE: "0"}
         merged_labels(inherited, {**(req.metadata or {}), **marks})  # Invalid past the cap
-        vm = self.fleet.vms.get(source_id)
+        vm = self.vms.get(source_id)
         if vm is not None:  # room for the children, asked now (held when they fork)
             what = f"exploring {len(req.variants)} variants of {source_id}"
             with self.admission.admit(what, len(req.variants), vm.machine.memory_mib):
@@ -266,12 +210,12 @@ class ExploreService:
         children = await to_end(self._fork(fork, made))
         fork_ms = (time.monotonic() - forked) * 1000
         for i, (child, step) in enumerate(zip(children, req.variants, strict=True)):
-            self.fleet.store.add_sandbox_labels(child.id, {VARIANT: str(i)})
+            self.store.add_sandbox_labels(child.id, {VARIANT: str(i)})
             if step.network is not None:
                 await self.network.update(child.id, step.network)
         outcomes = await asyncio.gather(
             *(
-                self._variant(_Outcome(i, child.id), step, req, source_id, tag, deadline)
+                self._variant(Outcome(i, child.id), step, req, source_id, tag, deadline)
                 for i, (child, step) in enumerate(zip(children, req.variants, strict=True))
             )
         )
@@ -300,7 +244,7 @@ class ExploreService:
     def _registered(self, tag: str, source_id: str) -> bool:
         """Whether ``tag`` is registered as a branch of ``source_id`` (a tag that was free
         before the branch: the explore's, even when the branch then failed)."""
-        found = self.fleet.store.get_snapshot(tag)
+        found = self.store.get_snapshot(tag)
         return found is not None and found.branched_from == source_id
 
     async def _fork(self, fork: SandboxCreate, made: _Made) -> list[SandboxInfo]:
@@ -312,13 +256,13 @@ class ExploreService:
 
     async def _variant(
         self,
-        out: _Outcome,
+        out: Outcome,
         step: ExploreStep,
         req: ExploreRequest,
         source_id: str,
         tag: str,
         deadline: float,
-    ) -> _Outcome:
+    ) -> Outcome:
         """Run ``step`` then the score in ``out``'s child; never raises but a cancel."""
         began = time.monotonic()
         try:
@@ -329,7 +273,7 @@ class ExploreService:
                 await self._step(out, step, deadline)
                 if req.score is not None:
                     score = await self._score(out, req.score, deadline)
-                    self.fleet.store.add_sandbox_labels(out.sandbox_id, {SCORE: f"{score:.10g}"})
+                    self.store.add_sandbox_labels(out.sandbox_id, {SCORE: f"{score:.10g}"})
                     out.score = score  # once labelled: a score and an error never both
         except TimeoutError:
             out.error = f"timed out: the explore's timeout_secs ({req.timeout_secs:g}) passed"
@@ -341,7 +285,7 @@ class ExploreService:
             log.exception("explore %s: variant %d failed", tag, out.index)
             out.error = f"{type(exc).__name__}: {exc}"
         out.duration_ms = (time.monotonic() - began) * 1000
-        self.fleet.events.publish(
+        self.events.publish(
             "explore_variant",
             sandbox_id=source_id,
             explore=tag,
@@ -353,7 +297,7 @@ class ExploreService:
         )
         return out
 
-    async def _step(self, out: _Outcome, step: ExploreStep, deadline: float) -> None:
+    async def _step(self, out: Outcome, step: ExploreStep, deadline: float) -> None:
         """The variant's own step: recorded in ``out``; :class:`StepFailed` unless it ran
         to a clean end."""
         ran = await self._run(out.sandbox_id, step, deadline)
@@ -361,7 +305,7 @@ class ExploreService:
         out.stdout_tail = ran.stdout[-limits.EXPLORE_STDOUT_TAIL :]
         ran.check("step")
 
-    async def _score(self, out: _Outcome, step: ExploreStep, deadline: float) -> float:
+    async def _score(self, out: Outcome, step: ExploreStep, deadline: float) -> float:
         """The score step's number; what it printed (or returned) is kept in ``out``."""
         ran = await self._run(out.sandbox_id, step, deadline)
         out.score_tail = (ran.result or ran.stdout)[-limits.EXPLORE_STDOUT_TAIL :]
@@ -371,21 +315,21 @@ class ExploreService:
     async def _run(self, sandbox_id: str, step: ExploreStep, deadline: float) -> _Ran:
         """``step`` in the sandbox, as an eval or an exec, with what is left as its timeout."""
         if step.eval is not None:
-            ran = await self.sandboxes.eval(sandbox_id, _eval(step.eval, deadline))
+            ran = await self.guest.eval(sandbox_id, _eval(step.eval, deadline))
             failure = None if ran.error is None else f"raised {_tail(ran.error)}"
             return _Ran(ran.exit_code, ran.stdout, ran.result, ran.timed_out, failure)
-        res = await self.sandboxes.exec(sandbox_id, _exec(step, deadline))
+        res = await self.guest.exec(sandbox_id, _exec(step, deadline))
         failure = None if res.exit_code == 0 else f"exited {res.exit_code}: {_tail(res.stderr)}"
         return _Ran(res.exit_code, res.stdout, None, res.timed_out, failure)
 
     # ------------------------------------------------------------ the end
 
     async def _finish(
-        self, order: list[_Outcome], req: ExploreRequest, source_id: str, tag: str, made: _Made
+        self, order: list[Outcome], req: ExploreRequest, source_id: str, tag: str, made: _Made
     ) -> bool:
         """Keep the best, kill the rest, drop the branch unless a kept child maps it;
         whether it was kept. Run to its end even when cancelled (see :func:`to_end`)."""
-        alive = [o for o in order if o.sandbox_id in self.fleet.vms]  # none killed meanwhile
+        alive = [o for o in order if o.sandbox_id in self.vms]  # none killed meanwhile
         kept = chosen(alive, req.keep, req.score is not None)
         running = await self._keep(kept, req, tag, made)
         await self._kill_all([c for c in made.children if c not in running])
@@ -393,7 +337,7 @@ class ExploreService:
         if not running:
             await self._drop_snapshot(tag)
             made.branch = None
-        self.fleet.events.publish(
+        self.events.publish(
             "explored",
             sandbox_id=source_id,
             explore=tag,
@@ -403,7 +347,7 @@ class ExploreService:
         return bool(running)
 
     async def _keep(
-        self, kept: list[_Outcome], req: ExploreRequest, tag: str, made: _Made
+        self, kept: list[Outcome], req: ExploreRequest, tag: str, made: _Made
     ) -> list[str]:
         """Mark the kept; with keep_as snapshots, branch each. The children that run on:
         the kept ones, or those whose branch failed (kept running, its error said)."""
@@ -426,7 +370,7 @@ class ExploreService:
             out.snapshot_tag = name
         return running
 
-    async def _branch_kept(self, out: _Outcome, name: str) -> None:
+    async def _branch_kept(self, out: Outcome, name: str) -> None:
         labels = {} if out.score is None else {SCORE: f"{out.score:.10g}"}
         req = BranchRequest(tag=name, metadata=labels)
         for attempt in range(KEEP_BUSY_TRIES):
@@ -447,7 +391,7 @@ class ExploreService:
         made.hand_over()
 
     async def _kill_all(self, ids: Sequence[str]) -> None:
-        results = await asyncio.gather(*(self.fleet.remove(i) for i in ids), return_exceptions=True)
+        results = await asyncio.gather(*(self.vms.remove(i) for i in ids), return_exceptions=True)
         for sid, res in zip(ids, results, strict=True):
             if isinstance(res, BaseException):
                 log.error("explore: killing child %s failed: %s", sid, res)

@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 from forkd import limits
 from forkd.controller.services import legacy_files
+from forkd.controller.services.guest_calls import GuestCalls
 from forkd.controller.services.sandbox_vm import SandboxVM
-from forkd.controller.services.sandboxes import SandboxService
 from forkd.errors import Conflict, ForkdError, GuestError, GuestStorageFull, Invalid
 
 T = TypeVar("T")
@@ -63,8 +63,8 @@ class Download:
 
 
 class FileTransferService:
-    def __init__(self, sandboxes: SandboxService) -> None:
-        self.sandboxes = sandboxes
+    def __init__(self, guest: GuestCalls) -> None:
+        self.guest = guest
 
     # ------------------------------------------------------------ upload
 
@@ -83,7 +83,7 @@ class FileTransferService:
         whole = len(first) < CHUNK_BYTES and not tar  # the body ended within one chunk
         try:
             opened = await self._guest(
-                sandbox_id, lambda vm: vm.upload_open(path, first, tar=tar, commit=whole)
+                sandbox_id, lambda vm: vm.guest.upload_open(path, first, tar=tar, commit=whole)
             )
         except Invalid:
             if not await legacy_files.predates_chunks(self._guest, sandbox_id):
@@ -97,7 +97,7 @@ class FileTransferService:
         transfer_id = transfer.id
         try:
             sent = await self._forward(sandbox_id, transfer, chunks, len(first))
-            await self._guest(sandbox_id, lambda vm: vm.upload_commit(transfer_id))
+            await self._guest(sandbox_id, lambda vm: vm.guest.upload_commit(transfer_id))
         except BaseException:
             await self._abort(sandbox_id, transfer_id)
             raise
@@ -125,13 +125,13 @@ class FileTransferService:
         self, sandbox_id: str, transfer: _Transfer, offset: int, chunk: bytes
     ) -> asyncio.Task[int]:
         def write(vm: SandboxVM) -> Awaitable[int]:
-            return vm.upload_write(transfer.id, offset, chunk, payload=transfer.payload)
+            return vm.guest.upload_write(transfer.id, offset, chunk, payload=transfer.payload)
 
         return asyncio.ensure_future(self._guest(sandbox_id, write))
 
     async def _abort(self, sandbox_id: str, transfer_id: str) -> None:
         """Tell the guest to drop the transfer; a guest that cannot hear it expires it."""
-        call = self._guest(sandbox_id, lambda vm: vm.transfer_abort(transfer_id))
+        call = self._guest(sandbox_id, lambda vm: vm.guest.transfer_abort(transfer_id))
         with contextlib.suppress(ForkdError, asyncio.CancelledError):
             await asyncio.shield(call)
 
@@ -190,13 +190,13 @@ class FileTransferService:
     async def _read(
         self, sandbox_id: str, path: str, offset: int, length: int = CHUNK_BYTES
     ) -> tuple[bytes, int | None, bool]:
-        return await self._guest(sandbox_id, lambda vm: vm.read_range(path, offset, length))
+        return await self._guest(sandbox_id, lambda vm: vm.guest.read_range(path, offset, length))
 
     async def download_tar(self, sandbox_id: str, path: str) -> Download:
         """The directory at ``path`` as a tar stream of its content (members ``./...``)."""
         path = limits.check_guest_path(path)
         try:
-            transfer_id = await self._guest(sandbox_id, lambda vm: vm.tar_open(path))
+            transfer_id = await self._guest(sandbox_id, lambda vm: vm.guest.tar_open(path))
         except Invalid:
             if await legacy_files.predates_chunks(self._guest, sandbox_id):
                 raise legacy_files.too_old("a tar download") from None
@@ -205,7 +205,7 @@ class FileTransferService:
 
     async def download_paths(self, sandbox_id: str, paths: list[str]) -> Download:
         """The files at ``paths`` as a tar stream (members named by their paths)."""
-        transfer_id = await self._guest(sandbox_id, lambda vm: vm.tar_open_paths(paths))
+        transfer_id = await self._guest(sandbox_id, lambda vm: vm.guest.tar_open_paths(paths))
         return Download(None, self._tar_chunks(sandbox_id, transfer_id))
 
     def stream(self, sandbox_id: str, transfer_id: str) -> AsyncGenerator[bytes, None]:
@@ -223,7 +223,7 @@ class FileTransferService:
         try:
             while not eof:
                 data, eof = await self._guest(
-                    sandbox_id, lambda vm: vm.tar_read(transfer_id, CHUNK_BYTES)
+                    sandbox_id, lambda vm: vm.guest.tar_read(transfer_id, CHUNK_BYTES)
                 )
                 if data:
                     yield data
@@ -232,7 +232,7 @@ class FileTransferService:
                 await self._abort(sandbox_id, transfer_id)
 
     async def _guest(self, sandbox_id: str, call: Callable[[SandboxVM], Awaitable[T]]) -> T:
-        return await self.sandboxes.guest(sandbox_id, call, _TRANSFER_REFUSALS)
+        return await self.guest.call(sandbox_id, call, _TRANSFER_REFUSALS)
 
 
 async def _whole_chunks(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

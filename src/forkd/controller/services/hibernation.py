@@ -24,11 +24,17 @@ import logging
 import shutil
 from pathlib import Path
 
+from forkd.controller.services.activity import Activity
 from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.disk_room import require_room
-from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.hibernated_files import HibernatedFiles
+from forkd.controller.services.holds import Holds
+from forkd.controller.services.launcher import Launcher
+from forkd.controller.services.live_vms import LiveVMs
+from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxChanges
 from forkd.errors import Busy, Conflict, ForkdError, SnapshotError, StorageFull, VMError
 from forkd.states import SandboxState
@@ -41,8 +47,21 @@ log = logging.getLogger(__name__)
 
 
 class HibernateService:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        activity: Activity,
+        hibernated: HibernatedFiles,
+        records: Records,
+        vms: LiveVMs,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.activity = activity
+        self.hibernated = hibernated
+        self.records = records
+        self.vms = vms
 
     async def hibernate(self, sandbox_id: str, *, keep_timeout: bool = False) -> None:
         """Snapshot the running or paused sandbox to disk and end its QEMU.
@@ -51,11 +70,10 @@ class HibernateService:
         ``keep_timeout`` (reclaim's eviction: not the user's choice, so the sandbox's
         lifetime runs on while it sleeps).
         """
-        fleet = self.fleet
-        row = fleet.sandbox_row(sandbox_id)
+        row = self.records.sandbox_row(sandbox_id)
         if row.state == SandboxState.HIBERNATED:
             raise Conflict(f"sandbox {sandbox_id!r} is already hibernated")
-        vm = fleet.live(sandbox_id, paused_ok=True)
+        vm = self.vms.live(sandbox_id, paused_ok=True)
         self.check_disk(sandbox_id)
         was_running = row.state == SandboxState.RUNNING
         if was_running:  # the snapshot then holds exactly this moment
@@ -64,33 +82,33 @@ class HibernateService:
             except ForkdError as exc:
                 if isinstance(exc, Busy) or vm.is_alive():
                     raise
-                await fleet.mark_dead(sandbox_id)
+                await self.vms.mark_dead(sandbox_id)
                 raise Conflict(f"sandbox {sandbox_id!r} died while hibernating: {exc}") from exc
-            fleet.activity.count_pause(sandbox_id)
-        dest = fleet.hibernated.next_dir(sandbox_id)
+            self.activity.count_pause(sandbox_id)
+        dest = self.hibernated.next_dir(sandbox_id)
         labels = SnapshotLabels(branched_from=sandbox_id, parent_tag=row.snapshot_tag)
         try:
             await live_snapshot.snapshot_running(vm, dest, labels)
         except live_snapshot.LiveSnapshotError as exc:
             raise await self._not_hibernated(sandbox_id, vm, was_running, exc) from exc
-        if fleet.vms.get(sandbox_id) is not vm:  # killed meanwhile: nothing to keep
-            fleet.hibernated.discard(sandbox_id)
+        if self.vms.get(sandbox_id) is not vm:  # killed meanwhile: nothing to keep
+            self.hibernated.discard(sandbox_id)
             raise Conflict(f"sandbox {sandbox_id!r} was killed while hibernating")
         HibernatedFiles.save_network(dest, vm.net.to_json() if vm.net else None)
         changes: SandboxChanges = {"pid": None}
         if not keep_timeout:
             changes["expires_at_unix"] = None
-        fleet.store.set_sandbox_state(sandbox_id, SandboxState.HIBERNATED, **changes)
-        fleet.vms.pop(sandbox_id, None)
+        self.store.set_sandbox_state(sandbox_id, SandboxState.HIBERNATED, **changes)
+        self.vms.pop(sandbox_id, None)
         await vm.kill()  # its memory is given back; its namespace goes with it
-        fleet.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
+        self.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
         log.info("sandbox %s hibernated to %s", sandbox_id, dest)
 
     def check_disk(self, sandbox_id: str, also_mib: int = 0) -> None:
         """:class:`StorageFull`, before anything is written, unless the disk has the
         reserve free (:mod:`.disk_room`) and ``also_mib`` more."""
-        need = self.fleet.settings.disk_reserve_mib + also_mib
-        require_room(self.fleet.hibernated.root, need, f"hibernating {sandbox_id}")
+        need = self.settings.disk_reserve_mib + also_mib
+        require_room(self.hibernated.root, need, f"hibernating {sandbox_id}")
 
     async def _not_hibernated(
         self,
@@ -101,14 +119,14 @@ class HibernateService:
     ) -> ForkdError:
         """Put the sandbox back as it was; the error to answer with."""
         if not exc.source_alive or not vm.is_alive():
-            await self.fleet.mark_dead(sandbox_id)
+            await self.vms.mark_dead(sandbox_id)
             return Conflict(f"sandbox {sandbox_id!r} died while hibernating: {exc}")
         if was_running:
             try:
                 await vm.resume()
             except ForkdError as again:
                 log.warning("sandbox %s stays paused: %s", sandbox_id, again)
-                self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
+                self.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
         reason = exc.reason
         if isinstance(reason, StorageFull | Busy):
             return type(reason)(f"hibernating {sandbox_id}: {reason}")
@@ -119,8 +137,24 @@ class WakeService:
     """A hibernated sandbox restored into a new QEMU: room is made for it first
     (reclaim may hibernate others), then it is admitted as a fork is."""
 
-    def __init__(self, fleet: Fleet, admission: AdmissionControl) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        holds: Holds,
+        hibernated: HibernatedFiles,
+        records: Records,
+        vms: LiveVMs,
+        launcher: Launcher,
+        admission: AdmissionControl,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.holds = holds
+        self.hibernated = hibernated
+        self.records = records
+        self.vms = vms
+        self.launcher = launcher
         self.admission = admission
 
     async def wake(self, sandbox_id: str) -> None:
@@ -128,9 +162,8 @@ class WakeService:
 
         The caller holds the sandbox's branch lock and has checked it is hibernated.
         """
-        fleet = self.fleet
-        row = fleet.sandbox_row(sandbox_id)
-        state_dir = fleet.hibernated.latest(sandbox_id)
+        row = self.records.sandbox_row(sandbox_id)
+        state_dir = self.hibernated.latest(sandbox_id)
         if state_dir is None:
             raise Conflict(f"sandbox {sandbox_id!r} is hibernated but its state is missing")
         try:
@@ -142,34 +175,33 @@ class WakeService:
         await self.admission.make_room_for(1)
         with self.admission.admit(f"waking {sandbox_id}", 1, machine.memory_mib) as held:
             held.ids.add(sandbox_id)
-            with fleet.holds.waking(sandbox_id):
+            with self.holds.waking(sandbox_id):
                 vm = await self._restore(sandbox_id, state_dir, row.memory_limit_mib)
-            fleet.vms[sandbox_id] = vm
-        fleet.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING, pid=vm.pid)
+            self.vms[sandbox_id] = vm
+        self.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING, pid=vm.pid)
         # Older generations are no longer mapped by anything.
-        fleet.hibernated.discard(sandbox_id, keep=state_dir)
+        self.hibernated.discard(sandbox_id, keep=state_dir)
         log.info("sandbox %s woke from %s in %.0f ms", sandbox_id, state_dir, vm.ready_ms or 0)
 
     async def _restore(
         self, sandbox_id: str, state_dir: Path, memory_limit_mib: int | None
     ) -> SandboxVM:
-        fleet = self.fleet
         net = HibernatedFiles.saved_network(state_dir)
-        if net is not None and fleet.network.enabled:
+        if net is not None and self.launcher.network.enabled:
             with contextlib.suppress(KeyError, ValueError, TypeError):
                 index = SandboxNet.from_json(net).index
                 if index is not None:
-                    fleet.network.prefer(sandbox_id, index)
+                    self.launcher.network.prefer(sandbox_id, index)
         # A crash between a wake's restore and its record leaves a run directory.
-        shutil.rmtree(fleet.settings.run_dir / sandbox_id, ignore_errors=True)
+        shutil.rmtree(self.settings.run_dir / sandbox_id, ignore_errors=True)
         try:
-            return await fleet.driver.restore(
+            return await self.launcher.driver.restore(
                 state_dir,
-                run_root=fleet.settings.run_dir,
+                run_root=self.settings.run_dir,
                 vm_id=sandbox_id,
                 detach=True,
-                host_network=fleet.network,
-                cgroup=fleet.placement(memory_limit_mib),
+                host_network=self.launcher.network,
+                cgroup=self.launcher.placement(memory_limit_mib),
                 hostname=sandbox_id,
             )
         except ForkdError as exc:

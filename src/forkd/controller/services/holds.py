@@ -30,6 +30,8 @@ class Holds:
         self._volume_layer_ops = 0  # starts holding volume layers no registry names yet
         self._waking: set[str] = set()  # hibernated sandboxes being restored
         self._wanted: set[str] = set()  # paused or hibernated sandboxes a request wakes
+        # Sandboxes reclaim is hibernating now: each event is set once that one is.
+        self.evicting: dict[str, asyncio.Event] = {}
 
     # ------------------------------------------------------------ snapshots
 

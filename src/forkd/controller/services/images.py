@@ -35,7 +35,7 @@ from forkd.controller.models import (
     ImportProgress,
     OutputEvent,
 )
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services import image_catalog, image_requests
 from forkd.controller.services.received import receive_to as _receive
 from forkd.controller.settings import Settings
 from forkd.disk_reserve import DiskReserve
@@ -47,7 +47,6 @@ from forkd.vmm.jail import qemu_user
 
 if TYPE_CHECKING:
     from forkd.image_import.blob_store import BlobStore
-    from forkd.image_import.references import ImageSource
 
 MAX_IMPORTS = 2
 KEEPALIVE_SECS = 15.0  # an import's event stream is never quiet longer than this
@@ -68,8 +67,12 @@ Importer = Callable[[ImageImport, Progress], Imported]
 
 
 class ImageService:
-    def __init__(self, fleet: Fleet, importer: Importer | None = None) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        settings: Settings,
+        importer: Importer | None = None,
+    ) -> None:
+        self.settings = settings
         self._importer = importer or self._import_sync
         self._pool = ThreadPoolExecutor(MAX_IMPORTS, thread_name_prefix="forkd-import")
         self._running = 0
@@ -83,7 +86,9 @@ class ImageService:
     async def import_(self, req: ImageImport, progress: Progress | None = None) -> ImageInfo:
         """Import ``req.ref``; the image's info with what was fetched and reused."""
         say = progress or (lambda _msg: None)
-        loaded = await asyncio.to_thread(_local, req.ref)  # sent here: no registry is asked
+        loaded = await asyncio.to_thread(
+            image_catalog.local, req.ref
+        )  # sent here: no registry is asked
         if loaded is not None:
             say(f"{req.ref} is a local image ({loaded.name}): nothing to fetch")
             info = self._info_of(loaded)
@@ -119,7 +124,7 @@ class ImageService:
         fd, path = BlobStore(paths.blobs_dir()).temp_file(".load.tar")
         try:
             with os.fdopen(fd, "wb") as out:
-                cap = self.fleet.settings.max_image_bytes
+                cap = self.settings.max_image_bytes
                 await _receive(body, out, cap, meter, "the archive", "--max-image-mib")
         except BaseException as exc:
             path.unlink(missing_ok=True)
@@ -164,24 +169,28 @@ class ImageService:
         a local image before it pulls), else a container image reference, imported now
         (fetching what changed)."""
         name = name_or_ref or images.DEFAULT_IMAGE
-        no_registry = not self.fleet.settings.registries().default_registry
+        no_registry = not self.settings.registries().default_registry
         if recipe.NAME_RE.fullmatch(name):
             try:
                 return images.find_image(name)
             except ImageError:
-                imported = _newest_import(name) or _local(name)  # oci-<id>, or myapp
+                imported = image_catalog.newest_import(name) or image_catalog.local(
+                    name
+                )  # oci-<id>, or myapp
                 if imported is not None:
                     return imported
                 if no_registry:  # a short name reaches no registry
-                    said = await asyncio.to_thread(_no_local_image, name, "no built or local image")
+                    said = await asyncio.to_thread(
+                        image_catalog.no_local_image, name, "no built or local image"
+                    )
                     raise Invalid(said) from None
-        local = await asyncio.to_thread(_local, name)
+        local = await asyncio.to_thread(image_catalog.local, name)
         if local is not None:
             return local
         from forkd.oci.reference import names_registry
 
         if no_registry and "@" not in name and not names_registry(name):
-            raise Invalid(await asyncio.to_thread(_no_local_image, name))
+            raise Invalid(await asyncio.to_thread(image_catalog.no_local_image, name))
         done = await self._import(ImageImport(ref=name), lambda _msg: None)
         return done.image
 
@@ -190,7 +199,7 @@ class ImageService:
 
     def _timed(self, job: Callable[[Progress], Imported]) -> Callable[[Progress], Imported]:
         """``job`` on its import thread held to --import-timeout, all of it."""
-        seconds = self.fleet.settings.import_timeout_secs
+        seconds = self.settings.import_timeout_secs
 
         def run(progress: Progress) -> Imported:
             with import_deadline.import_deadline(seconds):
@@ -200,7 +209,7 @@ class ImageService:
 
     def _reserve(self) -> DiskReserve:
         """The free disk an import's blobs, archive and build may not take."""
-        return DiskReserve(paths.blobs_dir(), self.fleet.settings.disk_reserve_mib << 20)
+        return DiskReserve(paths.blobs_dir(), self.settings.disk_reserve_mib << 20)
 
     def _check_room(self) -> None:
         if self._running >= MAX_IMPORTS:
@@ -232,7 +241,7 @@ class ImageService:
         from forkd.oci import auth
         from forkd.oci.policy import RegistryPolicy
 
-        settings = self.fleet.settings
+        settings = self.settings
         started = time.monotonic()
 
         def credentials(registry: str) -> auth.Credentials | None:
@@ -242,7 +251,7 @@ class ImageService:
 
         registries = settings.registries()
         policy = RegistryPolicy.of(registries.insecure_registries, registries.default_registry)
-        check_allowed(references.parse(req.ref, policy), req.ref, settings)
+        image_requests.check_allowed(references.parse(req.ref, policy), req.ref, settings)
         with self._holding() as store:
             fetched = fetch_image(
                 req.ref,
@@ -262,7 +271,7 @@ class ImageService:
         from forkd.image_import.local_sources import fetch_loaded
 
         started = time.monotonic()
-        settings = self.fleet.settings
+        settings = self.settings
         cap = layer_cap(settings.max_image_bytes, settings.max_image_entries)
         with self._holding() as store:
             fetched = fetch_loaded(archive, tag, store, progress, shown=reference, layer_cap=cap)
@@ -290,7 +299,7 @@ class ImageService:
     def _build(self, fetched: FetchedImage, progress: Progress, started: float) -> Imported:
         """The guest image of ``fetched``; :class:`_LayerRefused` when a layer is refused
         while flattened."""
-        settings = self.fleet.settings
+        settings = self.settings
         with image_sharing.building(container_image.image_name(fetched.config_digest)):
             try:
                 # tar2sqfs parses the image's names in C: as a uid of its own (the registry
@@ -317,7 +326,7 @@ class ImageService:
                 ) from exc
             name = container_image.local_names_of(fetched.reference)
             if name is not None:  # the name moves to this image, as a docker tag does
-                _untag(name, keep=img)
+                image_catalog.untag(name, keep=img)
         return Imported(img, fetched, time.monotonic() - started)
 
     # ------------------------------------------------------------ read
@@ -333,9 +342,11 @@ class ImageService:
     def _info_of(self, img: images.Image) -> ImageInfo:
         return self._info(img, self._catalog(images.list_images()))
 
-    def _catalog(self, built: builtins.list[images.Image]) -> _Catalog:
+    def _catalog(self, built: builtins.list[images.Image]) -> image_catalog.Catalog:
         """What each image's info is read against, read once for a listing."""
-        return _Catalog(_layer_users(built), _name_holders(built), self._roots())
+        return image_catalog.Catalog(
+            image_catalog.layer_users(built), image_catalog.name_holders(built), self._roots()
+        )
 
     def _find(self, name: str) -> images.Image:
         """The build ``NAME-KEY`` names, or NAME's current build (the one snapshots made
@@ -343,17 +354,17 @@ class ImageService:
         made it; else the local image a tag (``myapp:1``) names."""
         builds = [i for i in images.list_images() if name in (i.name, f"{i.name}-{i.key}")]
         if not builds:
-            local = _local(name, registry_too=True)
+            local = image_catalog.local(name, registry_too=True)
             if local is not None:
                 return local
-            raise NotFound(_no_local_image(name, "no image") + " (see GET /v1/images)")
+            raise NotFound(image_catalog.no_local_image(name, "no image") + " (see GET /v1/images)")
         with contextlib.suppress(ImageError):
             current = images.find_image(name)
             if any(b.dir == current.dir for b in builds):
                 return current
         return max(builds, key=lambda i: i.meta.get("built_at_unix", 0))
 
-    def _info(self, img: images.Image, catalog: _Catalog) -> ImageInfo:
+    def _info(self, img: images.Image, catalog: image_catalog.Catalog) -> ImageInfo:
         meta = img.meta
         container = container_image.is_container(img)
         own = sum(  # files hard-linked from elsewhere (runtime disk, kernel) are shared
@@ -372,10 +383,10 @@ class ImageService:
         if container:
             config = container_image.config_of(img)
             layers = list(meta.get("layers") or [])
-            sizes = _blob_sizes(layers)
+            sizes = image_catalog.blob_sizes(layers)
             users = catalog.layer_users
             info |= {
-                "names": _names_held(img, catalog.holders),
+                "names": image_catalog.names_held(img, catalog.holders),
                 "references": list(meta.get("references") or []),
                 "id": meta.get("config_digest"),
                 "digest": meta.get("manifest_digest"),
@@ -389,7 +400,7 @@ class ImageService:
     def _roots(self) -> builtins.list[Path]:
         """Where snapshots and VMs that may use an image live: this daemon's directories
         and those of every other daemon sharing the cache."""
-        own = [self.fleet.settings.snapshot_root, self.fleet.settings.run_dir]
+        own = [self.settings.snapshot_root, self.settings.run_dir]
         return images.with_other_daemons(own)
 
     # ------------------------------------------------------------ remove
@@ -408,9 +419,11 @@ class ImageService:
         with image_sharing.removing(found.name):
             if by_tag:
                 tag = container_image.with_tag(name)
-                held = _names_held(found, _name_holders(images.list_images()))
+                held = image_catalog.names_held(
+                    found, image_catalog.name_holders(images.list_images())
+                )
                 if set(held) - {tag}:  # it keeps a name: only untag it
-                    _untag(tag)
+                    image_catalog.untag(tag)
                     return
                 name = f"{found.name}-{found.key}"  # its last name: the build goes
             try:
@@ -418,7 +431,7 @@ class ImageService:
             except ImageError as exc:
                 raise Conflict(str(exc)) from exc
             if by_tag:
-                _untag(tag)  # from older builds that still carry it
+                image_catalog.untag(tag)  # from older builds that still carry it
 
 
 class _LayerRefused(Invalid):
@@ -454,166 +467,3 @@ async def _as_events(
         yield OutputEvent("image", work.result())
     finally:
         work.cancel()  # a client gone: the import thread still finishes on its own
-
-
-def _local_images(built: list[images.Image] | None = None) -> list[images.Image]:
-    """The images built, loaded or imported here (never one pulled with a snapshot), of
-    ``built`` (default: every image in the cache)."""
-    return [
-        img
-        for img in (images.list_images() if built is None else built)
-        if container_image.is_container(img) and not img.meta.get("pulled")
-    ]
-
-
-def _local(name: str, *, registry_too: bool = False) -> images.Image | None:
-    """The newest local image that the name ``name`` (``myapp:1``, ``myapp`` for
-    ``myapp:latest``) names: one loaded or built with it here, or, for a name without a
-    registry host, imported as it. A registry reference of a host is asked again (but
-    ``registry_too``: then its import answers for it)."""
-    from forkd.oci.reference import names_registry
-
-    if "@" in name:
-        return None
-    wanted = container_image.with_tag(name)
-    sources = container_image.LOCAL_SOURCES if names_registry(name) and not registry_too else None
-
-    def matches(img: images.Image) -> bool:
-        ref = container_image.local_names(img).get(wanted)
-        return ref is not None and (sources is None or ref.startswith(sources))
-
-    return _newest_container(matches)
-
-
-@dataclass(frozen=True)
-class _Catalog:
-    """What an image's info is read against: how many images use each layer, which
-    image each local name finds, where snapshots and VMs that may use one live."""
-
-    layer_users: dict[str, int]
-    holders: dict[str, Path]
-    roots: list[Path]
-
-
-def _name_holders(built: list[images.Image]) -> dict[str, Path]:
-    """Each local name, and the directory of the image it finds now (the newest local
-    image given it, as :func:`_local` with ``registry_too`` picks)."""
-    newest: dict[str, images.Image] = {}
-    for img in _local_images(built):
-        for name in container_image.local_names(img):
-            held = newest.get(name)
-            if held is None or img.meta.get("built_at_unix", 0) > held.meta.get("built_at_unix", 0):
-                newest[name] = img
-    return {name: img.dir for name, img in newest.items()}
-
-
-def _names_held(img: images.Image, holders: dict[str, Path]) -> list[str]:
-    """The local names that find ``img`` now: of its names, those no newer image took."""
-    return [n for n in container_image.local_names(img) if holders.get(n) == img.dir]
-
-
-def _untag(name: str, keep: images.Image | None = None) -> None:
-    """Take the local name ``name`` off every image that has it (but ``keep``)."""
-    for img in _local_images():
-        if keep is not None and img.dir == keep.dir:
-            continue
-        refs = {
-            ref
-            for ref in img.meta.get("references") or []
-            if container_image.local_names_of(ref) == name
-        }
-        if refs:
-            container_image.drop_references(img, refs)
-
-
-def _no_local_image(name: str, what: str = "no local image") -> str:
-    """``no local image 'myap:2' (did you mean myapp:2?)``, and how to get one."""
-    import difflib
-
-    built = images.list_images()
-    known = set(_name_holders(built))
-    known |= {img.name for img in built if not container_image.is_container(img)}
-    wanted = container_image.with_tag(name) if ":" in name else name
-    close = difflib.get_close_matches(wanted, sorted(known), n=3, cutoff=0.6)
-    if not close and ":" not in name:  # myap -> myapp:latest
-        bare = {k.removesuffix(":latest"): k for k in known}
-        close = [bare[c] for c in difflib.get_close_matches(name, sorted(bare), n=3, cutoff=0.6)]
-    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
-    return (
-        f"{what} {name!r}{hint}: build it (forkd image build NAME for a recipe, -t NAME:TAG "
-        "for a Dockerfile), load it (forkd image load) or give a registry reference with "
-        "its host (registry.example.com[:port]/repository:tag)"
-    )
-
-
-def check_loaded_tag(tag: str | None) -> str | None:
-    """``tag`` when it is a name an image can be tagged with (Docker's grammar)."""
-    if tag is None:
-        return None
-    from forkd.image_import.docker_engine import check_image_name
-
-    return container_image.with_tag(check_image_name(tag, allow_digest=False))
-
-
-def check_allowed(source: ImageSource, text: str, settings: Settings) -> None:
-    """Refuse what the operator did not open to clients: an archive or layout outside
-    every ``--image-archive-dir`` (the daemon would read it with its own rights: any host
-    file that is a tar), a Docker Engine with ``--docker-host none``. Said before the
-    path is looked at, so the answer tells nothing of what exists on the host."""
-    from forkd.image_import import references
-
-    if isinstance(source, references.DaemonImage) and settings.docker_host == "none":
-        raise Invalid("docker-daemon: references are off on this daemon (--docker-host none)")
-    if not isinstance(
-        source, (references.DockerArchive, references.OciArchive, references.OciLayout)
-    ):
-        return
-    kind = text.partition(":")[0]
-    archive_dirs = settings.registries().image_archive_dirs
-    if not archive_dirs:
-        raise Invalid(
-            f"{kind}: references are off on this daemon: send the archive instead with "
-            "forkd image load PATH (POST /v1/images/load: no directory need be allowed), or "
-            "the operator allows directories with --image-archive-dir (or --registry-policy)"
-        )
-    real = os.path.realpath(source.path)
-    for allowed in archive_dirs:
-        root = os.path.realpath(allowed)
-        if real == root or real.startswith(root.rstrip("/") + "/"):
-            return
-    raise Invalid(
-        f"{kind}: references must name a path under the daemon's --image-archive-dir; or "
-        "send the archive with forkd image load PATH"
-    )
-
-
-def _newest_import(name: str) -> images.Image | None:
-    """The newest build of the imported image ``name`` (``oci-<id>``, as GET /v1/images
-    lists it; an import writes no pointer file for find_image), if there is one."""
-    return _newest_container(lambda img: name in (img.name, f"{img.name}-{img.key}"))
-
-
-def _newest_container(matches: Callable[[images.Image], bool]) -> images.Image | None:
-    """The newest imported (container) build that ``matches``, if there is one. An image
-    pulled with a snapshot is never one: its record (references, digests, build time)
-    is what another host, or a registry, said of it."""
-    found = [img for img in _local_images() if matches(img)]
-    return max(found, key=lambda i: i.meta.get("built_at_unix", 0)) if found else None
-
-
-def _layer_users(built: list[images.Image]) -> dict[str, int]:
-    """How many imported images use each layer blob."""
-    counts: collections.Counter[str] = collections.Counter()
-    for img in built:
-        if container_image.is_container(img):
-            counts.update(set(img.meta.get("layers") or []))
-    return dict(counts)
-
-
-def _blob_sizes(digests: list[str]) -> dict[str, int]:
-    root = paths.blobs_dir() / "sha256"
-    sizes = {}
-    for digest in digests:
-        with contextlib.suppress(OSError):
-            sizes[digest] = (root / digest.removeprefix("sha256:")).stat().st_size
-    return sizes

@@ -34,7 +34,7 @@ async def predates_chunks(guest: GuestCall, sandbox_id: str) -> bool:
     refused as malformed: aborting a transfer that does not exist is answered by a
     current agent, and refused only by an older one."""
     try:
-        await guest(sandbox_id, lambda vm: vm.transfer_abort(PROBE_ID))
+        await guest(sandbox_id, lambda vm: vm.guest.transfer_abort(PROBE_ID))
     except Invalid:
         return True
     return False
@@ -59,9 +59,9 @@ async def upload(
                 f"this sandbox's guest agent takes files of at most {MAX_BYTES} bytes "
                 "(its snapshot predates streamed files); nothing was written"
             )
-    return await guest(sandbox_id, lambda vm: vm.write_file(path, bytes(data)))
+    return await guest(sandbox_id, lambda vm: vm.guest.write_file(path, bytes(data)))
 
 
 async def download(guest: GuestCall, sandbox_id: str, path: str) -> bytes:
     """The whole file by one ``file_read`` (the agent refuses one over MAX_BYTES)."""
-    return await guest(sandbox_id, lambda vm: vm.read_file(path))
+    return await guest(sandbox_id, lambda vm: vm.guest.read_file(path))

@@ -18,9 +18,14 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from forkd.controller.services.fleet import Fleet, vm_id_prefixes
+from forkd.controller.services.activity import Activity
+from forkd.controller.services.hibernated_files import HibernatedFiles
+from forkd.controller.services.launcher import Launcher
+from forkd.controller.services.live_vms import LiveVMs, vm_id_prefixes
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import snapshot_row
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import SnapshotError
 from forkd.guest import image_sharing
@@ -28,6 +33,7 @@ from forkd.image_import import leftovers
 from forkd.limits import NAME_RE
 from forkd.states import OnTimeout, SandboxState, SnapshotMode, SnapshotStatus
 from forkd.vmm.jail import egress, network, qemu_user
+from forkd.vmm.pool import ForkPool
 from forkd.vmm.qemu import host_processes
 from forkd.vmm.snapshot import files as snapshot_files
 
@@ -56,8 +62,24 @@ class Expire(Protocol):
 
 
 class Lifecycle:
-    def __init__(self, fleet: Fleet, expire: Expire | None = None) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        activity: Activity,
+        hibernated: HibernatedFiles,
+        vms: LiveVMs,
+        pool: ForkPool[SandboxVM],
+        launcher: Launcher,
+        expire: Expire | None = None,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.activity = activity
+        self.hibernated = hibernated
+        self.vms = vms
+        self.pool = pool
+        self.launcher = launcher
         self._expire = expire  # a sandbox's on_timeout; None: kill it
         self._reaper: asyncio.Task[None] | None = None
         self._checks: dict[str, asyncio.Task[None]] = {}  # sandbox id -> its check in flight
@@ -68,7 +90,7 @@ class Lifecycle:
     async def start(self) -> None:
         """Bring the registry in line with the disk and re-adopt live sandboxes."""
         self.reconcile_snapshots()
-        settings = self.fleet.settings
+        settings = self.settings
         await asyncio.to_thread(  # other daemons on this cache keep what our snapshots use
             image_sharing.record_daemon,
             settings.state_dir,
@@ -97,28 +119,27 @@ class Lifecycle:
             task.cancel()
         if self._checks:
             await asyncio.wait(list(self._checks.values()), timeout=STOP_VM_SECS)
-        fleet = self.fleet
-        await _bounded("closing the fork pool", fleet.pool.close())
-        if fleet.settings.kill_on_exit:
-            stops = [_bounded(f"killing {sid}", fleet.remove(sid)) for sid in list(fleet.vms)]
+        await _bounded("closing the fork pool", self.pool.close())
+        if self.settings.kill_on_exit:
+            stops = [_bounded(f"killing {sid}", self.vms.remove(sid)) for sid in list(self.vms)]
         else:  # leave them running for the next daemon to adopt
-            stops = [_bounded(f"letting go of {vm.id}", vm.release()) for vm in fleet.vms.values()]
+            stops = [_bounded(f"letting go of {vm.id}", vm.release()) for vm in self.vms.values()]
         await asyncio.gather(*stops)
-        fleet.vms.clear()
+        self.vms.clear()
         self._probes.close()
 
     # ------------------------------------------------------------ start
 
     def reconcile_snapshots(self) -> None:
         """Remove staging leftovers; register committed snapshots the registry lacks."""
-        root = self.fleet.settings.snapshot_root
+        root = self.settings.snapshot_root
         for leftover in root.glob(".*.partial-*"):
             log.info("removing %s left by a crash", leftover)
             if leftover.is_dir() and not leftover.is_symlink():
                 shutil.rmtree(leftover, ignore_errors=True)
             else:  # a pack or an archive on its way in
                 leftover.unlink(missing_ok=True)
-        store = self.fleet.store
+        store = self.store
         for row in store.list_snapshots():  # pending work survives no restart
             if row.status == SnapshotStatus.WRITING:
                 log.info("branch %s was pending when the daemon stopped: failed", row.tag)
@@ -130,9 +151,9 @@ class Lifecycle:
                 )
         self._refresh_modes()
         kept = {r.id for r in store.list_sandboxes() if r.state != SandboxState.DEAD}
-        for sid in self.fleet.hibernated.sleepers() - kept:
+        for sid in self.hibernated.sleepers() - kept:
             log.info("removing the hibernated state of sandbox %s, which is gone", sid)
-            self.fleet.hibernated.discard(sid)
+            self.hibernated.discard(sid)
         known = {row.tag for row in store.list_snapshots()}
         for d in sorted(root.iterdir()):
             if d.name.startswith(".") or d.name in known or not NAME_RE.fullmatch(d.name):
@@ -151,7 +172,7 @@ class Lifecycle:
     def _refresh_modes(self) -> None:
         """Each ready row's mode and base as its ``snapshot.json`` says: a crash between a
         compaction's swap and its registry update leaves the row saying diff."""
-        store = self.fleet.store
+        store = self.store
         for row in store.list_snapshots():
             if row.status != SnapshotStatus.READY:
                 continue
@@ -165,34 +186,33 @@ class Lifecycle:
                 store.update_snapshot(row.tag, mode=SnapshotMode(meta.mode), base_tag=base_tag)
 
     async def adopt_sandboxes(self) -> None:
-        fleet = self.fleet
-        for row in fleet.store.list_sandboxes():
+        for row in self.store.list_sandboxes():
             if row.state == SandboxState.DEAD:
                 continue
             if row.state == SandboxState.HIBERNATED:  # on disk, no QEMU: woken by resume
-                if fleet.hibernated.latest(row.id) is None:
+                if self.hibernated.latest(row.id) is None:
                     log.warning("hibernated sandbox %s lost its state: marked dead", row.id)
-                    fleet.store.set_sandbox_state(row.id, SandboxState.DEAD)
+                    self.store.set_sandbox_state(row.id, SandboxState.DEAD)
                 continue
             run_dir = Path(row.run_dir)
             paused = row.state == SandboxState.PAUSED  # adopted as the user left it
             try:
-                vm = await fleet.driver.adopt(run_dir, paused=paused)
+                vm = await self.launcher.driver.adopt(run_dir, paused=paused)
             except Exception as exc:  # one broken VM must not stop the daemon
                 log.info("sandbox %s is gone (%s): removing it", row.id, exc)
                 if row.pid and host_processes.qemu_pid_matches(row.pid, run_dir):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(row.pid, signal.SIGKILL)
                 shutil.rmtree(run_dir, ignore_errors=True)
-                fleet.hibernated.discard(row.id)  # a woken one's state it no longer needs
-                fleet.store.delete_sandbox(row.id)
+                self.hibernated.discard(row.id)  # a woken one's state it no longer needs
+                self.store.delete_sandbox(row.id)
                 continue
-            fleet.vms[row.id] = vm
+            self.vms[row.id] = vm
             await self._listen(vm)
             if row.state == SandboxState.STARTING:  # died mid-fork, its QEMU running: it runs
-                fleet.store.set_sandbox_state(row.id, SandboxState.RUNNING, pid=vm.pid)
+                self.store.set_sandbox_state(row.id, SandboxState.RUNNING, pid=vm.pid)
             else:  # paused or running, as it was left
-                fleet.store.update_sandbox(row.id, pid=vm.pid)
+                self.store.update_sandbox(row.id, pid=vm.pid)
             log.info(
                 "re-adopted sandbox %s (pid %s%s)", row.id, vm.pid, ", paused" if paused else ""
             )
@@ -204,7 +224,7 @@ class Lifecycle:
             return
         policy = egress.of_machine(vm.machine.egress, vm.machine.internet)
         try:
-            await network.listen(self.fleet.network, vm.net, vm.id, policy)
+            await network.listen(self.launcher.network, vm.net, vm.id, policy)
         except Exception as exc:
             log.warning(
                 "sandbox %s: the egress proxy cannot listen in %s: %s", vm.id, vm.net.netns, exc
@@ -218,11 +238,10 @@ class Lifecycle:
         directory, directly under ours, is named like one of our VMs' ids;
         what is deleted is a path we build, never one read from a process.
         """
-        fleet = self.fleet
-        ours = {str(vm.rt.dir) for vm in fleet.vms.values()}
-        mine = vm_id_prefixes(fleet.store.id_prefix)
+        ours = {str(vm.rt.dir) for vm in self.vms.values()}
+        mine = vm_id_prefixes(self.store.id_prefix)
         uids = qemu_user.qemu_uids()
-        for pid, run_dir in host_processes.qemu_run_dirs(fleet.settings.run_dir).items():
+        for pid, run_dir in host_processes.qemu_run_dirs(self.settings.run_dir).items():
             if str(run_dir) in ours or not run_dir.name.startswith(mine):
                 continue
             if host_processes.owner_uid(pid) not in uids:
@@ -230,24 +249,25 @@ class Lifecycle:
             log.warning("killing stray QEMU %s (%s)", pid, run_dir)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            shutil.rmtree(fleet.settings.run_dir / run_dir.name, ignore_errors=True)
-        registered = {r.run_dir for r in fleet.store.list_sandboxes()}
-        for d in fleet.settings.run_dir.iterdir():
+            shutil.rmtree(self.settings.run_dir / run_dir.name, ignore_errors=True)
+        registered = {r.run_dir for r in self.store.list_sandboxes()}
+        for d in self.settings.run_dir.iterdir():
             if d.is_dir() and d.name.startswith(mine) and str(d) not in ours | registered:
                 shutil.rmtree(d, ignore_errors=True)
 
     async def remove_stray_cgroups(self, wait_secs: float = STRAY_EXIT_SECS) -> None:
         """Groups of this daemon's VMs that no process uses: those of the strays and
         unadoptable sandboxes just killed, once their QEMUs have left them."""
-        fleet = self.fleet
-        prefixes = vm_id_prefixes(fleet.store.id_prefix)
-        live = {vm.rt.dir.name for vm in fleet.vms.values()}
+        prefixes = vm_id_prefixes(self.store.id_prefix)
+        live = {vm.rt.dir.name for vm in self.vms.values()}
         deadline = time.monotonic() + wait_secs
         while True:
-            for name in await asyncio.to_thread(fleet.cgroups.remove_unused, prefixes):
+            for name in await asyncio.to_thread(self.launcher.cgroups.remove_unused, prefixes):
                 log.info("removed the cgroup of %s, whose QEMU is gone", name)
             left = [
-                n for n in await asyncio.to_thread(fleet.cgroups.names, prefixes) if n not in live
+                n
+                for n in await asyncio.to_thread(self.launcher.cgroups.names, prefixes)
+                if n not in live
             ]
             if not left or time.monotonic() > deadline:
                 return
@@ -255,11 +275,10 @@ class Lifecycle:
 
     def remove_stray_networks(self) -> None:
         """Network namespaces of this daemon's VMs that no live VM uses (a crash's)."""
-        fleet = self.fleet
-        if not fleet.network.enabled:
+        if not self.launcher.network.enabled:
             return
-        live = {vm.net.netns for vm in fleet.vms.values() if vm.net is not None}
-        for name in network.remove_unused(vm_id_prefixes(fleet.store.id_prefix), live):
+        live = {vm.net.netns for vm in self.vms.values() if vm.net is not None}
+        for name in network.remove_unused(vm_id_prefixes(self.store.id_prefix), live):
             log.warning("removed network namespace %s that no VM used", name)
 
     # ------------------------------------------------------------ reaper
@@ -284,7 +303,7 @@ class Lifecycle:
 
     def _start_checks(self) -> list[asyncio.Task[None]]:
         started = []
-        rows = self.fleet.store.list_sandboxes()
+        rows = self.store.list_sandboxes()
         listed = {row.id for row in rows}
         for gone in [sid for sid in self._silent if sid not in listed]:
             del self._silent[gone]
@@ -302,7 +321,7 @@ class Lifecycle:
 
     async def _bounded_check(self, row: SandboxRow) -> None:
         expired = row.expires_at_unix is not None and row.expires_at_unix <= time.time()
-        expired = expired or self.fleet.activity.idle_expired(row)
+        expired = expired or self.activity.idle_expired(row)
         branching = (
             expired
             and row.on_timeout in (OnTimeout.BRANCH, OnTimeout.HIBERNATE)
@@ -322,11 +341,11 @@ class Lifecycle:
         does not answer once may just be loaded; one silent for ``SILENT_CHECKS`` checks
         in a row within one idle spell (use starts a new one) is idle, or wedged: it
         cannot outlive its idle timeout by never answering."""
-        wrote = await self.fleet.wrote_output(row.id, vm, OUTPUT_ANSWER_SECS)
+        wrote = await self.vms.wrote_output(row.id, vm, OUTPUT_ANSWER_SECS)
         if wrote is not None:
             self._silent.pop(row.id, None)
             return not wrote
-        spell = self.fleet.activity.idle_since(row)
+        spell = self.activity.idle_since(row)
         since, before = self._silent.get(row.id, (spell, 0))
         silent = (before if since == spell else 0) + 1
         self._silent[row.id] = (spell, silent)
@@ -344,20 +363,19 @@ class Lifecycle:
         return True
 
     async def _check(self, row: SandboxRow) -> None:
-        fleet = self.fleet
         if row.expires_at_unix is not None and row.expires_at_unix <= time.time():
             if self._expire is not None:
                 await self._expire(row)
             else:
                 log.info("sandbox %s reached its timeout: killing it", row.id)
-                await fleet.remove(row.id)
+                await self.vms.remove(row.id)
             return
-        vm = fleet.vms.get(row.id)
+        vm = self.vms.get(row.id)
         if vm is None or row.state == SandboxState.DEAD:
             return
         if (
             self._expire is not None
-            and fleet.activity.idle_expired(row)
+            and self.activity.idle_expired(row)
             and await self._idle_by_its_output(row, vm)
         ):
             self._silent.pop(row.id, None)
@@ -370,7 +388,7 @@ class Lifecycle:
             return
         if not alive:
             log.warning("sandbox %s died (QEMU exited)", row.id)
-            await fleet.mark_dead(row.id)
+            await self.vms.mark_dead(row.id)
 
 
 class Probes:

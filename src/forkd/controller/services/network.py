@@ -23,29 +23,45 @@ from forkd.vmm.jail.egress import Egress
 from forkd.vmm.snapshot import files as snapshot_files
 
 if TYPE_CHECKING:
-    from forkd.controller.services.fleet import Fleet
+    from forkd.controller.services.events import EventBus
+    from forkd.controller.services.hibernated_files import HibernatedFiles
+    from forkd.controller.services.launcher import Launcher
+    from forkd.controller.services.live_vms import LiveVMs
+    from forkd.controller.services.records import Records
     from forkd.controller.services.sandbox_vm import SandboxVM
+    from forkd.egress.proxy import EgressProxy
 
 log = logging.getLogger(__name__)
 MAX_PAGE = 1000
 
 
 class NetworkService:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        events: EventBus,
+        hibernated: HibernatedFiles,
+        records: Records,
+        vms: LiveVMs,
+        launcher: Launcher,
+        egress: EgressProxy,
+    ) -> None:
+        self.events = events
+        self.hibernated = hibernated
+        self.rows = records
+        self.vms = vms
+        self.launcher = launcher
+        self.egress = egress
         self._changing: dict[str, asyncio.Lock] = {}
 
     def policy(self, sandbox_id: str) -> Egress:
         """The policy of ``sandbox_id`` now: the proxy's, its VM's, or (hibernated) the one
         its state on disk holds."""
-        row = self.fleet.sandbox_row(sandbox_id)
-        vm = self.fleet.vms.get(sandbox_id)
+        row = self.rows.sandbox_row(sandbox_id)
+        vm = self.vms.get(sandbox_id)
         if vm is not None:
             return self.live_policy(sandbox_id, vm)
         asleep = (
-            self.fleet.hibernated.latest(sandbox_id)
-            if row.state == SandboxState.HIBERNATED
-            else None
+            self.hibernated.latest(sandbox_id) if row.state == SandboxState.HIBERNATED else None
         )
         if asleep is not None:
             machine = snapshot_files.load(asleep).machine
@@ -54,7 +70,7 @@ class NetworkService:
 
     def live_policy(self, sandbox_id: str, vm: SandboxVM) -> Egress:
         """The policy of a sandbox with a VM: the proxy's, else (no proxy) its machine's."""
-        held = self.fleet.egress.policy_of(sandbox_id)
+        held = self.egress.policy_of(sandbox_id)
         if held is not None:
             return held
         return egress.of_machine(vm.machine.egress, vm.machine.internet)
@@ -65,7 +81,7 @@ class NetworkService:
         needle = "${secrets." + secret + "}"
         return [
             sandbox_id
-            for sandbox_id, vm in list(self.fleet.vms.items())
+            for sandbox_id, vm in list(self.vms.items())
             if any(
                 needle in value
                 for _, rules in self.live_policy(sandbox_id, vm).rules
@@ -76,8 +92,8 @@ class NetworkService:
 
     def info(self, sandbox_id: str, closed: int | None = None) -> NetworkInfo:
         policy = self.policy(sandbox_id)
-        vm = self.fleet.vms.get(sandbox_id)
-        proxied = self.fleet.network.egress is not None and vm is not None and vm.net is not None
+        vm = self.vms.get(sandbox_id)
+        proxied = self.launcher.network.egress is not None and vm is not None and vm.net is not None
         return NetworkInfo(**policy.network(), proxied=proxied, closed=closed)
 
     async def update(self, sandbox_id: str, body: NetworkPolicy) -> NetworkInfo:
@@ -86,26 +102,26 @@ class NetworkService:
         assert new is not None
         lock = self._changing.setdefault(sandbox_id, asyncio.Lock())
         async with lock:
-            vm = self.fleet.live(sandbox_id, paused_ok=True)
+            vm = self.vms.live(sandbox_id, paused_ok=True)
             old = self.policy(sandbox_id)
             vm.set_egress(new)
-            closed = self.fleet.egress.set_policy(sandbox_id, new)
-            kernel_decides = self.fleet.network.egress is None  # --egress-proxy off
+            closed = self.egress.set_policy(sandbox_id, new)
+            kernel_decides = self.launcher.network.egress is None  # --egress-proxy off
             if (
                 vm.net is not None
-                and self.fleet.network.enabled
+                and self.launcher.network.enabled
                 and (old.shut != new.shut or kernel_decides)
             ):
-                await asyncio.to_thread(self.fleet.network.reload, vm.net, new)
-        self.fleet.events.publish(
+                await asyncio.to_thread(self.launcher.network.reload, vm.net, new)
+        self.events.publish(
             "network_changed", sandbox_id=sandbox_id, closed=closed, **new.network()
         )
         log.info("sandbox %s: network policy changed (%d connections closed)", sandbox_id, closed)
         return self.info(sandbox_id, closed)
 
     def records(self, sandbox_id: str, after: int, limit: int) -> EgressPage:
-        self.fleet.sandbox_row(sandbox_id)
-        found = self.fleet.egress.log.of(sandbox_id, after, min(limit, MAX_PAGE))
+        self.rows.sandbox_row(sandbox_id)
+        found = self.egress.log.of(sandbox_id, after, min(limit, MAX_PAGE))
         shown = [record_info(r) for r in found]
         return EgressPage(records=shown, next_after=shown[-1].id if shown else after)
 

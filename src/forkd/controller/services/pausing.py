@@ -14,10 +14,15 @@ import asyncio
 import logging
 import time
 
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.activity import Activity
+from forkd.controller.services.events import EventBus
 from forkd.controller.services.hibernation import HibernateService, WakeService
+from forkd.controller.services.holds import Holds
+from forkd.controller.services.live_vms import LiveVMs
+from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import expiry_in
+from forkd.controller.store import Store
 from forkd.errors import Busy, Conflict, ForkdError, VMError
 from forkd.states import SandboxState
 
@@ -25,8 +30,23 @@ log = logging.getLogger(__name__)
 
 
 class PauseService:
-    def __init__(self, fleet: Fleet, hibernation: HibernateService, waking: WakeService) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        store: Store,
+        events: EventBus,
+        holds: Holds,
+        activity: Activity,
+        records: Records,
+        vms: LiveVMs,
+        hibernation: HibernateService,
+        waking: WakeService,
+    ) -> None:
+        self.store = store
+        self.events = events
+        self.holds = holds
+        self.activity = activity
+        self.records = records
+        self.vms = vms
         self.hibernation = hibernation
         self.waking = waking
 
@@ -36,7 +56,7 @@ class PauseService:
         if hibernate:
             async with self._lock(sandbox_id):
                 await self.hibernation.hibernate(sandbox_id)
-            self.fleet.events.publish("hibernated", sandbox_id=sandbox_id)
+            self.events.publish("hibernated", sandbox_id=sandbox_id)
             return
         async with self._lock(sandbox_id):
             vm = self._vm_in(sandbox_id, SandboxState.RUNNING, "already paused")
@@ -44,30 +64,30 @@ class PauseService:
                 await vm.pause()
             except ForkdError as exc:
                 raise await self._failed(sandbox_id, vm, "pausing", exc) from exc
-            self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
-            self.fleet.activity.count_pause(sandbox_id)
-        self.fleet.events.publish("paused", sandbox_id=sandbox_id)
+            self.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
+            self.activity.count_pause(sandbox_id)
+        self.events.publish("paused", sandbox_id=sandbox_id)
 
     async def resume(self, sandbox_id: str, timeout_s: float | None = None) -> None:
         """Run the paused sandbox again and set its clock, or wake the hibernated one;
         :class:`Conflict` unless it is paused or hibernated. ``timeout_s``: its new
         timeout from now (none: as it was; a woken one has none)."""
         async with self._lock(sandbox_id):
-            woke = self.fleet.sandbox_row(sandbox_id).state == SandboxState.HIBERNATED
+            woke = self.records.sandbox_row(sandbox_id).state == SandboxState.HIBERNATED
             if woke:
                 await self.waking.wake(sandbox_id)
             else:
                 await self._resume_paused(sandbox_id)
             if timeout_s is not None:
-                self.fleet.store.update_sandbox(sandbox_id, expires_at_unix=expiry_in(timeout_s))
-        self.fleet.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
+                self.store.update_sandbox(sandbox_id, expires_at_unix=expiry_in(timeout_s))
+        self.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
 
     async def resume_for_request(self, sandbox_id: str) -> str | None:
         """Resume or wake the sandbox a request needs running (:mod:`.waking`): the state
         it woke from, or None when it ran already (another request woke it)."""
         started = time.monotonic()
         async with self._lock(sandbox_id):
-            was = self.fleet.sandbox_row(sandbox_id).state
+            was = self.records.sandbox_row(sandbox_id).state
             if was == SandboxState.HIBERNATED:
                 await self.waking.wake(sandbox_id)
             elif was == SandboxState.PAUSED:
@@ -75,10 +95,10 @@ class PauseService:
             else:
                 return None
         ms = round((time.monotonic() - started) * 1000, 1)
-        self.fleet.activity.count_wake(sandbox_id)
+        self.activity.count_wake(sandbox_id)
         log.info("sandbox %s woke from %s for a request in %.0f ms", sandbox_id, was, ms)
         woken = was == SandboxState.HIBERNATED
-        self.fleet.events.publish(
+        self.events.publish(
             "resumed", sandbox_id=sandbox_id, woken=woken, reason="request", wake_ms=ms
         )
         return str(was)
@@ -89,20 +109,20 @@ class PauseService:
             await vm.resume()
         except ForkdError as exc:
             raise await self._failed(sandbox_id, vm, "resuming", exc) from exc
-        self.fleet.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING)
+        self.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING)
         try:
-            await vm.after_resume()
+            await vm.guest.after_resume()
         except ForkdError as exc:  # it runs; only its clock may lag
             log.warning("sandbox %s resumed, but its clock was not set: %s", sandbox_id, exc)
 
     def _lock(self, sandbox_id: str) -> asyncio.Lock:
         """The sandbox's branch lock: a branch in flight resumes what it paused."""
-        self.fleet.sandbox_row(sandbox_id)  # 404 before anything is made for it
-        return self.fleet.holds.sandbox_lock(sandbox_id)
+        self.records.sandbox_row(sandbox_id)  # 404 before anything is made for it
+        return self.holds.sandbox_lock(sandbox_id)
 
     def _vm_in(self, sandbox_id: str, state: SandboxState, otherwise: str) -> SandboxVM:
-        vm = self.fleet.live(sandbox_id, paused_ok=True)
-        if self.fleet.sandbox_row(sandbox_id).state != state:
+        vm = self.vms.live(sandbox_id, paused_ok=True)
+        if self.records.sandbox_row(sandbox_id).state != state:
             raise Conflict(f"sandbox {sandbox_id!r} is {otherwise}")
         return vm
 
@@ -112,6 +132,6 @@ class PauseService:
         if isinstance(exc, Busy):  # an upload still crossing the agent channel: retry
             return exc
         if not vm.is_alive():
-            await self.fleet.mark_dead(sandbox_id)
+            await self.vms.mark_dead(sandbox_id)
             return Conflict(f"sandbox {sandbox_id!r} died while {doing}: {exc}")
         return VMError(f"{doing} sandbox {sandbox_id!r} failed: {exc}")

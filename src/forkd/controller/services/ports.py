@@ -17,10 +17,13 @@ from datetime import UTC, datetime
 
 from forkd import limits
 from forkd.controller.models import PreviewInfo, PreviewRequest
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.preview_tokens import PreviewKey, parse
+from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.waking import Waker
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
 from forkd.errors import Busy, Forbidden, NotFound
 from forkd.states import SandboxState
 from forkd.vmm.agent.ports import check_guest_port
@@ -53,12 +56,12 @@ class GuestLink:
     port: int
     host: str
     host_port: int
-    _fleet: Fleet
+    _vms: LiveVMs
     _vm: SandboxVM
 
     def alive(self) -> bool:
         """False once the sandbox was killed, died or left its VM (hibernated)."""
-        return self._fleet.vms.get(self.sandbox_id) is self._vm and self._vm.is_alive()
+        return self._vms.get(self.sandbox_id) is self._vm and self._vm.is_alive()
 
 
 def parse_port(text: str) -> int:
@@ -69,10 +72,20 @@ def parse_port(text: str) -> int:
 
 
 class PortService:
-    def __init__(self, fleet: Fleet, waker: Waker) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        records: Records,
+        vms: LiveVMs,
+        waker: Waker,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.records = records
+        self.vms = vms
         self.waker = waker
-        self.key = PreviewKey(fleet.settings.state_dir)
+        self.key = PreviewKey(self.settings.state_dir)
         self._open: dict[str, int] = {}  # sandbox id -> its proxied connections now
         self._previews: dict[str, int] = {}  # sandbox id -> those of preview URLs' holders
 
@@ -118,7 +131,7 @@ class PortService:
             count[sandbox_id] = count.get(sandbox_id, 0) + 1
         try:
             host, host_port = await vm.guest_port_address(port)
-            yield GuestLink(sandbox_id, port, host, host_port, self.fleet, vm)
+            yield GuestLink(sandbox_id, port, host, host_port, self.vms, vm)
         finally:
             for count in counts:
                 left = count.get(sandbox_id, 1) - 1
@@ -136,13 +149,13 @@ class PortService:
         """A signed URL to guest ``req.port`` for ``req.ttl_s`` seconds."""
         port = req.port
         check_guest_port(port)
-        row = self.fleet.sandbox_row(sandbox_id)
+        row = self.records.sandbox_row(sandbox_id)
         # (a hibernated one that wakes on demand is woken by its first request)
         if not (row.state == SandboxState.HIBERNATED and row.auto_resume):
-            self.fleet.live(sandbox_id, paused_ok=True)
+            self.vms.live(sandbox_id, paused_ok=True)
         expires = int(time.time()) + req.ttl_s
         token = self.key.sign(sandbox_id, row.created_at_unix, port, expires)
-        domain = self.fleet.settings.preview_domain
+        domain = self.settings.preview_domain
         url = (
             domain.url(sandbox_id, port, token, base_url)
             if domain
@@ -165,7 +178,7 @@ class PortService:
         is dead. Nothing about the sandbox is told before the MAC is checked.
         """
         claim = parse(token)
-        row = self.fleet.store.get_sandbox(claim.sandbox_id)
+        row = self.store.get_sandbox(claim.sandbox_id)
         if row is None:
             raise Forbidden("not a valid preview URL")
         self.key.verify(claim, row.created_at_unix)

@@ -30,8 +30,10 @@ from forkd.controller.models import (
     ProcessStdin,
     StdinWritten,
 )
+from forkd.controller.services.activity import Activity
+from forkd.controller.services.guest_calls import GuestCalls
 from forkd.controller.services.process_output import OutputEvents, ReadAnswer
-from forkd.controller.services.sandboxes import SandboxService
+from forkd.controller.store import Store
 from forkd.errors import ForkdError, GuestError, Invalid
 from forkd.states import SandboxState
 
@@ -60,14 +62,16 @@ def _info(raw: object) -> ProcessInfo:
 
 
 class ProcessService:
-    def __init__(self, sandboxes: SandboxService) -> None:
-        self.sandboxes = sandboxes
+    def __init__(self, store: Store, activity: Activity, guest: GuestCalls) -> None:
+        self.store = store
+        self.activity = activity
+        self.guest = guest
 
     async def start(self, sandbox_id: str, req: ProcessStart) -> ProcessInfo:
         pty: wire.PtySize | None = {"cols": req.pty.cols, "rows": req.pty.rows} if req.pty else None
-        raw = await self.sandboxes.guest(
+        raw = await self.guest.call(
             sandbox_id,
-            lambda vm: vm.proc_start(
+            lambda vm: vm.guest.proc_start(
                 req.cmd,
                 env=req.env,
                 cwd=req.cwd,
@@ -81,13 +85,13 @@ class ProcessService:
         return _info(raw)
 
     async def list(self, sandbox_id: str) -> list[ProcessInfo]:
-        raw = await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_list())
+        raw = await self.guest.call(sandbox_id, lambda vm: vm.guest.proc_list())
         if not isinstance(raw, list):
             raise GuestError("malformed process list from the agent")
         return [_info(p) for p in raw]
 
     async def info(self, sandbox_id: str, pid: int) -> ProcessInfo:
-        return _info(await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_info(pid)))
+        return _info(await self.guest.call(sandbox_id, lambda vm: vm.guest.proc_info(pid)))
 
     async def write_stdin(self, sandbox_id: str, pid: int, req: ProcessStdin) -> StdinWritten:
         if req.encoding == "base64":
@@ -97,16 +101,16 @@ class ProcessService:
                 raise Invalid(f"data is not base64: {exc}") from exc
         else:
             data = req.data.encode()
-        written = await self.sandboxes.guest(
-            sandbox_id, lambda vm: vm.proc_stdin(pid, data, eof=req.eof)
+        written = await self.guest.call(
+            sandbox_id, lambda vm: vm.guest.proc_stdin(pid, data, eof=req.eof)
         )
         return StdinWritten(written=written)
 
     async def signal(self, sandbox_id: str, pid: int, req: ProcessSignal) -> None:
-        await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_signal(pid, req.signal))
+        await self.guest.call(sandbox_id, lambda vm: vm.guest.proc_signal(pid, req.signal))
 
     async def resize(self, sandbox_id: str, pid: int, req: ProcessResize) -> None:
-        await self.sandboxes.guest(sandbox_id, lambda vm: vm.proc_resize(pid, req.cols, req.rows))
+        await self.guest.call(sandbox_id, lambda vm: vm.guest.proc_resize(pid, req.cols, req.rows))
 
     # ------------------------------------------------------------ output
 
@@ -184,13 +188,13 @@ class ProcessService:
                 pending.drop()
 
     def asleep(self, sandbox_id: str) -> bool:
-        row = self.sandboxes.fleet.store.get_sandbox(sandbox_id)
+        row = self.store.get_sandbox(sandbox_id)
         return row is not None and row.state in (SandboxState.PAUSED, SandboxState.HIBERNATED)
 
     def asleep_since(self, sandbox_id: str, pauses: int) -> bool:
         """Whether the sandbox is paused, or was since its pause count was ``pauses``
         (a read that ran out its time across a pause failed for it, not for good)."""
-        return self.asleep(sandbox_id) or self.sandboxes.fleet.activity.pauses(sandbox_id) != pauses
+        return self.asleep(sandbox_id) or self.activity.pauses(sandbox_id) != pauses
 
     async def _while_paused(self, sandbox_id: str) -> AsyncIterator[OutputEvent]:
         """Until the sandbox is no longer paused: a keep-alive now and then."""
@@ -212,7 +216,7 @@ class ProcessService:
         wake: bool = False,
     ) -> _PendingRead:
         read = self._read(sandbox_id, pid, offset, wait, want, linger, wake)
-        pauses = self.sandboxes.fleet.activity.pauses(sandbox_id)
+        pauses = self.activity.pauses(sandbox_id)
         return _PendingRead(asyncio.ensure_future(read), time.monotonic(), pauses)
 
     async def _read(
@@ -225,9 +229,9 @@ class ProcessService:
         linger: float,
         wake: bool,
     ) -> ReadAnswer:
-        raw = await self.sandboxes.guest(
+        raw = await self.guest.call(
             sandbox_id,
-            lambda vm: vm.proc_read(
+            lambda vm: vm.guest.proc_read(
                 pid,
                 offset,
                 wait_s=wait,

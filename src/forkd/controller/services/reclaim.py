@@ -30,9 +30,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.activity import Activity
+from forkd.controller.services.events import EventBus
 from forkd.controller.services.hibernation import HibernateService
+from forkd.controller.services.holds import Holds
+from forkd.controller.services.host_memory import MemoryWatch
+from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.periodic import Periodic, finish_or_cancel
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, StorageFull
 from forkd.states import SandboxState
@@ -50,11 +56,23 @@ AuditWriter = Callable[..., None]
 class Reclaimer:
     def __init__(
         self,
-        fleet: Fleet,
+        settings: Settings,
+        store: Store,
+        events: EventBus,
+        holds: Holds,
+        activity: Activity,
+        memory: MemoryWatch,
+        vms: LiveVMs,
         hibernation: HibernateService,
         observe: Callable[[], None] | None = None,
     ) -> None:
-        self.fleet = fleet
+        self.settings = settings
+        self.store = store
+        self.events = events
+        self.holds = holds
+        self.activity = activity
+        self.memory = memory
+        self.vms = vms
         self.hibernation = hibernation
         self._observe = observe  # counts one eviction in the metrics
         self.audit: AuditWriter | None = None  # set by the app once its audit log is open
@@ -66,7 +84,7 @@ class Reclaimer:
 
     @property
     def enabled(self) -> bool:
-        return self.fleet.settings.reclaim_low_mib is not None
+        return self.settings.reclaim_low_mib is not None
 
     # ------------------------------------------------------------------ loop
 
@@ -83,7 +101,7 @@ class Reclaimer:
     async def reclaim_once(self) -> list[str]:
         """One look: below the low watermark, hibernate idle sandboxes until the high one
         is available. The ids hibernated."""
-        settings = self.fleet.settings
+        settings = self.settings
         if settings.reclaim_low_mib is None or settings.reclaim_high_mib is None:
             return []
         available = self._available()
@@ -103,21 +121,20 @@ class Reclaimer:
     def candidates(self) -> list[SandboxRow]:
         """Sandboxes reclaim may take now, in the order it takes them: paused first,
         then the least recently used. Their processes' output is checked later."""
-        fleet = self.fleet
-        idle_s = fleet.settings.reclaim_idle_s
+        idle_s = self.settings.reclaim_idle_s
         now = time.time()
         rows = [
             row
-            for row in fleet.store.list_sandboxes()
-            if row.id in fleet.vms
+            for row in self.store.list_sandboxes()
+            if row.id in self.vms
             and self._idle(row, now, idle_s)
-            and not fleet.holds.sandbox_busy(row.id)  # a branch, pause or resume has it
+            and not self.holds.sandbox_busy(row.id)  # a branch, pause or resume has it
         ]
-        rows.sort(key=lambda r: (r.state != SandboxState.PAUSED, fleet.activity.idle_since(r)))
+        rows.sort(key=lambda r: (r.state != SandboxState.PAUSED, self.activity.idle_since(r)))
         return rows
 
     def _idle(self, row: SandboxRow, now: float, idle_s: float) -> bool:
-        activity = self.fleet.activity
+        activity = self.activity
         return (
             row.evictable
             and (
@@ -126,17 +143,16 @@ class Reclaimer:
             )
             and not activity.in_use(row.id)
             and now - activity.idle_since(row) >= idle_s
-            and not self.fleet.holds.is_wanted(row.id)
+            and not self.holds.is_wanted(row.id)
         )
 
     def busy_summary(self) -> str:
         """Why reclaim has nothing to take: for the 429 that admission gives then."""
         if not self.enabled:
             return "reclaim is off (--reclaim-low 0)"
-        fleet = self.fleet
-        rows = [r for r in fleet.store.list_sandboxes() if r.id in fleet.vms]
+        rows = [r for r in self.store.list_sandboxes() if r.id in self.vms]
         protected = sum(1 for r in rows if not r.evictable)
-        now, idle_s = time.time(), fleet.settings.reclaim_idle_s
+        now, idle_s = time.time(), self.settings.reclaim_idle_s
         idle = sum(1 for r in rows if self._idle(r, now, idle_s))
         summary = (
             f"reclaim found {idle} idle sandboxes to hibernate of {len(rows)} with a VM "
@@ -152,11 +168,11 @@ class Reclaimer:
         cannot). Output counts as use: its idle clock starts again."""
         if row.state == SandboxState.PAUSED:
             return True
-        vm = self.fleet.vms.get(row.id)
+        vm = self.vms.get(row.id)
         if vm is None:
             return False
         # Bounded: a guest that does not answer must not cost every pass a long wait.
-        return await self.fleet.wrote_nothing(row.id, vm, OUTPUT_CHECK_SECS)
+        return await self.vms.wrote_nothing(row.id, vm, OUTPUT_CHECK_SECS)
 
     # ------------------------------------------------------------- evicting
 
@@ -208,7 +224,7 @@ class Reclaimer:
         )
 
     def _check_disk(self, row: SandboxRow) -> None:
-        vm = self.fleet.vms.get(row.id)
+        vm = self.vms.get(row.id)
         if vm is not None:
             self.hibernation.check_disk(row.id, also_mib=vm.machine.memory_mib)
 
@@ -230,9 +246,9 @@ class Reclaimer:
             after,
             freed,
         )
-        self.fleet.activity.count_eviction(row.id)
+        self.activity.count_eviction(row.id)
         fields: dict[str, Any] = {"available_mib": available, "freed_mib": freed}
-        self.fleet.events.publish("hibernated", sandbox_id=row.id, reason="memory", **fields)
+        self.events.publish("hibernated", sandbox_id=row.id, reason="memory", **fields)
         if self._observe is not None:
             self._observe()
         if self.audit is not None:
@@ -243,14 +259,13 @@ class Reclaimer:
         """Hibernate the sandbox if ``idle(row)`` still holds once its lock is taken;
         whether it was. A request that comes meanwhile waits for the hibernation to
         end, then wakes it (:meth:`.waking.Waker.running`)."""
-        fleet = self.fleet
-        row = fleet.store.get_sandbox(sandbox_id)
+        row = self.store.get_sandbox(sandbox_id)
         if row is None or not idle(row):
             return False
-        done = fleet.evicting[sandbox_id] = asyncio.Event()
+        done = self.holds.evicting[sandbox_id] = asyncio.Event()
         try:
-            async with fleet.holds.sandbox_lock(sandbox_id):
-                row = fleet.store.get_sandbox(sandbox_id)
+            async with self.holds.sandbox_lock(sandbox_id):
+                row = self.store.get_sandbox(sandbox_id)
                 if (
                     row is None
                     or row.state not in (SandboxState.RUNNING, SandboxState.PAUSED)
@@ -260,12 +275,12 @@ class Reclaimer:
                 await self.hibernation.hibernate(sandbox_id, keep_timeout=True)
             return True
         finally:
-            del fleet.evicting[sandbox_id]
+            del self.holds.evicting[sandbox_id]
             done.set()
 
     def _still_idle(self, row: SandboxRow) -> bool:
         """Checked again under the sandbox's lock, just before it is hibernated."""
-        return self._idle(row, time.time(), self.fleet.settings.reclaim_idle_s)
+        return self._idle(row, time.time(), self.settings.reclaim_idle_s)
 
     def _available(self) -> int:
-        return self.fleet.memory.host().available_mib
+        return self.memory.host().available_mib

@@ -19,18 +19,25 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from forkd import __version__, accel, limits
+from forkd import limits
 from forkd.controller.http_errors import hide_host_paths
-from forkd.controller.models import CapacityInfo, SnapshotCreate, SnapshotInfo
+from forkd.controller.metrics import Metrics
+from forkd.controller.models import SnapshotCreate, SnapshotInfo
 from forkd.controller.services import template_start
 from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.disk_room import require_room
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.events import EventBus
+from forkd.controller.services.holds import Holds
 from forkd.controller.services.images import ImageService
+from forkd.controller.services.launcher import Launcher
+from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.template_start import TemplateSetupFailed
 from forkd.controller.services.volumes import VolumeService
+from forkd.controller.settings import Settings
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SnapshotRow, labelled, now
+from forkd.egress.ca import EgressCA
 from forkd.errors import (
     AgentError,
     Conflict,
@@ -41,10 +48,10 @@ from forkd.errors import (
     VMError,
 )
 from forkd.guest import image as images
-from forkd.oci import host_needs
 from forkd.states import SnapshotMode, SnapshotStatus
 from forkd.vmm.agent.ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.jail import egress
+from forkd.vmm.pool import ForkPool
 from forkd.vmm.snapshot import compact as snapshot_compact
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import memory_diff
@@ -90,16 +97,32 @@ def _memory_mib(req: SnapshotCreate, img: images.Image) -> int:
 class SnapshotService:
     def __init__(
         self,
-        fleet: Fleet,
+        settings: Settings,
+        store: Store,
+        metrics: Metrics,
+        events: EventBus,
+        holds: Holds,
+        records: Records,
+        pool: ForkPool[SandboxVM],
+        launcher: Launcher,
+        egress_ca: EgressCA,
         admission: AdmissionControl,
         volumes: VolumeService,
         images: ImageService,
     ) -> None:
-        self.fleet = fleet
+        self.settings = settings
+        self.store = store
+        self.metrics = metrics
+        self.events = events
+        self.holds = holds
+        self.records = records
+        self.pool = pool
+        self.launcher = launcher
+        self.egress_ca = egress_ca
         self.admission = admission
         self.volumes = volumes
         self.images = images
-        self.root = fleet.settings.snapshot_root
+        self.root = self.settings.snapshot_root
         # Compaction and deletion change files under the root: one at a time.
         self._disk_lock = asyncio.Lock()
 
@@ -109,15 +132,15 @@ class SnapshotService:
         """Boot a template, run its setup and warm-up, snapshot it as ``req.tag``."""
         tag = limits.check_tag(req.tag)
         template_start.check(req)
-        with self.fleet.reserve_tag(tag):  # before an import that may take minutes
+        with self.records.reserve_tag(tag):  # before an import that may take minutes
             img = await self._resolve_image(req)
-            reserve = self.fleet.settings.disk_reserve_mib
+            reserve = self.settings.disk_reserve_mib
             require_room(self.root, reserve, f"building snapshot {tag!r}")
             with (
                 self.admission.admit(
                     f"building snapshot {tag!r}", 0, template_mib=_memory_mib(req, img)
                 ),
-                self.fleet.holds.volume_layers(),
+                self.holds.volume_layers(),
             ):
                 try:
                     started = await self._build(req, img)
@@ -128,7 +151,7 @@ class SnapshotService:
                 except (VMError, AgentError) as exc:
                     raise VMError(f"building snapshot {tag!r} failed: {exc}") from exc
                 finally:
-                    if self.fleet.store.get_snapshot(tag) is None:  # failed after the commit
+                    if self.store.get_snapshot(tag) is None:  # failed after the commit
                         shutil.rmtree(self.root / tag, ignore_errors=True)
         info = self.info(tag)
         return info if started is None else info.model_copy(update={"start": started})
@@ -154,31 +177,31 @@ class SnapshotService:
         setup = [*(defaults.get("setup") or []), *req.setup]
         warmups = [w for w in (defaults.get("warmup"), req.warmup) if w]
         attach = self.volumes.attach_for_boot(req.volumes)
-        self.fleet.events.publish(
+        self.events.publish(
             "snapshot_progress",
             snapshot_tag=req.tag,
             step="boot",
             message=f"booting image {img.name}",
         )
         try:
-            template = await self.fleet.driver.boot(
+            template = await self.launcher.driver.boot(
                 img,
-                run_root=self.fleet.settings.run_dir,
+                run_root=self.settings.run_dir,
                 memory_mib=_memory_mib(req, img),
                 vcpus=req.vcpus or defaults.get("vcpus") or limits.DEFAULT_VCPUS,
-                accel_name=self.fleet.settings.accel,
+                accel_name=self.settings.accel,
                 # The daemon's id prefix marks its VMs (and their namespaces) as its own.
-                vm_id=f"tpl-{self.fleet.store.id_prefix}-{req.tag[:32]}-{os.urandom(2).hex()}",
+                vm_id=f"tpl-{self.store.id_prefix}-{req.tag[:32]}-{os.urandom(2).hex()}",
                 boot_timeout=req.boot_wait_secs,
                 attach=attach,
-                host_network=self.fleet.network,
+                host_network=self.launcher.network,
                 egress_policy=egress.requested(req.egress, None, req.network),
-                cgroup=self.fleet.placement(),
+                cgroup=self.launcher.placement(),
             )
         except BaseException:
             self.volumes.discard_unused(attach)  # made, but no VM took them
             raise
-        events = self.fleet.events
+        events = self.events
 
         def progress(step: str, message: str, output: str = "") -> None:
             fields = {"output": output} if output else {}
@@ -187,7 +210,7 @@ class SnapshotService:
             )
 
         try:
-            ca = self.fleet.egress_ca if self.fleet.network.egress is not None else None
+            ca = self.egress_ca if self.launcher.network.egress is not None else None
             await template_start.configure(template, img, req, ca.pem if ca else None)
             progress(
                 "setup", f"booted; running {len(setup)} setup command(s), {len(warmups)} warm-up(s)"
@@ -199,10 +222,10 @@ class SnapshotService:
             progress("snapshot", "taking the snapshot")
             started = time.monotonic()
             await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
-            self.fleet.metrics.snapshot_seconds.observe(time.monotonic() - started)
+            self.metrics.snapshot_seconds.observe(time.monotonic() - started)
             files = snapshot_files.load(self.root / req.tag)
-            self.fleet.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
-            self.fleet.events.publish("snapshot_created", snapshot_tag=req.tag)
+            self.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
+            self.events.publish("snapshot_created", snapshot_tag=req.tag)
         finally:
             await template.kill()
         return said
@@ -210,7 +233,9 @@ class SnapshotService:
     @staticmethod
     async def _prepare(template: SandboxVM, setup: list[str], warmups: list[str]) -> None:
         for cmd in setup:
-            res = await template.exec(["/bin/sh", "-c", cmd], timeout=limits.SETUP_TIMEOUT_SECS)
+            res = await template.guest.exec(
+                ["/bin/sh", "-c", cmd], timeout=limits.SETUP_TIMEOUT_SECS
+            )
             if res["exit_code"] != 0:
                 tail = (res["stderr"] or res["stdout"]).strip()[-1500:]
                 raise TemplateSetupFailed(
@@ -218,7 +243,7 @@ class SnapshotService:
                 )
         for warmup in warmups:
             try:
-                evaluated = await template.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
+                evaluated = await template.guest.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
             except AgentError as exc:
                 if exc.kind in EVAL_IMAGE_REFUSALS:  # the image cannot run it: 409
                     raise Conflict(f"warmup cannot run: {exc}") from exc
@@ -241,17 +266,17 @@ class SnapshotService:
     def hold_for_reading(self, tag: str) -> Callable[[], None]:
         """:meth:`reading` for a hold that ends elsewhere: the function returned ends
         it (once, however often it is called)."""
-        return self.fleet.holds.hold_reading(tag)
+        return self.holds.hold_reading(tag)
 
     def info(self, tag: str, detailed: bool = False) -> SnapshotInfo:
-        row = self.fleet.snapshot_row(tag)
+        row = self.records.snapshot_row(tag)
         d = Path(row.dir)
         problem = self.unbootable_reason(row)
         fields: dict[str, Any] = {
             "tag": row.tag,
-            "dir": self.fleet.settings.shown_path(row.dir),
-            "vmstate": self.fleet.settings.shown_path(d / snapshot_files.VMSTATE),
-            "memory": self.fleet.settings.shown_path(memory_file(row)),
+            "dir": self.settings.shown_path(row.dir),
+            "vmstate": self.settings.shown_path(d / snapshot_files.VMSTATE),
+            "memory": self.settings.shown_path(memory_file(row)),
             "created_at_unix": row.created_at_unix,
         }
         if row.branched_from is not None:
@@ -270,7 +295,7 @@ class SnapshotService:
         fields.update({k: v for k, v in (("base_tag", row.base_tag), ("error", row.error)) if v})
         # The original forkd's 'warning': why the snapshot cannot be forked (a file's path
         # in it is the daemon's, as in errors, unless host paths are shown).
-        settings = self.fleet.settings
+        settings = self.settings
         if problem is not None and not settings.show_host_paths:
             problem = hide_host_paths(problem.replace(str(settings.snapshot_root), "snapshots"))
         if row.status == SnapshotStatus.FAILED and row.error:
@@ -287,7 +312,7 @@ class SnapshotService:
         mem, vmstate = memory_file(row), d / snapshot_files.VMSTATE
         mst = mem.stat() if mem.exists() else None
         ancestors = self._ancestors(row)[::-1]  # the root first, as the original contract
-        store = self.fleet.store
+        store = self.store
         return {
             "memory_logical_bytes": mst.st_size if mst else 0,
             "memory_physical_bytes": mst.st_blocks * 512 if mst else 0,
@@ -309,7 +334,7 @@ class SnapshotService:
         return self._walk(row, lambda r: r.base_tag)
 
     def _diff_dependents(self, tag: str) -> list[str]:
-        return [r.tag for r in self.fleet.store.list_snapshots() if r.base_tag == tag]
+        return [r.tag for r in self.store.list_snapshots() if r.base_tag == tag]
 
     def _ancestors(self, row: SnapshotRow) -> list[str]:
         """Its lineage (parent_tag), nearest first."""
@@ -322,7 +347,7 @@ class SnapshotService:
         tag = up(row)
         while tag and tag not in out:
             out.append(tag)
-            nxt = self.fleet.store.get_snapshot(tag)
+            nxt = self.store.get_snapshot(tag)
             tag = up(nxt) if nxt else None
         return out
 
@@ -340,36 +365,9 @@ class SnapshotService:
             return str(exc)
         return None
 
-    def capacity(self) -> CapacityInfo:
-        fleet = self.fleet
-        count, mib = self.admission.in_use()
-        try:
-            host = fleet.memory.host()
-        except (OSError, KeyError, ValueError):  # no /proc/meminfo: not Linux, a jail
-            host = None
-        fleet.memory.sample()
-        return CapacityInfo(
-            node_id=fleet.store.id_prefix,
-            version=__version__,
-            accel=accel.choose(fleet.settings.accel).name,
-            qemu=host_needs.qemu_release(),
-            sandboxes=count,
-            max_sandboxes=fleet.settings.max_sandboxes,
-            guest_memory_mib=mib,
-            max_guest_memory_mib=fleet.settings.max_guest_memory_mib,
-            memory_overcommit=fleet.settings.memory_overcommit,
-            host_memory_mib=None if host is None else host.total_mib,
-            host_memory_available_mib=None if host is None else host.available_mib,
-            memory_reserve_mib=fleet.settings.memory_reserve_mib,
-            sandboxes_own_memory_mib=fleet.memory.sandboxes_mib(),
-            snapshots=[
-                r.tag for r in fleet.store.list_snapshots() if r.status == SnapshotStatus.READY
-            ],
-        )
-
     def list(self, metadata: dict[str, str] | None = None) -> builtins.list[SnapshotInfo]:
         """The snapshots labelled with all of ``metadata``."""
-        rows = self.fleet.store.list_snapshots()
+        rows = self.store.list_snapshots()
         return [self.info(r.tag) for r in rows if labelled(r.metadata, metadata)]
 
     # ------------------------------------------------------------ delete
@@ -377,7 +375,7 @@ class SnapshotService:
     async def compact(self, tag: str) -> SnapshotInfo:
         """Flatten the diff ``tag`` into a full snapshot in place (a full one: as it is)."""
         async with self._disk_lock:
-            await self._compact_locked(self.fleet.snapshot_row(tag))
+            await self._compact_locked(self.records.snapshot_row(tag))
         return self.info(tag, detailed=True)
 
     async def compact_to(self, tag: str, to: str) -> SnapshotInfo:
@@ -387,14 +385,14 @@ class SnapshotService:
         limits.check_tag(to)
         if to == tag:
             raise Invalid(f"compact to {to!r}: the new tag must differ from the source's")
-        row = self.fleet.snapshot_row(tag)
+        row = self.records.snapshot_row(tag)
         if row.status in (SnapshotStatus.WRITING, SnapshotStatus.FAILED):
             raise Conflict(f"snapshot {tag!r} is {row.status}: nothing to compact")
         problem = self.unbootable_reason(row)
         if problem is not None:
             raise Conflict(f"snapshot {tag!r} cannot be compacted: {problem}")
-        dest = self.fleet.settings.snapshot_root / to
-        with self.fleet.reserve_tag(to):  # 409 when the tag or its directory exists
+        dest = self.settings.snapshot_root / to
+        with self.records.reserve_tag(to):  # 409 when the tag or its directory exists
             labels = SnapshotLabels(tag=to, branched_from=row.branched_from)
             async with self._disk_lock:
                 try:
@@ -403,7 +401,7 @@ class SnapshotService:
                     )
                 except StorageFull as exc:
                     raise StorageFull(f"compacting {tag!r} to {to!r}: {exc}") from exc
-            self.fleet.store.add_snapshot(snapshot_row(to, files, now(), row.metadata))
+            self.store.add_snapshot(snapshot_row(to, files, now(), row.metadata))
         return self.info(to, detailed=True)
 
     async def _compact_locked(self, row: SnapshotRow) -> None:
@@ -418,7 +416,7 @@ class SnapshotService:
             await asyncio.to_thread(snapshot_compact.compact, Path(row.dir))
         except StorageFull as exc:
             raise StorageFull(f"compacting {row.tag!r}: {exc}") from exc
-        self.fleet.store.update_snapshot(row.tag, mode=SnapshotMode.FULL, base_tag=None)
+        self.store.update_snapshot(row.tag, mode=SnapshotMode.FULL, base_tag=None)
 
     async def delete(self, tag: str, cascade: bool = False, force: bool = False) -> None:
         """Delete ``tag``; with ``cascade`` the diff snapshots over it first (deepest first),
@@ -427,11 +425,11 @@ class SnapshotService:
         if cascade and force:
             raise Invalid("cascade and force exclude each other: delete dependents or keep them")
         async with self._disk_lock:
-            order = self._deletion_order(self.fleet.snapshot_row(tag), cascade, force)
-            with self.fleet.holds.deleting(order):  # before any await: no new diff over them
+            order = self._deletion_order(self.records.snapshot_row(tag), cascade, force)
+            with self.holds.deleting(order):  # before any await: no new diff over them
                 if force:
                     for dep in self._diff_dependents(tag):
-                        await self._compact_locked(self.fleet.snapshot_row(dep))
+                        await self._compact_locked(self.records.snapshot_row(dep))
                 for victim in order:
                     await self._delete_one(victim)
 
@@ -443,9 +441,9 @@ class SnapshotService:
         def visit(r: SnapshotRow, path: tuple[str, ...]) -> None:
             if r.status == SnapshotStatus.WRITING:
                 raise Conflict(f"snapshot {r.tag!r} is writing: retry when its branch settles")
-            if self.fleet.holds.base_in_use(r.tag):
+            if self.holds.base_in_use(r.tag):
                 raise Conflict(f"a diff branch over snapshot {r.tag!r} is being written; retry")
-            if self.fleet.holds.being_read(r.tag):
+            if self.holds.being_read(r.tag):
                 raise Conflict(f"snapshot {r.tag!r} is being pushed; retry when it is done")
             deps = self._diff_dependents(r.tag)
             if deps and not (cascade or force):
@@ -455,7 +453,7 @@ class SnapshotService:
                     "force=true (compact them into full snapshots and keep them)"
                 )
             for dep in deps:
-                drow = self.fleet.snapshot_row(dep)
+                drow = self.records.snapshot_row(dep)
                 if cascade and dep not in path and dep not in order:
                     visit(drow, (*path, dep))
                 elif (
@@ -468,13 +466,13 @@ class SnapshotService:
         return order
 
     async def _delete_one(self, tag: str) -> None:
-        row = self.fleet.snapshot_row(tag)
+        row = self.records.snapshot_row(tag)
         d = Path(row.dir)
-        await self.fleet.pool.drop(d)
+        await self.pool.drop(d)
         # Checked again after the awaits, just before the files go.
-        if self.fleet.holds.base_in_use(tag):
+        if self.holds.base_in_use(tag):
             raise Conflict(f"a diff branch over snapshot {tag!r} is being written; retry")
-        if self.fleet.holds.being_read(tag):
+        if self.holds.being_read(tag):
             raise Conflict(f"snapshot {tag!r} is being pushed; retry when it is done")
         deps = self._diff_dependents(tag)
         if deps:
@@ -485,7 +483,7 @@ class SnapshotService:
         trash = d.parent / f".{d.name}.partial-del-{os.urandom(3).hex()}"
         with contextlib.suppress(FileNotFoundError):
             d.rename(trash)
-        self.fleet.store.delete_snapshot(tag)
-        self.fleet.events.publish("snapshot_deleted", snapshot_tag=tag)
+        self.store.delete_snapshot(tag)
+        self.events.publish("snapshot_deleted", snapshot_tag=tag)
         await asyncio.to_thread(shutil.rmtree, trash, True)
         self.volumes.collect_layers()

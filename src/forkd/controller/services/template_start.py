@@ -19,7 +19,7 @@ from forkd import limits
 from forkd.controller.models import SnapshotCreate
 from forkd.controller.services import egress_trust
 from forkd.controller.services.process_output import ReadAnswer
-from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.sandbox_vm import SandboxGuest, SandboxVM
 from forkd.errors import AgentError, GuestError, Invalid, VMError
 from forkd.guest import container_image
 from forkd.guest import image as images
@@ -66,9 +66,9 @@ async def configure(
         env, cwd, user = _env(config.env), config.working_dir or None, config.user or None
     env.update(req.env or {})
     if ca_pem is not None:
-        env = {**await egress_trust.install(template, ca_pem, req.tag), **env}
+        env = {**await egress_trust.install(template.guest, ca_pem, req.tag), **env}
     if env or cwd or user:
-        await template.configure(env=env, cwd=cwd, user=user)
+        await template.guest.configure(env=env, cwd=cwd, user=user)
 
 
 def readiness(req: SnapshotCreate, exposed: tuple[str, ...]) -> tuple[int | None, str]:
@@ -125,7 +125,7 @@ async def start(
     port, said = readiness(req, config.exposed_ports)
     if port != req.ready_port:
         req = req.model_copy(update={"ready_port": port})
-    proc = await template.proc_start(argv)
+    proc = await template.guest.proc_start(argv)
     pid = int(proc["pid"])
     began = time.monotonic()
     deadline = began + req.ready_timeout_secs
@@ -148,7 +148,7 @@ async def start(
                 f"{req.ready_timeout_secs:g}, --ready-timeout)",
                 last,
             )
-        info = await template.proc_info(pid)
+        info = await template.guest.proc_info(pid)
         if not info["running"]:
             tail = await _output_tail(template, pid)
             raise TemplateSetupFailed(
@@ -158,39 +158,44 @@ async def start(
         if await _ready(template, req):
             return said
         if time.monotonic() >= deadline:
-            tail = await _output_tail(template, pid)
-            what = (
-                f"port {req.ready_port} did not listen"
-                if req.ready_port is not None
-                else f"{req.ready_cmd!r} did not exit 0"
-                if req.ready_cmd is not None
-                else "it did not stay up"
-            )
-            raise TemplateSetupFailed(
-                f"the image's command {argv!r} was not ready within "
-                f"{req.ready_timeout_secs:g} s ({what}; ready_timeout_secs, --ready-timeout, "
-                f"waits longer: default {limits.READY_TIMEOUT_SECS:g} s); its last "
-                f"output:\n{tail}"
-            )
+            raise _not_ready(argv, req, await _output_tail(template, pid))
         await asyncio.sleep(POLL_SECS)
 
 
 async def _ready(template: SandboxVM, req: SnapshotCreate) -> bool:
-    if req.ready_port is not None and not await listening(template, req.ready_port):
+    if req.ready_port is not None and not await listening(template.guest, req.ready_port):
         return False
     if req.ready_cmd is not None:
-        res = await template.exec(req.ready_cmd, timeout=READY_CMD_TIMEOUT_SECS)
+        res = await template.guest.exec(req.ready_cmd, timeout=READY_CMD_TIMEOUT_SECS)
         return bool(res["exit_code"] == 0)
     return True
 
 
-async def listening(template: SandboxVM, port: int) -> bool:
+def _not_ready(argv: list[str], req: SnapshotCreate, tail: str) -> TemplateSetupFailed:
+    """The image's command ran past its readiness deadline: what was not ready, and its
+    last output."""
+    what = (
+        f"port {req.ready_port} did not listen"
+        if req.ready_port is not None
+        else f"{req.ready_cmd!r} did not exit 0"
+        if req.ready_cmd is not None
+        else "it did not stay up"
+    )
+    return TemplateSetupFailed(
+        f"the image's command {argv!r} was not ready within "
+        f"{req.ready_timeout_secs:g} s ({what}; ready_timeout_secs, --ready-timeout, "
+        f"waits longer: default {limits.READY_TIMEOUT_SECS:g} s); its last "
+        f"output:\n{tail}"
+    )
+
+
+async def listening(guest: SandboxGuest, port: int) -> bool:
     """Whether a TCP socket in the guest listens on ``port`` (any address), from the
     first :data:`SOCKET_TABLE_BYTES` of each socket table (asked every half second:
     a guest with a huge table must not have the daemon read and split it each time)."""
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            data, _, _ = await template.read_range(table, 0, SOCKET_TABLE_BYTES)
+            data, _, _ = await guest.read_range(table, 0, SOCKET_TABLE_BYTES)
         except (AgentError, GuestError):
             continue  # no IPv6 in the guest: no tcp6
         for line in data.decode("ascii", "replace").splitlines()[1:]:
@@ -205,10 +210,10 @@ async def listening(template: SandboxVM, port: int) -> bool:
 async def _output_tail(template: SandboxVM, pid: int) -> str:
     """The last :data:`OUTPUT_TAIL_BYTES` of a background process's output, as text."""
     try:
-        info = await template.proc_info(pid)
+        info = await template.guest.proc_info(pid)
         end = int(info["output_end"])
         offset = max(int(info["output_start"]), end - OUTPUT_TAIL_BYTES)
-        answer = ReadAnswer.parse(await template.proc_read(pid, offset), offset)
+        answer = ReadAnswer.parse(await template.guest.proc_read(pid, offset), offset)
     except (AgentError, GuestError, KeyError, TypeError, ValueError) as exc:
         return f"(its output could not be read: {exc})"
     data = b"".join(chunk.data for chunk in answer.chunks)

@@ -104,11 +104,11 @@ class TerminalService:
         while True:
             while processes.asleep(sandbox_id):
                 await asyncio.sleep(PAUSED_POLL_SECS)
-            pauses = processes.sandboxes.fleet.activity.pauses(sandbox_id)
+            pauses = processes.activity.pauses(sandbox_id)
             try:
-                raw = await processes.sandboxes.guest(
+                raw = await processes.guest.call(
                     sandbox_id,
-                    lambda vm: vm.proc_read(
+                    lambda vm: vm.guest.proc_read(
                         pid,
                         offset,
                         wait_s=FOLLOW_WAIT_SECS,
@@ -126,10 +126,12 @@ class TerminalService:
 
     async def write(self, sandbox_id: str, pid: int, data: bytes) -> None:
         """Keystrokes: ``data`` to the terminal's input."""
-        await self.processes.sandboxes.guest(sandbox_id, lambda vm: vm.proc_stdin(pid, data))
+        await self.processes.guest.call(sandbox_id, lambda vm: vm.guest.proc_stdin(pid, data))
 
     async def resize(self, sandbox_id: str, pid: int, cols: int, rows: int) -> None:
-        await self.processes.sandboxes.guest(sandbox_id, lambda vm: vm.proc_resize(pid, cols, rows))
+        await self.processes.guest.call(
+            sandbox_id, lambda vm: vm.guest.proc_resize(pid, cols, rows)
+        )
 
 
 def check_terminal(info: ProcessInfo, offset: int) -> None:

@@ -33,10 +33,12 @@ from forkd.controller.models import (
     SpaceUsage,
     VolumeUsage,
 )
-from forkd.controller.services.fleet import Fleet
+from forkd.controller.services.activity import Activity
+from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.periodic import Periodic
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import iso_time
+from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, NotFound
 from forkd.states import SandboxState
@@ -81,8 +83,15 @@ class GuestStats(BaseModel):
 
 
 class UsageService:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        store: Store,
+        activity: Activity,
+        vms: LiveVMs,
+    ) -> None:
+        self.store = store
+        self.activity = activity
+        self.vms = vms
         # Per sandbox: (monotonic, CPU seconds, percent) of the last CPU reading.
         self._cpu: dict[str, tuple[float, float, float]] = {}
         self._guest: dict[str, tuple[float, GuestStats]] = {}  # the last guest reading
@@ -111,7 +120,7 @@ class UsageService:
         """Every sandbox's host figures now, and its guest's as last read (no guest is
         asked here; being asked for them keeps them fresh for a while)."""
         self._watched_until = time.monotonic() + WATCHED_SECS
-        rows = self.fleet.store.list_sandboxes()
+        rows = self.store.list_sandboxes()
         self._forget_gone()
         return [self._metrics(row, self._vm(row)) for row in rows]
 
@@ -129,7 +138,7 @@ class UsageService:
         """Ask each running guest whose figures are older than REFRESH_SECS, in turn."""
         now = time.monotonic()
         self._forget_gone()
-        for row in self.fleet.store.list_sandboxes():
+        for row in self.store.list_sandboxes():
             vm = self._vm(row)
             kept = self._guest.get(row.id)
             if (
@@ -143,14 +152,14 @@ class UsageService:
     # ------------------------------------------------------------ readings
 
     def _row(self, sandbox_id: str) -> SandboxRow:
-        row = self.fleet.store.get_sandbox(sandbox_id)  # not sandbox_row: this is no use
+        row = self.store.get_sandbox(sandbox_id)  # not sandbox_row: this is no use
         if row is None:
             raise NotFound(f"sandbox {sandbox_id!r} not found")
         return row
 
     def _vm(self, row: SandboxRow) -> SandboxVM | None:
         return (
-            self.fleet.vms.get(row.id)
+            self.vms.get(row.id)
             if row.state in (SandboxState.RUNNING, SandboxState.PAUSED)
             else None
         )
@@ -158,7 +167,7 @@ class UsageService:
     async def _read_guest(self, sandbox_id: str, vm: SandboxVM) -> None:
         paths = [v.path for v in vm.volumes]
         try:
-            said = await asyncio.wait_for(vm.stats(paths), GUEST_STATS_SECS)
+            said = await asyncio.wait_for(vm.guest.stats(paths), GUEST_STATS_SECS)
             stats = GuestStats.model_validate(said)
         except (ForkdError, TimeoutError, ValidationError) as exc:
             log.debug("sandbox %s: no guest figures: %s", sandbox_id, exc)
@@ -169,7 +178,7 @@ class UsageService:
         self._guest[sandbox_id] = (time.monotonic(), stats)
 
     def _metrics(self, row: SandboxRow, vm: SandboxVM | None) -> SandboxMetrics:
-        activity = self.fleet.activity
+        activity = self.activity
         metrics = SandboxMetrics(
             sandbox_id=row.id,
             state=row.state,
@@ -214,7 +223,7 @@ class UsageService:
 
     def _forget_gone(self) -> None:
         """Drop the readings of sandboxes with no VM now (deleted, dead, hibernated)."""
-        ids = self.fleet.vms.keys()
+        ids = self.vms.keys()
         for gone in self._cpu.keys() - ids:
             del self._cpu[gone]
         for gone in self._guest.keys() - ids:

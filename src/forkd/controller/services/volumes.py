@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forkd.controller.models import VolumeAttach, VolumeInfo
+from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.received import receive_to
 from forkd.disk_reserve import DiskReserve
 from forkd.errors import Busy, Conflict, StorageFull
@@ -24,18 +25,34 @@ from forkd.vmm.volumes.disks import (
 )
 
 if TYPE_CHECKING:
-    from forkd.controller.services.fleet import Fleet
-from forkd.controller.services.hibernated_files import HibernatedFiles
+    from forkd.controller.services.holds import Holds
+    from forkd.controller.services.live_vms import LiveVMs
+    from forkd.controller.services.sandbox_vm import SandboxVM
+    from forkd.controller.settings import Settings
+    from forkd.controller.store import Store
+    from forkd.vmm.pool import ForkPool
 
 log = logging.getLogger(__name__)
 MAX_RECEIVING = 2  # volume images arriving at once (each may be GiBs)
 
 
 class VolumeService:
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        settings: Settings,
+        db: Store,
+        vms: LiveVMs,
+        pool: ForkPool[SandboxVM],
+        holds: Holds,
+    ) -> None:
+        """``db``: the daemon's records (the snapshots that hold a volume)."""
+        self.settings = settings
+        self.db = db
+        self.vms = vms
+        self.pool = pool
+        self.holds = holds
         self.store = VolumeStore(
-            fleet.settings.state_dir / "volumes", fleet.settings.disk_reserve_mib << 20
+            self.settings.state_dir / "volumes", self.settings.disk_reserve_mib << 20
         )
         self.store.remove_dead_uploads()  # images a daemon that died was receiving
         self._receiving = 0  # volume images on their way in
@@ -46,30 +63,30 @@ class VolumeService:
         self, name: str, recorded: dict[str, tuple[Attachment, ...]] | None = None
     ) -> list[str]:
         if recorded is None:
-            recorded = snapshot_files.recorded_volumes(self.fleet.settings.snapshot_root)
+            recorded = snapshot_files.recorded_volumes(self.settings.snapshot_root)
         users = [
             f"snapshot {row.tag}"
-            for row in self.fleet.store.list_snapshots()
+            for row in self.db.list_snapshots()
             if any(v.name == name for v in recorded.get(Path(row.dir).name, ()))
         ]
-        for sid, vm in self.fleet.vms.items():
+        for sid, vm in self.vms.items():
             if any(v.name == name for v in vm.volumes):
                 users.append(f"sandbox {sid}")
         for dir_name, attached in recorded.items():  # asleep, its state on disk
             sleeper = HibernatedFiles.owner(dir_name)
-            if sleeper and sleeper not in self.fleet.vms and any(v.name == name for v in attached):
+            if sleeper and sleeper not in self.vms and any(v.name == name for v in attached):
                 users.append(f"sandbox {sleeper} (hibernated)")
         return users
 
     def collect_layers(self) -> None:
         """Delete volume layers that no snapshot and no VM (or pooled QEMU) uses."""
-        if self.fleet.holds.volume_layers_held() or self.fleet.pool.filling():
+        if self.holds.volume_layers_held() or self.pool.filling():
             return  # layers of work in progress are not registered yet; next time
         in_use: set[str] = set()
-        for recorded in snapshot_files.recorded_volumes(self.fleet.settings.snapshot_root).values():
+        for recorded in snapshot_files.recorded_volumes(self.settings.snapshot_root).values():
             for att in recorded:
                 in_use.update(att.chain)
-        for vm in self.fleet.all_vms():
+        for vm in self.vms.all_vms():
             for att in vm.volumes:
                 in_use.update(att.chain)
         removed = self.store.collect(in_use)
@@ -99,7 +116,7 @@ class VolumeService:
     # ------------------------------------------------------------ routes
 
     def list(self) -> list[VolumeInfo]:
-        recorded = snapshot_files.recorded_volumes(self.fleet.settings.snapshot_root)
+        recorded = snapshot_files.recorded_volumes(self.settings.snapshot_root)
         return [
             VolumeInfo(**v, used_by=self._users(v["name"], recorded)) for v in self.store.list()
         ]
@@ -130,7 +147,7 @@ class VolumeService:
             raise Conflict(f"volume {name!r} already exists")
         if self._receiving >= MAX_RECEIVING:
             raise Busy(f"{MAX_RECEIVING} volume images are arriving: retry shortly")
-        reserve = DiskReserve(self.store.root, self.fleet.settings.disk_reserve_mib << 20)
+        reserve = DiskReserve(self.store.root, self.settings.disk_reserve_mib << 20)
         meter = reserve.meter(f"receiving volume {name}'s image")
         fd, path = self.store.upload_file()
         self._receiving += 1
@@ -150,9 +167,9 @@ class VolumeService:
     async def delete(self, name: str) -> None:
         self.info(name)  # unknown or invalid first
         users = self._users(name)
-        if self.fleet.holds.volume_layers_held():
+        if self.holds.volume_layers_held():
             users.append("a template build or fork in progress")
         if users:
             raise Conflict(f"volume {name!r} is in use by {', '.join(users)}")
-        await self.fleet.pool.drop_using(name)
+        await self.pool.drop_using(name)
         self.store.remove(name)

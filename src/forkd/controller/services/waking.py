@@ -27,7 +27,9 @@ from forkd.controller.services.periodic import finish_or_cancel
 from forkd.states import SandboxState
 
 if TYPE_CHECKING:
-    from forkd.controller.services.fleet import Fleet
+    from forkd.controller.services.holds import Holds
+    from forkd.controller.services.live_vms import LiveVMs
+    from forkd.controller.services.records import Records
     from forkd.controller.services.sandbox_vm import SandboxVM
 
 # The request being answered: the wakes it waited for, in ms (None outside a request).
@@ -58,8 +60,17 @@ class Waker:
     (under its lock) and says which it was; ``observe`` counts a wake in the metrics.
     """
 
-    def __init__(self, fleet: Fleet, resume: Resume, observe: Observe | None = None) -> None:
-        self._fleet = fleet
+    def __init__(
+        self,
+        holds: Holds,
+        records: Records,
+        vms: LiveVMs,
+        resume: Resume,
+        observe: Observe | None = None,
+    ) -> None:
+        self.holds = holds
+        self.records = records
+        self.vms = vms
         self._resume = resume
         self._observe = observe
         self._waking: dict[str, asyncio.Future[float]] = {}
@@ -67,16 +78,15 @@ class Waker:
     async def running(self, sandbox_id: str) -> SandboxVM:
         """The running VM of ``sandbox_id`` for a request: a paused or hibernated sandbox
         is woken first unless it was made with ``auto_resume`` false; then as
-        :meth:`Fleet.live <forkd.controller.services.fleet.Fleet.live>`."""
-        fleet = self._fleet
-        row = fleet.sandbox_row(sandbox_id)
-        evicting = fleet.evicting.get(sandbox_id)
+        :meth:`LiveVMs.live <forkd.controller.services.live_vms.LiveVMs.live>`."""
+        row = self.records.sandbox_row(sandbox_id)
+        evicting = self.holds.evicting.get(sandbox_id)
         if evicting is not None:  # reclaim is hibernating it: then wake it
             await evicting.wait()
-            row = fleet.sandbox_row(sandbox_id)
+            row = self.records.sandbox_row(sandbox_id)
         if row.state in (SandboxState.PAUSED, SandboxState.HIBERNATED) and row.auto_resume:
             await self(sandbox_id)
-        return fleet.live(sandbox_id)
+        return self.vms.live(sandbox_id)
 
     async def __call__(self, sandbox_id: str) -> float:
         """Wake the sandbox (or wait for the wake already under way); the ms it took."""
@@ -84,7 +94,7 @@ class Waker:
         if shared is None:
             shared = asyncio.ensure_future(self._wake(sandbox_id))
             self._waking[sandbox_id] = shared
-            self._fleet.holds.want(sandbox_id)  # until _done
+            self.holds.want(sandbox_id)  # until _done
             shared.add_done_callback(lambda done: self._done(sandbox_id, done))
         # A waiter that leaves (its client gone) does not cancel the others' wake.
         ms = await asyncio.shield(shared)
@@ -98,7 +108,7 @@ class Waker:
 
     async def drain(self, timeout: float) -> None:
         """Let the wakes under way end (the daemon stops): a wake shielded from its
-        waiters would otherwise outlive the fleet it adds its QEMU to. Past
+        waiters would otherwise outlive the registry it adds its QEMU to. Past
         ``timeout`` they are cancelled: the restore leaves the sandbox hibernated."""
         await finish_or_cancel(self._waking.values(), timeout)
 
@@ -113,6 +123,6 @@ class Waker:
     def _done(self, sandbox_id: str, done: asyncio.Future[float]) -> None:
         if self._waking.get(sandbox_id) is done:
             del self._waking[sandbox_id]
-            self._fleet.holds.unwant(sandbox_id)
+            self.holds.unwant(sandbox_id)
         if not done.cancelled():
             done.exception()  # retrieved: every waiter may have gone

@@ -17,9 +17,9 @@ import contextlib
 
 from forkd import limits
 from forkd.controller.models import SandboxCreate, WorkspaceCreate, WorkspaceInfo, WorkspaceStatus
-from forkd.controller.services.fleet import Fleet
 from forkd.controller.services.pausing import PauseService
 from forkd.controller.services.sandboxes import SandboxService
+from forkd.controller.store import Store
 from forkd.controller.store_rows import WorkspaceRow, now
 from forkd.errors import Conflict, Invalid, NotFound
 from forkd.states import SandboxState
@@ -28,21 +28,26 @@ WORKSPACE_LABEL = "workspace"  # on its sandbox: the workspace's name
 
 
 class WorkspaceService:
-    def __init__(self, fleet: Fleet, sandboxes: SandboxService, pausing: PauseService) -> None:
-        self.fleet = fleet
+    def __init__(
+        self,
+        store: Store,
+        sandboxes: SandboxService,
+        pausing: PauseService,
+    ) -> None:
+        self.store = store
         self.sandboxes = sandboxes
         self.pausing = pausing
         self._creating: set[str] = set()
 
     def list(self) -> builtins.list[WorkspaceInfo]:
-        return [self._info(row) for row in self.fleet.store.list_workspaces()]
+        return [self._info(row) for row in self.store.list_workspaces()]
 
     def info(self, name: str) -> WorkspaceInfo:
         return self._info(self._row(name))
 
     async def create(self, req: WorkspaceCreate) -> WorkspaceInfo:
         name = limits.check_tag(req.name)
-        store = self.fleet.store
+        store = self.store
         if name in self._creating or store.get_workspace(name) is not None:
             raise Conflict(f"workspace {name!r} already exists; DELETE it first")
         self._creating.add(name)
@@ -74,7 +79,7 @@ class WorkspaceService:
             assert row.sandbox_id is not None
             with contextlib.suppress(NotFound):  # gone meanwhile
                 await self.sandboxes.kill(row.sandbox_id)
-        self.fleet.store.delete_workspace(name)
+        self.store.delete_workspace(name)
 
     async def suspend(self, name: str) -> WorkspaceInfo:
         row = self._row(name)
@@ -83,7 +88,7 @@ class WorkspaceService:
             raise Invalid(f"workspace {name!r} is {status}, not running: suspend needs its sandbox")
         assert row.sandbox_id is not None
         await self.pausing.pause(row.sandbox_id, hibernate=True)
-        self.fleet.store.update_workspace(name, last_active_unix=now())
+        self.store.update_workspace(name, last_active_unix=now())
         return self.info(name)
 
     async def resume(self, name: str) -> WorkspaceInfo:
@@ -94,12 +99,12 @@ class WorkspaceService:
         if status == "suspended":
             assert row.sandbox_id is not None
             await self.pausing.resume(row.sandbox_id)
-            self.fleet.store.update_workspace(name, last_active_unix=now())
+            self.store.update_workspace(name, last_active_unix=now())
         else:  # stale: a new sandbox of its source, made as the first was
             sandbox_id = await self._fork(
                 name, row.source_snapshot_tag, row.per_child_netns, row.memory_limit_mib
             )
-            self.fleet.store.update_workspace(name, sandbox_id=sandbox_id, last_active_unix=now())
+            self.store.update_workspace(name, sandbox_id=sandbox_id, last_active_unix=now())
         return self.info(name)
 
     async def _fork(
@@ -116,13 +121,13 @@ class WorkspaceService:
         return made.id
 
     def _row(self, name: str) -> WorkspaceRow:
-        row = self.fleet.store.get_workspace(name)
+        row = self.store.get_workspace(name)
         if row is None:
             raise NotFound(f"workspace {name!r} not found")
         return row
 
     def _status(self, row: WorkspaceRow) -> WorkspaceStatus:
-        sandbox = self.fleet.store.get_sandbox(row.sandbox_id) if row.sandbox_id else None
+        sandbox = self.store.get_sandbox(row.sandbox_id) if row.sandbox_id else None
         if sandbox is None or sandbox.state == SandboxState.DEAD:
             return "stale"
         return "suspended" if sandbox.state == SandboxState.HIBERNATED else "running"

@@ -1,4 +1,5 @@
-"""The guest agent's operations (docs/guest-agent.md) as methods of a VM.
+"""A VM's guest as the daemon reaches it: the guest agent's operations
+(docs/guest-agent.md), each a method of :class:`Guest`, which a VM holds as ``vm.guest``.
 
 :class:`forkd.vmm.agent.client.AgentClient` is the transport (one
 connection, requests matched to answers by id); this is what travels on it.
@@ -8,18 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from forkd import agent_wire as wire
-from forkd import limits
+from forkd import limits, wire_shape
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm.agent.client import ANSWER_WAIT_SECS, AgentClient
-from forkd.vmm.qemu.argv import RuntimePaths
-from forkd.vmm.qemu.launch import tail
 
 PING_WAIT_SECS = 10.0
 # Between pings of an agent that is not answering yet, or answered wrongly: a guest that
@@ -45,6 +45,7 @@ OPEN_WAIT_SECS = PING_WAIT_SECS + EXEC_WAIT_MARGIN_SECS
 MALFORMED = "MalformedAnswer"
 
 A = TypeVar("A")  # an op's answer
+log = logging.getLogger(__name__)
 
 
 def eval_wait_secs(timeout: float) -> float:
@@ -53,14 +54,32 @@ def eval_wait_secs(timeout: float) -> float:
     return timeout + EVAL_STOP_GRACE_SECS + EXEC_WAIT_MARGIN_SECS
 
 
-class GuestOps:
-    """Mixed into :class:`forkd.vmm.vm.VM`: the calls a sandbox's users make."""
+def _no_qemu(what: str) -> None:
+    """An agent with no QEMU behind it to die (one the tests run on the host)."""
 
-    id: str
-    agent: AgentClient
-    rt: RuntimePaths
-    seed: int | None  # Python's random in the guest is seeded from it (a seeded fork)
-    _raise_if_dead: Callable[[str], None]
+
+async def _no_console() -> str:
+    return "(none)"
+
+
+class Guest:
+    """The guest of VM ``vm_id`` through its agent's connection: the calls a sandbox's
+    users make, and those a boot, a restore and a resume need. ``raise_if_dead(what)``
+    raises if the VM's QEMU has exited; ``console()`` is the end of the guest's console,
+    quoted when its agent does not answer."""
+
+    def __init__(
+        self,
+        vm_id: str,
+        agent: AgentClient,
+        console: Callable[[], Awaitable[str]] = _no_console,
+        raise_if_dead: Callable[[str], None] = _no_qemu,
+    ) -> None:
+        self.id = vm_id
+        self.agent = agent
+        self.console = console
+        self.seed: int | None = None  # Python's random in it is seeded from this (a fork's)
+        self._raise_if_dead = raise_if_dead
 
     async def _ask(
         self,
@@ -127,7 +146,7 @@ class GuestOps:
         return (await self._ask(wire.FILE_WRITE(params)))["size"]
 
     async def list_dir(self, path: str) -> list[wire.FileListEntry]:
-        return (await self._ask(wire.FILE_LIST({"path": path})))["entries"]
+        return listed(await self._ask(wire.FILE_LIST({"path": path})))
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         await self._ask(wire.FILE_REMOVE({"path": path, "recursive": recursive}))
@@ -286,7 +305,7 @@ class GuestOps:
     async def proc_resize(self, pid: int, cols: int, rows: int) -> None:
         await self._ask(wire.PROC_RESIZE({"pid": pid, "cols": cols, "rows": rows}))
 
-    async def _wait_agent(self, timeout: float) -> None:
+    async def wait_ready(self, timeout: float) -> None:
         """Until the agent of a booting VM answers; :class:`VMError` after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
@@ -298,16 +317,35 @@ class GuestOps:
                 if time.monotonic() > deadline:
                     raise VMError(
                         f"the guest agent did not answer within {timeout:g} s ({exc}). "
-                        f"Console: {tail(self.rt.console)}"
+                        f"Console: {await self.console()}"
                     ) from exc
             await asyncio.sleep(PING_RETRY_SECS)
 
     async def after_resume(self, timeout: float = PING_WAIT_SECS) -> None:
         """After ``cont`` of a paused VM: once its agent answers, set the guest's clock,
         which stood still while paused, and reseed its RNGs; the hostname stays."""
-        await self._wait_agent(timeout)
+        await self.wait_ready(timeout)
         # A seeded sandbox's random goes on where it was: a pause clones nothing.
         await self.make_unique(self.id, timeout, keep_random=self.seed is not None)
+
+    async def reseed(
+        self, hostname: str, timeout: float, snapshot_dir: Path, memory: Path, seed: int | None
+    ) -> None:
+        """After a restore from ``snapshot_dir``: :meth:`make_unique`, a guest that does
+        not answer being a damaged snapshot's (its ``memory``: :class:`SnapshotError`);
+        what the guest could not do beyond reseeding its RNGs is logged."""
+        try:
+            result = await self.make_unique(hostname, timeout, seed=seed)
+            self.seed = seed
+        except AgentError as exc:
+            self._raise_if_dead(f"the guest restored from {memory} died")
+            raise SnapshotError(
+                f"the guest restored from {memory} does not answer ({exc}); "
+                f"memory.bin or vmstate may be corrupt. Console: {await self.console()}"
+            ) from exc
+        errors = check_reseeded(result, self.id, snapshot_dir)
+        if errors:
+            log.warning("restore of %s: %s", self.id, errors)
 
     async def make_unique(
         self, hostname: str, wait: float, *, seed: int | None = None, keep_random: bool = False
@@ -337,11 +375,25 @@ def checked(op: wire.Op[Any, A], answer: dict[str, Any]) -> A:
     """``answer`` as ``op``'s answer; :class:`AgentError` of kind :data:`MALFORMED` if it
     does not have that shape."""
     try:
-        return wire.check(op, answer)
-    except wire.Malformed as exc:
+        wire_shape.check(op.answer, answer)
+    except wire_shape.Malformed as exc:
         raise AgentError(
             f"the agent's answer to {op.name} is malformed: {exc}", MALFORMED
         ) from None
+    return cast(A, answer)
+
+
+def listed(answer: wire.FileListAnswer) -> list[wire.FileListEntry]:
+    """A listing's entries, within the agent's own bound (:data:`wire.MAX_LIST_ENTRIES`):
+    an answer with more is :data:`MALFORMED`, not a list the daemon goes on to build."""
+    entries = answer["entries"]
+    if len(entries) > wire.MAX_LIST_ENTRIES:
+        raise AgentError(
+            f"the agent's answer to file_list is malformed: {len(entries)} entries, more "
+            f"than the {wire.MAX_LIST_ENTRIES} it lists at most",
+            MALFORMED,
+        )
+    return entries
 
 
 def _data_of(result: wire.ReadAnswer, length: int) -> bytes:

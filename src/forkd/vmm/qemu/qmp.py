@@ -50,6 +50,14 @@ class QMPChannel:
                 raise VMError(f"QEMU did not open {self.sock} within {timeout:g} s")
             await asyncio.sleep(POLL_SECS)
 
+    async def set_running(self, running: bool) -> None:
+        """The vCPUs running (``cont``) or stopped (``stop``), unless they already are."""
+        status = await self.execute("query-status")
+        if not isinstance(status, dict):
+            raise VMError(f"QEMU of {self.vm_id} answered query-status with {status!r}")
+        if (status.get("running") is True) != running:
+            await self.execute("cont" if running else "stop")
+
     async def execute(
         self, cmd: str, args: dict[str, Any] | None = None, timeout: float = QMP_TIMEOUT_SECS
     ) -> Any:
