@@ -17,159 +17,71 @@ import typer
 from forkd.cli import render
 from forkd.cli.extras import require_server
 from forkd.cli.failures import fail
-from forkd.cli.options import FormatOpt, JsonOpt
+from forkd.cli.options import FormatOpt, JsonOpt, with_options
 from forkd.cli.render import out
-from forkd.cli.serve_options import (
-    AccelOpt,
-    BindOpt,
-    BodyIdleTimeoutOpt,
-    BranchConcurrencyOpt,
-    CgroupParentOpt,
-    DefaultRegistryOpt,
-    DiskReserveOpt,
-    DockerHostOpt,
-    EgressCaFileOpt,
-    EgressHostNetworkOpt,
-    EgressHostsOpt,
-    EgressProxyOpt,
-    EgressRateOpt,
-    HeaderTimeoutOpt,
-    ImageArchiveDirOpt,
-    ImportTimeoutOpt,
-    InsecureNoAuthOpt,
-    InsecureRegistryOpt,
-    KillOnExitOpt,
-    LogLevelOpt,
-    MaxConnectionsOpt,
-    MaxConnectionsPerAddressOpt,
-    MaxGuestMemoryOpt,
-    MaxImageEntriesOpt,
-    MaxImageOpt,
-    MaxSandboxesOpt,
-    MaxUploadOpt,
-    MemoryOvercommitOpt,
-    MemoryReserveOpt,
-    NetworkOpt,
-    PoolMemoryOpt,
-    PoolSizeOpt,
-    PreviewDomainOpt,
-    QemuUserOpt,
-    ReclaimHighOpt,
-    ReclaimIdleOpt,
-    ReclaimLowOpt,
-    RegistryAuthOpt,
-    RegistryPolicyOpt,
-    SandboxCidrOpt,
-    SecretsKeyFileOpt,
-    ShowHostPathsOpt,
-    SnapshotRootOpt,
-    StateDirOpt,
-    TokenFileOpt,
-    VmUidRangeOpt,
-)
+from forkd.cli.serve_options import ServeOptions
 from forkd.errors import ForkdError
-from forkd.limits import (
-    DISK_RESERVE_MIB,
-    FILE_UPLOAD_LIMIT,
-    IMPORT_TIMEOUT_SECS,
-    MAX_CONNECTIONS_PER_ADDRESS,
-    MAX_IMAGE_BYTES,
-    MAX_IMAGE_ENTRIES,
-    RECLAIM_IDLE_SECS,
-    REQUEST_BODY_IDLE_TIMEOUT_SECS,
-    REQUEST_HEADER_TIMEOUT_SECS,
-)
-from forkd.vmm.jail.qemu_user import DEFAULT_RANGE
 
 if TYPE_CHECKING:
     from forkd.controller.connection_limits import ConnectionLimits
+    from forkd.controller.settings import Settings
 
 
 def register(app: typer.Typer) -> None:
     """Add ``serve`` and ``doctor`` to ``app``."""
-    app.command()(serve)
+    app.command()(with_options(serve, ServeOptions))
     app.command()(doctor)
 
 
-def serve(
-    bind: BindOpt = "127.0.0.1:8889",
-    state_dir: StateDirOpt = None,
-    snapshot_root: SnapshotRootOpt = None,
-    token_file: TokenFileOpt = None,
-    insecure_no_auth: InsecureNoAuthOpt = False,
-    branch_concurrency: BranchConcurrencyOpt = 4,
-    accel: AccelOpt = None,
-    kill_on_exit: KillOnExitOpt = False,
-    pool_size: PoolSizeOpt = 4,
-    pool_memory: PoolMemoryOpt = None,
-    max_sandboxes: MaxSandboxesOpt = None,
-    max_guest_memory: MaxGuestMemoryOpt = None,
-    memory_overcommit: MemoryOvercommitOpt = 4.0,
-    memory_reserve: MemoryReserveOpt = None,
-    reclaim_low: ReclaimLowOpt = None,
-    reclaim_high: ReclaimHighOpt = None,
-    reclaim_idle: ReclaimIdleOpt = RECLAIM_IDLE_SECS,
-    disk_reserve: DiskReserveOpt = DISK_RESERVE_MIB,
-    cgroup_parent: CgroupParentOpt = "forkd",
-    network: NetworkOpt = "auto",
-    sandbox_cidr: SandboxCidrOpt = "10.201.0.0/16",
-    egress_host_network: EgressHostNetworkOpt = None,
-    show_host_paths: ShowHostPathsOpt = False,
-    qemu_user: QemuUserOpt = "per-vm",
-    vm_uid_range: VmUidRangeOpt = str(DEFAULT_RANGE),
-    max_upload_mib: MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20,
-    insecure_registry: InsecureRegistryOpt = None,
-    default_registry: DefaultRegistryOpt = None,
-    registry_auth: RegistryAuthOpt = None,
-    docker_host: DockerHostOpt = None,
-    preview_domain: PreviewDomainOpt = None,
-    image_archive_dir: ImageArchiveDirOpt = None,
-    registry_policy: RegistryPolicyOpt = None,
-    max_image_mib: MaxImageOpt = MAX_IMAGE_BYTES >> 20,
-    max_image_entries: MaxImageEntriesOpt = MAX_IMAGE_ENTRIES,
-    import_timeout: ImportTimeoutOpt = IMPORT_TIMEOUT_SECS,
-    header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
-    body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
-    max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
-    max_connections: MaxConnectionsOpt = None,
-    egress_proxy: EgressProxyOpt = "on",
-    egress_hosts: EgressHostsOpt = None,
-    egress_ca_file: EgressCaFileOpt = None,
-    secrets_key_file: SecretsKeyFileOpt = None,
-    egress_rate: EgressRateOpt = "off",
-    log_level: LogLevelOpt = "info",
-) -> None:
+def serve(given: ServeOptions) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
     require_server("serve")
     from forkd.controller.server import serve as run_server
-    from forkd.controller.settings import Settings
 
     try:
-        _refuse_at_start(accel, insecure_registry, default_registry)
-        settings = Settings(
-            **_admission(max_sandboxes, max_guest_memory, memory_overcommit, memory_reserve),
-            **_reclaim(reclaim_low, reclaim_high, reclaim_idle, memory_reserve),
-            disk_reserve_mib=disk_reserve,
-            cgroup_parent=_cgroup_parent(cgroup_parent),
-            **_places(state_dir, snapshot_root),
-            branch_concurrency=branch_concurrency,
-            **_vms(accel, kill_on_exit, pool_size, pool_memory),
-            **_networking(network, sandbox_cidr, egress_host_network),
-            **_egress(egress_proxy, egress_hosts, egress_ca_file, secrets_key_file, egress_rate),
-            show_host_paths=show_host_paths,
-            max_upload_bytes=max_upload_mib << 20,
-            **_image_sources(insecure_registry, default_registry, registry_auth, docker_host),
-            preview_domain=_preview_domain(preview_domain),
-            **_image_bounds(image_archive_dir, max_image_mib, max_image_entries, import_timeout),
-            connection_limits=connection_limits(
-                header_timeout, body_idle_timeout, max_connections_per_address, max_connections
-            ),
+        _refuse_at_start(given.accel, given.insecure_registry, given.default_registry)
+        settings = _settings(given)
+        settings.registry_policy = _policy_file(given.registry_policy, settings)
+        _use_qemu_user(given.qemu_user, given.vm_uid_range)
+        run_server(
+            settings,
+            given.bind,
+            given.token_file,
+            given.log_level,
+            insecure_no_auth=given.insecure_no_auth,
         )
-        settings.registry_policy = _policy_file(registry_policy, settings)
-        _use_qemu_user(qemu_user, vm_uid_range)
-        run_server(settings, bind, token_file, log_level, insecure_no_auth=insecure_no_auth)
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc
+
+
+def _settings(o: ServeOptions) -> Settings:
+    """The daemon's ``Settings`` from ``forkd serve``'s options; a bad one is a
+    ValueError (or ForkdError) here, before anything starts."""
+    from forkd.controller.settings import Settings
+
+    return Settings(
+        **_admission(o.max_sandboxes, o.max_guest_memory, o.memory_overcommit, o.memory_reserve),
+        **_reclaim(o.reclaim_low, o.reclaim_high, o.reclaim_idle, o.memory_reserve),
+        disk_reserve_mib=o.disk_reserve,
+        cgroup_parent=_cgroup_parent(o.cgroup_parent),
+        **_places(o.state_dir, o.snapshot_root),
+        branch_concurrency=o.branch_concurrency,
+        **_vms(o.accel, o.kill_on_exit, o.pool_size, o.pool_memory),
+        **_networking(o.network, o.sandbox_cidr, o.egress_host_network),
+        **_egress(
+            o.egress_proxy, o.egress_hosts, o.egress_ca_file, o.secrets_key_file, o.egress_rate
+        ),
+        show_host_paths=o.show_host_paths,
+        max_upload_bytes=o.max_upload_mib << 20,
+        **_image_sources(o.insecure_registry, o.default_registry, o.registry_auth, o.docker_host),
+        preview_domain=_preview_domain(o.preview_domain),
+        **_image_bounds(
+            o.image_archive_dir, o.max_image_mib, o.max_image_entries, o.import_timeout
+        ),
+        connection_limits=connection_limits(
+            o.header_timeout, o.body_idle_timeout, o.max_connections_per_address, o.max_connections
+        ),
+    )
 
 
 def _refuse_at_start(accel: str | None, insecure: list[str] | None, default: str | None) -> None:

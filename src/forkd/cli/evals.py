@@ -16,6 +16,7 @@ import typer
 from forkd.cli import render
 from forkd.cli.failures import daemon_errors, fail
 from forkd.cli.options import Connection
+from forkd.cli.processes import ChildOpt, MaybeSandboxIdArg, target_and_argv
 from forkd.cli.render import err
 
 if TYPE_CHECKING:
@@ -32,44 +33,44 @@ FILE_SUFFIXES = {
 ANSWER_POLL_SECS = 0.2  # how often the wait for the answer lets Ctrl-C through
 
 
+CodeArg = Annotated[
+    list[str] | None,
+    typer.Argument(
+        metavar="CODE", help="Python; the repr of a final expression prints (words joined)."
+    ),
+]
+EvalTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        "--timeout-secs",
+        min=0.001,
+        help="Interrupt the code after this many seconds (default: the daemon's, 60).",
+    ),
+]
+DisplayDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--display-dir",
+        help="Save images and other rich display outputs here "
+        "(display-1.png, ...); without it, each prints as one line.",
+    ),
+]
+
+
 def eval_(
     conn: Connection,
-    sandbox_id: Annotated[str | None, typer.Argument(metavar="ID", help="Sandbox id.")] = None,
-    code: Annotated[
-        list[str] | None,
-        typer.Argument(
-            metavar="CODE", help="Python; the repr of a final expression prints (words joined)."
-        ),
-    ] = None,
-    timeout: Annotated[
-        float | None,
-        typer.Option(
-            "--timeout",
-            "--timeout-secs",
-            min=0.001,
-            help="Interrupt the code after this many seconds (default: the daemon's, 60).",
-        ),
-    ] = None,
-    display_dir: Annotated[
-        Path | None,
-        typer.Option(
-            "--display-dir",
-            help="Save images and other rich display outputs here "
-            "(display-1.png, ...); without it, each prints as one line.",
-        ),
-    ] = None,
-    child: Annotated[
-        str | None,
-        typer.Option("--child", "--target", help="The sandbox, named as the original forkd did."),
-    ] = None,
+    sandbox_id: MaybeSandboxIdArg = None,
+    code: CodeArg = None,
+    timeout: EvalTimeoutOpt = None,
+    display_dir: DisplayDirOpt = None,
+    child: ChildOpt = None,
 ) -> None:
     """Evaluate Python in a sandbox's persistent interpreter.
 
     Ctrl-C interrupts the code (KeyboardInterrupt) and prints its traceback;
     a second Ctrl-C stops waiting.
     """
-    from forkd.cli.processes import target_and_argv
-
     sandbox_id, words = target_and_argv(sandbox_id, code, child)
     if not words:
         raise typer.BadParameter(f"no code: forkd eval {sandbox_id} 'CODE'")
@@ -79,6 +80,11 @@ def eval_(
     if conn.as_json:
         render.print_json(result)
         raise typer.Exit(1 if failed else 0)
+    _print_result(result, display_dir, failed)
+
+
+def _print_result(result: dict[str, Any], display_dir: Path | None, failed: bool) -> None:
+    """The eval's output, displays and error (then exit 1), or its result's repr."""
     if result.get("stdout"):
         sys.stdout.write(result["stdout"])
     if result.get("stderr"):

@@ -41,48 +41,55 @@ def steps(variants: list[str], as_eval: bool) -> list[dict[str, Any]]:
     return [{"eval": v} if as_eval else {"exec": ["sh", "-c", v]} for v in variants]
 
 
+SourceArg = Annotated[str, typer.Argument(metavar="ID", help="The sandbox to explore from.")]
+VariantOpt = Annotated[
+    list[str],
+    typer.Option("--variant", "-v", help="A variant's step: a shell command (repeat it)."),
+]
+ScoreOpt = Annotated[
+    str | None,
+    typer.Option("--score", help="Shell command printing a number on its last line."),
+]
+ScoreEvalOpt = Annotated[
+    str | None,
+    typer.Option("--score-eval", help="Python code in each child whose value is the score."),
+]
+AsEvalOpt = Annotated[
+    bool, typer.Option("--eval", help="The variants are Python code, not shell commands.")
+]
+KeepOpt = Annotated[int, typer.Option("--keep", min=0, help="Children kept, best first.")]
+KeepAsOpt = Annotated[
+    str, typer.Option("--keep-as", help="sandboxes, or snapshots (branched, then killed).")
+]
+MinimizeOpt = Annotated[bool, typer.Option("--minimize", help="Lower scores are better.")]
+TimeoutOpt = Annotated[
+    float | None, typer.Option("--timeout", help="Seconds for the whole explore (300).")
+]
+SeedOpt = Annotated[
+    int | None, typer.Option("--seed", min=0, help="Variant i's child gets seed + i.")
+]
+BranchTagOpt = Annotated[
+    str | None, typer.Option("--tag", help="The branch's tag (names the explore).")
+]
+
+
 def explore(
     conn: Connection,
-    sandbox_id: Annotated[str, typer.Argument(metavar="ID", help="The sandbox to explore from.")],
-    variant: Annotated[
-        list[str],
-        typer.Option("--variant", "-v", help="A variant's step: a shell command (repeat it)."),
-    ],
-    score: Annotated[
-        str | None,
-        typer.Option("--score", help="Shell command printing a number on its last line."),
-    ] = None,
-    score_eval: Annotated[
-        str | None,
-        typer.Option("--score-eval", help="Python code in each child whose value is the score."),
-    ] = None,
-    as_eval: Annotated[
-        bool, typer.Option("--eval", help="The variants are Python code, not shell commands.")
-    ] = False,
-    keep: Annotated[int, typer.Option("--keep", min=0, help="Children kept, best first.")] = 1,
-    keep_as: Annotated[
-        str, typer.Option("--keep-as", help="sandboxes, or snapshots (branched, then killed).")
-    ] = "sandboxes",
-    minimize: Annotated[bool, typer.Option("--minimize", help="Lower scores are better.")] = False,
-    timeout: Annotated[
-        float | None, typer.Option("--timeout", help="Seconds for the whole explore (300).")
-    ] = None,
-    seed: Annotated[
-        int | None, typer.Option("--seed", min=0, help="Variant i's child gets seed + i.")
-    ] = None,
-    tag: Annotated[
-        str | None, typer.Option("--tag", help="The branch's tag (names the explore).")
-    ] = None,
+    sandbox_id: SourceArg,
+    variant: VariantOpt,
+    score: ScoreOpt = None,
+    score_eval: ScoreEvalOpt = None,
+    as_eval: AsEvalOpt = False,
+    keep: KeepOpt = 1,
+    keep_as: KeepAsOpt = "sandboxes",
+    minimize: MinimizeOpt = False,
+    timeout: TimeoutOpt = None,
+    seed: SeedOpt = None,
+    tag: BranchTagOpt = None,
     label: LabelOpt = None,
 ) -> None:
     """Branch a sandbox once, run each variant in its own fork, score them, keep the best."""
-    if score is not None and score_eval is not None:
-        raise typer.BadParameter("give --score or --score-eval, not both")
-    score_step: dict[str, Any] | None = None
-    if score is not None:
-        score_step = {"exec": ["sh", "-c", score]}
-    elif score_eval is not None:
-        score_step = {"eval": score_eval}
+    score_step = _score_step(score, score_eval)
     tag = tag or f"explore-{sandbox_id}-{secrets.token_hex(3)}"
     labels = parse_labels(label)
     with daemon_errors(), conn.controller() as ctl, _live_table(conn, sandbox_id, tag, variant):
@@ -108,6 +115,17 @@ def explore(
         f"{res.duration_ms / 1000:.2f} s (branch {shown(res.branch)}: paused {pause}, "
         f"forked in {res.fork_ms:.0f} ms)"
     )
+
+
+def _score_step(score: str | None, score_eval: str | None) -> dict[str, Any] | None:
+    """How each child is scored: --score (a shell command) or --score-eval (Python)."""
+    if score is not None and score_eval is not None:
+        raise typer.BadParameter("give --score or --score-eval, not both")
+    if score is not None:
+        return {"exec": ["sh", "-c", score]}
+    if score_eval is not None:
+        return {"eval": score_eval}
+    return None
 
 
 def result_table(res: ExploreResult, variants: list[str]) -> Table:

@@ -13,6 +13,7 @@ from forkd.cli.failures import fail
 from forkd.cli.serve_options import (
     BodyIdleTimeoutOpt,
     HeaderTimeoutOpt,
+    LogLevelOpt,
     MaxConnectionsOpt,
     MaxConnectionsPerAddressOpt,
 )
@@ -23,55 +24,63 @@ from forkd.limits import (
     REQUEST_HEADER_TIMEOUT_SECS,
 )
 
+GatewayBindOpt = Annotated[str, typer.Option(envvar="FORKD_GATEWAY_BIND", help="HOST:PORT")]
+NodeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--node", envvar="FORKD_NODES", help="A daemon's URL; repeatable."),
+]
+NodesDnsOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="FORKD_NODES_DNS",
+        help="A DNS name whose addresses are the daemons (a headless Service).",
+    ),
+]
+NodePortOpt = Annotated[
+    int, typer.Option(envvar="FORKD_NODE_PORT", help="The daemons' port (with --nodes-dns).")
+]
+NodeTokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(envvar="FORKD_NODE_TOKEN_FILE", help="The daemons' bearer token."),
+]
+RegistryOpt = Annotated[
+    str | None,
+    typer.Option(
+        envvar="FORKD_GATEWAY_REGISTRY",
+        help="registry/repository snapshots move through between nodes.",
+    ),
+]
+InsecureRegistryOpt = Annotated[
+    bool,
+    typer.Option(
+        help="Ask the daemons for plain HTTP to that registry; each must list it with "
+        "its own --insecure-registry (a listed one is plain HTTP anyway)."
+    ),
+]
+ClientTokenFileOpt = Annotated[
+    Path | None,
+    typer.Option(envvar="FORKD_TOKEN_FILE", help="The token clients give the gateway."),
+]
+InsecureNoAuthOpt = Annotated[
+    bool, typer.Option(help="No token for clients: anyone who reaches it forks VMs.")
+]
+
 
 def gateway(
-    bind: Annotated[str, typer.Option(envvar="FORKD_GATEWAY_BIND", help="HOST:PORT")] = (
-        "127.0.0.1:8890"
-    ),
-    node: Annotated[
-        list[str] | None,
-        typer.Option("--node", envvar="FORKD_NODES", help="A daemon's URL; repeatable."),
-    ] = None,
-    nodes_dns: Annotated[
-        str | None,
-        typer.Option(
-            envvar="FORKD_NODES_DNS",
-            help="A DNS name whose addresses are the daemons (a headless Service).",
-        ),
-    ] = None,
-    node_port: Annotated[
-        int, typer.Option(envvar="FORKD_NODE_PORT", help="The daemons' port (with --nodes-dns).")
-    ] = 8889,
-    node_token_file: Annotated[
-        Path | None,
-        typer.Option(envvar="FORKD_NODE_TOKEN_FILE", help="The daemons' bearer token."),
-    ] = None,
-    registry: Annotated[
-        str | None,
-        typer.Option(
-            envvar="FORKD_GATEWAY_REGISTRY",
-            help="registry/repository snapshots move through between nodes.",
-        ),
-    ] = None,
-    insecure_registry: Annotated[
-        bool,
-        typer.Option(
-            help="Ask the daemons for plain HTTP to that registry; each must list it with "
-            "its own --insecure-registry (a listed one is plain HTTP anyway)."
-        ),
-    ] = False,
-    token_file: Annotated[
-        Path | None,
-        typer.Option(envvar="FORKD_TOKEN_FILE", help="The token clients give the gateway."),
-    ] = None,
-    insecure_no_auth: Annotated[
-        bool, typer.Option(help="No token for clients: anyone who reaches it forks VMs.")
-    ] = False,
+    bind: GatewayBindOpt = "127.0.0.1:8890",
+    node: NodeOpt = None,
+    nodes_dns: NodesDnsOpt = None,
+    node_port: NodePortOpt = 8889,
+    node_token_file: NodeTokenFileOpt = None,
+    registry: RegistryOpt = None,
+    insecure_registry: InsecureRegistryOpt = False,
+    token_file: ClientTokenFileOpt = None,
+    insecure_no_auth: InsecureNoAuthOpt = False,
     header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS,
     body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS,
     max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS,
     max_connections: MaxConnectionsOpt = None,
-    log_level: Annotated[str, typer.Option(help="debug, info, warning, error.")] = "info",
+    log_level: LogLevelOpt = "info",
 ) -> None:
     """Serve the v1 API over many forkd daemons: placement, routing, snapshots moved
     between them through an OCI registry. Stateless: run two behind a Service."""
@@ -79,7 +88,6 @@ def gateway(
     from forkd.controller.server import read_token
     from forkd.gateway.app import create_app, serve
     from forkd.gateway.nodes import NodeSet
-    from forkd.oci import reference
 
     try:
         if not node and not nodes_dns:
@@ -88,10 +96,7 @@ def gateway(
         if token is None and not insecure_no_auth:
             raise ForkdError("give --token-file (clients' token), or --insecure-no-auth")
         if registry is not None:
-            parsed = reference.parse(registry)
-            if parsed.tag or parsed.digest:
-                raise ForkdError("--registry is registry/repository, without a tag")
-            registry = f"{parsed.registry}/{parsed.repository}"
+            registry = _repository(registry)
         nodes = NodeSet(
             list(node or []), read_token(node_token_file), dns_name=nodes_dns, dns_port=node_port
         )
@@ -102,6 +107,16 @@ def gateway(
         serve(app, bind, log_level, limits, token=token)
     except ForkdError as exc:
         raise fail(str(exc)) from exc
+
+
+def _repository(registry: str) -> str:
+    """--registry as ``registry/repository``; a tag or a digest is refused."""
+    from forkd.oci import reference
+
+    parsed = reference.parse(registry)
+    if parsed.tag or parsed.digest:
+        raise ForkdError("--registry is registry/repository, without a tag")
+    return f"{parsed.registry}/{parsed.repository}"
 
 
 def register(app: typer.Typer) -> None:

@@ -4,7 +4,8 @@
 They are defined once here. :func:`with_connection` appends them to a
 command's signature and hands the command a :class:`Connection` made from
 them; a group callback that takes them too (``forkd snapshot --json ls``)
-lends its values to its subcommands.
+lends its values to its subcommands. :func:`with_options` gives a command with
+many options (``forkd serve``) its options as one dataclass.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar
 
 import typer
 
@@ -71,6 +72,8 @@ LongFormatOpt = Annotated[
     ),
 ]
 FORMATS = ("json", "table")
+
+_Options = TypeVar("_Options")
 
 
 @dataclass(frozen=True)
@@ -171,6 +174,29 @@ def with_connection(
             token=token,
         )
         command(conn, **kwargs)
+
+    wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by inspect (typer); typeshed's functions declare none
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
+    return wrapper
+
+
+def with_options(
+    command: Callable[[_Options], None], options: type[_Options]
+) -> Callable[..., None]:
+    """``command(options(...))`` as a typer command whose options are the fields of the
+    dataclass ``options``.
+
+    typer reads a command's options from its signature and type hints, so the
+    returned wrapper shows the dataclass's fields (each annotated with its
+    option, and with its default) as its parameters, in their order.
+    """
+    hints = typing.get_type_hints(options, include_extras=True)
+    fields = inspect.signature(options).parameters.values()
+    params = [p.replace(annotation=hints[p.name]) for p in fields]
+
+    @functools.wraps(command)
+    def wrapper(**given: Any) -> None:
+        command(options(**given))
 
     wrapper.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]  # read by inspect (typer); typeshed's functions declare none
     wrapper.__annotations__ = {p.name: p.annotation for p in params}

@@ -103,16 +103,22 @@ def snapshot_diff(
     out.print(render.kv_table({k: info.get(k) for k in keys}))
 
 
+BenchTagOpt = Annotated[
+    str | None, typer.Option("--tag", help="Snapshot to fork (default: the first listed).")
+]
+FanOutOpt = Annotated[int, typer.Option("--n", "-n", help="Fan-out children.", min=1, max=100)]
+NetnsWordOpt = Annotated[
+    str | None,
+    typer.Option("--per-child-netns", metavar="true|false", help="The original's."),
+]
+Row = tuple[str, float, str]  # a bench step: its name, milliseconds, what it made
+
+
 def bench(
     conn: Connection,
-    tag: Annotated[
-        str | None, typer.Option("--tag", help="Snapshot to fork (default: the first listed).")
-    ] = None,
-    n: Annotated[int, typer.Option("--n", "-n", help="Fan-out children.", min=1, max=100)] = 5,
-    per_child_netns: Annotated[
-        str | None,
-        typer.Option("--per-child-netns", metavar="true|false", help="The original's."),
-    ] = None,
+    tag: BenchTagOpt = None,
+    n: FanOutOpt = 5,
+    per_child_netns: NetnsWordOpt = None,
 ) -> None:
     """A latency probe against the daemon, as the original forkd's bench: a fork, an exec,
     a diff branch, a fan-out of -n from the branch, and the cleanup, each timed from here."""
@@ -120,61 +126,82 @@ def bench(
         from forkd.cli.original_commands import ignored
 
         ignored("--per-child-netns")
-    rows: list[tuple[str, float, str]] = []
-
-    def timed(name: str, call: Callable[[], Any], detail: Callable[[Any], str]) -> Any:
-        t0 = time.monotonic()
-        result = call()
-        rows.append((name, (time.monotonic() - t0) * 1000, detail(result)))
-        return result
-
     with daemon_errors(), conn.controller() as ctl:
         if tag is None:
-            listed = [s for s in ctl.list_snapshots() if s.get("status") == SnapshotStatus.READY]
-            if not listed:
-                err.print("no snapshots on the daemon: make one with 'forkd snapshot create'")
-                raise typer.Exit(1)
-            tag = str(listed[0]["tag"])
-        made: list[str] = []
-        branch: dict[str, Any] = {}
-        try:
-            (sb,) = timed(
-                "spawn (n=1)", lambda: ctl.spawn_sandboxes(tag, n=1), lambda r: str(r[0]["id"])
-            )
-            made.append(sb["id"])
-            timed(
-                "exec round-trip",
-                lambda: ctl.exec_command(sb["id"], ["echo", "bench"], 5),
-                lambda r: f"exit={r.get('exit_code')}",
-            )
-            branch = timed(
-                "branch (diff)",
-                lambda: ctl.branch_sandbox(sb["id"], mode="diff"),
-                lambda r: (
-                    f"pause_ms={r.get('pause_ms')} "
-                    f"diff_physical_bytes={r.get('diff_physical_bytes', 0)}"
-                ),
-            )
-            kids = timed(
-                f"fanout (n={n})", lambda: ctl.spawn_sandboxes(branch["tag"], n=n), lambda r: ""
-            )
-            made += [k["id"] for k in kids]
-            name, ms, _ = rows[-1]
-            rows[-1] = (name, ms, f"{ms / n:.0f}ms/child")
-        finally:
-            t0 = time.monotonic()
-            for sid in made:
-                _kill_quietly(ctl, sid)
-            if branch:
-                with _quiet():
-                    ctl.delete_snapshot(branch["tag"])
-            rows.append(
-                ("cleanup", (time.monotonic() - t0) * 1000, f"{len(made)} sandboxes, the branch")
-            )
+            tag = _first_ready_tag(ctl)
+        rows = _timed_steps(ctl, tag, n)
     _show_bench(conn, tag, n, rows)
 
 
-def _show_bench(conn: Connection, tag: str, n: int, rows: list[tuple[str, float, str]]) -> None:
+def _first_ready_tag(ctl: Controller) -> str:
+    """The first ready snapshot the daemon lists; exit 1 when it has none."""
+    listed = [s for s in ctl.list_snapshots() if s.get("status") == SnapshotStatus.READY]
+    if not listed:
+        err.print("no snapshots on the daemon: make one with 'forkd snapshot create'")
+        raise typer.Exit(1)
+    return str(listed[0]["tag"])
+
+
+class _Stopwatch:
+    """Runs the bench's steps, each timed into :attr:`rows`."""
+
+    def __init__(self) -> None:
+        self.rows: list[Row] = []
+
+    def timed(self, name: str, call: Callable[[], Any], detail: Callable[[Any], str]) -> Any:
+        t0 = time.monotonic()
+        result = call()
+        self.rows.append((name, (time.monotonic() - t0) * 1000, detail(result)))
+        return result
+
+
+def _timed_steps(ctl: Controller, tag: str, n: int) -> list[Row]:
+    """Fork ``tag``, exec in the child, branch it as a diff, fork -n from the branch, then
+    clean up (also when a step failed): a row for each."""
+    clock = _Stopwatch()
+    made: list[str] = []
+    branch: dict[str, Any] = {}
+    try:
+        (sb,) = clock.timed(
+            "spawn (n=1)", lambda: ctl.spawn_sandboxes(tag, n=1), lambda r: str(r[0]["id"])
+        )
+        made.append(sb["id"])
+        clock.timed(
+            "exec round-trip",
+            lambda: ctl.exec_command(sb["id"], ["echo", "bench"], 5),
+            lambda r: f"exit={r.get('exit_code')}",
+        )
+        branch = clock.timed(
+            "branch (diff)",
+            lambda: ctl.branch_sandbox(sb["id"], mode="diff"),
+            lambda r: (
+                f"pause_ms={r.get('pause_ms')} "
+                f"diff_physical_bytes={r.get('diff_physical_bytes', 0)}"
+            ),
+        )
+        kids = clock.timed(
+            f"fanout (n={n})", lambda: ctl.spawn_sandboxes(branch["tag"], n=n), lambda r: ""
+        )
+        made += [k["id"] for k in kids]
+        name, ms, _ = clock.rows[-1]
+        clock.rows[-1] = (name, ms, f"{ms / n:.0f}ms/child")
+    finally:
+        clock.rows.append(_clean_up(ctl, made, branch))
+    return clock.rows
+
+
+def _clean_up(ctl: Controller, made: list[str], branch: dict[str, Any]) -> Row:
+    """Kill the sandboxes the bench made and delete its branch: the cleanup's row."""
+    t0 = time.monotonic()
+    for sid in made:
+        _kill_quietly(ctl, sid)
+    if branch:
+        with _quiet():
+            ctl.delete_snapshot(branch["tag"])
+    return ("cleanup", (time.monotonic() - t0) * 1000, f"{len(made)} sandboxes, the branch")
+
+
+def _show_bench(conn: Connection, tag: str, n: int, rows: list[Row]) -> None:
     if conn.as_json:
         steps = [{"step": name, "ms": round(ms), "detail": detail} for name, ms, detail in rows]
         render.print_json({"tag": tag, "n": n, "steps": steps})

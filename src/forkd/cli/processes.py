@@ -20,6 +20,35 @@ if TYPE_CHECKING:
     from forkd.client import Controller
 
 SandboxIdArg = Annotated[str, typer.Argument(metavar="ID", help="Sandbox id.")]
+# exec's and eval's sandbox: ``ID``, or the original forkd's ``--child ID`` (target_and_argv).
+MaybeSandboxIdArg = Annotated[str | None, typer.Argument(metavar="ID", help="Sandbox id.")]
+ChildOpt = Annotated[
+    str | None,
+    typer.Option("--child", "--target", help="The sandbox, named as the original forkd did."),
+]
+CommandArg = Annotated[
+    list[str] | None, typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
+]
+ExecTimeoutOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--timeout",
+        "--timeout-secs",
+        help="Kill the command after this many seconds [default: 30; none with -i or -t]",
+        show_default=False,
+    ),
+]
+CwdOpt = Annotated[str | None, typer.Option("--cwd", help="Working directory.")]
+ExecEnvOpt = Annotated[
+    list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeatable).")
+]
+InteractiveOpt = Annotated[
+    bool, typer.Option("--interactive", "-i", help="Pass our stdin to the command.")
+]
+TtyOpt = Annotated[
+    bool, typer.Option("--tty", "-t", help="Run it in a terminal joined to ours (raw mode).")
+]
+ShOpt = Annotated[str | None, typer.Option("--sh", help="Run this shell line (as -- sh -c LINE).")]
 STREAM_RETRIES = 3  # a broken output stream is resumed at its offset this many times
 
 
@@ -36,36 +65,15 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
 
 def exec_(
     conn: Connection,
-    sandbox_id: Annotated[str | None, typer.Argument(metavar="ID", help="Sandbox id.")] = None,
-    cmd: Annotated[
-        list[str] | None, typer.Argument(metavar="-- CMD...", help="Program and its arguments.")
-    ] = None,
-    timeout: Annotated[
-        float | None,
-        typer.Option(
-            "--timeout",
-            "--timeout-secs",
-            help="Kill the command after this many seconds [default: 30; none with -i or -t]",
-            show_default=False,
-        ),
-    ] = None,
-    cwd: Annotated[str | None, typer.Option("--cwd", help="Working directory.")] = None,
-    env: Annotated[
-        list[str] | None, typer.Option("--env", "-e", help="KEY=VALUE (repeatable).")
-    ] = None,
-    interactive: Annotated[
-        bool, typer.Option("--interactive", "-i", help="Pass our stdin to the command.")
-    ] = False,
-    tty: Annotated[
-        bool, typer.Option("--tty", "-t", help="Run it in a terminal joined to ours (raw mode).")
-    ] = False,
-    sh: Annotated[
-        str | None, typer.Option("--sh", help="Run this shell line (as -- sh -c LINE).")
-    ] = None,
-    child: Annotated[
-        str | None,
-        typer.Option("--child", "--target", help="The sandbox, named as the original forkd did."),
-    ] = None,
+    sandbox_id: MaybeSandboxIdArg = None,
+    cmd: CommandArg = None,
+    timeout: ExecTimeoutOpt = None,
+    cwd: CwdOpt = None,
+    env: ExecEnvOpt = None,
+    interactive: InteractiveOpt = False,
+    tty: TtyOpt = False,
+    sh: ShOpt = None,
+    child: ChildOpt = None,
 ) -> None:
     """Run a command in a sandbox, printing its output as it comes; exits with its
     exit code (124: timed out). With --json, prints the whole result at the end.
@@ -79,24 +87,9 @@ def exec_(
         raise typer.BadParameter(f"no command: forkd exec {sandbox_id} -- CMD... or --sh 'LINE'")
     env_map = parse_env(env) if env else None
     if len(cmd) == 1 and SHELL_SYNTAX.search(cmd[0]):
-        hint = f"forkd exec {sandbox_id} --sh {cmd[0]!r} (or -- sh -c {cmd[0]!r})"
-        err.print(
-            shown(
-                f"note: {cmd[0]!r} is run as one program's name, not by a shell; "
-                f"for a shell command: {hint}"
-            )
-        )
+        _note_one_program(sandbox_id, cmd[0])
     if interactive or tty:
-        if conn.as_json:
-            raise fail("--json prints one result at the end: it cannot go with -i or -t", 2)
-        from forkd.cli import shell
-
-        if tty:
-            code = shell.run_in_terminal(
-                conn, sandbox_id, list(cmd), cwd=cwd, env=env_map, timeout=timeout, keys=interactive
-            )
-        else:
-            code = _exec_piped(conn, sandbox_id, list(cmd), cwd, env_map, timeout)
+        code = _exec_joined(conn, sandbox_id, list(cmd), cwd, env_map, timeout, tty, interactive)
         raise typer.Exit(code)
     timeout = 30 if timeout is None else timeout
     with daemon_errors(), conn.controller() as ctl:
@@ -112,6 +105,40 @@ def exec_(
             info = ctl.start_process(sandbox_id, list(cmd), env=env_map, cwd=cwd, timeout_s=timeout)
             code = _follow(ctl, sandbox_id, int(info["pid"]))
     raise typer.Exit(code if 0 <= code <= 255 else 1)
+
+
+def _note_one_program(sandbox_id: str, word: str) -> None:
+    """A command of one word that reads as a shell line: say how to run it as one."""
+    hint = f"forkd exec {sandbox_id} --sh {word!r} (or -- sh -c {word!r})"
+    err.print(
+        shown(
+            f"note: {word!r} is run as one program's name, not by a shell; "
+            f"for a shell command: {hint}"
+        )
+    )
+
+
+def _exec_joined(
+    conn: Connection,
+    sandbox_id: str,
+    cmd: list[str],
+    cwd: str | None,
+    env: dict[str, str] | None,
+    timeout: float | None,
+    tty: bool,
+    interactive: bool,
+) -> int:
+    """``exec -t`` (in a terminal joined to ours; with -i, our keys go to it) or ``exec
+    -i`` (our stdin piped to it): its exit code."""
+    if conn.as_json:
+        raise fail("--json prints one result at the end: it cannot go with -i or -t", 2)
+    from forkd.cli import shell
+
+    if tty:
+        return shell.run_in_terminal(
+            conn, sandbox_id, cmd, cwd=cwd, env=env, timeout=timeout, keys=interactive
+        )
+    return _exec_piped(conn, sandbox_id, cmd, cwd, env, timeout)
 
 
 def _exec_piped(

@@ -176,6 +176,9 @@ def explore_bits(info: dict[str, Any]) -> list[str]:
     return bits
 
 
+LineageNode = tuple[str, str]  # ("snapshot", tag), ("sandbox", id) or ("missing", tag)
+
+
 def lineage_forest(
     snapshots: list[dict[str, Any]], sandboxes: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -188,11 +191,37 @@ def lineage_forest(
     """
     snaps = {s["tag"]: s for s in snapshots if s.get("tag")}
     sbs = {s["id"]: s for s in sandboxes if s.get("id")}
-    children: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    roots: list[tuple[str, str]] = []
+    children, roots, missing = _lineage_links(snaps, sbs)
+    infos = {"snapshot": snaps, "sandbox": sbs, "missing": missing}
+
+    def build(node: LineageNode, seen: set[LineageNode]) -> dict[str, Any]:
+        kind, key = node
+        seen = seen | {node}
+        kids = [build(c, seen) for c in children.get(node, []) if c not in seen]
+        return {"kind": kind, "info": infos[kind][key], "children": kids}
+
+    forest = [build(r, set()) for r in roots]
+    # Anything unreachable from a root (a cycle in bad data) still shows up.
+    placed: set[LineageNode] = set()
+    for n in forest:
+        _mark_placed(n, placed)
+    for node in [("snapshot", t) for t in snaps] + [("sandbox", i) for i in sbs]:
+        if node not in placed:
+            forest.append(build(node, set()))
+            _mark_placed(forest[-1], placed)
+    return forest
+
+
+def _lineage_links(
+    snaps: dict[str, dict[str, Any]], sbs: dict[str, dict[str, Any]]
+) -> tuple[dict[LineageNode, list[LineageNode]], list[LineageNode], dict[str, dict[str, Any]]]:
+    """Each snapshot and sandbox under its parent, or a root: (children by parent, roots,
+    the gone snapshots sandboxes were forked from, by tag)."""
+    children: dict[LineageNode, list[LineageNode]] = {}
+    roots: list[LineageNode] = []
     missing: dict[str, dict[str, Any]] = {}
 
-    def attach(parent: tuple[str, str] | None, node: tuple[str, str]) -> None:
+    def attach(parent: LineageNode | None, node: LineageNode) -> None:
         if parent is None:
             roots.append(node)
         else:
@@ -207,40 +236,24 @@ def lineage_forest(
         else:
             attach(None, ("snapshot", tag))
     for sid, sb in sbs.items():
-        tag = sb.get("snapshot_tag")
-        if tag is not None and tag in snaps:
-            attach(("snapshot", tag), ("sandbox", sid))
+        forked_from = sb.get("snapshot_tag")
+        if forked_from is not None and forked_from in snaps:
+            attach(("snapshot", forked_from), ("sandbox", sid))
         else:
-            key = str(tag)
+            key = str(forked_from)
             if key not in missing:
-                missing[key] = {"tag": tag}
+                missing[key] = {"tag": forked_from}
                 attach(None, ("missing", key))
             attach(("missing", key), ("sandbox", sid))
+    return children, roots, missing
 
-    def build(node: tuple[str, str], seen: set[tuple[str, str]]) -> dict[str, Any]:
-        kind, key = node
-        info = snaps[key] if kind == "snapshot" else sbs[key] if kind == "sandbox" else missing[key]
-        seen = seen | {node}
-        kids = [build(c, seen) for c in children.get(node, []) if c not in seen]
-        return {"kind": kind, "info": info, "children": kids}
 
-    forest = [build(r, set()) for r in roots]
-    # Anything unreachable from a root (a cycle in bad data) still shows up.
-    placed: set[tuple[str, str]] = set()
-
-    def walk(n: dict[str, Any]) -> None:
-        info = n["info"]
-        placed.add((n["kind"], info.get("tag") if n["kind"] != "sandbox" else info.get("id")))
-        for c in n["children"]:
-            walk(c)
-
-    for n in forest:
-        walk(n)
-    for node in [("snapshot", t) for t in snaps] + [("sandbox", i) for i in sbs]:
-        if node not in placed:
-            forest.append(build(node, set()))
-            walk(forest[-1])
-    return forest
+def _mark_placed(node: dict[str, Any], placed: set[LineageNode]) -> None:
+    """``node`` and everything under it, as placed in the forest."""
+    info = node["info"]
+    placed.add((node["kind"], info.get("tag") if node["kind"] != "sandbox" else info.get("id")))
+    for c in node["children"]:
+        _mark_placed(c, placed)
 
 
 def rich_tree(forest: list[dict[str, Any]], title: str = "forkd") -> Tree:

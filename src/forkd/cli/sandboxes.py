@@ -189,38 +189,48 @@ AgentAddressOpt = Annotated[
 ]
 
 
+ForkTagOpt = Annotated[str, typer.Option("--tag", help="Snapshot to fork from.")]
+CountOpt = Annotated[int, typer.Option("-n", "--n", help="How many sandboxes.", min=1, max=1000)]
+TimeoutSecsOpt = Annotated[
+    float | None,
+    typer.Option("--timeout-secs", help="Kill each sandbox after this many seconds."),
+]
+MemoryLimitOpt = Annotated[
+    int | None,
+    typer.Option("--memory-limit", "--memory-limit-mib", help="Memory limit per sandbox, MiB."),
+]
+InternetOpt = Annotated[
+    bool | None, typer.Option("--internet/--no-internet", help="Network access.")
+]
+OnTimeoutOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--on-timeout", help="At --timeout-secs: kill (default), pause, hibernate or branch."
+    ),
+]
+IdleTimeoutOpt = Annotated[
+    float | None,
+    typer.Option("--idle-timeout", help="Do --on-timeout after this many seconds with no use."),
+]
+SeedOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--seed", min=0, help="Child i gets seed+i: Python's random in it is seeded from it."
+    ),
+]
+
+
 def fork(
     conn: Connection,
-    tag: Annotated[str, typer.Option("--tag", help="Snapshot to fork from.")],
-    n: Annotated[int, typer.Option("-n", "--n", help="How many sandboxes.", min=1, max=1000)] = 1,
-    timeout_secs: Annotated[
-        float | None,
-        typer.Option("--timeout-secs", help="Kill each sandbox after this many seconds."),
-    ] = None,
-    memory_limit: Annotated[
-        int | None,
-        typer.Option("--memory-limit", "--memory-limit-mib", help="Memory limit per sandbox, MiB."),
-    ] = None,
-    internet: Annotated[
-        bool | None, typer.Option("--internet/--no-internet", help="Network access.")
-    ] = None,
+    tag: ForkTagOpt,
+    n: CountOpt = 1,
+    timeout_secs: TimeoutSecsOpt = None,
+    memory_limit: MemoryLimitOpt = None,
+    internet: InternetOpt = None,
     label: LabelOpt = None,
-    on_timeout: Annotated[
-        str | None,
-        typer.Option(
-            "--on-timeout", help="At --timeout-secs: kill (default), pause, hibernate or branch."
-        ),
-    ] = None,
-    idle_timeout: Annotated[
-        float | None,
-        typer.Option("--idle-timeout", help="Do --on-timeout after this many seconds with no use."),
-    ] = None,
-    seed: Annotated[
-        int | None,
-        typer.Option(
-            "--seed", min=0, help="Child i gets seed+i: Python's random in it is seeded from it."
-        ),
-    ] = None,
+    on_timeout: OnTimeoutOpt = None,
+    idle_timeout: IdleTimeoutOpt = None,
+    seed: SeedOpt = None,
     auto_resume: AutoResumeOpt = None,
     evictable: EvictableOpt = None,
     settle_secs: SettleOpt = None,

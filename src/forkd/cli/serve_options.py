@@ -1,12 +1,27 @@
 """The options of ``forkd serve`` (each with its environment variable and help), and of
-``forkd gateway`` where the two share them."""
+``forkd gateway`` where the two share them; :class:`ServeOptions`, what ``forkd serve``
+was given."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
 import typer
+
+from forkd.limits import (
+    DISK_RESERVE_MIB,
+    FILE_UPLOAD_LIMIT,
+    IMPORT_TIMEOUT_SECS,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_ENTRIES,
+    RECLAIM_IDLE_SECS,
+    REQUEST_BODY_IDLE_TIMEOUT_SECS,
+    REQUEST_HEADER_TIMEOUT_SECS,
+)
+from forkd.vmm.jail.qemu_user import DEFAULT_RANGE
 
 BindOpt = Annotated[str, typer.Option(envvar="FORKD_BIND", help="HOST:PORT or unix:/path/to.sock")]
 
@@ -444,3 +459,57 @@ MaxConnectionsOpt = Annotated[
 ]
 
 LogLevelOpt = Annotated[str, typer.Option(help="debug, info, warning, error.")]
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Every option of ``forkd serve``, in the order its help lists them, with its
+    default: the command's signature is made of these fields (see
+    :func:`forkd.cli.options.with_options`)."""
+
+    bind: BindOpt = "127.0.0.1:8889"
+    state_dir: StateDirOpt = None
+    snapshot_root: SnapshotRootOpt = None
+    token_file: TokenFileOpt = None
+    insecure_no_auth: InsecureNoAuthOpt = False
+    branch_concurrency: BranchConcurrencyOpt = 4
+    accel: AccelOpt = None
+    kill_on_exit: KillOnExitOpt = False
+    pool_size: PoolSizeOpt = 4
+    pool_memory: PoolMemoryOpt = None
+    max_sandboxes: MaxSandboxesOpt = None
+    max_guest_memory: MaxGuestMemoryOpt = None
+    memory_overcommit: MemoryOvercommitOpt = 4.0
+    memory_reserve: MemoryReserveOpt = None
+    reclaim_low: ReclaimLowOpt = None
+    reclaim_high: ReclaimHighOpt = None
+    reclaim_idle: ReclaimIdleOpt = RECLAIM_IDLE_SECS
+    disk_reserve: DiskReserveOpt = DISK_RESERVE_MIB
+    cgroup_parent: CgroupParentOpt = "forkd"
+    network: NetworkOpt = "auto"
+    sandbox_cidr: SandboxCidrOpt = "10.201.0.0/16"
+    egress_host_network: EgressHostNetworkOpt = None
+    show_host_paths: ShowHostPathsOpt = False
+    qemu_user: QemuUserOpt = "per-vm"
+    vm_uid_range: VmUidRangeOpt = str(DEFAULT_RANGE)
+    max_upload_mib: MaxUploadOpt = FILE_UPLOAD_LIMIT >> 20
+    insecure_registry: InsecureRegistryOpt = None
+    default_registry: DefaultRegistryOpt = None
+    registry_auth: RegistryAuthOpt = None
+    docker_host: DockerHostOpt = None
+    preview_domain: PreviewDomainOpt = None
+    image_archive_dir: ImageArchiveDirOpt = None
+    registry_policy: RegistryPolicyOpt = None
+    max_image_mib: MaxImageOpt = MAX_IMAGE_BYTES >> 20
+    max_image_entries: MaxImageEntriesOpt = MAX_IMAGE_ENTRIES
+    import_timeout: ImportTimeoutOpt = IMPORT_TIMEOUT_SECS
+    header_timeout: HeaderTimeoutOpt = REQUEST_HEADER_TIMEOUT_SECS
+    body_idle_timeout: BodyIdleTimeoutOpt = REQUEST_BODY_IDLE_TIMEOUT_SECS
+    max_connections_per_address: MaxConnectionsPerAddressOpt = MAX_CONNECTIONS_PER_ADDRESS
+    max_connections: MaxConnectionsOpt = None
+    egress_proxy: EgressProxyOpt = "on"
+    egress_hosts: EgressHostsOpt = None
+    egress_ca_file: EgressCaFileOpt = None
+    secrets_key_file: SecretsKeyFileOpt = None
+    egress_rate: EgressRateOpt = "off"
+    log_level: LogLevelOpt = "info"

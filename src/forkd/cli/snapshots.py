@@ -175,27 +175,36 @@ def _started(
     return {k: v for k, v in started.items() if v is not None}
 
 
+NewTagOpt = Annotated[str, typer.Option("--tag", help="Name of the new snapshot.")]
+MemoryOpt = Annotated[int | None, typer.Option("--memory", help="Guest RAM in MiB.", min=1)]
+VcpusOpt = Annotated[int | None, typer.Option("--vcpus", help="Virtual CPUs.", min=1)]
+SetupOpt = Annotated[
+    list[str] | None,
+    typer.Option("--setup", help="Shell command to run before the snapshot (repeatable)."),
+]
+WarmupOpt = Annotated[
+    str | None,
+    typer.Option("--warmup", help="Python run in the agent's interpreter, e.g. imports."),
+]
+BootWaitOpt = Annotated[
+    float | None, typer.Option("--boot-wait-secs", help="How long to wait for the boot.")
+]
+VolumeOpt = Annotated[
+    list[str] | None,
+    typer.Option("--volume", help="Attach NAME:/mnt/path[:ro] (repeatable)."),
+]
+
+
 def snapshot_create(
     conn: Connection,
-    tag: Annotated[str, typer.Option("--tag", help="Name of the new snapshot.")],
+    tag: NewTagOpt,
     image: ImageOpt = None,
-    memory: Annotated[int | None, typer.Option("--memory", help="Guest RAM in MiB.", min=1)] = None,
-    vcpus: Annotated[int | None, typer.Option("--vcpus", help="Virtual CPUs.", min=1)] = None,
-    setup: Annotated[
-        list[str] | None,
-        typer.Option("--setup", help="Shell command to run before the snapshot (repeatable)."),
-    ] = None,
-    warmup: Annotated[
-        str | None,
-        typer.Option("--warmup", help="Python run in the agent's interpreter, e.g. imports."),
-    ] = None,
-    boot_wait_secs: Annotated[
-        float | None, typer.Option("--boot-wait-secs", help="How long to wait for the boot.")
-    ] = None,
-    volume: Annotated[
-        list[str] | None,
-        typer.Option("--volume", help="Attach NAME:/mnt/path[:ro] (repeatable)."),
-    ] = None,
+    memory: MemoryOpt = None,
+    vcpus: VcpusOpt = None,
+    setup: SetupOpt = None,
+    warmup: WarmupOpt = None,
+    boot_wait_secs: BootWaitOpt = None,
+    volume: VolumeOpt = None,
     label: LabelOpt = None,
     start: StartOpt = False,
     ready_port: ReadyPortOpt = None,
@@ -216,13 +225,7 @@ def snapshot_create(
         image = str(import_with_progress(conn, image, t0, quiet=True)["name"])
     status = _build_status(tag, start, ready_port, ready_cmd)
     extra = _started(start, ready_port, ready_cmd, ready_timeout)
-    if volumes:
-        extra["volumes"] = volumes
-    if labels:
-        extra["metadata"] = labels
-    for key, value in (("network", network_of(allow_out, deny_out)), ("env", env_of(env))):
-        if value is not None:
-            extra[key] = value
+    extra.update(_given(volumes, labels, network_of(allow_out, deny_out), env_of(env)))
     with (
         daemon_errors(),
         conn.controller() as ctl,
@@ -242,7 +245,30 @@ def snapshot_create(
     if conn.as_json:
         render.print_json(info)
         return
-    err.print(f"snapshot {shown(tag)} ready in {time.monotonic() - t0:.1f} s")
+    _show_created(info, tag, time.monotonic() - t0)
+
+
+def _given(
+    volumes: list[dict[str, object]],
+    labels: dict[str, str] | None,
+    network: dict[str, Any] | None,
+    env: dict[str, str] | None,
+) -> dict[str, Any]:
+    """The request's fields for the template's volumes and labels (when there are
+    some), its network policy and its environment (when given)."""
+    given: dict[str, Any] = {}
+    if volumes:
+        given["volumes"] = volumes
+    if labels:
+        given["metadata"] = labels
+    for key, value in (("network", network), ("env", env)):
+        if value is not None:
+            given[key] = value
+    return given
+
+
+def _show_created(info: dict[str, Any], tag: str, took: float) -> None:
+    err.print(f"snapshot {shown(tag)} ready in {took:.1f} s")
     if info.get("start"):
         err.print(f"start: {shown(info['start'])}", highlight=False)
     out.print(render.kv_table(info))

@@ -61,42 +61,32 @@ class SandboxCalls(RouteBase):
         ``seed + i``, from which Python's ``random`` is seeded in its warm interpreter
         and in every Python process it starts (``FORKD_SEED``), so the same seed
         replays the same run; ``os.urandom`` stays unique to each child.
-        ``auto_resume`` (default true): a request to one while it is paused or
-        hibernated (exec, files, processes, its ports) resumes it first; false: a 409.
+        ``auto_resume`` (default true): a request to one while it is paused or hibernated (exec,
+        files, processes, its ports) resumes it first; false: a 409.
         ``evictable`` (default true): when the host runs short of memory, the daemon
         may hibernate it once idle; false: never.
-        ``network`` (``{"allow_out": [...], "deny_out": [...], "rules": {...}}``, E2B's
-        shape) is what they may reach, by name (``egress``: the older forms); default:
-        the snapshot's.
-        ``prewarm``,
-        ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
+        ``network`` (``{"allow_out": [...], "deny_out": [...], "rules": {...}}``, E2B's shape) is
+        what they may reach, by name (``egress``: the older forms); default: the snapshot's.
+        ``prewarm``, ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
         without effect here."""
         body = drop_none(
             {
                 "snapshot_tag": snapshot_tag,
                 "n": n,
                 "memory_limit_mib": memory_limit_mib,
-                "timeout_secs": timeout_secs,
-                "internet": internet,
+                **_lifetime(timeout_secs, timeout_s, on_timeout, idle_timeout_s),
+                **_reach(internet, network, egress),
                 "per_child_netns": per_child_netns,
                 "metadata": metadata,
-                "on_timeout": on_timeout,
-                "timeout_s": timeout_s,
-                "idle_timeout_s": idle_timeout_s,
                 "node": node,
                 "seed": seed,
                 "auto_resume": auto_resume,
-                "network": network,
-                "egress": egress,
                 "evictable": evictable,
-                "prewarm": prewarm,
-                "live_fork": live_fork,
-                "hugepages": hugepages,
+                **_original_flags(prewarm, live_fork, hugepages),
             }
         )
-        return self._json(
-            "POST", "/v1/sandboxes", json_body=body, timeout=self.timeout + 2.0 * max(n, 0)
-        )
+        wait = self.timeout + 2.0 * max(n, 0)
+        return self._json("POST", "/v1/sandboxes", json_body=body, timeout=wait)
 
     @route
     def list_sandboxes(
@@ -389,3 +379,30 @@ class SandboxCalls(RouteBase):
     def ping_sandbox(self, sandbox_id: str) -> Call[JSONDict]:
         """``POST /v1/sandboxes/{id}/ping`` → ``{"pong": true, ...}``."""
         return self._json("POST", f"{self._sb(sandbox_id)}/ping")
+
+
+def _lifetime(
+    timeout_secs: float | None,
+    timeout_s: float | None,
+    on_timeout: str | None,
+    idle_timeout_s: float | None,
+) -> JSONDict:
+    """A fork request's fields of how long its sandboxes live, and what they do then."""
+    return {
+        "timeout_secs": timeout_secs,
+        "timeout_s": timeout_s,
+        "on_timeout": on_timeout,
+        "idle_timeout_s": idle_timeout_s,
+    }
+
+
+def _reach(internet: bool | None, network: dict[str, Any] | None, egress: Any) -> JSONDict:
+    """A fork request's fields of what its sandboxes may reach."""
+    return {"internet": internet, "network": network, "egress": egress}
+
+
+def _original_flags(
+    prewarm: bool | None, live_fork: bool | None, hugepages: bool | None
+) -> JSONDict:
+    """The original forkd's fork flags, sent as given (they change nothing here)."""
+    return {"prewarm": prewarm, "live_fork": live_fork, "hugepages": hugepages}

@@ -72,22 +72,18 @@ class SnapshotCalls(RouteBase):
             ctl.create_snapshot("pg", image="registry.example.com/team/postgres:16",
                                 start=True, ready_port=5432)
         """
-        if isinstance(setup, str):
-            setup = [setup]
-        if isinstance(ready_cmd, str):
-            ready_cmd = ["/bin/sh", "-c", ready_cmd]
         body = drop_none(
             {
                 "tag": tag,
                 "image": image,
                 "memory_mib": memory_mib,
                 "vcpus": vcpus,
-                "setup": setup,
+                "setup": _commands(setup),
                 "warmup": warmup,
                 "boot_wait_secs": boot_wait_secs,
                 "start": start,
                 "ready_port": ready_port,
-                "ready_cmd": ready_cmd,
+                "ready_cmd": _argv(ready_cmd),
                 "ready_timeout_secs": ready_timeout_secs,
                 **extra,
             }
@@ -138,3 +134,13 @@ class SnapshotCalls(RouteBase):
         return self._json(
             "POST", "/v1/snapshots/pull", json_body=body, timeout=max(self.timeout, 1800)
         )
+
+
+def _commands(setup: list[str] | str | None) -> list[str] | None:
+    """A template's setup commands: one given as a str is a list of one."""
+    return [setup] if isinstance(setup, str) else setup
+
+
+def _argv(command: list[str] | str | None) -> list[str] | None:
+    """A command as an argv: one given as a str is run by ``/bin/sh -c``."""
+    return ["/bin/sh", "-c", command] if isinstance(command, str) else command

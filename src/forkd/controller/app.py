@@ -61,28 +61,10 @@ def create_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(settings.state_dir / "forkd.db")
         holder: list[Services] = []
-        metrics = Metrics(
-            snapshots=lambda: len(store.list_snapshots()),
-            sandboxes=lambda: len(holder[0].vms) if holder else 0,
-            pooled=lambda: holder[0].pool.waiting() if holder else 0,
-            branches_in_flight=lambda: holder[0].branches.in_flight if holder else 0,
-            branch_cap=lambda: settings.branch_concurrency,
-            connections=connections.counts if connections is not None else None,
-        )
+        metrics = _metrics(settings, store, holder, connections)
         services = Services.create(settings, store, metrics, driver, importer)
         holder.append(services)
-        app.state.services = services
-        app.state.metrics = metrics
-        app.state.audit = AuditLog(settings.state_dir / "audit.log")
-        services.expiry.audit = app.state.audit.write
-        services.reclaim.audit = app.state.audit.write
-        services.egress.report.refusals.write = app.state.audit.write
-        services.secrets.start()
-        await services.lifecycle.start()
-        services.reclaim.start()
-        services.usage.start()
-        metrics.watch_sandboxes(services.usage.all, limits.SANDBOX_SERIES_CAP)
-        metrics.watch_egress(lambda: services.egress.proxy.log.counts, limits.SANDBOX_SERIES_CAP)
+        await _start(app, settings, services, metrics)
         log.info(
             "forkd ready: %d snapshots, %d sandboxes adopted",
             len(store.list_snapshots()),
@@ -92,14 +74,63 @@ def create_app(
             yield
         finally:
             await _stop(services)
-            services.expiry.audit = None
-            services.reclaim.audit = None
-            services.egress.report.refusals.write = None
-            app.state.audit.close()
-            app.state.audit = None
+            _close_audit(app, services)
             store.close()
 
     app = FastAPI(title="forkd", version=__version__, lifespan=lifespan)
+    _add_middleware(app, settings, token)
+    http_errors.install(app)
+    http_errors.hide_paths_under(
+        [settings.state_dir, settings.snapshot_root, settings.run_dir, paths.cache_dir()]
+    )
+    _add_routes(app)
+    return app
+
+
+def _metrics(
+    settings: Settings,
+    store: Store,
+    holder: list[Services],
+    connections: ConnectionLimiter | None,
+) -> Metrics:
+    """The daemon's metrics, read from its services once ``holder`` holds them."""
+    return Metrics(
+        snapshots=lambda: len(store.list_snapshots()),
+        sandboxes=lambda: len(holder[0].vms) if holder else 0,
+        pooled=lambda: holder[0].pool.waiting() if holder else 0,
+        branches_in_flight=lambda: holder[0].branches.in_flight if holder else 0,
+        branch_cap=lambda: settings.branch_concurrency,
+        connections=connections.counts if connections is not None else None,
+    )
+
+
+async def _start(app: FastAPI, settings: Settings, services: Services, metrics: Metrics) -> None:
+    """The app's state, the audit log its services write to, and their background work
+    started (the VMs a previous daemon left adopted)."""
+    app.state.services = services
+    app.state.metrics = metrics
+    app.state.audit = AuditLog(settings.state_dir / "audit.log")
+    services.expiry.audit = app.state.audit.write
+    services.reclaim.audit = app.state.audit.write
+    services.egress.report.refusals.write = app.state.audit.write
+    services.secrets.start()
+    await services.lifecycle.start()
+    services.reclaim.start()
+    services.usage.start()
+    metrics.watch_sandboxes(services.usage.all, limits.SANDBOX_SERIES_CAP)
+    metrics.watch_egress(lambda: services.egress.proxy.log.counts, limits.SANDBOX_SERIES_CAP)
+
+
+def _close_audit(app: FastAPI, services: Services) -> None:
+    """The daemon has stopped: nothing writes to the audit log any more, and it is closed."""
+    services.expiry.audit = None
+    services.reclaim.audit = None
+    services.egress.report.refusals.write = None
+    app.state.audit.close()
+    app.state.audit = None
+
+
+def _add_middleware(app: FastAPI, settings: Settings, token: str | None) -> None:
     app.add_middleware(SandboxRequests)  # innermost: sandboxes in use, wakes in a header
     # Added last, the audit log is outermost: it records 401s and 413s too.
     app.add_middleware(
@@ -110,17 +141,15 @@ def create_app(
     )
     app.add_middleware(PreviewHosts, domain=settings.preview_domain)
     app.add_middleware(AuditMiddleware)
-    http_errors.install(app)
-    http_errors.hide_paths_under(
-        [settings.state_dir, settings.snapshot_root, settings.run_dir, paths.cache_dir()]
-    )
+
+
+def _add_routes(app: FastAPI) -> None:
     for router in routes.ROUTERS:
         app.include_router(router)
     app.include_router(pty_ws.router)  # a WebSocket: not in the OpenAPI document
     app.include_router(port_proxy.router)  # the guest's answers: not in the document
     app.include_router(port_ws.router)
     app.include_router(console.router)  # the web console's static files (/ui)
-    return app
 
 
 def end_streams(app: FastAPI) -> None:

@@ -32,34 +32,15 @@ class Metrics:
         self.registry = CollectorRegistry()
         if connections is not None:
             self.registry.register(_ConnectionCollector(connections))
-        self._gauge("forkd_snapshots_total", "Snapshots registered", snapshots)
-        self._gauge("forkd_sandboxes_active", "Sandboxes running", sandboxes)
-        self._gauge(
-            "forkd_pool_waiting", "QEMU processes started ahead, waiting for a fork", pooled
+        self._gauges(snapshots, sandboxes, pooled, branches_in_flight, branch_cap)
+        self.fork_seconds = self._latency(
+            "forkd_fork_seconds", "Fork latency: QEMU start to agent answering"
         )
-        # The original contract's two branch gauges.
-        self._gauge("forkd_branches_in_flight", "Branches being taken now", branches_in_flight)
-        cap_help = "Branches that may be in flight at once (the cap)"
-        self._gauge("forkd_branch_concurrency_cap", cap_help, branch_cap)
-        info = Gauge("forkd_build_info", "forkd build", ["version"], registry=self.registry)
-        info.labels(version=__version__).set(1)
-        self.fork_seconds = Histogram(
-            "forkd_fork_seconds",
-            "Fork latency: QEMU start to agent answering",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.branch_pause_seconds = self._latency(
+            "forkd_branch_pause_seconds", "Pause window of a branch (vCPUs frozen)"
         )
-        self.branch_pause_seconds = Histogram(
-            "forkd_branch_pause_seconds",
-            "Pause window of a branch (vCPUs frozen)",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.snapshot_seconds = Histogram(
-            "forkd_template_snapshot_seconds",
-            "Time to snapshot a template",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.snapshot_seconds = self._latency(
+            "forkd_template_snapshot_seconds", "Time to snapshot a template"
         )
 
         self.wakes = Counter(
@@ -68,11 +49,8 @@ class Metrics:
             ["from"],
             registry=self.registry,
         )
-        self.wake_seconds = Histogram(
-            "forkd_wake_seconds",
-            "What waking a sandbox for a request added to its answer",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
+        self.wake_seconds = self._latency(
+            "forkd_wake_seconds", "What waking a sandbox for a request added to its answer"
         )
         self.evictions = Counter(
             "forkd_evictions_total",
@@ -86,9 +64,34 @@ class Metrics:
             registry=self.registry,
         )
 
+    def _gauges(
+        self,
+        snapshots: Callable[[], int],
+        sandboxes: Callable[[], int],
+        pooled: Callable[[], int],
+        branches_in_flight: Callable[[], int],
+        branch_cap: Callable[[], int],
+    ) -> None:
+        """The counts read when the metrics are asked for, and the build's version."""
+        self._gauge("forkd_snapshots_total", "Snapshots registered", snapshots)
+        self._gauge("forkd_sandboxes_active", "Sandboxes running", sandboxes)
+        self._gauge(
+            "forkd_pool_waiting", "QEMU processes started ahead, waiting for a fork", pooled
+        )
+        # The original contract's two branch gauges.
+        self._gauge("forkd_branches_in_flight", "Branches being taken now", branches_in_flight)
+        cap_help = "Branches that may be in flight at once (the cap)"
+        self._gauge("forkd_branch_concurrency_cap", cap_help, branch_cap)
+        info = Gauge("forkd_build_info", "forkd build", ["version"], registry=self.registry)
+        info.labels(version=__version__).set(1)
+
     def _gauge(self, name: str, help_text: str, value: Callable[[], int]) -> None:
         """A gauge read from ``value`` whenever the metrics are asked for."""
         Gauge(name, help_text, registry=self.registry).set_function(value)
+
+    def _latency(self, name: str, help_text: str) -> Histogram:
+        """A histogram of seconds, in the buckets of every latency here."""
+        return Histogram(name, help_text, buckets=LATENCY_BUCKETS, registry=self.registry)
 
     def observe_wake(self, was: str, secs: float) -> None:
         """A sandbox woke from ``was`` (paused, hibernated) for a request in ``secs``."""

@@ -298,24 +298,8 @@ def serve(
                 sockets = [sock]
                 log.info("listening on unix socket %s (mode 0600)", path)
             connections = ConnectionLimiter(settings.connection_limits, owner_token=token)
-            config = uvicorn.Config(
-                create_app(settings, token, driver=driver, connections=connections),
-                log_level=log_level,
-                timeout_graceful_shutdown=30,
-                access_log=False,
-                # X-Forwarded-For from a local client would otherwise stand for its
-                # address in the audit log and in what a guest's port sees.
-                proxy_headers=False,
-                # WebSockets (terminals, guest ports, tunnels): what the daemon holds of
-                # a peer that sends faster than the other side reads is bounded.
-                ws_max_size=port_ws.MAX_MESSAGE_BYTES,
-                ws_max_queue=port_ws.WS_QUEUE,
-                # A request head or body that does not come in time, and connections
-                # over the caps, are closed: no local process can pile them up.
-                **uvicorn_options(connections),
-                **where,
-            )
-            log_redaction.install("uvicorn", "uvicorn.error", "uvicorn.access")  # set up by Config
+            app = create_app(settings, token, driver=driver, connections=connections)
+            config = _uvicorn_config(app, log_level, connections, where)
             if settings.registry_policy is not None:  # SIGHUP: read the policy file again
                 policy = settings.registry_policy
                 signal.signal(signal.SIGHUP, lambda _sig, _frame: policy.reload_now())
@@ -324,3 +308,29 @@ def serve(
             if sock is not None:
                 sock.close()
             os.close(lock_fd)
+
+
+def _uvicorn_config(
+    app: FastAPI, log_level: str, connections: ConnectionLimiter, where: Bind
+) -> uvicorn.Config:
+    """How uvicorn serves the daemon's ``app`` (``where``: a host and port, or nothing
+    when the daemon hands it a unix socket of its own)."""
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        timeout_graceful_shutdown=30,
+        access_log=False,
+        # X-Forwarded-For from a local client would otherwise stand for its
+        # address in the audit log and in what a guest's port sees.
+        proxy_headers=False,
+        # WebSockets (terminals, guest ports, tunnels): what the daemon holds of
+        # a peer that sends faster than the other side reads is bounded.
+        ws_max_size=port_ws.MAX_MESSAGE_BYTES,
+        ws_max_queue=port_ws.WS_QUEUE,
+        # A request head or body that does not come in time, and connections
+        # over the caps, are closed: no local process can pile them up.
+        **uvicorn_options(connections),
+        **where,
+    )
+    log_redaction.install("uvicorn", "uvicorn.error", "uvicorn.access")  # set up by Config
+    return config

@@ -135,14 +135,7 @@ def assemble(
     kpkg = kernel.resolve(cache / "kernel-package.json")
     spec = recipe.builtin(images.DEFAULT_IMAGE)  # the Debian base the runtime's Python is of
     base_key = spec.base_key(images.VARIANT)
-    h = hashlib.sha256()
-    for part in (BUILDER_VERSION, kpkg.key, runtime.key(base_key), config_digest):
-        h.update(f"{part}\n".encode())
-    # The tars each layer was checked to hold, in order: the same image fetched from
-    # any source (its layers compressed or not) is one build.
-    h.update(json.dumps({"diff_ids": identity.get("diff_ids") or []}).encode() + b"\n")
-    guest_files.digest(h, guest_files.INITRAMFS_FILES)  # stage 1, in the initramfs
-    key = h.hexdigest()[:16]
+    key = _build_key(kpkg.key, runtime.key(base_key), config_digest, identity)
     name = image_name(config_digest)
     final = root / f"{name}-{key}"
     if (final / "image.json").is_file():
@@ -162,31 +155,59 @@ def assemble(
         say("flattening the image's layers into the root disk")
         (staging / "layers").mkdir()
         stats = write_rootfs(out / "rootfs.sqfs", staging / "layers")
-        reference = identity.get("reference")
-        meta = {
-            "name": name,
-            "key": key,
-            "kind": KIND,
-            **identity,
-            "references": [reference] if reference else [],
-            "config": config.to_json(),
-            **boot,
-            "rootfs": {
-                "layers": stats.layers,
-                "entries": stats.entries,
-                "file_bytes": stats.file_bytes,
-                "image_bytes": stats.image_bytes,
-            },
-            "template": {},
-            "builder_version": BUILDER_VERSION,
-            "built_at_unix": int(time.time()),
-            "build_secs": round(time.monotonic() - started, 1),
-        }
+        meta = _image_meta(name, key, identity, config, boot, stats, started)
         images.commit_build(out, final, meta)
         say(f"built image {name} ({key}) in {meta['build_secs']} s")
         return images.find_image(str(final), root)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _build_key(
+    kernel_key: str, runtime_key: str, config_digest: str, identity: dict[str, Any]
+) -> str:
+    """What a build is made of, hashed: the builder, the kernel, the runtime, the image's
+    config and layers, and the initramfs's files."""
+    h = hashlib.sha256()
+    for part in (BUILDER_VERSION, kernel_key, runtime_key, config_digest):
+        h.update(f"{part}\n".encode())
+    # The tars each layer was checked to hold, in order: the same image fetched from
+    # any source (its layers compressed or not) is one build.
+    h.update(json.dumps({"diff_ids": identity.get("diff_ids") or []}).encode() + b"\n")
+    guest_files.digest(h, guest_files.INITRAMFS_FILES)  # stage 1, in the initramfs
+    return h.hexdigest()[:16]
+
+
+def _image_meta(
+    name: str,
+    key: str,
+    identity: dict[str, Any],
+    config: ImageConfig,
+    boot: dict[str, Any],
+    stats: RootfsStats,
+    started: float,
+) -> dict[str, Any]:
+    """The image.json of a build begun at ``started`` (``time.monotonic``)."""
+    reference = identity.get("reference")
+    return {
+        "name": name,
+        "key": key,
+        "kind": KIND,
+        **identity,
+        "references": [reference] if reference else [],
+        "config": config.to_json(),
+        **boot,
+        "rootfs": {
+            "layers": stats.layers,
+            "entries": stats.entries,
+            "file_bytes": stats.file_bytes,
+            "image_bytes": stats.image_bytes,
+        },
+        "template": {},
+        "builder_version": BUILDER_VERSION,
+        "built_at_unix": int(time.time()),
+        "build_secs": round(time.monotonic() - started, 1),
+    }
 
 
 def _link(source: Path, target: Path) -> None:

@@ -88,50 +88,20 @@ def load(recipe_dir: Path) -> Recipe:
     """Read and check ``recipe_dir/recipe.toml``; errors name the file and the key."""
     path = recipe_dir / RECIPE_FILE
     where = str(path)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError as exc:
-        raise _fail(where, "missing: a recipe is a directory holding recipe.toml") from exc
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise _fail(where, f"unreadable: {exc}") from exc
+    data = _read(path)
     unknown = set(data) - {"name", "description", "image", "template"}
     if unknown:
         raise _fail(where, f"unknown keys {sorted(unknown)}")
     name = data.get("name")
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise _fail(where, f"'name' must match {NAME_RE.pattern}, got {name!r}")
-    image = data.get("image", {})
-    if not isinstance(image, dict):
-        raise _fail(where, "[image] must be a table")
-    unknown = set(image) - {"suite", "packages", "pip", "run", "files"}
-    if unknown:
-        raise _fail(where, f"unknown keys in [image]: {sorted(unknown)}")
-    packages = _strings(where, image.get("packages"), "image.packages")
-    for p in packages:
-        if not DEBIAN_PACKAGE_RE.fullmatch(p):
-            raise _fail(where, f"{p!r} is not a Debian package name")
-    pip = _strings(where, image.get("pip"), "image.pip")
-    for p in pip:
-        if not PIP_SPEC_RE.fullmatch(p):
-            raise _fail(where, f"{p!r} is not a pip requirement (no spaces or options)")
-    files = []
-    root = recipe_dir.resolve()
-    for src, dest in (image.get("files") or {}).items():
-        full = (recipe_dir / src).resolve()
-        if not full.is_relative_to(root) or not full.is_file():
-            raise _fail(where, f"image.files: {src!r} is not a file inside {recipe_dir}")
-        if not isinstance(dest, str) or not dest.startswith("/") or "\0" in dest or ".." in dest:
-            raise _fail(where, f"image.files: destination {dest!r} must be an absolute path")
-        files.append((full, dest))
-    template = data.get("template", {})
-    if not isinstance(template, dict) or set(template) - TEMPLATE_KEYS:
-        raise _fail(where, f"[template] takes only {sorted(TEMPLATE_KEYS)}")
-    for key in ("memory_mib", "vcpus"):
-        if key in template and not isinstance(template[key], int):
-            raise _fail(where, f"template.{key} must be an integer")
-    _strings(where, template.get("setup"), "template.setup")
-    if "warmup" in template and not isinstance(template["warmup"], str):
-        raise _fail(where, "template.warmup must be a string")
+    image = _image_table(where, data)
+    packages = _each_matching(where, image, "packages", DEBIAN_PACKAGE_RE, "a Debian package name")
+    pip = _each_matching(
+        where, image, "pip", PIP_SPEC_RE, "a pip requirement (no spaces or options)"
+    )
+    files = _files(where, recipe_dir, image)
+    template = _template_table(where, data)
     suite = image.get("suite", "bookworm")
     if not isinstance(suite, str) or not DEBIAN_PACKAGE_RE.fullmatch(suite):
         raise _fail(where, f"image.suite {suite!r} is not a Debian suite name")
@@ -142,10 +112,71 @@ def load(recipe_dir: Path) -> Recipe:
         packages=packages,
         pip=pip,
         run=_strings(where, image.get("run"), "image.run"),
-        files=tuple(files),
+        files=files,
         template=dict(template),
         dir=recipe_dir,
     )
+
+
+def _read(path: Path) -> dict[str, Any]:
+    """The TOML file at ``path``; missing or unreadable, an ImageError naming it."""
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise _fail(str(path), "missing: a recipe is a directory holding recipe.toml") from exc
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise _fail(str(path), f"unreadable: {exc}") from exc
+
+
+def _image_table(where: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's [image] table (empty when it has none)."""
+    image = data.get("image", {})
+    if not isinstance(image, dict):
+        raise _fail(where, "[image] must be a table")
+    unknown = set(image) - {"suite", "packages", "pip", "run", "files"}
+    if unknown:
+        raise _fail(where, f"unknown keys in [image]: {sorted(unknown)}")
+    return image
+
+
+def _each_matching(
+    where: str, image: dict[str, Any], key: str, pattern: re.Pattern[str], what: str
+) -> tuple[str, ...]:
+    """``image.<key>``: strings each of which ``pattern`` matches (``what`` they are)."""
+    values = _strings(where, image.get(key), f"image.{key}")
+    for v in values:
+        if not pattern.fullmatch(v):
+            raise _fail(where, f"{v!r} is not {what}")
+    return values
+
+
+def _files(where: str, recipe_dir: Path, image: dict[str, Any]) -> tuple[tuple[Path, str], ...]:
+    """``image.files``: (a file inside the recipe's directory, its absolute path in the
+    image) pairs."""
+    files = []
+    root = recipe_dir.resolve()
+    for src, dest in (image.get("files") or {}).items():
+        full = (recipe_dir / src).resolve()
+        if not full.is_relative_to(root) or not full.is_file():
+            raise _fail(where, f"image.files: {src!r} is not a file inside {recipe_dir}")
+        if not isinstance(dest, str) or not dest.startswith("/") or "\0" in dest or ".." in dest:
+            raise _fail(where, f"image.files: destination {dest!r} must be an absolute path")
+        files.append((full, dest))
+    return tuple(files)
+
+
+def _template_table(where: str, data: dict[str, Any]) -> dict[str, Any]:
+    """The recipe's [template] table (empty when it has none), its values checked."""
+    template = data.get("template", {})
+    if not isinstance(template, dict) or set(template) - TEMPLATE_KEYS:
+        raise _fail(where, f"[template] takes only {sorted(TEMPLATE_KEYS)}")
+    for key in ("memory_mib", "vcpus"):
+        if key in template and not isinstance(template[key], int):
+            raise _fail(where, f"template.{key} must be an integer")
+    _strings(where, template.get("setup"), "template.setup")
+    if "warmup" in template and not isinstance(template["warmup"], str):
+        raise _fail(where, "template.warmup must be a string")
+    return template
 
 
 def builtin_dir(name: str) -> Path:

@@ -70,14 +70,7 @@ def build_rootfs(
     squash.require_tool()  # said here, as the caller expects it, not by the worker
     if reserve is not None:
         reserve.require(0, "flattening the image's layers")
-    request = {
-        "layers": [{**dataclasses.asdict(layer), "path": str(layer.path)} for layer in layers],
-        "out": str(out),
-        "work": str(work),
-        "limits": dataclasses.asdict(limits),
-        "run_as": list(run_as) if run_as is not None else None,
-        "parent": os.getpid(),
-    }
+    request = _request(layers, out, work, limits, run_as)
     log_path = work / "flatten-worker.log"
     with open(log_path, "w+b") as log:
         proc = subprocess.Popen(
@@ -106,13 +99,36 @@ def build_rootfs(
         if watch.refused is not None:
             raise watch.refused
         if answer is None:
-            log.seek(0)
-            tail = log.read()[-LOG_TAIL_BYTES:].decode(errors="replace").strip()
-            raise ImageError(
-                f"flattening the layers failed: the worker exited with status {code} "
-                f"without an answer{': ' + tail if tail else ''}"
-            )
+            raise _no_answer(log, code)
     return _result(answer)
+
+
+def _request(
+    layers: Sequence[LayerBlob],
+    out: Path,
+    work: Path,
+    limits: Limits,
+    run_as: tuple[int, int] | None,
+) -> dict[str, Any]:
+    """What the worker is asked to do, as it reads it (JSON) on its stdin."""
+    return {
+        "layers": [{**dataclasses.asdict(layer), "path": str(layer.path)} for layer in layers],
+        "out": str(out),
+        "work": str(work),
+        "limits": dataclasses.asdict(limits),
+        "run_as": list(run_as) if run_as is not None else None,
+        "parent": os.getpid(),
+    }
+
+
+def _no_answer(log: IO[bytes], code: int) -> ImageError:
+    """The error of a worker that exited without an answer: its status and its log's end."""
+    log.seek(0)
+    tail = log.read()[-LOG_TAIL_BYTES:].decode(errors="replace").strip()
+    return ImageError(
+        f"flattening the layers failed: the worker exited with status {code} "
+        f"without an answer{': ' + tail if tail else ''}"
+    )
 
 
 class _Watch:

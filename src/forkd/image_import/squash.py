@@ -38,6 +38,7 @@ import stat
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import IO, NoReturn
 
 from forkd import hosttools
 from forkd.archive.errors import ArchiveTooLarge
@@ -179,6 +180,32 @@ def _write_image(
     """Run tar2sqfs on the tree's tar stream (in ``jail``, when given); (entries written,
     files' apparent bytes)."""
     output = jail.output if jail is not None else str(staged)
+    log = work / "tar2sqfs.log"
+    with open(log, "w+b") as log_file:
+        proc = subprocess.Popen(
+            _tar2sqfs_argv(tool, output, jail),
+            stdin=subprocess.PIPE,
+            stdout=log_file,
+            stderr=log_file,
+            close_fds=True,
+            pass_fds=(jail.fd,) if jail is not None else (),
+        )
+        assert proc.stdin is not None
+        try:
+            counts = _feed(proc.stdin, tree)
+            code = proc.wait()
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        if code != 0 or counts is None:
+            _tar2sqfs_failed(log_file, code, staged)
+    return counts
+
+
+def _tar2sqfs_argv(tool: str, output: str, jail: _Jail | None) -> list[str]:
+    """tar2sqfs writing ``output`` from the tar stream on its stdin, behind the setpriv
+    that jails it (``jail``) or only ties it to its parent."""
     # tar2sqfs dies with the worker that feeds it (the parent-death signal set after the
     # change of uid, which would clear it). Unjailed, without setpriv (util-linux before
     # 2.33), it runs without: the worker's own parent-death signal still ends the import.
@@ -186,7 +213,7 @@ def _write_image(
     prefix = (
         jail.prefix if jail is not None else ([setpriv, *DIE_WITH_PARENT, "--"] if setpriv else [])
     )
-    argv = [
+    return [
         *prefix,
         tool,
         "--compressor",
@@ -197,41 +224,31 @@ def _write_image(
         str(max(1, min(MAX_JOBS, os.cpu_count() or 1))),
         output,
     ]
-    log = work / "tar2sqfs.log"
-    with open(log, "w+b") as log_file:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.PIPE,
-            stdout=log_file,
-            stderr=log_file,
-            close_fds=True,
-            pass_fds=(jail.fd,) if jail is not None else (),
-        )
-        assert proc.stdin is not None
-        counts: tuple[int, int] | None = None
-        try:
-            with contextlib.suppress(OSError):
-                fcntl.fcntl(proc.stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
-            writer = _TarWriter(proc.stdin.fileno(), tree)
-            try:
-                counts = writer.write_all()
-            except BrokenPipeError:
-                pass  # tar2sqfs stopped reading: its exit status and log say why
-            finally:
-                writer.close()
-                proc.stdin.close()
-            code = proc.wait()
-        except BaseException:
-            proc.kill()
-            proc.wait()
-            raise
-        if code != 0 or counts is None:
-            log_file.seek(0)
-            tail = log_file.read()[-2000:].decode(errors="replace").strip()
-            if _disk_full(staged):
-                raise StorageFull(f"the image cache's disk is full: {TOOL} could not write")
-            raise ImageError(f"{TOOL} failed (exit {code}): {tail or 'it stopped reading'}")
-    return counts
+
+
+def _feed(stdin: IO[bytes], tree: Tree) -> tuple[int, int] | None:
+    """Write the tree's tar stream into tar2sqfs's ``stdin``, then close it; (entries
+    written, files' apparent bytes), or None when tar2sqfs stopped reading."""
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(stdin.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+    writer = _TarWriter(stdin.fileno(), tree)
+    try:
+        return writer.write_all()
+    except BrokenPipeError:
+        return None  # tar2sqfs stopped reading: its exit status and log say why
+    finally:
+        writer.close()
+        stdin.close()
+
+
+def _tar2sqfs_failed(log_file: IO[bytes], code: int, staged: Path) -> NoReturn:
+    """tar2sqfs failed: StorageFull when the disk is full, else an ImageError with the end
+    of its log."""
+    log_file.seek(0)
+    tail = log_file.read()[-2000:].decode(errors="replace").strip()
+    if _disk_full(staged):
+        raise StorageFull(f"the image cache's disk is full: {TOOL} could not write")
+    raise ImageError(f"{TOOL} failed (exit {code}): {tail or 'it stopped reading'}")
 
 
 class _TarWriter:

@@ -258,6 +258,31 @@ def _machine_args(
 ) -> list[str]:
     """The machine and its fixed devices: identical for a boot and a restore but
     for the RAM file and the console's backend (neither is in the saved state)."""
+    return [
+        *_machine(cfg, rt, ram_file),
+        *_console(rt, incoming),
+        *_disks(cfg),
+        "-device",
+        "virtio-serial-device",
+        "-chardev",
+        f"socket,id={AGENT_CHARDEV},path={_opt(rt.agent)},server=on,wait=off",
+        "-device",
+        f"virtserialport,chardev={AGENT_CHARDEV},name=agent",
+        "-object",
+        "rng-random,id=rng,filename=/dev/urandom",
+        "-device",
+        "virtio-rng-device,rng=rng",
+        "-netdev",
+        _netdev(cfg, tap),
+        "-device",
+        f"virtio-net-device,netdev={NETDEV_ID}",
+        "-qmp",
+        f"unix:{_opt(rt.qmp)},server=on,wait=off",
+    ]
+
+
+def _machine(cfg: MachineConfig, rt: RuntimePaths, ram_file: Path) -> list[str]:
+    """QEMU, the microvm machine, its vCPUs and its RAM (``ram_file``), nothing else."""
     mem = f"{cfg.memory_mib}M"
     return [
         QEMU_BINARY,
@@ -278,10 +303,15 @@ def _machine_args(
         "-object",
         # (Not readonly=on: in QEMU 7.2 that maps the RAM read-only as well.)
         f"memory-backend-file,id=mem,size={mem},mem-path={_opt(ram_file)},share=off",
-        # A booted VM's console goes to a file (boot diagnostics); a fork's to a
-        # 1 MiB ring (read with QMP ringbuf-read), so no guest can fill the
-        # host's disk through its serial port. The backend is not part of
-        # the saved state, so both fit one snapshot.
+    ]
+
+
+def _console(rt: RuntimePaths, incoming: bool) -> list[str]:
+    """The serial console: a booted VM's goes to a file (boot diagnostics); a fork's to a
+    1 MiB ring (read with QMP ringbuf-read), so no guest can fill the host's disk through
+    its serial port. The backend is not part of the saved state, so both fit one
+    snapshot."""
+    return [
         "-chardev",
         (
             f"ringbuf,id=console,size={CONSOLE_RING_BYTES}"
@@ -290,6 +320,12 @@ def _machine_args(
         ),
         "-serial",
         "chardev:console",
+    ]
+
+
+def _disks(cfg: MachineConfig) -> list[str]:
+    """The root disk, and the runtime disk when the image has one: read-only both."""
+    return [
         "-drive",
         f"file={_opt(cfg.rootfs)},format=raw,if=none,id=root,readonly=on",
         "-device",
@@ -304,22 +340,6 @@ def _machine_args(
                 "virtio-blk-device,drive=runtime,serial=forkd-runtime",
             )
         ),
-        "-device",
-        "virtio-serial-device",
-        "-chardev",
-        f"socket,id={AGENT_CHARDEV},path={_opt(rt.agent)},server=on,wait=off",
-        "-device",
-        f"virtserialport,chardev={AGENT_CHARDEV},name=agent",
-        "-object",
-        "rng-random,id=rng,filename=/dev/urandom",
-        "-device",
-        "virtio-rng-device,rng=rng",
-        "-netdev",
-        _netdev(cfg, tap),
-        "-device",
-        f"virtio-net-device,netdev={NETDEV_ID}",
-        "-qmp",
-        f"unix:{_opt(rt.qmp)},server=on,wait=off",
     ]
 
 

@@ -94,27 +94,13 @@ def spawn(
         command = _wrapped(argv, detach, netns, cgroup, drop=uid is not None)
         if cgroup is not None:
             gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
-        log_fd = os.open(rt.qemu_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        with open(log_fd, "ab") as log_f:
-            proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL if gate_r < 0 else gate_r,
-                stdout=log_f,
-                stderr=log_f,
-                close_fds=True,
-                pass_fds=tuple(pass_fds),
-                start_new_session=detach,
-            )
+        proc = _popen(command, rt, gate_r, pass_fds, detach)
     except BaseException:
         _close_fds(gate_r, gate_w)
         raise
     _close_fds(gate_r)
     try:
-        if uid is not None:
-            uid.bind(proc.pid)  # from now on held for as long as this process lives
-        if cgroup is not None:
-            cgroups.move(cgroup, proc.pid)
-            os.write(gate_w, b"\n")  # through the gate: it becomes QEMU, in its group
+        _hand_over(proc, uid, cgroup, gate_w)
     except BaseException:
         proc.kill()
         proc.wait()
@@ -122,6 +108,39 @@ def spawn(
     finally:
         _close_fds(gate_w)
     return proc
+
+
+def _popen(
+    command: list[str], rt: RuntimePaths, gate: int, pass_fds: Sequence[int], detach: bool
+) -> subprocess.Popen[bytes]:
+    """``command`` started with its output appended to ``qemu.log`` and its stdin the
+    cgroup gate's read end (``gate``; none when negative)."""
+    log_fd = os.open(rt.qemu_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with open(log_fd, "ab") as log_f:
+        return subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL if gate < 0 else gate,
+            stdout=log_f,
+            stderr=log_f,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
+            start_new_session=detach,
+        )
+
+
+def _hand_over(
+    proc: subprocess.Popen[bytes],
+    uid: qemu_user.Lease | None,
+    cgroup: cgroups.Group | None,
+    gate: int,
+) -> None:
+    """The started process is given its uid lease and moved into its cgroup, then let
+    through the gate (its write end, ``gate``) to become QEMU."""
+    if uid is not None:
+        uid.bind(proc.pid)  # from now on held for as long as this process lives
+    if cgroup is not None:
+        cgroups.move(cgroup, proc.pid)
+        os.write(gate, b"\n")  # through the gate: it becomes QEMU, in its group
 
 
 def _wrapped(
