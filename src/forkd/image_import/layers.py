@@ -59,9 +59,10 @@ from typing import IO, Protocol, runtime_checkable
 
 import zstandard
 
+from forkd.archive.beneath import MAX_LINK_HOPS
 from forkd.archive.errors import ArchiveError, ArchiveTooLarge, BadArchive, UnsafeEntry, shown
 from forkd.archive.tar_format import Kind, Limits, Member, TarReader, max_stream
-from forkd.archive.unpack import MAX_LINK_HOPS, ROOTFS_XATTR_PREFIXES
+from forkd.archive.unpack import ROOTFS_XATTR_PREFIXES
 from forkd.errors import Invalid
 from forkd.image_import import diff_ids
 from forkd.image_import.diff_ids import Readable
