@@ -45,8 +45,9 @@ from forkd.egress.records import EgressLog, EgressRecord
 from forkd.egress.resolver import Resolver
 from forkd.egress.splice import Counts, close_socket_soon, close_soon, readable, splice_sockets
 from forkd.vmm.jail import netns_ops
+from forkd.vmm.jail.addresses import DNS_PORT, GATEWAY_IP, PROXY_PORT
 from forkd.vmm.jail.egress import Egress
-from forkd.vmm.jail.network import DNS_PORT, GATEWAY_IP, PROXY_PORT, SandboxNet
+from forkd.vmm.jail.network import SandboxNet
 
 log = logging.getLogger(__name__)
 
