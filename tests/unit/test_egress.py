@@ -184,14 +184,14 @@ def test_with_the_proxy_every_dns_query_is_the_daemons() -> None:
 
 
 def test_a_new_policy_closes_a_named_connection_whose_address_it_now_denies() -> None:
+    from forkd.egress.attachment import still_allowed
     from forkd.egress.decide import Fence
-    from forkd.egress.proxy import _still_allowed
 
     fence = Fence.of("10.201.0.0/16", [])
     web = ipaddress.IPv4Address("198.51.100.7")
-    assert _still_allowed(Egress("internet"), fence, "api.test", web)
-    assert not _still_allowed(Egress.parse({"deny_out": ["198.51.100.0/24"]}), fence,
+    assert still_allowed(Egress("internet"), fence, "api.test", web)
+    assert not still_allowed(Egress.parse({"deny_out": ["198.51.100.0/24"]}), fence,
                               "api.test", web)  # fmt: skip
-    assert not _still_allowed(Egress.parse({"allow_out": ["other.test"]}), fence, "api.test", web)
-    assert _still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, "api.test", web)
-    assert not _still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, None, web)
+    assert not still_allowed(Egress.parse({"allow_out": ["other.test"]}), fence, "api.test", web)
+    assert still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, "api.test", web)
+    assert not still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, None, web)
