@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from forkd.controller.services.live_vms import vm_id_prefixes
-from forkd.vmm.jail import cgroups, network
+from forkd.vmm.jail import addresses, cgroups, network
 from forkd.vmm.qemu.host_processes import qemu_pids_under, qemu_run_dirs
 
 STAGING_GLOB = ".*.partial-*"  # a snapshot, volume or delete in progress (or a crash's)
@@ -70,7 +70,7 @@ def host_veths() -> set[Veth]:
         found = set()
         for link in ipr.get_links():
             name = link.get("ifname") or ""
-            if name.startswith(network.HOST_IF_PREFIX):
+            if name.startswith(addresses.HOST_IF_PREFIX):
                 nsid = link.get("IFLA_LINK_NETNSID")
                 found.add(Veth(name, link["index"], nsid_names.get(nsid)))
         return found
@@ -145,7 +145,7 @@ def take_census(
     for pid in qemu_pids_under(state_dir):
         c.qemu[pid] = named[pid].name if pid in named else "?"
     for name in network.HostNetwork.namespaces():
-        (c.netns if name[len(network.NETNS_PREFIX) :].startswith(mine) else c.foreign_netns).add(
+        (c.netns if name[len(addresses.NETNS_PREFIX) :].startswith(mine) else c.foreign_netns).add(
             name
         )
     hierarchy = cgroups.probe(cgroup_root, cgroup_parent)  # probe: creates nothing

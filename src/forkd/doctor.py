@@ -63,15 +63,15 @@ CONNTRACK_MAX = Path("/proc/sys/net/netfilter/nf_conntrack_max")
 def _conntrack(conntrack_max: Path = CONNTRACK_MAX) -> Check:
     """Whether the host's connection-tracking table holds every sandbox's share.
 
-    Each sandbox may keep :data:`forkd.vmm.jail.network.MAX_GUEST_CONNS` connections
+    Each sandbox may keep :data:`forkd.vmm.jail.rulesets.MAX_GUEST_CONNS` connections
     tracked; the table is the host's, so when it fills the host itself drops
     new connections.
     """
     from forkd import limits
-    from forkd.vmm.jail import network
+    from forkd.vmm.jail import rulesets
 
     sandboxes = limits.default_max_sandboxes()
-    need = sandboxes * network.MAX_GUEST_CONNS
+    need = sandboxes * rulesets.MAX_GUEST_CONNS
     try:
         have = int(conntrack_max.read_text())
     except (OSError, ValueError):
@@ -80,8 +80,8 @@ def _conntrack(conntrack_max: Path = CONNTRACK_MAX) -> Check:
     return Check(
         "conntrack",
         ok,
-        f"nf_conntrack_max {have}: room for {have // network.MAX_GUEST_CONNS} sandboxes at "
-        f"{network.MAX_GUEST_CONNS} connections each ({sandboxes} by default here)",
+        f"nf_conntrack_max {have}: room for {have // rulesets.MAX_GUEST_CONNS} sandboxes at "
+        f"{rulesets.MAX_GUEST_CONNS} connections each ({sandboxes} by default here)",
         f"sysctl -w net.netfilter.nf_conntrack_max={need}, or a lower --max-sandboxes",
         fatal=False,
     )

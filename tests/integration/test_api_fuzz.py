@@ -39,7 +39,7 @@ from schemathesis.core.parameters import ParameterLocation
 
 from forkd.controller.services.live_vms import vm_id_prefixes
 from forkd.guest import image as images
-from forkd.vmm.jail import cgroups, network
+from forkd.vmm.jail import addresses, cgroups, network
 from forkd.vmm.qemu.host_processes import qemu_pids_under, qemu_run_dirs
 from tests.fuzz.test_api_fuzz import Known, call_and_check, check_error_body, fuzz_schema, steer
 
@@ -121,7 +121,7 @@ def census(state: Path, prefix: str) -> Census:
     c = Census()
     c.qemu = {named[p].name if p in named else f"pid {p}" for p in qemu_pids_under(state)}
     for ns in network.HostNetwork.namespaces():
-        vm_id = ns.removeprefix(network.NETNS_PREFIX)
+        vm_id = ns.removeprefix(addresses.NETNS_PREFIX)
         if vm_id.startswith(mine):
             c.netns.add(vm_id)
     for parent in cgroups.probe().parent_dirs():

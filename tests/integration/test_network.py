@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 import pytest
 
-from forkd.vmm.jail import network
+from forkd.vmm.jail import addresses, network
 from tests.egress_world import clash, link_to
 
 from .conftest import Daemon
@@ -196,7 +196,7 @@ def test_a_guest_reaches_no_host_address_and_no_sibling(daemon: Daemon, api_temp
         a = _fork(api, egress="internet")  # the widest policy: still fenced in
         b = _fork(api)
         try:
-            addrs = [*_host_addresses(), network.GATEWAY_IP, network.DNS_IP]
+            addrs = [*_host_addresses(), addresses.GATEWAY_IP, addresses.DNS_IP]
             targets = [f"{h}:{p}" for h in addrs for p in (daemon.port, listener.port, 22)]
             b_host = b["guest_addr"].rsplit(":", 1)[0]
             targets += [b["guest_addr"], f"{b_host}:{listener.port}"]

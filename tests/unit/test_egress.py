@@ -8,10 +8,10 @@ import pytest
 
 from forkd.errors import Invalid
 from forkd.vmm.jail import egress
+from forkd.vmm.jail.addresses import GUEST_IP
 from forkd.vmm.jail.egress import BLOCKED_RANGES, Egress
-from forkd.vmm.jail.network import (
+from forkd.vmm.jail.rulesets import (
     ALWAYS_BLOCKED,
-    GUEST_IP,
     host_ruleset,
     inside_clients_ruleset,
     namespace_ruleset,
@@ -173,7 +173,7 @@ def test_an_opened_range_inside_a_host_network_leaves_the_rest_shut() -> None:
 def test_with_the_proxy_every_dns_query_is_the_daemons() -> None:
     """No way around the daemon's answers: no DNAT to the host's resolver, no accept of
     anything sent to it straight, UDP to the guest's resolver redirected to the daemon."""
-    from forkd.vmm.jail.network import DNS_PORT, PROXY_PORT
+    from forkd.vmm.jail.addresses import DNS_PORT, PROXY_PORT
 
     rules = namespace_ruleset(Egress("internet"), resolver="192.0.2.53", proxy_port=PROXY_PORT)
     assert "192.0.2.53" not in rules
@@ -184,14 +184,14 @@ def test_with_the_proxy_every_dns_query_is_the_daemons() -> None:
 
 
 def test_a_new_policy_closes_a_named_connection_whose_address_it_now_denies() -> None:
+    from forkd.egress.attachment import still_allowed
     from forkd.egress.decide import Fence
-    from forkd.egress.proxy import _still_allowed
 
     fence = Fence.of("10.201.0.0/16", [])
     web = ipaddress.IPv4Address("198.51.100.7")
-    assert _still_allowed(Egress("internet"), fence, "api.test", web)
-    assert not _still_allowed(Egress.parse({"deny_out": ["198.51.100.0/24"]}), fence,
+    assert still_allowed(Egress("internet"), fence, "api.test", web)
+    assert not still_allowed(Egress.parse({"deny_out": ["198.51.100.0/24"]}), fence,
                               "api.test", web)  # fmt: skip
-    assert not _still_allowed(Egress.parse({"allow_out": ["other.test"]}), fence, "api.test", web)
-    assert _still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, "api.test", web)
-    assert not _still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, None, web)
+    assert not still_allowed(Egress.parse({"allow_out": ["other.test"]}), fence, "api.test", web)
+    assert still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, "api.test", web)
+    assert not still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, None, web)

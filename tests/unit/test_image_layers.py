@@ -1,4 +1,4 @@
-"""An image's layers flattened into a squashfs root (forkd.image_import.layers, squash):
+"""An image's layers flattened into a squashfs root (forkd.image_import.layers, tree, squash):
 Docker's layer rules, every kind of entry a root file system holds, and hostile
 layers refused with nothing left behind. Real tar2sqfs; images read back with
 rdsquashfs (squashfs-tools-ng)."""
@@ -515,7 +515,7 @@ def test_a_directory_of_more_names_than_tar2sqfs_can_take_in_time_is_refused(
 ) -> None:
     # tar2sqfs's cost grows with the square of a directory's size: 65,537 names in one
     # directory are refused while the layer is read, before tar2sqfs runs at all.
-    from forkd.image_import.layers import MAX_DIR_ENTRIES
+    from forkd.image_import.tree import MAX_DIR_ENTRIES
 
     image.layer(directory("d"), *[file(f"d/{i}") for i in range(MAX_DIR_ENTRIES + 1)])
     started = time.monotonic()
@@ -527,9 +527,9 @@ def test_a_directory_of_more_names_than_tar2sqfs_can_take_in_time_is_refused(
 def test_the_directory_cap_counts_a_directory_s_names_not_the_image_s(
     image: Image, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from forkd.image_import import layers
+    from forkd.image_import import tree
 
-    monkeypatch.setattr(layers, "MAX_DIR_ENTRIES", 10)
+    monkeypatch.setattr(tree, "MAX_DIR_ENTRIES", 10)
     for d in ("a", "b", "c"):  # 10 in each of three directories, and the root's 3
         image.layer(directory(d), *[file(f"{d}/{i}") for i in range(10)])
     image.layer(*[file(f"a/{i}", b"again") for i in range(10)])  # replaced, not added

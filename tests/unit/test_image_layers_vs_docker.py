@@ -106,7 +106,7 @@ _DIR, _LINK, _HARD = oci_images.Dir, oci_images.Symlink, oci_images.Hardlink
 
 # Docker (its overlay2 graph driver) and containerd (its overlayfs snapshotter) both
 # unpack a layer into a directory of its own, without the layers below, and let
-# overlayfs merge them; forkd's tree gives the same root (forkd.image_import.layers).
+# overlayfs merge them; forkd's tree gives the same root (forkd.image_import.tree).
 # Where they are not deterministic or refuse, forkd differs: a parent a layer makes is
 # dated 0, not when the image was loaded, so the same layers make the same image; a
 # lower directory such a parent covers keeps its owner and mode (containerd copies

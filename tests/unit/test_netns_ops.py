@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from forkd.errors import VMError
-from forkd.vmm.jail import netns_ops, network
+from forkd.vmm.jail import addresses, netns_ops, network
 from forkd.vmm.jail.egress import Egress
 
 pytestmark = pytest.mark.skipif(
@@ -107,11 +107,11 @@ def test_free_index_takes_the_lowest_missing_link(name: str) -> None:
 
         with IPRoute() as ipr:
             for i in (0, 2):
-                ipr.link("add", ifname=f"{network.HOST_IF_PREFIX}{i}", kind="veth", peer=f"p{i}")
+                ipr.link("add", ifname=f"{addresses.HOST_IF_PREFIX}{i}", kind="veth", peer=f"p{i}")
         picks = [hn._free_index(), hn._free_index(preferred=3), hn._free_index(preferred=2)]
         with IPRoute() as ipr:
             for i in (1, 3):
-                ipr.link("add", ifname=f"{network.HOST_IF_PREFIX}{i}", kind="veth", peer=f"p{i}")
+                ipr.link("add", ifname=f"{addresses.HOST_IF_PREFIX}{i}", kind="veth", peer=f"p{i}")
         try:
             hn._free_index()
         except Exception as exc:  # all four taken
@@ -128,7 +128,7 @@ def test_a_vm_namespace_is_made_and_removed_whole(monkeypatch: pytest.MonkeyPatc
     vm_id = f"test-{uuid.uuid4().hex[:8]}"
     net = hn.create(vm_id, Egress.from_internet(False))
     try:
-        assert net.netns == network.NETNS_PREFIX + vm_id
+        assert net.netns == addresses.NETNS_PREFIX + vm_id
         assert net.host_if in _links()
 
         def look() -> tuple[list[str], str, str]:
@@ -137,7 +137,7 @@ def test_a_vm_namespace_is_made_and_removed_whole(monkeypatch: pytest.MonkeyPatc
             return _links(), v6, fwd
 
         links, v6, fwd = netns_ops.run_inside(net.netns, look)
-        assert links == sorted(["lo", network.NS_VETH, network.NS_TAP])
+        assert links == sorted(["lo", addresses.NS_VETH, addresses.NS_TAP])
         assert (v6, fwd) == ("1", "1")
     finally:
         network.destroy(net)

@@ -9,25 +9,36 @@ sparse files, base-256 numbers) and pax (paths, sizes, owners, times, extended
 attributes, sparse formats 0.0, 0.1 and 1.0) from a forward-only stream, and
 bounds every length it is told before it reads a byte of it.
 
-The reader only parses; :mod:`forkd.archive.unpack` decides what an entry
-may do on disk.
+Each header's fields are read by :mod:`forkd.archive.tar_fields`. The reader only
+parses; :mod:`forkd.archive.unpack` decides what an entry may do on disk.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 
 from forkd.archive.errors import ArchiveTooLarge, BadArchive, shown
+from forkd.archive.tar_fields import (
+    BLOCK,
+    MAX_SPARSE_SEGMENTS,
+    check_sum,
+    header_name,
+    number,
+    padded,
+    pax_0_runs,
+    pax_int,
+    pax_records,
+    pax_time,
+    pax_xattrs,
+    runs_from,
+    text,
+    until_nul,
+)
 
-BLOCK = 512
 MAX_META_HEADERS = 8  # long-name, long-link and pax headers before one entry
 HEADER_BLOCKS_PER_ENTRY = 8  # a header, a pax header and its records, a long name: room to spare
-MAX_SPARSE_SEGMENTS = 1 << 16
-MAX_XATTRS = 64
-MAX_XATTR_VALUE = 64 * 1024  # Linux's own limit on one attribute's value
 
 ReadFn = Callable[[int], bytes]
 
@@ -56,9 +67,6 @@ _KINDS = {
 }
 _META = (b"L", b"K", b"x", b"g")  # GNU long name, GNU long link, pax, pax global
 _OLD_GNU_SPARSE = b"S"
-_POSIX_MAGIC = b"ustar\x0000"
-_GNU_MAGIC = b"ustar  \0"
-_PAX_LENGTH = re.compile(rb"([0-9]{1,8}) ")
 
 
 @dataclass(frozen=True)
@@ -171,19 +179,19 @@ class TarReader:
             kind = block[156:157]
             if kind not in _META:
                 return self._member(block, long_name, long_link, pax)
-            size = _number(block[124:136], "a header's size")
+            size = number(block[124:136], "a header's size")
             if size > self.limits.max_header_bytes:
                 raise ArchiveTooLarge(
                     f"the archive has a {size}-byte extended header; at most "
                     f"{self.limits.max_header_bytes} bytes are accepted"
                 )
-            payload = self._exactly(_padded(size), "an extended header")[:size]
+            payload = self._exactly(padded(size), "an extended header")[:size]
             if kind == b"L":
-                long_name = _text(payload.split(b"\0", 1)[0])
+                long_name = text(payload.split(b"\0", 1)[0])
             elif kind == b"K":
-                long_link = _text(payload.split(b"\0", 1)[0])
+                long_link = text(payload.split(b"\0", 1)[0])
             elif kind == b"x":
-                pax.update(_pax_records(payload))
+                pax.update(pax_records(payload))
             # b"g": global pax headers change nothing forkd keeps; read and dropped
         raise BadArchive(f"more than {MAX_META_HEADERS} extended headers before one entry")
 
@@ -198,19 +206,19 @@ class TarReader:
         )
         if block == bytes(BLOCK):
             return None
-        _check_sum(block)
+        check_sum(block)
         return block
 
     def _member(
         self, block: bytes, long_name: str | None, long_link: str | None, pax: dict[bytes, bytes]
     ) -> Member:
         kind_flag = block[156:157]
-        name = long_name if long_name is not None else _header_name(block)
+        name = long_name if long_name is not None else header_name(block)
         if b"path" in pax:
-            name = _text(pax[b"path"])
-        linkname = long_link if long_link is not None else _text(_field(block[157:257]))
+            name = text(pax[b"path"])
+        linkname = long_link if long_link is not None else text(until_nul(block[157:257]))
         if b"linkpath" in pax:
-            linkname = _text(pax[b"linkpath"])
+            linkname = text(pax[b"linkpath"])
         kind = _KINDS.get(kind_flag)
         if kind is None:
             raise BadArchive(
@@ -218,26 +226,26 @@ class TarReader:
             )
         if kind is Kind.FILE and name.endswith("/") and kind_flag != _OLD_GNU_SPARSE:
             kind = Kind.DIRECTORY  # the old v7 way of storing a directory
-        stored = _pax_int(pax, b"size", _number(block[124:136], "a size"))
+        stored = pax_int(pax, b"size", number(block[124:136], "a size"))
         member = Member(
             name=name,
             kind=kind,
             size=stored,
-            mode=_number(block[100:108], "a mode") & 0o7777,
-            uid=_pax_int(pax, b"uid", _number(block[108:116], "an owner")),
-            gid=_pax_int(pax, b"gid", _number(block[116:124], "a group")),
+            mode=number(block[100:108], "a mode") & 0o7777,
+            uid=pax_int(pax, b"uid", number(block[108:116], "an owner")),
+            gid=pax_int(pax, b"gid", number(block[116:124], "a group")),
             # A time before 1970 reads as 0, in GNU's base-256 as in pax: GNU tar
             # writes one for any file dated so, and Docker takes such a layer.
-            mtime=_pax_time(pax, _number(block[136:148], "a time", negative=0)),
+            mtime=pax_time(pax, number(block[136:148], "a time", negative=0)),
             linkname=linkname,
-            devmajor=_number(block[329:337], "a device number"),
-            devminor=_number(block[337:345], "a device number"),
-            xattrs=_xattrs(pax, name),
+            devmajor=number(block[329:337], "a device number"),
+            devminor=number(block[337:345], "a device number"),
+            xattrs=pax_xattrs(pax, name),
         )
         self._check_bounds(member)
         if kind is Kind.FILE:
             self._left = stored
-            self._padding = _padded(stored) - stored
+            self._padding = padded(stored) - stored
             member.sparse = self._sparse_map(block, kind_flag, pax, member)
             self.bytes += member.size
             if self.bytes > self.limits.max_bytes:
@@ -246,7 +254,7 @@ class TarReader:
                     f"(at entry {shown(member.name)})"
                 )
         else:  # no content to unpack, but a size may still say some follows: skipped
-            self._left, self._padding = stored, _padded(stored) - stored
+            self._left, self._padding = stored, padded(stored) - stored
             self.bytes += stored
             if self.bytes > self.limits.max_bytes:
                 raise ArchiveTooLarge(
@@ -260,8 +268,8 @@ class TarReader:
         limits = self.limits
         if self.entries > limits.max_entries:
             raise ArchiveTooLarge(f"the archive has more than {limits.max_entries} entries")
-        for what, text in (("name", member.name), ("link target", member.linkname)):
-            if len(text.encode("utf-8", "surrogateescape")) > limits.max_path_bytes:
+        for what, value in (("name", member.name), ("link target", member.linkname)):
+            if len(value.encode("utf-8", "surrogateescape")) > limits.max_path_bytes:
                 raise ArchiveTooLarge(
                     f"entry {shown(member.name)} has a {what} longer than "
                     f"{limits.max_path_bytes} bytes"
@@ -278,20 +286,18 @@ class TarReader:
     ) -> list[tuple[int, int]] | None:
         if kind_flag == _OLD_GNU_SPARSE:
             runs = self._old_gnu_runs(block)
-            member.size = _number(block[483:495], "a sparse file's size")
+            member.size = number(block[483:495], "a sparse file's size")
         elif pax.get(b"GNU.sparse.major") == b"1":
             runs, consumed = self._pax_1_runs()
             self._left -= consumed
-            member.size = _pax_int(pax, b"GNU.sparse.realsize", 0)
+            member.size = pax_int(pax, b"GNU.sparse.realsize", 0)
             if b"GNU.sparse.name" in pax:
-                member.name = _text(pax[b"GNU.sparse.name"])
+                member.name = text(pax[b"GNU.sparse.name"])
         elif b"GNU.sparse.map" in pax or b"GNU.sparse.numblocks" in pax:
-            runs = _pax_0_runs(pax, member.name)
-            member.size = _pax_int(
-                pax, b"GNU.sparse.size", _pax_int(pax, b"GNU.sparse.realsize", 0)
-            )
+            runs = pax_0_runs(pax, member.name)
+            member.size = pax_int(pax, b"GNU.sparse.size", pax_int(pax, b"GNU.sparse.realsize", 0))
             if b"GNU.sparse.name" in pax:
-                member.name = _text(pax[b"GNU.sparse.name"])
+                member.name = text(pax[b"GNU.sparse.name"])
         else:
             return None
         _check_runs(runs, member, self._left)
@@ -299,12 +305,12 @@ class TarReader:
         return runs
 
     def _old_gnu_runs(self, block: bytes) -> list[tuple[int, int]]:
-        runs = _runs_from(block[386:482], 4)
+        runs = runs_from(block[386:482], 4)
         extended = block[482]
         while extended:
             more = self._exactly(BLOCK, "a sparse file's map")
             self._too_many_runs(runs)
-            runs += _runs_from(more[:504], 21)
+            runs += runs_from(more[:504], 21)
             extended = more[504]
         return runs
 
@@ -358,158 +364,6 @@ class TarReader:
                 length -= len(piece)
                 yield offset, piece
                 offset += len(piece)
-
-
-# ---------------------------------------------------------------------- fields
-
-
-def _padded(size: int) -> int:
-    return -(-size // BLOCK) * BLOCK
-
-
-def _field(raw: bytes) -> bytes:
-    return raw.split(b"\0", 1)[0]
-
-
-def _text(raw: bytes) -> str:
-    """A name's bytes as the file system will get them back (os.fsencode)."""
-    return raw.decode("utf-8", "surrogateescape")
-
-
-def _header_name(block: bytes) -> str:
-    name = _field(block[0:100])
-    if block[257:265] == _POSIX_MAGIC:
-        prefix = _field(block[345:500])
-        if prefix:
-            name = prefix + b"/" + name
-    return _text(name)
-
-
-def _number(raw: bytes, what: str, *, negative: int | None = None) -> int:
-    """An octal field, or GNU's base-256 (first byte 0x80; 0xff, negative, is refused,
-    or read as ``negative`` when given)."""
-    if raw[:1] == b"\x80":
-        return int.from_bytes(raw[1:], "big")
-    if raw[:1] == b"\xff":
-        if negative is not None:
-            return negative
-        raise BadArchive(f"the archive has a negative number for {what}")
-    text = raw.split(b"\0", 1)[0].strip(b" ")
-    if not text:
-        return 0
-    if not all(48 <= c <= 55 for c in text):
-        raise BadArchive(f"the archive has a malformed number for {what}: {text[:20]!r}")
-    return int(text, 8)
-
-
-def _check_sum(block: bytes) -> None:
-    stored = block[148:156]
-    try:
-        want = _number(stored, "a checksum")
-    except BadArchive:
-        raise BadArchive("not a tar archive: a header's checksum is malformed") from None
-    unsigned = sum(block[:148]) + 8 * 32 + sum(block[156:])
-    signed = unsigned - 2 * (
-        sum(b for b in block[:148] if b > 127) + sum(b for b in block[156:] if b > 127)
-    )
-    if want not in (unsigned, signed):
-        raise BadArchive("not a tar archive (a header's checksum does not match)")
-
-
-def _pax_records(payload: bytes) -> dict[bytes, bytes]:
-    """``LEN key=value\\n`` records; LEN counts the whole record, itself included."""
-    records: dict[bytes, bytes] = {}
-    pos = 0
-    while pos < len(payload):
-        if payload[pos] == 0:  # some writers pad with NULs
-            break
-        m = _PAX_LENGTH.match(payload, pos)
-        if m is None:
-            raise BadArchive("a pax header is malformed")
-        length = int(m.group(1))
-        end = pos + length
-        if length <= len(m.group(0)) or end > len(payload) or payload[end - 1] != 0x0A:
-            raise BadArchive("a pax header is malformed")
-        key, sep, value = payload[m.end() : end - 1].partition(b"=")
-        if not sep or not key:
-            raise BadArchive("a pax header is malformed")
-        if key.startswith(b"GNU.sparse.offset") or key.startswith(b"GNU.sparse.numbytes"):
-            # Format 0.0 repeats these two: keep every one, in order.
-            records[key + b"#" + str(len(records)).encode()] = value
-        else:
-            records[key] = value
-        pos = end
-    return records
-
-
-def _pax_int(pax: dict[bytes, bytes], key: bytes, default: int) -> int:
-    if key not in pax:
-        return default
-    value = pax[key]
-    if not value.isdigit() or len(value) > 20:
-        raise BadArchive(f"a pax header has a malformed {key.decode(errors='replace')}")
-    return int(value)
-
-
-def _pax_time(pax: dict[bytes, bytes], default: int) -> int:
-    value = pax.get(b"mtime")
-    if value is None:
-        return default
-    whole = value.split(b".", 1)[0]
-    if whole.startswith(b"-"):
-        return 0
-    if not whole.isdigit() or len(whole) > 20:
-        raise BadArchive("a pax header has a malformed mtime")
-    return int(whole)
-
-
-def _xattrs(pax: dict[bytes, bytes], name: str) -> dict[str, bytes]:
-    found = {}
-    for key, value in pax.items():
-        if key.startswith(b"SCHILY.xattr."):
-            attr = key[len(b"SCHILY.xattr.") :]
-            if not attr or b"\0" in attr or len(attr) > 255:
-                raise BadArchive(f"entry {shown(name)} has a malformed extended attribute")
-            if len(value) > MAX_XATTR_VALUE:
-                raise ArchiveTooLarge(f"entry {shown(name)} has an extended attribute too large")
-            found[_text(attr)] = value
-    if len(found) > MAX_XATTRS:
-        raise ArchiveTooLarge(f"entry {shown(name)} has more than {MAX_XATTRS} attributes")
-    return found
-
-
-def _runs_from(raw: bytes, count: int) -> list[tuple[int, int]]:
-    runs = []
-    for i in range(count):
-        entry = raw[i * 24 : i * 24 + 24]
-        if entry[:1] in (b"\0", b"") and entry[12:13] in (b"\0", b""):
-            break
-        runs.append(
-            (_number(entry[:12], "a sparse offset"), _number(entry[12:], "a sparse length"))
-        )
-    return runs
-
-
-def _pax_0_runs(pax: dict[bytes, bytes], name: str) -> list[tuple[int, int]]:
-    if b"GNU.sparse.map" in pax:
-        numbers = pax[b"GNU.sparse.map"].split(b",")
-        if len(numbers) % 2 or not all(n.isdigit() for n in numbers):
-            raise BadArchive(f"entry {shown(name)} has a malformed sparse map")
-        values = [int(n) for n in numbers]
-    else:
-        ordered = sorted(
-            (int(k.rsplit(b"#", 1)[1]), v)
-            for k, v in pax.items()
-            if k.startswith(b"GNU.sparse.offset#") or k.startswith(b"GNU.sparse.numbytes#")
-        )
-        if not all(v.isdigit() for _, v in ordered):
-            raise BadArchive(f"entry {shown(name)} has a malformed sparse map")
-        values = [int(v) for _, v in ordered]
-        if len(values) % 2:
-            raise BadArchive(f"entry {shown(name)} has a malformed sparse map")
-    if len(values) > 2 * MAX_SPARSE_SEGMENTS:
-        raise ArchiveTooLarge(f"a sparse file has more than {MAX_SPARSE_SEGMENTS} data runs")
-    return list(zip(values[0::2], values[1::2], strict=True))
 
 
 def _check_runs(runs: list[tuple[int, int]], member: Member, stored: int) -> None:

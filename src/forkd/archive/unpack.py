@@ -30,7 +30,9 @@ filters:
   extended attributes a root file system needs are applied.
 
 Directories' modes and times are applied last, deepest first, so a read-only
-directory in the archive does not stop its own content from being written.
+directory in the archive does not stop its own content from being written. The
+names' checks, the walks by descriptor and the symlinks' last resolution are
+:mod:`forkd.archive.beneath`'s; this module makes the entries.
 """
 
 from __future__ import annotations
@@ -44,10 +46,16 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from forkd.archive.beneath import (
+    check_resolves_inside,
+    link_problem,
+    readlink,
+    split_name,
+    walk,
+)
 from forkd.archive.errors import ArchiveError, BadArchive, UnsafeEntry, shown
 from forkd.archive.tar_format import Kind, Limits, Member, ReadFn, TarReader
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 # What an archive can bring about by itself (a name too long for the file system, a
 # file where its own directory must go, ...), as opposed to the host's own failures.
@@ -63,7 +71,6 @@ _ARCHIVE_ERRNOS = frozenset(
         errno.ENOTEMPTY,
     }
 )
-MAX_LINK_HOPS = 40  # symlinks followed resolving one path, as Linux allows
 # The extended attributes a root file system may carry; others are not applied.
 ROOTFS_XATTR_PREFIXES = ("user.", "security.capability")
 
@@ -163,44 +170,6 @@ def _remove_tree(path: Path) -> None:
             shutil.rmtree(path)  # never follows a symlink (fd-based on Linux)
 
 
-# ---------------------------------------------------------------------- names
-
-
-def split_name(name: str) -> tuple[str, ...]:
-    """An entry's name as components beneath the root; UnsafeEntry for one that is
-    absolute, climbs with '..', or holds a NUL."""
-    if "\0" in name:
-        raise UnsafeEntry(f"refusing entry {shown(name)}: its name holds a NUL byte")
-    if name.startswith("/"):
-        raise UnsafeEntry(f"refusing entry {shown(name)}: an absolute name")
-    parts = tuple(p for p in name.split("/") if p not in ("", "."))
-    if ".." in parts:
-        raise UnsafeEntry(f"refusing entry {shown(name)}: its name climbs with '..'")
-    return parts
-
-
-def _link_problem(parent: tuple[str, ...], target: str) -> str | None:
-    """Why a relative symlink target, read from the link's directory ``parent``, might
-    lead outside the tree; None when it cannot. Its ``..`` must all come first, and
-    no more of them than ``parent`` is deep: they then climb through the link's own
-    directories (real ones: nothing here replaces a directory that holds an entry) and
-    the names after them only descend, through links that obey the same rule, however
-    later archives change the tree. A ``..`` after a name could climb out of a link
-    that a later archive puts at that name (``a/b/../..`` once ``a`` -> ``.``)."""
-    climbs = 0
-    named = False
-    for part in target.split("/"):
-        if part == "..":
-            if named:
-                return "its target climbs with '..' after a name"
-            climbs += 1
-        elif part not in ("", "."):
-            named = True
-    if climbs > len(parent):
-        return "it points outside the directory"
-    return None
-
-
 # ---------------------------------------------------------------------- unpacking
 
 
@@ -227,7 +196,7 @@ class _Unpacker:
             if self.policy.symlinks_inside:
                 try:
                     for parts in self.symlinks:
-                        self._check_resolves_inside(parts)
+                        check_resolves_inside(self.root, parts)
                 except UnsafeEntry:
                     self._remove_symlinks()  # none is left to lead out, even unstaged
                     raise
@@ -268,7 +237,7 @@ class _Unpacker:
         if self._cached is not None and self._cached[0] == parts:
             return self._cached[1]
         self._forget_parent()
-        fd = self._walk(parts, member, create=True)
+        fd = walk(self.root, parts, member.name, create=True)
         self._cached = (parts, fd)
         return fd
 
@@ -277,41 +246,6 @@ class _Unpacker:
             if self._cached[1] != self.root:
                 os.close(self._cached[1])
             self._cached = None
-
-    def _walk(self, parts: tuple[str, ...], member: Member, create: bool) -> int:
-        fd = self.root
-        try:
-            for part in parts:
-                nxt = self._open_dir(fd, part, member, create)
-                if fd != self.root:
-                    os.close(fd)
-                fd = nxt
-        except BaseException:
-            if fd != self.root:
-                os.close(fd)
-            raise
-        return fd
-
-    def _open_dir(self, fd: int, part: str, member: Member, create: bool) -> int:
-        try:
-            return os.open(part, _DIR_FLAGS, dir_fd=fd)
-        except FileNotFoundError:
-            if not create:
-                raise UnsafeEntry(
-                    f"refusing entry {shown(member.name)}: it links to a path that does not exist"
-                ) from None
-        except OSError as exc:
-            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                # O_DIRECTORY | O_NOFOLLOW on a symlink says ENOTDIR: look again.
-                what = "a symlink" if _is_symlink(fd, part) else "a file"
-                raise UnsafeEntry(
-                    f"refusing entry {shown(member.name)}: {shown(part)} on its path is {what}, "
-                    "not a directory"
-                ) from None
-            raise
-        with contextlib.suppress(FileExistsError):
-            os.mkdir(part, 0o700, dir_fd=fd)
-        return os.open(part, _DIR_FLAGS, dir_fd=fd)
 
     # -------------------------------------------------------------- entries
 
@@ -397,7 +331,7 @@ class _Unpacker:
                 raise UnsafeEntry(
                     f"refusing symlink {shown(member.name)}: its target is an absolute path"
                 )
-            problem = _link_problem(parts[:-1], target)
+            problem = link_problem(parts[:-1], target)
             if problem is not None:
                 raise UnsafeEntry(f"refusing symlink {shown(member.name)}: {problem}")
             self.symlinks.append(parts)
@@ -420,7 +354,7 @@ class _Unpacker:
             raise UnsafeEntry(f"refusing hard link {shown(member.name)}: no target")
         if source == parts:
             return  # a link to itself: already there
-        source_dir = self._walk(source[:-1], member, create=False)
+        source_dir = walk(self.root, source[:-1], member.name, create=False)
         try:
             try:
                 st = os.lstat(source[-1], dir_fd=source_dir)
@@ -475,74 +409,23 @@ class _Unpacker:
 
     # -------------------------------------------------------------- the end
 
-    def _check_resolves_inside(self, parts: tuple[str, ...]) -> None:
-        """Follow the symlink at ``parts`` through the tree as it now stands; refuse it
-        if it leads above the root (one component at a time, never by the kernel)."""
-        link = self._readlink(parts)
-        if link is None:
-            return
-        # The link's own directories are resolved like its target's components.
-        link_parts = [p for p in link.split("/") if p not in ("", ".")]
-        pending = list(reversed([*parts[:-1], *link_parts]))
-        stack: list[str] = []
-        hops = 0
-        while pending:
-            part = pending.pop()
-            if part == "..":
-                if not stack:
-                    raise UnsafeEntry(
-                        f"refusing symlink {shown('/'.join(parts))}: through the links "
-                        "around it, it leads outside the directory"
-                    )
-                stack.pop()
-                continue
-            try:
-                st = os.lstat("/".join([*stack, part]), dir_fd=self.root)
-            except (FileNotFoundError, NotADirectoryError):
-                # Nothing there: the rest resolves to nothing, wherever it names.
-                return
-            if stat.S_ISLNK(st.st_mode):
-                hops += 1
-                if hops > MAX_LINK_HOPS:
-                    return  # a loop: the kernel refuses to follow it (ELOOP)
-                target = os.readlink("/".join([*stack, part]), dir_fd=self.root)
-                if target.startswith("/"):
-                    raise UnsafeEntry(
-                        f"refusing symlink {shown('/'.join(parts))}: it leads to an absolute path"
-                    )
-                pending.extend(reversed([p for p in target.split("/") if p not in ("", ".")]))
-                continue
-            stack.append(part)
-
     def _remove_symlinks(self) -> None:
         self._forget_parent()
         for parts in self.symlinks:
             with contextlib.suppress(ArchiveError, OSError):
-                if self._readlink(parts) is not None:
-                    fd = self._walk(parts[:-1], Member("", Kind.SYMLINK, 0, 0, 0, 0, 0), False)
+                if readlink(self.root, parts, "/".join(parts)) is not None:
+                    fd = walk(self.root, parts[:-1], "", False)
                     try:
                         os.unlink(parts[-1], dir_fd=fd)
                     finally:
                         if fd != self.root:
                             os.close(fd)
 
-    def _readlink(self, parts: tuple[str, ...]) -> str | None:
-        """The target of the symlink at ``parts`` (its directories walked without
-        following any); None once a later entry put something else there."""
-        fd = self._walk(parts[:-1], Member("/".join(parts), Kind.SYMLINK, 0, 0, 0, 0, 0), False)
-        try:
-            if not stat.S_ISLNK(os.lstat(parts[-1], dir_fd=fd).st_mode):
-                return None
-            return os.readlink(parts[-1], dir_fd=fd)
-        finally:
-            if fd != self.root:
-                os.close(fd)
-
     def _finish_directories(self) -> None:
         """Each directory's mode, owner and time, the deepest first."""
         for parts in sorted(self.directories, key=len, reverse=True):
             member = self.directories[parts]
-            fd = self._walk(parts, member, create=False) if parts else os.dup(self.root)
+            fd = walk(self.root, parts, member.name, create=False) if parts else os.dup(self.root)
             try:
                 if self.policy.owners:
                     os.fchown(fd, member.uid, member.gid)
@@ -552,13 +435,6 @@ class _Unpacker:
                 os.utime(fd, (member.mtime, member.mtime))
             finally:
                 os.close(fd)
-
-
-def _is_symlink(fd: int, name: str) -> bool:
-    try:
-        return stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode)
-    except OSError:
-        return False
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -30,7 +30,8 @@ from __future__ import annotations
 # The ``X as X`` imports are not in __all__ but stay importable from here, as
 # they were before the SDK was split into modules.
 from forkd.client.async_controller import AsyncController
-from forkd.client.async_sandbox import AsyncSandbox, AsyncSnapshot
+from forkd.client.async_sandbox import AsyncSandbox
+from forkd.client.async_snapshot import AsyncSnapshot
 from forkd.client.commands import CommandHandle, Commands
 from forkd.client.connection import DEFAULT_URL
 from forkd.client.connection import JSONDict as JSONDict

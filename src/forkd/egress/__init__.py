@@ -8,5 +8,8 @@
 - :mod:`.splice` moves bytes both ways with timeouts;
 - :mod:`.http` serves plain HTTP one request at a time (each one's Host checked);
 - :mod:`.records` keeps what each sandbox reached and was refused;
-- :mod:`.proxy` listens inside each namespace and ties them together.
+- :mod:`.proxy` listens inside each namespace and ties them together: each
+  sandbox attached is an :mod:`.attachment` (its sockets, policy and open
+  connections), each guest connection a :mod:`.connection`, served from its
+  first bytes to its end.
 """

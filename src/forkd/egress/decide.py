@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 from forkd.egress.resolver import Resolver
 from forkd.host_names import canonical_name
+from forkd.vmm.jail.addresses import GUEST_NETWORK
 from forkd.vmm.jail.egress import Egress, blocked
-from forkd.vmm.jail.network import ALWAYS_BLOCKED, GUEST_NETWORK
+from forkd.vmm.jail.rulesets import ALWAYS_BLOCKED
 
 IPv4 = ipaddress.IPv4Address
 # What the namespace's own rules always drop, and the guest's own network.

@@ -81,7 +81,9 @@ GUEST_FILES = (
     _package("agent_wire.py"),
     # forkd's one tar extractor, which forkd_tar.py imports (standard library only).
     _package("archive/__init__.py"),
+    _package("archive/beneath.py"),
     _package("archive/errors.py"),
+    _package("archive/tar_fields.py"),
     _package("archive/tar_format.py"),
     _package("archive/unpack.py"),
 )

@@ -5,7 +5,7 @@ lives, check it as the hostile input it is, and flatten its layers into a root i
 - ``references`` / ``manifests`` / ``blob_store`` / ``fetch``: where an image comes
   from (a registry, a Docker Engine, ``docker save`` and OCI archives, an OCI
   layout), its manifests read within bounds, its blobs cached by digest;
-- ``layers`` / ``squash``: the layers merged (whiteouts, opaque directories, hard
-  links) into one tree, written as a squashfs image without unpacking a byte of
-  it onto the host.
+- ``layers`` / ``tree`` / ``squash``: the layers read and merged (whiteouts, opaque
+  directories, hard links) into one tree, written as a squashfs image without
+  unpacking a byte of it onto the host.
 """

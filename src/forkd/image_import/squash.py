@@ -1,15 +1,15 @@
 """An image's merged layers written as one squashfs root image, through ``tar2sqfs``.
 
 :func:`build_rootfs` is the door: the layers are merged in memory
-(:mod:`forkd.image_import.layers`), then the tree is written as one trusted tar
-stream, piped straight into ``tar2sqfs`` (Debian's squashfs-tools-ng), never onto
-the host's file system. The stream is pax: names in sorted order with every
-directory before its children, the first name of a hard-linked inode carrying its
-content and the others hard links to it, extended attributes as
-``SCHILY.xattr.*`` records (binary values as they are), devices and fifos, any
-owner and mode. A sparse file (or one with whole chunks of zeros) is written in
-GNU's pax sparse format 0.1 (``GNU.sparse.map``), which tar2sqfs reads, so its
-holes cross the pipe as a map, not as zeros; squashfs stores them as sparse
+(:mod:`forkd.image_import.layers` into a :mod:`forkd.image_import.tree`), then the
+tree is written as one trusted tar stream, piped straight into ``tar2sqfs``
+(Debian's squashfs-tools-ng), never onto the host's file system. The stream is pax:
+names in sorted order with every directory before its children, the first name of a
+hard-linked inode carrying its content and the others hard links to it, extended
+attributes as ``SCHILY.xattr.*`` records (binary values as they are), devices and
+fifos, any owner and mode. A sparse file (or one with whole chunks of zeros) is
+written in GNU's pax sparse format 0.1 (``GNU.sparse.map``), which tar2sqfs reads,
+so its holes cross the pipe as a map, not as zeros; squashfs stores them as sparse
 blocks.
 
 squashfs keeps an inode's time as unsigned 32-bit seconds: a time past its last
@@ -44,8 +44,9 @@ from forkd import hosttools
 from forkd.archive.errors import ArchiveTooLarge
 from forkd.archive.tar_format import Kind, Limits
 from forkd.errors import HostToolMissing, ImageError, StorageFull
-from forkd.image_import.layers import IMAGE_LIMITS, Node, Progress, Tree, read_layers
+from forkd.image_import.layers import IMAGE_LIMITS, Progress, read_layers
 from forkd.image_import.model import LayerBlob, RootfsStats
+from forkd.image_import.tree import Node, Tree
 
 TOOL = "tar2sqfs"
 PACKAGE = "squashfs-tools-ng"

@@ -2,7 +2,7 @@
 :class:`forkd.vmm.vm.VM` holds.
 
 With a network namespace the guest's ports are at the namespace's address
-(DNAT to the guest inside it: :func:`forkd.vmm.jail.network.namespace_ruleset`).
+(DNAT to the guest inside it: :func:`forkd.vmm.jail.rulesets.namespace_ruleset`).
 With user-mode networking QEMU forwards a loopback port the daemon picks to
 the guest port (HMP ``hostfwd_add`` over QMP), added on first use and kept
 for the VM's life. Either way the connection starts on the host: nothing in
@@ -15,7 +15,8 @@ import asyncio
 import socket
 
 from forkd.errors import Invalid, VMError
-from forkd.vmm.jail.network import AGENT_PORT, SandboxNet
+from forkd.vmm.jail.addresses import AGENT_PORT
+from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.qemu.argv import NETDEV_ID
 from forkd.vmm.qemu.qmp import QMPChannel
 
