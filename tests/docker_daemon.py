@@ -367,21 +367,35 @@ def _ensure_started(root: Path) -> DockerDaemon:
 def _dockerd_argv(root: Path, run_dir: Path, driver: str) -> list[str]:
     return [
         str(shutil.which("dockerd")),
-        "--config-file", str(run_dir / "daemon.json"),  # not the host's /etc/docker/daemon.json
-        "--data-root", str(root / "data"),
-        "--exec-root", str(run_dir / "exec"),
-        "--pidfile", str(run_dir / "dockerd.pid"),
-        "--host", f"unix://{run_dir / 'docker.sock'}",
-        "--storage-driver", driver,
+        "--config-file",
+        str(run_dir / "daemon.json"),  # not the host's /etc/docker/daemon.json
+        "--data-root",
+        str(root / "data"),
+        "--exec-root",
+        str(run_dir / "exec"),
+        "--pidfile",
+        str(run_dir / "dockerd.pid"),
+        "--host",
+        f"unix://{run_dir / 'docker.sock'}",
+        "--storage-driver",
+        driver,
         # No bridge, no NAT, no forwarding: the host's network is left as it was.
-        "--iptables=false", "--ip6tables=false", "--bridge=none",
-        "--ip-forward=false", "--ip-masq=false", "--userland-proxy=false",
+        "--iptables=false",
+        "--ip6tables=false",
+        "--bridge=none",
+        "--ip-forward=false",
+        "--ip-masq=false",
+        "--userland-proxy=false",
         # cgroupfs works on v1 and v2; a parent of its own keeps clear of a host dockerd's.
-        "--exec-opt", "native.cgroupdriver=cgroupfs",
-        "--cgroup-parent", "/forkd-test-docker",
-        "--containerd-namespace", NAMESPACE,
-        "--containerd-plugins-namespace", f"{NAMESPACE}-plugins",
-    ]  # fmt: skip
+        "--exec-opt",
+        "native.cgroupdriver=cgroupfs",
+        "--cgroup-parent",
+        "/forkd-test-docker",
+        "--containerd-namespace",
+        NAMESPACE,
+        "--containerd-plugins-namespace",
+        f"{NAMESPACE}-plugins",
+    ]
 
 
 def _start(root: Path, run_dir: Path, driver: str) -> str | None:

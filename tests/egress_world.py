@@ -196,31 +196,43 @@ def make_ca(where: Path, names: tuple[str, ...] = NAMES) -> TestCA:
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "forkd test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(hours=1))
-          .not_valid_after(now + datetime.timedelta(days=2))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(False, False, False, False, False, True, True, False,
-                                       False), critical=True)
-          .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
     sans = [x509.DNSName(n) for n in (*names, "*.test.example")]
-    leaf = (x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
-            .issuer_name(ca_name).public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(hours=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))  # fmt: skip
+    leaf = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, names[0])]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     pem = serialization.Encoding.PEM
     (where / "ca.pem").write_bytes(ca.public_bytes(pem))
     (where / "leaf.pem").write_bytes(leaf.public_bytes(pem))
-    (where / "leaf.key").write_bytes(key.private_bytes(
-        pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))  # fmt: skip
+    (where / "leaf.key").write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return TestCA(where, where / "ca.pem", where / "leaf.pem", where / "leaf.key")
 
 
@@ -231,8 +243,9 @@ def host_networks() -> list[ipaddress.IPv4Network]:
     nets = []
     with IPRoute() as ipr:
         for a in ipr.get_addr(family=socket.AF_INET):
-            nets.append(ipaddress.IPv4Network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}",
-                                              strict=False))  # fmt: skip
+            nets.append(
+                ipaddress.IPv4Network(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", strict=False)
+            )
         for r in ipr.get_routes(family=socket.AF_INET):
             if dst := r.get_attr("RTA_DST"):
                 nets.append(ipaddress.IPv4Network(f"{dst}/{r['dst_len']}", strict=False))
@@ -248,8 +261,9 @@ def clash(*ranges: str) -> ipaddress.IPv4Network | None:
 
 
 @contextlib.contextmanager
-def link_to(netns: str, host_if: str, address: str, gateway: str,
-            routes: Iterable[str]) -> Iterator[None]:  # fmt: skip
+def link_to(
+    netns: str, host_if: str, address: str, gateway: str, routes: Iterable[str]
+) -> Iterator[None]:
     """A veth from the host (``host_if``, ``address``/24) to ``netns`` (its end ``eth0``),
     and ``routes`` through ``gateway`` over it alone (``oif``: never a gateway of the
     host's of that address); the host's end removed after."""
@@ -301,10 +315,20 @@ def outside(where: Path, ca: TestCA | None = None, token: str = "") -> Iterator[
         stack.enter_context(link_to(name, host_if, LAN_HOST, LAN_GATEWAY, [INTERNET]))
         netns_ops.run_inside(name, _outside_links)
         server = subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/{name}", "--", sys.executable, "-c",
-             textwrap.dedent(SERVER), str(ca.leaf_cert), str(ca.leaf_key)],
-            stdout=subprocess.PIPE, text=True, env={**os.environ, "FORKD_TEST_TOKEN": token},
-        )  # fmt: skip
+            [
+                "nsenter",
+                f"--net=/run/netns/{name}",
+                "--",
+                sys.executable,
+                "-c",
+                textwrap.dedent(SERVER),
+                str(ca.leaf_cert),
+                str(ca.leaf_key),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "FORKD_TEST_TOKEN": token},
+        )
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         yield Outside(name, ca, hosts)
     finally:
@@ -369,8 +393,11 @@ def in_guest(guest_netns: str, *argv: str, timeout: float = 30) -> subprocess.Co
     """Run ``argv`` as the guest does, in its namespace."""
     return subprocess.run(
         ["nsenter", f"--net=/run/netns/{guest_netns}", "--", *argv],
-        capture_output=True, text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
 
 
 def wait_for(predicate: object, timeout: float = 5.0) -> bool:

@@ -204,16 +204,24 @@ def push_blob(address: str, repo: str, blob: Blob, auth: tuple[str, str] | None 
     r = httpx.post(f"{base}/blobs/uploads/", auth=auth)
     assert r.status_code == 202, r.text
     location = httpx.URL(base).join(r.headers["Location"])
-    r = httpx.put(location.copy_merge_params({"digest": blob.digest}), content=blob.data,
-                  headers={"Content-Type": "application/octet-stream"}, auth=auth)  # fmt: skip
+    r = httpx.put(
+        location.copy_merge_params({"digest": blob.digest}),
+        content=blob.data,
+        headers={"Content-Type": "application/octet-stream"},
+        auth=auth,
+    )
     assert r.status_code == 201, r.text
 
 
 def push_manifest(
     address: str, repo: str, reference: str, manifest: Blob, auth: tuple[str, str] | None = None
 ) -> None:
-    r = httpx.put(f"http://{address}/v2/{repo}/manifests/{reference}", content=manifest.data,
-                  headers={"Content-Type": manifest.media_type}, auth=auth)  # fmt: skip
+    r = httpx.put(
+        f"http://{address}/v2/{repo}/manifests/{reference}",
+        content=manifest.data,
+        headers={"Content-Type": manifest.media_type},
+        auth=auth,
+    )
     assert r.status_code == 201, r.text
 
 
@@ -244,10 +252,12 @@ def _layout_files(tagged: Mapping[str, Image | Index]) -> dict[str, bytes]:
             for blob in (*img.blobs(), img.manifest):
                 files[f"blobs/sha256/{blob.digest[7:]}"] = blob.data
         files[f"blobs/sha256/{what.manifest.digest[7:]}"] = what.manifest.data
-        entries.append(what.manifest.descriptor(
-            annotations={"org.opencontainers.image.ref.name": tag}))  # fmt: skip
-    files["index.json"] = json.dumps({"schemaVersion": 2, "mediaType": OCI_INDEX,
-                                      "manifests": entries}).encode()  # fmt: skip
+        entries.append(
+            what.manifest.descriptor(annotations={"org.opencontainers.image.ref.name": tag})
+        )
+    files["index.json"] = json.dumps(
+        {"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": entries}
+    ).encode()
     return files
 
 

@@ -34,13 +34,27 @@ def venv() -> Path:
             return root
         shutil.rmtree(root, ignore_errors=True)
         try:
-            subprocess.run([sys.executable, "-m", "venv", str(root)], check=True,
-                           capture_output=True, timeout=120)  # fmt: skip
             subprocess.run(
-                [str(root / "bin" / "python"), "-m", "pip", "install", "-q",
-                 "--disable-pip-version-check", *PACKAGES],
-                check=True, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_SECS,
-            )  # fmt: skip
+                [sys.executable, "-m", "venv", str(root)],
+                check=True,
+                capture_output=True,
+                timeout=120,
+            )
+            subprocess.run(
+                [
+                    str(root / "bin" / "python"),
+                    "-m",
+                    "pip",
+                    "install",
+                    "-q",
+                    "--disable-pip-version-check",
+                    *PACKAGES,
+                ],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=INSTALL_TIMEOUT_SECS,
+            )
         except subprocess.CalledProcessError as exc:
             shutil.rmtree(root, ignore_errors=True)
             said = (exc.stderr or "").strip()[-400:] if isinstance(exc.stderr, str) else ""
@@ -55,8 +69,12 @@ def run_script(script: str, url: str, token: str, timeout: float = 300) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FORKD_")}
     env |= {"FORKD_URL": url, "FORKD_TOKEN": token, "PYTHONNOUSERSITE": "1"}
     done = subprocess.run(
-        [str(venv() / "bin" / "python"), "-I", "-c", script], env=env, capture_output=True,
-        text=True, timeout=timeout, cwd="/",
-    )  # fmt: skip
+        [str(venv() / "bin" / "python"), "-I", "-c", script],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd="/",
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))

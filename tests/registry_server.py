@@ -63,8 +63,12 @@ class RegistryServer:
 
             hashed = bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=4)).decode()
             (self.root / "htpasswd").write_text(f"{user}:{hashed}\n")
-            config += ["auth:", "  htpasswd:", "    realm: forkd-test",
-                       f"    path: {self.root / 'htpasswd'}"]  # fmt: skip
+            config += [
+                "auth:",
+                "  htpasswd:",
+                "    realm: forkd-test",
+                f"    path: {self.root / 'htpasswd'}",
+            ]
         (self.root / "config.yml").write_text("\n".join(config) + "\n")
         self.log = (self.root / "registry.log").open("wb")
         self.proc = subprocess.Popen(

@@ -33,8 +33,9 @@ def _info(name: str, kind: bytes, **fields: object) -> tarfile.TarInfo:
 
 def file(name: str, data: bytes = b"x", mode: int = 0o644, **fields: object) -> Entry:
     def add(tar: tarfile.TarFile) -> None:
-        tar.addfile(_info(name, tarfile.REGTYPE, size=len(data), mode=mode, **fields),
-                    io.BytesIO(data))  # fmt: skip
+        tar.addfile(
+            _info(name, tarfile.REGTYPE, size=len(data), mode=mode, **fields), io.BytesIO(data)
+        )
 
     return add
 

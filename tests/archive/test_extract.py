@@ -132,8 +132,9 @@ def test_gnu_tar_archives_of_every_format_unpack(tmp_path: Path, dest: Path, fmt
     if fmt in ("ustar", "v7"):  # names over 100 (v7) or 255 (ustar) bytes do not fit
         (long_dir / ("m" * 120)).unlink()
         long_dir.rmdir()
-    data = subprocess.run(["tar", f"--format={fmt}", "-C", str(src), "-cf", "-", "."],
-                          check=True, capture_output=True).stdout  # fmt: skip
+    data = subprocess.run(
+        ["tar", f"--format={fmt}", "-C", str(src), "-cf", "-", "."], check=True, capture_output=True
+    ).stdout
     unpack(data, dest)
     assert tree(dest) == tree(src)
 
@@ -149,9 +150,9 @@ def test_sparse_files_keep_their_holes_and_size(tmp_path: Path, dest: Path, vers
         f.seek(9 << 20)
         f.write(b"end")
     argv = ["tar", "--sparse", "-C", str(src), "-cf", "-", "disk.img"]
-    argv[1:1] = ["--format=gnu"] if version == "gnu" else [
-        "--format=posix", f"--sparse-version={version}"
-    ]  # fmt: skip
+    argv[1:1] = (
+        ["--format=gnu"] if version == "gnu" else ["--format=posix", f"--sparse-version={version}"]
+    )
     data = subprocess.run(argv, check=True, capture_output=True).stdout
     assert len(data) < 1 << 20  # the holes are not in the archive
     done = unpack(data, dest)
@@ -213,9 +214,12 @@ def test_a_rootfs_keeps_any_symlink_but_never_follows_one(
 ) -> None:
     before = outside_view(tmp_path)
     data = archive(
-        symlink("abs", str(outside)), symlink("rel", "../../../../outside"),
-        symlink("lib", "usr/lib"), directory("usr/lib"), file("usr/lib/x.so", b"elf"),
-    )  # fmt: skip
+        symlink("abs", str(outside)),
+        symlink("rel", "../../../../outside"),
+        symlink("lib", "usr/lib"),
+        directory("usr/lib"),
+        file("usr/lib/x.so", b"elf"),
+    )
     unpack(data, dest, ROOTFS)
     assert os.readlink(dest / "abs") == str(outside)
     assert os.readlink(dest / "rel") == "../../../../outside"
@@ -309,8 +313,10 @@ def test_writing_a_hard_linked_name_never_writes_through_it(
 ) -> None:
     # A name in the target that is already a hard link to a file outside it.
     os.link(outside / "victim", dest / "planted")
-    unpack(archive(file("planted", b"evil"), hardlink("again", "planted"),
-                   file("again", b"evil too")), dest)  # fmt: skip
+    unpack(
+        archive(file("planted", b"evil"), hardlink("again", "planted"), file("again", b"evil too")),
+        dest,
+    )
     assert (outside / "victim").read_text() == "original"
     assert (dest / "planted").read_bytes() == b"evil"
     assert (dest / "again").read_bytes() == b"evil too"
@@ -318,8 +324,7 @@ def test_writing_a_hard_linked_name_never_writes_through_it(
 
 @pytest.mark.parametrize("kind", ["directory", "missing", "device"])
 def test_hard_links_to_what_is_not_a_file_are_refused(dest: Path, kind: str) -> None:
-    first = {"directory": directory("d"), "missing": file("other"),
-             "device": None}[kind]  # fmt: skip
+    first = {"directory": directory("d"), "missing": file("other"), "device": None}[kind]
     if kind == "device":
         os.mkfifo(dest / "d")
     entries = [first] if first else []
@@ -361,13 +366,15 @@ def test_data_drops_setuid_and_owners(dest: Path) -> None:
 def test_rootfs_keeps_owners_bits_devices_and_capabilities(dest: Path) -> None:
     data = archive(
         file("bin/ping", b"elf", mode=0o4755, uid=0, gid=0),
-        pax_header("bin/cap", {"SCHILY.xattr.security.capability":
-                               "\x01\x00\x00\x02\x00\x20\x00\x00" + "\x00" * 12}),
+        pax_header(
+            "bin/cap",
+            {"SCHILY.xattr.security.capability": "\x01\x00\x00\x02\x00\x20\x00\x00" + "\x00" * 12},
+        ),
         file("home/u/own", b"mine", mode=0o600, uid=1000, gid=1001),
         directory("tmp", mode=0o1777),
         device("dev/null", tarfile.CHRTYPE, 1, 3),
         device("run/fifo", tarfile.FIFOTYPE),
-    )  # fmt: skip
+    )
     unpack(data, dest, ROOTFS)
     assert stat.S_IMODE((dest / "bin/ping").stat().st_mode) == 0o4755
     assert (dest / "home/u/own").stat().st_uid == 1000
@@ -403,8 +410,9 @@ def test_a_sparse_file_counts_its_holes(tmp_path: Path, dest: Path) -> None:
     src.mkdir()
     with (src / "big").open("wb") as f:
         f.truncate(1 << 30)
-    data = subprocess.run(["tar", "--sparse", "-C", str(src), "-cf", "-", "big"],
-                          check=True, capture_output=True).stdout  # fmt: skip
+    data = subprocess.run(
+        ["tar", "--sparse", "-C", str(src), "-cf", "-", "big"], check=True, capture_output=True
+    ).stdout
     with pytest.raises(ArchiveTooLarge):
         unpack(data, dest, limits=Limits(max_bytes=1 << 20))
 
@@ -463,8 +471,11 @@ def test_a_time_before_1970_reads_as_0(fmt: int) -> None:
             info.mtime = mtime
             tar.addfile(info, io.BytesIO(b""))
     reader = TarReader(io.BytesIO(out.getvalue()).read, Limits())
-    assert [(m.name, m.mtime) for m in reader] == [("old", 0), ("just-before", 0),
-                                                   ("new", 1_700_000_000)]  # fmt: skip
+    assert [(m.name, m.mtime) for m in reader] == [
+        ("old", 0),
+        ("just-before", 0),
+        ("new", 1_700_000_000),
+    ]
 
 
 def test_an_unknown_entry_type_is_refused(dest: Path) -> None:

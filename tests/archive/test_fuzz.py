@@ -102,8 +102,12 @@ def _resolve(path: Path, hops: int = 40) -> Path | None:
 def test_any_mix_of_names_and_links_stays_beneath(
     entries: list[tuple[str, str, str]], rootfs: bool
 ) -> None:
-    builders = {"file": lambda n, t: file(n, b"evil"), "dir": lambda n, t: directory(n),
-                "symlink": symlink, "hardlink": hardlink}  # fmt: skip
+    builders = {
+        "file": lambda n, t: file(n, b"evil"),
+        "dir": lambda n, t: directory(n),
+        "symlink": symlink,
+        "hardlink": hardlink,
+    }
     data = archive(*(builders[kind](name, target) for kind, name, target in entries))
     base = Path(tempfile.mkdtemp(prefix="forkd-fuzz-"))
     try:
@@ -133,15 +137,20 @@ def _links_lead_inside(dest: Path) -> None:
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(runs=st.lists(st.lists(_ENTRY, min_size=1, max_size=6), min_size=2, max_size=3))
-@example(runs=[[("dir", "a/b", ""), ("symlink", "l", "a/b/../../outside")],
-               [("symlink", "a/b", "..")]])  # fmt: skip
+@example(
+    runs=[[("dir", "a/b", ""), ("symlink", "l", "a/b/../../outside")], [("symlink", "a/b", "..")]]
+)
 def test_archives_unpacked_one_after_another_leave_no_link_leading_out(
     runs: list[list[tuple[str, str, str]]],
 ) -> None:
     """``forkd cp`` into a directory an earlier copy filled: each archive is judged
     alone, and a later one must not turn an earlier link that led inside outward."""
-    builders = {"file": lambda n, t: file(n, b"evil"), "dir": lambda n, t: directory(n),
-                "symlink": symlink, "hardlink": hardlink}  # fmt: skip
+    builders = {
+        "file": lambda n, t: file(n, b"evil"),
+        "dir": lambda n, t: directory(n),
+        "symlink": symlink,
+        "hardlink": hardlink,
+    }
     base = Path(tempfile.mkdtemp(prefix="forkd-fuzz-"))
     try:
         dest = base / "dest"

@@ -123,8 +123,14 @@ _NAMES = st.one_of(
 # (test_a_hard_link_to_a_missing_member_is_refused); until that is fixed the
 # fuzz makes hard links only to members it wrote before.
 HARD_LINK_BUG_OPEN = False
-_TYPES = (tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE,
-          tarfile.CHRTYPE)  # fmt: skip
+_TYPES = (
+    tarfile.REGTYPE,
+    tarfile.DIRTYPE,
+    tarfile.SYMTYPE,
+    tarfile.LNKTYPE,
+    tarfile.FIFOTYPE,
+    tarfile.CHRTYPE,
+)
 
 
 @st.composite
@@ -356,10 +362,15 @@ def fuzzed(
         mp.setattr(FakeVM, "eval", _inert_eval)
         state = tmp / "state"
         cfg = Settings(
-            state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run",
-            pool_size=1, kill_on_exit=True, max_sandboxes=MAX_SANDBOXES,
-            max_guest_memory_mib=16 << 10, insecure_registries=(registry.address,),
-        )  # fmt: skip
+            state_dir=state,
+            snapshot_root=state / "snapshots",
+            run_dir=state / "run",
+            pool_size=1,
+            kill_on_exit=True,
+            max_sandboxes=MAX_SANDBOXES,
+            max_guest_memory_mib=16 << 10,
+            insecure_registries=(registry.address,),
+        )
         driver = FakeDriver()
         app = create_app(cfg, TOKEN, driver=driver)
         port = free_port()
@@ -531,8 +542,10 @@ def test_the_fuzz_leaves_nothing_behind(fuzzed: FuzzedDaemon) -> None:
     assert _layers_on_disk(d) <= _layers_in_use(d), "volume layers no one uses after stop"
 
     total = sum(d.counts.values())
-    print(f"\nfuzzed {total} requests over {len(d.counts)} routes "
-          f"in {time.monotonic() - d.started:.1f} s")  # fmt: skip
+    print(
+        f"\nfuzzed {total} requests over {len(d.counts)} routes "
+        f"in {time.monotonic() - d.started:.1f} s"
+    )
     for label, n in sorted(d.counts.items()):
         by_status = sorted((s, k) for (lab, s), k in d.statuses.items() if lab == label)
         print(f"  {n:4d}  {label}  " + " ".join(f"{s}x{k}" for s, k in by_status))
@@ -566,8 +579,9 @@ def _served(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> Itera
     make_image(tmp_path / "cache")
     monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path / "cache"))
     state = tmp_path / "state"
-    cfg = Settings(state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run",
-                   pool_size=0, **kw)  # fmt: skip
+    cfg = Settings(
+        state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run", pool_size=0, **kw
+    )
     port, driver = free_port(), FakeDriver()
     with serving(create_app(cfg, TOKEN, driver=driver), host="127.0.0.1", port=port):
         url = f"http://127.0.0.1:{port}"
@@ -588,8 +602,9 @@ def test_a_hard_link_to_a_missing_member_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     with _served(tmp_path, monkeypatch) as (_, c, _):
-        r = c.post("/v1/volumes", params={"name": "v", "size": "16M"},
-                   content=_hard_link_to_nothing())  # fmt: skip
+        r = c.post(
+            "/v1/volumes", params={"name": "v", "size": "16M"}, content=_hard_link_to_nothing()
+        )
         assert c.get("/v1/volumes").json() == []
         assert list((tmp_path / "state" / "volumes").iterdir()) == []  # nothing staged
         assert r.status_code == 400, r.text

@@ -176,10 +176,18 @@ def daemon(image: images.Image, registry_address: str) -> Iterator[Daemon]:
     egress_world.make_ca(root / "egress-test-ca")
     # Image archives the tests import are written under /tmp (pytest's tmp_path).
     # --show-host-paths: tests read snapshots' files where the answers say they are.
-    d.start("--kill-on-exit", "--insecure-registry", registry_address,
-            "--image-archive-dir", "/tmp", "--show-host-paths",
-            "--egress-hosts", str(root / "egress-hosts"),
-            "--egress-ca-file", str(root / "egress-test-ca" / "ca.pem"))  # fmt: skip
+    d.start(
+        "--kill-on-exit",
+        "--insecure-registry",
+        registry_address,
+        "--image-archive-dir",
+        "/tmp",
+        "--show-host-paths",
+        "--egress-hosts",
+        str(root / "egress-hosts"),
+        "--egress-ca-file",
+        str(root / "egress-test-ca" / "ca.pem"),
+    )
     yield d
     d.stop()
     d.kill_leftovers()  # nothing may outlive the suite
@@ -193,11 +201,15 @@ def api_template(daemon: Daemon) -> str:
 
     r = httpx.post(
         f"{daemon.url}/v1/snapshots",
-        json={"tag": "py", "memory_mib": 256, "warmup": "import json\nx = 41",
-              "setup": ["mkdir -p /work && echo ready > /work/setup.txt"]},
+        json={
+            "tag": "py",
+            "memory_mib": 256,
+            "warmup": "import json\nx = 41",
+            "setup": ["mkdir -p /work && echo ready > /work/setup.txt"],
+        },
         headers={"Authorization": f"Bearer {daemon.token}"},
         timeout=300,
-    )  # fmt: skip
+    )
     assert r.status_code == 201, r.text
     return "py"
 

@@ -35,8 +35,13 @@ class Handler(BaseHTTPRequestHandler):
     def log_message(self, *args: object) -> None:
         pass
 
-    def _send(self, status: int, body: bytes, ctype: str = "text/plain",
-              extra: dict[str, str] | None = None) -> None:  # fmt: skip
+    def _send(
+        self,
+        status: int,
+        body: bytes,
+        ctype: str = "text/plain",
+        extra: dict[str, str] | None = None,
+    ) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
@@ -62,8 +67,10 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Set-Cookie", "session=abc; Path=/; Domain=127.0.0.1; HttpOnly")
             self.send_header("Set-Cookie", "theme=dark; Max-Age=60; SameSite=Lax")
             self.send_header("Cross-Origin-Opener-Policy", "same-origin")
-            self.send_header("Report-To", '{"group":"g","max_age":86400,'
-                             '"endpoints":[{"url":"https://127.0.0.1:9/"}]}')  # fmt: skip
+            self.send_header(
+                "Report-To",
+                '{"group":"g","max_age":86400,"endpoints":[{"url":"https://127.0.0.1:9/"}]}',
+            )
             self.send_header("NEL", '{"report_to":"g","max_age":86400,"success_fraction":1}')
             self.send_header("Alt-Svc", 'h3=":443"; ma=86400')
             self.send_header("Strict-Transport-Security", "max-age=31536000")
@@ -71,17 +78,19 @@ class Handler(BaseHTTPRequestHandler):
         elif url.path == "/opener":  # a page that opens the console and reaches into it
             # Until the console has loaded in the window, or the window is cut off (a look the
             # browser refuses while it moves the window away is neither: it looks again).
-            page = (b"<!doctype html><title>opening</title><script>"
-                    b"const w = window.open('/ui/');"
-                    b"const look = setInterval(() => {"
-                    b" if (!w) { document.title = 'blocked'; clearInterval(look); return; }"
-                    b" if (w.closed) { document.title = 'cut off'; clearInterval(look); return; }"
-                    b" let seen = '';"
-                    b" try { seen = w.document.title; }"
-                    b" catch (e) { return; }"  # mid-swap the window may refuse a look: look again
-                    b" if (seen) { document.title = 'reached:' + seen; clearInterval(look); }"
-                    b"}, 100);"
-                    b"</script>")  # fmt: skip
+            page = (
+                b"<!doctype html><title>opening</title><script>"
+                b"const w = window.open('/ui/');"
+                b"const look = setInterval(() => {"
+                b" if (!w) { document.title = 'blocked'; clearInterval(look); return; }"
+                b" if (w.closed) { document.title = 'cut off'; clearInterval(look); return; }"
+                b" let seen = '';"
+                b" try { seen = w.document.title; }"
+                b" catch (e) { return; }"  # mid-swap the window may refuse a look: look again
+                b" if (seen) { document.title = 'reached:' + seen; clearInterval(look); }"
+                b"}, 100);"
+                b"</script>"
+            )
             self._send(200, page, "text/html", extra={"Cross-Origin-Opener-Policy": "same-origin"})
         elif url.path == "/drip":
             n = int(parse_qs(url.query).get("n", ["5"])[0])
@@ -96,12 +105,18 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b"0\r\n\r\n")
         else:
             name = self.server.name  # type: ignore[attr-defined]
-            self._send(200, f"hello from {name} at {self.path}\n".encode(),
-                       extra={"Keep-Alive": "timeout=5", "Connection": "keep-alive, X-Private",
-                              "X-Private": "hop",
-                              # reaching past its prefix on a shared browser origin
-                              "Service-Worker-Allowed": "/",
-                              "Clear-Site-Data": '"*"'})  # fmt: skip
+            self._send(
+                200,
+                f"hello from {name} at {self.path}\n".encode(),
+                extra={
+                    "Keep-Alive": "timeout=5",
+                    "Connection": "keep-alive, X-Private",
+                    "X-Private": "hop",
+                    # reaching past its prefix on a shared browser origin
+                    "Service-Worker-Allowed": "/",
+                    "Clear-Site-Data": '"*"',
+                },
+            )
 
     def do_POST(self) -> None:
         length = self.headers.get("Content-Length")

@@ -31,11 +31,18 @@ def image_daemon(
     come from ``<root>/docker.json`` (none until a test writes it); then ``flags``."""
     root = Path(tempfile.mkdtemp(prefix="forkd-di-", dir="/tmp"))
     d = Daemon(root)
-    listed = [arg for address in (*registries, CLOSED)
-              for arg in ("--insecure-registry", address)]  # fmt: skip
-    d.start("--kill-on-exit", "--docker-host", docker.host, "--image-archive-dir",
-            str(archive_dir), "--registry-auth", str(root / "docker.json"), *listed,
-            *flags)  # fmt: skip
+    listed = [arg for address in (*registries, CLOSED) for arg in ("--insecure-registry", address)]
+    d.start(
+        "--kill-on-exit",
+        "--docker-host",
+        docker.host,
+        "--image-archive-dir",
+        str(archive_dir),
+        "--registry-auth",
+        str(root / "docker.json"),
+        *listed,
+        *flags,
+    )
     try:
         yield d
     finally:
@@ -61,8 +68,10 @@ def image_id(docker: DockerDaemon, tag: str) -> str:
 def registry_manifest(address: str, repo: str, tag: str) -> tuple[dict, int]:
     """The manifest ``repo:tag`` has in the registry at ``address`` (plain HTTP), and
     its length in bytes."""
-    accept = ("application/vnd.docker.distribution.manifest.v2+json,"
-              "application/vnd.oci.image.manifest.v1+json")  # fmt: skip
+    accept = (
+        "application/vnd.docker.distribution.manifest.v2+json,"
+        "application/vnd.oci.image.manifest.v1+json"
+    )
     r = httpx.get(f"http://{address}/v2/{repo}/manifests/{tag}", headers={"Accept": accept})
     r.raise_for_status()
     return dict(json.loads(r.content)), len(r.content)

@@ -96,7 +96,11 @@ def test_host_reaches_a_forks_agent_at_guest_addr(daemon: Daemon, api_template: 
 
             ran = _tcp(addr, b'{"action": "exec", "args": ["python3", "-c", "print(2+2)"]}\n')
             assert (ran["ok"], ran["stdout"], ran["exit_code"], ran["timed_out"]) == (
-                True, "4\n", 0, False)  # fmt: skip
+                True,
+                "4\n",
+                0,
+                False,
+            )
             evaluated = _tcp(addr, b'{"action": "eval", "code": "x + 1"}\n')  # warmup: x = 41
             assert evaluated["result"] == "42" and "error" not in evaluated  # as the original
             assert _tcp(addr, b'{"action": "restore"}\n') == {
@@ -159,8 +163,13 @@ def test_a_sibling_reaches_only_its_own_agent(daemon: Daemon, api_template: str)
             # From inside b: a's guest_addr is fenced off; 10.0.2.15 is every
             # guest's own address, so it (like loopback) is b's own agent.
             targets = [a["guest_addr"], "10.0.2.15:8888", "127.0.0.1:8888"]
-            ran = _call(api, b["id"], "exec", args=["python3", "-c", PING_FROM_GUEST, *targets],
-                        timeout_secs=60)  # fmt: skip
+            ran = _call(
+                api,
+                b["id"],
+                "exec",
+                args=["python3", "-c", PING_FROM_GUEST, *targets],
+                timeout_secs=60,
+            )
             assert ran["exit_code"] == 0, ran
             seen = json.loads(ran["stdout"])
             assert seen[a["guest_addr"]].startswith("unreachable"), seen

@@ -250,8 +250,9 @@ def _seeded(d: Daemon, c: httpx.Client) -> RealDaemon:
     sandboxes = c.post("/v1/sandboxes", json={"snapshot_tag": KNOWN.base, "n": 2}).json()
     KNOWN.sandbox = sandboxes[0]["id"]
     KNOWN.spare_sandboxes.append(sandboxes[1]["id"])
-    r = c.put(f"/v1/sandboxes/{KNOWN.sandbox}/files", params={"path": "/work/a.txt"},
-              content=b"seed\n")  # fmt: skip
+    r = c.put(
+        f"/v1/sandboxes/{KNOWN.sandbox}/files", params={"path": "/work/a.txt"}, content=b"seed\n"
+    )
     assert r.status_code == 200, r.text
     for purpose, body in SEEDED_PROCESSES.items():
         r = c.post(f"/v1/sandboxes/{KNOWN.sandbox}/processes", json=body)
@@ -328,8 +329,15 @@ def _settled(real: RealDaemon) -> tuple[Census, set[str], int]:
             if s["state"] in ("running", "paused")  # each has its QEMU
         }
         metrics = real.client.get("/metrics").text
-        pooled = int(float(next(line.split()[1] for line in metrics.splitlines()
-                                if line.startswith("forkd_pool_waiting "))))  # fmt: skip
+        pooled = int(
+            float(
+                next(
+                    line.split()[1]
+                    for line in metrics.splitlines()
+                    if line.startswith("forkd_pool_waiting ")
+                )
+            )
+        )
         c = census(real.state, real.prefix)
         if (len(c.qemu - listed) == pooled and listed <= c.qemu) or time.monotonic() > deadline:
             return c, listed, pooled

@@ -202,8 +202,10 @@ def _tiny_disk(*args: str) -> Iterator[tuple[Daemon, Path]]:
     snaps.mkdir()
     mounted = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", "size=160m,mode=0700", "tmpfs", str(snaps)],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if mounted.returncode != 0:
         shutil.rmtree(root, ignore_errors=True)
         pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")

@@ -51,8 +51,9 @@ def ctl(daemon: Daemon) -> Iterator[Controller]:
 
 @pytest.fixture(scope="module")
 def web(ctl: Controller, archive: Path) -> Iterator[str]:
-    info = ctl.create_snapshot("bb-life", image=f"oci-archive:{archive}:web", start=True,
-                               ready_port=8080, memory_mib=256)  # fmt: skip
+    info = ctl.create_snapshot(
+        "bb-life", image=f"oci-archive:{archive}:web", start=True, ready_port=8080, memory_mib=256
+    )
     assert info["status"] == "ready"
     yield "bb-life"
     ctl.delete_snapshot("bb-life")
@@ -131,8 +132,9 @@ def test_a_restarted_daemon_adopts_container_sandboxes_and_forks_their_snapshot(
     args = ("--pool-size", "0", "--image-archive-dir", str(archive.parent))
     d.start(*args)
     with Controller(d.url, token=d.token, timeout=900) as ctl:
-        ctl.create_snapshot("web", image=f"oci-archive:{archive}:web", start=True,
-                            ready_port=8080, memory_mib=256)  # fmt: skip
+        ctl.create_snapshot(
+            "web", image=f"oci-archive:{archive}:web", start=True, ready_port=8080, memory_mib=256
+        )
         running, paused = (k["id"] for k in ctl.spawn_sandboxes("web", n=2))
         ctl.pause_sandbox(paused)
     d.stop(signal.SIGTERM)  # its sandboxes stay for the next daemon

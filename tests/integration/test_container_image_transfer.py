@@ -53,8 +53,14 @@ def registry(registry_address: str) -> Iterator[RegistryServer]:
 def other(registry: RegistryServer) -> Iterator[OtherHost]:
     root = Path(tempfile.mkdtemp(prefix="forkd-d3-", dir="/tmp"))
     d = OtherHost(root)
-    d.start("--kill-on-exit", "--pool-size", "0", "--insecure-registry", registry.address,
-            "--show-host-paths")  # fmt: skip
+    d.start(
+        "--kill-on-exit",
+        "--pool-size",
+        "0",
+        "--insecure-registry",
+        registry.address,
+        "--show-host-paths",
+    )
     yield d
     d.stop()
     d.kill_leftovers()
@@ -101,8 +107,10 @@ def test_a_container_template_pushed_here_forks_there_with_its_service_warm(
     assert remote.config["format"] == 2
     runtime_pieces = remote.manifest.of_part(artifact.RUNTIME_FILE)
     assert runtime_pieces and sum(la.length for la in runtime_pieces) > 10 << 20
-    print(f"\npushed {pushed['bytes_uploaded'] >> 20} MiB of {pushed['bytes_total'] >> 20} MiB "
-          f"({pushed['layers']} layers, {pushed['seconds']} s)")  # fmt: skip
+    print(
+        f"\npushed {pushed['bytes_uploaded'] >> 20} MiB of {pushed['bytes_total'] >> 20} MiB "
+        f"({pushed['layers']} layers, {pushed['seconds']} s)"
+    )
 
     started = time.monotonic()
     info = ctl2.pull_snapshot(ref, "bb-there")
@@ -169,8 +177,10 @@ def test_a_second_container_image_brings_only_its_root_disk(
     (kid,) = ctl2.spawn_sandboxes("bare-second", n=1)
     try:
         assert ctl2.exec_command(kid["id"], ["ls", "/bin"])["stdout"].split() == [
-            "busybox", "cat", "ls",
-        ]  # fmt: skip
+            "busybox",
+            "cat",
+            "ls",
+        ]
     finally:
         ctl2.kill_sandbox(kid["id"])
     seconds = time.monotonic() - started
@@ -185,14 +195,19 @@ def test_a_second_container_image_brings_only_its_root_disk(
     # forkd: linked. (Each import builds its own initramfs, whose bytes differ: fetched.)
     assert linked(first.machine.runtime, second.machine.runtime)
     assert linked(first.machine.vmlinuz, second.machine.vmlinuz)
-    reused = {p.name for p in (second.machine.initrd, second.machine.rootfs)
-              if linked(p, first.machine.runtime.parent / p.name)}  # fmt: skip
+    reused = {
+        p.name
+        for p in (second.machine.initrd, second.machine.rootfs)
+        if linked(p, first.machine.runtime.parent / p.name)
+    }
     reused |= {"vmlinuz", artifact.RUNTIME_FILE}
     with Registry(reference.parse(second_ref), policy=registry.policy()) as reg:
         layers = pull.open_remote(reg, "v1").manifest.layers
     assert fetched == sum(la.size for la in layers if la.part not in reused)
     shared = sum(la.size for la in layers if la.part in reused)
-    print(f"\nsecond image's snapshot pulled and forked in {seconds:.1f} s: fetched "
-          f"{fetched / 2**20:.1f} MiB, linked {shared / 2**20:.1f} MiB")  # fmt: skip
+    print(
+        f"\nsecond image's snapshot pulled and forked in {seconds:.1f} s: fetched "
+        f"{fetched / 2**20:.1f} MiB, linked {shared / 2**20:.1f} MiB"
+    )
     for tag in ("bare-second", "web-first"):
         ctl2.delete_snapshot(tag)

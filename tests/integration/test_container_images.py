@@ -21,8 +21,26 @@ from tests.integration.conftest import Daemon
 
 pytestmark = pytest.mark.integration
 
-APPLETS = ("sh", "ls", "id", "cat", "echo", "env", "pwd", "sleep", "httpd", "wget", "ps",
-           "mkdir", "mount", "umount", "grep", "touch", "rm", "tar")  # fmt: skip
+APPLETS = (
+    "sh",
+    "ls",
+    "id",
+    "cat",
+    "echo",
+    "env",
+    "pwd",
+    "sleep",
+    "httpd",
+    "wget",
+    "ps",
+    "mkdir",
+    "mount",
+    "umount",
+    "grep",
+    "touch",
+    "rm",
+    "tar",
+)
 CONFIG = {
     "Env": ["PATH=/bin", "GREETING=hello from the image"],
     "WorkingDir": "/srv",
@@ -79,12 +97,14 @@ def musl_layer(work: Path) -> oci_images.Layer:
     (work / "hello.c").write_bytes(HELLO_C)
     out = work / "hello-musl"
     subprocess.run([MUSL_GCC, "-O2", "-o", str(out), str(work / "hello.c")], check=True)
-    return oci_images.layer({
-        "lib": oci_images.Dir(),
-        "lib/ld-musl-x86_64.so.1": oci_images.File(MUSL_LOADER.resolve().read_bytes(), 0o755),
-        "lib/libc.musl-x86_64.so.1": oci_images.Symlink("ld-musl-x86_64.so.1"),
-        "bin/hello-musl": oci_images.File(out.read_bytes(), 0o755),
-    })  # fmt: skip
+    return oci_images.layer(
+        {
+            "lib": oci_images.Dir(),
+            "lib/ld-musl-x86_64.so.1": oci_images.File(MUSL_LOADER.resolve().read_bytes(), 0o755),
+            "lib/libc.musl-x86_64.so.1": oci_images.Symlink("ld-musl-x86_64.so.1"),
+            "bin/hello-musl": oci_images.File(out.read_bytes(), 0o755),
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -126,9 +146,11 @@ def test_an_image_without_python_or_libc_serves_from_every_fork(
             assert page["stdout"] == "served by the image\n", page  # the service came warm
             who = ctl.exec_command(sid, ["/bin/sh", "-c", "id; pwd; echo $GREETING; echo $HOME"])
             assert who["stdout"].splitlines() == [
-                "uid=1000(app) gid=1000(app) groups=1000(app)", "/srv",
-                "hello from the image", "/home/app",
-            ], who  # fmt: skip
+                "uid=1000(app) gid=1000(app) groups=1000(app)",
+                "/srv",
+                "hello from the image",
+                "/home/app",
+            ], who
             assert ctl.exec_command(sid, ["id", "-u"], user="root")["stdout"] == "0\n"
             listing = ctl.exec_command(sid, ["ls", "/srv"])["stdout"].split()
             assert "gone.txt" not in listing and "www" in listing  # the whiteout held
@@ -155,8 +177,16 @@ def test_a_program_linked_against_musl_runs_as_in_alpine(
         assert as_root["stdout"] == "musl says: hello from the image\n", as_root
         proc = ctl.start_process(sid, ["/bin/sh", "-c", "hello-musl && ls /lib"])
         text = "".join(ev.text or "" for ev in ctl.process_output(sid, proc["pid"]) if ev.data)
-        assert text.split() == ["musl", "says:", "hello", "from", "the", "image",
-                                "ld-musl-x86_64.so.1", "libc.musl-x86_64.so.1"], text  # fmt: skip
+        assert text.split() == [
+            "musl",
+            "says:",
+            "hello",
+            "from",
+            "the",
+            "image",
+            "ld-musl-x86_64.so.1",
+            "libc.musl-x86_64.so.1",
+        ], text
     finally:
         ctl.kill_sandbox(sid)
 

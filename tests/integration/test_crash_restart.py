@@ -143,18 +143,32 @@ def _problems(d: Daemon, prefix: str, veths_before: set[leaks.Veth]) -> list[str
                 silent.append(f"running sandbox {sid} does not answer: {exc}")
     c = leaks.take_census(d.state_dir, prefix)
     found = [*silent]
-    found += [f"QEMU {pid} ({vm}) is no running sandbox's" for pid, vm in c.qemu.items()
-              if running.get(vm) != pid]  # fmt: skip
-    found += [f"running sandbox {sid} has no QEMU" for sid, pid in running.items()
-              if c.qemu.get(pid) != sid]  # fmt: skip
-    found += [f"sandbox {s['id']} is still {s['state']} after the restart" for s in sandboxes
-              if s["state"] not in ("running", "dead")]  # fmt: skip
-    found += [f"namespace {ns} is no running sandbox's" for ns in c.netns
-              if ns.removeprefix("forkd-") not in running]  # fmt: skip
+    found += [
+        f"QEMU {pid} ({vm}) is no running sandbox's"
+        for pid, vm in c.qemu.items()
+        if running.get(vm) != pid
+    ]
+    found += [
+        f"running sandbox {sid} has no QEMU"
+        for sid, pid in running.items()
+        if c.qemu.get(pid) != sid
+    ]
+    found += [
+        f"sandbox {s['id']} is still {s['state']} after the restart"
+        for s in sandboxes
+        if s["state"] not in ("running", "dead")
+    ]
+    found += [
+        f"namespace {ns} is no running sandbox's"
+        for ns in c.netns
+        if ns.removeprefix("forkd-") not in running
+    ]
     ours = {f"forkd-{sid}" for sid in running}
-    found += [f"host veth {v.name} (peer in {v.peer_netns}) is no running sandbox's"
-              for v in leaks.new_veths(veths_before, leaks.host_veths(), c.foreign_netns)
-              if v.peer_netns not in ours]  # fmt: skip
+    found += [
+        f"host veth {v.name} (peer in {v.peer_netns}) is no running sandbox's"
+        for v in leaks.new_veths(veths_before, leaks.host_veths(), c.foreign_netns)
+        if v.peer_netns not in ours
+    ]
     found += [f"cgroup {g} is no running sandbox's" for g in c.cgroups if g not in running]
     listed = {s["id"] for s in sandboxes}
     found += [f"run dir entry {e} is no listed sandbox's" for e in c.run_entries if e not in listed]
@@ -213,8 +227,13 @@ def test_kill_9_during_fork_branch_delete_leaks_nothing(crash_daemon: Daemon) ->
         left["veths"] = sorted(v.name for v in new_veths)
 
     tally = Counter((r.op, r.outcome.split(":")[0]) for r in rounds)
-    report = "\n".join([f"seed {SEED}", *(r.line() for r in rounds),
-                        *(f"{op} {outcome}: {n}" for (op, outcome), n in sorted(tally.items())),
-                        f"left at the end: {left or 'nothing'}"])  # fmt: skip
+    report = "\n".join(
+        [
+            f"seed {SEED}",
+            *(r.line() for r in rounds),
+            *(f"{op} {outcome}: {n}" for (op, outcome), n in sorted(tally.items())),
+            f"left at the end: {left or 'nothing'}",
+        ]
+    )
     print(report)
     assert not any(r.problems for r in rounds) and not left, report

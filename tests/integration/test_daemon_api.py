@@ -42,8 +42,10 @@ def test_lifecycle_over_http(daemon: Daemon, api_template: str) -> None:
         assert c.get(f"/v1/sandboxes/{ids[0]}/files", params={"path": "/work/mine"}).content == (
             b"\x00\x01"
         )
-        names = [e["name"] for e in c.get(
-            f"/v1/sandboxes/{ids[1]}/files/list", params={"path": "/work"}).json()]  # fmt: skip
+        names = [
+            e["name"]
+            for e in c.get(f"/v1/sandboxes/{ids[1]}/files/list", params={"path": "/work"}).json()
+        ]
         assert "mine" not in names and "setup.txt" in names
         r = c.post(
             f"/v1/sandboxes/{ids[0]}/exec", json={"args": ["sleep", "5"], "timeout_secs": 0.5}
@@ -68,5 +70,7 @@ def test_timeout_secs_kills_the_sandbox(daemon: Daemon, api_template: str) -> No
         while c.get(f"/v1/sandboxes/{sid}").status_code == 200:
             assert time.monotonic() < deadline, "sandbox outlived its timeout"
             time.sleep(0.2)
-    assert not any(Path(f"/proc/{p}").exists() and sid.encode() in Path(
-        f"/proc/{p}/cmdline").read_bytes() for p in daemon.qemu_pids())  # fmt: skip
+    assert not any(
+        Path(f"/proc/{p}").exists() and sid.encode() in Path(f"/proc/{p}/cmdline").read_bytes()
+        for p in daemon.qemu_pids()
+    )

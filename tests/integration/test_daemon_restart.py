@@ -92,10 +92,20 @@ def test_restart_after_sigterm_and_kill_9(own_daemon: Daemon) -> None:
 
     # A second daemon on the same state directory refuses to start.
     second = subprocess.run(
-        [sys.executable, "-m", "forkd.cli", "serve", "--bind", "127.0.0.1:1",
-         "--state-dir", str(d.state_dir)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "serve",
+            "--bind",
+            "127.0.0.1:1",
+            "--state-dir",
+            str(d.state_dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert second.returncode != 0
     assert "another forkd daemon" in second.stderr
 

@@ -17,12 +17,16 @@ pytestmark = pytest.mark.integration
 
 
 def test_the_demo_forks_branches_and_says_how_long_each_step_took(daemon: Daemon) -> None:
-    before = httpx.get(f"{daemon.url}/v1/snapshots",
-                       headers={"Authorization": f"Bearer {daemon.token}"}).json()  # fmt: skip
+    before = httpx.get(
+        f"{daemon.url}/v1/snapshots", headers={"Authorization": f"Bearer {daemon.token}"}
+    ).json()
     proc = subprocess.run(
         [sys.executable, "-m", "forkd.demo", "--children", "2", "--url", daemon.url],
-        env={**daemon.env(), "COLUMNS": "400"}, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        env={**daemon.env(), "COLUMNS": "400"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert re.search(r"template \S+: booted, warmed .* snapshotted in [\d,]+ ms", out), out
@@ -33,6 +37,7 @@ def test_the_demo_forks_branches_and_says_how_long_each_step_took(daemon: Daemon
     assert re.search(r"branch \S+ of \S+: vCPUs frozen for [\d,]+ ms", out), out
     for strategy in ("[retry]", "[rewrite]", "[explore]"):
         assert strategy in out, out
-    after = httpx.get(f"{daemon.url}/v1/snapshots",
-                      headers={"Authorization": f"Bearer {daemon.token}"}).json()  # fmt: skip
+    after = httpx.get(
+        f"{daemon.url}/v1/snapshots", headers={"Authorization": f"Bearer {daemon.token}"}
+    ).json()
     assert [s["tag"] for s in after] == [s["tag"] for s in before]  # cleaned up

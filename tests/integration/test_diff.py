@@ -30,15 +30,18 @@ def test_a_child_s_changes_against_its_snapshot_and_a_sibling(
         assert res.against == api_template and not res.truncated
         got = {(c.path, c.change, c.kind) for c in res.changes}
         assert {
-            ("/work/new.txt", "added", "file"), ("/work/setup.txt", "modified", "file"),
-            ("/etc/hostname", "removed", "file"), ("/opt/app", "added", "dir"),
+            ("/work/new.txt", "added", "file"),
+            ("/work/setup.txt", "modified", "file"),
+            ("/etc/hostname", "removed", "file"),
+            ("/opt/app", "added", "dir"),
             ("/opt/app/conf", "added", "file"),
-        } <= got, sorted(got)  # fmt: skip
+        } <= got, sorted(got)
         assert not [p for p, _, _ in got if p.startswith("/usr/")]  # nothing else walked in
         work = ctl.diff_sandbox(child, "/work")
         assert [(c.path, c.change) for c in work.changes] == [
-            ("/work/new.txt", "added"), ("/work/setup.txt", "modified"),
-        ]  # fmt: skip
+            ("/work/new.txt", "added"),
+            ("/work/setup.txt", "modified"),
+        ]
 
         patch = ctl.diff_patch(child, "/work")
         assert "--- a/setup.txt\n+++ b/setup.txt\n" in patch
@@ -52,9 +55,10 @@ def test_a_child_s_changes_against_its_snapshot_and_a_sibling(
         against = ctl.diff_sandbox(child, "/work", against=sibling)
         assert against.against_kind == "sandbox"
         assert [(c.path, c.change) for c in against.changes] == [
-            ("/work/new.txt", "added"), ("/work/setup.txt", "modified"),
+            ("/work/new.txt", "added"),
+            ("/work/setup.txt", "modified"),
             ("/work/theirs.txt", "removed"),
-        ]  # fmt: skip
+        ]
         etc = ctl.diff_patch(child, "/etc")  # the image's file, read through the child's view
         assert "--- a/hostname\n+++ /dev/null\n" in etc
     finally:

@@ -23,8 +23,10 @@ from .conftest import Daemon
 pytestmark = pytest.mark.integration
 
 if network.netns_problems():
-    pytest.skip("no network namespaces here: " + "; ".join(network.netns_problems()),
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "no network namespaces here: " + "; ".join(network.netns_problems()),
+        allow_module_level=True,
+    )
 
 # Run in the guest: fetch each URL with Python's urllib, trusting the test CA; print
 # what each gave (its JSON's host, or the error's kind).
@@ -78,8 +80,9 @@ def fetch(ctl: Controller, sandbox_id: str, *urls: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def agent(ctl: Controller, world: Outside) -> Iterator[str]:
     """A template whose policy lets out only api.test.example."""
-    made = ctl.create_snapshot("egress-agent", memory_mib=256,
-                               network={"allow_out": ["api.test.example"]})  # fmt: skip
+    made = ctl.create_snapshot(
+        "egress-agent", memory_mib=256, network={"allow_out": ["api.test.example"]}
+    )
     assert made["tag"] == "egress-agent"
     yield "egress-agent"
     ctl.delete_snapshot("egress-agent", cascade=True)
@@ -160,9 +163,12 @@ def test_a_secret_is_used_and_never_in_a_guests_files(
     from tests.registry_server import RegistryServer
 
     ctl.create_secret("it_openai", SECRET, ["api.test.example"])
-    made = ctl.create_snapshot("egress-secrets", memory_mib=256,
-                               network={"allow_out": ["*.test.example"]},
-                               env={"OPENAI_API_KEY": "${secrets.it_openai}"})  # fmt: skip
+    made = ctl.create_snapshot(
+        "egress-secrets",
+        memory_mib=256,
+        network={"allow_out": ["*.test.example"]},
+        env={"OPENAI_API_KEY": "${secrets.it_openai}"},
+    )
     assert made["tag"] == "egress-secrets"
     [sb] = ctl.spawn_sandboxes("egress-secrets")
     registry = RegistryServer(address=registry_address)  # the one the daemon lists
@@ -205,8 +211,7 @@ def test_a_runtime_change_holds_through_hibernation(
         ctl.update_sandbox_network(sb["id"], deny_out=["*"])
         assert fetch(ctl, sb["id"], API)[API] != "api.test.example"  # DNS and TCP shut
         records = ctl.sandbox_egress(sb["id"])["records"]
-        assert {r["host"] for r in records if r["verdict"] == "allowed"} >= {
-            "other.test.example"}  # fmt: skip
+        assert {r["host"] for r in records if r["verdict"] == "allowed"} >= {"other.test.example"}
     finally:
         ctl.kill_sandbox(sb["id"])
 
@@ -221,8 +226,14 @@ def test_a_restarted_daemon_listens_again_with_each_sandboxs_policy(
     d = Daemon(root)
     hosts = root / "egress-hosts"
     hosts.write_text(world.hosts_file.read_text())
-    args = ("--pool-size", "0", "--egress-hosts", str(hosts),
-            "--egress-ca-file", str(world.ca.cert))  # fmt: skip
+    args = (
+        "--pool-size",
+        "0",
+        "--egress-hosts",
+        str(hosts),
+        "--egress-ca-file",
+        str(world.ca.cert),
+    )
     d.start(*args)
     try:
         with Controller(d.url, token=d.token, timeout=300) as own:
@@ -241,9 +252,11 @@ def test_a_restarted_daemon_listens_again_with_each_sandboxs_policy(
 
 
 CLIENTS = Path(__file__).parent / "egress_clients"  # a recipe: curl, pip, git, node
-NODE_FETCH = ("fetch('https://api.test.example/check-token', {headers: {Authorization: "
-              "'Bearer ' + process.env.OPENAI_API_KEY}}).then(r => r.json())"
-              ".then(j => console.log(JSON.stringify(j)))")  # fmt: skip
+NODE_FETCH = (
+    "fetch('https://api.test.example/check-token', {headers: {Authorization: "
+    "'Bearer ' + process.env.OPENAI_API_KEY}}).then(r => r.json())"
+    ".then(j => console.log(JSON.stringify(j)))"
+)
 
 
 @pytest.fixture(scope="module")
@@ -263,11 +276,14 @@ def test_real_clients_get_their_credentials_from_the_proxy(
     ctl.create_secret("it_clients", SECRET, hosts)
     bearer = [{"transform": {"headers": {"Authorization": "Bearer ${secrets.it_clients}"}}}]
     ctl.create_snapshot(
-        "egress-clients", image=clients_image,
-        network={"allow_out": ["*.test.example"],
-                 "rules": {"pypi.test.example": bearer, "git.test.example": bearer}},
+        "egress-clients",
+        image=clients_image,
+        network={
+            "allow_out": ["*.test.example"],
+            "rules": {"pypi.test.example": bearer, "git.test.example": bearer},
+        },
         env={"OPENAI_API_KEY": "${secrets.it_clients}"},
-    )  # fmt: skip
+    )
     [sb] = ctl.spawn_sandboxes("egress-clients")
     try:
         _guest_ready(ctl, sb["id"], world)
@@ -275,11 +291,23 @@ def test_real_clients_get_their_credentials_from_the_proxy(
         def run(*argv: str) -> dict[str, Any]:
             return ctl.exec_command(sb["id"], list(argv), timeout_secs=180)
 
-        curl = run("sh", "-c", 'curl -sS https://api.test.example/check-token '
-                               '-H "Authorization: Bearer $OPENAI_API_KEY"')  # fmt: skip
+        curl = run(
+            "sh",
+            "-c",
+            "curl -sS https://api.test.example/check-token "
+            '-H "Authorization: Bearer $OPENAI_API_KEY"',
+        )
         assert json.loads(curl["stdout"]) == {"authorized": True}, curl
-        pip = run("pip", "download", "--no-deps", "--index-url",
-                  "https://pypi.test.example/simple", "-d", "/tmp/pkgs", "forkd-probe")  # fmt: skip
+        pip = run(
+            "pip",
+            "download",
+            "--no-deps",
+            "--index-url",
+            "https://pypi.test.example/simple",
+            "-d",
+            "/tmp/pkgs",
+            "forkd-probe",
+        )
         assert pip["exit_code"] == 0, pip
         assert egress_world.WHEEL in run("ls", "/tmp/pkgs")["stdout"]
         git = run("git", "clone", "-q", "https://git.test.example/repo.git", "/tmp/repo")
@@ -287,8 +315,11 @@ def test_real_clients_get_their_credentials_from_the_proxy(
         assert run("cat", "/tmp/repo/README")["stdout"] == "cloned through the egress proxy\n"
         node = run("node", "-e", NODE_FETCH)
         assert json.loads(node["stdout"].strip().splitlines()[-1]) == {"authorized": True}, node
-        used = {r["host"] for r in ctl.sandbox_egress(sb["id"], limit=1000)["records"]
-                if r["secrets"] == ["it_clients"]}  # fmt: skip
+        used = {
+            r["host"]
+            for r in ctl.sandbox_egress(sb["id"], limit=1000)["records"]
+            if r["secrets"] == ["it_clients"]
+        }
         assert used == set(hosts)
         assert run("sh", "-c", "echo $OPENAI_API_KEY")["stdout"] == "${secrets.it_clients}\n"
     finally:
@@ -314,11 +345,11 @@ def test_a_guests_dns_is_the_daemons(ctl: Controller, agent: str, world: Outside
     nothing for a name its policy never lets it reach."""
     [sb] = ctl.spawn_sandboxes(agent)
     try:
-        ran = ctl.exec_command(sb["id"], ["python3", "-c", RESOLVE, "api.test.example",
-                                          "other.test.example"])  # fmt: skip
+        ran = ctl.exec_command(
+            sb["id"], ["python3", "-c", RESOLVE, "api.test.example", "other.test.example"]
+        )
         said = json.loads(ran["stdout"])
-        assert said == {"api.test.example": egress_world.WEB,
-                        "other.test.example": "gaierror"}, ran  # fmt: skip
+        assert said == {"api.test.example": egress_world.WEB, "other.test.example": "gaierror"}, ran
         ctl.write_file(sb["id"], "/tmp/test-ca.pem", world.ca.cert.read_bytes())
         assert fetch(ctl, sb["id"], API)[API] == "api.test.example"  # by its own DNS
     finally:

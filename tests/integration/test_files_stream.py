@@ -115,8 +115,9 @@ def test_100_mib_through_the_sdk(sb: Sandbox, big_file: Path, tmp_path: Path) ->
     assert h.hexdigest() == digest
 
     seen: list[tuple[int, int | None]] = []
-    moved = sb.files.download("/root/sdk.bin", tmp_path / "back.bin",
-                              progress=lambda n, total: seen.append((n, total)))  # fmt: skip
+    moved = sb.files.download(
+        "/root/sdk.bin", tmp_path / "back.bin", progress=lambda n, total: seen.append((n, total))
+    )
     assert moved == BIG and _sha256(tmp_path / "back.bin") == digest
     assert seen[-1] == (BIG, BIG)
     sb.files.remove("/root/sdk.bin")  # guest files live in its RAM (256 MiB here)
@@ -127,8 +128,11 @@ def test_100_mib_through_the_sdk(sb: Sandbox, big_file: Path, tmp_path: Path) ->
 def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "forkd.cli", *args],
-        capture_output=True, text=True, timeout=600, env=daemon.env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=daemon.env(),
+    )
 
 
 def test_forkd_cp_a_file_both_ways(
@@ -137,8 +141,11 @@ def test_forkd_cp_a_file_both_ways(
     digest = _sha256(big_file)
     r = _cli(daemon, "cp", str(big_file), f"{sb.id}:/root/", "--json")
     assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout) == {"src": str(big_file), "dst": f"{sb.id}:/root/big.bin",
-                                    "bytes": BIG}  # fmt: skip
+    assert json.loads(r.stdout) == {
+        "src": str(big_file),
+        "dst": f"{sb.id}:/root/big.bin",
+        "bytes": BIG,
+    }
     assert _guest_sha256(sb, "/root/big.bin") == digest
 
     r = _cli(daemon, "cp", "-q", f"{sb.id}:/root/big.bin", str(tmp_path))
@@ -188,8 +195,14 @@ def test_forkd_cp_a_directory_both_ways(
     r = _cli(daemon, "cp", "-q", str(tree), f"{sb.id}:/root/proj")
     assert r.returncode == 0, r.stderr
     assert _guest_sha256(sb, "/root/proj/huge.bin") == _sha256(big_file)
-    ran = sb.commands.run(["sh", "-c", "readlink /root/proj/link; stat -c %a /root/proj/sub/run.sh;"
-                           " ls /root/proj/empty | wc -l"])  # fmt: skip
+    ran = sb.commands.run(
+        [
+            "sh",
+            "-c",
+            "readlink /root/proj/link; stat -c %a /root/proj/sub/run.sh;"
+            " ls /root/proj/empty | wc -l",
+        ]
+    )
     assert ran.stdout.split() == ["sub/run.sh", "755", "0"]
 
     # Onto an existing directory it goes inside it, as cp -r does.
@@ -202,8 +215,14 @@ def test_forkd_cp_a_directory_both_ways(
 
 
 def test_a_full_guest_disk_is_507_and_leaves_nothing(daemon: Daemon, sb: Sandbox) -> None:
-    r = sb.commands.run(["sh", "-c", "mkdir -p /mnt/small && mount -t tmpfs -o size=8m tmpfs "
-                         "/mnt/small && echo old > /mnt/small/keep"])  # fmt: skip
+    r = sb.commands.run(
+        [
+            "sh",
+            "-c",
+            "mkdir -p /mnt/small && mount -t tmpfs -o size=8m tmpfs "
+            "/mnt/small && echo old > /mnt/small/keep",
+        ]
+    )
     assert r.exit_code == 0, r.stderr
     with _http(daemon) as http:
         url = f"/v1/sandboxes/{sb.id}/files"
@@ -241,15 +260,22 @@ def test_tar_members_that_escape_are_refused(daemon: Daemon, sb: Sandbox) -> Non
 
     with _http(daemon) as http:
         url = f"/v1/sandboxes/{sb.id}/files"
-        for bad in (file("../escaped"), file("/root/escaped"), file("ok/../../escaped"),
-                    link("out", "../../root"), link("abs", "/etc/passwd"),
-                    link("hard", "../etc/passwd", tarfile.LNKTYPE)):  # fmt: skip
-            r = http.put(url, params={"path": "/tmp/x/in", "format": "tar"},
-                         content=archive(bad))  # fmt: skip
+        for bad in (
+            file("../escaped"),
+            file("/root/escaped"),
+            file("ok/../../escaped"),
+            link("out", "../../root"),
+            link("abs", "/etc/passwd"),
+            link("hard", "../etc/passwd", tarfile.LNKTYPE),
+        ):
+            r = http.put(url, params={"path": "/tmp/x/in", "format": "tar"}, content=archive(bad))
             assert r.status_code == 400, (bad.name, r.text)
         # A link inside that a later member writes through is refused too.
-        r = http.put(url, params={"path": "/tmp/x/in", "format": "tar"},
-                     content=archive(link("up", ".."), file("up/escaped")))  # fmt: skip
+        r = http.put(
+            url,
+            params={"path": "/tmp/x/in", "format": "tar"},
+            content=archive(link("up", ".."), file("up/escaped")),
+        )
         assert r.status_code == 400, r.text
     ran = sb.commands.run(["sh", "-c", "find / -xdev -name escaped | wc -l"], timeout=60)
     assert ran.stdout.strip() == "0"
@@ -279,9 +305,14 @@ def test_a_client_that_goes_away_leaves_no_staged_file(daemon: Daemon, sb: Sandb
 
     host, port = daemon.url.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
-    sock.sendall((f"PUT /v1/sandboxes/{sb.id}/files?path=/root/gone.bin HTTP/1.1\r\n"
-                  f"Host: x\r\nAuthorization: Bearer {daemon.token}\r\n"
-                  f"Content-Length: {BIG}\r\n\r\n").encode() + b"x" * (8 << 20))  # fmt: skip
+    sock.sendall(
+        (
+            f"PUT /v1/sandboxes/{sb.id}/files?path=/root/gone.bin HTTP/1.1\r\n"
+            f"Host: x\r\nAuthorization: Bearer {daemon.token}\r\n"
+            f"Content-Length: {BIG}\r\n\r\n"
+        ).encode()
+        + b"x" * (8 << 20)
+    )
     deadline = time.monotonic() + 30
     while not _leftovers(sb, "/root") and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -57,12 +57,18 @@ def fleet() -> Iterator[Fleet]:
     for i in range(3):
         (root / f"node{i}").mkdir()
         nodes.append(Daemon(root / f"node{i}"))
-        nodes[-1].start("--kill-on-exit", "--max-sandboxes", str(NODE_CAP),
-                        "--insecure-registry", registry.address)  # fmt: skip
+        nodes[-1].start(
+            "--kill-on-exit",
+            "--max-sandboxes",
+            str(NODE_CAP),
+            "--insecure-registry",
+            registry.address,
+        )
     (root / "gateway-token").write_text(GATEWAY_TOKEN + "\n")
     (root / "gw").mkdir()
-    gateway = GatewayProcess(root / "gw", [d.url for d in nodes], nodes[0].root / "token",
-                             root / "gateway-token")  # fmt: skip
+    gateway = GatewayProcess(
+        root / "gw", [d.url for d in nodes], nodes[0].root / "token", root / "gateway-token"
+    )
     gateway.start("--registry", f"{registry.address}/forkd/fleet")
     headers = {"Authorization": f"Bearer {Daemon.token}"}
     ids = [httpx.get(f"{d.url}/v1/capacity", headers=headers).json()["node_id"] for d in nodes]
@@ -84,8 +90,9 @@ def test_the_sdk_works_through_the_gateway_and_children_move(fleet: Fleet) -> No
     assert {n["node_id"] for n in nodes} == set(fleet.ids)
     assert all(n["state"] == "up" and n["capacity"]["accel"] for n in nodes)
     with fleet.ctl() as ctl:
-        snap = Snapshot.create("gw-py", controller=ctl, memory_mib=256, node=a,
-                               setup=["echo ready > /tmp/setup.txt"])  # fmt: skip
+        snap = Snapshot.create(
+            "gw-py", controller=ctl, memory_mib=256, node=a, setup=["echo ready > /tmp/setup.txt"]
+        )
         assert snap.tag == "gw-py"
         # Two children pinned on a node without the snapshot: it moves there first.
         kids = snap.fork(2, node=b)
@@ -114,8 +121,9 @@ def test_a_branch_on_one_node_forks_on_another(fleet: Fleet) -> None:
     _a, b, c = fleet.ids
     with fleet.ctl() as ctl, Sandbox("gw-py", controller=ctl, node=b) as parent:
         assert _node_of(parent.id) == b
-        want = parent.eval("import os, hashlib; blob = os.urandom(1 << 20); "
-                           "hashlib.sha256(blob).hexdigest()").result  # fmt: skip
+        want = parent.eval(
+            "import os, hashlib; blob = os.urandom(1 << 20); hashlib.sha256(blob).hexdigest()"
+        ).result
         branch = parent.branch(tag="gw-branch")
         with Sandbox(branch.tag, controller=ctl, node=c) as child:
             assert _node_of(child.id) == c
@@ -148,10 +156,13 @@ def test_an_image_sent_through_the_gateway_makes_a_template_and_is_deleted_every
     loaded: where a template goes among nodes that differ is the unit tests' part."""
     _a, b, _c = fleet.ids
     archive = oci_images.write_oci_archive(tmp_path / "bare.tar", {"bare": shell_less_image()})
-    r = httpx.post(f"{fleet.gateway.url}/v1/images/load", params={"node": b, "tag": "bare:1"},
-                   content=archive.read_bytes(), timeout=600,
-                   headers={"Authorization": f"Bearer {GATEWAY_TOKEN}",
-                            "Content-Type": "application/x-tar"})  # fmt: skip
+    r = httpx.post(
+        f"{fleet.gateway.url}/v1/images/load",
+        params={"node": b, "tag": "bare:1"},
+        content=archive.read_bytes(),
+        timeout=600,
+        headers={"Authorization": f"Bearer {GATEWAY_TOKEN}", "Content-Type": "application/x-tar"},
+    )
     assert r.status_code == 201, r.text
     name = r.json()["name"]
     assert b in [i["node"] for i in fleet.get("/v1/images") if i["name"] == name]
@@ -162,8 +173,10 @@ def test_an_image_sent_through_the_gateway_makes_a_template_and_is_deleted_every
         (kid,) = ctl.spawn_sandboxes("gw-bare", n=1)
         assert _node_of(kid["id"]) == node
         assert ctl.exec_command(kid["id"], ["ls", "/bin"])["stdout"].split() == [
-            "busybox", "cat", "ls"
-        ]  # fmt: skip
+            "busybox",
+            "cat",
+            "ls",
+        ]
         with pytest.raises(ControllerError) as exc:  # its template boots from it
             ctl.delete_image(name)
         assert exc.value.status == 409 and f"on node {node}" in str(exc.value)
@@ -199,8 +212,9 @@ def test_a_node_killed_mid_run_is_down_within_10_s_and_only_its_sandboxes_fail(
         while next(n for n in fleet.get("/v1/nodes") if n["node_id"] == c)["state"] != "down":
             assert time.monotonic() - killed < 10, "the node was not marked down within 10 s"
             time.sleep(0.2)
-        metrics = httpx.get(f"{fleet.gateway.url}/metrics",
-                            headers={"Authorization": f"Bearer {GATEWAY_TOKEN}"}).text  # fmt: skip
+        metrics = httpx.get(
+            f"{fleet.gateway.url}/metrics", headers={"Authorization": f"Bearer {GATEWAY_TOKEN}"}
+        ).text
         assert 'forkd_gateway_nodes{state="down"} 1' in metrics
         with pytest.raises(ControllerError) as exc:
             ctl.exec_command(on_c.id, ["true"])

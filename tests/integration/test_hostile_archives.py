@@ -106,8 +106,12 @@ def test_a_hostile_guest_writes_nothing_outside_a_download(
     (tmp_path / "dest").mkdir()
     r = subprocess.run(
         [sys.executable, "-m", "forkd.cli", "cp", f"{sb.id}:/work/x", f"{tmp_path / 'dest'}/"],
-        capture_output=True, text=True, timeout=120, env=daemon.env(), cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=daemon.env(),
+        cwd=tmp_path,
+    )
     assert r.returncode != 0, r.stdout
     assert "refusing" in r.stderr or "not a directory" in r.stderr, r.stderr
     assert str(tmp_path) not in r.stderr.replace(str(tmp_path / "dest"), "")

@@ -123,8 +123,11 @@ def _put_in_background(api: httpx.Client, sid: str, size: int) -> tuple[threadin
 
     def put() -> None:
         try:
-            answers.append(api.put(f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/big"},
-                                   content=b"A" * size))  # fmt: skip
+            answers.append(
+                api.put(
+                    f"/v1/sandboxes/{sid}/files", params={"path": "/tmp/big"}, content=b"A" * size
+                )
+            )
         except BaseException as exc:
             answers.append(exc)
 
@@ -212,8 +215,9 @@ def _percentiles(latencies: list[float]) -> dict[str, float]:
 
 
 def _while_guest_runs(api: httpx.Client, daemon: Daemon, sid: str, code: str) -> list[float]:
-    r = api.post(f"/v1/sandboxes/{sid}/eval",
-                 json={"code": code.replace("SECONDS", str(MEASURE_SECS + 1))})  # fmt: skip
+    r = api.post(
+        f"/v1/sandboxes/{sid}/eval", json={"code": code.replace("SECONDS", str(MEASURE_SECS + 1))}
+    )
     assert r.status_code == 200 and r.json()["error"] is None, r.text
     time.sleep(1)  # the thread is under way
     return _healthz_for(daemon.url, MEASURE_SECS)
@@ -242,8 +246,10 @@ def test_a_flooding_guest_does_not_slow_the_daemon(api: httpx.Client, daemon: Da
     side.join(30)
 
     base, flood = _percentiles(baseline), _percentiles(flooded)
-    print(f"\n/healthz ms, guest burning CPU: {json.dumps(base)}; "
-          f"guest flooding: {json.dumps(flood)}; exec in another sandbox: {others}")  # fmt: skip
+    print(
+        f"\n/healthz ms, guest burning CPU: {json.dumps(base)}; "
+        f"guest flooding: {json.dumps(flood)}; exec in another sandbox: {others}"
+    )
     assert others and others[0].startswith("still here")
     # Both guests cost the host the same vCPU; the flood may add only a little.
     assert flood["p50"] < base["p50"] * 1.5 + 1.0, (base, flood)

@@ -160,8 +160,9 @@ def test_eval_and_warmup_run_as_the_images_own_user(
     (tmp_path / "Dockerfile").write_text(f"FROM {DEBIAN}\n{dockerfile_tail}")
     tag = dockerd.build(tmp_path, f"forkd-test/eval-as-{user}:1")
     snap = f"eval-as-{user}"
-    ctl.create_snapshot(snap, image=f"docker-daemon:{tag}", warmup="import os\nx = 41",
-                        memory_mib=256)  # fmt: skip
+    ctl.create_snapshot(
+        snap, image=f"docker-daemon:{tag}", warmup="import os\nx = 41", memory_mib=256
+    )
     try:
         (kid,) = ctl.spawn_sandboxes(snap, n=1)
         try:

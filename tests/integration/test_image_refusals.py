@@ -60,8 +60,9 @@ def archive_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def daemon(docker: DockerDaemon, registry: RegistryServer, archive_dir: Path) -> Iterator[Daemon]:
-    with image_daemon(docker, [registry.address, PRIVATE], archive_dir,
-                      "--max-image-mib", str(MAX_IMAGE_MIB)) as d:  # fmt: skip
+    with image_daemon(
+        docker, [registry.address, PRIVATE], archive_dir, "--max-image-mib", str(MAX_IMAGE_MIB)
+    ) as d:
         yield d
 
 
@@ -122,11 +123,13 @@ def test_a_registry_that_wants_a_password(ctl: Controller, daemon: Daemon) -> No
         oci_images.push(private.address, "team/app", "1", small_image(), auth=("ann", "s3cret"))
         ref = private.ref("team/app", "1")
         assert refused(ctl, ref).status == 403  # no credentials
-        auth_file.write_text(json.dumps({"auths": {PRIVATE: {"username": "ann",
-                                                             "password": "wrong"}}}))  # fmt: skip
+        auth_file.write_text(
+            json.dumps({"auths": {PRIVATE: {"username": "ann", "password": "wrong"}}})
+        )
         assert refused(ctl, ref, via_snapshot=True).status == 403
-        auth_file.write_text(json.dumps({"auths": {PRIVATE: {"username": "ann",
-                                                             "password": "s3cret"}}}))  # fmt: skip
+        auth_file.write_text(
+            json.dumps({"auths": {PRIVATE: {"username": "ann", "password": "s3cret"}}})
+        )
         assert ctl.import_image(ref)["id"] == small_image().config.digest
     finally:
         auth_file.unlink(missing_ok=True)
@@ -160,8 +163,9 @@ def bomb_layer(expanded: int) -> bytes:
     entry = hostile.archive(hostile.file("z", bytes(1 << 20)), fmt=tarfile.USTAR_FORMAT)
     entry = entry[: 512 + (1 << 20)]  # its header and data, without the end of archive
     compressor = zlib.compressobj(9, zlib.DEFLATED, 31)
-    return b"".join([*(compressor.compress(entry) for _ in range(expanded >> 20)),
-                     compressor.flush()])  # fmt: skip
+    return b"".join(
+        [*(compressor.compress(entry) for _ in range(expanded >> 20)), compressor.flush()]
+    )
 
 
 def bomb_diff_id(expanded: int) -> str:
@@ -200,8 +204,10 @@ def test_hostile_images_are_refused_and_write_nothing_outside(
     error = refused(ctl, f"oci-archive:{path}:1")
     elapsed = time.monotonic() - started
     assert error.status == 400 and f"{MAX_IMAGE_MIB << 20}" in str(error).replace(",", ""), error
-    print(f"a {len(data) >> 20} MiB gzip bomb of 1 GiB refused at {MAX_IMAGE_MIB} MiB "
-          f"in {elapsed:.1f} s")  # fmt: skip
+    print(
+        f"a {len(data) >> 20} MiB gzip bomb of 1 GiB refused at {MAX_IMAGE_MIB} MiB "
+        f"in {elapsed:.1f} s"
+    )
     assert elapsed < 60
 
 
@@ -219,8 +225,9 @@ def test_names_a_runtime_confines_stay_inside_the_image(
     assert not outside.exists()
     rootfs = paths.images_dir() / f"{info['name']}-{info['key']}" / "rootfs.sqfs"
     for name, data in (("absolute", b"absolute name\n"), ("through", b"through a symlink\n")):
-        cat = subprocess.run(["rdsquashfs", "-c", f"{outside}/{name}", str(rootfs)],
-                             capture_output=True, check=False)  # fmt: skip
+        cat = subprocess.run(
+            ["rdsquashfs", "-c", f"{outside}/{name}", str(rootfs)], capture_output=True, check=False
+        )
         assert cat.returncode == 0 and cat.stdout == data, (name, cat.stderr)
     ctl.delete_image(info["name"])
     assert not rootfs.exists()
@@ -229,8 +236,13 @@ def test_names_a_runtime_confines_stay_inside_the_image(
 def image_with(config: bytes, layer: oci_images.Layer, **manifest: Any) -> oci_images.Image:
     """An image whose config is ``config`` as it is, its manifest's fields ``manifest``."""
     cfg = oci_images.Blob(config, oci_images.OCI_CONFIG)
-    doc = {"schemaVersion": 2, "mediaType": oci_images.OCI_MANIFEST, "config": cfg.descriptor(),
-           "layers": [layer.descriptor()], **manifest}  # fmt: skip
+    doc = {
+        "schemaVersion": 2,
+        "mediaType": oci_images.OCI_MANIFEST,
+        "config": cfg.descriptor(),
+        "layers": [layer.descriptor()],
+        **manifest,
+    }
     body = oci_images.Blob(json.dumps(doc).encode(), oci_images.OCI_MANIFEST)
     return oci_images.Image(cfg, (layer,), body)
 
@@ -266,9 +278,14 @@ def test_an_image_is_exactly_what_its_digests_say_from_every_source(
     good_layer = oci_images.layer({"etc/": oci_images.Dir(), "etc/marker": b"good\n"})
     evil_layer = oci_images.layer({"etc/": oci_images.Dir(), "etc/marker": b"evil\n"})
     good = oci_images.image([good_layer], {"Cmd": ["true"]})
-    body = json.dumps({"schemaVersion": 2, "mediaType": oci_images.OCI_MANIFEST,
-                       "config": good.config.descriptor(),
-                       "layers": [evil_layer.descriptor()]}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": oci_images.OCI_MANIFEST,
+            "config": good.config.descriptor(),
+            "layers": [evil_layer.descriptor()],
+        }
+    ).encode()
     evil = oci_images.Image(
         good.config, (evil_layer,), oci_images.Blob(body, oci_images.OCI_MANIFEST)
     )
@@ -300,8 +317,9 @@ def test_an_image_is_exactly_what_its_digests_say_from_every_source(
 
     def marker(info: dict[str, Any]) -> bytes:
         rootfs = paths.images_dir() / f"{info['name']}-{info['key']}" / "rootfs.sqfs"
-        cat = subprocess.run(["rdsquashfs", "-c", "/etc/marker", str(rootfs)],
-                             capture_output=True, check=True)  # fmt: skip
+        cat = subprocess.run(
+            ["rdsquashfs", "-c", "/etc/marker", str(rootfs)], capture_output=True, check=True
+        )
         return cat.stdout
 
     all_refused()  # the attacker first

@@ -91,9 +91,13 @@ def ctl(daemon: Daemon) -> Iterator[Controller]:
 def cli(daemon: Daemon, *args: str) -> Any:
     """``forkd ARGS --json`` against ``daemon``: its JSON output."""
     proc = subprocess.run(
-        [sys.executable, "-m", "forkd.cli", *args, "--json"], cwd=ROOT, env=daemon.env(),
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [sys.executable, "-m", "forkd.cli", *args, "--json"],
+        cwd=ROOT,
+        env=daemon.env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -102,9 +106,20 @@ def test_a_python_app_image_serves_from_every_fork_as_its_user(
     docker: DockerDaemon, daemon: Daemon, ctl: Controller
 ) -> None:
     build(docker, APP_TAG, {"Dockerfile": DOCKERFILE, "app.py": APP})
-    made = cli(daemon, "snapshot", "create", "--tag", "pyapp", "--image",
-               f"docker-daemon:{APP_TAG}", "--start", "--ready-port", str(APP_PORT),
-               "--memory", "256")  # fmt: skip
+    made = cli(
+        daemon,
+        "snapshot",
+        "create",
+        "--tag",
+        "pyapp",
+        "--image",
+        f"docker-daemon:{APP_TAG}",
+        "--start",
+        "--ready-port",
+        str(APP_PORT),
+        "--memory",
+        "256",
+    )
     assert made["status"] == "ready" and made["tag"] == "pyapp", made
     kids = cli(daemon, "fork", "--tag", "pyapp", "-n", "3")
     ids = [kid["id"] for kid in kids]
@@ -128,16 +143,20 @@ def test_a_python_app_image_serves_from_every_fork_as_its_user(
             # exec's defaults are the image's too.
             who = ctl.exec_command(sid, ["sh", "-c", 'id -un; pwd; echo "$GREETING $APP_HOME"'])
             assert who["stdout"].splitlines() == [
-                "web", "/srv/app", "hello from the app image /srv/app"
-            ], who  # fmt: skip
+                "web",
+                "/srv/app",
+                "hello from the app image /srv/app",
+            ], who
         assert len(pids) == 1, pids  # one process, started once before the snapshot
 
         # Each fork's state is its own: the service's memory and the files it writes.
         a, b, c = ids
         for _ in range(3):
             httpx.get(ctl.port_url(a, APP_PORT, "/hit"), headers=auth, timeout=30)
-        hits = [httpx.get(ctl.port_url(sid, APP_PORT, "/hit"), headers=auth, timeout=30).json()
-                for sid in ids]  # fmt: skip
+        hits = [
+            httpx.get(ctl.port_url(sid, APP_PORT, "/hit"), headers=auth, timeout=30).json()
+            for sid in ids
+        ]
         assert hits == [{"hits": 4}, {"hits": 1}, {"hits": 1}], hits
         wrote = ctl.exec_command(b, ["sh", "-c", "echo only in b > data/note.txt"])
         assert wrote["exit_code"] == 0, wrote  # as web, in a directory web owns
@@ -155,9 +174,12 @@ def test_the_postgres_image_recipe(docker: DockerDaemon, daemon: Daemon) -> None
     ref = f"docker-daemon:{docker.base_image('forkd-test/postgres:15')}"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "postgres-image" / "demo.py"), ref],
-        cwd=ROOT, env={**daemon.env(), "COLUMNS": "200"},
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**daemon.env(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert out.count("sees its own row only") == 3

@@ -42,10 +42,11 @@ class _Gated(BaseHTTPRequestHandler):
     layer_asked = threading.Event()
 
     def do_GET(self) -> None:
-        routes = {"/v2/held/manifests/1": (HELD_BACK.manifest.media_type,
-                                           HELD_BACK.manifest.data)}  # fmt: skip
-        routes |= {f"/v2/held/blobs/{b.digest}": ("application/octet-stream", b.data)
-                   for b in HELD_BACK.blobs()}  # fmt: skip
+        routes = {"/v2/held/manifests/1": (HELD_BACK.manifest.media_type, HELD_BACK.manifest.data)}
+        routes |= {
+            f"/v2/held/blobs/{b.digest}": ("application/octet-stream", b.data)
+            for b in HELD_BACK.blobs()
+        }
         kind, body = routes.get(self.path, ("text/plain", b""))
         if self.path == f"/v2/held/blobs/{HELD_BACK.layers[1].digest}":
             self.layer_asked.set()

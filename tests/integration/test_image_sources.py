@@ -90,9 +90,11 @@ def test_every_reference_kind_imports_one_image_once(
     done = {ref: ctl.import_image(ref) for ref in refs}
     for ref, info in done.items():
         kind = "registry" if ref == pushed else ref.partition(":")[0]
-        print(f"{kind:15} "
-              f"fetched {info['bytes_fetched']:>9} B, reused {info['bytes_reused']:>9} B, "
-              f"{info['import_secs']} s")  # fmt: skip
+        print(
+            f"{kind:15} "
+            f"fetched {info['bytes_fetched']:>9} B, reused {info['bytes_reused']:>9} B, "
+            f"{info['import_secs']} s"
+        )
     for ref, info in done.items():
         assert info["id"] == want_id, (ref, info)  # the Docker Engine's image id
         assert info["kind"] == "container" and info["config"]["exposed_ports"] == ["8080/tcp"]
@@ -109,8 +111,9 @@ def test_every_reference_kind_imports_one_image_once(
     assert len(listed["references"]) == len(refs), listed["references"]
 
     # The registry's copy is a template like any other: its service warm in each fork.
-    made = ctl.create_snapshot("from-registry", image=pushed, start=True, ready_port=8080,
-                               memory_mib=256)  # fmt: skip
+    made = ctl.create_snapshot(
+        "from-registry", image=pushed, start=True, ready_port=8080, memory_mib=256
+    )
     assert made["status"] == "ready"
     kids = ctl.spawn_sandboxes("from-registry", n=2)
     try:
@@ -128,10 +131,14 @@ def test_a_second_image_on_a_shared_base_fetches_only_its_own_layer(
 ) -> None:
     pushed = {}
     for name in ("first", "second"):
-        tag = build(docker, f"forkd-test/shared-{name}:1", {
-            "Dockerfile": f"FROM forkd-test/busybox:1\nCOPY {name}.bin /srv/{name}.bin\n",
-            f"{name}.bin": os.urandom(300_000),  # does not compress: its layer is ~300 KB
-        })  # fmt: skip
+        tag = build(
+            docker,
+            f"forkd-test/shared-{name}:1",
+            {
+                "Dockerfile": f"FROM forkd-test/busybox:1\nCOPY {name}.bin /srv/{name}.bin\n",
+                f"{name}.bin": os.urandom(300_000),  # does not compress: its layer is ~300 KB
+            },
+        )
         pushed[name] = registry.ref(f"shared/{name}", "1")
         push(docker, tag, pushed[name])
     manifests = {n: registry_manifest(registry.address, f"shared/{n}", "1") for n in pushed}
@@ -142,13 +149,17 @@ def test_a_second_image_on_a_shared_base_fetches_only_its_own_layer(
     own = manifests["first"][0]["layers"][-1]["size"]
     assert first["bytes_fetched"] >= own > 300_000, first
     second = ctl.import_image(pushed["second"])
-    print(f"second image on the base: fetched {second['bytes_fetched']} B "
-          f"(its layer {manifests['second'][0]['layers'][-1]['size']} B), "
-          f"reused {second['bytes_reused']} B, {second['import_secs']} s")  # fmt: skip
+    print(
+        f"second image on the base: fetched {second['bytes_fetched']} B "
+        f"(its layer {manifests['second'][0]['layers'][-1]['size']} B), "
+        f"reused {second['bytes_reused']} B, {second['import_secs']} s"
+    )
     m, body = manifests["second"]
     # The manifest, the config and the one layer the first image does not have: nothing more.
     assert second["bytes_fetched"] == body + m["config"]["size"] + m["layers"][-1]["size"], (
-        second, m)  # fmt: skip
+        second,
+        m,
+    )
     assert second["bytes_reused"] == sum(layer["size"] for layer in m["layers"][:-1]), second
     base_bytes = second["bytes_reused"]
     listed = {i["name"]: i for i in ctl.list_images()}

@@ -78,9 +78,11 @@ def test_a_daemon_killed_mid_import_leaves_no_worker_and_its_leftovers_are_swept
     me = processes.Holder.of(daemon.proc.pid)
     sock = socket.create_connection(("127.0.0.1", daemon.port or 0))
     # A load whose archive has come in part: its temporary file is in the store.
-    sock.sendall(b"POST /v1/images/load?tag=half:1 HTTP/1.1\r\nHost: x\r\n"
-                 b"Authorization: Bearer " + daemon.token.encode() + b"\r\n"
-                 b"Content-Length: 67108864\r\n\r\n" + os.urandom(4 << 20))  # fmt: skip
+    sock.sendall(
+        b"POST /v1/images/load?tag=half:1 HTTP/1.1\r\nHost: x\r\n"
+        b"Authorization: Bearer " + daemon.token.encode() + b"\r\n"
+        b"Content-Length: 67108864\r\n\r\n" + os.urandom(4 << 20)
+    )
     # An import that reaches tar2sqfs.
     importing = threading.Thread(target=_import, args=(daemon, f"oci-archive:{archive}:1"))
     importing.start()
@@ -99,8 +101,11 @@ def test_a_daemon_killed_mid_import_leaves_no_worker_and_its_leftovers_are_swept
     staging = [
         p for p in paths.images_dir().glob(".staging-*") if processes.marked_by(p.name) == me
     ]
-    partial = [p for p in (paths.blobs_dir() / "tmp").iterdir()
-               if p.name.endswith(".load.tar") and processes.marked_by(p.name) == me]  # fmt: skip
+    partial = [
+        p
+        for p in (paths.blobs_dir() / "tmp").iterdir()
+        if p.name.endswith(".load.tar") and processes.marked_by(p.name) == me
+    ]
     killed = kill_9(daemon)
     sock.close()
     importing.join(30)

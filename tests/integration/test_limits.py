@@ -107,9 +107,16 @@ _SIGNAL_PROBE = (
 
 def signal_errno(uid: int, gid: int, pid: int) -> int:
     out = subprocess.run(
-        [SYSTEM_PYTHON, "-c", _SIGNAL_PROBE, str(pid)], user=uid, group=gid, extra_groups=[],
-        cwd="/", capture_output=True, text=True, check=True, timeout=30,
-    )  # fmt: skip
+        [SYSTEM_PYTHON, "-c", _SIGNAL_PROBE, str(pid)],
+        user=uid,
+        group=gid,
+        extra_groups=[],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
     return int(out.stdout)
 
 
@@ -224,8 +231,10 @@ def test_a_guest_over_its_memory_limit_gets_its_qemu_killed_and_marked_dead(
     # 200 MiB, a MiB at a time (zeroed, so written): within guest RAM, over the cap.
     grab = "s = [bytearray(1 << 20) for _ in range(200)]\nprint('kept')"
     try:
-        r = c.post(f"/v1/sandboxes/{hog['id']}/exec",
-                   json={"args": ["python3", "-c", grab], "timeout_secs": 120})  # fmt: skip
+        r = c.post(
+            f"/v1/sandboxes/{hog['id']}/exec",
+            json={"args": ["python3", "-c", grab], "timeout_secs": 120},
+        )
     finally:
         sampling = False
         sampler.join(10)
@@ -258,8 +267,9 @@ def test_requests_over_a_cap_or_under_the_least_limit_start_nothing(c: httpx.Cli
 @pytest.fixture(scope="module")
 def suite_api(daemon: Daemon, api_template: str) -> Iterator[httpx.Client]:
     """The suite's daemon, with its default caps (and cgroups or not)."""
-    with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"},
-                      timeout=300) as client:  # fmt: skip
+    with httpx.Client(
+        base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"}, timeout=300
+    ) as client:
         yield client
 
 
@@ -295,8 +305,9 @@ def reserved(image: Any) -> Iterator[tuple[Daemon, httpx.Client]]:
     d = Daemon(root)
     available = host_memory.read_meminfo().available_mib
     d.start("--pool-size", "0", "--memory-reserve", str(available - 64))
-    with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"},
-                      timeout=120) as client:  # fmt: skip
+    with httpx.Client(
+        base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=120
+    ) as client:
         yield d, client
     d.stop()
     d.kill_leftovers()

@@ -60,9 +60,13 @@ def test_the_image_tools_on_real_vms(daemon: Any, tmp_path: Path) -> None:
         try:
             async with Client(built) as client:
                 await exercise_the_image_tools(
-                    client, f"oci-archive:{archive}:1", f"oci-archive:{archive}:nosuch",
-                    "mcp-busybox", 8080, "app",
-                )  # fmt: skip
+                    client,
+                    f"oci-archive:{archive}:1",
+                    f"oci-archive:{archive}:nosuch",
+                    "mcp-busybox",
+                    8080,
+                    "app",
+                )
         finally:
             async with AsyncController(daemon.url, token=daemon.token) as ctl:
                 with contextlib.suppress(ControllerError):  # not made: the failure above

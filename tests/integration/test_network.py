@@ -97,8 +97,10 @@ def _fork(api: httpx.Client, **body: Any) -> dict[str, Any]:
 
 
 def _probe(api: httpx.Client, sandbox_id: str, targets: list[str]) -> dict[str, str]:
-    r = api.post(f"/v1/sandboxes/{sandbox_id}/exec",
-                 json={"args": ["python3", "-c", PROBE, *targets], "timeout_secs": 60})  # fmt: skip
+    r = api.post(
+        f"/v1/sandboxes/{sandbox_id}/exec",
+        json={"args": ["python3", "-c", PROBE, *targets], "timeout_secs": 60},
+    )
     assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
     return json.loads(r.json()["stdout"])
 
@@ -163,10 +165,18 @@ def outside() -> Iterator[str]:
             ns.link("set", index=eth, state="up")
             ns.link("set", index=ns.link_lookup(ifname="lo")[0], state="up")
             ns.route("add", dst="0.0.0.0/0", gateway=LAN_HOST)
-        listeners.append(subprocess.Popen(
-            ["nsenter", f"--net={network.NETNS_DIR / name}", "--",
-             sys.executable, "-c", LISTEN.format(port=PORT)],
-        ))  # fmt: skip
+        listeners.append(
+            subprocess.Popen(
+                [
+                    "nsenter",
+                    f"--net={network.NETNS_DIR / name}",
+                    "--",
+                    sys.executable,
+                    "-c",
+                    LISTEN.format(port=PORT),
+                ],
+            )
+        )
         yield name
     finally:
         for proc in listeners:

@@ -57,8 +57,10 @@ def api(daemon: Daemon) -> Iterator[httpx.Client]:
 
 def _spawn(api: httpx.Client, tag: str, n: int = 1) -> list[dict[str, Any]]:
     # The body the original SDK always sends (per_child_netns, prewarm: its defaults).
-    r = api.post("/v1/sandboxes", json={"snapshot_tag": tag, "n": n, "per_child_netns": False,
-                                        "prewarm": False})  # fmt: skip
+    r = api.post(
+        "/v1/sandboxes",
+        json={"snapshot_tag": tag, "n": n, "per_child_netns": False, "prewarm": False},
+    )
     assert r.status_code == 201, r.text
     return list(r.json())
 
@@ -74,7 +76,7 @@ def test_fork_diff_branch_measure_compact_and_workspaces(
             f"/v1/sandboxes/{sid}/exec",
             json={"args": ["sh", "-c", "echo changed > /tmp/mark"], "timeout_secs": 30},
         )
-        assert r.json()["exit_code"] == 0, r.text  # fmt: skip
+        assert r.json()["exit_code"] == 0, r.text
         r = api.post(f"/v1/sandboxes/{sid}/branch", json={"tag": "orig-d", "diff": True})
         assert r.status_code == 201, r.text
         made.append("orig-d")
@@ -136,8 +138,9 @@ def test_the_agent_protocol_at_guest_addr_and_from_inside_the_namespace(
         ran = original_call(addr, {"action": "exec", "args": ["echo", "done"], "timeout": 60})
         assert (ran["stdout"], ran["exit_code"]) == ("done\n", 0) and "error" not in ran, ran
         started = time.monotonic()
-        cut = original_call(addr, {"action": "exec", "args": ["sh", "-c", "echo so far; sleep 20"],
-                                   "timeout": 1})  # fmt: skip
+        cut = original_call(
+            addr, {"action": "exec", "args": ["sh", "-c", "echo so far; sleep 20"], "timeout": 1}
+        )
         assert (cut["stdout"], cut["exit_code"]) == ("so far\n", 124), cut
         assert time.monotonic() - started < 15  # not the default 30 s
         evaluated = original_call(addr, {"action": "eval", "code": "x + 1"})
@@ -146,16 +149,19 @@ def test_the_agent_protocol_at_guest_addr_and_from_inside_the_namespace(
         assert failed["error"] == "NameError: name 'undefined_name' is not defined", failed
 
         # ip netns exec NS client -h GUEST, as the original's postgres recipe does.
-        r = api.post(f"/v1/sandboxes/{sb['id']}/processes",
-                     json={"cmd": ["python3", "-c", GUEST_SERVER]})  # fmt: skip
+        r = api.post(
+            f"/v1/sandboxes/{sb['id']}/processes", json={"cmd": ["python3", "-c", GUEST_SERVER]}
+        )
         assert r.status_code == 201, r.text
         host = addr.rpartition(":")[0]
         deadline = time.monotonic() + 30
         while True:
             dialed = subprocess.run(
                 ["ip", "netns", "exec", sb["netns"], sys.executable, "-c", DIAL, host, "5433"],
-                capture_output=True, text=True, timeout=30,
-            )  # fmt: skip
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             if dialed.returncode == 0 or time.monotonic() > deadline:
                 break
             time.sleep(0.5)  # the server is still starting
@@ -172,10 +178,23 @@ def test_the_original_sdks_sandbox_through_fork_settle_secs(
     before = {s["id"] for s in api.get("/v1/sandboxes").json()}
     # What the original SDK's Sandbox() runs.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "forkd.cli", "fork", "--tag", api_template, "-n", "1",
-         "--settle-secs", "3600"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "fork",
+            "--tag",
+            api_template,
+            "-n",
+            "1",
+            "--settle-secs",
+            "3600",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:  # the SDK polls ping until it answers

@@ -208,8 +208,9 @@ def _exec(http: httpx.Client, sandbox_id: str, cmd: str) -> httpx.Response:
 
 @pytest.fixture
 def http(daemon: Daemon, api_template: str) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"},
-                      timeout=120) as client:  # fmt: skip
+    with httpx.Client(
+        base_url=daemon.url, headers={"Authorization": f"Bearer {daemon.token}"}, timeout=120
+    ) as client:
         yield client
 
 

@@ -164,8 +164,12 @@ def test_forkd_port_forward_tunnels_curl(pair: tuple[Sandbox, Sandbox], daemon: 
         assert proc.stdout is not None
         local = json.loads(proc.stdout.readline())["local_port"]
         for path in ("/one", "/two"):
-            out = subprocess.run(["curl", "-sS", "--max-time", "30", f"http://127.0.0.1:{local}{path}"],
-                                 capture_output=True, text=True, check=True).stdout  # fmt: skip
+            out = subprocess.run(
+                ["curl", "-sS", "--max-time", "30", f"http://127.0.0.1:{local}{path}"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout
             assert out == f"hello from alpha at {path}\n"
     finally:
         proc.terminate()
@@ -200,8 +204,9 @@ def test_user_mode_networking_forwards_a_loopback_port_on_first_use(
     daemon's way in is a QEMU host forward to 127.0.0.1, added once per port."""
     vm = fleet.fork(base_snapshot)
     assert vm.net is None
-    fleet.loop.run(vm.exec(["sh", "-c", "cd /tmp && nohup python3 -m http.server 8000 "
-                            ">/dev/null 2>&1 &"]))  # fmt: skip
+    fleet.loop.run(
+        vm.exec(["sh", "-c", "cd /tmp && nohup python3 -m http.server 8000 >/dev/null 2>&1 &"])
+    )
     host, port = fleet.loop.run(vm.guest_port_address(8000))
     assert host == "127.0.0.1"
     assert fleet.loop.run(vm.guest_port_address(8000)) == (host, port)  # added once

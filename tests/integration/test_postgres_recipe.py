@@ -18,9 +18,12 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_postgres_fixture_demo(daemon: Daemon) -> None:
     proc = subprocess.run(
         [sys.executable, str(ROOT / "recipes" / "postgres-fixture" / "demo.py")],
-        cwd=ROOT, env={**daemon.env(), "COLUMNS": "200"},
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=ROOT,
+        env={**daemon.env(), "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
     assert out.count("sees its own row only") == 3

@@ -27,8 +27,10 @@ def _lines_until(handle: CommandHandle, done: int, timeout: float = 60) -> Lines
 def test_output_is_streamed_as_it_is_written(sb: Sandbox) -> None:
     seen: list[tuple[float, str]] = []
     t0 = time.monotonic()
-    r = sb.commands.run("for i in 1 2 3 4; do echo line $i; sleep 1; done",
-                        on_stdout=lambda s: seen.append((time.monotonic() - t0, s)))  # fmt: skip
+    r = sb.commands.run(
+        "for i in 1 2 3 4; do echo line $i; sleep 1; done",
+        on_stdout=lambda s: seen.append((time.monotonic() - t0, s)),
+    )
     assert (r.exit_code, r.stdout) == (0, "line 1\nline 2\nline 3\nline 4\n")
     first_at, end_at = seen[0][0], time.monotonic() - t0
     assert seen[0][1].startswith("line 1")
@@ -79,7 +81,10 @@ def test_a_lost_range_is_a_gap_event(sb: Sandbox, ctl: Controller) -> None:
     assert now["output_end"] == 6_000_000 and now["output_start"] > 0
     events = list(ctl.process_output(sb.id, info["pid"]))
     assert (events[0].kind, events[0].offset, events[0].next_offset) == (
-        "gap", 0, now["output_start"])  # fmt: skip
+        "gap",
+        0,
+        now["output_start"],
+    )
     data = [e for e in events if e.kind == "stdout"]
     assert data[0].offset == now["output_start"]
     assert sum(len(e.data) for e in data) == 6_000_000 - now["output_start"]
@@ -105,10 +110,20 @@ def test_a_terminal_and_its_resize(sb: Sandbox, ctl: Controller) -> None:
 
 def test_cli_exec_streams_and_exits_with_the_code(daemon: Daemon, sb: Sandbox) -> None:
     cli = subprocess.Popen(
-        [sys.executable, "-m", "forkd.cli", "exec", sb.id, "--", "sh", "-c",
-         "echo first; sleep 3; echo second; exit 5"],
-        stdout=subprocess.PIPE, env=daemon.env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "exec",
+            sb.id,
+            "--",
+            "sh",
+            "-c",
+            "echo first; sleep 3; echo second; exit 5",
+        ],
+        stdout=subprocess.PIPE,
+        env=daemon.env(),
+    )
     assert cli.stdout is not None
     t0 = time.monotonic()
     assert cli.stdout.readline() == b"first\n"
@@ -127,8 +142,13 @@ def test_cli_exec_streams_and_exits_with_the_code(daemon: Daemon, sb: Sandbox) -
 
 
 def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "forkd.cli", *args],
-                          capture_output=True, text=True, env=daemon.env(), timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "forkd.cli", *args],
+        capture_output=True,
+        text=True,
+        env=daemon.env(),
+        timeout=60,
+    )
 
 
 def test_a_running_process_carries_on_in_every_fork_of_a_branch(

@@ -155,8 +155,13 @@ def test_keystroke_echo_round_trip(sb: Sandbox) -> None:
 
 
 def _spawn(daemon: Daemon, *args: str) -> pexpect.spawn:
-    return pexpect.spawn(sys.executable, ["-m", "forkd.cli", *args], env=daemon.env(),
-                         dimensions=(24, 80), timeout=60)  # fmt: skip
+    return pexpect.spawn(
+        sys.executable,
+        ["-m", "forkd.cli", *args],
+        env=daemon.env(),
+        dimensions=(24, 80),
+        timeout=60,
+    )
 
 
 def test_forkd_shell_types_reads_resizes_and_exits_with_the_code(

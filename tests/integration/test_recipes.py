@@ -26,9 +26,12 @@ REPO = Path(__file__).resolve().parents[2]
 def _run_recipe(daemon: Daemon, name: str, *args: str, env: dict[str, str] | None = None) -> str:
     proc = subprocess.run(
         [sys.executable, f"recipes/{name}/demo.py", *args],
-        cwd=REPO, env={**daemon.env(), "COLUMNS": "200", **(env or {})},  # no wrapped lines
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=REPO,
+        env={**daemon.env(), "COLUMNS": "200", **(env or {})},  # no wrapped lines
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{name} exited {proc.returncode}:\n{out[-6000:]}"
     # A failed check prints "FAIL <name>" (a test runner's own "FAILED (...)" may be output).
@@ -114,13 +117,16 @@ def test_best_of_n(daemon: Daemon) -> None:
     ):
         assert line in out, out[-6000:]
     # The ranking, best first: each patch's rank and score (or why it has none).
-    for rank, patch, score in ((1, "4-parse-sort-lookup.diff", "12 / 12"),
-                               (2, "1-west-is-negative.diff", "9 / 12"),
-                               (3, "5-sort-by-distance.diff", "8 / 12"),
-                               (4, "2-flat-distance.diff", "5 / 12"),
-                               (5, "3-stale-parser.diff", "does not apply")):  # fmt: skip
-        assert any(f" {rank} " in row and patch in row and score in row
-                   for row in out.splitlines()), out[-6000:]  # fmt: skip
+    for rank, patch, score in (
+        (1, "4-parse-sort-lookup.diff", "12 / 12"),
+        (2, "1-west-is-negative.diff", "9 / 12"),
+        (3, "5-sort-by-distance.diff", "8 / 12"),
+        (4, "2-flat-distance.diff", "5 / 12"),
+        (5, "3-stale-parser.diff", "does not apply"),
+    ):
+        assert any(
+            f" {rank} " in row and patch in row and score in row for row in out.splitlines()
+        ), out[-6000:]
     _no_leftovers(daemon, "bn-")
 
 
@@ -145,8 +151,15 @@ def docker_forkd(image: images.Image, dockerd: docker_daemon.DockerDaemon) -> It
 def test_dockerfile_patch_search(docker_forkd: Daemon, dockerd: docker_daemon.DockerDaemon) -> None:
     base = dockerd.base_image("forkd-test/debian:12")  # Debian 12 minbase + python3
     docker_env = {"DOCKER_HOST": dockerd.host, "DOCKER_CONFIG": str(dockerd.root / "cli-config")}
-    out = _run_recipe(docker_forkd, "dockerfile-patch-search", "--base", base,
-                      "--tag", "forkd-test/patch-search:1", env=docker_env)  # fmt: skip
+    out = _run_recipe(
+        docker_forkd,
+        "dockerfile-patch-search",
+        "--base",
+        base,
+        "--tag",
+        "forkd-test/patch-search:1",
+        env=docker_env,
+    )
     for line in (
         "built docker-daemon:forkd-test/patch-search:1",
         "unpatched suite (run in the template): 7 tests: FAILED (failures=4)",
@@ -159,8 +172,10 @@ def test_dockerfile_patch_search(docker_forkd: Daemon, dockerd: docker_daemon.Do
     ):
         assert line in out, out[-6000:]
     # Each candidate's verdict, as unittest gave it in its own fork.
-    for patch, verdict in (("1-lowercase.diff", "FAILED (failures=4)"),
-                           ("2-int-parts.diff", "FAILED (errors=3)"),
-                           ("3-stale-compare.diff", "does not apply")):  # fmt: skip
+    for patch, verdict in (
+        ("1-lowercase.diff", "FAILED (failures=4)"),
+        ("2-int-parts.diff", "FAILED (errors=3)"),
+        ("3-stale-compare.diff", "does not apply"),
+    ):
         assert any(patch in row and verdict in row for row in out.splitlines()), out[-6000:]
     _no_leftovers(docker_forkd, "ps-")

@@ -29,10 +29,20 @@ def pressed(image: Any) -> Iterator[tuple[Daemon, httpx.Client]]:
     root = Path(tempfile.mkdtemp(prefix="forkd-r-", dir="/tmp"))
     d = Daemon(root)
     above = host_memory.read_meminfo().total_mib * 2  # never reached: always reclaiming
-    d.start("--kill-on-exit", "--pool-size", "0", "--reclaim-low", str(above),
-            "--reclaim-high", str(above), "--reclaim-idle", str(IDLE_S))  # fmt: skip
-    with httpx.Client(base_url=d.url, headers={"Authorization": f"Bearer {d.token}"},
-                      timeout=300) as client:  # fmt: skip
+    d.start(
+        "--kill-on-exit",
+        "--pool-size",
+        "0",
+        "--reclaim-low",
+        str(above),
+        "--reclaim-high",
+        str(above),
+        "--reclaim-idle",
+        str(IDLE_S),
+    )
+    with httpx.Client(
+        base_url=d.url, headers={"Authorization": f"Bearer {d.token}"}, timeout=300
+    ) as client:
         r = client.post("/v1/snapshots", json={"tag": "py", "memory_mib": 256})
         assert r.status_code == 201, r.text
         yield d, client
@@ -72,8 +82,10 @@ def test_idle_sandboxes_are_hibernated_and_wake_on_their_next_request(
     d, c = pressed
     idle, protected, chatty = _fork(c), _fork(c, evictable=False), _fork(c)
     assert _exec(c, idle, "echo kept > /tmp/note").status_code == 200
-    r = c.post(f"/v1/sandboxes/{chatty}/processes",
-               json={"cmd": ["sh", "-c", "while :; do echo tick; sleep 0.5; done"]})  # fmt: skip
+    r = c.post(
+        f"/v1/sandboxes/{chatty}/processes",
+        json={"cmd": ["sh", "-c", "while :; do echo tick; sleep 0.5; done"]},
+    )
     assert r.status_code == 201, r.text
     _wait_hibernated(c, idle)
     time.sleep(IDLE_S * 2)  # long enough for either of the others to be taken too
@@ -84,8 +96,10 @@ def test_idle_sandboxes_are_hibernated_and_wake_on_their_next_request(
     assert r.status_code == 200 and r.json()["stdout"] == "kept\n"
     assert float(r.headers["forkd-wake-ms"]) > 0
     metrics = c.get("/metrics").text
-    assert any(line.startswith("forkd_evictions_total ") and float(line.split()[1]) >= 1
-               for line in metrics.splitlines())  # fmt: skip
+    assert any(
+        line.startswith("forkd_evictions_total ") and float(line.split()[1]) >= 1
+        for line in metrics.splitlines()
+    )
     audit = [json.loads(line) for line in (d.state_dir / "audit.log").read_text().splitlines()]
     evicted = [r for r in audit if r.get("event") == "evicted" and r.get("sandbox") == idle]
     assert evicted and evicted[0]["reason"] == "memory" and "available_mib" in evicted[0]

@@ -47,10 +47,14 @@ def other(registry: RegistryServer) -> Iterator[Daemon]:
     """A second daemon: another host, as far as snapshots go (its own state directory)."""
     root = Path(tempfile.mkdtemp(prefix="forkd-d2-", dir="/tmp"))
     d = Daemon(root)
-    listed = [arg for address in (registry.address, PRIVATE, CLOSED)
-              for arg in ("--insecure-registry", address)]  # fmt: skip
-    d.start("--kill-on-exit", "--registry-auth", str(root / "docker.json"), *listed,
-            "--show-host-paths")  # memory_digest reads the pulled snapshots' files  # fmt: skip
+    listed = [
+        arg
+        for address in (registry.address, PRIVATE, CLOSED)
+        for arg in ("--insecure-registry", address)
+    ]
+    d.start(
+        "--kill-on-exit", "--registry-auth", str(root / "docker.json"), *listed, "--show-host-paths"
+    )  # memory_digest reads the pulled snapshots' files
     yield d
     d.stop()
     d.kill_leftovers()
@@ -91,9 +95,22 @@ def test_push_pull_and_fork_on_another_daemon(
     assert again["layers_uploaded"] == 0 and again["bytes_uploaded"] < 100_000
     # The CLI pulls it on the other daemon, under another name.
     r = subprocess.run(
-        [sys.executable, "-m", "forkd.cli", "snapshot", "pull", ref, "--tag", "py-pulled",
-         "--json"], capture_output=True, text=True, timeout=600, env=other.env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "snapshot",
+            "pull",
+            ref,
+            "--tag",
+            "py-pulled",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=other.env(),
+    )
     assert r.returncode == 0, r.stderr
     pulled = json.loads(r.stdout)
     assert pulled["tag"] == "py-pulled" and pulled["status"] == "ready"
@@ -236,8 +253,9 @@ def test_a_snapshot_with_a_volume_travels_with_its_disk(
     (tmp_path / "seed" / "hello.txt").write_text("from the volume\n")
     ctl.create_volume("it-vol", "64M", from_dir=str(tmp_path / "seed"))
     setup = ["echo written-by-the-template > /data/setup.txt"]
-    ctl.create_snapshot("it-vol-tpl", memory_mib=256, setup=setup,
-                        volumes=[{"name": "it-vol", "path": "/data"}])  # fmt: skip
+    ctl.create_snapshot(
+        "it-vol-tpl", memory_mib=256, setup=setup, volumes=[{"name": "it-vol", "path": "/data"}]
+    )
     try:
         ref = registry.ref("forkd/vol", "tpl")
         pushed = ctl.push_snapshot("it-vol-tpl", ref)
@@ -252,8 +270,10 @@ def test_a_snapshot_with_a_volume_travels_with_its_disk(
         # The pull made a new volume; the pushed one is untouched on its daemon.
         with Sandbox("it-vol-tpl", controller=ctl) as kid:
             assert kid.commands.run(["ls", "/data"]).stdout.split() == [
-                "hello.txt", "lost+found", "setup.txt",
-            ]  # fmt: skip
+                "hello.txt",
+                "lost+found",
+                "setup.txt",
+            ]
         ctl2.delete_snapshot(pulled["tag"])
         ctl2.delete_volume("it-vol")
     finally:
@@ -286,9 +306,21 @@ def test_pack_on_one_daemon_and_unpack_on_another(
     packed_s = time.monotonic() - started
     assert size == archive.stat().st_size > 10 << 20
     r = subprocess.run(
-        [sys.executable, "-m", "forkd.cli", "unpack", str(archive), "--tag", "py-unpacked",
-         "--json"], capture_output=True, text=True, timeout=600, env=other.env(),
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "unpack",
+            str(archive),
+            "--tag",
+            "py-unpacked",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=other.env(),
+    )
     assert r.returncode == 0, r.stderr
     unpacked = json.loads(r.stdout)
     assert unpacked["tag"] == "py-unpacked" and unpacked["status"] == "ready"

@@ -41,14 +41,18 @@ def test_metrics_move_with_cpu_memory_disk_and_network(
     assert burnt["cpu"]["seconds"] - before["cpu"]["seconds"] >= 2.0  # 3 s busy in the guest
 
     sb.commands.run(f'python3 -c "{HOLD}"', background=True)
-    held = _after(ctl, sb.id, lambda m: m["memory"]["guest_used_bytes"]
-                  - before["memory"]["guest_used_bytes"] > 80 * MIB)  # fmt: skip
+    held = _after(
+        ctl,
+        sb.id,
+        lambda m: m["memory"]["guest_used_bytes"] - before["memory"]["guest_used_bytes"] > 80 * MIB,
+    )
     assert held["memory"]["guest_used_bytes"] - before["memory"]["guest_used_bytes"] > 80 * MIB
     assert held["memory"]["host_private_bytes"] - before["memory"]["host_private_bytes"] > 80 * MIB
 
     sb.commands.run("mkdir -p /work && dd if=/dev/urandom of=/work/blob bs=1M count=40 && sync")
-    wrote = _after(ctl, sb.id, lambda m: m["disk"]["used_bytes"]
-                   - before["disk"]["used_bytes"] > 35 * MIB)  # fmt: skip
+    wrote = _after(
+        ctl, sb.id, lambda m: m["disk"]["used_bytes"] - before["disk"]["used_bytes"] > 35 * MIB
+    )
     assert wrote["disk"]["used_bytes"] - before["disk"]["used_bytes"] > 35 * MIB
 
     sb.commands.run("cd /work && exec python3 -m http.server 8000", background=True)

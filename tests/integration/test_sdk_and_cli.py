@@ -68,13 +68,26 @@ def test_sdk_lifecycle(daemon: Daemon) -> None:
 def _cli(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "forkd.cli", *args],
-        capture_output=True, text=True, timeout=300, env=daemon.env(),
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=daemon.env(),
+    )
 
 
 def test_cli_happy_path(daemon: Daemon) -> None:
-    r = _cli(daemon, "snapshot", "create", "--tag", "cli-tpl", "--memory", "256",
-             "--setup", "echo from-setup > /work/s.txt", "--json")  # fmt: skip
+    r = _cli(
+        daemon,
+        "snapshot",
+        "create",
+        "--tag",
+        "cli-tpl",
+        "--memory",
+        "256",
+        "--setup",
+        "echo from-setup > /work/s.txt",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tag"] == "cli-tpl"
 
@@ -111,8 +124,18 @@ def test_cli_volumes(daemon: Daemon, tmp_path: Path) -> None:
     (tmp_path / "docs" / "hello.txt").write_text("hi from the host\n")
     r = _cli(daemon, "volume", "create", "cli-vol", "--size", "64M", "--from", str(tmp_path))
     assert r.returncode == 0, r.stderr
-    r = _cli(daemon, "snapshot", "create", "--tag", "cli-vol-tpl", "--memory", "256",
-             "--volume", "cli-vol:/mnt/in:ro", "--json")  # fmt: skip
+    r = _cli(
+        daemon,
+        "snapshot",
+        "create",
+        "--tag",
+        "cli-vol-tpl",
+        "--memory",
+        "256",
+        "--volume",
+        "cli-vol:/mnt/in:ro",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     r = _cli(daemon, "fork", "--tag", "cli-vol-tpl", "--json")
     (sid,) = [s["id"] for s in json.loads(r.stdout)]

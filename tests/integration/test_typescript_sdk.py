@@ -34,18 +34,23 @@ def test_typescript_sdk_against_a_real_daemon(
 ) -> None:
     npm = shutil.which("npm")
     assert npm is not None, "npm is missing beside node"
-    done = subprocess.run([npm, "ci", "--no-audit", "--no-fund"], cwd=SDK, capture_output=True,
-                          text=True, timeout=600)  # fmt: skip
+    done = subprocess.run(
+        [npm, "ci", "--no-audit", "--no-fund"], cwd=SDK, capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     shutil.rmtree(SDK / "dist", ignore_errors=True)  # as a clean checkout: npm test builds
     archive = oci_images.write_oci_archive(tmp_path / "busybox.tar", {"1": busybox_image()})
     env = {
-        **os.environ, "FORKD_URL": daemon.url, "FORKD_TOKEN": daemon.token,
-        "FORKD_TEMPLATE": api_template, "FORKD_IMAGE_REF": f"oci-archive:{archive}:1",
-        "FORKD_IMAGE_USER": str(CONFIG["User"]), "FORKD_IMAGE_PORT": "8080",
+        **os.environ,
+        "FORKD_URL": daemon.url,
+        "FORKD_TOKEN": daemon.token,
+        "FORKD_TEMPLATE": api_template,
+        "FORKD_IMAGE_REF": f"oci-archive:{archive}:1",
+        "FORKD_IMAGE_USER": str(CONFIG["User"]),
+        "FORKD_IMAGE_PORT": "8080",
         "FORKD_IMAGE_MISSING": f"oci-archive:{archive}:nosuch",
         "FORKD_IMAGE_ARCHIVE": str(archive),  # sent by the SDK: POST /v1/images/load
-    }  # fmt: skip
+    }
     run = subprocess.run(
         [npm, "test"], cwd=SDK, env=env, capture_output=True, text=True, timeout=600
     )

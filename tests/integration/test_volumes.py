@@ -54,16 +54,25 @@ def test_volumes_fork_and_branch_copy_on_write(daemon: Daemon) -> None:
         assert c.post("/v1/volumes", params={"name": "work"}).status_code == 409
         assert c.post("/v1/volumes", params={"name": "../x"}).status_code == 400
 
-        r = c.post("/v1/snapshots", json={
-            # 512 MiB: writing 200 MiB through the page cache of a 256 MiB guest
-            # leaves it in memory reclaim at the snapshot, and every child slow.
-            "tag": "vol-tpl", "memory_mib": 512,
-            "volumes": [{"name": "work", "path": "/mnt/work"},
-                        {"name": "ref", "path": "/mnt/ref", "readonly": True}],
-            "setup": ["echo from-template > /mnt/work/t.txt",
-                      "head -c 200M /dev/urandom > /mnt/work/big.bin", "sync",
-                      "echo 3 > /proc/sys/vm/drop_caches"],
-        })  # fmt: skip
+        r = c.post(
+            "/v1/snapshots",
+            json={
+                # 512 MiB: writing 200 MiB through the page cache of a 256 MiB guest
+                # leaves it in memory reclaim at the snapshot, and every child slow.
+                "tag": "vol-tpl",
+                "memory_mib": 512,
+                "volumes": [
+                    {"name": "work", "path": "/mnt/work"},
+                    {"name": "ref", "path": "/mnt/ref", "readonly": True},
+                ],
+                "setup": [
+                    "echo from-template > /mnt/work/t.txt",
+                    "head -c 200M /dev/urandom > /mnt/work/big.bin",
+                    "sync",
+                    "echo 3 > /proc/sys/vm/drop_caches",
+                ],
+            },
+        )
         assert r.status_code == 201, r.text
         assert c.get("/v1/snapshots/vol-tpl/info").json()["bootable"]
 
@@ -91,8 +100,9 @@ def test_volumes_fork_and_branch_copy_on_write(daemon: Daemon) -> None:
         assert _sh(c, ids[0], "cat /mnt/work/mine.txt")["stdout"] == "after\n"
         meta = json.loads((Path(branch["dir"]) / "snapshot.json").read_text())
         assert [(v["name"], v["path"], v["readonly"]) for v in meta["volumes"]] == [
-            ("work", "/mnt/work", False), ("ref", "/mnt/ref", True)
-        ]  # fmt: skip
+            ("work", "/mnt/work", False),
+            ("ref", "/mnt/ref", True),
+        ]
 
         # A volume in use cannot go; the answer names who uses it.
         r = c.delete("/v1/volumes/work")

@@ -42,10 +42,17 @@ def client_venv(dist: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     (wheel,) = dist.glob("forkd-*.whl")
     subprocess.run(
-        [str(venv / "bin" / "pip"), "install", "--quiet", "--disable-pip-version-check",
-         str(wheel)],
-        check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
+        [
+            str(venv / "bin" / "pip"),
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     yield venv
 
 
@@ -54,9 +61,12 @@ def _forkd(
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(venv / "bin" / "forkd"), *args],
-        capture_output=True, text=True, timeout=300, cwd=venv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=venv,
         env={"PATH": "/usr/bin:/bin", "HOME": str(venv), **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def test_the_sdist_carries_the_guest_files(dist: Path) -> None:
@@ -72,10 +82,16 @@ def test_the_wheel_alone_is_a_working_client(
 ) -> None:
     python = client_venv / "bin" / "python"
     installed = subprocess.run(
-        [str(python), "-c", "import importlib.util as u; print([m for m in "
-         "('fastapi', 'uvicorn', 'qemu', 'pyroute2') if u.find_spec(m)])"],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            str(python),
+            "-c",
+            "import importlib.util as u; print([m for m in "
+            "('fastapi', 'uvicorn', 'qemu', 'pyroute2') if u.find_spec(m)])",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert installed.stdout.strip() == "[]"  # the client needs none of the server's parts
     assert _forkd(client_venv, "--help").returncode == 0
 

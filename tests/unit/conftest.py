@@ -44,9 +44,12 @@ def settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Settings:
     # A client finds no token of a real daemon on this host (/var/lib/forkd/token).
     monkeypatch.setenv("FORKD_STATE_DIR", str(tmp_path / "client-state"))
     return Settings(
-        state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run", pool_size=0,
+        state_dir=state,
+        snapshot_root=state / "snapshots",
+        run_dir=state / "run",
+        pool_size=0,
         cgroup_root=tmp_path / "no-cgroups",  # the host's own limits stay out of the tests
-    )  # fmt: skip
+    )
 
 
 @pytest.fixture
@@ -166,8 +169,10 @@ def sid(ctl: Controller, py: str) -> str:
 
 
 def fake_meminfo(path: Path, total_mib: int, available_mib: int) -> None:
-    path.write_text(f"MemTotal:       {total_mib << 10} kB\nMemFree:  1 kB\n"
-                    f"MemAvailable:   {available_mib << 10} kB\n")  # fmt: skip
+    path.write_text(
+        f"MemTotal:       {total_mib << 10} kB\nMemFree:  1 kB\n"
+        f"MemAvailable:   {available_mib << 10} kB\n"
+    )
 
 
 @pytest.fixture

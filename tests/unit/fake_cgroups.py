@@ -19,8 +19,13 @@ class FakeCgroupFS:
     (``EBUSY``) while a live process is in it, as the kernel does.
     """
 
-    def __init__(self, root: Path, v2: bool, swap: bool = True,
-                 controllers: tuple[str, ...] = ("memory", "cpu", "pids")) -> None:  # fmt: skip
+    def __init__(
+        self,
+        root: Path,
+        v2: bool,
+        swap: bool = True,
+        controllers: tuple[str, ...] = ("memory", "cpu", "pids"),
+    ) -> None:
         self.root, self.v2, self.swap, self.controllers = root, v2, swap, controllers
         if v2:
             root.mkdir(parents=True)
@@ -42,8 +47,9 @@ class FakeCgroupFS:
         d.mkdir(parents=top, exist_ok=top)
         files = {"cgroup.procs": "", "tasks": ""}
         if controller == "memory":
-            files.update({"memory.limit_in_bytes": "9223372036854771712\n",
-                          "memory.usage_in_bytes": "0\n"})  # fmt: skip
+            files.update(
+                {"memory.limit_in_bytes": "9223372036854771712\n", "memory.usage_in_bytes": "0\n"}
+            )
             if self.swap:
                 files["memory.memsw.limit_in_bytes"] = "9223372036854771712\n"
         elif controller == "cpu":
@@ -58,8 +64,11 @@ class FakeCgroupFS:
             parent_enabled = (path.parent / "cgroup.subtree_control").read_text()
             enabled = [e.lstrip("+") for e in parent_enabled.split()]
             path.mkdir()
-            files = {"cgroup.procs": "", "cgroup.controllers": " ".join(enabled) + "\n",
-                     "cgroup.subtree_control": ""}  # fmt: skip
+            files = {
+                "cgroup.procs": "",
+                "cgroup.controllers": " ".join(enabled) + "\n",
+                "cgroup.subtree_control": "",
+            }
             if "memory" in enabled:
                 files.update({"memory.max": "max\n", "memory.current": "0\n"})
                 if self.swap:

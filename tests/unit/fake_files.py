@@ -70,8 +70,9 @@ class FakeTransfers:
         self.chunk_sizes.append(len(data))
         if self.disk_bytes is not None and len(staged) + len(data) > self.disk_bytes:
             del self.staged[transfer_id]
-            raise AgentError(f"[Errno 28] the guest's disk is full writing {path}",
-                             kind="NoSpaceError")  # fmt: skip
+            raise AgentError(
+                f"[Errno 28] the guest's disk is full writing {path}", kind="NoSpaceError"
+            )
         staged += data
         return len(staged)
 
@@ -94,8 +95,9 @@ class FakeTransfers:
     def read(self, path: str, offset: int, length: int) -> tuple[bytes, int | None, bool]:
         self._known("file_read_range")
         if path not in self.files:
-            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
-                             kind="FileNotFoundError")  # fmt: skip
+            raise AgentError(
+                f"[Errno 2] No such file or directory: {path!r}", kind="FileNotFoundError"
+            )
         data = self.files[path][offset : offset + min(length, MAX_CHUNK_BYTES)]
         size = len(self.files[path])
         return data, size, offset + len(data) >= size
@@ -104,11 +106,15 @@ class FakeTransfers:
         """A tar of the file at ``path`` or of every file under it, as the agent streams it."""
         self._known("file_tar_open")
         prefix = path.rstrip("/") + "/"
-        members = {name: data for name, data in self.files.items()
-                   if name == path or name.startswith(prefix)}  # fmt: skip
+        members = {
+            name: data
+            for name, data in self.files.items()
+            if name == path or name.startswith(prefix)
+        }
         if not members:
-            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
-                             kind="FileNotFoundError")  # fmt: skip
+            raise AgentError(
+                f"[Errno 2] No such file or directory: {path!r}", kind="FileNotFoundError"
+            )
         out = io.BytesIO()
         with tarfile.open(fileobj=out, mode="w") as tar:
             base = posixpath.dirname(path.rstrip("/")) or "/"
@@ -139,8 +145,10 @@ class FakeTransfers:
         self._known("fs_manifest_open")
         prefix = path.rstrip("/") + "/"
         names = sorted(n for n in self.files if n == path or n.startswith(prefix))
-        lines = [json.dumps([n, "f", len(self.files[n]), 0o644, zlib.crc32(self.files[n]), None])
-                 for n in names[:max_entries]]  # fmt: skip
+        lines = [
+            json.dumps([n, "f", len(self.files[n]), 0o644, zlib.crc32(self.files[n]), None])
+            for n in names[:max_entries]
+        ]
         end = {"end": True, "truncated": len(names) > max_entries, "entries": len(lines)}
         lines.append(json.dumps(end))
         return {"transfer_id": self._reading("\n".join(lines).encode() + b"\n"), "lower": "/lower"}
@@ -169,8 +177,10 @@ def _extracted(dest: str, archive: bytes) -> dict[str, bytes]:
             for member in tar:
                 name = posixpath.normpath(member.name)
                 if name.startswith(("/", "..")):
-                    raise AgentError(f"refusing tar member {member.name!r}: absolute or with '..'",
-                                     kind="UnsafeArchiveError")  # fmt: skip
+                    raise AgentError(
+                        f"refusing tar member {member.name!r}: absolute or with '..'",
+                        kind="UnsafeArchiveError",
+                    )
                 if member.isfile():
                     source = tar.extractfile(member)
                     files[posixpath.join(dest, name)] = source.read() if source else b""

@@ -117,12 +117,18 @@ class FakeImporter:
         for disk in ("vmlinuz", "initrd.img", "rootfs.sqfs", container_image.RUNTIME_FILE):
             (image_dir / disk).write_bytes(b"fake " + disk.encode())
         meta = {
-            "name": name, "key": key, "kind": container_image.KIND,
-            "reference": done.reference, "references": [done.reference],
-            "manifest_digest": done.manifest_digest, "config_digest": done.config_digest,
-            "layers": [layer.digest for layer in done.layers], "config": done.config.to_json(),
-            "template": {}, "built_at_unix": int(time.time()),
-        }  # fmt: skip
+            "name": name,
+            "key": key,
+            "kind": container_image.KIND,
+            "reference": done.reference,
+            "references": [done.reference],
+            "manifest_digest": done.manifest_digest,
+            "config_digest": done.config_digest,
+            "layers": [layer.digest for layer in done.layers],
+            "config": done.config.to_json(),
+            "template": {},
+            "built_at_unix": int(time.time()),
+        }
         meta_path.write_text(json.dumps(meta))
         progress(f"built image {name} ({key})")
         return images.find_image(str(image_dir))

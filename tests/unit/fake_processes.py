@@ -42,9 +42,17 @@ MAX_PTY_SIDE = 1000
 # Signals a process ignores by default (it runs on), and those that stop it (it
 # still runs, as far as the agent can tell): neither ends it.
 HARMLESS_SIGNALS = frozenset(
-    {signals.SIGCHLD, signals.SIGCONT, signals.SIGURG, signals.SIGWINCH,
-     signals.SIGSTOP, signals.SIGTSTP, signals.SIGTTIN, signals.SIGTTOU}
-)  # fmt: skip
+    {
+        signals.SIGCHLD,
+        signals.SIGCONT,
+        signals.SIGURG,
+        signals.SIGWINCH,
+        signals.SIGSTOP,
+        signals.SIGTSTP,
+        signals.SIGTTIN,
+        signals.SIGTTOU,
+    }
+)
 
 
 def refusal(kind: str, message: str) -> AgentError:
@@ -77,10 +85,18 @@ class FakeProcess:
         return self.exit_code is None
 
     def info(self) -> dict[str, Any]:
-        return {"pid": self.pid, "cmd": self.cmd, "pty": self.pty, "stdin": self.stdin_open,
-                "running": self.running, "exit_code": self.exit_code,
-                "started_at": self.started_at, "ended_at": self.ended_at,
-                "output_start": self.output_start, "output_end": self.output_end}  # fmt: skip
+        return {
+            "pid": self.pid,
+            "cmd": self.cmd,
+            "pty": self.pty,
+            "stdin": self.stdin_open,
+            "running": self.running,
+            "exit_code": self.exit_code,
+            "started_at": self.started_at,
+            "ended_at": self.ended_at,
+            "output_start": self.output_start,
+            "output_end": self.output_end,
+        }
 
     def write(self, stream: str, data: bytes) -> None:
         if self.pty:
@@ -124,9 +140,14 @@ class FakeProcess:
             pieces.append(piece)
             left -= len(piece)
             offset = max(start, offset) + len(piece)
-        answer = {"chunks": chunks, "next_offset": offset, "gap": gap, "running": self.running,
-                  "exit_code": self.exit_code,
-                  "eof": not self.running and offset == self.output_end}  # fmt: skip
+        answer = {
+            "chunks": chunks,
+            "next_offset": offset,
+            "gap": gap,
+            "running": self.running,
+            "exit_code": self.exit_code,
+            "eof": not self.running and offset == self.output_end,
+        }
         if pieces:  # no bytes follow the answer: it has no "raw"
             answer["raw"] = b"".join(pieces)
         return answer
@@ -191,9 +212,16 @@ class FakeProcesses:
             raise refusal("ProcessLookupError", f"no background process with pid {pid}")
         return self.procs[pid]
 
-    def start(self, cmd: list[str] | str, *, stdin: bool = False,
-              pty: dict[str, int] | None = None, timeout_s: float | None = None,
-              user: str = "root", **_: Any) -> dict[str, Any]:  # fmt: skip
+    def start(
+        self,
+        cmd: list[str] | str,
+        *,
+        stdin: bool = False,
+        pty: dict[str, int] | None = None,
+        timeout_s: float | None = None,
+        user: str = "root",
+        **_: Any,
+    ) -> dict[str, Any]:
         argv = _argv(cmd)
         if pty is not None:
             for side in ("cols", "rows"):
@@ -207,8 +235,14 @@ class FakeProcesses:
         if argv[0] == "nosuch":
             raise refusal("FileNotFoundError", "[Errno 2] No such file or directory: 'nosuch'")
         self._next_pid += 1
-        proc = FakeProcess(self._next_pid, argv, pty is not None, stdin or pty is not None,
-                           self.ring_bytes, user=user)  # fmt: skip
+        proc = FakeProcess(
+            self._next_pid,
+            argv,
+            pty is not None,
+            stdin or pty is not None,
+            self.ring_bytes,
+            user=user,
+        )
         if pty is not None:
             proc.size = (pty["cols"], pty["rows"])
         if not proc.stdin_open:
@@ -219,8 +253,9 @@ class FakeProcesses:
         return proc.info()
 
     def _forget_oldest_exited(self) -> None:
-        exited = sorted((p for p in self.procs.values() if not p.running),
-                        key=lambda p: p.ended_at or 0.0)  # fmt: skip
+        exited = sorted(
+            (p for p in self.procs.values() if not p.running), key=lambda p: p.ended_at or 0.0
+        )
         for proc in exited[: max(0, len(exited) - MAX_EXITED_KEPT)]:
             del self.procs[proc.pid]
 
@@ -294,8 +329,12 @@ def _argv(cmd: list[str] | str) -> list[str]:
 
 
 def _check_int(value: Any, name: str, low: int, high: int | None) -> None:
-    if (isinstance(value, bool) or not isinstance(value, int) or value < low
-            or (high is not None and value > high)):  # fmt: skip
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
         bounds = f"from {low} to {high}" if high is not None else f">= {low}"
         raise refusal("ValueError", f"{name!r} must be an integer {bounds}")
 

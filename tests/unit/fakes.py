@@ -71,8 +71,11 @@ class GuestContents:
 
     def to_json(self) -> dict[str, Any]:
         plain = {k: v for k, v in self.names.items() if isinstance(v, int | float | str | bool)}
-        return {"files": {k: v.decode("latin-1") for k, v in self.files.items()}, "names": plain,
-                "defaults": self.defaults}  # fmt: skip
+        return {
+            "files": {k: v.decode("latin-1") for k, v in self.files.items()},
+            "names": plain,
+            "defaults": self.defaults,
+        }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GuestContents:
@@ -125,16 +128,27 @@ class FakeWriter:
             json.dumps((self.contents or vm.contents).to_json())
         )
         meta = SnapshotMeta(
-            machine=vm.machine, image=vm.image_ref,
-            created_at_unix=int(time.time()), memory_bytes=vm.machine.memory_mib << 20,
-            vmstate_bytes=5, source_vm=vm.id, parent_snapshot=None, capture_ms=1.0,
-            pages_written=0, base_bytes_cloned=0, tag=labels.tag,
-            branched_from=labels.branched_from, parent_tag=labels.parent_tag,
-            pause_ms=labels.pause_ms, volumes=tuple(vm.volumes),
-            mode="diff" if self.base else "full", base=self.base,
-            chain=(self.base,) if self.base else (), id=snapshot_files.new_id(),
+            machine=vm.machine,
+            image=vm.image_ref,
+            created_at_unix=int(time.time()),
+            memory_bytes=vm.machine.memory_mib << 20,
+            vmstate_bytes=5,
+            source_vm=vm.id,
+            parent_snapshot=None,
+            capture_ms=1.0,
+            pages_written=0,
+            base_bytes_cloned=0,
+            tag=labels.tag,
+            branched_from=labels.branched_from,
+            parent_tag=labels.parent_tag,
+            pause_ms=labels.pause_ms,
+            volumes=tuple(vm.volumes),
+            mode="diff" if self.base else "full",
+            base=self.base,
+            chain=(self.base,) if self.base else (),
+            id=snapshot_files.new_id(),
             parent_id=vm.origin_id,
-        )  # fmt: skip
+        )
         snapshot_files.write_meta(self.staging, meta)
         self.staging.rename(self.dest)
         return meta
@@ -213,11 +227,19 @@ class FakeVM(VMLifecycle):
     async def stats(self, paths: list[str]) -> wire.StatsAnswer:
         self._agent("stats")
         mounts = {p: {"total_bytes": 1 << 30, "used_bytes": 1 << 20} for p in paths}
-        return checked(wire.STATS, {"cpu": {"busy_s": 3.0, "idle_s": 30.0, "count": 1},
+        return checked(
+            wire.STATS,
+            {
+                "cpu": {"busy_s": 3.0, "idle_s": 30.0, "count": 1},
                 "memory": {"total_bytes": 256 << 20, "used_bytes": 40 << 20},
-                "disk": {"total_bytes": 2 << 30, "used_bytes": 300 << 20}, "mounts": mounts,
-                "network": {"rx_bytes": 1000, "tx_bytes": 2000}, "processes": 12,
-                "load": [0.0, 0.0, 0.0], **self.guest_stats})  # fmt: skip
+                "disk": {"total_bytes": 2 << 30, "used_bytes": 300 << 20},
+                "mounts": mounts,
+                "network": {"rx_bytes": 1000, "tx_bytes": 2000},
+                "processes": 12,
+                "load": [0.0, 0.0, 0.0],
+                **self.guest_stats,
+            },
+        )
 
     def resident_memory(self) -> dict[str, int]:  # what admission by real memory reads
         held = PRIVATE_MIB << 20
@@ -305,21 +327,46 @@ class FakeVM(VMLifecycle):
             await asyncio.sleep(min(float(argv[1]), timeout))
             argv = ["sleep", *argv[1:]]
         if argv[:1] == ["sleep"] and float(argv[1]) > timeout:  # killed, as the agent does
-            return {"stdout": "", "stderr": "", "exit_code": 124, "timed_out": True,
-                    "duration_ms": timeout * 1000}  # fmt: skip
+            return {
+                "stdout": "",
+                "stderr": "",
+                "exit_code": 124,
+                "timed_out": True,
+                "duration_ms": timeout * 1000,
+            }
         if argv in (["whoami"], ["id", "-un"], ["/bin/sh", "-c", "id -un"]):
-            return {"stdout": self.contents.user(kw.get("user")) + "\n", "stderr": "",
-                    "exit_code": 0, "timed_out": False, "duration_ms": 1.0}  # fmt: skip
+            return {
+                "stdout": self.contents.user(kw.get("user")) + "\n",
+                "stderr": "",
+                "exit_code": 0,
+                "timed_out": False,
+                "duration_ms": 1.0,
+            }
         if argv[:2] == ["tail", "-c"] and argv[-1] in self.contents.files:  # tail -c N -- PATH
             data = self.contents.files[argv[-1]][-int(argv[2]) :]
-            return {"stdout": data.decode(), "stderr": "", "exit_code": 0, "timed_out": False,
-                    "duration_ms": 1.0}  # fmt: skip
+            return {
+                "stdout": data.decode(),
+                "stderr": "",
+                "exit_code": 0,
+                "timed_out": False,
+                "duration_ms": 1.0,
+            }
         if argv[:1] == ["exit"]:
             code = int(argv[1])
-            return {"stdout": "", "stderr": f"exit {code}\n", "exit_code": code,
-                    "timed_out": False, "duration_ms": 1.0}  # fmt: skip
-        return {"stdout": " ".join(argv[1:]) + "\n", "stderr": "", "exit_code": 0,
-                "timed_out": False, "duration_ms": 1.0}  # fmt: skip
+            return {
+                "stdout": "",
+                "stderr": f"exit {code}\n",
+                "exit_code": code,
+                "timed_out": False,
+                "duration_ms": 1.0,
+            }
+        return {
+            "stdout": " ".join(argv[1:]) + "\n",
+            "stderr": "",
+            "exit_code": 0,
+            "timed_out": False,
+            "duration_ms": 1.0,
+        }
 
     async def eval(self, code: str, timeout: float = 60.0) -> wire.EvalAnswer:
         self._agent("eval")
@@ -327,17 +374,30 @@ class FakeVM(VMLifecycle):
         out = io.StringIO()
         shown: list[wire.DisplayItem] = []  # display(obj): its repr, as text/plain
         self.contents.names["display"] = lambda obj: shown.append(
-            {"mime": "text/plain", "data": repr(obj)})  # fmt: skip
+            {"mime": "text/plain", "data": repr(obj)}
+        )
         try:
             with contextlib.redirect_stdout(out):
                 result = _run(code, self.contents.names)
         except Exception as exc:  # the whole traceback, as the guest agent answers
             error = 'Traceback (most recent call last):\n  File "<eval>", line 1\n'
             error += f"{type(exc).__name__}: {exc}\n"
-            return {"result": None, "error": error, "exit_code": 1,
-                    "stdout": out.getvalue(), "stderr": "", "display": shown}  # fmt: skip
-        return {"result": result, "error": None, "exit_code": 0, "stdout": out.getvalue(),
-                "stderr": "", "display": shown}  # fmt: skip
+            return {
+                "result": None,
+                "error": error,
+                "exit_code": 1,
+                "stdout": out.getvalue(),
+                "stderr": "",
+                "display": shown,
+            }
+        return {
+            "result": result,
+            "error": None,
+            "exit_code": 0,
+            "stdout": out.getvalue(),
+            "stderr": "",
+            "display": shown,
+        }
 
     async def eval_interrupt(self) -> bool:
         self._agent("eval_interrupt")
@@ -356,8 +416,9 @@ class FakeVM(VMLifecycle):
     async def read_file(self, path: str) -> bytes:
         self._agent("file_read")
         if path not in self.contents.files:
-            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
-                             kind="FileNotFoundError")  # fmt: skip
+            raise AgentError(
+                f"[Errno 2] No such file or directory: {path!r}", kind="FileNotFoundError"
+            )
         return self.contents.files[path]
 
     async def write_file(self, path: str, data: bytes, mode: int = 0o644) -> int:
@@ -377,19 +438,30 @@ class FakeVM(VMLifecycle):
         if path in self.contents.files:
             raise AgentError(f"[Errno 20] Not a directory: {path!r}", kind="NotADirectoryError")
         prefix = path.rstrip("/") + "/"
-        names = sorted({p[len(prefix):].split("/")[0] for p in self.contents.files
-                        if p.startswith(prefix)})  # fmt: skip
+        names = sorted(
+            {p[len(prefix) :].split("/")[0] for p in self.contents.files if p.startswith(prefix)}
+        )
         if not names:
-            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
-                             kind="FileNotFoundError")  # fmt: skip
-        return [{"name": n, "type": "file", "size": len(self.contents.files.get(prefix + n, b"")),
-                 "mode": 0o644, "mtime": 0.0} for n in names]  # fmt: skip
+            raise AgentError(
+                f"[Errno 2] No such file or directory: {path!r}", kind="FileNotFoundError"
+            )
+        return [
+            {
+                "name": n,
+                "type": "file",
+                "size": len(self.contents.files.get(prefix + n, b"")),
+                "mode": 0o644,
+                "mtime": 0.0,
+            }
+            for n in names
+        ]
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         self._agent("file_remove")
         if self.contents.files.pop(path, None) is None:
-            raise AgentError(f"[Errno 2] No such file or directory: {path!r}",
-                             kind="FileNotFoundError")  # fmt: skip
+            raise AgentError(
+                f"[Errno 2] No such file or directory: {path!r}", kind="FileNotFoundError"
+            )
 
     # chunked transfers: played by FakeTransfers ------------------------------
     async def upload_open(
@@ -453,9 +525,16 @@ class FakeVM(VMLifecycle):
         self._agent("proc_info")
         return checked(wire.PROC_INFO, self.processes.info(pid))
 
-    async def proc_read(self, pid: int, offset: int, *, wait_s: float = 0.0,
-                        max_bytes: int = 256 << 10, min_bytes: int = 1,
-                        linger_s: float = 0.0) -> wire.ProcReadAnswer:  # fmt: skip
+    async def proc_read(
+        self,
+        pid: int,
+        offset: int,
+        *,
+        wait_s: float = 0.0,
+        max_bytes: int = 256 << 10,
+        min_bytes: int = 1,
+        linger_s: float = 0.0,
+    ) -> wire.ProcReadAnswer:
         self._agent("proc_read")
         self.processes.asks.append((max_bytes, min_bytes, linger_s))
         return checked(wire.PROC_READ, await self.processes.read(pid, offset, wait_s, max_bytes))
@@ -498,14 +577,31 @@ class FakeDriver:
         self.restore_kwargs: list[dict[str, Any]] = []  # what each restore was asked
         self.boot_kwargs: list[dict[str, Any]] = []  # ... and each boot
 
-    async def boot(self, image: Any, *, run_root: Path, memory_mib: int = 256, vcpus: int = 1,
-                   vm_id: str | None = None, attach: Any = (), **kw: Any) -> FakeVM:  # fmt: skip
+    async def boot(
+        self,
+        image: Any,
+        *,
+        run_root: Path,
+        memory_mib: int = 256,
+        vcpus: int = 1,
+        vm_id: str | None = None,
+        attach: Any = (),
+        **kw: Any,
+    ) -> FakeVM:
         self.boot_kwargs.append(kw)
         await asyncio.sleep(self.boot_delay)
         runtime = getattr(image, "runtime", None)  # a container image's disk, as VM.boot
         cmdline = f"{KERNEL_CMDLINE} {RUNTIME_CMDLINE}" if runtime else KERNEL_CMDLINE
-        machine = MachineConfig(memory_mib, vcpus, "tcg", image.vmlinuz, image.initrd,
-                                image.rootfs, cmdline=cmdline, runtime=runtime)  # fmt: skip
+        machine = MachineConfig(
+            memory_mib,
+            vcpus,
+            "tcg",
+            image.vmlinuz,
+            image.initrd,
+            image.rootfs,
+            cmdline=cmdline,
+            runtime=runtime,
+        )
         vm = FakeVM(vm_id or f"vm-{len(self.vms)}", machine, run_root, GuestContents())
         vm.image_name = image.name
         vm.image_ref = ImageRef(image.name, image.key, str(image.dir))
@@ -513,8 +609,9 @@ class FakeDriver:
         self.vms.append(vm)
         return vm
 
-    async def spawn_incoming(self, snapshot_dir: Path, *, run_root: Path,
-                             vm_id: str | None = None, **kw: Any) -> FakeVM:  # fmt: skip
+    async def spawn_incoming(
+        self, snapshot_dir: Path, *, run_root: Path, vm_id: str | None = None, **kw: Any
+    ) -> FakeVM:
         if self.fail_restore is not None:
             raise self.fail_restore
         files = snapshot_files.load(snapshot_dir)

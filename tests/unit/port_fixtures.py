@@ -35,8 +35,9 @@ def web() -> Iterator[int]:
 
 @pytest.fixture
 def http(server: Server) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                      timeout=10) as c:  # fmt: skip
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10
+    ) as c:
         yield c
 
 

@@ -173,8 +173,12 @@ def capped_server(settings: Settings, driver: FakeDriver) -> Iterator[str]:
 def test_two_requests_racing_for_the_last_slots_get_one_201_and_one_429(
     capped_server: str, driver: FakeDriver
 ) -> None:
-    r = httpx.post(f"{capped_server}/v1/snapshots", json={"tag": "py", "memory_mib": 128},
-                   headers=AUTH, timeout=30)  # fmt: skip
+    r = httpx.post(
+        f"{capped_server}/v1/snapshots",
+        json={"tag": "py", "memory_mib": 128},
+        headers=AUTH,
+        timeout=30,
+    )
     assert r.status_code == 201
     driver.restore_delay = 0.5  # both requests are in flight at once
     body = {"snapshot_tag": "py", "n": 2}
@@ -280,8 +284,14 @@ def test_a_snapshot_s_fork_estimate_is_what_its_settled_children_hold(meminfo: P
     now = [100.0]
     vms: dict[str, Any] = {}
     watch = host_memory.MemoryWatch(lambda: vms, clock=lambda: now[0])
-    vms.update({"a": _VM("/s/py", 30), "b": _VM("/s/py", 27), "c": _VM("/s/py", 40),
-                "d": _VM("/s/other", 90)})  # fmt: skip
+    vms.update(
+        {
+            "a": _VM("/s/py", 30),
+            "b": _VM("/s/py", 27),
+            "c": _VM("/s/py", 40),
+            "d": _VM("/s/other", 90),
+        }
+    )
     watch.sample()
     assert watch.fork_estimate_mib(Path("/s/py")) == limits.FORK_ESTIMATE_MIB  # not settled
     # Young VMs will take their estimate: 48 - 30, 48 - 27, 48 - 40; d is over it.

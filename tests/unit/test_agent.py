@@ -738,15 +738,15 @@ def test_a_seeded_restore_seeds_random_here_and_in_every_python_it_starts(
             except OSError:
                 assert proc.poll() is None and time.monotonic() < deadline
                 time.sleep(0.02)
-        result = seeded.result("restore", time_ns=time.time_ns(), entropy=ENTROPY,
-                               hostname="forkd-x", seed=7)  # fmt: skip
+        result = seeded.result(
+            "restore", time_ns=time.time_ns(), entropy=ENTROPY, hostname="forkd-x", seed=7
+        )
         assert result["seeded"] is True and result["random_reseeded"] is True
         expected = repr(random.Random(7).random())
         assert seeded.result("eval", code="import random\nrandom.random()")["result"] == expected
         ran = seeded.result("exec", argv=["sh", "-c", "echo $FORKD_SEED; echo $PYTHONPATH"])
         assert ran["stdout"].split() == ["7", "/opt/forkd/seed"]
-        bad = seeded.call("restore", time_ns=time.time_ns(), entropy=ENTROPY, hostname="h",
-                          seed=-1)  # fmt: skip
+        bad = seeded.call("restore", time_ns=time.time_ns(), entropy=ENTROPY, hostname="h", seed=-1)
         assert bad["ok"] is False and "'seed'" in bad["error"]
         seeded.close()
     finally:
@@ -762,12 +762,14 @@ def test_the_seed_directory_seeds_random_and_runs_the_image_s_own_sitecustomize(
     (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS = True\n")
     code = "import random, builtins; print(random.random(), getattr(builtins, 'THEIRS', False))"
     env = {"FORKD_SEED": "7", "PYTHONPATH": f"{seed_dir}:{theirs}", "PATH": os.environ["PATH"]}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         check=True).stdout.split()  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert out == [repr(random.Random(7).random()), "True"]
     env["FORKD_SEED"] = "8"
-    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                           text=True, check=True).stdout.split()  # fmt: skip
+    other = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout.split()
     assert other[0] != out[0]
 
 

@@ -151,8 +151,16 @@ def test_a_guest_that_does_not_answer_times_out(sock: Path) -> None:
 
 def test_a_failure_answer_raises_with_the_guest_exception_kind(sock: Path) -> None:
     async def guest(req: dict[str, Any], w: asyncio.StreamWriter) -> None:
-        w.write(_line({"id": req["id"], "ok": False, "error": "no such file: /x",
-                       "kind": "FileNotFoundError"}))  # fmt: skip
+        w.write(
+            _line(
+                {
+                    "id": req["id"],
+                    "ok": False,
+                    "error": "no such file: /x",
+                    "kind": "FileNotFoundError",
+                }
+            )
+        )
 
     async def body(client: AgentClient) -> None:
         with pytest.raises(AgentError, match="no such file: /x") as info:
@@ -224,8 +232,9 @@ async def _next_request(reader: asyncio.StreamReader) -> dict[str, Any]:
             return dict(json.loads(line))
 
 
-async def _answer_with(reader: asyncio.StreamReader, w: asyncio.StreamWriter,
-                       make: Callable[[dict[str, Any]], bytes]) -> None:  # fmt: skip
+async def _answer_with(
+    reader: asyncio.StreamReader, w: asyncio.StreamWriter, make: Callable[[dict[str, Any]], bytes]
+) -> None:
     """Answer every request with ``make(request)``; a ping with a normal answer."""
     while True:
         req = await _next_request(reader)
@@ -359,17 +368,26 @@ def test_the_largest_legitimate_answer_passes(sock: Path) -> None:
     ("answer", "problem"),
     [
         (b'{"id":%d,"ok":true,"result":{"s":"\xff\xfe\xc3"}}', r"not JSON \(UnicodeDecodeError\)"),
-        (b'{"id":%d,"ok":true,"result":' + b"[" * 200_000 + b"]" * 200_000 + b"}",
-         r"not JSON \(RecursionError\)"),
+        (
+            b'{"id":%d,"ok":true,"result":' + b"[" * 200_000 + b"]" * 200_000 + b"}",
+            r"not JSON \(RecursionError\)",
+        ),
         (b'{"id":%d,"ok":true,"result":{"a":1', r"not JSON \(JSONDecodeError\)"),
         (b'{"id":%d,"ok":"yes"}', "'ok' is not true or false"),
         (b'{"id":%d,"ok":true,"result":[1, 2]}', "'result' is not an object"),
         (b'{"id":%d,"ok":false,"error":{"no":"str"}}', "'error' or 'kind' is not a string"),
         (b'{"id":%d,"id":1,"ok":true,"result":{}}', "its id does not match"),
     ],
-    ids=["invalid-utf8", "nested-200k", "truncated", "ok-not-bool", "result-list",
-         "error-object", "two-ids"],
-)  # fmt: skip
+    ids=[
+        "invalid-utf8",
+        "nested-200k",
+        "truncated",
+        "ok-not-bool",
+        "result-list",
+        "error-object",
+        "two-ids",
+    ],
+)
 def test_a_hostile_answer_fails_only_its_request(sock: Path, answer: bytes, problem: str) -> None:
     async def guest(reader: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await _answer_with(reader, w, lambda r: answer % r["id"] + b"\n")
@@ -406,7 +424,10 @@ def test_raw_bytes_after_an_answer_are_its_own_however_they_are_cut() -> None:
             line for i in range(0, len(stream), cut) for line in splitter.feed(stream[i : i + cut])
         ]
         assert [(line.req_id, line.raw) for line in lines] == [
-            (7, b"a\nb" + forged), (None, None), (8, None)]  # fmt: skip
+            (7, b"a\nb" + forged),
+            (None, None),
+            (8, None),
+        ]
         assert json.loads(lines[2].data or b"")["result"] == {"real": True}
 
 
@@ -414,7 +435,10 @@ def test_raw_bytes_beyond_the_cap_fail_the_answer_and_are_skipped() -> None:
     splitter = LineSplitter({7: 100, 8: 100}.get)
     lines = list(splitter.feed(_raw_answer(7, b"x" * 200) + b'{"id":8,"ok":true}\n'))
     assert [(line.req_id, line.overlong, line.data) for line in lines] == [
-        (7, True, None), (None, False, None), (8, False, b'{"id":8,"ok":true}')]  # fmt: skip
+        (7, True, None),
+        (None, False, None),
+        (8, False, b'{"id":8,"ok":true}'),
+    ]
 
 
 def test_raw_bytes_reach_the_caller_of_proc_read_only(sock: Path) -> None:
@@ -532,12 +556,14 @@ RNG_FAILED = "rng: OSError: [Errno 25] Inappropriate ioctl for device"
     ("result", "named"),
     [
         ({"rng_reseeded": False, "random_reseeded": True, "errors": [RNG_FAILED]}, "kernel RNG"),
-        ({"rng_reseeded": True, "random_reseeded": False, "errors": ["random: boom"]},
-         "Python random"),
+        (
+            {"rng_reseeded": True, "random_reseeded": False, "errors": ["random: boom"]},
+            "Python random",
+        ),
         ({"errors": []}, "kernel RNG and Python random"),  # an agent that does not say
     ],
     ids=["kernel-rng", "python-random", "not-reported"],
-)  # fmt: skip
+)
 def test_a_fork_whose_rng_reseed_failed_is_refused(
     sock: Path, result: dict[str, Any], named: str
 ) -> None:
@@ -560,9 +586,12 @@ def test_a_fork_whose_hostname_failed_is_kept_with_a_warning(
 ) -> None:
     snap = SimpleNamespace(dir=Path("/snaps/base"), memory=Path("/snaps/base/memory.bin"))
     answer = _restore_answer(
-        clock_set=True, rng_reseeded=True, random_reseeded=True, hostname_set=False,
+        clock_set=True,
+        rng_reseeded=True,
+        random_reseeded=True,
+        hostname_set=False,
         errors=["hostname: PermissionError: no"],
-    )  # fmt: skip
+    )
 
     async def body(client: AgentClient) -> None:
         vm = _vm(sock.parent)

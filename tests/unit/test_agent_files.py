@@ -194,8 +194,12 @@ def test_a_full_disk_at_the_fsync_too(
 def test_a_real_tiny_tmpfs(table: Any, tmp_path: Path) -> None:
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)],
-                      capture_output=True).returncode != 0:  # fmt: skip
+    if (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (not root?)")
     try:
         tid = _upload(mnt / "f", b"x" * 32768)
@@ -545,13 +549,22 @@ def test_a_full_disk_while_extracting_is_named(
 def test_reads_answer_raw_bytes_when_asked(table: Any, tmp_path: Path) -> None:
     """No base64 to make: the bytes follow the answer's line as they are."""
     (tmp_path / "f").write_bytes(b"0123456789")
-    result = ff.op_file_read_range({"path": str(tmp_path / "f"), "offset": 2, "length": 4,
-                                    "raw": True})  # fmt: skip
+    result = ff.op_file_read_range(
+        {"path": str(tmp_path / "f"), "offset": 2, "length": 4, "raw": True}
+    )
     assert isinstance(result, ff.WithRawBytes) and result.raw == [b"2345"]
     assert json.loads(b"".join(result)) == {"size": 10, "eof": False, "length": 4}
     protocol = _load("forkd_agent_raw_under_test", "forkd_agent_protocol.py")
-    line = protocol.handle_request(7, {"op": "file_read_range", "path": str(tmp_path / "f"),
-                                       "offset": 8, "length": 4, "raw": True})  # fmt: skip
+    line = protocol.handle_request(
+        7,
+        {
+            "op": "file_read_range",
+            "path": str(tmp_path / "f"),
+            "offset": 8,
+            "length": 4,
+            "raw": True,
+        },
+    )
     head, raw = line.split(b"\n", 1)
     assert head.startswith(b'{"id":7,"raw":2,') and raw == b"89"
     assert json.loads(head)["result"] == {"size": 10, "eof": True, "length": 2}

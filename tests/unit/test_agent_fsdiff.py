@@ -50,11 +50,16 @@ def overlay(tmp_path: Path, lister: str) -> Iterator[tuple[Path, Path, Path]]:
     for name in ("a", "d/x", "d/y", "gone", "tree/z"):
         (lower / name).write_text(f"image {name}\n")
     options = f"lowerdir={lower},upperdir={upper},workdir={work}"
-    mounted = subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(merged)],
-                             capture_output=True, text=True)  # fmt: skip
+    mounted = subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", options, str(merged)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
-        pytest.skip(f"this host cannot mount an overlay (root and overlayfs needed): "
-                    f"{mounted.stderr.strip()}")  # fmt: skip
+        pytest.skip(
+            f"this host cannot mount an overlay (root and overlayfs needed): "
+            f"{mounted.stderr.strip()}"
+        )
     try:
         yield merged, upper, lower
     finally:
@@ -98,10 +103,15 @@ def test_what_a_sandbox_did_to_its_image(overlay: tuple[Path, Path, Path]) -> No
     os.symlink("a", merged / "s")
     manifest = _manifest(upper, lower, "/")
     assert _changes(manifest) == [
-        ("/a", "modified", "file"), ("/d/new", "added", "file"), ("/d/x", "removed", "file"),
-        ("/d/y", "removed", "file"), ("/gone", "removed", "file"), ("/n", "added", "file"),
-        ("/s", "added", "symlink"), ("/tree", "removed", "dir"),
-    ]  # fmt: skip
+        ("/a", "modified", "file"),
+        ("/d/new", "added", "file"),
+        ("/d/x", "removed", "file"),
+        ("/d/y", "removed", "file"),
+        ("/gone", "removed", "file"),
+        ("/n", "added", "file"),
+        ("/s", "added", "symlink"),
+        ("/tree", "removed", "dir"),
+    ]
     link = manifest.entries["/s"]
     assert (link.kind, link.target, link.size) == ("l", "a", 1)
 
@@ -139,8 +149,11 @@ def test_a_guest_without_forkd_overlay_refuses(tmp_path: Path) -> None:
 def test_bad_parameters_are_refused(overlay: tuple[Path, Path, Path]) -> None:
     _, upper, lower = overlay
     fsdiff.LAYERS = ((str(upper), str(lower)),)
-    bad: list[dict[str, Any]] = [{"path": "rel", "max_entries": 1}, {"path": "/", "max_entries": 0},
-                                 {"path": "/"}]  # fmt: skip
+    bad: list[dict[str, Any]] = [
+        {"path": "rel", "max_entries": 1},
+        {"path": "/", "max_entries": 0},
+        {"path": "/"},
+    ]
     for req in bad:
         with pytest.raises(ValueError):
             fsdiff.op_fs_manifest_open(req)

@@ -49,8 +49,15 @@ def staged_agent() -> Iterator[Path]:
 
 def _start_agent(tmp: Path, agent: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     path = tmp / "agent.sock"
-    argv = [sys.executable, str(agent), "--socket", str(path),
-            "--defaults-file", str(tmp / "image.json"), *extra]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(agent),
+        "--socket",
+        str(path),
+        "--defaults-file",
+        str(tmp / "image.json"),
+        *extra,
+    ]
     proc = subprocess.Popen(argv, env=_agent_env())
     deadline = time.monotonic() + 10
     while True:
@@ -192,9 +199,11 @@ def test_interrupt_and_timeout_stop_an_eval_in_the_worker(
 
 @pytest.mark.parametrize(
     ("code", "how"),
-    [("import os\nos._exit(3)", "exit status 3"),
-     ("import ctypes\nctypes.string_at(0)", "killed by SIGSEGV")],
-)  # fmt: skip
+    [
+        ("import os\nos._exit(3)", "exit status 3"),
+        ("import ctypes\nctypes.string_at(0)", "killed by SIGSEGV"),
+    ],
+)
 def test_a_worker_that_dies_answers_that_eval_and_the_next_starts_fresh(
     image_agent: Client, code: str, how: str
 ) -> None:

@@ -291,7 +291,10 @@ def test_a_raw_read_sends_the_bytes_after_the_answer_and_sizes_in_the_chunks(
     assert agent.output_until_eof(pid) == b"out\nerr\0x"
     read = agent.ok("proc_read", pid=pid, offset=1, raw=True)
     assert [(c["stream"], c["offset"], c["size"]) for c in read["chunks"]] == [
-        ("stdout", 1, 3), ("stderr", 4, 4), ("stdout", 8, 1)]  # fmt: skip
+        ("stdout", 1, 3),
+        ("stderr", 4, 4),
+        ("stdout", 8, 1),
+    ]
     assert "data" not in read["chunks"][0]
     assert (read["raw"], read["next_offset"], read["eof"]) == (b"ut\nerr\0x", 9, True)
 

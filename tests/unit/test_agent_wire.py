@@ -35,8 +35,14 @@ def test_the_agent_serves_every_op_of_the_wire_and_no_other() -> None:
 # ----------------------------------------------------------------------------- check
 
 EXEC_ANSWER = {"exit_code": 0, "stdout": "hi\n", "stderr": "", "timed_out": False}
-PROC_READ_ANSWER = {"chunks": [], "next_offset": 0, "gap": None, "running": True,
-                    "exit_code": None, "eof": False}  # fmt: skip
+PROC_READ_ANSWER = {
+    "chunks": [],
+    "next_offset": 0,
+    "gap": None,
+    "running": True,
+    "exit_code": None,
+    "eof": False,
+}
 
 
 def test_an_answer_of_its_ops_shape_is_taken_as_it_is() -> None:
@@ -102,8 +108,14 @@ def ops(tmp_path: Path) -> Iterator[Guest]:
     """The daemon's Guest and AgentClient on a real agent, run on the host."""
     sock = tmp_path / "agent.sock"
     env = {**os.environ, "FORKD_AGENT_DRY_RESTORE": "1"}
-    argv = [sys.executable, str(AGENT), "--socket", str(sock),
-            "--defaults-file", str(tmp_path / "defaults.json")]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(AGENT),
+        "--socket",
+        str(sock),
+        "--defaults-file",
+        str(tmp_path / "defaults.json"),
+    ]
     proc = subprocess.Popen(argv, env=env)
     try:
         deadline = time.monotonic() + 10

@@ -174,8 +174,10 @@ def test_a_smuggled_body_is_refused_and_changes_nothing(
         box = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
     before = _state(server, settings)
 
-    head = (f"PUT /v1/sandboxes/{box}/files?path=/big HTTP/1.1\r\nHost: x\r\n{auth}"
-            "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        f"PUT /v1/sandboxes/{box}/files?path=/big HTTP/1.1\r\nHost: x\r\n{auth}"
+        "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     ex = _exchange(port, head, _chunked(200 << 20, piece=1 << 20))
     assert ex.status in (413, None) and ex.closed, ex.answer
     assert ex.sent < 200 << 20
@@ -184,8 +186,10 @@ def test_a_smuggled_body_is_refused_and_changes_nothing(
         body = b'{"tag": "big", "warmup": "' + b"x" * (8 << 20) + b'"}'
         yield b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
 
-    head = (f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{auth}"
-            "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{auth}"
+        "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     ex = _exchange(port, head, big_json())
     assert ex.status in (413, None) and ex.closed, ex.answer
 

@@ -71,13 +71,23 @@ def test_every_status_in_the_table_is_an_error_status() -> None:
 
 
 ROUTES = [
-    ("GET", "/version"), ("GET", "/metrics"), ("GET", "/v1/snapshots"),
-    ("POST", "/v1/snapshots"), ("GET", "/v1/snapshots/py/info"), ("DELETE", "/v1/snapshots/py"),
-    ("GET", "/v1/sandboxes"), ("POST", "/v1/sandboxes"), ("GET", "/v1/sandboxes/x"),
-    ("DELETE", "/v1/sandboxes/x"), ("POST", "/v1/sandboxes/x/exec"),
-    ("POST", "/v1/sandboxes/x/eval"), ("POST", "/v1/sandboxes/x/branch"),
-    ("GET", "/v1/sandboxes/x/files?path=/a"), ("GET", "/v1/volumes"), ("POST", "/v1/volumes"),
-]  # fmt: skip
+    ("GET", "/version"),
+    ("GET", "/metrics"),
+    ("GET", "/v1/snapshots"),
+    ("POST", "/v1/snapshots"),
+    ("GET", "/v1/snapshots/py/info"),
+    ("DELETE", "/v1/snapshots/py"),
+    ("GET", "/v1/sandboxes"),
+    ("POST", "/v1/sandboxes"),
+    ("GET", "/v1/sandboxes/x"),
+    ("DELETE", "/v1/sandboxes/x"),
+    ("POST", "/v1/sandboxes/x/exec"),
+    ("POST", "/v1/sandboxes/x/eval"),
+    ("POST", "/v1/sandboxes/x/branch"),
+    ("GET", "/v1/sandboxes/x/files?path=/a"),
+    ("GET", "/v1/volumes"),
+    ("POST", "/v1/volumes"),
+]
 
 
 @pytest.mark.parametrize(("method", "path"), ROUTES)
@@ -170,9 +180,16 @@ def test_children_inherit_the_template_and_diverge(client: TestClient) -> None:
     assert a["state"] == b["state"] == "running" and a["id"] != b["id"]
     for sb in (a, b):
         r = client.post(f"/v1/sandboxes/{sb['id']}/eval", json={"code": "x + 1"})
-        assert r.json() == {"result": "42", "error": None, "exit_code": 0, "stdout": "",
-                            "stderr": "", "display": [], "display_truncated": False,
-                            "timed_out": False}  # fmt: skip
+        assert r.json() == {
+            "result": "42",
+            "error": None,
+            "exit_code": 0,
+            "stdout": "",
+            "stderr": "",
+            "display": [],
+            "display_truncated": False,
+            "timed_out": False,
+        }
     client.post(f"/v1/sandboxes/{a['id']}/eval", json={"code": "x = 0"})
     r = client.post(f"/v1/sandboxes/{b['id']}/eval", json={"code": "x"})
     assert r.json()["result"] == "41"
@@ -183,8 +200,15 @@ def test_exec_answer_has_every_field(client: TestClient) -> None:
     (sb,) = fork(client)
     r = client.post(f"/v1/sandboxes/{sb['id']}/exec", json={"args": ["echo", "hi"]})
     assert r.status_code == 200
-    assert set(r.json()) == {"stdout", "stderr", "exit_code", "timed_out", "stdout_truncated",
-                             "stderr_truncated", "duration_ms"}  # fmt: skip
+    assert set(r.json()) == {
+        "stdout",
+        "stderr",
+        "exit_code",
+        "timed_out",
+        "stdout_truncated",
+        "stderr_truncated",
+        "duration_ms",
+    }
     assert r.json()["stdout"] == "hi\n"
 
 

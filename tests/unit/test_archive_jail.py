@@ -48,11 +48,28 @@ def test_the_child_unpacks_as_the_uid_it_was_given_and_not_as_root(tree: Path) -
     data = archive(directory("d"), file("d/a.txt", b"alpha"), symlink("l", "d/a.txt"))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "forkd.archive.confined", "--root-fd", str(fd),
-             "--uid", "71005", "--gid", "71005", "--max-entries", "10",
-             "--max-bytes", "1000", "--max-header-bytes", "4096"],
-            input=data, capture_output=True, pass_fds=(fd,), check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "forkd.archive.confined",
+                "--root-fd",
+                str(fd),
+                "--uid",
+                "71005",
+                "--gid",
+                "71005",
+                "--max-entries",
+                "10",
+                "--max-bytes",
+                "1000",
+                "--max-header-bytes",
+                "4096",
+            ],
+            input=data,
+            capture_output=True,
+            pass_fds=(fd,),
+            check=True,
+        )
     finally:
         os.close(fd)
     answer = json.loads(proc.stdout)
@@ -63,10 +80,27 @@ def test_the_child_unpacks_as_the_uid_it_was_given_and_not_as_root(tree: Path) -
 
 def test_the_child_refuses_to_stay_root(tree: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "forkd.archive.confined", "--root-fd", "0", "--uid", "0",
-         "--gid", "0", "--max-entries", "1", "--max-bytes", "1", "--max-header-bytes", "1"],
-        capture_output=True, input=b"", check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "forkd.archive.confined",
+            "--root-fd",
+            "0",
+            "--uid",
+            "0",
+            "--gid",
+            "0",
+            "--max-entries",
+            "1",
+            "--max-bytes",
+            "1",
+            "--max-header-bytes",
+            "1",
+        ],
+        capture_output=True,
+        input=b"",
+        check=False,
+    )
     assert proc.returncode == 2 and b"unprivileged" in proc.stderr
 
 

@@ -52,8 +52,14 @@ class Clock:
 def test_long_client_fields_are_cut(tmp_path: Path) -> None:
     log = AuditLog(tmp_path / "audit.log")
     long_path = "/v1/sandboxes/" + "a" * 100_000
-    log.write(method="GET", path=long_path, status=404, sandbox_id="a" * 100_000,
-              client="c" * 5000, duration_ms=1.0)  # fmt: skip
+    log.write(
+        method="GET",
+        path=long_path,
+        status=404,
+        sandbox_id="a" * 100_000,
+        client="c" * 5000,
+        duration_ms=1.0,
+    )
     log.close()
     (line,) = (tmp_path / "audit.log").read_text().splitlines()
     assert len(line) < 4 * AUDIT_FIELD_LIMIT + 300
@@ -121,8 +127,9 @@ def test_varying_the_address_does_not_escape_the_limit(
     denied = [r for r in records if r["status"] == 401 and "suppressed" not in r]
     summaries = [r for r in records if "suppressed" in r]
     assert len(denied) == AUDIT_401_CLIENTS + AUDIT_401_PER_SEC  # 64 apart, the rest as one
-    assert summaries == [{**summaries[0], "client": "other addresses",
-                          "suppressed": 5000 - len(denied)}]  # fmt: skip
+    assert summaries == [
+        {**summaries[0], "client": "other addresses", "suppressed": 5000 - len(denied)}
+    ]
     assert (tmp_path / "audit.log").stat().st_size < 20_000
 
 

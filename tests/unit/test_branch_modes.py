@@ -66,8 +66,13 @@ def test_diff_branch_stores_pages_and_a_base_reference_and_chains_grow(
     info = r.json()
     assert info["mode"] == "diff" and info["base_tag"] == "base" and info["bootable"]
     assert info["memory"].endswith("memory.diff")
-    assert _files(settings, "d1") == ["fake-guest.json", "memory.diff", "memory.runs",
-                                      "snapshot.json", "vmstate"]  # fmt: skip
+    assert _files(settings, "d1") == [
+        "fake-guest.json",
+        "memory.diff",
+        "memory.runs",
+        "snapshot.json",
+        "vmstate",
+    ]
     assert driver.vms[-1].events[:2] == ["begin-diff", "pause"]
     # A child of the diff, branched as a diff: depth 2, over d1.
     child = _fork(client, "d1")
@@ -122,9 +127,16 @@ def test_unknown_mode_is_400_before_anything(client: TestClient, sid: str) -> No
 )
 @pytest.mark.parametrize("wait", [True, False])
 def test_failure_table_holds_in_every_mode(
-    client: TestClient, driver: FakeDriver, settings: Settings, sid: str,
-    mode: str, fail: str, source_state: str, kept: bool, wait: bool,
-) -> None:  # fmt: skip
+    client: TestClient,
+    driver: FakeDriver,
+    settings: Settings,
+    sid: str,
+    mode: str,
+    fail: str,
+    source_state: str,
+    kept: bool,
+    wait: bool,
+) -> None:
     vm = driver.vms[-1]
     vm.fail = fail
     r = _branch(client, sid, tag="b1", mode=mode, wait=wait)
@@ -269,8 +281,7 @@ def test_compact_to_makes_a_new_full_snapshot_and_leaves_the_source(
     source = client.get("/v1/snapshots/d2").json()
     assert flat["branched_from"] == source["branched_from"]
     assert "base_tag" not in flat and flat["bootable"]
-    assert _files(settings, "flat") == ["fake-guest.json", "memory.bin", "snapshot.json",
-                                        "vmstate"]  # fmt: skip
+    assert _files(settings, "flat") == ["fake-guest.json", "memory.bin", "snapshot.json", "vmstate"]
     assert sorted(p.name for p in (settings.snapshot_root / "d2").iterdir()) == before
     assert client.get("/v1/snapshots/d2").json()["mode"] == "diff"
     _fork(client, "flat")
@@ -285,9 +296,13 @@ def test_compact_to_makes_a_new_full_snapshot_and_leaves_the_source(
 
 @pytest.mark.parametrize(
     ("to", "status", "named"),
-    [("d2", 400, "must differ"), ("d1", 409, "already exists"), ("no/pe", 400, "to"),
-     ("x" * 65, 400, "to")],
-)  # fmt: skip
+    [
+        ("d2", 400, "must differ"),
+        ("d1", 409, "already exists"),
+        ("no/pe", 400, "to"),
+        ("x" * 65, 400, "to"),
+    ],
+)
 def test_compact_to_refusals_change_nothing(
     client: TestClient, settings: Settings, chain: list[str], to: str, status: int, named: str
 ) -> None:

@@ -47,18 +47,35 @@ def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Harness, Fak
     monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path / "cache"))
     driver = FakeDriver()
     settings = Settings(
-        state_dir=tmp_path, snapshot_root=tmp_path / "snaps", run_dir=tmp_path / "run",
-        branch_concurrency=2, pool_size=0,
-    )  # fmt: skip
+        state_dir=tmp_path,
+        snapshot_root=tmp_path / "snaps",
+        run_dir=tmp_path / "run",
+        branch_concurrency=2,
+        pool_size=0,
+    )
     store = Store(tmp_path / "forkd.db")
     services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0), driver)
     from forkd.vmm.qemu.argv import MachineConfig
 
     machine = MachineConfig(1, 1, "tcg", img / "vmlinuz", img / "initrd.img", img / "rootfs.sqfs")
-    store.add_snapshot(SnapshotRow("base", str(tmp_path / "snaps" / "base"), 1, None, None,
-                                   None, "python", 1, SnapshotStatus.READY))  # fmt: skip
-    store.add_sandbox(SandboxRow("sb-t-0001", "base", str(tmp_path / "run" / "x"), 1, 1,
-                                 None, None, SandboxState.RUNNING))  # fmt: skip
+    store.add_snapshot(
+        SnapshotRow(
+            "base",
+            str(tmp_path / "snaps" / "base"),
+            1,
+            None,
+            None,
+            None,
+            "python",
+            1,
+            SnapshotStatus.READY,
+        )
+    )
+    store.add_sandbox(
+        SandboxRow(
+            "sb-t-0001", "base", str(tmp_path / "run" / "x"), 1, 1, None, None, SandboxState.RUNNING
+        )
+    )
     vm = FakeVM("sb-t-0001", machine, settings.run_dir, GuestContents())
     services.vms[vm.id] = vm
     real_add = store.add_snapshot

@@ -271,9 +271,17 @@ def test_the_group_is_recorded_in_vm_json_for_a_daemon_that_adopts_the_vm(
     rt.dir.mkdir(parents=True)
     machine = MachineConfig(256, 1, "tcg", Path("/k"), Path("/i"), Path("/r"))
     record = runtime_meta.VMRecord(
-        id="sb-1", pid=1, qmp=rt.qmp, agent=rt.agent, ram_file=rt.ram, origin_snapshot=None,
-        machine=machine, image=None, started_at_unix=0.0, cgroup=group,
-    )  # fmt: skip
+        id="sb-1",
+        pid=1,
+        qmp=rt.qmp,
+        agent=rt.agent,
+        ram_file=rt.ram,
+        origin_snapshot=None,
+        machine=machine,
+        image=None,
+        started_at_unix=0.0,
+        cgroup=group,
+    )
     runtime_meta.write(rt, record)
     assert runtime_meta.read(rt).cgroup == group
 

@@ -81,8 +81,9 @@ def test_cli_token_file(server: Server, sent: RecordingTransport, tmp_path: Path
     app = make_app(sent)
     res = runner.invoke(app, ["ps", "--url", server.url])
     assert res.exit_code == 1 and "bearer token" in res.stderr
-    res = runner.invoke(app, ["ps", "--url", server.url, "--token-file", str(server.token_file),
-                              "--json"])  # fmt: skip
+    res = runner.invoke(
+        app, ["ps", "--url", server.url, "--token-file", str(server.token_file), "--json"]
+    )
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout) == []
     assert sent.last.headers["authorization"] == f"Bearer {server.token}"
@@ -164,8 +165,9 @@ def test_snapshot_create_from_a_container_image(
 ) -> None:
     """The CLI imports the reference, then names the imported image: the daemon finds it."""
     ref = "127.0.0.1:5000/team/web:1"  # one tests/unit/fake_images.py knows
-    res = forkd("snapshot", "create", "--tag", "web", "--image", ref, "--start",
-                "--ready-cmd", "true")  # fmt: skip
+    res = forkd(
+        "snapshot", "create", "--tag", "web", "--image", ref, "--start", "--ready-cmd", "true"
+    )
     assert res.exit_code == 0, res.output
     [image] = [i for i in ctl.list_images() if i["kind"] == "container"]
     assert sent.body()["image"] == image["name"] and sent.body()["start"] is True

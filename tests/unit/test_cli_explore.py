@@ -31,8 +31,9 @@ def test_explore_prints_the_ranking_and_keeps_the_best(
 
 
 def test_explore_json_is_the_answer(forkd: Invoke, sid: str) -> None:
-    res = forkd("explore", sid, "--json", "--eval", "-v", "1", "-v", "1/0", "--keep", "0",
-                "--tag", "mine")  # fmt: skip
+    res = forkd(
+        "explore", sid, "--json", "--eval", "-v", "1", "-v", "1/0", "--keep", "0", "--tag", "mine"
+    )
     assert res.exit_code == 0, res.output
     body = json.loads(res.stdout)
     assert body["branch"] == "mine" and not body["branch_kept"]

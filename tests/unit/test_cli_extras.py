@@ -11,9 +11,8 @@ from forkd.cli import app, extras
 
 @pytest.mark.parametrize(
     ("verb", "named"),
-    [(["serve"], "serve"), (["doctor"], "doctor"),
-     (["image", "build", "python"], "image build")],
-)  # fmt: skip
+    [(["serve"], "serve"), (["doctor"], "doctor"), (["image", "build", "python"], "image build")],
+)
 def test_server_verbs_say_which_extra_is_missing(
     verb: list[str], named: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -24,12 +24,23 @@ def test_network_shows_and_replaces_keeping_the_rules(
     assert opened.exit_code == 0 and '"deny_out": []' in opened.output
 
 
-def test_egress_lists_what_was_reached(forkd: Invoke, ctl: Controller, py: str,
-                                       server: Server) -> None:  # fmt: skip
+def test_egress_lists_what_was_reached(
+    forkd: Invoke, ctl: Controller, py: str, server: Server
+) -> None:
     [sb] = ctl.spawn_sandboxes(py)
     log = server.app.state.services.egress.proxy.log
-    log.add(EgressRecord(sb["id"], "refused", "http", "evil.test", 80, reason="not allowed",
-                         method="GET", path="/x"))  # fmt: skip
+    log.add(
+        EgressRecord(
+            sb["id"],
+            "refused",
+            "http",
+            "evil.test",
+            80,
+            reason="not allowed",
+            method="GET",
+            path="/x",
+        )
+    )
     res = forkd("egress", sb["id"])
     assert res.exit_code == 0, res.output
     assert "evil.test:80" in res.output and "GET /x" in res.output and "refused" in res.output

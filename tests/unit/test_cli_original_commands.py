@@ -79,16 +79,28 @@ def test_the_connection_flags_come_after_any_verb(
     server: Server, sent: RecordingTransport, py: str
 ) -> None:
     app = make_app(sent)
-    res = runner.invoke(app, ["ls", "--daemon-url", server.url, "--daemon-token", server.token],
-                        env={})  # fmt: skip
+    res = runner.invoke(
+        app, ["ls", "--daemon-url", server.url, "--daemon-token", server.token], env={}
+    )
     assert res.exit_code == 0, res.output
     assert sent.requests[-1].headers["authorization"] == f"Bearer {server.token}"
-    res = runner.invoke(app, ["snapshot", "ls", "-o", "json", "--daemon-url", server.url,
-                              "--daemon-token", server.token], env={})  # fmt: skip
+    res = runner.invoke(
+        app,
+        [
+            "snapshot",
+            "ls",
+            "-o",
+            "json",
+            "--daemon-url",
+            server.url,
+            "--daemon-token",
+            server.token,
+        ],
+        env={},
+    )
     assert res.exit_code == 0, res.output
     assert [s["tag"] for s in json.loads(res.stdout)] == [py]
-    res = runner.invoke(app, ["ls", "--daemon-url", server.url, "--daemon-token", "wrong"],
-                        env={})  # fmt: skip
+    res = runner.invoke(app, ["ls", "--daemon-url", server.url, "--daemon-token", "wrong"], env={})
     assert res.exit_code == 1 and "--token-file" in res.stderr  # the 401's hint
 
 
@@ -121,17 +133,27 @@ def test_exec_and_eval_take_the_sandbox_as_child(
     assert json.loads(started[-1].content)["cmd"] == ["/bin/sh", "-c", "echo one; echo two"]
     res = forkd("eval", "--target", sid, "--", "6", "*", "7")
     assert res.exit_code == 0, res.output
-    assert json.loads([r for r in sent.requests if r.url.path.endswith("/eval")][-1].content)[
-        "code"
-    ] == "6 * 7"  # fmt: skip
+    assert (
+        json.loads([r for r in sent.requests if r.url.path.endswith("/eval")][-1].content)["code"]
+        == "6 * 7"
+    )
     assert forkd("exec", "--child", sid).exit_code == 2  # no command
 
 
 def test_fork_takes_the_originals_flags_and_prints_the_wall_clock_line(
     forkd: Invoke, ctl: Controller, py: str
 ) -> None:
-    res = forkd("fork", "--tag", py, "--n", "2", "--memory-limit-mib", "256", "--per-child-netns",
-                "--hugepages")  # fmt: skip
+    res = forkd(
+        "fork",
+        "--tag",
+        py,
+        "--n",
+        "2",
+        "--memory-limit-mib",
+        "256",
+        "--per-child-netns",
+        "--hugepages",
+    )
     assert res.exit_code == 0, res.output
     wall = [line for line in res.stdout.splitlines() if "total wall-clock" in line]
     assert len(wall) == 1 and wall[0].split()[3].isdigit()  # what its bench scripts awk
@@ -202,9 +224,17 @@ def test_top_in_a_pipe_prints_a_table_each_interval(
 
 
 @pytest.mark.parametrize(
-    "listing", [["ps"], ["snapshot", "ls"], ["image", "ls"], ["volume", "ls"], ["ls"],
-                ["workspace", "list"], ["images"]],
-)  # fmt: skip
+    "listing",
+    [
+        ["ps"],
+        ["snapshot", "ls"],
+        ["image", "ls"],
+        ["volume", "ls"],
+        ["ls"],
+        ["workspace", "list"],
+        ["images"],
+    ],
+)
 def test_every_listing_prints_json_with_o_json(forkd: Invoke, sid: str, listing: list[str]) -> None:
     res = forkd(*listing, "-o", "json")
     assert res.exit_code == 0, res.output

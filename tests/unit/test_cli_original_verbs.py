@@ -46,8 +46,14 @@ def test_snapshot_compact_makes_the_new_tag(forkd: Invoke, ctl: Controller, py: 
 def test_bench_times_each_step_and_cleans_up(forkd: Invoke, ctl: Controller, py: str) -> None:
     res = forkd("bench", "--n", "3")
     assert res.exit_code == 0, res.output
-    for step in ("spawn (n=1)", "exec round-trip", "branch (diff)", "fanout (n=3)", "cleanup",
-                 "total"):  # fmt: skip
+    for step in (
+        "spawn (n=1)",
+        "exec round-trip",
+        "branch (diff)",
+        "fanout (n=3)",
+        "cleanup",
+        "total",
+    ):
         assert step in res.stdout, res.stdout
     assert "ms/child" in res.stdout and "pause_ms=" in res.stdout
     assert ctl.list_sandboxes() == []

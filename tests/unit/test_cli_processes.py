@@ -29,8 +29,9 @@ def test_exec_prints_output_as_it_comes(server: Server, sid: str) -> None:
     """The real CLI in a subprocess: the first line is out long before the command ends."""
     cli = subprocess.Popen(
         [sys.executable, "-m", "forkd.cli", "exec", sid, "--", "count", "3", "0.5"],
-        stdout=subprocess.PIPE, env={**os.environ, **env_of(server)},
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        env={**os.environ, **env_of(server)},
+    )
     assert cli.stdout is not None
     t0 = time.monotonic()
     first = cli.stdout.readline()

@@ -102,9 +102,10 @@ def test_snapshot_create_shows_each_step_and_what_start_waits_for(
     terminal = Console(file=screen, width=300, force_terminal=True)
     monkeypatch.setattr(build_progress, "err", terminal)
     result = CliRunner().invoke(
-        app, ["snapshot", "create", "--tag", "web", "--image", "127.0.0.1:5000/team/web:1",
-              "--start"], env=env,
-    )  # fmt: skip
+        app,
+        ["snapshot", "create", "--tag", "web", "--image", "127.0.0.1:5000/team/web:1", "--start"],
+        env=env,
+    )
     assert result.exit_code == 0, result.output
     said = screen.getvalue()
     assert "booting image oci-" in said and "booted; running 0 setup command(s)" in said

@@ -35,12 +35,24 @@ def test_create_from_a_file_drops_one_newline_and_prints_no_value(
 ) -> None:
     key = tmp_path / "key.txt"
     key.write_text(VALUE + "\n")
-    res = forkd("secret", "create", "github", "--value-file", str(key), "--host", "*.github.com",
-                "--host", "github.com")  # fmt: skip
+    res = forkd(
+        "secret",
+        "create",
+        "github",
+        "--value-file",
+        str(key),
+        "--host",
+        "*.github.com",
+        "--host",
+        "github.com",
+    )
     assert res.exit_code == 0, res.output
     assert VALUE not in res.output and "*.github.com" in res.output
-    assert sent.body(-1) == {"name": "github", "value": VALUE,
-                             "hosts": ["*.github.com", "github.com"]}  # fmt: skip
+    assert sent.body(-1) == {
+        "name": "github",
+        "value": VALUE,
+        "hosts": ["*.github.com", "github.com"],
+    }
     listed = forkd("secret", "ls")
     assert listed.exit_code == 0 and "github" in listed.output and "never" in listed.output
     assert VALUE not in listed.output
@@ -49,12 +61,21 @@ def test_create_from_a_file_drops_one_newline_and_prints_no_value(
 def test_a_value_from_stdin_or_the_environment_and_rotation(
     forkd: Invoke, sent: RecordingTransport
 ) -> None:
-    made = forkd("secret", "create", "pypi", "--value-file", "-", "--host", "pypi.test",
-                 stdin=VALUE + "\r\n")  # fmt: skip
+    made = forkd(
+        "secret", "create", "pypi", "--value-file", "-", "--host", "pypi.test", stdin=VALUE + "\r\n"
+    )
     assert made.exit_code == 0, made.output
     assert sent.body(-1)["value"] == VALUE
-    rotated = forkd("secret", "update", "pypi", "--from-env", "NEW_KEY", "-o", "json",
-                    env={"NEW_KEY": "rotated-value-42"})  # fmt: skip
+    rotated = forkd(
+        "secret",
+        "update",
+        "pypi",
+        "--from-env",
+        "NEW_KEY",
+        "-o",
+        "json",
+        env={"NEW_KEY": "rotated-value-42"},
+    )
     assert rotated.exit_code == 0, rotated.output
     assert sent.body(-1) == {"value": "rotated-value-42"}
     assert '"name": "pypi"' in rotated.output and "rotated-value-42" not in rotated.output
@@ -65,18 +86,21 @@ def test_a_value_from_stdin_or_the_environment_and_rotation(
 def test_what_the_cli_refuses(forkd: Invoke, tmp_path: Path) -> None:
     no_hosts = forkd("secret", "create", "x", "--from-env", "HOME")
     assert no_hosts.exit_code == 2 and "--host" in no_hosts.output
-    both = forkd("secret", "create", "x", "--host", "a.test", "--from-env", "HOME",
-                 "--value-file", "-")  # fmt: skip
+    both = forkd(
+        "secret", "create", "x", "--host", "a.test", "--from-env", "HOME", "--value-file", "-"
+    )
     assert both.exit_code == 2 and "not both" in both.output
     unset = forkd("secret", "create", "x", "--host", "a.test", "--from-env", "NOT_SET_ANYWHERE")
     assert unset.exit_code == 2 and "NOT_SET_ANYWHERE is not set" in unset.output
-    missing = forkd("secret", "create", "x", "--host", "a.test", "--value-file",
-                    str(tmp_path / "nope"))  # fmt: skip
+    missing = forkd(
+        "secret", "create", "x", "--host", "a.test", "--value-file", str(tmp_path / "nope")
+    )
     assert missing.exit_code == 2 and "cannot read" in missing.output
     no_value = forkd("secret", "create", "x", "--host", "a.test", stdin="")
     assert no_value.exit_code == 2 and "no value" in no_value.output
-    bad_host = forkd("secret", "create", "x", "--host", "10.0.0.1", "--value-file", "-",
-                     stdin=VALUE)  # fmt: skip
+    bad_host = forkd(
+        "secret", "create", "x", "--host", "10.0.0.1", "--value-file", "-", stdin=VALUE
+    )
     assert bad_host.exit_code == 1 and "names" in bad_host.output and VALUE not in bad_host.output
 
 
@@ -114,13 +138,27 @@ def test_the_async_sdk_has_them_too(server: Server) -> None:
 def test_fork_and_snapshot_create_send_a_network_object_and_an_env(
     forkd: Invoke, ctl: Controller, sent: RecordingTransport
 ) -> None:
-    made = forkd("snapshot", "create", "--tag", "agent", "--allow-out", "api.openai.com",
-                 "--allow-out", "*.github.com", "--deny-out", "gist.github.com",
-                 "--env", "OPENAI_API_KEY=${secrets.openai}", "--json")  # fmt: skip
+    made = forkd(
+        "snapshot",
+        "create",
+        "--tag",
+        "agent",
+        "--allow-out",
+        "api.openai.com",
+        "--allow-out",
+        "*.github.com",
+        "--deny-out",
+        "gist.github.com",
+        "--env",
+        "OPENAI_API_KEY=${secrets.openai}",
+        "--json",
+    )
     assert made.exit_code == 0, made.output
     body = next(json.loads(r.content) for r in sent.requests if r.url.path == "/v1/snapshots")
-    assert body["network"] == {"allow_out": ["api.openai.com", "*.github.com"],
-                               "deny_out": ["gist.github.com"]}  # fmt: skip
+    assert body["network"] == {
+        "allow_out": ["api.openai.com", "*.github.com"],
+        "deny_out": ["gist.github.com"],
+    }
     assert body["env"] == {"OPENAI_API_KEY": "${secrets.openai}"}
     forked = forkd("fork", "--tag", "agent", "--deny-out", "*", "--json")
     assert forked.exit_code == 0, forked.output

@@ -45,8 +45,13 @@ def _newest(server: Server, sandbox_id: str, deadline_s: float = 10) -> FakeProc
 def test_exec_it_is_a_raw_terminal_that_resizes_and_exits_with_the_code(
     server: Server, sid: str, ctl: Controller
 ) -> None:
-    child = pexpect.spawn(sys.executable, ["-m", "forkd.cli", "exec", "-it", sid, "--", "cat"],
-                          env=_env(server), dimensions=(30, 100), timeout=10)  # fmt: skip
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "forkd.cli", "exec", "-it", sid, "--", "cat"],
+        env=_env(server),
+        dimensions=(30, 100),
+        timeout=10,
+    )
     try:
         proc = _newest(server, sid)
         assert proc.pty and proc.size == (100, 30) and proc.cmd == ["cat"]
@@ -65,8 +70,9 @@ def test_exec_it_is_a_raw_terminal_that_resizes_and_exits_with_the_code(
 
 
 def test_shell_starts_a_login_shell_with_our_term(server: Server, sid: str) -> None:
-    child = pexpect.spawn(sys.executable, ["-m", "forkd.cli", "shell", sid],
-                          env=_env(server), timeout=10)  # fmt: skip
+    child = pexpect.spawn(
+        sys.executable, ["-m", "forkd.cli", "shell", sid], env=_env(server), timeout=10
+    )
     child.expect(pexpect.EOF)  # the fake guest's "shell" prints its arguments and exits 0
     child.close()
     proc = _newest(server, sid)
@@ -74,17 +80,25 @@ def test_shell_starts_a_login_shell_with_our_term(server: Server, sid: str) -> N
 
 
 def test_exec_i_pipes_stdin_with_its_eof(server: Server, sid: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "forkd.cli", "exec", "-i", sid, "--", "cat"],
-                       input=b"one\ntwo\n", capture_output=True, env=_env(server),
-                       timeout=30)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "forkd.cli", "exec", "-i", sid, "--", "cat"],
+        input=b"one\ntwo\n",
+        capture_output=True,
+        env=_env(server),
+        timeout=30,
+    )
     assert (r.returncode, r.stdout) == (0, b"one\ntwo\n"), r.stderr
     assert not _newest(server, sid).pty
 
 
 def test_exec_t_without_a_terminal_runs_in_a_default_size_one(server: Server, sid: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "forkd.cli", "exec", "-t", sid, "--", "exit", "3"],
-                       stdin=subprocess.DEVNULL, capture_output=True, env=_env(server),
-                       timeout=30)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "forkd.cli", "exec", "-t", sid, "--", "exit", "3"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        env=_env(server),
+        timeout=30,
+    )
     assert r.returncode == 3, r.stderr
     assert r.stdout == b"exit 3\n"  # in a terminal, stderr comes through it
     assert _newest(server, sid).size == (80, 24)
@@ -93,9 +107,13 @@ def test_exec_t_without_a_terminal_runs_in_a_default_size_one(server: Server, si
 def test_exec_it_with_piped_stdin_says_so_and_types_it(
     server: Server, sid: str, ctl: Controller
 ) -> None:
-    cli = subprocess.Popen([sys.executable, "-m", "forkd.cli", "exec", "-it", sid, "--", "cat"],
-                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           env=_env(server))  # fmt: skip
+    cli = subprocess.Popen(
+        [sys.executable, "-m", "forkd.cli", "exec", "-it", sid, "--", "cat"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=_env(server),
+    )
     assert cli.stdin is not None and cli.stdout is not None and cli.stderr is not None
     cli.stdin.write(b"typed\n")
     cli.stdin.close()
@@ -107,14 +125,19 @@ def test_exec_it_with_piped_stdin_says_so_and_types_it(
 
 
 def test_exec_json_refuses_i_and_t(server: Server, sid: str, sent: RecordingTransport) -> None:
-    res = CliRunner().invoke(make_app(sent), ["exec", "-it", "--json", sid, "--", "cat"],
-                             env=env_of(server))  # fmt: skip
+    res = CliRunner().invoke(
+        make_app(sent), ["exec", "-it", "--json", sid, "--", "cat"], env=env_of(server)
+    )
     assert res.exit_code == 2 and "cannot go with -i or -t" in res.stderr
 
 
 def test_keys_typed_before_the_session_is_up_are_not_lost(server: Server, sid: str) -> None:
-    child = pexpect.spawn(sys.executable, ["-m", "forkd.cli", "exec", "-it", sid, "--", "cat"],
-                          env=_env(server), timeout=10)  # fmt: skip
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "forkd.cli", "exec", "-it", sid, "--", "cat"],
+        env=_env(server),
+        timeout=10,
+    )
     try:
         child.send("early\r")  # long before forkd has its terminal in raw mode
         proc = _newest(server, sid)

@@ -96,8 +96,18 @@ def test_the_measure_counts_decorators_and_nested_definitions() -> None:
 # Words of forkd.states' enums: a state compared with one of them as a string is a
 # typo mypy cannot see (``row.state == "runing"``). A Literal (a workspace's status)
 # mypy checks itself; QEMU's run state is read as its ``running`` flag, not a word.
-_STATE_WORDS = {"starting", "running", "paused", "hibernated", "dead", "incoming", "warm",
-                "writing", "ready", "failed"}  # fmt: skip
+_STATE_WORDS = {
+    "starting",
+    "running",
+    "paused",
+    "hibernated",
+    "dead",
+    "incoming",
+    "warm",
+    "writing",
+    "ready",
+    "failed",
+}
 
 
 def _names_a_state(node: ast.expr) -> bool:
@@ -105,8 +115,12 @@ def _names_a_state(node: ast.expr) -> bool:
         return node.attr in ("state", "status")
     if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
         args = node.args
-        return node.func.attr == "get" and bool(args) and isinstance(args[0], ast.Constant) \
-            and args[0].value in ("state", "status")  # fmt: skip
+        return (
+            node.func.attr == "get"
+            and bool(args)
+            and isinstance(args[0], ast.Constant)
+            and args[0].value in ("state", "status")
+        )
     return isinstance(node, ast.Name) and node.id in ("state", "was")
 
 

@@ -172,8 +172,11 @@ def read_answer(sock: socket.socket) -> bytes:
         assert piece, f"closed mid-answer: {received!r}"
         received += piece
     head, _, body = received.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))  # fmt: skip
+    length = next(
+        int(line.split(b":")[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
     while len(body) < length:
         piece = sock.recv(65536)
         assert piece, f"closed mid-answer: {received!r}"
@@ -188,8 +191,12 @@ def ping(sock: socket.socket, token: str | None = None) -> bytes:
 
 
 def upload_head(length: int, *extra: bytes, wait: float = 0) -> bytes:
-    lines = [f"POST /upload?wait={wait} HTTP/1.1".encode(), b"Host: t",
-             f"Content-Length: {length}".encode(), *extra]  # fmt: skip
+    lines = [
+        f"POST /upload?wait={wait} HTTP/1.1".encode(),
+        b"Host: t",
+        f"Content-Length: {length}".encode(),
+        *extra,
+    ]
     return b"\r\n".join(lines) + b"\r\n\r\n"
 
 
@@ -546,9 +553,12 @@ def test_an_answer_given_before_the_body_was_read_ends_a_connection_without_the_
 def test_a_token_in_a_pipelined_request_makes_the_connection_the_owners() -> None:
     with limited(caps(per_address=100, total=100)) as served:
         sock = connect(served.port)
-        sock.sendall(b"GET /ping HTTP/1.1\r\nHost: t\r\n\r\n"
-                     b"GET /ping HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer " + OWNER.encode()
-                     + b"\r\n\r\n")  # fmt: skip
+        sock.sendall(
+            b"GET /ping HTTP/1.1\r\nHost: t\r\n\r\n"
+            b"GET /ping HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+            + OWNER.encode()
+            + b"\r\n\r\n"
+        )
         answers, deadline = b"", time.monotonic() + SLACK
         while answers.count(b"pong") < 2:  # both may come in one read
             assert time.monotonic() < deadline, answers
@@ -610,8 +620,12 @@ def test_an_idle_connection_without_the_token_is_closed_for_a_newcomer() -> None
 
 
 def test_limits_must_be_positive() -> None:
-    for bad in ({"header_timeout_secs": 0}, {"body_idle_timeout_secs": float("nan")},
-                {"max_per_address": 0}, {"max_total": 0}):  # fmt: skip
+    for bad in (
+        {"header_timeout_secs": 0},
+        {"body_idle_timeout_secs": float("nan")},
+        {"max_per_address": 0},
+        {"max_total": 0},
+    ):
         with pytest.raises(Invalid):
             ConnectionLimits(**bad)
 
@@ -714,8 +728,9 @@ def process(tmp_path: Path, script: str, *args: str, ready: Any) -> Iterator[Non
     env = {**os.environ, "FORKD_CACHE_DIR": str(cache), "PYTHONPATH": python_path}
     log = tmp_path / "server.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", script, *args],
-                                cwd=REPO, env=env, stdout=out, stderr=out)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, *args], cwd=REPO, env=env, stdout=out, stderr=out
+        )
     try:
         deadline = time.monotonic() + 30
         while not ready():
@@ -744,8 +759,12 @@ def test_forkd_serve_closes_half_a_head_on_its_unix_socket(tmp_path: Path) -> No
         sock.connect(str(path))
         return sock
 
-    with process(tmp_path, SERVE, str(tmp_path / "state"), f"unix:{path}",
-                 ready=lambda: _listens(unix)), unix() as sock:  # fmt: skip
+    with (
+        process(
+            tmp_path, SERVE, str(tmp_path / "state"), f"unix:{path}", ready=lambda: _listens(unix)
+        ),
+        unix() as sock,
+    ):
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
         assert read_until_closed(sock, TIMEOUT + SLACK) == b""
 
@@ -753,14 +772,30 @@ def test_forkd_serve_closes_half_a_head_on_its_unix_socket(tmp_path: Path) -> No
 def test_forkd_gateway_closes_half_a_head(tmp_path: Path) -> None:
     port = free_port()
     nowhere = f"http://127.0.0.1:{free_port()}"  # a node that is down
-    with process(tmp_path, GATEWAY, nowhere, f"127.0.0.1:{port}",
-                 ready=lambda: _listens(lambda: connect(port))), connect(port) as sock:  # fmt: skip
+    with (
+        process(
+            tmp_path,
+            GATEWAY,
+            nowhere,
+            f"127.0.0.1:{port}",
+            ready=lambda: _listens(lambda: connect(port)),
+        ),
+        connect(port) as sock,
+    ):
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: t\r\n")
         assert read_until_closed(sock, TIMEOUT + SLACK) == b""
 
 
-OPTIONS = ["--header-timeout", "3", "--body-idle-timeout", "7",
-           "--max-connections-per-address", "5", "--max-connections", "9"]  # fmt: skip
+OPTIONS = [
+    "--header-timeout",
+    "3",
+    "--body-idle-timeout",
+    "7",
+    "--max-connections-per-address",
+    "5",
+    "--max-connections",
+    "9",
+]
 
 
 def test_forkd_serve_takes_the_options_into_its_settings(
@@ -786,5 +821,7 @@ def test_forkd_gateway_takes_the_options(monkeypatch: pytest.MonkeyPatch) -> Non
     for args in ([], OPTIONS):
         result = CliRunner().invoke(cli_app, base + args)
         assert result.exit_code == 0, result.output
-    assert taken == [ConnectionLimits(max_total=limits.default_max_connections()),
-                     ConnectionLimits(3, 7, 5, 9)]  # fmt: skip
+    assert taken == [
+        ConnectionLimits(max_total=limits.default_max_connections()),
+        ConnectionLimits(3, 7, 5, 9),
+    ]

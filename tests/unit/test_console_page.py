@@ -64,8 +64,18 @@ def test_the_network_panel_shows_a_sandboxs_policy_and_egress_and_cuts_it_off(
     from forkd.egress.records import EgressRecord
 
     log = server.app.state.services.egress.proxy.log
-    log.add(EgressRecord(sid, "refused", "http", HOSTILE, 80, reason="not allowed by the "
-                         "sandbox's network policy", method="GET", path="/x"))  # fmt: skip
+    log.add(
+        EgressRecord(
+            sid,
+            "refused",
+            "http",
+            HOSTILE,
+            80,
+            reason="not allowed by the sandbox's network policy",
+            method="GET",
+            path="/x",
+        )
+    )
     page = browser.new_page()  # type: ignore[attr-defined]
     page.goto(f"{server.url}/ui/")
     page.fill("#token", server.token)
@@ -77,6 +87,7 @@ def test_the_network_panel_shows_a_sandboxs_policy_and_egress_and_cuts_it_off(
     assert page.locator("#injected").count() == 0
     assert "every public destination" in page.locator("#network-policy").inner_text()
     page.locator("#network-policy button", has_text="cut off").click()
-    page.wait_for_function("() => document.querySelector('#network-policy')"
-                           ".textContent.includes('deny out: *')")  # fmt: skip
+    page.wait_for_function(
+        "() => document.querySelector('#network-policy').textContent.includes('deny out: *')"
+    )
     assert ctl.sandbox_network(sid)["deny_out"] == ["*"]

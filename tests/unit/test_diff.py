@@ -61,9 +61,10 @@ def test_a_diff_lists_what_the_child_changed_since_its_snapshot(
     res = ctl.diff_sandbox(child, "/work")
     assert res.against == "base" and res.against_kind == "snapshot" and not res.truncated
     assert [(c.path, c.change) for c in res.changes] == [
-        ("/work/drop.txt", "removed"), ("/work/edit.txt", "modified"),
+        ("/work/drop.txt", "removed"),
+        ("/work/edit.txt", "modified"),
         ("/work/new.txt", "added"),
-    ]  # fmt: skip
+    ]
     new = res.changes[2]
     assert (new.kind, new.size, new.mode) == ("file", 10, 0o644)
     assert ctl.diff_sandbox(child, "/etc").changes == []  # only under the path asked
@@ -114,13 +115,17 @@ def test_against_another_sandbox_and_another_snapshot(ctl: Controller, child: st
     res = ctl.diff_sandbox(child, "/work", against=sibling)
     assert res.against_kind == "sandbox"
     assert [(c.path, c.change) for c in res.changes] == [
-        ("/work/drop.txt", "removed"), ("/work/edit.txt", "modified"),
-        ("/work/new.txt", "added"), ("/work/sibling.txt", "removed"),
-    ]  # fmt: skip
+        ("/work/drop.txt", "removed"),
+        ("/work/edit.txt", "modified"),
+        ("/work/new.txt", "added"),
+        ("/work/sibling.txt", "removed"),
+    ]
     res = ctl.diff_sandbox(child, "/work", against="py")  # the template: no /work at all
     assert {(c.path, c.change) for c in res.changes} == {
-        ("/work/keep.txt", "added"), ("/work/edit.txt", "added"), ("/work/new.txt", "added"),
-    }  # fmt: skip
+        ("/work/keep.txt", "added"),
+        ("/work/edit.txt", "added"),
+        ("/work/new.txt", "added"),
+    }
 
 
 @pytest.mark.parametrize(
@@ -135,8 +140,11 @@ def test_against_another_sandbox_and_another_snapshot(ctl: Controller, child: st
 def test_bad_requests_are_refused(
     server: Server, child: str, params: dict[str, Any], status: int
 ) -> None:
-    resp = httpx.get(f"{server.url}/v1/sandboxes/{child}/diff", params=params,
-                     headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    resp = httpx.get(
+        f"{server.url}/v1/sandboxes/{child}/diff",
+        params=params,
+        headers={"Authorization": f"Bearer {server.token}"},
+    )
     assert resp.status_code == status, resp.text
 
 
@@ -175,8 +183,10 @@ def test_compare_takes_the_image_where_a_side_has_no_entry() -> None:
         _d=_stat("d"),  # a new directory
     )
     assert _compared(base, target, image) == [
-        ("/a", "modified", "file"), ("/b", "removed", "file"), ("/d", "added", "dir"),
-    ]  # fmt: skip
+        ("/a", "modified", "file"),
+        ("/b", "removed", "file"),
+        ("/d", "added", "dir"),
+    ]
 
 
 def test_compare_hides_what_is_under_a_removed_directory() -> None:
@@ -192,8 +202,13 @@ def test_a_hiding_ancestor_hides_only_its_own_subtree() -> None:
     target = _manifest("/", _w=_stat("f", 7))  # a file where the image has a directory
     base = Manifest("/", {p: _stat("f", 2) for p in image})  # base rewrote all four
     got = {(p, c) for p, c, _ in _compared(base, target, image | {"/w": _stat("d")})}
-    assert got == {("/w", "modified"), ("/w/y", "removed"), ("/w/z/deep", "removed"),
-                   ("/w x", "modified"), ("/wx", "modified")}  # fmt: skip
+    assert got == {
+        ("/w", "modified"),
+        ("/w/y", "removed"),
+        ("/w/z/deep", "removed"),
+        ("/w x", "modified"),
+        ("/wx", "modified"),
+    }
 
 
 @settings(max_examples=300, deadline=None)
@@ -286,8 +301,9 @@ def test_a_manifest_cut_before_its_end_is_refused() -> None:
 
 def _records(*records: list[str], end: dict[str, Any] | None = None) -> bytes:
     """The agent's ``records`` format: six NUL-ended fields each, then E and the end."""
-    out = b"".join(b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in r)
-                   for r in records)  # fmt: skip
+    out = b"".join(
+        b"".join(f.encode("utf-8", "surrogateescape") + b"\0" for f in r) for r in records
+    )
     return out + b"E\0" + json.dumps(END if end is None else end).encode() + b"\0"
 
 
@@ -296,9 +312,13 @@ RECORD = ["f", "3", "644", "7.0000000090", "a", ""]
 
 def test_the_record_reader_takes_find_s_output_in_any_pieces() -> None:
     reader = reader_for("records", "/w", 10)
-    data = _records(["d", "0", "755", "1.5", "", ""], RECORD, ["c", "0", "0", "5.0", "gone", ""],
-                    ["l", "4", "777", "-2.500000000", "sub/link", "../a b\nc"],
-                    ["-", "0", "0", "9.000000000", "gone", ""])  # fmt: skip
+    data = _records(
+        ["d", "0", "755", "1.5", "", ""],
+        RECORD,
+        ["c", "0", "0", "5.0", "gone", ""],
+        ["l", "4", "777", "-2.500000000", "sub/link", "../a b\nc"],
+        ["-", "0", "0", "9.000000000", "gone", ""],
+    )
     for i in range(0, len(data), 3):
         reader.feed(data[i : i + 3])
     got = reader.manifest().entries
@@ -360,8 +380,11 @@ def test_the_async_sdk_diffs_as_the_sync_one(server: Server, ctl: Controller, ch
     async def go() -> tuple[Any, Any, Any]:
         async with AsyncController(server.url, token=server.token) as actl:
             sb = await AsyncSandbox.connect(child, controller=actl)
-            return (await sb.diff("/work"), await sb.diff("/work", format="patch"),
-                    await sb.diff("/work", format="tar"))  # fmt: skip
+            return (
+                await sb.diff("/work"),
+                await sb.diff("/work", format="patch"),
+                await sb.diff("/work", format="tar"),
+            )
 
     changes, patch, tar = asyncio.run(go())
     assert changes.of("added") == ["/work/new.txt"]

@@ -96,8 +96,18 @@ def test_vm_record_round_trips_origin_id(tmp_path: Path) -> None:
 
     machine = MachineConfig(128, 1, "tcg", tmp_path / "k", tmp_path / "i", tmp_path / "r")
     rt = RuntimePaths(tmp_path)
-    rec = runtime_meta.VMRecord("vm-1", 1, rt.qmp, rt.agent, tmp_path / "m", tmp_path / "s",
-                                machine, None, 1.0, origin_id="abc")  # fmt: skip
+    rec = runtime_meta.VMRecord(
+        "vm-1",
+        1,
+        rt.qmp,
+        rt.agent,
+        tmp_path / "m",
+        tmp_path / "s",
+        machine,
+        None,
+        1.0,
+        origin_id="abc",
+    )
     runtime_meta.write(rt, rec)
     assert runtime_meta.read(rt).origin_id == "abc"
     data = json.loads(rt.meta.read_text())

@@ -30,8 +30,11 @@ from tests import oci_images as oi
 
 def mount_tmpfs(where: Path, mib: int) -> None:
     where.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(where)],
-                       capture_output=True, check=False)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(where)],
+        capture_output=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
 
@@ -81,12 +84,20 @@ class _Declares64GiB(BaseHTTPRequestHandler):
         pass
 
 
-HUGE_LAYER = {"mediaType": f"{oi.OCI_LAYER}+gzip", "digest": "sha256:" + "9" * 64,
-              "size": MAX_BLOB_BYTES}  # fmt: skip
+HUGE_LAYER = {
+    "mediaType": f"{oi.OCI_LAYER}+gzip",
+    "digest": "sha256:" + "9" * 64,
+    "size": MAX_BLOB_BYTES,
+}
 HUGE_CONFIG = oi.image([oi.layer({"x": b"x"})]).config
-HUGE_MANIFEST = json.dumps({"schemaVersion": 2, "mediaType": oi.OCI_MANIFEST,
-                               "config": HUGE_CONFIG.descriptor(),
-                               "layers": [HUGE_LAYER]}).encode()  # fmt: skip
+HUGE_MANIFEST = json.dumps(
+    {
+        "schemaVersion": 2,
+        "mediaType": oi.OCI_MANIFEST,
+        "config": HUGE_CONFIG.descriptor(),
+        "layers": [HUGE_LAYER],
+    }
+).encode()
 
 
 @pytest.fixture

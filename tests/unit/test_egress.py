@@ -25,9 +25,18 @@ def _egress_chain(rules: str) -> str:
 
 @pytest.mark.parametrize(
     "value",
-    ["all", "", None, 1, {"allow": "10.0.0.0/8"}, {"allow": [1]}, {"deny": []},
-     {"allow": ["bad host!"]}, {"allow": ["x"] * 65}],
-)  # fmt: skip
+    [
+        "all",
+        "",
+        None,
+        1,
+        {"allow": "10.0.0.0/8"},
+        {"allow": [1]},
+        {"deny": []},
+        {"allow": ["bad host!"]},
+        {"allow": ["x"] * 65},
+    ],
+)
 def test_bad_policies_are_refused(value: object) -> None:
     with pytest.raises(Invalid):
         Egress.parse(value)
@@ -97,9 +106,10 @@ def test_a_hostname_never_opens_a_private_range(monkeypatch: pytest.MonkeyPatch)
     # Only a literal CIDR may open a private range: a DNS answer is not the caller's word.
     answers = {"evil.example": ["169.254.169.254", "10.1.2.3", "198.51.100.9"]}
     monkeypatch.setattr(
-        egress, "_lookup",
+        egress,
+        "_lookup",
         lambda name: [ipaddress.IPv4Network(f"{a}/32") for a in answers[name]],
-    )  # fmt: skip
+    )
     nets = Egress("allow", ("evil.example", "10.5.0.0/16")).resolve()
     assert [str(n) for n in nets] == ["198.51.100.9/32", "10.5.0.0/16"]
 
@@ -151,10 +161,16 @@ def test_the_hosts_networks_are_its_addresses_and_their_links_but_the_sandboxes(
 
     sandboxes = ipaddress.IPv4Network("10.201.0.0/16")
     with IPRoute() as ipr:
-        mine = [ipaddress.IPv4Interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}")
-                for a in ipr.get_addr(family=socket.AF_INET)]  # fmt: skip
-    expected = {n for i in mine if not i.ip.is_loopback and i.ip not in sandboxes
-                for n in (i.network, ipaddress.IPv4Network(f"{i.ip}/32"))}  # fmt: skip
+        mine = [
+            ipaddress.IPv4Interface(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}")
+            for a in ipr.get_addr(family=socket.AF_INET)
+        ]
+    expected = {
+        n
+        for i in mine
+        if not i.ip.is_loopback and i.ip not in sandboxes
+        for n in (i.network, ipaddress.IPv4Network(f"{i.ip}/32"))
+    }
     assert set(host_networks(sandboxes)) == expected
     assert host_networks(sandboxes, opened=(ipaddress.IPv4Network("0.0.0.0/0"),)) == []
 
@@ -190,8 +206,9 @@ def test_a_new_policy_closes_a_named_connection_whose_address_it_now_denies() ->
     fence = Fence.of("10.201.0.0/16", [])
     web = ipaddress.IPv4Address("198.51.100.7")
     assert still_allowed(Egress("internet"), fence, "api.test", web)
-    assert not still_allowed(Egress.parse({"deny_out": ["198.51.100.0/24"]}), fence,
-                              "api.test", web)  # fmt: skip
+    assert not still_allowed(
+        Egress.parse({"deny_out": ["198.51.100.0/24"]}), fence, "api.test", web
+    )
     assert not still_allowed(Egress.parse({"allow_out": ["other.test"]}), fence, "api.test", web)
     assert still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, "api.test", web)
     assert not still_allowed(Egress.parse({"allow_out": ["api.test"]}), fence, None, web)

@@ -84,9 +84,14 @@ def test_pace_waits_only_with_a_rate() -> None:
 
 
 @pytest.mark.parametrize(
-    ("given", "rate"), [([], None), (["--egress-rate", "20M"], 20 << 20),
-                        (["--egress-rate", "512K/s"], 512 << 10), (["--egress-rate", "off"], None)]
-)  # fmt: skip
+    ("given", "rate"),
+    [
+        ([], None),
+        (["--egress-rate", "20M"], 20 << 20),
+        (["--egress-rate", "512K/s"], 512 << 10),
+        (["--egress-rate", "off"], None),
+    ],
+)
 def test_forkd_serve_takes_the_rate_into_its_settings(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, given: list[str], rate: int | None
 ) -> None:

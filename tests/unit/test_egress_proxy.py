@@ -29,8 +29,10 @@ from tests import egress_world
 from tests.egress_world import WEB, Outside, in_guest
 
 if network.netns_problems():
-    pytest.skip("no network namespaces here: " + "; ".join(network.netns_problems()),
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        "no network namespaces here: " + "; ".join(network.netns_problems()),
+        allow_module_level=True,
+    )
 
 T = TypeVar("T")
 _ids = itertools.count(1)
@@ -89,10 +91,24 @@ class Guest:
     def curl(self, url: str, *extra: str) -> subprocess.CompletedProcess[str]:
         """curl as a guest runs it: its DNS answer for every test name is an address
         nobody listens on (the proxy must not care)."""
-        resolve = [arg for n in egress_world.NAMES for p in (80, 443)
-                   for arg in ("--resolve", f"{n}:{p}:198.19.0.99")]  # fmt: skip
-        return in_guest(self.netns, "curl", "-sS", "--max-time", "15", "--cacert",
-                        str(self.world.ca.cert), *resolve, *extra, url)  # fmt: skip
+        resolve = [
+            arg
+            for n in egress_world.NAMES
+            for p in (80, 443)
+            for arg in ("--resolve", f"{n}:{p}:198.19.0.99")
+        ]
+        return in_guest(
+            self.netns,
+            "curl",
+            "-sS",
+            "--max-time",
+            "15",
+            "--cacert",
+            str(self.world.ca.cert),
+            *resolve,
+            *extra,
+            url,
+        )
 
     def python(self, code: str) -> subprocess.CompletedProcess[str]:
         return in_guest(self.netns, sys.executable, "-c", code)
@@ -148,7 +164,11 @@ def test_tls_passes_through_by_its_server_name_not_the_guests_dns(
     assert answer["host"] == "api.test.example" and answer["path"] == "/echo?q=1"
     [record] = records(daemon, guest)
     assert (record.verdict, record.kind, record.host, record.port) == (
-        "allowed", "tls", "api.test.example", 443)  # fmt: skip
+        "allowed",
+        "tls",
+        "api.test.example",
+        443,
+    )
     assert record.address == WEB  # the pinned address, not the guest's 198.19.0.99
     assert record.bytes_out > 200 and record.bytes_in > 500  # a handshake each way, unread
 
@@ -164,10 +184,12 @@ def test_an_allow_list_of_names_lets_only_those_out(
     assert plain.stdout.startswith("HTTP/1.1 403") and "not allowed" in plain.stdout
     assert _echo(guest.curl("http://api.test.example/echo"))["host"] == "api.test.example"
     verdicts = [(r.kind, r.host, r.verdict) for r in records(daemon, guest)]
-    assert verdicts == [("tls", "api.test.example", "allowed"),
-                        ("tls", "other.test.example", "refused"),
-                        ("http", "other.test.example", "refused"),
-                        ("http", "api.test.example", "allowed")]  # fmt: skip
+    assert verdicts == [
+        ("tls", "api.test.example", "allowed"),
+        ("tls", "other.test.example", "refused"),
+        ("http", "other.test.example", "refused"),
+        ("http", "api.test.example", "allowed"),
+    ]
 
 
 def test_deny_wins_over_allow_and_wildcards_match_below_their_domain(
@@ -203,8 +225,10 @@ def test_a_second_request_for_another_host_on_one_connection_is_misdirected(
 
 
 def test_raw_tcp_is_judged_by_address_only(sandbox: Callable[[Any], Guest], daemon: Any) -> None:
-    banner = (f"import socket; s = socket.create_connection(('{WEB}', 2222), timeout=10);"
-              "print(s.recv(100).decode().strip() or 'closed')")  # fmt: skip
+    banner = (
+        f"import socket; s = socket.create_connection(('{WEB}', 2222), timeout=10);"
+        "print(s.recv(100).decode().strip() or 'closed')"
+    )
     assert guest_says(sandbox("internet"), banner) == "SSH-2.0-fake"  # the server first
     by_name = sandbox({"allow_out": ["api.test.example"]})
     assert guest_says(by_name, banner) in ("closed", "ConnectionResetError")
@@ -222,14 +246,17 @@ def test_the_host_and_the_proxy_itself_are_fenced_off(
 ) -> None:
     guest = sandbox({"allow_out": ["0.0.0.0/0"]})  # the widest policy: still fenced in
     for target in (egress_world.LAN_HOST, "10.0.2.2", "10.201.0.1"):
-        probe = (f"s = __import__('socket').create_connection(('{target}', 80), timeout=10);"
-                 "s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n');"
-                 "print(s.recv(100) or 'closed')")  # fmt: skip
+        probe = (
+            f"s = __import__('socket').create_connection(('{target}', 80), timeout=10);"
+            "s.sendall(b'GET / HTTP/1.0\\r\\n\\r\\n');"
+            "print(s.recv(100) or 'closed')"
+        )
         said = guest_says(guest, probe)
         assert "200" not in said, (target, said)
     reasons = [r.reason or "" for r in records(daemon, guest)]
-    assert len(reasons) == 3 and all("host's" in r or "403" in r or "never" in r
-                                     for r in reasons), reasons  # fmt: skip
+    assert len(reasons) == 3 and all(
+        "host's" in r or "403" in r or "never" in r for r in reasons
+    ), reasons
 
 
 def test_a_name_resolving_to_loopback_is_refused(
@@ -248,7 +275,9 @@ def test_redirects_are_the_guests_to_follow_and_each_is_judged(
     followed = guest.curl("https://api.test.example/redirect", "-L")
     assert followed.returncode != 0  # evil.test.example: refused when the guest asks
     assert [(r.host, r.verdict) for r in records(daemon, guest)] == [
-        ("api.test.example", "allowed"), ("evil.test.example", "refused")]  # fmt: skip
+        ("api.test.example", "allowed"),
+        ("evil.test.example", "refused"),
+    ]
 
 
 def test_a_policy_change_applies_to_the_next_connection(
@@ -293,9 +322,10 @@ class Secrets:
 
 @pytest.fixture(scope="module")
 def secrets(
-    daemon: tuple[Loop, network.HostNetwork, EgressProxy], world: Outside,
+    daemon: tuple[Loop, network.HostNetwork, EgressProxy],
+    world: Outside,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Secrets]:  # fmt: skip
+) -> Iterator[Secrets]:
     from forkd.egress.ca import EgressCA
     from forkd.egress.intercept import Interceptor
 
@@ -320,23 +350,34 @@ def test_a_secret_is_put_in_only_for_its_own_host_over_tls(
     trust = str(world.trust)  # type: ignore[attr-defined]
     mine = _echo(guest.curl("https://api.test.example/echo", "--cacert", trust, "-H", PLACEHOLDER))
     assert mine["headers"]["Authorization"] == "Bearer sk-test-0123456789"
-    other = _echo(guest.curl("https://other.test.example/echo", "--cacert", trust,
-                             "-H", PLACEHOLDER))  # fmt: skip
+    other = _echo(
+        guest.curl("https://other.test.example/echo", "--cacert", trust, "-H", PLACEHOLDER)
+    )
     assert other["headers"]["Authorization"] == "Bearer ${secrets.openai}"  # passed through
     plain = _echo(guest.curl("http://api.test.example/echo", "-H", PLACEHOLDER))
     assert plain["headers"]["Authorization"] == "Bearer ${secrets.openai}"  # no TLS: never
     found = [(r.kind, r.host, r.secrets) for r in records(daemon, guest)]
-    assert found == [("https", "api.test.example", ["openai"]),
-                     ("tls", "other.test.example", []),
-                     ("http", "api.test.example", [])]  # fmt: skip
+    assert found == [
+        ("https", "api.test.example", ["openai"]),
+        ("tls", "other.test.example", []),
+        ("http", "api.test.example", []),
+    ]
 
 
 def test_a_fronted_host_gets_no_secret_and_no_other_host(
     sandbox: Callable[[Any], Guest], secrets: Secrets, world: Outside
 ) -> None:
     guest = sandbox("internet")
-    fronted = guest.curl("https://api.test.example/echo", "--cacert", str(world.trust),  # type: ignore[attr-defined]
-                         "-H", "Host: other.test.example", "-H", PLACEHOLDER, "-i")  # fmt: skip
+    fronted = guest.curl(
+        "https://api.test.example/echo",
+        "--cacert",
+        str(world.trust),  # type: ignore[attr-defined]
+        "-H",
+        "Host: other.test.example",
+        "-H",
+        PLACEHOLDER,
+        "-i",
+    )
     assert fronted.stdout.startswith("HTTP/1.1 421"), fronted.stdout
     assert "sk-test" not in fronted.stdout
 
@@ -351,8 +392,10 @@ def test_rules_set_headers_and_a_rotation_is_the_next_requests(
     assert first["headers"]["X-Api-Key"] == "sk-test-0123456789"
     assert first["headers"]["X-Team"] == "forkd"  # the rule's, not the guest's
     secrets.values["openai"] = ("sk-rotated-42", ("api.test.example",))
-    assert _echo(guest.curl("https://api.test.example/echo", *args))["headers"][
-        "X-Api-Key"] == "sk-rotated-42"  # fmt: skip
+    assert (
+        _echo(guest.curl("https://api.test.example/echo", *args))["headers"]["X-Api-Key"]
+        == "sk-rotated-42"
+    )
 
 
 H2_ONLY = """
@@ -397,8 +440,11 @@ def test_a_policy_change_closes_the_connections_it_denies(
 ) -> None:
     loop, _, proxy = daemon
     guest = sandbox("internet")
-    held = subprocess.Popen(["nsenter", f"--net=/run/netns/{guest.netns}", "--", sys.executable,
-                             "-c", HOLD_OPEN], stdout=subprocess.PIPE, text=True)  # fmt: skip
+    held = subprocess.Popen(
+        ["nsenter", f"--net=/run/netns/{guest.netns}", "--", sys.executable, "-c", HOLD_OPEN],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert held.stdout is not None and held.stdout.readline().strip() == "open"
         closed = loop.call(lambda: proxy.set_policy(guest.vm_id, Egress.parse("none")))
@@ -433,9 +479,14 @@ print(repr(got[:120]), round(time.monotonic() - start, 1))
 
 
 def send_raw(guest: Guest, port: int, data: bytes) -> str:
-    out = subprocess.run(["nsenter", f"--net=/run/netns/{guest.netns}", "--", sys.executable,
-                          "-c", RAW, str(port)], input=data.hex(), capture_output=True, text=True,
-                         timeout=60, check=False)  # fmt: skip
+    out = subprocess.run(
+        ["nsenter", f"--net=/run/netns/{guest.netns}", "--", sys.executable, "-c", RAW, str(port)],
+        input=data.hex(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     return out.stdout.strip() or out.stderr.strip()
 
 
@@ -455,20 +506,30 @@ def bystander(sandbox: Callable[[Any], Guest]) -> Callable[[], None]:
 @pytest.mark.parametrize(
     ("port", "data", "says"),
     [
-        (80, b"GET / HTTP/1.1\r\nHost: api.test.example\r\nX-Big: " + b"a" * (1 << 20)
-         + b"\r\n\r\n", "400|ConnectionResetError|BrokenPipeError"),  # a 1 MiB header: cut
-        (80, b"POST /echo HTTP/1.1\r\nHost: api.test.example\r\nContent-Length: 4\r\n"
-         b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "403"),  # CL+TE smuggling
+        (
+            80,
+            b"GET / HTTP/1.1\r\nHost: api.test.example\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
+            "400|ConnectionResetError|BrokenPipeError",
+        ),  # a 1 MiB header: cut
+        (
+            80,
+            b"POST /echo HTTP/1.1\r\nHost: api.test.example\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "403",
+        ),  # CL+TE smuggling
         (80, b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n", "403"),
         (80, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", "400"),  # an h2 preface, in the clear
         (80, b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", "400"),  # two hosts
         (443, b"\x16\x03\x01\x00\x10" + b"\xff" * 16, "\\x15\\x03\\x03"),  # a garbage hello
     ],
-)  # fmt: skip
+)
 def test_malformed_requests_are_refused_with_an_answer(
-    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], port: int, data: bytes,
+    sandbox: Callable[[Any], Guest],
+    bystander: Callable[[], None],
+    port: int,
+    data: bytes,
     says: str,
-) -> None:  # fmt: skip
+) -> None:
     guest = sandbox("internet")
     said = send_raw(guest, port, data)
     assert any(s in said for s in says.split("|")), said
@@ -479,10 +540,12 @@ def test_an_http_1_0_request_without_host_goes_to_its_address(
     sandbox: Callable[[Any], Guest],
 ) -> None:
     guest = sandbox("internet")
-    code = ("import socket; s = socket.create_connection(('198.19.0.20', 80), timeout=10); "
-            "s.sendall(b'GET /echo HTTP/1.0\\r\\n\\r\\n'); got = b''\n"
-            "while (d := s.recv(65536)): got += d\n"
-            "print(got.decode())")  # fmt: skip
+    code = (
+        "import socket; s = socket.create_connection(('198.19.0.20', 80), timeout=10); "
+        "s.sendall(b'GET /echo HTTP/1.0\\r\\n\\r\\n'); got = b''\n"
+        "while (d := s.recv(65536)): got += d\n"
+        "print(got.decode())"
+    )
     said = guest.python(code).stdout
     head, _, body = said.partition("\n\n")  # (read as text: CRLF became LF)
     assert head.startswith("HTTP/1.") and " 200 " in head.splitlines()[0], said
@@ -490,9 +553,10 @@ def test_an_http_1_0_request_without_host_goes_to_its_address(
 
 
 def test_a_slow_head_is_cut_and_holds_nothing(
-    sandbox: Callable[[Any], Guest], bystander: Callable[[], None],
+    sandbox: Callable[[Any], Guest],
+    bystander: Callable[[], None],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     from forkd.egress import http as egress_http
 
     monkeypatch.setattr(egress_http, "HEAD_SECS", 1.0)
@@ -516,11 +580,13 @@ def test_no_spelling_of_a_name_slips_past_its_rule(
     sandbox: Callable[[Any], Guest], policy: Any, sni: str
 ) -> None:
     guest = sandbox(policy)
-    code = (f"import socket, ssl; ctx = ssl.create_default_context(); "
-            f"ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n"
-            f"try:\n    ctx.wrap_socket(socket.create_connection(('198.19.0.99', 443), "
-            f"timeout=10), server_hostname={sni!r}); print('through')\n"
-            f"except (OSError, UnicodeError) as e: print('refused', type(e).__name__)")  # fmt: skip
+    code = (
+        f"import socket, ssl; ctx = ssl.create_default_context(); "
+        f"ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE\n"
+        f"try:\n    ctx.wrap_socket(socket.create_connection(('198.19.0.99', 443), "
+        f"timeout=10), server_hostname={sni!r}); print('through')\n"
+        f"except (OSError, UnicodeError) as e: print('refused', type(e).__name__)"
+    )
     said = guest.python(code).stdout.strip()
     assert said.startswith("refused"), said
 
@@ -546,14 +612,27 @@ print(alive, n)
 
 
 def test_a_flood_of_connections_is_capped_and_the_proxy_keeps_serving(
-    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], daemon: Any,
-) -> None:  # fmt: skip
+    sandbox: Callable[[Any], Guest],
+    bystander: Callable[[], None],
+    daemon: Any,
+) -> None:
     from forkd.egress.proxy import MAX_CONNECTIONS
 
     guest = sandbox("internet")
-    flood = subprocess.Popen(["nsenter", f"--net=/run/netns/{guest.netns}", "--",
-                              sys.executable, "-c", FLOOD, "10000", "4"],
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    flood = subprocess.Popen(
+        [
+            "nsenter",
+            f"--net=/run/netns/{guest.netns}",
+            "--",
+            sys.executable,
+            "-c",
+            FLOOD,
+            "10000",
+            "4",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         time.sleep(2)
         bystander()  # while the flood holds what it got
@@ -588,9 +667,11 @@ print(sent)
 
 
 def test_a_guest_flooding_a_peer_that_never_reads_holds_no_more_than_its_share(
-    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], daemon: Any,
+    sandbox: Callable[[Any], Guest],
+    bystander: Callable[[], None],
+    daemon: Any,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     loop, _, proxy = daemon
     monkeypatch.setattr(proxy, "held_bytes", 1 << 20)
     guest = sandbox("internet")
@@ -604,12 +685,16 @@ def test_a_guest_flooding_a_peer_that_never_reads_holds_no_more_than_its_share(
     bystander()
 
 
-@pytest.mark.parametrize("url", ["https://other.test.example/bytes/3145728",
-                                 "http://api.test.example/bytes/3145728"])  # fmt: skip
+@pytest.mark.parametrize(
+    "url", ["https://other.test.example/bytes/3145728", "http://api.test.example/bytes/3145728"]
+)
 def test_a_rate_set_by_the_operator_holds_each_sandbox_to_it(
-    sandbox: Callable[[Any], Guest], bystander: Callable[[], None], daemon: Any,
-    monkeypatch: pytest.MonkeyPatch, url: str,
-) -> None:  # fmt: skip
+    sandbox: Callable[[Any], Guest],
+    bystander: Callable[[], None],
+    daemon: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    url: str,
+) -> None:
     _, _, proxy = daemon
     monkeypatch.setattr(proxy, "rate", 1 << 20)  # 1 MiB/s, a second's burst
     guest = sandbox("internet")

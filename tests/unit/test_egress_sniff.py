@@ -46,8 +46,14 @@ def test_a_hello_in_pieces_asks_for_more_and_across_records_is_put_together() ->
         assert sniff.parse_client_hello(data[:cut]) is None
     body = data[5:]  # the handshake split over two records, as a client may send it
     half = len(body) // 2
-    split = (b"\x16\x03\x01" + half.to_bytes(2, "big") + body[:half]
-             + b"\x16\x03\x01" + (len(body) - half).to_bytes(2, "big") + body[half:])  # fmt: skip
+    split = (
+        b"\x16\x03\x01"
+        + half.to_bytes(2, "big")
+        + body[:half]
+        + b"\x16\x03\x01"
+        + (len(body) - half).to_bytes(2, "big")
+        + body[half:]
+    )
     hello = sniff.parse_client_hello(split)
     assert hello is not None and hello.server_name == "api.test.example"
     assert hello.size == len(split)

@@ -119,9 +119,12 @@ def test_interrupt_of_an_agent_older_than_the_op_is_a_conflict(
 
 @pytest.mark.parametrize("kind", ["NoImagePython", "ImagePythonUnsupported"])
 def test_eval_in_an_image_without_a_usable_python_is_a_conflict(
-    client: TestClient, driver: FakeDriver, sandbox_id: str, monkeypatch: pytest.MonkeyPatch,
+    client: TestClient,
+    driver: FakeDriver,
+    sandbox_id: str,
+    monkeypatch: pytest.MonkeyPatch,
     kind: str,
-) -> None:  # fmt: skip
+) -> None:
     why = "this sandbox's image has no python3 on its PATH: eval runs Python in the image"
 
     async def refused(code: str, timeout: float = 60.0) -> dict[str, Any]:
@@ -210,9 +213,16 @@ def test_sdk_eval_sends_its_timeout_and_reads_display(
 
 
 def test_display_output_content_decodes_images() -> None:
-    raw = {"result": None, "error": None, "exit_code": 0, "timed_out": True,
-           "display": [{"mime": "image/png", "data": base64.b64encode(PNG).decode()},
-                       {"mime": "text/html", "data": "<b>é</b>"}]}  # fmt: skip
+    raw = {
+        "result": None,
+        "error": None,
+        "exit_code": 0,
+        "timed_out": True,
+        "display": [
+            {"mime": "image/png", "data": base64.b64encode(PNG).decode()},
+            {"mime": "text/html", "data": "<b>é</b>"},
+        ],
+    }
     result = EvalResult.from_answer(raw)
     assert result.display[0].content == PNG
     assert result.display[1].content == "<b>é</b>".encode()
@@ -228,32 +238,43 @@ def test_cli_eval_timeout_and_display(
     ctl.create_snapshot("py", memory_mib=128)
     sid = ctl.spawn_sandboxes("py")[0]["id"]
     app = make_app(sent)
-    res = runner.invoke(app, ["eval", "--timeout", "5", sid, "display('shown')\n1"],
-                        env=env_of(server))  # fmt: skip
+    res = runner.invoke(
+        app, ["eval", "--timeout", "5", sid, "display('shown')\n1"], env=env_of(server)
+    )
     assert res.exit_code == 0, res.output
     assert res.stdout == "'shown'\n1\n"
     assert sent.body(-1) == {"code": "display('shown')\n1", "timeout_s": 5.0}
 
 
 def test_cli_eval_saves_rich_displays(
-    server: Server, sent: RecordingTransport, ctl: Controller, tmp_path: Path,
+    server: Server,
+    sent: RecordingTransport,
+    ctl: Controller,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     ctl.create_snapshot("py", memory_mib=128)
     sid = ctl.spawn_sandboxes("py")[0]["id"]
     png = {"mime": "image/png", "data": base64.b64encode(PNG).decode()}
 
     def answer_with_a_png(self: Controller, *args: Any) -> dict[str, Any]:
-        return {"result": None, "error": None, "exit_code": 0, "stdout": "", "stderr": "",
-                "display": [png]}  # fmt: skip
+        return {
+            "result": None,
+            "error": None,
+            "exit_code": 0,
+            "stdout": "",
+            "stderr": "",
+            "display": [png],
+        }
 
     monkeypatch.setattr(Controller, "eval_code", answer_with_a_png)
     app = make_app(sent)
     res = runner.invoke(app, ["eval", sid, "plot()"], env=env_of(server))
     assert res.exit_code == 0 and "[image/png, 12 bytes: --display-dir saves it]" in res.stdout
     out_dir = tmp_path / "shown"
-    res = runner.invoke(app, ["eval", sid, "plot()", "--display-dir", str(out_dir)],
-                        env=env_of(server))  # fmt: skip
+    res = runner.invoke(
+        app, ["eval", sid, "plot()", "--display-dir", str(out_dir)], env=env_of(server)
+    )
     assert res.exit_code == 0, res.output
     assert (out_dir / "display-1.png").read_bytes() == PNG
 
@@ -268,8 +289,13 @@ def test_cli_ctrl_c_interrupts_the_eval_and_prints_its_traceback(
     def eval_until_interrupted(self: Controller, *args: Any) -> dict[str, Any]:
         started.set()
         interrupted.wait(10)
-        return {"result": None, "error": "Traceback ...\nKeyboardInterrupt\n", "exit_code": 1,
-                "stdout": "", "stderr": ""}  # fmt: skip
+        return {
+            "result": None,
+            "error": "Traceback ...\nKeyboardInterrupt\n",
+            "exit_code": 1,
+            "stdout": "",
+            "stderr": "",
+        }
 
     def interrupt(self: Controller, sandbox_id: str) -> dict[str, Any]:
         interrupted.set()

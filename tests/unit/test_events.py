@@ -193,9 +193,12 @@ def daemon(settings: Settings, driver: FakeDriver) -> Iterator[tuple[str, Daemon
     """The app under forkd's uvicorn server on loopback, in a thread of this process."""
     port = free_port()
     config = uvicorn.Config(
-        create_app(settings, TOKEN, driver=driver), host="127.0.0.1", port=port,
-        log_level="warning", timeout_graceful_shutdown=30,
-    )  # fmt: skip
+        create_app(settings, TOKEN, driver=driver),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=30,
+    )
     srv = DaemonServer(config)
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
@@ -280,8 +283,12 @@ def test_fork_branch_kill_and_snapshots_are_published_in_order(
         ctl.delete_snapshot(tag)
     watch.until(lambda evs: len(evs) >= 5)
     assert watch.types() == [
-        "snapshot_created", "created", "branched", "killed", "snapshot_deleted",
-    ]  # fmt: skip
+        "snapshot_created",
+        "created",
+        "branched",
+        "killed",
+        "snapshot_deleted",
+    ]
     snap, created, branched, killed, deleted = watch.events
     assert snap.snapshot_tag == "py" and deleted.snapshot_tag == "b1"
     assert created.sandbox_id == sid and created["snapshot_tag"] == "py"
@@ -429,12 +436,18 @@ def test_cli_prints_one_line_per_event_and_exits_0_on_ctrl_c(url: str, tmp_path:
     with Controller(url, token=TOKEN) as ctl:
         ctl.create_snapshot("py", memory_mib=128)
         procs = [
-            subprocess.Popen([sys.executable, "-m", "forkd.cli", "events", "--since", "0", *extra],
-                             env=env, stdout=subprocess.PIPE, text=True,
-                             preexec_fn=_sigint_default)
-            for extra in (["--type", "snapshot_created", "--type", "created"],
-                          ["--json", "--type", "created"])
-        ]  # fmt: skip
+            subprocess.Popen(
+                [sys.executable, "-m", "forkd.cli", "events", "--since", "0", *extra],
+                env=env,
+                stdout=subprocess.PIPE,
+                text=True,
+                preexec_fn=_sigint_default,
+            )
+            for extra in (
+                ["--type", "snapshot_created", "--type", "created"],
+                ["--json", "--type", "created"],
+            )
+        ]
         sid = ctl.spawn_sandboxes("py")[0]["id"]
     human = procs[0].stdout.readline()  # type: ignore[union-attr]
     created = procs[0].stdout.readline()  # type: ignore[union-attr]

@@ -58,9 +58,13 @@ def test_scores_rank_the_variants_and_only_the_best_run_on(ctl: Controller, sour
     assert set(alive) == {r.sandbox_id for r in res.kept}  # the losers are gone
     best = alive[res.results[0].sandbox_id]
     assert best["snapshot_tag"] == res.branch and best["seed"] == 11
-    assert best["metadata"] == {"team": "a", "forkd.explore": res.branch,
-                                "forkd.parent": source, "forkd.variant": "1",
-                                "forkd.score": "18"}  # fmt: skip
+    assert best["metadata"] == {
+        "team": "a",
+        "forkd.explore": res.branch,
+        "forkd.parent": source,
+        "forkd.variant": "1",
+        "forkd.score": "18",
+    }
     assert ctl.get_sandbox(source)["state"] == "running"
     assert ctl.snapshot(res.branch)["metadata"]["forkd.explore"] == res.branch
     assert ctl.eval_code(best["id"], "x")["result"] == "9"  # it is the variant's state
@@ -70,8 +74,13 @@ def test_minimize_puts_the_lowest_first(ctl: Controller, source: str) -> None:
     variants = [["echo", n] for n in ("5", "2", "8")]
     res = ctl.explore_sandbox(source, variants, score=["echo", "ignored"], keep=0)
     assert {r.score for r in res.results} == {None}  # "ignored" is no number
-    res = ctl.explore_sandbox(source, [{"eval": f"y = {v}"} for v in (5, 2, 8)],
-                              score={"eval": "y"}, minimize=True, keep=1)  # fmt: skip
+    res = ctl.explore_sandbox(
+        source,
+        [{"eval": f"y = {v}"} for v in (5, 2, 8)],
+        score={"eval": "y"},
+        minimize=True,
+        keep=1,
+    )
     assert [r.score for r in res.results] == [2.0, 5.0, 8.0]
 
 
@@ -127,8 +136,9 @@ def test_keep_zero_leaves_nothing_but_the_answer(ctl: Controller, source: str) -
 
 
 def test_events_report_each_variant_and_the_end(ctl: Controller, source: str) -> None:
-    res = ctl.explore_sandbox(source, [{"eval": f"v = {i}"} for i in range(3)],
-                              score={"eval": "v"}, keep=1)  # fmt: skip
+    res = ctl.explore_sandbox(
+        source, [{"eval": f"v = {i}"} for i in range(3)], score={"eval": "v"}, keep=1
+    )
     seen = []
     for event in ctl.events(["explore_variant", "explored"], source, since=0):
         seen.append(event)
@@ -161,8 +171,11 @@ def test_bad_input_is_a_400_and_makes_nothing(
     ctl: Controller, server: Server, source: str, body: dict[str, Any], says: str
 ) -> None:
     before = _snapshots(ctl)
-    resp = httpx.post(f"{server.url}/v1/sandboxes/{source}/explore", json=body,
-                      headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    resp = httpx.post(
+        f"{server.url}/v1/sandboxes/{source}/explore",
+        json=body,
+        headers={"Authorization": f"Bearer {server.token}"},
+    )
     assert resp.status_code == 400, resp.text
     assert says in resp.json()["error"]
     assert _others(ctl, source) == [] and _snapshots(ctl) == before
@@ -187,8 +200,9 @@ def test_a_fork_that_fails_takes_the_branch_back(
 
 
 def test_the_timeout_fails_the_slow_variants_only(ctl: Controller, source: str) -> None:
-    res = ctl.explore_sandbox(source, [["nap", "30"], ["echo", "1"]], score=["echo", "2"],
-                              timeout_secs=1.0, keep=2)  # fmt: skip
+    res = ctl.explore_sandbox(
+        source, [["nap", "30"], ["echo", "1"]], score=["echo", "2"], timeout_secs=1.0, keep=2
+    )
     by_index = {r.index: r for r in res.results}
     assert by_index[1].score == 2.0 and by_index[1].kept
     assert by_index[0].score is None and "timed out" in (by_index[0].error or "")
@@ -203,9 +217,12 @@ def test_a_client_that_leaves_cancels_it_and_nothing_is_left(
 
     def leave_early() -> None:
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{server.url}/v1/sandboxes/{source}/explore", content=body,
-                       headers={"Authorization": f"Bearer {server.token}"},
-                       timeout=httpx.Timeout(5.0, read=1.5))  # fmt: skip
+            httpx.post(
+                f"{server.url}/v1/sandboxes/{source}/explore",
+                content=body,
+                headers={"Authorization": f"Bearer {server.token}"},
+                timeout=httpx.Timeout(5.0, read=1.5),
+            )
 
     client = threading.Thread(target=leave_early)
     client.start()
@@ -231,8 +248,12 @@ def test_parse_score_takes_the_last_line_as_a_number() -> None:
 
 
 def test_ranking_puts_unscored_last_and_ties_in_variant_order() -> None:
-    outs = [Outcome(0, "a", score=None, error="x"), Outcome(1, "b", score=2.0),
-            Outcome(2, "c", score=5.0), Outcome(3, "d", score=2.0)]  # fmt: skip
+    outs = [
+        Outcome(0, "a", score=None, error="x"),
+        Outcome(1, "b", score=2.0),
+        Outcome(2, "c", score=5.0),
+        Outcome(3, "d", score=2.0),
+    ]
     assert [o.index for o in ranked(outs, minimize=False)] == [2, 1, 3, 0]
     assert [o.index for o in ranked(outs, minimize=True)] == [1, 3, 2, 0]
     assert [o.index for o in chosen(ranked(outs, False), 9, scored=True)] == [2, 1, 3]
@@ -311,9 +332,12 @@ def test_a_client_that_leaves_while_the_losers_die_leaves_nothing(
     monkeypatch.setattr(FakeVM, "kill", kill)
     body = json.dumps({"variants": [{"exec": ["true"]}] * 3, "keep": 1}).encode()
     with pytest.raises(httpx.ReadTimeout):  # gone while the two losers are being killed
-        httpx.post(f"{server.url}/v1/sandboxes/{source}/explore", content=body,
-                   headers={"Authorization": f"Bearer {server.token}"},
-                   timeout=httpx.Timeout(5.0, read=0.5))  # fmt: skip
+        httpx.post(
+            f"{server.url}/v1/sandboxes/{source}/explore",
+            content=body,
+            headers={"Authorization": f"Bearer {server.token}"},
+            timeout=httpx.Timeout(5.0, read=0.5),
+        )
     deadline = time.monotonic() + 15
     while (_others(ctl, source) or _snapshots(ctl) != before) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -31,8 +31,9 @@ def vm(server: Server, sid: str) -> FakeVM:
 
 
 def _http(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url, timeout=30,
-                        headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    return httpx.Client(
+        base_url=server.url, timeout=30, headers={"Authorization": f"Bearer {server.token}"}
+    )
 
 
 def _pieces(data: bytes, size: int) -> Iterator[bytes]:
@@ -45,8 +46,9 @@ def test_an_upload_goes_in_whole_chunks_and_lands_at_the_end(
 ) -> None:
     data = os.urandom(5 * MIB + 123)
     with _http(server) as http:  # chunked: no Content-Length, pieces of 100 000 bytes
-        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/big"},
-                     content=_pieces(data, 100_000))  # fmt: skip
+        r = http.put(
+            f"/v1/sandboxes/{sid}/files", params={"path": "/big"}, content=_pieces(data, 100_000)
+        )
     assert r.status_code == 200, r.text
     assert r.json() == {"path": "/big", "size": len(data)}
     assert vm.contents.files["/big"] == data
@@ -58,8 +60,11 @@ def test_an_upload_goes_in_whole_chunks_and_lands_at_the_end(
 
 def test_a_small_file_is_one_agent_request(server: Server, sid: str, vm: FakeVM) -> None:
     with _http(server) as http:
-        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/small"},
-                     content=_pieces(b"x" * 5000, 1000))  # fmt: skip
+        r = http.put(
+            f"/v1/sandboxes/{sid}/files",
+            params={"path": "/small"},
+            content=_pieces(b"x" * 5000, 1000),
+        )
     assert r.json() == {"path": "/small", "size": 5000}
     assert vm.transfers.opened == [(5000, True)] and vm.contents.files["/small"] == b"x" * 5000
 
@@ -73,8 +78,10 @@ def test_an_empty_upload_makes_an_empty_file(server: Server, sid: str, vm: FakeV
 def test_a_download_streams_with_its_length(server: Server, sid: str, vm: FakeVM) -> None:
     data = os.urandom(3 * MIB + 5)
     vm.contents.files["/d"] = data
-    with _http(server) as http, http.stream("GET", f"/v1/sandboxes/{sid}/files",
-                                            params={"path": "/d"}) as resp:  # fmt: skip
+    with (
+        _http(server) as http,
+        http.stream("GET", f"/v1/sandboxes/{sid}/files", params={"path": "/d"}) as resp,
+    ):
         assert resp.status_code == 200
         assert resp.headers["content-length"] == str(len(data))
         assert resp.read() == data
@@ -114,8 +121,9 @@ def test_a_full_guest_disk_is_507_and_keeps_nothing(server: Server, sid: str, vm
     vm.contents.files["/keep"] = b"old"
     vm.transfers.disk_bytes = 2 * MIB
     with _http(server) as http:
-        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/keep"},
-                     content=os.urandom(6 * MIB))  # fmt: skip
+        r = http.put(
+            f"/v1/sandboxes/{sid}/files", params={"path": "/keep"}, content=os.urandom(6 * MIB)
+        )
     assert r.status_code == 507, r.text
     assert "disk is full" in r.json()["error"]
     assert vm.contents.files["/keep"] == b"old" and vm.transfers.staged == {}
@@ -126,8 +134,11 @@ def test_a_refused_upload_is_aborted_and_its_body_read_to_the_end(
 ) -> None:
     """403 from the open: the client that sends its whole body first still gets it."""
     with _http(server) as http:
-        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/proc/x"},
-                     content=_pieces(os.urandom(4 * MIB), 65536))  # fmt: skip
+        r = http.put(
+            f"/v1/sandboxes/{sid}/files",
+            params={"path": "/proc/x"},
+            content=_pieces(os.urandom(4 * MIB), 65536),
+        )
     assert r.status_code == 403, r.text
     assert vm.transfers.staged == {}
 
@@ -135,8 +146,9 @@ def test_a_refused_upload_is_aborted_and_its_body_read_to_the_end(
 def test_a_guest_failure_mid_upload_aborts_it(server: Server, sid: str, vm: FakeVM) -> None:
     vm.fail = "file_upload_write"
     with _http(server) as http:
-        r = http.put(f"/v1/sandboxes/{sid}/files", params={"path": "/x"},
-                     content=os.urandom(3 * MIB))  # fmt: skip
+        r = http.put(
+            f"/v1/sandboxes/{sid}/files", params={"path": "/x"}, content=os.urandom(3 * MIB)
+        )
     assert r.status_code == 502, r.text
     assert vm.transfers.staged == {} and vm.transfers.aborted
     assert "/x" not in vm.contents.files
@@ -145,9 +157,13 @@ def test_a_guest_failure_mid_upload_aborts_it(server: Server, sid: str, vm: Fake
 def test_a_client_that_goes_away_aborts_the_upload(server: Server, sid: str, vm: FakeVM) -> None:
     host, port = server.url.removeprefix("http://").rsplit(":", 1)
     sock = socket.create_connection((host, int(port)))
-    sock.sendall((f"PUT /v1/sandboxes/{sid}/files?path=/gone HTTP/1.1\r\nHost: x\r\n"
-                  f"Authorization: Bearer {server.token}\r\nContent-Length: {64 * MIB}\r\n\r\n"
-                  ).encode() + b"x" * (3 * MIB))  # fmt: skip
+    sock.sendall(
+        (
+            f"PUT /v1/sandboxes/{sid}/files?path=/gone HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: Bearer {server.token}\r\nContent-Length: {64 * MIB}\r\n\r\n"
+        ).encode()
+        + b"x" * (3 * MIB)
+    )
     deadline = time.monotonic() + 10
     while not vm.transfers.chunk_sizes and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -218,8 +234,11 @@ def test_cp_copies_a_file_both_ways(forkd: Invoke, sid: str, vm: FakeVM, tmp_pat
     vm.contents.files["/dir/other"] = b"makes /dir a directory"
     res = forkd("cp", str(local), f"{sid}:/dir", "--json")
     assert res.exit_code == 0, res.stderr
-    assert json.loads(res.stdout) == {"src": str(local), "dst": f"{sid}:/dir/f.bin",
-                                      "bytes": MIB + 3}  # fmt: skip
+    assert json.loads(res.stdout) == {
+        "src": str(local),
+        "dst": f"{sid}:/dir/f.bin",
+        "bytes": MIB + 3,
+    }
     assert vm.contents.files["/dir/f.bin"] == local.read_bytes()
     res = forkd("cp", "-q", f"{sid}:/dir/f.bin", str(tmp_path / "back"))
     assert res.exit_code == 0 and res.stdout == "", res.stderr
@@ -293,15 +312,19 @@ def test_a_malformed_request_to_a_current_agent_is_not_taken_for_an_old_one(
 @pytest.mark.parametrize(
     ("listing", "says"),
     [
-        ([{"name": "x", "type": "file", "size": 1, "mode": 420, "mtime": 0.0}] * 100_001,
-         "more than the 100000 it lists at most"),
+        (
+            [{"name": "x", "type": "file", "size": 1, "mode": 420, "mtime": 0.0}] * 100_001,
+            "more than the 100000 it lists at most",
+        ),
         ([1, 2], "'entries'[0] is not an object"),
-        ([{"name": "x", "type": "file", "size": "big", "mode": 420, "mtime": 0}],
-         "'entries'[0]'s 'size' is not an integer"),
+        (
+            [{"name": "x", "type": "file", "size": "big", "mode": 420, "mtime": 0}],
+            "'entries'[0]'s 'size' is not an integer",
+        ),
         ({"name": "x"}, "'entries' is not a list"),
     ],
     ids=["too-many", "not-objects", "wrong-type", "not-a-list"],
-)  # fmt: skip
+)
 def test_a_guests_file_listing_of_the_wrong_shape_is_a_502(
     server: Server, sid: str, vm: FakeVM, listing: object, says: str
 ) -> None:

@@ -55,10 +55,25 @@ def template(server: Server) -> str:
 @pytest.fixture
 def held(server: Server, template: str) -> Iterator[tuple[tuple[str, int], subprocess.Popen[str]]]:
     target = ("127.0.0.1", free_port())
-    argv = [sys.executable, "-m", "forkd.cli", "fork", "--tag", template, "-n", "1",
-            "--settle-secs", "3600"]  # fmt: skip
-    proc = subprocess.Popen(argv, env=_env(server, f"{target[0]}:{target[1]}"), text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "forkd.cli",
+        "fork",
+        "--tag",
+        template,
+        "-n",
+        "1",
+        "--settle-secs",
+        "3600",
+    ]
+    proc = subprocess.Popen(
+        argv,
+        env=_env(server, f"{target[0]}:{target[1]}"),
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         _wait_listening(target, proc)
         yield target, proc
@@ -103,8 +118,9 @@ def test_a_target_that_is_not_local_fails_at_once_saying_so(server: Server, temp
     # The original SDK's default target, not an address of this host: exit 1 at once, the
     # reason on stderr (the SDK shows it), and nothing forked.
     argv = [sys.executable, "-m", "forkd.cli", "fork", "--tag", template, "--settle-secs", "60"]
-    proc = subprocess.run(argv, env=_env(server, "10.42.0.2:8888"), capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
+    proc = subprocess.run(
+        argv, env=_env(server, "10.42.0.2:8888"), capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 1, proc.stderr
     assert "FORKD_TARGET" in proc.stderr and "10.42.0.2:8888" in proc.stderr
     assert _sandboxes(server) == []
@@ -113,8 +129,19 @@ def test_a_target_that_is_not_local_fails_at_once_saying_so(server: Server, temp
 def test_a_hold_ends_by_itself_and_its_sandboxes_have_a_timeout(
     server: Server, template: str
 ) -> None:
-    argv = [sys.executable, "-m", "forkd.cli", "fork", "--tag", template, "-n", "2",
-            "--settle-secs", "0.5", "--json"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "forkd.cli",
+        "fork",
+        "--tag",
+        template,
+        "-n",
+        "2",
+        "--settle-secs",
+        "0.5",
+        "--json",
+    ]
     env = _env(server, "")
     del env["FORKD_TARGET"]
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60)

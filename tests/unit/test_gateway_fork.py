@@ -54,8 +54,12 @@ class FakeNodes:
 def _ops(fake: FakeNodes, free: dict[str, int]) -> FleetOps:
     nodes = NodeSet([], "node-token")
     for name, room in free.items():
-        capacity = {"node_id": name * 3, "sandboxes": 0, "max_sandboxes": room,
-                    "snapshots": sorted(fake.held[name])}  # fmt: skip
+        capacity = {
+            "node_id": name * 3,
+            "sandboxes": 0,
+            "max_sandboxes": room,
+            "snapshots": sorted(fake.held[name]),
+        }
         nodes.nodes[f"http://{name}"] = Node(f"http://{name}", name * 3, capacity, time.monotonic())
     forward = Forwarder(nodes, transport=httpx.MockTransport(fake.handle))
     return FleetOps(nodes, forward, registry="127.0.0.1:5000/f")

@@ -17,11 +17,21 @@ from forkd.gateway.image_placement import holds
 from forkd.gateway.nodes import NodeSet
 
 TOKEN = "gateway-unit-token"
-APP = {"name": "oci-111111111111", "key": "k1", "kind": "container",
-       "references": ["loaded:app:1"], "used_by": []}  # fmt: skip
+APP = {
+    "name": "oci-111111111111",
+    "key": "k1",
+    "kind": "container",
+    "references": ["loaded:app:1"],
+    "used_by": [],
+}
 PYTHON = {"name": "python", "key": "k2", "kind": "recipe", "references": [], "used_by": []}
-WEB = {"name": "oci-222222222222", "key": "k3", "kind": "container",
-       "references": ["registry.example.com/team/web:1"], "used_by": []}  # fmt: skip
+WEB = {
+    "name": "oci-222222222222",
+    "key": "k3",
+    "kind": "container",
+    "references": ["registry.example.com/team/web:1"],
+    "used_by": [],
+}
 TOOLS = {"name": "tools", "key": "k4", "kind": "recipe", "references": [], "used_by": []}
 OLD_PYTHON = {**PYTHON, "key": "k0", "used_by": ["snapshot old"]}  # an older build, in use
 
@@ -41,8 +51,9 @@ class FakeNodes:
         node, path, method = request.url.host.split(".")[0], request.url.path, request.method
         if path == "/v1/capacity":
             room = self.room[node]
-            return httpx.Response(200, json={"node_id": node, "sandboxes": 0,
-                                             "max_sandboxes": room, "snapshots": []})  # fmt: skip
+            return httpx.Response(
+                200, json={"node_id": node, "sandboxes": 0, "max_sandboxes": room, "snapshots": []}
+            )
         self.seen.append((node, method, path, request.read()))
         if path == "/v1/images" and method == "GET":
             return httpx.Response(200, json=self.images[node])
@@ -59,8 +70,9 @@ class FakeNodes:
             return httpx.Response(200, json=info)
         if path in ("/v1/images", "/v1/images/load"):
             events = b'event: progress\ndata: {"message": "on ' + node.encode() + b'"}\n\n'
-            return httpx.Response(200, headers={"Content-Type": "text/event-stream"},
-                                  stream=httpx.ByteStream(events))  # fmt: skip
+            return httpx.Response(
+                200, headers={"Content-Type": "text/event-stream"}, stream=httpx.ByteStream(events)
+            )
         if path == "/v1/snapshots":
             return httpx.Response(201, json={"tag": json.loads(request.content)["tag"]})
         return httpx.Response(404, json={"error": "no such route"})
@@ -87,10 +99,15 @@ def client(fake: FakeNodes) -> Iterator[TestClient]:
 def test_the_list_has_every_node_s_images_each_with_its_node(client: TestClient) -> None:
     listed = client.get("/v1/images").json()
     assert sorted((i["name"], i["key"], i["node"]) for i in listed) == [
-        ("oci-111111111111", "k1", "aaa"), ("oci-222222222222", "k3", "aaa"),
-        ("oci-222222222222", "k3", "bbb"), ("python", "k0", "bbb"), ("python", "k2", "aaa"),
-        ("python", "k2", "bbb"), ("tools", "k4", "aaa"), ("tools", "k4", "bbb"),
-    ]  # fmt: skip
+        ("oci-111111111111", "k1", "aaa"),
+        ("oci-222222222222", "k3", "aaa"),
+        ("oci-222222222222", "k3", "bbb"),
+        ("python", "k0", "bbb"),
+        ("python", "k2", "aaa"),
+        ("python", "k2", "bbb"),
+        ("tools", "k4", "aaa"),
+        ("tools", "k4", "bbb"),
+    ]
 
 
 def test_one_image_names_the_nodes_holding_it(client: TestClient) -> None:
@@ -134,8 +151,12 @@ def test_a_pinned_node_makes_the_template_whatever_it_holds(
 def test_an_import_goes_to_the_node_asked_for_else_the_roomiest(
     client: TestClient, fake: FakeNodes
 ) -> None:
-    with client.stream("POST", "/v1/images?node=aaa", json={"ref": "r.io/a:1"},
-                       headers={"Accept": "text/event-stream"}) as r:  # fmt: skip
+    with client.stream(
+        "POST",
+        "/v1/images?node=aaa",
+        json={"ref": "r.io/a:1"},
+        headers={"Accept": "text/event-stream"},
+    ) as r:
         assert r.status_code == 200 and b'"on aaa"' in r.read()
     r = client.post("/v1/images", json={"ref": "r.io/a:1"})
     assert b'"on bbb"' in r.content
@@ -145,8 +166,11 @@ def test_an_import_goes_to_the_node_asked_for_else_the_roomiest(
 
 def test_an_archive_streams_through_to_the_node(client: TestClient, fake: FakeNodes) -> None:
     archive = bytes(range(256)) * 4096  # 1 MiB
-    r = client.post("/v1/images/load?node=aaa&tag=app:2", content=archive,
-                    headers={"Content-Type": "application/x-tar"})  # fmt: skip
+    r = client.post(
+        "/v1/images/load?node=aaa&tag=app:2",
+        content=archive,
+        headers={"Content-Type": "application/x-tar"},
+    )
     assert r.status_code == 200
     node, _, path, body = fake.seen[-1]
     assert (node, path, body) == ("aaa", "/v1/images/load", archive)

@@ -17,11 +17,23 @@ from forkd.gateway.nodes import Node, NodeSet
 from forkd.gateway.placement import place
 
 
-def _node(url: str, node_id: str, sandboxes: int = 0, cap: int = 10, mib: int = 0,
-          mem_cap: int | None = None, snapshots: tuple[str, ...] = ()) -> Node:  # fmt: skip
-    capacity = {"node_id": node_id, "sandboxes": sandboxes, "max_sandboxes": cap,
-                "guest_memory_mib": mib, "max_guest_memory_mib": mem_cap,
-                "snapshots": list(snapshots)}  # fmt: skip
+def _node(
+    url: str,
+    node_id: str,
+    sandboxes: int = 0,
+    cap: int = 10,
+    mib: int = 0,
+    mem_cap: int | None = None,
+    snapshots: tuple[str, ...] = (),
+) -> Node:
+    capacity = {
+        "node_id": node_id,
+        "sandboxes": sandboxes,
+        "max_sandboxes": cap,
+        "guest_memory_mib": mib,
+        "max_guest_memory_mib": mem_cap,
+        "snapshots": list(snapshots),
+    }
     return Node(url, node_id, capacity, last_ok=time.monotonic())
 
 
@@ -67,8 +79,9 @@ def test_nodes_are_up_while_they_answer_and_down_after() -> None:
     answers = {"a": {"node_id": "aaa", "snapshots": ["py"]}, "b": {"node_id": "bbb"}}
 
     async def run() -> None:
-        ns = NodeSet(["http://a:1", "http://b:1/"], "node-token",
-                     transport=_capacity_answers(answers))  # fmt: skip
+        ns = NodeSet(
+            ["http://a:1", "http://b:1/"], "node-token", transport=_capacity_answers(answers)
+        )
         await ns.refresh()
         assert {n.node_id for n in ns.up()} == {"aaa", "bbb"}
         assert [n.node_id for n in ns.holders("py")] == ["aaa"]
@@ -98,8 +111,14 @@ def test_nodes_found_in_dns_come_and_go() -> None:
         return list(found)
 
     async def run() -> None:
-        ns = NodeSet([], "node-token", dns_name="forkd-nodes.forkd.svc", dns_port=8889,
-                     resolver=resolver, transport=_capacity_answers(answers))  # fmt: skip
+        ns = NodeSet(
+            [],
+            "node-token",
+            dns_name="forkd-nodes.forkd.svc",
+            dns_port=8889,
+            resolver=resolver,
+            transport=_capacity_answers(answers),
+        )
         await ns.refresh()
         assert sorted(ns.nodes) == ["http://10.9.0.1:8889", "http://10.9.0.2:8889"]
         assert {n.node_id for n in ns.up()} == {"n1", "n2"}

@@ -41,8 +41,9 @@ class FakeNode:
         if request.url.path == "/v1/events" and request.url.params.get("type") == "bogus":
             return httpx.Response(400, json={"error": "unknown event type 'bogus'"})
         if request.url.path == "/v1/events":
-            return httpx.Response(200, headers={"Content-Type": "text/event-stream"},
-                                  stream=EndlessEvent())  # fmt: skip
+            return httpx.Response(
+                200, headers={"Content-Type": "text/event-stream"}, stream=EndlessEvent()
+            )
         headers = [("Set-Cookie", "a=1"), ("Set-Cookie", "b=2"), ("X-Node", "aaa")]
         return httpx.Response(200, headers=headers, stream=httpx.ByteStream(b"node answer"))
 
@@ -62,8 +63,9 @@ def client(fake: FakeNode) -> Iterator[TestClient]:
 
 
 def test_the_path_query_and_headers_pass_through_exactly(client: TestClient, fake: FakeNode):
-    r = client.get("/v1/sandboxes/sb-aaa-0001/files?path=/w/100%2541&x=1&x=2",
-                   headers={"Set-Thing": "kept"})  # fmt: skip
+    r = client.get(
+        "/v1/sandboxes/sb-aaa-0001/files?path=/w/100%2541&x=1&x=2", headers={"Set-Thing": "kept"}
+    )
     assert r.status_code == 200 and r.content == b"node answer"
     sent = fake.seen[-1]
     assert sent.url.raw_path == b"/v1/sandboxes/sb-aaa-0001/files?path=/w/100%2541&x=1&x=2"

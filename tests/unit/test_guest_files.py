@@ -136,13 +136,20 @@ def test_an_agent_installed_from_the_list_alone_answers(installed: Path, tmp_pat
         {"id": 3, "op": "file_tar_open", "path": str(tmp_path / "d")},
     ]
     proc = subprocess.run(
-        [sys.executable, "-I", "-S", str(installed / "forkd-agent.py"), "--stdio",
-         "--defaults-file", str(tmp_path / "defaults.json")],
+        [
+            sys.executable,
+            "-I",
+            "-S",
+            str(installed / "forkd-agent.py"),
+            "--stdio",
+            "--defaults-file",
+            str(tmp_path / "defaults.json"),
+        ],
         input=b"".join(json.dumps(r).encode() + b"\n" for r in requests),
         capture_output=True,
         timeout=30,
         check=True,
-    )  # fmt: skip
+    )
     answers = {m["id"]: m for m in map(json.loads, proc.stdout.splitlines())}
     assert answers[1]["result"]["pong"] is True, proc.stderr
     assert answers[2]["result"]["stdout"] == "hi\n"
@@ -174,8 +181,11 @@ def test_a_changed_guest_file_rebuilds_the_image_and_the_runtime(
 
 def test_the_digest_covers_path_mode_and_content() -> None:
     file = guest_files.GUEST_FILES[1]
-    variants = [file, guest_files.GuestFile(file.source, file.dest + "x", file.mode),
-                guest_files.GuestFile(file.source, file.dest, 0o644)]  # fmt: skip
+    variants = [
+        file,
+        guest_files.GuestFile(file.source, file.dest + "x", file.mode),
+        guest_files.GuestFile(file.source, file.dest, 0o644),
+    ]
     digests = set()
     for variant in variants:
         h = hashlib.sha256()

@@ -27,9 +27,24 @@ def test_names_have_one_spelling(given: str, canonical: str) -> None:
 
 @pytest.mark.parametrize(
     "given",
-    ["", ".", "a..b", "-a.example", "a-.example", "a_b.example", "1.2.3.4", "::1",
-     "example.123", "a" * 64 + ".example", "a b", "a/b", "a:443", "*.example", "x" * 2000],
-)  # fmt: skip
+    [
+        "",
+        ".",
+        "a..b",
+        "-a.example",
+        "a-.example",
+        "a_b.example",
+        "1.2.3.4",
+        "::1",
+        "example.123",
+        "a" * 64 + ".example",
+        "a b",
+        "a/b",
+        "a:443",
+        "*.example",
+        "x" * 2000,
+    ],
+)
 def test_what_is_no_host_name_is_refused(given: str) -> None:
     assert canonical_name(given) is None
 
@@ -61,7 +76,9 @@ def test_a_wildcard_names_what_is_below_its_domain_only() -> None:
 
 def test_duplicates_are_dropped_and_lists_bounded() -> None:
     assert [d.text for d in parse_destinations(["A.test", "a.test.", "b.test"])] == [
-        "a.test", "b.test"]  # fmt: skip
+        "a.test",
+        "b.test",
+    ]
     with pytest.raises(Invalid, match="at most 2"):
         parse_destinations(["a.test", "b.test", "c.test"], limit=2)
 

@@ -132,10 +132,24 @@ def test_docker_build_runs_its_argv_and_hands_on_the_engines_image(
     )
     assert ref == "docker-daemon:team/app:1"
     assert ran(tmp_path) == [
-        ["docker", "-H", "unix:///run/d.sock", "build", "--tag", "team/app:1",
-         "--file", str(context / "Dockerfile"), "--network", "none",
-         "--build-arg", "A=x y", "--build-arg", "VERSION=1.2", str(context)],
-    ]  # fmt: skip
+        [
+            "docker",
+            "-H",
+            "unix:///run/d.sock",
+            "build",
+            "--tag",
+            "team/app:1",
+            "--file",
+            str(context / "Dockerfile"),
+            "--network",
+            "none",
+            "--build-arg",
+            "A=x y",
+            "--build-arg",
+            "VERSION=1.2",
+            str(context),
+        ],
+    ]
     assert lines == ["STEP 1/2: FROM forkd-test/debian:12", "STEP 2/2: COPY app.py /app.py"]
 
 
@@ -314,12 +328,18 @@ def test_a_failing_builds_output_is_shown_once() -> None:
     last one, not the whole output again."""
     shown: list[str] = []
     with pytest.raises(Invalid) as failed:
-        builders.run(["sh", "-c", "echo step one; echo step two; echo 'no such package'; exit 3"],
-                     what="docker build", progress=shown.append)  # fmt: skip
+        builders.run(
+            ["sh", "-c", "echo step one; echo step two; echo 'no such package'; exit 3"],
+            what="docker build",
+            progress=shown.append,
+        )
     assert shown == ["step one", "step two", "no such package"]
     said = str(failed.value)
     assert "exited 3; its output is above" in said and said.endswith("no such package")
     assert "step one" not in said
     with pytest.raises(Invalid, match=r"(?s)step one.*no such package"):  # no progress: all
-        builders.run(["sh", "-c", "echo step one; echo 'no such package'; exit 3"],
-                     what="docker build", progress=None)  # fmt: skip
+        builders.run(
+            ["sh", "-c", "echo step one; echo 'no such package'; exit 3"],
+            what="docker build",
+            progress=None,
+        )

@@ -42,8 +42,9 @@ class _Trickler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:
         routes = {"/v2/slow/manifests/1": (SLOW.manifest.media_type, SLOW.manifest.data)}
-        routes |= {f"/v2/slow/blobs/{b.digest}": ("application/octet-stream", b.data)
-                   for b in SLOW.blobs()}  # fmt: skip
+        routes |= {
+            f"/v2/slow/blobs/{b.digest}": ("application/octet-stream", b.data) for b in SLOW.blobs()
+        }
         kind, body = routes.get(self.path, ("text/plain", b""))
         self.send_response(200 if self.path in routes else 404)
         self.send_header("Content-Type", kind)
@@ -119,8 +120,10 @@ def test_a_stalled_import_holds_up_no_other_import_nor_a_removal(
     thread.join(30)
     assert stalled["status"] == 502 and "too slow" in stalled["body"]["error"], stalled
     assert stalled["secs"] < DEADLINE_SECS + 5, stalled
-    print(f"import and removal beside a stalled import: {side_by_side:.2f} s; "
-          f"the stalled one cut off after {stalled['secs']:.1f} s")  # fmt: skip
+    print(
+        f"import and removal beside a stalled import: {side_by_side:.2f} s; "
+        f"the stalled one cut off after {stalled['secs']:.1f} s"
+    )
     store = BlobStore(paths.blobs_dir())
     assert not store.has(SLOW.layers[0].digest) and not store.has(SLOW.config.digest)
     assert os.listdir(store.tmp_dir) == []

@@ -99,8 +99,13 @@ def test_a_second_import_fetches_only_the_manifest(
     before = {p.name: p.stat().st_mtime_ns for p in store.blobs_dir.iterdir()}
     said: list[str] = []
     again = fetch(registry.ref("fetch/again", "1"), store, registry.policy(), progress=said.append)
-    assert again == first.__class__(**{**first.__dict__, "bytes_fetched": again.bytes_fetched,
-                                       "bytes_reused": again.bytes_reused})  # fmt: skip
+    assert again == first.__class__(
+        **{
+            **first.__dict__,
+            "bytes_fetched": again.bytes_fetched,
+            "bytes_reused": again.bytes_reused,
+        }
+    )
     assert again.bytes_fetched == img.manifest.size  # no blob fetched
     assert again.bytes_reused == img.config.size + sum(lay.size for lay in layers)
     assert sum("cached" in m for m in said) == 2
@@ -157,8 +162,9 @@ def test_an_index_without_linux_amd64_names_the_platforms_it_has(
 ) -> None:
     arm = oi.image([oi.layer({"arm": b"arm"})], platform="linux/arm64")
     s390 = oi.image([oi.layer({"s": b"s"})], platform="linux/s390x")
-    oi.push(registry.address, "fetch/armonly", "1", oi.index({"linux/arm64": arm,
-                                                              "linux/s390x": s390}))  # fmt: skip
+    oi.push(
+        registry.address, "fetch/armonly", "1", oi.index({"linux/arm64": arm, "linux/s390x": s390})
+    )
     with pytest.raises(Invalid) as exc:
         fetch(registry.ref("fetch/armonly", "1"), store, registry.policy())
     assert "linux/amd64" in str(exc.value)
@@ -241,10 +247,19 @@ def test_a_registry_on_this_host_not_listed_is_refused_before_any_connection(
 
 @pytest.mark.parametrize(
     "text",
-    ["", "UPPER/case:1", "127.0.0.1:5000/repo:bad tag", "127.0.0.1:5000/repo@sha256:abc",
-     "https://127.0.0.1:5000/repo", "127.0.0.1:99999/repo:1", "x" * 5000, "oci:",
-     "docker-daemon:Not Valid", "127.0.0.1:5000/repo:" + "t" * 200],
-)  # fmt: skip
+    [
+        "",
+        "UPPER/case:1",
+        "127.0.0.1:5000/repo:bad tag",
+        "127.0.0.1:5000/repo@sha256:abc",
+        "https://127.0.0.1:5000/repo",
+        "127.0.0.1:99999/repo:1",
+        "x" * 5000,
+        "oci:",
+        "docker-daemon:Not Valid",
+        "127.0.0.1:5000/repo:" + "t" * 200,
+    ],
+)
 def test_a_malformed_reference_is_invalid_listing_the_forms(text: str, store: BlobStore) -> None:
     with pytest.raises(Invalid) as exc:
         fetch(text, store, RegistryPolicy.of(["127.0.0.1:5000"]))
@@ -293,8 +308,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(body)
 
     def _trickle(self, every: float, kind: str, body: bytes) -> None:
-        head = (f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+        head = (
+            f"HTTP/1.1 200 OK\r\nContent-Type: {kind}\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode()
         slow = (head if self.served.trickle_headers else b"") + body
         try:
             if not self.served.trickle_headers:
@@ -323,13 +339,18 @@ def liar() -> Iterator[tuple[str, Served]]:
 
 
 def _serve(served: Served, img: oi.Image, repo: str = "lie", tag: str = "1") -> None:
-    served.routes[f"/v2/{repo}/manifests/{tag}"] = (200, img.manifest.media_type,
-                                                    img.manifest.data)  # fmt: skip
+    served.routes[f"/v2/{repo}/manifests/{tag}"] = (200, img.manifest.media_type, img.manifest.data)
     served.routes[f"/v2/{repo}/manifests/{img.manifest.digest}"] = (
-        200, img.manifest.media_type, img.manifest.data)  # fmt: skip
+        200,
+        img.manifest.media_type,
+        img.manifest.data,
+    )
     for blob in img.blobs():
-        served.routes[f"/v2/{repo}/blobs/{blob.digest}"] = (200, "application/octet-stream",
-                                                            blob.data)  # fmt: skip
+        served.routes[f"/v2/{repo}/blobs/{blob.digest}"] = (
+            200,
+            "application/octet-stream",
+            blob.data,
+        )
 
 
 def _fails(address: str, store: BlobStore, error: type[Exception], ref: str = "lie:1") -> str:
@@ -372,8 +393,11 @@ def test_a_config_or_manifest_that_is_not_its_digest_is_refused(
     # A manifest asked for by digest that comes back as other bytes.
     other = oi.image([oi.layer({"b": b"b"})])
     _serve(served, img)
-    served.routes[f"/v2/lie/manifests/{img.manifest.digest}"] = (200, oi.OCI_MANIFEST,
-                                                                 other.manifest.data)  # fmt: skip
+    served.routes[f"/v2/lie/manifests/{img.manifest.digest}"] = (
+        200,
+        oi.OCI_MANIFEST,
+        other.manifest.data,
+    )
     assert "not sha256:" in _fails(address, store, UpstreamError, f"lie@{img.manifest.digest}")
     # An index's entry whose manifest is not what the index says.
     idx = oi.index({"linux/amd64": img})
@@ -401,18 +425,53 @@ def test_a_huge_manifest_is_refused_before_it_is_read(
         (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, "nested"),
         (b"not json", "JSON"),
         (b'{"schemaVersion": 1, "name": "x", "fsLayers": []}', "schema 1"),
-        (json.dumps({"schemaVersion": 2, "mediaType": oi.OCI_MANIFEST,
-                     "config": {"mediaType": "application/vnd.forkd.snapshot.config.v1+json",
-                                "digest": "sha256:" + "a" * 64, "size": 2},
-                     "layers": []}).encode(), "not a container image"),
-        (json.dumps({"schemaVersion": 2, "mediaType": oi.OCI_MANIFEST,
-                     "config": {"mediaType": oi.OCI_CONFIG, "digest": "sha512:" + "a" * 128,
-                                "size": 2}, "layers": []}).encode(), "sha256"),
-        (json.dumps({"schemaVersion": 2, "mediaType": oi.OCI_MANIFEST,
-                     "config": {"mediaType": oi.OCI_CONFIG, "digest": "sha256:" + "a" * 64,
-                                "size": -1}, "layers": []}).encode(), "size"),
+        (
+            json.dumps(
+                {
+                    "schemaVersion": 2,
+                    "mediaType": oi.OCI_MANIFEST,
+                    "config": {
+                        "mediaType": "application/vnd.forkd.snapshot.config.v1+json",
+                        "digest": "sha256:" + "a" * 64,
+                        "size": 2,
+                    },
+                    "layers": [],
+                }
+            ).encode(),
+            "not a container image",
+        ),
+        (
+            json.dumps(
+                {
+                    "schemaVersion": 2,
+                    "mediaType": oi.OCI_MANIFEST,
+                    "config": {
+                        "mediaType": oi.OCI_CONFIG,
+                        "digest": "sha512:" + "a" * 128,
+                        "size": 2,
+                    },
+                    "layers": [],
+                }
+            ).encode(),
+            "sha256",
+        ),
+        (
+            json.dumps(
+                {
+                    "schemaVersion": 2,
+                    "mediaType": oi.OCI_MANIFEST,
+                    "config": {
+                        "mediaType": oi.OCI_CONFIG,
+                        "digest": "sha256:" + "a" * 64,
+                        "size": -1,
+                    },
+                    "layers": [],
+                }
+            ).encode(),
+            "size",
+        ),
     ],
-)  # fmt: skip
+)
 def test_a_hostile_manifest_is_a_clear_error(
     liar: tuple[str, Served], store: BlobStore, body: bytes, words: str
 ) -> None:
@@ -424,25 +483,55 @@ def test_a_hostile_manifest_is_a_clear_error(
 
 def _manifest_with_layers(layers: list[dict[str, Any]]) -> bytes:
     config = {"mediaType": oi.OCI_CONFIG, "digest": "sha256:" + "c" * 64, "size": 10}
-    return json.dumps({"schemaVersion": 2, "mediaType": oi.OCI_MANIFEST, "config": config,
-                       "layers": layers}).encode()  # fmt: skip
+    return json.dumps(
+        {"schemaVersion": 2, "mediaType": oi.OCI_MANIFEST, "config": config, "layers": layers}
+    ).encode()
 
 
 @pytest.mark.parametrize(
     ("layers", "words"),
     [
-        ([{"mediaType": f"{oi.OCI_LAYER}+gzip", "digest": "sha256:" + "d" * 64, "size": 1}] * 257,
-         "at most 256"),
-        ([{"mediaType": "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
-           "digest": "sha256:" + "d" * 64, "size": 1}], "foreign"),
-        ([{"mediaType": "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
-           "digest": "sha256:" + "d" * 64, "size": 1}], "foreign"),
-        ([{"mediaType": "application/x-squashfs", "digest": "sha256:" + "d" * 64, "size": 1}],
-         "tar"),
-        ([{"mediaType": f"{oi.OCI_LAYER}+gzip", "digest": "sha256:" + "d" * 64,
-           "size": 1 << 50}], "more than"),
+        (
+            [{"mediaType": f"{oi.OCI_LAYER}+gzip", "digest": "sha256:" + "d" * 64, "size": 1}]
+            * 257,
+            "at most 256",
+        ),
+        (
+            [
+                {
+                    "mediaType": "application/vnd.oci.image.layer.nondistributable.v1.tar+gzip",
+                    "digest": "sha256:" + "d" * 64,
+                    "size": 1,
+                }
+            ],
+            "foreign",
+        ),
+        (
+            [
+                {
+                    "mediaType": "application/vnd.docker.image.rootfs.foreign.diff.tar.gzip",
+                    "digest": "sha256:" + "d" * 64,
+                    "size": 1,
+                }
+            ],
+            "foreign",
+        ),
+        (
+            [{"mediaType": "application/x-squashfs", "digest": "sha256:" + "d" * 64, "size": 1}],
+            "tar",
+        ),
+        (
+            [
+                {
+                    "mediaType": f"{oi.OCI_LAYER}+gzip",
+                    "digest": "sha256:" + "d" * 64,
+                    "size": 1 << 50,
+                }
+            ],
+            "more than",
+        ),
     ],
-)  # fmt: skip
+)
 def test_layers_too_many_too_large_or_not_tars_are_refused_before_any_is_fetched(
     liar: tuple[str, Served], store: BlobStore, layers: list[dict[str, Any]], words: str
 ) -> None:
@@ -472,8 +561,12 @@ def test_a_layer_redirected_to_blob_storage_is_streamed_from_there_without_crede
     _serve(served, img)
     served.routes["/storage/blob?signed=1"] = served.routes[f"/v2/lie/blobs/{lay.digest}"]
     served.routes[f"/v2/lie/blobs/{lay.digest}"] = (307, "x", b"/storage/blob?signed=1")
-    got = fetch_image(f"{address}/lie:1", store, policy=RegistryPolicy.of([address]),
-                      credentials_for=lambda _r: Credentials(bearer="tok"))  # fmt: skip
+    got = fetch_image(
+        f"{address}/lie:1",
+        store,
+        policy=RegistryPolicy.of([address]),
+        credentials_for=lambda _r: Credentials(bearer="tok"),
+    )
     assert got.layers[0].path.read_bytes() == lay.data
     asked = dict(zip(served.requests, served.headers, strict=True))
     assert asked[f"/v2/lie/blobs/{lay.digest}"].get("Authorization") == "Bearer tok"

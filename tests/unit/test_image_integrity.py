@@ -85,8 +85,12 @@ Importer = Callable[[oi.Image, BlobStore, Path], FetchedImage]
 def from_registry(registry: RegistryServer) -> Importer:
     def run(img: oi.Image, store: BlobStore, _tmp: Path) -> FetchedImage:
         tag = "good" if img is GOOD else "evil"
-        return fetch_image(f"{registry.address}/poison/app:{tag}", store,
-                           policy=registry.policy(), credentials_for=NO_CREDENTIALS)  # fmt: skip
+        return fetch_image(
+            f"{registry.address}/poison/app:{tag}",
+            store,
+            policy=registry.policy(),
+            credentials_for=NO_CREDENTIALS,
+        )
 
     return run
 
@@ -168,13 +172,21 @@ def test_a_held_layer_blob_is_checked_against_the_config_that_names_it(
     registry: RegistryServer, store: BlobStore
 ) -> None:
     # The attacker's honest image puts the evil blob into the cache first...
-    own = fetch_image(f"{registry.address}/poison/own:1", store, policy=registry.policy(),
-                      credentials_for=NO_CREDENTIALS)  # fmt: skip
+    own = fetch_image(
+        f"{registry.address}/poison/own:1",
+        store,
+        policy=registry.policy(),
+        credentials_for=NO_CREDENTIALS,
+    )
     assert store.has(EVIL_LAYER.digest)
     # ...so the poisoned image's layer is not fetched: the held blob is checked instead.
     with pytest.raises(LayerMismatch):
-        fetch_image(f"{registry.address}/poison/app:evil", store, policy=registry.policy(),
-                    credentials_for=NO_CREDENTIALS)  # fmt: skip
+        fetch_image(
+            f"{registry.address}/poison/app:evil",
+            store,
+            policy=registry.policy(),
+            credentials_for=NO_CREDENTIALS,
+        )
     assert store.has(EVIL_LAYER.digest)  # still the honest image's, whole
     assert store.is_verified(EVIL_LAYER.digest, EVIL_LAYER.diff_id)
     assert not store.is_verified(EVIL_LAYER.digest, GOOD_LAYER.diff_id)
@@ -202,8 +214,12 @@ def test_a_reference_pinned_by_digest_gives_that_manifests_layers(
     assert got.manifest_digest == GOOD.manifest.digest
     assert contents(got) == [GOOD_LAYER.data]
     with pytest.raises(Invalid):  # the evil manifest by its digest: refused, not the good
-        fetch_image(f"{registry.address}/poison/app@{EVIL.manifest.digest}", store,
-                    policy=registry.policy(), credentials_for=NO_CREDENTIALS)  # fmt: skip
+        fetch_image(
+            f"{registry.address}/poison/app@{EVIL.manifest.digest}",
+            store,
+            policy=registry.policy(),
+            credentials_for=NO_CREDENTIALS,
+        )
 
 
 def test_a_layer_that_inflates_past_the_cap_is_refused_while_it_streams(
@@ -233,8 +249,9 @@ def fetched(layers: list[oi.Layer], tmp: Path) -> FetchedImage:
         LayerBlob(lay.digest, lay.size, lay.media_type, tmp / lay.digest[7:], lay.diff_id)
         for lay in layers
     )
-    return FetchedImage("reg.test/app:1", "sha256:" + "1" * 64, GOOD.config.digest,
-                        ImageConfig(), blobs, 0, 0)  # fmt: skip
+    return FetchedImage(
+        "reg.test/app:1", "sha256:" + "1" * 64, GOOD.config.digest, ImageConfig(), blobs, 0, 0
+    )
 
 
 def test_a_build_is_found_again_only_when_config_and_every_layer_match(cache: Path) -> None:
@@ -248,8 +265,11 @@ def test_a_build_is_found_again_only_when_config_and_every_layer_match(cache: Pa
             out.write_bytes(b"squashfs")
             return RootfsStats(layers=1, entries=1, file_bytes=8, image_bytes=8)
 
-        identity = {"reference": img.reference, "layers": [b.digest for b in img.layers],
-                    "diff_ids": [b.diff_id for b in img.layers]}  # fmt: skip
+        identity = {
+            "reference": img.reference,
+            "layers": [b.digest for b in img.layers],
+            "diff_ids": [b.diff_id for b in img.layers],
+        }
         return container_image.assemble(img.config_digest, img.config, identity, write)
 
     good = build([GOOD_LAYER])
@@ -275,8 +295,10 @@ def test_a_layer_is_merged_as_it_was_checked_even_with_a_zstd_frame_cut_short(
     paths_ = [tmp_path / "base", tmp_path / "top"]
     paths_[0].write_bytes(base)
     paths_[1].write_bytes(blob)
-    layers = [LayerBlob(oi.digest_of(base), len(base), "x", paths_[0], oi.digest_of(base)),
-              LayerBlob(oi.digest_of(blob), len(blob), "x", paths_[1], diff_id)]  # fmt: skip
+    layers = [
+        LayerBlob(oi.digest_of(base), len(base), "x", paths_[0], oi.digest_of(base)),
+        LayerBlob(oi.digest_of(blob), len(blob), "x", paths_[1], diff_id),
+    ]
     tree = read_layers(layers, tmp_path, IMAGE_LIMITS)
     assert sorted(tree.root.children["etc"].children) == ["motd"]
 
@@ -305,12 +327,17 @@ def test_an_image_pulled_with_a_snapshot_never_stands_for_an_imported_one(
     rootfs = b"the registry's root" * 10
     files = {"rootfs.sqfs": [(0, len(rootfs), oi.digest_of(rootfs))]}
     claimed = "sha256:" + "ab" * 32
-    meta = pulled_image.checked({
-        "kind": "container", "manifest_digest": "sha256:" + "cd" * 32,
-        "config_digest": claimed, "layers": [GOOD_LAYER.digest],
-        "references": ["loaded:python:3.12", "registry.test/python:3.12"],
-        "built_at_unix": 2**52, "config": {},
-    })  # fmt: skip
+    meta = pulled_image.checked(
+        {
+            "kind": "container",
+            "manifest_digest": "sha256:" + "cd" * 32,
+            "config_digest": claimed,
+            "layers": [GOOD_LAYER.digest],
+            "references": ["loaded:python:3.12", "registry.test/python:3.12"],
+            "built_at_unix": 2**52,
+            "config": {},
+        }
+    )
     config = {"image": {"name": container_image.image_name(claimed), "key": "0123456789abcdef"}}
     image_files.install(paths.images_dir(), config, files, lambda _d, _n: rootfs, meta)
     assert image_catalog.local("python:3.12") is None

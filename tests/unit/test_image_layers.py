@@ -145,8 +145,9 @@ def test_gzip_zstd_and_plain_layers_stack_in_order(image: Image) -> None:
 
 def test_a_multi_frame_zstd_layer_is_read_whole(image: Image) -> None:
     tar = archive(file("one", b"1" * 5000), file("two", b"2" * 5000))
-    frames = b"".join(zstandard.ZstdCompressor().compress(tar[i : i + 4096])
-                      for i in range(0, len(tar), 4096))  # fmt: skip
+    frames = b"".join(
+        zstandard.ZstdCompressor().compress(tar[i : i + 4096]) for i in range(0, len(tar), 4096)
+    )
     image.raw(frames)
     image.build()
     assert image.cat("/two") == b"2" * 5000
@@ -161,8 +162,9 @@ def test_whiteouts_delete_files_and_directories_of_lower_layers(image: Image) ->
 
 def test_an_opaque_directory_hides_lower_children_but_keeps_its_own(image: Image) -> None:
     image.layer(directory("d", mode=0o700), file("d/lower1"), file("d/sub/lower2"))
-    image.layer(directory("d", mode=0o755), file("d/mine"), file("d/.wh..wh..opq", b""),
-                file("d/mine-too"))  # fmt: skip
+    image.layer(
+        directory("d", mode=0o755), file("d/mine"), file("d/.wh..wh..opq", b""), file("d/mine-too")
+    )
     image.build()
     names = {p for p in image.listing() if p.startswith("d/")}
     assert names == {"d/mine", "d/mine-too"}
@@ -170,8 +172,14 @@ def test_an_opaque_directory_hides_lower_children_but_keeps_its_own(image: Image
 
 def test_a_whiteout_does_not_hide_its_own_layers_entries_wherever_it_sits(image: Image) -> None:
     image.layer(file("a", b"lower a"), file("b", b"lower b"), file("c/lower"))
-    image.layer(file("a", b"new a"), file(".wh.a", b""), file(".wh.b", b""), file("b", b"new b"),
-                file("c/mine"), file(".wh.c", b""))  # fmt: skip
+    image.layer(
+        file("a", b"new a"),
+        file(".wh.a", b""),
+        file(".wh.b", b""),
+        file("b", b"new b"),
+        file("c/mine"),
+        file(".wh.c", b""),
+    )
     image.build()
     assert (image.cat("/a"), image.cat("/b")) == (b"new a", b"new b")
     assert {p for p in image.listing() if p.startswith("c")} == {"c", "c/mine"}
@@ -226,8 +234,12 @@ def test_hard_links_share_an_inode_within_and_across_layers(image: Image) -> Non
 
 
 def test_a_hard_link_outlives_its_first_name_whited_out_or_replaced(image: Image) -> None:
-    image.layer(file("orig", b"content"), hardlink("link", "orig"), file("other", b"old"),
-                hardlink("other-link", "other"))  # fmt: skip
+    image.layer(
+        file("orig", b"content"),
+        hardlink("link", "orig"),
+        file("other", b"old"),
+        hardlink("other-link", "other"),
+    )
     image.layer(file(".wh.orig", b""), file("other", b"replaced"))
     image.build()
     assert "orig" not in image.listing()
@@ -238,8 +250,14 @@ def test_a_hard_link_outlives_its_first_name_whited_out_or_replaced(image: Image
 
 
 def test_hard_links_to_symlinks_devices_and_fifos(image: Image) -> None:
-    image.layer(symlink("s", "target"), device("c"), _fifo("p"), hardlink("s2", "s"),
-                hardlink("c2", "c"), hardlink("p2", "p"))  # fmt: skip
+    image.layer(
+        symlink("s", "target"),
+        device("c"),
+        _fifo("p"),
+        hardlink("s2", "s"),
+        hardlink("c2", "c"),
+        hardlink("p2", "p"),
+    )
     image.build()
     listing = image.listing()
     assert listing["s2"] == ["slink", "0777", "0", "0", "target"]
@@ -250,8 +268,11 @@ def test_hard_links_to_symlinks_devices_and_fifos(image: Image) -> None:
 
 
 def test_symlinks_keep_their_targets_absolute_and_relative(image: Image) -> None:
-    image.layer(symlink("abs", "/usr/lib/x"), symlink("rel", "../up/and/over"),
-                symlink("out", "/../../etc/passwd"))  # fmt: skip
+    image.layer(
+        symlink("abs", "/usr/lib/x"),
+        symlink("rel", "../up/and/over"),
+        symlink("out", "/../../etc/passwd"),
+    )
     image.build()
     listing = image.listing()
     assert listing["abs"][-1] == "/usr/lib/x"
@@ -262,10 +283,16 @@ def test_symlinks_keep_their_targets_absolute_and_relative(image: Image) -> None
 def test_a_symlink_of_the_same_layer_is_followed_inside_the_root(image: Image) -> None:
     passwd = Path("/etc/passwd").read_bytes()
     image.layer(directory("usr/lib"))
-    image.layer(symlink("lib", "/usr/lib"), symlink("up", "../../../.."),
-                symlink("host-etc", "/../../etc"), symlink("chain", "lib"),
-                file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
-                file("host-etc/shadow", b"s"), file("chain/deeper/x", b"x"))  # fmt: skip
+    image.layer(
+        symlink("lib", "/usr/lib"),
+        symlink("up", "../../../.."),
+        symlink("host-etc", "/../../etc"),
+        symlink("chain", "lib"),
+        file("lib/libc.so", b"libc"),
+        file("up/etc/passwd", b"image's own"),
+        file("host-etc/shadow", b"s"),
+        file("chain/deeper/x", b"x"),
+    )
     image.build()
     listing = image.listing()
     assert image.cat("/usr/lib/libc.so") == b"libc"
@@ -281,11 +308,20 @@ def test_a_lower_layers_symlink_or_file_in_an_entrys_path_is_covered_by_a_direct
 ) -> None:
     """As Docker and containerd show it: they unpack a layer apart from the ones below,
     and overlayfs shows the directory made there over the lower symlink or file."""
-    image.layer(directory("usr/lib"), file("usr/lib/keep"), symlink("lib", "/usr/lib"),
-                symlink("up", "../../../.."), symlink("chain", "lib"),
-                file("f", b"file"))  # fmt: skip
-    image.layer(file("lib/libc.so", b"libc"), file("up/etc/passwd", b"image's own"),
-                file("chain/deeper/x", b"x"), file("f/x", b"under"))  # fmt: skip
+    image.layer(
+        directory("usr/lib"),
+        file("usr/lib/keep"),
+        symlink("lib", "/usr/lib"),
+        symlink("up", "../../../.."),
+        symlink("chain", "lib"),
+        file("f", b"file"),
+    )
+    image.layer(
+        file("lib/libc.so", b"libc"),
+        file("up/etc/passwd", b"image's own"),
+        file("chain/deeper/x", b"x"),
+        file("f/x", b"under"),
+    )
     image.build()
     listing = image.listing()
     assert listing["lib"][:4] == listing["up"][:4] == ["dir", "0755", "0", "0"]
@@ -350,9 +386,13 @@ def test_devices_fifos_modes_owners_and_times_are_kept(image: Image) -> None:
 def test_a_time_past_2106_is_squashfs_last_second_and_the_image_still_imports(
     image: Image,
 ) -> None:
-    image.layer(directory("./", mtime=1 << 36), file("future", mtime=5_000_000_000),
-                file("far", mtime=1 << 40), directory("dir", mtime=1 << 36),
-                file("now", mtime=1_700_000_000))  # fmt: skip
+    image.layer(
+        directory("./", mtime=1 << 36),
+        file("future", mtime=5_000_000_000),
+        file("far", mtime=1 << 40),
+        directory("dir", mtime=1 << 36),
+        file("now", mtime=1_700_000_000),
+    )
     image.build()
     for path in ("/", "/future", "/far", "/dir"):
         assert image.stat(path)["Last modified"].endswith(f"({squash.MAX_TIME})"), path
@@ -361,8 +401,13 @@ def test_a_time_past_2106_is_squashfs_last_second_and_the_image_still_imports(
 
 def test_a_layer_gnu_tar_wrote_with_a_file_from_1960_imports_dated_0(image: Image) -> None:
     """GNU tar writes a time before 1970 in base-256; Docker takes such a layer."""
-    image.raw(archive(file("old", mtime=-315_619_200), file("new", mtime=1_700_000_000),
-                      fmt=tarfile.GNU_FORMAT))  # fmt: skip
+    image.raw(
+        archive(
+            file("old", mtime=-315_619_200),
+            file("new", mtime=1_700_000_000),
+            fmt=tarfile.GNU_FORMAT,
+        )
+    )
     image.build()
     assert image.stat("/old")["Last modified"].endswith("(0)")
     assert image.stat("/new")["Last modified"].endswith("(1700000000)")
@@ -493,8 +538,10 @@ def test_a_gzip_bomb_stops_at_the_cap_quickly(image: Image) -> None:
     started = time.monotonic()
     image.refused(ArchiveTooLarge, limits)
     elapsed = time.monotonic() - started
-    print(f"gzip bomb: {len(bomb.getvalue()) >> 20} MiB of gzip, 4 GiB expanded, "
-          f"refused in {elapsed:.2f} s at a 64 MiB cap")  # fmt: skip
+    print(
+        f"gzip bomb: {len(bomb.getvalue()) >> 20} MiB of gzip, 4 GiB expanded, "
+        f"refused in {elapsed:.2f} s at a 64 MiB cap"
+    )
     assert elapsed < 10
     assert _disk_bytes(image.work) < 1 << 20
 

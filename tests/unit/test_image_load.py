@@ -122,13 +122,15 @@ def test_a_template_names_a_loaded_image_by_its_tag(client: TestClient, tmp_path
 
 @pytest.mark.parametrize(
     ("body", "said"),
-    [(b"", "no body"),
-     (b"not a tar archive at all" * 40, "not a tar archive"),
-     (gzip.compress(b"x" * 2048, mtime=0), "gzip-compressed"),
-     (oci_images.tar_of({"hello.txt": b"hi"}), "neither a docker save archive")],
+    [
+        (b"", "no body"),
+        (b"not a tar archive at all" * 40, "not a tar archive"),
+        (gzip.compress(b"x" * 2048, mtime=0), "gzip-compressed"),
+        (oci_images.tar_of({"hello.txt": b"hi"}), "neither a docker save archive"),
+    ],
     # Ids that do not depend on the bytes: two xdist workers must collect the same names.
     ids=["empty", "text", "gzip", "plain-tar"],
-)  # fmt: skip
+)
 def test_what_is_not_an_image_archive_is_a_400_and_leaves_nothing(
     client: TestClient, body: bytes, said: str
 ) -> None:
@@ -169,9 +171,12 @@ def test_an_archive_over_the_daemons_cap_is_a_413_and_leaves_nothing(
 
 def test_a_load_streams_its_steps_then_the_image(client: TestClient, tmp_path: Path) -> None:
     with client.stream(
-        "POST", "/v1/images/load", content=_docker_save(tmp_path, {"app:1": APP}),
-        params={"tag": "app:1"}, headers={"Accept": "text/event-stream"},
-    ) as r:  # fmt: skip
+        "POST",
+        "/v1/images/load",
+        content=_docker_save(tmp_path, {"app:1": APP}),
+        params={"tag": "app:1"},
+        headers={"Accept": "text/event-stream"},
+    ) as r:
         assert r.status_code == 200
         body = "".join(r.iter_text())
     assert "received the archive" in body and "event: image" in body, body
@@ -278,23 +283,39 @@ def dockerd() -> Iterator[DockerDaemon]:
 
 
 def test_a_docker_build_is_sent_when_the_daemon_cannot_read_the_engine(
-    server: Server, ctl: Controller, dockerd: DockerDaemon, tmp_path: Path,
+    server: Server,
+    ctl: Controller,
+    dockerd: DockerDaemon,
+    tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """--upload (and a daemon that is not on loopback): docker save here, sent there."""
     dockerd.base_image("forkd-test/busybox:1")
     monkeypatch.setenv("DOCKER_HOST", dockerd.host)
     (tmp_path / "Dockerfile").write_text(
         'FROM forkd-test/busybox:1\nENV GREETING=sent\nWORKDIR /srv\nCMD ["sh"]\n'
     )
-    res = _forkd(server, "image", "build", "-t", "forkd-test/sent:1", "--builder", "docker",
-                 "--network", "none", "--upload", str(tmp_path))  # fmt: skip
+    res = _forkd(
+        server,
+        "image",
+        "build",
+        "-t",
+        "forkd-test/sent:1",
+        "--builder",
+        "docker",
+        "--network",
+        "none",
+        "--upload",
+        str(tmp_path),
+    )
     assert res.exit_code == 0, res.output
     assert "saved forkd-test/sent:1" in res.output, res.output
     [info] = [i for i in ctl.list_images() if i["kind"] == "container"]
     assert info["references"] == ["loaded:forkd-test/sent:1"]
-    assert info["id"] == dockerd.check("image", "inspect", "--format", "{{.Id}}",
-                                       "forkd-test/sent:1").strip()  # fmt: skip
+    assert (
+        info["id"]
+        == dockerd.check("image", "inspect", "--format", "{{.Id}}", "forkd-test/sent:1").strip()
+    )
     assert "GREETING=sent" in info["config"]["env"] and info["config"]["working_dir"] == "/srv"
 
 

@@ -31,8 +31,10 @@ from forkd.oci.policy import RegistryPolicy
 from tests import oci_images as oi
 
 BASE = oi.layer({"etc/": oi.Dir(), "etc/hostname": b"base\n"})
-APP = oi.image([BASE, oi.layer({"app/run": oi.File(b"#!/bin/sh\n", 0o755)}, "zstd")],
-               {"Cmd": ["/app/run"], "WorkingDir": "/app"})  # fmt: skip
+APP = oi.image(
+    [BASE, oi.layer({"app/run": oi.File(b"#!/bin/sh\n", 0o755)}, "zstd")],
+    {"Cmd": ["/app/run"], "WorkingDir": "/app"},
+)
 OTHER = oi.image([BASE, oi.layer({"other": b"o"}, "none")], {"Cmd": ["other"]})
 
 
@@ -86,8 +88,9 @@ def test_an_oci_layout_with_several_images_needs_a_tag_and_knows_its_tags(
 
 def test_an_oci_layout_of_an_index_gives_linux_amd64(tmp_path: Path, store: BlobStore) -> None:
     arm = oi.image([oi.layer({"arm": b"arm"})], platform="linux/arm64")
-    layout = oi.write_oci_layout(tmp_path / "l", {"v1": oi.index({"linux/arm64": arm,
-                                                                 "linux/amd64": APP})})  # fmt: skip
+    layout = oi.write_oci_layout(
+        tmp_path / "l", {"v1": oi.index({"linux/arm64": arm, "linux/amd64": APP})}
+    )
     assert fetch(f"oci:{layout}:v1", store).manifest_digest == APP.manifest.digest
 
 
@@ -167,8 +170,9 @@ def test_missing_or_wrong_paths_are_clear_errors(tmp_path: Path, store: BlobStor
     with pytest.raises(Invalid, match="not a tar"):
         fetch(f"oci-archive:{tmp_path}/file", store)
     gz = tmp_path / "saved.tar.gz"
-    gz.write_bytes(gzip.compress(oi.write_docker_archive(tmp_path / "s.tar", {"a:1": APP})
-                                 .read_bytes()))  # fmt: skip
+    gz.write_bytes(
+        gzip.compress(oi.write_docker_archive(tmp_path / "s.tar", {"a:1": APP}).read_bytes())
+    )
     with pytest.raises(Invalid, match="decompress"):
         fetch(f"docker-archive:{gz}", store)
     assert clean(store)
@@ -225,12 +229,23 @@ def test_a_docker_archive_layer_that_is_not_its_diff_id_is_refused_and_not_kept(
     img = oi.image([liar], diff_ids=[BASE.diff_id])  # the config names another layer
     archive = tmp_path / "saved.tar"
     name = f"{BASE.diff_id[7:]}/layer.tar"
-    archive.write_bytes(oi.tar_of({
-        f"{img.config.digest[7:]}.json": img.config.data,
-        name: liar.tar,
-        "manifest.json": json.dumps([{"Config": f"{img.config.digest[7:]}.json",
-                                      "RepoTags": ["x:1"], "Layers": [name]}]).encode(),
-    }))  # fmt: skip
+    archive.write_bytes(
+        oi.tar_of(
+            {
+                f"{img.config.digest[7:]}.json": img.config.data,
+                name: liar.tar,
+                "manifest.json": json.dumps(
+                    [
+                        {
+                            "Config": f"{img.config.digest[7:]}.json",
+                            "RepoTags": ["x:1"],
+                            "Layers": [name],
+                        }
+                    ]
+                ).encode(),
+            }
+        )
+    )
     with pytest.raises(Invalid, match="diff_id"):
         fetch(f"docker-archive:{archive}", store)
     assert not store.has(liar.diff_id) and not store.has(BASE.diff_id) and clean(store)
@@ -242,10 +257,15 @@ def test_a_docker_archive_config_not_matching_its_name_is_refused(
     archive = tmp_path / "saved.tar"
     name = "a" * 64 + ".json"
     lay = f"{BASE.diff_id[7:]}/layer.tar"
-    archive.write_bytes(oi.tar_of({
-        name: APP.config.data, lay: BASE.tar,
-        "manifest.json": json.dumps([{"Config": name, "Layers": [lay]}]).encode(),
-    }))  # fmt: skip
+    archive.write_bytes(
+        oi.tar_of(
+            {
+                name: APP.config.data,
+                lay: BASE.tar,
+                "manifest.json": json.dumps([{"Config": name, "Layers": [lay]}]).encode(),
+            }
+        )
+    )
     with pytest.raises(Invalid, match="does not match its name"):
         fetch(f"docker-archive:{archive}", store)
 
@@ -259,23 +279,38 @@ def test_a_docker_archive_of_compressed_layers_and_shared_links_is_read(
     img = oi.image([BASE, BASE])
     blob = f"blobs/sha256/{oi.digest_of(zipped)[7:]}"
     archive = tmp_path / "saved.tar"
-    archive.write_bytes(oi.tar_of({
-        f"blobs/sha256/{img.config.digest[7:]}": img.config.data,
-        blob: zipped,
-        "again/layer.tar": oi.Symlink(f"../{blob}"),
-        "manifest.json": json.dumps([{"Config": f"blobs/sha256/{img.config.digest[7:]}",
-                                      "Layers": [blob, "again/layer.tar"]}]).encode(),
-    }))  # fmt: skip
+    archive.write_bytes(
+        oi.tar_of(
+            {
+                f"blobs/sha256/{img.config.digest[7:]}": img.config.data,
+                blob: zipped,
+                "again/layer.tar": oi.Symlink(f"../{blob}"),
+                "manifest.json": json.dumps(
+                    [
+                        {
+                            "Config": f"blobs/sha256/{img.config.digest[7:]}",
+                            "Layers": [blob, "again/layer.tar"],
+                        }
+                    ]
+                ).encode(),
+            }
+        )
+    )
     got = fetch(f"docker-archive:{archive}", store)
     assert [b.media_type for b in got.layers] == [f"{oi.OCI_LAYER}+gzip"] * 2
     assert layers_of(got) == [zipped, zipped]
     # A compressed layer whose content is not its diff_id is refused all the same.
     bad = tmp_path / "bad.tar"
     other = gzip.compress(oi.tar_of({"x": b"x"}))
-    bad.write_bytes(oi.tar_of({
-        "c.json": oi.image([BASE]).config.data, "l.tar": other,
-        "manifest.json": json.dumps([{"Config": "c.json", "Layers": ["l.tar"]}]).encode(),
-    }))  # fmt: skip
+    bad.write_bytes(
+        oi.tar_of(
+            {
+                "c.json": oi.image([BASE]).config.data,
+                "l.tar": other,
+                "manifest.json": json.dumps([{"Config": "c.json", "Layers": ["l.tar"]}]).encode(),
+            }
+        )
+    )
     fresh = BlobStore(tmp_path / "fresh")
     with pytest.raises(Invalid, match="diff_id"):
         fetch(f"docker-archive:{bad}", fresh)
@@ -397,8 +432,9 @@ def test_an_image_of_the_docker_engine_is_exported_and_read(
         again = fetch("docker-daemon:myapp:1", store, docker_host=host, progress=said.append)
         assert exports == ["myapp:1"] and any("nothing to export" in m for m in said)
         assert (again.config_digest, again.manifest_digest) == (
-            got.config_digest, got.manifest_digest,
-        )  # fmt: skip
+            got.config_digest,
+            got.manifest_digest,
+        )
         assert [b.diff_id for b in again.layers] == [b.diff_id for b in got.layers]
         assert again.bytes_fetched == 0
         with pytest.raises(NotFound, match="myapp:2"):

@@ -19,9 +19,14 @@ from tests import oci_images as oi
 
 @pytest.mark.parametrize(
     "body",
-    [b"[" * 100_000 + b"]" * 100_000, b"[" * (4 << 20), b'{"a":' * 40 + b"1" + b"}" * 40,
-     b'"' + b'\\"' * (1 << 20), b'"\\' * (1 << 20)],
-)  # fmt: skip
+    [
+        b"[" * 100_000 + b"]" * 100_000,
+        b"[" * (4 << 20),
+        b'{"a":' * 40 + b"1" + b"}" * 40,
+        b'"' + b'\\"' * (1 << 20),
+        b'"\\' * (1 << 20),
+    ],
+)
 def test_deep_or_unterminated_json_is_refused_quickly(body: bytes) -> None:
     started = time.monotonic()
     with pytest.raises(Invalid):
@@ -52,8 +57,10 @@ def test_the_amd64_pick_prefers_the_baseline_variant_and_names_what_there_is() -
 
 def test_a_config_is_read_as_docker_reads_it() -> None:
     ports: dict[str, dict[str, object]] = {"5432/tcp": {}, "22/tcp": {}}
-    img = oi.image([oi.layer({"a": b"a"})], {"Env": None, "Cmd": ["sh"], "User": "postgres",
-                                            "ExposedPorts": ports})  # fmt: skip
+    img = oi.image(
+        [oi.layer({"a": b"a"})],
+        {"Env": None, "Cmd": ["sh"], "User": "postgres", "ExposedPorts": ports},
+    )
     parsed = manifests.parse_config(img.config.data, 1, "config")
     assert parsed.config.cmd == ("sh",) and parsed.config.env == ()
     assert parsed.config.user == "postgres"
@@ -113,9 +120,16 @@ def test_short_names_follow_docker_hubs_rule_only_under_a_default_registry() -> 
 
 
 @pytest.mark.parametrize(
-    "text", ["ftp://x/y", "docker-archive:", "oci:/tmp:bad tag!", "docker-daemon:UPPER",
-             "a\nb", "docker-archive:/tmp:not a tag"],
-)  # fmt: skip
+    "text",
+    [
+        "ftp://x/y",
+        "docker-archive:",
+        "oci:/tmp:bad tag!",
+        "docker-daemon:UPPER",
+        "a\nb",
+        "docker-archive:/tmp:not a tag",
+    ],
+)
 def test_a_malformed_reference_names_the_accepted_forms(text: str) -> None:
     with pytest.raises(Invalid):
         references.parse(text, POLICY)

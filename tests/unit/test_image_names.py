@@ -28,9 +28,11 @@ APP = oi.image([oi.layer({"app": b"v1\n"})], {"Cmd": ["app"]})
 def _load(client: TestClient, tmp_path: Path, tag: str, img: oi.Image = APP) -> dict:
     archive = oi.write_oci_archive(tmp_path / f"{tag.replace(':', '_')}.tar", {"1": img})
     r = client.post(
-        "/v1/images/load", params={"tag": tag}, content=archive.read_bytes(),
+        "/v1/images/load",
+        params={"tag": tag},
+        content=archive.read_bytes(),
         headers={"Content-Type": "application/x-tar"},
-    )  # fmt: skip
+    )
     assert r.status_code == 201, r.text
     built = paths.images_dir() / f"{r.json()['name']}-{r.json()['key']}"
     for part in ("vmlinuz", "initrd.img"):  # the boot files stand_in_boot_parts names
@@ -50,8 +52,9 @@ def test_an_engine_image_is_found_by_its_tag_and_listed_with_it(local: TestClien
     name = r.json()["name"]
     assert r.json()["names"] == ["tools:latest"]
     for image in ("tools", "tools:latest"):  # no registry is asked: it is local
-        r = local.post("/v1/snapshots", json={"tag": f"t-{image.replace(':', '-')}",
-                                              "image": image})  # fmt: skip
+        r = local.post(
+            "/v1/snapshots", json={"tag": f"t-{image.replace(':', '-')}", "image": image}
+        )
         assert r.status_code == 201, r.text
         assert r.json()["image"] == name
     listed = {i["name"]: i for i in local.get("/v1/images").json()}
@@ -81,8 +84,9 @@ def test_removing_a_tag_of_an_image_with_two_only_untags_it(
     second = _load(local, tmp_path, "myapp:stable")  # the same image: one build, two names
     assert first["name"] == second["name"]
     assert sorted(local.get(f"/v1/images/{first['name']}").json()["names"]) == [
-        "myapp:1", "myapp:stable",
-    ]  # fmt: skip
+        "myapp:1",
+        "myapp:stable",
+    ]
     assert local.delete("/v1/images/myapp:1").status_code == 204
     left = local.get(f"/v1/images/{first['name']}")
     assert left.status_code == 200 and left.json()["names"] == ["myapp:stable"]

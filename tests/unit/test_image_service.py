@@ -52,11 +52,17 @@ def fake_container_image(config: ImageConfig = CONFIG, ref: str = "reg.test/pg:1
     blob.parent.mkdir(parents=True, exist_ok=True)
     blob.write_bytes(b"x" * 1000)
     meta = {
-        "name": f"oci-{'c' * 12}", "key": "0" * 16, "kind": "container",
-        "reference": ref, "references": [ref], "manifest_digest": "sha256:" + "d" * 64,
-        "config_digest": digest, "layers": [LAYER], "config": config.to_json(),
+        "name": f"oci-{'c' * 12}",
+        "key": "0" * 16,
+        "kind": "container",
+        "reference": ref,
+        "references": [ref],
+        "manifest_digest": "sha256:" + "d" * 64,
+        "config_digest": digest,
+        "layers": [LAYER],
+        "config": config.to_json(),
         "built_at_unix": 1,
-    }  # fmt: skip
+    }
     (d / "image.json").write_text(json.dumps(meta))
     return images.find_image(str(d))
 
@@ -70,8 +76,15 @@ def importer(
         progress("layer 1/1 sha256:111111111111… 0.0/0.0 MiB")
         progress("flattening the image's layers into the root disk")
         img = fake_container_image(config, req.ref)
-        fetched = FetchedImage(req.ref, "sha256:" + "d" * 64, "sha256:" + "c" * 64, config,
-                               (), bytes_fetched=1234, bytes_reused=5678)  # fmt: skip
+        fetched = FetchedImage(
+            req.ref,
+            "sha256:" + "d" * 64,
+            "sha256:" + "c" * 64,
+            config,
+            (),
+            bytes_fetched=1234,
+            bytes_reused=5678,
+        )
         return image_service.Imported(img, fetched, 0.5)
 
     return run
@@ -99,9 +112,11 @@ def test_an_import_answers_what_it_fetched_and_lists_with_the_recipes(api: TestC
 
 def test_an_import_streams_its_progress_then_the_image(api: TestClient) -> None:
     with api.stream(
-        "POST", "/v1/images", json={"ref": "reg.test/pg:16"},
+        "POST",
+        "/v1/images",
+        json={"ref": "reg.test/pg:16"},
         headers={"Accept": "text/event-stream"},
-    ) as r:  # fmt: skip
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         body = "".join(r.iter_text())
@@ -123,14 +138,17 @@ def test_a_template_from_an_image_takes_its_config_and_starts_its_command(
 
     monkeypatch.setattr(template_start, "listening", listening)
     monkeypatch.setattr(template_start, "POLL_SECS", 0.01)
-    r = api.post("/v1/snapshots", json={"tag": "pg", "image": "reg.test/pg:16",
-                                        "start": True, "ready_port": 5432})  # fmt: skip
+    r = api.post(
+        "/v1/snapshots",
+        json={"tag": "pg", "image": "reg.test/pg:16", "start": True, "ready_port": 5432},
+    )
     assert r.status_code == 201, r.text
     vm = driver.vms[-1]
     assert vm.image_defaults == {
-        "env": {"PATH": "/usr/bin:/bin", "PGDATA": "/var/lib/pg"}, "cwd": "/srv",
+        "env": {"PATH": "/usr/bin:/bin", "PGDATA": "/var/lib/pg"},
+        "cwd": "/srv",
         "user": "postgres",
-    }  # fmt: skip
+    }
     started = vm.processes.list()
     assert [p["cmd"] for p in started] == [["sleep", "600"]]
     assert polls == [5432, 5432]
@@ -145,17 +163,28 @@ def test_a_template_from_an_image_takes_its_config_and_starts_its_command(
 
 @pytest.mark.parametrize(
     ("cmd", "timeout", "said"),
-    [(("echo", "bad", "config"), 5.0, "exited 0 before it was ready"),
-     (("sleep", "600"), 0.1, "not ready within 0.1 s (port 5432 did not listen; "
-      "ready_timeout_secs, --ready-timeout, waits longer: default 120 s)")],
-)  # fmt: skip
+    [
+        (("echo", "bad", "config"), 5.0, "exited 0 before it was ready"),
+        (
+            ("sleep", "600"),
+            0.1,
+            "not ready within 0.1 s (port 5432 did not listen; "
+            "ready_timeout_secs, --ready-timeout, waits longer: default 120 s)",
+        ),
+    ],
+)
 def test_a_service_that_is_not_ready_fails_the_template_with_its_reason(
     client: TestClient, cmd: tuple[str, ...], timeout: float, said: str
 ) -> None:
     config = ImageConfig(cmd=cmd)
     client.app.state.services.images._importer = importer(config)  # type: ignore[attr-defined]
-    body = {"tag": "t", "image": "reg.test/x:1", "start": True, "ready_port": 5432,
-            "ready_timeout_secs": timeout}  # fmt: skip
+    body = {
+        "tag": "t",
+        "image": "reg.test/x:1",
+        "start": True,
+        "ready_port": 5432,
+        "ready_timeout_secs": timeout,
+    }
     r = client.post("/v1/snapshots", json=body)
     assert r.status_code == 500 and said in r.json()["error"], r.text
     assert "bad config" in r.json()["error"] or cmd[0] == "sleep"  # the output comes along
@@ -260,8 +289,13 @@ def flatten_only(tmp_path: Path) -> Callable[..., images.Image]:
     """container_image.assemble without a kernel or runtime: the layers flattened, then
     the test fails (every image it is given must be refused while flattened)."""
 
-    def assemble(config_digest: str, config: ImageConfig, identity: dict, write_rootfs: Any,
-                 progress: Any = None) -> images.Image:  # fmt: skip
+    def assemble(
+        config_digest: str,
+        config: ImageConfig,
+        identity: dict,
+        write_rootfs: Any,
+        progress: Any = None,
+    ) -> images.Image:
         (tmp_path / "work").mkdir(exist_ok=True)
         write_rootfs(tmp_path / "rootfs.sqfs", tmp_path / "work")
         raise AssertionError(f"{identity['reference']} was flattened whole")

@@ -31,9 +31,11 @@ def _child(code: str, env: dict[str, str] | None = None) -> subprocess.Popen[str
     then waits for its standard input to close."""
     proc = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
         env={**os.environ, **(env or {})},
-    )  # fmt: skip
+    )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
     return proc
@@ -127,8 +129,10 @@ def test_a_record_of_a_daemon_whose_state_is_gone_is_dropped(tmp_path: Path) -> 
     image_sharing.record_daemon(gone, [gone / "snapshots"], images_dir)
     image_sharing.record_daemon(here, [here / "snapshots", here / "run"], images_dir)
     assert set(image_sharing.recorded_roots(images_dir)) == {
-        gone / "snapshots", here / "snapshots", here / "run",
-    }  # fmt: skip
+        gone / "snapshots",
+        here / "snapshots",
+        here / "run",
+    }
     gone.rmdir()
     assert set(image_sharing.recorded_roots(images_dir)) == {here / "snapshots", here / "run"}
     assert len(os.listdir(images_dir / image_sharing.DAEMONS)) == 1

@@ -20,9 +20,11 @@ from tests.unit.test_image_layers import Image
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="dropping to another uid needs root"),
-    pytest.mark.skipif(shutil.which("tar2sqfs") is None,
-                       reason="tar2sqfs (squashfs-tools-ng) is missing: ./dev.sh installs it"),
-]  # fmt: skip
+    pytest.mark.skipif(
+        shutil.which("tar2sqfs") is None,
+        reason="tar2sqfs (squashfs-tools-ng) is missing: ./dev.sh installs it",
+    ),
+]
 JAIL = (64999, 64998)  # no user of this host has them: nothing else is theirs
 
 # Stands in for tar2sqfs: says who it runs as (and what it could reach) in its output,
@@ -72,8 +74,7 @@ def test_the_writer_holds_no_root_group_or_capability_and_writes_only_its_jail(
     said = image.out.read_text().splitlines()
     assert said[:3] == [str(JAIL[0]), str(JAIL[1]), str(JAIL[1])]  # no supplementary group
     status = dict(line.split(":\t") for line in said[3:6])
-    assert status == {"CapEff": "0000000000000000", "CapBnd": "0000000000000000",
-                      "NoNewPrivs": "1"}  # fmt: skip
+    assert status == {"CapEff": "0000000000000000", "CapBnd": "0000000000000000", "NoNewPrivs": "1"}
     assert said[6] == "kept-in" and not forbidden.exists()
 
 

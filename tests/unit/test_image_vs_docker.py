@@ -156,11 +156,25 @@ def test_an_image_with_every_kind_of_entry_is_the_root_docker_shows(
     # What the comparison covered is really there (a Dockerfile that silently built
     # less would compare equal too).
     entries = forkd.entries
-    assert {"t/del/gone", "t/del/gonedir", "t/opq/lower", "t/opq/sub", "etc/debian_version",
-            "steps.py", "t/flip/target/in"}.isdisjoint(entries)  # fmt: skip
-    assert {"t/del/kept", "t/opq/new", "t/flip/was-link/f", "t/empty", "srv/work/context.txt",
-            "t/names/new\nline", "t/names/\u00fcn\u00efc\u00f6d\u00e9 \u2713",
-            "t/names/tab\t"} <= set(entries)  # fmt: skip
+    assert {
+        "t/del/gone",
+        "t/del/gonedir",
+        "t/opq/lower",
+        "t/opq/sub",
+        "etc/debian_version",
+        "steps.py",
+        "t/flip/target/in",
+    }.isdisjoint(entries)
+    assert {
+        "t/del/kept",
+        "t/opq/new",
+        "t/flip/was-link/f",
+        "t/empty",
+        "srv/work/context.txt",
+        "t/names/new\nline",
+        "t/names/\u00fcn\u00efc\u00f6d\u00e9 \u2713",
+        "t/names/tab\t",
+    } <= set(entries)
     assert entries["t/flip/was-dir"].target == "/t/flip/target"
     assert entries["t/abs"].target == "/t/hl/a" and entries["t/abs"].mtime == 1_200_000_000
     assert entries["t/del/rel"].target == "../hl/a"
@@ -235,19 +249,23 @@ def test_gzip_zstd_and_uncompressed_layers_give_the_same_root(
     differences = compare(expected, squashfs_view(imported.squashfs))
     assert not differences, shown(differences)
     stored = sum(layer.size for layer in imported.fetched.layers)
-    print(f"\nlayers {stored / MIB:.0f} MiB ({sum(map(len, tars)) / MIB:.0f} MiB as tar), "
-          f"flattened in {imported.flatten_secs:.1f} s "
-          f"({sum(map(len, tars)) / MIB / imported.flatten_secs:.0f} MiB/s of tar), "
-          f"squashfs {imported.stats.image_bytes / MIB:.0f} MiB")  # fmt: skip
+    print(
+        f"\nlayers {stored / MIB:.0f} MiB ({sum(map(len, tars)) / MIB:.0f} MiB as tar), "
+        f"flattened in {imported.flatten_secs:.1f} s "
+        f"({sum(map(len, tars)) / MIB / imported.flatten_secs:.0f} MiB/s of tar), "
+        f"squashfs {imported.stats.image_bytes / MIB:.0f} MiB"
+    )
 
 
 def _recompress(tar: bytes, kind: str) -> oci_images.Layer:
     if kind == "gzip":
-        return oci_images.Layer(gzip.compress(tar, compresslevel=1, mtime=0),
-                                f"{oci_images.OCI_LAYER}+gzip", tar)  # fmt: skip
+        return oci_images.Layer(
+            gzip.compress(tar, compresslevel=1, mtime=0), f"{oci_images.OCI_LAYER}+gzip", tar
+        )
     if kind == "zstd":
-        return oci_images.Layer(zstandard.ZstdCompressor(level=3).compress(tar),
-                                f"{oci_images.OCI_LAYER}+zstd", tar)  # fmt: skip
+        return oci_images.Layer(
+            zstandard.ZstdCompressor(level=3).compress(tar), f"{oci_images.OCI_LAYER}+zstd", tar
+        )
     return oci_images.Layer(tar, oci_images.OCI_LAYER, tar)
 
 

@@ -58,19 +58,27 @@ DOORS: dict[str, frozenset[str]] = {
 
 # The daemon's modules the gateway reuses; nothing else of the daemon.
 GATEWAY_USES = frozenset(
-    {"forkd.controller.middleware", "forkd.controller.http_errors",
-     "forkd.controller.connection_limits", "forkd.controller.server"}
-)  # fmt: skip
+    {
+        "forkd.controller.middleware",
+        "forkd.controller.http_errors",
+        "forkd.controller.connection_limits",
+        "forkd.controller.server",
+    }
+)
 
 # What of forkd.vmm the image builder reads; nothing that runs a VM.
 GUEST_USES = frozenset({"forkd.vmm.runtime_meta", "forkd.vmm.snapshot.files"})
 
 # The daemon's HTTP side holds no VM: only its services do.
 HTTP_SIDE = frozenset(
-    {"forkd.controller.routes", "forkd.controller.pty_ws",
-     "forkd.controller.bodies",
-     "forkd.controller.port_proxy", "forkd.controller.port_ws"}
-)  # fmt: skip
+    {
+        "forkd.controller.routes",
+        "forkd.controller.pty_ws",
+        "forkd.controller.bodies",
+        "forkd.controller.port_proxy",
+        "forkd.controller.port_ws",
+    }
+)
 
 # Third-party packages a room may import (absent: any the project depends on).
 THIRD_PARTY: dict[str, frozenset[str]] = {
@@ -84,10 +92,23 @@ def room_of(module: str) -> str:
     parts = module.split(".")
     if len(parts) == 1:
         return "forkd"
-    if parts[1] in {"errors", "limits", "states", "paths", "hosttools", "accel", "processes",
-                    "disk_reserve", "import_deadline", "file_lock", "host_names", "token_bucket",
-                    "agent_wire", "wire_shape",
-                    "__version__"}:  # fmt: skip
+    if parts[1] in {
+        "errors",
+        "limits",
+        "states",
+        "paths",
+        "hosttools",
+        "accel",
+        "processes",
+        "disk_reserve",
+        "import_deadline",
+        "file_lock",
+        "host_names",
+        "token_bucket",
+        "agent_wire",
+        "wire_shape",
+        "__version__",
+    }:
         return BASE
     if parts[1] == "vmm":
         return f"vmm.{parts[2]}" if len(parts) > 2 and parts[2] in VMM_PARTS else "vmm"

@@ -38,10 +38,17 @@ def dead_mark() -> str:
 def test_what_dead_processes_left_is_removed_and_the_rest_kept(cache: Path) -> None:
     dead = dead_mark()
     images, tmp = paths.images_dir(), paths.blobs_dir() / "tmp"
-    gone = [images / f".staging-oci-1-{dead}abc", tmp / f"{dead}0011.load.tar",
-            images / ".removing-oci-2-00"]  # fmt: skip
-    kept = [images / f".staging-oci-3-{processes.mark()}abc", tmp / f"{processes.mark()}22.blob",
-            images / ".staging-unmarked-recent", images / "oci-4-0000"]  # fmt: skip
+    gone = [
+        images / f".staging-oci-1-{dead}abc",
+        tmp / f"{dead}0011.load.tar",
+        images / ".removing-oci-2-00",
+    ]
+    kept = [
+        images / f".staging-oci-3-{processes.mark()}abc",
+        tmp / f"{processes.mark()}22.blob",
+        images / ".staging-unmarked-recent",
+        images / "oci-4-0000",
+    ]
     old = images / ".staging-unmarked-old"
     for path in (*gone, *kept, old):
         if path.suffix:

@@ -124,8 +124,10 @@ def test_an_older_database_gains_the_label_columns(tmp_path: Path) -> None:
     assert sandbox is not None and sandbox.metadata == {} and sandbox.fork_ms is None
 
 
-@pytest.mark.parametrize("query", ["metdata.run=42", "state=running&state=dead",
-                                   "metadata.run=1&metadata.run=2", "metadata.=x"])  # fmt: skip
+@pytest.mark.parametrize(
+    "query",
+    ["metdata.run=42", "state=running&state=dead", "metadata.run=1&metadata.run=2", "metadata.=x"],
+)
 def test_a_filter_that_would_be_ignored_is_a_400(
     server: Server, ctl: Controller, query: str
 ) -> None:

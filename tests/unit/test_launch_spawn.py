@@ -96,17 +96,22 @@ def test_a_command_not_detached_dies_with_the_process_that_started_it(tmp_path: 
     # A parent that starts one and is then killed with SIGKILL: no cleanup of its
     # own runs, the parent-death signal alone ends the command.
     parent = subprocess.Popen(
-        [sys.executable, "-c", (
-            "import sys, time\n"
-            "from pathlib import Path\n"
-            "from forkd.vmm.qemu import launch\n"
-            f"rt = launch.prepare_runtime(Path({str(tmp_path)!r}), 'vm-orphan')\n"
-            "p = launch.spawn(['sleep', '60'], rt, detach=False)\n"
-            "print(p.pid, flush=True)\n"
-            "time.sleep(60)\n"
-        )],
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\n"
+                "from pathlib import Path\n"
+                "from forkd.vmm.qemu import launch\n"
+                f"rt = launch.prepare_runtime(Path({str(tmp_path)!r}), 'vm-orphan')\n"
+                "p = launch.spawn(['sleep', '60'], rt, detach=False)\n"
+                "print(p.pid, flush=True)\n"
+                "time.sleep(60)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert parent.stdout is not None
     pid = int(parent.stdout.readline())
     # setpriv sets the parent-death signal, then execs the command: once the command
@@ -163,8 +168,12 @@ def test_a_command_that_drops_starts_with_only_the_capabilities_of_the_drop(
     registry = qemu_user.Registry(qemu_user.UidRange(70000, 70000), tmp_path / "uids")
     lease = registry.reserve()
     out = tmp_path / "status"
-    cmd = ["sh", "-c", f"grep -E '^(Cap|NoNewPrivs)' /proc/self/status > {out}.tmp && "
-           f"mv {out}.tmp {out} && sleep 60"]  # fmt: skip
+    cmd = [
+        "sh",
+        "-c",
+        f"grep -E '^(Cap|NoNewPrivs)' /proc/self/status > {out}.tmp && "
+        f"mv {out}.tmp {out} && sleep 60",
+    ]
     proc = launch.spawn(cmd, _rt(tmp_path), detach=True, uid=lease)
     try:
         assert registry.holder(70000) == Holder.of(proc.pid)

@@ -42,8 +42,18 @@ class Harness:
         return self.services.lifecycle
 
     def sandbox(self, sid: str, *, expires: float | None = None, alive: bool = True) -> FakeVM:
-        self.store.add_sandbox(SandboxRow(sid, "base", str(self.settings.run_dir / sid), 1,
-                                          1, None, expires, SandboxState.RUNNING))  # fmt: skip
+        self.store.add_sandbox(
+            SandboxRow(
+                sid,
+                "base",
+                str(self.settings.run_dir / sid),
+                1,
+                1,
+                None,
+                expires,
+                SandboxState.RUNNING,
+            )
+        )
         vm = FakeVM(sid, self.machine, self.settings.run_dir, GuestContents())
         vm.alive = alive
         self.services.vms[sid] = vm
@@ -68,8 +78,13 @@ def h(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Harness]:
     monkeypatch.setattr(lifecycle, "PROBE_SECS", 0.2)
     monkeypatch.setattr(lifecycle, "REAP_CHECK_SECS", 0.5)
     monkeypatch.setattr(lifecycle, "STOP_VM_SECS", 0.5)
-    settings = Settings(state_dir=tmp_path, snapshot_root=tmp_path / "snaps",
-                        run_dir=tmp_path / "run", pool_size=0, network="user")  # fmt: skip
+    settings = Settings(
+        state_dir=tmp_path,
+        snapshot_root=tmp_path / "snaps",
+        run_dir=tmp_path / "run",
+        pool_size=0,
+        network="user",
+    )
     store = Store(tmp_path / "forkd.db")
     services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0), FakeDriver())
     machine = MachineConfig(1, 1, "tcg", img / "vmlinuz", img / "initrd.img", img / "rootfs.sqfs")

@@ -68,8 +68,11 @@ def test_a_bad_timeout_is_a_400_and_changes_nothing(
 
     sid = ctl.spawn_sandboxes("py", timeout_s=60)[0]["id"]
     before = ctl.get_sandbox(sid)["expires_at_unix"]
-    r = httpx.post(f"{server.url}/v1/sandboxes/{sid}/timeout", json=body,
-                   headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    r = httpx.post(
+        f"{server.url}/v1/sandboxes/{sid}/timeout",
+        json=body,
+        headers={"Authorization": f"Bearer {server.token}"},
+    )
     assert r.status_code == 400, r.text
     assert ctl.get_sandbox(sid)["expires_at_unix"] == before
 
@@ -138,8 +141,18 @@ def test_on_timeout_branch_keeps_a_snapshot_and_ends_the_sandbox(
 
 
 def test_cli_timeout_and_on_timeout(forkd: Invoke, ctl: Controller) -> None:
-    r = forkd("fork", "--tag", "py", "--timeout-secs", "60", "--on-timeout", "pause",
-              "--idle-timeout", "300", "--json")  # fmt: skip
+    r = forkd(
+        "fork",
+        "--tag",
+        "py",
+        "--timeout-secs",
+        "60",
+        "--on-timeout",
+        "pause",
+        "--idle-timeout",
+        "300",
+        "--json",
+    )
     assert r.exit_code == 0, r.output
     sid = json.loads(r.stdout)[0]["id"]
     assert ctl.get_sandbox(sid)["on_timeout"] == "pause"
@@ -166,8 +179,13 @@ def test_a_branch_that_fails_at_the_timeout_pauses_the_sandbox_instead(
 
 def test_the_timeout_route_changes_on_timeout(ctl: Controller) -> None:
     sid = ctl.spawn_sandboxes("py", timeout_s=60)[0]["id"]
-    r = ctl._run(ctl._json("POST", f"/v1/sandboxes/{sid}/timeout",
-                           json_body={"timeout_s": 0.3, "on_timeout": "pause"}))  # fmt: skip
+    r = ctl._run(
+        ctl._json(
+            "POST",
+            f"/v1/sandboxes/{sid}/timeout",
+            json_body={"timeout_s": 0.3, "on_timeout": "pause"},
+        )
+    )
     assert r["on_timeout"] == "pause"
     _until(lambda: ctl.get_sandbox(sid)["state"] == "paused", 5)
 
@@ -265,8 +283,9 @@ def test_a_request_open_on_a_sandbox_is_use_however_long_it_lasts(
     pid = ctl.start_process(kid, ["sleep", "100"])["pid"]  # writes nothing
     url = f"{server.url}/v1/sandboxes/{kid}/processes/{pid}/output"
     auth = {"Authorization": f"Bearer {server.token}"}
-    with httpx.stream("GET", url, params={"follow": "true"}, headers=auth,
-                      timeout=httpx.Timeout(10, read=3)) as r:  # fmt: skip
+    with httpx.stream(
+        "GET", url, params={"follow": "true"}, headers=auth, timeout=httpx.Timeout(10, read=3)
+    ) as r:
         with contextlib.suppress(httpx.ReadTimeout):  # followed 3 s: silence, no keep-alive
             for _ in r.iter_lines():
                 pass

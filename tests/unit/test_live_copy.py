@@ -52,8 +52,10 @@ class Child:
     def __init__(self, ram_file: Path) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(ram_file), str(NPAGES * PAGE)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdout is not None
         self.pid = int(self.proc.stdout.readline())
 
@@ -118,13 +120,18 @@ def test_live_copy_equals_memory_at_the_pause(child: tuple[Child, Path], tmp_pat
     proc, ram = child
     for page, byte in ((1, 7), (2, 8), (200, 9)):  # copied by the precopy
         proc.do("w", page, byte)
-    _snapshot_around(proc, ram, tmp_path / "memory.bin", [
-        ("w", 1, 70),  # rewritten after its copy
-        ("w", 2, 0),  # zeroed after its copy: must not stay 8
-        ("drop", 200, 0),  # dropped by the process: reads as the base again
-        ("w", 3, 5),  # new since the precopy
-        ("w", 210, 6),  # new, in the base's hole
-    ])  # fmt: skip
+    _snapshot_around(
+        proc,
+        ram,
+        tmp_path / "memory.bin",
+        [
+            ("w", 1, 70),  # rewritten after its copy
+            ("w", 2, 0),  # zeroed after its copy: must not stay 8
+            ("drop", 200, 0),  # dropped by the process: reads as the base again
+            ("w", 3, 5),  # new since the precopy
+            ("w", 210, 6),  # new, in the base's hole
+        ],
+    )
 
 
 def test_tracking_reports_each_write_once(child: tuple[Child, Path]) -> None:

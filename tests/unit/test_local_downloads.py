@@ -59,9 +59,14 @@ def _download(server: Server, sid: str, path: str, local: Path, asynchronous: bo
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("planted", [".report.txt.forkd-part", "report.txt"])
 def test_a_download_never_writes_through_a_link_planted_beside_it(
-    server: Server, sid: str, vm: FakeVM, out: Path, victim: Path, planted: str,
+    server: Server,
+    sid: str,
+    vm: FakeVM,
+    out: Path,
+    victim: Path,
+    planted: str,
     asynchronous: bool,
-) -> None:  # fmt: skip
+) -> None:
     """An earlier directory copy may leave a link at the name the file is staged at (the
     old fixed staging name) or at the file's own name: the file replaces, never fills."""
     (out / planted).symlink_to(victim)

@@ -36,14 +36,32 @@ WEB = "127.0.0.1:5000/team/web:1"  # an image the fake importer knows
 MISSING = "127.0.0.1:5000/team/web:404"  # and one it does not
 
 TOOLS = {
-    "create_sandbox", "fork_sandboxes", "exec", "run_python", "read_file", "write_file",
-    "branch_sandbox", "explore", "diff_sandbox", "list_sandboxes", "list_snapshots", "kill_sandbox",
-    "import_image", "list_images", "create_snapshot",
-    "set_network", "egress_log", "list_secrets",
+    "create_sandbox",
+    "fork_sandboxes",
+    "exec",
+    "run_python",
+    "read_file",
+    "write_file",
+    "branch_sandbox",
+    "explore",
+    "diff_sandbox",
+    "list_sandboxes",
+    "list_snapshots",
+    "kill_sandbox",
+    "import_image",
+    "list_images",
+    "create_snapshot",
+    "set_network",
+    "egress_log",
+    "list_secrets",
     # The original forkd MCP server's names (forkd-mcp), beside ours.
-    "spawn_sandboxes", "get_sandbox", "exec_command", "eval_code", "ping_sandbox",
+    "spawn_sandboxes",
+    "get_sandbox",
+    "exec_command",
+    "eval_code",
+    "ping_sandbox",
     "wait_for_text",
-}  # fmt: skip
+}
 
 
 def _text(result: CallToolResult) -> str:
@@ -91,8 +109,13 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     args = {"sandbox_id": sid, "tag": branch_tag}
     branch = _value(await client.call_tool("branch_sandbox", args))
     assert branch["tag"] == branch_tag and branch["branched_from"] == sid
-    args = {"sandbox_id": sid, "variants": ["y = 2", "y = 5", "y = "], "score": "y * x",
-            "python": True, "keep": 1}  # fmt: skip
+    args = {
+        "sandbox_id": sid,
+        "variants": ["y = 2", "y = 5", "y = "],
+        "score": "y * x",
+        "python": True,
+        "keep": 1,
+    }
     explored = _value(await client.call_tool("explore", args))
     assert [r["score"] for r in explored["results"]][:2] == [205.0, 82.0]
     assert explored["results"][2]["error"] and explored["results"][0]["kept"]
@@ -108,8 +131,9 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     cut = _value(await client.call_tool("set_network", {"sandbox_id": sid, "deny_out": ["*"]}))
     assert cut["deny_out"] == ["*"]
     log = _value(await client.call_tool("egress_log", {"sandbox_id": sid}))
-    assert log["records"] == [] or all(r["verdict"] in ("allowed", "refused")
-                                       for r in log["records"])  # fmt: skip
+    assert log["records"] == [] or all(
+        r["verdict"] in ("allowed", "refused") for r in log["records"]
+    )
     assert isinstance(_value(await client.call_tool("list_secrets", {})), list)
     listed = {s["id"] for s in _value(await client.call_tool("list_sandboxes", {}))}
     assert {sid, *(k["id"] for k in kids)} <= listed
@@ -134,8 +158,12 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
 async def exercise_the_original_tools(client: Client, template: str, branch_tag: str) -> None:
     """The original forkd MCP server's tools, called with its argument names as its
     users' agents call them (also run on real VMs by tests/integration/test_mcp.py)."""
-    args: dict[str, Any] = {"snapshot_tag": template, "n": 2, "per_child_netns": False,
-                            "prewarm": False}  # fmt: skip
+    args: dict[str, Any] = {
+        "snapshot_tag": template,
+        "n": 2,
+        "per_child_netns": False,
+        "prewarm": False,
+    }
     kids = _value(await client.call_tool("spawn_sandboxes", args))
     assert len(kids) == 2
     sid = kids[0]["id"]
@@ -152,8 +180,13 @@ async def exercise_the_original_tools(client: Client, template: str, branch_tag:
     args = {"sandbox_id": sid, "path": "/tmp/app.log", "marker": "ready", "timeout_secs": 10}
     waited = _value(await client.call_tool("wait_for_text", args))
     assert waited["found"] is True and "server ready" in waited["last_excerpt"], waited
-    args = {"sandbox_id": sid, "path": "/tmp/app.log", "marker": "never", "timeout_secs": 0.5,
-            "poll_interval_ms": 100}  # fmt: skip
+    args = {
+        "sandbox_id": sid,
+        "path": "/tmp/app.log",
+        "marker": "never",
+        "timeout_secs": 0.5,
+        "poll_interval_ms": 100,
+    }
     waited = _value(await client.call_tool("wait_for_text", args))
     assert waited["found"] is False and waited["elapsed_ms"] >= 500, waited
 
@@ -163,8 +196,9 @@ async def exercise_the_original_tools(client: Client, template: str, branch_tag:
     args = {"sandbox_id": sid, "tag": f"{branch_tag}-m", "measure_diff": True}
     measured = _value(await client.call_tool("branch_sandbox", args))
     assert measured["mode"] == "full" and "diff_logical_bytes" in measured, measured
-    refused = await client.call_tool("branch_sandbox", {"sandbox_id": sid, "diff": True,
-                                                        "wait": False})  # fmt: skip
+    refused = await client.call_tool(
+        "branch_sandbox", {"sandbox_id": sid, "diff": True, "wait": False}
+    )
     assert refused.is_error and "400" in _text(refused)
     for kid in kids:
         assert _value(await client.call_tool("kill_sandbox", {"sandbox_id": kid["id"]}))["killed"]
@@ -309,10 +343,21 @@ def _wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) ->
 def test_http_transport_wants_the_token(server: Server, template: str, tmp_path: Path) -> None:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "forkd.cli", "mcp", "--http", f"127.0.0.1:{port}",
-         "--url", server.url, "--token-file", str(server.token_file)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "forkd.cli",
+            "mcp",
+            "--http",
+            f"127.0.0.1:{port}",
+            "--url",
+            server.url,
+            "--token-file",
+            str(server.token_file),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         _wait_port(port, proc)
         url = f"http://127.0.0.1:{port}/mcp"

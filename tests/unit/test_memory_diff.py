@@ -35,14 +35,25 @@ def image_dir(tmp_path: Path) -> Path:
 
 
 def _meta(image_dir: Path, tag: str, base: BaseRef | None = None) -> SnapshotMeta:
-    machine = MachineConfig(MIB, 1, "tcg", image_dir / "vmlinuz", image_dir / "initrd.img",
-                            image_dir / "rootfs.sqfs")  # fmt: skip
+    machine = MachineConfig(
+        MIB, 1, "tcg", image_dir / "vmlinuz", image_dir / "initrd.img", image_dir / "rootfs.sqfs"
+    )
     return SnapshotMeta(
-        machine=machine, image=None, created_at_unix=1, memory_bytes=SIZE, vmstate_bytes=5,
-        source_vm=None, parent_snapshot=None, capture_ms=0.0, pages_written=0,
-        base_bytes_cloned=0, tag=tag, mode="diff" if base else "full", base=base,
+        machine=machine,
+        image=None,
+        created_at_unix=1,
+        memory_bytes=SIZE,
+        vmstate_bytes=5,
+        source_vm=None,
+        parent_snapshot=None,
+        capture_ms=0.0,
+        pages_written=0,
+        base_bytes_cloned=0,
+        tag=tag,
+        mode="diff" if base else "full",
+        base=base,
         chain=(base,) if base else (),
-    )  # fmt: skip
+    )
 
 
 def _full(root: Path, image_dir: Path, tag: str, data: bytes) -> Path:
@@ -62,8 +73,9 @@ def _map(path: Path) -> mmap.mmap:
         os.close(fd)
 
 
-def _diff_of_mapping(m: mmap.mmap, mapped: Path, base_dir: Path, dest: Path, image_dir: Path,
-                     limit: int = 1 << 30) -> memory_diff.DiffCapture:  # fmt: skip
+def _diff_of_mapping(
+    m: mmap.mmap, mapped: Path, base_dir: Path, dest: Path, image_dir: Path, limit: int = 1 << 30
+) -> memory_diff.DiffCapture:
     """Capture ``m`` (a private mapping of ``mapped``) as a diff over ``base_dir``."""
     dest.mkdir()
     region = memory.find_ram_region(os.getpid(), mapped, SIZE)

@@ -51,8 +51,13 @@ class Counter:
         self.messages.append(received)
         self.headers.append(dict(scope["headers"]))
         body = str(seen).encode()
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(body)).encode())]})  # fmt: skip
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -132,16 +137,20 @@ def test_content_length_with_chunked_cannot_smuggle_a_big_body(
     guarded: tuple[int, Counter],
 ) -> None:
     port, counter = guarded
-    head = (f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 10\r\n"
-            "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 10\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    )
     _refused(_exchange(port, head, _chunked(64 << 20)), 413, 64 << 20)
     assert counter.bodies == []
 
 
 def test_the_same_on_a_raw_upload_route(guarded: tuple[int, Counter]) -> None:
     port, counter = guarded
-    head = (f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
+        "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
     _refused(_exchange(port, head, _chunked(200 << 20)), 413, 200 << 20)
     # The upload streams: the app read up to the limit, then saw the body end early.
     assert len(counter.bodies) == 1 and counter.bodies[0] <= UPLOAD_LIMIT
@@ -149,8 +158,7 @@ def test_the_same_on_a_raw_upload_route(guarded: tuple[int, Counter]) -> None:
 
 def test_a_volume_archive_is_still_capped_and_read_first(guarded: tuple[int, Counter]) -> None:
     port, counter = guarded
-    head = (f"POST /v1/volumes HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = f"POST /v1/volumes HTTP/1.1\r\nHost: x\r\n{AUTH}Transfer-Encoding: chunked\r\n\r\n"
     total = 200 << 20  # well past FILE_BODY_LIMIT, and past what socket buffers hold
     _refused(_exchange(port, head, _chunked(total)), 413, total)
     assert counter.bodies == []
@@ -174,8 +182,10 @@ def test_an_honest_oversized_length_is_refused_before_the_body(
     guarded: tuple[int, Counter],
 ) -> None:
     port, counter = guarded
-    head = (f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            f"Content-Length: {JSON_BODY_LIMIT + 1}\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}"
+        f"Content-Length: {JSON_BODY_LIMIT + 1}\r\n\r\n"
+    )
     ex = _exchange(port, head, iter(()))  # the body is never sent: no need to wait for it
     assert ex.status == 413 and ex.closed, ex.answer
     assert ex.answer.endswith(b'{"error":"request body over 1048576 bytes"}')
@@ -184,8 +194,10 @@ def test_an_honest_oversized_length_is_refused_before_the_body(
 
 def test_a_chunked_body_at_the_limit_gets_through_whole(guarded: tuple[int, Counter]) -> None:
     port, counter = guarded
-    head = (f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}"
+        "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
     ex = _exchange(port, head, _chunked(JSON_BODY_LIMIT))
     assert ex.status == 200, ex.answer
     assert counter.bodies == [JSON_BODY_LIMIT]
@@ -193,8 +205,7 @@ def test_a_chunked_body_at_the_limit_gets_through_whole(guarded: tuple[int, Coun
 
 def test_one_byte_over_the_limit_is_refused(guarded: tuple[int, Counter]) -> None:
     port, counter = guarded
-    head = (f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}Transfer-Encoding: chunked\r\n\r\n"
     ex = _exchange(port, head, _chunked(JSON_BODY_LIMIT + 1))
     assert ex.status == 413 and ex.closed, ex.answer
     assert counter.bodies == []
@@ -203,8 +214,10 @@ def test_one_byte_over_the_limit_is_refused(guarded: tuple[int, Counter]) -> Non
 def test_the_app_sees_the_length_it_is_handed(guarded: tuple[int, Counter]) -> None:
     """A lying Content-Length beside chunked framing is replaced by the real one."""
     port, counter = guarded
-    head = (f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 10\r\n"
-            "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"POST /v1/snapshots HTTP/1.1\r\nHost: x\r\n{AUTH}Content-Length: 10\r\n"
+        "Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+    )
     ex = _exchange(port, head, _chunked(5000))
     assert ex.status == 200, ex.answer
     assert counter.bodies == [5000]
@@ -214,16 +227,17 @@ def test_the_app_sees_the_length_it_is_handed(guarded: tuple[int, Counter]) -> N
 
 def test_a_body_on_a_get_is_bounded_too(guarded: tuple[int, Counter]) -> None:
     port, counter = guarded
-    head = (f"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = f"GET /v1/sandboxes HTTP/1.1\r\nHost: x\r\n{AUTH}Transfer-Encoding: chunked\r\n\r\n"
     _refused(_exchange(port, head, _chunked(64 << 20)), 413, 64 << 20)
     assert counter.bodies == []
 
 
 def test_without_the_token_no_body_is_read(guarded: tuple[int, Counter]) -> None:
     port, counter = guarded
-    head = ("POST /v1/snapshots HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
-            "Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+    head = (
+        "POST /v1/snapshots HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+        "Transfer-Encoding: chunked\r\n\r\n"
+    )
     _refused(_exchange(port, head, _chunked(64 << 20)), 401, 64 << 20)
     assert counter.bodies == []
 
@@ -231,9 +245,11 @@ def test_without_the_token_no_body_is_read(guarded: tuple[int, Counter]) -> None
 def test_a_file_upload_at_its_limit_streams_through(guarded: tuple[int, Counter]) -> None:
     """Past the 32 MiB of the buffered routes, handed over as it arrives, not in one piece."""
     port, counter = guarded
-    head = (f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n"
-            "Connection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
+        "Content-Length: 10\r\nTransfer-Encoding: chunked\r\n"
+        "Connection: close\r\n\r\n"
+    )
     ex = _exchange(port, head, _chunked(UPLOAD_LIMIT, piece=1 << 20))
     assert ex.status == 200, ex.answer
     assert counter.bodies == [UPLOAD_LIMIT]
@@ -244,8 +260,10 @@ def test_an_honest_length_over_the_upload_limit_is_refused_unread(
     guarded: tuple[int, Counter],
 ) -> None:
     port, counter = guarded
-    head = (f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
-            f"Content-Length: {UPLOAD_LIMIT + 1}\r\n\r\n")  # fmt: skip
+    head = (
+        f"PUT /v1/sandboxes/sb-x-1/files?path=/a HTTP/1.1\r\nHost: x\r\n{AUTH}"
+        f"Content-Length: {UPLOAD_LIMIT + 1}\r\n\r\n"
+    )
     ex = _exchange(port, head, iter(()))
     assert ex.status == 413 and ex.closed, ex.answer
     assert counter.bodies == []

@@ -85,8 +85,10 @@ def test_a_ruleset_lands_in_the_namespace_only(name: str) -> None:
     netns_ops.run_inside(name, lambda: netns_ops.load_ruleset(f"table ip {table} {{}}\n", name))
     inside = subprocess.run(
         ["nsenter", f"--net={netns_ops.NETNS_DIR / name}", "--", "nft", "list", "tables"],
-        capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     host = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
     assert f"table ip {table}" in inside
     assert f"table ip {table}" not in host

@@ -14,9 +14,12 @@ from tests.unit.fakes import FakeDriver
 POLICY = {
     "allow_out": ["api.openai.com", "*.GitHub.com.", "203.0.113.0/24"],
     "deny_out": ["evil.github.com"],
-    "rules": {"api.openai.com": [{"transform": {"headers": {
-        "Authorization": "Bearer ${secrets.openai}"}}}]},
-}  # fmt: skip
+    "rules": {
+        "api.openai.com": [
+            {"transform": {"headers": {"Authorization": "Bearer ${secrets.openai}"}}}
+        ]
+    },
+}
 
 
 @pytest.fixture
@@ -47,11 +50,13 @@ def test_a_forks_network_object_is_its_policy(
 def test_the_older_forms_are_the_same_policies(
     client: TestClient, driver: FakeDriver, py: str
 ) -> None:
-    for body, expected in (({"egress": "none"}, {"deny_out": ["*"]}),
-                           ({"internet": True}, {}),
-                           ({"internet": False}, {"deny_out": ["*"]}),
-                           ({"egress": {"allow": ["pypi.org"]}}, {"allow_out": ["pypi.org"]}),
-                           ({"network": {}}, {})):  # fmt: skip
+    for body, expected in (
+        ({"egress": "none"}, {"deny_out": ["*"]}),
+        ({"internet": True}, {}),
+        ({"internet": False}, {"deny_out": ["*"]}),
+        ({"egress": {"allow": ["pypi.org"]}}, {"allow_out": ["pypi.org"]}),
+        ({"network": {}}, {}),
+    ):
         assert _fork(client, **body).status_code == 201
         given = driver.restore_kwargs[-1]["egress_policy"]
         assert given.network() == {"allow_out": [], "deny_out": [], "rules": {}, **expected}
@@ -152,12 +157,22 @@ def test_egress_records_are_paged_and_counted_in_metrics(client: TestClient, py:
     [sb] = _fork(client).json()
     log = client.app.state.services.egress.proxy.log  # type: ignore[attr-defined]
     for i in range(5):
-        log.add(EgressRecord(sb["id"], "refused" if i % 2 else "allowed", "tls",
-                             f"h{i}.test", 443, bytes_out=10, bytes_in=20))  # fmt: skip
+        log.add(
+            EgressRecord(
+                sb["id"],
+                "refused" if i % 2 else "allowed",
+                "tls",
+                f"h{i}.test",
+                443,
+                bytes_out=10,
+                bytes_in=20,
+            )
+        )
     first = client.get(f"/v1/sandboxes/{sb['id']}/egress", params={"limit": 2}).json()
     assert [r["host"] for r in first["records"]] == ["h0.test", "h1.test"]
-    rest = client.get(f"/v1/sandboxes/{sb['id']}/egress",
-                      params={"after": first["next_after"]}).json()  # fmt: skip
+    rest = client.get(
+        f"/v1/sandboxes/{sb['id']}/egress", params={"after": first["next_after"]}
+    ).json()
     assert [r["host"] for r in rest["records"]] == ["h2.test", "h3.test", "h4.test"]
     metrics = client.get("/metrics").text
     assert f'forkd_sandbox_egress_allowed_total{{sandbox="{sb["id"]}"}} 3\n' in metrics
@@ -180,8 +195,9 @@ def test_refusals_reach_the_audit_log_and_a_flood_is_summed_up(
     log.add(EgressRecord(sb["id"], "allowed", "tls", "ok.test", 443))
     for _ in range(egress_audit.AUDIT_REFUSALS_PER_SEC + 5):
         log.add(EgressRecord(sb["id"], "refused", "tls", "evil.test", 443, reason="denied"))
-    lines = [json_.loads(line) for line in
-             (settings.state_dir / "audit.log").read_text().splitlines()]  # fmt: skip
+    lines = [
+        json_.loads(line) for line in (settings.state_dir / "audit.log").read_text().splitlines()
+    ]
     refused = [r for r in lines if r.get("event") == "egress_refused"]
     assert refused and all(r["sandbox_id"] == sb["id"] for r in refused)
     assert refused[0]["host"] == "evil.test" and refused[0]["reason"] == "denied"

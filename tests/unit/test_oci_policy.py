@@ -129,8 +129,14 @@ def test_forkd_serve_takes_the_registry_options_and_refuses_bad_ones(
     monkeypatch.delenv("FORKD_INSECURE_REGISTRIES", raising=False)
     monkeypatch.delenv("FORKD_DEFAULT_REGISTRY", raising=False)
     base = ["serve", "--state-dir", str(tmp_path), "--cgroup-parent", "none", "--accel", "tcg"]
-    options = ["--insecure-registry", "127.0.0.1:5000", "--insecure-registry", "r.local",
-               "--default-registry", "docker.io"]  # fmt: skip
+    options = [
+        "--insecure-registry",
+        "127.0.0.1:5000",
+        "--insecure-registry",
+        "r.local",
+        "--default-registry",
+        "docker.io",
+    ]
     for args in ([], options):
         result = CliRunner().invoke(cli_app, base + args)
         assert result.exit_code == 0, result.output

@@ -71,13 +71,19 @@ def test_a_reference_without_a_registry_host_needs_a_default() -> None:
 
 def test_docker_config_credentials(tmp_path: Path) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"auths": {
-        "https://r.io": {"auth": base64.b64encode(b"ann:s3cret").decode()},
-        "127.0.0.1:5000": {"username": "bob", "password": "pw"},
-        "tok.io": {"identitytoken": "refresh-me"},
-        "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:pw").decode()},
-        "broken.io": {"auth": "!!!"},
-    }}))  # fmt: skip
+    config.write_text(
+        json.dumps(
+            {
+                "auths": {
+                    "https://r.io": {"auth": base64.b64encode(b"ann:s3cret").decode()},
+                    "127.0.0.1:5000": {"username": "bob", "password": "pw"},
+                    "tok.io": {"identitytoken": "refresh-me"},
+                    "https://index.docker.io/v1/": {"auth": base64.b64encode(b"hub:pw").decode()},
+                    "broken.io": {"auth": "!!!"},
+                }
+            }
+        )
+    )
     assert auth.from_docker_config("r.io", config) == auth.Credentials("ann", "s3cret")
     assert auth.from_docker_config("127.0.0.1:5000", config) == auth.Credentials("bob", "pw")
     assert auth.from_docker_config("tok.io", config) == auth.Credentials(None, None, "refresh-me")
@@ -92,8 +98,11 @@ def test_challenge_parsing() -> None:
         'Bearer realm="https://auth.r.io/token",service="r.io",scope="repository:a:pull,push"'
     )
     assert scheme == "bearer"
-    assert params == {"realm": "https://auth.r.io/token", "service": "r.io",
-                      "scope": "repository:a:pull,push"}  # fmt: skip
+    assert params == {
+        "realm": "https://auth.r.io/token",
+        "service": "r.io",
+        "scope": "repository:a:pull,push",
+    }
 
 
 def _token_registry(seen: list[httpx.Request]) -> httpx.MockTransport:
@@ -152,8 +161,9 @@ def test_a_plain_http_realm_gets_no_password_from_a_tls_registry() -> None:
 
 def _hostile(handle) -> Registry:
     ref = reference.parse("r.io/forkd/x:v1")
-    return Registry(ref, credentials=auth.Credentials(bearer="T0K"),
-                    transport=httpx.MockTransport(handle))  # fmt: skip
+    return Registry(
+        ref, credentials=auth.Credentials(bearer="T0K"), transport=httpx.MockTransport(handle)
+    )
 
 
 def test_a_compressed_answer_is_never_inflated() -> None:
@@ -265,8 +275,11 @@ def test_a_redirect_drops_credentials_and_never_goes_down_to_http() -> None:
 
 def test_an_error_answer_is_told_by_its_status_and_the_specs_codes_only() -> None:
     marker = "SECRET-5c1e"
-    errors = [{"code": "MANIFEST_INVALID", "message": marker}, {"code": marker},
-              {"code": "DENIED", "detail": marker}]  # fmt: skip
+    errors = [
+        {"code": "MANIFEST_INVALID", "message": marker},
+        {"code": marker},
+        {"code": "DENIED", "detail": marker},
+    ]
 
     def handle(request: httpx.Request) -> httpx.Response:
         return httpx.Response(500, json={"errors": errors}, headers={"X-Note": marker})
@@ -306,8 +319,15 @@ def test_a_manifest_of_another_kind_is_named_by_forkd_not_by_the_registry() -> N
     with pytest.raises(UpstreamError) as exc:
         artifact.parse_manifest(json.dumps(bad).encode(), "r.io/forkd/x:v1")
     assert marker not in str(exc.value)
-    bad = {"schemaVersion": 2, "config": {"mediaType": artifact.CONFIG_TYPE,
-           "digest": "sha256:" + "a" * 64, "size": marker}, "layers": []}  # fmt: skip
+    bad = {
+        "schemaVersion": 2,
+        "config": {
+            "mediaType": artifact.CONFIG_TYPE,
+            "digest": "sha256:" + "a" * 64,
+            "size": marker,
+        },
+        "layers": [],
+    }
     with pytest.raises(UpstreamError) as exc:
         artifact.parse_manifest(json.dumps(bad).encode(), "r.io/forkd/x:v1")
     assert marker not in str(exc.value) and "malformed manifest (ValueError)" in str(exc.value)

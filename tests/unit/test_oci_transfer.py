@@ -58,20 +58,35 @@ def _snapshot(root: Path, image_dir: Path, tag: str, pages: dict[int, bytes]) ->
         for page, data in pages.items():
             f.seek(page * PAGE)
             f.write(data)
-    machine = MachineConfig(MIB, 1, "tcg", image_dir / "vmlinuz", image_dir / "initrd.img",
-                            image_dir / "rootfs.sqfs")  # fmt: skip
+    machine = MachineConfig(
+        MIB, 1, "tcg", image_dir / "vmlinuz", image_dir / "initrd.img", image_dir / "rootfs.sqfs"
+    )
     meta = SnapshotMeta(
-        machine=machine, image=None, created_at_unix=1_800_000_000, memory_bytes=SIZE,
-        vmstate_bytes=1300, source_vm=None, parent_snapshot=None, capture_ms=0.0,
-        pages_written=0, base_bytes_cloned=0, tag=tag, id=secrets.token_hex(8),
-    )  # fmt: skip
+        machine=machine,
+        image=None,
+        created_at_unix=1_800_000_000,
+        memory_bytes=SIZE,
+        vmstate_bytes=1300,
+        source_vm=None,
+        parent_snapshot=None,
+        capture_ms=0.0,
+        pages_written=0,
+        base_bytes_cloned=0,
+        tag=tag,
+        id=secrets.token_hex(8),
+    )
     snapshot_files.write_meta(d, meta)
     return snapshot_files.load(d)
 
 
 def _config() -> dict:
-    return {"format": 1, "snapshot": {"tag": "t"}, "machine": {}, "needs": {},
-            "image": {"name": "python", "key": "0123456789abcdef", "meta": {}}}  # fmt: skip
+    return {
+        "format": 1,
+        "snapshot": {"tag": "t"},
+        "machine": {},
+        "needs": {},
+        "image": {"name": "python", "key": "0123456789abcdef", "meta": {}},
+    }
 
 
 def _push(reg: Registry, snap: SnapshotFiles, tag: str, base: push.Base | None = None):
@@ -149,8 +164,9 @@ def test_image_pieces_install_and_check(server, tmp_path, image_dir) -> None:
         remote = pull.open_remote(reg, "v1")
         wanted = image_files.wanted(remote.manifest, artifact.IMAGE_FILES)
         assert image_files.differences(image_dir, wanted) == []
-        installed = image_files.install(tmp_path / "other", remote.config, wanted,
-                                        pull.Downloads(reg).fetch, {})  # fmt: skip
+        installed = image_files.install(
+            tmp_path / "other", remote.config, wanted, pull.Downloads(reg).fetch, {}
+        )
     for name in artifact.IMAGE_FILES:
         assert (installed / name).read_bytes() == (image_dir / name).read_bytes()
     assert not [p for p in (tmp_path / "other").iterdir() if p.name.startswith(".")]
@@ -326,10 +342,18 @@ def container_dir(tmp_path: Path, image_dir: Path) -> Path:
 
 def _container_config(names: tuple[str, ...] | list[str] | None = None) -> dict:
     carried = list(names if names is not None else (*artifact.IMAGE_FILES, artifact.RUNTIME_FILE))
-    return {"format": 2, "snapshot": {"tag": "t"}, "needs": {},
-            "machine": {"cmdline": f"console=ttyS0 {RUNTIME_CMDLINE}"},
-            "image": {"name": "oci-0123456789ab", "key": "fedcba9876543210", "meta": {},
-                      "files": carried}}  # fmt: skip
+    return {
+        "format": 2,
+        "snapshot": {"tag": "t"},
+        "needs": {},
+        "machine": {"cmdline": f"console=ttyS0 {RUNTIME_CMDLINE}"},
+        "image": {
+            "name": "oci-0123456789ab",
+            "key": "fedcba9876543210",
+            "meta": {},
+            "files": carried,
+        },
+    }
 
 
 def test_a_runtime_disk_travels_with_its_image_and_only_format_2_readers_take_it(
@@ -345,8 +369,9 @@ def test_a_runtime_disk_travels_with_its_image_and_only_format_2_readers_take_it
         wanted = image_files.wanted(remote.manifest, names)
         assert len(wanted[artifact.RUNTIME_FILE]) == 2  # in image pieces, like the rootfs
         downloads = pull.Downloads(reg)
-        installed = image_files.install(tmp_path / "other", remote.config, wanted,
-                                        downloads.fetch, {"kind": "container"})  # fmt: skip
+        installed = image_files.install(
+            tmp_path / "other", remote.config, wanted, downloads.fetch, {"kind": "container"}
+        )
         # A forkd that reads format 1 only (every forkd before this one) refuses it by
         # its format, before it writes anything, instead of restoring a guest whose
         # second disk is missing.
@@ -373,19 +398,23 @@ def test_a_recipe_snapshot_stays_format_1_for_older_readers() -> None:
         (_container_config(["vmlinuz", "initrd.img", "runtime.sqfs"]), "are not vmlinuz"),
         (_container_config([*artifact.IMAGE_FILES, "runtime.sqfs", "runtime.sqfs"]), "are not"),
         (_container_config([*artifact.IMAGE_FILES, "runtime.sqfs", "../x"]), "does not know"),
-        ({**_container_config(), "image": {"name": "x", "key": "y", "files": "vmlinuz"}},
-         "not a list of names"),
+        (
+            {**_container_config(), "image": {"name": "x", "key": "y", "files": "vmlinuz"}},
+            "not a list of names",
+        ),
         ({**_container_config(), "image": {"name": "x", "key": "y"}}, "no 'files'"),
         # A runtime disk carried for a guest not booted with one, and the reverse: what
         # an older forkd pushed of a container image (its machine named a host path).
         ({**_container_config(), "machine": {"cmdline": "console=ttyS0"}}, "not booted with"),
-        ({**_config(), "machine": {"cmdline": f"a {RUNTIME_CMDLINE}", "runtime": "/x"}},
-         "needs a runtime disk the artifact does not carry"),
+        (
+            {**_config(), "machine": {"cmdline": f"a {RUNTIME_CMDLINE}", "runtime": "/x"}},
+            "needs a runtime disk the artifact does not carry",
+        ),
         ({**_container_config(artifact.IMAGE_FILES)}, "needs a runtime disk"),
         ({**_config(), "format": 3}, "config format 3, this forkd reads 1 and 2"),
         ({**_config(), "format": True}, "config format unknown"),
     ],
-)  # fmt: skip
+)
 def test_configs_whose_image_files_do_not_fit_their_guest_are_refused(
     config: dict, words: str
 ) -> None:

@@ -82,18 +82,26 @@ def test_delete_with_cascade_or_force(client: TestClient, sid: str, how: str) ->
 def test_counts_print_as_integers_and_seconds_as_floats() -> None:
     from forkd.controller.metrics import integral_counts
 
-    text = b"\n".join([
-        b"# TYPE forkd_snapshots_total gauge", b"forkd_snapshots_total 3.0",
-        b'forkd_fork_seconds_bucket{le="0.025"} 2.0', b"forkd_fork_seconds_count 2.0",
-        b"forkd_fork_seconds_sum 1.0", b"forkd_fork_seconds_created 1.7e+09",
-        b"forkd_pool_waiting 0.5",
-    ])  # fmt: skip
+    text = b"\n".join(
+        [
+            b"# TYPE forkd_snapshots_total gauge",
+            b"forkd_snapshots_total 3.0",
+            b'forkd_fork_seconds_bucket{le="0.025"} 2.0',
+            b"forkd_fork_seconds_count 2.0",
+            b"forkd_fork_seconds_sum 1.0",
+            b"forkd_fork_seconds_created 1.7e+09",
+            b"forkd_pool_waiting 0.5",
+        ]
+    )
     assert integral_counts(text).split(b"\n") == [
-        b"# TYPE forkd_snapshots_total gauge", b"forkd_snapshots_total 3",
-        b'forkd_fork_seconds_bucket{le="0.025"} 2', b"forkd_fork_seconds_count 2",
-        b"forkd_fork_seconds_sum 1.0", b"forkd_fork_seconds_created 1.7e+09",
+        b"# TYPE forkd_snapshots_total gauge",
+        b"forkd_snapshots_total 3",
+        b'forkd_fork_seconds_bucket{le="0.025"} 2',
+        b"forkd_fork_seconds_count 2",
+        b"forkd_fork_seconds_sum 1.0",
+        b"forkd_fork_seconds_created 1.7e+09",
         b"forkd_pool_waiting 0.5",
-    ]  # fmt: skip
+    ]
 
 
 def test_last_branch_memory_path_names_the_latest_branchs_memory(

@@ -72,8 +72,14 @@ def test_the_original_mcp_server_from_pypi_drives_the_daemon(server: Server, py:
     async def session() -> None:
         async with Client(params) as client:
             tools = {t.name for t in (await client.list_tools()).tools}
-            assert {"list_snapshots", "spawn_sandboxes", "exec_command", "eval_code",
-                    "branch_sandbox", "kill_sandbox"} <= tools  # fmt: skip
+            assert {
+                "list_snapshots",
+                "spawn_sandboxes",
+                "exec_command",
+                "eval_code",
+                "branch_sandbox",
+                "kill_sandbox",
+            } <= tools
             assert [s["tag"] for s in _value(await client.call_tool("list_snapshots", {}))] == [py]
             kids = _value(await client.call_tool("spawn_sandboxes", {"snapshot_tag": py}))
             sid = kids[0]["id"]

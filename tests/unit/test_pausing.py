@@ -135,15 +135,18 @@ def test_a_restarted_daemon_adopts_a_paused_sandbox_paused(settings: Settings) -
     settings.run_dir.mkdir(parents=True)
     store = Store(settings.state_dir / "forkd.db")
     for sid, state in (("sb-t-0001", SandboxState.PAUSED), ("sb-t-0002", SandboxState.RUNNING)):
-        store.add_sandbox(SandboxRow(sid, "base", str(settings.run_dir / sid), 1, 1,
-                                     None, None, state))  # fmt: skip
+        store.add_sandbox(
+            SandboxRow(sid, "base", str(settings.run_dir / sid), 1, 1, None, None, state)
+        )
     machine = MachineConfig(1, 128, "tcg", Path("k"), Path("i"), Path("r"))
     driver = AdoptingDriver(machine)
     services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0), driver)
     asyncio.run(services.lifecycle.adopt_sandboxes())
     assert driver.asked == {"sb-t-0001": True, "sb-t-0002": False}
     assert [store.get_sandbox(s).state for s in ("sb-t-0001", "sb-t-0002")] == [  # type: ignore[union-attr]
-        "paused", "running"]  # fmt: skip
+        "paused",
+        "running",
+    ]
     assert services.vms["sb-t-0001"].state == "paused"
 
 
@@ -154,11 +157,22 @@ def test_a_sandbox_the_daemon_died_forking_is_adopted_running(settings: Settings
 
     settings.run_dir.mkdir(parents=True)
     store = Store(settings.state_dir / "forkd.db")
-    store.add_sandbox(SandboxRow("sb-t-0003", "base", str(settings.run_dir / "sb-t-0003"), None,
-                                 1, None, None, SandboxState.STARTING))  # fmt: skip
+    store.add_sandbox(
+        SandboxRow(
+            "sb-t-0003",
+            "base",
+            str(settings.run_dir / "sb-t-0003"),
+            None,
+            1,
+            None,
+            None,
+            SandboxState.STARTING,
+        )
+    )
     machine = MachineConfig(1, 128, "tcg", Path("k"), Path("i"), Path("r"))
-    services = Services.create(settings, store, Metrics(lambda: 0, lambda: 0),
-                               AdoptingDriver(machine))  # fmt: skip
+    services = Services.create(
+        settings, store, Metrics(lambda: 0, lambda: 0), AdoptingDriver(machine)
+    )
     asyncio.run(services.lifecycle.adopt_sandboxes())
     row = store.get_sandbox("sb-t-0003")
     assert row is not None and (row.state, row.pid) == (SandboxState.RUNNING, os.getpid())

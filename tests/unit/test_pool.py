@@ -88,8 +88,11 @@ def test_refill_starts_per_snapshot_processes_and_take_hands_them_out() -> None:
         await pool.wait_filled(A)
         assert pool.waiting() == 2
         assert spawner.calls[0] == {
-            "snapshot_dir": A, "run_root": Path("/run"), "vm_id": "sb-1", "detach": True
-        }  # fmt: skip
+            "snapshot_dir": A,
+            "run_root": Path("/run"),
+            "vm_id": "sb-1",
+            "detach": True,
+        }
         first, second = pool.take(A), pool.take(A)
         assert {first, second} == set(spawner.vms)
         assert pool.take(A) is None  # empty until refilled

@@ -163,7 +163,8 @@ def test_cli_port_forward_and_url(sb: Sandbox, server: Server) -> None:
     r = runner.invoke(app, ["port-forward", "sb-nope-0001", "8000"], env=env)
     assert r.exit_code == 1 and "not found" in r.output
     busy = socket.create_server(("127.0.0.1", 0))
-    r = runner.invoke(app, ["port-forward", sb.id, f"{busy.getsockname()[1]}:{GUEST_PORT}"],
-                      env=env)  # fmt: skip
+    r = runner.invoke(
+        app, ["port-forward", sb.id, f"{busy.getsockname()[1]}:{GUEST_PORT}"], env=env
+    )
     busy.close()
     assert r.exit_code == 1 and "cannot listen" in r.output

@@ -44,10 +44,17 @@ def test_a_guest_port_answers_through_the_proxy_with_its_path_and_query(
 def test_hop_by_hop_headers_are_dropped_both_ways_and_the_token_never_reaches_the_guest(
     http: httpx.Client, sid: str
 ) -> None:
-    r = http.get(_url(sid, "/headers"), headers={
-        "X-Forwarded-Host": "evil.example", "Forwarded": "for=6.6.6.6", "Connection": "X-Secret",
-        "X-Secret": "not for the guest", "Keep-Alive": "timeout=1", "X-Kept": "yes",
-    })  # fmt: skip
+    r = http.get(
+        _url(sid, "/headers"),
+        headers={
+            "X-Forwarded-Host": "evil.example",
+            "Forwarded": "for=6.6.6.6",
+            "Connection": "X-Secret",
+            "X-Secret": "not for the guest",
+            "Keep-Alive": "timeout=1",
+            "X-Kept": "yes",
+        },
+    )
     sent = dict(r.json())
     assert "authorization" not in sent and "forwarded" not in sent
     assert "x-secret" not in sent and "keep-alive" not in sent
@@ -101,10 +108,13 @@ def test_a_guest_gets_only_its_own_cookies_and_no_referer_and_its_pages_send_non
     elsewhere = settings.state_dir.parent / "elsewhere"
     elsewhere.mkdir()
     assert PreviewKey(elsewhere).cookie_tag(prefix).decode() != tag
-    r = http.get(_url(sid, "/headers"), headers={
-        "Cookie": f"tossed=fromA; {tag}session=abc; {other}theirs=x; {tag}theme=dark",
-        "Referer": "http://127.0.0.1/v1/preview/another-sandboxes-token/page",
-    })  # fmt: skip
+    r = http.get(
+        _url(sid, "/headers"),
+        headers={
+            "Cookie": f"tossed=fromA; {tag}session=abc; {other}theirs=x; {tag}theme=dark",
+            "Referer": "http://127.0.0.1/v1/preview/another-sandboxes-token/page",
+        },
+    )
     sent = dict(r.json())
     assert sent["cookie"] == "session=abc; theme=dark"
     assert "referer" not in sent

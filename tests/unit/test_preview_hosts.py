@@ -75,10 +75,15 @@ def test_a_preview_is_served_on_its_own_host_only(
     # Any other name under the domain serves nothing: no API, no console.
     for name in (f"www.{DOMAIN}", f"a.b.{DOMAIN}", f"{GUEST_PORT}-{sid}.{DOMAIN}."):
         for path in ("/v1/sandboxes", "/ui/", f"/v1/preview/{info['token']}/"):
-            r = _get(anon, f"http://{name}:{daemon_port}{path}",
-                     headers={"Authorization": http.headers["Authorization"]})  # fmt: skip
-            assert r.status_code == (200 if name.endswith(".") and "preview" in path
-                                     else 404), (name, path)  # fmt: skip
+            r = _get(
+                anon,
+                f"http://{name}:{daemon_port}{path}",
+                headers={"Authorization": http.headers["Authorization"]},
+            )
+            assert r.status_code == (200 if name.endswith(".") and "preview" in path else 404), (
+                name,
+                path,
+            )
 
 
 def test_a_page_s_absolute_paths_work_on_its_host_through_the_preview_cookie(
@@ -193,8 +198,10 @@ def test_in_a_browser_a_preview_is_an_origin_of_its_own(http: httpx.Client, sid:
     url = _preview(http, sid)["url"] + "cookies"
     host = urlsplit(url).hostname
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=[
-            "--no-sandbox", f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"])  # fmt: skip
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"],
+        )
         try:
             context = browser.new_context()
             page = context.new_page()

@@ -68,9 +68,17 @@ MAC = "A" * 43
 
 @pytest.mark.parametrize(
     "token",
-    ["", "x", "p1.sb.8000.1", f"p2.sb.8000.1.{MAC}", f"p1.sb.8000.1.{MAC[1:]}",
-     f"p1.{'s' * 200}.1.1.{MAC}", f"p1.sb/x.8000.1.{MAC}", f"p1.sb.8000.1.{MAC}\n"],
-)  # fmt: skip
+    [
+        "",
+        "x",
+        "p1.sb.8000.1",
+        f"p2.sb.8000.1.{MAC}",
+        f"p1.sb.8000.1.{MAC[1:]}",
+        f"p1.{'s' * 200}.1.1.{MAC}",
+        f"p1.sb/x.8000.1.{MAC}",
+        f"p1.sb.8000.1.{MAC}\n",
+    ],
+)
 def test_anything_but_a_well_formed_token_is_refused_before_any_work(token: str) -> None:
     with pytest.raises(Forbidden):
         parse(token)
@@ -154,9 +162,13 @@ def test_a_tampered_token_is_refused_and_never_reaches_a_guest(
     _vm(server, other).ports[GUEST_PORT] = web
     _vm(server, sid).ports[8001] = web
     token = _preview(http, sid)["token"]
-    for forged in (_swap(token, 2, "8001"), _swap(token, 1, other),
-                   _swap(token, 3, str(int(time.time()) + 10**6)), _other_last(token),
-                   "x" * 5000):  # fmt: skip
+    for forged in (
+        _swap(token, 2, "8001"),
+        _swap(token, 1, other),
+        _swap(token, 3, str(int(time.time()) + 10**6)),
+        _other_last(token),
+        "x" * 5000,
+    ):
         r = anon.get(f"/v1/preview/{forged}/")
         assert r.status_code == 403, (forged, r.text)
         assert "hello" not in r.text
@@ -202,9 +214,13 @@ def test_only_the_preview_route_is_open_without_the_bearer(
     anon: httpx.Client, http: httpx.Client, sid: str
 ) -> None:
     token = _preview(http, sid)["token"]
-    for path in (f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/", f"/v1/preview/{token}",
-                 f"/v1/preview/{token}/../../sandboxes/{sid}", "/v1/preview/",
-                 f"/v1/sandboxes/{sid}/preview-urls"):  # fmt: skip
+    for path in (
+        f"/v1/sandboxes/{sid}/ports/{GUEST_PORT}/",
+        f"/v1/preview/{token}",
+        f"/v1/preview/{token}/../../sandboxes/{sid}",
+        "/v1/preview/",
+        f"/v1/sandboxes/{sid}/preview-urls",
+    ):
         assert anon.get(path).status_code in (401, 403, 404), path
     r = anon.post(f"/v1/sandboxes/{sid}/preview-urls", json={"port": GUEST_PORT})
     assert r.status_code == 401

@@ -213,8 +213,18 @@ def backend(request: pytest.FixtureRequest, scripts: dict[str, str], tmp_path: P
 
 # ----------------------------------------------------------------------------- start, info, list
 
-INFO_FIELDS = {"pid", "cmd", "pty", "stdin", "running", "exit_code", "started_at", "ended_at",
-               "output_start", "output_end"}  # fmt: skip
+INFO_FIELDS = {
+    "pid",
+    "cmd",
+    "pty",
+    "stdin",
+    "running",
+    "exit_code",
+    "started_at",
+    "ended_at",
+    "output_start",
+    "output_end",
+}
 READ_FIELDS = {"chunks", "next_offset", "gap", "running", "exit_code", "eof", "raw"}
 
 
@@ -225,9 +235,15 @@ def test_a_start_answers_the_info_of_a_running_process(backend: Backend) -> None
         assert set(info) == INFO_FIELDS
         assert type(info["pid"]) is int and before - 1 <= info["started_at"] <= time.time()
         assert {k: v for k, v in info.items() if k not in ("pid", "started_at")} == {
-            "cmd": ["sleep", "30"], "pty": False, "stdin": False, "running": True,
-            "exit_code": None, "ended_at": None, "output_start": 0, "output_end": 0,
-        }  # fmt: skip
+            "cmd": ["sleep", "30"],
+            "pty": False,
+            "stdin": False,
+            "running": True,
+            "exit_code": None,
+            "ended_at": None,
+            "output_start": 0,
+            "output_end": 0,
+        }
         assert await procs.ops.proc_info(info["pid"]) == info
 
     backend.run(case)
@@ -263,8 +279,9 @@ def test_the_list_holds_each_process_as_its_info_in_start_order(backend: Backend
 def test_a_missing_program_is_file_not_found(backend: Backend) -> None:
     async def case(procs: Processes) -> None:
         assert await _refusal(procs.start(["nosuch"])) == (
-            "FileNotFoundError", "[Errno 2] No such file or directory: 'nosuch'"
-        )  # fmt: skip
+            "FileNotFoundError",
+            "[Errno 2] No such file or directory: 'nosuch'",
+        )
 
     backend.run(case)
 
@@ -278,13 +295,22 @@ def test_output_after_the_exit_is_kept_and_read_to_its_eof(backend: Backend) -> 
         await procs.output(pid)
         answer = await procs.ops.proc_read(pid, 0)
         assert answer == {
-            "chunks": [{"stream": "stdout", "offset": 0, "size": 4}], "next_offset": 4,
-            "gap": None, "running": False, "exit_code": 0, "eof": True, "raw": b"a b\n",
-        }  # fmt: skip
-        assert await procs.ops.proc_read(pid, 4, wait_s=1.0) == {
-            "chunks": [], "next_offset": 4, "gap": None, "running": False, "exit_code": 0,
+            "chunks": [{"stream": "stdout", "offset": 0, "size": 4}],
+            "next_offset": 4,
+            "gap": None,
+            "running": False,
+            "exit_code": 0,
             "eof": True,
-        }  # fmt: skip
+            "raw": b"a b\n",
+        }
+        assert await procs.ops.proc_read(pid, 4, wait_s=1.0) == {
+            "chunks": [],
+            "next_offset": 4,
+            "gap": None,
+            "running": False,
+            "exit_code": 0,
+            "eof": True,
+        }
 
     backend.run(case)
 
@@ -305,9 +331,14 @@ def test_a_run_of_one_stream_is_one_chunk_cut_at_offset_and_max_bytes(backend: B
         assert b"".join(data for _, data in (await procs.output(pid))[0]) == b"1\n2\n3\n"
         answer = await procs.ops.proc_read(pid, 1, max_bytes=3)
         assert answer == {
-            "chunks": [{"stream": "stdout", "offset": 1, "size": 3}], "next_offset": 4,
-            "gap": None, "running": False, "exit_code": 0, "eof": False, "raw": b"\n2\n",
-        }  # fmt: skip
+            "chunks": [{"stream": "stdout", "offset": 1, "size": 3}],
+            "next_offset": 4,
+            "gap": None,
+            "running": False,
+            "exit_code": 0,
+            "eof": False,
+            "raw": b"\n2\n",
+        }
 
     backend.run(case)
 
@@ -353,15 +384,18 @@ def test_a_read_past_the_end_or_before_zero_is_refused(backend: Backend) -> None
         await procs.output(pid)
         read = procs.ops.proc_read
         assert await _refusal(read(pid, 99)) == (
-            "ValueError", "offset 99 is past the end of the output (4)"
-        )  # fmt: skip
+            "ValueError",
+            "offset 99 is past the end of the output (4)",
+        )
         assert await _refusal(read(pid, -1)) == ("ValueError", "'offset' must be an integer >= 0")
         assert await _refusal(read(pid, 0, max_bytes=0)) == (
-            "ValueError", "'max_bytes' must be an integer from 1 to 1048576"
-        )  # fmt: skip
+            "ValueError",
+            "'max_bytes' must be an integer from 1 to 1048576",
+        )
         assert await _refusal(read(pid, 0, wait_s=31)) == (
-            "ValueError", "'wait_s' must be a number of seconds from 0 to 30"
-        )  # fmt: skip
+            "ValueError",
+            "'wait_s' must be a number of seconds from 0 to 30",
+        )
 
     backend.run(case)
 
@@ -375,9 +409,13 @@ def test_a_read_waits_for_output_and_stdin_then_eof_ends_cat(backend: Backend) -
         pid = info["pid"]
         assert info["stdin"] is True
         assert await procs.ops.proc_read(pid, 0) == {
-            "chunks": [], "next_offset": 0, "gap": None, "running": True, "exit_code": None,
+            "chunks": [],
+            "next_offset": 0,
+            "gap": None,
+            "running": True,
+            "exit_code": None,
             "eof": False,
-        }  # fmt: skip
+        }
         assert await procs.ops.proc_stdin(pid, b"hello\n") == 6
         answer = await procs.ops.proc_read(pid, 0, wait_s=WAIT_S)
         assert set(answer) == READ_FIELDS and _chunks(answer) == [("stdout", b"hello\n")]
@@ -394,13 +432,15 @@ def test_stdin_after_eof_or_after_the_exit_is_a_broken_pipe(backend: Backend) ->
         pid = (await procs.start(["sleep", "30"], stdin=True))["pid"]  # never reads it
         assert await procs.ops.proc_stdin(pid, b"", eof=True) == 0
         assert await _refusal(procs.ops.proc_stdin(pid, b"more")) == (
-            "BrokenPipeError", f"[Errno 32] process {pid} has its stdin closed"
-        )  # fmt: skip
+            "BrokenPipeError",
+            f"[Errno 32] process {pid} has its stdin closed",
+        )
         await procs.ops.proc_signal(pid, "KILL")
         await procs.exited(pid)
         assert await _refusal(procs.ops.proc_stdin(pid, b"more")) == (
-            "BrokenPipeError", f"[Errno 32] process {pid} has exited"
-        )  # fmt: skip
+            "BrokenPipeError",
+            f"[Errno 32] process {pid} has exited",
+        )
 
     backend.run(case)
 
@@ -409,8 +449,9 @@ def test_stdin_of_a_process_started_without_it_is_a_value_error(backend: Backend
     async def case(procs: Processes) -> None:
         pid = (await procs.start(["sleep", "30"]))["pid"]
         assert await _refusal(procs.ops.proc_stdin(pid, b"x")) == (
-            "ValueError", f"process {pid} was started without stdin"
-        )  # fmt: skip
+            "ValueError",
+            f"process {pid} was started without stdin",
+        )
 
     backend.run(case)
 
@@ -450,11 +491,13 @@ def test_a_bad_signal_is_refused_before_the_pid_is_looked_up(backend: Backend) -
     async def case(procs: Processes) -> None:
         signal = procs.ops.proc_signal
         assert await _refusal(signal(NO_SUCH_PID, "NOPE")) == (
-            "ValueError", "unknown signal: 'NOPE'"
-        )  # fmt: skip
+            "ValueError",
+            "unknown signal: 'NOPE'",
+        )
         assert await _refusal(signal(NO_SUCH_PID, 999)) == (
-            "ValueError", '\'signal\' must be a signal number or a name like "SIGTERM" or "TERM"'
-        )  # fmt: skip
+            "ValueError",
+            '\'signal\' must be a signal number or a name like "SIGTERM" or "TERM"',
+        )
 
     backend.run(case)
 
@@ -491,11 +534,13 @@ def test_a_resize_without_a_pty_or_out_of_bounds_is_refused(backend: Backend) ->
     async def case(procs: Processes) -> None:
         pid = (await procs.start(["sleep", "30"]))["pid"]
         assert await _refusal(procs.ops.proc_resize(pid, 80, 24)) == (
-            "ValueError", f"process {pid} has no pty"
-        )  # fmt: skip
+            "ValueError",
+            f"process {pid} has no pty",
+        )
         assert await _refusal(procs.ops.proc_resize(pid, 0, 24)) == (
-            "ValueError", "'cols' must be an integer from 1 to 1000"
-        )  # fmt: skip
+            "ValueError",
+            "'cols' must be an integer from 1 to 1000",
+        )
 
     backend.run(case)
 
@@ -544,8 +589,9 @@ def test_at_most_64_processes_run_at_once(backend: Backend) -> None:
         for _ in range(64):
             await procs.start(["sleep", "30"])
         assert await _refusal(procs.start(["sleep", "30"])) == (
-            "BlockingIOError", "too many background processes running (at most 64)"
-        )  # fmt: skip
+            "BlockingIOError",
+            "too many background processes running (at most 64)",
+        )
 
     backend.run(case)
 
@@ -560,7 +606,8 @@ def test_only_the_64_most_recent_exited_processes_are_kept(backend: Backend) -> 
         listed = {p["pid"] for p in await procs.ops.proc_list()}
         assert set(later) <= listed and first not in listed
         assert await _refusal(procs.ops.proc_info(first)) == (
-            "ProcessLookupError", f"no background process with pid {first}"
-        )  # fmt: skip
+            "ProcessLookupError",
+            f"no background process with pid {first}",
+        )
 
     backend.run(case)

@@ -221,8 +221,9 @@ def test_a_terminal_streams_pty_and_resizes(server: Server, http: httpx.Client, 
     assert http.post(url, json={"cols": 120, "rows": 40}).status_code == 204
     assert vm_of(server, sid).processes.procs[shell["pid"]].size == (120, 40)
     plain = start(http, sid, ["sleep", "30"])
-    r = http.post(f"/v1/sandboxes/{sid}/processes/{plain['pid']}/resize",
-                  json={"cols": 120, "rows": 40})  # fmt: skip
+    r = http.post(
+        f"/v1/sandboxes/{sid}/processes/{plain['pid']}/resize", json={"cols": 120, "rows": 40}
+    )
     assert r.status_code == 400 and "has no pty" in r.json()["error"]  # the agent's words
     assert http.post(url, json={"cols": 1001, "rows": 40}).status_code == 400
 

@@ -147,8 +147,12 @@ def test_a_bad_control_frame_is_an_error_frame_and_the_session_goes_on(
 def test_the_exit_is_a_text_frame_then_a_normal_close(client: TestClient) -> None:
     sandbox_id, pid = _started(client, ["cat"])
     with client.websocket_connect(_pty_path(sandbox_id, pid)) as ws:
-        assert client.post(f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal",
-                           json={"signal": "KILL"}).status_code == 204  # fmt: skip
+        assert (
+            client.post(
+                f"/v1/sandboxes/{sandbox_id}/processes/{pid}/signal", json={"signal": "KILL"}
+            ).status_code
+            == 204
+        )
         assert json.loads(ws.receive_text()) == {"type": "exit", "exit_code": 137}
         with pytest.raises(WebSocketDisconnect) as closed:
             ws.receive_bytes()
@@ -268,8 +272,13 @@ def test_a_sandbox_killed_during_the_session_closes_it_with_4000_plus_the_status
 
 def _ws_scope(token: str | None, extensions: dict[str, Any]) -> dict[str, Any]:
     headers = [(b"authorization", f"Bearer {token}".encode())] if token else []
-    return {"type": "websocket", "path": "/v1/sandboxes/x/processes/1/pty", "headers": headers,
-            "query_string": b"", "extensions": extensions}  # fmt: skip
+    return {
+        "type": "websocket",
+        "path": "/v1/sandboxes/x/processes/1/pty",
+        "headers": headers,
+        "query_string": b"",
+        "extensions": extensions,
+    }
 
 
 def _guarded(token: str | None, scope: dict[str, Any]) -> tuple[list[Message], bool]:
@@ -294,8 +303,9 @@ def _guarded(token: str | None, scope: dict[str, Any]) -> tuple[list[Message], b
 def test_the_guard_closes_a_websocket_before_accepting_it_where_no_http_answer_can_go() -> None:
     sent, called = _guarded("secret", _ws_scope("wrong", {}))
     assert not called
-    assert sent == [{"type": "websocket.close", "code": 1008,
-                     "reason": "missing or wrong bearer token"}]  # fmt: skip
+    assert sent == [
+        {"type": "websocket.close", "code": 1008, "reason": "missing or wrong bearer token"}
+    ]
     sent, called = _guarded("secret", _ws_scope(None, {"websocket.http.response": {}}))
     assert not called and sent[0]["type"] == "websocket.http.response.start"
     assert sent[0]["status"] == 401

@@ -10,16 +10,32 @@ import pytest
 from forkd.guest import pulled_image
 from forkd.image_import.model import ImageConfig
 
-CONFIG = ImageConfig(env=("PATH=/bin",), working_dir="/srv", user="app", cmd=("httpd",),
-                     exposed_ports=("8080/tcp",), labels={"a": "b"})  # fmt: skip
+CONFIG = ImageConfig(
+    env=("PATH=/bin",),
+    working_dir="/srv",
+    user="app",
+    cmd=("httpd",),
+    exposed_ports=("8080/tcp",),
+    labels={"a": "b"},
+)
 IMPORTED = {
-    "name": "oci-cccccccccccc", "key": "0" * 16, "kind": "container",
-    "reference": "oci-archive:/tmp/x.tar:1", "references": ["oci-archive:/tmp/x.tar:1"],
-    "manifest_digest": "sha256:" + "d" * 64, "config_digest": "sha256:" + "c" * 64,
-    "layers": ["sha256:" + "1" * 64], "config": CONFIG.to_json(), "kernel_release": "6.1.0",
-    "rootfs": {"layers": 1}, "template": {}, "builder_version": 1, "built_at_unix": 1700000000,
-    "build_secs": 2.5, "recipe_dir": "/home/someone",
-}  # fmt: skip
+    "name": "oci-cccccccccccc",
+    "key": "0" * 16,
+    "kind": "container",
+    "reference": "oci-archive:/tmp/x.tar:1",
+    "references": ["oci-archive:/tmp/x.tar:1"],
+    "manifest_digest": "sha256:" + "d" * 64,
+    "config_digest": "sha256:" + "c" * 64,
+    "layers": ["sha256:" + "1" * 64],
+    "config": CONFIG.to_json(),
+    "kernel_release": "6.1.0",
+    "rootfs": {"layers": 1},
+    "template": {},
+    "builder_version": 1,
+    "built_at_unix": 1700000000,
+    "build_secs": 2.5,
+    "recipe_dir": "/home/someone",
+}
 
 
 def test_an_imported_images_record_keeps_what_forkd_reads() -> None:

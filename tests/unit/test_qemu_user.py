@@ -126,12 +126,19 @@ def test_another_process_sees_the_uids_held_here(
     held = Registry(UidRange(70000, 70001), directory).reserve()
     held.bind(_sleeper(children))
     other = subprocess.run(
-        [sys.executable, "-c", (
-            "from pathlib import Path\nfrom forkd.vmm.jail.qemu_user import Registry, UidRange\n"
-            f"print(Registry(UidRange(70000, 70001), Path({str(directory)!r})).reserve().uid)"
-        )],
-        capture_output=True, text=True, check=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            (
+                "from pathlib import Path\n"
+                "from forkd.vmm.jail.qemu_user import Registry, UidRange\n"
+                f"print(Registry(UidRange(70000, 70001), Path({str(directory)!r})).reserve().uid)"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert int(other.stdout) == 70001  # the other one; 70000's QEMU still runs
     # That process has exited: what it reserved and never handed to a QEMU is free.
     assert Registry(UidRange(70000, 70001), directory).reserve().uid == 70001
@@ -188,10 +195,19 @@ def test_doctor_warns_of_a_user_inside_the_range(monkeypatch: pytest.MonkeyPatch
 def test_runas_is_numeric_and_keeps_the_filter_without_the_setuid_ban() -> None:
     rt = RuntimePaths(Path("/run/vm-1"))
     cfg = MachineConfig(256, 1, "tcg", Path("/k"), Path("/i"), Path("/r"))
-    vols = [Attachment("ro", "/ro", True, ("/v/ro/base.img",)),
-            Attachment("rw", "/rw", False, ("/v/rw/layers/a.qcow2", "/v/rw/base.img"))]  # fmt: skip
-    argv = build_argv(cfg, rt, ram_file=rt.ram, incoming=True, volumes=vols,
-                      runas="70000:70000", layer_fds={1: (7, 8)})  # fmt: skip
+    vols = [
+        Attachment("ro", "/ro", True, ("/v/ro/base.img",)),
+        Attachment("rw", "/rw", False, ("/v/rw/layers/a.qcow2", "/v/rw/base.img")),
+    ]
+    argv = build_argv(
+        cfg,
+        rt,
+        ram_file=rt.ram,
+        incoming=True,
+        volumes=vols,
+        runas="70000:70000",
+        layer_fds={1: (7, 8)},
+    )
     assert argv[argv.index("-runas") + 1] == "70000:70000"
     assert argv[argv.index("-sandbox") + 1] == SANDBOX_RUNAS
     assert "elevateprivileges" not in SANDBOX_RUNAS and "spawn=deny" in SANDBOX_RUNAS

@@ -239,9 +239,18 @@ def test_reclaim_never_fills_the_disk_to_give_memory_back(
 
 
 @pytest.mark.parametrize(
-    "answer", [[1], ["x"], [{"output_end": float("nan")}], [{"output_end": 1e400}],
-               [{"output_end": -1}], [{"output_end": True}], "x", None],
-)  # fmt: skip
+    "answer",
+    [
+        [1],
+        ["x"],
+        [{"output_end": float("nan")}],
+        [{"output_end": 1e400}],
+        [{"output_end": -1}],
+        [{"output_end": True}],
+        "x",
+        None,
+    ],
+)
 def test_a_guest_that_answers_nonsense_is_taken_and_does_not_stop_the_pass(
     client: TestClient, driver: FakeDriver, meminfo: Path, answer: Any
 ) -> None:

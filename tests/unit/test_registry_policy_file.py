@@ -30,8 +30,11 @@ def test_the_file_adds_to_the_flags_and_is_read_again_when_it_changes(tmp_path: 
     path = tmp_path / "registries.toml"
     policy = PolicyFile(path, FLAGS)
     assert policy.current() == FLAGS  # no file yet: the flags alone
-    _write(path, 'insecure_registries = ["127.0.0.1:6000"]\ndefault_registry = "reg.test"\n'
-                 f'image_archive_dirs = ["{tmp_path}"]\n')  # fmt: skip
+    _write(
+        path,
+        'insecure_registries = ["127.0.0.1:6000"]\ndefault_registry = "reg.test"\n'
+        f'image_archive_dirs = ["{tmp_path}"]\n',
+    )
     now = policy.current()
     assert now.insecure_registries == ("127.0.0.1:5000", "127.0.0.1:6000")
     assert now.default_registry == "reg.test" and now.image_archive_dirs == (tmp_path,)
@@ -41,9 +44,14 @@ def test_the_file_adds_to_the_flags_and_is_read_again_when_it_changes(tmp_path: 
 
 @pytest.mark.parametrize(
     "bad",
-    ['insecure_registries = "one"\n', 'insecure_registries = ["not a host"]\n',
-     "surprise = 1\n", 'image_archive_dirs = ["relative/dir"]\n', "not toml ["],
-)  # fmt: skip
+    [
+        'insecure_registries = "one"\n',
+        'insecure_registries = ["not a host"]\n',
+        "surprise = 1\n",
+        'image_archive_dirs = ["relative/dir"]\n',
+        "not toml [",
+    ],
+)
 def test_a_bad_edit_keeps_the_policy_in_force(
     tmp_path: Path, bad: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -79,8 +87,9 @@ def test_an_archive_directory_opened_at_runtime(
     stand_in_boot_parts(monkeypatch, tmp_path)
     images = client.app.state.services.images  # type: ignore[attr-defined]
     images._importer = images._import_sync  # the daemon's own importer: it checks the policy
-    archive = oi.write_docker_archive(tmp_path / "app.tar", {"app:1": oi.image([oi.layer(
-        {"a": b"1"})], {})})  # fmt: skip
+    archive = oi.write_docker_archive(
+        tmp_path / "app.tar", {"app:1": oi.image([oi.layer({"a": b"1"})], {})}
+    )
     r = client.post("/v1/images", json={"ref": f"docker-archive:{archive}"})
     assert r.status_code == 400 and "forkd image load" in r.json()["error"]
     path = tmp_path / "registries.toml"

@@ -156,9 +156,16 @@ def test_an_unreadable_state_dir_token_is_skipped_without_a_word(
 
 @pytest.mark.parametrize(
     "url",
-    ["http://127.0.0.1:8889", "http://127.8.9.10:1", "localhost:8889", "http://LOCALHOST:1",
-     "http://[::1]:8889", "unix:/run/forkd.sock", "unix:///run/forkd.sock"],
-)  # fmt: skip
+    [
+        "http://127.0.0.1:8889",
+        "http://127.8.9.10:1",
+        "localhost:8889",
+        "http://LOCALHOST:1",
+        "http://[::1]:8889",
+        "unix:/run/forkd.sock",
+        "unix:///run/forkd.sock",
+    ],
+)
 def test_the_state_dir_token_goes_to_a_daemon_on_this_host(
     url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -168,11 +175,19 @@ def test_the_state_dir_token_goes_to_a_daemon_on_this_host(
 
 @pytest.mark.parametrize(
     "url",
-    ["http://10.0.2.2:8889", "http://192.168.1.20:8889", "https://forkd.example.com",
-     "http://127.0.0.1@evil.example:8889", "http://127.0.0.1\\@evil.example:8889",
-     "http://evil.example#@127.0.0.1", "http://localhost.evil.example:8889",
-     "http://127.0.0.1.evil.example", "http://0.0.0.0:8889", "http://[::ffff:10.0.0.1]:1"],
-)  # fmt: skip
+    [
+        "http://10.0.2.2:8889",
+        "http://192.168.1.20:8889",
+        "https://forkd.example.com",
+        "http://127.0.0.1@evil.example:8889",
+        "http://127.0.0.1\\@evil.example:8889",
+        "http://evil.example#@127.0.0.1",
+        "http://localhost.evil.example:8889",
+        "http://127.0.0.1.evil.example",
+        "http://0.0.0.0:8889",
+        "http://[::ffff:10.0.0.1]:1",
+    ],
+)
 def test_the_state_dir_token_never_leaves_the_host(
     url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

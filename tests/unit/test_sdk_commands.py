@@ -53,16 +53,22 @@ def test_run_with_callbacks_streams_as_output_comes(sb: Sandbox) -> None:
 def test_run_without_callbacks_is_one_exec(sb: Sandbox, sent: RecordingTransport) -> None:
     r = sb.commands.run("echo hi", timeout=7, envs={"A": "1"}, env={"B": "2"})
     assert sent.last.url.path.endswith("/exec")
-    assert sent.body() == {"args": ["/bin/sh", "-c", "echo hi"], "timeout_secs": 7,
-                           "env": {"B": "2", "A": "1"}}  # fmt: skip
+    assert sent.body() == {
+        "args": ["/bin/sh", "-c", "echo hi"],
+        "timeout_secs": 7,
+        "env": {"B": "2", "A": "1"},
+    }
     assert r.stdout == "-c echo hi\n"
 
 
 def test_background_handle(sb: Sandbox, sent: RecordingTransport) -> None:
     h = sb.commands.run(["count", "4", "0.05"], background=True, envs={"X": "y"}, cwd="/tmp")
     assert isinstance(h, CommandHandle) and h.pid > 0
-    start = next(sent.body(i) for i, r in enumerate(sent.requests)
-                 if r.url.path.endswith("/processes") and r.method == "POST")  # fmt: skip
+    start = next(
+        sent.body(i)
+        for i, r in enumerate(sent.requests)
+        if r.url.path.endswith("/processes") and r.method == "POST"
+    )
     assert start == {
         "cmd": ["count", "4", "0.05"],
         "stdin": False,
@@ -111,8 +117,11 @@ def test_timeouts(sb: Sandbox, sent: RecordingTransport) -> None:
     r = sb.commands.run(["sleep", "30"], timeout=0.1, on_stdout=print)
     assert r.exit_code == 124 and r.timed_out
     sb.commands.run(["echo"], on_stdout=print)
-    starts = [sent.body(i) for i, q in enumerate(sent.requests)
-              if q.url.path.endswith("/processes") and q.method == "POST"]  # fmt: skip
+    starts = [
+        sent.body(i)
+        for i, q in enumerate(sent.requests)
+        if q.url.path.endswith("/processes") and q.method == "POST"
+    ]
     assert [s.get("timeout_s") for s in starts] == [0.1, 30.0]
 
 
@@ -169,7 +178,11 @@ def test_a_terminal_as_a_user(sb: Sandbox, sent: RecordingTransport) -> None:
     [started] = [
         r for r in sent.requests if r.method == "POST" and r.url.path.endswith("/processes")
     ]
-    assert json.loads(started.content) == {"cmd": ["whoami"], "stdin": False, "user": "app",
-                                           "pty": {"cols": 80, "rows": 24}}  # fmt: skip
+    assert json.loads(started.content) == {
+        "cmd": ["whoami"],
+        "stdin": False,
+        "user": "app",
+        "pty": {"cols": 80, "rows": 24},
+    }
     screen = [ev.data for ev in sb.commands.connect(pty.pid).events() if ev.kind == "pty"]
     assert screen == [b"app\n"]

@@ -117,8 +117,10 @@ def test_a_template_from_an_image_starts_its_service(ctl: Controller, server: Se
     [service] = template.processes.list()  # Entrypoint+Cmd, running when snapshotted
     assert service["cmd"] == ["serve", "8080"] and service["running"]
     assert template.image_defaults == {
-        "env": {"PATH": "/bin", "GREETING": "hello from the image"}, "cwd": "/srv", "user": "app"
-    }  # fmt: skip
+        "env": {"PATH": "/bin", "GREETING": "hello from the image"},
+        "cwd": "/srv",
+        "user": "app",
+    }
     [kid] = snap.fork(1)
     with kid:
         assert kid.commands.run(["whoami"]).stdout == "app\n"  # the image's USER
@@ -185,8 +187,12 @@ def test_async_images_and_a_template_from_one(server: Server) -> None:
 def test_snapshot_create_sends_the_start_fields(server: Server, sent: RecordingTransport) -> None:
     with Controller(server.url, token=server.token, transport=sent) as ctl:
         Snapshot.create("web", controller=ctl, image=WEB, start=True, ready_cmd="test -e /srv")
-    assert sent.body(0) == {"tag": "web", "image": WEB, "start": True,
-                            "ready_cmd": ["/bin/sh", "-c", "test -e /srv"]}  # fmt: skip
+    assert sent.body(0) == {
+        "tag": "web",
+        "image": WEB,
+        "start": True,
+        "ready_cmd": ["/bin/sh", "-c", "test -e /srv"],
+    }
 
 
 STREAM = (

@@ -209,8 +209,13 @@ def fake_daemon(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     env = {**os.environ, "FORKD_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
     env.pop("FORKD_TOKEN_FILE", None)
     log = (tmp_path / "daemon.log").open("wb")
-    proc = subprocess.Popen([sys.executable, "-c", SERVE, str(state), f"unix:{sock}"],
-                            cwd=REPO, env=env, stdout=log, stderr=log)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVE, str(state), f"unix:{sock}"],
+        cwd=REPO,
+        env=env,
+        stdout=log,
+        stderr=log,
+    )
     try:
         deadline = time.monotonic() + 30
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), timeout=1) as c:
@@ -256,9 +261,16 @@ def test_a_daemon_keeps_its_files_to_its_user(
         ctl.write_file(child["id"], "/work/x", "y")
 
     seen = {p.relative_to(state).as_posix(): p for p in state.rglob("*")}
-    for must in ("forkd.db", "audit.log", "token", "snapshots/py/memory.bin",
-                 "snapshots/py/snapshot.json", "snapshots/br/vmstate", "volumes/data/base.img",
-                 "volumes/data/volume.json"):  # fmt: skip
+    for must in (
+        "forkd.db",
+        "audit.log",
+        "token",
+        "snapshots/py/memory.bin",
+        "snapshots/py/snapshot.json",
+        "snapshots/br/vmstate",
+        "volumes/data/base.img",
+        "volumes/data/volume.json",
+    ):
         assert must in seen, sorted(seen)
     assert any(name.startswith("volumes/data/layers/") for name in seen)
     assert mode(state) == 0o700

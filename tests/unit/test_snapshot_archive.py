@@ -32,8 +32,12 @@ def packed(client: TestClient) -> bytes:
 
 def _import(client: TestClient, body: bytes, tag: str | None = None) -> httpx2.Response:
     params = {"tag": tag} if tag else {}
-    return client.post("/v1/snapshots/import", params=params, content=body,
-                       headers={"Content-Type": "application/x-tar"})  # fmt: skip
+    return client.post(
+        "/v1/snapshots/import",
+        params=params,
+        content=body,
+        headers={"Content-Type": "application/x-tar"},
+    )
 
 
 def _leftovers(settings: Settings) -> list[str]:
@@ -47,8 +51,9 @@ def test_a_snapshot_packed_and_unpacked_forks(
         names = tar.getnames()
         index = json.load(tar.extractfile("index.json"))  # type: ignore[arg-type]
     assert "oci-layout" in names and any(n.startswith("blobs/sha256/") for n in names)
-    assert [m["annotations"]["org.opencontainers.image.ref.name"]
-            for m in index["manifests"]] == ["py"]  # fmt: skip
+    assert [m["annotations"]["org.opencontainers.image.ref.name"] for m in index["manifests"]] == [
+        "py"
+    ]
     r = _import(client, packed)  # its own tag: taken
     assert r.status_code == 409 and "already exists" in r.json()["error"]
     r = _import(client, packed, "copy")
@@ -89,10 +94,12 @@ def _tampered(packed: bytes) -> bytes:
 
 @pytest.mark.parametrize(
     ("make", "said"),
-    [(_tampered, "does not hold what its digest says"),
-     (lambda _p: b"not a tar at all" * 64, "not a tar archive"),
-     (lambda _p: b"", "no body")],
-)  # fmt: skip
+    [
+        (_tampered, "does not hold what its digest says"),
+        (lambda _p: b"not a tar at all" * 64, "not a tar archive"),
+        (lambda _p: b"", "no body"),
+    ],
+)
 def test_an_archive_that_is_not_what_it_says_is_refused_and_nothing_kept(
     client: TestClient, settings: Settings, packed: bytes, make: Callable[[bytes], bytes], said: str
 ) -> None:
@@ -121,8 +128,9 @@ def test_pack_and_unpack_on_the_command_line(
     assert res.exit_code == 0 and "unpacked tag 'py2'" in res.stderr, res.output
     res = run(app, ["unpack", str(out), "--force"], env=env)  # replaces py
     assert res.exit_code == 0 and "deleted snapshot py (--force)" in res.stderr, res.output
-    res = run(app, ["pack", "--tag", "py", "--format", "json", "-o", str(tmp_path / "b.tar")],
-               env=env)  # fmt: skip
+    res = run(
+        app, ["pack", "--tag", "py", "--format", "json", "-o", str(tmp_path / "b.tar")], env=env
+    )
     assert res.exit_code == 0 and json.loads(res.stdout)["bytes"] > 0
 
 

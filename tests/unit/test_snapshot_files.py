@@ -23,15 +23,33 @@ from forkd.vmm.volumes.disks import Attachment
 
 # The keys integration tests and older daemons read, in the order they are written.
 SNAPSHOT_KEYS = [
-    "format", "created_at_unix", "forkd_version", "image", "machine", "memory_bytes",
-    "vmstate_bytes", "source_vm", "parent_snapshot", "capture_ms", "pages_written",
+    "format",
+    "created_at_unix",
+    "forkd_version",
+    "image",
+    "machine",
+    "memory_bytes",
+    "vmstate_bytes",
+    "source_vm",
+    "parent_snapshot",
+    "capture_ms",
+    "pages_written",
     "base_bytes_cloned",
-]  # fmt: skip
+]
 LABEL_KEYS = ["tag", "branched_from", "parent_tag", "pause_ms"]
 VM_KEYS = [
-    "id", "pid", "qmp", "agent", "ram_file", "origin_snapshot", "machine", "image",
-    "started_at_unix", "volumes", "origin_id",
-]  # fmt: skip
+    "id",
+    "pid",
+    "qmp",
+    "agent",
+    "ram_file",
+    "origin_snapshot",
+    "machine",
+    "image",
+    "started_at_unix",
+    "volumes",
+    "origin_id",
+]
 MEMORY_MIB = 1
 
 
@@ -103,8 +121,11 @@ def test_labels_are_written_only_when_given(image_dir: Path) -> None:
     data = branch.to_json()
     assert list(data) == [*SNAPSHOT_KEYS, *LABEL_KEYS, "volumes"]
     assert (data["tag"], data["branched_from"], data["parent_tag"], data["pause_ms"]) == (
-        "b1", "sb-3", "base", 41.5
-    )  # fmt: skip
+        "b1",
+        "sb-3",
+        "base",
+        41.5,
+    )
     assert SnapshotMeta.from_json(data) == branch
     assert branch.labels == SnapshotLabels("b1", "sb-3", "base", 41.5)
     template = _meta(image_dir, tag="t1").to_json()

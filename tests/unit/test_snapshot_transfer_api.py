@@ -166,10 +166,14 @@ def test_a_short_reference_goes_to_the_default_registry(
 
 
 MARKER = "SECRET-4f1d7a"  # anywhere in what a registry answers; never in what the API says
-_HOSTILE_BODY = json.dumps({"errors": [
-    {"code": "MANIFEST_UNKNOWN", "message": MARKER, "detail": {"x": MARKER}},
-    {"code": MARKER, "message": MARKER},
-]}).encode()  # fmt: skip
+_HOSTILE_BODY = json.dumps(
+    {
+        "errors": [
+            {"code": "MANIFEST_UNKNOWN", "message": MARKER, "detail": {"x": MARKER}},
+            {"code": MARKER, "message": MARKER},
+        ]
+    }
+).encode()
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 405, 429, 500, 502, 503])
@@ -401,8 +405,9 @@ def test_a_pulled_image_record_that_is_not_forkds_is_refused_leaving_nothing(
         config["image"] = {**config["image"], "meta": {**config["image"]["meta"], **hostile}}
         raw = artifact.config_bytes(config)
         reg.put_blob(raw, sha256(raw))
-        manifest = dataclasses.replace(remote.manifest, config_digest=sha256(raw),
-                                       config_size=len(raw))  # fmt: skip
+        manifest = dataclasses.replace(
+            remote.manifest, config_digest=sha256(raw), config_size=len(raw)
+        )
         reg.put_manifest(manifest.to_bytes(), "hostile")
     monkeypatch.setenv("FORKD_CACHE_DIR", str(tmp_path / "other-cache"))
     hostile_ref = container_template.removesuffix("v1") + "hostile"

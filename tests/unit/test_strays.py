@@ -22,10 +22,17 @@ def _fake_qemu(run_dir: Path, uid: int | None = None) -> subprocess.Popen[bytes]
     """A process named like QEMU whose QMP socket is in ``run_dir`` (running as ``uid``)."""
     ids = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
     proc = subprocess.Popen(  # type: ignore[call-overload]
-        ["qemu-system-x86_64", "-c", "import time; time.sleep(60)", "-qmp",
-         f"unix:{run_dir}/qmp.sock,server=on,wait=off"],
-        executable=SYSTEM_PYTHON, cwd="/", **ids,
-    )  # fmt: skip
+        [
+            "qemu-system-x86_64",
+            "-c",
+            "import time; time.sleep(60)",
+            "-qmp",
+            f"unix:{run_dir}/qmp.sock,server=on,wait=off",
+        ],
+        executable=SYSTEM_PYTHON,
+        cwd="/",
+        **ids,
+    )
     cmdline = Path(f"/proc/{proc.pid}/cmdline")
     deadline = time.monotonic() + 5
     while b"qmp.sock" not in cmdline.read_bytes():

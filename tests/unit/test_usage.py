@@ -38,9 +38,11 @@ def test_a_running_sandbox_s_figures_from_the_host_and_its_guest(ctl: Controller
     assert m["sandbox_id"] == sid and m["state"] == "running"
     assert m["cpu"] == {"seconds": 1.5, "percent": 15.0, "count": 1}  # 1.5 s in 10 s
     assert m["memory"] == {
-        "guest_total_bytes": 256 * MIB, "guest_used_bytes": 40 * MIB,
-        "host_private_bytes": 64 * MIB, "host_proportional_bytes": 64 * MIB,
-    }  # fmt: skip
+        "guest_total_bytes": 256 * MIB,
+        "guest_used_bytes": 40 * MIB,
+        "host_private_bytes": 64 * MIB,
+        "host_proportional_bytes": 64 * MIB,
+    }
     assert m["disk"] == {"used_bytes": 300 * MIB, "total_bytes": 2 << 30}
     assert m["network"] == {"rx_bytes": 1000, "tx_bytes": 2000}
     assert m["processes"] == 12 and m["wakes"] == 0 and m["evictions"] == 0
@@ -107,11 +109,16 @@ def test_the_list_has_every_sandbox_and_filters_by_id(
     ids = [s["id"] for s in ctl.spawn_sandboxes(py, n=3)]
     assert sorted(m["sandbox_id"] for m in ctl.list_sandbox_metrics()) == sorted(ids)
     assert [m["sandbox_id"] for m in ctl.list_sandbox_metrics(ids[1:2])] == ids[1:2]
-    r = httpx.get(f"{server.url}/v1/sandboxes/metrics", params={"state": "running"},
-                  headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    r = httpx.get(
+        f"{server.url}/v1/sandboxes/metrics",
+        params={"state": "running"},
+        headers={"Authorization": f"Bearer {server.token}"},
+    )
     assert r.status_code == 400
-    r = httpx.get(f"{server.url}/v1/sandboxes/sb-nope/metrics",
-                  headers={"Authorization": f"Bearer {server.token}"})  # fmt: skip
+    r = httpx.get(
+        f"{server.url}/v1/sandboxes/sb-nope/metrics",
+        headers={"Authorization": f"Bearer {server.token}"},
+    )
     assert r.status_code == 404
 
 
@@ -119,8 +126,9 @@ def test_prometheus_has_series_per_sandbox_up_to_the_cap(
     ctl: Controller, py: str, monkeypatch: pytest.MonkeyPatch, server: Server
 ) -> None:
     ids = [s["id"] for s in ctl.spawn_sandboxes(py, n=2)]
-    text = httpx.get(f"{server.url}/metrics",
-                     headers={"Authorization": f"Bearer {server.token}"}).text  # fmt: skip
+    text = httpx.get(
+        f"{server.url}/metrics", headers={"Authorization": f"Bearer {server.token}"}
+    ).text
     for sid in ids:
         assert _sample(text, "forkd_sandbox_cpu_seconds_total", sid) == 1.5
         assert _sample(text, "forkd_sandbox_memory_host_private_bytes", sid) == 64 * MIB
@@ -141,8 +149,9 @@ def test_the_series_are_capped(
     from tests.unit.conftest import TOKEN
 
     monkeypatch.setattr(limits, "SANDBOX_SERIES_CAP", 1)
-    with TestClient(create_app(settings, TOKEN, driver=driver),
-                    headers={"Authorization": f"Bearer {TOKEN}"}) as c:  # fmt: skip
+    with TestClient(
+        create_app(settings, TOKEN, driver=driver), headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as c:
         c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128})
         c.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 3})
         text = c.get("/metrics").text
@@ -187,8 +196,9 @@ def test_only_the_asked_mounts_are_kept_and_a_gone_vm_s_readings_are_dropped(
     from forkd.controller.app import create_app
     from tests.unit.conftest import TOKEN
 
-    with TestClient(create_app(settings, TOKEN, driver=driver),
-                    headers={"Authorization": f"Bearer {TOKEN}"}) as c:  # fmt: skip
+    with TestClient(
+        create_app(settings, TOKEN, driver=driver), headers={"Authorization": f"Bearer {TOKEN}"}
+    ) as c:
         assert c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 256}).status_code == 201
         sid = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()[0]["id"]
         # A guest that names 60 mount points nobody asked about, 4 KiB each.

@@ -27,8 +27,11 @@ from tests.unit.fakes import FakeDriver, FakeVM, GuestContents
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "forkd"
 # Where VMs are handed around: the services, and the fork pool and live snapshots they use.
-VM_USERS = [*sorted((SRC / "controller" / "services").glob("*.py")),
-            SRC / "vmm" / "pool.py", SRC / "vmm" / "snapshot" / "live.py"]  # fmt: skip
+VM_USERS = [
+    *sorted((SRC / "controller" / "services").glob("*.py")),
+    SRC / "vmm" / "pool.py",
+    SRC / "vmm" / "snapshot" / "live.py",
+]
 VM_VARIABLES = frozenset({"vm", "template"})  # the names a VM is held under there
 
 
@@ -152,8 +155,11 @@ def _shape_problems(real: inspect.Signature, fake: inspect.Signature) -> list[st
 
 
 def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
-    return {name: member for name, member in inspect.getmembers(cls)
-            if not name.startswith("_") and callable(member)}  # fmt: skip
+    return {
+        name: member
+        for name, member in inspect.getmembers(cls)
+        if not name.startswith("_") and callable(member)
+    }
 
 
 # ----------------------------------------------------------------------------- the services' uses
@@ -161,8 +167,17 @@ def _public_methods(cls: type) -> dict[str, Callable[..., Any]]:
 
 def test_the_scan_finds_what_the_services_use_of_a_vm() -> None:
     members, calls = _service_uses()
-    assert {"id", "state", "is_alive", "pause", "resume", "begin_snapshot", "guest.proc_read",
-            "guest.exec", "guest.upload_write"} <= set(members)  # fmt: skip
+    assert {
+        "id",
+        "state",
+        "is_alive",
+        "pause",
+        "resume",
+        "begin_snapshot",
+        "guest.proc_read",
+        "guest.exec",
+        "guest.upload_write",
+    } <= set(members)
     assert any(c.name == "guest.proc_read" and "wait_s" in c.keywords for c in calls)
 
 
@@ -216,8 +231,10 @@ def test_every_method_the_fake_vm_defines_has_the_real_ones_shape(vms: tuple[VM,
         theirs, mine = getattr(owner, name), getattr(fake, name)
         if inspect.iscoroutinefunction(theirs) != inspect.iscoroutinefunction(mine):
             problems.append(f"{name}: async on one of them only")
-        problems += [f"{name}: {p}" for p in _shape_problems(inspect.signature(theirs),
-                                                             inspect.signature(mine))]  # fmt: skip
+        problems += [
+            f"{name}: {p}"
+            for p in _shape_problems(inspect.signature(theirs), inspect.signature(mine))
+        ]
     assert problems == []
 
 
@@ -233,6 +250,8 @@ def test_every_constructor_the_fake_driver_has_is_the_vms_in_shape() -> None:
         mine = getattr(driver, name)
         if inspect.iscoroutinefunction(theirs) != inspect.iscoroutinefunction(mine):
             problems.append(f"{name}: async on one of them only")
-        problems += [f"{name}: {p}" for p in _shape_problems(inspect.signature(theirs),
-                                                             inspect.signature(mine))]  # fmt: skip
+        problems += [
+            f"{name}: {p}"
+            for p in _shape_problems(inspect.signature(theirs), inspect.signature(mine))
+        ]
     assert problems == []

@@ -70,24 +70,41 @@ def test_the_originals_volume_flag_imports_the_file_once(
     before = hashlib.sha256(image.read_bytes()).hexdigest()
     app = make_app(sent)
     env = {"FORKD_URL": server.url, "FORKD_TOKEN_FILE": str(server.token_file)}
-    res = CliRunner().invoke(app, ["snapshot", "create", "--tag", "a", "--memory", "128",
-                                   "--volume", f"{image}:/mnt/data:ro"], env=env)  # fmt: skip
+    res = CliRunner().invoke(
+        app,
+        [
+            "snapshot",
+            "create",
+            "--tag",
+            "a",
+            "--memory",
+            "128",
+            "--volume",
+            f"{image}:/mnt/data:ro",
+        ],
+        env=env,
+    )
     assert res.exit_code == 0, res.output
     assert "copy-on-write" in res.stderr and "never changed" in res.stderr
-    made = json.loads(next(r.content for r in reversed(sent.requests)
-                           if r.url.path == "/v1/snapshots"))  # fmt: skip
+    made = json.loads(
+        next(r.content for r in reversed(sent.requests) if r.url.path == "/v1/snapshots")
+    )
     [attached] = made["volumes"]
     assert attached["path"] == "/mnt/data" and attached["readonly"] is True
     assert attached["name"].startswith("data-")
     imports = [r for r in sent.requests if r.url.path == "/v1/volumes/import"]
-    res = CliRunner().invoke(app, ["snapshot", "create", "--tag", "b", "--memory", "128",
-                                   "--volume", f"{image}:/mnt/data"], env=env)  # fmt: skip
+    res = CliRunner().invoke(
+        app,
+        ["snapshot", "create", "--tag", "b", "--memory", "128", "--volume", f"{image}:/mnt/data"],
+        env=env,
+    )
     assert res.exit_code == 0, res.output
     assert "already" in res.stderr
     assert [r for r in sent.requests if r.url.path == "/v1/volumes/import"] == imports
     assert hashlib.sha256(image.read_bytes()).hexdigest() == before
     missing = f"{tmp_path}/none.ext4:/mnt/x"
-    res = CliRunner().invoke(app, ["snapshot", "create", "--tag", "c", "--volume", missing],
-                             env=env)  # fmt: skip
+    res = CliRunner().invoke(
+        app, ["snapshot", "create", "--tag", "c", "--volume", missing], env=env
+    )
     assert res.exit_code == 2 and "there is no file" in res.output
     assert os.path.exists(image)

@@ -56,9 +56,15 @@ def _tar(tmp_path: Path, files: dict[str, bytes]) -> Path:
 
 @pytest.mark.parametrize(
     ("text", "size"),
-    [("1G", 1 << 30), ("512M", 512 << 20), ("16MiB", 16 << 20), ("300000000", 300000000),
-     (" 2 g ", 2 << 30), (4096, 4096)],
-)  # fmt: skip
+    [
+        ("1G", 1 << 30),
+        ("512M", 512 << 20),
+        ("16MiB", 16 << 20),
+        ("300000000", 300000000),
+        (" 2 g ", 2 << 30),
+        (4096, 4096),
+    ],
+)
 def test_parse_size(text: str | int, size: int) -> None:
     assert parse_size(text) == size
 
@@ -71,10 +77,14 @@ def test_unreadable_sizes_are_invalid(text: str) -> None:
 
 @pytest.mark.parametrize(
     ("path", "message"),
-    [("data", "absolute path below /"), ("/", "absolute path below /"),
-     ("/a/../etc", "absolute path below /"), ("/a b", "only letters, digits"),
-     ("/a;rm", "only letters, digits")],
-)  # fmt: skip
+    [
+        ("data", "absolute path below /"),
+        ("/", "absolute path below /"),
+        ("/a/../etc", "absolute path below /"),
+        ("/a b", "only letters, digits"),
+        ("/a;rm", "only letters, digits"),
+    ],
+)
 def test_bad_mount_points_are_invalid(path: str, message: str) -> None:
     with pytest.raises(Invalid, match=message):
         check_guest_mount(path)
@@ -199,8 +209,9 @@ def _archive(entries: dict[str, int | bytes], gz: bool = True, **tar_kw: Any) ->
 
 def _cat(base: Path, path: str) -> bytes:
     """A file's bytes inside an ext4 image, read by debugfs (no mount needed)."""
-    out = subprocess.run(["debugfs", "-R", f"cat {path}", str(base)],
-                         capture_output=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        ["debugfs", "-R", f"cat {path}", str(base)], capture_output=True, check=True
+    )
     return out.stdout
 
 
@@ -352,8 +363,11 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 24 MiB tmpfs: a real file system that fills up (needs root)."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
-                       capture_output=True, check=False)  # fmt: skip
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt)],
+        capture_output=True,
+        check=False,
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.decode().strip()}")
     try:

@@ -33,8 +33,9 @@ def _together(server: Server, sandbox_id: str, n: int) -> list[httpx.Response]:
     answers: list[httpx.Response] = []
 
     def one() -> None:
-        with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"},
-                          timeout=30) as c:  # fmt: skip
+        with httpx.Client(
+            base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30
+        ) as c:
             answers.append(_exec(c, sandbox_id))
 
     threads = [threading.Thread(target=one) for _ in range(n)]
@@ -53,8 +54,12 @@ def _events(http: httpx.Client, kind: str) -> list[dict[str, Any]]:
     """The ``kind`` events kept so far (the stream is read until it falls quiet)."""
     found: list[dict[str, Any]] = []
     try:
-        with http.stream("GET", "/v1/events", params={"type": kind, "since": 0},
-                         timeout=httpx.Timeout(10, read=1)) as r:  # fmt: skip
+        with http.stream(
+            "GET",
+            "/v1/events",
+            params={"type": kind, "since": 0},
+            timeout=httpx.Timeout(10, read=1),
+        ) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     found.append(json.loads(line[5:]))
@@ -169,8 +174,13 @@ def test_a_followed_output_stream_open_across_a_pause_does_not_wake_it(
 
     def follow() -> None:
         url = f"{server.url}/v1/sandboxes/{sid}/processes/{pid}/output"
-        with httpx.stream("GET", url, params={"follow": "true"}, timeout=10,
-                          headers={"Authorization": f"Bearer {TOKEN}"}) as out:  # fmt: skip
+        with httpx.stream(
+            "GET",
+            url,
+            params={"follow": "true"},
+            timeout=10,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as out:
             following.set()
             read_on = None
             for _ in out.iter_lines():  # keep-alives, five a second
