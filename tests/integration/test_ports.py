@@ -16,7 +16,6 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -24,7 +23,7 @@ import wsproto.events
 
 from forkd.client import Controller, Sandbox
 
-from .conftest import Daemon
+from .conftest import Daemon, Fleet
 
 pytestmark = pytest.mark.integration
 
@@ -198,14 +197,16 @@ def test_a_tampered_expired_or_dead_preview_url_is_refused(
 
 
 def test_user_mode_networking_forwards_a_loopback_port_on_first_use(
-    fleet: Any, base_snapshot: Path
+    fleet: Fleet, base_snapshot: Path
 ) -> None:
     """A VM without a namespace (QEMU's user-mode NAT, as ``--network user``): the
     daemon's way in is a QEMU host forward to 127.0.0.1, added once per port."""
     vm = fleet.fork(base_snapshot)
     assert vm.net is None
     fleet.loop.run(
-        vm.exec(["sh", "-c", "cd /tmp && nohup python3 -m http.server 8000 >/dev/null 2>&1 &"])
+        vm.guest.exec(
+            ["sh", "-c", "cd /tmp && nohup python3 -m http.server 8000 >/dev/null 2>&1 &"]
+        )
     )
     host, port = fleet.loop.run(vm.guest_port_address(8000))
     assert host == "127.0.0.1"
