@@ -107,6 +107,7 @@ def room_of(module: str) -> str:
         "token_bucket",
         "agent_wire",
         "wire_shape",
+        "e2b_key",
         "__version__",
     }:
         return BASE

@@ -27,6 +27,7 @@ import pytest
 from forkd.client import Controller
 from forkd.controller import server
 from forkd.errors import ForkdError
+from forkd.launcher import free_port
 from tests.unit.fakes import make_image
 
 REPO = Path(__file__).resolve().parents[2]
@@ -196,7 +197,8 @@ from tests.unit.fakes import FakeDriver
 state = Path(sys.argv[1])
 settings = Settings(state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run",
                     pool_size=0)
-serve(settings, sys.argv[2], driver=FakeDriver(), log_level="warning")
+e2b = sys.argv[3] if len(sys.argv) > 3 else None
+serve(settings, sys.argv[2], driver=FakeDriver(), log_level="warning", e2b_bind=e2b)
 """
 
 
@@ -280,3 +282,46 @@ def test_a_daemon_keeps_its_files_to_its_user(
         if mode(p) != (0o700 if p.is_dir() and not p.is_symlink() else 0o600)
     }
     assert wider == {}
+
+
+def test_the_e2b_port_serves_beside_the_daemon_and_one_sigterm_ends_both(tmp_path: Path) -> None:
+    """``--e2b-bind``: a second port, E2B's API over the same daemon; SIGTERM stops the
+    E2B port, then the daemon, and the process exits cleanly."""
+    cache = tmp_path / "cache"
+    make_image(cache)
+    state, sock = tmp_path / "state", tmp_path / "d.sock"
+    port = free_port()
+    env = {**os.environ, "FORKD_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    log = (tmp_path / "daemon.log").open("wb")
+    argv = [sys.executable, "-c", SERVE, str(state), f"unix:{sock}", f"127.0.0.1:{port}"]
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=log)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
+            try:
+                token = (state / "token").read_text().strip()
+                listed = httpx.get(
+                    f"http://127.0.0.1:{port}/v2/sandboxes", headers={"X-API-KEY": token}
+                )
+                if listed.status_code == 200:
+                    break
+            except (OSError, httpx.TransportError):
+                pass
+            assert time.monotonic() < deadline, "the E2B port did not start"
+            time.sleep(0.05)
+        assert listed.json() == []
+        wrong = httpx.get(f"http://127.0.0.1:{port}/v2/sandboxes", headers={"X-API-KEY": "no"})
+        assert wrong.status_code == 401 and wrong.json()["code"] == 401
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock))) as c:
+            assert c.get("http://forkd/healthz").status_code == 200  # the daemon's own port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        log.close()
+    # uvicorn hands SIGTERM on once it has shut down (the E2B port's server to the
+    # daemon's, the daemon's to the default): a clean stop ends by that signal.
+    assert code == -signal.SIGTERM, (tmp_path / "daemon.log").read_text()
+    assert b"Traceback" not in (tmp_path / "daemon.log").read_bytes()
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/v2/sandboxes")

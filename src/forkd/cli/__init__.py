@@ -35,6 +35,7 @@ from forkd.cli import (
     secrets,
     shell,
     snapshots,
+    token,
     usage,
     volumes,
 )
@@ -103,6 +104,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
 
 app.command()(version)
 daemon.register(app)
+token.register(app)
 gateway.register(app)
 add_daemon_commands(app)
 mcp.register(app)

@@ -49,6 +49,7 @@ def serve(given: ServeOptions) -> None:
             given.token_file,
             given.log_level,
             insecure_no_auth=given.insecure_no_auth,
+            e2b_bind=given.e2b_bind,
         )
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc

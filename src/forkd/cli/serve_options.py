@@ -36,6 +36,17 @@ from forkd.vmm.jail.qemu_user import DEFAULT_RANGE
 
 BindOpt = Annotated[str, typer.Option(envvar="FORKD_BIND", help="HOST:PORT or unix:/path/to.sock")]
 
+E2bBindOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--e2b-bind",
+        envvar="FORKD_E2B_BIND",
+        metavar="HOST:PORT",
+        help="Also serve E2B's API on this port (E2B_API_URL and E2B_SANDBOX_URL of E2B's "
+        "SDKs; E2B_API_KEY is the daemon's token, or forkd token --e2b). Default: off.",
+    ),
+]
+
 StateDirOpt = Annotated[
     Path | None,
     typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
@@ -424,3 +435,4 @@ class ServeOptions:
     secrets_key_file: SecretsKeyFileOpt = None
     egress_rate: EgressRateOpt = "off"
     log_level: LogLevelOpt = "info"
+    e2b_bind: E2bBindOpt = None

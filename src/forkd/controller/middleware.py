@@ -6,6 +6,7 @@ import contextlib
 import hmac
 import re
 import time
+from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -79,11 +80,15 @@ class GuardMiddleware:
         token: str | None,
         upload_limit: int = FILE_UPLOAD_LIMIT,
         image_limit: int = MAX_IMAGE_BYTES,
+        uploads: Callable[[Scope], bool] | None = None,
     ) -> None:
+        """``uploads(scope)``: whether a request is a file upload, streamed within
+        ``upload_limit`` (default: the daemon's own upload routes)."""
         self.app = app
         self.token = token.encode() if token else None
         self.upload_limit = upload_limit
         self.image_limit = image_limit
+        self._is_upload = uploads or _is_streamed_upload
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -107,9 +112,9 @@ class GuardMiddleware:
         ):  # the daemon keeps none of it: a piece at a time
             await self.app(scope, receive, send)
             return
-        streamed = _is_streamed_upload(scope) or _is_image_load(scope)
+        streamed = self._is_upload(scope) or _is_image_load(scope)
         limit = FILE_BODY_LIMIT if _is_raw_body_route(path) else JSON_BODY_LIMIT
-        if _is_streamed_upload(scope):
+        if self._is_upload(scope):
             limit = self.upload_limit
         elif _is_image_load(scope):
             limit = self.image_limit
@@ -239,8 +244,13 @@ class AuditMiddleware:
     the id and drop the connection.
     """
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(
+        self, app: ASGIApp, audit: Callable[[Scope], AuditLog | None] | None = None
+    ) -> None:
+        """``audit(scope)``: the log a request goes to (default: its app's, opened in
+        the app's lifespan; the E2B port writes to the daemon's)."""
         self.app = app
+        self._audit = audit or _audit_log
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -274,7 +284,7 @@ class AuditMiddleware:
                         {"type": "websocket.close", "code": 1011, "reason": close_reason(said)}
                     )
         finally:
-            audit = _audit_log(scope)
+            audit = self._audit(scope)
             if audit is not None and scope["path"] not in UNAUDITED:
                 audit.write(**_record(scope, status, started, error_id))
 

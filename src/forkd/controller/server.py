@@ -8,6 +8,7 @@ is readable by its user only, and a unix socket it listens on is mode 0600.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import logging
@@ -271,8 +272,10 @@ def serve(
     *,
     insecure_no_auth: bool = False,
     driver: VMDriver | None = None,
+    e2b_bind: str | None = None,
 ) -> None:
-    """Run the daemon until SIGTERM or SIGINT. ``driver`` replaces QEMU (tests only)."""
+    """Run the daemon until SIGTERM or SIGINT. ``driver`` replaces QEMU (tests only);
+    ``e2b_bind``: where E2B's API is served too (:mod:`forkd.controller.e2b`)."""
     configure_logging(log_level)
     raise_open_file_limit()
     where = parse_bind(bind)
@@ -303,11 +306,48 @@ def serve(
             if settings.registry_policy is not None:  # SIGHUP: read the policy file again
                 policy = settings.registry_policy
                 signal.signal(signal.SIGHUP, lambda _sig, _frame: policy.reload_now())
-            Server(config).run(sockets=sockets)
+            servers: list[uvicorn.Server] = [Server(config)]
+            if e2b_bind is not None:
+                servers.append(_e2b_server(app, token, settings, log_level, connections, e2b_bind))
+            asyncio.run(_serve_all(servers, sockets))
         finally:
             if sock is not None:
                 sock.close()
             os.close(lock_fd)
+
+
+def _e2b_server(
+    daemon: FastAPI,
+    token: str | None,
+    settings: Settings,
+    log_level: str,
+    connections: ConnectionLimiter,
+    bind: str,
+) -> uvicorn.Server:
+    """E2B's API on a port of its own, over the daemon's services (no lifespan of its
+    own: the daemon's starts and stops them)."""
+    from forkd.controller.e2b.app import create_e2b_app
+
+    where = parse_bind(bind)
+    if "uds" in where:
+        raise ForkdError("--e2b-bind takes HOST:PORT: E2B's SDKs speak TCP")
+    e2b = create_e2b_app(daemon, token, settings.max_upload_bytes)
+    config = _uvicorn_config(e2b, log_level, connections, where)
+    config.lifespan = "off"
+    log.info("E2B's API on %s", listening_url(where))
+    return uvicorn.Server(config)
+
+
+async def _serve_all(servers: list[uvicorn.Server], sockets: list[socket.socket] | None) -> None:
+    """The daemon's server and the E2B port's, in one event loop. Each catches SIGTERM in
+    turn: the last started stops first, then hands the signal on to the one before."""
+    first, *others = servers
+    started = [asyncio.create_task(first.serve(sockets=sockets))]
+    for server in others:
+        while not (first.started or started[0].done()):
+            await asyncio.sleep(0.05)
+        started.append(asyncio.create_task(server.serve()))
+    await asyncio.gather(*started)
 
 
 def _uvicorn_config(

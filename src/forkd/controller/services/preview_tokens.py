@@ -81,6 +81,13 @@ class PreviewKey:
         digest = hmac.new(self._key(), message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
+    def access_token(self, sandbox_id: str, created_at_unix: int) -> str:
+        """The token E2B's SDKs send to a sandbox's in-guest daemon (``X-Access-Token``):
+        keyed to this sandbox (and its creation, so a reused id gets another)."""
+        message = b"\n".join([b"e2b-envd", sandbox_id.encode(), str(created_at_unix).encode()])
+        digest = hmac.new(self._key(), message, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
     def cookie_tag(self, prefix: str) -> bytes:
         """What the names of a guest's cookies on the daemon's origin begin with, for the
         route ``prefix``: keyed, so no page (another sandbox's, whose id may be known) can

@@ -1,0 +1,74 @@
+"""The E2B port's application: E2B's REST API and, at the root, a sandbox's in-guest
+daemon, over the services of the daemon ``daemon`` (the app ``forkd serve`` runs on
+its own port). Errors answer as E2B's do (``{"code", "message"}``), so its SDKs raise
+their own exceptions (NotFoundException, AuthenticationException, ...)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
+
+from forkd import __version__
+from forkd.controller.e2b.auth import Unauthorized, check_api_key
+from forkd.controller.e2b.envd import envd
+from forkd.controller.e2b.rest import rest
+from forkd.controller.http_errors import hide_host_paths, internal_error, status_of
+from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
+from forkd.errors import ForkdError
+
+
+def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> FastAPI:
+    """``token``: the daemon's bearer token, E2B's API key here (None: no auth);
+    ``upload_limit``: the most one file upload may send, as on the daemon's port."""
+
+    def api_key(x_api_key: Annotated[str | None, Header(alias="X-API-KEY")] = None) -> None:
+        check_api_key(x_api_key, token)
+
+    app = FastAPI(title="forkd: E2B's API", version=__version__, openapi_url=None)
+    app.state.daemon = daemon
+    app.include_router(rest, dependencies=[Depends(api_key)])
+    app.include_router(envd)
+    app.add_middleware(GuardMiddleware, token=None, upload_limit=upload_limit, uploads=_upload)
+    app.add_middleware(AuditMiddleware, audit=lambda _scope: getattr(daemon.state, "audit", None))
+    _install_errors(app)
+    return app
+
+
+def _upload(scope: Scope) -> bool:
+    return bool(scope["method"] == "POST" and scope["path"] == "/files")
+
+
+def e2b_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"code": status, "message": hide_host_paths(message)}, status_code=status)
+
+
+def _install_errors(app: FastAPI) -> None:
+    @app.exception_handler(Unauthorized)
+    async def unauthorized(_r: Request, exc: Unauthorized) -> JSONResponse:
+        return e2b_error(401, str(exc))
+
+    @app.exception_handler(ForkdError)
+    async def forkd_error(_r: Request, exc: ForkdError) -> JSONResponse:
+        return e2b_error(status_of(exc), str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_r: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = [
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
+            for e in exc.errors()
+        ]
+        return e2b_error(400, "invalid request: " + "; ".join(problems))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return e2b_error(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        error_id, _ = internal_error(exc, request.method, request.url.path)
+        return e2b_error(500, f"internal error (id {error_id}); the daemon log has the details")

@@ -1,0 +1,203 @@
+"""What E2B's SDKs send to a sandbox's in-guest daemon, ``envd``, served by forkd at the
+E2B port's root: ``/health`` and the ``/files`` routes (a file read whole, or written
+from a multipart form or a raw body), for the sandbox the ``E2b-Sandbox-Id`` header
+names and with the access token its creation handed out (``X-Access-Token``).
+
+The files go through the daemon's own file transfers: streamed in chunks, bounded as
+every upload and download is, the guest's answers checked as everywhere else.
+"""
+
+from __future__ import annotations
+
+import hmac
+import posixpath
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from forkd.controller.bodies import receive_upload, stream_download
+from forkd.controller.e2b.auth import Unauthorized
+from forkd.controller.e2b.rest import Svc, services
+from forkd.controller.services import Services
+from forkd.errors import Forbidden, Invalid, UpstreamError
+from forkd.states import SandboxState
+
+ENVD_PORT = 49983  # E2B's in-guest daemon
+MAX_PARTS = 64  # files of one multipart upload
+MAX_PART_HEADER_BYTES = 8 << 10  # of one part's headers
+
+envd = APIRouter()
+
+
+class Target:
+    """The sandbox a request is for, its access token checked."""
+
+    def __init__(self, sandbox_id: str) -> None:
+        self.sandbox_id = sandbox_id
+
+
+def target(
+    request: Request,
+    sandbox_id: Annotated[str | None, Header(alias="E2b-Sandbox-Id")] = None,
+    port: Annotated[int, Header(alias="E2b-Sandbox-Port")] = ENVD_PORT,
+    token: Annotated[str | None, Header(alias="X-Access-Token")] = None,
+) -> Target:
+    """The sandbox of the ``E2b-Sandbox-Id`` header, once its access token is checked
+    (401 without one, 403 for another sandbox's)."""
+    if not sandbox_id:
+        raise Invalid("no E2b-Sandbox-Id header: which sandbox is this for?")
+    if token is None:  # before anything is looked up: no answer says what exists
+        raise Unauthorized("no X-Access-Token: the one the sandbox's creation answered")
+    svc = services(request)
+    row = svc.store.get_sandbox(sandbox_id)
+    if row is None or row.state == SandboxState.DEAD:
+        # E2B's words, which its SDKs read as "the sandbox is not running".
+        raise UpstreamError(f"sandbox {sandbox_id!r} was not found")
+    want = svc.ports.key.access_token(sandbox_id, row.created_at_unix)
+    if not hmac.compare_digest(want.encode(), token.encode()):
+        raise Forbidden("that X-Access-Token is not this sandbox's")
+    if port != ENVD_PORT:
+        raise UpstreamError(f"port {port} is not open on sandbox {sandbox_id!r} (not served yet)")
+    return Target(sandbox_id)
+
+
+Sandbox = Annotated[Target, Depends(target)]
+PathQ = Annotated[str, Query(description="absolute path inside the sandbox")]
+
+
+@envd.get("/health", status_code=204)
+async def health(sandbox: Sandbox, svc: Svc) -> Response:
+    row = svc.store.get_sandbox(sandbox.sandbox_id)
+    if row is None or row.state != SandboxState.RUNNING:
+        raise UpstreamError(f"sandbox {sandbox.sandbox_id!r} is not running")
+    return Response(status_code=204)
+
+
+@envd.get("/files")
+async def read(sandbox: Sandbox, svc: Svc, path: PathQ) -> Response:
+    download = await svc.files.download(sandbox.sandbox_id, path)
+    return stream_download(download, "application/octet-stream")
+
+
+@envd.post("/files")
+async def write(
+    sandbox: Sandbox,
+    svc: Svc,
+    request: Request,
+    path: Annotated[str | None, Query()] = None,
+) -> Response:
+    """A multipart form (each part a file, named by its filename or ``path``) or a raw
+    body (to ``path``); the answer lists what was written."""
+    kind, options = parse_options_header(request.headers.get("content-type", ""))
+    if kind == b"multipart/form-data":
+        boundary = options.get(b"boundary")
+        if not boundary:
+            raise Invalid("a multipart body without a boundary")
+        written = await receive_upload(
+            request, lambda body: _write_parts(svc, sandbox.sandbox_id, body, boundary, path)
+        )
+    else:
+        if path is None:
+            raise Invalid("a raw upload needs ?path=")
+        dest = path
+        await receive_upload(request, lambda body: svc.files.upload(sandbox.sandbox_id, dest, body))
+        written = [path]
+    entries = [{"name": posixpath.basename(p), "type": "file", "path": p} for p in written]
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(entries)
+
+
+async def _write_parts(
+    svc: Services, sandbox_id: str, body: AsyncIterator[bytes], boundary: bytes, path: str | None
+) -> list[str]:
+    """Each part of the form written to its file, one after the other, as it arrives."""
+    parts = _Parts(body, boundary)
+    written: list[str] = []
+    while (part := await parts.next_part()) is not None:
+        if len(written) >= MAX_PARTS:
+            raise Invalid(f"more than {MAX_PARTS} files in one upload")
+        dest = path if path is not None and not written else part
+        if not dest:
+            raise Invalid("a file part with no filename and no ?path=")
+        await svc.files.upload(sandbox_id, dest, parts.data())
+        written.append(dest)
+    if not written:
+        raise Invalid("the form has no file")
+    return written
+
+
+class _Parts:
+    """A multipart body, parsed as it streams in: each part's filename, then its data."""
+
+    def __init__(self, body: AsyncIterator[bytes], boundary: bytes) -> None:
+        self._chunks = body
+        self._events: list[tuple[str, bytes]] = []
+        self._header: list[bytes] = [b"", b""]
+        self._header_bytes = 0
+        self._filename = b""
+        self._ended = False
+        self._parser = MultipartParser(
+            boundary,
+            callbacks={
+                "on_part_begin": self._begin,
+                "on_header_field": lambda d, s, e: self._header_piece(0, d[s:e]),
+                "on_header_value": lambda d, s, e: self._header_piece(1, d[s:e]),
+                "on_header_end": self._header_end,
+                "on_headers_finished": lambda: self._events.append(("part", self._filename)),
+                "on_part_data": lambda d, s, e: self._events.append(("data", bytes(d[s:e]))),
+                "on_part_end": lambda: self._events.append(("end", b"")),
+                "on_end": self._end,
+            },
+        )
+
+    def _begin(self) -> None:
+        self._filename = b""
+        self._header_bytes = 0
+
+    def _header_piece(self, which: int, piece: bytes) -> None:
+        self._header_bytes += len(piece)
+        if self._header_bytes > MAX_PART_HEADER_BYTES:
+            raise Invalid("a part's headers are too long")
+        self._header[which] += piece
+
+    def _header_end(self) -> None:
+        field, value = self._header
+        self._header = [b"", b""]
+        if field.lower() == b"content-disposition":
+            _, options = parse_options_header(value)
+            self._filename = options.get(b"filename", b"")
+
+    def _end(self) -> None:
+        self._ended = True
+
+    async def _event(self) -> tuple[str, bytes] | None:
+        while not self._events:
+            if self._ended:
+                return None
+            try:
+                chunk = await anext(self._chunks)
+            except StopAsyncIteration:
+                if not self._ended:
+                    raise Invalid("the multipart body ended before its last boundary") from None
+                return None
+            self._parser.write(chunk)
+        return self._events.pop(0)
+
+    async def next_part(self) -> str | None:
+        """The next part's filename ('' for none); None after the last part."""
+        while (event := await self._event()) is not None:
+            if event[0] == "part":
+                return event[1].decode("utf-8", "replace")
+        return None
+
+    async def data(self) -> AsyncIterator[bytes]:
+        """This part's data, up to its end."""
+        while (event := await self._event()) is not None:
+            kind, value = event
+            if kind == "end":
+                return
+            if kind == "data" and value:
+                yield value

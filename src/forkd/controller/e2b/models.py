@@ -1,0 +1,87 @@
+"""E2B's REST API shapes, as its SDKs send and read them (camelCase on the wire, as
+E2B's OpenAPI spec names them). Requests keep what forkd does not use (an E2B field of
+a newer SDK is not an error); answers carry every field the SDKs require."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from forkd import limits
+
+# The version of E2B's in-guest daemon this front end answers as: the SDKs gate their
+# features on it (0.6.4 turns all of them on; below 0.4.0 they send a user of their own).
+ENVD_VERSION = "0.6.4"
+DEFAULT_TIMEOUT_S = 300  # E2B's default lifetime of a sandbox, when a request gives none
+CLIENT_ID = "forkd"  # E2B's field for the cluster node; one daemon is one node
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class AutoResume(Body):
+    enabled: bool = False
+
+
+class NewSandbox(Body):
+    template_id: str = Field(alias="templateID")
+    timeout: int | None = Field(None, ge=1, le=int(limits.MAX_SANDBOX_TIMEOUT_SECS))
+    metadata: dict[str, str] | None = None
+    env_vars: dict[str, str] | None = Field(None, alias="envVars")
+    auto_pause: bool = Field(False, alias="autoPause")
+    auto_resume: AutoResume | None = Field(None, alias="autoResume")
+    allow_internet_access: bool | None = None
+
+
+class TimeoutBody(Body):
+    timeout: int = Field(ge=0, le=int(limits.MAX_SANDBOX_TIMEOUT_SECS))
+
+
+class ConnectBody(Body):
+    timeout: int | None = Field(None, ge=1, le=int(limits.MAX_SANDBOX_TIMEOUT_SECS))
+
+
+class Sandbox(BaseModel):
+    """A sandbox created or connected to."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    template_id: str = Field(serialization_alias="templateID")
+    sandbox_id: str = Field(serialization_alias="sandboxID")
+    client_id: str = Field(CLIENT_ID, serialization_alias="clientID")
+    envd_version: str = Field(ENVD_VERSION, serialization_alias="envdVersion")
+    envd_access_token: str = Field(serialization_alias="envdAccessToken")
+
+
+class SandboxLifecycle(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    auto_resume: bool = Field(serialization_alias="autoResume")
+    on_timeout: Literal["kill", "pause"] = Field(serialization_alias="onTimeout")
+
+
+class ListedSandbox(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)
+    template_id: str = Field(serialization_alias="templateID")
+    sandbox_id: str = Field(serialization_alias="sandboxID")
+    client_id: str = Field(CLIENT_ID, serialization_alias="clientID")
+    started_at: str = Field(serialization_alias="startedAt")
+    end_at: str = Field(serialization_alias="endAt")
+    cpu_count: int = Field(serialization_alias="cpuCount")
+    memory_mb: int = Field(serialization_alias="memoryMB")
+    disk_size_mb: int = Field(0, serialization_alias="diskSizeMB")
+    state: Literal["running", "paused"]
+    envd_version: str = Field(ENVD_VERSION, serialization_alias="envdVersion")
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class SandboxDetail(ListedSandbox):
+    envd_access_token: str = Field(serialization_alias="envdAccessToken")
+    lifecycle: SandboxLifecycle
+
+
+class Error(BaseModel):
+    """Every error E2B's API answers: the SDKs read both fields."""
+
+    code: int
+    message: str

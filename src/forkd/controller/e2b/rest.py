@@ -1,0 +1,215 @@
+"""E2B's REST API (its control plane) over the daemon's services: a sandbox created
+from a template (a forkd snapshot tag), described, listed, given a new timeout, paused
+(hibernated: E2B's pause keeps memory), connected to (woken) and killed."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+
+from forkd.controller.e2b.models import (
+    DEFAULT_TIMEOUT_S,
+    ConnectBody,
+    ListedSandbox,
+    NewSandbox,
+    Sandbox,
+    SandboxDetail,
+    SandboxLifecycle,
+    TimeoutBody,
+)
+from forkd.controller.models import SandboxCreate, SandboxInfo, TimeoutRequest
+from forkd.controller.services import Services
+from forkd.errors import Conflict, Invalid, NotFound, SnapshotError, Unavailable
+from forkd.states import OnTimeout, SandboxState
+from forkd.vmm.snapshot import files as snapshot_files
+
+NO_END = "9999-12-31T23:59:59.000+00:00"  # endAt of a sandbox without a timeout
+MAX_PAGE = 100  # sandboxes in one page of a listing
+
+rest = APIRouter()
+
+
+def services(request: Request) -> Services:
+    """The daemon's services (the E2B app shares the daemon's, made at its start)."""
+    found: Services | None = getattr(request.app.state.daemon.state, "services", None)
+    if found is None:
+        raise Unavailable("the daemon is starting: retry shortly")
+    return found
+
+
+Svc = Annotated[Services, Depends(services)]
+_ALIVE = (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED)
+
+
+def _e2b_state(info: SandboxInfo) -> str:
+    return "running" if info.state in (SandboxState.RUNNING, SandboxState.STARTING) else "paused"
+
+
+def _alive(svc: Services, sandbox_id: str) -> SandboxInfo:
+    """The sandbox, unless it is gone: E2B knows no dead sandboxes (404)."""
+    info = svc.sandboxes.info(sandbox_id)
+    if info.state == SandboxState.DEAD:
+        raise NotFound(f"sandbox {sandbox_id!r} not found")
+    return info
+
+
+def _created(svc: Services, info: SandboxInfo) -> Sandbox:
+    token = svc.ports.key.access_token(info.id, info.created_at_unix)
+    return Sandbox(template_id=info.snapshot_tag, sandbox_id=info.id, envd_access_token=token)
+
+
+def _listed(svc: Services, info: SandboxInfo, shape: type[ListedSandbox] = ListedSandbox) -> Any:
+    vcpus, memory_mib = _machine(svc, info.snapshot_tag)
+    fields: dict[str, Any] = {
+        "template_id": info.snapshot_tag,
+        "sandbox_id": info.id,
+        "started_at": _iso(info.created_at_unix),
+        "end_at": info.expires_at or NO_END,
+        "cpu_count": vcpus,
+        "memory_mb": memory_mib,
+        "state": _e2b_state(info),
+        "metadata": info.metadata,
+    }
+    if shape is SandboxDetail:
+        fields["envd_access_token"] = svc.ports.key.access_token(info.id, info.created_at_unix)
+        on_timeout: Literal["kill", "pause"] = (
+            "pause" if info.on_timeout == OnTimeout.HIBERNATE else "kill"
+        )
+        fields["lifecycle"] = SandboxLifecycle(auto_resume=info.auto_resume, on_timeout=on_timeout)
+    return shape(**fields)
+
+
+def _machine(svc: Services, tag: str) -> tuple[int, int]:
+    """The vCPUs and MiB of guest memory of snapshot ``tag``'s machine ((1, 0) when the
+    snapshot is gone since the sandbox was forked)."""
+    row = svc.store.get_snapshot(tag)
+    if row is None:
+        return 1, 0
+    try:
+        machine = snapshot_files.load(Path(row.dir)).machine
+    except SnapshotError:
+        return 1, row.memory_mib
+    return machine.vcpus, machine.memory_mib
+
+
+def _iso(unix: float) -> str:
+    return datetime.fromtimestamp(unix, tz=UTC).isoformat(timespec="milliseconds")
+
+
+@rest.post("/v2/sandboxes", status_code=201, response_model_by_alias=True)
+async def create(body: NewSandbox, svc: Svc) -> Sandbox:
+    if body.env_vars:
+        raise Invalid("envVars are not supported by forkd's E2B API yet: set them per command")
+    lifecycle_pause = body.auto_pause
+    req = SandboxCreate(
+        snapshot_tag=body.template_id,
+        timeout_s=body.timeout or DEFAULT_TIMEOUT_S,
+        on_timeout=OnTimeout.HIBERNATE if lifecycle_pause else OnTimeout.KILL,
+        auto_resume=body.auto_resume.enabled if body.auto_resume is not None else True,
+        metadata=body.metadata or None,
+        internet=body.allow_internet_access,
+    )
+    [info] = await svc.sandboxes.create(req)
+    return _created(svc, info)
+
+
+@rest.get("/sandboxes/{sandbox_id}")
+async def get(sandbox_id: str, svc: Svc) -> Response:
+    detail = _listed(svc, _alive(svc, sandbox_id), SandboxDetail)
+    return _json(detail.model_dump(by_alias=True))
+
+
+@rest.get("/v2/sandboxes")
+async def list_(
+    svc: Svc,
+    response: Response,
+    state: Annotated[str | None, Query()] = None,
+    metadata: Annotated[str | None, Query()] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
+    next_token: Annotated[str | None, Query(alias="nextToken")] = None,
+) -> Response:
+    wanted = _states(state)
+    labels = _labels(metadata)
+    found = [
+        info
+        for info in svc.sandboxes.list(metadata=labels or None)
+        if info.state in _ALIVE and _e2b_state(info) in wanted
+    ]
+    found.sort(key=lambda i: (i.created_at_unix, i.id))
+    start = 0 if next_token is None else _after(found, next_token)
+    page = found[start : start + limit]
+    headers = {}
+    if start + limit < len(found):
+        headers["x-next-token"] = page[-1].id
+    body = [_listed(svc, info).model_dump(by_alias=True) for info in page]
+    return _json(body, headers=headers)
+
+
+def _states(text: str | None) -> set[str]:
+    if text is None:
+        return {"running", "paused"}
+    words = {w for w in text.split(",") if w}
+    unknown = words - {"running", "paused"}
+    if unknown:
+        raise Invalid(f"unknown state {sorted(unknown)[0]!r}: running or paused")
+    return words
+
+
+def _labels(text: str | None) -> dict[str, str]:
+    """E2B's metadata filter: ``k=v&k2=v2`` in one query parameter."""
+    from urllib.parse import parse_qsl
+
+    if not text:
+        return {}
+    try:
+        return dict(parse_qsl(text, keep_blank_values=True, strict_parsing=True))
+    except ValueError:
+        raise Invalid(f"metadata filter {text!r} is not k=v&k2=v2") from None
+
+
+def _after(found: list[SandboxInfo], token: str) -> int:
+    for i, info in enumerate(found):
+        if info.id == token:
+            return i + 1
+    raise Invalid(f"nextToken {token!r} names no sandbox of this listing")
+
+
+@rest.delete("/sandboxes/{sandbox_id}", status_code=204)
+async def kill(sandbox_id: str, svc: Svc) -> None:
+    _alive(svc, sandbox_id)
+    await svc.sandboxes.kill(sandbox_id)
+
+
+@rest.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
+async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Svc) -> None:
+    _alive(svc, sandbox_id)
+    svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=body.timeout or None))
+
+
+@rest.post("/sandboxes/{sandbox_id}/pause", status_code=204)
+async def pause(sandbox_id: str, svc: Svc) -> None:
+    info = _alive(svc, sandbox_id)
+    if info.state != SandboxState.RUNNING:
+        raise Conflict(f"sandbox {sandbox_id!r} is already paused")
+    await svc.pausing.pause(sandbox_id, hibernate=True)
+
+
+@rest.post("/v2/sandboxes/{sandbox_id}/connect", status_code=200)
+async def connect(sandbox_id: str, body: ConnectBody, svc: Svc, response: Response) -> Response:
+    info = _alive(svc, sandbox_id)
+    if info.state in (SandboxState.PAUSED, SandboxState.HIBERNATED):
+        await svc.pausing.resume(sandbox_id, timeout_s=body.timeout)
+        response.status_code = 201  # E2B answers a resumed sandbox with 201
+    elif body.timeout is not None:
+        svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=body.timeout))
+    created = _created(svc, svc.sandboxes.info(sandbox_id))
+    return _json(created.model_dump(by_alias=True), status=response.status_code or 200)
+
+
+def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse(body, status_code=status, headers=headers)

@@ -1,0 +1,202 @@
+"""E2B's own Python SDK (``e2b``, pinned in pyproject) against forkd's E2B port: the
+daemon runs with fake VMs, both apps under a real uvicorn, the SDK unchanged, pointed
+at the port by E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY as a user would."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import e2b  # E2B's SDK, as its users have it (a dev dependency, pinned)
+import httpx
+import pytest
+
+from forkd.controller.e2b.app import create_e2b_app
+from forkd.controller.settings import Settings
+from forkd.e2b_key import e2b_key
+from forkd.launcher import free_port
+from tests.unit.conftest import TOKEN, Server, serving
+
+UPLOAD_LIMIT = 64 << 20
+
+
+@pytest.fixture
+def e2b_url(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The E2B port of the ``server`` daemon, with a snapshot tagged ``base`` to create
+    sandboxes from; the SDK's variables point at it."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+        made = c.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
+        assert made.status_code == 201, made.text
+    port = free_port()
+    app = create_e2b_app(server.app, TOKEN, UPLOAD_LIMIT)
+    with serving(app, host="127.0.0.1", port=port, lifespan="off"):
+        url = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("E2B_API_URL", url)
+        monkeypatch.setenv("E2B_SANDBOX_URL", url)
+        monkeypatch.setenv("E2B_API_KEY", TOKEN)
+        yield url
+
+
+def _forkd(server: Server) -> httpx.Client:
+    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"})
+
+
+def test_a_sandbox_made_through_e2b_is_a_forkd_sandbox_and_dies_by_e2b(
+    server: Server, e2b_url: str
+) -> None:
+    sbx = e2b.Sandbox.create("base", timeout=120, metadata={"team": "a"})
+    with _forkd(server) as c:
+        mine = c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()
+    assert mine["state"] == "running" and mine["snapshot_tag"] == "base"
+    assert (
+        mine["metadata"] == {"team": "a"}
+        and 110 < mine["expires_at_unix"] - mine["created_at_unix"] <= 121
+    )
+    info = sbx.get_info()
+    assert (info.sandbox_id, info.template_id, info.metadata) == (
+        sbx.sandbox_id,
+        "base",
+        {"team": "a"},
+    )
+    assert info.memory_mb == 128 and info.cpu_count >= 1
+    sbx.set_timeout(600)
+    with _forkd(server) as c:
+        later = c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()
+    assert later["expires_at_unix"] > mine["expires_at_unix"] + 400
+    assert sbx.kill() is True
+    with _forkd(server) as c:
+        assert c.get(f"/v1/sandboxes/{sbx.sandbox_id}").status_code == 404  # killed: gone
+    assert e2b.Sandbox.kill(sbx.sandbox_id) is False  # gone: E2B's SDK says so
+    with pytest.raises(e2b.NotFoundException):
+        sbx.get_info()
+
+
+def test_the_default_lifetime_is_e2bs_five_minutes(server: Server, e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    with _forkd(server) as c:
+        row = c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()
+    assert 290 < row["expires_at_unix"] - row["created_at_unix"] <= 301
+    assert row["on_timeout"] == "kill"
+    sbx.kill()
+
+
+def test_listing_filters_by_state_and_metadata_and_pages(server: Server, e2b_url: str) -> None:
+    made = [e2b.Sandbox.create("base", metadata={"n": str(i % 2)}) for i in range(3)]
+    made[0].pause()
+    paused = e2b.Sandbox.list(query=e2b.SandboxQuery(state=[e2b.SandboxState.PAUSED]))
+    assert [s.sandbox_id for s in paused.next_items()] == [made[0].sandbox_id]
+    odd = e2b.Sandbox.list(query=e2b.SandboxQuery(metadata={"n": "1"})).next_items()
+    assert [s.sandbox_id for s in odd] == [made[1].sandbox_id]
+    pages = e2b.Sandbox.list(limit=2)
+    seen = pages.next_items()
+    assert len(seen) == 2 and pages.has_next
+    seen += pages.next_items()
+    assert sorted(s.sandbox_id for s in seen) == sorted(s.sandbox_id for s in made)
+    assert not pages.has_next
+    for s in made:
+        s.kill()
+
+
+def test_pause_hibernates_and_connect_wakes_it(server: Server, e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    assert sbx.pause() is True
+    with _forkd(server) as c:
+        assert c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()["state"] == "hibernated"
+    assert sbx.pause() is False  # already paused: E2B's SDK says so
+    assert sbx.get_info().state == e2b.SandboxState.PAUSED
+    again = e2b.Sandbox.connect(sbx.sandbox_id)
+    with _forkd(server) as c:
+        assert c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()["state"] == "running"
+    again.files.write("/woke", "yes")
+    assert again.files.read("/woke") == "yes"
+    again.kill()
+
+
+def test_files_go_both_ways_through_the_sdk(server: Server, e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    info = sbx.files.write("/work/notes.txt", "hello from e2b\n")
+    assert (info.path, info.name) == ("/work/notes.txt", "notes.txt")
+    assert sbx.files.read("/work/notes.txt") == "hello from e2b\n"
+    big = os.urandom(5 << 20)
+    sbx.files.write("/work/big.bin", big)
+    assert sbx.files.read("/work/big.bin", format="bytes") == big
+    vm = server.driver.vms[-1]
+    assert vm.contents.files["/work/big.bin"] == big  # written in the guest, not held here
+    with pytest.raises(e2b.FileNotFoundException):
+        sbx.files.read("/work/missing")
+    sbx.kill()
+
+
+def test_a_wrong_key_is_refused_and_an_e2b_form_key_works(
+    server: Server, e2b_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("E2B_API_KEY", "e2b_" + "0" * 40)
+    with pytest.raises(e2b.AuthenticationException):
+        e2b.Sandbox.create("base")
+    monkeypatch.setenv("E2B_API_KEY", e2b_key(TOKEN))
+    e2b.Sandbox.create("base").kill()
+
+
+def test_an_unknown_template_or_sandbox_is_e2bs_not_found(server: Server, e2b_url: str) -> None:
+    with pytest.raises(e2b.SandboxException, match="404"):
+        e2b.Sandbox.create("no-such-template")
+    with pytest.raises(e2b.NotFoundException):
+        e2b.Sandbox.connect("sb-nope-0001")
+
+
+def test_a_sandbox_takes_its_own_access_token_only(server: Server, e2b_url: str) -> None:
+    a, b = e2b.Sandbox.create("base"), e2b.Sandbox.create("base")
+    a.files.write("/secret", "a's")
+    token_of_b = httpx.get(
+        f"{e2b_url}/sandboxes/{b.sandbox_id}", headers={"X-API-KEY": TOKEN}
+    ).json()["envdAccessToken"]
+    asked: dict[str, Any] = {"params": {"path": "/secret"}}
+    as_b = {"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": token_of_b}
+    assert httpx.get(f"{e2b_url}/files", headers=as_b, **asked).status_code == 403
+    anon = {"E2b-Sandbox-Id": a.sandbox_id}
+    refused = httpx.get(f"{e2b_url}/files", headers=anon, **asked)
+    assert refused.status_code == 401 and set(refused.json()) == {"code", "message"}
+    a.kill()
+    b.kill()
+
+
+def test_an_upload_past_the_limit_is_refused_and_writes_nothing(
+    server: Server, e2b_url: str
+) -> None:
+    sbx = e2b.Sandbox.create("base")
+    token = httpx.get(f"{e2b_url}/sandboxes/{sbx.sandbox_id}", headers={"X-API-KEY": TOKEN}).json()[
+        "envdAccessToken"
+    ]
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "X-Access-Token": token}
+    r = httpx.post(
+        f"{e2b_url}/files",
+        params={"path": "/huge"},
+        headers={**headers, "Content-Type": "application/octet-stream"},
+        content=b"x" * (UPLOAD_LIMIT + 1),
+    )
+    assert r.status_code == 413
+    assert "/huge" not in server.driver.vms[-1].contents.files
+    sbx.kill()
+
+
+def test_a_killed_sandbox_is_not_running_to_the_sdk(server: Server, e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    assert sbx.is_running() is True
+    sbx.kill()
+    assert sbx.is_running() is False  # E2B's 502 "was not found", as E2B's proxy says it
+
+
+def test_the_e2b_port_writes_the_daemons_audit_log(
+    server: Server, e2b_url: str, settings: Settings
+) -> None:
+    sbx = e2b.Sandbox.create("base")
+    sbx.kill()
+    lines = [
+        json.loads(line) for line in (settings.state_dir / "audit.log").read_text().splitlines()
+    ]
+    seen = {(r["method"], r["path"], r["status"]) for r in lines}
+    assert ("POST", "/v2/sandboxes", 201) in seen
+    assert ("DELETE", f"/sandboxes/{sbx.sandbox_id}", 204) in seen
+    assert not any("X-API-KEY" in line or TOKEN in line for line in map(str, lines))
