@@ -200,3 +200,17 @@ def test_the_e2b_port_writes_the_daemons_audit_log(
     assert ("POST", "/v2/sandboxes", 201) in seen
     assert ("DELETE", f"/sandboxes/{sbx.sandbox_id}", 204) in seen
     assert not any("X-API-KEY" in line or TOKEN in line for line in map(str, lines))
+
+
+def test_a_bug_answers_e2bs_shape_with_an_error_id_only(
+    server: Server, e2b_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError(f"boom in {server.app.state.services.settings.state_dir}")
+
+    monkeypatch.setattr(server.app.state.services.sandboxes, "list", broken)
+    r = httpx.get(f"{e2b_url}/v2/sandboxes", headers={"X-API-KEY": TOKEN})
+    assert r.status_code == 500 and set(r.json()) == {"code", "message"}
+    assert "internal error (id " in r.json()["message"] and "boom" not in r.text
+    with pytest.raises(e2b.SandboxException, match="500"):
+        e2b.Sandbox.list().next_items()

@@ -14,7 +14,7 @@ import logging
 import os
 import re
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -135,6 +135,9 @@ def hide_host_paths(message: str) -> str:
     return _hidden_pattern.sub(HIDDEN_PATH, message)
 
 
+Respond = Callable[[int, str], JSONResponse]  # an error's answer: (status, message) -> body
+
+
 def error_response(status: int, message: str, *, close: bool = False) -> JSONResponse:
     """``{"error": message}``; ``close`` ends the connection after it (a body left unread)."""
     headers = {"connection": "close"} if close else None
@@ -162,7 +165,9 @@ async def refuse_websocket(
         await send({"type": "websocket.close", "code": 1008, "reason": close_reason(message)})
 
 
-def internal_error(exc: BaseException, method: str, path: str) -> tuple[str, JSONResponse]:
+def internal_error(
+    exc: BaseException, method: str, path: str, respond: Respond = error_response
+) -> tuple[str, JSONResponse]:
     """The answer to an unexpected exception: a generic 500 and a fresh error id.
 
     A bug's message may carry host paths or guest output, so the client gets
@@ -173,18 +178,19 @@ def internal_error(exc: BaseException, method: str, path: str) -> tuple[str, JSO
         "internal error (id %s) in %s %s", error_id, method, path[:AUDIT_FIELD_LIMIT], exc_info=exc
     )
     message = f"internal error (id {error_id}); the daemon log has the details"
-    return error_id, error_response(500, message)
+    return error_id, respond(500, message)
 
 
-def install(app: FastAPI) -> None:
-    """Register the handlers that turn exceptions into ``{"error": ...}`` answers."""
+def install(app: FastAPI, respond: Respond = error_response) -> None:
+    """Register the handlers that turn exceptions into answers: ``respond(status,
+    message)`` shapes them (``{"error": ...}``; the E2B port answers as E2B does)."""
 
     @app.exception_handler(ForkdError)
     async def forkd_error(_r: Request, exc: ForkdError) -> JSONResponse:
         status = status_of(exc)
         if status == 500:
             log.warning("%s: %s", type(exc).__name__, exc)
-        return error_response(status, str(exc))
+        return respond(status, str(exc))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_r: Request, exc: RequestValidationError) -> JSONResponse:
@@ -195,13 +201,13 @@ def install(app: FastAPI) -> None:
                 problems.append(f"{where}: unknown field, not supported here")
                 continue
             problems.append(f"{where or 'body'}: {err.get('msg')}")
-        return error_response(400, "invalid request: " + "; ".join(problems))
+        return respond(400, "invalid request: " + "; ".join(problems))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_response(exc.status_code, str(exc.detail))
+        return respond(exc.status_code, str(exc.detail))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         # Reached only by what escapes the audit middleware, which answers the rest.
-        return internal_error(exc, request.method, request.url.path)[1]
+        return internal_error(exc, request.method, request.url.path, respond)[1]

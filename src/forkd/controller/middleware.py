@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from forkd.controller import console
 from forkd.controller.audit import AuditLog, Fields
 from forkd.controller.http_errors import (
+    Respond,
     close_reason,
     error_response,
     internal_error,
@@ -245,12 +246,17 @@ class AuditMiddleware:
     """
 
     def __init__(
-        self, app: ASGIApp, audit: Callable[[Scope], AuditLog | None] | None = None
+        self,
+        app: ASGIApp,
+        audit: Callable[[Scope], AuditLog | None] | None = None,
+        respond: Respond = error_response,
     ) -> None:
         """``audit(scope)``: the log a request goes to (default: its app's, opened in
-        the app's lifespan; the E2B port writes to the daemon's)."""
+        the app's lifespan; the E2B port writes to the daemon's); ``respond``: the
+        shape of an internal error's answer (the E2B port answers as E2B does)."""
         self.app = app
         self._audit = audit or _audit_log
+        self._respond = respond
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] not in ("http", "websocket"):
@@ -272,7 +278,7 @@ class AuditMiddleware:
         except Exception as exc:
             if status not in (None, 101):
                 raise  # the answer has begun: nothing to do but end the connection
-            error_id, answer = internal_error(exc, method, scope["path"])
+            error_id, answer = internal_error(exc, method, scope["path"], self._respond)
             said = f"internal error (id {error_id})"
             if scope["type"] == "http":
                 await answer(scope, receive, send_and_note)

@@ -8,18 +8,16 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Scope
 
 from forkd import __version__
+from forkd.controller import http_errors
 from forkd.controller.e2b.auth import Unauthorized, check_api_key
 from forkd.controller.e2b.envd import envd
 from forkd.controller.e2b.rest import rest
-from forkd.controller.http_errors import hide_host_paths, internal_error, status_of
+from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
-from forkd.errors import ForkdError
 
 
 def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> FastAPI:
@@ -34,7 +32,11 @@ def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> Fas
     app.include_router(rest, dependencies=[Depends(api_key)])
     app.include_router(envd)
     app.add_middleware(GuardMiddleware, token=None, upload_limit=upload_limit, uploads=_upload)
-    app.add_middleware(AuditMiddleware, audit=lambda _scope: getattr(daemon.state, "audit", None))
+    app.add_middleware(
+        AuditMiddleware,
+        audit=lambda _scope: getattr(daemon.state, "audit", None),
+        respond=e2b_error,
+    )
     _install_errors(app)
     return app
 
@@ -48,27 +50,8 @@ def e2b_error(status: int, message: str) -> JSONResponse:
 
 
 def _install_errors(app: FastAPI) -> None:
+    http_errors.install(app, respond=e2b_error)
+
     @app.exception_handler(Unauthorized)
     async def unauthorized(_r: Request, exc: Unauthorized) -> JSONResponse:
         return e2b_error(401, str(exc))
-
-    @app.exception_handler(ForkdError)
-    async def forkd_error(_r: Request, exc: ForkdError) -> JSONResponse:
-        return e2b_error(status_of(exc), str(exc))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(_r: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = [
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-            for e in exc.errors()
-        ]
-        return e2b_error(400, "invalid request: " + "; ".join(problems))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_r: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return e2b_error(exc.status_code, str(exc.detail))
-
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        error_id, _ = internal_error(exc, request.method, request.url.path)
-        return e2b_error(500, f"internal error (id {error_id}); the daemon log has the details")
