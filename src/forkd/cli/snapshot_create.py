@@ -8,7 +8,7 @@ import hashlib
 import re
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 import typer
 
@@ -19,10 +19,6 @@ from forkd.cli.labels import LabelOpt, parse_labels
 from forkd.cli.network_options import AllowOutOpt, DenyOutOpt, EnvOpt, env_of, network_of
 from forkd.cli.options import Connection
 from forkd.cli.render import err, out, shown
-
-if TYPE_CHECKING:
-    pass
-
 
 StartOpt = Annotated[
     bool, typer.Option("--start", help="Run the image's Entrypoint+Cmd before the snapshot.")

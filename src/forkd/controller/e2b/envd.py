@@ -15,12 +15,14 @@ from collections.abc import AsyncIterator
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.responses import JSONResponse
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from forkd.controller.bodies import receive_upload, stream_download
 from forkd.controller.e2b.auth import Unauthorized
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.services import Services
+from forkd.controller.store_rows import SandboxRow
 from forkd.errors import Forbidden, Invalid, UpstreamError
 from forkd.states import SandboxState
 
@@ -31,21 +33,14 @@ MAX_PART_HEADER_BYTES = 8 << 10  # of one part's headers
 envd = APIRouter()
 
 
-class Target:
-    """The sandbox a request is for, its access token checked."""
-
-    def __init__(self, sandbox_id: str) -> None:
-        self.sandbox_id = sandbox_id
-
-
 def target(
     request: Request,
     sandbox_id: Annotated[str | None, Header(alias="E2b-Sandbox-Id")] = None,
     port: Annotated[int, Header(alias="E2b-Sandbox-Port")] = ENVD_PORT,
     token: Annotated[str | None, Header(alias="X-Access-Token")] = None,
-) -> Target:
-    """The sandbox of the ``E2b-Sandbox-Id`` header, once its access token is checked
-    (401 without one, 403 for another sandbox's)."""
+) -> SandboxRow:
+    """The record of the sandbox the ``E2b-Sandbox-Id`` header names, once its access
+    token is checked (401 without one, 403 for another sandbox's)."""
     if not sandbox_id:
         raise Invalid("no E2b-Sandbox-Id header: which sandbox is this for?")
     if token is None:  # before anything is looked up: no answer says what exists
@@ -60,24 +55,23 @@ def target(
         raise Forbidden("that X-Access-Token is not this sandbox's")
     if port != ENVD_PORT:
         raise UpstreamError(f"port {port} is not open on sandbox {sandbox_id!r} (not served yet)")
-    return Target(sandbox_id)
+    return row
 
 
-Sandbox = Annotated[Target, Depends(target)]
+Sandbox = Annotated[SandboxRow, Depends(target)]
 PathQ = Annotated[str, Query(description="absolute path inside the sandbox")]
 
 
 @envd.get("/health", status_code=204)
-async def health(sandbox: Sandbox, svc: Svc) -> Response:
-    row = svc.store.get_sandbox(sandbox.sandbox_id)
-    if row is None or row.state != SandboxState.RUNNING:
-        raise UpstreamError(f"sandbox {sandbox.sandbox_id!r} is not running")
+async def health(sandbox: Sandbox) -> Response:
+    if sandbox.state != SandboxState.RUNNING:
+        raise UpstreamError(f"sandbox {sandbox.id!r} is not running")
     return Response(status_code=204)
 
 
 @envd.get("/files")
 async def read(sandbox: Sandbox, svc: Svc, path: PathQ) -> Response:
-    download = await svc.files.download(sandbox.sandbox_id, path)
+    download = await svc.files.download(sandbox.id, path)
     return stream_download(download, "application/octet-stream")
 
 
@@ -96,17 +90,15 @@ async def write(
         if not boundary:
             raise Invalid("a multipart body without a boundary")
         written = await receive_upload(
-            request, lambda body: _write_parts(svc, sandbox.sandbox_id, body, boundary, path)
+            request, lambda body: _write_parts(svc, sandbox.id, body, boundary, path)
         )
     else:
         if path is None:
             raise Invalid("a raw upload needs ?path=")
         dest = path
-        await receive_upload(request, lambda body: svc.files.upload(sandbox.sandbox_id, dest, body))
+        await receive_upload(request, lambda body: svc.files.upload(sandbox.id, dest, body))
         written = [path]
     entries = [{"name": posixpath.basename(p), "type": "file", "path": p} for p in written]
-    from fastapi.responses import JSONResponse
-
     return JSONResponse(entries)
 
 

@@ -7,8 +7,10 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import parse_qsl
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import JSONResponse
 
 from forkd.controller.e2b.models import (
     DEFAULT_TIMEOUT_S,
@@ -56,13 +58,23 @@ def _alive(svc: Services, sandbox_id: str) -> SandboxInfo:
     return info
 
 
+def _access_token(svc: Services, info: SandboxInfo) -> str:
+    return svc.ports.key.access_token(info.id, info.created_at_unix)
+
+
 def _created(svc: Services, info: SandboxInfo) -> Sandbox:
-    token = svc.ports.key.access_token(info.id, info.created_at_unix)
+    token = _access_token(svc, info)
     return Sandbox(template_id=info.snapshot_tag, sandbox_id=info.id, envd_access_token=token)
 
 
-def _listed(svc: Services, info: SandboxInfo, shape: type[ListedSandbox] = ListedSandbox) -> Any:
-    vcpus, memory_mib = _machine(svc, info.snapshot_tag)
+def _listed(
+    svc: Services,
+    info: SandboxInfo,
+    machine: tuple[int, int],
+    shape: type[ListedSandbox] = ListedSandbox,
+) -> Any:
+    """``info`` in E2B's shape; ``machine``: its snapshot's vCPUs and MiB (:func:`_machine`)."""
+    vcpus, memory_mib = machine
     fields: dict[str, Any] = {
         "template_id": info.snapshot_tag,
         "sandbox_id": info.id,
@@ -74,7 +86,7 @@ def _listed(svc: Services, info: SandboxInfo, shape: type[ListedSandbox] = Liste
         "metadata": info.metadata,
     }
     if shape is SandboxDetail:
-        fields["envd_access_token"] = svc.ports.key.access_token(info.id, info.created_at_unix)
+        fields["envd_access_token"] = _access_token(svc, info)
         on_timeout: Literal["kill", "pause"] = (
             "pause" if info.on_timeout == OnTimeout.HIBERNATE else "kill"
         )
@@ -103,11 +115,10 @@ def _iso(unix: float) -> str:
 async def create(body: NewSandbox, svc: Svc) -> Sandbox:
     if body.env_vars:
         raise Invalid("envVars are not supported by forkd's E2B API yet: set them per command")
-    lifecycle_pause = body.auto_pause
     req = SandboxCreate(
         snapshot_tag=body.template_id,
         timeout_s=body.timeout or DEFAULT_TIMEOUT_S,
-        on_timeout=OnTimeout.HIBERNATE if lifecycle_pause else OnTimeout.KILL,
+        on_timeout=OnTimeout.HIBERNATE if body.auto_pause else OnTimeout.KILL,
         auto_resume=body.auto_resume.enabled if body.auto_resume is not None else True,
         metadata=body.metadata or None,
         internet=body.allow_internet_access,
@@ -118,14 +129,14 @@ async def create(body: NewSandbox, svc: Svc) -> Sandbox:
 
 @rest.get("/sandboxes/{sandbox_id}")
 async def get(sandbox_id: str, svc: Svc) -> Response:
-    detail = _listed(svc, _alive(svc, sandbox_id), SandboxDetail)
+    info = _alive(svc, sandbox_id)
+    detail = _listed(svc, info, _machine(svc, info.snapshot_tag), SandboxDetail)
     return _json(detail.model_dump(by_alias=True))
 
 
 @rest.get("/v2/sandboxes")
 async def list_(
     svc: Svc,
-    response: Response,
     state: Annotated[str | None, Query()] = None,
     metadata: Annotated[str | None, Query()] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE)] = MAX_PAGE,
@@ -144,7 +155,8 @@ async def list_(
     headers = {}
     if start + limit < len(found):
         headers["x-next-token"] = page[-1].id
-    body = [_listed(svc, info).model_dump(by_alias=True) for info in page]
+    machines = {tag: _machine(svc, tag) for tag in {info.snapshot_tag for info in page}}
+    body = [_listed(svc, i, machines[i.snapshot_tag]).model_dump(by_alias=True) for i in page]
     return _json(body, headers=headers)
 
 
@@ -160,8 +172,6 @@ def _states(text: str | None) -> set[str]:
 
 def _labels(text: str | None) -> dict[str, str]:
     """E2B's metadata filter: ``k=v&k2=v2`` in one query parameter."""
-    from urllib.parse import parse_qsl
-
     if not text:
         return {}
     try:
@@ -197,19 +207,18 @@ async def pause(sandbox_id: str, svc: Svc) -> None:
     await svc.pausing.pause(sandbox_id, hibernate=True)
 
 
-@rest.post("/v2/sandboxes/{sandbox_id}/connect", status_code=200)
-async def connect(sandbox_id: str, body: ConnectBody, svc: Svc, response: Response) -> Response:
+@rest.post("/v2/sandboxes/{sandbox_id}/connect")
+async def connect(sandbox_id: str, body: ConnectBody, svc: Svc) -> Response:
     info = _alive(svc, sandbox_id)
+    status = 200
     if info.state in (SandboxState.PAUSED, SandboxState.HIBERNATED):
         await svc.pausing.resume(sandbox_id, timeout_s=body.timeout)
-        response.status_code = 201  # E2B answers a resumed sandbox with 201
+        status = 201  # E2B answers a resumed sandbox with 201
     elif body.timeout is not None:
         svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=body.timeout))
     created = _created(svc, svc.sandboxes.info(sandbox_id))
-    return _json(created.model_dump(by_alias=True), status=response.status_code or 200)
+    return _json(created.model_dump(by_alias=True), status=status)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
-    from fastapi.responses import JSONResponse
-
     return JSONResponse(body, status_code=status, headers=headers)
