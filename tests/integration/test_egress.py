@@ -311,7 +311,7 @@ def test_real_clients_get_their_credentials_from_the_proxy(
         assert pip["exit_code"] == 0, pip
         assert egress_world.WHEEL in run("ls", "/tmp/pkgs")["stdout"]
         git = run("git", "clone", "-q", "https://git.test.example/repo.git", "/tmp/repo")
-        assert git["exit_code"] == 0, git
+        assert git["exit_code"] == 0, (git, ctl.sandbox_egress(sb["id"], limit=1000))
         assert run("cat", "/tmp/repo/README")["stdout"] == "cloned through the egress proxy\n"
         node = run("node", "-e", NODE_FETCH)
         assert json.loads(node["stdout"].strip().splitlines()[-1]) == {"authorized": True}, node

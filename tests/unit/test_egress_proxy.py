@@ -224,7 +224,12 @@ def test_a_second_request_for_another_host_on_one_connection_is_misdirected(
     assert out.stdout.splitlines() == ["HTTP/1.1 200 OK", "HTTP/1.1 421 Misdirected Request"]
 
 
-def test_raw_tcp_is_judged_by_address_only(sandbox: Callable[[Any], Guest], daemon: Any) -> None:
+def test_raw_tcp_is_judged_by_address_only(
+    sandbox: Callable[[Any], Guest], daemon: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from forkd.egress import connection
+
+    monkeypatch.setattr(connection, "QUIET_CLIENT_SECS", 1.0)  # refused sooner
     banner = (
         f"import socket; s = socket.create_connection(('{WEB}', 2222), timeout=10);"
         "print(s.recv(100).decode().strip() or 'closed')"
@@ -234,6 +239,29 @@ def test_raw_tcp_is_judged_by_address_only(sandbox: Callable[[Any], Guest], daem
     assert guest_says(by_name, banner) in ("closed", "ConnectionResetError")
     assert (records(daemon, by_name)[0].reason or "").endswith("network policy")
     assert guest_says(sandbox({"allow_out": [f"{WEB}/32"]}), banner) == "SSH-2.0-fake"
+
+
+SLOW_TLS = """
+import socket, ssl, sys, time
+ctx = ssl.create_default_context(cafile=sys.argv[1])
+raw = socket.create_connection(("198.19.0.99", 443), timeout=30)
+time.sleep(2.5)  # a guest's TLS library, slow to say its ClientHello (TCG, a loaded host)
+with ctx.wrap_socket(raw, server_hostname="api.test.example") as s:
+    s.sendall(b"GET /echo HTTP/1.1\\r\\nHost: api.test.example\\r\\nConnection: close\\r\\n\\r\\n")
+    print(s.recv(100).split(b"\\r\\n")[0].decode())
+"""
+
+
+def test_a_tls_client_slow_to_say_hello_still_goes_out_by_name(
+    sandbox: Callable[[Any], Guest], daemon: Any
+) -> None:
+    """Silence after connecting is raw TCP only where raw TCP could go; to an address
+    the policy does not open, the proxy waits for the client's TLS or HTTP."""
+    guest = sandbox({"allow_out": ["api.test.example"]})
+    out = in_guest(guest.netns, sys.executable, "-c", SLOW_TLS, str(guest.world.ca.cert))
+    assert out.stdout.strip() == "HTTP/1.1 200 OK", out.stderr
+    [record] = records(daemon, guest)
+    assert (record.verdict, record.kind, record.host) == ("allowed", "tls", "api.test.example")
 
 
 def guest_says(guest: Guest, code: str) -> str:

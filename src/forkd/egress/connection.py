@@ -36,6 +36,10 @@ from forkd.vmm.jail.egress import Egress
 log = logging.getLogger("forkd.egress.proxy")
 
 FIRST_BYTES_SECS = 1.0  # a guest silent this long speaks raw TCP (the server first)
+# ... unless raw TCP to where it connected would be refused anyway (a policy of names):
+# then only its TLS or HTTP can go out, so its first bytes are waited for this long.
+# Under TCG on a loaded host git's gnutls was silent for over a second after connecting.
+QUIET_CLIENT_SECS = 15.0
 CONNECT_SECS = 10.0
 SO_ORIGINAL_DST = 80
 PEEK_BYTES = 16 * 1024
@@ -117,6 +121,8 @@ class Connection:
         try:
             address, port = original_destination(conn)
             first = await peek(conn, FIRST_BYTES_SECS)
+            if not first and not self._raw_allowed(address):
+                first = await peek(conn, QUIET_CLIENT_SECS)
             if sniff.looks_like_tls(first):
                 await self._tls(guest, address, port)
             elif sniff.looks_like_http(first):
@@ -129,6 +135,14 @@ class Connection:
             log.exception("egress proxy of %s: a connection failed", sb.vm_id)
         finally:
             guest.close()
+
+    def _raw_allowed(self, address: ipaddress.IPv4Address) -> bool:
+        """Whether raw TCP to ``address`` could leave (what :meth:`_raw` decides first)."""
+        try:
+            decide.check_address(address, self.sb.policy, self.sb.fence, named=False)
+        except Refused:
+            return False
+        return True
 
     async def _http(self, guest: _Guest, address: ipaddress.IPv4Address, port: int) -> None:
         """Plain HTTP: each request judged by its Host (by ``address`` without one)."""
