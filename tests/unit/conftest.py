@@ -27,6 +27,7 @@ from typer.testing import CliRunner, Result
 
 from forkd.client import Controller
 from forkd.controller.app import create_app
+from forkd.controller.e2b.app import create_e2b_app
 from forkd.controller.settings import Settings
 from forkd.launcher import free_port
 from tests.unit.fake_images import FakeImporter
@@ -221,3 +222,23 @@ def forkd(server: Server, sent: RecordingTransport) -> Invoke:
         return runner.invoke(app, list(args), env=env_of(server))
 
     return invoke
+
+
+E2B_UPLOAD_LIMIT = 64 << 20  # of one upload through the E2B port
+
+
+@pytest.fixture
+def e2b_url(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The E2B port of the ``server`` daemon, with a snapshot tagged ``base`` to create
+    sandboxes from; the SDK's variables point at it."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
+        made = c.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
+        assert made.status_code == 201, made.text
+    port = free_port()
+    app = create_e2b_app(server.app, TOKEN, E2B_UPLOAD_LIMIT)
+    with serving(app, host="127.0.0.1", port=port, lifespan="off"):
+        url = f"http://127.0.0.1:{port}"
+        monkeypatch.setenv("E2B_API_URL", url)
+        monkeypatch.setenv("E2B_SANDBOX_URL", url)
+        monkeypatch.setenv("E2B_API_KEY", TOKEN)
+        yield url

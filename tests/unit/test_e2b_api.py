@@ -7,41 +7,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import e2b  # E2B's SDK, as its users have it (a dev dependency, pinned)
 import httpx
 import pytest
 
-from forkd.controller.e2b.app import create_e2b_app
 from forkd.controller.settings import Settings
 from forkd.e2b_key import e2b_key
-from forkd.launcher import free_port
-from tests.unit.conftest import TOKEN, Server, serving
-
-UPLOAD_LIMIT = 64 << 20
-
-
-@pytest.fixture
-def e2b_url(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The E2B port of the ``server`` daemon, with a snapshot tagged ``base`` to create
-    sandboxes from; the SDK's variables point at it."""
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"}) as c:
-        made = c.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
-        assert made.status_code == 201, made.text
-    port = free_port()
-    app = create_e2b_app(server.app, TOKEN, UPLOAD_LIMIT)
-    with serving(app, host="127.0.0.1", port=port, lifespan="off"):
-        url = f"http://127.0.0.1:{port}"
-        monkeypatch.setenv("E2B_API_URL", url)
-        monkeypatch.setenv("E2B_SANDBOX_URL", url)
-        monkeypatch.setenv("E2B_API_KEY", TOKEN)
-        yield url
-
-
-def _forkd(server: Server) -> httpx.Client:
-    return httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {TOKEN}"})
+from tests.unit.conftest import TOKEN, Server
+from tests.unit.e2b_port import UPLOAD_LIMIT
+from tests.unit.e2b_port import forkd_client as _forkd
 
 
 def test_a_sandbox_made_through_e2b_is_a_forkd_sandbox_and_dies_by_e2b(

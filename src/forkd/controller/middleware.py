@@ -82,14 +82,18 @@ class GuardMiddleware:
         upload_limit: int = FILE_UPLOAD_LIMIT,
         image_limit: int = MAX_IMAGE_BYTES,
         uploads: Callable[[Scope], bool] | None = None,
+        typed: Callable[[Scope], bool] | None = None,
     ) -> None:
         """``uploads(scope)``: whether a request is a file upload, streamed within
-        ``upload_limit`` (default: the daemon's own upload routes)."""
+        ``upload_limit`` (default: the daemon's own upload routes); ``typed(scope)``:
+        whether its route reads the body's Content-Type (default: the raw-body routes);
+        every other body is JSON, whatever its label."""
         self.app = app
         self.token = token.encode() if token else None
         self.upload_limit = upload_limit
         self.image_limit = image_limit
         self._is_upload = uploads or _is_streamed_upload
+        self._is_typed = typed or (lambda scope: _is_raw_body_route(scope["path"]))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "websocket":
@@ -134,7 +138,8 @@ class GuardMiddleware:
         if body is None:
             await too_big(scope, receive, send)
             return
-        await self.app(_with_body_headers(scope, len(body)), _replay(body, receive), send)
+        framed = _with_body_headers(scope, len(body), self._is_typed(scope))
+        await self.app(framed, _replay(body, receive), send)
 
     def _authorized(self, scope: Scope, path: str) -> bool:
         if self.token is None or path == "/healthz" or _PREVIEW.match(path):
@@ -203,14 +208,14 @@ async def _read_body(receive: Receive, limit: int) -> bytes | None:
             return b"".join(chunks)
 
 
-def _with_body_headers(scope: Scope, length: int) -> Scope:
+def _with_body_headers(scope: Scope, length: int, typed: bool) -> Scope:
     """``scope`` with the body's true length as its only framing header.
 
     Bodies of the JSON routes are JSON whatever the client labelled them
     (curl -d sends application/x-www-form-urlencoded).
     """
     drop = {b"content-length", b"transfer-encoding"}
-    if not _is_raw_body_route(scope["path"]) and scope["method"] in ("POST", "PUT", "PATCH"):
+    if not typed and scope["method"] in ("POST", "PUT", "PATCH"):
         drop.add(b"content-type")
         extra = [(b"content-type", b"application/json")]
     else:

@@ -11,11 +11,12 @@ from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse
 from starlette.types import Scope
 
-from forkd import __version__
+from forkd import __version__, limits
 from forkd.controller import http_errors
 from forkd.controller.e2b.auth import Unauthorized, check_api_key
 from forkd.controller.e2b.envd import envd
-from forkd.controller.e2b.rest import rest
+from forkd.controller.e2b.process_rpc import ProcessApp
+from forkd.controller.e2b.rest import daemon_services, rest
 from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
 
@@ -31,7 +32,11 @@ def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> Fas
     app.state.daemon = daemon
     app.include_router(rest, dependencies=[Depends(api_key)])
     app.include_router(envd)
-    app.add_middleware(GuardMiddleware, token=None, upload_limit=upload_limit, uploads=_upload)
+    processes = ProcessApp(lambda: daemon_services(daemon), limits.JSON_BODY_LIMIT)
+    app.mount(processes.path, processes)
+    app.add_middleware(
+        GuardMiddleware, token=None, upload_limit=upload_limit, uploads=_upload, typed=_typed
+    )
     app.add_middleware(
         AuditMiddleware,
         audit=lambda _scope: getattr(daemon.state, "audit", None),
@@ -41,8 +46,17 @@ def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> Fas
     return app
 
 
+STREAMED = ("/files", "/process.Process/StreamInput")  # bodies that stream in
+CONNECT_SERVICES = ("/process.Process/", "/filesystem.Filesystem/")
+
+
 def _upload(scope: Scope) -> bool:
-    return bool(scope["method"] == "POST" and scope["path"] == "/files")
+    return bool(scope["method"] == "POST" and scope["path"] in STREAMED)
+
+
+def _typed(scope: Scope) -> bool:
+    """envd's Connect services read the body's Content-Type (JSON or binary protobuf)."""
+    return _upload(scope) or str(scope["path"]).startswith(CONNECT_SERVICES)
 
 
 def e2b_error(status: int, message: str) -> JSONResponse:

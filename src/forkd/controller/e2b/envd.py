@@ -9,7 +9,6 @@ every upload and download is, the guest's answers checked as everywhere else.
 
 from __future__ import annotations
 
-import hmac
 import posixpath
 from collections.abc import AsyncIterator
 from typing import Annotated
@@ -19,14 +18,13 @@ from fastapi.responses import JSONResponse
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from forkd.controller.bodies import receive_upload, stream_download
-from forkd.controller.e2b.auth import Unauthorized
 from forkd.controller.e2b.rest import Svc, services
+from forkd.controller.e2b.target import port_of, sandbox_for
 from forkd.controller.services import Services
 from forkd.controller.store_rows import SandboxRow
-from forkd.errors import Forbidden, Invalid, UpstreamError
+from forkd.errors import Invalid, UpstreamError
 from forkd.states import SandboxState
 
-ENVD_PORT = 49983  # E2B's in-guest daemon
 MAX_PARTS = 64  # files of one multipart upload
 MAX_PART_HEADER_BYTES = 8 << 10  # of one part's headers
 
@@ -36,26 +34,11 @@ envd = APIRouter()
 def target(
     request: Request,
     sandbox_id: Annotated[str | None, Header(alias="E2b-Sandbox-Id")] = None,
-    port: Annotated[int, Header(alias="E2b-Sandbox-Port")] = ENVD_PORT,
+    port: Annotated[str | None, Header(alias="E2b-Sandbox-Port")] = None,
     token: Annotated[str | None, Header(alias="X-Access-Token")] = None,
 ) -> SandboxRow:
-    """The record of the sandbox the ``E2b-Sandbox-Id`` header names, once its access
-    token is checked (401 without one, 403 for another sandbox's)."""
-    if not sandbox_id:
-        raise Invalid("no E2b-Sandbox-Id header: which sandbox is this for?")
-    if token is None:  # before anything is looked up: no answer says what exists
-        raise Unauthorized("no X-Access-Token: the one the sandbox's creation answered")
-    svc = services(request)
-    row = svc.store.get_sandbox(sandbox_id)
-    if row is None or row.state == SandboxState.DEAD:
-        # E2B's words, which its SDKs read as "the sandbox is not running".
-        raise UpstreamError(f"sandbox {sandbox_id!r} was not found")
-    want = svc.ports.key.access_token(sandbox_id, row.created_at_unix)
-    if not hmac.compare_digest(want.encode(), token.encode()):
-        raise Forbidden("that X-Access-Token is not this sandbox's")
-    if port != ENVD_PORT:
-        raise UpstreamError(f"port {port} is not open on sandbox {sandbox_id!r} (not served yet)")
-    return row
+    """The record of the sandbox the request is for (:func:`.target.sandbox_for`)."""
+    return sandbox_for(services(request), sandbox_id, port_of(port), token)
 
 
 Sandbox = Annotated[SandboxRow, Depends(target)]

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import parse_qsl
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse
 
 from forkd.controller.e2b.models import (
@@ -36,7 +36,11 @@ rest = APIRouter()
 
 def services(request: Request) -> Services:
     """The daemon's services (the E2B app shares the daemon's, made at its start)."""
-    found: Services | None = getattr(request.app.state.daemon.state, "services", None)
+    return daemon_services(request.app.state.daemon)
+
+
+def daemon_services(daemon: FastAPI) -> Services:
+    found: Services | None = getattr(daemon.state, "services", None)
     if found is None:
         raise Unavailable("the daemon is starting: retry shortly")
     return found

@@ -1,0 +1,66 @@
+"""Which sandbox a request to the E2B port's sandbox side is for, and whether it may
+ask: the ``E2b-Sandbox-Id`` and ``E2b-Sandbox-Port`` headers name it, the
+``X-Access-Token`` its creation answered proves the caller holds it. The ``/files``
+routes (:mod:`.envd`) and the Connect services (:mod:`.process_rpc`,
+:mod:`.filesystem_rpc`) all ask here.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hmac
+
+from forkd.controller.e2b.auth import Unauthorized
+from forkd.controller.services import Services
+from forkd.controller.store_rows import SandboxRow
+from forkd.errors import Forbidden, Invalid, UpstreamError
+from forkd.states import SandboxState
+
+ENVD_PORT = 49983  # E2B's in-guest daemon
+
+
+def sandbox_for(
+    svc: Services, sandbox_id: str | None, port: int | None, token: str | None
+) -> SandboxRow:
+    """The record of the sandbox ``sandbox_id`` once ``token`` is checked (401 without
+    one, before anything is looked up; 403 for another sandbox's)."""
+    if not sandbox_id:
+        raise Invalid("no E2b-Sandbox-Id header: which sandbox is this for?")
+    if token is None:  # before anything is looked up: no answer says what exists
+        raise Unauthorized("no X-Access-Token: the one the sandbox's creation answered")
+    row = svc.store.get_sandbox(sandbox_id)
+    if row is None or row.state == SandboxState.DEAD:
+        # E2B's words, which its SDKs read as "the sandbox is not running".
+        raise UpstreamError(f"sandbox {sandbox_id!r} was not found")
+    want = svc.ports.key.access_token(sandbox_id, row.created_at_unix)
+    if not hmac.compare_digest(want.encode(), token.encode()):
+        raise Forbidden("that X-Access-Token is not this sandbox's")
+    if port is not None and port != ENVD_PORT:
+        raise UpstreamError(f"port {port} is not open on sandbox {sandbox_id!r} (not served yet)")
+    return row
+
+
+def port_of(header: str | None) -> int:
+    """The ``E2b-Sandbox-Port`` header's port (envd's when absent)."""
+    if header is None:
+        return ENVD_PORT
+    try:
+        return int(header)
+    except ValueError:
+        raise Invalid(f"E2b-Sandbox-Port {header[:20]!r} is not a port") from None
+
+
+def basic_user(authorization: str | None) -> str | None:
+    """The user an ``Authorization: Basic base64(user:)`` header names (E2B's SDKs say
+    whom a command or file operation is for this way); None without one."""
+    if not authorization:
+        return None
+    scheme, _, encoded = authorization.partition(" ")
+    if scheme.lower() != "basic":
+        raise Invalid("Authorization here is Basic: the user a call is for")
+    try:
+        user = base64.b64decode(encoded.strip(), validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        raise Invalid("Authorization: Basic with a malformed value") from None
+    return user.partition(":")[0] or None
