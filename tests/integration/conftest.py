@@ -130,6 +130,7 @@ class Daemon(DaemonProcess):
     """A real ``forkd serve`` process on a free port, with a token file."""
 
     token = "test-token-0123456789"
+    e2b_url = ""  # its E2B port, when it serves one
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -176,7 +177,10 @@ def daemon(image: images.Image, registry_address: str) -> Iterator[Daemon]:
     egress_world.make_ca(root / "egress-test-ca")
     # Image archives the tests import are written under /tmp (pytest's tmp_path).
     # --show-host-paths: tests read snapshots' files where the answers say they are.
+    d.e2b_url = f"http://{free_address()}"  # E2B's API and envd, for test_e2b.py
     d.start(
+        "--e2b-bind",
+        d.e2b_url.removeprefix("http://"),
         "--kill-on-exit",
         "--insecure-registry",
         registry_address,
@@ -212,6 +216,22 @@ def api_template(daemon: Daemon) -> str:
     )
     assert r.status_code == 201, r.text
     return "py"
+
+
+@pytest.fixture(scope="session")
+def pydata_template(daemon: Daemon) -> Iterator[str]:
+    """A template of the python-data image (numpy, pandas, matplotlib warm), tag
+    ``pydata-eval``: one for the session (test_e2b.py's and test_eval.py's), its warmup
+    is most of a minute under TCG."""
+    images.build("python-data")  # cached after the first build
+    with Controller(daemon.url, token=daemon.token, timeout=600) as ctl:
+        started = time.monotonic()
+        made = ctl.create_snapshot("pydata-eval", image="python-data")
+        print(f"python-data template: {time.monotonic() - started:.1f} s")
+        assert made["memory_mib"] == 512  # the recipe's template default
+    yield "pydata-eval"
+    with Controller(daemon.url, token=daemon.token) as ctl:
+        ctl.delete_snapshot("pydata-eval", cascade=True)
 
 
 @pytest.fixture(scope="module")

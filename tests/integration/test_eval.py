@@ -7,12 +7,10 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from forkd.client import Controller, EvalResult, Sandbox
-from forkd.guest import image as images
 
 pytestmark = pytest.mark.integration
 
@@ -94,19 +92,6 @@ def test_display_of_an_object_with_a_png_repr(sb: Sandbox) -> None:
     assert [d.mime for d in result.display] == ["image/png", "image/png"]  # display() and last
     assert all(d.content.startswith(PNG_SIGNATURE) for d in result.display)
     assert result.raw["display"][0]["data"] == base64.b64encode(result.display[0].content).decode()
-
-
-@pytest.fixture(scope="module")
-def pydata_template(ctl: Controller) -> Iterator[str]:
-    """A template of the python-data image (numpy, pandas, matplotlib warm): one for the
-    module, its warmup is most of a minute under TCG."""
-    images.build("python-data")  # cached after the first build
-    started = time.monotonic()
-    made = ctl.create_snapshot("pydata-eval", image="python-data")
-    print(f"python-data template: {time.monotonic() - started:.1f} s")
-    assert made["memory_mib"] == 512  # the recipe's template default
-    yield "pydata-eval"
-    ctl.delete_snapshot("pydata-eval")
 
 
 def test_python_data_children_start_warm(ctl: Controller, pydata_template: str) -> None:

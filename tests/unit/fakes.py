@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forkd import agent_wire as wire
+from forkd import agent_wire_entries as entries
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.states import VMState
 from forkd.vmm.agent.ops import checked, listed
@@ -35,6 +36,7 @@ from forkd.vmm.snapshot import memory_diff
 from forkd.vmm.snapshot.files import BaseRef, ImageRef, SnapshotLabels, SnapshotMeta
 from forkd.vmm.vm_state import VMLifecycle
 from forkd.vmm.volumes.disks import Attachment
+from tests.unit.fake_entries import FakeEntries
 from tests.unit.fake_files import FakeTransfers
 from tests.unit.fake_processes import FakeProcesses
 
@@ -193,6 +195,7 @@ class FakeVM(VMLifecycle):
         self.processes = FakeProcesses()
         self.guest_stats: dict[str, Any] = {}  # what a test makes its guest's stats say
         self.transfers = FakeTransfers(contents.files)
+        self.entries = FakeEntries(lambda: self.contents.files, self._home)
         self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
         # Guest TCP port -> a loopback port where a test's server plays the guest's service.
         self.ports: dict[int, int] = {}
@@ -458,10 +461,56 @@ class FakeVM(VMLifecycle):
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         self._agent("file_remove")
+        below = [p for p in self.contents.files if p.startswith(path.rstrip("/") + "/")]
+        if recursive and (below or path in self.entries.dirs):
+            for p in below:
+                del self.contents.files[p]
+            self.entries.dirs = {d for d in self.entries.dirs if not d.startswith(path)}
+            return
         if self.contents.files.pop(path, None) is None:
             raise AgentError(
                 f"[Errno 2] No such file or directory: {path!r}", kind="FileNotFoundError"
             )
+
+    # entries and watches: played by FakeEntries --------------------------------
+    def _home(self, user: str | None) -> str:
+        who = self.contents.user(user)
+        return "/root" if who in ("root", "0") else f"/home/{who}"
+
+    async def fs_stat(self, path: str, user: str | None = None) -> entries.FsEntry:
+        self._agent("fs_stat")
+        return self.entries.stat(path, user)
+
+    async def fs_list(self, path: str, depth: int, user: str | None = None) -> entries.FsListAnswer:
+        self._agent("fs_list")
+        return self.entries.list(path, depth, user)
+
+    async def fs_mkdir(self, path: str, user: str | None = None) -> entries.FsMkdirAnswer:
+        self._agent("fs_mkdir")
+        return self.entries.mkdir(path, user)
+
+    async def fs_move(
+        self, source: str, destination: str, user: str | None = None
+    ) -> entries.FsEntry:
+        self._agent("fs_move")
+        return self.entries.move(source, destination, user)
+
+    async def watch_open(self, path: str, recursive: bool) -> str:
+        self._agent("fs_watch_open")
+        return self.entries.watch_open(path, recursive)
+
+    async def watch_read(
+        self, watch_id: str, wait_s: float, max_events: int = 1000
+    ) -> entries.WatchReadAnswer:
+        self._agent("fs_watch_read")
+        answer = self.entries.watch_read(watch_id)
+        if not answer["events"] and wait_s:
+            await asyncio.sleep(min(wait_s, 0.05))  # the real one waits for the kernel
+        return answer
+
+    async def watch_close(self, watch_id: str) -> bool:
+        self._agent("fs_watch_close")
+        return self.entries.watch_close(watch_id)
 
     # chunked transfers: played by FakeTransfers ------------------------------
     async def upload_open(

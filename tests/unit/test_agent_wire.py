@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from forkd import agent_wire as wire
+from forkd import agent_wire_entries as wire_entries
 from forkd import wire_shape
 from forkd.errors import AgentError
 from forkd.vmm.agent.client import AgentClient
@@ -29,7 +30,7 @@ def test_the_agent_serves_every_op_of_the_wire_and_no_other() -> None:
     if str(FILES) not in sys.path:
         sys.path.insert(0, str(FILES))
     protocol = importlib.import_module("forkd_agent_protocol")
-    assert set(protocol.OPS) == set(wire.OPS)
+    assert set(protocol.OPS) == set(wire.OPS) | set(wire_entries.OPS)
 
 
 # ----------------------------------------------------------------------------- check

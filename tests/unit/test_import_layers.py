@@ -106,6 +106,7 @@ def room_of(module: str) -> str:
         "host_names",
         "token_bucket",
         "agent_wire",
+        "agent_wire_entries",
         "wire_shape",
         "e2b_key",
         "__version__",

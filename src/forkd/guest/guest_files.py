@@ -70,6 +70,8 @@ GUEST_FILES = (
     _agent("forkd_eval.py"),
     _agent("forkd_exec.py"),
     _agent("forkd_identity.py"),
+    _agent("forkd_entries.py"),
+    _agent("forkd_watch.py"),
     # Eval in a container image: the agent's handle on its worker, and the worker
     # (a script the image's python3 runs, and its module).
     _agent("forkd_eval_proc.py"),
@@ -79,6 +81,7 @@ GUEST_FILES = (
     _agent("seed/sitecustomize.py"),
     # The agent's wire format, which the daemon speaks too (standard library only).
     _package("agent_wire.py"),
+    _package("agent_wire_entries.py"),
     # forkd's one tar extractor, which forkd_tar.py imports (standard library only).
     _package("archive/__init__.py"),
     _package("archive/beneath.py"),

@@ -15,7 +15,9 @@ from forkd import __version__, limits
 from forkd.controller import http_errors
 from forkd.controller.e2b.auth import Unauthorized, check_api_key
 from forkd.controller.e2b.envd import envd
-from forkd.controller.e2b.process_rpc import ProcessApp
+from forkd.controller.e2b.filesystem_rpc import filesystem_app
+from forkd.controller.e2b.interpreter import interpreter
+from forkd.controller.e2b.process_rpc import process_app
 from forkd.controller.e2b.rest import daemon_services, rest
 from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
@@ -32,8 +34,10 @@ def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> Fas
     app.state.daemon = daemon
     app.include_router(rest, dependencies=[Depends(api_key)])
     app.include_router(envd)
-    processes = ProcessApp(lambda: daemon_services(daemon), limits.JSON_BODY_LIMIT)
-    app.mount(processes.path, processes)
+    app.include_router(interpreter)
+    for rpc in (process_app, filesystem_app):
+        served = rpc(lambda: daemon_services(daemon), limits.JSON_BODY_LIMIT)
+        app.mount(served.path, served)
     app.add_middleware(
         GuardMiddleware, token=None, upload_limit=upload_limit, uploads=_upload, typed=_typed
     )

@@ -52,6 +52,9 @@ class Sandbox(BaseModel):
     client_id: str = Field(CLIENT_ID, serialization_alias="clientID")
     envd_version: str = Field(ENVD_VERSION, serialization_alias="envdVersion")
     envd_access_token: str = Field(serialization_alias="envdAccessToken")
+    # The code interpreter's SDKs send this one on the calls that carry no access token
+    # (/contexts); forkd's is the same per-sandbox token.
+    traffic_access_token: str = Field(serialization_alias="trafficAccessToken")
 
 
 class SandboxLifecycle(BaseModel):

@@ -16,15 +16,14 @@ import base64
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from connectrpc.method import IdempotencyLevel, MethodInfo
-from connectrpc.request import RequestContext
-from connectrpc.server import ConnectASGIApplication, Endpoint
+from connectrpc.method import MethodInfo
+from connectrpc.server import Endpoint
 from protobuf import Message, Oneof
 from pydantic import ValidationError
 
 from forkd.controller.e2b import process_messages as pm
+from forkd.controller.e2b.connect_service import Ctx, SandboxRPC, ServiceApp, method
 from forkd.controller.e2b.rpc_errors import streamed, unary
-from forkd.controller.e2b.target import basic_user, port_of, sandbox_for
 from forkd.controller.models import (
     OutputData,
     OutputExit,
@@ -40,26 +39,13 @@ from forkd.errors import Invalid, NotFound
 MAX_TAGS = 256  # a sandbox's tags the daemon holds; the oldest goes first
 SIGNALS = {pm.Signal.SIGKILL: 9, pm.Signal.SIGTERM: 15}
 
-Ctx = RequestContext[Any, Any]
 
-
-class ProcessRPC:
-    """The service; ``services`` gives the daemon's services (they are made at its start)."""
+class ProcessRPC(SandboxRPC):
+    """The service; its tags, by sandbox."""
 
     def __init__(self, services: Callable[[], Services]) -> None:
-        self._services = services
+        super().__init__(services)
         self._tags: dict[str, dict[str, int]] = {}
-
-    def _sandbox(self, ctx: Ctx) -> tuple[Services, str]:
-        headers = ctx.request_headers
-        svc = self._services()
-        row = sandbox_for(
-            svc,
-            headers.get("e2b-sandbox-id"),
-            port_of(headers.get("e2b-sandbox-port")),
-            headers.get("x-access-token"),
-        )
-        return svc, row.id
 
     def _pid(self, sandbox_id: str, selector: pm.ProcessSelector | None) -> int:
         match selector.selector if selector else None:
@@ -87,8 +73,8 @@ class ProcessRPC:
 
     @streamed
     async def start(self, req: pm.StartRequest, ctx: Ctx) -> AsyncIterator[pm.StartResponse]:
-        svc, sandbox_id = self._sandbox(ctx)
-        body = _start_body(req, basic_user(ctx.request_headers.get("authorization")))
+        svc, sandbox_id = self.sandbox(ctx)
+        body = _start_body(req, self.user(ctx))
         info = await svc.processes.start(sandbox_id, body)
         if req.has_field("tag"):
             self._tag(sandbox_id, req.tag, info.pid)
@@ -98,7 +84,7 @@ class ProcessRPC:
 
     @streamed
     async def connect(self, req: pm.ConnectRequest, ctx: Ctx) -> AsyncIterator[pm.ConnectResponse]:
-        svc, sandbox_id = self._sandbox(ctx)
+        svc, sandbox_id = self.sandbox(ctx)
         info = await self._running(svc, sandbox_id, self._pid(sandbox_id, req.process))
         yield pm.ConnectResponse(event=_started(info.pid))
         async for event in _events(svc, sandbox_id, info.pid, info.output_end):
@@ -106,7 +92,7 @@ class ProcessRPC:
 
     @unary
     async def list(self, req: pm.ListRequest, ctx: Ctx) -> pm.ListResponse:
-        svc, sandbox_id = self._sandbox(ctx)
+        svc, sandbox_id = self.sandbox(ctx)
         tag_of = {pid: tag for tag, pid in self._tags.get(sandbox_id, {}).items()}
         found = []
         for p in await svc.processes.list(sandbox_id):
@@ -120,7 +106,7 @@ class ProcessRPC:
 
     @unary
     async def send_input(self, req: pm.SendInputRequest, ctx: Ctx) -> pm.SendInputResponse:
-        svc, sandbox_id = self._sandbox(ctx)
+        svc, sandbox_id = self.sandbox(ctx)
         await _write(svc, sandbox_id, self._pid(sandbox_id, req.process), req.input)
         return pm.SendInputResponse()
 
@@ -128,7 +114,7 @@ class ProcessRPC:
     async def stream_input(
         self, reqs: AsyncIterator[pm.StreamInputRequest], ctx: Ctx
     ) -> pm.StreamInputResponse:
-        svc, sandbox_id = self._sandbox(ctx)
+        svc, sandbox_id = self.sandbox(ctx)
         pid: int | None = None
         async for req in reqs:
             match req.event:
@@ -142,7 +128,7 @@ class ProcessRPC:
 
     @unary
     async def send_signal(self, req: pm.SendSignalRequest, ctx: Ctx) -> pm.SendSignalResponse:
-        svc, sandbox_id = self._sandbox(ctx)
+        svc, sandbox_id = self.sandbox(ctx)
         number = SIGNALS.get(req.signal)
         if number is None:
             raise Invalid("signal: SIGNAL_SIGTERM or SIGNAL_SIGKILL")
@@ -152,14 +138,14 @@ class ProcessRPC:
 
     @unary
     async def close_stdin(self, req: pm.CloseStdinRequest, ctx: Ctx) -> pm.CloseStdinResponse:
-        svc, sandbox_id = self._sandbox(ctx)
+        svc, sandbox_id = self.sandbox(ctx)
         pid = self._pid(sandbox_id, req.process)
         await svc.processes.write_stdin(sandbox_id, pid, ProcessStdin(eof=True))
         return pm.CloseStdinResponse()
 
     @unary
     async def update(self, req: pm.UpdateRequest, ctx: Ctx) -> pm.UpdateResponse:
-        svc, sandbox_id = self._sandbox(ctx)
+        svc, sandbox_id = self.sandbox(ctx)
         pid = self._pid(sandbox_id, req.process)
         size = req.pty.size if req.pty else None
         if size is not None:
@@ -236,13 +222,7 @@ async def _write(svc: Services, sandbox_id: str, pid: int, given: pm.ProcessInpu
 
 
 def _method(name: str, request: type[Message], response: type[Message]) -> MethodInfo[Any, Any]:
-    return MethodInfo(
-        name=name,
-        service_name="process.Process",
-        input=request,
-        output=response,
-        idempotency_level=IdempotencyLevel.UNKNOWN,
-    )
+    return method("process.Process", name, request, response)
 
 
 def _endpoints(svc: ProcessRPC) -> dict[str, Any]:
@@ -274,14 +254,6 @@ def _endpoints(svc: ProcessRPC) -> dict[str, Any]:
     }
 
 
-class ProcessApp(ConnectASGIApplication[ProcessRPC]):
+def process_app(services: Callable[[], Services], read_max_bytes: int) -> ServiceApp[ProcessRPC]:
     """The service as an ASGI app, served at ``/process.Process/<Method>``."""
-
-    def __init__(self, services: Callable[[], Services], read_max_bytes: int) -> None:
-        super().__init__(
-            service=ProcessRPC(services), endpoints=_endpoints, read_max_bytes=read_max_bytes
-        )
-
-    @property
-    def path(self) -> str:
-        return "/process.Process"
+    return ServiceApp(ProcessRPC(services), "/process.Process", _endpoints, read_max_bytes)

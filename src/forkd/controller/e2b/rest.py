@@ -68,7 +68,12 @@ def _access_token(svc: Services, info: SandboxInfo) -> str:
 
 def _created(svc: Services, info: SandboxInfo) -> Sandbox:
     token = _access_token(svc, info)
-    return Sandbox(template_id=info.snapshot_tag, sandbox_id=info.id, envd_access_token=token)
+    return Sandbox(
+        template_id=info.snapshot_tag,
+        sandbox_id=info.id,
+        envd_access_token=token,
+        traffic_access_token=token,
+    )
 
 
 def _listed(

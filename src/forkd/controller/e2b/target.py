@@ -18,13 +18,19 @@ from forkd.errors import Forbidden, Invalid, UpstreamError
 from forkd.states import SandboxState
 
 ENVD_PORT = 49983  # E2B's in-guest daemon
+INTERPRETER_PORT = 49999  # E2B's code interpreter
 
 
 def sandbox_for(
-    svc: Services, sandbox_id: str | None, port: int | None, token: str | None
+    svc: Services,
+    sandbox_id: str | None,
+    port: int | None,
+    token: str | None,
+    served: int = ENVD_PORT,
 ) -> SandboxRow:
     """The record of the sandbox ``sandbox_id`` once ``token`` is checked (401 without
-    one, before anything is looked up; 403 for another sandbox's)."""
+    one, before anything is looked up; 403 for another sandbox's); ``port`` must be the
+    ``served`` one (envd's, or the code interpreter's)."""
     if not sandbox_id:
         raise Invalid("no E2b-Sandbox-Id header: which sandbox is this for?")
     if token is None:  # before anything is looked up: no answer says what exists
@@ -36,7 +42,7 @@ def sandbox_for(
     want = svc.ports.key.access_token(sandbox_id, row.created_at_unix)
     if not hmac.compare_digest(want.encode(), token.encode()):
         raise Forbidden("that X-Access-Token is not this sandbox's")
-    if port is not None and port != ENVD_PORT:
+    if port is not None and port != served:
         raise UpstreamError(f"port {port} is not open on sandbox {sandbox_id!r} (not served yet)")
     return row
 

@@ -13,9 +13,11 @@ from typing import Any
 
 import forkd_agent_handlers
 import forkd_agent_proc_handlers
+import forkd_entries
 import forkd_files
 import forkd_fsdiff
 import forkd_stats
+import forkd_watch
 from forkd_agent_log import log
 from forkd_agent_params import RequestError
 from forkd_files import EncodedJSON, WithRawBytes
@@ -30,6 +32,8 @@ OPS: dict[str, Handler] = {
     **forkd_files.OPS,  # chunked uploads, ranged reads, tar streams
     **forkd_fsdiff.OPS,  # what the sandbox changed: its overlay's upper layer
     **forkd_stats.OPS,  # what it uses: CPU, memory, disk, network, processes
+    **forkd_entries.OPS,  # an entry as E2B's envd describes one: stat, list, mkdir, move
+    **forkd_watch.OPS,  # change notifications: the guest kernel's inotify
 }
 
 # Quick ops answered on the reader thread itself. For ``restore`` this also

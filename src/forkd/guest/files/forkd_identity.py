@@ -58,6 +58,17 @@ def _entries(path: str) -> list[list[str]]:
     return [line.split(":") for line in text.splitlines() if line and not line.startswith("#")]
 
 
+def names_by_id(path: str) -> dict[int, str]:
+    """The names of /etc/passwd's users or /etc/group's groups, by id (the first of an
+    id listed twice)."""
+    found: dict[int, str] = {}
+    for entry in _entries(path):
+        number = _number(entry[2]) if len(entry) > 2 else None
+        if number is not None:
+            found.setdefault(number, entry[0])
+    return found
+
+
 def _number(text: str) -> int | None:
     return int(text) if text.isascii() and text.isdigit() and len(text) <= 10 else None
 

@@ -29,17 +29,20 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
-from typing import Any, TypedDict
+from typing import Any
 
 import forkd_agent_params as params
+
+from forkd import agent_wire_entries as wire
+from forkd.agent_wire_entries import WatchEvent, WatchReadAnswer
 
 MAX_WATCHES = 64  # watches open at once
 MAX_WATCHED_DIRS = 4096  # directories of one recursive watch, its root counted
 MAX_PENDING_EVENTS = 10_000  # events read from the kernel and not yet answered, per watch
 IDLE_SECS = 600.0  # a watch unread this long is closed
-MAX_WAIT_S = 30.0  # the longest a read waits for a first event
+MAX_WAIT_S = wire.MAX_WATCH_WAIT_S  # the longest a read waits for a first event
 DEFAULT_MAX_EVENTS = 1000
-MAX_READ_EVENTS = 10_000  # the most events one read answers
+MAX_READ_EVENTS = wire.MAX_WATCH_EVENTS  # the most events one read answers
 READ_BUFFER_BYTES = 64 * 1024  # room for hundreds of events; one needs at most 272
 
 # inotify(7), <sys/inotify.h>
@@ -72,31 +75,13 @@ ROOT_MASK = WATCHED_MASK | IN_ONLYDIR  # the root may be a symlink to a director
 BELOW_MASK = WATCHED_MASK | IN_ONLYDIR | IN_DONT_FOLLOW  # as the walk: links not followed
 
 # Each kernel event carries one of these bits (and maybe IN_ISDIR).
-KINDS = (
+KINDS: tuple[tuple[int, wire.EventKind], ...] = (
     (IN_CREATE | IN_MOVED_TO, "create"),
     (IN_MODIFY, "write"),
     (IN_DELETE | IN_DELETE_SELF, "remove"),
     (IN_MOVED_FROM | IN_MOVE_SELF, "rename"),
     (IN_ATTRIB, "chmod"),
 )
-
-
-class WatchOpenAnswer(TypedDict):
-    watch_id: str
-
-
-class WatchEvent(TypedDict):
-    name: str  # relative to the watched root; "" for the root itself
-    type: str  # create, write, remove, rename or chmod
-
-
-class WatchReadAnswer(TypedDict):
-    events: list[WatchEvent]
-    overflowed: bool
-
-
-class WatchCloseAnswer(TypedDict):
-    closed: bool
 
 
 class Inotify:
@@ -149,7 +134,7 @@ def _join(rel: str, name: str) -> str:
     return f"{rel}/{name}" if rel and name else rel or name
 
 
-def _kind(mask: int) -> str | None:
+def _kind(mask: int) -> wire.EventKind | None:
     for bits, kind in KINDS:
         if mask & bits:
             return kind
@@ -263,7 +248,7 @@ class Watch:
                 # A directory just made may hold entries made before it was watched.
                 self._watch_tree(path, announce=bool(mask & IN_CREATE))
 
-    def _queue(self, path: str, kind: str) -> None:
+    def _queue(self, path: str, kind: wire.EventKind) -> None:
         if len(self._pending) >= MAX_PENDING_EVENTS:
             self._overflowed = True
         else:
@@ -413,7 +398,7 @@ def _watch_id(req: dict[str, Any]) -> str:
     return watch_id
 
 
-def op_fs_watch_open(req: dict[str, Any]) -> WatchOpenAnswer:
+def op_fs_watch_open(req: dict[str, Any]) -> wire.WatchIdAnswer:
     path = params.path(req)
     recursive = params.flag(req, "recursive")
     return {"watch_id": WATCHES.open(path, recursive)}
@@ -426,7 +411,7 @@ def op_fs_watch_read(req: dict[str, Any]) -> WatchReadAnswer:
     return WATCHES.read(watch_id, max_events, wait_s)
 
 
-def op_fs_watch_close(req: dict[str, Any]) -> WatchCloseAnswer:
+def op_fs_watch_close(req: dict[str, Any]) -> wire.WatchCloseAnswer:
     return {"closed": WATCHES.close(_watch_id(req))}
 
 

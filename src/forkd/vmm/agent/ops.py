@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from forkd import agent_wire as wire
+from forkd import agent_wire_entries as entries
 from forkd import limits, wire_shape
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.vmm.agent.client import ANSWER_WAIT_SECS, AgentClient
@@ -150,6 +151,54 @@ class Guest:
 
     async def remove(self, path: str, recursive: bool = False) -> None:
         await self._ask(wire.FILE_REMOVE({"path": path, "recursive": recursive}))
+
+    # An entry as E2B's envd describes one, and change notifications (forkd_entries.py,
+    # forkd_watch.py); ``user``: whose home a relative path is in, who owns new dirs.
+
+    async def fs_stat(self, path: str, user: str | None = None) -> entries.FsEntry:
+        asked: entries.EntryParams = {"path": path}
+        if user is not None:
+            asked["user"] = user
+        return await self._ask(entries.FS_STAT(asked))
+
+    async def fs_list(self, path: str, depth: int, user: str | None = None) -> entries.FsListAnswer:
+        asked: entries.FsListParams = {"path": path, "depth": depth}
+        if user is not None:
+            asked["user"] = user
+        answer = await self._ask(entries.FS_LIST(asked))
+        _bounded("fs_list", len(answer["entries"]), wire.MAX_LIST_ENTRIES)
+        return answer
+
+    async def fs_mkdir(self, path: str, user: str | None = None) -> entries.FsMkdirAnswer:
+        asked: entries.EntryParams = {"path": path}
+        if user is not None:
+            asked["user"] = user
+        return await self._ask(entries.FS_MKDIR(asked))
+
+    async def fs_move(
+        self, source: str, destination: str, user: str | None = None
+    ) -> entries.FsEntry:
+        asked: entries.FsMoveParams = {"source": source, "destination": destination}
+        if user is not None:
+            asked["user"] = user
+        return await self._ask(entries.FS_MOVE(asked))
+
+    async def watch_open(self, path: str, recursive: bool) -> str:
+        opened = await self._ask(entries.WATCH_OPEN({"path": path, "recursive": recursive}))
+        return opened["watch_id"]
+
+    async def watch_read(
+        self, watch_id: str, wait_s: float, max_events: int = 1000
+    ) -> entries.WatchReadAnswer:
+        asked = entries.WATCH_READ(
+            {"watch_id": watch_id, "wait_s": wait_s, "max_events": max_events}
+        )
+        answer = await self._ask(asked, wait=wait_s + ANSWER_WAIT_SECS)
+        _bounded("fs_watch_read", len(answer["events"]), max_events)
+        return answer
+
+    async def watch_close(self, watch_id: str) -> bool:
+        return (await self._ask(entries.WATCH_CLOSE({"watch_id": watch_id})))["closed"]
 
     # Chunked transfers (docs/guest-agent.md, "Chunked transfers"): the agent keeps
     # each open upload or tar stream under an id until it is finished or idle.
@@ -381,6 +430,14 @@ def checked(op: wire.Op[Any, A], answer: dict[str, Any]) -> A:
             f"the agent's answer to {op.name} is malformed: {exc}", MALFORMED
         ) from None
     return cast(A, answer)
+
+
+def _bounded(op: str, count: int, most: int) -> None:
+    if count > most:
+        raise AgentError(
+            f"the agent's answer to {op} is malformed: {count} items, more than {most}",
+            MALFORMED,
+        )
 
 
 def listed(answer: wire.FileListAnswer) -> list[wire.FileListEntry]:

@@ -1,0 +1,138 @@
+"""E2B's own SDK (``e2b``, sync and async) against the suite's real daemon and its E2B
+port: a sandbox forked from the ``py`` template runs commands in a real guest, streams
+their output, takes stdin, and its files are listed, made, moved and watched through
+the guest kernel's own notifications; every sandbox is an ordinary forkd sandbox."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import Iterator
+
+import e2b
+import pytest
+from e2b import FilesystemEventType, FileType
+
+from forkd.client import Controller
+
+from .conftest import Daemon
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def e2b_env(daemon: Daemon, api_template: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The SDK's three variables pointed at the daemon's E2B port; the template's tag."""
+    monkeypatch.setenv("E2B_API_URL", daemon.e2b_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", daemon.e2b_url)
+    monkeypatch.setenv("E2B_API_KEY", daemon.token)
+    yield api_template
+
+
+def test_e2b_commands_and_files_in_a_real_guest(e2b_env: str, ctl: Controller) -> None:
+    sbx = e2b.Sandbox.create(e2b_env, timeout=300)
+    try:
+        assert sbx.sandbox_id in {s["id"] for s in ctl.list_sandboxes()}  # a forkd sandbox
+        run = sbx.commands.run("echo $((40 + 2)) && python3 -c 'print(6 * 7)'")
+        assert (run.exit_code, run.stdout) == (0, "42\n42\n"), run
+        lines: list[str] = []
+        sbx.commands.run("for i in 1 2 3; do echo $i; done", on_stdout=lines.append)
+        assert "".join(lines) == "1\n2\n3\n"
+        with pytest.raises(e2b.CommandExitException) as failed:
+            sbx.commands.run("echo oops >&2; exit 7")
+        assert (failed.value.exit_code, failed.value.stderr) == (7, "oops\n")
+
+        cat = sbx.commands.run("cat", background=True, stdin=True)
+        sbx.commands.send_stdin(cat.pid, "through stdin")
+        sbx.commands.close_stdin(cat.pid)
+        assert cat.wait().stdout == "through stdin"
+
+        files = sbx.files
+        assert files.make_dir("/work/e2b/src") is True
+        files.write("/work/e2b/src/app.py", "print('hi')\n")
+        assert files.read("/work/e2b/src/app.py") == "print('hi')\n"
+        info = files.get_info("/work/e2b/src/app.py")
+        assert (info.type, info.size, info.owner) == (FileType.FILE, 12, "root")
+        assert [e.path for e in files.list("/work/e2b", depth=2)] == [
+            "/work/e2b/src",
+            "/work/e2b/src/app.py",
+        ]
+        files.rename("/work/e2b/src", "/work/e2b/lib")
+        assert sbx.commands.run("python3 /work/e2b/lib/app.py").stdout == "hi\n"
+
+        watch = files.watch_dir("/work/e2b", recursive=True)
+        sbx.commands.run("touch /work/e2b/new.txt && echo more >> /work/e2b/lib/app.py")
+        seen: set[tuple[str, FilesystemEventType]] = set()
+        deadline = time.monotonic() + 20
+        while (
+            time.monotonic() < deadline
+            and not {
+                ("new.txt", FilesystemEventType.CREATE),
+                ("lib/app.py", FilesystemEventType.WRITE),
+            }
+            <= seen
+        ):
+            seen |= {(e.name, e.type) for e in watch.get_new_events()}
+            time.sleep(0.2)
+        watch.stop()
+        assert ("new.txt", FilesystemEventType.CREATE) in seen, seen
+        assert ("lib/app.py", FilesystemEventType.WRITE) in seen, seen
+        files.remove("/work/e2b")
+        assert not files.exists("/work/e2b")
+    finally:
+        sbx.kill()
+    assert sbx.sandbox_id not in {s["id"] for s in ctl.list_sandboxes()}
+
+
+def test_the_async_sdk_streams_a_watch_of_a_real_guest(e2b_env: str) -> None:
+    async def run() -> list[tuple[str, FilesystemEventType]]:
+        sbx = await e2b.AsyncSandbox.create(e2b_env, timeout=300)
+        try:
+            seen: list[tuple[str, FilesystemEventType]] = []
+            await sbx.files.make_dir("/work/watched")
+            handle = await sbx.files.watch_dir(
+                "/work/watched", on_event=lambda e: seen.append((e.name, e.type))
+            )
+            await sbx.commands.run("echo hi > /work/watched/a.txt")
+            deadline = time.monotonic() + 20
+            while ("a.txt", FilesystemEventType.CREATE) not in seen and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            await handle.stop()
+            return seen
+        finally:
+            await sbx.kill()
+
+    assert ("a.txt", FilesystemEventType.CREATE) in asyncio.run(run())
+
+
+PLOT = """
+import matplotlib.pyplot as plt
+plt.plot([1, 2, 3], [1, 4, 9])
+plt.show()
+"""
+
+
+def test_the_code_interpreter_starts_warm_and_returns_a_real_png(
+    daemon: Daemon, pydata_template: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """E2B's code interpreter SDK on a fork of a python-data template: the interpreter
+    its template warmed (numpy, pandas, matplotlib imported) is the fork's, a figure
+    comes back as a PNG, an error as E2B's."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    for name in ("E2B_API_URL", "E2B_SANDBOX_URL"):
+        monkeypatch.setenv(name, daemon.e2b_url)
+    monkeypatch.setenv("E2B_API_KEY", daemon.token)
+    sbx = CodeSandbox.create(pydata_template, timeout=300)
+    try:
+        warm = sbx.run_code("numpy.arange(4).sum()")  # no import: the template's warmup did
+        assert warm.error is None and warm.text in ("6", "np.int64(6)"), warm
+        plot = sbx.run_code(PLOT)
+        assert plot.error is None, plot.error
+        [png] = [r.png for r in plot.results if r.png]
+        assert base64.b64decode(png).startswith(b"\x89PNG\r\n\x1a\n")
+        failed = sbx.run_code("undefined_name")
+        assert failed.error is not None and failed.error.name == "NameError"
+    finally:
+        sbx.kill()

@@ -1,0 +1,86 @@
+"""E2B's ``files`` API beyond read and write (envd's filesystem.Filesystem over Connect)
+through E2B's own SDK, against forkd's E2B port with fake VMs: exists, get_info, list to
+a depth, make_dir, rename, remove, and watching a directory, polled and streamed. The
+fake guest plays the entry ops over its files (tests/unit/fake_entries.py); the real
+ones are tested in test_agent_entries.py and test_agent_watch.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import e2b
+import pytest
+from e2b import FilesystemEventType, FileType
+
+
+def test_entries_are_made_listed_renamed_and_removed(e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    files = sbx.files
+    assert files.make_dir("/work/src") is True
+    assert files.make_dir("/work/src") is False  # there already: E2B's SDK says False
+    files.write("/work/src/main.py", "print('hi')\n")
+    files.write("/work/README", "read me\n")
+    info = files.get_info("/work/src/main.py")
+    assert (info.name, info.path, info.type, info.size) == (
+        "main.py",
+        "/work/src/main.py",
+        FileType.FILE,
+        12,
+    )
+    assert files.exists("/work/README") and not files.exists("/work/nope")
+    assert [(e.name, e.type) for e in files.list("/work")] == [
+        ("README", FileType.FILE),
+        ("src", FileType.DIR),
+    ]
+    deep = [e.path for e in files.list("/work", depth=2)]
+    assert deep == ["/work/README", "/work/src", "/work/src/main.py"]
+    moved = files.rename("/work/src", "/work/lib")
+    assert moved.path == "/work/lib" and files.read("/work/lib/main.py") == "print('hi')\n"
+    files.remove("/work/lib")
+    assert not files.exists("/work/lib/main.py")
+    with pytest.raises(e2b.FileNotFoundException):
+        files.get_info("/work/lib")
+    with pytest.raises(e2b.FileNotFoundException):
+        files.list("/nowhere")
+    sbx.kill()
+
+
+def test_a_relative_path_is_the_users_homes(e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    sbx.files.write("/root/notes.txt", "n")
+    assert sbx.files.get_info("notes.txt", user="root").path == "/root/notes.txt"
+    sbx.kill()
+
+
+def test_a_polled_watcher_sees_what_changed_and_is_removed(e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    sbx.files.make_dir("/data")
+    handle = sbx.files.watch_dir("/data")
+    sbx.files.write("/data/a.txt", "1")
+    events = handle.get_new_events()
+    assert [(e.name, e.type) for e in events] == [("a.txt", FilesystemEventType.CREATE)]
+    assert handle.get_new_events() == []
+    handle.stop()
+    with pytest.raises(e2b.SandboxException):  # stopped: the guest no longer has it
+        handle.get_new_events()
+    sbx.kill()
+
+
+def test_a_streamed_watch_delivers_events_as_they_happen(e2b_url: str) -> None:
+    async def run() -> list[tuple[str, FilesystemEventType]]:
+        sbx = await e2b.AsyncSandbox.create("base")
+        await sbx.files.make_dir("/data")
+        seen: list[tuple[str, FilesystemEventType]] = []
+        handle = await sbx.files.watch_dir(
+            "/data", on_event=lambda e: seen.append((e.name, e.type))
+        )
+        await sbx.files.write("/data/b.txt", "2")
+        deadline = time.monotonic() + 10
+        while not seen and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await handle.stop()
+        await sbx.kill()
+        return seen
+
+    assert asyncio.run(run()) == [("b.txt", FilesystemEventType.CREATE)]

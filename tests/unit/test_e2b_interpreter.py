@@ -1,0 +1,60 @@
+"""E2B's code interpreter SDK (``e2b_code_interpreter``, pinned) against forkd's E2B port
+with fake VMs: run_code in the sandbox's warm Python (its names kept from one execution
+to the next), stdout, the last value, errors with name and value, display outputs,
+bash, and contexts. The fake guest's eval runs the code in-process (tests/unit/fakes.py);
+a real guest's, with a matplotlib PNG, is tests/integration/test_e2b.py's."""
+
+from __future__ import annotations
+
+import e2b
+import httpx
+import pytest
+from e2b_code_interpreter import Sandbox
+
+
+def test_code_runs_warm_and_answers_as_e2bs_interpreter(e2b_url: str) -> None:
+    sbx = Sandbox.create("base")
+    first = sbx.run_code("x = 40\nprint('hello')\nx + 1")
+    assert first.text == "41" and first.logs.stdout == ["hello\n"] and first.error is None
+    assert first.execution_count == 1
+    second = sbx.run_code("x + 2")  # the same interpreter: x is still there
+    assert second.text == "42" and second.execution_count == 2
+    seen: list[str] = []
+    sbx.run_code("print('streamed')", on_stdout=lambda m: seen.append(m.line))
+    assert seen == ["streamed\n"]
+    failed = sbx.run_code("1 / 0")
+    assert failed.error is not None
+    assert (failed.error.name, failed.error.value) == ("ZeroDivisionError", "division by zero")
+    assert "ZeroDivisionError" in failed.error.traceback
+    shown = sbx.run_code("display([1, 2])")
+    assert [r.text for r in shown.results] == ["[1, 2]"]
+    sbx.kill()
+
+
+def test_bash_runs_in_the_guests_shell_and_contexts_are_bash_ones(e2b_url: str) -> None:
+    sbx = Sandbox.create("base")
+    ran = sbx.run_code("echo from bash", language="bash")
+    assert ran.error is None and ran.logs.stdout  # the fake's exec echoes its argv
+    with pytest.raises(e2b.SandboxException):  # one Python context: the warm one
+        sbx.create_code_context(language="python")
+    ctx = sbx.create_code_context(language="bash", cwd="/tmp")
+    assert (ctx.language, ctx.cwd) == ("bash", "/tmp")
+    listed = {c.id: c.language for c in sbx.list_code_contexts()}
+    assert listed == {"default": "python", ctx.id: "bash"}
+    assert sbx.run_code("pwd", context=ctx).error is None
+    sbx.remove_code_context(ctx)
+    assert [c.id for c in sbx.list_code_contexts()] == ["default"]
+    with pytest.raises(e2b.SandboxException):
+        sbx.run_code("1", language="ruby")
+    sbx.kill()
+
+
+def test_the_interpreter_takes_only_its_sandboxs_tokens(e2b_url: str) -> None:
+    sbx = Sandbox.create("base")
+    headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    assert httpx.get(f"{e2b_url}/contexts", headers=headers).status_code == 401
+    wrong = httpx.get(f"{e2b_url}/contexts", headers=headers | {"X-Access-Token": "x"})
+    assert wrong.status_code == 403
+    envd_port = headers | {"E2b-Sandbox-Port": "49983", "X-Access-Token": sbx._envd_access_token}
+    assert httpx.get(f"{e2b_url}/contexts", headers=envd_port).status_code == 502
+    sbx.kill()
