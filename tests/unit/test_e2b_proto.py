@@ -112,3 +112,17 @@ def test_an_entry_crosses_with_its_size_as_a_string_and_its_time() -> None:
     theirs = filesystem_pb.ListDirResponse.from_binary(answer.to_binary())
     assert theirs.entries[0].type == filesystem_pb.FileType.FILE
     assert theirs.to_json() == answer.to_json()
+
+
+def test_what_the_port_keeps_per_sandbox_forgets_sandboxes_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from forkd.controller.e2b import per_sandbox
+
+    monkeypatch.setattr(per_sandbox, "MAX_HELD", 3)
+    held: per_sandbox.PerSandbox[dict[str, int]] = per_sandbox.PerSandbox(dict)
+    alive = {"a", "c"}
+    for sid in ("a", "b", "c"):
+        held.of(sid, alive.__contains__)["tag"] = 1
+    held.of("d", alive.__contains__)  # a fourth: the gone one ("b") is forgotten
+    assert held.get("b") is None and held.get("a") == {"tag": 1} and held.get("d") == {}

@@ -21,8 +21,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Coroutine
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -30,6 +30,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forkd import limits
+from forkd.controller.e2b.per_sandbox import PerSandbox
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, port_of, sandbox_for
 from forkd.controller.models import EvalRequest, EvalResult, ExecRequest, ExecResult
@@ -100,20 +101,25 @@ class Context:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
 
-@dataclass
 class Contexts:
     """The daemon's record of each sandbox's contexts (the bash ones, and counts)."""
 
-    by_sandbox: dict[str, dict[str, Context]] = field(default_factory=dict)
+    def __init__(self, exists: Callable[[str], bool]) -> None:
+        self._exists = exists
+        self._held: PerSandbox[dict[str, Context]] = PerSandbox(
+            lambda: {DEFAULT: Context(DEFAULT, "python", "/")}
+        )
 
     def of(self, sandbox_id: str) -> dict[str, Context]:
-        return self.by_sandbox.setdefault(sandbox_id, {DEFAULT: Context(DEFAULT, "python", "/")})
+        return self._held.of(sandbox_id, self._exists)
 
 
 def contexts(request: Request) -> Contexts:
     found: Contexts | None = getattr(request.app.state, "interpreter_contexts", None)
     if found is None:
-        found = request.app.state.interpreter_contexts = Contexts()
+        svc = services(request)
+        found = Contexts(lambda sid: svc.store.get_sandbox(sid) is not None)
+        request.app.state.interpreter_contexts = found
     return found
 
 

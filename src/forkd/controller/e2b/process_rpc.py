@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from forkd.controller.e2b import process_messages as pm
 from forkd.controller.e2b.connect_service import Ctx, SandboxRPC, ServiceApp, method
+from forkd.controller.e2b.per_sandbox import PerSandbox
 from forkd.controller.e2b.rpc_errors import streamed, unary
 from forkd.controller.models import (
     OutputData,
@@ -45,21 +46,21 @@ class ProcessRPC(SandboxRPC):
 
     def __init__(self, services: Callable[[], Services]) -> None:
         super().__init__(services)
-        self._tags: dict[str, dict[str, int]] = {}
+        self._tags: PerSandbox[dict[str, int]] = PerSandbox(dict)
 
     def _pid(self, sandbox_id: str, selector: pm.ProcessSelector | None) -> int:
         match selector.selector if selector else None:
             case Oneof(field="pid", value=pid):
                 return int(pid)
             case Oneof(field="tag", value=tag):
-                found = self._tags.get(sandbox_id, {}).get(str(tag))
+                found = (self._tags.get(sandbox_id) or {}).get(str(tag))
                 if found is None:
                     raise NotFound(f"no process is tagged {tag!r} in sandbox {sandbox_id!r}")
                 return found
         raise Invalid("which process: give a pid or a tag")
 
-    def _tag(self, sandbox_id: str, tag: str, pid: int) -> None:
-        tags = self._tags.setdefault(sandbox_id, {})
+    def _tag(self, svc: Services, sandbox_id: str, tag: str, pid: int) -> None:
+        tags = self._tags.of(sandbox_id, lambda sid: svc.store.get_sandbox(sid) is not None)
         tags.pop(tag, None)
         tags[tag] = pid
         while len(tags) > MAX_TAGS:
@@ -77,7 +78,7 @@ class ProcessRPC(SandboxRPC):
         body = _start_body(req, self.user(ctx))
         info = await svc.processes.start(sandbox_id, body)
         if req.has_field("tag"):
-            self._tag(sandbox_id, req.tag, info.pid)
+            self._tag(svc, sandbox_id, req.tag, info.pid)
         yield pm.StartResponse(event=_started(info.pid))
         async for event in _events(svc, sandbox_id, info.pid, 0):
             yield pm.StartResponse(event=event)
@@ -93,7 +94,7 @@ class ProcessRPC(SandboxRPC):
     @unary
     async def list(self, req: pm.ListRequest, ctx: Ctx) -> pm.ListResponse:
         svc, sandbox_id = self.sandbox(ctx)
-        tag_of = {pid: tag for tag, pid in self._tags.get(sandbox_id, {}).items()}
+        tag_of = {pid: tag for tag, pid in (self._tags.get(sandbox_id) or {}).items()}
         found = []
         for p in await svc.processes.list(sandbox_id):
             if p.running:

@@ -1,0 +1,30 @@
+"""What the E2B port keeps of each sandbox in the daemon's memory (a command's tags, the
+code interpreter's contexts), bounded: once it holds more than :data:`MAX_HELD`
+sandboxes, those no longer in the store are dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+V = TypeVar("V")
+MAX_HELD = 1024
+
+
+class PerSandbox(Generic[V]):
+    def __init__(self, make: Callable[[], V]) -> None:
+        self._make = make
+        self._held: dict[str, V] = {}
+
+    def of(self, sandbox_id: str, exists: Callable[[str], bool]) -> V:
+        """``sandbox_id``'s value (made when first asked for); ``exists`` says which
+        sandboxes are still there, when it is time to forget the others."""
+        found = self._held.get(sandbox_id)
+        if found is None:
+            if len(self._held) >= MAX_HELD:
+                self._held = {k: v for k, v in self._held.items() if exists(k)}
+            found = self._held[sandbox_id] = self._make()
+        return found
+
+    def get(self, sandbox_id: str) -> V | None:
+        return self._held.get(sandbox_id)
