@@ -19,6 +19,7 @@ from forkd.controller.e2b.filesystem_rpc import filesystem_app
 from forkd.controller.e2b.interpreter import interpreter
 from forkd.controller.e2b.process_rpc import process_app
 from forkd.controller.e2b.rest import daemon_services, rest
+from forkd.controller.e2b.snapshots_rest import snapshots_rest
 from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
 
@@ -33,6 +34,7 @@ def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> Fas
     app = FastAPI(title="forkd: E2B's API", version=__version__, openapi_url=None)
     app.state.daemon = daemon
     app.include_router(rest, dependencies=[Depends(api_key)])
+    app.include_router(snapshots_rest, dependencies=[Depends(api_key)])
     app.include_router(envd)
     app.include_router(interpreter)
     for rpc in (process_app, filesystem_app):

@@ -54,7 +54,7 @@ def _e2b_state(info: SandboxInfo) -> str:
     return "running" if info.state in (SandboxState.RUNNING, SandboxState.STARTING) else "paused"
 
 
-def _alive(svc: Services, sandbox_id: str) -> SandboxInfo:
+def alive(svc: Services, sandbox_id: str) -> SandboxInfo:
     """The sandbox, unless it is gone: E2B knows no dead sandboxes (404)."""
     info = svc.sandboxes.info(sandbox_id)
     if info.state == SandboxState.DEAD:
@@ -66,7 +66,7 @@ def _access_token(svc: Services, info: SandboxInfo) -> str:
     return svc.ports.key.access_token(info.id, info.created_at_unix)
 
 
-def _created(svc: Services, info: SandboxInfo) -> Sandbox:
+def created(svc: Services, info: SandboxInfo) -> Sandbox:
     token = _access_token(svc, info)
     return Sandbox(
         template_id=info.snapshot_tag,
@@ -133,12 +133,12 @@ async def create(body: NewSandbox, svc: Svc) -> Sandbox:
         internet=body.allow_internet_access,
     )
     [info] = await svc.sandboxes.create(req)
-    return _created(svc, info)
+    return created(svc, info)
 
 
 @rest.get("/sandboxes/{sandbox_id}")
 async def get(sandbox_id: str, svc: Svc) -> Response:
-    info = _alive(svc, sandbox_id)
+    info = alive(svc, sandbox_id)
     detail = _listed(svc, info, _machine(svc, info.snapshot_tag), SandboxDetail)
     return _json(detail.model_dump(by_alias=True))
 
@@ -198,19 +198,19 @@ def _after(found: list[SandboxInfo], token: str) -> int:
 
 @rest.delete("/sandboxes/{sandbox_id}", status_code=204)
 async def kill(sandbox_id: str, svc: Svc) -> None:
-    _alive(svc, sandbox_id)
+    alive(svc, sandbox_id)
     await svc.sandboxes.kill(sandbox_id)
 
 
 @rest.post("/sandboxes/{sandbox_id}/timeout", status_code=204)
 async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Svc) -> None:
-    _alive(svc, sandbox_id)
+    alive(svc, sandbox_id)
     svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=body.timeout or None))
 
 
 @rest.post("/sandboxes/{sandbox_id}/pause", status_code=204)
 async def pause(sandbox_id: str, svc: Svc) -> None:
-    info = _alive(svc, sandbox_id)
+    info = alive(svc, sandbox_id)
     if info.state != SandboxState.RUNNING:
         raise Conflict(f"sandbox {sandbox_id!r} is already paused")
     await svc.pausing.pause(sandbox_id, hibernate=True)
@@ -218,15 +218,15 @@ async def pause(sandbox_id: str, svc: Svc) -> None:
 
 @rest.post("/v2/sandboxes/{sandbox_id}/connect")
 async def connect(sandbox_id: str, body: ConnectBody, svc: Svc) -> Response:
-    info = _alive(svc, sandbox_id)
+    info = alive(svc, sandbox_id)
     status = 200
     if info.state in (SandboxState.PAUSED, SandboxState.HIBERNATED):
         await svc.pausing.resume(sandbox_id, timeout_s=body.timeout)
         status = 201  # E2B answers a resumed sandbox with 201
     elif body.timeout is not None:
         svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=body.timeout))
-    created = _created(svc, svc.sandboxes.info(sandbox_id))
-    return _json(created.model_dump(by_alias=True), status=status)
+    answer = created(svc, svc.sandboxes.info(sandbox_id))
+    return _json(answer.model_dump(by_alias=True), status=status)
 
 
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
