@@ -235,7 +235,7 @@ def e2b_url(server: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
         made = c.post("/v1/snapshots", json={"tag": "base", "memory_mib": 128})
         assert made.status_code == 201, made.text
     port = free_port()
-    app = create_e2b_app(server.app, TOKEN, E2B_UPLOAD_LIMIT)
+    app = create_e2b_app(server.app, TOKEN, E2B_UPLOAD_LIMIT, domain=f"localhost:{port}")
     with serving(app, host="127.0.0.1", port=port, lifespan="off"):
         url = f"http://127.0.0.1:{port}"
         monkeypatch.setenv("E2B_API_URL", url)

@@ -191,14 +191,14 @@ SERVE = """
 import os, sys
 from pathlib import Path
 os.umask(0o022)  # what a shell gives: the daemon must narrow it itself
-from forkd.controller.server import serve
+from forkd.controller.server import E2BPort, serve
 from forkd.controller.settings import Settings
 from tests.unit.fakes import FakeDriver
 state = Path(sys.argv[1])
 settings = Settings(state_dir=state, snapshot_root=state / "snapshots", run_dir=state / "run",
                     pool_size=0)
-e2b = sys.argv[3] if len(sys.argv) > 3 else None
-serve(settings, sys.argv[2], driver=FakeDriver(), log_level="warning", e2b_bind=e2b)
+e2b = E2BPort(sys.argv[3]) if len(sys.argv) > 3 else None
+serve(settings, sys.argv[2], driver=FakeDriver(), log_level="warning", e2b=e2b)
 """
 
 

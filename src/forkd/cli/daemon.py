@@ -36,6 +36,7 @@ def register(app: typer.Typer) -> None:
 def serve(given: ServeOptions) -> None:
     """Run the forkd daemon (HTTP API v1). Clients need the token in <state-dir>/token."""
     require_server("serve")
+    from forkd.controller.server import E2BPort
     from forkd.controller.server import serve as run_server
 
     try:
@@ -49,7 +50,9 @@ def serve(given: ServeOptions) -> None:
             given.token_file,
             given.log_level,
             insecure_no_auth=given.insecure_no_auth,
-            e2b_bind=given.e2b_bind,
+            e2b=E2BPort(given.e2b_bind, given.e2b_domain, given.e2b_public_ports)
+            if given.e2b_bind is not None
+            else None,
         )
     except (ForkdError, ValueError) as exc:
         raise fail(str(exc)) from exc

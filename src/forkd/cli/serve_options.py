@@ -47,6 +47,27 @@ E2bBindOpt = Annotated[
     ),
 ]
 
+E2bDomainOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--e2b-domain",
+        envvar="FORKD_E2B_DOMAIN",
+        metavar="DOMAIN",
+        help="Where E2B's sandbox.get_host(port) points: <port>-<sandbox>.DOMAIN, a wildcard "
+        "name (and port) reaching the E2B port. Default: localhost:<the E2B port>.",
+    ),
+]
+
+E2bPublicPortsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--e2b-public-ports",
+        envvar="FORKD_E2B_PUBLIC_PORTS",
+        help="Serve a sandbox's ports on their get_host names without E2B's traffic token "
+        "(as E2B's public sandboxes). Default: the token is asked for.",
+    ),
+]
+
 StateDirOpt = Annotated[
     Path | None,
     typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
@@ -436,3 +457,5 @@ class ServeOptions:
     egress_rate: EgressRateOpt = "off"
     log_level: LogLevelOpt = "info"
     e2b_bind: E2bBindOpt = None
+    e2b_domain: E2bDomainOpt = None
+    e2b_public_ports: E2bPublicPortsOpt = False

@@ -18,6 +18,7 @@ import signal
 import socket
 import stat
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypedDict
 
@@ -272,10 +273,10 @@ def serve(
     *,
     insecure_no_auth: bool = False,
     driver: VMDriver | None = None,
-    e2b_bind: str | None = None,
+    e2b: E2BPort | None = None,
 ) -> None:
     """Run the daemon until SIGTERM or SIGINT. ``driver`` replaces QEMU (tests only);
-    ``e2b_bind``: where E2B's API is served too (:mod:`forkd.controller.e2b`)."""
+    ``e2b``: where and how E2B's API is served too (:mod:`forkd.controller.e2b`)."""
     configure_logging(log_level)
     raise_open_file_limit()
     where = parse_bind(bind)
@@ -307,13 +308,23 @@ def serve(
                 policy = settings.registry_policy
                 signal.signal(signal.SIGHUP, lambda _sig, _frame: policy.reload_now())
             servers: list[uvicorn.Server] = [Server(config)]
-            if e2b_bind is not None:
-                servers.append(_e2b_server(app, token, settings, log_level, connections, e2b_bind))
+            if e2b is not None:
+                servers.append(_e2b_server(app, token, settings, log_level, connections, e2b))
             asyncio.run(_serve_all(servers, sockets))
         finally:
             if sock is not None:
                 sock.close()
             os.close(lock_fd)
+
+
+@dataclass(frozen=True)
+class E2BPort:
+    """``forkd serve --e2b-bind``: where E2B's API is served, the domain of its sandboxes'
+    ports (``--e2b-domain``) and whether they take no traffic token."""
+
+    bind: str
+    domain: str | None = None
+    public_ports: bool = False
 
 
 def _e2b_server(
@@ -322,16 +333,23 @@ def _e2b_server(
     settings: Settings,
     log_level: str,
     connections: ConnectionLimiter,
-    bind: str,
+    port: E2BPort,
 ) -> uvicorn.Server:
     """E2B's API on a port of its own, over the daemon's services (no lifespan of its
     own: the daemon's starts and stops them)."""
     from forkd.controller.e2b.app import create_e2b_app
 
-    where = parse_bind(bind)
+    where = parse_bind(port.bind)
     if "uds" in where:
         raise ForkdError("--e2b-bind takes HOST:PORT: E2B's SDKs speak TCP")
-    e2b = create_e2b_app(daemon, token, settings.max_upload_bytes)
+    domain = port.domain or f"localhost:{where['port']}"
+    e2b = create_e2b_app(
+        daemon,
+        token,
+        settings.max_upload_bytes,
+        domain=domain,
+        public_ports=port.public_ports,
+    )
     config = _uvicorn_config(e2b, log_level, connections, where)
     config.lifespan = "off"
     log.info("E2B's API on %s", listening_url(where))

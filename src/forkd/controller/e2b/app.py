@@ -16,6 +16,7 @@ from forkd.controller import http_errors
 from forkd.controller.e2b.auth import Unauthorized, check_api_key
 from forkd.controller.e2b.envd import envd
 from forkd.controller.e2b.filesystem_rpc import filesystem_app
+from forkd.controller.e2b.guest_hosts import GuestHosts
 from forkd.controller.e2b.interpreter import interpreter
 from forkd.controller.e2b.process_rpc import process_app
 from forkd.controller.e2b.rest import daemon_services, rest
@@ -24,9 +25,18 @@ from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
 
 
-def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> FastAPI:
+def create_e2b_app(
+    daemon: FastAPI,
+    token: str | None,
+    upload_limit: int,
+    *,
+    domain: str | None = None,
+    public_ports: bool = False,
+) -> FastAPI:
     """``token``: the daemon's bearer token, E2B's API key here (None: no auth);
-    ``upload_limit``: the most one file upload may send, as on the daemon's port."""
+    ``upload_limit``: the most one file upload may send, as on the daemon's port;
+    ``domain``: sandbox ports are served for hosts ``<port>-<id>.<domain>``
+    (:mod:`.guest_hosts`), without E2B's traffic token when ``public_ports``."""
 
     def api_key(x_api_key: Annotated[str | None, Header(alias="X-API-KEY")] = None) -> None:
         check_api_key(x_api_key, token)
@@ -49,6 +59,16 @@ def create_e2b_app(daemon: FastAPI, token: str | None, upload_limit: int) -> Fas
         respond=e2b_error,
     )
     _install_errors(app)
+    if domain is not None:
+        app.state.e2b_domain = domain
+        app.add_middleware(
+            GuestHosts,
+            daemon=daemon,
+            services=lambda: daemon_services(daemon),
+            domain=domain,
+            token=token,
+            public=public_ports,
+        )
     return app
 
 

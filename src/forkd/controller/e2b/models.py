@@ -55,6 +55,7 @@ class Sandbox(BaseModel):
     # The code interpreter's SDKs send this one on the calls that carry no access token
     # (/contexts); forkd's is the same per-sandbox token.
     traffic_access_token: str = Field(serialization_alias="trafficAccessToken")
+    domain: str | None = None  # where sandbox.get_host(port) points (--e2b-domain)
 
 
 class SandboxLifecycle(BaseModel):

@@ -66,13 +66,23 @@ def _access_token(svc: Services, info: SandboxInfo) -> str:
     return svc.ports.key.access_token(info.id, info.created_at_unix)
 
 
-def created(svc: Services, info: SandboxInfo) -> Sandbox:
+def e2b_domain(request: Request) -> str | None:
+    """Where ``sandbox.get_host(port)`` points (:mod:`.guest_hosts`), if anywhere."""
+    found: str | None = getattr(request.app.state, "e2b_domain", None)
+    return found
+
+
+Domain = Annotated[str | None, Depends(e2b_domain)]
+
+
+def created(svc: Services, info: SandboxInfo, domain: str | None) -> Sandbox:
     token = _access_token(svc, info)
     return Sandbox(
         template_id=info.snapshot_tag,
         sandbox_id=info.id,
         envd_access_token=token,
         traffic_access_token=token,
+        domain=domain,
     )
 
 
@@ -121,7 +131,7 @@ def _iso(unix: float) -> str:
 
 
 @rest.post("/v2/sandboxes", status_code=201, response_model_by_alias=True)
-async def create(body: NewSandbox, svc: Svc) -> Sandbox:
+async def create(body: NewSandbox, svc: Svc, domain: Domain) -> Sandbox:
     if body.env_vars:
         raise Invalid("envVars are not supported by forkd's E2B API yet: set them per command")
     req = SandboxCreate(
@@ -133,7 +143,7 @@ async def create(body: NewSandbox, svc: Svc) -> Sandbox:
         internet=body.allow_internet_access,
     )
     [info] = await svc.sandboxes.create(req)
-    return created(svc, info)
+    return created(svc, info, domain)
 
 
 @rest.get("/sandboxes/{sandbox_id}")
@@ -217,7 +227,7 @@ async def pause(sandbox_id: str, svc: Svc) -> None:
 
 
 @rest.post("/v2/sandboxes/{sandbox_id}/connect")
-async def connect(sandbox_id: str, body: ConnectBody, svc: Svc) -> Response:
+async def connect(sandbox_id: str, body: ConnectBody, svc: Svc, domain: Domain) -> Response:
     info = alive(svc, sandbox_id)
     status = 200
     if info.state in (SandboxState.PAUSED, SandboxState.HIBERNATED):
@@ -225,7 +235,7 @@ async def connect(sandbox_id: str, body: ConnectBody, svc: Svc) -> Response:
         status = 201  # E2B answers a resumed sandbox with 201
     elif body.timeout is not None:
         svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=body.timeout))
-    answer = created(svc, svc.sandboxes.info(sandbox_id))
+    answer = created(svc, svc.sandboxes.info(sandbox_id), domain)
     return _json(answer.model_dump(by_alias=True), status=status)
 
 

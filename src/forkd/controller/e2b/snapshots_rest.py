@@ -18,7 +18,7 @@ from pydantic import Field
 
 from forkd import limits
 from forkd.controller.e2b.models import DEFAULT_TIMEOUT_S, Body
-from forkd.controller.e2b.rest import Svc, alive, created
+from forkd.controller.e2b.rest import Domain, Svc, alive, created
 from forkd.controller.http_errors import hide_host_paths, status_of
 from forkd.controller.models import BranchRequest, SandboxCreate, SnapshotInfo
 from forkd.errors import ForkdError, Invalid, NotFound
@@ -88,7 +88,7 @@ async def delete_template(template_id: str, svc: Svc) -> Response:
 
 
 @snapshots_rest.post("/sandboxes/{sandbox_id}/fork", status_code=201)
-async def fork(sandbox_id: str, body: ForkBody, svc: Svc) -> Response:
+async def fork(sandbox_id: str, body: ForkBody, svc: Svc, domain: Domain) -> Response:
     """One branch of the sandbox, then ``count`` children of it, forked together; E2B's
     answer has an entry per child (each the same error when they could not start)."""
     alive(svc, sandbox_id)
@@ -100,5 +100,5 @@ async def fork(sandbox_id: str, body: ForkBody, svc: Svc) -> Response:
     except ForkdError as exc:  # none started: each fork is that error
         error = {"code": status_of(exc), "message": hide_host_paths(str(exc))}
         return JSONResponse([{"error": error}] * body.count, status_code=201)
-    answer = [{"sandbox": created(svc, info).model_dump(by_alias=True)} for info in made]
+    answer = [{"sandbox": created(svc, info, domain).model_dump(by_alias=True)} for info in made]
     return JSONResponse(answer, status_code=201)
