@@ -1,0 +1,69 @@
+// E2B's own npm SDKs (e2b, @e2b/code-interpreter; pinned in package.json) against a
+// forkd daemon's E2B port, unchanged: tests/integration/test_e2b_js.py runs this with
+// E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY pointed at the suite's daemon, and
+// E2B_TEMPLATE naming a template snapshot of it.
+import assert from 'node:assert/strict'
+import { test } from 'node:test'
+
+import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
+import { CommandExitError, Sandbox } from 'e2b'
+
+const template = process.env.E2B_TEMPLATE
+const timeoutMs = 300_000
+
+async function until(check, ms = 20_000) {
+  const deadline = Date.now() + ms
+  while (!check() && Date.now() < deadline) {
+    await new Promise((resolve) => setTimeout(resolve, 100))
+  }
+  return check()
+}
+
+test('commands, files and a streamed watch in a real guest', async () => {
+  const sbx = await Sandbox.create(template, { timeoutMs })
+  try {
+    const ran = await sbx.commands.run('echo hello from node && echo err >&2')
+    assert.equal(ran.stdout, 'hello from node\n')
+    assert.equal(ran.stderr, 'err\n')
+    await assert.rejects(sbx.commands.run('exit 3'), (err) => {
+      assert.ok(err instanceof CommandExitError)
+      assert.equal(err.exitCode, 3)
+      return true
+    })
+    const lines = []
+    await sbx.commands.run('for i in 1 2 3; do echo $i; done', {
+      onStdout: (data) => lines.push(data),
+    })
+    assert.equal(lines.join(''), '1\n2\n3\n')
+
+    await sbx.files.makeDir('/work/js')
+    await sbx.files.write('/work/js/a.txt', 'typed in node')
+    assert.equal(await sbx.files.read('/work/js/a.txt'), 'typed in node')
+    const listed = await sbx.files.list('/work/js')
+    assert.deepEqual(listed.map((e) => e.name), ['a.txt'])
+    assert.equal((await sbx.files.getInfo('/work/js/a.txt')).size, 13)
+
+    const events = []
+    const watch = await sbx.files.watchDir('/work/js', (e) => events.push(e))
+    await sbx.commands.run('touch /work/js/b.txt')
+    const seen = await until(() => events.some((e) => e.name === 'b.txt' && e.type === 'create'))
+    await watch.stop()
+    assert.ok(seen, JSON.stringify(events))
+  } finally {
+    await sbx.kill()
+  }
+  assert.equal(await Sandbox.kill(sbx.sandboxId), false) // gone
+})
+
+test('the code interpreter keeps its names between executions', async () => {
+  const sbx = await CodeSandbox.create(template, { timeoutMs })
+  try {
+    const first = await sbx.runCode('x = 41\nprint("hi")\nx + 1')
+    assert.equal(first.text, '42')
+    assert.deepEqual(first.logs.stdout, ['hi\n'])
+    const failed = await sbx.runCode('undefined_name')
+    assert.equal(failed.error.name, 'NameError')
+  } finally {
+    await sbx.kill()
+  }
+})
