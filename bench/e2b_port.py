@@ -66,9 +66,8 @@ class E2BBench(benchlib.DaemonBench):
         self.say.log(f"{name}: {self.results[name]}")
 
     def bench(self) -> None:
-        from e2b_code_interpreter import Sandbox as CodeSandbox
-
         import e2b
+        from e2b_code_interpreter import Sandbox as CodeSandbox
 
         address = f"127.0.0.1:{free_port()}"
         self.daemon.start("--e2b-bind", address)
@@ -95,7 +94,7 @@ class E2BBench(benchlib.DaemonBench):
                     "command_ms",
                     lambda: _equal(theirs.commands.run("echo hi").stdout, "hi\n"),
                     # The same program: E2B's SDK runs every command as bash -l -c.
-                    lambda: _equal(ours.commands.run(E2B_SHELL + ["echo hi"]).stdout, "hi\n"),
+                    lambda: _equal(ours.commands.run([*E2B_SHELL, "echo hi"]).stdout, "hi\n"),
                 )
 
                 def e2b_file() -> None:
