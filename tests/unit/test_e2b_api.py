@@ -195,3 +195,29 @@ def test_a_bug_answers_e2bs_shape_with_an_error_id_only(
     assert "internal error (id " in r.json()["message"] and "boom" not in r.text
     with pytest.raises(e2b.SandboxException, match="500"):
         e2b.Sandbox.list().next_items()
+
+
+def test_e2bs_network_option_is_forkds_policy_and_changes_at_run_time(
+    server: Server, e2b_url: str
+) -> None:
+    secret = "${e2b.secrets.api_key}"
+    network = {
+        "allow_out": ["api.example.com", "*.pypi.org"],
+        "deny_out": ["evil.example.com"],
+        "rules": {"api.example.com": [{"transform": {"headers": {"Authorization": secret}}}]},
+    }
+    sbx = e2b.Sandbox.create("base", network=network)  # type: ignore[arg-type]
+    with _forkd(server) as c:
+        policy = c.get(f"/v1/sandboxes/{sbx.sandbox_id}/network").json()
+    assert policy["allow_out"] == ["api.example.com", "*.pypi.org"]
+    assert policy["deny_out"] == ["evil.example.com"]
+    [rule] = policy["rules"]["api.example.com"]
+    assert rule["transform"]["headers"]["Authorization"] == "${secrets.api_key}"
+    sbx.update_network({"allow_out": ["other.example.com"]})
+    with _forkd(server) as c:
+        later = c.get(f"/v1/sandboxes/{sbx.sandbox_id}/network").json()
+    assert later["allow_out"] == ["other.example.com"]
+    socks = {"egress_proxy": {"address": "127.0.0.1:1080"}}
+    with pytest.raises(e2b.SandboxException, match="egressProxy"):  # forkd cannot: refused
+        e2b.Sandbox.create("base", network=socks)  # type: ignore[arg-type]
+    sbx.kill()

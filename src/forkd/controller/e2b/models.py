@@ -4,7 +4,7 @@ a newer SDK is not an error); answers carry every field the SDKs require."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +32,14 @@ class NewSandbox(Body):
     env_vars: dict[str, str] | None = Field(None, alias="envVars")
     auto_pause: bool = Field(False, alias="autoPause")
     auto_resume: AutoResume | None = Field(None, alias="autoResume")
+    allow_internet_access: bool | None = None
+    network: dict[str, Any] | None = None  # E2B's network object (.network_map)
+
+
+class NetworkUpdate(Body):
+    """``PUT /sandboxes/{id}/network``: E2B's network object, and allow_internet_access."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
     allow_internet_access: bool | None = None
 
 

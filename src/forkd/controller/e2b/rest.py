@@ -16,12 +16,14 @@ from forkd.controller.e2b.models import (
     DEFAULT_TIMEOUT_S,
     ConnectBody,
     ListedSandbox,
+    NetworkUpdate,
     NewSandbox,
     Sandbox,
     SandboxDetail,
     SandboxLifecycle,
     TimeoutBody,
 )
+from forkd.controller.e2b.network_map import policy_of
 from forkd.controller.models import SandboxCreate, SandboxInfo, TimeoutRequest
 from forkd.controller.services import Services
 from forkd.errors import Conflict, Invalid, NotFound, SnapshotError, Unavailable
@@ -140,7 +142,10 @@ async def create(body: NewSandbox, svc: Svc, domain: Domain) -> Sandbox:
         on_timeout=OnTimeout.HIBERNATE if body.auto_pause else OnTimeout.KILL,
         auto_resume=body.auto_resume.enabled if body.auto_resume is not None else True,
         metadata=body.metadata or None,
-        internet=body.allow_internet_access,
+        internet=body.allow_internet_access if body.network is None else None,
+        network=None
+        if body.network is None
+        else policy_of(body.network, body.allow_internet_access),
     )
     [info] = await svc.sandboxes.create(req)
     return created(svc, info, domain)
@@ -224,6 +229,14 @@ async def pause(sandbox_id: str, svc: Svc) -> None:
     if info.state != SandboxState.RUNNING:
         raise Conflict(f"sandbox {sandbox_id!r} is already paused")
     await svc.pausing.pause(sandbox_id, hibernate=True)
+
+
+@rest.put("/sandboxes/{sandbox_id}/network", status_code=204)
+async def update_network(sandbox_id: str, body: NetworkUpdate, svc: Svc) -> None:
+    """E2B's runtime policy change: the sandbox's next connections are judged by it."""
+    alive(svc, sandbox_id)
+    given = body.model_extra or {}
+    await svc.network.update(sandbox_id, policy_of(given, body.allow_internet_access))
 
 
 @rest.post("/v2/sandboxes/{sandbox_id}/connect")
