@@ -221,3 +221,15 @@ def test_e2bs_network_option_is_forkds_policy_and_changes_at_run_time(
     with pytest.raises(e2b.SandboxException, match="egressProxy"):  # forkd cannot: refused
         e2b.Sandbox.create("base", network=socks)  # type: ignore[arg-type]
     sbx.kill()
+
+
+def test_metrics_are_forkds_reading_as_e2bs_series(server: Server, e2b_url: str) -> None:
+    import datetime
+
+    sbx = e2b.Sandbox.create("base")
+    [metric] = sbx.get_metrics()
+    assert metric.cpu_count >= 1 and metric.mem_total >= 0 and metric.disk_total >= 0
+    assert abs(metric.timestamp.timestamp() - time.time()) < 60
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+    assert sbx.get_metrics(start=later) == []  # a window that does not hold now
+    sbx.kill()
