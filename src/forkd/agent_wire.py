@@ -82,6 +82,12 @@ class ConfigureParams(TypedDict):
     user: str | None
 
 
+class EnvSetParams(TypedDict):
+    """Variables added to the image's environment, for every command started from now."""
+
+    env: dict[str, str]
+
+
 class EvalParams(TypedDict):
     code: str
     timeout_s: float
@@ -403,6 +409,7 @@ class Request(Generic[A]):
 PING: Op[None, PingAnswer] = Op("ping", PingAnswer)
 EXEC: Op[ExecParams, ExecAnswer] = Op("exec", ExecAnswer)
 CONFIGURE: Op[ConfigureParams, Empty] = Op("configure", Empty)
+ENV_SET: Op[EnvSetParams, Empty] = Op("env_set", Empty)
 EVAL: Op[EvalParams, EvalAnswer] = Op("eval", EvalAnswer)
 EVAL_INTERRUPT: Op[None, EvalInterruptAnswer] = Op("eval_interrupt", EvalInterruptAnswer)
 FILE_READ: Op[PathParams, FileReadAnswer] = Op("file_read", FileReadAnswer)

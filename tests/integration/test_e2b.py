@@ -31,9 +31,10 @@ def e2b_env(daemon: Daemon, api_template: str, monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_e2b_commands_and_files_in_a_real_guest(e2b_env: str, ctl: Controller) -> None:
-    sbx = e2b.Sandbox.create(e2b_env, timeout=300)
+    sbx = e2b.Sandbox.create(e2b_env, timeout=300, envs={"GREETING": "hello env"})
     try:
         assert sbx.sandbox_id in {s["id"] for s in ctl.list_sandboxes()}  # a forkd sandbox
+        assert sbx.commands.run("echo $GREETING").stdout == "hello env\n"  # envVars
         run = sbx.commands.run("echo $((40 + 2)) && python3 -c 'print(6 * 7)'")
         assert (run.exit_code, run.stdout) == (0, "42\n42\n"), run
         lines: list[str] = []

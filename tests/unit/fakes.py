@@ -416,6 +416,11 @@ class FakeVM(VMLifecycle):
         self.image_defaults = {"env": image_env, "cwd": cwd, "user": user}
         self.contents.defaults = {"env": dict(env), "cwd": cwd, "user": user}
 
+    async def env_set(self, env: dict[str, str]) -> None:
+        self._agent("env_set")
+        defaults = self.contents.defaults
+        defaults["env"] = {**(defaults.get("env") or {}), **env}
+
     async def read_file(self, path: str) -> bytes:
         self._agent("file_read")
         if path not in self.contents.files:

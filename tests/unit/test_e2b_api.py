@@ -233,3 +233,17 @@ def test_metrics_are_forkds_reading_as_e2bs_series(server: Server, e2b_url: str)
     later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
     assert sbx.get_metrics(start=later) == []  # a window that does not hold now
     sbx.kill()
+
+
+def test_env_vars_at_create_are_the_sandboxs_environment(server: Server, e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base", envs={"APP_MODE": "test", "LEVEL": "3"})
+    vm = next(v for v in server.driver.vms if v.id == sbx.sandbox_id)
+    env = vm.contents.defaults["env"]  # the guest's own: every command, fork and branch has it
+    assert (env["APP_MODE"], env["LEVEL"]) == ("test", "3")
+    sbx.kill()
+    with _forkd(server) as c:
+        before = len(c.get("/v1/sandboxes").json())
+    with pytest.raises(e2b.SandboxException, match="not a variable name"):
+        e2b.Sandbox.create("base", envs={"A=B": "x"})
+    with _forkd(server) as c:
+        assert len(c.get("/v1/sandboxes").json()) == before  # refused: nothing made

@@ -26,7 +26,7 @@ from forkd.controller.e2b.models import (
 from forkd.controller.e2b.network_map import policy_of
 from forkd.controller.models import SandboxCreate, SandboxInfo, TimeoutRequest
 from forkd.controller.services import Services
-from forkd.errors import Conflict, Invalid, NotFound, SnapshotError, Unavailable
+from forkd.errors import Conflict, ForkdError, Invalid, NotFound, SnapshotError, Unavailable
 from forkd.states import OnTimeout, SandboxState
 from forkd.vmm.snapshot import files as snapshot_files
 
@@ -134,8 +134,9 @@ def _iso(unix: float) -> str:
 
 @rest.post("/v2/sandboxes", status_code=201, response_model_by_alias=True)
 async def create(body: NewSandbox, svc: Svc, domain: Domain) -> Sandbox:
-    if body.env_vars:
-        raise Invalid("envVars are not supported by forkd's E2B API yet: set them per command")
+    bad = [name for name in body.env_vars or {} if not name or "=" in name or "\0" in name]
+    if bad:  # refused before anything is made
+        raise Invalid(f"envVars: {bad[0]!r} is not a variable name")
     req = SandboxCreate(
         snapshot_tag=body.template_id,
         timeout_s=body.timeout or DEFAULT_TIMEOUT_S,
@@ -148,7 +149,19 @@ async def create(body: NewSandbox, svc: Svc, domain: Domain) -> Sandbox:
         else policy_of(body.network, body.allow_internet_access),
     )
     [info] = await svc.sandboxes.create(req)
+    if body.env_vars:
+        await _with_env(svc, info.id, body.env_vars)
     return created(svc, info, domain)
+
+
+async def _with_env(svc: Services, sandbox_id: str, env: dict[str, str]) -> None:
+    """E2B's envVars, in the sandbox's own environment (every command started from now
+    has them; its forks and branches too). A sandbox that cannot take them is killed."""
+    try:
+        await svc.guest.call(sandbox_id, lambda vm: vm.guest.env_set(env))
+    except ForkdError:
+        await svc.sandboxes.kill(sandbox_id)
+        raise
 
 
 @rest.get("/sandboxes/{sandbox_id}")

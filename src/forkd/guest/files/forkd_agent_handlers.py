@@ -137,6 +137,22 @@ def op_configure(req: dict[str, Any]) -> wire.Empty:
     return {}
 
 
+def op_env_set(req: dict[str, Any]) -> wire.Empty:
+    """Add variables to the image's environment (E2B's envVars): every command started
+    from now has them; a running eval worker keeps the environment it has."""
+    given = req.get("env")
+    if not isinstance(given, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
+        for k, v in given.items()
+    ):
+        raise RequestError("'env' must map names (no '=', no NUL) to strings")
+    current = command.IMAGE_DEFAULTS
+    merged = forkd_identity.ImageDefaults({**current.env, **given}, current.cwd, current.user)
+    forkd_identity.save_defaults(merged)  # a respawned agent reads it back
+    command.set_image_defaults(merged)
+    return {}
+
+
 def op_exec(req: dict[str, Any]) -> wire.ExecAnswer:
     argv, cwd, _, stdin, timeout = _exec_params(req)
     who = command.identity(req)
@@ -396,4 +412,5 @@ OPS: dict[str, Handler] = {
     "file_remove": op_file_remove,
     "restore": op_restore,
     "configure": op_configure,
+    "env_set": op_env_set,
 }

@@ -125,6 +125,10 @@ class Guest:
         """Give the agent an image's defaults for every command that does not set its own."""
         await self._ask(wire.CONFIGURE({"env": env, "cwd": cwd, "user": user}))
 
+    async def env_set(self, env: dict[str, str]) -> None:
+        """Add ``env`` to the image's environment, for every command started from now."""
+        await self._ask(wire.ENV_SET({"env": env}))
+
     async def eval(self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS) -> wire.EvalAnswer:
         """Run ``code``; the agent interrupts it after ``timeout`` seconds."""
         params: wire.EvalParams = {"code": code, "timeout_s": timeout}
