@@ -54,3 +54,19 @@ def test_fork_makes_children_of_one_branch(server: Server, e2b_url: str) -> None
     for child in children:
         child.kill()
     sbx.kill()
+
+
+def test_templates_are_forkds_snapshots(server: Server, e2b_url: str) -> None:
+    import httpx
+
+    from tests.unit.conftest import TOKEN
+
+    assert e2b.Template.exists("base") is True
+    assert e2b.Template.exists("no-such-template") is False
+    key = {"X-API-KEY": TOKEN}
+    listed = httpx.get(f"{e2b_url}/templates", headers=key).json()
+    assert [t["templateID"] for t in listed] == ["base"]
+    assert listed[0]["memoryMB"] == 128 and listed[0]["buildStatus"] == "ready"
+    one = httpx.get(f"{e2b_url}/templates/base", headers=key).json()
+    assert one["templateID"] == "base" and len(one["builds"]) == 1
+    assert httpx.get(f"{e2b_url}/templates/base").status_code == 401  # the API key, always

@@ -94,7 +94,7 @@ def _listed(
     machine: tuple[int, int],
     shape: type[ListedSandbox] = ListedSandbox,
 ) -> Any:
-    """``info`` in E2B's shape; ``machine``: its snapshot's vCPUs and MiB (:func:`_machine`)."""
+    """``info`` in E2B's shape; ``machine``: its snapshot's vCPUs and MiB (:func:`machine`)."""
     vcpus, memory_mib = machine
     fields: dict[str, Any] = {
         "template_id": info.snapshot_tag,
@@ -115,7 +115,7 @@ def _listed(
     return shape(**fields)
 
 
-def _machine(svc: Services, tag: str) -> tuple[int, int]:
+def machine(svc: Services, tag: str) -> tuple[int, int]:
     """The vCPUs and MiB of guest memory of snapshot ``tag``'s machine ((1, 0) when the
     snapshot is gone since the sandbox was forked)."""
     row = svc.store.get_snapshot(tag)
@@ -167,7 +167,7 @@ async def _with_env(svc: Services, sandbox_id: str, env: dict[str, str]) -> None
 @rest.get("/sandboxes/{sandbox_id}")
 async def get(sandbox_id: str, svc: Svc) -> Response:
     info = alive(svc, sandbox_id)
-    detail = _listed(svc, info, _machine(svc, info.snapshot_tag), SandboxDetail)
+    detail = _listed(svc, info, machine(svc, info.snapshot_tag), SandboxDetail)
     return _json(detail.model_dump(by_alias=True))
 
 
@@ -192,7 +192,7 @@ async def list_(
     headers = {}
     if start + limit < len(found):
         headers["x-next-token"] = page[-1].id
-    machines = {tag: _machine(svc, tag) for tag in {info.snapshot_tag for info in page}}
+    machines = {tag: machine(svc, tag) for tag in {info.snapshot_tag for info in page}}
     body = [_listed(svc, i, machines[i.snapshot_tag]).model_dump(by_alias=True) for i in page]
     return _json(body, headers=headers)
 
