@@ -21,6 +21,7 @@ from forkd.controller.e2b.interpreter import interpreter
 from forkd.controller.e2b.metrics_rest import metrics_rest
 from forkd.controller.e2b.process_rpc import process_app
 from forkd.controller.e2b.rest import daemon_services, rest
+from forkd.controller.e2b.secrets_rest import secrets_rest
 from forkd.controller.e2b.snapshots_rest import snapshots_rest
 from forkd.controller.e2b.templates_rest import templates_rest
 from forkd.controller.http_errors import hide_host_paths
@@ -49,6 +50,7 @@ def create_e2b_app(
     app.include_router(snapshots_rest, dependencies=[Depends(api_key)])
     app.include_router(metrics_rest, dependencies=[Depends(api_key)])
     app.include_router(templates_rest, dependencies=[Depends(api_key)])
+    app.include_router(secrets_rest, dependencies=[Depends(api_key)])
     app.include_router(envd)
     app.include_router(interpreter)
     for rpc in (process_app, filesystem_app):
