@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 import time
 from collections.abc import Iterator
 
 import e2b
 import pytest
-from e2b import FilesystemEventType, FileType
+from e2b import FilesystemEventType, FileType, PtySize
 
 from forkd.client import Controller
 
@@ -84,6 +85,38 @@ def test_e2b_commands_and_files_in_a_real_guest(e2b_env: str, ctl: Controller) -
     finally:
         sbx.kill()
     assert sbx.sandbox_id not in {s["id"] for s in ctl.list_sandboxes()}
+
+
+def test_a_pty_through_e2bs_sdk_is_a_real_terminal(e2b_env: str) -> None:
+    sbx = e2b.Sandbox.create(e2b_env, timeout=300)
+    try:
+        seen = bytearray()
+        term = sbx.pty.create(PtySize(rows=24, cols=80), timeout=0)
+        ended: list[int] = []
+
+        def follow() -> None:
+            try:
+                term.wait(on_pty=seen.extend)
+            except e2b.CommandExitException as exc:  # killed below
+                ended.append(exc.exit_code)
+
+        thread = threading.Thread(target=follow, daemon=True)
+        thread.start()
+        sbx.pty.send_stdin(term.pid, b"stty size; echo marker-$((6 * 7))\n")
+        deadline = time.monotonic() + 30
+        while b"marker-42" not in seen and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert b"24 80" in seen and b"marker-42" in seen, bytes(seen)[-400:]
+        sbx.pty.resize(term.pid, PtySize(rows=30, cols=100))
+        sbx.pty.send_stdin(term.pid, b"stty size\n")
+        while b"30 100" not in seen and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert b"30 100" in seen, bytes(seen)[-400:]
+        assert sbx.pty.kill(term.pid) is True
+        thread.join(10)
+        assert ended == [128 + 9]  # the terminal's stream ends with the kill
+    finally:
+        sbx.kill()
 
 
 def test_the_async_sdk_streams_a_watch_of_a_real_guest(e2b_env: str) -> None:

@@ -143,3 +143,14 @@ def test_a_tagged_command_is_found_by_its_tag(e2b_url: str) -> None:
 
 def _envelope(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+def test_stdin_streamed_in_one_client_stream_arrives_in_order(e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    cat = sbx.commands.run("cat", background=True, stdin=True)
+    sbx.commands.stream_input(cat.pid, ["one ", b"two ", "three"])  # StreamInput, client-side
+    sbx.commands.close_stdin(cat.pid)
+    assert cat.wait().stdout == "one two three"
+    with pytest.raises(e2b.NotFoundException):
+        sbx.commands.stream_input(99999, ["x"])
+    sbx.kill()
