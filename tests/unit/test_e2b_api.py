@@ -247,3 +247,20 @@ def test_env_vars_at_create_are_the_sandboxs_environment(server: Server, e2b_url
         e2b.Sandbox.create("base", envs={"A=B": "x"})
     with _forkd(server) as c:
         assert len(c.get("/v1/sandboxes").json()) == before  # refused: nothing made
+
+
+def test_what_forkd_does_not_serve_at_create_is_refused_not_dropped(
+    server: Server, e2b_url: str
+) -> None:
+    key = {"X-API-KEY": TOKEN}
+    for extra in (
+        {"volumeMounts": [{"name": "data", "path": "/data"}]},
+        {"mcp": {"github": {}}},
+        {"iam": {"aws": {}}},
+    ):
+        body = {"templateID": "base", "metadata": {}, "envVars": {}, **extra}
+        refused = httpx.post(f"{e2b_url}/v2/sandboxes", json=body, headers=key)
+        assert refused.status_code == 400, refused.text
+        assert next(iter(extra)) in refused.json()["message"]
+    with _forkd(server) as c:
+        assert c.get("/v1/sandboxes").json() == []  # nothing made

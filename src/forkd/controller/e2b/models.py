@@ -34,6 +34,10 @@ class NewSandbox(Body):
     auto_resume: AutoResume | None = Field(None, alias="autoResume")
     allow_internet_access: bool | None = None
     network: dict[str, Any] | None = None  # E2B's network object (.network_map)
+    # Refused when given (rest.UNSERVED): forkd has no place for them yet.
+    volume_mounts: list[Any] | None = Field(None, alias="volumeMounts")
+    mcp: dict[str, Any] | None = None
+    iam: dict[str, Any] | None = None
 
 
 class NetworkUpdate(Body):

@@ -49,6 +49,13 @@ def daemon_services(daemon: FastAPI) -> Services:
 
 
 Svc = Annotated[Services, Depends(services)]
+# What E2B's create takes that forkd does not serve: refused, never silently dropped.
+UNSERVED = {
+    "volume_mounts": "volumeMounts: forkd mounts volumes when a template is built "
+    "(POST /v1/snapshots volumes), and its forks get them copy-on-write",
+    "mcp": "mcp: E2B's MCP gateway is not in forkd's images (forkd mcp serves forkd's own)",
+    "iam": "iam: workload identity tokens are not served by forkd",
+}
 _ALIVE = (SandboxState.RUNNING, SandboxState.PAUSED, SandboxState.HIBERNATED)
 
 
@@ -134,6 +141,9 @@ def _iso(unix: float) -> str:
 
 @rest.post("/v2/sandboxes", status_code=201, response_model_by_alias=True)
 async def create(body: NewSandbox, svc: Svc, domain: Domain) -> Sandbox:
+    for name, why in UNSERVED.items():
+        if getattr(body, name):
+            raise Invalid(why)
     bad = [name for name in body.env_vars or {} if not name or "=" in name or "\0" in name]
     if bad:  # refused before anything is made
         raise Invalid(f"envVars: {bad[0]!r} is not a variable name")
