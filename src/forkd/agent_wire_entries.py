@@ -12,6 +12,7 @@ from typing import Any, Literal, NotRequired, TypedDict
 from forkd.agent_wire import Op
 
 MAX_LIST_DEPTH = 32  # levels one fs_list walks down
+MAX_FS_LIST_BYTES = 8 << 20  # of entries one fs_list answers (about; then truncated)
 MAX_WATCH_WAIT_S = 30.0  # one fs_watch_read waits at most this long
 MAX_WATCH_EVENTS = 10_000  # events one fs_watch_read answers
 

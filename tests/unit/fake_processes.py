@@ -12,7 +12,7 @@ global offsets, as the agent's reader threads do (docs/guest-agent.md,
 - ``nosuch``: does not exist (FileNotFoundError);
 - ``whoami`` (or ``/bin/sh -c 'id -un'``): prints the user it runs as;
 - ``serve PORT``: says it serves on PORT, then runs until killed (an image's service);
-- ``/bin/bash -l -c LINE`` (E2B's ``commands.run``): LINE's script;
+- ``/bin/bash [-l] -c LINE`` (E2B's ``commands.run``, its interpreter's bash): LINE's script;
 - anything else (``/bin/sh -c LINE`` among them): prints its arguments, like FakeVM's exec.
 
 What the agent answers (fields, chunks, errors and their messages, exit codes) is
@@ -157,8 +157,9 @@ class FakeProcess:
 
 async def _script(proc: FakeProcess) -> int:
     name, args = proc.cmd[0], proc.cmd[1:]
-    if proc.cmd[:3] == ["/bin/bash", "-l", "-c"] and len(proc.cmd) == 4:  # E2B's commands.run
-        name, *args = shlex.split(proc.cmd[3]) or [""]
+    cmd = proc.cmd
+    if cmd[0] == "/bin/bash" and cmd[1:-1] in (["-c"], ["-l", "-c"]):  # E2B's commands, bash
+        name, *args = shlex.split(cmd[-1]) or [""]
     if proc.cmd == ["/bin/sh", "-c", "id -un"]:
         name = "whoami"
     if name == "echo":

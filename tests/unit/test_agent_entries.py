@@ -118,3 +118,11 @@ def test_a_relative_path_is_in_the_users_home(
     assert fe.op_fs_stat({"path": "../home/notes"})["path"] == str(home / "notes")
     with pytest.raises(params.RequestError):
         fe.op_fs_stat({"path": ""})
+
+
+def test_a_listing_stops_at_its_size_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fe, "MAX_FS_LIST_BYTES", 1000)
+    for i in range(20):
+        (tmp_path / f"file-{i:02d}").write_text("")
+    answer = fe.op_fs_list({"path": str(tmp_path), "depth": 1})
+    assert 1 <= len(answer["entries"]) < 20 and answer["truncated"] is True

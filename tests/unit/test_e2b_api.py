@@ -131,7 +131,11 @@ def test_a_sandbox_takes_its_own_access_token_only(server: Server, e2b_url: str)
     ).json()["envdAccessToken"]
     asked: dict[str, Any] = {"params": {"path": "/secret"}}
     as_b = {"E2b-Sandbox-Id": a.sandbox_id, "X-Access-Token": token_of_b}
-    assert httpx.get(f"{e2b_url}/files", headers=as_b, **asked).status_code == 403
+    other = httpx.get(f"{e2b_url}/files", headers=as_b, **asked)
+    # Another sandbox's token: "not found", as an unknown id (no answer says which exist).
+    unknown = {"E2b-Sandbox-Id": "sb-nope-0001", "X-Access-Token": token_of_b}
+    alike = httpx.get(f"{e2b_url}/files", headers=unknown, **asked)
+    assert other.status_code == alike.status_code == 502 and "was not found" in other.text
     anon = {"E2b-Sandbox-Id": a.sandbox_id}
     refused = httpx.get(f"{e2b_url}/files", headers=anon, **asked)
     assert refused.status_code == 401 and set(refused.json()) == {"code", "message"}
@@ -253,11 +257,12 @@ def test_what_forkd_does_not_serve_at_create_is_refused_not_dropped(
     server: Server, e2b_url: str
 ) -> None:
     key = {"X-API-KEY": TOKEN}
-    for extra in (
+    extras: list[dict[str, Any]] = [
         {"volumeMounts": [{"name": "data", "path": "/data"}]},
         {"mcp": {"github": {}}},
         {"iam": {"aws": {}}},
-    ):
+    ]
+    for extra in extras:
         body = {"templateID": "base", "metadata": {}, "envVars": {}, **extra}
         refused = httpx.post(f"{e2b_url}/v2/sandboxes", json=body, headers=key)
         assert refused.status_code == 400, refused.text

@@ -107,7 +107,7 @@ def test_the_connect_wire_answers_binary_protobuf_and_its_own_errors(e2b_url: st
     as_json = _rpc(e2b_url, sbx, "Connect", json={"process": {"pid": running.pid}})
     assert as_json.status_code == 415  # a stream is enveloped: connect+json or +proto
     wrong = _rpc(e2b_url, sbx, "List", json={}, headers={"X-Access-Token": "not-it"})
-    assert wrong.status_code == 403 and wrong.json()["code"] == "permission_denied"
+    assert wrong.json()["code"] == "unavailable" and "was not found" in wrong.json()["message"]
     none = httpx.post(
         f"{e2b_url}/process.Process/List", json={}, headers={"E2b-Sandbox-Id": sbx.sandbox_id}
     )
@@ -138,6 +138,15 @@ def test_a_tagged_command_is_found_by_its_tag(e2b_url: str) -> None:
     )
     assert killed.status_code == 200
     assert _rpc(e2b_url, sbx, "List", json={}).json() == {}
+    long_tag = b'{"process":{"cmd":"serve","args":["7001"]},"tag":"' + b"x" * 300 + b'"}'
+    refused = _rpc(
+        e2b_url,
+        sbx,
+        "Start",
+        content=_envelope(long_tag),
+        headers={"Content-Type": "application/connect+json"},
+    )
+    assert b"invalid_argument" in refused.content and b"a tag is 1 to 256" in refused.content
     sbx.kill()
 
 

@@ -13,6 +13,8 @@ import e2b
 import pytest
 from e2b import FilesystemEventType, FileType
 
+from tests.unit.conftest import Server
+
 
 def test_entries_are_made_listed_renamed_and_removed(e2b_url: str) -> None:
     sbx = e2b.Sandbox.create("base")
@@ -84,3 +86,43 @@ def test_a_streamed_watch_delivers_events_as_they_happen(e2b_url: str) -> None:
         return seen
 
     assert asyncio.run(run()) == [("b.txt", FilesystemEventType.CREATE)]
+
+
+def test_a_hostile_guests_answers_are_kept_in_range_and_a_bug_says_nothing(
+    server: Server, e2b_url: str
+) -> None:
+    """NaN times, sizes past int64, names that are not UTF-8: what the guest says is
+    made fit for E2B's messages, never a 500; a failure that is the daemon's own answers
+    'internal' with an error id, without its words."""
+    from tests.unit import port_fixtures
+
+    sbx = e2b.Sandbox.create("base")
+    vm = port_fixtures.vm(server, sbx.sandbox_id)
+    hostile = {
+        "name": "bad\udcff",
+        "path": "/work/bad\udcff",
+        "type": "file",
+        "size": 1 << 70,
+        "mode": -5,
+        "permissions": "-rw-r--r--",
+        "owner": "root",
+        "group": "root",
+        "mtime": float("nan"),
+    }
+
+    async def fs_stat(path: str, user: str | None = None) -> dict[str, object]:
+        return hostile
+
+    vm.fs_stat = fs_stat  # type: ignore[method-assign, assignment]
+    info = sbx.files.get_info("/work/bad")
+    assert (info.name, info.size, info.mode) == ("bad\ufffd", (1 << 63) - 1, 0)
+    assert info.modified_time.timestamp() == 0
+
+    async def broken(path: str, user: str | None = None) -> dict[str, object]:
+        raise RuntimeError("boom in /var/lib/forkd/secret-place")
+
+    vm.fs_stat = broken  # type: ignore[method-assign, assignment]
+    with pytest.raises(e2b.SandboxException) as failed:
+        sbx.files.get_info("/work/x")
+    assert "internal error" in str(failed.value) and "/var/lib" not in str(failed.value)
+    sbx.kill()

@@ -33,9 +33,12 @@ def test_get_host_reaches_the_guests_port_with_the_traffic_token(
     assert httpx.get(f"{e2b_url}/", headers={"Host": host}).status_code == 401
     other = e2b.Sandbox.create("base")
     wrong = {"E2B-Traffic-Access-Token": other.traffic_access_token or ""}
-    assert httpx.get(f"{e2b_url}/", headers={"Host": host, **wrong}).status_code == 403
-    gone = host.replace(sbx.sandbox_id, "sb-nope-0")
+    assert httpx.get(f"{e2b_url}/", headers={"Host": host, **wrong}).status_code == 502
+    gone = host.replace(sbx.sandbox_id, "sb-nope-0")  # as a wrong token: nothing told
     assert httpx.get(f"{e2b_url}/", headers={"Host": gone, **token}).status_code == 502
+    # Only the port proxy is reached: the daemon's route beside it is not.
+    made = httpx.post(f"{e2b_url}/url", headers={"Host": host, **token})
+    assert made.status_code != 201 and "token" not in made.text, made.text  # the guest's
     # The API on the same port is untouched by the guest hosts.
     assert e2b.Sandbox.get_info(sbx.sandbox_id).sandbox_id == sbx.sandbox_id
     other.kill()

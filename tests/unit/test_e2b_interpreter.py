@@ -6,10 +6,15 @@ a real guest's, with a matplotlib PNG, is tests/integration/test_e2b.py's."""
 
 from __future__ import annotations
 
+import time
+
 import e2b
 import httpx
 import pytest
 from e2b_code_interpreter import Sandbox
+
+from tests.unit.conftest import Server
+from tests.unit.e2b_port import forkd_client
 
 
 def test_code_runs_warm_and_answers_as_e2bs_interpreter(e2b_url: str) -> None:
@@ -54,7 +59,24 @@ def test_the_interpreter_takes_only_its_sandboxs_tokens(e2b_url: str) -> None:
     headers = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": "49999"}
     assert httpx.get(f"{e2b_url}/contexts", headers=headers).status_code == 401
     wrong = httpx.get(f"{e2b_url}/contexts", headers=headers | {"X-Access-Token": "x"})
-    assert wrong.status_code == 403
+    assert wrong.status_code == 502 and "was not found" in wrong.text  # as an unknown id
     envd_port = headers | {"E2b-Sandbox-Port": "49983", "X-Access-Token": sbx._envd_access_token}
     assert httpx.get(f"{e2b_url}/contexts", headers=envd_port).status_code == 502
+    sbx.kill()
+
+
+def test_a_bash_execution_whose_client_leaves_is_killed(server: Server, e2b_url: str) -> None:
+    sbx = Sandbox.create("base")
+    assert sbx.run_code("echo done", language="bash").logs.stdout == ["done\n"]
+    with pytest.raises(e2b.TimeoutException):  # the client gives up after 1 s
+        sbx.run_code("serve 9100", language="bash", timeout=1)
+    with forkd_client(server) as c:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            procs = c.get(f"/v1/sandboxes/{sbx.sandbox_id}/processes").json()
+            served = [p for p in procs if p["cmd"][-1] == "serve 9100"]
+            if served and not served[0]["running"]:
+                break
+            time.sleep(0.1)
+    assert served and not served[0]["running"] and served[0]["exit_code"] == 128 + 9
     sbx.kill()

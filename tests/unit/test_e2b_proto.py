@@ -126,3 +126,28 @@ def test_what_the_port_keeps_per_sandbox_forgets_sandboxes_gone(
         held.of(sid, alive.__contains__)["tag"] = 1
     held.of("d", alive.__contains__)  # a fourth: the gone one ("b") is forgotten
     assert held.get("b") is None and held.get("a") == {"tag": 1} and held.get("d") == {}
+
+
+def test_what_the_port_keeps_per_sandbox_is_bounded_even_when_all_are_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from forkd.controller.e2b import per_sandbox
+
+    monkeypatch.setattr(per_sandbox, "MAX_HELD", 2)
+    held: per_sandbox.PerSandbox[list[int]] = per_sandbox.PerSandbox(list)
+    for sid in ("a", "b", "c"):
+        held.of(sid, lambda _sid: True)
+    assert held.get("a") is None and held.get("b") == [] and held.get("c") == []
+
+
+def test_a_rich_json_output_the_sdks_cannot_read_back_is_left_out() -> None:
+    from forkd.controller.e2b.interpreter import _result
+
+    assert _result("application/json", '{"a": [1, 2]}') == {
+        "type": "result",
+        "json": {"a": [1, 2]},
+        "is_main_result": False,
+    }
+    assert _result("application/json", '{"a": NaN}') is None
+    assert _result("application/json", "[" * 100_000 + "]" * 100_000) is None
+    assert _result("application/x-unknown", "x") is None

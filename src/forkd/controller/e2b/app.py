@@ -16,7 +16,7 @@ from forkd.controller import http_errors
 from forkd.controller.e2b.auth import Unauthorized, check_api_key
 from forkd.controller.e2b.envd import envd
 from forkd.controller.e2b.filesystem_rpc import filesystem_app
-from forkd.controller.e2b.guest_hosts import GuestHosts
+from forkd.controller.e2b.guest_hosts import GuestHosts, proxy_app
 from forkd.controller.e2b.interpreter import interpreter
 from forkd.controller.e2b.metrics_rest import metrics_rest
 from forkd.controller.e2b.process_rpc import process_app
@@ -69,10 +69,9 @@ def create_e2b_app(
         app.state.e2b_domain = domain
         app.add_middleware(
             GuestHosts,
-            daemon=daemon,
+            proxy=proxy_app(audit=lambda _scope: getattr(daemon.state, "audit", None)),
             services=lambda: daemon_services(daemon),
             domain=domain,
-            token=token,
             public=public_ports,
         )
     return app

@@ -26,6 +26,7 @@ from protobuf.wkt.google.protobuf.timestamp_pb import Timestamp
 from forkd import agent_wire_entries as wire
 from forkd.controller.e2b import filesystem_messages as fm
 from forkd.controller.e2b.connect_service import Ctx, SandboxRPC, ServiceApp, method
+from forkd.controller.e2b.guest_values import INT64_MAX, UINT32_MAX, clamped, text, unix_time
 from forkd.controller.e2b.rpc_errors import streamed, unary
 from forkd.controller.services import Services
 from forkd.errors import ForkdError, Invalid, NotFound
@@ -50,22 +51,23 @@ EVENTS = {
 
 def entry_info(entry: wire.FsEntry) -> fm.EntryInfo:
     """An entry as envd describes it (a type it has no name for: unspecified, which the
-    SDKs leave out of a listing)."""
-    seconds = int(entry["mtime"])
+    SDKs leave out of a listing); the guest's values kept to what the message holds."""
+    mtime = unix_time(entry["mtime"])
+    seconds = int(mtime)
     info = fm.EntryInfo(
-        name=entry["name"],
+        name=text(entry["name"]),
         type=TYPES.get(entry["type"], fm.FileType.UNSPECIFIED),
-        path=entry["path"],
-        size=entry["size"],
-        mode=entry["mode"],
-        permissions=entry["permissions"],
-        owner=entry["owner"],
-        group=entry["group"],
-        modified_time=Timestamp(seconds=seconds, nanos=int((entry["mtime"] - seconds) * 1e9)),
+        path=text(entry["path"]),
+        size=clamped(entry["size"], 0, INT64_MAX),
+        mode=clamped(entry["mode"], 0, UINT32_MAX),
+        permissions=text(entry["permissions"]),
+        owner=text(entry["owner"]),
+        group=text(entry["group"]),
+        modified_time=Timestamp(seconds=seconds, nanos=int((mtime - seconds) * 1e9)),
         is_symlink=entry["type"] == "symlink",
     )
     if "symlink_target" in entry:
-        info.symlink_target = entry["symlink_target"]
+        info.symlink_target = text(entry["symlink_target"])
     return info
 
 
@@ -161,7 +163,7 @@ class FilesystemRPC(SandboxRPC):
     ) -> list[fm.FilesystemEvent]:
         found = []
         for event in answer["events"]:
-            made = fm.FilesystemEvent(name=event["name"], type=EVENTS[event["type"]])
+            made = fm.FilesystemEvent(name=text(event["name"]), type=EVENTS[event["type"]])
             if req.include_entry and event["type"] in ("create", "write", "chmod"):
                 with contextlib.suppress(ForkdError):  # gone again since
                     path = f"{root.rstrip('/')}/{event['name']}" if event["name"] else root
@@ -186,7 +188,8 @@ class FilesystemRPC(SandboxRPC):
             sandbox_id, lambda vm: vm.guest.watch_read(req.watcher_id, 0.0), REFUSALS
         )
         events = [
-            fm.FilesystemEvent(name=e["name"], type=EVENTS[e["type"]]) for e in answer["events"]
+            fm.FilesystemEvent(name=text(e["name"]), type=EVENTS[e["type"]])
+            for e in answer["events"]
         ]
         return fm.GetWatcherEventsResponse(events=events)
 

@@ -3,7 +3,9 @@
 (forkd's ``--e2b-domain``; by default ``localhost:<the E2B port>``, which curl and
 browsers resolve to loopback by themselves). A request to the E2B port for such a host
 is that guest port's, through the daemon's own port proxy (HTTP and WebSockets,
-streamed, on an origin of its own).
+streamed, on an origin of its own): an app of the proxy's routes alone (:func:`proxy_app`),
+so no other route of the daemon's can be reached this way, and no credential of the
+daemon's is needed or passed on.
 
 It carries E2B's ``E2B-Traffic-Access-Token`` (the sandbox's access token, which its
 SDK holds as ``sandbox.traffic_access_token``), as E2B's private sandboxes ask; with
@@ -15,10 +17,14 @@ from __future__ import annotations
 import hmac
 import re
 from collections.abc import Callable
+from typing import Any
 
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from forkd.controller import http_errors, port_proxy, port_ws
 from forkd.controller.http_errors import error_response, refuse_websocket
+from forkd.controller.middleware import AuditMiddleware
 from forkd.controller.preview_hosts import AT_ROOT, OWN_ORIGIN
 from forkd.controller.services import Services
 from forkd.errors import ForkdError
@@ -27,26 +33,35 @@ from forkd.states import SandboxState
 TRAFFIC_HEADER = b"e2b-traffic-access-token"
 
 
+def proxy_app(audit: Callable[[Scope], Any]) -> FastAPI:
+    """The daemon's port proxy routes (HTTP and WebSocket) and nothing else, audited as
+    the daemon's own requests are."""
+    app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
+    app.include_router(port_proxy.router)
+    app.include_router(port_ws.router)
+    http_errors.install(app)
+    app.add_middleware(AuditMiddleware, audit=audit)
+    return app
+
+
 class GuestHosts:
-    """ASGI middleware: a request for a guest's host goes to the daemon's port proxy
-    (``daemon``), with the daemon's own credentials; any other passes to ``app``."""
+    """ASGI middleware: a request for a guest's host goes to ``proxy`` (:func:`proxy_app`);
+    any other passes to ``app``."""
 
     def __init__(
         self,
         app: ASGIApp,
-        daemon: ASGIApp,
+        proxy: FastAPI,
         services: Callable[[], Services],
         domain: str,
-        token: str | None,
         public: bool,
     ) -> None:
         self.app = app
-        self.daemon = daemon
+        self.proxy = proxy
         self.services = services
         self.host = re.compile(
             rf"^([0-9]{{1,5}})-([a-z0-9][a-z0-9-]{{0,80}})\.{re.escape(domain.lower())}$"
         )
-        self.bearer = f"Bearer {token}".encode() if token else None
         self.public = public
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -63,7 +78,8 @@ class GuestHosts:
             else:
                 await error_response(status, message)(scope, receive, send)
             return
-        await self.daemon(self._to_proxy(scope, port, sandbox_id), receive, send)
+        self.proxy.state.services = self.services()
+        await self.proxy(self._to_proxy(scope, port, sandbox_id), receive, send)
 
     def _guest(self, scope: Scope) -> tuple[int, str] | None:
         host = next((v for k, v in scope["headers"] if k == b"host"), b"")
@@ -73,40 +89,37 @@ class GuestHosts:
         return int(match.group(1)), match.group(2)
 
     def _refused(self, scope: Scope, sandbox_id: str) -> tuple[int, str] | None:
-        """Why the request may not reach the sandbox's port (None: it may)."""
+        """Why the request may not reach the sandbox's port (None: it may). A wrong
+        token is answered as an unknown sandbox: no answer says which ids exist."""
+        given = next((v for k, v in scope["headers"] if k == TRAFFIC_HEADER), None)
+        if given is None and not self.public:
+            return 401, "no E2B-Traffic-Access-Token: the sandbox's traffic_access_token"
         try:
             svc = self.services()
         except ForkdError as exc:
             return 503, str(exc)
         row = svc.store.get_sandbox(sandbox_id)
+        gone = 502, f"sandbox {sandbox_id!r} was not found"
         if row is None or row.state == SandboxState.DEAD:
-            return 502, f"sandbox {sandbox_id!r} was not found"
+            return gone
         if self.public:
             return None
-        given = next((v for k, v in scope["headers"] if k == TRAFFIC_HEADER), None)
-        if given is None:
-            return 401, "no E2B-Traffic-Access-Token: the sandbox's traffic_access_token"
         want = svc.ports.key.access_token(sandbox_id, row.created_at_unix).encode()
-        if not hmac.compare_digest(want, given):
-            return 403, "that E2B-Traffic-Access-Token is not this sandbox's"
-        return None
+        return None if given and hmac.compare_digest(want, given) else gone
 
     def _to_proxy(self, scope: Scope, port: int, sandbox_id: str) -> Scope:
-        """``scope`` as the daemon's port proxy route takes it: its path under the
-        proxy's prefix, the daemon's bearer in place of the caller's credentials, and
-        marked as on an origin of its own (no cookie confinement to the prefix)."""
+        """``scope`` as the port proxy route takes it: its path under the proxy's prefix,
+        without the caller's credentials, and marked as on an origin of its own (no
+        cookie confinement to the prefix)."""
         prefix = f"/v1/sandboxes/{sandbox_id}/ports/{port}"
         raw = scope.get("raw_path") or scope["path"].encode()
         dropped = {b"authorization", TRAFFIC_HEADER}
-        headers = [(k, v) for k, v in scope["headers"] if k not in dropped]
-        if self.bearer is not None:
-            headers.append((b"authorization", self.bearer))
         state = {**scope.get("state", {}), OWN_ORIGIN: True, AT_ROOT: True}
         return {
             **scope,
             "path": prefix + scope["path"],
             "raw_path": prefix.encode() + raw,
             "root_path": "",
-            "headers": headers,
+            "headers": [(k, v) for k, v in scope["headers"] if k not in dropped],
             "state": state,
         }

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -30,17 +31,18 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forkd import limits
+from forkd.controller.e2b.interpreter_bash import BashRun
 from forkd.controller.e2b.per_sandbox import PerSandbox
+from forkd.controller.e2b.process_rpc import alive
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, port_of, sandbox_for
-from forkd.controller.models import EvalRequest, EvalResult, ExecRequest, ExecResult
+from forkd.controller.models import EvalRequest, EvalResult
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, Invalid, NotFound
 
 DEFAULT = "default"  # the warm Python interpreter's context
 MAX_CONTEXTS = 16  # bash contexts a sandbox may hold
 DISCONNECT_POLL_SECS = 0.5
-BASH_TIMEOUT_SECS = 3600.0
 # E2B's result fields, by the MIME type forkd's eval reports a display output as.
 RESULT_FIELDS = {
     "text/plain": "text",
@@ -86,8 +88,8 @@ class ExecuteBody(BaseModel):
 
 class ContextBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    language: str | None = None
-    cwd: str | None = None
+    language: str | None = Field(None, max_length=32)
+    cwd: str | None = Field(None, max_length=4096)
 
 
 @dataclass
@@ -118,7 +120,7 @@ def contexts(request: Request) -> Contexts:
     found: Contexts | None = getattr(request.app.state, "interpreter_contexts", None)
     if found is None:
         svc = services(request)
-        found = Contexts(lambda sid: svc.store.get_sandbox(sid) is not None)
+        found = Contexts(lambda sid: alive(svc, sid))
         request.app.state.interpreter_contexts = found
     return found
 
@@ -183,17 +185,17 @@ async def execute(
     context = _execution_context(known, sandbox.id, body)
     if body.env_vars:
         raise Invalid("env_vars per execution are not supported by forkd's interpreter yet")
-    run: Coroutine[Any, Any, EvalResult | ExecResult]
     if context.language == "python":
-        run = svc.guest.eval(
+        run: Coroutine[Any, Any, EvalResult | BashRun] = svc.guest.eval(
             sandbox.id, EvalRequest(code=body.code, timeout_s=limits.MAX_EVAL_TIMEOUT_SECS)
         )
-    else:
-        argv = ["/bin/bash", "-c", body.code]
-        run = svc.guest.exec(
-            sandbox.id, ExecRequest(args=argv, cwd=context.cwd, timeout_secs=BASH_TIMEOUT_SECS)
+        interrupt: Callable[[], Awaitable[None]] = functools.partial(
+            _interrupt_eval, svc, sandbox.id
         )
-    outcome = await _unless_gone(request, run, lambda: _interrupt(svc, sandbox.id, context))
+    else:
+        bash = BashRun(svc, sandbox.id)
+        run, interrupt = bash.run(body.code, context.cwd), bash.kill
+    outcome = await _unless_gone(request, run, interrupt)
     context.executions += 1
     lines = [{"type": "number_of_executions", "execution_count": context.executions}]
     lines += _lines(outcome)
@@ -230,30 +232,19 @@ async def _unless_gone(request: Request, run: Any, interrupt: Any) -> Any:
                 await task
 
 
-async def _interrupt(svc: Any, sandbox_id: str, context: Context) -> None:
-    if context.language == "python":
-        with contextlib.suppress(ForkdError):
-            await svc.guest.eval_interrupt(sandbox_id)
+async def _interrupt_eval(svc: Any, sandbox_id: str) -> None:
+    with contextlib.suppress(ForkdError):
+        await svc.guest.eval_interrupt(sandbox_id)
 
 
 def _lines(outcome: Any) -> list[dict[str, Any]]:
     stamp = time.time_ns()
     lines: list[dict[str, Any]] = []
+    if isinstance(outcome, BashRun):
+        return _bash_lines(outcome, stamp)
     for stream in ("stdout", "stderr"):
         if getattr(outcome, stream, ""):
             lines.append({"type": stream, "text": getattr(outcome, stream), "timestamp": stamp})
-    if not isinstance(outcome, EvalResult):  # bash
-        if outcome.exit_code not in (0, None) or outcome.timed_out:
-            status = "timed out" if outcome.timed_out else f"exit status {outcome.exit_code}"
-            lines.append(
-                {
-                    "type": "error",
-                    "name": "ShellError",
-                    "value": status,
-                    "traceback": outcome.stderr,
-                }
-            )
-        return lines
     for shown in outcome.display:
         result = _result(shown.mime, shown.data)
         if result is not None:
@@ -268,6 +259,23 @@ def _lines(outcome: Any) -> list[dict[str, Any]]:
     return lines
 
 
+def _bash_lines(run: BashRun, stamp: int) -> list[dict[str, Any]]:
+    lines: list[dict[str, Any]] = []
+    for stream, data in (("stdout", run.stdout), ("stderr", run.stderr)):
+        if data:
+            text = data.decode("utf-8", "replace")
+            lines.append({"type": stream, "text": text, "timestamp": stamp})
+    if run.exit_code not in (0, None):
+        status = "timed out" if run.timed_out else f"exit status {run.exit_code}"
+        error = run.stderr.decode("utf-8", "replace")
+        lines.append({"type": "error", "name": "ShellError", "value": status, "traceback": error})
+    return lines
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _result(mime: str, data: str) -> dict[str, Any] | None:
     """One rich output as E2B's result line (None for a type E2B has no field for)."""
     key = RESULT_FIELDS.get(mime)
@@ -275,8 +283,8 @@ def _result(mime: str, data: str) -> dict[str, Any] | None:
         return None
     value: Any = data
     if key == "json":
-        try:
-            value = json.loads(data)
-        except ValueError:
+        try:  # NaN and Infinity are no JSON its SDKs read back
+            value = json.loads(data, parse_constant=_no_constant)
+        except (ValueError, RecursionError):
             return None
     return {"type": "result", key: value, "is_main_result": False}

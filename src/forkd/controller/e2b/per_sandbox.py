@@ -23,6 +23,8 @@ class PerSandbox(Generic[V]):
         if found is None:
             if len(self._held) >= MAX_HELD:
                 self._held = {k: v for k, v in self._held.items() if exists(k)}
+                while len(self._held) >= MAX_HELD:  # all still there: the oldest goes
+                    del self._held[next(iter(self._held))]
             found = self._held[sandbox_id] = self._make()
         return found
 

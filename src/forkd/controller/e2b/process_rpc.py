@@ -23,6 +23,7 @@ from pydantic import ValidationError
 
 from forkd.controller.e2b import process_messages as pm
 from forkd.controller.e2b.connect_service import Ctx, SandboxRPC, ServiceApp, method
+from forkd.controller.e2b.guest_values import UINT32_MAX, text
 from forkd.controller.e2b.per_sandbox import PerSandbox
 from forkd.controller.e2b.rpc_errors import streamed, unary
 from forkd.controller.models import (
@@ -35,9 +36,11 @@ from forkd.controller.models import (
 )
 from forkd.controller.models import ProcessInfo as ForkdProcess
 from forkd.controller.services import Services
-from forkd.errors import Invalid, NotFound
+from forkd.errors import GuestError, Invalid, NotFound
+from forkd.states import SandboxState
 
 MAX_TAGS = 256  # a sandbox's tags the daemon holds; the oldest goes first
+MAX_TAG_CHARS = 256
 SIGNALS = {pm.Signal.SIGKILL: 9, pm.Signal.SIGTERM: 15}
 
 
@@ -60,7 +63,7 @@ class ProcessRPC(SandboxRPC):
         raise Invalid("which process: give a pid or a tag")
 
     def _tag(self, svc: Services, sandbox_id: str, tag: str, pid: int) -> None:
-        tags = self._tags.of(sandbox_id, lambda sid: svc.store.get_sandbox(sid) is not None)
+        tags = self._tags.of(sandbox_id, lambda sid: alive(svc, sid))
         tags.pop(tag, None)
         tags[tag] = pid
         while len(tags) > MAX_TAGS:
@@ -76,7 +79,11 @@ class ProcessRPC(SandboxRPC):
     async def start(self, req: pm.StartRequest, ctx: Ctx) -> AsyncIterator[pm.StartResponse]:
         svc, sandbox_id = self.sandbox(ctx)
         body = _start_body(req, self.user(ctx))
+        if req.has_field("tag") and not 0 < len(req.tag) <= MAX_TAG_CHARS:
+            raise Invalid(f"a tag is 1 to {MAX_TAG_CHARS} characters")
         info = await svc.processes.start(sandbox_id, body)
+        if not 0 < info.pid <= UINT32_MAX:
+            raise GuestError(f"the guest answered pid {info.pid}, which no process has")
         if req.has_field("tag"):
             self._tag(svc, sandbox_id, req.tag, info.pid)
         yield pm.StartResponse(event=_started(info.pid))
@@ -97,8 +104,8 @@ class ProcessRPC(SandboxRPC):
         tag_of = {pid: tag for tag, pid in (self._tags.get(sandbox_id) or {}).items()}
         found = []
         for p in await svc.processes.list(sandbox_id):
-            if p.running:
-                config = pm.ProcessConfig(cmd=p.cmd[0], args=p.cmd[1:])
+            if p.running and p.cmd and 0 < p.pid <= UINT32_MAX:  # the guest's word
+                config = pm.ProcessConfig(cmd=text(p.cmd[0]), args=[text(a) for a in p.cmd[1:]])
                 info = pm.ProcessInfo(config=config, pid=p.pid)
                 if p.pid in tag_of:
                     info.tag = tag_of[p.pid]
@@ -164,6 +171,12 @@ def _valid(make: Callable[[], Any]) -> Any:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
         )
         raise Invalid(problems) from None
+
+
+def alive(svc: Services, sandbox_id: str) -> bool:
+    """Whether the sandbox is still there to keep anything for."""
+    row = svc.store.get_sandbox(sandbox_id)
+    return row is not None and row.state != SandboxState.DEAD
 
 
 def _start_body(req: pm.StartRequest, user: str | None) -> ProcessStart:

@@ -5,6 +5,8 @@ NotFoundException or FileNotFoundException, ``unavailable`` "was not found" into
 
 from __future__ import annotations
 
+import logging
+import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import ParamSpec, TypeVar
@@ -30,6 +32,7 @@ CODE_OF_STATUS = {
     507: Code.RESOURCE_EXHAUSTED,
 }
 
+log = logging.getLogger("forkd.e2b")
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -42,11 +45,19 @@ def connect_error(exc: ForkdError) -> ConnectError:
 
 @contextmanager
 def as_connect_errors() -> Iterator[None]:
-    """Within: a daemon error leaves as its Connect error."""
+    """Within: a daemon error leaves as its Connect error; anything else is the daemon's
+    bug, logged with its traceback and answered as ``internal`` without its words (the
+    Connect runtime would send ``str(exc)``, host paths and all)."""
     try:
         yield
+    except ConnectError:
+        raise
     except ForkdError as exc:
         raise connect_error(exc) from None
+    except Exception:
+        error_id = secrets.token_hex(6)
+        log.exception("E2B port: a Connect call failed (error id %s)", error_id)
+        raise ConnectError(Code.INTERNAL, f"internal error (id {error_id})") from None
 
 
 def unary(fn: Callable[P, Awaitable[T]]) -> Callable[P, Awaitable[T]]:

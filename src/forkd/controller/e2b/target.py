@@ -14,7 +14,7 @@ import hmac
 from forkd.controller.e2b.auth import Unauthorized
 from forkd.controller.services import Services
 from forkd.controller.store_rows import SandboxRow
-from forkd.errors import Forbidden, Invalid, UpstreamError
+from forkd.errors import Invalid, UpstreamError
 from forkd.states import SandboxState
 
 ENVD_PORT = 49983  # E2B's in-guest daemon
@@ -29,19 +29,21 @@ def sandbox_for(
     served: int = ENVD_PORT,
 ) -> SandboxRow:
     """The record of the sandbox ``sandbox_id`` once ``token`` is checked (401 without
-    one, before anything is looked up; 403 for another sandbox's); ``port`` must be the
-    ``served`` one (envd's, or the code interpreter's)."""
+    one, before anything is looked up; another sandbox's is "not found", as an unknown
+    id); ``port`` must be the ``served`` one (envd's, or the code interpreter's)."""
     if not sandbox_id:
         raise Invalid("no E2b-Sandbox-Id header: which sandbox is this for?")
     if token is None:  # before anything is looked up: no answer says what exists
         raise Unauthorized("no X-Access-Token: the one the sandbox's creation answered")
     row = svc.store.get_sandbox(sandbox_id)
+    # E2B's words, which its SDKs read as "the sandbox is not running"; a token of
+    # another sandbox gets them too, so no answer says which ids exist.
+    gone = UpstreamError(f"sandbox {sandbox_id!r} was not found")
     if row is None or row.state == SandboxState.DEAD:
-        # E2B's words, which its SDKs read as "the sandbox is not running".
-        raise UpstreamError(f"sandbox {sandbox_id!r} was not found")
+        raise gone
     want = svc.ports.key.access_token(sandbox_id, row.created_at_unix)
     if not hmac.compare_digest(want.encode(), token.encode()):
-        raise Forbidden("that X-Access-Token is not this sandbox's")
+        raise gone
     if port is not None and port != served:
         raise UpstreamError(f"port {port} is not open on sandbox {sandbox_id!r} (not served yet)")
     return row

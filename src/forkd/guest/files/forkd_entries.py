@@ -21,7 +21,9 @@ from forkd_agent_params import RequestError
 
 from forkd import agent_wire_entries as wire
 from forkd.agent_wire import MAX_LIST_ENTRIES
-from forkd.agent_wire_entries import MAX_LIST_DEPTH
+from forkd.agent_wire_entries import MAX_FS_LIST_BYTES, MAX_LIST_DEPTH
+
+ENTRY_OVERHEAD = 200  # bytes of JSON an entry takes beside its name and path
 
 
 def _path(req: dict[str, Any], home: str, name: str = "path") -> str:
@@ -90,7 +92,8 @@ def op_fs_stat(req: dict[str, Any]) -> wire.FsEntry:
 
 def op_fs_list(req: dict[str, Any]) -> wire.FsListAnswer:
     """The entries below ``path`` to ``depth`` levels (1: its own), in path order, at
-    most MAX_LIST_ENTRIES of them; directories are entered, symlinks are not."""
+    most MAX_LIST_ENTRIES of them and about MAX_FS_LIST_BYTES; directories are entered,
+    symlinks are not."""
     root = _path(req, command.identity(req).home)
     depth = params.int_param(req, "depth", 1, MAX_LIST_DEPTH, default=1)
     if not stat.S_ISDIR(os.stat(root).st_mode):  # the root may be a link to a directory
@@ -98,6 +101,7 @@ def op_fs_list(req: dict[str, Any]) -> wire.FsListAnswer:
     names = _Names()
     found: list[wire.FsEntry] = []
     truncated = False
+    size = 0
     level = [root]
     for _ in range(depth):
         below: list[str] = []
@@ -107,7 +111,7 @@ def op_fs_list(req: dict[str, Any]) -> wire.FsListAnswer:
             except (PermissionError, FileNotFoundError, NotADirectoryError):
                 continue  # changed while listed, or closed to the agent: skipped
             for child in children:
-                if len(found) >= MAX_LIST_ENTRIES:
+                if len(found) >= MAX_LIST_ENTRIES or size >= MAX_FS_LIST_BYTES:
                     truncated = True
                     break
                 try:
@@ -115,6 +119,7 @@ def op_fs_list(req: dict[str, Any]) -> wire.FsListAnswer:
                 except FileNotFoundError:  # removed while listed
                     continue
                 found.append(described)
+                size += ENTRY_OVERHEAD + 2 * len(described["path"]) + len(child)
                 if described["type"] == "dir":
                     below.append(described["path"])
         level = below
@@ -135,8 +140,8 @@ def op_fs_mkdir(req: dict[str, Any]) -> wire.FsMkdirAnswer:
         missing.append(parent)
         parent = os.path.dirname(parent)
     os.makedirs(path)  # FileExistsError / NotADirectoryError as they come
-    for made in reversed(missing):
-        os.chown(made, who.uid, who.gid)
+    for made in reversed(missing):  # never through a link swapped in meanwhile
+        os.chown(made, who.uid, who.gid, follow_symlinks=False)
     return {"created": True, "entry": entry(path)}
 
 

@@ -74,7 +74,7 @@ def answer_cap(op: str) -> int:
     # chunks the agent's ring holds: under 2.5 MiB.
     if op == "eval":  # exec's streams plus the display outputs
         return limits.AGENT_EVAL_LINE_MAX_BYTES
-    if op in ("exec", "file_list"):
+    if op in ("exec", "file_list", "fs_list"):
         return limits.AGENT_OUTPUT_LINE_MAX_BYTES
     if op == "proc_list":
         return limits.AGENT_LISTING_LINE_MAX_BYTES
