@@ -24,6 +24,7 @@ from forkd.controller.e2b.models import (
     TimeoutBody,
 )
 from forkd.controller.e2b.network_map import policy_of
+from forkd.controller.e2b.paging import paged
 from forkd.controller.models import SandboxCreate, SandboxInfo, TimeoutRequest
 from forkd.controller.services import Services
 from forkd.errors import Conflict, ForkdError, Invalid, NotFound, SnapshotError, Unavailable
@@ -197,11 +198,7 @@ async def list_(
         if info.state in _ALIVE and _e2b_state(info) in wanted
     ]
     found.sort(key=lambda i: (i.created_at_unix, i.id))
-    start = 0 if next_token is None else _after(found, next_token)
-    page = found[start : start + limit]
-    headers = {}
-    if start + limit < len(found):
-        headers["x-next-token"] = page[-1].id
+    page, headers = paged(found, lambda i: i.id, limit, next_token, "sandbox")
     machines = {tag: machine(svc, tag) for tag in {info.snapshot_tag for info in page}}
     body = [_listed(svc, i, machines[i.snapshot_tag]).model_dump(by_alias=True) for i in page]
     return _json(body, headers=headers)
@@ -225,13 +222,6 @@ def _labels(text: str | None) -> dict[str, str]:
         return dict(parse_qsl(text, keep_blank_values=True, strict_parsing=True))
     except ValueError:
         raise Invalid(f"metadata filter {text!r} is not k=v&k2=v2") from None
-
-
-def _after(found: list[SandboxInfo], token: str) -> int:
-    for i, info in enumerate(found):
-        if info.id == token:
-            return i + 1
-    raise Invalid(f"nextToken {token!r} names no sandbox of this listing")
 
 
 @rest.delete("/sandboxes/{sandbox_id}", status_code=204)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from forkd.controller.e2b.models import Body
+from forkd.controller.e2b.paging import paged
 from forkd.controller.e2b.rest import Svc
 from forkd.controller.models.network import SecretCreate, SecretInfo, SecretUpdate
 from forkd.errors import Invalid
@@ -90,14 +91,7 @@ async def list_secrets(
     next_token: Annotated[str | None, Query(alias="nextToken")] = None,
 ) -> Response:
     found = sorted(svc.secrets.list(), key=lambda i: i.name)
-    start = 0
-    if next_token is not None:
-        names = [i.name for i in found]
-        if next_token not in names:
-            raise Invalid(f"nextToken {next_token!r} names no secret of this listing")
-        start = names.index(next_token) + 1
-    page = found[start : start + limit]
-    headers = {"x-next-token": page[-1].name} if start + limit < len(found) else {}
+    page, headers = paged(found, lambda i: i.name, limit, next_token, "secret")
     return JSONResponse([_secret(i) for i in page], headers=headers)
 
 

@@ -18,10 +18,11 @@ from pydantic import Field
 
 from forkd import limits
 from forkd.controller.e2b.models import DEFAULT_TIMEOUT_S, Body
+from forkd.controller.e2b.paging import paged
 from forkd.controller.e2b.rest import Domain, Svc, alive, created
 from forkd.controller.http_errors import hide_host_paths, status_of
 from forkd.controller.models import BranchRequest, SandboxCreate, SnapshotInfo
-from forkd.errors import ForkdError, Invalid, NotFound
+from forkd.errors import ForkdError, NotFound
 from forkd.limits import check_tag
 
 MAX_FORKS = 20  # E2B's bound on one fork's count
@@ -67,14 +68,7 @@ async def list_snapshots(
         and (name is None or info.tag == name)
     ]
     found.sort(key=lambda i: (i.created_at_unix, i.tag))
-    start = 0
-    if next_token is not None:
-        tags = [i.tag for i in found]
-        if next_token not in tags:
-            raise Invalid(f"nextToken {next_token!r} names no snapshot of this listing")
-        start = tags.index(next_token) + 1
-    page = found[start : start + limit]
-    headers = {"x-next-token": page[-1].tag} if start + limit < len(found) else {}
+    page, headers = paged(found, lambda i: i.tag, limit, next_token, "snapshot")
     return JSONResponse([_snapshot(i) for i in page], headers=headers)
 
 

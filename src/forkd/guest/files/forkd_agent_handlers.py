@@ -34,6 +34,7 @@ import forkd_exec
 import forkd_identity
 from forkd_agent_log import log
 from forkd_agent_params import RequestError
+from forkd_entries import kind_of
 from forkd_tar import write_all
 
 from forkd import agent_wire as wire
@@ -269,16 +270,6 @@ def _write_atomic(path: str, data: bytes, mode: int) -> None:
         raise
 
 
-def _entry_type(mode: int) -> str:
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISREG(mode):
-        return "file"
-    return "other"
-
-
 def op_file_list(req: dict[str, Any]) -> wire.FileListAnswer:
     path = params.path(req)
     names = sorted(os.listdir(path))  # NotADirectoryError / FileNotFoundError as they come
@@ -291,7 +282,7 @@ def op_file_list(req: dict[str, Any]) -> wire.FileListAnswer:
         entries.append(
             {
                 "name": name,
-                "type": _entry_type(st.st_mode),
+                "type": kind_of(st.st_mode),
                 "size": st.st_size,
                 "mode": stat.S_IMODE(st.st_mode),
                 "mtime": st.st_mtime,

@@ -36,7 +36,8 @@ def _path(req: dict[str, Any], home: str, name: str = "path") -> str:
     return os.path.normpath(os.path.join(home, value))
 
 
-def _kind(mode: int) -> str:
+def kind_of(mode: int) -> str:
+    """An entry's type by its mode: file, dir, symlink or other."""
     if stat.S_ISLNK(mode):
         return "symlink"
     if stat.S_ISDIR(mode):
@@ -72,7 +73,7 @@ def entry(path: str, names: _Names | None = None) -> wire.FsEntry:
     described: wire.FsEntry = {
         "name": os.path.basename(path) or "/",
         "path": path,
-        "type": _kind(st.st_mode),
+        "type": kind_of(st.st_mode),
         "size": st.st_size,
         "mode": stat.S_IMODE(st.st_mode),
         "permissions": stat.filemode(st.st_mode),
