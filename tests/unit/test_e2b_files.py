@@ -126,3 +126,34 @@ def test_a_hostile_guests_answers_are_kept_in_range_and_a_bug_says_nothing(
         sbx.files.get_info("/work/x")
     assert "internal error" in str(failed.value) and "/var/lib" not in str(failed.value)
     sbx.kill()
+
+
+def test_a_gzip_upload_is_inflated_and_a_gzip_bomb_is_refused(server: Server, e2b_url: str) -> None:
+    import gzip
+
+    import httpx
+
+    from tests.unit.e2b_port import UPLOAD_LIMIT
+
+    sbx = e2b.Sandbox.create("base")
+    data = b"compressible " * 10_000
+    sbx.files.write("/work/zipped.txt", data, gzip=True)  # octet-stream, Content-Encoding
+    assert sbx.files.read("/work/zipped.txt", format="bytes") == data
+    headers = {
+        "E2b-Sandbox-Id": sbx.sandbox_id,
+        "X-Access-Token": sbx._envd_access_token or "",
+        "Content-Type": "application/octet-stream",
+        "Content-Encoding": "gzip",
+    }
+    bomb = gzip.compress(b"\0" * (UPLOAD_LIMIT + (1 << 20)))  # small; inflates past the limit
+    assert len(bomb) < 1 << 20
+    refused = httpx.post(
+        f"{e2b_url}/files", params={"path": "/work/bomb"}, content=bomb, headers=headers
+    )
+    assert refused.status_code == 400 and "inflates past" in refused.text
+    assert not sbx.files.exists("/work/bomb")  # nothing of it kept
+    broken = httpx.post(
+        f"{e2b_url}/files", params={"path": "/work/x"}, content=b"not gzip", headers=headers
+    )
+    assert broken.status_code == 400 and "not gzip" in broken.text
+    sbx.kill()

@@ -46,6 +46,7 @@ def create_e2b_app(
 
     app = FastAPI(title="forkd: E2B's API", version=__version__, openapi_url=None)
     app.state.daemon = daemon
+    app.state.upload_limit = upload_limit
     app.include_router(rest, dependencies=[Depends(api_key)])
     app.include_router(snapshots_rest, dependencies=[Depends(api_key)])
     app.include_router(metrics_rest, dependencies=[Depends(api_key)])

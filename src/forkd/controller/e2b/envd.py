@@ -10,7 +10,7 @@ every upload and download is, the guest's answers checked as everywhere else.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from forkd.controller.bodies import receive_upload, stream_download
+from forkd.controller.e2b.gzip_body import content_encoding, inflated
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import port_of, sandbox_for
 from forkd.controller.services import Services
@@ -68,7 +69,10 @@ async def write(
     """A multipart form (each part a file, named by its filename or ``path``) or a raw
     body (to ``path``); the answer lists what was written."""
     kind, options = parse_options_header(request.headers.get("content-type", ""))
+    encoding = content_encoding(request.headers.get("content-encoding"))
     if kind == b"multipart/form-data":
+        if encoding is not None:
+            raise Invalid("a multipart body is sent as it is: gzip is for a raw body")
         boundary = options.get(b"boundary")
         if not boundary:
             raise Invalid("a multipart body without a boundary")
@@ -79,7 +83,13 @@ async def write(
         if path is None:
             raise Invalid("a raw upload needs ?path=")
         dest = path
-        await receive_upload(request, lambda body: svc.files.upload(sandbox.id, dest, body))
+        limit: int = request.app.state.upload_limit
+
+        def upload(body: AsyncIterator[bytes]) -> Awaitable[int]:
+            plain = inflated(body, limit) if encoding == "gzip" else body
+            return svc.files.upload(sandbox.id, dest, plain)
+
+        await receive_upload(request, upload)
         written = [path]
     entries = [{"name": posixpath.basename(p), "type": "file", "path": p} for p in written]
     return JSONResponse(entries)
