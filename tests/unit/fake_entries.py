@@ -32,7 +32,7 @@ class FakeEntries:
     def __init__(self, files: Callable[[], dict[str, bytes]], home: Callable[[str | None], str]):
         self._files = files
         self._home = home
-        self.dirs: set[str] = {"/"}
+        self.dirs: set[str] = {"/", "/root", "/tmp"}  # as an image has them
         self._watches: dict[str, tuple[str, bool, dict[str, int]]] = {}
 
     def _abs(self, path: str, user: str | None) -> str:

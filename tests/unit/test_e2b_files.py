@@ -157,3 +157,16 @@ def test_a_gzip_upload_is_inflated_and_a_gzip_bomb_is_refused(server: Server, e2
     )
     assert broken.status_code == 400 and "not gzip" in broken.text
     sbx.kill()
+
+
+def test_a_relative_file_path_is_in_the_users_home_as_envd_has_it(e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base")
+    info = sbx.files.write("notes/today.txt", "in the home", user="root")
+    assert info.path == "/root/notes/today.txt"
+    assert sbx.files.read("/root/notes/today.txt") == "in the home"
+    assert sbx.files.read("notes/today.txt", user="root") == "in the home"
+    many = sbx.files.write_files(
+        [{"path": "a.txt", "data": "a"}, {"path": "/tmp/b.txt", "data": "b"}], user="root"
+    )
+    assert [w.path for w in many] == ["/root/a.txt", "/tmp/b.txt"]
+    sbx.kill()

@@ -23,7 +23,7 @@ from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import port_of, sandbox_for
 from forkd.controller.services import Services
 from forkd.controller.store_rows import SandboxRow
-from forkd.errors import Invalid, UpstreamError
+from forkd.errors import GuestError, Invalid, UpstreamError
 from forkd.states import SandboxState
 
 MAX_PARTS = 64  # files of one multipart upload
@@ -43,7 +43,30 @@ def target(
 
 
 Sandbox = Annotated[SandboxRow, Depends(target)]
-PathQ = Annotated[str, Query(description="absolute path inside the sandbox")]
+PathQ = Annotated[str, Query(description="a path inside the sandbox; relative: the user's home's")]
+UserQ = Annotated[str | None, Query(max_length=256, description="whose home a relative path is in")]
+
+
+class GuestPaths:
+    """A request's paths made absolute as envd does: a relative one is in the home of
+    the user the request names (the image's user without one), asked of the guest once."""
+
+    def __init__(self, svc: Services, sandbox_id: str, user: str | None) -> None:
+        self.svc, self.sandbox_id, self.user = svc, sandbox_id, user
+        self._home: str | None = None
+
+    async def absolute(self, path: str) -> str:
+        if path.startswith("/"):
+            return path
+        if self._home is None:
+            user = self.user
+            home = await self.svc.guest.call(
+                self.sandbox_id, lambda vm: vm.guest.fs_stat(".", user)
+            )
+            if not home["path"].startswith("/"):
+                raise GuestError("the guest answered a home directory that is not absolute")
+            self._home = home["path"]
+        return posixpath.normpath(posixpath.join(self._home, path))
 
 
 @envd.get("/health", status_code=204)
@@ -54,8 +77,9 @@ async def health(sandbox: Sandbox) -> Response:
 
 
 @envd.get("/files")
-async def read(sandbox: Sandbox, svc: Svc, path: PathQ) -> Response:
-    download = await svc.files.download(sandbox.id, path)
+async def read(sandbox: Sandbox, svc: Svc, path: PathQ, username: UserQ = None) -> Response:
+    absolute = await GuestPaths(svc, sandbox.id, username).absolute(path)
+    download = await svc.files.download(sandbox.id, absolute)
     return stream_download(download, "application/octet-stream")
 
 
@@ -65,9 +89,11 @@ async def write(
     svc: Svc,
     request: Request,
     path: Annotated[str | None, Query()] = None,
+    username: UserQ = None,
 ) -> Response:
     """A multipart form (each part a file, named by its filename or ``path``) or a raw
-    body (to ``path``); the answer lists what was written."""
+    body (to ``path``); the answer lists what was written (absolute)."""
+    paths = GuestPaths(svc, sandbox.id, username)
     kind, options = parse_options_header(request.headers.get("content-type", ""))
     encoding = content_encoding(request.headers.get("content-encoding"))
     if kind == b"multipart/form-data":
@@ -77,12 +103,12 @@ async def write(
         if not boundary:
             raise Invalid("a multipart body without a boundary")
         written = await receive_upload(
-            request, lambda body: _write_parts(svc, sandbox.id, body, boundary, path)
+            request, lambda body: _write_parts(svc, paths, body, boundary, path)
         )
     else:
         if path is None:
             raise Invalid("a raw upload needs ?path=")
-        dest = path
+        dest = await paths.absolute(path)
         limit: int = request.app.state.upload_limit
 
         def upload(body: AsyncIterator[bytes]) -> Awaitable[int]:
@@ -90,13 +116,13 @@ async def write(
             return svc.files.upload(sandbox.id, dest, plain)
 
         await receive_upload(request, upload)
-        written = [path]
+        written = [dest]
     entries = [{"name": posixpath.basename(p), "type": "file", "path": p} for p in written]
     return JSONResponse(entries)
 
 
 async def _write_parts(
-    svc: Services, sandbox_id: str, body: AsyncIterator[bytes], boundary: bytes, path: str | None
+    svc: Services, paths: GuestPaths, body: AsyncIterator[bytes], boundary: bytes, path: str | None
 ) -> list[str]:
     """Each part of the form written to its file, one after the other, as it arrives."""
     parts = _Parts(body, boundary)
@@ -107,7 +133,8 @@ async def _write_parts(
         dest = path if path is not None and not written else part
         if not dest:
             raise Invalid("a file part with no filename and no ?path=")
-        await svc.files.upload(sandbox_id, dest, parts.data())
+        dest = await paths.absolute(dest)
+        await svc.files.upload(paths.sandbox_id, dest, parts.data())
         written.append(dest)
     if not written:
         raise Invalid("the form has no file")
