@@ -269,3 +269,33 @@ def test_what_forkd_does_not_serve_at_create_is_refused_not_dropped(
         assert next(iter(extra)) in refused.json()["message"]
     with _forkd(server) as c:
         assert c.get("/v1/sandboxes").json() == []  # nothing made
+
+
+def test_a_refresh_keeps_a_sandbox_alive_never_shorter(server: Server, e2b_url: str) -> None:
+    sbx = e2b.Sandbox.create("base", timeout=10)
+    key = {"X-API-KEY": TOKEN}
+    url = f"{e2b_url}/sandboxes/{sbx.sandbox_id}/refreshes"
+    assert httpx.post(url, json={"duration": 600}, headers=key).status_code == 204
+    with _forkd(server) as c:
+        row = c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()
+    assert 590 < row["expires_at_unix"] - time.time() <= 601
+    assert httpx.post(url, json={"duration": 5}, headers=key).status_code == 204
+    with _forkd(server) as c:
+        again = c.get(f"/v1/sandboxes/{sbx.sandbox_id}").json()
+    assert again["expires_at_unix"] >= row["expires_at_unix"] - 1  # not made shorter
+    sbx.kill()
+
+
+def test_the_async_sdk_drives_commands_and_files(e2b_url: str) -> None:
+    import asyncio
+
+    async def run() -> tuple[str, bytes, list[str]]:
+        sbx = await e2b.AsyncSandbox.create("base")
+        ran = await sbx.commands.run("echo from async")
+        await sbx.files.write("/work/async.bin", b"\x00\x01")
+        data = await sbx.files.read("/work/async.bin", format="bytes")
+        names = [e.name for e in await sbx.files.list("/work")]
+        await sbx.kill()
+        return ran.stdout, bytes(data), names
+
+    assert asyncio.run(run()) == ("from async\n", b"\x00\x01", ["async.bin"])

@@ -51,6 +51,10 @@ class TimeoutBody(Body):
     timeout: int = Field(ge=0, le=int(limits.MAX_SANDBOX_TIMEOUT_SECS))
 
 
+class RefreshBody(Body):
+    duration: int | None = Field(None, ge=0, le=3600)
+
+
 class ConnectBody(Body):
     timeout: int | None = Field(None, ge=1, le=int(limits.MAX_SANDBOX_TIMEOUT_SECS))
 

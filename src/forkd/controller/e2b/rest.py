@@ -4,6 +4,7 @@ from a template (a forkd snapshot tag), described, listed, given a new timeout, 
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -18,6 +19,7 @@ from forkd.controller.e2b.models import (
     ListedSandbox,
     NetworkUpdate,
     NewSandbox,
+    RefreshBody,
     Sandbox,
     SandboxDetail,
     SandboxLifecycle,
@@ -234,6 +236,17 @@ async def kill(sandbox_id: str, svc: Svc) -> None:
 async def set_timeout(sandbox_id: str, body: TimeoutBody, svc: Svc) -> None:
     alive(svc, sandbox_id)
     svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=body.timeout or None))
+
+
+@rest.post("/sandboxes/{sandbox_id}/refreshes", status_code=204)
+async def refresh(sandbox_id: str, body: RefreshBody, svc: Svc) -> None:
+    """E2B's keep-alive: the sandbox lives ``duration`` seconds from now (E2B's default
+    60 s), never less than it had left; one without a lifetime keeps none."""
+    info = alive(svc, sandbox_id)
+    left = (info.expires_at_unix - time.time()) if info.expires_at_unix else None
+    wanted = float(body.duration if body.duration is not None else 60)
+    if left is not None and left < wanted:
+        svc.sandboxes.set_timeout(sandbox_id, TimeoutRequest(timeout_s=wanted))
 
 
 @rest.post("/sandboxes/{sandbox_id}/pause", status_code=204)
