@@ -43,3 +43,21 @@ def test_get_host_reaches_the_guests_port_with_the_traffic_token(
     assert e2b.Sandbox.get_info(sbx.sandbox_id).sandbox_id == sbx.sandbox_id
     other.kill()
     sbx.kill()
+
+
+def test_e2bs_routing_headers_reach_any_other_guest_port(
+    server: Server, e2b_url: str, web: int
+) -> None:
+    sbx = e2b.Sandbox.create("base")
+    port_fixtures.vm(server, sbx.sandbox_id).ports[GUEST_PORT] = web
+    routed = {"E2b-Sandbox-Id": sbx.sandbox_id, "E2b-Sandbox-Port": str(GUEST_PORT)}
+    token = {"X-Access-Token": sbx._envd_access_token or ""}
+    answer = httpx.get(f"{e2b_url}/hello", headers={**routed, **token})
+    assert answer.status_code == 200 and "hello from the fake guest" in answer.text
+    assert httpx.get(f"{e2b_url}/hello", headers=routed).status_code == 401
+    closed = httpx.get(f"{e2b_url}/", headers={**routed, "E2b-Sandbox-Port": "8999", **token})
+    assert closed.status_code == 502  # nothing listens there
+    # envd's own port stays envd's
+    envd = {**routed, "E2b-Sandbox-Port": "49983", **token}
+    assert httpx.get(f"{e2b_url}/health", headers=envd).status_code == 204
+    sbx.kill()

@@ -7,9 +7,14 @@ streamed, on an origin of its own): an app of the proxy's routes alone (:func:`p
 so no other route of the daemon's can be reached this way, and no credential of the
 daemon's is needed or passed on.
 
-It carries E2B's ``E2B-Traffic-Access-Token`` (the sandbox's access token, which its
-SDK holds as ``sandbox.traffic_access_token``), as E2B's private sandboxes ask; with
-``--e2b-public-ports`` none is needed, as E2B's sandboxes are public by default.
+The same goes for a request to any port of the E2B port's that names the sandbox and a
+guest port in E2B's routing headers (``E2b-Sandbox-Id``, ``E2b-Sandbox-Port``), other
+than envd's and the code interpreter's.
+
+It carries E2B's ``E2B-Traffic-Access-Token`` (or ``X-Access-Token``: both are the
+sandbox's access token, which its SDK holds as ``sandbox.traffic_access_token``), as
+E2B's private sandboxes ask; with ``--e2b-public-ports`` none is needed, as E2B's
+sandboxes are public by default.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from forkd.controller import http_errors, port_proxy, port_ws
+from forkd.controller.e2b.target import ENVD_PORT, INTERPRETER_PORT
 from forkd.controller.http_errors import error_response, refuse_websocket
 from forkd.controller.middleware import AuditMiddleware
 from forkd.controller.preview_hosts import AT_ROOT, OWN_ORIGIN
@@ -31,6 +37,9 @@ from forkd.errors import ForkdError
 from forkd.states import SandboxState
 
 TRAFFIC_HEADER = b"e2b-traffic-access-token"
+# Either is the sandbox's access token: E2B's traffic token, or envd's.
+CREDENTIALS = (TRAFFIC_HEADER, b"x-access-token")
+SANDBOX_ID = re.compile(r"[a-z0-9][a-z0-9-]{0,80}")
 
 
 def proxy_app(audit: Callable[[Scope], Any]) -> FastAPI:
@@ -82,16 +91,25 @@ class GuestHosts:
         await self.proxy(self._to_proxy(scope, port, sandbox_id), receive, send)
 
     def _guest(self, scope: Scope) -> tuple[int, str] | None:
-        host = next((v for k, v in scope["headers"] if k == b"host"), b"")
-        match = self.host.match(host.decode("latin-1").lower())
-        if match is None:
+        """The guest port and sandbox a request is for: by its host, or (E2B's routing
+        headers, as its SDKs send them to E2B_SANDBOX_URL) by ``E2b-Sandbox-Id`` and an
+        ``E2b-Sandbox-Port`` that is neither envd's nor the code interpreter's."""
+        headers = dict(scope["headers"])
+        match = self.host.match(headers.get(b"host", b"").decode("latin-1").lower())
+        if match is not None:
+            return int(match.group(1)), match.group(2)
+        port = headers.get(b"e2b-sandbox-port", b"").decode("latin-1")
+        sandbox_id = headers.get(b"e2b-sandbox-id", b"").decode("latin-1")
+        if not (port.isdigit() and SANDBOX_ID.fullmatch(sandbox_id)):
             return None
-        return int(match.group(1)), match.group(2)
+        if int(port) in (ENVD_PORT, INTERPRETER_PORT) or not 0 < int(port) < 65536:
+            return None
+        return int(port), sandbox_id
 
     def _refused(self, scope: Scope, sandbox_id: str) -> tuple[int, str] | None:
         """Why the request may not reach the sandbox's port (None: it may). A wrong
         token is answered as an unknown sandbox: no answer says which ids exist."""
-        given = next((v for k, v in scope["headers"] if k == TRAFFIC_HEADER), None)
+        given = next((v for k, v in scope["headers"] if k in CREDENTIALS), None)
         if given is None and not self.public:
             return 401, "no E2B-Traffic-Access-Token: the sandbox's traffic_access_token"
         try:
@@ -113,7 +131,7 @@ class GuestHosts:
         cookie confinement to the prefix)."""
         prefix = f"/v1/sandboxes/{sandbox_id}/ports/{port}"
         raw = scope.get("raw_path") or scope["path"].encode()
-        dropped = {b"authorization", TRAFFIC_HEADER}
+        dropped = {b"authorization", *CREDENTIALS}
         state = {**scope.get("state", {}), OWN_ORIGIN: True, AT_ROOT: True}
         return {
             **scope,
