@@ -94,6 +94,18 @@ class EvalParams(TypedDict):
     tag: NotRequired[str]
 
 
+class EvalPeekParams(TypedDict):
+    tag: str  # the eval's, as it was run
+    stdout_from: int  # characters of its stdout already seen
+    stderr_from: int
+
+
+class EvalPeekAnswer(TypedDict):
+    running: bool  # the eval of that tag runs now (False: not yet, done, or not peekable)
+    stdout: str  # what it printed since stdout_from
+    stderr: str
+
+
 class DisplayItem(TypedDict):
     mime: str  # image/png and image/jpeg: data is base64
     data: str
@@ -412,6 +424,7 @@ CONFIGURE: Op[ConfigureParams, Empty] = Op("configure", Empty)
 ENV_SET: Op[EnvSetParams, Empty] = Op("env_set", Empty)
 EVAL: Op[EvalParams, EvalAnswer] = Op("eval", EvalAnswer)
 EVAL_INTERRUPT: Op[None, EvalInterruptAnswer] = Op("eval_interrupt", EvalInterruptAnswer)
+EVAL_PEEK: Op[EvalPeekParams, EvalPeekAnswer] = Op("eval_peek", EvalPeekAnswer)
 FILE_READ: Op[PathParams, FileReadAnswer] = Op("file_read", FileReadAnswer)
 FILE_WRITE: Op[FileWriteParams, SizeAnswer] = Op("file_write", SizeAnswer)
 FILE_LIST: Op[PathParams, FileListAnswer] = Op("file_list", FileListAnswer)

@@ -168,5 +168,15 @@ def test_the_code_interpreter_starts_warm_and_returns_a_real_png(
         assert base64.b64decode(png).startswith(b"\x89PNG\r\n\x1a\n")
         failed = sbx.run_code("undefined_name")
         assert failed.error is not None and failed.error.name == "NameError"
+        # Output streams as it comes: the first line arrives well before the end.
+        arrived: list[tuple[str, float]] = []
+        started = time.monotonic()
+        sbx.run_code(
+            "import time\nfor i in range(3):\n    print(i, flush=True)\n    time.sleep(1)",
+            on_stdout=lambda m: arrived.append((m.line, time.monotonic() - started)),
+        )
+        ended = time.monotonic() - started
+        assert "".join(line for line, _ in arrived) == "0\n1\n2\n"
+        assert arrived[0][1] < ended - 1.5, (arrived, ended)
     finally:
         sbx.kill()

@@ -17,7 +17,7 @@ from typing import Any
 
 from forkd import agent_wire_entries as entries
 from forkd.errors import AgentError
-from forkd.vmm.agent.ops import checked
+from forkd.vmm.agent.answers import checked
 
 _ids = itertools.count(1)
 

@@ -28,7 +28,7 @@ from forkd import agent_wire as wire
 from forkd import agent_wire_entries as entries
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.states import VMState
-from forkd.vmm.agent.ops import checked, listed
+from forkd.vmm.agent.answers import checked, listed
 from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.qemu.argv import KERNEL_CMDLINE, RUNTIME_CMDLINE, MachineConfig
 from forkd.vmm.snapshot import files as snapshot_files
@@ -371,7 +371,13 @@ class FakeVM(VMLifecycle):
             "duration_ms": 1.0,
         }
 
-    async def eval(self, code: str, timeout: float = 60.0) -> wire.EvalAnswer:
+    async def eval_peek(self, tag: str, stdout_from: int, stderr_from: int) -> wire.EvalPeekAnswer:
+        self._agent("eval_peek")
+        return {"running": False, "stdout": "", "stderr": ""}  # a fake eval is over at once
+
+    async def eval(
+        self, code: str, timeout: float = 60.0, tag: str | None = None
+    ) -> wire.EvalAnswer:
         self._agent("eval")
         self.eval_timeouts.append(timeout)
         out = io.StringIO()

@@ -24,6 +24,7 @@ from forkd import limits
 from forkd.agent_wire import ReadAnswer, RestoreAnswer
 from forkd.errors import AgentError, SnapshotError, VMError
 from forkd.token_bucket import TokenBucket
+from forkd.vmm.agent import answers
 from forkd.vmm.agent import client as agent_client
 from forkd.vmm.agent import ops as agent_ops
 from forkd.vmm.agent.client import AgentClient
@@ -784,6 +785,6 @@ def test_a_restores_list_of_failures_is_kept_short() -> None:
 def test_a_read_answered_with_more_than_was_asked_fails(answer: ReadAnswer) -> None:
     """A chunk of a transfer, a range of a file: the daemon holds what it asked for, and
     a guest's longer answer is refused, not passed on (or parsed as a manifest)."""
-    assert agent_ops._data_of({"eof": False, "raw": b"x" * 64}, 64) == b"x" * 64
+    assert answers.data_of({"eof": False, "raw": b"x" * 64}, 64) == b"x" * 64
     with pytest.raises(AgentError, match="for a read of at most 64"):
-        agent_ops._data_of(answer, 64)
+        answers.data_of(answer, 64)

@@ -267,3 +267,37 @@ def test_display_total_is_capped_through_the_agent(agent: Client) -> None:
     assert answer["display_truncated"] is True
     assert len(answer["display"]) == 3  # two fit, then the marker
     assert "truncated" in answer["display"][-1]["data"]
+
+
+# ----------------------------------------------------------------------------- peek
+
+
+def test_a_running_eval_can_be_peeked_for_what_it_printed_so_far(
+    agent: Client, agent_path: Path, tmp_path: Path
+) -> None:
+    """E2B's code interpreter streams an eval's output as it comes: eval_peek gives what
+    the eval of a tag printed past an offset while it runs, and nothing for another tag."""
+    marker = tmp_path / "printed"
+    code = (
+        f"import sys, time\nprint('first')\nprint('warn', file=sys.stderr)\n"
+        f"open({str(marker)!r}, 'w').close()\ntime.sleep(1.5)\nprint('second')"
+    )
+    req_id = agent.send("eval", code=code, tag="run-1")
+    with contextlib.closing(Client(agent_path)) as other:
+        deadline = time.monotonic() + 10
+        while not marker.exists():
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        peek = other.result("eval_peek", tag="run-1", stdout_from=0, stderr_from=0)
+        assert peek == {"running": True, "stdout": "first\n", "stderr": "warn\n"}
+        later = other.result("eval_peek", tag="run-1", stdout_from=6, stderr_from=5)
+        assert later == {"running": True, "stdout": "", "stderr": ""}
+        assert other.result("eval_peek", tag="other", stdout_from=0, stderr_from=0) == {
+            "running": False,
+            "stdout": "",
+            "stderr": "",
+        }
+    answer = agent.wait(req_id)["result"]
+    assert answer["stdout"] == "first\nsecond\n"
+    done = agent.result("eval_peek", tag="run-1", stdout_from=0, stderr_from=0)
+    assert done["running"] is False

@@ -19,8 +19,9 @@ from forkd import agent_wire as wire
 from forkd import agent_wire_entries as wire_entries
 from forkd import wire_shape
 from forkd.errors import AgentError
+from forkd.vmm.agent.answers import MALFORMED
 from forkd.vmm.agent.client import AgentClient
-from forkd.vmm.agent.ops import MALFORMED, Guest
+from forkd.vmm.agent.ops import Guest
 
 FILES = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files"
 AGENT = FILES / "forkd-agent.py"

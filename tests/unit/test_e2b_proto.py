@@ -141,7 +141,7 @@ def test_what_the_port_keeps_per_sandbox_is_bounded_even_when_all_are_there(
 
 
 def test_a_rich_json_output_the_sdks_cannot_read_back_is_left_out() -> None:
-    from forkd.controller.e2b.interpreter import _result
+    from forkd.controller.e2b.interpreter_python import _result
 
     assert _result("application/json", '{"a": [1, 2]}') == {
         "type": "result",

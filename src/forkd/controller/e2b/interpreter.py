@@ -3,11 +3,12 @@ at the E2B port's root for requests naming port 49999: Python runs in the sandbo
 warm interpreter (forkd's eval, the one its template was snapshotted with, so every
 fork's default context starts warm), bash through the guest's own shell.
 
-An execution answers as E2B's server does, one JSON object a line: the execution's
-number, its stdout and stderr, each rich output (text, html, markdown, png, jpeg, svg,
-pdf, latex, json, javascript; a matplotlib figure is a real PNG), the last value as the
-main result, or the error with its name, value and traceback. A client that goes away
-interrupts its execution.
+An execution answers as E2B's server does, one JSON object a line, streamed: the
+execution's number, its stdout and stderr as they come, each rich output (text, html,
+markdown, png, jpeg, svg, pdf, latex, json, javascript; a matplotlib figure is a real
+PNG), the last value as the main result, or the error with its name, value and
+traceback (:mod:`.interpreter_python`, :mod:`.interpreter_bash`). A client that goes
+away stops its execution.
 
 Contexts: the warm Python interpreter is the sandbox's one Python context (``default``);
 a second one is refused (forkd's answer to "another namespace" is a fork). Bash
@@ -16,46 +17,29 @@ contexts may be made, each with its working directory.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
 import json
-import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from forkd import limits
-from forkd.controller.e2b.interpreter_bash import BashRun
+from forkd.controller.e2b.interpreter_bash import bash_lines
+from forkd.controller.e2b.interpreter_python import python_lines
 from forkd.controller.e2b.per_sandbox import PerSandbox
 from forkd.controller.e2b.process_rpc import alive
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, port_of, sandbox_for
-from forkd.controller.models import EvalRequest, EvalResult
+from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, Invalid, NotFound
 
 DEFAULT = "default"  # the warm Python interpreter's context
 MAX_CONTEXTS = 16  # bash contexts a sandbox may hold
-DISCONNECT_POLL_SECS = 0.5
-# E2B's result fields, by the MIME type forkd's eval reports a display output as.
-RESULT_FIELDS = {
-    "text/plain": "text",
-    "text/html": "html",
-    "text/markdown": "markdown",
-    "image/svg+xml": "svg",
-    "image/png": "png",
-    "image/jpeg": "jpeg",
-    "application/pdf": "pdf",
-    "text/latex": "latex",
-    "application/json": "json",
-    "application/javascript": "javascript",
-}
 
 interpreter = APIRouter()
 
@@ -178,30 +162,34 @@ async def restart_context(sandbox: Sandbox, known: Known, context_id: str) -> Re
 
 
 @interpreter.post("/execute")
-async def execute(
-    sandbox: Sandbox, known: Known, svc: Svc, request: Request, body: ExecuteBody
-) -> Response:
-    """Run ``body.code``; the answer's lines are E2B's."""
+async def execute(sandbox: Sandbox, known: Known, svc: Svc, body: ExecuteBody) -> Response:
+    """Run ``body.code``; E2B's lines, streamed as they come."""
     context = _execution_context(known, sandbox.id, body)
     if body.env_vars:
         raise Invalid("env_vars per execution are not supported by forkd's interpreter yet")
-    if context.language == "python":
-        run: Coroutine[Any, Any, EvalResult | BashRun] = svc.guest.eval(
-            sandbox.id, EvalRequest(code=body.code, timeout_s=limits.MAX_EVAL_TIMEOUT_SECS)
-        )
-        interrupt: Callable[[], Awaitable[None]] = functools.partial(
-            _interrupt_eval, svc, sandbox.id
-        )
-    else:
-        bash = BashRun(svc, sandbox.id)
-        run, interrupt = bash.run(body.code, context.cwd), bash.kill
-    outcome = await _unless_gone(request, run, interrupt)
     context.executions += 1
-    lines = [{"type": "number_of_executions", "execution_count": context.executions}]
-    lines += _lines(outcome)
-    lines.append({"type": "end_of_execution"})
-    text = "".join(json.dumps(line, separators=(",", ":")) + "\n" for line in lines)
-    return Response(text, media_type="application/x-ndjson")
+    if context.language == "python":
+        lines = python_lines(svc, sandbox.id, body.code)
+    else:
+        lines = bash_lines(svc, sandbox.id, body.code, context.cwd)
+    return StreamingResponse(_ndjson(context.executions, lines), media_type="application/x-ndjson")
+
+
+async def _ndjson(count: int, lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """E2B's NDJSON: the execution's number, its lines, its end (a failure of the sandbox
+    meanwhile is its error line: the answer's status went out with the first)."""
+    yield _encoded({"type": "number_of_executions", "execution_count": count})
+    try:
+        async for line in lines:
+            yield _encoded(line)
+    except ForkdError as exc:
+        failed = {"type": "error", "name": "SandboxError", "value": hide_host_paths(str(exc))}
+        yield _encoded({**failed, "traceback": ""})
+    yield _encoded({"type": "end_of_execution"})
+
+
+def _encoded(line: dict[str, Any]) -> bytes:
+    return (json.dumps(line, separators=(",", ":")) + "\n").encode()
 
 
 def _execution_context(known: Contexts, sandbox_id: str, body: ExecuteBody) -> Context:
@@ -212,79 +200,3 @@ def _execution_context(known: Contexts, sandbox_id: str, body: ExecuteBody) -> C
     if _language(body.language) == "python":
         return known.of(sandbox_id)[DEFAULT]
     return Context("bash", "bash", "/")  # a language without a context: a fresh shell
-
-
-async def _unless_gone(request: Request, run: Any, interrupt: Any) -> Any:
-    """``run``'s outcome; if the client goes away first, ``interrupt()`` and stop."""
-    task = asyncio.ensure_future(run)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECS)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                await interrupt()
-                raise Invalid("the client went away: the execution was interrupted")
-    finally:
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ForkdError):
-                await task
-
-
-async def _interrupt_eval(svc: Any, sandbox_id: str) -> None:
-    with contextlib.suppress(ForkdError):
-        await svc.guest.eval_interrupt(sandbox_id)
-
-
-def _lines(outcome: Any) -> list[dict[str, Any]]:
-    stamp = time.time_ns()
-    lines: list[dict[str, Any]] = []
-    if isinstance(outcome, BashRun):
-        return _bash_lines(outcome, stamp)
-    for stream in ("stdout", "stderr"):
-        if getattr(outcome, stream, ""):
-            lines.append({"type": stream, "text": getattr(outcome, stream), "timestamp": stamp})
-    for shown in outcome.display:
-        result = _result(shown.mime, shown.data)
-        if result is not None:
-            lines.append(result)
-    if outcome.traceback:
-        name, _, value = (outcome.error or "").partition(": ")
-        lines.append(
-            {"type": "error", "name": name, "value": value, "traceback": outcome.traceback}
-        )
-    elif outcome.result is not None:
-        lines.append({"type": "result", "text": outcome.result, "is_main_result": True})
-    return lines
-
-
-def _bash_lines(run: BashRun, stamp: int) -> list[dict[str, Any]]:
-    lines: list[dict[str, Any]] = []
-    for stream, data in (("stdout", run.stdout), ("stderr", run.stderr)):
-        if data:
-            text = data.decode("utf-8", "replace")
-            lines.append({"type": stream, "text": text, "timestamp": stamp})
-    if run.exit_code not in (0, None):
-        status = "timed out" if run.timed_out else f"exit status {run.exit_code}"
-        error = run.stderr.decode("utf-8", "replace")
-        lines.append({"type": "error", "name": "ShellError", "value": status, "traceback": error})
-    return lines
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _result(mime: str, data: str) -> dict[str, Any] | None:
-    """One rich output as E2B's result line (None for a type E2B has no field for)."""
-    key = RESULT_FIELDS.get(mime)
-    if key is None:
-        return None
-    value: Any = data
-    if key == "json":
-        try:  # NaN and Infinity are no JSON its SDKs read back
-            value = json.loads(data, parse_constant=_no_constant)
-        except (ValueError, RecursionError):
-            return None
-    return {"type": "result", key: value, "is_main_result": False}

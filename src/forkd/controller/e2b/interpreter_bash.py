@@ -1,62 +1,61 @@
 """Bash for E2B's code interpreter: the code runs as one of the sandbox's background
-processes (``/bin/bash -c``), so a client that goes away can have it killed, and its
-output is read as it comes, kept to :data:`MAX_KEPT_BYTES` a stream."""
+processes (``/bin/bash -c``), its output passed on as it comes (each stream kept to
+:data:`MAX_KEPT_BYTES`), and killed when the client goes away."""
 
 from __future__ import annotations
 
 import base64
 import contextlib
-from dataclasses import dataclass, field
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
 
 from forkd.controller.models import OutputData, OutputExit, ProcessSignal, ProcessStart
 from forkd.controller.services import Services
 from forkd.errors import ForkdError
 
-MAX_KEPT_BYTES = 1 << 20  # of each stream an execution answers with; the rest is counted
+MAX_KEPT_BYTES = 1 << 20  # of each stream an execution passes on; the rest is dropped
 TIMEOUT_SECS = 3600.0  # then bash is killed (exit code 124)
 EXIT_TIMEOUT = 124
 
 
-@dataclass
-class BashRun:
-    """One execution: its process, once started, and what it printed."""
-
-    svc: Services
-    sandbox_id: str
-    pid: int | None = None
-    stdout: bytearray = field(default_factory=bytearray)
-    stderr: bytearray = field(default_factory=bytearray)
-    dropped: int = 0
+async def bash_lines(
+    svc: Services, sandbox_id: str, code: str, cwd: str
+) -> AsyncIterator[dict[str, Any]]:
+    """E2B's lines of ``code`` run in bash in ``cwd``: its output, then its error if it
+    failed."""
+    started = await svc.processes.start(
+        sandbox_id,
+        ProcessStart(cmd=["/bin/bash", "-c", code], cwd=cwd, timeout_s=TIMEOUT_SECS),
+    )
+    kept = {"stdout": 0, "stderr": 0}
+    stderr = bytearray()
     exit_code: int | None = None
-
-    @property
-    def timed_out(self) -> bool:
-        return self.exit_code == EXIT_TIMEOUT
-
-    async def run(self, code: str, cwd: str) -> BashRun:
-        argv = ["/bin/bash", "-c", code]
-        started = await self.svc.processes.start(
-            self.sandbox_id, ProcessStart(cmd=argv, cwd=cwd, timeout_s=TIMEOUT_SECS)
-        )
-        self.pid = started.pid
-        events = await self.svc.processes.output(self.sandbox_id, started.pid, 0, follow=True)
+    try:
+        events = await svc.processes.output(sandbox_id, started.pid, 0, follow=True)
         async for event in events:
             body = event.body
             if event.event in ("stdout", "stderr") and isinstance(body, OutputData):
-                self._keep(event.event, body)
+                data = _bytes(body)[: max(0, MAX_KEPT_BYTES - kept[event.event])]
+                kept[event.event] += len(data)
+                if event.event == "stderr":
+                    stderr += data
+                if data:
+                    text = data.decode("utf-8", "replace")
+                    yield {"type": event.event, "text": text, "timestamp": time.time_ns()}
             elif event.event == "exit" and isinstance(body, OutputExit):
-                self.exit_code = body.exit_code
-        return self
+                exit_code = body.exit_code
+    finally:
+        if exit_code is None:  # the client went away (or the stream failed): stop it
+            with anyio.CancelScope(shield=True), contextlib.suppress(ForkdError):
+                await svc.processes.signal(sandbox_id, started.pid, ProcessSignal(signal=9))
+    if exit_code not in (0, None):
+        status = "timed out" if exit_code == EXIT_TIMEOUT else f"exit status {exit_code}"
+        traceback = stderr.decode("utf-8", "replace")
+        yield {"type": "error", "name": "ShellError", "value": status, "traceback": traceback}
 
-    def _keep(self, stream: str, body: OutputData) -> None:
-        data = body.data.encode() if body.encoding == "utf-8" else base64.b64decode(body.data)
-        kept = self.stdout if stream == "stdout" else self.stderr
-        room = max(0, MAX_KEPT_BYTES - len(kept))
-        kept += data[:room]
-        self.dropped += len(data) - min(room, len(data))
 
-    async def kill(self) -> None:
-        """The client went away: the process is killed (if it started)."""
-        if self.pid is not None:
-            with contextlib.suppress(ForkdError):
-                await self.svc.processes.signal(self.sandbox_id, self.pid, ProcessSignal(signal=9))
+def _bytes(body: OutputData) -> bytes:
+    return body.data.encode() if body.encoding == "utf-8" else base64.b64decode(body.data)

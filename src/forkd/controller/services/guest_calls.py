@@ -131,10 +131,10 @@ class GuestCalls:
             duration_ms=res.get("duration_ms"),
         )
 
-    async def eval(self, sandbox_id: str, req: EvalRequest) -> EvalResult:
+    async def eval(self, sandbox_id: str, req: EvalRequest, tag: str | None = None) -> EvalResult:
         res = await self.call(
             sandbox_id,
-            lambda vm: vm.guest.eval(req.code, timeout=req.timeout_s),
+            lambda vm: vm.guest.eval(req.code, timeout=req.timeout_s, tag=tag),
             refusals=EVAL_REFUSALS,
         )
         error = res.get("error")

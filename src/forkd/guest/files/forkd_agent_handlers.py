@@ -207,6 +207,17 @@ def op_eval_interrupt(req: dict[str, Any]) -> wire.EvalInterruptAnswer:
     return {"interrupted": runner.interrupt(tag)}
 
 
+def op_eval_peek(req: dict[str, Any]) -> wire.EvalPeekAnswer:
+    """What a running eval printed so far (the agent's own interpreter; an image's
+    worker answers not running: its output comes with its answer)."""
+    tag = params.require(req, "tag", str, "a string")
+    stdout_from = params.int_param(req, "stdout_from", 0, None, default=0)
+    stderr_from = params.int_param(req, "stderr_from", 0, None, default=0)
+    if IMAGE_EVAL is not None:
+        return {"running": False, "stdout": "", "stderr": ""}
+    return EVAL.peek(tag, stdout_from, stderr_from)
+
+
 # --------------------------------------------------------------------------- files
 
 
@@ -397,6 +408,7 @@ OPS: dict[str, Handler] = {
     "exec": op_exec,
     "eval": op_eval,
     "eval_interrupt": op_eval_interrupt,
+    "eval_peek": op_eval_peek,
     "file_read": op_file_read,
     "file_write": op_file_write,
     "file_list": op_file_list,

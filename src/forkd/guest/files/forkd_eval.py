@@ -130,6 +130,10 @@ class CappedText(io.TextIOBase):
     def getvalue(self) -> str:
         return "".join(self._parts)
 
+    def since(self, start: int) -> str:
+        """What was written from character ``start`` on (read while it is written)."""
+        return "".join(list(self._parts))[start:]
+
 
 def cap_text(text: str, cap: int = MAX_OUTPUT_CHARS) -> str:
     return text if len(text) <= cap else text[:cap] + TRUNCATED_MARK
@@ -438,6 +442,18 @@ class EvalRunner:
                 return False
             self._deliver(job, KeyboardInterrupt())
             return True
+
+    def peek(self, tag: str, stdout_from: int, stderr_from: int) -> wire.EvalPeekAnswer:
+        """What the eval run with ``tag`` printed so far, while it runs."""
+        with self._lock:
+            job = self._current
+        if job is None or job.tag != tag or job.done.is_set():
+            return {"running": False, "stdout": "", "stderr": ""}
+        return {
+            "running": True,
+            "stdout": job.out.since(stdout_from),
+            "stderr": job.err.since(stderr_from),
+        }
 
     # -- callers
 

@@ -14,12 +14,13 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar, cast
+from typing import TypeVar
 
 from forkd import agent_wire as wire
 from forkd import agent_wire_entries as entries
-from forkd import limits, wire_shape
+from forkd import limits
 from forkd.errors import AgentError, SnapshotError, VMError
+from forkd.vmm.agent.answers import bounded, checked, data_of, listed
 from forkd.vmm.agent.client import ANSWER_WAIT_SECS, AgentClient
 
 PING_WAIT_SECS = 10.0
@@ -43,7 +44,6 @@ COMMIT_WAIT_SECS = 300.0  # an upload's fsync, or a tar member's, may take long 
 # has not answered in this long is stuck, and the upload's client is told so.
 OPEN_WAIT_SECS = PING_WAIT_SECS + EXEC_WAIT_MARGIN_SECS
 # The agent's answer is of the shape forkd_wire says, or the call fails with this kind.
-MALFORMED = "MalformedAnswer"
 
 A = TypeVar("A")  # an op's answer
 log = logging.getLogger(__name__)
@@ -129,10 +129,24 @@ class Guest:
         """Add ``env`` to the image's environment, for every command started from now."""
         await self._ask(wire.ENV_SET({"env": env}))
 
-    async def eval(self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS) -> wire.EvalAnswer:
-        """Run ``code``; the agent interrupts it after ``timeout`` seconds."""
+    async def eval(
+        self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS, tag: str | None = None
+    ) -> wire.EvalAnswer:
+        """Run ``code``; the agent interrupts it after ``timeout`` seconds. ``tag`` names
+        the eval for :meth:`eval_peek`."""
         params: wire.EvalParams = {"code": code, "timeout_s": timeout}
+        if tag is not None:
+            params["tag"] = tag
         return await self._ask(wire.EVAL(params), wait=eval_wait_secs(timeout))
+
+    async def eval_peek(self, tag: str, stdout_from: int, stderr_from: int) -> wire.EvalPeekAnswer:
+        """What the running eval ``tag`` printed past those offsets (not running: none)."""
+        asked: wire.EvalPeekParams = {
+            "tag": tag,
+            "stdout_from": stdout_from,
+            "stderr_from": stderr_from,
+        }
+        return await self._ask(wire.EVAL_PEEK(asked), wait=PING_WAIT_SECS)
 
     async def eval_interrupt(self) -> bool:
         """KeyboardInterrupt in the running eval; False if none was running."""
@@ -170,7 +184,7 @@ class Guest:
         if user is not None:
             asked["user"] = user
         answer = await self._ask(entries.FS_LIST(asked))
-        _bounded("fs_list", len(answer["entries"]), wire.MAX_LIST_ENTRIES)
+        bounded("fs_list", len(answer["entries"]), wire.MAX_LIST_ENTRIES)
         return answer
 
     async def fs_mkdir(self, path: str, user: str | None = None) -> entries.FsMkdirAnswer:
@@ -198,7 +212,7 @@ class Guest:
             {"watch_id": watch_id, "wait_s": wait_s, "max_events": max_events}
         )
         answer = await self._ask(asked, wait=wait_s + ANSWER_WAIT_SECS)
-        _bounded("fs_watch_read", len(answer["events"]), max_events)
+        bounded("fs_watch_read", len(answer["events"]), max_events)
         return answer
 
     async def watch_close(self, watch_id: str) -> bool:
@@ -250,7 +264,7 @@ class Guest:
             "raw": True,
         }
         result = await self._ask(wire.READ_RANGE(params))
-        return _data_of(result, length), result.get("size"), result["eof"]
+        return data_of(result, length), result.get("size"), result["eof"]
 
     async def tar_open(self, path: str) -> str:
         return (await self._ask(wire.TAR_OPEN({"path": path})))["transfer_id"]
@@ -272,7 +286,7 @@ class Guest:
     async def tar_read(self, transfer_id: str, length: int) -> tuple[bytes, bool]:
         params: wire.TarReadParams = {"transfer_id": transfer_id, "length": length, "raw": True}
         result = await self._ask(wire.TAR_READ(params), wait=COMMIT_WAIT_SECS)
-        return _data_of(result, length), result["eof"]
+        return data_of(result, length), result["eof"]
 
     # Background processes (docs/guest-agent.md, "Processes"): the agent owns them;
     # these return its ProcessInfo and proc_read answers as they are.
@@ -422,54 +436,6 @@ class Guest:
                 "snapshot predates seeds, so rebuild the template to fork it with one"
             )
         return result
-
-
-def checked(op: wire.Op[Any, A], answer: dict[str, Any]) -> A:
-    """``answer`` as ``op``'s answer; :class:`AgentError` of kind :data:`MALFORMED` if it
-    does not have that shape."""
-    try:
-        wire_shape.check(op.answer, answer)
-    except wire_shape.Malformed as exc:
-        raise AgentError(
-            f"the agent's answer to {op.name} is malformed: {exc}", MALFORMED
-        ) from None
-    return cast(A, answer)
-
-
-def _bounded(op: str, count: int, most: int) -> None:
-    if count > most:
-        raise AgentError(
-            f"the agent's answer to {op} is malformed: {count} items, more than {most}",
-            MALFORMED,
-        )
-
-
-def listed(answer: wire.FileListAnswer) -> list[wire.FileListEntry]:
-    """A listing's entries, within the agent's own bound (:data:`wire.MAX_LIST_ENTRIES`):
-    an answer with more is :data:`MALFORMED`, not a list the daemon goes on to build."""
-    entries = answer["entries"]
-    if len(entries) > wire.MAX_LIST_ENTRIES:
-        raise AgentError(
-            f"the agent's answer to file_list is malformed: {len(entries)} entries, more "
-            f"than the {wire.MAX_LIST_ENTRIES} it lists at most",
-            MALFORMED,
-        )
-    return entries
-
-
-def _data_of(result: wire.ReadAnswer, length: int) -> bytes:
-    """A read's bytes: raw after the answer, or as base64 from an agent older than that;
-    :class:`AgentError` for more than the ``length`` asked for."""
-    raw = result.get("raw")
-    if isinstance(raw, bytes):
-        data = raw
-    elif "data" in result:
-        data = base64.b64decode(result["data"])
-    else:
-        data = b""  # raw, of length 0: no bytes followed the line
-    if len(data) > length:
-        raise AgentError(f"the agent sent {len(data)} bytes for a read of at most {length}")
-    return data
 
 
 def check_reseeded(result: wire.RestoreAnswer, vm_id: str, snapshot_dir: Path) -> str:
