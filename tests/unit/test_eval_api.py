@@ -127,7 +127,7 @@ def test_eval_in_an_image_without_a_usable_python_is_a_conflict(
 ) -> None:
     why = "this sandbox's image has no python3 on its PATH: eval runs Python in the image"
 
-    async def refused(code: str, timeout: float = 60.0) -> dict[str, Any]:
+    async def refused(code: str, timeout: float = 60.0, tag: str | None = None) -> dict[str, Any]:
         raise AgentError(why, kind=kind)
 
     monkeypatch.setattr(vm_of(driver, sandbox_id), "eval", refused)
@@ -140,7 +140,9 @@ def test_eval_in_an_image_without_a_usable_python_is_a_conflict(
 def test_a_warmup_the_image_cannot_run_is_a_conflict_and_leaves_no_snapshot(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def refused(self: FakeVM, code: str, timeout: float = 60.0) -> dict[str, Any]:
+    async def refused(
+        self: FakeVM, code: str, timeout: float = 60.0, tag: str | None = None
+    ) -> dict[str, Any]:
         raise AgentError("this sandbox's image has no python3 on its PATH", kind="NoImagePython")
 
     monkeypatch.setattr(FakeVM, "eval", refused)
