@@ -6,6 +6,7 @@ the message::
 
     ForkdError                 anything else that failed (500)
     ├── Invalid                bad input: the request, a name, a size, a path (400)
+    ├── Unauthorized           no credential, or not the one asked for (401)
     ├── Forbidden              the guest refused for lack of permission (403)
     ├── NotFound               unknown snapshot, sandbox, volume or guest path (404)
     ├── Conflict               exists already, in use, not running, not bootable (409)
@@ -34,6 +35,11 @@ class ForkdError(Exception):
 
 class Invalid(ForkdError):
     """The caller asked for something malformed or out of bounds; nothing changed."""
+
+
+class Unauthorized(ForkdError):
+    """No credential, or not the one asked for (the daemon's own port answers its bearer
+    check in the middleware; E2B's port raises this for its key and a sandbox's token)."""
 
 
 class Forbidden(ForkdError):

@@ -35,6 +35,7 @@ from forkd.errors import (
     NotFound,
     OverCapacity,
     TimedOut,
+    Unauthorized,
     Unavailable,
     UpstreamError,
 )
@@ -46,6 +47,7 @@ WS_REASON_BYTES = 123  # the most a WebSocket close frame's reason may hold
 
 STATUS: dict[type[ForkdError], int] = {
     Invalid: 400,
+    Unauthorized: 401,
     Forbidden: 403,
     NotFound: 404,
     Conflict: 409,

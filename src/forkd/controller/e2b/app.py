@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Depends, FastAPI, Header
 from fastapi.responses import JSONResponse
 from starlette.types import Scope
 
 from forkd import __version__, limits
 from forkd.controller import http_errors
-from forkd.controller.e2b.auth import Unauthorized, check_api_key
+from forkd.controller.e2b.auth import check_api_key
 from forkd.controller.e2b.envd import envd
 from forkd.controller.e2b.filesystem_rpc import filesystem_app
 from forkd.controller.e2b.guest_hosts import GuestHosts, proxy_app
@@ -96,8 +96,4 @@ def e2b_error(status: int, message: str) -> JSONResponse:
 
 
 def _install_errors(app: FastAPI) -> None:
-    http_errors.install(app, respond=e2b_error)
-
-    @app.exception_handler(Unauthorized)
-    async def unauthorized(_r: Request, exc: Unauthorized) -> JSONResponse:
-        return e2b_error(401, str(exc))
+    http_errors.install(app, respond=e2b_error)  # Unauthorized is its 401 there

@@ -7,11 +7,7 @@ from __future__ import annotations
 import hmac
 
 from forkd.e2b_key import e2b_key
-from forkd.errors import ForkdError
-
-
-class Unauthorized(ForkdError):
-    """No credential, or not this daemon's (401, as E2B answers)."""
+from forkd.errors import Unauthorized
 
 
 def check_api_key(given: str | None, token: str | None) -> None:

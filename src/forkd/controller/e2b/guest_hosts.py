@@ -19,7 +19,6 @@ sandboxes are public by default.
 
 from __future__ import annotations
 
-import hmac
 import re
 from collections.abc import Callable
 from typing import Any
@@ -28,13 +27,12 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from forkd.controller import http_errors, port_proxy, port_ws
-from forkd.controller.e2b.target import ENVD_PORT, INTERPRETER_PORT
-from forkd.controller.http_errors import error_response, refuse_websocket
+from forkd.controller.e2b.target import ENVD_PORT, INTERPRETER_PORT, live_row, sandbox_for
+from forkd.controller.http_errors import error_response, refuse_websocket, status_of
 from forkd.controller.middleware import AuditMiddleware
 from forkd.controller.preview_hosts import AT_ROOT, OWN_ORIGIN
 from forkd.controller.services import Services
 from forkd.errors import ForkdError
-from forkd.states import SandboxState
 
 TRAFFIC_HEADER = b"e2b-traffic-access-token"
 # Either is the sandbox's access token: E2B's traffic token, or envd's.
@@ -110,20 +108,15 @@ class GuestHosts:
         """Why the request may not reach the sandbox's port (None: it may). A wrong
         token is answered as an unknown sandbox: no answer says which ids exist."""
         given = next((v for k, v in scope["headers"] if k in CREDENTIALS), None)
-        if given is None and not self.public:
-            return 401, "no E2B-Traffic-Access-Token: the sandbox's traffic_access_token"
+        token = None if given is None else given.decode("latin-1")
         try:
-            svc = self.services()
+            if self.public:
+                live_row(self.services(), sandbox_id)
+            else:  # the token's own check, as envd's routes and RPCs have it
+                sandbox_for(self.services(), sandbox_id, None, token)
         except ForkdError as exc:
-            return 503, str(exc)
-        row = svc.store.get_sandbox(sandbox_id)
-        gone = 502, f"sandbox {sandbox_id!r} was not found"
-        if row is None or row.state == SandboxState.DEAD:
-            return gone
-        if self.public:
-            return None
-        want = svc.ports.key.access_token(sandbox_id, row.created_at_unix).encode()
-        return None if given and hmac.compare_digest(want, given) else gone
+            return status_of(exc), str(exc)
+        return None
 
     def _to_proxy(self, scope: Scope, port: int, sandbox_id: str) -> Scope:
         """``scope`` as the port proxy route takes it: its path under the proxy's prefix,

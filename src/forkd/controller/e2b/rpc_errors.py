@@ -14,7 +14,6 @@ from typing import ParamSpec, TypeVar
 from connectrpc.code import Code
 from connectrpc.errors import ConnectError
 
-from forkd.controller.e2b.auth import Unauthorized
 from forkd.controller.http_errors import hide_host_paths, status_of
 from forkd.errors import ForkdError
 
@@ -38,8 +37,7 @@ T = TypeVar("T")
 
 
 def connect_error(exc: ForkdError) -> ConnectError:
-    code = Code.UNAUTHENTICATED if isinstance(exc, Unauthorized) else None
-    code = code or CODE_OF_STATUS.get(status_of(exc), Code.INTERNAL)
+    code = CODE_OF_STATUS.get(status_of(exc), Code.INTERNAL)
     return ConnectError(code, hide_host_paths(str(exc)))
 
 

@@ -11,10 +11,9 @@ import base64
 import binascii
 import hmac
 
-from forkd.controller.e2b.auth import Unauthorized
 from forkd.controller.services import Services
 from forkd.controller.store_rows import SandboxRow
-from forkd.errors import Invalid, UpstreamError
+from forkd.errors import Invalid, Unauthorized, UpstreamError
 from forkd.states import SandboxState
 
 ENVD_PORT = 49983  # E2B's in-guest daemon
@@ -35,18 +34,26 @@ def sandbox_for(
         raise Invalid("no E2b-Sandbox-Id header: which sandbox is this for?")
     if token is None:  # before anything is looked up: no answer says what exists
         raise Unauthorized("no X-Access-Token: the one the sandbox's creation answered")
-    row = svc.store.get_sandbox(sandbox_id)
-    # E2B's words, which its SDKs read as "the sandbox is not running"; a token of
-    # another sandbox gets them too, so no answer says which ids exist.
-    gone = UpstreamError(f"sandbox {sandbox_id!r} was not found")
-    if row is None or row.state == SandboxState.DEAD:
-        raise gone
+    row = live_row(svc, sandbox_id)
     want = svc.ports.key.access_token(sandbox_id, row.created_at_unix)
     if not hmac.compare_digest(want.encode(), token.encode()):
-        raise gone
+        raise _gone(sandbox_id)  # another sandbox's token: as an unknown id
     if port is not None and port != served:
         raise UpstreamError(f"port {port} is not open on sandbox {sandbox_id!r} (not served yet)")
     return row
+
+
+def live_row(svc: Services, sandbox_id: str) -> SandboxRow:
+    """The sandbox's record, unless it is unknown or dead: E2B's words for that, which its
+    SDKs read as "the sandbox is not running"."""
+    row = svc.store.get_sandbox(sandbox_id)
+    if row is None or row.state == SandboxState.DEAD:
+        raise _gone(sandbox_id)
+    return row
+
+
+def _gone(sandbox_id: str) -> UpstreamError:
+    return UpstreamError(f"sandbox {sandbox_id!r} was not found")
 
 
 def port_of(header: str | None) -> int:
