@@ -120,11 +120,11 @@ def test_what_the_port_keeps_per_sandbox_forgets_sandboxes_gone(
     from forkd.controller.e2b import per_sandbox
 
     monkeypatch.setattr(per_sandbox, "MAX_HELD", 3)
-    held: per_sandbox.PerSandbox[dict[str, int]] = per_sandbox.PerSandbox(dict)
     alive = {"a", "c"}
+    held: per_sandbox.PerSandbox[dict[str, int]] = per_sandbox.PerSandbox(dict, alive.__contains__)
     for sid in ("a", "b", "c"):
-        held.of(sid, alive.__contains__)["tag"] = 1
-    held.of("d", alive.__contains__)  # a fourth: the gone one ("b") is forgotten
+        held.of(sid)["tag"] = 1
+    held.of("d")  # a fourth: the gone one ("b") is forgotten
     assert held.get("b") is None and held.get("a") == {"tag": 1} and held.get("d") == {}
 
 
@@ -134,9 +134,9 @@ def test_what_the_port_keeps_per_sandbox_is_bounded_even_when_all_are_there(
     from forkd.controller.e2b import per_sandbox
 
     monkeypatch.setattr(per_sandbox, "MAX_HELD", 2)
-    held: per_sandbox.PerSandbox[list[int]] = per_sandbox.PerSandbox(list)
+    held: per_sandbox.PerSandbox[list[int]] = per_sandbox.PerSandbox(list, lambda _sid: True)
     for sid in ("a", "b", "c"):
-        held.of(sid, lambda _sid: True)
+        held.of(sid)
     assert held.get("a") is None and held.get("b") == [] and held.get("c") == []
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -30,8 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from forkd import limits
 from forkd.controller.e2b.interpreter_bash import bash_lines
 from forkd.controller.e2b.interpreter_python import python_lines
-from forkd.controller.e2b.per_sandbox import PerSandbox
-from forkd.controller.e2b.process_rpc import alive
+from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, port_of, sandbox_for
 from forkd.controller.http_errors import hide_host_paths
@@ -87,24 +86,18 @@ class Context:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
 
 
-class Contexts:
-    """The daemon's record of each sandbox's contexts (the bash ones, and counts)."""
-
-    def __init__(self, exists: Callable[[str], bool]) -> None:
-        self._exists = exists
-        self._held: PerSandbox[dict[str, Context]] = PerSandbox(
-            lambda: {DEFAULT: Context(DEFAULT, "python", "/")}
-        )
-
-    def of(self, sandbox_id: str) -> dict[str, Context]:
-        return self._held.of(sandbox_id, self._exists)
+# The daemon's record of each sandbox's contexts (the bash ones, and counts).
+Contexts = PerSandbox[dict[str, Context]]
 
 
 def contexts(request: Request) -> Contexts:
     found: Contexts | None = getattr(request.app.state, "interpreter_contexts", None)
     if found is None:
         svc = services(request)
-        found = Contexts(lambda sid: alive(svc, sid))
+        found = PerSandbox(
+            lambda: {DEFAULT: Context(DEFAULT, "python", "/")},
+            lambda sid: still_there(svc, sid),
+        )
         request.app.state.interpreter_contexts = found
     return found
 

@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from forkd.controller.e2b import process_messages as pm
 from forkd.controller.e2b.connect_service import Ctx, SandboxRPC, ServiceApp, method
 from forkd.controller.e2b.guest_values import UINT32_MAX, text
-from forkd.controller.e2b.per_sandbox import PerSandbox
+from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rpc_errors import streamed, unary
 from forkd.controller.models import (
     OutputData,
@@ -37,7 +37,6 @@ from forkd.controller.models import (
 from forkd.controller.models import ProcessInfo as ForkdProcess
 from forkd.controller.services import Services
 from forkd.errors import GuestError, Invalid, NotFound
-from forkd.states import SandboxState
 
 MAX_TAGS = 256  # a sandbox's tags the daemon holds; the oldest goes first
 MAX_TAG_CHARS = 256
@@ -49,7 +48,9 @@ class ProcessRPC(SandboxRPC):
 
     def __init__(self, services: Callable[[], Services]) -> None:
         super().__init__(services)
-        self._tags: PerSandbox[dict[str, int]] = PerSandbox(dict)
+        self._tags: PerSandbox[dict[str, int]] = PerSandbox(
+            dict, lambda sid: still_there(services(), sid)
+        )
 
     def _pid(self, sandbox_id: str, selector: pm.ProcessSelector | None) -> int:
         match selector.selector if selector else None:
@@ -62,8 +63,8 @@ class ProcessRPC(SandboxRPC):
                 return found
         raise Invalid("which process: give a pid or a tag")
 
-    def _tag(self, svc: Services, sandbox_id: str, tag: str, pid: int) -> None:
-        tags = self._tags.of(sandbox_id, lambda sid: alive(svc, sid))
+    def _tag(self, sandbox_id: str, tag: str, pid: int) -> None:
+        tags = self._tags.of(sandbox_id)
         tags.pop(tag, None)
         tags[tag] = pid
         while len(tags) > MAX_TAGS:
@@ -85,7 +86,7 @@ class ProcessRPC(SandboxRPC):
         if not 0 < info.pid <= UINT32_MAX:
             raise GuestError(f"the guest answered pid {info.pid}, which no process has")
         if req.has_field("tag"):
-            self._tag(svc, sandbox_id, req.tag, info.pid)
+            self._tag(sandbox_id, req.tag, info.pid)
         yield pm.StartResponse(event=_started(info.pid))
         async for event in _events(svc, sandbox_id, info.pid, 0):
             yield pm.StartResponse(event=event)
@@ -171,12 +172,6 @@ def _valid(make: Callable[[], Any]) -> Any:
             f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
         )
         raise Invalid(problems) from None
-
-
-def alive(svc: Services, sandbox_id: str) -> bool:
-    """Whether the sandbox is still there to keep anything for."""
-    row = svc.store.get_sandbox(sandbox_id)
-    return row is not None and row.state != SandboxState.DEAD
 
 
 def _start_body(req: pm.StartRequest, user: str | None) -> ProcessStart:
