@@ -13,14 +13,14 @@ import posixpath
 from collections.abc import AsyncIterator, Awaitable
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import JSONResponse
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from forkd.controller.bodies import receive_upload, stream_download
 from forkd.controller.e2b.gzip_body import content_encoding, inflated
-from forkd.controller.e2b.rest import Svc, services
-from forkd.controller.e2b.target import port_of, sandbox_for
+from forkd.controller.e2b.rest import Svc
+from forkd.controller.e2b.target import ENVD_PORT, sandbox_dependency
 from forkd.controller.services import Services
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import GuestError, Invalid, UpstreamError
@@ -32,17 +32,7 @@ MAX_PART_HEADER_BYTES = 8 << 10  # of one part's headers
 envd = APIRouter()
 
 
-def target(
-    request: Request,
-    sandbox_id: Annotated[str | None, Header(alias="E2b-Sandbox-Id")] = None,
-    port: Annotated[str | None, Header(alias="E2b-Sandbox-Port")] = None,
-    token: Annotated[str | None, Header(alias="X-Access-Token")] = None,
-) -> SandboxRow:
-    """The record of the sandbox the request is for (:func:`.target.sandbox_for`)."""
-    return sandbox_for(services(request), sandbox_id, port_of(port), token)
-
-
-Sandbox = Annotated[SandboxRow, Depends(target)]
+Sandbox = Annotated[SandboxRow, Depends(sandbox_dependency(ENVD_PORT))]
 PathQ = Annotated[str, Query(description="a path inside the sandbox; relative: the user's home's")]
 UserQ = Annotated[str | None, Query(max_length=256, description="whose home a relative path is in")]
 

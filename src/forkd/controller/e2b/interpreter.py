@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, Header, Request, Response
+from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,7 @@ from forkd.controller.e2b.interpreter_bash import bash_lines
 from forkd.controller.e2b.interpreter_python import python_lines
 from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rest import Svc, services
-from forkd.controller.e2b.target import INTERPRETER_PORT, port_of, sandbox_for
+from forkd.controller.e2b.target import INTERPRETER_PORT, sandbox_dependency
 from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, Invalid, NotFound
@@ -43,22 +43,7 @@ MAX_CONTEXTS = 16  # bash contexts a sandbox may hold
 interpreter = APIRouter()
 
 
-def target(
-    request: Request,
-    sandbox_id: Annotated[str | None, Header(alias="E2b-Sandbox-Id")] = None,
-    port: Annotated[str | None, Header(alias="E2b-Sandbox-Port")] = None,
-    token: Annotated[str | None, Header(alias="X-Access-Token")] = None,
-    traffic: Annotated[str | None, Header(alias="E2B-Traffic-Access-Token")] = None,
-) -> SandboxRow:
-    """The sandbox the request is for (its access token, or the traffic token E2B's
-    SDKs send on the calls without one)."""
-    served = port_of(port) if port else INTERPRETER_PORT
-    return sandbox_for(
-        services(request), sandbox_id, served, token or traffic, served=INTERPRETER_PORT
-    )
-
-
-Sandbox = Annotated[SandboxRow, Depends(target)]
+Sandbox = Annotated[SandboxRow, Depends(sandbox_dependency(INTERPRETER_PORT))]
 
 
 class ExecuteBody(BaseModel):

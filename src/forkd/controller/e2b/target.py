@@ -10,7 +10,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+from collections.abc import Callable
+from typing import Annotated
 
+from fastapi import Header, Request
+
+from forkd.controller.e2b.rest import services
 from forkd.controller.services import Services
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import Invalid, Unauthorized, UpstreamError
@@ -56,10 +61,29 @@ def _gone(sandbox_id: str) -> UpstreamError:
     return UpstreamError(f"sandbox {sandbox_id!r} was not found")
 
 
-def port_of(header: str | None) -> int:
-    """The ``E2b-Sandbox-Port`` header's port (envd's when absent)."""
+def sandbox_dependency(served: int) -> Callable[..., SandboxRow]:
+    """A route's dependency: the record of the sandbox its request is for, served on
+    ``served`` (envd's port, or the code interpreter's), its access token checked (as
+    ``X-Access-Token``, or the traffic token E2B's SDKs send on calls without one)."""
+
+    def target(
+        request: Request,
+        sandbox_id: Annotated[str | None, Header(alias="E2b-Sandbox-Id")] = None,
+        port: Annotated[str | None, Header(alias="E2b-Sandbox-Port")] = None,
+        token: Annotated[str | None, Header(alias="X-Access-Token")] = None,
+        traffic: Annotated[str | None, Header(alias="E2B-Traffic-Access-Token")] = None,
+    ) -> SandboxRow:
+        return sandbox_for(
+            services(request), sandbox_id, port_of(port, served), token or traffic, served
+        )
+
+    return target
+
+
+def port_of(header: str | None, default: int = ENVD_PORT) -> int:
+    """The ``E2b-Sandbox-Port`` header's port (``default`` when absent)."""
     if header is None:
-        return ENVD_PORT
+        return default
     try:
         return int(header)
     except ValueError:
