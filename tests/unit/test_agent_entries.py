@@ -5,26 +5,13 @@ relative paths resolved in the user's home."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
-FILES = Path(__file__).resolve().parents[2] / "src" / "forkd" / "guest" / "files"
-
-
-def _load(name: str, file: str) -> ModuleType:
-    if str(FILES) not in sys.path:
-        sys.path.insert(0, str(FILES))
-    spec = importlib.util.spec_from_file_location(name, FILES / file)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.unit.test_agent_files import _load  # the agent's modules, as the guest has
 
 fe = _load("forkd_entries_under_test", "forkd_entries.py")
 params = importlib.import_module("forkd_agent_params")  # the one forkd_entries raises from
