@@ -55,10 +55,11 @@ def _template(svc: Svc, info: SnapshotInfo) -> dict[str, object]:
 
 
 def _found(svc: Svc, tag: str) -> SnapshotInfo:
-    for info in svc.snapshots.list():
-        if info.tag == tag:
-            return info
-    raise NotFound(f"no template {tag!r}")
+    """The template ``tag``: 404 for any name that is none (one forkd could not tag
+    with too: E2B's SDK reads 404 as "no such template")."""
+    if svc.store.get_snapshot(tag) is None:
+        raise NotFound(f"no template {tag!r}")
+    return svc.snapshots.info(tag)
 
 
 @templates_rest.get("/templates")
