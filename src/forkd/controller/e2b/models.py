@@ -4,17 +4,34 @@ a newer SDK is not an error); answers carry every field the SDKs require."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from forkd import limits
+from forkd.errors import Invalid
 
 # The version of E2B's in-guest daemon this front end answers as: the SDKs gate their
 # features on it (0.6.4 turns all of them on; below 0.4.0 they send a user of their own).
 ENVD_VERSION = "0.6.4"
 DEFAULT_TIMEOUT_S = 300  # E2B's default lifetime of a sandbox, when a request gives none
 CLIENT_ID = "forkd"  # E2B's field for the cluster node; one daemon is one node
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def validated(model: type[ModelT], fields: Mapping[str, Any], where: str = "") -> ModelT:
+    """``fields`` as forkd's ``model``; what E2B sent that does not fit is the request's
+    fault (Invalid, naming each bad value, ``where`` before its path)."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        problems = (
+            f"{where}{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+        )
+        raise Invalid("; ".join(problems)) from None
 
 
 class Body(BaseModel):

@@ -10,8 +10,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from pydantic import ValidationError
-
+from forkd.controller.e2b.models import validated
 from forkd.controller.models.network import NetworkPolicy
 from forkd.errors import Invalid
 
@@ -34,13 +33,7 @@ def policy_of(network: dict[str, Any], allow_internet_access: bool | None = None
     }
     if allow_internet_access is False:
         fields["deny_out"] = ["*"]
-    try:
-        return NetworkPolicy.model_validate(fields)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"network.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise Invalid(problems) from None
+    return validated(NetworkPolicy, fields, where="network.")
 
 
 def _rules(rules: object) -> object:

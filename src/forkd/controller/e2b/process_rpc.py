@@ -19,11 +19,11 @@ from typing import Any
 from connectrpc.method import MethodInfo
 from connectrpc.server import Endpoint
 from protobuf import Message, Oneof
-from pydantic import ValidationError
 
 from forkd.controller.e2b import process_messages as pm
 from forkd.controller.e2b.connect_service import Ctx, SandboxRPC, ServiceApp, method
 from forkd.controller.e2b.guest_values import UINT32_MAX, text
+from forkd.controller.e2b.models import validated
 from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rpc_errors import streamed, unary
 from forkd.controller.models import (
@@ -158,20 +158,9 @@ class ProcessRPC(SandboxRPC):
         pid = self._pid(sandbox_id, req.process)
         size = req.pty.size if req.pty else None
         if size is not None:
-            resize: ProcessResize = _valid(lambda: ProcessResize(cols=size.cols, rows=size.rows))
+            resize = validated(ProcessResize, {"cols": size.cols, "rows": size.rows})
             await svc.processes.resize(sandbox_id, pid, resize)
         return pm.UpdateResponse()
-
-
-def _valid(make: Callable[[], Any]) -> Any:
-    """What ``make`` builds of a request's values; bad ones are the request's fault."""
-    try:
-        return make()
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-        )
-        raise Invalid(problems) from None
 
 
 def _start_body(req: pm.StartRequest, user: str | None) -> ProcessStart:
@@ -187,8 +176,7 @@ def _start_body(req: pm.StartRequest, user: str | None) -> ProcessStart:
         "pty": {"cols": size.cols, "rows": size.rows} if size else None,
         "user": user,
     }
-    body: ProcessStart = _valid(lambda: ProcessStart.model_validate(fields))
-    return body
+    return validated(ProcessStart, fields)
 
 
 def _started(pid: int) -> pm.ProcessEvent:

@@ -10,13 +10,12 @@ without is refused. A secret's id is its name. Values are write-only, as E2B's.
 from __future__ import annotations
 
 from datetime import UTC, datetime
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
-from forkd.controller.e2b.models import Body
+from forkd.controller.e2b.models import Body, validated
 from forkd.controller.e2b.paging import paged
 from forkd.controller.e2b.rest import Svc
 from forkd.controller.models.network import SecretCreate, SecretInfo, SecretUpdate
@@ -63,16 +62,6 @@ def _secret(info: SecretInfo) -> dict[str, object]:
     }
 
 
-M = TypeVar("M", SecretCreate, SecretUpdate)
-
-
-def _valid(make: type[M], fields: dict[str, Any]) -> M:
-    try:
-        return make.model_validate(fields)
-    except ValidationError as exc:
-        raise Invalid("; ".join(f"{e['loc'][-1]}: {e['msg']}" for e in exc.errors())) from None
-
-
 @secrets_rest.post("/secrets", status_code=201)
 async def create_secret(body: NewSecret, svc: Svc) -> Response:
     fields: dict[str, Any] = {
@@ -80,7 +69,7 @@ async def create_secret(body: NewSecret, svc: Svc) -> Response:
         "value": body.value,
         "hosts": _hosts(body.metadata, True),
     }
-    made = _valid(SecretCreate, fields)
+    made = validated(SecretCreate, fields)
     return JSONResponse(_secret(svc.secrets.create(made)), status_code=201)
 
 
@@ -102,7 +91,7 @@ async def get_secret(secret_id: str, svc: Svc) -> Response:
 
 @secrets_rest.post("/secrets/{secret_id}")
 async def update_secret(secret_id: str, body: SecretChange, svc: Svc) -> Response:
-    change = _valid(SecretUpdate, {"value": body.value, "hosts": _hosts(body.metadata, False)})
+    change = validated(SecretUpdate, {"value": body.value, "hosts": _hosts(body.metadata, False)})
     return JSONResponse(_secret(svc.secrets.update(secret_id, change)))
 
 
