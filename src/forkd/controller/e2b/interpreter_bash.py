@@ -4,7 +4,6 @@ processes (``/bin/bash -c``), its output passed on as it comes (each stream kept
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -38,7 +37,7 @@ async def bash_lines(
         async for event in events:
             body = event.body
             if event.event in ("stdout", "stderr") and isinstance(body, OutputData):
-                data = _bytes(body)[: max(0, MAX_KEPT_BYTES - kept[event.event])]
+                data = body.raw()[: max(0, MAX_KEPT_BYTES - kept[event.event])]
                 kept[event.event] += len(data)
                 if event.event == "stderr":
                     stderr += data
@@ -55,7 +54,3 @@ async def bash_lines(
         status = "timed out" if exit_code == EXIT_TIMEOUT else f"exit status {exit_code}"
         traceback = stderr.decode("utf-8", "replace")
         yield {"type": "error", "name": "ShellError", "value": status, "traceback": traceback}
-
-
-def _bytes(body: OutputData) -> bytes:
-    return body.data.encode() if body.encoding == "utf-8" else base64.b64decode(body.data)

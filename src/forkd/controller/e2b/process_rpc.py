@@ -190,8 +190,7 @@ async def _events(
     async for event in await svc.processes.output(sandbox_id, pid, offset, follow=True):
         body = event.body
         if event.event in ("stdout", "stderr", "pty") and isinstance(body, OutputData):
-            data = body.data.encode() if body.encoding == "utf-8" else base64.b64decode(body.data)
-            output = pm.DataEvent(output=Oneof(event.event, data))
+            output = pm.DataEvent(output=Oneof(event.event, body.raw()))
             yield pm.ProcessEvent(event=Oneof("data", output))
         elif event.event == "keepalive":
             yield pm.ProcessEvent(event=Oneof("keepalive", pm.KeepAlive()))

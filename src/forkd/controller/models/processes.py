@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -88,6 +89,10 @@ class OutputData(BaseModel):
     encoding: Literal["utf-8", "base64"] = Field(description="base64 when not valid UTF-8")
     offset: int = Field(description="of the first byte")
     next_offset: int = Field(description="after the last byte: where to resume")
+
+    def raw(self) -> bytes:
+        """The bytes this event carries, whichever way they were encoded."""
+        return self.data.encode() if self.encoding == "utf-8" else base64.b64decode(self.data)
 
 
 class OutputGap(BaseModel):
