@@ -354,6 +354,15 @@ class FakeVM(VMLifecycle):
                 "timed_out": False,
                 "duration_ms": 1.0,
             }
+        if argv == ["env", "-0"]:  # the image's environment, as the agent gives commands
+            env = {"PATH": "/usr/bin:/bin", **(self.contents.defaults.get("env") or {})}
+            return {
+                "stdout": "".join(f"{k}={v}\0" for k, v in env.items()),
+                "stderr": "",
+                "exit_code": 0,
+                "timed_out": False,
+                "duration_ms": 1.0,
+            }
         if argv[:1] == ["exit"]:
             code = int(argv[1])
             return {

@@ -18,6 +18,7 @@ from forkd.controller.e2b.envd import envd
 from forkd.controller.e2b.filesystem_rpc import filesystem_app
 from forkd.controller.e2b.guest_hosts import GuestHosts, proxy_app
 from forkd.controller.e2b.interpreter import interpreter
+from forkd.controller.e2b.logs_rest import logs_rest
 from forkd.controller.e2b.metrics_rest import metrics_rest
 from forkd.controller.e2b.process_rpc import process_app
 from forkd.controller.e2b.rest import daemon_services, rest
@@ -50,6 +51,7 @@ def create_e2b_app(
     app.include_router(rest, dependencies=[Depends(api_key)])
     app.include_router(snapshots_rest, dependencies=[Depends(api_key)])
     app.include_router(metrics_rest, dependencies=[Depends(api_key)])
+    app.include_router(logs_rest, dependencies=[Depends(api_key)])
     app.include_router(templates_rest, dependencies=[Depends(api_key)])
     app.include_router(secrets_rest, dependencies=[Depends(api_key)])
     app.include_router(envd)

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from forkd.controller.bodies import receive_upload, stream_download
+from forkd.controller.e2b.guest_values import text
 from forkd.controller.e2b.gzip_body import content_encoding, inflated
 from forkd.controller.e2b.rest import Svc
 from forkd.controller.e2b.target import ENVD_PORT, sandbox_dependency
@@ -64,6 +65,17 @@ async def health(sandbox: Sandbox) -> Response:
     if sandbox.state != SandboxState.RUNNING:
         raise UpstreamError(f"sandbox {sandbox.id!r} is not running")
     return Response(status_code=204)
+
+
+@envd.get("/envs")
+async def envs(sandbox: Sandbox, svc: Svc) -> Response:
+    """The environment every command in the sandbox starts with (the image's, with the
+    sandbox's envVars), as the guest's ``env`` prints it."""
+    ran = await svc.guest.call(sandbox.id, lambda vm: vm.guest.exec(["env", "-0"], timeout=10))
+    if ran["exit_code"] != 0:
+        raise GuestError(f"env in the guest exited {ran['exit_code']}")
+    pairs = (item.partition("=") for item in ran["stdout"].split("\0") if item)
+    return JSONResponse({text(name): text(value) for name, sep, value in pairs if sep and name})
 
 
 @envd.get("/files")

@@ -151,6 +151,13 @@ class EventBus:
         except Exception:  # an event lost must not fail what it reports
             log.exception("publishing a %r event failed", type)
 
+    def held(self, sandbox_id: str) -> list[dict[str, Any]]:
+        """The events of ``sandbox_id`` still in the ring, oldest first, as JSON objects
+        (the daemon keeps its last :data:`EVENT_RING_SIZE` events, of every sandbox)."""
+        with self._lock:
+            mine = [e.data for e in self._ring if e.sandbox_id == sandbox_id]
+        return [json.loads(data) for data in mine]
+
     def close(self) -> None:
         """The daemon stops: every stream ends, and no new one starts."""
         self._closed = True
