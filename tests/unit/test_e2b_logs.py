@@ -3,17 +3,31 @@ asked with E2B's own generated client and over HTTP as the SDK sends them."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import e2b
 import httpx
 from e2b.api.client.api.sandboxes import (
     get_sandboxes_sandbox_id_logs,
     get_v_2_sandboxes_sandbox_id_logs,
 )
-from e2b.api.client.models import LogLevel, LogsDirection
+from e2b.api.client.models import LogLevel, LogsDirection, SandboxLogs, SandboxLogsV2Response
 from e2b.api.client_sync import get_api_client
 from e2b.connection_config import ConnectionConfig
 
 from tests.unit.conftest import TOKEN, Server
+
+
+def v1_logs(sandbox_id: str, **kw: Any) -> SandboxLogs:
+    answer = get_sandboxes_sandbox_id_logs.sync(sandbox_id, **kw)
+    assert isinstance(answer, SandboxLogs), answer
+    return answer
+
+
+def v2_logs(sandbox_id: str, **kw: Any) -> SandboxLogsV2Response:
+    answer = get_v_2_sandboxes_sandbox_id_logs.sync(sandbox_id, **kw)
+    assert isinstance(answer, SandboxLogsV2Response), answer
+    return answer
 
 
 def test_logs_are_the_sandboxs_own_events_filtered_as_asked(server: Server, e2b_url: str) -> None:
@@ -22,24 +36,20 @@ def test_logs_are_the_sandboxs_own_events_filtered_as_asked(server: Server, e2b_
     sbx.pause()
     e2b.Sandbox.connect(sbx.sandbox_id)
     client = get_api_client(ConnectionConfig())
-    v1 = get_sandboxes_sandbox_id_logs.sync(sbx.sandbox_id, client=client)
+    v1 = v1_logs(sbx.sandbox_id, client=client)
     kinds = [e.fields["type"] for e in v1.log_entries]
     assert kinds[0] == "created" and "hibernated" in kinds and kinds[-1] == "resumed"
     assert [line.line.split()[0] for line in v1.logs] == kinds
     assert all(e.level == LogLevel.INFO for e in v1.log_entries)
-    forward = get_v_2_sandboxes_sandbox_id_logs.sync(sbx.sandbox_id, client=client, limit=2)
+    forward = v2_logs(sbx.sandbox_id, client=client, limit=2)
     assert [e.fields["type"] for e in forward.logs] == kinds[:2]
-    back = get_v_2_sandboxes_sandbox_id_logs.sync(
-        sbx.sandbox_id, client=client, direction=LogsDirection.BACKWARD, limit=1
-    )
+    back = v2_logs(sbx.sandbox_id, client=client, direction=LogsDirection.BACKWARD, limit=1)
     assert [e.fields["type"] for e in back.logs] == ["resumed"]
-    found = get_v_2_sandboxes_sandbox_id_logs.sync(sbx.sandbox_id, client=client, search="hibern")
+    found = v2_logs(sbx.sandbox_id, client=client, search="hibern")
     assert {e.fields["type"] for e in found.logs} == {"hibernated"}
-    errors = get_v_2_sandboxes_sandbox_id_logs.sync(
-        sbx.sandbox_id, client=client, level=LogLevel.ERROR
-    )
+    errors = v2_logs(sbx.sandbox_id, client=client, level=LogLevel.ERROR)
     assert errors.logs == []
-    theirs = get_sandboxes_sandbox_id_logs.sync(other.sandbox_id, client=client)
+    theirs = v1_logs(other.sandbox_id, client=client)
     assert [e.fields["type"] for e in theirs.log_entries] == ["created"]  # not sbx's
     other.kill()
     gone = get_sandboxes_sandbox_id_logs.sync_detailed(other.sandbox_id, client=client)

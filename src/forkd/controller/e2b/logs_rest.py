@@ -79,8 +79,8 @@ async def logs_v2(
     if direction == "backward":
         events.reverse()
     if cursor is not None:
-        after = (lambda ms: ms >= cursor) if direction == "forward" else (lambda ms: ms <= cursor)
-        events = [e for e in events if after(_unix_ms(e))]
+        sign = 1 if direction == "forward" else -1  # backward: from the cursor back
+        events = [e for e in events if sign * (_unix_ms(e) - cursor) >= 0]
     least = LEVELS.index(level) if level is not None else 0
     entries = [
         entry
