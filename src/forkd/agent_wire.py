@@ -83,9 +83,12 @@ class ConfigureParams(TypedDict):
 
 
 class EnvSetParams(TypedDict):
-    """Variables added to the image's environment, for every command started from now."""
+    """Variables added to the image's environment, for every command started from now;
+    ``cwd`` and ``user``, when given, replace the image's defaults."""
 
     env: dict[str, str]
+    cwd: NotRequired[str]
+    user: NotRequired[str]
 
 
 class EvalParams(TypedDict):

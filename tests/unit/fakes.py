@@ -363,6 +363,8 @@ class FakeVM(VMLifecycle):
                 "timed_out": False,
                 "duration_ms": 1.0,
             }
+        if argv[:2] == ["/bin/sh", "-c"] and argv[2].startswith("exit "):
+            argv = argv[2].split()  # a shell line that exits, as a shell runs it
         if argv[:1] == ["exit"]:
             code = int(argv[1])
             return {
@@ -431,10 +433,16 @@ class FakeVM(VMLifecycle):
         self.image_defaults = {"env": image_env, "cwd": cwd, "user": user}
         self.contents.defaults = {"env": dict(env), "cwd": cwd, "user": user}
 
-    async def env_set(self, env: dict[str, str]) -> None:
+    async def env_set(
+        self, env: dict[str, str], *, cwd: str | None = None, user: str | None = None
+    ) -> None:
         self._agent("env_set")
         defaults = self.contents.defaults
         defaults["env"] = {**(defaults.get("env") or {}), **env}
+        if cwd is not None:
+            defaults["cwd"] = cwd
+        if user is not None:
+            defaults["user"] = user
 
     async def read_file(self, path: str) -> bytes:
         self._agent("file_read")

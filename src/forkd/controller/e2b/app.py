@@ -14,6 +14,7 @@ from starlette.types import Scope
 from forkd import __version__, limits
 from forkd.controller import http_errors
 from forkd.controller.e2b.auth import check_api_key
+from forkd.controller.e2b.build_rest import UPLOADS, build_files, build_rest
 from forkd.controller.e2b.envd import envd
 from forkd.controller.e2b.filesystem_rpc import filesystem_app
 from forkd.controller.e2b.guest_hosts import GuestHosts, proxy_app
@@ -54,6 +55,8 @@ def create_e2b_app(
     app.include_router(logs_rest, dependencies=[Depends(api_key)])
     app.include_router(templates_rest, dependencies=[Depends(api_key)])
     app.include_router(secrets_rest, dependencies=[Depends(api_key)])
+    app.include_router(build_rest, dependencies=[Depends(api_key)])
+    app.include_router(build_files)
     app.include_router(envd)
     app.include_router(interpreter)
     for rpc in (process_app, filesystem_app):
@@ -85,6 +88,8 @@ CONNECT_SERVICES = ("/process.Process/", "/filesystem.Filesystem/")
 
 
 def _upload(scope: Scope) -> bool:
+    if scope["method"] == "PUT" and str(scope["path"]).startswith(UPLOADS):
+        return True  # a template build's files (build_rest)
     return bool(scope["method"] == "POST" and scope["path"] in STREAMED)
 
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from forkd import limits
 from forkd.controller.services import legacy_files
-from forkd.controller.services.guest_calls import GuestCalls
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Conflict, ForkdError, GuestError, GuestStorageFull, Invalid
 
@@ -46,6 +45,19 @@ _TRANSFER_REFUSALS: dict[str, type[ForkdError]] = {
 }
 
 
+class CallsGuest(Protocol):
+    """What runs a call on a sandbox's VM: the daemon's :class:`GuestCalls`, or one VM's
+    own (a template being built)."""
+
+    async def call(
+        self,
+        sandbox_id: str,
+        call: Callable[[SandboxVM], Awaitable[T]],
+        refusals: Mapping[str, type[ForkdError]] | None = None,
+        wake: bool = True,
+    ) -> T: ...
+
+
 @dataclass(frozen=True)
 class _Transfer:
     """An open upload: its id, and whether its agent takes chunks raw (``payload``)."""
@@ -63,7 +75,7 @@ class Download:
 
 
 class FileTransferService:
-    def __init__(self, guest: GuestCalls) -> None:
+    def __init__(self, guest: CallsGuest) -> None:
         self.guest = guest
 
     # ------------------------------------------------------------ upload

@@ -15,7 +15,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +49,6 @@ from forkd.errors import (
 )
 from forkd.guest import image as images
 from forkd.states import SnapshotMode, SnapshotStatus
-from forkd.vmm.agent.ops import EVAL_IMAGE_REFUSALS
 from forkd.vmm.jail import egress
 from forkd.vmm.pool import ForkPool
 from forkd.vmm.snapshot import compact as snapshot_compact
@@ -86,6 +85,10 @@ def memory_file(row: SnapshotRow) -> Path:
     """The file holding a snapshot's memory: ``memory.bin``, or a diff's ``memory.diff``."""
     name = snapshot_files.MEMORY_DIFF if row.mode == "diff" else snapshot_files.MEMORY
     return Path(row.dir) / name
+
+
+# More work on a template before its snapshot: E2B's build steps (forkd.controller.e2b).
+Prepare = Callable[[SandboxVM], Awaitable[None]]
 
 
 def _memory_mib(req: SnapshotCreate, img: images.Image) -> int:
@@ -128,8 +131,10 @@ class SnapshotService:
 
     # ------------------------------------------------------------ create
 
-    async def create(self, req: SnapshotCreate) -> SnapshotInfo:
-        """Boot a template, run its setup and warm-up, snapshot it as ``req.tag``."""
+    async def create(self, req: SnapshotCreate, prepare: Prepare | None = None) -> SnapshotInfo:
+        """Boot a template, run its setup and warm-up, snapshot it as ``req.tag``.
+        ``prepare`` (the daemon's own callers: E2B's template builds) runs on the
+        template after them, before ``start``."""
         tag = limits.check_tag(req.tag)
         template_start.check(req)
         with self.records.reserve_tag(tag):  # before an import that may take minutes
@@ -143,7 +148,7 @@ class SnapshotService:
                 self.holds.volume_layers(),
             ):
                 try:
-                    started = await self._build(req, img)
+                    started = await self._build(req, img, prepare)
                 except TemplateSetupFailed:
                     raise  # its message says which command failed
                 except StorageFull as exc:
@@ -170,12 +175,50 @@ class SnapshotService:
                 ) from exc
         return await self.images.resolve(req.image)
 
-    async def _build(self, req: SnapshotCreate, img: images.Image) -> str | None:
+    async def _build(
+        self, req: SnapshotCreate, img: images.Image, prepare: Prepare | None
+    ) -> str | None:
         """The template built and snapshotted; with ``start``, what was waited for."""
         # The image recipe's template settings come first; the request adds to them.
         defaults: dict[str, Any] = img.meta.get("template") or {}
         setup = [*(defaults.get("setup") or []), *req.setup]
         warmups = [w for w in (defaults.get("warmup"), req.warmup) if w]
+        template = await self._boot(req, img, defaults)
+        events = self.events
+
+        def progress(step: str, message: str, output: str = "") -> None:
+            fields = {"output": output} if output else {}
+            events.publish(
+                "snapshot_progress", snapshot_tag=req.tag, step=step, message=message, **fields
+            )
+
+        try:
+            ca = self.egress_ca if self.launcher.network.egress is not None else None
+            await template_start.configure(template, img, req, ca.pem if ca else None)
+            progress(
+                "setup", f"booted; running {len(setup)} setup command(s), {len(warmups)} warm-up(s)"
+            )
+            await template_start.run_setup(template, setup, warmups)
+            if prepare is not None:
+                await prepare(template)
+            said = await template_start.start(
+                template, img, req, lambda message, output: progress("start", message, output)
+            )
+            progress("snapshot", "taking the snapshot")
+            started = time.monotonic()
+            await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
+            self.metrics.snapshot_seconds.observe(time.monotonic() - started)
+            files = snapshot_files.load(self.root / req.tag)
+            self.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
+            self.events.publish("snapshot_created", snapshot_tag=req.tag)
+        finally:
+            await template.kill()
+        return said
+
+    async def _boot(
+        self, req: SnapshotCreate, img: images.Image, defaults: dict[str, Any]
+    ) -> SandboxVM:
+        """The template's VM, booted with its volumes attached and its network."""
         attach = self.volumes.attach_for_boot(req.volumes)
         self.events.publish(
             "snapshot_progress",
@@ -184,7 +227,7 @@ class SnapshotService:
             message=f"booting image {img.name}",
         )
         try:
-            template = await self.launcher.driver.boot(
+            return await self.launcher.driver.boot(
                 img,
                 run_root=self.settings.run_dir,
                 memory_mib=_memory_mib(req, img),
@@ -201,56 +244,6 @@ class SnapshotService:
         except BaseException:
             self.volumes.discard_unused(attach)  # made, but no VM took them
             raise
-        events = self.events
-
-        def progress(step: str, message: str, output: str = "") -> None:
-            fields = {"output": output} if output else {}
-            events.publish(
-                "snapshot_progress", snapshot_tag=req.tag, step=step, message=message, **fields
-            )
-
-        try:
-            ca = self.egress_ca if self.launcher.network.egress is not None else None
-            await template_start.configure(template, img, req, ca.pem if ca else None)
-            progress(
-                "setup", f"booted; running {len(setup)} setup command(s), {len(warmups)} warm-up(s)"
-            )
-            await self._prepare(template, setup, warmups)
-            said = await template_start.start(
-                template, img, req, lambda message, output: progress("start", message, output)
-            )
-            progress("snapshot", "taking the snapshot")
-            started = time.monotonic()
-            await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
-            self.metrics.snapshot_seconds.observe(time.monotonic() - started)
-            files = snapshot_files.load(self.root / req.tag)
-            self.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
-            self.events.publish("snapshot_created", snapshot_tag=req.tag)
-        finally:
-            await template.kill()
-        return said
-
-    @staticmethod
-    async def _prepare(template: SandboxVM, setup: list[str], warmups: list[str]) -> None:
-        for cmd in setup:
-            res = await template.guest.exec(
-                ["/bin/sh", "-c", cmd], timeout=limits.SETUP_TIMEOUT_SECS
-            )
-            if res["exit_code"] != 0:
-                tail = (res["stderr"] or res["stdout"]).strip()[-1500:]
-                raise TemplateSetupFailed(
-                    f"setup command {cmd!r} exited {res['exit_code']}: {tail}"
-                )
-        for warmup in warmups:
-            try:
-                evaluated = await template.guest.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
-            except AgentError as exc:
-                if exc.kind in EVAL_IMAGE_REFUSALS:  # the image cannot run it: 409
-                    raise Conflict(f"warmup cannot run: {exc}") from exc
-                raise
-            error = evaluated.get("error")
-            if error:
-                raise TemplateSetupFailed(f"warmup failed:\n{error}")
 
     # ------------------------------------------------------------ read
 

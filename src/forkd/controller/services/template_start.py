@@ -1,5 +1,6 @@
-"""A container image's template before its snapshot: the image's defaults given to the
-agent, and (``start``) the image's service started and waited for until it is ready.
+"""A template before its snapshot: the image's defaults given to the agent, its setup
+commands and warm-ups run, and (``start``) the image's service started and waited for
+until it is ready.
 
 Every fork restores the template's memory, so a service started here runs,
 warm, in each fork from its first instruction: that is the point of ``start``.
@@ -20,9 +21,10 @@ from forkd.controller.models import SnapshotCreate
 from forkd.controller.services import egress_trust
 from forkd.controller.services.process_output import ReadAnswer
 from forkd.controller.services.sandbox_vm import SandboxGuest, SandboxVM
-from forkd.errors import AgentError, GuestError, Invalid, VMError
+from forkd.errors import AgentError, Conflict, GuestError, Invalid, VMError
 from forkd.guest import container_image
 from forkd.guest import image as images
+from forkd.vmm.agent.ops import EVAL_IMAGE_REFUSALS
 
 log = logging.getLogger(__name__)
 POLL_SECS = 0.5
@@ -69,6 +71,25 @@ async def configure(
         env = {**await egress_trust.install(template.guest, ca_pem, req.tag), **env}
     if env or cwd or user:
         await template.guest.configure(env=env, cwd=cwd, user=user)
+
+
+async def run_setup(template: SandboxVM, setup: list[str], warmups: list[str]) -> None:
+    """A template's setup commands, then its warm-ups (each an eval), in order."""
+    for cmd in setup:
+        res = await template.guest.exec(["/bin/sh", "-c", cmd], timeout=limits.SETUP_TIMEOUT_SECS)
+        if res["exit_code"] != 0:
+            tail = (res["stderr"] or res["stdout"]).strip()[-1500:]
+            raise TemplateSetupFailed(f"setup command {cmd!r} exited {res['exit_code']}: {tail}")
+    for warmup in warmups:
+        try:
+            evaluated = await template.guest.eval(warmup, timeout=limits.SETUP_TIMEOUT_SECS)
+        except AgentError as exc:
+            if exc.kind in EVAL_IMAGE_REFUSALS:  # the image cannot run it: 409
+                raise Conflict(f"warmup cannot run: {exc}") from exc
+            raise
+        error = evaluated.get("error")
+        if error:
+            raise TemplateSetupFailed(f"warmup failed:\n{error}")
 
 
 def readiness(req: SnapshotCreate, exposed: tuple[str, ...]) -> tuple[int | None, str]:
@@ -125,10 +146,27 @@ async def start(
     port, said = readiness(req, config.exposed_ports)
     if port != req.ready_port:
         req = req.model_copy(update={"ready_port": port})
+    await run_until_ready(template, argv, req, report, what="the image's command")
+    return said
+
+
+async def run_until_ready(
+    template: SandboxVM,
+    argv: list[str],
+    req: SnapshotCreate,
+    report: Report | None = None,
+    *,
+    what: str = "the command",
+) -> None:
+    """Start ``argv`` in the background and wait until ``req``'s ``ready_port`` listens
+    and its ``ready_cmd`` exits 0 (with neither: until it is seen running), within
+    ``req.ready_timeout_secs``; :class:`TemplateSetupFailed` when it exits first or is
+    not ready in time, with its last output."""
     proc = await template.guest.proc_start(argv)
     pid = int(proc["pid"])
     began = time.monotonic()
     deadline = began + req.ready_timeout_secs
+    port = req.ready_port
     waiting = (
         f"port {port} to listen"
         if port is not None
@@ -152,13 +190,13 @@ async def start(
         if not info["running"]:
             tail = await _output_tail(template, pid)
             raise TemplateSetupFailed(
-                f"the image's command {argv!r} exited {info['exit_code']} before it was "
+                f"{what} {argv!r} exited {info['exit_code']} before it was "
                 f"ready; its last output:\n{tail}"
             )
         if await _ready(template, req):
-            return said
+            return
         if time.monotonic() >= deadline:
-            raise _not_ready(argv, req, await _output_tail(template, pid))
+            raise _not_ready(argv, req, await _output_tail(template, pid), what)
         await asyncio.sleep(POLL_SECS)
 
 
@@ -171,7 +209,7 @@ async def _ready(template: SandboxVM, req: SnapshotCreate) -> bool:
     return True
 
 
-def _not_ready(argv: list[str], req: SnapshotCreate, tail: str) -> TemplateSetupFailed:
+def _not_ready(argv: list[str], req: SnapshotCreate, tail: str, who: str) -> TemplateSetupFailed:
     """The image's command ran past its readiness deadline: what was not ready, and its
     last output."""
     what = (
@@ -182,7 +220,7 @@ def _not_ready(argv: list[str], req: SnapshotCreate, tail: str) -> TemplateSetup
         else "it did not stay up"
     )
     return TemplateSetupFailed(
-        f"the image's command {argv!r} was not ready within "
+        f"{who} {argv!r} was not ready within "
         f"{req.ready_timeout_secs:g} s ({what}; ready_timeout_secs, --ready-timeout, "
         f"waits longer: default {limits.READY_TIMEOUT_SECS:g} s); its last "
         f"output:\n{tail}"

@@ -139,16 +139,17 @@ def op_configure(req: dict[str, Any]) -> wire.Empty:
 
 
 def op_env_set(req: dict[str, Any]) -> wire.Empty:
-    """Add variables to the image's environment (E2B's envVars): every command started
-    from now has them; a running eval worker keeps the environment it has."""
-    given = req.get("env")
-    if not isinstance(given, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in k + v
-        for k, v in given.items()
-    ):
+    """Add variables to the image's environment (E2B's envVars), and with ``cwd`` or
+    ``user`` make them the default of commands (an E2B template's WORKDIR and USER):
+    every command started from now has them; a running eval worker keeps what it has."""
+    if not isinstance(req.get("env"), dict):
         raise RequestError("'env' must map names (no '=', no NUL) to strings")
+    with params.request_errors():
+        given = forkd_identity.parse_defaults(req)
     current = command.IMAGE_DEFAULTS
-    merged = forkd_identity.ImageDefaults({**current.env, **given}, current.cwd, current.user)
+    merged = forkd_identity.ImageDefaults(
+        {**current.env, **given.env}, given.cwd or current.cwd, given.user or current.user
+    )
     forkd_identity.save_defaults(merged)  # a respawned agent reads it back
     command.set_image_defaults(merged)
     return {}

@@ -125,9 +125,17 @@ class Guest:
         """Give the agent an image's defaults for every command that does not set its own."""
         await self._ask(wire.CONFIGURE({"env": env, "cwd": cwd, "user": user}))
 
-    async def env_set(self, env: dict[str, str]) -> None:
-        """Add ``env`` to the image's environment, for every command started from now."""
-        await self._ask(wire.ENV_SET({"env": env}))
+    async def env_set(
+        self, env: dict[str, str], *, cwd: str | None = None, user: str | None = None
+    ) -> None:
+        """Add ``env`` to the image's environment, for every command started from now;
+        ``cwd`` and ``user`` (when given) become their defaults."""
+        params: wire.EnvSetParams = {"env": env}
+        if cwd is not None:
+            params["cwd"] = cwd
+        if user is not None:
+            params["user"] = user
+        await self._ask(wire.ENV_SET(params))
 
     async def eval(
         self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS, tag: str | None = None
