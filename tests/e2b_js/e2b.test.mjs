@@ -3,10 +3,13 @@
 // E2B_API_URL, E2B_SANDBOX_URL and E2B_API_KEY pointed at the suite's daemon, and
 // E2B_TEMPLATE naming a template snapshot of it.
 import assert from 'node:assert/strict'
+import { mkdtempSync, writeFileSync } from 'node:fs'
+import { tmpdir } from 'node:os'
+import { join } from 'node:path'
 import { test } from 'node:test'
 
 import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
-import { CommandExitError, Sandbox } from 'e2b'
+import { CommandExitError, Sandbox, Template } from 'e2b'
 
 const template = process.env.E2B_TEMPLATE
 const timeoutMs = 300_000
@@ -65,5 +68,33 @@ test('the code interpreter keeps its names between executions', async () => {
     assert.equal(failed.error.name, 'NameError')
   } finally {
     await sbx.kill()
+  }
+})
+
+test('a template built with the SDK is a template its sandboxes start from', async () => {
+  const context = mkdtempSync(join(tmpdir(), 'e2b-js-build-'))
+  writeFileSync(join(context, 'note.txt'), 'copied from node\n')
+  const built = Template({ fileContextPath: context })
+    .fromTemplate(template)
+    .copy('note.txt', '/srv/js/')
+    .setEnvs({ FROM_JS: 'yes' })
+    .runCmd('cat /srv/js/note.txt > /srv/js/ran.txt')
+  const logs = []
+  await Template.build(built, 'e2b-js-built', { onBuildLogs: (entry) => logs.push(entry.message) })
+  try {
+    assert.ok(logs.some((line) => line.includes('is ready')), logs.join('\n'))
+    const sbx = await Sandbox.create('e2b-js-built', { timeoutMs })
+    try {
+      const ran = await sbx.commands.run('cat /srv/js/ran.txt; echo $FROM_JS')
+      assert.equal(ran.stdout, 'copied from node\nyes\n')
+    } finally {
+      await sbx.kill()
+    }
+  } finally {
+    const res = await fetch(`${process.env.E2B_API_URL}/templates/e2b-js-built`, {
+      method: 'DELETE',
+      headers: { 'X-API-Key': process.env.E2B_API_KEY },
+    })
+    assert.equal(res.status, 204)
   }
 })

@@ -1,7 +1,7 @@
 """E2B's own npm SDKs (``e2b`` and ``@e2b/code-interpreter``, pinned in tests/e2b_js's
 lock file, installed with ``npm ci``) against the suite's real daemon and its E2B port:
-commands, files, a streamed watch (Connect's server streams as connect-web reads them)
-and the code interpreter, from node's test runner."""
+commands, files, a streamed watch (Connect's server streams as connect-web reads them),
+the code interpreter and a template build, from node's test runner."""
 
 from __future__ import annotations
 
@@ -43,4 +43,4 @@ def test_e2bs_npm_sdks_against_a_real_daemon(daemon: Daemon, api_template: str) 
         [npm, "test"], cwd=TESTS, env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert "# fail 0" in run.stdout and "# pass 2" in run.stdout, run.stdout[-3000:]
+    assert "# fail 0" in run.stdout and "# pass 3" in run.stdout, run.stdout[-3000:]

@@ -37,3 +37,23 @@ def test_env_set_adds_to_the_images_environment(
         with pytest.raises(params.RequestError):
             handlers.op_env_set({"env": bad})
     assert command.IMAGE_DEFAULTS is now  # refused: nothing changed
+
+
+def test_env_set_with_cwd_and_user_makes_them_the_defaults(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An E2B template's WORKDIR and USER: the defaults of every later command."""
+    saved = tmp_path / "defaults.json"
+    monkeypatch.setattr(identity, "DEFAULTS_FILE", str(saved))
+    image = identity.ImageDefaults({"PATH": "/usr/bin"}, "/work", "app")
+    monkeypatch.setattr(command, "IMAGE_DEFAULTS", image)
+    handlers.op_env_set({"env": {}, "cwd": "/srv/app"})
+    assert (command.IMAGE_DEFAULTS.cwd, command.IMAGE_DEFAULTS.user) == ("/srv/app", "app")
+    handlers.op_env_set({"env": {"A": "1"}, "user": "root"})
+    now = command.IMAGE_DEFAULTS
+    assert (now.env, now.cwd, now.user) == ({"PATH": "/usr/bin", "A": "1"}, "/srv/app", "root")
+    assert json.loads(saved.read_text())["cwd"] == "/srv/app"
+    for bad in ({"cwd": "relative"}, {"cwd": 3}, {"user": ""}, {"user": "a\0b"}):
+        with pytest.raises(params.RequestError):
+            handlers.op_env_set({"env": {}, **bad})
+    assert command.IMAGE_DEFAULTS is now

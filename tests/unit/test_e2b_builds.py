@@ -13,6 +13,7 @@ import httpx
 import pytest
 from e2b import Template
 
+from forkd.controller.e2b.builds import MAX_LINE_CHARS, MAX_LOG_CHARS, MAX_LOG_ENTRIES, Build
 from tests.unit.conftest import TOKEN, Server
 from tests.unit.e2b_port import UPLOAD_LIMIT
 from tests.unit.e2b_port import forkd_client as _forkd
@@ -138,3 +139,20 @@ def test_an_upload_past_the_limit_is_refused_and_not_kept(server: Server, e2b_ur
     state_dir = server.app.state.services.settings.state_dir
     kept = list((state_dir / "e2b-builds").rglob("*"))
     assert [p for p in kept if p.is_file()] == []
+
+
+def test_a_builds_log_is_bounded_and_says_so() -> None:
+    build = Build("t", None, None)
+    for _ in range(MAX_LOG_ENTRIES + 50):
+        build.log("line")
+    assert len(build.entries) == MAX_LOG_ENTRIES + 1
+    assert build.entries[-1]["message"] == "(the rest of the build's log was cut)"
+    huge = Build("t", None, None)
+    for _ in range(1000):
+        huge.log("x" * 100_000)  # each line cut to MAX_LINE_CHARS
+    assert sum(len(e["message"]) for e in huge.entries) <= MAX_LOG_CHARS + MAX_LINE_CHARS
+    huge.fail("it broke", "3")
+    assert huge.entries[-1]["message"] == "it broke" and huge.reason == {
+        "message": "it broke",
+        "step": "3",
+    }

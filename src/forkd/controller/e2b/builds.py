@@ -35,6 +35,8 @@ FILES_HASH = re.compile(r"^[0-9a-f]{64}$")  # E2B's files hash: a sha256, in hex
 MAX_BUILDS = 32  # builds held at once (waiting, building, or finished and still asked of)
 MAX_FILES = 256  # uploads of one build
 MAX_LOG_ENTRIES = 10_000  # of one build's log; past it one entry says the rest was cut
+MAX_LOG_CHARS = 4 << 20  # of one build's log, all its entries
+MAX_LINE_CHARS = 8 << 10  # of one entry (a line of a step's output)
 KEEP_FINISHED_SECS = 3600.0  # a finished build answers its status this long
 UPLOAD_SECS = 3600.0  # a build not started this long after its request is dropped
 
@@ -58,19 +60,29 @@ class Build:
     created: float = field(default_factory=time.monotonic)
     finished: float | None = None
     task: asyncio.Task[None] | None = None
+    log_chars: int = 0
+    cut: bool = False
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
-        if len(self.entries) > MAX_LOG_ENTRIES:
+        """One entry of the build's log; past :data:`MAX_LOG_ENTRIES` entries or
+        :data:`MAX_LOG_CHARS` characters, one last entry says the rest was cut."""
+        if self.cut:
             return
+        message = message[:MAX_LINE_CHARS]
+        self.log_chars += len(message)
+        if len(self.entries) >= MAX_LOG_ENTRIES or self.log_chars > MAX_LOG_CHARS:
+            self.cut = True
+            level, message = "warn", "(the rest of the build's log was cut)"
         entry: dict[str, Any] = {"timestamp": _stamp(), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
-        if len(self.entries) == MAX_LOG_ENTRIES:
-            entry = {**entry, "level": "warn", "message": "(the rest of the log was cut)"}
         self.entries.append(entry)
 
     def fail(self, message: str, step: str | None) -> None:
-        self.log(message, "error", step)
+        entry: dict[str, Any] = {"timestamp": _stamp(), "level": "error", "message": message}
+        if step is not None:
+            entry["step"] = step
+        self.entries.append(entry)  # whatever was cut before it
         self.status = "error"
         self.reason = {"message": message, **({"step": step} if step is not None else {})}
 
