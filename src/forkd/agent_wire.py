@@ -95,6 +95,32 @@ class EvalParams(TypedDict):
     code: str
     timeout_s: float
     tag: NotRequired[str]
+    context: NotRequired[str]  # an eval context's id (eval_context_open); none: the agent's
+
+
+class EvalInterruptParams(TypedDict):
+    context: NotRequired[str]
+
+
+class EvalContextOpenParams(TypedDict):
+    """An eval context of its own (E2B's code interpreter contexts): a worker process,
+    ``python`` or ``javascript`` (Node.js), started at its first eval in ``cwd``."""
+
+    context: str
+    language: str
+    cwd: NotRequired[str]
+
+
+class EvalContextOpenAnswer(TypedDict):
+    created: bool  # false: one of that id was open already
+
+
+class EvalContextCloseParams(TypedDict):
+    context: str
+
+
+class EvalContextCloseAnswer(TypedDict):
+    closed: bool  # false: there was none
 
 
 class EvalPeekParams(TypedDict):
@@ -426,7 +452,15 @@ EXEC: Op[ExecParams, ExecAnswer] = Op("exec", ExecAnswer)
 CONFIGURE: Op[ConfigureParams, Empty] = Op("configure", Empty)
 ENV_SET: Op[EnvSetParams, Empty] = Op("env_set", Empty)
 EVAL: Op[EvalParams, EvalAnswer] = Op("eval", EvalAnswer)
-EVAL_INTERRUPT: Op[None, EvalInterruptAnswer] = Op("eval_interrupt", EvalInterruptAnswer)
+EVAL_INTERRUPT: Op[EvalInterruptParams | None, EvalInterruptAnswer] = Op(
+    "eval_interrupt", EvalInterruptAnswer
+)
+EVAL_CONTEXT_OPEN: Op[EvalContextOpenParams, EvalContextOpenAnswer] = Op(
+    "eval_context_open", EvalContextOpenAnswer
+)
+EVAL_CONTEXT_CLOSE: Op[EvalContextCloseParams, EvalContextCloseAnswer] = Op(
+    "eval_context_close", EvalContextCloseAnswer
+)
 EVAL_PEEK: Op[EvalPeekParams, EvalPeekAnswer] = Op("eval_peek", EvalPeekAnswer)
 FILE_READ: Op[PathParams, FileReadAnswer] = Op("file_read", FileReadAnswer)
 FILE_WRITE: Op[FileWriteParams, SizeAnswer] = Op("file_write", SizeAnswer)

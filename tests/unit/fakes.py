@@ -197,6 +197,7 @@ class FakeVM(VMLifecycle):
         self.transfers = FakeTransfers(contents.files)
         self.entries = FakeEntries(lambda: self.contents.files, self._home)
         self.eval_timeouts: list[float] = []  # timeout of each eval, as the service asked
+        self.contexts: dict[str, dict[str, Any]] = {}  # eval contexts (a fork has none)
         # Guest TCP port -> a loopback port where a test's server plays the guest's service.
         self.ports: dict[int, int] = {}
 
@@ -387,18 +388,22 @@ class FakeVM(VMLifecycle):
         return {"running": False, "stdout": "", "stderr": ""}  # a fake eval is over at once
 
     async def eval(
-        self, code: str, timeout: float = 60.0, tag: str | None = None
+        self, code: str, timeout: float = 60.0, tag: str | None = None, context: str | None = None
     ) -> wire.EvalAnswer:
         self._agent("eval")
         self.eval_timeouts.append(timeout)
+        if context is None:
+            names = self.contents.names
+        elif context in self.contexts:  # a fake context runs every language as Python
+            names = self.contexts[context]
+        else:
+            raise AgentError(f"no eval context {context!r}", kind="NoContext")
         out = io.StringIO()
         shown: list[wire.DisplayItem] = []  # display(obj): its repr, as text/plain
-        self.contents.names["display"] = lambda obj: shown.append(
-            {"mime": "text/plain", "data": repr(obj)}
-        )
+        names["display"] = lambda obj: shown.append({"mime": "text/plain", "data": repr(obj)})
         try:
             with contextlib.redirect_stdout(out):
-                result = _run(code, self.contents.names)
+                result = _run(code, names)
         except Exception as exc:  # the whole traceback, as the guest agent answers
             error = 'Traceback (most recent call last):\n  File "<eval>", line 1\n'
             error += f"{type(exc).__name__}: {exc}\n"
@@ -419,9 +424,20 @@ class FakeVM(VMLifecycle):
             "display": shown,
         }
 
-    async def eval_interrupt(self) -> bool:
+    async def eval_interrupt(self, context: str | None = None) -> bool:
         self._agent("eval_interrupt")
         return False  # a fake eval is over before anyone could interrupt it
+
+    async def eval_context_open(self, context: str, language: str, cwd: str | None = None) -> bool:
+        self._agent("eval_context_open")
+        if context in self.contexts:
+            return False
+        self.contexts[context] = {}
+        return True
+
+    async def eval_context_close(self, context: str) -> bool:
+        self._agent("eval_context_close")
+        return self.contexts.pop(context, None) is not None
 
     async def configure(self, *, env: dict[str, str], cwd: str | None, user: str | None) -> None:
         self._agent("configure")

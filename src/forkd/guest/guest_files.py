@@ -77,6 +77,9 @@ GUEST_FILES = (
     _agent("forkd_eval_proc.py"),
     _agent("forkd-eval-worker.py"),
     _agent("forkd_eval_worker.py"),
+    # More eval contexts (E2B's code interpreter): workers of their own, Python or Node.js.
+    _agent("forkd_eval_contexts.py"),
+    _agent("forkd-js-worker.js"),
     # Seeds random in every Python process of a sandbox forked with a seed.
     _agent("seed/sitecustomize.py"),
     # The agent's wire format, which the daemon speaks too (standard library only).

@@ -29,6 +29,7 @@ from typing import Any
 import forkd_agent_command as command
 import forkd_agent_params as params
 import forkd_eval
+import forkd_eval_contexts
 import forkd_eval_proc
 import forkd_exec
 import forkd_identity
@@ -189,10 +190,23 @@ def _eval_launch() -> forkd_eval_proc.Launch:
     return forkd_eval_proc.Launch(env=command.env({}, who.home), cwd=command.cwd({}), identity=who)
 
 
+def _launch_in(cwd: str | None) -> forkd_eval_proc.Launch:
+    """An eval context's worker: as the image's, in the directory the context names."""
+    launch = _eval_launch()
+    return forkd_eval_proc.Launch(env=launch.env, cwd=cwd or launch.cwd, identity=launch.identity)
+
+
+# E2B's code interpreter contexts: workers of their own (forkd_eval_contexts.py).
+CONTEXTS = forkd_eval_contexts.Contexts(_launch_in)
+
+
 def op_eval(req: dict[str, Any]) -> wire.EvalAnswer:
     with params.request_errors():
         code, timeout_s = forkd_eval.eval_params(req)
+        context = forkd_eval_contexts.context_param(req)
     tag = req.get("tag") if isinstance(req.get("tag"), str) else None
+    if context is not None:
+        return CONTEXTS.get(context).run(code, timeout_s, tag)
     if IMAGE_EVAL is not None:
         answer = IMAGE_EVAL.run(code, timeout_s, tag)
     else:
@@ -203,9 +217,23 @@ def op_eval(req: dict[str, Any]) -> wire.EvalAnswer:
 
 
 def op_eval_interrupt(req: dict[str, Any]) -> wire.EvalInterruptAnswer:
+    with params.request_errors():
+        context = forkd_eval_contexts.context_param(req or {})
+    tag = req.get("tag") if req and isinstance(req.get("tag"), str) else None
+    if context is not None:
+        return {"interrupted": CONTEXTS.get(context).interrupt(tag)}
     runner = IMAGE_EVAL if IMAGE_EVAL is not None else EVAL
-    tag = req.get("tag") if isinstance(req.get("tag"), str) else None
     return {"interrupted": runner.interrupt(tag)}
+
+
+def op_eval_context_open(req: dict[str, Any]) -> wire.EvalContextOpenAnswer:
+    with params.request_errors():
+        return CONTEXTS.open(req)  # type: ignore[return-value]
+
+
+def op_eval_context_close(req: dict[str, Any]) -> wire.EvalContextCloseAnswer:
+    with params.request_errors():
+        return CONTEXTS.close(req)  # type: ignore[return-value]
 
 
 def op_eval_peek(req: dict[str, Any]) -> wire.EvalPeekAnswer:
@@ -395,6 +423,7 @@ def _reseed_python_rngs(seed: int | None) -> None:
     )
     if IMAGE_EVAL is not None:
         IMAGE_EVAL.reseed(int.from_bytes(os.urandom(32), "little") if seed is None else seed)
+    CONTEXTS.reseed(int.from_bytes(os.urandom(32), "little") if seed is None else seed)
 
 
 def _set_hostname(hostname: str) -> None:
@@ -410,6 +439,8 @@ OPS: dict[str, Handler] = {
     "eval": op_eval,
     "eval_interrupt": op_eval_interrupt,
     "eval_peek": op_eval_peek,
+    "eval_context_open": op_eval_context_open,
+    "eval_context_close": op_eval_context_close,
     "file_read": op_file_read,
     "file_write": op_file_write,
     "file_list": op_file_list,

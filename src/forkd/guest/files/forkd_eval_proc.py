@@ -37,6 +37,7 @@ from forkd import agent_wire as wire
 
 RUNTIME_PREFIX = "/opt/forkd/rt"  # forkd's own Python, on the runtime disk
 WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkd-eval-worker.py")
+JS_WORKER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "forkd-js-worker.js")
 PYTHON_NAMES = ("python3", "python")
 MIN_PYTHON = "3.8"  # as forkd-eval-worker.py's MIN_PYTHON
 CONTROL_WAIT_S = 5.0  # for an interrupt's or a reseed's answer
@@ -65,11 +66,27 @@ def in_runtime(prefix: str = sys.prefix) -> bool:
     return prefix == RUNTIME_PREFIX or prefix.startswith(RUNTIME_PREFIX + "/")
 
 
-def find_python(path_env: str) -> str | None:
-    """The image's python3, else python, on ``path_env`` (absolute entries only,
-    never forkd's own under /opt/forkd)."""
+@dataclass(frozen=True)
+class Program:
+    """What a worker runs in: the executables looked for on the image's PATH, the script
+    they run, and how an eval of it is interrupted (a request, else SIGINT)."""
+
+    label: str
+    names: tuple[str, ...]
+    script: str
+    interrupt_by_signal: bool = False
+
+
+PYTHON = Program("Python", PYTHON_NAMES, WORKER_SCRIPT)
+# JavaScript (E2B's code interpreter contexts), where the image has Node.js.
+NODE = Program("Node.js", ("node", "nodejs"), JS_WORKER_SCRIPT, interrupt_by_signal=True)
+
+
+def find_python(path_env: str, names: tuple[str, ...] = PYTHON_NAMES) -> str | None:
+    """The image's python3, else python (or the first of ``names``), on ``path_env``
+    (absolute entries only, never forkd's own under /opt/forkd)."""
     dirs = [d for d in path_env.split(":") if d.startswith("/")]
-    for name in PYTHON_NAMES:
+    for name in names:
         for directory in dirs:
             candidate = os.path.join(directory, name)
             if candidate.startswith("/opt/forkd/"):
@@ -160,7 +177,7 @@ class _Pending:
 class _Worker:
     """One running worker process: its pipes, its requests in flight, its end."""
 
-    def __init__(self, python: str, launch: Launch) -> None:
+    def __init__(self, python: str, launch: Launch, script: str = WORKER_SCRIPT) -> None:
         self.python = python
         self._ids = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
@@ -172,7 +189,7 @@ class _Worker:
         self.hello = _Pending()
         try:
             self.proc = subprocess.Popen(
-                [python, WORKER_SCRIPT],
+                [python, script],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -313,6 +330,15 @@ class _Worker:
             f"state (variables, imports) is gone; the next eval starts a fresh one{self._tail()}"
         )
 
+    def signal_eval(self, signum: int) -> bool:
+        """Send ``signum`` to the worker while an eval of it runs; whether one did."""
+        with self._lock:
+            busy = bool(self._pending)
+        if busy:
+            with contextlib.suppress(OSError):
+                os.kill(self.proc.pid, signum)
+        return busy
+
     def kill(self) -> None:
         with contextlib.suppress(OSError):
             self.proc.kill()
@@ -326,8 +352,9 @@ class _Worker:
 class ImagePython:
     """Evals in the image's python3: forkd_eval.EvalRunner's run and interrupt, in a worker."""
 
-    def __init__(self, launch: Callable[[], Launch]) -> None:
+    def __init__(self, launch: Callable[[], Launch], program: Program = PYTHON) -> None:
         self._launch = launch
+        self.program = program
         self._start_lock = threading.Lock()
         self._worker: _Worker | None = None
 
@@ -341,14 +368,15 @@ class ImagePython:
             if worker is not None:
                 return worker
             launch = self._launch()
-            python = find_python(launch.env.get("PATH", ""))
+            program = self.program
+            python = find_python(launch.env.get("PATH", ""), program.names)
             if python is None:
                 raise NoImagePython(
-                    "this sandbox's image has no python3 on its PATH "
-                    f"({launch.env.get('PATH', '')[:300]}): eval runs Python in the image; "
-                    "use exec"
+                    f"this sandbox's image has no {program.names[0]} on its PATH "
+                    f"({launch.env.get('PATH', '')[:300]}): eval runs {program.label} in the "
+                    "image; use exec"
                 )
-            worker = _Worker(python, launch)
+            worker = _Worker(python, launch, program.script)
             worker.wait_ready(min(START_TIMEOUT_S, max(1.0, deadline - time.monotonic())))
             self._worker = worker
             return worker
@@ -385,6 +413,8 @@ class ImagePython:
         worker = self._running()
         if worker is None:
             return False
+        if self.program.interrupt_by_signal:  # its evals hold the thread that reads requests
+            return worker.signal_eval(signal.SIGINT)
         message = worker.call({"op": "interrupt", "tag": tag}, CONTROL_WAIT_S)
         result = message.get("result") if message else None
         return isinstance(result, dict) and result.get("interrupted") is True

@@ -138,14 +138,35 @@ class Guest:
         await self._ask(wire.ENV_SET(params))
 
     async def eval(
-        self, code: str, timeout: float = limits.EVAL_TIMEOUT_SECS, tag: str | None = None
+        self,
+        code: str,
+        timeout: float = limits.EVAL_TIMEOUT_SECS,
+        tag: str | None = None,
+        context: str | None = None,
     ) -> wire.EvalAnswer:
         """Run ``code``; the agent interrupts it after ``timeout`` seconds. ``tag`` names
-        the eval for :meth:`eval_peek`."""
+        the eval for :meth:`eval_peek`; ``context`` runs it in an eval context of its own
+        (:meth:`eval_context_open`), not the agent's interpreter."""
         params: wire.EvalParams = {"code": code, "timeout_s": timeout}
         if tag is not None:
             params["tag"] = tag
+        if context is not None:
+            params["context"] = context
         return await self._ask(wire.EVAL(params), wait=eval_wait_secs(timeout))
+
+    async def eval_context_open(
+        self, context: str, language: str, cwd: str | None = None
+    ) -> bool:
+        """An eval context ``context`` (``python`` or ``javascript``); False if it was."""
+        params: wire.EvalContextOpenParams = {"context": context, "language": language}
+        if cwd is not None:
+            params["cwd"] = cwd
+        return (await self._ask(wire.EVAL_CONTEXT_OPEN(params), wait=PING_WAIT_SECS))["created"]
+
+    async def eval_context_close(self, context: str) -> bool:
+        """End the eval context ``context`` and its state; False if there was none."""
+        asked: wire.EvalContextCloseParams = {"context": context}
+        return (await self._ask(wire.EVAL_CONTEXT_CLOSE(asked), wait=PING_WAIT_SECS))["closed"]
 
     async def eval_peek(self, tag: str, stdout_from: int, stderr_from: int) -> wire.EvalPeekAnswer:
         """What the running eval ``tag`` printed past those offsets (not running: none)."""
@@ -156,9 +177,10 @@ class Guest:
         }
         return await self._ask(wire.EVAL_PEEK(asked), wait=PING_WAIT_SECS)
 
-    async def eval_interrupt(self) -> bool:
-        """KeyboardInterrupt in the running eval; False if none was running."""
-        return (await self._ask(wire.EVAL_INTERRUPT(None), wait=PING_WAIT_SECS))["interrupted"]
+    async def eval_interrupt(self, context: str | None = None) -> bool:
+        """KeyboardInterrupt in the running eval (of ``context``); False if none ran."""
+        params: wire.EvalInterruptParams | None = None if context is None else {"context": context}
+        return (await self._ask(wire.EVAL_INTERRUPT(params), wait=PING_WAIT_SECS))["interrupted"]
 
     async def read_file(self, path: str) -> bytes:
         result = await self._ask(wire.FILE_READ({"path": path}))
