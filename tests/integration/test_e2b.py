@@ -180,3 +180,52 @@ def test_the_code_interpreter_starts_warm_and_returns_a_real_png(
         assert arrived[0][1] < ended - 1.5, (arrived, ended)
     finally:
         sbx.kill()
+
+
+def test_code_contexts_of_their_own_in_a_real_guest(e2b_env: str) -> None:
+    """A second Python context is a worker of its own in the guest: its own names and
+    directory, restarted fresh; the warm default context is untouched."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    sbx = CodeSandbox.create(e2b_env, timeout=300)
+    try:
+        assert sbx.run_code("x = 'warm'").error is None
+        ctx = sbx.create_code_context(language="python", cwd="/tmp")
+        mine = sbx.run_code("import os\nx = 'mine'\nprint(os.getcwd())\nx", context=ctx)
+        assert mine.error is None, mine.error
+        assert (mine.text, mine.logs.stdout) == ("'mine'", ["/tmp\n"])
+        assert sbx.run_code("x").text == "'warm'"  # the default context's own
+        sbx.restart_code_context(ctx)
+        fresh = sbx.run_code("x", context=ctx)
+        assert fresh.error is not None and fresh.error.name == "NameError"
+        no_node = sbx.run_code("1 + 1", language="js")  # the python image has no node
+        assert no_node.error is not None and "node" in no_node.error.value
+    finally:
+        sbx.kill()
+
+
+def test_javascript_runs_where_the_image_has_node(e2b_env: str, ctl: Controller) -> None:
+    """run_code(language="js") in a template of an image with Node.js (the egress
+    tests' clients image): its globals kept between executions, errors as E2B's."""
+    from e2b_code_interpreter import Sandbox as CodeSandbox
+
+    from forkd.guest import image as guest_image
+
+    from .test_egress import CLIENTS
+
+    ctl.create_snapshot("e2b-node", image=guest_image.build(recipe_dir=CLIENTS).name)
+    try:
+        sbx = CodeSandbox.create("e2b-node", timeout=300)
+        try:
+            ran = sbx.run_code(
+                "const a = [1, 2]\nconsole.log('js')\na.map((x) => x * 21)", language="js"
+            )
+            assert ran.error is None, ran.error
+            assert (ran.logs.stdout, ran.text) == (["js\n"], "[ 21, 42 ]")
+            assert sbx.run_code("a.length", language="javascript").text == "2"
+            failed = sbx.run_code("null.x", language="js")
+            assert failed.error is not None and failed.error.name == "TypeError"
+        finally:
+            sbx.kill()
+    finally:
+        ctl.delete_snapshot("e2b-node")

@@ -40,8 +40,6 @@ def test_bash_runs_in_the_guests_shell_and_contexts_are_bash_ones(e2b_url: str) 
     sbx = Sandbox.create("base")
     ran = sbx.run_code("echo from bash", language="bash")
     assert ran.error is None and ran.logs.stdout  # the fake's exec echoes its argv
-    with pytest.raises(e2b.SandboxException):  # one Python context: the warm one
-        sbx.create_code_context(language="python")
     ctx = sbx.create_code_context(language="bash", cwd="/tmp")
     assert (ctx.language, ctx.cwd) == ("bash", "/tmp")
     listed = {c.id: c.language for c in sbx.list_code_contexts()}
@@ -79,4 +77,29 @@ def test_a_bash_execution_whose_client_leaves_is_killed(server: Server, e2b_url:
                 break
             time.sleep(0.1)
     assert served and not served[0]["running"] and served[0]["exit_code"] == 128 + 9
+    sbx.kill()
+
+
+def test_python_and_javascript_contexts_are_eval_contexts_of_their_own(
+    server: Server, e2b_url: str
+) -> None:
+    """Each a worker of its own in the guest (the fake runs every language as Python)."""
+    sbx = Sandbox.create("base")
+    sbx.run_code("x = 'warm'")
+    ctx = sbx.create_code_context(language="python", cwd="/srv")
+    assert (ctx.language, ctx.cwd) == ("python", "/srv")
+    assert sbx.run_code("x = 'mine'\nx", context=ctx).text == "'mine'"
+    assert sbx.run_code("x").text == "'warm'"  # the default context is untouched
+    guest = server.app.state.services.vms.live(sbx.sandbox_id).guest
+    assert set(guest.contexts) == {ctx.id}
+    sbx.restart_code_context(ctx)
+    failed = sbx.run_code("x", context=ctx)  # a fresh namespace
+    assert failed.error is not None and failed.error.name == "NameError"
+    js = sbx.run_code("y = 1\ny", language="js")  # a JavaScript context at first use
+    assert js.text == "1" and "js-default" in guest.contexts
+    sbx.remove_code_context(ctx)
+    assert ctx.id not in guest.contexts
+    assert {c.language for c in sbx.list_code_contexts()} == {"python", "javascript"}
+    with pytest.raises(e2b.SandboxException):
+        sbx.restart_code_context("default")  # the warm interpreter stays
     sbx.kill()

@@ -10,9 +10,11 @@ PNG), the last value as the main result, or the error with its name, value and
 traceback (:mod:`.interpreter_python`, :mod:`.interpreter_bash`). A client that goes
 away stops its execution.
 
-Contexts: the warm Python interpreter is the sandbox's one Python context (``default``);
-a second one is refused (forkd's answer to "another namespace" is a fork). Bash
-contexts may be made, each with its working directory.
+Contexts: the warm Python interpreter is the sandbox's ``default`` context. Another
+Python context, or a JavaScript one (where the image has Node.js), is a worker process
+of its own in the guest (the agent's eval contexts), with its own namespace and working
+directory; its output comes when an execution ends. Bash contexts are the guest's
+shell, each with its working directory.
 """
 
 from __future__ import annotations
@@ -34,11 +36,22 @@ from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, sandbox_dependency
 from forkd.controller.http_errors import hide_host_paths
+from forkd.controller.services import Services
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import ForkdError, Invalid, NotFound
 
 DEFAULT = "default"  # the warm Python interpreter's context
-MAX_CONTEXTS = 16  # bash contexts a sandbox may hold
+JS_DEFAULT = "js-default"  # JavaScript run without a context: one made at its first use
+MAX_CONTEXTS = 16  # contexts a sandbox may hold besides the default
+LANGUAGES = {
+    "python": "python",
+    "py": "python",
+    "javascript": "javascript",
+    "js": "javascript",
+    "bash": "bash",
+    "sh": "bash",
+}
+WORKERS = ("python", "javascript")  # a context of these is an eval context in the guest
 
 interpreter = APIRouter()
 
@@ -91,23 +104,24 @@ Known = Annotated[Contexts, Depends(contexts)]
 
 
 def _language(given: str | None) -> str:
-    language = (given or "python").lower()
-    if language not in ("python", "bash"):
-        raise Invalid(f"no {language} here: forkd's interpreter runs python and bash")
+    language = LANGUAGES.get((given or "python").lower())
+    if language is None:
+        raise Invalid(
+            f"no {given} here: forkd's interpreter runs python, javascript (where the "
+            "image has Node.js) and bash"
+        )
     return language
 
 
 @interpreter.post("/contexts")
-async def create_context(sandbox: Sandbox, known: Known, body: ContextBody) -> Response:
-    if _language(body.language) == "python":
-        raise Invalid(
-            "a sandbox has one Python context, its warm interpreter ('default'); "
-            "fork or branch the sandbox for another"
-        )
+async def create_context(sandbox: Sandbox, known: Known, svc: Svc, body: ContextBody) -> Response:
     held = known.of(sandbox.id)
     if len(held) > MAX_CONTEXTS:
-        raise Invalid(f"at most {MAX_CONTEXTS} bash contexts per sandbox")
-    made = Context(str(uuid.uuid4()), "bash", body.cwd or "/")
+        raise Invalid(f"at most {MAX_CONTEXTS} contexts per sandbox besides the default")
+    language = _language(body.language)
+    made = Context(str(uuid.uuid4()), language, body.cwd or "/")
+    if language in WORKERS:
+        await svc.guest.open_context(sandbox.id, made.id, language, body.cwd)
     held[made.id] = made
     return JSONResponse(made.answer())
 
@@ -125,29 +139,40 @@ def _context(known: Contexts, sandbox_id: str, context_id: str) -> Context:
 
 
 @interpreter.delete("/contexts/{context_id}", status_code=204)
-async def delete_context(sandbox: Sandbox, known: Known, context_id: str) -> Response:
-    if _context(known, sandbox.id, context_id).id == DEFAULT:
+async def delete_context(sandbox: Sandbox, known: Known, svc: Svc, context_id: str) -> Response:
+    context = _context(known, sandbox.id, context_id)
+    if context.id == DEFAULT:
         raise Invalid("the default context is the sandbox's warm interpreter: it stays")
     del known.of(sandbox.id)[context_id]
+    if context.language in WORKERS:
+        await svc.guest.close_context(sandbox.id, context.id)
     return Response(status_code=204)
 
 
 @interpreter.post("/contexts/{context_id}/restart", status_code=204)
-async def restart_context(sandbox: Sandbox, known: Known, context_id: str) -> Response:
-    if _context(known, sandbox.id, context_id).language == "python":
+async def restart_context(sandbox: Sandbox, known: Known, svc: Svc, context_id: str) -> Response:
+    """A fresh namespace: the context's worker ended and a new one opened in its place."""
+    context = _context(known, sandbox.id, context_id)
+    if context.id == DEFAULT:
         raise Invalid("the warm interpreter is not restarted (it is what forks start from)")
+    if context.language in WORKERS:
+        await svc.guest.close_context(sandbox.id, context.id)
+        cwd = context.cwd if context.cwd != "/" else None
+        await svc.guest.open_context(sandbox.id, context.id, context.language, cwd)
+        context.executions = 0
     return Response(status_code=204)  # a bash context keeps nothing to restart
 
 
 @interpreter.post("/execute")
 async def execute(sandbox: Sandbox, known: Known, svc: Svc, body: ExecuteBody) -> Response:
     """Run ``body.code``; E2B's lines, streamed as they come."""
-    context = _execution_context(known, sandbox.id, body)
+    context = await _execution_context(known, svc, sandbox.id, body)
     if body.env_vars:
         raise Invalid("env_vars per execution are not supported by forkd's interpreter yet")
     context.executions += 1
-    if context.language == "python":
-        lines = python_lines(svc, sandbox.id, body.code)
+    if context.language in WORKERS:
+        worker = None if context.id == DEFAULT else context.id
+        lines = python_lines(svc, sandbox.id, body.code, worker)
     else:
         lines = bash_lines(svc, sandbox.id, body.code, context.cwd)
     return StreamingResponse(_ndjson(context.executions, lines), media_type="application/x-ndjson")
@@ -170,11 +195,20 @@ def _encoded(line: dict[str, Any]) -> bytes:
     return (json.dumps(line, separators=(",", ":")) + "\n").encode()
 
 
-def _execution_context(known: Contexts, sandbox_id: str, body: ExecuteBody) -> Context:
+async def _execution_context(
+    known: Contexts, svc: Services, sandbox_id: str, body: ExecuteBody
+) -> Context:
     if body.context_id is not None and body.language is not None:
         raise Invalid("give a context_id or a language, not both")
     if body.context_id is not None:
         return _context(known, sandbox_id, body.context_id)
-    if _language(body.language) == "python":
-        return known.of(sandbox_id)[DEFAULT]
+    language = _language(body.language)
+    held = known.of(sandbox_id)
+    if language == "python":
+        return held[DEFAULT]
+    if language == "javascript":  # one made at the first use, as E2B's server has
+        if JS_DEFAULT not in held:
+            await svc.guest.open_context(sandbox_id, JS_DEFAULT, "javascript")
+            held[JS_DEFAULT] = Context(JS_DEFAULT, "javascript", "/")
+        return held[JS_DEFAULT]
     return Context("bash", "bash", "/")  # a language without a context: a fresh shell

@@ -37,20 +37,25 @@ RESULT_FIELDS = {
 }
 
 
-async def python_lines(svc: Services, sandbox_id: str, code: str) -> AsyncIterator[dict[str, Any]]:
+async def python_lines(
+    svc: Services, sandbox_id: str, code: str, context: str | None = None
+) -> AsyncIterator[dict[str, Any]]:
+    """The eval's lines; ``context``: in that eval context (a worker of its own, Python or
+    JavaScript: its output comes when it ends), not the warm interpreter."""
     tag = secrets.token_hex(8)
     request = EvalRequest(code=code, timeout_s=limits.MAX_EVAL_TIMEOUT_SECS)
-    task = asyncio.ensure_future(svc.guest.eval(sandbox_id, request, tag=tag))
+    task = asyncio.ensure_future(svc.guest.eval(sandbox_id, request, tag=tag, context=context))
     sent = {"stdout": 0, "stderr": 0}
     try:
         while not (await asyncio.wait({task}, timeout=PEEK_SECS))[0]:
-            for line in await _printed(svc, sandbox_id, tag, sent):
-                yield line
+            if context is None:  # a context's worker tells its output at the end
+                for line in await _printed(svc, sandbox_id, tag, sent):
+                    yield line
         outcome = task.result()
     finally:
         if not task.done():  # the client went away: the eval is interrupted
             with anyio.CancelScope(shield=True), contextlib.suppress(ForkdError):
-                await svc.guest.eval_interrupt(sandbox_id)
+                await svc.guest.eval_interrupt(sandbox_id, context)
             task.cancel()
     for stream in ("stdout", "stderr"):
         rest = str(getattr(outcome, stream))[sent[stream] :]

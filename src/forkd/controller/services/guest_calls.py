@@ -131,11 +131,19 @@ class GuestCalls:
             duration_ms=res.get("duration_ms"),
         )
 
-    async def eval(self, sandbox_id: str, req: EvalRequest, tag: str | None = None) -> EvalResult:
+    async def eval(
+        self,
+        sandbox_id: str,
+        req: EvalRequest,
+        tag: str | None = None,
+        context: str | None = None,
+    ) -> EvalResult:
+        """``req`` in the sandbox's warm interpreter, or in the eval context ``context``
+        (one :meth:`open_context` made: 404 for none)."""
         res = await self.call(
             sandbox_id,
-            lambda vm: vm.guest.eval(req.code, timeout=req.timeout_s, tag=tag),
-            refusals=EVAL_REFUSALS,
+            lambda vm: vm.guest.eval(req.code, timeout=req.timeout_s, tag=tag, context=context),
+            refusals=EVAL_REFUSALS if context is None else {**EVAL_REFUSALS, **CONTEXT_REFUSALS},
         )
         error = res.get("error")
         return EvalResult(
@@ -150,12 +158,26 @@ class GuestCalls:
             timed_out=res.get("timed_out", False),
         )
 
-    async def eval_interrupt(self, sandbox_id: str) -> EvalInterrupt:
-        # The op takes no parameter: a refusal means an agent older than it.
+    async def eval_interrupt(self, sandbox_id: str, context: str | None = None) -> EvalInterrupt:
+        # Without a context the op takes no parameter: a refusal means an older agent.
         interrupted = await self.call(
-            sandbox_id, lambda vm: vm.guest.eval_interrupt(), refusals={"ValueError": Conflict}
+            sandbox_id,
+            lambda vm: vm.guest.eval_interrupt(context),
+            refusals={"ValueError": Conflict, **CONTEXT_REFUSALS},
         )
         return EvalInterrupt(interrupted=interrupted)
+
+    async def open_context(
+        self, sandbox_id: str, context: str, language: str, cwd: str | None = None
+    ) -> bool:
+        """An eval context of its own in the sandbox (a worker process, ``python`` or
+        ``javascript``); False when one of that id is open."""
+        return await self.call(
+            sandbox_id, lambda vm: vm.guest.eval_context_open(context, language, cwd)
+        )
+
+    async def close_context(self, sandbox_id: str, context: str) -> bool:
+        return await self.call(sandbox_id, lambda vm: vm.guest.eval_context_close(context))
 
     async def read_file(self, sandbox_id: str, path: str) -> bytes:
         path = limits.check_guest_path(path)
@@ -173,6 +195,10 @@ class GuestCalls:
     async def remove_file(self, sandbox_id: str, path: str, recursive: bool) -> None:
         path = limits.check_guest_path(path)
         await self.call(sandbox_id, lambda vm: vm.guest.remove(path, recursive))
+
+
+# An eval context the guest does not have (a fork's, a restarted daemon's record).
+CONTEXT_REFUSALS: dict[str, type[ForkdError]] = {"NoContext": NotFound}
 
 
 def error_summary(text: str) -> str:

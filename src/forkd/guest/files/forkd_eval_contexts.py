@@ -63,9 +63,7 @@ class Contexts:
                 return {"created": False}
             if len(self._held) >= MAX_CONTEXTS:
                 raise ValueError(f"at most {MAX_CONTEXTS} eval contexts")
-            self._held[context] = forkd_eval_proc.ImagePython(
-                lambda: self._launch_in(cwd), program
-            )
+            self._held[context] = forkd_eval_proc.ImagePython(lambda: self._launch_in(cwd), program)
         return {"created": True}
 
     def get(self, context: str) -> forkd_eval_proc.ImagePython:

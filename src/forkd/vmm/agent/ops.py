@@ -154,9 +154,7 @@ class Guest:
             params["context"] = context
         return await self._ask(wire.EVAL(params), wait=eval_wait_secs(timeout))
 
-    async def eval_context_open(
-        self, context: str, language: str, cwd: str | None = None
-    ) -> bool:
+    async def eval_context_open(self, context: str, language: str, cwd: str | None = None) -> bool:
         """An eval context ``context`` (``python`` or ``javascript``); False if it was."""
         params: wire.EvalContextOpenParams = {"context": context, "language": language}
         if cwd is not None:
