@@ -56,6 +56,10 @@ def test_e2b_commands_and_files_in_a_real_guest(e2b_env: str, ctl: Controller) -
         assert files.read("/work/e2b/src/app.py") == "print('hi')\n"
         info = files.get_info("/work/e2b/src/app.py")
         assert (info.type, info.size, info.owner) == (FileType.FILE, 12, "root")
+        files.write("/work/e2b/theirs.txt", "owned", user="nobody")  # envd writes as the user
+        assert files.get_info("/work/e2b/theirs.txt").owner == "nobody"
+        with pytest.raises(e2b.SandboxException):
+            files.write("/work/e2b/nobodys.txt", "x", user="no-such-user")
         assert [e.path for e in files.list("/work/e2b", depth=2)] == [
             "/work/e2b/src",
             "/work/e2b/src/app.py",
@@ -198,6 +202,11 @@ def test_code_contexts_of_their_own_in_a_real_guest(e2b_env: str) -> None:
         sbx.restart_code_context(ctx)
         fresh = sbx.run_code("x", context=ctx)
         assert fresh.error is not None and fresh.error.name == "NameError"
+        envs = {"E2B_RUN": "only now"}
+        assert sbx.run_code("import os\nos.environ['E2B_RUN']", envs=envs).text == "'only now'"
+        assert sbx.run_code("os.environ.get('E2B_RUN')").text is None  # put back
+        shell = sbx.run_code("echo $E2B_RUN", language="bash", envs=envs)
+        assert shell.logs.stdout == ["only now\n"]
         no_node = sbx.run_code("1 + 1", language="js")  # the python image has no node
         assert no_node.error is not None and "node" in no_node.error.value
     finally:
@@ -223,6 +232,9 @@ def test_javascript_runs_where_the_image_has_node(e2b_env: str, ctl: Controller)
             assert ran.error is None, ran.error
             assert (ran.logs.stdout, ran.text) == (["js\n"], "[ 21, 42 ]")
             assert sbx.run_code("a.length", language="javascript").text == "2"
+            env = sbx.run_code("process.env.JS_RUN", language="js", envs={"JS_RUN": "yes"})
+            assert env.text == "'yes'"
+            assert sbx.run_code("process.env.JS_RUN", language="js").text is None
             failed = sbx.run_code("null.x", language="js")
             assert failed.error is not None and failed.error.name == "TypeError"
         finally:

@@ -364,8 +364,8 @@ class FakeVM(VMLifecycle):
                 "timed_out": False,
                 "duration_ms": 1.0,
             }
-        if argv[:2] == ["/bin/sh", "-c"] and argv[2].startswith("exit "):
-            argv = argv[2].split()  # a shell line that exits, as a shell runs it
+        if argv == ["/bin/sh", "-c", "false"]:  # a shell line that fails, as a shell runs it
+            argv = ["exit", "1"]
         if argv[:1] == ["exit"]:
             code = int(argv[1])
             return {

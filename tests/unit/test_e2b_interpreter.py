@@ -103,3 +103,15 @@ def test_python_and_javascript_contexts_are_eval_contexts_of_their_own(
     with pytest.raises(e2b.SandboxException):
         sbx.restart_code_context("default")  # the warm interpreter stays
     sbx.kill()
+
+
+def test_an_executions_envs_are_its_own(e2b_url: str) -> None:
+    sbx = Sandbox.create("base")
+    given = {"FORKD_UNIT_ENV": "for this one"}
+    ran = sbx.run_code("import os\nos.environ['FORKD_UNIT_ENV']", envs=given)
+    assert ran.error is None and ran.text == "'for this one'"
+    after = sbx.run_code("import os\nos.environ.get('FORKD_UNIT_ENV', 'gone')")
+    assert after.text == "'gone'"  # put back once the execution ended
+    with pytest.raises(e2b.SandboxException, match="not a variable name"):
+        sbx.run_code("1", envs={"A=B": "x"})
+    sbx.kill()

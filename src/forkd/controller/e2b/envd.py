@@ -96,6 +96,8 @@ async def write(
     """A multipart form (each part a file, named by its filename or ``path``) or a raw
     body (to ``path``); the answer lists what was written (absolute)."""
     paths = GuestPaths(svc, sandbox.id, username)
+    if username is not None:
+        await paths.absolute(".")  # the user's home: an unknown user is refused first
     kind, options = parse_options_header(request.headers.get("content-type", ""))
     encoding = content_encoding(request.headers.get("content-encoding"))
     if kind == b"multipart/form-data":
@@ -119,8 +121,19 @@ async def write(
 
         await receive_upload(request, upload)
         written = [dest]
+    if username is not None:
+        await _own(svc, sandbox.id, written, username)
     entries = [{"name": posixpath.basename(p), "type": "file", "path": p} for p in written]
     return JSONResponse(entries)
+
+
+async def _own(svc: Services, sandbox_id: str, written: list[str], user: str) -> None:
+    """The files written made the named user's (and their group's), as envd writes
+    them as that user."""
+    argv = ["chown", "--", f"{user}:", *written]
+    ran = await svc.guest.call(sandbox_id, lambda vm: vm.guest.exec(argv, timeout=30, user="root"))
+    if ran["exit_code"] != 0:
+        raise GuestError(f"the files could not be given to {user!r}: {ran['stderr'][-300:]}")
 
 
 async def _write_parts(

@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from forkd import limits
 from forkd.controller.e2b.interpreter_bash import bash_lines
-from forkd.controller.e2b.interpreter_python import python_lines
+from forkd.controller.e2b.interpreter_python import env_code, python_lines
 from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, sandbox_dependency
@@ -43,6 +43,7 @@ from forkd.errors import ForkdError, Invalid, NotFound
 DEFAULT = "default"  # the warm Python interpreter's context
 JS_DEFAULT = "js-default"  # JavaScript run without a context: one made at its first use
 MAX_CONTEXTS = 16  # contexts a sandbox may hold besides the default
+MAX_ENV_VARS = 256  # of one execution
 LANGUAGES = {
     "python": "python",
     "py": "python",
@@ -167,15 +168,26 @@ async def restart_context(sandbox: Sandbox, known: Known, svc: Svc, context_id: 
 async def execute(sandbox: Sandbox, known: Known, svc: Svc, body: ExecuteBody) -> Response:
     """Run ``body.code``; E2B's lines, streamed as they come."""
     context = await _execution_context(known, svc, sandbox.id, body)
-    if body.env_vars:
-        raise Invalid("env_vars per execution are not supported by forkd's interpreter yet")
+    env = _checked_env(body.env_vars)
     context.executions += 1
     if context.language in WORKERS:
         worker = None if context.id == DEFAULT else context.id
-        lines = python_lines(svc, sandbox.id, body.code, worker)
+        wrap = env_code(context.language, env) if env else None
+        lines = python_lines(svc, sandbox.id, body.code, worker, wrap)
     else:
-        lines = bash_lines(svc, sandbox.id, body.code, context.cwd)
+        lines = bash_lines(svc, sandbox.id, body.code, context.cwd, env or None)
     return StreamingResponse(_ndjson(context.executions, lines), media_type="application/x-ndjson")
+
+
+def _checked_env(given: dict[str, str] | None) -> dict[str, str]:
+    """An execution's ``env_vars``: names without '=' or NUL, values without NUL."""
+    env = given or {}
+    if len(env) > MAX_ENV_VARS:
+        raise Invalid(f"at most {MAX_ENV_VARS} env_vars in one execution")
+    bad = [k for k, v in env.items() if not k or "=" in k or "\0" in k + v]
+    if bad:
+        raise Invalid(f"env_vars: {bad[0]!r} is not a variable name (or its value has NUL)")
+    return env
 
 
 async def _ndjson(count: int, lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

@@ -21,13 +21,13 @@ EXIT_TIMEOUT = 124
 
 
 async def bash_lines(
-    svc: Services, sandbox_id: str, code: str, cwd: str
+    svc: Services, sandbox_id: str, code: str, cwd: str, env: dict[str, str] | None = None
 ) -> AsyncIterator[dict[str, Any]]:
-    """E2B's lines of ``code`` run in bash in ``cwd``: its output, then its error if it
-    failed."""
+    """E2B's lines of ``code`` run in bash in ``cwd`` (with ``env`` over the sandbox's
+    environment): its output, then its error if it failed."""
     started = await svc.processes.start(
         sandbox_id,
-        ProcessStart(cmd=["/bin/bash", "-c", code], cwd=cwd, timeout_s=TIMEOUT_SECS),
+        ProcessStart(cmd=["/bin/bash", "-c", code], cwd=cwd, env=env, timeout_s=TIMEOUT_SECS),
     )
     kept = {"stdout": 0, "stderr": 0}
     stderr = bytearray()

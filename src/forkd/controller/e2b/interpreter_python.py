@@ -19,7 +19,7 @@ import anyio
 from forkd import limits
 from forkd.controller.models import EvalRequest, EvalResult
 from forkd.controller.services import Services
-from forkd.errors import ForkdError
+from forkd.errors import ForkdError, Invalid
 
 PEEK_SECS = 0.2
 # E2B's result fields, by the MIME type forkd's eval reports a display output as.
@@ -37,11 +37,58 @@ RESULT_FIELDS = {
 }
 
 
+def env_code(language: str, env: dict[str, str]) -> tuple[str, str]:
+    """Code that gives one execution ``env`` (E2B's ``envs`` of ``run_code``), and code
+    that puts back what the variables were. The values go in as JSON, which is a Python
+    and a JavaScript literal: never spliced into code as text."""
+    given, names = json.dumps(env), json.dumps(sorted(env))
+    if language == "javascript":
+        return (
+            f"globalThis.__forkd_env = Object.fromEntries({names}.map((k) => "
+            f"[k, process.env[k]])); Object.assign(process.env, {given}); undefined",
+            "for (const [k, v] of Object.entries(globalThis.__forkd_env)) { if (v === "
+            "undefined) delete process.env[k]; else process.env[k] = v }; delete "
+            "globalThis.__forkd_env; undefined",
+        )
+    return (
+        f"__forkd_env = (lambda os, env: ({{k: os.environ.get(k) for k in env}}, "
+        f"os.environ.update(env))[0])(__import__('os'), {given})",
+        "(lambda os, saved: [os.environ.pop(k, None) if v is None else "
+        "os.environ.__setitem__(k, v) for k, v in saved.items()])(__import__('os'), "
+        "__forkd_env)\ndel __forkd_env",
+    )
+
+
 async def python_lines(
-    svc: Services, sandbox_id: str, code: str, context: str | None = None
+    svc: Services,
+    sandbox_id: str,
+    code: str,
+    context: str | None = None,
+    env: tuple[str, str] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
     """The eval's lines; ``context``: in that eval context (a worker of its own, Python or
-    JavaScript: its output comes when it ends), not the warm interpreter."""
+    JavaScript: its output comes when it ends), not the warm interpreter; ``env``: the
+    :func:`env_code` run before it and after it."""
+    if env is not None:
+        await _setup_eval(svc, sandbox_id, env[0], context)
+    try:
+        async for line in _eval_lines(svc, sandbox_id, code, context):
+            yield line
+    finally:
+        if env is not None:
+            with anyio.CancelScope(shield=True), contextlib.suppress(ForkdError):
+                await _setup_eval(svc, sandbox_id, env[1], context)
+
+
+async def _setup_eval(svc: Services, sandbox_id: str, code: str, context: str | None) -> None:
+    done = await svc.guest.eval(sandbox_id, EvalRequest(code=code, timeout_s=30), context=context)
+    if done.error:
+        raise Invalid(f"the execution's envs could not be set: {done.error}")
+
+
+async def _eval_lines(
+    svc: Services, sandbox_id: str, code: str, context: str | None
+) -> AsyncIterator[dict[str, Any]]:
     tag = secrets.token_hex(8)
     request = EvalRequest(code=code, timeout_s=limits.MAX_EVAL_TIMEOUT_SECS)
     task = asyncio.ensure_future(svc.guest.eval(sandbox_id, request, tag=tag, context=context))
