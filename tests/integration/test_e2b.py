@@ -56,10 +56,11 @@ def test_e2b_commands_and_files_in_a_real_guest(e2b_env: str, ctl: Controller) -
         assert files.read("/work/e2b/src/app.py") == "print('hi')\n"
         info = files.get_info("/work/e2b/src/app.py")
         assert (info.type, info.size, info.owner) == (FileType.FILE, 12, "root")
-        files.write("/work/e2b/theirs.txt", "owned", user="nobody")  # envd writes as the user
-        assert files.get_info("/work/e2b/theirs.txt").owner == "nobody"
+        files.write("/tmp/theirs.txt", "owned", user="nobody")  # envd writes as the user
+        assert files.get_info("/tmp/theirs.txt").owner == "nobody"
         with pytest.raises(e2b.SandboxException):
-            files.write("/work/e2b/nobodys.txt", "x", user="no-such-user")
+            files.write("/tmp/nobodys.txt", "x", user="no-such-user")
+        assert not files.exists("/tmp/nobodys.txt")  # refused before anything was written
         assert [e.path for e in files.list("/work/e2b", depth=2)] == [
             "/work/e2b/src",
             "/work/e2b/src/app.py",

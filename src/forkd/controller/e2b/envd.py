@@ -97,7 +97,7 @@ async def write(
     body (to ``path``); the answer lists what was written (absolute)."""
     paths = GuestPaths(svc, sandbox.id, username)
     if username is not None:
-        await paths.absolute(".")  # the user's home: an unknown user is refused first
+        await _check_user(svc, sandbox.id, username)
     kind, options = parse_options_header(request.headers.get("content-type", ""))
     encoding = content_encoding(request.headers.get("content-encoding"))
     if kind == b"multipart/form-data":
@@ -125,6 +125,14 @@ async def write(
         await _own(svc, sandbox.id, written, username)
     entries = [{"name": posixpath.basename(p), "type": "file", "path": p} for p in written]
     return JSONResponse(entries)
+
+
+async def _check_user(svc: Services, sandbox_id: str, user: str) -> None:
+    """An unknown user is refused before anything is written."""
+    argv = ["id", "-u", "--", user]
+    ran = await svc.guest.call(sandbox_id, lambda vm: vm.guest.exec(argv, timeout=30))
+    if ran["exit_code"] != 0:
+        raise Invalid(f"no user {user!r} in the sandbox")
 
 
 async def _own(svc: Services, sandbox_id: str, written: list[str], user: str) -> None:
