@@ -242,3 +242,45 @@ def test_javascript_runs_where_the_image_has_node(e2b_env: str, ctl: Controller)
             sbx.kill()
     finally:
         ctl.delete_snapshot("e2b-node")
+
+
+def test_e2b_lifecycle_in_a_real_guest(e2b_env: str, ctl: Controller, daemon: Daemon) -> None:
+    """Through E2B's SDK, on a real guest: a large file both ways, a command's timeout and
+    a kill while it runs, pause and connect (hibernate, wake), a snapshot a sandbox is
+    created from, and a fork of two."""
+    sbx = e2b.Sandbox.create(e2b_env, timeout=300)
+    made: list[e2b.Sandbox] = []
+    try:
+        big = bytes(range(256)) * (32 << 10)  # 8 MiB, every byte value
+        sbx.files.write("/tmp/big.bin", big)
+        assert sbx.files.read("/tmp/big.bin", format="bytes") == big
+        with pytest.raises(e2b.TimeoutException):
+            sbx.commands.run("sleep 30", timeout=2)
+        running = sbx.commands.run("sleep 300", background=True)
+        assert sbx.commands.kill(running.pid) is True
+        with pytest.raises(e2b.CommandExitException):
+            running.wait()
+        sbx.commands.run("echo kept > /tmp/state")
+        assert sbx.pause() is True
+        assert ctl.get_sandbox(sbx.sandbox_id)["state"] == "hibernated"
+        again = e2b.Sandbox.connect(sbx.sandbox_id)
+        assert again.commands.run("cat /tmp/state").stdout == "kept\n"  # its disk came back
+        snapshot = sbx.create_snapshot()
+        made.append(e2b.Sandbox.create(snapshot.snapshot_id, timeout=120))
+        assert made[0].commands.run("cat /tmp/state").stdout == "kept\n"
+        forks = sbx.fork(count=2)
+        assert all(isinstance(f, e2b.Sandbox) for f in forks), forks
+        made += [f for f in forks if isinstance(f, e2b.Sandbox)]
+        assert len({f.sandbox_id for f in made[1:]}) == 2
+        for child in made[1:]:
+            assert child.commands.run("cat /tmp/state").stdout == "kept\n"
+    except BaseException:
+        print((daemon.root / "daemon.log").read_text()[-6000:])  # why, when it fails
+        raise
+    finally:
+        for child in made:
+            child.kill()
+        sbx.kill()
+        for snap in ctl.list_snapshots():
+            if snap.get("branched_from") == sbx.sandbox_id:
+                ctl.delete_snapshot(snap["tag"], cascade=True)

@@ -98,6 +98,12 @@ class GuestCalls:
             # No answer at all (kind None): QEMU may be exiting (killed at its
             # memory cap, say) and its channel closed first. Give it a moment.
             if await _exited(vm, EXIT_WAIT_SECS if exc.kind is None else 0):
+                if self.vms.get(sandbox_id) is not vm:
+                    # Hibernated, killed or replaced while the call waited: its QEMU
+                    # was ended on purpose, and the sandbox is whatever that made it.
+                    raise Conflict(
+                        f"sandbox {sandbox_id!r} was stopped or hibernated during the call"
+                    ) from exc
                 await self.vms.mark_dead(sandbox_id)
                 raise Conflict(f"sandbox {sandbox_id!r} died: {exc}") from exc
             refusal = {**_GUEST_REFUSALS, **(refusals or {})}.get(exc.kind or "")
