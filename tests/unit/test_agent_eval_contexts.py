@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from tests.unit.test_agent import Client, _stop
-from tests.unit.test_agent_image_eval import _start_agent, staged_agent  # noqa: F401
+from tests.unit.test_agent_image_eval import ENTROPY, _start_agent, staged_agent  # noqa: F401
 
 NODE = shutil.which("node")
 
@@ -114,3 +114,23 @@ def test_a_running_javascript_eval_is_interrupted(agent: Client, tmp_path: Path)
     assert answers[0]["error"].splitlines()[-1].startswith("KeyboardInterrupt")
     with contextlib.suppress(Exception):
         assert _eval(agent, "2", context="js")["result"] == "2"
+
+
+@pytest.mark.skipif(NODE is None, reason="this host has no node to stand in for an image's")
+def test_a_restore_reseeds_every_contexts_worker(agent: Client) -> None:
+    """Sibling forks must not draw the same numbers: the restore's reseed reaches each
+    context's worker (a Node.js one reseeds its Math.random on SIGUSR2, sent unwaited)."""
+    agent.result("eval_context_open", context="js", language="javascript")
+    agent.result("eval_context_open", context="py", language="python")
+    heard = "globalThis.heard = 0; process.on('SIGUSR2', () => { heard += 1 }); 0"
+    assert _eval(agent, heard, context="js")["error"] is None
+    seeded = _eval(agent, "import random\nrandom.seed(1)\nrandom.random()", context="py")
+    assert _eval(agent, "random.seed(1)", context="py")["error"] is None  # then cloned...
+    agent.result("restore", time_ns=time.time_ns(), entropy=ENTROPY, hostname="forkd-x")
+    deadline = time.monotonic() + 5
+    while _eval(agent, "heard", context="js")["result"] != "1" and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _eval(agent, "heard", context="js")["result"] == "1"
+    assert 0 <= float(_eval(agent, "Math.random()", context="js")["result"]) < 1
+    # The Python worker was reseeded: seed(1) is not what its next draw follows.
+    assert _eval(agent, "random.random()", context="py")["result"] != seeded["result"]

@@ -97,6 +97,10 @@ def test_upload_links_are_signed_and_bounded(server: Server, e2b_url: str) -> No
         assert link["present"] is False and link["url"].startswith(e2b_url)
         forged = link["url"].replace("signature=", "signature=0")
         assert c.put(forged, content=b"tar").status_code == 404
+        assert (
+            c.put(link["url"].replace("signature=", "signature=%C3%A9"), content=b"t").status_code
+            == 404
+        )
         other = hashlib.sha256(b"other").hexdigest()
         assert c.put(link["url"].replace(digest, other), content=b"tar").status_code == 404
         assert c.put(link["url"], content=b"tar").status_code == 200

@@ -112,6 +112,20 @@ def test_an_executions_envs_are_its_own(e2b_url: str) -> None:
     assert ran.error is None and ran.text == "'for this one'"
     after = sbx.run_code("import os\nos.environ.get('FORKD_UNIT_ENV', 'gone')")
     assert after.text == "'gone'"  # put back once the execution ended
-    with pytest.raises(e2b.SandboxException, match="not a variable name"):
-        sbx.run_code("1", envs={"A=B": "x"})
+    for bad in ({"A=B": "x"}, {"__proto__": "x"}):
+        with pytest.raises(e2b.SandboxException, match="not a variable name"):
+            sbx.run_code("1", envs=bad)
+    lone = httpx.post(  # a lone surrogate, which E2B's SDK cannot even send
+        f"{e2b_url}/execute",
+        content=b'{"code": "1", "env_vars": {"LONE": "\\ud800"}}',
+        headers={
+            "E2b-Sandbox-Id": sbx.sandbox_id,
+            "E2b-Sandbox-Port": "49999",
+            "X-Access-Token": sbx._envd_access_token or "",
+            "Content-Type": "application/json",
+        },
+    )
+    assert lone.status_code == 400, lone.text
+    emoji = sbx.run_code("os.environ['E']", envs={"E": "\U0001f600 \u2028"})
+    assert emoji.text == repr("\U0001f600 \u2028")  # one character, as given
     sbx.kill()

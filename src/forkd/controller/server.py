@@ -338,6 +338,7 @@ def _e2b_server(
     """E2B's API on a port of its own, over the daemon's services (no lifespan of its
     own: the daemon's starts and stops them)."""
     from forkd.controller.e2b.app import create_e2b_app
+    from forkd.controller.e2b.builds import Builds
 
     where = parse_bind(port.bind)
     if "uds" in where:
@@ -349,6 +350,9 @@ def _e2b_server(
         settings.max_upload_bytes,
         domain=domain,
         public_ports=port.public_ports,
+        builds=Builds(
+            settings.state_dir / "e2b-builds", settings.disk_reserve_mib, settings.max_upload_bytes
+        ),
     )
     config = _uvicorn_config(e2b, log_level, connections, where)
     config.lifespan = "off"

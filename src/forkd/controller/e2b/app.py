@@ -15,6 +15,7 @@ from forkd import __version__, limits
 from forkd.controller import http_errors
 from forkd.controller.e2b.auth import check_api_key
 from forkd.controller.e2b.build_rest import UPLOADS, build_files, build_rest
+from forkd.controller.e2b.builds import Builds
 from forkd.controller.e2b.envd import envd
 from forkd.controller.e2b.filesystem_rpc import filesystem_app
 from forkd.controller.e2b.guest_hosts import GuestHosts, proxy_app
@@ -37,11 +38,14 @@ def create_e2b_app(
     *,
     domain: str | None = None,
     public_ports: bool = False,
+    builds: Builds | None = None,
 ) -> FastAPI:
     """``token``: the daemon's bearer token, E2B's API key here (None: no auth);
     ``upload_limit``: the most one file upload may send, as on the daemon's port;
     ``domain``: sandbox ports are served for hosts ``<port>-<id>.<domain>``
-    (:mod:`.guest_hosts`), without E2B's traffic token when ``public_ports``."""
+    (:mod:`.guest_hosts`), without E2B's traffic token when ``public_ports``;
+    ``builds``: where template builds keep their uploads (made at start, which empties
+    what an earlier run left)."""
 
     def api_key(x_api_key: Annotated[str | None, Header(alias="X-API-KEY")] = None) -> None:
         check_api_key(x_api_key, token)
@@ -49,6 +53,8 @@ def create_e2b_app(
     app = FastAPI(title="forkd: E2B's API", version=__version__, openapi_url=None)
     app.state.daemon = daemon
     app.state.upload_limit = upload_limit
+    if builds is not None:  # else made at the first build (build_rest.builds)
+        app.state.builds = builds
     app.include_router(rest, dependencies=[Depends(api_key)])
     app.include_router(snapshots_rest, dependencies=[Depends(api_key)])
     app.include_router(metrics_rest, dependencies=[Depends(api_key)])

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from typing import Annotated
@@ -41,6 +42,7 @@ UPLOADS = "/e2b-build-files/"
 STATUS_PAGE = 100  # log entries in one status answer (E2B's)
 DEFAULT_TAGS = ("default", "latest")  # E2B's tag of a name given without one
 BUILD_SANDBOX_SECS = 4 * 3600.0  # a fromTemplate build's sandbox is killed by then
+BUILD_LABEL = "e2b-build"  # a build's sandbox and template: its build id
 
 
 def builds(request: Request) -> Builds:
@@ -78,6 +80,7 @@ def template_name(body: BuildRequest) -> str:
 @build_rest.post("/v3/templates", status_code=202)
 async def request_build(body: BuildRequest, svc: Svc, held: HeldBuilds) -> Response:
     name = template_name(body)
+    await _kill_orphans(svc, held)
     if svc.store.get_snapshot(name) is not None:
         raise Conflict(
             f"template {name!r} exists: delete it first (DELETE /templates/{name}, or "
@@ -168,6 +171,16 @@ async def build_status(
     return JSONResponse(answer)
 
 
+async def _kill_orphans(svc: Services, held: Builds) -> None:
+    """Sandboxes of builds this daemon no longer holds (cut off by a restart) are killed:
+    their builds ended with that run."""
+    for info in svc.sandboxes.list():
+        build_id = (info.metadata or {}).get(BUILD_LABEL)
+        if build_id is not None and not held.holds(build_id) and info.state != "dead":
+            with contextlib.suppress(ForkdError):
+                await svc.sandboxes.kill(info.id)
+
+
 async def _build(svc: Services, held: Builds, build: Build, body: BuildStart) -> None:
     """The build, to its end: its status and log say how it went."""
     try:
@@ -199,7 +212,7 @@ async def _from_image(svc: Services, build: Build, body: BuildStart, inflate_lim
         image=body.from_image,
         memory_mib=build.memory_mb,
         vcpus=build.cpu_count,
-        metadata={"e2b-build": build.build_id},
+        metadata={BUILD_LABEL: build.build_id},
     )
 
     async def prepare(vm: SandboxVM) -> None:
@@ -217,7 +230,7 @@ async def _from_template(svc: Services, build: Build, body: BuildStart, inflate_
     made = SandboxCreate(
         snapshot_tag=source,
         timeout_s=BUILD_SANDBOX_SECS,
-        metadata={"e2b-build": build.build_id},
+        metadata={BUILD_LABEL: build.build_id},
     )
     [info] = await svc.sandboxes.create(made)
     try:

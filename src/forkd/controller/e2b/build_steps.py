@@ -33,6 +33,7 @@ STAGE = "/tmp/.forkd-e2b-copy"  # a COPY's files are extracted here in the guest
 READ_PIECE = 1 << 20  # of an uploaded archive, read at a time
 MODE = re.compile(r"^[0-7]{3,4}$")
 LOG_LINES = 200  # of one step's output, in the build's log (its last ones)
+TAIL_CHARS = 1500  # of a failed step's output, in its error
 GZIP_MAGIC = b"\x1f\x8b"
 MAX_STEPS = 500
 
@@ -168,7 +169,7 @@ class StepRunner:
         for line in output[-LOG_LINES:]:
             self.build.log(line, step=step)
         if res["exit_code"] != 0:
-            tail = "\n".join(output[-20:])
+            tail = "\n".join(output[-20:])[-TAIL_CHARS:]
             raise StepFailed(f"exited {res['exit_code']}: {tail}".rstrip(": "), step)
 
     async def _run(self, step: BuildStep, number: int) -> None:

@@ -12,7 +12,6 @@ one file, on this run of the daemon.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import hmac
 import os
@@ -62,6 +61,7 @@ class Build:
     task: asyncio.Task[None] | None = None
     log_chars: int = 0
     cut: bool = False
+    receiving: set[str] = field(default_factory=set)  # files hashes being uploaded now
 
     def log(self, message: str, level: str = "info", step: str | None = None) -> None:
         """One entry of the build's log; past :data:`MAX_LOG_ENTRIES` entries or
@@ -79,6 +79,7 @@ class Build:
         self.entries.append(entry)
 
     def fail(self, message: str, step: str | None) -> None:
+        message = message[:MAX_LINE_CHARS]
         entry: dict[str, Any] = {"timestamp": _stamp(), "level": "error", "message": message}
         if step is not None:
             entry["step"] = step
@@ -107,11 +108,17 @@ class Builds:
         self._forget_old()
         if any(b.name == name and b.active for b in self._builds.values()):
             raise Conflict(f"template {name!r} is being built: wait for that build to end")
-        if len(self._builds) >= MAX_BUILDS:
-            raise OverCapacity(f"{MAX_BUILDS} template builds are held: retry later")
+        if len(self._builds) >= MAX_BUILDS:  # the oldest finished one makes room
+            done = [b for b in self._builds.values() if b.finished is not None]
+            if not done:
+                raise OverCapacity(f"{MAX_BUILDS} template builds are running: retry later")
+            del self._builds[min(done, key=lambda b: b.finished or 0.0).build_id]
         build = Build(name, cpu_count, memory_mb)
         self._builds[build.build_id] = build
         return build
+
+    def holds(self, build_id: str) -> bool:
+        return build_id in self._builds
 
     def get(self, name: str, build_id: str) -> Build:
         build = self._builds.get(build_id)
@@ -134,31 +141,41 @@ class Builds:
     async def receive(
         self, build_id: str, files_hash: str, signature: str, body: AsyncIterator[bytes]
     ) -> int:
-        """An upload to a URL :meth:`signature` signed, kept for the build's COPY."""
-        if not hmac.compare_digest(signature, self.signature(build_id, files_hash)):
+        """An upload to a URL :meth:`signature` signed, kept for the build's COPY: one
+        upload of a file at a time, its own part file renamed into place only while the
+        build still waits for its files."""
+        expected = self.signature(build_id, files_hash).encode()
+        if not hmac.compare_digest(signature.encode("utf-8", "replace"), expected):
             raise NotFound("no such upload: the link is not one this daemon gave")
-        build = self._builds.get(build_id)
-        if build is None or build.status != "waiting":
-            raise Conflict("the build has started or ended: its files are taken already")
-        if not FILES_HASH.fullmatch(files_hash):
-            raise Invalid("a files hash is 64 hex digits")
+        build = self._waiting(build_id)
         if len(build.files) >= MAX_FILES and files_hash not in build.files:
             raise Invalid(f"a build takes at most {MAX_FILES} uploads")
+        if files_hash in build.receiving:
+            raise Conflict("this file is being uploaded already")
         directory = self.root / build_id
         directory.mkdir(parents=True, exist_ok=True)
-        final = directory / files_hash
-        part = directory / f"{files_hash}.part"
+        part = directory / f"{files_hash}.{uuid.uuid4().hex}.part"
         meter = self.reserve.meter(f"receiving build {build_id}'s files")
+        build.receiving.add(files_hash)
         try:
             with part.open("wb") as out:
                 size = await receive_to(
                     body, out, self.upload_limit, meter, "the files", "--max-upload-mib"
                 )
+            self._waiting(build_id)  # not started (nor ended) while this came in
+            final = directory / files_hash
             part.replace(final)
         finally:
+            build.receiving.discard(files_hash)
             part.unlink(missing_ok=True)
         build.files[files_hash] = final
         return size
+
+    def _waiting(self, build_id: str) -> Build:
+        build = self._builds.get(build_id)
+        if build is None or build.status != "waiting":
+            raise Conflict("the build has started or ended: its files are taken already")
+        return build
 
     def finished(self, build: Build) -> None:
         """The build ended: its uploads are dropped."""
@@ -175,12 +192,3 @@ class Builds:
                 self.finished(build)
             if stale_wait or old:
                 del self._builds[build.build_id]
-
-    async def close(self) -> None:
-        """Stop every build (the daemon stops)."""
-        for build in self._builds.values():
-            if build.task is not None:
-                build.task.cancel()
-                with contextlib.suppress(BaseException):
-                    await build.task
-        shutil.rmtree(self.root, ignore_errors=True)

@@ -138,7 +138,7 @@ async def _check_user(svc: Services, sandbox_id: str, user: str) -> None:
 async def _own(svc: Services, sandbox_id: str, written: list[str], user: str) -> None:
     """The files written made the named user's (and their group's), as envd writes
     them as that user."""
-    argv = ["chown", "--", f"{user}:", *written]
+    argv = ["chown", "-h", "--", f"{user}:", *written]  # -h: a link, never what it names
     ran = await svc.guest.call(sandbox_id, lambda vm: vm.guest.exec(argv, timeout=30, user="root"))
     if ran["exit_code"] != 0:
         raise GuestError(f"the files could not be given to {user!r}: {ran['stderr'][-300:]}")

@@ -19,10 +19,11 @@ shell, each with its working directory.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from forkd import limits
 from forkd.controller.e2b.interpreter_bash import bash_lines
-from forkd.controller.e2b.interpreter_python import env_code, python_lines
+from forkd.controller.e2b.interpreter_python import python_lines
 from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, sandbox_dependency
@@ -80,6 +81,7 @@ class Context:
     language: str
     cwd: str
     executions: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # its executions, in turn
 
     def answer(self) -> dict[str, str]:
         return {"id": self.id, "language": self.language, "cwd": self.cwd}
@@ -170,24 +172,46 @@ async def execute(sandbox: Sandbox, known: Known, svc: Svc, body: ExecuteBody) -
     context = await _execution_context(known, svc, sandbox.id, body)
     env = _checked_env(body.env_vars)
     context.executions += 1
-    if context.language in WORKERS:
+    if context.language in WORKERS:  # one execution at a time, its envs its own
         worker = None if context.id == DEFAULT else context.id
-        wrap = env_code(context.language, env) if env else None
-        lines = python_lines(svc, sandbox.id, body.code, worker, wrap)
+        run = python_lines(svc, sandbox.id, body.code, worker, env or None, context.language)
+        lines = _one_at_a_time(context.lock, run)
     else:
         lines = bash_lines(svc, sandbox.id, body.code, context.cwd, env or None)
     return StreamingResponse(_ndjson(context.executions, lines), media_type="application/x-ndjson")
 
 
 def _checked_env(given: dict[str, str] | None) -> dict[str, str]:
-    """An execution's ``env_vars``: names without '=' or NUL, values without NUL."""
+    """An execution's ``env_vars``: names without '=' or NUL (nor ``__proto__``), values
+    without NUL, both valid Unicode (no lone surrogate)."""
     env = given or {}
     if len(env) > MAX_ENV_VARS:
         raise Invalid(f"at most {MAX_ENV_VARS} env_vars in one execution")
-    bad = [k for k, v in env.items() if not k or "=" in k or "\0" in k + v]
+    bad = [k for k, v in env.items() if not _fits_env(k, v)]
     if bad:
-        raise Invalid(f"env_vars: {bad[0]!r} is not a variable name (or its value has NUL)")
+        raise Invalid(f"env_vars: {bad[0]!r} is not a variable name, or its value cannot be one")
     return env
+
+
+def _fits_env(name: str, value: str) -> bool:
+    try:
+        (name + value).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return bool(name) and "=" not in name and "\0" not in name + value and name != "__proto__"
+
+
+async def _one_at_a_time(
+    lock: asyncio.Lock, lines: AsyncGenerator[dict[str, Any], None]
+) -> AsyncIterator[dict[str, Any]]:
+    """``lines`` once the context's earlier executions are done; closed (its client gone:
+    interrupted, its envs put back) before the next one starts."""
+    async with lock:
+        try:
+            async for line in lines:
+                yield line
+        finally:
+            await lines.aclose()
 
 
 async def _ndjson(count: int, lines: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

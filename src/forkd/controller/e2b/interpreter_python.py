@@ -11,7 +11,7 @@ import json
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import anyio
@@ -37,25 +37,27 @@ RESULT_FIELDS = {
 }
 
 
-def env_code(language: str, env: dict[str, str]) -> tuple[str, str]:
+def env_code(language: str, env: dict[str, str], name: str) -> tuple[str, str]:
     """Code that gives one execution ``env`` (E2B's ``envs`` of ``run_code``), and code
-    that puts back what the variables were. The values go in as JSON, which is a Python
-    and a JavaScript literal: never spliced into code as text."""
-    given, names = json.dumps(env), json.dumps(sorted(env))
+    that puts back what the variables were (kept meanwhile in the global ``name``). The
+    values go in as a JSON text in a string literal, parsed in the guest: never spliced
+    into code as code."""
+    text = json.dumps(env)
     if language == "javascript":
         return (
-            f"globalThis.__forkd_env = Object.fromEntries({names}.map((k) => "
-            f"[k, process.env[k]])); Object.assign(process.env, {given}); undefined",
-            "for (const [k, v] of Object.entries(globalThis.__forkd_env)) { if (v === "
-            "undefined) delete process.env[k]; else process.env[k] = v }; delete "
-            "globalThis.__forkd_env; undefined",
+            f"globalThis.{name} = JSON.parse({json.dumps(text)}); globalThis.{name} = "
+            f"[Object.entries(globalThis.{name}).map(([k]) => [k, process.env[k]]), "
+            f"globalThis.{name}]; for (const [k, v] of Object.entries(globalThis.{name}[1])) "
+            f"process.env[k] = v; undefined",
+            f"for (const [k, v] of globalThis.{name}[0]) {{ if (v === undefined) delete "
+            f"process.env[k]; else process.env[k] = v }}; delete globalThis.{name}; undefined",
         )
     return (
-        f"__forkd_env = (lambda os, env: ({{k: os.environ.get(k) for k in env}}, "
-        f"os.environ.update(env))[0])(__import__('os'), {given})",
+        f"{name} = (lambda os, env: ({{k: os.environ.get(k) for k in env}}, "
+        f"os.environ.update(env))[0])(__import__('os'), __import__('json').loads({text!r}))",
         "(lambda os, saved: [os.environ.pop(k, None) if v is None else "
         "os.environ.__setitem__(k, v) for k, v in saved.items()])(__import__('os'), "
-        "__forkd_env)\ndel __forkd_env",
+        f"{name})\ndel {name}",
     )
 
 
@@ -64,20 +66,22 @@ async def python_lines(
     sandbox_id: str,
     code: str,
     context: str | None = None,
-    env: tuple[str, str] | None = None,
-) -> AsyncIterator[dict[str, Any]]:
+    env: dict[str, str] | None = None,
+    language: str = "python",
+) -> AsyncGenerator[dict[str, Any], None]:
     """The eval's lines; ``context``: in that eval context (a worker of its own, Python or
     JavaScript: its output comes when it ends), not the warm interpreter; ``env``: the
-    :func:`env_code` run before it and after it."""
-    if env is not None:
-        await _setup_eval(svc, sandbox_id, env[0], context)
+    execution's own variables, set before it and put back after it (:func:`env_code`)."""
+    wrap = env_code(language, env, f"__forkd_env_{secrets.token_hex(6)}") if env else None
     try:
+        if wrap is not None:
+            await _setup_eval(svc, sandbox_id, wrap[0], context)
         async for line in _eval_lines(svc, sandbox_id, code, context):
             yield line
     finally:
-        if env is not None:
+        if wrap is not None:  # also after a setup that failed part way
             with anyio.CancelScope(shield=True), contextlib.suppress(ForkdError):
-                await _setup_eval(svc, sandbox_id, env[1], context)
+                await _setup_eval(svc, sandbox_id, wrap[1], context)
 
 
 async def _setup_eval(svc: Services, sandbox_id: str, code: str, context: str | None) -> None:

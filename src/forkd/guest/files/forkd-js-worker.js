@@ -11,7 +11,8 @@
 //                    {"id": 4, "op": "reseed", "seed": 1234}
 //   worker -> agent  {"id": 3, "ok": true, "result": {result, error, stdout, ...}}
 //
-// An eval is interrupted by SIGINT (the agent sends it). Output is kept up to
+// An eval is interrupted by SIGINT; Math.random is reseeded on SIGUSR2 (the agent sends
+// both). Output is kept up to
 // MAX_OUTPUT characters a stream; the agent checks every answer again. Only Node's
 // own modules are used.
 
@@ -62,6 +63,27 @@ process.on('SIGINT', () => {
   if (interrupted !== null) interrupted(Object.assign(new Error('interrupted'), { name: 'KeyboardInterrupt' }))
 })
 
+// Math.random in the context: sfc32, seeded from the kernel's RNG, and seeded again on
+// SIGUSR2, which the agent sends when the VM was restored from a snapshot (a fork, a
+// wake): V8's own generator cannot be reseeded, and sibling forks would draw the same.
+let rng = new Uint32Array(4)
+function reseed() {
+  const fd = fs.openSync('/dev/urandom', 'r')
+  try {
+    fs.readSync(fd, rng, 0, rng.byteLength, null)
+  } finally {
+    fs.closeSync(fd)
+  }
+}
+function random() {
+  const [a, b, c, d] = rng
+  const t = (((a + b) >>> 0) + d) >>> 0
+  rng = Uint32Array.of(b ^ (b >>> 9), (c + (c << 3)) >>> 0, ((c << 21) | (c >>> 11)) + t, (d + 1) >>> 0)
+  return t / 4294967296
+}
+reseed()
+process.on('SIGUSR2', reseed)
+
 const here = process.cwd()
 const context = vm.createContext({
   console: new Console({ stdout: sink('stdout'), stderr: sink('stderr') }),
@@ -86,6 +108,8 @@ const context = vm.createContext({
   setImmediate,
   clearImmediate,
 })
+
+vm.runInContext('Math', context).random = random
 
 function describe(err) {
   // A traceback as forkd's Python answers one: frames, then "Name: message" last.

@@ -84,8 +84,15 @@ class Contexts:
         return {"closed": found is not None}
 
     def reseed(self, seed: int) -> None:
-        """A fork made unique: each context's worker reseeded (Python's RNGs)."""
+        """A restored VM made unique: each context's worker reseeded (a JavaScript one
+        its Math.random). Every context is seen to, then the first failure raised."""
         with self._lock:
             held = list(self._held.values())
+        failures: list[Exception] = []
         for runner in held:
-            runner.reseed(seed)
+            try:
+                runner.reseed(seed)
+            except Exception as exc:  # the rest are still reseeded
+                failures.append(exc)
+        if failures:
+            raise failures[0]

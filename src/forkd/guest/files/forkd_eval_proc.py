@@ -420,9 +420,15 @@ class ImagePython:
         return isinstance(result, dict) and result.get("interrupted") is True
 
     def reseed(self, seed: int) -> None:
-        """Reseed the worker's RNGs (a fork made unique); nothing to do without one."""
+        """Reseed the worker's RNGs (a fork made unique); nothing to do without one. A
+        Node.js worker reseeds from the kernel's RNG on SIGUSR2 (never waited for: its
+        one thread may be running an eval)."""
         worker = self._running()
         if worker is None:
+            return
+        if self.program.interrupt_by_signal:
+            with contextlib.suppress(OSError):
+                os.kill(worker.proc.pid, signal.SIGUSR2)
             return
         started = time.monotonic()
         message = worker.call({"op": "reseed", "seed": seed}, CONTROL_WAIT_S)
