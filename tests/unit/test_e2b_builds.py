@@ -160,3 +160,18 @@ def test_a_builds_log_is_bounded_and_says_so() -> None:
         "message": "it broke",
         "step": "3",
     }
+
+
+def test_a_build_sandbox_a_restart_left_is_killed_at_the_next_build(
+    server: Server, e2b_url: str
+) -> None:
+    with _forkd(server) as c:
+        left = {"snapshot_tag": "base", "metadata": {"e2b-build": "a-build-of-an-earlier-run"}}
+        [orphan] = c.post("/v1/sandboxes", json=left).json()
+        [mine] = c.post("/v1/sandboxes", json={"snapshot_tag": "base"}).json()
+    with httpx.Client(base_url=e2b_url) as c:
+        opened = c.post("/v3/templates", json={"name": "next"}, headers={"X-API-Key": TOKEN})
+        assert opened.status_code == 202
+    with _forkd(server) as c:
+        alive = {s["id"] for s in c.get("/v1/sandboxes").json() if s["state"] != "dead"}
+    assert orphan["id"] not in alive and mine["id"] in alive

@@ -33,6 +33,7 @@ from forkd.controller.services import Services
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.errors import Conflict, ForkdError, Invalid
 from forkd.limits import check_tag
+from forkd.states import SandboxState
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +177,7 @@ async def _kill_orphans(svc: Services, held: Builds) -> None:
     their builds ended with that run."""
     for info in svc.sandboxes.list():
         build_id = (info.metadata or {}).get(BUILD_LABEL)
-        if build_id is not None and not held.holds(build_id) and info.state != "dead":
+        if build_id is not None and not held.holds(build_id) and info.state != SandboxState.DEAD:
             with contextlib.suppress(ForkdError):
                 await svc.sandboxes.kill(info.id)
 
