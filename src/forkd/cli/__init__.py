@@ -38,6 +38,7 @@ from forkd.cli import (
     token,
     usage,
     volumes,
+    webhooks,
 )
 from forkd.cli.render import out
 
@@ -88,6 +89,7 @@ def add_daemon_commands(app: typer.Typer, *, transport: httpx.BaseTransport | No
     images.register(app, transport=transport)
     volumes.register(app, transport=transport)
     secrets.register(app, transport=transport)
+    webhooks.register(app, transport=transport)
     network.register(app, transport=transport)
     sandboxes.register(app, transport=transport)
     explore.register(app, transport=transport)

@@ -76,6 +76,7 @@ def _settings(o: ServeOptions) -> Settings:
             o.egress_proxy, o.egress_hosts, o.egress_ca_file, o.secrets_key_file, o.egress_rate
         ),
         show_host_paths=o.show_host_paths,
+        webhook_allow=tuple(o.webhook_allow or ()),
         max_upload_bytes=o.max_upload_mib << 20,
         **_image_sources(o.insecure_registry, o.default_registry, o.registry_auth, o.docker_host),
         preview_domain=_preview_domain(o.preview_domain),

@@ -68,6 +68,17 @@ E2bPublicPortsOpt = Annotated[
     ),
 ]
 
+WebhookAllowOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--webhook-allow",
+        envvar="FORKD_WEBHOOK_ALLOW",
+        metavar="HOST[:PORT]",
+        help="A webhook endpoint on a loopback, link-local or private address that "
+        "deliveries may reach; repeatable. Without it only public addresses are.",
+    ),
+]
+
 StateDirOpt = Annotated[
     Path | None,
     typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
@@ -459,3 +470,4 @@ class ServeOptions:
     e2b_bind: E2bBindOpt = None
     e2b_domain: E2bDomainOpt = None
     e2b_public_ports: E2bPublicPortsOpt = False
+    webhook_allow: WebhookAllowOpt = None

@@ -29,6 +29,7 @@ from forkd.client.sandbox_routes import SandboxCalls
 from forkd.client.secret_routes import SecretCalls
 from forkd.client.snapshot_routes import SnapshotCalls
 from forkd.client.volume_routes import VolumeCalls
+from forkd.client.webhook_routes import WebhookCalls
 from forkd.client.workspace_routes import WorkspaceCalls
 
 
@@ -36,6 +37,7 @@ class Routes(
     SnapshotCalls,
     VolumeCalls,
     SecretCalls,
+    WebhookCalls,
     ImageCalls,
     SandboxCalls,
     WorkspaceCalls,

@@ -37,6 +37,7 @@ WAKE_DRAIN_SECS = 30.0  # wakes under way when the daemon stops
 async def _stop(services: Services) -> None:
     """The daemon's background work ends, what it wrote is flushed, its proxy closed."""
     services.events.close()
+    await services.webhooks.deliverer.stop()  # what is not sent yet goes at the next start
     await services.explore.drain(EXPLORE_DRAIN_SECS)  # cancelled ones taken back
     await services.reclaim.stop()
     await services.waker.drain(WAKE_DRAIN_SECS)
@@ -115,6 +116,7 @@ async def _start(app: FastAPI, settings: Settings, services: Services, metrics: 
     services.egress.report.refusals.write = app.state.audit.write
     services.secrets.start()
     await services.lifecycle.start()
+    services.webhooks.deliverer.start()
     services.reclaim.start()
     services.usage.start()
     metrics.watch_sandboxes(services.usage.all, limits.SANDBOX_SERIES_CAP)

@@ -83,6 +83,7 @@ class Settings:
     # not as paths of the daemon's own ("snapshots/TAG/vmstate"): a token holder learns
     # no host path unless the operator says so.
     show_host_paths: bool = False
+    webhook_allow: tuple[str, ...] = ()  # --webhook-allow: non-public endpoints allowed
     # The key that seals secrets at rest (forkd.controller.secret_box); None:
     # $FORKD_SECRETS_KEY_FILE, else <state dir>/secrets.key, made at the first secret.
     secrets_key_file: Path | None = None

@@ -101,6 +101,13 @@ class Store:
                 self._db.execute("ROLLBACK")
                 raise
 
+    # For the tables of other rooms (forkd.controller.webhooks): one write transaction,
+    # and a read, on this database.
+    transaction = _transaction
+
+    def query(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        return self._query(sql, args)
+
     def _tx(self, sql: str, args: tuple[Any, ...] = ()) -> sqlite3.Cursor:
         with self._transaction() as db:
             return db.execute(sql, args)

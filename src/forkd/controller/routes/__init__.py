@@ -12,6 +12,7 @@ from forkd.controller.routes.processes import processes
 from forkd.controller.routes.sandboxes import sandboxes
 from forkd.controller.routes.snapshots import snapshots
 from forkd.controller.routes.volumes import volumes
+from forkd.controller.routes.webhooks import webhooks
 from forkd.controller.routes.workspaces import workspaces
 
 ROUTERS = (
@@ -26,6 +27,7 @@ ROUTERS = (
     events,
     secrets,
     network,
+    webhooks,
 )
 
 __all__ = ["ROUTERS"]

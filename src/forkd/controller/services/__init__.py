@@ -47,6 +47,7 @@ from forkd.controller.services.wiring import Egress, Wiring
 from forkd.controller.services.workspaces import WorkspaceService
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
+from forkd.controller.webhooks.service import WebhookService
 from forkd.vmm.jail.network import HostNetwork
 from forkd.vmm.pool import ForkPool
 
@@ -88,6 +89,7 @@ class Services:
     workspaces: WorkspaceService
     secrets: SecretService
     network: NetworkService
+    webhooks: WebhookService
 
     @classmethod
     def create(

@@ -36,7 +36,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import AsyncGenerator, Iterable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -62,6 +62,7 @@ EVENT_TYPES = (
     "egress",  # the egress proxy let out or refused a connection or an HTTP request
     "network_changed",  # a sandbox's network policy was replaced at runtime
     "explored",  # an explore ended (on the source: explore, kept, best)
+    "webhook_failed",  # a webhook's delivery was given up (webhook_id, msg_id, error)
 )
 GAP = "gap"  # not published: what a stream gets when events it would have had are lost
 POSITION = ""  # not published: a stream's first item, its place (the id it follows)
@@ -117,6 +118,9 @@ class EventBus:
         self._lock = threading.Lock()  # publish may come from a worker thread
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self._closed = False
+        # Told each event as it is published, on the publisher's thread (the webhooks'
+        # outbox): quick, and what one raises is logged, never the publisher's.
+        self._listeners: list[Callable[[dict[str, Any]], None]] = []
 
     @property
     def last_id(self) -> int:
@@ -148,8 +152,13 @@ class EventBus:
                 streams = list(self._streams)
             for stream in streams:
                 stream.notify()
+            for listener in self._listeners:
+                listener(body)
         except Exception:  # an event lost must not fail what it reports
             log.exception("publishing a %r event failed", type)
+
+    def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        self._listeners.append(listener)
 
     def held(self, sandbox_id: str) -> list[dict[str, Any]]:
         """The events of ``sandbox_id`` still in the ring, oldest first, as JSON objects

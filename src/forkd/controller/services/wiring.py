@@ -49,6 +49,7 @@ from forkd.controller.services.waking import Waker
 from forkd.controller.services.workspaces import WorkspaceService
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
+from forkd.controller.webhooks.service import WebhookService
 from forkd.egress.ca import EgressCA
 from forkd.egress.intercept import Interceptor
 from forkd.egress.proxy import EgressProxy
@@ -170,9 +171,16 @@ class Wiring:
     # ------------------------------------------------------------ under the others
 
     @cached_property
+    def box(self) -> SecretBox:
+        return SecretBox(self.settings.state_dir, self.settings.secrets_key_file)
+
+    @cached_property
     def secrets(self) -> SecretService:
-        s = self.settings
-        return SecretService(self.store, SecretBox(s.state_dir, s.secrets_key_file))
+        return SecretService(self.store, self.box)
+
+    @cached_property
+    def webhooks(self) -> WebhookService:
+        return WebhookService(self.store, self.box, self.events, self.settings.webhook_allow)
 
     @cached_property
     def hibernation(self) -> HibernateService:

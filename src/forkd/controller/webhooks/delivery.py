@@ -1,0 +1,166 @@
+"""Deliveries of the outbox, at least once: each endpoint's deliveries in order, one at a
+time, :data:`MAX_IN_FLIGHT` endpoints at once, so a slow or dead endpoint delays only its
+own. An attempt is a POST signed as Standard Webhooks signs (``webhook-id``,
+``webhook-timestamp``, ``webhook-signature``: HMAC-SHA256 of ``id.timestamp.body``, by
+the ``standardwebhooks`` library), to the checked address (:mod:`.destination`), with
+no redirect followed and at most :data:`MAX_ANSWER_BYTES` of the answer read. A 2xx
+answer delivers it; anything else is tried again with exponential backoff and jitter
+for :data:`RETRY_FOR_SECS`, then the delivery fails and a ``webhook_failed`` event
+says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+import httpx
+from standardwebhooks import Webhook
+
+from forkd.controller.webhooks.destination import resolve
+from forkd.controller.webhooks.tables import DeliveryRow, WebhookTables
+from forkd.errors import ForkdError
+
+log = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT = 16  # endpoints delivered to at once
+ATTEMPT_SECS = 10.0  # one attempt, connect to answer
+MAX_ANSWER_BYTES = 4096  # of an answer, read (the rest is dropped)
+FIRST_RETRY_SECS = 5.0  # then doubled each attempt, at most MAX_RETRY_SECS, +-25%
+MAX_RETRY_SECS = 3600.0
+RETRY_FOR_SECS = 24 * 3600.0  # then the delivery fails
+IDLE_SECS = 5.0  # the loop looks again at least this often
+
+# (webhook id, its URL, its secret) of an endpoint, or None once it is deleted.
+Endpoint = Callable[[str], tuple[str, str] | None]
+# (the delivery, why it failed: None when it was delivered): told once it is no longer
+# pending.
+Ended = Callable[[DeliveryRow, str | None], None]
+
+
+def retry_delay(attempts: int) -> float:
+    """The wait after the ``attempts``-th failed attempt."""
+    base = min(FIRST_RETRY_SECS * 2.0 ** max(0, attempts - 1), MAX_RETRY_SECS)
+    return float(base * random.uniform(0.75, 1.25))
+
+
+class Deliverer:
+    def __init__(
+        self, tables: WebhookTables, endpoint: Endpoint, ended: Ended, allow: tuple[str, ...]
+    ) -> None:
+        self.tables = tables
+        self.endpoint = endpoint
+        self.ended = ended
+        self.allow = allow
+        self._wake = asyncio.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._sending: dict[str, asyncio.Task[None]] = {}  # webhook id -> its attempt
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._run(), name="forkd-webhooks")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._sending.values()) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    def wake(self) -> None:
+        """New deliveries were written (from any thread)."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._wake.set)
+
+    async def _run(self) -> None:
+        async with httpx.AsyncClient(follow_redirects=False, timeout=ATTEMPT_SECS) as client:
+            while True:
+                self._wake.clear()
+                now = time.time()
+                for row in await asyncio.to_thread(self.tables.heads, now):
+                    busy = row.webhook_id in self._sending
+                    if busy or len(self._sending) >= MAX_IN_FLIGHT:
+                        continue
+                    task = asyncio.create_task(self._attempt(client, row))
+                    self._sending[row.webhook_id] = task
+                    task.add_done_callback(self._done)
+                due = await asyncio.to_thread(self.tables.next_due)
+                wait = IDLE_SECS if due is None else min(IDLE_SECS, max(0.0, due - time.time()))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), max(wait, 0.05))
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        for webhook_id, sending in list(self._sending.items()):
+            if sending is task:
+                del self._sending[webhook_id]
+        self._wake.set()
+
+    async def _attempt(self, client: httpx.AsyncClient, row: DeliveryRow) -> None:
+        started = time.monotonic()
+        code: int | None = None
+        try:
+            code = await self._send(client, row)
+            error = None if 200 <= code < 300 else f"answered {code}"
+        except (httpx.HTTPError, ForkdError, OSError) as exc:
+            error = f"{type(exc).__name__}: {exc}"[:500]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug: the delivery is tried again, never lost
+            log.exception("webhook delivery %s failed", row.msg_id)
+            error = f"internal error: {type(exc).__name__}"
+        latency = (time.monotonic() - started) * 1000
+        await asyncio.to_thread(self._record, row, code, error, latency)
+
+    def _record(self, row: DeliveryRow, code: int | None, error: str | None, ms: float) -> None:
+        if error is None:
+            status, next_at = "delivered", time.time()
+        else:
+            next_at = time.time() + retry_delay(row.attempts + 1)
+            over = next_at > row.created_at_unix + RETRY_FOR_SECS
+            status = "failed" if over else "pending"
+        self.tables.attempted(
+            row.seq, status=status, code=code, error=error, latency_ms=ms, next_at=next_at
+        )
+        if status != "pending":
+            self.ended(row, error)
+
+    async def _send(self, client: httpx.AsyncClient, row: DeliveryRow) -> int:
+        """One attempt: the answer's status (its body read up to MAX_ANSWER_BYTES)."""
+        found = self.endpoint(row.webhook_id)
+        if found is None:
+            raise ForkdError("the webhook was deleted")
+        url, secret = found
+        where = await resolve(url, self.allow)
+        now = datetime.now(UTC)
+        headers = {
+            "content-type": "application/json",
+            "host": where.host,
+            "user-agent": "forkd-webhooks",
+            "webhook-id": row.msg_id,
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": Webhook(secret).sign(row.msg_id, now, row.body),
+        }
+        extensions = {"sni_hostname": where.sni} if where.sni else {}
+        request = client.build_request(
+            "POST", where.url, content=row.body.encode(), headers=headers, extensions=extensions
+        )
+        response = await client.send(request, stream=True)
+        try:
+            read = 0
+            async for chunk in response.aiter_raw():
+                read += len(chunk)
+                if read >= MAX_ANSWER_BYTES:
+                    break
+        finally:
+            await response.aclose()
+        return response.status_code
