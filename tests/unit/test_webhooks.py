@@ -80,15 +80,18 @@ def test_events_are_delivered_signed_as_standard_webhooks(
         ]
         assert "secret" not in c.get(f"/v1/webhooks/{hook['id']}").json()  # shown once
         c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128}).raise_for_status()
-        [sb] = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()
+        made = {"snapshot_tag": "py", "metadata": {"team": "a"}}
+        [sb] = c.post("/v1/sandboxes", json=made).json()
         receiver.until(lambda got: len(got) >= 1)
         c.delete(f"/v1/sandboxes/{sb['id']}").raise_for_status()
         receiver.until(lambda got: len(got) >= 2)
         verifier = Webhook(hook["secret"])
         bodies = [verifier.verify(r.body, r.headers) for r in receiver.got]
         assert [b["type"] for b in bodies] == ["sandbox.created", "sandbox.killed"]
-        created = bodies[0]["data"]
+        created, killed = bodies[0]["data"], bodies[1]["data"]
         assert created["sandbox_id"] == sb["id"] and created["sandbox"]["snapshot_tag"] == "py"
+        assert (killed["reason"], killed["snapshot_tag"]) == ("user", "py")  # DELETE: yours
+        assert killed["metadata"] == {"team": "a"}  # its labels, though its record is gone
         assert len({r.headers["webhook-id"] for r in receiver.got}) == 2
         with pytest.raises(Exception, match="signature"):
             Webhook("whsec_" + "A" * 32).verify(receiver.got[0].body, receiver.got[0].headers)
@@ -245,3 +248,15 @@ def test_the_cli_adds_lists_tests_and_removes_a_webhook(
     assert hook["id"] not in forkd("webhook", "ls").output
     refused = forkd("webhook", "add", "http://10.9.9.9/x")
     assert refused.exit_code != 0 and "not a public address" in refused.output
+
+
+def test_a_timeout_kill_says_so(server: Server, receiver: Receiver) -> None:
+    with _client(server) as c:
+        hook = _add(c, receiver.url, events=["sandbox.expired", "sandbox.killed"])
+        c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128}).raise_for_status()
+        c.post("/v1/sandboxes", json={"snapshot_tag": "py", "timeout_s": 0.3}).raise_for_status()
+        receiver.until(lambda got: len(got) >= 2)
+    verifier = Webhook(hook["secret"])
+    expired, killed = (verifier.verify(r.body, r.headers) for r in receiver.got[:2])
+    assert (expired["type"], expired["data"]["reason"]) == ("sandbox.expired", "timeout")
+    assert (killed["type"], killed["data"]["reason"]) == ("sandbox.killed", "timeout")

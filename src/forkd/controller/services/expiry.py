@@ -104,10 +104,10 @@ class Expiry:
                 await self._pause_instead(row.id)
             else:
                 record["branch"] = tag
-                await self.vms.mark_dead(row.id)
+                await self.vms.mark_dead(row.id, "idle" if idle else "timeout")
                 self.store.update_sandbox(row.id, expires_at_unix=None, timeout_branch=tag)
         else:
-            await self.vms.remove(row.id)
+            await self.vms.remove(row.id, "idle" if idle else "timeout")
         if self.audit is not None:
             self.audit(**record)
 

@@ -391,7 +391,9 @@ class ExploreService:
         made.hand_over()
 
     async def _kill_all(self, ids: Sequence[str]) -> None:
-        results = await asyncio.gather(*(self.vms.remove(i) for i in ids), return_exceptions=True)
+        results = await asyncio.gather(
+            *(self.vms.remove(i, "explore") for i in ids), return_exceptions=True
+        )
         for sid, res in zip(ids, results, strict=True):
             if isinstance(res, BaseException):
                 log.error("explore: killing child %s failed: %s", sid, res)

@@ -121,7 +121,10 @@ class Lifecycle:
             await asyncio.wait(list(self._checks.values()), timeout=STOP_VM_SECS)
         await _bounded("closing the fork pool", self.pool.close())
         if self.settings.kill_on_exit:
-            stops = [_bounded(f"killing {sid}", self.vms.remove(sid)) for sid in list(self.vms)]
+            stops = [
+                _bounded(f"killing {sid}", self.vms.remove(sid, "daemon_shutdown"))
+                for sid in list(self.vms)
+            ]
         else:  # leave them running for the next daemon to adopt
             stops = [_bounded(f"letting go of {vm.id}", vm.release()) for vm in self.vms.values()]
         await asyncio.gather(*stops)
@@ -368,7 +371,7 @@ class Lifecycle:
                 await self._expire(row)
             else:
                 log.info("sandbox %s reached its timeout: killing it", row.id)
-                await self.vms.remove(row.id)
+                await self.vms.remove(row.id, "timeout")
             return
         vm = self.vms.get(row.id)
         if vm is None or row.state == SandboxState.DEAD:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 from forkd.controller.services.activity import Activity
 from forkd.controller.services.events import EventBus
@@ -19,6 +20,7 @@ from forkd.controller.services.holds import Holds
 from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.store import Store
+from forkd.controller.store_rows import SandboxRow
 from forkd.errors import Conflict, ForkdError
 from forkd.states import SandboxState
 from forkd.vmm.pool import ForkPool
@@ -117,8 +119,9 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
         await self.holds.hibernated_unread(sandbox_id)
         self.hibernated.discard(sandbox_id)
 
-    async def mark_dead(self, sandbox_id: str) -> None:
-        """The sandbox's VM is gone: keep its record, state ``dead``."""
+    async def mark_dead(self, sandbox_id: str, reason: str | None = None) -> None:
+        """The sandbox's VM is gone: keep its record, state ``dead``. ``reason`` goes in
+        the ``killed`` event (a VM that exited on its own is ``died``: ``guest_exited``)."""
         self.activity.forget(sandbox_id)
         vm = self._vms.pop(sandbox_id, None)
         exited = vm is None or not vm.is_alive()  # on its own, or stopped by us now
@@ -127,12 +130,16 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
         await self._discard_hibernated(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
         was = None if row is None else self.store.set_sandbox_state(sandbox_id, SandboxState.DEAD)
-        if was is not None and was != SandboxState.DEAD:
-            self.events.publish("died" if exited else "killed", sandbox_id=sandbox_id)
+        if row is not None and was is not None and was != SandboxState.DEAD:
+            why = "guest_exited" if exited else reason
+            self.events.publish(
+                "died" if exited else "killed", sandbox_id=sandbox_id, **_labels(row, why)
+            )
         self.holds.forget_sandbox(sandbox_id)  # only now: see forget_sandbox
 
-    async def remove(self, sandbox_id: str) -> None:
-        """Kill the sandbox's VM (if any), delete its files and its record."""
+    async def remove(self, sandbox_id: str, reason: str | None = None) -> None:
+        """Kill the sandbox's VM (if any), delete its files and its record; ``reason``
+        (``user``, ``timeout``, ``daemon_shutdown``, ...) goes in the ``killed`` event."""
         self.activity.forget(sandbox_id)
         self.activity.forget_counts(sandbox_id)
         vm = self._vms.pop(sandbox_id, None)
@@ -148,8 +155,17 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
         self.holds.forget_sandbox(sandbox_id)  # as in mark_dead: once it is gone
         # (a failed fork, or one already dead, says nothing)
         if row is not None and row.state not in (SandboxState.STARTING, SandboxState.DEAD):
-            self.events.publish("killed", sandbox_id=sandbox_id)
+            self.events.publish("killed", sandbox_id=sandbox_id, **_labels(row, reason))
 
     def all_vms(self) -> list[SandboxVM]:
         """Every VM the daemon holds: sandboxes and pooled QEMU processes."""
         return [*self._vms.values(), *self.pool.all_vms()]
+
+
+def _labels(row: SandboxRow, reason: str | None) -> dict[str, Any]:
+    """What a ``killed`` or ``died`` event says of the sandbox: why (when known), its
+    template and its labels (its record may be gone by the time anyone asks)."""
+    fields: dict[str, Any] = {"snapshot_tag": row.snapshot_tag, "metadata": row.metadata}
+    if reason is not None:
+        fields["reason"] = reason
+    return fields

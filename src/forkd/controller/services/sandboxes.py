@@ -248,7 +248,7 @@ class SandboxService:
         for vm in waiting.values():
             await vm.kill()
         removed = await asyncio.gather(
-            *(self.vms.remove(sid) for sid in ids), return_exceptions=True
+            *(self.vms.remove(sid, "fork_failed") for sid in ids), return_exceptions=True
         )
         for sid, result in zip(ids, removed, strict=True):
             if isinstance(result, BaseException):  # its remove stopped before its row
@@ -356,4 +356,4 @@ class SandboxService:
             raise Conflict(f"sandbox {sandbox_id!r} is still starting; retry shortly")
         if self.holds.is_waking(sandbox_id):
             raise Conflict(f"sandbox {sandbox_id!r} is waking from hibernation; retry shortly")
-        await self.vms.remove(sandbox_id)
+        await self.vms.remove(sandbox_id, "user")
