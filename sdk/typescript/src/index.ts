@@ -38,6 +38,8 @@ import type {
   ExploreResult,
   DiffResult,
   DiffOptions,
+  WebhookDelivery,
+  WebhookInfo,
 } from "./types.js";
 import { base64Bytes, readSSE } from "./sse.js";
 
@@ -257,6 +259,23 @@ export class Client {
   async deleteSecret(name: string, opts: { force?: boolean } = {}): Promise<void> {
     await this.request("DELETE", `/v1/secrets/${q(name)}`, { query: opts.force ? { force: "true" } : undefined });
   }
+
+  // -- webhooks ---------------------------------------------------------------
+
+  /** The daemon's `events` (`sandbox.killed`, ..., or `*`) POSTed to `url` from now on, signed as
+   * Standard Webhooks sign them; without `secret` the daemon makes one, in this answer only. */
+  createWebhook(url: string, opts: { events?: string[]; secret?: string; description?: string } = {}): Promise<WebhookInfo> {
+    return this.json("POST", "/v1/webhooks", { body: dropUndefined({ url, ...opts }) });
+  }
+  listWebhooks(): Promise<WebhookInfo[]> { return this.json("GET", "/v1/webhooks"); }
+  webhookInfo(id: string): Promise<WebhookInfo> { return this.json("GET", `/v1/webhooks/${q(id)}`); }
+  async deleteWebhook(id: string): Promise<void> { await this.request("DELETE", `/v1/webhooks/${q(id)}`); }
+  /** Its latest deliveries, newest first. */
+  webhookDeliveries(id: string, limit = 100): Promise<WebhookDelivery[]> {
+    return this.json("GET", `/v1/webhooks/${q(id)}/deliveries`, { query: { limit: String(limit) } });
+  }
+  /** A `webhook.test` message to that webhook. */
+  testWebhook(id: string): Promise<{ msg_id: string }> { return this.json("POST", `/v1/webhooks/${q(id)}/test`); }
 
   // -- sandboxes --------------------------------------------------------------
 

@@ -57,6 +57,32 @@ export interface SecretInfo extends JSONObject {
   last_used_unix: number | null;
 }
 
+/** A webhook: an endpoint the daemon's events are delivered to, signed (Standard Webhooks). */
+export interface WebhookInfo extends JSONObject {
+  id: string;
+  url: string;
+  events: string[];
+  description: string;
+  created_at_unix: number;
+  pending: number;
+  /** Only in the answer to its creation, and only when the daemon made it. */
+  secret?: string;
+}
+
+/** One delivery of a message to a webhook: its attempts and the last answer. */
+export interface WebhookDelivery extends JSONObject {
+  msg_id: string;
+  event: string;
+  status: "pending" | "delivered" | "failed";
+  attempts: number;
+  created_at_unix: number;
+  next_attempt_unix: number | null;
+  last_status: number | null;
+  last_error: string | null;
+  last_latency_ms: number | null;
+  ended_at_unix: number | null;
+}
+
 /** A guest image: built from a recipe, or imported from a container image. */
 export interface ImageInfo extends JSONObject {
   name: string;

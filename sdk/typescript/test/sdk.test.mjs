@@ -177,6 +177,16 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     await assert.rejects(client.secretInfo(name), (err) => err instanceof ForkdError && err.status === 404);
   });
 
+  await t.test("webhooks: refused where the operator did not allow, listed, deleted", async () => {
+    await assert.rejects(
+      client.createWebhook("http://10.9.9.9/hooks"),
+      (err) => err instanceof ForkdError && err.status === 400 && /not a public address/.test(err.message),
+    );
+    assert.ok(Array.isArray(await client.listWebhooks()));
+    await assert.rejects(client.webhookInfo("wh_0000000000000000"), (err) => err instanceof ForkdError && err.status === 404);
+    await assert.rejects(client.webhookDeliveries("wh_0000000000000000"), (err) => err instanceof ForkdError && err.status === 404);
+  });
+
   await t.test("a sandbox's network: replaced at runtime, its egress listed", async () => {
     const [sb] = await client.spawnSandboxes(template, { network: { allow_out: ["api.ts.test"] } });
     assert.deepEqual((await client.sandboxNetwork(sb.id)).allow_out, ["api.ts.test"]);
