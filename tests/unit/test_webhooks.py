@@ -161,7 +161,7 @@ def test_a_hanging_endpoint_delays_only_its_own_deliveries(
         assert time.monotonic() - started < 1.5
         time.sleep(1.2)
         [hung] = c.get(f"/v1/webhooks/{slow['id']}/deliveries").json()
-        assert hung["status"] == "pending" and "Timeout" in (hung["last_error"] or "")
+        assert hung["status"] == "pending" and "no answer within" in (hung["last_error"] or "")
 
 
 def test_endpoints_the_operator_did_not_allow_are_refused(server: Server) -> None:
@@ -260,3 +260,62 @@ def test_a_timeout_kill_says_so(server: Server, receiver: Receiver) -> None:
     expired, killed = (verifier.verify(r.body, r.headers) for r in receiver.got[:2])
     assert (expired["type"], expired["data"]["reason"]) == ("sandbox.expired", "timeout")
     assert (killed["type"], killed["data"]["reason"]) == ("sandbox.killed", "timeout")
+
+
+def test_addresses_that_carry_a_private_one_are_not_public() -> None:
+    from ipaddress import ip_address
+
+    from forkd.controller.webhooks.destination import _public
+
+    for inside in (
+        "::ffff:127.0.0.1",  # mapped
+        "::127.0.0.1",  # the old compatible form
+        "64:ff9b::a00:1",  # NAT64 of 10.0.0.1
+        "2002:a00:1::1",  # 6to4 of 10.0.0.1
+        "fec0::1",  # site-local
+        "fe80::1",
+        "::1",
+        "0.0.0.0",
+        "169.254.169.254",
+        "100.64.0.1",  # shared address space (CGNAT)
+    ):
+        assert not _public(ip_address(inside)), inside
+    assert _public(ip_address("2606:4700::1111")) and _public(ip_address("1.1.1.1"))
+
+
+def test_an_endpoint_that_trickles_is_cut_off_at_the_attempts_deadline(server: Server) -> None:
+    """One byte now and then never makes an attempt last past ATTEMPT_SECS (1 s here)."""
+    import socket
+    import threading
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(b"HTTP/1.1 200 OK\r\n")
+            while not stop.wait(0.3):
+                conn.sendall(b"X")
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        svc = server.app.state.services
+        svc.webhooks.allow = svc.webhooks.deliverer.allow = (f"127.0.0.1:{port}",)
+        with _client(server) as c:
+            hook = _add(c, f"http://127.0.0.1:{port}/slow")
+            started = time.monotonic()
+            c.post(f"/v1/webhooks/{hook['id']}/test")
+            while time.monotonic() - started < 5:
+                [d] = c.get(f"/v1/webhooks/{hook['id']}/deliveries").json()
+                if d["attempts"]:
+                    break
+                time.sleep(0.1)
+        assert d["attempts"] == 1 and "no answer within 1 s" in d["last_error"]
+        assert time.monotonic() - started < 3
+    finally:
+        stop.set()
+        listener.close()

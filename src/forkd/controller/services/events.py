@@ -150,10 +150,13 @@ class EventBus:
                 body.update((k, v) for k, v in fields.items() if k not in body)
                 self._ring.append(Event(event_id, type, sandbox_id, _encode(body)))
                 streams = list(self._streams)
+                for listener in self._listeners:  # under the lock: in the ids' order
+                    try:
+                        listener(body)
+                    except Exception:  # one that fails loses it, never the rest
+                        log.exception("a listener of %r events failed", type)
             for stream in streams:
                 stream.notify()
-            for listener in self._listeners:
-                listener(body)
         except Exception:  # an event lost must not fail what it reports
             log.exception("publishing a %r event failed", type)
 

@@ -61,6 +61,7 @@ class Deliverer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._sending: dict[str, asyncio.Task[None]] = {}  # webhook id -> its attempt
+        self._held: dict[str, float] = {}  # webhook id -> not before (its record failed)
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -83,21 +84,35 @@ class Deliverer:
             loop.call_soon_threadsafe(self._wake.set)
 
     async def _run(self) -> None:
-        async with httpx.AsyncClient(follow_redirects=False, timeout=ATTEMPT_SECS) as client:
+        limits = httpx.Limits(max_keepalive_connections=0)  # no connection carries two names
+        async with httpx.AsyncClient(
+            follow_redirects=False, timeout=ATTEMPT_SECS, trust_env=False, limits=limits
+        ) as client:
             while True:
                 self._wake.clear()
-                now = time.time()
-                for row in await asyncio.to_thread(self.tables.heads, now):
-                    busy = row.webhook_id in self._sending
-                    if busy or len(self._sending) >= MAX_IN_FLIGHT:
-                        continue
-                    task = asyncio.create_task(self._attempt(client, row))
-                    self._sending[row.webhook_id] = task
-                    task.add_done_callback(self._done)
-                due = await asyncio.to_thread(self.tables.next_due)
-                wait = IDLE_SECS if due is None else min(IDLE_SECS, max(0.0, due - time.time()))
+                try:
+                    wait = await self._round(client)
+                except Exception:  # the store failed: logged, and tried again soon
+                    log.exception("webhook deliveries: a round failed")
+                    wait = IDLE_SECS
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), max(wait, 0.05))
+
+    async def _round(self, client: httpx.AsyncClient) -> float:
+        """Start the attempts that are due; how long until the next one is."""
+        now = time.time()
+        soonest = now + IDLE_SECS
+        for row in await asyncio.to_thread(self.tables.heads):
+            if row.webhook_id in self._sending:
+                continue  # its attempt is under way: the next is timed by its end
+            due = max(row.next_at_unix, self._held.get(row.webhook_id, 0.0))
+            if due > now or len(self._sending) >= MAX_IN_FLIGHT:
+                soonest = min(soonest, due) if due > now else soonest
+                continue
+            task = asyncio.create_task(self._attempt(client, row))
+            self._sending[row.webhook_id] = task
+            task.add_done_callback(self._done)
+        return max(0.0, soonest - time.time())
 
     def _done(self, task: asyncio.Task[None]) -> None:
         for webhook_id, sending in list(self._sending.items()):
@@ -109,8 +124,11 @@ class Deliverer:
         started = time.monotonic()
         code: int | None = None
         try:
-            code = await self._send(client, row)
+            async with asyncio.timeout(ATTEMPT_SECS):  # the whole attempt, however it trickles
+                code = await self._send(client, row)
             error = None if 200 <= code < 300 else f"answered {code}"
+        except TimeoutError:
+            error = f"no answer within {ATTEMPT_SECS:g} s"
         except (httpx.HTTPError, ForkdError, OSError) as exc:
             error = f"{type(exc).__name__}: {exc}"[:500]
         except asyncio.CancelledError:
@@ -119,7 +137,11 @@ class Deliverer:
             log.exception("webhook delivery %s failed", row.msg_id)
             error = f"internal error: {type(exc).__name__}"
         latency = (time.monotonic() - started) * 1000
-        await asyncio.to_thread(self._record, row, code, error, latency)
+        try:
+            await asyncio.to_thread(self._record, row, code, error, latency)
+        except Exception:  # the store failed: this endpoint waits, then it is tried again
+            log.exception("webhook delivery %s: its attempt could not be recorded", row.msg_id)
+            self._held[row.webhook_id] = time.time() + IDLE_SECS
 
     def _record(self, row: DeliveryRow, code: int | None, error: str | None, ms: float) -> None:
         if error is None:
@@ -136,7 +158,7 @@ class Deliverer:
 
     async def _send(self, client: httpx.AsyncClient, row: DeliveryRow) -> int:
         """One attempt: the answer's status (its body read up to MAX_ANSWER_BYTES)."""
-        found = self.endpoint(row.webhook_id)
+        found = await asyncio.to_thread(self.endpoint, row.webhook_id)
         if found is None:
             raise ForkdError("the webhook was deleted")
         url, secret = found

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import logging
 import socket
 from dataclasses import dataclass
 from urllib.parse import urlsplit, urlunsplit
 
 from forkd.errors import Invalid
 
+log = logging.getLogger(__name__)
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
@@ -34,7 +36,30 @@ def allowed(allow: tuple[str, ...], host: str, port: int) -> bool:
     return any(entry.lower() in (bare, shown, f"{shown}:{port}") for entry in allow)
 
 
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv4 through a NAT64 gateway
+SITE_LOCAL = ipaddress.ip_network("fec0::/10")  # deprecated, still private in practice
+
+
+def _embedded(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address an IPv6 one carries (mapped, 6to4, Teredo, NAT64, compatible)."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]
+    if address in NAT64 or int(address) >> 32 == 0:  # ::a.b.c.d, the old compatible form
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None
+
+
 def _public(address: Address) -> bool:
+    if isinstance(address, ipaddress.IPv6Address):
+        if address in SITE_LOCAL or address.scope_id:
+            return False
+        inner = _embedded(address)
+        if inner is not None and not _public(inner):
+            return False
     return address.is_global and not address.is_multicast
 
 
@@ -47,19 +72,20 @@ async def resolve(url: str, allow: tuple[str, ...]) -> Destination:
     listed = allowed(allow, host, port)
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise Invalid(f"the webhook's host {host!r} does not resolve: {exc}") from None
-    addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
+        addresses = [ipaddress.ip_address(info[4][0]) for info in infos]
+    except (OSError, ValueError) as exc:  # UnicodeError (a bad label) is a ValueError
+        log.info("webhook host %r: %s", host, exc)
+        raise Invalid(f"the webhook's host {host!r} does not resolve") from None
     if not addresses:
-        raise Invalid(f"the webhook's host {host!r} has no address")
+        raise Invalid(f"the webhook's host {host!r} does not resolve")
     refused = [a for a in addresses if not _public(a)]
-    if refused and not listed:
+    if refused and not listed:  # which address is not said: no lookup of inside names
         raise Invalid(
-            f"the webhook's host {host!r} is {refused[0]}, not a public address: the "
-            f"daemon's operator may allow it with --webhook-allow {host}:{port}"
+            f"the webhook's host {host!r} is not a public address: the daemon's operator "
+            f"may allow it with --webhook-allow {host}:{port}"
         )
     chosen = addresses[0]
-    literal = f"[{chosen}]" if chosen.version == 6 else str(chosen)
+    literal = f"[{str(chosen).partition('%')[0]}]" if chosen.version == 6 else str(chosen)
     netloc = f"{literal}:{port}"
     pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
     host_header = parts.netloc.rpartition("@")[2]

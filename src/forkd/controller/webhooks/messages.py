@@ -30,6 +30,7 @@ WEBHOOK_EVENTS = {
     "webhook_failed": "webhook.failed",
 }
 TEST_EVENT = "webhook.test"  # POST /v1/webhooks/{id}/test: to that endpoint only
+FAILED_EVENT = "webhook.failed"  # only to a webhook that names it (not in *)
 ALL = "*"
 NAMES = frozenset(WEBHOOK_EVENTS.values())
 SECRET_PREFIX = "whsec_"
@@ -80,6 +81,8 @@ def check_secret(secret: str) -> str:
 def wants(events: tuple[str, ...], name: str) -> bool:
     if name == TEST_EVENT:
         return False  # sent only when asked for, to the one endpoint
+    if name == FAILED_EVENT:
+        return name in events  # asked for by name: a catch-all takes no failures
     return ALL in events or name in events
 
 

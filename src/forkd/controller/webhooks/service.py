@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from datetime import UTC, datetime
 from typing import Any
@@ -41,6 +42,7 @@ class WebhookService:
         self.tables = WebhookTables(store)
         self._hooks = self.tables.all()  # read at each publish: kept in memory
         self._pending: dict[str, int] = {h.id: self.tables.pending_count(h.id) for h in self._hooks}
+        self._count_lock = threading.Lock()  # publishers on any thread, attempts on others
         self.deliverer = Deliverer(self.tables, self._endpoint, self._ended, allow)
         events.add_listener(self.on_event)
 
@@ -68,7 +70,8 @@ class WebhookService:
         )
         self.tables.add(row)
         self._hooks = self.tables.all()
-        self._pending[webhook_id] = 0
+        with self._count_lock:
+            self._pending[webhook_id] = 0
         return row, made
 
     def all(self) -> list[WebhookRow]:
@@ -84,7 +87,8 @@ class WebhookService:
         if not self.tables.delete(webhook_id):
             raise NotFound(f"no webhook {webhook_id!r}")
         self._hooks = self.tables.all()
-        self._pending.pop(webhook_id, None)
+        with self._count_lock:
+            self._pending.pop(webhook_id, None)
 
     def deliveries(self, webhook_id: str, limit: int) -> list[DeliveryRow]:
         self.get(webhook_id)
@@ -99,7 +103,9 @@ class WebhookService:
         msg_id = "msg_test_" + secrets.token_hex(8)
         event = {"time": _now(), "webhook_id": webhook_id}
         body = messages.message(messages.TEST_EVENT, event, None)
-        self.tables.enqueue([(msg_id, webhook_id, messages.TEST_EVENT, body)])
+        with self._count_lock:
+            self.tables.enqueue([(msg_id, webhook_id, messages.TEST_EVENT, body)])
+            self._pending[webhook_id] = self._pending.get(webhook_id, 0) + 1
         self.deliverer.wake()
         return msg_id
 
@@ -119,17 +125,18 @@ class WebhookService:
             return
         body = messages.message(name, event, self._sandbox(event.get("sandbox_id")))
         msg_id = f"msg_{event['id']}"
-        rows = []
-        for hook in hooks:
-            if self._pending.get(hook.id, 0) >= MAX_PENDING:
-                log.warning(
-                    "webhook %s: %d deliveries wait, %s dropped", hook.id, MAX_PENDING, msg_id
-                )
-                continue
-            self._pending[hook.id] = self._pending.get(hook.id, 0) + 1
-            rows.append((msg_id, hook.id, name, body))
+        with self._count_lock:
+            rows = []
+            for hook in hooks:
+                if self._pending.get(hook.id, 0) >= MAX_PENDING:
+                    log.warning("webhook %s: %d wait, %s dropped", hook.id, MAX_PENDING, msg_id)
+                    continue
+                rows.append((msg_id, hook.id, name, body))
+            if rows:
+                self.tables.enqueue(rows)
+                for row in rows:  # counted once written
+                    self._pending[row[1]] = self._pending.get(row[1], 0) + 1
         if rows:
-            self.tables.enqueue(rows)
             self.deliverer.wake()
 
     def _sandbox(self, sandbox_id: object) -> dict[str, Any] | None:
@@ -147,9 +154,12 @@ class WebhookService:
         return row.url, self.box.open(_sealed_name(webhook_id), row.secret_sealed)
 
     def _ended(self, row: DeliveryRow, error: str | None) -> None:
-        self._pending[row.webhook_id] = max(0, self._pending.get(row.webhook_id, 1) - 1)
-        if error is None:
-            return
+        with self._count_lock:
+            if row.webhook_id not in self._pending:
+                return  # deleted meanwhile: nothing to count, nobody to tell
+            self._pending[row.webhook_id] = max(0, self._pending[row.webhook_id] - 1)
+        if error is None or row.event in (messages.FAILED_EVENT, messages.TEST_EVENT):
+            return  # a failure about a failure is not told again: it would multiply
         self.events.publish(
             "webhook_failed",
             webhook_id=row.webhook_id,

@@ -42,8 +42,11 @@ CREATE TABLE IF NOT EXISTS webhook_deliveries (
 );
 CREATE INDEX IF NOT EXISTS webhook_deliveries_due
     ON webhook_deliveries (status, webhook_id, seq);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_ended
+    ON webhook_deliveries (ended_at_unix);
 """
 KEEP_ENDED_SECS = 7 * 24 * 3600.0  # a delivered or failed row is listed this long
+PRUNE_EVERY_SECS = 600.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ def _webhook(row: Any) -> WebhookRow:
 class WebhookTables:
     def __init__(self, store: Store) -> None:
         self.store = store
+        self._next_prune = 0.0
         with store.transaction() as db:
             for statement in filter(str.strip, SCHEMA.split(";")):
                 db.execute(statement)
@@ -133,28 +137,16 @@ class WebhookTables:
                 [(*d, now, now) for d in deliveries],
             )
 
-    def heads(self, now: float) -> list[DeliveryRow]:
-        """Each endpoint's oldest pending delivery, if it is due: deliveries to one
-        endpoint go out in order, one at a time."""
+    def heads(self) -> list[DeliveryRow]:
+        """Each endpoint's oldest pending delivery: deliveries to one endpoint go out in
+        order, one at a time."""
         rows = self.store.query(
             "SELECT d.* FROM webhook_deliveries d JOIN ("
             " SELECT webhook_id, MIN(seq) AS seq FROM webhook_deliveries"
             " WHERE status = 'pending' GROUP BY webhook_id"
-            ") h ON d.seq = h.seq WHERE d.next_at_unix <= ?",
-            (now,),
-        )
-        return [DeliveryRow(**dict(r)) for r in rows]
-
-    def next_due(self) -> float | None:
-        """When the soonest pending head is due (None: nothing pending)."""
-        found = self.store.query(
-            "SELECT MIN(d.next_at_unix) AS due FROM webhook_deliveries d JOIN ("
-            " SELECT MIN(seq) AS seq FROM webhook_deliveries"
-            " WHERE status = 'pending' GROUP BY webhook_id"
             ") h ON d.seq = h.seq"
         )
-        due = found[0]["due"] if found else None
-        return float(due) if due is not None else None
+        return [DeliveryRow(**dict(r)) for r in rows]
 
     def attempted(
         self,
@@ -174,10 +166,13 @@ class WebhookTables:
                 "ended_at_unix = ? WHERE seq = ?",
                 (status, code, error, latency_ms, next_at, ended, seq),
             )
-            db.execute(
-                "DELETE FROM webhook_deliveries WHERE status != 'pending' AND ended_at_unix < ?",
-                (time.time() - KEEP_ENDED_SECS,),
-            )
+        if time.monotonic() >= self._next_prune:  # now and then, not at every attempt
+            self._next_prune = time.monotonic() + PRUNE_EVERY_SECS
+            with self.store.transaction() as db:
+                db.execute(
+                    "DELETE FROM webhook_deliveries WHERE ended_at_unix < ?",
+                    (time.time() - KEEP_ENDED_SECS,),
+                )
 
     def deliveries(self, webhook_id: str, limit: int) -> list[DeliveryRow]:
         rows = self.store.query(
