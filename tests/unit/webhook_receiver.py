@@ -67,8 +67,10 @@ def _handler(receiver: Receiver) -> type[BaseHTTPRequestHandler]:
 
 
 @contextmanager
-def receiving(**behaviour: Any) -> Iterator[Receiver]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(Receiver(0)))
+def receiving(on_port: int = 0, **behaviour: Any) -> Iterator[Receiver]:
+    """A receiver on ``on_port`` (0: any free one)."""
+    ThreadingHTTPServer.allow_reuse_address = True
+    server = ThreadingHTTPServer(("127.0.0.1", on_port), _handler(Receiver(0)))
     receiver = Receiver(server.server_address[1], **behaviour)
     server.RequestHandlerClass = _handler(receiver)
     server.daemon_threads = True
