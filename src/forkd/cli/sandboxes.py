@@ -20,6 +20,7 @@ from forkd.cli.options import Connection, with_connection
 from forkd.cli.original_commands import HugeOpt, LiveForkOpt, NetnsOpt, ignore_flags
 from forkd.cli.render import err, out, shown
 from forkd.cli.snapshots import ModeOpt, TagOpt, WaitOpt, show_tree
+from forkd.cli.stop_options import OnStopOpt, OnStopTimeoutOpt
 from forkd.states import SnapshotStatus
 
 if TYPE_CHECKING:
@@ -42,11 +43,15 @@ def register(app: typer.Typer, *, transport: httpx.BaseTransport | None = None) 
 
 
 def rm(
-    conn: Connection, ids: Annotated[list[str], typer.Argument(help="Sandbox ids to kill.")]
+    conn: Connection,
+    ids: Annotated[list[str], typer.Argument(help="Sandbox ids to kill.")],
+    force: Annotated[
+        bool, typer.Option("--force", help="Without running their stop hooks (--on-stop).")
+    ] = False,
 ) -> None:
-    """Kill sandboxes."""
+    """Kill sandboxes (each runs its stop hook first, unless --force)."""
     with daemon_errors(), conn.controller() as ctl:
-        act_on_each(ids, ctl.kill_sandbox, "killed", conn.as_json)
+        act_on_each(ids, lambda i: ctl.kill_sandbox(i, force=force), "killed", conn.as_json)
 
 
 def set_timeout(
@@ -233,6 +238,8 @@ def fork(
     seed: SeedOpt = None,
     auto_resume: AutoResumeOpt = None,
     evictable: EvictableOpt = None,
+    on_stop: OnStopOpt = None,
+    on_stop_timeout: OnStopTimeoutOpt = None,
     settle_secs: SettleOpt = None,
     agent_address: AgentAddressOpt = None,
     per_child_netns: NetnsOpt = False,
@@ -268,6 +275,8 @@ def fork(
             auto_resume=auto_resume,
             evictable=evictable,
             network=network_of(allow_out, deny_out),
+            on_stop=on_stop,
+            on_stop_timeout_s=on_stop_timeout,
         )
     if conn.as_json:
         render.print_json(sandboxes)

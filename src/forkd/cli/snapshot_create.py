@@ -19,6 +19,7 @@ from forkd.cli.labels import LabelOpt, parse_labels
 from forkd.cli.network_options import AllowOutOpt, DenyOutOpt, EnvOpt, env_of, network_of
 from forkd.cli.options import Connection
 from forkd.cli.render import err, out, shown
+from forkd.cli.stop_options import OnStopOpt, OnStopTimeoutOpt
 
 StartOpt = Annotated[
     bool, typer.Option("--start", help="Run the image's Entrypoint+Cmd before the snapshot.")
@@ -106,6 +107,8 @@ def snapshot_create(
     allow_out: AllowOutOpt = None,
     deny_out: DenyOutOpt = None,
     env: EnvOpt = None,
+    on_stop: OnStopOpt = None,
+    on_stop_timeout: OnStopTimeoutOpt = None,
 ) -> None:
     """Boot a template VM, run setup and warm-up, snapshot it under TAG."""
     volumes = [parse_volume(host_file_volume(conn, v)) for v in volume or []]
@@ -119,6 +122,8 @@ def snapshot_create(
     status = _build_status(tag, start, ready_port, ready_cmd)
     extra = _started(start, ready_port, ready_cmd, ready_timeout)
     extra.update(_given(volumes, labels, network_of(allow_out, deny_out), env_of(env)))
+    if on_stop is not None:  # every fork of it runs it before it is stopped
+        extra.update(on_stop=on_stop, on_stop_timeout_s=on_stop_timeout or 10.0)
     with (
         daemon_errors(),
         conn.controller() as ctl,

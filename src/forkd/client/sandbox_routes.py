@@ -50,6 +50,8 @@ class SandboxCalls(RouteBase):
         hugepages: bool | None = None,
         network: dict[str, Any] | None = None,
         egress: Any = None,
+        on_stop: str | None = None,
+        on_stop_timeout_s: float | None = None,
     ) -> Call[list[JSONDict]]:
         """``POST /v1/sandboxes``: fork ``n`` children of a snapshot (all or
         nothing) → list of SandboxInfo. ``timeout_s`` (or ``timeout_secs``) is the sandbox's
@@ -61,14 +63,12 @@ class SandboxCalls(RouteBase):
         ``seed + i``, from which Python's ``random`` is seeded in its warm interpreter
         and in every Python process it starts (``FORKD_SEED``), so the same seed
         replays the same run; ``os.urandom`` stays unique to each child.
-        ``auto_resume`` (default true): a request to one while it is paused or hibernated (exec,
-        files, processes, its ports) resumes it first; false: a 409.
-        ``evictable`` (default true): when the host runs short of memory, the daemon
-        may hibernate it once idle; false: never.
+        ``auto_resume`` (default true): a request to one paused or hibernated resumes it.
+        ``evictable`` (default true): the daemon may hibernate it, idle, short of memory.
         ``network`` (``{"allow_out": [...], "deny_out": [...], "rules": {...}}``, E2B's shape) is
         what they may reach, by name (``egress``: the older forms); default: the snapshot's.
-        ``prewarm``, ``live_fork`` and ``hugepages`` are the original forkd's, sent as given and
-        without effect here."""
+        ``on_stop``: a command each runs before it is stopped (default: the snapshot's).
+        ``prewarm``, ``live_fork``, ``hugepages``: the original forkd's, without effect."""
         body = drop_none(
             {
                 "snapshot_tag": snapshot_tag,
@@ -82,6 +82,7 @@ class SandboxCalls(RouteBase):
                 "seed": seed,
                 "auto_resume": auto_resume,
                 "evictable": evictable,
+                **{"on_stop": on_stop, "on_stop_timeout_s": on_stop_timeout_s},
                 **_original_flags(prewarm, live_fork, hugepages),
             }
         )
@@ -169,9 +170,11 @@ class SandboxCalls(RouteBase):
         return self._json("GET", "/v1/sandboxes/metrics", params=params)
 
     @route
-    def kill_sandbox(self, sandbox_id: str) -> Call[None]:
-        """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files."""
-        return self._request("DELETE", self._sb(sandbox_id)).then(no_answer)
+    def kill_sandbox(self, sandbox_id: str, force: bool = False) -> Call[None]:
+        """``DELETE /v1/sandboxes/{id}``: kill the VM and free its files (its stop hook
+        runs first, unless ``force``)."""
+        params = {"force": "true"} if force else None
+        return self._request("DELETE", self._sb(sandbox_id), params=params).then(no_answer)
 
     @route
     def set_sandbox_timeout(

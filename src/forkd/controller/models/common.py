@@ -140,3 +140,17 @@ class StreamError(BaseModel):
 
     error: str
     status: int = Field(description="the HTTP status the failure would have had")
+
+
+# A stop hook (forkd.controller.services.stop_hooks): templates and forks take one.
+ON_STOP = Field(
+    None,
+    min_length=1,
+    max_length=4096,
+    description="a command (/bin/sh -c) the sandbox runs before the daemon stops it: a DELETE "
+    "without force, a timeout or idle timeout, a hibernation, the daemon's stop under "
+    "--kill-on-exit; forks and branches take it",
+)
+ON_STOP_TIMEOUT = Field(
+    10.0, gt=0, le=300, description="how long the stop hook may run; then the stop goes on"
+)

@@ -8,6 +8,8 @@ from pydantic import BaseModel, Field
 
 from forkd import limits, states
 from forkd.controller.models.common import (
+    ON_STOP,
+    ON_STOP_TIMEOUT,
     TAG,
     Metadata,
     OnTimeoutWord,
@@ -67,6 +69,8 @@ class SandboxCreate(StrictBody):
         description="when the host runs short of memory, the daemon may hibernate it once "
         "idle (it wakes on the next request); false: never",
     )
+    on_stop: str | None = ON_STOP
+    on_stop_timeout_s: float = ON_STOP_TIMEOUT
     internet: bool | None = Field(None, description="older form of egress: true = 'internet'")
     egress: Egress | None = Field(None, description="default: the snapshot's")
     network: NetworkPolicy | None = Field(

@@ -9,6 +9,8 @@ from pydantic import BaseModel, Field, StringConstraints
 from forkd import limits
 from forkd.controller.models.common import (
     INSECURE,
+    ON_STOP,
+    ON_STOP_TIMEOUT,
     REGISTRY_REF,
     REGISTRY_TOKEN,
     TAG,
@@ -77,6 +79,8 @@ class SnapshotCreate(StrictBody):
         description="how long start may take to be ready (with no ready_port nor ready_cmd: "
         "the image's one exposed TCP port is waited for, if it has exactly one)",
     )
+    on_stop: str | None = ON_STOP
+    on_stop_timeout_s: float = ON_STOP_TIMEOUT
 
 
 class SnapshotPush(StrictBody):

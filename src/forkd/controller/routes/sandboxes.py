@@ -100,8 +100,13 @@ async def sandbox_metrics(svc: Svc, sandbox_id: str) -> SandboxMetrics:
 
 
 @sandboxes.delete("/{sandbox_id}", **NO_CONTENT)
-async def kill_sandbox(svc: Svc, sandbox_id: str) -> Response:
-    await svc.sandboxes.kill(sandbox_id)
+async def kill_sandbox(
+    svc: Svc,
+    sandbox_id: str,
+    force: Annotated[bool, Query(description="without running its stop hook")] = False,
+) -> Response:
+    """Kill it; its stop hook (``on_stop``) runs first unless ``force``."""
+    await svc.sandboxes.kill(sandbox_id, force=force)
     return Response(status_code=204)
 
 
@@ -161,6 +166,7 @@ async def branch(
 ) -> SnapshotInfo:
     req = body or BranchRequest()
     info = await svc.branches.branch(sandbox_id, req)
+    svc.stop_hooks.for_branch(sandbox_id, info.tag)  # its forks take the source's
     if not req.wait:  # answered once the source runs again; written in the background
         response.status_code = 202
     return info

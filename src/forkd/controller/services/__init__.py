@@ -40,6 +40,7 @@ from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.secrets import SecretService
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
+from forkd.controller.services.stop_hooks import StopHooks
 from forkd.controller.services.usage import UsageService
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.services.waking import Waker
@@ -90,6 +91,7 @@ class Services:
     secrets: SecretService
     network: NetworkService
     webhooks: WebhookService
+    stop_hooks: StopHooks
 
     @classmethod
     def create(

@@ -63,6 +63,7 @@ EVENT_TYPES = (
     "network_changed",  # a sandbox's network policy was replaced at runtime
     "explored",  # an explore ended (on the source: explore, kept, best)
     "webhook_failed",  # a webhook's delivery was given up (webhook_id, msg_id, error)
+    "stop_hook",  # a sandbox's stop hook ran before it was stopped (reason, exit_code, output)
 )
 GAP = "gap"  # not published: what a stream gets when events it would have had are lost
 POSITION = ""  # not published: a stream's first item, its place (the id it follows)

@@ -76,6 +76,8 @@ class HibernateService:
         vm = self.vms.live(sandbox_id, paused_ok=True)
         self.check_disk(sandbox_id)
         was_running = row.state == SandboxState.RUNNING
+        if was_running and self.vms.hooks is not None:  # the guest's own clean stop first
+            await self.vms.hooks.run(sandbox_id, vm, "hibernate")
         if was_running:  # the snapshot then holds exactly this moment
             try:
                 await vm.pause()

@@ -19,6 +19,7 @@ from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.holds import Holds
 from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.stop_hooks import StopHooks
 from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import Conflict, ForkdError
@@ -36,6 +37,11 @@ def vm_id_prefixes(id_prefix: str) -> tuple[str, ...]:
     return (f"sb-{id_prefix}-", f"tpl-{id_prefix}-")
 
 
+# The stops a sandbox's stop hook runs before (a DELETE with force, a failed fork, an
+# explore's discarded children do not run it).
+HOOKED = frozenset({"user", "timeout", "idle", "daemon_shutdown"})
+
+
 class LiveVMs(MutableMapping[str, SandboxVM]):
     def __init__(
         self,
@@ -46,8 +52,10 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
         activity: Activity,
         hibernated: HibernatedFiles,
         pool: ForkPool[SandboxVM],
+        hooks: StopHooks | None = None,
     ) -> None:
         self._vms: dict[str, SandboxVM] = {}  # sandbox id -> its running VM
+        self.hooks = hooks  # what a sandbox runs before it is stopped (stop_hooks)
         self.store = store
         self.records = records
         self.events = events
@@ -137,9 +145,15 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
             )
         self.holds.forget_sandbox(sandbox_id)  # only now: see forget_sandbox
 
-    async def remove(self, sandbox_id: str, reason: str | None = None) -> None:
+    async def remove(self, sandbox_id: str, reason: str | None = None, hook: bool = True) -> None:
         """Kill the sandbox's VM (if any), delete its files and its record; ``reason``
-        (``user``, ``timeout``, ``daemon_shutdown``, ...) goes in the ``killed`` event."""
+        (``user``, ``timeout``, ``daemon_shutdown``, ...) goes in the ``killed`` event.
+        For the reasons of :data:`HOOKED`, its stop hook runs first (unless not ``hook``)."""
+        vm = self._vms.get(sandbox_id)
+        if self.hooks is not None:
+            if vm is not None and hook and reason in HOOKED:
+                await self.hooks.run(sandbox_id, vm, reason)
+            self.hooks.forget(sandbox_id)
         self.activity.forget(sandbox_id)
         self.activity.forget_counts(sandbox_id)
         vm = self._vms.pop(sandbox_id, None)

@@ -28,6 +28,7 @@ from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.snapshots import SnapshotService, memory_file
+from forkd.controller.services.stop_hooks import StopHook
 from forkd.controller.services.waking import Waker
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
@@ -145,7 +146,11 @@ class SandboxService:
         self.admission.check_caps(what, req.n, machine.memory_mib)  # before any eviction
         await self.admission.make_room_for(req.n, snap_dir)
         with self.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
-            return await self._fork_all(req, tag, snap_dir, policy, held, pool)
+            made = await self._fork_all(req, tag, snap_dir, policy, held, pool)
+        if self.vms.hooks is not None:  # the request's stop hook, else the template's
+            given = StopHook(req.on_stop, req.on_stop_timeout_s) if req.on_stop else None
+            self.vms.hooks.for_children([info.id for info in made], tag, given)
+        return made
 
     async def _fork_all(
         self,
@@ -351,9 +356,10 @@ class SandboxService:
             self.store.update_sandbox(sandbox_id, **changes)
         return self.info(sandbox_id)
 
-    async def kill(self, sandbox_id: str) -> None:
+    async def kill(self, sandbox_id: str, force: bool = False) -> None:
+        """Kill it (its stop hook first, unless ``force``)."""
         if self.records.sandbox_row(sandbox_id).state == SandboxState.STARTING:
             raise Conflict(f"sandbox {sandbox_id!r} is still starting; retry shortly")
         if self.holds.is_waking(sandbox_id):
             raise Conflict(f"sandbox {sandbox_id!r} is waking from hibernation; retry shortly")
-        await self.vms.remove(sandbox_id, "user")
+        await self.vms.remove(sandbox_id, "user", hook=not force)

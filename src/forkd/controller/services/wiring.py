@@ -43,6 +43,7 @@ from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.secrets import SecretService
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
+from forkd.controller.services.stop_hooks import StopHooks
 from forkd.controller.services.usage import UsageService
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.services.waking import Waker
@@ -161,7 +162,12 @@ class Wiring:
             self.activity,
             self.hibernated,
             self.pool,
+            self.stop_hooks,
         )
+
+    @cached_property
+    def stop_hooks(self) -> StopHooks:
+        return StopHooks(self.store, self.events)
 
     @cached_property
     def memory(self) -> MemoryWatch:

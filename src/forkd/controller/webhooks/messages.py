@@ -25,6 +25,7 @@ WEBHOOK_EVENTS = {
     "branched": "sandbox.branched",
     "explored": "sandbox.explored",
     "network_changed": "sandbox.network_changed",
+    "stop_hook": "sandbox.stop_hook",
     "snapshot_created": "snapshot.created",
     "snapshot_deleted": "snapshot.deleted",
     "webhook_failed": "webhook.failed",
