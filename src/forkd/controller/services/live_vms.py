@@ -37,11 +37,6 @@ def vm_id_prefixes(id_prefix: str) -> tuple[str, ...]:
     return (f"sb-{id_prefix}-", f"tpl-{id_prefix}-")
 
 
-# The stops a sandbox's stop hook runs before (a DELETE with force, a failed fork, an
-# explore's discarded children do not run it).
-HOOKED = frozenset({"user", "timeout", "idle", "daemon_shutdown"})
-
-
 class LiveVMs(MutableMapping[str, SandboxVM]):
     def __init__(
         self,
@@ -148,12 +143,11 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
     async def remove(self, sandbox_id: str, reason: str | None = None, hook: bool = True) -> None:
         """Kill the sandbox's VM (if any), delete its files and its record; ``reason``
         (``user``, ``timeout``, ``daemon_shutdown``, ...) goes in the ``killed`` event.
-        For the reasons of :data:`HOOKED`, its stop hook runs first (unless not ``hook``)."""
-        vm = self._vms.get(sandbox_id)
+        Its stop hook runs first, for the reasons of :data:`.stop_hooks.HOOKED` (unless
+        not ``hook``)."""
         if self.hooks is not None:
-            if vm is not None and hook and reason in HOOKED:
-                await self.hooks.run(sandbox_id, vm, reason)
-            self.hooks.forget(sandbox_id)
+            vm = self._vms.get(sandbox_id) if hook else None
+            await self.hooks.before_removal(sandbox_id, vm, reason)
         self.activity.forget(sandbox_id)
         self.activity.forget_counts(sandbox_id)
         vm = self._vms.pop(sandbox_id, None)

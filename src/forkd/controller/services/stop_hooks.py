@@ -36,6 +36,9 @@ CREATE TABLE IF NOT EXISTS stop_hooks (
 """
 OUTPUT_TAIL_CHARS = 2000  # of what a hook printed, in its event
 GRACE_SECS = 2.0  # past its timeout, for the agent's answer (a wedged guest: cut off)
+# The removals a sandbox's hook runs before (a DELETE with force, a failed fork, an
+# explore's discarded children do not run it).
+HOOKED = frozenset({"user", "timeout", "idle", "daemon_shutdown"})
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,16 @@ class StopHooks:
         with store.transaction() as db:
             db.execute(SCHEMA)
 
-    def _set(self, kind: str, key: str, made_at: float, hook: StopHook | None) -> None:
+    def _set(self, kind: str, keys: list[str], made_at: float, hook: StopHook | None) -> None:
+        """``keys``' hook (none: dropped), in one transaction."""
         with self.store.transaction() as db:
-            db.execute("DELETE FROM stop_hooks WHERE kind = ? AND key = ?", (kind, key))
+            db.executemany(
+                "DELETE FROM stop_hooks WHERE kind = ? AND key = ?", [(kind, k) for k in keys]
+            )
             if hook is not None:
-                db.execute(
+                db.executemany(
                     "INSERT INTO stop_hooks VALUES (?, ?, ?, ?, ?)",
-                    (kind, key, made_at, hook.command, hook.timeout_s),
+                    [(kind, k, made_at, hook.command, hook.timeout_s) for k in keys],
                 )
 
     def _get(self, kind: str, key: str) -> tuple[float, StopHook] | None:
@@ -83,27 +89,39 @@ class StopHooks:
     def for_snapshot(self, tag: str, hook: StopHook | None) -> None:
         """A template made now with ``hook`` (or none: an old one of its tag is dropped)."""
         row = self.store.get_snapshot(tag)
-        self._set("snapshot", tag, row.created_at_unix if row else 0.0, hook)
+        self._set("snapshot", [tag], row.created_at_unix if row else 0.0, hook)
 
     def for_children(self, ids: list[str], tag: str, given: StopHook | None) -> None:
         """Forks of ``tag``: ``given``, else their template's."""
         hook = given or self.of_snapshot(tag)
         if hook is not None:
-            for sandbox_id in ids:
-                self._set("sandbox", sandbox_id, 0.0, hook)
+            self._set("sandbox", ids, 0.0, hook)
 
     def for_branch(self, sandbox_id: str, tag: str) -> None:
         """A branch of ``sandbox_id`` takes its hook (its forks then do)."""
         self.for_snapshot(tag, self.of_sandbox(sandbox_id))
 
-    def forget(self, sandbox_id: str) -> None:
-        self._set("sandbox", sandbox_id, 0.0, None)
+    async def before_removal(
+        self, sandbox_id: str, vm: SandboxVM | None, reason: str | None
+    ) -> None:
+        """A sandbox is removed: its hook run (for the :data:`HOOKED` reasons, while it
+        has a VM), then dropped. One read when it has none."""
+        hook = self.of_sandbox(sandbox_id)
+        if hook is None:
+            return
+        if vm is not None and reason in HOOKED:
+            await self._run(sandbox_id, vm, reason, hook)
+        self._set("sandbox", [sandbox_id], 0.0, None)
 
     async def run(self, sandbox_id: str, vm: SandboxVM, reason: str) -> None:
-        """The sandbox's hook, if it has one, before it is stopped for ``reason``: at most
-        its timeout (and a grace for the agent), then the stop goes on."""
+        """The sandbox's hook, if it has one, before it is stopped for ``reason``."""
         hook = self.of_sandbox(sandbox_id)
-        if hook is None or not vm.is_alive():
+        if hook is not None:
+            await self._run(sandbox_id, vm, reason, hook)
+
+    async def _run(self, sandbox_id: str, vm: SandboxVM, reason: str, hook: StopHook) -> None:
+        """At most the hook's timeout (and a grace for the agent), then the stop goes on."""
+        if not vm.is_alive():
             return
         said: dict[str, Any] = {"reason": reason, "command": hook.command}
         try:
