@@ -21,10 +21,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from forkd.controller.services.events import utc_stamp
 from forkd.controller.services.received import receive_to
 from forkd.disk_reserve import DiskReserve
 from forkd.errors import Conflict, Invalid, NotFound, OverCapacity
@@ -38,10 +38,6 @@ MAX_LOG_CHARS = 4 << 20  # of one build's log, all its entries
 MAX_LINE_CHARS = 8 << 10  # of one entry (a line of a step's output)
 KEEP_FINISHED_SECS = 3600.0  # a finished build answers its status this long
 UPLOAD_SECS = 3600.0  # a build not started this long after its request is dropped
-
-
-def _stamp() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 @dataclass
@@ -73,14 +69,14 @@ class Build:
         if len(self.entries) >= MAX_LOG_ENTRIES or self.log_chars > MAX_LOG_CHARS:
             self.cut = True
             level, message = "warn", "(the rest of the build's log was cut)"
-        entry: dict[str, Any] = {"timestamp": _stamp(), "level": level, "message": message}
+        entry: dict[str, Any] = {"timestamp": utc_stamp(), "level": level, "message": message}
         if step is not None:
             entry["step"] = step
         self.entries.append(entry)
 
     def fail(self, message: str, step: str | None) -> None:
         message = message[:MAX_LINE_CHARS]
-        entry: dict[str, Any] = {"timestamp": _stamp(), "level": "error", "message": message}
+        entry: dict[str, Any] = {"timestamp": utc_stamp(), "level": "error", "message": message}
         if step is not None:
             entry["step"] = step
         self.entries.append(entry)  # whatever was cut before it

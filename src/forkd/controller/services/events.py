@@ -80,8 +80,11 @@ class Event:
     data: str
 
 
-def _iso(unix: float) -> str:
-    stamp = datetime.fromtimestamp(unix, UTC).isoformat(timespec="milliseconds")
+def utc_stamp(unix: float | None = None) -> str:
+    """``unix`` (default: now) as an event's ``time``: ISO 8601, UTC, to the millisecond,
+    with ``Z``."""
+    moment = time.time() if unix is None else unix
+    stamp = datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds")
     return stamp.replace("+00:00", "Z")
 
 
@@ -143,7 +146,7 @@ class EventBus:
             with self._lock:
                 event_id = self._next_id
                 self._next_id += 1
-                body: dict[str, Any] = {"id": event_id, "type": type, "time": _iso(time.time())}
+                body: dict[str, Any] = {"id": event_id, "type": type, "time": utc_stamp()}
                 if sandbox_id is not None:
                     body["sandbox_id"] = sandbox_id
                 if snapshot_tag is not None:
@@ -271,7 +274,7 @@ class EventBus:
         body = {
             "id": last_lost,
             "type": GAP,
-            "time": _iso(time.time()),
+            "time": utc_stamp(),
             "after": after,
             "missed": missed,
             "reason": reason,

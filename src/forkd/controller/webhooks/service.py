@@ -9,11 +9,10 @@ import logging
 import secrets
 import threading
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from forkd.controller.secret_box import SecretBox
-from forkd.controller.services.events import EventBus
+from forkd.controller.services.events import EventBus, utc_stamp
 from forkd.controller.store import Store
 from forkd.controller.webhooks import messages
 from forkd.controller.webhooks.delivery import Deliverer
@@ -101,7 +100,7 @@ class WebhookService:
         """A ``webhook.test`` message to that endpoint; its message id."""
         self.get(webhook_id)
         msg_id = "msg_test_" + secrets.token_hex(8)
-        event = {"time": _now(), "webhook_id": webhook_id}
+        event = {"time": utc_stamp(), "webhook_id": webhook_id}
         body = messages.message(messages.TEST_EVENT, event, None)
         with self._count_lock:
             self.tables.enqueue([(msg_id, webhook_id, messages.TEST_EVENT, body)])
@@ -168,7 +167,3 @@ class WebhookService:
             attempts=row.attempts + 1,
             error=error,
         )
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
