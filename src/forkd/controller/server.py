@@ -350,9 +350,7 @@ def _e2b_server(
         settings.max_upload_bytes,
         domain=domain,
         public_ports=port.public_ports,
-        builds=Builds(
-            settings.state_dir / "e2b-builds", settings.disk_reserve_mib, settings.max_upload_bytes
-        ),
+        builds=Builds.in_state_dir(settings, settings.max_upload_bytes),
     )
     config = _uvicorn_config(e2b, log_level, connections, where)
     config.lifespan = "off"

@@ -50,12 +50,7 @@ def builds(request: Request) -> Builds:
     """The E2B port's builds, made at the first request that needs them."""
     found: Builds | None = getattr(request.app.state, "builds", None)
     if found is None:
-        settings = services(request).settings
-        found = Builds(
-            settings.state_dir / "e2b-builds",
-            settings.disk_reserve_mib,
-            request.app.state.upload_limit,
-        )
+        found = Builds.in_state_dir(services(request).settings, request.app.state.upload_limit)
         request.app.state.builds = found
     return found
 

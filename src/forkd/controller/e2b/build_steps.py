@@ -22,6 +22,7 @@ from forkd import limits
 from forkd.controller.e2b.build_models import BuildStep
 from forkd.controller.e2b.builds import Build
 from forkd.controller.e2b.gzip_body import inflated
+from forkd.controller.e2b.models import bad_env_name
 from forkd.controller.models import SnapshotCreate
 from forkd.controller.services import template_start
 from forkd.controller.services.file_transfer import FileTransferService
@@ -201,7 +202,7 @@ class StepRunner:
         if len(args) % 2:
             raise StepFailed("ENV takes names and values in pairs", str(number))
         env = dict(zip(args[::2], args[1::2], strict=True))
-        bad = [k for k in env if not k or "=" in k or "\0" in k + env[k]]
+        bad = [k for k, v in env.items() if bad_env_name(k) or "\0" in v]
         if bad:
             raise StepFailed(f"ENV: {bad[0]!r} is not a variable name", str(number))
         await self.vm.guest.env_set(env)

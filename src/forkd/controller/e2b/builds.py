@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from forkd.controller.services.events import utc_stamp
 from forkd.controller.services.received import receive_to
+from forkd.controller.settings import Settings
 from forkd.disk_reserve import DiskReserve
 from forkd.errors import Conflict, Invalid, NotFound, OverCapacity
 
@@ -99,6 +100,11 @@ class Builds:
         self._key = os.urandom(32)
         self._builds: dict[str, Build] = {}
         shutil.rmtree(root, ignore_errors=True)
+
+    @classmethod
+    def in_state_dir(cls, settings: Settings, upload_limit: int) -> Builds:
+        """The builds of the daemon ``settings`` describe, their uploads in its state dir."""
+        return cls(settings.state_dir / "e2b-builds", settings.disk_reserve_mib, upload_limit)
 
     def request(self, name: str, cpu_count: int | None, memory_mb: int | None) -> Build:
         self._forget_old()

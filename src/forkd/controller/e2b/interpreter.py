@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from forkd import limits
 from forkd.controller.e2b.interpreter_bash import bash_lines
 from forkd.controller.e2b.interpreter_python import python_lines
+from forkd.controller.e2b.models import bad_env_name
 from forkd.controller.e2b.per_sandbox import PerSandbox, still_there
 from forkd.controller.e2b.rest import Svc, services
 from forkd.controller.e2b.target import INTERPRETER_PORT, sandbox_dependency
@@ -198,7 +199,7 @@ def _fits_env(name: str, value: str) -> bool:
         (name + value).encode("utf-8")
     except UnicodeEncodeError:
         return False
-    return bool(name) and "=" not in name and "\0" not in name + value and name != "__proto__"
+    return not bad_env_name(name) and "\0" not in value and name != "__proto__"
 
 
 async def _one_at_a_time(

@@ -122,3 +122,8 @@ class Error(BaseModel):
 
     code: int
     message: str
+
+
+def bad_env_name(name: str) -> bool:
+    """What the guest agent takes as no variable name: empty, or with '=' or NUL."""
+    return not name or "=" in name or "\0" in name

@@ -24,6 +24,7 @@ from forkd.controller.e2b.models import (
     SandboxDetail,
     SandboxLifecycle,
     TimeoutBody,
+    bad_env_name,
 )
 from forkd.controller.e2b.network_map import policy_of
 from forkd.controller.e2b.paging import paged
@@ -147,7 +148,7 @@ async def create(body: NewSandbox, svc: Svc, domain: Domain) -> Sandbox:
     for name, why in UNSERVED.items():
         if getattr(body, name):
             raise Invalid(why)
-    bad = [name for name in body.env_vars or {} if not name or "=" in name or "\0" in name]
+    bad = [name for name in body.env_vars or {} if bad_env_name(name)]
     if bad:  # refused before anything is made
         raise Invalid(f"envVars: {bad[0]!r} is not a variable name")
     req = SandboxCreate(
