@@ -97,3 +97,15 @@ def test_rm_force_skips_the_hook(server: Server, forkd: Invoke) -> None:
     assert forkd("rm", a["id"]).exit_code == 0
     assert forkd("rm", "--force", b["id"]).exit_code == 0
     assert len(_ran(server, a["id"])) == 1 and _ran(server, b["id"]) == []
+
+
+def test_a_deleted_templates_hook_is_not_taken_by_one_made_again(server: Server) -> None:
+    with _client(server) as c:
+        made = {"tag": "py", "memory_mib": 128, "on_stop": "echo old"}
+        c.post("/v1/snapshots", json=made).raise_for_status()
+        c.delete("/v1/snapshots/py").raise_for_status()
+        c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128}).raise_for_status()
+        [sb] = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()
+        c.delete(f"/v1/sandboxes/{sb['id']}").raise_for_status()
+    assert _ran(server, sb["id"]) == []
+    assert server.app.state.services.stop_hooks.of_snapshot("py") is None

@@ -166,7 +166,6 @@ async def branch(
 ) -> SnapshotInfo:
     req = body or BranchRequest()
     info = await svc.branches.branch(sandbox_id, req)
-    svc.stop_hooks.for_branch(sandbox_id, info.tag)  # its forks take the source's
     if not req.wait:  # answered once the source runs again; written in the background
         response.status_code = 202
     return info

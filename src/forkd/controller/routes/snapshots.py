@@ -18,7 +18,6 @@ from forkd.controller.models import (
     SnapshotPush,
 )
 from forkd.controller.routes.common import LABEL_FILTERS, NO_CONTENT, SNAPSHOT, Svc, metadata_filter
-from forkd.controller.services.stop_hooks import StopHook
 from forkd.limits import NAME_PATTERN
 
 snapshots = APIRouter(prefix="/v1/snapshots", tags=["snapshots"], responses=ERROR_RESPONSES)
@@ -26,10 +25,7 @@ snapshots = APIRouter(prefix="/v1/snapshots", tags=["snapshots"], responses=ERRO
 
 @snapshots.post("", status_code=201, **SNAPSHOT)
 async def create_snapshot(svc: Svc, body: SnapshotCreate) -> SnapshotInfo:
-    info = await svc.snapshots.create(body)
-    hook = StopHook(body.on_stop, body.on_stop_timeout_s) if body.on_stop else None
-    svc.stop_hooks.for_snapshot(info.tag, hook)  # every fork of it takes it
-    return info
+    return await svc.snapshots.create(body)
 
 
 @snapshots.get(

@@ -93,7 +93,16 @@ class BranchService:
         self, sandbox_id: str, req: BranchRequest, drop_labels: Collection[str] = ()
     ) -> SnapshotInfo:
         """``drop_labels``: labels of the source the branch does not take (an explore's
-        marks of the search the source was itself a variant of)."""
+        marks of the search the source was itself a variant of). The branch takes the
+        source's stop hook, and its forks then do."""
+        info = await self._branch(sandbox_id, req, drop_labels)
+        if self.vms.hooks is not None:
+            self.vms.hooks.for_branch(sandbox_id, info.tag)
+        return info
+
+    async def _branch(
+        self, sandbox_id: str, req: BranchRequest, drop_labels: Collection[str]
+    ) -> SnapshotInfo:
         mode = requested_mode(req)
         row, vm = self._source(sandbox_id, req)
         measure = req.measure_diff

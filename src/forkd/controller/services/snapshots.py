@@ -32,6 +32,7 @@ from forkd.controller.services.images import ImageService
 from forkd.controller.services.launcher import Launcher
 from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.stop_hooks import StopHook, StopHooks
 from forkd.controller.services.template_start import TemplateSetupFailed
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.settings import Settings
@@ -112,6 +113,7 @@ class SnapshotService:
         admission: AdmissionControl,
         volumes: VolumeService,
         images: ImageService,
+        stop_hooks: StopHooks,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -125,6 +127,7 @@ class SnapshotService:
         self.admission = admission
         self.volumes = volumes
         self.images = images
+        self.stop_hooks = stop_hooks
         self.root = self.settings.snapshot_root
         # Compaction and deletion change files under the root: one at a time.
         self._disk_lock = asyncio.Lock()
@@ -158,6 +161,8 @@ class SnapshotService:
                 finally:
                     if self.store.get_snapshot(tag) is None:  # failed after the commit
                         shutil.rmtree(self.root / tag, ignore_errors=True)
+        hook = StopHook(req.on_stop, req.on_stop_timeout_s) if req.on_stop else None
+        self.stop_hooks.for_snapshot(tag, hook)  # every fork of it takes it
         info = self.info(tag)
         return info if started is None else info.model_copy(update={"start": started})
 
@@ -477,6 +482,7 @@ class SnapshotService:
         with contextlib.suppress(FileNotFoundError):
             d.rename(trash)
         self.store.delete_snapshot(tag)
+        self.stop_hooks.forget_snapshot(tag)
         self.events.publish("snapshot_deleted", snapshot_tag=tag)
         await asyncio.to_thread(shutil.rmtree, trash, True)
         self.volumes.collect_layers()

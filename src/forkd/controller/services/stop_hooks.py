@@ -91,6 +91,9 @@ class StopHooks:
         row = self.store.get_snapshot(tag)
         self._set("snapshot", [tag], row.created_at_unix if row else 0.0, hook)
 
+    def forget_snapshot(self, tag: str) -> None:
+        self._set("snapshot", [tag], 0.0, None)
+
     def for_children(self, ids: list[str], tag: str, given: StopHook | None) -> None:
         """Forks of ``tag``: ``given``, else their template's."""
         hook = given or self.of_snapshot(tag)

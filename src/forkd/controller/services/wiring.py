@@ -269,6 +269,7 @@ class Wiring:
             self.admission,
             self.volumes,
             self.images,
+            self.stop_hooks,
         )
 
     @cached_property
