@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -111,13 +112,11 @@ class Deliverer:
                 continue
             task = asyncio.create_task(self._attempt(client, row))
             self._sending[row.webhook_id] = task
-            task.add_done_callback(self._done)
+            task.add_done_callback(functools.partial(self._done, row.webhook_id))
         return max(0.0, soonest - time.time())
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        for webhook_id, sending in list(self._sending.items()):
-            if sending is task:
-                del self._sending[webhook_id]
+    def _done(self, webhook_id: str, _task: asyncio.Task[None]) -> None:
+        self._sending.pop(webhook_id, None)
         self._wake.set()
 
     async def _attempt(self, client: httpx.AsyncClient, row: DeliveryRow) -> None:
