@@ -108,7 +108,7 @@ def test_interrupt_route_says_whether_an_eval_was_running(
 def test_interrupt_of_an_agent_older_than_the_op_is_a_conflict(
     client: TestClient, driver: FakeDriver, sandbox_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def unknown_op() -> bool:
+    async def unknown_op(context: str | None = None) -> bool:
         raise AgentError("unknown op: 'eval_interrupt'", kind="ValueError")
 
     monkeypatch.setattr(vm_of(driver, sandbox_id), "eval_interrupt", unknown_op)
@@ -127,7 +127,9 @@ def test_eval_in_an_image_without_a_usable_python_is_a_conflict(
 ) -> None:
     why = "this sandbox's image has no python3 on its PATH: eval runs Python in the image"
 
-    async def refused(code: str, timeout: float = 60.0, tag: str | None = None) -> dict[str, Any]:
+    async def refused(
+        code: str, timeout: float = 60.0, tag: str | None = None, context: str | None = None
+    ) -> dict[str, Any]:
         raise AgentError(why, kind=kind)
 
     monkeypatch.setattr(vm_of(driver, sandbox_id), "eval", refused)
@@ -141,7 +143,11 @@ def test_a_warmup_the_image_cannot_run_is_a_conflict_and_leaves_no_snapshot(
     client: TestClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def refused(
-        self: FakeVM, code: str, timeout: float = 60.0, tag: str | None = None
+        self: FakeVM,
+        code: str,
+        timeout: float = 60.0,
+        tag: str | None = None,
+        context: str | None = None,
     ) -> dict[str, Any]:
         raise AgentError("this sandbox's image has no python3 on its PATH", kind="NoImagePython")
 

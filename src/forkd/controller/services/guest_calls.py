@@ -148,12 +148,8 @@ class GuestCalls:
         (one :meth:`open_context` made: 404 for none)."""
         res = await self.call(
             sandbox_id,
-            lambda vm: (
-                vm.guest.eval(req.code, timeout=req.timeout_s, tag=tag)
-                if context is None
-                else vm.guest.eval(req.code, timeout=req.timeout_s, tag=tag, context=context)
-            ),
-            refusals=EVAL_REFUSALS if context is None else {**EVAL_REFUSALS, **CONTEXT_REFUSALS},
+            lambda vm: vm.guest.eval(req.code, timeout=req.timeout_s, tag=tag, context=context),
+            refusals={**EVAL_REFUSALS, **CONTEXT_REFUSALS},
         )
         error = res.get("error")
         return EvalResult(
@@ -172,9 +168,7 @@ class GuestCalls:
         # Without a context the op takes no parameter: a refusal means an older agent.
         interrupted = await self.call(
             sandbox_id,
-            lambda vm: (
-                vm.guest.eval_interrupt() if context is None else vm.guest.eval_interrupt(context)
-            ),
+            lambda vm: vm.guest.eval_interrupt(context),
             refusals={"ValueError": Conflict, **CONTEXT_REFUSALS},
         )
         return EvalInterrupt(interrupted=interrupted)
