@@ -295,7 +295,13 @@ async def _inert_exec(self: FakeVM, argv: list[str], **_: Any) -> dict[str, Any]
     return {"stdout": "", "stderr": "", "exit_code": 0, "timed_out": False, "duration_ms": 1.0}
 
 
-async def _inert_eval(self: FakeVM, code: str, timeout: float = 60.0) -> dict[str, Any]:
+async def _inert_eval(
+    self: FakeVM,
+    code: str,
+    timeout: float = 60.0,
+    tag: str | None = None,
+    context: str | None = None,
+) -> dict[str, Any]:
     self._agent("eval")  # the fake's own eval runs the code in this process: not fuzzed text
     return {"result": repr(len(code)), "error": None, "exit_code": 0, "stdout": "", "stderr": ""}
 
