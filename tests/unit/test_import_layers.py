@@ -109,6 +109,7 @@ def room_of(module: str) -> str:
         "agent_wire_entries",
         "wire_shape",
         "e2b_key",
+        "tracing",
         "__version__",
     }:
         return BASE

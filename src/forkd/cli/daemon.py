@@ -77,6 +77,7 @@ def _settings(o: ServeOptions) -> Settings:
         ),
         show_host_paths=o.show_host_paths,
         webhook_allow=tuple(o.webhook_allow or ()),
+        otlp_endpoint=_otlp_endpoint(o.otlp_endpoint),
         max_upload_bytes=o.max_upload_mib << 20,
         **_image_sources(o.insecure_registry, o.default_registry, o.registry_auth, o.docker_host),
         preview_domain=_preview_domain(o.preview_domain),
@@ -97,6 +98,14 @@ def _refuse_at_start(accel: str | None, insecure: list[str] | None, default: str
 
     choose(accel)
     RegistryPolicy.of(insecure or (), default)
+
+
+def _otlp_endpoint(url: str | None) -> str | None:
+    """--otlp-endpoint, checked before the daemon starts (the check needs nothing of
+    OpenTelemetry)."""
+    from forkd.controller.otel.endpoint import endpoint_base
+
+    return None if url is None else endpoint_base(url)
 
 
 def _cgroup_parent(parent: str) -> str | None:

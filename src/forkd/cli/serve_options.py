@@ -79,6 +79,18 @@ WebhookAllowOpt = Annotated[
     ),
 ]
 
+OtlpEndpointOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--otlp-endpoint",
+        envvar="FORKD_OTLP_ENDPOINT",
+        metavar="URL",
+        help="Send traces (a span per request, with its fork, restore, branch, import and "
+        "wake steps) and metrics to this OpenTelemetry collector over OTLP/HTTP, e.g. "
+        "http://collector:4318. Default: none; nothing of OpenTelemetry is loaded.",
+    ),
+]
+
 StateDirOpt = Annotated[
     Path | None,
     typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
@@ -471,3 +483,4 @@ class ServeOptions:
     e2b_domain: E2bDomainOpt = None
     e2b_public_ports: E2bPublicPortsOpt = False
     webhook_allow: WebhookAllowOpt = None
+    otlp_endpoint: OtlpEndpointOpt = None

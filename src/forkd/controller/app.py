@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI
 
@@ -27,6 +28,9 @@ from forkd.controller.services.images import Importer
 from forkd.controller.services.launcher import VMDriver
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
+
+if TYPE_CHECKING:
+    from forkd.controller.otel.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,8 @@ def create_app(
     the container image importer (tests only); ``connections``, the server's count
     of client connections, is shown in /metrics."""
 
+    telemetry = _telemetry(settings)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = Store(settings.state_dir / "forkd.db")
@@ -65,6 +71,8 @@ def create_app(
         metrics = _metrics(settings, store, holder, connections)
         services = Services.create(settings, store, metrics, driver, importer)
         holder.append(services)
+        if telemetry is not None:
+            telemetry.start(metrics)
         await _start(app, settings, services, metrics)
         log.info(
             "forkd ready: %d snapshots, %d sandboxes adopted",
@@ -75,6 +83,8 @@ def create_app(
             yield
         finally:
             await _stop(services)
+            if telemetry is not None:  # the last spans and metrics sent (a few seconds at most)
+                await telemetry.stop()
             _close_audit(app, services)
             store.close()
 
@@ -85,7 +95,20 @@ def create_app(
         [settings.state_dir, settings.snapshot_root, settings.run_dir, paths.cache_dir()]
     )
     _add_routes(app)
+    app.state.telemetry = telemetry
+    if telemetry is not None:
+        telemetry.instrument(app)
     return app
+
+
+def _telemetry(settings: Settings) -> Telemetry | None:
+    """The daemon's OpenTelemetry export, if ``--otlp-endpoint`` asks for it: only then
+    is OpenTelemetry imported."""
+    if settings.otlp_endpoint is None:
+        return None
+    from forkd.controller.otel.telemetry import Telemetry
+
+    return Telemetry(settings.otlp_endpoint)
 
 
 def _metrics(

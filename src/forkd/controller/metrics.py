@@ -30,6 +30,7 @@ class Metrics:
         connections: Callable[[], ConnectionCounts] | None = None,
     ) -> None:
         self.registry = CollectorRegistry()
+        self._latencies: list[Latency] = []
         if connections is not None:
             self.registry.register(_ConnectionCollector(connections))
         self._gauges(snapshots, sandboxes, pooled, branches_in_flight, branch_cap)
@@ -89,9 +90,19 @@ class Metrics:
         """A gauge read from ``value`` whenever the metrics are asked for."""
         Gauge(name, help_text, registry=self.registry).set_function(value)
 
-    def _latency(self, name: str, help_text: str) -> Histogram:
+    def _latency(self, name: str, help_text: str) -> Latency:
         """A histogram of seconds, in the buckets of every latency here."""
-        return Histogram(name, help_text, buckets=LATENCY_BUCKETS, registry=self.registry)
+        found = Latency(name, help_text, self.registry)
+        self._latencies.append(found)
+        return found
+
+    def export_latencies(self, meter: Any) -> None:
+        """Record every latency in an OpenTelemetry histogram of ``meter`` too, with the
+        same name and buckets (``forkd serve --otlp-endpoint``): the counters and gauges
+        are read from this registry when exported (:mod:`forkd.controller.otel`), but a
+        Prometheus histogram keeps no minimum and maximum, which OTLP's carries."""
+        for latency in self._latencies:
+            latency.export_to(meter)
 
     def observe_wake(self, was: str, secs: float) -> None:
         """A sandbox woke from ``was`` (paused, hibernated) for a request in ``secs``."""
@@ -112,6 +123,30 @@ class Metrics:
 
     def render(self) -> bytes:
         return integral_counts(generate_latest(self.registry))
+
+
+class Latency:
+    """A latency in seconds: a Prometheus histogram, and an OpenTelemetry one once
+    :meth:`export_to` is given a meter."""
+
+    def __init__(self, name: str, help_text: str, registry: CollectorRegistry) -> None:
+        self.name = name
+        self.help_text = help_text
+        self._histogram = Histogram(name, help_text, buckets=LATENCY_BUCKETS, registry=registry)
+        self._exported: Any = None  # an opentelemetry.metrics.Histogram
+
+    def export_to(self, meter: Any) -> None:
+        self._exported = meter.create_histogram(
+            self.name,
+            unit="s",
+            description=self.help_text,
+            explicit_bucket_boundaries_advisory=list(LATENCY_BUCKETS),
+        )
+
+    def observe(self, secs: float) -> None:
+        self._histogram.observe(secs)
+        if self._exported is not None:
+            self._exported.record(secs)
 
 
 _WHOLE = re.compile(rb"^(?P<sample>[a-zA-Z_:][\w:]*(?:\{.*\})?) (?P<value>-?\d+)\.0$")

@@ -352,6 +352,9 @@ def _e2b_server(
         public_ports=port.public_ports,
         builds=Builds.in_state_dir(settings, settings.max_upload_bytes),
     )
+    telemetry = getattr(daemon.state, "telemetry", None)
+    if telemetry is not None:
+        telemetry.instrument(e2b)
     config = _uvicorn_config(e2b, log_level, connections, where)
     config.lifespan = "off"
     log.info("E2B's API on %s", listening_url(where))

@@ -84,6 +84,9 @@ class Settings:
     # no host path unless the operator says so.
     show_host_paths: bool = False
     webhook_allow: tuple[str, ...] = ()  # --webhook-allow: non-public endpoints allowed
+    # --otlp-endpoint: the OpenTelemetry collector traces and metrics go to (its base
+    # URL, forkd.controller.otel); None: nothing of OpenTelemetry is loaded.
+    otlp_endpoint: str | None = None
     # The key that seals secrets at rest (forkd.controller.secret_box); None:
     # $FORKD_SECRETS_KEY_FILE, else <state dir>/secrets.key, made at the first secret.
     secrets_key_file: Path | None = None

@@ -5,11 +5,11 @@ their own exceptions (NotFoundException, AuthenticationException, ...)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, cast
 
 from fastapi import Depends, FastAPI, Header
 from fastapi.responses import JSONResponse
-from starlette.types import Scope
+from starlette.types import ASGIApp, Scope
 
 from forkd import __version__, limits
 from forkd.controller import http_errors
@@ -67,7 +67,8 @@ def create_e2b_app(
     app.include_router(interpreter)
     for rpc in (process_app, filesystem_app):
         served = rpc(lambda: daemon_services(daemon), limits.JSON_BODY_LIMIT)
-        app.mount(served.path, served)
+        # connectrpc types its apps with asgiref's ASGI types, Starlette with its own
+        app.mount(served.path, cast(ASGIApp, served))
     app.add_middleware(
         GuardMiddleware, token=None, upload_limit=upload_limit, uploads=_upload, typed=_typed
     )

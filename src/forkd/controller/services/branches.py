@@ -24,7 +24,7 @@ from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
-from forkd import limits
+from forkd import limits, tracing
 from forkd.controller.metrics import Metrics
 from forkd.controller.models import BranchRequest, SnapshotInfo
 from forkd.controller.services import hibernated_files
@@ -95,7 +95,8 @@ class BranchService:
         """``drop_labels``: labels of the source the branch does not take (an explore's
         marks of the search the source was itself a variant of). The branch takes the
         source's stop hook, and its forks then do."""
-        info = await self._branch(sandbox_id, req, drop_labels)
+        with tracing.span("branch", sandbox_id=sandbox_id, tag=req.tag):
+            info = await self._branch(sandbox_id, req, drop_labels)
         if self.vms.hooks is not None:
             self.vms.hooks.for_branch(sandbox_id, info.tag)
         return info

@@ -24,6 +24,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from forkd import tracing
 from forkd.controller.services.activity import Activity
 from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.disk_room import require_room
@@ -90,7 +91,8 @@ class HibernateService:
         dest = self.hibernated.next_dir(sandbox_id)
         labels = SnapshotLabels(branched_from=sandbox_id, parent_tag=row.snapshot_tag)
         try:
-            await live_snapshot.snapshot_running(vm, dest, labels)
+            with tracing.span("hibernate", sandbox_id=sandbox_id):
+                await live_snapshot.snapshot_running(vm, dest, labels)
         except live_snapshot.LiveSnapshotError as exc:
             raise await self._not_hibernated(sandbox_id, vm, was_running, exc) from exc
         if self.vms.get(sandbox_id) is not vm:  # killed meanwhile: nothing to keep

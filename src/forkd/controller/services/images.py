@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forkd import import_deadline, paths
+from forkd import import_deadline, paths, tracing
 from forkd.archive.errors import ArchiveError
 from forkd.controller.models import (
     ImageConfigInfo,
@@ -85,6 +85,10 @@ class ImageService:
 
     async def import_(self, req: ImageImport, progress: Progress | None = None) -> ImageInfo:
         """Import ``req.ref``; the image's info with what was fetched and reused."""
+        with tracing.span("image.import"):
+            return await self._import_or_local(req, progress)
+
+    async def _import_or_local(self, req: ImageImport, progress: Progress | None) -> ImageInfo:
         say = progress or (lambda _msg: None)
         loaded = await asyncio.to_thread(
             image_catalog.local, req.ref

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar, overload
 
-from forkd import limits
+from forkd import limits, tracing
 from forkd.controller.metrics import Metrics
 from forkd.controller.models import (
     SANDBOX_STATES,
@@ -143,10 +143,11 @@ class SandboxService:
         if req.memory_limit_mib is not None and self.launcher.cgroups.limits_memory:
             cgroups.check_memory_limit(req.memory_limit_mib, machine.memory_mib, machine.accel)
         what = f"forking {req.n} from {tag!r}"
-        self.admission.check_caps(what, req.n, machine.memory_mib)  # before any eviction
-        await self.admission.make_room_for(req.n, snap_dir)
-        with self.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
-            made = await self._fork_all(req, tag, snap_dir, policy, held, pool)
+        with tracing.span("fork", snapshot_tag=tag, count=req.n):
+            self.admission.check_caps(what, req.n, machine.memory_mib)  # before any eviction
+            await self.admission.make_room_for(req.n, snap_dir)
+            with self.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
+                made = await self._fork_all(req, tag, snap_dir, policy, held, pool)
         if self.vms.hooks is not None:  # the request's stop hook, else the template's
             given = StopHook(req.on_stop, req.on_stop_timeout_s) if req.on_stop else None
             self.vms.hooks.for_children([info.id for info in made], tag, given)
@@ -225,22 +226,23 @@ class SandboxService:
             )
         )
         async with self._fork_slots:
-            vm = waiting.pop(sid, None)
-            if vm is not None and vm.state == VMState.WARM:
-                await vm.claim(seed=seed)  # restored ahead of time: cont, a fresh identity
-            elif vm is not None:
-                await vm.finish_restore(seed=seed)
-            else:
-                vm = await self.launcher.driver.restore(
-                    snap_dir,
-                    run_root=self.settings.run_dir,
-                    vm_id=sid,
-                    detach=True,
-                    host_network=self.launcher.network,
-                    egress_policy=policy,
-                    cgroup=self.launcher.placement(req.memory_limit_mib),
-                    seed=seed,
-                )
+            with tracing.span("restore", sandbox_id=sid):
+                vm = waiting.pop(sid, None)
+                if vm is not None and vm.state == VMState.WARM:
+                    await vm.claim(seed=seed)  # restored ahead of time: cont, a fresh identity
+                elif vm is not None:
+                    await vm.finish_restore(seed=seed)
+                else:
+                    vm = await self.launcher.driver.restore(
+                        snap_dir,
+                        run_root=self.settings.run_dir,
+                        vm_id=sid,
+                        detach=True,
+                        host_network=self.launcher.network,
+                        egress_policy=policy,
+                        cgroup=self.launcher.placement(req.memory_limit_mib),
+                        seed=seed,
+                    )
         self.vms[sid] = vm
         fork_ms = round(vm.ready_ms or 0, 1)
         self.store.set_sandbox_state(sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=fork_ms)

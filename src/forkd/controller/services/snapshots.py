@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from forkd import limits
+from forkd import limits, tracing
 from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.metrics import Metrics
 from forkd.controller.models import SnapshotCreate, SnapshotInfo
@@ -140,7 +140,8 @@ class SnapshotService:
         template after them, before ``start``."""
         tag = limits.check_tag(req.tag)
         template_start.check(req)
-        with self.records.reserve_tag(tag):  # before an import that may take minutes
+        # reserved before an import that may take minutes
+        with self.records.reserve_tag(tag), tracing.span("template.build", tag=tag):
             img = await self._resolve_image(req)
             reserve = self.settings.disk_reserve_mib
             require_room(self.root, reserve, f"building snapshot {tag!r}")

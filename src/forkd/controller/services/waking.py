@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING
 
+from forkd import tracing
 from forkd.controller.services.periodic import finish_or_cancel
 from forkd.states import SandboxState
 
@@ -114,7 +115,8 @@ class Waker:
 
     async def _wake(self, sandbox_id: str) -> float:
         started = time.monotonic()
-        was = await self._resume(sandbox_id)
+        with tracing.span("wake", sandbox_id=sandbox_id):
+            was = await self._resume(sandbox_id)
         secs = time.monotonic() - started
         if was is not None and self._observe is not None:
             self._observe(was, secs)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from forkd import tracing
 from forkd.errors import ForkdError, SnapshotError, StorageFull
 from forkd.states import VMState
 from forkd.vmm.snapshot.files import BaseRef, SnapshotFiles, SnapshotLabels, SnapshotMeta
@@ -123,14 +124,17 @@ async def snapshot_running(
     writer = await _begin(vm, dest, base, live)
 
     paused_at = time.monotonic()
-    await _pause(vm, writer)
-    await _capture(vm, writer)
-    resume_error = await _resume(vm, writer)
+    with tracing.span("snapshot.pause", vm_id=vm.id):
+        await _pause(vm, writer)
+        with tracing.span("snapshot.capture", vm_id=vm.id):
+            await _capture(vm, writer)
+        resume_error = await _resume(vm, writer)
     pause_ms = round((time.monotonic() - paused_at) * 1000, 1)
     if on_resumed is not None and resume_error is None:
         on_resumed(pause_ms)
 
-    meta = await _commit(vm, writer, labels, pause_ms, resumed=resume_error is None)
+    with tracing.span("snapshot.write", vm_id=vm.id):
+        meta = await _commit(vm, writer, labels, pause_ms, resumed=resume_error is None)
     if resume_error is not None:
         raise LiveSnapshotError(
             f"the snapshot succeeded but resuming {vm.id} failed ({resume_error}); "
