@@ -102,7 +102,7 @@ def test_idle_sandboxes_are_hibernated_and_wake_on_their_next_request(
     )
     audit = [json.loads(line) for line in (d.state_dir / "audit.log").read_text().splitlines()]
     evicted = [r for r in audit if r.get("event") == "evicted" and r.get("sandbox") == idle]
-    assert evicted and evicted[0]["reason"] == "memory" and "available_mib" in evicted[0]
+    assert evicted and evicted[0]["reason"] == "memory_pressure" and "available_mib" in evicted[0]
 
 
 def test_a_request_to_an_evicted_sandbox_s_port_wakes_it(

@@ -320,3 +320,29 @@ def test_a_qemu_without_seccomp_is_found_out_and_logged(
         launch.seccomp_problem.cache_clear()
     assert problem is not None and "no option group 'sandbox'" in problem
     assert "without -sandbox" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("version", "name", "text", "killed"),
+    [
+        (
+            "v2",
+            "memory.events",
+            "low 0\nhigh 0\nmax 12\noom 1\noom_kill 1\noom_group_kill 0\n",
+            True,
+        ),
+        ("v2", "memory.events", "low 0\nhigh 0\nmax 3\noom 0\noom_kill 0\n", False),
+        ("v1", "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\noom_kill 2\n", True),
+        ("v1", "memory.oom_control", "oom_kill_disable 0\nunder_oom 0\n", False),  # before 4.13
+    ],
+)
+def test_a_group_tells_whether_the_oom_killer_struck_in_it(
+    tmp_path: Path, version: str, name: str, text: str, killed: bool
+) -> None:
+    (tmp_path / name).write_text(text)
+    assert cgroups.oom_killed(cgroups.Group(version, (tmp_path,))) is killed
+
+
+def test_a_group_that_is_gone_or_none_tells_no_oom(tmp_path: Path) -> None:
+    assert not cgroups.oom_killed(None)
+    assert not cgroups.oom_killed(cgroups.Group("v2", (tmp_path / "gone",)))

@@ -21,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from fastapi.testclient import TestClient
 
 from forkd.client import Controller, ControllerError
 from forkd.client.event_routes import Event as SdkEvent
@@ -30,6 +31,7 @@ from forkd.controller.services.events import EVENT_TYPES, Event, EventBus
 from forkd.controller.settings import Settings
 from forkd.errors import Invalid, OverCapacity
 from forkd.launcher import free_port
+from forkd.vmm.jail import cgroups
 from tests.unit.conftest import TOKEN
 from tests.unit.fakes import FakeDriver
 
@@ -464,3 +466,26 @@ def test_every_type_is_documented() -> None:
     api = (Path(__file__).parents[2] / "docs" / "API.md").read_text()
     for kind in EVENT_TYPES:
         assert f"`{kind}`" in api, kind
+
+
+def test_a_sandbox_whose_qemu_the_oom_killer_ended_died_of_oom(
+    client: TestClient, tmp_path: Path
+) -> None:
+    """Its group's memory.events counts an OOM kill: ``died`` says ``oom``, not
+    ``guest_exited``; one whose group counts none exited on its own."""
+    client.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128})
+    made = client.post("/v1/sandboxes", json={"snapshot_tag": "py", "n": 2}).json()
+    services = client.app.state.services  # type: ignore[attr-defined]
+    for info, kills in zip(made, (1, 0), strict=True):
+        group = tmp_path / info["id"]
+        group.mkdir()
+        (group / "memory.events").write_text(f"oom 1\noom_kill {kills}\n")
+        vm = services.vms[info["id"]]
+        vm.cgroup = cgroups.Group("v2", (group,))
+        vm.alive = False
+        client.portal.call(services.vms.mark_dead, info["id"])  # type: ignore[union-attr]
+    died = {
+        info["id"]: [e["reason"] for e in services.events.held(info["id"]) if e["type"] == "died"]
+        for info in made
+    }
+    assert died == {made[0]["id"]: ["oom"], made[1]["id"]: ["guest_exited"]}

@@ -75,8 +75,8 @@ def _freeing(client: TestClient, meminfo: Path, mib: int) -> None:
     evict = reclaim.evict
     available = [1000]
 
-    async def freeing(sandbox_id: str, idle: Callable[..., bool]) -> bool:
-        done = await evict(sandbox_id, idle)
+    async def freeing(sandbox_id: str, idle: Callable[..., bool], available_mib: int = 0) -> bool:
+        done = await evict(sandbox_id, idle, available_mib)
         if done:
             available[0] += mib
             fake_meminfo(meminfo, 4096, available[0])
@@ -96,7 +96,10 @@ def test_under_the_low_watermark_idle_ones_go_paused_first_then_least_recently_u
     assert _reclaim(client) == [paused, old]
     assert _states(client) == {old: "hibernated", paused: "hibernated", recent: "running"}
     said = [f for kind, f in client.published if kind == "hibernated"]  # type: ignore[attr-defined]
-    assert [(f["sandbox_id"], f["reason"]) for f in said] == [(paused, "memory"), (old, "memory")]
+    assert [(f["sandbox_id"], f["reason"]) for f in said] == [
+        (paused, "memory_pressure"),
+        (old, "memory_pressure"),
+    ]
     assert "forkd_evictions_total 2" in client.get("/metrics").text
     assert _reclaim(client) == []  # 2200 available: above the low watermark
 
@@ -291,10 +294,12 @@ def test_one_sandbox_s_failure_does_not_end_the_pass(
     reclaim = _services(client).reclaim
     evict = reclaim.evict
 
-    async def breaks_once(sandbox_id: str, idle: Callable[..., bool]) -> bool:
+    async def breaks_once(
+        sandbox_id: str, idle: Callable[..., bool], available_mib: int = 0
+    ) -> bool:
         if sandbox_id == first:
             raise RuntimeError("something nobody expected")
-        return await evict(sandbox_id, idle)
+        return await evict(sandbox_id, idle, available_mib)
 
     reclaim.evict = breaks_once  # type: ignore[method-assign]
     assert _reclaim(client) == [second]

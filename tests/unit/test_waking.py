@@ -138,6 +138,12 @@ def test_a_failed_wake_fails_every_request_that_waited_with_the_same_error(
     assert len({a.json()["error"] for a in answers}) == 1
     assert "QEMU would not start" in answers[0].json()["error"]
     assert _state(http, sid) == "hibernated"  # as it was
+    said = [e for e in server.app.state.services.events.held(sid) if e["type"] == "wake_failed"]
+    assert len(said) == 1  # one wake failed, however many waited for it
+    assert (
+        said[0]["reason"].startswith("wake_failed: ")
+        and "QEMU would not start" in said[0]["reason"]
+    )
     server.driver.fail_restore = None
     assert _exec(http, sid).status_code == 200  # the next request wakes it
 

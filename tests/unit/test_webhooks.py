@@ -24,8 +24,10 @@ from forkd.controller.secret_box import SecretBox
 from forkd.controller.services.events import EventBus
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
+from forkd.controller.store_rows import SandboxRow
 from forkd.controller.webhooks import delivery
 from forkd.controller.webhooks.service import WebhookService
+from forkd.states import SandboxState
 from tests.unit.conftest import TOKEN, Invoke, Server
 from tests.unit.webhook_receiver import Receiver, receiving
 
@@ -221,6 +223,65 @@ def test_the_outbox_outlives_the_daemon(tmp_path: Path, receiver: Receiver) -> N
     assert body["type"] == "sandbox.created" and body["data"]["sandbox_id"] == "sb-1"
     assert json.loads(receiver.got[0].body) == body
     store.close()
+
+
+def test_an_event_is_in_the_outbox_exactly_when_its_state_change_is(
+    tmp_path: Path, receiver: Receiver
+) -> None:
+    """The outbox row of an event published in a store transaction commits with it: a
+    transaction that fails after both took neither (as a crash before its commit would),
+    one that commits has both."""
+    store = Store(tmp_path / "forkd.db")
+    events = EventBus()
+    events.guard(store.lock)
+    hooks = WebhookService(store, SecretBox(tmp_path), events, (f"127.0.0.1:{receiver.port}",))
+    asyncio.run(hooks.add(receiver.url, ["sandbox.paused"], None, ""))
+    store.add_sandbox(_running_row("sb-1"))
+
+    def outbox() -> int:
+        return len(store.query("SELECT * FROM webhook_deliveries"))
+
+    def state() -> SandboxState:
+        row = store.get_sandbox("sb-1")
+        assert row is not None
+        return row.state
+
+    with pytest.raises(RuntimeError), store.transaction():
+        store.set_sandbox_state("sb-1", SandboxState.PAUSED)
+        events.publish("paused", sandbox_id="sb-1")
+        assert outbox() == 1  # written, in the transaction
+        raise RuntimeError("the daemon dies before the commit")
+    assert (state(), outbox()) == (SandboxState.RUNNING, 0)
+
+    with store.transaction():
+        store.set_sandbox_state("sb-1", SandboxState.PAUSED)
+        events.publish("paused", sandbox_id="sb-1")
+    assert (state(), outbox()) == (SandboxState.PAUSED, 1)
+    store.close()
+
+
+def test_a_nested_transaction_that_fails_undoes_only_its_own_writes(tmp_path: Path) -> None:
+    store = Store(tmp_path / "forkd.db")
+    with store.transaction():
+        store.add_sandbox(_running_row("sb-1"))
+        with pytest.raises(RuntimeError), store.transaction():
+            store.add_sandbox(_running_row("sb-2"))
+            raise RuntimeError("inner")
+    assert [row.id for row in store.list_sandboxes()] == ["sb-1"]
+    store.close()
+
+
+def _running_row(sandbox_id: str) -> SandboxRow:
+    return SandboxRow(
+        id=sandbox_id,
+        snapshot_tag="py",
+        run_dir="/nonexistent",
+        pid=None,
+        created_at_unix=1,
+        memory_limit_mib=None,
+        expires_at_unix=None,
+        state=SandboxState.RUNNING,
+    )
 
 
 def test_the_cli_adds_lists_tests_and_removes_a_webhook(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
 from forkd.controller.store_rows import (
+    ADDED_COLUMNS,
     SCHEMA,
     SandboxChanges,
     SandboxRow,
@@ -48,7 +49,10 @@ class Store:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
         self._db.row_factory = sqlite3.Row
-        self._lock = threading.Lock()
+        # Re-entrant: an event published inside a transaction writes its webhook outbox
+        # rows in that same transaction (forkd.controller.services.events.EventBus.guard).
+        self._lock = threading.RLock()
+        self._depth = 0  # transactions open on the thread holding the lock
         with self._lock:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=NORMAL")
@@ -59,25 +63,7 @@ class Store:
 
     def _migrate(self) -> None:
         """Columns added after the first release of the schema."""
-        added = {
-            "sandboxes": {
-                "fork_ms": "REAL",
-                "metadata": "TEXT NOT NULL DEFAULT '{}'",
-                "on_timeout": "TEXT NOT NULL DEFAULT 'kill'",
-                "timeout_branch": "TEXT",
-                "idle_timeout_s": "REAL",
-                "seed": "INTEGER",
-                "auto_resume": "INTEGER NOT NULL DEFAULT 1",
-                "evictable": "INTEGER NOT NULL DEFAULT 1",
-            },
-            "snapshots": {
-                "metadata": "TEXT NOT NULL DEFAULT '{}'",
-                "mode": "TEXT NOT NULL DEFAULT 'full'",
-                "base_tag": "TEXT",
-                "error": "TEXT",
-            },
-        }
-        for table, columns in added.items():
+        for table, columns in ADDED_COLUMNS.items():
             have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
             for name, kind in columns.items():
                 if name not in have:
@@ -89,17 +75,34 @@ class Store:
         with self._lock:
             self._db.close()
 
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by every read and write of the database; whoever holds it may open
+        transactions of its own inside (they nest)."""
+        return self._lock
+
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction: committed on success, rolled back on any error."""
+        """One write transaction: committed on success, rolled back on any error.
+        Opened inside another one (on the same thread), it is a savepoint of it: its
+        changes are undone alone if it fails, and committed only with the outer one."""
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            nested = self._depth > 0
+            self._db.execute("SAVEPOINT nested" if nested else "BEGIN IMMEDIATE")
+            self._depth += 1
             try:
                 yield self._db
-                self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                if nested:
+                    self._db.execute("ROLLBACK TO nested")
+                    self._db.execute("RELEASE nested")
+                else:
+                    self._db.execute("ROLLBACK")
                 raise
+            else:
+                self._db.execute("RELEASE nested" if nested else "COMMIT")
+            finally:
+                self._depth -= 1
 
     # For the tables of other rooms (forkd.controller.webhooks): one write transaction,
     # and a read, on this database.

@@ -193,3 +193,24 @@ def merged_labels(inherited: dict[str, str], given: dict[str, str] | None) -> di
             f"{len(merged)} labels with those inherited: at most {limits.MAX_METADATA_PAIRS}"
         )
     return merged
+
+
+# Columns added after the first release of the schema: Store adds those a database lacks.
+ADDED_COLUMNS: dict[str, dict[str, str]] = {
+    "sandboxes": {
+        "fork_ms": "REAL",
+        "metadata": "TEXT NOT NULL DEFAULT '{}'",
+        "on_timeout": "TEXT NOT NULL DEFAULT 'kill'",
+        "timeout_branch": "TEXT",
+        "idle_timeout_s": "REAL",
+        "seed": "INTEGER",
+        "auto_resume": "INTEGER NOT NULL DEFAULT 1",
+        "evictable": "INTEGER NOT NULL DEFAULT 1",
+    },
+    "snapshots": {
+        "metadata": "TEXT NOT NULL DEFAULT '{}'",
+        "mode": "TEXT NOT NULL DEFAULT 'full'",
+        "base_tag": "TEXT",
+        "error": "TEXT",
+    },
+}

@@ -227,12 +227,22 @@ class BranchService:
                 await self._branch_locked(plan, plan.vm, on_resumed)
 
     def _branched(self, sandbox_id: str, tag: str) -> SnapshotInfo:
-        self.store.count_branch(sandbox_id)
-        info = self.snapshots.info(tag)
-        self.events.publish(
-            "branched", sandbox_id=sandbox_id, snapshot_tag=tag, pause_ms=info.pause_ms
-        )
-        return info
+        """The branch's answer (its ``branched`` event went out as it became ready)."""
+        return self.snapshots.info(tag)
+
+    def _ready(
+        self, sandbox_id: str, tag: str, files: snapshot_files.SnapshotFiles, labels: dict[str, str]
+    ) -> None:
+        """The branch is registered ready, counted, and its ``branched`` event (and the
+        webhooks' outbox rows of it) written, in one transaction."""
+        with self.store.transaction():
+            self.store.add_snapshot(snapshot_row(tag, files, now(), labels), replace=True)
+            self.store.count_branch(sandbox_id)
+            pause = files.meta.pause_ms
+            pause_ms = None if pause is None else round(pause)  # as SnapshotInfo has it
+            self.events.publish(
+                "branched", sandbox_id=sandbox_id, snapshot_tag=tag, pause_ms=pause_ms
+            )
 
     def _pending_row(self, plan: _Plan) -> SnapshotRow:
         vm, row, tag, labels, base = plan.vm, plan.row, plan.tag, plan.labels, plan.base
@@ -270,8 +280,6 @@ class BranchService:
                 elif kept is not None:
                     store.set_snapshot_status(tag, SnapshotStatus.FAILED, error=str(exc))
                 log.warning("branch %s of %s failed in the background: %s", tag, row.id, exc)
-                return
-            self._branched(row.id, tag)
 
     async def _branch_locked(
         self, plan: _Plan, vm: SandboxVM, on_resumed: Callable[[float], None] | None
@@ -299,7 +307,7 @@ class BranchService:
                 raise Busy(f"branch of {row.id}: {exc.reason}") from exc
             raise VMError(f"branch of {row.id} failed: {exc}") from exc
         files = snapshot_files.SnapshotFiles(result.dir, result.meta)
-        self.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
+        self._ready(row.id, tag, files, metadata)
         self.metrics.branch_pause_seconds.observe(result.pause_ms / 1000)
 
     async def _branch_hibernated(self, plan: _Plan) -> None:
@@ -327,7 +335,7 @@ class BranchService:
             raise
         except OSError as exc:
             raise SnapshotError(f"branch of {row.id} failed: {exc}") from exc
-        self.store.add_snapshot(snapshot_row(tag, files, now(), metadata), replace=True)
+        self._ready(row.id, tag, files, metadata)
         self.metrics.branch_pause_seconds.observe(0.0)
 
     def _register(self, tag: str, snapshot_dir: Path, metadata: dict[str, str]) -> None:

@@ -64,6 +64,7 @@ EVENT_TYPES = (
     "explored",  # an explore ended (on the source: explore, kept, best)
     "webhook_failed",  # a webhook's delivery was given up (webhook_id, msg_id, error)
     "stop_hook",  # a sandbox's stop hook ran before it was stopped (reason, exit_code, output)
+    "wake_failed",  # a hibernated sandbox could not be woken; it stays hibernated (reason)
 )
 GAP = "gap"  # not published: what a stream gets when events it would have had are lost
 POSITION = ""  # not published: a stream's first item, its place (the id it follows)
@@ -120,6 +121,8 @@ class EventBus:
         self._first_id = time.time_ns() // 1000  # ids of an earlier run are smaller
         self._next_id = self._first_id
         self._lock = threading.Lock()  # publish may come from a worker thread
+        # Taken before _lock: the store's, once guard() is given it.
+        self._outer: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         self._streams: weakref.WeakSet[_Stream] = weakref.WeakSet()
         self._closed = False
         # Told each event as it is published, on the publisher's thread (the webhooks'
@@ -143,7 +146,7 @@ class EventBus:
         try:
             if type not in EVENT_TYPES:
                 log.error("event type %r is not in EVENT_TYPES; published anyway", type)
-            with self._lock:
+            with self._outer, self._lock:
                 event_id = self._next_id
                 self._next_id += 1
                 body: dict[str, Any] = {"id": event_id, "type": type, "time": utc_stamp()}
@@ -166,6 +169,14 @@ class EventBus:
 
     def add_listener(self, listener: Callable[[dict[str, Any]], None]) -> None:
         self._listeners.append(listener)
+
+    def guard(self, store_lock: threading.RLock) -> None:
+        """Publish holding ``store_lock`` (the daemon's database's) first. An event
+        published inside a store transaction then has its listeners' writes (the
+        webhooks' outbox rows) in that transaction, committed with the state change it
+        reports or not at all; and no thread can hold this bus's lock while it waits
+        for the store's, the other way round."""
+        self._outer = store_lock
 
     def held(self, sandbox_id: str) -> list[dict[str, Any]]:
         """The events of ``sandbox_id`` still in the ring, oldest first, as JSON objects

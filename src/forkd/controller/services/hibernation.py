@@ -22,12 +22,15 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from forkd import tracing
 from forkd.controller.services.activity import Activity
 from forkd.controller.services.admission import AdmissionControl
 from forkd.controller.services.disk_room import require_room
+from forkd.controller.services.events import EventBus
 from forkd.controller.services.hibernated_files import HibernatedFiles
 from forkd.controller.services.holds import Holds
 from forkd.controller.services.launcher import Launcher
@@ -46,6 +49,8 @@ from forkd.vmm.snapshot.files import SnapshotLabels
 
 log = logging.getLogger(__name__)
 
+WAKE_FAILED_CHARS = 500  # of a wake_failed event's reason
+
 
 class HibernateService:
     def __init__(
@@ -56,6 +61,7 @@ class HibernateService:
         hibernated: HibernatedFiles,
         records: Records,
         vms: LiveVMs,
+        events: EventBus,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -63,13 +69,15 @@ class HibernateService:
         self.hibernated = hibernated
         self.records = records
         self.vms = vms
+        self.events = events
 
-    async def hibernate(self, sandbox_id: str, *, keep_timeout: bool = False) -> None:
+    async def hibernate(self, sandbox_id: str, *, keep_timeout: bool = False, **event: Any) -> None:
         """Snapshot the running or paused sandbox to disk and end its QEMU.
 
         The caller holds the sandbox's branch lock. Its timeout is cleared unless
         ``keep_timeout`` (reclaim's eviction: not the user's choice, so the sandbox's
-        lifetime runs on while it sleeps).
+        lifetime runs on while it sleeps). The ``hibernated`` event, with ``event``'s
+        fields (reclaim's reason), is published with the state change.
         """
         row = self.records.sandbox_row(sandbox_id)
         if row.state == SandboxState.HIBERNATED:
@@ -102,7 +110,9 @@ class HibernateService:
         changes: SandboxChanges = {"pid": None}
         if not keep_timeout:
             changes["expires_at_unix"] = None
-        self.store.set_sandbox_state(sandbox_id, SandboxState.HIBERNATED, **changes)
+        with self.store.transaction():  # the event's outbox rows with the state change
+            self.store.set_sandbox_state(sandbox_id, SandboxState.HIBERNATED, **changes)
+            self.events.publish("hibernated", sandbox_id=sandbox_id, **event)
         self.vms.pop(sandbox_id, None)
         await vm.kill()  # its memory is given back; its namespace goes with it
         self.hibernated.discard(sandbox_id, keep=dest)  # the state the VM mapped
@@ -151,9 +161,11 @@ class WakeService:
         vms: LiveVMs,
         launcher: Launcher,
         admission: AdmissionControl,
+        events: EventBus,
     ) -> None:
         self.settings = settings
         self.store = store
+        self.events = events
         self.holds = holds
         self.hibernated = hibernated
         self.records = records
@@ -161,11 +173,21 @@ class WakeService:
         self.launcher = launcher
         self.admission = admission
 
-    async def wake(self, sandbox_id: str) -> None:
-        """Restore the hibernated sandbox into a new QEMU, running.
+    async def wake(self, sandbox_id: str, announce: Callable[[], None] | None = None) -> None:
+        """Restore the hibernated sandbox into a new QEMU, running; ``announce()``
+        publishes the event saying so, in the transaction of the state change.
 
-        The caller holds the sandbox's branch lock and has checked it is hibernated.
+        The caller holds the sandbox's branch lock and has checked it is hibernated. A
+        wake that fails publishes ``wake_failed`` with the error as its reason.
         """
+        try:
+            await self._wake(sandbox_id, announce)
+        except ForkdError as exc:
+            said = f"wake_failed: {exc}"[:WAKE_FAILED_CHARS]
+            self.events.publish("wake_failed", sandbox_id=sandbox_id, reason=said)
+            raise
+
+    async def _wake(self, sandbox_id: str, announce: Callable[[], None] | None) -> None:
         row = self.records.sandbox_row(sandbox_id)
         state_dir = self.hibernated.latest(sandbox_id)
         if state_dir is None:
@@ -182,7 +204,10 @@ class WakeService:
             with self.holds.waking(sandbox_id):
                 vm = await self._restore(sandbox_id, state_dir, row.memory_limit_mib)
             self.vms[sandbox_id] = vm
-        self.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING, pid=vm.pid)
+        with self.store.transaction():
+            self.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING, pid=vm.pid)
+            if announce is not None:
+                announce()
         # Older generations are no longer mapped by anything.
         self.hibernated.discard(sandbox_id, keep=state_dir)
         log.info("sandbox %s woke from %s in %.0f ms", sandbox_id, state_dir, vm.ready_ms or 0)

@@ -24,12 +24,14 @@ from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxRow
 from forkd.errors import Conflict, ForkdError
 from forkd.states import SandboxState
+from forkd.vmm.jail import cgroups
 from forkd.vmm.pool import ForkPool
 
 # After a failed branch: how long its source has to answer before it is taken for
 # dead and killed. A guest just resumed on a loaded host (TCG, busy cores) can take
 # seconds; killing a live sandbox loses its state, so this is generous.
 PING_WAIT_SECS = 10.0
+DEAD = SandboxState.DEAD
 
 
 def vm_id_prefixes(id_prefix: str) -> tuple[str, ...]:
@@ -128,16 +130,19 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
         self.activity.forget(sandbox_id)
         vm = self._vms.pop(sandbox_id, None)
         exited = vm is None or not vm.is_alive()  # on its own, or stopped by us now
+        # Read before kill() removes its group: the host's OOM killer ended its QEMU.
+        oom = exited and cgroups.oom_killed(getattr(vm, "cgroup", None))
         if vm is not None:
             await vm.kill()
         await self._discard_hibernated(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
-        was = None if row is None else self.store.set_sandbox_state(sandbox_id, SandboxState.DEAD)
-        if row is not None and was is not None and was != SandboxState.DEAD:
-            why = "guest_exited" if exited else reason
-            self.events.publish(
-                "died" if exited else "killed", sandbox_id=sandbox_id, **_labels(row, why)
-            )
+        with self.store.transaction():  # the event's outbox rows with the state change
+            was = None if row is None else self.store.set_sandbox_state(sandbox_id, DEAD)
+            if row is not None and was is not None and was != DEAD:
+                why = ("oom" if oom else "guest_exited") if exited else reason
+                self.events.publish(
+                    "died" if exited else "killed", sandbox_id=sandbox_id, **_labels(row, why)
+                )
         self.holds.forget_sandbox(sandbox_id)  # only now: see forget_sandbox
 
     async def remove(self, sandbox_id: str, reason: str | None = None, hook: bool = True) -> None:
@@ -159,11 +164,12 @@ class LiveVMs(MutableMapping[str, SandboxVM]):
                 shutil.rmtree(row.run_dir, ignore_errors=True)
         await self._discard_hibernated(sandbox_id)
         row = self.store.get_sandbox(sandbox_id)
-        self.store.delete_sandbox(sandbox_id)
+        with self.store.transaction():  # the event's outbox rows with the deletion
+            self.store.delete_sandbox(sandbox_id)
+            # (a failed fork, or one already dead, says nothing)
+            if row is not None and row.state not in (SandboxState.STARTING, DEAD):
+                self.events.publish("killed", sandbox_id=sandbox_id, **_labels(row, reason))
         self.holds.forget_sandbox(sandbox_id)  # as in mark_dead: once it is gone
-        # (a failed fork, or one already dead, says nothing)
-        if row is not None and row.state not in (SandboxState.STARTING, SandboxState.DEAD):
-            self.events.publish("killed", sandbox_id=sandbox_id, **_labels(row, reason))
 
     def all_vms(self) -> list[SandboxVM]:
         """Every VM the daemon holds: sandboxes and pooled QEMU processes."""

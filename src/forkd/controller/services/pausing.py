@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from forkd.controller.services.activity import Activity
 from forkd.controller.services.events import EventBus
@@ -55,8 +56,7 @@ class PauseService:
         ``hibernate``, a running or paused sandbox is written to disk and its QEMU ended."""
         if hibernate:
             async with self._lock(sandbox_id):
-                await self.hibernation.hibernate(sandbox_id)
-            self.events.publish("hibernated", sandbox_id=sandbox_id)
+                await self.hibernation.hibernate(sandbox_id)  # its event with its state
             return
         async with self._lock(sandbox_id):
             vm = self._vm_in(sandbox_id, SandboxState.RUNNING, "already paused")
@@ -64,9 +64,10 @@ class PauseService:
                 await vm.pause()
             except ForkdError as exc:
                 raise await self._failed(sandbox_id, vm, "pausing", exc) from exc
-            self.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
+            with self.store.transaction():  # the event's outbox rows with the state change
+                self.store.set_sandbox_state(sandbox_id, SandboxState.PAUSED)
+                self.events.publish("paused", sandbox_id=sandbox_id)
             self.activity.count_pause(sandbox_id)
-        self.events.publish("paused", sandbox_id=sandbox_id)
 
     async def resume(self, sandbox_id: str, timeout_s: float | None = None) -> None:
         """Run the paused sandbox again and set its clock, or wake the hibernated one;
@@ -74,13 +75,16 @@ class PauseService:
         timeout from now (none: as it was; a woken one has none)."""
         async with self._lock(sandbox_id):
             woke = self.records.sandbox_row(sandbox_id).state == SandboxState.HIBERNATED
+
+            def announce() -> None:  # in the transaction of the state change
+                if timeout_s is not None:
+                    self.store.update_sandbox(sandbox_id, expires_at_unix=expiry_in(timeout_s))
+                self.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
+
             if woke:
-                await self.waking.wake(sandbox_id)
+                await self.waking.wake(sandbox_id, announce)
             else:
-                await self._resume_paused(sandbox_id)
-            if timeout_s is not None:
-                self.store.update_sandbox(sandbox_id, expires_at_unix=expiry_in(timeout_s))
-        self.events.publish("resumed", sandbox_id=sandbox_id, woken=woke)
+                await self._resume_paused(sandbox_id, announce)
 
     async def resume_for_request(self, sandbox_id: str) -> str | None:
         """Resume or wake the sandbox a request needs running (:mod:`.waking`): the state
@@ -88,28 +92,34 @@ class PauseService:
         started = time.monotonic()
         async with self._lock(sandbox_id):
             was = self.records.sandbox_row(sandbox_id).state
+            woken = was == SandboxState.HIBERNATED
+
+            def announce() -> None:  # in the transaction of the state change
+                ms = round((time.monotonic() - started) * 1000, 1)
+                self.events.publish(
+                    "resumed", sandbox_id=sandbox_id, woken=woken, reason="request", wake_ms=ms
+                )
+
             if was == SandboxState.HIBERNATED:
-                await self.waking.wake(sandbox_id)
+                await self.waking.wake(sandbox_id, announce)
             elif was == SandboxState.PAUSED:
-                await self._resume_paused(sandbox_id)
+                await self._resume_paused(sandbox_id, announce)
             else:
                 return None
         ms = round((time.monotonic() - started) * 1000, 1)
         self.activity.count_wake(sandbox_id)
         log.info("sandbox %s woke from %s for a request in %.0f ms", sandbox_id, was, ms)
-        woken = was == SandboxState.HIBERNATED
-        self.events.publish(
-            "resumed", sandbox_id=sandbox_id, woken=woken, reason="request", wake_ms=ms
-        )
         return str(was)
 
-    async def _resume_paused(self, sandbox_id: str) -> None:
+    async def _resume_paused(self, sandbox_id: str, announce: Callable[[], None]) -> None:
         vm = self._vm_in(sandbox_id, SandboxState.PAUSED, "not paused")
         try:
             await vm.resume()
         except ForkdError as exc:
             raise await self._failed(sandbox_id, vm, "resuming", exc) from exc
-        self.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING)
+        with self.store.transaction():
+            self.store.set_sandbox_state(sandbox_id, SandboxState.RUNNING)
+            announce()
         try:
             await vm.guest.after_resume()
         except ForkdError as exc:  # it runs; only its clock may lag

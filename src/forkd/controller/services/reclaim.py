@@ -17,7 +17,7 @@ the disk filled to make it: a sandbox is hibernated only when the snapshot disk 
 its whole memory besides ``--disk-reserve`` (:mod:`.disk_room`); one that does not
 fit is skipped, and the 429 says so.
 
-Each eviction is a ``hibernated`` event with ``reason: "memory"``, an audit record and
+Each eviction is a ``hibernated`` event with ``reason: "memory_pressure"``, an audit record and
 ``forkd_evictions_total``.
 """
 
@@ -49,6 +49,7 @@ RECLAIM_INTERVAL_SECS = 2.0
 OUTPUT_CHECK_SECS = 3.0  # asking a guest what its processes wrote
 SAY_SHORT_SECS = 60.0  # "nothing left to take" is logged at most this often
 STOP_SECS = 30.0  # a pass under way when the daemon stops: this long to end
+EVICTED_REASON = "memory_pressure"  # the hibernated event's reason when reclaim evicted it
 
 AuditWriter = Callable[..., None]
 
@@ -231,7 +232,7 @@ class Reclaimer:
     async def _evict(self, row: SandboxRow, why: str) -> bool:
         available = self._available()
         try:
-            evicted = await self.evict(row.id, self._still_idle)
+            evicted = await self.evict(row.id, self._still_idle, available_mib=available)
         except ForkdError as exc:
             log.warning("reclaim: hibernating sandbox %s failed: %s", row.id, exc)
             return False
@@ -248,17 +249,19 @@ class Reclaimer:
         )
         self.activity.count_eviction(row.id)
         fields: dict[str, Any] = {"available_mib": available, "freed_mib": freed}
-        self.events.publish("hibernated", sandbox_id=row.id, reason="memory", **fields)
         if self._observe is not None:
             self._observe()
         if self.audit is not None:
-            self.audit(event="evicted", sandbox=row.id, reason="memory", **fields)
+            self.audit(event="evicted", sandbox=row.id, reason=EVICTED_REASON, **fields)
         return True
 
-    async def evict(self, sandbox_id: str, idle: Callable[[SandboxRow], bool]) -> bool:
+    async def evict(
+        self, sandbox_id: str, idle: Callable[[SandboxRow], bool], available_mib: int = 0
+    ) -> bool:
         """Hibernate the sandbox if ``idle(row)`` still holds once its lock is taken;
         whether it was. A request that comes meanwhile waits for the hibernation to
-        end, then wakes it (:meth:`.waking.Waker.running`)."""
+        end, then wakes it (:meth:`.waking.Waker.running`). Its ``hibernated`` event
+        says ``memory_pressure`` and the ``available_mib`` that made reclaim act."""
         row = self.store.get_sandbox(sandbox_id)
         if row is None or not idle(row):
             return False
@@ -272,7 +275,12 @@ class Reclaimer:
                     or not idle(row)
                 ):
                     return False
-                await self.hibernation.hibernate(sandbox_id, keep_timeout=True)
+                await self.hibernation.hibernate(
+                    sandbox_id,
+                    keep_timeout=True,
+                    reason=EVICTED_REASON,
+                    available_mib=available_mib,
+                )
             return True
         finally:
             del self.holds.evicting[sandbox_id]

@@ -245,11 +245,12 @@ class SandboxService:
                     )
         self.vms[sid] = vm
         fork_ms = round(vm.ready_ms or 0, 1)
-        self.store.set_sandbox_state(sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=fork_ms)
+        with self.store.transaction():  # the event's outbox rows with the state change
+            self.store.set_sandbox_state(sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=fork_ms)
+            self.events.publish(
+                "created", sandbox_id=sid, snapshot_tag=req.snapshot_tag, fork_ms=fork_ms
+            )
         self.metrics.fork_seconds.observe((vm.ready_ms or 0) / 1000)
-        self.events.publish(
-            "created", sandbox_id=sid, snapshot_tag=req.snapshot_tag, fork_ms=fork_ms
-        )
 
     async def _undo(self, ids: list[str], waiting: dict[str, SandboxVM]) -> None:
         for vm in waiting.values():

@@ -215,8 +215,9 @@ class SnapshotService:
             await template.snapshot(self.root / req.tag, SnapshotLabels(tag=req.tag))
             self.metrics.snapshot_seconds.observe(time.monotonic() - started)
             files = snapshot_files.load(self.root / req.tag)
-            self.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
-            self.events.publish("snapshot_created", snapshot_tag=req.tag)
+            with self.store.transaction():  # the event's outbox rows with the registration
+                self.store.add_snapshot(snapshot_row(req.tag, files, now(), req.metadata))
+                self.events.publish("snapshot_created", snapshot_tag=req.tag)
         finally:
             await template.kill()
         return said
@@ -482,8 +483,9 @@ class SnapshotService:
         trash = d.parent / f".{d.name}.partial-del-{os.urandom(3).hex()}"
         with contextlib.suppress(FileNotFoundError):
             d.rename(trash)
-        self.store.delete_snapshot(tag)
+        with self.store.transaction():  # the event's outbox rows with the deletion
+            self.store.delete_snapshot(tag)
+            self.events.publish("snapshot_deleted", snapshot_tag=tag)
         self.stop_hooks.forget_snapshot(tag)
-        self.events.publish("snapshot_deleted", snapshot_tag=tag)
         await asyncio.to_thread(shutil.rmtree, trash, True)
         self.volumes.collect_layers()

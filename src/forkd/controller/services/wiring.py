@@ -88,7 +88,9 @@ class Wiring:
 
     @cached_property
     def events(self) -> EventBus:
-        return EventBus()  # lifecycle events: every service publishes here
+        bus = EventBus()  # lifecycle events: every service publishes here
+        bus.guard(self.store.lock)  # an event in a transaction: its outbox rows in it
+        return bus
 
     @cached_property
     def holds(self) -> Holds:
@@ -191,7 +193,13 @@ class Wiring:
     @cached_property
     def hibernation(self) -> HibernateService:
         return HibernateService(
-            self.settings, self.store, self.activity, self.hibernated, self.records, self.vms
+            self.settings,
+            self.store,
+            self.activity,
+            self.hibernated,
+            self.records,
+            self.vms,
+            self.events,
         )
 
     @cached_property
@@ -223,6 +231,7 @@ class Wiring:
             self.vms,
             self.launcher,
             self.admission,
+            self.events,
         )
         return PauseService(
             self.store,

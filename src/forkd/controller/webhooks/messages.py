@@ -26,6 +26,7 @@ WEBHOOK_EVENTS = {
     "explored": "sandbox.explored",
     "network_changed": "sandbox.network_changed",
     "stop_hook": "sandbox.stop_hook",
+    "wake_failed": "sandbox.wake_failed",
     "snapshot_created": "snapshot.created",
     "snapshot_deleted": "snapshot.deleted",
     "webhook_failed": "webhook.failed",

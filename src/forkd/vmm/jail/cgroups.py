@@ -437,6 +437,25 @@ def remove(group: Group | None, wait: float = 5.0, quiet: bool = False) -> bool:
     return True
 
 
+def oom_killed(group: Group | None) -> bool:
+    """Whether the kernel's OOM killer killed a process of the group at its memory cap:
+    ``oom_kill`` in ``memory.events`` (v2) or in ``memory.oom_control`` (v1, Linux 4.13
+    and later). False when the group or the count cannot be read."""
+    if group is None:
+        return False
+    name = "memory.events" if group.version == "v2" else "memory.oom_control"
+    for d in group.dirs:
+        try:
+            text = (d / name).read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value) > 0
+    return False
+
+
 def members(group: Group) -> set[int]:
     """The pids in ``group`` (its first directory)."""
     text = (group.dirs[0] / "cgroup.procs").read_text()
