@@ -4,13 +4,16 @@ origin, or a guest's output, could do to it."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from forkd.client import Controller
+from forkd.controller.settings import Settings
 from tests.unit.conftest import Server
+from tests.unit.webhook_receiver import Receiver, receiving
 
 CHROMIUM = "/usr/bin/chromium"
 HOSTILE = "<img src=x onerror=\"document.title='pwned'\"><b id=injected>bold</b>"
@@ -91,3 +94,45 @@ def test_the_network_panel_shows_a_sandboxs_policy_and_egress_and_cuts_it_off(
         "() => document.querySelector('#network-policy').textContent.includes('deny out: *')"
     )
     assert ctl.sandbox_network(sid)["deny_out"] == ["*"]
+
+
+@pytest.fixture
+def hooks() -> Iterator[Receiver]:
+    with receiving() as r:
+        yield r
+
+
+@pytest.fixture
+def settings(settings: Settings, hooks: Receiver) -> Settings:
+    """The suite's, with the receiver above allowed as a webhook endpoint."""
+    return dataclasses.replace(settings, webhook_allow=(f"127.0.0.1:{hooks.port}",))
+
+
+def test_the_webhooks_panel_adds_shows_tests_and_removes_a_webhook(
+    server: Server, browser: object, ctl: Controller, hooks: Receiver
+) -> None:
+    page = browser.new_page()  # type: ignore[attr-defined]
+    page.goto(f"{server.url}/ui/")
+    page.fill("#token", server.token)
+    page.click("#login button[type=submit]")
+    page.fill("#webhook-url", hooks.url)
+    page.fill("#webhook-events", "sandbox.killed sandbox.hibernated")
+    page.click("#webhook-form button[type=submit]")
+    page.locator("#webhook-list > li").first.wait_for()
+    (made,) = ctl.list_webhooks()
+    assert made["events"] == ["sandbox.killed", "sandbox.hibernated"]
+    shown = page.locator("#webhook-secret").inner_text()
+    assert made["id"] in shown and "whsec_" in shown  # shown once, as the daemon made it
+    item = page.locator(f'li[data-webhook="{made["id"]}"]')
+    assert hooks.url in item.inner_text()
+
+    item.locator("button", has_text="test").click()
+    hooks.until(lambda got: len(got) == 1)
+    page.wait_for_function(
+        "() => document.querySelector('.deliveries').textContent.includes('delivered')"
+    )
+    assert "webhook.test" in item.locator(".deliveries").inner_text()
+
+    item.locator("button", has_text="remove").click()
+    page.wait_for_function("() => document.querySelectorAll('#webhook-list > li').length === 0")
+    assert ctl.list_webhooks() == []

@@ -103,6 +103,21 @@ def test_events_are_delivered_signed_as_standard_webhooks(
         assert c.get(f"/v1/webhooks/{hook['id']}").json()["pending"] == 0
 
 
+def test_a_sandboxs_message_names_its_lineage(server: Server, receiver: Receiver) -> None:
+    with _client(server) as c:
+        _add(c, receiver.url, events=["sandbox.created"])
+        c.post("/v1/snapshots", json={"tag": "py", "memory_mib": 128}).raise_for_status()
+        [child] = c.post("/v1/sandboxes", json={"snapshot_tag": "py"}).json()
+        c.post(f"/v1/sandboxes/{child['id']}/branch", json={"tag": "b1"}).raise_for_status()
+        [grandchild] = c.post("/v1/sandboxes", json={"snapshot_tag": "b1"}).json()
+        receiver.until(lambda got: len(got) == 2)
+        said = [json.loads(r.body)["data"]["sandbox"] for r in receiver.got]
+        assert [(s["id"], s["lineage"]) for s in said] == [
+            (child["id"], ["py"]),
+            (grandchild["id"], ["py", "b1"]),
+        ]
+
+
 def test_a_failing_endpoint_gets_the_same_message_again_until_it_takes_it(
     server: Server, receiver: Receiver
 ) -> None:

@@ -25,6 +25,7 @@ import type {
   SnapshotInfo,
   ImageInfo,
   SnapshotCreateOptions,
+  SpawnOptions,
   ImportOptions,
   LoadOptions,
   CommandResult,
@@ -279,7 +280,7 @@ export class Client {
 
   // -- sandboxes --------------------------------------------------------------
 
-  spawnSandboxes(snapshotTag: string, opts: JSONObject & { n?: number } = {}): Promise<SandboxInfo[]> {
+  spawnSandboxes(snapshotTag: string, opts: SpawnOptions = {}): Promise<SandboxInfo[]> {
     const body = dropUndefined({ snapshot_tag: snapshotTag, n: 1, ...opts });
     return this.json("POST", "/v1/sandboxes", { body, timeoutMs: this.timeoutMs + 2_000 * (body.n as number) });
   }
@@ -312,7 +313,10 @@ export class Client {
   listSandboxMetrics(sandboxIds?: string[]): Promise<JSONObject[]> {
     return this.json("GET", "/v1/sandboxes/metrics", { query: sandboxIds ? { sandbox_ids: sandboxIds.join(",") } : {} });
   }
-  async killSandbox(id: string): Promise<void> { await this.request("DELETE", this.#sb(id)); }
+  /** Its stop hook runs first, unless `force`. */
+  async killSandbox(id: string, opts: { force?: boolean } = {}): Promise<void> {
+    await this.request("DELETE", this.#sb(id), { query: { force: opts.force ? "true" : undefined } });
+  }
 
   pauseSandbox(id: string, opts: { hibernate?: boolean } = {}): Promise<SandboxInfo> {
     return this.json("POST", `${this.#sb(id)}/pause`, { body: opts.hibernate ? { hibernate: true } : {} });
@@ -430,11 +434,13 @@ export class Client {
     }
   }
 
-  /** Lifecycle events (`created`, `branched`, `killed`, ...) as they happen, until `signal` aborts. */
-  async *events(opts: { types?: string[]; sandboxId?: string; signal?: AbortSignal } = {}): AsyncGenerator<JSONObject> {
+  /** Lifecycle events (`created`, `branched`, `killed`, ...) as they happen, until `signal` aborts;
+   * with `since`, those the daemon still holds after that event id first (0: all it holds). */
+  async *events(opts: { types?: string[]; sandboxId?: string; since?: number; signal?: AbortSignal } = {}): AsyncGenerator<JSONObject> {
     const url = new URL(`${this.baseUrl}/v1/events`);
     if (opts.types) url.searchParams.set("type", opts.types.join(","));
     if (opts.sandboxId) url.searchParams.set("sandbox_id", opts.sandboxId);
+    if (opts.since !== undefined) url.searchParams.set("since", String(opts.since));
     const headers: Record<string, string> = { Accept: "text/event-stream" };
     if (this.#token) headers.Authorization = `Bearer ${this.#token}`;
     let resp: Response;

@@ -120,6 +120,22 @@ export interface SnapshotCreateOptions extends JSONObject {
   ready_cmd?: string | string[];
   ready_timeout_secs?: number;
   metadata?: Record<string, string>;
+  /** A command the guest runs before the daemon stops any of the template's forks (docs/API.md, "Stop hooks"). */
+  on_stop?: string;
+  /** Seconds the stop hook may take before it is cut off (default 10). */
+  on_stop_timeout_s?: number;
+}
+
+/** `POST /v1/sandboxes` fields (as the API names them); others are sent as given. */
+export interface SpawnOptions extends JSONObject {
+  n?: number;
+  metadata?: Record<string, string>;
+  timeout_s?: number;
+  idle_timeout_s?: number;
+  memory_limit_mib?: number;
+  /** This fork's stop hook, over the template's (docs/API.md, "Stop hooks"). */
+  on_stop?: string;
+  on_stop_timeout_s?: number;
 }
 
 export interface ImportOptions {

@@ -112,6 +112,21 @@ test("needs a daemon", { skip: template ? false : "FORKD_URL/FORKD_TOKEN/FORKD_T
     assert.ok((await client.listSandboxMetrics([sb.id])).every((m) => m.sandbox_id === sb.id));
   });
 
+  await t.test("a stop hook given at the fork runs at a kill, not at a forced one", async () => {
+    const [hooked, forced] = await client.spawnSandboxes(template, {
+      n: 2, on_stop: "echo stopping > /dev/null", on_stop_timeout_s: 5,
+    });
+    await client.killSandbox(hooked.id);
+    await client.killSandbox(forced.id, { force: true });
+    const said = [];
+    for await (const e of client.events({ types: ["stop_hook", "killed"], since: 0 })) {
+      if (e.sandbox_id === hooked.id || e.sandbox_id === forced.id) said.push([e.type, e.sandbox_id]);
+      if (said.length === 3) break;
+    }
+    // the hook ran for the one killed plainly, before its kill; the forced one had none
+    assert.deepEqual(said, [["stop_hook", hooked.id], ["killed", hooked.id], ["killed", forced.id]]);
+  });
+
   await t.test("the original forkd's forms: diff: true, compact to a new tag, workspaces", async () => {
     const [sb] = await client.spawnSandboxes(template, { n: 1 });
     const diff = await client.branchSandbox(sb.id, { tag: "ts-diff", diff: true });

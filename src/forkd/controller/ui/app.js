@@ -10,6 +10,9 @@
 // The network panel shows one sandbox's policy (GET .../network) and what it reached
 // and was refused through the egress proxy (GET .../egress), updated on its egress
 // events, and can cut it off or open it; secrets are listed by name and hosts only.
+// The webhooks panel lists the endpoints events are delivered to with their latest
+// deliveries (refreshed with the tree), adds one (its secret shown once), tests and
+// removes them.
 
 let token = null;
 let timers = [];
@@ -40,10 +43,12 @@ function el(tag, attrs = {}, ...children) {
   return node;
 }
 
-function age(unix) {
-  const s = Math.max(0, Math.round(Date.now() / 1000 - unix));
+function duration(secs) {
+  const s = Math.max(0, Math.round(secs));
   return s < 90 ? `${s} s` : s < 5400 ? `${Math.round(s / 60)} min` : `${Math.round(s / 3600)} h`;
 }
+
+const age = (unix) => duration(Date.now() / 1000 - unix);
 
 function say(text, isError = false) {
   const status = $("status");
@@ -139,6 +144,7 @@ function render() {
 async function refresh() {
   if (!token) return;
   refreshNetwork();
+  refreshWebhooks();
   try {
     const [snapshots, sandboxes] = await Promise.all([api("GET", "/v1/snapshots"), api("GET", "/v1/sandboxes")]);
     lists = { ...lists, snapshots, sandboxes };
@@ -197,6 +203,35 @@ async function refreshNetwork() {
   }
 }
 
+function delivery(d) {
+  const when = d.status === "pending" && d.next_attempt_unix
+    ? `next try in ${duration(d.next_attempt_unix - Date.now() / 1000)}`
+    : `${age(d.ended_at_unix ?? d.created_at_unix)} ago`;
+  const answer = d.last_status ? `HTTP ${d.last_status}` : d.last_error ?? "";
+  const latency = d.last_latency_ms !== null && d.last_latency_ms !== undefined ? `${Math.round(d.last_latency_ms)} ms` : "";
+  return el("li", { class: `delivery-${d.status}` },
+    [d.event, d.status, `${d.attempts} attempt${d.attempts === 1 ? "" : "s"}`, answer, latency, when].filter(Boolean).join(" · "));
+}
+
+async function refreshWebhooks() {
+  if (!token) return;
+  try {
+    const hooks = await api("GET", "/v1/webhooks");
+    const latest = await Promise.all(hooks.map((h) => api("GET", `/v1/webhooks/${encodeURIComponent(h.id)}/deliveries?limit=5`)));
+    $("webhook-list").replaceChildren(...hooks.map((h, i) => {
+      const path = `/v1/webhooks/${encodeURIComponent(h.id)}`;
+      return el("li", { "data-webhook": h.id },
+        el("span", { class: "id" }, h.id), " ", el("span", { class: "url" }, h.url),
+        el("span", { class: "meta" }, ` ${h.events.join(", ")} · ${h.pending} pending`),
+        el("button", { onclick: () => act(`test ${h.id}`, () => api("POST", `${path}/test`)) }, "test"),
+        el("button", { class: "danger", onclick: () => act(`remove ${h.id}`, () => api("DELETE", path)) }, "remove"),
+        el("ul", { class: "deliveries" }, ...latest[i].map(delivery)));
+    }));
+  } catch (err) {
+    say(`webhooks: ${err.message}`, true);
+  }
+}
+
 function soon() {  // a burst of events: one refresh
   clearTimeout(pending);
   pending = setTimeout(refresh, 150);
@@ -252,6 +287,21 @@ $("login").addEventListener("submit", async (event) => {
   await refresh();
   follow();
   timers = [setInterval(refresh, 30_000), setInterval(render, 5_000), setInterval(refreshUsage, 10_000)];
+});
+
+$("webhook-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const url = $("webhook-url").value.trim();
+  const events = $("webhook-events").value.split(/[\s,]+/).filter(Boolean);
+  if (!url) return;
+  await act(`add webhook ${url}`, async () => {
+    const made = await api("POST", "/v1/webhooks", { url, events: events.length ? events : ["*"] });
+    $("webhook-url").value = "";
+    $("webhook-events").value = "";
+    const shown = $("webhook-secret");
+    shown.hidden = !made.secret;  // one of the caller's own is never shown back
+    shown.textContent = made.secret ? `${made.id}'s secret (shown this once: keep it for your receiver): ${made.secret}` : "";
+  });
 });
 
 $("exec-form").addEventListener("submit", async (event) => {

@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MAX_WEBHOOKS = 64
 MAX_PENDING = 100_000  # deliveries waiting for one endpoint; past it new ones are dropped
+MAX_LINEAGE = 64  # snapshots named in a message's lineage, the template first
 
 
 def _sealed_name(webhook_id: str) -> str:
@@ -144,7 +145,24 @@ class WebhookService:
         row = self.store.get_sandbox(sandbox_id)
         if row is None:
             return None
-        return {"id": row.id, "snapshot_tag": row.snapshot_tag, "metadata": row.metadata}
+        return {
+            "id": row.id,
+            "snapshot_tag": row.snapshot_tag,
+            "metadata": row.metadata,
+            "lineage": self._lineage(row.snapshot_tag),
+        }
+
+    def _lineage(self, tag: str) -> list[str]:
+        """``tag`` and the snapshots it was branched from, the root template first (as
+        far as they are still registered, at most :data:`MAX_LINEAGE` of them)."""
+        chain = [tag]
+        row = self.store.get_snapshot(tag)
+        while row is not None and row.parent_tag and len(chain) < MAX_LINEAGE:
+            if row.parent_tag in chain:
+                break
+            chain.append(row.parent_tag)
+            row = self.store.get_snapshot(row.parent_tag)
+        return chain[::-1]
 
     def _endpoint(self, webhook_id: str) -> tuple[str, str] | None:
         row = self.tables.get(webhook_id)
