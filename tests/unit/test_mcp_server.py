@@ -93,7 +93,7 @@ async def exercise_every_tool(client: Client, template: str, branch_tag: str) ->
     tools = {t.name for t in (await client.list_tools()).tools}
     assert tools == TOOLS
     sid = _value(await client.call_tool("create_sandbox", {"snapshot_tag": template}))["id"]
-    args: dict[str, Any] = {"snapshot_tag": template, "n": 2}
+    args: dict[str, Any] = {"snapshot_tag": template, "n": 2, "on_stop": "sync"}
     kids = _value(await client.call_tool("fork_sandboxes", args))
     assert len(kids) == 2
     ran = _value(await client.call_tool("exec", {"sandbox_id": sid, "command": "echo hi"}))

@@ -20,25 +20,39 @@ def command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
 
     @server.tool()
     async def create_sandbox(
-        snapshot_tag: str, timeout_s: float | None = None, metadata: dict[str, str] | None = None
+        snapshot_tag: str,
+        timeout_s: float | None = None,
+        metadata: dict[str, str] | None = None,
+        on_stop: str | None = None,
     ) -> dict[str, Any]:
         """Start a sandbox from a snapshot (a fork: tens of milliseconds). ``timeout_s``:
-        it is killed after that many seconds. Returns its SandboxInfo (its ``id``)."""
+        it is killed after that many seconds. ``on_stop``: a shell command it runs before
+        it is stopped (killed, timed out, hibernated), e.g. to flush or save its work.
+        Returns its SandboxInfo (its ``id``)."""
         infos = await with_daemon(
-            lambda c: c.spawn_sandboxes(snapshot_tag, n=1, timeout_s=timeout_s, metadata=metadata)
+            lambda c: c.spawn_sandboxes(
+                snapshot_tag, n=1, timeout_s=timeout_s, metadata=metadata, on_stop=on_stop
+            )
         )
         return dict(infos[0])
 
     @server.tool()
     async def fork_sandboxes(
-        snapshot_tag: str, n: int, timeout_s: float | None = None, seed: int | None = None
+        snapshot_tag: str,
+        n: int,
+        timeout_s: float | None = None,
+        seed: int | None = None,
+        on_stop: str | None = None,
     ) -> list[dict[str, Any]]:
         """Start ``n`` sandboxes from one snapshot, all or none (1 to 100). ``seed``:
-        sandbox i's Python ``random`` is seeded with seed+i, so a run can be replayed."""
+        sandbox i's Python ``random`` is seeded with seed+i, so a run can be replayed.
+        ``on_stop``: a shell command each runs before it is stopped."""
         if not 1 <= n <= 100:
             raise ToolError("n must be between 1 and 100")
         infos = await with_daemon(
-            lambda c: c.spawn_sandboxes(snapshot_tag, n=n, timeout_s=timeout_s, seed=seed)
+            lambda c: c.spawn_sandboxes(
+                snapshot_tag, n=n, timeout_s=timeout_s, seed=seed, on_stop=on_stop
+            )
         )
         return list(infos)
 
