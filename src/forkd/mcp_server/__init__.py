@@ -72,6 +72,7 @@ def build(connect: Callable[[], AsyncController]) -> MCPServer:
     server = MCPServer("forkd", instructions=INSTRUCTIONS)
 
     with_daemon = daemon.reaching(connect)
+    sandbox_tools.fork_tools(server, with_daemon)
     sandbox_tools.command_tools(server, with_daemon)
     sandbox_tools.file_tools(server, with_daemon)
     sandbox_tools.lifecycle_tools(server, with_daemon)

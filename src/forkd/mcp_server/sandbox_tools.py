@@ -15,8 +15,8 @@ from forkd.mcp_server.daemon import WithDaemon
 FILE_READ_LIMIT = 1 << 20  # what a tool answer carries: larger files are cut, and say so
 
 
-def command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
-    """Sandboxes made, and used: commands, Python, files."""
+def fork_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Sandboxes made: one, or many from one snapshot."""
 
     @server.tool()
     async def create_sandbox(
@@ -55,6 +55,10 @@ def command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
             )
         )
         return list(infos)
+
+
+def command_tools(server: MCPServer, with_daemon: WithDaemon) -> None:
+    """Sandboxes used: commands, Python, files."""
 
     @server.tool()
     async def exec(
