@@ -63,11 +63,12 @@ def test_async_streams_background_process_and_events(server: Server) -> None:
     async def streams() -> None:
         async with AsyncController(server.url, token=server.token) as ctl:
             await AsyncSnapshot.create("tpl", controller=ctl, memory_mib=128)
-            stream = ctl.events(types="created")
+            # since=0: the events the daemon holds first, so the fork's is there however
+            # late the stream opens on a loaded host
+            stream = ctl.events(types="created", since=0)
             assert isinstance(stream, AsyncGenerator)  # what aclosing closes
             async with contextlib.aclosing(stream) as events:
                 first = asyncio.ensure_future(anext(events))
-                await asyncio.sleep(0.2)  # the stream is open before the fork
                 sb = await AsyncSandbox.create("tpl", controller=ctl)
                 created = await asyncio.wait_for(first, 10)
             assert created.type == "created" and created.sandbox_id == sb.id

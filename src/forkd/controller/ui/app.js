@@ -20,6 +20,7 @@ let lists = { snapshots: [], sandboxes: [], usage: new Map() };
 let pending = null;
 let watched = null;  // the sandbox the network panel shows
 let pendingNet = null;
+let pendingHooks = null;  // a refresh of the webhooks panel while deliveries wait
 const $ = (id) => document.getElementById(id);
 
 async function api(method, path, body) {
@@ -227,6 +228,8 @@ async function refreshWebhooks() {
         el("button", { class: "danger", onclick: () => act(`remove ${h.id}`, () => api("DELETE", path)) }, "remove"),
         el("ul", { class: "deliveries" }, ...latest[i].map(delivery)));
     }));
+    clearTimeout(pendingHooks);  // no event says a delivery went out: look again soon
+    if (latest.some((ds) => ds.some((d) => d.status === "pending"))) pendingHooks = setTimeout(refreshWebhooks, 2000);
   } catch (err) {
     say(`webhooks: ${err.message}`, true);
   }
