@@ -29,7 +29,12 @@ class Metrics:
         branch_cap: Callable[[], int] = lambda: 0,
         connections: Callable[[], ConnectionCounts] | None = None,
     ) -> None:
-        self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()  # the daemon's own (also sent over OTLP)
+        # Series labelled by sandbox: on /metrics only. Reading them keeps the guests'
+        # figures fresh (forkd.controller.services.usage), which is a scrape's to ask for,
+        # not every metrics export's; and an OpenTelemetry backend is no place for one
+        # series per sandbox.
+        self.sandbox_registry = CollectorRegistry()
         self._latencies: list[Latency] = []
         if connections is not None:
             self.registry.register(_ConnectionCollector(connections))
@@ -115,14 +120,15 @@ class Metrics:
 
     def watch_egress(self, read: Callable[[], dict[str, Any]], cap: int) -> None:
         """Per-sandbox egress counters (forkd.egress.records.EgressCounts by sandbox)."""
-        self.registry.register(_EgressCollector(read, cap))
+        self.sandbox_registry.register(_EgressCollector(read, cap))
 
     def watch_sandboxes(self, read: Callable[[], list[SandboxMetrics]], cap: int) -> None:
         """Series labelled by sandbox, from ``read()``, for at most ``cap`` sandboxes."""
-        self.registry.register(_SandboxCollector(read, cap))
+        self.sandbox_registry.register(_SandboxCollector(read, cap))
 
     def render(self) -> bytes:
-        return integral_counts(generate_latest(self.registry))
+        both = generate_latest(self.registry) + generate_latest(self.sandbox_registry)
+        return integral_counts(both)
 
 
 class Latency:
