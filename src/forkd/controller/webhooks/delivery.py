@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -36,6 +37,7 @@ FIRST_RETRY_SECS = 5.0  # then doubled each attempt, at most MAX_RETRY_SECS, +-2
 MAX_RETRY_SECS = 3600.0
 RETRY_FOR_SECS = 24 * 3600.0  # then the delivery fails
 IDLE_SECS = 5.0  # the loop looks again at least this often
+STOP_SECS = 10.0  # the deliveries' thread, once told to stop: attempts are cut off
 
 # (webhook id, its URL, its secret) of an endpoint, or None once it is deleted.
 Endpoint = Callable[[str], tuple[str, str] | None]
@@ -61,20 +63,35 @@ class Deliverer:
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
+        self._thread: threading.Thread | None = None
         self._sending: dict[str, asyncio.Task[None]] = {}  # webhook id -> its attempt
         self._held: dict[str, float] = {}  # webhook id -> not before (its record failed)
 
     def start(self) -> None:
+        """Deliveries run in a thread of their own, on an event loop of their own: what
+        they cost (connections, signing, their records) never takes a turn of the
+        API's loop, so a burst of them delays no request."""
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._main(started),), name="forkd-webhooks", daemon=True
+        )
+        self._thread.start()
+        started.wait(5)
+
+    async def _main(self, started: threading.Event) -> None:
         self._loop = asyncio.get_running_loop()
-        self._task = asyncio.create_task(self._run(), name="forkd-webhooks")
+        self._task = asyncio.current_task()
+        started.set()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._run()
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._sending.values()) if t is not None]
-        for task in tasks:
-            task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        loop, task, thread = self._loop, self._task, self._thread
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has ended already
+                loop.call_soon_threadsafe(task.cancel)
+        if thread is not None:
+            await asyncio.to_thread(thread.join, STOP_SECS)
 
     def wake(self) -> None:
         """New deliveries were written (from any thread)."""
@@ -89,15 +106,20 @@ class Deliverer:
         async with httpx.AsyncClient(
             follow_redirects=False, timeout=ATTEMPT_SECS, trust_env=False, limits=limits
         ) as client:
-            while True:
-                self._wake.clear()
-                try:
-                    wait = await self._round(client)
-                except Exception:  # the store failed: logged, and tried again soon
-                    log.exception("webhook deliveries: a round failed")
-                    wait = IDLE_SECS
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), max(wait, 0.05))
+            try:
+                while True:
+                    self._wake.clear()
+                    try:
+                        wait = await self._round(client)
+                    except Exception:  # the store failed: logged, and tried again soon
+                        log.exception("webhook deliveries: a round failed")
+                        wait = IDLE_SECS
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._wake.wait(), max(wait, 0.05))
+            finally:  # the attempts under way end before their client closes
+                for task in list(self._sending.values()):
+                    task.cancel()
+                await asyncio.gather(*self._sending.values(), return_exceptions=True)
 
     async def _round(self, client: httpx.AsyncClient) -> float:
         """Start the attempts that are due; how long until the next one is."""
