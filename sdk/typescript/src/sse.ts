@@ -37,6 +37,9 @@ export async function* readSSE(resp: Response): AsyncGenerator<{ event: string; 
       }
     }
   } finally {
+    // A caller that stops early (break, return) ends the response too: releasing the
+    // lock alone would leave the connection open, and node would not exit.
+    await reader.cancel().catch(() => {});
     reader.releaseLock();
   }
 }
