@@ -5,7 +5,6 @@ parses with the ``opentelemetry-proto`` package, as a collector would."""
 from __future__ import annotations
 
 import gzip
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +20,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
+
+from tests.http_thread import in_thread
 
 
 @dataclass(frozen=True)
@@ -164,11 +165,5 @@ def collecting() -> Iterator[Collector]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
     found = Collector(int(server.server_address[1]))
     server.RequestHandlerClass = _handler(found)  # it needs the port the server took
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with in_thread(server):
         yield found
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(5)

@@ -4,13 +4,14 @@ redirect)."""
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from tests.http_thread import in_thread
 
 
 @dataclass
@@ -73,11 +74,5 @@ def receiving(on_port: int = 0, **behaviour: Any) -> Iterator[Receiver]:
     server = ThreadingHTTPServer(("127.0.0.1", on_port), _handler(Receiver(0)))
     receiver = Receiver(server.server_address[1], **behaviour)
     server.RequestHandlerClass = _handler(receiver)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with in_thread(server):
         yield receiver
-    finally:
-        server.shutdown()
-        server.server_close()
