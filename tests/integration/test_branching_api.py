@@ -159,8 +159,9 @@ def test_branch_outlives_its_source(api: Api) -> None:
 
 def test_kill_9_during_branch(api: Api, daemon: Daemon) -> None:
     (child,) = api.fork("py")
-    # Dirty ~150 MiB so the snapshot takes long enough to be hit.
-    api.ev(child, "import os\nblob = bytearray(os.urandom(1 << 20)) * 150")
+    # Dirty ~120 MiB so the snapshot takes long enough to be hit (of the ~150 MiB a
+    # 256 MiB guest has free).
+    api.ev(child, "import os\nblob = bytearray(os.urandom(1 << 20)) * 120")
     pid = api.c.get(f"/v1/sandboxes/{child}").json()["pid"]
     snaps = daemon.state_dir / "snapshots"
 

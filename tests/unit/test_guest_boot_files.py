@@ -12,7 +12,7 @@ from forkd import hosttools
 from forkd.guest import guest_files, initramfs, kernel
 from forkd.guest import image as images
 
-KPKG = kernel.KernelPackage("linux-image-6.1.0-57-cloud-amd64", "6.1.192-3")
+KPKG = kernel.KernelPackage("linux-image-6.1.0-57-amd64", "6.1.192-3")
 
 
 class FakeKernelTools:
@@ -31,9 +31,9 @@ class FakeKernelTools:
     def unpack(self, deb: Path, dest: Path) -> kernel.UnpackedKernel:
         self.unpacked += 1
         (dest / "boot").mkdir(parents=True)
-        vmlinuz = dest / "boot" / "vmlinuz-6.1.0-57-cloud-amd64"
+        vmlinuz = dest / "boot" / "vmlinuz-6.1.0-57-amd64"
         vmlinuz.write_bytes(b"kernel image")
-        return kernel.UnpackedKernel(vmlinuz, "6.1.0-57-cloud-amd64", dest / "lib" / "modules")
+        return kernel.UnpackedKernel(vmlinuz, "6.1.0-57-amd64", dest / "lib" / "modules")
 
     def initramfs(self, unpacked: kernel.UnpackedKernel, work: Path, out: Path) -> list[str]:
         if self.fail_initramfs:
@@ -62,7 +62,8 @@ def test_the_kernel_is_unpacked_once_and_linked_into_each_image(
         == meta_again
         == {
             "kernel_package": KPKG.key,
-            "kernel_release": "6.1.0-57-cloud-amd64",
+            "kernel_release": "6.1.0-57-amd64",
+            "kernel_format": "bzimage",  # b"kernel image" holds no xz-packed ELF
             "modules": ["kernel/virtio/virtio.ko"],
         }
     )

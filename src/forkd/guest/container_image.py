@@ -135,7 +135,8 @@ def assemble(
     kpkg = kernel.resolve(cache / "kernel-package.json")
     spec = recipe.builtin(images.DEFAULT_IMAGE)  # the Debian base the runtime's Python is of
     base_key = spec.base_key(images.VARIANT)
-    key = _build_key(kpkg.key, runtime.key(base_key), config_digest, identity)
+    kernel_key = f"{kpkg.key} boot={images.boot_key(kpkg)}"  # the kernel as booted
+    key = _build_key(kernel_key, runtime.key(base_key), config_digest, identity)
     name = image_name(config_digest)
     final = root / f"{name}-{key}"
     if (final / "image.json").is_file():

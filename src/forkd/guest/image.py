@@ -26,7 +26,7 @@ from typing import Any
 
 from forkd import hosttools, paths, processes
 from forkd.errors import ImageError
-from forkd.guest import guest_files, image_sharing, initramfs, kernel, recipe, rootfs
+from forkd.guest import guest_files, image_sharing, initramfs, kernel, recipe, rootfs, vmlinux
 from forkd.guest.recipe import Recipe
 from forkd.vmm import runtime_meta
 from forkd.vmm.snapshot import files as snapshot_files
@@ -73,6 +73,7 @@ def _image_key(spec: Recipe, kpkg: kernel.KernelPackage) -> str:
     h = hashlib.sha256()
     base = spec.base_key(VARIANT)
     h.update(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\nbase={base}\n".encode())
+    h.update(f"boot={boot_key(kpkg)}\n".encode())  # the kernel as booted, the initramfs
     h.update(json.dumps(spec.template, sort_keys=True).encode())
     guest_files.digest(h, guest_files.GUEST_FILES)
     busybox = hosttools.require_static_busybox()
@@ -150,12 +151,14 @@ def base_tarball(spec: Recipe, cache: Path, staging: Path, say: Progress) -> Pat
 BOOT_FILES = ("vmlinuz", "initrd.img")
 
 
-def _boot_key(kpkg: kernel.KernelPackage) -> str:
+def boot_key(kpkg: kernel.KernelPackage) -> str:
     """What a kernel and initramfs are made of: the kernel package, stage 1, busybox,
     and the code that assembles the initramfs (its modules, its layout)."""
     h = hashlib.sha256(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\n".encode())
     guest_files.digest(h, guest_files.INITRAMFS_FILES)
     h.update(Path(initramfs.__file__).read_bytes() + b"\0")
+    for module in (kernel, vmlinux):  # the modules it holds, the kernel as booted
+        h.update(Path(module.__file__).read_bytes() + b"\0")
     h.update(hashlib.sha256(hosttools.require_static_busybox().read_bytes()).digest())
     return h.hexdigest()[:16]
 
@@ -168,7 +171,7 @@ def boot_files(
     They are made once per kernel and initramfs, in ``<cache>/boot/<key>/``
     (unpacking the kernel package takes seconds), and hard-linked into each image.
     """
-    built = cache / "boot" / _boot_key(kpkg)
+    built = cache / "boot" / boot_key(kpkg)
     if not (built / "boot.json").is_file():
         _make_boot_files(kpkg, cache, staging, built, say)
     for name in BOOT_FILES:
@@ -188,10 +191,15 @@ def _make_boot_files(
         deb = kernel.fetch(kpkg, cache / "downloads")
         say("unpacking the kernel and resolving modules")
         unpacked = kernel.unpack(deb, staging / "kernel")
-        shutil.copy2(unpacked.vmlinuz, stage / "vmlinuz")
+        kernel_format = _place_kernel(unpacked.vmlinuz, stage / "vmlinuz")
         say("building the initramfs")
         modules = initramfs.build(unpacked, staging, stage / "initrd.img")
-        meta = {"kernel_package": kpkg.key, "kernel_release": unpacked.release, "modules": modules}
+        meta = {
+            "kernel_package": kpkg.key,
+            "kernel_release": unpacked.release,
+            "kernel_format": kernel_format,
+            "modules": modules,
+        }
         (stage / "boot.json").write_text(json.dumps(meta, indent=2) + "\n")
         try:
             stage.rename(built)
@@ -200,6 +208,17 @@ def _make_boot_files(
                 raise
     finally:
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def _place_kernel(vmlinuz: Path, dest: Path) -> str:
+    """Put the kernel a guest boots at ``dest``: the ELF inside ``vmlinuz`` where it can be
+    taken out (:mod:`forkd.guest.vmlinux`), else ``vmlinuz`` itself. Returns which."""
+    elf = vmlinux.unpacked_elf(vmlinuz.read_bytes())
+    if elf is None:
+        shutil.copy2(vmlinuz, dest)
+        return "bzimage"
+    dest.write_bytes(elf)
+    return "elf-pvh"
 
 
 def _link(source: Path, target: Path) -> None:

@@ -1,4 +1,11 @@
-"""The guest kernel: Debian's cloud kernel, fetched with apt and unpacked."""
+"""The guest kernel: Debian's generic kernel, fetched with apt and unpacked.
+
+Not the smaller cloud kernel: that one has no 9p, and E2B's shared volumes
+reach the guest as 9p over virtio (:mod:`forkd.vmm.volumes.shares`). The
+generic kernel is xz-compressed, which a TCG guest takes four seconds to
+undo at every boot, so the image holds it decompressed: the ELF ``vmlinux``,
+which QEMU starts at its PVH entry (:func:`uncompressed`).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +18,7 @@ from pathlib import Path
 from forkd import hosttools
 from forkd.errors import ImageError
 
-META_PACKAGE = "linux-image-cloud-amd64"
+META_PACKAGE = "linux-image-amd64"
 
 # Modules the guest needs, in the order they are wanted; dependencies are
 # added in front of each from modules.dep.
@@ -23,12 +30,16 @@ WANTED_MODULES = (
     "virtio-rng",
     "squashfs",
     "overlay",
+    "ext4",  # forkd's volumes (built in to the cloud kernel, a module here)
+    "crc32c_generic",  # ext4's metadata checksums: asked for by name, not in modules.dep
+    "9pnet_virtio",  # E2B's shared volumes
+    "9p",
 )
 
 
 @dataclass(frozen=True)
 class KernelPackage:
-    name: str  # e.g. linux-image-6.1.0-57-cloud-amd64
+    name: str  # e.g. linux-image-6.1.0-57-amd64
     version: str  # Debian version, e.g. 6.1.192-3
 
     @property
@@ -40,12 +51,13 @@ APT_LISTS = Path("/var/lib/apt/lists")
 
 
 def resolve(cache: Path | None = None) -> KernelPackage:
-    """The concrete kernel package the cloud meta-package points at.
+    """The concrete kernel package the meta-package points at.
 
     Asking apt takes about a second, so the answer is kept in ``cache``
-    until apt's package lists change.
+    until apt's package lists change (or the meta-package does).
     """
-    stamp = str(APT_LISTS.stat().st_mtime_ns) if APT_LISTS.exists() else ""
+    lists = str(APT_LISTS.stat().st_mtime_ns) if APT_LISTS.exists() else ""
+    stamp = f"{META_PACKAGE}@{lists}" if lists else ""
     if cache is not None and cache.is_file():
         try:
             saved = json.loads(cache.read_text())
@@ -108,7 +120,7 @@ def fetch(pkg: KernelPackage, downloads: Path) -> Path:
 @dataclass(frozen=True)
 class UnpackedKernel:
     vmlinuz: Path
-    release: str  # uname -r, e.g. 6.1.0-57-cloud-amd64
+    release: str  # uname -r, e.g. 6.1.0-57-amd64
     modules_root: Path  # .../lib/modules/<release>
 
 
