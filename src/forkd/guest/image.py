@@ -156,9 +156,9 @@ def boot_key(kpkg: kernel.KernelPackage) -> str:
     and the code that assembles the initramfs (its modules, its layout)."""
     h = hashlib.sha256(f"builder={BUILDER_VERSION}\nkernel={kpkg.key}\n".encode())
     guest_files.digest(h, guest_files.INITRAMFS_FILES)
-    h.update(Path(initramfs.__file__).read_bytes() + b"\0")
-    for module in (kernel, vmlinux):  # the modules it holds, the kernel as booted
-        h.update(Path(module.__file__).read_bytes() + b"\0")
+    # initramfs: its layout; kernel: the modules it holds; vmlinux: the kernel as booted
+    for source in (initramfs.__file__, kernel.__file__, vmlinux.__file__):
+        h.update(Path(str(source)).read_bytes() + b"\0")
     h.update(hashlib.sha256(hosttools.require_static_busybox().read_bytes()).digest())
     return h.hexdigest()[:16]
 

@@ -54,6 +54,7 @@ from forkd.vmm.vcpu_control import Vcpus
 from forkd.vmm.vm_state import VMLifecycle
 from forkd.vmm.volumes import mounts as volume_mounts
 from forkd.vmm.volumes.disks import Attachment
+from forkd.vmm.volumes.shares import Share
 
 __all__ = ["VM", "SnapshotWriter", "qemu_pid_matches"]
 
@@ -205,16 +206,17 @@ class VM(VMLifecycle):
         host_network: network.HostNetwork | None = None,
         egress_policy: egress.Egress | None = None,
         cgroup: cgroups.Placement | None = None,
+        shares: Sequence[Share] = (),
     ) -> VM:
         """Start QEMU for a fork of ``snapshot_dir`` and leave it waiting for its state.
 
-        The first half of :meth:`restore`; :meth:`finish_restore` is the
-        second. Starting QEMU is a good part of a fork's latency, so
-        :class:`forkd.vmm.pool.ForkPool` keeps a few of these ready. The
-        egress policy is ``egress_policy``, else ``internet``, else the snapshot's.
+        The first half of :meth:`restore`; :meth:`finish_restore` is the second. Starting
+        QEMU is a good part of a fork's latency, so :class:`forkd.vmm.pool.ForkPool` keeps
+        a few of these ready. The egress policy is ``egress_policy``, else ``internet``,
+        else the snapshot's; ``shares``: the directories its share slots serve.
         """
         snap = snapshot_files.load(snapshot_dir)
-        policy, machine = vm_start.fork_machine(snap, internet, egress_policy)
+        policy, machine = vm_start.fork_machine(snap, internet, egress_policy, shares)
         vm_id = vm_id or vm_start.new_vm_id()
         async with contextlib.AsyncExitStack() as undo:  # unwound unless the start succeeds
             rt = vm_start.run_dir(run_root, vm_id, undo)
@@ -229,6 +231,7 @@ class VM(VMLifecycle):
                     incoming=True,
                     policy=policy,
                     attach=attach,
+                    shares=shares,
                     detach=detach,
                     host_network=host_network,
                     placement=cgroup,

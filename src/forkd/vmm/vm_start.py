@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import secrets
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Required, TypedDict
 
@@ -22,6 +23,7 @@ from forkd.vmm.snapshot.files import SnapshotFiles
 from forkd.vmm.volumes import disks as volumes
 from forkd.vmm.volumes import mounts as volume_mounts
 from forkd.vmm.volumes.disks import Attachment
+from forkd.vmm.volumes.shares import SHARE_SLOTS, Share, check_shares
 
 if TYPE_CHECKING:  # only its type: the guest images sit above the VM
     from forkd.guest.image import Image
@@ -38,6 +40,7 @@ class SpawnOptions(TypedDict, total=False):
     host_network: network.HostNetwork | None
     egress_policy: egress.Egress | None
     cgroup: cgroups.Placement | None
+    shares: Sequence[Share]
 
 
 def new_vm_id() -> str:
@@ -81,15 +84,21 @@ def boot_machine(
         cmdline=kernel_cmdline(choice.name, runtime=image.runtime is not None),
         egress=policy.to_json(),
         runtime=image.runtime,
+        shares=SHARE_SLOTS,
     )
 
 
 def fork_machine(
-    snap: SnapshotFiles, internet: bool | None, egress_policy: egress.Egress | None
+    snap: SnapshotFiles,
+    internet: bool | None,
+    egress_policy: egress.Egress | None,
+    shares: Sequence[Share] = (),
 ) -> tuple[egress.Egress, MachineConfig]:
     """A fork's egress policy (``egress_policy``, else ``internet``, else the snapshot's)
-    and its machine: the snapshot's, with that policy."""
+    and its machine: the snapshot's, with that policy. Refuses ``shares`` it has no
+    slots for."""
     machine = snap.machine
+    check_fork_shares(machine, shares)
     policy = egress_policy or (
         egress.Egress.from_internet(internet)
         if internet is not None
@@ -99,6 +108,13 @@ def fork_machine(
     return policy, dataclasses.replace(
         machine, internet=policy.mode != "none", egress=policy.to_json()
     )
+
+
+def check_fork_shares(machine: MachineConfig, shares: Sequence[Share]) -> None:
+    """Refuse shares a fork of ``machine`` has no slots for (a snapshot made before them)."""
+    if shares and not machine.shares:
+        raise VMError("this snapshot was made before forkd had shared volumes: rebuild it")
+    check_shares(shares, machine.shares)
 
 
 def fork_volumes(snap: SnapshotFiles, undo: contextlib.AsyncExitStack) -> list[Attachment]:

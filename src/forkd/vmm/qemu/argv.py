@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from forkd.vmm.volumes.disks import Attachment
+from forkd.vmm.volumes.shares import Share, fsdev_args
 
 QEMU_BINARY = "qemu-system-x86_64"
 # psi=0: pressure stall accounting would wake an idle guest every 2 s to average.
@@ -81,6 +82,9 @@ class MachineConfig:
     # An imported container image's second disk (forkd's agent and its Python,
     # mounted at /opt/forkd): the kernel is told with RUNTIME_CMDLINE.
     runtime: Path | None = None
+    # How many 9p share slots it has (forkd.vmm.volumes.shares): SHARE_SLOTS for a
+    # machine made now; none for one recorded without the key (its devices lack them).
+    shares: int = 0
 
     def files(self) -> tuple[Path, ...]:
         """The host files the machine boots from and reads while it runs."""
@@ -103,6 +107,8 @@ class MachineConfig:
             data["egress"] = self.egress
         if self.runtime is not None:
             data["runtime"] = str(self.runtime)
+        if self.shares:
+            data["shares"] = self.shares
         return data
 
     @classmethod
@@ -119,6 +125,7 @@ class MachineConfig:
             egress=data.get("egress"),
             pit=bool(data.get("pit", True)),
             runtime=Path(data["runtime"]) if data.get("runtime") else None,
+            shares=int(data.get("shares", 0)),
         )
 
 
@@ -200,6 +207,11 @@ class RuntimePaths:
     def meta(self) -> Path:
         return self.dir / "vm.json"
 
+    @property
+    def empty_share(self) -> Path:
+        """The empty directory a share slot with no share serves (read-only)."""
+        return self.dir / "empty-share"
+
 
 # announce-rounds=0: no self-announcement once the state is loaded. After a
 # migration QEMU sends RARPs and has a virtio NIC make its guest send
@@ -228,6 +240,7 @@ def build_argv(
     runas: str | None = None,
     layer_fds: Mapping[int, tuple[int, int]] | None = None,
     boot_files: bool | None = None,
+    shares: Sequence[Share] = (),
 ) -> list[str]:
     """QEMU's command line. ``tap``: the VM's network is ``tap0`` of the network
     namespace QEMU starts in (forkd.vmm.jail.network); else user-mode NAT. ``runas``:
@@ -235,7 +248,8 @@ def build_argv(
     ``layer_fds``: volume index → the read-only and read-write descriptors of
     its writable top layer, which QEMU inherits (see :func:`layer_fdset`).
     ``boot_files``: pass the kernel and initrd (default: only when booting; a
-    full migration stream, whose ROMs must match, needs them on restore too)."""
+    full migration stream, whose ROMs must match, needs them on restore too).
+    ``shares``: the directories served in the machine's share slots."""
     argv = _machine_args(cfg, rt, ram_file=ram_file, incoming=incoming, tap=tap)
     if boot_files if boot_files is not None else not incoming:
         # QEMU holds the kernel (14 MiB) and initrd in its own memory for as long
@@ -243,6 +257,7 @@ def build_argv(
         # reads them; its device state loads without them.
         argv += ["-kernel", str(cfg.vmlinuz), "-initrd", str(cfg.initrd), "-append", cfg.cmdline]
     argv += _volume_args(volumes, layer_fds)
+    argv += fsdev_args(cfg.shares, shares, rt.empty_share)
     argv += _accel_args(cfg.accel)
     if sandbox:  # False only where this QEMU lacks seccomp (launch.seccomp_problem)
         argv += ["-sandbox", SANDBOX_RUNAS if runas else SANDBOX]

@@ -24,6 +24,7 @@ from forkd.vmm.jail import cgroups, network, qemu_user
 from forkd.vmm.jail.egress import Egress
 from forkd.vmm.qemu.argv import QEMU_BINARY, SANDBOX, MachineConfig, RuntimePaths, build_argv
 from forkd.vmm.volumes.disks import Attachment
+from forkd.vmm.volumes.shares import Share
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,7 @@ def prepare_runtime(run_root: Path, vm_id: str) -> RuntimePaths:
     if len(str(rt.agent)) > UNIX_PATH_MAX:
         raise VMError(f"run directory {rt.dir} is too long for unix sockets")
     rt.dir.mkdir(mode=0o700, parents=True, exist_ok=False)  # sockets, logs, guest RAM
+    rt.empty_share.mkdir(mode=0o755)  # QEMU holds it open: it needs no way in by name
     return rt
 
 
@@ -68,6 +70,7 @@ def spawn(
     cgroup: cgroups.Group | None = None,
     pass_fds: Sequence[int] = (),
     uid: qemu_user.Lease | None = None,
+    umask: int = -1,
 ) -> subprocess.Popen[bytes]:
     """Start QEMU with its output in ``qemu.log``; on failure no process is left (the
     run directory is the caller's).
@@ -94,7 +97,7 @@ def spawn(
         command = _wrapped(argv, detach, netns, cgroup, drop=uid is not None)
         if cgroup is not None:
             gate_r, gate_w = os.pipe2(os.O_CLOEXEC)
-        proc = _popen(command, rt, gate_r, pass_fds, detach)
+        proc = _popen(command, rt, gate_r, pass_fds, detach, umask)
     except BaseException:
         _close_fds(gate_r, gate_w)
         raise
@@ -111,10 +114,15 @@ def spawn(
 
 
 def _popen(
-    command: list[str], rt: RuntimePaths, gate: int, pass_fds: Sequence[int], detach: bool
+    command: list[str],
+    rt: RuntimePaths,
+    gate: int,
+    pass_fds: Sequence[int],
+    detach: bool,
+    umask: int = -1,
 ) -> subprocess.Popen[bytes]:
     """``command`` started with its output appended to ``qemu.log`` and its stdin the
-    cgroup gate's read end (``gate``; none when negative)."""
+    cgroup gate's read end (``gate``; none when negative). ``umask``: its umask (-1: ours)."""
     log_fd = os.open(rt.qemu_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     with open(log_fd, "ab") as log_f:
         return subprocess.Popen(
@@ -125,6 +133,7 @@ def _popen(
             close_fds=True,
             pass_fds=tuple(pass_fds),
             start_new_session=detach,
+            umask=umask,
         )
 
 
@@ -255,6 +264,7 @@ class LaunchSpec:
     incoming: bool  # a fork's QEMU, waiting for its snapshot's state
     policy: Egress
     attach: Sequence[Attachment] = ()
+    shares: Sequence[Share] = ()  # host directories in the machine's share slots
     detach: bool = False  # outlives this process (a daemon's sandboxes)
     host_network: network.HostNetwork | None = None  # a network namespace of its own
     placement: cgroups.Placement | None = None  # a cgroup of its own, there
@@ -298,6 +308,7 @@ async def start_qemu(spec: LaunchSpec, undo: contextlib.AsyncExitStack) -> Launc
             sandbox=sandbox,
             runas=uid.runas if uid else None,
             layer_fds=layer_fds,
+            shares=spec.shares,
         )
         kept = [fd for pair in layer_fds.values() for fd in pair]
         try:
@@ -309,6 +320,9 @@ async def start_qemu(spec: LaunchSpec, undo: contextlib.AsyncExitStack) -> Launc
                 cgroup=group,
                 pass_fds=kept,
                 uid=uid,
+                # A share's files are made for every sandbox's QEMU user to use:
+                # the modes they are asked with (shares.fsdev_args) must hold.
+                umask=0 if spec.shares else -1,
             )
         except subprocess.SubprocessError as exc:  # the child's setup failed
             raise VMError(f"QEMU could not enter its cgroup or namespace: {exc}") from exc
