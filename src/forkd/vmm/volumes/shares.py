@@ -10,11 +10,12 @@ must present the devices its snapshot was taken with, but not the host paths
 behind them, which are not in the saved state. A slot with no share serves an
 empty read-only directory.
 
-A 9p server's state (the guest's open files on it) is not saved with a
-snapshot, and a device serves one mount at a time: a mount carried into a
-fork would hold its slot dead. So before a snapshot the guest unmounts its
-shares (:func:`unmount`) and mounts them again after (:func:`mount`); a fork
-of that snapshot mounts them once it runs.
+A snapshot is taken with the shares mounted: the sandbox it is taken of
+keeps them, untouched. A 9p server's state (the guest's open files on it)
+is not in the snapshot, though, so in a fork (or a woken sandbox) the mount
+it carries is dead, and a device serves one mount at a time: :func:`mount`
+first detaches that dead mount, then mounts the share afresh. A process in
+the fork that held a file open on it gets errors from that file.
 """
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ MOUNT_TIMEOUT_SECS = 30
 MOUNT_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144,nosuid,nodev"
 # The path must be a directory, or made one; never a symlink, whose target the mount
 # would then cover instead. Values travel as positional arguments, never pasted in.
+# A mount there already (the dead one a snapshot carried, on which even stat fails
+# with EPROTO) is detached first.
 MOUNT_SCRIPT = (
     'if [ -L "$2" ]; then echo "$2 is a symbolic link" >&2; exit 1; fi; '
+    'umount -l "$2" 2>/dev/null; '
     'mkdir -p "$2" && exec mount -t 9p -o "$3" "$1" "$2"'
 )
-UNMOUNT_SCRIPT = 'for p in "$@"; do umount "$p" || umount -l "$p" || exit 1; done'
 GUEST_PATH_MAX = 1024
 
 Exec = Callable[..., Awaitable[wire.ExecAnswer]]  # VM.exec
@@ -122,13 +125,3 @@ async def mount(exec_in_guest: Exec, shares: Sequence[Share]) -> None:
             raise VMError(
                 f"mounting volume {what} at {share.guest_path} failed: {res['stderr'].strip()}"
             )
-
-
-async def unmount(exec_in_guest: Exec, shares: Sequence[Share]) -> None:
-    """Unmount the shares (before a snapshot): lazily where a process holds one open."""
-    if not shares:
-        return
-    argv = ["/bin/sh", "-c", UNMOUNT_SCRIPT, "sh", *(s.guest_path for s in shares)]
-    res = await exec_in_guest(argv, timeout=MOUNT_TIMEOUT_SECS)
-    if res["exit_code"] != 0:
-        raise VMError(f"unmounting the sandbox's volumes failed: {res['stderr'].strip()}")

@@ -1,0 +1,231 @@
+"""Shared volumes (E2B's): named directories that sandboxes mount at create and that
+every sandbox mounting one reads and writes at once.
+
+The files are :class:`~forkd.vmm.volumes.share_disks.ShareDisks`'; a sandbox reaches
+them through a 9p share slot (:mod:`forkd.vmm.volumes.shares`). This service keeps the
+volumes' records and which sandbox and snapshot mounts which, in tables of its own in
+the daemon's store:
+
+- a sandbox's shares are given to its QEMU again when it wakes from hibernation;
+- a branch records its source's, and every fork of it mounts them too (a volume is
+  shared, never copied: E2B's volumes outlive and span sandboxes).
+
+A volume is deleted only when no sandbox mounts it; a snapshot that named it then
+forks without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import secrets
+import sqlite3
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from forkd.controller.store import Store
+from forkd.errors import Conflict, Invalid, NotFound
+from forkd.vmm.volumes.share_disks import ShareDisks
+from forkd.vmm.volumes.shares import SHARE_SLOTS, Share, check_guest_path, check_shares
+
+log = logging.getLogger(__name__)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS shared_volumes (
+    id              TEXT PRIMARY KEY,
+    name            TEXT NOT NULL UNIQUE,
+    size_bytes      INTEGER NOT NULL,
+    created_at_unix REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS sandbox_shares (
+    sandbox_id TEXT NOT NULL,
+    slot       INTEGER NOT NULL,
+    volume_id  TEXT NOT NULL,
+    path       TEXT NOT NULL,
+    PRIMARY KEY (sandbox_id, slot)
+);
+CREATE TABLE IF NOT EXISTS snapshot_shares (
+    snapshot_tag TEXT NOT NULL,
+    made_at      REAL NOT NULL,
+    slot         INTEGER NOT NULL,
+    volume_id    TEXT NOT NULL,
+    path         TEXT NOT NULL,
+    PRIMARY KEY (snapshot_tag, slot)
+);
+"""
+# E2B's rule for a volume's name: letters, digits, '-' and '_'.
+VOLUME_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,63}")
+VOLUME_ID_RE = re.compile(r"vol-[0-9a-f]{16}")
+
+
+@dataclass(frozen=True)
+class SharedVolume:
+    id: str
+    name: str
+    size_bytes: int
+    created_at_unix: float
+
+
+@dataclass(frozen=True)
+class ShareMount:
+    """A volume (its id or name) asked for at ``path`` in a new sandbox."""
+
+    volume: str
+    path: str
+
+
+class SharedVolumes:
+    def __init__(self, store: Store, root: Path, size_bytes: int) -> None:
+        self.store = store
+        self.disks = ShareDisks(root)
+        self.size_bytes = size_bytes
+        self._lock = threading.Lock()  # one create or delete at a time (names, disks)
+        with store.transaction() as db:
+            for table in SCHEMA.split(";"):
+                if table.strip():
+                    db.execute(table)
+
+    # ------------------------------------------------------------ the volumes
+
+    def start(self) -> None:
+        """At the daemon's start: finish what a crash left, mount every volume."""
+        self.disks.sweep()
+        known = {v.id for v in self.all()}
+        for orphan in set(self.disks.known()) - known:  # made, never recorded: a crash
+            self.disks.remove(orphan)
+        for volume_id in sorted(known):
+            try:
+                self.disks.mount(volume_id)
+            except Exception:  # one broken volume must not stop the daemon
+                log.exception("shared volume %s could not be mounted", volume_id)
+
+    async def create(self, name: str) -> SharedVolume:
+        if not isinstance(name, str) or not VOLUME_NAME_RE.fullmatch(name):
+            raise Invalid(f"invalid volume name {name!r}: 1-63 letters, digits, '-' or '_'")
+        return await asyncio.to_thread(self._create, name)
+
+    def _create(self, name: str) -> SharedVolume:
+        with self._lock:
+            if self._find(name) is not None:
+                raise Conflict(f"a volume named {name!r} exists")
+            volume = SharedVolume(f"vol-{secrets.token_hex(8)}", name, self.size_bytes, time.time())
+            self.disks.create(volume.id, volume.size_bytes)
+            try:
+                with self.store.transaction() as db:
+                    db.execute(
+                        "INSERT INTO shared_volumes VALUES (?, ?, ?, ?)",
+                        (volume.id, name, volume.size_bytes, volume.created_at_unix),
+                    )
+            except BaseException:
+                self.disks.remove(volume.id)
+                raise
+        return volume
+
+    def all(self) -> list[SharedVolume]:
+        rows = self.store.query("SELECT * FROM shared_volumes ORDER BY created_at_unix, id")
+        return [SharedVolume(**dict(r)) for r in rows]
+
+    def _find(self, ref: str) -> SharedVolume | None:
+        rows = self.store.query("SELECT * FROM shared_volumes WHERE id = ? OR name = ?", (ref, ref))
+        return SharedVolume(**dict(rows[0])) if rows else None
+
+    def get(self, ref: str) -> SharedVolume:
+        """The volume of id or name ``ref``."""
+        found = self._find(ref) if isinstance(ref, str) else None
+        if found is None:
+            raise NotFound(f"no volume {ref!r}")
+        return found
+
+    async def delete(self, ref: str) -> None:
+        volume = self.get(ref)
+        await asyncio.to_thread(self._delete, volume)
+
+    def _delete(self, volume: SharedVolume) -> None:
+        with self._lock:
+            users = self.users(volume.id)
+            if users:
+                raise Conflict(
+                    f"volume {volume.name!r} is mounted by {', '.join(users)}: kill them first"
+                )
+            with self.store.transaction() as db:
+                db.execute("DELETE FROM shared_volumes WHERE id = ?", (volume.id,))
+                db.execute("DELETE FROM snapshot_shares WHERE volume_id = ?", (volume.id,))
+            self.disks.remove(volume.id)
+
+    def users(self, volume_id: str) -> list[str]:
+        """The sandboxes that mount the volume (their records exist)."""
+        rows = self.store.query(
+            "SELECT s.sandbox_id FROM sandbox_shares s JOIN sandboxes b ON b.id = s.sandbox_id "
+            "WHERE s.volume_id = ? ORDER BY s.sandbox_id",
+            (volume_id,),
+        )
+        return [r["sandbox_id"] for r in rows]
+
+    def data_dir(self, volume: SharedVolume) -> Path:
+        return self.disks.data_dir(volume.id)
+
+    # ------------------------------------------------------------ who mounts what
+
+    def shares_for(self, mounts: Sequence[ShareMount]) -> list[Share]:
+        """The shares a new sandbox is given for ``mounts``, a slot each, checked."""
+        out = []
+        for slot, mount in enumerate(mounts):
+            volume = self.get(mount.volume)
+            path = check_guest_path(mount.path)
+            out.append(Share(slot, self.data_dir(volume), path, name=volume.name))
+        check_shares(out, SHARE_SLOTS)
+        return out
+
+    def _shares(self, rows: Sequence[sqlite3.Row]) -> list[Share]:
+        out = []
+        for r in rows:
+            volume = self._find(r["volume_id"])
+            if volume is not None:  # deleted since: forks without it
+                out.append(Share(r["slot"], self.data_dir(volume), r["path"], name=volume.name))
+        return out
+
+    def attach(self, sandbox_id: str, shares: Sequence[Share]) -> None:
+        """Record that ``sandbox_id`` mounts ``shares`` (a wake gives them again)."""
+        with self.store.transaction() as db:
+            db.execute(  # and the rows of sandboxes gone since
+                "DELETE FROM sandbox_shares WHERE sandbox_id = ? "
+                "OR sandbox_id NOT IN (SELECT id FROM sandboxes)",
+                (sandbox_id,),
+            )
+            db.executemany(
+                "INSERT INTO sandbox_shares VALUES (?, ?, ?, ?)",
+                [(sandbox_id, s.slot, self._id_of(s), s.guest_path) for s in shares],
+            )
+
+    def _id_of(self, share: Share) -> str:
+        return share.host_dir.parent.name  # <root>/<id>/data
+
+    def of_sandbox(self, sandbox_id: str) -> list[Share]:
+        rows = self.store.query(
+            "SELECT * FROM sandbox_shares WHERE sandbox_id = ? ORDER BY slot", (sandbox_id,)
+        )
+        return self._shares(rows)
+
+    def forget(self, sandbox_id: str) -> None:
+        with self.store.transaction() as db:
+            db.execute("DELETE FROM sandbox_shares WHERE sandbox_id = ?", (sandbox_id,))
+
+    def record_snapshot(self, tag: str, made_at: float, shares: Sequence[Share]) -> None:
+        """A branch's: every fork of ``tag`` (as made at ``made_at``) mounts ``shares``."""
+        with self.store.transaction() as db:
+            db.execute("DELETE FROM snapshot_shares WHERE snapshot_tag = ?", (tag,))
+            db.executemany(
+                "INSERT INTO snapshot_shares VALUES (?, ?, ?, ?, ?)",
+                [(tag, made_at, s.slot, self._id_of(s), s.guest_path) for s in shares],
+            )
+
+    def of_snapshot(self, tag: str, made_at: float) -> list[Share]:
+        rows = self.store.query(
+            "SELECT * FROM snapshot_shares WHERE snapshot_tag = ? AND made_at = ? ORDER BY slot",
+            (tag, made_at),
+        )
+        return self._shares(rows)
