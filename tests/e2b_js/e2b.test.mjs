@@ -9,7 +9,7 @@ import { join } from 'node:path'
 import { test } from 'node:test'
 
 import { Sandbox as CodeSandbox } from '@e2b/code-interpreter'
-import { CommandExitError, Sandbox, Template } from 'e2b'
+import { CommandExitError, Sandbox, Template, Volume } from 'e2b'
 
 const template = process.env.E2B_TEMPLATE
 const timeoutMs = 300_000
@@ -97,4 +97,23 @@ test('a template built with the SDK is a template its sandboxes start from', asy
     })
     assert.equal(res.status, 204)
   }
+})
+
+test('a volume two sandboxes share, and its content API', async () => {
+  const vol = await Volume.create('js-shared')
+  const a = await Sandbox.create(template, { timeoutMs, volumeMounts: { '/mnt/js': vol } })
+  const b = await Sandbox.create(template, { timeoutMs, volumeMounts: { '/data': 'js-shared' } })
+  try {
+    await a.commands.run('echo from-node-a > /mnt/js/a.txt')
+    assert.equal(await b.files.read('/data/a.txt'), 'from-node-a\n')
+    assert.equal(await vol.readFile('/a.txt'), 'from-node-a\n') // no sandbox needed
+    await vol.writeFile('/from-api.txt', 'written through the API')
+    assert.equal((await a.commands.run('cat /mnt/js/from-api.txt')).stdout, 'written through the API')
+    const names = (await vol.list('/')).map((e) => e.name)
+    assert.deepEqual(names, ['a.txt', 'from-api.txt'])
+  } finally {
+    await a.kill()
+    await b.kill()
+  }
+  assert.equal(await Volume.destroy(vol.volumeId), true)
 })

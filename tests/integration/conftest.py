@@ -210,6 +210,8 @@ def daemon(image: images.Image, registry_address: str, otlp: Collector) -> Itera
         str(root / "egress-test-ca" / "ca.pem"),
         "--otlp-endpoint",
         otlp.url,
+        "--shared-volume-size-mib",  # test_e2b_volumes.py fills one
+        "48",
     )
     yield d
     d.stop()

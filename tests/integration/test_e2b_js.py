@@ -37,10 +37,11 @@ def test_e2bs_npm_sdks_against_a_real_daemon(daemon: Daemon, api_template: str) 
         "E2B_API_URL": daemon.e2b_url,
         "E2B_SANDBOX_URL": daemon.e2b_url,
         "E2B_API_KEY": daemon.token,
+        "E2B_VOLUME_API_URL": daemon.e2b_url,  # a volume's content API
         "E2B_TEMPLATE": api_template,
     }
     run = subprocess.run(
         [npm, "test"], cwd=TESTS, env=env, capture_output=True, text=True, timeout=600
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
-    assert "# fail 0" in run.stdout and "# pass 3" in run.stdout, run.stdout[-3000:]
+    assert "# fail 0" in run.stdout and "# pass 4" in run.stdout, run.stdout[-3000:]

@@ -258,7 +258,6 @@ def test_what_forkd_does_not_serve_at_create_is_refused_not_dropped(
 ) -> None:
     key = {"X-API-KEY": TOKEN}
     extras: list[dict[str, Any]] = [
-        {"volumeMounts": [{"name": "data", "path": "/data"}]},
         {"mcp": {"github": {}}},
         {"iam": {"aws": {}}},
     ]

@@ -68,10 +68,10 @@ def test_mount_paths_are_normalised(path: str, clean: str) -> None:
     assert shares.check_guest_path(path) == clean
 
 
-@pytest.mark.parametrize(
-    "path",
-    ["relative", "/", "/..", "/proc/x", "/sys", "/dev/shm", "/opt/forkd", "/a\0b", "/" * 2000],
-)
+REFUSED = ["relative", "/", "/..", "/proc/x", "/sys", "/dev/shm", "/opt/forkd", "/a\0b"]
+
+
+@pytest.mark.parametrize("path", [*REFUSED, "/a b", "/a\\b", "/" + "a/" * 600])
 def test_mount_paths_that_are_refused(path: str) -> None:
     with pytest.raises(Invalid):
         shares.check_guest_path(path)

@@ -78,6 +78,7 @@ def _settings(o: ServeOptions) -> Settings:
         show_host_paths=o.show_host_paths,
         webhook_allow=tuple(o.webhook_allow or ()),
         otlp_endpoint=_otlp_endpoint(o.otlp_endpoint),
+        shared_volume_mib=o.shared_volume_size_mib,
         max_upload_bytes=o.max_upload_mib << 20,
         **_image_sources(o.insecure_registry, o.default_registry, o.registry_auth, o.docker_host),
         preview_domain=_preview_domain(o.preview_domain),

@@ -91,6 +91,19 @@ OtlpEndpointOpt = Annotated[
     ),
 ]
 
+SharedVolumeSizeOpt = Annotated[
+    int,
+    typer.Option(
+        "--shared-volume-size-mib",
+        envvar="FORKD_SHARED_VOLUME_SIZE_MIB",
+        min=16,
+        max=1 << 20,
+        metavar="MIB",
+        help="The most one shared volume (E2B's volumes) holds; each is a sparse file "
+        "that takes only what is written to it.",
+    ),
+]
+
 StateDirOpt = Annotated[
     Path | None,
     typer.Option(envvar="FORKD_STATE_DIR", help="Database, snapshots, audit log."),
@@ -484,3 +497,4 @@ class ServeOptions:
     e2b_public_ports: E2bPublicPortsOpt = False
     webhook_allow: WebhookAllowOpt = None
     otlp_endpoint: OtlpEndpointOpt = None
+    shared_volume_size_mib: SharedVolumeSizeOpt = 1024

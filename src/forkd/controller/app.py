@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -47,6 +48,7 @@ async def _stop(services: Services) -> None:
     await services.waker.drain(WAKE_DRAIN_SECS)
     await services.usage.stop()
     await services.lifecycle.stop()
+    await asyncio.to_thread(services.shared_volumes.stop)
     services.secrets.flush_uses(force=True)
     await services.egress.proxy.close()
 
@@ -138,6 +140,8 @@ async def _start(app: FastAPI, settings: Settings, services: Services, metrics: 
     services.reclaim.audit = app.state.audit.write
     services.egress.report.refusals.write = app.state.audit.write
     services.secrets.start()
+    # Before the sandboxes left running are adopted: the volumes they mount are mounted.
+    await asyncio.to_thread(services.shared_volumes.start)
     await services.lifecycle.start()
     services.webhooks.deliverer.start()
     services.reclaim.start()

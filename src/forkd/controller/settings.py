@@ -87,6 +87,8 @@ class Settings:
     # --otlp-endpoint: the OpenTelemetry collector traces and metrics go to (its base
     # URL, forkd.controller.otel); None: nothing of OpenTelemetry is loaded.
     otlp_endpoint: str | None = None
+    # --shared-volume-size-mib: the most one shared volume (E2B's) holds, made sparse.
+    shared_volume_mib: int = 1024
     # The key that seals secrets at rest (forkd.controller.secret_box); None:
     # $FORKD_SECRETS_KEY_FILE, else <state dir>/secrets.key, made at the first secret.
     secrets_key_file: Path | None = None

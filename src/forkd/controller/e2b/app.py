@@ -27,6 +27,8 @@ from forkd.controller.e2b.rest import daemon_services, rest
 from forkd.controller.e2b.secrets_rest import secrets_rest
 from forkd.controller.e2b.snapshots_rest import snapshots_rest
 from forkd.controller.e2b.templates_rest import templates_rest
+from forkd.controller.e2b.volume_content import volume_content
+from forkd.controller.e2b.volumes_rest import volumes_rest
 from forkd.controller.http_errors import hide_host_paths
 from forkd.controller.middleware import AuditMiddleware, GuardMiddleware
 
@@ -61,6 +63,8 @@ def create_e2b_app(
     app.include_router(logs_rest, dependencies=[Depends(api_key)])
     app.include_router(templates_rest, dependencies=[Depends(api_key)])
     app.include_router(secrets_rest, dependencies=[Depends(api_key)])
+    app.include_router(volumes_rest, dependencies=[Depends(api_key)])
+    app.include_router(volume_content)  # the volume's own token (Authorization: Bearer)
     app.include_router(build_rest, dependencies=[Depends(api_key)])
     app.include_router(build_files)
     app.include_router(envd)
@@ -97,7 +101,13 @@ CONNECT_SERVICES = ("/process.Process/", "/filesystem.Filesystem/")
 def _upload(scope: Scope) -> bool:
     if scope["method"] == "PUT" and str(scope["path"]).startswith(UPLOADS):
         return True  # a template build's files (build_rest)
+    if scope["method"] == "PUT" and _volume_file(str(scope["path"])):
+        return True  # a file written into a volume (volume_content)
     return bool(scope["method"] == "POST" and scope["path"] in STREAMED)
+
+
+def _volume_file(path: str) -> bool:
+    return path.startswith("/volumecontent/") and path.endswith("/file")
 
 
 def _typed(scope: Scope) -> bool:

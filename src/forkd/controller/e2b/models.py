@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from forkd import limits
 from forkd.errors import Invalid
+from forkd.vmm.volumes.shares import SHARE_SLOTS
 
 # The version of E2B's in-guest daemon this front end answers as: the SDKs gate their
 # features on it (0.6.4 turns all of them on; below 0.4.0 they send a user of their own).
@@ -42,6 +43,11 @@ class AutoResume(Body):
     enabled: bool = False
 
 
+class VolumeMount(Body):
+    name: str = Field(max_length=200)
+    path: str = Field(max_length=1024)
+
+
 class NewSandbox(Body):
     template_id: str = Field(alias="templateID")
     timeout: int | None = Field(None, ge=1, le=int(limits.MAX_SANDBOX_TIMEOUT_SECS))
@@ -51,8 +57,11 @@ class NewSandbox(Body):
     auto_resume: AutoResume | None = Field(None, alias="autoResume")
     allow_internet_access: bool | None = None
     network: dict[str, Any] | None = None  # E2B's network object (.network_map)
+    # Shared volumes, each by name at a path (forkd.controller.services.shared_volumes).
+    volume_mounts: list[VolumeMount] | None = Field(
+        None, alias="volumeMounts", max_length=SHARE_SLOTS
+    )
     # Refused when given (rest.UNSERVED): forkd has no place for them yet.
-    volume_mounts: list[Any] | None = Field(None, alias="volumeMounts")
     mcp: dict[str, Any] | None = None
     iam: dict[str, Any] | None = None
 

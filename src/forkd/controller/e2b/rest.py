@@ -30,6 +30,7 @@ from forkd.controller.e2b.network_map import policy_of
 from forkd.controller.e2b.paging import paged
 from forkd.controller.models import SandboxCreate, SandboxInfo, TimeoutRequest
 from forkd.controller.services import Services
+from forkd.controller.services.shared_volumes import ShareMount
 from forkd.errors import Conflict, ForkdError, Invalid, NotFound, SnapshotError, Unavailable
 from forkd.states import OnTimeout, SandboxState
 from forkd.vmm.snapshot import files as snapshot_files
@@ -55,8 +56,6 @@ def daemon_services(daemon: FastAPI) -> Services:
 Svc = Annotated[Services, Depends(services)]
 # What E2B's create takes that forkd does not serve: refused, never silently dropped.
 UNSERVED = {
-    "volume_mounts": "volumeMounts: forkd mounts volumes when a template is built "
-    "(POST /v1/snapshots volumes), and its forks get them copy-on-write",
     "mcp": "mcp: E2B's MCP gateway is not in forkd's images (forkd mcp serves forkd's own)",
     "iam": "iam: workload identity tokens are not served by forkd",
 }
@@ -162,7 +161,8 @@ async def create(body: NewSandbox, svc: Svc, domain: Domain) -> Sandbox:
         if body.network is None
         else policy_of(body.network, body.allow_internet_access),
     )
-    [info] = await svc.sandboxes.create(req)
+    mounts = [ShareMount(m.name, m.path) for m in body.volume_mounts or ()]
+    [info] = await svc.sandboxes.create(req, mounts=mounts)
     if body.env_vars:
         await _with_env(svc, info.id, body.env_vars)
     return created(svc, info, domain)

@@ -38,6 +38,7 @@ from forkd.controller.services.reclaim import Reclaimer
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.secrets import SecretService
+from forkd.controller.services.shared_volumes import SharedVolumes
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.services.stop_hooks import StopHooks
@@ -92,6 +93,7 @@ class Services:
     network: NetworkService
     webhooks: WebhookService
     stop_hooks: StopHooks
+    shared_volumes: SharedVolumes
 
     @classmethod
     def create(

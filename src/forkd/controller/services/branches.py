@@ -35,6 +35,7 @@ from forkd.controller.services.holds import Holds
 from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.shared_volumes import SharedVolumes
 from forkd.controller.services.snapshots import SnapshotService, memory_file, snapshot_row
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
@@ -86,6 +87,7 @@ class BranchService:
         self.records = records
         self.vms = vms
         self.snapshots = snapshots
+        self.shared: SharedVolumes | None = None  # E2B's volumes (wiring sets it)
         self.in_flight = 0
         self.background: set[asyncio.Task[None]] = set()  # branches with wait false
 
@@ -235,8 +237,11 @@ class BranchService:
     ) -> None:
         """The branch is registered ready, counted, and its ``branched`` event (and the
         webhooks' outbox rows of it) written, in one transaction."""
+        made = now()
         with self.store.transaction():
-            self.store.add_snapshot(snapshot_row(tag, files, now(), labels), replace=True)
+            self.store.add_snapshot(snapshot_row(tag, files, made, labels), replace=True)
+            if self.shared is not None:  # its forks mount the volumes the source mounts
+                self.shared.record_snapshot(tag, made, self.shared.of_sandbox(sandbox_id))
             self.store.count_branch(sandbox_id)
             pause = files.meta.pause_ms
             pause_ms = None if pause is None else round(pause)  # as SnapshotInfo has it

@@ -37,6 +37,7 @@ from forkd.controller.services.launcher import Launcher
 from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.shared_volumes import SharedVolumes
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
 from forkd.controller.store_rows import SandboxChanges
@@ -46,6 +47,7 @@ from forkd.vmm.jail.network import SandboxNet
 from forkd.vmm.snapshot import files as snapshot_files
 from forkd.vmm.snapshot import live as live_snapshot
 from forkd.vmm.snapshot.files import SnapshotLabels
+from forkd.vmm.volumes.shares import mount as mount_shares
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,7 @@ class WakeService:
         self.vms = vms
         self.launcher = launcher
         self.admission = admission
+        self.shared: SharedVolumes | None = None  # the volumes a woken sandbox mounts again
 
     async def wake(self, sandbox_id: str, announce: Callable[[], None] | None = None) -> None:
         """Restore the hibernated sandbox into a new QEMU, running; ``announce()``
@@ -223,8 +226,9 @@ class WakeService:
                     self.launcher.network.prefer(sandbox_id, index)
         # A crash between a wake's restore and its record leaves a run directory.
         shutil.rmtree(self.settings.run_dir / sandbox_id, ignore_errors=True)
+        shares = self.shared.of_sandbox(sandbox_id) if self.shared is not None else []
         try:
-            return await self.launcher.driver.restore(
+            vm = await self.launcher.driver.restore(
                 state_dir,
                 run_root=self.settings.run_dir,
                 vm_id=sandbox_id,
@@ -232,7 +236,14 @@ class WakeService:
                 host_network=self.launcher.network,
                 cgroup=self.launcher.placement(memory_limit_mib),
                 hostname=sandbox_id,
+                shares=shares,
             )
+            try:  # the mounts it carried are dead (forkd.vmm.volumes.shares)
+                await mount_shares(vm.guest.exec, shares)
+            except BaseException:
+                await vm.kill()
+                raise
+            return vm
         except ForkdError as exc:
             if isinstance(exc, (Busy, Conflict, StorageFull)):
                 raise

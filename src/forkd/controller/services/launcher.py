@@ -15,6 +15,7 @@ from forkd.vmm.jail import cgroups
 from forkd.vmm.jail.egress import Egress
 from forkd.vmm.jail.network import HostNetwork
 from forkd.vmm.volumes.disks import Attachment
+from forkd.vmm.volumes.shares import Share
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class VMDriver(Protocol):
         cgroup: cgroups.Placement | None = ...,
         hostname: str | None = ...,
         seed: int | None = ...,
+        shares: Sequence[Share] = ...,
     ) -> SandboxVM: ...
     async def spawn_incoming(
         self,

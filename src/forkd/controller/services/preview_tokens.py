@@ -88,6 +88,13 @@ class PreviewKey:
         digest = hmac.new(self._key(), message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
+    def volume_token(self, volume_id: str, created_at_unix: float) -> str:
+        """The token of a shared volume's content API (E2B's ``Volume.token``): keyed to
+        the volume and its creation, so a volume made again under its name gets another."""
+        message = b"\n".join([b"e2b-volume", volume_id.encode(), repr(created_at_unix).encode()])
+        digest = hmac.new(self._key(), message, hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
     def cookie_tag(self, prefix: str) -> bytes:
         """What the names of a guest's cookies on the daemon's origin begin with, for the
         route ``prefix``: keyed, so no page (another sandbox's, whose id may be known) can

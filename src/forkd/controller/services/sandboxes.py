@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import builtins
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TypeVar, overload
@@ -27,6 +29,7 @@ from forkd.controller.services.launcher import Launcher
 from forkd.controller.services.live_vms import LiveVMs
 from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
+from forkd.controller.services.shared_volumes import SharedVolumes, ShareMount
 from forkd.controller.services.snapshots import SnapshotService, memory_file
 from forkd.controller.services.stop_hooks import StopHook
 from forkd.controller.services.waking import Waker
@@ -53,6 +56,8 @@ from forkd.vmm.jail import cgroups, egress
 from forkd.vmm.jail.egress import Egress
 from forkd.vmm.pool import ForkPool
 from forkd.vmm.snapshot import files as snapshot_files
+from forkd.vmm.volumes.shares import Share
+from forkd.vmm.volumes.shares import mount as mount_shares
 
 T = TypeVar("T")
 
@@ -61,6 +66,17 @@ FORK_PARALLELISM = 4  # restores in flight at once (each is a QEMU start)
 
 # Failures a fork passes on as they are; any other one is "forking failed" (500).
 _CALLERS_FAULT = (Invalid, NotFound, Conflict, Busy, Unavailable)
+
+
+@dataclass(frozen=True)
+class _Forking:
+    """One create's forks: what each of them is made from and given."""
+
+    req: SandboxCreate
+    tag: str
+    snap_dir: Path
+    policy: Egress | None
+    shares: list[Share]
 
 
 def _lifetime(req: SandboxCreate) -> float | None:
@@ -117,16 +133,21 @@ class SandboxService:
         self.admission = admission
         self.waker = waker
         self.snapshots = snapshots
+        self.shared: SharedVolumes | None = None  # E2B's volumes (wiring sets it)
         self._fork_slots = asyncio.Semaphore(FORK_PARALLELISM)
 
     # ------------------------------------------------------------ fork
 
-    async def create(self, req: SandboxCreate, pool: bool = True) -> list[SandboxInfo]:
+    async def create(
+        self, req: SandboxCreate, pool: bool = True, mounts: Sequence[ShareMount] = ()
+    ) -> list[SandboxInfo]:
         """Fork ``req.n`` sandboxes from a snapshot: all of them, or none. ``pool``
         False: a one-off fork (an explore's, a diff's) that neither takes from the warm
-        pool nor teaches it the snapshot's demand."""
+        pool nor teaches it the snapshot's demand. ``mounts``: shared volumes each
+        mounts (else the snapshot's own, a branch of a sandbox that mounted some)."""
         tag = limits.check_tag(req.snapshot_tag)
         row = self.records.snapshot_row(tag)
+        shares = self._shares_for(row, mounts)
         problem = self.snapshots.unbootable_reason(row)
         if problem is not None:
             raise Conflict(f"snapshot {tag!r} is not bootable: {problem}")
@@ -147,21 +168,25 @@ class SandboxService:
             self.admission.check_caps(what, req.n, machine.memory_mib)  # before any eviction
             await self.admission.make_room_for(req.n, snap_dir)
             with self.admission.admit(what, req.n, machine.memory_mib, origin=snap_dir) as held:
-                made = await self._fork_all(req, tag, snap_dir, policy, held, pool)
+                # A pooled QEMU's share slots are empty: forks with shares start their own.
+                forking = _Forking(req, tag, snap_dir, policy, shares)
+                made = await self._fork_all(forking, held, pool and not shares)
         if self.vms.hooks is not None:  # the request's stop hook, else the template's
             given = StopHook(req.on_stop, req.on_stop_timeout_s) if req.on_stop else None
             self.vms.hooks.for_children([info.id for info in made], tag, given)
         return made
 
-    async def _fork_all(
-        self,
-        req: SandboxCreate,
-        tag: str,
-        snap_dir: Path,
-        policy: Egress | None,
-        held: Admission,
-        pool: bool,
-    ) -> list[SandboxInfo]:
+    def _shares_for(self, row: SnapshotRow, mounts: Sequence[ShareMount]) -> list[Share]:
+        if self.shared is None:
+            if mounts:
+                raise Unavailable("this daemon has no shared volumes")
+            return []
+        if mounts:
+            return self.shared.shares_for(mounts)
+        return self.shared.of_snapshot(row.tag, row.created_at_unix)
+
+    async def _fork_all(self, f: _Forking, held: Admission, pool: bool) -> list[SandboxInfo]:
+        req, tag, snap_dir, policy = f.req, f.tag, f.snap_dir, f.policy
         pooled: list[SandboxVM] = []
         # Pooled QEMUs were started with the snapshot's policy and the default limit.
         if pool and policy is None and req.memory_limit_mib is None:
@@ -176,7 +201,7 @@ class SandboxService:
             seeds = [None if req.seed is None else req.seed + i for i in range(len(ids))]
             results = await asyncio.gather(
                 *(
-                    self._fork_one(sid, req, snap_dir, waiting, policy, seed)
+                    self._fork_one(sid, f, waiting, seed)
                     for sid, seed in zip(ids, seeds, strict=True)
                 ),
                 return_exceptions=True,
@@ -196,14 +221,9 @@ class SandboxService:
         return [self._info(self.records.sandbox_row(sid), facts) for sid in ids]
 
     async def _fork_one(
-        self,
-        sid: str,
-        req: SandboxCreate,
-        snap_dir: Path,
-        waiting: dict[str, SandboxVM],
-        policy: Egress | None,
-        seed: int | None,
+        self, sid: str, f: _Forking, waiting: dict[str, SandboxVM], seed: int | None
     ) -> None:
+        req = f.req
         run_dir = self.settings.run_dir / sid
         self.store.add_sandbox(
             SandboxRow(
@@ -225,6 +245,8 @@ class SandboxService:
                 ),
             )
         )
+        if f.shares and self.shared is not None:  # recorded first: see shared_volumes
+            self.shared.attach(sid, f.shares)
         async with self._fork_slots:
             with tracing.span("restore", sandbox_id=sid):
                 vm = waiting.pop(sid, None)
@@ -234,16 +256,18 @@ class SandboxService:
                     await vm.finish_restore(seed=seed)
                 else:
                     vm = await self.launcher.driver.restore(
-                        snap_dir,
+                        f.snap_dir,
                         run_root=self.settings.run_dir,
                         vm_id=sid,
                         detach=True,
                         host_network=self.launcher.network,
-                        egress_policy=policy,
+                        egress_policy=f.policy,
                         cgroup=self.launcher.placement(req.memory_limit_mib),
                         seed=seed,
+                        shares=f.shares,
                     )
         self.vms[sid] = vm
+        await mount_shares(vm.guest.exec, f.shares)
         fork_ms = round(vm.ready_ms or 0, 1)
         with self.store.transaction():  # the event's outbox rows with the state change
             self.store.set_sandbox_state(sid, SandboxState.RUNNING, pid=vm.pid, fork_ms=fork_ms)

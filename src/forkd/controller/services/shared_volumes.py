@@ -11,7 +11,9 @@ the daemon's store:
   shared, never copied: E2B's volumes outlive and span sandboxes).
 
 A volume is deleted only when no sandbox mounts it; a snapshot that named it then
-forks without it.
+forks without it. A sandbox is recorded as mounting its volumes before its QEMU starts,
+in a statement that finds each volume still there, and a delete checks for mounts and
+removes the record in one transaction: the two never cross.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forkd.controller.store import Store
-from forkd.errors import Conflict, Invalid, NotFound
+from forkd.disk_reserve import free_bytes
+from forkd.errors import Conflict, Invalid, NotFound, StorageFull
+from forkd.states import SandboxState
 from forkd.vmm.volumes.share_disks import ShareDisks
 from forkd.vmm.volumes.shares import SHARE_SLOTS, Share, check_guest_path, check_shares
 
@@ -57,9 +61,10 @@ CREATE TABLE IF NOT EXISTS snapshot_shares (
     PRIMARY KEY (snapshot_tag, slot)
 );
 """
-# E2B's rule for a volume's name: letters, digits, '-' and '_'.
+# E2B's rule for a volume's name: letters, digits, '-' and '_' (never an id's form).
 VOLUME_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,63}")
 VOLUME_ID_RE = re.compile(r"vol-[0-9a-f]{16}")
+MAX_VOLUMES = 256
 
 
 @dataclass(frozen=True)
@@ -79,11 +84,12 @@ class ShareMount:
 
 
 class SharedVolumes:
-    def __init__(self, store: Store, root: Path, size_bytes: int) -> None:
+    def __init__(self, store: Store, root: Path, size_bytes: int, reserve_mib: int = 0) -> None:
         self.store = store
         self.disks = ShareDisks(root)
         self.size_bytes = size_bytes
-        self._lock = threading.Lock()  # one create or delete at a time (names, disks)
+        self.reserve_mib = reserve_mib  # --disk-reserve: a new volume must fit above it
+        self._lock = threading.Lock()  # one create at a time (its name, the count, room)
         with store.transaction() as db:
             for table in SCHEMA.split(";"):
                 if table.strip():
@@ -96,15 +102,32 @@ class SharedVolumes:
         self.disks.sweep()
         known = {v.id for v in self.all()}
         for orphan in set(self.disks.known()) - known:  # made, never recorded: a crash
-            self.disks.remove(orphan)
+            try:
+                self.disks.remove(orphan)
+            except Exception:
+                log.exception("leftover shared volume %s could not be removed", orphan)
         for volume_id in sorted(known):
             try:
                 self.disks.mount(volume_id)
             except Exception:  # one broken volume must not stop the daemon
                 log.exception("shared volume %s could not be mounted", volume_id)
 
+    def stop(self) -> None:
+        """At the daemon's stop: the volumes' filesystems unmounted, but those a sandbox
+        left running still serves (its QEMU holds the directory open: the unmount is
+        refused, never forced). The next daemon finds those mounted and leaves them."""
+        for volume in self.all():
+            try:
+                self.disks.unmount(volume.id)
+            except Exception as exc:
+                log.info("shared volume %s stays mounted: %s", volume.id, exc)
+
     async def create(self, name: str) -> SharedVolume:
-        if not isinstance(name, str) or not VOLUME_NAME_RE.fullmatch(name):
+        if (
+            not isinstance(name, str)
+            or not VOLUME_NAME_RE.fullmatch(name)
+            or VOLUME_ID_RE.fullmatch(name)
+        ):
             raise Invalid(f"invalid volume name {name!r}: 1-63 letters, digits, '-' or '_'")
         return await asyncio.to_thread(self._create, name)
 
@@ -112,6 +135,16 @@ class SharedVolumes:
         with self._lock:
             if self._find(name) is not None:
                 raise Conflict(f"a volume named {name!r} exists")
+            if len(self.all()) >= MAX_VOLUMES:
+                raise Conflict(f"this daemon holds {MAX_VOLUMES} volumes: destroy one first")
+            # Sparse, but it may fill: a whole one must fit above the disk reserve.
+            need_mib = self.reserve_mib + (self.size_bytes >> 20)
+            free_mib = free_bytes(self.disks.root) >> 20
+            if free_mib < need_mib:
+                raise StorageFull(
+                    f"a volume may hold {self.size_bytes >> 20} MiB and the disk must keep "
+                    f"{self.reserve_mib} MiB free (--disk-reserve): {free_mib} MiB are free"
+                )
             volume = SharedVolume(f"vol-{secrets.token_hex(8)}", name, self.size_bytes, time.time())
             self.disks.create(volume.id, volume.size_bytes)
             try:
@@ -130,7 +163,8 @@ class SharedVolumes:
         return [SharedVolume(**dict(r)) for r in rows]
 
     def _find(self, ref: str) -> SharedVolume | None:
-        rows = self.store.query("SELECT * FROM shared_volumes WHERE id = ? OR name = ?", (ref, ref))
+        column = "id" if VOLUME_ID_RE.fullmatch(ref) else "name"  # names never look like ids
+        rows = self.store.query(f"SELECT * FROM shared_volumes WHERE {column} = ?", (ref,))
         return SharedVolume(**dict(rows[0])) if rows else None
 
     def get(self, ref: str) -> SharedVolume:
@@ -142,31 +176,30 @@ class SharedVolumes:
 
     async def delete(self, ref: str) -> None:
         volume = self.get(ref)
-        await asyncio.to_thread(self._delete, volume)
-
-    def _delete(self, volume: SharedVolume) -> None:
-        with self._lock:
+        with self.store.transaction() as db:  # no mount is recorded between check and delete
             users = self.users(volume.id)
             if users:
                 raise Conflict(
                     f"volume {volume.name!r} is mounted by {', '.join(users)}: kill them first"
                 )
-            with self.store.transaction() as db:
-                db.execute("DELETE FROM shared_volumes WHERE id = ?", (volume.id,))
-                db.execute("DELETE FROM snapshot_shares WHERE volume_id = ?", (volume.id,))
-            self.disks.remove(volume.id)
+            db.execute("DELETE FROM shared_volumes WHERE id = ?", (volume.id,))
+            db.execute("DELETE FROM snapshot_shares WHERE volume_id = ?", (volume.id,))
+        # Nothing can mount it now; a download still reading finishes first (lazily).
+        await asyncio.to_thread(self.disks.remove, volume.id)
 
     def users(self, volume_id: str) -> list[str]:
-        """The sandboxes that mount the volume (their records exist)."""
+        """The sandboxes that mount the volume (recorded, not dead)."""
         rows = self.store.query(
             "SELECT s.sandbox_id FROM sandbox_shares s JOIN sandboxes b ON b.id = s.sandbox_id "
-            "WHERE s.volume_id = ? ORDER BY s.sandbox_id",
-            (volume_id,),
+            "WHERE s.volume_id = ? AND b.state != ? ORDER BY s.sandbox_id",
+            (volume_id, SandboxState.DEAD.value),
         )
         return [r["sandbox_id"] for r in rows]
 
     def data_dir(self, volume: SharedVolume) -> Path:
-        return self.disks.data_dir(volume.id)
+        """Where the volume's files are: :class:`Unavailable` unless its own filesystem is
+        mounted there (never the bare directory beneath, on the host's disk)."""
+        return self.disks.mounted_data(volume.id)
 
     # ------------------------------------------------------------ who mounts what
 
@@ -189,17 +222,22 @@ class SharedVolumes:
         return out
 
     def attach(self, sandbox_id: str, shares: Sequence[Share]) -> None:
-        """Record that ``sandbox_id`` mounts ``shares`` (a wake gives them again)."""
+        """Record that ``sandbox_id`` mounts ``shares``, before its QEMU starts (a wake
+        gives them again): :class:`NotFound` if one was deleted since it was asked for."""
         with self.store.transaction() as db:
             db.execute(  # and the rows of sandboxes gone since
                 "DELETE FROM sandbox_shares WHERE sandbox_id = ? "
                 "OR sandbox_id NOT IN (SELECT id FROM sandboxes)",
                 (sandbox_id,),
             )
-            db.executemany(
-                "INSERT INTO sandbox_shares VALUES (?, ?, ?, ?)",
-                [(sandbox_id, s.slot, self._id_of(s), s.guest_path) for s in shares],
-            )
+            for share in shares:
+                added = db.execute(
+                    "INSERT INTO sandbox_shares SELECT ?, ?, id, ? FROM shared_volumes "
+                    "WHERE id = ?",
+                    (sandbox_id, share.slot, share.guest_path, self._id_of(share)),
+                )
+                if added.rowcount != 1:
+                    raise NotFound(f"volume {share.name!r} was destroyed meanwhile")
 
     def _id_of(self, share: Share) -> str:
         return share.host_dir.parent.name  # <root>/<id>/data
@@ -209,10 +247,6 @@ class SharedVolumes:
             "SELECT * FROM sandbox_shares WHERE sandbox_id = ? ORDER BY slot", (sandbox_id,)
         )
         return self._shares(rows)
-
-    def forget(self, sandbox_id: str) -> None:
-        with self.store.transaction() as db:
-            db.execute("DELETE FROM sandbox_shares WHERE sandbox_id = ?", (sandbox_id,))
 
     def record_snapshot(self, tag: str, made_at: float, shares: Sequence[Share]) -> None:
         """A branch's: every fork of ``tag`` (as made at ``made_at``) mounts ``shares``."""

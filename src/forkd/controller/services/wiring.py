@@ -41,6 +41,7 @@ from forkd.controller.services.records import Records
 from forkd.controller.services.sandbox_vm import SandboxVM
 from forkd.controller.services.sandboxes import SandboxService
 from forkd.controller.services.secrets import SecretService
+from forkd.controller.services.shared_volumes import SharedVolumes
 from forkd.controller.services.snapshot_transfer import SnapshotTransfer
 from forkd.controller.services.snapshots import SnapshotService
 from forkd.controller.services.stop_hooks import StopHooks
@@ -233,6 +234,7 @@ class Wiring:
             self.admission,
             self.events,
         )
+        waking.shared = self.shared_volumes
         return PauseService(
             self.store,
             self.events,
@@ -292,8 +294,15 @@ class Wiring:
         )
 
     @cached_property
+    def shared_volumes(self) -> SharedVolumes:
+        """E2B's volumes: directories sandboxes share (mounted on the host by start())."""
+        s = self.settings
+        root = s.state_dir / "shared-volumes"
+        return SharedVolumes(self.store, root, s.shared_volume_mib << 20, s.disk_reserve_mib)
+
+    @cached_property
     def sandboxes(self) -> SandboxService:
-        return SandboxService(
+        service = SandboxService(
             self.settings,
             self.store,
             self.metrics,
@@ -308,10 +317,12 @@ class Wiring:
             self.waker,
             self.snapshots,
         )
+        service.shared = self.shared_volumes
+        return service
 
     @cached_property
     def branches(self) -> BranchService:
-        return BranchService(
+        service = BranchService(
             self.settings,
             self.store,
             self.metrics,
@@ -322,6 +333,8 @@ class Wiring:
             self.vms,
             self.snapshots,
         )
+        service.shared = self.shared_volumes
+        return service
 
     @cached_property
     def expiry(self) -> Expiry:

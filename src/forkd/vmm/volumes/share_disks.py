@@ -20,11 +20,13 @@ import tempfile
 from pathlib import Path
 
 from forkd import hosttools
-from forkd.errors import ForkdError
+from forkd.errors import ForkdError, Unavailable
 
 DISK = "disk.img"
 DATA = "data"
-MOUNT_OPTIONS = "loop,nosuid,nodev,noexec"
+# errors=remount-ro: should the host's disk fail under the image, the volume stops
+# taking writes rather than going on with a damaged filesystem.
+MOUNT_OPTIONS = "loop,nosuid,nodev,noexec,errors=remount-ro"
 
 
 class ShareDisks:
@@ -52,7 +54,8 @@ class ShareDisks:
                 ["mkfs.ext4", "-q", "-F", "-m", "0", "-E", opts, str(disk)],
                 what=f"formatting volume {volume_id}",
             )
-            (staging / DATA).mkdir()
+            # Closed to all while nothing is mounted on it: nothing lands on the host's disk.
+            (staging / DATA).mkdir(mode=0)
             staging.chmod(0o700)
             staging.rename(self.root / volume_id)
         except BaseException:
@@ -79,19 +82,32 @@ class ShareDisks:
         data.chmod(0o777)
         return data
 
-    def unmount(self, volume_id: str) -> None:
+    def mounted_data(self, volume_id: str) -> Path:
+        """The volume's ``data``, if its filesystem is mounted there: :class:`Unavailable`
+        otherwise (the directory beneath is the host's disk, unbounded)."""
+        data = self.data_dir(volume_id)
+        if not os.path.ismount(data):
+            raise Unavailable(f"volume {volume_id} is not mounted (see the daemon's log)")
+        return data
+
+    def unmount(self, volume_id: str, lazily: bool = False) -> None:
+        """Unmount the volume's filesystem; refused while in use unless ``lazily`` (then
+        it goes once the last file open on it is closed)."""
         data = self.data_dir(volume_id)
         if os.path.ismount(data):
-            hosttools.run(["umount", str(data)], what=f"unmounting volume {volume_id}")
+            flags = ["-l"] if lazily else []
+            hosttools.run(["umount", *flags, str(data)], what=f"unmounting volume {volume_id}")
 
     def remove(self, volume_id: str) -> None:
-        """Unmount and delete the volume's files (renamed aside first: gone or whole)."""
+        """Unmount (lazily: no one may mount it any more) and delete the volume's files,
+        renamed aside first so a crash leaves it whole or marked for :meth:`sweep`."""
         home = self.root / volume_id
         if not home.exists():
             return
-        self.unmount(volume_id)
         doomed = self.root / f".{volume_id}.removed-{os.getpid()}"
         home.rename(doomed)
+        if os.path.ismount(doomed / DATA):
+            hosttools.run(["umount", "-l", str(doomed / DATA)], what=f"unmounting {volume_id}")
         shutil.rmtree(doomed, ignore_errors=True)
 
     def known(self) -> list[str]:
@@ -114,5 +130,5 @@ class ShareDisks:
         for p in self.root.iterdir():
             if p.name.startswith(".") and (".partial-" in p.name or ".removed-" in p.name):
                 if os.path.ismount(p / DATA):
-                    hosttools.run(["umount", str(p / DATA)], what=f"unmounting {p.name}")
+                    hosttools.run(["umount", "-l", str(p / DATA)], what=f"unmounting {p.name}")
                 shutil.rmtree(p, ignore_errors=True)

@@ -35,12 +35,16 @@ MOUNT_TIMEOUT_SECS = 30
 MOUNT_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144,nosuid,nodev"
 # The path must be a directory, or made one; never a symlink, whose target the mount
 # would then cover instead. Values travel as positional arguments, never pasted in.
-# A mount there already (the dead one a snapshot carried, on which even stat fails
-# with EPROTO) is detached first.
+# The path must name itself: no symbolic link on the way (the mount would cover its
+# target instead). A 9p mount there already, the dead one a snapshot carried (on which
+# even stat fails, with EPROTO), is detached first; any other mount is left alone, and
+# mount then fails. Values travel as positional arguments, never pasted in.
 MOUNT_SCRIPT = (
-    'if [ -L "$2" ]; then echo "$2 is a symbolic link" >&2; exit 1; fi; '
-    'umount -l "$2" 2>/dev/null; '
-    'mkdir -p "$2" && exec mount -t 9p -o "$3" "$1" "$2"'
+    'if grep -qF " $2 9p " /proc/mounts; then umount -l "$2" || exit 1; fi; '
+    'mkdir -p "$2" || exit 1; '
+    'if [ "$(realpath "$2")" != "$2" ]; then echo "$2 goes through a symbolic link" >&2; '
+    "exit 1; fi; "
+    'exec mount -t 9p -o "$3" "$1" "$2"'
 )
 GUEST_PATH_MAX = 1024
 
@@ -65,8 +69,10 @@ class Share:
 
 def check_guest_path(path: str) -> str:
     """``path`` if it can be a mount point: absolute, normalised, not ``/`` itself."""
-    if not isinstance(path, str) or not path.startswith("/") or "\0" in path:
+    if not isinstance(path, str) or not path.startswith("/"):
         raise Invalid(f"a volume's mount path must be absolute: {path!r}")
+    if any(c.isspace() or c in "\\\0" for c in path):  # /proc/mounts escapes them
+        raise Invalid(f"a volume's mount path has a space, backslash or NUL: {path!r}")
     if len(path) > GUEST_PATH_MAX:
         raise Invalid(f"a volume's mount path is longer than {GUEST_PATH_MAX} characters")
     clean = posixpath.normpath(path)
