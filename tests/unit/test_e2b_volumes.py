@@ -7,6 +7,7 @@ tests/integration/test_e2b_volumes.py.)"""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import struct
@@ -210,3 +211,17 @@ def test_content_needs_the_volumes_own_token(server: Server, content_env: str) -
     e2b.Volume.destroy(theirs.volume_id)
     with pytest.raises(e2b.AuthenticationException):  # gone: its token with it
         theirs.list("/")
+
+
+def test_the_async_sdk_makes_mounts_and_fills_a_volume(server: Server, content_env: str) -> None:
+    async def run() -> tuple[str, list[str], bool]:
+        vol = await e2b.AsyncVolume.create("async-vol")
+        sbx = await e2b.AsyncSandbox.create("base", volume_mounts={"/mnt/async": vol})
+        await vol.write_file("/from-async.txt", b"async bytes")
+        text = await vol.read_file("/from-async.txt")
+        names = [e.name for e in await vol.list("/")]
+        await sbx.kill()
+        return text, names, await e2b.AsyncVolume.destroy(vol.volume_id)
+
+    assert asyncio.run(run()) == ("async bytes", ["from-async.txt"], True)
+    assert [(s.guest_path, s.name) for s in shares_given(server)] == [("/mnt/async", "async-vol")]
