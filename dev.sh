@@ -135,12 +135,13 @@ test_archives_on_newest_python() {
 
 run_suite() {
     # The tests that boot no VM spend most of their time waiting (timeouts, sockets,
-    # subprocesses): two workers, one test file each at a time, halve their time. The
+    # subprocesses): four workers on two cores, one test file each at a time, take 5
+    # minutes where one took 15 (six began to miss their timing bounds). The
     # VM tests then run one at a time: each guest wants a core under TCG, and some
     # measure the daemon's latency beside a busy guest.
     local unit=0 vms=0
-    log "tests without VMs, on 2 workers"
-    "$VENV/bin/python" -m pytest -ra -n 2 --dist loadfile tests/unit tests/fuzz tests/archive \
+    log "tests without VMs, on 4 workers"
+    "$VENV/bin/python" -m pytest -ra -n 4 --dist loadfile tests/unit tests/fuzz tests/archive \
         || unit=$?
     log "tests with real VMs"
     "$VENV/bin/python" -m pytest -ra tests/integration || vms=$?

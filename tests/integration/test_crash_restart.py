@@ -41,9 +41,9 @@ import leaks  # bench/leaks.py: what a daemon has on the host
 
 pytestmark = pytest.mark.integration
 
-# Kills per run: 30 keep the suite in its budget and still meet each operation about
-# ten times; FORKD_CRASH_ROUNDS=200 (and other seeds) for a deeper search.
-ROUNDS = int(os.environ.get("FORKD_CRASH_ROUNDS", "30"))
+# Kills per run: 20 keep the suite in its budget and still meet each operation about
+# seven times; FORKD_CRASH_ROUNDS=200 (and other seeds) for a deeper search.
+ROUNDS = int(os.environ.get("FORKD_CRASH_ROUNDS", "20"))
 SEED = int(os.environ.get("FORKD_CRASH_SEED", "9"))
 MAX_KILL_DELAY_S = 1.5
 MAX_RUNNING = 6  # sandboxes kept at once: a fork beyond them becomes a delete
