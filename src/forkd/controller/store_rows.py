@@ -5,6 +5,7 @@ rules of their labels."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -193,6 +194,23 @@ def merged_labels(inherited: dict[str, str], given: dict[str, str] | None) -> di
             f"{len(merged)} labels with those inherited: at most {limits.MAX_METADATA_PAIRS}"
         )
     return merged
+
+
+def walk_snapshots(
+    row: SnapshotRow,
+    get: Callable[[str], SnapshotRow | None],
+    up: Callable[[SnapshotRow], str | None],
+    limit: int | None = None,
+) -> list[str]:
+    """The tags from ``up(row)`` on (a parent's, a base's), each record read with
+    ``get``, nearest first; a cycle, a tag no longer registered or ``limit`` ends it."""
+    out: list[str] = []
+    tag = up(row)
+    while tag and tag not in out and (limit is None or len(out) < limit):
+        out.append(tag)
+        nxt = get(tag)
+        tag = up(nxt) if nxt else None
+    return out
 
 
 # Columns added after the first release of the schema: Store adds those a database lacks.

@@ -37,7 +37,7 @@ from forkd.controller.services.template_start import TemplateSetupFailed
 from forkd.controller.services.volumes import VolumeService
 from forkd.controller.settings import Settings
 from forkd.controller.store import Store
-from forkd.controller.store_rows import SnapshotRow, labelled, now
+from forkd.controller.store_rows import SnapshotRow, labelled, now, walk_snapshots
 from forkd.egress.ca import EgressCA
 from forkd.errors import (
     AgentError,
@@ -341,15 +341,7 @@ class SnapshotService:
         return self._walk(row, lambda r: r.parent_tag)
 
     def _walk(self, row: SnapshotRow, up: Callable[[SnapshotRow], str | None]) -> list[str]:
-        """The tags from ``up(row)`` on, following ``up`` through the registry, nearest
-        first; a cycle or a tag no longer registered ends it."""
-        out: list[str] = []
-        tag = up(row)
-        while tag and tag not in out:
-            out.append(tag)
-            nxt = self.store.get_snapshot(tag)
-            tag = up(nxt) if nxt else None
-        return out
+        return walk_snapshots(row, self.store.get_snapshot, up)
 
     @staticmethod
     def unbootable_reason(row: SnapshotRow) -> str | None:

@@ -14,6 +14,7 @@ from typing import Any
 from forkd.controller.secret_box import SecretBox
 from forkd.controller.services.events import EventBus, utc_stamp
 from forkd.controller.store import Store
+from forkd.controller.store_rows import walk_snapshots
 from forkd.controller.webhooks import messages
 from forkd.controller.webhooks.delivery import Deliverer
 from forkd.controller.webhooks.destination import resolve
@@ -155,14 +156,11 @@ class WebhookService:
     def _lineage(self, tag: str) -> list[str]:
         """``tag`` and the snapshots it was branched from, the root template first (as
         far as they are still registered, at most :data:`MAX_LINEAGE` of them)."""
-        chain = [tag]
         row = self.store.get_snapshot(tag)
-        while row is not None and row.parent_tag and len(chain) < MAX_LINEAGE:
-            if row.parent_tag in chain:
-                break
-            chain.append(row.parent_tag)
-            row = self.store.get_snapshot(row.parent_tag)
-        return chain[::-1]
+        if row is None:
+            return [tag]
+        up = walk_snapshots(row, self.store.get_snapshot, lambda r: r.parent_tag, MAX_LINEAGE - 1)
+        return [*(t for t in up[::-1] if t != tag), tag]
 
     def _endpoint(self, webhook_id: str) -> tuple[str, str] | None:
         row = self.tables.get(webhook_id)
