@@ -17,6 +17,7 @@ from pathlib import Path
 import e2b
 import pytest
 
+from forkd.errors import Unavailable
 from forkd.vmm.volumes.share_disks import ShareDisks
 from forkd.vmm.volumes.shares import Share
 from tests.unit.conftest import Server
@@ -225,3 +226,21 @@ def test_the_async_sdk_makes_mounts_and_fills_a_volume(server: Server, content_e
 
     assert asyncio.run(run()) == ("async bytes", ["from-async.txt"], True)
     assert [(s.guest_path, s.name) for s in shares_given(server)] == [("/mnt/async", "async-vol")]
+
+
+def test_a_branch_is_taken_while_a_volume_is_not_mounted_on_the_host(
+    server: Server, e2b_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sbx = e2b.Sandbox.create("base", volume_mounts={"/mnt/v": e2b.Volume.create("unmounted")})
+
+    def unmounted(self: ShareDisks, volume_id: str) -> Path:
+        raise Unavailable(f"volume {volume_id} is not mounted")
+
+    monkeypatch.setattr(ShareDisks, "mounted_data", unmounted)
+    sbx.create_snapshot(name="while-unmounted")  # the record is copied, no disk is asked
+    with pytest.raises(e2b.ServiceBusyException, match="not mounted"):  # 503: forks need it
+        e2b.Sandbox.create("while-unmounted")
+    monkeypatch.setattr(ShareDisks, "mounted_data", ShareDisks.data_dir)
+    e2b.Sandbox.create("while-unmounted").kill()
+    assert [s.guest_path for s in shares_given(server)] == ["/mnt/v"]
+    sbx.kill()

@@ -77,6 +77,7 @@ class BranchService:
         records: Records,
         vms: LiveVMs,
         snapshots: SnapshotService,
+        shared: SharedVolumes,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -87,7 +88,7 @@ class BranchService:
         self.records = records
         self.vms = vms
         self.snapshots = snapshots
-        self.shared: SharedVolumes | None = None  # E2B's volumes (wiring sets it)
+        self.shared = shared  # E2B's volumes: a branch's forks mount its source's
         self.in_flight = 0
         self.background: set[asyncio.Task[None]] = set()  # branches with wait false
 
@@ -240,8 +241,7 @@ class BranchService:
         made = now()
         with self.store.transaction():
             self.store.add_snapshot(snapshot_row(tag, files, made, labels), replace=True)
-            if self.shared is not None:  # its forks mount the volumes the source mounts
-                self.shared.record_snapshot(tag, made, self.shared.of_sandbox(sandbox_id))
+            self.shared.record_branch(tag, made, sandbox_id)
             self.store.count_branch(sandbox_id)
             pause = files.meta.pause_ms
             pause_ms = None if pause is None else round(pause)  # as SnapshotInfo has it

@@ -164,6 +164,7 @@ class WakeService:
         launcher: Launcher,
         admission: AdmissionControl,
         events: EventBus,
+        shared: SharedVolumes,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -174,7 +175,7 @@ class WakeService:
         self.vms = vms
         self.launcher = launcher
         self.admission = admission
-        self.shared: SharedVolumes | None = None  # the volumes a woken sandbox mounts again
+        self.shared = shared  # the volumes a woken sandbox mounts again
 
     async def wake(self, sandbox_id: str, announce: Callable[[], None] | None = None) -> None:
         """Restore the hibernated sandbox into a new QEMU, running; ``announce()``
@@ -226,7 +227,7 @@ class WakeService:
                     self.launcher.network.prefer(sandbox_id, index)
         # A crash between a wake's restore and its record leaves a run directory.
         shutil.rmtree(self.settings.run_dir / sandbox_id, ignore_errors=True)
-        shares = self.shared.of_sandbox(sandbox_id) if self.shared is not None else []
+        shares = self.shared.of_sandbox(sandbox_id)
         try:
             vm = await self.launcher.driver.restore(
                 state_dir,

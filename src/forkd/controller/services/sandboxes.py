@@ -119,6 +119,7 @@ class SandboxService:
         admission: AdmissionControl,
         waker: Waker,
         snapshots: SnapshotService,
+        shared: SharedVolumes,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -133,7 +134,7 @@ class SandboxService:
         self.admission = admission
         self.waker = waker
         self.snapshots = snapshots
-        self.shared: SharedVolumes | None = None  # E2B's volumes (wiring sets it)
+        self.shared = shared  # E2B's volumes: mounted at create, or a branch's own
         self._fork_slots = asyncio.Semaphore(FORK_PARALLELISM)
 
     # ------------------------------------------------------------ fork
@@ -177,10 +178,6 @@ class SandboxService:
         return made
 
     def _shares_for(self, row: SnapshotRow, mounts: Sequence[ShareMount]) -> list[Share]:
-        if self.shared is None:
-            if mounts:
-                raise Unavailable("this daemon has no shared volumes")
-            return []
         if mounts:
             return self.shared.shares_for(mounts)
         return self.shared.of_snapshot(row.tag, row.created_at_unix)
@@ -245,7 +242,7 @@ class SandboxService:
                 ),
             )
         )
-        if f.shares and self.shared is not None:  # recorded first: see shared_volumes
+        if f.shares:  # recorded before its QEMU starts: see shared_volumes
             self.shared.attach(sid, f.shares)
         async with self._fork_slots:
             with tracing.span("restore", sandbox_id=sid):

@@ -22,7 +22,6 @@ import asyncio
 import logging
 import re
 import secrets
-import sqlite3
 import threading
 import time
 from collections.abc import Sequence
@@ -213,13 +212,18 @@ class SharedVolumes:
         check_shares(out, SHARE_SLOTS)
         return out
 
-    def _shares(self, rows: Sequence[sqlite3.Row]) -> list[Share]:
-        out = []
-        for r in rows:
-            volume = self._find(r["volume_id"])
-            if volume is not None:  # deleted since: forks without it
-                out.append(Share(r["slot"], self.data_dir(volume), r["path"], name=volume.name))
-        return out
+    def _shares(self, table: str, where: str, args: tuple[object, ...]) -> list[Share]:
+        """The shares recorded in ``table`` (its rows ``where``), of volumes that still
+        exist (one destroyed since is left out: a fork goes on without it)."""
+        rows = self.store.query(
+            f"SELECT s.slot, s.path, v.id, v.name FROM {table} s "
+            f"JOIN shared_volumes v ON v.id = s.volume_id WHERE {where} ORDER BY s.slot",
+            args,
+        )
+        return [
+            Share(r["slot"], self.disks.mounted_data(r["id"]), r["path"], name=r["name"])
+            for r in rows
+        ]
 
     def attach(self, sandbox_id: str, shares: Sequence[Share]) -> None:
         """Record that ``sandbox_id`` mounts ``shares``, before its QEMU starts (a wake
@@ -234,32 +238,31 @@ class SharedVolumes:
                 added = db.execute(
                     "INSERT INTO sandbox_shares SELECT ?, ?, id, ? FROM shared_volumes "
                     "WHERE id = ?",
-                    (sandbox_id, share.slot, share.guest_path, self._id_of(share)),
+                    (
+                        sandbox_id,
+                        share.slot,
+                        share.guest_path,
+                        self.disks.volume_of(share.host_dir),
+                    ),
                 )
                 if added.rowcount != 1:
                     raise NotFound(f"volume {share.name!r} was destroyed meanwhile")
 
-    def _id_of(self, share: Share) -> str:
-        return share.host_dir.parent.name  # <root>/<id>/data
-
     def of_sandbox(self, sandbox_id: str) -> list[Share]:
-        rows = self.store.query(
-            "SELECT * FROM sandbox_shares WHERE sandbox_id = ? ORDER BY slot", (sandbox_id,)
-        )
-        return self._shares(rows)
+        return self._shares("sandbox_shares", "s.sandbox_id = ?", (sandbox_id,))
 
-    def record_snapshot(self, tag: str, made_at: float, shares: Sequence[Share]) -> None:
-        """A branch's: every fork of ``tag`` (as made at ``made_at``) mounts ``shares``."""
+    def record_branch(self, tag: str, made_at: float, sandbox_id: str) -> None:
+        """A branch of ``sandbox_id``: every fork of ``tag`` (as made at ``made_at``)
+        mounts what the sandbox mounts. Copied row for row: no volume need be mounted
+        on the host for a branch to be taken."""
         with self.store.transaction() as db:
             db.execute("DELETE FROM snapshot_shares WHERE snapshot_tag = ?", (tag,))
-            db.executemany(
-                "INSERT INTO snapshot_shares VALUES (?, ?, ?, ?, ?)",
-                [(tag, made_at, s.slot, self._id_of(s), s.guest_path) for s in shares],
+            db.execute(
+                "INSERT INTO snapshot_shares SELECT ?, ?, slot, volume_id, path "
+                "FROM sandbox_shares WHERE sandbox_id = ?",
+                (tag, made_at, sandbox_id),
             )
 
     def of_snapshot(self, tag: str, made_at: float) -> list[Share]:
-        rows = self.store.query(
-            "SELECT * FROM snapshot_shares WHERE snapshot_tag = ? AND made_at = ? ORDER BY slot",
-            (tag, made_at),
-        )
-        return self._shares(rows)
+        where = "s.snapshot_tag = ? AND s.made_at = ?"
+        return self._shares("snapshot_shares", where, (tag, made_at))

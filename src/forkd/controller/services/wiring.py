@@ -233,8 +233,8 @@ class Wiring:
             self.launcher,
             self.admission,
             self.events,
+            self.shared_volumes,
         )
-        waking.shared = self.shared_volumes
         return PauseService(
             self.store,
             self.events,
@@ -302,7 +302,7 @@ class Wiring:
 
     @cached_property
     def sandboxes(self) -> SandboxService:
-        service = SandboxService(
+        return SandboxService(
             self.settings,
             self.store,
             self.metrics,
@@ -316,13 +316,12 @@ class Wiring:
             self.admission,
             self.waker,
             self.snapshots,
+            self.shared_volumes,
         )
-        service.shared = self.shared_volumes
-        return service
 
     @cached_property
     def branches(self) -> BranchService:
-        service = BranchService(
+        return BranchService(
             self.settings,
             self.store,
             self.metrics,
@@ -332,9 +331,8 @@ class Wiring:
             self.records,
             self.vms,
             self.snapshots,
+            self.shared_volumes,
         )
-        service.shared = self.shared_volumes
-        return service
 
     @cached_property
     def expiry(self) -> Expiry:

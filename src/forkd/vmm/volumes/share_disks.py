@@ -36,6 +36,11 @@ class ShareDisks:
     def data_dir(self, volume_id: str) -> Path:
         return self.root / volume_id / DATA
 
+    @staticmethod
+    def volume_of(data_dir: Path) -> str:
+        """The id of the volume whose ``data`` directory this is (:meth:`data_dir`)."""
+        return data_dir.parent.name
+
     def create(self, volume_id: str, size_bytes: int) -> Path:
         """Format and mount a new volume's filesystem; returns its ``data`` directory.
 
