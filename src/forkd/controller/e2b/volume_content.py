@@ -20,9 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from forkd.controller.e2b.models import Body
 from forkd.controller.e2b.rest import Svc
-from forkd.controller.e2b.volume_files import VolumeFiles, owner_of
-from forkd.controller.services import Services
-from forkd.controller.services.shared_volumes import SharedVolume
+from forkd.controller.e2b.volume_files import MAX_DEPTH, VolumeFiles, owner_of
 from forkd.errors import NotFound, Unauthorized
 
 volume_content = APIRouter(prefix="/volumecontent/{volume_id}")
@@ -33,13 +31,13 @@ IdArg = Annotated[int | None, Query(ge=0, lt=1 << 32)]
 ModeArg = Annotated[int | None, Query(ge=0, le=0o7777)]
 
 
-def _volume(
+def _volume_files(
     volume_id: str,
     svc: Svc,
     authorization: Annotated[str | None, Header()] = None,
-) -> tuple[Services, SharedVolume]:
-    """The volume, if the request holds its token (else 401; an unknown volume is 401
-    too, so a token holder learns nothing of other volumes)."""
+) -> VolumeFiles:
+    """The volume's files, if the request holds its token (else 401; an unknown volume
+    is 401 too, so a token holder learns nothing of other volumes)."""
     given = (authorization or "").removeprefix("Bearer ").strip()
     try:
         volume = svc.shared_volumes.get(volume_id)
@@ -48,16 +46,11 @@ def _volume(
     if volume is not None and volume.id == volume_id:
         want = svc.ports.key.volume_token(volume.id, volume.created_at_unix)
         if given and hmac.compare_digest(want.encode(), given.encode()):
-            return svc, volume
+            return VolumeFiles(svc.shared_volumes.data_dir(volume))
     raise Unauthorized("that is not this volume's token (Authorization: Bearer <token>)")
 
 
-Volume = Annotated[tuple[Services, SharedVolume], Depends(_volume)]
-
-
-def _files(found: tuple[Services, SharedVolume]) -> VolumeFiles:
-    svc, volume = found
-    return VolumeFiles(svc.shared_volumes.data_dir(volume))
+Files = Annotated[VolumeFiles, Depends(_volume_files)]
 
 
 class MetadataChange(Body):
@@ -67,33 +60,33 @@ class MetadataChange(Body):
 
 
 @volume_content.get("/path")
-async def stat_path(found: Volume, path: PathArg) -> Response:
-    return JSONResponse(await asyncio.to_thread(_files(found).stat, path))
+async def stat_path(files: Files, path: PathArg) -> Response:
+    return JSONResponse(await asyncio.to_thread(files.stat, path))
 
 
 @volume_content.patch("/path")
-async def update_path(found: Volume, path: PathArg, body: MetadataChange) -> Response:
+async def update_path(files: Files, path: PathArg, body: MetadataChange) -> Response:
     owner = owner_of(body.uid, body.gid, body.mode, 0)
     changes = {k: owner[k] for k in ("uid", "gid", "mode") if getattr(body, k) is not None}
-    return JSONResponse(await asyncio.to_thread(_files(found).update, path, changes))
+    return JSONResponse(await asyncio.to_thread(files.update, path, changes))
 
 
 @volume_content.delete("/path", status_code=204)
-async def remove_path(found: Volume, path: PathArg) -> Response:
-    await asyncio.to_thread(_files(found).remove, path)
+async def remove_path(files: Files, path: PathArg) -> Response:
+    await asyncio.to_thread(files.remove, path)
     return Response(status_code=204)
 
 
 @volume_content.get("/dir")
 async def list_dir(
-    found: Volume, path: PathArg, depth: Annotated[int, Query(ge=1, le=16)] = 1
+    files: Files, path: PathArg, depth: Annotated[int, Query(ge=1, le=MAX_DEPTH)] = 1
 ) -> Response:
-    return JSONResponse(await asyncio.to_thread(_files(found).listing, path, depth))
+    return JSONResponse(await asyncio.to_thread(files.listing, path, depth))
 
 
 @volume_content.post("/dir", status_code=201)
 async def make_dir(
-    found: Volume,
+    files: Files,
     path: PathArg,
     uid: IdArg = None,
     gid: IdArg = None,
@@ -101,13 +94,12 @@ async def make_dir(
     force: bool = False,
 ) -> Response:
     owner = owner_of(uid, gid, mode, DIR_MODE)
-    made = await asyncio.to_thread(_files(found).make_dir, path, owner, force)
+    made = await asyncio.to_thread(files.make_dir, path, owner, force)
     return JSONResponse(made, status_code=201)
 
 
 @volume_content.get("/file")
-async def read_file(found: Volume, path: PathArg) -> Response:
-    files = _files(found)
+async def read_file(files: Files, path: PathArg) -> Response:
     size = await asyncio.to_thread(files.file_size, path)  # a 404 or 400 is the answer
     chunks = files.chunks(path, size)
 
@@ -125,7 +117,7 @@ async def read_file(found: Volume, path: PathArg) -> Response:
 
 @volume_content.put("/file", status_code=201)
 async def write_file(
-    found: Volume,
+    files: Files,
     request: Request,
     path: PathArg,
     uid: IdArg = None,
@@ -134,7 +126,7 @@ async def write_file(
     force: bool = False,  # E2B's "overwrite": an existing file is always replaced here
 ) -> Response:
     owner = owner_of(uid, gid, mode, FILE_MODE)
-    upload = await asyncio.to_thread(_files(found).begin_write, path, owner)
+    upload = await asyncio.to_thread(files.begin_write, path, owner)
     try:
         # The body is read on the loop; only each write takes a thread, briefly: a slow
         # sender holds a connection, never one of the daemon's threads.

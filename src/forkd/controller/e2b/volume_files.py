@@ -33,8 +33,7 @@ from typing import Any
 
 from forkd.errors import Conflict, GuestStorageFull, Invalid, NotFound
 
-XATTR_UID, XATTR_GID = "user.virtfs.uid", "user.virtfs.gid"
-XATTR_MODE, XATTR_RDEV = "user.virtfs.mode", "user.virtfs.rdev"
+XATTR_UID, XATTR_GID, XATTR_MODE = "user.virtfs.uid", "user.virtfs.gid", "user.virtfs.mode"
 MAX_COMPONENTS = 64
 MAX_DEPTH = 16
 MAX_LISTED = 10_000  # entries one listing returns at most
@@ -62,20 +61,18 @@ def components(path: str) -> list[str]:
     return parts
 
 
-def _errors(path: str) -> contextlib.AbstractContextManager[None]:
-    return _OsErrors(path)
+def _shown(parts: list[str]) -> str:
+    """The path an answer names: from the volume's root, absolute."""
+    return "/" + "/".join(parts)
 
 
-class _OsErrors(contextlib.AbstractContextManager[None]):
-    """An ``OSError`` as the error a caller gets: 404, 409, 400 or 507."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __exit__(self, kind: Any, exc: BaseException | None, tb: Any) -> None:
-        if not isinstance(exc, OSError) or exc.errno is None:
-            return
-        code, where = exc.errno, self.path
+@contextlib.contextmanager
+def _errors(where: str) -> Iterator[None]:
+    """An ``OSError`` in the block as the error a caller gets: 404, 409, 400 or 507."""
+    try:
+        yield
+    except OSError as exc:
+        code = exc.errno
         if code == errno.ENOENT:
             raise NotFound(f"path {where!r} not found") from exc
         if code in (errno.EEXIST, errno.ENOTEMPTY):
@@ -84,6 +81,7 @@ class _OsErrors(contextlib.AbstractContextManager[None]):
             raise Invalid(f"{where!r}: {os.strerror(code)}") from exc
         if code in (errno.ENOSPC, errno.EDQUOT):
             raise GuestStorageFull(f"the volume is full ({where!r})") from exc
+        raise
 
 
 class VolumeFiles:
@@ -119,7 +117,7 @@ class VolumeFiles:
     def stat(self, path: str) -> dict[str, Any]:
         parts = components(path)
         with _errors(path), self._dir(parts[:-1]) as parent:
-            return self._entry(parent, parts[-1] if parts else ".", "/" + "/".join(parts))
+            return _entry(parent, parts[-1] if parts else ".", _shown(parts))
 
     def listing(self, path: str, depth: int = 1) -> list[dict[str, Any]]:
         if not 1 <= depth <= MAX_DEPTH:
@@ -127,7 +125,7 @@ class VolumeFiles:
         parts = components(path)
         out: list[dict[str, Any]] = []
         with _errors(path), self._dir(parts) as fd:
-            self._walk(fd, "/" + "/".join(parts), depth, out)
+            self._walk(fd, _shown(parts), depth, out)
         return out
 
     def _walk(self, fd: int, at: str, depth: int, out: list[dict[str, Any]]) -> None:
@@ -141,7 +139,7 @@ class VolumeFiles:
             if name.startswith(STAGING_PREFIX):
                 continue
             try:
-                entry = self._entry(fd, name, f"{at.rstrip('/')}/{name}")
+                entry = _entry(fd, name, f"{at.rstrip('/')}/{name}")
             except FileNotFoundError:
                 continue  # removed since it was listed
             out.append(entry)
@@ -152,35 +150,6 @@ class VolumeFiles:
                         self._walk(child, entry["path"], depth - 1, out)
                     finally:
                         os.close(child)
-
-    def _entry(self, parent: int, name: str, path: str) -> dict[str, Any]:
-        return self._entry_of(parent, name, path)
-
-    @staticmethod
-    def _entry_of(parent: int, name: str, path: str) -> dict[str, Any]:
-        """What E2B's ``VolumeEntryStat`` says of ``name``: as a guest sees it."""
-        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
-        attrs = _guest_attrs(parent, name, st)
-        kind = _kind(attrs["mode"])
-        entry: dict[str, Any] = {
-            "name": name if name != "." else "",
-            "type": kind,
-            "path": path,
-            "size": st.st_size,
-            "mode": attrs["mode"] & PERMISSION_BITS,
-            "uid": attrs["uid"],
-            "gid": attrs["gid"],
-            "atime": _iso(st.st_atime),
-            "mtime": _iso(st.st_mtime),
-            "ctime": _iso(st.st_ctime),
-        }
-        if kind == "symlink" and stat.S_ISREG(st.st_mode):  # a guest's: its target in it
-            fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
-            try:
-                entry["target"] = os.read(fd, MAX_TARGET).decode(errors="replace")
-            finally:
-                os.close(fd)
-        return entry
 
     def file_size(self, path: str) -> int:
         """The size of the regular file at ``path``: :class:`Invalid` for a directory or a
@@ -218,7 +187,7 @@ class VolumeFiles:
             except FileExistsError:
                 if not force or not stat.S_ISDIR(os.stat(parts[-1], dir_fd=parent).st_mode):
                     raise
-            return self._entry(parent, parts[-1], "/" + "/".join(parts))
+            return _entry(parent, parts[-1], _shown(parts))
 
     def begin_write(self, path: str, owner: dict[str, int]) -> Upload:
         """A write of the file at ``path`` (its missing parents made, an existing file
@@ -246,16 +215,14 @@ class VolumeFiles:
         parts = components(path)
         with _errors(path), self._dir(parts[:-1]) as parent:
             name = parts[-1] if parts else "."
-            fd = os.open(
-                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=parent
-            )
+            fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
             try:
                 now = _guest_attrs(fd, None, os.fstat(fd))
                 kind = stat.S_IFMT(now["mode"])
                 _set_guest_attrs(fd, {**now, **changes}, kind)
             finally:
                 os.close(fd)
-            return self._entry(parent, name, "/" + "/".join(parts))
+            return _entry(parent, name, _shown(parts))
 
     def remove(self, path: str) -> None:
         parts = components(path)
@@ -297,7 +264,7 @@ class Upload:
                 _set_guest_attrs(self.fd, self.owner, stat.S_IFREG)
                 os.fsync(self.fd)
                 os.rename(self.staged, self.name, src_dir_fd=self.parent, dst_dir_fd=self.parent)
-                return VolumeFiles._entry_of(self.parent, self.name, self.path)
+                return _entry(self.parent, self.name, self.path)
         except BaseException:
             self.abort()
             raise
@@ -314,6 +281,32 @@ class Upload:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self.fd = self.parent = -1
+
+
+def _entry(parent: int, name: str, path: str) -> dict[str, Any]:
+    """What E2B's ``VolumeEntryStat`` says of ``name``: as a guest sees it."""
+    st = os.stat(name, dir_fd=parent, follow_symlinks=False)
+    attrs = _guest_attrs(parent, name, st)
+    kind = _kind(attrs["mode"])
+    entry: dict[str, Any] = {
+        "name": name if name != "." else "",
+        "type": kind,
+        "path": path,
+        "size": st.st_size,
+        "mode": attrs["mode"] & PERMISSION_BITS,
+        "uid": attrs["uid"],
+        "gid": attrs["gid"],
+        "atime": _iso(st.st_atime),
+        "mtime": _iso(st.st_mtime),
+        "ctime": _iso(st.st_ctime),
+    }
+    if kind == "symlink" and stat.S_ISREG(st.st_mode):  # a guest's: its target in it
+        fd = os.open(name, _FILE_FLAGS, dir_fd=parent)
+        try:
+            entry["target"] = os.read(fd, MAX_TARGET).decode(errors="replace")
+        finally:
+            os.close(fd)
+    return entry
 
 
 def _remove_tree(parent: int, name: str) -> None:

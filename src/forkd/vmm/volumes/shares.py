@@ -35,8 +35,6 @@ MOUNT_TIMEOUT_SECS = 30
 # cache=none: every sandbox sees another's writes at once. msize: 9p's message size,
 # the most one read or write moves (the kernel's virtio transport caps it at 500 KiB).
 MOUNT_OPTIONS = "trans=virtio,version=9p2000.L,cache=none,msize=262144,nosuid,nodev"
-# The path must be a directory, or made one; never a symlink, whose target the mount
-# would then cover instead. Values travel as positional arguments, never pasted in.
 # The path must name itself: no symbolic link on the way (the mount would cover its
 # target instead). A 9p mount there already, the dead one a snapshot carried (on which
 # even stat fails, with EPROTO), is detached first; any other mount is left alone, and
