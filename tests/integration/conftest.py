@@ -239,6 +239,16 @@ def api_template(daemon: Daemon) -> str:
     return "py"
 
 
+@pytest.fixture
+def e2b_env(daemon: Daemon, api_template: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """E2B's SDK pointed at the daemon's E2B port (its three variables); the template's
+    tag."""
+    monkeypatch.setenv("E2B_API_URL", daemon.e2b_url)
+    monkeypatch.setenv("E2B_SANDBOX_URL", daemon.e2b_url)
+    monkeypatch.setenv("E2B_API_KEY", daemon.token)
+    yield api_template
+
+
 @pytest.fixture(scope="session")
 def pydata_template(daemon: Daemon) -> Iterator[str]:
     """A template of the python-data image (numpy, pandas, matplotlib warm), tag

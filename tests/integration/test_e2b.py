@@ -9,7 +9,6 @@ import asyncio
 import base64
 import threading
 import time
-from collections.abc import Iterator
 
 import e2b
 import pytest
@@ -20,15 +19,6 @@ from forkd.client import Controller
 from .conftest import Daemon
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def e2b_env(daemon: Daemon, api_template: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """The SDK's three variables pointed at the daemon's E2B port; the template's tag."""
-    monkeypatch.setenv("E2B_API_URL", daemon.e2b_url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", daemon.e2b_url)
-    monkeypatch.setenv("E2B_API_KEY", daemon.token)
-    yield api_template
 
 
 def test_e2b_commands_and_files_in_a_real_guest(e2b_env: str, ctl: Controller) -> None:

@@ -5,7 +5,6 @@ service started before the snapshot), and the template is an ordinary forkd snap
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import e2b
@@ -14,21 +13,11 @@ from e2b import Template
 
 from forkd.client import Controller
 
-from .conftest import Daemon
-
 pytestmark = pytest.mark.integration
 
 APP = "import os\nprint(os.environ['STAGE'], os.getcwd())\n"
 READY = "python3 -c \"import socket; socket.create_connection(('127.0.0.1', 8123)).close()\""
 FETCH = "python3 -c \"import urllib.request as u; print(u.urlopen('http://127.0.0.1:8123/lib/util.py').read().decode())\""
-
-
-@pytest.fixture
-def e2b_env(daemon: Daemon, api_template: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("E2B_API_URL", daemon.e2b_url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", daemon.e2b_url)
-    monkeypatch.setenv("E2B_API_KEY", daemon.token)
-    yield api_template
 
 
 def test_a_template_built_through_e2b_runs_its_steps_in_a_real_guest(

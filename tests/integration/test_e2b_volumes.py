@@ -6,7 +6,6 @@ be destroyed, and a destroyed one leaves nothing on the host."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import e2b
@@ -15,14 +14,6 @@ import pytest
 from .conftest import Daemon
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture
-def e2b_env(daemon: Daemon, api_template: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("E2B_API_URL", daemon.e2b_url)
-    monkeypatch.setenv("E2B_SANDBOX_URL", daemon.e2b_url)
-    monkeypatch.setenv("E2B_API_KEY", daemon.token)
-    yield api_template
 
 
 def volume_home(daemon: Daemon, volume_id: str) -> Path:
